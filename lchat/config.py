@@ -1,0 +1,347 @@
+"""BoxConfig: ``router.env`` + the process environment + twistd flags -> validated, typed settings.
+
+Precedence, lowest first: the env file (``--env-file``, default ``/data/router.env``; absent is fine
+unless named explicitly), the process environment, command-line flags. Anything wrong fails here, at
+boot, with a message naming the variable (DESIGN.md §10, invariant 7). Secrets never appear in a repr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Literal
+from urllib.parse import urlsplit
+
+from attrs import field, frozen
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.testing import MemoryReactor
+
+from lchat import hosts
+
+DEFAULT_ENV_FILE = "/data/router.env"
+
+Units = Literal["systemd", "builtin"]
+Replication = Literal["stream", "batched", "daily"]
+_Getter = Callable[[str], str]
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used. The message names the variable."""
+
+
+@frozen
+class HibernateConfig:
+    bucket: str
+    region: str
+    prefix: str
+    endpoint: str
+    idle: float  # seconds with nothing in flight before a space sleeps
+
+
+@frozen
+class MeshConfig:
+    self_url: str
+    domains: tuple[str, ...]
+    token: str = field(repr=False)
+    region: str
+
+
+@frozen
+class BoxConfig:
+    env_file: str
+    data_dir: str
+    run_dir: str
+    registry: str
+    acme_cache: str
+    cert_cache: Literal["dir"]
+    https_addr: str | None  # a Twisted server endpoint string; None = not listening
+    http_addr: str | None
+    fallback_url: str
+    units: Units
+    space_command: tuple[str, ...]
+    hibernate: HibernateConfig | None
+    mesh: MeshConfig | None
+    wildcard_domains: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+    file_env: Mapping[str, str] = field(factory=dict, repr=False)
+
+    @property
+    def admin_socket(self) -> str:
+        """The admin API's unix socket (mode 0600): how the CLI reaches the running router."""
+        return os.path.join(self.run_dir, "router.sock")
+
+    def space_argv(self, host: str) -> list[str]:
+        """The command that runs ``host``'s space: ``LCHAT_SPACE_COMMAND`` with ``{host}`` filled in."""
+        host = hosts.normalise(host)
+        return [part.replace("{host}", host) for part in self.space_command]
+
+
+# Every variable we read, with its default. Names not listed here but starting LCHAT_ get a warning.
+DEFAULTS: dict[str, str] = {
+    "LCHAT_DATA_DIR": "/data",
+    "LCHAT_RUN_DIR": "/run/lchat",
+    "LCHAT_REGISTRY": "",  # default: <data>/registry.db
+    "LCHAT_ACME_CACHE": "",  # default: <data>/acme
+    "LCHAT_CERT_CACHE": "dir",
+    "LCHAT_HTTPS_ADDR": ":443",
+    "LCHAT_HTTP_ADDR": ":80",
+    "LCHAT_FALLBACK_URL": "",
+    "LCHAT_UNITS": "auto",
+    "LCHAT_SPACE_COMMAND": "/opt/lchat/live/{host}",
+    "LCHAT_HIBERNATE_BUCKET": "",
+    "LCHAT_HIBERNATE_REGION": "",
+    "LCHAT_HIBERNATE_PREFIX": "",
+    "LCHAT_HIBERNATE_ENDPOINT": "",
+    "LCHAT_HIBERNATE_IDLE": "15m",
+    "LCHAT_MESH_SELF": "",
+    "LCHAT_MESH_DOMAINS": "",
+    "LCHAT_MESH_TOKEN": "",
+    "LCHAT_MESH_REGION": "",
+    "LCHAT_WILDCARD_DOMAINS": "",
+}
+
+# Names that belong to a space's own environment or to tools beside us; never warned about.
+_NOT_OURS = frozenset(
+    {"LCHAT_HOST", "LCHAT_SOCKET", "LCHAT_DB", "LCHAT_ADMIN_TOKEN", "LCHAT_BOT_TOKEN"}
+)
+
+
+def load(
+    env_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, str | None] | None = None,
+    systemd_present: bool | None = None,
+) -> BoxConfig:
+    """Build the box's settings. ``flags`` maps variable names to values given on the command line."""
+    environ = os.environ if environ is None else environ
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    explicit = env_file is not None
+    path = env_file if env_file is not None else DEFAULT_ENV_FILE
+    file_env = read_env_file(path, must_exist=explicit)
+
+    merged: dict[str, str] = {}
+    for source in (file_env, environ, flags):
+        merged.update({k: v for k, v in source.items() if k.startswith("LCHAT_")})
+
+    def get(name: str) -> str:
+        return merged.get(name, DEFAULTS[name]).strip()
+
+    warnings = tuple(
+        f"unknown variable {name} is ignored"
+        for name in sorted(merged)
+        if name not in DEFAULTS and name not in _NOT_OURS
+    )
+
+    data_dir = _directory("LCHAT_DATA_DIR", get("LCHAT_DATA_DIR"))
+    run_dir = _directory("LCHAT_RUN_DIR", get("LCHAT_RUN_DIR"))
+    registry = get("LCHAT_REGISTRY") or os.path.join(data_dir, "registry.db")
+    acme_cache = get("LCHAT_ACME_CACHE") or os.path.join(data_dir, "acme")
+
+    cert_cache = get("LCHAT_CERT_CACHE")
+    if cert_cache == "s3":
+        raise ConfigError(
+            "LCHAT_CERT_CACHE=s3 is reserved for the shared certificate cache, which does not exist "
+            "yet; unset it or set it to 'dir'"
+        )
+    if cert_cache != "dir":
+        raise ConfigError(f"LCHAT_CERT_CACHE must be 'dir' (or the reserved 's3'), not {cert_cache!r}")
+
+    return BoxConfig(
+        env_file=path,
+        data_dir=data_dir,
+        run_dir=run_dir,
+        registry=os.path.abspath(registry),
+        acme_cache=os.path.abspath(acme_cache),
+        cert_cache="dir",
+        https_addr=parse_address("LCHAT_HTTPS_ADDR", get("LCHAT_HTTPS_ADDR")),
+        http_addr=parse_address("LCHAT_HTTP_ADDR", get("LCHAT_HTTP_ADDR")),
+        fallback_url=_fallback_url(get("LCHAT_FALLBACK_URL")),
+        units=_units(get("LCHAT_UNITS"), systemd_present),
+        space_command=_space_command(get("LCHAT_SPACE_COMMAND")),
+        hibernate=_hibernate(get),
+        mesh=_mesh(get),
+        wildcard_domains=_domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS")),
+        warnings=warnings,
+        file_env=file_env,
+    )
+
+
+def read_env_file(path: str, must_exist: bool = False) -> dict[str, str]:
+    """Parse a systemd-style ``KEY=VALUE`` file: comments, blank lines, ``export``, quotes.
+
+    An unquoted value ends at `` #`` (the seeds write inline comments). A line that is not an
+    assignment is an error naming the file and line: a typo must not silently drop a setting.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        if must_exist:
+            raise ConfigError(f"--env-file {path}: no such file") from None
+        return {}
+    except OSError as e:
+        raise ConfigError(f"--env-file {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--env-file {path}: not UTF-8 text") from e
+    result: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.startswith("export "):
+            stripped = stripped[len("export ") :].lstrip()
+        name, sep, value = stripped.partition("=")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError(f"{path}:{number}: expected NAME=VALUE")
+        result[name] = _unquote(value.strip(), f"{path}:{number}")
+    return result
+
+
+def parse_duration(name: str, text: str) -> float:
+    """Parse ``15m``, ``90s``, ``1h30m``, ``250ms`` (Go's duration syntax) into seconds."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        raise ConfigError(f"{name}={text!r} is not a duration (examples: 15m, 90s, 1h30m)")
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def parse_address(name: str, text: str) -> str | None:
+    """``:443``, ``127.0.0.1:8080``, ``[::1]:8080`` or a Twisted endpoint string; ``off`` disables."""
+    if text in ("", "off", "none"):
+        return None
+    match = re.fullmatch(r"(?:\[([0-9a-fA-F:.]+)\]|([A-Za-z0-9.\-]*)):(\d{1,5})", text)
+    if match:
+        v6, v4, port = match.groups()
+        if int(port) > 65535:
+            raise ConfigError(f"{name}={text!r}: port out of range")
+        if v6:
+            return f"tcp6:{port}:interface=" + v6.replace(":", r"\:")
+        return f"tcp:{port}" + (f":interface={v4}" if v4 else "")
+    try:
+        serverFromString(MemoryReactor(), text)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(
+            f"{name}={text!r} is neither HOST:PORT nor a Twisted endpoint string ({e})"
+        ) from e
+    return text
+
+
+def _unquote(value: str, where: str) -> str:
+    if value[:1] in ("'", '"'):
+        quote = value[0]
+        end = value.find(quote, 1)
+        if end == -1:
+            raise ConfigError(f"{where}: unterminated quote")
+        rest = value[end + 1 :].strip()
+        if rest and not rest.startswith("#"):
+            raise ConfigError(f"{where}: text after the closing quote")
+        return value[1:end]
+    comment = re.search(r"\s#", value)
+    return value[: comment.start()].rstrip() if comment else value
+
+
+def _directory(name: str, text: str) -> str:
+    if not text:
+        raise ConfigError(f"{name} is empty")
+    if "\x00" in text:
+        raise ConfigError(f"{name} contains a NUL byte")
+    return os.path.abspath(text)
+
+
+def _fallback_url(text: str) -> str:
+    if not text:
+        return ""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"LCHAT_FALLBACK_URL={text!r} must be an absolute http(s) URL")
+    return text
+
+
+def _units(text: str, systemd_present: bool | None) -> Units:
+    if text == "auto":
+        if systemd_present is None:
+            systemd_present = os.path.isdir("/run/systemd/system") and bool(
+                shutil.which("systemctl")
+            )
+        return "systemd" if systemd_present else "builtin"
+    if text in ("systemd", "builtin"):
+        return "systemd" if text == "systemd" else "builtin"
+    raise ConfigError(f"LCHAT_UNITS must be auto, systemd or builtin, not {text!r}")
+
+
+def _space_command(text: str) -> tuple[str, ...]:
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"LCHAT_SPACE_COMMAND={text!r}: {e}") from e
+    if not argv:
+        raise ConfigError("LCHAT_SPACE_COMMAND is empty")
+    return tuple(argv)
+
+
+def _domains(name: str, text: str) -> tuple[str, ...]:
+    result = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            result.append(hosts.normalise(item))
+        except hosts.InvalidHost as e:
+            raise ConfigError(f"{name}: {e}") from e
+    return tuple(result)
+
+
+def _hibernate(get: _Getter) -> HibernateConfig | None:
+    idle = parse_duration("LCHAT_HIBERNATE_IDLE", get("LCHAT_HIBERNATE_IDLE"))
+    if idle <= 0:
+        raise ConfigError("LCHAT_HIBERNATE_IDLE must be a positive duration")
+    bucket = get("LCHAT_HIBERNATE_BUCKET")
+    if not bucket:
+        return None
+    prefix = get("LCHAT_HIBERNATE_PREFIX").strip("/")
+    if "\x00" in prefix or ".." in prefix.split("/"):
+        raise ConfigError(f"LCHAT_HIBERNATE_PREFIX={prefix!r} is not a safe key prefix")
+    return HibernateConfig(
+        bucket=bucket,
+        region=get("LCHAT_HIBERNATE_REGION"),
+        prefix=prefix,
+        endpoint=get("LCHAT_HIBERNATE_ENDPOINT"),
+        idle=idle,
+    )
+
+
+def _mesh(get: _Getter) -> MeshConfig | None:
+    self_url = get("LCHAT_MESH_SELF")
+    if not self_url:
+        return None
+    parts = urlsplit(self_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"LCHAT_MESH_SELF={self_url!r} must be a URL with an http(s) scheme and a host"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"LCHAT_MESH_SELF={self_url!r} must not have a path, query or fragment")
+    try:
+        parts.port  # noqa: B018 -- raises on a malformed port
+    except ValueError as e:
+        raise ConfigError(f"LCHAT_MESH_SELF={self_url!r}: {e}") from e
+    domains = _domains("LCHAT_MESH_DOMAINS", get("LCHAT_MESH_DOMAINS"))
+    if not domains:
+        raise ConfigError("LCHAT_MESH_SELF is set but LCHAT_MESH_DOMAINS is empty: name the domains")
+    token = get("LCHAT_MESH_TOKEN")
+    if not token:
+        raise ConfigError("LCHAT_MESH_SELF is set but LCHAT_MESH_TOKEN is empty: set the shared token")
+    if not get("LCHAT_HIBERNATE_BUCKET"):
+        raise ConfigError("LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket")
+    return MeshConfig(
+        self_url=self_url.rstrip("/"),
+        domains=domains,
+        token=token,
+        region=get("LCHAT_MESH_REGION"),
+    )
