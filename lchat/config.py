@@ -117,13 +117,13 @@ def load(
 ) -> BoxConfig:
     """Build the box's settings. ``flags`` maps variable names to values given on the command line."""
     environ = os.environ if environ is None else environ
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
     explicit = env_file is not None
     path = env_file if env_file is not None else DEFAULT_ENV_FILE
     file_env = read_env_file(path, must_exist=explicit)
 
     merged: dict[str, str] = {}
-    for source in (file_env, environ, flags):
+    for source in (file_env, environ, given):
         merged.update({k: v for k, v in source.items() if k.startswith("LCHAT_")})
 
     def get(name: str) -> str:
@@ -139,6 +139,8 @@ def load(
     run_dir = _directory("LCHAT_RUN_DIR", get("LCHAT_RUN_DIR"))
     registry = get("LCHAT_REGISTRY") or os.path.join(data_dir, "registry.db")
     acme_cache = get("LCHAT_ACME_CACHE") or os.path.join(data_dir, "acme")
+    registry = _directory("LCHAT_REGISTRY", registry)
+    acme_cache = _directory("LCHAT_ACME_CACHE", acme_cache)
 
     cert_cache = get("LCHAT_CERT_CACHE")
     if cert_cache == "s3":
@@ -147,7 +149,9 @@ def load(
             "yet; unset it or set it to 'dir'"
         )
     if cert_cache != "dir":
-        raise ConfigError(f"LCHAT_CERT_CACHE must be 'dir' (or the reserved 's3'), not {cert_cache!r}")
+        raise ConfigError(
+            f"LCHAT_CERT_CACHE must be 'dir' (or the reserved 's3'), not {cert_cache!r}"
+        )
 
     return BoxConfig(
         env_file=path,
@@ -186,6 +190,8 @@ def read_env_file(path: str, must_exist: bool = False) -> dict[str, str]:
         raise ConfigError(f"--env-file {path}: {e.strerror}") from e
     except UnicodeDecodeError as e:
         raise ConfigError(f"--env-file {path}: not UTF-8 text") from e
+    except ValueError as e:  # a NUL byte in the path
+        raise ConfigError(f"--env-file {path!r}: {e}") from e
     result: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         stripped = line.strip()
@@ -197,7 +203,7 @@ def read_env_file(path: str, must_exist: bool = False) -> dict[str, str]:
         name = name.strip()
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ConfigError(f"{path}:{number}: expected NAME=VALUE")
-        result[name] = _unquote(value.strip(), f"{path}:{number}")
+        result[name] = _unquote(value, f"{path}:{number}")
     return result
 
 
@@ -215,6 +221,11 @@ def parse_address(name: str, text: str) -> str | None:
     if text in ("", "off", "none"):
         return None
     match = re.fullmatch(r"(?:\[([0-9a-fA-F:.]+)\]|([A-Za-z0-9.\-]*)):(\d{1,5})", text)
+    # ``tcp:8080`` or ``ssl:443`` is an endpoint string, not HOST:PORT: an interface name given
+    # bare must be an address (it has a dot) or ``localhost``, never an endpoint type.
+    bare = match.group(2) if match else None
+    if bare and "." not in bare and bare.lower() != "localhost":
+        match = None
     if match:
         v6, v4, port = match.groups()
         if int(port) > 65535:
@@ -232,6 +243,9 @@ def parse_address(name: str, text: str) -> str | None:
 
 
 def _unquote(value: str, where: str) -> str:
+    if re.match(r"\s+#", value):  # ``NAME= # comment`` (as the seeds write): an empty value
+        return ""
+    value = value.strip()
     if value[:1] in ("'", '"'):
         quote = value[0]
         end = value.find(quote, 1)
@@ -259,6 +273,9 @@ def _fallback_url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"LCHAT_FALLBACK_URL={text!r} must be an absolute http(s) URL")
+    if not text.isascii() or any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        # it becomes a Location header: no spaces, control characters or raw non-ASCII
+        raise ConfigError(f"LCHAT_FALLBACK_URL={text!r} must be a plain ASCII URL (percent-encode)")
     return text
 
 
@@ -275,6 +292,8 @@ def _units(text: str, systemd_present: bool | None) -> Units:
 
 
 def _space_command(text: str) -> tuple[str, ...]:
+    if "\x00" in text:
+        raise ConfigError("LCHAT_SPACE_COMMAND contains a NUL byte")
     try:
         argv = shlex.split(text)
     except ValueError as e:
@@ -333,12 +352,18 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         raise ConfigError(f"LCHAT_MESH_SELF={self_url!r}: {e}") from e
     domains = _domains("LCHAT_MESH_DOMAINS", get("LCHAT_MESH_DOMAINS"))
     if not domains:
-        raise ConfigError("LCHAT_MESH_SELF is set but LCHAT_MESH_DOMAINS is empty: name the domains")
+        raise ConfigError(
+            "LCHAT_MESH_SELF is set but LCHAT_MESH_DOMAINS is empty: name the domains"
+        )
     token = get("LCHAT_MESH_TOKEN")
     if not token:
-        raise ConfigError("LCHAT_MESH_SELF is set but LCHAT_MESH_TOKEN is empty: set the shared token")
+        raise ConfigError(
+            "LCHAT_MESH_SELF is set but LCHAT_MESH_TOKEN is empty: set the shared token"
+        )
     if not get("LCHAT_HIBERNATE_BUCKET"):
-        raise ConfigError("LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket")
+        raise ConfigError(
+            "LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket"
+        )
     return MeshConfig(
         self_url=self_url.rstrip("/"),
         domains=domains,

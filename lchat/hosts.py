@@ -59,7 +59,9 @@ def normalise(raw: str) -> str:
     labels = name.split(".")
     for label in labels:
         if len(label) > MAX_LABEL:
-            raise InvalidHost(f"hostname label {label[:20]!r}... is longer than {MAX_LABEL} characters")
+            raise InvalidHost(
+                f"hostname label {label[:20]!r}... is longer than {MAX_LABEL} characters"
+            )
         if not _LABEL.match(label):
             raise InvalidHost(f"hostname label {label!r} is not letters, digits and inner hyphens")
     if len(labels) < 2:

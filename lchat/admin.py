@@ -1,0 +1,128 @@
+"""The local admin API on ``<run>/router.sock`` (mode 0600): how the CLI talks to the running router.
+
+``GET /status`` (JSON), ``POST /reload`` (re-read the registry now, answer when done), ``GET /metrics``
+(Prometheus text format). Only root or the router's own user can open the socket; there is no other
+authentication, so nothing here may ever be exposed on TCP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+import lchat
+from lchat.registry import RouteSource, RouteTable
+
+StatusProvider = Callable[[], dict[str, dict[str, Any]]]
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+def clear_stale_socket(path: str) -> None:
+    """Remove a socket file left by a router that died; refuse if a live router answers on it."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    except OSError as e:
+        raise AlreadyRunning(f"admin socket {path} exists and cannot be probed: {e}") from e
+    finally:
+        probe.close()
+    raise AlreadyRunning(f"another router is already running (its admin socket {path} answers)")
+
+
+class _Json(Resource):
+    isLeaf = True
+
+    def __init__(self, admin: AdminAPI) -> None:
+        super().__init__()
+        self._admin = admin
+
+    def render(self, request: Request) -> bytes | int:
+        path = request.path
+        if path == b"/status" and request.method in (b"GET", b"HEAD"):
+            return _json(request, 200, self._admin.status())
+        if path == b"/reload" and request.method == b"POST":
+            d = self._admin.routes.reload("admin API")
+            d.addCallback(lambda table: _finish(request, 200, {"routes": len(table)}))
+            d.addErrback(lambda f: _finish(request, 500, {"error": f.getErrorMessage()}))
+            return NOT_DONE_YET
+        if path == b"/metrics" and request.method in (b"GET", b"HEAD"):
+            request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
+            return generate_latest()
+        if path in (b"/status", b"/reload", b"/metrics"):
+            return _json(request, 405, {"error": "method not allowed"})
+        return _json(request, 404, {"error": "not found"})
+
+
+class AdminAPI:
+    def __init__(
+        self,
+        routes: RouteSource,
+        units: str,
+        children: StatusProvider | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.routes = routes
+        self._units = units
+        self._children = children or (lambda: {})
+        self._clock = clock
+        self._started = clock()
+
+    def site(self) -> Site:
+        site = Site(_Json(self))
+        site.displayTracebacks = False
+        return site
+
+    def status(self) -> dict[str, Any]:
+        table: RouteTable = self.routes.table
+        children = self._children()
+        per_host = {}
+        for route in table:
+            entry: dict[str, Any] = {
+                "kind": route.kind,
+                "status": route.status,
+                "hibernate": route.hibernate,
+                "replication": route.replication,
+            }
+            if route.last_error:
+                entry["last_error"] = route.last_error
+            if route.host in children:
+                entry["process"] = children[route.host]
+            per_host[route.host] = entry
+        return {
+            "version": lchat.__version__,
+            "uptime": round(self._clock() - self._started, 3),
+            "units": self._units,
+            "routes": len(table),
+            "by_status": table.count_by_status(),
+            "hosts": per_host,
+        }
+
+
+def _json(request: Request, code: int, body: object) -> bytes:
+    request.setResponseCode(code)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(body, sort_keys=True).encode() + b"\n"
+
+
+def _finish(request: Request, code: int, body: object) -> None:
+    if request._disconnected:
+        return
+    request.write(_json(request, code, body))
+    request.finish()

@@ -1,0 +1,480 @@
+"""The registry: the box's SQLite routing table, its migrations, and the router's in-memory snapshot.
+
+The CLI writes rows; the router reads them into an immutable :class:`RouteTable` that it swaps
+atomically, on SIGHUP, on ``POST /reload`` and when the database's fingerprint changes (polled).
+WAL mode plus a busy timeout lets the CLI write while the router reads. Migrations are additive only
+(DESIGN.md §10, invariant 5) and keyed on ``PRAGMA user_version``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any, Literal
+
+from attrs import evolve, frozen
+from prometheus_client import Counter, Gauge
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from lchat import hosts
+
+Kind = Literal["instance", "service"]
+Status = Literal["creating", "ready", "failed"]
+Replication = Literal["stream", "batched", "daily"]
+
+KINDS: tuple[Kind, ...] = ("instance", "service")
+STATUSES: tuple[Status, ...] = ("creating", "ready", "failed")
+REPLICATIONS: tuple[Replication, ...] = ("stream", "batched", "daily")
+
+BUSY_TIMEOUT_MS = 5000
+
+# Each step moves the schema from version N to N+1. Never edit a step that has shipped; only append.
+# v1 is the original router's table; v2 added hibernation; v3 added placement fields.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE routes (
+            host         TEXT PRIMARY KEY,
+            kind         TEXT NOT NULL DEFAULT 'instance' CHECK (kind IN ('instance', 'service')),
+            socket       TEXT NOT NULL,
+            status       TEXT NOT NULL DEFAULT 'creating'
+                         CHECK (status IN ('creating', 'ready', 'failed')),
+            last_error   TEXT NOT NULL DEFAULT '',
+            version      TEXT NOT NULL DEFAULT '',
+            prev_version TEXT NOT NULL DEFAULT '',
+            created_at   INTEGER NOT NULL DEFAULT 0,
+            updated_at   INTEGER NOT NULL DEFAULT 0
+        )""",
+    ),
+    (
+        "ALTER TABLE routes ADD COLUMN hibernate INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE routes ADD COLUMN next_due INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE routes ADD COLUMN replication TEXT NOT NULL DEFAULT 'stream'",
+    ),
+    (
+        "ALTER TABLE routes ADD COLUMN db_path TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE routes ADD COLUMN home_region TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE routes ADD COLUMN provider TEXT NOT NULL DEFAULT ''",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class RegistryError(Exception):
+    """The registry cannot be opened or used; the message says which file and why."""
+
+
+class UnknownHost(RegistryError):
+    pass
+
+
+class DuplicateHost(RegistryError):
+    pass
+
+
+@frozen
+class Route:
+    host: str
+    kind: Kind
+    socket: str
+    status: Status = "creating"
+    last_error: str = ""
+    version: str = ""
+    prev_version: str = ""
+    hibernate: bool = False
+    next_due: int = 0
+    replication: Replication = "stream"
+    db_path: str = ""
+    home_region: str = ""
+    provider: str = ""
+    created_at: int = 0
+    updated_at: int = 0
+
+    @property
+    def serveable(self) -> bool:
+        return self.status == "ready"
+
+
+_COLUMNS = tuple(Route.__attrs_attrs__[i].name for i in range(len(Route.__attrs_attrs__)))
+
+
+@frozen
+class RouteTable:
+    """An immutable snapshot of every row; the router swaps whole tables, never edits one."""
+
+    routes: Mapping[str, Route]
+    fingerprint: tuple[Any, ...] = ()
+    loaded_at: float = 0.0
+
+    def get(self, host: str) -> Route | None:
+        return self.routes.get(host)
+
+    def __len__(self) -> int:
+        return len(self.routes)
+
+    def __iter__(self) -> Iterator[Route]:
+        return iter(self.routes.values())
+
+    def count_by_status(self) -> dict[str, int]:
+        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
+        for route in self.routes.values():
+            counts[route.status] += 1
+        return counts
+
+
+EMPTY = RouteTable(routes=MappingProxyType({}))
+
+
+def validate(route: Route) -> Route:
+    """Check a row before it is written; hostile values never reach the table."""
+    try:
+        canonical = hosts.normalise(route.host)
+    except hosts.InvalidHost as e:
+        raise RegistryError(str(e)) from e
+    if canonical != route.host:
+        route = evolve(route, host=canonical)
+    if route.kind not in KINDS:
+        raise RegistryError(f"kind must be one of {', '.join(KINDS)}, not {route.kind!r}")
+    if route.status not in STATUSES:
+        raise RegistryError(f"status must be one of {', '.join(STATUSES)}, not {route.status!r}")
+    if route.replication not in REPLICATIONS:
+        raise RegistryError(
+            f"replication must be one of {', '.join(REPLICATIONS)}, not {route.replication!r}"
+        )
+    if not route.socket or not os.path.isabs(route.socket) or "\x00" in route.socket:
+        raise RegistryError(f"socket must be an absolute path, not {route.socket!r}")
+    if route.db_path and (not os.path.isabs(route.db_path) or "\x00" in route.db_path):
+        raise RegistryError(f"db_path must be empty or an absolute path, not {route.db_path!r}")
+    if route.kind == "service" and route.hibernate:
+        raise RegistryError("a service row cannot hibernate: only instances can")
+    for name in ("version", "prev_version", "home_region", "provider", "last_error"):
+        value = getattr(route, name)
+        if "\x00" in value or len(value) > 4096:
+            raise RegistryError(f"{name} is not acceptable text")
+    return route
+
+
+class Registry:
+    """Short-lived connections to the registry file: safe from any thread, one per call.
+
+    Every method opens, uses and closes its own connection, so the router can call them from a
+    thread pool and the CLI from its main thread without sharing a sqlite3 object across threads.
+    """
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+
+    @contextmanager
+    def connect(self) -> Iterator[sqlite3.Connection]:
+        if "\x00" in self.path:
+            raise RegistryError(f"registry {self.path!r}: the path contains a NUL byte")
+        directory = os.path.dirname(self.path) or "."
+        if not os.path.isdir(directory):
+            raise RegistryError(f"registry {self.path}: directory {directory} does not exist")
+        try:
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as e:
+            raise RegistryError(f"registry {self.path}: {e}") from e
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            yield conn
+        except sqlite3.DatabaseError as e:
+            raise RegistryError(f"registry {self.path}: {e}") from e
+        finally:
+            conn.close()
+
+    def migrate(self) -> int:
+        """Bring the schema to :data:`SCHEMA_VERSION`; returns the version found before."""
+        with self.connect() as conn:
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise RegistryError(f"registry {self.path}: cannot enable WAL (got {mode})")
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                found = int(conn.execute("PRAGMA user_version").fetchone()[0])
+                if found > SCHEMA_VERSION:
+                    raise RegistryError(
+                        f"registry {self.path} has schema version {found}, newer than this "
+                        f"lchat understands ({SCHEMA_VERSION}): upgrade lchat"
+                    )
+                for version in range(found, SCHEMA_VERSION):
+                    for statement in MIGRATIONS[version]:
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return found
+
+    def load(self) -> RouteTable:
+        """Read every row into a fresh immutable table."""
+        fingerprint = self.fingerprint()
+        with self.connect() as conn:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            if version != SCHEMA_VERSION:
+                raise RegistryError(
+                    f"registry {self.path} is at schema version {version}, expected "
+                    f"{SCHEMA_VERSION}: run the router or `lchat instances` once to migrate"
+                )
+            rows = conn.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM routes ORDER BY host"
+            ).fetchall()
+        routes = {}
+        for row in rows:
+            route = _route_from_row(row)
+            routes[route.host] = route
+        return RouteTable(
+            routes=MappingProxyType(routes), fingerprint=fingerprint, loaded_at=self._clock()
+        )
+
+    def get(self, host: str) -> Route | None:
+        with self.connect() as conn:
+            row = conn.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,)
+            ).fetchone()
+        return _route_from_row(row) if row else None
+
+    def insert(self, route: Route) -> Route:
+        route = validate(route)
+        now = int(self._clock())
+        route = evolve(route, created_at=route.created_at or now, updated_at=now)
+        values = [_to_sql(getattr(route, c)) for c in _COLUMNS]
+        with self.connect() as conn:
+            try:
+                conn.execute(
+                    f"INSERT INTO routes ({', '.join(_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' for _ in _COLUMNS)})",
+                    values,
+                )
+            except sqlite3.IntegrityError as e:
+                if "UNIQUE" in str(e) or "PRIMARY KEY" in str(e):
+                    raise DuplicateHost(f"{route.host} is already registered") from e
+                raise RegistryError(f"{route.host}: {e}") from e
+        return route
+
+    def update(self, host: str, **changes: Any) -> Route:
+        """Change some columns of one row; validation applies to the result."""
+        unknown = set(changes) - set(_COLUMNS) - {"host"}
+        if unknown or "host" in changes:
+            raise RegistryError(
+                f"cannot update columns {sorted(unknown | {'host'} & set(changes))}"
+            )
+        with self.connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute(
+                    f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,)
+                ).fetchone()
+                if row is None:
+                    raise UnknownHost(f"{host} is not registered")
+                route = validate(
+                    evolve(_route_from_row(row), **changes, updated_at=int(self._clock()))
+                )
+                names = [*changes, "updated_at"]
+                conn.execute(
+                    f"UPDATE routes SET {', '.join(f'{n} = ?' for n in names)} WHERE host = ?",
+                    [*(_to_sql(getattr(route, n)) for n in names), host],
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return route
+
+    def set_status(self, host: str, status: Status, last_error: str = "") -> Route | None:
+        """Record a health change; a row removed meanwhile is not an error (returns None)."""
+        try:
+            return self.update(host, status=status, last_error=last_error[:4096])
+        except UnknownHost:
+            return None
+
+    def delete(self, host: str) -> bool:
+        with self.connect() as conn:
+            cursor = conn.execute("DELETE FROM routes WHERE host = ?", (host,))
+            return cursor.rowcount > 0
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """What changes whenever a committed write lands: the file and its WAL, by inode/size/mtime."""
+        parts: list[Any] = []
+        for suffix in ("", "-wal"):
+            try:
+                st = os.stat(self.path + suffix)
+            except FileNotFoundError:
+                parts.append(None)
+            else:
+                parts.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(parts)
+
+
+def _route_from_row(row: sqlite3.Row) -> Route:
+    values = {c: row[c] for c in _COLUMNS}
+    values["hibernate"] = bool(values["hibernate"])
+    return Route(**values)
+
+
+def _to_sql(value: object) -> object:
+    return int(value) if isinstance(value, bool) else value
+
+
+def changed_hosts(old: RouteTable, new: RouteTable) -> Iterable[str]:
+    """Hosts added, removed or altered between two tables (for the reload log line)."""
+    for host in sorted(set(old.routes) | set(new.routes)):
+        if old.routes.get(host) != new.routes.get(host):
+            yield host
+
+
+# --- the router's live view -------------------------------------------------------------------
+
+RunInThread = Callable[[Callable[[], Any]], "Deferred[Any]"]
+Listener = Callable[[RouteTable, RouteTable], None]
+
+_reloads = Counter("lchat_registry_reloads_total", "Registry reloads by outcome", ["outcome"])
+_routes_gauge = Gauge("lchat_routes", "Registry rows by status", ["status"])
+
+_log = Logger(namespace="lchat.registry")
+
+
+class RouteSource(Service):
+    """Holds the current :class:`RouteTable` and replaces it when the registry changes.
+
+    Reloads run in a thread (the reactor never waits on SQLite), are serialised, and coalesce: a
+    reload asked for while one runs causes exactly one more afterwards. A failed reload keeps the
+    table we had — a broken write must never empty the router.
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        registry: Registry,
+        initial: RouteTable = EMPTY,
+        run_in_thread: RunInThread | None = None,
+        poll_interval: float = 2.0,
+    ) -> None:
+        self._reactor = reactor
+        self.registry = registry
+        self.table = initial
+        self.run_in_thread = run_in_thread or _default_run_in_thread(reactor)
+        self._poll_interval = poll_interval
+        self._listeners: list[Listener] = []
+        self._running: Deferred[RouteTable] | None = None
+        # Reloads asked for while one runs: all served by one more load afterwards.
+        self._again: list[tuple[str, Deferred[RouteTable]]] = []
+        self._poller: LoopingCall | None = None
+        _publish_gauge(initial)
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(old, new)`` after every swap (and never with equal tables)."""
+        self._listeners.append(listener)
+
+    def startService(self) -> None:
+        super().startService()
+        self._poller = LoopingCall(self._poll)
+        self._poller.clock = self._reactor
+        self._poller.start(self._poll_interval, now=False).addErrback(
+            lambda f: _log.failure("registry poll loop died", f)
+        )
+
+    def stopService(self) -> Deferred[None] | None:
+        if self._poller is not None and self._poller.running:
+            self._poller.stop()
+        return super().stopService()
+
+    def reload(self, reason: str) -> Deferred[RouteTable]:
+        """Re-read the registry now. Fires with the table in force afterwards.
+
+        Asked while a load runs, the request waits for exactly one more load after it, shared with
+        every other request made meanwhile (that load starts after each of them was made).
+        """
+        waiter: Deferred[RouteTable] = Deferred()
+        if self._running is not None:
+            self._again.append((reason, waiter))
+        else:
+            self._start([(reason, waiter)])
+        return waiter
+
+    def _start(self, batch: list[tuple[str, Deferred[RouteTable]]]) -> None:
+        reason = ", ".join(dict.fromkeys(r for r, _ in batch))
+        d: Deferred[RouteTable] = self.run_in_thread(self.registry.load)
+        d.addCallbacks(self._swap, self._failed, callbackArgs=(reason,), errbackArgs=(reason,))
+        self._running = d
+        d.addBoth(self._done, batch)
+
+    def _done(
+        self, result: RouteTable | Failure, batch: list[tuple[str, Deferred[RouteTable]]]
+    ) -> None:
+        self._running = None
+        if self._again:
+            again, self._again = self._again, []
+            self._start(again)
+        for _, waiter in batch:
+            if isinstance(result, Failure):
+                waiter.errback(result)
+            else:
+                waiter.callback(result)
+
+    def _swap(self, new: RouteTable, reason: str) -> RouteTable:
+        old, self.table = self.table, new
+        _reloads.labels("ok").inc()
+        _publish_gauge(new)
+        changed = list(changed_hosts(old, new))
+        if changed:
+            _log.info(
+                "registry reloaded ({reason}): {count} routes, changed: {changed}",
+                reason=reason,
+                count=len(new),
+                changed=", ".join(changed[:10]) + (" ..." if len(changed) > 10 else ""),
+            )
+            for listener in list(self._listeners):
+                try:
+                    listener(old, new)
+                except Exception:
+                    _log.failure("registry listener failed")
+        return new
+
+    def _failed(self, failure: Failure, reason: str) -> RouteTable:
+        _reloads.labels("error").inc()
+        _log.error(
+            "registry reload ({reason}) failed, keeping {count} routes: {error}",
+            reason=reason,
+            count=len(self.table),
+            error=failure.getErrorMessage(),
+        )
+        return self.table
+
+    def _poll(self) -> Deferred[Any] | None:
+        if self._running is not None:
+            return None
+        d = self.run_in_thread(self.registry.fingerprint)
+
+        def compare(fingerprint: tuple[Any, ...]) -> Deferred[RouteTable] | None:
+            if fingerprint != self.table.fingerprint:
+                return self.reload("file changed")
+            return None
+
+        d.addCallback(compare)
+        d.addErrback(lambda f: _log.error("registry poll failed: {e}", e=f.getErrorMessage()))
+        return d
+
+
+def _publish_gauge(table: RouteTable) -> None:
+    for status, count in table.count_by_status().items():
+        _routes_gauge.labels(status).set(count)
+
+
+def _default_run_in_thread(reactor: Any) -> RunInThread:
+    def run(f: Callable[[], Any]) -> Deferred[Any]:
+        return deferToThreadPool(reactor, reactor.getThreadPool(), f)
+
+    return run

@@ -1,0 +1,210 @@
+"""``twistd lchat``: command-line options and the MultiService they build."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
+from twisted.logger import Logger
+from twisted.python import usage
+
+import lchat
+from lchat import config
+from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket
+from lchat.config import BoxConfig, ConfigError
+from lchat.proxy.simple import ProxyResource
+from lchat.registry import Registry, RegistryError, RouteSource
+from lchat.router import Router
+from lchat.units import BuiltinUnits
+
+_log = Logger(namespace="lchat.tap")
+
+# option name -> the variable it overrides
+FLAG_VARIABLES = {
+    "registry": "LCHAT_REGISTRY",
+    "data-dir": "LCHAT_DATA_DIR",
+    "run-dir": "LCHAT_RUN_DIR",
+    "http": "LCHAT_HTTP_ADDR",
+    "https": "LCHAT_HTTPS_ADDR",
+    "fallback-url": "LCHAT_FALLBACK_URL",
+    "units": "LCHAT_UNITS",
+    "space-command": "LCHAT_SPACE_COMMAND",
+}
+
+
+class Options(usage.Options):
+    synopsis = "[options]"
+    longdesc = (
+        "Run the lchat box router: route each hostname in the registry to its space's unix "
+        "socket, and (LCHAT_UNITS=builtin) run the spaces as children. Settings come from the "
+        "env file, then the environment, then these flags; see README.md for every variable."
+    )
+    optParameters = [
+        [
+            "env-file",
+            None,
+            None,
+            f"Router env file (default {config.DEFAULT_ENV_FILE}; absent is fine).",
+        ],
+        [
+            "registry",
+            None,
+            None,
+            "LCHAT_REGISTRY: the registry database (default <data>/registry.db).",
+        ],
+        ["data-dir", None, None, "LCHAT_DATA_DIR: space databases and env files (default /data)."],
+        [
+            "run-dir",
+            None,
+            None,
+            "LCHAT_RUN_DIR: space sockets and router.sock (default /run/lchat).",
+        ],
+        [
+            "http",
+            None,
+            None,
+            "LCHAT_HTTP_ADDR: plain HTTP listener, HOST:PORT or endpoint (default :80).",
+        ],
+        ["https", None, None, "LCHAT_HTTPS_ADDR: TLS listener (default :443); not served yet."],
+        [
+            "fallback-url",
+            None,
+            None,
+            "LCHAT_FALLBACK_URL: 302 target for unknown hosts (default: 404).",
+        ],
+        ["units", None, None, "LCHAT_UNITS: auto, systemd or builtin (default auto)."],
+        [
+            "space-command",
+            None,
+            None,
+            "LCHAT_SPACE_COMMAND: how to run a space; {host} is filled in.",
+        ],
+    ]
+
+    def opt_version(self) -> None:
+        """Print the lchat version and exit."""
+        print(f"lchat {lchat.__version__}")
+        raise SystemExit(0)
+
+
+def makeService(options: Options) -> IService:
+    from twisted.internet import reactor
+
+    flags = {var: options[name] for name, var in FLAG_VARIABLES.items()}
+    try:
+        cfg = config.load(env_file=options["env-file"], flags=flags)
+    except ConfigError as e:
+        raise SystemExit(f"lchat: configuration error: {e}") from None
+    try:
+        return build_service(cfg, reactor)
+    except (RegistryError, AlreadyRunning, ConfigError, OSError) as e:
+        raise SystemExit(f"lchat: cannot start: {e}") from None
+
+
+def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> MultiService:
+    """Everything the box runs, wired together. Fails loudly on anything unusable."""
+    for warning in cfg.warnings:
+        _log.warn("config: {warning}", warning=warning)
+    if not os.path.isdir(cfg.data_dir):
+        raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
+    os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
+
+    registry = Registry(cfg.registry)
+    registry.migrate()
+    routes = RouteSource(reactor, registry, registry.load(), poll_interval=poll_interval)
+
+    top = MultiService()
+    routes.setServiceParent(top)
+    _SignalReload(reactor, routes).setServiceParent(top)
+
+    children = None
+    if cfg.units == "builtin":
+        units = BuiltinUnits(reactor, cfg, routes)
+        units.setServiceParent(top)
+        children = _children_status(units)
+
+    proxy = ProxyResource(reactor, Router(routes, cfg.fallback_url))
+    if cfg.http_addr is not None:
+        from twisted.web.server import Site
+
+        site = Site(proxy)
+        site.displayTracebacks = False
+        http = StreamServerEndpointService(serverFromString(reactor, cfg.http_addr), site)
+        http._raiseSynchronously = True
+        http.setServiceParent(top)
+    _Closer(proxy).setServiceParent(top)
+
+    clear_stale_socket(cfg.admin_socket)
+    admin = AdminAPI(routes, cfg.units, children)
+    admin_service = StreamServerEndpointService(
+        UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site()
+    )
+    admin_service._raiseSynchronously = True
+    admin_service.setServiceParent(top)
+
+    _log.info(
+        "lchat {version} starting: {routes} routes from {registry}, units={units}, "
+        "http={http}, admin={admin}",
+        version=lchat.__version__,
+        routes=len(routes.table),
+        registry=cfg.registry,
+        units=cfg.units,
+        http=cfg.http_addr or "off",
+        admin=cfg.admin_socket,
+    )
+    if cfg.https_addr is not None:
+        _log.info(
+            "LCHAT_HTTPS_ADDR={addr}: TLS is not served by this build yet", addr=cfg.https_addr
+        )
+    return top
+
+
+def _children_status(units: BuiltinUnits) -> Any:
+    def status() -> dict[str, dict[str, Any]]:
+        return {
+            host: {
+                "state": child.state,
+                "pid": child.pid,
+                "restarts": child.restarts,
+                "last_error": child.last_error,
+            }
+            for host, child in units.supervisor.status().items()
+        }
+
+    return status
+
+
+class _SignalReload(Service):
+    """SIGHUP re-reads the registry (the operator's `systemctl reload`)."""
+
+    def __init__(self, reactor: Any, routes: RouteSource) -> None:
+        self._reactor = reactor
+        self._routes = routes
+        self._previous: Any = None
+
+    def startService(self) -> None:
+        super().startService()
+
+        def handler(signum: int, frame: object) -> None:
+            # Signal handlers interrupt arbitrary code; hand the work to the reactor loop.
+            self._reactor.callFromThread(self._routes.reload, "SIGHUP")
+
+        self._previous = signal.signal(signal.SIGHUP, handler)
+
+    def stopService(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGHUP, self._previous)
+        super().stopService()
+
+
+class _Closer(Service):
+    def __init__(self, proxy: ProxyResource) -> None:
+        self._proxy = proxy
+
+    def stopService(self) -> Any:
+        super().stopService()
+        return self._proxy.close()
