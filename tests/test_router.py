@@ -145,7 +145,7 @@ class ProxyTests(TestCase):
         self.addCleanup(self.proxy.close)
 
     @inlineCallbacks
-    def listen(self) -> Any:
+    def listen(self):
         backend = yield UNIXServerEndpoint(reactor, self.sock).listen(Site(Echo()))
         self.addCleanup(backend.stopListening)
         front = yield serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(
@@ -155,7 +155,7 @@ class ProxyTests(TestCase):
         return front.getHost().port
 
     @inlineCallbacks
-    def request(self, port: int, host: bytes, method: bytes = b"GET", **kw: Any) -> Any:
+    def request(self, port: int, host: bytes, method: bytes = b"GET", **kw: Any):
         headers = Headers({b"host": [host], **kw.pop("headers", {})})
         agent = Agent(reactor)
         response = yield agent.request(
@@ -165,7 +165,7 @@ class ProxyTests(TestCase):
         return response, body
 
     @inlineCallbacks
-    def test_forwards_to_the_socket_keeping_host_and_setting_forwarded_headers(self) -> None:
+    def test_forwards_to_the_socket_keeping_host_and_setting_forwarded_headers(self):
         port = yield self.listen()
         response, body = yield self.request(
             port,
@@ -188,7 +188,7 @@ class ProxyTests(TestCase):
         # twisted.web's client hides the response's Connection header from us.
 
     @inlineCallbacks
-    def test_request_body_is_forwarded(self) -> None:
+    def test_request_body_is_forwarded(self):
         from io import BytesIO
 
         from twisted.web.client import FileBodyProducer
@@ -202,7 +202,7 @@ class ProxyTests(TestCase):
         self.assertEqual(len(seen["body"]), 100_000)
 
     @inlineCallbacks
-    def test_unknown_host_404_and_dead_socket_502(self) -> None:
+    def test_unknown_host_404_and_dead_socket_502(self):
         port = yield self.listen()
         response, _ = yield self.request(port, b"nobody.example.com")
         self.assertEqual(response.code, 404)
@@ -211,12 +211,13 @@ class ProxyTests(TestCase):
         self.assertIn(b"not answering", body)
 
     @inlineCallbacks
-    def test_malformed_host_header_is_400(self) -> None:
+    def test_malformed_host_header_is_400(self):
         port = yield self.listen()
         received = []
 
         class Raw(Protocol):
             def connectionMade(self) -> None:
+                assert self.transport is not None
                 self.transport.write(b"GET / HTTP/1.1\r\nHost: ../etc\r\nConnection: close\r\n\r\n")
 
             def dataReceived(self, data: bytes) -> None:

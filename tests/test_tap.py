@@ -1,0 +1,271 @@
+"""The whole router as twistd builds it: real registry, real children, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
+
+from lchat import config, unixhttp
+from lchat.config import BoxConfig
+from lchat.admin import AlreadyRunning
+from lchat.registry import Registry, Route, RouteSource
+from lchat.tap import build_service
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
+
+
+def sleep(seconds: float) -> Deferred[None]:
+    return deferLater(reactor, seconds, lambda: None)
+
+
+class RouterTests(TestCase):
+    """One router per test, started as twistd would, on the real reactor."""
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.data = os.path.join(self.dir, "d")
+        self.rundir = os.path.join(self.dir, "r")
+        os.mkdir(self.data)
+        self.env = os.path.join(self.dir, "router.env")
+        with open(self.env, "w") as f:
+            f.write(
+                f"LCHAT_DATA_DIR={self.data}\nLCHAT_RUN_DIR={self.rundir}\nLCHAT_UNITS=builtin\n"
+            )
+
+    def config(self, **extra: str) -> BoxConfig:
+        flags = {"LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1", "LCHAT_SPACE_COMMAND": SPACE}
+        flags.update(extra)
+        environ = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", "")}
+        return config.load(env_file=self.env, environ=environ, flags=flags)
+
+    def add_space(self, host: str, token: str = "t" * 32) -> Route:
+        registry = Registry(self.config().registry)
+        registry.migrate()
+        env_file = os.path.join(self.data, f"{host}.env")
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, f"LCHAT_ADMIN_TOKEN={token}\n".encode())
+        os.close(fd)
+        return registry.insert(
+            Route(host=host, kind="instance", socket=os.path.join(self.rundir, f"{host}.sock"))
+        )
+
+    def start(self, cfg: BoxConfig | None = None, poll: float = 0.2) -> Any:
+        cfg = cfg or self.config()
+        service = build_service(cfg, reactor, poll_interval=poll)
+        service.startService()
+        self.addCleanup(service.stopService)
+        http = next(s for s in service if getattr(s, "_waitingForPort", None) is not None)
+        ports: list[Any] = []
+
+        def peek(port: Any) -> Any:
+            ports.append(port)
+            return port  # stopService needs the port to stay the Deferred's result
+
+        http._waitingForPort.addCallback(peek)  # TCP listens synchronously: fires at once
+        self.port = ports[0].getHost().port
+        self.cfg = cfg
+        self.routes = next(s for s in service if isinstance(s, RouteSource))
+        return service
+
+    @inlineCallbacks
+    def wait_for(self, predicate: Any, timeout: float = 20.0):
+        for _ in range(int(timeout / 0.1)):
+            result = predicate()
+            if result:
+                return result
+            yield sleep(0.1)
+        self.fail(f"timed out waiting for {predicate}")
+
+    def row(self, host: str) -> Route | None:
+        """The row as the running router sees it (registry written, table reloaded)."""
+        return self.routes.table.get(host)
+
+    @inlineCallbacks
+    def get(self, host: str, path: str = "/api/version"):
+        response = yield Agent(reactor).request(
+            b"GET",
+            f"http://127.0.0.1:{self.port}{path}".encode(),
+            Headers({b"host": [host.encode()]}),
+        )
+        body = yield readBody(response)
+        return response.code, body
+
+    @inlineCallbacks
+    def admin(self, method: str, path: str):
+        response = yield unixhttp.request_d(reactor, self.cfg.admin_socket, method, path)
+        return response
+
+    @inlineCallbacks
+    def test_serves_a_space_it_runs_and_marks_it_ready(self):
+        self.add_space("chat.example.com")
+        self.start()
+        yield self.wait_for(lambda: (r := self.row("chat.example.com")) and r.status == "ready")
+        code, body = yield self.get("chat.example.com")
+        self.assertEqual(code, 200)
+        self.assertIn("version", json.loads(body))
+        code, _ = yield self.get("nobody.example.com")
+        self.assertEqual(code, 404)
+
+        status = yield self.admin("GET", "/status")
+        doc = json.loads(status.body)
+        self.assertEqual(doc["routes"], 1)
+        self.assertEqual(doc["units"], "builtin")
+        self.assertEqual(doc["hosts"]["chat.example.com"]["status"], "ready")
+        self.assertEqual(doc["hosts"]["chat.example.com"]["process"]["state"], "ready")
+        self.assertEqual(stat.S_IMODE(os.stat(self.cfg.admin_socket).st_mode), 0o600)
+        metrics = yield self.admin("GET", "/metrics")
+        self.assertIn(b"lchat_routes", metrics.body)
+        self.assertIn(b"lchat_registry_reloads_total", metrics.body)
+
+    @inlineCallbacks
+    def test_a_missing_binary_is_a_failed_row_not_a_crashed_router(self):
+        self.add_space("good.example.com")
+        self.add_space("bad.example.com")
+        cfg = self.config(LCHAT_SPACE_COMMAND=f"{self.dir}/no-such-binary-{{host}}")
+        self.start(cfg)
+        row = yield self.wait_for(
+            lambda: (r := self.row("bad.example.com")) and r.status == "failed" and r
+        )
+        self.assertIn("no-such-binary-bad.example.com", row.last_error)
+        code, _ = yield self.get("bad.example.com")
+        self.assertEqual(code, 503)
+        status = yield self.admin("GET", "/status")
+        self.assertEqual(json.loads(status.body)["hosts"]["bad.example.com"]["status"], "failed")
+
+    @inlineCallbacks
+    def test_a_space_that_exits_at_once_is_failed_with_its_error(self):
+        script = os.path.join(self.dir, "crash")
+        with open(script, "w") as f:
+            f.write("#!/bin/sh\necho 'database is on fire' >&2\nexit 3\n")
+        os.chmod(script, 0o755)
+        self.add_space("crash.example.com")
+        self.start(self.config(LCHAT_SPACE_COMMAND=script))
+        row = yield self.wait_for(
+            lambda: (r := self.row("crash.example.com")) and r.status == "failed" and r, timeout=30
+        )
+        self.assertIn("database is on fire", row.last_error)
+
+    @inlineCallbacks
+    def test_a_world_readable_env_file_is_refused(self):
+        self.add_space("open.example.com")
+        os.chmod(os.path.join(self.data, "open.example.com.env"), 0o644)
+        self.start()
+        row = yield self.wait_for(
+            lambda: (r := self.row("open.example.com")) and r.status == "failed" and r
+        )
+        self.assertIn("chmod 600", row.last_error)
+
+    @inlineCallbacks
+    def test_reload_by_poll_picks_up_a_new_row_and_stops_a_removed_one(self):
+        self.start(poll=0.2)
+        self.add_space("late.example.com")
+        yield self.wait_for(lambda: (r := self.row("late.example.com")) and r.status == "ready")
+        code, _ = yield self.get("late.example.com")
+        self.assertEqual(code, 200)
+        Registry(self.cfg.registry).delete("late.example.com")
+        yield self.wait_for(
+            lambda: not os.path.exists(os.path.join(self.rundir, "late.example.com.sock"))
+        )
+        code, _ = yield self.get("late.example.com")
+        self.assertEqual(code, 404)
+
+    @inlineCallbacks
+    def test_reload_by_sighup_and_by_admin_api(self):
+        self.start(poll=3600)  # only an explicit reload can notice the change
+        routes = self.routes
+        backend = os.path.join(self.rundir, "svc.sock")
+        registry = Registry(self.cfg.registry)
+        registry.insert(Route("svc.example.com", "service", backend, status="ready"))
+        code, _ = yield self.get("svc.example.com")
+        self.assertEqual(code, 404)
+        os.kill(os.getpid(), signal.SIGHUP)
+        yield self.wait_for(lambda: len(routes.table) == 1)
+        code, _ = yield self.get("svc.example.com")
+        self.assertEqual(code, 502)  # known now; nothing listens on its socket
+
+        registry.delete("svc.example.com")
+        response = yield self.admin("POST", "/reload")
+        self.assertEqual(response.status, 200)
+        self.assertEqual(json.loads(response.body), {"routes": 0})
+        code, _ = yield self.get("svc.example.com")
+        self.assertEqual(code, 404)
+
+    def test_a_second_router_on_the_same_run_dir_refuses(self) -> None:
+        self.start()
+        self.assertRaises(AlreadyRunning, build_service, self.config(), reactor)
+
+    def test_stale_admin_socket_is_replaced(self) -> None:
+        import socket
+
+        os.makedirs(self.rundir)
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(os.path.join(self.rundir, "router.sock"))
+        stale.close()  # the file stays, nobody listens
+        service = build_service(self.config(), reactor)
+        service.startService()
+        return service.stopService()
+
+
+class TwistdTests(TestCase):
+    """The plugin as an operator meets it: through the twistd command line."""
+
+    def twistd(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+            timeout=60,
+        )
+
+    def test_twistd_lists_the_plugin_and_documents_every_option(self) -> None:
+        self.assertIn("lchat", self.twistd("--help").stdout)
+        text = self.twistd("lchat", "--help").stdout
+        for option in (
+            "--env-file",
+            "--registry",
+            "--data-dir",
+            "--run-dir",
+            "--http",
+            "--https",
+            "--fallback-url",
+            "--units",
+            "--space-command",
+        ):
+            self.assertIn(option, text)
+
+    def test_misconfiguration_fails_at_boot_naming_the_variable(self) -> None:
+        d = tempfile.mkdtemp(prefix="tw", dir="/tmp")
+        self.addCleanup(shutil.rmtree, d, True)
+        result = self.twistd(
+            "-n",
+            "--pidfile=",
+            "lchat",
+            "--data-dir",
+            d,
+            "--run-dir",
+            d,
+            env={"LCHAT_HIBERNATE_IDLE": "0s"},
+        )
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("LCHAT_HIBERNATE_IDLE", result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
