@@ -20,8 +20,8 @@ from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 
 from lchat import config, unixhttp
-from lchat.config import BoxConfig
 from lchat.admin import AlreadyRunning
+from lchat.config import BoxConfig
 from lchat.registry import Registry, Route, RouteSource
 from lchat.tap import build_service
 

@@ -1,0 +1,5 @@
+"""The ``lchat`` command line: the operator's tool for one box's registry (DESIGN.md §3).
+
+Synchronous on purpose: it writes registry rows, env files and units, then asks the running router
+to reload over its admin socket. It never needs a reactor.
+"""

@@ -1,0 +1,52 @@
+"""systemd units for spaces: ``lchat@<host>`` (the template lives in ops/)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from lchat import hosts
+
+# `enable --now` waits for the start job; a unit that hangs must not hang the CLI forever.
+SYSTEMCTL_TIMEOUT = 120.0
+
+
+class UnitError(Exception):
+    """systemctl failed; the message is one line, fit for ``last_error``."""
+
+
+def unit_name(host: str) -> str:
+    return f"lchat@{hosts.normalise(host)}"
+
+
+def enable_now(host: str) -> None:
+    _systemctl("enable", "--now", unit_name(host))
+
+
+def disable_now(host: str) -> None:
+    _systemctl("disable", "--now", unit_name(host))
+
+
+def _systemctl(*args: str) -> None:
+    command = "systemctl " + " ".join(args)
+    binary = shutil.which("systemctl")
+    if binary is None:
+        raise UnitError(f"{command}: systemctl not found on PATH (LCHAT_UNITS=systemd)")
+    try:
+        done = subprocess.run(
+            [binary, *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=SYSTEMCTL_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise UnitError(f"{command}: no answer after {SYSTEMCTL_TIMEOUT:g}s") from None
+    except OSError as e:
+        raise UnitError(f"{command}: {e.strerror or e}") from e
+    if done.returncode != 0:
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        detail = lines[-1] if lines else "no output"
+        raise UnitError(f"{command} failed (exit {done.returncode}): {detail}")
