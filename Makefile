@@ -16,14 +16,19 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 # Demo: the router on embedded defaults, data under ./var, one reference space at demo.localhost.
+# var/router.env is rewritten each time (it is generated); the demo's data in var/data is kept.
 run: $(STAMP)
 	mkdir -p $(VAR)/data $(VAR)/run
+	printf '%s\n' \
+	  "LCHAT_DATA_DIR=$(VAR)/data" \
+	  "LCHAT_RUN_DIR=$(VAR)/run" \
+	  "LCHAT_HTTP_ADDR=127.0.0.1:8080" \
+	  "LCHAT_HTTPS_ADDR=off" \
+	  "LCHAT_UNITS=builtin" \
+	  "LCHAT_SPACE_COMMAND=$(CURDIR)/$(BIN)/lchat space" > $(VAR)/router.env
 	@test -f $(VAR)/data/demo.localhost.env || \
-	  LCHAT_UNITS=builtin $(BIN)/lchat --env-file $(VAR)/router.env --data-dir $(VAR)/data \
-	    --run-dir $(VAR)/run add-instance demo.localhost --no-wait
-	LCHAT_UNITS=builtin LCHAT_SPACE_COMMAND="$(CURDIR)/$(BIN)/lchat space" \
-	  $(BIN)/twistd -n --pidfile= lchat --env-file $(VAR)/router.env \
-	    --data-dir $(VAR)/data --run-dir $(VAR)/run --http tcp:8080:interface=127.0.0.1
+	  $(BIN)/lchat add-instance demo.localhost --env-file $(VAR)/router.env --no-wait
+	$(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
 
 lint: $(STAMP)
 	$(BIN)/ruff check lchat tests twisted bench
