@@ -1,0 +1,5 @@
+import sys
+
+from lchat.space import main
+
+sys.exit(main())

@@ -1,0 +1,239 @@
+"""The space's SQLite store: messages, scheduled messages and the sidecar's charter due time.
+
+One connection, owned by one worker thread: every call is queued on a 1-thread pool, so the
+reactor never blocks on disk and SQLite never sees two writers from this process.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from attrs import define, frozen
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.threadpool import ThreadPool
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Additive migrations: entry N takes the schema from user_version N to N + 1.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        "CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, room TEXT NOT NULL,"
+        " body TEXT NOT NULL, sent_at INTEGER NOT NULL)",
+        "CREATE INDEX messages_room_id ON messages (room, id)",
+        # message_id stays NULL until the scheduler has delivered the row.
+        "CREATE TABLE scheduled (id INTEGER PRIMARY KEY AUTOINCREMENT, room TEXT NOT NULL,"
+        " body TEXT NOT NULL, deliver_at INTEGER NOT NULL, message_id INTEGER)",
+        "CREATE INDEX scheduled_pending ON scheduled (deliver_at) WHERE message_id IS NULL",
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+    ),
+)
+BUSY_TIMEOUT_MS = 5000
+DELIVER_BATCH = 500
+
+
+class StoreClosed(Exception):
+    """The store was used after close()."""
+
+
+@frozen
+class Message:
+    id: int
+    room: str
+    body: str
+    sent_at: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "room": self.room, "body": self.body, "sent_at": self.sent_at}
+
+
+@define
+class Store:
+    """Async facade over the connection; every method returns a Deferred fired on the reactor."""
+
+    _reactor: IReactorFromThreads
+    _pool: ThreadPool
+    _conn: sqlite3.Connection | None
+
+    @classmethod
+    async def open(cls, reactor: IReactorFromThreads, path: str) -> Store:
+        pool = ThreadPool(minthreads=1, maxthreads=1, name="space-db")
+        pool.start()
+        try:
+            conn = await deferToThreadPool(reactor, pool, _connect, path)
+        except BaseException:
+            pool.stop()
+            raise
+        return cls(reactor, pool, conn)
+
+    def _run(
+        self,
+        fn: Callable[Concatenate[sqlite3.Connection, _P], _T],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> Deferred[_T]:
+        conn = self._conn
+        if conn is None:
+            return fail(StoreClosed("store is closed"))
+        return deferToThreadPool(self._reactor, self._pool, fn, conn, *args, **kwargs)
+
+    def post(self, room: str, body: str, now: int) -> Deferred[Message]:
+        return self._run(_post, room, body, now)
+
+    def schedule(self, room: str, body: str, deliver_at: int) -> Deferred[int]:
+        return self._run(_schedule, room, body, deliver_at)
+
+    def messages(self, room: str, after: int, limit: int) -> Deferred[list[Message]]:
+        return self._run(_messages, room, after, limit)
+
+    def deliver_due(self, now: int) -> Deferred[list[Message]]:
+        return self._run(_deliver_due, now)
+
+    def next_due(self, now: int) -> Deferred[int]:
+        return self._run(_next_due, now)
+
+    def set_charter_due(self, due: int) -> Deferred[None]:
+        return self._run(_set_meta, "charter_due", due)
+
+    async def close(self) -> None:
+        """Checkpoint the WAL into the main file, close the connection, stop the thread."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            await deferToThreadPool(self._reactor, self._pool, _close, conn)
+        finally:
+            self._pool.stop()
+
+    def abandon(self) -> None:
+        """Stop the thread without closing the connection (SQLite recovers from the WAL)."""
+        if self._conn is not None:
+            self._conn = None
+            self._pool.stop()
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    # IMMEDIATE takes the write lock up front, so busy_timeout covers the whole transaction.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    # The pool has exactly one thread, but it may be replaced; access is serialised either way.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+        if mode != "wal":
+            raise sqlite3.OperationalError(f"cannot enable WAL on {path} (journal_mode={mode})")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        _migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    with _transaction(conn):
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        if version > len(MIGRATIONS):
+            raise sqlite3.DatabaseError(
+                f"database schema version {version} is newer than this server knows"
+            )
+        for statements in MIGRATIONS[version:]:
+            for statement in statements:
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+
+
+def _close(conn: sqlite3.Connection) -> None:
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+
+
+def _insert_message(conn: sqlite3.Connection, room: str, body: str, now: int) -> Message:
+    cursor = conn.execute(
+        "INSERT INTO messages (room, body, sent_at) VALUES (?, ?, ?)", (room, body, now)
+    )
+    assert cursor.lastrowid is not None
+    return Message(cursor.lastrowid, room, body, now)
+
+
+def _post(conn: sqlite3.Connection, room: str, body: str, now: int) -> Message:
+    with _transaction(conn):
+        return _insert_message(conn, room, body, now)
+
+
+def _schedule(conn: sqlite3.Connection, room: str, body: str, deliver_at: int) -> int:
+    with _transaction(conn):
+        cursor = conn.execute(
+            "INSERT INTO scheduled (room, body, deliver_at) VALUES (?, ?, ?)",
+            (room, body, deliver_at),
+        )
+    assert cursor.lastrowid is not None
+    return cursor.lastrowid
+
+
+def _messages(conn: sqlite3.Connection, room: str, after: int, limit: int) -> list[Message]:
+    rows = conn.execute(
+        "SELECT id, room, body, sent_at FROM messages WHERE room = ? AND id > ?"
+        " ORDER BY id LIMIT ?",
+        (room, after, limit),
+    )
+    return [Message(*row) for row in rows]
+
+
+_PENDING = (
+    "SELECT id, room, body FROM scheduled WHERE message_id IS NULL AND deliver_at <= ?"
+    " ORDER BY deliver_at, id LIMIT ?"
+)
+
+
+def _deliver_due(conn: sqlite3.Connection, now: int) -> list[Message]:
+    # Cheap read first: this runs every second and usually finds nothing to write.
+    if conn.execute(_PENDING, (now, 1)).fetchone() is None:
+        return []
+    delivered = []
+    with _transaction(conn):
+        for scheduled_id, room, body in conn.execute(_PENDING, (now, DELIVER_BATCH)).fetchall():
+            message = _insert_message(conn, room, body, now)
+            conn.execute(
+                "UPDATE scheduled SET message_id = ? WHERE id = ?", (message.id, scheduled_id)
+            )
+            delivered.append(message)
+    return delivered
+
+
+def _next_due(conn: sqlite3.Connection, now: int) -> int:
+    (scheduled,) = conn.execute(
+        "SELECT MIN(deliver_at) FROM scheduled WHERE message_id IS NULL"
+    ).fetchone()
+    row = conn.execute("SELECT value FROM meta WHERE key = 'charter_due'").fetchone()
+    candidates = [] if scheduled is None else [scheduled]
+    # A charter time in the past has either run or been superseded; the sidecar reports anew.
+    if row is not None and row[0] >= now:
+        candidates.append(row[0])
+    return min(candidates, default=0)
+
+
+def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
+    with _transaction(conn):
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
