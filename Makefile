@@ -31,8 +31,8 @@ run: $(STAMP)
 	$(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
 
 lint: $(STAMP)
-	$(BIN)/ruff check lchat tests twisted bench
-	$(BIN)/ruff format --check lchat tests twisted bench
+	$(BIN)/ruff check lchat tests twisted $(wildcard bench)
+	$(BIN)/ruff format --check lchat tests twisted $(wildcard bench)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

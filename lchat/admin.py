@@ -20,6 +20,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 import lchat
 from lchat.registry import RouteSource, RouteTable
+from lchat.webutil import QuietSite
 
 StatusProvider = Callable[[], dict[str, dict[str, Any]]]
 
@@ -85,9 +86,7 @@ class AdminAPI:
         self._started = clock()
 
     def site(self) -> Site:
-        site = Site(_Json(self))
-        site.displayTracebacks = False
-        return site
+        return QuietSite(_Json(self))
 
     def status(self) -> dict[str, Any]:
         table: RouteTable = self.routes.table

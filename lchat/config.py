@@ -235,7 +235,7 @@ def parse_address(name: str, text: str) -> str | None:
         return f"tcp:{port}" + (f":interface={v4}" if v4 else "")
     try:
         serverFromString(MemoryReactor(), text)
-    except (ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # parsers also read files (ssl: certificates) and raise what they like
         raise ConfigError(
             f"{name}={text!r} is neither HOST:PORT nor a Twisted endpoint string ({e})"
         ) from e

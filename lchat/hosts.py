@@ -164,7 +164,7 @@ def _strip_port(value: str) -> str:
         if end == -1:
             raise InvalidHost("malformed IPv6 literal")
         rest = value[end + 1 :]
-        if rest and not (rest.startswith(":") and _PORT.match(rest[1:])):
+        if rest and not (rest.startswith(":") and _PORT.match(rest[1:]) and int(rest[1:]) <= 65535):
             raise InvalidHost("malformed port")
         return value[: end + 1]
     if value.count(":") == 1:
@@ -182,7 +182,7 @@ def _is_ip_literal(name: str) -> bool:
     try:
         ipaddress.ip_address(candidate)
     except ValueError:
-        return name.startswith("[")
+        return False  # "[garbage]" is not an IP literal (nor a hostname: both callers refuse it)
     return True
 
 

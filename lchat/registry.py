@@ -65,6 +65,21 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE routes ADD COLUMN home_region TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE routes ADD COLUMN provider TEXT NOT NULL DEFAULT ''",
     ),
+    (
+        # A counter every write bumps, so the router's poll notices a change even when the file's
+        # size and mtime do not move (coarse timestamps, same-size rewrites).
+        """CREATE TABLE registry_changes (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            n  INTEGER NOT NULL
+        )""",
+        "INSERT INTO registry_changes (id, n) VALUES (1, 0)",
+        """CREATE TRIGGER routes_changed_insert AFTER INSERT ON routes
+           BEGIN UPDATE registry_changes SET n = n + 1 WHERE id = 1; END""",
+        """CREATE TRIGGER routes_changed_update AFTER UPDATE ON routes
+           BEGIN UPDATE registry_changes SET n = n + 1 WHERE id = 1; END""",
+        """CREATE TRIGGER routes_changed_delete AFTER DELETE ON routes
+           BEGIN UPDATE registry_changes SET n = n + 1 WHERE id = 1; END""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -171,13 +186,13 @@ class Registry:
     """
 
     def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+        if "\x00" in path:
+            raise RegistryError(f"registry {path!r}: the path contains a NUL byte")
         self.path = path
         self._clock = clock
 
     @contextmanager
     def connect(self) -> Iterator[sqlite3.Connection]:
-        if "\x00" in self.path:
-            raise RegistryError(f"registry {self.path!r}: the path contains a NUL byte")
         directory = os.path.dirname(self.path) or "."
         if not os.path.isdir(directory):
             raise RegistryError(f"registry {self.path}: directory {directory} does not exist")
@@ -306,7 +321,8 @@ class Registry:
             return cursor.rowcount > 0
 
     def fingerprint(self) -> tuple[Any, ...]:
-        """What changes whenever a committed write lands: the file and its WAL, by inode/size/mtime."""
+        """What changes whenever a committed write lands: the file and its WAL (inode, size, mtime)
+        and the write counter kept by triggers on ``routes``."""
         parts: list[Any] = []
         for suffix in ("", "-wal"):
             try:
@@ -315,6 +331,14 @@ class Registry:
                 parts.append(None)
             else:
                 parts.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        if parts[0] is None:
+            return (*parts, None)  # connecting would create the file
+        try:
+            with self.connect() as conn:
+                row = conn.execute("SELECT n FROM registry_changes WHERE id = 1").fetchone()
+            parts.append(row[0] if row else None)
+        except RegistryError:
+            parts.append(None)  # unreadable: the stats above still change when it is fixed
         return tuple(parts)
 
 
@@ -372,6 +396,9 @@ class RouteSource(Service):
         # Reloads asked for while one runs: all served by one more load afterwards.
         self._again: list[tuple[str, Deferred[RouteTable]]] = []
         self._poller: LoopingCall | None = None
+        # A fingerprint whose reload failed: not retried (and not logged again) until it changes.
+        self._polled: tuple[Any, ...] | None = None
+        self._broken: tuple[Any, ...] | None = None
         _publish_gauge(initial)
 
     def subscribe(self, listener: Listener) -> None:
@@ -425,6 +452,7 @@ class RouteSource(Service):
                 waiter.callback(result)
 
     def _swap(self, new: RouteTable, reason: str) -> RouteTable:
+        self._broken = None
         old, self.table = self.table, new
         _reloads.labels("ok").inc()
         _publish_gauge(new)
@@ -444,6 +472,7 @@ class RouteSource(Service):
         return new
 
     def _failed(self, failure: Failure, reason: str) -> RouteTable:
+        self._broken = self._polled
         _reloads.labels("error").inc()
         _log.error(
             "registry reload ({reason}) failed, keeping {count} routes: {error}",
@@ -459,7 +488,8 @@ class RouteSource(Service):
         d = self.run_in_thread(self.registry.fingerprint)
 
         def compare(fingerprint: tuple[Any, ...]) -> Deferred[RouteTable] | None:
-            if fingerprint != self.table.fingerprint:
+            if fingerprint != self.table.fingerprint and fingerprint != self._broken:
+                self._polled = fingerprint
                 return self.reload("file changed")
             return None
 

@@ -20,6 +20,7 @@ from lchat.proxy.simple import ProxyResource
 from lchat.registry import Registry, RegistryError, RouteSource
 from lchat.router import Router
 from lchat.units import BuiltinUnits
+from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
 
@@ -129,10 +130,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
 
     proxy = ProxyResource(reactor, Router(routes, cfg.fallback_url))
     if cfg.http_addr is not None:
-        from twisted.web.server import Site
-
-        site = Site(proxy)
-        site.displayTracebacks = False
+        site = QuietSite(proxy)
         http = StreamServerEndpointService(serverFromString(reactor, cfg.http_addr), site)
         http._raiseSynchronously = True
         http.setServiceParent(top)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import importlib.util
 import io
 import json
 import os
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from attrs import frozen
-from twisted.trial.unittest import SkipTest, SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase
 
 import lchat
 from lchat import hosts
@@ -573,8 +572,6 @@ class SystemdUnitsTests(CliTestCase):
         self.assertIn(("POST", "/reload"), server.seen)
 
     def test_reference_space(self) -> None:
-        if importlib.util.find_spec("lchat.space.__main__") is None:
-            raise SkipTest("lchat.space has no __main__ yet")
         log = self.fake_systemctl("space")
         result = self.lchat("add-instance", "ref.example.com", "--timeout", "20")
         self.assertEqual(result.code, 0, result)
@@ -582,6 +579,14 @@ class SystemdUnitsTests(CliTestCase):
         route = self.row("ref.example.com")
         assert route is not None
         self.assertEqual(route.status, "ready")
+
+    def test_host_too_long_for_a_unit_socket_is_refused(self) -> None:
+        log = self.fake_systemctl("stub")
+        host = ("a" * 60) + "." + ("b" * 60) + ".example.com"
+        result = self.lchat("add-instance", host)
+        self.assertFailed(result, "too long for a unix socket", "LCHAT_UNITS=builtin")
+        self.assertIsNone(self.row(host))
+        self.assertEqual(self.systemctl_calls(log), [])
 
     def test_unit_fails(self) -> None:
         self.fake_systemctl("fail")

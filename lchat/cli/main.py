@@ -228,6 +228,12 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     if registry.get(host) is not None:
         raise CliError(f"{host} is already registered")
     socket = hosts.socket_path(cfg.run_dir, host)
+    if cfg.units == "systemd" and not args.hibernate and not socket.endswith(f"/{host}.sock"):
+        # lchat@.service spells its socket <run>/%i.sock; a hashed name would not match it.
+        raise CliError(
+            f"{host}: the socket path {cfg.run_dir}/{host}.sock is too long for a unix socket; "
+            f"systemd units cannot run it (use LCHAT_UNITS=builtin, or a shorter LCHAT_RUN_DIR)"
+        )
     token = _stage_env_file(hosts.env_path(cfg.data_dir, host), token)
     registry.insert(
         Route(

@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, ResponseDone
+from twisted.web.client import Agent, FileBodyProducer, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IResponse
@@ -27,6 +27,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 from lchat.router import LocalResponse, LocalSocket, Router
+from lchat.webutil import quiet_pool
 
 _log = Logger(namespace="lchat.proxy")
 
@@ -93,7 +94,7 @@ class ProxyResource(Resource):
         super().__init__()
         self._reactor = reactor
         self._router = router
-        self._pool = HTTPConnectionPool(reactor, persistent=True)
+        self._pool = quiet_pool(reactor)
         self._pool.maxPersistentPerHost = 16
         self._pool.cachedConnectionTimeout = 60
 

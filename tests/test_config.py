@@ -1,0 +1,574 @@
+"""Tests for lchat.config: every refusal names its variable; defaults, precedence, env-file syntax."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from twisted.trial import unittest
+
+from lchat import config
+from lchat.config import BoxConfig, ConfigError
+
+MESH_OK = {
+    "LCHAT_HIBERNATE_BUCKET": "my-hibernation-bucket",
+    "LCHAT_MESH_SELF": "https://box-1.example.net",
+    "LCHAT_MESH_DOMAINS": "11ch.example.com",
+    "LCHAT_MESH_TOKEN": "s3cret-mesh-token-value",
+}
+
+
+class Base(unittest.TestCase):
+    def setUp(self) -> None:
+        self.dir = self.mktemp()
+        os.makedirs(self.dir)
+        self.env_file = self.write_env("")
+
+    def write_env(self, text: str, name: str = "router.env") -> str:
+        path = os.path.join(self.dir, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
+    def load(
+        self,
+        environ: Mapping[str, str] | None = None,
+        flags: Mapping[str, str | None] | None = None,
+        env_file: str | None = None,
+        systemd_present: bool = False,
+    ) -> BoxConfig:
+        return config.load(
+            env_file=self.env_file if env_file is None else env_file,
+            environ=environ or {},
+            flags=flags,
+            systemd_present=systemd_present,
+        )
+
+    def refuses(self, variable: str, environ: Mapping[str, str], *, where: str = "") -> str:
+        """Assert that ``environ`` is refused with a message naming ``variable``; return it."""
+        with self.assertRaises(ConfigError, msg=repr(environ)) as e:
+            self.load(environ)
+        message = str(e.exception)
+        self.assertIn(variable, message)
+        if where:
+            self.assertIn(where, message)
+        return message
+
+
+class Refusals(Base):
+    def test_hibernate_idle_not_positive(self) -> None:
+        for value in ("0s", "0", "0m", "0h0m", "0.0s"):
+            self.refuses("LCHAT_HIBERNATE_IDLE", {"LCHAT_HIBERNATE_IDLE": value})
+
+    def test_hibernate_idle_not_a_duration(self) -> None:
+        for value in ("15", "abc", "1x", "-5m", "15 m", "m", "1h30", "1.5.2s", "\x00"):
+            self.refuses("LCHAT_HIBERNATE_IDLE", {"LCHAT_HIBERNATE_IDLE": value})
+
+    def test_idle_is_checked_even_without_a_bucket(self) -> None:
+        self.refuses("LCHAT_HIBERNATE_IDLE", {"LCHAT_HIBERNATE_IDLE": "soon"})
+        self.refuses(
+            "LCHAT_HIBERNATE_IDLE",
+            {"LCHAT_HIBERNATE_IDLE": "soon", "LCHAT_HIBERNATE_BUCKET": "b"},
+        )
+
+    def test_hibernate_prefix(self) -> None:
+        for value in ("a/../b", "..", "x\x00y"):
+            self.refuses(
+                "LCHAT_HIBERNATE_PREFIX",
+                {"LCHAT_HIBERNATE_BUCKET": "b", "LCHAT_HIBERNATE_PREFIX": value},
+            )
+
+    def test_mesh_without_domains(self) -> None:
+        env = {**MESH_OK, "LCHAT_MESH_DOMAINS": ""}
+        self.refuses("LCHAT_MESH_DOMAINS", env, where="LCHAT_MESH_SELF")
+        env = {**MESH_OK, "LCHAT_MESH_DOMAINS": " , "}
+        self.refuses("LCHAT_MESH_DOMAINS", env)
+        env = dict(MESH_OK)
+        del env["LCHAT_MESH_DOMAINS"]
+        self.refuses("LCHAT_MESH_DOMAINS", env)
+
+    def test_mesh_without_token(self) -> None:
+        env = dict(MESH_OK)
+        del env["LCHAT_MESH_TOKEN"]
+        self.refuses("LCHAT_MESH_TOKEN", env, where="LCHAT_MESH_SELF")
+        self.refuses("LCHAT_MESH_TOKEN", {**MESH_OK, "LCHAT_MESH_TOKEN": "   "})
+
+    def test_mesh_without_bucket(self) -> None:
+        env = dict(MESH_OK)
+        del env["LCHAT_HIBERNATE_BUCKET"]
+        self.refuses("LCHAT_HIBERNATE_BUCKET", env, where="LCHAT_MESH_SELF")
+
+    def test_mesh_self_not_a_base_url(self) -> None:
+        for value in (
+            "box-1.example.net",  # no scheme
+            "box-1.example.net:8443",
+            "//box-1.example.net",
+            "ftp://box-1.example.net",  # wrong scheme
+            "https://",  # no host
+            "https://:8443",
+            "https://box-1.example.net/mesh",  # a path
+            "https://box-1.example.net/?x=1",  # a query
+            "https://box-1.example.net?x=1",
+            "https://box-1.example.net#frag",
+            "https://box-1.example.net:99999",  # a bad port
+            "https://box-1.example.net:port",
+        ):
+            message = self.refuses("LCHAT_MESH_SELF", {**MESH_OK, "LCHAT_MESH_SELF": value})
+            self.assertNotIn(MESH_OK["LCHAT_MESH_TOKEN"], message)
+
+    def test_cert_cache(self) -> None:
+        message = self.refuses("LCHAT_CERT_CACHE", {"LCHAT_CERT_CACHE": "s3"})
+        self.assertIn("reserved", message)
+        self.refuses("LCHAT_CERT_CACHE", {"LCHAT_CERT_CACHE": "bogus"})
+        self.refuses("LCHAT_CERT_CACHE", {"LCHAT_CERT_CACHE": "S3"})
+
+    def test_units(self) -> None:
+        for value in ("bogus", "Systemd", "", "none"):
+            self.refuses("LCHAT_UNITS", {"LCHAT_UNITS": value})
+
+    def test_addresses(self) -> None:
+        for variable in ("LCHAT_HTTP_ADDR", "LCHAT_HTTPS_ADDR"):
+            for value in (
+                ":99999",
+                "nonsense:::",
+                "127.0.0.1:70000",
+                "[::1]:99999",
+                "tcp:notaport",
+                "bogus:80",
+                "myhost:8080",
+                "[::1]",
+                "1.2.3.4",
+            ):
+                self.refuses(variable, {variable: value})
+
+    def test_fallback_url(self) -> None:
+        for value in (
+            "example.com",
+            "/relative",
+            "ftp://example.com/",
+            "https://",
+            "javascript:alert(1)",
+            "https://exa mple.com/",
+            "https://example.com/\x00",
+            "https://b\u00fccher.example/",
+        ):
+            self.refuses("LCHAT_FALLBACK_URL", {"LCHAT_FALLBACK_URL": value})
+
+    def test_domains(self) -> None:
+        for variable in ("LCHAT_MESH_DOMAINS", "LCHAT_WILDCARD_DOMAINS"):
+            for value in (
+                "../x",
+                "a/b",
+                "a\x00b.com",
+                "x" * 300 + ".com",
+                "localhost",
+                "good.example.com,../x",
+                "127.0.0.1",
+            ):
+                self.refuses(variable, {**MESH_OK, variable: value})
+
+    def test_paths_with_nul(self) -> None:
+        for variable in (
+            "LCHAT_DATA_DIR",
+            "LCHAT_RUN_DIR",
+            "LCHAT_REGISTRY",
+            "LCHAT_ACME_CACHE",
+            "LCHAT_SPACE_COMMAND",
+        ):
+            self.refuses(variable, {variable: "/tmp/a\x00b"})
+
+    def test_empty_dirs(self) -> None:
+        self.refuses("LCHAT_DATA_DIR", {"LCHAT_DATA_DIR": ""})
+        self.refuses("LCHAT_RUN_DIR", {"LCHAT_RUN_DIR": "  "})
+
+    def test_space_command(self) -> None:
+        self.refuses("LCHAT_SPACE_COMMAND", {"LCHAT_SPACE_COMMAND": ""})
+        self.refuses("LCHAT_SPACE_COMMAND", {"LCHAT_SPACE_COMMAND": "'/opt/x {host}"})
+
+    def test_refusal_from_a_flag_or_the_file(self) -> None:
+        with self.assertRaises(ConfigError) as e:
+            self.load(flags={"LCHAT_UNITS": "bogus"})
+        self.assertIn("LCHAT_UNITS", str(e.exception))
+        env_file = self.write_env("LCHAT_CERT_CACHE=s3\n", "s3.env")
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=env_file)
+        self.assertIn("LCHAT_CERT_CACHE", str(e.exception))
+
+
+class EnvFileRefusals(Base):
+    def test_explicit_file_missing(self) -> None:
+        missing = os.path.join(self.dir, "nope.env")
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=missing)
+        self.assertIn("--env-file", str(e.exception))
+        self.assertIn(missing, str(e.exception))
+
+    def test_file_path_with_nul(self) -> None:
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=os.path.join(self.dir, "a\x00b.env"))
+        self.assertIn("--env-file", str(e.exception))
+
+    def test_file_is_a_directory(self) -> None:
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=self.dir)
+        self.assertIn("--env-file", str(e.exception))
+
+    def test_not_utf8(self) -> None:
+        path = os.path.join(self.dir, "latin1.env")
+        with open(path, "wb") as f:
+            f.write(b"LCHAT_DATA_DIR=/d\xe9\n")
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=path)
+        self.assertIn("UTF-8", str(e.exception))
+
+    def assert_line_refused(self, text: str, line: int, why: str) -> None:
+        path = self.write_env(text, "bad.env")
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=path)
+        self.assertIn(f"{path}:{line}", str(e.exception))
+        self.assertIn(why, str(e.exception))
+
+    def test_malformed_line(self) -> None:
+        self.assert_line_refused("# ok\nLCHAT_DATA_DIR=/d\njust words\n", 3, "NAME=VALUE")
+        self.assert_line_refused("=value\n", 1, "NAME=VALUE")
+        self.assert_line_refused("1LCHAT=x\n", 1, "NAME=VALUE")
+        self.assert_line_refused("LCHAT-X=1\n", 1, "NAME=VALUE")
+        self.assert_line_refused("export\n", 1, "NAME=VALUE")
+
+    def test_unterminated_quote(self) -> None:
+        self.assert_line_refused('LCHAT_DATA_DIR="/data\n', 1, "unterminated quote")
+        self.assert_line_refused("\nLCHAT_DATA_DIR='/data\n", 2, "unterminated quote")
+
+    def test_text_after_closing_quote(self) -> None:
+        self.assert_line_refused('LCHAT_DATA_DIR="/data"x\n', 1, "after the closing quote")
+
+
+class Defaults(Base):
+    def test_defaults(self) -> None:
+        cfg = self.load()
+        self.assertEqual(cfg.env_file, self.env_file)
+        self.assertEqual(cfg.data_dir, "/data")
+        self.assertEqual(cfg.run_dir, "/run/lchat")
+        self.assertEqual(cfg.registry, "/data/registry.db")
+        self.assertEqual(cfg.acme_cache, "/data/acme")
+        self.assertEqual(cfg.cert_cache, "dir")
+        self.assertEqual(cfg.https_addr, "tcp:443")
+        self.assertEqual(cfg.http_addr, "tcp:80")
+        self.assertEqual(cfg.fallback_url, "")
+        self.assertEqual(cfg.units, "builtin")
+        self.assertEqual(cfg.space_command, ("/opt/lchat/live/{host}",))
+        self.assertIsNone(cfg.hibernate)
+        self.assertIsNone(cfg.mesh)
+        self.assertEqual(cfg.wildcard_domains, ())
+        self.assertEqual(cfg.warnings, ())
+        self.assertEqual(cfg.admin_socket, "/run/lchat/router.sock")
+
+    def test_units_auto(self) -> None:
+        self.assertEqual(self.load(systemd_present=False).units, "builtin")
+        self.assertEqual(self.load(systemd_present=True).units, "systemd")
+        self.assertEqual(self.load({"LCHAT_UNITS": "auto"}, systemd_present=True).units, "systemd")
+
+    def test_units_explicit(self) -> None:
+        self.assertEqual(self.load({"LCHAT_UNITS": "systemd"}).units, "systemd")
+        self.assertEqual(
+            self.load({"LCHAT_UNITS": "builtin"}, systemd_present=True).units, "builtin"
+        )
+
+    def test_registry_follows_data_dir(self) -> None:
+        cfg = self.load({"LCHAT_DATA_DIR": "/srv/lchat/"})
+        self.assertEqual(cfg.data_dir, "/srv/lchat")
+        self.assertEqual(cfg.registry, "/srv/lchat/registry.db")
+        self.assertEqual(cfg.acme_cache, "/srv/lchat/acme")
+        cfg = self.load({"LCHAT_DATA_DIR": "/srv/lchat", "LCHAT_REGISTRY": "/elsewhere/r.db"})
+        self.assertEqual(cfg.registry, "/elsewhere/r.db")
+
+    def test_relative_paths_become_absolute(self) -> None:
+        cfg = self.load({"LCHAT_DATA_DIR": "data", "LCHAT_REGISTRY": "reg/r.db"})
+        self.assertEqual(cfg.data_dir, os.path.abspath("data"))
+        self.assertEqual(cfg.registry, os.path.abspath("reg/r.db"))
+
+    def test_default_env_file_may_be_absent(self) -> None:
+        # No explicit file: /data/router.env is read only if present; the test box has none,
+        # or if it does, the call must still not fail for its absence.
+        if os.path.exists(config.DEFAULT_ENV_FILE):
+            raise unittest.SkipTest(f"{config.DEFAULT_ENV_FILE} exists on this machine")
+        cfg = config.load(environ={}, systemd_present=False)
+        self.assertEqual(cfg.env_file, config.DEFAULT_ENV_FILE)
+        self.assertEqual(cfg.file_env, {})
+
+    def test_example_env_file_loads(self) -> None:
+        example = os.path.join(os.path.dirname(__file__), "..", "etc", "router.env.example")
+        if not os.path.exists(example):
+            raise unittest.SkipTest("etc/router.env.example not present")
+        cfg = self.load(env_file=example)
+        self.assertEqual(cfg.warnings, ())
+        self.assertEqual(cfg.https_addr, "tcp:443")
+
+
+class Precedence(Base):
+    def test_file_then_environ_then_flags(self) -> None:
+        env_file = self.write_env(
+            "LCHAT_DATA_DIR=/from-file\nLCHAT_RUN_DIR=/run-file\nLCHAT_UNITS=systemd\n", "p.env"
+        )
+        cfg = self.load(env_file=env_file)
+        self.assertEqual(
+            (cfg.data_dir, cfg.run_dir, cfg.units), ("/from-file", "/run-file", "systemd")
+        )
+        cfg = self.load(
+            {"LCHAT_DATA_DIR": "/from-environ", "LCHAT_UNITS": "builtin"}, env_file=env_file
+        )
+        self.assertEqual(
+            (cfg.data_dir, cfg.run_dir, cfg.units), ("/from-environ", "/run-file", "builtin")
+        )
+        cfg = self.load(
+            {"LCHAT_DATA_DIR": "/from-environ", "LCHAT_UNITS": "builtin"},
+            flags={"LCHAT_DATA_DIR": "/from-flag", "LCHAT_UNITS": None},
+            env_file=env_file,
+        )
+        # A flag left unset (None) does not mask the environment.
+        self.assertEqual(
+            (cfg.data_dir, cfg.run_dir, cfg.units), ("/from-flag", "/run-file", "builtin")
+        )
+
+    def test_only_lchat_names_are_settings(self) -> None:
+        env_file = self.write_env("PATH=/nowhere\nHOME=/x\nLCHAT_DATA_DIR=/d\n", "o.env")
+        cfg = self.load({"PATH": "/usr/bin", "SHELL": "/bin/sh"}, env_file=env_file)
+        self.assertEqual(cfg.warnings, ())
+        self.assertEqual(cfg.data_dir, "/d")
+        # The whole file is kept for the children's environment.
+        self.assertEqual(cfg.file_env["PATH"], "/nowhere")
+
+    def test_values_are_stripped(self) -> None:
+        cfg = self.load({"LCHAT_UNITS": "  systemd \n", "LCHAT_HTTP_ADDR": " off "})
+        self.assertEqual(cfg.units, "systemd")
+        self.assertIsNone(cfg.http_addr)
+
+
+class EnvFileSyntax(Base):
+    def test_syntax(self) -> None:
+        path = self.write_env(
+            "\n".join(
+                [
+                    "# a comment",
+                    "   # an indented comment",
+                    "",
+                    "   ",
+                    "export LCHAT_DATA_DIR=/exported",
+                    "export   LCHAT_RUN_DIR=/run/x",
+                    'LCHAT_SPACE_COMMAND="/opt/space --host {host} # not a comment"',
+                    "LCHAT_HIBERNATE_BUCKET='my bucket' # trailing comment",
+                    "LCHAT_HIBERNATE_REGION=eu-west-1                   # optional",
+                    "LCHAT_HIBERNATE_PREFIX=prod\t# tab before the comment",
+                    "LCHAT_HIBERNATE_ENDPOINT=http://127.0.0.1:9000/#frag",
+                    "  LCHAT_HIBERNATE_IDLE = 90s  ",
+                    "LCHAT_MESH_REGION=",
+                    "OTHER=a=b=c",
+                    'EMPTYQ=""',
+                ]
+            )
+            + "\n",
+            "syntax.env",
+        )
+        values = config.read_env_file(path)
+        self.assertEqual(
+            values,
+            {
+                "LCHAT_DATA_DIR": "/exported",
+                "LCHAT_RUN_DIR": "/run/x",
+                "LCHAT_SPACE_COMMAND": "/opt/space --host {host} # not a comment",
+                "LCHAT_HIBERNATE_BUCKET": "my bucket",
+                "LCHAT_HIBERNATE_REGION": "eu-west-1",
+                "LCHAT_HIBERNATE_PREFIX": "prod",
+                "LCHAT_HIBERNATE_ENDPOINT": "http://127.0.0.1:9000/#frag",
+                "LCHAT_HIBERNATE_IDLE": "90s",
+                "LCHAT_MESH_REGION": "",
+                "OTHER": "a=b=c",
+                "EMPTYQ": "",
+            },
+        )
+        cfg = self.load(env_file=path)
+        self.assertEqual(cfg.data_dir, "/exported")
+        self.assertEqual(
+            cfg.space_command, ("/opt/space", "--host", "{host}", "#", "not", "a", "comment")
+        )
+        assert cfg.hibernate is not None
+        self.assertEqual(cfg.hibernate.bucket, "my bucket")
+        self.assertEqual(cfg.hibernate.idle, 90.0)
+        self.assertEqual(cfg.hibernate.endpoint, "http://127.0.0.1:9000/#frag")
+
+    def test_seed_mesh_block(self) -> None:
+        """The mesh guide's router.env lines, verbatim, including an empty value with a comment."""
+        path = self.write_env(
+            "LCHAT_HIBERNATE_BUCKET=my-hibernation-bucket # prerequisite: the mesh rides on the "
+            "hibernation bucket\n"
+            "LCHAT_MESH_SELF=https://box-1.example.net # this box\u2019s identity\n"
+            "LCHAT_MESH_DOMAINS=11ch.example.com # comma-separated; ONLY hosts under these\n"
+            "LCHAT_MESH_TOKEN= # authenticates route replication\n",
+            "seed.env",
+        )
+        self.assertEqual(config.read_env_file(path)["LCHAT_MESH_TOKEN"], "")
+        with self.assertRaises(ConfigError) as e:
+            self.load(env_file=path)
+        self.assertIn("LCHAT_MESH_TOKEN", str(e.exception))
+        cfg = self.load({"LCHAT_MESH_TOKEN": "t0ken"}, env_file=path)
+        assert cfg.mesh is not None
+        self.assertEqual(cfg.mesh.self_url, "https://box-1.example.net")
+        self.assertEqual(cfg.mesh.domains, ("11ch.example.com",))
+        self.assertEqual(cfg.mesh.token, "t0ken")
+
+    def test_hash_inside_an_unquoted_value(self) -> None:
+        path = self.write_env("A=#not-a-comment\nB=x#y\nC= # comment only\n", "hash.env")
+        self.assertEqual(config.read_env_file(path), {"A": "#not-a-comment", "B": "x#y", "C": ""})
+
+    def test_later_line_wins(self) -> None:
+        path = self.write_env("LCHAT_DATA_DIR=/a\nLCHAT_DATA_DIR=/b\n", "twice.env")
+        self.assertEqual(self.load(env_file=path).data_dir, "/b")
+
+
+class Durations(unittest.TestCase):
+    def test_durations(self) -> None:
+        for text, seconds in (
+            ("15m", 900.0),
+            ("90s", 90.0),
+            ("1h30m", 5400.0),
+            ("250ms", 0.25),
+            ("1h", 3600.0),
+            ("1d", 86400.0),
+            ("1.5s", 1.5),
+            ("2m30s", 150.0),
+        ):
+            self.assertAlmostEqual(config.parse_duration("X", text), seconds)
+
+    def test_refusals_name_the_variable(self) -> None:
+        for text in ("", "15", "abc", "1x", "m15", "15m ", "-1s"):
+            with self.assertRaises(ConfigError) as e:
+                config.parse_duration("LCHAT_SOMETHING", text)
+            self.assertIn("LCHAT_SOMETHING", str(e.exception))
+
+
+class Addresses(unittest.TestCase):
+    def test_forms(self) -> None:
+        for text, endpoint in (
+            (":443", "tcp:443"),
+            (":0", "tcp:0"),
+            ("127.0.0.1:8080", "tcp:8080:interface=127.0.0.1"),
+            ("0.0.0.0:80", "tcp:80:interface=0.0.0.0"),
+            ("localhost:8080", "tcp:8080:interface=localhost"),
+            ("[::1]:8443", r"tcp6:8443:interface=\:\:1"),
+            ("[::]:443", r"tcp6:443:interface=\:\:"),
+            ("tcp:8080:interface=127.0.0.1", "tcp:8080:interface=127.0.0.1"),
+            ("tcp:8080", "tcp:8080"),
+            ("tcp6:8080", "tcp6:8080"),
+            ("unix:/run/lchat/x.sock", "unix:/run/lchat/x.sock"),
+        ):
+            self.assertEqual(config.parse_address("LCHAT_HTTP_ADDR", text), endpoint, text)
+
+    def test_off(self) -> None:
+        for text in ("off", "none", ""):
+            self.assertIsNone(config.parse_address("LCHAT_HTTP_ADDR", text))
+
+    def test_endpoint_type_is_never_an_interface(self) -> None:
+        # "ssl:443" is an endpoint string; it must not turn into plain TCP on an interface "ssl".
+        with self.assertRaises(ConfigError) as e:
+            config.parse_address("LCHAT_HTTPS_ADDR", "ssl:443:privateKey=/nonexistent/key.pem")
+        self.assertIn("LCHAT_HTTPS_ADDR", str(e.exception))
+
+
+class ReachTheConfig(Base):
+    def test_idle(self) -> None:
+        for text, seconds in (("15m", 900.0), ("1h30m", 5400.0), ("250ms", 0.25)):
+            cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "b", "LCHAT_HIBERNATE_IDLE": text})
+            assert cfg.hibernate is not None
+            self.assertEqual(cfg.hibernate.idle, seconds)
+        cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "b", "LCHAT_HIBERNATE_PREFIX": "/prod/"})
+        assert cfg.hibernate is not None
+        self.assertEqual((cfg.hibernate.bucket, cfg.hibernate.prefix), ("b", "prod"))
+        self.assertEqual(cfg.hibernate.idle, 900.0)
+
+    def test_addresses(self) -> None:
+        cfg = self.load({"LCHAT_HTTPS_ADDR": "off", "LCHAT_HTTP_ADDR": "[::1]:8080"})
+        self.assertIsNone(cfg.https_addr)
+        self.assertEqual(cfg.http_addr, r"tcp6:8080:interface=\:\:1")
+        cfg = self.load(
+            {
+                "LCHAT_HTTPS_ADDR": "tcp:8443:interface=127.0.0.1",
+                "LCHAT_HTTP_ADDR": "127.0.0.1:8080",
+            }
+        )
+        self.assertEqual(cfg.https_addr, "tcp:8443:interface=127.0.0.1")
+        self.assertEqual(cfg.http_addr, "tcp:8080:interface=127.0.0.1")
+
+    def test_fallback_url(self) -> None:
+        url = "https://example.com/where?x=1"
+        self.assertEqual(self.load({"LCHAT_FALLBACK_URL": url}).fallback_url, url)
+
+
+class Warnings(Base):
+    def test_unknown_variable_warns(self) -> None:
+        cfg = self.load({"LCHAT_FOO": "1", "LCHAT_ADMIN_TOKEN": "secret", "LCHAT_HOST": "x"})
+        self.assertEqual(len(cfg.warnings), 1)
+        self.assertIn("LCHAT_FOO", cfg.warnings[0])
+        self.assertNotIn("LCHAT_ADMIN_TOKEN", " ".join(cfg.warnings))
+
+    def test_unknown_in_file_and_flags(self) -> None:
+        env_file = self.write_env("LCHAT_TYPO_DIR=/x\n", "w.env")
+        cfg = self.load(flags={"LCHAT_BAR": "1"}, env_file=env_file)
+        self.assertEqual(len(cfg.warnings), 2)
+        self.assertIn("LCHAT_BAR", cfg.warnings[0])
+        self.assertIn("LCHAT_TYPO_DIR", cfg.warnings[1])
+
+
+class Secrets(Base):
+    def test_mesh_token_not_in_repr(self) -> None:
+        env_file = self.write_env(
+            f"LCHAT_MESH_TOKEN={MESH_OK['LCHAT_MESH_TOKEN']}\nLCHAT_ADMIN_TOKEN=admin-secret-x\n",
+            "secret.env",
+        )
+        environ = {k: v for k, v in MESH_OK.items() if k != "LCHAT_MESH_TOKEN"}
+        cfg = self.load(environ, env_file=env_file)
+        assert cfg.mesh is not None
+        self.assertEqual(cfg.mesh.token, MESH_OK["LCHAT_MESH_TOKEN"])
+        for text in (repr(cfg), str(cfg), repr(cfg.mesh)):
+            self.assertNotIn(MESH_OK["LCHAT_MESH_TOKEN"], text)
+            self.assertNotIn("admin-secret-x", text)
+        self.assertIn("box-1.example.net", repr(cfg))
+
+    def test_mesh_ok(self) -> None:
+        cfg = self.load({**MESH_OK, "LCHAT_MESH_SELF": "https://Box-1.example.net:8443/"})
+        assert cfg.mesh is not None and cfg.hibernate is not None
+        self.assertEqual(cfg.mesh.self_url, "https://Box-1.example.net:8443")
+        self.assertEqual(cfg.hibernate.bucket, "my-hibernation-bucket")
+
+    def test_domains_are_normalised(self) -> None:
+        cfg = self.load(
+            {
+                **MESH_OK,
+                "LCHAT_MESH_DOMAINS": " 11CH.Example.com., b\u00fccher.example ,",
+                "LCHAT_WILDCARD_DOMAINS": "Example.NET",
+            }
+        )
+        assert cfg.mesh is not None
+        self.assertEqual(cfg.mesh.domains, ("11ch.example.com", "xn--bcher-kva.example"))
+        self.assertEqual(cfg.wildcard_domains, ("example.net",))
+
+
+class SpaceArgv(Base):
+    def test_substitutes_host(self) -> None:
+        cfg = self.load({"LCHAT_SPACE_COMMAND": "/opt/space --host={host} --db '/data/{host}.db'"})
+        self.assertEqual(
+            cfg.space_argv("Chat.Example.com"),
+            ["/opt/space", "--host=chat.example.com", "--db", "/data/chat.example.com.db"],
+        )
+        self.assertEqual(self.load().space_argv("a.example.com"), ["/opt/lchat/live/a.example.com"])
+
+    def test_refuses_hostile_host(self) -> None:
+        cfg = self.load()
+        from lchat.hosts import InvalidHost
+
+        for bad in ("../x", "a/b", "a\x00b.com", "x" * 300 + ".com"):
+            self.assertRaises(InvalidHost, cfg.space_argv, bad)
+
+    def test_config_is_immutable(self) -> None:
+        cfg = self.load()
+        with self.assertRaises(AttributeError):
+            cfg.data_dir = "/elsewhere"  # type: ignore[misc]
