@@ -50,6 +50,19 @@ class MeshConfig:
 
 
 @frozen
+class ProxyConfig:
+    """Limits and timeouts of the front door (seconds and bytes)."""
+
+    dial_retry: float = 13.0  # keep retrying a refused/missing socket this long (space restarts)
+    header_timeout: float = 10.0  # a request head must arrive within this (slowloris)
+    keepalive_timeout: float = 60.0  # an idle client connection is closed after this
+    upstream_timeout: float = 300.0  # the space must start answering within this (long polls)
+    max_header_bytes: int = 65536  # request line + headers; over it -> 431
+    max_headers: int = 100  # header count; over it -> 431
+    access_log: bool = False  # one structured log line per request
+
+
+@frozen
 class BoxConfig:
     env_file: str
     data_dir: str
@@ -65,6 +78,8 @@ class BoxConfig:
     hibernate: HibernateConfig | None
     mesh: MeshConfig | None
     wildcard_domains: tuple[str, ...]
+    proxy: ProxyConfig = ProxyConfig()
+    metrics_addr: str | None = None  # optional TCP endpoint serving /metrics
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -101,6 +116,14 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_TOKEN": "",
     "LCHAT_MESH_REGION": "",
     "LCHAT_WILDCARD_DOMAINS": "",
+    "LCHAT_METRICS_ADDR": "off",
+    "LCHAT_DIAL_RETRY": "13s",
+    "LCHAT_HEADER_TIMEOUT": "10s",
+    "LCHAT_KEEPALIVE_TIMEOUT": "60s",
+    "LCHAT_UPSTREAM_TIMEOUT": "5m",
+    "LCHAT_MAX_HEADER_BYTES": "65536",
+    "LCHAT_MAX_HEADERS": "100",
+    "LCHAT_ACCESS_LOG": "off",
 }
 
 # Names that belong to a space's own environment or to tools beside us; never warned about.
@@ -168,6 +191,8 @@ def load(
         hibernate=_hibernate(get),
         mesh=_mesh(get),
         wildcard_domains=_domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS")),
+        proxy=_proxy(get),
+        metrics_addr=parse_address("LCHAT_METRICS_ADDR", get("LCHAT_METRICS_ADDR")),
         warnings=warnings,
         file_env=file_env,
     )
@@ -314,6 +339,34 @@ def _domains(name: str, text: str) -> tuple[str, ...]:
         except hosts.InvalidHost as e:
             raise ConfigError(f"{name}: {e}") from e
     return tuple(result)
+
+
+def _proxy(get: _Getter) -> ProxyConfig:
+    def positive(name: str) -> float:
+        value = parse_duration(name, get(name))
+        if value <= 0:
+            raise ConfigError(f"{name} must be a positive duration")
+        return value
+
+    def count(name: str, low: int, high: int) -> int:
+        text = get(name)
+        if not text.isdigit() or not low <= int(text) <= high:
+            raise ConfigError(f"{name}={text!r} must be a whole number from {low} to {high}")
+        return int(text)
+
+    access_log = get("LCHAT_ACCESS_LOG")
+    if access_log not in ("on", "off"):
+        raise ConfigError(f"LCHAT_ACCESS_LOG must be on or off, not {access_log!r}")
+    dial_retry = parse_duration("LCHAT_DIAL_RETRY", get("LCHAT_DIAL_RETRY"))  # 0 = no retry
+    return ProxyConfig(
+        dial_retry=dial_retry,
+        header_timeout=positive("LCHAT_HEADER_TIMEOUT"),
+        keepalive_timeout=positive("LCHAT_KEEPALIVE_TIMEOUT"),
+        upstream_timeout=positive("LCHAT_UPSTREAM_TIMEOUT"),
+        max_header_bytes=count("LCHAT_MAX_HEADER_BYTES", 1024, 1 << 20),
+        max_headers=count("LCHAT_MAX_HEADERS", 8, 10000),
+        access_log=access_log == "on",
+    )
 
 
 def _hibernate(get: _Getter) -> HibernateConfig | None:
