@@ -114,6 +114,22 @@ class AdminAPI:
         }
 
 
+class _Metrics(Resource):
+    isLeaf = True
+
+    def render_GET(self, request: Request) -> bytes:
+        if request.path != b"/metrics":
+            request.setResponseCode(404)
+            return b"not found\n"
+        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
+        return generate_latest()
+
+
+def metrics_site() -> Site:
+    """``GET /metrics`` alone, for LCHAT_METRICS_ADDR: safe to expose to a scraper on TCP."""
+    return QuietSite(_Metrics())
+
+
 def _json(request: Request, code: int, body: object) -> bytes:
     request.setResponseCode(code)
     request.setHeader(b"content-type", b"application/json")

@@ -1,43 +1,70 @@
-"""The per-request decision: which target serves a request for a given Host.
+"""The per-request decision: which target serves a request.
 
 The router knows hostnames and registry rows; it knows nothing of HTTP parsing (the proxy's job) or of
-processes (the supervisor's). Later issues add the mesh (forward to the owner) and the activator (wake
-a hibernating space) as further branches of :meth:`Router.route`.
+processes (the supervisor's). The proxy hands it a parsed :class:`RequestHead` and gets back a
+:data:`Target`, now or later (a Deferred: the activator may have to wake a space first). Later issues
+add the mesh (forward to the owner) and the activator (wake a hibernating space) as further branches.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
-from attrs import frozen
-from prometheus_client import Counter
+from attrs import field, frozen
+from twisted.internet.defer import Deferred
 
-from lchat import hosts
 from lchat.registry import RouteTable
 
 RETRY_AFTER_SECONDS = 5
 
-_decisions = Counter("lchat_route_decisions_total", "Routing decisions by outcome", ["outcome"])
+Header = tuple[bytes, bytes]
+
+
+@frozen
+class RequestHead:
+    """What the routing decision may look at. Internal headers are already taken out."""
+
+    method: bytes
+    target: bytes  # origin-form: /path?query
+    host: str  # normalised (lchat.hosts.parse_host_header)
+    headers: tuple[Header, ...] = ()  # as received, minus the internal headers
+    client: str = ""  # the peer's address
+    secure: bool = False  # arrived over TLS
+    sidecar: bool = False  # carried X-Lchat-Sidecar: a bot sidecar's own traffic
+    forwarded: bytes | None = None  # the raw X-Lchat-Mesh-Forwarded value, unauthenticated
 
 
 @frozen
 class LocalSocket:
-    """Proxy the request to this space or service's unix socket."""
+    """Proxy to this space's or service's unix socket."""
 
     host: str
     path: str
+    kind: Literal["instance", "service"] = "instance"
+
+
+@frozen
+class RemotePeer:
+    """Proxy to another box over TLS, verifying ``server_name``, connecting to ``address`` only."""
+
+    host: str
+    address: str
+    port: int
+    server_name: str
+    add_headers: tuple[Header, ...] = ()
 
 
 @frozen
 class LocalResponse:
-    """Answer the request here, without any upstream."""
+    """Answer here, without any upstream. ``label`` names the outcome in metrics."""
 
     status: int
     body: bytes
-    headers: tuple[tuple[bytes, bytes], ...] = ()
+    headers: tuple[Header, ...] = ()
+    label: str = field(default="local", kw_only=True)
 
 
-Target = LocalSocket | LocalResponse
+Target = LocalSocket | RemotePeer | LocalResponse
 
 
 class TableSource(Protocol):
@@ -47,51 +74,47 @@ class TableSource(Protocol):
     def table(self) -> RouteTable: ...
 
 
-def _plain(status: int, text: str, *extra: tuple[bytes, bytes]) -> LocalResponse:
+class Routes(Protocol):
+    """What the proxy needs from a router."""
+
+    def route(self, head: RequestHead) -> Target | Deferred[Target]: ...
+
+
+def plain(status: int, text: str, *extra: Header, label: str = "local") -> LocalResponse:
     return LocalResponse(
-        status=status,
-        body=(text + "\n").encode(),
-        headers=((b"content-type", b"text/plain; charset=utf-8"), *extra),
+        status,
+        (text + "\n").encode(),
+        ((b"content-type", b"text/plain; charset=utf-8"), *extra),
+        label=label,
     )
 
 
 class Router:
-    """Maps a request's Host header to a :data:`Target` using the current route table."""
+    """Maps a request to a :data:`Target` using the current route table."""
 
     def __init__(self, table: TableSource, fallback_url: str = "") -> None:
         self._table = table
         self._fallback = fallback_url.encode("ascii", "strict") if fallback_url else b""
 
-    def route(self, host_header: str | None) -> Target:
-        if host_header is None:
-            _decisions.labels("bad_host").inc()
-            return _plain(400, "400 Bad Request: missing Host header")
-        try:
-            host = hosts.parse_host_header(host_header)
-        except hosts.InvalidHost:
-            _decisions.labels("bad_host").inc()
-            return _plain(400, "400 Bad Request: malformed Host header")
+    def route(self, head: RequestHead) -> Target | Deferred[Target]:
+        host = head.host
         route = self._table.table.get(host)
         if route is None:
-            _decisions.labels("unknown").inc()
             if self._fallback:
-                return LocalResponse(302, b"", ((b"location", self._fallback),))
-            return _plain(404, "404 Not Found: unknown host")
+                return LocalResponse(302, b"", ((b"location", self._fallback),), label="unknown")
+            return plain(404, "404 Not Found: unknown host", label="unknown")
+        retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
         if route.hibernate:
-            # Hibernating rows belong to the activator, which needs LCHAT_HIBERNATE_BUCKET and
-            # arrives in its own issue; until then they are honestly unavailable, not misrouted.
-            _decisions.labels("hibernating").inc()
-            return _plain(
+            # Hibernating rows belong to the activator (it needs LCHAT_HIBERNATE_BUCKET and
+            # arrives in its own issue); until then they are honestly unavailable, not misrouted.
+            return plain(
                 503,
                 f"503 Service Unavailable: {host} is hibernating and this router has no activator",
-                (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+                retry,
+                label="hibernating",
             )
         if not route.serveable:
-            _decisions.labels(route.status).inc()
-            return _plain(
-                503,
-                f"503 Service Unavailable: {host} is {route.status}",
-                (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+            return plain(
+                503, f"503 Service Unavailable: {host} is {route.status}", retry, label=route.status
             )
-        _decisions.labels("local").inc()
-        return LocalSocket(host=host, path=route.socket)
+        return LocalSocket(host=host, path=route.socket, kind=route.kind)

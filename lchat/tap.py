@@ -14,13 +14,13 @@ from twisted.python import usage
 
 import lchat
 from lchat import config
-from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket
+from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
-from lchat.proxy.simple import ProxyResource
+from lchat.proxy.downstream import ProxyFactory
+from lchat.proxy.upstream import UpstreamPool
 from lchat.registry import Registry, RegistryError, RouteSource
 from lchat.router import Router
 from lchat.units import BuiltinUnits
-from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
 
@@ -128,21 +128,18 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         units.setServiceParent(top)
         children = _children_status(units)
 
-    proxy = ProxyResource(reactor, Router(routes, cfg.fallback_url))
+    router = Router(routes, cfg.fallback_url)
+    pool = UpstreamPool(reactor, dial_retry=cfg.proxy.dial_retry)
     if cfg.http_addr is not None:
-        site = QuietSite(proxy)
-        http = StreamServerEndpointService(serverFromString(reactor, cfg.http_addr), site)
-        http._raiseSynchronously = True
-        http.setServiceParent(top)
-    _Closer(proxy).setServiceParent(top)
+        proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
+        _listen(top, serverFromString(reactor, cfg.http_addr), proxy)
+    _Closer(pool).setServiceParent(top)
 
     clear_stale_socket(cfg.admin_socket)
     admin = AdminAPI(routes, cfg.units, children)
-    admin_service = StreamServerEndpointService(
-        UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site()
-    )
-    admin_service._raiseSynchronously = True
-    admin_service.setServiceParent(top)
+    _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
+    if cfg.metrics_addr is not None:
+        _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
 
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
@@ -200,9 +197,19 @@ class _SignalReload(Service):
 
 
 class _Closer(Service):
-    def __init__(self, proxy: ProxyResource) -> None:
-        self._proxy = proxy
+    """Closes the idle upstream connections at shutdown."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
 
     def stopService(self) -> Any:
         super().stopService()
-        return self._proxy.close()
+        return self._pool.close()
+
+
+def _listen(parent: MultiService, endpoint: Any, factory: Any) -> StreamServerEndpointService:
+    """A listener that fails the boot (rather than logging) when it cannot listen."""
+    service = StreamServerEndpointService(endpoint, factory)
+    service._raiseSynchronously = True
+    service.setServiceParent(parent)
+    return service

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from twisted.web import client
 from twisted.web.http import Request
 from twisted.web.server import Site
 
@@ -17,14 +14,3 @@ class QuietSite(Site):
 
     def log(self, request: Request) -> None:
         pass
-
-
-class _QuietClientFactory(client._HTTP11ClientFactory):
-    noisy = False
-
-
-def quiet_pool(reactor: Any, persistent: bool = True) -> client.HTTPConnectionPool:
-    """A connection pool whose connections don't log "Starting factory" for every dial."""
-    pool = client.HTTPConnectionPool(reactor, persistent=persistent)
-    pool._factory = _QuietClientFactory
-    return pool

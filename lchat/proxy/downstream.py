@@ -1,0 +1,720 @@
+"""The downstream side: one client connection, parsed with httptools, streamed to its target.
+
+Requests on a connection are served one at a time, in order (pipelined ones wait, paused). For each:
+validate the head (no ambiguity ever reaches a space), ask the router for a target, dial (with the
+pool's retry window), write the head, stream the body with backpressure both ways, relay the response,
+and on ``101`` splice raw bytes until either side closes. Every failure ends in a clear status or a
+closed connection, never a stuck handler or a leaked upstream connection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+from typing import Protocol as TypingProtocol
+
+import httptools
+from attrs import define, field, frozen
+from prometheus_client import Counter, Gauge
+from twisted.internet import error as ierror
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from lchat import hosts
+from lchat.config import ProxyConfig
+from lchat.proxy.http import (
+    FORWARDING,
+    INTERNAL,
+    LAST_CHUNK,
+    Header,
+    Valve,
+    chunk,
+    connection_tokens,
+    end_to_end,
+    head_bytes,
+    simple_response,
+    status_line,
+)
+from lchat.proxy.upstream import DialFailed, UpstreamConnection, UpstreamPool
+from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Routes, Target, plain
+
+_log = Logger(namespace="lchat.proxy")
+
+_requests = Counter(
+    "lchat_http_requests_total",
+    "Requests answered, by host class and status",
+    ["host_class", "code"],
+)
+_rejected = Counter("lchat_http_rejected_total", "Requests refused before routing", ["reason"])
+_in_flight = Gauge("lchat_http_in_flight", "Requests being served right now")
+_bytes = Counter("lchat_proxy_bytes_total", "Body bytes relayed", ["direction"])
+_upgraded = Gauge("lchat_upgraded_connections", "Open upgraded (WebSocket) connections")
+_connections = Gauge("lchat_http_connections", "Open client connections")
+
+
+class RequestObserver(TypingProtocol):
+    """Told when a routed request starts and ends (an upgraded one ends when it closes)."""
+
+    def request_started(self, head: RequestHead, target: Target) -> None: ...
+    def request_ended(self, head: RequestHead, target: Target) -> None: ...
+
+
+class _NoObserver:
+    def request_started(self, head: RequestHead, target: Target) -> None:
+        pass
+
+    def request_ended(self, head: RequestHead, target: Target) -> None:
+        pass
+
+
+@frozen
+class _Reject(Exception):
+    """Raised inside a parser callback: answer ``status`` and close."""
+
+    status: int
+    reason: str
+
+
+@define
+class Exchange:
+    """One request and its response."""
+
+    started: float
+    url: bytearray = field(factory=bytearray)
+    headers: list[Header] = field(factory=list)
+    header_bytes: int = 0
+    method: bytes = b""
+    version: str = "1.1"
+    head: RequestHead | None = None
+    target: Target | None = None
+    keep_alive: bool = True  # what the client asked for
+    length: int | None = None
+    chunked: bool = False
+    upgrade: bool = False
+    expects_continue: bool = False
+    body: list[bytes] = field(factory=list)  # buffered until the upstream is ready
+    body_complete: bool = False
+    streaming: bool = False  # body goes straight upstream
+    upgrade_tail: bytes = b""  # bytes after an upgrade request's head
+    upstream: UpstreamConnection | None = None
+    response_started: bool = False
+    response_chunked: bool = False
+    response_complete: bool = False
+    close_after: bool = False
+    status: int = 0
+    bytes_out: int = 0
+    observed: bool = False
+    retried: bool = False
+
+
+class Downstream(Protocol):
+    def __init__(self, factory: ProxyFactory) -> None:
+        self.proxy = factory
+        self.cfg = factory.cfg
+        self.valve: Valve | None = None
+        self._parser: httptools.HttpRequestParser | None = None
+        self._parsing: Exchange | None = None  # the request the parser is inside
+        self._active: Exchange | None = None  # the request being served
+        self._waiting: deque[Exchange] = deque()  # pipelined requests not yet served
+        self._timer: IDelayedCall | None = None
+        self._spliced = False
+        self._closed = False
+        self._client = ""
+
+    # -- connection -----------------------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        _connections.inc()
+        self.valve = Valve(self.transport)
+        self._parser = httptools.HttpRequestParser(self)
+        peer = self.transport.getPeer()
+        self._client = str(getattr(peer, "host", "") or "unix")
+        # A fresh connection must send a request head promptly: the slowloris guard.
+        self._arm(self.cfg.header_timeout, self._header_timed_out)
+
+    def connectionLost(self, reason: Failure = ierror.ConnectionDone) -> None:  # type: ignore[assignment]
+        _connections.dec()
+        self._closed = True
+        self._disarm()
+        for ex in [self._active, *self._waiting]:
+            if ex is None:
+                continue
+            if ex.upstream is not None:
+                ex.upstream.abort()
+                ex.upstream = None
+            self._end_observed(ex)
+            if ex is self._active and not ex.response_complete:
+                _in_flight.dec()
+        if self._spliced:
+            _upgraded.dec()
+        self._active = None
+        self._waiting.clear()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closed:
+            return
+        if self._spliced:
+            ex = self._active
+            if ex is not None and ex.upstream is not None:
+                _bytes.labels("up").inc(len(data))
+                ex.upstream.write(data)
+            return
+        if self._parser is None:
+            return  # parsing stopped after a bad pipelined request; closing after the current one
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            offset = int(e.args[0]) if e.args else len(data)
+            ex = self._active if self._parsing is None else self._parsing
+            if ex is not None:
+                ex.upgrade_tail = data[offset:]
+                self._upgrade_ready(ex)
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__
+            if isinstance(cause, _Reject):
+                self._reject(cause.status, cause.reason)
+            else:
+                _log.failure("proxy request handler failed", Failure(cause or e))
+                self._reject(500, "internal error")
+        except httptools.HttpParserError as e:
+            self._reject(400, str(e))
+
+    # -- parser callbacks -----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        ex = Exchange(started=time.monotonic())
+        self._parsing = ex
+        if self._active is None:
+            self._arm(self.cfg.header_timeout, self._header_timed_out)
+
+    def on_url(self, url: bytes) -> None:
+        ex = self._parsing
+        assert ex is not None
+        ex.url += url
+        ex.header_bytes += len(url)
+        if ex.header_bytes > self.cfg.max_header_bytes:
+            raise _Reject(414, "request target too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        ex = self._parsing
+        if ex is None or ex.head is not None:
+            return  # trailers of a chunked body: dropped
+        ex.headers.append((name, value))
+        ex.header_bytes += len(name) + len(value) + 4
+        if ex.header_bytes > self.cfg.max_header_bytes:
+            raise _Reject(431, "request headers too large")
+        if len(ex.headers) > self.cfg.max_headers:
+            raise _Reject(431, "too many request headers")
+
+    def on_headers_complete(self) -> None:
+        ex = self._parsing
+        assert ex is not None and self._parser is not None
+        ex.method = self._parser.get_method()
+        ex.version = self._parser.get_http_version()
+        ex.keep_alive = bool(self._parser.should_keep_alive())
+        ex.head = self._validate(ex)
+        if self._active is None:
+            self._disarm()
+            self._serve(ex)
+        else:
+            # Pipelined behind the request being served: hold the line until its turn.
+            self._waiting.append(ex)
+            assert self.valve is not None
+            self.valve.close("pipelined")
+
+    def on_body(self, data: bytes) -> None:
+        ex = self._parsing
+        if ex is None:
+            return
+        _bytes.labels("up").inc(len(data))
+        if ex.streaming and ex.upstream is not None:
+            ex.upstream.write(chunk(data) if ex.chunked else data)
+        elif not ex.response_complete:
+            ex.body.append(data)
+
+    def on_message_complete(self) -> None:
+        ex = self._parsing
+        self._parsing = None
+        if ex is None:
+            return
+        ex.body_complete = True
+        if ex.upgrade:
+            return  # the upgrade exception follows; _upgrade_ready takes it from there
+        if ex.streaming and ex.upstream is not None:
+            if ex.chunked:
+                ex.upstream.write(LAST_CHUNK)
+            ex.upstream.transport.unregisterProducer()  # type: ignore[union-attr]
+            self._request_sent(ex, ex.upstream)
+        if ex is self._active and ex.response_complete:
+            self._finish(ex)
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _validate(self, ex: Exchange) -> RequestHead:
+        """Refuse anything two parsers could read differently: no ambiguity reaches a space."""
+        if ex.method == b"CONNECT":
+            raise _Reject(405, "CONNECT is not supported")
+        url = bytes(ex.url)
+        if not url.startswith(b"/") and not (url == b"*" and ex.method == b"OPTIONS"):
+            raise _Reject(400, "request target must be origin-form")
+        host_values: list[bytes] = []
+        lengths: set[bytes] = set()
+        internal: dict[bytes, bytes] = {}
+        kept: list[Header] = []
+        for name, value in ex.headers:
+            lower = name.lower()
+            if lower == b"host":
+                host_values.append(value)
+            elif lower == b"content-length":
+                lengths.add(value.strip())
+            elif lower == b"transfer-encoding":
+                if value.strip().lower() != b"chunked":
+                    raise _Reject(501, "only chunked transfer coding is supported")
+                ex.chunked = True
+            elif lower == b"expect":
+                if value.strip().lower() != b"100-continue":
+                    raise _Reject(417, "unsupported expectation")
+                ex.expects_continue = True
+            if lower in INTERNAL:
+                internal[lower] = value
+            else:
+                kept.append((name, value))
+        if len(host_values) != 1:
+            raise _Reject(400, "exactly one Host header is required")
+        try:
+            host = hosts.parse_host_header(host_values[0].decode("latin-1"))
+        except hosts.InvalidHost:
+            raise _Reject(400, "malformed Host header") from None
+        if lengths:
+            if len(lengths) > 1 or ex.chunked:
+                raise _Reject(400, "conflicting message framing")
+            (text,) = lengths
+            if not text.isdigit() or len(text) > 18:
+                raise _Reject(400, "malformed Content-Length")
+            ex.length = int(text)
+        tokens = connection_tokens(ex.headers)
+        ex.upgrade = b"upgrade" in tokens and any(n.lower() == b"upgrade" for n, _ in ex.headers)
+        return RequestHead(
+            method=ex.method,
+            target=url,
+            host=host,
+            headers=tuple(kept),
+            client=self._client,
+            secure=self.proxy.secure,
+            sidecar=b"x-lchat-sidecar" in internal,
+            forwarded=internal.get(b"x-lchat-mesh-forwarded"),
+        )
+
+    # -- serving --------------------------------------------------------------------------------
+
+    def _serve(self, ex: Exchange) -> None:
+        assert self.valve is not None and ex.head is not None
+        self._active = ex
+        _in_flight.inc()
+        self.valve.close("routing")
+        d = maybeDeferred(self.proxy.router.route, ex.head)
+        d.addCallbacks(self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,))
+
+    def _route_failed(self, failure: Failure, ex: Exchange) -> None:
+        _log.failure("routing {host} failed", failure, host=ex.head.host if ex.head else "?")
+        self._routed(plain(500, "500 Internal Server Error", label="error"), ex)
+
+    def _routed(self, target: Target, ex: Exchange) -> None:
+        if self._closed or ex is not self._active:
+            return
+        ex.target = target
+        if isinstance(target, LocalResponse):
+            self._answer_locally(ex, target)
+            return
+        self._observe(ex)
+        d = self.proxy.pool.acquire(target)
+        d.addCallbacks(self._connected, self._dial_failed, callbackArgs=(ex,), errbackArgs=(ex,))
+
+    def _dial_failed(self, failure: Failure, ex: Exchange) -> None:
+        if self._closed or ex is not self._active:
+            return
+        why = failure.value.why if isinstance(failure.value, DialFailed) else str(failure.value)
+        _log.warn(
+            "upstream for {host} unreachable: {why}", host=ex.head.host if ex.head else "?", why=why
+        )
+        self._answer_locally(
+            ex, plain(502, "502 Bad Gateway: the space is not answering", label="unreachable")
+        )
+
+    def _connected(self, upstream: UpstreamConnection, ex: Exchange) -> None:
+        if self._closed or ex is not self._active:
+            upstream.abort()
+            return
+        assert ex.head is not None and ex.target is not None and self.valve is not None
+        ex.upstream = upstream
+        upstream.begin(self, ex.method)
+        upstream.write(self._request_head(ex))
+        for piece in ex.body:
+            upstream.write(chunk(piece) if ex.chunked else piece)
+        ex.body.clear()
+        if ex.body_complete and not ex.upgrade:
+            if ex.chunked:
+                upstream.write(LAST_CHUNK)
+            self._request_sent(ex, upstream)
+        elif not ex.upgrade:
+            # The client's body now flows straight through; a full upstream pauses the client.
+            ex.streaming = True
+            upstream.transport.registerProducer(self.valve, True)  # type: ignore[union-attr]
+        else:
+            self._request_sent(ex, upstream)
+        self.valve.open("routing")
+
+    def _request_sent(self, ex: Exchange, upstream: UpstreamConnection) -> None:
+        """The whole request is upstream: now the space has ``upstream_timeout`` to answer."""
+        upstream.request_sent = not ex.upgrade
+        if not ex.response_started:
+            self._arm(self.cfg.upstream_timeout, self._upstream_timed_out)
+
+    def _request_head(self, ex: Exchange) -> bytes:
+        assert ex.head is not None and ex.target is not None
+        headers = end_to_end(ex.head.headers, drop=FORWARDING)
+        forwarded_for = self._client
+        prior = [v for n, v in ex.head.headers if n.lower() == b"x-forwarded-for"]
+        if prior:
+            forwarded_for = b", ".join(prior).decode("latin-1") + ", " + self._client
+        headers.append((b"X-Forwarded-For", forwarded_for.encode("latin-1")))
+        headers.append((b"X-Forwarded-Proto", b"https" if self.proxy.secure else b"http"))
+        if isinstance(ex.target, RemotePeer):
+            headers.extend(ex.target.add_headers)
+        if ex.chunked:
+            headers.append((b"Transfer-Encoding", b"chunked"))
+        elif ex.length is not None and (ex.length > 0 or ex.method in (b"POST", b"PUT", b"PATCH")):
+            headers.append((b"Content-Length", str(ex.length).encode()))
+        if ex.upgrade:
+            upgrade = [v for n, v in ex.head.headers if n.lower() == b"upgrade"]
+            headers += [(b"Connection", b"Upgrade"), (b"Upgrade", upgrade[0])]
+        return head_bytes(ex.method + b" " + ex.head.target + b" HTTP/1.1", headers)
+
+    def _upgrade_ready(self, ex: Exchange) -> None:
+        """The upgrade request's head is parsed; the bytes after it wait for the 101."""
+        # Nothing more is read until the upstream decides: either 101 (splice) or a normal answer.
+        assert self.valve is not None
+        self.valve.close("upgrade")
+
+    # -- the response (UpstreamConnection's handler interface) -----------------------------------
+
+    def informational(self, status: int, reason: bytes, headers: list[Header]) -> None:
+        ex = self._active
+        if ex is None or ex.version != "1.1":
+            return  # HTTP/1.0 clients do not understand 1xx
+        assert self.transport is not None
+        self.transport.write(head_bytes(status_line(status, reason), end_to_end(headers)))
+
+    def response_head(
+        self, status: int, reason: bytes, headers: list[Header], length: int | None, chunked: bool
+    ) -> None:
+        ex = self._active
+        if ex is None or self.transport is None:
+            return
+        self._disarm()
+        ex.status = status
+        ex.response_started = True
+        out = end_to_end(headers, drop=INTERNAL)
+        no_body = ex.method == b"HEAD" or status in (204, 304)
+        # A body the client has not finished sending cannot be skipped in step: close afterwards.
+        ex.close_after = not ex.keep_alive or not ex.body_complete or ex.upgrade
+        if length is not None:
+            out.append((b"Content-Length", str(length).encode()))
+        elif not no_body:
+            if ex.version == "1.1":
+                ex.response_chunked = True
+                out.append((b"Transfer-Encoding", b"chunked"))
+            else:
+                ex.close_after = True  # HTTP/1.0: the close delimits the body
+        if ex.close_after:
+            out.append((b"Connection", b"close"))
+        elif ex.version == "1.0":
+            out.append((b"Connection", b"keep-alive"))
+        self.transport.write(head_bytes(status_line(status, reason), out))
+        if ex.upstream is not None and ex.upstream.valve is not None:
+            self.transport.registerProducer(ex.upstream.valve, True)  # type: ignore[attr-defined]
+
+    def response_body(self, data: bytes) -> None:
+        ex = self._active
+        if ex is None or self.transport is None or not data:
+            return
+        ex.bytes_out += len(data)
+        _bytes.labels("down").inc(len(data))
+        self.transport.write(chunk(data) if ex.response_chunked else data)
+
+    def response_complete(self) -> None:
+        ex = self._active
+        if ex is None or self.transport is None:
+            return
+        if ex.response_chunked:
+            self.transport.write(LAST_CHUNK)
+        self.transport.unregisterProducer()  # type: ignore[attr-defined]
+        ex.response_complete = True
+        upstream, ex.upstream = ex.upstream, None
+        if upstream is not None:
+            if upstream.request_sent and upstream.reusable:
+                self.proxy.pool.release(upstream)
+            else:
+                upstream.abort()
+        if ex.body_complete or ex.close_after:
+            self._finish(ex)
+
+    def switched(self, reason: bytes, headers: list[Header], tail: bytes) -> None:
+        """The upstream answered 101: relay it and splice raw bytes both ways from now on."""
+        ex = self._active
+        if ex is None or self.transport is None or ex.upstream is None or not ex.upgrade:
+            if ex is not None and ex.upstream is not None:
+                ex.upstream.abort()
+            return
+        self._disarm()
+        ex.status = 101
+        ex.response_started = True
+        kept = end_to_end(headers, drop=INTERNAL)
+        upgrade = [v for n, v in headers if n.lower() == b"upgrade"][:1]
+        kept += [(b"Connection", b"Upgrade"), *((b"Upgrade", v) for v in upgrade)]
+        self.transport.write(head_bytes(status_line(101, reason), kept))
+        if tail:
+            self.transport.write(tail)
+        self._spliced = True
+        _upgraded.inc()
+        upstream = ex.upstream
+        upstream.request_sent = True
+        if ex.upgrade_tail:
+            upstream.write(ex.upgrade_tail)
+            ex.upgrade_tail = b""
+        # Backpressure both ways for the life of the tunnel.
+        assert self.valve is not None and upstream.valve is not None
+        self.transport.registerProducer(upstream.valve, True)  # type: ignore[attr-defined]
+        upstream.transport.registerProducer(self.valve, True)  # type: ignore[union-attr]
+        self.valve.open("upgrade")
+        self.valve.open("routing")
+        self._log_access(ex)
+
+    def upstream_data(self, data: bytes) -> None:
+        if self.transport is not None:
+            _bytes.labels("down").inc(len(data))
+            self.transport.write(data)
+
+    def upstream_failed(self, why: str, started: bool) -> None:
+        ex = self._active
+        if ex is None or self.transport is None:
+            return
+        upstream, ex.upstream = ex.upstream, None
+        if upstream is not None:
+            upstream.abort()
+        if self._spliced:
+            self.transport.loseConnection()
+            return
+        if not started and not ex.response_started:
+            # A reused keep-alive connection the space had just closed: one fresh try is safe
+            # when nothing of the request body has been committed.
+            if (
+                why == "closed before responding"
+                and upstream is not None
+                and upstream.reused
+                and not ex.retried
+                and not ex.streaming
+                and ex.body_complete
+                and not ex.upgrade
+                and isinstance(ex.target, LocalSocket | RemotePeer)
+            ):
+                ex.retried = True
+                d = self.proxy.pool.acquire(ex.target)
+                d.addCallbacks(
+                    self._connected, self._dial_failed, callbackArgs=(ex,), errbackArgs=(ex,)
+                )
+                return
+            _log.warn(
+                "upstream for {host} failed: {why}", host=ex.head.host if ex.head else "?", why=why
+            )
+            self._answer_locally(
+                ex,
+                plain(502, "502 Bad Gateway: the space failed to answer", label="upstream-error"),
+            )
+            return
+        _log.warn(
+            "upstream for {host} broke off mid-response: {why}",
+            host=ex.head.host if ex.head else "?",
+            why=why,
+        )
+        self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    # -- endings --------------------------------------------------------------------------------
+
+    def _answer_locally(self, ex: Exchange, response: LocalResponse) -> None:
+        assert self.transport is not None
+        self._disarm()
+        ex.status = response.status
+        ex.response_started = ex.response_complete = True
+        if ex.upstream is not None:
+            ex.upstream.abort()
+            ex.upstream = None
+        # Unless the request is complete we cannot find where the next one starts in step.
+        ex.close_after = not ex.keep_alive or not ex.body_complete or ex.upgrade
+        body = b"" if ex.method == b"HEAD" else response.body
+        raw = simple_response(response.status, body, response.headers, close=ex.close_after)
+        ex.bytes_out = len(body)
+        self.transport.write(raw)
+        self._finish(ex)
+
+    def _finish(self, ex: Exchange) -> None:
+        if ex is not self._active:
+            return
+        self._active = None
+        _in_flight.dec()
+        self._log_access(ex)
+        self._end_observed(ex)
+        assert self.transport is not None and self.valve is not None
+        if ex.close_after:
+            self._closing()
+            return
+        self.valve.open("routing")
+        if self._waiting:
+            nxt = self._waiting.popleft()
+            if not self._waiting:
+                self.valve.open("pipelined")
+            self._serve(nxt)
+        else:
+            self.valve.open("pipelined")
+            if self._parsing is None:
+                self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
+            else:
+                self._arm(self.cfg.header_timeout, self._header_timed_out)
+
+    def _closing(self) -> None:
+        assert self.transport is not None
+        self._closed = True
+        self._disarm()
+        self.transport.loseConnection()
+
+    def _reject(self, status: int, reason: str) -> None:
+        """A request we will not forward: answer once, if we still can, and close."""
+        _rejected.labels(str(status)).inc()
+        ex = self._parsing or self._active
+        _log.info(
+            "rejected request from {client}: {status} {reason}",
+            client=self._client,
+            status=status,
+            reason=reason,
+        )
+        assert self.transport is not None
+        if ex is not None and ex is self._active and ex.response_started:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+            return
+        if self._active is not None and self._active is not ex:
+            # A pipelined request is bad while another is served: stop reading; close after.
+            self._active.close_after = True
+            self._parser = None
+            return
+        _requests.labels("invalid", str(status)).inc()
+        self.transport.write(simple_response(status, f"{status} {reason}\n".encode(), close=True))
+        self._closing()
+
+    def _observe(self, ex: Exchange) -> None:
+        if ex.head is not None and ex.target is not None and not ex.observed:
+            ex.observed = True
+            try:
+                self.proxy.observer.request_started(ex.head, ex.target)
+            except Exception:
+                _log.failure("request observer failed")
+
+    def _end_observed(self, ex: Exchange) -> None:
+        if ex.observed and ex.head is not None and ex.target is not None:
+            ex.observed = False
+            try:
+                self.proxy.observer.request_ended(ex.head, ex.target)
+            except Exception:
+                _log.failure("request observer failed")
+
+    def _log_access(self, ex: Exchange) -> None:
+        target = ex.target
+        host_class: str
+        if isinstance(target, LocalSocket):
+            host_class = target.kind
+        elif isinstance(target, RemotePeer):
+            host_class = "peer"
+        elif isinstance(target, LocalResponse):
+            host_class = target.label
+        else:
+            host_class = "none"
+        _requests.labels(host_class, str(ex.status)).inc()
+        if self.cfg.access_log and ex.head is not None:
+            _log.info(
+                'access {client} {host} "{method} {target} HTTP/{version}" {status} {bytes} {ms}ms',
+                client=self._client,
+                host=ex.head.host,
+                method=ex.method.decode("latin-1"),
+                target=ex.head.target.decode("latin-1")[:512],
+                version=ex.version,
+                status=ex.status,
+                bytes=ex.bytes_out,
+                ms=round((time.monotonic() - ex.started) * 1000, 1),
+            )
+
+    # -- timers ---------------------------------------------------------------------------------
+
+    def _arm(self, seconds: float, action: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.proxy.reactor.callLater(seconds, action)
+
+    def _disarm(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    def _header_timed_out(self) -> None:
+        self._timer = None
+        if self._parsing is not None:
+            _rejected.labels("408").inc()
+            assert self.transport is not None
+            self.transport.write(simple_response(408, b"408 Request Timeout\n", close=True))
+        self._closing()
+
+    def _idle_timed_out(self) -> None:
+        self._timer = None
+        self._closing()
+
+    def _upstream_timed_out(self) -> None:
+        self._timer = None
+        ex = self._active
+        if ex is None or ex.response_started:
+            return
+        _log.warn(
+            "upstream for {host} did not answer in time", host=ex.head.host if ex.head else "?"
+        )
+        self._answer_locally(ex, plain(504, "504 Gateway Timeout", label="timeout"))
+
+
+class ProxyFactory(Factory):
+    """Builds a :class:`Downstream` per client connection; holds what they share."""
+
+    protocol = Downstream
+    noisy = False
+
+    def __init__(
+        self,
+        reactor: Any,
+        router: Routes,
+        cfg: ProxyConfig | None = None,
+        pool: UpstreamPool | None = None,
+        observer: RequestObserver | None = None,
+        secure: bool = False,
+    ) -> None:
+        self.reactor = reactor
+        self.router = router
+        self.cfg = cfg or ProxyConfig()
+        self.pool = pool or UpstreamPool(reactor, dial_retry=self.cfg.dial_retry)
+        self.observer: RequestObserver = observer or _NoObserver()
+        self.secure = secure
+
+    def buildProtocol(self, addr: Any) -> Downstream:
+        return Downstream(self)
+
+    def close(self) -> Deferred[None]:
+        return self.pool.close()

@@ -1,0 +1,136 @@
+"""HTTP/1.1 pieces shared by both sides of the proxy: header filtering, heads, chunking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from http import HTTPStatus
+
+from twisted.internet.interfaces import IPushProducer, ITransport
+from zope.interface import implementer
+
+Header = tuple[bytes, bytes]
+
+# RFC 9110 §7.6.1: meaningful for one connection only, never forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-connection",
+    }
+)
+# Read to classify a request, never passed to a space (DESIGN.md §4).
+INTERNAL = frozenset({b"x-lchat-sidecar", b"x-lchat-mesh-forwarded"})
+# We set these ourselves on the way to a space.
+FORWARDING = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
+
+
+def connection_tokens(headers: Iterable[Header]) -> set[bytes]:
+    """Lowercased tokens of every Connection header: the hop-by-hop names it adds."""
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return tokens
+
+
+def end_to_end(headers: Iterable[Header], drop: frozenset[bytes] = frozenset()) -> list[Header]:
+    """The headers a proxy passes on: no hop-by-hop ones, none the Connection header names,
+    no ``Proxy-*``, no framing (we frame each hop ourselves), and none in ``drop``."""
+    headers = list(headers)
+    named = connection_tokens(headers)
+    out = []
+    for name, value in headers:
+        lower = name.lower()
+        if (
+            lower in HOP_BY_HOP
+            or lower in named
+            or lower == b"content-length"
+            or lower.startswith(b"proxy-")
+            or lower in drop
+        ):
+            continue
+        out.append((name, value))
+    return out
+
+
+def head_bytes(first_line: bytes, headers: Iterable[Header]) -> bytes:
+    parts = [first_line, b"\r\n"]
+    for name, value in headers:
+        parts += [name, b": ", value, b"\r\n"]
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def status_line(status: int, reason: bytes | None = None) -> bytes:
+    if not reason:
+        try:
+            reason = HTTPStatus(status).phrase.encode("ascii")
+        except ValueError:
+            reason = b"Unknown"
+    return b"HTTP/1.1 %d %s" % (status, reason)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+def simple_response(
+    status: int, body: bytes, headers: Iterable[Header] = (), close: bool = False
+) -> bytes:
+    """A complete response with a known length, for answers the proxy makes itself."""
+    all_headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
+    all_headers.append((b"content-length", str(len(body)).encode()))
+    if close:
+        all_headers.append((b"connection", b"close"))
+    return head_bytes(status_line(status), all_headers) + body
+
+
+@implementer(IPushProducer)
+class Valve:
+    """Pauses one transport's reading for any number of independent reasons.
+
+    Twisted's pause/resume is not counted: the second party to resume would undo the first one's
+    pause. The valve keeps a set of reasons and reads only when it is empty. Registered as the
+    producer of the *other* side's transport, it turns that side's full write buffer into a pause
+    here: the backpressure that keeps a slow reader from making us buffer a fast writer.
+    """
+
+    PEER_FULL = "peer-full"
+
+    def __init__(self, transport: ITransport) -> None:
+        self._transport = transport
+        self._reasons: set[str] = set()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._reasons)
+
+    def close(self, reason: str) -> None:
+        if not self._reasons:
+            self._transport.pauseProducing()  # type: ignore[attr-defined]
+        self._reasons.add(reason)
+
+    def open(self, reason: str) -> None:
+        if reason not in self._reasons:
+            return
+        self._reasons.discard(reason)
+        if not self._reasons and getattr(self._transport, "connected", True):
+            self._transport.resumeProducing()  # type: ignore[attr-defined]
+
+    # IPushProducer, as seen by the peer transport we are registered on
+    def pauseProducing(self) -> None:
+        self.close(self.PEER_FULL)
+
+    def resumeProducing(self) -> None:
+        self.open(self.PEER_FULL)
+
+    def stopProducing(self) -> None:
+        # The peer transport is going away; each side's connectionLost does the cleanup.
+        self.open(self.PEER_FULL)

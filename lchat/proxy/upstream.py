@@ -1,0 +1,391 @@
+"""The upstream side: connections to spaces (unix sockets) and peers (TLS), pooled, with dial retry.
+
+A connection carries one exchange at a time (no pipelining upstream). It parses the response with
+httptools and reports to its :class:`ResponseHandler`: informational heads, the final head, body
+bytes, completion, a switch to raw bytes after ``101``, or failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+from collections.abc import Callable
+from typing import Any
+from typing import Protocol as TypingProtocol
+
+import httptools
+from prometheus_client import Counter, Gauge
+from twisted.internet import error as ierror
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.endpoints import (
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    UNIXClientEndpoint,
+    wrapClientTLS,
+)
+from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.ssl import optionsForClientTLS
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from lchat.proxy.http import Header, Valve
+from lchat.router import LocalSocket, RemotePeer
+
+_log = Logger(namespace="lchat.proxy")
+
+_dial_retries = Counter(
+    "lchat_upstream_dial_retries_total", "Upstream dials retried (socket refused or missing)"
+)
+_dial_failures = Counter(
+    "lchat_upstream_dial_failures_total", "Upstream dials given up after the retry window"
+)
+_idle = Gauge("lchat_upstream_idle_connections", "Idle pooled upstream connections")
+
+Key = tuple[Any, ...]
+
+
+class ResponseHandler(TypingProtocol):
+    def informational(self, status: int, reason: bytes, headers: list[Header]) -> None: ...
+    def response_head(
+        self, status: int, reason: bytes, headers: list[Header], length: int | None, chunked: bool
+    ) -> None: ...
+    def response_body(self, data: bytes) -> None: ...
+    def response_complete(self) -> None: ...
+    def switched(self, status_reason: bytes, headers: list[Header], tail: bytes) -> None: ...
+    def upstream_data(self, data: bytes) -> None: ...
+    def upstream_failed(self, why: str, started: bool) -> None: ...
+
+
+class _HeadDone(Exception):
+    """Stops the parser after a HEAD response's head: its Content-Length promises no body."""
+
+
+class UpstreamConnection(Protocol):
+    """One connection to a space or peer; see the module docstring."""
+
+    def __init__(self, pool: UpstreamPool, key: Key) -> None:
+        self.pool = pool
+        self.key = key
+        self.handler: ResponseHandler | None = None
+        self.valve: Valve | None = None
+        self.reused = 0
+        self._parser: httptools.HttpResponseParser | None = None
+        self._method = b""
+        self._headers: list[Header] = []
+        self._status = 0
+        self._reason = b""
+        self._final = False  # the final (non-1xx) head arrived
+        self._complete = False
+        self._close_delimited = False
+        self._spliced = False
+        self._got_bytes = False
+        self._in_head = False
+        self.request_sent = False  # the whole request (head and body) has been written
+        self.reusable = True
+        self.idle_timer: IDelayedCall | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.valve = Valve(self.transport)
+
+    def begin(self, handler: ResponseHandler, method: bytes) -> None:
+        """Start an exchange: the caller writes the request next."""
+        self.handler = handler
+        self._method = method
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers = []
+        self._final = self._complete = self._close_delimited = self._got_bytes = False
+        self.request_sent = False
+
+    def splice(self) -> None:
+        """After 101: everything from now on is raw bytes for the handler."""
+        self._spliced = True
+        self.reusable = False
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def abort(self) -> None:
+        self.reusable = False
+        self.handler = None
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    # -- bytes from upstream --------------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        handler = self.handler
+        if handler is None:
+            # Bytes while idle in the pool, or after we gave up: the stream is out of step.
+            self.reusable = False
+            assert self.transport is not None
+            self.transport.loseConnection()
+            return
+        if self._spliced:
+            handler.upstream_data(data)
+            return
+        self._got_bytes = True
+        assert self._parser is not None
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            offset = int(e.args[0]) if e.args else len(data)
+            if self._status == 101 and self._final:
+                self.splice()
+                handler.switched(self._reason, self._headers, data[offset:])
+            else:
+                self._fail("upstream asked to switch protocols unasked")
+        except httptools.HttpParserCallbackError as e:
+            if isinstance(e.__context__, _HeadDone):
+                self.reusable = False  # we cannot tell where the next response would start
+                self._finish()
+            else:
+                _log.failure("proxy response handler failed", Failure(e.__context__ or e))
+                self._fail("internal error")
+        except httptools.HttpParserError as e:
+            self._fail(f"malformed response: {e}")
+
+    def on_message_begin(self) -> None:
+        self._headers = []
+        self._reason = b""
+        self._in_head = True
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:  # trailers come after the head; they are dropped
+            self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._parser is None or self.handler is None:
+            self.reusable = False  # a response nobody asked for: the stream is out of step
+            return
+        status = self._parser.get_status_code()
+        self._status = status
+        if 100 <= status < 200 and status != 101:
+            self.handler.informational(status, self._reason, self._headers)
+            return
+        self._final = True
+        if status == 101:
+            return  # the upgrade exception follows the message end
+        length: int | None = None
+        chunked = False
+        for name, value in self._headers:
+            lower = name.lower()
+            if lower == b"content-length":
+                length = int(value)
+            elif lower == b"transfer-encoding":
+                chunked = value.strip().lower().endswith(b"chunked")
+        no_body = self._method == b"HEAD" or status in (204, 304)
+        self._close_delimited = not no_body and length is None and not chunked
+        if not self._parser.should_keep_alive() or self._close_delimited:
+            self.reusable = False
+        self.handler.response_head(status, self._reason, self._headers, length, chunked)
+        if self._method == b"HEAD":
+            raise _HeadDone()
+
+    def on_body(self, data: bytes) -> None:
+        if self.handler is not None:
+            self.handler.response_body(data)
+
+    def on_message_complete(self) -> None:
+        if self._final and self._status != 101:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._complete:
+            return
+        self._complete = True
+        handler, self.handler = self.handler, None
+        if handler is not None:
+            handler.response_complete()
+
+    def _fail(self, why: str) -> None:
+        self.reusable = False
+        handler, self.handler = self.handler, None
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+        if handler is not None:
+            handler.upstream_failed(why, self._final)
+
+    def connectionLost(self, reason: Failure = ierror.ConnectionDone) -> None:  # type: ignore[assignment]
+        self.reusable = False
+        self.pool.forget(self)
+        handler = self.handler
+        if handler is None:
+            return
+        if self._spliced:
+            self.handler = None
+            handler.upstream_failed("closed", True)
+        elif self._final and self._close_delimited and not self._complete:
+            self._finish()  # the close is the end of a close-delimited body
+        elif not self._complete:
+            self.handler = None
+            why = "closed before responding" if not self._got_bytes else "closed mid-response"
+            handler.upstream_failed(why, self._final)
+
+
+class _ConnFactory(Factory):
+    noisy = False
+
+    def __init__(self, pool: UpstreamPool, key: Key) -> None:
+        self._pool = pool
+        self._key = key
+
+    def buildProtocol(self, addr: Any) -> UpstreamConnection:
+        return UpstreamConnection(self._pool, self._key)
+
+
+class DialFailed(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _retryable(failure: Failure) -> bool:
+    """A socket that refuses or does not exist yet: the space is (re)starting."""
+    if failure.check(ierror.ConnectionRefusedError):
+        return True
+    os_error = getattr(failure.value, "osError", None)
+    if isinstance(os_error, int):
+        return os_error in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
+    return failure.check(ierror.ConnectError) is not None and "No such file" in str(failure.value)
+
+
+def target_key(target: LocalSocket | RemotePeer) -> Key:
+    if isinstance(target, LocalSocket):
+        return ("unix", target.path)
+    return ("tls", target.address, target.port, target.server_name)
+
+
+class UpstreamPool:
+    """Keep-alive connections per upstream, and dialing with the dial-retry window."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        dial_retry: float = 13.0,
+        max_idle_per_key: int = 32,
+        idle_timeout: float = 55.0,
+        connect_timeout: float = 5.0,
+        trust_root: Any = None,
+    ) -> None:
+        self._reactor = reactor
+        self._dial_retry = dial_retry
+        self._max_idle = max_idle_per_key
+        self._idle_timeout = idle_timeout
+        self._connect_timeout = connect_timeout
+        self._trust_root = trust_root
+        self._idle: dict[Key, list[UpstreamConnection]] = {}
+        self._connections: set[UpstreamConnection] = set()
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def acquire(self, target: LocalSocket | RemotePeer) -> Deferred[UpstreamConnection]:
+        key = target_key(target)
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            _idle.dec()
+            self._cancel_idle(conn)
+            if conn.transport is not None and conn.reusable and conn.connected:
+                conn.reused += 1
+                return succeed(conn)
+        return self._dial(target, key)
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Hand back a connection whose exchange completed cleanly."""
+        conn.handler = None
+        transport = conn.transport
+        if transport is None:
+            return
+        transport.unregisterProducer()  # type: ignore[attr-defined]
+        idle = self._idle.setdefault(conn.key, [])
+        if not conn.reusable or len(idle) >= self._max_idle:
+            transport.loseConnection()
+            return
+        idle.append(conn)
+        _idle.inc()
+        conn.idle_timer = self._reactor.callLater(self._idle_timeout, transport.loseConnection)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        self._connections.discard(conn)
+        self._cancel_idle(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+            _idle.dec()
+
+    def close(self) -> Deferred[None]:
+        """Close every idle connection (shutdown)."""
+        for idle in self._idle.values():
+            for conn in list(idle):
+                if conn.transport is not None:
+                    conn.transport.loseConnection()
+        return succeed(None)
+
+    # -- dialing --------------------------------------------------------------------------------
+
+    def _endpoint(self, target: LocalSocket | RemotePeer) -> IStreamClientEndpoint:
+        if isinstance(target, LocalSocket):
+            return UNIXClientEndpoint(self._reactor, target.path, timeout=self._connect_timeout)
+        tcp_class = TCP6ClientEndpoint if ":" in target.address else TCP4ClientEndpoint
+        tcp = tcp_class(self._reactor, target.address, target.port, timeout=self._connect_timeout)
+        # Pinned to the peer's address, verified against the space's name: no bypass anywhere.
+        options = optionsForClientTLS(
+            target.server_name, trustRoot=self._trust_root, acceptableProtocols=[b"http/1.1"]
+        )
+        return wrapClientTLS(options, tcp)
+
+    def _dial(self, target: LocalSocket | RemotePeer, key: Key) -> Deferred[UpstreamConnection]:
+        result: Deferred[UpstreamConnection] = Deferred(lambda d: state.update(cancelled=True))
+        deadline = self._reactor.seconds() + self._dial_retry
+        state: dict[str, Any] = {"delay": 0.05, "cancelled": False, "attempts": 0}
+
+        def attempt() -> None:
+            if state["cancelled"]:
+                return
+            state["attempts"] += 1
+            d = self._endpoint(target).connect(_ConnFactory(self, key))
+            d.addCallbacks(connected, failed)
+
+        def connected(conn: UpstreamConnection) -> None:
+            if state["cancelled"]:
+                conn.abort()
+                return
+            self._connections.add(conn)
+            result.callback(conn)
+
+        def failed(failure: Failure) -> None:
+            if state["cancelled"]:
+                return
+            now = self._reactor.seconds()
+            if _retryable(failure) and now < deadline:
+                _dial_retries.inc()
+                delay = min(state["delay"], deadline - now)
+                state["delay"] = min(state["delay"] * 2, 1.0)
+                self._reactor.callLater(delay * random.uniform(0.8, 1.0), attempt)  # noqa: S311
+                return
+            _dial_failures.inc()
+            why = failure.getErrorMessage()
+            if state["attempts"] > 1:
+                why += f" (after {state['attempts']} attempts in {self._dial_retry:g}s)"
+            result.errback(DialFailed(why))
+
+        attempt()
+        return result
+
+    @staticmethod
+    def _cancel_idle(conn: UpstreamConnection) -> None:
+        if conn.idle_timer is not None and conn.idle_timer.active():
+            conn.idle_timer.cancel()
+        conn.idle_timer = None
+
+
+Dialer = Callable[[LocalSocket | RemotePeer], Deferred[UpstreamConnection]]
