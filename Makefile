@@ -23,11 +23,13 @@ run: $(STAMP)
 	  "LCHAT_DATA_DIR=$(VAR)/data" \
 	  "LCHAT_RUN_DIR=$(VAR)/run" \
 	  "LCHAT_HTTP_ADDR=127.0.0.1:8080" \
-	  "LCHAT_HTTPS_ADDR=off" \
+	  "LCHAT_HTTPS_ADDR=127.0.0.1:8443" \
+	  "LCHAT_HTTP_REDIRECT=off" \
 	  "LCHAT_UNITS=builtin" \
 	  "LCHAT_SPACE_COMMAND=$(CURDIR)/$(BIN)/lchat space" > $(VAR)/router.env
 	@test -f $(VAR)/data/demo.localhost.env || \
 	  $(BIN)/lchat add-instance demo.localhost --env-file $(VAR)/router.env --no-wait
+	@$(BIN)/lchat dev-cert --env-file $(VAR)/router.env demo.localhost >/dev/null
 	$(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
 
 lint: $(STAMP)

@@ -80,6 +80,7 @@ class BoxConfig:
     wildcard_domains: tuple[str, ...]
     proxy: ProxyConfig = ProxyConfig()
     metrics_addr: str | None = None  # optional TCP endpoint serving /metrics
+    http_redirect: bool = True  # with HTTPS on, plain HTTP answers 301 (else it proxies too)
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -117,6 +118,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_REGION": "",
     "LCHAT_WILDCARD_DOMAINS": "",
     "LCHAT_METRICS_ADDR": "off",
+    "LCHAT_HTTP_REDIRECT": "on",
     "LCHAT_DIAL_RETRY": "13s",
     "LCHAT_HEADER_TIMEOUT": "10s",
     "LCHAT_KEEPALIVE_TIMEOUT": "60s",
@@ -193,6 +195,7 @@ def load(
         wildcard_domains=_domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS")),
         proxy=_proxy(get),
         metrics_addr=parse_address("LCHAT_METRICS_ADDR", get("LCHAT_METRICS_ADDR")),
+        http_redirect=_switch("LCHAT_HTTP_REDIRECT", get("LCHAT_HTTP_REDIRECT")),
         warnings=warnings,
         file_env=file_env,
     )
@@ -341,6 +344,12 @@ def _domains(name: str, text: str) -> tuple[str, ...]:
     return tuple(result)
 
 
+def _switch(name: str, text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ConfigError(f"{name} must be on or off, not {text!r}")
+    return text == "on"
+
+
 def _proxy(get: _Getter) -> ProxyConfig:
     def positive(name: str) -> float:
         value = parse_duration(name, get(name))
@@ -354,9 +363,6 @@ def _proxy(get: _Getter) -> ProxyConfig:
             raise ConfigError(f"{name}={text!r} must be a whole number from {low} to {high}")
         return int(text)
 
-    access_log = get("LCHAT_ACCESS_LOG")
-    if access_log not in ("on", "off"):
-        raise ConfigError(f"LCHAT_ACCESS_LOG must be on or off, not {access_log!r}")
     dial_retry = parse_duration("LCHAT_DIAL_RETRY", get("LCHAT_DIAL_RETRY"))  # 0 = no retry
     return ProxyConfig(
         dial_retry=dial_retry,
@@ -365,7 +371,7 @@ def _proxy(get: _Getter) -> ProxyConfig:
         upstream_timeout=positive("LCHAT_UPSTREAM_TIMEOUT"),
         max_header_bytes=count("LCHAT_MAX_HEADER_BYTES", 1024, 1 << 20),
         max_headers=count("LCHAT_MAX_HEADERS", 8, 10000),
-        access_log=access_log == "on",
+        access_log=_switch("LCHAT_ACCESS_LOG", get("LCHAT_ACCESS_LOG")),
     )
 
 

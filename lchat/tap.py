@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from typing import Any
 
@@ -13,14 +14,16 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 import lchat
-from lchat import config
+from lchat import config, tls
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.upstream import UpstreamPool
+from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, RouteSource
 from lchat.router import Router
 from lchat.units import BuiltinUnits
+from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
 
@@ -70,7 +73,7 @@ class Options(usage.Options):
             None,
             "LCHAT_HTTP_ADDR: plain HTTP listener, HOST:PORT or endpoint (default :80).",
         ],
-        ["https", None, None, "LCHAT_HTTPS_ADDR: TLS listener (default :443); not served yet."],
+        ["https", None, None, "LCHAT_HTTPS_ADDR: TLS listener (default :443), or off."],
         [
             "fallback-url",
             None,
@@ -130,10 +133,24 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
 
     router = Router(routes, cfg.fallback_url)
     pool = UpstreamPool(reactor, dial_retry=cfg.proxy.dial_retry)
+    factories: list[ProxyFactory] = []
+    if cfg.https_addr is not None:
+        store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes))
+        store.load_initial()
+        store.setServiceParent(top)
+        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True)
+        factories.append(secure)
+        _listen(top, tls.https_endpoint(reactor, cfg.https_addr, store), secure)
     if cfg.http_addr is not None:
-        proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
-        _listen(top, serverFromString(reactor, cfg.http_addr), proxy)
-    _Closer(pool).setServiceParent(top)
+        if cfg.https_addr is not None and cfg.http_redirect:
+            port = _public_port(cfg.https_addr)
+            plain = QuietSite(RedirectToHTTPS(https_port=None if port == 443 else port))
+            _listen(top, serverFromString(reactor, cfg.http_addr), plain)
+        else:
+            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
+            factories.append(proxy)
+            _listen(top, serverFromString(reactor, cfg.http_addr), proxy)
+    _Closer(pool, factories).setServiceParent(top)
 
     clear_stale_socket(cfg.admin_socket)
     admin = AdminAPI(routes, cfg.units, children)
@@ -143,18 +160,16 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
 
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
-        "http={http}, admin={admin}",
+        "https={https}, http={http}, admin={admin}",
         version=lchat.__version__,
         routes=len(routes.table),
         registry=cfg.registry,
         units=cfg.units,
-        http=cfg.http_addr or "off",
+        https=cfg.https_addr or "off",
+        http=(cfg.http_addr or "off")
+        + (" (redirect)" if cfg.https_addr and cfg.http_addr and cfg.http_redirect else ""),
         admin=cfg.admin_socket,
     )
-    if cfg.https_addr is not None:
-        _log.info(
-            "LCHAT_HTTPS_ADDR={addr}: TLS is not served by this build yet", addr=cfg.https_addr
-        )
     return top
 
 
@@ -197,14 +212,23 @@ class _SignalReload(Service):
 
 
 class _Closer(Service):
-    """Closes the idle upstream connections at shutdown."""
+    """At shutdown: close idle client connections and idle upstream connections."""
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: UpstreamPool, factories: list[ProxyFactory]) -> None:
         self._pool = pool
+        self._factories = factories
 
     def stopService(self) -> Any:
         super().stopService()
+        for factory in self._factories:
+            factory.close()
         return self._pool.close()
+
+
+def _public_port(address: str) -> int | None:
+    """The TCP port of an endpoint string, for redirect Locations (None when not TCP)."""
+    match = re.search(r"^(?:tcp6?|ssl):(\d+)", address)
+    return int(match.group(1)) if match and int(match.group(1)) else None
 
 
 def _listen(parent: MultiService, endpoint: Any, factory: Any) -> StreamServerEndpointService:

@@ -25,7 +25,7 @@ from lchat.registry import (
     RouteTable,
     UnknownHost,
 )
-from lchat.router import LocalSocket, Router
+from lchat.router import LocalSocket, RequestHead, Router
 
 HOST = "chat-a.example.com"
 SOCK = "/run/lchat/chat-a.example.com.sock"
@@ -621,7 +621,7 @@ class Source(Base):
         router = Router(src)
         before = src.table
         self.assertEqual(
-            router.route("a.example.com"),
+            router.route(RequestHead(b"GET", b"/", "a.example.com")),
             LocalSocket(host="a.example.com", path="/run/lchat/a.example.com.sock"),
         )
         for suffix in ("-wal", "-shm"):
@@ -644,7 +644,7 @@ class Source(Base):
             self.reactor.advance(2.0)
         self.assertEqual(self.reg.loads, loads + 1)
         self.assertEqual(
-            router.route("a.example.com"),
+            router.route(RequestHead(b"GET", b"/", "a.example.com")),
             LocalSocket(host="a.example.com", path="/run/lchat/a.example.com.sock"),
         )
 
@@ -658,7 +658,9 @@ class Source(Base):
         self.assertEqual(self.reg.loads, 1)
         self.assertIs(src.table, before)
         self.assertEqual(self.events, [])
-        self.assertIsInstance(Router(src).route("a.example.com"), LocalSocket)
+        self.assertIsInstance(
+            Router(src).route(RequestHead(b"GET", b"/", "a.example.com")), LocalSocket
+        )
         # Once the file is good again the next change is picked up.
         os.remove(self.path)
         self.reg.migrate()

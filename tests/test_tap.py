@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import signal
+import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -49,7 +53,11 @@ class RouterTests(TestCase):
             )
 
     def config(self, **extra: str) -> BoxConfig:
-        flags = {"LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1", "LCHAT_SPACE_COMMAND": SPACE}
+        flags = {
+            "LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1",
+            "LCHAT_HTTPS_ADDR": "off",
+            "LCHAT_SPACE_COMMAND": SPACE,
+        }
         flags.update(extra)
         environ = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", "")}
         return config.load(env_file=self.env, environ=environ, flags=flags)
@@ -70,15 +78,21 @@ class RouterTests(TestCase):
         service = build_service(cfg, reactor, poll_interval=poll)
         service.startService()
         self.addCleanup(service.stopService)
-        http = next(s for s in service if getattr(s, "_waitingForPort", None) is not None)
         ports: list[Any] = []
 
         def peek(port: Any) -> Any:
             ports.append(port)
             return port  # stopService needs the port to stay the Deferred's result
 
-        http._waitingForPort.addCallback(peek)  # TCP listens synchronously: fires at once
-        self.port = ports[0].getHost().port
+        for listener in service:
+            waiting = getattr(listener, "_waitingForPort", None)
+            if waiting is not None:
+                waiting.addCallback(peek)  # TCP listens synchronously: fires at once
+        tcp = [p for p in ports if hasattr(p.getHost(), "port")]
+        self.tls_port = next(
+            (p.getHost().port for p in tcp if hasattr(p.factory, "wrappedFactory")), None
+        )
+        self.port = next(p.getHost().port for p in tcp if not hasattr(p.factory, "wrappedFactory"))
         self.cfg = cfg
         self.routes = next(s for s in service if isinstance(s, RouteSource))
         return service
@@ -205,6 +219,39 @@ class RouterTests(TestCase):
         self.assertEqual(json.loads(response.body), {"routes": 0})
         code, _ = yield self.get("svc.example.com")
         self.assertEqual(code, 404)
+
+    @inlineCallbacks
+    def test_https_with_sni_and_the_port_80_redirect(self):
+        from lchat.cli.main import main as lchat_main
+
+        self.add_space("chat.example.com")
+        acme = os.path.join(self.data, "acme")
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.assertEqual(lchat_main(["dev-cert", "--out", acme, "chat.example.com"]), 0)
+        self.start(self.config(LCHAT_HTTPS_ADDR="tcp:0:interface=127.0.0.1"))
+        yield self.wait_for(lambda: (r := self.row("chat.example.com")) and r.status == "ready")
+
+        def fetch_tls() -> tuple[int, bytes]:
+            context = ssl.create_default_context(cafile=os.path.join(acme, "dev-ca.pem"))
+            raw = socket.create_connection(("127.0.0.1", self.tls_port), timeout=10)
+            with context.wrap_socket(raw, server_hostname="chat.example.com") as conn:
+                conn.sendall(
+                    b"GET /api/version HTTP/1.1\r\nHost: chat.example.com\r\n"
+                    b"Connection: close\r\n\r\n"
+                )
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            return int(head.split()[1]), body
+
+        from twisted.internet.threads import deferToThread
+
+        status, body = yield deferToThread(fetch_tls)
+        self.assertEqual(status, 200)
+        self.assertIn("version", json.loads(body))
+        code, _ = yield self.get("chat.example.com", "/api/version?x=1")
+        self.assertEqual(code, 301)
 
     def test_a_second_router_on_the_same_run_dir_refuses(self) -> None:
         self.start()

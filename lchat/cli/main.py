@@ -22,7 +22,7 @@ import attrs
 
 import lchat
 from lchat import config, hosts
-from lchat.cli import admin_client, envfile, units
+from lchat.cli import admin_client, dev_cert, envfile, units
 from lchat.config import BoxConfig, ConfigError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--stop", action="store_true", help="also stop and disable its unit")
 
     command("version", "print lchat's version", cmd_version)
+    dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
     # Listed for --help only: main() hands `space ...` over before argparse sees it.
     commands.add_parser(
         "space", help="run the reference space server (arguments go to it)", add_help=False
@@ -199,6 +200,15 @@ def cmd_version(args: argparse.Namespace) -> int:
     # No config needed: `lchat version` must work on a box whose router.env is broken.
     _out(f"{PROG} {lchat.__version__}")
     return 0
+
+
+def cmd_dev_cert(args: argparse.Namespace) -> int:
+    # With --out no settings are needed: it must work on a box whose router.env is broken.
+    cfg = None if args.out else load_config(args)
+    try:
+        return dev_cert.run(args, cfg, _out)
+    except dev_cert.DevCertError as e:
+        raise CliError(str(e)) from e
 
 
 def cmd_instances(args: argparse.Namespace) -> int:

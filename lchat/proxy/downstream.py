@@ -131,6 +131,7 @@ class Downstream(Protocol):
     def connectionMade(self) -> None:
         assert self.transport is not None
         _connections.inc()
+        self.proxy.connections.add(self)
         self.valve = Valve(self.transport)
         self._parser = httptools.HttpRequestParser(self)
         peer = self.transport.getPeer()
@@ -140,6 +141,7 @@ class Downstream(Protocol):
 
     def connectionLost(self, reason: Failure = ierror.ConnectionDone) -> None:  # type: ignore[assignment]
         _connections.dec()
+        self.proxy.connections.discard(self)
         self._closed = True
         self._disarm()
         for ex in [self._active, *self._waiting]:
@@ -250,6 +252,8 @@ class Downstream(Protocol):
             if ex.chunked:
                 ex.upstream.write(LAST_CHUNK)
             ex.upstream.transport.unregisterProducer()  # type: ignore[union-attr]
+            assert self.valve is not None
+            self.valve.open(Valve.PEER_FULL)  # unregistering does not resume us
             self._request_sent(ex, ex.upstream)
         if ex is self._active and ex.response_complete:
             self._finish(ex)
@@ -458,6 +462,8 @@ class Downstream(Protocol):
         ex.response_complete = True
         upstream, ex.upstream = ex.upstream, None
         if upstream is not None:
+            if upstream.valve is not None:
+                upstream.valve.open(Valve.PEER_FULL)  # an idle pooled connection must read
             if upstream.request_sent and upstream.reusable:
                 self.proxy.pool.release(upstream)
             else:
@@ -587,6 +593,10 @@ class Downstream(Protocol):
             else:
                 self._arm(self.cfg.header_timeout, self._header_timed_out)
 
+    def close_if_idle(self) -> None:
+        if self._active is None and self._parsing is None and not self._closed:
+            self._closing()
+
     def _closing(self) -> None:
         assert self.transport is not None
         self._closed = True
@@ -712,9 +722,13 @@ class ProxyFactory(Factory):
         self.pool = pool or UpstreamPool(reactor, dial_retry=self.cfg.dial_retry)
         self.observer: RequestObserver = observer or _NoObserver()
         self.secure = secure
+        self.connections: set[Downstream] = set()
 
     def buildProtocol(self, addr: Any) -> Downstream:
         return Downstream(self)
 
     def close(self) -> Deferred[None]:
+        """Shutdown: drop client connections that sit idle, and idle upstream connections."""
+        for conn in list(self.connections):
+            conn.close_if_idle()
         return self.pool.close()

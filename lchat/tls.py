@@ -1,0 +1,739 @@
+"""The certificate store and the SNI-switching TLS listener.
+
+Layout of ``LCHAT_ACME_CACHE`` (one PEM file per name, holding the private key and the certificate
+chain, leaf first; every file mode 0600 or stricter):
+
+- ``<host>.pem``: the certificate of one host, served only while ``<host>`` is in the registry;
+- ``wildcard-<domain>.pem``: a ``*.<domain>`` certificate, served to any direct subdomain
+  ``x.<domain>`` (not to ``<domain>`` itself, nor to ``a.b.<domain>``), registered or not;
+- ``default.pem`` (optional): served when nothing above matches, or when the client sends no SNI;
+  without it such handshakes fail.
+
+The most specific wins: host, then wildcard, then default. Every other file (ACME account keys,
+``*.tmp``, ``dev-ca.pem``) is ignored. A host whose first label starts with ``wildcard-`` cannot have
+a file of its own. File names are only ever built by :func:`cert_path` and :func:`wildcard_cert_path`.
+
+The directory is rescanned every few seconds; a file whose (inode, size, mtime, mode) changed is
+re-read in a thread and becomes a *new* OpenSSL context, so a context a connection already uses is
+never mutated. A changed file that is refused keeps the certificate loaded from it before (until it
+expires); a loaded certificate that expires stops being served.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Literal, cast
+
+from attrs import field, frozen
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
+from OpenSSL import SSL, crypto
+from prometheus_client import Counter, Gauge
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IProtocolFactory,
+    IReactorTime,
+    IStreamServerEndpoint,
+)
+from twisted.internet.protocol import connectionDone
+from twisted.internet.ssl import CertificateOptions, TLSVersion
+from twisted.internet.task import LoopingCall
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from lchat import hosts
+from lchat.registry import RouteSource, RunInThread
+
+Kind = Literal["host", "wildcard", "default"]
+KINDS: tuple[Kind, ...] = ("host", "wildcard", "default")
+
+ALPN = b"http/1.1"  # the front door speaks HTTP/1.1 only
+WILDCARD_PREFIX = "wildcard-"
+DEFAULT_FILE = "default.pem"
+SUFFIX = ".pem"
+DEFAULT_SCAN_INTERVAL = 10.0
+
+# One fingerprint per file: what changes when it is rewritten, replaced or chmod-ed.
+Fingerprint = tuple[int, int, int, int, int]
+
+_log = Logger(namespace="lchat.tls")
+
+_failures = Counter(
+    "lchat_tls_handshake_failures_total", "TLS handshakes that did not complete", ["reason"]
+)
+_certificates = Gauge("lchat_tls_certificates", "Certificates being served, by kind", ["kind"])
+_expiry = Gauge(
+    "lchat_tls_certificate_expiry_seconds",
+    "notAfter of each certificate being served (unix time)",
+    ["name"],
+)
+_refused = Gauge("lchat_tls_refused_files", "Certificate files refused (see the log for why)")
+
+
+# --- file names ---------------------------------------------------------------------------------
+
+
+def cert_path(directory: str, host: str) -> str:
+    """``<dir>/<host>.pem``: a host's key and chain. ``host`` must already be normalised."""
+    name = _checked(host)
+    if name.startswith(WILDCARD_PREFIX):
+        raise hosts.InvalidHost(
+            f"{host}: names starting with {WILDCARD_PREFIX!r} are wildcard certificate files; "
+            f"this host can only be served by a wildcard or the default certificate"
+        )
+    return _join(directory, name + SUFFIX)
+
+
+def wildcard_cert_path(directory: str, domain: str) -> str:
+    """``<dir>/wildcard-<domain>.pem``: the ``*.<domain>`` key and chain."""
+    return _join(directory, WILDCARD_PREFIX + _checked(domain) + SUFFIX)
+
+
+def default_cert_path(directory: str) -> str:
+    """``<dir>/default.pem``: served when no other certificate matches."""
+    return _join(directory, DEFAULT_FILE)
+
+
+def _checked(name: str) -> str:
+    canonical = hosts.normalise(name)
+    if canonical != name:
+        raise hosts.InvalidHost(f"{name!r} is not normalised (expected {canonical!r})")
+    return canonical
+
+
+def _join(directory: str, filename: str) -> str:
+    base = os.path.abspath(directory)
+    path = os.path.join(base, filename)
+    if os.path.dirname(path) != base or os.path.basename(path) != filename:
+        raise hosts.InvalidHost(f"{filename!r} does not make a safe file name")
+    return path
+
+
+def role_of(filename: str) -> tuple[Kind, str] | None:
+    """What a file in the cache directory is: ``(kind, name)``, or None for a file we ignore.
+
+    ``name`` is the host for ``host``, the domain for ``wildcard`` and ``"default"``. Only canonical
+    names count (the file names :func:`cert_path` would build).
+    """
+    if filename == DEFAULT_FILE:
+        return ("default", "default")
+    if not filename.endswith(SUFFIX):
+        return None
+    stem = filename[: -len(SUFFIX)]
+    kind: Kind = "host"
+    if stem.startswith(WILDCARD_PREFIX):
+        kind, stem = "wildcard", stem[len(WILDCARD_PREFIX) :]
+    return (kind, stem) if hosts.is_normal(stem) else None
+
+
+def _misnamed(filename: str) -> str | None:
+    """For a ``.pem`` we ignore because its name is not canonical: the name it should have."""
+    if not filename.endswith(SUFFIX) or role_of(filename) is not None:
+        return None
+    stem = filename[: -len(SUFFIX)]
+    prefix = WILDCARD_PREFIX if stem.startswith(WILDCARD_PREFIX) else ""
+    try:
+        canonical = hosts.normalise(stem[len(prefix) :])
+    except hosts.InvalidHost:
+        return None  # not meant as a certificate name (an ACME account key, dev-ca.pem ...)
+    return prefix + canonical + SUFFIX
+
+
+# --- loading one file ---------------------------------------------------------------------------
+
+
+@frozen
+class Loaded:
+    """A certificate ready to serve, with the context built for it (never mutated afterwards)."""
+
+    kind: Kind
+    name: str  # host, domain (wildcard) or "default"
+    path: str
+    fingerprint: Fingerprint
+    not_after: float  # unix time
+    serial: int
+    context: SSL.Context = field(eq=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """How logs and metrics name it: ``chat.example.com``, ``*.example.com``, ``default``."""
+        return "*." + self.name if self.kind == "wildcard" else self.name
+
+
+@frozen
+class Refused:
+    path: str
+    fingerprint: Fingerprint
+    why: str
+
+
+class _Refuse(Exception):
+    pass
+
+
+_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL)
+
+
+def load_file(path: str, kind: Kind, name: str, now: float) -> Loaded | Refused:
+    """Read, check and build a context for one certificate file. Blocking: call it in a thread."""
+    fingerprint: Fingerprint = (0, 0, 0, 0, 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            fingerprint = _fingerprint(st)
+            if st.st_mode & 0o077:
+                raise _Refuse(
+                    f"mode {stat.S_IMODE(st.st_mode):04o} lets other users read its private key; "
+                    f"run `chmod 600 {path}`"
+                )
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(1 << 20)
+        finally:
+            os.close(fd)
+        return _build(path, kind, name, fingerprint, data, now)
+    except _Refuse as e:
+        return Refused(path, fingerprint, str(e))
+    except OSError as e:
+        return Refused(path, fingerprint, f"cannot read it: {e.strerror or e}")
+
+
+def _build(
+    path: str, kind: Kind, name: str, fingerprint: Fingerprint, data: bytes, now: float
+) -> Loaded:
+    blocks = [(m.group(1), m.group(0)) for m in _PEM_BLOCK.finditer(data)]
+    keys = [pem for label, pem in blocks if label.endswith(b"PRIVATE KEY")]
+    certs = [pem for label, pem in blocks if label == b"CERTIFICATE"]
+    if len(keys) != 1:
+        raise _Refuse(f"it holds {len(keys)} private keys, expected exactly one (PEM)")
+    if not certs:
+        raise _Refuse("it holds no certificate (expected the chain, leaf first, after the key)")
+    try:
+        key = serialization.load_pem_private_key(keys[0], password=None)
+    except TypeError:
+        raise _Refuse("its private key is encrypted; store it without a passphrase") from None
+    except ValueError as e:
+        raise _Refuse(f"its private key does not parse: {e}") from None
+    try:
+        chain = [x509.load_pem_x509_certificate(pem) for pem in certs]
+    except ValueError as e:
+        raise _Refuse(f"a certificate does not parse: {e}") from None
+    leaf = chain[0]
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    der = serialization.Encoding.DER
+    if leaf.public_key().public_bytes(der, spki) != key.public_key().public_bytes(der, spki):
+        raise _Refuse("its private key does not match the first (leaf) certificate")
+    not_after = leaf.not_valid_after_utc.timestamp()
+    if not_after <= now:
+        raise _Refuse(f"its certificate expired at {_date(not_after)}")
+    if kind != "default":
+        _check_names(leaf, kind, name)
+    try:
+        context = _context(key, chain)
+    except TypeError:
+        raise _Refuse(f"unsupported private key type {type(key).__name__}") from None
+    except (SSL.Error, ValueError) as e:
+        raise _Refuse(f"OpenSSL will not use it: {e}") from None
+    return Loaded(kind, name, path, fingerprint, not_after, leaf.serial_number, context)
+
+
+def _check_names(leaf: x509.Certificate, kind: Kind, name: str) -> None:
+    try:
+        sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise _Refuse("its certificate has no subjectAltName (clients ignore the CN)") from None
+    names = [n.lower() for n in sans.get_values_for_type(x509.DNSName)]
+    if kind == "wildcard":
+        wanted = "*." + name
+        ok = wanted in names
+    else:
+        wanted = name
+        ok = name in names or any(
+            n.startswith("*.") and _directly_under(n[2:], name) for n in names
+        )
+    if not ok:
+        raise _Refuse(f"its certificate is for {', '.join(names) or 'no DNS name'}, not {wanted}")
+
+
+def _directly_under(domain: str, host: str) -> bool:
+    return host != domain and hosts.covers(domain, host)
+
+
+def _context(key: PrivateKeyTypes, chain: list[x509.Certificate]) -> SSL.Context:
+    # Built through CertificateOptions so each per-name context carries the same protocol floor,
+    # ciphers and ALPN as the listener's: after the SNI switch, OpenSSL uses *this* context's.
+    options = CertificateOptions(
+        privateKey=crypto.PKey.from_cryptography_key(key),  # type: ignore[arg-type]
+        certificate=crypto.X509.from_cryptography(chain[0]),
+        extraCertChain=[crypto.X509.from_cryptography(c) for c in chain[1:]],
+        raiseMinimumTo=TLSVersion.TLSv1_2,
+        acceptableProtocols=[ALPN],
+    )
+    context = options.getContext()
+    _strict_alpn(context)
+    return context
+
+
+def _strict_alpn(context: SSL.Context) -> None:
+    # Twisted's own callback also offers whatever the wrapped factory advertises (h2 from a Site
+    # when the h2 package is installed); the router speaks HTTP/1.1 and nothing else.
+    # No overlap: carry on without ALPN, as with a client that offered none. (Twisted's answer, b"",
+    # makes OpenSSL abort with an internal_error alert.)
+    def select(connection: SSL.Connection, offered: list[bytes]) -> Any:
+        return ALPN if ALPN in offered else SSL.NO_OVERLAPPING_PROTOCOLS
+
+    context.set_alpn_select_callback(select)
+
+
+def _fingerprint(st: os.stat_result) -> Fingerprint:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
+def _date(when: float) -> str:
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+# --- scanning the directory -----------------------------------------------------------------------
+
+
+@frozen
+class _Scan:
+    missing: bool = False
+    error: str = ""
+    seen: Mapping[str, Fingerprint] = field(factory=dict)  # filename -> fingerprint now
+    changed: Mapping[str, Loaded | Refused] = field(factory=dict)
+    misnamed: Mapping[str, str] = field(factory=dict)  # filename -> the name it should have
+
+
+def scan(directory: str, previous: Mapping[str, Fingerprint], now: float) -> _Scan:
+    """List the directory and load every certificate file that changed. Blocking."""
+    try:
+        filenames = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return _Scan(missing=True)
+    except OSError as e:
+        return _Scan(error=f"cannot list {directory}: {e.strerror or e}")
+    seen: dict[str, Fingerprint] = {}
+    changed: dict[str, Loaded | Refused] = {}
+    misnamed: dict[str, str] = {}
+    for filename in filenames:
+        role = role_of(filename)
+        if role is None:
+            better = _misnamed(filename)
+            if better is not None:
+                misnamed[filename] = better
+            continue
+        path = os.path.join(directory, filename)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # gone meanwhile, or a dangling symlink
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        fingerprint = _fingerprint(st)
+        if previous.get(filename) != fingerprint:
+            outcome = load_file(path, role[0], role[1], now)
+            if any(outcome.fingerprint):  # else it could not even be opened: keep the stat's
+                fingerprint = outcome.fingerprint
+            changed[filename] = outcome
+        seen[filename] = fingerprint
+    return _Scan(seen=seen, changed=changed, misnamed=misnamed)
+
+
+@frozen
+class _FileState:
+    fingerprint: Fingerprint
+    serving: Loaded | None  # what this file serves (possibly an earlier, good version of it)
+    refusal: str = ""  # why its current content is not served
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+IsKnown = Callable[[str], bool]
+
+
+def known_hosts(routes: RouteSource) -> IsKnown:
+    """``is_known`` backed by the router's live registry snapshot: a host with a row, any status."""
+
+    def is_known(host: str) -> bool:
+        return routes.table.get(host) is not None
+
+    return is_known
+
+
+class CertStore(Service):
+    """The certificates in ``directory``, kept current, and the SNI callback that picks one.
+
+    Everything heavy (reading files, parsing, building contexts) runs through ``run_in_thread``;
+    the SNI callback is a few dict lookups on the reactor thread. Scans are serialised.
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        directory: str,
+        is_known: IsKnown,
+        run_in_thread: RunInThread | None = None,
+        interval: float = DEFAULT_SCAN_INTERVAL,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._reactor = reactor
+        self.directory = os.path.abspath(directory)
+        self._is_known = is_known
+        self._run_in_thread = run_in_thread or _default_run_in_thread(reactor)
+        self._interval = interval
+        self._clock = clock
+        self._files: dict[str, _FileState] = {}
+        self._hosts: dict[str, SSL.Context] = {}
+        self._wildcards: dict[str, SSL.Context] = {}
+        self._default: SSL.Context | None = None
+        self._scanned = False
+        self._running: Deferred[None] | None = None
+        self._waiting: list[Deferred[None]] = []
+        self._poller: LoopingCall | None = None
+        self._missing_logged = False
+        self._error_logged = ""
+        self._misnamed_logged: set[str] = set()
+        self._no_cert_logged: set[str] = set()
+        self._published: set[str] = set()  # expiry gauge labels we set
+        self.handshake_failures: dict[str, int] = {}
+        # The listener's context: no certificate of its own, it only dispatches on SNI.
+        self._options = CertificateOptions(
+            raiseMinimumTo=TLSVersion.TLSv1_2,
+            acceptableProtocols=[ALPN],
+            contextForServerName=self.context_for_server_name,
+        )
+        self._dispatch = self._options.getContext()
+        _strict_alpn(self._dispatch)
+
+    # -- what the listener uses
+
+    @property
+    def connection_creator(self) -> CertificateOptions:
+        """The server connection creator to wrap a listener with (see :func:`https_endpoint`)."""
+        return self._options
+
+    def context_for_server_name(self, server_name: bytes | None) -> SSL.Context | None:
+        """The most specific context for an SNI name: host (if registered), wildcard, default."""
+        host = _sni_host(server_name)
+        if host is not None:
+            context = self._hosts.get(host)
+            if context is not None and self._is_known(host):
+                return context
+            context = self._wildcards.get(host.partition(".")[2])
+            if context is not None:
+                return context
+            if self._default is None and host not in self._no_cert_logged and self._is_known(host):
+                self._no_cert_logged.add(host)  # bounded: registered hosts only
+                _log.warn(
+                    "tls: no certificate for {host} (expected {file} or a wildcard)",
+                    host=host,
+                    file=_safe(lambda: cert_path(self.directory, host)),
+                )
+        return self._default
+
+    def is_dispatch_context(self, context: SSL.Context | None) -> bool:
+        """True for the listener's own context: a connection still on it got no certificate."""
+        return context is self._dispatch
+
+    # -- what operators and tests look at
+
+    def certificates(self) -> dict[str, Loaded]:
+        """Every certificate being served, by label (``host``, ``*.domain``, ``default``)."""
+        return {s.serving.label: s.serving for s in self._files.values() if s.serving is not None}
+
+    def refused(self) -> dict[str, str]:
+        """Every file whose current content is refused: path -> why."""
+        return {
+            os.path.join(self.directory, f): s.refusal for f, s in self._files.items() if s.refusal
+        }
+
+    # -- loading
+
+    def load_initial(self) -> None:
+        """Scan synchronously, for use while building the service, before the reactor runs (so the
+        listener never answers a handshake before the certificates are in). Blocking."""
+        self._apply(scan(self.directory, {}, self._clock()))
+
+    def rescan(self) -> Deferred[None]:
+        """Scan now; fires once a scan that started after this call has been applied."""
+        waiter: Deferred[None] = Deferred()
+        if self._running is not None:
+            self._waiting.append(waiter)
+        else:
+            self._start([waiter])
+        return waiter
+
+    def _start(self, waiters: list[Deferred[None]]) -> None:
+        previous = {f: s.fingerprint for f, s in self._files.items()}
+        now = self._clock()
+        d: Deferred[_Scan] = self._run_in_thread(lambda: scan(self.directory, previous, now))
+        done: Deferred[None] = d.addCallback(self._apply)
+        done.addErrback(lambda f: _log.failure("tls: certificate scan failed", f))
+        self._running = done
+
+        def finished(_: object) -> None:
+            self._running = None
+            if self._waiting:
+                again, self._waiting = self._waiting, []
+                self._start(again)
+            for waiter in waiters:
+                waiter.callback(None)
+
+        done.addBoth(finished)
+
+    def _apply(self, result: _Scan) -> None:
+        if result.error:
+            self._scanned = True
+            if result.error != self._error_logged:
+                self._error_logged = result.error
+                _log.error("tls: {error}; keeping the certificates loaded", error=result.error)
+            return
+        self._error_logged = ""
+        if result.missing:
+            if not self._missing_logged:
+                self._missing_logged = True
+                _log.warn(
+                    "tls: certificate directory {directory} does not exist: no certificates "
+                    "are served until it does (LCHAT_ACME_CACHE)",
+                    directory=self.directory,
+                )
+        else:
+            self._missing_logged = False
+        for filename, better in result.misnamed.items():
+            if filename not in self._misnamed_logged:
+                self._misnamed_logged.add(filename)
+                _log.warn(
+                    "tls: ignoring {file}: certificate files use canonical names; rename it {better}",
+                    file=os.path.join(self.directory, filename),
+                    better=better,
+                )
+        dirty = not self._scanned or bool(result.changed)
+        self._scanned = True
+        for filename in sorted(set(self._files) - set(result.seen)):
+            dirty = True
+            gone = self._files.pop(filename).serving
+            if gone is not None:
+                _log.info(
+                    "tls: {name} certificate removed ({file})", name=gone.label, file=gone.path
+                )
+        for filename, outcome in result.changed.items():
+            self._files[filename] = self._updated(self._files.get(filename), outcome)
+        now = self._clock()
+        for filename, state in list(self._files.items()):
+            loaded = state.serving
+            if loaded is not None and loaded.not_after <= now:
+                dirty = True
+                _log.error(
+                    "tls: {name} certificate expired at {date}: no longer served ({file})",
+                    name=loaded.label,
+                    date=_date(loaded.not_after),
+                    file=loaded.path,
+                )
+                why = f"its certificate expired at {_date(loaded.not_after)}"
+                self._files[filename] = _FileState(state.fingerprint, None, why)
+        if dirty:
+            self._rebuild()
+
+    def _updated(self, old: _FileState | None, outcome: Loaded | Refused) -> _FileState:
+        previous = old.serving if old is not None else None
+        if isinstance(outcome, Refused):
+            _log.error(
+                "tls: refusing {file}: {why}",
+                file=outcome.path,
+                why=outcome.why,
+            )
+            if previous is not None:
+                _log.warn(
+                    "tls: still serving the {name} certificate loaded earlier (expires {date})",
+                    name=previous.label,
+                    date=_date(previous.not_after),
+                )
+            return _FileState(outcome.fingerprint, previous, outcome.why)
+        if previous is not None:
+            _log.info(
+                "tls: {name} certificate replaced (serial {old:x} -> {new:x}, expires {date})",
+                name=outcome.label,
+                old=previous.serial,
+                new=outcome.serial,
+                date=_date(outcome.not_after),
+            )
+        else:
+            _log.info(
+                "tls: loaded certificate for {name} (expires {date})",
+                name=outcome.label,
+                date=_date(outcome.not_after),
+                file=outcome.path,
+            )
+        return _FileState(outcome.fingerprint, outcome, "")
+
+    def _rebuild(self) -> None:
+        # Whole new dicts, swapped in: the SNI callback never sees a half-applied scan.
+        by_kind: dict[Kind, dict[str, SSL.Context]] = {k: {} for k in KINDS}
+        for state in self._files.values():
+            if state.serving is not None:
+                by_kind[state.serving.kind][state.serving.name] = state.serving.context
+        self._hosts = by_kind["host"]
+        self._wildcards = by_kind["wildcard"]
+        self._default = by_kind["default"].get("default")
+        self._no_cert_logged.clear()  # say it again if a change did not bring one
+        for kind in KINDS:
+            _certificates.labels(kind).set(len(by_kind[kind]))
+        serving = self.certificates()
+        for label in set(self._published) - set(serving):
+            _expiry.remove(label)
+        for label, loaded in serving.items():
+            _expiry.labels(label).set(loaded.not_after)
+        self._published = set(serving)
+        _refused.set(sum(1 for s in self._files.values() if s.refusal))
+
+    # -- handshake failures
+
+    def handshake_failed(self, reason: str, server_name: str, peer: str, detail: str) -> None:
+        self.handshake_failures[reason] = self.handshake_failures.get(reason, 0) + 1
+        _failures.labels(reason).inc()
+        _log.debug(
+            "tls: handshake failed ({reason}) from {peer} for {server_name}: {detail}",
+            reason=reason,
+            peer=peer,
+            server_name=server_name or "(no SNI)",
+            detail=detail,
+        )
+
+    # -- service
+
+    def startService(self) -> None:
+        super().startService()
+        self._poller = LoopingCall(self._poll)
+        self._poller.clock = self._reactor
+        self._poller.start(self._interval, now=not self._scanned).addErrback(
+            lambda f: _log.failure("tls: certificate scan loop died", f)
+        )
+
+    def stopService(self) -> Deferred[None] | None:
+        if self._poller is not None and self._poller.running:
+            self._poller.stop()
+        super().stopService()
+        if self._running is None:
+            return None
+        # Let a scan in its thread land before the reactor stops.
+        idle: Deferred[None] = Deferred()
+        self._running.addBoth(lambda _: idle.callback(None))
+        return idle
+
+    def _poll(self) -> Deferred[None]:
+        return succeed(None) if self._running is not None else self.rescan()
+
+
+def _sni_host(server_name: bytes | None) -> str | None:
+    if not server_name:
+        return None
+    try:
+        return hosts.normalise(server_name.decode("ascii"))
+    except (UnicodeDecodeError, hosts.InvalidHost):
+        return None
+
+
+def _safe(build: Callable[[], str]) -> str:
+    try:
+        return build()
+    except hosts.InvalidHost as e:
+        return f"(none possible: {e})"
+
+
+def _default_run_in_thread(reactor: Any) -> RunInThread:
+    def run(f: Callable[[], Any]) -> Deferred[Any]:
+        return deferToThreadPool(reactor, reactor.getThreadPool(), f)
+
+    return run
+
+
+# --- the listener -------------------------------------------------------------------------------
+
+
+def https_endpoint(reactor: Any, address: str, store: CertStore) -> IStreamServerEndpoint:
+    """``address`` (a Twisted server endpoint string, e.g. from ``LCHAT_HTTPS_ADDR``) with TLS on
+    top, certificates chosen per SNI name by ``store``, failed handshakes counted."""
+    return _TLSEndpoint(serverFromString(reactor, address), store, reactor)
+
+
+@implementer(IStreamServerEndpoint)
+class _TLSEndpoint:
+    def __init__(self, endpoint: IStreamServerEndpoint, store: CertStore, clock: Any) -> None:
+        self._endpoint = endpoint
+        self._store = store
+        self._clock = clock
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        return self._endpoint.listen(_TLSFactory(self._store, protocolFactory, self._clock))
+
+
+class _ObservedTLS(BufferingTLSTransport):
+    """Reports a handshake that did not complete (the only place one is observable)."""
+
+    _received = False
+
+    def dataReceived(self, data: bytes) -> None:
+        self._received = True
+        super().dataReceived(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        # A connection closed before sending a byte is a TCP probe, not a failed handshake.
+        if not self._handshakeDone and self._received and self._tlsConnection is not None:
+            self._report(self._reason or reason)
+        super().connectionLost(reason)
+
+    def _report(self, reason: Failure) -> None:
+        connection: SSL.Connection = self._tlsConnection
+        store = cast(_TLSFactory, self.factory).store
+        server_name = connection.get_servername()
+        name = server_name.decode("ascii", "replace") if server_name else ""
+        address = self.transport.getPeer() if self.transport is not None else None
+        host, port = getattr(address, "host", None), getattr(address, "port", None)
+        peer = f"{host}:{port}" if host is not None else str(address)
+        error = reason.value
+        detail = _ssl_reasons(error) if isinstance(error, SSL.Error) else ""
+        kind = _classify(error, detail, store.is_dispatch_context(connection.get_context()))
+        store.handshake_failed(kind, name, peer, detail or reason.getErrorMessage())
+
+
+class _TLSFactory(TLSMemoryBIOFactory):
+    protocol = _ObservedTLS
+
+    def __init__(self, store: CertStore, wrapped: IProtocolFactory, clock: IReactorTime) -> None:
+        super().__init__(store.connection_creator, False, wrapped, clock)
+        self.store = store
+
+
+def _ssl_reasons(error: SSL.Error) -> str:
+    parts: Iterable[Any] = error.args[0] if error.args and isinstance(error.args[0], list) else []
+    text = "; ".join(str(p[2]) for p in parts if isinstance(p, tuple) and len(p) == 3)
+    return text or str(error)
+
+
+def _classify(error: BaseException | None, detail: str, no_certificate: bool) -> str:
+    """A small, fixed set of metric labels."""
+    if not isinstance(error, SSL.Error):
+        return "closed"  # the peer (or a timeout) closed the connection mid-handshake
+    text = detail.lower()
+    if "unsupported protocol" in text or "version too low" in text:
+        return "version"
+    if "http request" in text:
+        return "plain_http"
+    if "alert" in text:
+        return "peer_alert"  # the client refused us, usually our certificate
+    if no_certificate:
+        return "no_certificate"
+    return "protocol"

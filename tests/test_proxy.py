@@ -1,0 +1,729 @@
+"""The front door's proxy over real sockets: real unix-socket backends, real clients.
+
+Functional behaviour: streaming with backpressure both ways, keep-alive reuse on both sides, chunked
+both ways, 100-continue, HEAD, an upstream answering before the body, pipelining, WebSockets with a
+real client library, dial retry, TLS to a peer with name verification, and the request observer.
+(Malformed and adversarial input lives in test_proxy_adversarial.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any, cast
+
+from attrs import define, field
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.endpoints import (
+    TCP4ClientEndpoint,
+    UNIXServerEndpoint,
+    serverFromString,
+    wrapServerTLS,
+)
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import ClientFactory, Factory, Protocol
+from twisted.internet.ssl import Certificate, CertificateOptions, PrivateCertificate
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+from twisted.web.websocket import WebSocketResource, WebSocketTransport
+from zope.interface import implementer
+
+from lchat.config import ProxyConfig
+from lchat.proxy.downstream import ProxyFactory
+from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
+
+HOST = "chat.example.com"
+
+
+def sleep(seconds: float) -> Deferred[None]:
+    return deferLater(reactor, seconds, lambda: None)
+
+
+@define
+class StaticRouter:
+    targets: dict[str, Target]
+    heads: list[RequestHead] = field(factory=list)
+
+    def route(self, head: RequestHead) -> Target:
+        self.heads.append(head)
+        return self.targets.get(head.host) or LocalResponse(404, b"unknown\n", label="unknown")
+
+
+@define
+class Observer:
+    events: list[tuple[str, str]] = field(factory=list)
+
+    def request_started(self, head: RequestHead, target: Target) -> None:
+        self.events.append(("start", head.target.decode()))
+
+    def request_ended(self, head: RequestHead, target: Target) -> None:
+        self.events.append(("end", head.target.decode()))
+
+
+class RawClient(Protocol):
+    """A client that sends exactly the bytes we say and keeps everything it receives."""
+
+    transport: Any
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.closed: Deferred[None] = Deferred()
+        self.is_closed = False
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.is_closed = True
+        self.closed.callback(None)
+
+
+class Backend(Protocol):
+    """A scripted backend: records raw bytes; ``respond`` decides what to send back."""
+
+    transport: Any
+
+    def __init__(self, factory: BackendFactory) -> None:
+        self.f = factory
+        self.buffer = bytearray()
+
+    def connectionMade(self) -> None:
+        self.f.connections += 1
+        self.f.live.append(self)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        self.f.received += data
+        self.f.respond(self)
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.f.live.remove(self)
+
+
+class BackendFactory(Factory):
+    noisy = False
+
+    def __init__(self, respond: Any) -> None:
+        self.respond = respond
+        self.connections = 0
+        self.received = bytearray()
+        self.live: list[Backend] = []
+
+    def buildProtocol(self, addr: Any) -> Backend:
+        return Backend(self)
+
+
+def fixed_response(body: bytes = b"hello") -> Any:
+    """Answer each complete (bodiless) request with ``body``; keep the connection."""
+
+    def respond(conn: Backend) -> None:
+        while b"\r\n\r\n" in conn.buffer:
+            _, _, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
+            conn.buffer = bytearray(rest)
+            assert conn.transport is not None
+            conn.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+    return respond
+
+
+class Echo(Resource):
+    """twisted.web backend: reports the request it saw."""
+
+    isLeaf = True
+
+    def render(self, request: Any) -> bytes:
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(
+            {
+                "method": request.method.decode(),
+                "uri": request.uri.decode(),
+                "headers": {
+                    k.decode().lower(): [v.decode() for v in vs]
+                    for k, vs in request.requestHeaders.getAllRawHeaders()
+                },
+                "body_length": len(request.content.read()),
+            }
+        ).encode()
+
+
+@implementer(IPushProducer)
+class Firehose:
+    """Writes as fast as its consumer allows and counts what it wrote."""
+
+    def __init__(self, transport: Any, total: int, chunk: int = 65536) -> None:
+        self.transport = transport
+        self.remaining = total
+        self.chunk = b"x" * chunk
+        self.paused = False
+        self.pauses = 0
+        self.written = 0
+        transport.registerProducer(self, True)
+        reactor.callLater(0, self._pump)
+
+    def _pump(self) -> None:
+        while not self.paused and self.remaining > 0:
+            piece = self.chunk[: min(len(self.chunk), self.remaining)]
+            self.remaining -= len(piece)
+            self.written += len(piece)
+            self.transport.write(piece)
+        if self.remaining <= 0:
+            self.transport.unregisterProducer()
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        reactor.callLater(0, self._pump)
+
+    def stopProducing(self) -> None:
+        self.remaining = 0
+
+
+class EchoSocket:
+    """WebSocket echo for the upgrade tests (twisted.web.websocket on the backend)."""
+
+    def negotiationStarted(self, transport: WebSocketTransport) -> None:
+        self.transport = transport
+
+    def negotiationFinished(self) -> None:
+        pass
+
+    def textMessageReceived(self, data: str) -> None:
+        self.transport.sendTextMessage("echo:" + data)
+
+    def bytesMessageReceived(self, data: bytes) -> None:
+        self.transport.sendBytesMessage(data)
+
+    def pongReceived(self, payload: bytes) -> None:
+        pass
+
+    def connectionLost(self, reason: Any) -> None:
+        pass
+
+
+class EchoFactory:
+    def buildProtocol(self, request: Any) -> EchoSocket:
+        return EchoSocket()
+
+
+class ProxyTestCase(TestCase):
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pr", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.sock = os.path.join(self.dir, "s.sock")
+        self.router = StaticRouter({HOST: LocalSocket(HOST, self.sock)})
+        self.observer = Observer()
+
+    @inlineCallbacks
+    def backend(self, factory: Any, path: str | None = None):
+        port = yield UNIXServerEndpoint(reactor, path or self.sock).listen(factory)
+        self.addCleanup(port.stopListening)
+        return port
+
+    @inlineCallbacks
+    def proxy(self, **cfg: Any):
+        self.factory = ProxyFactory(
+            reactor, self.router, ProxyConfig(**cfg), observer=self.observer
+        )
+        port = yield serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(self.factory)
+        self.addCleanup(port.stopListening)
+        self.addCleanup(self.factory.close)
+        self.addCleanup(self.proxy_side_closed)
+        self.port = port.getHost().port
+        return self.port
+
+    @inlineCallbacks
+    def proxy_side_closed(self):
+        """Cleanups run last-added first: clients are aborted by now; wait for our side."""
+        yield self.until(lambda: not self.factory.connections)
+
+    @inlineCallbacks
+    def connect(self):
+        client = RawClient()
+        yield TCP4ClientEndpoint(reactor, "127.0.0.1", self.port).connect(
+            ClientFactory.forProtocol(lambda: client)
+        )
+        self.addCleanup(
+            lambda: client.transport.abortConnection() if not client.is_closed else None
+        )
+        return client
+
+    @inlineCallbacks
+    def until(self, predicate: Any, timeout: float = 5.0):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                self.fail(f"timed out waiting for {predicate}")
+            yield sleep(0.01)
+
+    def responses(self, raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+        """Parse complete responses (Content-Length or chunked) out of a byte stream."""
+        out = []
+        data = bytes(raw)
+        while data:
+            head, sep, rest = data.partition(b"\r\n\r\n")
+            if not sep:
+                break
+            lines = head.split(b"\r\n")
+            status = int(lines[0].split()[1])
+            headers = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                headers[name.decode().lower()] = value.decode().strip()
+            if 100 <= status < 200:
+                out.append((status, headers, b""))
+                data = rest
+                continue
+            if headers.get("transfer-encoding") == "chunked":
+                body = bytearray()
+                while True:
+                    size_line, _, rest = rest.partition(b"\r\n")
+                    size = int(size_line, 16)
+                    if size == 0:
+                        rest = rest[2:]
+                        break
+                    body += rest[:size]
+                    rest = rest[size + 2 :]
+                out.append((status, headers, bytes(body)))
+                data = rest
+            else:
+                n = int(headers.get("content-length", len(rest)))
+                out.append((status, headers, rest[:n]))
+                data = rest[n:]
+        return out
+
+
+class KeepAliveTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_keep_alive_on_both_sides(self):
+        backend = BackendFactory(fixed_response(b"hi"))
+        yield self.backend(backend)
+        yield self.proxy()
+        client = yield self.connect()
+        for i in range(3):
+            client.transport.write(b"GET /%d HTTP/1.1\r\nHost: %s\r\n\r\n" % (i, HOST.encode()))
+            yield self.until(lambda i=i: len(self.responses(client.received)) == i + 1)
+        self.assertEqual([r[2] for r in self.responses(client.received)], [b"hi"] * 3)
+        self.assertEqual(backend.connections, 1)  # one upstream connection, reused
+        self.assertFalse(client.is_closed)  # and one downstream connection
+        # A second client reuses the same idle upstream connection too.
+        other = yield self.connect()
+        other.transport.write(b"GET /x HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(other.received)) == 1)
+        self.assertEqual(backend.connections, 1)
+
+    @inlineCallbacks
+    def test_pipelined_requests_are_answered_in_order(self):
+        yield self.backend(Site(Echo()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(
+            b"".join(
+                b"GET /p%d HTTP/1.1\r\nHost: %s\r\n\r\n" % (i, HOST.encode()) for i in range(4)
+            )
+        )
+        yield self.until(lambda: len(self.responses(client.received)) == 4)
+        uris = [json.loads(r[2])["uri"] for r in self.responses(client.received)]
+        self.assertEqual(uris, ["/p0", "/p1", "/p2", "/p3"])
+
+    @inlineCallbacks
+    def test_http10_client_gets_a_closed_connection(self):
+        yield self.backend(Site(Echo()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"GET /old HTTP/1.0\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield client.closed
+        self.assertTrue(client.received.startswith(b"HTTP/1.1 200"))
+        self.assertIn(b"/old", client.received)
+
+    @inlineCallbacks
+    def test_forwarding_headers_internal_headers_and_host(self):
+        yield self.backend(Site(Echo()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(
+            b"GET /h HTTP/1.1\r\nHost: Chat.Example.com\r\nX-Forwarded-For: 10.1.2.3\r\n"
+            b"X-Lchat-Sidecar: 1\r\nx-lchat-mesh-forwarded: forged\r\nConnection: keep-alive, X-Drop\r\n"
+            b"X-Drop: secret\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: x\r\n\r\n"
+        )
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        seen = json.loads(self.responses(client.received)[0][2])["headers"]
+        self.assertEqual(seen["host"], ["Chat.Example.com"])
+        self.assertEqual(seen["x-forwarded-for"], ["10.1.2.3, 127.0.0.1"])
+        self.assertEqual(seen["x-forwarded-proto"], ["http"])
+        for name in ("x-lchat-sidecar", "x-lchat-mesh-forwarded", "x-drop", "keep-alive", "te"):
+            self.assertNotIn(name, seen)
+        self.assertNotIn("proxy-authorization", seen)
+        head = self.router.heads[0]
+        self.assertTrue(head.sidecar)
+        self.assertEqual(head.forwarded, b"forged")
+        self.assertEqual(head.host, "chat.example.com")
+
+
+class FramingTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_chunked_request_and_response(self):
+        def respond(conn: Backend) -> None:
+            data = bytes(conn.buffer)
+            if not data.endswith(b"0\r\n\r\n"):
+                return
+            conn.buffer.clear()
+            assert conn.transport is not None
+            conn.transport.write(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+            )
+
+        backend = BackendFactory(respond)
+        yield self.backend(backend)
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(
+            b"POST /c HTTP/1.1\r\nHost: %s\r\nTransfer-Encoding: chunked\r\n\r\n" % HOST.encode()
+        )
+        client.transport.write(b"3\r\nabc\r\n")
+        yield sleep(0.05)
+        client.transport.write(b"2\r\nde\r\n0\r\n\r\n")
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        status, headers, body = self.responses(client.received)[0]
+        self.assertEqual(
+            (status, headers.get("transfer-encoding"), body), (200, "chunked", b"hello world")
+        )
+        sent = bytes(backend.received)
+        self.assertIn(b"Transfer-Encoding: chunked\r\n", sent)
+        self.assertNotIn(b"Content-Length", sent)
+        body_part = sent.split(b"\r\n\r\n", 1)[1]
+        self.assertEqual(body_part, b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+
+    @inlineCallbacks
+    def test_close_delimited_upstream_body_is_chunked_downstream(self):
+        def respond(conn: Backend) -> None:
+            if b"\r\n\r\n" in conn.buffer:
+                assert conn.transport is not None
+                conn.transport.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+                conn.transport.loseConnection()
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        status, headers, body = self.responses(client.received)[0]
+        self.assertEqual(
+            (status, headers["transfer-encoding"], body), (200, "chunked", b"until the end")
+        )
+        self.assertFalse(client.is_closed)  # our framing lets the client keep its connection
+
+    @inlineCallbacks
+    def test_head_response_has_no_body_and_the_connection_stays_usable(self):
+        def respond(conn: Backend) -> None:
+            if b"\r\n\r\n" in conn.buffer:
+                conn.buffer.clear()
+                assert conn.transport is not None
+                conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"HEAD / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: b"\r\n\r\n" in client.received)
+        yield sleep(0.05)
+        self.assertTrue(client.received.endswith(b"Content-Length: 1000\r\n\r\n"))
+        client.received.clear()
+        client.transport.write(b"HEAD /again HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: b"\r\n\r\n" in client.received)
+        self.assertTrue(client.received.startswith(b"HTTP/1.1 200"))
+
+    @inlineCallbacks
+    def test_expect_100_continue(self):
+        yield self.backend(Site(Echo()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(
+            b"PUT /up HTTP/1.1\r\nHost: %s\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+            % HOST.encode()
+        )
+        yield self.until(lambda: b"100 Continue" in client.received)
+        self.assertTrue(client.received.startswith(b"HTTP/1.1 100 Continue\r\n"))
+        client.transport.write(b"12345")
+        yield self.until(lambda: len(self.responses(client.received)) == 2)
+        final = self.responses(client.received)[1]
+        self.assertEqual(final[0], 200)
+        self.assertEqual(json.loads(final[2])["body_length"], 5)
+
+    @inlineCallbacks
+    def test_upstream_answering_before_the_body_closes_the_client(self):
+        def respond(conn: Backend) -> None:
+            if b"\r\n\r\n" in conn.buffer and not conn.f.live[0].buffer.endswith(b"done"):
+                conn.buffer.clear()
+                assert conn.transport is not None
+                conn.transport.write(
+                    b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 3\r\n\r\nbig"
+                )
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(
+            b"POST /big HTTP/1.1\r\nHost: %s\r\nContent-Length: 100000000\r\n\r\n" % HOST.encode()
+        )
+        client.transport.write(b"x" * 1000)
+        yield client.closed
+        status, headers, body = self.responses(client.received)[0]
+        self.assertEqual((status, body, headers.get("connection")), (413, b"big", "close"))
+
+
+class BackpressureTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_slow_client_pauses_the_upstream(self):
+        total = 64 * 1024 * 1024
+        hoses: list[Firehose] = []
+
+        def respond(conn: Backend) -> None:
+            if b"\r\n\r\n" in conn.buffer and not hoses:
+                assert conn.transport is not None
+                conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+                hoses.append(Firehose(conn.transport, total))
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.pauseProducing()  # a client that stops reading
+        client.transport.write(b"GET /big HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: hoses and hoses[0].paused, timeout=10)
+        yield sleep(0.5)
+        written = hoses[0].written
+        self.assertTrue(hoses[0].paused)
+        # Socket buffers and one transport buffer at most, nowhere near the whole body.
+        self.assertLess(written, 16 * 1024 * 1024)
+        yield sleep(0.3)
+        self.assertEqual(hoses[0].written, written)  # still stopped while the client is
+        client.transport.resumeProducing()
+        yield self.until(lambda: len(client.received) >= total, timeout=60)
+        self.assertEqual(hoses[0].written, total)
+
+    @inlineCallbacks
+    def test_slow_upstream_pauses_the_client_upload(self):
+        backends: list[Backend] = []
+
+        def respond(conn: Backend) -> None:
+            if not backends:
+                backends.append(conn)
+                assert conn.transport is not None
+                conn.transport.pauseProducing()  # a space that stops reading the body
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        client = yield self.connect()
+        total = 64 * 1024 * 1024
+        client.transport.write(
+            b"POST /up HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n" % (HOST.encode(), total)
+        )
+        hose = Firehose(client.transport, total)
+        yield self.until(lambda: hose.paused, timeout=10)
+        yield sleep(0.5)
+        sent = hose.written
+        self.assertTrue(hose.paused)
+        self.assertLess(sent, 16 * 1024 * 1024)
+        yield sleep(0.3)
+        self.assertEqual(hose.written, sent)
+        backends[0].transport.resumeProducing()
+        yield self.until(lambda: len(backends[0].buffer) >= total, timeout=60)
+        backends[0].transport.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        yield self.until(lambda: b"204" in client.received)
+
+
+class DialRetryTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_backend_appearing_late_is_reached(self):
+        yield self.proxy(dial_retry=5.0)
+        client = yield self.connect()
+        started = time.monotonic()
+        client.transport.write(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield sleep(2.0)
+        self.assertEqual(client.received, b"")  # still waiting, not failed
+        yield self.backend(BackendFactory(fixed_response(b"late")))
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        self.assertEqual(self.responses(client.received)[0][2], b"late")
+        self.assertGreaterEqual(time.monotonic() - started, 2.0)
+
+    @inlineCallbacks
+    def test_502_after_the_window(self):
+        yield self.proxy(dial_retry=1.0)
+        client = yield self.connect()
+        started = time.monotonic()
+        client.transport.write(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 1, timeout=5)
+        elapsed = time.monotonic() - started
+        self.assertEqual(self.responses(client.received)[0][0], 502)
+        self.assertGreaterEqual(elapsed, 0.9)
+        self.assertLess(elapsed, 3.0)
+
+
+class UpgradeTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_websocket_echo_through_the_proxy(self):
+        root = Resource()
+        root.putChild(b"ws", WebSocketResource(cast(Any, EchoFactory())))
+        yield self.backend(Site(root))
+        yield self.proxy()
+
+        def talk() -> list[str]:
+            from websockets.sync.client import connect
+
+            sock = socket.create_connection(("127.0.0.1", self.port))
+            with connect(f"ws://{HOST}/ws", sock=sock, open_timeout=5) as ws:
+                replies = []
+                for text in ("one", "two", "x" * 100_000):
+                    ws.send(text)
+                    replies.append(str(ws.recv(timeout=5)))
+                return replies
+
+        replies = yield deferToThread(talk)
+        self.assertEqual(replies, ["echo:one", "echo:two", "echo:" + "x" * 100_000])
+        yield self.until(lambda: ("end", "/ws") in self.observer.events)
+        # In flight from the handshake until the socket closed, not just for the 101.
+        self.assertEqual(self.observer.events, [("start", "/ws"), ("end", "/ws")])
+
+    @inlineCallbacks
+    def test_upgrade_refused_by_the_space_is_relayed_and_closed(self):
+        yield self.backend(Site(Echo()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(
+            b"GET /no HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+            % HOST.encode()
+        )
+        yield client.closed
+        self.assertTrue(client.received.startswith(b"HTTP/1.1 200"))
+
+
+class PeerTests(ProxyTestCase):
+    """RemotePeer: TLS to another box, verified against the space's name, pinned to an address."""
+
+    def make_ca(self) -> tuple[Any, Any]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test ca")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        return key, cert
+
+    def leaf(self, ca_key: Any, ca_cert: Any, name: str) -> PrivateCertificate:
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        pem = cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        return PrivateCertificate.loadPEM(pem)
+
+    @inlineCallbacks
+    def peer(self, cert_name: str):
+        ca_key, ca_cert = self.make_ca()
+        server_cert = self.leaf(ca_key, ca_cert, cert_name)
+        options = CertificateOptions(
+            privateKey=server_cert.privateKey.original,
+            certificate=server_cert.original,
+            acceptableProtocols=[b"http/1.1"],
+        )
+        endpoint = wrapServerTLS(options, serverFromString(reactor, "tcp:0:interface=127.0.0.1"))
+        port = yield endpoint.listen(Site(Echo()))
+        self.addCleanup(port.stopListening)
+        trust = Certificate.loadPEM(ca_cert.public_bytes(serialization.Encoding.PEM))
+        return port.getHost().port, trust
+
+    @inlineCallbacks
+    def test_forward_to_a_peer_verifies_the_space_name(self):
+        peer_port, trust = yield self.peer(HOST)
+        self.router.targets[HOST] = RemotePeer(
+            HOST, "127.0.0.1", peer_port, HOST, add_headers=((b"X-Lchat-Mesh-Forwarded", b"mac"),)
+        )
+        yield self.proxy()
+        self.factory.pool._trust_root = trust
+        client = yield self.connect()
+        client.transport.write(b"GET /peer HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        status, _, body = self.responses(client.received)[0]
+        self.assertEqual(status, 200)
+        seen = json.loads(body)
+        self.assertEqual(seen["headers"]["host"], [HOST])
+        self.assertEqual(seen["headers"]["x-lchat-mesh-forwarded"], ["mac"])
+
+    @inlineCallbacks
+    def test_a_peer_with_the_wrong_certificate_gets_nothing(self):
+        peer_port, trust = yield self.peer("other.example.com")
+        self.router.targets[HOST] = RemotePeer(HOST, "127.0.0.1", peer_port, HOST)
+        yield self.proxy()
+        self.factory.pool._trust_root = trust
+        client = yield self.connect()
+        client.transport.write(b"GET /peer HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        self.assertEqual(self.responses(client.received)[0][0], 502)
+
+
+class FailureTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_upstream_dying_mid_response_aborts_the_client(self):
+        def respond(conn: Backend) -> None:
+            if b"\r\n\r\n" in conn.buffer:
+                assert conn.transport is not None
+                conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+                # (abortConnection would drop the unsent bytes: let them go out first)
+                reactor.callLater(0.1, conn.transport.abortConnection)
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield client.closed
+        self.assertIn(b"partial", client.received)  # what arrived, then the cut: never a lie
+
+    @inlineCallbacks
+    def test_observer_sees_start_and_end_and_local_answers_are_not_observed(self):
+        yield self.backend(BackendFactory(fixed_response()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"GET /a HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        client.transport.write(b"GET /b HTTP/1.1\r\nHost: nobody.example.com\r\n\r\n")
+        yield self.until(lambda: len(self.responses(client.received)) == 2)
+        self.assertEqual(self.observer.events, [("start", "/a"), ("end", "/a")])
+        self.assertEqual([r[0] for r in self.responses(client.received)], [200, 404])

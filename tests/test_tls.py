@@ -1,0 +1,694 @@
+"""The certificate store, SNI selection and the TLS listener, with real handshakes on 127.0.0.1.
+
+A test CA is made here with ``cryptography``; clients are Python's ``ssl`` (in a thread, so any
+certificate can be inspected) and Twisted's own verifying client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import socket
+import ssl
+import stat
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from attrs import frozen
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from prometheus_client import REGISTRY
+from twisted.internet import reactor as _reactor
+from twisted.internet import task, threads
+from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, wrapClientTLS
+from twisted.internet.protocol import Protocol
+from twisted.internet.ssl import Certificate, optionsForClientTLS
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.protocols.policies import WrappingFactory
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
+
+from lchat import hosts, tls
+from lchat.cli.main import main
+
+reactor: Any = _reactor
+NOW = datetime.datetime.now(datetime.UTC)
+
+
+# --- a test CA ----------------------------------------------------------------------------------
+
+
+class TestCA:
+    """A CA with one intermediate-free chain: leaf certificates signed directly by the root."""
+
+    def __init__(self, name: str = "lchat test CA") -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(NOW - datetime.timedelta(days=1))
+            .not_valid_after(NOW + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(
+        self,
+        *names: str,
+        not_after: datetime.datetime | None = None,
+        key: ec.EllipticCurvePrivateKey | None = None,
+    ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        key = key or ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(NOW - datetime.timedelta(days=1))
+            .not_valid_after(not_after or NOW + datetime.timedelta(days=10))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        return key, cert
+
+    def write(self, path: str, *names: str, mode: int = 0o600, **kw: Any) -> int:
+        """Issue a certificate for ``names`` into ``path`` (key + leaf + CA); returns its serial."""
+        key, cert = self.issue(*names, **kw)
+        write_pem(path, key, [cert, self.cert], mode)
+        return cert.serial_number
+
+
+def write_pem(
+    path: str, key: ec.EllipticCurvePrivateKey, chain: Iterable[x509.Certificate], mode: int
+) -> None:
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ) + b"".join(c.public_bytes(serialization.Encoding.PEM) for c in chain)
+    write_bytes(path, data, mode)
+
+
+def write_bytes(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Temp file + rename, as an ACME client does."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+# --- a TLS client -------------------------------------------------------------------------------
+
+
+@frozen
+class Hello:
+    serial: int
+    names: tuple[str, ...]
+    alpn: str | None
+    version: str | None
+
+
+def handshake(
+    port: int,
+    server_name: str | None,
+    alpn: tuple[str, ...] = ("http/1.1",),
+    tls_version: ssl.TLSVersion | None = None,
+) -> Hello:
+    """Blocking: one handshake, whatever certificate the server presents (it is returned)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    if alpn:
+        context.set_alpn_protocols(list(alpn))
+    if tls_version is not None:
+        context.minimum_version = context.maximum_version = tls_version
+        context.set_ciphers("DEFAULT:@SECLEVEL=0")  # let the client at least offer it
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=server_name) as conn:
+            der = conn.getpeercert(binary_form=True)
+            assert der is not None
+            cert = x509.load_der_x509_certificate(der)
+            try:
+                san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+                names = tuple(san.value.get_values_for_type(x509.DNSName))
+            except x509.ExtensionNotFound:
+                names = ()
+            return Hello(cert.serial_number, names, conn.selected_alpn_protocol(), conn.version())
+
+
+class _Get(Protocol):
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.data = b""
+        self.alpn: bytes | None = None
+        self.done: Deferred[bytes] = Deferred()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(
+            b"GET / HTTP/1.1\r\nHost: " + self.host.encode() + b"\r\nConnection: close\r\n\r\n"
+        )
+
+    def dataReceived(self, data: bytes) -> None:
+        self.alpn = getattr(self.transport, "negotiatedProtocol", None)
+        self.data += data
+
+    def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        self.done.callback(self.data)
+
+
+class HelloResource(Resource):
+    isLeaf = True
+
+    def render_GET(self, request: Request) -> bytes:
+        request.setHeader(b"content-type", b"text/plain")
+        return b"hello over tls\n"
+
+
+def sample(metric: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(metric, labels) or 0.0
+
+
+def captured_logs(case: SynchronousTestCase) -> list[str]:
+    events: list[str] = []
+
+    def record(event: dict[str, Any]) -> None:
+        if str(event.get("log_namespace", "")).startswith("lchat.tls"):
+            events.append(formatEvent(event))
+
+    observer: Any = record
+
+    globalLogPublisher.addObserver(observer)
+    case.addCleanup(globalLogPublisher.removeObserver, observer)
+    return events
+
+
+# --- the listener -------------------------------------------------------------------------------
+
+
+class SNITests(TestCase):
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.ca = TestCA()
+        self.known = {"a.example.com", "b.example.com", "x.wild.example.com"}
+        self.serial = {
+            "a": self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com"),
+            "b": self.ca.write(tls.cert_path(self.dir, "b.example.com"), "b.example.com"),
+            "wild": self.ca.write(
+                tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
+            ),
+            # On disk, but the host is not in the registry.
+            "stranger": self.ca.write(
+                tls.cert_path(self.dir, "stranger.example.com"), "stranger.example.com"
+            ),
+            "default": self.ca.write(tls.default_cert_path(self.dir), "fallback.invalid"),
+        }
+        self.logs = captured_logs(self)
+
+    def make_store(self, **kw: Any) -> tls.CertStore:
+        store = tls.CertStore(reactor, self.dir, self.known.__contains__, **kw)
+        store.load_initial()
+        return store
+
+    @inlineCallbacks
+    def serve(self, store: tls.CertStore) -> Any:
+        """Listen with a trivial Site; cleanup waits until every server connection has closed."""
+        wrapper = WrappingFactory(Site(HelloResource()))
+        port = yield tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store).listen(wrapper)
+        self.addCleanup(self.drain, wrapper)
+        self.addCleanup(port.stopListening)
+        self.wrapper = wrapper
+        return port.getHost().port
+
+    @inlineCallbacks
+    def drain(self, wrapper: WrappingFactory) -> Any:
+        for _ in range(500):
+            if not wrapper.protocols:
+                return
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        self.fail(f"server connections still open: {wrapper.protocols}")
+
+    def hello(self, port: int, name: str | None, **kw: Any) -> Deferred[Hello]:
+        return threads.deferToThread(handshake, port, name, **kw)
+
+    @inlineCallbacks
+    def test_sni_picks_each_hosts_certificate(self) -> Any:
+        port = yield self.serve(self.make_store())
+        a = yield self.hello(port, "a.example.com")
+        b = yield self.hello(port, "b.example.com")
+        self.assertEqual((a.serial, a.names), (self.serial["a"], ("a.example.com",)))
+        self.assertEqual((b.serial, b.names), (self.serial["b"], ("b.example.com",)))
+        upper = yield self.hello(port, "A.Example.COM")
+        self.assertEqual(upper.serial, self.serial["a"])
+
+    @inlineCallbacks
+    def test_wildcard_covers_direct_subdomains_only(self) -> Any:
+        port = yield self.serve(self.make_store())
+        for name in ("x.wild.example.com", "unregistered.wild.example.com"):
+            got = yield self.hello(port, name)
+            self.assertEqual(got.serial, self.serial["wild"], name)
+        for name in ("a.b.wild.example.com", "wild.example.com"):
+            got = yield self.hello(port, name)
+            self.assertEqual(got.serial, self.serial["default"], name)
+
+    @inlineCallbacks
+    def test_host_certificate_beats_the_wildcard(self) -> Any:
+        own = self.ca.write(tls.cert_path(self.dir, "x.wild.example.com"), "x.wild.example.com")
+        port = yield self.serve(self.make_store())
+        got = yield self.hello(port, "x.wild.example.com")
+        self.assertEqual(got.serial, own)
+
+    @inlineCallbacks
+    def test_host_not_in_registry_never_gets_its_own_certificate(self) -> Any:
+        port = yield self.serve(self.make_store())
+        got = yield self.hello(port, "stranger.example.com")
+        self.assertEqual(got.serial, self.serial["default"])
+        # Registered later: the very next handshake gets it (no rescan needed).
+        self.known.add("stranger.example.com")
+        got = yield self.hello(port, "stranger.example.com")
+        self.assertEqual(got.serial, self.serial["stranger"])
+
+    @inlineCallbacks
+    def test_no_sni_and_garbage_names_get_the_default(self) -> Any:
+        port = yield self.serve(self.make_store())
+        for name in (None, "localhost", "under_score.example.com"):
+            got = yield self.hello(port, name)
+            self.assertEqual(got.serial, self.serial["default"], name)
+
+    @inlineCallbacks
+    def test_without_default_an_unmatched_handshake_fails_and_is_counted(self) -> Any:
+        os.unlink(tls.default_cert_path(self.dir))
+        store = self.make_store()
+        port = yield self.serve(store)
+        before = sample("lchat_tls_handshake_failures_total", reason="no_certificate")
+        for name in ("stranger.example.com", None):
+            yield self.assertFailure(self.hello(port, name), ssl.SSLError)
+        yield self.drain(self.wrapper)  # the server notices after the client gave up
+        self.assertEqual(store.handshake_failures, {"no_certificate": 2})
+        after = sample("lchat_tls_handshake_failures_total", reason="no_certificate")
+        self.assertEqual(after - before, 2)
+        got = yield self.hello(port, "a.example.com")  # the others are unaffected
+        self.assertEqual(got.serial, self.serial["a"])
+
+    @inlineCallbacks
+    def test_alpn_is_http11_on_the_per_name_context(self) -> Any:
+        port = yield self.serve(self.make_store())
+        for name in ("a.example.com", "x.wild.example.com", None):
+            got = yield self.hello(port, name, alpn=("h2", "http/1.1"))
+            self.assertEqual(got.alpn, "http/1.1", name)
+        got = yield self.hello(port, "a.example.com", alpn=("h2",))
+        self.assertIsNone(got.alpn)  # no overlap: no ALPN, as for a client that offers none
+
+    @inlineCallbacks
+    def test_tls_below_12_is_refused(self) -> Any:
+        store = self.make_store()
+        port = yield self.serve(store)
+        yield self.assertFailure(
+            self.hello(port, "a.example.com", tls_version=ssl.TLSVersion.TLSv1_1), ssl.SSLError
+        )
+        yield self.drain(self.wrapper)
+        self.assertEqual(store.handshake_failures, {"version": 1})
+        got = yield self.hello(port, "a.example.com", tls_version=ssl.TLSVersion.TLSv1_2)
+        self.assertEqual((got.serial, got.version), (self.serial["a"], "TLSv1.2"))
+
+    @inlineCallbacks
+    def test_verifying_client_gets_an_http_answer(self) -> Any:
+        port = yield self.serve(self.make_store())
+        for name in ("a.example.com", "x.wild.example.com"):
+            options = optionsForClientTLS(
+                name, trustRoot=Certificate.loadPEM(self.ca.pem), acceptableProtocols=[b"http/1.1"]
+            )
+            endpoint = wrapClientTLS(options, TCP4ClientEndpoint(reactor, "127.0.0.1", port))
+            client = _Get(name)
+            yield connectProtocol(endpoint, client)
+            data = yield client.done
+            self.assertTrue(data.startswith(b"HTTP/1.1 200 "), data[:100])
+            self.assertTrue(data.endswith(b"hello over tls\n"))
+            self.assertEqual(client.alpn, b"http/1.1")
+
+    @inlineCallbacks
+    def test_certificate_replaced_on_disk_is_served_to_the_next_handshake(self) -> Any:
+        store = self.make_store()
+        port = yield self.serve(store)
+        got = yield self.hello(port, "a.example.com")
+        self.assertEqual(got.serial, self.serial["a"])
+        renewed = self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
+        yield store.rescan()
+        got = yield self.hello(port, "a.example.com")
+        self.assertEqual(got.serial, renewed)
+        self.assertTrue(any("tls: a.example.com certificate replaced" in e for e in self.logs))
+
+    @inlineCallbacks
+    def test_world_readable_key_is_refused_loudly_until_fixed(self) -> Any:
+        path = tls.cert_path(self.dir, "c.example.com")
+        serial = self.ca.write(path, "c.example.com", mode=0o644)
+        self.known.add("c.example.com")
+        store = self.make_store()
+        port = yield self.serve(store)
+        got = yield self.hello(port, "c.example.com")
+        self.assertEqual(got.serial, self.serial["default"])
+        self.assertIn(f"chmod 600 {path}", store.refused()[path])
+        self.assertTrue(any(e.startswith(f"tls: refusing {path}: mode 0644") for e in self.logs))
+        self.assertEqual(sample("lchat_tls_refused_files"), 1)
+        os.chmod(path, 0o600)  # a chmod alone is noticed
+        yield store.rescan()
+        got = yield self.hello(port, "c.example.com")
+        self.assertEqual(got.serial, serial)
+        self.assertEqual(store.refused(), {})
+
+    @inlineCallbacks
+    def test_garbage_file_is_refused_without_breaking_the_others(self) -> Any:
+        path = tls.cert_path(self.dir, "d.example.com")
+        write_bytes(path, b"-----BEGIN CERTIFICATE-----\nnonsense\n-----END CERTIFICATE-----\n")
+        write_bytes(tls.cert_path(self.dir, "e.example.com"), os.urandom(300))
+        self.known.update({"d.example.com", "e.example.com"})
+        store = self.make_store()
+        port = yield self.serve(store)
+        self.assertEqual(
+            sorted(store.refused()),
+            sorted([path, tls.cert_path(self.dir, "e.example.com")]),
+        )
+        got = yield self.hello(port, "d.example.com")
+        self.assertEqual(got.serial, self.serial["default"])
+        got = yield self.hello(port, "a.example.com")
+        self.assertEqual(got.serial, self.serial["a"])
+
+    @inlineCallbacks
+    def test_a_refused_replacement_keeps_the_certificate_loaded_before(self) -> Any:
+        store = self.make_store()
+        port = yield self.serve(store)
+        write_bytes(tls.cert_path(self.dir, "a.example.com"), b"half-written")
+        yield store.rescan()
+        got = yield self.hello(port, "a.example.com")
+        self.assertEqual(got.serial, self.serial["a"])
+        self.assertIn(tls.cert_path(self.dir, "a.example.com"), store.refused())
+
+    @inlineCallbacks
+    def test_removed_certificate_is_no_longer_served(self) -> Any:
+        store = self.make_store()
+        port = yield self.serve(store)
+        os.unlink(tls.cert_path(self.dir, "b.example.com"))
+        yield store.rescan()
+        got = yield self.hello(port, "b.example.com")
+        self.assertEqual(got.serial, self.serial["default"])
+        self.assertNotIn("b.example.com", store.certificates())
+
+
+# --- the store without sockets -------------------------------------------------------------------
+
+
+def synchronous(f: Callable[[], Any]) -> Deferred[Any]:
+    return maybeDeferred(f)
+
+
+class StoreTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.ca = TestCA()
+        self.logs = captured_logs(self)
+
+    def test_file_names_come_from_validated_hostnames(self) -> None:
+        self.assertEqual(tls.cert_path("/c", "a.example.com"), "/c/a.example.com.pem")
+        self.assertEqual(tls.wildcard_cert_path("/c", "example.com"), "/c/wildcard-example.com.pem")
+        self.assertEqual(tls.default_cert_path("/c"), "/c/default.pem")
+        for bad in ("A.example.com", "../x.example.com", "x", "wildcard-x.example.com", ""):
+            self.assertRaises(hosts.InvalidHost, tls.cert_path, "/c", bad)
+        self.assertRaises(hosts.InvalidHost, tls.wildcard_cert_path, "/c", "com")
+
+    def test_what_counts_as_a_certificate_file(self) -> None:
+        self.assertEqual(tls.role_of("a.example.com.pem"), ("host", "a.example.com"))
+        self.assertEqual(tls.role_of("wildcard-example.com.pem"), ("wildcard", "example.com"))
+        self.assertEqual(tls.role_of("default.pem"), ("default", "default"))
+        for ignored in (
+            "dev-ca.pem",
+            "dev-ca.key",
+            "account.key",
+            "a.example.com.pem.tmp",
+            "A.example.com.pem",
+            "wildcard-com.pem",
+            "notes.txt",
+        ):
+            self.assertIsNone(tls.role_of(ignored), ignored)
+
+    def test_misnamed_file_is_ignored_with_a_hint(self) -> None:
+        self.ca.write(os.path.join(self.dir, "A.Example.com.pem"), "a.example.com")
+        store = tls.CertStore(reactor, self.dir, lambda h: True)
+        store.load_initial()
+        self.assertEqual(store.certificates(), {})
+        self.assertTrue(any("rename it a.example.com.pem" in e for e in self.logs), self.logs)
+
+    def test_checks_on_load(self) -> None:
+        now = NOW.timestamp()
+
+        def load(name: str, kind: tls.Kind = "host") -> tls.Loaded | tls.Refused:
+            path = tls.cert_path(self.dir, name) if kind == "host" else os.path.join(self.dir, "w")
+            return tls.load_file(path, kind, name, now)
+
+        self.ca.write(tls.cert_path(self.dir, "ok.example.com"), "ok.example.com")
+        self.assertIsInstance(load("ok.example.com"), tls.Loaded)
+
+        _, cert = self.ca.issue("mismatch.example.com")
+        other = ec.generate_private_key(ec.SECP256R1())
+        write_pem(tls.cert_path(self.dir, "mismatch.example.com"), other, [cert], 0o600)
+        self.assertIn("does not match", self.why(load("mismatch.example.com")))
+
+        self.ca.write(tls.cert_path(self.dir, "wrong.example.com"), "other.example.com")
+        self.assertIn("not wrong.example.com", self.why(load("wrong.example.com")))
+
+        self.ca.write(
+            tls.cert_path(self.dir, "old.example.com"),
+            "old.example.com",
+            not_after=NOW - datetime.timedelta(hours=1),
+        )
+        self.assertIn("expired", self.why(load("old.example.com")))
+
+        # A host file may hold a wildcard that covers it; a wildcard file must be the wildcard.
+        self.ca.write(tls.cert_path(self.dir, "w1.example.com"), "*.example.com")
+        self.assertIsInstance(load("w1.example.com"), tls.Loaded)
+        self.ca.write(os.path.join(self.dir, "w"), "x.example.com")
+        self.assertIn("not *.example.com", self.why(load("example.com", "wildcard")))
+
+        self.ca.write(tls.cert_path(self.dir, "loose.example.com"), "loose.example.com", mode=0o640)
+        self.assertIn("mode 0640", self.why(load("loose.example.com")))
+
+        data = open(tls.cert_path(self.dir, "ok.example.com"), "rb").read()
+        write_bytes(tls.cert_path(self.dir, "two.example.com"), data + data)
+        self.assertIn("2 private keys", self.why(load("two.example.com")))
+
+    def why(self, outcome: tls.Loaded | tls.Refused) -> str:
+        assert isinstance(outcome, tls.Refused), outcome
+        return outcome.why
+
+    def test_certificate_that_expires_while_loaded_stops_being_served(self) -> None:
+        clock = [NOW.timestamp()]
+        path = tls.cert_path(self.dir, "soon.example.com")
+        self.ca.write(path, "soon.example.com", not_after=NOW + datetime.timedelta(hours=1))
+        store = tls.CertStore(
+            task.Clock(),
+            self.dir,
+            lambda h: True,
+            run_in_thread=synchronous,
+            clock=lambda: clock[0],
+        )
+        store.load_initial()
+        self.assertIsNotNone(store.context_for_server_name(b"soon.example.com"))
+        self.assertGreater(
+            sample("lchat_tls_certificate_expiry_seconds", name="soon.example.com"), clock[0]
+        )
+        clock[0] += 7200
+        self.successResultOf(store.rescan())
+        self.assertIsNone(store.context_for_server_name(b"soon.example.com"))
+        self.assertTrue(any("expired" in e and "no longer served" in e for e in self.logs))
+        self.assertIn("expired", store.refused()[path])
+        self.assertIsNone(
+            REGISTRY.get_sample_value(
+                "lchat_tls_certificate_expiry_seconds", {"name": "soon.example.com"}
+            )
+        )
+
+    def test_registered_host_without_a_certificate_is_logged_once(self) -> None:
+        store = tls.CertStore(
+            task.Clock(), self.dir, {"a.example.com"}.__contains__, run_in_thread=synchronous
+        )
+        store.load_initial()
+        for _ in range(3):
+            self.assertIsNone(store.context_for_server_name(b"a.example.com"))
+            self.assertIsNone(store.context_for_server_name(b"unregistered.example.com"))
+            self.successResultOf(store.rescan())
+        self.assertEqual(
+            [e for e in self.logs if "no certificate" in e],
+            [
+                f"tls: no certificate for a.example.com (expected {self.dir}/a.example.com.pem or a wildcard)"
+            ],
+        )
+
+    def test_missing_directory_is_logged_once_and_picked_up_when_it_appears(self) -> None:
+        directory = os.path.join(self.dir, "acme")
+        store = tls.CertStore(task.Clock(), directory, lambda h: True, run_in_thread=synchronous)
+        store.load_initial()
+        self.successResultOf(store.rescan())
+        self.assertEqual(sum("does not exist" in e for e in self.logs), 1)
+        os.makedirs(directory)
+        self.ca.write(tls.cert_path(directory, "a.example.com"), "a.example.com")
+        self.successResultOf(store.rescan())
+        self.assertEqual(list(store.certificates()), ["a.example.com"])
+
+    def test_service_scans_at_start_and_every_interval(self) -> None:
+        clock = task.Clock()
+        store = tls.CertStore(
+            clock, self.dir, lambda h: True, run_in_thread=synchronous, interval=10
+        )
+        store.startService()
+        self.addCleanup(store.stopService)
+        self.assertEqual(store.certificates(), {})
+        self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.ca.write(tls.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
+        clock.advance(9)
+        self.assertEqual(store.certificates(), {})
+        clock.advance(1)
+        self.assertEqual(sorted(store.certificates()), ["*.example.com", "a.example.com"])
+        self.assertEqual(sample("lchat_tls_certificates", kind="host"), 1)
+        self.assertEqual(sample("lchat_tls_certificates", kind="wildcard"), 1)
+        self.assertEqual(sample("lchat_tls_certificates", kind="default"), 0)
+        self.assertTrue(
+            any("tls: loaded certificate for a.example.com (expires" in e for e in self.logs)
+        )
+
+    def test_unchanged_files_are_not_reread(self) -> None:
+        loads: list[str] = []
+        real = tls.load_file
+
+        def counting(path: str, *args: Any) -> Any:
+            loads.append(os.path.basename(path))
+            return real(path, *args)
+
+        self.patch(tls, "load_file", counting)
+        self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.ca.write(tls.cert_path(self.dir, "b.example.com"), "b.example.com")
+        store = tls.CertStore(task.Clock(), self.dir, lambda h: True, run_in_thread=synchronous)
+        store.load_initial()
+        self.ca.write(tls.cert_path(self.dir, "b.example.com"), "b.example.com")
+        self.successResultOf(store.rescan())
+        self.successResultOf(store.rescan())
+        self.assertEqual(loads, ["a.example.com.pem", "b.example.com.pem", "b.example.com.pem"])
+
+    def test_sni_lookup_order(self) -> None:
+        for name in ("a.example.com", "x.example.com"):
+            self.ca.write(tls.cert_path(self.dir, name), name)
+        self.ca.write(tls.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
+        known = {"a.example.com"}
+        store = tls.CertStore(task.Clock(), self.dir, known.__contains__)
+        store.load_initial()
+        contexts = {c.label: c.context for c in store.certificates().values()}
+        lookup = store.context_for_server_name
+        self.assertIs(lookup(b"a.example.com"), contexts["a.example.com"])
+        self.assertIs(lookup(b"x.example.com"), contexts["*.example.com"])  # not registered
+        self.assertIs(lookup(b"new.example.com"), contexts["*.example.com"])
+        self.assertIsNone(lookup(b"example.com"))
+        self.assertIsNone(lookup(b"a.b.example.com"))
+        self.assertIsNone(lookup(b"\xff\xfe.example.com"))
+        self.assertIsNone(lookup(None))
+
+
+# --- lchat dev-cert -------------------------------------------------------------------------------
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+class DevCertTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = os.path.join(os.path.abspath(self.mktemp()), "acme")
+
+    def load(self, name: str) -> x509.Certificate:
+        with open(os.path.join(self.dir, name), "rb") as f:
+            return x509.load_pem_x509_certificates(f.read())[0]
+
+    def test_makes_a_ca_and_leaf_certificates_the_store_serves(self) -> None:
+        code, out, err = run_cli("dev-cert", "--out", self.dir, "demo.localhost", "*.example.com")
+        self.assertEqual(code, 0, err)
+        self.assertIn(f"curl --cacert {self.dir}/dev-ca.pem https://demo.localhost/", out)
+        self.assertIn("curl -k", out)
+        ca = self.load("dev-ca.pem")
+        for filename in ("demo.localhost.pem", "wildcard-example.com.pem", "dev-ca.key"):
+            mode = stat.S_IMODE(os.stat(os.path.join(self.dir, filename)).st_mode)
+            self.assertEqual(mode, 0o600, filename)
+        leaf = self.load("demo.localhost.pem")
+        leaf.verify_directly_issued_by(ca)
+        self.assertEqual(
+            leaf.not_valid_after_utc - leaf.not_valid_before_utc,
+            datetime.timedelta(days=365, hours=1),
+        )
+        store = tls.CertStore(reactor, self.dir, lambda h: True)
+        store.load_initial()
+        self.assertEqual(sorted(store.certificates()), ["*.example.com", "demo.localhost"])
+        self.assertEqual(store.refused(), {})
+
+    def test_rerun_keeps_the_ca_and_valid_certificates(self) -> None:
+        self.assertEqual(run_cli("dev-cert", "--out", self.dir, "demo.localhost")[0], 0)
+        ca, leaf = self.load("dev-ca.pem"), self.load("demo.localhost.pem")
+        code, out, _ = run_cli("dev-cert", "--out", self.dir, "demo.localhost", "two.localhost")
+        self.assertEqual(code, 0)
+        self.assertIn("dev-ca.pem (kept)", out)
+        self.assertIn("demo.localhost.pem (kept", out)
+        self.assertIn("two.localhost.pem (created", out)
+        self.assertEqual(self.load("dev-ca.pem"), ca)
+        self.assertEqual(self.load("demo.localhost.pem"), leaf)
+        self.load("two.localhost.pem").verify_directly_issued_by(ca)
+
+    def test_never_overwrites_a_certificate_it_did_not_issue(self) -> None:
+        os.makedirs(self.dir)
+        path = tls.cert_path(self.dir, "real.example.com")
+        TestCA("someone else").write(path, "real.example.com")
+        before = open(path, "rb").read()
+        code, _, err = run_cli("dev-cert", "--out", self.dir, "real.example.com")
+        self.assertEqual(code, 1)
+        self.assertIn("not issued by the dev CA", err)
+        self.assertEqual(open(path, "rb").read(), before)
+
+    def test_default_directory_is_the_acme_cache(self) -> None:
+        data = os.path.abspath(self.mktemp())
+        os.makedirs(data)
+        env = os.path.join(data, "router.env")
+        with open(env, "w") as f:
+            f.write(f"LCHAT_DATA_DIR={data}\nLCHAT_HTTPS_ADDR=127.0.0.1:8443\n")
+        code, out, err = run_cli("dev-cert", "--env-file", env, "demo.localhost")
+        self.assertEqual(code, 0, err)
+        self.assertTrue(os.path.exists(os.path.join(data, "acme", "demo.localhost.pem")))
+        self.assertIn("https://demo.localhost:8443/api/version", out)
+
+    def test_bad_names_are_refused_before_anything_is_written(self) -> None:
+        code, _, err = run_cli("dev-cert", "--out", self.dir, "ok.localhost", "bad_name")
+        self.assertEqual(code, 1)
+        self.assertIn("lchat: error:", err)
+        self.assertFalse(os.path.exists(self.dir))
+
+    def test_listed_in_help(self) -> None:
+        code, out, _ = run_cli("--help")
+        self.assertEqual(code, 0)
+        self.assertIn("    dev-cert ", out)
