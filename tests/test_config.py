@@ -572,3 +572,53 @@ class SpaceArgv(Base):
         cfg = self.load()
         with self.assertRaises(AttributeError):
             cfg.data_dir = "/elsewhere"  # type: ignore[misc]
+
+
+class FrontDoor(Base):
+    def test_defaults(self) -> None:
+        cfg = self.load()
+        self.assertEqual(cfg.proxy.dial_retry, 13.0)
+        self.assertEqual(cfg.proxy.header_timeout, 10.0)
+        self.assertEqual(cfg.proxy.keepalive_timeout, 60.0)
+        self.assertEqual(cfg.proxy.upstream_timeout, 300.0)
+        self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (65536, 100))
+        self.assertFalse(cfg.proxy.access_log)
+        self.assertTrue(cfg.http_redirect)
+        self.assertIsNone(cfg.metrics_addr)
+
+    def test_settings(self) -> None:
+        cfg = self.load(
+            {
+                "LCHAT_DIAL_RETRY": "0s",
+                "LCHAT_HEADER_TIMEOUT": "2s",
+                "LCHAT_KEEPALIVE_TIMEOUT": "1m",
+                "LCHAT_UPSTREAM_TIMEOUT": "1h",
+                "LCHAT_MAX_HEADER_BYTES": "8192",
+                "LCHAT_MAX_HEADERS": "50",
+                "LCHAT_ACCESS_LOG": "on",
+                "LCHAT_HTTP_REDIRECT": "off",
+                "LCHAT_METRICS_ADDR": "127.0.0.1:9100",
+            }
+        )
+        self.assertEqual(cfg.proxy.dial_retry, 0.0)
+        self.assertEqual(cfg.proxy.header_timeout, 2.0)
+        self.assertEqual(cfg.proxy.upstream_timeout, 3600.0)
+        self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (8192, 50))
+        self.assertTrue(cfg.proxy.access_log)
+        self.assertFalse(cfg.http_redirect)
+        self.assertEqual(cfg.metrics_addr, "tcp:9100:interface=127.0.0.1")
+
+    def test_refusals_name_the_variable(self) -> None:
+        for name, value in (
+            ("LCHAT_HEADER_TIMEOUT", "0s"),
+            ("LCHAT_KEEPALIVE_TIMEOUT", "soon"),
+            ("LCHAT_UPSTREAM_TIMEOUT", "-1s"),
+            ("LCHAT_DIAL_RETRY", "13"),
+            ("LCHAT_MAX_HEADER_BYTES", "10"),
+            ("LCHAT_MAX_HEADER_BYTES", "lots"),
+            ("LCHAT_MAX_HEADERS", "100000"),
+            ("LCHAT_ACCESS_LOG", "yes"),
+            ("LCHAT_HTTP_REDIRECT", "maybe"),
+            ("LCHAT_METRICS_ADDR", ":99999"),
+        ):
+            self.refuses(name, {name: value})
