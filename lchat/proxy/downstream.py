@@ -321,9 +321,12 @@ class Downstream(Protocol):
         assert self.valve is not None and ex.head is not None
         self._active = ex
         _in_flight.inc()
-        self.valve.close("routing")
         d = maybeDeferred(self.proxy.router.route, ex.head)
         d.addCallbacks(self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,))
+        if ex.upstream is None and not ex.response_started and not self._closed:
+            # Routing or dialing goes on asynchronously: stop reading until it is done. (The
+            # common case, a pooled connection to a known host, completes above without it.)
+            self.valve.close("routing")
 
     def _route_failed(self, failure: Failure, ex: Exchange) -> None:
         _log.failure("routing {host} failed", failure, host=ex.head.host if ex.head else "?")
