@@ -727,3 +727,43 @@ class FailureTests(ProxyTestCase):
         yield self.until(lambda: len(self.responses(client.received)) == 2)
         self.assertEqual(self.observer.events, [("start", "/a"), ("end", "/a")])
         self.assertEqual([r[0] for r in self.responses(client.received)], [200, 404])
+
+
+class AccessLogTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_one_structured_line_per_request_when_on(self):
+        from twisted.logger import globalLogPublisher
+
+        events: list[dict[str, Any]] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if str(event.get("log_format", "")).startswith("access "):
+                events.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        yield self.backend(BackendFactory(fixed_response(b"hey")))
+        yield self.proxy(access_log=True)
+        client = yield self.connect()
+        client.transport.write(b"GET /logged?q=1 HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(events) == 1)
+        event = events[0]
+        self.assertEqual(
+            (event["host"], event["method"], event["target"], event["status"], event["bytes"]),
+            (HOST, "GET", "/logged?q=1", 200, 3),
+        )
+
+    @inlineCallbacks
+    def test_silent_when_off(self):
+        from twisted.logger import globalLogPublisher
+
+        events: list[dict[str, Any]] = []
+        observe = events.append
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        yield self.backend(BackendFactory(fixed_response()))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        self.assertFalse([e for e in events if str(e.get("log_format", "")).startswith("access ")])
