@@ -80,6 +80,12 @@ class _Reject(Exception):
     reason: str
 
 
+class _StopReading(Exception):
+    """Raised from a parser callback when nothing more on this connection may be parsed: after a
+    request that closes it (RFC 9112 §9.6; llhttp would fail on what follows, turning the answer into
+    a 400), or when we are already closing."""
+
+
 @define
 class Exchange:
     """One request and its response."""
@@ -122,6 +128,9 @@ class Downstream(Protocol):
         self._active: Exchange | None = None  # the request being served
         self._waiting: deque[Exchange] = deque()  # pipelined requests not yet served
         self._timer: IDelayedCall | None = None
+        self._timer_action: Callable[[], None] | None = None
+        self._progress = False  # a parser callback ran during the current read
+        self._unreported = 0  # bytes read since the parser last reported anything
         self._spliced = False
         self._closed = False
         self._client = ""
@@ -169,6 +178,7 @@ class Downstream(Protocol):
             return
         if self._parser is None:
             return  # parsing stopped after a bad pipelined request; closing after the current one
+        self._progress = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
@@ -179,23 +189,44 @@ class Downstream(Protocol):
                 self._upgrade_ready(ex)
         except httptools.HttpParserCallbackError as e:
             cause = e.__context__
-            if isinstance(cause, _Reject):
+            if isinstance(cause, _StopReading):
+                self._parser = None  # the connection closes after the current response
+            elif isinstance(cause, _Reject):
                 self._reject(cause.status, cause.reason)
             else:
                 _log.failure("proxy request handler failed", Failure(cause or e))
                 self._reject(500, "internal error")
         except httptools.HttpParserError as e:
             self._reject(400, str(e))
+        else:
+            self._bound_unreported(len(data))
+
+    def _bound_unreported(self, size: int) -> None:
+        """httptools reports a header (or trailer) line only once it ends, holding the partial line
+        until then; url and body bytes are reported read by read. So reads that make the parser
+        report nothing are such a line (or chunk framing): bound them like a head (max_header_bytes,
+        give or take the read in which the line began)."""
+        if self._progress or self._parsing is None:
+            self._unreported = 0
+            return
+        self._unreported += size
+        if self._unreported > self.cfg.max_header_bytes and not self._closed:
+            self._reject(431, "request header or trailer line too large")
 
     # -- parser callbacks -----------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._progress = True
+        if self._closed:
+            raise _StopReading()  # we already answered with "Connection: close" in this read
         ex = Exchange(started=time.monotonic())
         self._parsing = ex
-        if self._active is None:
+        if self._active is None and self._timer_action != self._header_timed_out:
+            # From idle keep-alive to reading a head; a running head deadline is not extended.
             self._arm(self.cfg.header_timeout, self._header_timed_out)
 
     def on_url(self, url: bytes) -> None:
+        self._progress = True
         ex = self._parsing
         assert ex is not None
         ex.url += url
@@ -204,6 +235,7 @@ class Downstream(Protocol):
             raise _Reject(414, "request target too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._progress = True
         ex = self._parsing
         if ex is None or ex.head is not None:
             return  # trailers of a chunked body: dropped
@@ -215,6 +247,7 @@ class Downstream(Protocol):
             raise _Reject(431, "too many request headers")
 
     def on_headers_complete(self) -> None:
+        self._progress = True
         ex = self._parsing
         assert ex is not None and self._parser is not None
         ex.method = self._parser.get_method()
@@ -231,6 +264,7 @@ class Downstream(Protocol):
             self.valve.close("pipelined")
 
     def on_body(self, data: bytes) -> None:
+        self._progress = True
         ex = self._parsing
         if ex is None:
             return
@@ -241,6 +275,7 @@ class Downstream(Protocol):
             ex.body.append(data)
 
     def on_message_complete(self) -> None:
+        self._progress = True
         ex = self._parsing
         self._parsing = None
         if ex is None:
@@ -257,11 +292,16 @@ class Downstream(Protocol):
             self._request_sent(ex, ex.upstream)
         if ex is self._active and ex.response_complete:
             self._finish(ex)
+        if not ex.keep_alive:
+            raise _StopReading()
 
     # -- validation -----------------------------------------------------------------------------
 
     def _validate(self, ex: Exchange) -> RequestHead:
         """Refuse anything two parsers could read differently: no ambiguity reaches a space."""
+        if ex.version not in ("1.0", "1.1"):
+            # llhttp reads "GET /" (no version) as HTTP/0.9 and accepts "HTTP/2.0": not HTTP/1.x.
+            raise _Reject(400 if ex.version == "0.9" else 505, "unsupported HTTP version")
         if ex.method == b"CONNECT":
             raise _Reject(405, "CONNECT is not supported")
         url = bytes(ex.url)
@@ -303,7 +343,13 @@ class Downstream(Protocol):
                 raise _Reject(400, "malformed Content-Length")
             ex.length = int(text)
         tokens = connection_tokens(ex.headers)
+        if b"host" in tokens:
+            raise _Reject(400, "Connection may not name Host")  # it would strip Host upstream
         ex.upgrade = b"upgrade" in tokens and any(n.lower() == b"upgrade" for n, _ in ex.headers)
+        if ex.upgrade and (ex.chunked or ex.length):
+            # llhttp takes every byte after an upgrade request's head as the new protocol: the
+            # body its head announces would never follow it upstream.
+            raise _Reject(400, "an upgrade request cannot carry a body")
         return RequestHead(
             method=ex.method,
             target=url,
@@ -608,6 +654,8 @@ class Downstream(Protocol):
 
     def _reject(self, status: int, reason: str) -> None:
         """A request we will not forward: answer once, if we still can, and close."""
+        if self._closed:
+            return  # already closing after a final answer: nothing more may be written
         _rejected.labels(str(status)).inc()
         ex = self._parsing or self._active
         _log.info(
@@ -675,11 +723,13 @@ class Downstream(Protocol):
     def _arm(self, seconds: float, action: Callable[[], None]) -> None:
         self._disarm()
         self._timer = self.proxy.reactor.callLater(seconds, action)
+        self._timer_action = action
 
     def _disarm(self) -> None:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
+        self._timer_action = None
 
     def _header_timed_out(self) -> None:
         self._timer = None
