@@ -740,8 +740,8 @@ class AccessLogTests(ProxyTestCase):
             if str(event.get("log_format", "")).startswith("access "):
                 events.append(event)
 
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        globalLogPublisher.addObserver(cast(Any, observe))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(Any, observe))
         yield self.backend(BackendFactory(fixed_response(b"hey")))
         yield self.proxy(access_log=True)
         client = yield self.connect()
@@ -759,11 +759,26 @@ class AccessLogTests(ProxyTestCase):
 
         events: list[dict[str, Any]] = []
         observe = events.append
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        globalLogPublisher.addObserver(cast(Any, observe))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(Any, observe))
         yield self.backend(BackendFactory(fixed_response()))
         yield self.proxy()
         client = yield self.connect()
         client.transport.write(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
         yield self.until(lambda: len(self.responses(client.received)) == 1)
         self.assertFalse([e for e in events if str(e.get("log_format", "")).startswith("access ")])
+
+
+class LocalAnswerTests(ProxyTestCase):
+    @inlineCallbacks
+    def test_a_local_answer_to_a_bodiless_request_keeps_the_connection(self):
+        yield self.backend(BackendFactory(fixed_response(b"ok")))
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(b"GET /a HTTP/1.1\r\nHost: nobody.example.com\r\n\r\n")
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        client.transport.write(b"GET /b HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 2)
+        self.assertEqual([r[0] for r in self.responses(client.received)], [404, 200])
+        self.assertNotIn("connection", self.responses(client.received)[0][1])
+        self.assertFalse(client.is_closed)

@@ -129,6 +129,8 @@ class Downstream(Protocol):
         self._waiting: deque[Exchange] = deque()  # pipelined requests not yet served
         self._timer: IDelayedCall | None = None
         self._timer_action: Callable[[], None] | None = None
+        self._body_timer: IDelayedCall | None = None
+        self._completed: Exchange | None = None  # the last request whose message ended
         self._progress = False  # a parser callback ran during the current read
         self._unreported = 0  # bytes read since the parser last reported anything
         self._spliced = False
@@ -153,6 +155,7 @@ class Downstream(Protocol):
         self.proxy.connections.discard(self)
         self._closed = True
         self._disarm()
+        self._disarm_body_timer()
         for ex in [self._active, *self._waiting]:
             if ex is None:
                 continue
@@ -183,7 +186,7 @@ class Downstream(Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
             offset = int(e.args[0]) if e.args else len(data)
-            ex = self._active if self._parsing is None else self._parsing
+            ex = self._completed  # the upgrade request, whether served now or pipelined
             if ex is not None:
                 ex.upgrade_tail = data[offset:]
                 self._upgrade_ready(ex)
@@ -254,6 +257,8 @@ class Downstream(Protocol):
         ex.version = self._parser.get_http_version()
         ex.keep_alive = bool(self._parser.should_keep_alive())
         ex.head = self._validate(ex)
+        if ex.chunked or (ex.length or 0) > 0:
+            self._arm_body_timer()
         if self._active is None:
             self._disarm()
             self._serve(ex)
@@ -268,6 +273,7 @@ class Downstream(Protocol):
         ex = self._parsing
         if ex is None:
             return
+        self._arm_body_timer()
         _bytes.labels("up").inc(len(data))
         if ex.streaming and ex.upstream is not None:
             ex.upstream.write(chunk(data) if ex.chunked else data)
@@ -278,6 +284,8 @@ class Downstream(Protocol):
         self._progress = True
         ex = self._parsing
         self._parsing = None
+        self._completed = ex
+        self._disarm_body_timer()
         if ex is None:
             return
         ex.body_complete = True
@@ -292,6 +300,9 @@ class Downstream(Protocol):
             self._request_sent(ex, ex.upstream)
         if ex is self._active and ex.response_complete:
             self._finish(ex)
+        elif self._active is None and not self._waiting and not self._closed:
+            # Answered before its (empty) message ended, e.g. locally: now it is idle keep-alive.
+            self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
         if not ex.keep_alive:
             raise _StopReading()
 
@@ -476,7 +487,7 @@ class Downstream(Protocol):
         out = end_to_end(headers, drop=INTERNAL)
         no_body = ex.method == b"HEAD" or status in (204, 304)
         # A body the client has not finished sending cannot be skipped in step: close afterwards.
-        ex.close_after = not ex.keep_alive or not ex.body_complete or ex.upgrade
+        ex.close_after = not ex.keep_alive or not self._body_done(ex) or ex.upgrade
         if length is not None:
             out.append((b"Content-Length", str(length).encode()))
         elif not no_body:
@@ -611,12 +622,45 @@ class Downstream(Protocol):
             ex.upstream.abort()
             ex.upstream = None
         # Unless the request is complete we cannot find where the next one starts in step.
-        ex.close_after = not ex.keep_alive or not ex.body_complete or ex.upgrade
+        ex.close_after = not ex.keep_alive or not self._body_done(ex) or ex.upgrade
         body = b"" if ex.method == b"HEAD" else response.body
         raw = simple_response(response.status, body, response.headers, close=ex.close_after)
         ex.bytes_out = len(body)
         self.transport.write(raw)
         self._finish(ex)
+
+    @staticmethod
+    def _body_done(ex: Exchange) -> bool:
+        """All of the request body has arrived (a request without one is done at its head)."""
+        return ex.body_complete or (not ex.chunked and not ex.length)
+
+    def _arm_body_timer(self) -> None:
+        """A body must keep arriving: no more than ``keepalive_timeout`` between reads."""
+        self._disarm_body_timer()
+        self._body_timer = self.proxy.reactor.callLater(
+            self.cfg.keepalive_timeout, self._body_timed_out
+        )
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None and self._body_timer.active():
+            self._body_timer.cancel()
+        self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.valve is not None and self.valve.closed:
+            self._arm_body_timer()  # we paused the client ourselves (backpressure): not its fault
+            return
+        _rejected.labels("408").inc()
+        _log.info("request body from {client} stalled: closing", client=self._client)
+        ex = self._active
+        assert self.transport is not None
+        if ex is not None and ex.upstream is not None:
+            ex.upstream.abort()
+            ex.upstream = None
+        if ex is not None and not ex.response_started:
+            self.transport.write(simple_response(408, b"408 Request Timeout\n", close=True))
+        self._closing()
 
     def _finish(self, ex: Exchange) -> None:
         if ex is not self._active:

@@ -24,8 +24,16 @@ HOP_BY_HOP = frozenset(
 )
 # Read to classify a request, never passed to a space (DESIGN.md §4).
 INTERNAL = frozenset({b"x-lchat-sidecar", b"x-lchat-mesh-forwarded"})
-# We set these ourselves on the way to a space.
-FORWARDING = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
+# We set these ourselves on the way to a space (and a client's own Forwarded is not believed).
+FORWARDING = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
+# Names a CGI/WSGI-style server would read as one of the above once '_' becomes '-' (as nginx
+# and gunicorn do, we drop them rather than let a client forge a marker that way).
+_GUARDED = INTERNAL | FORWARDING
+
+
+def lookalike(name: bytes) -> bool:
+    """An underscore spelling of a header we guard, e.g. ``X_Lchat_Sidecar``."""
+    return b"_" in name and name.lower().replace(b"_", b"-") in _GUARDED
 
 
 def connection_tokens(headers: Iterable[Header]) -> set[bytes]:
@@ -51,6 +59,7 @@ def end_to_end(headers: Iterable[Header], drop: frozenset[bytes] = frozenset()) 
             or lower == b"content-length"
             or lower.startswith(b"proxy-")
             or lower in drop
+            or lookalike(lower)
         ):
             continue
         out.append((name, value))
