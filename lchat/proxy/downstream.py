@@ -20,8 +20,8 @@ from attrs import define, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.internet import error as ierror
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -53,6 +53,8 @@ _requests = Counter(
 _rejected = Counter("lchat_http_rejected_total", "Requests refused before routing", ["reason"])
 _in_flight = Gauge("lchat_http_in_flight", "Requests being served right now")
 _bytes = Counter("lchat_proxy_bytes_total", "Body bytes relayed", ["direction"])
+_bytes_up = _bytes.labels("up")
+_bytes_down = _bytes.labels("down")
 _upgraded = Gauge("lchat_upgraded_connections", "Open upgraded (WebSocket) connections")
 _connections = Gauge("lchat_http_connections", "Open client connections")
 
@@ -127,9 +129,10 @@ class Downstream(Protocol):
         self._parsing: Exchange | None = None  # the request the parser is inside
         self._active: Exchange | None = None  # the request being served
         self._waiting: deque[Exchange] = deque()  # pipelined requests not yet served
-        self._timer: IDelayedCall | None = None
+        # Deadlines, checked by the factory's sweep: cheaper than a callLater per request.
+        self._deadline: float | None = None
         self._timer_action: Callable[[], None] | None = None
-        self._body_timer: IDelayedCall | None = None
+        self._body_deadline: float | None = None
         self._completed: Exchange | None = None  # the last request whose message ended
         self._progress = False  # a parser callback ran during the current read
         self._unreported = 0  # bytes read since the parser last reported anything
@@ -142,7 +145,7 @@ class Downstream(Protocol):
     def connectionMade(self) -> None:
         assert self.transport is not None
         _connections.inc()
-        self.proxy.connections.add(self)
+        self.proxy.add_connection(self)
         self.valve = Valve(self.transport)
         self._parser = httptools.HttpRequestParser(self)
         peer = self.transport.getPeer()
@@ -152,7 +155,7 @@ class Downstream(Protocol):
 
     def connectionLost(self, reason: Failure = ierror.ConnectionDone) -> None:  # type: ignore[assignment]
         _connections.dec()
-        self.proxy.connections.discard(self)
+        self.proxy.remove_connection(self)
         self._closed = True
         self._disarm()
         self._disarm_body_timer()
@@ -176,7 +179,7 @@ class Downstream(Protocol):
         if self._spliced:
             ex = self._active
             if ex is not None and ex.upstream is not None:
-                _bytes.labels("up").inc(len(data))
+                _bytes_up.inc(len(data))
                 ex.upstream.write(data)
             return
         if self._parser is None:
@@ -274,7 +277,7 @@ class Downstream(Protocol):
         if ex is None:
             return
         self._arm_body_timer()
-        _bytes.labels("up").inc(len(data))
+        _bytes_up.inc(len(data))
         if ex.streaming and ex.upstream is not None:
             ex.upstream.write(chunk(data) if ex.chunked else data)
         elif not ex.response_complete:
@@ -342,10 +345,7 @@ class Downstream(Protocol):
                 kept.append((name, value))
         if len(host_values) != 1:
             raise _Reject(400, "exactly one Host header is required")
-        try:
-            host = hosts.parse_host_header(host_values[0].decode("latin-1"))
-        except hosts.InvalidHost:
-            raise _Reject(400, "malformed Host header") from None
+        host = self.proxy.parse_host(host_values[0])
         if lengths:
             if len(lengths) > 1 or ex.chunked:
                 raise _Reject(400, "conflicting message framing")
@@ -509,7 +509,7 @@ class Downstream(Protocol):
         if ex is None or self.transport is None or not data:
             return
         ex.bytes_out += len(data)
-        _bytes.labels("down").inc(len(data))
+        _bytes_down.inc(len(data))
         self.transport.write(chunk(data) if ex.response_chunked else data)
 
     def response_complete(self) -> None:
@@ -564,7 +564,7 @@ class Downstream(Protocol):
 
     def upstream_data(self, data: bytes) -> None:
         if self.transport is not None:
-            _bytes.labels("down").inc(len(data))
+            _bytes_down.inc(len(data))
             self.transport.write(data)
 
     def upstream_failed(self, why: str, started: bool) -> None:
@@ -636,18 +636,14 @@ class Downstream(Protocol):
 
     def _arm_body_timer(self) -> None:
         """A body must keep arriving: no more than ``keepalive_timeout`` between reads."""
-        self._disarm_body_timer()
-        self._body_timer = self.proxy.reactor.callLater(
-            self.cfg.keepalive_timeout, self._body_timed_out
-        )
+        self._body_deadline = self.proxy.reactor.seconds() + self.cfg.keepalive_timeout
 
     def _disarm_body_timer(self) -> None:
-        if self._body_timer is not None and self._body_timer.active():
-            self._body_timer.cancel()
-        self._body_timer = None
+        self._body_deadline = None
 
     def _body_timed_out(self) -> None:
-        self._body_timer = None
+        if self._closed:
+            return
         if self.valve is not None and self.valve.closed:
             self._arm_body_timer()  # we paused the client ourselves (backpressure): not its fault
             return
@@ -748,7 +744,7 @@ class Downstream(Protocol):
             host_class = target.label
         else:
             host_class = "none"
-        _requests.labels(host_class, str(ex.status)).inc()
+        self.proxy.count(host_class, ex.status)
         if self.cfg.access_log and ex.head is not None:
             _log.info(
                 'access {client} {host} "{method} {target} HTTP/{version}" {status} {bytes} {ms}ms',
@@ -765,18 +761,25 @@ class Downstream(Protocol):
     # -- timers ---------------------------------------------------------------------------------
 
     def _arm(self, seconds: float, action: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = self.proxy.reactor.callLater(seconds, action)
+        self._deadline = self.proxy.reactor.seconds() + seconds
         self._timer_action = action
 
     def _disarm(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        self._deadline = None
         self._timer_action = None
 
+    def check_deadlines(self, now: float) -> None:
+        """Called by the factory's sweep: fire whichever deadline has passed."""
+        if self._body_deadline is not None and now >= self._body_deadline:
+            self._body_deadline = None
+            self._body_timed_out()
+        if self._deadline is not None and now >= self._deadline and not self._closed:
+            action = self._timer_action
+            self._disarm()
+            if action is not None:
+                action()
+
     def _header_timed_out(self) -> None:
-        self._timer = None
         if self._parsing is not None:
             _rejected.labels("408").inc()
             assert self.transport is not None
@@ -784,11 +787,9 @@ class Downstream(Protocol):
         self._closing()
 
     def _idle_timed_out(self) -> None:
-        self._timer = None
         self._closing()
 
     def _upstream_timed_out(self) -> None:
-        self._timer = None
         ex = self._active
         if ex is None or ex.response_started:
             return
@@ -820,6 +821,58 @@ class ProxyFactory(Factory):
         self.observer: RequestObserver = observer or _NoObserver()
         self.secure = secure
         self.connections: set[Downstream] = set()
+        self._hosts: dict[bytes, str] = {}
+        self._counters: dict[tuple[str, int], Any] = {}
+        # Deadlines are checked a few times per shortest timeout; the sweep runs only while
+        # there are connections, so an idle router (or a finished test) has no pending call.
+        shortest = min(
+            self.cfg.header_timeout, self.cfg.keepalive_timeout, self.cfg.upstream_timeout
+        )
+        self._tick = min(0.5, shortest / 5)
+        self._sweep: LoopingCall | None = None
+
+    def add_connection(self, conn: Downstream) -> None:
+        self.connections.add(conn)
+        if self._sweep is None:
+            self._sweep = LoopingCall(self._check)
+            self._sweep.clock = self.reactor
+            self._sweep.start(self._tick, now=False)
+
+    def remove_connection(self, conn: Downstream) -> None:
+        self.connections.discard(conn)
+        if not self.connections and self._sweep is not None:
+            if self._sweep.running:
+                self._sweep.stop()
+            self._sweep = None
+
+    def _check(self) -> None:
+        now = self.reactor.seconds()
+        for conn in list(self.connections):
+            try:
+                conn.check_deadlines(now)
+            except Exception:
+                _log.failure("deadline handling failed")
+
+    def parse_host(self, raw: bytes) -> str:
+        """``Host`` header -> normalised name, remembering recent answers (it is hot and pure)."""
+        host = self._hosts.get(raw)
+        if host is None:
+            try:
+                host = hosts.parse_host_header(raw.decode("latin-1"))
+            except hosts.InvalidHost:
+                raise _Reject(400, "malformed Host header") from None
+            if len(self._hosts) >= 4096:
+                self._hosts.clear()
+            self._hosts[raw] = host
+        return host
+
+    def count(self, host_class: str, status: int) -> None:
+        counter = self._counters.get((host_class, status))
+        if counter is None:
+            counter = self._counters[(host_class, status)] = _requests.labels(
+                host_class, str(status)
+            )
+        counter.inc()
 
     def buildProtocol(self, addr: Any) -> Downstream:
         return Downstream(self)

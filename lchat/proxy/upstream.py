@@ -23,9 +23,10 @@ from twisted.internet.endpoints import (
     UNIXClientEndpoint,
     wrapClientTLS,
 )
-from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import optionsForClientTLS
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -83,7 +84,7 @@ class UpstreamConnection(Protocol):
         self._in_head = False
         self.request_sent = False  # the whole request (head and body) has been written
         self.reusable = True
-        self.idle_timer: IDelayedCall | None = None
+        self.idle_since = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -271,7 +272,7 @@ class UpstreamPool:
         self,
         reactor: Any,
         dial_retry: float = 13.0,
-        max_idle_per_key: int = 32,
+        max_idle_per_key: int = 256,
         idle_timeout: float = 55.0,
         connect_timeout: float = 5.0,
         trust_root: Any = None,
@@ -283,7 +284,11 @@ class UpstreamPool:
         self._connect_timeout = connect_timeout
         self._trust_root = trust_root
         self._idle: dict[Key, list[UpstreamConnection]] = {}
+        self._idle_count = 0
         self._connections: set[UpstreamConnection] = set()
+        # Idle connections are expired by one sweep, not a timer each (it is on every request's
+        # path); it runs only while something is idle.
+        self._sweep: LoopingCall | None = None
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -292,8 +297,8 @@ class UpstreamPool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
+            self._idle_count -= 1
             _idle.dec()
-            self._cancel_idle(conn)
             if conn.transport is not None and conn.reusable and conn.connected:
                 conn.reused += 1
                 return succeed(conn)
@@ -311,15 +316,31 @@ class UpstreamPool:
             transport.loseConnection()
             return
         idle.append(conn)
+        self._idle_count += 1
         _idle.inc()
-        conn.idle_timer = self._reactor.callLater(self._idle_timeout, transport.loseConnection)
+        conn.idle_since = self._reactor.seconds()
+        if self._sweep is None:
+            self._sweep = LoopingCall(self._expire)
+            self._sweep.clock = self._reactor
+            self._sweep.start(max(self._idle_timeout / 4, 0.05), now=False)
+
+    def _expire(self) -> None:
+        cutoff = self._reactor.seconds() - self._idle_timeout
+        for idle in self._idle.values():
+            for conn in [c for c in idle if c.idle_since <= cutoff]:
+                if conn.transport is not None:
+                    conn.transport.loseConnection()
+        if self._idle_count <= 0 and self._sweep is not None:
+            if self._sweep.running:
+                self._sweep.stop()
+            self._sweep = None
 
     def forget(self, conn: UpstreamConnection) -> None:
         self._connections.discard(conn)
-        self._cancel_idle(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+            self._idle_count -= 1
             _idle.dec()
 
     def close(self) -> Deferred[None]:
@@ -328,6 +349,10 @@ class UpstreamPool:
             for conn in list(idle):
                 if conn.transport is not None:
                     conn.transport.loseConnection()
+        if self._sweep is not None:
+            if self._sweep.running:
+                self._sweep.stop()
+            self._sweep = None
         return succeed(None)
 
     # -- dialing --------------------------------------------------------------------------------
@@ -380,12 +405,6 @@ class UpstreamPool:
 
         attempt()
         return result
-
-    @staticmethod
-    def _cancel_idle(conn: UpstreamConnection) -> None:
-        if conn.idle_timer is not None and conn.idle_timer.active():
-            conn.idle_timer.cancel()
-        conn.idle_timer = None
 
 
 Dialer = Callable[[LocalSocket | RemotePeer], Deferred[UpstreamConnection]]
