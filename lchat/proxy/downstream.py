@@ -19,7 +19,7 @@ import httptools
 from attrs import define, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.internet import error as ierror
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -378,8 +378,18 @@ class Downstream(Protocol):
         assert self.valve is not None and ex.head is not None
         self._active = ex
         _in_flight.inc()
-        d = maybeDeferred(self.proxy.router.route, ex.head)
-        d.addCallbacks(self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,))
+        # Straight calls when the answer is at hand (the hot path); Deferreds only when it is not.
+        try:
+            target = self.proxy.router.route(ex.head)
+        except Exception:
+            self._route_failed(Failure(), ex)
+        else:
+            if isinstance(target, Deferred):
+                target.addCallbacks(
+                    self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
+                )
+            else:
+                self._routed(target, ex)
         if ex.upstream is None and not ex.response_started and not self._closed:
             # Routing or dialing goes on asynchronously: stop reading until it is done. (The
             # common case, a pooled connection to a known host, completes above without it.)
@@ -397,7 +407,11 @@ class Downstream(Protocol):
             self._answer_locally(ex, target)
             return
         self._observe(ex)
-        d = self.proxy.pool.acquire(target)
+        pooled = self.proxy.pool.take_idle(target)
+        if pooled is not None:
+            self._connected(pooled, ex)
+            return
+        d = self.proxy.pool.dial(target)
         d.addCallbacks(self._connected, self._dial_failed, callbackArgs=(ex,), errbackArgs=(ex,))
 
     def _dial_failed(self, failure: Failure, ex: Exchange) -> None:

@@ -293,16 +293,23 @@ class UpstreamPool:
     # -- public ---------------------------------------------------------------------------------
 
     def acquire(self, target: LocalSocket | RemotePeer) -> Deferred[UpstreamConnection]:
-        key = target_key(target)
-        idle = self._idle.get(key)
+        """A pooled connection if one is idle, else a new one (with the dial-retry window)."""
+        conn = self.take_idle(target)
+        return succeed(conn) if conn is not None else self.dial(target)
+
+    def take_idle(self, target: LocalSocket | RemotePeer) -> UpstreamConnection | None:
+        idle = self._idle.get(target_key(target))
         while idle:
             conn = idle.pop()
             self._idle_count -= 1
             _idle.dec()
             if conn.transport is not None and conn.reusable and conn.connected:
                 conn.reused += 1
-                return succeed(conn)
-        return self._dial(target, key)
+                return conn
+        return None
+
+    def dial(self, target: LocalSocket | RemotePeer) -> Deferred[UpstreamConnection]:
+        return self._dial(target, target_key(target))
 
     def release(self, conn: UpstreamConnection) -> None:
         """Hand back a connection whose exchange completed cleanly."""
