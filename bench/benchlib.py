@@ -1,0 +1,616 @@
+"""What the benchmarks share: processes, nginx and router set-up, /proc readings, markdown.
+
+Everything listens on 127.0.0.1 or on unix sockets in a temporary directory; every process is
+started in its own session so that cleanup can kill its whole process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import http.client
+import io
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent  # the venv running us: its twistd and lchat run the live tree
+HOST = "bench.localhost"  # the Host every benchmark request carries
+NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/bin/nginx")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- tools
+
+
+def which(name: str) -> str | None:
+    found = shutil.which(name)
+    if found is None and name == "nginx":
+        found = next((p for p in NGINX_CANDIDATES if os.access(p, os.X_OK)), None)
+    return found
+
+
+def ensure_tools(packages: Sequence[str]) -> None:
+    """Install the Debian packages (nginx, wrk, curl) a benchmark needs, if they are missing."""
+    missing = [p for p in packages if which(p) is None]
+    if not missing:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        sys.exit(
+            f"missing {', '.join(missing)}: install them (Debian: apt-get install {' '.join(missing)})"
+        )
+    log(f"installing {' '.join(missing)} with apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, env=env)
+    # The Debian package may start its own nginx on :80; it is not ours and it must not compete
+    # for the CPU we measure on. Stop it through the init script if one did start.
+    if "nginx" in missing and Path("/run/nginx.pid").exists():
+        subprocess.run(["service", "nginx", "stop"], check=False)
+
+
+def raise_nofile() -> int:
+    """Raise the soft open-files limit to the hard one (children inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# ---------------------------------------------------------------- processes
+
+
+class Processes:
+    """Starts processes in their own sessions; ``close()`` kills every group it started."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        cpus: str | None = None,
+    ) -> subprocess.Popen[bytes]:
+        if cpus is not None:
+            argv = ["taskset", "-c", cpus, *argv]
+        out = open(self.workdir / f"{name}.log", "wb")
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        out.close()
+        self.started.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.started:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            text = (self.workdir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        # Newest first (the router before the backend it proxies to); TERM, then KILL.
+        for _name, proc in reversed(self.started):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _name, proc in reversed(self.started):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group, too
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        self.started.clear()
+
+
+def _die_with_parent() -> None:
+    # Should this script be SIGKILLed (no finally runs), the kernel still stops its children.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def workspace(keep: bool = False) -> Iterator[tuple[Path, Processes]]:
+    """A temp dir and a process set; both are cleaned up however the benchmark ends."""
+    tmp = Path(tempfile.mkdtemp(prefix="lchat-bench-"))
+    procs = Processes(tmp)
+    # A SIGTERM (e.g. from `timeout`) must run the cleanup too, not just Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield tmp, procs
+    finally:
+        procs.close()
+        signal.signal(signal.SIGTERM, previous)
+        if keep:
+            log(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, procs: Processes) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        if check():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(port: int, path: str = "/", host: str = HOST, timeout: float = 2.0) -> int | None:
+    """Status of a GET through a proxy on 127.0.0.1:port, or None if it does not answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Host": host})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+def unix_answers(path: Path) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(1)
+            s.connect(str(path))
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return s.recv(12).startswith(b"HTTP/1.1")
+    except OSError:
+        return False
+
+
+def backend_stats(path: Path) -> dict[str, int]:
+    """bench/backend.py's counters, asked directly on its socket (not through a proxy)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(path))
+        s.sendall(b"GET /__bench/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    stats: dict[str, int] = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    return stats
+
+
+# ---------------------------------------------------------------- the three servers
+
+
+def start_backend(procs: Processes, tmp: Path, cpus: str | None = None) -> Path:
+    """bench/backend.py on a unix socket."""
+    path = tmp / "backend.sock"
+    procs.start(
+        "backend",
+        [sys.executable, str(BENCH / "backend.py"), "--socket", str(path)],
+        cpus=cpus,
+    )
+    wait_until(lambda: unix_answers(path), 10, "the backend", procs)
+    return path
+
+
+def start_space(procs: Processes, tmp: Path, cpus: str | None = None) -> Path:
+    """The reference space server (lchat/space) on a unix socket, for a second backend row."""
+    path = tmp / "space.sock"
+    env = {
+        **os.environ,
+        "LCHAT_SOCKET": str(path),
+        "LCHAT_DB": str(tmp / "space.db"),
+        "LCHAT_HOST": "space.localhost",
+    }
+    procs.start("space", [sys.executable, "-m", "lchat.space"], env=env, cpus=cpus)
+    wait_until(lambda: unix_answers(path), 30, "the reference space", procs)
+    return path
+
+
+NGINX_CONF = """\
+# generated by bench/benchlib.py
+worker_processes 1;
+daemon off;
+master_process on;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+worker_rlimit_nofile {nofile};
+{user}
+events {{ worker_connections {connections}; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx-tmp/client;
+    proxy_temp_path {tmp}/nginx-tmp/proxy;
+    fastcgi_temp_path {tmp}/nginx-tmp/fastcgi;
+    uwsgi_temp_path {tmp}/nginx-tmp/uwsgi;
+    scgi_temp_path {tmp}/nginx-tmp/scgi;
+    keepalive_requests 100000000;  # the router never closes a busy keep-alive connection either
+{upstreams}
+{servers}
+}}
+"""
+
+NGINX_UPSTREAM = """\
+    upstream {name} {{
+        server unix:{socket};
+        keepalive {keepalive};
+        keepalive_requests 100000000;
+    }}
+"""
+
+# The same headers the router sets: Host kept, X-Forwarded-For/-Proto.
+NGINX_SERVER = """\
+    server {{
+        listen 127.0.0.1:{port}{listen_options};
+        server_name {host};
+        proxy_http_version 1.1;
+        proxy_set_header Host $host;
+        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+        proxy_set_header X-Forwarded-Proto $scheme;
+        location / {{
+            proxy_pass http://{name};
+            proxy_set_header Connection "";
+        }}
+        # Bulk transfers stream both ways, as the router's proxy should: no 1 GB temp files.
+        # Unbuffered nginx reads in proxy_buffer_size / client_body_buffer_size pieces (4-8k by
+        # default, ~550 MB/s here); 256k lets it move what it can.
+        location /big {{
+            proxy_pass http://{name};
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_buffer_size 256k;
+            proxy_buffers 4 256k;
+            proxy_busy_buffers_size 512k;
+        }}
+        location /upload {{
+            proxy_pass http://{name};
+            proxy_set_header Connection "";
+            client_max_body_size 0;
+            proxy_request_buffering off;
+            client_body_buffer_size 256k;
+        }}
+        location /ws {{
+            proxy_pass http://{name};
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection "upgrade";
+            proxy_read_timeout 1h;
+        }}
+    }}
+"""
+
+
+def start_nginx(
+    procs: Processes,
+    tmp: Path,
+    upstreams: dict[str, Path],
+    cpus: str | None = None,
+    keepalive: int = 64,
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """nginx, one worker, upstream keep-alive; ``upstreams`` maps a Host to a backend socket.
+
+    ``keepalive`` is how many idle upstream connections the worker keeps: below the number of
+    client connections, nginx closes and re-dials some after every burst.
+    """
+    nginx = which("nginx")
+    assert nginx is not None
+    port = free_port()
+    (tmp / "nginx-tmp").mkdir(exist_ok=True)
+    nofile = raise_nofile()
+    blocks_up, blocks_srv = [], []
+    for i, (host, sock) in enumerate(upstreams.items()):
+        name = f"backend{i}"
+        blocks_up.append(NGINX_UPSTREAM.format(name=name, socket=sock, keepalive=keepalive))
+        # Listen options may be given once per address: on the first server block.
+        options = " backlog=4096" if i == 0 else ""
+        blocks_srv.append(
+            NGINX_SERVER.format(name=name, port=port, host=host, listen_options=options)
+        )
+    conf = tmp / "nginx.conf"
+    conf.write_text(
+        NGINX_CONF.format(
+            tmp=tmp,
+            nofile=nofile,
+            connections=min(nofile // 2, 16384),
+            # As root nginx would drop its worker to "nobody", who cannot open our 0700 temp dir.
+            user="user root;" if os.geteuid() == 0 else "",
+            upstreams="".join(blocks_up),
+            servers="".join(blocks_srv),
+        )
+    )
+    proc = procs.start(
+        "nginx",
+        [nginx, "-p", str(tmp), "-e", str(tmp / "nginx-error.log"), "-c", str(conf)],
+        cpus=cpus,
+    )
+    host = next(iter(upstreams))
+    wait_until(lambda: http_status(port, host=host) is not None, 10, "nginx", procs)
+    return port, proc
+
+
+def router_label(rev: str | None) -> str:
+    """What a run measured: the working tree, or which commit."""
+    if rev is None:
+        info = machine_commit()
+        return f"working tree at {info}"
+    return f"commit {short_sha(rev)} (a git archive of it, whatever the working tree holds)"
+
+
+def short_sha(rev: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def router_source(tmp: Path, rev: str | None) -> dict[str, str]:
+    """Environment that makes the router run ``rev`` (a ``git archive`` of it).
+
+    Without ``rev`` the router is the working tree (the venv's editable install). With it, the
+    benchmark measures a fixed commit even while the tree is being edited, or compares two commits.
+    """
+    if rev is None:
+        return {}
+    sha = short_sha(rev)
+    dest = tmp / f"router-src-{sha}"
+    dest.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", sha], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    return {"PYTHONPATH": str(dest)}
+
+
+def start_router(
+    procs: Processes,
+    tmp: Path,
+    services: dict[str, Path],
+    cpus: str | None = None,
+    rev: str | None = None,
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """``twistd -n lchat`` with an env file in ``tmp``; each Host routed with ``lchat add-service``.
+
+    ``rev``: run that commit of lchat instead of the working tree (see :func:`router_source`).
+    """
+    port = free_port()
+    data, run = tmp / "router-data", tmp / "router-run"
+    data.mkdir(exist_ok=True)
+    run.mkdir(exist_ok=True)
+    env_file = tmp / "router.env"
+    env_file.write_text(
+        "\n".join(
+            [
+                f"LCHAT_DATA_DIR={data}",
+                f"LCHAT_RUN_DIR={run}",
+                f"LCHAT_HTTP_ADDR=127.0.0.1:{port}",
+                "LCHAT_HTTPS_ADDR=off",
+                "LCHAT_UNITS=builtin",
+                "",
+            ]
+        )
+    )
+    # Our own environment may carry LCHAT_* from a developer's shell: the env file alone decides.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+    env.update(router_source(tmp, rev))
+    for host, sock in services.items():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lchat.cli",
+                "add-service",
+                host,
+                "--socket",
+                str(sock),
+                "--env-file",
+                str(env_file),
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+    proc = procs.start(
+        "router",
+        [str(BIN / "twistd"), "-n", "--pidfile=", "lchat", "--env-file", str(env_file)],
+        env=env,
+        cpus=cpus,
+    )
+    host = next(iter(services))
+    seen: list[int | None] = []
+
+    def ready() -> bool:
+        seen.append(http_status(port, host=host))
+        return seen[-1] == 200
+
+    try:
+        wait_until(ready, 30, "the router", procs)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{e}; last answer {seen[-1] if seen else None}; router log:\n{procs.tail('router')}"
+        ) from None
+    return port, proc
+
+
+# ---------------------------------------------------------------- /proc
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A kB field of /proc/<pid>/status (VmRSS, VmHWM), in KiB; 0 if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False where not permitted."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """utime+stime of the processes, in seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent not idle since boot (all CPUs, /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    # guest time is already counted in user time
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """This process and its waited-for children (wrk, curl): user + system seconds."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def proxy_pids(proc: subprocess.Popen[bytes]) -> list[int]:
+    """The processes doing a proxy's work: nginx's master and worker, or the router itself.
+
+    With ``taskset`` in front, Popen's pid is taskset's, which execs the program: same pid.
+    """
+    return [proc.pid, *children(proc.pid)]
+
+
+def nginx_worker(proc: subprocess.Popen[bytes]) -> int:
+    workers = children(proc.pid)
+    return workers[0] if workers else proc.pid
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def machine() -> dict[str, str]:
+    """The facts a reader needs to compare a run with another."""
+
+    def run(argv: Sequence[str]) -> str:
+        try:
+            done = subprocess.run(list(argv), capture_output=True, text=True, timeout=10, cwd=ROOT)
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+        return (done.stdout + done.stderr).strip()
+
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = "?"
+    with contextlib.suppress(OSError):
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kib / 1024 / 1024:.1f} GiB"
+    twisted = run([sys.executable, "-c", "import twisted; print(twisted.__version__)"])
+    nginx = which("nginx")
+    wrk = which("wrk")
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": machine_commit(),
+        "cpus": f"{os.cpu_count()} x {cpu}",
+        "memory": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "twisted": twisted,
+        "nginx": run([nginx, "-v"]).replace("nginx version: ", "") if nginx else "-",
+        "wrk": run([wrk, "-v"]).split(" Copyright")[0] if wrk else "-",
+    }
+
+
+def machine_commit() -> str:
+    def git(*argv: str) -> str:
+        try:
+            done = subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True)
+        except OSError:
+            return "?"
+        return done.stdout.strip() if done.returncode == 0 else "?"
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
+
+
+def machine_markdown(info: dict[str, str]) -> str:
+    return "\n".join(f"- {k}: {v}" for k, v in info.items())
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mib(kib: int) -> str:
+    return f"{kib / 1024:.1f} MiB"
