@@ -1,0 +1,133 @@
+"""The bucket seam: one object-store interface, typed errors, and the stores behind it.
+
+Everything durable that boxes share lives in a bucket: parked databases, leases, heartbeats. The
+activator, the replicator and the mesh speak only this interface; ``s3.py`` implements it over
+S3's HTTP API (AWS, or any S3-compatible store), ``file.py`` over a local directory (a single box,
+and ``make run``). Methods are coroutines (``async def``); wrap them with
+``Deferred.fromCoroutine`` at a Deferred-speaking edge.
+
+Semantics every implementation keeps (the conformance suite in ``tests/test_objstore.py`` checks
+them against each store):
+
+- keys are text (any unicode, spaces, ``+``), ETags are opaque strings without quotes;
+- ``put(if_none_match=True)`` creates only; ``put(if_match=etag)`` and ``delete(if_match=etag)``
+  replace or remove only that version; a failed condition raises :class:`PreconditionFailed`,
+  including ``if_match`` on a missing key (stores differ here; we normalise);
+- ``last_modified`` and ``now()`` are the *bucket's* clock (its ``Date`` header), never ours;
+- ``list(prefix)`` returns every key under the prefix in key order, however many pages it takes;
+- ``get_to_file``/``put_file`` stream: an object is never held whole in memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Protocol
+
+from attrs import field, frozen
+
+UTC = datetime.UTC
+
+
+@frozen
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str  # unquoted
+    last_modified: datetime.datetime  # timezone-aware UTC, on the bucket's clock
+    metadata: Mapping[str, str] = field(
+        factory=dict
+    )  # user metadata (x-amz-meta-*), names lowercase
+
+
+@frozen
+class StoredObject:
+    info: ObjectInfo
+    body: bytes
+
+
+@frozen
+class PutResult:
+    key: str
+    etag: str  # unquoted
+
+
+class ObjectStoreError(Exception):
+    """Base of every store error. ``key`` and the store's ``request_id`` are kept for the log."""
+
+    def __init__(self, message: str, key: str = "", request_id: str = "") -> None:
+        detail = message
+        if key:
+            detail += f" (key {key!r})"
+        if request_id:
+            detail += f" [request {request_id}]"
+        super().__init__(detail)
+        self.key = key
+        self.request_id = request_id
+
+
+class NotFound(ObjectStoreError):
+    """No such key (or no such bucket)."""
+
+
+class PreconditionFailed(ObjectStoreError):
+    """An ``if_match``/``if_none_match`` condition did not hold: someone else wrote first."""
+
+
+class AccessDenied(ObjectStoreError):
+    """The credentials may not do this."""
+
+
+class StoreUnavailable(ObjectStoreError):
+    """The store did not answer usably, after retries: 5xx, timeouts, refused connections."""
+
+
+class ObjectStore(Protocol):
+    """What every store offers. See the module docstring for the shared semantics."""
+
+    def describe(self) -> str:
+        """Where this store is, for log lines (no secrets)."""
+        ...
+
+    async def get(self, key: str) -> StoredObject: ...
+
+    async def get_to_file(self, key: str, path: str) -> ObjectInfo:
+        """Stream the object into ``path`` (written to a temp file, fsynced, renamed)."""
+        ...
+
+    async def head(self, key: str) -> ObjectInfo: ...
+
+    async def put(
+        self,
+        key: str,
+        body: bytes,
+        *,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> PutResult: ...
+
+    async def put_file(
+        self, key: str, path: str, *, metadata: Mapping[str, str] | None = None
+    ) -> PutResult:
+        """Stream ``path`` up (its size is known: S3 refuses chunked uploads)."""
+        ...
+
+    async def delete(self, key: str, *, if_match: str | None = None) -> None:
+        """Remove ``key``. Deleting a missing key succeeds unless ``if_match`` is given."""
+        ...
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every key under ``prefix``, in key order (``metadata`` is not filled in)."""
+        ...
+
+    async def copy(self, source: str, destination: str) -> PutResult: ...
+
+    async def now(self) -> datetime.datetime:
+        """The bucket's clock: the ``Date`` of a fresh response."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and threads."""
+        ...
