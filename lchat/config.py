@@ -39,6 +39,16 @@ class HibernateConfig:
     prefix: str
     endpoint: str
     idle: float  # seconds with nothing in flight before a space sleeps
+    lease_ttl: float = 900.0  # a space's lease lives this long unless renewed (renewed at a third)
+
+    @property
+    def is_file(self) -> bool:
+        """``file:PATH``: a local directory as the bucket (one box, or ``make run``)."""
+        return self.bucket.startswith("file:")
+
+    def key(self, *parts: str) -> str:
+        """An object key under the configured prefix."""
+        return "/".join(p for p in (self.prefix, *parts) if p)
 
 
 @frozen
@@ -112,6 +122,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HIBERNATE_PREFIX": "",
     "LCHAT_HIBERNATE_ENDPOINT": "",
     "LCHAT_HIBERNATE_IDLE": "15m",
+    "LCHAT_LEASE_TTL": "15m",
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",
@@ -379,9 +390,29 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
     idle = parse_duration("LCHAT_HIBERNATE_IDLE", get("LCHAT_HIBERNATE_IDLE"))
     if idle <= 0:
         raise ConfigError("LCHAT_HIBERNATE_IDLE must be a positive duration")
+    lease_ttl = parse_duration("LCHAT_LEASE_TTL", get("LCHAT_LEASE_TTL"))
+    if lease_ttl < 3:
+        raise ConfigError("LCHAT_LEASE_TTL must be at least 3s (it is renewed at a third)")
     bucket = get("LCHAT_HIBERNATE_BUCKET")
     if not bucket:
         return None
+    if bucket.startswith("file:"):
+        path = bucket[len("file:") :]
+        if not path or "\x00" in path:
+            raise ConfigError(f"LCHAT_HIBERNATE_BUCKET={bucket!r}: file: needs a directory path")
+        bucket = "file:" + os.path.abspath(path)
+    elif not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+        raise ConfigError(
+            f"LCHAT_HIBERNATE_BUCKET={bucket!r} is neither an S3 bucket name nor file:PATH"
+        )
+    endpoint = get("LCHAT_HIBERNATE_ENDPOINT")
+    if endpoint:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(
+                f"LCHAT_HIBERNATE_ENDPOINT={endpoint!r} must be an http(s) URL such as "
+                f"https://s3.example.net"
+            )
     prefix = get("LCHAT_HIBERNATE_PREFIX").strip("/")
     if "\x00" in prefix or ".." in prefix.split("/"):
         raise ConfigError(f"LCHAT_HIBERNATE_PREFIX={prefix!r} is not a safe key prefix")
@@ -389,8 +420,9 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
         bucket=bucket,
         region=get("LCHAT_HIBERNATE_REGION"),
         prefix=prefix,
-        endpoint=get("LCHAT_HIBERNATE_ENDPOINT"),
+        endpoint=endpoint.rstrip("/"),
         idle=idle,
+        lease_ttl=lease_ttl,
     )
 
 

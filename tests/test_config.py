@@ -68,14 +68,14 @@ class Refusals(Base):
         self.refuses("LCHAT_HIBERNATE_IDLE", {"LCHAT_HIBERNATE_IDLE": "soon"})
         self.refuses(
             "LCHAT_HIBERNATE_IDLE",
-            {"LCHAT_HIBERNATE_IDLE": "soon", "LCHAT_HIBERNATE_BUCKET": "b"},
+            {"LCHAT_HIBERNATE_IDLE": "soon", "LCHAT_HIBERNATE_BUCKET": "bkt"},
         )
 
     def test_hibernate_prefix(self) -> None:
         for value in ("a/../b", "..", "x\x00y"):
             self.refuses(
                 "LCHAT_HIBERNATE_PREFIX",
-                {"LCHAT_HIBERNATE_BUCKET": "b", "LCHAT_HIBERNATE_PREFIX": value},
+                {"LCHAT_HIBERNATE_BUCKET": "bkt", "LCHAT_HIBERNATE_PREFIX": value},
             )
 
     def test_mesh_without_domains(self) -> None:
@@ -356,7 +356,7 @@ class EnvFileSyntax(Base):
                     "export LCHAT_DATA_DIR=/exported",
                     "export   LCHAT_RUN_DIR=/run/x",
                     'LCHAT_SPACE_COMMAND="/opt/space --host {host} # not a comment"',
-                    "LCHAT_HIBERNATE_BUCKET='my bucket' # trailing comment",
+                    "LCHAT_HIBERNATE_BUCKET='my-bucket' # trailing comment",
                     "LCHAT_HIBERNATE_REGION=eu-west-1                   # optional",
                     "LCHAT_HIBERNATE_PREFIX=prod\t# tab before the comment",
                     "LCHAT_HIBERNATE_ENDPOINT=http://127.0.0.1:9000/#frag",
@@ -376,7 +376,7 @@ class EnvFileSyntax(Base):
                 "LCHAT_DATA_DIR": "/exported",
                 "LCHAT_RUN_DIR": "/run/x",
                 "LCHAT_SPACE_COMMAND": "/opt/space --host {host} # not a comment",
-                "LCHAT_HIBERNATE_BUCKET": "my bucket",
+                "LCHAT_HIBERNATE_BUCKET": "my-bucket",
                 "LCHAT_HIBERNATE_REGION": "eu-west-1",
                 "LCHAT_HIBERNATE_PREFIX": "prod",
                 "LCHAT_HIBERNATE_ENDPOINT": "http://127.0.0.1:9000/#frag",
@@ -392,7 +392,7 @@ class EnvFileSyntax(Base):
             cfg.space_command, ("/opt/space", "--host", "{host}", "#", "not", "a", "comment")
         )
         assert cfg.hibernate is not None
-        self.assertEqual(cfg.hibernate.bucket, "my bucket")
+        self.assertEqual(cfg.hibernate.bucket, "my-bucket")
         self.assertEqual(cfg.hibernate.idle, 90.0)
         self.assertEqual(cfg.hibernate.endpoint, "http://127.0.0.1:9000/#frag")
 
@@ -477,12 +477,12 @@ class Addresses(unittest.TestCase):
 class ReachTheConfig(Base):
     def test_idle(self) -> None:
         for text, seconds in (("15m", 900.0), ("1h30m", 5400.0), ("250ms", 0.25)):
-            cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "b", "LCHAT_HIBERNATE_IDLE": text})
+            cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "bkt", "LCHAT_HIBERNATE_IDLE": text})
             assert cfg.hibernate is not None
             self.assertEqual(cfg.hibernate.idle, seconds)
-        cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "b", "LCHAT_HIBERNATE_PREFIX": "/prod/"})
+        cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "bkt", "LCHAT_HIBERNATE_PREFIX": "/prod/"})
         assert cfg.hibernate is not None
-        self.assertEqual((cfg.hibernate.bucket, cfg.hibernate.prefix), ("b", "prod"))
+        self.assertEqual((cfg.hibernate.bucket, cfg.hibernate.prefix), ("bkt", "prod"))
         self.assertEqual(cfg.hibernate.idle, 900.0)
 
     def test_addresses(self) -> None:
@@ -622,3 +622,33 @@ class FrontDoor(Base):
             ("LCHAT_METRICS_ADDR", ":99999"),
         ):
             self.refuses(name, {name: value})
+
+
+class Bucket(Base):
+    def test_file_bucket_and_s3_names(self) -> None:
+        cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "file:rel/dir", "LCHAT_HIBERNATE_PREFIX": "p"})
+        assert cfg.hibernate is not None
+        self.assertTrue(cfg.hibernate.is_file)
+        self.assertEqual(cfg.hibernate.bucket, "file:" + os.path.abspath("rel/dir"))
+        self.assertEqual(
+            cfg.hibernate.key("a.example.com", "lock.json"), "p/a.example.com/lock.json"
+        )
+        self.assertEqual(cfg.hibernate.lease_ttl, 900.0)
+        cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "my.bucket-1", "LCHAT_LEASE_TTL": "30s"})
+        assert cfg.hibernate is not None
+        self.assertFalse(cfg.hibernate.is_file)
+        self.assertEqual(cfg.hibernate.key("x"), "x")
+        self.assertEqual(cfg.hibernate.lease_ttl, 30.0)
+
+    def test_refusals(self) -> None:
+        for env, variable in (
+            ({"LCHAT_HIBERNATE_BUCKET": "Bad_Bucket"}, "LCHAT_HIBERNATE_BUCKET"),
+            ({"LCHAT_HIBERNATE_BUCKET": "file:"}, "LCHAT_HIBERNATE_BUCKET"),
+            (
+                {"LCHAT_HIBERNATE_BUCKET": "bkt", "LCHAT_HIBERNATE_ENDPOINT": "s3.local"},
+                "LCHAT_HIBERNATE_ENDPOINT",
+            ),
+            ({"LCHAT_LEASE_TTL": "2s"}, "LCHAT_LEASE_TTL"),
+            ({"LCHAT_LEASE_TTL": "forever"}, "LCHAT_LEASE_TTL"),
+        ):
+            self.refuses(variable, env)
