@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 from collections.abc import Callable, Mapping
 from typing import Literal
 from urllib.parse import urlsplit
@@ -93,6 +94,11 @@ class BoxConfig:
     http_redirect: bool = True  # with HTTPS on, plain HTTP answers 301 (else it proxies too)
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
+
+    @property
+    def box_id(self) -> str:
+        """Who this box is, in leases and probes: its mesh URL, else its hostname."""
+        return self.mesh.self_url if self.mesh is not None else socket.gethostname()
 
     @property
     def admin_socket(self) -> str:

@@ -9,12 +9,14 @@ from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, tls
+from lchat import config, objstore, tls
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
 from lchat.proxy.downstream import ProxyFactory
@@ -152,6 +154,9 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
             _listen(top, serverFromString(reactor, cfg.http_addr), proxy)
     _Closer(pool, factories).setServiceParent(top)
 
+    if cfg.hibernate is not None:
+        _BucketCheck(reactor, cfg).setServiceParent(top)
+
     clear_stale_socket(cfg.admin_socket)
     admin = AdminAPI(routes, cfg.units, children)
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
@@ -209,6 +214,58 @@ class _SignalReload(Service):
         if self._previous is not None:
             signal.signal(signal.SIGHUP, self._previous)
         super().stopService()
+
+
+class _BucketCheck(Service):
+    """At start, prove the hibernation bucket is reachable and writable; if not, stop the router.
+
+    twistd builds services before its reactor runs, so the probe runs at start; a failure logs
+    one line naming the variable and ends the process with status 1 (systemd shows it and retries).
+    """
+
+    def __init__(self, reactor: Any, cfg: BoxConfig) -> None:
+        assert cfg.hibernate is not None
+        self._reactor = reactor
+        self._hibernate = cfg.hibernate
+        self._box = cfg.box_id
+        self.store: objstore.ObjectStore = objstore.open_store(
+            reactor,
+            cfg.hibernate.bucket,
+            region=cfg.hibernate.region,
+            endpoint=cfg.hibernate.endpoint,
+        )
+        self.checked: Deferred[None] = Deferred()
+
+    def startService(self) -> None:
+        super().startService()
+        key = self._hibernate.key(".lchat", "probe", _probe_name(self._box))
+        d = Deferred.fromCoroutine(objstore.probe_writable(self.store, key))
+        d.addCallbacks(self._ok, self._failed)
+        d.addBoth(lambda _: self.checked.callback(None) if not self.checked.called else None)
+
+    def _ok(self, _: object) -> None:
+        _log.info("bucket {bucket} is reachable and writable", bucket=self.store.describe())
+
+    def _failed(self, failure: Failure) -> None:
+        _log.critical(
+            "LCHAT_HIBERNATE_BUCKET={bucket}: the bucket is not usable: {error} "
+            "(check LCHAT_HIBERNATE_BUCKET, LCHAT_HIBERNATE_ENDPOINT, LCHAT_HIBERNATE_REGION, "
+            "LCHAT_HIBERNATE_PREFIX and the AWS credentials)",
+            bucket=self._hibernate.bucket,
+            error=failure.getErrorMessage(),
+        )
+        self.failed = failure
+        if self._reactor.running:
+            self._reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
+            self._reactor.stop()
+
+    def stopService(self) -> Any:
+        super().stopService()
+        return Deferred.fromCoroutine(self.store.close())
+
+
+def _probe_name(box: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", box)[:200] or "box"
 
 
 class _Closer(Service):

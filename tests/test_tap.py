@@ -253,6 +253,15 @@ class RouterTests(TestCase):
         code, _ = yield self.get("chat.example.com", "/api/version?x=1")
         self.assertEqual(code, 301)
 
+    @inlineCallbacks
+    def test_a_file_bucket_is_probed_at_start(self):
+        bucket = os.path.join(self.dir, "bucket")
+        service = self.start(self.config(LCHAT_HIBERNATE_BUCKET=f"file:{bucket}"))
+        check = next(s for s in service if hasattr(s, "checked"))
+        yield check.checked
+        self.assertFalse(hasattr(check, "failed"))
+        self.assertTrue(os.path.isdir(bucket))  # created, written, and the probe deleted again
+
     def test_a_second_router_on_the_same_run_dir_refuses(self) -> None:
         self.start()
         self.assertRaises(AlreadyRunning, build_service, self.config(), reactor)
@@ -299,6 +308,36 @@ class TwistdTests(TestCase):
             "--space-command",
         ):
             self.assertIn(option, text)
+
+    def test_an_unusable_bucket_stops_the_router_naming_the_variable(self) -> None:
+        d = tempfile.mkdtemp(prefix="tw", dir="/tmp")
+        self.addCleanup(shutil.rmtree, d, True)
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        result = self.twistd(
+            "-n",
+            "--pidfile=",
+            "lchat",
+            "--data-dir",
+            d,
+            "--run-dir",
+            d,
+            "--http",
+            "tcp:0:interface=127.0.0.1",
+            "--https",
+            "off",
+            env={
+                "LCHAT_HIBERNATE_BUCKET": "lchat-test",
+                "LCHAT_HIBERNATE_ENDPOINT": f"http://127.0.0.1:{port}",
+                "LCHAT_HIBERNATE_REGION": "us-east-1",
+                "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test",
+            },
+        )
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        output = result.stdout + result.stderr
+        self.assertIn("LCHAT_HIBERNATE_BUCKET=lchat-test: the bucket is not usable", output)
 
     def test_misconfiguration_fails_at_boot_naming_the_variable(self) -> None:
         d = tempfile.mkdtemp(prefix="tw", dir="/tmp")

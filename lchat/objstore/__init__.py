@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from attrs import field, frozen
 
@@ -131,3 +131,20 @@ class ObjectStore(Protocol):
     async def close(self) -> None:
         """Release connections and threads."""
         ...
+
+
+def open_store(reactor: Any, bucket: str, *, region: str = "", endpoint: str = "") -> ObjectStore:
+    """The store for ``LCHAT_HIBERNATE_BUCKET``: ``file:PATH`` or an S3 bucket name."""
+    if bucket.startswith("file:"):
+        from lchat.objstore.file import FileStore
+
+        return FileStore(reactor, bucket[len("file:") :], create=True)
+    from lchat.objstore.s3 import S3Store
+
+    return S3Store(reactor, bucket, region=region, endpoint=endpoint)
+
+
+async def probe_writable(store: ObjectStore, key: str) -> None:
+    """Prove the bucket is reachable and writable under ``key``'s prefix: one PUT, one DELETE."""
+    await store.put(key, b"lchat boot probe\n", content_type="text/plain")
+    await store.delete(key)
