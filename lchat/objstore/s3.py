@@ -1,0 +1,1247 @@
+"""The bucket over S3's HTTP API: AWS, or any S3-compatible store (``LCHAT_HIBERNATE_ENDPOINT``).
+
+botocore is used for two things only: SigV4 signing (``S3SigV4Auth``) and the standard credential
+chain (environment, shared config/profile, container and instance roles). Resolving and refreshing
+credentials can do blocking I/O (files, the instance metadata service), so it always runs in a
+thread, never on the reactor. The transport is treq over one persistent connection pool.
+
+Every request has a known ``Content-Length`` (S3 refuses chunked uploads), a per-attempt timeout
+and up to ``retries`` retries with jittered exponential backoff on 5xx, throttling, timeouts and
+connection errors. Each attempt is counted in ``lchat_s3_requests_total{operation,outcome}``:
+S3 requests are the bill.
+
+Store quirks we normalise (each is handled, and commented, where it bites):
+
+- ``If-Match`` on a missing key: AWS and moto answer 404 ``NoSuchKey``, SeaweedFS answers 412.
+  The interface says :class:`PreconditionFailed` for both (see ``_condition_failed``).
+- ``Last-Modified``: HTTP dates have whole seconds, moto's listing has whole seconds (``.000Z``),
+  AWS's listing has milliseconds. We truncate every timestamp to whole seconds so ``head`` and
+  ``list`` agree with each other and with the ``Date`` clock they are compared against.
+- ETags in ``If-Match``: RFC 7232 and AWS want them quoted; some S3-compatible stores compare the
+  header literally against an unquoted ETag. Both moto and SeaweedFS accept either form; we send
+  quoted, and ``quote_etags=False`` sends them bare for a store that needs it.
+- ``CopyObject`` can answer 200 with an ``<Error>`` body (AWS documents this): treated as that error.
+- Listing order: S3 lists in UTF-8 byte order (= code point order); SeaweedFS walks directories,
+  so we sort each listing rather than trust the store's order.
+- SeaweedFS creates a missing bucket on PUT for admin identities (``-s3.autoCreateBucket``); AWS
+  answers ``NoSuchBucket``. Nothing to do here; the test fixture turns that off.
+- Key shapes: SeaweedFS refuses ``.``/``..`` segments and collapses empty ones (``a//b`` is stored
+  as ``a/b``); AWS keeps them. Such keys are refused with ``ValueError`` (``_check_key``).
+- A failed DELETE on a reused keep-alive connection is silently re-sent by Twisted's pool when it
+  has no body; we give DELETEs an explicit empty body so every retry is ours (see ``_exchange``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import email.utils
+import hashlib
+import os
+import secrets
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Container, Mapping, Sequence
+from io import BytesIO
+from typing import IO, TYPE_CHECKING, Any, Literal
+from urllib.parse import quote, unquote_plus, urlsplit
+
+import treq.client
+from attrs import define, frozen
+from botocore.auth import UNSIGNED_PAYLOAD, S3SigV4Auth  # type: ignore[import-untyped]
+from botocore.awsrequest import AWSRequest  # type: ignore[import-untyped]
+from botocore.credentials import (  # type: ignore[import-untyped]
+    Credentials,
+    ReadOnlyCredentials,
+    RefreshableCredentials,
+)
+from prometheus_client import Counter, Histogram
+from twisted.internet import error
+from twisted.internet.abstract import isIPAddress, isIPv6Address
+from twisted.internet.defer import CancelledError, Deferred, DeferredLock
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    wrapClientTLS,
+)
+from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import _newclient
+from twisted.web.client import (
+    URI,
+    Agent,
+    BrowserLikePolicyForHTTPS,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    ResponseDone,
+)
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer, IResponse
+from zope.interface import implementer
+
+from lchat.objstore import (
+    UTC,
+    AccessDenied,
+    NotFound,
+    ObjectInfo,
+    ObjectStoreError,
+    PreconditionFailed,
+    PutResult,
+    StoredObject,
+    StoreUnavailable,
+)
+
+if TYPE_CHECKING:
+    from lchat.config import HibernateConfig
+
+log = Logger()
+
+REQUESTS = Counter(
+    "lchat_s3_requests_total",
+    "S3 requests sent, each attempt counted (S3 bills per request), by operation and outcome",
+    ["operation", "outcome"],
+)
+LATENCY = Histogram(
+    "lchat_s3_request_seconds",
+    "S3 request latency per attempt, from sending to the end of the response body",
+    ["operation"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+
+AddressingStyle = Literal["auto", "path", "virtual"]
+
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_SIGN_BODY_MAX = 64 * 1024  # bodies up to this are SHA-256 signed; larger ones go UNSIGNED-PAYLOAD
+_HASH_IN_THREAD = 1024 * 1024  # hashing more than this would stall the reactor: do it in a thread
+_WRITE_CHUNK = 1024 * 1024  # get_to_file hands the writer thread this much at a time
+_WRITE_HIGH_WATER = 4 * 1024 * 1024  # and pauses the socket when this much is waiting
+_BACKOFF_BASE = 0.1
+_BACKOFF_CAP = 2.0
+_DATE_FRESH = 1.0  # now() reuses the Date of a response younger than this (seconds)
+
+# S3 error codes that mean "try again" whatever their status (RequestTimeout is a 400, SlowDown a 503,
+# OperationAborted a 409 about a conflicting bucket operation in progress).
+_TRANSIENT_CODES = frozenset(
+    {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "OperationAborted"}
+)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "RequestTimeTooSkewed",
+        "AllAccessDisabled",
+        "AccountProblem",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion"})
+# 409 ConditionalRequestConflict: AWS's answer to two conditional writes racing on one key.
+_PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    error.ConnectError,  # refused, DNS, connect timeout, ...
+    error.ConnectionLost,
+    error.ConnectionDone,
+    error.TimeoutError,
+    builtins.TimeoutError,
+    _newclient.ResponseFailed,  # includes ResponseNeverReceived
+    _newclient.RequestTransmissionFailed,
+    _newclient.RequestNotSent,
+    _newclient.WrongBodyLength,
+)
+# Not OSError at large: a local disk error (ENOSPC while writing get_to_file's temp file) is ours
+# to raise as it is, not a reason to retry against the store.
+# These failed before a byte reached the server: the request cannot have been applied.
+_NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (
+    error.ConnectionRefusedError,
+    error.DNSLookupError,
+    error.ConnectingCancelledError,
+    _newclient.RequestNotSent,
+)
+
+
+def quote_key(key: str) -> str:
+    """A key as it goes into the request path: UTF-8, every byte but unreserved ones and ``/``
+    percent-encoded. This is also the canonical form SigV4 signs for S3 (which does not normalise
+    paths), so what we sign and what we send are the same string."""
+    return quote(key, safe="/~")
+
+
+def _quote_query(value: str) -> str:
+    return quote(value, safe="~")
+
+
+def _unquote_etag(value: str) -> str:
+    value = value.strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    return value.strip('"')
+
+
+def _whole_seconds(when: datetime.datetime) -> datetime.datetime:
+    # Quirk: moto's Last-Modified has whole seconds (HTTP dates always do), AWS's listing has
+    # milliseconds. Whole seconds everywhere, so head() and list() agree and match Date.
+    return when.astimezone(UTC).replace(microsecond=0)
+
+
+def _http_date(value: bytes | None) -> datetime.datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = email.utils.parsedate_to_datetime(value.decode("latin-1"))
+    except (TypeError, ValueError):
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return _whole_seconds(parsed)
+
+
+def _iso_date(value: str) -> datetime.datetime:
+    parsed = datetime.datetime.fromisoformat(value.strip())
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return _whole_seconds(parsed)
+
+
+def _xml(body: bytes) -> ET.Element | None:
+    # The body comes from the bucket we were configured with; expat (>= 2.4, bundled with 3.11)
+    # bounds entity expansion, and S3 bodies carry no DTD.
+    try:
+        return ET.fromstring(body)  # noqa: S314
+    except ET.ParseError:
+        return None
+
+
+def _find(element: ET.Element, name: str) -> ET.Element | None:
+    found = element.find(_NS + name)
+    return found if found is not None else element.find(name)
+
+
+def _text(element: ET.Element, name: str, default: str = "") -> str:
+    found = _find(element, name)
+    if found is None or found.text is None:
+        return default
+    return found.text
+
+
+def _findall(element: ET.Element, name: str) -> list[ET.Element]:
+    return element.findall(_NS + name) or element.findall(name)
+
+
+def _local_name(element: ET.Element) -> str:
+    return element.tag.rsplit("}", 1)[-1]
+
+
+def _header(headers: Headers, name: str) -> bytes | None:
+    values = headers.getRawHeaders(name.encode("ascii"))
+    return values[-1] if values else None
+
+
+def _header_text(headers: Headers, name: str) -> str:
+    value = _header(headers, name)
+    return value.decode("latin-1") if value is not None else ""
+
+
+def _md5_hex(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    # S3 metadata travels as HTTP headers: ASCII only (AWS RFC-2047-encodes anything else and
+    # stores differ on it), names must be header tokens.
+    out = {}
+    for name, value in metadata.items():
+        lname = name.lower()
+        if not lname or not all(c.isalnum() or c in "-_" for c in lname) or not lname.isascii():
+            raise ValueError(f"metadata name {name!r} is not a plain ASCII token")
+        if not value.isascii() or any(ord(c) < 0x20 or c == "\x7f" for c in value):
+            raise ValueError(f"metadata value for {name!r} must be printable ASCII")
+        out[f"x-amz-meta-{lname}"] = value
+    return out
+
+
+def _check_key(key: str) -> None:
+    if not key:
+        raise ValueError("an object key cannot be empty")
+    if len(key.encode("utf-8")) > 1024:
+        raise ValueError("an object key is at most 1024 bytes of UTF-8")
+    parts = key.split("/")
+    # Keys every store can hold the same way. SeaweedFS refuses "." and ".." segments (400
+    # InvalidRequest) and silently collapses empty ones ("a//b" and "/a" become "a/b" and "a"),
+    # while AWS keeps both: a key with such segments would not be the same key everywhere.
+    if any(part in (".", "..") for part in parts):
+        raise ValueError(f"key {key!r} has a '.' or '..' segment")
+    if any(part == "" for part in parts[:-1]):
+        raise ValueError(f"key {key!r} has an empty segment (a leading or doubled '/')")
+
+
+class _Signer(S3SigV4Auth):
+    """S3 SigV4 with the payload hash we choose (the body's SHA-256, or UNSIGNED-PAYLOAD)."""
+
+    def __init__(self, credentials: ReadOnlyCredentials, region: str, payload_hash: str) -> None:
+        super().__init__(credentials, "s3", region)
+        self._payload_hash = payload_hash
+
+    def payload(self, request: AWSRequest) -> str:
+        return self._payload_hash
+
+
+@frozen
+class _FileBody:
+    path: str
+    size: int
+
+
+@define
+class _Reply:
+    status: int
+    headers: Headers
+    body: bytes
+    code: str = ""  # S3 error code, from the XML body (or derived from the status for HEAD)
+    message: str = ""
+    request_id: str = ""
+    streamed: int = 0  # bytes written to the sink
+    # An earlier attempt failed after the request may have reached the store: a mutation may
+    # already have happened (the "lost response" case).
+    ambiguous: bool = False
+
+
+class _Watchdog:
+    """Cancels ``d`` when ``timeout`` seconds pass without ``touch()`` (streams: idle, not total)."""
+
+    def __init__(self, reactor: IReactorTime, timeout: float, d: Deferred[Any]) -> None:
+        self.fired = False
+        self._timeout = timeout
+        self._d = d
+        self._call: IDelayedCall = reactor.callLater(timeout, self._fire)
+
+    def touch(self) -> None:
+        if self._call.active():
+            self._call.reset(self._timeout)
+
+    def stop(self) -> None:
+        if self._call.active():
+            self._call.cancel()
+
+    def _fire(self) -> None:
+        self.fired = True
+        self._d.cancel()
+
+
+@implementer(IConsumer)
+class _ProgressConsumer:
+    def __init__(self, consumer: IConsumer, progress: Callable[[], None]) -> None:
+        self._consumer = consumer
+        self._progress = progress
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self._consumer.registerProducer(producer, streaming)
+
+    def unregisterProducer(self) -> None:
+        self._consumer.unregisterProducer()
+
+    def write(self, data: bytes) -> None:
+        self._progress()
+        self._consumer.write(data)
+
+
+@implementer(IBodyProducer)
+class _ProgressProducer:
+    """A body producer that reports each chunk it writes (feeds the idle watchdog of uploads)."""
+
+    def __init__(self, inner: FileBodyProducer, progress: Callable[[], None]) -> None:
+        self._inner = inner
+        self._progress = progress
+        self.length = inner.length
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        return self._inner.startProducing(_ProgressConsumer(consumer, self._progress))
+
+    def stopProducing(self) -> None:
+        self._inner.stopProducing()
+
+    def pauseProducing(self) -> None:
+        self._inner.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._inner.resumeProducing()
+
+
+class _BodyReader(Protocol):
+    """Reads a response body into memory, or into a file through a writer thread.
+
+    File mode never holds more than about ``_WRITE_HIGH_WATER`` bytes: past that the socket is
+    paused until the thread has caught up. ``done`` fires with the body (memory mode) or ``b""``
+    once everything is written; cancelling it aborts the connection.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        sink: IO[bytes] | None,
+        progress: Callable[[], None] | None = None,
+    ) -> None:
+        self.done: Deferred[bytes] = Deferred(lambda _: self._abort())
+        self.received = 0
+        self._reactor = reactor
+        self._sink = sink
+        self._progress = progress
+        self._chunks: list[bytes] = []
+        self._pending = 0
+        self._writing = False
+        self._idle_waiters: list[Deferred[None]] = []
+        self._paused = False
+        self._open = True
+        self._failure: Failure | None = None
+        self._aborted = False
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += len(data)
+        if self._progress is not None:
+            self._progress()
+        self._chunks.append(data)
+        self._pending += len(data)
+        if self._sink is None:
+            return
+        if self._pending >= _WRITE_CHUNK:
+            self._flush()
+        if self._pending >= _WRITE_HIGH_WATER and not self._paused and self.transport:
+            self._paused = True
+            self.transport.pauseProducing()  # type: ignore[attr-defined]
+
+    def connectionLost(self, reason: Failure = Failure(error.ConnectionDone())) -> None:  # noqa: B008
+        self._open = False
+        if reason.check(ResponseDone, PotentialDataLoss) is None:
+            self._failure = reason
+            self._chunks = []
+            self._pending = 0
+        if self._sink is None:
+            self._finish(self._failure or b"".join(self._chunks))
+            self._chunks = []
+            return
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._writing:
+            return  # _written() calls us again
+        if self._chunks and not self._aborted:
+            data = b"".join(self._chunks)
+            self._chunks = []
+            self._pending = 0
+            assert self._sink is not None
+            self._writing = True
+            pool = self._reactor.getThreadPool()
+            d = deferToThreadPool(self._reactor, pool, _write, self._sink, data)
+            d.addCallbacks(self._written, self._write_failed)
+            return
+        if not self._open or self._aborted:
+            self._finish(self._failure or b"")
+
+    def _written(self, _: object) -> None:
+        self._writing = False
+        if self._paused and self._open and not self._aborted and self.transport:
+            self._paused = False
+            self.transport.resumeProducing()  # type: ignore[attr-defined]
+        if self._pending >= _WRITE_CHUNK or not self._open or self._aborted:
+            self._flush()
+        self._notify_idle()
+
+    def _write_failed(self, failure: Failure) -> None:
+        self._writing = False
+        self._chunks = []
+        self._abort()
+        self._finish(failure)
+        self._notify_idle()
+
+    def _notify_idle(self) -> None:
+        if not self._writing:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
+    def _finish(self, result: bytes | Failure) -> None:
+        if not self.done.called:
+            if isinstance(result, Failure):
+                self.done.errback(result)
+            else:
+                self.done.callback(result)
+
+    def _abort(self) -> None:
+        self._aborted = True
+        if self._open and self.transport is not None:
+            self.transport.stopProducing()  # type: ignore[attr-defined]
+
+    async def quiesce(self) -> None:
+        """Wait until no write to the sink is in flight (before closing it)."""
+        while self._writing:
+            waiter = Deferred[None]()
+            self._idle_waiters.append(waiter)
+            await waiter
+
+
+@implementer(IAgentEndpointFactory)
+class _Endpoints:
+    """Agent's endpoints, except that an IP-literal host is dialled directly.
+
+    HostnameEndpoint resolves even literals and only notices every address failed on its next
+    0.3 s happy-eyeballs tick: a refused connection to an IP endpoint would cost 0.3 s per attempt.
+    TLS is verified exactly as Agent does by default (``BrowserLikePolicyForHTTPS``).
+    """
+
+    def __init__(self, reactor: Any, timeout: float) -> None:
+        self._reactor = reactor
+        self._timeout = timeout
+        self._tls = BrowserLikePolicyForHTTPS()
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        host = uri.host.decode("ascii")
+        endpoint: IStreamClientEndpoint
+        if isIPAddress(host):
+            endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        elif isIPv6Address(host.strip("[]")):
+            endpoint = TCP6ClientEndpoint(
+                self._reactor, host.strip("[]"), uri.port, timeout=self._timeout
+            )
+        else:
+            endpoint = HostnameEndpoint(self._reactor, uri.host, uri.port, timeout=self._timeout)
+        if uri.scheme == b"https":
+            endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
+        return endpoint
+
+
+class S3Store:
+    """:class:`lchat.objstore.ObjectStore` over S3 (see the module docstring).
+
+    Keys are relative to the bucket. ``endpoint`` selects an S3-compatible store (then path-style
+    addressing by default); without it, AWS's regional endpoint with virtual-hosted addressing
+    (path-style for bucket names that are not DNS-safe). ``credentials`` is a botocore
+    ``Credentials``; ``None`` means botocore's default chain, resolved (and, for refreshable
+    credentials, refreshed) in a thread. ``timeout`` bounds each attempt (for ``put_file`` and
+    ``get_to_file`` it is an idle timeout: no byte moved for that long); ``retries`` is the number
+    of extra attempts after a transient failure.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        bucket: str,
+        *,
+        region: str = "",
+        endpoint: str = "",
+        prefix_style: AddressingStyle = "auto",
+        credentials: Credentials | None = None,
+        timeout: float = 30.0,
+        retries: int = 4,
+        pool: HTTPConnectionPool | None = None,
+        quote_etags: bool = True,
+        list_page_size: int = 1000,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise ValueError(f"bad bucket name {bucket!r}")
+        if prefix_style not in ("auto", "path", "virtual"):
+            raise ValueError(f"prefix_style must be auto, path or virtual, not {prefix_style!r}")
+        if not 1 <= list_page_size <= 1000:
+            raise ValueError("list_page_size must be within 1..1000 (S3's max-keys)")
+        if timeout <= 0 or retries < 0:
+            raise ValueError("timeout must be positive and retries non-negative")
+        self._reactor = reactor
+        self.bucket = bucket
+        self._region = region
+        self._endpoint = endpoint.rstrip("/")
+        if self._endpoint and "://" not in self._endpoint:
+            self._endpoint = "https://" + self._endpoint
+        self._style = prefix_style
+        self._credentials = credentials
+        self._timeout = timeout
+        self._retries = retries
+        self._quote_etags = quote_etags
+        self._page_size = list_page_size
+        self._own_pool = pool is None
+        if pool is None:
+            pool = HTTPConnectionPool(reactor, persistent=True)
+            pool.maxPersistentPerHost = 8
+            # AWS drops idle keep-alive connections after ~20 s; don't reuse one older than that.
+            pool.cachedConnectionTimeout = 15
+        self._pool = pool
+        self._http = treq.client.HTTPClient(
+            Agent.usingEndpointFactory(reactor, _Endpoints(reactor, timeout), pool=pool)
+        )
+        self._lock = DeferredLock()  # serialises credential resolution and refresh
+        self._ready = False
+        self._base_url = ""  # scheme://host[:port][/bucket]
+        self._host = ""
+        self._last_date: tuple[bytes, float] | None = None
+        self._rng = secrets.SystemRandom()
+
+    @classmethod
+    def from_config(cls, reactor: Any, config: HibernateConfig, **kwargs: Any) -> S3Store:
+        """The store for ``LCHAT_HIBERNATE_*`` (the caller prepends ``config.prefix`` to keys)."""
+        return cls(reactor, config.bucket, region=config.region, endpoint=config.endpoint, **kwargs)
+
+    def describe(self) -> str:
+        where = self._endpoint or "aws"
+        return f"s3://{self.bucket} at {where} (region {self._region or 'from the chain'})"
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    async def _prepare(self) -> None:
+        if self._ready:
+            return
+        async with self._lock:
+            if self._ready:
+                return
+            if self._credentials is None or not self._region:
+                try:
+                    creds, region = await self._in_thread(self._resolve_chain)
+                except Exception as e:
+                    raise StoreUnavailable(f"could not resolve AWS credentials: {e}") from e
+                if self._credentials is None:
+                    if creds is None:
+                        raise AccessDenied(
+                            "no AWS credentials found (environment, shared config, container "
+                            "or instance role)"
+                        )
+                    self._credentials = creds
+                self._region = self._region or region or "us-east-1"
+            self._base_url, self._host = self._address()
+            self._ready = True
+
+    def _resolve_chain(self) -> tuple[Credentials | None, str]:
+        # Blocking: reads config files, may ask the instance metadata service. Thread only.
+        import botocore.session  # type: ignore[import-untyped]
+
+        session = botocore.session.get_session()
+        creds = self._credentials if self._credentials is not None else session.get_credentials()
+        region = session.get_config_variable("region") or ""
+        return creds, region
+
+    def _address(self) -> tuple[str, str]:
+        style = self._style
+        if self._endpoint:
+            scheme, netloc, path, _, _ = urlsplit(self._endpoint)
+            if style == "auto":
+                style = "path"  # S3-compatible stores (MinIO, SeaweedFS, ...) speak path-style
+        else:
+            scheme, path = "https", ""
+            suffix = "amazonaws.com.cn" if self._region.startswith("cn-") else "amazonaws.com"
+            netloc = f"s3.{self._region}.{suffix}"
+            if style == "auto":
+                # Dots break TLS name checks on the wildcard certificate; upper case and
+                # underscores are not valid host names.
+                dns_safe = self.bucket == self.bucket.lower() and all(
+                    c.isalnum() or c == "-" for c in self.bucket
+                )
+                style = "virtual" if dns_safe else "path"
+        path = path.rstrip("/")
+        if style == "virtual":
+            netloc = f"{self.bucket}.{netloc}"
+        else:
+            path = f"{path}/{quote_key(self.bucket)}"
+        return f"{scheme}://{netloc}{path}", netloc
+
+    async def _frozen_credentials(self) -> ReadOnlyCredentials:
+        creds = self._credentials
+        assert creds is not None
+        if isinstance(creds, RefreshableCredentials) and creds.refresh_needed():
+            async with self._lock:
+                # A refresh fetches over the network (STS, IMDS, the container agent): a thread.
+                try:
+                    frozen: ReadOnlyCredentials = await self._in_thread(
+                        creds.get_frozen_credentials
+                    )
+                except Exception as e:
+                    raise StoreUnavailable(f"could not refresh AWS credentials: {e}") from e
+                return frozen
+        return creds.get_frozen_credentials()
+
+    async def _in_thread(self, f: Callable[..., Any], *args: Any) -> Any:
+        return await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), f, *args)
+
+    # -- the request engine ----------------------------------------------------------------------
+
+    def _url(self, key: str | None, query: Sequence[tuple[str, str]]) -> str:
+        url = self._base_url
+        if key is not None:
+            url += "/" + quote_key(key)
+        elif not url.endswith("/") and "/" not in url.split("://", 1)[1]:
+            url += "/"  # virtual-hosted bucket requests are on "/"
+        if query:
+            # Sorted and encoded the way SigV4 canonicalises them, so the query we send is the
+            # one botocore signs.
+            url += "?" + "&".join(f"{_quote_query(k)}={_quote_query(v)}" for k, v in sorted(query))
+        return url
+
+    @staticmethod
+    def _payload_hash(body: bytes | _FileBody | None) -> str:
+        if body is None:
+            return hashlib.sha256(b"").hexdigest()
+        if isinstance(body, bytes) and len(body) <= _SIGN_BODY_MAX:
+            return hashlib.sha256(body).hexdigest()
+        # Large bodies and files are not hashed for the signature (UNSIGNED-PAYLOAD): reading a
+        # file twice per attempt is the cost it would add; the TCP/TLS layer and S3's MD5 ETag
+        # (checked by callers who care) cover integrity.
+        return UNSIGNED_PAYLOAD
+
+    def _sign(
+        self,
+        creds: ReadOnlyCredentials,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        payload_hash: str,
+    ) -> Headers:
+        request = AWSRequest(method=method, url=url, headers={"Host": self._host, **headers})
+        _Signer(creds, self._region, payload_hash).add_auth(request)
+        out = Headers()
+        for name, value in request.headers.items():
+            out.addRawHeader(name.encode("ascii"), value.encode("utf-8"))
+        return out
+
+    def _producer(
+        self, body: bytes | _FileBody | None, opened: IO[bytes] | None, progress: Callable[[], None]
+    ) -> IBodyProducer | None:
+        if body is None:
+            return None
+        if isinstance(body, bytes):
+            return FileBodyProducer(BytesIO(body))
+        assert opened is not None
+        inner = FileBodyProducer(opened)
+        if inner.length is UNKNOWN_LENGTH or inner.length != body.size:
+            raise ObjectStoreError(f"{body.path} changed size while being uploaded")
+        return _ProgressProducer(inner, progress)
+
+    async def _send(
+        self,
+        op: str,
+        method: str,
+        key: str | None,
+        *,
+        query: Sequence[tuple[str, str]] = (),
+        headers: Mapping[str, str] | None = None,
+        body: bytes | _FileBody | None = None,
+        sink: IO[bytes] | None = None,
+        ok: Container[int] = (200,),
+        body_may_hold_error: bool = False,
+    ) -> _Reply:
+        """Sign, send and retry one S3 request; return the first non-transient reply.
+
+        A transient failure on the last attempt raises :class:`StoreUnavailable`. Other error
+        statuses are returned, not raised, so callers can normalise them (see ``_fail``).
+        """
+        await self._prepare()
+        url = self._url(key, query)
+        payload_hash = self._payload_hash(body)
+        headers = dict(headers or {})
+        streaming = sink is not None or isinstance(body, _FileBody)
+        ambiguous = False
+        attempts = self._retries + 1
+        for attempt in range(1, attempts + 1):
+            creds = await self._frozen_credentials()
+            signed = self._sign(creds, method, url, headers, payload_hash)
+            started = time.monotonic()
+            reason = ""
+            sent_nothing = False
+            try:
+                reply = await self._attempt(op, method, url, signed, body, sink, ok, streaming)
+            except _Timeout:
+                reason = f"no answer within {self._timeout:g}s"
+            except _TRANSPORT_ERRORS as e:
+                reason = _describe(e)
+                sent_nothing = isinstance(e, _NOT_SENT_ERRORS)
+            except BaseException:
+                REQUESTS.labels(op, "error").inc()  # cancelled by the caller, or a local fault
+                raise
+            finally:
+                LATENCY.labels(op).observe(time.monotonic() - started)
+            if not reason:
+                if body_may_hold_error and reply.status == 200:
+                    # Quirk (AWS): CopyObject may fail after sending 200; the error is the body.
+                    root = _xml(reply.body)
+                    if root is not None and _local_name(root) == "Error":
+                        reply.code = _text(root, "Code")
+                        reply.message = _text(root, "Message")
+                        reply.request_id = _text(root, "RequestId") or reply.request_id
+                        reply.status = 500 if reply.code in _TRANSIENT_CODES else 400
+                reply.ambiguous = ambiguous
+                if not self._transient(reply):
+                    REQUESTS.labels(op, self._outcome(reply.status, reply.code, ok)).inc()
+                    return reply
+                reason = f"HTTP {reply.status} {reply.code or ''}".strip()
+                if reply.request_id:
+                    reason += f" [request {reply.request_id}]"
+            ambiguous = ambiguous or not sent_nothing
+            if attempt == attempts:
+                REQUESTS.labels(op, "error").inc()
+                raise StoreUnavailable(
+                    f"S3 {op} failed after {attempts} attempts: {reason}", key=key or ""
+                )
+            REQUESTS.labels(op, "retry").inc()
+            delay = self._backoff(attempt)
+            log.warn(
+                "S3 {operation} of {key!r} failed (attempt {attempt}/{attempts}): {reason}; "
+                "retrying in {delay:.2f}s",
+                operation=op,
+                key=key or "",
+                bucket=self.bucket,
+                attempt=attempt,
+                attempts=attempts,
+                reason=reason,
+                delay=delay,
+            )
+            await deferLater(self._reactor, delay)
+        raise AssertionError("unreachable")
+
+    def _backoff(self, attempt: int) -> float:
+        # "Equal jitter": half the exponential step is fixed, half random, so retries from many
+        # boxes spread out but never collapse to zero.
+        step = min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 1))
+        return step / 2 + self._rng.uniform(0, step / 2)
+
+    @staticmethod
+    def _transient(reply: _Reply) -> bool:
+        return reply.status >= 500 or reply.status == 429 or reply.code in _TRANSIENT_CODES
+
+    @staticmethod
+    def _outcome(status: int, code: str, ok: Container[int]) -> str:
+        if status in ok:
+            return "ok"
+        if status == 404 or code in _NOT_FOUND_CODES:
+            return "not_found"
+        if status == 412 or code in _PRECONDITION_CODES:
+            return "precondition"
+        if status == 403 or code in _DENIED_CODES:
+            return "denied"
+        return "error"
+
+    async def _attempt(
+        self,
+        op: str,
+        method: str,
+        url: str,
+        headers: Headers,
+        body: bytes | _FileBody | None,
+        sink: IO[bytes] | None,
+        ok: Container[int],
+        streaming: bool,
+    ) -> _Reply:
+        opened: IO[bytes] | None = None
+        if isinstance(body, _FileBody):
+            opened = await self._in_thread(open, body.path, "rb")
+        if sink is not None:
+            await self._in_thread(_rewind, sink)
+        readers: list[_BodyReader] = []
+        watchdog: _Watchdog | None = None
+        d = Deferred.fromCoroutine(
+            self._exchange(method, url, headers, body, opened, sink, ok, readers, lambda: watchdog)
+        )
+        if streaming:
+            watchdog = _Watchdog(self._reactor, self._timeout, d)
+        else:
+            d.addTimeout(self._timeout, self._reactor, onTimeoutCancel=_timed_out)
+        try:
+            return await d
+        except _Timeout:
+            raise
+        except BaseException as e:
+            if watchdog is not None and watchdog.fired:
+                raise _Timeout() from e
+            if _is_cancellation(e):
+                # Our caller cancelled the operation (treq reports it as a connect or response
+                # failure wrapping CancelledError): stop, do not retry.
+                raise CancelledError() from e
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+            for reader in readers:
+                await reader.quiesce()  # the sink must not be touched by a late write
+            if opened is not None:
+                await self._in_thread(opened.close)
+
+    async def _exchange(
+        self,
+        method: str,
+        url: str,
+        headers: Headers,
+        body: bytes | _FileBody | None,
+        opened: IO[bytes] | None,
+        sink: IO[bytes] | None,
+        ok: Container[int],
+        readers: list[_BodyReader],
+        watchdog: Callable[[], _Watchdog | None],
+    ) -> _Reply:
+        def progress() -> None:
+            w = watchdog()
+            if w is not None:
+                w.touch()
+
+        producer = self._producer(body, opened, progress)
+        if producer is None and method == "DELETE":
+            # An explicit empty body: Twisted silently re-sends body-less DELETEs that fail on a
+            # reused connection, which would hide a lost response from the conditional-delete
+            # check below. With a producer it leaves retrying to us.
+            producer = FileBodyProducer(BytesIO(b""))
+        response: IResponse = await self._http.request(
+            method,
+            url,
+            headers=headers,
+            data=producer,
+            allow_redirects=False,
+            unbuffered=True,
+            reactor=self._reactor,
+        )
+        progress()
+        status = response.code
+        date = _header(response.headers, "date")
+        if date:
+            self._last_date = (date, time.monotonic())
+        request_id = _header_text(response.headers, "x-amz-request-id") or _header_text(
+            response.headers, "x-amzn-requestid"
+        )
+        to_file = sink is not None and status in ok
+        reader = _BodyReader(self._reactor, sink if to_file else None, progress)
+        readers.append(reader)
+        response.deliverBody(reader)  # HEAD: ends at once, and the connection can be reused
+        data = await reader.done
+        reply = _Reply(
+            status=status,
+            headers=response.headers,
+            body=b"" if to_file else data,
+            request_id=request_id,
+            streamed=reader.received if to_file else 0,
+        )
+        if status not in ok and status >= 300:
+            root = _xml(reply.body) if reply.body else None
+            if root is not None and _local_name(root) == "Error":
+                reply.code = _text(root, "Code")
+                reply.message = _text(root, "Message")
+                reply.request_id = _text(root, "RequestId") or request_id
+        return reply
+
+    def _fail(self, reply: _Reply, key: str) -> ObjectStoreError:
+        """The typed error for a non-transient error reply."""
+        status, code = reply.status, reply.code
+        detail = f"S3 answered {status}" + (f" {code}" if code else "")
+        if reply.message:
+            detail += f": {reply.message}"
+        rid = reply.request_id
+        if code in _NOT_FOUND_CODES or (status == 404 and not code):
+            return NotFound(detail, key=key, request_id=rid)
+        if status == 412 or code in _PRECONDITION_CODES:
+            return PreconditionFailed(detail, key=key, request_id=rid)
+        if status == 403 or code in _DENIED_CODES:
+            return AccessDenied(detail, key=key, request_id=rid)
+        if status == 404:
+            return NotFound(detail, key=key, request_id=rid)
+        if status in (301, 307) or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
+            region = _header_text(reply.headers, "x-amz-bucket-region")
+            detail += f" (the bucket is in region {region!r}?)" if region else " (wrong region?)"
+        return ObjectStoreError(detail, key=key, request_id=rid)
+
+    def _info(self, key: str, headers: Headers, size: int | None = None) -> ObjectInfo:
+        metadata = {}
+        for name, values in headers.getAllRawHeaders():
+            lname = name.decode("latin-1").lower()
+            if lname.startswith("x-amz-meta-") and values:
+                metadata[lname[len("x-amz-meta-") :]] = values[-1].decode("utf-8", "replace")
+        if size is None:
+            size = int(_header_text(headers, "content-length") or 0)
+        modified = _http_date(_header(headers, "last-modified")) or _http_date(
+            _header(headers, "date")
+        )
+        return ObjectInfo(
+            key=key,
+            size=size,
+            etag=_unquote_etag(_header_text(headers, "etag")),
+            last_modified=modified or datetime.datetime.now(UTC),
+            metadata=metadata,
+        )
+
+    def _if_match(self, etag: str) -> str:
+        etag = _unquote_etag(etag)
+        # Quirk: quoted per RFC 7232 (AWS, moto, SeaweedFS accept it; the last two also accept
+        # it bare). A store that compares the raw header to a bare ETag needs quote_etags=False.
+        return f'"{etag}"' if self._quote_etags else etag
+
+    # -- the interface ---------------------------------------------------------------------------
+
+    async def get(self, key: str) -> StoredObject:
+        _check_key(key)
+        reply = await self._send("GetObject", "GET", key)
+        if reply.status != 200:
+            raise self._fail(reply, key)
+        return StoredObject(self._info(key, reply.headers, size=len(reply.body)), reply.body)
+
+    async def get_to_file(self, key: str, path: str) -> ObjectInfo:
+        _check_key(key)
+        sink, tmp, path = await self._in_thread(_mkstemp_beside, path)
+        try:
+            reply = await self._send("GetObject", "GET", key, sink=sink)
+            if reply.status != 200:
+                raise self._fail(reply, key)
+            info = self._info(key, reply.headers, size=reply.streamed)
+            expected = _header_text(reply.headers, "content-length")
+            if expected and int(expected) != reply.streamed:
+                raise StoreUnavailable(f"short body: {reply.streamed} of {expected} bytes", key=key)
+            await self._in_thread(_commit, sink, tmp, path)
+            return info
+        except BaseException:
+            await self._in_thread(_discard, sink, tmp)
+            raise
+
+    async def head(self, key: str) -> ObjectInfo:
+        _check_key(key)
+        reply = await self._send("HeadObject", "HEAD", key)
+        if reply.status != 200:
+            raise self._fail(reply, key)
+        return self._info(key, reply.headers)
+
+    async def put(
+        self,
+        key: str,
+        body: bytes,
+        *,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> PutResult:
+        _check_key(key)
+        if if_match is not None and if_none_match:
+            raise ValueError("if_match and if_none_match exclude each other")
+        headers = {"Content-Type": content_type, **_check_metadata(metadata or {})}
+        if if_match is not None:
+            headers["If-Match"] = self._if_match(if_match)
+        if if_none_match:
+            headers["If-None-Match"] = "*"
+        reply = await self._send("PutObject", "PUT", key, headers=headers, body=body)
+        if reply.status == 200:
+            return PutResult(key, _unquote_etag(_header_text(reply.headers, "etag")))
+        conditional = if_match is not None or if_none_match
+        if conditional and self._condition_failed(reply):
+            if reply.ambiguous:
+                # The lost-response rule: an earlier attempt may have landed and this retry is
+                # failing against our own write. The store's ETag for a single PUT is the MD5 of
+                # the body; if the key holds exactly our bytes, that write was ours.
+                ours = await self._md5(body)
+                try:
+                    current = await self.head(key)
+                except NotFound:
+                    current = None
+                if current is not None and current.etag == ours:
+                    log.info(
+                        "S3 conditional PUT of {key!r}: the response was lost but the write "
+                        "landed (ETag {etag})",
+                        key=key,
+                        etag=ours,
+                    )
+                    return PutResult(key, ours)
+            raise PreconditionFailed(
+                f"S3 answered {reply.status} {reply.code}".strip(),
+                key=key,
+                request_id=reply.request_id,
+            )
+        raise self._fail(reply, key)
+
+    def _condition_failed(self, reply: _Reply) -> bool:
+        # Quirk: a conditional write to a missing key is 412 on SeaweedFS but 404 NoSuchKey on
+        # AWS and moto. Both mean "the version you named is not there": PreconditionFailed. A
+        # missing *bucket* stays NotFound.
+        if reply.status == 412 or reply.code in _PRECONDITION_CODES:
+            return True
+        return reply.status == 404 and reply.code in ("NoSuchKey", "")
+
+    async def _md5(self, body: bytes) -> str:
+        if len(body) > _HASH_IN_THREAD:
+            digest: str = await self._in_thread(_md5_hex, body)
+            return digest
+        return _md5_hex(body)
+
+    async def put_file(
+        self, key: str, path: str, *, metadata: Mapping[str, str] | None = None
+    ) -> PutResult:
+        _check_key(key)
+        size = (await self._in_thread(os.stat, path)).st_size
+        headers = {"Content-Type": "application/octet-stream", **_check_metadata(metadata or {})}
+        reply = await self._send(
+            "PutObject", "PUT", key, headers=headers, body=_FileBody(path, size)
+        )
+        if reply.status != 200:
+            raise self._fail(reply, key)
+        return PutResult(key, _unquote_etag(_header_text(reply.headers, "etag")))
+
+    async def delete(self, key: str, *, if_match: str | None = None) -> None:
+        _check_key(key)
+        headers = {}
+        if if_match is not None:
+            headers["If-Match"] = self._if_match(if_match)
+        reply = await self._send("DeleteObject", "DELETE", key, headers=headers, ok=(200, 204))
+        if reply.status in (200, 204):
+            return
+        if if_match is not None and self._condition_failed(reply):
+            if reply.ambiguous:
+                # Lost response: our first DELETE may have removed it, and this retry is failing
+                # because it is gone. Gone is what we wanted; anything else there is someone
+                # else's newer version.
+                try:
+                    await self.head(key)
+                except NotFound:
+                    log.info(
+                        "S3 conditional DELETE of {key!r}: the response was lost but the key "
+                        "is gone",
+                        key=key,
+                    )
+                    return
+            raise PreconditionFailed(
+                f"S3 answered {reply.status} {reply.code}".strip(),
+                key=key,
+                request_id=reply.request_id,
+            )
+        if reply.status == 404 and reply.code not in ("NoSuchBucket",):
+            return  # deleting a missing key succeeds (AWS says 204 anyway)
+        raise self._fail(reply, key)
+
+    async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
+        out: builtins.list[ObjectInfo] = []
+        token = ""
+        while True:
+            query = [
+                ("list-type", "2"),
+                ("prefix", prefix),
+                ("max-keys", str(self._page_size)),
+                # Keys come back URL-encoded: XML 1.0 cannot carry every character a key may have.
+                ("encoding-type", "url"),
+            ]
+            if token:
+                query.append(("continuation-token", token))
+            reply = await self._send("ListObjectsV2", "GET", None, query=query)
+            if reply.status != 200:
+                raise self._fail(reply, prefix)
+            root = _xml(reply.body)
+            if root is None or _local_name(root) != "ListBucketResult":
+                raise StoreUnavailable("S3 sent an unreadable listing", key=prefix)
+            encoded = _text(root, "EncodingType").lower() == "url"
+            for item in _findall(root, "Contents"):
+                key = _text(item, "Key")
+                out.append(
+                    ObjectInfo(
+                        key=unquote_plus(key) if encoded else key,
+                        size=int(_text(item, "Size", "0")),
+                        etag=_unquote_etag(_text(item, "ETag")),
+                        last_modified=_iso_date(_text(item, "LastModified")),
+                    )
+                )
+            if _text(root, "IsTruncated").lower() != "true":
+                break
+            token = _text(root, "NextContinuationToken")
+            if not token:
+                raise StoreUnavailable("S3 listing truncated without a token", key=prefix)
+        # Quirk (SeaweedFS walks directories): sort by code point, which is S3's UTF-8 order.
+        out.sort(key=lambda info: info.key)
+        return out
+
+    async def copy(self, source: str, destination: str) -> PutResult:
+        _check_key(source)
+        _check_key(destination)
+        headers = {"x-amz-copy-source": f"/{quote_key(self.bucket)}/{quote_key(source)}"}
+        reply = await self._send(
+            "CopyObject", "PUT", destination, headers=headers, body_may_hold_error=True
+        )
+        if reply.status != 200:
+            raise self._fail(reply, source if reply.code == "NoSuchKey" else destination)
+        root = _xml(reply.body)
+        etag = _text(root, "ETag") if root is not None else ""
+        return PutResult(destination, _unquote_etag(etag or _header_text(reply.headers, "etag")))
+
+    async def now(self) -> datetime.datetime:
+        last = self._last_date
+        if last is None or time.monotonic() - last[1] >= _DATE_FRESH:
+            # Any non-transient answer carries the bucket's Date, even a 403 for a policy that
+            # does not grant s3:ListBucket (which HeadBucket needs).
+            await self._send("HeadBucket", "HEAD", None, ok=(200, 403, 404))
+            last = self._last_date
+        assert last is not None
+        date = _http_date(last[0])
+        if date is None:
+            raise StoreUnavailable("S3 sent no usable Date header")
+        return date + datetime.timedelta(seconds=time.monotonic() - last[1])
+
+    async def close(self) -> None:
+        if self._own_pool:
+            await self._pool.closeCachedConnections()
+
+
+class _Timeout(Exception):
+    """One attempt saw no answer (or no progress) within the timeout."""
+
+
+def _timed_out(result: object, timeout: float) -> object:
+    # addTimeout's hook: whatever the cancelled request failed with (CancelledError, or treq's
+    # ConnectingCancelledError / ResponseNeverReceived wrapping it), it was our timeout.
+    if isinstance(result, Failure):
+        raise _Timeout()
+    return result
+
+
+def _is_cancellation(e: BaseException) -> bool:
+    if isinstance(e, CancelledError | error.ConnectingCancelledError):
+        return True
+    if isinstance(e, _newclient._WrapperException):
+        return any(r.check(CancelledError) for r in e.reasons)
+    return False
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, _newclient._WrapperException) and e.reasons:
+        inner = "; ".join(r.getErrorMessage() or r.type.__name__ for r in e.reasons)
+        return f"{type(e).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _write(f: IO[bytes], data: bytes) -> None:
+    f.write(data)
+
+
+def _mkstemp_beside(path: str) -> tuple[IO[bytes], str, str]:
+    path = os.path.abspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
+    return os.fdopen(fd, "wb"), tmp, path
+
+
+def _rewind(f: IO[bytes]) -> None:
+    f.seek(0)
+    f.truncate()
+
+
+def _commit(f: IO[bytes], tmp: str, path: str) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(tmp, path)
+    dirfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+def _discard(f: IO[bytes], tmp: str) -> None:
+    if not f.closed:
+        f.close()
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["REQUESTS", "S3Store", "quote_key"]

@@ -1,0 +1,894 @@
+"""The S3 client against real servers (moto and SeaweedFS on loopback), plus a fault-injecting proxy.
+
+The cross-store conformance suite (tests/test_objstore.py) checks the interface's semantics on every
+store; this file checks S3 mechanics: signing, addressing and key encoding, paging, XML errors and
+their mapping, retries, the lost-response rule, timeouts, a server dying mid-operation, streaming
+within a memory ceiling, and the request counter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import threading
+import time
+import tracemalloc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from botocore.credentials import (  # type: ignore[import-untyped]
+    Credentials,
+    RefreshableCredentials,
+)
+from prometheus_client import REGISTRY
+from twisted.internet import reactor as _reactor
+from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.failure import Failure
+from twisted.python.filepath import FilePath
+from twisted.trial.unittest import TestCase
+from twisted.web.client import HTTPConnectionPool
+
+from lchat.config import HibernateConfig
+from lchat.objstore import (
+    UTC,
+    AccessDenied,
+    NotFound,
+    ObjectStoreError,
+    PreconditionFailed,
+    StoreUnavailable,
+)
+from lchat.objstore.s3 import S3Store, quote_key
+from tests import s3servers
+
+reactor: Any = _reactor
+
+# The mixins below are TestCases to the type checker only: at run time they must not be collected
+# (they have no server kind) until a concrete class mixes them with TestCase.
+if TYPE_CHECKING:
+    _Mixin = TestCase
+else:
+    _Mixin = object
+
+AWKWARD_KEYS = [
+    "plain",
+    "with space",
+    "plus+sign",
+    "percent%25literal%",
+    "deep/nested/dir/key",
+    "unicodé/ключ/鍵",
+    "query?and=amp&hash#",
+    "tilde~star*paren()",
+    "semi;colon,comma:colon@at$dollar'quote!bang",
+    "a-c",
+    "a/b",
+    "trailing-space ",
+    "tab\tkey",
+]
+
+
+def requests_count(operation: str, outcome: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "lchat_s3_requests_total", {"operation": operation, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def md5(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+async def in_thread(f: Any, *args: Any) -> Any:
+    return await deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
+
+
+# -- a fault-injecting TCP proxy -------------------------------------------------------------------
+
+
+def canned(status: int, code: str, message: str = "injected", extra: str = "") -> bytes:
+    """A complete S3-style XML error response that closes the connection."""
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>{message}</Message><RequestId>INJECTED{status}</RequestId></Error>"
+    ).encode()
+    reason = {200: "OK", 301: "Moved", 400: "Bad Request", 403: "Forbidden", 409: "Conflict"}
+    head = (
+        f"HTTP/1.1 {status} {reason.get(status, 'Error')}\r\n"
+        f"Content-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+        f"x-amz-request-id: INJECTED{status}\r\n{extra}Connection: close\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+class _Upstream(Protocol):
+    def __init__(self, down: _Downstream) -> None:
+        self.down = down
+        self.forwarded = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        fault = self.down.fault
+        if fault == "drop":
+            # The request reached the server and it answered: lose the answer.
+            self.down.proxy.dropped += 1
+            self.down.transport.abortConnection()  # type: ignore[union-attr]
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
+        if isinstance(fault, tuple) and fault[0] == "cut":
+            room = fault[1] - self.forwarded
+            self.forwarded += len(data)
+            if self.forwarded > fault[1]:
+                self.down.transport.write(data[: max(room, 0)])  # type: ignore[union-attr]
+                self.down.transport.abortConnection()  # type: ignore[union-attr]
+                self.transport.abortConnection()  # type: ignore[union-attr]
+                return
+        self.down.transport.write(data)  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        if self.down.transport is not None:
+            self.down.transport.loseConnection()
+
+
+class _Downstream(Protocol):
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        self.fault: Any = None
+        self.upstream: _Upstream | None = None
+        self.pending: list[bytes] = []
+        self.buffer = b""
+        self.answered = False
+
+    def connectionMade(self) -> None:
+        self.proxy.live.add(self)
+        self.proxy.connections += 1
+        self.fault = self.proxy.faults.pop(0) if self.proxy.faults else None
+        if (
+            self.fault is None
+            or self.fault == "drop"
+            or (isinstance(self.fault, tuple) and self.fault[0] == "cut")
+        ):
+            endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.proxy.upstream_port)
+            up = _Upstream(self)
+            d = connectProtocol(endpoint, up)
+            d.addCallbacks(self._connected, lambda _: self.transport.abortConnection())  # type: ignore[union-attr]
+
+    def _connected(self, up: _Upstream) -> None:
+        self.upstream = up
+        for data in self.pending:
+            up.transport.write(data)  # type: ignore[union-attr]
+        self.pending = []
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        if b"\r\n\r\n" in self.buffer and not self.answered:
+            head = self.buffer.split(b"\r\n\r\n", 1)[0]
+            if head not in self.proxy.heads:
+                self.proxy.heads.append(head)
+        if isinstance(self.fault, bytes):
+            # A canned answer once the whole request is in (so the client has finished sending).
+            head, sep, body = self.buffer.partition(b"\r\n\r\n")
+            if not sep or self.answered:
+                return
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value.strip())
+            if len(body) >= length:
+                self.answered = True
+                self.transport.write(self.fault)  # type: ignore[union-attr]
+                self.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        if self.fault == "hang":
+            return
+        if self.upstream is None:
+            self.pending.append(data)
+        else:
+            self.upstream.transport.write(data)  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self.proxy.live.discard(self)
+        if self.upstream is not None and self.upstream.transport is not None:
+            self.upstream.transport.loseConnection()
+
+
+class FaultProxy:
+    """A TCP proxy on loopback in front of a real server. Each *new connection* takes the next
+    entry of ``faults``: ``None`` (pass through), ``"drop"`` (forward the request, lose the
+    response), ``("cut", n)`` (forward the first n response bytes, then reset), ``"hang"`` (never
+    answer), or ``bytes`` (answer with that canned response). Use a non-persistent pool in front
+    of it, so one connection is one request."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.faults: list[Any] = []
+        self.live: set[_Downstream] = set()
+        self.heads: list[bytes] = []
+        self.connections = 0
+        self.dropped = 0
+        self.port = reactor.listenTCP(
+            0, Factory.forProtocol(lambda: _Downstream(self)), interface="127.0.0.1"
+        )
+        self.endpoint = f"http://127.0.0.1:{self.port.getHost().port}"
+
+    async def close(self) -> None:
+        for conn in list(self.live):
+            conn.transport.abortConnection()  # type: ignore[union-attr]
+            if conn.upstream is not None and conn.upstream.transport is not None:
+                conn.upstream.transport.abortConnection()  # type: ignore[attr-defined]
+        await self.port.stopListening()
+        await deferLater(reactor, 0)
+
+
+# -- tests against each real server ------------------------------------------------------------------
+
+
+class _RealServer(_Mixin):
+    """Mixin: ``self.server`` (shared, never stopped here), a fresh bucket and a store per test."""
+
+    kind: ClassVar[s3servers.Kind]
+    server: s3servers.S3Server
+    bucket: str
+    store: S3Store
+
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]  # trial waits for it
+        return Deferred.fromCoroutine(self._set_up())
+
+    async def _set_up(self) -> None:
+        self.server = await s3servers.shared_server(self.kind)
+        self.bucket = await self.server.new_bucket()
+        self.store = self.make_store()
+
+    def make_store(self, **kwargs: Any) -> S3Store:
+        store = s3servers.store_for(self.server, kwargs.pop("bucket", self.bucket), **kwargs)
+        self.addCleanup(store.close)
+        return store
+
+    def proxy(self, *faults: Any, **kwargs: Any) -> tuple[FaultProxy, S3Store]:
+        """A fault proxy in front of the server, and a store that opens one connection per request."""
+        proxy = FaultProxy(self.server.port)
+        proxy.faults.extend(faults)
+        self.addCleanup(proxy.close)
+        options = {"timeout": 2.0, "retries": 3, **kwargs}
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        store = self.make_store(endpoint=proxy.endpoint, pool=pool, **options)
+        return proxy, store
+
+
+class RealServerTests(_RealServer):
+    async def test_signing_wrong_secret_or_unknown_key_is_access_denied(self) -> None:
+        good = self.server.credentials
+        wrong_secret = self.make_store(credentials=Credentials(good.access_key, "not-the-secret"))
+        before = requests_count("PutObject", "denied")
+        with self.assertRaises(AccessDenied) as caught:
+            await wrong_secret.put("k", b"v")
+        self.assertIn("SignatureDoesNotMatch", str(caught.exception))
+        self.assertTrue(caught.exception.request_id)
+        self.assertEqual(requests_count("PutObject", "denied"), before + 1)  # not retried
+        unknown = self.make_store(credentials=Credentials("AKIAUNKNOWNKEY000000", "x"))
+        with self.assertRaises(AccessDenied):
+            await unknown.get("k")
+        with self.assertRaises(AccessDenied):
+            await unknown.list("")
+        # The right key still works: the store, not the server, was wrong.
+        await self.store.put("k", b"v")
+
+    async def test_put_get_head_roundtrip_with_metadata(self) -> None:
+        body = b"hello \x00 world"
+        result = await self.store.put(
+            "obj", body, metadata={"Owner": "box-1", "gen": "7"}, content_type="text/plain"
+        )
+        self.assertEqual(result.etag, md5(body))  # single-part PUT: the ETag is the body's MD5
+        got = await self.store.get("obj")
+        self.assertEqual(got.body, body)
+        self.assertEqual(got.info.etag, result.etag)
+        self.assertEqual(got.info.size, len(body))
+        self.assertEqual(got.info.metadata, {"owner": "box-1", "gen": "7"})
+        info = await self.store.head("obj")
+        self.assertEqual(
+            (info.size, info.etag, info.metadata), (len(body), result.etag, got.info.metadata)
+        )
+        # Last-Modified is the bucket's clock, whole seconds (quirk normalised), and head/list agree.
+        self.assertEqual(info.last_modified.microsecond, 0)
+        self.assertEqual(info.last_modified.tzinfo, UTC)
+        (listed,) = await self.store.list("obj")
+        self.assertEqual((listed.key, listed.size, listed.etag), ("obj", len(body), result.etag))
+        self.assertEqual(listed.last_modified, info.last_modified)
+        empty = await self.store.put("empty", b"")
+        self.assertEqual(empty.etag, md5(b""))
+        self.assertEqual((await self.store.get("empty")).body, b"")
+
+    async def test_conditional_create_replace_delete(self) -> None:
+        first = await self.store.put("lock", b"one", if_none_match=True)
+        with self.assertRaises(PreconditionFailed):
+            await self.store.put("lock", b"two", if_none_match=True)
+        with self.assertRaises(PreconditionFailed):
+            await self.store.put("lock", b"two", if_match=md5(b"not it"))
+        second = await self.store.put("lock", b"two", if_match=first.etag)
+        self.assertEqual((await self.store.get("lock")).body, b"two")
+        with self.assertRaises(PreconditionFailed):
+            await self.store.put("lock", b"three", if_match=first.etag)  # stale
+        with self.assertRaises(PreconditionFailed):
+            await self.store.delete("lock", if_match=first.etag)
+        await self.store.delete("lock", if_match=second.etag)
+        with self.assertRaises(NotFound):
+            await self.store.head("lock")
+
+    async def test_if_match_on_a_missing_key_is_precondition_failed_on_every_store(
+        self: Any,
+    ) -> None:
+        # Quirk: moto (like AWS) says 404 NoSuchKey, SeaweedFS says 412. Both are normalised.
+        before = requests_count("PutObject", "precondition") + requests_count(
+            "PutObject", "not_found"
+        )
+        with self.assertRaises(PreconditionFailed) as caught:
+            await self.store.put("nothing-here", b"x", if_match=md5(b"x"))
+        self.assertEqual(caught.exception.key, "nothing-here")
+        with self.assertRaises(PreconditionFailed):
+            await self.store.delete("nothing-here", if_match=md5(b"x"))
+        after = requests_count("PutObject", "precondition") + requests_count(
+            "PutObject", "not_found"
+        )
+        self.assertEqual(after, before + 1)
+        await self.store.delete("nothing-here")  # unconditional: deleting nothing succeeds
+
+    async def test_unquoted_etags_in_if_match_work_too(self) -> None:
+        bare = self.make_store(quote_etags=False)
+        first = await bare.put("k", b"1", if_none_match=True)
+        second = await bare.put("k", b"2", if_match=first.etag)
+        with self.assertRaises(PreconditionFailed):
+            await bare.put("k", b"3", if_match=first.etag)
+        # Callers may hand back a quoted ETag; it is normalised either way.
+        third = await self.store.put("k", b"3", if_match=f'"{second.etag}"')
+        await bare.delete("k", if_match=third.etag)
+
+    async def test_awkward_keys_roundtrip(self) -> None:
+        for key in AWKWARD_KEYS:
+            await self.store.put(key, key.encode())
+        for key in AWKWARD_KEYS:
+            self.assertEqual((await self.store.get(key)).body, key.encode(), key)
+            self.assertEqual((await self.store.head(key)).size, len(key.encode()), key)
+        listed = [info.key for info in await self.store.list("")]
+        self.assertEqual(listed, sorted(AWKWARD_KEYS))  # code point order == S3's UTF-8 order
+        self.assertEqual([i.key for i in await self.store.list("a")], ["a-c", "a/b"])
+        self.assertEqual([i.key for i in await self.store.list("unicodé/")], ["unicodé/ключ/鍵"])
+        copied = await self.store.copy("semi;colon,comma:colon@at$dollar'quote!bang", "copy/x+y z%")
+        self.assertEqual(
+            (await self.store.get("copy/x+y z%")).body,
+            b"semi;colon,comma:colon@at$dollar'quote!bang",
+        )
+        self.assertEqual(copied.etag, md5(b"semi;colon,comma:colon@at$dollar'quote!bang"))
+        for key in AWKWARD_KEYS:
+            await self.store.delete(key)
+        self.assertEqual([i.key for i in await self.store.list("")], ["copy/x+y z%"])
+        self.assertEqual(quote_key("a b/ü+%"), "a%20b/%C3%BC%2B%25")
+
+    async def test_list_pages_through_small_pages(self) -> None:
+        store = self.make_store(list_page_size=7)
+        keys = sorted(
+            [f"p/{i:03d}" for i in range(40)] + [f"p/d{i}/x" for i in range(10)] + ["p-", "p0", "q"]
+        )
+        sem = DeferredSemaphore(16)
+        await gatherResults([sem.run(store.put, k, b".") for k in keys])
+        before = requests_count("ListObjectsV2", "ok")
+        listed = await store.list("p")
+        self.assertEqual([i.key for i in listed], [k for k in keys if k.startswith("p")])
+        pages = requests_count("ListObjectsV2", "ok") - before
+        self.assertEqual(pages, -(-len(listed) // 7))
+        self.assertEqual([i.key for i in await store.list("p/d")], [f"p/d{i}/x" for i in range(10)])
+        self.assertEqual(await store.list("nothing"), [])
+
+    async def test_missing_bucket_xml_error_is_parsed(self) -> None:
+        store = self.make_store(bucket="no-such-bucket-here")
+        for call in (lambda: store.get("k"), lambda: store.list(""), lambda: store.put("k", b"v")):
+            with self.assertRaises(NotFound) as caught:
+                await call()
+            self.assertIn("NoSuchBucket", str(caught.exception))
+            self.assertTrue(caught.exception.request_id)
+        with self.assertRaises(NotFound):
+            await store.head("k")  # HEAD answers carry no body: a bare 404
+        with self.assertRaises(NotFound):
+            await self.store.copy("no-such-source", "dst")
+        with self.assertRaises(NotFound) as caught:
+            await self.store.get("no-such-key")
+        self.assertIn("NoSuchKey", str(caught.exception))
+
+    async def test_now_is_the_buckets_clock_and_cheap(self) -> None:
+        clock = await self.store.now()
+        self.assertLess(abs((clock - datetime.datetime.now(UTC)).total_seconds()), 5)
+        before = requests_count("HeadBucket", "ok")
+        await self.store.put("k", b"v")  # a fresh Date
+        again = await self.store.now()
+        self.assertEqual(requests_count("HeadBucket", "ok"), before)
+        self.assertGreaterEqual(again, clock - datetime.timedelta(seconds=1))
+        await deferLater(reactor, 1.05)
+        await self.store.now()
+        self.assertEqual(requests_count("HeadBucket", "ok"), before + 1)
+
+    async def test_500_then_recovery_is_retried(self) -> None:
+        proxy, store = self.proxy(
+            canned(500, "InternalError"), canned(503, "SlowDown"), canned(400, "RequestTimeout")
+        )
+        before = (requests_count("PutObject", "retry"), requests_count("PutObject", "ok"))
+        timed = REGISTRY.get_sample_value(
+            "lchat_s3_request_seconds_count", {"operation": "PutObject"}
+        )
+        result = await store.put("k", b"v")
+        self.assertEqual(result.etag, md5(b"v"))
+        self.assertEqual(proxy.connections, 4)
+        after = (requests_count("PutObject", "retry"), requests_count("PutObject", "ok"))
+        self.assertEqual(after, (before[0] + 3, before[1] + 1))
+        self.assertEqual(
+            REGISTRY.get_sample_value("lchat_s3_request_seconds_count", {"operation": "PutObject"}),
+            (timed or 0) + 4,  # every attempt is timed
+        )
+        self.assertEqual((await self.store.get("k")).body, b"v")
+
+    async def test_5xx_past_the_retries_is_store_unavailable(self) -> None:
+        proxy, store = self.proxy(*[canned(500, "InternalError")] * 4)
+        before = requests_count("GetObject", "error")
+        with self.assertRaises(StoreUnavailable) as caught:
+            await store.get("k")
+        self.assertIn("InternalError", str(caught.exception))
+        self.assertEqual(proxy.connections, 4)  # 1 + retries=3
+        self.assertEqual(requests_count("GetObject", "error"), before + 1)
+
+    async def test_lost_response_of_conditional_create_is_success_not_conflict(self) -> None:
+        proxy, store = self.proxy("drop")
+        result = await store.put("lease", b"mine", if_none_match=True)
+        self.assertEqual(proxy.dropped, 1)
+        self.assertEqual(result.etag, md5(b"mine"))
+        self.assertEqual((await self.store.get("lease")).body, b"mine")
+
+    async def test_lost_response_of_conditional_replace_is_success(self) -> None:
+        first = await self.store.put("lease", b"gen1")
+        proxy, store = self.proxy("drop")
+        result = await store.put("lease", b"gen2", if_match=first.etag)
+        self.assertEqual(proxy.dropped, 1)
+        self.assertEqual(result.etag, md5(b"gen2"))
+
+    async def test_retry_conflict_with_someone_elses_write_is_still_a_conflict(self) -> None:
+        await self.store.put("lease", b"theirs")
+        # The first attempt fails ambiguously (a 500), the retry gets 412: the key holds other
+        # bytes than ours, so it really is someone else's.
+        _, store = self.proxy(canned(500, "InternalError"))
+        with self.assertRaises(PreconditionFailed):
+            await store.put("lease", b"mine", if_none_match=True)
+        self.assertEqual((await self.store.get("lease")).body, b"theirs")
+
+    async def test_lost_response_of_conditional_delete_is_success(self) -> None:
+        first = await self.store.put("lease", b"gen1")
+        proxy, store = self.proxy("drop")
+        await store.delete("lease", if_match=first.etag)
+        self.assertEqual(proxy.dropped, 1)
+        with self.assertRaises(NotFound):
+            await self.store.head("lease")
+
+    async def test_requests_carry_content_length_never_chunked(self) -> None:
+        path = self.mktemp()
+        FilePath(path).setContent(b"x" * 100_000)
+        proxy, store = self.proxy()
+        await store.put_file("file", path)
+        await store.put("small", b"abc")
+        await store.put("none", b"")
+        await store.delete("none")
+        heads = [h.lower() for h in proxy.heads]
+        self.assertEqual(len(heads), 4)
+        for head in heads:
+            self.assertIn(b"\r\ncontent-length: ", head)
+            self.assertNotIn(b"transfer-encoding", head)
+            self.assertIn(b"\r\nauthorization: aws4-hmac-sha256 ", head)
+        self.assertIn(b"content-length: 100000", heads[0])
+        self.assertIn(b"x-amz-content-sha256: unsigned-payload", heads[0])
+        self.assertIn(
+            b"x-amz-content-sha256: " + hashlib.sha256(b"abc").hexdigest().encode(), heads[1]
+        )
+
+    async def test_hung_server_times_out_within_the_bound(self) -> None:
+        _, store = self.proxy("hang", "hang", "hang", timeout=0.4, retries=2)
+        started = time.monotonic()
+        with self.assertRaises(StoreUnavailable) as caught:
+            await store.head("k")
+        elapsed = time.monotonic() - started
+        self.assertIn("no answer within 0.4s", str(caught.exception))
+        # 3 attempts x 0.4 s + two backoffs (<= 0.1 + 0.2 s), with slack for a busy machine.
+        self.assertLess(elapsed, 3 * 0.4 + 0.3 + 1.0)
+        self.assertGreaterEqual(elapsed, 3 * 0.4)
+
+    async def test_connection_cut_mid_download_is_retried_and_the_file_is_whole(self) -> None:
+        body = os.urandom(3 * 1024 * 1024)
+        await self.store.put("blob", body)
+        proxy, store = self.proxy(("cut", 1024 * 1024))
+        target = self.mktemp()
+        info = await store.get_to_file("blob", target)
+        self.assertEqual(proxy.connections, 2)
+        self.assertEqual(FilePath(target).getContent(), body)
+        self.assertEqual(info.size, len(body))
+        self.assertEqual(info.etag, md5(body))
+
+    async def test_download_that_keeps_failing_leaves_no_temp_file_and_keeps_the_old_one(
+        self: Any,
+    ) -> None:
+        await self.store.put("blob", os.urandom(2 * 1024 * 1024))
+        _, store = self.proxy(*[("cut", 100_000)] * 4)
+        directory = self.mktemp()
+        os.makedirs(directory)
+        target = os.path.join(directory, "db")
+        FilePath(target).setContent(b"old")
+        with self.assertRaises(StoreUnavailable):
+            await store.get_to_file("blob", target)
+        self.assertEqual(os.listdir(directory), ["db"])
+        self.assertEqual(FilePath(target).getContent(), b"old")
+        with self.assertRaises(NotFound):
+            await self.store.get_to_file("missing", target)
+        self.assertEqual(os.listdir(directory), ["db"])
+
+    async def test_streamed_64mb_put_file_and_get_to_file_stay_under_a_memory_ceiling(
+        self: Any,
+    ) -> None:
+        size = 64 * 1024 * 1024
+        source = self.mktemp()
+        digest = await in_thread(_write_random_file, source, size)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            result = await self.store.put_file("big", source, metadata={"kind": "snapshot"})
+            upload_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            target = self.mktemp()
+            info = await self.store.get_to_file("big", target)
+            download_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        self.assertEqual(result.etag, digest)
+        self.assertEqual(
+            (info.size, info.etag, info.metadata), (size, digest, {"kind": "snapshot"})
+        )
+        self.assertEqual(await in_thread(_md5_file, target), digest)
+        # Far below the object: the body is never held whole (64 KiB reads up, ~1-4 MiB
+        # write-behind down).
+        self.assertLess(upload_peak, 4 * 1024 * 1024)
+        self.assertLess(download_peak, 16 * 1024 * 1024)
+
+    async def test_credentials_from_the_default_chain_are_resolved_in_a_thread(self) -> None:
+        threads: list[str] = []
+        import botocore.session  # type: ignore[import-untyped]
+
+        real = botocore.session.get_session
+
+        def get_session(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        self.patch(botocore.session, "get_session", get_session)
+        env = {
+            "AWS_ACCESS_KEY_ID": self.server.credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.server.credentials.secret_key,
+            "AWS_DEFAULT_REGION": "eu-central-1",
+            "AWS_CONFIG_FILE": "/nonexistent",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        saved = {k: os.environ.get(k) for k in [*env, "AWS_PROFILE", "AWS_SESSION_TOKEN"]}
+        os.environ.update(env)
+        os.environ.pop("AWS_PROFILE", None)
+        os.environ.pop("AWS_SESSION_TOKEN", None)
+
+        def restore() -> None:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        self.addCleanup(restore)
+        store = self.make_store(credentials=None, region="")
+        await store.put("k", b"chain")
+        self.assertEqual((await store.get("k")).body, b"chain")
+        self.assertEqual(len(threads), 1)
+        self.assertNotEqual(threads[0], threading.main_thread().name)
+        self.assertEqual(store._region, "eu-central-1")  # the region came from the chain too
+
+    async def test_refreshable_credentials_refresh_off_the_reactor(self) -> None:
+        refreshed: list[str] = []
+        creds = self.server.credentials
+
+        def metadata(minutes: float) -> dict[str, str]:
+            expiry = datetime.datetime.now(UTC) + datetime.timedelta(minutes=minutes)
+            return {
+                "access_key": creds.access_key,
+                "secret_key": creds.secret_key,
+                "token": "",
+                "expiry_time": expiry.isoformat(),
+            }
+
+        def refresh() -> dict[str, str]:
+            refreshed.append(threading.current_thread().name)
+            return metadata(60)
+
+        # Expiring in 1 minute: inside botocore's advisory window, so the first use refreshes.
+        refreshable = RefreshableCredentials.create_from_metadata(metadata(1), refresh, "test")
+        store = self.make_store(credentials=refreshable)
+        await store.put("k", b"v")
+        await store.get("k")
+        self.assertEqual(len(refreshed), 1)
+        self.assertNotEqual(refreshed[0], threading.main_thread().name)
+
+
+class MotoTests(RealServerTests, TestCase):
+    kind = "moto"
+
+    async def test_list_1001_keys_real_pages(self) -> None:
+        keys = [f"many/{i:05d}" for i in range(1001)]
+        sem = DeferredSemaphore(24)
+        await gatherResults([sem.run(self.store.put, k, b"") for k in keys])
+        before = requests_count("ListObjectsV2", "ok")
+        listed = await self.store.list("many/")
+        self.assertEqual([i.key for i in listed], keys)
+        self.assertEqual(requests_count("ListObjectsV2", "ok") - before, 2)  # 1000 + 1
+
+
+class SeaweedFSTests(RealServerTests, TestCase):
+    kind = "seaweedfs"
+
+
+# -- a server that dies or hangs mid-operation -------------------------------------------------------
+
+
+class _Vanishing(_Mixin):
+    """Each test gets a private server it may pause, kill and restart."""
+
+    kind: ClassVar[s3servers.Kind]
+
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]  # trial waits for it
+        return Deferred.fromCoroutine(self._set_up())
+
+    async def _set_up(self) -> None:
+        self.server = await s3servers.start_server(self.kind)
+        self.addCleanup(self.server.destroy)
+        self.store = s3servers.store_for(self.server, timeout=0.5, retries=2)
+        self.addCleanup(self.store.close)
+
+    async def test_server_killed_mid_operation_is_store_unavailable_not_a_hang(self) -> None:
+        await self.store.put("k", b"v")
+        self.server.pause()  # the next request is in flight, unanswered...
+        pending = Deferred.fromCoroutine(self.store.get("k"))
+        await deferLater(reactor, 0.2)
+        started = time.monotonic()
+        await self.server.stop()  # ...when the server dies (SIGKILL)
+        with self.assertRaises(StoreUnavailable):
+            await pending
+        self.assertLess(time.monotonic() - started, 3 * 0.5 + 0.3 + 1.0)
+        calls = [
+            lambda: self.store.put("k", b"v2", if_none_match=True),
+            lambda: self.store.list(""),
+            lambda: self.store.delete("k", if_match=md5(b"v")),
+        ]
+        for call in calls:
+            started = time.monotonic()
+            with self.assertRaises(StoreUnavailable):
+                await call()
+            self.assertLess(time.monotonic() - started, 3 * 0.5 + 0.3 + 1.0)
+        await deferLater(reactor, 1.05)  # now() may reuse a Date younger than a second
+        with self.assertRaises(StoreUnavailable):
+            await self.store.now()
+        # Back on the same port: the same store (and its pool) works again. moto keeps nothing on
+        # disk, so its restart re-creates the bucket empty; SeaweedFS keeps the object.
+        await self.server.start()
+        if self.kind == "seaweedfs":
+            self.assertEqual((await self.store.get("k")).body, b"v")
+        else:
+            with self.assertRaises(NotFound):
+                await self.store.get("k")
+        await self.store.put("k", b"again")
+
+    async def test_bucket_vanishing_under_a_store_is_not_found(self) -> None:
+        await self.store.put("k", b"v")
+        client = self.server.client()
+
+        def remove_bucket() -> None:
+            client.delete_object(Bucket=self.server.bucket, Key="k")
+            client.delete_bucket(Bucket=self.server.bucket)
+
+        await in_thread(remove_bucket)
+        with self.assertRaises(NotFound):
+            await self.store.get("k")
+        with self.assertRaises(NotFound):
+            await self.store.list("")
+
+    async def test_hung_server_is_store_unavailable_within_timeout_times_attempts(
+        self: Any,
+    ) -> None:
+        await self.store.put("k", b"v")
+        self.server.pause()
+        self.addCleanup(self.server.resume)
+        started = time.monotonic()
+        with self.assertRaises(StoreUnavailable):
+            await self.store.put("k", b"v2")
+        elapsed = time.monotonic() - started
+        self.assertLess(elapsed, 3 * 0.5 + 0.3 + 1.0)
+        self.server.resume()
+        await self.store.put("k", b"v3")
+
+
+class MotoVanishingTests(_Vanishing, TestCase):
+    kind = "moto"
+
+
+class SeaweedFSVanishingTests(_Vanishing, TestCase):
+    kind = "seaweedfs"
+
+
+# -- mappings of injected S3 answers (store-independent: canned responses) ---------------------------
+
+
+class ErrorMappingTests(TestCase):
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]  # trial waits for it
+        return Deferred.fromCoroutine(self._set_up())
+
+    async def _set_up(self) -> None:
+        self.server = await s3servers.shared_server("moto")
+        self.bucket = await self.server.new_bucket()
+        self.proxy = FaultProxy(self.server.port)
+        self.addCleanup(self.proxy.close)
+        self.store = S3Store(
+            reactor,
+            self.bucket,
+            endpoint=self.proxy.endpoint,
+            region=self.server.region,
+            credentials=self.server.credentials,
+            pool=HTTPConnectionPool(reactor, persistent=False),
+            timeout=2.0,
+            retries=1,
+        )
+        self.addCleanup(self.store.close)
+
+    async def expect(self, answer: bytes, error: type[Exception], text: str = "") -> None:
+        self.proxy.faults[:] = [answer]
+        with self.assertRaises(error) as caught:
+            await self.store.put("k", b"v", if_none_match=True)
+        if text:
+            self.assertIn(text, str(caught.exception))
+        self.assertEqual(self.proxy.faults, [])
+
+    async def test_each_s3_error_maps_to_its_type(self) -> None:
+        await self.expect(canned(409, "ConditionalRequestConflict"), PreconditionFailed)
+        await self.expect(canned(412, "PreconditionFailed"), PreconditionFailed)
+        await self.expect(canned(403, "AccessDenied", "no way"), AccessDenied, "no way")
+        await self.expect(canned(403, "InvalidAccessKeyId"), AccessDenied)
+        await self.expect(canned(403, "RequestTimeTooSkewed"), AccessDenied)
+        await self.expect(canned(400, "ExpiredToken"), AccessDenied)
+        await self.expect(canned(404, "NoSuchBucket"), NotFound, "NoSuchBucket")
+        await self.expect(
+            canned(301, "PermanentRedirect", extra="x-amz-bucket-region: eu-west-1\r\n"),
+            ObjectStoreError,
+            "eu-west-1",
+        )
+        self.proxy.faults[:] = [canned(400, "InvalidArgument", "bad header")]
+        with self.assertRaises(ObjectStoreError) as caught:
+            await self.store.get("k")
+        self.assertIs(type(caught.exception), ObjectStoreError)
+        self.assertIn("INJECTED400", str(caught.exception))  # the request id is kept
+        # Not XML at all: the status decides.
+        self.proxy.faults[:] = [
+            b"HTTP/1.1 403 Forbidden\r\nContent-Length: 4\r\nConnection: close\r\n\r\nnope"
+        ]
+        with self.assertRaises(AccessDenied):
+            await self.store.get("k")
+
+    async def test_copy_answering_200_with_an_error_body_is_that_error(self) -> None:
+        await self.store.put("src", b"data")
+        error_in_200 = canned(200, "InternalError", "copy failed midway")
+        self.proxy.faults[:] = [error_in_200]
+        result = await self.store.copy("src", "dst")  # retried, then the real copy
+        self.assertEqual(result.etag, md5(b"data"))
+        self.proxy.faults[:] = [error_in_200, error_in_200]
+        with self.assertRaises(StoreUnavailable):
+            await self.store.copy("src", "dst")
+
+    async def test_connection_refused_is_store_unavailable_quickly(self) -> None:
+        (port,) = s3servers.free_ports(1)
+        store = S3Store(
+            reactor,
+            "b",
+            endpoint=f"http://127.0.0.1:{port}",
+            region="us-east-1",
+            credentials=Credentials("a", "b"),
+            timeout=5.0,
+            retries=2,
+        )
+        self.addCleanup(store.close)
+        started = time.monotonic()
+        with self.assertRaises(StoreUnavailable) as caught:
+            await store.get("k")
+        self.assertIn("refused", str(caught.exception).lower())
+        self.assertLess(time.monotonic() - started, 1.0)  # 3 attempts, 2 backoffs (<= 0.3 s)
+
+
+class AddressingTests(TestCase):
+    def address(self, bucket: str, **kwargs: Any) -> tuple[str, str]:
+        store = S3Store(reactor, bucket, credentials=Credentials("a", "b"), **kwargs)
+        self.addCleanup(store.close)
+        return store._address()
+
+    def test_aws_virtual_hosted_unless_the_name_is_not_dns_safe(self) -> None:
+        self.assertEqual(
+            self.address("my-bucket", region="eu-west-1"),
+            (
+                "https://my-bucket.s3.eu-west-1.amazonaws.com",
+                "my-bucket.s3.eu-west-1.amazonaws.com",
+            ),
+        )
+        self.assertEqual(
+            self.address("my.dotted.bucket", region="eu-west-1")[0],
+            "https://s3.eu-west-1.amazonaws.com/my.dotted.bucket",
+        )
+        self.assertEqual(
+            self.address("b", region="cn-north-1", prefix_style="path")[0],
+            "https://s3.cn-north-1.amazonaws.com.cn/b",
+        )
+
+    def test_custom_endpoints_are_path_style_unless_asked(self) -> None:
+        self.assertEqual(
+            self.address("b", endpoint="http://127.0.0.1:9000/", region="x"),
+            ("http://127.0.0.1:9000/b", "127.0.0.1:9000"),
+        )
+        self.assertEqual(
+            self.address("b", endpoint="minio.example:9000", region="x", prefix_style="virtual"),
+            ("https://b.minio.example:9000", "b.minio.example:9000"),
+        )
+
+    async def test_keys_that_differ_between_stores_are_refused(self) -> None:
+        store = S3Store(
+            reactor, "b", endpoint="http://127.0.0.1:1", credentials=Credentials("a", "b")
+        )
+        self.addCleanup(store.close)
+        for key in ["", "a//b", "/lead", "a/./b", "a/../b", "..", "x" * 1025]:
+            with self.assertRaises(ValueError):
+                await store.put(key, b"")
+        with self.assertRaises(ValueError):
+            await store.put("k", b"", metadata={"ünï": "x"})
+        with self.assertRaises(ValueError):
+            await store.put("k", b"", metadata={"name": "line\nbreak"})
+
+    def test_from_config(self) -> None:
+        config = HibernateConfig(
+            bucket="fleet",
+            region="eu-west-1",
+            prefix="p",
+            endpoint="http://127.0.0.1:9000",
+            idle=60.0,
+        )
+        store = S3Store.from_config(reactor, config, credentials=Credentials("a", "b"))
+        self.addCleanup(store.close)
+        self.assertEqual(store._address()[0], "http://127.0.0.1:9000/fleet")
+        self.assertIn("fleet", store.describe())
+
+    def test_bad_arguments_are_refused(self) -> None:
+        with self.assertRaises(ValueError):
+            S3Store(reactor, "")
+        with self.assertRaises(ValueError):
+            S3Store(reactor, "b", list_page_size=1001)
+        with self.assertRaises(ValueError):
+            S3Store(reactor, "b", prefix_style="sideways")  # type: ignore[arg-type]
+
+
+def _write_random_file(path: str, size: int) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    block = os.urandom(1024 * 1024)
+    with open(path, "wb") as f:
+        for i in range(size // len(block)):
+            chunk = block[:-8] + i.to_bytes(8, "big")
+            digest.update(chunk)
+            f.write(chunk)
+    return digest.hexdigest()
+
+
+def _md5_file(path: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
