@@ -851,8 +851,11 @@ class S3Store:
         try:
             return await d
         except _Timeout:
+            self._last_date = None
             raise
         except BaseException as e:
+            # The store just failed us: a remembered Date must not make now() look healthy.
+            self._last_date = None
             if watchdog is not None and watchdog.fired:
                 raise _Timeout() from e
             if _is_cancellation(e):
