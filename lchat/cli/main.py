@@ -23,6 +23,7 @@ import attrs
 import lchat
 from lchat import config, hosts
 from lchat.cli import admin_client, dev_cert, envfile, units
+from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
@@ -142,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
+    replica_cli.add_arguments(
+        command("replica", replica_cli.SUMMARY, lambda a: replica_cli.run(a, load_config(a), _out))
+    )
     # Listed for --help only: main() hands `space ...` over before argparse sees it.
     commands.add_parser(
         "space", help="run the reference space server (arguments go to it)", add_help=False

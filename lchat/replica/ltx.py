@@ -1,0 +1,431 @@
+"""The LTX file format (superfly/ltx v0.5, as Litestream 0.5 writes and reads it).
+
+A file is::
+
+    header    100 bytes, big-endian: "LTX1", flags u32, page size u32, commit u32 (database size in
+              pages after this file), min/max txid u64, timestamp u64 (ms since the epoch),
+              pre-apply checksum u64, WAL offset/size u64, WAL salt-1/salt-2 u32, node id u64,
+              20 reserved zero bytes
+    pages     per page, in ascending page order (the lock page never appears):
+              pgno u32, flags u16 (0x0001: a size follows), size u32, one LZ4 *block* of the page
+    end       six zero bytes (an empty page header)
+    index     per page: uvarint pgno, offset (of its page header), size (header+size+block);
+              a uvarint 0; then the index's byte length as u64
+    trailer   post-apply checksum u64, file checksum u64
+
+The file checksum is CRC-64/ISO (Go's ``crc64.ISO`` table) over everything before it, except that
+each page contributes its *decompressed* bytes rather than the LZ4 block; bit 63 is then set.
+Database checksums (pre/post-apply) are the XOR of each page's CRC-64/ISO over ``pgno u32 || page``,
+with bit 63 set. Litestream 0.5 writes ``flags = 2`` (no database checksums, both zero).
+
+The CRC is ``fastcrc`` (Rust, releases the GIL); LZ4 is ``lz4.block`` (C). Both run in the caller's
+thread: callers on the reactor hand whole files to a thread pool.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
+
+import lz4.block  # type: ignore[import-untyped]
+from attrs import frozen
+from fastcrc import crc64
+
+MAGIC = b"LTX1"
+HEADER_SIZE = 100
+PAGE_HEADER_SIZE = 6
+TRAILER_SIZE = 16
+FLAG_NO_CHECKSUM = 1 << 1
+HEADER_FLAG_MASK = FLAG_NO_CHECKSUM
+PAGE_FLAG_SIZE = 1 << 0
+CHECKSUM_FLAG = 1 << 63
+PENDING_BYTE = 0x40000000
+MAX_PAGE_SIZE = 65536
+
+_HEADER = struct.Struct(">4sIIIQQQQQQIIQ20s")
+_PAGE_HEADER = struct.Struct(">IH")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_TRAILER = struct.Struct(">QQ")
+_END = b"\x00" * PAGE_HEADER_SIZE
+_MAX_INDEX = 64 << 20  # a 64 KiB-page, 4 G-page database needs far less; guards memory
+
+
+class LTXError(Exception):
+    """An LTX file is malformed, corrupt, or not what its caller asked for."""
+
+
+def crc64_iso(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """Go's ``crc64.Update(crc, crc64.MakeTable(crc64.ISO), data)``: chain by passing ``crc``."""
+    return crc64.go_iso(data, crc) if crc else crc64.go_iso(data)
+
+
+def lock_pgno(page_size: int) -> int:
+    """The page holding SQLite's pending byte: never written to a file, never in an LTX."""
+    return PENDING_BYTE // page_size + 1
+
+
+def valid_page_size(page_size: int) -> bool:
+    return 512 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
+
+
+def page_checksum(pgno: int, data: bytes) -> int:
+    return CHECKSUM_FLAG | crc64_iso(data, crc64_iso(_U32.pack(pgno)))
+
+
+def database_checksum(fileobj: BinaryIO, page_size: int) -> int:
+    """The rolling checksum of a whole database file (ltx's ``ChecksumReader``)."""
+    fileobj.seek(0)
+    lock = lock_pgno(page_size)
+    checksum = 0
+    pgno = 0
+    while True:
+        data = fileobj.read(page_size)
+        if not data:
+            return checksum
+        pgno += 1
+        if len(data) != page_size:
+            raise LTXError(f"database ends inside page {pgno}")
+        if pgno != lock:
+            checksum = CHECKSUM_FLAG | (checksum ^ page_checksum(pgno, data))
+
+
+@frozen
+class LTXHeader:
+    page_size: int
+    commit: int  # database size in pages after this file is applied
+    min_txid: int
+    max_txid: int
+    timestamp: int  # milliseconds since the Unix epoch
+    flags: int = FLAG_NO_CHECKSUM
+    pre_apply_checksum: int = 0
+    wal_offset: int = 0
+    wal_size: int = 0
+    wal_salt1: int = 0
+    wal_salt2: int = 0
+    node_id: int = 0
+
+    @property
+    def is_snapshot(self) -> bool:
+        return self.min_txid == 1
+
+    @property
+    def no_checksum(self) -> bool:
+        return bool(self.flags & FLAG_NO_CHECKSUM)
+
+    def pack(self) -> bytes:
+        self.validate()
+        return _HEADER.pack(
+            MAGIC,
+            self.flags,
+            self.page_size,
+            self.commit,
+            self.min_txid,
+            self.max_txid,
+            self.timestamp,
+            self.pre_apply_checksum,
+            self.wal_offset,
+            self.wal_size,
+            self.wal_salt1,
+            self.wal_salt2,
+            self.node_id,
+            b"\x00" * 20,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> LTXHeader:
+        if len(data) < HEADER_SIZE:
+            raise LTXError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
+        fields = _HEADER.unpack_from(data)
+        if fields[0] != MAGIC:
+            raise LTXError(f"not an LTX file: magic {fields[0]!r}")
+        header = cls(
+            flags=fields[1],
+            page_size=fields[2],
+            commit=fields[3],
+            min_txid=fields[4],
+            max_txid=fields[5],
+            timestamp=fields[6],
+            pre_apply_checksum=fields[7],
+            wal_offset=fields[8],
+            wal_size=fields[9],
+            wal_salt1=fields[10],
+            wal_salt2=fields[11],
+            node_id=fields[12],
+        )
+        header.validate()
+        return header
+
+    def validate(self) -> None:
+        """The checks ltx's ``Header.Validate`` makes, so we neither write nor accept what it refuses."""
+        if self.flags & ~HEADER_FLAG_MASK:
+            raise LTXError(f"invalid header flags 0x{self.flags:08x}")
+        if not valid_page_size(self.page_size):
+            raise LTXError(f"invalid page size {self.page_size}")
+        if not 0 <= self.commit < 1 << 32:
+            raise LTXError(f"invalid commit {self.commit}")
+        if not 1 <= self.min_txid <= self.max_txid < 1 << 64:
+            raise LTXError(f"invalid txid range {self.min_txid}-{self.max_txid}")
+        if not (0 <= self.wal_offset < 1 << 63 and 0 <= self.wal_size < 1 << 63):
+            raise LTXError("invalid WAL offset or size")
+        if (self.wal_salt1 or self.wal_salt2) and not self.wal_offset:
+            raise LTXError("WAL salt without a WAL offset")
+        if self.wal_size and not self.wal_offset:
+            raise LTXError("WAL size without a WAL offset")
+        if self.is_snapshot or self.no_checksum:
+            if self.pre_apply_checksum:
+                raise LTXError("pre-apply checksum not allowed on a snapshot or without checksums")
+        elif not self.pre_apply_checksum & CHECKSUM_FLAG:
+            raise LTXError("pre-apply checksum missing or malformed")
+
+
+@frozen
+class LTXTrailer:
+    post_apply_checksum: int
+    file_checksum: int
+
+
+def _uvarint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class LTXWriter:
+    """Streams one LTX file to ``fileobj``: ``write_page`` each page in ascending order, then
+    ``finish``. Only the page index (a few bytes per page) is kept in memory."""
+
+    def __init__(self, fileobj: BinaryIO, header: LTXHeader) -> None:
+        self._f = fileobj
+        self.header = header
+        self._lock = lock_pgno(header.page_size)
+        self._prev = 0
+        self._index = bytearray()
+        self._finished = False
+        data = header.pack()
+        self._n = 0
+        self._crc = 0
+        self._write(data)
+
+    def _write(self, data: bytes, hashed: bytes | None = None) -> None:
+        self._f.write(data)
+        self._n += len(data)
+        self._crc = crc64_iso(data if hashed is None else hashed, self._crc)
+
+    def write_page(self, pgno: int, data: bytes) -> None:
+        h = self.header
+        if self._finished:
+            raise LTXError("writer already finished")
+        if len(data) != h.page_size:
+            raise LTXError(f"page {pgno} is {len(data)} bytes, not {h.page_size}")
+        if not 1 <= pgno <= h.commit:
+            raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
+        if pgno == self._lock:
+            raise LTXError(f"page {pgno} is the lock page")
+        if pgno <= self._prev:
+            raise LTXError(f"page {pgno} after page {self._prev}: pages must ascend")
+        if h.is_snapshot and pgno != _next_snapshot_pgno(self._prev, self._lock):
+            raise LTXError(f"snapshot skips from page {self._prev} to {pgno}")
+        block = lz4.block.compress(data, store_size=False)
+        offset = self._n
+        head = _PAGE_HEADER.pack(pgno, PAGE_FLAG_SIZE) + _U32.pack(len(block))
+        self._write(head)
+        # The checksum covers the page as stored in the database, not its compressed form.
+        self._f.write(block)
+        self._n += len(block)
+        self._crc = crc64_iso(data, self._crc)
+        self._index += _uvarint(pgno) + _uvarint(offset) + _uvarint(self._n - offset)
+        self._prev = pgno
+
+    def finish(self, post_apply_checksum: int = 0) -> LTXTrailer:
+        """Write the terminator, index and trailer; returns the trailer. Does not close the file."""
+        h = self.header
+        if self._finished:
+            raise LTXError("writer already finished")
+        if h.is_snapshot and self._prev != _last_pgno(h.commit, self._lock):
+            raise LTXError(f"snapshot ends at page {self._prev}, commit is {h.commit}")
+        if h.no_checksum and post_apply_checksum:
+            raise LTXError("post-apply checksum given to a file without checksums")
+        if not h.no_checksum and not post_apply_checksum & CHECKSUM_FLAG:
+            raise LTXError("post-apply checksum required")
+        self._write(_END)
+        index = bytes(self._index) + _uvarint(0)
+        self._write(index + _U64.pack(len(index)))
+        post = _U64.pack(post_apply_checksum)
+        self._write(post)
+        file_checksum = CHECKSUM_FLAG | self._crc
+        self._f.write(_U64.pack(file_checksum))
+        self._finished = True
+        return LTXTrailer(post_apply_checksum, file_checksum)
+
+
+def _next_snapshot_pgno(prev: int, lock: int) -> int:
+    return prev + 2 if prev + 1 == lock else prev + 1
+
+
+def _last_pgno(commit: int, lock: int) -> int:
+    # A database that ends exactly on the lock page has no page to write there.
+    return commit - 1 if commit == lock else commit
+
+
+def encode(
+    header: LTXHeader, pages: Iterable[tuple[int, bytes]], post_apply_checksum: int = 0
+) -> bytes:
+    """A whole LTX file in memory (small files and tests; stream big ones with :class:`LTXWriter`)."""
+    import io
+
+    buf = io.BytesIO()
+    writer = LTXWriter(buf, header)
+    for pgno, data in pages:
+        writer.write_page(pgno, data)
+    writer.finish(post_apply_checksum)
+    return buf.getvalue()
+
+
+class LTXReader:
+    """Reads and verifies one LTX file from ``fileobj``.
+
+    ``header`` is read at construction. Iterating yields ``(pgno, page)`` in file order; the
+    iteration ends only after the index and the file checksum have been verified, so a caller that
+    consumed every page without an :class:`LTXError` has an intact file (``trailer`` is then set).
+    Pages are yielded before that check: write them somewhere disposable.
+    """
+
+    def __init__(self, fileobj: BinaryIO) -> None:
+        self._f = fileobj
+        raw = self._read(HEADER_SIZE, "header")
+        self.header = LTXHeader.unpack(raw)
+        self._crc = crc64_iso(raw)
+        self._n = HEADER_SIZE
+        self.trailer: LTXTrailer | None = None
+        self._started = False
+
+    def _read(self, n: int, what: str) -> bytes:
+        data = self._f.read(n)
+        if len(data) != n:
+            raise LTXError(f"truncated file: {what} ends after {len(data)} of {n} bytes")
+        return data
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        if self._started:
+            raise LTXError("an LTX file can be read only once")
+        self._started = True
+        return self._pages()
+
+    def _pages(self) -> Iterator[tuple[int, bytes]]:
+        h = self.header
+        lock = lock_pgno(h.page_size)
+        expected_index = bytearray()
+        prev = 0
+        snapshot_sum = 0
+        while True:
+            head = self._read(PAGE_HEADER_SIZE, "page header")
+            self._crc = crc64_iso(head, self._crc)
+            offset = self._n
+            self._n += PAGE_HEADER_SIZE
+            pgno, flags = _PAGE_HEADER.unpack(head)
+            if head == _END:
+                break
+            if pgno == 0:
+                raise LTXError(f"page header with page 0 and flags 0x{flags:04x}")
+            if flags != PAGE_FLAG_SIZE:
+                # 0 would be ltx's pre-0.5 LZ4-frame pages, which Litestream 0.5 never writes.
+                raise LTXError(f"page {pgno}: unsupported page flags 0x{flags:04x}")
+            if pgno <= prev:
+                raise LTXError(f"page {pgno} after page {prev}: pages must ascend")
+            if pgno > h.commit:
+                raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
+            if pgno == lock:
+                raise LTXError(f"page {pgno} is the lock page")
+            if h.is_snapshot and pgno != _next_snapshot_pgno(prev, lock):
+                raise LTXError(f"snapshot skips from page {prev} to {pgno}")
+            raw_size = self._read(4, f"page {pgno} size")
+            self._crc = crc64_iso(raw_size, self._crc)
+            (size,) = _U32.unpack(raw_size)
+            if size == 0 or size > h.page_size + h.page_size // 255 + 16:  # LZ4's worst-case bound
+                raise LTXError(f"page {pgno}: implausible compressed size {size}")
+            block = self._read(size, f"page {pgno} data")
+            self._n += 4 + size
+            try:
+                data = lz4.block.decompress(block, uncompressed_size=h.page_size)
+            except lz4.block.LZ4BlockError as e:
+                raise LTXError(f"page {pgno}: corrupt LZ4 block ({e})") from None
+            if len(data) != h.page_size:
+                raise LTXError(f"page {pgno}: decompresses to {len(data)} bytes, not {h.page_size}")
+            self._crc = crc64_iso(data, self._crc)
+            if h.is_snapshot and not h.no_checksum:
+                snapshot_sum = CHECKSUM_FLAG | (snapshot_sum ^ page_checksum(pgno, data))
+            expected_index += _uvarint(pgno) + _uvarint(offset) + _uvarint(self._n - offset)
+            prev = pgno
+            yield pgno, data
+        if h.is_snapshot and prev != _last_pgno(h.commit, lock):
+            raise LTXError(f"snapshot ends at page {prev}, commit is {h.commit}")
+        self._finish(bytes(expected_index) + _uvarint(0), snapshot_sum)
+
+    def _finish(self, expected_index: bytes, snapshot_sum: int) -> None:
+        h = self.header
+        n = len(expected_index)
+        if n > _MAX_INDEX:
+            raise LTXError("page index too large")
+        tail = self._read(n + 8 + TRAILER_SIZE, "page index and trailer")
+        if self._f.read(1):
+            raise LTXError("trailing bytes after the trailer")
+        if tail[:n] != expected_index:
+            raise LTXError("page index does not match the pages")
+        (index_size,) = _U64.unpack_from(tail, n)
+        if index_size != n:
+            raise LTXError(f"page index size {index_size}, expected {n}")
+        post, file_checksum = _TRAILER.unpack_from(tail, n + 8)
+        crc = CHECKSUM_FLAG | crc64_iso(tail[: n + 8 + 8], self._crc)
+        if file_checksum != crc:
+            raise LTXError(
+                f"file checksum mismatch: stored {file_checksum:016x}, computed {crc:016x}"
+            )
+        if h.no_checksum:
+            if post:
+                raise LTXError("post-apply checksum present in a file without checksums")
+        else:
+            if not post & CHECKSUM_FLAG:
+                raise LTXError("post-apply checksum missing or malformed")
+            if h.is_snapshot and post != snapshot_sum:
+                raise LTXError(
+                    f"snapshot post-apply checksum {post:016x} != its pages' {snapshot_sum:016x}"
+                )
+        self.trailer = LTXTrailer(post, file_checksum)
+
+
+@frozen
+class DecodedLTX:
+    header: LTXHeader
+    pages: list[tuple[int, bytes]]
+    trailer: LTXTrailer
+
+
+def decode(fileobj: BinaryIO) -> DecodedLTX:
+    """Read and verify a whole file into memory (small files and tests)."""
+    reader = LTXReader(fileobj)
+    pages = list(reader)
+    assert reader.trailer is not None
+    return DecodedLTX(reader.header, pages, reader.trailer)
+
+
+def verify(fileobj: BinaryIO) -> tuple[LTXHeader, LTXTrailer]:
+    """Read and verify a file without keeping its pages."""
+    reader = LTXReader(fileobj)
+    for _ in reader:
+        pass
+    assert reader.trailer is not None
+    return reader.header, reader.trailer
+
+
+def filename(min_txid: int, max_txid: int) -> str:
+    return f"{min_txid:016x}-{max_txid:016x}.ltx"
+
+
+def object_key(path: str, level: int, min_txid: int, max_txid: int) -> str:
+    """``<path>/<level %04x>/<min %016x>-<max %016x>.ltx``, Litestream's S3 layout."""
+    return f"{path}/{level:04x}/{filename(min_txid, max_txid)}"
