@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
     replica_cli.add_arguments(
-        command("replica", replica_cli.SUMMARY, lambda a: replica_cli.run(a, load_config(a), _out))
+        command("replica", replica_cli.SUMMARY, lambda a: replica_cli.run(a, load_config(a), _out)),
+        lambda p: _add_common(p, argparse.SUPPRESS),
     )
     # Listed for --help only: main() hands `space ...` over before argparse sees it.
     commands.add_parser(

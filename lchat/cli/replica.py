@@ -30,11 +30,17 @@ class ReplicaCliError(Exception):
     pass
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    common: Callable[[argparse.ArgumentParser], None] = lambda p: None,
+) -> None:
+    """``common`` adds the CLI's shared options to each action, so they may follow it too."""
     sub = parser.add_subparsers(dest="replica_command", metavar="<action>", required=True)
     ls = sub.add_parser("ls", help="levels, files, sizes, newest txid and its time (one LIST)")
     ls.add_argument("host", help="the space's hostname")
+    common(ls)
     rs = sub.add_parser("restore", help="rebuild the space's database from its replica")
+    common(rs)
     rs.add_argument("host", help="the space's hostname")
     rs.add_argument(
         "-o", "--output", metavar="PATH", help="where to write it (default ./<host>.db)"
