@@ -515,3 +515,36 @@ class Workloads(Base):
         """Big-endian words of the byte-swapped data give the little-endian result."""
         swapped = b"".join(data[i : i + 4][::-1] for i in range(0, len(data), 4))
         self.assertEqual(wal_checksum(data), wal_checksum(swapped, big_endian=True))
+
+
+class DescriptorLockTests(unittest.TestCase):
+    """POSIX drops all of a process's locks on a file when any descriptor of it closes: reading
+    pages for a snapshot must not release SQLite's locks, or the space's last close deletes the
+    WAL under our read transaction."""
+
+    def test_a_snapshot_does_not_let_the_space_delete_the_wal(self) -> None:
+        import subprocess
+        import sys
+        import tempfile
+
+        from lchat.replica.db import ReplicaDB
+
+        d = tempfile.mkdtemp(prefix="wl", dir="/tmp")
+        self.addCleanup(__import__("shutil").rmtree, d, True)
+        path = os.path.join(d, "space.db")
+        conn = sqlite3.connect(path)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t (v BLOB)")
+        conn.commit()
+        conn.close()
+        rdb = ReplicaDB(path)
+        rdb.open()
+        self.addCleanup(rdb.close)
+        _, pages = rdb.snapshot()
+        self.assertTrue(list(pages))
+        script = (
+            "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+            "c.execute('INSERT INTO t VALUES (randomblob(5000))'); c.commit(); c.close()"
+        )
+        subprocess.run([sys.executable, "-c", script, path], check=True, timeout=30)
+        self.assertTrue(os.path.exists(path + "-wal"), "the space's close deleted the WAL")

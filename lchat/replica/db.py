@@ -113,6 +113,7 @@ class ReplicaDB:
         self._reader: sqlite3.Connection | None = None  # A: holds the read transaction
         self._locker: sqlite3.Connection | None = None  # L: write lock, our writes, checkpoints
         self._anchor: WALPosition | None = None
+        self._dbfd: int | None = None  # see open(): never closed before close()
         self._page_size = 0
         self._mu = threading.Lock()  # calls come from pool threads; never two at once
 
@@ -139,6 +140,11 @@ class ReplicaDB:
                 raise ReplicaDBError(f"{self.path}: no such database")
             self._locker = lk = self._connect(self.lock_timeout_ms)
             self._reader = self._connect(self.busy_timeout_ms)
+            # One descriptor for direct page reads, open until close(): POSIX drops every lock a
+            # process holds on a file when ANY descriptor of it is closed, so a transient
+            # open()/close() here would silently release SQLite's locks and let the space's last
+            # connection checkpoint and delete the WAL under our read transaction.
+            self._dbfd = os.open(self.path, os.O_RDONLY)
             mode = lk.execute("PRAGMA journal_mode = wal").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise ReplicaDBError(f"{self.path}: journal_mode is {mode}, cannot switch to wal")
@@ -173,7 +179,15 @@ class ReplicaDB:
                 if conn is not None:
                     conn.close()
             self._reader = self._locker = None
+            if self._dbfd is not None:
+                os.close(self._dbfd)
+                self._dbfd = None
             self._anchor = None
+
+    def _fd(self) -> int:
+        if self._dbfd is None:
+            raise ReplicaDBError(f"{self.path}: not open")
+        return self._dbfd
 
     @property
     def anchor(self) -> WALPosition | None:
@@ -242,7 +256,7 @@ class ReplicaDB:
             count = seg.commit
             pos: WALPosition | None = seg.end
         else:
-            count = _db_file_pages(self.path, ps)
+            count = _db_file_pages(self._fd(), ps)
             pos = seg.end if isinstance(seg, Segment) else None
         snap = Snapshot(pos, ps, count)
         return snap, self._snapshot_pages(seg if isinstance(seg, Segment) else None, count)
@@ -250,21 +264,21 @@ class ReplicaDB:
     def _snapshot_pages(self, seg: Segment | None, count: int) -> Iterator[tuple[int, bytes]]:
         ps, lock = self._page_size, lock_pgno(self._page_size)
         reader = wal.WALReader(self.wal_path) if seg is not None else None
+        fd = self._fd()
         try:
-            with open(self.path, "rb") as dbf:
-                for pgno in range(1, count + 1):
-                    if pgno == lock:
-                        continue
-                    data: bytes | None = None
-                    if reader is not None and seg is not None and pgno in seg.pages:
-                        try:
-                            data = reader.read_page(seg.header, seg.pages[pgno])
-                        except wal.WALError:
-                            data = None  # restarted under us: the file has it (see above)
-                    if data is None:
-                        data = os.pread(dbf.fileno(), ps, (pgno - 1) * ps)
-                        data = data.ljust(ps, b"\0")
-                    yield pgno, data
+            for pgno in range(1, count + 1):
+                if pgno == lock:
+                    continue
+                data: bytes | None = None
+                if reader is not None and seg is not None and pgno in seg.pages:
+                    try:
+                        data = reader.read_page(seg.header, seg.pages[pgno])
+                    except wal.WALError:
+                        data = None  # restarted under us: the file has it (see above)
+                if data is None:
+                    data = os.pread(fd, ps, (pgno - 1) * ps)
+                    data = data.ljust(ps, b"\0")
+                yield pgno, data
         finally:
             if reader is not None:
                 reader.close()
@@ -356,11 +370,10 @@ class ReplicaDB:
             )
 
 
-def _db_file_pages(path: str, page_size: int) -> int:
+def _db_file_pages(fd: int, page_size: int) -> int:
     """Database size in pages from the file header (valid-for == change counter), else its size."""
-    with open(path, "rb") as f:
-        hdr = f.read(100)
-        size = os.fstat(f.fileno()).st_size
+    hdr = os.pread(fd, 100, 0)
+    size = os.fstat(fd).st_size
     if len(hdr) == 100 and hdr[92:96] == hdr[24:28]:
         n = int.from_bytes(hdr[28:32], "big")
         if n:

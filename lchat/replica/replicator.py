@@ -1,0 +1,401 @@
+"""Stream a live space's database to the bucket as Litestream-0.5 LTX files (DESIGN.md §6).
+
+One :class:`Replicator` per space. Every ``interval`` seconds a *sync* reads the WAL's newly
+committed frames after what we shipped (``ReplicaDB.read_committed``), encodes them as one
+level-0 LTX file and uploads it; a quiet space costs no request at all. At start, and whenever the
+log is not where we left it (``WALReset``/``WALRewritten``), a level-9 snapshot is shipped instead.
+After an upload we run our own checkpoint when ``ReplicaDB.wanted_checkpoint`` asks for one.
+
+Files are prepared (read, LZ4, CRC) in a worker thread into temp files and queued; the queue is
+uploaded in order and a file leaves it only once the store accepted it, so a store outage just
+leaves it queued for the next sync (nothing newer is read meanwhile, and no checkpoint runs, so the
+WAL — held by our read transaction — keeps everything). Before every upload the lease is checked;
+once it is lost we stop for good and never write again.
+
+Txids count uploaded files, as Litestream's do. At start we LIST ``<path>/`` once (never again) to
+continue after the highest txid there, then snapshot: we cannot know whether our WAL continues
+whatever wrote those files.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attrs import define
+from prometheus_client import Counter, Gauge
+from twisted.internet.defer import Deferred, DeferredLock
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from lchat.lease import LeaseKeeper, LeaseLost
+from lchat.objstore import UTC, ObjectStore, ObjectStoreError
+from lchat.replica import ltx, wal
+from lchat.replica.db import ReplicaDB
+from lchat.replica.restore import SNAPSHOT_LEVEL, TIMESTAMP_METADATA, replica_files
+from lchat.replica.wal import Segment, WALPosition, WALReset, WALRewritten
+
+_log = Logger()
+
+RunInThread = Callable[..., Any]  # (f, *args) -> Awaitable[result]
+
+_uploads = Counter(
+    "lchat_replica_uploads_total", "LTX uploads by level and outcome", ["level", "outcome"]
+)
+_bytes = Counter("lchat_replica_bytes_total", "LTX bytes uploaded")
+_lag = Gauge(
+    "lchat_replica_lag_seconds", "Seconds since the oldest unshipped commit was noticed", ["path"]
+)
+
+# Replication classes (DESIGN.md §6): seconds between syncs.
+INTERVALS = {"stream": 1.0, "batched": 300.0, "daily": 86400.0}
+
+
+class ReplicatorStopped(Exception):
+    """The replicator is stopped (or lost its lease) and will not write again."""
+
+
+@define
+class _Prepared:
+    """One encoded LTX file waiting to be uploaded."""
+
+    key: str
+    tmp_path: str
+    level: int
+    txid: int
+    pages: int
+    size: int
+    timestamp: str  # the litestream-timestamp metadata
+
+
+def rfc3339_nano(when: datetime.datetime) -> str:
+    """Go's ``time.RFC3339Nano`` in UTC: fraction with trailing zeros trimmed, none if zero."""
+    when = when.astimezone(UTC)
+    base = when.strftime("%Y-%m-%dT%H:%M:%S")
+    frac = f"{when.microsecond:06d}".rstrip("0")
+    return f"{base}.{frac}Z" if frac else f"{base}Z"
+
+
+class Replicator:
+    def __init__(
+        self,
+        reactor: Any,
+        store: ObjectStore,
+        db_path: str,
+        replica_path: str,  # "<prefix>/<host>"
+        *,
+        interval: float = INTERVALS["stream"],
+        keeper: LeaseKeeper | None = None,
+        run_in_thread: RunInThread | None = None,
+        db_options: Mapping[str, int] | None = None,  # ReplicaDB's tuning (tests: tiny thresholds)
+        tmp_dir: str | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self._store = store
+        self.db_path = db_path
+        self.path = replica_path.rstrip("/")
+        self.interval = interval
+        self._keeper = keeper
+        self._pool: ThreadPool | None = None
+        if run_in_thread is None:
+            # One thread: ReplicaDB takes one call at a time, and a slow disk here must not
+            # starve the reactor's shared pool.
+            self._pool = ThreadPool(minthreads=0, maxthreads=1, name=f"replica {self.path}")
+            pool = self._pool
+            run_in_thread = lambda f, *a: deferToThreadPool(reactor, pool, f, *a)  # noqa: E731
+        self._run = run_in_thread
+        self._db = ReplicaDB(db_path, **dict(db_options or {}))
+        self._tmp_root = tmp_dir
+        self._tmp: str | None = None
+        self._lock = DeferredLock()
+        self._call: IDelayedCall | None = None
+        self._queue: list[_Prepared] = []
+        self._pos: WALPosition | None = None  # end of what is prepared (shipped once queue empty)
+        self._txid = 0  # the last txid prepared
+        self._need_snapshot = True
+        self._pending_since: float | None = None
+        self._started = False
+        self._stopped = False  # no more writes
+        self._closed = False  # stop() ran
+        self.lost: str | None = None  # why the lease was lost, if it was
+        self.snapshots = 0
+        self.checkpoints = 0
+
+    @property
+    def txid(self) -> int:
+        """The last txid prepared (uploaded too, when nothing is queued)."""
+        return self._txid
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError("Replicator.start() called twice")
+        self._started = True
+        if self._pool is not None:
+            self._pool.start()
+        self._tmp = await self._run(
+            lambda: tempfile.mkdtemp(prefix=".lchat-replica-", dir=self._tmp_root)
+        )
+        await self._run(self._db.open)
+        # The one LIST of our life: continue after whatever txid is already there.
+        files = replica_files(await self._store.list(self.path + "/"))
+        self._txid = max((f.max_txid for f in files), default=0)
+        async with self._lock:
+            await self._sync_locked()
+            if self._queue:
+                raise ObjectStoreError(f"replica {self.path}: initial snapshot not uploaded")
+        self._schedule()
+
+    async def stop(self) -> None:
+        """Stop syncing and close the database; nothing is written after this returns."""
+        if self._closed:
+            return
+        self._closed = self._stopped = True
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+        async with self._lock:  # let a sync in flight finish (it checks _stopped before writes)
+            pass
+        if self._pending_since is not None:
+            _lag.remove(self.path)
+        if self._started:
+            await self._run(self._db.close)
+            if self._tmp is not None:
+                await self._run(shutil.rmtree, self._tmp, True)
+        if self._pool is not None and self._pool.started:
+            self._pool.stop()
+
+    async def flush(self) -> None:
+        """Sync now; return once everything committed so far is in the bucket, else raise."""
+        if self._stopped:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        async with self._lock:
+            await self._sync_locked()
+            if self._queue:
+                raise ObjectStoreError(
+                    f"replica {self.path}: {len(self._queue)} files not uploaded"
+                )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        if not self._stopped:
+            self._call = self._reactor.callLater(self.interval, self._tick)
+
+    def _tick(self) -> None:
+        self._call = None
+        d = Deferred.fromCoroutine(self._tick_async())
+        d.addBoth(lambda _: self._schedule())
+
+    async def _tick_async(self) -> None:
+        try:
+            async with self._lock:
+                await self._sync_locked()
+        except Exception as e:
+            if not self._stopped:
+                _log.warn("replica {path}: sync failed, retrying: {e!r}", path=self.path, e=e)
+
+    async def _sync_locked(self) -> None:
+        if self._stopped:
+            return
+        if not await self._drain():
+            return
+        if self._need_snapshot:
+            await self._prepare_snapshot()
+        else:
+            got = await self._run(self._read_and_encode, self._pos, self._txid + 1)
+            if isinstance(got, WALReset | WALRewritten):
+                _log.warn(
+                    "replica {path}: WAL reset ({why}); snapshotting",
+                    path=self.path,
+                    why=got.reason,
+                )
+                await self._prepare_snapshot()
+            elif got is not None:
+                self._enqueue(*got)
+        shipped = bool(self._queue)
+        if not await self._drain():
+            return
+        if shipped:  # only after an upload: an idle space gets no checkpoint dance every tick
+            await self._maybe_checkpoint()
+        self._update_lag()
+
+    def _update_lag(self) -> None:
+        if self._queue:
+            if self._pending_since is None:
+                self._pending_since = self._reactor.seconds()
+            _lag.labels(self.path).set(self._reactor.seconds() - self._pending_since)
+        elif self._pending_since is not None:
+            self._pending_since = None
+            _lag.labels(self.path).set(0)
+
+    def _enqueue(self, prepared: _Prepared, end: WALPosition | None) -> None:
+        self._queue.append(prepared)
+        self._pos = end
+        self._txid = prepared.txid
+
+    async def _prepare_snapshot(self) -> None:
+        prepared, end = await self._run(self._encode_snapshot, self._txid + 1)
+        self._need_snapshot = False
+        self._enqueue(prepared, end)
+
+    async def _maybe_checkpoint(self) -> None:
+        if self._stopped or self._queue:
+            return
+        captured: list[_Prepared] = []
+        result = await self._run(self._checkpoint_thread, self._pos, self._txid, captured)
+        if result is None:
+            return
+        self.checkpoints += 1
+        for p in captured:
+            self._queue.append(p)
+            self._txid = p.txid
+        if result.reset is not None:
+            self._need_snapshot = True
+        elif result.done:
+            self._pos = result.position
+        await self._drain()
+
+    # -- uploads (reactor) -------------------------------------------------------------------
+
+    async def _drain(self) -> bool:
+        """Upload the queue in order; False if something is left (already logged)."""
+        self._update_lag()
+        while self._queue:
+            p = self._queue[0]
+            if self._stopped:
+                return False
+            try:
+                if self._keeper is not None:
+                    self._keeper.ensure_held()
+            except LeaseLost as e:
+                self.lost = str(e) or "lease lost"
+                _log.error("replica {path}: lease lost ({why}); stopping", path=self.path, why=e)
+                _uploads.labels(str(p.level), "lease_lost").inc()
+                # Mark stopped now (synchronously) so nothing else can write; tidy up later.
+                self._reactor.callLater(0, lambda: Deferred.fromCoroutine(self.stop()))
+                self._stopped = True
+                raise ReplicatorStopped(self.lost) from e
+            try:
+                await self._store.put_file(
+                    p.key, p.tmp_path, metadata={TIMESTAMP_METADATA: p.timestamp}
+                )
+            except ObjectStoreError as e:
+                _uploads.labels(str(p.level), "error").inc()
+                _log.warn(
+                    "replica {path}: upload of txid {txid} failed, will retry: {e}",
+                    path=self.path,
+                    txid=f"{p.txid:016x}",
+                    e=e,
+                )
+                self._update_lag()
+                return False
+            self._queue.pop(0)
+            _uploads.labels(str(p.level), "ok").inc()
+            _bytes.inc(p.size)
+            await self._run(os.unlink, p.tmp_path)
+            what = "snapshot" if p.level == SNAPSHOT_LEVEL else "shipped"
+            _log.info(
+                "replica {path}: " + what + " txid {txid} ({pages} pages)",
+                path=self.path,
+                txid=f"{p.txid:016x}",
+                pages=p.pages,
+            )
+        self._update_lag()
+        return True
+
+    # -- preparing files (worker thread) -----------------------------------------------------
+
+    def _new_file(
+        self,
+        level: int,
+        header: ltx.LTXHeader,
+        pages: Any,
+        stamp: datetime.datetime,
+    ) -> _Prepared:
+        assert self._tmp is not None
+        fd, tmp_path = tempfile.mkstemp(suffix=".ltx", dir=self._tmp)
+        n = 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                writer = ltx.LTXWriter(f, header)
+                for pgno, data in pages:
+                    writer.write_page(pgno, data)
+                    n += 1
+                writer.finish()
+                size = f.tell()
+        except BaseException:
+            os.unlink(tmp_path)
+            raise
+        key = ltx.object_key(self.path, level, header.min_txid, header.max_txid)
+        return _Prepared(key, tmp_path, level, header.max_txid, n, size, rfc3339_nano(stamp))
+
+    def _encode_snapshot(self, txid: int) -> tuple[_Prepared, WALPosition | None]:
+        snap, pages = self._db.snapshot()
+        now = datetime.datetime.now(UTC)
+        pos = snap.position
+        header = ltx.LTXHeader(
+            page_size=snap.page_size,
+            commit=snap.page_count,
+            min_txid=1,
+            max_txid=txid,
+            timestamp=int(now.timestamp() * 1000),
+            wal_offset=pos.offset if pos is not None else 0,
+            wal_salt1=pos.salt1 if pos is not None else 0,
+            wal_salt2=pos.salt2 if pos is not None else 0,
+        )
+        self.snapshots += 1
+        return self._new_file(SNAPSHOT_LEVEL, header, pages, now), pos
+
+    def _encode_segment(self, seg: Segment, txid: int) -> _Prepared:
+        now = datetime.datetime.now(UTC)
+        header = ltx.LTXHeader(
+            page_size=seg.header.page_size,
+            commit=seg.commit,
+            min_txid=txid,
+            max_txid=txid,
+            timestamp=int(now.timestamp() * 1000),
+            wal_offset=seg.start.offset,
+            wal_size=seg.size,
+            wal_salt1=seg.header.salt1,
+            wal_salt2=seg.header.salt2,
+        )
+        return self._new_file(0, header, wal.iter_segment_pages(self._db.wal_path, seg), now)
+
+    def _read_and_encode(
+        self, pos: WALPosition | None, txid: int
+    ) -> tuple[_Prepared, WALPosition] | WALReset | WALRewritten | None:
+        got = self._db.read_committed(pos)
+        if got is None or isinstance(got, WALReset | WALRewritten):
+            return got
+        if got.empty:
+            return None
+        return self._encode_segment(got, txid), got.end
+
+    def _checkpoint_thread(
+        self, shipped: WALPosition | None, txid: int, captured: list[_Prepared]
+    ) -> Any:
+        mode = self._db.wanted_checkpoint(shipped)
+        if mode is None:
+            return None
+
+        def capture(seg: Segment) -> None:
+            # Called with the space's writers held off: copy the tail's pages now, ship after.
+            captured.append(self._encode_segment(seg, txid + 1 + len(captured)))
+
+        result = self._db.checkpoint(mode, shipped, capture)
+        _log.debug(
+            "replica {path}: checkpoint {mode}: {result}", path=self.path, mode=mode, result=result
+        )
+        return result

@@ -1,0 +1,268 @@
+"""The replicator against real SQLite written by a real concurrent process, and real stores:
+FileStore for speed, moto (plus the stock ``litestream restore``) for the S3 path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Any
+
+import attrs
+from twisted.internet import reactor as _reactor
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThreadPool
+from twisted.trial.unittest import TestCase
+
+from lchat import lease
+from lchat.objstore.file import FileStore
+from lchat.replica.replicator import Replicator, ReplicatorStopped, rfc3339_nano
+from lchat.replica.restore import restore
+from tests import s3servers
+
+LITESTREAM = os.path.join(os.path.dirname(sys.executable), "litestream")
+HAVE_LITESTREAM = os.path.exists(LITESTREAM)
+PATH = "pre/h.example"
+
+# ~2 s of inserts, updates, deletes and a large blob, each round its own transaction.
+WRITER = textwrap.dedent(
+    """
+    import os, sqlite3, sys, time
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=10)
+    truncate = len(sys.argv) > 2
+    for r in range(20):
+        conn.execute("BEGIN")
+        for i in range(20):
+            conn.execute("INSERT INTO t(v) VALUES (?)", (os.urandom(50) * (i % 30 + 1),))
+        conn.execute("UPDATE t SET v = ? WHERE id % 7 = ?", (b"u" * 1500, r % 7))
+        conn.execute("DELETE FROM t WHERE id % 13 = ?", (r % 13,))
+        if r % 6 == 0:
+            conn.execute("INSERT INTO t(v) VALUES (?)", (os.urandom(300_000),))
+        conn.execute("COMMIT")
+        if truncate and r % 5 == 4:
+            # A TRUNCATE waits out the busy timeout while our read transaction is held: keep it short.
+            conn.execute("PRAGMA busy_timeout = 50")
+            print(conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+            conn.execute("PRAGMA busy_timeout = 10000")
+        time.sleep(0.1)
+    # A normal close, as a space does at SIGTERM: our read transaction must keep the WAL alive
+    # (ReplicaDB never closes a descriptor of the database file before its own close()).
+    conn.close()
+    """
+)
+
+
+def _dump(path: str) -> str:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        return hashlib.sha256("\n".join(conn.iterdump()).encode()).hexdigest()
+    finally:
+        conn.close()
+
+
+class Counting:
+    """Wraps a real store and records each call (name, monotonic time): no fake behaviour."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.calls: list[tuple[str, float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name in ("describe",) or not callable(attr):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, time.monotonic()))
+            return await attr(*args, **kwargs)
+
+        return call
+
+    def count(self, name: str | None = None) -> int:
+        return sum(1 for n, _ in self.calls if name is None or n == name)
+
+
+async def _thread(f: Any, *args: Any) -> Any:
+    r: Any = _reactor
+    return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+
+
+async def _sleep(seconds: float) -> None:
+    await deferLater(_reactor, seconds, lambda: None)
+
+
+class ReplicatorTests(TestCase):
+    timeout = 60
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="lchat-repl-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.src = os.path.join(self.dir, "src.db")
+        conn = sqlite3.connect(self.src, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+        conn.execute("INSERT INTO t(v) VALUES (?)", (b"seed" * 1000,))
+        conn.close()
+        os.makedirs(os.path.join(self.dir, "bucket"))
+        self.store = Counting(FileStore(_reactor, os.path.join(self.dir, "bucket")))
+
+    def _replicator(self, store: Any = None, **kw: Any) -> Replicator:
+        rep = Replicator(_reactor, store or self.store, self.src, PATH, interval=0.05, **kw)
+        self.addCleanup(rep.stop)
+        return rep
+
+    async def _write(self, *extra: str) -> None:
+        ran = await _thread(
+            lambda: subprocess.run(
+                [sys.executable, "-c", WRITER, self.src, *extra],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        )
+        self.assertEqual(ran.returncode, 0, ran.stderr)
+
+    async def _assert_restores(self, store: Any = None, name: str = "out.db") -> None:
+        out = os.path.join(self.dir, name)
+        await restore(store or self.store, PATH, out)
+        self.assertEqual(await _thread(_dump, out), await _thread(_dump, self.src))
+
+    async def _keys(self, level: int) -> int:
+        # The underlying store: this LIST is the test's, not the replicator's.
+        return len(await self.store._store.list(f"{PATH}/{level:04x}/"))
+
+    async def test_stream_then_restore(self) -> None:
+        rep = self._replicator()
+        await rep.start()
+        self.assertEqual((await self._keys(9), rep.txid), (1, 1))
+        await self._write()
+        await rep.flush()
+        self.assertGreater(
+            await self._keys(0), 3
+        )  # shipped while the writer ran, not all at the end
+        await self._assert_restores()
+
+    async def test_restart_continues_txids(self) -> None:
+        rep = self._replicator()
+        await rep.start()
+        await self._write()
+        await rep.flush()
+        last = rep.txid
+        await rep.stop()
+        again = self._replicator()
+        await again.start()  # a fresh snapshot after the highest txid found
+        self.assertEqual(again.txid, last + 1)
+        self.assertEqual(await self._keys(9), 2)
+        await self._assert_restores()
+
+    async def test_idle_costs_no_requests(self) -> None:
+        rep = self._replicator()
+        await rep.start()
+        await rep.flush()
+        before = self.store.count()
+        await _sleep(0.6)  # ~12 ticks
+        await rep.flush()
+        self.assertEqual(self.store.count(), before)
+
+    async def test_checkpoints_and_resets(self) -> None:
+        # Tiny thresholds: our own PASSIVE/TRUNCATE checkpoints run while the writer writes
+        # (and the writer's own TRUNCATE attempts run against our read transaction).
+        opts = {"min_checkpoint_pages": 5, "truncate_pages": 40}
+        rep = self._replicator(db_options=opts)
+        await rep.start()
+        await self._write("truncate")
+        await rep.flush()
+        self.assertGreater(rep.checkpoints, 0)
+        await self._assert_restores()
+        # A log that is not where we left it (as after a reset we cannot follow) -> snapshot.
+        assert rep._pos is not None
+        rep._pos = attrs.evolve(rep._pos, salt1=rep._pos.salt1 ^ 1)
+        snaps = await self._keys(9)
+        await rep.flush()
+        self.assertEqual(await self._keys(9), snaps + 1)
+        await self._write()
+        await rep.flush()
+        await self._assert_restores(name="out2.db")
+
+    async def test_lease_lost_stops_writes(self) -> None:
+        held = await lease.acquire(self.store, f"{PATH}/lock.json", "box-a", 1.0)
+        # Never started: no renewal, so the lease is lost at its deadline (~0.9 s).
+        keeper = lease.LeaseKeeper(_reactor, self.store, held, lambda why: None, watchdog=False)
+        rep = self._replicator(keeper=keeper)
+        await rep.start()
+        await self._write()  # ~2 s: well past the deadline
+        await _sleep(0.2)
+        self.assertIsNotNone(rep.lost)
+        self.assertTrue(rep.stopped)
+        puts = [t for n, t in self.store.calls if n == "put_file"]
+        self.assertGreater(len(puts), 1)
+        self.assertLess(max(puts), keeper.deadline)
+        with self.assertRaises(ReplicatorStopped):
+            await rep.flush()
+
+    def test_timestamp_format(self) -> None:
+        import datetime
+
+        utc = datetime.UTC
+        t = datetime.datetime(2026, 1, 2, 3, 4, 5, 120000, tzinfo=utc)
+        self.assertEqual(rfc3339_nano(t), "2026-01-02T03:04:05.12Z")
+        self.assertEqual(rfc3339_nano(t.replace(microsecond=0)), "2026-01-02T03:04:05Z")
+
+
+class MotoTests(TestCase):
+    timeout = 90
+
+    async def test_moto_and_stock_litestream(self) -> None:
+        server = await s3servers.shared_server("moto")
+        bucket = await server.new_bucket()
+        store = s3servers.store_for(server, bucket)
+        self.addCleanup(store.close)
+        d = tempfile.mkdtemp(prefix="lchat-repl-")
+        self.addCleanup(shutil.rmtree, d, True)
+        src = os.path.join(d, "src.db")
+        conn = sqlite3.connect(src, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+        conn.close()
+        rep = Replicator(_reactor, store, src, PATH, interval=0.1)
+        self.addCleanup(rep.stop)
+        await rep.start()
+        ran = await _thread(
+            lambda: subprocess.run(
+                [sys.executable, "-c", WRITER, src], capture_output=True, text=True, timeout=30
+            )
+        )
+        self.assertEqual(ran.returncode, 0, ran.stderr)
+        await rep.flush()
+        want = await _thread(_dump, src)
+        ours = os.path.join(d, "by-us.db")
+        await restore(store, PATH, ours)
+        self.assertEqual(await _thread(_dump, ours), want)
+        if not HAVE_LITESTREAM:
+            return
+        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+        env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
+        env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
+        url = (
+            f"s3://{bucket}/{PATH}?endpoint={server.endpoint}"
+            f"&region={server.region}&force-path-style=true"
+        )
+        out = os.path.join(d, "by-litestream.db")
+        res = await _thread(
+            lambda: subprocess.run(
+                [LITESTREAM, "restore", "-o", out, url],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        )
+        self.assertEqual(res.returncode, 0, res.stderr)
+        self.assertEqual(await _thread(_dump, out), want)
