@@ -207,6 +207,81 @@ class ReplicatorTests(TestCase):
         with self.assertRaises(ReplicatorStopped):
             await rep.flush()
 
+    async def _all_keys(self) -> list[str]:
+        return [i.key for i in await self.store._store.list(f"{PATH}/") if i.key.endswith(".ltx")]
+
+    async def test_compaction_snapshot_retention_restore_each_step(self) -> None:
+        # Timers far away: each step is driven by hand, and restore must work after every one.
+        rep = self._replicator(compaction={1: 1e6, 2: 1e6, 3: 1e6}, snapshot_interval=1e6)
+        await rep.start()
+        await self._write()
+        await rep.flush()
+        l0 = await self._keys(0)
+        self.assertGreater(l0, 3)
+        await self._assert_restores(name="s0.db")
+        self.assertEqual(await rep.compact(1), 1)
+        self.assertEqual((await self._keys(0), await self._keys(1)), (0, 1))
+        await self._assert_restores(name="s1.db")
+        await self._write()
+        await rep.flush()
+        await rep.compact(1)
+        self.assertEqual((await self._keys(0), await self._keys(1)), (0, 2))
+        await self._assert_restores(name="s2.db")
+        await rep.compact(2)
+        self.assertEqual((await self._keys(1), await self._keys(2)), (0, 1))
+        await self._assert_restores(name="s3.db")
+        await rep.compact(3)
+        self.assertEqual((await self._keys(2), await self._keys(3)), (0, 1))
+        await self._assert_restores(name="s4.db")
+        before = self.store.count()
+        self.assertEqual(await rep.compact(3), 0)  # nothing below: no request at all
+        self.assertEqual(self.store.count(), before)
+        await self._write()
+        await rep.flush()
+        await rep.snapshot()  # retention: only the new snapshot is left
+        keys = await self._all_keys()
+        self.assertEqual(len(keys), 1, keys)
+        self.assertIn("/0009/", keys[0])
+        await self._assert_restores(name="s5.db")
+        await self._write()
+        await rep.flush()
+        await self._assert_restores(name="s6.db")
+        self.assertGreater(rep.deleted, l0)
+
+    async def test_timed_maintenance_then_idle_costs_nothing(self) -> None:
+        rep = self._replicator(compaction={1: 0.1, 2: 0.3, 3: 0.6}, snapshot_interval=1.0)
+        await rep.start()
+        await self._write()
+        await rep.flush()
+        await _sleep(1.5)  # compactions and a snapshot (plus retention) run on the ticks
+        self.assertGreater(rep.compactions, 0)
+        self.assertGreaterEqual(rep.snapshots, 2)
+        await self._assert_restores()
+        keys = await self._all_keys()
+        snap = max(int(k[-21:-4], 16) for k in keys if "/0009/" in k)
+        self.assertEqual(sum("/0009/" in k for k in keys), 1, keys)
+        self.assertTrue(all(int(k[-38:-21], 16) > snap for k in keys if "/0009/" not in k), keys)
+        before = self.store.count()
+        await _sleep(1.3)  # every timer fires again while idle
+        self.assertEqual(self.store.count(), before, self.store.calls[before:])
+        await self._write()
+        await rep.flush()
+        await _sleep(1.2)
+        await self._assert_restores(name="out2.db")
+
+    async def test_lease_lost_no_compaction_writes(self) -> None:
+        held = await lease.acquire(self.store, f"{PATH}/lock.json", "box-a", 1.0)
+        keeper = lease.LeaseKeeper(_reactor, self.store, held, lambda why: None, watchdog=False)
+        rep = self._replicator(keeper=keeper, compaction={1: 0.05}, snapshot_interval=0.2)
+        await rep.start()
+        await self._write()  # ~2 s: past the deadline
+        await _sleep(0.3)
+        self.assertTrue(rep.stopped)
+        writes = [t for n, t in self.store.calls if n in ("put_file", "delete")]
+        self.assertLess(max(writes), keeper.deadline)
+        with self.assertRaises(ReplicatorStopped):
+            await rep.compact(1)
+
     def test_timestamp_format(self) -> None:
         import datetime
 
@@ -247,6 +322,69 @@ class MotoTests(TestCase):
         self.assertEqual(await _thread(_dump, ours), want)
         if not HAVE_LITESTREAM:
             return
+        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+        env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
+        env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
+        url = (
+            f"s3://{bucket}/{PATH}?endpoint={server.endpoint}"
+            f"&region={server.region}&force-path-style=true"
+        )
+        out = os.path.join(d, "by-litestream.db")
+        res = await _thread(
+            lambda: subprocess.run(
+                [LITESTREAM, "restore", "-o", out, url],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        )
+        self.assertEqual(res.returncode, 0, res.stderr)
+        self.assertEqual(await _thread(_dump, out), want)
+
+    async def test_moto_compaction_and_retention(self) -> None:
+        server = await s3servers.shared_server("moto")
+        bucket = await server.new_bucket()
+        store = Counting(s3servers.store_for(server, bucket))
+        self.addCleanup(store._store.close)
+        d = tempfile.mkdtemp(prefix="lchat-repl-")
+        self.addCleanup(shutil.rmtree, d, True)
+        src = os.path.join(d, "src.db")
+        conn = sqlite3.connect(src, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+        conn.close()
+        rep = Replicator(
+            _reactor,
+            store,
+            src,
+            PATH,
+            interval=0.1,
+            compaction={1: 0.2, 2: 0.5},
+            snapshot_interval=1.0,
+        )
+        self.addCleanup(rep.stop)
+        await rep.start()
+        ran = await _thread(
+            lambda: subprocess.run(
+                [sys.executable, "-c", WRITER, src], capture_output=True, text=True, timeout=30
+            )
+        )
+        self.assertEqual(ran.returncode, 0, ran.stderr)
+        await rep.flush()
+        await _sleep(1.6)
+        self.assertGreater(rep.compactions, 0)
+        self.assertGreater(rep.deleted, 0)
+        want = await _thread(_dump, src)
+        ours = os.path.join(d, "by-us.db")
+        await restore(store._store, PATH, ours)
+        self.assertEqual(await _thread(_dump, ours), want)
+        before = store.count()
+        await _sleep(1.2)
+        self.assertEqual(store.count(), before, store.calls[before:])
+        if not HAVE_LITESTREAM:
+            return
+        # Stock Litestream restores the compacted, retained replica too.
         env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
         env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
         env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key

@@ -15,6 +15,15 @@ once it is lost we stop for good and never write again.
 Txids count uploaded files, as Litestream's do. At start we LIST ``<path>/`` once (never again) to
 continue after the highest txid there, then snapshot: we cannot know whether our WAL continues
 whatever wrote those files.
+
+Maintenance (Litestream 0.5's levels, see :mod:`lchat.replica.compact`) runs on the ticks, under the
+same lock, from the in-memory list of files we know are in the bucket (the start LIST plus what we
+uploaded): every ``compaction[level]`` seconds each contiguous run of level ``level - 1`` files is
+downloaded, merged in the worker thread, uploaded as one level-``level`` file, and only then are
+its inputs deleted; every ``snapshot_interval`` seconds, if anything was shipped since the last
+snapshot, a new level-9 snapshot is shipped and, once durable, every file wholly older than it is
+deleted. With nothing new to act on, none of this issues a request. The lease is checked before
+every upload and every delete.
 """
 
 from __future__ import annotations
@@ -36,9 +45,15 @@ from twisted.python.threadpool import ThreadPool
 
 from lchat.lease import LeaseKeeper, LeaseLost
 from lchat.objstore import UTC, ObjectStore, ObjectStoreError
+from lchat.replica import compact as _compact
 from lchat.replica import ltx, wal
 from lchat.replica.db import ReplicaDB
-from lchat.replica.restore import SNAPSHOT_LEVEL, TIMESTAMP_METADATA, replica_files
+from lchat.replica.restore import (
+    SNAPSHOT_LEVEL,
+    TIMESTAMP_METADATA,
+    parse_timestamp,
+    replica_files,
+)
 from lchat.replica.wal import Segment, WALPosition, WALReset, WALRewritten
 
 _log = Logger()
@@ -95,6 +110,8 @@ class Replicator:
         run_in_thread: RunInThread | None = None,
         db_options: Mapping[str, int] | None = None,  # ReplicaDB's tuning (tests: tiny thresholds)
         tmp_dir: str | None = None,
+        compaction: Mapping[int, float] | None = None,  # level -> seconds (Litestream's defaults)
+        snapshot_interval: float = _compact.DEFAULT_SNAPSHOT_INTERVAL,
     ) -> None:
         self._reactor = reactor
         self._store = store
@@ -126,6 +143,19 @@ class Replicator:
         self.lost: str | None = None  # why the lease was lost, if it was
         self.snapshots = 0
         self.checkpoints = 0
+        self.compactions = 0
+        self.deleted = 0
+        levels = dict(_compact.DEFAULT_LEVELS if compaction is None else compaction)
+        if any(not 1 <= lvl < SNAPSHOT_LEVEL for lvl in levels):
+            raise ValueError(f"compaction levels must be 1..{SNAPSHOT_LEVEL - 1}: {levels}")
+        self._levels = dict(sorted(levels.items()))
+        self.snapshot_interval = snapshot_interval
+        # What we know is in the bucket, per level: the start LIST plus what we wrote since.
+        self._files: dict[int, dict[str, _compact.Entry]] = {}
+        self._last_compaction: dict[int, float] = {}
+        self._last_snapshot = 0.0
+        self._snap_txid = 0  # the newest snapshot we uploaded
+        self._garbage: list[str] = []  # keys whose delete failed: retried at the next pass
 
     @property
     def txid(self) -> int:
@@ -151,6 +181,15 @@ class Replicator:
         # The one LIST of our life: continue after whatever txid is already there.
         files = replica_files(await self._store.list(self.path + "/"))
         self._txid = max((f.max_txid for f in files), default=0)
+        for f in files:
+            self._remember(
+                _compact.Entry(
+                    f.level, f.min_txid, f.max_txid, f.info.key, rfc3339_nano(f.created_at)
+                )
+            )
+        now = self._reactor.seconds()
+        self._last_compaction = dict.fromkeys(self._levels, now)
+        self._last_snapshot = now
         async with self._lock:
             await self._sync_locked()
             if self._queue:
@@ -202,6 +241,8 @@ class Replicator:
         try:
             async with self._lock:
                 await self._sync_locked()
+                if not self._queue:
+                    await self._maintain_locked(self._reactor.seconds())
         except Exception as e:
             if not self._stopped:
                 _log.warn("replica {path}: sync failed, retrying: {e!r}", path=self.path, e=e)
@@ -276,17 +317,7 @@ class Replicator:
             p = self._queue[0]
             if self._stopped:
                 return False
-            try:
-                if self._keeper is not None:
-                    self._keeper.ensure_held()
-            except LeaseLost as e:
-                self.lost = str(e) or "lease lost"
-                _log.error("replica {path}: lease lost ({why}); stopping", path=self.path, why=e)
-                _uploads.labels(str(p.level), "lease_lost").inc()
-                # Mark stopped now (synchronously) so nothing else can write; tidy up later.
-                self._reactor.callLater(0, lambda: Deferred.fromCoroutine(self.stop()))
-                self._stopped = True
-                raise ReplicatorStopped(self.lost) from e
+            self._ensure_held(p.level)
             try:
                 await self._store.put_file(
                     p.key, p.tmp_path, metadata={TIMESTAMP_METADATA: p.timestamp}
@@ -302,6 +333,7 @@ class Replicator:
                 self._update_lag()
                 return False
             self._queue.pop(0)
+            self._uploaded(p)
             _uploads.labels(str(p.level), "ok").inc()
             _bytes.inc(p.size)
             await self._run(os.unlink, p.tmp_path)
@@ -314,6 +346,155 @@ class Replicator:
             )
         self._update_lag()
         return True
+
+    def _ensure_held(self, level: int | None = None) -> None:
+        """Before every write or delete: raise :class:`ReplicatorStopped` (for good) unless we
+        still hold the lease."""
+        if self._stopped:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        try:
+            if self._keeper is not None:
+                self._keeper.ensure_held()
+        except LeaseLost as e:
+            self.lost = str(e) or "lease lost"
+            _log.error("replica {path}: lease lost ({why}); stopping", path=self.path, why=e)
+            _uploads.labels("delete" if level is None else str(level), "lease_lost").inc()
+            # Mark stopped now (synchronously) so nothing else can write; tidy up later.
+            self._reactor.callLater(0, lambda: Deferred.fromCoroutine(self.stop()))
+            self._stopped = True
+            raise ReplicatorStopped(self.lost) from e
+
+    def _remember(self, entry: _compact.Entry) -> None:
+        self._files.setdefault(entry.level, {})[entry.key] = entry
+
+    def _uploaded(self, p: _Prepared) -> None:
+        min_txid = 1 if p.level == SNAPSHOT_LEVEL else _min_txid(p.key)
+        self._remember(_compact.Entry(p.level, min_txid, p.txid, p.key, p.timestamp))
+        if p.level == SNAPSHOT_LEVEL:
+            self._snap_txid = max(self._snap_txid, p.txid)
+
+    def files(self, level: int) -> list[_compact.Entry]:
+        """The files this replicator believes are at ``level`` (no request)."""
+        return sorted(self._files.get(level, {}).values(), key=lambda e: (e.min_txid, e.max_txid))
+
+    # -- compaction, periodic snapshots, retention -------------------------------------------
+
+    async def _maintain_locked(self, now: float) -> None:
+        """The timed work of a tick. Each step acts only on files uploaded since it last ran, so
+        an idle space issues no request here (not even a LIST)."""
+        if self._stopped:
+            return
+        if self._garbage:
+            await self._delete_keys(list(self._garbage))
+        for level, every in self._levels.items():
+            if now - self._last_compaction.get(level, now) >= every:
+                self._last_compaction[level] = now
+                await self._compact_locked(level)
+        if now - self._last_snapshot >= self.snapshot_interval:
+            self._last_snapshot = now
+            await self._snapshot_locked()
+
+    async def compact(self, level: int) -> int:
+        """Compact level ``level - 1`` into ``level`` now; returns the files written."""
+        if self._stopped:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        async with self._lock:
+            return await self._compact_locked(level)
+
+    async def snapshot(self) -> None:
+        """Ship a snapshot now (if anything changed since the last one), then apply retention."""
+        if self._stopped:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        async with self._lock:
+            await self._sync_locked()
+            if self._queue:
+                raise ObjectStoreError(f"replica {self.path}: files not uploaded")
+            await self._snapshot_locked()
+
+    async def _compact_locked(self, level: int) -> int:
+        if not 1 <= level < SNAPSHOT_LEVEL:
+            raise ValueError(f"cannot compact into level {level}")
+        below = self.files(level - 1)
+        if not below or self._stopped:
+            return 0
+        written = 0
+        for run in _compact.contiguous_runs(below):
+            if self._stopped:
+                break
+            await self._compact_run(level, run)
+            written += 1
+        return written
+
+    async def _compact_run(self, level: int, run: list[_compact.Entry]) -> None:
+        assert self._tmp is not None
+        work = await self._run(lambda: tempfile.mkdtemp(prefix="compact-", dir=self._tmp))
+        try:
+            inputs = []
+            for i, e in enumerate(run):
+                path = os.path.join(work, f"{i:06d}.ltx")
+                await self._store.get_to_file(e.key, path)
+                inputs.append(path)
+            out = os.path.join(work, "out.ltx")
+            merged: _compact.Merged = await self._run(_compact.merge, inputs, out)
+            h = merged.header
+            key = ltx.object_key(self.path, level, h.min_txid, h.max_txid)
+            # Litestream keeps the oldest source's time, so point-in-time restore still sees it.
+            stamp = min(run, key=lambda e: parse_timestamp(e.timestamp)).timestamp
+            self._ensure_held(level)
+            await self._store.put_file(key, out, metadata={TIMESTAMP_METADATA: stamp})
+            _uploads.labels(str(level), "ok").inc()
+            _bytes.inc(merged.size)
+        finally:
+            await self._run(shutil.rmtree, work, True)
+        # Durable: only now may the files it replaces go.
+        self._remember(_compact.Entry(level, h.min_txid, h.max_txid, key, stamp))
+        self.compactions += 1
+        _log.info(
+            "replica {path}: compacted {n} files into level {lvl} {lo}-{hi} ({pages} pages)",
+            path=self.path,
+            n=len(run),
+            lvl=level,
+            lo=f"{h.min_txid:016x}",
+            hi=f"{h.max_txid:016x}",
+            pages=merged.pages,
+        )
+        await self._delete_keys([e.key for e in run if e.key != key])
+
+    async def _snapshot_locked(self) -> None:
+        if self._stopped or self._txid <= self._snap_txid:
+            return  # nothing new since the last snapshot: no request
+        self._need_snapshot = True
+        await self._sync_locked()
+        if self._queue or self._need_snapshot:
+            return
+        await self._retain_locked()
+
+    async def _retain_locked(self) -> None:
+        """Delete every file wholly older than the newest durable snapshot."""
+        snap = self._snap_txid
+        old = [
+            e.key
+            for level, entries in self._files.items()
+            for e in entries.values()
+            if e.max_txid < snap
+        ]
+        await self._delete_keys(old)
+
+    async def _delete_keys(self, keys: list[str]) -> None:
+        for key in keys:
+            self._ensure_held()
+            for entries in self._files.values():
+                entries.pop(key, None)
+            try:
+                await self._store.delete(key)
+            except ObjectStoreError as e:
+                _log.warn("replica {path}: delete {key} failed: {e}", path=self.path, key=key, e=e)
+                if key not in self._garbage:
+                    self._garbage.append(key)
+                continue
+            if key in self._garbage:
+                self._garbage.remove(key)
+            self.deleted += 1
 
     # -- preparing files (worker thread) -----------------------------------------------------
 
@@ -399,3 +580,7 @@ class Replicator:
             "replica {path}: checkpoint {mode}: {result}", path=self.path, mode=mode, result=result
         )
         return result
+
+
+def _min_txid(key: str) -> int:
+    return int(key.rsplit("/", 1)[1].split("-", 1)[0], 16)
