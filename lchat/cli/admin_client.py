@@ -112,6 +112,7 @@ def wait_for_version(socket_path: str, host: str, timeout: float, interval: floa
         else:
             if got.status == 200:
                 return True
+        # The CLI is synchronous: no reactor here to block.
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 

@@ -372,7 +372,7 @@ def _wait_for_verdict(registry: Registry, host: str, timeout: float) -> Route:
             raise CliError(f"{host} was removed while it was starting")
         if route.status != "creating" or time.monotonic() >= deadline:
             return route
-        time.sleep(POLL_INTERVAL)
+        time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
 
 
 def _stage_env_file(path: str, token: str | None) -> str:

@@ -557,7 +557,7 @@ class FileBucket:
                             f"file store {self.root}: lock {path} busy for {self.lock_timeout}s",
                             key=key,
                         ) from None
-                    time.sleep(0.002)
+                    time.sleep(0.002)  # FileBucket runs in worker threads, never the reactor
             yield  # closing the descriptor releases the lock
         finally:
             os.close(fd)
