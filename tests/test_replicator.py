@@ -4,6 +4,7 @@ FileStore for speed, moto (plus the stock ``litestream restore``) for the S3 pat
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import sqlite3
@@ -404,3 +405,110 @@ class MotoTests(TestCase):
         )
         self.assertEqual(res.returncode, 0, res.stderr)
         self.assertEqual(await _thread(_dump, out), want)
+
+
+def _inline(f: Any, *args: Any) -> Any:
+    """Run 'thread' work inline: with a fake clock there is no reactor to hop back to."""
+    from twisted.internet.defer import maybeDeferred
+
+    return maybeDeferred(f, *args)
+
+
+class StreamTimingTests(TestCase):
+    """When the ``stream`` class syncs, driven by a fake clock (the disk and the store are real)."""
+
+    def setUp(self) -> None:
+        from twisted.internet.task import Clock
+
+        self.dir = tempfile.mkdtemp(prefix="lchat-repl-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.src = os.path.join(self.dir, "src.db")
+        self.conn = sqlite3.connect(self.src, isolation_level=None)
+        self.addCleanup(self.conn.close)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT)")
+        os.makedirs(os.path.join(self.dir, "bucket"))
+        self.clock = Clock()
+        self.store = Counting(
+            FileStore(self.clock, os.path.join(self.dir, "bucket"), run_in_thread=_inline)
+        )
+        self.rep = Replicator(
+            self.clock, self.store, self.src, PATH, interval=1.0, run_in_thread=_inline
+        )
+        from twisted.internet.defer import Deferred
+
+        self.successResultOf(Deferred.fromCoroutine(self.rep.start()))
+        self.addCleanup(lambda: Deferred.fromCoroutine(self.rep.stop()))
+
+    def _commit(self, text: str) -> None:
+        self.conn.execute("INSERT INTO t(v) VALUES (?)", (text,))
+
+    def _advance(self, seconds: float, step: float = 0.05) -> None:
+        for _ in range(round(seconds / step)):
+            self.clock.advance(step)
+
+    def test_lone_commit_ships_on_the_next_watch(self) -> None:
+        self.assertEqual((self.rep.watch_interval, self.rep.gap), (0.1, 0.85))
+        self._advance(5.0)
+        before = self.store.count()
+        self._advance(5.0)
+        self.assertEqual(self.store.count(), before, "a quiet space costs no request")
+        puts = self.store.count("put_file")
+        self._commit("one")
+        self._advance(0.1)
+        self.assertEqual(self.store.count("put_file"), puts + 1)
+        self.assertEqual(self.rep.files(0)[-1].max_txid, self.rep.txid)
+
+    def test_busy_space_ships_once_per_gap_and_within_the_interval(self) -> None:
+        self._advance(5.0)
+        puts = self.store.count("put_file")
+        shipped_at: list[float] = []
+        for i in range(60):  # a commit every 50 ms for 3 s
+            self._commit(f"row {i}")
+            self._advance(0.05)
+            if self.store.count("put_file") > puts + len(shipped_at):
+                shipped_at.append(self.clock.seconds())
+        self._advance(1.0)
+        uploads = self.store.count("put_file") - puts
+        # Each upload starts >= gap after the previous one: ~3 s / 0.85 s, not one per commit.
+        self.assertLessEqual(uploads, 5)
+        self.assertGreaterEqual(uploads, 3)
+        gaps = [b - a for a, b in itertools.pairwise(shipped_at)]
+        for gap in gaps:
+            self.assertGreaterEqual(gap, 0.85 - 1e-6)
+            self.assertLessEqual(gap, 1.0)
+        # Everything committed is in the bucket.
+        self.assertEqual(self.rep.files(0)[-1].max_txid, self.rep.txid)
+        out = os.path.join(self.dir, "out.db")
+        self.successResultOf(_inline_restore(self.store, out))
+        self.assertEqual(sqlite3.connect(out).execute("SELECT count(*) FROM t").fetchone(), (60,))
+
+
+def _inline_restore(store: Any, out: str) -> Any:
+    from twisted.internet.defer import Deferred
+
+    return Deferred.fromCoroutine(restore(store, PATH, out, run_in_thread=_inline))
+
+
+class ScratchDirTests(TestCase):
+    def test_dead_processes_scratch_dirs_are_swept(self) -> None:
+        from lchat.replica.replicator import _make_tmp
+
+        root = tempfile.mkdtemp(prefix="lchat-scratch-")
+        self.addCleanup(shutil.rmtree, root, True)
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        stale = os.path.join(root, f".lchat-replica-{dead.stdout.strip()}-abc")
+        live = os.path.join(root, f".lchat-replica-{os.getppid()}-def")
+        other = os.path.join(root, "unrelated")
+        for d in (stale, live, other):
+            os.makedirs(d)
+        mine = _make_tmp(root)
+        self.assertTrue(os.path.basename(mine).startswith(f".lchat-replica-{os.getpid()}-"))
+        self.assertEqual(
+            sorted(os.listdir(root)), sorted(os.path.basename(p) for p in (live, other, mine))
+        )

@@ -1,8 +1,11 @@
 """Stream a live space's database to the bucket as Litestream-0.5 LTX files (DESIGN.md §6).
 
-One :class:`Replicator` per space. Every ``interval`` seconds a *sync* reads the WAL's newly
-committed frames after what we shipped (``ReplicaDB.read_committed``), encodes them as one
-level-0 LTX file and uploads it; a quiet space costs no request at all. At start, and whenever the
+One :class:`Replicator` per space. A *sync* reads the WAL's newly committed frames after what we
+shipped (``ReplicaDB.read_committed``), encodes them as one level-0 LTX file and uploads it. When
+to sync: every ``watch_interval`` (100 ms on ``stream``) one ``stat`` of the WAL says whether
+anything was written; if so, a sync starts at once unless one started less than ``gap`` ago, so a
+commit is durable within ``interval`` and a busy space costs one upload per ``gap``. A quiet space
+costs no request at all. At start, and whenever the
 log is not where we left it (``WALReset``/``WALRewritten``), a level-9 snapshot is shipped instead.
 After an upload we run our own checkpoint when ``ReplicaDB.wanted_checkpoint`` asks for one.
 
@@ -68,8 +71,13 @@ _lag = Gauge(
     "lchat_replica_lag_seconds", "Seconds since the oldest unshipped commit was noticed", ["path"]
 )
 
-# Replication classes (DESIGN.md §6): seconds between syncs.
+# Replication classes (DESIGN.md §6): the longest a commit may wait before it is durable.
 INTERVALS = {"stream": 1.0, "batched": 300.0, "daily": 86400.0}
+
+# How often a ``stream`` replicator looks at the WAL (one stat, no read) for new commits.
+STREAM_WATCH = 0.1
+# Headroom for reading, encoding and uploading a sync within the class's interval.
+_UPLOAD_MARGIN = 0.05
 
 
 class ReplicatorStopped(Exception):
@@ -106,6 +114,7 @@ class Replicator:
         replica_path: str,  # "<prefix>/<host>"
         *,
         interval: float = INTERVALS["stream"],
+        watch_interval: float | None = None,  # default: STREAM_WATCH when interval <= 1 s
         keeper: LeaseKeeper | None = None,
         run_in_thread: RunInThread | None = None,
         db_options: Mapping[str, int] | None = None,  # ReplicaDB's tuning (tests: tiny thresholds)
@@ -118,6 +127,18 @@ class Replicator:
         self.db_path = db_path
         self.path = replica_path.rstrip("/")
         self.interval = interval
+        if watch_interval is None:
+            watch_interval = STREAM_WATCH if interval <= 1.0 else interval
+        self.watch_interval = min(watch_interval, interval)
+        # Syncs start at least ``gap`` apart: a commit right after a sync waits at most that
+        # long, and a busy space costs one upload per gap (no more than Litestream's per-second
+        # sync). A quiet space's lone commit is noticed by the next watch and shipped at once.
+        if self.watch_interval < interval:
+            self.gap = max(interval - self.watch_interval - _UPLOAD_MARGIN, self.watch_interval)
+        else:
+            self.gap = interval
+        self._seen: tuple[int, int, int] | None = None  # the WAL's stat at the last sync
+        self._last_sync = float("-inf")
         self._keeper = keeper
         self._pool: ThreadPool | None = None
         if run_in_thread is None:
@@ -174,9 +195,7 @@ class Replicator:
         self._started = True
         if self._pool is not None:
             self._pool.start()
-        self._tmp = await self._run(
-            lambda: tempfile.mkdtemp(prefix=".lchat-replica-", dir=self._tmp_root)
-        )
+        self._tmp = await self._run(_make_tmp, self._tmp_root)
         await self._run(self._db.open)
         # The one LIST of our life: continue after whatever txid is already there.
         files = replica_files(await self._store.list(self.path + "/"))
@@ -228,19 +247,40 @@ class Replicator:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def _schedule(self) -> None:
+    def _schedule(self, delay: float | None = None) -> None:
         if not self._stopped:
-            self._call = self._reactor.callLater(self.interval, self._tick)
+            wait = self.watch_interval if delay is None else max(delay, 0.0)
+            self._call = self._reactor.callLater(wait, self._tick)
 
     def _tick(self) -> None:
         self._call = None
-        d = Deferred.fromCoroutine(self._tick_async())
+        if self._stopped:
+            return
+        now = self._reactor.seconds()
+        want_sync = bool(self._queue) or self._need_snapshot or self._wal_stat() != self._seen
+        if want_sync and now - self._last_sync < self.gap:
+            self._schedule(self._last_sync + self.gap - now)
+            return
+        if not want_sync and not self._maintenance_due(now):
+            self._schedule()
+            return
+        d = Deferred.fromCoroutine(self._tick_async(want_sync))
         d.addBoth(lambda _: self._schedule())
 
-    async def _tick_async(self) -> None:
+    def _wal_stat(self) -> tuple[int, int, int] | None:
+        # On the reactor thread on purpose: one metadata syscall (microseconds, no data read) is
+        # far cheaper than a hop to the worker thread ten times a second.
+        try:
+            st = os.stat(self._db.wal_path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    async def _tick_async(self, want_sync: bool) -> None:
         try:
             async with self._lock:
-                await self._sync_locked()
+                if want_sync:
+                    await self._sync_locked()
                 if not self._queue:
                     await self._maintain_locked(self._reactor.seconds())
         except Exception as e:
@@ -250,6 +290,8 @@ class Replicator:
     async def _sync_locked(self) -> None:
         if self._stopped:
             return
+        self._last_sync = self._reactor.seconds()
+        seen = self._wal_stat()  # before the read: a commit after it shows as a change
         if not await self._drain():
             return
         if self._need_snapshot:
@@ -265,6 +307,7 @@ class Replicator:
                 await self._prepare_snapshot()
             elif got is not None:
                 self._enqueue(*got)
+        self._seen = seen  # read (and queued): only a later change needs another sync
         shipped = bool(self._queue)
         if not await self._drain():
             return
@@ -378,6 +421,15 @@ class Replicator:
         return sorted(self._files.get(level, {}).values(), key=lambda e: (e.min_txid, e.max_txid))
 
     # -- compaction, periodic snapshots, retention -------------------------------------------
+
+    def _maintenance_due(self, now: float) -> bool:
+        return (
+            bool(self._garbage)
+            or any(
+                now - self._last_compaction.get(lvl, now) >= t for lvl, t in self._levels.items()
+            )
+            or now - self._last_snapshot >= self.snapshot_interval
+        )
 
     async def _maintain_locked(self, now: float) -> None:
         """The timed work of a tick. Each step acts only on files uploaded since it last ran, so
@@ -580,6 +632,37 @@ class Replicator:
             "replica {path}: checkpoint {mode}: {result}", path=self.path, mode=mode, result=result
         )
         return result
+
+
+_TMP_PREFIX = ".lchat-replica-"
+
+
+def _make_tmp(root: str | None) -> str:
+    """Our scratch directory, named after this process; first sweep away those of dead ones (a
+    SIGKILLed replicator cannot clean up after itself)."""
+    root = root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for name in names:
+        pid_text = name[len(_TMP_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(_TMP_PREFIX) or not pid_text.isdigit():
+            continue
+        if int(pid_text) != os.getpid() and not _alive(int(pid_text)):
+            _log.info("replica: removing {dir} left by a dead process", dir=name)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _min_txid(key: str) -> int:
