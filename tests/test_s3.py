@@ -22,8 +22,9 @@ from botocore.credentials import (  # type: ignore[import-untyped]
 )
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
-from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
+from twisted.internet.defer import CancelledError, Deferred, DeferredSemaphore, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.interfaces import IConsumer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
@@ -31,7 +32,9 @@ from twisted.python.failure import Failure
 from twisted.python.filepath import FilePath
 from twisted.trial.unittest import TestCase
 from twisted.web.client import HTTPConnectionPool
+from zope.interface import implementer
 
+import lchat.objstore.s3 as s3_module
 from lchat.config import HibernateConfig
 from lchat.objstore import (
     UTC,
@@ -547,10 +550,105 @@ class RealServerTests(_RealServer):
             (info.size, info.etag, info.metadata), (size, digest, {"kind": "snapshot"})
         )
         self.assertEqual(await in_thread(_md5_file, target), digest)
-        # Far below the object: the body is never held whole (64 KiB reads up, ~1-4 MiB
-        # write-behind down).
+        # Far below the object: the body is never held whole (256 KiB reads up, one read
+        # ahead; ~1-4 MiB write-behind down).
         self.assertLess(upload_peak, 4 * 1024 * 1024)
         self.assertLess(download_peak, 16 * 1024 * 1024)
+
+    async def test_put_file_of_several_megabytes_roundtrips(self) -> None:
+        size = 5 * 1024 * 1024 + 12345  # not a whole number of read chunks: a short last read
+        data = os.urandom(size)
+        path = self.mktemp()
+        await in_thread(FilePath(path).setContent, data)
+        result = await self.store.put_file("blob", path, metadata={"kind": "snapshot"})
+        self.assertEqual(result.etag, md5(data))
+        got = await self.store.get("blob")
+        self.assertEqual(got.body, data)
+        self.assertEqual((got.info.size, got.info.metadata), (size, {"kind": "snapshot"}))
+        empty = self.mktemp()
+        await in_thread(FilePath(empty).setContent, b"")
+        self.assertEqual((await self.store.put_file("empty", empty)).etag, md5(b""))
+        self.assertEqual((await self.store.get("empty")).body, b"")
+
+    async def test_put_file_reads_the_file_in_threads_never_on_the_reactor(self) -> None:
+        reactor_thread = threading.current_thread()
+        calls: list[tuple[str, threading.Thread, int]] = []  # (what, thread, bytes)
+        real_open, real_read = s3_module._open_for_upload, s3_module._read_chunk
+
+        def open_for_upload(path: str, size: int) -> int:
+            calls.append(("open", threading.current_thread(), 0))
+            return real_open(path, size)
+
+        def read_chunk(fd: int, offset: int, size: int) -> bytes:
+            data = real_read(fd, offset, size)
+            calls.append(("read", threading.current_thread(), len(data)))
+            return data
+
+        self.patch(s3_module, "_open_for_upload", open_for_upload)
+        self.patch(s3_module, "_read_chunk", read_chunk)
+        size = 3 * 1024 * 1024 + 1
+        data = os.urandom(size)
+        path = self.mktemp()
+        await in_thread(FilePath(path).setContent, data)
+        result = await self.store.put_file("blob", path)
+        self.assertEqual(result.etag, md5(data))
+        self.assertEqual([what for what, _, _ in calls][:1], ["open"])
+        reads = [n for what, _, n in calls if what == "read"]
+        # Every byte of the body came through a threaded read, a chunk at a time.
+        self.assertEqual(sum(reads), size)
+        self.assertEqual(len(reads), -(-size // s3_module._READ_CHUNK))
+        self.assertLessEqual(max(reads), s3_module._READ_CHUNK)
+        self.assertNotIn(reactor_thread, {thread for _, thread, _ in calls})
+        self.assertEqual((await self.store.get("blob")).body, data)
+
+    async def test_put_file_is_retried_from_the_first_byte(self) -> None:
+        # A 500 once the body is in, a lost response (the store got it all), a store that never
+        # answers (the upload's idle watchdog), then the real thing: each attempt re-reads the
+        # file from byte 0.
+        proxy, store = self.proxy(
+            canned(500, "InternalError"), "drop", "hang", timeout=1.0, retries=3
+        )
+        starts: list[int] = []
+        real_read = s3_module._read_chunk
+
+        def read_chunk(fd: int, offset: int, size: int) -> bytes:
+            if offset == 0:
+                starts.append(offset)
+            return real_read(fd, offset, size)
+
+        self.patch(s3_module, "_read_chunk", read_chunk)
+        data = os.urandom(3 * 1024 * 1024 + 7)
+        path = self.mktemp()
+        await in_thread(FilePath(path).setContent, data)
+        retries = requests_count("PutObject", "retry")
+        result = await store.put_file("blob", path)
+        self.assertEqual(result.etag, md5(data))
+        self.assertEqual((proxy.connections, proxy.dropped, len(starts)), (4, 1, 4))
+        self.assertEqual(requests_count("PutObject", "retry"), retries + 3)
+        self.assertEqual((await self.store.get("blob")).body, data)
+
+    async def test_put_file_of_a_file_that_shrinks_midway_is_a_local_error_not_retried(
+        self,
+    ) -> None:
+        path = self.mktemp()
+        await in_thread(FilePath(path).setContent, os.urandom(2 * 1024 * 1024))
+        real_read = s3_module._read_chunk
+
+        def shrinking(fd: int, offset: int, size: int) -> bytes:
+            if offset == 0:
+                os.truncate(path, 1024 * 1024)  # after put_file's stat and open: mid-upload
+            return real_read(fd, offset, size)
+
+        self.patch(s3_module, "_read_chunk", shrinking)
+        before = (requests_count("PutObject", "retry"), requests_count("PutObject", "error"))
+        with self.assertRaises(ObjectStoreError) as caught:
+            await self.store.put_file("shrinking", path)
+        self.assertIs(type(caught.exception), ObjectStoreError)  # not StoreUnavailable
+        self.assertIn("changed size while being uploaded", str(caught.exception))
+        after = (requests_count("PutObject", "retry"), requests_count("PutObject", "error"))
+        self.assertEqual(after, (before[0], before[1] + 1))
+        with self.assertRaises(NotFound):
+            await self.store.head("shrinking")
 
     async def test_credentials_from_the_default_chain_are_resolved_in_a_thread(self) -> None:
         threads: list[str] = []
@@ -884,6 +982,206 @@ class AddressingTests(TestCase):
             S3Store(reactor, "b", list_page_size=1001)
         with self.assertRaises(ValueError):
             S3Store(reactor, "b", prefix_style="sideways")  # type: ignore[arg-type]
+
+
+# -- put_file's body producer on its own -------------------------------------------------------------
+
+
+@implementer(IConsumer)
+class _Consumer:
+    """Collects what a producer writes. With ``pause`` it pauses the producer after every write,
+    as a transport does when its buffer is full."""
+
+    def __init__(self, producer: s3_module._FileProducer, pause: bool = False) -> None:
+        self.producer = producer
+        self.pause = pause
+        self.chunks: list[bytes] = []
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        pass
+
+    def unregisterProducer(self) -> None:
+        pass
+
+    def write(self, data: bytes) -> None:
+        self.chunks.append(data)
+        if self.pause:
+            self.producer.pauseProducing()
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class FileProducerTests(TestCase):
+    """IBodyProducer semantics of put_file's body, its bounded read-ahead and its restarts."""
+
+    CHUNK = s3_module._READ_CHUNK
+
+    def setUp(self) -> None:
+        self.reads: list[tuple[int, int]] = []  # (offset, bytes asked), in the order started
+        self.threads: set[threading.Thread] = set()
+        self.held: dict[int, threading.Event] = {}
+        real = s3_module._read_chunk
+
+        def read_chunk(fd: int, offset: int, size: int) -> bytes:
+            self.reads.append((offset, size))
+            self.threads.add(threading.current_thread())
+            gate = self.held.pop(offset, None)
+            if gate is not None:
+                gate.wait(10)
+            return real(fd, offset, size)
+
+        self.patch(s3_module, "_read_chunk", read_chunk)
+
+    def producer(self, data: bytes) -> tuple[s3_module._FileProducer, str]:
+        path = self.mktemp()
+        FilePath(path).setContent(data)
+        fd = s3_module._open_for_upload(path, len(data))
+        producer = s3_module._FileProducer(reactor, fd, path, len(data))
+        self.addCleanup(producer.close)
+        return producer, path
+
+    def hold_read_at(self, offset: int) -> threading.Event:
+        """The read at ``offset`` blocks in its thread until the returned event is set."""
+        gate = self.held[offset] = threading.Event()
+        self.addCleanup(gate.set)  # runs before the producer's close (cleanups are LIFO)
+        return gate
+
+    async def reads_started(self, n: int) -> None:
+        while len(self.reads) < n:
+            await deferLater(reactor, 0.005)
+
+    async def settle(self, producer: s3_module._FileProducer) -> None:
+        """Let the reads in flight land and be handled (a landed read may start the next)."""
+        await deferLater(reactor, 0.02)
+        while producer._reading:
+            await deferLater(reactor, 0.005)
+        await deferLater(reactor, 0.02)
+
+    async def test_pause_and_resume_are_honoured_and_one_chunk_is_read_ahead(self) -> None:
+        data = os.urandom(5 * self.CHUNK + 1000)
+        producer, _ = self.producer(data)
+        self.assertEqual(producer.length, len(data))
+        consumer = _Consumer(producer, pause=True)
+        done = producer.startProducing(consumer)
+        await self.settle(producer)
+        # One chunk written (which paused us) and one read ahead; nothing more while paused.
+        self.assertEqual((len(consumer.chunks), len(self.reads)), (1, 2))
+        await self.settle(producer)
+        self.assertEqual((len(consumer.chunks), len(self.reads)), (1, 2))
+        for written in range(2, 7):
+            self.assertFalse(done.called)
+            producer.resumeProducing()
+            await self.settle(producer)
+            self.assertEqual(
+                (len(consumer.chunks), len(self.reads)), (written, min(written + 1, 6))
+            )
+        self.assertTrue(done.called)
+        await done
+        self.assertEqual(consumer.data, data)
+        # The last read asks one byte more than is left, to notice a file that grew.
+        self.assertEqual(
+            self.reads, [(i * self.CHUNK, self.CHUNK) for i in range(5)] + [(5 * self.CHUNK, 1001)]
+        )
+        self.assertNotIn(threading.current_thread(), self.threads)
+
+    async def test_stop_ends_the_run_and_its_deferred_never_fires(self) -> None:
+        producer, _ = self.producer(os.urandom(4 * self.CHUNK))
+        consumer = _Consumer(producer, pause=True)
+        done = producer.startProducing(consumer)
+        await self.settle(producer)
+        producer.stopProducing()
+        producer.resumeProducing()  # a transport may still resume a stopped producer
+        await self.settle(producer)
+        self.assertEqual((len(consumer.chunks), len(self.reads)), (1, 2))
+        self.assertFalse(done.called)
+        await producer.close()
+        self.assertFalse(done.called)  # close() fails only a run still going
+
+    async def test_cancelling_the_deferred_stops_the_run(self) -> None:
+        producer, _ = self.producer(os.urandom(3 * self.CHUNK))
+        consumer = _Consumer(producer, pause=True)
+        done = producer.startProducing(consumer)
+        await self.settle(producer)
+        done.cancel()
+        with self.assertRaises(CancelledError):
+            await done
+        producer.resumeProducing()
+        await self.settle(producer)
+        self.assertEqual((len(consumer.chunks), len(self.reads)), (1, 2))
+
+    async def test_a_restart_begins_again_at_byte_zero(self) -> None:
+        data = os.urandom(3 * self.CHUNK + 5)
+        producer, _ = self.producer(data)
+        first = _Consumer(producer, pause=True)
+        abandoned = producer.startProducing(first)
+        await self.settle(producer)
+        self.assertEqual(len(first.chunks), 1)
+        second = _Consumer(producer)
+        await producer.startProducing(second)
+        self.assertEqual(second.data, data)
+        self.assertEqual(len(first.chunks), 1)  # the abandoned run wrote nothing more
+        self.assertFalse(abandoned.called)
+        third = _Consumer(producer)  # after a finished run too (the next attempt of a request)
+        await producer.startProducing(third)
+        self.assertEqual(third.data, data)
+
+    async def test_a_read_in_flight_for_an_abandoned_run_is_dropped(self) -> None:
+        data = os.urandom(2 * self.CHUNK + 3)
+        producer, _ = self.producer(data)
+        gate = self.hold_read_at(self.CHUNK)
+        first = _Consumer(producer, pause=True)
+        producer.startProducing(first)
+        await self.reads_started(2)  # the second chunk's read is held in its thread
+        second = _Consumer(producer)
+        restarted = producer.startProducing(second)
+        await deferLater(reactor, 0.05)
+        self.assertEqual(len(self.reads), 2)  # one read at a time: the new run waits its turn
+        gate.set()
+        await restarted
+        self.assertEqual(second.data, data)
+        self.assertEqual(len(first.chunks), 1)
+
+    async def test_close_fails_a_run_still_going_and_waits_for_the_read_in_flight(self) -> None:
+        producer, _ = self.producer(os.urandom(3 * self.CHUNK))
+        fd = producer._fd
+        gate = self.hold_read_at(self.CHUNK)
+        consumer = _Consumer(producer, pause=True)
+        done = producer.startProducing(consumer)
+        await self.reads_started(2)
+        failures: list[Failure] = []
+        done.addErrback(failures.append)
+        closing = Deferred.fromCoroutine(producer.close())
+        self.assertEqual([f.type for f in failures], [CancelledError])
+        await deferLater(reactor, 0.05)
+        self.assertFalse(closing.called)  # a thread is still reading from the descriptor
+        gate.set()
+        await closing
+        self.assertEqual(len(consumer.chunks), 1)
+        with self.assertRaises(OSError):
+            os.fstat(fd)
+        with self.assertRaises(RuntimeError):
+            producer.startProducing(_Consumer(producer))
+
+    async def test_a_file_that_changes_size_fails_the_run(self) -> None:
+        shrunk, path = self.producer(os.urandom(3 * self.CHUNK))
+        os.truncate(path, self.CHUNK + 10)
+        with self.assertRaises(ObjectStoreError) as caught:
+            await shrunk.startProducing(_Consumer(shrunk))
+        self.assertIn("changed size while being uploaded", str(caught.exception))
+        grown, path = self.producer(os.urandom(self.CHUNK + 10))
+        os.truncate(path, self.CHUNK + 11)
+        with self.assertRaises(ObjectStoreError):
+            await grown.startProducing(_Consumer(grown))
+        with self.assertRaises(ObjectStoreError):  # and when it is opened
+            s3_module._open_for_upload(path, self.CHUNK + 10)
+
+    async def test_an_empty_file_is_done_at_once(self) -> None:
+        producer, _ = self.producer(b"")
+        consumer = _Consumer(producer)
+        await producer.startProducing(consumer)
+        self.assertEqual((consumer.chunks, self.reads), ([], []))
 
 
 def _write_random_file(path: str, size: int) -> str:

@@ -3,7 +3,8 @@
 botocore is used for two things only: SigV4 signing (``S3SigV4Auth``) and the standard credential
 chain (environment, shared config/profile, container and instance roles). Resolving and refreshing
 credentials can do blocking I/O (files, the instance metadata service), so it always runs in a
-thread, never on the reactor. The transport is treq over one persistent connection pool.
+thread, never on the reactor, and so does file I/O (``put_file``'s reads, ``get_to_file``'s
+writes). The transport is treq over one persistent connection pool.
 
 Every request has a known ``Content-Length`` (S3 refuses chunked uploads), a per-attempt timeout
 and up to ``retries`` retries with jittered exponential backoff on 5xx, throttling, timeouts and
@@ -83,7 +84,7 @@ from twisted.web.client import (
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer, IResponse
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from lchat.objstore import (
@@ -122,6 +123,11 @@ _SIGN_BODY_MAX = 64 * 1024  # bodies up to this are SHA-256 signed; larger ones 
 _HASH_IN_THREAD = 1024 * 1024  # hashing more than this would stall the reactor: do it in a thread
 _WRITE_CHUNK = 1024 * 1024  # get_to_file hands the writer thread this much at a time
 _WRITE_HIGH_WATER = 4 * 1024 * 1024  # and pauses the socket when this much is waiting
+# put_file reads its file in the thread pool this much at a time. Each chunk costs the reactor a
+# round trip to the pool (tens of microseconds): FileBodyProducer's 64 KiB would be 16k of them
+# per GiB, 256 KiB is 4k. Larger buys little (the transport sends at most 128 KiB per send()) and
+# costs memory: an upload holds about two chunks (one being sent, one read ahead).
+_READ_CHUNK = 256 * 1024
 _BACKOFF_BASE = 0.1
 _BACKOFF_CAP = 2.0
 _DATE_FRESH = 1.0  # now() reuses the Date of a response younger than this (seconds)
@@ -338,43 +344,155 @@ class _Watchdog:
         self._d.cancel()
 
 
-@implementer(IConsumer)
-class _ProgressConsumer:
-    def __init__(self, consumer: IConsumer, progress: Callable[[], None]) -> None:
-        self._consumer = consumer
-        self._progress = progress
-
-    def registerProducer(self, producer: Any, streaming: bool) -> None:
-        self._consumer.registerProducer(producer, streaming)
-
-    def unregisterProducer(self) -> None:
-        self._consumer.unregisterProducer()
-
-    def write(self, data: bytes) -> None:
-        self._progress()
-        self._consumer.write(data)
-
-
 @implementer(IBodyProducer)
-class _ProgressProducer:
-    """A body producer that reports each chunk it writes (feeds the idle watchdog of uploads)."""
+class _FileProducer:
+    """``put_file``'s request body: the file, read in the reactor's thread pool a chunk at a time.
 
-    def __init__(self, inner: FileBodyProducer, progress: Callable[[], None]) -> None:
-        self._inner = inner
-        self._progress = progress
-        self.length = inner.length
+    Nothing touches the disk on the reactor thread: the descriptor is opened (``_open_for_upload``),
+    read (``_read_chunk``) and closed in the pool. At most one read is in flight and at most one
+    chunk waits for the consumer (one chunk of read-ahead), so an upload holds about two chunks
+    whatever the file's size; the transport pauses us while its buffer is full.
+
+    Reads are positional (``pread``), so there is no shared file offset and every
+    ``startProducing`` starts again at byte 0 on the same descriptor: a restart abandons the
+    earlier run (a read still in flight for it is dropped when it lands). ``pauseProducing``,
+    ``resumeProducing`` and ``stopProducing`` act on the current run.
+
+    ``startProducing``'s Deferred fires once exactly ``length`` bytes are written; it fails with
+    :class:`ObjectStoreError` if the file turns out shorter or longer than ``length`` (it changed
+    under us), or with the read's ``OSError``. As IBodyProducer requires, it never fires after
+    ``stopProducing``; cancelling it stops the run. The owner awaits ``close()``, which fails a run
+    still going (with ``CancelledError``), waits for a read in flight and closes the descriptor.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        fd: int,
+        path: str,
+        size: int,
+        progress: Callable[[], None] | None = None,
+    ) -> None:
+        self.length = size
+        self.path = path
+        # Called on the reactor thread before each chunk is written (feeds an upload's watchdog).
+        self.progress = progress
+        self._reactor = reactor
+        self._fd = fd
+        self._closing = False
+        self._run = 0  # bumped by every start and stop: a result for an older run is dropped
+        self._consumer: IConsumer | None = None
+        self._done: Deferred[None] | None = None
+        self._paused = False
+        self._offset = 0  # the next byte to read
+        self._written = 0
+        self._ahead: bytes | None = None  # read, waiting for the consumer
+        self._reading = False
+        self._idle_waiters: list[Deferred[None]] = []
 
     def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        return self._inner.startProducing(_ProgressConsumer(consumer, self._progress))
-
-    def stopProducing(self) -> None:
-        self._inner.stopProducing()
+        if self._closing:
+            raise RuntimeError(f"the upload body for {self.path} is closed")
+        self.stopProducing()  # a restart (a retried request) begins again at byte 0
+        self._consumer = consumer
+        self._done = done = Deferred[None](self._cancel)
+        self._paused = False
+        self._offset = self._written = 0
+        self._pump()
+        return done
 
     def pauseProducing(self) -> None:
-        self._inner.pauseProducing()
+        self._paused = True
 
     def resumeProducing(self) -> None:
-        self._inner.resumeProducing()
+        self._paused = False
+        self._pump()
+
+    def stopProducing(self) -> None:
+        self._run += 1
+        self._consumer = None
+        self._done = None
+        self._ahead = None
+
+    async def close(self) -> None:
+        """Stop, let a read in flight land, and close the file (in a thread)."""
+        self._closing = True
+        done = self._done
+        self.stopProducing()
+        if done is not None:
+            # Abandoned mid-run: the store answered before the body was all sent. Fail the run,
+            # so the HTTP client lets go of us and can finish closing that connection.
+            done.errback(CancelledError(f"the upload of {self.path} was abandoned"))
+        while self._reading:
+            waiter = Deferred[None]()
+            self._idle_waiters.append(waiter)
+            await waiter
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), os.close, fd)
+
+    def _cancel(self, done: Deferred[None]) -> None:
+        if done is self._done:
+            self.stopProducing()
+
+    def _pump(self) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return  # stopped, finished or failed
+        if self._ahead is not None and not self._paused:
+            chunk, self._ahead = self._ahead, None
+            self._written += len(chunk)
+            run = self._run
+            if self.progress is not None:
+                self.progress()
+            try:
+                consumer.write(chunk)  # the transport may pause (or even stop) us from in here
+            except BaseException:
+                if run == self._run:
+                    self._fail(Failure())
+                return
+            if run != self._run:
+                return
+        if self._written == self.length:
+            done = self._done
+            self.stopProducing()
+            assert done is not None
+            done.callback(None)
+        elif self._ahead is None and not self._reading:
+            self._read()  # read ahead even while paused: the next chunk is ready on resume
+
+    def _read(self) -> None:
+        want = min(_READ_CHUNK, self.length - self._offset)
+        # The last read asks for one byte more: getting it means the file grew under us.
+        ask = want + 1 if self._offset + want == self.length else want
+        self._reading = True
+        pool = self._reactor.getThreadPool()
+        d = deferToThreadPool(self._reactor, pool, _read_chunk, self._fd, self._offset, ask)
+        d.addBoth(self._got, self._run, want)
+
+    def _got(self, result: bytes | Failure, run: int, want: int) -> None:
+        self._reading = False
+        if run != self._run:
+            # A stopped or restarted run's read: drop it (the current run may be waiting to read).
+            pass
+        elif isinstance(result, Failure):
+            self._fail(result)
+        elif len(result) != want:
+            self._fail(Failure(ObjectStoreError(f"{self.path} changed size while being uploaded")))
+        else:
+            self._offset += want
+            self._ahead = result
+        self._pump()
+        if not self._reading:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
+    def _fail(self, failure: Failure) -> None:
+        done = self._done
+        self.stopProducing()
+        if done is not None:
+            done.errback(failure)
 
 
 class _BodyReader(Protocol):
@@ -708,17 +826,18 @@ class S3Store:
         return out
 
     def _producer(
-        self, body: bytes | _FileBody | None, opened: IO[bytes] | None, progress: Callable[[], None]
+        self,
+        body: bytes | _FileBody | None,
+        file_body: _FileProducer | None,
+        progress: Callable[[], None],
     ) -> IBodyProducer | None:
         if body is None:
             return None
         if isinstance(body, bytes):
-            return FileBodyProducer(BytesIO(body))
-        assert opened is not None
-        inner = FileBodyProducer(opened)
-        if inner.length is UNKNOWN_LENGTH or inner.length != body.size:
-            raise ObjectStoreError(f"{body.path} changed size while being uploaded")
-        return _ProgressProducer(inner, progress)
+            return FileBodyProducer(BytesIO(body))  # in memory already: reading it is not I/O
+        assert file_body is not None
+        file_body.progress = progress
+        return file_body
 
     async def _send(
         self,
@@ -834,15 +953,20 @@ class S3Store:
         ok: Container[int],
         streaming: bool,
     ) -> _Reply:
-        opened: IO[bytes] | None = None
-        if isinstance(body, _FileBody):
-            opened = await self._in_thread(open, body.path, "rb")
         if sink is not None:
             await self._in_thread(_rewind, sink)
+        file_body: _FileProducer | None = None
+        if isinstance(body, _FileBody):
+            # A fresh producer per attempt: each has its own consumer, watchdog and lifetime, so
+            # a late pause or stop from a dead attempt's transport cannot touch the next one.
+            fd: int = await self._in_thread(_open_for_upload, body.path, body.size)
+            file_body = _FileProducer(self._reactor, fd, body.path, body.size)
         readers: list[_BodyReader] = []
         watchdog: _Watchdog | None = None
         d = Deferred.fromCoroutine(
-            self._exchange(method, url, headers, body, opened, sink, ok, readers, lambda: watchdog)
+            self._exchange(
+                method, url, headers, body, file_body, sink, ok, readers, lambda: watchdog
+            )
         )
         if streaming:
             watchdog = _Watchdog(self._reactor, self._timeout, d)
@@ -862,14 +986,18 @@ class S3Store:
                 # Our caller cancelled the operation (treq reports it as a connect or response
                 # failure wrapping CancelledError): stop, do not retry.
                 raise CancelledError() from e
+            if isinstance(e, _newclient.RequestGenerationFailed) and e.reasons:
+                # The body failed, not the store: put_file's file could not be read or changed
+                # size mid-upload. A local fault, raised as it is and not retried.
+                raise e.reasons[0].value from e
             raise
         finally:
             if watchdog is not None:
                 watchdog.stop()
             for reader in readers:
                 await reader.quiesce()  # the sink must not be touched by a late write
-            if opened is not None:
-                await self._in_thread(opened.close)
+            if file_body is not None:
+                await file_body.close()  # waits for a read in flight before closing the file
 
     async def _exchange(
         self,
@@ -877,7 +1005,7 @@ class S3Store:
         url: str,
         headers: Headers,
         body: bytes | _FileBody | None,
-        opened: IO[bytes] | None,
+        file_body: _FileProducer | None,
         sink: IO[bytes] | None,
         ok: Container[int],
         readers: list[_BodyReader],
@@ -888,7 +1016,7 @@ class S3Store:
             if w is not None:
                 w.touch()
 
-        producer = self._producer(body, opened, progress)
+        producer = self._producer(body, file_body, progress)
         if producer is None and method == "DELETE":
             # An explicit empty body: Twisted silently re-sends body-less DELETEs that fail on a
             # reused connection, which would hide a lost response from the conditional-delete
@@ -1213,6 +1341,31 @@ def _describe(e: BaseException) -> str:
 
 def _write(f: IO[bytes], data: bytes) -> None:
     f.write(data)
+
+
+def _open_for_upload(path: str, size: int) -> int:
+    """A descriptor for positional reads of ``path``, still ``size`` bytes long. Thread only."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ObjectStoreError(f"{path} changed size while being uploaded")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_chunk(fd: int, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset``, fewer only at the end of the file. Thread only."""
+    parts: list[bytes] = []
+    while size > 0:
+        data = os.pread(fd, size, offset)
+        if not data:
+            break
+        parts.append(data)
+        offset += len(data)
+        size -= len(data)
+    return b"".join(parts)
 
 
 def _mkstemp_beside(path: str) -> tuple[IO[bytes], str, str]:
