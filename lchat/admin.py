@@ -19,6 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 import lchat
+from lchat import hosts
 from lchat.registry import RouteSource, RouteTable
 from lchat.webutil import QuietSite
 
@@ -54,6 +55,9 @@ class _Json(Resource):
         super().__init__()
         self._admin = admin
 
+    def _hibernation(self, request: Request, what: str) -> bytes | int:
+        return _wake_or_sleep(self._admin, request, what)
+
     def render(self, request: Request) -> bytes | int:
         path = request.path
         if path == b"/status" and request.method in (b"GET", b"HEAD"):
@@ -66,7 +70,9 @@ class _Json(Resource):
         if path == b"/metrics" and request.method in (b"GET", b"HEAD"):
             request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
             return generate_latest()
-        if path in (b"/status", b"/reload", b"/metrics"):
+        if path in (b"/wake", b"/sleep") and request.method == b"POST":
+            return self._hibernation(request, path.decode()[1:])
+        if path in (b"/status", b"/reload", b"/metrics", b"/wake", b"/sleep"):
             return _json(request, 405, {"error": "method not allowed"})
         return _json(request, 404, {"error": "not found"})
 
@@ -78,10 +84,12 @@ class AdminAPI:
         units: str,
         children: StatusProvider | None = None,
         clock: Callable[[], float] = time.time,
+        activator: Any = None,  # lchat.activator.Activator, when hibernation is on
     ) -> None:
         self.routes = routes
         self._units = units
         self._children = children or (lambda: {})
+        self.activator = activator
         self._clock = clock
         self._started = clock()
 
@@ -91,6 +99,7 @@ class AdminAPI:
     def status(self) -> dict[str, Any]:
         table: RouteTable = self.routes.table
         children = self._children()
+        awake = self.activator.status() if self.activator is not None else {}
         per_host = {}
         for route in table:
             entry: dict[str, Any] = {
@@ -103,6 +112,11 @@ class AdminAPI:
                 entry["last_error"] = route.last_error
             if route.host in children:
                 entry["process"] = children[route.host]
+            if route.hibernate:
+                entry["next_due"] = route.next_due
+                entry["state"] = awake.get(route.host, {}).get("state", "asleep")
+                if route.host in awake:
+                    entry["activator"] = awake[route.host]
             per_host[route.host] = entry
         return {
             "version": lchat.__version__,
@@ -111,6 +125,7 @@ class AdminAPI:
             "routes": len(table),
             "by_status": table.count_by_status(),
             "hosts": per_host,
+            "hibernation": self.activator is not None,
         }
 
 
@@ -128,6 +143,41 @@ class _Metrics(Resource):
 def metrics_site() -> Site:
     """``GET /metrics`` alone, for LCHAT_METRICS_ADDR: safe to expose to a scraper on TCP."""
     return QuietSite(_Metrics())
+
+
+def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
+    """``POST /wake?host=H`` (the warm request of ``lchat hibernate --on``) and ``POST
+    /sleep?host=H``: answer once the space is awake / asleep."""
+    activator = admin.activator
+    if activator is None:
+        return _json(request, 409, {"error": "hibernation is off (LCHAT_HIBERNATE_BUCKET)"})
+    raw = (request.args or {}).get(b"host", [b""])[0]
+    try:
+        host = hosts.normalise(raw.decode("utf-8", "strict"))
+    except (UnicodeDecodeError, hosts.InvalidHost) as e:
+        return _json(request, 400, {"error": f"bad host: {e}"})
+    route = admin.routes.table.get(host)
+    if route is None or not route.hibernate or route.kind != "instance":
+        return _json(request, 404, {"error": f"{host} is not a hibernating instance"})
+    started = time.monotonic()
+    d = activator.wake(route, "admin") if what == "wake" else activator.sleep(host, "admin")
+
+    def done(_: object) -> None:
+        _finish(
+            request,
+            200,
+            {
+                "host": host,
+                "state": activator.state(host),
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
+
+    def failed(f: Any) -> None:
+        _finish(request, 503, {"host": host, "error": getattr(f.value, "message", str(f.value))})
+
+    d.addCallbacks(done, failed)
+    return NOT_DONE_YET
 
 
 def _json(request: Request, code: int, body: object) -> bytes:

@@ -41,6 +41,8 @@ class HibernateConfig:
     endpoint: str
     idle: float  # seconds with nothing in flight before a space sleeps
     lease_ttl: float = 900.0  # a space's lease lives this long unless renewed (renewed at a third)
+    sweep: float = 5.0  # the idle sweep's period
+    due_sweep: float = 30.0  # the due-wake sweep's period (worst-case lateness of a due wake)
 
     @property
     def is_file(self) -> bool:
@@ -86,6 +88,7 @@ class BoxConfig:
     fallback_url: str
     units: Units
     space_command: tuple[str, ...]
+    sidecar_command: tuple[str, ...]
     hibernate: HibernateConfig | None
     mesh: MeshConfig | None
     wildcard_domains: tuple[str, ...]
@@ -110,6 +113,11 @@ class BoxConfig:
         host = hosts.normalise(host)
         return [part.replace("{host}", host) for part in self.space_command]
 
+    def sidecar_argv(self, host: str) -> list[str]:
+        """The command that runs ``host``'s staged bot sidecar (``LCHAT_SIDECAR_COMMAND``)."""
+        host = hosts.normalise(host)
+        return [part.replace("{host}", host) for part in self.sidecar_command]
+
 
 # Every variable we read, with its default. Names not listed here but starting LCHAT_ get a warning.
 DEFAULTS: dict[str, str] = {
@@ -129,6 +137,9 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HIBERNATE_ENDPOINT": "",
     "LCHAT_HIBERNATE_IDLE": "15m",
     "LCHAT_LEASE_TTL": "15m",
+    "LCHAT_HIBERNATE_SWEEP": "5s",
+    "LCHAT_DUE_SWEEP": "30s",
+    "LCHAT_SIDECAR_COMMAND": "/opt/lchat/live/{host}-bot",
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",
@@ -147,7 +158,19 @@ DEFAULTS: dict[str, str] = {
 
 # Names that belong to a space's own environment or to tools beside us; never warned about.
 _NOT_OURS = frozenset(
-    {"LCHAT_HOST", "LCHAT_SOCKET", "LCHAT_DB", "LCHAT_ADMIN_TOKEN", "LCHAT_BOT_TOKEN"}
+    {
+        "LCHAT_HOST",
+        "LCHAT_SOCKET",
+        "LCHAT_DB",
+        "LCHAT_ADMIN_TOKEN",
+        "LCHAT_BOT_TOKEN",
+        "LCHAT_BOT_EVERY",
+        "LCHAT_BOT_ROOM",
+        "LCHAT_BOT_MESSAGE",
+        "LCHAT_BOT_LISTEN",
+        "LCHAT_SIDECAR_URL",
+        "LCHAT_BUILD",
+    }
 )
 
 
@@ -207,6 +230,7 @@ def load(
         fallback_url=_fallback_url(get("LCHAT_FALLBACK_URL")),
         units=_units(get("LCHAT_UNITS"), systemd_present),
         space_command=_space_command(get("LCHAT_SPACE_COMMAND")),
+        sidecar_command=_space_command(get("LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"),
         hibernate=_hibernate(get),
         mesh=_mesh(get),
         wildcard_domains=_domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS")),
@@ -336,15 +360,15 @@ def _units(text: str, systemd_present: bool | None) -> Units:
     raise ConfigError(f"LCHAT_UNITS must be auto, systemd or builtin, not {text!r}")
 
 
-def _space_command(text: str) -> tuple[str, ...]:
+def _space_command(text: str, name: str = "LCHAT_SPACE_COMMAND") -> tuple[str, ...]:
     if "\x00" in text:
-        raise ConfigError("LCHAT_SPACE_COMMAND contains a NUL byte")
+        raise ConfigError(f"{name} contains a NUL byte")
     try:
         argv = shlex.split(text)
     except ValueError as e:
-        raise ConfigError(f"LCHAT_SPACE_COMMAND={text!r}: {e}") from e
+        raise ConfigError(f"{name}={text!r}: {e}") from e
     if not argv:
-        raise ConfigError("LCHAT_SPACE_COMMAND is empty")
+        raise ConfigError(f"{name} is empty")
     return tuple(argv)
 
 
@@ -399,6 +423,11 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
     lease_ttl = parse_duration("LCHAT_LEASE_TTL", get("LCHAT_LEASE_TTL"))
     if lease_ttl < 3:
         raise ConfigError("LCHAT_LEASE_TTL must be at least 3s (it is renewed at a third)")
+    sweeps = {}
+    for name in ("LCHAT_HIBERNATE_SWEEP", "LCHAT_DUE_SWEEP"):
+        sweeps[name] = parse_duration(name, get(name))
+        if sweeps[name] <= 0:
+            raise ConfigError(f"{name} must be a positive duration")
     bucket = get("LCHAT_HIBERNATE_BUCKET")
     if not bucket:
         return None
@@ -429,6 +458,8 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
         endpoint=endpoint.rstrip("/"),
         idle=idle,
         lease_ttl=lease_ttl,
+        sweep=sweeps["LCHAT_HIBERNATE_SWEEP"],
+        due_sweep=sweeps["LCHAT_DUE_SWEEP"],
     )
 
 

@@ -249,8 +249,13 @@ async def acquire(
     *,
     host: str = "",
     monotonic: Callable[[], float] = time.monotonic,
+    reclaim_own: bool = False,
 ) -> HeldLease:
     """Take the lease at ``key`` for ``owner`` or raise :class:`LeaseHeld`.
+
+    ``reclaim_own``: a live lease whose owner is ``owner`` is taken over as if it had expired.
+    Only for a caller that knows no other process writes as ``owner`` (the router: one per box,
+    whose previous process crashed or stood down without releasing).
 
     Store errors (``StoreUnavailable``, ``AccessDenied`` ...) propagate: not knowing is not
     holding. ``monotonic`` is the local clock the holder's deadline is measured on.
@@ -297,7 +302,7 @@ async def acquire(
                 # Our own write landed but its answer was lost (a store-level retry got 412).
                 return _ours(key, host, owner, ttl, current, record, bucket_now, first_sent)
             expiry = _expiry_of(current.info, record, ttl)
-            if bucket_now < expiry:
+            if bucket_now < expiry and not (reclaim_own and record.owner == owner):
                 log.info(
                     "lease {host}: held by {owner} until {expires_at}",
                     host=host,
@@ -325,9 +330,10 @@ async def acquire(
                 create, raced = False, True  # someone else wrote first: read the winner
                 continue
             log.info(
-                "lease {host}: taken over from {owner} (expired), generation {generation}",
+                "lease {host}: taken over from {owner} ({why}), generation {generation}",
                 host=host,
                 owner=record.owner,
+                why="expired" if bucket_now >= expiry else "our own, left by a previous process",
                 generation=lease.generation,
             )
             OPERATIONS.labels("takeover", "ok").inc()

@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 from attrs import field, frozen
 from twisted.internet.defer import Deferred
 
-from lchat.registry import RouteTable
+from lchat.registry import Route, RouteTable
 
 RETRY_AFTER_SECONDS = 5
 
@@ -41,6 +41,8 @@ class LocalSocket:
     host: str
     path: str
     kind: Literal["instance", "service"] = "instance"
+    # Added to the response head (e.g. X-Lchat-Wake on a request that waited for a wake).
+    response_headers: tuple[Header, ...] = ()
 
 
 @frozen
@@ -89,12 +91,21 @@ def plain(status: int, text: str, *extra: Header, label: str = "local") -> Local
     )
 
 
+class Hibernation(Protocol):
+    """The activator, as the router sees it."""
+
+    def route(self, route: Route, sidecar: bool = False) -> Target | Deferred[Target]: ...
+
+
 class Router:
     """Maps a request to a :data:`Target` using the current route table."""
 
-    def __init__(self, table: TableSource, fallback_url: str = "") -> None:
+    def __init__(
+        self, table: TableSource, fallback_url: str = "", activator: Hibernation | None = None
+    ) -> None:
         self._table = table
         self._fallback = fallback_url.encode("ascii", "strict") if fallback_url else b""
+        self._activator = activator
 
     def route(self, head: RequestHead) -> Target | Deferred[Target]:
         host = head.host
@@ -104,12 +115,15 @@ class Router:
                 return LocalResponse(302, b"", ((b"location", self._fallback),), label="unknown")
             return plain(404, "404 Not Found: unknown host", label="unknown")
         retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
-        if route.hibernate:
-            # Hibernating rows belong to the activator (it needs LCHAT_HIBERNATE_BUCKET and
-            # arrives in its own issue); until then they are honestly unavailable, not misrouted.
+        if route.hibernate and self._activator is not None and route.serveable:
+            return self._activator.route(route, head.sidecar)
+        if route.hibernate and self._activator is None:
+            # Hibernating rows belong to the activator, which exists only with
+            # LCHAT_HIBERNATE_BUCKET: without it they are honestly unavailable, not misrouted.
             return plain(
                 503,
-                f"503 Service Unavailable: {host} is hibernating and this router has no activator",
+                f"503 Service Unavailable: {host} is hibernating and this router has no "
+                f"activator (LCHAT_HIBERNATE_BUCKET is not set)",
                 retry,
                 label="hibernating",
             )

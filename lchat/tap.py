@@ -17,6 +17,7 @@ from twisted.python.failure import Failure
 
 import lchat
 from lchat import config, objstore, tls
+from lchat.activator import Activator
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
 from lchat.proxy.downstream import ProxyFactory
@@ -24,6 +25,7 @@ from lchat.proxy.upstream import UpstreamPool
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, RouteSource
 from lchat.router import Router
+from lchat.sweeper import Sweeper
 from lchat.units import BuiltinUnits
 from lchat.webutil import QuietSite
 
@@ -133,14 +135,23 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         units.setServiceParent(top)
         children = _children_status(units)
 
-    router = Router(routes, cfg.fallback_url)
     pool = UpstreamPool(reactor, dial_retry=cfg.proxy.dial_retry)
+    activator: Activator | None = None
+    if cfg.hibernate is not None:
+        hibernation = _Hibernation(reactor, cfg, routes, pool)
+        hibernation.setName("hibernation")
+        hibernation.setServiceParent(top)
+        activator = hibernation.activator
+
+    router = Router(routes, cfg.fallback_url, activator=activator)
     factories: list[ProxyFactory] = []
     if cfg.https_addr is not None:
         store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes))
         store.load_initial()
         store.setServiceParent(top)
-        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True)
+        secure = ProxyFactory(
+            reactor, router, cfg.proxy, pool=pool, secure=True, observer=activator
+        )
         factories.append(secure)
         _listen(top, tls.https_endpoint(reactor, cfg.https_addr, store), secure)
     if cfg.http_addr is not None:
@@ -149,16 +160,13 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
             plain = QuietSite(RedirectToHTTPS(https_port=None if port == 443 else port))
             _listen(top, serverFromString(reactor, cfg.http_addr), plain)
         else:
-            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
+            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, observer=activator)
             factories.append(proxy)
             _listen(top, serverFromString(reactor, cfg.http_addr), proxy)
     _Closer(pool, factories).setServiceParent(top)
 
-    if cfg.hibernate is not None:
-        _BucketCheck(reactor, cfg).setServiceParent(top)
-
     clear_stale_socket(cfg.admin_socket)
-    admin = AdminAPI(routes, cfg.units, children)
+    admin = AdminAPI(routes, cfg.units, children, activator=activator)
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
         _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
@@ -216,6 +224,45 @@ class _SignalReload(Service):
         super().stopService()
 
 
+class _Hibernation(MultiService):
+    """The bucket, the activator and its sweeps. Stops in order: sweeps, then the activator's
+    drain (flush and release every awake space), and only then the bucket client."""
+
+    def __init__(
+        self, reactor: Any, cfg: BoxConfig, routes: RouteSource, pool: UpstreamPool
+    ) -> None:
+        super().__init__()
+        assert cfg.hibernate is not None
+        self.store: objstore.ObjectStore = objstore.open_store(
+            reactor,
+            cfg.hibernate.bucket,
+            region=cfg.hibernate.region,
+            endpoint=cfg.hibernate.endpoint,
+        )
+        self.check = _BucketCheck(reactor, cfg, self.store)
+        self.activator = Activator(reactor, cfg, routes, self.store, drop_idle=pool.drop_idle)
+        self.sweeper = Sweeper(
+            reactor,
+            self.activator,
+            routes,
+            idle=cfg.hibernate.idle,
+            sweep=cfg.hibernate.sweep,
+            due_sweep=cfg.hibernate.due_sweep,
+        )
+        for service in (self.check, self.activator, self.sweeper):
+            service.setServiceParent(self)
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        self.sweeper.stopService()
+        self.check.stopService()
+        return Deferred.fromCoroutine(self._drain())
+
+    async def _drain(self) -> None:
+        await self.activator.stopService()
+        await self.store.close()
+
+
 class _BucketCheck(Service):
     """At start, prove the hibernation bucket is reachable and writable; if not, stop the router.
 
@@ -223,17 +270,12 @@ class _BucketCheck(Service):
     one line naming the variable and ends the process with status 1 (systemd shows it and retries).
     """
 
-    def __init__(self, reactor: Any, cfg: BoxConfig) -> None:
+    def __init__(self, reactor: Any, cfg: BoxConfig, store: objstore.ObjectStore) -> None:
         assert cfg.hibernate is not None
         self._reactor = reactor
         self._hibernate = cfg.hibernate
         self._box = cfg.box_id
-        self.store: objstore.ObjectStore = objstore.open_store(
-            reactor,
-            cfg.hibernate.bucket,
-            region=cfg.hibernate.region,
-            endpoint=cfg.hibernate.endpoint,
-        )
+        self.store = store
         self.checked: Deferred[None] = Deferred()
 
     def startService(self) -> None:
@@ -258,10 +300,6 @@ class _BucketCheck(Service):
         if self._reactor.running:
             self._reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
             self._reactor.stop()
-
-    def stopService(self) -> Any:
-        super().stopService()
-        return Deferred.fromCoroutine(self.store.close())
 
 
 def _probe_name(box: str) -> str:

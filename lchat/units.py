@@ -32,14 +32,19 @@ class EnvFileError(Exception):
 
 
 def space_env(
-    cfg: BoxConfig, host: str, socket: str, environ: Mapping[str, str] = os.environ
+    cfg: BoxConfig,
+    host: str,
+    socket: str,
+    environ: Mapping[str, str] = os.environ,
+    env_file: str | None = None,
 ) -> dict[str, str]:
     """The complete environment of ``host``'s space: inherited basics, its env file, the contract.
 
     The env file is read fresh each time (an operator may rotate a token) and refused when group or
-    others can read it: it holds the space's only plaintext admin token.
+    others can read it: it holds the space's only plaintext admin token. ``env_file``: another
+    file than ``<data>/<host>.env`` (a staged sidecar's ``<host>-bot.env``).
     """
-    path = hosts.env_path(cfg.data_dir, host)
+    path = env_file or hosts.env_path(cfg.data_dir, host)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

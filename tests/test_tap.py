@@ -257,7 +257,8 @@ class RouterTests(TestCase):
     def test_a_file_bucket_is_probed_at_start(self):
         bucket = os.path.join(self.dir, "bucket")
         service = self.start(self.config(LCHAT_HIBERNATE_BUCKET=f"file:{bucket}"))
-        check = next(s for s in service if hasattr(s, "checked"))
+        hibernation = service.getServiceNamed("hibernation")
+        check = hibernation.check
         yield check.checked
         self.assertFalse(hasattr(check, "failed"))
         self.assertTrue(os.path.isdir(bucket))  # created, written, and the probe deleted again

@@ -499,6 +499,8 @@ class Downstream(Protocol):
         ex.status = status
         ex.response_started = True
         out = end_to_end(headers, drop=INTERNAL)
+        if isinstance(ex.target, LocalSocket) and ex.target.response_headers:
+            out.extend(ex.target.response_headers)
         no_body = ex.method == b"HEAD" or status in (204, 304)
         # A body the client has not finished sending cannot be skipped in step: close afterwards.
         ex.close_after = not ex.keep_alive or not self._body_done(ex) or ex.upgrade
@@ -556,6 +558,8 @@ class Downstream(Protocol):
         ex.status = 101
         ex.response_started = True
         kept = end_to_end(headers, drop=INTERNAL)
+        if isinstance(ex.target, LocalSocket) and ex.target.response_headers:
+            kept.extend(ex.target.response_headers)
         upgrade = [v for n, v in headers if n.lower() == b"upgrade"][:1]
         kept += [(b"Connection", b"Upgrade"), *((b"Upgrade", v) for v in upgrade)]
         self.transport.write(head_bytes(status_line(101, reason), kept))

@@ -350,6 +350,17 @@ class UpstreamPool:
             self._idle_count -= 1
             _idle.dec()
 
+    def drop_idle(self, socket_path: str) -> int:
+        """Close the idle connections to one unix socket (its space is stopping: a kept-alive
+        connection would only make its drain wait). Returns how many were closed."""
+        idle = self._idle.pop(("unix", socket_path), [])
+        for conn in idle:
+            self._idle_count -= 1
+            _idle.dec()
+            if conn.transport is not None:
+                conn.transport.loseConnection()
+        return len(idle)
+
     def close(self) -> Deferred[None]:
         """Close every idle connection (shutdown)."""
         for idle in self._idle.values():

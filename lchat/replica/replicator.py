@@ -35,7 +35,7 @@ import datetime
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from attrs import define
@@ -47,7 +47,7 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from lchat.lease import LeaseKeeper, LeaseLost
-from lchat.objstore import UTC, ObjectStore, ObjectStoreError
+from lchat.objstore import UTC, ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.replica import compact as _compact
 from lchat.replica import ltx, wal
 from lchat.replica.db import ReplicaDB
@@ -189,7 +189,9 @@ class Replicator:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, listing: Sequence[ObjectInfo] | None = None) -> None:
+        """Snapshot and begin syncing. ``listing``: a LIST of ``<path>/`` the caller just made
+        under the same lease (saves ours)."""
         if self._started:
             raise RuntimeError("Replicator.start() called twice")
         self._started = True
@@ -198,7 +200,9 @@ class Replicator:
         self._tmp = await self._run(_make_tmp, self._tmp_root)
         await self._run(self._db.open)
         # The one LIST of our life: continue after whatever txid is already there.
-        files = replica_files(await self._store.list(self.path + "/"))
+        if listing is None:
+            listing = await self._store.list(self.path + "/")
+        files = replica_files(list(listing))
         self._txid = max((f.max_txid for f in files), default=0)
         for f in files:
             self._remember(
