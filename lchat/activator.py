@@ -383,8 +383,15 @@ class Activator(Service):
         _log.info("activator: {host} waking (lease acquired)", host=host, reason=space.reason)
 
         t = clock()
-        listing = await self._prepare_db(space)
+        listing, resume = await self._prepare_db(space)
         timings["restore"] = clock() - t
+
+        if resume is not None:
+            # The local database is exactly the bucket's newest state and nobody writes it yet:
+            # replication starts first and continues the replica without a snapshot.
+            t = clock()
+            await self._start_replication(space, listing, resume)
+            timings["replicate"] = clock() - t
 
         t = clock()
         try:
@@ -412,28 +419,37 @@ class Activator(Service):
             raise WakeFailed(host, "not_ready", f"{host} did not start: {e}") from e
         timings["ready"] = clock() - t
 
-        t = clock()
+        if resume is None:
+            # A new database (the space created it) or one of unknown lineage: snapshot.
+            t = clock()
+            await self._start_replication(space, listing, None)
+            timings["replicate"] = clock() - t
+        return timings
+
+    async def _start_replication(
+        self, space: _Space, listing: Sequence[ObjectInfo] | None, resume: int | None
+    ) -> None:
         space.replicator = Replicator(
             self._reactor,
             self._store,
             space.db,
-            self._replica_path(host),
+            self._replica_path(space.host),
             interval=INTERVALS.get(space.route.replication, INTERVALS["stream"]),
             keeper=space.keeper,
             **self._replicator_options,
         )
         try:
-            await space.replicator.start(listing)
+            await space.replicator.start(listing, resume_txid=resume)
         except (ObjectStoreError, ReplicatorStopped) as e:
-            raise WakeFailed(host, "bucket", f"replication could not start: {e}") from e
+            raise WakeFailed(space.host, "bucket", f"replication could not start: {e}") from e
         space.replicating = True
+        # From here the bucket moves on past the marker: it no longer describes the local file.
         await self._run(lambda: _remove(space.db + MARKER_SUFFIX))
-        timings["replicate"] = clock() - t
-        return timings
 
-    async def _prepare_db(self, space: _Space) -> Sequence[ObjectInfo] | None:
+    async def _prepare_db(self, space: _Space) -> tuple[Sequence[ObjectInfo] | None, int | None]:
         """Restore the database unless the local copy is current. Returns the LIST of the replica
-        when one was made (the replicator reuses it)."""
+        when one was made (the replicator reuses it), and the txid the local database is known
+        to match (then replication resumes instead of snapshotting)."""
         host = space.host
         path = self._replica_path(host)
         local = await self._run(lambda: _local_state(space.db))
@@ -441,7 +457,7 @@ class Activator(Service):
             # Not cleanly slept here (a crash, or created before hibernation): it is the newest
             # copy this box has, and on one box nobody else can have written since.
             _log.info("activator: {host} restored: local db present, skipping restore", host=host)
-            return None
+            return None, None
         try:
             listing = await self._store.list(path + "/")
         except ObjectStoreError as e:
@@ -454,7 +470,7 @@ class Activator(Service):
                 _log.info(
                     "activator: {host} restored: local db present, skipping restore", host=host
                 )
-                return listing
+                return listing, newest or None
             aside = await self._run(lambda: _move_aside(space.db, "stale"))
             _log.warn(
                 "activator: {host}: local db matches txid {mine}, the bucket has {newest}: "
@@ -466,7 +482,7 @@ class Activator(Service):
             )
         if newest == 0:
             _log.info("activator: {host} restored: no replica yet, starting empty", host=host)
-            return listing
+            return listing, None
         try:
             result = await restore(self._store, path, space.db)
         except (RestoreError, ObjectStoreError) as e:
@@ -475,7 +491,7 @@ class Activator(Service):
         _log.info(
             "activator: {host} restored: {result}", host=host, result=_describe_restore(result)
         )
-        return listing
+        return listing, result.txid
 
     def _wake_done(self, outcome: object, space: _Space) -> None:
         host = space.host
@@ -915,7 +931,7 @@ def _move_aside(db: str, why: str) -> str | None:
 
 def _describe_restore(result: Any) -> str:
     parts = []
-    for name in ("txid", "files", "pages", "size"):
+    for name in ("txid", "files", "pages", "bytes_downloaded"):
         value = getattr(result, name, None)
         if value is not None:
             parts.append(f"{name}={value}")

@@ -233,6 +233,7 @@ class _Hibernation(MultiService):
     ) -> None:
         super().__init__()
         assert cfg.hibernate is not None
+        self._reactor = reactor
         self.store: objstore.ObjectStore = objstore.open_store(
             reactor,
             cfg.hibernate.bucket,
@@ -260,6 +261,21 @@ class _Hibernation(MultiService):
 
     async def _drain(self) -> None:
         await self.activator.stopService()
+        # A boot probe still in flight must finish before its store closes (it is bounded by the
+        # store's own timeouts; this wait is bounded again, to keep shutdown bounded).
+        probe: Deferred[None] = Deferred()
+
+        def probed(result: object) -> object:
+            if not probe.called:
+                probe.callback(None)
+            return result
+
+        self.check.checked.addBoth(probed)
+        probe.addTimeout(10, self._reactor)
+        try:
+            await probe
+        except Exception:
+            _log.warn("the bucket probe was still running at shutdown")
         await self.store.close()
 
 

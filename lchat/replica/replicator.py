@@ -189,9 +189,19 @@ class Replicator:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, listing: Sequence[ObjectInfo] | None = None) -> None:
-        """Snapshot and begin syncing. ``listing``: a LIST of ``<path>/`` the caller just made
-        under the same lease (saves ours)."""
+    async def start(
+        self, listing: Sequence[ObjectInfo] | None = None, *, resume_txid: int | None = None
+    ) -> None:
+        """Begin replicating. ``listing``: a LIST of ``<path>/`` the caller just made under the
+        same lease (saves ours).
+
+        Normally the first upload is a snapshot: we cannot know whether the database continues
+        whatever wrote the files already there. ``resume_txid``: the caller vouches that the
+        database is exactly the state at that txid (restored just now, or slept here cleanly
+        after shipping it) and that nothing else writes it before we are started. If it is the
+        bucket's newest txid, we continue without a snapshot: everything in the WAL (including
+        our own open) goes out as the next level-0 file — pages already shipped are harmless.
+        """
         if self._started:
             raise RuntimeError("Replicator.start() called twice")
         self._started = True
@@ -210,13 +220,26 @@ class Replicator:
                     f.level, f.min_txid, f.max_txid, f.info.key, rfc3339_nano(f.created_at)
                 )
             )
+        self._snap_txid = max((f.max_txid for f in files if f.level == SNAPSHOT_LEVEL), default=0)
+        resumed = resume_txid is not None and 0 < resume_txid == self._txid and self._snap_txid
+        if resumed:
+            self._need_snapshot = False
+            self._pos = None  # the whole current WAL: every page written since resume_txid
+            _log.info(
+                "replica {path}: resuming after txid {txid} (the local database matches it)",
+                path=self.path,
+                txid=f"{self._txid:016x}",
+            )
         now = self._reactor.seconds()
         self._last_compaction = dict.fromkeys(self._levels, now)
         self._last_snapshot = now
         async with self._lock:
             await self._sync_locked()
             if self._queue:
-                raise ObjectStoreError(f"replica {self.path}: initial snapshot not uploaded")
+                raise ObjectStoreError(f"replica {self.path}: initial upload not done")
+            if not resumed:
+                # A new snapshot is durable: what came before it is history we do not keep.
+                await self._retain_locked()
         self._schedule()
 
     async def stop(self) -> None:

@@ -1,0 +1,627 @@
+"""Hibernation end to end: the router as twistd builds it (in this process, on the real reactor),
+real reference-space processes, a real bucket (a ``file:`` bucket; moto where the S3 path matters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import sys
+import tempfile
+import time
+from typing import Any
+
+from prometheus_client import REGISTRY
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.http_headers import Headers
+
+from lchat import activator as activator_module
+from lchat import config, lease
+from lchat.config import BoxConfig
+from lchat.objstore import open_store
+from lchat.registry import Registry, Route, RouteSource
+from lchat.replica.restore import restore
+from lchat.tap import build_service
+from tests import s3servers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
+SIDECAR = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space.sidecar"
+TOKEN = "a" * 32
+BOT_TOKEN = "b" * 32
+
+
+def sleep(seconds: float) -> Deferred[None]:
+    return deferLater(reactor, seconds, lambda: None)
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class _Harness(TestCase):
+    """A hibernating router per test (no tests of its own)."""
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="hib", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.data = os.path.join(self.dir, "d")
+        self.rundir = os.path.join(self.dir, "r")
+        self.bucket = os.path.join(self.dir, "bucket")
+        os.mkdir(self.data)
+        os.mkdir(self.bucket)
+        self.env = os.path.join(self.dir, "router.env")
+        with open(self.env, "w") as f:
+            f.write(
+                f"LCHAT_DATA_DIR={self.data}\nLCHAT_RUN_DIR={self.rundir}\nLCHAT_UNITS=builtin\n"
+            )
+        self.pool = HTTPConnectionPool(reactor, persistent=False)
+
+    def config(self, **extra: str) -> BoxConfig:
+        flags = {
+            "LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1",
+            "LCHAT_HTTPS_ADDR": "off",
+            "LCHAT_SPACE_COMMAND": SPACE,
+            "LCHAT_SIDECAR_COMMAND": SIDECAR,
+            "LCHAT_HIBERNATE_BUCKET": f"file:{self.bucket}",
+            "LCHAT_HIBERNATE_IDLE": "1s",
+            "LCHAT_HIBERNATE_SWEEP": "200ms",
+            "LCHAT_DUE_SWEEP": "300ms",
+            "LCHAT_LEASE_TTL": "30s",
+        }
+        flags.update(extra)
+        environ = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", "")}
+        return config.load(env_file=self.env, environ=environ, flags=flags)
+
+    def add_space(self, host: str, **row: Any) -> Route:
+        registry = Registry(self.config().registry)
+        registry.migrate()
+        env_file = os.path.join(self.data, f"{host}.env")
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, f"LCHAT_ADMIN_TOKEN={TOKEN}\nLCHAT_BOT_TOKEN={BOT_TOKEN}\n".encode())
+        os.close(fd)
+        fields: dict[str, Any] = {"hibernate": True, "status": "ready"}
+        fields.update(row)
+        return registry.insert(
+            Route(
+                host=host,
+                kind="instance",
+                socket=os.path.join(self.rundir, f"{host}.sock"),
+                **fields,
+            )
+        )
+
+    def update_row(self, host: str, **changes: Any) -> None:
+        Registry(self.cfg.registry).update(host, **changes)
+
+    def start(self, cfg: BoxConfig | None = None) -> Any:
+        cfg = cfg or self.config()
+        service = build_service(cfg, reactor, poll_interval=0.2)
+        service.startService()
+        self.addCleanup(service.stopService)
+        ports: list[Any] = []
+
+        def peek(port: Any) -> Any:
+            ports.append(port)
+            return port
+
+        for listener in service:
+            waiting = getattr(listener, "_waitingForPort", None)
+            if waiting is not None:
+                waiting.addCallback(peek)
+        self.port = next(p.getHost().port for p in ports if hasattr(p.getHost(), "port"))
+        self.cfg = cfg
+        self.service = service
+        self.routes = next(s for s in service if isinstance(s, RouteSource))
+        self.activator = service.getServiceNamed("hibernation").activator
+        return service
+
+    @inlineCallbacks
+    def request(
+        self,
+        host: str,
+        path: str = "/api/version",
+        method: bytes = b"GET",
+        body: bytes | None = None,
+        headers: dict[bytes, bytes] | None = None,
+    ) -> Any:
+        import io
+
+        from twisted.web.client import FileBodyProducer
+
+        hdrs = Headers({b"host": [host.encode()]})
+        for k, v in (headers or {}).items():
+            hdrs.addRawHeader(k, v)
+        producer = FileBodyProducer(io.BytesIO(body)) if body is not None else None
+        if body is not None:
+            hdrs.addRawHeader(b"content-type", b"application/json")
+        response = yield Agent(reactor, pool=self.pool).request(
+            method, f"http://127.0.0.1:{self.port}{path}".encode(), hdrs, producer
+        )
+        data = yield readBody(response)
+        return response, data
+
+    @inlineCallbacks
+    def wait_for(self, predicate: Any, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = predicate()
+            if result:
+                return result
+            yield sleep(0.05)
+        self.fail(f"timed out waiting for {predicate}")
+
+    def next_due(self, host: str) -> int:
+        row = self.routes.table.get(host)
+        assert row is not None
+        return row.next_due
+
+    def state(self, host: str) -> str:
+        return self.activator.state(host)
+
+    def lock_exists(self, host: str) -> bool:
+        return os.path.exists(os.path.join(self.bucket, "objects")) and any(
+            "lock.json" in name for name in _bucket_keys(self.bucket, host)
+        )
+
+
+class HibernationTests(_Harness):
+    # -- waking --------------------------------------------------------------------------------
+
+    @inlineCallbacks
+    def test_concurrent_first_requests_share_one_wake(self):
+        self.add_space("a.example")
+        spawned: list[Any] = []
+        real_spawn = activator_module.spawn
+
+        def counting_spawn(*args: Any, **kwargs: Any) -> Any:
+            child = real_spawn(*args, **kwargs)
+            spawned.append(child)
+            return child
+
+        self.patch(activator_module, "spawn", counting_spawn)
+        self.start()
+        self.assertEqual(self.state("a.example"), "asleep")
+        results = yield DeferredList(
+            [self.request("a.example") for _ in range(200)], consumeErrors=True
+        )
+        statuses = []
+        for ok, value in results:
+            self.assertTrue(ok, value)  # no reset, no connection error
+            response, body = value
+            statuses.append(response.code)
+            if response.code == 503:
+                self.assertTrue(response.headers.hasHeader(b"retry-after"))
+            else:
+                self.assertEqual(response.code, 200, body)
+                self.assertEqual(json.loads(body)["version"], "0.1.0")
+        self.assertEqual(len(spawned), 1)
+        self.assertIn(200, statuses)
+        self.assertNotIn(502, statuses)
+        self.assertEqual(self.state("a.example"), "awake")
+        # The requests that waited say so; once awake, nobody waits.
+        response, _ = yield self.request("a.example")
+        self.assertFalse(response.headers.hasHeader(b"x-lchat-wake"))
+        self.assertTrue(self.lock_exists("a.example"))
+
+    @inlineCallbacks
+    def test_waiting_request_carries_x_lchat_wake(self):
+        self.add_space("w.example")
+        self.start()
+        response, _ = yield self.request("w.example")
+        self.assertEqual(response.code, 200)
+        (value,) = response.headers.getRawHeaders(b"x-lchat-wake")
+        self.assertTrue(value.endswith(b"s"))
+        self.assertGreater(float(value[:-1]), 0.0)
+
+    @inlineCallbacks
+    def test_lease_held_elsewhere_answers_503_with_retry_after(self):
+        self.add_space("held.example")
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        yield Deferred.fromCoroutine(lease.acquire(store, "held.example/lock.json", "box-b", 30.0))
+        self.start()
+        before = metric("lchat_lease_conflicts_total")
+        response, body = yield self.request("held.example")
+        self.assertEqual(response.code, 503, body)
+        retry = int(response.headers.getRawHeaders(b"retry-after")[0])
+        self.assertGreater(retry, 20)  # the lease's remaining life
+        self.assertIn(b"served elsewhere", body)
+        self.assertEqual(metric("lchat_lease_conflicts_total"), before + 1)
+        self.assertEqual(self.state("held.example"), "asleep")
+        self.assertFalse(os.path.exists(os.path.join(self.data, "held.example.db")))
+
+    @inlineCallbacks
+    def test_missing_binary_is_a_503_then_a_clean_retry(self):
+        self.add_space("bin.example")
+        wrapper = os.path.join(self.dir, "space-bin")
+        self.start(self.config(LCHAT_SPACE_COMMAND=wrapper))
+        response, body = yield self.request("bin.example")
+        self.assertEqual(response.code, 503)
+        self.assertIn(b"cannot start", body)
+        self.assertTrue(response.headers.hasHeader(b"retry-after"))
+        yield self.wait_for(lambda: self.state("bin.example") == "asleep")
+        self.assertFalse(self.lock_exists("bin.example"))  # the failed wake released it
+        with open(wrapper, "w") as f:
+            f.write(f"#!/bin/sh\nexec {SPACE}\n")
+        os.chmod(wrapper, 0o755)
+        response, body = yield self.request("bin.example")
+        self.assertEqual(response.code, 200, body)
+
+    # -- sleeping ------------------------------------------------------------------------------
+
+    @inlineCallbacks
+    def test_sleeps_after_the_idle_window_and_parks_an_exact_copy(self):
+        self.add_space("s.example")
+        self.start()
+        response, body = yield self.request(
+            "s.example", "/api/rooms/r1/messages", b"POST", b'{"body": "hello"}'
+        )
+        self.assertEqual(response.code, 201, body)
+        yield self.wait_for(lambda: self.state("s.example") == "asleep", timeout=10)
+        self.assertFalse(self.lock_exists("s.example"))  # released
+        marker = os.path.join(self.data, "s.example.db" + activator_module.MARKER_SUFFIX)
+        self.assertTrue(os.path.exists(marker))
+        # The parked copy restores to exactly the local database.
+        out = os.path.join(self.dir, "restored.db")
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        yield Deferred.fromCoroutine(restore(store, "s.example", out))
+        self.assertEqual(_messages(out), _messages(os.path.join(self.data, "s.example.db")))
+        self.assertEqual([m[1] for m in _messages(out)], ["hello"])
+        # And the next request wakes it warm, with its data.
+        response, body = yield self.request("s.example", "/api/rooms/r1/messages")
+        self.assertEqual(json.loads(body)["messages"][0]["body"], "hello")
+
+    @inlineCallbacks
+    def test_never_sleeps_with_a_websocket_open(self):
+        self.add_space("ws.example")
+        self.start()
+        yield self.request("ws.example")
+        ws = yield deferToThread(_open_websocket, self.port, "ws.example", "/api/rooms/r/ws")
+        try:
+            yield sleep(2.5)  # well past the 1 s idle window
+            self.assertEqual(self.state("ws.example"), "awake")
+        finally:
+            ws.close()
+        yield self.wait_for(lambda: self.state("ws.example") == "asleep", timeout=10)
+
+    @inlineCallbacks
+    def test_sidecar_traffic_never_wakes_and_earns_no_idle_credit(self):
+        self.add_space("bot.example")
+        self.start()
+        sidecar = {b"x-lchat-sidecar": b"1"}
+        response, _body = yield self.request("bot.example", headers=sidecar)
+        self.assertEqual(response.code, 503)
+        self.assertTrue(response.headers.hasHeader(b"retry-after"))
+        self.assertEqual(self.state("bot.example"), "asleep")
+        yield self.request("bot.example")  # a member wakes it
+        self.assertEqual(self.state("bot.example"), "awake")
+        # A sidecar polling every 100 ms does not keep it awake.
+        deadline = time.monotonic() + 6
+        while self.state("bot.example") == "awake" and time.monotonic() < deadline:
+            response, _ = yield self.request("bot.example", headers=sidecar)
+            self.assertIn(response.code, (200, 503))
+            yield sleep(0.1)
+        yield self.wait_for(lambda: self.state("bot.example") == "asleep", timeout=10)
+
+    @inlineCallbacks
+    def test_staged_sidecar_runs_only_while_awake_and_reports_next_due(self):
+        self.add_space("side.example")
+        bot_env = os.path.join(self.data, "side.example-bot.env")
+        fd = os.open(bot_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, f"LCHAT_BOT_TOKEN={BOT_TOKEN}\nLCHAT_BOT_EVERY=3600\n".encode())
+        os.close(fd)
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="3s"))
+        yield self.request("side.example")
+        status = yield self.wait_for(
+            lambda: self.activator.status()["side.example"].get("sidecar", {}).get("pid")
+        )
+        pid = int(status)
+        self.assertTrue(_alive(pid))
+        yield self.wait_for(lambda: self.state("side.example") == "asleep", timeout=15)
+        yield self.wait_for(lambda: not _alive(pid), timeout=5)
+        # The charter's next run (about an hour away) became the row's next_due.
+        row = yield self.wait_for(lambda: self.next_due("side.example") or None)
+        self.assertLess(abs(row - (time.time() + 3600)), 120)
+
+    @inlineCallbacks
+    def test_due_wake_fires_once_and_clears_next_due(self):
+        self.add_space("due.example", next_due=int(time.time()) - 5)
+        before = metric("lchat_wakes_total", reason="due", outcome="ok")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="30s"))
+        yield self.wait_for(lambda: self.state("due.example") == "awake", timeout=15)
+        yield self.wait_for(lambda: self.next_due("due.example") == 0)
+        self.assertEqual(metric("lchat_wakes_total", reason="due", outcome="ok"), before + 1)
+        yield self.activator.sleep("due.example", "test")
+        yield sleep(1.0)  # several due sweeps: nothing is due any more
+        self.assertEqual(self.state("due.example"), "asleep")
+
+    @inlineCallbacks
+    def test_scheduled_message_is_delivered_by_a_due_wake(self):
+        self.add_space("sched.example")
+        self.start()
+        due = int(time.time()) + 3
+        response, body = yield self.request(
+            "sched.example",
+            "/api/rooms/r/messages",
+            b"POST",
+            json.dumps({"body": "later", "deliver_at": due}).encode(),
+        )
+        self.assertEqual(response.code, 201, body)
+        yield self.activator.sleep("sched.example", "test")
+        self.assertEqual(self.next_due("sched.example"), due)
+        # Asleep through the due time; the due sweep wakes it and the space delivers.
+        yield self.wait_for(lambda: self.state("sched.example") == "awake", timeout=15)
+        self.assertGreaterEqual(time.time(), due)
+        yield sleep(1.5)
+        response, body = yield self.request("sched.example", "/api/rooms/r/messages")
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["later"])
+
+    # -- failure is the wake path --------------------------------------------------------------
+
+    @inlineCallbacks
+    def test_killed_space_is_recycled_and_rewoken_with_its_data(self):
+        self.add_space("k.example")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        response, _ = yield self.request(
+            "k.example", "/api/rooms/r/messages", b"POST", b'{"body": "kept"}'
+        )
+        self.assertEqual(response.code, 201)
+        pid = self.activator.status()["k.example"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        yield self.wait_for(lambda: self.state("k.example") == "asleep", timeout=15)
+        self.assertFalse(self.lock_exists("k.example"))
+        response, body = yield self.request("k.example", "/api/rooms/r/messages")
+        self.assertEqual(response.code, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["kept"])
+        self.assertNotEqual(self.activator.status()["k.example"]["pid"], pid)
+
+    @inlineCallbacks
+    def test_hibernate_off_hands_the_space_back(self):
+        self.add_space("off.example")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request("off.example")
+        self.assertEqual(self.state("off.example"), "awake")
+        self.update_row("off.example", hibernate=False)
+        yield self.routes.reload("test")
+        yield self.wait_for(lambda: self.state("off.example") == "asleep", timeout=15)
+        self.assertFalse(self.lock_exists("off.example"))  # flushed and released
+
+    @inlineCallbacks
+    def test_cold_wake_restores_from_the_bucket(self):
+        self.add_space("cold.example")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request("cold.example", "/api/rooms/r/messages", b"POST", b'{"body": "one"}')
+        yield self.activator.sleep("cold.example", "test")
+        for suffix in ("", "-wal", "-shm", activator_module.MARKER_SUFFIX):
+            path = os.path.join(self.data, "cold.example.db" + suffix)
+            if os.path.exists(path):
+                os.unlink(path)
+        _response, body = yield self.request("cold.example", "/api/rooms/r/messages")
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["one"])
+
+    @inlineCallbacks
+    def test_warm_wake_resumes_the_replica_without_a_snapshot(self):
+        self.add_space("warm.example")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request("warm.example", "/api/rooms/r/messages", b"POST", b'{"body": "1"}')
+        yield self.activator.sleep("warm.example", "test")
+        snapshots = [k for k in _bucket_keys(self.bucket, "warm.example") if "/0009@d/" in k]
+        self.assertEqual(len(snapshots), 1)
+        for body in (b'{"body": "2"}', b'{"body": "3"}'):
+            yield self.request("warm.example", "/api/rooms/r/messages", b"POST", body)
+            yield self.activator.sleep("warm.example", "test")
+        # Two more wakes, no more snapshots: each continued the replica after its marker.
+        self.assertEqual(
+            [k for k in _bucket_keys(self.bucket, "warm.example") if "/0009@d/" in k], snapshots
+        )
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        out = os.path.join(self.dir, "warm.restored")
+        yield Deferred.fromCoroutine(restore(store, "warm.example", out))
+        self.assertEqual([m[1] for m in _messages(out)], ["1", "2", "3"])
+
+    @inlineCallbacks
+    def test_stale_local_copy_is_moved_aside_and_restored(self):
+        """The bucket moved on past the local copy (another box served it): restore, keep the
+        old file aside."""
+        self.add_space("stale.example")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request("stale.example", "/api/rooms/r/messages", b"POST", b'{"body": "a"}')
+        yield self.activator.sleep("stale.example", "test")
+        db = os.path.join(self.data, "stale.example.db")
+        old = os.path.join(self.dir, "old.db")
+        shutil.copy(db, old)
+        shutil.copy(db + activator_module.MARKER_SUFFIX, old + activator_module.MARKER_SUFFIX)
+        yield self.request("stale.example", "/api/rooms/r/messages", b"POST", b'{"body": "b"}')
+        yield self.activator.sleep("stale.example", "test")
+        for suffix in ("", activator_module.MARKER_SUFFIX):
+            shutil.copy(old + suffix, db + suffix)
+        _response, body = yield self.request("stale.example", "/api/rooms/r/messages")
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["a", "b"])
+        self.assertTrue(any(".stale-" in name for name in os.listdir(self.data)))
+
+    @inlineCallbacks
+    def test_drain_flushes_and_releases_every_awake_space(self):
+        hosts = [f"d{i}.example" for i in range(20)]
+        for host in hosts:
+            self.add_space(host)
+        service = self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        results = yield DeferredList(
+            [
+                self.request(h, "/api/rooms/r/messages", b"POST", json.dumps({"body": h}).encode())
+                for h in hosts
+            ],
+            consumeErrors=True,
+        )
+        self.assertTrue(all(ok and value[0].code == 201 for ok, value in results), results)
+        started = time.monotonic()
+        yield service.stopService()
+        self.assertLess(time.monotonic() - started, 30)
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        for host in hosts:
+            self.assertFalse(self.lock_exists(host), host)
+            out = os.path.join(self.dir, f"{host}.restored")
+            yield Deferred.fromCoroutine(restore(store, host, out))
+            self.assertEqual([m[1] for m in _messages(out)], [host])
+
+    @inlineCallbacks
+    def test_router_restart_after_a_crash_reclaims_its_own_lease(self):
+        """A lease this box left behind (its process died without releasing) is taken back at
+        once, and the local database — the newest copy — is trusted."""
+        self.add_space("crash.example")
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        yield Deferred.fromCoroutine(
+            lease.acquire(store, "crash.example/lock.json", socket.gethostname(), 30.0)
+        )
+        self.start()
+        response, body = yield self.request("crash.example")
+        self.assertEqual(response.code, 200, body)
+
+
+class HibernationS3Tests(_Harness):
+    """The S3 paths: a bucket that stops answering while spaces are awake."""
+
+    @inlineCallbacks
+    def test_bucket_hung_while_awake_keeps_serving_and_catches_up(self):
+        server = yield Deferred.fromCoroutine(s3servers.start_server("moto"))
+        self.addCleanup(lambda: Deferred.fromCoroutine(server.destroy()))
+        bucket = yield Deferred.fromCoroutine(server.new_bucket())
+        key, secret = server.credentials.access_key, server.credentials.secret_key
+        environ = {
+            "PYTHONPATH": ROOT,
+            "PATH": os.environ.get("PATH", ""),
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+        }
+        flags = {
+            "LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1",
+            "LCHAT_HTTPS_ADDR": "off",
+            "LCHAT_SPACE_COMMAND": SPACE,
+            "LCHAT_HIBERNATE_BUCKET": bucket,
+            "LCHAT_HIBERNATE_ENDPOINT": server.endpoint,
+            "LCHAT_HIBERNATE_REGION": server.region,
+            "LCHAT_HIBERNATE_IDLE": "60s",
+            "LCHAT_LEASE_TTL": "60s",
+        }
+        self.add_space("s3.example")
+        cfg = config.load(env_file=self.env, environ=environ, flags=flags)
+        self._with_aws_env(key, secret)
+        self.start(cfg)
+        response, _ = yield self.request(
+            "s3.example", "/api/rooms/r/messages", b"POST", b'{"body": "before"}'
+        )
+        self.assertEqual(response.code, 201)
+        server.pause()
+        try:
+            for i in range(3):
+                response, _ = yield self.request(
+                    "s3.example",
+                    "/api/rooms/r/messages",
+                    b"POST",
+                    json.dumps({"body": f"during {i}"}).encode(),
+                )
+                self.assertEqual(response.code, 201)
+            yield sleep(1.5)
+            self.assertEqual(self.state("s3.example"), "awake")
+        finally:
+            server.resume()
+        yield self.activator.sleep("s3.example", "test")
+        store = s3servers.store_for(server, bucket)
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        out = os.path.join(self.dir, "s3.restored")
+        yield Deferred.fromCoroutine(restore(store, "s3.example", out))
+        self.assertEqual(
+            [m[1] for m in _messages(out)], ["before", "during 0", "during 1", "during 2"]
+        )
+
+    def _with_aws_env(self, key: str, secret: str) -> None:
+        saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        os.environ["AWS_ACCESS_KEY_ID"] = key
+        os.environ["AWS_SECRET_ACCESS_KEY"] = secret
+
+        def restore_env() -> None:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        self.addCleanup(restore_env)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _bucket_keys(bucket: str, host: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(bucket):
+        for name in names:
+            if host in dirpath or host in name:
+                out.append(os.path.join(dirpath, name))
+    return out
+
+
+def _messages(db: str) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT room, body FROM messages ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class _WS:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _open_websocket(port: int, host: str, path: str) -> _WS:
+    """A raw WebSocket handshake through the router; the connection stays open until close()."""
+    import base64
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        (
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            f"Sec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise AssertionError(f"closed during the handshake: {head!r}")
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return _WS(sock)
