@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -394,6 +397,7 @@ class Activator(Service):
             timings["replicate"] = clock() - t
 
         t = clock()
+        await self._evict_orphan(space)
         try:
             env = await self._run(lambda: space_env(self._cfg, host, space.socket))
             env["LCHAT_DB"] = space.db
@@ -425,6 +429,29 @@ class Activator(Service):
             await self._start_replication(space, listing, None)
             timings["replicate"] = clock() - t
         return timings
+
+    async def _evict_orphan(self, space: _Space) -> None:
+        """A space still listening on the socket now can only be one a previous router process
+        of this box left behind (we hold the lease, and the run dir is ours): it would make the
+        new child refuse to start. Stop it — SIGTERM, then SIGKILL — before spawning."""
+        pid = await self._run(lambda: _listener_pid(space.socket))
+        if pid is None or pid == os.getpid():
+            return
+        _log.warn(
+            "activator: {host}: pid {pid} (left by a previous router) still listens on "
+            "{socket}: stopping it",
+            host=space.host,
+            pid=pid,
+            socket=space.socket,
+        )
+        _signal_group(pid, signal.SIGTERM)
+        deadline = self._reactor.seconds() + self.budgets.stop
+        while await self._run(lambda: _listener_pid(space.socket)) == pid:
+            if self._reactor.seconds() >= deadline:
+                _signal_group(pid, signal.SIGKILL)
+                await deferLater(self._reactor, 0.2, lambda: None)
+                break
+            await deferLater(self._reactor, 0.1, lambda: None)
 
     async def _start_replication(
         self, space: _Space, listing: Sequence[ObjectInfo] | None, resume: int | None
@@ -908,6 +935,32 @@ def _write_marker(db: str, txid: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, db + MARKER_SUFFIX)
+
+
+def _listener_pid(path: str) -> int | None:
+    """The pid of the process listening on unix socket ``path`` (SO_PEERCRED), or None."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(path)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    pid = struct.unpack("3i", creds)[0]
+    return pid if pid > 0 else None
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Signal the process group ``pid`` leads (our children are session leaders), else ``pid``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _remove(path: str) -> None:

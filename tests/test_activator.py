@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -470,13 +471,51 @@ class HibernationTests(_Harness):
         started = time.monotonic()
         yield service.stopService()
         self.assertLess(time.monotonic() - started, 30)
-        store = open_store(reactor, f"file:{self.bucket}")
-        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         for host in hosts:
             self.assertFalse(self.lock_exists(host), host)
-            out = os.path.join(self.dir, f"{host}.restored")
-            yield Deferred.fromCoroutine(restore(store, host, out))
-            self.assertEqual([m[1] for m in _messages(out)], [host])
+        # A second router with none of the local files (another box): every space cold-wakes
+        # from what the first one parked.
+        for name in os.listdir(self.data):
+            if ".example.db" in name:
+                os.unlink(os.path.join(self.data, name))
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        results = yield DeferredList(
+            [self.request(h, "/api/rooms/r/messages") for h in hosts], consumeErrors=True
+        )
+        for host, (ok, value) in zip(hosts, results, strict=True):
+            self.assertTrue(ok, value)
+            response, body = value
+            self.assertEqual(response.code, 200, body)
+            self.assertEqual([m["body"] for m in json.loads(body)["messages"]], [host])
+
+    @inlineCallbacks
+    def test_a_space_left_running_by_a_dead_router_is_stopped_first(self):
+        self.add_space("orphan.example")
+        sock = os.path.join(self.rundir, "orphan.example.sock")
+        os.makedirs(self.rundir, exist_ok=True)
+        env = dict(
+            os.environ,
+            PYTHONPATH=ROOT,
+            LCHAT_SOCKET=sock,
+            LCHAT_DB=os.path.join(self.data, "orphan.example.db"),
+            LCHAT_HOST="orphan.example",
+        )
+        orphan = subprocess.Popen(
+            [sys.executable, "-m", "lchat.space"], env=env, start_new_session=True
+        )
+
+        def reap() -> None:
+            if orphan.poll() is None:
+                orphan.kill()
+                orphan.wait()
+
+        self.addCleanup(reap)
+        yield self.wait_for(lambda: activator_module._listener_pid(sock) == orphan.pid)
+        self.start()
+        response, body = yield self.request("orphan.example")
+        self.assertEqual(response.code, 200, body)
+        self.assertIsNotNone(orphan.poll())  # stopped (and reaped by Popen)
+        self.assertNotEqual(self.activator.status()["orphan.example"]["pid"], orphan.pid)
 
     @inlineCallbacks
     def test_router_restart_after_a_crash_reclaims_its_own_lease(self):
