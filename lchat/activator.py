@@ -152,6 +152,7 @@ class Activator(Service):
         sidecars: Supervisor | None = None,
         lease_renew_every: float | None = None,
         drop_idle: Callable[[str], object] = lambda socket: None,
+        released: Callable[[str], object] = lambda host: None,
     ) -> None:
         assert cfg.hibernate is not None, "the activator needs LCHAT_HIBERNATE_BUCKET"
         self._reactor = reactor
@@ -164,6 +165,7 @@ class Activator(Service):
         self._run = run_in_thread or routes.run_in_thread
         self._renew_every = lease_renew_every
         self._drop_idle = drop_idle  # the proxy pool's kept-alive connections to a socket
+        self.released = released  # told when a host is forgotten (builtin units may take it)
         self._spaces: dict[str, _Space] = {}
         self._by_head: dict[int, _Space] = {}  # id(request head) -> the entry it counts against
         self._sidecars = sidecars or Supervisor(reactor, max_restart_delay=60.0)
@@ -172,6 +174,10 @@ class Activator(Service):
         routes.subscribe(self._table_changed)
 
     # -- status ----------------------------------------------------------------------------------
+
+    def holds(self, host: str) -> bool:
+        """True while this activator has anything running (or stopping) for ``host``."""
+        return host in self._spaces
 
     def state(self, host: str) -> str:
         space = self._spaces.get(host)
@@ -705,6 +711,7 @@ class Activator(Service):
             for key in [k for k, s in self._by_head.items() if s is space]:
                 del self._by_head[key]
             self._update_gauge()
+            self.released(host)
         if graceful:
             _sleeps.labels(reason).inc()
             _log.info("activator: {host} asleep ({reason})", host=host, reason=reason)

@@ -130,6 +130,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     _SignalReload(reactor, routes).setServiceParent(top)
 
     children = None
+    units = None
     if cfg.units == "builtin":
         units = BuiltinUnits(reactor, cfg, routes)
         units.setServiceParent(top)
@@ -142,6 +143,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         hibernation.setName("hibernation")
         hibernation.setServiceParent(top)
         activator = hibernation.activator
+        if units is not None:
+            activator.released = units.defer_to(activator.holds)
 
     router = Router(routes, cfg.fallback_url, activator=activator)
     factories: list[ProxyFactory] = []

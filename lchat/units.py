@@ -88,7 +88,21 @@ class BuiltinUnits(MultiService):
         self.supervisor = supervisor or Supervisor(reactor, on_state=self._on_state)
         self.supervisor.setServiceParent(self)
         self._spec_errors: dict[str, str] = {}
+        self._held_elsewhere: Callable[[str], bool] = lambda host: False
         routes.subscribe(self._changed)
+
+    def defer_to(self, held: Callable[[str], bool]) -> Callable[[str], None]:
+        """Leave a host alone while ``held(host)`` (the activator still runs or stops it after
+        its hibernate flag was cleared: two children on one socket would fight). Returns the
+        function to call when a host is released, which re-applies the table."""
+        self._held_elsewhere = held
+
+        def released(host: str) -> None:
+            route = self._routes.table.get(host)
+            if route is not None and route.kind == "instance" and not route.hibernate:
+                self._apply(self._routes.table)
+
+        return released
 
     def startService(self) -> None:
         super().startService()
@@ -108,7 +122,7 @@ class BuiltinUnits(MultiService):
         specs: dict[str, ChildSpec] = {}
         errors: dict[str, str] = {}
         for route in table:
-            if route.kind != "instance" or route.hibernate:
+            if route.kind != "instance" or route.hibernate or self._held_elsewhere(route.host):
                 continue
             try:
                 env = space_env(self._cfg, route.host, route.socket)

@@ -393,12 +393,20 @@ class HibernationTests(_Harness):
     def test_hibernate_off_hands_the_space_back(self):
         self.add_space("off.example")
         self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
-        yield self.request("off.example")
+        yield self.request("off.example", "/api/rooms/r/messages", b"POST", b'{"body": "on"}')
         self.assertEqual(self.state("off.example"), "awake")
         self.update_row("off.example", hibernate=False)
         yield self.routes.reload("test")
         yield self.wait_for(lambda: self.state("off.example") == "asleep", timeout=15)
         self.assertFalse(self.lock_exists("off.example"))  # flushed and released
+        # Only then do the builtin units run it as an always-on space, with its data.
+        asleep_at = reactor.seconds()
+        units = next(s for s in self.service if hasattr(s, "supervisor"))
+        child = yield self.wait_for(lambda: units.supervisor.child("off.example"))
+        self.assertGreaterEqual(child.started_at, asleep_at - 0.1)  # never two at once
+        response, body = yield self.request("off.example", "/api/rooms/r/messages")
+        self.assertEqual(response.code, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["on"])
 
     @inlineCallbacks
     def test_cold_wake_restores_from_the_bucket(self):
