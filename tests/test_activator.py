@@ -260,6 +260,29 @@ class HibernationTests(_Harness):
         response, body = yield self.request("bin.example")
         self.assertEqual(response.code, 200, body)
 
+    @inlineCallbacks
+    def test_a_space_that_never_answers_times_out_cleanly(self):
+        """A queued request gives up after its wait (503 + Retry-After); the wake itself gives up
+        after the ready budget: child killed, lease released, nothing remembered."""
+        self.add_space("slow.example")
+        self.start(self.config(LCHAT_SPACE_COMMAND="sleep 60"))
+        self.activator.budgets = activator_module.Budgets(queue=0.5, ready=2.0, stop=1.0)
+        before = metric("lchat_activator_unavailable_total", reason="queue_timeout")
+        started = time.monotonic()
+        response, body = yield self.request("slow.example")
+        self.assertEqual(response.code, 503, body)
+        self.assertLess(time.monotonic() - started, 1.5)
+        self.assertIn(b"still waking", body)
+        self.assertTrue(response.headers.hasHeader(b"retry-after"))
+        self.assertEqual(
+            metric("lchat_activator_unavailable_total", reason="queue_timeout"), before + 1
+        )
+        self.assertEqual(self.state("slow.example"), "waking")
+        pid = self.activator._spaces["slow.example"].child.pid
+        yield self.wait_for(lambda: self.state("slow.example") == "asleep", timeout=10)
+        yield self.wait_for(lambda: not _alive(pid), timeout=5)
+        self.assertFalse(self.lock_exists("slow.example"))
+
     # -- sleeping ------------------------------------------------------------------------------
 
     @inlineCallbacks
@@ -388,6 +411,34 @@ class HibernationTests(_Harness):
         self.assertEqual(response.code, 200, body)
         self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["kept"])
         self.assertNotEqual(self.activator.status()["k.example"]["pid"], pid)
+
+    @inlineCallbacks
+    def test_lost_lease_stops_the_space_and_writes_nothing_more(self):
+        self.add_space("lost.example")
+        self.start(self.config(LCHAT_LEASE_TTL="3s", LCHAT_HIBERNATE_IDLE="60s"))
+        response, _ = yield self.request(
+            "lost.example", "/api/rooms/r/messages", b"POST", b'{"body": "mine"}'
+        )
+        self.assertEqual(response.code, 201)
+        pid = self.activator.status()["lost.example"]["pid"]
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        # Another box takes the space over (as if our lease had expired).
+        yield Deferred.fromCoroutine(store.delete("lost.example/lock.json"))
+        yield Deferred.fromCoroutine(lease.acquire(store, "lost.example/lock.json", "box-b", 30.0))
+        files_then = sorted(k for k in _bucket_keys(self.bucket, "lost.example") if ".ltx" in k)
+        yield self.wait_for(lambda: self.state("lost.example") == "asleep", timeout=15)
+        yield self.wait_for(lambda: not _alive(pid), timeout=5)
+        # Its local copy is no longer the truth: moved aside, so the next wake restores.
+        self.assertTrue(any(".lease-lost-" in n for n in os.listdir(self.data)))
+        self.assertFalse(os.path.exists(os.path.join(self.data, "lost.example.db")))
+        yield sleep(1.0)
+        self.assertEqual(
+            sorted(k for k in _bucket_keys(self.bucket, "lost.example") if ".ltx" in k),
+            files_then,
+        )
+        got = yield Deferred.fromCoroutine(store.get("lost.example/lock.json"))
+        self.assertIn(b"box-b", got.body)
 
     @inlineCallbacks
     def test_hibernate_off_hands_the_space_back(self):
