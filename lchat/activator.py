@@ -81,6 +81,8 @@ _sleep_step_failures = Counter(
 )
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
+# Sleeps after which someone else runs the database: no marker (it could not stay true).
+_HANDED_BACK = ("hibernate off", "removed")
 
 
 @frozen
@@ -691,7 +693,7 @@ class Activator(Service):
                         "(only this box can wake it until then)",
                         host=host,
                     )
-            if flushed and space.replicator is not None:
+            if flushed and space.replicator is not None and reason not in _HANDED_BACK:
                 txid = space.replicator.txid
                 await self._run(lambda: _write_marker(space.db, txid))
             if space.lost is not None:
@@ -918,7 +920,20 @@ def _relay(result: object, d: Deferred[None]) -> None:
 @frozen
 class _Local:
     present: bool
-    marker_txid: int | None
+    marker_txid: int | None  # None: no marker, or the files changed since it was written
+
+
+def _fingerprint(db: str) -> list[list[int] | None]:
+    """What the database and its WAL look like on disk: a later write changes it."""
+    out: list[list[int] | None] = []
+    for path in (db, db + "-wal"):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            out.append(None)
+        else:
+            out.append([st.st_ino, st.st_size, st.st_mtime_ns])
+    return out
 
 
 def _local_state(db: str) -> _Local:
@@ -927,18 +942,26 @@ def _local_state(db: str) -> _Local:
     if present:
         try:
             with open(db + MARKER_SUFFIX, "rb") as f:
-                value = json.load(f).get("txid")
-            if isinstance(value, int) and not isinstance(value, bool):
+                record = json.load(f)
+            value = record.get("txid")
+            if (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and record.get("files") == _fingerprint(db)
+            ):
                 marker = value
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
             marker = None
     return _Local(present, marker)
 
 
 def _write_marker(db: str, txid: int) -> None:
+    """Record that the local database is exactly the bucket's state at ``txid`` — valid only
+    while the files are untouched (anything else writing them voids it)."""
     tmp = db + MARKER_SUFFIX + ".tmp"
+    record = {"txid": txid, "slept_at": int(time.time()), "files": _fingerprint(db)}
     with open(tmp, "w") as f:
-        json.dump({"txid": txid, "slept_at": int(time.time())}, f)
+        json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, db + MARKER_SUFFIX)

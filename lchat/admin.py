@@ -115,8 +115,8 @@ class AdminAPI:
             if route.hibernate:
                 entry["next_due"] = route.next_due
                 entry["state"] = awake.get(route.host, {}).get("state", "asleep")
-                if route.host in awake:
-                    entry["activator"] = awake[route.host]
+            if route.host in awake:  # also while it stops after its flag was cleared
+                entry["activator"] = awake[route.host]
             per_host[route.host] = entry
         return {
             "version": lchat.__version__,

@@ -426,8 +426,8 @@ class HibernationTests(_Harness):
         # Another box takes the space over (as if our lease had expired).
         yield Deferred.fromCoroutine(store.delete("lost.example/lock.json"))
         yield Deferred.fromCoroutine(lease.acquire(store, "lost.example/lock.json", "box-b", 30.0))
-        files_then = sorted(k for k in _bucket_keys(self.bucket, "lost.example") if ".ltx" in k)
         yield self.wait_for(lambda: self.state("lost.example") == "asleep", timeout=15)
+        files_then = sorted(k for k in _bucket_keys(self.bucket, "lost.example") if ".ltx" in k)
         yield self.wait_for(lambda: not _alive(pid), timeout=5)
         # Its local copy is no longer the truth: moved aside, so the next wake restores.
         self.assertTrue(any(".lease-lost-" in n for n in os.listdir(self.data)))
@@ -503,15 +503,44 @@ class HibernationTests(_Harness):
         yield self.activator.sleep("stale.example", "test")
         db = os.path.join(self.data, "stale.example.db")
         old = os.path.join(self.dir, "old.db")
-        shutil.copy(db, old)
-        shutil.copy(db + activator_module.MARKER_SUFFIX, old + activator_module.MARKER_SUFFIX)
+        suffixes = ("", "-wal", "-shm", activator_module.MARKER_SUFFIX)
+        _move(db, old, suffixes)  # renames keep inode and mtime: the marker still holds
         yield self.request("stale.example", "/api/rooms/r/messages", b"POST", b'{"body": "b"}')
         yield self.activator.sleep("stale.example", "test")
-        for suffix in ("", activator_module.MARKER_SUFFIX):
-            shutil.copy(old + suffix, db + suffix)
+        for suffix in suffixes:
+            if os.path.exists(db + suffix):
+                os.unlink(db + suffix)
+        _move(old, db, suffixes)
         _response, body = yield self.request("stale.example", "/api/rooms/r/messages")
         self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["a", "b"])
         self.assertTrue(any(".stale-" in name for name in os.listdir(self.data)))
+
+    @inlineCallbacks
+    def test_a_local_copy_changed_while_asleep_gets_a_snapshot(self):
+        """Something else wrote the database after it slept: the marker no longer vouches for
+        it, so the wake trusts the local file and ships a fresh snapshot (never a delta on top
+        of an unknown base)."""
+        self.add_space("touched.example")
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request("touched.example", "/api/rooms/r/messages", b"POST", b'{"body": "a"}')
+        yield self.activator.sleep("touched.example", "test")
+        db = os.path.join(self.data, "touched.example.db")
+        conn = sqlite3.connect(db)
+        conn.execute(
+            "INSERT INTO messages (room, body, sent_at) VALUES ('r', 'written outside', 1)"
+        )
+        conn.commit()
+        conn.close()
+        snapshots = [k for k in _bucket_keys(self.bucket, "touched.example") if "/0009@d/" in k]
+        yield self.request("touched.example")
+        yield self.activator.sleep("touched.example", "test")
+        after = [k for k in _bucket_keys(self.bucket, "touched.example") if "/0009@d/" in k]
+        self.assertNotEqual(after, snapshots)  # a new snapshot replaced the old one
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        out = os.path.join(self.dir, "touched.restored")
+        yield Deferred.fromCoroutine(restore(store, "touched.example", out))
+        self.assertEqual([m[1] for m in _messages(out)], ["a", "written outside"])
 
     @inlineCallbacks
     def test_drain_flushes_and_releases_every_awake_space(self):
@@ -672,6 +701,12 @@ def _bucket_keys(bucket: str, host: str) -> list[str]:
             if host in dirpath or host in name:
                 out.append(os.path.join(dirpath, name))
     return out
+
+
+def _move(src: str, dst: str, suffixes: tuple[str, ...]) -> None:
+    for suffix in suffixes:
+        if os.path.exists(src + suffix):
+            os.rename(src + suffix, dst + suffix)
 
 
 def _messages(db: str) -> list[tuple[Any, ...]]:

@@ -250,12 +250,17 @@ class DialFailed(Exception):
 
 
 def _retryable(failure: Failure) -> bool:
-    """A socket that refuses or does not exist yet: the space is (re)starting."""
+    """A socket that refuses, does not exist yet, or drops us before the connection is made:
+    the space is (re)starting or its accept queue is full. Nothing was sent: safe to retry."""
     if failure.check(ierror.ConnectionRefusedError):
         return True
     os_error = getattr(failure.value, "osError", None)
     if isinstance(os_error, int):
         return os_error in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
+    if isinstance(os_error, Failure) and os_error.check(
+        ierror.ConnectionDone, ierror.ConnectionLost
+    ):
+        return True  # closed while connecting (a full accept queue on a unix socket)
     return failure.check(ierror.ConnectError) is not None and "No such file" in str(failure.value)
 
 

@@ -84,7 +84,8 @@ class SpaceServer:
         self._space = space = Space(self.reactor, store, Hub(), self.config)
         self._site = SpaceSite(Api(space), self.reactor)
         self._connections = Connections(self._site)
-        endpoint = UNIXServerEndpoint(self.reactor, self.config.socket, mode=0o660)
+        # A deep accept queue: a wake releases every queued request at once.
+        endpoint = UNIXServerEndpoint(self.reactor, self.config.socket, backlog=1024, mode=0o660)
         self._port = await endpoint.listen(self._connections)
         self._ticker = LoopingCall(lambda: Deferred.fromCoroutine(space.tick()))
         self._ticker.clock = self.reactor
