@@ -140,6 +140,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HIBERNATE_SWEEP": "5s",
     "LCHAT_DUE_SWEEP": "30s",
     "LCHAT_SIDECAR_COMMAND": "/opt/lchat/live/{host}-bot",
+    "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # box-wide backup replicator (CLI; absent = none)
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",

@@ -293,7 +293,17 @@ class InstancesTests(CliTestCase):
         self.assertEqual(result.code, 0, result)
         self.assertEqual(
             result.out.split(),
-            ["HOST", "KIND", "STATUS", "VERSION", "HIBERNATE", "REPLICATION", "SOCKET"],
+            [
+                "HOST",
+                "KIND",
+                "STATUS",
+                "STATE",
+                "VERSION",
+                "HIBERNATE",
+                "REPLICATION",
+                "NEXT-DUE",
+                "SOCKET",
+            ],
         )
         self.assertTrue(os.path.exists(self.registry.path))
 
@@ -324,16 +334,18 @@ class InstancesTests(CliTestCase):
                 "abc.example.com",
                 "instance",
                 "failed",
+                "?",  # STATE: no router to ask
                 "1.2.3",
                 "on",
                 "daily",
+                "-",  # NEXT-DUE
                 "/run/lchat/abc.example.com.sock",
             ],
         )
         self.assertEqual(lines[2], "  last error: exec format error second line")
         self.assertEqual(
             lines[3].split(),
-            ["zed.example.com", "service", "ready", "-", "off", "stream", "/srv/z.sock"],
+            ["zed.example.com", "service", "ready", "?", "-", "off", "stream", "-", "/srv/z.sock"],
         )
 
     def test_json(self) -> None:

@@ -11,6 +11,7 @@ import http.client
 import json
 import socket
 import time
+import urllib.parse
 from typing import Any
 
 from attrs import frozen
@@ -85,6 +86,41 @@ def request(
 def reload(admin_socket: str, timeout: float = DEFAULT_TIMEOUT) -> Response:
     """Ask the running router to re-read the registry now (``POST /reload``)."""
     return request(admin_socket, "POST", "/reload", body=b"{}", timeout=timeout)
+
+
+def status(admin_socket: str, timeout: float = DEFAULT_TIMEOUT) -> Response:
+    """The running router's ``GET /status`` (per-host row, process and activator state)."""
+    return request(admin_socket, "GET", "/status", timeout=timeout)
+
+
+def wake_space(admin_socket: str, host: str, timeout: float) -> Response:
+    """``POST /wake?host=H``: answers once the hibernating space is awake (200), or 503 with
+    why not, or 409 when the router has no activator."""
+    return request(admin_socket, "POST", _with_host("/wake", host), body=b"{}", timeout=timeout)
+
+
+def sleep_space(admin_socket: str, host: str, timeout: float) -> Response:
+    """``POST /sleep?host=H``: answers once the space is asleep (flushed, lease released)."""
+    return request(admin_socket, "POST", _with_host("/sleep", host), body=b"{}", timeout=timeout)
+
+
+def _with_host(path: str, host: str) -> str:
+    return f"{path}?{urllib.parse.urlencode({'host': host})}"
+
+
+def has_listener(socket_path: str, timeout: float = 2.0) -> bool:
+    """True when something accepts connections on ``socket_path`` (no bytes are sent)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(socket_path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    except (TimeoutError, BlockingIOError):
+        return True  # a full backlog: someone is listening, just not accepting fast enough
+    finally:
+        sock.close()
+    return True
 
 
 def answers_http(socket_path: str, host: str, timeout: float = DEFAULT_TIMEOUT) -> str | None:

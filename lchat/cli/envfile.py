@@ -8,6 +8,7 @@ operator's own settings) survive a rewrite.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import secrets
 import stat
@@ -38,6 +39,62 @@ def make_private(path: str) -> None:
     """Tighten an existing env file to 0600: it holds a secret."""
     if stat.S_IMODE(os.stat(path).st_mode) != MODE:
         os.chmod(path, MODE)
+
+
+def owner_of_router(admin_socket: str, registry: str, data_dir: str) -> tuple[int, int]:
+    """Who the router runs as, judged by who owns what it makes: its admin socket while it runs,
+    else the registry it writes, else the data directory."""
+    for path in (admin_socket, registry, data_dir):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        return st.st_uid, st.st_gid
+    raise FileNotFoundError(2, "No such file or directory", data_dir)
+
+
+def hand_to(path: str, uid: int, gid: int) -> tuple[bool, str]:
+    """Make ``path`` owned by ``uid:gid`` and private (no group/other bits; never looser than it
+    was). Returns whether it was right already, and what was done in a few words. Only root may
+    change the owner; anyone else changes nothing but says so."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{path} is not a regular file: not changing its owner")
+    mode = stat.S_IMODE(st.st_mode)
+    private = mode & ~0o077  # only ever removes bits
+    owned = (st.st_uid, st.st_gid) == (uid, gid)
+    if owned and mode == private:
+        return True, f"already owned by {_user(uid)} with mode {mode:04o}"
+    if os.geteuid() != 0:
+        if owned:
+            os.chmod(path, private, follow_symlinks=False)
+            return False, f"owned by {_user(uid)}; mode {mode:04o} -> {private:04o}"
+        return False, (
+            f"owned by {_user(st.st_uid)}, not {_user(uid)} (the router's user), and not running "
+            f"as root: left as it is; the router may fail to read it (chown it by hand)"
+        )
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        # Tighten before handing over, so the new owner never sees a looser file.
+        if mode != private:
+            os.fchmod(fd, private)
+        if not owned:
+            os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
+    done = []
+    if not owned:
+        done.append(f"owner {_user(st.st_uid)} -> {_user(uid)}")
+    if mode != private:
+        done.append(f"mode {mode:04o} -> {private:04o}")
+    return False, ", ".join(done)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _write_private(path: str, text: str) -> None:

@@ -22,7 +22,7 @@ import attrs
 
 import lchat
 from lchat import config, hosts
-from lchat.cli import admin_client, dev_cert, envfile, units
+from lchat.cli import admin_client, backup, dev_cert, envfile, units
 from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
@@ -36,9 +36,26 @@ COMMON_FLAGS = {
 }
 COMMON_OPTIONS = ("--env-file", *COMMON_FLAGS)
 DEFAULT_TIMEOUT = 30.0
+HIBERNATE_TIMEOUT = 60.0
+# POST /sleep answers once the activator has stopped the sidecar, asked next-due, stopped the space,
+# flushed and released the lease: each step has its own budget (activator.Budgets), summed here.
+SLEEP_TIMEOUT = 150.0
+STATUS_TIMEOUT = 3.0
 POLL_INTERVAL = 0.2
 SERVICE_PROBE_TIMEOUT = 5.0
-TABLE_COLUMNS = ("HOST", "KIND", "STATUS", "VERSION", "HIBERNATE", "REPLICATION", "SOCKET")
+TABLE_COLUMNS = (
+    "HOST",
+    "KIND",
+    "STATUS",
+    "STATE",
+    "VERSION",
+    "HIBERNATE",
+    "REPLICATION",
+    "NEXT-DUE",
+    "SOCKET",
+)
+# The activator's states of a hibernating space (DESIGN.md §7); "asleep" is the absence of one.
+ACTIVATOR_BUSY = ("waking", "awake", "stopping")
 
 
 class CliError(Exception):
@@ -65,7 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
-    except (CliError, ConfigError, RegistryError, hosts.InvalidHost, units.UnitError) as e:
+    except (
+        CliError,
+        ConfigError,
+        RegistryError,
+        hosts.InvalidHost,
+        units.UnitError,
+        backup.BackupConfigError,
+    ) as e:
         return _fail(str(e))
     except OSError as e:
         return _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
@@ -128,6 +152,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--no-wait", action="store_true", help="start it but do not health-check it")
 
     sub = command(
+        "hibernate",
+        "hand a space to the activator (--on) or back to its unit (--off)",
+        cmd_hibernate,
+    )
+    sub.add_argument("host", help="the space's hostname")
+    which = sub.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--on",
+        dest="on",
+        action="store_true",
+        help="stop its unit; the activator sleeps it when idle and wakes it on demand",
+    )
+    which.add_argument(
+        "--off",
+        dest="on",
+        action="store_false",
+        help="put it to sleep, then run it as an ordinary unit again",
+    )
+    sub.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=HIBERNATE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"bound of each wait: socket release, health check, warm wake "
+        f"(default {HIBERNATE_TIMEOUT:g})",
+    )
+
+    sub = command(
+        "replication",
+        "print or set a space's replication class (stream, batched, daily)",
+        cmd_replication,
+    )
+    sub.add_argument("host", help="the space's hostname")
+    sub.add_argument(
+        "replication",
+        nargs="?",
+        type=_replication_class,
+        metavar="CLASS",
+        help="the new class: stream, batched or daily (omit to print the current one)",
+    )
+
+    sub = command(
         "add-service",
         "route a host to a server already listening on a unix socket",
         cmd_add_service,
@@ -177,6 +243,14 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _replication_class(text: str) -> str:
+    if text not in REPLICATIONS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a replication class (choose from {', '.join(REPLICATIONS)})"
+        )
+    return text
+
+
 def _space_argv(argv: list[str]) -> list[str] | None:
     """The arguments after ``space`` when that is the command, skipping common options before it."""
     i = 0
@@ -222,13 +296,29 @@ def cmd_instances(args: argparse.Namespace) -> int:
     if args.json:
         _out(json.dumps([attrs.asdict(r) for r in routes], indent=2))
         return 0
-    rows = [TABLE_COLUMNS, *(_table_row(r) for r in routes)]
+    live = _router_hosts(cfg) if routes else {}
+    rows = [TABLE_COLUMNS, *(_table_row(r, live) for r in routes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
     for row, route in zip(rows, [None, *routes], strict=True):
         _out("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         if route is not None and route.status == "failed":
             _out(f"  last error: {_one_line(route.last_error) or '(none recorded)'}")
     return 0
+
+
+def _router_hosts(cfg: BoxConfig) -> dict[str, dict[str, Any]] | None:
+    """The running router's per-host view (``GET /status``), or None when it cannot be asked."""
+    try:
+        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
+        hosts_now = response.json().get("hosts") if response.status == 200 else None
+    except admin_client.Unreachable as e:
+        if not _router_absent(e):
+            _note(f"cannot reach the router ({e}): STATE unknown")
+        return None
+    except (admin_client.ProtocolError, ValueError, AttributeError) as e:
+        _note(f"the router did not answer GET /status usefully ({e}): STATE unknown")
+        return None
+    return hosts_now if isinstance(hosts_now, dict) else None
 
 
 def cmd_add_instance(args: argparse.Namespace) -> int:
@@ -249,13 +339,20 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
             f"{host}: the socket path {cfg.run_dir}/{host}.sock is too long for a unix socket; "
             f"systemd units cannot run it (use LCHAT_UNITS=builtin, or a shorter LCHAT_RUN_DIR)"
         )
+    db = hosts.db_path(cfg.data_dir, host)
+    if args.hibernate:
+        _refuse_if_backed_up(cfg, host, db, "nothing was registered")
     token = _stage_env_file(hosts.env_path(cfg.data_dir, host), token)
+    # The activator and builtin units read it as the router's user (only systemd reads as root).
+    _hand_env_files_to_router(cfg, host, quiet=True)
+    if args.hibernate:
+        _forget_clean_sleep(db)  # a database left by an earlier life is not vouched for
     registry.insert(
         Route(
             host=host,
             kind="instance",
             socket=socket,
-            db_path=hosts.db_path(cfg.data_dir, host),
+            db_path=db,
             # A hibernating space has nothing to start: the activator wakes it on its first request.
             status="ready" if args.hibernate else "creating",
             hibernate=args.hibernate,
@@ -265,8 +362,13 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     )
     _out(f"admin token: {token}")
     if args.hibernate:
+        # Nothing to start and nothing to wait for: no process and no database until its first
+        # request (or `lchat hibernate --on`'s warm request) wakes it.
         notify_router(cfg)
-        _out(f"{host} is registered, hibernating: it wakes on its first request")
+        _out(
+            f"{host} is registered, asleep ({args.replication} replication): "
+            f"it wakes on its first request"
+        )
         return 0
     if cfg.units == "systemd":
         return _start_with_systemd(cfg, registry, host, socket, args)
@@ -314,6 +416,338 @@ def cmd_remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replication(args: argparse.Namespace) -> int:
+    host = hosts.normalise(args.host)
+    cfg = load_config(args)
+    registry = open_registry(cfg)
+    route = _instance_row(registry, host, "have a replication class")
+    if args.replication is None:
+        _out(route.replication)
+        return 0
+    old, new = route.replication, args.replication
+    if old == new:
+        _out(f"{host}: replication is already {new}; nothing changed")
+        return 0
+    registry.update(host, replication=new)
+    notify_router(cfg)
+    _out(f"{host}: replication {old} -> {new}")
+    if route.hibernate:
+        # The activator reads the class at wake: an awake space keeps its cadence until it sleeps.
+        _note(f"{host} runs at the new cadence from its next wake; every sleep flushes in full")
+    else:
+        _note(f"{host} is not hibernating: the class applies once it is (lchat hibernate --on)")
+    return 0
+
+
+def cmd_hibernate(args: argparse.Namespace) -> int:
+    host = hosts.normalise(args.host)
+    cfg = load_config(args)
+    registry = open_registry(cfg)
+    route = _instance_row(registry, host, "hibernate")
+    if args.on:
+        return _hibernate_on(cfg, registry, route, args.timeout)
+    return _hibernate_off(cfg, registry, route, args.timeout)
+
+
+def _instance_row(registry: Registry, host: str, what: str) -> Route:
+    route = registry.get(host)
+    if route is None:
+        raise CliError(f"{host} is not registered")
+    if route.kind != "instance":
+        raise CliError(f"{host} is a service (a server lchat does not run): only instances {what}")
+    return route
+
+
+# --- hibernate --on / --off ---------------------------------------------------------------------
+
+
+def _hibernate_on(cfg: BoxConfig, registry: Registry, route: Route, timeout: float) -> int:
+    """The seed's order: env file ownership; the flag; refuse while the backup replicator tracks
+    the database; stop and disable the units; reload; one warm request. The host stays serveable
+    throughout: a request in the socket-dead gap rides the router's dial retry."""
+    host = route.host
+    if cfg.hibernate is None:
+        raise CliError(
+            f"hibernating {host} needs a hibernation bucket: set LCHAT_HIBERNATE_BUCKET in the "
+            f"router's env file and restart the router, then retry"
+        )
+    db = route.db_path or hosts.db_path(cfg.data_dir, host)
+    # 1. The activator reads the env file as the router's user; systemd read it as root.
+    _hand_env_files_to_router(cfg, host)
+    # Looked at before anything changes, so that the usual refusal leaves the row untouched.
+    _refuse_if_backed_up(cfg, host, db, "the hibernate flag is unchanged")
+    # 2. The flag.
+    if route.hibernate:
+        _out(f"{host}: already hibernating (flag on); checking the remaining steps")
+    else:
+        # The unit may have written since any earlier sleep: the activator must not trust a marker.
+        _forget_clean_sleep(db)
+        registry.update(host, hibernate=True, status="ready", last_error="")
+        _out(f"{host}: hibernate flag set")
+    # 3. Checked again with the flag set: a backup config regenerated from now on skips this host.
+    try:
+        _refuse_if_backed_up(
+            cfg,
+            host,
+            db,
+            "the hibernate flag is unchanged"
+            if route.hibernate
+            else "the hibernate flag is back as it was",
+        )
+    except CliError:
+        if not route.hibernate:
+            registry.update(host, hibernate=False, status=route.status, last_error=route.last_error)
+            _note(f"{host}: the hibernate flag was set and is off again")
+        raise
+    # 4. The units: the sidecar first (an orphaned bot would knock on a dead socket), then the space.
+    if cfg.units == "systemd":
+        for sidecar in _sidecar_first(cfg, host):
+            unit = units.unit_name(host, sidecar=sidecar)
+            try:
+                units.disable_now(host, sidecar=sidecar)
+            except units.UnitError as e:
+                raise CliError(
+                    f"{e}; {host} is flagged hibernating: fix the unit and re-run "
+                    f"`lchat hibernate {host} --on` (or `--off` to hand it back)"
+                ) from e
+            _out(f"{host}: stopped and disabled {unit}")
+    else:
+        _out(f"{host}: the router stops running it as a builtin unit on reload")
+    # 5. Reload.
+    if not _reload_router(cfg):
+        _warn(f"the router is not running: {host} wakes on its first request once it runs")
+        return 0
+    _out(f"{host}: router reloaded")
+    # A builtin child is stopped by the reload, asynchronously: the activator's space would refuse
+    # to start over its socket. systemd's `disable --now` has already waited for its stop.
+    _wait_for_handover(cfg, host, route.socket, timeout)
+    # 6. One warm request: the activator wakes it now rather than on a member's first request.
+    return _warm(cfg, host, timeout)
+
+
+def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: float) -> int:
+    """The mirror image: the activator checkpoints the space to the bucket, releases its lease and
+    stops it; the flag is cleared; once the socket has no listener the unit starts again, is
+    health-checked, and then its sidecar unit starts."""
+    host = route.host
+    socket = route.socket
+    systemd = cfg.units == "systemd"
+    if systemd and socket != os.path.join(cfg.run_dir, f"{host}.sock"):
+        raise CliError(
+            f"{host}: its socket {socket} is not {cfg.run_dir}/{host}.sock, the path "
+            f"lchat@.service uses; systemd units cannot run it (LCHAT_UNITS=builtin can)"
+        )
+    db = route.db_path or hosts.db_path(cfg.data_dir, host)
+    if route.hibernate:
+        # 1. Asleep now, while the flag is still on: /sleep answers once flushed and released.
+        _sleep_now(cfg, host)
+        # An instance refuses to start over a socket that still has a listener.
+        _wait_released(socket, host, timeout)
+        # The unit writes the database from now on: the marker of a clean sleep stops being true.
+        _forget_clean_sleep(db)
+        registry.update(host, hibernate=False, next_due=0)
+        _out(f"{host}: hibernate flag cleared")
+    else:
+        _out(f"{host}: not hibernating (flag already off); checking the remaining steps")
+    # 2. Reload: the activator lets go of it (had a request woken it again, the reload sleeps it).
+    router_up = _reload_router(cfg)
+    if router_up:
+        _out(f"{host}: router reloaded")
+    if not systemd:
+        if not router_up:
+            _warn(f"the router is not running: it starts {host} when it starts")
+            return 0
+        # 3. Builtin: the router starts it on the reload and records its health in the row.
+        return _health_check(cfg, registry, host, socket, timeout, record=False)
+    if route.hibernate:
+        _wait_released(socket, host, timeout)
+    # 3. systemd: the unit, its health, then the sidecar unit.
+    try:
+        units.enable_now(host)
+    except units.UnitError as e:
+        registry.set_status(host, "failed", str(e))
+        notify_router(cfg)
+        raise CliError(f"{host} failed: {e}") from e
+    _out(f"{host}: enabled and started {units.unit_name(host)}")
+    code = _health_check(cfg, registry, host, socket, timeout, record=True)
+    if os.path.exists(hosts.bot_env_path(cfg.data_dir, host)):
+        units.enable_now(host, sidecar=True)
+        _out(f"{host}: enabled and started {units.unit_name(host, sidecar=True)}")
+    return code
+
+
+def _sidecar_first(cfg: BoxConfig, host: str) -> tuple[bool, ...]:
+    """The units to stop, in order: a sidecar unit exists where its env file is staged."""
+    has_bot = os.path.exists(hosts.bot_env_path(cfg.data_dir, host))
+    return (True, False) if has_bot else (False,)
+
+
+def _refuse_if_backed_up(cfg: BoxConfig, host: str, db: str, unchanged: str) -> None:
+    """Two replicators on one database corrupt each other's state (the seed's sharpest edge)."""
+    config_file = backup.config_path(cfg)
+    if backup.tracks(config_file, db):
+        raise CliError(
+            f"refusing: the box-wide backup replicator still tracks {db} ({config_file} lists "
+            f"it), and two replicators on one database corrupt each other: regenerate the backup "
+            f"config without {host} (re-run the fleet backup script), then retry ({unchanged})"
+        )
+
+
+def _hand_env_files_to_router(cfg: BoxConfig, host: str, *, quiet: bool = False) -> None:
+    """chown ``<host>.env`` (and a staged ``<host>-bot.env``) to the router's user, mode private.
+    ``quiet``: say nothing when nothing needed doing."""
+    uid, gid = envfile.owner_of_router(cfg.admin_socket, cfg.registry, cfg.data_dir)
+    env = hosts.env_path(cfg.data_dir, host)
+    for path in (env, hosts.bot_env_path(cfg.data_dir, host)):
+        if not os.path.exists(path):
+            if path == env:
+                _warn(f"{path} is missing: the space cannot start without it")
+            continue
+        right, what = envfile.hand_to(path, uid, gid)
+        if not (right and quiet):
+            _out(f"{host}: {os.path.basename(path)}: {what}")
+
+
+def _forget_clean_sleep(db: str) -> None:
+    """Remove the activator's clean-sleep marker: it vouches that the local database is exactly
+    the bucket's newest state (the activator then resumes the replica without a snapshot), which
+    stops being true as soon as anything else writes the database."""
+    from lchat.activator import MARKER_SUFFIX  # the activator owns the name
+
+    try:
+        os.unlink(db + MARKER_SUFFIX)
+    except FileNotFoundError:
+        pass
+
+
+def _reload_router(cfg: BoxConfig) -> bool:
+    """POST /reload; False when the router is not running (its poll catches up when it does)."""
+    try:
+        _reload(cfg)
+    except admin_client.Unreachable as e:
+        if not _router_absent(e):
+            _note(f"cannot reach the router ({e}); it will pick this up within seconds")
+        return False
+    return True
+
+
+def _router_entry(cfg: BoxConfig, host: str) -> dict[str, Any] | None:
+    """The running router's view of one host, or None when it has none or cannot be asked."""
+    try:
+        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
+        entry = response.json().get("hosts", {}).get(host) if response.status == 200 else None
+    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _wait_for_handover(cfg: BoxConfig, host: str, socket: str, timeout: float) -> None:
+    """Until the old process has let go of the socket, or the activator already has the space."""
+    deadline = time.monotonic() + timeout
+    while admin_client.has_listener(socket):
+        entry = _router_entry(cfg, host) or {}
+        if entry.get("state") in ACTIVATOR_BUSY:
+            return
+        if time.monotonic() >= deadline:
+            _warn(f"something still listens on {socket} after {timeout:g}s: the wake may fail")
+            return
+        time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
+
+
+def _wait_released(socket: str, host: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while admin_client.has_listener(socket):
+        if time.monotonic() >= deadline:
+            raise CliError(
+                f"{host}: something still listens on {socket} after {timeout:g}s, and the space "
+                f"would refuse to start over it: stop that process, then retry"
+            )
+        time.sleep(POLL_INTERVAL)
+
+
+def _warm(cfg: BoxConfig, host: str, timeout: float) -> int:
+    try:
+        response = admin_client.wake_space(cfg.admin_socket, host, timeout)
+    except admin_client.Unreachable as e:
+        _warn(f"cannot reach the router for the warm request ({e}): {host} wakes on its first one")
+        return 0
+    except admin_client.ProtocolError as e:
+        raise CliError(
+            f"{host}: no answer to the warm request within {timeout:g}s ({e}); the router goes on "
+            f"waking it (see `lchat instances`)"
+        ) from e
+    body = _json_body(response)
+    if response.status == 200:
+        _out(f"{host}: awake after the warm request ({body.get('seconds', '?')}s); hibernating")
+        return 0
+    if response.status == 409:
+        _warn(
+            f"the running router has no activator (LCHAT_HIBERNATE_BUCKET is unset in its "
+            f"environment): {host} answers 503 until the router is restarted with it"
+        )
+        return 0
+    if response.status == 404:
+        _warn(
+            f"the router does not see {host} as hibernating yet ({body.get('error', 'not found')});"
+            f" it picks the change up within seconds and wakes it on its first request"
+        )
+        return 0
+    error = body.get("error") or f"the router answered {response.status}"
+    raise CliError(f"{host}: the warm request failed: {error}")
+
+
+def _sleep_now(cfg: BoxConfig, host: str) -> None:
+    try:
+        response = admin_client.sleep_space(cfg.admin_socket, host, SLEEP_TIMEOUT)
+    except admin_client.Unreachable as e:
+        if not _router_absent(e):
+            _note(f"cannot reach the router ({e}) to put {host} to sleep first")
+        return
+    except admin_client.ProtocolError as e:
+        raise CliError(
+            f"{host}: the router did not finish putting it to sleep within {SLEEP_TIMEOUT:g}s "
+            f"({e}); nothing changed here: retry"
+        ) from e
+    body = _json_body(response)
+    if response.status == 200:
+        _out(f"{host}: asleep (flushed to the bucket, lease released)")
+    elif response.status == 409:
+        _note(f"the running router has no activator: {host} was not running under it")
+    else:
+        _note(f"the router answered {response.status} to /sleep: {body.get('error', '')}")
+
+
+def _health_check(
+    cfg: BoxConfig, registry: Registry, host: str, socket: str, timeout: float, *, record: bool
+) -> int:
+    """GET /api/version on its socket until it answers. ``record``: write the verdict to the row
+    (systemd; with builtin units the router's supervisor does that itself)."""
+    if admin_client.wait_for_version(socket, host, timeout, POLL_INTERVAL):
+        if record:
+            route = registry.get(host)
+            if route is not None and (route.status != "ready" or route.last_error):
+                registry.set_status(host, "ready")
+                notify_router(cfg)
+        _out(f"{host} is ready")
+        return 0
+    route = registry.get(host)
+    if not record and route is not None and route.status == "failed":
+        raise CliError(f"{host} failed: {_one_line(route.last_error) or 'no error recorded'}")
+    error = f"not answering on {socket} after {timeout:g}s"
+    if record:
+        registry.set_status(host, "failed", error)
+        notify_router(cfg)
+    raise CliError(f"{host} failed: {error}")
+
+
+def _json_body(response: admin_client.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 # --- starting an instance -----------------------------------------------------------------------
 
 
@@ -327,8 +761,12 @@ def _start_with_systemd(
         notify_router(cfg)
         raise CliError(f"{host} failed: {e}") from e
     if args.no_wait:
+        # Nobody else would ever mark it ready: under systemd the router only routes, it does not
+        # watch units. systemd keeps the unit running; the router's dial retry covers its first
+        # seconds. So it is routed now, unchecked (without --no-wait it is checked first).
+        registry.set_status(host, "ready")
         notify_router(cfg)
-        _out(f"{host}: started {units.unit_name(host)}; not health-checked (row stays 'creating')")
+        _out(f"{host}: started {units.unit_name(host)}; routed without a health check (--no-wait)")
         return 0
     if not admin_client.wait_for_version(socket, host, args.timeout, POLL_INTERVAL):
         error = f"not answering on {socket} after {args.timeout:g}s"
@@ -482,16 +920,44 @@ def _check_socket_arg(path: str) -> str:
 # --- output -------------------------------------------------------------------------------------
 
 
-def _table_row(route: Route) -> tuple[str, ...]:
+def _table_row(route: Route, live: dict[str, dict[str, Any]] | None) -> tuple[str, ...]:
     return (
         route.host,
         route.kind,
         route.status,
+        _state(route, live),
         route.version or "-",
         "on" if route.hibernate else "off",
         route.replication,
+        _utc(route.next_due),
         route.socket,
     )
+
+
+def _state(route: Route, live: dict[str, dict[str, Any]] | None) -> str:
+    """What the running router says: a hibernating space's activator state (awake, waking,
+    stopping, asleep); else the process it supervises (builtin units), else the row's status as
+    it serves it. ``?``: the router cannot be asked; ``-``: it has not loaded this row yet."""
+    if live is None:
+        return "?"
+    entry = live.get(route.host)
+    if not isinstance(entry, dict):
+        return "-"
+    if route.hibernate and entry.get("hibernate"):
+        return str(entry.get("state") or "asleep")
+    process = entry.get("process")
+    if isinstance(process, dict) and process.get("state"):
+        return str(process["state"])
+    return str(entry.get("status") or "-")
+
+
+def _utc(seconds: int) -> str:
+    if seconds <= 0:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+    except (OverflowError, OSError, ValueError):
+        return str(seconds)
 
 
 def _one_line(text: str) -> str:

@@ -1,4 +1,5 @@
-"""systemd units for spaces: ``lchat@<host>`` (the template lives in ops/)."""
+"""systemd units for spaces: ``lchat@<host>`` (the template lives in ops/), and a staged bot
+sidecar's ``lchat-bot@<host>``."""
 
 from __future__ import annotations
 
@@ -15,16 +16,17 @@ class UnitError(Exception):
     """systemctl failed; the message is one line, fit for ``last_error``."""
 
 
-def unit_name(host: str) -> str:
-    return f"lchat@{hosts.normalise(host)}"
+def unit_name(host: str, *, sidecar: bool = False) -> str:
+    """``lchat@<host>``, or the bot sidecar's ``lchat-bot@<host>``."""
+    return f"{'lchat-bot' if sidecar else 'lchat'}@{hosts.normalise(host)}"
 
 
-def enable_now(host: str) -> None:
-    _systemctl("enable", "--now", unit_name(host))
+def enable_now(host: str, *, sidecar: bool = False) -> None:
+    _systemctl("enable", "--now", unit_name(host, sidecar=sidecar))
 
 
-def disable_now(host: str) -> None:
-    _systemctl("disable", "--now", unit_name(host))
+def disable_now(host: str, *, sidecar: bool = False) -> None:
+    _systemctl("disable", "--now", unit_name(host, sidecar=sidecar))
 
 
 def _systemctl(*args: str) -> None:
