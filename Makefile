@@ -16,9 +16,11 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 # Demo: the router on embedded defaults, data under ./var, one reference space at demo.localhost.
-# var/router.env is rewritten each time (it is generated); the demo's data in var/data is kept.
+# The demo space hibernates on a file: bucket in var/bucket with a 30 s idle window: watch it
+# sleep and wake in the log. var/router.env is rewritten each time (it is generated); the demo's
+# data in var/data and var/bucket is kept.
 run: $(STAMP)
-	mkdir -p $(VAR)/data $(VAR)/run
+	mkdir -p $(VAR)/data $(VAR)/run $(VAR)/bucket
 	printf '%s\n' \
 	  "LCHAT_DATA_DIR=$(VAR)/data" \
 	  "LCHAT_RUN_DIR=$(VAR)/run" \
@@ -26,9 +28,15 @@ run: $(STAMP)
 	  "LCHAT_HTTPS_ADDR=127.0.0.1:8443" \
 	  "LCHAT_HTTP_REDIRECT=off" \
 	  "LCHAT_UNITS=builtin" \
-	  "LCHAT_SPACE_COMMAND=$(CURDIR)/$(BIN)/lchat space" > $(VAR)/router.env
+	  "LCHAT_SPACE_COMMAND=$(CURDIR)/$(BIN)/lchat space" \
+	  "LCHAT_SIDECAR_COMMAND=$(CURDIR)/$(BIN)/python -m lchat.space.sidecar" \
+	  "LCHAT_HIBERNATE_BUCKET=file:$(VAR)/bucket" \
+	  "LCHAT_HIBERNATE_IDLE=30s" \
+	  "LCHAT_HIBERNATE_SWEEP=2s" > $(VAR)/router.env
 	@test -f $(VAR)/data/demo.localhost.env || \
-	  $(BIN)/lchat add-instance demo.localhost --env-file $(VAR)/router.env --no-wait
+	  $(BIN)/lchat add-instance demo.localhost --env-file $(VAR)/router.env --hibernate
+	@$(BIN)/lchat instances --env-file $(VAR)/router.env --json | grep -q '"hibernate": true' || \
+	  $(BIN)/lchat hibernate demo.localhost --on --env-file $(VAR)/router.env >/dev/null 2>&1 || true
 	@$(BIN)/lchat dev-cert --env-file $(VAR)/router.env demo.localhost >/dev/null
 	$(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
 
