@@ -624,7 +624,7 @@ class HibernationS3Tests(_Harness):
     """The S3 paths: a bucket that stops answering while spaces are awake."""
 
     @inlineCallbacks
-    def test_bucket_hung_while_awake_keeps_serving_and_catches_up(self):
+    def _s3_router(self, *hosts: str) -> Any:
         server = yield Deferred.fromCoroutine(s3servers.start_server("moto"))
         self.addCleanup(lambda: Deferred.fromCoroutine(server.destroy()))
         bucket = yield Deferred.fromCoroutine(server.new_bucket())
@@ -645,10 +645,33 @@ class HibernationS3Tests(_Harness):
             "LCHAT_HIBERNATE_IDLE": "60s",
             "LCHAT_LEASE_TTL": "60s",
         }
-        self.add_space("s3.example")
+        for host in hosts:
+            self.add_space(host)
         cfg = config.load(env_file=self.env, environ=environ, flags=flags)
         self._with_aws_env(key, secret)
         self.start(cfg)
+        return server, bucket
+
+    @inlineCallbacks
+    def test_cold_wake_with_the_bucket_down_is_a_503_then_works(self):
+        server, _ = yield self._s3_router("cold-s3.example")
+        self.activator.budgets = activator_module.Budgets(queue=3.0)
+        server.pause()
+        try:
+            response, body = yield self.request("cold-s3.example")
+            self.assertEqual(response.code, 503, body)
+            self.assertTrue(response.headers.hasHeader(b"retry-after"))
+        finally:
+            server.resume()
+        # The wake went on (only the request stopped waiting): it completes once the bucket
+        # answers, and the next request is served.
+        yield self.wait_for(lambda: self.state("cold-s3.example") != "waking", timeout=60)
+        response, body = yield self.request("cold-s3.example")
+        self.assertEqual(response.code, 200, body)
+
+    @inlineCallbacks
+    def test_bucket_hung_while_awake_keeps_serving_and_catches_up(self):
+        server, bucket = yield self._s3_router("s3.example")
         response, _ = yield self.request(
             "s3.example", "/api/rooms/r/messages", b"POST", b'{"body": "before"}'
         )
