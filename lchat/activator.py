@@ -425,7 +425,9 @@ class Activator(Service):
 
         t = clock()
         try:
-            await child.wait_ready(timeout=self.budgets.ready)
+            # Poll often: a refused connect costs microseconds, and every poll interval is wake
+            # latency a member waits through.
+            await child.wait_ready(timeout=self.budgets.ready, interval=0.02)
         except NotReady as e:
             _log.error("activator: {host} did not become ready: {error}", host=host, error=e)
             raise WakeFailed(host, "not_ready", f"{host} did not start: {e}") from e
