@@ -29,6 +29,7 @@ from twisted.web.client import (
     HTTPConnectionPool,
     ResponseDone,
     ResponseNeverReceived,
+    _HTTP11ClientFactory,
 )
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer, IResponse
@@ -125,6 +126,16 @@ def request_d(
     return Deferred.fromCoroutine(coro)
 
 
+class _QuietClientFactory(_HTTP11ClientFactory):
+    noisy = False  # a factory per request: "Starting factory" lines would drown the log
+
+
+def _quiet_pool(reactor: Reactor) -> HTTPConnectionPool:
+    pool = HTTPConnectionPool(reactor, persistent=False)
+    pool._factory = _QuietClientFactory
+    return pool
+
+
 async def _exchange(
     reactor: Reactor,
     socket_path: str,
@@ -139,7 +150,7 @@ async def _exchange(
     agent = Agent.usingEndpointFactory(
         reactor,
         _UnixEndpointFactory(reactor, socket_path, connect_timeout),
-        pool=HTTPConnectionPool(reactor, persistent=False),
+        pool=_quiet_pool(reactor),
     )
     hdrs = Headers({k: [v] for k, v in headers.items()})
     producer = _BytesProducer(body) if body or method.upper() in ("POST", "PUT", "PATCH") else None

@@ -781,3 +781,81 @@ def _open_websocket(port: int, host: str, path: str) -> _WS:
         head += chunk
     assert head.startswith(b"HTTP/1.1 101"), head
     return _WS(sock)
+
+
+class TwistdDrainTests(_Harness):
+    """SIGTERM to a real ``twistd lchat`` process: every awake space flushed and released."""
+
+    @inlineCallbacks
+    def test_sigterm_drains_every_awake_space(self):
+        hosts = [f"t{i}.example" for i in range(5)]
+        for host in hosts:
+            self.add_space(host)
+        port = s3servers.free_ports(1)[0]
+        with open(self.env, "a") as f:
+            f.write(
+                f"LCHAT_HTTP_ADDR=127.0.0.1:{port}\nLCHAT_HTTPS_ADDR=off\n"
+                f"LCHAT_SPACE_COMMAND={SPACE}\nLCHAT_HIBERNATE_BUCKET=file:{self.bucket}\n"
+                f"LCHAT_HIBERNATE_IDLE=60s\n"
+            )
+        log_path = os.path.join(self.dir, "router.log")
+        log = open(log_path, "ab")
+        self.addCleanup(log.close)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+        env["PYTHONPATH"] = ROOT
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from twisted.scripts.twistd import run; run()",
+                "--nodaemon",
+                "--pidfile=",
+                "lchat",
+                "--env-file",
+                self.env,
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+        def kill() -> None:
+            if router.poll() is None:
+                router.kill()
+                router.wait()
+
+        self.addCleanup(kill)
+        self.port = port
+        yield self.wait_for(lambda: _port_open(port) or router.poll() is not None)
+        self.assertIsNone(router.poll(), open(log_path).read())
+        results = yield DeferredList(
+            [
+                self.request(h, "/api/rooms/r/messages", b"POST", json.dumps({"body": h}).encode())
+                for h in hosts
+            ],
+            consumeErrors=True,
+        )
+        self.assertTrue(all(ok and value[0].code == 201 for ok, value in results), results)
+        self.assertTrue(all(self.lock_exists(h) for h in hosts))
+        router.send_signal(signal.SIGTERM)
+        code = yield deferToThread(router.wait, 60)
+        # twistd re-raises the signal it stopped on (systemd counts SIGTERM as a clean exit).
+        self.assertIn(code, (0, -signal.SIGTERM), open(log_path).read())
+        text = open(log_path).read()
+        store = open_store(reactor, f"file:{self.bucket}")
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        for host in hosts:
+            self.assertIn(f"activator: {host} asleep (shutdown)", text)
+            self.assertFalse(self.lock_exists(host), host)
+            out = os.path.join(self.dir, f"{host}.restored")
+            yield Deferred.fromCoroutine(restore(store, host, out))
+            self.assertEqual([m[1] for m in _messages(out)], [host])
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
