@@ -1,6 +1,7 @@
 """Replication: lchat's Replicator beside ``litestream replicate``, same moto server, same workload.
 
     .venv/bin/python bench/replication.py [--seconds 20] [--rate 20] [--idle 20] [--sizes 10,100]
+        [--restore-runs 3]
 
 (needs the test extras — boto3, moto — as tests/s3servers.py does; /tmp/venv/bin/python has them.)
 
@@ -21,7 +22,8 @@ stopped. CPU = utime+stime from /proc/<pid>/stat over each window, for both chil
 
 Restore: for each size a database of random rows is replicated once by our Replicator (one
 snapshot), then restored by ours and by ``litestream restore`` from the same replica; the anchor is
-a plain download of the same LTX bytes with our S3 client.
+a plain download of the same LTX bytes with our S3 client. Download and our restore alternate
+``--restore-runs`` times and their medians are reported (Litestream's restore runs once).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -333,6 +336,9 @@ async def main(reactor: Any, argv: list[str]) -> None:
     parser.add_argument("--rate", type=float, default=20)
     parser.add_argument("--idle", type=float, default=20)
     parser.add_argument("--sizes", default="10,100")
+    parser.add_argument(
+        "--restore-runs", type=int, default=3, help="download+restore rounds per size (medians)"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
 
@@ -451,15 +457,20 @@ async def main(reactor: Any, argv: list[str]) -> None:
             await rep.start()
             await rep.stop()
             infos = replica_files(await store.list(rpath + "/"))
-            t = time.perf_counter()
-            got = 0
-            for i, fi in enumerate(infos):
-                got += (await store.get_to_file(fi.info.key, os.path.join(work, f"dl{i}"))).size
-            t_dl = time.perf_counter() - t
+            # Download and restore alternate, --restore-runs times; the medians are reported.
+            dls: list[float] = []
+            ours: list[float] = []
             o1 = os.path.join(work, f"ours{mb}.db")
-            t = time.perf_counter()
-            await restore(store, rpath, o1)
-            t_ours = time.perf_counter() - t
+            for _ in range(args.restore_runs):
+                t = time.perf_counter()
+                got = 0
+                for i, fi in enumerate(infos):
+                    got += (await store.get_to_file(fi.info.key, os.path.join(work, f"dl{i}"))).size
+                dls.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await restore(store, rpath, o1, overwrite=True)
+                ours.append(time.perf_counter() - t)
+            t_dl, t_ours = statistics.median(dls), statistics.median(ours)
             o2 = os.path.join(work, f"ls{mb}.db")
             url = (
                 f"s3://{server.bucket}/{rpath}?endpoint={server.endpoint}"
@@ -504,7 +515,8 @@ async def main(reactor: Any, argv: list[str]) -> None:
             f"| idle requests / hour | {lo['ireq'] * 3600 / idle_s:.0f} | {ls['ireq'] * 3600 / idle_s:.0f} |",
             f"| CPU busy / idle | {lo['bcpu']:.2f} s / {lo['icpu']:.2f} s | {ls['bcpu']:.2f} s / {ls['icpu']:.2f} s |",
             "",
-            "### Restore (one snapshot written by our Replicator; random, incompressible rows)",
+            f"### Restore (one snapshot written by our Replicator; random, incompressible rows; "
+            f"median of {args.restore_runs})",
             "",
             "| DB | LTX bytes | download | lchat restore | litestream restore | lchat / download |",
             "|---|---|---|---|---|---|",

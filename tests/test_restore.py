@@ -8,6 +8,7 @@ import datetime
 import hashlib
 import io
 import os
+import random
 import shutil
 import signal
 import sqlite3
@@ -21,12 +22,16 @@ from typing import Any
 from twisted.internet import reactor as _reactor
 from twisted.internet.threads import deferToThreadPool
 from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import HTTPConnectionPool
 
 from lchat.objstore import UTC, ObjectInfo
+from lchat.objstore.file import FileStore
 from lchat.objstore.s3 import S3Store
 from lchat.replica import ltx
+from lchat.replica import restore as restore_mod
 from lchat.replica.restore import RestoreError, plan, restore
 from tests import s3servers
+from tests.test_s3 import FaultProxy
 
 LITESTREAM = os.path.join(os.path.dirname(sys.executable), "litestream")
 T0 = datetime.datetime(2026, 1, 1, tzinfo=UTC)
@@ -298,3 +303,340 @@ class InteropTests(TestCase):
         self.assertEqual(await self._thread(_dump, ours), want)
         with self.assertRaisesRegex(RestoreError, "already exists"):
             await restore(self.store, self.path, ours)
+
+
+# -- the streaming decoder and the pipelined restore -------------------------------------------------
+
+
+def _replica(
+    directory: str, steps: int = 4, rows: int = 120, blob: int = 600
+) -> tuple[list[tuple[str, bytes]], str]:
+    """A snapshot and ``steps - 1`` deltas of an evolving database, encoded by us as the replicator
+    lays them out under ``pre/h.example``; and the final state's dump."""
+    src = os.path.join(directory, "replica-src.db")
+    conn = sqlite3.connect(src, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    conn.execute("CREATE INDEX t_v ON t(v)")
+    for _ in range(rows):
+        conn.execute("INSERT INTO t(v) VALUES (?)", (os.urandom(blob),))
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    files: list[tuple[str, bytes]] = []
+    previous: list[bytes] = []
+    for step in range(steps):
+        if step:
+            conn.execute("UPDATE t SET v = ? WHERE id % 4 = ?", (os.urandom(blob), step % 4))
+            conn.execute("DELETE FROM t WHERE id % 7 = ?", (step,))
+            conn.execute("INSERT INTO t(v) VALUES (?)", (os.urandom(3 * blob),))
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with open(src, "rb") as f:
+            image = f.read()
+        pages = [image[i : i + page_size] for i in range(0, len(image), page_size)]
+        txid = step + 1
+        if step == 0:
+            level, changed = 9, list(enumerate(pages, 1))
+        else:
+            level = 0
+            changed = [
+                (n, p) for n, p in enumerate(pages, 1) if n > len(previous) or previous[n - 1] != p
+            ]
+        previous = pages
+        header = ltx.LTXHeader(
+            page_size=page_size,
+            commit=len(pages),
+            min_txid=txid,
+            max_txid=txid,
+            timestamp=int(time.time() * 1000),
+        )
+        files.append(
+            (ltx.object_key("pre/h.example", level, txid, txid), ltx.encode(header, changed))
+        )
+    conn.close()
+    return files, _dump(src)
+
+
+def _corrupt_a_page(body: bytes) -> bytes:
+    """``body`` with one byte flipped inside its middle page's LZ4 block."""
+    frames = []
+    pos = ltx.HEADER_SIZE
+    while body[pos : pos + 6] != b"\x00" * 6:
+        size = int.from_bytes(body[pos + 6 : pos + 10], "big")
+        frames.append((pos, size))
+        pos += 10 + size
+    pos, size = frames[len(frames) // 2]
+    bad = bytearray(body)
+    bad[pos + 10 + size // 2] ^= 0x55
+    return bytes(bad)
+
+
+def _sparse_file() -> tuple[bytes, list[tuple[int, bytes]]]:
+    # Page numbers across every uvarint width the decoder's index tables handle (the lock page of
+    # 512-byte pages is 2**21 + 1): 1, 2, 3 and 5 bytes.
+    page_size = 512
+    pgnos = [1, 127, 128, 0x3FFF, 0x4000, 0x4001, 0x1FFFFF, 0x200000, 0x200002]
+    pgnos += [0xFFFFFFF, 0x10000000, 0x10000001, 0xFFFFFFF0]
+    pages = [(p, (p.to_bytes(4, "big") + os.urandom(60)) * 8) for p in pgnos]
+    header = ltx.LTXHeader(
+        page_size=page_size, commit=0xFFFFFFF0, min_txid=7, max_txid=9, timestamp=1
+    )
+    return ltx.encode(header, pages), pages
+
+
+class StreamDecoderTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="lchat-decoder-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def _feed(
+        self, body: bytes, sizes: list[int]
+    ) -> tuple[list[tuple[int, bytes]], ltx.LTXTrailer]:
+        decoder = ltx.LTXDecoder()
+        pages: list[tuple[int, bytes]] = []
+        pos = 0
+        i = 0
+        while pos < len(body):
+            n = sizes[i % len(sizes)]
+            pages += decoder.feed(memoryview(body)[pos : pos + n] if i % 2 else body[pos : pos + n])
+            pos += n
+            i += 1
+        return pages, decoder.close()
+
+    def test_any_split_decodes_like_the_whole(self) -> None:
+        files, _ = _replica(self.dir, steps=2, rows=60)
+        sparse, _ = _sparse_file()
+        rng = random.Random(5)
+        for _, body in [*files, (None, sparse)]:
+            want = ltx.decode(io.BytesIO(body))
+            for sizes in (
+                [1],
+                [7, 3],
+                [100],
+                [4096],
+                [len(body)],
+                [rng.randint(1, 9000) for _ in range(50)],
+            ):
+                pages, trailer = self._feed(body, sizes)
+                self.assertEqual(pages, want.pages, sizes[:3])
+                self.assertEqual(trailer, want.trailer)
+
+    def test_page_index_with_page_numbers_of_every_width(self) -> None:
+        body, pages = _sparse_file()
+        self.assertEqual(ltx.decode(io.BytesIO(body)).pages, pages)
+        self.assertEqual(self._feed(body, [333])[0], pages)
+
+    def test_corruption_truncation_and_trailing_bytes_are_errors(self) -> None:
+        files, _ = _replica(self.dir, steps=1, rows=60)
+        body = files[0][1]
+        decoder = ltx.LTXDecoder()
+        with self.assertRaises(ltx.LTXError):
+            for i in range(0, len(body), 1000):
+                decoder.feed(_corrupt_a_page(body)[i : i + 1000])
+        with self.assertRaisesRegex(ltx.LTXError, "already found corrupt"):
+            decoder.feed(b"more")
+        for n in (0, 50, 100, 105, len(body) // 2, len(body) - 20, len(body) - 1):
+            decoder = ltx.LTXDecoder()
+            decoder.feed(body[:n])
+            with self.assertRaisesRegex(ltx.LTXError, "truncated"):
+                decoder.close()
+        decoder = ltx.LTXDecoder()
+        with self.assertRaisesRegex(ltx.LTXError, "trailing bytes"):
+            decoder.feed(body)
+            decoder.feed(b"\x00")
+        with self.assertRaisesRegex(ltx.LTXError, "trailing bytes"):
+            ltx.LTXDecoder().feed(body + b"\x00")
+
+
+class ApplyTests(SynchronousTestCase):
+    """The sink a body streams into: a retried download starts its file over."""
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="lchat-apply-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.state = restore_mod._ApplyState(os.path.join(self.dir, "db"))
+        self.state.open()
+        self.addCleanup(self.state.close)
+
+    def _file(self, key: str, body: bytes) -> restore_mod.ReplicaFile:
+        f = restore_mod.parse_key(ObjectInfo(key, len(body), "e", T0))
+        assert f is not None
+        return f
+
+    def test_a_retried_download_starts_the_file_over(self) -> None:
+        files, want = _replica(self.dir, steps=3)
+        for i, (key, body) in enumerate(files):
+            sink = restore_mod._FileApply(self.state, self._file(key, body))
+            sink.seek(0)  # what the store does before every attempt
+            sink.truncate()
+            sink.write(body[: len(body) * 2 // 3])  # cut off...
+            if i == 1:
+                sink.write(b"junk that the next attempt never sees")
+            sink.seek(0)  # ...and retried
+            sink.truncate()
+            for n in range(0, len(body), 5000):
+                sink.write(body[n : n + 5000])
+            sink.finish()
+        self.state.sync()
+        self.state.check()
+        self.assertEqual(_dump(self.state.db_path), want)
+
+    def test_an_object_that_changed_between_attempts_is_refused(self) -> None:
+        files, _ = _replica(self.dir, steps=1)
+        key, body = files[0]
+        sink = restore_mod._FileApply(self.state, self._file(key, body))
+        sink.write(body)
+        sink.finish()
+        h = ltx.decode(io.BytesIO(body)).header
+        delta = ltx.LTXHeader(
+            page_size=h.page_size, commit=h.commit, min_txid=2, max_txid=2, timestamp=1
+        )
+        page = b"\x00" * h.page_size
+        first = ltx.encode(delta, [(2, page), (3, page)])
+        second = ltx.encode(delta, [(3, page)])  # the same name, but page 2 is no longer in it
+        key2 = ltx.object_key("pre/h.example", 0, 2, 2)
+        sink = restore_mod._FileApply(self.state, self._file(key2, first))
+        sink.write(first)
+        sink.seek(0)
+        sink.write(second)
+        with self.assertRaisesRegex(RestoreError, "changed between two attempts"):
+            sink.finish()
+        sink = restore_mod._FileApply(self.state, self._file(key2, first))
+        sink.write(first[:200])
+        sink.seek(0)
+        grown = ltx.encode(
+            ltx.LTXHeader(h.page_size, h.commit + 1, 2, 2, 1), [(3, page), (h.commit + 1, page)]
+        )
+        with self.assertRaisesRegex(RestoreError, "changed while it was being downloaded"):
+            sink.write(grown)
+            sink.finish()
+
+
+class _RestoreChecks:
+    """What every restore must leave behind: the result, or nothing at all."""
+
+    dir: str
+
+    def assertNothingLeft(self, out: str) -> None:
+        self.assertFalse(os.path.lexists(out))  # type: ignore[attr-defined]
+        left = [n for n in os.listdir(self.dir) if n.startswith(".")]
+        self.assertEqual(left, [])  # type: ignore[attr-defined]
+
+
+class StreamingRestoreTests(_RestoreChecks, TestCase):
+    """S3: bodies are decoded as they arrive (no LTX file is ever written)."""
+
+    timeout = 120
+
+    async def setUp(self) -> None:  # type: ignore[override]
+        self.server = await s3servers.shared_server("moto")
+        self.bucket = await self.server.new_bucket()
+        self.store: S3Store = s3servers.store_for(self.server, self.bucket)
+        self.addCleanup(self.store.close)
+        self.dir = tempfile.mkdtemp(prefix="lchat-restore-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    async def _thread(self, f: Any, *args: Any) -> Any:
+        r: Any = _reactor
+        return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+
+    async def _put(self, files: list[tuple[str, bytes]]) -> None:
+        for key, body in files:
+            await self.store.put(key, body)
+
+    async def test_many_megabytes_over_many_files(self) -> None:
+        # A snapshot of several megabytes (pieces of a megabyte or more, frames split between
+        # them), then deltas.
+        files, want = await self._thread(lambda: _replica(self.dir, steps=4, rows=2500, blob=3000))
+        self.assertGreater(len(files[0][1]), 6 << 20)
+        await self._put(files)
+        out = os.path.join(self.dir, "out.db")
+        result = await restore(self.store, "pre/h.example", out)
+        self.assertEqual((result.txid, result.files), (4, 4))
+        self.assertEqual(result.bytes_downloaded, sum(len(b) for _, b in files))
+        self.assertEqual(await self._thread(_dump, out), want)
+        self.assertEqual([n for n in os.listdir(self.dir) if n.startswith(".")], [])
+
+    async def test_a_corrupt_file_mid_chain_fails_and_leaves_nothing(self) -> None:
+        files, _ = await self._thread(lambda: _replica(self.dir, steps=4, rows=400, blob=2000))
+        out = os.path.join(self.dir, "out.db")
+        for bad in (1, 0):
+            key, body = files[bad]
+            await self._put([*files[:bad], (key, _corrupt_a_page(body)), *files[bad + 1 :]])
+            with self.assertRaisesRegex(RestoreError, key):
+                await restore(self.store, "pre/h.example", out)
+            self.assertNothingLeft(out)
+        key, body = files[2]
+        await self._put([*files[:2], (key, body[: len(body) // 2]), *files[3:]])
+        with self.assertRaisesRegex(RestoreError, "truncated"):
+            await restore(self.store, "pre/h.example", out)
+        self.assertNothingLeft(out)
+
+    async def test_a_connection_cut_mid_body_is_retried_from_the_first_byte(self) -> None:
+        files, want = await self._thread(lambda: _replica(self.dir, steps=2, rows=1200, blob=3000))
+        await self._put(files)
+        proxy = FaultProxy(self.server.port)
+        self.addCleanup(proxy.close)
+        store = s3servers.store_for(
+            self.server,
+            self.bucket,
+            endpoint=proxy.endpoint,
+            pool=HTTPConnectionPool(_reactor, persistent=False),
+            retries=3,
+        )
+        self.addCleanup(store.close)
+        # The LIST passes; the snapshot's GET is cut after 2.5 MB (pages already applied), then
+        # passes; so does the delta's.
+        proxy.faults.extend([None, ("cut", 2_500_000), None, ("cut", 3000)])
+        rewound_after: list[int] = []  # pages applied when each rewind came
+        seek = restore_mod._FileApply.seek
+
+        def spy(sink: Any, offset: int, whence: int = os.SEEK_SET) -> int:
+            rewound_after.append(sum(n for _, n in sink._runs))
+            return seek(sink, offset, whence)
+
+        self.patch(restore_mod._FileApply, "seek", spy)
+        out = os.path.join(self.dir, "out.db")
+        result = await restore(store, "pre/h.example", out)
+        self.assertEqual(proxy.connections, 5)
+        self.assertEqual(len(rewound_after), 4)  # before each attempt
+        self.assertGreater(rewound_after[1], 100)  # the cut snapshot had pages applied already
+        self.assertEqual(result.bytes_downloaded, sum(len(b) for _, b in files))
+        self.assertEqual(await self._thread(_dump, out), want)
+
+    async def test_integrity_check_still_guards_the_result(self) -> None:
+        # A replica that verifies (its checksums are right) but whose database is not sound.
+        files, _ = await self._thread(lambda: _replica(self.dir, steps=1, rows=200))
+        decoded = ltx.decode(io.BytesIO(files[0][1]))
+        pages = [(n, p if n != 3 else b"\x0d" + b"\xff" * (len(p) - 1)) for n, p in decoded.pages]
+        await self._put([(files[0][0], ltx.encode(decoded.header, pages))])
+        out = os.path.join(self.dir, "out.db")
+        with self.assertRaisesRegex(RestoreError, "integrity check failed"):
+            await restore(self.store, "pre/h.example", out)
+        self.assertNothingLeft(out)
+
+
+class FileStoreRestoreTests(_RestoreChecks, TestCase):
+    """Any other store: each file is downloaded while the one before it is applied."""
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="lchat-restore-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.root = tempfile.mkdtemp(prefix="lchat-bucket-")
+        self.addCleanup(shutil.rmtree, self.root, True)
+        self.store = FileStore(_reactor, self.root, create=True)
+
+    async def test_restore_and_a_corrupt_file_mid_chain(self) -> None:
+        files, want = _replica(self.dir, steps=5, rows=300, blob=2000)
+        for key, body in files:
+            await self.store.put(key, body)
+        out = os.path.join(self.dir, "out.db")
+        result = await restore(self.store, "pre/h.example", out)
+        self.assertEqual((result.txid, result.files), (5, 5))
+        self.assertEqual(_dump(out), want)
+        os.unlink(out)
+        key, body = files[2]
+        await self.store.put(key, _corrupt_a_page(body))
+        with self.assertRaisesRegex(RestoreError, key):
+            await restore(self.store, "pre/h.example", out)
+        self.assertNothingLeft(out)

@@ -1130,6 +1130,23 @@ class S3Store:
             await self._in_thread(_discard, sink, tmp)
             raise
 
+    async def get_into(self, key: str, sink: IO[bytes]) -> int:
+        """GET ``key`` streaming its body into ``sink`` (its ``write`` is called from the store's
+        worker threads, a megabyte or more at a time); returns the bytes received.
+
+        A retried attempt first rewinds the sink (``seek(0)``, ``truncate()``); an exception from
+        ``write`` fails the GET without a retry. A body shorter than its Content-Length raises
+        :class:`StoreUnavailable`.
+        """
+        _check_key(key)
+        reply = await self._send("GetObject", "GET", key, sink=sink)
+        if reply.status != 200:
+            raise self._fail(reply, key)
+        expected = _header_text(reply.headers, "content-length")
+        if expected and int(expected) != reply.streamed:
+            raise StoreUnavailable(f"short body: {reply.streamed} of {expected} bytes", key=key)
+        return reply.streamed
+
     async def head(self, key: str) -> ObjectInfo:
         _check_key(key)
         reply = await self._send("HeadObject", "HEAD", key)

@@ -24,6 +24,7 @@ thread: callers on the reactor hand whole files to a thread pool.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
@@ -186,13 +187,33 @@ class LTXTrailer:
     file_checksum: int
 
 
+_UVARINT1 = [bytes((i,)) for i in range(0x80)]
+
+
 def _uvarint(value: int) -> bytes:
+    """Go's ``binary.AppendUvarint``; the common short forms without a loop (it runs per page)."""
+    if value < 0x80:
+        return _UVARINT1[value]
+    if value < 0x4000:
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes(((value & 0x7F) | 0x80, ((value >> 7) & 0x7F) | 0x80, value >> 14))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+@functools.cache
+def _uvarint_tables() -> tuple[list[bytes], list[bytes]]:
+    """For the decoder's page index, built once (about 1 MiB): ``whole[v]`` is the uvarint of
+    ``v`` < 2**14; ``low[v]`` is the first two bytes of the uvarint of any value whose low 14 bits
+    are ``v`` and that does not fit in 14 bits (the rest is the uvarint of ``value >> 14``)."""
+    whole = [_uvarint(v) for v in range(1 << 14)]
+    low = [bytes(((v & 0x7F) | 0x80, (v >> 7) | 0x80)) for v in range(1 << 14)]
+    return whole, low
 
 
 class LTXWriter:
@@ -286,94 +307,220 @@ def encode(
     return buf.getvalue()
 
 
-class LTXReader:
-    """Reads and verifies one LTX file from ``fileobj``.
+_FRAME = struct.Struct(">IHI")  # a page header and its block size
+_FRAME_SIZE = _FRAME.size
+_READ_CHUNK = 1 << 20
+# LTXDecoder states
+_AT_HEADER, _AT_PAGES, _AT_TAIL, _DONE, _FAILED = range(5)
 
-    ``header`` is read at construction. Iterating yields ``(pgno, page)`` in file order; the
-    iteration ends only after the index and the file checksum have been verified, so a caller that
-    consumed every page without an :class:`LTXError` has an intact file (``trailer`` is then set).
-    Pages are yielded before that check: write them somewhere disposable.
+
+class LTXDecoder:
+    """Decodes and verifies one LTX file pushed in pieces of any size (a body as it arrives).
+
+    ``feed`` returns the pages that piece completed, ``(pgno, page)`` in file order; ``header`` is
+    set as soon as its 100 bytes are in. After the last piece, ``close`` checks that the file ended
+    exactly at its trailer — by then the page index, the file checksum and a snapshot's post-apply
+    checksum have been verified — and returns the trailer. An :class:`LTXError` is final: the decoder
+    refuses anything after it. Pages are handed out before the file checksum is known: write them
+    somewhere disposable until ``close`` returns.
+
+    A piece is read where it lies (no copy); only a frame split between two pieces is joined.
     """
 
-    def __init__(self, fileobj: BinaryIO) -> None:
-        self._f = fileobj
-        raw = self._read(HEADER_SIZE, "header")
-        self.header = LTXHeader.unpack(raw)
-        self._crc = crc64_iso(raw)
-        self._n = HEADER_SIZE
+    def __init__(self) -> None:
+        self.header: LTXHeader | None = None
         self.trailer: LTXTrailer | None = None
-        self._started = False
+        self._state = _AT_HEADER
+        self._rest = b""  # received, not yet consumed: the start of a frame, the header or the tail
+        self._offset = 0  # the file offset of _rest[0]
+        self._frame_max = 0  # the largest page frame the header allows
+        self._crc = 0
+        self._prev = 0
+        self._index = bytearray()  # the page index the pages seen so far call for
+        self._snapshot_sum = 0
 
-    def _read(self, n: int, what: str) -> bytes:
-        data = self._f.read(n)
-        if len(data) != n:
-            raise LTXError(f"truncated file: {what} ends after {len(data)} of {n} bytes")
-        return data
+    @property
+    def received(self) -> int:
+        return self._offset + len(self._rest)
 
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        if self._started:
-            raise LTXError("an LTX file can be read only once")
-        self._started = True
-        return self._pages()
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[int, bytes]]:
+        if self._state == _FAILED:
+            raise LTXError("the file was already found corrupt")
+        try:
+            return self._feed(data)
+        except BaseException:
+            self._state = _FAILED
+            raise
 
-    def _pages(self) -> Iterator[tuple[int, bytes]]:
-        h = self.header
-        lock = lock_pgno(h.page_size)
-        expected_index = bytearray()
-        prev = 0
-        snapshot_sum = 0
-        while True:
-            head = self._read(PAGE_HEADER_SIZE, "page header")
-            self._crc = crc64_iso(head, self._crc)
-            offset = self._n
-            self._n += PAGE_HEADER_SIZE
-            pgno, flags = _PAGE_HEADER.unpack(head)
-            if head == _END:
-                break
-            if pgno == 0:
-                raise LTXError(f"page header with page 0 and flags 0x{flags:04x}")
-            if flags != PAGE_FLAG_SIZE:
-                # 0 would be ltx's pre-0.5 LZ4-frame pages, which Litestream 0.5 never writes.
-                raise LTXError(f"page {pgno}: unsupported page flags 0x{flags:04x}")
-            if pgno <= prev:
-                raise LTXError(f"page {pgno} after page {prev}: pages must ascend")
-            if pgno > h.commit:
-                raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
-            if pgno == lock:
-                raise LTXError(f"page {pgno} is the lock page")
-            if h.is_snapshot and pgno != _next_snapshot_pgno(prev, lock):
-                raise LTXError(f"snapshot skips from page {prev} to {pgno}")
-            raw_size = self._read(4, f"page {pgno} size")
-            self._crc = crc64_iso(raw_size, self._crc)
-            (size,) = _U32.unpack(raw_size)
-            if size == 0 or size > h.page_size + h.page_size // 255 + 16:  # LZ4's worst-case bound
-                raise LTXError(f"page {pgno}: implausible compressed size {size}")
-            block = self._read(size, f"page {pgno} data")
-            self._n += 4 + size
-            try:
-                data = lz4.block.decompress(block, uncompressed_size=h.page_size)
-            except lz4.block.LZ4BlockError as e:
-                raise LTXError(f"page {pgno}: corrupt LZ4 block ({e})") from None
-            if len(data) != h.page_size:
-                raise LTXError(f"page {pgno}: decompresses to {len(data)} bytes, not {h.page_size}")
-            self._crc = crc64_iso(data, self._crc)
-            if h.is_snapshot and not h.no_checksum:
-                snapshot_sum = CHECKSUM_FLAG | (snapshot_sum ^ page_checksum(pgno, data))
-            expected_index += _uvarint(pgno) + _uvarint(offset) + _uvarint(self._n - offset)
-            prev = pgno
-            yield pgno, data
-        if h.is_snapshot and prev != _last_pgno(h.commit, lock):
-            raise LTXError(f"snapshot ends at page {prev}, commit is {h.commit}")
-        self._finish(bytes(expected_index) + _uvarint(0), snapshot_sum)
+    def close(self) -> LTXTrailer:
+        if self._state == _DONE and self.trailer is not None:
+            return self.trailer
+        if self._state == _FAILED:
+            raise LTXError("the file was already found corrupt")
+        state, self._state = self._state, _FAILED
+        have = len(self._rest)
+        if state == _AT_HEADER:
+            raise LTXError(f"truncated file: header ends after {have} of {HEADER_SIZE} bytes")
+        if state == _AT_PAGES:
+            raise LTXError(f"truncated file: it ends inside its pages, after {self.received} bytes")
+        raise LTXError(
+            f"truncated file: page index and trailer end after {have} of {self._tail_size()} bytes"
+        )
 
-    def _finish(self, expected_index: bytes, snapshot_sum: int) -> None:
-        h = self.header
-        n = len(expected_index)
-        if n > _MAX_INDEX:
-            raise LTXError("page index too large")
-        tail = self._read(n + 8 + TRAILER_SIZE, "page index and trailer")
-        if self._f.read(1):
+    def _feed(self, data: bytes | bytearray | memoryview) -> list[tuple[int, bytes]]:
+        pages: list[tuple[int, bytes]] = []
+        rest = self._rest
+        start = 0
+        if rest:
+            # Complete what the last piece left unfinished with as little of this one as will
+            # do: while in the pages, at most one frame's worth.
+            take = len(data)
+            if self._state == _AT_PAGES:
+                take = min(take, self._frame_max - len(rest))
+            joined = rest + bytes(data[:take])
+            used = self._consume(joined, 0, pages)
+            if take == len(data) or used < len(rest):
+                rest = joined[used:] + bytes(data[take:])
+                self._rest = rest[self._consume(rest, 0, pages) :]
+                self._check_trailing()
+                return pages
+            start = used - len(rest)
+        used = self._consume(data, start, pages)
+        self._rest = bytes(data[used:])
+        self._check_trailing()
+        return pages
+
+    def _check_trailing(self) -> None:
+        if self._state == _DONE and self._rest:
             raise LTXError("trailing bytes after the trailer")
+
+    def _consume(
+        self, src: bytes | bytearray | memoryview, pos: int, pages: list[tuple[int, bytes]]
+    ) -> int:
+        """Consume every whole part of ``src`` from ``pos`` on (``src[pos]`` is at file offset
+        ``_offset``); return where the first incomplete one starts."""
+        if self._state == _AT_HEADER:
+            if len(src) - pos < HEADER_SIZE:
+                return pos
+            raw = bytes(src[pos : pos + HEADER_SIZE])
+            self.header = h = LTXHeader.unpack(raw)
+            self._frame_max = _FRAME_SIZE + h.page_size + h.page_size // 255 + 16
+            self._crc = crc64_iso(raw)
+            pos += HEADER_SIZE
+            self._offset += HEADER_SIZE
+            self._state = _AT_PAGES
+        if self._state == _AT_PAGES:
+            pos = self._pages(src, pos, pages)
+        if self._state == _AT_TAIL:
+            pos = self._tail(src, pos)
+        return pos
+
+    def _pages(
+        self, src: bytes | bytearray | memoryview, pos: int, pages: list[tuple[int, bytes]]
+    ) -> int:
+        # The hot loop of every restore: one pass, no copies but the decompressed page itself.
+        h = self.header
+        assert h is not None
+        end = len(src)
+        base = self._offset - pos  # the file offset of src[0]
+        page_size = h.page_size
+        commit = h.commit
+        lock = lock_pgno(page_size)
+        snapshot = h.is_snapshot
+        sums = snapshot and not h.no_checksum
+        max_block = self._frame_max - _FRAME_SIZE
+        crc = self._crc
+        prev = self._prev
+        index = self._index
+        ssum = self._snapshot_sum
+        unpack = _FRAME.unpack_from
+        decompress = lz4.block.decompress
+        go_iso = crc64.go_iso
+        uvarint = _uvarint
+        whole, low = _uvarint_tables()
+        append = pages.append
+        at_end = False
+        view = memoryview(src)
+        try:
+            while True:
+                if end - pos < _FRAME_SIZE:
+                    # Only the end marker (6 bytes) can be shorter than a frame header.
+                    at_end = end - pos >= PAGE_HEADER_SIZE and view[pos : pos + 6] == _END
+                    break
+                pgno, flags, size = unpack(src, pos)
+                if not pgno and not flags:
+                    at_end = True
+                    break
+                if (
+                    not (prev < pgno <= commit and pgno != lock)
+                    or flags != PAGE_FLAG_SIZE
+                    or not 0 < size <= max_block
+                    # a snapshot has every page but the lock page: _next_snapshot_pgno, inlined
+                    or (snapshot and pgno != prev + 1 and (pgno != prev + 2 or prev + 1 != lock))
+                ):
+                    _bad_page(h, pgno, flags, size, prev)
+                stop = pos + _FRAME_SIZE + size
+                if stop > end:
+                    break
+                try:
+                    data = decompress(view[pos + _FRAME_SIZE : stop], uncompressed_size=page_size)
+                except lz4.block.LZ4BlockError as e:
+                    raise LTXError(f"page {pgno}: corrupt LZ4 block ({e})") from None
+                if len(data) != page_size:
+                    raise LTXError(
+                        f"page {pgno}: decompresses to {len(data)} bytes, not {page_size}"
+                    )
+                # The checksum covers the frame header and the page, not its LZ4 form.
+                crc = go_iso(data, go_iso(view[pos : pos + _FRAME_SIZE], crc))
+                if sums:
+                    ssum = CHECKSUM_FLAG | (ssum ^ page_checksum(pgno, data))
+                # index += uvarint(pgno) + uvarint(offset) + uvarint(length), from the tables
+                # below 2**28 (two lookups at most; the offset reaches 2**28 only past 256 MiB).
+                n = base + pos
+                index += (
+                    (whole[pgno] if pgno < 0x4000 else low[pgno & 0x3FFF] + whole[pgno >> 14])
+                    if pgno < 0x10000000
+                    else uvarint(pgno)
+                )
+                index += (
+                    (whole[n] if n < 0x4000 else low[n & 0x3FFF] + whole[n >> 14])
+                    if n < 0x10000000
+                    else uvarint(n)
+                )
+                n = stop - pos
+                index += whole[n] if n < 0x4000 else low[n & 0x3FFF] + whole[n >> 14]
+                append((pgno, data))
+                prev = pgno
+                pos = stop
+            if at_end:
+                crc = go_iso(view[pos : pos + PAGE_HEADER_SIZE], crc)
+                pos += PAGE_HEADER_SIZE
+                if snapshot and prev != _last_pgno(commit, lock):
+                    raise LTXError(f"snapshot ends at page {prev}, commit is {commit}")
+                index += _uvarint(0)
+                if len(index) > _MAX_INDEX:
+                    raise LTXError("page index too large")
+                self._state = _AT_TAIL
+        finally:
+            view.release()
+            self._offset = base + pos
+            self._crc = crc
+            self._prev = prev
+            self._snapshot_sum = ssum
+        return pos
+
+    def _tail_size(self) -> int:
+        return len(self._index) + 8 + TRAILER_SIZE
+
+    def _tail(self, src: bytes | bytearray | memoryview, pos: int) -> int:
+        h = self.header
+        assert h is not None
+        expected_index = self._index
+        n = len(expected_index)
+        need = self._tail_size()
+        if len(src) - pos < need:
+            return pos
+        tail = bytes(src[pos : pos + need])
         if tail[:n] != expected_index:
             raise LTXError("page index does not match the pages")
         (index_size,) = _U64.unpack_from(tail, n)
@@ -391,11 +538,71 @@ class LTXReader:
         else:
             if not post & CHECKSUM_FLAG:
                 raise LTXError("post-apply checksum missing or malformed")
-            if h.is_snapshot and post != snapshot_sum:
+            if h.is_snapshot and post != self._snapshot_sum:
                 raise LTXError(
-                    f"snapshot post-apply checksum {post:016x} != its pages' {snapshot_sum:016x}"
+                    f"snapshot post-apply checksum {post:016x} != its pages' "
+                    f"{self._snapshot_sum:016x}"
                 )
         self.trailer = LTXTrailer(post, file_checksum)
+        self._index = bytearray()
+        self._offset += need
+        self._state = _DONE
+        return pos + need
+
+
+def _bad_page(h: LTXHeader, pgno: int, flags: int, size: int, prev: int) -> None:
+    """Raise the error for a page header the decoder's fast check refused."""
+    lock = lock_pgno(h.page_size)
+    if pgno == 0:
+        raise LTXError(f"page header with page 0 and flags 0x{flags:04x}")
+    if flags != PAGE_FLAG_SIZE:
+        # 0 would be ltx's pre-0.5 LZ4-frame pages, which Litestream 0.5 never writes.
+        raise LTXError(f"page {pgno}: unsupported page flags 0x{flags:04x}")
+    if pgno <= prev:
+        raise LTXError(f"page {pgno} after page {prev}: pages must ascend")
+    if pgno > h.commit:
+        raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
+    if pgno == lock:
+        raise LTXError(f"page {pgno} is the lock page")
+    if h.is_snapshot and pgno != _next_snapshot_pgno(prev, lock):
+        raise LTXError(f"snapshot skips from page {prev} to {pgno}")
+    raise LTXError(f"page {pgno}: implausible compressed size {size}")
+
+
+class LTXReader:
+    """Reads and verifies one LTX file from ``fileobj`` (an :class:`LTXDecoder` fed from it).
+
+    ``header`` is read at construction. Iterating yields ``(pgno, page)`` in file order; the
+    iteration ends only after the index and the file checksum have been verified, so a caller that
+    consumed every page without an :class:`LTXError` has an intact file (``trailer`` is then set).
+    Pages are yielded before that check: write them somewhere disposable.
+    """
+
+    def __init__(self, fileobj: BinaryIO) -> None:
+        self._f = fileobj
+        self._decoder = LTXDecoder()
+        raw = fileobj.read(HEADER_SIZE)
+        if len(raw) != HEADER_SIZE:
+            raise LTXError(f"truncated file: header ends after {len(raw)} of {HEADER_SIZE} bytes")
+        self._decoder.feed(raw)
+        assert self._decoder.header is not None
+        self.header = self._decoder.header
+        self._started = False
+
+    @property
+    def trailer(self) -> LTXTrailer | None:
+        return self._decoder.trailer
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        if self._started:
+            raise LTXError("an LTX file can be read only once")
+        self._started = True
+        return self._pages()
+
+    def _pages(self) -> Iterator[tuple[int, bytes]]:
+        while chunk := self._f.read(_READ_CHUNK):
+            yield from self._decoder.feed(chunk)
+        self._decoder.close()
 
 
 @frozen

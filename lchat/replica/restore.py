@@ -2,35 +2,53 @@
 
 The plan is Litestream 0.5's (``CalcRestorePlan``): the latest level-9 snapshot at or before the
 target, then, again and again, the file from levels 8…0 that extends the contiguous txid range the
-furthest. Each file is downloaded, verified (its file checksum, and the database checksums when it
-carries them) and applied page by page into a temp file beside ``out_path``, which is truncated to
-the file's ``commit`` pages after each file. The result is fsynced, must pass
+furthest. Each file is verified (its file checksum, its page index, and the database checksums
+when it carries them) and applied page by page into a temp file beside ``out_path``, which is
+truncated to the file's ``commit`` pages after each file. The result is fsynced, must pass
 ``PRAGMA integrity_check``, and only then is renamed to ``out_path``: on any failure ``out_path`` is
 untouched. Pages are written as they were stored, so the database keeps its header's journal mode
 (bytes 18/19 are 2 for a WAL database), as ``litestream restore`` leaves it.
 
-All disk and CPU work runs through ``run_in_thread`` (the reactor's pool by default).
+Restore time is download time plus whatever is not overlapped with it, so everything is:
+
+- From S3 each body is decoded while it arrives (``_stream_all``): no LTX file is written or
+  read back. From any other store, file i+1 downloads while file i is applied.
+- Decoded pages go to the file from a writer thread in ``pwritev`` batches, and a flusher thread
+  ``fdatasync``s every 32 MiB, so the final fsync has little left to do.
+- That fsync and ``integrity_check`` (memory-mapped) run side by side; both must pass.
+
+Nothing runs on the reactor thread: file and CPU work goes through ``run_in_thread`` (the
+reactor's pool by default), S3 bodies are decoded in the pool ``S3Store`` writes its sinks from,
+and writes and flushes run in two threads owned by the restore.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import re
 import shutil
 import sqlite3
+import sys
 import tempfile
+from collections import deque
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, TypeGuard, cast
 from urllib.parse import quote
 
 from attrs import frozen
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from lchat.objstore import UTC, ObjectInfo, ObjectStore
 from lchat.replica import ltx
+
+if TYPE_CHECKING:
+    from lchat.objstore.s3 import S3Store
 
 _log = Logger()
 
@@ -219,13 +237,20 @@ async def restore(
     state = _ApplyState(os.path.join(work, "db"))
     try:
         await run(state.open)
-        downloaded = 0
-        for i, f in enumerate(chosen):
-            ltx_path = os.path.join(work, f"{i:06d}.ltx")
-            got = await store.get_to_file(f.info.key, ltx_path)
-            downloaded += got.size
-            await run(state.apply, ltx_path, f)
-        await run(state.finish)
+        if _can_stream(store):
+            downloaded = await _stream_all(store, chosen, state, run)
+        else:
+            downloaded = await _download_all(store, chosen, work, state, run)
+        # Durable and sound, in parallel: the fsync waits on the disk while integrity_check reads
+        # the same pages from the page cache. Both must succeed before out_path is touched.
+        synced = ensureDeferred(run(state.sync))
+        try:
+            await run(state.check)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await synced
+            raise
+        await synced
         await run(_publish, state.db_path, out_path, overwrite)
     except BaseException:
         await run(state.close)
@@ -249,57 +274,177 @@ async def _with_metadata(store: ObjectStore, f: ReplicaFile) -> ReplicaFile:
     return parse_key(head) or f
 
 
+def _can_stream(store: ObjectStore) -> TypeGuard[S3Store]:
+    # Without importing lchat.objstore.s3 (treq, botocore) for a store that is not from it.
+    s3 = sys.modules.get("lchat.objstore.s3")
+    return s3 is not None and isinstance(store, s3.S3Store)
+
+
+async def _stream_all(
+    store: S3Store, chosen: list[ReplicaFile], state: _ApplyState, run: RunInThread
+) -> int:
+    """S3: each body is decoded and applied as it arrives and never stored.
+
+    This leans on ``S3Store.get_into`` (the GET-into-a-sink engine of its ``get_to_file``): the
+    body goes to the sink's ``write`` a megabyte or more at a time, in the reactor's thread pool, one piece at a time, the socket paused while a piece waits; the
+    sink is rewound (``seek(0)``, ``truncate()``) before every attempt; an exception from
+    ``write`` fails the GET without a retry. A :class:`_FileApply` is such a sink.
+    """
+    downloaded = 0
+    for f in chosen:
+        key = f.info.key
+        sink = _FileApply(state, f)
+        streamed = await store.get_into(key, cast(IO[bytes], sink))
+        # The decoder finishes this file (after its last piece) while the next one downloads.
+        await run(state.queue, sink.finish_queued, 0)
+        downloaded += streamed
+    await run(state.decoded)
+    return downloaded
+
+
+async def _download_all(
+    store: ObjectStore,
+    chosen: list[ReplicaFile],
+    work: str,
+    state: _ApplyState,
+    run: RunInThread,
+) -> int:
+    """Any other store: each file is downloaded into ``work`` while the one before it is applied."""
+
+    def fetch(i: int) -> Deferred[ObjectInfo]:
+        ltx_path = os.path.join(work, f"{i:06d}.ltx")
+        return Deferred.fromCoroutine(store.get_to_file(chosen[i].info.key, ltx_path))
+
+    downloaded = 0
+    ahead: Deferred[ObjectInfo] | None = fetch(0)
+    try:
+        for i, f in enumerate(chosen):
+            assert ahead is not None
+            arriving, ahead = ahead, None
+            got = await arriving
+            ahead = fetch(i + 1) if i + 1 < len(chosen) else None
+            downloaded += got.size
+            await run(_apply_file, os.path.join(work, f"{i:06d}.ltx"), _FileApply(state, f))
+    except BaseException:
+        if ahead is not None:
+            # Let a download still writing into work finish before the caller removes work.
+            with contextlib.suppress(Exception):
+                await ahead
+        raise
+    return downloaded
+
+
+def _apply_file(ltx_path: str, sink: _FileApply) -> None:
+    with open(ltx_path, "rb") as src:
+        while chunk := src.read(_CHUNK):
+            sink.write(chunk)
+    sink.finish()
+    os.unlink(ltx_path)  # bounds the disk a long chain of files needs
+
+
+_CHUNK = 1 << 20
+_IOV_MAX = 512  # pages per pwritev (Linux allows 1024 buffers)
+_DECODE_AHEAD = 8 << 20  # bytes of body queued for the decoder, at most
+_WRITES_AHEAD = 4  # batches of pages (a piece of a body each: 1-4 MiB) queued for the writer
+_SYNC_EVERY = 32 << 20  # the flusher fdatasyncs this often, so the final fsync finds little to do
+
+
 class _ApplyState:
-    """The temp database being built; every method runs in a worker thread."""
+    """The temp database being built; every method runs in a worker thread.
+
+    Three threads of its own, each fed in order: a decoder (so a piece of a body is handed over
+    at once, and the next one can be on its way while this one is decoded), a writer
+    (``pwritev`` releases the GIL, so decoding the next pages overlaps writing these), and a
+    flusher that starts an ``fdatasync`` every ``_SYNC_EVERY`` bytes (so the disk works during the
+    download rather than after it). ``drain`` waits for every queued write: anything that reads or
+    truncates the file drains first.
+    """
 
     def __init__(self, db_path: str) -> None:
         self.db_path = db_path
         self.header: ltx.LTXHeader | None = None
-        self._db: BinaryIO | None = None
+        self.db: BinaryIO | None = None
+        self._decoder: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._flusher: ThreadPoolExecutor | None = None
+        self._decoding: deque[tuple[Future[None], int]] = deque()
+        self._decoding_bytes = 0
+        self._pending: deque[Future[None]] = deque()
+        self._unsynced = 0  # the writer's own
+        self._flushing: Future[None] | None = None  # the writer's own
 
     def open(self) -> None:
-        self._db = open(self.db_path, "w+b")  # closed in finish/close
+        self.db = open(self.db_path, "w+b", buffering=0)  # closed in sync/close
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="lchat-restore-decode")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="lchat-restore-write")
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="lchat-restore-flush")
 
     def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        # Nothing may touch the file once it is closed: let queued work and a flush end first.
+        # (On failure, what has not started yet is dropped.)
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True, cancel_futures=True)
+            self._decoder = None
+        self._decoding.clear()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True, cancel_futures=True)
+            self._writer = None
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
+            self._flusher = None
+        self._pending.clear()
+        if self.db is not None:
+            self.db.close()
+            self.db = None
 
-    def apply(self, ltx_path: str, f: ReplicaFile) -> None:
-        assert self._db is not None
-        db = self._db
-        with open(ltx_path, "rb") as src:
-            try:
-                reader = ltx.LTXReader(src)
-                h = reader.header
-                self._check_header(h, f)
-                if not h.no_checksum and not h.is_snapshot:
-                    have = ltx.database_checksum(db, h.page_size)
-                    if have != h.pre_apply_checksum:
-                        raise RestoreError(
-                            f"{f.info.key}: database checksum {have:016x} before it is applied, "
-                            f"the file expects {h.pre_apply_checksum:016x}"
-                        )
-                if h.is_snapshot:
-                    db.truncate(0)
-                for pgno, data in reader:
-                    db.seek((pgno - 1) * h.page_size)
-                    db.write(data)
-                db.truncate(h.commit * h.page_size)
-                assert reader.trailer is not None
-                if not h.no_checksum:
-                    have = ltx.database_checksum(db, h.page_size)
-                    if have != reader.trailer.post_apply_checksum:
-                        raise RestoreError(
-                            f"{f.info.key}: database checksum {have:016x} after it is applied, "
-                            f"the file promises {reader.trailer.post_apply_checksum:016x}"
-                        )
-            except ltx.LTXError as e:
-                raise RestoreError(f"{f.info.key}: {e}") from None
-        os.unlink(ltx_path)  # bounds the disk a long chain of files needs
-        self.header = h
+    def queue(self, f: Callable[[], None], size: int) -> None:
+        """Queue ``f()`` for the decoder thread (``size``: the bytes it holds); wait while it is
+        too far behind. Raises the error of an earlier job if one has failed."""
+        assert self._decoder is not None
+        queue = self._decoding
+        while queue and (queue[0][0].done() or self._decoding_bytes > _DECODE_AHEAD):
+            done, n = queue.popleft()
+            self._decoding_bytes -= n
+            done.result()
+        queue.append((self._decoder.submit(f), size))
+        self._decoding_bytes += size
 
-    def _check_header(self, h: ltx.LTXHeader, f: ReplicaFile) -> None:
+    def decoded(self) -> None:
+        """Wait until every queued job has run; raise the first error among them."""
+        while self._decoding:
+            done, n = self._decoding.popleft()
+            self._decoding_bytes -= n
+            done.result()
+
+    def write(self, runs: list[tuple[int, list[bytes]]]) -> None:
+        """Queue ``(offset, pages)`` runs for the writer (waits while it is too far behind)."""
+        assert self._writer is not None
+        while len(self._pending) >= _WRITES_AHEAD:
+            self._pending.popleft().result()
+        self._pending.append(self._writer.submit(self._write, runs))
+
+    def _write(self, runs: list[tuple[int, list[bytes]]]) -> None:
+        assert self.db is not None and self._flusher is not None
+        fd = self.db.fileno()
+        for offset, pages in runs:
+            self._unsynced += _pwrite(fd, pages, offset)
+        if self._unsynced >= _SYNC_EVERY and (self._flushing is None or self._flushing.done()):
+            self._flushing = self._flusher.submit(os.fdatasync, fd)
+            self._unsynced = 0
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def sync(self) -> None:
+        assert self.db is not None
+        self.drain()
+        if self._flushing is not None:
+            self._flushing.result()
+        os.fsync(self.db.fileno())
+        self.close()
+
+    def check_header(self, h: ltx.LTXHeader, f: ReplicaFile) -> None:
         if (h.min_txid, h.max_txid) != (f.min_txid, f.max_txid):
             raise RestoreError(
                 f"{f.info.key}: its header says txids {h.min_txid:016x}-{h.max_txid:016x}"
@@ -313,21 +458,21 @@ class _ApplyState:
         elif not (h.min_txid <= prev.max_txid + 1 and h.max_txid > prev.max_txid):
             raise RestoreError(f"{f.info.key}: does not continue txid {prev.max_txid:016x}")
 
-    def finish(self) -> None:
-        assert self._db is not None and self.header is not None
-        self._db.flush()
-        os.fsync(self._db.fileno())
-        self.close()
+    def check(self) -> None:
+        assert self.header is not None
         with open(self.db_path, "rb") as f:
             head = f.read(100)
+            size = os.fstat(f.fileno()).st_size
         if head[:16] != b"SQLite format 3\x00":
             raise RestoreError("the restored file is not a SQLite database")
-        size = int.from_bytes(head[16:18], "big")
-        if (65536 if size == 1 else size) != self.header.page_size:
+        page_size = int.from_bytes(head[16:18], "big")
+        if (65536 if page_size == 1 else page_size) != self.header.page_size:
             raise RestoreError("the restored database's page size disagrees with the replica")
-        # immutable=1: no locks, no -wal/-shm beside it, nothing written to the file.
+        # immutable=1: no locks, no -wal/-shm beside it, nothing written to the file. Memory-mapped
+        # reads spare integrity_check a copy of every page into its cache (about twice as fast).
         conn = sqlite3.connect(f"file:{quote(self.db_path)}?immutable=1", uri=True)
         try:
+            conn.execute(f"PRAGMA mmap_size={max(size, 1)}").fetchall()
             rows = conn.execute("PRAGMA integrity_check").fetchall()
         except sqlite3.DatabaseError as e:
             raise RestoreError(f"integrity check failed: {e}") from None
@@ -336,6 +481,152 @@ class _ApplyState:
         if rows != [("ok",)]:
             problems = "; ".join(str(r[0]) for r in rows[:5])
             raise RestoreError(f"integrity check failed: {problems}")
+
+
+class _FileApply:
+    """Applies one LTX file to the database while its bytes arrive, then verifies the whole.
+
+    ``write`` takes the file in pieces (worker thread, one call at a time) and queues each for
+    the state's decoder thread; ``finish`` after the last, or ``finish_queued`` queued after it.
+    ``seek(0)`` + ``truncate()`` — what a store does before retrying a download — start the file
+    over: the pages an abandoned attempt wrote must all be rewritten by the attempt that
+    completes (or lie past its commit), else the object changed under us and the restore fails.
+    """
+
+    def __init__(self, state: _ApplyState, f: ReplicaFile) -> None:
+        self._state = state
+        self._file = f
+        self._decoder = ltx.LTXDecoder()
+        self._header: ltx.LTXHeader | None = None  # the first attempt's
+        self._started = False
+        self._fed = False  # this attempt has queued pieces
+        self._runs: list[tuple[int, int]] = []  # (first pgno, count) written by this attempt
+        self._abandoned: list[tuple[int, int]] = []  # by earlier attempts
+
+    # -- the sink interface ---------------------------------------------------------------------
+
+    def write(self, data: bytes) -> int:
+        self._fed = True
+        self._state.queue(functools.partial(self._feed, data), len(data))
+        return len(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if (offset, whence) != (0, os.SEEK_SET):
+            raise OSError("an LTX file can only be started over")
+        if not self._fed:
+            return 0  # the first attempt: nothing to start over (and no need to wait)
+        self._fed = False
+        self._state.decoded()
+        self._abandoned += self._runs
+        self._runs = []
+        self._decoder = ltx.LTXDecoder()
+        self._started = False
+        return 0
+
+    def truncate(self, size: int | None = None) -> int:
+        return 0
+
+    # -- applying (in the decoder thread, then finish) -------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            pages = self._decoder.feed(data)
+        except ltx.LTXError as e:
+            raise RestoreError(f"{self._file.info.key}: {e}") from None
+        if not self._started and self._decoder.header is not None:
+            self._begin(self._decoder.header)
+        if pages:
+            self._write(pages)
+
+    def _begin(self, h: ltx.LTXHeader) -> None:
+        db = self._state.db
+        assert db is not None
+        key = self._file.info.key
+        if self._header is None:
+            self._state.check_header(h, self._file)
+            if not h.no_checksum and not h.is_snapshot:
+                try:
+                    have = ltx.database_checksum(db, h.page_size)
+                except ltx.LTXError as e:
+                    raise RestoreError(f"{key}: {e}") from None
+                if have != h.pre_apply_checksum:
+                    raise RestoreError(
+                        f"{key}: database checksum {have:016x} before it is applied, "
+                        f"the file expects {h.pre_apply_checksum:016x}"
+                    )
+            self._header = h
+        elif h != self._header:
+            raise RestoreError(f"{key}: changed while it was being downloaded")
+        if h.is_snapshot:
+            self._state.drain()
+            db.truncate(0)
+        self._started = True
+
+    def _write(self, pages: list[tuple[int, bytes]]) -> None:
+        # Runs of consecutive pages go down in one pwritev each.
+        assert self._header is not None
+        page_size = self._header.page_size
+        runs: list[tuple[int, list[bytes]]] = []
+        first = pages[0][0]
+        batch: list[bytes] = []
+        for pgno, data in pages:
+            if batch and (pgno != first + len(batch) or len(batch) == _IOV_MAX):
+                runs.append(((first - 1) * page_size, batch))
+                self._runs.append((first, len(batch)))
+                batch = []
+                first = pgno
+            batch.append(data)
+        runs.append(((first - 1) * page_size, batch))
+        self._runs.append((first, len(batch)))
+        self._state.write(runs)
+
+    def finish(self) -> None:
+        """After the last piece: wait for the decoder, then :meth:`finish_queued`."""
+        self._state.decoded()
+        self.finish_queued()
+
+    def finish_queued(self) -> None:
+        """Verify the whole file and cut the database to its size (as a decoder job, after the
+        file's pieces; or once they are done)."""
+        db = self._state.db
+        assert db is not None
+        key = self._file.info.key
+        try:
+            trailer = self._decoder.close()
+        except ltx.LTXError as e:
+            raise RestoreError(f"{key}: {e}") from None
+        h = self._decoder.header
+        assert h is not None and self._started
+        self._state.drain()
+        db.truncate(h.commit * h.page_size)
+        if self._abandoned:
+            rewritten = {p for first, n in self._runs for p in range(first, first + n)}
+            for first, n in self._abandoned:
+                if any(p not in rewritten for p in range(first, min(first + n, h.commit + 1))):
+                    raise RestoreError(f"{key}: changed between two attempts to download it")
+        if not h.no_checksum:
+            try:
+                have = ltx.database_checksum(db, h.page_size)
+            except ltx.LTXError as e:
+                raise RestoreError(f"{key}: {e}") from None
+            if have != trailer.post_apply_checksum:
+                raise RestoreError(
+                    f"{key}: database checksum {have:016x} after it is applied, "
+                    f"the file promises {trailer.post_apply_checksum:016x}"
+                )
+        self._state.header = h
+
+
+def _pwrite(fd: int, pages: list[bytes], offset: int) -> int:
+    done = os.pwritev(fd, pages, offset)
+    want = sum(map(len, pages))
+    if done != want:  # a short write: finish it the slow way
+        rest = memoryview(b"".join(pages))[done:]
+        while rest:
+            n = os.pwrite(fd, rest, offset + done)
+            done += n
+            rest = rest[n:]
+    return done
 
 
 def _publish(db_path: str, out_path: str, overwrite: bool) -> None:
