@@ -36,7 +36,14 @@ from typing import Any, Literal
 from attrs import Factory, define, frozen
 from prometheus_client import Counter, Gauge, Histogram
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, succeed
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredList,
+    TimeoutError,
+    fail,
+    succeed,
+)
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -79,6 +86,22 @@ _awake = Gauge(
 _sleep_step_failures = Counter(
     "lchat_sleep_step_failures_total", "Sleep steps that failed or ran out of time", ["step"]
 )
+
+# What a 503 tells the world, by reason (the details go to the log, never to a client).
+_PUBLIC = {
+    "lease_held": "{host} is being served elsewhere right now",
+    "queue_timeout": "{host} is still waking",
+    "sidecar": "{host} is asleep (sidecar requests never wake it)",
+    "shutdown": "the router is stopping",
+    "backoff": "{host} failed to wake a moment ago",
+    "spawn": "{host} could not start",
+    "not_ready": "{host} could not start",
+    "bucket": "{host} cannot wake while storage is unreachable",
+}
+
+# After a failed wake, the next attempt waits 1 s, 2 s, 4 s ... up to this: a broken space must
+# not cost a lease write, a LIST and an upload on every request.
+MAX_WAKE_BACKOFF = 60.0
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
@@ -172,6 +195,7 @@ class Activator(Service):
         self._by_head: dict[int, _Space] = {}  # id(request head) -> the entry it counts against
         self._sidecars = sidecars or Supervisor(reactor, max_restart_delay=60.0)
         self._sidecar_specs: dict[str, ChildSpec] = {}
+        self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
         self._stopping = False
         routes.subscribe(self._table_changed)
 
@@ -282,11 +306,14 @@ class Activator(Service):
     def _unavailable(
         self, host: str, reason: str, message: str, retry_after: float = 0.0
     ) -> LocalResponse:
+        """A 503 with ``Retry-After``. The body says what kind of trouble in public words only:
+        ``message`` (paths, owners, store errors) is for the log, which already has it."""
         _unavailable.labels(reason).inc()
         seconds = max(1, min(int(retry_after + 0.999) or RETRY_AFTER_SECONDS, 3600))
+        public = _PUBLIC.get(reason, "{host} is temporarily unavailable").format(host=host)
         return plain(
             503,
-            f"503 Service Unavailable: {message}",
+            f"503 Service Unavailable: {public}; try again in {seconds}s",
             (b"retry-after", str(seconds).encode()),
             label=f"wake_{reason}",
         )
@@ -319,6 +346,11 @@ class Activator(Service):
         space = self._spaces.get(host)
         if space is not None and space.state == "awake":
             return succeed(None)
+        if space is None and host in self._failures:
+            retry_at = self._failures[host][1]
+            left = retry_at - self._reactor.seconds()
+            if left > 0:
+                return fail(WakeFailed(host, "backoff", "a recent wake failed", left))
         waiter: Deferred[None] = Deferred(lambda d: self._drop_waiter(host, d))
         if space is None:
             space = self._new_entry(route, reason)
@@ -540,19 +572,29 @@ class Activator(Service):
             why = outcome.value
             if isinstance(why, WakeFailed):
                 reason, failure = why.reason, outcome
-            elif outcome.check(CancelledError, TimeoutError):
-                reason = "timeout" if outcome.check(TimeoutError) else "cancelled"
+            elif outcome.check(TimeoutError):
+                reason = "timeout"
                 failure = Failure(
-                    WakeFailed(host, "timeout", f"wake took longer than {self.budgets.wake:g}s")
+                    WakeFailed(host, reason, f"wake took longer than {self.budgets.wake:g}s")
                 )
+            elif outcome.check(CancelledError):
+                reason = "cancelled"
+                failure = Failure(WakeFailed(host, reason, "the wake was called off"))
             else:
                 _log.failure("activator: {host} wake failed", outcome, host=host)
                 reason, failure = "error", Failure(WakeFailed(host, "error", str(why)))
             _wakes.labels(space.reason, reason).inc()
+            if reason not in ("lease_held", "cancelled"):
+                count = self._failures.get(host, (0, 0.0))[0] + 1
+                delay = min(2.0 ** (count - 1), MAX_WAKE_BACKOFF)
+                self._failures[host] = (count, self._reactor.seconds() + delay)
+            else:
+                delay = 0.0
             _log.warn(
-                "activator: {host} wake failed ({reason}); next request retries",
+                "activator: {host} wake failed ({reason}); the next request retries{after}",
                 host=host,
                 reason=reason,
+                after=f" after {delay:g}s" if delay else "",
             )
             space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=False))
             for d in waiters:
@@ -566,6 +608,7 @@ class Activator(Service):
             _wake_seconds.labels(phase).observe(seconds)
         space.state = "awake"
         space.woke_at = space.last_active = now
+        self._failures.pop(host, None)
         self._update_gauge()
         _wakes.labels(space.reason, "ok").inc()
         _log.info(
@@ -662,9 +705,13 @@ class Activator(Service):
         if graceful:
             _log.info("activator: {host} sleeping ({reason})", host=host, reason=reason)
         try:
-            await self._step("sidecar", self._stop_sidecar(host), self.budgets.sidecar_stop + 1)
+            await self._step(
+                host, "sidecar", self._stop_sidecar(host), self.budgets.sidecar_stop + 1
+            )
             if graceful and space.child is not None and space.child.exit_info is None:
-                due = await self._step("next_due", self._ask_next_due(space), self.budgets.next_due)
+                due = await self._step(
+                    host, "next_due", self._ask_next_due(space), self.budgets.next_due
+                )
                 if isinstance(due, int):
                     if due and space.due_woken and due <= space.due_woken:
                         due = 0  # honoured already: a past due time wakes once, not in a loop
@@ -698,15 +745,26 @@ class Activator(Service):
             if flushed and space.replicator is not None and reason not in _HANDED_BACK:
                 txid = space.replicator.txid
                 await self._run(lambda: _write_marker(space.db, txid))
-            if space.lost is not None:
+            if space.lost is not None and _taken(space.lost):
                 aside = await self._run(lambda: _move_aside(space.db, "lease-lost"))
                 if aside:
                     _log.warn(
-                        "activator: {host} local db moved to {aside} (lease lost: the bucket "
+                        "activator: {host} local db moved to {aside} (lease {why}: the bucket "
                         "is the truth now)",
                         host=host,
                         aside=aside,
+                        why=space.lost,
                     )
+            elif space.lost is not None:
+                # Not renewed in time (the bucket was unreachable): nobody is known to have
+                # taken it, and the local file holds writes the bucket may lack. No marker: the
+                # next wake on this box trusts it and snapshots it.
+                _log.warn(
+                    "activator: {host} lease lost ({why}): keeping the local db (newer than "
+                    "the bucket); the next wake snapshots it",
+                    host=host,
+                    why=space.lost,
+                )
         except Exception:
             _log.failure("activator: {host} standing down failed", host=host)
         finally:
@@ -732,19 +790,27 @@ class Activator(Service):
             if not d.called:
                 d.errback(WakeFailed(host, "stood_down", f"{host} stood down; try again"))
 
-    async def _step(self, name: str, work: Any, budget: float) -> Any:
+    async def _step(self, host: str, name: str, work: Any, budget: float) -> Any:
         d = Deferred.fromCoroutine(work)
         d.addTimeout(budget, self._reactor)
         try:
             return await d
-        except CancelledError:
+        except (CancelledError, TimeoutError):
             _sleep_step_failures.labels(name).inc()
             _log.warn(
-                "activator: step {step} ran out of time ({budget:g}s)", step=name, budget=budget
+                "activator: {host} sleep step {step} ran out of time ({budget:g}s)",
+                host=host,
+                step=name,
+                budget=budget,
             )
         except Exception as e:
             _sleep_step_failures.labels(name).inc()
-            _log.warn("activator: step {step} failed: {error}", step=name, error=e)
+            _log.warn(
+                "activator: {host} sleep step {step} failed: {error}",
+                host=host,
+                step=name,
+                error=e,
+            )
         return None
 
     async def _ask_next_due(self, space: _Space) -> int | None:
@@ -891,6 +957,11 @@ class Activator(Service):
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def _taken(why: str) -> bool:
+    """Did someone else take the lease (rather than our renewals failing)?"""
+    return why.startswith(("taken over", "gone", "replaced"))
 
 
 def _sidecar_name(host: str) -> str:

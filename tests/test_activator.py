@@ -250,13 +250,21 @@ class HibernationTests(_Harness):
         self.start(self.config(LCHAT_SPACE_COMMAND=wrapper))
         response, body = yield self.request("bin.example")
         self.assertEqual(response.code, 503)
-        self.assertIn(b"cannot start", body)
+        self.assertIn(b"bin.example could not start", body)
+        self.assertNotIn(wrapper.encode(), body)  # paths are for the log, not for clients
         self.assertTrue(response.headers.hasHeader(b"retry-after"))
         yield self.wait_for(lambda: self.state("bin.example") == "asleep")
         self.assertFalse(self.lock_exists("bin.example"))  # the failed wake released it
+        # Right after a failure the host backs off: a 503 without another attempt.
+        attempts = metric("lchat_wakes_total", reason="request", outcome="spawn")
+        response, body = yield self.request("bin.example")
+        self.assertEqual(response.code, 503)
+        self.assertIn(b"failed to wake a moment ago", body)
+        self.assertEqual(metric("lchat_wakes_total", reason="request", outcome="spawn"), attempts)
         with open(wrapper, "w") as f:
             f.write(f"#!/bin/sh\nexec {SPACE}\n")
         os.chmod(wrapper, 0o755)
+        yield sleep(1.1)
         response, body = yield self.request("bin.example")
         self.assertEqual(response.code, 200, body)
 
@@ -624,7 +632,7 @@ class HibernationS3Tests(_Harness):
     """The S3 paths: a bucket that stops answering while spaces are awake."""
 
     @inlineCallbacks
-    def _s3_router(self, *hosts: str) -> Any:
+    def _s3_router(self, *hosts: str, ttl: str = "60s") -> Any:
         server = yield Deferred.fromCoroutine(s3servers.start_server("moto"))
         self.addCleanup(lambda: Deferred.fromCoroutine(server.destroy()))
         bucket = yield Deferred.fromCoroutine(server.new_bucket())
@@ -643,7 +651,7 @@ class HibernationS3Tests(_Harness):
             "LCHAT_HIBERNATE_ENDPOINT": server.endpoint,
             "LCHAT_HIBERNATE_REGION": server.region,
             "LCHAT_HIBERNATE_IDLE": "60s",
-            "LCHAT_LEASE_TTL": "60s",
+            "LCHAT_LEASE_TTL": ttl,
         }
         for host in hosts:
             self.add_space(host)
@@ -668,6 +676,34 @@ class HibernationS3Tests(_Harness):
         yield self.wait_for(lambda: self.state("cold-s3.example") != "waking", timeout=60)
         response, body = yield self.request("cold-s3.example")
         self.assertEqual(response.code, 200, body)
+
+    @inlineCallbacks
+    def test_lease_lost_to_an_outage_keeps_the_newer_local_copy(self):
+        """Renewals failed (the bucket hung) but nobody took the lease: the local database
+        holds writes the bucket never got, so it is kept, and the next wake snapshots it."""
+        server, bucket = yield self._s3_router("outage.example", ttl="3s")
+        yield self.request("outage.example", "/api/rooms/r/messages", b"POST", b'{"body": "a"}')
+        server.pause()
+        try:
+            response, _ = yield self.request(
+                "outage.example", "/api/rooms/r/messages", b"POST", b'{"body": "during"}'
+            )
+            self.assertEqual(response.code, 201)  # still serving while the bucket hangs
+            yield self.wait_for(lambda: self.state("outage.example") == "asleep", timeout=20)
+        finally:
+            server.resume()
+        self.assertTrue(os.path.exists(os.path.join(self.data, "outage.example.db")))
+        self.assertFalse(any(".lease-lost-" in n for n in os.listdir(self.data)))
+        yield sleep(3.5)  # the lease expires on the bucket's clock (or is reclaimed as ours)
+        response, body = yield self.request("outage.example", "/api/rooms/r/messages")
+        self.assertEqual(response.code, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["a", "during"])
+        yield self.activator.sleep("outage.example", "test")
+        store = s3servers.store_for(server, bucket)
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        out = os.path.join(self.dir, "outage.restored")
+        yield Deferred.fromCoroutine(restore(store, "outage.example", out))
+        self.assertEqual([m[1] for m in _messages(out)], ["a", "during"])
 
     @inlineCallbacks
     def test_bucket_hung_while_awake_keeps_serving_and_catches_up(self):

@@ -434,6 +434,10 @@ class FileBucket:
         """Turn OS errors into the store's typed errors."""
         try:
             yield
+        except (PreconditionFailed, NotFound):
+            # "Not there" from a root that is itself gone is an outage, not an answer.
+            self._check_root()
+            raise
         except ObjectStoreError:
             raise
         except _Corrupt as e:

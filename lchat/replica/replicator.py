@@ -40,7 +40,7 @@ from typing import Any
 
 from attrs import define
 from prometheus_client import Counter, Gauge
-from twisted.internet.defer import Deferred, DeferredLock
+from twisted.internet.defer import CancelledError, Deferred, DeferredLock
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -177,6 +177,7 @@ class Replicator:
         self._last_snapshot = 0.0
         self._snap_txid = 0  # the newest snapshot we uploaded
         self._garbage: list[str] = []  # keys whose delete failed: retried at the next pass
+        self._writing: Deferred[Any] | None = None  # the store write in flight
 
     @property
     def txid(self) -> int:
@@ -250,6 +251,8 @@ class Replicator:
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
+        if self._writing is not None:
+            self._writing.cancel()  # after a flush nothing is in flight; after a loss, cut it
         async with self._lock:  # let a sync in flight finish (it checks _stopped before writes)
             pass
         if self._pending_since is not None:
@@ -389,8 +392,10 @@ class Replicator:
                 return False
             self._ensure_held(p.level)
             try:
-                await self._store.put_file(
-                    p.key, p.tmp_path, metadata={TIMESTAMP_METADATA: p.timestamp}
+                await self._write(
+                    self._store.put_file(
+                        p.key, p.tmp_path, metadata={TIMESTAMP_METADATA: p.timestamp}
+                    )
                 )
             except ObjectStoreError as e:
                 _uploads.labels(str(p.level), "error").inc()
@@ -416,6 +421,18 @@ class Replicator:
             )
         self._update_lag()
         return True
+
+    async def _write(self, request: Any) -> Any:
+        """Run one store write so that :meth:`stop` can abandon it (a lost lease must not wait
+        for a hung upload, and should not let it land later if the connection can still be cut)."""
+        d = Deferred.fromCoroutine(request)
+        self._writing = d
+        try:
+            return await d
+        except CancelledError:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped") from None
+        finally:
+            self._writing = None
 
     def _ensure_held(self, level: int | None = None) -> None:
         """Before every write or delete: raise :class:`ReplicatorStopped` (for good) unless we
@@ -520,7 +537,7 @@ class Replicator:
             # Litestream keeps the oldest source's time, so point-in-time restore still sees it.
             stamp = min(run, key=lambda e: parse_timestamp(e.timestamp)).timestamp
             self._ensure_held(level)
-            await self._store.put_file(key, out, metadata={TIMESTAMP_METADATA: stamp})
+            await self._write(self._store.put_file(key, out, metadata={TIMESTAMP_METADATA: stamp}))
             _uploads.labels(str(level), "ok").inc()
             _bytes.inc(merged.size)
         finally:
@@ -565,7 +582,7 @@ class Replicator:
             for entries in self._files.values():
                 entries.pop(key, None)
             try:
-                await self._store.delete(key)
+                await self._write(self._store.delete(key))
             except ObjectStoreError as e:
                 _log.warn("replica {path}: delete {key} failed: {e}", path=self.path, key=key, e=e)
                 if key not in self._garbage:
