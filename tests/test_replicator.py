@@ -223,18 +223,19 @@ class ReplicatorTests(TestCase):
         self.assertGreater(l0, 3)
         await self._assert_restores(name="s0.db")
         self.assertEqual(await rep.compact(1), 1)
-        self.assertEqual((await self._keys(0), await self._keys(1)), (0, 1))
+        # The inputs stay a while (compacted_retention) for restores already under way.
+        self.assertEqual((await self._keys(0), await self._keys(1)), (l0, 1))
         await self._assert_restores(name="s1.db")
         await self._write()
         await rep.flush()
         await rep.compact(1)
-        self.assertEqual((await self._keys(0), await self._keys(1)), (0, 2))
+        self.assertEqual(await self._keys(1), 2)
         await self._assert_restores(name="s2.db")
         await rep.compact(2)
-        self.assertEqual((await self._keys(1), await self._keys(2)), (0, 1))
+        self.assertEqual(await self._keys(2), 1)
         await self._assert_restores(name="s3.db")
         await rep.compact(3)
-        self.assertEqual((await self._keys(2), await self._keys(3)), (0, 1))
+        self.assertEqual(await self._keys(3), 1)
         await self._assert_restores(name="s4.db")
         before = self.store.count()
         self.assertEqual(await rep.compact(3), 0)  # nothing below: no request at all
@@ -271,6 +272,19 @@ class ReplicatorTests(TestCase):
         await rep.flush()
         await _sleep(1.2)
         await self._assert_restores(name="out2.db")
+
+    async def test_compaction_reads_its_own_copies_and_deletes_inputs_later(self) -> None:
+        rep = self._replicator(compaction={1: 0.2}, snapshot_interval=1e6, compacted_retention=0.5)
+        await rep.start()
+        await self._write()
+        await rep.flush()
+        await _sleep(0.4)
+        self.assertGreater(rep.compactions, 0)
+        self.assertEqual(self.store.count("get_to_file"), 0)  # no level-0 file downloaded back
+        self.assertGreater(await self._keys(0), 0)  # retained for now
+        await _sleep(1.0)
+        self.assertEqual(await self._keys(0), 0)
+        await self._assert_restores()
 
     async def test_lease_lost_no_compaction_writes(self) -> None:
         held = await lease.acquire(self.store, f"{PATH}/lock.json", "box-a", 1.0)

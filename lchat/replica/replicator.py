@@ -121,6 +121,7 @@ class Replicator:
         tmp_dir: str | None = None,
         compaction: Mapping[int, float] | None = None,  # level -> seconds (Litestream's defaults)
         snapshot_interval: float = _compact.DEFAULT_SNAPSHOT_INTERVAL,
+        compacted_retention: float = 300.0,
     ) -> None:
         self._reactor = reactor
         self._store = store
@@ -178,6 +179,12 @@ class Replicator:
         self._snap_txid = 0  # the newest snapshot we uploaded
         self._garbage: list[str] = []  # keys whose delete failed: retried at the next pass
         self._writing: Deferred[Any] | None = None  # the store write in flight
+        self._local: dict[str, str] = {}  # key -> our local copy of a level-0 file we uploaded
+        # Compacted inputs are deleted this long after their replacement is durable (as
+        # Litestream keeps level 0 a while): readers mid-restore still find them, and the
+        # deletes of a busy minute go out together instead of after every compaction.
+        self.compacted_retention = compacted_retention
+        self._retired: list[tuple[float, str]] = []  # (delete after, key)
 
     @property
     def txid(self) -> int:
@@ -411,7 +418,11 @@ class Replicator:
             self._uploaded(p)
             _uploads.labels(str(p.level), "ok").inc()
             _bytes.inc(p.size)
-            await self._run(os.unlink, p.tmp_path)
+            if p.level == 0 and 1 in self._levels:
+                # Kept until compacted: compaction then reads it here instead of a GET.
+                self._local[p.key] = p.tmp_path
+            else:
+                await self._run(os.unlink, p.tmp_path)
             what = "snapshot" if p.level == SNAPSHOT_LEVEL else "shipped"
             _log.info(
                 "replica {path}: " + what + " txid {txid} ({pages} pages)",
@@ -469,6 +480,7 @@ class Replicator:
     def _maintenance_due(self, now: float) -> bool:
         return (
             bool(self._garbage)
+            or bool(self._retired and self._retired[0][0] <= now)
             or any(
                 now - self._last_compaction.get(lvl, now) >= t for lvl, t in self._levels.items()
             )
@@ -482,6 +494,10 @@ class Replicator:
             return
         if self._garbage:
             await self._delete_keys(list(self._garbage))
+        if self._retired and self._retired[0][0] <= now:
+            due = [key for when, key in self._retired if when <= now]
+            self._retired = [(when, key) for when, key in self._retired if when > now]
+            await self._delete_keys(due)
         for level, every in self._levels.items():
             if now - self._last_compaction.get(level, now) >= every:
                 self._last_compaction[level] = now
@@ -527,6 +543,10 @@ class Replicator:
         try:
             inputs = []
             for i, e in enumerate(run):
+                local = self._local.get(e.key)
+                if local is not None:
+                    inputs.append(local)  # we uploaded it: no need to download it back
+                    continue
                 path = os.path.join(work, f"{i:06d}.ltx")
                 await self._store.get_to_file(e.key, path)
                 inputs.append(path)
@@ -554,7 +574,16 @@ class Replicator:
             hi=f"{h.max_txid:016x}",
             pages=merged.pages,
         )
-        await self._delete_keys([e.key for e in run if e.key != key])
+        now = self._reactor.seconds()
+        for e in run:
+            if e.key == key:
+                continue
+            for entries in self._files.values():
+                entries.pop(e.key, None)  # replaced: no longer an input to anything
+            local = self._local.pop(e.key, None)
+            if local is not None:
+                await self._run(_unlink_quietly, local)
+            self._retired.append((now + self.compacted_retention, e.key))
 
     async def _snapshot_locked(self) -> None:
         if self._stopped or self._txid <= self._snap_txid:
@@ -574,10 +603,16 @@ class Replicator:
             for e in entries.values()
             if e.max_txid < snap
         ]
+        # Compacted inputs waiting out their retention are older than any new snapshot too.
+        old += [key for _, key in self._retired]
+        self._retired = []
         await self._delete_keys(old)
 
     async def _delete_keys(self, keys: list[str]) -> None:
         for key in keys:
+            local = self._local.pop(key, None)
+            if local is not None:
+                await self._run(_unlink_quietly, local)
             self._ensure_held()
             for entries in self._files.values():
                 entries.pop(key, None)
@@ -697,6 +732,13 @@ def _make_tmp(root: str | None) -> str:
             _log.info("replica: removing {dir} left by a dead process", dir=name)
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _alive(pid: int) -> bool:
