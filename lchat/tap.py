@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 from typing import Any
 
@@ -117,6 +118,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     """Everything the box runs, wired together. Fails loudly on anything unusable."""
     for warning in cfg.warnings:
         _log.warn("config: {warning}", warning=warning)
+    _raise_open_files_limit()
     if not os.path.isdir(cfg.data_dir):
         raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
@@ -187,6 +189,25 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         admin=cfg.admin_socket,
     )
     return top
+
+
+def _raise_open_files_limit() -> None:
+    """Raise the soft open-files limit to the hard one: every connection, and every awake
+    hibernating space (~9 each), is a descriptor, and 1024 is a common default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            _log.warn("could not raise the open-files limit from {soft}: {e}", soft=soft, e=e)
+            return
+        soft = hard
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        _log.warn(
+            "open-files limit is {soft}: raise it (LimitNOFILE=) for more than a few hundred "
+            "connections or awake spaces",
+            soft=soft,
+        )
 
 
 def _children_status(units: BuiltinUnits) -> Any:

@@ -131,6 +131,10 @@ class FakeTimeTests(unittest.TestCase):
     def setUp(self):
         self.r = FakeReactor()
         self.states = States()
+        # The probe only dials a socket file that exists: give the fake children one.
+        fd, self.sock = tempfile.mkstemp(suffix=".sock")
+        os.close(fd)
+        self.addCleanup(os.unlink, self.sock)
 
     def sup(self, **kw: Any) -> Supervisor:
         kw.setdefault("kill_timeout", 20.0)
@@ -287,7 +291,7 @@ class FakeTimeTests(unittest.TestCase):
 
     def test_fail_after_then_recovers_to_ready(self):
         s = self.sup(min_restart_delay=1, max_restart_delay=4, fail_after=3, ready_timeout=30)
-        s.want({"a": spec("a", ready_socket="/nonexistent/a.sock")})
+        s.want({"a": spec("a", ready_socket=self.sock)})
         s.startService()
         self.assertEqual(self.states.of("a"), ["starting"])
         detail = "exited with code 3 before becoming ready: config broken"
@@ -332,7 +336,7 @@ class FakeTimeTests(unittest.TestCase):
         self.assertTrue(detail.startswith("not ready after 3s ("), detail)
 
     def test_probe_non_200_keeps_polling(self):
-        child = spawn(self.r, spec("a", ready_socket="/x.sock"), new_session=False)
+        child = spawn(self.r, spec("a", ready_socket=self.sock), new_session=False)
         d = child.wait_ready(timeout=10, interval=0.2)
         self.r.answer_probe(503)
         self.assertNoResult(d)
@@ -341,7 +345,7 @@ class FakeTimeTests(unittest.TestCase):
         self.assertIsNone(self.successResultOf(d))
 
     def test_wait_ready_fails_when_child_exits(self):
-        child = spawn(self.r, spec("a", ready_socket="/x.sock"), new_session=False)
+        child = spawn(self.r, spec("a", ready_socket=self.sock), new_session=False)
         d = child.wait_ready()
         self.r.processes[0].exit(2, stderr=b"no db\n")
         f = self.failureResultOf(d, ChildExited)
@@ -351,7 +355,7 @@ class FakeTimeTests(unittest.TestCase):
         self.failureResultOf(child.wait_ready(), ChildExited)
 
     def test_wait_ready_times_out(self):
-        child = spawn(self.r, spec("a", ready_socket="/x.sock"), new_session=False)
+        child = spawn(self.r, spec("a", ready_socket=self.sock), new_session=False)
         d = child.wait_ready(timeout=1, interval=0.2)
         for _ in range(15):
             self.r.advance(0.1)
