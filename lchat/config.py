@@ -60,6 +60,14 @@ class MeshConfig:
     domains: tuple[str, ...]
     token: str = field(repr=False)
     region: str
+    heartbeat: float = 15.0  # seconds between this box's heartbeat PUTs
+    dead_after: float = 45.0  # a member whose heartbeat is older (bucket clock) is gone
+    ca_file: str = ""  # extra CA bundle trusted for peers' certificates ("" = system trust)
+
+    @property
+    def self_host(self) -> str:
+        """The hostname of ``self_url``: requests addressed to it are for this box's mesh API."""
+        return (urlsplit(self.self_url).hostname or "").lower()
 
 
 @frozen
@@ -145,6 +153,9 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",
     "LCHAT_MESH_REGION": "",
+    "LCHAT_MESH_HEARTBEAT": "15s",
+    "LCHAT_MESH_DEAD_AFTER": "45s",
+    "LCHAT_MESH_CA_FILE": "",
     "LCHAT_WILDCARD_DOMAINS": "",
     "LCHAT_METRICS_ADDR": "off",
     "LCHAT_HTTP_REDIRECT": "on",
@@ -493,9 +504,22 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         raise ConfigError(
             "LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket"
         )
+    heartbeat = parse_duration("LCHAT_MESH_HEARTBEAT", get("LCHAT_MESH_HEARTBEAT"))
+    dead_after = parse_duration("LCHAT_MESH_DEAD_AFTER", get("LCHAT_MESH_DEAD_AFTER"))
+    if heartbeat <= 0 or dead_after < 2 * heartbeat:
+        raise ConfigError(
+            "LCHAT_MESH_DEAD_AFTER must be at least twice LCHAT_MESH_HEARTBEAT (a missed beat "
+            "must not kill a member)"
+        )
+    ca_file = get("LCHAT_MESH_CA_FILE")
+    if ca_file and not os.path.isfile(ca_file):
+        raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
     return MeshConfig(
         self_url=self_url.rstrip("/"),
         domains=domains,
         token=token,
         region=get("LCHAT_MESH_REGION"),
+        heartbeat=heartbeat,
+        dead_after=dead_after,
+        ca_file=ca_file,
     )

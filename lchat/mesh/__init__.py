@@ -1,0 +1,5 @@
+"""The mesh (DESIGN.md §9): several boxes, one bucket, no coordinator.
+
+``membership`` (heartbeats in the bucket), ``placement`` (rendezvous hashing), ``forward`` (the
+authenticated one-hop marker and the peer target), ``api`` (route replication between boxes).
+"""
