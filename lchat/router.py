@@ -8,6 +8,7 @@ add the mesh (forward to the owner) and the activator (wake a hibernating space)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 from attrs import field, frozen
@@ -47,13 +48,17 @@ class LocalSocket:
 
 @frozen
 class RemotePeer:
-    """Proxy to another box over TLS, verifying ``server_name``, connecting to ``address`` only."""
+    """Proxy to another box over TLS, verifying ``server_name``, connecting to ``address`` only.
+
+    ``tls=False`` only for a mesh whose ``LCHAT_MESH_SELF`` URLs are ``http://`` (a private
+    network the operator chose to trust); never a verification bypass."""
 
     host: str
     address: str
     port: int
     server_name: str
     add_headers: tuple[Header, ...] = ()
+    tls: bool = True
 
 
 @frozen
@@ -97,18 +102,38 @@ class Hibernation(Protocol):
     def route(self, route: Route, sidecar: bool = False) -> Target | Deferred[Target]: ...
 
 
+class Mesh(Protocol):
+    """The mesh's routing, as the router sees it (lchat.mesh.routing.MeshRouter)."""
+
+    def in_scope(self, host: str) -> bool: ...
+
+    def route(
+        self, route: Route, head: RequestHead, local: Callable[[], Target | Deferred[Target]]
+    ) -> Target | Deferred[Target]: ...
+
+
 class Router:
     """Maps a request to a :data:`Target` using the current route table."""
 
     def __init__(
-        self, table: TableSource, fallback_url: str = "", activator: Hibernation | None = None
+        self,
+        table: TableSource,
+        fallback_url: str = "",
+        activator: Hibernation | None = None,
+        mesh: Mesh | None = None,
+        mesh_api: tuple[str, str] | None = None,  # (this box's mesh-self host, API socket)
     ) -> None:
         self._table = table
         self._fallback = fallback_url.encode("ascii", "strict") if fallback_url else b""
         self._activator = activator
+        self._mesh = mesh
+        self._mesh_api = mesh_api
 
     def route(self, head: RequestHead) -> Target | Deferred[Target]:
         host = head.host
+        if self._mesh_api is not None and host == self._mesh_api[0]:
+            # Addressed to this box itself: the route-replication API (bearer token inside).
+            return LocalSocket(host=host, path=self._mesh_api[1], kind="service")
         route = self._table.table.get(host)
         if route is None:
             if self._fallback:
@@ -116,7 +141,14 @@ class Router:
             return plain(404, "404 Not Found: unknown host", label="unknown")
         retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
         if route.hibernate and self._activator is not None and route.serveable:
-            return self._activator.route(route, head.sidecar)
+            activator = self._activator
+
+            def local() -> Target | Deferred[Target]:
+                return activator.route(route, head.sidecar)
+
+            if self._mesh is not None and self._mesh.in_scope(host):
+                return self._mesh.route(route, head, local)
+            return local()
         if route.hibernate and self._activator is None:
             # Hibernating rows belong to the activator, which exists only with
             # LCHAT_HIBERNATE_BUCKET: without it they are honestly unavailable, not misrouted.

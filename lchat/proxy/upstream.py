@@ -267,7 +267,7 @@ def _retryable(failure: Failure) -> bool:
 def target_key(target: LocalSocket | RemotePeer) -> Key:
     if isinstance(target, LocalSocket):
         return ("unix", target.path)
-    return ("tls", target.address, target.port, target.server_name)
+    return ("tls" if target.tls else "tcp", target.address, target.port, target.server_name)
 
 
 class UpstreamPool:
@@ -385,6 +385,8 @@ class UpstreamPool:
             return UNIXClientEndpoint(self._reactor, target.path, timeout=self._connect_timeout)
         tcp_class = TCP6ClientEndpoint if ":" in target.address else TCP4ClientEndpoint
         tcp = tcp_class(self._reactor, target.address, target.port, timeout=self._connect_timeout)
+        if not target.tls:
+            return tcp
         # Pinned to the peer's address, verified against the space's name: no bypass anywhere.
         options = optionsForClientTLS(
             target.server_name, trustRoot=self._trust_root, acceptableProtocols=[b"http/1.1"]

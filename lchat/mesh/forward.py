@@ -1,0 +1,93 @@
+"""The one-hop marker on a forwarded request, and the target that forwards it (DESIGN.md §9).
+
+A box that forwards a request to the space's owner adds ``X-Lchat-Mesh-Forwarded``; the owner then
+serves it locally whatever its own view of the membership says (the lease settles a disagreement),
+so a request never bounces between two boxes. The marker is honoured only when it authenticates:
+
+    X-Lchat-Mesh-Forwarded: v1 <unix seconds> <hex HMAC-SHA256(LCHAT_MESH_TOKEN, "v1\\n<seconds>\\n<host>")>
+
+bound to the space's hostname and fresh within :data:`MAX_SKEW` seconds. Anything else — no
+token, a wrong MAC, another host's marker, a stale one — is ignored (the proxy strips the header
+from every request before it reaches a space in any case). Comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from OpenSSL import SSL
+from twisted.internet._sslverify import IOpenSSLTrustRoot
+from zope.interface import implementer
+
+from lchat.router import Header, RemotePeer
+
+HEADER = b"x-lchat-mesh-forwarded"
+MAX_SKEW = 120.0  # seconds either way: boxes' clocks are NTP-close, not equal
+
+
+def _mac(token: str, stamp: str, host: str) -> str:
+    message = f"v1\n{stamp}\n{host}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def marker(token: str, host: str, now: Callable[[], float] = time.time) -> bytes:
+    """The header value a box adds when it forwards a request for ``host``."""
+    stamp = str(int(now()))
+    return f"v1 {stamp} {_mac(token, stamp, host)}".encode("ascii")
+
+
+def authentic(
+    value: bytes | None, token: str, host: str, now: Callable[[], float] = time.time
+) -> bool:
+    """Does ``value`` (the raw header, or None) prove a mesh peer forwarded this request?"""
+    if not value or not token or len(value) > 200:
+        return False
+    try:
+        version, stamp, mac = value.decode("ascii").split(" ")
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if version != "v1" or not stamp.isdigit() or len(stamp) > 12:
+        return False
+    if abs(now() - int(stamp)) > MAX_SKEW:
+        return False
+    return hmac.compare_digest(mac.encode("ascii"), _mac(token, stamp, host).encode("ascii"))
+
+
+@implementer(IOpenSSLTrustRoot)
+class SystemPlusFile:
+    """Trust the platform's CAs plus those in ``ca_file`` (LCHAT_MESH_CA_FILE): a private CA for
+    the mesh's certificates without giving up ordinary verification."""
+
+    def __init__(self, ca_file: str) -> None:
+        self._ca_file = ca_file
+
+    def _addCACertsToContext(self, context: SSL.Context) -> None:
+        context.set_default_verify_paths()
+        context.load_verify_locations(self._ca_file)
+
+
+def trust_root(ca_file: str) -> IOpenSSLTrustRoot | None:
+    """The trust root for connections to peers (None: the platform's)."""
+    return SystemPlusFile(ca_file) if ca_file else None
+
+
+def peer_target(
+    peer_url: str, host: str, token: str, now: Callable[[], float] = time.time
+) -> RemotePeer:
+    """Where to send ``host``'s request on the box ``peer_url``: connect to the peer's address,
+    verify the certificate against the *space's* name (the shared wildcard), mark it forwarded."""
+    parts = urlsplit(peer_url)
+    tls = parts.scheme == "https"
+    header: Header = (HEADER, marker(token, host, now))
+    return RemotePeer(
+        host=host,
+        address=parts.hostname or "",
+        port=parts.port or (443 if tls else 80),
+        server_name=host,
+        add_headers=(header,),
+        tls=tls,
+    )
