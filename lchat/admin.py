@@ -85,11 +85,13 @@ class AdminAPI:
         children: StatusProvider | None = None,
         clock: Callable[[], float] = time.time,
         activator: Any = None,  # lchat.activator.Activator, when hibernation is on
+        mesh: Callable[[], dict[str, Any]] | None = None,  # the mesh's view, when it is on
     ) -> None:
         self.routes = routes
         self._units = units
         self._children = children or (lambda: {})
         self.activator = activator
+        self._mesh = mesh
         self._clock = clock
         self._started = clock()
 
@@ -126,6 +128,7 @@ class AdminAPI:
             "by_status": table.count_by_status(),
             "hosts": per_host,
             "hibernation": self.activator is not None,
+            **({"mesh": self._mesh()} if self._mesh is not None else {}),
         }
 
 

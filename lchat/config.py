@@ -107,6 +107,12 @@ class BoxConfig:
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
     @property
+    def aws_env(self) -> dict[str, str]:
+        """``AWS_*`` from the env file: the seeds put the bucket's credentials there (the process
+        environment, where the S3 client's credential chain looks, still wins)."""
+        return {k: v for k, v in self.file_env.items() if k.startswith("AWS_")}
+
+    @property
     def box_id(self) -> str:
         """Who this box is, in leases and probes: its mesh URL, else its hostname."""
         return self.mesh.self_url if self.mesh is not None else socket.gethostname()

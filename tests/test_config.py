@@ -652,3 +652,32 @@ class Bucket(Base):
             ({"LCHAT_LEASE_TTL": "forever"}, "LCHAT_LEASE_TTL"),
         ):
             self.refuses(variable, env)
+
+
+class AwsCredentialsInTheEnvFile(Base):
+    def test_aws_variables_of_the_env_file_are_kept_for_the_s3_client(self) -> None:
+        self.env_file = self.write_env(
+            "LCHAT_HIBERNATE_BUCKET=b-1\nAWS_ACCESS_KEY_ID=AKIA1\nAWS_SECRET_ACCESS_KEY=s\nOTHER=x\n"
+        )
+        cfg = self.load()
+        self.assertEqual(cfg.aws_env, {"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SECRET_ACCESS_KEY": "s"})
+        self.assertEqual(cfg.warnings, ())
+
+
+class MeshTiming(Base):
+    def test_dead_after_must_cover_two_beats(self) -> None:
+        base = {
+            "LCHAT_HIBERNATE_BUCKET": "b-1",
+            "LCHAT_MESH_SELF": "https://box-1.example.net",
+            "LCHAT_MESH_DOMAINS": "example.com",
+            "LCHAT_MESH_TOKEN": "t",
+        }
+        cfg = self.load(base)
+        assert cfg.mesh is not None
+        self.assertEqual((cfg.mesh.heartbeat, cfg.mesh.dead_after), (15.0, 45.0))
+        self.assertEqual(cfg.mesh.self_host, "box-1.example.net")
+        self.refuses(
+            "LCHAT_MESH_DEAD_AFTER",
+            {**base, "LCHAT_MESH_HEARTBEAT": "10s", "LCHAT_MESH_DEAD_AFTER": "15s"},
+        )
+        self.refuses("LCHAT_MESH_CA_FILE", {**base, "LCHAT_MESH_CA_FILE": "/nonexistent.pem"})
