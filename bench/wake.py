@@ -837,7 +837,7 @@ def capacity_report(cap: dict[str, Any], bucket: str, mem_start: int) -> list[st
     kinds = sorted(set(last["router_fds"]) | set(base["fds"]))
     fd_each = {k: (last["router_fds"].get(k, 0) - base["fds"].get(k, 0)) / n for k in kinds}
     fd_total = sum(fd_each.values())
-    by_fds = (1024 - sum(base["fds"].values())) / fd_total if fd_total > 0 else float("inf")
+    by_fds = (65536 - sum(base["fds"].values())) / fd_total if fd_total > 0 else float("inf")
     out += [
         "",
         f"Mean phases of the last level's wakes: {phases}. Sleeping all {n} took "
@@ -850,9 +850,9 @@ def capacity_report(cap: dict[str, Any], bucket: str, mem_start: int) -> list[st
         f"CPU fill {cores} cores at ≈ {by_cpu:,.0f}; the router's open files "
         f"({fd_total:.1f} per awake space: "
         + ", ".join(f"{k} {v:.1f}" for k, v in fd_each.items() if v)
-        + f") reach a soft limit of 1024 (systemd's default; ops/systemd/lchat-router.service "
-        f"sets no LimitNOFILE) at ≈ **{by_fds:,.0f}**, before any client connection. The "
-        f"smallest is the limit for idle spaces; traffic lowers it.",
+        + f") reach the unit's LimitNOFILE=65536 (the router raises its soft limit to the hard "
+        f"one at start) at ≈ **{by_fds:,.0f}**, before any client connection. The smallest is "
+        f"the limit for idle spaces; traffic lowers it.",
     ]
     return out
 
