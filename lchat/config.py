@@ -492,6 +492,8 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         )
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(f"LCHAT_MESH_SELF={self_url!r} must not have a path, query or fragment")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"LCHAT_MESH_SELF={self_url!r} must not carry user information")
     try:
         parts.port  # noqa: B018 -- raises on a malformed port
     except ValueError as e:
