@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
@@ -21,10 +22,14 @@ from lchat import config, objstore, tls
 from lchat.activator import Activator
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
+from lchat.mesh import forward
+from lchat.mesh.api import mesh_site
+from lchat.mesh.membership import Membership
+from lchat.mesh.routing import MeshRouter
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.upstream import UpstreamPool
 from lchat.redirect import RedirectToHTTPS
-from lchat.registry import Registry, RegistryError, RouteSource
+from lchat.registry import Registry, RegistryError, Route, RouteSource
 from lchat.router import Router
 from lchat.sweeper import Sweeper
 from lchat.units import BuiltinUnits
@@ -119,6 +124,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     for warning in cfg.warnings:
         _log.warn("config: {warning}", warning=warning)
     _raise_open_files_limit()
+    for name, value in cfg.aws_env.items():
+        os.environ.setdefault(name, value)  # the S3 client's credential chain reads these
     if not os.path.isdir(cfg.data_dir):
         raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
@@ -138,17 +145,33 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         units.setServiceParent(top)
         children = _children_status(units)
 
-    pool = UpstreamPool(reactor, dial_retry=cfg.proxy.dial_retry)
+    pool = UpstreamPool(
+        reactor,
+        dial_retry=cfg.proxy.dial_retry,
+        trust_root=forward.trust_root(cfg.mesh.ca_file) if cfg.mesh is not None else None,
+    )
     activator: Activator | None = None
+    mesh: MeshRouter | None = None
     if cfg.hibernate is not None:
         hibernation = _Hibernation(reactor, cfg, routes, pool)
         hibernation.setName("hibernation")
         hibernation.setServiceParent(top)
         activator = hibernation.activator
+        mesh = hibernation.mesh
         if units is not None:
             activator.released = units.defer_to(activator.holds)
 
-    router = Router(routes, cfg.fallback_url, activator=activator)
+    mesh_api: tuple[str, str] | None = None
+    if cfg.mesh is not None:
+        # The route-replication API, reached through the proxy by requests addressed to this
+        # box's own LCHAT_MESH_SELF host (the bearer token is checked inside).
+        mesh_socket = os.path.join(cfg.run_dir, "mesh.sock")
+        clear_stale_socket(mesh_socket)
+        site = mesh_site(registry, cfg, routes.reload)
+        _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
+        mesh_api = (cfg.mesh.self_host, mesh_socket)
+
+    router = Router(routes, cfg.fallback_url, activator=activator, mesh=mesh, mesh_api=mesh_api)
     factories: list[ProxyFactory] = []
     if cfg.https_addr is not None:
         store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes))
@@ -171,7 +194,10 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     _Closer(pool, factories).setServiceParent(top)
 
     clear_stale_socket(cfg.admin_socket)
-    admin = AdminAPI(routes, cfg.units, children, activator=activator)
+    mesh_status = None
+    if cfg.hibernate is not None and hibernation.membership is not None:
+        mesh_status = _mesh_status(hibernation.membership)
+    admin = AdminAPI(routes, cfg.units, children, activator=activator, mesh=mesh_status)
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
         _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
@@ -266,6 +292,13 @@ class _Hibernation(MultiService):
         )
         self.check = _BucketCheck(reactor, cfg, self.store)
         self.activator = Activator(reactor, cfg, routes, self.store, drop_idle=pool.drop_idle)
+        self.membership: Membership | None = None
+        self.mesh: MeshRouter | None = None
+        may_wake: Callable[[Route], bool] = _anywhere
+        if cfg.mesh is not None:
+            self.membership = Membership(reactor, self.store, cfg.hibernate, cfg.mesh)
+            self.mesh = MeshRouter(cfg, self.store, self.membership, self.activator)
+            may_wake = self.mesh.is_owner  # due wakes fire only on the owner
         self.sweeper = Sweeper(
             reactor,
             self.activator,
@@ -273,8 +306,13 @@ class _Hibernation(MultiService):
             idle=cfg.hibernate.idle,
             sweep=cfg.hibernate.sweep,
             due_sweep=cfg.hibernate.due_sweep,
+            may_wake=may_wake,
         )
-        for service in (self.check, self.activator, self.sweeper):
+        services: list[Service] = [self.check]
+        if self.membership is not None:
+            services.append(self.membership)
+        services += [self.activator, self.sweeper]
+        for service in services:
             service.setServiceParent(self)
 
     def stopService(self) -> Deferred[None]:
@@ -284,6 +322,9 @@ class _Hibernation(MultiService):
         return Deferred.fromCoroutine(self._drain())
 
     async def _drain(self) -> None:
+        if self.membership is not None:
+            # Our heartbeat goes first: peers take our spaces over while we drain them.
+            await self.membership.stopService()
         await self.activator.stopService()
         # A boot probe still in flight must finish before its store closes (it is bounded by the
         # store's own timeouts; this wait is bounded again, to keep shutdown bounded).
@@ -340,6 +381,30 @@ class _BucketCheck(Service):
         if self._reactor.running:
             self._reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
             self._reactor.stop()
+
+
+def _mesh_status(membership: Membership) -> Callable[[], dict[str, Any]]:
+    def status() -> dict[str, Any]:
+        live = membership.live()
+        return {
+            "live": len(live),
+            "members": [
+                {
+                    "url": m.url,
+                    "region": m.region,
+                    "version": m.version,
+                    "age": round(m.age, 1),
+                    "self": m.self,
+                }
+                for m in live
+            ],
+        }
+
+    return status
+
+
+def _anywhere(route: Route) -> bool:
+    return True
 
 
 def _probe_name(box: str) -> str:

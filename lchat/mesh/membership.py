@@ -1,0 +1,630 @@
+"""Membership (DESIGN.md §9): heartbeats in the bucket, one LIST gives the fleet.
+
+Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s)::
+
+    <prefix>/mesh/members/<base64url(normalised LCHAT_MESH_SELF), no padding>
+
+The key is the record: it names the box, so one LIST of the prefix is the whole membership, and
+the ``Last-Modified`` of each object is that box's last beat. The body is small JSON that stays the
+same across beats (so its ETag does not change and peers read it once per process of the box)::
+
+    {"region": "ie", "started_at": 1789000000.123, "url": "https://box-1.example.net", "version": "0.1.0"}
+
+Liveness is judged on the *bucket's* clock only: a member is live while ``store.now() -
+Last-Modified <= dead_after`` (45 s, three missed beats). No box's own clock takes part, so a box
+with a wrong clock cannot poison anyone's view. Stores that truncate ``Last-Modified`` and ``Date``
+to whole seconds (S3, moto) make an age wrong by up to a second either way; ``dead_after`` is
+meant to be several beats long, so that does not matter.
+
+:func:`read_members` is one read of the view (one LIST, ``now()``, and a GET only for bodies whose
+ETag is not cached); the router's :class:`Membership` service beats and refreshes its view once
+per beat, and the CLI calls :func:`read_members` directly. Garbage under the prefix (a key that is
+not canonical base64url of a normalised member URL, a body that is not the JSON above, a body whose
+URL is not the key's) is skipped with a log line, never fatal.
+
+Failures are soft (they are logged and counted in ``lchat_mesh_heartbeat_failures_total{op}``): a
+failed PUT leaves our beat to age (peers take over our hosts after ``dead_after``, the lease
+arbitrates any overlap), a failed read keeps the last view. Draining deletes our heartbeat first
+(:meth:`Membership.stopService`), so peers drop this box at their next read instead of after
+``dead_after``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from attrs import field, frozen
+from prometheus_client import Counter, Gauge
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+import lchat
+from lchat.config import HibernateConfig, MeshConfig
+from lchat.mesh.placement import normalise_member_url
+from lchat.objstore import UTC, NotFound, ObjectStore, ObjectStoreError
+
+log = Logger(namespace="lchat.mesh.membership")
+
+_T = TypeVar("_T")
+
+MAX_BODY = 4096  # a heartbeat body is ~100 bytes; anything much larger is not one (not read)
+STOP_TIMEOUT = 5.0  # stopService's delete of our heartbeat gives up after this (seconds)
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_PROCESS_STARTED = time.time()  # this module is imported at the router's start: "process start"
+
+MEMBERS_LIVE = Gauge(
+    "lchat_mesh_members_live", "Live mesh members in this box's view (self included)"
+)
+FAILURES = Counter(
+    "lchat_mesh_heartbeat_failures_total",
+    "Failed bucket operations of mesh membership (heartbeat PUT, LIST, body GET, drain DELETE)",
+    ["op"],
+)
+for _op in ("put", "list", "get", "delete"):
+    FAILURES.labels(_op)  # exported as 0 before the first failure
+CHANGES = Counter(
+    "lchat_mesh_membership_changes_total",
+    "Changes of the set of live mesh members (URL and region) seen by this box",
+)
+
+
+# --- keys and bodies ----------------------------------------------------------------------------
+
+
+def members_prefix(hib: HibernateConfig) -> str:
+    """``<prefix>/mesh/members/``: what one LIST reads."""
+    return hib.key("mesh", "members") + "/"
+
+
+def encode_member_name(url: str) -> str:
+    """The key's last segment for a *normalised* member URL: base64url, no padding."""
+    return base64.urlsafe_b64encode(url.encode("utf-8")).rstrip(b"=").decode("ascii")
+
+
+def decode_member_name(name: str) -> str | None:
+    """The member URL a key segment names, or None unless it is exactly what we would write:
+    canonical unpadded base64url of a normalised ``http(s)://host[:port]`` URL."""
+    if not _NAME.fullmatch(name) or len(name) % 4 == 1:
+        return None
+    try:
+        url = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    if encode_member_name(url) != name:
+        return None  # non-canonical encoding (stray low bits): not a name any box wrote
+    try:
+        if normalise_member_url(url) != url:
+            return None
+    except ValueError:
+        return None
+    return url
+
+
+def member_key(hib: HibernateConfig, url: str) -> str:
+    """The heartbeat key of the member ``url`` (normalised here; ValueError if it is no URL)."""
+    return hib.key("mesh", "members", encode_member_name(normalise_member_url(url)))
+
+
+@frozen
+class Heartbeat:
+    """The body of a heartbeat object."""
+
+    url: str  # normalised LCHAT_MESH_SELF
+    region: str  # LCHAT_MESH_REGION ("" = region-agnostic)
+    version: str  # lchat.__version__ of the beating process
+    started_at: float  # unix seconds (the box's clock, informational) of that process's start
+
+    def to_json(self) -> bytes:
+        """Deterministic: the same heartbeat always gives the same bytes (and ETag)."""
+        return json.dumps(
+            {
+                "url": self.url,
+                "region": self.region,
+                "version": self.version,
+                "started_at": self.started_at,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def parse(cls, body: bytes) -> Heartbeat:
+        """Strict (ValueError says why): every field present with its type; extra fields ignored."""
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("body is not JSON") from None
+        if not isinstance(data, dict):
+            raise ValueError("body is not a JSON object")
+        url, region, version, started = (
+            data.get("url"),
+            data.get("region"),
+            data.get("version"),
+            data.get("started_at"),
+        )
+        if not (isinstance(url, str) and isinstance(region, str) and isinstance(version, str)):
+            raise ValueError("url, region and version must be strings")
+        if (
+            not isinstance(started, int | float)
+            or isinstance(started, bool)
+            or not math.isfinite(started)
+        ):
+            raise ValueError("started_at must be a number")
+        return cls(url=url, region=region, version=version, started_at=float(started))
+
+
+@frozen
+class Member:
+    """A mesh member as seen in one read of the bucket.
+
+    Satisfies :class:`lchat.mesh.placement.Candidate` (``url``, ``region``).
+    """
+
+    url: str  # normalised LCHAT_MESH_SELF (what the key encodes)
+    region: str
+    version: str
+    started_at: float  # unix seconds, the member's own clock (informational)
+    last_modified: datetime.datetime  # its last beat, bucket clock
+    age: float  # seconds since its last beat, bucket clock, at the read
+    key: str
+    # ``self`` cannot be an __init__ parameter name: construct with ``is_self=``.
+    self: bool = field(default=False, alias="is_self")
+
+
+# Per key: the ETag of the version we parsed and what it held (None: garbage, already logged).
+BodyCache = dict[str, tuple[str, Heartbeat | None]]
+
+
+# --- reading the view ---------------------------------------------------------------------------
+
+
+async def read_members(
+    store: ObjectStore,
+    hib: HibernateConfig,
+    *,
+    dead_after: float = 45.0,
+    bodies: BodyCache | None = None,
+    self_url: str = "",
+    include_dead: bool = False,
+) -> list[Member]:
+    """The live members (sorted by URL): one LIST of the members prefix and ``store.now()``.
+
+    A member is live while ``now - last_modified <= dead_after`` on the bucket's clock. Bodies are
+    fetched (GET) only for live keys whose ETag is not already in ``bodies`` (``key -> (etag,
+    parsed)``, a cache the caller may keep across reads; entries for keys no longer listed are
+    dropped). Garbage is skipped with one log line per version (with a cache; each read without).
+    ``self_url`` marks this box's own entry (``Member.self``); ``include_dead`` also returns the
+    members whose beat is too old (the caller can tell them by ``age``).
+
+    Store errors propagate (typed :class:`~lchat.objstore.ObjectStoreError`) after being counted
+    in ``lchat_mesh_heartbeat_failures_total``, except a body GET that fails while an older body
+    of the same key is cached: that one is used (bodies change only when a box restarts).
+    """
+    phase = ["list"]
+    try:
+        _, members = await _read(store, hib, dead_after, bodies, self_url, include_dead, phase)
+    except (ObjectStoreError, CancelledError):
+        FAILURES.labels(phase[0]).inc()
+        raise
+    return members
+
+
+async def _read(
+    store: ObjectStore,
+    hib: HibernateConfig,
+    dead_after: float,
+    bodies: BodyCache | None,
+    self_url: str,
+    include_dead: bool,
+    phase: list[str],
+) -> tuple[datetime.datetime, list[Member]]:
+    """The read itself; ``phase[0]`` says which operation is under way ("list", "get"), so
+    that the caller can count a failure or a timeout against it."""
+    prefix = members_prefix(hib)
+    cache: BodyCache = {} if bodies is None else bodies
+    me = normalise_member_url(self_url) if self_url else ""
+    phase[0] = "list"
+    listed = await store.list(prefix)
+    now = await store.now()  # after the LIST: no listed beat is younger than it looks
+    phase[0] = "get"
+    for gone in set(cache) - {info.key for info in listed}:
+        del cache[gone]
+    members: list[Member] = []
+    for info in listed:
+        age = (now - info.last_modified).total_seconds()
+        if age > dead_after and not include_dead:
+            continue  # dead: its body does not matter
+        heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size)
+        if heartbeat is None:
+            continue
+        members.append(
+            Member(
+                url=heartbeat.url,
+                region=heartbeat.region,
+                version=heartbeat.version,
+                started_at=heartbeat.started_at,
+                last_modified=info.last_modified,
+                age=age,
+                key=info.key,
+                is_self=heartbeat.url == me,
+            )
+        )
+    members.sort(key=lambda m: m.url)
+    return now, members
+
+
+async def _heartbeat(
+    store: ObjectStore, cache: BodyCache, prefix: str, key: str, etag: str, size: int
+) -> Heartbeat | None:
+    """The parsed body of ``key`` at ``etag`` (cached), or None for garbage (logged once)."""
+    cached = cache.get(key)
+    if cached is not None and cached[0] == etag:
+        return cached[1]
+    name = key[len(prefix) :]
+    url = decode_member_name(name) if "/" not in name else None
+    if url is None:
+        _garbage(cache, key, etag, "the key does not name a member URL")
+        return None
+    if size > MAX_BODY:
+        _garbage(cache, key, etag, f"the body is {size} bytes, not a heartbeat")
+        return None
+    try:
+        obj = await store.get(key)
+    except NotFound:
+        return None  # deleted since the LIST: that box has just drained
+    except ObjectStoreError as e:
+        if cached is None or cached[1] is None:
+            raise
+        FAILURES.labels("get").inc()
+        log.warn(
+            "mesh: could not read the heartbeat of {url} ({error}); using the one read before",
+            url=url,
+            key=key,
+            error=f"{type(e).__name__}: {e}",
+        )
+        return cached[1]
+    etag = obj.info.etag  # it may have changed since the LIST: cache what we parsed
+    try:
+        heartbeat = Heartbeat.parse(obj.body)
+    except ValueError as e:
+        _garbage(cache, key, etag, str(e))
+        return None
+    try:
+        body_url = normalise_member_url(heartbeat.url)
+    except ValueError:
+        body_url = ""
+    if body_url != url:
+        _garbage(cache, key, etag, f"the body names {heartbeat.url!r}, the key {url!r}")
+        return None
+    heartbeat = Heartbeat(url, heartbeat.region, heartbeat.version, heartbeat.started_at)
+    cache[key] = (etag, heartbeat)
+    return heartbeat
+
+
+def _garbage(cache: BodyCache, key: str, etag: str, why: str) -> None:
+    if cache.get(key) != (etag, None):
+        log.warn("mesh: skipping {key!r} under the members prefix: {why}", key=key, why=why)
+        cache[key] = (etag, None)
+
+
+# --- the service --------------------------------------------------------------------------------
+
+
+def _urls(members: Sequence[Member]) -> frozenset[tuple[str, str]]:
+    return frozenset((m.url, m.region) for m in members)
+
+
+class Membership(Service):
+    """This box's heartbeat and its view of the mesh (DESIGN.md §9).
+
+    On start it beats at once, then every ``mesh.heartbeat`` seconds: PUT our heartbeat, then one
+    :func:`read_members` (bodies cached by ETag). Each operation is bounded by
+    ``max(mesh.heartbeat, 1 s)``. :attr:`members` is the last view: live members, this box
+    included. It is never empty: until a read shows anybody, and whenever our latest PUT succeeded
+    but the listing does not show it yet, this box is in it (so placement always has a fleet).
+
+    ``subscribe(fn)``: ``fn(old, new)`` (lists of :class:`Member`) whenever the set of live
+    (URL, region) pairs changes. ``stopService`` (the drain) deletes our heartbeat *first* and
+    returns a Deferred that fires when the delete is done or failed, within :attr:`stop_timeout`.
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        store: ObjectStore,
+        hib: HibernateConfig,
+        mesh: MeshConfig,
+        *,
+        started_at: float | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self._store = store
+        self._hib = hib
+        self.url = normalise_member_url(mesh.self_url)
+        self.region = mesh.region
+        self.key = member_key(hib, self.url)
+        self.heartbeat = mesh.heartbeat
+        self.dead_after = mesh.dead_after
+        self.timeout = max(mesh.heartbeat, 1.0)  # per store operation of a beat
+        self.stop_timeout = STOP_TIMEOUT
+        self.body = Heartbeat(
+            url=self.url,
+            region=mesh.region,
+            version=lchat.__version__,
+            started_at=round(_PROCESS_STARTED if started_at is None else started_at, 3),
+        )
+        self._payload = self.body.to_json()
+        self._bodies: BodyCache = {}
+        self._members: list[Member] = [self._self_member(None)]
+        self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
+        self._loop = LoopingCall(self._tick)
+        self._loop.clock = reactor
+        self._beat: Deferred[None] | None = None
+        self._putting: Deferred[Any] | None = None
+        self._stopping = False
+        self._left: Deferred[None] | None = None
+        self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
+
+    # -- the view ------------------------------------------------------------------------------
+
+    @property
+    def members(self) -> list[Member]:
+        """The last view: the live members, this box included (never empty)."""
+        return list(self._members)
+
+    def live(self) -> list[Member]:
+        """Same as :attr:`members`."""
+        return list(self._members)
+
+    def peers(self) -> list[Member]:
+        """The live members other than this box."""
+        return [m for m in self._members if not m.self]
+
+    def subscribe(self, fn: Callable[[list[Member], list[Member]], object]) -> Callable[[], None]:
+        """Call ``fn(old, new)`` on every change of the live set; returns an unsubscribe."""
+        self._subscribers.append(fn)
+
+        def unsubscribe() -> None:
+            if fn in self._subscribers:
+                self._subscribers.remove(fn)
+
+        return unsubscribe
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._stopping = False
+        log.info(
+            "mesh: beating as {url} (region {region}) every {heartbeat:g}s, dead after "
+            "{dead_after:g}s, key {key}",
+            url=self.url,
+            region=self.region or "-",
+            heartbeat=self.heartbeat,
+            dead_after=self.dead_after,
+            key=self.key,
+        )
+        self._loop.start(self.heartbeat, now=True).addErrback(
+            lambda f: log.failure("mesh: heartbeat loop crashed", f)
+        )
+
+    def stopService(self) -> Deferred[None]:
+        """Stop beating and delete our heartbeat first; fires when the delete is done or failed
+        (at most :attr:`stop_timeout` seconds). Never fails."""
+        super().stopService()
+        self._stopping = True
+        if self._loop.running:
+            self._loop.stop()
+        if self._left is None or self._left.called:
+            left = Deferred.fromCoroutine(self._leave())
+            left.addTimeout(self.stop_timeout, self._reactor)
+            left.addErrback(self._leave_failed)
+            self._left = left
+        return _observe(self._left)
+
+    async def _leave(self) -> None:
+        putting = self._putting
+        if putting is not None:
+            # A PUT landing after our DELETE would bring the beat back: let it finish first.
+            wait = _observe(putting)
+            wait.addTimeout(self.stop_timeout / 2, self._reactor)
+            try:
+                await wait
+            except defer.TimeoutError:
+                pass  # cut it short below
+            except CancelledError:
+                raise  # our own budget is spent
+            except Exception:  # noqa: S110 -- its own failure was logged by the beat
+                pass
+            if not putting.called:
+                putting.cancel()
+        if self._beat is not None:
+            self._beat.cancel()  # the read part, if any: nobody needs the view any more
+        try:
+            await self._store.delete(self.key)
+        except CancelledError:
+            raise
+        except Exception:
+            FAILURES.labels("delete").inc()
+            raise
+        log.info("mesh: heartbeat {key} deleted: peers drop {url} now", key=self.key, url=self.url)
+
+    def _leave_failed(self, failure: Failure) -> None:
+        if failure.check(CancelledError, defer.TimeoutError):
+            FAILURES.labels("delete").inc()
+            error = f"no answer within {self.stop_timeout:g}s"
+        else:
+            error = _describe(failure.value, self.stop_timeout)
+        log.warn(
+            "mesh: could not delete heartbeat {key} ({error}); peers drop {url} after "
+            "{dead_after:g}s",
+            key=self.key,
+            url=self.url,
+            error=error,
+            dead_after=self.dead_after,
+        )
+
+    # -- beating -------------------------------------------------------------------------------
+
+    def _tick(self) -> Deferred[None]:
+        beat = Deferred.fromCoroutine(self._beat_once())
+        self._beat = beat
+
+        def done(result: object) -> None:
+            if self._beat is beat:
+                self._beat = None
+            if isinstance(result, Failure) and not result.check(CancelledError):
+                log.failure("mesh: heartbeat crashed", result)
+            return None
+
+        beat.addBoth(done)
+        return _observe(beat)
+
+    async def _beat_once(self) -> None:
+        put_ok = await self._put()
+        if self._stopping:
+            return
+        phase = ["list"]
+        try:
+            now, view = await self._bounded(
+                _read(self._store, self._hib, self.dead_after, self._bodies, self.url, False, phase)
+            )
+        except CancelledError:
+            raise  # the drain: not a failure
+        except Exception as e:
+            if isinstance(e, ObjectStoreError | defer.TimeoutError):
+                FAILURES.labels(phase[0]).inc()
+            log.warn(
+                "mesh: could not read the membership ({error}); keeping the last view of "
+                "{count} member(s)",
+                error=_describe(e, self.timeout),
+                count=len(self._members),
+            )
+            return
+        finally:
+            self.beats += 1
+        members = view
+        if not any(m.self for m in members) and (put_ok or not members):
+            members = sorted([*members, self._self_member(now)], key=lambda m: m.url)
+        self._update(members, now)
+
+    async def _put(self) -> bool:
+        putting = Deferred.fromCoroutine(
+            self._store.put(self.key, self._payload, content_type="application/json")
+        )
+        putting.addTimeout(self.timeout, self._reactor)
+        self._putting = putting
+        try:
+            await _observe(putting)
+        except CancelledError:
+            raise
+        except Exception as e:
+            FAILURES.labels("put").inc()
+            log.warn(
+                "mesh: heartbeat PUT failed ({error}); peers drop {url} after {dead_after:g}s "
+                "without one",
+                error=_describe(e, self.timeout),
+                url=self.url,
+                dead_after=self.dead_after,
+            )
+            return False
+        finally:
+            if self._putting is putting:
+                self._putting = None
+        return True
+
+    async def _bounded(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        d = Deferred.fromCoroutine(coro)
+        d.addTimeout(self.timeout, self._reactor)
+        return await d
+
+    def _self_member(self, now: datetime.datetime | None) -> Member:
+        if now is None:
+            now = datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC)
+        return Member(
+            url=self.url,
+            region=self.region,
+            version=self.body.version,
+            started_at=self.body.started_at,
+            last_modified=now,
+            age=0.0,
+            key=self.key,
+            is_self=True,
+        )
+
+    def _update(self, members: list[Member], now: datetime.datetime) -> None:
+        old = self._members
+        self._members = members
+        MEMBERS_LIVE.set(len(members))
+        if _urls(old) == _urls(members):
+            return
+        CHANGES.inc()
+        before = {m.url: m for m in old}
+        after = {m.url: m for m in members}
+        for url, m in after.items():
+            was = before.get(url)
+            if was is None:
+                log.info(
+                    "mesh: member joined {url} (region {region})",
+                    url=url,
+                    region=m.region or "-",
+                    version=m.version,
+                    started_at=m.started_at,
+                )
+            elif was.region != m.region:
+                log.info(
+                    "mesh: member {url} changed region {old_region} -> {region}",
+                    url=url,
+                    old_region=was.region or "-",
+                    region=m.region or "-",
+                )
+        for url, was in before.items():
+            if url not in after:
+                ago = (now - was.last_modified).total_seconds()
+                log.info(
+                    "mesh: member gone {url} (last beat {ago:.0f}s ago)",
+                    url=url,
+                    region=was.region or "-",
+                    ago=ago,
+                )
+        for fn in list(self._subscribers):
+            try:
+                fn(list(old), list(members))
+            except Exception:
+                log.failure("mesh: membership subscriber {fn!r} failed", fn=fn)
+
+
+def _describe(e: BaseException | None, timeout: float) -> str:
+    if isinstance(e, defer.TimeoutError):
+        return f"no answer within {timeout:g}s"
+    return f"{type(e).__name__}: {e}"
+
+
+def _observe(d: Deferred[Any]) -> Deferred[Any]:
+    """A new Deferred with ``d``'s result, leaving the result on ``d`` for its other waiters.
+    Cancelling the new one does not cancel ``d``."""
+    waiter: Deferred[Any] = Deferred()
+
+    def passthrough(result: Any) -> Any:
+        if not waiter.called:
+            if isinstance(result, Failure):
+                waiter.errback(result)
+                return None  # handed on: not left unhandled on ``d``
+            waiter.callback(result)
+        return result
+
+    d.addBoth(passthrough)
+    return waiter

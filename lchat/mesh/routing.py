@@ -1,0 +1,160 @@
+"""Which box serves an in-scope hibernating space (DESIGN.md §9): here, or forward once.
+
+For a host equal to or directly under ``LCHAT_MESH_DOMAINS`` (every other host is always local):
+
+1. a request that arrives with an authentic forwarded marker is served here (one hop only: the
+   lease settles whatever disagreement sent it);
+2. a space this box is running (or waking, or stopping) is served here;
+3. a space awake elsewhere — its lease names a live member — is forwarded to that holder (it
+   stays where it is until it sleeps, whatever the hash now says);
+4. otherwise the owner by rendezvous hashing over the live members (scoped to the route's
+   ``home_region`` when a live member advertises it) serves it: this box, or forward to it.
+
+A box that wins the lease serves, whatever the hash said: "here" always means the activator,
+which takes the lease or answers 503. The lease holder is read from ``lock.json`` at most once
+per ``holder_ttl`` seconds per host (one GET), and only for spaces not running here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Counter
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from lchat.config import BoxConfig
+from lchat.lease import LeaseRecord
+from lchat.mesh import forward, placement
+from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.registry import Route
+from lchat.router import RequestHead, Target
+
+_log = Logger(namespace="lchat.mesh")
+
+_forwards = Counter(
+    "lchat_mesh_forwards_total",
+    "Mesh routing decisions for in-scope hibernating spaces",
+    ["outcome"],  # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker
+)
+_ownership_changes = Counter(
+    "lchat_mesh_ownership_changes_total", "In-scope hosts whose computed owner changed"
+)
+
+Local = Callable[[], "Target | Deferred[Target]"]
+
+
+class MeshRouter:
+    def __init__(
+        self,
+        cfg: BoxConfig,
+        store: ObjectStore,
+        membership: Any,  # lchat.mesh.membership.Membership: .live() -> members with .url, .self
+        activator: Any,  # lchat.activator.Activator: .holds(host)
+        *,
+        holder_ttl: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert cfg.mesh is not None and cfg.hibernate is not None
+        self._mesh = cfg.mesh
+        self._hib = cfg.hibernate
+        self._store = store
+        self._membership = membership
+        self._activator = activator
+        self._holder_ttl = holder_ttl
+        self._clock = clock
+        self._self_url = placement.normalise_member_url(cfg.mesh.self_url)
+        self._holders: dict[str, tuple[float, str | None]] = {}  # host -> (read at, owner url)
+        self._owners: dict[str, str] = {}  # host -> last computed owner (for the metric)
+
+    def in_scope(self, host: str) -> bool:
+        return placement.in_scope(host, self._mesh.domains)
+
+    def owner_url(self, route: Route) -> str:
+        """The live member that owns ``route`` by the hash (this box when alone)."""
+        members = self._membership.live()
+        chosen = placement.owner(route.host, members, route.home_region)
+        url = placement.normalise_member_url(chosen.url) if chosen is not None else self._self_url
+        previous = self._owners.get(route.host)
+        if previous != url:
+            if previous is not None:
+                _ownership_changes.inc()
+                _log.info(
+                    "mesh: {host} now owned by {owner} (was {previous})",
+                    host=route.host,
+                    owner=url,
+                    previous=previous,
+                )
+            self._owners[route.host] = url
+        return url
+
+    def is_owner(self, route: Route) -> bool:
+        """Due wakes fire only on the owner of an in-scope space (anywhere for the rest)."""
+        return not self.in_scope(route.host) or self.owner_url(route) == self._self_url
+
+    def route(self, route: Route, head: RequestHead, local: Local) -> Target | Deferred[Target]:
+        host = route.host
+        if head.forwarded is not None:
+            if forward.authentic(head.forwarded, self._mesh.token, host):
+                _forwards.labels("local_forwarded").inc()
+                return local()
+            _forwards.labels("bad_marker").inc()  # stripped already; routed like any request
+        if self._activator.holds(host):
+            _forwards.labels("local_running").inc()
+            return local()
+        return Deferred.fromCoroutine(self._route_remote(route, local))
+
+    async def _route_remote(self, route: Route, local: Local) -> Target:
+        host = route.host
+        holder = await self._holder(host)
+        live = {placement.normalise_member_url(m.url) for m in self._membership.live()}
+        if holder is not None and holder != self._self_url and holder in live:
+            _forwards.labels("to_holder").inc()
+            return forward.peer_target(holder, host, self._mesh.token)
+        owner = self.owner_url(route)
+        if owner == self._self_url or self._activator.holds(host):
+            _forwards.labels("local_owner").inc()
+            return await _resolve(local())
+        _forwards.labels("to_owner").inc()
+        return forward.peer_target(owner, host, self._mesh.token)
+
+    async def _holder(self, host: str) -> str | None:
+        """Who holds ``host``'s lease now (a member URL), from a short cache or one GET."""
+        now = self._clock()
+        cached = self._holders.get(host)
+        if cached is not None and now - cached[0] < self._holder_ttl:
+            return cached[1]
+        owner: str | None = None
+        try:
+            got = await self._store.get(self._hib.key(host, "lock.json"))
+            owner = _member_url(LeaseRecord.parse(got.body).owner)
+        except NotFound:
+            owner = None
+        except ObjectStoreError as e:
+            _log.warn("mesh: could not read the lease of {host}: {e}", host=host, e=e)
+            owner = None
+        except Exception as e:  # a lock.json we cannot parse names nobody we can forward to
+            _log.warn("mesh: unreadable lease of {host}: {e}", host=host, e=e)
+            owner = None
+        if len(self._holders) > 100_000:
+            self._holders.clear()
+        self._holders[host] = (now, owner)
+        return owner
+
+
+def _member_url(owner: str) -> str | None:
+    """A lease owner as a member URL, or None (a non-mesh box id names nobody to forward to)."""
+    if not owner.startswith(("http://", "https://")):
+        return None
+    try:
+        return placement.normalise_member_url(owner)
+    except ValueError:
+        return None
+
+
+async def _resolve(target: Target | Deferred[Target]) -> Target:
+    if isinstance(target, Deferred):
+        return await target
+    return target

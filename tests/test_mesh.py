@@ -1,0 +1,407 @@
+"""The mesh end to end: three real ``twistd lchat`` processes on 127.0.0.2-4, one moto bucket, a
+test CA with a ``*.mesh.test`` wildcard certificate that every box serves.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from lchat import unixhttp
+from lchat.cli.dev_cert import make_dev_certs
+from lchat.mesh import forward
+from lchat.registry import Registry, Route
+from tests import s3servers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
+TOKEN = "mesh-token-" + "x" * 20
+DOMAIN = "mesh.test"
+
+
+def sleep(seconds: float) -> Deferred[None]:
+    return deferLater(reactor, seconds, lambda: None)
+
+
+class Box:
+    """One router process and its directories."""
+
+    def __init__(self, root: str, name: str, address: str, port: int) -> None:
+        self.name = name
+        self.address = address
+        self.port = port
+        self.dir = os.path.join(root, name)
+        self.data = os.path.join(self.dir, "data")
+        self.run = os.path.join(self.dir, "run")
+        self.acme = os.path.join(self.data, "acme")
+        self.env_file = os.path.join(self.dir, "router.env")
+        self.url = f"https://{address}:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        os.makedirs(self.data)
+        os.makedirs(self.run)
+
+    @property
+    def admin(self) -> str:
+        return os.path.join(self.run, "router.sock")
+
+    def registry(self) -> Registry:
+        registry = Registry(os.path.join(self.data, "registry.db"))
+        registry.migrate()
+        return registry
+
+    def add_space(self, host: str, home_region: str = "") -> None:
+        env_file = os.path.join(self.data, f"{host}.env")
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, b"LCHAT_ADMIN_TOKEN=" + b"t" * 32 + b"\n")
+        os.close(fd)
+        self.registry().insert(
+            Route(
+                host=host,
+                kind="instance",
+                socket=os.path.join(self.run, f"{host}.sock"),
+                status="ready",
+                hibernate=True,
+                home_region=home_region,
+            )
+        )
+
+    def start(self, settings: dict[str, str]) -> None:
+        lines = {
+            "LCHAT_DATA_DIR": self.data,
+            "LCHAT_RUN_DIR": self.run,
+            "LCHAT_HTTP_ADDR": "off",
+            "LCHAT_HTTPS_ADDR": f"{self.address}:{self.port}",
+            "LCHAT_UNITS": "builtin",
+            "LCHAT_SPACE_COMMAND": SPACE,
+            "LCHAT_MESH_SELF": self.url,
+            **settings,
+        }
+        with open(self.env_file, "w") as f:
+            f.writelines(f"{k}={v}\n" for k, v in lines.items())
+        log = open(os.path.join(self.dir, "router.log"), "ab")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+        env["PYTHONPATH"] = ROOT
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from twisted.scripts.twistd import run; run()",
+                "--nodaemon",
+                "--pidfile=",
+                "lchat",
+                "--env-file",
+                self.env_file,
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+
+    def log(self) -> str:
+        with open(os.path.join(self.dir, "router.log"), errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def status(self) -> dict[str, Any]:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(5)
+        try:
+            sock.connect(self.admin)
+            sock.sendall(b"GET /status HTTP/1.0\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        finally:
+            sock.close()
+        result: dict[str, Any] = json.loads(data.split(b"\r\n\r\n", 1)[1])
+        return result
+
+    def awake(self, host: str) -> bool:
+        try:
+            return self.status()["hosts"].get(host, {}).get("state") == "awake"
+        except (OSError, ValueError):
+            return False
+
+
+def request(
+    box: Box,
+    host: str,
+    path: str = "/api/version",
+    method: str = "GET",
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    ca: str = "",
+) -> tuple[int, bytes, dict[str, str]]:
+    """An HTTPS request to ``box``'s address for ``host`` (SNI and Host), verified with the CA."""
+    context = ssl.create_default_context(cafile=ca)
+    raw = socket.create_connection((box.address, box.port), timeout=20)
+    tls = context.wrap_socket(raw, server_hostname=host)
+    conn = http.client.HTTPSConnection(host, box.port, timeout=20)
+    conn.sock = tls
+    hdrs = {"Host": host, **(headers or {})}
+    if body:
+        hdrs["Content-Type"] = "application/json"
+    conn.request(method, path, body=body or None, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data, {k.lower(): v for k, v in resp.getheaders()}
+
+
+def ws_roundtrip(box: Box, host: str, ca: str) -> bytes:
+    """Open a WebSocket through ``box`` to ``host``'s room, post a message, read its push."""
+    context = ssl.create_default_context(cafile=ca)
+    raw = socket.create_connection((box.address, box.port), timeout=20)
+    tls = context.wrap_socket(raw, server_hostname=host)
+    key = base64.b64encode(os.urandom(16)).decode()
+    tls.sendall(
+        (
+            f"GET /api/rooms/ws/ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = tls.recv(4096)
+        if not chunk:
+            raise AssertionError(f"closed during the handshake: {head!r}")
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    status, body, _ = request(
+        box, host, "/api/rooms/ws/messages", "POST", b'{"body": "over the mesh"}', ca=ca
+    )
+    assert status == 201, body
+    tls.settimeout(10)
+    got = head.split(b"\r\n\r\n", 1)[1]
+    deadline = time.monotonic() + 10
+    while b"over the mesh" not in got and time.monotonic() < deadline:
+        got += tls.recv(4096)
+    tls.close()
+    return got
+
+
+class MeshTests(TestCase):
+    timeout = 180
+
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]
+        self.root = tempfile.mkdtemp(prefix="mesh", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.root, True)
+        certs = os.path.join(self.root, "certs")
+        self.ca, _, _ = make_dev_certs(certs, ["*." + DOMAIN])
+        self.wildcard = os.path.join(certs, f"wildcard-{DOMAIN}.pem")
+        return Deferred.fromCoroutine(self._bucket())
+
+    async def _bucket(self) -> None:
+        self.server = await s3servers.shared_server("moto")
+        self.bucket = await self.server.new_bucket()
+
+    def boxes(self, n: int = 3, **settings: str) -> list[Box]:
+        ports = s3servers.free_ports(n)
+        boxes = [Box(self.root, f"box{i}", f"127.0.0.{i + 2}", ports[i]) for i in range(n)]
+        creds = self.server.credentials
+        common = {
+            "LCHAT_HIBERNATE_BUCKET": self.bucket,
+            "LCHAT_HIBERNATE_ENDPOINT": self.server.endpoint,
+            "LCHAT_HIBERNATE_REGION": self.server.region,
+            "LCHAT_HIBERNATE_IDLE": "60s",
+            "LCHAT_LEASE_TTL": "4s",
+            "LCHAT_MESH_DOMAINS": DOMAIN,
+            "LCHAT_MESH_TOKEN": TOKEN,
+            "LCHAT_MESH_HEARTBEAT": "300ms",
+            "LCHAT_MESH_DEAD_AFTER": "1500ms",
+            "LCHAT_MESH_CA_FILE": self.ca,
+            "AWS_ACCESS_KEY_ID": creds.access_key,
+            "AWS_SECRET_ACCESS_KEY": creds.secret_key,
+            **settings,
+        }
+        self._aws(creds.access_key, creds.secret_key)
+        for box in boxes:
+            os.makedirs(box.acme, mode=0o700)
+            shutil.copy(self.wildcard, box.acme)
+            os.chmod(os.path.join(box.acme, os.path.basename(self.wildcard)), 0o600)
+            box.settings = common  # type: ignore[attr-defined]
+            self.addCleanup(box.stop, signal.SIGKILL)
+        return boxes
+
+    def _aws(self, key: str, secret: str) -> None:
+        # The router's S3 client takes credentials from its environment: give the children ours.
+        saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = key, secret
+
+        def restore() -> None:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+        self.addCleanup(restore)
+
+    @inlineCallbacks
+    def start(self, *boxes: Box) -> Any:
+        for box in boxes:
+            box.start(box.settings)  # type: ignore[attr-defined]
+        for box in boxes:
+            proc = box.proc
+            assert proc is not None
+            yield self.wait_for(lambda box=box, proc=proc: _answers(box) or proc.poll() is not None)
+            self.assertIsNone(proc.poll(), box.log())
+        # Everyone sees everyone before the test starts.
+        yield self.wait_for(lambda: all(_members(b) >= len(boxes) for b in boxes), timeout=20)
+
+    @inlineCallbacks
+    def wait_for(self, predicate: Any, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = yield deferToThread(predicate)
+            if result:
+                return result
+            yield sleep(0.1)
+        self.fail(f"timed out waiting for {predicate}")
+
+    def req(self, box: Box, host: str, *args: Any, **kw: Any) -> Deferred[Any]:
+        kw["ca"] = self.ca
+        return deferToThread(lambda: request(box, host, *args, **kw))
+
+    # -- tests ---------------------------------------------------------------------------------
+
+    @inlineCallbacks
+    def test_any_box_reaches_the_owner_http_and_websocket(self):
+        boxes = self.boxes()
+        hosts = [f"s{i}.{DOMAIN}" for i in range(6)]
+        for box in boxes:
+            for host in hosts:
+                box.add_space(host)
+        yield self.start(*boxes)
+        for host in hosts:
+            for box in boxes:
+                status, body, _ = yield self.req(box, host)
+                self.assertEqual(status, 200, (box.name, host, body))
+            awake_on = [b.name for b in boxes if b.awake(host)]
+            self.assertEqual(len(awake_on), 1, (host, awake_on))
+        # The six spaces spread over more than one box (rendezvous hashing).
+        owners = {b.name for host in hosts for b in boxes if b.awake(host)}
+        self.assertGreater(len(owners), 1)
+        # A WebSocket through a box that does not own the space works across the hop.
+        host = hosts[0]
+        other = next(b for b in boxes if not b.awake(host))
+        got = yield deferToThread(ws_roundtrip, other, host, self.ca)
+        self.assertIn(b"over the mesh", got)
+
+    @inlineCallbacks
+    def test_graceful_stop_of_the_owner_fails_over_with_the_data(self):
+        boxes = self.boxes()
+        host = f"g.{DOMAIN}"
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(
+            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "before"}'
+        )
+        self.assertEqual(status, 201, body)
+        owner = next(b for b in boxes if b.awake(host))
+        survivors = [b for b in boxes if b is not owner]
+        code = yield deferToThread(owner.stop, signal.SIGTERM)
+        self.assertIn(code, (0, -signal.SIGTERM), owner.log())
+        started = time.monotonic()
+        status, body, _ = yield self.req(survivors[0], host, "/api/rooms/r/messages")
+        failover = time.monotonic() - started
+        self.assertEqual(status, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["before"])
+        self.assertLess(failover, 10)
+        self.assertTrue(any(b.awake(host) for b in survivors))
+
+    @inlineCallbacks
+    def test_kill_9_of_the_owner_fails_over_after_the_lease_ttl(self):
+        boxes = self.boxes()
+        host = f"k.{DOMAIN}"
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(
+            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "kept"}'
+        )
+        self.assertEqual(status, 201, body)
+        yield sleep(1.5)  # the stream class ships within ~1 s
+        owner = next(b for b in boxes if b.awake(host))
+        survivors = [b for b in boxes if b is not owner]
+        yield deferToThread(owner.stop, signal.SIGKILL)
+        started = time.monotonic()
+        result = yield self.wait_for(
+            lambda: _ok(request, survivors[0], host, "/api/rooms/r/messages", ca=self.ca),
+            timeout=60,
+        )
+        failover = time.monotonic() - started
+        self.assertEqual([m["body"] for m in json.loads(result)["messages"]], ["kept"])
+        self.assertLess(failover, 4 + 1.5 + 10)  # lease TTL, membership expiry, a wake
+
+    @inlineCallbacks
+    def test_a_forged_marker_is_not_honoured(self):
+        boxes = self.boxes()
+        host = f"f.{DOMAIN}"
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        yield self.req(boxes[0], host)
+        owner = next(b for b in boxes if b.awake(host))
+        other = next(b for b in boxes if b is not owner)
+        forged = forward.marker("wrong-token", host).decode()
+        status, _, _ = yield self.req(other, host, headers={"X-Lchat-Mesh-Forwarded": forged})
+        self.assertEqual(status, 200)
+        # Still served by the owner: the other box forwarded instead of waking it locally.
+        self.assertFalse(other.awake(host))
+        self.assertTrue(owner.awake(host))
+
+
+def _answers(box: Box) -> bool:
+    try:
+        box.status()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _members(box: Box) -> int:
+    try:
+        return int(box.status().get("mesh", {}).get("live", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def _ok(fn: Any, *args: Any, **kw: Any) -> bytes | None:
+    try:
+        status, body, _ = fn(*args, **kw)
+    except OSError:
+        return None
+    return body if status == 200 else None
+
+
+_ = unixhttp  # the admin socket is read with a raw socket here (no reactor in threads)
