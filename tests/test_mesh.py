@@ -380,6 +380,42 @@ class MeshTests(TestCase):
         self.assertFalse(other.awake(host))
         self.assertTrue(owner.awake(host))
 
+    @inlineCallbacks
+    def test_different_membership_views_never_make_two_writers(self):
+        """Freeze the owner (SIGSTOP) past the membership's dead-after but within its lease: the
+        others now believe it gone and that one of them owns the space, while the frozen box
+        still holds the lease. A request to them must not wake a second copy: 503, never 200.
+        Thawed, it is a member again and requests reach it."""
+        boxes = self.boxes(LCHAT_LEASE_TTL="30s")
+        host = f"v.{DOMAIN}"
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(
+            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "one writer"}'
+        )
+        self.assertEqual(status, 201, body)
+        owner = next(b for b in boxes if b.awake(host))
+        others = [b for b in boxes if b is not owner]
+        assert owner.proc is not None
+        owner.proc.send_signal(signal.SIGSTOP)
+        try:
+            # The others drop it from their view (dead after 1.5 s)...
+            yield self.wait_for(lambda: all(_members(b) == 2 for b in others), timeout=20)
+            for box in others:
+                status, body, headers = yield self.req(box, host)
+                self.assertEqual(status, 503, body)  # the lease is held: no second writer
+                self.assertIn("retry-after", headers)
+                self.assertFalse(box.awake(host))
+        finally:
+            owner.proc.send_signal(signal.SIGCONT)
+        yield self.wait_for(lambda: all(_members(b) == 3 for b in boxes), timeout=20)
+        yield sleep(2.0)  # past any wake backoff the refused attempts left behind
+        status, body, _ = yield self.req(others[0], host, "/api/rooms/r/messages")
+        self.assertEqual(status, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["one writer"])
+        self.assertEqual([b.name for b in boxes if b.awake(host)], [owner.name])
+
 
 def _answers(box: Box) -> bool:
     try:
