@@ -96,6 +96,11 @@ class DuplicateHost(RegistryError):
     pass
 
 
+class Conflict(RegistryError):
+    """A row exists that a replicated write may not touch (a service, or a space that does not
+    hibernate: it lives on this box alone)."""
+
+
 @frozen
 class Route:
     host: str
@@ -320,6 +325,87 @@ class Registry:
             cursor = conn.execute("DELETE FROM routes WHERE host = ?", (host,))
             return cursor.rowcount > 0
 
+    # --- route replication (lchat.mesh.api) ---------------------------------------------------
+
+    def upsert_replicated(self, route: Route) -> tuple[Route, bool]:
+        """Write a hibernating instance row replicated from a mesh peer, in one transaction.
+
+        Inserts ``route`` when the host has no row; otherwise updates only the replicated fields
+        (``version``, ``replication``, ``home_region``) of the hibernating instance already there,
+        keeping its local socket, database path and status. Returns ``(row, created)``. Raises
+        :class:`Conflict` when the existing row is a service or does not hibernate.
+        """
+        route = validate(route)
+        if route.kind != "instance" or not route.hibernate:
+            raise RegistryError(f"{route.host}: only hibernating instances replicate")
+        now = int(self._clock())
+        with self.connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute(
+                    f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (route.host,)
+                ).fetchone()
+                if row is None:
+                    result = evolve(route, created_at=route.created_at or now, updated_at=now)
+                    conn.execute(
+                        f"INSERT INTO routes ({', '.join(_COLUMNS)}) "
+                        f"VALUES ({', '.join('?' for _ in _COLUMNS)})",
+                        [_to_sql(getattr(result, c)) for c in _COLUMNS],
+                    )
+                    created = True
+                else:
+                    existing = _route_from_row(row)
+                    _refuse_replicated(existing)
+                    result = validate(
+                        evolve(
+                            existing,
+                            version=route.version,
+                            replication=route.replication,
+                            home_region=route.home_region,
+                            updated_at=now,
+                        )
+                    )
+                    if result != evolve(existing, updated_at=now):
+                        conn.execute(
+                            "UPDATE routes SET version = ?, replication = ?, home_region = ?, "
+                            "updated_at = ? WHERE host = ?",
+                            (
+                                result.version,
+                                result.replication,
+                                result.home_region,
+                                now,
+                                route.host,
+                            ),
+                        )
+                    else:
+                        result = existing  # nothing changed: no write, no reload churn
+                    created = False
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return result, created
+
+    def delete_replicated(self, host: str) -> Route | None:
+        """Delete ``host``'s row when it is a hibernating instance (a peer's tombstone), in one
+        transaction. Returns the row deleted, or None when there was none. Raises
+        :class:`Conflict` for a service or a space that does not hibernate."""
+        with self.connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = conn.execute(
+                    f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,)
+                ).fetchone()
+                existing = _route_from_row(row) if row is not None else None
+                if existing is not None:
+                    _refuse_replicated(existing)
+                    conn.execute("DELETE FROM routes WHERE host = ?", (host,))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return existing
+
     def fingerprint(self) -> tuple[Any, ...]:
         """What changes whenever a committed write lands: the file and its WAL (inode, size, mtime)
         and the write counter kept by triggers on ``routes``."""
@@ -340,6 +426,15 @@ class Registry:
         except RegistryError:
             parts.append(None)  # unreadable: the stats above still change when it is fixed
         return tuple(parts)
+
+
+def _refuse_replicated(existing: Route) -> None:
+    if existing.kind != "instance":
+        raise Conflict(f"{existing.host} is a service on this box: services do not replicate")
+    if not existing.hibernate:
+        raise Conflict(
+            f"{existing.host} runs on this box without hibernating: a peer may not change it"
+        )
 
 
 def _route_from_row(row: sqlite3.Row) -> Route:

@@ -12,6 +12,7 @@ import pwd
 import re
 import secrets
 import stat
+from collections.abc import Mapping
 
 from lchat import config
 
@@ -33,6 +34,40 @@ def write_token(path: str, token: str) -> None:
     except FileNotFoundError:
         kept = []
     _write_private(path, "".join(f"{line}\n" for line in [*kept, f"{TOKEN_VAR}={token}"]))
+
+
+def env_line(name: str, value: str) -> str:
+    """``NAME=VALUE`` spelled so that :func:`lchat.config.read_env_file` reads back exactly
+    ``value``; raises ValueError for a name or value no line can carry (a line break, a control
+    character, or both quote characters where quoting is needed)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"{name!r} is not a variable name")
+    if any(_breaks_line(c) for c in value):
+        raise ValueError(f"{name}: the value holds a line break or a control character")
+    plain = (
+        value == value.strip()
+        and value[:1] not in ("'", '"')
+        and not re.search(r"\s#", value)
+        and not value.startswith("#")
+    )
+    if plain and value:
+        return f"{name}={value}"
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{name}={quote}{value}{quote}"
+    raise ValueError(f"{name}: the value needs quoting but holds both quote characters")
+
+
+def write_env(path: str, values: Mapping[str, str]) -> None:
+    """Write exactly ``values`` to ``path`` (sorted by name), atomically, mode 0600 from the
+    first byte. ValueError (before anything is written) when a value cannot be carried."""
+    text = "".join(f"{env_line(name, values[name])}\n" for name in sorted(values))
+    _write_private(path, text)
+
+
+def _breaks_line(c: str) -> bool:
+    # What str.splitlines() splits on, plus every other control character except the tab.
+    return (ord(c) < 0x20 and c != "\t") or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029"
 
 
 def make_private(path: str) -> None:
@@ -98,13 +133,19 @@ def _user(uid: int) -> str:
 
 
 def _write_private(path: str, text: str) -> None:
+    write_private(path, text.encode("utf-8"))
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data``: a temp file created 0600 with ``O_EXCL``, fsynced, renamed
+    over the target, then the directory fsynced."""
     tmp = f"{path}.{secrets.token_hex(6)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, MODE)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), MODE)  # the umask can only have removed bits; make it exact
-            f.write(text)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -23,6 +23,7 @@ import attrs
 import lchat
 from lchat import config, hosts
 from lchat.cli import admin_client, backup, dev_cert, envfile, units
+from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
@@ -89,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hosts.InvalidHost,
         units.UnitError,
         backup.BackupConfigError,
+        mesh_cli.MeshCliError,
     ) as e:
         return _fail(str(e))
     except OSError as e:
@@ -206,6 +208,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("remove", "remove a host's row (its files are never deleted)", cmd_remove)
     sub.add_argument("host", help="the hostname to remove")
     sub.add_argument("--stop", action="store_true", help="also stop and disable its unit")
+
+    sub = command(
+        "mesh-seed",
+        "push this box's in-scope hibernating routes to a mesh peer (a new box's catch-up)",
+        cmd_mesh_seed,
+    )
+    sub.add_argument("peer", metavar="PEER-URL", help="the peer's LCHAT_MESH_SELF URL")
+    sub.add_argument(
+        "--region",
+        metavar="R",
+        default="",
+        help="also push the routes whose home region is R (the peer's LCHAT_MESH_REGION)",
+    )
+    sub.add_argument(
+        "--prune",
+        action="store_true",
+        help="also tombstone the peer's in-scope rows that this registry no longer has",
+    )
+
+    command(
+        "mesh",
+        "list the mesh's members: region, heartbeat age, version, spaces each owns",
+        cmd_mesh,
+    )
 
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
@@ -347,7 +373,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     _hand_env_files_to_router(cfg, host, quiet=True)
     if args.hibernate:
         _forget_clean_sleep(db)  # a database left by an earlier life is not vouched for
-    registry.insert(
+    route = registry.insert(
         Route(
             host=host,
             kind="instance",
@@ -365,6 +391,8 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         # Nothing to start and nothing to wait for: no process and no database until its first
         # request (or `lchat hibernate --on`'s warm request) wakes it.
         notify_router(cfg)
+        # With the mesh on, every live peer covering the host learns the route (best-effort).
+        mesh_cli.fan_out_upsert(cfg, route, _note)
         _out(
             f"{host} is registered, asleep ({args.replication} replication): "
             f"it wakes on its first request"
@@ -401,6 +429,8 @@ def cmd_remove(args: argparse.Namespace) -> int:
     # Stop routing first, then stop the process: no request is sent to a socket going away.
     notify_router(cfg)
     _out(f"removed {host}; no files were deleted")
+    # With the mesh on, peers holding a replicated row get a tombstone (best-effort).
+    mesh_cli.fan_out_delete(cfg, route, _note)
     if not args.stop:
         return 0
     if route.kind == "service":
@@ -414,6 +444,22 @@ def cmd_remove(args: argparse.Namespace) -> int:
     else:
         _note(f"the router stops {host}'s process now that its row is gone")
     return 0
+
+
+def cmd_mesh_seed(args: argparse.Namespace) -> int:
+    region = args.region
+    if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
+        raise CliError(f"--region {region!r} must be letters, digits, '.', '_' or '-'")
+    cfg = load_config(args)
+    registry = open_registry(cfg)
+    return mesh_cli.mesh_seed(
+        cfg, registry, args.peer, region=region, prune=args.prune, out=_out, note=_note
+    )
+
+
+def cmd_mesh(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    return mesh_cli.show_mesh(cfg, open_registry(cfg), _out)
 
 
 def cmd_replication(args: argparse.Namespace) -> int:

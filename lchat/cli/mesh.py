@@ -1,0 +1,430 @@
+"""The mesh from the command line (DESIGN.md §9): route fan-out, ``mesh-seed``, ``mesh``.
+
+With ``LCHAT_MESH_SELF`` in the router's settings, ``add-instance --hibernate`` pushes the new route
+to every live peer that covers the host (by mesh domain, or by ``home_region``), and ``remove``
+sends them a tombstone. Both are best-effort: one bounded attempt (:data:`FANOUT_BUDGET` seconds in
+all), every result on stderr, and never a failure of the command itself. A peer that missed a
+push catches up with ``lchat mesh-seed``, which also prunes (``--prune``) what a missed tombstone
+left behind.
+
+The network calls run on a reactor of their own, started and stopped per command, so the CLI
+stays a plain synchronous program (and can be called in-process more than once).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from twisted.internet import defer
+from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
+from twisted.python.failure import Failure
+
+from lchat import hosts
+from lchat.config import BoxConfig, ConfigError, MeshConfig
+from lchat.mesh import client
+from lchat.mesh.membership import Member, read_members
+from lchat.mesh.placement import normalise_member_url, owner
+from lchat.objstore import ObjectStoreError, open_store
+from lchat.registry import Registry, Route
+
+FANOUT_BUDGET = 5.0  # seconds for the whole fan-out of one create or remove: membership + pushes
+SEED_CALL_TIMEOUT = 15.0  # one push or delete of mesh-seed
+SEED_LIST_TIMEOUT = 60.0  # the peer's listing (--prune): it may hold many thousands of routes
+SEED_CONCURRENCY = 8
+MEMBERS_TIMEOUT = 15.0  # `lchat mesh`: reading the membership
+
+_T = TypeVar("_T")
+Say = Callable[[str], None]
+
+
+class MeshCliError(Exception):
+    """A refusal or failure of a mesh command; one ``lchat: error:`` line."""
+
+
+# --- running async work from the synchronous CLI ------------------------------------------------
+
+
+def run_on_own_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -> _T:
+    """Run ``main(reactor)`` on a fresh reactor and return its result; at most ``budget`` seconds
+    (then it is cancelled: :class:`TimeoutError`). Ctrl-C stops it (KeyboardInterrupt)."""
+    from twisted.internet.pollreactor import PollReactor
+
+    reactor: Any = PollReactor()
+    outcome: list[Any] = []
+
+    def start() -> None:
+        d = Deferred.fromCoroutine(main(reactor))
+        d.addTimeout(budget, reactor)
+
+        def done(value: object) -> None:
+            outcome.append(value)
+            reactor.callLater(0, reactor.stop)
+
+        d.addBoth(done)
+
+    reactor.callWhenRunning(start)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous: Any = None
+    if main_thread:
+        previous = signal.signal(signal.SIGINT, lambda *_: reactor.callFromThread(reactor.stop))
+    try:
+        reactor.run(installSignalHandlers=False)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    if not outcome:
+        raise KeyboardInterrupt
+    value = outcome[0]
+    if isinstance(value, Failure):
+        if value.check(TimeoutError, defer.TimeoutError):
+            raise TimeoutError(f"not finished within {budget:g}s")
+        value.raiseException()
+    result: _T = value
+    return result
+
+
+def _credentials(cfg: BoxConfig) -> None:
+    for name, value in cfg.aws_env.items():
+        os.environ.setdefault(name, value)  # the S3 client's credential chain reads these
+
+
+async def _members(reactor: Any, cfg: BoxConfig, *, include_dead: bool = False) -> list[Member]:
+    mesh, hib = cfg.mesh, cfg.hibernate
+    assert mesh is not None and hib is not None  # config.load refuses a mesh without a bucket
+    store = open_store(reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint)
+    try:
+        return await read_members(
+            store,
+            hib,
+            dead_after=mesh.dead_after,
+            self_url=mesh.self_url,
+            include_dead=include_dead,
+        )
+    finally:
+        await store.close()
+
+
+def fan_out_targets(
+    mesh: MeshConfig, host: str, home_region: str, members: Sequence[Member]
+) -> list[Member]:
+    """The live peers that must hold ``host``'s route: every one when the host is under the mesh
+    domains (the boxes share them), plus those whose region is the route's ``home_region``."""
+    me = normalise_member_url(mesh.self_url)
+    covered = any(hosts.covers(domain, host) for domain in mesh.domains)
+    targets: dict[str, Member] = {}
+    for member in members:
+        if member.self or member.url == me:
+            continue
+        if covered or (home_region and member.region == home_region):
+            targets.setdefault(member.url, member)
+    return [targets[url] for url in sorted(targets)]
+
+
+# --- fan-out on create and remove ---------------------------------------------------------------
+
+
+def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOUT_BUDGET) -> None:
+    """Push ``route`` (a hibernating instance just registered) to the live peers; never raises."""
+    mesh = cfg.mesh
+    if mesh is None:
+        return
+    if route.kind != "instance" or not route.hibernate:
+        return  # only hibernating spaces can live on any box
+    try:
+        env = client.read_route_env(cfg.data_dir, route.host)
+    except ConfigError as e:
+        say(f"mesh: not replicating {route.host}: its env file cannot be read ({e})")
+        return
+    payload = client.route_payload(route, env)
+
+    def call(member: Member, reactor: Any, timeout: float) -> Awaitable[str]:
+        async def push() -> str:
+            answer = await client.push_route(
+                member.url,
+                mesh.token,
+                payload,
+                ca_file=mesh.ca_file,
+                timeout=timeout,
+                reactor=reactor,
+            )
+            return str(answer.get("result", "done"))
+
+        return push()
+
+    _fan_out(cfg, route, "pushed", call, say, budget)
+
+
+def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOUT_BUDGET) -> None:
+    """Send ``route``'s tombstone to the live peers (it was just removed here); never raises."""
+    mesh = cfg.mesh
+    if mesh is None or route.kind != "instance":
+        return  # services do not replicate, so there is nothing of theirs to remove
+
+    def call(member: Member, reactor: Any, timeout: float) -> Awaitable[str]:
+        async def delete() -> str:
+            deleted = await client.delete_route(
+                member.url,
+                mesh.token,
+                route.host,
+                ca_file=mesh.ca_file,
+                timeout=timeout,
+                reactor=reactor,
+            )
+            return "deleted" if deleted else "had no row"
+
+        return delete()
+
+    _fan_out(cfg, route, "tombstoned", call, say, budget)
+
+
+def _fan_out(
+    cfg: BoxConfig,
+    route: Route,
+    what: str,
+    call: Callable[[Member, Any, float], Awaitable[str]],
+    say: Say,
+    budget: float,
+) -> None:
+    mesh = cfg.mesh
+    assert mesh is not None
+    host = route.host
+    covered = any(hosts.covers(domain, host) for domain in mesh.domains)
+    if not covered and not route.home_region:
+        return  # not a mesh host: it lives on this box alone
+    started = time.monotonic()
+    results: dict[str, str] = {}
+
+    async def main(reactor: Any) -> list[Member]:
+        members = await _members(reactor, cfg)
+        targets = fan_out_targets(mesh, host, route.home_region, members)
+        # Each call ends a little before the budget, so that every peer's outcome is reported.
+        left = max(0.5, budget - (time.monotonic() - started) - 0.5)
+
+        async def one(member: Member) -> None:
+            try:
+                results[member.url] = await call(member, reactor, left)
+            except client.MeshCallError as e:
+                results[member.url] = f"failed ({e})"
+
+        await gatherResults([Deferred.fromCoroutine(one(m)) for m in targets])
+        return targets
+
+    _credentials(cfg)
+    try:
+        targets = run_on_own_reactor(main, budget)
+    except TimeoutError:
+        done = ", ".join(f"{url}: {r}" for url, r in sorted(results.items())) or "none"
+        say(
+            f"mesh: {host}: replication to peers did not finish within {budget:g}s (finished: "
+            f"{done}); peers that missed it catch up with `lchat mesh-seed`"
+        )
+        return
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        say(
+            f"mesh: {host}: not replicated to peers ({type(e).__name__}: {e}); they catch up "
+            f"with `lchat mesh-seed`"
+        )
+        return
+    if not targets:
+        say(f"mesh: {host}: no live peer to replicate to")
+        return
+    for member in targets:
+        result = results.get(member.url, "no answer")
+        say(f"mesh: {host}: {what} to {member.url}: {result}")
+    failed = [url for url, r in results.items() if r.startswith("failed")]
+    if failed:
+        say(f"mesh: {len(failed)} peer(s) missed {host}; they catch up with `lchat mesh-seed`")
+
+
+# --- mesh-seed ----------------------------------------------------------------------------------
+
+
+def seed_routes(registry: Registry, mesh: MeshConfig, region: str) -> list[Route]:
+    """What ``mesh-seed`` pushes: hibernating instances under the mesh domains, plus those whose
+    ``home_region`` is ``region`` (when given)."""
+    return [
+        route
+        for route in registry.load()
+        if route.kind == "instance"
+        and route.hibernate
+        and _seed_scope(mesh, region, route.host, route.home_region)
+    ]
+
+
+def _seed_scope(mesh: MeshConfig, region: str, host: str, home_region: str) -> bool:
+    if any(hosts.covers(domain, host) for domain in mesh.domains):
+        return True
+    return bool(region) and home_region == region
+
+
+def mesh_seed(
+    cfg: BoxConfig,
+    registry: Registry,
+    peer_url: str,
+    *,
+    region: str,
+    prune: bool,
+    out: Say,
+    note: Say,
+) -> int:
+    """Push every route in the seed's scope to ``peer_url``; with ``prune`` also tombstone the
+    peer's rows in that scope which this registry does not have. 0 when every call succeeded."""
+    mesh = cfg.mesh
+    if mesh is None:
+        raise MeshCliError(
+            "mesh-seed needs the mesh settings (LCHAT_MESH_SELF, LCHAT_MESH_DOMAINS, "
+            "LCHAT_MESH_TOKEN): pass --env-file /data/router.env"
+        )
+    try:
+        peer = client.check_peer_url(peer_url)
+    except ValueError as e:
+        raise MeshCliError(f"peer URL: {e}") from e
+    if normalise_member_url(peer) == normalise_member_url(mesh.self_url):
+        raise MeshCliError(f"{peer} is this box (LCHAT_MESH_SELF): name a peer")
+    routes = seed_routes(registry, mesh, region)
+    if prune and not routes:
+        raise MeshCliError(
+            "refusing to prune: this registry has no in-scope hibernating routes, and a "
+            "misread registry must never mass-delete a peer's rows; nothing was pushed or deleted"
+        )
+    payloads: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for route in routes:
+        try:
+            payloads.append(
+                client.route_payload(route, client.read_route_env(cfg.data_dir, route.host))
+            )
+        except ConfigError as e:
+            failures.append(f"{route.host}: its env file cannot be read ({e})")
+    have = {route.host for route in registry.load()}
+    counts: dict[str, int] = {}
+    pruned: list[str] = []
+
+    async def main(reactor: Any) -> None:
+        gate = DeferredSemaphore(SEED_CONCURRENCY)
+
+        async def push(payload: dict[str, Any]) -> None:
+            try:
+                answer = await client.push_route(
+                    peer,
+                    mesh.token,
+                    payload,
+                    ca_file=mesh.ca_file,
+                    timeout=SEED_CALL_TIMEOUT,
+                    reactor=reactor,
+                )
+            except client.MeshCallError as e:
+                failures.append(f"{payload['host']}: {e}")
+                return
+            result = str(answer.get("result", "done"))
+            counts[result] = counts.get(result, 0) + 1
+
+        await gatherResults([gate.run(push, p) for p in payloads])
+        if not prune:
+            return
+        try:
+            listing = await client.list_routes(
+                peer, mesh.token, ca_file=mesh.ca_file, timeout=SEED_LIST_TIMEOUT, reactor=reactor
+            )
+        except client.MeshCallError as e:
+            failures.append(f"--prune: cannot list the peer's routes ({e}); nothing was pruned")
+            return
+        stale = sorted(
+            {
+                str(r["host"])
+                for r in listing
+                if r["host"] not in have
+                and _seed_scope(mesh, region, str(r["host"]), str(r.get("home_region") or ""))
+            }
+        )
+
+        async def tombstone(host: str) -> None:
+            try:
+                if await client.delete_route(
+                    peer,
+                    mesh.token,
+                    host,
+                    ca_file=mesh.ca_file,
+                    timeout=SEED_CALL_TIMEOUT,
+                    reactor=reactor,
+                ):
+                    pruned.append(host)
+            except (client.MeshCallError, hosts.InvalidHost) as e:
+                failures.append(f"--prune {host}: {e}")
+
+        await gatherResults([gate.run(tombstone, h) for h in stale])
+
+    budget = 3600.0 + len(payloads) * SEED_CALL_TIMEOUT  # each call is bounded; this is a backstop
+    try:
+        run_on_own_reactor(main, budget)
+    except TimeoutError as e:
+        failures.append(f"gave up: {e}")
+    scope = ", ".join(mesh.domains) + (f" + home region {region}" if region else "")
+    summary = ", ".join(f"{n} {what}" for what, n in sorted(counts.items())) or "nothing pushed"
+    out(f"seeded {peer} with {len(routes)} route(s) in scope ({scope}): {summary}")
+    if prune:
+        out(
+            f"pruned {len(pruned)} row(s) this registry no longer has"
+            + (f": {', '.join(pruned[:20])}{' ...' if len(pruned) > 20 else ''}" if pruned else "")
+        )
+    for failure in failures[:20]:
+        note(f"mesh-seed: {failure}")
+    if len(failures) > 20:
+        note(f"mesh-seed: ... and {len(failures) - 20} more failures")
+    if failures:
+        raise MeshCliError(f"{len(failures)} call(s) failed; re-run mesh-seed to retry them")
+    return 0
+
+
+# --- lchat mesh ---------------------------------------------------------------------------------
+
+
+def show_mesh(cfg: BoxConfig, registry: Registry, out: Say) -> int:
+    """Members (URL, region, beat age, version, liveness) and how many in-scope spaces each owns."""
+    mesh = cfg.mesh
+    if mesh is None:
+        raise MeshCliError("the mesh is off here: LCHAT_MESH_SELF is not set")
+    _credentials(cfg)
+
+    async def main(reactor: Any) -> list[Member]:
+        return await _members(reactor, cfg, include_dead=True)
+
+    try:
+        members = run_on_own_reactor(main, MEMBERS_TIMEOUT)
+    except (TimeoutError, ObjectStoreError) as e:
+        raise MeshCliError(f"could not read the membership from the bucket: {e}") from e
+    live = [m for m in members if m.age <= mesh.dead_after]
+    owned: dict[str, int] = {m.url: 0 for m in live}
+    unowned = 0
+    for route in registry.load():
+        if route.kind != "instance" or not route.hibernate:
+            continue
+        if not any(hosts.covers(domain, route.host) for domain in mesh.domains):
+            continue
+        best = owner(route.host, live, route.home_region)
+        if best is None:
+            unowned += 1
+        else:
+            owned[best.url] += 1
+    rows = [("MEMBER", "REGION", "AGE", "STATE", "VERSION", "SPACES")]
+    for m in members:
+        state = "live" if m.age <= mesh.dead_after else "dead"
+        name = m.url + (" (this box)" if m.self else "")
+        spaces = str(owned[m.url]) if m.url in owned else "-"
+        rows.append((name, m.region or "-", f"{m.age:.0f}s", state, m.version or "-", spaces))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    me = normalise_member_url(mesh.self_url)
+    if not any(m.url == me for m in live):
+        out(f"this box ({me}) has no live heartbeat: is its router running?")
+    if unowned:
+        out(f"{unowned} in-scope space(s) have no owner: no live member")
+    return 0

@@ -1,0 +1,520 @@
+"""Route replication, the serving side (DESIGN.md §9): how a peer hands this box its routes.
+
+Every box's router serves this API on an internal unix socket and proxies to it the requests
+addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN``, compared in constant time.
+
+``POST /api/mesh/route``
+    Body (``Content-Type: application/json``, at most :data:`MAX_BODY` bytes), exactly these fields::
+
+        {"host": "a.chat.example.com", "kind": "instance", "version": "", "hibernate": true,
+         "replication": "stream", "home_region": "", "env": {"LCHAT_ADMIN_TOKEN": "..."}}
+
+    ``kind`` must be ``instance`` (services do not replicate) and ``hibernate`` true (only a
+    hibernating space can live on any box). ``env`` holds at most :data:`MAX_ENV_KEYS` entries named
+    ``LCHAT_[A-Z0-9_]{1,64}`` (not ``LCHAT_HOST``, ``LCHAT_SOCKET`` or ``LCHAT_DB``), each value a
+    string of at most :data:`MAX_ENV_VALUE` bytes without line breaks or control characters. The
+    host must be in this box's scope: equal to or directly under one of its ``LCHAT_MESH_DOMAINS``,
+    or with a ``home_region`` equal to its ``LCHAT_MESH_REGION``. Any unknown field is refused.
+
+    Upsert: a new row is inserted ``ready`` and hibernating, its socket and database paths derived
+    here (``hosts.py``), never taken from the payload; an existing hibernating instance row has its
+    version, replication class and home region updated. Either way ``<data>/<host>.env`` is
+    replaced, atomically and mode 0600, by exactly the ``env`` given: this *materialises* the route,
+    so its first wake on this box needs nothing else. 201 ``{"host", "result": "created"}`` or 200
+    ``{"host", "result": "updated"}``; 409 when the host is a service or a non-hibernating space on
+    this box (a local space is never hijacked).
+
+``DELETE /api/mesh/route/{host}``
+    A tombstone, idempotent: removes the row, ``<data>/<host>.env`` and ``<data>/<host>-bot.env``;
+    never member data (``<host>.db`` and its ``-wal``/``-shm`` stay). 200 ``{"host", "deleted":
+    true|false}`` (an absent row is not an error, and its files are left alone); 409 as above; 400
+    for a row out of scope.
+
+``GET /api/mesh/routes``
+    200 ``{"routes": [payload, ...]}``: every in-scope hibernating instance row, with its env values
+    (peers need them; the channel is authenticated).
+
+Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
+is 401, a wrong method 405, any other path 404. Writes run in a thread, serialised, and the router's
+route table is reloaded (the ``reload`` callback) before the answer goes out.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from io import BytesIO
+from typing import Any
+
+from attrs import frozen
+from prometheus_client import Counter
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from lchat import hosts
+from lchat.cli import envfile
+from lchat.config import BoxConfig, ConfigError, MeshConfig, read_env_file
+from lchat.mesh.client import (
+    ENV_KEY,
+    PAYLOAD_FIELDS,
+    RESERVED_ENV,
+    ROUTE_PATH,
+    ROUTES_PATH,
+    replicable_env,
+    route_payload,
+)
+from lchat.registry import REPLICATIONS, Conflict, Registry, Route
+from lchat.webutil import QuietSite
+
+MAX_BODY = 64 * 1024
+MAX_ENV_KEYS = 64
+MAX_ENV_VALUE = 4096
+MAX_VERSION = 256
+_REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+Reload = Callable[[str], object]
+RunInThread = Callable[[Callable[[], Any]], "Deferred[Any]"]
+
+_calls = Counter(
+    "lchat_mesh_route_calls_total",
+    "Route-replication API calls by operation and outcome",
+    ["op", "outcome"],
+)
+_log = Logger(namespace="lchat.mesh.api")
+
+
+class PayloadError(ValueError):
+    """A payload that is not acceptable; the message says which field and why."""
+
+
+@frozen
+class RoutePayload:
+    """A validated ``POST /api/mesh/route`` body (kind ``instance`` and hibernate true, always)."""
+
+    host: str
+    version: str
+    replication: str
+    home_region: str
+    env: Mapping[str, str]
+
+
+def parse_payload(data: object) -> RoutePayload:
+    """Check a decoded JSON body field by field; :class:`PayloadError` names the first problem."""
+    if not isinstance(data, dict):
+        raise PayloadError("the body must be a JSON object")
+    unknown = sorted(set(data) - set(PAYLOAD_FIELDS))
+    if unknown:
+        raise PayloadError(f"unknown fields: {', '.join(unknown)[:200]}")
+    missing = [f for f in PAYLOAD_FIELDS if f not in data]
+    if missing:
+        raise PayloadError(f"missing fields: {', '.join(missing)}")
+    host = data["host"]
+    if not isinstance(host, str):
+        raise PayloadError("host must be a string")
+    try:
+        host = hosts.normalise(host)
+    except hosts.InvalidHost as e:
+        raise PayloadError(f"host: {e}") from None
+    if data["kind"] != "instance":
+        raise PayloadError("kind must be 'instance': services do not replicate")
+    if data["hibernate"] is not True:
+        raise PayloadError("hibernate must be true: only hibernating spaces replicate")
+    version = data["version"]
+    if not _text(version) or len(version) > MAX_VERSION or not _printable(version):
+        raise PayloadError(f"version must be printable text of at most {MAX_VERSION} characters")
+    replication = data["replication"]
+    if not isinstance(replication, str) or replication not in REPLICATIONS:
+        raise PayloadError(f"replication must be one of {', '.join(REPLICATIONS)}")
+    home_region = data["home_region"]
+    if not isinstance(home_region, str) or (home_region and not _REGION.fullmatch(home_region)):
+        raise PayloadError("home_region must be empty or letters, digits, '.', '_' or '-'")
+    return RoutePayload(
+        host=host,
+        version=version,
+        replication=replication,
+        home_region=home_region,
+        env=_check_env(data["env"]),
+    )
+
+
+def _check_env(env: object) -> dict[str, str]:
+    if not isinstance(env, dict):
+        raise PayloadError("env must be an object of names to strings")
+    if len(env) > MAX_ENV_KEYS:
+        raise PayloadError(f"env has more than {MAX_ENV_KEYS} entries")
+    checked: dict[str, str] = {}
+    for name, value in env.items():
+        if not ENV_KEY.fullmatch(name) or name in RESERVED_ENV:
+            raise PayloadError(
+                f"env: {name[:80]!r} is not a replicable name (LCHAT_[A-Z0-9_]{{1,64}}, not "
+                f"{', '.join(sorted(RESERVED_ENV))})"
+            )
+        if not _text(value):
+            raise PayloadError(f"env: {name} must be a string (of UTF-8 text)")
+        if len(value.encode("utf-8")) > MAX_ENV_VALUE:
+            raise PayloadError(f"env: {name} is longer than {MAX_ENV_VALUE} bytes")
+        try:
+            envfile.env_line(name, value)
+        except ValueError as e:
+            raise PayloadError(f"env: {name}: {e}") from None
+        checked[name] = value
+    return checked
+
+
+def in_scope(mesh: MeshConfig, host: str, home_region: str) -> bool:
+    """Is ``host`` one of the mesh's: under a mesh domain, or homed in this box's region?"""
+    if any(hosts.covers(domain, host) for domain in mesh.domains):
+        return True
+    return bool(home_region) and home_region == mesh.region
+
+
+# --- the resource -------------------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    def __init__(self, code: int, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.outcome = outcome
+
+
+class MeshAPI(Resource):
+    """``/api/mesh/route`` and ``/api/mesh/routes``; see the module docstring."""
+
+    isLeaf = True
+
+    def __init__(
+        self,
+        registry: Registry,
+        cfg: BoxConfig,
+        reload: Reload,
+        run_in_thread: RunInThread | None = None,
+    ) -> None:
+        super().__init__()
+        if cfg.mesh is None:
+            raise ValueError("the mesh API needs LCHAT_MESH_SELF (and its domains and token)")
+        self._registry = registry
+        self._mesh = cfg.mesh
+        self._data_dir = cfg.data_dir
+        self._run_dir = cfg.run_dir
+        self._token = cfg.mesh.token.encode("utf-8")
+        self._reload = reload
+        self._run: RunInThread = run_in_thread or deferToThread
+        # Writes are serialised: each one checks, writes the env file, then the row.
+        self._lock = threading.Lock()
+
+    def render(self, request: Request) -> bytes | int:
+        path = request.path or b""
+        method = request.method
+        if path == ROUTE_PATH.encode():
+            op, allowed, host_segment = "upsert", b"POST", b""
+        elif path == ROUTES_PATH.encode():
+            op, allowed, host_segment = "list", b"GET", b""
+        elif path.startswith(ROUTE_PATH.encode() + b"/") and path.count(b"/") == 4:
+            op, allowed, host_segment = "delete", b"DELETE", path.rsplit(b"/", 1)[1]
+        else:
+            return self._answer(request, "unknown", "not_found", 404, {"error": "not found"})
+        if method != allowed:
+            request.setHeader(b"allow", allowed)
+            return self._answer(
+                request, op, "bad_method", 405, {"error": f"use {allowed.decode()} here"}
+            )
+        if not self._authorised(request):
+            request.setHeader(b"www-authenticate", b'Bearer realm="lchat-mesh"')
+            _log.warn("mesh API: {op} refused: missing or wrong mesh token", op=op)
+            return self._answer(
+                request, op, "unauthorized", 401, {"error": "missing or wrong mesh token"}
+            )
+        if op == "upsert":
+            try:
+                payload = self._read_payload(request)
+            except PayloadError as e:
+                return self._answer(request, op, "invalid", 400, {"error": str(e)})
+            return self._start(request, op, lambda: self._upsert(payload), payload.host)
+        if op == "delete":
+            try:
+                host = hosts.normalise(host_segment.decode("ascii"))
+            except (UnicodeDecodeError, hosts.InvalidHost) as e:
+                return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
+            return self._start(request, op, lambda: self._delete(host), host)
+        return self._start(request, op, self._list, "")
+
+    # --- checks, on the reactor (cheap) -------------------------------------------------------
+
+    def _authorised(self, request: Request) -> bool:
+        values = request.requestHeaders.getRawHeaders(b"authorization") or []
+        if len(values) != 1:
+            return False
+        scheme, _, given = values[0].partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(given.strip(), self._token)
+
+    def _read_payload(self, request: Request) -> RoutePayload:
+        if getattr(request, "too_large", False):
+            raise PayloadError(f"the body is larger than {MAX_BODY} bytes")
+        content_type = (request.getHeader(b"content-type") or b"").decode("latin-1")
+        media, _, params = content_type.partition(";")
+        charset = params.strip().lower().replace(" ", "")
+        if media.strip().lower() != "application/json" or charset not in ("", "charset=utf-8"):
+            raise PayloadError("Content-Type must be application/json")
+        body = request.content.read(MAX_BODY + 1) if request.content is not None else b""
+        if len(body) > MAX_BODY:
+            raise PayloadError(f"the body is larger than {MAX_BODY} bytes")
+        try:
+            data = json.loads(
+                body.decode("utf-8"),
+                object_pairs_hook=_no_duplicates,
+                parse_constant=_no_constants,
+            )
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise PayloadError(f"the body is not JSON: {e}"[:300]) from None
+        payload = parse_payload(data)
+        if not in_scope(self._mesh, payload.host, payload.home_region):
+            raise PayloadError(
+                f"{payload.host} is not in this box's mesh scope (not under "
+                f"{', '.join(self._mesh.domains)}, and its home region is not this box's)"
+            )
+        return payload
+
+    # --- the work, in a thread ----------------------------------------------------------------
+
+    def _upsert(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
+        host = payload.host
+        env_file = hosts.env_path(self._data_dir, host)
+        route = Route(
+            host=host,
+            kind="instance",
+            socket=hosts.socket_path(self._run_dir, host),
+            db_path=hosts.db_path(self._data_dir, host),
+            status="ready",
+            hibernate=True,
+            version=payload.version,
+            replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
+            home_region=payload.home_region,
+        )
+        with self._lock:
+            existing = self._registry.get(host)
+            if existing is not None and (existing.kind != "instance" or not existing.hibernate):
+                raise _conflict(host, existing)
+            previous = _read_private(env_file)
+            envfile.write_env(env_file, payload.env)
+            try:
+                _, created = self._registry.upsert_replicated(route)
+            except BaseException:
+                _put_back(env_file, previous)
+                raise
+        result = "created" if created else "updated"
+        _log.info(
+            "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
+            "{n} env values)",
+            host=host,
+            result=result,
+            replication=payload.replication,
+            region=payload.home_region or "-",
+            n=len(payload.env),
+        )
+        return (201 if created else 200), {"host": host, "result": result}, result
+
+    def _delete(self, host: str) -> tuple[int, dict[str, Any], str]:
+        with self._lock:
+            existing = self._registry.get(host)
+            if existing is None:
+                return 200, {"host": host, "deleted": False}, "absent"
+            if existing.kind != "instance" or not existing.hibernate:
+                raise _conflict(host, existing)
+            if not in_scope(self._mesh, host, existing.home_region):
+                raise _Refused(400, f"{host} is not in this box's mesh scope", "invalid")
+            deleted = self._registry.delete_replicated(host)
+            if deleted is None:
+                return 200, {"host": host, "deleted": False}, "absent"
+            # The replicated files only: the member data (<host>.db, -wal, -shm) is never touched.
+            replicated = (
+                hosts.env_path(self._data_dir, host),
+                hosts.bot_env_path(self._data_dir, host),
+            )
+            for path in replicated:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        _log.info("mesh: route {host} deleted by a peer's tombstone (member data kept)", host=host)
+        return 200, {"host": host, "deleted": True}, "deleted"
+
+    def _list(self) -> tuple[int, dict[str, Any], str]:
+        routes = []
+        for route in self._registry.load():
+            if route.kind != "instance" or not route.hibernate:
+                continue
+            if not in_scope(self._mesh, route.host, route.home_region):
+                continue
+            try:
+                env = replicable_env(read_env_file(hosts.env_path(self._data_dir, route.host)))
+            except (ConfigError, hosts.InvalidHost) as e:
+                _log.warn("mesh: listing {host} without env values: {e}", host=route.host, e=e)
+                env = {}
+            routes.append(route_payload(route, env))
+        return 200, {"routes": routes}, "listed"
+
+    # --- answering ----------------------------------------------------------------------------
+
+    def _start(
+        self,
+        request: Request,
+        op: str,
+        work: Callable[[], tuple[int, dict[str, Any], str]],
+        host: str,
+    ) -> int:
+        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(work)
+
+        def reload_then(result: tuple[int, dict[str, Any], str]) -> Deferred[Any] | Any:
+            if op == "list" or result[2] == "absent":
+                return result
+            reloaded = maybeDeferred(self._reload, f"mesh route {result[2]}: {host}")
+            reloaded.addErrback(
+                lambda f: _log.error(
+                    "mesh: route table reload after {host} failed: {e}",
+                    host=host,
+                    e=f.getErrorMessage(),
+                )
+            )
+            return reloaded.addCallback(lambda _: result)
+
+        def done(result: tuple[int, dict[str, Any], str]) -> None:
+            code, body, outcome = result
+            self._finish(request, op, outcome, code, body)
+
+        def failed(failure: Failure) -> None:
+            if failure.check(_Refused):
+                refused: _Refused = failure.value  # type: ignore[assignment]
+                self._finish(request, op, refused.outcome, refused.code, {"error": str(refused)})
+                return
+            if failure.check(Conflict):  # a local write raced ours: the row is not replicable
+                self._finish(request, op, "conflict", 409, {"error": failure.getErrorMessage()})
+                return
+            _log.failure("mesh: {op} {host} failed", failure, op=op, host=host or "-")
+            error = {"error": "internal error: see the router's log"}
+            self._finish(request, op, "error", 500, error)
+
+        d.addCallback(reload_then)
+        d.addCallbacks(done, failed)
+        return NOT_DONE_YET
+
+    def _answer(
+        self, request: Request, op: str, outcome: str, code: int, body: dict[str, Any]
+    ) -> bytes:
+        _calls.labels(op, outcome).inc()
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", b"application/json")
+        request.setHeader(b"cache-control", b"no-store")
+        return json.dumps(body, sort_keys=True).encode() + b"\n"
+
+    def _finish(
+        self, request: Request, op: str, outcome: str, code: int, body: dict[str, Any]
+    ) -> None:
+        data = self._answer(request, op, outcome, code, body)
+        if request._disconnected or request.finished:
+            return
+        request.setHeader(b"content-length", str(len(data)).encode())
+        request.write(data)
+        request.finish()
+
+
+def _conflict(host: str, existing: Route) -> _Refused:
+    what = "a service" if existing.kind != "instance" else "a space that does not hibernate"
+    return _Refused(409, f"{host} is {what} on this box: a peer may not change it", "conflict")
+
+
+class _CappedRequest(Request):
+    """Keeps at most :data:`MAX_BODY` bytes of a body (the rest is read and dropped) and says so."""
+
+    too_large = False
+    _received = 0
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > MAX_BODY:
+            self.too_large = True
+        self.content = BytesIO()
+
+    def handleContentChunk(self, data: bytes) -> None:
+        self._received += len(data)
+        if self._received > MAX_BODY:
+            self.too_large = True
+        if not self.too_large and self.content is not None:
+            self.content.write(data)
+
+
+def mesh_site(
+    registry: Registry,
+    cfg: BoxConfig,
+    reload: Reload,
+    *,
+    run_in_thread: RunInThread | None = None,
+) -> Site:
+    """The route-replication API as a Site, for the router to serve on its internal socket.
+
+    ``reload(reason)`` is called after every write (the router passes ``RouteSource.reload``); a
+    Deferred it returns is waited for before the answer. ``run_in_thread`` runs the registry and
+    file work (default: the reactor's thread pool)."""
+    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread))
+    site.requestFactory = _CappedRequest
+    return site
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _text(value: object) -> bool:
+    """A string that is valid unicode all through (JSON can smuggle in lone surrogates)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> bool:
+    return not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key[:80]!r}")
+        result[key] = value
+    return result
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read_private(path: str) -> bytes | None:
+    """The current bytes of ``path`` (to put back if the row write fails); None when absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _put_back(path: str, previous: bytes | None) -> None:
+    try:
+        if previous is None:
+            os.unlink(path)
+        else:
+            envfile.write_private(path, previous)
+    except OSError as e:
+        _log.error("mesh: could not put {path} back after a failed write: {e}", path=path, e=e)

@@ -1,0 +1,298 @@
+"""Route replication, the calling side: push, tombstone and list routes on a mesh peer.
+
+A peer's route-replication API (:mod:`lchat.mesh.api`) sits behind its ``LCHAT_MESH_SELF`` URL and
+the shared bearer ``LCHAT_MESH_TOKEN``. Every call here is bounded by ``timeout`` (connect, request
+and body together) and verifies HTTPS the way a browser does — the system's trust store, plus
+``ca_file`` (``LCHAT_MESH_CA_FILE``) when given; there is no way to turn verification off.
+
+:func:`route_payload` builds the narrow payload that crosses the wire, for the CLI's fan-out and
+``mesh-seed`` as for the API's own listing: host, kind, version, hibernate, replication class,
+home region and the space's ``LCHAT_*`` env values — never a socket or database path, which each
+box derives locally.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import treq
+from attrs import frozen
+from OpenSSL import SSL
+from treq.client import HTTPClient
+from twisted.internet._sslverify import IOpenSSLTrustRoot
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IConsumer
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
+
+from lchat import config, hosts
+from lchat.registry import Route
+
+ROUTE_PATH = "/api/mesh/route"
+ROUTES_PATH = "/api/mesh/routes"
+PAYLOAD_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
+# The env values a space needs to boot; the contract's own three are set by whichever box runs it.
+ENV_KEY = re.compile(r"LCHAT_[A-Z0-9_]{1,64}")
+RESERVED_ENV = frozenset({"LCHAT_HOST", "LCHAT_SOCKET", "LCHAT_DB"})
+DEFAULT_TIMEOUT = 5.0
+MAX_RESPONSE = 64 << 20  # a listing of many thousands of routes; anything bigger is not a peer
+
+
+class MeshCallError(Exception):
+    """A call to a peer failed: unreachable, timed out, refused, or answered nonsense."""
+
+    def __init__(self, peer: str, what: str, status: int | None = None) -> None:
+        super().__init__(f"{peer}: {what}")
+        self.peer = peer
+        self.status = status
+
+
+@frozen
+class _Reply:
+    status: int
+    body: Any
+
+
+def replicable_env(values: Mapping[str, str]) -> dict[str, str]:
+    """The entries of a space's env file that replicate: ``LCHAT_*`` names but the contract's
+    ``LCHAT_HOST``/``LCHAT_SOCKET``/``LCHAT_DB`` (an operator's other lines stay on the box)."""
+    return {
+        k: v for k, v in sorted(values.items()) if ENV_KEY.fullmatch(k) and k not in RESERVED_ENV
+    }
+
+
+def read_route_env(data_dir: str, host: str) -> dict[str, str]:
+    """The replicable values of ``<data>/<host>.env``; ``{}`` when the file is missing.
+
+    Raises :class:`lchat.config.ConfigError` when it exists but cannot be read or parsed."""
+    return replicable_env(config.read_env_file(hosts.env_path(data_dir, host)))
+
+
+def route_payload(route: Route, env: Mapping[str, str]) -> dict[str, Any]:
+    """The narrow payload of ``POST /api/mesh/route`` for ``route`` with its env values."""
+    return {
+        "host": route.host,
+        "kind": route.kind,
+        "version": route.version,
+        "hibernate": route.hibernate,
+        "replication": route.replication,
+        "home_region": route.home_region,
+        "env": replicable_env(env),
+    }
+
+
+def check_peer_url(peer_url: str) -> str:
+    """``http(s)://host[:port]`` with no path: a peer's ``LCHAT_MESH_SELF``. ValueError if not."""
+    parts = urlsplit(peer_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{peer_url!r} is not an http(s) URL with a host")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"{peer_url!r} must be a base URL (no path, query or credentials)")
+    try:
+        parts.port  # noqa: B018 -- raises on a malformed port
+    except ValueError as e:
+        raise ValueError(f"{peer_url!r}: {e}") from e
+    return peer_url.rstrip("/")
+
+
+async def push_route(
+    peer_url: str,
+    token: str,
+    payload: Mapping[str, Any],
+    *,
+    ca_file: str = "",
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    reactor: Any = None,
+) -> dict[str, Any]:
+    """``POST /api/mesh/route``: create or update the route on the peer. Returns its answer
+    (``{"host": ..., "result": "created" | "updated"}``); raises :class:`MeshCallError`."""
+    body = json.dumps(dict(payload), sort_keys=True).encode()
+    reply = await _call(
+        "POST",
+        peer_url,
+        ROUTE_PATH,
+        token,
+        body=body,
+        ca_file=ca_file,
+        timeout=timeout,
+        reactor=reactor,
+    )
+    return _object(peer_url, reply)
+
+
+async def delete_route(
+    peer_url: str,
+    token: str,
+    host: str,
+    *,
+    ca_file: str = "",
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    reactor: Any = None,
+) -> bool:
+    """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer. True when the peer had
+    a row to delete, False when it had none; raises :class:`MeshCallError`."""
+    host = hosts.normalise(host)
+    path = f"{ROUTE_PATH}/{host}"
+    reply = await _call(
+        "DELETE", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor
+    )
+    deleted = _object(peer_url, reply).get("deleted")
+    if not isinstance(deleted, bool):
+        raise MeshCallError(peer_url, "the answer to DELETE has no 'deleted' flag", reply.status)
+    return deleted
+
+
+async def list_routes(
+    peer_url: str,
+    token: str,
+    *,
+    ca_file: str = "",
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    reactor: Any = None,
+) -> list[dict[str, Any]]:
+    """``GET /api/mesh/routes``: the peer's in-scope hibernating routes, as payloads."""
+    reply = await _call(
+        "GET", peer_url, ROUTES_PATH, token, ca_file=ca_file, timeout=timeout, reactor=reactor
+    )
+    routes = _object(peer_url, reply).get("routes")
+    if not isinstance(routes, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("host"), str) for r in routes
+    ):
+        raise MeshCallError(peer_url, "the listing is not a list of routes", reply.status)
+    return routes
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+@implementer(IOpenSSLTrustRoot)
+class _SystemPlusFile:
+    """The platform's CAs plus those in ``ca_file`` (a private CA for the mesh's own names)."""
+
+    def __init__(self, ca_file: str) -> None:
+        self._ca_file = ca_file
+
+    def _addCACertsToContext(self, context: SSL.Context) -> None:
+        context.set_default_verify_paths()
+        context.load_verify_locations(self._ca_file)
+
+
+def _agent(reactor: Any, ca_file: str, timeout: float) -> Agent:
+    trust = _SystemPlusFile(ca_file) if ca_file else None
+    return Agent(
+        reactor,
+        contextFactory=BrowserLikePolicyForHTTPS(trustRoot=trust),
+        pool=HTTPConnectionPool(reactor, persistent=False),
+        connectTimeout=timeout,
+    )
+
+
+async def _call(
+    method: str,
+    peer_url: str,
+    path: str,
+    token: str,
+    *,
+    body: bytes | None = None,
+    ca_file: str,
+    timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    reactor: Any,
+) -> _Reply:
+    try:
+        url = check_peer_url(peer_url) + path
+    except ValueError as e:
+        raise MeshCallError(peer_url, str(e)) from e
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    headers: dict[bytes | str, bytes | str] = {
+        "Authorization": f"Bearer {token}",
+        "Accept": "application/json",
+    }
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    # Bodies are written at once, not through treq's default producer: that one is paced by the
+    # global cooperator, which the CLI's own reactor never runs.
+    client = HTTPClient(_agent(reactor, ca_file, timeout), data_to_body_producer=_BytesProducer)
+
+    async def exchange() -> _Reply:
+        # A redirect would carry the bearer token elsewhere: an answer is final.
+        response: IResponse = await client.request(
+            method, url, headers=headers, data=body, allow_redirects=False, reactor=reactor
+        )
+        chunks: list[bytes] = []
+        size = 0
+
+        def collect(data: bytes) -> None:
+            nonlocal size
+            size += len(data)
+            if size > MAX_RESPONSE:
+                raise MeshCallError(peer_url, f"the answer is larger than {MAX_RESPONSE} bytes")
+            chunks.append(data)
+
+        await treq.collect(response, collect)
+        raw = b"".join(chunks)
+        try:
+            parsed = json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
+            parsed = None
+        return _Reply(response.code, parsed)
+
+    d: Deferred[_Reply] = Deferred.fromCoroutine(exchange())
+
+    def timed_out(result: object, seconds: float) -> _Reply:
+        # Whatever the cancellation turned into on its way out (ResponseNeverReceived, ...).
+        raise MeshCallError(peer_url, f"{method} {path}: no answer within {seconds:g}s")
+
+    d.addTimeout(timeout, reactor, onTimeoutCancel=timed_out)
+    try:
+        return await d
+    except MeshCallError:
+        raise
+    except Exception as e:
+        raise MeshCallError(peer_url, f"{method} {path}: {_describe(e)}") from e
+
+
+@implementer(IBodyProducer)
+class _BytesProducer:
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+def _describe(e: BaseException) -> str:
+    reasons = getattr(e, "reasons", None)  # ResponseNeverReceived, RequestTransmissionFailed
+    if reasons:
+        return "; ".join(f.getErrorMessage() for f in reasons)
+    return str(e) or type(e).__name__
+
+
+def _object(peer_url: str, reply: _Reply) -> dict[str, Any]:
+    body = reply.body if isinstance(reply.body, dict) else {}
+    if not 200 <= reply.status < 300:
+        error = body.get("error") if isinstance(body.get("error"), str) else ""
+        raise MeshCallError(
+            peer_url, f"answered {reply.status}{': ' + error if error else ''}", reply.status
+        )
+    if not isinstance(reply.body, dict):
+        raise MeshCallError(peer_url, "the answer is not a JSON object", reply.status)
+    return body
