@@ -26,14 +26,14 @@ from twisted.web import http
 from twisted.web.client import (
     URI,
     Agent,
-    HTTPConnectionPool,
     ResponseDone,
     ResponseNeverReceived,
-    _HTTP11ClientFactory,
 )
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
+
+from lchat.webutil import quiet_pool
 
 MAX_BODY = 1 << 20  # probes and next-due answers are tiny; anything bigger is a misbehaving peer
 
@@ -126,16 +126,6 @@ def request_d(
     return Deferred.fromCoroutine(coro)
 
 
-class _QuietClientFactory(_HTTP11ClientFactory):
-    noisy = False  # a factory per request: "Starting factory" lines would drown the log
-
-
-def _quiet_pool(reactor: Reactor) -> HTTPConnectionPool:
-    pool = HTTPConnectionPool(reactor, persistent=False)
-    pool._factory = _QuietClientFactory
-    return pool
-
-
 async def _exchange(
     reactor: Reactor,
     socket_path: str,
@@ -150,7 +140,7 @@ async def _exchange(
     agent = Agent.usingEndpointFactory(
         reactor,
         _UnixEndpointFactory(reactor, socket_path, connect_timeout),
-        pool=_quiet_pool(reactor),
+        pool=quiet_pool(reactor, persistent=False),
     )
     hdrs = Headers({k: [v] for k, v in headers.items()})
     producer = _BytesProducer(body) if body or method.upper() in ("POST", "PUT", "PATCH") else None

@@ -416,6 +416,86 @@ class MeshTests(TestCase):
         self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["one writer"])
         self.assertEqual([b.name for b in boxes if b.awake(host)], [owner.name])
 
+    @inlineCallbacks
+    def test_create_and_delete_replicate_to_every_box(self):
+        """``lchat add-instance --hibernate`` on one box pushes the row (and its env values) to
+        the live peers through their mesh API, over TLS verified with the mesh CA; ``remove``
+        tombstones it everywhere."""
+        boxes = self.boxes(LCHAT_ACCESS_LOG="on")
+        for box in boxes:
+            self._ip_certificate(box)
+        yield self.start(*boxes)
+        host = f"new.{DOMAIN}"
+        ran = yield deferToThread(
+            _lchat, "add-instance", host, "--hibernate", "--env-file", boxes[0].env_file
+        )
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        self.assertNotIn("failed", ran.stderr.lower(), ran.stderr + boxes[1].log()[-3000:])
+        for box in boxes[1:]:
+            yield self.wait_for(lambda box=box: host in box.status()["hosts"], timeout=20)
+            with open(os.path.join(box.data, f"{host}.env")) as f:
+                self.assertIn("LCHAT_ADMIN_TOKEN=", f.read())
+        status, body, _ = yield self.req(boxes[2], host, "/api/rooms/r/messages")
+        self.assertEqual(status, 200, body)
+        yield deferToThread(_lchat, "remove", host, "--env-file", boxes[0].env_file)
+        for box in boxes[1:]:
+            yield self.wait_for(lambda box=box: host not in box.status()["hosts"], timeout=20)
+            self.assertFalse(os.path.exists(os.path.join(box.data, f"{host}.env")))
+
+    def _ip_certificate(self, box: Box) -> None:
+        """``default.pem`` for a handshake without SNI (the mesh API at https://127.0.0.N)."""
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        certs = os.path.dirname(self.ca)
+        with open(os.path.join(certs, "dev-ca.key"), "rb") as f:
+            ca_key = serialization.load_pem_private_key(f.read(), password=None)
+        with open(self.ca, "rb") as f:
+            ca = x509.load_pem_x509_certificate(f.read())
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        import ipaddress
+
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, box.address)]))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(box.address))]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+        )
+        pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ) + cert.public_bytes(serialization.Encoding.PEM)
+        path = os.path.join(box.acme, "default.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, pem)
+        os.close(fd)
+
+
+def _lchat(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+    env["PYTHONPATH"] = ROOT
+    return subprocess.run(
+        [sys.executable, "-m", "lchat.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
 
 def _answers(box: Box) -> bool:
     try:

@@ -25,13 +25,16 @@ from OpenSSL import SSL
 from treq.client import HTTPClient
 from twisted.internet._sslverify import IOpenSSLTrustRoot
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IConsumer
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
-from twisted.web.iweb import IBodyProducer, IResponse
+from twisted.internet.endpoints import HostnameEndpoint
+from twisted.internet.interfaces import IConsumer, IStreamClientEndpoint
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from lchat import config, hosts
 from lchat.registry import Route
+from lchat.webutil import quiet_pool
 
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
@@ -182,13 +185,48 @@ class _SystemPlusFile:
         context.load_verify_locations(self._ca_file)
 
 
+@implementer(IStreamClientEndpoint)
+class _TLSEndpoint:
+    """``wrapClientTLS`` with the TLS layer's timers on *our* reactor: by default they use the
+    global one, which the CLI's own reactor never runs (the handshake would never be written)."""
+
+    def __init__(self, reactor: Any, creator: Any, tcp: IStreamClientEndpoint) -> None:
+        self._reactor = reactor
+        self._creator = creator
+        self._tcp = tcp
+
+    def connect(self, factory: Any) -> Deferred[Any]:
+        tls = TLSMemoryBIOFactory(self._creator, True, factory, clock=self._reactor)
+        d: Deferred[Any] = self._tcp.connect(tls)
+        return d.addCallback(_wrapped)
+
+
+def _wrapped(protocol: Any) -> Any:
+    return protocol.wrappedProtocol
+
+
+@implementer(IAgentEndpointFactory)
+class _Endpoints:
+    def __init__(self, reactor: Any, policy: BrowserLikePolicyForHTTPS, timeout: float) -> None:
+        self._reactor = reactor
+        self._policy = policy
+        self._timeout = timeout
+
+    def endpointForURI(self, uri: Any) -> IStreamClientEndpoint:
+        host = uri.host.decode("ascii")
+        tcp = HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        if uri.scheme != b"https":
+            return tcp
+        creator = self._policy.creatorForNetloc(uri.host, uri.port)
+        return _TLSEndpoint(self._reactor, creator, tcp)
+
+
 def _agent(reactor: Any, ca_file: str, timeout: float) -> Agent:
     trust = _SystemPlusFile(ca_file) if ca_file else None
-    return Agent(
+    return Agent.usingEndpointFactory(
         reactor,
-        contextFactory=BrowserLikePolicyForHTTPS(trustRoot=trust),
-        pool=HTTPConnectionPool(reactor, persistent=False),
-        connectTimeout=timeout,
+        _Endpoints(reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),
+        pool=quiet_pool(reactor, persistent=False),
     )
 
 

@@ -98,6 +98,7 @@ from lchat.objstore import (
     StoredObject,
     StoreUnavailable,
 )
+from lchat.webutil import quiet_pool
 
 if TYPE_CHECKING:
     from lchat.config import HibernateConfig
@@ -686,7 +687,7 @@ class S3Store:
         self._page_size = list_page_size
         self._own_pool = pool is None
         if pool is None:
-            pool = HTTPConnectionPool(reactor, persistent=True)
+            pool = quiet_pool(reactor, persistent=True)
             pool.maxPersistentPerHost = 8
             # AWS drops idle keep-alive connections after ~20 s; don't reuse one older than that.
             pool.cachedConnectionTimeout = 15

@@ -57,7 +57,7 @@ from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory
 from wsproto import ConnectionType, WSConnection
@@ -76,6 +76,7 @@ from zope.interface import implementer
 
 from lchat import hosts, unixhttp
 from lchat.unixhttp import Response
+from lchat.webutil import quiet_pool
 
 log = Logger(namespace="lchat.space.sidecar")
 
@@ -488,7 +489,7 @@ class URLClient:
         self._agent = Agent.usingEndpointFactory(
             self.reactor,
             _Fixed(self.endpoint()),
-            pool=HTTPConnectionPool(self.reactor, persistent=False),
+            pool=quiet_pool(self.reactor, persistent=False),
         )
 
     def endpoint(self) -> IStreamClientEndpoint:
