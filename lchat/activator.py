@@ -102,6 +102,7 @@ _PUBLIC = {
 # After a failed wake, the next attempt waits 1 s, 2 s, 4 s ... up to this: a broken space must
 # not cost a lease write, a LIST and an upload on every request.
 MAX_WAKE_BACKOFF = 60.0
+LEASE_HELD_RETRY = 10.0  # the longest Retry-After a lease held elsewhere earns
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
@@ -408,8 +409,13 @@ class Activator(Service):
             _log.info(
                 "activator: {host} not woken: lease held by {owner}", host=host, owner=e.owner
             )
+            # The holder may be draining (seconds) or dead (until expiry): ask for a retry soon
+            # either way rather than at the lease's expiry.
             raise WakeFailed(
-                host, "lease_held", f"{host} is being served elsewhere ({e})", e.retry_after
+                host,
+                "lease_held",
+                f"{host} is being served elsewhere ({e})",
+                min(e.retry_after, LEASE_HELD_RETRY),
             ) from e
         except ObjectStoreError as e:
             raise WakeFailed(host, "bucket", f"the bucket is unavailable: {e}") from e

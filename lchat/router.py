@@ -59,6 +59,10 @@ class RemotePeer:
     server_name: str
     add_headers: tuple[Header, ...] = ()
     tls: bool = True
+    # Where to go if the peer cannot be reached at all (nothing was sent): the mesh re-routes.
+    fallback: Callable[[], Target | Deferred[Target]] | None = field(
+        default=None, eq=False, repr=False
+    )
 
 
 @frozen

@@ -237,7 +237,7 @@ class HibernationTests(_Harness):
         response, body = yield self.request("held.example")
         self.assertEqual(response.code, 503, body)
         retry = int(response.headers.getRawHeaders(b"retry-after")[0])
-        self.assertGreater(retry, 20)  # the lease's remaining life
+        self.assertEqual(retry, 10)  # soon: the holder may be draining (capped below its expiry)
         self.assertIn(b"served elsewhere", body)
         self.assertEqual(metric("lchat_lease_conflicts_total"), before + 1)
         self.assertEqual(self.state("held.example"), "asleep")

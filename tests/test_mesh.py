@@ -340,6 +340,30 @@ class MeshTests(TestCase):
         self.assertTrue(any(b.awake(host) for b in survivors))
 
     @inlineCallbacks
+    def test_a_stopped_owner_still_in_the_view_is_routed_around(self):
+        """With slow heartbeats the survivors still list the stopped owner for a while: a
+        forward to it is refused, so they leave it out and serve — without waiting for its
+        heartbeat to age out."""
+        boxes = self.boxes(LCHAT_MESH_HEARTBEAT="5s", LCHAT_MESH_DEAD_AFTER="30s")
+        host = f"r.{DOMAIN}"
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(
+            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "kept"}'
+        )
+        self.assertEqual(status, 201, body)
+        owner = next(b for b in boxes if b.awake(host))
+        survivors = [b for b in boxes if b is not owner]
+        yield deferToThread(owner.stop, signal.SIGTERM)
+        started = time.monotonic()
+        status, body, _ = yield self.req(survivors[0], host, "/api/rooms/r/messages")
+        took = time.monotonic() - started
+        self.assertEqual(status, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["kept"])
+        self.assertLess(took, 5)  # far below the 30 s its heartbeat needs to age out
+
+    @inlineCallbacks
     def test_kill_9_of_the_owner_fails_over_after_the_lease_ttl(self):
         boxes = self.boxes()
         host = f"k.{DOMAIN}"

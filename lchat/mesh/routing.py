@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -37,7 +38,9 @@ _log = Logger(namespace="lchat.mesh")
 _forwards = Counter(
     "lchat_mesh_forwards_total",
     "Mesh routing decisions for in-scope hibernating spaces",
-    ["outcome"],  # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker
+    # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker,
+    # peer_unreachable
+    ["outcome"],
 )
 _ownership_changes = Counter(
     "lchat_mesh_ownership_changes_total", "In-scope hosts whose computed owner changed"
@@ -68,13 +71,14 @@ class MeshRouter:
         self._self_url = placement.normalise_member_url(cfg.mesh.self_url)
         self._holders: dict[str, tuple[float, str | None]] = {}  # host -> (read at, owner url)
         self._owners: dict[str, str] = {}  # host -> last computed owner (for the metric)
+        self._unreachable: dict[str, float] = {}  # peer url -> left out of placement until
 
     def in_scope(self, host: str) -> bool:
         return placement.in_scope(host, self._mesh.domains)
 
     def owner_url(self, route: Route) -> str:
         """The live member that owns ``route`` by the hash (this box when alone)."""
-        members = self._membership.live()
+        members = self._live()
         chosen = placement.owner(route.host, members, route.home_region)
         url = placement.normalise_member_url(chosen.url) if chosen is not None else self._self_url
         previous = self._owners.get(route.host)
@@ -109,16 +113,42 @@ class MeshRouter:
     async def _route_remote(self, route: Route, local: Local) -> Target:
         host = route.host
         holder = await self._holder(host)
-        live = {placement.normalise_member_url(m.url) for m in self._membership.live()}
+        live = {placement.normalise_member_url(m.url) for m in self._live()}
         if holder is not None and holder != self._self_url and holder in live:
             _forwards.labels("to_holder").inc()
-            return forward.peer_target(holder, host, self._mesh.token)
+            return self._to(holder, route, local)
         owner = self.owner_url(route)
         if owner == self._self_url or self._activator.holds(host):
             _forwards.labels("local_owner").inc()
             return await _resolve(local())
         _forwards.labels("to_owner").inc()
-        return forward.peer_target(owner, host, self._mesh.token)
+        return self._to(owner, route, local)
+
+    def _live(self) -> list[Any]:
+        """The membership's live view minus peers that just refused a forwarded request."""
+        now = self._clock()
+        for url, until in list(self._unreachable.items()):
+            if until <= now:
+                del self._unreachable[url]
+        members = self._membership.live()
+        if not self._unreachable:
+            return list(members)
+        return [
+            m for m in members if placement.normalise_member_url(m.url) not in self._unreachable
+        ]
+
+    def _to(self, peer: str, route: Route, local: Local) -> Target:
+        target = forward.peer_target(peer, route.host, self._mesh.token)
+
+        def unreachable() -> Target | Deferred[Target]:
+            # Until its heartbeat ages out of everyone's view, a stopping or dead peer would
+            # otherwise keep its spaces dark: leave it out, route again.
+            _forwards.labels("peer_unreachable").inc()
+            self._unreachable[peer] = self._clock() + self._mesh.dead_after
+            self._holders.pop(route.host, None)
+            return Deferred.fromCoroutine(self._route_remote(route, local))
+
+        return attrs.evolve(target, fallback=unreachable)
 
     async def _holder(self, host: str) -> str | None:
         """Who holds ``host``'s lease now (a member URL), from a short cache or one GET."""

@@ -418,6 +418,29 @@ class Downstream(Protocol):
         if self._closed or ex is not self._active:
             return
         why = failure.value.why if isinstance(failure.value, DialFailed) else str(failure.value)
+        target = ex.target
+        if isinstance(target, RemotePeer) and target.fallback is not None:
+            # A mesh peer that does not answer (stopping, or gone before its heartbeat aged
+            # out): route again without it. Nothing was sent, so this is safe.
+            _log.warn(
+                "peer {peer} unreachable for {host} ({why}): routing without it",
+                peer=f"{target.address}:{target.port}",
+                host=target.host,
+                why=why,
+            )
+            self._end_observed(ex)
+            try:
+                again = target.fallback()
+            except Exception:
+                self._route_failed(Failure(), ex)
+                return
+            if isinstance(again, Deferred):
+                again.addCallbacks(
+                    self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
+                )
+            else:
+                self._routed(again, ex)
+            return
         _log.warn(
             "upstream for {host} unreachable: {why}", host=ex.head.host if ex.head else "?", why=why
         )

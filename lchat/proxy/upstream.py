@@ -264,6 +264,9 @@ def _retryable(failure: Failure) -> bool:
     return failure.check(ierror.ConnectError) is not None and "No such file" in str(failure.value)
 
 
+PEER_DIAL_RETRY = 1.0  # seconds of dial retry towards a mesh peer
+
+
 def target_key(target: LocalSocket | RemotePeer) -> Key:
     if isinstance(target, LocalSocket):
         return ("unix", target.path)
@@ -395,7 +398,10 @@ class UpstreamPool:
 
     def _dial(self, target: LocalSocket | RemotePeer, key: Key) -> Deferred[UpstreamConnection]:
         result: Deferred[UpstreamConnection] = Deferred(lambda d: state.update(cancelled=True))
-        deadline = self._reactor.seconds() + self._dial_retry
+        # A space restarting on this box is worth waiting for; a peer box that refuses is
+        # stopping or gone, and the mesh routes around it: retry it only briefly.
+        window = self._dial_retry if isinstance(target, LocalSocket) else PEER_DIAL_RETRY
+        deadline = self._reactor.seconds() + min(self._dial_retry, window)
         state: dict[str, Any] = {"delay": 0.05, "cancelled": False, "attempts": 0}
 
         def attempt() -> None:
@@ -425,7 +431,7 @@ class UpstreamPool:
             _dial_failures.inc()
             why = failure.getErrorMessage()
             if state["attempts"] > 1:
-                why += f" (after {state['attempts']} attempts in {self._dial_retry:g}s)"
+                why += f" (after {state['attempts']} attempts)"
             result.errback(DialFailed(why))
 
         attempt()
