@@ -528,9 +528,11 @@ class Activator(Service):
         host = space.host
         path = self._replica_path(host)
         local = await self._run(lambda: _local_state(space.db))
-        if local.present and local.marker_txid is None:
+        reclaimed = space.lease is not None and space.lease.took_over_from == self._cfg.box_id
+        if local.present and local.marker_txid is None and (self._cfg.mesh is None or reclaimed):
             # Not cleanly slept here (a crash, or created before hibernation): it is the newest
-            # copy this box has, and on one box nobody else can have written since.
+            # copy — on one box nobody else can have written since, and in a mesh the lease we
+            # just took back was still our own (nobody held it in between).
             _log.info("activator: {host} restored: local db present, skipping restore", host=host)
             return None, None
         try:
@@ -540,6 +542,10 @@ class Activator(Service):
                 raise WakeFailed(host, "bucket", f"the bucket is unavailable: {e}") from e
             raise WakeFailed(host, "bucket", f"cold wake needs the bucket: {e}") from e
         newest = max((f.max_txid for f in replica_files(list(listing))), default=0)
+        if local.present and local.marker_txid is None and newest == 0:
+            # A mesh box's unvouched copy, but the bucket has nothing: it is all there is.
+            _log.info("activator: {host} restored: local db present, skipping restore", host=host)
+            return listing, None
         if local.present:
             if local.marker_txid == newest:
                 _log.info(
@@ -551,7 +557,7 @@ class Activator(Service):
                 "activator: {host}: local db matches txid {mine}, the bucket has {newest}: "
                 "moved it to {aside} and restoring",
                 host=host,
-                mine=local.marker_txid,
+                mine=local.marker_txid if local.marker_txid is not None else "unknown",
                 newest=newest,
                 aside=aside,
             )

@@ -114,8 +114,13 @@ class BoxConfig:
 
     @property
     def box_id(self) -> str:
-        """Who this box is, in leases and probes: its mesh URL, else its hostname."""
-        return self.mesh.self_url if self.mesh is not None else socket.gethostname()
+        """Who this box is, in leases and probes: its mesh URL (normalised, so a respelling of
+        LCHAT_MESH_SELF still recognises its own leases), else its hostname."""
+        if self.mesh is not None:
+            from lchat.mesh.placement import normalise_member_url
+
+            return normalise_member_url(self.mesh.self_url)
+        return socket.gethostname()
 
     @property
     def admin_socket(self) -> str:
@@ -236,7 +241,7 @@ def load(
             f"LCHAT_CERT_CACHE must be 'dir' (or the reserved 's3'), not {cert_cache!r}"
         )
 
-    return BoxConfig(
+    cfg = BoxConfig(
         env_file=path,
         data_dir=data_dir,
         run_dir=run_dir,
@@ -258,6 +263,18 @@ def load(
         warnings=warnings,
         file_env=file_env,
     )
+    if (
+        cfg.mesh is not None
+        and cfg.mesh.self_url.startswith("http://")
+        and cfg.https_addr is not None
+        and cfg.http_redirect
+    ):
+        raise ConfigError(
+            f"LCHAT_MESH_SELF={cfg.mesh.self_url} is plain http, but LCHAT_HTTP_REDIRECT=on "
+            f"answers plain http with a redirect: peers could not reach this box. Use an https "
+            f"LCHAT_MESH_SELF, or LCHAT_HTTP_REDIRECT=off"
+        )
+    return cfg
 
 
 def read_env_file(path: str, must_exist: bool = False) -> dict[str, str]:
@@ -512,6 +529,11 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         raise ConfigError(
             "LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket"
         )
+    region = get("LCHAT_MESH_REGION")
+    if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
+        raise ConfigError(
+            f"LCHAT_MESH_REGION={region!r}: letters, digits, '.', '_' and '-' (at most 64)"
+        )
     heartbeat = parse_duration("LCHAT_MESH_HEARTBEAT", get("LCHAT_MESH_HEARTBEAT"))
     dead_after = parse_duration("LCHAT_MESH_DEAD_AFTER", get("LCHAT_MESH_DEAD_AFTER"))
     if heartbeat <= 0 or dead_after < 2 * heartbeat:
@@ -526,7 +548,7 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         self_url=self_url.rstrip("/"),
         domains=domains,
         token=token,
-        region=get("LCHAT_MESH_REGION"),
+        region=region,
         heartbeat=heartbeat,
         dead_after=dead_after,
         ca_file=ca_file,

@@ -174,7 +174,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     router = Router(routes, cfg.fallback_url, activator=activator, mesh=mesh, mesh_api=mesh_api)
     factories: list[ProxyFactory] = []
     if cfg.https_addr is not None:
-        store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes))
+        own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
+        store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own))
         store.load_initial()
         store.setServiceParent(top)
         secure = ProxyFactory(

@@ -364,11 +364,13 @@ class _FileState:
 IsKnown = Callable[[str], bool]
 
 
-def known_hosts(routes: RouteSource) -> IsKnown:
-    """``is_known`` backed by the router's live registry snapshot: a host with a row, any status."""
+def known_hosts(routes: RouteSource, also: Iterable[str] = ()) -> IsKnown:
+    """``is_known`` backed by the router's live registry snapshot: a host with a row, any status,
+    plus ``also`` (this box's own mesh-self name, whose certificate the route API needs)."""
+    extra = frozenset(also)
 
     def is_known(host: str) -> bool:
-        return routes.table.get(host) is not None
+        return host in extra or routes.table.get(host) is not None
 
     return is_known
 

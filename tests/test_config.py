@@ -681,3 +681,27 @@ class MeshTiming(Base):
             {**base, "LCHAT_MESH_HEARTBEAT": "10s", "LCHAT_MESH_DEAD_AFTER": "15s"},
         )
         self.refuses("LCHAT_MESH_CA_FILE", {**base, "LCHAT_MESH_CA_FILE": "/nonexistent.pem"})
+
+
+class MeshChecks(Base):
+    base = {
+        "LCHAT_HIBERNATE_BUCKET": "b-1",
+        "LCHAT_MESH_SELF": "HTTPS://Box-1.Example.NET:443/",
+        "LCHAT_MESH_DOMAINS": "example.com",
+        "LCHAT_MESH_TOKEN": "t",
+    }
+
+    def test_box_id_is_the_normalised_self_url(self) -> None:
+        self.assertEqual(self.load(self.base).box_id, "https://box-1.example.net")
+
+    def test_region_is_checked(self) -> None:
+        self.refuses("LCHAT_MESH_REGION", {**self.base, "LCHAT_MESH_REGION": "eu west"})
+        cfg = self.load({**self.base, "LCHAT_MESH_REGION": "eu-west-1"})
+        assert cfg.mesh is not None
+        self.assertEqual(cfg.mesh.region, "eu-west-1")
+
+    def test_plain_http_self_needs_the_redirect_off(self) -> None:
+        plain = {**self.base, "LCHAT_MESH_SELF": "http://10.0.0.5:8080"}
+        self.refuses("LCHAT_HTTP_REDIRECT", plain)
+        self.assertIsNotNone(self.load({**plain, "LCHAT_HTTP_REDIRECT": "off"}).mesh)
+        self.refuses("LCHAT_MESH_SELF", {**self.base, "LCHAT_MESH_SELF": "https://u:p@box"})

@@ -364,6 +364,32 @@ class MeshTests(TestCase):
         self.assertLess(took, 5)  # far below the 30 s its heartbeat needs to age out
 
     @inlineCallbacks
+    def test_a_returning_box_never_serves_its_stale_copy(self):
+        """A box comes back with a local copy it cannot vouch for (no clean-sleep marker) while
+        the space was written elsewhere meanwhile: it restores the newer copy from the bucket."""
+        boxes = self.boxes(n=2)
+        host = f"back.{DOMAIN}"
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        yield self.req(boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "1"}')
+        first = next(b for b in boxes if b.awake(host))
+        other = next(b for b in boxes if b is not first)
+        yield deferToThread(first.stop, signal.SIGTERM)  # drained: flushed, released, marker
+        status, body, _ = yield self.req(
+            other, host, "/api/rooms/r/messages", "POST", b'{"body": "2"}'
+        )
+        self.assertEqual(status, 201, body)
+        os.unlink(os.path.join(first.data, f"{host}.db-lchat.json"))  # as after a crash
+        first.start(first.settings)  # type: ignore[attr-defined]
+        yield self.wait_for(lambda: _members(other) == 2, timeout=20)
+        yield deferToThread(other.stop, signal.SIGTERM)
+        status, body, _ = yield self.req(first, host, "/api/rooms/r/messages")
+        self.assertEqual(status, 200, body)
+        self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["1", "2"])
+        self.assertTrue(any(".stale-" in n for n in os.listdir(first.data)))
+
+    @inlineCallbacks
     def test_kill_9_of_the_owner_fails_over_after_the_lease_ttl(self):
         boxes = self.boxes()
         host = f"k.{DOMAIN}"
