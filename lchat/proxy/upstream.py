@@ -264,7 +264,7 @@ def _retryable(failure: Failure) -> bool:
     return failure.check(ierror.ConnectError) is not None and "No such file" in str(failure.value)
 
 
-PEER_DIAL_RETRY = 1.0  # seconds of dial retry towards a mesh peer
+PEER_DIAL_RETRY = 0.2  # seconds of dial retry towards a mesh peer: a refusing peer is stopping
 
 
 def target_key(target: LocalSocket | RemotePeer) -> Key:
