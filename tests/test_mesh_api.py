@@ -139,6 +139,7 @@ class Box:
             "LCHAT_MESH_DOMAINS": DOMAIN,
             "LCHAT_MESH_TOKEN": TOKEN,
             "LCHAT_MESH_REGION": "ie",
+            "LCHAT_HTTP_REDIRECT": "off",  # an http mesh-self URL needs plain http served
             **settings,
         }
         self.write_env()
