@@ -103,6 +103,7 @@ _PUBLIC = {
 # not cost a lease write, a LIST and an upload on every request.
 MAX_WAKE_BACKOFF = 60.0
 LEASE_HELD_RETRY = 10.0  # the longest Retry-After a lease held elsewhere earns
+LEASE_HELD_CACHE = 1.0  # seconds a "held elsewhere" answer is reused without asking the bucket
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
@@ -197,6 +198,8 @@ class Activator(Service):
         self._sidecars = sidecars or Supervisor(reactor, max_restart_delay=60.0)
         self._sidecar_specs: dict[str, ChildSpec] = {}
         self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
+        # host -> (answer from cache until, Retry-After, why): a lease seen held elsewhere
+        self._held: dict[str, tuple[float, float, str]] = {}
         self._stopping = False
         routes.subscribe(self._table_changed)
 
@@ -352,6 +355,14 @@ class Activator(Service):
             left = retry_at - self._reactor.seconds()
             if left > 0:
                 return fail(WakeFailed(host, "backoff", "a recent wake failed", left))
+        if space is None and host in self._held:
+            # Held elsewhere a moment ago: answer from that, not with another PUT and GET of the
+            # lock (a busy space on a dead box would otherwise cost two requests per request).
+            until, retry_after, why = self._held[host]
+            if self._reactor.seconds() < until:
+                _lease_conflicts.inc()
+                return fail(WakeFailed(host, "lease_held", why, retry_after))
+            del self._held[host]
         waiter: Deferred[None] = Deferred(lambda d: self._drop_waiter(host, d))
         if space is None:
             space = self._new_entry(route, reason)
@@ -596,6 +607,14 @@ class Activator(Service):
                 _log.failure("activator: {host} wake failed", outcome, host=host)
                 reason, failure = "error", Failure(WakeFailed(host, "error", str(why)))
             _wakes.labels(space.reason, reason).inc()
+            if reason == "lease_held" and isinstance(why, WakeFailed):
+                if len(self._held) > 10_000:
+                    self._held.clear()
+                self._held[host] = (
+                    self._reactor.seconds() + min(why.retry_after, LEASE_HELD_CACHE),
+                    why.retry_after,
+                    why.message,
+                )
             if reason not in ("lease_held", "cancelled"):
                 count = self._failures.get(host, (0, 0.0))[0] + 1
                 delay = min(2.0 ** (count - 1), MAX_WAKE_BACKOFF)
@@ -621,6 +640,7 @@ class Activator(Service):
         space.state = "awake"
         space.woke_at = space.last_active = now
         self._failures.pop(host, None)
+        self._held.pop(host, None)
         self._update_gauge()
         _wakes.labels(space.reason, "ok").inc()
         _log.info(

@@ -242,6 +242,14 @@ class HibernationTests(_Harness):
         self.assertEqual(metric("lchat_lease_conflicts_total"), before + 1)
         self.assertEqual(self.state("held.example"), "asleep")
         self.assertFalse(os.path.exists(os.path.join(self.data, "held.example.db")))
+        # Asked again at once: the same answer without another trip to the bucket.
+        asked = metric("lchat_lease_operations_total", operation="acquire", outcome="held")
+        response, body = yield self.request("held.example")
+        self.assertEqual(response.code, 503, body)
+        self.assertIn(b"served elsewhere", body)
+        self.assertEqual(
+            metric("lchat_lease_operations_total", operation="acquire", outcome="held"), asked
+        )
 
     @inlineCallbacks
     def test_missing_binary_is_a_503_then_a_clean_retry(self):

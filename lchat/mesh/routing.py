@@ -72,6 +72,7 @@ class MeshRouter:
         self._holders: dict[str, tuple[float, str | None]] = {}  # host -> (read at, owner url)
         self._owners: dict[str, str] = {}  # host -> last computed owner (for the metric)
         self._unreachable: dict[str, float] = {}  # peer url -> left out of placement until
+        self._reading: dict[str, Deferred[str | None]] = {}  # host -> the GET of its lease
 
     def in_scope(self, host: str) -> bool:
         return placement.in_scope(host, self._mesh.domains)
@@ -151,11 +152,32 @@ class MeshRouter:
         return attrs.evolve(target, fallback=unreachable)
 
     async def _holder(self, host: str) -> str | None:
-        """Who holds ``host``'s lease now (a member URL), from a short cache or one GET."""
+        """Who holds ``host``'s lease now (a member URL), from a short cache or one GET; any
+        number of requests arriving together share that GET."""
         now = self._clock()
         cached = self._holders.get(host)
         if cached is not None and now - cached[0] < self._holder_ttl:
             return cached[1]
+        reading = self._reading.get(host)
+        if reading is None:
+            reading = Deferred.fromCoroutine(self._read_holder(host))
+            self._reading[host] = reading
+
+            def done(result: object) -> object:
+                self._reading.pop(host, None)
+                return result
+
+            reading.addBoth(done)
+        waiter: Deferred[str | None] = Deferred()
+
+        def share(result: str | None) -> str | None:
+            waiter.callback(result)
+            return result
+
+        reading.addCallback(share)  # _read_holder never fails: errors mean "nobody"
+        return await waiter
+
+    async def _read_holder(self, host: str) -> str | None:
         owner: str | None = None
         try:
             got = await self._store.get(self._hib.key(host, "lock.json"))
@@ -170,7 +192,7 @@ class MeshRouter:
             owner = None
         if len(self._holders) > 100_000:
             self._holders.clear()
-        self._holders[host] = (now, owner)
+        self._holders[host] = (self._clock(), owner)
         return owner
 
 
