@@ -33,6 +33,7 @@ from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
 from lchat.tap import build_service
 from tests import s3servers
+from tests.routerproc import spawn_router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
@@ -843,26 +844,7 @@ class TwistdDrainTests(_Harness):
                 f"LCHAT_HIBERNATE_IDLE=60s\n"
             )
         log_path = os.path.join(self.dir, "router.log")
-        log = open(log_path, "ab")
-        self.addCleanup(log.close)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
-        env["PYTHONPATH"] = ROOT
-        router = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from twisted.scripts.twistd import run; run()",
-                "--nodaemon",
-                "--pidfile=",
-                "lchat",
-                "--env-file",
-                self.env,
-            ],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        router = spawn_router(self.env, log_path)
 
         def kill() -> None:
             if router.poll() is None:

@@ -22,6 +22,7 @@ from typing import Any
 from lchat import activator, hosts
 from lchat.cli import admin_client, backup, envfile
 from lchat.registry import Route
+from tests.routerproc import spawn_router
 from tests.test_cli import REPO, TOKEN, CliTestCase, Result, _gone, token_from
 
 SPACE = f"env PYTHONPATH={REPO} {sys.executable} -m lchat.space"
@@ -114,27 +115,7 @@ class HibernateTestCase(CliTestCase):
 
     def start_router(self) -> subprocess.Popen[bytes]:
         log_path = os.path.join(self.root, "router.log")
-        log = open(log_path, "ab")  # closed by a cleanup
-        self.addCleanup(log.close)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
-        env["PYTHONPATH"] = REPO
-        router = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from twisted.scripts.twistd import run; run()",
-                "--nodaemon",
-                "--pidfile=",
-                "lchat",
-                "--env-file",
-                self.env_file,
-            ],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        router = spawn_router(self.env_file, log_path)
         self.addCleanup(self._stop_router, router)
         deadline = time.monotonic() + 30
         while True:

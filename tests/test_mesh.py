@@ -29,6 +29,7 @@ from lchat.cli.dev_cert import make_dev_certs
 from lchat.mesh import forward
 from lchat.registry import Registry, Route
 from tests import s3servers
+from tests.routerproc import spawn_router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
@@ -95,26 +96,7 @@ class Box:
         }
         with open(self.env_file, "w") as f:
             f.writelines(f"{k}={v}\n" for k, v in lines.items())
-        log = open(os.path.join(self.dir, "router.log"), "ab")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
-        env["PYTHONPATH"] = ROOT
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from twisted.scripts.twistd import run; run()",
-                "--nodaemon",
-                "--pidfile=",
-                "lchat",
-                "--env-file",
-                self.env_file,
-            ],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
+        self.proc = spawn_router(self.env_file, os.path.join(self.dir, "router.log"))
 
     def log(self) -> str:
         with open(os.path.join(self.dir, "router.log"), errors="replace") as f:
@@ -291,6 +273,29 @@ class MeshTests(TestCase):
         kw["ca"] = self.ca
         return deferToThread(lambda: request(box, host, *args, **kw))
 
+    @inlineCallbacks
+    def one_space(self, host: str, message: str | None = None, **settings: str) -> Any:
+        """Boxes that all know ``host``, started; the space woken (by posting ``message`` through
+        the first box, when given). Returns (boxes, the owner it woke on, the others)."""
+        boxes = self.boxes(3, **settings)
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        if message is None:
+            status, body, _ = yield self.req(boxes[0], host)
+            self.assertEqual(status, 200, body)
+        else:
+            status, body, _ = yield self.req(
+                boxes[0],
+                host,
+                "/api/rooms/r/messages",
+                "POST",
+                json.dumps({"body": message}).encode(),
+            )
+            self.assertEqual(status, 201, body)
+        owner = next(b for b in boxes if b.awake(host))
+        return boxes, owner, [b for b in boxes if b is not owner]
+
     # -- tests ---------------------------------------------------------------------------------
 
     @inlineCallbacks
@@ -318,17 +323,8 @@ class MeshTests(TestCase):
 
     @inlineCallbacks
     def test_graceful_stop_of_the_owner_fails_over_with_the_data(self):
-        boxes = self.boxes()
         host = f"g.{DOMAIN}"
-        for box in boxes:
-            box.add_space(host)
-        yield self.start(*boxes)
-        status, body, _ = yield self.req(
-            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "before"}'
-        )
-        self.assertEqual(status, 201, body)
-        owner = next(b for b in boxes if b.awake(host))
-        survivors = [b for b in boxes if b is not owner]
+        _boxes, owner, survivors = yield self.one_space(host, "before")
         code = yield deferToThread(owner.stop, signal.SIGTERM)
         self.assertIn(code, (0, -signal.SIGTERM), owner.log())
         started = time.monotonic()
@@ -344,17 +340,10 @@ class MeshTests(TestCase):
         """With slow heartbeats the survivors still list the stopped owner for a while: a
         forward to it is refused, so they leave it out and serve — without waiting for its
         heartbeat to age out."""
-        boxes = self.boxes(LCHAT_MESH_HEARTBEAT="5s", LCHAT_MESH_DEAD_AFTER="30s")
         host = f"r.{DOMAIN}"
-        for box in boxes:
-            box.add_space(host)
-        yield self.start(*boxes)
-        status, body, _ = yield self.req(
-            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "kept"}'
+        _boxes, owner, survivors = yield self.one_space(
+            host, "kept", LCHAT_MESH_HEARTBEAT="5s", LCHAT_MESH_DEAD_AFTER="30s"
         )
-        self.assertEqual(status, 201, body)
-        owner = next(b for b in boxes if b.awake(host))
-        survivors = [b for b in boxes if b is not owner]
         yield deferToThread(owner.stop, signal.SIGTERM)
         started = time.monotonic()
         status, body, _ = yield self.req(survivors[0], host, "/api/rooms/r/messages")
@@ -391,18 +380,9 @@ class MeshTests(TestCase):
 
     @inlineCallbacks
     def test_kill_9_of_the_owner_fails_over_after_the_lease_ttl(self):
-        boxes = self.boxes()
         host = f"k.{DOMAIN}"
-        for box in boxes:
-            box.add_space(host)
-        yield self.start(*boxes)
-        status, body, _ = yield self.req(
-            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "kept"}'
-        )
-        self.assertEqual(status, 201, body)
+        _boxes, owner, survivors = yield self.one_space(host, "kept")
         yield sleep(1.5)  # the stream class ships within ~1 s
-        owner = next(b for b in boxes if b.awake(host))
-        survivors = [b for b in boxes if b is not owner]
         yield deferToThread(owner.stop, signal.SIGKILL)
         started = time.monotonic()
         result = yield self.wait_for(
@@ -415,14 +395,9 @@ class MeshTests(TestCase):
 
     @inlineCallbacks
     def test_a_forged_marker_is_not_honoured(self):
-        boxes = self.boxes()
         host = f"f.{DOMAIN}"
-        for box in boxes:
-            box.add_space(host)
-        yield self.start(*boxes)
-        yield self.req(boxes[0], host)
-        owner = next(b for b in boxes if b.awake(host))
-        other = next(b for b in boxes if b is not owner)
+        _boxes, owner, others = yield self.one_space(host)
+        other = others[0]
         forged = forward.marker("wrong-token", host).decode()
         status, _, _ = yield self.req(other, host, headers={"X-Lchat-Mesh-Forwarded": forged})
         self.assertEqual(status, 200)
@@ -436,17 +411,8 @@ class MeshTests(TestCase):
         others now believe it gone and that one of them owns the space, while the frozen box
         still holds the lease. A request to them must not wake a second copy: 503, never 200.
         Thawed, it is a member again and requests reach it."""
-        boxes = self.boxes(LCHAT_LEASE_TTL="30s")
         host = f"v.{DOMAIN}"
-        for box in boxes:
-            box.add_space(host)
-        yield self.start(*boxes)
-        status, body, _ = yield self.req(
-            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "one writer"}'
-        )
-        self.assertEqual(status, 201, body)
-        owner = next(b for b in boxes if b.awake(host))
-        others = [b for b in boxes if b is not owner]
+        boxes, owner, others = yield self.one_space(host, "one writer", LCHAT_LEASE_TTL="30s")
         assert owner.proc is not None
         owner.proc.send_signal(signal.SIGSTOP)
         try:
