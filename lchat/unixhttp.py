@@ -17,9 +17,9 @@ from typing import Protocol as TypingProtocol
 
 from attrs import frozen
 from twisted.internet import defer, error
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -30,10 +30,10 @@ from twisted.web.client import (
     ResponseNeverReceived,
 )
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IBodyProducer, IResponse
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IResponse
 from zope.interface import implementer
 
-from lchat.webutil import quiet_pool
+from lchat.webutil import BytesProducer, quiet_pool
 
 MAX_BODY = 1 << 20  # probes and next-due answers are tiny; anything bigger is a misbehaving peer
 
@@ -143,7 +143,7 @@ async def _exchange(
         pool=quiet_pool(reactor, persistent=False),
     )
     hdrs = Headers({k: [v] for k, v in headers.items()})
-    producer = _BytesProducer(body) if body or method.upper() in ("POST", "PUT", "PATCH") else None
+    producer = BytesProducer(body) if body or method.upper() in ("POST", "PUT", "PATCH") else None
     url = f"http://{host}{path}".encode("ascii")
     try:
         resp = cast(
@@ -232,26 +232,6 @@ class _UnixEndpointFactory:
         return UNIXClientEndpoint(
             cast(Any, self._reactor), self._path, timeout=max(1, int(self._timeout + 0.999))
         )
-
-
-@implementer(IBodyProducer)
-class _BytesProducer:
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-        self.length = len(body)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._body)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
 
 
 class _CappedBody(Protocol):

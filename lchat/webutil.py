@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IConsumer
 from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http import Request
+from twisted.web.iweb import IBodyProducer
 from twisted.web.server import Site
+from zope.interface import implementer
 
 
 class QuietSite(Site):
@@ -28,3 +32,26 @@ def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
     pool = HTTPConnectionPool(reactor, persistent=persistent)
     pool._factory = _QuietClientFactory
     return pool
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """A request body that is already in memory, written at once (no cooperator: it works on any
+    reactor, including a CLI's own)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass

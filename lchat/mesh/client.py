@@ -24,17 +24,17 @@ from attrs import frozen
 from OpenSSL import SSL
 from treq.client import HTTPClient
 from twisted.internet._sslverify import IOpenSSLTrustRoot
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import HostnameEndpoint
-from twisted.internet.interfaces import IConsumer, IStreamClientEndpoint
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
+from twisted.web.iweb import IAgentEndpointFactory, IResponse
 from zope.interface import implementer
 
 from lchat import config, hosts
 from lchat.registry import Route
-from lchat.webutil import quiet_pool
+from lchat.webutil import BytesProducer, quiet_pool
 
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
@@ -257,7 +257,7 @@ async def _call(
         headers["Content-Type"] = "application/json"
     # Bodies are written at once, not through treq's default producer: that one is paced by the
     # global cooperator, which the CLI's own reactor never runs.
-    client = HTTPClient(_agent(reactor, ca_file, timeout), data_to_body_producer=_BytesProducer)
+    client = HTTPClient(_agent(reactor, ca_file, timeout), data_to_body_producer=BytesProducer)
 
     async def exchange() -> _Reply:
         # A redirect would carry the bearer token elsewhere: an answer is final.
@@ -295,26 +295,6 @@ async def _call(
         raise
     except Exception as e:
         raise MeshCallError(peer_url, f"{method} {path}: {_describe(e)}") from e
-
-
-@implementer(IBodyProducer)
-class _BytesProducer:
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-        self.length = len(body)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._body)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
 
 
 def _describe(e: BaseException) -> str:

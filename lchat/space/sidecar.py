@@ -76,7 +76,7 @@ from zope.interface import implementer
 
 from lchat import hosts, unixhttp
 from lchat.unixhttp import Response
-from lchat.webutil import quiet_pool
+from lchat.webutil import BytesProducer, quiet_pool
 
 log = Logger(namespace="lchat.space.sidecar")
 
@@ -525,7 +525,7 @@ class URLClient:
         # The URL names the space (so the Agent sends Host: <space>); _Fixed picks the address.
         url = f"http://{self.host}{self.target(path)}".encode("ascii")
         hdrs = Headers({k: [v] for k, v in marked(headers).items()})
-        producer = unixhttp._BytesProducer(body) if body or method in ("POST", "PUT") else None
+        producer = BytesProducer(body) if body or method in ("POST", "PUT") else None
         try:
             resp = await self._agent.request(method.encode(), url, hdrs, producer)
             if resp.length is not UNKNOWN_LENGTH and resp.length > MAX_RESPONSE:
