@@ -103,7 +103,8 @@ _PUBLIC = {
 # not cost a lease write, a LIST and an upload on every request.
 MAX_WAKE_BACKOFF = 60.0
 LEASE_HELD_RETRY = 10.0  # the longest Retry-After a lease held elsewhere earns
-LEASE_HELD_CACHE = 1.0  # seconds a "held elsewhere" answer is reused without asking the bucket
+LEASE_HELD_RETRIES = (0.1, 0.2, 0.4)  # seconds between asking a held lease again in one wake
+LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without asking the bucket
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
@@ -407,14 +408,7 @@ class Activator(Service):
         clock = self._reactor.seconds
         t = clock()
         try:
-            lease = await acquire(
-                self._store,
-                self._lease_key(host),
-                self._cfg.box_id,
-                self._hib.lease_ttl,
-                host=host,
-                reclaim_own=True,
-            )
+            lease = await self._acquire(host)
         except LeaseHeld as e:
             _lease_conflicts.inc()
             _log.info(
@@ -531,6 +525,26 @@ class Activator(Service):
         space.replicating = True
         # From here the bucket moves on past the marker: it no longer describes the local file.
         await self._run(lambda: _remove(space.db + MARKER_SUFFIX))
+
+    async def _acquire(self, host: str) -> HeldLease:
+        """Take the space's lease. Held by someone else, it is asked again a few times over
+        ~0.7 s first: a holder that is draining (a box stopping, or a mesh peer handing over)
+        releases it within moments, and waiting beats a 503."""
+        for delay in (*LEASE_HELD_RETRIES, None):
+            try:
+                return await acquire(
+                    self._store,
+                    self._lease_key(host),
+                    self._cfg.box_id,
+                    self._hib.lease_ttl,
+                    host=host,
+                    reclaim_own=True,
+                )
+            except LeaseHeld:
+                if delay is None:
+                    raise
+            await deferLater(self._reactor, delay, lambda: None)
+        raise AssertionError("unreachable")
 
     async def _prepare_db(self, space: _Space) -> tuple[Sequence[ObjectInfo] | None, int | None]:
         """Restore the database unless the local copy is current. Returns the LIST of the replica

@@ -45,6 +45,8 @@ from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Ro
 
 _log = Logger(namespace="lchat.proxy")
 
+_SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # RFC 9110 §9.2.1: no side effects
+
 _requests = Counter(
     "lchat_http_requests_total",
     "Requests answered, by host class and status",
@@ -118,6 +120,7 @@ class Exchange:
     bytes_out: int = 0
     observed: bool = False
     retried: bool = False
+    rerouted: bool = False  # sent elsewhere once already (a mesh peer failed it)
 
 
 class Downstream(Protocol):
@@ -422,24 +425,7 @@ class Downstream(Protocol):
         if isinstance(target, RemotePeer) and target.fallback is not None:
             # A mesh peer that does not answer (stopping, or gone before its heartbeat aged
             # out): route again without it. Nothing was sent, so this is safe.
-            _log.warn(
-                "peer {peer} unreachable for {host} ({why}): routing without it",
-                peer=f"{target.address}:{target.port}",
-                host=target.host,
-                why=why,
-            )
-            self._end_observed(ex)
-            try:
-                again = target.fallback()
-            except Exception:
-                self._route_failed(Failure(), ex)
-                return
-            if isinstance(again, Deferred):
-                again.addCallbacks(
-                    self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
-                )
-            else:
-                self._routed(again, ex)
+            self._reroute(ex, target, f"unreachable ({why})")
             return
         _log.warn(
             "upstream for {host} unreachable: {why}", host=ex.head.host if ex.head else "?", why=why
@@ -447,6 +433,28 @@ class Downstream(Protocol):
         self._answer_locally(
             ex, plain(502, "502 Bad Gateway: the space is not answering", label="unreachable")
         )
+
+    def _reroute(self, ex: Exchange, target: RemotePeer, why: str) -> None:
+        """Route ``ex`` again without the peer ``target`` (the mesh leaves it out a while)."""
+        assert target.fallback is not None
+        _log.warn(
+            "peer {peer} {why} for {host}: routing without it",
+            peer=f"{target.address}:{target.port}",
+            host=target.host,
+            why=why,
+        )
+        self._end_observed(ex)
+        try:
+            again = target.fallback()
+        except Exception:
+            self._route_failed(Failure(), ex)
+            return
+        if isinstance(again, Deferred):
+            again.addCallbacks(
+                self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
+            )
+        else:
+            self._routed(again, ex)
 
     def _connected(self, upstream: UpstreamConnection, ex: Exchange) -> None:
         if self._closed or ex is not self._active:
@@ -619,6 +627,13 @@ class Downstream(Protocol):
             self.transport.loseConnection()
             return
         if not started and not ex.response_started:
+            # Can the request be sent again? Its whole body must still be here (never streamed
+            # away), or it has none at all.
+            resendable = (
+                ex.body_complete
+                and not ex.upgrade
+                and (not ex.streaming or (not ex.chunked and not ex.length))
+            )
             # A reused keep-alive connection the space had just closed: one fresh try is safe
             # when nothing of the request body has been committed.
             if (
@@ -626,9 +641,7 @@ class Downstream(Protocol):
                 and upstream is not None
                 and upstream.reused
                 and not ex.retried
-                and not ex.streaming
-                and ex.body_complete
-                and not ex.upgrade
+                and resendable
                 and isinstance(ex.target, LocalSocket | RemotePeer)
             ):
                 ex.retried = True
@@ -636,6 +649,20 @@ class Downstream(Protocol):
                 d.addCallbacks(
                     self._connected, self._dial_failed, callbackArgs=(ex,), errbackArgs=(ex,)
                 )
+                return
+            target = ex.target
+            if (
+                why == "closed before responding"
+                and isinstance(target, RemotePeer)
+                and target.fallback is not None
+                and not ex.rerouted
+                and resendable
+                and ex.method in _SAFE_METHODS
+            ):
+                # A peer that closed a forwarded request unanswered is stopping: a safe method
+                # can be sent again, elsewhere (an unsafe one may have been acted on).
+                ex.rerouted = True
+                self._reroute(ex, target, "closed before responding")
                 return
             _log.warn(
                 "upstream for {host} failed: {why}", host=ex.head.host if ex.head else "?", why=why
