@@ -708,7 +708,7 @@ def _wait_released(socket: str, host: str, timeout: float) -> None:
                 f"{host}: something still listens on {socket} after {timeout:g}s, and the space "
                 f"would refuse to start over it: stop that process, then retry"
             )
-        time.sleep(POLL_INTERVAL)
+        time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
 
 
 def _warm(cfg: BoxConfig, host: str, timeout: float) -> int:
