@@ -614,3 +614,35 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def mib(kib: int) -> str:
     return f"{kib / 1024:.1f} MiB"
+
+
+# ---------------------------------------------------------------- the router's admin socket
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a unix socket (the router's admin API)."""
+
+    def __init__(self, path: str, timeout: float = 60.0) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+def admin(sock: Path, method: str, path: str, timeout: float = 120.0) -> tuple[int, bytes]:
+    """One request to the router's admin socket: (status, body)."""
+    conn = UnixHTTPConnection(str(sock), timeout=timeout)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()

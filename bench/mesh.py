@@ -173,30 +173,8 @@ def child_router(argv: list[str]) -> None:
 # ---------------------------------------------------------------- small clients
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 30.0) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        try:
-            s.connect(self._path)
-        except OSError:
-            s.close()
-            raise
-        self.sock = s
-
-
 def admin(sock: Path, method: str, path: str, timeout: float = 30.0) -> tuple[int, bytes]:
-    conn = UnixHTTPConnection(str(sock), timeout=timeout)
-    try:
-        conn.request(method, path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
+    return benchlib.admin(sock, method, path, timeout)
 
 
 def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

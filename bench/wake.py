@@ -83,30 +83,8 @@ SPACE_MIB_GUESS = 60  # for bounding --capacity by free memory before measuring
 # ---------------------------------------------------------------- small HTTP clients
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 60.0) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        try:
-            s.connect(self._path)
-        except OSError:
-            s.close()
-            raise
-        self.sock = s
-
-
 def admin(sock: Path, method: str, path: str, timeout: float = 120.0) -> tuple[int, bytes]:
-    conn = UnixHTTPConnection(str(sock), timeout=timeout)
-    try:
-        conn.request(method, path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
+    return benchlib.admin(sock, method, path, timeout)
 
 
 def through_router(port: int, host: str, timeout: float = 120.0) -> tuple[int, str | None]:

