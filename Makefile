@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 VAR := $(CURDIR)/var
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit install clean
+.PHONY: run test lint typecheck unit install tools clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,7 @@ run: $(STAMP)
 	  "LCHAT_HTTP_ADDR=127.0.0.1:8080" \
 	  "LCHAT_HTTPS_ADDR=127.0.0.1:8443" \
 	  "LCHAT_HTTP_REDIRECT=off" \
+	  "LCHAT_ACME_DIRECTORY=off" \
 	  "LCHAT_UNITS=builtin" \
 	  "LCHAT_SPACE_COMMAND=$(CURDIR)/$(BIN)/lchat space" \
 	  "LCHAT_SIDECAR_COMMAND=$(CURDIR)/$(BIN)/python -m lchat.space.sidecar" \
@@ -47,7 +48,20 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+# The ACME tests run a real CA: Debian's pebble (pebble + pebble-challtestsrv), installed here
+# when missing (as root, which CI is; otherwise it says what to run).
+tools:
+	@if ! command -v pebble >/dev/null || ! command -v pebble-challtestsrv >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's pebble (the ACME test CA)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pebble >/dev/null; \
+	  else \
+	    echo "make test needs Debian's pebble (the ACME test CA): sudo apt-get install pebble" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+
+unit: $(STAMP) tools
 	$(BIN)/trial -j2 tests
 
 test: lint typecheck unit

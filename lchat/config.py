@@ -7,6 +7,9 @@ boot, with a message naming the variable (DESIGN.md §10, invariant 7). Secrets 
 
 from __future__ import annotations
 
+import base64
+import binascii
+import ipaddress
 import os
 import re
 import shlex
@@ -70,6 +73,29 @@ class MeshConfig:
         return (urlsplit(self.self_url).hostname or "").lower()
 
 
+LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
+LETS_ENCRYPT_STAGING = "https://acme-staging-v02.api.letsencrypt.org/directory"
+DNSIMPLE_URL = "https://api.dnsimple.com"
+DNSProvider = Literal["dnsimple", "route53"]
+CertCache = Literal["dir", "s3"]
+
+
+@frozen
+class AcmeConfig:
+    """Certificate issuance (``LCHAT_ACME_DIRECTORY`` not ``off``)."""
+
+    directory: str  # the ACME directory URL
+    email: str = ""  # account contact (optional)
+    ca_file: str = ""  # CA bundle for the directory's own TLS ("" = system trust)
+    dns_provider: DNSProvider = "dnsimple"
+    dnsimple_token: str = field(default="", repr=False)
+    dnsimple_url: str = DNSIMPLE_URL
+    route53_zone_id: str = ""
+    route53_endpoint: str = ""
+    dns_resolvers: tuple[tuple[str, int], ...] = ()  # () = the system's resolver
+    dns_timeout: float = 120.0  # how long to wait for a TXT record to be visible
+
+
 @frozen
 class ProxyConfig:
     """Limits and timeouts of the front door (seconds and bytes)."""
@@ -90,7 +116,7 @@ class BoxConfig:
     run_dir: str
     registry: str
     acme_cache: str
-    cert_cache: Literal["dir"]
+    cert_cache: CertCache
     https_addr: str | None  # a Twisted server endpoint string; None = not listening
     http_addr: str | None
     fallback_url: str
@@ -103,6 +129,9 @@ class BoxConfig:
     proxy: ProxyConfig = ProxyConfig()
     metrics_addr: str | None = None  # optional TCP endpoint serving /metrics
     http_redirect: bool = True  # with HTTPS on, plain HTTP answers 301 (else it proxies too)
+    acme: AcmeConfig | None = None  # None: no issuance, the cache is served as it is
+    cert_cache_key: bytes = field(default=b"", repr=False)  # AES-256 key for keys in the bucket
+    cert_cache_sync: float = 60.0  # how often the shared cache is listed for new certificates
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -145,6 +174,18 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_REGISTRY": "",  # default: <data>/registry.db
     "LCHAT_ACME_CACHE": "",  # default: <data>/acme
     "LCHAT_CERT_CACHE": "dir",
+    "LCHAT_CERT_CACHE_KEY": "",
+    "LCHAT_CERT_CACHE_SYNC": "1m",
+    "LCHAT_ACME_DIRECTORY": LETS_ENCRYPT,
+    "LCHAT_ACME_EMAIL": "",
+    "LCHAT_ACME_CA_FILE": "",
+    "LCHAT_DNS_PROVIDER": "dnsimple",
+    "LCHAT_DNSIMPLE_TOKEN": "",
+    "LCHAT_DNSIMPLE_URL": DNSIMPLE_URL,
+    "LCHAT_ROUTE53_ZONE_ID": "",
+    "LCHAT_ROUTE53_ENDPOINT": "",
+    "LCHAT_DNS_RESOLVERS": "",
+    "LCHAT_DNS_PROPAGATION_TIMEOUT": "2m",
     "LCHAT_HTTPS_ADDR": ":443",
     "LCHAT_HTTP_ADDR": ":80",
     "LCHAT_FALLBACK_URL": "",
@@ -230,16 +271,20 @@ def load(
     registry = _directory("LCHAT_REGISTRY", registry)
     acme_cache = _directory("LCHAT_ACME_CACHE", acme_cache)
 
-    cert_cache = get("LCHAT_CERT_CACHE")
+    cert_cache = _cert_cache(get("LCHAT_CERT_CACHE"))
+    cert_cache_key = b""
     if cert_cache == "s3":
-        raise ConfigError(
-            "LCHAT_CERT_CACHE=s3 is reserved for the shared certificate cache, which does not exist "
-            "yet; unset it or set it to 'dir'"
-        )
-    if cert_cache != "dir":
-        raise ConfigError(
-            f"LCHAT_CERT_CACHE must be 'dir' (or the reserved 's3'), not {cert_cache!r}"
-        )
+        if not get("LCHAT_HIBERNATE_BUCKET"):
+            raise ConfigError(
+                "LCHAT_CERT_CACHE=s3 keeps certificates in the hibernation bucket: set "
+                "LCHAT_HIBERNATE_BUCKET"
+            )
+        cert_cache_key = _cert_cache_key(get("LCHAT_CERT_CACHE_KEY"))
+    cert_cache_sync = parse_duration("LCHAT_CERT_CACHE_SYNC", get("LCHAT_CERT_CACHE_SYNC"))
+    if cert_cache_sync <= 0:
+        raise ConfigError("LCHAT_CERT_CACHE_SYNC must be a positive duration")
+    wildcard_domains = _domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS"))
+    acme = _acme(get, wildcard_domains)
 
     cfg = BoxConfig(
         env_file=path,
@@ -247,7 +292,10 @@ def load(
         run_dir=run_dir,
         registry=os.path.abspath(registry),
         acme_cache=os.path.abspath(acme_cache),
-        cert_cache="dir",
+        cert_cache=cert_cache,
+        cert_cache_key=cert_cache_key,
+        cert_cache_sync=cert_cache_sync,
+        acme=acme,
         https_addr=parse_address("LCHAT_HTTPS_ADDR", get("LCHAT_HTTPS_ADDR")),
         http_addr=parse_address("LCHAT_HTTP_ADDR", get("LCHAT_HTTP_ADDR")),
         fallback_url=_fallback_url(get("LCHAT_FALLBACK_URL")),
@@ -256,7 +304,7 @@ def load(
         sidecar_command=_space_command(get("LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"),
         hibernate=_hibernate(get),
         mesh=_mesh(get),
-        wildcard_domains=_domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS")),
+        wildcard_domains=wildcard_domains,
         proxy=_proxy(get),
         metrics_addr=parse_address("LCHAT_METRICS_ADDR", get("LCHAT_METRICS_ADDR")),
         http_redirect=_switch("LCHAT_HTTP_REDIRECT", get("LCHAT_HTTP_REDIRECT")),
@@ -496,6 +544,113 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
         sweep=sweeps["LCHAT_HIBERNATE_SWEEP"],
         due_sweep=sweeps["LCHAT_DUE_SWEEP"],
     )
+
+
+def _cert_cache(text: str) -> CertCache:
+    if text not in ("dir", "s3"):
+        raise ConfigError(f"LCHAT_CERT_CACHE must be dir or s3, not {text!r}")
+    return "s3" if text == "s3" else "dir"
+
+
+def _cert_cache_key(text: str) -> bytes:
+    if not text:
+        raise ConfigError(
+            "LCHAT_CERT_CACHE=s3 needs LCHAT_CERT_CACHE_KEY: private keys are encrypted before "
+            "they reach the bucket (make one with `openssl rand -base64 32`, the same on every box)"
+        )
+    padded = text + "=" * (-len(text) % 4)
+    try:
+        if re.fullmatch(r"[A-Za-z0-9+/]+=*", padded):
+            key = base64.b64decode(padded, validate=True)
+        else:
+            key = base64.urlsafe_b64decode(padded.encode("ascii"))
+    except (binascii.Error, ValueError, UnicodeEncodeError):
+        raise ConfigError(
+            "LCHAT_CERT_CACHE_KEY is not base64 (`openssl rand -base64 32`)"
+        ) from None
+    if len(key) != 32:
+        raise ConfigError(
+            f"LCHAT_CERT_CACHE_KEY must be 32 bytes (AES-256) in base64, not {len(key)} bytes "
+            f"(`openssl rand -base64 32`)"
+        )
+    return key
+
+
+def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
+    directory = get("LCHAT_ACME_DIRECTORY")
+    if directory in ("off", ""):
+        return None
+    parts = urlsplit(directory)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"LCHAT_ACME_DIRECTORY={directory!r} must be the URL of an ACME directory (e.g. "
+            f"{LETS_ENCRYPT}) or off"
+        )
+    email = get("LCHAT_ACME_EMAIL")
+    if email and not re.fullmatch(r"[^@\s,]+@[^@\s,]+\.[^@\s,]+", email):
+        raise ConfigError(f"LCHAT_ACME_EMAIL={email!r} is not an email address")
+    ca_file = get("LCHAT_ACME_CA_FILE")
+    if ca_file and not os.path.isfile(ca_file):
+        raise ConfigError(f"LCHAT_ACME_CA_FILE={ca_file!r} is not a file")
+    provider = get("LCHAT_DNS_PROVIDER")
+    if provider not in ("dnsimple", "route53"):
+        raise ConfigError(f"LCHAT_DNS_PROVIDER must be dnsimple or route53, not {provider!r}")
+    token = get("LCHAT_DNSIMPLE_TOKEN")
+    if wildcard_domains and provider == "dnsimple" and not token:
+        raise ConfigError(
+            "LCHAT_WILDCARD_DOMAINS needs DNS-01: set LCHAT_DNSIMPLE_TOKEN, or "
+            "LCHAT_DNS_PROVIDER=route53 (the box's own AWS credentials), or "
+            "LCHAT_ACME_DIRECTORY=off to serve wildcard files placed by hand"
+        )
+    dnsimple_url = get("LCHAT_DNSIMPLE_URL").rstrip("/")
+    route53_endpoint = get("LCHAT_ROUTE53_ENDPOINT").rstrip("/")
+    for name, url in (
+        ("LCHAT_DNSIMPLE_URL", dnsimple_url),
+        ("LCHAT_ROUTE53_ENDPOINT", route53_endpoint),
+    ):
+        if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
+            raise ConfigError(f"{name}={url!r} must be an http(s) URL")
+    zone_id = get("LCHAT_ROUTE53_ZONE_ID")
+    if zone_id and not re.fullmatch(r"(/hostedzone/)?[A-Z0-9]{1,32}", zone_id):
+        raise ConfigError(f"LCHAT_ROUTE53_ZONE_ID={zone_id!r} is not a hosted zone id")
+    timeout = parse_duration("LCHAT_DNS_PROPAGATION_TIMEOUT", get("LCHAT_DNS_PROPAGATION_TIMEOUT"))
+    if timeout <= 0:
+        raise ConfigError("LCHAT_DNS_PROPAGATION_TIMEOUT must be a positive duration")
+    return AcmeConfig(
+        directory=directory,
+        email=email,
+        ca_file=os.path.abspath(ca_file) if ca_file else "",
+        dns_provider="route53" if provider == "route53" else "dnsimple",
+        dnsimple_token=token,
+        dnsimple_url=dnsimple_url or DNSIMPLE_URL,
+        route53_zone_id=zone_id.removeprefix("/hostedzone/"),
+        route53_endpoint=route53_endpoint,
+        dns_resolvers=_resolvers(get("LCHAT_DNS_RESOLVERS")),
+        dns_timeout=timeout,
+    )
+
+
+def _resolvers(text: str) -> tuple[tuple[str, int], ...]:
+    result = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d{1,5}))?|([0-9.]+)(?::(\d{1,5}))?", item)
+        try:
+            if match is None:
+                raise ValueError(item)
+            address = match.group(1) or match.group(3)
+            port = int(match.group(2) or match.group(4) or 53)
+            ipaddress.ip_address(address)
+            if not 0 < port < 65536:
+                raise ValueError(item)
+        except ValueError:
+            raise ConfigError(
+                f"LCHAT_DNS_RESOLVERS: {item!r} is not IP, IP:PORT or [IPv6]:PORT"
+            ) from None
+        result.append((address, port))
+    return tuple(result)
 
 
 def _mesh(get: _Getter) -> MeshConfig | None:

@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred
 from lchat.registry import Route, RouteTable
 
 RETRY_AFTER_SECONDS = 5
+ACME_CHALLENGE_PATH = b"/.well-known/acme-challenge/"
 
 Header = tuple[bytes, bytes]
 
@@ -126,15 +127,24 @@ class Router:
         activator: Hibernation | None = None,
         mesh: Mesh | None = None,
         mesh_api: tuple[str, str] | None = None,  # (this box's mesh-self host, API socket)
+        acme_challenge: str | None = None,  # the HTTP-01 responder's socket, for plain HTTP
     ) -> None:
         self._table = table
         self._fallback = fallback_url.encode("ascii", "strict") if fallback_url else b""
         self._activator = activator
         self._mesh = mesh
         self._mesh_api = mesh_api
+        self._acme_challenge = acme_challenge
 
     def route(self, head: RequestHead) -> Target | Deferred[Target]:
         host = head.host
+        if (
+            self._acme_challenge is not None
+            and not head.secure
+            and head.target.startswith(ACME_CHALLENGE_PATH)
+        ):
+            # A CA validating HTTP-01, for any host: only tokens we published are answered.
+            return LocalSocket(host=host, path=self._acme_challenge, kind="service")
         if self._mesh_api is not None and host == self._mesh_api[0]:
             # Addressed to this box itself: the route-replication API (bearer token inside).
             return LocalSocket(host=host, path=self._mesh_api[1], kind="service")

@@ -13,12 +13,18 @@ from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
 import lchat
 from lchat import config, objstore, tls
+from lchat.acme.cache import CacheSync, LocalCache, SharedCache
+from lchat.acme.client import AcmeAccount
+from lchat.acme.dns01 import make_provider
+from lchat.acme.http01 import ChallengeResponder
+from lchat.acme.issuer import Issuer
 from lchat.activator import Activator
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
@@ -171,13 +177,63 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
 
-    router = Router(routes, cfg.fallback_url, activator=activator, mesh=mesh, mesh_api=mesh_api)
-    factories: list[ProxyFactory] = []
+    store: tls.CertStore | None = None
+    responder: ChallengeResponder | None = None
+    acme_socket: str | None = None
     if cfg.https_addr is not None:
         own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
         store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own))
+        shared = None
+        if cfg.cert_cache == "s3":
+            assert cfg.hibernate is not None  # config refuses s3 without the bucket
+            shared = SharedCache(
+                hibernation.store,
+                cfg.cert_cache_key,
+                prefix=cfg.hibernate.prefix,
+                box_id=cfg.box_id,
+            )
+        if cfg.acme is not None or shared is not None:
+            LocalCache(cfg.acme_cache).ensure_directory()
         store.load_initial()
         store.setServiceParent(top)
+        if cfg.acme is not None:
+            if cfg.http_addr is not None:
+                responder = ChallengeResponder(
+                    lookup=shared.get_challenge if shared is not None else None
+                )
+            issuer = _issuer(reactor, cfg, routes, store, responder, shared, own)
+            issuer.setName("acme")
+            issuer.setServiceParent(top)
+        if shared is not None:
+            sync = CacheSync(
+                reactor,
+                shared,
+                LocalCache(cfg.acme_cache),
+                store.certificates,
+                store.rescan,
+                lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
+                interval=cfg.cert_cache_sync,
+            )
+            sync.setName("cert-cache")
+            sync.setServiceParent(top)
+    if responder is not None and not (cfg.https_addr is not None and cfg.http_redirect):
+        # Plain HTTP proxies: the proxy hands challenge paths to the responder's own socket.
+        acme_socket = os.path.join(cfg.run_dir, "acme.sock")
+        clear_stale_socket(acme_socket)
+        site = QuietSite(responder.site_root())
+        _listen(top, UNIXServerEndpoint(reactor, acme_socket, mode=0o600), site)
+
+    router = Router(
+        routes,
+        cfg.fallback_url,
+        activator=activator,
+        mesh=mesh,
+        mesh_api=mesh_api,
+        acme_challenge=acme_socket,
+    )
+    factories: list[ProxyFactory] = []
+    if cfg.https_addr is not None:
+        assert store is not None
         secure = ProxyFactory(
             reactor, router, cfg.proxy, pool=pool, secure=True, observer=activator
         )
@@ -186,7 +242,12 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     if cfg.http_addr is not None:
         if cfg.https_addr is not None and cfg.http_redirect:
             port = _public_port(cfg.https_addr)
-            plain = QuietSite(RedirectToHTTPS(https_port=None if port == 443 else port))
+            plain = QuietSite(
+                RedirectToHTTPS(
+                    https_port=None if port == 443 else port,
+                    acme_challenge=responder.resource() if responder is not None else None,
+                )
+            )
             _listen(top, serverFromString(reactor, cfg.http_addr), plain)
         else:
             proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, observer=activator)
@@ -216,6 +277,64 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         admin=cfg.admin_socket,
     )
     return top
+
+
+def _issuer(
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    store: tls.CertStore,
+    responder: ChallengeResponder | None,
+    shared: SharedCache | None,
+    own: tuple[str, ...],
+) -> Issuer:
+    """The ACME issuer, with the host policy: registered and ready hosts, and this box's own name."""
+    acme = cfg.acme
+    assert acme is not None
+    dns = None
+    if cfg.wildcard_domains:
+        dns = make_provider(
+            acme.dns_provider,
+            dnsimple_token=acme.dnsimple_token,
+            dnsimple_url=acme.dnsimple_url,
+            route53_zone_id=acme.route53_zone_id,
+            route53_endpoint=acme.route53_endpoint,
+        )
+
+    def may_issue(host: str) -> bool:
+        if host in own:
+            return True
+        route = routes.table.get(host)
+        return route is not None and route.serveable
+
+    issuer = Issuer(
+        reactor,
+        store=store,
+        local=LocalCache(cfg.acme_cache),
+        account=AcmeAccount(acme.directory, cfg.acme_cache, email=acme.email, ca_file=acme.ca_file),
+        may_issue=may_issue,
+        http01=responder,
+        dns=dns,
+        wildcard_domains=cfg.wildcard_domains,
+        dns_resolvers=acme.dns_resolvers,
+        dns_timeout=acme.dns_timeout,
+        shared=shared,
+    )
+    store.on_missing = issuer.want
+    if responder is None:
+        _log.warn(
+            "acme: LCHAT_HTTP_ADDR is off, so per-host certificates cannot be issued (HTTP-01 "
+            "needs port 80); only wildcards (DNS-01) are"
+        )
+    _log.info(
+        "acme: issuing certificates from {directory} (per-host: {per_host}, wildcards: "
+        "{wildcards}, cache: {cache})",
+        directory=acme.directory,
+        per_host="HTTP-01" if responder is not None else "off",
+        wildcards=", ".join("*." + d for d in cfg.wildcard_domains) or "none",
+        cache=cfg.cert_cache,
+    )
+    return issuer
 
 
 def _raise_open_files_limit() -> None:

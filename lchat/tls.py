@@ -165,6 +165,8 @@ class Loaded:
     not_after: float  # unix time
     serial: int
     context: SSL.Context = field(eq=False, repr=False)
+    not_before: float | None = None  # unix time
+    issuer: str = ""  # the issuing CA's common name
 
     @property
     def label(self) -> str:
@@ -246,7 +248,19 @@ def _build(
         raise _Refuse(f"unsupported private key type {type(key).__name__}") from None
     except (SSL.Error, ValueError) as e:
         raise _Refuse(f"OpenSSL will not use it: {e}") from None
-    return Loaded(kind, name, path, fingerprint, not_after, leaf.serial_number, context)
+    names = leaf.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    issuer = str(names[0].value) if names else leaf.issuer.rfc4514_string()
+    return Loaded(
+        kind,
+        name,
+        path,
+        fingerprint,
+        not_after,
+        leaf.serial_number,
+        context,
+        not_before=leaf.not_valid_before_utc.timestamp(),
+        issuer=issuer,
+    )
 
 
 def _check_names(leaf: x509.Certificate, kind: Kind, name: str) -> None:
@@ -411,6 +425,9 @@ class CertStore(Service):
         self._no_cert_logged: set[str] = set()
         self._published: set[str] = set()  # expiry gauge labels we set
         self.handshake_failures: dict[str, int] = {}
+        # Told (on the reactor, inside the SNI callback) about a known host that has neither a
+        # certificate of its own nor a wildcard: the ACME issuer's cue. Must not block or raise.
+        self.on_missing: Callable[[str], None] | None = None
         # The listener's context: no certificate of its own, it only dispatches on SNI.
         self._options = CertificateOptions(
             raiseMinimumTo=TLSVersion.TLSv1_2,
@@ -437,7 +454,11 @@ class CertStore(Service):
             context = self._wildcards.get(host.partition(".")[2])
             if context is not None:
                 return context
-            if self._default is None and host not in self._no_cert_logged and self._is_known(host):
+            if self.on_missing is not None and self._is_known(host):
+                self.on_missing(host)
+            elif (
+                self._default is None and host not in self._no_cert_logged and self._is_known(host)
+            ):
                 self._no_cert_logged.add(host)  # bounded: registered hosts only
                 _log.warn(
                     "tls: no certificate for {host} (expected {file} or a wildcard)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Mapping
 
@@ -117,10 +118,97 @@ class Refusals(Base):
             self.assertNotIn(MESH_OK["LCHAT_MESH_TOKEN"], message)
 
     def test_cert_cache(self) -> None:
-        message = self.refuses("LCHAT_CERT_CACHE", {"LCHAT_CERT_CACHE": "s3"})
-        self.assertIn("reserved", message)
         self.refuses("LCHAT_CERT_CACHE", {"LCHAT_CERT_CACHE": "bogus"})
         self.refuses("LCHAT_CERT_CACHE", {"LCHAT_CERT_CACHE": "S3"})
+        # s3 lives in the hibernation bucket and needs the key that encrypts private keys there
+        message = self.refuses("LCHAT_HIBERNATE_BUCKET", {"LCHAT_CERT_CACHE": "s3"})
+        self.assertIn("LCHAT_CERT_CACHE", message)
+        with_bucket = {"LCHAT_CERT_CACHE": "s3", "LCHAT_HIBERNATE_BUCKET": "lchat-test"}
+        self.refuses("LCHAT_CERT_CACHE_KEY", with_bucket)
+        for key in ("not base64!", "c2hvcnQ=", "A" * 44 + "==", "\u00e9" * 44):
+            message = self.refuses(
+                "LCHAT_CERT_CACHE_KEY", {**with_bucket, "LCHAT_CERT_CACHE_KEY": key}
+            )
+            self.assertNotIn(key, message)  # a secret, even a wrong one, is never echoed
+        self.refuses("LCHAT_CERT_CACHE_SYNC", {"LCHAT_CERT_CACHE_SYNC": "0s"})
+
+    def test_cert_cache_s3(self) -> None:
+        key = base64.b64encode(bytes(range(32))).decode()
+        cfg = self.load(
+            {
+                "LCHAT_CERT_CACHE": "s3",
+                "LCHAT_HIBERNATE_BUCKET": "lchat-test",
+                "LCHAT_CERT_CACHE_KEY": key,
+                "LCHAT_CERT_CACHE_SYNC": "5s",
+            }
+        )
+        self.assertEqual(cfg.cert_cache, "s3")
+        self.assertEqual(cfg.cert_cache_key, bytes(range(32)))
+        self.assertEqual(cfg.cert_cache_sync, 5.0)
+        self.assertNotIn(key, repr(cfg))
+        urlsafe = base64.urlsafe_b64encode(b"\xfb" * 32).decode().rstrip("=")
+        cfg = self.load(
+            {
+                "LCHAT_CERT_CACHE": "s3",
+                "LCHAT_HIBERNATE_BUCKET": "lchat-test",
+                "LCHAT_CERT_CACHE_KEY": urlsafe,
+            }
+        )
+        self.assertEqual(cfg.cert_cache_key, b"\xfb" * 32)
+
+    def test_acme(self) -> None:
+        for value in ("letsencrypt", "ftp://ca.example/dir", "https://"):
+            self.refuses("LCHAT_ACME_DIRECTORY", {"LCHAT_ACME_DIRECTORY": value})
+        for value in ("nobody", "a b@example.com", "x@y"):
+            self.refuses("LCHAT_ACME_EMAIL", {"LCHAT_ACME_EMAIL": value})
+        self.refuses("LCHAT_ACME_CA_FILE", {"LCHAT_ACME_CA_FILE": "/nonexistent/ca.pem"})
+        self.refuses("LCHAT_DNS_PROVIDER", {"LCHAT_DNS_PROVIDER": "cloudflare"})
+        # a wildcard needs DNS-01, and DNSimple (the default) needs its token
+        message = self.refuses("LCHAT_DNSIMPLE_TOKEN", {"LCHAT_WILDCARD_DOMAINS": "example.com"})
+        self.assertIn("LCHAT_WILDCARD_DOMAINS", message)
+        for value in ("1.2.3.4:99999", "dns.example.com", "1.2.3", "[::1]:0"):
+            self.refuses("LCHAT_DNS_RESOLVERS", {"LCHAT_DNS_RESOLVERS": value})
+        self.refuses("LCHAT_DNS_PROPAGATION_TIMEOUT", {"LCHAT_DNS_PROPAGATION_TIMEOUT": "0s"})
+        self.refuses("LCHAT_ROUTE53_ZONE_ID", {"LCHAT_ROUTE53_ZONE_ID": "zone; rm -rf"})
+        self.refuses("LCHAT_DNSIMPLE_URL", {"LCHAT_DNSIMPLE_URL": "api.dnsimple.com"})
+        self.refuses("LCHAT_ROUTE53_ENDPOINT", {"LCHAT_ROUTE53_ENDPOINT": "nope"})
+
+    def test_acme_settings(self) -> None:
+        cfg = self.load()
+        assert cfg.acme is not None
+        self.assertEqual(cfg.acme.directory, config.LETS_ENCRYPT)
+        self.assertEqual(cfg.acme.dns_provider, "dnsimple")
+        self.assertEqual(cfg.acme.dns_resolvers, ())
+        self.assertIsNone(self.load({"LCHAT_ACME_DIRECTORY": "off"}).acme)
+        # a wildcard with ACME off: files placed by hand, no token needed
+        self.assertIsNone(
+            self.load({"LCHAT_ACME_DIRECTORY": "off", "LCHAT_WILDCARD_DOMAINS": "example.com"}).acme
+        )
+        cfg = self.load(
+            {
+                "LCHAT_ACME_DIRECTORY": config.LETS_ENCRYPT_STAGING,
+                "LCHAT_ACME_EMAIL": "ops@example.com",
+                "LCHAT_WILDCARD_DOMAINS": "example.com",
+                "LCHAT_DNS_PROVIDER": "route53",
+                "LCHAT_ROUTE53_ZONE_ID": "/hostedzone/Z123ABC",
+                "LCHAT_DNS_RESOLVERS": "127.0.0.1:8053, 9.9.9.9, [::1]:53",
+                "LCHAT_DNS_PROPAGATION_TIMEOUT": "5m",
+            }
+        )
+        assert cfg.acme is not None
+        self.assertEqual(cfg.acme.directory, config.LETS_ENCRYPT_STAGING)
+        self.assertEqual(cfg.acme.email, "ops@example.com")
+        self.assertEqual(cfg.acme.dns_provider, "route53")
+        self.assertEqual(cfg.acme.route53_zone_id, "Z123ABC")
+        self.assertEqual(
+            cfg.acme.dns_resolvers, (("127.0.0.1", 8053), ("9.9.9.9", 53), ("::1", 53))
+        )
+        self.assertEqual(cfg.acme.dns_timeout, 300.0)
+        token = "dnsimple-secret-token"
+        cfg = self.load({"LCHAT_WILDCARD_DOMAINS": "example.com", "LCHAT_DNSIMPLE_TOKEN": token})
+        assert cfg.acme is not None
+        self.assertEqual(cfg.acme.dnsimple_token, token)
+        self.assertNotIn(token, repr(cfg))
 
     def test_units(self) -> None:
         for value in ("bogus", "Systemd", "", "none"):
@@ -189,7 +277,7 @@ class Refusals(Base):
         with self.assertRaises(ConfigError) as e:
             self.load(flags={"LCHAT_UNITS": "bogus"})
         self.assertIn("LCHAT_UNITS", str(e.exception))
-        env_file = self.write_env("LCHAT_CERT_CACHE=s3\n", "s3.env")
+        env_file = self.write_env("LCHAT_CERT_CACHE=bogus\n", "s3.env")
         with self.assertRaises(ConfigError) as e:
             self.load(env_file=env_file)
         self.assertIn("LCHAT_CERT_CACHE", str(e.exception))
@@ -545,6 +633,7 @@ class Secrets(Base):
                 **MESH_OK,
                 "LCHAT_MESH_DOMAINS": " 11CH.Example.com., b\u00fccher.example ,",
                 "LCHAT_WILDCARD_DOMAINS": "Example.NET",
+                "LCHAT_DNSIMPLE_TOKEN": "t",
             }
         )
         assert cfg.mesh is not None

@@ -22,7 +22,7 @@ import attrs
 
 import lchat
 from lchat import config, hosts
-from lchat.cli import admin_client, backup, dev_cert, envfile, units
+from lchat.cli import admin_client, backup, certs, dev_cert, envfile, units
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
+    certs.add_arguments(command("certs", certs.SUMMARY, cmd_certs))
     replica_cli.add_arguments(
         command("replica", replica_cli.SUMMARY, lambda a: replica_cli.run(a, load_config(a), _out)),
         lambda p: _add_common(p, argparse.SUPPRESS),
@@ -314,6 +315,13 @@ def cmd_dev_cert(args: argparse.Namespace) -> int:
         return dev_cert.run(args, cfg, _out)
     except dev_cert.DevCertError as e:
         raise CliError(str(e)) from e
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    try:
+        return certs.run(args, load_config(args), _out)
+    except certs.CertsError as e:
+        return _fail(str(e))
 
 
 def cmd_instances(args: argparse.Namespace) -> int:

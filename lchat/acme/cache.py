@@ -1,0 +1,524 @@
+"""Where certificates go: the local directory the TLS listener serves, and the shared cache.
+
+**Local** (:class:`LocalCache`): ``LCHAT_ACME_CACHE``, the layout :mod:`lchat.tls` reads —
+``<host>.pem`` / ``wildcard-<domain>.pem``, key then chain, written atomically with mode 0600 in a
+directory kept at 0700. It is the only thing TLS ever reads, so a bucket outage never breaks TLS.
+
+**Shared** (:class:`SharedCache`, ``LCHAT_CERT_CACHE=s3``): the same certificates in the bucket, so
+every box of a mesh can present any space's certificate:
+
+- ``<prefix>/certs/<file stem>.json``: the chain in clear (it is public) and the private key
+  encrypted with AES-256-GCM under ``LCHAT_CERT_CACHE_KEY``; the associated data binds the key to
+  its name and chain, so a ciphertext moved to another name or chain does not decrypt;
+- ``<prefix>/certs/locks/<file stem>.json``: a short lease (:mod:`lchat.lease`) held while one box
+  issues that name, so a fleet places one order per name, not one per box;
+- ``<prefix>/certs/challenges/<token>``: an HTTP-01 key authorisation while its order runs, so the
+  box the CA happens to reach can answer for the box that ordered.
+
+Every box lists ``<prefix>/certs/`` every ``LCHAT_CERT_CACHE_SYNC`` (one LIST; a GET only for an
+object whose ETag changed) and installs anything newer than its local copy; a certificate this box
+has and the bucket lacks (or has older) is uploaded, which also heals a failed upload.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+from typing import Any, Literal
+
+from attrs import frozen
+from cryptography import x509
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from prometheus_client import Counter
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from lchat import hosts, lease, tls
+from lchat.acme.client import write_private
+from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.registry import RunInThread
+
+FORMAT = "lchat-cert/1"
+Kind = Literal["host", "wildcard"]
+
+_log = Logger(namespace="lchat.acme")
+
+_sync = Counter(
+    "lchat_cert_cache_sync_total",
+    "Shared certificate cache operations by outcome",
+    ["operation", "outcome"],
+)
+for _op, _outcomes in (
+    ("list", ("ok", "error")),
+    ("install", ("ok", "refused")),
+    ("upload", ("ok", "error")),
+):
+    for _o in _outcomes:
+        _sync.labels(_op, _o)
+
+
+@frozen
+class CertName:
+    """A certificate we can issue: one host, or ``*.<domain>``."""
+
+    kind: Kind
+    name: str  # the host, or the domain of a wildcard (normalised)
+
+    @classmethod
+    def host(cls, host: str) -> CertName:
+        return cls("host", hosts.normalise(host))
+
+    @classmethod
+    def wildcard(cls, domain: str) -> CertName:
+        return cls("wildcard", hosts.normalise(domain))
+
+    @classmethod
+    def from_stem(cls, stem: str) -> CertName | None:
+        """The name a file stem (``chat.example.com``, ``wildcard-example.com``) stands for."""
+        role = tls.role_of(stem + tls.SUFFIX)
+        if role is None or role[0] == "default":
+            return None
+        return cls("wildcard" if role[0] == "wildcard" else "host", role[1])
+
+    @property
+    def label(self) -> str:
+        """``chat.example.com`` or ``*.example.com``: what logs and metrics call it."""
+        return "*." + self.name if self.kind == "wildcard" else self.name
+
+    @property
+    def stem(self) -> str:
+        return tls.WILDCARD_PREFIX + self.name if self.kind == "wildcard" else self.name
+
+    def path(self, directory: str) -> str:
+        if self.kind == "wildcard":
+            return tls.wildcard_cert_path(directory, self.name)
+        return tls.cert_path(directory, self.name)
+
+
+@frozen
+class Certificate:
+    """A key and its chain, with what we need to compare copies."""
+
+    key_pem: bytes
+    chain_pem: bytes
+    not_after: float
+    serial: int
+    issuer: str
+
+    @classmethod
+    def parse(cls, key_pem: bytes, chain_pem: bytes) -> Certificate:
+        leaf = x509.load_pem_x509_certificate(chain_pem)
+        return cls(
+            key_pem,
+            chain_pem,
+            leaf.not_valid_after_utc.timestamp(),
+            leaf.serial_number,
+            issuer_name(leaf),
+        )
+
+
+def issuer_name(leaf: x509.Certificate) -> str:
+    names = leaf.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    value = names[0].value if names else leaf.issuer.rfc4514_string()
+    return value if isinstance(value, str) else value.decode("utf-8", "replace")
+
+
+_PEM = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL)
+
+
+def split_pem(data: bytes) -> tuple[bytes, bytes]:
+    """A ``.pem`` file's (private key, chain) blocks."""
+    key = b""
+    chain = []
+    for match in _PEM.finditer(data):
+        if match.group(1).endswith(b"PRIVATE KEY"):
+            key = match.group(0)
+        elif match.group(1) == b"CERTIFICATE":
+            chain.append(match.group(0))
+    return key, b"".join(c if c.endswith(b"\n") else c + b"\n" for c in chain)
+
+
+# --- local ---------------------------------------------------------------------------------------
+
+
+class LocalCache:
+    """The certificate directory. Blocking methods: call them in a thread."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.abspath(directory)
+
+    def ensure_directory(self) -> None:
+        """Create the directory 0700, or tighten an existing one to 0700: it holds keys."""
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        mode = stat.S_IMODE(os.stat(self.directory).st_mode)
+        if mode & 0o077:
+            os.chmod(self.directory, mode & 0o700)
+            _log.warn(
+                "acme: {directory} was mode {mode:04o}; tightened to {new:04o} (it holds keys)",
+                directory=self.directory,
+                mode=mode,
+                new=mode & 0o700,
+            )
+
+    def install(self, name: CertName, cert: Certificate) -> str:
+        key = cert.key_pem if cert.key_pem.endswith(b"\n") else cert.key_pem + b"\n"
+        path = name.path(self.directory)
+        write_private(path, key + cert.chain_pem)
+        return path
+
+    def read(self, name: CertName) -> Certificate | None:
+        try:
+            with open(name.path(self.directory), "rb") as f:
+                data = f.read(1 << 20)
+        except OSError:
+            return None
+        key, chain = split_pem(data)
+        if not key or not chain:
+            return None
+        try:
+            return Certificate.parse(key, chain)
+        except ValueError:
+            return None
+
+
+# --- shared --------------------------------------------------------------------------------------
+
+
+class CacheEntryError(Exception):
+    """An object in the shared cache we cannot use (corrupt, another key, wrong name)."""
+
+
+def key_id(key: bytes) -> str:
+    """A short public fingerprint of the cache key: tells boxes with different keys apart."""
+    return hashlib.sha256(b"lchat cert cache key\0" + key).hexdigest()[:16]
+
+
+def _aad(name: CertName, chain_pem: bytes) -> bytes:
+    return b"\0".join((FORMAT.encode(), name.stem.encode(), hashlib.sha256(chain_pem).digest()))
+
+
+def seal(name: CertName, cert: Certificate, key: bytes, issued_by: str) -> bytes:
+    """The bucket object for ``cert``: chain in clear, private key AES-256-GCM encrypted."""
+    nonce = secrets.token_bytes(12)
+    ciphertext = AESGCM(key).encrypt(nonce, cert.key_pem, _aad(name, cert.chain_pem))
+    body = {
+        "format": FORMAT,
+        "name": name.label,
+        "kind": name.kind,
+        "not_after": _rfc3339(cert.not_after),
+        "serial": f"{cert.serial:x}",
+        "issuer": cert.issuer,
+        "issued_by": issued_by,
+        "chain": cert.chain_pem.decode("ascii"),
+        "key": {
+            "alg": "AES-256-GCM",
+            "key_id": key_id(key),
+            "nonce": base64.b64encode(nonce).decode(),
+            "ciphertext": base64.b64encode(ciphertext).decode(),
+        },
+    }
+    return json.dumps(body, indent=1).encode()
+
+
+def describe(body: bytes) -> dict[str, Any]:
+    """The public fields of a bucket object (for ``lchat certs``), without decrypting."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise CacheEntryError(f"not JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CacheEntryError("not a certificate cache entry (format)")
+    return data
+
+
+def unseal(name: CertName, body: bytes, key: bytes) -> Certificate:
+    data = describe(body)
+    try:
+        chain = str(data["chain"]).encode("ascii")
+        sealed = data["key"]
+        if sealed.get("key_id") != key_id(key):
+            raise CacheEntryError(
+                f"its key is encrypted with cache key {sealed.get('key_id')}, ours is "
+                f"{key_id(key)} (LCHAT_CERT_CACHE_KEY must be the same on every box)"
+            )
+        nonce = base64.b64decode(sealed["nonce"], validate=True)
+        ciphertext = base64.b64decode(sealed["ciphertext"], validate=True)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CacheEntryError(f"malformed entry: {e}") from None
+    try:
+        key_pem = AESGCM(key).decrypt(nonce, ciphertext, _aad(name, chain))
+    except (InvalidTag, ValueError):
+        raise CacheEntryError(
+            "its private key does not decrypt for this name and chain (tampered or moved)"
+        ) from None
+    try:
+        cert = Certificate.parse(key_pem, chain)
+    except ValueError as e:
+        raise CacheEntryError(f"its chain does not parse: {e}") from None
+    return cert
+
+
+def _rfc3339(when: float) -> str:
+    return datetime.datetime.fromtimestamp(when, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class SharedCache:
+    """The bucket side: entries, issuance locks, challenge tokens."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        key: bytes,
+        *,
+        prefix: str = "",
+        box_id: str = "",
+        lock_ttl: float = 600.0,
+    ) -> None:
+        if len(key) != 32:
+            raise ValueError("the certificate cache key must be 32 bytes")
+        self.store = store
+        self._key = key
+        self._prefix = prefix.strip("/")
+        self.box_id = box_id
+        self.lock_ttl = lock_ttl
+        self._lock_owner = f"{box_id or '?'}#{secrets.token_hex(4)}"
+
+    def key_for(self, *parts: str) -> str:
+        return "/".join(p for p in (self._prefix, "certs", *parts) if p)
+
+    @property
+    def listing_prefix(self) -> str:
+        return self.key_for("") + "/"
+
+    def entry_key(self, name: CertName) -> str:
+        return self.key_for(name.stem + ".json")
+
+    # -- entries
+
+    async def fetch(self, name: CertName) -> tuple[Certificate, str] | None:
+        """The bucket's copy of ``name`` and its ETag; None if there is none (or it is unusable,
+        which is logged)."""
+        try:
+            got = await self.store.get(self.entry_key(name))
+        except NotFound:
+            return None
+        try:
+            return unseal(name, got.body, self._key), got.info.etag
+        except CacheEntryError as e:
+            _log.error("acme: shared cache entry {key} is unusable: {why}", key=got.info.key, why=e)
+            return None
+
+    async def publish(self, name: CertName, cert: Certificate) -> None:
+        await self.store.put(
+            self.entry_key(name),
+            seal(name, cert, self._key, self.box_id),
+            content_type="application/json",
+        )
+        _log.info(
+            "acme: {name} certificate uploaded to the shared cache (serial {serial:x})",
+            name=name.label,
+            serial=cert.serial,
+        )
+
+    def unseal(self, name: CertName, body: bytes) -> Certificate:
+        return unseal(name, body, self._key)
+
+    # -- issuance locks
+
+    async def lock(self, name: CertName) -> lease.HeldLease:
+        """Take the issuance lock of ``name`` or raise :class:`lchat.lease.LeaseHeld`."""
+        # The owner is this process, not just this box: two routers that share a hostname (a
+        # cloned machine) must still exclude each other. A crashed holder's lock simply expires.
+        return await lease.acquire(
+            self.store,
+            self.key_for("locks", name.stem + ".json"),
+            self._lock_owner,
+            self.lock_ttl,
+            host=name.label,
+        )
+
+    async def unlock(self, reactor: Any, held: lease.HeldLease) -> None:
+        await lease.release(reactor, self.store, held, 10.0)
+
+    # -- HTTP-01 tokens
+
+    async def put_challenge(self, token: str, key_authorization: str) -> None:
+        await self.store.put(
+            self.key_for("challenges", token), key_authorization.encode(), content_type="text/plain"
+        )
+
+    async def get_challenge(self, token: str) -> str | None:
+        try:
+            got = await self.store.get(self.key_for("challenges", token))
+        except NotFound:
+            return None
+        return got.body.decode("ascii", "replace")
+
+    async def delete_challenge(self, token: str) -> None:
+        await self.store.delete(self.key_for("challenges", token))
+
+
+class CacheSync(Service):
+    """Every ``interval``: install what the bucket has newer than us, upload what we have newer.
+
+    ``installed`` is called after a file was written (the certificate store rescans then)."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        shared: SharedCache,
+        local: LocalCache,
+        certificates: Callable[[], dict[str, tls.Loaded]],
+        installed: Callable[[], Deferred[None]],
+        run_in_thread: RunInThread,
+        interval: float = 60.0,
+    ) -> None:
+        self._reactor = reactor
+        self._shared = shared
+        self._local = local
+        self._certificates = certificates
+        self._installed = installed
+        self._run_in_thread = run_in_thread
+        self.interval = interval
+        self._etags: dict[str, str] = {}  # bucket key -> the ETag we last read
+        self._remote: dict[CertName, tuple[str, float]] = {}  # readable entries: (etag, not_after)
+        self._loop: LoopingCall | None = None
+        self._running: Deferred[None] | None = None
+        self._failing = False
+        self.rounds = 0
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop = LoopingCall(self.sync_now)
+        self._loop.clock = self._reactor
+        self._loop.start(self.interval, now=True).addErrback(
+            lambda f: _log.failure("acme: the shared cache sync loop died", f)
+        )
+
+    def stopService(self) -> Deferred[None] | None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        super().stopService()
+        if self._running is None:
+            return None
+        done: Deferred[None] = Deferred()
+        self._running.addBoth(lambda _: done.callback(None))
+        return done
+
+    def sync_now(self) -> Deferred[None]:
+        """One round (joins a round already running)."""
+        if self._running is not None:
+            joined: Deferred[None] = Deferred()
+            self._running.addBoth(lambda _: joined.callback(None))
+            return joined
+        d = Deferred.fromCoroutine(self._round())
+        d.addErrback(lambda f: _log.failure("acme: shared cache sync failed", f))
+        self._running = d
+
+        def done(result: object) -> object:
+            self._running = None
+            return result
+
+        d.addBoth(done)
+        out: Deferred[None] = Deferred()
+        d.addBoth(lambda _: out.callback(None))
+        return out
+
+    async def _round(self) -> None:
+        self.rounds += 1
+        try:
+            listing = await self._shared.store.list(self._shared.listing_prefix)
+        except ObjectStoreError as e:
+            _sync.labels("list", "error").inc()
+            if not self._failing:
+                _log.warn(
+                    "acme: cannot list the shared certificate cache ({error}); serving the "
+                    "local copies",
+                    error=e,
+                )
+            self._failing = True
+            return
+        if self._failing:
+            _log.info("acme: the shared certificate cache is reachable again")
+        self._failing = False
+        _sync.labels("list", "ok").inc()
+        in_bucket: dict[CertName, str] = {}
+        prefix = self._shared.listing_prefix
+        for info in listing:
+            rest = info.key[len(prefix) :]
+            if "/" in rest or not rest.endswith(".json"):
+                continue  # locks/, challenges/, strangers
+            name = CertName.from_stem(rest[: -len(".json")])
+            if name is not None:
+                in_bucket[name] = info.etag
+        changed = False
+        for name, etag in in_bucket.items():
+            key = self._shared.entry_key(name)
+            if self._etags.get(key) == etag:
+                continue
+            changed |= await self._pull(name, key)
+        await self._push(in_bucket)
+        if changed:
+            await self._installed()
+
+    async def _pull(self, name: CertName, key: str) -> bool:
+        try:
+            got = await self._shared.store.get(key)
+        except ObjectStoreError as e:
+            _log.warn("acme: cannot read {key}: {error}", key=key, error=e)
+            return False
+        self._etags[key] = got.info.etag
+        try:
+            cert = self._shared.unseal(name, got.body)
+        except CacheEntryError as e:
+            _sync.labels("install", "refused").inc()
+            _log.error("acme: shared cache entry {key} is unusable: {why}", key=key, why=e)
+            return False
+        self._remote[name] = (got.info.etag, cert.not_after)
+        local = await self._run_in_thread(lambda: self._local.read(name))
+        if local is not None and local.not_after >= cert.not_after:
+            return False
+        if cert.not_after <= self._reactor.seconds():
+            return False
+        await self._run_in_thread(lambda: self._local.install(name, cert))
+        _sync.labels("install", "ok").inc()
+        _log.info(
+            "acme: installed the {name} certificate from the shared cache (serial {serial:x}, "
+            "issued by {box})",
+            name=name.label,
+            serial=cert.serial,
+            box=describe(got.body).get("issued_by") or "?",
+        )
+        return True
+
+    async def _push(self, in_bucket: dict[CertName, str]) -> None:
+        for loaded in self._certificates().values():
+            if loaded.kind == "default":
+                continue
+            name = CertName(loaded.kind, loaded.name)
+            if name in in_bucket:
+                remote = self._remote.get(name)
+                if remote is None or remote[0] != in_bucket[name]:
+                    continue  # not readable by us: never overwrite what we could not judge
+                if remote[1] >= loaded.not_after:
+                    continue
+            cert = await self._run_in_thread(lambda n=name: self._local.read(n))  # type: ignore[misc]
+            if cert is None:
+                continue
+            try:
+                await self._shared.publish(name, cert)
+            except ObjectStoreError as e:
+                _sync.labels("upload", "error").inc()
+                _log.warn("acme: cannot upload {name}: {error}", name=name.label, error=e)
+                continue
+            _sync.labels("upload", "ok").inc()

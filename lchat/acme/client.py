@@ -1,0 +1,322 @@
+"""The ACME account and one order, on certbot's ``acme`` library (txacme is dead).
+
+Everything here blocks (the library speaks ``requests``): it runs in worker threads only, and the
+issuer (:mod:`lchat.acme.issuer`) hands it a deadline. The account key is created once and kept in
+the certificate directory (``acme-account.key``, mode 0600: the TLS scanner ignores the name); the
+registration is looked up (or made) once per process, on the first order, so a router that never
+needs a certificate never talks to the CA.
+
+A certificate's private key is a fresh ECDSA P-256 key per order (small, fast handshakes); the
+result is the key and the chain, leaf first: exactly what a ``<host>.pem`` file holds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import josepy as jose
+import requests
+from acme import challenges, client, crypto_util, errors, messages
+from attrs import frozen
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from twisted.logger import Logger
+
+import lchat
+
+ACCOUNT_KEY_FILE = "acme-account.key"
+USER_AGENT = f"lchat/{lchat.__version__}"
+DEFAULT_DEADLINE = 120.0  # seconds for validation and finalisation of one order
+
+_log = Logger(namespace="lchat.acme")
+
+
+class IssuanceError(Exception):
+    """An order that did not produce a certificate. ``stage`` is a small fixed set (metric
+    label): ``account``, ``order``, ``challenge``, ``dns``, ``validation``, ``finalize``,
+    ``network``, ``stopped``."""
+
+    def __init__(self, stage: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.retry_after = retry_after  # the CA asked us to wait this long (rate limits)
+
+
+@frozen
+class Issued:
+    key_pem: bytes
+    chain_pem: bytes  # leaf first
+    not_after: float  # unix time
+
+
+class Solver(Protocol):
+    """One way of proving control of a name; called in the worker thread."""
+
+    kind: str  # "http-01" or "dns-01"
+
+    def present(self, domain: str, token: str, validation: str) -> object:
+        """Make the proof visible (the HTTP-01 key authorisation, or the DNS-01 TXT value);
+        return a handle for :meth:`cleanup`."""
+
+    def ready(self, handles: Sequence[object]) -> None:
+        """Block until every proof is visible to the CA (DNS propagation); may raise."""
+
+    def cleanup(self, handle: object) -> None:
+        """Take a proof away again. Called for every handle, also when the order failed."""
+
+
+class AcmeAccount:
+    """One ACME account at ``directory_url``, its key kept in ``cache_dir``. Thread-safe."""
+
+    def __init__(
+        self,
+        directory_url: str,
+        cache_dir: str,
+        *,
+        email: str = "",
+        ca_file: str = "",
+        timeout: int = 30,
+    ) -> None:
+        self.directory_url = directory_url
+        self.cache_dir = cache_dir
+        self._email = email
+        self._verify: bool | str = ca_file or True
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._client: client.ClientV2 | None = None
+        self._key: jose.JWKRSA | None = None
+        self.stopping = threading.Event()
+
+    @property
+    def key_path(self) -> str:
+        return os.path.join(self.cache_dir, ACCOUNT_KEY_FILE)
+
+    # -- the account ------------------------------------------------------------------------
+
+    def connect(self) -> tuple[client.ClientV2, jose.JWKRSA]:
+        """The registered client (registering on first use). Blocking."""
+        with self._lock:
+            if self._client is None or self._key is None:
+                key = jose.JWKRSA(key=self._load_or_create_key())
+                try:
+                    self._client = self._register(key)
+                except errors.Error as e:
+                    raise IssuanceError("account", f"cannot register with the CA: {e}") from e
+                except messages.Error as e:
+                    raise IssuanceError(
+                        "account", f"the CA refused the account: {_problem(e)}"
+                    ) from e
+                except requests.RequestException as e:
+                    raise IssuanceError(
+                        "network", f"cannot reach {self.directory_url}: {_short(e)}"
+                    ) from e
+                self._key = key
+            return self._client, self._key
+
+    def _register(self, key: jose.JWKRSA) -> client.ClientV2:
+        net = client.ClientNetwork(
+            key,
+            verify_ssl=self._verify,  # type: ignore[arg-type]  # requests takes a CA bundle path too
+            user_agent=USER_AGENT,
+            timeout=self._timeout,
+        )
+        directory = client.ClientV2.get_directory(self.directory_url, net)
+        acme = client.ClientV2(directory, net)
+        registration = messages.NewRegistration.from_data(
+            email=self._email or None, terms_of_service_agreed=True
+        )
+        try:
+            regr = acme.new_account(registration)
+            _log.info(
+                "acme: registered account {uri} at {directory}",
+                uri=regr.uri,
+                directory=self.directory_url,
+            )
+        except errors.ConflictError as e:
+            # The key is already registered: that account is ours.
+            net.account = messages.RegistrationResource(
+                uri=e.location, body=messages.Registration()
+            )
+            _log.info("acme: using account {uri}", uri=e.location)
+        return acme
+
+    def _load_or_create_key(self) -> rsa.RSAPrivateKey:
+        path = self.key_path
+        try:
+            with open(path, "rb") as f:
+                loaded = serialization.load_pem_private_key(f.read(), password=None)
+        except FileNotFoundError:
+            pass
+        else:
+            if not isinstance(loaded, rsa.RSAPrivateKey):
+                raise IssuanceError("account", f"{path} is not an RSA key")
+            return loaded
+        created = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        pem = created.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        write_private(path, pem)
+        _log.info("acme: created the account key {path}", path=path)
+        # Another process may have won the race: whoever is on disk now is the account.
+        with open(path, "rb") as f:
+            final = serialization.load_pem_private_key(f.read(), password=None)
+        assert isinstance(final, rsa.RSAPrivateKey)
+        return final
+
+    # -- one order --------------------------------------------------------------------------
+
+    def issue(
+        self,
+        names: Sequence[str],
+        solver: Solver,
+        *,
+        deadline: float = DEFAULT_DEADLINE,
+        on_order: Callable[[], None] = lambda: None,
+    ) -> Issued:
+        """Order a certificate for ``names`` (``*.domain`` for a wildcard), prove control with
+        ``solver``, and return it. Blocking; raises :class:`IssuanceError`."""
+        acme, key = self.connect()
+        self._check_stopping()
+        cert_key = ec.generate_private_key(ec.SECP256R1())
+        key_pem = cert_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        csr = crypto_util.make_csr(key_pem, list(names))
+        try:
+            order = acme.new_order(csr)
+        except messages.Error as e:
+            raise IssuanceError("order", _problem(e), _retry_after(e)) from e
+        except requests.RequestException as e:
+            raise IssuanceError("network", f"new order: {_short(e)}") from e
+        on_order()
+        handles: list[object] = []
+        try:
+            answers = []
+            for authz in order.authorizations:
+                if authz.body.status == messages.STATUS_VALID:
+                    continue  # the CA remembers an earlier validation
+                domain = authz.body.identifier.value
+                challb = _pick(authz.body.challenges, solver.kind, domain)
+                if isinstance(challb.chall, challenges.DNS01):
+                    proof = challb.chall.validation(key)
+                else:
+                    proof = challb.chall.response_and_validation(key)[1]
+                handles.append(solver.present(domain, challb.chall.encode("token"), proof))
+                answers.append(challb)
+            self._check_stopping()
+            solver.ready(handles)
+            self._check_stopping()
+            for challb in answers:
+                acme.answer_challenge(challb, challb.chall.response(key))
+            until = datetime.datetime.now() + datetime.timedelta(seconds=deadline)
+            self._wait_validated(acme, order, until)
+            order = acme.poll_and_finalize(order, until)
+        except errors.ValidationError as e:
+            raise IssuanceError("validation", _validation_errors(e)) from e
+        except errors.TimeoutError as e:
+            raise IssuanceError("validation", f"not validated within {deadline:.0f}s") from e
+        except messages.Error as e:
+            raise IssuanceError("finalize", _problem(e), _retry_after(e)) from e
+        except requests.RequestException as e:
+            raise IssuanceError("network", _short(e)) from e
+        except errors.Error as e:
+            raise IssuanceError("finalize", str(e) or type(e).__name__) from e
+        finally:
+            for handle in handles:
+                try:
+                    solver.cleanup(handle)
+                except Exception as e:
+                    _log.warn(
+                        "acme: cleaning up a {kind} proof failed: {error}",
+                        kind=solver.kind,
+                        error=e,
+                    )
+        chain = order.fullchain_pem.encode("ascii")
+        leaf = x509.load_pem_x509_certificate(chain)
+        return Issued(key_pem, chain, leaf.not_valid_after_utc.timestamp())
+
+    def _wait_validated(
+        self, acme: client.ClientV2, order: messages.OrderResource, until: datetime.datetime
+    ) -> None:
+        # The library polls once a second; a CA usually validates in well under that.
+        for authz in order.authorizations:
+            delay = 0.1
+            while acme.poll(authz)[0].body.status == messages.STATUS_PENDING:
+                if datetime.datetime.now() >= until:
+                    return  # poll_and_finalize reports the timeout
+                if self.stopping.wait(delay):
+                    raise IssuanceError("stopped", "the router is stopping")
+                delay = min(delay * 2, 2.0)
+
+    def _check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise IssuanceError("stopped", "the router is stopping")
+
+
+def _pick(
+    offered: Sequence[messages.ChallengeBody], kind: str, domain: str
+) -> messages.ChallengeBody:
+    for challb in offered:
+        if challb.chall.typ == kind:
+            return challb
+    kinds = ", ".join(sorted(str(c.chall.typ) for c in offered)) or "none"
+    raise IssuanceError("challenge", f"the CA offers no {kind} challenge for {domain} ({kinds})")
+
+
+def _problem(e: messages.Error) -> str:
+    code = (e.typ or "").rsplit(":", 1)[-1]
+    return f"{code}: {e.detail}" if e.detail else code or str(e)
+
+
+def _retry_after(e: messages.Error) -> float | None:
+    # rateLimited problems carry no Retry-After we can see here; back off hard ourselves.
+    return 3600.0 if (e.typ or "").endswith(":rateLimited") else None
+
+
+def _validation_errors(e: errors.ValidationError) -> str:
+    parts = []
+    for authzr in e.failed_authzrs:
+        for challb in authzr.body.challenges:
+            if challb.error is not None:
+                parts.append(f"{authzr.body.identifier.value}: {_problem(challb.error)}")
+    return "; ".join(parts) or "validation failed"
+
+
+def _short(e: Exception) -> str:
+    text = str(e)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically with mode 0600 (temp file, fsync, rename)."""
+    directory = os.path.dirname(path)
+    tmp = os.path.join(
+        directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp"
+    )
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

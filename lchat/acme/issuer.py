@@ -1,0 +1,630 @@
+"""The issuer: which certificates to get, when, and how often to try.
+
+- **Host policy.** A per-host certificate is ordered only for a host the registry has and serves
+  (``ready``), or this box's own mesh name: strangers pointing DNS at the box cannot burn the CA's
+  rate limit. The first TLS handshake for such a host without a certificate asks for one
+  (:meth:`Issuer.want`, from the SNI callback: a few dict lookups, never a wait); that handshake and
+  any others until the file lands get the default certificate, or fail at once.
+- **One order per name.** Concurrent asks for one name join the order in flight; with the shared
+  cache (``LCHAT_CERT_CACHE=s3``) a lock in the bucket makes that one order per *fleet*, and the
+  other boxes install the result from the bucket.
+- **Wildcards** (``LCHAT_WILDCARD_DOMAINS``) by DNS-01, checked at start and every 12 h, renewed
+  when missing or due. Hosts under a wildcard domain wait for it rather than order their own; if
+  the wildcard fails they get per-host certificates (HTTP-01) until it succeeds: degraded, never an
+  outage.
+- **Renewal.** Every certificate is renewed ``renew_before`` (30 days; a third of the lifetime for
+  certificates shorter-lived than 90 days) before it expires, a little earlier by a jitter derived
+  from its serial (so a fleet's renewals spread), and the new file is served from the next
+  handshake.
+- **Failures** back off per name (1 min doubling to 1 h, longer when the CA says we are rate
+  limited), are logged with the stage that failed and counted.
+
+Orders run in a small thread pool of their own, so a slow CA never starves the reactor's pool
+(certificate scans, the registry, replication).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from lchat import hosts, tls
+from lchat.acme.cache import Certificate, CertName, LocalCache, SharedCache
+from lchat.acme.client import AcmeAccount, IssuanceError
+from lchat.acme.http01 import ChallengeResponder
+from lchat.lease import LeaseHeld
+from lchat.objstore import ObjectStoreError
+
+DAY = 86400.0
+RENEW_BEFORE = 30 * DAY
+RENEWAL_CHECK = 3600.0
+WILDCARD_CHECK = 12 * 3600.0
+BACKOFF = (60.0, 3600.0)
+ORDER_THREADS = 4
+
+_log = Logger(namespace="lchat.acme")
+
+ORDERS = Counter("lchat_acme_orders_total", "ACME orders placed, by certificate type", ["type"])
+ISSUANCES = Counter(
+    "lchat_acme_issuances_total",
+    "Certificates obtained or failed, by type and outcome (issued: by our order; shared: taken "
+    "from the shared cache)",
+    ["type", "outcome"],
+)
+FAILURES = Counter(
+    "lchat_acme_failures_total",
+    "Failed issuances by type and the stage that failed",
+    ["type", "stage"],
+)
+IN_PROGRESS = Gauge("lchat_acme_in_progress", "Issuances under way")
+RENEWAL_LAG = Gauge(
+    "lchat_acme_renewal_lag_seconds",
+    "How long past its renewal time the most overdue certificate is (0: none overdue)",
+)
+EXPIRING = Gauge(
+    "lchat_tls_certificates_expiring",
+    "Certificates being served, by time left until they expire",
+    ["within"],
+)
+EXPIRY_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("7d", 7 * DAY),
+    ("30d", 30 * DAY),
+    ("90d", 90 * DAY),
+    ("later", float("inf")),
+)
+for _kind in ("host", "wildcard"):
+    ORDERS.labels(_kind)
+    for _outcome in ("issued", "shared", "failed"):
+        ISSUANCES.labels(_kind, _outcome)
+for _bucket, _ in EXPIRY_BUCKETS:
+    EXPIRING.labels(_bucket)
+
+MayIssue = Callable[[str], bool]
+
+
+class Issuer(Service):
+    """Obtains and renews the box's certificates into ``local``; serves nothing itself."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        *,
+        store: tls.CertStore,
+        local: LocalCache,
+        account: AcmeAccount,
+        may_issue: MayIssue,
+        http01: ChallengeResponder | None,
+        dns: Any = None,  # lchat.acme.dns01.DNSProvider
+        wildcard_domains: Sequence[str] = (),
+        dns_resolvers: Sequence[tuple[str, int]] = (),
+        dns_timeout: float = 120.0,
+        shared: SharedCache | None = None,
+        renew_before: float = RENEW_BEFORE,
+        renewal_check: float = RENEWAL_CHECK,
+        wildcard_check: float = WILDCARD_CHECK,
+        backoff: tuple[float, float] = BACKOFF,
+        order_deadline: float = 120.0,
+        shared_poll: float = 2.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self._store = store
+        self._local = local
+        self._account = account
+        self._may_issue = may_issue
+        self._http01 = http01
+        self._dns = dns
+        self.wildcard_domains = tuple(wildcard_domains)
+        self._dns_resolvers = tuple(dns_resolvers)
+        self._dns_timeout = dns_timeout
+        self._shared = shared
+        self.renew_before = renew_before
+        self._renewal_check = renewal_check
+        self._wildcard_check = wildcard_check
+        self._backoff = backoff
+        self._order_deadline = order_deadline
+        self._shared_poll = shared_poll
+        self._rng = rng or random.Random()  # noqa: S311 -- jitter, not secrets
+        self._inflight: dict[CertName, Deferred[None]] = {}
+        self._failures: dict[CertName, tuple[int, float]] = {}  # name -> (failures, next try)
+        # A wildcard domain is "pending" until its first attempt ends: hosts under it wait.
+        self._wildcards: dict[str, str] = {d: "pending" for d in self.wildcard_domains}
+        self._loops: list[LoopingCall] = []
+        self._retries: dict[CertName, Any] = {}
+        self._pool = _DaemonThreadPool(minthreads=0, maxthreads=ORDER_THREADS, name="lchat-acme")
+        self._no_http01_logged = False
+        self.orders: dict[str, int] = {"host": 0, "wildcard": 0}  # this issuer's, for tests
+
+    # -- asking -------------------------------------------------------------------------------
+
+    def want(self, host: str) -> None:
+        """A handshake for ``host`` found no certificate: get one if policy allows. Never raises,
+        never waits (it runs inside OpenSSL's SNI callback)."""
+        try:
+            self._want(host)
+        except Exception:
+            _log.failure("acme: deciding whether to issue for {host} failed", host=host)
+
+    def _want(self, host: str) -> None:
+        if not self.running:
+            return
+        name = CertName("host", host)
+        if name in self._inflight or not self._may_issue(host):
+            return
+        if not self._may_try(name):
+            return
+        domain = self._wildcard_domain(host)
+        if domain is not None and self._wildcards.get(domain) != "failed":
+            return  # its wildcard is on the way (or served: then we were not asked)
+        if self._http01 is None:
+            if not self._no_http01_logged:
+                self._no_http01_logged = True
+                _log.warn(
+                    "acme: no certificate for {host}, and per-host issuance needs HTTP-01 on port "
+                    "80 (LCHAT_HTTP_ADDR is off); use a wildcard (LCHAT_WILDCARD_DOMAINS)",
+                    host=host,
+                )
+            return
+        self.start(name, "first contact")
+
+    def start(self, name: CertName, reason: str) -> Deferred[None]:
+        """Obtain ``name`` now (joining an attempt in flight). Fires when the attempt ends,
+        whatever its outcome (failures are logged and counted, never raised)."""
+        running = self._inflight.get(name)
+        if running is None:
+            running = Deferred()
+            self._inflight[name] = running
+            # Not from inside the caller's stack (an SNI callback): the next reactor turn.
+            self._reactor.callLater(0, self._begin, name, reason, running)
+        joined: Deferred[None] = Deferred()
+        running.addBoth(lambda _: joined.callback(None))
+        return joined
+
+    def _begin(self, name: CertName, reason: str, done: Deferred[None]) -> None:
+        d = Deferred.fromCoroutine(self._obtain(name, reason))
+
+        def finished(result: object) -> None:
+            self._inflight.pop(name, None)
+            done.callback(None)
+
+        d.addErrback(lambda f: _log.failure("acme: issuing {name} failed", f, name=name.label))
+        d.addBoth(finished)
+
+    # -- obtaining ----------------------------------------------------------------------------
+
+    async def _obtain(self, name: CertName, reason: str) -> None:
+        IN_PROGRESS.inc()
+        started = self._reactor.seconds()
+        try:
+            outcome = await self._obtain_once(name, reason)
+        except IssuanceError as e:
+            self._failed(name, e)
+            return
+        except ObjectStoreError as e:
+            self._failed(name, IssuanceError("shared", f"the shared cache: {e}"))
+            return
+        finally:
+            IN_PROGRESS.dec()
+        self._failures.pop(name, None)
+        if name.kind == "wildcard":
+            self._wildcards[name.name] = "ok"
+        ISSUANCES.labels(name.kind, outcome).inc()
+        self._publish_expiry()
+        _log.info(
+            "acme: {name} certificate {how} in {seconds:.1f}s",
+            name=name.label,
+            how="issued" if outcome == "issued" else "taken from the shared cache",
+            seconds=self._reactor.seconds() - started,
+        )
+
+    async def _obtain_once(self, name: CertName, reason: str) -> str:
+        shared = self._shared
+        if shared is None:
+            await self._order(name, reason)
+            return "issued"
+        held = None
+        waited = False
+        deadline = self._reactor.seconds() + shared.lock_ttl + 30
+        while True:
+            if await self._from_shared(name):
+                return "shared"
+            try:
+                held = await shared.lock(name)
+                break
+            except LeaseHeld as e:
+                if not waited:
+                    waited = True
+                    _log.info(
+                        "acme: {name} is being issued by {owner}; waiting for it in the shared cache",
+                        name=name.label,
+                        owner=e.owner,
+                    )
+            except ObjectStoreError as e:
+                # The bucket is down: a certificate now beats a perfectly single order.
+                _log.warn(
+                    "acme: cannot take the issuance lock for {name} ({error}); ordering without it",
+                    name=name.label,
+                    error=e,
+                )
+                break
+            if not self.running or self._reactor.seconds() > deadline:
+                raise IssuanceError(
+                    "shared", "another box held the issuance lock and no certificate appeared"
+                )
+            await deferLater(self._reactor, self._shared_poll, lambda: None)
+        try:
+            if held is not None and await self._from_shared(name):
+                return "shared"  # finished by another box between our look and our lock
+            cert = await self._order(name, reason)
+            try:
+                await shared.publish(name, cert)
+            except ObjectStoreError as e:
+                _log.warn(
+                    "acme: cannot upload {name} to the shared cache ({error}); the sync retries",
+                    name=name.label,
+                    error=e,
+                )
+            return "issued"
+        finally:
+            if held is not None:
+                await shared.unlock(self._reactor, held)
+
+    async def _from_shared(self, name: CertName) -> bool:
+        """Install the bucket's copy when it is good for a while yet. True if we may stop."""
+        assert self._shared is not None
+        try:
+            found = await self._shared.fetch(name)
+        except ObjectStoreError as e:
+            _log.warn(
+                "acme: cannot read the shared cache for {name}: {error}", name=name.label, error=e
+            )
+            return False
+        if found is None:
+            return False
+        cert, _ = found
+        if self._reactor.seconds() >= self.renew_time(cert.not_after, cert.serial, None):
+            return False  # due itself: renew it
+        local = await self._run(lambda: self._local.read(name))
+        if local is None or local.not_after < cert.not_after:
+            await self._run(lambda: self._local.install(name, cert))
+            await self._store.rescan()
+        return True
+
+    async def _order(self, name: CertName, reason: str) -> Certificate:
+        _log.info(
+            "acme: ordering a certificate for {name} ({reason})", name=name.label, reason=reason
+        )
+        solver: Any
+        if name.kind == "host":
+            if self._http01 is None:
+                raise IssuanceError(
+                    "challenge", "HTTP-01 needs the port-80 listener (LCHAT_HTTP_ADDR)"
+                )
+            solver = HTTP01Solver(self._reactor, self._http01, self._shared)
+        else:
+            if self._dns is None:
+                raise IssuanceError("dns", "no DNS provider for DNS-01")
+            solver = DNS01Solver(
+                self._dns, self._dns_resolvers, self._dns_timeout, self._account.stopping
+            )
+
+        def placed() -> None:
+            self._reactor.callFromThread(self._count_order, name.kind)
+
+        issued = await self._run(
+            lambda: self._account.issue(
+                [name.label], solver, deadline=self._order_deadline, on_order=placed
+            )
+        )
+        cert = Certificate.parse(issued.key_pem, issued.chain_pem)
+        await self._run(lambda: self._local.install(name, cert))
+        await self._store.rescan()
+        return cert
+
+    def _count_order(self, kind: str) -> None:
+        ORDERS.labels(kind).inc()
+        self.orders[kind] = self.orders.get(kind, 0) + 1
+
+    def _failed(self, name: CertName, error: IssuanceError) -> None:
+        count = self._failures.get(name, (0, 0.0))[0] + 1
+        base, cap = self._backoff
+        delay = min(base * 2 ** (count - 1), cap)
+        if error.retry_after:
+            delay = max(delay, error.retry_after)
+        delay *= self._rng.uniform(0.9, 1.1)
+        self._failures[name] = (count, self._reactor.seconds() + delay)
+        FAILURES.labels(name.kind, error.stage).inc()
+        ISSUANCES.labels(name.kind, "failed").inc()
+        _log.error(
+            "acme: {name} issuance failed ({stage}): {error}; next attempt in {delay:.0f}s",
+            name=name.label,
+            stage=error.stage,
+            error=str(error),
+            delay=delay,
+            failures=count,
+        )
+        if name.kind == "wildcard" and error.stage != "stopped":
+            if self._wildcards.get(name.name) != "failed":
+                _log.warn(
+                    "acme: *.{domain} is not available: hosts under it get per-host "
+                    "certificates until it is issued",
+                    domain=name.name,
+                )
+            self._wildcards[name.name] = "failed"
+            if self.running:
+                self._schedule_retry(name, delay)
+
+    def _schedule_retry(self, name: CertName, delay: float) -> None:
+        previous = self._retries.pop(name, None)
+        if previous is not None and previous.active():
+            previous.cancel()
+        self._retries[name] = self._reactor.callLater(delay, self.start, name, "retry")
+
+    def _may_try(self, name: CertName) -> bool:
+        failed = self._failures.get(name)
+        return failed is None or self._reactor.seconds() >= failed[1]
+
+    def _wildcard_domain(self, host: str) -> str | None:
+        parent = host.partition(".")[2]
+        return parent if parent in self._wildcards else None
+
+    def _run(self, f: Callable[[], Any]) -> Deferred[Any]:
+        return deferToThreadPool(self._reactor, self._pool, f)
+
+    # -- renewal ------------------------------------------------------------------------------
+
+    def renew_time(self, not_after: float, serial: int, not_before: float | None) -> float:
+        """When a certificate is due: ``renew_before`` ahead of expiry (a third of its lifetime
+        when that is shorter), minus up to a day of jitter derived from the serial."""
+        before = self.renew_before
+        if not_before is not None and not_after > not_before:
+            before = min(before, (not_after - not_before) / 3)
+        window = min(DAY, before / 10)
+        return not_after - before - window * ((serial % 10007) / 10007)
+
+    def check_renewals(self) -> None:
+        """Start every renewal that is due (the periodic check; also callable by tests)."""
+        now = self._reactor.seconds()
+        lag = 0.0
+        served = self._store.certificates()
+        for loaded in served.values():
+            if loaded.kind == "default":
+                continue
+            name = CertName("wildcard" if loaded.kind == "wildcard" else "host", loaded.name)
+            due = self.renew_time(loaded.not_after, loaded.serial, loaded.not_before)
+            if now < due:
+                continue
+            if loaded.kind == "host":
+                if not self._may_issue(loaded.name) or self._http01 is None:
+                    continue  # not ours to renew (removed, or no HTTP-01): it lapses
+                wildcard = served.get("*." + loaded.name.partition(".")[2])
+                if wildcard is not None and now < self.renew_time(
+                    wildcard.not_after, wildcard.serial, wildcard.not_before
+                ):
+                    continue  # a good wildcard covers it: no need for its own
+            elif loaded.name not in self._wildcards:
+                continue  # a wildcard placed by hand, for a domain we do not issue
+            lag = max(lag, now - due)
+            if name not in self._inflight and self._may_try(name):
+                self.start(name, "renewal")
+        RENEWAL_LAG.set(lag)
+        self._publish_expiry()
+
+    def check_wildcards(self) -> None:
+        """Start every configured wildcard that is missing or due."""
+        now = self._reactor.seconds()
+        served = self._store.certificates()
+        for domain in self.wildcard_domains:
+            loaded = served.get("*." + domain)
+            name = CertName.wildcard(domain)
+            if loaded is not None and now < self.renew_time(
+                loaded.not_after, loaded.serial, loaded.not_before
+            ):
+                self._wildcards[domain] = "ok"
+                continue
+            if name not in self._inflight and self._may_try(name):
+                self.start(name, "missing" if loaded is None else "renewal")
+
+    def _publish_expiry(self) -> None:
+        now = self._reactor.seconds()
+        counts = dict.fromkeys((b for b, _ in EXPIRY_BUCKETS), 0)
+        for loaded in self._store.certificates().values():
+            left = loaded.not_after - now
+            for bucket, limit in EXPIRY_BUCKETS:
+                if left <= limit:
+                    counts[bucket] += 1
+                    break
+        for bucket, count in counts.items():
+            EXPIRING.labels(bucket).set(count)
+
+    # -- service ------------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._account.stopping.clear()
+        self._pool.start()
+        for period, check in (
+            (self._wildcard_check, self.check_wildcards),
+            (self._renewal_check, self.check_renewals),
+        ):
+            loop = LoopingCall(check)
+            loop.clock = self._reactor
+            # Spread boxes that started together: the first check now, the rest jittered.
+            loop.start(period * self._rng.uniform(0.95, 1.05), now=True).addErrback(
+                lambda f: _log.failure("acme: a certificate check loop died", f)
+            )
+            self._loops.append(loop)
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        self._account.stopping.set()
+        for loop in self._loops:
+            if loop.running:
+                loop.stop()
+        self._loops.clear()
+        for call in self._retries.values():
+            if call.active():
+                call.cancel()
+        self._retries.clear()
+        waiting = list(self._inflight.values())
+
+        async def drain() -> None:
+            for d in waiting:
+                joined: Deferred[None] = Deferred()
+
+                def release(_: object, j: Deferred[None] = joined) -> None:
+                    if not j.called:
+                        j.callback(None)
+
+                d.addBoth(release)
+                joined.addTimeout(10, self._reactor)
+                try:
+                    await joined
+                except Exception:
+                    _log.warn("acme: an order was still running at shutdown")
+            # Threads stuck in a CA request end on their own timeouts; do not wait for them.
+            threading.Thread(target=self._pool.stop, name="lchat-acme-stop", daemon=True).start()
+
+        return Deferred.fromCoroutine(drain())
+
+
+class _DaemonThreadPool(ThreadPool):
+    """Order threads never hold the process up at exit: one stuck in a CA request that the router
+    no longer waits for just ends with it."""
+
+    def threadFactory(self, *args: Any, **kwargs: Any) -> threading.Thread:  # type: ignore[override]
+        return threading.Thread(*args, daemon=True, **kwargs)
+
+
+# --- solvers (called in the order's worker thread) ------------------------------------------------
+
+
+class HTTP01Solver:
+    """Publishes key authorisations on our port-80 responder, and in the bucket for the box the
+    CA may reach instead (shared cache)."""
+
+    kind = "http-01"
+
+    def __init__(
+        self, reactor: Any, responder: ChallengeResponder, shared: SharedCache | None
+    ) -> None:
+        self._reactor = reactor
+        self._responder = responder
+        self._shared = shared
+
+    def present(self, domain: str, token: str, validation: str) -> object:
+        self._responder.publish(token, validation)
+        if self._shared is not None:
+            shared = self._shared
+            try:
+                on_reactor(self._reactor, lambda: shared.put_challenge(token, validation))
+            except Exception as e:
+                _log.warn(
+                    "acme: cannot share the challenge for {domain} in the bucket ({error}): only "
+                    "this box can answer it",
+                    domain=domain,
+                    error=e,
+                )
+        return token
+
+    def ready(self, handles: Sequence[object]) -> None:
+        return None
+
+    def cleanup(self, handle: object) -> None:
+        token = str(handle)
+        self._responder.withdraw(token)
+        if self._shared is not None:
+            shared = self._shared
+            try:
+                on_reactor(self._reactor, lambda: shared.delete_challenge(token))
+            except Exception as e:
+                _log.debug("acme: removing a shared challenge failed: {error}", error=e)
+
+
+class DNS01Solver:
+    """TXT records through a DNS provider; ready once every resolver we check sees them."""
+
+    kind = "dns-01"
+
+    def __init__(
+        self,
+        provider: Any,
+        resolvers: Sequence[tuple[str, int]],
+        timeout: float,
+        stopping: threading.Event,
+    ) -> None:
+        self._provider = provider
+        self._resolvers = resolvers
+        self._timeout = timeout
+        self._stopping = stopping
+
+    def present(self, domain: str, token: str, validation: str) -> object:
+        from lchat.acme import dns01
+
+        fqdn = "_acme-challenge." + hosts.normalise(domain)
+        try:
+            return self._provider.add_txt(fqdn, validation)
+        except dns01.DNSProviderError as e:
+            raise IssuanceError("dns", str(e)) from e
+
+    def ready(self, handles: Sequence[object]) -> None:
+        from lchat.acme import dns01
+
+        wanted: dict[str, list[str]] = {}
+        for record in handles:
+            wanted.setdefault(record.fqdn, []).append(record.value)  # type: ignore[attr-defined]
+
+        def sleep(seconds: float) -> None:
+            if self._stopping.wait(seconds):
+                raise IssuanceError("stopped", "the router is stopping")
+
+        for fqdn, values in wanted.items():
+            try:
+                dns01.wait_for_txt(
+                    fqdn, values, resolvers=self._resolvers, timeout=self._timeout, sleep=sleep
+                )
+            except dns01.DNSProviderError as e:
+                raise IssuanceError("dns", str(e)) from e
+
+    def cleanup(self, handle: object) -> None:
+        self._provider.remove_txt(handle)
+
+
+def on_reactor(reactor: Any, work: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
+    """From a worker thread: run the coroutine ``work()`` on the reactor and wait for it, at most
+    ``timeout`` seconds (a stopped reactor must not strand the thread, as blockingCallFromThread
+    would)."""
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def begin() -> None:
+        async def run() -> Any:
+            return await work()
+
+        d = Deferred.fromCoroutine(run())
+
+        def finish(result: Any) -> None:
+            outcome.append(result)
+            done.set()
+
+        d.addBoth(finish)
+
+    reactor.callFromThread(begin)
+    if not done.wait(timeout):
+        raise TimeoutError(f"the reactor did not answer within {timeout:.0f}s")
+    result = outcome[0]
+    from twisted.python.failure import Failure
+
+    if isinstance(result, Failure):
+        result.raiseException()
+    return result

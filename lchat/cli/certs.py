@@ -1,0 +1,160 @@
+"""``lchat certs``: the certificate cache — every certificate this box has, and the shared cache's.
+
+One row per name: host or wildcard, issuer, not-after, and where it is (``dir``: this box's
+``LCHAT_ACME_CACHE``; ``s3``: the shared cache in the bucket; ``dir+s3``: both, the same
+certificate; a row per copy when they differ). The bucket's entries are read (one LIST, one GET
+each) but never decrypted: the listing needs no key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from attrs import asdict, define
+
+from lchat import tls
+from lchat.acme.cache import CacheEntryError, CertName, describe
+from lchat.cli.replica import _run_on_reactor
+from lchat.config import BoxConfig
+from lchat.objstore import ObjectStoreError, open_store
+
+SUMMARY = "list the certificate cache: name, kind, issuer, not-after, source (dir or s3)"
+
+
+@define
+class Row:
+    name: str
+    kind: str
+    issuer: str
+    not_after: str
+    serial: str
+    source: str
+    note: str = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+
+
+def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) -> int:
+    rows = _local_rows(cfg.acme_cache)
+    if cfg.cert_cache == "s3":
+        assert cfg.hibernate is not None
+        hib = cfg.hibernate
+
+        async def main(reactor: Any) -> list[Row]:
+            store = open_store(reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint)
+            try:
+                return await _shared_rows(store, hib.key("certs") + "/")
+            finally:
+                await store.close()
+
+        try:
+            rows = _merge(rows, _run_on_reactor(main))
+        except ObjectStoreError as e:
+            raise CertsError(f"cannot read the shared certificate cache: {e}") from e
+    rows.sort(key=lambda r: (r.kind != "default", r.name.lstrip("*."), r.source))
+    if args.json:
+        out(json.dumps([asdict(r) for r in rows], indent=2))
+        return 0
+    if not rows:
+        out(
+            f"no certificates in {cfg.acme_cache}"
+            + (" or the shared cache" if cfg.cert_cache == "s3" else "")
+        )
+        return 0
+    width = max(len("NAME"), *(len(r.name) for r in rows))
+    issuer_width = max(len("ISSUER"), *(len(r.issuer) for r in rows))
+    out(f"{'NAME':<{width}}  {'KIND':<8}  {'ISSUER':<{issuer_width}}  {'NOT-AFTER':<20}  SOURCE")
+    for r in rows:
+        line = f"{r.name:<{width}}  {r.kind:<8}  {r.issuer:<{issuer_width}}  {r.not_after:<20}  {r.source}"
+        out(line + (f"  ({r.note})" if r.note else ""))
+    return 0
+
+
+class CertsError(Exception):
+    pass
+
+
+def _local_rows(directory: str) -> list[Row]:
+    try:
+        filenames = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise CertsError(f"cannot list {directory}: {e.strerror or e}") from e
+    now = datetime.datetime.now(datetime.UTC).timestamp()
+    rows = []
+    for filename in filenames:
+        role = tls.role_of(filename)
+        if role is None:
+            continue
+        kind, name = role
+        label = "*." + name if kind == "wildcard" else name
+        path = os.path.join(directory, filename)
+        loaded = tls.load_file(path, kind, name, now)
+        if isinstance(loaded, tls.Refused):
+            rows.append(Row(label, kind, "?", "?", "", "dir", f"refused: {loaded.why}"))
+            continue
+        rows.append(
+            Row(
+                label,
+                kind,
+                loaded.issuer,
+                _date(loaded.not_after),
+                f"{loaded.serial:x}",
+                "dir",
+            )
+        )
+    return rows
+
+
+async def _shared_rows(store: Any, prefix: str) -> list[Row]:
+    rows = []
+    for info in await store.list(prefix):
+        rest = info.key[len(prefix) :]
+        if "/" in rest or not rest.endswith(".json"):
+            continue
+        name = CertName.from_stem(rest[: -len(".json")])
+        if name is None:
+            continue
+        got = await store.get(info.key)
+        try:
+            data = describe(got.body)
+            rows.append(
+                Row(
+                    name.label,
+                    name.kind,
+                    str(data.get("issuer", "?")),
+                    str(data.get("not_after", "?")).replace("T", " "),
+                    str(data.get("serial", "")),
+                    "s3",
+                    f"issued by {data.get('issued_by') or '?'}",
+                )
+            )
+        except CacheEntryError as e:
+            rows.append(Row(name.label, name.kind, "?", "?", "", "s3", f"unusable: {e}"))
+    return rows
+
+
+def _merge(local: list[Row], shared: list[Row]) -> list[Row]:
+    """One ``dir+s3`` row where both hold the same certificate (same serial)."""
+    by_key = {(r.name, r.serial): r for r in local}
+    merged = list(local)
+    for row in shared:
+        twin = by_key.get((row.name, row.serial)) if row.serial else None
+        if twin is not None:
+            twin.source = "dir+s3"
+            twin.note = row.note
+        else:
+            merged.append(row)
+    return merged
+
+
+def _date(when: float) -> str:
+    return datetime.datetime.fromtimestamp(when, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")

@@ -1,0 +1,233 @@
+"""The ACME pieces on their own: the HTTP-01 responder behind port 80, the sealed cache entries,
+the renewal schedule and the issuer's backoff (on a fake clock)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
+from twisted.web.server import Site
+
+from lchat.acme import cache
+from lchat.acme.cache import CacheEntryError, Certificate, CertName
+from lchat.acme.client import IssuanceError
+from lchat.acme.http01 import ChallengeResponder
+from lchat.acme.issuer import DAY, Issuer
+from lchat.redirect import RedirectToHTTPS
+
+TOKEN = "evaGxfADs6pSRb2LAv9IZf17Dt3juxGJ-PCt92wr-oA"
+
+
+def certificate(host: str, days: int = 90) -> Certificate:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, host)]))
+        .issuer_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "Test CA")]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return Certificate.parse(key_pem, leaf.public_bytes(serialization.Encoding.PEM))
+
+
+class ResponderTests(TestCase):
+    """Through the real port-80 site (RedirectToHTTPS with the responder as its hook)."""
+
+    def setUp(self) -> None:
+        self.shared: dict[str, str] = {}
+        self.lookups: list[str] = []
+
+        async def lookup(token: str) -> str | None:
+            self.lookups.append(token)
+            return self.shared.get(token)
+
+        self.responder = ChallengeResponder(lookup=lookup)
+        site = Site(RedirectToHTTPS(acme_challenge=self.responder.resource()))
+        r: Any = reactor
+        self.port = r.listenTCP(0, site, interface="127.0.0.1")
+        self.addCleanup(self.port.stopListening)
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        url = f"http://127.0.0.1:{self.port.getHost().port}{path}".encode()
+        response = await Agent(reactor).request(
+            b"GET", url, Headers({b"host": [b"chat.example.com"]})
+        )
+        return response.code, await readBody(response)
+
+    async def test_a_published_token_is_answered(self) -> None:
+        self.responder.publish(TOKEN, TOKEN + ".thumbprint")
+        code, body = await self.get(f"/.well-known/acme-challenge/{TOKEN}")
+        self.assertEqual((code, body), (200, (TOKEN + ".thumbprint").encode()))
+        self.responder.withdraw(TOKEN)
+        code, _ = await self.get(f"/.well-known/acme-challenge/{TOKEN}")
+        self.assertEqual(code, 404)
+        self.assertEqual(self.lookups, [TOKEN])  # a local miss asks the shared cache
+
+    async def test_a_token_from_the_shared_cache(self) -> None:
+        self.shared[TOKEN] = "from-the-bucket"
+        code, body = await self.get(f"/.well-known/acme-challenge/{TOKEN}")
+        self.assertEqual((code, body), (200, b"from-the-bucket"))
+
+    async def test_hostile_paths_never_reach_a_lookup(self) -> None:
+        for path in (
+            "/.well-known/acme-challenge/",
+            "/.well-known/acme-challenge/..%2F..%2Fetc%2Fpasswd",
+            "/.well-known/acme-challenge/a/b",
+            "/.well-known/acme-challenge/" + "A" * 300,
+            "/.well-known/acme-challenge/to%00ken",
+            "/.well-known/acme-challenge/tok.en",
+        ):
+            code, _ = await self.get(path)
+            self.assertEqual(code, 404, path)
+        self.assertEqual(self.lookups, [])
+        # everything else on port 80 still redirects
+        code, _ = await self.get("/.well-known/other")
+        self.assertEqual(code, 301)
+
+    async def test_a_failing_lookup_is_a_404(self) -> None:
+        async def broken(token: str) -> str | None:
+            raise OSError("bucket down")
+
+        self.responder.lookup = broken
+        code, _ = await self.get(f"/.well-known/acme-challenge/{TOKEN}")
+        self.assertEqual(code, 404)
+        self.flushLoggedErrors()
+
+    def test_publish_refuses_a_non_token(self) -> None:
+        with self.assertRaises(ValueError):
+            self.responder.publish("../x", "y")
+
+
+class SealedEntryTests(TestCase):
+    KEY = bytes(range(32))
+
+    def test_round_trip(self) -> None:
+        name = CertName.host("chat.example.com")
+        cert = certificate(name.name)
+        body = cache.seal(name, cert, self.KEY, "box-1")
+        self.assertNotIn(b"PRIVATE KEY", body)
+        self.assertEqual(cache.unseal(name, body, self.KEY), cert)
+        self.assertEqual(cache.describe(body)["issued_by"], "box-1")
+
+    def test_another_key_or_name_or_chain_does_not_decrypt(self) -> None:
+        name = CertName.host("chat.example.com")
+        body = cache.seal(name, certificate(name.name), self.KEY, "box-1")
+        with self.assertRaisesRegex(CacheEntryError, "LCHAT_CERT_CACHE_KEY"):
+            cache.unseal(name, body, b"x" * 32)
+        with self.assertRaisesRegex(CacheEntryError, "does not decrypt"):
+            cache.unseal(CertName.host("other.example.com"), body, self.KEY)
+        data = json.loads(body)
+        data["chain"] = certificate("chat.example.com").chain_pem.decode()
+        with self.assertRaisesRegex(CacheEntryError, "does not decrypt"):
+            cache.unseal(name, json.dumps(data).encode(), self.KEY)
+
+    def test_garbage_is_refused_clearly(self) -> None:
+        name = CertName.wildcard("example.com")
+        for body in (b"", b"{", b"[]", b'{"format": "other"}', b'{"format": "lchat-cert/1"}'):
+            with self.assertRaises(CacheEntryError):
+                cache.unseal(name, body, self.KEY)
+
+    def test_names_and_stems(self) -> None:
+        self.assertEqual(
+            CertName.from_stem("wildcard-example.com"), CertName.wildcard("example.com")
+        )
+        self.assertEqual(CertName.from_stem("chat.example.com"), CertName.host("chat.example.com"))
+        for stem in ("default", "../x", "acme-account", "Chat.Example.com"):
+            self.assertIsNone(CertName.from_stem(stem))
+        self.assertEqual(CertName.wildcard("example.com").label, "*.example.com")
+
+
+class _Store:
+    """What the issuer reads of the certificate store (the served certificates)."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, Any] = {}
+
+    def certificates(self) -> dict[str, Any]:
+        return self.served
+
+    def rescan(self) -> Deferred[None]:
+        return succeed(None)
+
+
+class _Account:
+    def __init__(self) -> None:
+        import threading
+
+        self.stopping = threading.Event()
+
+
+class ScheduleTests(TestCase):
+    def issuer(self, clock: Clock, **kwargs: Any) -> Issuer:
+        directory = tempfile.mkdtemp(prefix="iss", dir="/tmp")
+        self.addCleanup(os.rmdir, directory)
+        return Issuer(
+            clock,
+            store=_Store(),  # type: ignore[arg-type]
+            local=cache.LocalCache(directory),
+            account=_Account(),  # type: ignore[arg-type]
+            may_issue=lambda host: True,
+            http01=ChallengeResponder(),
+            **kwargs,
+        )
+
+    def test_renewal_is_thirty_days_ahead_with_at_most_a_day_of_jitter(self) -> None:
+        issuer = self.issuer(Clock())
+        not_after = 100 * DAY
+        times = [issuer.renew_time(not_after, serial, 10 * DAY) for serial in range(0, 10**6, 997)]
+        self.assertTrue(all(not_after - 31 * DAY <= t <= not_after - 30 * DAY for t in times))
+        self.assertGreater(max(times) - min(times), 0.9 * DAY)  # spread, not one instant
+        # a short-lived certificate renews at two thirds of its life, not before it is issued
+        self.assertLessEqual(abs(issuer.renew_time(9 * DAY, 0, 0.0) - 6 * DAY), 1.0)
+
+    def test_failures_back_off_doubling_to_the_cap(self) -> None:
+        clock = Clock()
+        issuer = self.issuer(clock, backoff=(60.0, 600.0))
+        name = CertName.host("chat.example.com")
+        delays = []
+        for _ in range(6):
+            issuer._failed(name, IssuanceError("validation", "no"))
+            delays.append(issuer._failures[name][1] - clock.seconds())
+        for got, want in zip(delays, (60, 120, 240, 480, 600, 600), strict=True):
+            self.assertLessEqual(abs(got - want), want * 0.11)
+        self.assertFalse(issuer._may_try(name))
+        clock.advance(700)
+        self.assertTrue(issuer._may_try(name))
+        # a rate limit waits at least as long as the CA asks
+        issuer._failed(name, IssuanceError("order", "rateLimited", retry_after=3600.0))
+        self.assertGreater(issuer._failures[name][1] - clock.seconds(), 3000)
+        self.flushLoggedErrors()
+
+    def test_hosts_under_a_pending_wildcard_wait_for_it(self) -> None:
+        clock = Clock()
+        issuer = self.issuer(clock, wildcard_domains=("example.com",))
+        issuer.running = True
+        issuer.want("a.example.com")
+        issuer.want("a.b.example.com")  # not covered by *.example.com: its own order
+        self.assertEqual(sorted(n.label for n in issuer._inflight), ["a.b.example.com"])
+        issuer._wildcards["example.com"] = "failed"  # the wildcard failed: per-host now
+        issuer.want("a.example.com")
+        self.assertEqual(
+            sorted(n.label for n in issuer._inflight), ["a.b.example.com", "a.example.com"]
+        )
+        issuer._inflight.clear()
