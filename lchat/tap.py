@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -203,7 +203,10 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
                 )
             issuer = _issuer(reactor, cfg, routes, store, responder, shared, own)
             issuer.setName("acme")
-            issuer.setServiceParent(top)
+            if shared is not None:
+                hibernation.add_bucket_user(issuer)
+            else:
+                issuer.setServiceParent(top)
         if shared is not None:
             sync = CacheSync(
                 reactor,
@@ -215,7 +218,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
                 interval=cfg.cert_cache_sync,
             )
             sync.setName("cert-cache")
-            sync.setServiceParent(top)
+            hibernation.add_bucket_user(sync)
     if responder is not None and not (cfg.https_addr is not None and cfg.http_redirect):
         # Plain HTTP proxies: the proxy hands challenge paths to the responder's own socket.
         acme_socket = os.path.join(cfg.run_dir, "acme.sock")
@@ -428,12 +431,19 @@ class _Hibernation(MultiService):
             due_sweep=cfg.hibernate.due_sweep,
             may_wake=may_wake,
         )
+        self._bucket_users: list[Service] = []
         services: list[Service] = [self.check]
         if self.membership is not None:
             services.append(self.membership)
         services += [self.activator, self.sweeper]
         for service in services:
             service.setServiceParent(self)
+
+    def add_bucket_user(self, service: Service) -> None:
+        """A service that uses the bucket (the shared certificate cache): started with the rest,
+        stopped before the bucket client closes."""
+        self._bucket_users.append(service)
+        service.setServiceParent(self)
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
@@ -442,6 +452,8 @@ class _Hibernation(MultiService):
         return Deferred.fromCoroutine(self._drain())
 
     async def _drain(self) -> None:
+        for user in reversed(self._bucket_users):
+            await maybeDeferred(user.stopService)
         if self.membership is not None:
             # Our heartbeat goes first: peers take our spaces over while we drain them.
             await self.membership.stopService()

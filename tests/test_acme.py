@@ -15,6 +15,8 @@ import os
 import shutil
 import socket
 import ssl
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from prometheus_client import REGISTRY, generate_latest
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.task import deferLater
@@ -36,9 +39,10 @@ from lchat.registry import Registry, Route
 from lchat.tap import build_service
 from tests import acmeservers
 from tests.dnsimple_double import DNSimpleDouble
-from tests.s3servers import free_ports, shared_server
+from tests.s3servers import free_ports, shared_server, start_server
 
 HOST = "chat.example.test"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sleep(seconds: float) -> Deferred[None]:
@@ -97,6 +101,29 @@ def write_file(path: str, text: str) -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def lchat_cli(*argv: str) -> str:
+    """Run the ``lchat`` CLI as a process (it runs a reactor of its own); its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lchat.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        cwd=ROOT,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"lchat {' '.join(argv)}: exit {done.returncode}: {done.stderr}")
+    return done.stdout
+
+
+def restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def read_bytes(path: str) -> bytes:
@@ -192,7 +219,11 @@ class AcmeTestCase(TestCase):
             if hasattr(p.getHost(), "port") and hasattr(p.factory, "wrappedFactory")
         )
         self.start_port = tls_port
-        return service, service.getServiceNamed("acme"), tls_port
+        try:
+            issuer = service.getServiceNamed("acme")
+        except KeyError:  # with the shared cache it stops before the bucket client does
+            issuer = service.getServiceNamed("hibernation").getServiceNamed("acme")
+        return service, issuer, tls_port
 
     async def served(
         self, port: int, name: str, address: str = "127.0.0.1", within: float = 30.0
@@ -233,6 +264,18 @@ class HostIssuanceTests(AcmeTestCase):
         self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
         self.assertEqual(os.stat(box.acme).st_mode & 0o777, 0o700)
         self.assertEqual(os.stat(os.path.join(box.acme, "acme-account.key")).st_mode & 0o777, 0o600)
+
+        # Counted where a scraper sees it.
+        metrics = generate_latest(REGISTRY).decode()
+        self.assertRegex(metrics, r'lchat_acme_orders_total\{type="host"\} [1-9]')
+        self.assertRegex(
+            metrics, r'lchat_acme_issuances_total\{outcome="issued",type="host"\} [1-9]'
+        )
+        self.assertIn("lchat_tls_certificates_expiring", metrics)
+        # `lchat certs` lists it from the directory.
+        env = write_file(os.path.join(box.dir, "cli.env"), read_bytes(box.env).decode())
+        table = await deferToThread(lchat_cli, "certs", "--env-file", env)
+        self.assertRegex(table, rf"{HOST}\s+host\s+Pebble.*\s+dir\n")
 
         # More handshakes are served from the file: no second order.
         for _ in range(3):
@@ -353,6 +396,15 @@ class SharedCacheTests(AcmeTestCase):
             f.write(
                 f"AWS_ACCESS_KEY_ID={creds.access_key}\nAWS_SECRET_ACCESS_KEY={creds.secret_key}\n"
             )
+        # The router copies them into its process environment, which here is the test's: this
+        # test's server's keys, and the previous environment back afterwards.
+        for name, value in (
+            ("AWS_ACCESS_KEY_ID", creds.access_key),
+            ("AWS_SECRET_ACCESS_KEY", creds.secret_key),
+        ):
+            saved = os.environ.get(name)
+            os.environ[name] = value
+            self.addCleanup(restore_env, name, saved)
         return self.acme_flags(
             box,
             LCHAT_HIBERNATE_BUCKET=self.bucket,
@@ -406,6 +458,23 @@ class SharedCacheTests(AcmeTestCase):
             entry = json.loads(body)
             self.assertEqual(entry["key"]["alg"], "AES-256-GCM")
             self.assertIn(b"BEGIN CERTIFICATE", entry["chain"].encode())
+
+        # `lchat certs` on A: both certificates, here and in the bucket (the same ones).
+        env = write_file(
+            os.path.join(a.dir, "cli.env"),
+            "".join(f"{k}={v}\n" for k, v in self.box_flags(a).items())
+            + read_bytes(a.env).decode(),
+        )
+        rows = json.loads(await deferToThread(lchat_cli, "certs", "--json", "--env-file", env))
+        by_name = {r["name"]: r for r in rows}
+        self.assertEqual(set(by_name), {HOST, "other.example.test"})
+        for row in rows:
+            self.assertEqual((row["kind"], row["source"]), ("host", "dir+s3"))
+            self.assertIn("Pebble", row["issuer"])
+        self.assertEqual(by_name[HOST]["serial"], f"{leaf_a.serial_number:x}")
+        table = await deferToThread(lchat_cli, "certs", "--env-file", env)
+        self.assertIn("NOT-AFTER", table.splitlines()[0])
+        self.assertIn("dir+s3", table)
 
     async def test_a_certificate_reaches_the_other_box_without_a_handshake(self) -> None:
         a, b = Box(self, "127.0.0.2"), Box(self, "127.0.0.3")
@@ -512,4 +581,48 @@ class WildcardTests(AcmeTestCase):
         self.assertIsInstance(
             await deferToThread(handshake, port, "stranger.example.test", None), str
         )
+        self.flushLoggedErrors()
+
+
+class SharedCacheOutageTests(SharedCacheTests):
+    """The bucket vanishes after boot: TLS keeps working from the local directory, a new host is
+    still issued (without the cross-box lock), and the certificate reaches the bucket once it is
+    back. SeaweedFS: it keeps its data and credentials across a restart (moto keeps neither)."""
+
+    async def _set_up(self) -> None:
+        await self._start_acme(default_ipv4="127.0.0.2")
+        self.s3 = await start_server("seaweedfs")
+        self.addCleanup(self.s3.destroy)
+        self.bucket = self.s3.bucket
+
+    async def test_a_bucket_outage_never_breaks_tls(self) -> None:
+        a = Box(self, "127.0.0.2")
+        a.register(HOST)
+        a.register("later.example.test")
+        _, issuer, port = self.start(a.config(**self.box_flags(a)))
+        first = await self.served(port, HOST, "127.0.0.2")
+        await self.s3.stop()
+
+        # Served as before, from the local copy.
+        again = await deferToThread(handshake, port, HOST, self.roots, "127.0.0.2")
+        assert isinstance(again, x509.Certificate), again
+        self.assertEqual(again.serial_number, first.serial_number)
+        # A host never seen before is still issued: a certificate beats a perfect single order.
+        await self.served(port, "later.example.test", "127.0.0.2", within=60)
+        self.assertEqual(issuer.orders["host"], 2)
+
+        # The bucket comes back: the next sync uploads what it lacks.
+        await self.s3.start()
+        client = self.s3.client()
+        keys: set[str] = set()
+        for _ in range(100):
+            listed = await deferToThread(
+                client.list_objects_v2, Bucket=self.bucket, Prefix="fleet/certs/"
+            )
+            keys = {o["Key"] for o in listed.get("Contents", [])}
+            if {f"fleet/certs/{HOST}.json", "fleet/certs/later.example.test.json"} <= keys:
+                break
+            await sleep(0.2)
+        self.assertIn(f"fleet/certs/{HOST}.json", keys)
+        self.assertIn("fleet/certs/later.example.test.json", keys)
         self.flushLoggedErrors()

@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -51,6 +51,7 @@ RENEWAL_CHECK = 3600.0
 WILDCARD_CHECK = 12 * 3600.0
 BACKOFF = (60.0, 3600.0)
 ORDER_THREADS = 4
+STOP_BUDGET = 5.0  # seconds an order in flight gets to end at shutdown
 
 _log = Logger(namespace="lchat.acme")
 
@@ -213,6 +214,11 @@ class Issuer(Service):
         except ObjectStoreError as e:
             self._failed(name, IssuanceError("shared", f"the shared cache: {e}"))
             return
+        except Exception as e:
+            # Anything unforeseen still backs off: a bug must not turn into an order per handshake.
+            _log.failure("acme: issuing {name} failed unexpectedly", name=name.label)
+            self._failed(name, IssuanceError("internal", f"{type(e).__name__}: {e}"))
+            return
         finally:
             IN_PROGRESS.dec()
         self._failures.pop(name, None)
@@ -336,6 +342,9 @@ class Issuer(Service):
         self.orders[kind] = self.orders.get(kind, 0) + 1
 
     def _failed(self, name: CertName, error: IssuanceError) -> None:
+        if error.stage == "stopped":
+            _log.info("acme: {name} issuance abandoned: the router is stopping", name=name.label)
+            return
         count = self._failures.get(name, (0, 0.0))[0] + 1
         base, cap = self._backoff
         delay = min(base * 2 ** (count - 1), cap)
@@ -353,7 +362,7 @@ class Issuer(Service):
             delay=delay,
             failures=count,
         )
-        if name.kind == "wildcard" and error.stage != "stopped":
+        if name.kind == "wildcard":
             if self._wildcards.get(name.name) != "failed":
                 _log.warn(
                     "acme: *.{domain} is not available: hosts under it get per-host "
@@ -479,23 +488,31 @@ class Issuer(Service):
         waiting = list(self._inflight.values())
 
         async def drain() -> None:
-            for d in waiting:
-                joined: Deferred[None] = Deferred()
-
-                def release(_: object, j: Deferred[None] = joined) -> None:
-                    if not j.called:
-                        j.callback(None)
-
-                d.addBoth(release)
-                joined.addTimeout(10, self._reactor)
+            if waiting:
+                # Each attempt notices ``stopping`` between steps; give them a moment to end.
+                ended: Deferred[Any] = gatherResults([_settled(d) for d in waiting])
+                ended.addTimeout(STOP_BUDGET, self._reactor)
                 try:
-                    await joined
+                    await ended
                 except Exception:
                     _log.warn("acme: an order was still running at shutdown")
             # Threads stuck in a CA request end on their own timeouts; do not wait for them.
             threading.Thread(target=self._pool.stop, name="lchat-acme-stop", daemon=True).start()
 
         return Deferred.fromCoroutine(drain())
+
+
+def _settled(d: Deferred[None]) -> Deferred[None]:
+    """A Deferred that fires (with None) when ``d`` does, leaving ``d``'s own chain alone."""
+    out: Deferred[None] = Deferred()
+
+    def fire(result: object) -> object:
+        if not out.called:
+            out.callback(None)
+        return result
+
+    d.addBoth(fire)
+    return out
 
 
 class _DaemonThreadPool(ThreadPool):
