@@ -50,6 +50,7 @@ from twisted.python.failure import Failure
 
 from lchat import hosts, unixhttp
 from lchat.config import BoxConfig, read_env_file
+from lchat.deferutil import settled
 from lchat.lease import HeldLease, LeaseHeld, LeaseKeeper, acquire
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.registry import Route, RouteSource, RouteTable
@@ -732,12 +733,12 @@ class Activator(Service):
         if space is None:
             return succeed(None)
         if space.state == "stopping" and space.task is not None:
-            return _observe(space.task)
+            return settled(space.task)
         if space.state == "waking" and space.task is not None:
             space.task.cancel()  # _wake_done stands it down (synchronously sets the new task)
-            return _observe(space.task) if space.task is not None else succeed(None)
+            return settled(space.task) if space.task is not None else succeed(None)
         space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=True))
-        return _observe(space.task)
+        return settled(space.task)
 
     async def _stand_down(self, space: _Space, reason: str, *, graceful: bool) -> None:
         """Stop everything ``space`` runs, flush, release, forget. ``graceful``: ask the space
@@ -1012,19 +1013,6 @@ def _taken(why: str) -> bool:
 
 def _sidecar_name(host: str) -> str:
     return f"{host}-bot"
-
-
-def _observe(d: Deferred[Any]) -> Deferred[None]:
-    """A new Deferred firing (with None, never failing) when ``d`` does; ``d`` is untouched."""
-    out: Deferred[None] = Deferred()
-
-    def fire(result: object) -> object:
-        if not out.called:
-            out.callback(None)
-        return result
-
-    d.addBoth(fire)
-    return out
 
 
 def _relay(result: object, d: Deferred[None]) -> None:

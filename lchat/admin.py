@@ -86,12 +86,14 @@ class AdminAPI:
         clock: Callable[[], float] = time.time,
         activator: Any = None,  # lchat.activator.Activator, when hibernation is on
         mesh: Callable[[], dict[str, Any]] | None = None,  # the mesh's view, when it is on
+        acme: Callable[[], dict[str, Any]] | None = None,  # the issuer's view, when ACME is on
     ) -> None:
         self.routes = routes
         self._units = units
         self._children = children or (lambda: {})
         self.activator = activator
         self._mesh = mesh
+        self._acme = acme
         self._clock = clock
         self._started = clock()
 
@@ -129,6 +131,7 @@ class AdminAPI:
             "hosts": per_host,
             "hibernation": self.activator is not None,
             **({"mesh": self._mesh()} if self._mesh is not None else {}),
+            **({"acme": self._acme()} if self._acme is not None else {}),
         }
 
 

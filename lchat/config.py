@@ -77,6 +77,7 @@ LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
 LETS_ENCRYPT_STAGING = "https://acme-staging-v02.api.letsencrypt.org/directory"
 DNSIMPLE_URL = "https://api.dnsimple.com"
 DNSProvider = Literal["dnsimple", "route53"]
+MAX_DNS_TIMEOUT = 300.0
 CertCache = Literal["dir", "s3"]
 
 
@@ -90,6 +91,7 @@ class AcmeConfig:
     dns_provider: DNSProvider = "dnsimple"
     dnsimple_token: str = field(default="", repr=False)
     dnsimple_url: str = DNSIMPLE_URL
+    dnsimple_account: str = ""  # needed only with a user token (an account token names its own)
     route53_zone_id: str = ""
     route53_endpoint: str = ""
     dns_resolvers: tuple[tuple[str, int], ...] = ()  # () = the system's resolver
@@ -182,6 +184,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_DNS_PROVIDER": "dnsimple",
     "LCHAT_DNSIMPLE_TOKEN": "",
     "LCHAT_DNSIMPLE_URL": DNSIMPLE_URL,
+    "LCHAT_DNSIMPLE_ACCOUNT": "",
     "LCHAT_ROUTE53_ZONE_ID": "",
     "LCHAT_ROUTE53_ENDPOINT": "",
     "LCHAT_DNS_RESOLVERS": "",
@@ -610,12 +613,23 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
     ):
         if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
             raise ConfigError(f"{name}={url!r} must be an http(s) URL")
+    if dnsimple_url and urlsplit(dnsimple_url).scheme == "http":
+        # The token rides in every request: only over TLS (plain http only to this machine).
+        if not _loopback(urlsplit(dnsimple_url).hostname or ""):
+            raise ConfigError(
+                f"LCHAT_DNSIMPLE_URL={dnsimple_url!r} must be https (the API token rides in "
+                f"every request)"
+            )
+    account = get("LCHAT_DNSIMPLE_ACCOUNT")
+    if account and not account.isdigit():
+        raise ConfigError(f"LCHAT_DNSIMPLE_ACCOUNT={account!r} must be a numeric account id")
     zone_id = get("LCHAT_ROUTE53_ZONE_ID")
     if zone_id and not re.fullmatch(r"(/hostedzone/)?[A-Z0-9]{1,32}", zone_id):
         raise ConfigError(f"LCHAT_ROUTE53_ZONE_ID={zone_id!r} is not a hosted zone id")
     timeout = parse_duration("LCHAT_DNS_PROPAGATION_TIMEOUT", get("LCHAT_DNS_PROPAGATION_TIMEOUT"))
-    if timeout <= 0:
-        raise ConfigError("LCHAT_DNS_PROPAGATION_TIMEOUT must be a positive duration")
+    if not 0 < timeout <= MAX_DNS_TIMEOUT:
+        # An order must end well inside the shared cache's 10-minute issuance lock.
+        raise ConfigError("LCHAT_DNS_PROPAGATION_TIMEOUT must be a positive duration up to 5m")
     return AcmeConfig(
         directory=directory,
         email=email,
@@ -623,11 +637,21 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
         dns_provider="route53" if provider == "route53" else "dnsimple",
         dnsimple_token=token,
         dnsimple_url=dnsimple_url or DNSIMPLE_URL,
+        dnsimple_account=account,
         route53_zone_id=zone_id.removeprefix("/hostedzone/"),
         route53_endpoint=route53_endpoint,
         dns_resolvers=_resolvers(get("LCHAT_DNS_RESOLVERS")),
         dns_timeout=timeout,
     )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _resolvers(text: str) -> tuple[tuple[str, int], ...]:

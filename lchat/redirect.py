@@ -2,8 +2,9 @@
 
 ``GET http://chat.example.com/a?b`` -> ``301 Location: https://chat.example.com/a?b``, for every host
 (an unknown one then gets its 404 over https). The one exception is ``/.well-known/acme-challenge/…``,
-which an ACME CA fetches over plain HTTP: it goes to a hook resource (a 404 until the certificate
-issue fills it in), with ``request.postpath`` holding what follows ``acme-challenge/``.
+which an ACME CA fetches over plain HTTP: it goes to the HTTP-01 responder
+(:mod:`lchat.acme.http01`; a 404 when ACME is off), with ``request.postpath`` holding what follows
+``acme-challenge/``.
 """
 
 from __future__ import annotations

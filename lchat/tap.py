@@ -178,6 +178,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         mesh_api = (cfg.mesh.self_host, mesh_socket)
 
     store: tls.CertStore | None = None
+    issuer: Issuer | None = None
     responder: ChallengeResponder | None = None
     acme_socket: str | None = None
     if cfg.https_addr is not None:
@@ -262,7 +263,14 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     mesh_status = None
     if cfg.hibernate is not None and hibernation.membership is not None:
         mesh_status = _mesh_status(hibernation.membership)
-    admin = AdminAPI(routes, cfg.units, children, activator=activator, mesh=mesh_status)
+    admin = AdminAPI(
+        routes,
+        cfg.units,
+        children,
+        activator=activator,
+        mesh=mesh_status,
+        acme=issuer.status if issuer is not None else None,
+    )
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
         _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
@@ -300,6 +308,7 @@ def _issuer(
             acme.dns_provider,
             dnsimple_token=acme.dnsimple_token,
             dnsimple_url=acme.dnsimple_url,
+            dnsimple_account=acme.dnsimple_account,
             route53_zone_id=acme.route53_zone_id,
             route53_endpoint=acme.route53_endpoint,
         )
@@ -452,11 +461,13 @@ class _Hibernation(MultiService):
         return Deferred.fromCoroutine(self._drain())
 
     async def _drain(self) -> None:
-        for user in reversed(self._bucket_users):
-            await maybeDeferred(user.stopService)
+        # The bucket's other users stop alongside (each within a few seconds of its own)...
+        users = [maybeDeferred(u.stopService) for u in reversed(self._bucket_users)]
         if self.membership is not None:
-            # Our heartbeat goes first: peers take our spaces over while we drain them.
+            # ...but our heartbeat goes first: peers take our spaces over while we drain them.
             await self.membership.stopService()
+        for stopping in users:
+            await stopping
         await self.activator.stopService()
         # A boot probe still in flight must finish before its store closes (it is bounded by the
         # store's own timeouts; this wait is bounded again, to keep shutdown bounded).

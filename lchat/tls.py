@@ -80,6 +80,21 @@ _expiry = Gauge(
     ["name"],
 )
 _refused = Gauge("lchat_tls_refused_files", "Certificate files refused (see the log for why)")
+_expiring = Gauge(
+    "lchat_tls_certificates_expiring",
+    "Certificates being served, by time left until they expire (7d: within a week, 30d: within "
+    "a month, 90d, later)",
+    ["within"],
+)
+DAY = 86400.0
+EXPIRY_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("7d", 7 * DAY),
+    ("30d", 30 * DAY),
+    ("90d", 90 * DAY),
+    ("later", float("inf")),
+)
+for _bucket, _ in EXPIRY_BUCKETS:
+    _expiring.labels(_bucket)
 
 
 # --- file names ---------------------------------------------------------------------------------
@@ -569,6 +584,19 @@ class CertStore(Service):
                 self._files[filename] = _FileState(state.fingerprint, None, why)
         if dirty:
             self._rebuild()
+        self._publish_expiry(now)
+
+    def _publish_expiry(self, now: float) -> None:
+        # Every scan (a few seconds apart): time passing moves certificates between buckets.
+        counts = dict.fromkeys((b for b, _ in EXPIRY_BUCKETS), 0)
+        for loaded in self.certificates().values():
+            left = loaded.not_after - now
+            for bucket, limit in EXPIRY_BUCKETS:
+                if left <= limit:
+                    counts[bucket] += 1
+                    break
+        for bucket, count in counts.items():
+            _expiring.labels(bucket).set(count)
 
     def _updated(self, old: _FileState | None, outcome: Loaded | Refused) -> _FileState:
         previous = old.serving if old is not None else None

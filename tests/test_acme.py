@@ -32,7 +32,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from lchat import config
-from lchat.acme.cache import split_pem
+from lchat.acme.cache import key_id, split_pem
 from lchat.acme.issuer import Issuer
 from lchat.config import BoxConfig
 from lchat.registry import Registry, Route
@@ -511,6 +511,11 @@ class SharedCacheTests(AcmeTestCase):
         leaf_b = await self.served(port_b, HOST, "127.0.0.3")
         self.assertNotEqual(leaf_b.serial_number, leaf.serial_number)
         self.assertEqual(issuer_b.orders["host"], 1)
+        # ...but never replaces the fleet's entry with one the fleet cannot read.
+        body = self.s3.client().get_object(Bucket=self.bucket, Key=f"fleet/certs/{HOST}.json")
+        entry = json.loads(body["Body"].read())
+        self.assertEqual(entry["serial"], f"{leaf.serial_number:x}")
+        self.assertEqual(entry["key"]["key_id"], key_id(base64.b64decode(self.KEY)))
 
 
 class WildcardTests(AcmeTestCase):

@@ -231,3 +231,13 @@ class ScheduleTests(TestCase):
             sorted(n.label for n in issuer._inflight), ["a.b.example.com", "a.example.com"]
         )
         issuer._inflight.clear()
+
+    def test_a_wildcard_that_went_missing_is_ordered_again_at_once(self) -> None:
+        clock = Clock()
+        issuer = self.issuer(clock, wildcard_domains=("example.com",))
+        issuer.running = True
+        issuer._wildcards["example.com"] = "ok"  # believed served...
+        issuer.want("a.example.com")  # ...but a handshake found none: the file went away
+        self.assertEqual(sorted(n.label for n in issuer._inflight), ["*.example.com"])
+        self.assertEqual(issuer._wildcards["example.com"], "pending")  # hosts keep waiting
+        issuer._inflight.clear()

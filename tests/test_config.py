@@ -171,6 +171,11 @@ class Refusals(Base):
         self.refuses("LCHAT_DNS_PROPAGATION_TIMEOUT", {"LCHAT_DNS_PROPAGATION_TIMEOUT": "0s"})
         self.refuses("LCHAT_ROUTE53_ZONE_ID", {"LCHAT_ROUTE53_ZONE_ID": "zone; rm -rf"})
         self.refuses("LCHAT_DNSIMPLE_URL", {"LCHAT_DNSIMPLE_URL": "api.dnsimple.com"})
+        # the token travels in every request: plain http only to this machine
+        self.refuses("LCHAT_DNSIMPLE_URL", {"LCHAT_DNSIMPLE_URL": "http://api.dnsimple.com"})
+        self.assertIsNotNone(self.load({"LCHAT_DNSIMPLE_URL": "http://127.0.0.1:8080"}).acme)
+        self.refuses("LCHAT_DNSIMPLE_ACCOUNT", {"LCHAT_DNSIMPLE_ACCOUNT": "12a"})
+        self.refuses("LCHAT_DNS_PROPAGATION_TIMEOUT", {"LCHAT_DNS_PROPAGATION_TIMEOUT": "10m"})
         self.refuses("LCHAT_ROUTE53_ENDPOINT", {"LCHAT_ROUTE53_ENDPOINT": "nope"})
 
     def test_acme_settings(self) -> None:

@@ -45,10 +45,12 @@ from twisted.logger import Logger
 
 from lchat import hosts, lease, tls
 from lchat.acme.client import write_private
+from lchat.deferutil import settled
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.registry import RunInThread
 
 FORMAT = "lchat-cert/1"
+STOP_BUDGET = 5.0
 Kind = Literal["host", "wildcard"]
 
 _log = Logger(namespace="lchat.acme")
@@ -114,6 +116,7 @@ class Certificate:
     not_after: float
     serial: int
     issuer: str
+    not_before: float | None = None
 
     @classmethod
     def parse(cls, key_pem: bytes, chain_pem: bytes) -> Certificate:
@@ -124,6 +127,7 @@ class Certificate:
             leaf.not_valid_after_utc.timestamp(),
             leaf.serial_number,
             issuer_name(leaf),
+            leaf.not_valid_before_utc.timestamp(),
         )
 
 
@@ -319,11 +323,29 @@ class SharedCache:
             return None
 
     async def publish(self, name: CertName, cert: Certificate) -> None:
+        """Upload ``cert`` as the bucket's copy of ``name``. An entry sealed under another cache
+        key is left alone (:class:`CacheEntryError`): a misconfigured box must not replace the
+        fleet's certificates with ones the fleet cannot read."""
+        key = self.entry_key(name)
+        try:
+            current = await self.store.get(key)
+        except NotFound:
+            pass
+        else:
+            try:
+                sealed_with = describe(current.body).get("key", {}).get("key_id")
+            except (CacheEntryError, AttributeError):
+                sealed_with = None  # unreadable garbage: replacing it heals the entry
+            if sealed_with is not None and sealed_with != key_id(self._key):
+                raise CacheEntryError(
+                    f"{key} is sealed with cache key {sealed_with}, ours is "
+                    f"{key_id(self._key)}: not replacing it (LCHAT_CERT_CACHE_KEY must be the "
+                    f"same on every box)"
+                )
         await self.store.put(
-            self.entry_key(name),
-            seal(name, cert, self._key, self.box_id),
-            content_type="application/json",
+            key, seal(name, cert, self._key, self.box_id), content_type="application/json"
         )
+        _sync.labels("upload", "ok").inc()
         _log.info(
             "acme: {name} certificate uploaded to the shared cache (serial {serial:x})",
             name=name.label,
@@ -411,8 +433,10 @@ class CacheSync(Service):
         super().stopService()
         if self._running is None:
             return None
-        done: Deferred[None] = Deferred()
-        self._running.addBoth(lambda _: done.callback(None))
+        # A round in flight finishes (each bucket call has its own timeouts), within a budget.
+        done = settled(self._running)
+        done.addTimeout(STOP_BUDGET, self._reactor)
+        done.addErrback(lambda _: _log.warn("acme: a shared cache sync was still running at stop"))
         return done
 
     def sync_now(self) -> Deferred[None]:
@@ -517,8 +541,6 @@ class CacheSync(Service):
                 continue
             try:
                 await self._shared.publish(name, cert)
-            except ObjectStoreError as e:
+            except (ObjectStoreError, CacheEntryError) as e:
                 _sync.labels("upload", "error").inc()
                 _log.warn("acme: cannot upload {name}: {error}", name=name.label, error=e)
-                continue
-            _sync.labels("upload", "ok").inc()

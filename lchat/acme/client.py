@@ -279,7 +279,7 @@ def _problem(e: messages.Error) -> str:
 
 def _retry_after(e: messages.Error) -> float | None:
     # rateLimited problems carry no Retry-After we can see here; back off hard ourselves.
-    return 3600.0 if (e.typ or "").endswith(":rateLimited") else None
+    return 3 * 3600.0 if (e.typ or "").endswith(":rateLimited") else None
 
 
 def _validation_errors(e: errors.ValidationError) -> str:

@@ -344,7 +344,7 @@ class DNSimple:
             if not isinstance(account, dict) or account.get("id") is None:
                 raise DNSProviderError(
                     "dnsimple: whoami names no account: the token is a user token; "
-                    "use an account API token (or give the account id)"
+                    "use an account API token (or set LCHAT_DNSIMPLE_ACCOUNT to the account id)"
                 )
             self._account = str(account["id"])
             log.info(

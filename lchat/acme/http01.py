@@ -25,6 +25,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 _log = Logger(namespace="lchat.acme")
 
 TOKEN = re.compile(r"[A-Za-z0-9_-]{1,256}")
+MAX_LOOKUPS = 16  # bucket lookups in flight at once: a scanner's random tokens cost no more
 Lookup = Callable[[str], Awaitable[str | None]]
 
 
@@ -39,6 +40,7 @@ class ChallengeResponder:
         self._lock = threading.Lock()
         self._tokens: dict[str, str] = {}
         self.lookup = lookup
+        self.lookups = 0  # in flight
         self.answered = 0  # challenges answered (tests and /status look)
 
     def publish(self, token: str, key_authorization: str) -> None:
@@ -87,12 +89,17 @@ class _Challenge(Resource):
         answer = self._responder.get(token)
         if answer is not None:
             return self._answer(request, token, answer)
-        lookup = self._responder.lookup
-        if lookup is None:
+        responder = self._responder
+        lookup = responder.lookup
+        if lookup is None or responder.lookups >= MAX_LOOKUPS:
             return _not_found(request)
 
         async def find() -> str | None:
-            return await lookup(token)
+            responder.lookups += 1
+            try:
+                return await lookup(token)
+            finally:
+                responder.lookups -= 1
 
         d = Deferred.fromCoroutine(find())
 

@@ -39,9 +39,10 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from lchat import hosts, tls
-from lchat.acme.cache import Certificate, CertName, LocalCache, SharedCache
+from lchat.acme.cache import CacheEntryError, Certificate, CertName, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount, IssuanceError
 from lchat.acme.http01 import ChallengeResponder
+from lchat.deferutil import settled
 from lchat.lease import LeaseHeld
 from lchat.objstore import ObjectStoreError
 
@@ -72,23 +73,10 @@ RENEWAL_LAG = Gauge(
     "lchat_acme_renewal_lag_seconds",
     "How long past its renewal time the most overdue certificate is (0: none overdue)",
 )
-EXPIRING = Gauge(
-    "lchat_tls_certificates_expiring",
-    "Certificates being served, by time left until they expire",
-    ["within"],
-)
-EXPIRY_BUCKETS: tuple[tuple[str, float], ...] = (
-    ("7d", 7 * DAY),
-    ("30d", 30 * DAY),
-    ("90d", 90 * DAY),
-    ("later", float("inf")),
-)
 for _kind in ("host", "wildcard"):
     ORDERS.labels(_kind)
     for _outcome in ("issued", "shared", "failed"):
         ISSUANCES.labels(_kind, _outcome)
-for _bucket, _ in EXPIRY_BUCKETS:
-    EXPIRING.labels(_bucket)
 
 MayIssue = Callable[[str], bool]
 
@@ -137,7 +125,8 @@ class Issuer(Service):
         self._shared_poll = shared_poll
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not secrets
         self._inflight: dict[CertName, Deferred[None]] = {}
-        self._failures: dict[CertName, tuple[int, float]] = {}  # name -> (failures, next try)
+        # name -> (failures in a row, when the next try may start, stage, message)
+        self._failures: dict[CertName, tuple[int, float, str, str]] = {}
         # A wildcard domain is "pending" until its first attempt ends: hosts under it wait.
         self._wildcards: dict[str, str] = {d: "pending" for d in self.wildcard_domains}
         self._loops: list[LoopingCall] = []
@@ -166,7 +155,17 @@ class Issuer(Service):
             return
         domain = self._wildcard_domain(host)
         if domain is not None and self._wildcards.get(domain) != "failed":
-            return  # its wildcard is on the way (or served: then we were not asked)
+            # Its wildcard is on the way. Asked although it is "ok": the file went away (deleted,
+            # refused, expired) — get it again now rather than at the next 12-hourly check.
+            wildcard = CertName.wildcard(domain)
+            if (
+                self._wildcards.get(domain) == "ok"
+                and wildcard not in self._inflight
+                and self._may_try(wildcard)
+            ):
+                self._wildcards[domain] = "pending"
+                self.start(wildcard, "missing")
+            return
         if self._http01 is None:
             if not self._no_http01_logged:
                 self._no_http01_logged = True
@@ -225,7 +224,6 @@ class Issuer(Service):
         if name.kind == "wildcard":
             self._wildcards[name.name] = "ok"
         ISSUANCES.labels(name.kind, outcome).inc()
-        self._publish_expiry()
         _log.info(
             "acme: {name} certificate {how} in {seconds:.1f}s",
             name=name.label,
@@ -240,6 +238,7 @@ class Issuer(Service):
             return "issued"
         held = None
         waited = False
+        poll = self._shared_poll
         deadline = self._reactor.seconds() + shared.lock_ttl + 30
         while True:
             if await self._from_shared(name):
@@ -267,14 +266,15 @@ class Issuer(Service):
                 raise IssuanceError(
                     "shared", "another box held the issuance lock and no certificate appeared"
                 )
-            await deferLater(self._reactor, self._shared_poll, lambda: None)
+            await deferLater(self._reactor, poll, lambda: None)
+            poll = min(poll * 2, 15.0)  # an order takes seconds; a lost holder, minutes
         try:
             if held is not None and await self._from_shared(name):
                 return "shared"  # finished by another box between our look and our lock
             cert = await self._order(name, reason)
             try:
                 await shared.publish(name, cert)
-            except ObjectStoreError as e:
+            except (ObjectStoreError, CacheEntryError) as e:
                 _log.warn(
                     "acme: cannot upload {name} to the shared cache ({error}); the sync retries",
                     name=name.label,
@@ -298,7 +298,7 @@ class Issuer(Service):
         if found is None:
             return False
         cert, _ = found
-        if self._reactor.seconds() >= self.renew_time(cert.not_after, cert.serial, None):
+        if self._reactor.seconds() >= self.renew_time(cert.not_after, cert.serial, cert.not_before):
             return False  # due itself: renew it
         local = await self._run(lambda: self._local.read(name))
         if local is None or local.not_after < cert.not_after:
@@ -345,13 +345,13 @@ class Issuer(Service):
         if error.stage == "stopped":
             _log.info("acme: {name} issuance abandoned: the router is stopping", name=name.label)
             return
-        count = self._failures.get(name, (0, 0.0))[0] + 1
+        count = self._failures[name][0] + 1 if name in self._failures else 1
         base, cap = self._backoff
         delay = min(base * 2 ** (count - 1), cap)
         if error.retry_after:
             delay = max(delay, error.retry_after)
         delay *= self._rng.uniform(0.9, 1.1)
-        self._failures[name] = (count, self._reactor.seconds() + delay)
+        self._failures[name] = (count, self._reactor.seconds() + delay, error.stage, str(error))
         FAILURES.labels(name.kind, error.stage).inc()
         ISSUANCES.labels(name.kind, "failed").inc()
         _log.error(
@@ -390,6 +390,27 @@ class Issuer(Service):
     def _run(self, f: Callable[[], Any]) -> Deferred[Any]:
         return deferToThreadPool(self._reactor, self._pool, f)
 
+    def status(self) -> dict[str, Any]:
+        """What the admin API's ``/status`` shows under ``acme``."""
+        now = self._reactor.seconds()
+        return {
+            "directory": self._account.directory_url,
+            "issuing": sorted(n.label for n in self._inflight),
+            "failing": {
+                n.label: {
+                    "failures": count,
+                    "stage": stage,
+                    "error": message,
+                    "retry_in": round(max(0.0, when - now), 1),
+                }
+                for n, (count, when, stage, message) in sorted(
+                    self._failures.items(), key=lambda item: item[0].label
+                )
+            },
+            "wildcards": dict(sorted(self._wildcards.items())),
+            "orders": dict(self.orders),
+        }
+
     # -- renewal ------------------------------------------------------------------------------
 
     def renew_time(self, not_after: float, serial: int, not_before: float | None) -> float:
@@ -427,7 +448,6 @@ class Issuer(Service):
             if name not in self._inflight and self._may_try(name):
                 self.start(name, "renewal")
         RENEWAL_LAG.set(lag)
-        self._publish_expiry()
 
     def check_wildcards(self) -> None:
         """Start every configured wildcard that is missing or due."""
@@ -443,18 +463,6 @@ class Issuer(Service):
                 continue
             if name not in self._inflight and self._may_try(name):
                 self.start(name, "missing" if loaded is None else "renewal")
-
-    def _publish_expiry(self) -> None:
-        now = self._reactor.seconds()
-        counts = dict.fromkeys((b for b, _ in EXPIRY_BUCKETS), 0)
-        for loaded in self._store.certificates().values():
-            left = loaded.not_after - now
-            for bucket, limit in EXPIRY_BUCKETS:
-                if left <= limit:
-                    counts[bucket] += 1
-                    break
-        for bucket, count in counts.items():
-            EXPIRING.labels(bucket).set(count)
 
     # -- service ------------------------------------------------------------------------------
 
@@ -490,7 +498,7 @@ class Issuer(Service):
         async def drain() -> None:
             if waiting:
                 # Each attempt notices ``stopping`` between steps; give them a moment to end.
-                ended: Deferred[Any] = gatherResults([_settled(d) for d in waiting])
+                ended: Deferred[Any] = gatherResults([settled(d) for d in waiting])
                 ended.addTimeout(STOP_BUDGET, self._reactor)
                 try:
                     await ended
@@ -500,19 +508,6 @@ class Issuer(Service):
             threading.Thread(target=self._pool.stop, name="lchat-acme-stop", daemon=True).start()
 
         return Deferred.fromCoroutine(drain())
-
-
-def _settled(d: Deferred[None]) -> Deferred[None]:
-    """A Deferred that fires (with None) when ``d`` does, leaving ``d``'s own chain alone."""
-    out: Deferred[None] = Deferred()
-
-    def fire(result: object) -> object:
-        if not out.called:
-            out.callback(None)
-        return result
-
-    d.addBoth(fire)
-    return out
 
 
 class _DaemonThreadPool(ThreadPool):
