@@ -331,6 +331,7 @@ def _issuer(
         dns_resolvers=acme.dns_resolvers,
         dns_timeout=acme.dns_timeout,
         shared=shared,
+        own_hosts=own,
     )
     store.on_missing = issuer.want
     if responder is None:

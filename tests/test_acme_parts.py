@@ -241,3 +241,11 @@ class ScheduleTests(TestCase):
         self.assertEqual(sorted(n.label for n in issuer._inflight), ["*.example.com"])
         self.assertEqual(issuer._wildcards["example.com"], "pending")  # hosts keep waiting
         issuer._inflight.clear()
+
+    def test_the_own_host_is_issued_at_start_without_a_handshake(self) -> None:
+        clock = Clock()
+        issuer = self.issuer(clock, own_hosts=("box-1.example.net",))
+        issuer.running = True
+        issuer.check_renewals()  # what start does
+        self.assertEqual(sorted(n.label for n in issuer._inflight), ["box-1.example.net"])
+        issuer._inflight.clear()

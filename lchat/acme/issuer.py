@@ -105,6 +105,7 @@ class Issuer(Service):
         order_deadline: float = 120.0,
         shared_poll: float = 2.0,
         rng: random.Random | None = None,
+        own_hosts: Sequence[str] = (),
     ) -> None:
         self._reactor = reactor
         self._store = store
@@ -123,6 +124,8 @@ class Issuer(Service):
         self._backoff = backoff
         self._order_deadline = order_deadline
         self._shared_poll = shared_poll
+        # This box's own names (its mesh self host): peers need them before anyone connects.
+        self._own_hosts = tuple(own_hosts)
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not secrets
         self._inflight: dict[CertName, Deferred[None]] = {}
         # name -> (failures in a row, when the next try may start, stage, message)
@@ -448,6 +451,11 @@ class Issuer(Service):
             if name not in self._inflight and self._may_try(name):
                 self.start(name, "renewal")
         RENEWAL_LAG.set(lag)
+        for host in self._own_hosts:
+            if not hosts.is_normal(host):
+                continue  # an IP address: no CA issues for it over HTTP-01 here
+            if host not in served and "*." + host.partition(".")[2] not in served:
+                self.want(host)
 
     def check_wildcards(self) -> None:
         """Start every configured wildcard that is missing or due."""
