@@ -589,6 +589,9 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
             f"LCHAT_ACME_DIRECTORY={directory!r} must be the URL of an ACME directory (e.g. "
             f"{LETS_ENCRYPT}) or off"
         )
+    if parts.scheme == "http" and not _loopback(parts.hostname):
+        # RFC 8555 requires TLS: over plain http anyone on the path could hand us any chain.
+        raise ConfigError(f"LCHAT_ACME_DIRECTORY={directory!r} must be https")
     email = get("LCHAT_ACME_EMAIL")
     if email and not re.fullmatch(r"[^@\s,]+@[^@\s,]+\.[^@\s,]+", email):
         raise ConfigError(f"LCHAT_ACME_EMAIL={email!r} is not an email address")

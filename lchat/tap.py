@@ -200,7 +200,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         if cfg.acme is not None:
             if cfg.http_addr is not None:
                 responder = ChallengeResponder(
-                    lookup=shared.get_challenge if shared is not None else None
+                    lookup=shared.get_challenge if shared is not None else None,
+                    may_lookup=tls.known_hosts(routes, own),
                 )
             issuer = _issuer(reactor, cfg, routes, store, responder, shared, own)
             issuer.setName("acme")
@@ -217,6 +218,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
                 store.rescan,
                 lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
                 interval=cfg.cert_cache_sync,
+                directory=cfg.acme.directory if cfg.acme is not None else "",
             )
             sync.setName("cert-cache")
             hibernation.add_bucket_user(sync)

@@ -182,6 +182,7 @@ class Loaded:
     context: SSL.Context = field(eq=False, repr=False)
     not_before: float | None = None  # unix time
     issuer: str = ""  # the issuing CA's common name
+    origin: str = ""  # the ACME directory that issued it (its marker line), "" = placed by hand
 
     @property
     def label(self) -> str:
@@ -275,7 +276,19 @@ def _build(
         context,
         not_before=leaf.not_valid_before_utc.timestamp(),
         issuer=issuer,
+        origin=origin_of(data),
     )
+
+
+ORIGIN_MARKER = b"# lchat acme: "
+_ORIGIN = re.compile(rb"# lchat acme: ([\x21-\x7e]{1,2000})\r?\n")
+
+
+def origin_of(data: bytes) -> str:
+    """The ACME directory named by a file's first line (``# lchat acme: <url>``, written by the
+    issuer), or "" for a file placed by hand. PEM readers skip text outside the blocks."""
+    match = _ORIGIN.match(data)
+    return match.group(1).decode("ascii") if match else ""
 
 
 def _check_names(leaf: x509.Certificate, kind: Kind, name: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -14,18 +15,19 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.server import Site
 
 from lchat.acme import cache
-from lchat.acme.cache import CacheEntryError, Certificate, CertName
+from lchat.acme.cache import CacheEntryError, Certificate, CertName, SharedCache
 from lchat.acme.client import IssuanceError
 from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import DAY, Issuer
 from lchat.redirect import RedirectToHTTPS
+from tests.s3servers import shared_server, store_for
 
 TOKEN = "evaGxfADs6pSRb2LAv9IZf17Dt3juxGJ-PCt92wr-oA"
 
@@ -169,8 +171,13 @@ class _Store:
     def rescan(self) -> Deferred[None]:
         return succeed(None)
 
+    def refused(self) -> dict[str, str]:
+        return {}
+
 
 class _Account:
+    directory_url = "https://ca.test/directory"
+
     def __init__(self) -> None:
         import threading
 
@@ -249,3 +256,115 @@ class ScheduleTests(TestCase):
         issuer.check_renewals()  # what start does
         self.assertEqual(sorted(n.label for n in issuer._inflight), ["box-1.example.net"])
         issuer._inflight.clear()
+
+
+class _IssuingAccount(_Account):
+    """Stands in for the CA in unit tests: every order "succeeds" with a fresh certificate (or
+    fails with ``fail``), counting orders as the real account reports them."""
+
+    def __init__(self, fail: IssuanceError | None = None) -> None:
+        super().__init__()
+        self.fail = fail
+        self.orders = 0
+
+    def issue(self, names: list[str], solver: Any, *, deadline: float, on_order: Any) -> Any:
+        self.orders += 1
+        on_order()
+        if self.fail is not None:
+            raise self.fail
+        cert = certificate(names[0].removeprefix("*."))
+        from lchat.acme.client import Issued
+
+        return Issued(cert.key_pem, cert.chain_pem, cert.not_after)
+
+
+def running_issuer(test: TestCase, account: _Account, store: Any, **kwargs: Any) -> Issuer:
+    """A started issuer on the real reactor (its orders run in threads), stopped at cleanup."""
+    directory = tempfile.mkdtemp(prefix="iss", dir="/tmp")
+    test.addCleanup(shutil.rmtree, directory, True)
+    issuer = Issuer(
+        reactor,
+        store=store,
+        local=cache.LocalCache(directory),
+        account=account,  # type: ignore[arg-type]
+        may_issue=lambda host: True,
+        http01=ChallengeResponder(),
+        **kwargs,
+    )
+    issuer.startService()
+    test.addCleanup(issuer.stopService)
+    return issuer
+
+
+class InstallFailureTests(TestCase):
+    """A certificate obtained but not served is installed again, never ordered again."""
+
+    def issuer(self, account: _Account, store: Any, **kwargs: Any) -> Issuer:
+        return running_issuer(self, account, store, **kwargs)
+
+    async def test_a_certificate_the_store_never_serves_is_not_ordered_again(self) -> None:
+        account = _IssuingAccount()
+        issuer = self.issuer(account, _Store())  # its certificates() never shows the file
+        name = CertName.host("chat.example.com")
+        for _ in range(4):
+            await issuer.start(name, "test")
+        self.assertEqual(account.orders, 1)
+        self.assertEqual(issuer._failures[name][2], "install")
+        self.assertIn(name, issuer._unserved)
+        self.flushLoggedErrors()
+
+    async def test_a_loop_is_stopped_below_the_cas_duplicate_limit(self) -> None:
+        account = _IssuingAccount()
+        issuer = self.issuer(account, _Store())
+        name = CertName.host("chat.example.com")
+        for _ in range(6):
+            issuer._unserved.clear()  # as if each one had been lost some other way
+            await issuer.start(name, "test")
+        self.assertEqual(account.orders, 3)
+        self.assertEqual(issuer._failures[name][2], "limit")
+        self.flushLoggedErrors()
+
+    def test_a_host_no_file_can_hold_is_never_ordered(self) -> None:
+        issuer = self.issuer(_IssuingAccount(), _Store())
+        issuer.want("wildcard-party.example.com")
+        self.assertEqual(issuer._inflight, {})
+
+
+class SharedLockTests(TestCase):
+    """The cross-box issuance lock, on a real bucket (moto)."""
+
+    KEY = bytes(range(32))
+
+    async def test_a_failed_order_keeps_the_lock_so_the_fleet_does_not_retry_it_at_once(
+        self,
+    ) -> None:
+        server = await shared_server("moto")
+        store = store_for(server, await server.new_bucket())
+        self.addCleanup(store.close)
+        name = CertName.host("chat.example.com")
+        failing = _IssuingAccount(fail=IssuanceError("validation", "unauthorized: 404"))
+        box_a = running_issuer(
+            self, failing, _Store(), shared=SharedCache(store, self.KEY, prefix="p", box_id="a")
+        )
+        await box_a.start(name, "test")
+        self.assertEqual((failing.orders, box_a._failures[name][2]), (1, "validation"))
+        lock = await store.get("p/certs/locks/chat.example.com.json")
+        self.assertIn(b'"owner":"a#', lock.body)  # still held: it expires by itself
+
+        # Another box wants the same name: it waits for the lock, it does not order.
+        other = _IssuingAccount()
+        box_b = running_issuer(
+            self,
+            other,
+            _Store(),
+            shared=SharedCache(store, self.KEY, prefix="p", box_id="b"),
+            shared_poll=0.1,
+        )
+        waiting = box_b.start(name, "test")
+        await deferLater(reactor, 1.0, lambda: None)
+        self.assertEqual(other.orders, 0)
+        self.assertIn(name, box_b._inflight)
+        await box_b.stopService()  # a waiter that is stopped gives up quietly
+        await waiting
+        self.assertNotIn(name, box_b._failures)
+        self.flushLoggedErrors()

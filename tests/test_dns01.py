@@ -3,7 +3,8 @@
 - DNSimple against ``tests/dnsimple_double.py`` (DNSimple's v2 API as a loopback HTTP server);
 - Route53 against moto's server (started by ``tests/s3servers.py``'s machinery, in its open mode:
   see ``_OpenMoto``), through a botocore session given credentials;
-- ``wait_for_txt`` against a small UDP DNS server written here with dnspython.
+- ``wait_for_txt`` against small DNS servers written here with dnspython (UDP and TCP, on
+  127.0.0.x): explicit resolvers, and the authoritative servers it finds by itself.
 
 The providers block (they run in the ACME issuer's worker thread), so these tests are synchronous.
 """
@@ -15,16 +16,21 @@ import secrets
 import socket
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import botocore.session  # type: ignore[import-untyped]
+import dns.exception
+import dns.flags
 import dns.message
+import dns.nameserver
+import dns.query
 import dns.rcode
 import dns.rdatatype
+import dns.resolver
 import dns.rrset
 from botocore.credentials import CredentialResolver  # type: ignore[import-untyped]
-from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat.acme.dns01 import (
@@ -495,25 +501,58 @@ class Route53Tests(SynchronousTestCase):
 
 
 class TinyDNS:
-    """A UDP DNS server on 127.0.0.1 answering TXT from ``txt`` (name -> values); names it does not
-    know are NXDOMAIN, and with ``silent`` it answers nothing at all (a timeout)."""
+    """A DNS server (UDP, and TCP with ``tcp``) on ``host`` answering from what it is told.
 
-    def __init__(self) -> None:
+    ``txt`` maps a name to its TXT values (an empty list: the name exists with no TXT); ``records``
+    maps ``(name, type)`` to presentation-format data (``("example.com", "NS")`` ->
+    ``["ns1.example.com."]``); ``zones`` are the zones it serves, each with an SOA at its apex that
+    also goes into the authority section of negative answers below it (as ``zone_for_name``
+    expects). Names it does not know are NXDOMAIN. With ``silent`` it answers nothing at all (a
+    timeout); with ``truncate`` a UDP answer is empty with TC set (the client must ask over TCP).
+    ``questions`` records ``(name, type, rd, "udp" | "tcp")`` for each query."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, tcp: bool = False) -> None:
         self.txt: dict[str, list[str]] = {}
+        self.records: dict[tuple[str, str], list[str]] = {}
+        self.zones: set[str] = set()
         self.silent = False
+        self.truncate = False
         self.queries = 0
+        self.questions: list[tuple[str, str, bool, str]] = []
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind(("127.0.0.1", 0))
+        self._tcp: socket.socket | None = None
+        try:
+            self._sock.bind((host, port))
+            self.address: tuple[str, int] = self._sock.getsockname()
+            if tcp:
+                self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._tcp.bind(self.address)
+                self._tcp.listen(8)
+                self._tcp.settimeout(0.05)
+        except OSError:
+            self._close()
+            raise
         self._sock.settimeout(0.05)
-        self.address: tuple[str, int] = self._sock.getsockname()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="tiny-dns", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, name="tiny-dns", daemon=True)]
+        if self._tcp is not None:
+            self._threads.append(
+                threading.Thread(target=self._serve_tcp, name="tiny-dns-tcp", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
+        self._close()
+
+    def _close(self) -> None:
         self._sock.close()
+        if self._tcp is not None:
+            self._tcp.close()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -524,17 +563,78 @@ class TinyDNS:
             self.queries += 1
             if self.silent:
                 continue
-            query = dns.message.from_wire(wire)
-            response = dns.message.make_response(query)
-            question = query.question[0]
-            values = self.txt.get(question.name.to_text().rstrip(".").lower())
-            if values is None:
-                response.set_rcode(dns.rcode.NXDOMAIN)
-            elif question.rdtype == dns.rdatatype.TXT and values:
-                response.answer.append(
-                    dns.rrset.from_text(question.name, 0, "IN", "TXT", *[f'"{v}"' for v in values])
-                )
+            response = self._answer(dns.message.from_wire(wire), "udp")
+            if self.truncate:
+                response.answer.clear()
+                response.authority.clear()
+                response.flags |= dns.flags.TC
             self._sock.sendto(response.to_wire(), peer)
+
+    def _serve_tcp(self) -> None:
+        assert self._tcp is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._tcp.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    query, _ = dns.query.receive_tcp(conn)
+                except (OSError, EOFError, dns.exception.DNSException):
+                    continue
+                self.queries += 1
+                if self.silent:
+                    continue
+                dns.query.send_tcp(conn, self._answer(query, "tcp"))
+
+    def _answer(self, query: dns.message.Message, transport: str) -> dns.message.Message:
+        response = dns.message.make_response(query)
+        question = query.question[0]
+        name = question.name.to_text().rstrip(".").lower()
+        rdtype = dns.rdatatype.to_text(question.rdtype)
+        self.questions.append((name, rdtype, bool(query.flags & dns.flags.RD), transport))
+        zone = max(
+            (z for z in self.zones if name == z or name.endswith("." + z)), key=len, default=""
+        )
+        if rdtype == "TXT" and self.txt.get(name):
+            data = [f'"{v}"' for v in self.txt[name]]
+        elif rdtype == "SOA" and name in self.zones:
+            data = [self._soa(name)]
+        else:
+            data = self.records.get((name, rdtype), [])
+        if data:
+            response.answer.append(dns.rrset.from_text(question.name, 60, "IN", rdtype, *data))
+            return response
+        known = name in self.txt or name in self.zones or any(n == name for n, _ in self.records)
+        if not known:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+        if zone:
+            response.authority.append(
+                dns.rrset.from_text(zone + ".", 60, "IN", "SOA", self._soa(zone))
+            )
+        return response
+
+    @staticmethod
+    def _soa(zone: str) -> str:
+        # An hour of negative TTL: a recursive resolver would keep an early NXDOMAIN that long.
+        return f"ns1.{zone}. hostmaster.{zone}. 1 7200 3600 1209600 3600"
+
+
+def _on_one_port(hosts: Sequence[str], *, tcp: bool = False) -> list[TinyDNS]:
+    """A TinyDNS on each of ``hosts`` (127.0.0.x), all on one free port: discovered servers are
+    asked at one port (``authoritative_port``), as port 53 is in real life."""
+    for _ in range(50):
+        servers = [TinyDNS(hosts[0], tcp=tcp)]
+        try:
+            for host in hosts[1:]:
+                servers.append(TinyDNS(host, servers[0].address[1], tcp=tcp))
+        except OSError:
+            for server in servers:
+                server.stop()
+            continue
+        return servers
+    raise RuntimeError(f"no port free on all of {hosts}")
 
 
 class WaitForTXTTests(SynchronousTestCase):
@@ -609,6 +709,203 @@ class WaitForTXTTests(SynchronousTestCase):
         self.time.at(1, lambda: self.dns.txt.update({self.fqdn: [VALUE_A]}))
         self.wait([VALUE_A], query_timeout=0.2)
         self.assertEqual(len(self.time.sleeps), 1)
+
+
+class AuthoritativeWaitTests(SynchronousTestCase):
+    """``wait_for_txt`` with no resolvers: it finds the zone's authoritative servers through the
+    discovery resolver (here ``recursive``, a stand-in for the system's recursive resolver, on
+    127.0.0.1) and asks them (on 127.0.0.2 and 127.0.0.3, at one port) directly."""
+
+    fqdn = "_acme-challenge.example.com"
+
+    def setUp(self) -> None:
+        self.recursive = TinyDNS()
+        self.addCleanup(self.recursive.stop)
+        self.ns1, self.ns2 = _on_one_port(["127.0.0.2", "127.0.0.3"])
+        self.addCleanup(self.ns1.stop)
+        self.addCleanup(self.ns2.stop)
+        self.port = self.ns1.address[1]
+        self.time = _FakeTime()
+        self.logs = _LogCapture(self)
+
+    def delegate(self, *servers: tuple[str, list[str], list[str]]) -> None:
+        """The recursive resolver knows zone example.com with these (NS name, A, AAAA) servers.
+        It has no TXT for our name, ever: its cache holds the NXDOMAIN of an early look."""
+        self.recursive.zones.add("example.com")
+        self.recursive.records[("example.com", "NS")] = [f"{name}." for name, _, _ in servers]
+        for name, a, aaaa in servers:
+            if a:
+                self.recursive.records[(name, "A")] = a
+            if aaaa:
+                self.recursive.records[(name, "AAAA")] = aaaa
+
+    def discovery(self, cache: dns.resolver.Cache | None = None) -> dns.resolver.Resolver:
+        resolver = dns.resolver.Resolver(configure=False)
+        resolver.nameservers = [dns.nameserver.Do53Nameserver(*self.recursive.address)]
+        resolver.timeout = resolver.lifetime = 1.0
+        resolver.cache = cache
+        return resolver
+
+    def wait(self, values: list[str], **kwargs: Any) -> None:
+        kwargs.setdefault("discovery", self.discovery())
+        wait_for_txt(
+            self.fqdn,
+            values,
+            timeout=kwargs.pop("timeout", 20.0),
+            interval=2.0,
+            sleep=self.time.sleep,
+            clock=self.time.clock,
+            query_timeout=kwargs.pop("query_timeout", 1.0),
+            authoritative_port=self.port,
+            **kwargs,
+        )
+
+    def warnings(self) -> list[str]:
+        return [formatEvent(e) for e in self.logs.events if e.get("log_level") == LogLevel.warn]
+
+    def infos(self) -> list[str]:
+        return [formatEvent(e) for e in self.logs.events if e.get("log_level") == LogLevel.info]
+
+    def test_discovers_and_polls_the_authoritative_server(self) -> None:
+        self.delegate(("ns1.example.com", ["127.0.0.2"], []))
+        self.ns1.zones.add("example.com")
+        self.time.at(1, lambda: self.ns1.txt.update({self.fqdn: []}))
+        self.time.at(2, lambda: self.ns1.txt.update({self.fqdn: [VALUE_A, "v=unrelated"]}))
+        self.wait([VALUE_A])
+        self.assertEqual(self.time.sleeps, [2.0, 2.0])
+        # Discovery went to the recursive resolver, never for the TXT; the polls to ns1, RD off.
+        asked = {(name, rdtype) for name, rdtype, _, _ in self.recursive.questions}
+        self.assertIn(("example.com", "NS"), asked)
+        self.assertIn(("ns1.example.com", "A"), asked)
+        self.assertIn(("ns1.example.com", "AAAA"), asked)
+        self.assertNotIn((self.fqdn, "TXT"), asked)
+        self.assertEqual(self.ns1.questions, [(self.fqdn, "TXT", False, "udp")] * 3)
+        self.assertEqual(self.ns2.queries, 0)
+        where = f"ns1.example.com (127.0.0.2:{self.port})"
+        self.assertEqual(
+            self.infos(),
+            [
+                f"acme: dns TXT {self.fqdn}: polling the authoritative servers of zone "
+                f"example.com: {where}",
+                f"acme: dns TXT {self.fqdn} visible at {where} after 3 polls",
+            ],
+        )
+        self.assertEqual(self.warnings(), [])
+
+    def test_a_cached_nxdomain_at_the_discovery_resolver_does_not_matter(self) -> None:
+        self.delegate(("ns1.example.com", ["127.0.0.2"], []))
+        cache = dns.resolver.Cache()
+        discovery = self.discovery(cache)
+        # The early look: NXDOMAIN, now cached by the discovery resolver for the negative TTL.
+        self.assertRaises(
+            dns.resolver.NXDOMAIN, discovery.resolve, self.fqdn + ".", "TXT", search=False
+        )
+        self.ns1.txt[self.fqdn] = [VALUE_A]
+        self.recursive.txt[self.fqdn] = [VALUE_A]  # the resolver's upstream has it too by now
+        self.assertRaises(
+            dns.resolver.NXDOMAIN, discovery.resolve, self.fqdn + ".", "TXT", search=False
+        )
+        self.wait([VALUE_A], discovery=discovery)
+        self.assertEqual(self.time.sleeps, [])
+        self.assertEqual(self.ns1.questions, [(self.fqdn, "TXT", False, "udp")])
+
+    def test_every_authoritative_server_must_see_everything(self) -> None:
+        self.delegate(
+            ("ns1.example.com", ["127.0.0.2"], ["::1"]),
+            ("ns2.example.com", ["127.0.0.3"], []),
+            ("ns3.example.net", [], []),  # no address: skipped
+        )
+        self.recursive.txt["ns3.example.net"] = []  # the name exists, with no A or AAAA
+        self.ns1.txt[self.fqdn] = [VALUE_A, VALUE_B]
+        self.ns2.txt[self.fqdn] = [VALUE_A]
+        self.time.at(2, lambda: self.ns2.txt.update({self.fqdn: [VALUE_B, VALUE_A]}))
+        self.wait([VALUE_A, VALUE_B])
+        self.assertEqual(self.time.sleeps, [2.0, 2.0])
+        self.assertEqual(self.ns1.queries, 1)  # satisfied at once, not asked again (nor at ::1)
+        self.assertEqual(self.ns2.queries, 3)
+        ns1 = f"ns1.example.com (127.0.0.2:{self.port}, [::1]:{self.port})"
+        ns2 = f"ns2.example.com (127.0.0.3:{self.port})"
+        self.assertEqual(
+            self.infos()[0],
+            f"acme: dns TXT {self.fqdn}: polling the authoritative servers of zone example.com: "
+            f"{ns1}, {ns2} (skipped, no address: ns3.example.net: no A or AAAA records)",
+        )
+        self.assertEqual(
+            self.infos()[1], f"acme: dns TXT {self.fqdn} visible at {ns1}, {ns2} after 3 polls"
+        )
+        # ns2 loses one: the wait goes on until the timeout, naming only the lagging server.
+        self.ns2.txt[self.fqdn] = [VALUE_A]
+        e = self.assertRaises(PropagationTimeout, self.wait, [VALUE_A, VALUE_B], timeout=5.0)
+        self.assertEqual(self.time.sleeps[2:], [2.0, 2.0, 1.0])
+        self.assertEqual(
+            str(e),
+            f"TXT {self.fqdn} not visible after 5s (4 polls): "
+            f"{ns2}: 1 TXT values seen, 1 of ours missing",
+        )
+        self.assertEqual(self.warnings(), [])
+
+    def test_truncated_answers_are_asked_again_over_tcp(self) -> None:
+        (ns,) = _on_one_port(["127.0.0.4"], tcp=True)
+        self.addCleanup(ns.stop)
+        self.port = ns.address[1]
+        self.delegate(("ns.example.com", ["127.0.0.4"], []))
+        ns.truncate = True
+        ns.txt[self.fqdn] = [VALUE_A]
+        self.wait([VALUE_A])
+        self.assertEqual(self.time.sleeps, [])
+        self.assertEqual(
+            ns.questions, [(self.fqdn, "TXT", False, "udp"), (self.fqdn, "TXT", False, "tcp")]
+        )
+
+    def test_no_zone_falls_back_to_the_discovery_resolver(self) -> None:
+        # The recursive resolver knows no zone (every SOA up to the root is NXDOMAIN).
+        self.time.at(1, lambda: self.recursive.txt.update({self.fqdn: [VALUE_A]}))
+        self.wait([VALUE_A])
+        self.assertEqual(self.time.sleeps, [2.0])
+        self.assertEqual(self.ns1.queries + self.ns2.queries, 0)
+        (warning,) = self.warnings()
+        self.assertIn(
+            f"acme: dns TXT {self.fqdn}: cannot find the authoritative name servers", warning
+        )
+        self.assertIn("finding the zone: no SOA record at the name or any name above it", warning)
+        self.assertIn("polling the discovery resolver instead", warning)
+        self.assertIn("set LCHAT_DNS_RESOLVERS", warning)
+        self.assertEqual(
+            self.infos(),
+            [f"acme: dns TXT {self.fqdn} visible at the discovery resolver after 2 polls"],
+        )
+
+    def test_name_servers_without_addresses_fall_back(self) -> None:
+        self.delegate(("ns1.example.net", [], []))  # NXDOMAIN for its A and AAAA
+        self.recursive.txt[self.fqdn] = [VALUE_A]
+        self.wait([VALUE_A])
+        (warning,) = self.warnings()
+        self.assertIn(
+            "no address for the name servers of zone example.com "
+            "(ns1.example.net: A NXDOMAIN, AAAA NXDOMAIN)",
+            warning,
+        )
+        self.recursive.records.pop(("example.com", "NS"))  # the zone, with no NS set
+        self.wait([VALUE_A])
+        self.assertIn("zone example.com has no NS records", self.warnings()[1])
+
+    def test_a_dead_discovery_resolver_ends_in_propagation_timeout(self) -> None:
+        self.recursive.silent = True
+        e = self.assertRaises(
+            PropagationTimeout, self.wait, [VALUE_A], timeout=3.0, query_timeout=0.2
+        )
+        self.assertIn(f"TXT {self.fqdn} not visible after 3s (3 polls)", str(e))
+        self.assertIn("the discovery resolver: timed out", str(e))
+        (warning,) = self.warnings()  # once, not once a poll
+        self.assertIn("finding the zone: timed out", warning)
+
+    def test_explicit_resolvers_skip_discovery(self) -> None:
+        self.delegate(("ns1.example.com", ["127.0.0.2"], []))
+        self.ns2.txt[self.fqdn] = [VALUE_A]
+        self.wait([VALUE_A], resolvers=[self.ns2.address])
+        self.assertEqual(self.recursive.queries, 0)
+        self.assertEqual(self.ns1.queries, 0)
+        self.assertEqual(self.ns2.questions, [(self.fqdn, "TXT", True, "udp")])
 
 
 # -- make_provider -----------------------------------------------------------------------------------

@@ -117,9 +117,10 @@ class Certificate:
     serial: int
     issuer: str
     not_before: float | None = None
+    origin: str = ""  # the ACME directory that issued it; "" = placed by hand (or unknown)
 
     @classmethod
-    def parse(cls, key_pem: bytes, chain_pem: bytes) -> Certificate:
+    def parse(cls, key_pem: bytes, chain_pem: bytes, origin: str = "") -> Certificate:
         leaf = x509.load_pem_x509_certificate(chain_pem)
         return cls(
             key_pem,
@@ -128,6 +129,7 @@ class Certificate:
             leaf.serial_number,
             issuer_name(leaf),
             leaf.not_valid_before_utc.timestamp(),
+            origin,
         )
 
 
@@ -177,7 +179,9 @@ class LocalCache:
     def install(self, name: CertName, cert: Certificate) -> str:
         key = cert.key_pem if cert.key_pem.endswith(b"\n") else cert.key_pem + b"\n"
         path = name.path(self.directory)
-        write_private(path, key + cert.chain_pem)
+        # The first line says which CA issued it (what the sync and renewal go by).
+        marker = tls.ORIGIN_MARKER + cert.origin.encode("ascii") + b"\n" if cert.origin else b""
+        write_private(path, marker + key + cert.chain_pem)
         return path
 
     def read(self, name: CertName) -> Certificate | None:
@@ -190,7 +194,7 @@ class LocalCache:
         if not key or not chain:
             return None
         try:
-            return Certificate.parse(key, chain)
+            return Certificate.parse(key, chain, tls.origin_of(data))
         except ValueError:
             return None
 
@@ -223,6 +227,7 @@ def seal(name: CertName, cert: Certificate, key: bytes, issued_by: str) -> bytes
         "serial": f"{cert.serial:x}",
         "issuer": cert.issuer,
         "issued_by": issued_by,
+        "directory": cert.origin,
         "chain": cert.chain_pem.decode("ascii"),
         "key": {
             "alg": "AES-256-GCM",
@@ -265,8 +270,11 @@ def unseal(name: CertName, body: bytes, key: bytes) -> Certificate:
         raise CacheEntryError(
             "its private key does not decrypt for this name and chain (tampered or moved)"
         ) from None
+    origin = data.get("directory")
+    if not isinstance(origin, str) or not re.fullmatch(r"[\x21-\x7e]{0,2000}", origin):
+        origin = ""
     try:
-        cert = Certificate.parse(key_pem, chain)
+        cert = Certificate.parse(key_pem, chain, origin)
     except ValueError as e:
         raise CacheEntryError(f"its chain does not parse: {e}") from None
     return cert
@@ -393,7 +401,11 @@ class SharedCache:
 class CacheSync(Service):
     """Every ``interval``: install what the bucket has newer than us, upload what we have newer.
 
-    ``installed`` is called after a file was written (the certificate store rescans then)."""
+    ``installed`` is called after a file was written (the certificate store rescans then).
+    ``directory``: this box's ACME directory. With one, only certificates from that CA are shared
+    both ways (a staging or ``lchat dev-cert`` file with a later notAfter must not spread over the
+    fleet's real ones); without one (ACME off), every certificate is: sharing hand-placed files is
+    then the point."""
 
     def __init__(
         self,
@@ -404,8 +416,10 @@ class CacheSync(Service):
         installed: Callable[[], Deferred[None]],
         run_in_thread: RunInThread,
         interval: float = 60.0,
+        directory: str = "",
     ) -> None:
         self._reactor = reactor
+        self.directory = directory
         self._shared = shared
         self._local = local
         self._certificates = certificates
@@ -490,7 +504,12 @@ class CacheSync(Service):
             key = self._shared.entry_key(name)
             if self._etags.get(key) == etag:
                 continue
-            changed |= await self._pull(name, key)
+            try:
+                changed |= await self._pull(name, key)
+            except Exception:  # one entry (a full disk...) must not stop the others, or the push
+                _log.failure(
+                    "acme: installing {name} from the shared cache failed", name=name.label
+                )
         await self._push(in_bucket)
         if changed:
             await self._installed()
@@ -501,20 +520,32 @@ class CacheSync(Service):
         except ObjectStoreError as e:
             _log.warn("acme: cannot read {key}: {error}", key=key, error=e)
             return False
-        self._etags[key] = got.info.etag
         try:
             cert = self._shared.unseal(name, got.body)
         except CacheEntryError as e:
+            self._etags[key] = got.info.etag  # said once per version
             _sync.labels("install", "refused").inc()
             _log.error("acme: shared cache entry {key} is unusable: {why}", key=key, why=e)
             return False
+        if self.directory and cert.origin != self.directory:
+            self._etags[key] = got.info.etag
+            _log.info(
+                "acme: not installing the {name} certificate from the shared cache: it comes "
+                "from {origin}, this box uses {directory}",
+                name=name.label,
+                origin=cert.origin or "a file placed by hand",
+                directory=self.directory,
+            )
+            return False
         self._remote[name] = (got.info.etag, cert.not_after)
         local = await self._run_in_thread(lambda: self._local.read(name))
-        if local is not None and local.not_after >= cert.not_after:
-            return False
-        if cert.not_after <= self._reactor.seconds():
+        if (local is not None and local.not_after >= cert.not_after) or (
+            cert.not_after <= self._reactor.seconds()
+        ):
+            self._etags[key] = got.info.etag
             return False
         await self._run_in_thread(lambda: self._local.install(name, cert))
+        self._etags[key] = got.info.etag  # only now: a failed install is tried again next round
         _sync.labels("install", "ok").inc()
         _log.info(
             "acme: installed the {name} certificate from the shared cache (serial {serial:x}, "
@@ -527,7 +558,7 @@ class CacheSync(Service):
 
     async def _push(self, in_bucket: dict[CertName, str]) -> None:
         for loaded in self._certificates().values():
-            if loaded.kind == "default":
+            if loaded.kind == "default" or (self.directory and loaded.origin != self.directory):
                 continue
             name = CertName(loaded.kind, loaded.name)
             if name in in_bucket:

@@ -194,6 +194,7 @@ class AcmeAccount:
         try:
             order = acme.new_order(csr)
         except messages.Error as e:
+            self._forget_account_on(e)
             raise IssuanceError("order", _problem(e), _retry_after(e)) from e
         except requests.RequestException as e:
             raise IssuanceError("network", f"new order: {_short(e)}") from e
@@ -225,6 +226,7 @@ class AcmeAccount:
         except errors.TimeoutError as e:
             raise IssuanceError("validation", f"not validated within {deadline:.0f}s") from e
         except messages.Error as e:
+            self._forget_account_on(e)
             raise IssuanceError("finalize", _problem(e), _retry_after(e)) from e
         except requests.RequestException as e:
             raise IssuanceError("network", _short(e)) from e
@@ -256,6 +258,14 @@ class AcmeAccount:
                 if self.stopping.wait(delay):
                     raise IssuanceError("stopped", "the router is stopping")
                 delay = min(delay * 2, 2.0)
+
+    def _forget_account_on(self, e: messages.Error) -> None:
+        # The CA no longer knows the account (deactivated, or a test CA restarted): register
+        # again at the next order rather than failing every order until a restart.
+        if (e.typ or "").endswith((":accountDoesNotExist", ":unauthorized")):
+            with self._lock:
+                self._client = None
+                self._key = None
 
     def _check_stopping(self) -> None:
         if self.stopping.is_set():

@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -52,6 +52,8 @@ RENEWAL_CHECK = 3600.0
 WILDCARD_CHECK = 12 * 3600.0
 BACKOFF = (60.0, 3600.0)
 ORDER_THREADS = 4
+WEEK = 7 * 86400.0
+ISSUED_PER_WEEK = 3  # certificates per name this box obtains in 7 days at most (a loop guard)
 STOP_BUDGET = 5.0  # seconds an order in flight gets to end at shutdown
 
 _log = Logger(namespace="lchat.acme")
@@ -128,14 +130,17 @@ class Issuer(Service):
         self._own_hosts = tuple(own_hosts)
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not secrets
         self._inflight: dict[CertName, Deferred[None]] = {}
+        self._issued_at: dict[CertName, list[float]] = {}  # when this box obtained each name
+        self._unserved: dict[CertName, Certificate] = {}  # obtained, not (yet) in service
         # name -> (failures in a row, when the next try may start, stage, message)
         self._failures: dict[CertName, tuple[int, float, str, str]] = {}
         # A wildcard domain is "pending" until its first attempt ends: hosts under it wait.
         self._wildcards: dict[str, str] = {d: "pending" for d in self.wildcard_domains}
         self._loops: list[LoopingCall] = []
         self._retries: dict[CertName, Any] = {}
-        self._pool = _DaemonThreadPool(minthreads=0, maxthreads=ORDER_THREADS, name="lchat-acme")
+        self._pool = self._new_pool()
         self._no_http01_logged = False
+        self._unfileable: set[str] = set()
         self.orders: dict[str, int] = {"host": 0, "wildcard": 0}  # this issuer's, for tests
 
     # -- asking -------------------------------------------------------------------------------
@@ -155,6 +160,20 @@ class Issuer(Service):
         if name in self._inflight or not self._may_issue(host):
             return
         if not self._may_try(name):
+            return
+        try:
+            name.path(self._local.directory)
+        except hosts.InvalidHost as e:
+            # No file could hold it (a host named wildcard-…): ordering would issue a
+            # certificate that can never be served, again and again.
+            if host not in self._unfileable:
+                self._unfileable.add(host)
+                _log.warn(
+                    "acme: {host} cannot have a certificate file of its own ({error}); only a "
+                    "wildcard or default.pem can serve it",
+                    host=host,
+                    error=str(e),
+                )
             return
         domain = self._wildcard_domain(host)
         if domain is not None and self._wildcards.get(domain) != "failed":
@@ -235,6 +254,12 @@ class Issuer(Service):
         )
 
     async def _obtain_once(self, name: CertName, reason: str) -> str:
+        kept = self._unserved.get(name)
+        if kept is not None and self._reactor.seconds() < self._due(kept):
+            # Issued earlier but never served (a refused write, a full disk): put that one in
+            # service again. An order must never be the answer to a local failure.
+            await self._install(name, kept)
+            return "issued"
         shared = self._shared
         if shared is None:
             await self._order(name, reason)
@@ -258,34 +283,49 @@ class Issuer(Service):
                         owner=e.owner,
                     )
             except ObjectStoreError as e:
-                # The bucket is down: a certificate now beats a perfectly single order.
+                served = self._store.certificates().get(name.label)
+                if served is not None and served.not_after > self._reactor.seconds():
+                    # A renewal can wait for the bucket; every box renewing alone cannot.
+                    raise IssuanceError(
+                        "shared",
+                        f"cannot take the issuance lock ({e}); the served certificate is still "
+                        f"valid, so its renewal waits for the bucket",
+                    ) from e
+                # Nothing valid to serve: a certificate now beats a perfectly single order.
                 _log.warn(
                     "acme: cannot take the issuance lock for {name} ({error}); ordering without it",
                     name=name.label,
                     error=e,
                 )
                 break
-            if not self.running or self._reactor.seconds() > deadline:
+            if not self.running:
+                raise IssuanceError("stopped", "the router is stopping")
+            if self._reactor.seconds() > deadline:
                 raise IssuanceError(
                     "shared", "another box held the issuance lock and no certificate appeared"
                 )
             await deferLater(self._reactor, poll, lambda: None)
             poll = min(poll * 2, 15.0)  # an order takes seconds; a lost holder, minutes
+        keep_lock = False
         try:
             if held is not None and await self._from_shared(name):
                 return "shared"  # finished by another box between our look and our lock
-            cert = await self._order(name, reason)
-            try:
-                await shared.publish(name, cert)
-            except (ObjectStoreError, CacheEntryError) as e:
-                _log.warn(
-                    "acme: cannot upload {name} to the shared cache ({error}); the sync retries",
-                    name=name.label,
-                    error=e,
-                )
+            await self._order(name, reason)
             return "issued"
+        except IssuanceError as e:
+            # A failed order keeps the lock until it expires: the other boxes, waiting on it, do
+            # not each try (and fail) the same order; the fleet retries once per lock lifetime.
+            keep_lock = held is not None and e.stage not in ("stopped", "install")
+            if keep_lock:
+                _log.info(
+                    "acme: keeping the issuance lock of {name} until it expires ({ttl:.0f}s): "
+                    "no box retries it sooner",
+                    name=name.label,
+                    ttl=shared.lock_ttl,
+                )
+            raise
         finally:
-            if held is not None:
+            if held is not None and not keep_lock:
                 await shared.unlock(self._reactor, held)
 
     async def _from_shared(self, name: CertName) -> bool:
@@ -301,15 +341,32 @@ class Issuer(Service):
         if found is None:
             return False
         cert, _ = found
-        if self._reactor.seconds() >= self.renew_time(cert.not_after, cert.serial, cert.not_before):
+        if cert.origin != self._account.directory_url:
+            return False  # another CA's (staging, a file placed by hand): get our own
+        if self._reactor.seconds() >= self._due(cert):
             return False  # due itself: renew it
-        local = await self._run(lambda: self._local.read(name))
-        if local is None or local.not_after < cert.not_after:
-            await self._run(lambda: self._local.install(name, cert))
-            await self._store.rescan()
+        served = self._store.certificates().get(name.label)
+        if served is not None and served.serial == cert.serial:
+            return True
+        await self._install(name, cert)
         return True
 
+    def _due(self, cert: Certificate) -> float:
+        return self.renew_time(cert.not_after, cert.serial, cert.not_before)
+
     async def _order(self, name: CertName, reason: str) -> Certificate:
+        now = self._reactor.seconds()
+        recent = [t for t in self._issued_at.get(name, []) if now - t < WEEK]
+        self._issued_at[name] = recent
+        if len(recent) >= ISSUED_PER_WEEK:
+            # A loop guard under the CA's duplicate limit (Let's Encrypt: 5 a week): whatever
+            # makes certificates not last, ordering more would only lock the name out for a week.
+            raise IssuanceError(
+                "limit",
+                f"this box obtained {len(recent)} certificates for {name.label} in the last 7 "
+                f"days; not ordering another (look for why they do not stay in service)",
+                retry_after=WEEK - (now - recent[0]),
+            )
         _log.info(
             "acme: ordering a certificate for {name} ({reason})", name=name.label, reason=reason
         )
@@ -335,10 +392,37 @@ class Issuer(Service):
                 [name.label], solver, deadline=self._order_deadline, on_order=placed
             )
         )
-        cert = Certificate.parse(issued.key_pem, issued.chain_pem)
-        await self._run(lambda: self._local.install(name, cert))
-        await self._store.rescan()
+        self._issued_at.setdefault(name, []).append(self._reactor.seconds())
+        cert = Certificate.parse(issued.key_pem, issued.chain_pem, self._account.directory_url)
+        self._unserved[name] = cert  # until it is in service
+        if self._shared is not None:
+            # First into the bucket: the fleet gets it even if this box cannot serve it.
+            try:
+                await self._shared.publish(name, cert)
+            except (ObjectStoreError, CacheEntryError) as e:
+                _log.warn(
+                    "acme: cannot upload {name} to the shared cache ({error}); the sync retries",
+                    name=name.label,
+                    error=e,
+                )
+        await self._install(name, cert)
         return cert
+
+    async def _install(self, name: CertName, cert: Certificate) -> None:
+        """Write ``cert`` into the cache directory and see it served; else ``install`` fails
+        (backed off like any failure) and the certificate is kept to be installed again."""
+        try:
+            await self._run(lambda: self._local.install(name, cert))
+        except OSError as e:
+            self._unserved[name] = cert
+            raise IssuanceError("install", f"cannot write it: {e.strerror or e}") from e
+        await self._store.rescan()
+        served = self._store.certificates().get(name.label)
+        if served is None or served.serial != cert.serial:
+            self._unserved[name] = cert
+            why = self._store.refused().get(name.path(self._local.directory), "not loaded")
+            raise IssuanceError("install", f"obtained, but not served: {why}")
+        self._unserved.pop(name, None)
 
     def _count_order(self, kind: str) -> None:
         ORDERS.labels(kind).inc()
@@ -425,6 +509,14 @@ class Issuer(Service):
         window = min(DAY, before / 10)
         return not_after - before - window * ((serial % 10007) / 10007)
 
+    def _due_loaded(self, loaded: tls.Loaded) -> float:
+        """When a served certificate is due. One issued by another ACME directory than ours (we
+        switched from staging, or to another CA) is due now; a file placed by hand (no marker)
+        follows the schedule like any other."""
+        if loaded.origin and loaded.origin != self._account.directory_url:
+            return 0.0
+        return self.renew_time(loaded.not_after, loaded.serial, loaded.not_before)
+
     def check_renewals(self) -> None:
         """Start every renewal that is due (the periodic check; also callable by tests)."""
         now = self._reactor.seconds()
@@ -434,16 +526,14 @@ class Issuer(Service):
             if loaded.kind == "default":
                 continue
             name = CertName("wildcard" if loaded.kind == "wildcard" else "host", loaded.name)
-            due = self.renew_time(loaded.not_after, loaded.serial, loaded.not_before)
+            due = self._due_loaded(loaded)
             if now < due:
                 continue
             if loaded.kind == "host":
                 if not self._may_issue(loaded.name) or self._http01 is None:
                     continue  # not ours to renew (removed, or no HTTP-01): it lapses
                 wildcard = served.get("*." + loaded.name.partition(".")[2])
-                if wildcard is not None and now < self.renew_time(
-                    wildcard.not_after, wildcard.serial, wildcard.not_before
-                ):
+                if wildcard is not None and now < self._due_loaded(wildcard):
                     continue  # a good wildcard covers it: no need for its own
             elif loaded.name not in self._wildcards:
                 continue  # a wildcard placed by hand, for a domain we do not issue
@@ -464,9 +554,7 @@ class Issuer(Service):
         for domain in self.wildcard_domains:
             loaded = served.get("*." + domain)
             name = CertName.wildcard(domain)
-            if loaded is not None and now < self.renew_time(
-                loaded.not_after, loaded.serial, loaded.not_before
-            ):
+            if loaded is not None and now < self._due_loaded(loaded):
                 self._wildcards[domain] = "ok"
                 continue
             if name not in self._inflight and self._may_try(name):
@@ -474,9 +562,15 @@ class Issuer(Service):
 
     # -- service ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _new_pool() -> ThreadPool:
+        return _DaemonThreadPool(minthreads=0, maxthreads=ORDER_THREADS, name="lchat-acme")
+
     def startService(self) -> None:
         super().startService()
         self._account.stopping.clear()
+        if self._pool.joined:
+            self._pool = self._new_pool()  # started again after a stop
         self._pool.start()
         for period, check in (
             (self._wildcard_check, self.check_wildcards),
@@ -491,6 +585,8 @@ class Issuer(Service):
             self._loops.append(loop)
 
     def stopService(self) -> Deferred[None]:
+        if not self.running:
+            return succeed(None)  # stopped already (twice is harmless)
         super().stopService()
         self._account.stopping.set()
         for loop in self._loops:

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import asdict, define
+from cryptography import x509
 
 from lchat import tls
-from lchat.acme.cache import CacheEntryError, CertName, describe
+from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name
 from lchat.cli.replica import _run_on_reactor
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError, open_store
@@ -35,6 +36,7 @@ class Row:
     serial: str
     source: str
     note: str = ""
+    origin: str = ""  # the ACME directory that issued it ("" = placed by hand)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,10 +107,11 @@ def _local_rows(directory: str) -> list[Row]:
             Row(
                 label,
                 kind,
-                loaded.issuer,
+                _printable(loaded.issuer),
                 _date(loaded.not_after),
                 f"{loaded.serial:x}",
                 "dir",
+                origin=loaded.origin,
             )
         )
     return rows
@@ -126,19 +129,23 @@ async def _shared_rows(store: Any, prefix: str) -> list[Row]:
         got = await store.get(info.key)
         try:
             data = describe(got.body)
-            rows.append(
-                Row(
-                    name.label,
-                    name.kind,
-                    str(data.get("issuer", "?")),
-                    str(data.get("not_after", "?")).replace("T", " "),
-                    str(data.get("serial", "")),
-                    "s3",
-                    f"issued by {data.get('issued_by') or '?'}",
-                )
-            )
-        except CacheEntryError as e:
+            # What is shown comes from the chain itself, not from the entry's own claims.
+            leaf = x509.load_pem_x509_certificate(str(data.get("chain", "")).encode("ascii"))
+        except (CacheEntryError, ValueError, UnicodeEncodeError) as e:
             rows.append(Row(name.label, name.kind, "?", "?", "", "s3", f"unusable: {e}"))
+            continue
+        rows.append(
+            Row(
+                name.label,
+                name.kind,
+                _printable(issuer_name(leaf)),
+                _date(leaf.not_valid_after_utc.timestamp()),
+                f"{leaf.serial_number:x}",
+                "s3",
+                f"issued by {_printable(str(data.get('issued_by') or '?'))}",
+                _printable(str(data.get("directory") or "")),
+            )
+        )
     return rows
 
 
@@ -154,6 +161,12 @@ def _merge(local: list[Row], shared: list[Row]) -> list[Row]:
         else:
             merged.append(row)
     return merged
+
+
+def _printable(text: str) -> str:
+    """Bucket entries and certificates are other people's bytes: no terminal escapes."""
+    cleaned = "".join(c if c.isprintable() else "?" for c in text)
+    return cleaned if len(cleaned) <= 200 else cleaned[:200] + "..."
 
 
 def _date(when: float) -> str:
