@@ -32,7 +32,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from lchat import config
-from lchat.acme.cache import key_id, split_pem
+from lchat.acme.cache import CertName, key_id, split_pem
 from lchat.acme.issuer import Issuer
 from lchat.config import BoxConfig
 from lchat.registry import Registry, Route
@@ -615,6 +615,24 @@ class WildcardTests(AcmeTestCase):
         self.assertEqual(self.dnsimple.txt_values("_acme-challenge.example.test"), [])
         self.assertEqual(len(self.dnsimple.calls("DELETE")), 1)
         self.assertEqual(self.dnsimple.sink_errors, [])
+
+    async def test_the_txt_record_is_removed_also_when_the_order_fails(self) -> None:
+        # The provider takes the record but it never reaches DNS: the propagation wait gives
+        # up, the order fails, and the record is deleted through the API all the same.
+        self.dnsimple.on_change = None
+        box = Box(self)
+        box.register(HOST)
+        flags = {**self.wildcard_flags(box), "LCHAT_DNS_PROPAGATION_TIMEOUT": "1s"}
+        _, issuer, _ = self.start(box.config(**flags))
+        for _ in range(200):
+            if issuer._wildcards.get("example.test") == "failed":
+                break
+            await sleep(0.1)
+        self.assertEqual(issuer._failures[CertName.wildcard("example.test")][2], "dns")
+        self.assertEqual(len(self.dnsimple.calls("POST")), 1)
+        self.assertEqual(len(self.dnsimple.calls("DELETE")), 1)
+        self.assertEqual(self.dnsimple.txt_values("_acme-challenge.example.test"), [])
+        self.flushLoggedErrors()
 
     async def test_a_failing_dns_provider_degrades_to_per_host_certificates(self) -> None:
         self.dnsimple.fail_always(500)
