@@ -456,9 +456,7 @@ class CacheSync(Service):
     def sync_now(self) -> Deferred[None]:
         """One round (joins a round already running)."""
         if self._running is not None:
-            joined: Deferred[None] = Deferred()
-            self._running.addBoth(lambda _: joined.callback(None))
-            return joined
+            return settled(self._running)
         d = Deferred.fromCoroutine(self._round())
         d.addErrback(lambda f: _log.failure("acme: shared cache sync failed", f))
         self._running = d
@@ -468,9 +466,7 @@ class CacheSync(Service):
             return result
 
         d.addBoth(done)
-        out: Deferred[None] = Deferred()
-        d.addBoth(lambda _: out.callback(None))
-        return out
+        return settled(d)
 
     async def _round(self) -> None:
         self.rounds += 1

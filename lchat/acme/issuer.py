@@ -208,9 +208,7 @@ class Issuer(Service):
             self._inflight[name] = running
             # Not from inside the caller's stack (an SNI callback): the next reactor turn.
             self._reactor.callLater(0, self._begin, name, reason, running)
-        joined: Deferred[None] = Deferred()
-        running.addBoth(lambda _: joined.callback(None))
-        return joined
+        return settled(running)
 
     def _begin(self, name: CertName, reason: str, done: Deferred[None]) -> None:
         d = Deferred.fromCoroutine(self._obtain(name, reason))
