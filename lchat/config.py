@@ -589,7 +589,7 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
             f"LCHAT_ACME_DIRECTORY={directory!r} must be the URL of an ACME directory (e.g. "
             f"{LETS_ENCRYPT}) or off"
         )
-    if parts.scheme == "http" and not _loopback(parts.hostname):
+    if parts.scheme == "http" and not hosts.is_loopback(parts.hostname):
         # RFC 8555 requires TLS: over plain http anyone on the path could hand us any chain.
         raise ConfigError(f"LCHAT_ACME_DIRECTORY={directory!r} must be https")
     email = get("LCHAT_ACME_EMAIL")
@@ -618,7 +618,7 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
             raise ConfigError(f"{name}={url!r} must be an http(s) URL")
     if dnsimple_url and urlsplit(dnsimple_url).scheme == "http":
         # The token rides in every request: only over TLS (plain http only to this machine).
-        if not _loopback(urlsplit(dnsimple_url).hostname or ""):
+        if not hosts.is_loopback(urlsplit(dnsimple_url).hostname or ""):
             raise ConfigError(
                 f"LCHAT_DNSIMPLE_URL={dnsimple_url!r} must be https (the API token rides in "
                 f"every request)"
@@ -646,15 +646,6 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
         dns_resolvers=_resolvers(get("LCHAT_DNS_RESOLVERS")),
         dns_timeout=timeout,
     )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _resolvers(text: str) -> tuple[tuple[str, int], ...]:

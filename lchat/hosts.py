@@ -114,6 +114,16 @@ def is_normal(host: str) -> bool:
 # --- file names -------------------------------------------------------------------------------
 
 
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address: where plain http may carry a secret (tests)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def db_path(data_dir: str, host: str) -> str:
     """``<data>/<host>.db``: the space's SQLite database."""
     return _space_file(data_dir, host, ".db")

@@ -74,7 +74,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from twisted.internet import reactor as _reactor
 from twisted.internet.threads import deferToThreadPool
 
-from tests.s3servers import free_ports
+from tests.s3servers import ServerLifecycle, free_ports
 
 START_TIMEOUT = 30.0
 REQUEST_TIMEOUT = 10.0
@@ -124,11 +124,6 @@ def _opener(ca_file: str | None = None) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(*handlers)
 
 
-async def _in_thread(f: Any, *args: Any) -> Any:
-    reactor: Any = _reactor
-    return await deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
-
-
 # -- every server this process started, killed at exit ------------------------------------------
 
 _live: set[_Server] = set()
@@ -143,7 +138,7 @@ def _destroy_all() -> None:
         server.destroy_sync()
 
 
-class _Server:
+class _Server(ServerLifecycle):
     """One child process in its own process group, logging to ``<dir>/server.log``."""
 
     name = "server"
@@ -213,26 +208,6 @@ class _Server:
         shutil.rmtree(self.dir, ignore_errors=True)
         with _live_lock:
             _live.discard(self)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(os.path.join(self.dir, "server.log"), "rb") as f:
-                return f.read()[-n:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    async def start(self) -> None:
-        await _in_thread(self.start_sync)
-
-    async def stop(self) -> None:
-        await _in_thread(self.stop_sync)
-
-    async def restart(self) -> None:
-        await self.stop()
-        await self.start()
-
-    async def destroy(self) -> None:
-        await _in_thread(self.destroy_sync)
 
 
 # -- pebble-challtestsrv: the DNS Pebble resolves with -------------------------------------------

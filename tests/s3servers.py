@@ -96,7 +96,43 @@ async def _in_thread(f: Any, *args: Any) -> Any:
     return await deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
 
 
-class S3Server:
+class ServerLifecycle:
+    """The async side and the log of a test server process whose ``start_sync``/``stop_sync``/
+    ``destroy_sync`` block; it logs to ``<dir>/server.log``. Shared with tests/acmeservers.py."""
+
+    dir: str
+
+    def start_sync(self) -> None:
+        raise NotImplementedError
+
+    def stop_sync(self) -> None:
+        raise NotImplementedError
+
+    def destroy_sync(self) -> None:
+        raise NotImplementedError
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(os.path.join(self.dir, "server.log"), "rb") as f:
+                return f.read()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    async def start(self) -> None:
+        await _in_thread(self.start_sync)
+
+    async def stop(self) -> None:
+        await _in_thread(self.stop_sync)
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.start()
+
+    async def destroy(self) -> None:
+        await _in_thread(self.destroy_sync)
+
+
+class S3Server(ServerLifecycle):
     """One S3 server process. ``endpoint``, ``bucket``, ``credentials`` and ``region`` are what a client needs."""
 
     def __init__(self, kind: Kind) -> None:
@@ -256,26 +292,6 @@ class S3Server:
     def resume(self) -> None:
         assert self._proc is not None
         os.killpg(self._proc.pid, signal.SIGCONT)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(os.path.join(self.dir, "server.log"), "rb") as f:
-                return f.read()[-n:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    async def start(self) -> None:
-        await _in_thread(self.start_sync)
-
-    async def stop(self) -> None:
-        await _in_thread(self.stop_sync)
-
-    async def restart(self) -> None:
-        await self.stop()
-        await self.start()
-
-    async def destroy(self) -> None:
-        await _in_thread(self.destroy_sync)
 
     # -- provisioning and helpers ----------------------------------------------------------------
 

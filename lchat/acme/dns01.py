@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import email.utils
-import ipaddress
 import random
 import re
 import threading
@@ -46,6 +45,8 @@ import dns.resolver
 import requests
 from attrs import field, frozen
 from twisted.logger import Logger
+
+from lchat import hosts
 
 log = Logger(namespace="lchat.acme.dns")
 
@@ -172,15 +173,6 @@ def unquote_txt(text: str, *, octal: bool = False) -> str:
     return out.decode("utf-8", "replace")
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 # -- DNSimple ------------------------------------------------------------------------------------
 
 
@@ -220,7 +212,7 @@ class DNSimple:
         # The token is a bearer credential: it travels only over TLS, except to a loopback test
         # server (invariant 4: no verification bypass, no plain-text secrets on the wire).
         if parts.scheme != "https" and not (
-            parts.scheme == "http" and _is_loopback(parts.hostname or "")
+            parts.scheme == "http" and hosts.is_loopback(parts.hostname or "")
         ):
             raise ValueError(
                 f"dnsimple: API URL {base!r} must be https (plain http only to a loopback address)"
