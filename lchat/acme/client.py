@@ -220,7 +220,8 @@ class AcmeAccount:
                 acme.answer_challenge(challb, challb.chall.response(key))
             until = datetime.datetime.now() + datetime.timedelta(seconds=deadline)
             self._wait_validated(acme, order, until)
-            order = acme.poll_and_finalize(order, until)
+            order = acme.poll_authorizations(order, until)  # all valid by now: no wait
+            order = self._finalize(acme, order, until)
         except errors.ValidationError as e:
             raise IssuanceError("validation", _validation_errors(e)) from e
         except errors.TimeoutError as e:
@@ -251,13 +252,41 @@ class AcmeAccount:
     ) -> None:
         # The library polls once a second; a CA usually validates in well under that.
         for authz in order.authorizations:
-            delay = 0.1
+            delay = 0.02
             while acme.poll(authz)[0].body.status == messages.STATUS_PENDING:
                 if datetime.datetime.now() >= until:
                     return  # poll_and_finalize reports the timeout
                 if self.stopping.wait(delay):
                     raise IssuanceError("stopped", "the router is stopping")
                 delay = min(delay * 2, 2.0)
+
+    def _finalize(
+        self, acme: client.ClientV2, order: messages.OrderResource, until: datetime.datetime
+    ) -> messages.OrderResource:
+        """Finalize and fetch the chain, polling the order at once and then with a short,
+        growing delay: the library's own poll waits a whole second before its first look."""
+        order = acme.begin_finalization(order)
+        post_as_get = getattr(acme, "_post_as_get", None)  # the library's POST-as-GET
+        delay = 0.05
+        while post_as_get is not None and datetime.datetime.now() < until:
+            body = order.body
+            if body.status == messages.STATUS_VALID and body.certificate is not None:
+                chain = post_as_get(body.certificate)
+                return order.update(fullchain_pem=chain.text)
+            if body.status == messages.STATUS_INVALID:
+                problem = body.error
+                raise IssuanceError(
+                    "finalize",
+                    _problem(problem) if problem is not None else "the CA refused the order",
+                )
+            if body.status != messages.STATUS_PROCESSING:
+                break  # anything unusual: the library's own loop knows every case
+            if self.stopping.wait(delay):
+                raise IssuanceError("stopped", "the router is stopping")
+            delay = min(delay * 2, 2.0)
+            response = post_as_get(order.uri)
+            order = order.update(body=messages.Order.from_json(response.json()))
+        return acme.poll_finalization(order, until)
 
     def _forget_account_on(self, e: messages.Error) -> None:
         # The CA no longer knows the account (deactivated, or a test CA restarted): register
