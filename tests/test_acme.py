@@ -349,6 +349,11 @@ class HostIssuanceTests(AcmeTestCase):
             await deferToThread(handshake, port, HOST, self.roots)
         await sleep(0.5)
         self.assertEqual(issuer.orders["host"], 1)
+        # `lchat certs` says so, from the running router.
+        env = write_file(os.path.join(box.dir, "cli.env"), read_bytes(box.env).decode())
+        table = await deferToThread(lchat_cli, "certs", "--env-file", env)
+        self.assertRegex(table, rf"failing: {HOST}: 1 in a row, last at validation: .*next try in")
+        self.flushLoggedErrors()
 
 
 class RenewalTests(AcmeTestCase):

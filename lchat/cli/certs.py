@@ -20,11 +20,13 @@ from cryptography import x509
 
 from lchat import tls
 from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name
+from lchat.cli import admin_client
 from lchat.cli.replica import _run_on_reactor
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError, open_store
 
 SUMMARY = "list the certificate cache: name, kind, issuer, not-after, source (dir or s3)"
+STATUS_TIMEOUT = 3.0
 
 
 @define
@@ -65,10 +67,10 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         out(json.dumps([asdict(r) for r in rows], indent=2))
         return 0
     if not rows:
-        out(
-            f"no certificates in {cfg.acme_cache}"
-            + (" or the shared cache" if cfg.cert_cache == "s3" else "")
-        )
+        where = " or the shared cache" if cfg.cert_cache == "s3" else ""
+        out(f"no certificates in {cfg.acme_cache}{where}")
+        for line in _issuer_lines(_router_acme(cfg)):
+            out(line)
         return 0
     width = max(len("NAME"), *(len(r.name) for r in rows))
     issuer_width = max(len("ISSUER"), *(len(r.issuer) for r in rows))
@@ -76,7 +78,43 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
     for r in rows:
         line = f"{r.name:<{width}}  {r.kind:<8}  {r.issuer:<{issuer_width}}  {r.not_after:<20}  {r.source}"
         out(line + (f"  ({r.note})" if r.note else ""))
+    for line in _issuer_lines(_router_acme(cfg)):
+        out(line)
     return 0
+
+
+def _router_acme(cfg: BoxConfig) -> dict[str, Any] | None:
+    """The running router's issuer view (``GET /status``, ``acme``), or None."""
+    try:
+        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
+        body = response.json() if response.status == 200 else None
+    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError):
+        return None  # not running (or not answering): the files are all there is to show
+    acme = body.get("acme") if isinstance(body, dict) else None
+    return acme if isinstance(acme, dict) else None
+
+
+def _issuer_lines(acme: dict[str, Any] | None) -> list[str]:
+    """What the running router's issuer is doing: names being issued, names failing."""
+    if not acme:
+        return []
+    lines = []
+    issuing = [str(n) for n in acme.get("issuing") or []]
+    if issuing:
+        lines.append("issuing now: " + ", ".join(_printable(n) for n in issuing))
+    failing = acme.get("failing") or {}
+    for name, f in sorted(failing.items()) if isinstance(failing, dict) else []:
+        if not isinstance(f, dict):
+            continue
+        lines.append(
+            f"failing: {_printable(str(name))}: {f.get('failures', '?')} in a row, last at "
+            f"{_printable(str(f.get('stage', '?')))}: {_printable(str(f.get('error', '')))}; "
+            f"next try in {f.get('retry_in', '?')}s"
+        )
+    for domain, state in sorted((acme.get("wildcards") or {}).items()):
+        if state != "ok":
+            lines.append(f"wildcard *.{_printable(str(domain))}: {_printable(str(state))}")
+    return lines
 
 
 class CertsError(Exception):
