@@ -589,6 +589,9 @@ def _acme(get: _Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | None:
             f"LCHAT_ACME_DIRECTORY={directory!r} must be the URL of an ACME directory (e.g. "
             f"{LETS_ENCRYPT}) or off"
         )
+    if not re.fullmatch(r"[\x21-\x7e]{1,2000}", directory):
+        # It is written into every certificate file and bucket entry as the issuer's name.
+        raise ConfigError(f"LCHAT_ACME_DIRECTORY={directory!r} must be a plain ASCII URL")
     if parts.scheme == "http" and not hosts.is_loopback(parts.hostname):
         # RFC 8555 requires TLS: over plain http anyone on the path could hand us any chain.
         raise ConfigError(f"LCHAT_ACME_DIRECTORY={directory!r} must be https")

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from attrs import evolve
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -140,6 +141,17 @@ class SealedEntryTests(TestCase):
             cache.unseal(CertName.host("other.example.com"), body, self.KEY)
         data = json.loads(body)
         data["chain"] = certificate("chat.example.com").chain_pem.decode()
+        with self.assertRaisesRegex(CacheEntryError, "does not decrypt"):
+            cache.unseal(name, json.dumps(data).encode(), self.KEY)
+
+    def test_the_issuing_directory_cannot_be_changed_without_the_key(self) -> None:
+        name = CertName.host("chat.example.com")
+        cert = evolve(certificate(name.name), origin="https://ca.example/directory")
+        data = json.loads(cache.seal(name, cert, self.KEY, "box-1"))
+        self.assertEqual(
+            cache.unseal(name, json.dumps(data).encode(), self.KEY).origin, cert.origin
+        )
+        data["directory"] = "https://other.example/directory"
         with self.assertRaisesRegex(CacheEntryError, "does not decrypt"):
             cache.unseal(name, json.dumps(data).encode(), self.KEY)
 
@@ -367,4 +379,26 @@ class SharedLockTests(TestCase):
         await box_b.stopService()  # a waiter that is stopped gives up quietly
         await waiting
         self.assertNotIn(name, box_b._failures)
+
+        # Box A itself does not sit waiting on the lock its failure keeps: it backs off at once.
+        failing.fail = None
+        await box_a.start(name, "retry")
+        self.assertEqual(failing.orders, 1)
+        self.assertEqual(box_a._failures[name][2], "shared")
+        self.assertGreater(box_a._failures[name][1] - reactor.seconds(), 30)  # the lock's time
+        self.flushLoggedErrors()
+
+    async def test_a_failure_of_the_box_itself_releases_the_lock(self) -> None:
+        server = await shared_server("moto")
+        store = store_for(server, await server.new_bucket())
+        self.addCleanup(store.close)
+        name = CertName.host("chat.example.com")
+        account = _IssuingAccount(fail=IssuanceError("network", "cannot reach the CA"))
+        box = running_issuer(
+            self, account, _Store(), shared=SharedCache(store, self.KEY, prefix="p", box_id="a")
+        )
+        await box.start(name, "test")
+        self.assertEqual(box._failures[name][2], "network")
+        listed = await store.list("p/certs/locks/")
+        self.assertEqual(listed, [])  # another box, which can reach the CA, may go ahead
         self.flushLoggedErrors()

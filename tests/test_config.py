@@ -157,7 +157,14 @@ class Refusals(Base):
         self.assertEqual(cfg.cert_cache_key, b"\xfb" * 32)
 
     def test_acme(self) -> None:
-        for value in ("letsencrypt", "ftp://ca.example/dir", "https://"):
+        for value in (
+            "letsencrypt",
+            "ftp://ca.example/dir",
+            "https://",
+            "http://ca.example/dir",  # RFC 8555: TLS (plain http only to this machine)
+            "https://c\u00e4.example/dir",
+            "https://ca.example/a dir",
+        ):
             self.refuses("LCHAT_ACME_DIRECTORY", {"LCHAT_ACME_DIRECTORY": value})
         for value in ("nobody", "a b@example.com", "x@y"):
             self.refuses("LCHAT_ACME_EMAIL", {"LCHAT_ACME_EMAIL": value})

@@ -211,14 +211,17 @@ def key_id(key: bytes) -> str:
     return hashlib.sha256(b"lchat cert cache key\0" + key).hexdigest()[:16]
 
 
-def _aad(name: CertName, chain_pem: bytes) -> bytes:
-    return b"\0".join((FORMAT.encode(), name.stem.encode(), hashlib.sha256(chain_pem).digest()))
+def _aad(name: CertName, chain_pem: bytes, origin: str) -> bytes:
+    # Name, chain and issuing directory: none can be changed without the key.
+    return b"\0".join(
+        (FORMAT.encode(), name.stem.encode(), hashlib.sha256(chain_pem).digest(), origin.encode())
+    )
 
 
 def seal(name: CertName, cert: Certificate, key: bytes, issued_by: str) -> bytes:
     """The bucket object for ``cert``: chain in clear, private key AES-256-GCM encrypted."""
     nonce = secrets.token_bytes(12)
-    ciphertext = AESGCM(key).encrypt(nonce, cert.key_pem, _aad(name, cert.chain_pem))
+    ciphertext = AESGCM(key).encrypt(nonce, cert.key_pem, _aad(name, cert.chain_pem, cert.origin))
     body = {
         "format": FORMAT,
         "name": name.label,
@@ -264,15 +267,16 @@ def unseal(name: CertName, body: bytes, key: bytes) -> Certificate:
         ciphertext = base64.b64decode(sealed["ciphertext"], validate=True)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise CacheEntryError(f"malformed entry: {e}") from None
-    try:
-        key_pem = AESGCM(key).decrypt(nonce, ciphertext, _aad(name, chain))
-    except (InvalidTag, ValueError):
-        raise CacheEntryError(
-            "its private key does not decrypt for this name and chain (tampered or moved)"
-        ) from None
     origin = data.get("directory")
     if not isinstance(origin, str) or not re.fullmatch(r"[\x21-\x7e]{0,2000}", origin):
-        origin = ""
+        raise CacheEntryError("malformed entry: its directory is not a URL")
+    try:
+        key_pem = AESGCM(key).decrypt(nonce, ciphertext, _aad(name, chain, origin))
+    except (InvalidTag, ValueError):
+        raise CacheEntryError(
+            "its private key does not decrypt for this name, chain and directory (tampered or "
+            "moved)"
+        ) from None
     try:
         cert = Certificate.parse(key_pem, chain, origin)
     except ValueError as e:
@@ -303,7 +307,7 @@ class SharedCache:
         self._prefix = prefix.strip("/")
         self.box_id = box_id
         self.lock_ttl = lock_ttl
-        self._lock_owner = f"{box_id or '?'}#{secrets.token_hex(4)}"
+        self.lock_owner = f"{box_id or '?'}#{secrets.token_hex(4)}"
 
     def key_for(self, *parts: str) -> str:
         return "/".join(p for p in (self._prefix, "certs", *parts) if p)
@@ -372,7 +376,7 @@ class SharedCache:
         return await lease.acquire(
             self.store,
             self.key_for("locks", name.stem + ".json"),
-            self._lock_owner,
+            self.lock_owner,
             self.lock_ttl,
             host=name.label,
         )

@@ -286,7 +286,10 @@ class AcmeAccount:
             delay = min(delay * 2, 2.0)
             response = post_as_get(order.uri)
             order = order.update(body=messages.Order.from_json(response.json()))
-        return acme.poll_finalization(order, until)
+        try:
+            return acme.poll_finalization(order, until)
+        except errors.TimeoutError as e:
+            raise IssuanceError("finalize", "the CA did not issue it in time") from e
 
     def _forget_account_on(self, e: messages.Error) -> None:
         # The CA no longer knows the account (deactivated, or a test CA restarted): register
@@ -295,6 +298,12 @@ class AcmeAccount:
             with self._lock:
                 self._client = None
                 self._key = None
+            _log.warn(
+                "acme: the CA refused our account ({problem}); registering again at the next "
+                "order (if the account was deactivated, move {key} away to make a new one)",
+                problem=_problem(e),
+                key=self.key_path,
+            )
 
     def _check_stopping(self) -> None:
         if self.stopping.is_set():

@@ -54,6 +54,8 @@ BACKOFF = (60.0, 3600.0)
 ORDER_THREADS = 4
 WEEK = 7 * 86400.0
 ISSUED_PER_WEEK = 3  # certificates per name this box obtains in 7 days at most (a loop guard)
+LAST_WEEK = 7 * 86400.0  # a renewal this close to expiry no longer waits for the bucket's lock
+CA_STAGES = ("order", "validation", "finalize")  # failures the CA reported
 STOP_BUDGET = 5.0  # seconds an order in flight gets to end at shutdown
 
 _log = Logger(namespace="lchat.acme")
@@ -258,6 +260,7 @@ class Issuer(Service):
             # service again. An order must never be the answer to a local failure.
             await self._install(name, kept)
             return "issued"
+        self._check_guard(name)  # before any lock: a box that will not order must not block others
         shared = self._shared
         if shared is None:
             await self._order(name, reason)
@@ -267,12 +270,22 @@ class Issuer(Service):
         poll = self._shared_poll
         deadline = self._reactor.seconds() + shared.lock_ttl + 30
         while True:
+            if not self.running:
+                raise IssuanceError("stopped", "the router is stopping")
             if await self._from_shared(name):
                 return "shared"
             try:
                 held = await shared.lock(name)
                 break
             except LeaseHeld as e:
+                if e.owner == shared.lock_owner:
+                    # Our own failed order keeps it: the fleet's next try comes when it expires.
+                    raise IssuanceError(
+                        "shared",
+                        "the last order failed; its issuance lock holds every box back until it "
+                        "expires",
+                        retry_after=e.retry_after,
+                    ) from e
                 if not waited:
                     waited = True
                     _log.info(
@@ -282,14 +295,15 @@ class Issuer(Service):
                     )
             except ObjectStoreError as e:
                 served = self._store.certificates().get(name.label)
-                if served is not None and served.not_after > self._reactor.seconds():
+                if served is not None and served.not_after - self._reactor.seconds() > LAST_WEEK:
                     # A renewal can wait for the bucket; every box renewing alone cannot.
                     raise IssuanceError(
                         "shared",
                         f"cannot take the issuance lock ({e}); the served certificate is still "
                         f"valid, so its renewal waits for the bucket",
                     ) from e
-                # Nothing valid to serve: a certificate now beats a perfectly single order.
+                # Nothing valid to serve (or not for long): a certificate now beats a perfectly
+                # single order.
                 _log.warn(
                     "acme: cannot take the issuance lock for {name} ({error}); ordering without it",
                     name=name.label,
@@ -306,6 +320,8 @@ class Issuer(Service):
             poll = min(poll * 2, 15.0)  # an order takes seconds; a lost holder, minutes
         keep_lock = False
         try:
+            if not self.running:
+                raise IssuanceError("stopped", "the router is stopping")
             if held is not None and await self._from_shared(name):
                 return "shared"  # finished by another box between our look and our lock
             await self._order(name, reason)
@@ -313,7 +329,9 @@ class Issuer(Service):
         except IssuanceError as e:
             # A failed order keeps the lock until it expires: the other boxes, waiting on it, do
             # not each try (and fail) the same order; the fleet retries once per lock lifetime.
-            keep_lock = held is not None and e.stage not in ("stopped", "install")
+            # Only for what the CA said: another box would be told the same. A failure of this
+            # box's own (its network, its configuration, its guard) lets the others try.
+            keep_lock = held is not None and e.stage in CA_STAGES
             if keep_lock:
                 _log.info(
                     "acme: keeping the issuance lock of {name} until it expires ({ttl:.0f}s): "
@@ -352,7 +370,7 @@ class Issuer(Service):
     def _due(self, cert: Certificate) -> float:
         return self.renew_time(cert.not_after, cert.serial, cert.not_before)
 
-    async def _order(self, name: CertName, reason: str) -> Certificate:
+    def _check_guard(self, name: CertName) -> None:
         now = self._reactor.seconds()
         recent = [t for t in self._issued_at.get(name, []) if now - t < WEEK]
         self._issued_at[name] = recent
@@ -365,6 +383,9 @@ class Issuer(Service):
                 f"days; not ordering another (look for why they do not stay in service)",
                 retry_after=WEEK - (now - recent[0]),
             )
+
+    async def _order(self, name: CertName, reason: str) -> Certificate:
+        self._check_guard(name)
         _log.info(
             "acme: ordering a certificate for {name} ({reason})", name=name.label, reason=reason
         )
@@ -527,6 +548,7 @@ class Issuer(Service):
             due = self._due_loaded(loaded)
             if now < due:
                 continue
+            scheduled = self.renew_time(loaded.not_after, loaded.serial, loaded.not_before)
             if loaded.kind == "host":
                 if not self._may_issue(loaded.name) or self._http01 is None:
                     continue  # not ours to renew (removed, or no HTTP-01): it lapses
@@ -535,7 +557,7 @@ class Issuer(Service):
                     continue  # a good wildcard covers it: no need for its own
             elif loaded.name not in self._wildcards:
                 continue  # a wildcard placed by hand, for a domain we do not issue
-            lag = max(lag, now - due)
+            lag = max(lag, now - scheduled)  # a foreign CA's is due early, not late
             if name not in self._inflight and self._may_try(name):
                 self.start(name, "renewal")
         RENEWAL_LAG.set(lag)

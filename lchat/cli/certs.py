@@ -139,7 +139,7 @@ def _local_rows(directory: str) -> list[Row]:
         path = os.path.join(directory, filename)
         loaded = tls.load_file(path, kind, name, now)
         if isinstance(loaded, tls.Refused):
-            rows.append(Row(label, kind, "?", "?", "", "dir", f"refused: {loaded.why}"))
+            rows.append(Row(label, kind, "?", "?", "", "dir", f"refused: {_printable(loaded.why)}"))
             continue
         rows.append(
             Row(
