@@ -120,6 +120,21 @@ class Processes:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def stop(self, proc: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
+        """SIGTERM one process's group (SIGKILL after ``timeout``) and forget it, so the
+        liveness checks do not trip over a process stopped on purpose."""
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.started = [(n, p) for n, p in self.started if p is not proc]
+
     def close(self) -> None:
         # Newest first (the router before the backend it proxies to); TERM, then KILL.
         for _name, proc in reversed(self.started):

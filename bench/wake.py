@@ -353,18 +353,7 @@ class Router:
         time.sleep(0.5)  # the bucket probe
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        # Done with: the process set's liveness checks must not trip over it.
-        self.procs.started = [(n, p) for n, p in self.procs.started if p is not self.proc]
+        self.procs.stop(self.proc, timeout=60)
 
     def wake_admin(self, host: str) -> float:
         t = time.perf_counter()

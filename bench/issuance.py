@@ -1,7 +1,7 @@
 """ACME issuance: how long a new host waits for its first certificate from the router, beside
 certbot on the same CA (Pebble), the same machine, the same run.
 
-    .venv/bin/python bench/acme.py [--hosts 20] [--concurrent 50] [--breakdown 5] [--shared 5]
+    .venv/bin/python bench/issuance.py [--hosts 20] [--concurrent 50] [--breakdown 5] [--shared 5]
         [--poll 0.02] [--fine-poll 0.005] [--certbot PATH] [--keep]
 
 (~2 min with the defaults on 2 cores, ~10 s of it installing certbot. The shared-cache part
@@ -81,10 +81,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib
 from benchlib import BIN, ROOT, Processes, log
 from cryptography import x509
-
-# This file has the name of the `acme` library the router uses: the script's directory, first on
-# sys.path, must not shadow it (lchat.acme imports it in the --child-router process).
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != str(benchlib.BENCH)]
 
 DOMAIN = "bench.test"
 METRIC = re.compile(r"^(lchat_[a-z_]+)\{([^}]*)\} (\S+)$", re.M)
@@ -334,17 +330,7 @@ class Router:
         return [self.proc.pid] if self.proc is not None and self.proc.poll() is None else []
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.procs.started = [(n, p) for n, p in self.procs.started if p is not self.proc]
+        self.procs.stop(self.proc, timeout=30)
 
     def metrics(self) -> dict[tuple[str, str], float]:
         status, body = benchlib.admin(self.sock, "GET", "/metrics")
@@ -961,7 +947,7 @@ def report(args: argparse.Namespace, info: dict[str, str], r: dict[str, Any]) ->
         ]
 
     out = [
-        "## ACME issuance (`bench/acme.py`)",
+        "## ACME issuance (`bench/issuance.py`)",
         "",
         benchlib.machine_markdown(
             {k: info[k] for k in ("date", "commit", "cpus", "memory", "python", "twisted")}
