@@ -173,6 +173,18 @@ def unquote_txt(text: str, *, octal: bool = False) -> str:
     return out.decode("utf-8", "replace")
 
 
+def _log_added(provider: str, fqdn: str, value: str, where: str) -> None:
+    log.info(
+        "acme: dns {provider}: TXT {fqdn} added ({where})",
+        provider=provider,
+        fqdn=fqdn,
+        where=where,
+    )
+    log.debug(
+        "acme: dns {provider}: TXT {fqdn} value {value}", provider=provider, fqdn=fqdn, value=value
+    )
+
+
 # -- DNSimple ------------------------------------------------------------------------------------
 
 
@@ -272,19 +284,7 @@ class DNSimple:
                 f"dnsimple: create TXT {fqdn} in zone {zone}: the answer has no record id"
             )
         record_id = str(data["id"])
-        log.info(
-            "acme: dns {provider}: TXT {fqdn} added (zone {zone}, record {record_id})",
-            provider=self.name,
-            fqdn=fqdn,
-            zone=zone,
-            record_id=record_id,
-        )
-        log.debug(
-            "acme: dns {provider}: TXT {fqdn} value {value}",
-            provider=self.name,
-            fqdn=fqdn,
-            value=value,
-        )
+        _log_added(self.name, fqdn, value, f"zone {zone}, record {record_id}")
         return TXTRecord(fqdn, value, f"{zone}/{record_id}")
 
     def remove_txt(self, record: TXTRecord) -> None:
@@ -622,19 +622,7 @@ class Route53:
                 zone=zone_id,
             )
         else:
-            log.info(
-                "acme: dns {provider}: TXT {fqdn} added (zone {zone}, change {change})",
-                provider=self.name,
-                fqdn=fqdn,
-                zone=zone_id,
-                change=change,
-            )
-            log.debug(
-                "acme: dns {provider}: TXT {fqdn} value {value}",
-                provider=self.name,
-                fqdn=fqdn,
-                value=value,
-            )
+            _log_added(self.name, fqdn, value, f"zone {zone_id}, change {change}")
         return TXTRecord(fqdn, value, zone_id)
 
     def remove_txt(self, record: TXTRecord) -> None:
