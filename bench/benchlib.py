@@ -536,6 +536,15 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
+def tree_cpu(pid: int) -> float:
+    """utime+stime of ``pid`` and of the children it has reaped, in seconds (0 if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def busy_cpu_seconds() -> float:
     """CPU seconds the whole machine spent not idle since boot (all CPUs, /proc/stat)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]

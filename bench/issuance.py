@@ -135,15 +135,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def tree_cpu(pid: int) -> float:
-    """utime+stime of ``pid`` and its reaped children, in seconds (0 if gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 class OtherCPU:
     """CPU the machine spent on processes that are not ours, per section (% of one core)."""
 
@@ -154,7 +145,7 @@ class OtherCPU:
 
     def _ours(self) -> float:
         pids = [p for f in self.live for p in f()]
-        return benchlib.own_cpu_seconds() + sum(tree_cpu(p) for p in pids)
+        return benchlib.own_cpu_seconds() + sum(benchlib.tree_cpu(p) for p in pids)
 
     def start(self) -> None:
         self._mark = (time.monotonic(), benchlib.busy_cpu_seconds(), self._ours())

@@ -881,7 +881,7 @@ class OtherCPU:
         moto = getattr(self.mesh.server, "_proc", None)
         if moto is not None:
             pids.append(moto.pid)
-        return benchlib.own_cpu_seconds() + sum(tree_cpu(p) for p in pids)
+        return benchlib.own_cpu_seconds() + sum(benchlib.tree_cpu(p) for p in pids)
 
     def start(self) -> None:
         self.mark = (time.monotonic(), benchlib.busy_cpu_seconds(), self._ours())
@@ -890,15 +890,6 @@ class OtherCPU:
         t, busy, ours = self.mark
         other = benchlib.busy_cpu_seconds() - busy - (self._ours() - ours)
         return max(0.0, other) / max(time.monotonic() - t, 1e-9)
-
-
-def tree_cpu(pid: int) -> float:
-    """utime+stime of ``pid`` and of the children it has reaped, in seconds (0 if gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _is_our_space(pid: int, tmp: Path) -> bool:

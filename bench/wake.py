@@ -222,15 +222,6 @@ def mem_kib(pid: int, field: str) -> int:
     return 0
 
 
-def tree_cpu(pid: int) -> float:
-    """utime+stime of ``pid`` and of the children it has reaped, in seconds (0 if gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 class OtherCPU:
     """CPU the machine spent on processes that are not ours, per section (% of one core)."""
 
@@ -240,7 +231,7 @@ class OtherCPU:
         self._mark: tuple[float, float, float] | None = None
 
     def _ours(self) -> float:
-        return benchlib.own_cpu_seconds() + sum(tree_cpu(p) for p in self.live)
+        return benchlib.own_cpu_seconds() + sum(benchlib.tree_cpu(p) for p in self.live)
 
     def start(self) -> None:
         self._mark = (time.monotonic(), benchlib.busy_cpu_seconds(), self._ours())

@@ -74,7 +74,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from twisted.internet import reactor as _reactor
 from twisted.internet.threads import deferToThreadPool
 
-from tests.s3servers import ServerLifecycle, free_ports
+from tests.s3servers import ServerLifecycle, free_ports, port_answers
 
 START_TIMEOUT = 30.0
 REQUEST_TIMEOUT = 10.0
@@ -99,16 +99,6 @@ def _udp_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def _answers(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        try:
-            s.connect((HOST, port))
         except OSError:
             return False
     return True
@@ -265,7 +255,7 @@ class ChallTestSrv(_Server):
         ]
 
     def _ready(self) -> bool:
-        if not (_answers(self.management_port) and _answers(self.dns_port)):
+        if not (port_answers(self.management_port) and port_answers(self.dns_port)):
             return False
         try:  # the UDP listener is a separate goroutine from the TCP one
             dns.query.udp(

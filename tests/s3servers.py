@@ -81,7 +81,7 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def _answers(port: int) -> bool:
+def port_answers(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         try:
@@ -251,7 +251,7 @@ class S3Server(ServerLifecycle):
         finally:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT
-        while not _answers(self.port):
+        while not port_answers(self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 tail = self.log_tail()
                 self.stop_sync()
