@@ -24,8 +24,9 @@ issued certificate has ``notAfter = notBefore + N - 1 s`` (inclusive); the defau
 A whole issuance takes about 1.2 s, most of it the ``acme`` library's own 1 s sleep.
 
 Pebble runs with ``PEBBLE_VA_NOSLEEP=1`` (validation at once, not after 0-15 s),
-``PEBBLE_WFE_NONCEREJECT=0`` (no random badNonce) and ``PEBBLE_AUTHZREUSE=0`` (every order's
-authorizations are pending and validated afresh); any other ``PEBBLE_*`` variable of the calling
+``PEBBLE_WFE_NONCEREJECT=0`` (no random badNonce) and ``PEBBLE_AUTHZREUSE=0`` (an order's
+authorizations are nearly always pending and validated afresh: a reused valid one was seen once in
+a full run, so a test that needs a fresh validation orders a name of its own); any other ``PEBBLE_*`` variable of the calling
 environment is dropped (``PEBBLE_VA_ALWAYS_VALID`` would make every test pass). Pebble has no test
 certificate of its own here: the harness makes a throwaway CA and a leaf for ``127.0.0.1`` and
 ``localhost`` per server (``ca_file``). Both servers keep everything in memory: a restart

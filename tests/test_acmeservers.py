@@ -154,20 +154,18 @@ class AcmeServersTests(TestCase):
         def publish(authz: messages.AuthorizationResource, chall: Any, validation: str) -> None:
             self.responder.responses[chall.path] = validation
 
-        def run() -> tuple[messages.OrderResource, bool]:
+        def run() -> messages.OrderResource:
             acme, key = _account(self.pebble)
-            order = _issue(acme, key, [name], challenges.HTTP01, publish)
-            # A second order for the same name: its authorization is new and pending again.
-            again = acme.new_order(_csr([name]))
-            fresh = all(a.body.status == messages.STATUS_PENDING for a in again.authorizations)
-            return order, fresh
+            return _issue(acme, key, [name], challenges.HTTP01, publish)
 
+        # (PEBBLE_AUTHZREUSE=0 makes reuse of a valid authorization rare, not impossible: seen
+        # once in a full run, so nothing here depends on a second order being pending again;
+        # tests that need fresh validation use a name, or a Pebble, of their own.)
         try:
-            order, fresh = await deferToThread(run)
+            order = await deferToThread(run)
         except Exception as e:
             self.fail(f"HTTP-01 issuance failed: {e!r}\n{self.logs()}")
         self.assertEqual(order.body.status, messages.STATUS_VALID)
-        self.assertTrue(fresh, "Pebble reused a valid authorization")
         # Pebble 2.4 fetches it three times at once ("Starting 3 validations": its stand-in for
         # multi-perspective validation), so a responder must serve concurrent identical requests.
         self.assertTrue(self.responder.served)
