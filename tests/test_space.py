@@ -25,7 +25,7 @@ from twisted.internet.protocol import Factory, ProcessProtocol, Protocol, connec
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.python.failure import Failure
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
@@ -35,6 +35,7 @@ from websockets.sync.client import unix_connect
 from zope.interface import implementer
 
 import lchat
+from lchat.space import store
 
 reactor: Any = _reactor  # the global reactor provides far more than its stub type says
 
@@ -142,6 +143,7 @@ class SpaceTests(TestCase):
         self.db = os.path.join(self.dir, "space.db")
         self.pool = HTTPConnectionPool(reactor)
         self.addCleanup(self.pool.closeCachedConnections)
+        self.procs: list[SpaceProcess] = []
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -164,6 +166,7 @@ class SpaceTests(TestCase):
             proc, sys.executable, [sys.executable, "-m", "lchat.space"], env=env, path=str(REPO)
         )
         self.addCleanup(self.kill, proc)
+        self.procs.append(proc)
         return proc
 
     async def kill(self, proc: SpaceProcess) -> None:
@@ -307,6 +310,47 @@ class SpaceTests(TestCase):
         self.assertEqual(reply["messages"], r1[1:2])
         code, reply = await self.http("GET", "/api/rooms/empty/messages")
         self.assertEqual((code, reply), (200, {"messages": []}))
+
+    async def test_ids_are_never_reused_after_losing_the_last_writes(self) -> None:
+        """kill -9 and a restore from a copy that lags (the documented replication window): the
+        lost messages' ids, which clients may hold, are never given to new messages."""
+        await self.start()
+        for body in ("kept-1", "kept-2"):
+            self.assertEqual(
+                (await self.http("POST", "/api/rooms/r/messages", {"body": body}))[0], 201
+            )
+        lagging = os.path.join(self.dir, "lagging.db")
+        with closing(sqlite3.connect(self.db)) as live, closing(sqlite3.connect(lagging)) as copy:
+            live.backup(copy)  # what the bucket holds: the writes so far
+        lost = []
+        for body in ("lost-1", "lost-2"):
+            code, reply = await self.http("POST", "/api/rooms/r/messages", {"body": body})
+            self.assertEqual(code, 201)
+            lost.append(reply["id"])
+        code, scheduled = await self.http(
+            "POST",
+            "/api/rooms/r/messages",
+            {"body": "later", "deliver_at": int(time.time()) + 3600},
+        )
+        self.assertEqual(code, 201)
+        await self.kill(self.procs[-1])
+        for suffix in ("", "-wal", "-shm"):
+            if exists(self.db + suffix):
+                os.remove(self.db + suffix)
+        os.rename(lagging, self.db)  # the restore
+        await self.start()
+        code, fresh = await self.http("POST", "/api/rooms/r/messages", {"body": "after"})
+        self.assertEqual(code, 201)
+        self.assertGreater(fresh["id"], max(lost))
+        code, again = await self.http(
+            "POST",
+            "/api/rooms/r/messages",
+            {"body": "later", "deliver_at": int(time.time()) + 3600},
+        )
+        self.assertGreater(again["id"], scheduled["id"])
+        # A client that saw the lost messages pages on from the last id it holds: it sees the new one.
+        code, reply = await self.http("GET", f"/api/rooms/r/messages?after={max(lost)}")
+        self.assertEqual([m["body"] for m in reply["messages"]], ["after"])
 
     async def test_bad_input(self) -> None:
         await self.start()
@@ -494,3 +538,29 @@ class SpaceTests(TestCase):
         proc.signal("TERM")
         self.assertEqual(await proc.ended, 0, proc.stderr)
         self.assertIn(b"space t.example stopped", proc.stderr)
+
+
+class IdTests(SynchronousTestCase):
+    """``store.next_id``: increasing in one database whatever the clock does, never below it."""
+
+    def setUp(self) -> None:
+        self.conn = sqlite3.connect(":memory:", isolation_level=None)
+        self.addCleanup(self.conn.close)
+        store._migrate(self.conn)
+
+    def insert(self, floor: int) -> int:
+        with store._transaction(self.conn):
+            return store._insert_message(self.conn, "r", "b", 0, floor).id
+
+    def test_the_clock_is_the_floor(self) -> None:
+        self.assertEqual(self.insert(1_000_000), 1_000_000)
+        self.assertEqual(self.insert(2_000_000), 2_000_000)
+
+    def test_a_clock_that_steps_back_or_stands_still_never_repeats_an_id(self) -> None:
+        first = self.insert(5_000_000)
+        self.assertEqual([self.insert(5_000_000), self.insert(10)], [first + 1, first + 2])
+
+    def test_a_deleted_last_row_is_not_reissued(self) -> None:
+        last = self.insert(7)
+        self.conn.execute("DELETE FROM messages WHERE id = ?", (last,))
+        self.assertEqual(self.insert(0), last + 1)

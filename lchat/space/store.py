@@ -2,6 +2,15 @@
 
 One connection, owned by one worker thread: every call is queued on a 1-thread pool, so the
 reactor never blocks on disk and SQLite never sees two writers from this process.
+
+Ids are never reused, not even after a crash that loses the last writes. AUTOINCREMENT alone does
+not promise that here: a database restored from a replica that lags by a second has lost those
+messages *and* the counter that issued their ids, while clients may already hold the ids and page
+with ``after=<id>``. So every new id is at least the wall clock in microseconds
+(:func:`next_id`): ids issued after a restore exceed every id issued before the crash, as long as
+the clock of the box that restores is not behind the one that crashed by more than the time the
+restore took (seconds; NTP keeps boxes within milliseconds). Ids stay increasing within a database
+and fit a JavaScript number (2**53 microseconds is the year 2255); they are not dense.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from attrs import define, frozen
 from twisted.internet.defer import Deferred, fail
-from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
@@ -59,9 +68,13 @@ class Store:
     _reactor: IReactorFromThreads
     _pool: ThreadPool
     _conn: sqlite3.Connection | None
+    _clock: IReactorTime  # the floor of new ids (see the module docstring)
 
     @classmethod
-    async def open(cls, reactor: IReactorFromThreads, path: str) -> Store:
+    async def open(
+        cls, reactor: IReactorFromThreads, path: str, clock: IReactorTime | None = None
+    ) -> Store:
+        """``clock`` defaults to ``reactor``."""
         pool = ThreadPool(minthreads=1, maxthreads=1, name="space-db")
         pool.start()
         try:
@@ -69,7 +82,10 @@ class Store:
         except BaseException:
             pool.stop()
             raise
-        return cls(reactor, pool, conn)
+        return cls(reactor, pool, conn, clock if clock is not None else reactor)  # type: ignore[arg-type]
+
+    def _id_floor(self) -> int:
+        return int(self._clock.seconds() * 1_000_000)
 
     def _run(
         self,
@@ -83,16 +99,16 @@ class Store:
         return deferToThreadPool(self._reactor, self._pool, fn, conn, *args, **kwargs)
 
     def post(self, room: str, body: str, now: int) -> Deferred[Message]:
-        return self._run(_post, room, body, now)
+        return self._run(_post, room, body, now, self._id_floor())
 
     def schedule(self, room: str, body: str, deliver_at: int) -> Deferred[int]:
-        return self._run(_schedule, room, body, deliver_at)
+        return self._run(_schedule, room, body, deliver_at, self._id_floor())
 
     def messages(self, room: str, after: int, limit: int) -> Deferred[list[Message]]:
         return self._run(_messages, room, after, limit)
 
     def deliver_due(self, now: int) -> Deferred[list[Message]]:
-        return self._run(_deliver_due, now)
+        return self._run(_deliver_due, now, self._id_floor())
 
     def next_due(self, now: int) -> Deferred[int]:
         return self._run(_next_due, now)
@@ -168,27 +184,39 @@ def _close(conn: sqlite3.Connection) -> None:
         conn.close()
 
 
-def _insert_message(conn: sqlite3.Connection, room: str, body: str, now: int) -> Message:
-    cursor = conn.execute(
-        "INSERT INTO messages (room, body, sent_at) VALUES (?, ?, ?)", (room, body, now)
+def next_id(conn: sqlite3.Connection, table: str, floor: int) -> int:
+    """The id for a new row of ``table`` (an AUTOINCREMENT table): above every id it ever issued
+    that this database remembers, and at least ``floor`` (the clock in microseconds), which covers
+    the ids it issued and forgot (a restore that lost the last writes). Call inside the write
+    transaction that inserts the row."""
+    row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = ?", (table,)).fetchone()
+    return max((row[0] if row else 0) + 1, floor)
+
+
+def _insert_message(
+    conn: sqlite3.Connection, room: str, body: str, now: int, floor: int
+) -> Message:
+    message_id = next_id(conn, "messages", floor)
+    conn.execute(
+        "INSERT INTO messages (id, room, body, sent_at) VALUES (?, ?, ?, ?)",
+        (message_id, room, body, now),
     )
-    assert cursor.lastrowid is not None
-    return Message(cursor.lastrowid, room, body, now)
+    return Message(message_id, room, body, now)
 
 
-def _post(conn: sqlite3.Connection, room: str, body: str, now: int) -> Message:
+def _post(conn: sqlite3.Connection, room: str, body: str, now: int, floor: int) -> Message:
     with _transaction(conn):
-        return _insert_message(conn, room, body, now)
+        return _insert_message(conn, room, body, now, floor)
 
 
-def _schedule(conn: sqlite3.Connection, room: str, body: str, deliver_at: int) -> int:
+def _schedule(conn: sqlite3.Connection, room: str, body: str, deliver_at: int, floor: int) -> int:
     with _transaction(conn):
-        cursor = conn.execute(
-            "INSERT INTO scheduled (room, body, deliver_at) VALUES (?, ?, ?)",
-            (room, body, deliver_at),
+        scheduled_id = next_id(conn, "scheduled", floor)
+        conn.execute(
+            "INSERT INTO scheduled (id, room, body, deliver_at) VALUES (?, ?, ?, ?)",
+            (scheduled_id, room, body, deliver_at),
         )
-    assert cursor.lastrowid is not None
-    return cursor.lastrowid
+    return scheduled_id
 
 
 def _messages(conn: sqlite3.Connection, room: str, after: int, limit: int) -> list[Message]:
@@ -206,14 +234,14 @@ _PENDING = (
 )
 
 
-def _deliver_due(conn: sqlite3.Connection, now: int) -> list[Message]:
+def _deliver_due(conn: sqlite3.Connection, now: int, floor: int) -> list[Message]:
     # Cheap read first: this runs every second and usually finds nothing to write.
     if conn.execute(_PENDING, (now, 1)).fetchone() is None:
         return []
     delivered = []
     with _transaction(conn):
         for scheduled_id, room, body in conn.execute(_PENDING, (now, DELIVER_BATCH)).fetchall():
-            message = _insert_message(conn, room, body, now)
+            message = _insert_message(conn, room, body, now, floor)
             conn.execute(
                 "UPDATE scheduled SET message_id = ? WHERE id = ?", (message.id, scheduled_id)
             )
