@@ -742,6 +742,11 @@ class InstancesTests(HibernateTestCase):
         self.assertEqual(rows["sleepy.example.com"]["STATE"], "asleep")
         self.assertEqual(rows["sleepy.example.com"]["NEXT-DUE"], "2100-01-01T00:00:00Z")
         self.assertEqual(rows["broken.example.com"]["STATE"], "failed")
+        # The JSON carries every column of the table, STATE included.
+        result = self.lchat("instances", "--json")
+        self.assertEqual(result.code, 0, result)
+        states = {row["host"]: row["state"] for row in json.loads(result.out)}
+        self.assertEqual(states, {"sleepy.example.com": "asleep", "broken.example.com": "failed"})
 
 
 class UnknownHostTests(HibernateTestCase):

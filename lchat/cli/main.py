@@ -327,10 +327,13 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_instances(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     routes = sorted(open_registry(cfg).load(), key=lambda r: r.host)
-    if args.json:
-        _out(json.dumps([attrs.asdict(r) for r in routes], indent=2))
-        return 0
     live = _router_hosts(cfg) if routes else {}
+    if args.json:
+        # Every column of the table: the registry row, and STATE (null where the table says
+        # "?" or "-": no router to ask, or it has not loaded the row yet).
+        rows = [attrs.asdict(r) | {"state": _json_state(_state(r, live))} for r in routes]
+        _out(json.dumps(rows, indent=2))
+        return 0
     rows = [TABLE_COLUMNS, *(_table_row(r, live) for r in routes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
     for row, route in zip(rows, [None, *routes], strict=True):
@@ -1003,6 +1006,10 @@ def _state(route: Route, live: dict[str, dict[str, Any]] | None) -> str:
     if isinstance(process, dict) and process.get("state"):
         return str(process["state"])
     return str(entry.get("status") or "-")
+
+
+def _json_state(state: str) -> str | None:
+    return None if state in ("?", "-") else state
 
 
 def _utc(seconds: int) -> str:
