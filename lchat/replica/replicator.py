@@ -68,7 +68,9 @@ _uploads = Counter(
 )
 _bytes = Counter("lchat_replica_bytes_total", "LTX bytes uploaded")
 _lag = Gauge(
-    "lchat_replica_lag_seconds", "Seconds since the oldest unshipped commit was noticed", ["path"]
+    "lchat_replica_lag_seconds",
+    "Seconds since the oldest commit not yet in the bucket was noticed (computed at scrape time)",
+    ["path"],
 )
 
 # Replication classes (DESIGN.md §6): the longest a commit may wait before it is durable.
@@ -158,6 +160,9 @@ class Replicator:
         self._pos: WALPosition | None = None  # end of what is prepared (shipped once queue empty)
         self._txid = 0  # the last txid prepared
         self._need_snapshot = True
+        # When the oldest commit not yet in the bucket was noticed (None: everything is there).
+        # The gauge is computed from it at scrape time: an upload hanging on a frozen store
+        # produces no event at all, and the lag must still be seen to grow.
         self._pending_since: float | None = None
         self._started = False
         self._stopped = False  # no more writes
@@ -241,6 +246,7 @@ class Replicator:
         now = self._reactor.seconds()
         self._last_compaction = dict.fromkeys(self._levels, now)
         self._last_snapshot = now
+        _lag.labels(self.path).set_function(self._lag_now)
         async with self._lock:
             await self._sync_locked()
             if self._queue:
@@ -262,8 +268,10 @@ class Replicator:
             self._writing.cancel()  # after a flush nothing is in flight; after a loss, cut it
         async with self._lock:  # let a sync in flight finish (it checks _stopped before writes)
             pass
-        if self._pending_since is not None:
+        try:
             _lag.remove(self.path)
+        except KeyError:
+            pass  # never started
         if self._started:
             await self._run(self._db.close)
             if self._tmp is not None:
@@ -294,7 +302,10 @@ class Replicator:
         if self._stopped:
             return
         now = self._reactor.seconds()
-        want_sync = bool(self._queue) or self._need_snapshot or self._wal_stat() != self._seen
+        changed = self._wal_stat() != self._seen
+        if changed and self._pending_since is None:
+            self._pending_since = now  # a commit since the last read: unshipped from now on
+        want_sync = bool(self._queue) or self._need_snapshot or changed
         if want_sync and now - self._last_sync < self.gap:
             self._schedule(self._last_sync + self.gap - now)
             return
@@ -350,16 +361,29 @@ class Replicator:
             return
         if shipped:  # only after an upload: an idle space gets no checkpoint dance every tick
             await self._maybe_checkpoint()
-        self._update_lag()
+        self._synced()
 
     def _update_lag(self) -> None:
+        """Anything queued is unshipped: the lag runs from now at the latest."""
+        if self._queue and self._pending_since is None:
+            self._pending_since = self._reactor.seconds()
+
+    def _synced(self) -> None:
+        """After a whole sync (read, then every upload done): nothing is pending unless the WAL
+        changed since the stat taken before the read; such commits came after that stat, so
+        they count from when the read began."""
         if self._queue:
-            if self._pending_since is None:
-                self._pending_since = self._reactor.seconds()
-            _lag.labels(self.path).set(self._reactor.seconds() - self._pending_since)
-        elif self._pending_since is not None:
+            self._update_lag()
+        elif self._wal_stat() == self._seen:
             self._pending_since = None
-            _lag.labels(self.path).set(0)
+        else:
+            self._pending_since = self._last_sync
+
+    def _lag_now(self) -> float:
+        """The gauge's value at scrape time."""
+        if self._pending_since is None or self._stopped:
+            return 0.0
+        return max(0.0, self._reactor.seconds() - self._pending_since)
 
     def _enqueue(self, prepared: _Prepared, end: WALPosition | None) -> None:
         self._queue.append(prepared)
