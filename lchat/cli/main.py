@@ -331,8 +331,8 @@ def cmd_instances(args: argparse.Namespace) -> int:
     if args.json:
         # Every column of the table: the registry row, and STATE (null where the table says
         # "?" or "-": no router to ask, or it has not loaded the row yet).
-        rows = [attrs.asdict(r) | {"state": _json_state(_state(r, live))} for r in routes]
-        _out(json.dumps(rows, indent=2))
+        objects = [attrs.asdict(r) | {"state": _json_state(_state(r, live))} for r in routes]
+        _out(json.dumps(objects, indent=2))
         return 0
     rows = [TABLE_COLUMNS, *(_table_row(r, live) for r in routes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
