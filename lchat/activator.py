@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from attrs import Factory, define, frozen
+from attrs import Factory, define, evolve, frozen
 from prometheus_client import Counter, Gauge, Histogram
 from twisted.application.service import Service
 from twisted.internet.defer import (
@@ -99,6 +99,19 @@ _PUBLIC = {
     "not_ready": "{host} could not start",
     "bucket": "{host} cannot wake while storage is unreachable",
 }
+# 503s that mean "this box is stopping, and the request was never acted on": while the router
+# drains, a request refused for one of these is marked (LocalResponse.refusal) so that a mesh peer
+# that forwarded it sends it elsewhere. Never lease_held, backoff, bucket, spawn, not_ready or
+# queue_timeout: those say nothing about this box going away (another box would meet the same
+# lease, or start a second wake racing this one), and never a space's own 503 (a space's answer is
+# not a LocalResponse at all).
+_DRAIN_REFUSALS = frozenset(
+    {
+        "shutdown",  # the router is stopping: no new wake here
+        "stood_down",  # queued on a space that went to sleep as the drain began
+        "cancelled",  # waiting for a wake the drain called off
+    }
+)
 
 # After a failed wake, the next attempt waits 1 s, 2 s, 4 s ... up to this: a broken space must
 # not cost a lease write, a LIST and an upload on every request.
@@ -317,12 +330,15 @@ class Activator(Service):
         _unavailable.labels(reason).inc()
         seconds = max(1, min(int(retry_after + 0.999) or RETRY_AFTER_SECONDS, 3600))
         public = _PUBLIC.get(reason, "{host} is temporarily unavailable").format(host=host)
-        return plain(
+        response = plain(
             503,
             f"503 Service Unavailable: {public}; try again in {seconds}s",
             (b"retry-after", str(seconds).encode()),
             label=f"wake_{reason}",
         )
+        if self._stopping and reason in _DRAIN_REFUSALS:
+            response = evolve(response, refusal="stopping")
+        return response
 
     # -- the proxy's observer --------------------------------------------------------------------
 

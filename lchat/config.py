@@ -106,6 +106,13 @@ class ProxyConfig:
     header_timeout: float = 10.0  # a request head must arrive within this (slowloris)
     keepalive_timeout: float = 60.0  # an idle client connection is closed after this
     upstream_timeout: float = 300.0  # the space must start answering within this (long polls)
+    # A client's buffered output that has not moved for this long: the connection is aborted
+    # (a client that stopped reading; also bounds a close waiting on a full buffer).
+    send_timeout: float = 60.0
+    # Pipelined requests queued behind the one being served; the last one allowed is answered
+    # with "Connection: close" and nothing after it is read (with the output high-water mark,
+    # this bounds what one connection can make the router hold).
+    max_pipelined: int = 100
     max_header_bytes: int = 65536  # request line + headers; over it -> 431
     max_headers: int = 100  # header count; over it -> 431
     access_log: bool = False  # one structured log line per request
@@ -218,6 +225,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HEADER_TIMEOUT": "10s",
     "LCHAT_KEEPALIVE_TIMEOUT": "60s",
     "LCHAT_UPSTREAM_TIMEOUT": "5m",
+    "LCHAT_SEND_TIMEOUT": "60s",
     "LCHAT_MAX_HEADER_BYTES": "65536",
     "LCHAT_MAX_HEADERS": "100",
     "LCHAT_ACCESS_LOG": "off",
@@ -496,6 +504,7 @@ def _proxy(get: _Getter) -> ProxyConfig:
         header_timeout=positive("LCHAT_HEADER_TIMEOUT"),
         keepalive_timeout=positive("LCHAT_KEEPALIVE_TIMEOUT"),
         upstream_timeout=positive("LCHAT_UPSTREAM_TIMEOUT"),
+        send_timeout=positive("LCHAT_SEND_TIMEOUT"),
         max_header_bytes=count("LCHAT_MAX_HEADER_BYTES", 1024, 1 << 20),
         max_headers=count("LCHAT_MAX_HEADERS", 8, 10000),
         access_log=_switch("LCHAT_ACCESS_LOG", get("LCHAT_ACCESS_LOG")),

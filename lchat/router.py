@@ -60,20 +60,29 @@ class RemotePeer:
     server_name: str
     add_headers: tuple[Header, ...] = ()
     tls: bool = True
-    # Where to go if the peer cannot be reached at all (nothing was sent): the mesh re-routes.
-    fallback: Callable[[], Target | Deferred[Target]] | None = field(
+    # Where to go instead when the peer could not take the request and nothing of it was acted
+    # on; called once, with why: "unreachable" (the dial failed), "closed" (a safe request
+    # closed unanswered) or "stopping" (the peer refused it unprocessed: it is draining). The
+    # mesh routes the request again without that peer.
+    fallback: Callable[[str], Target | Deferred[Target]] | None = field(
         default=None, eq=False, repr=False
     )
 
 
 @frozen
 class LocalResponse:
-    """Answer here, without any upstream. ``label`` names the outcome in metrics."""
+    """Answer here, without any upstream. ``label`` names the outcome in metrics.
+
+    ``refusal`` is set (to ``"stopping"``) only on an answer made *instead of* processing the
+    request because this box is stopping: nothing of it was acted on and another box may serve it.
+    It never reaches a client as such: the mesh turns it into ``X-Lchat-Refused`` for a request
+    a peer forwarded (that peer then sends the request elsewhere), and only then."""
 
     status: int
     body: bytes
     headers: tuple[Header, ...] = ()
     label: str = field(default="local", kw_only=True)
+    refusal: str = field(default="", kw_only=True)
 
 
 Target = LocalSocket | RemotePeer | LocalResponse

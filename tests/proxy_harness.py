@@ -4,6 +4,8 @@
   connection, re-parses them with httptools and answers each request with a fixed response.
 * :func:`backend_problems`: what must never be true of the bytes a backend received (ambiguous
   framing, internal or hop-by-hop headers, bytes that do not parse as HTTP/1.1 requests).
+* :class:`BodyBackend`: the same, answering with a body of a given size written as fast as the
+  proxy takes it (a space serving a large file).
 * :class:`RawClient` / :func:`exchange`: a Twisted client that sends exactly the bytes we say.
 * ``python -m tests.proxy_harness DIR``: the proxy plus a recording backend in a process of their own,
   for the hypothesis test to drive with blocking sockets (see :func:`main`).
@@ -24,8 +26,10 @@ from typing import Any, Literal, cast
 import httptools
 from attrs import define, field
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from lchat.config import ProxyConfig
 from lchat.registry import Route, RouteTable
@@ -220,6 +224,27 @@ class _ResponseCollector:
         self.done += 1
 
 
+class _StatusCollector:
+    def __init__(self) -> None:
+        self.parser: httptools.HttpResponseParser | None = None
+        self.statuses: list[int] = []
+
+    def on_message_complete(self) -> None:
+        assert self.parser is not None
+        self.statuses.append(self.parser.get_status_code())
+
+
+def response_statuses(data: bytes) -> list[int]:
+    """The status of each complete response in ``data`` (replies to requests other than HEAD)."""
+    collector = _StatusCollector()
+    collector.parser = httptools.HttpResponseParser(collector)
+    try:
+        collector.parser.feed_data(data)
+    except httptools.HttpParserError:
+        pass
+    return collector.statuses
+
+
 def complete_responses(data: bytes) -> int:
     """How many complete responses ``data`` holds (for replies to requests other than HEAD)."""
     collector = _ResponseCollector()
@@ -343,6 +368,69 @@ class RecordingBackend(Factory):
         for c in self.connections:
             out += [f"backend connection {c.number}: {p}" for p in backend_problems(bytes(c.raw))]
         return out
+
+
+@implementer(IPushProducer)
+class _BodyPump:
+    """Writes ``size`` bytes to ``transport`` while it is not paused (the backend's backpressure)."""
+
+    PIECE = b"b" * 65536
+
+    def __init__(self, transport: Any, size: int) -> None:
+        from twisted.internet import reactor
+
+        self._reactor: Any = reactor
+        self._transport = transport
+        self._left = size
+        self._paused = False
+        transport.registerProducer(self, True)
+        self._reactor.callLater(0, self._pump)
+
+    def _pump(self) -> None:
+        while not self._paused and self._left > 0:
+            piece = self.PIECE[: min(len(self.PIECE), self._left)]
+            self._left -= len(piece)
+            self._transport.write(piece)
+        if self._left <= 0 and self._transport is not None:
+            self._transport.unregisterProducer()
+            self._transport = None
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._reactor.callLater(0, self._pump)
+
+    def stopProducing(self) -> None:
+        self._left = 0
+        self._paused = True
+
+
+class BodyConnection(BackendConnection):
+    backend: BodyBackend
+
+    def _answer(self) -> None:
+        assert self.transport is not None
+        msg = self.collector.current
+        self.answered += 1
+        size = self.backend.size
+        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        if size and msg.method != b"HEAD":
+            _BodyPump(self.transport, size)
+
+
+class BodyBackend(RecordingBackend):
+    """A recording backend whose answer to each complete request has a ``size``-byte body."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__("complete")
+        self.size = size
+
+    def buildProtocol(self, addr: Any) -> BackendConnection:
+        self._count += 1
+        return BodyConnection(self, self._count)
 
 
 # --- a raw client (in-process, Twisted) ---------------------------------------------------------

@@ -682,6 +682,7 @@ class FrontDoor(Base):
         self.assertEqual(cfg.proxy.header_timeout, 10.0)
         self.assertEqual(cfg.proxy.keepalive_timeout, 60.0)
         self.assertEqual(cfg.proxy.upstream_timeout, 300.0)
+        self.assertEqual(cfg.proxy.send_timeout, 60.0)
         self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (65536, 100))
         self.assertFalse(cfg.proxy.access_log)
         self.assertTrue(cfg.http_redirect)
@@ -694,6 +695,7 @@ class FrontDoor(Base):
                 "LCHAT_HEADER_TIMEOUT": "2s",
                 "LCHAT_KEEPALIVE_TIMEOUT": "1m",
                 "LCHAT_UPSTREAM_TIMEOUT": "1h",
+                "LCHAT_SEND_TIMEOUT": "2m",
                 "LCHAT_MAX_HEADER_BYTES": "8192",
                 "LCHAT_MAX_HEADERS": "50",
                 "LCHAT_ACCESS_LOG": "on",
@@ -704,6 +706,7 @@ class FrontDoor(Base):
         self.assertEqual(cfg.proxy.dial_retry, 0.0)
         self.assertEqual(cfg.proxy.header_timeout, 2.0)
         self.assertEqual(cfg.proxy.upstream_timeout, 3600.0)
+        self.assertEqual(cfg.proxy.send_timeout, 120.0)
         self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (8192, 50))
         self.assertTrue(cfg.proxy.access_log)
         self.assertFalse(cfg.http_redirect)
@@ -714,6 +717,8 @@ class FrontDoor(Base):
             ("LCHAT_HEADER_TIMEOUT", "0s"),
             ("LCHAT_KEEPALIVE_TIMEOUT", "soon"),
             ("LCHAT_UPSTREAM_TIMEOUT", "-1s"),
+            ("LCHAT_SEND_TIMEOUT", "0s"),
+            ("LCHAT_SEND_TIMEOUT", "1 minute"),
             ("LCHAT_DIAL_RETRY", "13"),
             ("LCHAT_MAX_HEADER_BYTES", "10"),
             ("LCHAT_MAX_HEADER_BYTES", "lots"),

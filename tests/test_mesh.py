@@ -190,7 +190,9 @@ def ws_roundtrip(box: Box, host: str, ca: str) -> bytes:
     return got
 
 
-class MeshTests(TestCase):
+class MeshTestCase(TestCase):
+    """Real routers on one moto bucket: the setup and helpers of the mesh end-to-end tests."""
+
     timeout = 180
 
     def setUp(self) -> Deferred[None]:  # type: ignore[override]
@@ -296,6 +298,8 @@ class MeshTests(TestCase):
         owner = next(b for b in boxes if b.awake(host))
         return boxes, owner, [b for b in boxes if b is not owner]
 
+
+class MeshTests(MeshTestCase):
     # -- tests ---------------------------------------------------------------------------------
 
     @inlineCallbacks

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import http.client
+import io
+import json
+import os
+import shutil
 import socket
+import tempfile
+import time
 from typing import Any
 
 from hypothesis import given
@@ -10,14 +17,18 @@ from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
-from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
+from twisted.web.server import Site
 
 from lchat.config import ProxyConfig
 from lchat.mesh import forward
-from lchat.proxy.downstream import ProxyFactory
-from lchat.router import LocalResponse, RemotePeer, RequestHead, Target
+from lchat.proxy.downstream import REPLAY_LIMIT, ProxyFactory
+from lchat.proxy.http import REFUSED, Header
+from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
 
 _tcp: Any = reactor  # listenTCP's stub wants a ServerFactory; ours are plain Factories
 
@@ -105,7 +116,7 @@ class _ToPeer:
         self.fallbacks = 0
 
     def route(self, head: RequestHead) -> Target:
-        def fallback() -> Target:
+        def fallback(why: str) -> Target:
             self.fallbacks += 1
             return LocalResponse(200, b"served elsewhere\n")
 
@@ -173,3 +184,275 @@ class RerouteTests(TestCase):
         code, _ = yield self._request(port, b"POST")
         self.assertEqual(code, 502)  # it may have been acted on: never resent elsewhere
         self.assertEqual(router.fallbacks, 0)
+
+
+class _Answer(Resource):
+    """A peer (or a space) that reads the whole request, records it and answers ``status`` with
+    ``headers`` and ``body`` (None: the request's own body, echoed)."""
+
+    isLeaf = True
+
+    def __init__(
+        self, status: int = 201, headers: tuple[Header, ...] = (), body: bytes | None = None
+    ) -> None:
+        super().__init__()
+        self.status, self.headers, self.body = status, headers, body
+        self.requests: list[tuple[bytes, bytes]] = []
+
+    def render(self, request: Any) -> bytes:
+        data = request.content.read()
+        self.requests.append((request.method, data))
+        request.setResponseCode(self.status)
+        for name, value in self.headers:
+            request.setHeader(name, value)
+        return data if self.body is None else self.body
+
+
+STOPPING = b"503 Service Unavailable: the router is stopping; try again in 5s\n"
+MARKED = ((b"retry-after", b"5"), (REFUSED, b"stopping"))  # what a draining owner answers
+
+
+class _RefusesAtHead(Protocol):
+    """An owner that is draining, seen from the wire: it refuses a forwarded request as soon as
+    its head is in (before the body), marked, and closes (as a router does that answers before
+    the body is all there)."""
+
+    def __init__(self, peer: _DrainingPeer) -> None:
+        self.peer = peer
+        self.seen = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        self.seen += data
+        if b"\r\n\r\n" in self.seen and self.transport is not None:
+            self.peer.heads += 1
+            self.transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\n"
+                b"X-Lchat-Refused: stopping\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (len(STOPPING), STOPPING)
+            )
+            self.transport.loseConnection()
+            self.seen = b""
+
+
+class _DrainingPeer(Factory):
+    def __init__(self) -> None:
+        self.heads = 0
+
+    def buildProtocol(self, addr: object) -> _RefusesAtHead:
+        return _RefusesAtHead(self)
+
+
+class _ClosesSecondRequest(Protocol):
+    """A peer that answers the first request on a connection (kept alive) and closes the
+    connection on the second one unanswered: a kept-alive connection closed under a request."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.served = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        while b"\r\n\r\n" in self.buffer and self.transport is not None:
+            head, rest = self.buffer.split(b"\r\n\r\n", 1)
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                return
+            body, self.buffer = rest[:length], rest[length:]
+            self.served += 1
+            if self.served == 2:
+                self.transport.loseConnection()
+                return
+            self.transport.write(
+                b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+
+class _ToPeers:
+    """Routes every request to the peer on ``first``; its fallback (recorded) routes to the one
+    on ``then``, whose own fallback is recorded too (it must never be called: one re-route).
+    ``then=None``: no fallback at all."""
+
+    def __init__(self, first: int, then: int | None) -> None:
+        self.first, self.then = first, then
+        self.whys: list[str] = []
+
+    def _peer(self, host: str, port: int, then: int | None, fallback: bool = True) -> RemotePeer:
+        def rerouted(why: str) -> Target:
+            self.whys.append(why)
+            if then is None:
+                return LocalResponse(500, b"routed a second time\n")
+            return self._peer(host, then, None)
+
+        return RemotePeer(
+            host=host,
+            address="127.0.0.1",
+            port=port,
+            server_name=host,
+            tls=False,
+            fallback=rerouted if fallback else None,
+        )
+
+    def route(self, head: RequestHead) -> Target:
+        return self._peer(head.host, self.first, self.then, fallback=self.then is not None)
+
+
+class _ToSpace:
+    """The owner box's router, reduced to serving one space on a unix socket."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def route(self, head: RequestHead) -> Target:
+        return LocalSocket(host=head.host, path=self.path)
+
+
+class DrainRerouteTests(TestCase):
+    """A 503 a draining owner marks ``X-Lchat-Refused: stopping`` (it never processed the
+    request) is sent elsewhere by the forwarding box, once, body and all; any other 503 reaches
+    the client as it is; the marker never does."""
+
+    timeout = 15
+
+    def _listen(self, factory: Any) -> int:
+        port = _tcp.listenTCP(0, factory, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        return int(port.getHost().port)
+
+    def _site(self, resource: _Answer) -> int:
+        return self._listen(Site(resource))
+
+    def _proxy(self, router: Any) -> int:
+        factory = ProxyFactory(reactor, router, ProxyConfig())
+        self.addCleanup(factory.pool.close)
+        return self._listen(factory)
+
+    @inlineCallbacks
+    def _post(self, port: int, body: bytes, pool: HTTPConnectionPool | None = None) -> Any:
+        if pool is None:
+            pool = HTTPConnectionPool(reactor, persistent=False)
+        response = yield Agent(reactor, pool=pool).request(
+            b"POST",
+            f"http://127.0.0.1:{port}/api/rooms/r/messages".encode(),
+            Headers({b"host": [HOST.encode()], b"content-type": [b"application/json"]}),
+            FileBodyProducer(io.BytesIO(body)),
+        )
+        data = yield readBody(response)
+        headers = {k.lower(): v for k, v in response.headers.getAllRawHeaders()}
+        return response.code, headers, data
+
+    @inlineCallbacks
+    def test_a_post_a_stopping_owner_refused_is_sent_elsewhere_with_its_body(self):
+        owner = _Answer(503, MARKED, STOPPING)
+        survivor = _Answer(201)
+        router = _ToPeers(self._site(owner), self._site(survivor))
+        body = json.dumps({"body": "x" * 5000}).encode()
+        code, headers, data = yield self._post(self._proxy(router), body)
+        self.assertEqual((code, data), (201, body))
+        self.assertEqual(router.whys, ["stopping"])
+        self.assertEqual(owner.requests, [(b"POST", body)])  # it did reach the owner first
+        self.assertEqual(survivor.requests, [(b"POST", body)])
+        self.assertNotIn(REFUSED, headers)
+
+    @inlineCallbacks
+    def test_a_spaces_own_503_reaches_the_client_unchanged(self):
+        owner = _Answer(503, ((b"retry-after", b"7"),), b"the space is busy\n")
+        survivor = _Answer(201)
+        router = _ToPeers(self._site(owner), self._site(survivor))
+        code, headers, data = yield self._post(self._proxy(router), b'{"body": "hi"}')
+        self.assertEqual(
+            (code, data, headers[b"retry-after"]), (503, b"the space is busy\n", [b"7"])
+        )
+        self.assertEqual((router.whys, survivor.requests), ([], []))
+
+    @inlineCallbacks
+    def test_a_refused_request_is_sent_elsewhere_at_most_once(self):
+        owner = _Answer(503, MARKED, STOPPING)
+        other = _Answer(503, MARKED, b"503 the other one is stopping too\n")
+        router = _ToPeers(self._site(owner), self._site(other))
+        code, headers, data = yield self._post(self._proxy(router), b'{"body": "hi"}')
+        self.assertEqual((code, data), (503, b"503 the other one is stopping too\n"))
+        self.assertEqual(router.whys, ["stopping"])  # the second target's fallback: never
+        self.assertEqual((len(owner.requests), len(other.requests)), (1, 1))
+        self.assertNotIn(REFUSED, headers)
+        self.assertEqual(headers[b"retry-after"], [b"5"])
+
+    @inlineCallbacks
+    def test_a_refusal_that_overtakes_the_body_waits_for_the_body(self):
+        """The owner refuses at the head, before the client has sent the body (Python's
+        http.client sends them apart): the request goes elsewhere once the body is all in."""
+        peer = _DrainingPeer()
+        survivor = _Answer(201)
+        router = _ToPeers(self._listen(peer), self._site(survivor))
+        port = self._proxy(router)
+        body = b'{"body": "late body"}'
+
+        def post() -> tuple[int, bytes, list[str]]:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            try:
+                sock.sendall(
+                    b"POST /api/rooms/r/messages HTTP/1.1\r\nHost: %s\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (HOST.encode(), len(body))
+                )
+                deadline = time.monotonic() + 5
+                while peer.heads < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.2)  # the refusal reaches the proxy: the body is not there yet
+                whys_before_body = list(router.whys)
+                sock.sendall(body)
+                response = http.client.HTTPResponse(sock)
+                response.begin()
+                return response.status, response.read(), whys_before_body
+            finally:
+                sock.close()
+
+        code, data, whys_before_body = yield deferToThread(post)
+        self.assertEqual(peer.heads, 1)
+        self.assertEqual(whys_before_body, [])
+        self.assertEqual((code, data), (201, body))
+        self.assertEqual(survivor.requests, [(b"POST", body)])
+        self.assertEqual(router.whys, ["stopping"])
+
+    @inlineCallbacks
+    def test_a_body_over_the_replay_limit_gets_the_503(self):
+        owner = _Answer(503, MARKED, STOPPING)
+        survivor = _Answer(201)
+        router = _ToPeers(self._site(owner), self._site(survivor))
+        body = b"x" * (REPLAY_LIMIT + 1)
+        code, headers, data = yield self._post(self._proxy(router), body)
+        self.assertEqual((code, data), (503, STOPPING))  # never sent twice: not all kept
+        self.assertEqual((router.whys, survivor.requests), ([], []))
+        self.assertNotIn(REFUSED, headers)
+
+    @inlineCallbacks
+    def test_a_space_cannot_forge_the_marker(self):
+        """The owner's router drops X-Lchat-Refused from its space's answer: the forwarding box
+        sees a plain 503 and relays it."""
+        path = os.path.join(tempfile.mkdtemp(prefix="fwd", dir="/tmp"), "space.sock")
+        self.addCleanup(shutil.rmtree, os.path.dirname(path), True)
+        space = _Answer(503, MARKED, b"503 from the space itself\n")
+        listening = _tcp.listenUNIX(path, Site(space))
+        self.addCleanup(listening.stopListening)
+        owner = self._proxy(_ToSpace(path))
+        survivor = _Answer(201)
+        router = _ToPeers(owner, self._site(survivor))
+        code, headers, data = yield self._post(self._proxy(router), b'{"body": "hi"}')
+        self.assertEqual((code, data), (503, b"503 from the space itself\n"))
+        self.assertEqual((router.whys, survivor.requests), ([], []))
+        self.assertNotIn(REFUSED, headers)
+        self.assertEqual(len(space.requests), 1)
+
+    @inlineCallbacks
+    def test_a_post_on_a_kept_alive_connection_closed_unanswered_is_sent_again(self):
+        """The peer closes the pooled connection under the second POST without reading it (an
+        idle close crossing the request): one fresh connection gets it, body and all."""
+        router = _ToPeers(self._listen(Factory.forProtocol(_ClosesSecondRequest)), None)
+        port = self._proxy(router)
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        self.addCleanup(pool.closeCachedConnections)
+        for text in (b'{"body": "one"}', b'{"body": "two"}'):
+            code, _, data = yield self._post(port, text, pool)
+            self.assertEqual((code, data), (201, text))

@@ -12,7 +12,10 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, cast
@@ -28,24 +31,34 @@ from twisted.internet.endpoints import (
     TCP4ClientEndpoint,
     UNIXServerEndpoint,
     serverFromString,
+    wrapClientTLS,
     wrapServerTLS,
 )
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
-from twisted.internet.ssl import Certificate, CertificateOptions, PrivateCertificate
+from twisted.internet.ssl import (
+    Certificate,
+    CertificateOptions,
+    PrivateCertificate,
+    optionsForClientTLS,
+)
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 from twisted.web.websocket import WebSocketResource, WebSocketTransport
 from zope.interface import implementer
 
+from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
+from tests.test_tls import TestCA
 
 HOST = "chat.example.com"
+_log = Logger(namespace="tests.test_proxy")
 
 
 def sleep(seconds: float) -> Deferred[None]:
@@ -72,6 +85,10 @@ class Observer:
     def request_ended(self, head: RequestHead, target: Target) -> None:
         self.events.append(("end", head.target.decode()))
 
+    @property
+    def in_flight(self) -> int:
+        return sum(1 if kind == "start" else -1 for kind, _ in self.events)
+
 
 class RawClient(Protocol):
     """A client that sends exactly the bytes we say and keeps everything it receives."""
@@ -82,12 +99,14 @@ class RawClient(Protocol):
         self.received = bytearray()
         self.closed: Deferred[None] = Deferred()
         self.is_closed = False
+        self.closed_at = 0.0
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data
 
     def connectionLost(self, reason: Any = None) -> None:
         self.is_closed = True
+        self.closed_at = time.monotonic()
         self.closed.callback(None)
 
 
@@ -99,6 +118,7 @@ class Backend(Protocol):
     def __init__(self, factory: BackendFactory) -> None:
         self.f = factory
         self.buffer = bytearray()
+        self.switched = False  # answered 101: raw bytes from now on
 
     def connectionMade(self) -> None:
         self.f.connections += 1
@@ -237,12 +257,23 @@ class ProxyTestCase(TestCase):
         self.addCleanup(port.stopListening)
         return port
 
+    secure = False  # listen with TLS, as the HTTPS listener does (lchat.tls, SNI certificates)
+
     @inlineCallbacks
     def proxy(self, **cfg: Any):
         self.factory = ProxyFactory(
-            reactor, self.router, ProxyConfig(**cfg), observer=self.observer
+            reactor, self.router, ProxyConfig(**cfg), observer=self.observer, secure=self.secure
         )
-        port = yield serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(self.factory)
+        endpoint = serverFromString(reactor, "tcp:0:interface=127.0.0.1")
+        if self.secure:
+            self.ca = TestCA()
+            certs = os.path.join(self.dir, "certs")
+            os.makedirs(certs, mode=0o700)
+            self.ca.write(tls.cert_path(certs, HOST), HOST)
+            store = tls.CertStore(reactor, certs, {HOST}.__contains__)
+            store.load_initial()
+            endpoint = tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store)
+        port = yield endpoint.listen(self.factory)
         self.addCleanup(port.stopListening)
         self.addCleanup(self.factory.close)
         self.addCleanup(self.proxy_side_closed)
@@ -257,9 +288,11 @@ class ProxyTestCase(TestCase):
     @inlineCallbacks
     def connect(self):
         client = RawClient()
-        yield TCP4ClientEndpoint(reactor, "127.0.0.1", self.port).connect(
-            ClientFactory.forProtocol(lambda: client)
-        )
+        endpoint: Any = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
+        if self.secure:
+            trust = Certificate.loadPEM(self.ca.pem)
+            endpoint = wrapClientTLS(optionsForClientTLS(HOST, trustRoot=trust), endpoint)
+        yield endpoint.connect(ClientFactory.forProtocol(lambda: client))
         self.addCleanup(
             lambda: client.transport.abortConnection() if not client.is_closed else None
         )
@@ -613,6 +646,201 @@ class UpgradeTests(ProxyTestCase):
         )
         yield client.closed
         self.assertTrue(client.received.startswith(b"HTTP/1.1 200"))
+
+
+UPGRADE_REQUEST = (
+    b"GET /ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    % HOST.encode()
+)
+SWITCHED = b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+
+
+def switch_then_echo(conn: Backend) -> None:
+    """A space that answers an upgrade with 101 and then echoes raw bytes."""
+    if not conn.switched:
+        _, sep, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
+        if not sep:
+            return
+        conn.switched = True
+        conn.buffer = bytearray(rest)
+        conn.transport.write(SWITCHED)
+    if conn.buffer:
+        conn.transport.write(bytes(conn.buffer))
+        conn.buffer.clear()
+
+
+# The same, as a process of its own that a test can SIGKILL (argv[1]: the unix socket path).
+KILLABLE_SPACE = """
+import socket, sys
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(8)
+conn, _ = server.accept()
+data = b""
+while b"\\r\\n\\r\\n" not in data:
+    data += conn.recv(65536)
+conn.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nConnection: Upgrade\\r\\nUpgrade: websocket\\r\\n\\r\\n")
+while True:
+    piece = conn.recv(65536)
+    if not piece:
+        break
+    conn.sendall(piece)
+"""
+
+
+class TunnelCloseTests(ProxyTestCase):
+    """Either side of an upgraded (101) connection closing or dying closes the other side at once,
+    and ends the request for the observer (a hibernating space must not stay in flight)."""
+
+    @inlineCallbacks
+    def tunnel(self):
+        """A client with an upgraded connection through the proxy that has echoed once."""
+        client = yield self.connect()
+        client.transport.write(UPGRADE_REQUEST + b"ping")
+        yield self.until(lambda: bytes(client.received) == SWITCHED + b"ping")
+        self.assertEqual(self.observer.in_flight, 1)
+        return client
+
+    @inlineCallbacks
+    def closed_within(self, client: RawClient, since: float, what: str):
+        yield self.until(lambda: client.is_closed, timeout=5)
+        elapsed = client.closed_at - since
+        _log.info(
+            "{what}: client closed after {ms:.1f} ms (tls={tls})",
+            what=what,
+            ms=elapsed * 1000,
+            tls=self.secure,
+        )
+        # A browser saw nothing for 10 s+ over TLS; this is normally a few milliseconds.
+        self.assertLess(elapsed, 1.0, f"{what}: the client saw the close after {elapsed:.2f}s")
+        yield self.until(lambda: self.observer.in_flight == 0, timeout=1)
+        yield self.until(lambda: not self.factory.connections, timeout=1)
+        return elapsed
+
+    @inlineCallbacks
+    def test_space_closing_the_tunnel_closes_the_client(self):
+        backend = BackendFactory(switch_then_echo)
+        yield self.backend(backend)
+        yield self.proxy()
+        client = yield self.tunnel()
+        (space,) = backend.live
+        started = time.monotonic()
+        space.transport.loseConnection()
+        yield self.closed_within(client, started, "space closed")
+        self.assertEqual(self.observer.events, [("start", "/ws"), ("end", "/ws")])
+
+    @inlineCallbacks
+    def test_space_killed_disconnects_the_client(self):
+        space = subprocess.Popen([sys.executable, "-c", KILLABLE_SPACE, self.sock])
+        self.addCleanup(space.wait)
+        self.addCleanup(space.kill)  # (a no-op once it has been killed and reaped)
+        yield self.until(lambda: os.path.exists(self.sock), timeout=10)
+        yield self.proxy()
+        client = yield self.tunnel()
+        started = time.monotonic()
+        space.send_signal(signal.SIGKILL)
+        yield self.closed_within(client, started, "space killed")
+
+    @inlineCallbacks
+    def test_client_closing_the_tunnel_closes_the_space_side(self):
+        backend = BackendFactory(switch_then_echo)
+        yield self.backend(backend)
+        yield self.proxy()
+        client = yield self.tunnel()
+        client.transport.loseConnection()
+        yield self.until(lambda: not backend.live, timeout=1)
+        yield self.until(lambda: self.observer.in_flight == 0, timeout=1)
+        self.assertEqual(self.observer.events, [("start", "/ws"), ("end", "/ws")])
+
+    @inlineCallbacks
+    def test_websocket_client_sees_the_space_close(self):
+        """What a browser does: a WebSocket client library, the space closing with a Close frame."""
+        sockets: list[EchoSocket] = []
+
+        class Recording(EchoFactory):
+            def buildProtocol(self, request: Any) -> EchoSocket:
+                sockets.append(EchoSocket())
+                return sockets[-1]
+
+        root = Resource()
+        root.putChild(b"ws", WebSocketResource(cast(Any, Recording())))
+        yield self.backend(Site(root))
+        yield self.proxy()
+        started: list[float] = []
+
+        def close_space() -> None:
+            started.append(time.monotonic())
+            sockets[0].transport.loseConnection()
+
+        def talk() -> float:
+            import ssl
+
+            from websockets.exceptions import ConnectionClosed
+            from websockets.sync.client import connect
+
+            sock = socket.create_connection(("127.0.0.1", self.port))
+            scheme, context = "ws", None
+            if self.secure:
+                scheme, context = "wss", ssl.create_default_context(cadata=self.ca.pem.decode())
+            with connect(
+                f"{scheme}://{HOST}/ws", sock=sock, ssl=context, open_timeout=5, close_timeout=5
+            ) as ws:
+                ws.send("one")
+                assert ws.recv(timeout=5) == "echo:one"
+                cast(Any, reactor).callFromThread(close_space)
+                try:
+                    ws.recv(timeout=5)
+                except ConnectionClosed:
+                    return time.monotonic()
+                except TimeoutError:
+                    raise AssertionError("no close seen for 5 s") from None
+            raise AssertionError("the space sent something instead of closing")
+
+        closed = yield deferToThread(talk)
+        elapsed = closed - started[0]
+        _log.info("websocket client saw the close after {ms:.1f} ms", ms=elapsed * 1000)
+        self.assertLess(elapsed, 1.0, f"the client saw the close after {elapsed:.2f}s")
+        yield self.until(lambda: self.observer.in_flight == 0, timeout=1)
+
+
+class TLSTunnelCloseTests(TunnelCloseTests):
+    """The same through the HTTPS listener: Twisted's TLS layer postpones a close while a producer
+    is registered on the transport, so the proxy must unregister before closing."""
+
+    secure = True
+
+
+class StalledUploadCloseTests(ProxyTestCase):
+    """The router closing a client connection while a response streams (the upload under it
+    stalled): the close must happen, over TLS too (a producer was still registered there)."""
+
+    @inlineCallbacks
+    def test_stalled_upload_under_a_streaming_answer_is_closed(self):
+        def answer_at_once(conn: Backend) -> None:
+            if b"\r\n\r\n" in conn.buffer and not conn.switched:
+                conn.switched = True  # (answered; a response that never ends)
+                conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\npartial")
+
+        backend = BackendFactory(answer_at_once)
+        yield self.backend(backend)
+        yield self.proxy(keepalive_timeout=0.5)  # also the longest pause inside a request body
+        client = yield self.connect()
+        client.transport.write(
+            b"POST /up HTTP/1.1\r\nHost: %s\r\nContent-Length: 100\r\n\r\n0123456789"
+            % HOST.encode()
+        )
+        yield self.until(lambda: b"partial" in client.received)
+        started = time.monotonic()
+        yield self.until(lambda: client.is_closed, timeout=5)
+        elapsed = client.closed_at - started
+        _log.info("stalled upload: closed after {s:.2f}s (tls={tls})", s=elapsed, tls=self.secure)
+        self.assertLess(elapsed, 3.0)
+        yield self.until(lambda: not backend.live, timeout=1)
+
+
+class TLSStalledUploadCloseTests(StalledUploadCloseTests):
+    secure = True
 
 
 class PeerTests(ProxyTestCase):

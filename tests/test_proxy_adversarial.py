@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -19,22 +21,34 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
+import attrs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, gatherResults
-from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXServerEndpoint, serverFromString
+from twisted.internet.endpoints import (
+    TCP4ClientEndpoint,
+    UNIXServerEndpoint,
+    serverFromString,
+    wrapClientTLS,
+)
+from twisted.internet.ssl import Certificate, optionsForClientTLS
 from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.trial.unittest import TestCase
 
+from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import Downstream, ProxyFactory
+from lchat.proxy.http import buffered_output
 from lchat.router import Router
 from tests.proxy_harness import (
     FUZZ_CONFIG,
     STATUS_LINE,
     BackendConnection,
+    BodyBackend,
     RawClient,
     RawClientFactory,
     RecordingBackend,
@@ -43,8 +57,10 @@ from tests.proxy_harness import (
     blocking_exchange,
     complete_responses,
     parse_requests,
+    response_statuses,
     route_table,
 )
+from tests.test_tls import TestCA
 
 reactor: Any = _reactor
 T = TypeVar("T")
@@ -53,6 +69,10 @@ KNOWN = "chat.example.com"  # a backend answering each complete request
 EARLY = "early.example.com"  # a backend answering as soon as it has parsed the head
 SILENT = "silent.example.com"  # a backend that accepts and never answers
 MISSING = "missing.example.com"  # a socket path nobody listens on
+MEDIUM = "medium.example.com"  # answers with a body just under Twisted's 64 KiB write buffer
+LARGE = "large.example.com"  # answers with a body far larger than any socket buffer
+MEDIUM_BODY = 60_000
+LARGE_BODY = 64 * 1024 * 1024
 
 HOST = b"Host: chat.example.com"
 
@@ -116,6 +136,7 @@ class ProxyCase(TestCase):
     """A proxy on 127.0.0.1:<random> in front of recording backends, torn down without leftovers."""
 
     cfg: ClassVar[ProxyConfig] = CFG
+    secure: ClassVar[bool] = False  # listen with TLS, as the HTTPS listener does
     timeout = 30
 
     def setUp(self) -> Deferred[None]:  # type: ignore[override]  # trial waits for it
@@ -130,6 +151,8 @@ class ProxyCase(TestCase):
             KNOWN: RecordingBackend("complete"),
             EARLY: RecordingBackend("head"),
             SILENT: RecordingBackend("silent"),
+            MEDIUM: BodyBackend(MEDIUM_BODY),
+            LARGE: BodyBackend(LARGE_BODY),
         }
         self.listening: list[Any] = []
         rows = []
@@ -138,8 +161,19 @@ class ProxyCase(TestCase):
             self.listening.append(await UNIXServerEndpoint(reactor, path).listen(backend))
             rows.append((host, path))
         rows.append((MISSING, os.path.join(self.dir, "nobody.sock")))
-        self.factory = TrackingFactory(reactor, Router(route_table(rows)), self.cfg)
+        self.factory = TrackingFactory(
+            reactor, Router(route_table(rows)), self.cfg, secure=self.secure
+        )
         endpoint = serverFromString(reactor, "tcp:0:interface=127.0.0.1")
+        if self.secure:
+            self.ca = TestCA()
+            certs = os.path.join(self.dir, "certs")
+            os.makedirs(certs, mode=0o700)
+            self.ca.write(tls.cert_path(certs, KNOWN), KNOWN)
+            self.ca.write(tls.default_cert_path(certs), "default.invalid")
+            store = tls.CertStore(reactor, certs, {h for h, _ in rows}.__contains__)
+            store.load_initial()
+            endpoint = tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store)
         self.proxy_port = await endpoint.listen(self.factory)
         self.port: int = self.proxy_port.getHost().port
         self.clients: list[RawClient] = []
@@ -164,7 +198,10 @@ class ProxyCase(TestCase):
     # -- clients ---------------------------------------------------------------------------------
 
     async def connect(self) -> RawClient:
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
+        endpoint: Any = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
+        if self.secure:
+            trust = Certificate.loadPEM(self.ca.pem)
+            endpoint = wrapClientTLS(optionsForClientTLS(KNOWN, trustRoot=trust), endpoint)
         client = cast(RawClient, await endpoint.connect(RawClientFactory()))
         self.clients.append(client)
         return client
@@ -1049,6 +1086,253 @@ class TimeoutTests(ProxyCase):
         (conn,) = self.backends[KNOWN].connections
         self.assertTrue(await until(lambda: conn.is_lost, 0.5))
         await self.assert_clean()
+
+
+# --- 5. clients that stop reading ----------------------------------------------------------------
+
+_log = Logger(namespace="tests.test_proxy_adversarial")
+
+
+def sample(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def blocking_client(port: int, ca_pem: bytes | None, rcvbuf: int | None = None) -> socket.socket:
+    """A plain socket (TLS when ``ca_pem`` is given), its receive buffer shrunk before connecting
+    (a client on a slow link, or one that reads nothing): what it does not read stays with us."""
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    raw.settimeout(5)
+    raw.connect(("127.0.0.1", port))
+    if ca_pem is None:
+        return raw
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    return context.wrap_socket(raw, server_hostname=KNOWN)
+
+
+def flood(sock: socket.socket, payload: bytes, seconds: float) -> tuple[int, str]:
+    """Send ``payload`` again and again for ``seconds``, reading nothing: (bytes sent, how it
+    ended: "time", "blocked" for a second, or the error that cut it off)."""
+    sock.settimeout(1.0)
+    sent = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            sock.sendall(payload)
+        except TimeoutError:
+            return sent, "blocked"
+        except OSError as e:
+            return sent, type(e).__name__
+        sent += len(payload)
+    return sent, "time"
+
+
+class SlowReaderTests(ProxyCase):
+    """Clients that stop reading must cost the router a bounded amount, and not forever: the
+    client is not read (nor answered) while its unsent output is over the high-water mark, at most
+    ``max_pipelined`` requests queue, and a connection whose unsent output does not move for
+    ``send_timeout`` is aborted, with its space connection (nginx: send_timeout)."""
+
+    cfg = attrs.evolve(CFG, send_timeout=0.5)
+
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]
+        self.socks: list[socket.socket] = []
+        self.addCleanup(self.close_socks)
+        return super().setUp()
+
+    def close_socks(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+    def ca_pem(self) -> bytes | None:
+        return self.ca.pem if self.secure else None
+
+    async def open_blocking(self, rcvbuf: int | None = None) -> tuple[socket.socket, Downstream]:
+        """A blocking client (see blocking_client) and the proxy's side of its connection."""
+        before = len(self.factory.downstreams)
+        sock = await deferToThread(blocking_client, self.port, self.ca_pem(), rcvbuf)
+        self.socks.append(sock)
+        self.assertTrue(await until(lambda: len(self.factory.downstreams) > before, 2.0))
+        return sock, self.factory.downstreams[-1]
+
+    def shrink_send_buffer(self, downstream: Downstream) -> None:
+        """The kernel's send buffer on the proxy's side, shrunk: what the client does not read
+        stays in the router's own buffer instead of megabytes of loopback socket buffers."""
+        transport: Any = downstream.transport
+        if self.secure:
+            transport = transport.transport  # the TCP connection under TLS
+        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1024)
+
+    async def flood_and_watch(self, payload: bytes, seconds: float = 2.5) -> int:
+        """A client pipelines ``payload`` for ``seconds`` and reads nothing. Returns the peak of
+        the router's unsent output for it (the longest request queue is logged)."""
+        # Isolate the high-water mark from the pipelining cap (tested on its own below).
+        self.factory.cfg = attrs.evolve(self.cfg, max_pipelined=10**6)
+        rss_before = rss_bytes()
+        sock, downstream = await self.open_blocking(rcvbuf=4096)
+        flooding = deferToThread(flood, sock, payload, seconds)
+        peak = queued = 0
+        while not flooding.called:
+            peak = max(peak, buffered_output(downstream.transport) or 0)
+            queued = max(queued, len(downstream._waiting))
+            await sleep(0.01)
+        sent, ended = await flooding
+        _log.info(
+            "pipelining flood (tls={tls}): {sent} bytes sent, ended by {ended}; router peak "
+            "{peak} bytes unsent, {queued} requests queued; RSS {rss:+.1f} MB",
+            tls=self.secure,
+            sent=sent,
+            ended=ended,
+            peak=peak,
+            queued=queued,
+            rss=(rss_bytes() - rss_before) / 1e6,
+        )
+        return peak
+
+    async def assert_aborted_by_send_timeout(self, downstream: Downstream, aborts: float) -> None:
+        bound = self.cfg.send_timeout + 2.0  # the sweep runs every tenth of it; a loaded machine
+        self.assertTrue(await until(lambda: _gone(downstream), bound), "still connected")
+        self.assertEqual(sample("lchat_http_send_timeouts_total"), aborts + 1)
+
+    async def test_pipelining_client_that_reads_nothing_gets_local_answers_bounded(self) -> None:
+        aborts = sample("lchat_http_send_timeouts_total")
+        pauses = sample("lchat_http_output_pauses_total")
+        peak = await self.flood_and_watch(request(b"Host: nobody.example.com") * 100)
+        # Twisted's 64 KiB mark, plus what one read of requests can add; without the mark this
+        # grew by ~15 MB a second.
+        self.assertLess(peak, 1_000_000, f"{peak} bytes held for a client that reads nothing")
+        self.assertGreater(sample("lchat_http_output_pauses_total"), pauses)
+        await self.assert_aborted_by_send_timeout(self.factory.downstreams[-1], aborts)
+        await self.assert_clean()
+
+    async def test_pipelining_client_that_reads_nothing_gets_proxied_answers_bounded(
+        self,
+    ) -> None:
+        aborts = sample("lchat_http_send_timeouts_total")
+        peak = await self.flood_and_watch(request(f"Host: {MEDIUM}".encode()) * 20)
+        self.assertLess(peak, 1_000_000, f"{peak} bytes held for a client that reads nothing")
+        await self.assert_aborted_by_send_timeout(self.factory.downstreams[-1], aborts)
+        await self.assert_clean()
+
+    async def test_client_that_stops_reading_a_large_response_is_aborted(self) -> None:
+        aborts = sample("lchat_http_send_timeouts_total")
+        client = await self.connect()
+        await self.converse(client, request(f"Host: {LARGE}".encode()), wait=0.0)
+        self.assertTrue(await until(lambda: len(client.received) > 0, 3.0))
+        transport: Any = client.transport
+        transport.pauseProducing()  # reads nothing more
+        downstream = self.factory.downstreams[-1]
+        # Over the high-water mark: the space is no longer read until the client reads.
+        over = await until(lambda: (buffered_output(downstream.transport) or 0) > 65536, 5.0)
+        self.assertTrue(over, "the client's output never filled")
+        await self.assert_aborted_by_send_timeout(downstream, aborts)
+        transport.resumeProducing()  # it finds the connection reset
+        self.assertTrue(await until(lambda: client.is_closed, 5.0))
+        (space,) = self.backends[LARGE].connections
+        self.assertTrue(await until(lambda: space.is_lost, 1.0), "the space connection is held")
+        self.assertLess(len(client.received), LARGE_BODY)
+        await self.assert_clean()
+
+    async def test_closing_connection_whose_client_reads_nothing_is_aborted(self) -> None:
+        """The router decided to close (``Connection: close``) with the answer still unsent:
+        the close waits for the client, but not longer than the send timeout."""
+        aborts = sample("lchat_http_send_timeouts_total")
+        sock, downstream = await self.open_blocking(rcvbuf=1024)
+        self.shrink_send_buffer(downstream)
+        raw = request(f"Host: {MEDIUM}".encode(), b"Connection: close")
+        await deferToThread(sock.sendall, raw)
+        # The whole answer came from the space (under the mark: never paused); it is unsent.
+        self.assertTrue(await until(lambda: downstream._closed, 3.0))
+        self.assertGreater(buffered_output(downstream.transport) or 0, MEDIUM_BODY // 2)
+        await self.assert_aborted_by_send_timeout(downstream, aborts)
+        await self.assert_clean()
+
+    async def test_slow_reader_that_keeps_reading_is_not_aborted(self) -> None:
+        """Output that drains slower than the send timeout but keeps moving is not a stall."""
+        aborts = sample("lchat_http_send_timeouts_total")
+        pauses = sample("lchat_http_output_pauses_total")
+        sock, downstream = await self.open_blocking(rcvbuf=16384)
+        self.shrink_send_buffer(downstream)
+        count = 4
+        await deferToThread(sock.sendall, request(f"Host: {MEDIUM}".encode()) * count)
+
+        def sip() -> bytes:
+            # At most ~100 KB/s: a full 64 KiB buffer takes longer than the send timeout to
+            # drain, so only its steady movement keeps the connection.
+            received = bytearray()
+            deadline = time.monotonic() + 20
+            while complete_responses(bytes(received)) < count and time.monotonic() < deadline:
+                piece = sock.recv(2048)
+                if not piece:
+                    break
+                received += piece
+                time.sleep(0.02)
+            return bytes(received)
+
+        started = time.monotonic()
+        received = await deferToThread(sip)
+        _log.info(
+            "slow reader (tls={tls}): {n} bytes, {r} responses in {s:.1f}s",
+            tls=self.secure,
+            n=len(received),
+            r=complete_responses(received),
+            s=time.monotonic() - started,
+        )
+        self.assertEqual(response_statuses(received), [200] * count)
+        self.assertGreater(sample("lchat_http_output_pauses_total"), pauses)
+        self.assertEqual(sample("lchat_http_send_timeouts_total"), aborts)
+        await self.assert_clean()
+
+    async def test_pipelined_requests_beyond_the_cap_close_the_connection(self) -> None:
+        self.factory.cfg = attrs.evolve(self.cfg, max_pipelined=8)
+        limited = sample("lchat_http_pipeline_limit_total")
+        reply = await self.exchange(request(HOST) * 20, wait=3.0)
+        # one served and eight queued; the last of those is answered with "Connection: close"
+        self.assertEqual(reply.statuses(), [200] * 9)
+        self.assertTrue(reply.closed)
+        self.assertEqual(reply.data.lower().count(b"connection: close"), 1)
+        self.assertEqual(len(self.backends[KNOWN].requests()), 9)
+        self.assertEqual(sample("lchat_http_pipeline_limit_total"), limited + 1)
+        await self.assert_clean()
+
+    async def test_close_after_an_answer_that_was_routed_asynchronously_completes(self) -> None:
+        """While routing or dialing, the client is not read; a close decided then (here a 502
+        with "Connection: close") must still read the client's answer to a TLS close, or the
+        router's side of the connection stays until the send timeout."""
+        self.factory.cfg = attrs.evolve(self.cfg, send_timeout=30.0)
+        client = await self.connect()
+        reply = await self.converse(
+            client, request(f"Host: {MISSING}".encode(), b"Connection: close"), wait=3.0
+        )
+        self.assertEqual((reply.status, reply.closed), (502, True))
+        downstream = self.factory.downstreams[-1]
+        self.assertTrue(await until(lambda: _gone(downstream), 2.0), "the router's side stayed")
+        await self.assert_clean()
+
+    async def test_buffered_output_reads_this_twisted(self) -> None:
+        """buffered_output reads Twisted's private buffers: a rename must fail here, loudly."""
+        client = await self.connect()
+        await self.converse(client, request(HOST), responses=1)
+        downstream = self.factory.downstreams[-1]
+        transport = downstream.transport
+        self.assertEqual(buffered_output(transport), 0)
+        assert transport is not None
+        transport.write(b"x" * 1000)  # not sent before the reactor runs again
+        self.assertEqual(buffered_output(transport), 1000)
+        self.assertTrue(await until(lambda: buffered_output(transport) == 0, 2.0))
+
+
+class SlowReaderTLSTests(SlowReaderTests):
+    secure = True
 
 
 # --- 6. leaks after a mixed burst ---------------------------------------------------------------

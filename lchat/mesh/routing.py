@@ -13,6 +13,16 @@ For a host equal to or directly under ``LCHAT_MESH_DOMAINS`` (every other host i
 A box that wins the lease serves, whatever the hash said: "here" always means the activator,
 which takes the lease or answers 503. The lease holder is read from ``lock.json`` at most once
 per ``holder_ttl`` seconds per host (one GET), and only for spaces not running here.
+
+A drain: a box that is stopping refuses the forwarded requests it has not processed with a 503
+marked ``X-Lchat-Refused: stopping`` (only on a request whose forwarded marker authenticated; the
+activator says which refusals qualify), and the forwarding box routes such a request again, once,
+without that peer. While a peer that refused so still holds a space's lease, requests for the
+space wait here (at most :data:`RELEASE_WAIT`, reading ``lock.json`` every :data:`RELEASE_POLL`)
+for the release its drain is about to make, instead of a wake meeting the held lease and
+answering ``503 lease_held``. A peer that leaves the membership view while its heartbeat was
+fresh deleted it, which only a drain does: its leases are awaited the same way (one that ages out
+is dead or cut off, and its leases last until they expire).
 """
 
 from __future__ import annotations
@@ -24,14 +34,16 @@ from typing import Any
 import attrs
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from lchat.config import BoxConfig
 from lchat.lease import LeaseRecord
 from lchat.mesh import forward, placement
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.proxy.http import REFUSED
 from lchat.registry import Route
-from lchat.router import RequestHead, Target
+from lchat.router import LocalResponse, RequestHead, Target
 
 _log = Logger(namespace="lchat.mesh")
 
@@ -39,12 +51,22 @@ _forwards = Counter(
     "lchat_mesh_forwards_total",
     "Mesh routing decisions for in-scope hibernating spaces",
     # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker,
-    # peer_unreachable
+    # peer_unreachable, peer_stopping
     ["outcome"],
 )
 _ownership_changes = Counter(
     "lchat_mesh_ownership_changes_total", "In-scope hosts whose computed owner changed"
 )
+_release_waits = Counter(
+    "lchat_mesh_release_waits_total",
+    "Requests that waited for a draining peer to release a space's lease, by how it ended",
+    ["outcome"],  # released, timed_out
+)
+
+# A peer that refused a request because it is stopping releases its leases within its drain
+# (about 0.1 s typically; a slow final flush can take longer): requests wait this long for it.
+RELEASE_WAIT = 10.0
+RELEASE_POLL = 0.1  # seconds between reads of lock.json while waiting (shared by all requests)
 
 Local = Callable[[], "Target | Deferred[Target]"]
 
@@ -59,6 +81,7 @@ class MeshRouter:
         *,
         holder_ttl: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        reactor: Any = None,
     ) -> None:
         assert cfg.mesh is not None and cfg.hibernate is not None
         self._mesh = cfg.mesh
@@ -68,11 +91,20 @@ class MeshRouter:
         self._activator = activator
         self._holder_ttl = holder_ttl
         self._clock = clock
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+
+            reactor = default_reactor
+        self._reactor = reactor
         self._self_url = placement.normalise_member_url(cfg.mesh.self_url)
         self._holders: dict[str, tuple[float, str | None]] = {}  # host -> (read at, owner url)
         self._owners: dict[str, str] = {}  # host -> last computed owner (for the metric)
         self._unreachable: dict[str, float] = {}  # peer url -> left out of placement until
+        self._draining: dict[str, float] = {}  # peer url -> it is stopping: await releases until
         self._reading: dict[str, Deferred[str | None]] = {}  # host -> the GET of its lease
+        subscribe = getattr(membership, "subscribe", None)
+        if subscribe is not None:
+            subscribe(self._members_changed)
 
     def in_scope(self, host: str) -> bool:
         return placement.in_scope(host, self._mesh.domains)
@@ -104,7 +136,10 @@ class MeshRouter:
         if head.forwarded is not None:
             if forward.authentic(head.forwarded, self._mesh.token, host):
                 _forwards.labels("local_forwarded").inc()
-                return local()
+                target = local()
+                if isinstance(target, Deferred):
+                    return target.addCallback(_refusal_for_peer)
+                return _refusal_for_peer(target)
             _forwards.labels("bad_marker").inc()  # stripped already; routed like any request
         if self._activator.holds(host):
             _forwards.labels("local_running").inc()
@@ -114,6 +149,8 @@ class MeshRouter:
     async def _route_remote(self, route: Route, local: Local) -> Target:
         host = route.host
         holder = await self._holder(host)
+        if holder is not None and holder in self._draining_peers():
+            holder = await self._released(host, holder)
         live = {placement.normalise_member_url(m.url) for m in self._live()}
         if holder is not None and holder != self._self_url and holder in live:
             _forwards.labels("to_holder").inc()
@@ -141,22 +178,88 @@ class MeshRouter:
     def _to(self, peer: str, route: Route, local: Local) -> Target:
         target = forward.peer_target(peer, route.host, self._mesh.token)
 
-        def unreachable() -> Target | Deferred[Target]:
+        def unreachable(why: str) -> Target | Deferred[Target]:
             # Until its heartbeat ages out of everyone's view, a stopping or dead peer would
             # otherwise keep its spaces dark: leave it out, route again.
-            _forwards.labels("peer_unreachable").inc()
-            self._unreachable[peer] = self._clock() + self._mesh.dead_after
+            now = self._clock()
+            if why == "stopping":
+                # It refused the request unprocessed because it is draining: its leases are
+                # released within moments, worth waiting for (_released).
+                _forwards.labels("peer_stopping").inc()
+                self._draining[peer] = max(self._draining.get(peer, 0.0), now + RELEASE_WAIT)
+            else:
+                _forwards.labels("peer_unreachable").inc()
+            self._unreachable[peer] = now + self._mesh.dead_after
             self._holders.pop(route.host, None)
             return Deferred.fromCoroutine(self._route_remote(route, local))
 
         return attrs.evolve(target, fallback=unreachable)
 
-    async def _holder(self, host: str) -> str | None:
-        """Who holds ``host``'s lease now (a member URL), from a short cache or one GET; any
-        number of requests arriving together share that GET."""
+    def _members_changed(self, old: list[Any], new: list[Any]) -> None:
+        """A member that left the view although it would still have been live at this read had
+        it gone silent (its age then plus one heartbeat is under ``dead_after``) had its
+        heartbeat deleted: it is draining (Membership.stopService) and releases its leases
+        within moments. One that (re)joins is not draining any more."""
+        still = {placement.normalise_member_url(m.url) for m in new}
+        for url in still - {placement.normalise_member_url(m.url) for m in old}:
+            self._draining.pop(url, None)
+        now = self._clock()
+        for member in old:
+            url = placement.normalise_member_url(member.url)
+            if url in still or url == self._self_url:
+                continue
+            if member.age + self._mesh.heartbeat < self._mesh.dead_after:
+                self._draining[url] = max(self._draining.get(url, 0.0), now + RELEASE_WAIT)
+                _log.info(
+                    "mesh: {url} left (its heartbeat was deleted: a drain): its spaces wait up "
+                    "to {wait:g}s here for their leases",
+                    url=url,
+                    wait=RELEASE_WAIT,
+                )
+
+    def _draining_peers(self) -> dict[str, float]:
+        now = self._clock()
+        for url, until in list(self._draining.items()):
+            if until <= now:
+                del self._draining[url]
+        return self._draining
+
+    async def _released(self, host: str, peer: str) -> str | None:
+        """Wait until draining ``peer`` no longer holds ``host``'s lease, at most until the
+        deadline :meth:`_to` set; returns the holder then (still ``peer`` if time ran out: the
+        wake here then answers 503 lease_held as for any held lease)."""
+        holder: str | None = peer
+        started = self._clock()
+        while holder == peer and self._clock() < self._draining.get(peer, 0.0):
+            await deferLater(self._reactor, RELEASE_POLL, lambda: None)
+            holder = await self._holder(host, max_age=RELEASE_POLL)
+        outcome = "released" if holder != peer else "timed_out"
+        _release_waits.labels(outcome).inc()
+        if outcome == "released":
+            _log.debug(
+                "mesh: {peer} (stopping) released {host} after {waited:.2f}s",
+                peer=peer,
+                host=host,
+                waited=self._clock() - started,
+            )
+        else:
+            _log.warn(
+                "mesh: {peer} is stopping but still holds the lease of {host} after {waited:.1f}s"
+                " (a slow final flush?): waking it here meets the held lease",
+                peer=peer,
+                host=host,
+                waited=self._clock() - started,
+            )
+        return holder
+
+    async def _holder(self, host: str, max_age: float | None = None) -> str | None:
+        """Who holds ``host``'s lease now (a member URL), from a cache younger than ``max_age``
+        (default ``holder_ttl``) or one GET; any number of requests arriving together share
+        that GET."""
         now = self._clock()
         cached = self._holders.get(host)
-        if cached is not None and now - cached[0] < self._holder_ttl:
+        ttl = self._holder_ttl if max_age is None else max_age
+        if cached is not None and now - cached[0] < ttl:
             return cached[1]
         reading = self._reading.get(host)
         if reading is None:
@@ -194,6 +297,17 @@ class MeshRouter:
             self._holders.clear()
         self._holders[host] = (self._clock(), owner)
         return owner
+
+
+def _refusal_for_peer(target: Target) -> Target:
+    """This box's answer to a request a peer forwarded: a refusal made because this box is
+    stopping (LocalResponse.refusal) carries ``X-Lchat-Refused`` so that the peer sends the
+    request elsewhere. Only a router's own LocalResponse can carry it: every space's response has
+    the header dropped (lchat.proxy.http.INTERNAL), and a client's request never gets here."""
+    if isinstance(target, LocalResponse) and target.refusal:
+        marker = (REFUSED, target.refusal.encode("ascii"))
+        return attrs.evolve(target, headers=(*target.headers, marker))
+    return target
 
 
 def _member_url(owner: str) -> str | None:

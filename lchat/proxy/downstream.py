@@ -20,10 +20,12 @@ from attrs import define, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.internet import error as ierror
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from lchat import hosts
 from lchat.config import ProxyConfig
@@ -31,8 +33,10 @@ from lchat.proxy.http import (
     FORWARDING,
     INTERNAL,
     LAST_CHUNK,
+    REFUSED,
     Header,
     Valve,
+    buffered_output,
     chunk,
     connection_tokens,
     end_to_end,
@@ -46,6 +50,11 @@ from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Ro
 _log = Logger(namespace="lchat.proxy")
 
 _SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # RFC 9110 §9.2.1: no side effects
+# The most request body kept after it went upstream (until the response starts), so that a request
+# an upstream never processed can be sent again from its first byte: one a mesh peer refused
+# because it is stopping, or one a kept-alive connection closed unanswered. Bigger bodies are
+# never sent twice (the peer's 503, or a 502, is the answer then).
+REPLAY_LIMIT = 64 * 1024
 
 _requests = Counter(
     "lchat_http_requests_total",
@@ -59,6 +68,29 @@ _bytes_up = _bytes.labels("up")
 _bytes_down = _bytes.labels("down")
 _upgraded = Gauge("lchat_upgraded_connections", "Open upgraded (WebSocket) connections")
 _connections = Gauge("lchat_http_connections", "Open client connections")
+_output_paused = Gauge(
+    "lchat_http_output_paused_connections",
+    "Client connections neither read nor answered because their unsent output is over the"
+    " high-water mark (a client that reads slowly, or not at all)",
+)
+_output_pauses = Counter(
+    "lchat_http_output_pauses_total",
+    "Times a client connection was paused because its unsent output passed the high-water mark",
+)
+_send_timeouts = Counter(
+    "lchat_http_send_timeouts_total",
+    "Client connections aborted because their unsent output did not move for LCHAT_SEND_TIMEOUT",
+)
+_pipeline_limited = Counter(
+    "lchat_http_pipeline_limit_total",
+    "Client connections closed after the most pipelined requests one may queue",
+)
+_reroutes = Counter(
+    "lchat_proxy_reroutes_total",
+    "Requests routed again without a mesh peer that could not take them, by why",
+    # unreachable, closed (a safe request closed unanswered), stopping (refused by a drain)
+    ["why"],
+)
 
 
 class RequestObserver(TypingProtocol):
@@ -121,9 +153,50 @@ class Exchange:
     observed: bool = False
     retried: bool = False
     rerouted: bool = False  # sent elsewhere once already (a mesh peer failed it)
+    # The body already written upstream, kept until the response starts so that the request can
+    # be sent again (REPLAY_LIMIT); None once it outgrew the limit, or the response started.
+    replay: list[bytes] | None = field(factory=list)
+    replay_size: int = 0
+    # A draining peer that refused the request before its body was all here: sent elsewhere
+    # once it is (on_message_complete).
+    refused_by: RemotePeer | None = None
+
+    def sent(self, data: bytes) -> None:
+        """``data`` of the body went upstream: keep it while the request may be sent again."""
+        if self.replay is None:
+            return
+        self.replay_size += len(data)
+        if self.replay_size > REPLAY_LIMIT:
+            self.replay = None
+        else:
+            self.replay.append(data)
+
+    def at_hand(self) -> bool:
+        """The whole request can be sent again from its first byte: all of its body arrived,
+        and what already went upstream was kept."""
+        return self.body_complete and self.replay is not None
+
+    def rewind(self) -> None:
+        """Put what went upstream back in front of ``body``, to be sent again from its first
+        byte (only while it is kept; what is still to arrive is buffered behind it)."""
+        assert self.replay is not None
+        self.body[:0] = self.replay
+        self.replay, self.replay_size = [], 0
+        self.streaming = False
 
 
+@implementer(IPushProducer)
 class Downstream(Protocol):
+    """One client connection.
+
+    It is also the streaming producer registered on its own transport, for the connection's whole
+    life: the transport pauses it when more than its high-water mark (Twisted's ``bufferSize``,
+    64 KiB) is unsent, and resumes it once everything went out. While paused nothing more is made
+    for the client: it is not read, no queued request is served, and the upstream of the response
+    (or tunnel) is not read either. The factory's sweep aborts a connection whose unsent output
+    has not moved for ``send_timeout``, paused or closing.
+    """
+
     def __init__(self, factory: ProxyFactory) -> None:
         self.proxy = factory
         self.cfg = factory.cfg
@@ -140,8 +213,13 @@ class Downstream(Protocol):
         self._progress = False  # a parser callback ran during the current read
         self._unreported = 0  # bytes read since the parser last reported anything
         self._spliced = False
-        self._closed = False
+        self._closed = False  # closing (or closed): nothing more is read or answered
         self._client = ""
+        self._output_paused = False  # the transport paused us: its unsent output is over the mark
+        self._serving_queue = False  # _serve_waiting's loop is on the stack
+        # The send timeout: when the unsent output last moved, and how much there was then.
+        self._send_moved_at = 0.0
+        self._send_buffered: int | None = None
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -150,6 +228,7 @@ class Downstream(Protocol):
         _connections.inc()
         self.proxy.add_connection(self)
         self.valve = Valve(self.transport)
+        self.transport.registerProducer(self, True)  # type: ignore[attr-defined]
         self._parser = httptools.HttpRequestParser(self)
         peer = self.transport.getPeer()
         self._client = str(getattr(peer, "host", "") or "unix")
@@ -173,6 +252,9 @@ class Downstream(Protocol):
                 _in_flight.dec()
         if self._spliced:
             _upgraded.dec()
+        if self._output_paused:
+            self._output_paused = False
+            _output_paused.dec()
         self._active = None
         self._waiting.clear()
 
@@ -265,14 +347,27 @@ class Downstream(Protocol):
         ex.head = self._validate(ex)
         if ex.chunked or (ex.length or 0) > 0:
             self._arm_body_timer()
-        if self._active is None:
+        if self._active is None and not self._waiting and not self._output_paused:
             self._disarm()
             self._serve(ex)
         else:
-            # Pipelined behind the request being served: hold the line until its turn.
+            # Pipelined behind the request being served, or behind output the client has not
+            # read yet (the rest of this read is parsed all the same): hold the line.
+            if self._active is None:
+                self._disarm()  # nothing is being served: the send timeout governs now
             self._waiting.append(ex)
             assert self.valve is not None
             self.valve.close("pipelined")
+            if len(self._waiting) >= self.cfg.max_pipelined:
+                # The last one we take: it is answered with "Connection: close" and nothing
+                # after it is read (RFC 9112 §9.3.2: a pipelining client retries the rest).
+                ex.keep_alive = False
+                _pipeline_limited.inc()
+                _log.info(
+                    "client {client} pipelined {count} requests: closing after them",
+                    client=self._client,
+                    count=len(self._waiting) + (self._active is not None),
+                )
 
     def on_body(self, data: bytes) -> None:
         self._progress = True
@@ -283,6 +378,7 @@ class Downstream(Protocol):
         _bytes_up.inc(len(data))
         if ex.streaming and ex.upstream is not None:
             ex.upstream.write(chunk(data) if ex.chunked else data)
+            ex.sent(data)
         elif not ex.response_complete:
             ex.body.append(data)
 
@@ -304,6 +400,9 @@ class Downstream(Protocol):
             assert self.valve is not None
             self.valve.open(Valve.PEER_FULL)  # unregistering does not resume us
             self._request_sent(ex, ex.upstream)
+        elif ex.refused_by is not None and ex is self._active:
+            # A draining peer refused it before its body was all here: now it is.
+            self._reroute(ex, ex.refused_by, "stopping", "refused it unprocessed (stopping)")
         if ex is self._active and ex.response_complete:
             self._finish(ex)
         elif self._active is None and not self._waiting and not self._closed:
@@ -425,7 +524,7 @@ class Downstream(Protocol):
         if isinstance(target, RemotePeer) and target.fallback is not None:
             # A mesh peer that does not answer (stopping, or gone before its heartbeat aged
             # out): route again without it. Nothing was sent, so this is safe.
-            self._reroute(ex, target, f"unreachable ({why})")
+            self._reroute(ex, target, "unreachable", f"unreachable ({why})")
             return
         _log.warn(
             "upstream for {host} unreachable: {why}", host=ex.head.host if ex.head else "?", why=why
@@ -434,18 +533,23 @@ class Downstream(Protocol):
             ex, plain(502, "502 Bad Gateway: the space is not answering", label="unreachable")
         )
 
-    def _reroute(self, ex: Exchange, target: RemotePeer, why: str) -> None:
-        """Route ``ex`` again without the peer ``target`` (the mesh leaves it out a while)."""
+    def _reroute(self, ex: Exchange, target: RemotePeer, why: str, detail: str) -> None:
+        """Route ``ex`` again without the peer ``target`` (the mesh leaves it out a while).
+        ``why`` (unreachable, closed, stopping) is what the fallback is told."""
         assert target.fallback is not None
-        _log.warn(
+        _reroutes.labels(why).inc()
+        # A drain's refusals are expected (a few per peer connection): not a warning.
+        emit = _log.info if why == "stopping" else _log.warn
+        emit(
             "peer {peer} {why} for {host}: routing without it",
             peer=f"{target.address}:{target.port}",
             host=target.host,
-            why=why,
+            why=detail,
         )
+        self._disarm()  # an upstream deadline armed for the peer is not this routing's
         self._end_observed(ex)
         try:
-            again = target.fallback()
+            again = target.fallback(why)
         except Exception:
             self._route_failed(Failure(), ex)
             return
@@ -466,6 +570,7 @@ class Downstream(Protocol):
         upstream.write(self._request_head(ex))
         for piece in ex.body:
             upstream.write(chunk(piece) if ex.chunked else piece)
+            ex.sent(piece)
         ex.body.clear()
         if ex.body_complete and not ex.upgrade:
             if ex.chunked:
@@ -526,6 +631,9 @@ class Downstream(Protocol):
         ex = self._active
         if ex is None or self.transport is None:
             return
+        if status == 503 and self._refused_unprocessed(ex, headers):
+            return
+        ex.replay = None  # answered: never sent again
         self._disarm()
         ex.status = status
         ex.response_started = True
@@ -548,8 +656,46 @@ class Downstream(Protocol):
         elif ex.version == "1.0":
             out.append((b"Connection", b"keep-alive"))
         self.transport.write(head_bytes(status_line(status, reason), out))
-        if ex.upstream is not None and ex.upstream.valve is not None:
-            self.transport.registerProducer(ex.upstream.valve, True)  # type: ignore[attr-defined]
+        if self._output_paused:
+            self._pause_upstream(ex)  # the client has not read what came before yet
+
+    def _refused_unprocessed(self, ex: Exchange, headers: list[Header]) -> bool:
+        """A mesh peer's 503 marked ``X-Lchat-Refused: stopping``: it refused the request without
+        processing it because it is draining (only a peer router's own answer can carry the
+        marker: lchat.mesh.routing; every space's response has it dropped). Send the request
+        elsewhere, once, if all of it is at hand (or, refused before the client finished
+        sending it, will be: then once it is), and return True. Otherwise the 503 is relayed
+        like any other (its marker dropped with every internal header)."""
+        target = ex.target
+        if not isinstance(target, RemotePeer) or target.fallback is None or ex.rerouted:
+            return False
+        if not any(n.lower() == REFUSED and v.strip() == b"stopping" for n, v in headers):
+            return False  # a 503 of the space itself: the client's to see
+        coming = (
+            not ex.body_complete
+            and ex.replay is not None
+            and not ex.chunked
+            and (ex.length or 0) <= REPLAY_LIMIT
+        )
+        if not ex.at_hand() and not coming:
+            _log.info(
+                "peer {peer} refused {host} unprocessed (stopping), but the request's body is "
+                "not kept (over {limit} bytes, or chunked and still arriving): relaying its 503",
+                peer=f"{target.address}:{target.port}",
+                host=target.host,
+                limit=REPLAY_LIMIT,
+            )
+            return False
+        upstream, ex.upstream = ex.upstream, None
+        if upstream is not None:
+            upstream.abort()  # the rest of this answer is not wanted, nor is the connection
+        ex.rerouted = True
+        ex.rewind()  # what went upstream is back in ex.body; the rest is buffered behind it
+        if coming:
+            ex.refused_by = target  # on_message_complete sends it on (the body timer runs)
+        else:
+            self._reroute(ex, target, "stopping", "refused it unprocessed (stopping)")
+        return True
 
     def response_body(self, data: bytes) -> None:
         ex = self._active
@@ -565,7 +711,6 @@ class Downstream(Protocol):
             return
         if ex.response_chunked:
             self.transport.write(LAST_CHUNK)
-        self.transport.unregisterProducer()  # type: ignore[attr-defined]
         ex.response_complete = True
         upstream, ex.upstream = ex.upstream, None
         if upstream is not None:
@@ -603,9 +748,11 @@ class Downstream(Protocol):
         if ex.upgrade_tail:
             upstream.write(ex.upgrade_tail)
             ex.upgrade_tail = b""
-        # Backpressure both ways for the life of the tunnel.
+        # Backpressure both ways for the life of the tunnel (the client's side: see
+        # pauseProducing).
         assert self.valve is not None and upstream.valve is not None
-        self.transport.registerProducer(upstream.valve, True)  # type: ignore[attr-defined]
+        if self._output_paused:
+            self._pause_upstream(ex)
         upstream.transport.registerProducer(self.valve, True)  # type: ignore[union-attr]
         self.valve.open("upgrade")
         self.valve.open("routing")
@@ -624,18 +771,16 @@ class Downstream(Protocol):
         if upstream is not None:
             upstream.abort()
         if self._spliced:
-            self.transport.loseConnection()
+            # The space closed the tunnel (or died): close the client's side too. (It ends
+            # the request for the observer when the client's connection is gone.)
+            self._closing()
             return
         if not started and not ex.response_started:
-            # Can the request be sent again? Its whole body must still be here (never streamed
-            # away), or it has none at all.
-            resendable = (
-                ex.body_complete
-                and not ex.upgrade
-                and (not ex.streaming or (not ex.chunked and not ex.length))
-            )
-            # A reused keep-alive connection the space had just closed: one fresh try is safe
-            # when nothing of the request body has been committed.
+            # Can the request be sent again? All of it must still be here (Exchange.replay).
+            resendable = not ex.upgrade and ex.at_hand()
+            # A reused keep-alive connection the space (or peer) had just closed: the close
+            # crossed our request, which was never read. One try on a *new* connection (another
+            # idle one may have been closed in the same breath).
             if (
                 why == "closed before responding"
                 and upstream is not None
@@ -645,7 +790,8 @@ class Downstream(Protocol):
                 and isinstance(ex.target, LocalSocket | RemotePeer)
             ):
                 ex.retried = True
-                d = self.proxy.pool.acquire(ex.target)
+                ex.rewind()
+                d = self.proxy.pool.dial(ex.target)
                 d.addCallbacks(
                     self._connected, self._dial_failed, callbackArgs=(ex,), errbackArgs=(ex,)
                 )
@@ -662,7 +808,8 @@ class Downstream(Protocol):
                 # A peer that closed a forwarded request unanswered is stopping: a safe method
                 # can be sent again, elsewhere (an unsafe one may have been acted on).
                 ex.rerouted = True
-                self._reroute(ex, target, "closed before responding")
+                ex.rewind()
+                self._reroute(ex, target, "closed", "closed before responding")
                 return
             _log.warn(
                 "upstream for {host} failed: {why}", host=ex.head.host if ex.head else "?", why=why
@@ -738,12 +885,31 @@ class Downstream(Protocol):
             self._closing()
             return
         self.valve.open("routing")
-        if self._waiting:
-            nxt = self._waiting.popleft()
-            if not self._waiting:
-                self.valve.open("pipelined")
-            self._serve(nxt)
-        else:
+        self._serve_waiting()
+
+    def _serve_waiting(self) -> None:
+        """Serve the pipelined requests in order while the client's output has room (else
+        resumeProducing continues); once none waits, read the client again. A loop, not
+        recursion: answers that complete at once (local ones) would nest a few stack frames per
+        queued request."""
+        if self._serving_queue:
+            return  # an answer completed inside the loop below: it goes on from there
+        assert self.valve is not None
+        self._serving_queue = True
+        try:
+            while (
+                self._active is None
+                and self._waiting
+                and not self._output_paused
+                and not self._closed
+            ):
+                nxt = self._waiting.popleft()
+                if not self._waiting:
+                    self.valve.open("pipelined")
+                self._serve(nxt)
+        finally:
+            self._serving_queue = False
+        if self._active is None and not self._waiting and not self._closed:
             self.valve.open("pipelined")
             if self._parsing is None:
                 self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
@@ -755,10 +921,22 @@ class Downstream(Protocol):
             self._closing()
 
     def _closing(self) -> None:
-        assert self.transport is not None
+        """Close once the unsent output is out. Our producer is unregistered first: Twisted's TLS
+        layer does not even start to close while a producer is registered, and TCP, when it has
+        paused one, resumes it instead of closing. Then reading resumes, whatever paused it
+        (routing, pipelining, full output): TLS must read the client's answer to its close
+        (dataReceived drops anything else). The sweep aborts a close that does not finish
+        (output that does not move, or a TLS peer that never answers the close) within
+        ``send_timeout``."""
+        assert self.transport is not None and self.valve is not None
+        first = not self._closed
         self._closed = True
         self._disarm()
+        self.transport.unregisterProducer()  # type: ignore[attr-defined]
         self.transport.loseConnection()
+        self.valve.open_all()
+        if first and not self._output_paused:
+            self._watch_send()  # (a paused client's clock is already running)
 
     def _reject(self, status: int, reason: str) -> None:
         """A request we will not forward: answer once, if we still can, and close."""
@@ -838,6 +1016,8 @@ class Downstream(Protocol):
 
     def check_deadlines(self, now: float) -> None:
         """Called by the factory's sweep: fire whichever deadline has passed."""
+        if self._output_paused or self._closed:
+            self._check_send(now)
         if self._body_deadline is not None and now >= self._body_deadline:
             self._body_deadline = None
             self._body_timed_out()
@@ -848,6 +1028,11 @@ class Downstream(Protocol):
                 action()
 
     def _header_timed_out(self) -> None:
+        if self._output_paused:
+            # We stopped reading (the client's output is full), so the head cannot be complete:
+            # not the client's delay; the send timeout governs a client that does not read.
+            self._arm(self.cfg.header_timeout, self._header_timed_out)
+            return
         if self._parsing is not None:
             _rejected.labels("408").inc()
             assert self.transport is not None
@@ -865,6 +1050,81 @@ class Downstream(Protocol):
             "upstream for {host} did not answer in time", host=ex.head.host if ex.head else "?"
         )
         self._answer_locally(ex, plain(504, "504 Gateway Timeout", label="timeout"))
+
+    # -- the client's output: backpressure and the send timeout ----------------------------------
+
+    def pauseProducing(self) -> None:
+        """The transport has more than its high-water mark unsent (called on every write while
+        it has): make nothing more for this client until it has read it."""
+        if self._output_paused or self._closed:
+            return
+        self._output_paused = True
+        _output_paused.inc()
+        _output_pauses.inc()
+        self._watch_send()
+        if not self._spliced:
+            assert self.valve is not None
+            self.valve.close("output")  # no more requests (the rest of this read still parses)
+        ex = self._active
+        if ex is not None and ex.response_started:
+            # (An answer not yet started is still read up to its head, which pauses it then:
+            # the upstream timeout is the space's time to answer, not the client's to read.)
+            self._pause_upstream(ex)
+
+    def resumeProducing(self) -> None:
+        """Everything unsent went out: carry on where pauseProducing stopped."""
+        if not self._output_paused:
+            return
+        self._output_paused = False
+        _output_paused.dec()
+        ex = self._active
+        if ex is not None and ex.upstream is not None and ex.upstream.valve is not None:
+            ex.upstream.valve.open(Valve.PEER_FULL)
+        assert self.valve is not None
+        self.valve.open("output")
+        if self._active is None and self._waiting and not self._closed:
+            self._serve_waiting()
+
+    def stopProducing(self) -> None:
+        """The transport is going away; connectionLost does the cleanup."""
+
+    def _pause_upstream(self, ex: Exchange) -> None:
+        if ex.upstream is not None and ex.upstream.valve is not None:
+            ex.upstream.valve.close(Valve.PEER_FULL)
+
+    def _watch_send(self) -> None:
+        """Start timing the unsent output (a pause, or a close): it must keep moving."""
+        self._send_moved_at = self.proxy.reactor.seconds()
+        self._send_buffered = None
+
+    def _check_send(self, now: float) -> None:
+        """Abort the connection if its unsent output has not moved for ``send_timeout``: a
+        client that stopped reading would otherwise hold it, its space connection and the
+        buffered bytes forever (nginx: send_timeout)."""
+        buffered = buffered_output(self.transport)
+        if buffered is not None and buffered != self._send_buffered:
+            self._send_buffered = buffered
+            self._send_moved_at = now
+            return
+        if now - self._send_moved_at < self.cfg.send_timeout:
+            return
+        _send_timeouts.inc()
+        if buffered == 0:
+            # Everything went out; what is missing is the client's answer to our TLS close.
+            what = "did not answer our close"
+        else:
+            unsent = "?" if buffered is None else str(buffered)
+            what = f"read nothing ({unsent} bytes unsent{', closing' if self._closed else ''})"
+        _log.info(
+            "client {client} {what} for {seconds:.1f}s: aborting its connection"
+            " (LCHAT_SEND_TIMEOUT)",
+            client=self._client,
+            what=what,
+            seconds=now - self._send_moved_at,
+        )
+        self._send_moved_at = now  # the abort completes in a moment; not twice meanwhile
+        assert self.transport is not None
+        self.transport.abortConnection()  # type: ignore[attr-defined]
 
 
 class ProxyFactory(Factory):
@@ -894,7 +1154,10 @@ class ProxyFactory(Factory):
         # Deadlines are checked a few times per shortest timeout; the sweep runs only while
         # there are connections, so an idle router (or a finished test) has no pending call.
         shortest = min(
-            self.cfg.header_timeout, self.cfg.keepalive_timeout, self.cfg.upstream_timeout
+            self.cfg.header_timeout,
+            self.cfg.keepalive_timeout,
+            self.cfg.upstream_timeout,
+            self.cfg.send_timeout,
         )
         self._tick = min(0.5, shortest / 5)
         self._sweep: LoopingCall | None = None

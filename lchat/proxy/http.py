@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from http import HTTPStatus
 
+from twisted.internet.abstract import FileDescriptor
 from twisted.internet.interfaces import IPushProducer, ITransport
+from twisted.protocols.tls import TLSMemoryBIOProtocol
 from zope.interface import implementer
 
 Header = tuple[bytes, bytes]
@@ -22,8 +24,12 @@ HOP_BY_HOP = frozenset(
         b"proxy-connection",
     }
 )
-# Read to classify a request, never passed to a space (DESIGN.md §4).
-INTERNAL = frozenset({b"x-lchat-sidecar", b"x-lchat-mesh-forwarded"})
+# On a 503 a box made itself, instead of processing a request a mesh peer forwarded, because it
+# is stopping: the peer may send the request elsewhere (lchat.mesh.routing, DESIGN.md §9).
+REFUSED = b"x-lchat-refused"
+# Read to classify a request, never passed to a space (DESIGN.md §4); dropped from every space's
+# and peer's response too, so that neither a space nor a client ever sees or forges one.
+INTERNAL = frozenset({b"x-lchat-sidecar", b"x-lchat-mesh-forwarded", REFUSED})
 # We set these ourselves on the way to a space (and a client's own Forwarded is not believed).
 FORWARDING = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
 # Names a CGI/WSGI-style server would read as one of the above once '_' becomes '-' (as nginx
@@ -101,6 +107,34 @@ def simple_response(
     return head_bytes(status_line(status), all_headers) + body
 
 
+def buffered_output(transport: object) -> int | None:
+    """Bytes written to ``transport`` and not yet taken by the kernel, or None if it cannot tell.
+
+    Twisted has no public API for this, so it reads the private buffers of the transports the
+    router uses: a ``FileDescriptor`` (TCP, unix) keeps ``dataBuffer`` from ``offset`` on plus
+    ``_tempDataLen`` bytes; TLS (``TLSMemoryBIOProtocol``) adds its small-write aggregator and
+    pending application writes to the TCP transport beneath it. For the deadline sweep only (a few
+    attribute reads), never the per-request path; tests/test_proxy_adversarial.py pins it against
+    the Twisted in use (a renamed attribute makes it None: the send timeout then counts from the
+    pause or close instead of the last byte that moved).
+    """
+    total = 0
+    try:
+        if isinstance(transport, TLSMemoryBIOProtocol):
+            # (Checked first: a protocol wrapper forwards unknown attributes to the transport
+            # beneath, so dataBuffer would be found there and TLS's own buffers missed.)
+            total += sum(map(len, transport._appSendBuffer))
+            aggregator = getattr(transport, "_aggregator", None)
+            total += sum(map(len, getattr(aggregator, "_buffer", ())))
+            transport = transport.transport
+        if isinstance(transport, FileDescriptor):
+            unsent = len(transport.dataBuffer) - transport.offset
+            return total + unsent + transport._tempDataLen
+    except AttributeError:
+        pass
+    return None
+
+
 @implementer(IPushProducer)
 class Valve:
     """Pauses one transport's reading for any number of independent reasons.
@@ -132,6 +166,14 @@ class Valve:
         self._reasons.discard(reason)
         if not self._reasons and getattr(self._transport, "connected", True):
             self._transport.resumeProducing()  # type: ignore[attr-defined]
+
+    def open_all(self) -> None:
+        """Read again, whatever the reasons were: the connection is closing (TLS must read the
+        peer's answer to its close; TCP, once closing, reads nothing anyway)."""
+        if self._reasons:
+            self._reasons.clear()
+            if getattr(self._transport, "connected", True):
+                self._transport.resumeProducing()  # type: ignore[attr-defined]
 
     # IPushProducer, as seen by the peer transport we are registered on
     def pauseProducing(self) -> None:
