@@ -20,12 +20,20 @@ database stays as the warm cache, with a marker recording the txid it matches in
 Failure is the wake path: a child that dies, a lost lease, a failed flush — the entry stands down
 and the next request wakes it again. A lost lease stops the child at once and writes nothing more;
 its local database is moved aside (another box may have written since), so the next wake restores.
+
+A bucket that forgets (docs/hibernation.md, "When the bucket forgets"): a lock that vanishes while
+awake is re-taken and the replica re-seeded from the local database (the keeper's
+``verify_retake``, the replicator's ``recheck``), and a wake never restores a bucket state older
+than a local copy it can date — the live file's clean-sleep marker, or the record kept beside a
+moved-aside copy: it wakes from that copy (an empty or unrestorable bucket) or refuses (503
+``diverged``, with recovery steps in the log) rather than start empty or older.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -54,8 +62,8 @@ from lchat.deferutil import settled
 from lchat.lease import HeldLease, LeaseHeld, LeaseKeeper, acquire
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.registry import Route, RouteSource, RouteTable
-from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
-from lchat.replica.restore import RestoreError, replica_files, restore
+from lchat.replica.replicator import INTERVALS, RESEEDS, Replicator, ReplicatorStopped
+from lchat.replica.restore import RestoreError, plan_files, replica_files, restore
 from lchat.router import RETRY_AFTER_SECONDS, Header, LocalResponse, LocalSocket, Target, plain
 from lchat.supervise import ChildSpec, NotReady, RunningChild, SpawnError, Supervisor, spawn
 from lchat.units import EnvFileError, space_env
@@ -98,6 +106,7 @@ _PUBLIC = {
     "spawn": "{host} could not start",
     "not_ready": "{host} could not start",
     "bucket": "{host} cannot wake while storage is unreachable",
+    "diverged": "{host} cannot wake until an operator checks its storage",
 }
 # 503s that mean "this box is stopping, and the request was never acted on": while the router
 # drains, a request refused for one of these is marked (LocalResponse.refusal) so that a mesh peer
@@ -448,13 +457,15 @@ class Activator(Service):
             lease,
             lambda why: self._lease_lost(space, why),
             renew_every=self._renew_every,
+            verify_retake=lambda held: self._lease_retaken(space, held),
         )
         space.keeper.start()
         timings["lease"] = clock() - t
         _log.info("activator: {host} waking (lease acquired)", host=host, reason=space.reason)
 
         t = clock()
-        listing, resume = await self._prepare_db(space)
+        plan = await self._prepare_db(space)
+        listing, resume = plan.listing, plan.resume
         timings["restore"] = clock() - t
 
         if resume is not None:
@@ -496,7 +507,7 @@ class Activator(Service):
         if resume is None:
             # A new database (the space created it) or one of unknown lineage: snapshot.
             t = clock()
-            await self._start_replication(space, listing, None)
+            await self._start_replication(space, listing, None, plan.floor)
             timings["replicate"] = clock() - t
         return timings
 
@@ -524,7 +535,11 @@ class Activator(Service):
             await deferLater(self._reactor, 0.1, lambda: None)
 
     async def _start_replication(
-        self, space: _Space, listing: Sequence[ObjectInfo] | None, resume: int | None
+        self,
+        space: _Space,
+        listing: Sequence[ObjectInfo] | None,
+        resume: int | None,
+        floor: int = 0,
     ) -> None:
         space.replicator = Replicator(
             self._reactor,
@@ -536,7 +551,7 @@ class Activator(Service):
             **self._replicator_options,
         )
         try:
-            await space.replicator.start(listing, resume_txid=resume)
+            await space.replicator.start(listing, resume_txid=resume, txid_floor=floor)
         except (ObjectStoreError, ReplicatorStopped) as e:
             raise WakeFailed(space.host, "bucket", f"replication could not start: {e}") from e
         space.replicating = True
@@ -563,10 +578,12 @@ class Activator(Service):
             await deferLater(self._reactor, delay, lambda: None)
         raise AssertionError("unreachable")
 
-    async def _prepare_db(self, space: _Space) -> tuple[Sequence[ObjectInfo] | None, int | None]:
-        """Restore the database unless the local copy is current. Returns the LIST of the replica
-        when one was made (the replicator reuses it), and the txid the local database is known
-        to match (then replication resumes instead of snapshotting)."""
+    async def _prepare_db(self, space: _Space) -> _DBPlan:
+        """Restore the database unless a local copy must be used (docs/hibernation.md, "Waking"
+        and "When the bucket forgets"). The plan carries the LIST of the replica when one was
+        made (the replicator reuses it), the txid the local database is known to match (then
+        replication resumes instead of snapshotting), and the txid replication must continue
+        above (a re-seed from a local copy of a known txid)."""
         host = space.host
         path = self._replica_path(host)
         local = await self._run(lambda: _local_state(space.db))
@@ -576,24 +593,44 @@ class Activator(Service):
             # copy — on one box nobody else can have written since, and in a mesh the lease we
             # just took back was still our own (nobody held it in between).
             _log.info("activator: {host} restored: local db present, skipping restore", host=host)
-            return None, None
+            return _DBPlan(None)
         try:
             listing = await self._store.list(path + "/")
         except ObjectStoreError as e:
             if local.present:
                 raise WakeFailed(host, "bucket", f"the bucket is unavailable: {e}") from e
             raise WakeFailed(host, "bucket", f"cold wake needs the bucket: {e}") from e
-        newest = max((f.max_txid for f in replica_files(list(listing))), default=0)
+        bucket = _judge_bucket(listing)
+        newest = bucket.newest
         if local.present and local.marker_txid is None and newest == 0:
             # A mesh box's unvouched copy, but the bucket has nothing: it is all there is.
             _log.info("activator: {host} restored: local db present, skipping restore", host=host)
-            return listing, None
-        if local.present:
-            if local.marker_txid == newest:
+            return _DBPlan(listing)
+        if local.present and local.marker_txid is not None:
+            mine = local.marker_txid
+            if mine == newest:
                 _log.info(
                     "activator: {host} restored: local db present, skipping restore", host=host
                 )
-                return listing, newest or None
+                return _DBPlan(listing, resume=newest or None)
+            if bucket.lost_everything_up_to(mine):
+                # Slept here cleanly at txid `mine`, and the bucket has none of it (or only files
+                # that restore to nothing): the bucket forgot. The local file is the space.
+                self._bucket_forgot(host, space.db, mine, bucket, moved_back=False)
+                return _DBPlan(listing, floor=mine)
+            if newest < mine or not bucket.restorable:
+                raise self._diverged(host, space.db, mine, bucket, live=True)
+            # The bucket moved on past the local copy (another box served it): restore below.
+        if local.present:
+            if not bucket.restorable:
+                _log.error(
+                    "activator: {host} restore failed: {error}; the local db {db} (txid "
+                    "unknown) is kept where it is",
+                    host=host,
+                    error=bucket.error,
+                    db=space.db,
+                )
+                raise WakeFailed(host, "restore", f"restore failed: {bucket.error}")
             aside = await self._run(lambda: _move_aside(space.db, "stale"))
             _log.warn(
                 "activator: {host}: local db matches txid {mine}, the bucket has {newest}: "
@@ -603,9 +640,26 @@ class Activator(Service):
                 newest=newest,
                 aside=aside,
             )
+        else:
+            # No local file. A copy this box moved aside must not lose to an emptier bucket.
+            asides = await self._run(lambda: _moved_aside(space.db))
+            dated = [a for a in asides if a.txid is not None]
+            best = max(dated, key=lambda a: (a.txid or 0, a.path)) if dated else None
+            if best is not None and best.txid:
+                if bucket.lost_everything_up_to(best.txid):
+                    await self._run(lambda: _move_back(best.path, space.db))
+                    self._bucket_forgot(host, best.path, best.txid, bucket, moved_back=True)
+                    return _DBPlan(listing, floor=best.txid)
+                if bucket.restorable and newest < best.txid:
+                    raise self._diverged(host, best.path, best.txid, bucket, live=False)
+            if newest == 0 and asides:
+                # Copies whose txid nobody recorded (an older router, or lost before
+                # replicating): whether they hold the space cannot be told, and an empty start
+                # would hide them. An operator decides.
+                raise self._diverged(host, asides[0].path, None, bucket, live=False)
         if newest == 0:
             _log.info("activator: {host} restored: no replica yet, starting empty", host=host)
-            return listing, None
+            return _DBPlan(listing)
         try:
             result = await restore(self._store, path, space.db)
         except (RestoreError, ObjectStoreError) as e:
@@ -614,7 +668,69 @@ class Activator(Service):
         _log.info(
             "activator: {host} restored: {result}", host=host, result=_describe_restore(result)
         )
-        return listing, result.txid
+        return _DBPlan(listing, resume=result.txid)
+
+    def _bucket_forgot(
+        self, host: str, copy: str, txid: int, bucket: _Bucket, *, moved_back: bool
+    ) -> None:
+        RESEEDS.labels("wake").inc()
+        _log.error(
+            "activator: {host}: THE BUCKET LOST DATA: it has {what}, but {copy} holds txid "
+            "{txid}{moved}: waking from that copy and re-seeding the bucket from it (a snapshot "
+            "at txid {next}). Find out why the bucket forgot.",
+            host=host,
+            what=bucket.describe(),
+            copy=copy,
+            txid=txid,
+            moved=" (moved back into place)" if moved_back else "",
+            next=txid + 1,
+        )
+
+    def _diverged(
+        self, host: str, copy: str, txid: int | None, bucket: _Bucket, *, live: bool
+    ) -> WakeFailed:
+        """A local copy and the bucket that cannot both be right: refuse, keep both, and say in
+        the log how to choose (nothing here can tell which one holds the writes that matter)."""
+        db = hosts.db_path(self._cfg.data_dir, host) if not live else copy
+        if live:
+            keep_copy = f"rm {db}{MARKER_SUFFIX}"
+            keep_bucket = f"mv {db} {db}.kept (with its -wal, and rm {db}{MARKER_SUFFIX})"
+        else:
+            keep_copy = f"mv {copy} {db} (with its -wal), then rm {copy}{MARKER_SUFFIX}"
+            keep_bucket = f"mv {copy} {copy}.kept (and its -wal and {MARKER_SUFFIX} files)"
+        dated = f"txid {txid}" if txid is not None else "a txid nobody recorded"
+        _log.error(
+            "activator: {host} not woken: the bucket has {what}, but {copy} holds {dated}: the "
+            "bucket lost files, or the space was started afresh elsewhere. Refusing to wake so "
+            "that neither copy is lost. To serve that copy (and re-seed the bucket from it): "
+            "{keep_copy}. To serve the bucket's copy instead: {keep_bucket}. Then wake it "
+            "again (POST /wake?host={host}).",
+            host=host,
+            what=bucket.describe(),
+            copy=copy,
+            dated=dated,
+            keep_copy=keep_copy,
+            keep_bucket=keep_bucket,
+        )
+        return WakeFailed(
+            host, "diverged", f"{copy} ({dated}) and the bucket ({bucket.describe()})"
+        )
+
+    async def _lease_retaken(self, space: _Space, held: HeldLease) -> bool:
+        """The keeper re-took the space's lock after it vanished from the bucket: is the replica
+        still only this box's? The replicator compares, and re-seeds what the bucket lost; False
+        (someone else wrote meanwhile) makes the keeper report a takeover."""
+        space.lease = held
+        _log.error(
+            "activator: {host}: its lease vanished from the bucket while awake here; re-took it "
+            "(generation {generation}) and keeps serving; checking the replica",
+            host=space.host,
+            generation=held.generation,
+        )
+        replicator = space.replicator
+        if replicator is None or replicator.stopped:
+            return True  # nothing shipped under this lease yet: replication's start LISTs itself
+        return await replicator.recheck("lease")
 
     def _wake_done(self, outcome: object, space: _Space) -> None:
         host = space.host
@@ -809,7 +925,10 @@ class Activator(Service):
                 txid = space.replicator.txid
                 await self._run(lambda: _write_marker(space.db, txid))
             if space.lost is not None and _taken(space.lost):
-                aside = await self._run(lambda: _move_aside(space.db, "lease-lost"))
+                # What the copy holds at least (every txid the replicator read from it): a wake
+                # compares it with the bucket, so it is never lost to an emptier bucket.
+                dated = space.replicator.txid if space.replicating and space.replicator else None
+                aside = await self._run(lambda: _move_aside(space.db, "lease-lost", dated))
                 if aside:
                     _log.warn(
                         "activator: {host} local db moved to {aside} (lease {why}: the bucket "
@@ -902,7 +1021,9 @@ class Activator(Service):
         deadline = self._reactor.seconds() + self.budgets.flush
         delay = 0.5
         while True:
-            attempt = Deferred.fromCoroutine(space.replicator.flush())
+            # check: the last flush before sleep LISTs once, so a bucket that forgot the space
+            # is re-seeded now, not at the next wake (the bucket is then all there is off-box).
+            attempt = Deferred.fromCoroutine(space.replicator.flush(check=True))
             attempt.addTimeout(max(deadline - self._reactor.seconds(), 0.01), self._reactor)
             try:
                 await attempt
@@ -1046,6 +1167,82 @@ class _Local:
     marker_txid: int | None  # None: no marker, or the files changed since it was written
 
 
+@frozen
+class _DBPlan:
+    """What the wake's database step decided (see ``_prepare_db``)."""
+
+    listing: Sequence[ObjectInfo] | None
+    resume: int | None = None  # the local database is exactly this txid of the bucket's
+    floor: int = 0  # replication's txids continue above this
+
+
+@frozen
+class _Bucket:
+    """The replica as one LIST shows it."""
+
+    newest: int  # the highest txid of any file (0: none)
+    restorable: bool  # a restore reaches ``newest`` (a snapshot, no gap)
+    error: str = ""  # why not
+
+    def lost_everything_up_to(self, txid: int) -> bool:
+        """Nothing here that a copy at ``txid`` lacks: no files, or files that restore to
+        nothing and reach no further (a forgetful bucket's stray incrementals)."""
+        return self.newest == 0 or (not self.restorable and self.newest <= txid)
+
+    def describe(self) -> str:
+        if self.newest == 0:
+            return "no replica files"
+        if not self.restorable:
+            return f"files up to txid {self.newest} that cannot be restored ({self.error})"
+        return f"txid {self.newest}"
+
+
+def _judge_bucket(listing: Sequence[ObjectInfo]) -> _Bucket:
+    files = replica_files(list(listing))
+    newest = max((f.max_txid for f in files), default=0)
+    if newest == 0:
+        return _Bucket(0, True)
+    try:
+        reached = plan_files(files)[-1].max_txid
+    except RestoreError as e:
+        return _Bucket(newest, False, str(e))
+    return _Bucket(newest, reached == newest, "" if reached == newest else "files beyond a gap")
+
+
+@frozen
+class _Aside:
+    path: str  # <db>.stale-<stamp> or <db>.lease-lost-<stamp>
+    txid: int | None  # what it holds at least, from its record (None: unrecorded or changed)
+
+
+_ASIDE_NAME = re.compile(r"\.(?:stale|lease-lost)-\d{8}T\d{6}")
+
+
+def _moved_aside(db: str) -> list[_Aside]:
+    """The copies of ``db`` moved aside by :func:`_move_aside`, newest name first."""
+    directory, base = os.path.split(db)
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.startswith(base) and _ASIDE_NAME.fullmatch(name[len(base) :]):
+            path = os.path.join(directory, name)
+            found.append(_Aside(path, _local_state(path).marker_txid))
+    return sorted(found, key=lambda a: a.path, reverse=True)
+
+
+def _move_back(aside: str, db: str) -> None:
+    """Put a moved-aside copy back as ``db`` (with its WAL), without its record: the wake then
+    trusts it as a local file of unknown lineage and ships a snapshot of it."""
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(aside + suffix):
+            os.replace(aside + suffix, db + suffix)
+    _remove(aside + MARKER_SUFFIX)
+    _remove(db + MARKER_SUFFIX)
+
+
 def _fingerprint(db: str) -> list[list[int] | None]:
     """What the database and its WAL look like on disk: a later write changes it."""
     out: list[list[int] | None] = []
@@ -1123,8 +1320,12 @@ def _remove(path: str) -> None:
         pass
 
 
-def _move_aside(db: str, why: str) -> str | None:
-    """Rename the database and its -wal/-shm/marker out of the way; returns the new name."""
+def _move_aside(db: str, why: str, txid: int | None = None) -> str | None:
+    """Rename the database and its -wal/-shm/marker out of the way; returns the new name.
+
+    ``txid``: the copy holds at least that state (its replicator had read that far), recorded
+    beside it in the marker's format (``<new name>-lchat.json``), so a later wake can tell
+    whether the bucket is behind it. Without it, a moved marker still dates the copy."""
     if not os.path.exists(db):
         return None
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -1132,6 +1333,8 @@ def _move_aside(db: str, why: str) -> str | None:
     for suffix in ("", "-wal", "-shm", MARKER_SUFFIX):
         if os.path.exists(db + suffix):
             os.replace(db + suffix, target + suffix)
+    if txid is not None:
+        _write_marker(target, txid)
     return target
 
 

@@ -11,6 +11,13 @@ loudly with :class:`LeaseHeld`. The bucket's conditional writes are the only arb
   successful renewal was sent, minus a safety margin. After that it never writes again.
 - :func:`release` deletes with ``If-Match`` under its own time budget and never deletes anybody
   else's lease.
+- A keeper given ``verify_retake`` that finds its lock *gone* (deleted rather than replaced: the
+  bucket forgot it, or someone deleted it by hand) does not give up: nobody has taken the lease
+  over (a takeover replaces the object, it never deletes it), so it re-creates the lock with
+  ``If-None-Match: *`` and ``generation + 1`` (writes on its behalf wait meanwhile:
+  :class:`LeaseSuspended`), then asks ``verify_retake`` whether the bucket still shows only its own
+  writes. Someone else creating the lock first, or a "no", is a takeover: the keeper releases what
+  it re-took (if anything) and reports the loss.
 
 Expiry rule (:func:`lease_expiry`): a version of ``lock.json`` may be taken over once the bucket's
 clock (``store.now()``, its ``Date``) reaches ``floor(Last-Modified) + 1 s + ceil(TTL)``, where TTL
@@ -43,7 +50,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal, cast
 
 from attrs import evolve, frozen
@@ -83,6 +90,7 @@ for _operation, _outcomes in (
     ("takeover", ("ok", "held")),
     ("renew", ("ok", "lost", "error")),
     ("release", ("ok", "lost", "error")),
+    ("retake", ("ok", "held", "error")),  # the lock vanished while held: re-created
 ):
     for _outcome in _outcomes:
         OPERATIONS.labels(_operation, _outcome)  # exported as 0 before the first event
@@ -112,6 +120,11 @@ class LeaseHeld(Exception):
 
 class LeaseLost(Exception):
     """The lease is no longer ours (taken over, gone, or not renewed in time): stand down."""
+
+
+class LeaseSuspended(Exception):
+    """The lock vanished from the bucket and the keeper is re-taking it: do not write now, try
+    again shortly. Not a loss: the keeper reports a loss through ``lost`` as always."""
 
 
 @frozen
@@ -486,7 +499,8 @@ class LeaseKeeper:
 
     ``lost(reason)`` is called exactly once, and the keeper never writes again after it, when:
 
-    - a renewal finds the lock replaced by someone else (``"taken over by <owner>"``) or gone;
+    - a renewal finds the lock replaced by someone else (``"taken over by <owner>"``) or gone
+      (``"gone"``; with ``verify_retake``, see below, only when re-taking it fails that way);
     - no renewal has succeeded for ``ttl - safety_margin`` seconds of the local monotonic clock
       since the last successful write was *sent* (``"could not renew before expiry"``): others
       may take it over from ``ttl`` (plus Last-Modified rounding) after the write, never sooner.
@@ -502,6 +516,19 @@ class LeaseKeeper:
     reactor at the deadline, so ``lost`` fires in time even then. :meth:`holds` checks the deadline
     itself, so a caller asking before each write is never told a stale yes. A renewal already sent
     when the loss is declared may still land: it only extends a lease nobody acts on any more.
+
+    ``verify_retake``: a lock found *gone* at a renewal (deleted, not replaced) is re-taken instead
+    of lost. A takeover replaces the object (``If-Match`` on an expired version); only a release,
+    a person or a bucket that forgot deletes it, so while our deadline has not passed nobody else
+    holds the lease. The keeper re-creates the lock (``If-None-Match: *``, ``generation + 1``, a
+    new ``lease_id``, dated from the first attempt) and then awaits ``verify_retake(new_lease)``:
+    the owner checks that the bucket shows nothing written by anyone else meanwhile (and re-seeds
+    what the bucket lost). From the moment the lock is found gone until that check says yes,
+    :meth:`holds` stays true but :meth:`ensure_held` raises :class:`LeaseSuspended`: writers wait.
+    The check saying no (someone took the lock while it was missing, wrote, and released it), or
+    the lock re-created by someone else first, is a takeover: the keeper releases what it re-took
+    and reports ``"taken over ..."``. A check that fails (store error) is asked again after the
+    next renewal, sooner than the usual period.
     """
 
     def __init__(
@@ -515,6 +542,7 @@ class LeaseKeeper:
         safety_margin: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         watchdog: bool | None = None,
+        verify_retake: Callable[[HeldLease], Coroutine[Any, Any, bool]] | None = None,
     ) -> None:
         ttl = lease.ttl
         self.renew_every = ttl / 3 if renew_every is None else renew_every
@@ -541,6 +569,9 @@ class LeaseKeeper:
         # Send time of the first renewal since the last confirmed one: an attempt that failed or
         # timed out may still have landed, and adopting it must not date it later than this.
         self._first_unconfirmed: float | None = None
+        self._verify_retake = verify_retake
+        self._retaking: HeldLease | None = None  # the lock being re-created after it vanished
+        self._unverified = False  # re-taken; verify_retake has not said yes yet
         self._started = False
         self._stopped = False
         self.lost_reason: str | None = None
@@ -562,6 +593,11 @@ class LeaseKeeper:
         """A renewal is in flight."""
         return self._inflight is not None
 
+    @property
+    def suspended(self) -> bool:
+        """The lock vanished and is being re-taken (or the bucket checked): writes must wait."""
+        return self._retaking is not None or self._unverified
+
     def holds(self) -> bool:
         """True while the lease is ours: not lost, not stopped, and before the deadline."""
         if self.lost_reason is not None or self._stopped:
@@ -572,9 +608,12 @@ class LeaseKeeper:
         return True
 
     def ensure_held(self) -> None:
-        """Raise :class:`LeaseLost` unless :meth:`holds`. Call before writing on the lease's behalf."""
+        """Raise :class:`LeaseLost` unless :meth:`holds`, :class:`LeaseSuspended` while the lock is
+        being re-taken. Call before writing on the lease's behalf."""
         if not self.holds():
             raise LeaseLost(self.lost_reason or "lease keeper stopped")
+        if self.suspended:
+            raise LeaseSuspended(f"lease {self._lease.host}: being re-taken after it vanished")
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -625,6 +664,8 @@ class LeaseKeeper:
     async def _renew(self) -> bool:
         if not self.holds():
             return False
+        if self._retaking is not None:
+            return await self._retake()
         lease = self._lease
         sent = self._monotonic()
         if self._first_unconfirmed is None:
@@ -646,7 +687,7 @@ class LeaseKeeper:
         except PreconditionFailed:
             return await self._after_precondition_failed(lease, now)
         except NotFound:
-            return self._fail_for_good(lease, "gone")
+            return await self._gone(lease)
         except defer.TimeoutError:
             return self._retry_later(lease, f"no answer within {self.renew_every / 2:.1f}s")
         except ObjectStoreError as e:
@@ -656,6 +697,8 @@ class LeaseKeeper:
         if self._lease is not lease or not self.holds():
             return False  # lost meanwhile: we do not get to believe this write
         self._renewed(evolve(lease, etag=put.etag, bucket_time=now, written_at=sent))
+        if self._unverified:
+            return await self._verify(self._lease)
         return True
 
     async def _after_precondition_failed(self, lease: HeldLease, now: datetime.datetime) -> bool:
@@ -667,7 +710,7 @@ class LeaseKeeper:
         except CancelledError:
             return False
         if current is None:
-            return self._fail_for_good(lease, "gone")
+            return await self._gone(lease)
         record = LeaseRecord.parse(current.body)
         if record.lease_id != lease.lease_id:
             return self._fail_for_good(lease, f"taken over by {record.owner}")
@@ -676,34 +719,166 @@ class LeaseKeeper:
         if self._lease is not lease or sent is None or not self.holds():
             return False
         self._renewed(evolve(lease, etag=current.info.etag, bucket_time=now, written_at=sent))
+        if self._unverified:
+            return await self._verify(self._lease)
         return True
 
     def _renewed(self, lease: HeldLease) -> None:
+        log.debug("lease {host}: renewed", host=lease.host)
+        OPERATIONS.labels("renew", "ok").inc()
+        self._adopt(lease)
+
+    def _adopt(self, lease: HeldLease) -> None:
+        """``lease`` is what we hold now, as of a confirmed write: the deadline counts from it."""
         self._lease = lease
         self._first_unconfirmed = None
         self._backoff = self._initial_backoff
-        log.debug("lease {host}: renewed", host=lease.host)
-        OPERATIONS.labels("renew", "ok").inc()
         if self._stopped:
             return
         self._arm_deadline()
         self._schedule_renew(lease.written_at + self.renew_every - self._monotonic())
+
+    # -- the lock vanished (verify_retake) -----------------------------------------------------
+
+    async def _gone(self, lease: HeldLease) -> bool:
+        """Our lock is not there any more (not replaced: deleted). Re-take it, or report it."""
+        if self._verify_retake is None:
+            return self._fail_for_good(lease, "gone")
+        if self._lease is not lease or not self.holds():
+            return False
+        sent = self._monotonic()
+        now = lease.bucket_time + datetime.timedelta(seconds=max(0.0, sent - lease.written_at))
+        # One lease_id for every attempt: a create whose answer was lost is recognised as ours.
+        # Dated from this first attempt: whichever attempt lands, none was sent before it.
+        self._retaking = evolve(
+            lease,
+            generation=lease.generation + 1,
+            lease_id=uuid.uuid4().hex,
+            etag="",
+            acquired_at=now,
+            bucket_time=now,
+            written_at=sent,
+            took_over_from=None,
+        )
+        log.error(
+            "lease {host}: the lock vanished from the bucket while this box held it (generation "
+            "{generation}); a takeover replaces it, never deletes it, so nobody else holds the "
+            "lease: re-taking it. Did the bucket lose data? Writes wait meanwhile.",
+            host=lease.host,
+            generation=lease.generation,
+        )
+        return await self._retake()
+
+    async def _retake(self) -> bool:
+        new, old = self._retaking, self._lease
+        assert new is not None
+        if not self.holds():
+            return False
+        now = new.bucket_time + datetime.timedelta(
+            seconds=max(0.0, self._monotonic() - new.written_at)
+        )
+        attempt = Deferred.fromCoroutine(
+            self._store.put(
+                new.key,
+                new.record(now).to_json(),
+                if_none_match=True,
+                content_type="application/json",
+            )
+        )
+        attempt.addTimeout(self.renew_every / 2, self._reactor)
+        try:
+            etag = (await attempt).etag
+        except PreconditionFailed:
+            try:
+                current = await _read(self._store, new.key)
+            except ObjectStoreError as e:
+                return self._retry_later(old, f"{type(e).__name__}: {e}", "retake")
+            except CancelledError:
+                return False
+            if current is None:
+                return self._retry_later(old, "the lock vanished again", "retake")
+            record = LeaseRecord.parse(current.body)
+            if record.lease_id != new.lease_id:
+                OPERATIONS.labels("retake", "held").inc()
+                self._retaking = None
+                return self._fail_for_good(
+                    old, f"taken over by {record.owner} (it took the lock after ours vanished)"
+                )
+            etag = current.info.etag  # one of our attempts landed unseen
+        except defer.TimeoutError:
+            return self._retry_later(old, f"no answer within {self.renew_every / 2:.1f}s", "retake")
+        except ObjectStoreError as e:
+            return self._retry_later(old, f"{type(e).__name__}: {e}", "retake")
+        except CancelledError:
+            return False  # stopped
+        if self._lease is not old or self._retaking is not new or not self.holds():
+            return False
+        self._retaking = None
+        self._unverified = True
+        OPERATIONS.labels("retake", "ok").inc()
+        log.error(
+            "lease {host}: re-taken after it vanished (generation {generation}); checking the "
+            "bucket before writing again",
+            host=new.host,
+            generation=new.generation,
+        )
+        self._adopt(evolve(new, etag=etag))
+        return await self._verify(self._lease)
+
+    async def _verify(self, lease: HeldLease) -> bool:
+        """Ask ``verify_retake`` about the lease we re-took; see the class docstring."""
+        assert self._verify_retake is not None
+        check: Deferred[bool] = Deferred.fromCoroutine(self._verify_retake(lease))
+        check.addTimeout(self.renew_every / 2, self._reactor)
+        try:
+            ok = await check
+        except Exception as e:
+            if self._stopped or self.lost_reason is not None:
+                return False
+            why = "no answer in time" if isinstance(e, defer.TimeoutError | CancelledError) else e
+            delay = self._backoff
+            self._backoff = min(self._backoff * 2, self._max_backoff)
+            log.warn(
+                "lease {host}: re-taken, but checking the bucket failed ({error}); asking again "
+                "in {delay:.1f}s (writes wait)",
+                host=lease.host,
+                error=why,
+                delay=delay,
+            )
+            # The next renewal asks again (a failed check must not wait a whole period).
+            self._schedule_renew(delay)
+            return False
+        if self._lease is not lease or not self.holds():
+            return False
+        if ok:
+            self._unverified = False
+            log.warn(
+                "lease {host}: re-taken and the bucket checked: writing again", host=lease.host
+            )
+            return True
+        # Someone else wrote while the lock was missing: the space is theirs. Give the lock back.
+        OPERATIONS.labels("retake", "held").inc()
+        await release(self._reactor, self._store, lease, min(10.0, self.renew_every / 2))
+        return self._fail_for_good(
+            lease, "taken over (another writer wrote the replica while the lock was missing)"
+        )
 
     def _fail_for_good(self, lease: HeldLease, why: str) -> bool:
         if self._lease is lease:
             self._lose(why)
         return False
 
-    def _retry_later(self, lease: HeldLease, error: str) -> bool:
-        OPERATIONS.labels("renew", "error").inc()
+    def _retry_later(self, lease: HeldLease, error: str, operation: str = "renew") -> bool:
+        OPERATIONS.labels(operation, "error").inc()
         if self._lease is not lease or not self.holds():
             return False
         delay = min(self._backoff, max(0.0, self.deadline - self._monotonic()))
         self._backoff = min(self._backoff * 2, self._max_backoff)
         log.warn(
-            "lease {host}: renewal failed ({error}); retrying in {delay:.1f}s, "
+            "lease {host}: {what} failed ({error}); retrying in {delay:.1f}s, "
             "{left:.1f}s before standing down",
             host=lease.host,
+            what="renewal" if operation == "renew" else "re-taking the vanished lock",
             error=error,
             delay=delay,
             left=self.deadline - self._monotonic(),

@@ -702,6 +702,65 @@ class KeeperTimingTests(TestCase):
         with self.assertRaises(NotFound):
             await self.store.head(KEY)  # and the keeper did not recreate it
 
+    async def test_a_vanished_lock_is_retaken_and_writes_wait_for_the_check(self) -> None:
+        """With ``verify_retake``, a lock that vanished is created again (generation + 1); until
+        the check says yes, ``ensure_held`` tells writers to wait; a failed check is asked again
+        after a short backoff, not a whole period."""
+        held = await self.held()
+        lost = Lost()
+        answers: list[Any] = [StoreUnavailable("the LIST failed"), True]
+        asked: list[HeldLease] = []
+
+        async def verify(new: HeldLease) -> bool:
+            asked.append(new)
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return bool(answer)
+
+        keeper = self.keeper(held, lost, verify_retake=verify)
+        retaken = metric("retake", "ok")
+        await self.store.delete(KEY)  # the bucket forgot it
+        await self.step(keeper, keeper.renew_every)
+        self.assertEqual(lost.calls, [])
+        self.assertEqual(metric("retake", "ok"), retaken + 1)
+        _, record = await read_record(self.store)
+        self.assertEqual((record.generation, record.owner), (2, "box-a"))
+        self.assertNotEqual(record.lease_id, held.lease_id)
+        self.assertEqual([a.lease_id for a in asked], [record.lease_id])
+        self.assertTrue(keeper.holds())
+        self.assertTrue(keeper.suspended)
+        with self.assertRaises(lease.LeaseSuspended):
+            keeper.ensure_held()
+        await self.step(keeper, 1.0)  # the backoff (a tenth of the period at most), not 10 s
+        self.assertEqual(len(asked), 2)
+        self.assertFalse(keeper.suspended)
+        keeper.ensure_held()
+        self.assertEqual(keeper.lease.generation, 2)
+        self.assertEqual(lost.calls, [])
+        # And it is an ordinary lease again: renewed, then released.
+        await self.step(keeper, keeper.renew_every)
+        self.assertEqual((await self.store.head(KEY)).etag, keeper.lease.etag)
+        self.assertTrue(await keeper.release(5.0))
+        with self.assertRaises(NotFound):
+            await self.store.head(KEY)
+
+    async def test_a_vanished_lock_someone_else_wrote_under_is_a_takeover(self) -> None:
+        held = await self.held()
+        lost = Lost()
+
+        async def verify(new: HeldLease) -> bool:
+            return False  # files another writer wrote appeared meanwhile
+
+        keeper = self.keeper(held, lost, verify_retake=verify)
+        await self.store.delete(KEY)
+        await self.step(keeper, keeper.renew_every)
+        self.assertEqual(len(lost.calls), 1)
+        self.assertTrue(lost.reasons[0].startswith("taken over"), lost.reasons)
+        with self.assertRaises(NotFound):
+            await self.store.head(KEY)  # what it re-took, it gave back
+        self.assertFalse(keeper.holds())
+
     async def test_a_renewal_that_landed_unseen_is_ours(self) -> None:
         """A write of ours whose answer was lost (the next If-Match fails against it) is
         recognised by its lease_id, for renewal and for release."""

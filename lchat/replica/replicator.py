@@ -15,9 +15,21 @@ leaves it queued for the next sync (nothing newer is read meanwhile, and no chec
 WAL — held by our read transaction — keeps everything). Before every upload the lease is checked;
 once it is lost we stop for good and never write again.
 
-Txids count uploaded files, as Litestream's do. At start we LIST ``<path>/`` once (never again) to
-continue after the highest txid there, then snapshot: we cannot know whether our WAL continues
-whatever wrote those files.
+Txids count uploaded files, as Litestream's do. At start we LIST ``<path>/`` once to continue
+after the highest txid there, then snapshot: we cannot know whether our WAL continues whatever
+wrote those files (a caller that vouches for the database resumes instead, if the files there
+restore to exactly its txid).
+
+A bucket that forgets (the store restarted empty, the prefix deleted, a lifecycle rule) must never
+be left with incrementals that have no snapshot under them, yet steady state must not pay a LIST
+per upload. So the replica is checked (one LIST, compared with the files we know we wrote) only
+when something says the bucket may have changed under us: after any failed write (a store that
+restarts fails first), when the lease finds its lock vanished (:meth:`recheck`, from the keeper's
+``verify_retake``), and before the final flush at sleep (``flush(check=True)``). If files we wrote
+are missing, the queue is dropped (a snapshot covers it) and the next upload is a level-9 snapshot
+of the local database at a txid above everything seen, then retention deletes the leftovers: the
+bucket is *re-seeded* (``lchat_replica_reseeds_total``). Until such a check runs, incrementals may
+land in a forgotten prefix; the lease renewal bounds that to a third of the lease TTL.
 
 Maintenance (Litestream 0.5's levels, see :mod:`lchat.replica.compact`) runs on the ticks, under the
 same lock, from the in-memory list of files we know are in the bucket (the start LIST plus what we
@@ -46,7 +58,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
-from lchat.lease import LeaseKeeper, LeaseLost
+from lchat.lease import LeaseKeeper, LeaseLost, LeaseSuspended
 from lchat.objstore import UTC, ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.replica import compact as _compact
 from lchat.replica import ltx, wal
@@ -54,7 +66,10 @@ from lchat.replica.db import ReplicaDB
 from lchat.replica.restore import (
     SNAPSHOT_LEVEL,
     TIMESTAMP_METADATA,
+    ReplicaFile,
+    RestoreError,
     parse_timestamp,
+    plan_files,
     replica_files,
 )
 from lchat.replica.wal import Segment, WALPosition, WALReset, WALRewritten
@@ -67,6 +82,17 @@ _uploads = Counter(
     "lchat_replica_uploads_total", "LTX uploads by level and outcome", ["level", "outcome"]
 )
 _bytes = Counter("lchat_replica_bytes_total", "LTX bytes uploaded")
+RESEEDS = Counter(
+    "lchat_replica_reseeds_total",
+    "Snapshots shipped because the bucket lost replica files (the bucket lost data), by what "
+    "noticed it",
+    ["trigger"],
+)
+# lease: the lease's lock vanished and was re-taken; write_error: a check after a failed write;
+# flush: the check before the final flush at sleep; start: a replicator told to resume found the
+# files no longer restore to its txid; wake: the activator found the bucket behind a local copy.
+for _trigger in ("lease", "write_error", "flush", "start", "wake"):
+    RESEEDS.labels(_trigger)
 _lag = Gauge(
     "lchat_replica_lag_seconds",
     "Seconds since the oldest commit not yet in the bucket was noticed (computed at scrape time)",
@@ -84,6 +110,11 @@ _UPLOAD_MARGIN = 0.05
 
 class ReplicatorStopped(Exception):
     """The replicator is stopped (or lost its lease) and will not write again."""
+
+
+class ReplicaPaused(ObjectStoreError):
+    """The lease's lock vanished and is being re-taken: nothing is written until it is. Handled
+    like a store outage (what is queued stays queued and is retried)."""
 
 
 @define
@@ -190,6 +221,12 @@ class Replicator:
         # deletes of a busy minute go out together instead of after every compaction.
         self.compacted_retention = compacted_retention
         self._retired: list[tuple[float, str]] = []  # (delete after, key)
+        self._listed = False  # the start LIST is in _files: a check can compare with it
+        # Why the replica must be checked (one LIST) before anything more is written; None: no
+        # reason to doubt the bucket. See the module docstring.
+        self._check: str | None = None
+        self._retain_after_snapshot = False  # a re-seed: once its snapshot is durable, tidy up
+        self.reseeds = 0
 
     @property
     def txid(self) -> int:
@@ -203,7 +240,11 @@ class Replicator:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(
-        self, listing: Sequence[ObjectInfo] | None = None, *, resume_txid: int | None = None
+        self,
+        listing: Sequence[ObjectInfo] | None = None,
+        *,
+        resume_txid: int | None = None,
+        txid_floor: int = 0,
     ) -> None:
         """Begin replicating. ``listing``: a LIST of ``<path>/`` the caller just made under the
         same lease (saves ours).
@@ -212,8 +253,14 @@ class Replicator:
         whatever wrote the files already there. ``resume_txid``: the caller vouches that the
         database is exactly the state at that txid (restored just now, or slept here cleanly
         after shipping it) and that nothing else writes it before we are started. If it is the
-        bucket's newest txid, we continue without a snapshot: everything in the WAL (including
-        our own open) goes out as the next level-0 file — pages already shipped are harmless.
+        bucket's newest txid *and* the files there restore to it (a snapshot, then no gap), we
+        continue without a snapshot: everything in the WAL (including our own open) goes out as
+        the next level-0 file — pages already shipped are harmless. Files that no longer restore
+        to it mean the bucket lost some: that start is a re-seed (snapshot, counted, logged).
+
+        ``txid_floor``: txids continue above it even if the bucket's files end lower — the
+        caller re-seeds an emptied bucket from a copy that once matched that txid, and a txid
+        must never name two different states of one space.
         """
         if self._started:
             raise RuntimeError("Replicator.start() called twice")
@@ -222,32 +269,47 @@ class Replicator:
             self._pool.start()
         self._tmp = await self._run(_make_tmp, self._tmp_root)
         await self._run(self._db.open)
-        # The one LIST of our life: continue after whatever txid is already there.
-        if listing is None:
-            listing = await self._store.list(self.path + "/")
-        files = replica_files(list(listing))
-        self._txid = max((f.max_txid for f in files), default=0)
-        for f in files:
-            self._remember(
-                _compact.Entry(
-                    f.level, f.min_txid, f.max_txid, f.info.key, rfc3339_nano(f.created_at)
-                )
-            )
-        self._snap_txid = max((f.max_txid for f in files if f.level == SNAPSHOT_LEVEL), default=0)
-        resumed = resume_txid is not None and 0 < resume_txid == self._txid and self._snap_txid
-        if resumed:
-            self._need_snapshot = False
-            self._pos = None  # the whole current WAL: every page written since resume_txid
-            _log.info(
-                "replica {path}: resuming after txid {txid} (the local database matches it)",
-                path=self.path,
-                txid=f"{self._txid:016x}",
-            )
-        now = self._reactor.seconds()
-        self._last_compaction = dict.fromkeys(self._levels, now)
-        self._last_snapshot = now
-        _lag.labels(self.path).set_function(self._lag_now)
+        # Under the lock from the LIST on: a recheck() meanwhile compares with this LIST.
         async with self._lock:
+            # Continue after whatever txid is already there.
+            if listing is None:
+                listing = await self._store.list(self.path + "/")
+            files = replica_files(list(listing))
+            self._txid = max(max((f.max_txid for f in files), default=0), txid_floor)
+            for f in files:
+                self._remember(
+                    _compact.Entry(
+                        f.level, f.min_txid, f.max_txid, f.info.key, rfc3339_nano(f.created_at)
+                    )
+                )
+            self._snap_txid = max(
+                (f.max_txid for f in files if f.level == SNAPSHOT_LEVEL), default=0
+            )
+            self._listed = True
+            resumed = resume_txid is not None and 0 < resume_txid == self._txid
+            if resumed and _restores_to(files) != resume_txid:
+                resumed = False
+                self.reseeds += 1
+                RESEEDS.labels("start").inc()
+                _log.error(
+                    "replica {path}: THE BUCKET LOST DATA: the local database matches txid "
+                    "{txid}, but the files there no longer restore to it (no snapshot, or a gap): "
+                    "re-seeding the replica with a snapshot of the local database",
+                    path=self.path,
+                    txid=f"{resume_txid:016x}",
+                )
+            if resumed:
+                self._need_snapshot = False
+                self._pos = None  # the whole current WAL: every page written since resume_txid
+                _log.info(
+                    "replica {path}: resuming after txid {txid} (the local database matches it)",
+                    path=self.path,
+                    txid=f"{self._txid:016x}",
+                )
+            now = self._reactor.seconds()
+            self._last_compaction = dict.fromkeys(self._levels, now)
+            self._last_snapshot = now
+            _lag.labels(self.path).set_function(self._lag_now)
             await self._sync_locked()
             if self._queue:
                 raise ObjectStoreError(f"replica {self.path}: initial upload not done")
@@ -279,16 +341,111 @@ class Replicator:
         if self._pool is not None and self._pool.started:
             self._pool.stop()
 
-    async def flush(self) -> None:
-        """Sync now; return once everything committed so far is in the bucket, else raise."""
+    async def flush(self, *, check: bool = False) -> None:
+        """Sync now; return once everything committed so far is in the bucket, else raise.
+
+        ``check``: first compare the replica with what we wrote (one LIST) and re-seed it if the
+        bucket lost any of it — for the last flush before a space sleeps, after which the
+        bucket's copy is all that exists off this box."""
         if self._stopped:
             raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
         async with self._lock:
+            if check and self._check is None:
+                self._check = "flush"
             await self._sync_locked()
             if self._queue:
                 raise ObjectStoreError(
                     f"replica {self.path}: {len(self._queue)} files not uploaded"
                 )
+
+    async def recheck(self, trigger: str = "lease") -> bool:
+        """Compare the replica in the bucket with what this replicator wrote (one LIST), now.
+
+        Files of ours missing: re-seed (the queue is dropped, the next upload is a snapshot, see
+        the module docstring); True. Files someone else wrote (a snapshot we did not write, or
+        anything above our newest txid): False and nothing changes — for the lease keeper whose
+        lock vanished, this means another writer held the space meanwhile. True otherwise.
+        Raises :class:`ObjectStoreError` when the LIST fails.
+        """
+        if self._stopped:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        async with self._lock:
+            if not self._listed or self._stopped:
+                return True  # start() has not listed yet: its own LIST will see the truth
+            return await self._check_locked(trigger, foreign_is_takeover=True)
+
+    async def _check_locked(self, trigger: str, *, foreign_is_takeover: bool = False) -> bool:
+        listing = await self._store.list(self.path + "/")
+        files = replica_files(list(listing))
+        present = {f.info.key for f in files}
+        ours = [e for entries in self._files.values() for e in entries.values()]
+        known = {e.key for e in ours} | {key for _, key in self._retired}
+        known |= set(self._garbage) | {p.key for p in self._queue}
+        ours_max = max((e.max_txid for e in ours), default=0)
+        # Another writer continues after the highest txid it saw, and its first file is a
+        # snapshot. A key of ours we lost track of (a write whose answer was lost) is neither.
+        foreign = [
+            f
+            for f in files
+            if f.info.key not in known and (f.level == SNAPSHOT_LEVEL or f.max_txid > ours_max)
+        ]
+        # (A key whose delete is pending is no loss if it is gone.)
+        missing = [e for e in ours if e.key not in present and e.key not in self._garbage]
+        self._check = None
+        if foreign and foreign_is_takeover:
+            _log.error(
+                "replica {path}: the bucket holds files this box did not write ({keys}): "
+                "another writer had the space while the lock was missing",
+                path=self.path,
+                keys=", ".join(f.info.key for f in foreign[:5]),
+            )
+            return False
+        if missing or foreign:
+            await self._reseed(trigger, missing, [f.max_txid for f in foreign], len(files))
+        else:
+            _log.debug(
+                "replica {path}: checked ({trigger}): intact", path=self.path, trigger=trigger
+            )
+        return True
+
+    async def _reseed(
+        self, trigger: str, missing: list[_compact.Entry], foreign: list[int], there: int
+    ) -> None:
+        """Forget what the bucket lost, drop the queue (the snapshot covers it) and make the next
+        upload a snapshot above every txid seen; retention tidies up once it is durable."""
+        for e in missing:
+            for entries in self._files.values():
+                entries.pop(e.key, None)
+            local = self._local.pop(e.key, None)
+            if local is not None:
+                await self._run(_unlink_quietly, local)
+        dropped, self._queue = self._queue, []
+        for p in dropped:
+            await self._run(_unlink_quietly, p.tmp_path)
+        self._txid = max([self._txid, *foreign])
+        self._snap_txid = max((e.max_txid for e in self.files(SNAPSHOT_LEVEL)), default=0)
+        self._need_snapshot = True
+        self._retain_after_snapshot = True
+        self.reseeds += 1
+        RESEEDS.labels(trigger).inc()
+        if missing:
+            what = (
+                f"THE BUCKET LOST DATA: {len(missing)} of the files this replica had written "
+                f"are gone ({there} replica files left there)"
+            )
+        else:
+            what = (
+                f"files this box did not write appeared although it held the lease (txids up to "
+                f"{max(foreign):016x}): is another replicator writing here?"
+            )
+        _log.error(
+            "replica {path}: {what}; re-seeding it from the local database: a snapshot at txid "
+            "{txid}, then incrementals as usual (noticed: {trigger})",
+            path=self.path,
+            what=what,
+            txid=f"{self._txid + 1:016x}",
+            trigger=trigger,
+        )
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -305,7 +462,7 @@ class Replicator:
         changed = self._wal_stat() != self._seen
         if changed and self._pending_since is None:
             self._pending_since = now  # a commit since the last read: unshipped from now on
-        want_sync = bool(self._queue) or self._need_snapshot or changed
+        want_sync = bool(self._queue) or self._need_snapshot or changed or bool(self._check)
         if want_sync and now - self._last_sync < self.gap:
             self._schedule(self._last_sync + self.gap - now)
             return
@@ -332,6 +489,8 @@ class Replicator:
                 if not self._queue:
                     await self._maintain_locked(self._reactor.seconds())
         except Exception as e:
+            if isinstance(e, ObjectStoreError) and not isinstance(e, ReplicaPaused):
+                self._check = self._check or "write_error"  # the store may be back empty
             if not self._stopped:
                 _log.warn("replica {path}: sync failed, retrying: {e!r}", path=self.path, e=e)
 
@@ -340,6 +499,9 @@ class Replicator:
             return
         self._last_sync = self._reactor.seconds()
         seen = self._wal_stat()  # before the read: a commit after it shows as a change
+        if self._check is not None:
+            # Before anything more goes up: the bucket may have forgotten what it builds on.
+            await self._check_locked(self._check)
         if not await self._drain():
             return
         if self._need_snapshot:
@@ -361,6 +523,10 @@ class Replicator:
             return
         if shipped:  # only after an upload: an idle space gets no checkpoint dance every tick
             await self._maybe_checkpoint()
+        if self._retain_after_snapshot and not self._need_snapshot and not self._queue:
+            # A re-seed's snapshot is durable: what the forgetful bucket kept is history now.
+            self._retain_after_snapshot = False
+            await self._retain_locked()
         self._synced()
 
     def _update_lag(self) -> None:
@@ -421,7 +587,10 @@ class Replicator:
             p = self._queue[0]
             if self._stopped:
                 return False
-            self._ensure_held(p.level)
+            try:
+                self._ensure_held(p.level)
+            except ReplicaPaused:
+                return False  # the lock is being re-taken: stays queued, like an outage
             try:
                 await self._write(
                     self._store.put_file(
@@ -429,6 +598,7 @@ class Replicator:
                     )
                 )
             except ObjectStoreError as e:
+                self._check = self._check or "write_error"  # the store may come back empty
                 _uploads.labels(str(p.level), "error").inc()
                 _log.warn(
                     "replica {path}: upload of txid {txid} failed, will retry: {e}",
@@ -477,6 +647,8 @@ class Replicator:
         try:
             if self._keeper is not None:
                 self._keeper.ensure_held()
+        except LeaseSuspended as e:
+            raise ReplicaPaused(str(e)) from None
         except LeaseLost as e:
             self.lost = str(e) or "lease lost"
             _log.error("replica {path}: lease lost ({why}); stopping", path=self.path, why=e)
@@ -551,8 +723,8 @@ class Replicator:
         if not 1 <= level < SNAPSHOT_LEVEL:
             raise ValueError(f"cannot compact into level {level}")
         below = self.files(level - 1)
-        if not below or self._stopped:
-            return 0
+        if not below or self._stopped or self._need_snapshot:
+            return 0  # (a snapshot is due first: nothing incremental goes up before it)
         written = 0
         for run in _compact.contiguous_runs(below):
             if self._stopped:
@@ -633,16 +805,22 @@ class Replicator:
         await self._delete_keys(old)
 
     async def _delete_keys(self, keys: list[str]) -> None:
-        for key in keys:
+        for i, key in enumerate(keys):
+            try:
+                self._ensure_held()
+            except ReplicaPaused:
+                # The lock is being re-taken: these deletes wait for the next pass.
+                self._garbage.extend(k for k in keys[i:] if k not in self._garbage)
+                raise
             local = self._local.pop(key, None)
             if local is not None:
                 await self._run(_unlink_quietly, local)
-            self._ensure_held()
             for entries in self._files.values():
                 entries.pop(key, None)
             try:
                 await self._write(self._store.delete(key))
             except ObjectStoreError as e:
+                self._check = self._check or "write_error"
                 _log.warn("replica {path}: delete {key} failed: {e}", path=self.path, key=key, e=e)
                 if key not in self._garbage:
                     self._garbage.append(key)
@@ -756,6 +934,15 @@ def _make_tmp(root: str | None) -> str:
             _log.info("replica: removing {dir} left by a dead process", dir=name)
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _restores_to(files: list[ReplicaFile]) -> int:
+    """The txid a restore of ``files`` reaches; 0 if it cannot (no snapshot, a gap)."""
+    try:
+        chosen = plan_files(files)
+    except RestoreError:
+        return 0
+    return chosen[-1].max_txid
 
 
 def _unlink_quietly(path: str) -> None:
