@@ -142,6 +142,7 @@ class Budgets:
     queue: float = 30.0  # a request waiting for a wake
     ready: float = 30.0  # the space answering GET /api/version
     next_due: float = 10.0
+    requests: float = 10.0  # a graceful sleep: requests already sent to the space finishing
     stop: float = 20.0  # SIGTERM -> SIGKILL
     flush: float = 60.0  # the final replication flush (retried within)
     release: float = 10.0
@@ -171,6 +172,8 @@ class _Space:
     reason: str  # what woke it
     waiters: list[Deferred[None]] = Factory(list)
     inflight: int = 0
+    requests: int = 0  # of inflight, the plain requests (not upgrades): a graceful sleep waits
+    requests_done: list[Deferred[None]] = Factory(list)  # fired when requests reaches 0
     last_active: float = 0.0
     woke_at: float = 0.0
     lease: HeldLease | None = None
@@ -358,6 +361,8 @@ class Activator(Service):
         if space is None or space.socket != target.path:
             return
         space.inflight += 1
+        if not head.upgrade:
+            space.requests += 1
         space.last_active = self._reactor.seconds()
         self._by_head[id(head)] = space
 
@@ -366,6 +371,13 @@ class Activator(Service):
         if space is None:
             return
         space.inflight -= 1
+        if not head.upgrade:
+            space.requests -= 1
+            if space.requests <= 0:
+                done, space.requests_done = space.requests_done, []
+                for d in done:
+                    if not d.called:  # (a wait whose budget ran out was cancelled)
+                        d.callback(None)
         space.last_active = self._reactor.seconds()
 
     # -- waking ----------------------------------------------------------------------------------
@@ -895,6 +907,15 @@ class Activator(Service):
                     if due and space.due_woken and due <= space.due_woken:
                         due = 0  # honoured already: a past due time wakes once, not in a loop
                     self._write_next_due(host, due)
+            if graceful and space.requests > 0 and space.child is not None:
+                # New requests queue (state "stopping"); those already sent to the space are
+                # let finish first. SIGTERM now would race them: the space closes the kept-alive
+                # connections it has not read a request on yet, so a request written a moment
+                # ago would go unanswered (the owner of a drain could not even say it was never
+                # processed).
+                await self._step(
+                    host, "requests", self._requests_finished(space), self.budgets.requests
+                )
             self._drop_idle(space.socket)
             if space.child is not None:
                 grace = self.budgets.lease_lost_stop if space.lost else self.budgets.stop
@@ -971,6 +992,12 @@ class Activator(Service):
         for d in waiters:
             if not d.called:
                 d.errback(WakeFailed(host, "stood_down", f"{host} stood down; try again"))
+
+    async def _requests_finished(self, space: _Space) -> None:
+        if space.requests > 0:
+            done: Deferred[None] = Deferred()
+            space.requests_done.append(done)
+            await done
 
     async def _step(self, host: str, name: str, work: Any, budget: float) -> Any:
         d = Deferred.fromCoroutine(work)

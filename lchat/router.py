@@ -34,6 +34,8 @@ class RequestHead:
     secure: bool = False  # arrived over TLS
     sidecar: bool = False  # carried X-Lchat-Sidecar: a bot sidecar's own traffic
     forwarded: bytes | None = None  # the raw X-Lchat-Mesh-Forwarded value, unauthenticated
+    # Asks to switch protocols (a WebSocket): once switched, in flight until the tunnel closes.
+    upgrade: bool = False
 
 
 @frozen

@@ -9,7 +9,6 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
@@ -28,6 +27,7 @@ from lchat.acme.issuer import Issuer
 from lchat.activator import Activator
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
+from lchat.listener import Listener
 from lchat.mesh import forward
 from lchat.mesh.api import mesh_site
 from lchat.mesh.membership import Membership
@@ -577,9 +577,9 @@ def _public_port(address: str) -> int | None:
     return int(match.group(1)) if match and int(match.group(1)) else None
 
 
-def _listen(parent: MultiService, endpoint: Any, factory: Any) -> StreamServerEndpointService:
-    """A listener that fails the boot (rather than logging) when it cannot listen."""
-    service = StreamServerEndpointService(endpoint, factory)
-    service._raiseSynchronously = True
+def _listen(parent: MultiService, endpoint: Any, factory: Any) -> Listener:
+    """A listener that fails the boot (rather than logging) when it cannot listen, and answers
+    the connections already queued when it stops (lchat.listener)."""
+    service = Listener(endpoint, factory)
     service.setServiceParent(parent)
     return service

@@ -35,6 +35,7 @@ from lchat import config
 from lchat.acme.cache import CertName, key_id, split_pem
 from lchat.acme.issuer import Issuer
 from lchat.config import BoxConfig
+from lchat.listener import Listener
 from lchat.registry import Registry, Route
 from lchat.tap import build_service
 from tests import acmeservers
@@ -209,16 +210,7 @@ class AcmeTestCase(TestCase):
         service = build_service(cfg, reactor, poll_interval=0.2)
         service.startService()
         self.addCleanup(service.stopService)
-        ports: list[Any] = []
-
-        def peek(port: Any) -> Any:
-            ports.append(port)
-            return port  # stopService needs the port to stay the Deferred's result
-
-        for listener in service:
-            waiting = getattr(listener, "_waitingForPort", None)
-            if waiting is not None:
-                waiting.addCallback(peek)
+        ports: list[Any] = [s.port for s in service if isinstance(s, Listener) and s.port]
         tls_port = next(
             p.getHost().port
             for p in ports

@@ -28,6 +28,7 @@ from twisted.web.http_headers import Headers
 from lchat import activator as activator_module
 from lchat import config, lease
 from lchat.config import BoxConfig
+from lchat.listener import Listener
 from lchat.objstore import open_store
 from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
@@ -112,16 +113,7 @@ class _Harness(TestCase):
         service = build_service(cfg, reactor, poll_interval=0.2)
         service.startService()
         self.addCleanup(service.stopService)
-        ports: list[Any] = []
-
-        def peek(port: Any) -> Any:
-            ports.append(port)
-            return port
-
-        for listener in service:
-            waiting = getattr(listener, "_waitingForPort", None)
-            if waiting is not None:
-                waiting.addCallback(peek)
+        ports: list[Any] = [s.port for s in service if isinstance(s, Listener) and s.port]
         self.port = next(p.getHost().port for p in ports if hasattr(p.getHost(), "port"))
         self.cfg = cfg
         self.service = service
@@ -595,6 +587,27 @@ class HibernationTests(_Harness):
             response, body = value
             self.assertEqual(response.code, 200, body)
             self.assertEqual([m["body"] for m in json.loads(body)["messages"]], [host])
+
+    @inlineCallbacks
+    def test_a_drain_lets_requests_in_flight_finish_before_stopping_the_space(self):
+        """SIGTERM to a space races the requests already written to it (a space closes the
+        kept-alive connections it has not read a request on yet, and this one does not even
+        drain): a graceful sleep waits for them first, so each gets its answer."""
+        self.add_space("inflight.example")
+        slow = f"{sys.executable} {os.path.join(ROOT, 'tests', 'slow_space.py')}"
+        service = self.start(self.config(LCHAT_SPACE_COMMAND=slow, LCHAT_HIBERNATE_IDLE="60s"))
+        response, body = yield self.request("inflight.example")
+        self.assertEqual(response.code, 200, body)
+        pending = [self.request("inflight.example", "/slow") for _ in range(3)]
+        yield self.wait_for(lambda: self.activator.status()["inflight.example"]["inflight"] == 3)
+        stopped = service.stopService()
+        results = yield DeferredList(pending, consumeErrors=True)
+        for ok, value in results:
+            self.assertTrue(ok, value)
+            response, body = value
+            self.assertEqual((response.code, body), (200, b'{"slow": true}'))
+        yield stopped
+        self.assertFalse(self.lock_exists("inflight.example"))
 
     @inlineCallbacks
     def test_a_space_left_running_by_a_dead_router_is_stopped_first(self):

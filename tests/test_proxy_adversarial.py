@@ -1136,6 +1136,42 @@ def flood(sock: socket.socket, payload: bytes, seconds: float) -> tuple[int, str
     return sent, "time"
 
 
+class DrainModeTests(ProxyCase):
+    """ProxyFactory.close() at shutdown: keep-alive ends, idle connections go, and a connection
+    that has not sent its first request yet is answered rather than cut (its request may be on the
+    wire: a peer that dialled a moment before the drain)."""
+
+    async def test_idle_connections_close_a_fresh_one_is_answered_then_closed(self) -> None:
+        used = await self.connect()
+        reply = await self.converse(used, request(HOST), responses=1)
+        self.assertEqual(response_statuses(reply.data), [200])
+        self.assertFalse(used.is_closed, "kept alive before the drain")
+        fresh = await self.connect()
+        await sleep(0.05)  # accepted, nothing sent yet
+        self.factory.close()
+        self.assertTrue(await until(lambda: used.is_closed, 2.0), "an idle used connection")
+        await sleep(0.1)
+        self.assertFalse(fresh.is_closed, "a connection that has not sent its request yet")
+        reply = await self.converse(fresh, request(HOST), responses=1)
+        self.assertEqual(response_statuses(reply.data), [200])
+        self.assertIn(b"\r\nconnection: close\r\n", reply.data.lower())
+        self.assertTrue(await until(lambda: fresh.is_closed, 2.0))
+
+    async def test_a_request_in_flight_at_the_drain_is_answered_with_close(self) -> None:
+        client = await self.connect()
+        assert client.transport is not None
+        client.transport.write(request(b"Host: " + SILENT.encode()))
+        await until(lambda: bool(self.backends[SILENT].connections), 2.0)
+        self.factory.close()
+        await sleep(0.1)
+        self.assertFalse(client.is_closed, "a request being served is not cut")
+        # Its answer (here the upstream timeout's 504) ends the connection: no keep-alive now.
+        reply = await self.converse(client, b"", responses=1)
+        self.assertEqual(response_statuses(reply.data), [504])
+        self.assertIn(b"\r\nconnection: close\r\n", reply.data.lower())
+        self.assertTrue(await until(lambda: client.is_closed, 2.0))
+
+
 class SlowReaderTests(ProxyCase):
     """Clients that stop reading must cost the router a bounded amount, and not forever: the
     client is not read (nor answered) while its unsent output is over the high-water mark, at most

@@ -26,6 +26,7 @@ from twisted.web.http_headers import Headers
 from lchat import config, unixhttp
 from lchat.admin import AlreadyRunning
 from lchat.config import BoxConfig
+from lchat.listener import Listener
 from lchat.registry import Registry, Route, RouteSource
 from lchat.tap import build_service
 
@@ -78,16 +79,7 @@ class RouterTests(TestCase):
         service = build_service(cfg, reactor, poll_interval=poll)
         service.startService()
         self.addCleanup(service.stopService)
-        ports: list[Any] = []
-
-        def peek(port: Any) -> Any:
-            ports.append(port)
-            return port  # stopService needs the port to stay the Deferred's result
-
-        for listener in service:
-            waiting = getattr(listener, "_waitingForPort", None)
-            if waiting is not None:
-                waiting.addCallback(peek)  # TCP listens synchronously: fires at once
+        ports: list[Any] = [s.port for s in service if isinstance(s, Listener) and s.port]
         tcp = [p for p in ports if hasattr(p.getHost(), "port")]
         self.tls_port = next(
             (p.getHost().port for p in tcp if hasattr(p.factory, "wrappedFactory")), None

@@ -214,6 +214,7 @@ class Downstream(Protocol):
         self._unreported = 0  # bytes read since the parser last reported anything
         self._spliced = False
         self._closed = False  # closing (or closed): nothing more is read or answered
+        self._served = 0  # requests answered on this connection
         self._client = ""
         self._output_paused = False  # the transport paused us: its unsent output is over the mark
         self._serving_queue = False  # _serve_waiting's loop is on the stack
@@ -472,6 +473,7 @@ class Downstream(Protocol):
             secure=self.proxy.secure,
             sidecar=b"x-lchat-sidecar" in internal,
             forwarded=internal.get(b"x-lchat-mesh-forwarded"),
+            upgrade=ex.upgrade,
         )
 
     # -- serving --------------------------------------------------------------------------------
@@ -642,7 +644,9 @@ class Downstream(Protocol):
             out.extend(ex.target.response_headers)
         no_body = ex.method == b"HEAD" or status in (204, 304)
         # A body the client has not finished sending cannot be skipped in step: close afterwards.
-        ex.close_after = not ex.keep_alive or not self._body_done(ex) or ex.upgrade
+        ex.close_after = (
+            not ex.keep_alive or not self._body_done(ex) or ex.upgrade or self.proxy.draining
+        )
         if length is not None:
             out.append((b"Content-Length", str(length).encode()))
         elif not no_body:
@@ -837,7 +841,9 @@ class Downstream(Protocol):
             ex.upstream.abort()
             ex.upstream = None
         # Unless the request is complete we cannot find where the next one starts in step.
-        ex.close_after = not ex.keep_alive or not self._body_done(ex) or ex.upgrade
+        ex.close_after = (
+            not ex.keep_alive or not self._body_done(ex) or ex.upgrade or self.proxy.draining
+        )
         body = b"" if ex.method == b"HEAD" else response.body
         raw = simple_response(response.status, body, response.headers, close=ex.close_after)
         ex.bytes_out = len(body)
@@ -877,6 +883,7 @@ class Downstream(Protocol):
         if ex is not self._active:
             return
         self._active = None
+        self._served += 1
         _in_flight.dec()
         self._log_access(ex)
         self._end_observed(ex)
@@ -916,8 +923,14 @@ class Downstream(Protocol):
             else:
                 self._arm(self.cfg.header_timeout, self._header_timed_out)
 
-    def close_if_idle(self) -> None:
-        if self._active is None and self._parsing is None and not self._closed:
+    def drain(self) -> None:
+        """The router is stopping (ProxyFactory.close): close this connection now if it sits idle
+        between requests. One that has not carried a request yet is left to send its first: it
+        was opened a moment ago, and its request may be on the wire now (a mesh peer's pool
+        dials just before writing). Cutting it would leave a POST's fate unknown to its sender;
+        answered, it is refused (marked for a peer, which sends it elsewhere) and closed. Its
+        header timeout still bounds it."""
+        if self._active is None and self._parsing is None and not self._closed and self._served:
             self._closing()
 
     def _closing(self) -> None:
@@ -1149,6 +1162,7 @@ class ProxyFactory(Factory):
         self.observer: RequestObserver = observer or _NoObserver()
         self.secure = secure
         self.connections: set[Downstream] = set()
+        self.draining = False  # close() was called: the router is stopping
         self._hosts: dict[bytes, str] = {}
         self._counters: dict[tuple[str, int], Any] = {}
         # Deadlines are checked a few times per shortest timeout; the sweep runs only while
@@ -1209,7 +1223,10 @@ class ProxyFactory(Factory):
         return Downstream(self)
 
     def close(self) -> Deferred[None]:
-        """Shutdown: drop client connections that sit idle, and idle upstream connections."""
+        """Shutdown: from now on every answer closes its connection (no more keep-alive); client
+        connections idle between requests are closed now (Downstream.drain), and idle upstream
+        connections too."""
+        self.draining = True
         for conn in list(self.connections):
-            conn.close_if_idle()
+            conn.drain()
         return self.pool.close()
