@@ -19,7 +19,7 @@ process, before the router starts). One wake at a time:
 - **bare start**: the reference space spawned directly (the environment the activator gives it),
   timed from spawn to the first 200 on ``GET /api/version`` over its unix socket, probing as
   ``RunningChild.wait_ready`` does (a probe at once, then one every interval): once at the
-  activator's interval (read from lchat/activator.py's ``wait_ready`` call) and once every
+  activator's interval (read from lchat/hibernation/lifecycle.py's ``wait_ready`` call) and once every
   ``--fine-poll`` (the space's real start).
 - **warm wake**: ``GET /api/version`` through the router's HTTP port to a sleeping space whose
   local DB was slept cleanly here; the client's time and the router's ``X-Lchat-Wake``; then
@@ -147,13 +147,14 @@ def phase_delta(
 
 def activator_poll() -> float:
     """The interval the activator's ``wait_ready`` call polls at: its ``interval=`` argument in
-    lchat/activator.py, else ``RunningChild.wait_ready``'s default."""
+    lchat/hibernation/lifecycle.py, else ``RunningChild.wait_ready``'s default."""
     import ast
     import inspect
 
-    from lchat import activator, supervise
+    from lchat import supervise
+    from lchat.hibernation import lifecycle
 
-    for node in ast.walk(ast.parse(inspect.getsource(activator))):
+    for node in ast.walk(ast.parse(inspect.getsource(lifecycle))):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "wait_ready":
             for kw in node.keywords:
                 if kw.arg == "interval":
@@ -635,7 +636,7 @@ def report(
         f"### Wake latency ({args.rounds} warm wakes per bucket; the reference space; loopback)",
         "",
         f"The activator polls a waking space's readiness every **{poll}** (read from "
-        "lchat/activator.py). client = `GET /api/version` through the router's HTTP port to a "
+        "lchat/hibernation/lifecycle.py). client = `GET /api/version` through the router's HTTP port to a "
         "sleeping space, sent to answered; header = the router's `X-Lchat-Wake`; phases = medians "
         "of each wake's `lchat_wake_seconds` deltas; sleep = the `POST /sleep` after it. Bare "
         "start = the space spawned directly, spawn to first 200 on `GET /api/version`, polled "

@@ -21,7 +21,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 import lchat
 from lchat import hosts
 from lchat.registry import RouteSource, RouteTable
-from lchat.webutil import QuietSite
+from lchat.webutil import QuietSite, answerable
 
 StatusProvider = Callable[[], dict[str, dict[str, Any]]]
 
@@ -63,9 +63,10 @@ class _Json(Resource):
         if path == b"/status" and request.method in (b"GET", b"HEAD"):
             return _json(request, 200, self._admin.status())
         if path == b"/reload" and request.method == b"POST":
+            still = answerable(request)
             d = self._admin.routes.reload("admin API")
-            d.addCallback(lambda table: _finish(request, 200, {"routes": len(table)}))
-            d.addErrback(lambda f: _finish(request, 500, {"error": f.getErrorMessage()}))
+            d.addCallback(lambda table: _finish(request, still, 200, {"routes": len(table)}))
+            d.addErrback(lambda f: _finish(request, still, 500, {"error": f.getErrorMessage()}))
             return NOT_DONE_YET
         if path == b"/metrics" and request.method in (b"GET", b"HEAD"):
             request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
@@ -166,11 +167,13 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
     if route is None or not route.hibernate or route.kind != "instance":
         return _json(request, 404, {"error": f"{host} is not a hibernating instance"})
     started = time.monotonic()
+    still = answerable(request)
     d = activator.wake(route, "admin") if what == "wake" else activator.sleep(host, "admin")
 
     def done(_: object) -> None:
         _finish(
             request,
+            still,
             200,
             {
                 "host": host,
@@ -180,7 +183,9 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
         )
 
     def failed(f: Any) -> None:
-        _finish(request, 503, {"host": host, "error": getattr(f.value, "message", str(f.value))})
+        _finish(
+            request, still, 503, {"host": host, "error": getattr(f.value, "message", str(f.value))}
+        )
 
     d.addCallbacks(done, failed)
     return NOT_DONE_YET
@@ -192,8 +197,8 @@ def _json(request: Request, code: int, body: object) -> bytes:
     return json.dumps(body, sort_keys=True).encode() + b"\n"
 
 
-def _finish(request: Request, code: int, body: object) -> None:
-    if request._disconnected:
+def _finish(request: Request, still: Callable[[], bool], code: int, body: object) -> None:
+    if not still():  # the client went away: finish() would raise
         return
     request.write(_json(request, code, body))
     request.finish()

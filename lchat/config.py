@@ -113,6 +113,9 @@ class ProxyConfig:
     # with "Connection: close" and nothing after it is read (with the output high-water mark,
     # this bounds what one connection can make the router hold).
     max_pipelined: int = 100
+    # At shutdown, how long requests in flight may take before their connections are aborted
+    # (longer than the activator's wait for a sleeping space's requests, Budgets.requests).
+    drain_grace: float = 15.0
     max_header_bytes: int = 65536  # request line + headers; over it -> 431
     max_headers: int = 100  # header count; over it -> 431
     access_log: bool = False  # one structured log line per request

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
 
 
 def settled(d: Deferred[Any]) -> Deferred[None]:
@@ -19,3 +20,14 @@ def settled(d: Deferred[Any]) -> Deferred[None]:
 
     d.addBoth(fire)
     return out
+
+
+def relay(result: object, d: Deferred[None]) -> None:
+    """Fire ``d`` as ``result`` says (a Failure errbacks it, anything else is None), unless it
+    fired already: for ``addBoth`` when one waiter follows another's task."""
+    if d.called:
+        return
+    if isinstance(result, Failure):
+        d.errback(result)
+    else:
+        d.callback(None)

@@ -526,6 +526,35 @@ class RouteSource(Service):
             self._start([(reason, waiter)])
         return waiter
 
+    def record_next_due(self, host: str, due: int, only_if: int | None = None) -> Deferred[bool]:
+        """Store ``host``'s next due time (unix seconds, 0: none) in its row, in a thread, and
+        reload if it changed; fires with whether it did. ``only_if``: only while the row still
+        holds that value (a due wake clears the time it honoured, not a newer one). Never
+        fails: an error is logged."""
+        registry = self.registry
+
+        def write() -> bool:
+            row = registry.get(host)
+            if row is None or (only_if is not None and row.next_due != only_if):
+                return False
+            if row.next_due != due:
+                registry.update(host, next_due=due)
+                return True
+            return False
+
+        d: Deferred[bool] = self.run_in_thread(write)
+
+        def written(changed: bool) -> bool:
+            if changed:
+                self.reload(f"{host} next due")
+            return changed
+
+        def failed(f: Failure) -> bool:
+            _log.failure("could not record next due of {host}", f, host=host)
+            return False
+
+        return d.addCallbacks(written, failed)
+
     def _start(self, batch: list[tuple[str, Deferred[RouteTable]]]) -> None:
         reason = ", ".join(dict.fromkeys(r for r, _ in batch))
         d: Deferred[RouteTable] = self.run_in_thread(self.registry.load)

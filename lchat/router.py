@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, Protocol
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
+from prometheus_client import Counter
 from twisted.internet.defer import Deferred
 
 from lchat.registry import Route, RouteTable
@@ -38,6 +39,16 @@ class RequestHead:
     upgrade: bool = False
 
 
+class InFlight(Protocol):
+    """Counts the requests a target is serving (a hibernating space: what keeps it awake and
+    what its sleep waits for). The proxy calls ``request_started`` once the request is routed to
+    the target and ``request_ended`` exactly once after, when its response is complete or its
+    connection gone (an upgraded one: when the tunnel closes)."""
+
+    def request_started(self, upgrade: bool) -> None: ...
+    def request_ended(self, upgrade: bool) -> None: ...
+
+
 @frozen
 class LocalSocket:
     """Proxy to this space's or service's unix socket."""
@@ -47,6 +58,8 @@ class LocalSocket:
     kind: Literal["instance", "service"] = "instance"
     # Added to the response head (e.g. X-Lchat-Wake on a request that waited for a wake).
     response_headers: tuple[Header, ...] = ()
+    # Told when a request to it starts and ends (the activator's awake space), or None.
+    inflight: InFlight | None = field(default=None, eq=False, repr=False)
 
 
 @frozen
@@ -110,6 +123,58 @@ def plain(status: int, text: str, *extra: Header, label: str = "local") -> Local
         ((b"content-type", b"text/plain; charset=utf-8"), *extra),
         label=label,
     )
+
+
+_unavailable = Counter(
+    "lchat_activator_unavailable_total", "503s answered by the activator, by reason", ["reason"]
+)
+
+# What a hibernating space's 503 tells the world, by reason (details go to the log, never to a
+# client: paths, owners and store errors are for the operator).
+_PUBLIC = {
+    "lease_held": "{host} is being served elsewhere right now",
+    "queue_timeout": "{host} is still waking",
+    "sidecar": "{host} is asleep (sidecar requests never wake it)",
+    "shutdown": "the router is stopping",
+    "backoff": "{host} failed to wake a moment ago",
+    "spawn": "{host} could not start",
+    "not_ready": "{host} could not start",
+    "bucket": "{host} cannot wake while storage is unreachable",
+    "diverged": "{host} cannot wake until an operator checks its storage",
+}
+# 503s that mean "this box is stopping, and the request was never acted on": while the router
+# drains, a request refused for one of these is marked (LocalResponse.refusal) so that a mesh peer
+# that forwarded it sends it elsewhere. Never lease_held, backoff, bucket, spawn, not_ready or
+# queue_timeout: those say nothing about this box going away (another box would meet the same
+# lease, or start a second wake racing this one), and never a space's own 503 (a space's answer is
+# not a LocalResponse at all).
+DRAIN_REFUSALS = frozenset(
+    {
+        "shutdown",  # the router is stopping: no new wake here
+        "stood_down",  # queued on a space that went to sleep as the drain began
+        "cancelled",  # waiting for a wake the drain called off
+    }
+)
+
+
+def unavailable(
+    host: str, reason: str, retry_after: float = 0.0, *, stopping: bool = False
+) -> LocalResponse:
+    """A hibernating space's 503 with ``Retry-After`` (``retry_after`` rounded up, 1 s to 1 h;
+    0: the default). The body says what kind of trouble in public words only. ``stopping``: the
+    router is draining, and a refusal of :data:`DRAIN_REFUSALS` is marked as such."""
+    _unavailable.labels(reason).inc()
+    seconds = max(1, min(int(retry_after + 0.999) or RETRY_AFTER_SECONDS, 3600))
+    public = _PUBLIC.get(reason, "{host} is temporarily unavailable").format(host=host)
+    response = plain(
+        503,
+        f"503 Service Unavailable: {public}; try again in {seconds}s",
+        (b"retry-after", str(seconds).encode()),
+        label=f"wake_{reason}",
+    )
+    if stopping and reason in DRAIN_REFUSALS:
+        response = evolve(response, refusal="stopping")
+    return response
 
 
 class Hibernation(Protocol):

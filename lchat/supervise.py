@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
+import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, cast
@@ -786,3 +788,63 @@ class Supervisor(service.Service):
             self._notify()
 
         return run
+
+
+# --- a leftover on a socket -----------------------------------------------------------------------
+
+
+async def evict_listener(
+    reactor: IReactorTime,
+    run_in_thread: Callable[[Callable[[], Any]], Deferred[Any]],
+    socket_path: str,
+    grace: float,
+    name: str,
+) -> int | None:
+    """Stop whatever process still listens on unix socket ``socket_path`` (SIGTERM to its group,
+    SIGKILL after ``grace`` seconds); returns its pid, or None when nothing (or this process)
+    listens. A space left running by a previous router process of this box would make a new
+    child refuse to start on its socket."""
+    pid = await run_in_thread(lambda: listener_pid(socket_path))
+    if pid is None or pid == os.getpid():
+        return None
+    log.warn(
+        "{name}: pid {pid} (left by a previous router) still listens on {socket}: stopping it",
+        name=name,
+        pid=pid,
+        socket=socket_path,
+    )
+    signal_group(pid, signal.SIGTERM)
+    deadline = reactor.seconds() + grace
+    while await run_in_thread(lambda: listener_pid(socket_path)) == pid:
+        if reactor.seconds() >= deadline:
+            signal_group(pid, signal.SIGKILL)
+            await deferLater(reactor, 0.2, lambda: None)
+            break
+        await deferLater(reactor, 0.1, lambda: None)
+    return pid
+
+
+def listener_pid(path: str) -> int | None:
+    """The pid of the process listening on unix socket ``path`` (SO_PEERCRED), or None."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(path)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    pid = struct.unpack("3i", creds)[0]
+    return pid if pid > 0 else None
+
+
+def signal_group(pid: int, signum: int) -> None:
+    """Signal the process group ``pid`` leads (our children are session leaders), else ``pid``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

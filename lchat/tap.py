@@ -9,10 +9,11 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from attrs import frozen
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
-from twisted.internet.threads import deferToThreadPool
+from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -24,21 +25,26 @@ from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
 from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
-from lchat.activator import Activator
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
 from lchat.config import BoxConfig, ConfigError
+from lchat.hibernation.activator import Activator
+from lchat.hibernation.lifecycle import Lifecycle
+from lchat.hibernation.sidecars import Sidecars
+from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener
 from lchat.mesh import forward
 from lchat.mesh.api import mesh_site
 from lchat.mesh.membership import Membership
 from lchat.mesh.routing import MeshRouter
+from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.upstream import UpstreamPool
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, Route, RouteSource
 from lchat.router import Router
-from lchat.sweeper import Sweeper
-from lchat.units import BuiltinUnits
+from lchat.supervise import Supervisor
+from lchat.threads import RunInThread, thread_runner
+from lchat.units import BuiltinUnits, Claims
 from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
@@ -126,157 +132,38 @@ def makeService(options: Options) -> IService:
 
 
 def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> MultiService:
-    """Everything the box runs, wired together. Fails loudly on anything unusable."""
-    for warning in cfg.warnings:
-        _log.warn("config: {warning}", warning=warning)
-    _raise_open_files_limit()
-    for name, value in cfg.aws_env.items():
-        os.environ.setdefault(name, value)  # the S3 client's credential chain reads these
-    if not os.path.isdir(cfg.data_dir):
-        raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
-    os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
-
+    """Everything the box runs, wired feature by feature; the logic lives in the features' own
+    modules. Fails loudly on anything unusable. Services stop in reverse order: the admin API,
+    the front door (listeners, then idle connections), certificates, hibernation's drain, units,
+    the registry."""
+    _prepare_box(cfg)
+    aws = _aws_credentials(cfg)
+    run = thread_runner(reactor)
     registry = Registry(cfg.registry)
     registry.migrate()
-    routes = RouteSource(reactor, registry, registry.load(), poll_interval=poll_interval)
-
+    routes = RouteSource(
+        reactor, registry, registry.load(), run_in_thread=run, poll_interval=poll_interval
+    )
     top = MultiService()
     routes.setServiceParent(top)
     _SignalReload(reactor, routes).setServiceParent(top)
-
-    children = None
+    claims = Claims()  # hosts the activator runs: builtin units leave them alone
     units = None
     if cfg.units == "builtin":
-        units = BuiltinUnits(reactor, cfg, routes)
+        units = BuiltinUnits(reactor, cfg, routes, claims, run)
         units.setServiceParent(top)
-        children = _children_status(units)
-
     pool = UpstreamPool(
         reactor,
         dial_retry=cfg.proxy.dial_retry,
         trust_root=forward.trust_root(cfg.mesh.ca_file) if cfg.mesh is not None else None,
     )
-    activator: Activator | None = None
-    mesh: MeshRouter | None = None
+    hibernation = None
     if cfg.hibernate is not None:
-        hibernation = _Hibernation(reactor, cfg, routes, pool)
-        hibernation.setName("hibernation")
+        hibernation = _hibernation(reactor, cfg, routes, pool, claims, run, aws)
         hibernation.setServiceParent(top)
-        activator = hibernation.activator
-        mesh = hibernation.mesh
-        if units is not None:
-            activator.released = units.defer_to(activator.holds)
-
-    mesh_api: tuple[str, str] | None = None
-    if cfg.mesh is not None:
-        # The route-replication API, reached through the proxy by requests addressed to this
-        # box's own LCHAT_MESH_SELF host (the bearer token is checked inside).
-        mesh_socket = os.path.join(cfg.run_dir, "mesh.sock")
-        clear_stale_socket(mesh_socket)
-        site = mesh_site(registry, cfg, routes.reload)
-        _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
-        mesh_api = (cfg.mesh.self_host, mesh_socket)
-
-    store: tls.CertStore | None = None
-    issuer: Issuer | None = None
-    responder: ChallengeResponder | None = None
-    acme_socket: str | None = None
-    if cfg.https_addr is not None:
-        own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
-        store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own))
-        shared = None
-        if cfg.cert_cache == "s3":
-            assert cfg.hibernate is not None  # config refuses s3 without the bucket
-            shared = SharedCache(
-                hibernation.store,
-                cfg.cert_cache_key,
-                prefix=cfg.hibernate.prefix,
-                box_id=cfg.box_id,
-            )
-        if cfg.acme is not None or shared is not None:
-            LocalCache(cfg.acme_cache).ensure_directory()
-        store.load_initial()
-        store.setServiceParent(top)
-        if cfg.acme is not None:
-            if cfg.http_addr is not None:
-                responder = ChallengeResponder(
-                    lookup=shared.get_challenge if shared is not None else None,
-                    may_lookup=tls.known_hosts(routes, own),
-                )
-            issuer = _issuer(reactor, cfg, routes, store, responder, shared, own)
-            issuer.setName("acme")
-            if shared is not None:
-                hibernation.add_bucket_user(issuer)
-            else:
-                issuer.setServiceParent(top)
-        if shared is not None:
-            sync = CacheSync(
-                reactor,
-                shared,
-                LocalCache(cfg.acme_cache),
-                store.certificates,
-                store.rescan,
-                lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
-                interval=cfg.cert_cache_sync,
-                directory=cfg.acme.directory if cfg.acme is not None else "",
-            )
-            sync.setName("cert-cache")
-            hibernation.add_bucket_user(sync)
-    if responder is not None and not (cfg.https_addr is not None and cfg.http_redirect):
-        # Plain HTTP proxies: the proxy hands challenge paths to the responder's own socket.
-        acme_socket = os.path.join(cfg.run_dir, "acme.sock")
-        clear_stale_socket(acme_socket)
-        site = QuietSite(responder.site_root())
-        _listen(top, UNIXServerEndpoint(reactor, acme_socket, mode=0o600), site)
-
-    router = Router(
-        routes,
-        cfg.fallback_url,
-        activator=activator,
-        mesh=mesh,
-        mesh_api=mesh_api,
-        acme_challenge=acme_socket,
-    )
-    factories: list[ProxyFactory] = []
-    if cfg.https_addr is not None:
-        assert store is not None
-        secure = ProxyFactory(
-            reactor, router, cfg.proxy, pool=pool, secure=True, observer=activator
-        )
-        factories.append(secure)
-        _listen(top, tls.https_endpoint(reactor, cfg.https_addr, store), secure)
-    if cfg.http_addr is not None:
-        if cfg.https_addr is not None and cfg.http_redirect:
-            port = _public_port(cfg.https_addr)
-            plain = QuietSite(
-                RedirectToHTTPS(
-                    https_port=None if port == 443 else port,
-                    acme_challenge=responder.resource() if responder is not None else None,
-                )
-            )
-            _listen(top, serverFromString(reactor, cfg.http_addr), plain)
-        else:
-            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, observer=activator)
-            factories.append(proxy)
-            _listen(top, serverFromString(reactor, cfg.http_addr), proxy)
-    _Closer(pool, factories).setServiceParent(top)
-
-    clear_stale_socket(cfg.admin_socket)
-    mesh_status = None
-    if cfg.hibernate is not None and hibernation.membership is not None:
-        mesh_status = _mesh_status(hibernation.membership)
-    admin = AdminAPI(
-        routes,
-        cfg.units,
-        children,
-        activator=activator,
-        mesh=mesh_status,
-        acme=issuer.status if issuer is not None else None,
-    )
-    _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
-    if cfg.metrics_addr is not None:
-        _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
-
+    certs = _certificates(top, reactor, cfg, routes, hibernation, run, aws)
+    _front_door(top, reactor, cfg, routes, pool, hibernation, certs)
+    _admin(top, reactor, cfg, routes, units, hibernation, certs)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
         "https={https}, http={http}, admin={admin}",
@@ -292,6 +179,227 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     return top
 
 
+def listening_ports(service: IService) -> list[IListeningPort]:
+    """Every port the service tree listens on now (tests and diagnostics)."""
+    if isinstance(service, Listener):
+        return [service.port] if service.port is not None else []
+    if isinstance(service, MultiService):
+        return [port for child in service for port in listening_ports(child)]
+    return []
+
+
+def _prepare_box(cfg: BoxConfig) -> None:
+    for warning in cfg.warnings:
+        _log.warn("config: {warning}", warning=warning)
+    _raise_open_files_limit()
+    if not os.path.isdir(cfg.data_dir):
+        raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
+    os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
+
+
+def _aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
+    """The AWS credentials, resolved once at boot by the standard chain (the process
+    environment over the env file's ``AWS_*``, then profiles, then container and instance
+    roles), when an S3 bucket or Route53 needs them."""
+    s3 = cfg.hibernate is not None and objstore.needs_credentials(cfg.hibernate.bucket)
+    route53 = (
+        cfg.acme is not None
+        and bool(cfg.wildcard_domains)
+        and cfg.acme.dns_provider.strip().lower() == "route53"
+    )
+    if not (s3 or route53):
+        return None
+    try:
+        return resolve_credentials({**cfg.aws_env, **os.environ})  # the process env wins
+    except NoCredentials as e:
+        if s3:
+            assert cfg.hibernate is not None
+            raise ConfigError(f"LCHAT_HIBERNATE_BUCKET={cfg.hibernate.bucket}: {e}") from e
+        raise ConfigError(f"LCHAT_DNS_PROVIDER=route53: {e}") from e
+
+
+def _hibernation(
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    pool: UpstreamPool,
+    claims: Claims,
+    run: RunInThread,
+    aws: ResolvedCredentials | None,
+) -> _Hibernation:
+    """The bucket, the activator, its sweeps and (with LCHAT_MESH_SELF) the mesh."""
+    hib = cfg.hibernate
+    assert hib is not None
+    store = objstore.open_store(
+        reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint, credentials=aws
+    )
+    sidecars = Sidecars(reactor, cfg, run, Supervisor(reactor, max_restart_delay=60.0))
+    lifecycle = Lifecycle(reactor, cfg, store, routes, run, sidecars, drop_idle=pool.drop_idle)
+    activator = Activator(reactor, routes, lifecycle, claims)
+    membership = mesh = None
+    may_wake: Callable[[Route], bool] = _anywhere
+    if cfg.mesh is not None:
+        membership = Membership(reactor, store, hib, cfg.mesh)
+        mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
+        may_wake = mesh.is_owner  # due wakes fire only on the owner
+    sweeper = Sweeper(
+        reactor,
+        activator,
+        routes,
+        idle=hib.idle,
+        sweep=hib.sweep,
+        due_sweep=hib.due_sweep,
+        may_wake=may_wake,
+    )
+    check = _BucketCheck(reactor, cfg, store)
+    return _Hibernation(reactor, store, check, activator, sweeper, membership, mesh)
+
+
+@frozen
+class _Certificates:
+    store: tls.CertStore | None = None  # the TLS listener's certificates (HTTPS on)
+    issuer: Issuer | None = None  # ACME (LCHAT_ACME_DIRECTORY not off)
+    responder: ChallengeResponder | None = None  # HTTP-01, on the HTTP listener
+    challenge_socket: str | None = None  # the responder's socket, when HTTP proxies
+
+
+def _certificates(
+    top: MultiService,
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    hibernation: _Hibernation | None,
+    run: RunInThread,
+    aws: ResolvedCredentials | None,
+) -> _Certificates:
+    """The TLS certificate store, the ACME issuer and its HTTP-01 responder, and the shared
+    certificate cache (LCHAT_CERT_CACHE=s3) in the hibernation bucket."""
+    if cfg.https_addr is None:
+        return _Certificates()
+    own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
+    store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own))
+    shared = None
+    if cfg.cert_cache == "s3":
+        assert cfg.hibernate is not None and hibernation is not None  # config refuses s3 without
+        shared = SharedCache(
+            hibernation.store, cfg.cert_cache_key, prefix=cfg.hibernate.prefix, box_id=cfg.box_id
+        )
+    if cfg.acme is not None or shared is not None:
+        LocalCache(cfg.acme_cache).ensure_directory()
+    store.load_initial()
+    store.setServiceParent(top)
+    issuer = responder = challenge_socket = None
+    if cfg.acme is not None:
+        if cfg.http_addr is not None:
+            responder = ChallengeResponder(
+                lookup=shared.get_challenge if shared is not None else None,
+                may_lookup=tls.known_hosts(routes, own),
+            )
+        issuer = _issuer(reactor, cfg, routes, store, responder, shared, own, aws)
+        issuer.setName("acme")
+        if hibernation is not None and shared is not None:
+            hibernation.add_bucket_user(issuer)
+        else:
+            issuer.setServiceParent(top)
+    if shared is not None:
+        assert hibernation is not None
+        sync = CacheSync(
+            reactor,
+            shared,
+            LocalCache(cfg.acme_cache),
+            store.certificates,
+            store.rescan,
+            run,
+            interval=cfg.cert_cache_sync,
+            directory=cfg.acme.directory if cfg.acme is not None else "",
+        )
+        sync.setName("cert-cache")
+        hibernation.add_bucket_user(sync)
+    if responder is not None and not cfg.http_redirect:
+        # Plain HTTP proxies: the proxy hands challenge paths to the responder's own socket.
+        challenge_socket = os.path.join(cfg.run_dir, "acme.sock")
+        clear_stale_socket(challenge_socket)
+        site = QuietSite(responder.site_root())
+        _listen(top, UNIXServerEndpoint(reactor, challenge_socket, mode=0o600), site)
+    return _Certificates(store, issuer, responder, challenge_socket)
+
+
+def _front_door(
+    top: MultiService,
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    pool: UpstreamPool,
+    hibernation: _Hibernation | None,
+    certs: _Certificates,
+) -> None:
+    """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
+    mesh's route-replication API addressed to this box's own name."""
+    mesh_api: tuple[str, str] | None = None
+    if cfg.mesh is not None:
+        # Reached through the proxy by requests addressed to this box's own LCHAT_MESH_SELF
+        # host (the bearer token is checked inside).
+        mesh_socket = os.path.join(cfg.run_dir, "mesh.sock")
+        clear_stale_socket(mesh_socket)
+        site = mesh_site(routes.registry, cfg, routes.reload)
+        _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
+        mesh_api = (cfg.mesh.self_host, mesh_socket)
+    router = Router(
+        routes,
+        cfg.fallback_url,
+        activator=hibernation.activator if hibernation is not None else None,
+        mesh=hibernation.mesh if hibernation is not None else None,
+        mesh_api=mesh_api,
+        acme_challenge=certs.challenge_socket,
+    )
+    factories: list[ProxyFactory] = []
+    door = _FrontDoor(pool, factories, cfg.proxy.drain_grace)
+    if cfg.https_addr is not None:
+        assert certs.store is not None
+        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True)
+        factories.append(secure)
+        _listen(door, tls.https_endpoint(reactor, cfg.https_addr, certs.store), secure)
+    if cfg.http_addr is not None:
+        if cfg.https_addr is not None and cfg.http_redirect:
+            port = _public_port(cfg.https_addr)
+            responder = certs.responder
+            redirect = RedirectToHTTPS(
+                https_port=None if port == 443 else port,
+                acme_challenge=responder.resource() if responder is not None else None,
+            )
+            _listen(top, serverFromString(reactor, cfg.http_addr), QuietSite(redirect))
+        else:
+            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
+            factories.append(proxy)
+            _listen(door, serverFromString(reactor, cfg.http_addr), proxy)
+    door.setServiceParent(top)
+
+
+def _admin(
+    top: MultiService,
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    units: BuiltinUnits | None,
+    hibernation: _Hibernation | None,
+    certs: _Certificates,
+) -> None:
+    """The local admin API (router.sock) and the Prometheus endpoint."""
+    clear_stale_socket(cfg.admin_socket)
+    membership = hibernation.membership if hibernation is not None else None
+    admin = AdminAPI(
+        routes,
+        cfg.units,
+        _children_status(units) if units is not None else None,
+        activator=hibernation.activator if hibernation is not None else None,
+        mesh=_mesh_status(membership) if membership is not None else None,
+        acme=certs.issuer.status if certs.issuer is not None else None,
+    )
+    _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
+    if cfg.metrics_addr is not None:
+        _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
+
+
 def _issuer(
     reactor: Any,
     cfg: BoxConfig,
@@ -300,6 +408,7 @@ def _issuer(
     responder: ChallengeResponder | None,
     shared: SharedCache | None,
     own: tuple[str, ...],
+    aws: ResolvedCredentials | None,
 ) -> Issuer:
     """The ACME issuer, with the host policy: registered and ready hosts, and this box's own name."""
     acme = cfg.acme
@@ -313,6 +422,7 @@ def _issuer(
             dnsimple_account=acme.dnsimple_account,
             route53_zone_id=acme.route53_zone_id,
             route53_endpoint=acme.route53_endpoint,
+            route53_session=aws.session if aws is not None else None,
         )
 
     def may_issue(host: str) -> bool:
@@ -410,46 +520,33 @@ class _SignalReload(Service):
 
 
 class _Hibernation(MultiService):
-    """The bucket, the activator and its sweeps. Stops in order: sweeps, then the activator's
-    drain (flush and release every awake space), and only then the bucket client."""
+    """The bucket, the activator, its sweeps and the mesh's membership, stopped in order: sweeps,
+    then the heartbeat (peers take our spaces over while we drain them), the bucket's other users,
+    the activator's drain (flush and release every awake space), and only then the bucket client."""
 
     def __init__(
-        self, reactor: Any, cfg: BoxConfig, routes: RouteSource, pool: UpstreamPool
+        self,
+        reactor: Any,
+        store: objstore.ObjectStore,
+        check: _BucketCheck,
+        activator: Activator,
+        sweeper: Sweeper,
+        membership: Membership | None,
+        mesh: MeshRouter | None,
     ) -> None:
         super().__init__()
-        assert cfg.hibernate is not None
+        self.setName("hibernation")
         self._reactor = reactor
-        self.store: objstore.ObjectStore = objstore.open_store(
-            reactor,
-            cfg.hibernate.bucket,
-            region=cfg.hibernate.region,
-            endpoint=cfg.hibernate.endpoint,
-        )
-        self.check = _BucketCheck(reactor, cfg, self.store)
-        self.activator = Activator(reactor, cfg, routes, self.store, drop_idle=pool.drop_idle)
-        self.membership: Membership | None = None
-        self.mesh: MeshRouter | None = None
-        may_wake: Callable[[Route], bool] = _anywhere
-        if cfg.mesh is not None:
-            self.membership = Membership(reactor, self.store, cfg.hibernate, cfg.mesh)
-            self.mesh = MeshRouter(cfg, self.store, self.membership, self.activator)
-            may_wake = self.mesh.is_owner  # due wakes fire only on the owner
-        self.sweeper = Sweeper(
-            reactor,
-            self.activator,
-            routes,
-            idle=cfg.hibernate.idle,
-            sweep=cfg.hibernate.sweep,
-            due_sweep=cfg.hibernate.due_sweep,
-            may_wake=may_wake,
-        )
+        self.store = store
+        self.check = check
+        self.activator = activator
+        self.sweeper = sweeper
+        self.membership = membership
+        self.mesh = mesh
         self._bucket_users: list[Service] = []
-        services: list[Service] = [self.check]
-        if self.membership is not None:
-            services.append(self.membership)
-        services += [self.activator, self.sweeper]
-        for service in services:
-            service.setServiceParent(self)
+        for service in (check, membership, activator, sweeper):
+            if service is not None:
+                service.setServiceParent(self)
 
     def add_bucket_user(self, service: Service) -> None:
         """A service that uses the bucket (the shared certificate cache): started with the rest,
@@ -557,18 +654,43 @@ def _probe_name(box: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", box)[:200] or "box"
 
 
-class _Closer(Service):
-    """At shutdown: close idle client connections and idle upstream connections."""
+class _FrontDoor(MultiService):
+    """The proxy's listeners (its children) and their connections. Stopping is the front door's
+    drain, in this order, so that no request is lost to a race with the stop:
 
-    def __init__(self, pool: UpstreamPool, factories: list[ProxyFactory]) -> None:
+    1. every listener accepts what the kernel already queued and closes its socket (a peer that
+       dials now is refused, and routes around this box);
+    2. from now on every answer closes its connection; connections idle between requests close
+       now, upgraded ones too (their spaces are stopping); a connection that has not sent its
+       first request yet is answered (ProxyFactory.close);
+    3. the rest, requests in flight (a hibernating space's are let finish before it stops), may
+       take up to ``cfg.drain_grace`` seconds; then they are aborted and idle upstream
+       connections closed.
+    """
+
+    def __init__(self, pool: UpstreamPool, factories: list[ProxyFactory], grace: float) -> None:
+        super().__init__()
+        self.setName("front-door")
         self._pool = pool
         self._factories = factories
+        self._grace = grace
 
-    def stopService(self) -> Any:
-        super().stopService()
+    def stopService(self) -> Deferred[None]:
+        listeners = [maybeDeferred(s.stopService) for s in reversed(list(self))]
+        Service.stopService(self)
+        return Deferred.fromCoroutine(self._drain(listeners))
+
+    async def _drain(self, listeners: list[Deferred[Any]]) -> None:
+        for stopped in listeners:
+            try:
+                await stopped
+            except Exception:
+                _log.failure("a listener did not stop cleanly")
         for factory in self._factories:
             factory.close()
-        return self._pool.close()
+        for factory in self._factories:
+            await factory.quiesced(self._grace)
+        await self._pool.close()
 
 
 def _public_port(address: str) -> int | None:

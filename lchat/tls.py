@@ -27,7 +27,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from attrs import field, frozen
 from cryptography import x509
@@ -39,7 +39,10 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import (
+    IAddress,
+    IHandshakeListener,
     IListeningPort,
+    IProtocol,
     IProtocolFactory,
     IReactorTime,
     IStreamServerEndpoint,
@@ -745,30 +748,74 @@ class _TLSEndpoint:
 
 
 class _ObservedTLS(BufferingTLSTransport):
-    """Reports a handshake that did not complete (the only place one is observable)."""
+    """The front door's TLS transport. It only notes whether the peer sent anything: a connection
+    closed before its first byte is a TCP probe, not a failed handshake."""
 
-    _received = False
+    received = False
 
     def dataReceived(self, data: bytes) -> None:
-        self._received = True
+        self.received = True
         super().dataReceived(data)
 
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        # A connection closed before sending a byte is a TCP probe, not a failed handshake.
-        if not self._handshakeDone and self._received and self._tlsConnection is not None:
-            self._report(self._reason or reason)
-        super().connectionLost(reason)
 
-    def _report(self, reason: Failure) -> None:
-        connection: SSL.Connection = self._tlsConnection
-        store = cast(_TLSFactory, self.factory).store
+@implementer(IProtocol, IHandshakeListener)
+class _HandshakeWatch:
+    """Sits between the TLS transport and the application's protocol and reports a handshake
+    that did not complete (the only place one is observable).
+
+    Built on public interfaces only: TLS tells its protocol that the handshake completed
+    (``IHandshakeListener.handshakeCompleted``) and hands it the handshake's error as the
+    ``connectionLost`` reason, and ``getHandle()`` is the OpenSSL connection (SNI name, context).
+    Everything else reaches the application unchanged: its transport is the TLS transport itself
+    (``makeConnection`` passes it on), and ``dataReceived`` is the application's own bound method,
+    so a request costs no extra call.
+    """
+
+    def __init__(self, app: IProtocol, store: CertStore) -> None:
+        self._app = app
+        self._store = store
+        self._tls: _ObservedTLS | None = None
+        self._connection: SSL.Connection | None = None
+        self._completed = False
+        self.dataReceived = app.dataReceived
+
+    def makeConnection(self, transport: Any) -> None:
+        self._tls = transport
+        self._connection = transport.getHandle()
+        self._app.makeConnection(transport)
+
+    def connectionMade(self) -> None:
+        """Not called: ``makeConnection`` hands the connection to the application whole."""
+
+    def handshakeCompleted(self) -> None:
+        self._completed = True
+        if IHandshakeListener.providedBy(self._app):
+            self._app.handshakeCompleted()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        try:
+            tls = self._tls
+            if not self._completed and tls is not None and tls.received:
+                self._report(tls, reason)
+        finally:
+            self._app.connectionLost(reason)
+
+    def logPrefix(self) -> str:
+        prefix = getattr(self._app, "logPrefix", None)
+        return str(prefix()) if prefix is not None else self._app.__class__.__name__
+
+    def _report(self, tls: _ObservedTLS, reason: Failure) -> None:
+        connection = self._connection
+        if connection is None:
+            return
         server_name = connection.get_servername()
         name = server_name.decode("ascii", "replace") if server_name else ""
-        address = self.transport.getPeer() if self.transport is not None else None
+        address = tls.transport.getPeer() if tls.transport is not None else None
         host, port = getattr(address, "host", None), getattr(address, "port", None)
         peer = f"{host}:{port}" if host is not None else str(address)
         error = reason.value
         detail = _ssl_reasons(error) if isinstance(error, SSL.Error) else ""
+        store = self._store
         kind = _classify(error, detail, store.is_dispatch_context(connection.get_context()))
         store.handshake_failed(kind, name, peer, detail or reason.getErrorMessage())
 
@@ -779,6 +826,12 @@ class _TLSFactory(TLSMemoryBIOFactory):
     def __init__(self, store: CertStore, wrapped: IProtocolFactory, clock: IReactorTime) -> None:
         super().__init__(store.connection_creator, False, wrapped, clock)
         self.store = store
+
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        app = self.wrappedFactory.buildProtocol(addr)
+        if app is None:
+            return None  # the application refused the connection
+        return self.protocol(self, _HandshakeWatch(app, self.store))
 
 
 def _ssl_reasons(error: SSL.Error) -> str:

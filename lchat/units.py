@@ -18,8 +18,9 @@ from twisted.logger import Logger
 
 from lchat import hosts
 from lchat.config import BoxConfig, ConfigError, read_env_file
-from lchat.registry import Registry, RouteSource, RouteTable
+from lchat.registry import Registry, Route, RouteSource, RouteTable
 from lchat.supervise import ChildSpec, Supervisor
+from lchat.threads import RunInThread
 
 _log = Logger(namespace="lchat.units")
 
@@ -68,41 +69,65 @@ def space_env(
     return env
 
 
+class Claims:
+    """The hosts another part of the router runs right now (the activator, from the start of a
+    wake to the end of its stand-down), which builtin units must leave alone: after a row's
+    hibernate flag is cleared, two children on one socket would fight. Reactor thread only."""
+
+    def __init__(self) -> None:
+        self._hosts: set[str] = set()
+        self._released: list[Callable[[str], object]] = []
+
+    def __contains__(self, host: object) -> bool:
+        return host in self._hosts
+
+    def claim(self, host: str) -> None:
+        self._hosts.add(host)
+
+    def release(self, host: str) -> None:
+        """``host`` is no longer run elsewhere: tell every listener."""
+        if host in self._hosts:
+            self._hosts.discard(host)
+            for listener in list(self._released):
+                try:
+                    listener(host)
+                except Exception:
+                    _log.failure("claims listener failed for {host}", host=host)
+
+    def on_release(self, listener: Callable[[str], object]) -> None:
+        self._released.append(listener)
+
+
 class BuiltinUnits(MultiService):
-    """Keeps one child per non-hibernating instance row and reports its health to the registry."""
+    """Keeps one child per non-hibernating instance row (not claimed by the activator) and reports
+    its health to the registry."""
 
     def __init__(
         self,
         reactor: Any,
         cfg: BoxConfig,
         routes: RouteSource,
+        claims: Claims,
+        run_in_thread: RunInThread,
         supervisor: Supervisor | None = None,
-        run_in_thread: Callable[[Callable[[], Any]], Deferred[Any]] | None = None,
     ) -> None:
         super().__init__()
         self._reactor = reactor
         self._cfg = cfg
         self._routes = routes
         self._registry: Registry = routes.registry
-        self._run = run_in_thread or routes.run_in_thread
+        self._run = run_in_thread
+        self._claims = claims
         self.supervisor = supervisor or Supervisor(reactor, on_state=self._on_state)
         self.supervisor.setServiceParent(self)
         self._spec_errors: dict[str, str] = {}
-        self._held_elsewhere: Callable[[str], bool] = lambda host: False
         routes.subscribe(self._changed)
+        claims.on_release(self._released)
 
-    def defer_to(self, held: Callable[[str], bool]) -> Callable[[str], None]:
-        """Leave a host alone while ``held(host)`` (the activator still runs or stops it after
-        its hibernate flag was cleared: two children on one socket would fight). Returns the
-        function to call when a host is released, which re-applies the table."""
-        self._held_elsewhere = held
-
-        def released(host: str) -> None:
-            route = self._routes.table.get(host)
-            if route is not None and route.kind == "instance" and not route.hibernate:
-                self._apply(self._routes.table)
-
-        return released
+    def _released(self, host: str) -> None:
+        route = self._routes.table.get(host)
+        if route is not None and route.kind == "instance" and not route.hibernate:
+            self._apply(self._routes.table)
 
     def startService(self) -> None:
         super().startService()
@@ -112,35 +137,29 @@ class BuiltinUnits(MultiService):
         self._apply(new)
 
     def _apply(self, table: RouteTable) -> Deferred[None]:
-        d = self._run(lambda: self._desired(table))
-        d.addCallback(self.supervisor.want)
+        # Which rows is decided here, on the reactor thread (the claims are the activator's
+        # state); only reading their env files happens in a thread.
+        rows = [
+            r
+            for r in table
+            if r.kind == "instance" and not r.hibernate and r.host not in self._claims
+        ]
+        cfg = self._cfg
+        d = self._run(lambda: _specs(cfg, rows))
+        d.addCallback(self._want, table)
         d.addErrback(lambda f: _log.failure("could not compute the spaces to run", f))
         return d
 
-    def _desired(self, table: RouteTable) -> dict[str, ChildSpec]:
-        """Runs in a thread: reads each row's env file."""
-        specs: dict[str, ChildSpec] = {}
-        errors: dict[str, str] = {}
-        for route in table:
-            if route.kind != "instance" or route.hibernate or self._held_elsewhere(route.host):
-                continue
-            try:
-                env = space_env(self._cfg, route.host, route.socket)
-                argv = tuple(self._cfg.space_argv(route.host))
-            except (EnvFileError, hosts.InvalidHost) as e:
-                errors[route.host] = str(e)
-                continue
-            specs[route.host] = ChildSpec(
-                name=route.host, argv=argv, env=env, ready_socket=route.socket
-            )
+    def _want(self, built: tuple[dict[str, ChildSpec], dict[str, str]], table: RouteTable) -> None:
+        specs, errors = built
         for host, error in errors.items():
             if self._spec_errors.get(host) != error:
                 _log.error("space {host} cannot start: {error}", host=host, error=error)
             row = table.get(host)
             if row is not None and (row.status, row.last_error) != ("failed", error):
-                self._registry.set_status(host, "failed", error)
+                self._write(host, "failed", error)
         self._spec_errors = errors
-        return specs
+        self.supervisor.want(specs)
 
     def _on_state(self, host: str, state: str, detail: str) -> None:
         route = self._routes.table.get(host)
@@ -157,3 +176,20 @@ class BuiltinUnits(MultiService):
         d.addErrback(
             lambda f: _log.failure("could not record {host} as {s}", f, host=host, s=status)
         )
+
+
+def _specs(cfg: BoxConfig, rows: list[Route]) -> tuple[dict[str, ChildSpec], dict[str, str]]:
+    """Runs in a thread: each row's child, from its env file; or why it cannot start."""
+    specs: dict[str, ChildSpec] = {}
+    errors: dict[str, str] = {}
+    for route in rows:
+        try:
+            env = space_env(cfg, route.host, route.socket)
+            argv = tuple(cfg.space_argv(route.host))
+        except (EnvFileError, hosts.InvalidHost) as e:
+            errors[route.host] = str(e)
+            continue
+        specs[route.host] = ChildSpec(
+            name=route.host, argv=argv, env=env, ready_socket=route.socket
+        )
+    return specs, errors

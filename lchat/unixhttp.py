@@ -33,7 +33,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IResponse
 from zope.interface import implementer
 
-from lchat.webutil import BytesProducer, quiet_pool
+from lchat.twisted_internals import quiet_pool
+from lchat.webutil import BytesProducer
 
 MAX_BODY = 1 << 20  # probes and next-due answers are tiny; anything bigger is a misbehaving peer
 

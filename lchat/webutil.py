@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IConsumer
-from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http import Request
 from twisted.web.iweb import IBodyProducer
 from twisted.web.server import Site
@@ -23,15 +22,16 @@ class QuietSite(Site):
         pass
 
 
-class _QuietClientFactory(_HTTP11ClientFactory):
-    noisy = False  # one per connection: "Starting factory" lines would drown the log
+def answerable(request: Request) -> Callable[[], bool]:
+    """Call before answering ``request`` asynchronously: the function returned says whether it can
+    still be answered (neither finished nor abandoned by its client, whose ``finish()`` would raise).
 
-
-def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
-    """An HTTP client connection pool whose per-connection factories do not log."""
-    pool = HTTPConnectionPool(reactor, persistent=persistent)
-    pool._factory = _QuietClientFactory
-    return pool
+    Learnt from the public ``Request.notifyFinish()``, whose Deferred fails when the connection is
+    lost before the request finishes (not from the private ``Request._disconnected``).
+    """
+    lost: list[bool] = []
+    request.notifyFinish().addErrback(lambda _: lost.append(True))
+    return lambda: not lost and not request.finished
 
 
 @implementer(IBodyProducer)

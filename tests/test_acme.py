@@ -35,9 +35,8 @@ from lchat import config
 from lchat.acme.cache import CertName, key_id, split_pem
 from lchat.acme.issuer import Issuer
 from lchat.config import BoxConfig
-from lchat.listener import Listener
 from lchat.registry import Registry, Route
-from lchat.tap import build_service
+from lchat.tap import build_service, listening_ports
 from tests import acmeservers
 from tests.dnsimple_double import DNSimpleDouble
 from tests.s3servers import free_ports, shared_server, start_server
@@ -210,7 +209,7 @@ class AcmeTestCase(TestCase):
         service = build_service(cfg, reactor, poll_interval=0.2)
         service.startService()
         self.addCleanup(service.stopService)
-        ports: list[Any] = [s.port for s in service if isinstance(s, Listener) and s.port]
+        ports: list[Any] = listening_ports(service)
         tls_port = next(
             p.getHost().port
             for p in ports

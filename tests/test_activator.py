@@ -25,14 +25,17 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 
-from lchat import activator as activator_module
 from lchat import config, lease
 from lchat.config import BoxConfig
-from lchat.listener import Listener
+from lchat.hibernation import activator as activator_module
+from lchat.hibernation import lifecycle as lifecycle_module
+from lchat.hibernation.localdb import MARKER_SUFFIX
+from lchat.hibernation.space import Budgets
 from lchat.objstore import open_store
 from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
-from lchat.tap import build_service
+from lchat.supervise import listener_pid
+from lchat.tap import build_service, listening_ports
 from tests import s3servers
 from tests.routerproc import spawn_router
 
@@ -113,7 +116,7 @@ class _Harness(TestCase):
         service = build_service(cfg, reactor, poll_interval=0.2)
         service.startService()
         self.addCleanup(service.stopService)
-        ports: list[Any] = [s.port for s in service if isinstance(s, Listener) and s.port]
+        ports: list[Any] = listening_ports(service)
         self.port = next(p.getHost().port for p in ports if hasattr(p.getHost(), "port"))
         self.cfg = cfg
         self.service = service
@@ -177,15 +180,15 @@ class HibernationTests(_Harness):
     def test_concurrent_first_requests_share_one_wake(self):
         self.add_space("a.example")
         spawned: list[Any] = []
-        real_spawn = activator_module.spawn
+        real_spawn = lifecycle_module.spawn
 
         def counting_spawn(*args: Any, **kwargs: Any) -> Any:
             child = real_spawn(*args, **kwargs)
             spawned.append(child)
             return child
 
-        self.patch(activator_module, "spawn", counting_spawn)
-        self.start()
+        self.patch(lifecycle_module, "spawn", counting_spawn)
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))  # no idle sleep on a slow machine
         self.assertEqual(self.state("a.example"), "asleep")
         results = yield DeferredList(
             [self.request("a.example") for _ in range(200)], consumeErrors=True
@@ -278,7 +281,7 @@ class HibernationTests(_Harness):
         after the ready budget: child killed, lease released, nothing remembered."""
         self.add_space("slow.example")
         self.start(self.config(LCHAT_SPACE_COMMAND="sleep 60"))
-        self.activator.budgets = activator_module.Budgets(queue=0.5, ready=2.0, stop=1.0)
+        self.activator.budgets = Budgets(queue=0.5, ready=2.0, stop=1.0)
         before = metric("lchat_activator_unavailable_total", reason="queue_timeout")
         started = time.monotonic()
         response, body = yield self.request("slow.example")
@@ -307,7 +310,7 @@ class HibernationTests(_Harness):
         self.assertEqual(response.code, 201, body)
         yield self.wait_for(lambda: self.state("s.example") == "asleep", timeout=10)
         self.assertFalse(self.lock_exists("s.example"))  # released
-        marker = os.path.join(self.data, "s.example.db" + activator_module.MARKER_SUFFIX)
+        marker = os.path.join(self.data, "s.example.db" + MARKER_SUFFIX)
         self.assertTrue(os.path.exists(marker))
         # The parked copy restores to exactly the local database.
         out = os.path.join(self.dir, "restored.db")
@@ -477,7 +480,7 @@ class HibernationTests(_Harness):
         self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
         yield self.request("cold.example", "/api/rooms/r/messages", b"POST", b'{"body": "one"}')
         yield self.activator.sleep("cold.example", "test")
-        for suffix in ("", "-wal", "-shm", activator_module.MARKER_SUFFIX):
+        for suffix in ("", "-wal", "-shm", MARKER_SUFFIX):
             path = os.path.join(self.data, "cold.example.db" + suffix)
             if os.path.exists(path):
                 os.unlink(path)
@@ -515,7 +518,7 @@ class HibernationTests(_Harness):
         yield self.activator.sleep("stale.example", "test")
         db = os.path.join(self.data, "stale.example.db")
         old = os.path.join(self.dir, "old.db")
-        suffixes = ("", "-wal", "-shm", activator_module.MARKER_SUFFIX)
+        suffixes = ("", "-wal", "-shm", MARKER_SUFFIX)
         _move(db, old, suffixes)  # renames keep inode and mtime: the marker still holds
         yield self.request("stale.example", "/api/rooms/r/messages", b"POST", b'{"body": "b"}')
         yield self.activator.sleep("stale.example", "test")
@@ -631,7 +634,7 @@ class HibernationTests(_Harness):
                 orphan.wait()
 
         self.addCleanup(reap)
-        yield self.wait_for(lambda: activator_module._listener_pid(sock) == orphan.pid)
+        yield self.wait_for(lambda: listener_pid(sock) == orphan.pid)
         self.start()
         response, body = yield self.request("orphan.example")
         self.assertEqual(response.code, 200, body)
@@ -688,7 +691,7 @@ class HibernationS3Tests(_Harness):
     @inlineCallbacks
     def test_cold_wake_with_the_bucket_down_is_a_503_then_works(self):
         server, _ = yield self._s3_router("cold-s3.example")
-        self.activator.budgets = activator_module.Budgets(queue=3.0)
+        self.activator.budgets = Budgets(queue=3.0)
         server.pause()
         try:
             response, body = yield self.request("cold-s3.example")

@@ -19,8 +19,9 @@ import sys
 import time
 from typing import Any
 
-from lchat import activator, hosts
+from lchat import hosts
 from lchat.cli import admin_client, backup, envfile
+from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.registry import Route
 from tests.routerproc import spawn_router
 from tests.test_cli import REPO, TOKEN, CliTestCase, Result, _gone, token_from
@@ -320,7 +321,7 @@ class RoundTripTests(HibernateTestCase):
         self.assertEqual((route.hibernate, route.next_due), (False, 0))
         self.assertFalse(self.lease_held(host))
         self.assertTrue(self.replica_files(host))  # the parked copy the activator flushed
-        self.assertFalse(os.path.exists(route.db_path + activator.MARKER_SUFFIX))
+        self.assertFalse(os.path.exists(route.db_path + MARKER_SUFFIX))
         self.assertEqual(self.messages(host), ["before", "while hibernating"])
         row = self.instances()[host]
         self.assertEqual((row["HIBERNATE"], row["STATE"]), ("off", "ready"))
@@ -505,10 +506,10 @@ class BornAsleepTests(HibernateTestCase):
     def test_removes_a_clean_sleep_marker_it_cannot_vouch_for(self) -> None:
         host = "again.example.com"
         db = hosts.db_path(self.data_dir, host)
-        with open(db + activator.MARKER_SUFFIX, "w") as f:
+        with open(db + MARKER_SUFFIX, "w") as f:
             f.write('{"txid": 7}')
         self.assertEqual(self.lchat("add-instance", host, "--hibernate").code, 0)
-        self.assertFalse(os.path.exists(db + activator.MARKER_SUFFIX))
+        self.assertFalse(os.path.exists(db + MARKER_SUFFIX))
 
 
 # --- the backup replicator's config --------------------------------------------------------------

@@ -924,11 +924,16 @@ class MakeProviderTests(SynchronousTestCase):
         self.assertIn("LCHAT_DNSIMPLE_TOKEN", str(e))
 
     def test_route53(self) -> None:
+        session = botocore.session.Session()  # the router's, with the credentials it resolved
         provider = make_provider(
-            "route53", route53_zone_id="Z1", route53_endpoint="http://127.0.0.1:1"
+            "route53",
+            route53_zone_id="Z1",
+            route53_endpoint="http://127.0.0.1:1",
+            route53_session=session,
         )
-        self.assertIsInstance(provider, Route53)
+        assert isinstance(provider, Route53)
         self.assertEqual(provider.name, "route53")
+        self.assertIs(provider._session, session)
 
     def test_unknown(self) -> None:
         e = self.assertRaises(ValueError, make_provider, "cloudflare", dnsimple_token=TOKEN)

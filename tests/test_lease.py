@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from attrs import evolve
 from hypothesis import HealthCheck, settings
@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
 from twisted.internet import task
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorFromThreads, IReactorTime
 from twisted.internet.threads import blockingCallFromThread, deferToThread
 from twisted.protocols import portforward
@@ -842,6 +842,178 @@ class KeeperTimingTests(TestCase):
         self.assertGreaterEqual(lost.calls[0][1], keeper.deadline)
 
 
+class _Disk:
+    """A file store's ``run_in_thread`` that runs the disk work inline (no thread, no reactor)
+    and records the fake clock's reading at each call; ``before[n]`` runs just before the n-th
+    call (0-based), to put another box's write between two of ours."""
+
+    def __init__(self, clock: task.Clock) -> None:
+        self.clock = clock
+        self.at: list[float] = []
+        self.before: dict[int, Callable[[], object]] = {}
+
+    def __call__(self, work: Callable[[], Any]) -> Deferred[Any]:
+        hook = self.before.pop(len(self.at), None)
+        self.at.append(self.clock.seconds())
+        if hook is not None:
+            hook()
+        return maybeDeferred(work)
+
+
+class KeeperClockTests(SynchronousTestCase):
+    """The keeper's timing with nothing real but the disk: one ``task.Clock`` is its reactor and
+    its monotonic clock (unless a test separates them), and the file store runs inline."""
+
+    def setUp(self) -> None:
+        self.root = os.path.abspath(self.mktemp())
+        os.makedirs(self.root)
+        self.clock = task.Clock()
+        self.disk = _Disk(self.clock)
+        self.store = FileStore(self.clock, self.root, run_in_thread=self.disk)
+
+    def held(self, ttl: float, monotonic: Callable[[], float] | None = None) -> HeldLease:
+        return self.successResultOf(
+            d(
+                lease.acquire(
+                    self.store,
+                    KEY,
+                    "box-a",
+                    ttl,
+                    host=HOST,
+                    monotonic=monotonic or self.clock.seconds,
+                )
+            )
+        )
+
+    def keeper(self, held: HeldLease, lost: Lost, **kw: Any) -> LeaseKeeper:
+        kw.setdefault("monotonic", self.clock.seconds)
+        keeper = LeaseKeeper(self.clock, self.store, held, lost, **kw)
+        keeper.start()
+        self.addCleanup(keeper.stop)
+        return keeper
+
+    def advance_to(self, when: float) -> None:
+        """Move the clock to ``when``, stopping at every timer due on the way."""
+        while True:
+            due = [c.getTime() for c in self.clock.getDelayedCalls() if c.getTime() <= when]
+            if not due:
+                break
+            self.clock.advance(max(0.0, min(due) - self.clock.seconds()))
+        self.clock.advance(max(0.0, when - self.clock.seconds()))
+
+    def disk_away(self) -> None:
+        os.rename(self.root, self.root + ".away")  # every operation: StoreUnavailable
+
+    def disk_back(self) -> None:
+        os.rename(self.root + ".away", self.root)
+
+    def test_failed_renewals_back_off_doubling_up_to_the_deadline(self) -> None:
+        """TTL 300: renewals every 100 s; a failed one is retried after 1, 2, 4, 8 s, then every
+        10 s (a tenth of the period), the last retry cut short to the deadline (300 - 30), where
+        the keeper stands down without trying again."""
+        held = self.held(300.0)
+        lost = Lost()
+        keeper = self.keeper(held, lost)
+        self.assertEqual((keeper.renew_every, keeper.deadline), (100.0, 270.0))
+        errors = metric("renew", "error")
+        self.advance_to(99.0)
+        self.disk_away()
+        calls = len(self.disk.at)
+        self.advance_to(269.9)
+        tries = [100.0, 101.0, 103.0, 107.0, 115.0, *range(125, 270, 10)]
+        self.assertEqual(self.disk.at[calls:], tries)
+        self.assertEqual(metric("renew", "error"), errors + len(tries))
+        self.assertEqual(lost.calls, [])
+        self.assertTrue(keeper.holds())
+        self.advance_to(270.0)
+        self.assertEqual(lost.reasons, ["could not renew before expiry"])
+        self.assertEqual(self.disk.at[calls:], tries)  # not one more attempt at the deadline
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_renewal_that_succeeds_after_failures_restarts_the_cadence_and_the_backoff(
+        self,
+    ) -> None:
+        held = self.held(300.0)
+        lost = Lost()
+        keeper = self.keeper(held, lost)
+        self.advance_to(99.0)
+        self.disk_away()
+        calls = len(self.disk.at)
+        self.advance_to(150.0)
+        self.disk_back()
+        self.advance_to(254.0)
+        # The retry at 155 lands: the next renewal is a period after it, not on the old grid.
+        self.assertEqual(
+            self.disk.at[calls:], [100.0, 101.0, 103.0, 107.0, 115.0, 125.0, 135.0, 145.0, 155.0]
+        )
+        self.assertEqual((keeper.lease.written_at, keeper.deadline), (155.0, 425.0))
+        self.advance_to(255.0)
+        self.assertEqual(keeper.lease.written_at, 255.0)
+        self.disk_away()
+        calls = len(self.disk.at)
+        self.advance_to(363.0)
+        self.assertEqual(self.disk.at[calls:], [355.0, 356.0, 358.0, 362.0])  # 1 s again
+        self.assertEqual(lost.calls, [])
+        self.disk_back()
+        self.advance_to(370.0)
+        self.assertEqual(keeper.lease.written_at, 370.0)
+        self.assertEqual((await_head(self, self.store)).etag, keeper.lease.etag)
+
+    def test_holds_is_false_from_the_deadline_even_when_the_reactor_runs_late(self) -> None:
+        """The reactor's timers have not fired (a blocked or late reactor): ``holds()`` still
+        reads the monotonic clock itself, and reports the loss once."""
+        monotonic = [0.0]
+        held = self.held(30.0, monotonic=lambda: monotonic[0])
+        lost = Lost()
+        keeper = self.keeper(held, lost, monotonic=lambda: monotonic[0])
+        calls = len(self.disk.at)
+        monotonic[0] = 26.999
+        self.assertTrue(keeper.holds())
+        keeper.ensure_held()
+        monotonic[0] = 27.0  # the deadline (30 - 3): the clock driving the timers never moved
+        self.assertFalse(keeper.holds())
+        self.assertEqual(lost.reasons, ["could not renew before expiry"])
+        with self.assertRaises(LeaseLost):
+            keeper.ensure_held()
+        self.assertEqual(self.clock.getDelayedCalls(), [])  # the late timers are gone
+        self.clock.advance(100.0)
+        self.assertFalse(keeper.holds())
+        self.assertEqual(len(lost.calls), 1)
+        self.assertEqual(self.disk.at[calls:], [])  # no renewal after the loss
+        # Nor a release: the lock is left to expire (it is still ours, untouched).
+        self.assertFalse(self.successResultOf(d(keeper.release(5.0))))
+        self.assertEqual(await_head(self, self.store).etag, held.etag)
+
+    def test_release_never_deletes_a_lock_replaced_between_its_read_and_its_delete(self) -> None:
+        """Our own renewal landed unseen (our etag is stale), so release reads the lock, finds
+        our lease_id and deletes that version with If-Match; box-b's takeover lands between the
+        read and the delete: the delete fails its condition and box-b's lock stays."""
+        held = self.held(30.0)
+        now = self.successResultOf(d(self.store.now()))
+        unseen = self.successResultOf(
+            d(self.store.put(KEY, held.record(now).to_json(), if_match=held.etag))
+        )
+        other = FileStore(self.clock, self.root, run_in_thread=maybeDeferred)
+        theirs = evolve(held, owner="box-b", generation=2, lease_id="b" * 32)
+
+        def takeover() -> None:
+            body = theirs.record(now).to_json()
+            self.successResultOf(d(other.put(KEY, body, if_match=unseen.etag)))
+
+        # release: DELETE If-Match (stale: fails), GET (ours), [box-b's PUT], DELETE If-Match.
+        self.disk.before[len(self.disk.at) + 2] = takeover
+        lost_releases = metric("release", "lost")
+        self.assertFalse(self.successResultOf(d(lease.release(self.clock, self.store, held, 5.0))))
+        self.assertEqual(metric("release", "lost"), lost_releases + 1)
+        _, record = self.successResultOf(d(read_record(self.store)))
+        self.assertEqual((record.owner, record.lease_id), ("box-b", "b" * 32))
+
+
+def await_head(test: SynchronousTestCase, store: ObjectStore) -> ObjectInfo:
+    info: ObjectInfo = test.successResultOf(d(store.head(KEY)))
+    return info
+
+
 class ProcessContenderTests(TestCase):
     """Ten OS processes race for one lease on the file store (flock across processes)."""
 
@@ -942,6 +1114,9 @@ class ShiftedBucketClock:
 
     async def get_to_file(self, key: str, path: str) -> ObjectInfo:
         return self._info(await self.store.get_to_file(key, path))
+
+    async def get_into(self, key: str, sink: IO[bytes]) -> int:
+        return await self.store.get_into(key, sink)
 
     async def head(self, key: str) -> ObjectInfo:
         return self._info(await self.store.head(key))

@@ -22,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import errno
 import hashlib
+import io
 import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -117,6 +120,38 @@ def sleep(seconds: float) -> Deferred[None]:
 def _remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+class _RecordingSink(io.BytesIO):
+    """A sink that records how ``get_into`` used it (and can fail its first write)."""
+
+    def __init__(self, initial: bytes = b"", fail: Exception | None = None) -> None:
+        super().__init__(initial)
+        self.fail = fail
+        self.rewound = False
+        self.writes = 0
+        self.threads: set[int] = set()
+        self.overlapped = False
+        self._busy = threading.Lock()
+        self.seek(0, os.SEEK_END)  # as a file an earlier attempt wrote to
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.rewound = self.rewound or (offset, whence) == (0, os.SEEK_SET)
+        return super().seek(offset, whence)
+
+    def write(self, data: Any) -> int:
+        if not self._busy.acquire(blocking=False):
+            self.overlapped = True
+            self._busy.acquire()
+        try:
+            self.writes += 1
+            self.threads.add(threading.get_ident())
+            if self.fail is not None:
+                raise self.fail
+            time.sleep(0.001)  # long enough for a second writer to be caught overlapping
+            return super().write(data)
+        finally:
+            self._busy.release()
 
 
 def rss_high_water() -> int | None:
@@ -475,6 +510,31 @@ class Conformance(_Mixin):
         assert (await in_thread(os.path.getsize, dst)) == size
         assert await in_thread(file_md5, dst) == digest
         assert (await self.store.head("big/object")).size == size
+
+    async def test_get_into_streams_into_a_sink(self) -> None:
+        body = os.urandom(3 * MB + 12345)  # a few pieces
+        await self.store.put("into/object", body)
+        sink = _RecordingSink(b"left by an abandoned attempt")
+        assert await self.store.get_into("into/object", sink) == len(body)
+        assert sink.getvalue() == body  # rewound first: nothing of what was there is left
+        assert sink.rewound
+        assert sink.writes, "no write"
+        assert threading.get_ident() not in sink.threads, "a sink write on the reactor thread"
+        assert not sink.overlapped, "two writes at once"
+        async with self.raises(NotFound):
+            await self.store.get_into("into/missing", _RecordingSink())
+
+    async def test_get_into_raises_the_sinks_own_error(self) -> None:
+        await self.store.put("into/full", os.urandom(2 * MB))
+        sink = _RecordingSink(fail=OSError(errno.ENOSPC, "No space left on device"))
+        try:
+            await self.store.get_into("into/full", sink)
+        except Exception as e:
+            # The sink's fault, as it is: not a store error, and not retried.
+            assert type(e) is OSError and e.errno == errno.ENOSPC, repr(e)
+        else:
+            raise AssertionError("the sink's error was swallowed")
+        assert sink.writes == 1, sink.writes
 
     # -- errors ----------------------------------------------------------------------------------
 

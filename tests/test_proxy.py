@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, cast
 
-from attrs import define, field
+from attrs import define, evolve, field
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -66,28 +66,45 @@ def sleep(seconds: float) -> Deferred[None]:
 
 
 @define
-class StaticRouter:
-    targets: dict[str, Target]
-    heads: list[RequestHead] = field(factory=list)
-
-    def route(self, head: RequestHead) -> Target:
-        self.heads.append(head)
-        return self.targets.get(head.host) or LocalResponse(404, b"unknown\n", label="unknown")
-
-
-@define
 class Observer:
+    """Hands out in-flight tickets (lchat.router.InFlight) that record each request's path."""
+
     events: list[tuple[str, str]] = field(factory=list)
 
-    def request_started(self, head: RequestHead, target: Target) -> None:
-        self.events.append(("start", head.target.decode()))
-
-    def request_ended(self, head: RequestHead, target: Target) -> None:
-        self.events.append(("end", head.target.decode()))
+    def ticket(self, path: str) -> _Ticket:
+        return _Ticket(self, path)
 
     @property
     def in_flight(self) -> int:
         return sum(1 if kind == "start" else -1 for kind, _ in self.events)
+
+
+@define
+class _Ticket:
+    observer: Observer
+    path: str
+
+    def request_started(self, upgrade: bool) -> None:
+        self.observer.events.append(("start", self.path))
+
+    def request_ended(self, upgrade: bool) -> None:
+        self.observer.events.append(("end", self.path))
+
+
+@define
+class StaticRouter:
+    """Routes by host to fixed targets; a socket target carries ``observer``'s ticket."""
+
+    targets: dict[str, Target]
+    observer: Observer | None = None
+    heads: list[RequestHead] = field(factory=list)
+
+    def route(self, head: RequestHead) -> Target:
+        self.heads.append(head)
+        target = self.targets.get(head.host) or LocalResponse(404, b"unknown\n", label="unknown")
+        if isinstance(target, LocalSocket) and self.observer is not None:
+            target = evolve(target, inflight=self.observer.ticket(head.target.decode()))
+        return target
 
 
 class RawClient(Protocol):
@@ -248,8 +265,8 @@ class ProxyTestCase(TestCase):
         self.dir = tempfile.mkdtemp(prefix="pr", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.dir, True)
         self.sock = os.path.join(self.dir, "s.sock")
-        self.router = StaticRouter({HOST: LocalSocket(HOST, self.sock)})
         self.observer = Observer()
+        self.router = StaticRouter({HOST: LocalSocket(HOST, self.sock)}, self.observer)
 
     @inlineCallbacks
     def backend(self, factory: Any, path: str | None = None):
@@ -261,9 +278,7 @@ class ProxyTestCase(TestCase):
 
     @inlineCallbacks
     def proxy(self, **cfg: Any):
-        self.factory = ProxyFactory(
-            reactor, self.router, ProxyConfig(**cfg), observer=self.observer, secure=self.secure
-        )
+        self.factory = ProxyFactory(reactor, self.router, ProxyConfig(**cfg), secure=self.secure)
         endpoint = serverFromString(reactor, "tcp:0:interface=127.0.0.1")
         if self.secure:
             self.ca = TestCA()

@@ -42,8 +42,8 @@ from twisted.trial.unittest import TestCase
 from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import Downstream, ProxyFactory
-from lchat.proxy.http import buffered_output
 from lchat.router import Router
+from lchat.twisted_internals import buffered_output
 from tests.proxy_harness import (
     FUZZ_CONFIG,
     STATUS_LINE,

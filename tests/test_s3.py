@@ -43,7 +43,10 @@ from lchat.objstore import (
     ObjectStoreError,
     PreconditionFailed,
     StoreUnavailable,
+    needs_credentials,
+    open_store,
 )
+from lchat.objstore.aws import ResolvedCredentials
 from lchat.objstore.s3 import S3Store, quote_key
 from tests import s3servers
 
@@ -650,45 +653,6 @@ class RealServerTests(_RealServer):
         with self.assertRaises(NotFound):
             await self.store.head("shrinking")
 
-    async def test_credentials_from_the_default_chain_are_resolved_in_a_thread(self) -> None:
-        threads: list[str] = []
-        import botocore.session  # type: ignore[import-untyped]
-
-        real = botocore.session.get_session
-
-        def get_session(*args: Any, **kwargs: Any) -> Any:
-            threads.append(threading.current_thread().name)
-            return real(*args, **kwargs)
-
-        self.patch(botocore.session, "get_session", get_session)
-        env = {
-            "AWS_ACCESS_KEY_ID": self.server.credentials.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.server.credentials.secret_key,
-            "AWS_DEFAULT_REGION": "eu-central-1",
-            "AWS_CONFIG_FILE": "/nonexistent",
-            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
-        saved = {k: os.environ.get(k) for k in [*env, "AWS_PROFILE", "AWS_SESSION_TOKEN"]}
-        os.environ.update(env)
-        os.environ.pop("AWS_PROFILE", None)
-        os.environ.pop("AWS_SESSION_TOKEN", None)
-
-        def restore() -> None:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-        self.addCleanup(restore)
-        store = self.make_store(credentials=None, region="")
-        await store.put("k", b"chain")
-        self.assertEqual((await store.get("k")).body, b"chain")
-        self.assertEqual(len(threads), 1)
-        self.assertNotEqual(threads[0], threading.main_thread().name)
-        self.assertEqual(store._region, "eu-central-1")  # the region came from the chain too
-
     async def test_refreshable_credentials_refresh_off_the_reactor(self) -> None:
         refreshed: list[str] = []
         creds = self.server.credentials
@@ -972,26 +936,39 @@ class AddressingTests(TestCase):
         with self.assertRaises(ValueError):
             await store.put("k", b"", metadata={"name": "line\nbreak"})
 
-    def test_from_config(self) -> None:
-        config = HibernateConfig(
-            bucket="fleet",
-            region="eu-west-1",
-            prefix="p",
-            endpoint="http://127.0.0.1:9000",
-            idle=60.0,
+    def test_open_store_passes_the_credentials_and_the_chains_region(self) -> None:
+        hib = HibernateConfig(
+            bucket="fleet", region="", prefix="p", endpoint="http://127.0.0.1:9000", idle=60.0
         )
-        store = S3Store.from_config(reactor, config, credentials=Credentials("a", "b"))
+        creds = Credentials("a", "b")
+        resolved = ResolvedCredentials(credentials=creds, region="eu-central-1", session=None)
+        store = open_store(
+            reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint, credentials=resolved
+        )
+        assert isinstance(store, S3Store)
         self.addCleanup(store.close)
         self.assertEqual(store._address()[0], "http://127.0.0.1:9000/fleet")
+        self.assertIs(store._credentials, creds)
+        self.assertEqual(store._region, "eu-central-1")  # LCHAT_HIBERNATE_REGION unset: the chain's
         self.assertIn("fleet", store.describe())
+        store = open_store(reactor, "fleet", region="us-west-2", credentials=resolved)
+        assert isinstance(store, S3Store)
+        self.addCleanup(store.close)
+        self.assertEqual(store._region, "us-west-2")  # LCHAT_HIBERNATE_REGION wins
+        with self.assertRaises(ValueError) as caught:
+            open_store(reactor, "fleet")
+        self.assertIn("needs credentials", str(caught.exception))
+        self.assertFalse(needs_credentials("file:/var/lib/lchat/bucket"))
+        self.assertTrue(needs_credentials("fleet"))
 
     def test_bad_arguments_are_refused(self) -> None:
+        creds = Credentials("a", "b")
         with self.assertRaises(ValueError):
-            S3Store(reactor, "")
+            S3Store(reactor, "", credentials=creds)
         with self.assertRaises(ValueError):
-            S3Store(reactor, "b", list_page_size=1001)
+            S3Store(reactor, "b", credentials=creds, list_page_size=1001)
         with self.assertRaises(ValueError):
-            S3Store(reactor, "b", prefix_style="sideways")  # type: ignore[arg-type]
+            S3Store(reactor, "b", credentials=creds, prefix_style="sideways")  # type: ignore[arg-type]
 
 
 # -- put_file's body producer on its own -------------------------------------------------------------

@@ -26,9 +26,8 @@ from twisted.web.http_headers import Headers
 from lchat import config, unixhttp
 from lchat.admin import AlreadyRunning
 from lchat.config import BoxConfig
-from lchat.listener import Listener
 from lchat.registry import Registry, Route, RouteSource
-from lchat.tap import build_service
+from lchat.tap import build_service, listening_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
@@ -79,7 +78,7 @@ class RouterTests(TestCase):
         service = build_service(cfg, reactor, poll_interval=poll)
         service.startService()
         self.addCleanup(service.stopService)
-        ports: list[Any] = [s.port for s in service if isinstance(s, Listener) and s.port]
+        ports: list[Any] = listening_ports(service)
         tcp = [p for p in ports if hasattr(p.getHost(), "port")]
         self.tls_port = next(
             (p.getHost().port for p in tcp if hasattr(p.factory, "wrappedFactory")), None

@@ -132,11 +132,16 @@ def handshake(
     server_name: str | None,
     alpn: tuple[str, ...] = ("http/1.1",),
     tls_version: ssl.TLSVersion | None = None,
+    verify_with: bytes | None = None,
 ) -> Hello:
-    """Blocking: one handshake, whatever certificate the server presents (it is returned)."""
+    """Blocking: one handshake, whatever certificate the server presents (it is returned), or
+    only one issued by the CA ``verify_with`` (PEM)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
+    if verify_with is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=verify_with.decode("ascii"))
     if alpn:
         context.set_alpn_protocols(list(alpn))
     if tls_version is not None:
@@ -153,6 +158,25 @@ def handshake(
             except x509.ExtensionNotFound:
                 names = ()
             return Hello(cert.serial_number, names, conn.selected_alpn_protocol(), conn.version())
+
+
+def send_and_close(port: int, data: bytes) -> None:
+    """Blocking: connect, send ``data``, and close once the server has closed (or after 10 s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(data)
+        raw.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            while raw.recv(65536):
+                pass
+
+
+def client_hello(server_name: str) -> bytes:
+    """The first bytes a TLS client sends (its ClientHello), for a server named ``server_name``."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname=server_name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        client.do_handshake()
+    return outgoing.read()
 
 
 class _Get(Protocol):
@@ -330,6 +354,34 @@ class SNITests(TestCase):
         self.assertEqual(store.handshake_failures, {"version": 1})
         got = yield self.hello(port, "a.example.com", tls_version=ssl.TLSVersion.TLSv1_2)
         self.assertEqual((got.serial, got.version), (self.serial["a"], "TLSv1.2"))
+
+    @inlineCallbacks
+    def test_what_counts_as_a_failed_handshake(self) -> Any:
+        """A TCP probe and a completed handshake are not failures; plain HTTP on the HTTPS port, a
+        client that refuses our certificate and one that leaves mid-handshake are, each under its
+        reason, logged with the peer and the name it asked for."""
+        store = self.make_store()
+        port = yield self.serve(store)
+        yield threads.deferToThread(send_and_close, port, b"")  # a TCP probe: not a byte
+        got = yield self.hello(port, "a.example.com")
+        self.assertEqual(got.serial, self.serial["a"])
+        yield self.drain(self.wrapper)
+        self.assertEqual(store.handshake_failures, {})
+
+        yield threads.deferToThread(send_and_close, port, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        stranger = TestCA("another CA").pem
+        yield self.assertFailure(
+            threads.deferToThread(handshake, port, "a.example.com", verify_with=stranger),
+            ssl.SSLError,
+        )
+        hello = client_hello("b.example.com")
+        yield threads.deferToThread(send_and_close, port, hello[: len(hello) // 2])
+        yield self.drain(self.wrapper)
+        self.assertEqual(store.handshake_failures, {"plain_http": 1, "peer_alert": 1, "closed": 1})
+        refused = [line for line in self.logs if "(peer_alert)" in line]
+        self.assertEqual(len(refused), 1, self.logs)
+        self.assertIn("from 127.0.0.1:", refused[0])
+        self.assertIn("for a.example.com:", refused[0])
 
     @inlineCallbacks
     def test_verifying_client_gets_an_http_answer(self) -> Any:

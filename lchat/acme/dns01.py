@@ -1137,9 +1137,14 @@ def make_provider(
     route53_zone_id: str = "",
     route53_endpoint: str = "",
     dnsimple_account: str = "",
+    route53_session: botocore.session.Session | None = None,
 ) -> DNSProvider:
     """The provider ``LCHAT_DNS_PROVIDER`` names (empty: DNSimple, the default), or ``ValueError``
-    naming the variable to fix (invariant 7: misconfiguration fails at boot). Does no I/O."""
+    naming the variable to fix (invariant 7: misconfiguration fails at boot). Does no I/O.
+
+    ``route53_session`` is the botocore session whose credentials Route53 uses: the router's,
+    resolved once at boot (``lchat.objstore.aws.ResolvedCredentials.session``); without it,
+    botocore's default chain over the process environment."""
     kind = name.strip().lower() or "dnsimple"
     if kind == "dnsimple":
         if not dnsimple_token.strip():
@@ -1153,7 +1158,9 @@ def make_provider(
             account_id=dnsimple_account,
         )
     if kind == "route53":
-        return Route53(zone_id=route53_zone_id, endpoint_url=route53_endpoint)
+        return Route53(
+            zone_id=route53_zone_id, endpoint_url=route53_endpoint, session=route53_session
+        )
     raise ValueError(
         f"LCHAT_DNS_PROVIDER={name!r} is not a DNS provider we know (dnsimple or route53)"
     )

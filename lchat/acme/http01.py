@@ -23,6 +23,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from lchat import hosts
+from lchat.webutil import answerable
 
 _log = Logger(namespace="lchat.acme")
 
@@ -113,10 +114,11 @@ class _Challenge(Resource):
             finally:
                 responder.lookups -= 1
 
+        still = answerable(request)
         d = Deferred.fromCoroutine(find())
 
         def found(value: str | None) -> None:
-            if request.finished or getattr(request, "_disconnected", False):
+            if not still():
                 return
             if value is None:
                 request.write(_not_found(request))
@@ -129,7 +131,7 @@ class _Challenge(Resource):
                 "acme: looking up challenge token in the shared cache failed: {error}",
                 error=failure.getErrorMessage(),
             )
-            if not request.finished and not getattr(request, "_disconnected", False):
+            if still():
                 request.write(_not_found(request))
                 request.finish()
 

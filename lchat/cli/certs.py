@@ -21,9 +21,10 @@ from cryptography import x509
 from lchat import tls
 from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name
 from lchat.cli import admin_client
+from lchat.cli.bucket import open_bucket
 from lchat.cli.replica import _run_on_reactor
 from lchat.config import BoxConfig
-from lchat.objstore import ObjectStoreError, open_store
+from lchat.objstore import ObjectStoreError
 
 SUMMARY = "list the certificate cache: name, kind, issuer, not-after, source (dir or s3)"
 STATUS_TIMEOUT = 3.0
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         hib = cfg.hibernate
 
         async def main(reactor: Any) -> list[Row]:
-            store = open_store(reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint)
+            store = await open_bucket(reactor, cfg)
             try:
                 return await _shared_rows(store, hib.key("certs") + "/")
             finally:

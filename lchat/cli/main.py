@@ -669,7 +669,7 @@ def _forget_clean_sleep(db: str) -> None:
     """Remove the activator's clean-sleep marker: it vouches that the local database is exactly
     the bucket's newest state (the activator then resumes the replica without a snapshot), which
     stops being true as soon as anything else writes the database."""
-    from lchat.activator import MARKER_SUFFIX  # the activator owns the name
+    from lchat.hibernation.localdb import MARKER_SUFFIX  # the local database owns the name
 
     try:
         os.unlink(db + MARKER_SUFFIX)

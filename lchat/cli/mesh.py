@@ -13,7 +13,6 @@ stays a plain synchronous program (and can be called in-process more than once).
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -25,11 +24,12 @@ from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
 from twisted.python.failure import Failure
 
 from lchat import hosts
+from lchat.cli.bucket import open_bucket
 from lchat.config import BoxConfig, ConfigError, MeshConfig
 from lchat.mesh import client
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url, owner
-from lchat.objstore import ObjectStoreError, open_store
+from lchat.objstore import ObjectStoreError
 from lchat.registry import Registry, Route
 
 FANOUT_BUDGET = 5.0  # seconds for the whole fan-out of one create or remove: membership + pushes
@@ -88,15 +88,10 @@ def run_on_own_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: f
     return result
 
 
-def _credentials(cfg: BoxConfig) -> None:
-    for name, value in cfg.aws_env.items():
-        os.environ.setdefault(name, value)  # the S3 client's credential chain reads these
-
-
 async def _members(reactor: Any, cfg: BoxConfig, *, include_dead: bool = False) -> list[Member]:
     mesh, hib = cfg.mesh, cfg.hibernate
     assert mesh is not None and hib is not None  # config.load refuses a mesh without a bucket
-    store = open_store(reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint)
+    store = await open_bucket(reactor, cfg)
     try:
         return await read_members(
             store,
@@ -214,7 +209,6 @@ def _fan_out(
         await gatherResults([Deferred.fromCoroutine(one(m)) for m in targets])
         return targets
 
-    _credentials(cfg)
     try:
         targets = run_on_own_reactor(main, budget)
     except TimeoutError:
@@ -391,7 +385,6 @@ def show_mesh(cfg: BoxConfig, registry: Registry, out: Say) -> int:
     mesh = cfg.mesh
     if mesh is None:
         raise MeshCliError("the mesh is off here: LCHAT_MESH_SELF is not set")
-    _credentials(cfg)
 
     async def main(reactor: Any) -> list[Member]:
         return await _members(reactor, cfg, include_dead=True)

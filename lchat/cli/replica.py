@@ -18,8 +18,9 @@ from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from lchat import hosts
+from lchat.cli.bucket import open_bucket
 from lchat.config import BoxConfig
-from lchat.objstore import ObjectStore, ObjectStoreError, open_store
+from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.replica import restore as restore_mod
 
 SUMMARY = "list or restore a space's replica in the hibernation bucket"
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
             return _fail(f"{args.output} already exists (use --force to replace it)")
 
     async def main(reactor: Any) -> int:
-        store = open_store(reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint)
+        store = await open_bucket(reactor, cfg)
         try:
             if args.replica_command == "ls":
                 return await _ls(store, path, out)

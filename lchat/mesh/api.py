@@ -72,7 +72,7 @@ from lchat.mesh.client import (
     route_payload,
 )
 from lchat.registry import REPLICATIONS, Conflict, Registry, Route
-from lchat.webutil import QuietSite
+from lchat.webutil import QuietSite, answerable
 
 MAX_BODY = 64 * 1024
 MAX_ENV_KEYS = 64
@@ -373,6 +373,7 @@ class MeshAPI(Resource):
         work: Callable[[], tuple[int, dict[str, Any], str]],
         host: str,
     ) -> int:
+        still = answerable(request)
         d: Deferred[tuple[int, dict[str, Any], str]] = self._run(work)
 
         def reload_then(result: tuple[int, dict[str, Any], str]) -> Deferred[Any] | Any:
@@ -390,19 +391,23 @@ class MeshAPI(Resource):
 
         def done(result: tuple[int, dict[str, Any], str]) -> None:
             code, body, outcome = result
-            self._finish(request, op, outcome, code, body)
+            self._finish(request, still, op, outcome, code, body)
 
         def failed(failure: Failure) -> None:
             if failure.check(_Refused):
                 refused: _Refused = failure.value  # type: ignore[assignment]
-                self._finish(request, op, refused.outcome, refused.code, {"error": str(refused)})
+                self._finish(
+                    request, still, op, refused.outcome, refused.code, {"error": str(refused)}
+                )
                 return
             if failure.check(Conflict):  # a local write raced ours: the row is not replicable
-                self._finish(request, op, "conflict", 409, {"error": failure.getErrorMessage()})
+                self._finish(
+                    request, still, op, "conflict", 409, {"error": failure.getErrorMessage()}
+                )
                 return
             _log.failure("mesh: {op} {host} failed", failure, op=op, host=host or "-")
             error = {"error": "internal error: see the router's log"}
-            self._finish(request, op, "error", 500, error)
+            self._finish(request, still, op, "error", 500, error)
 
         d.addCallback(reload_then)
         d.addCallbacks(done, failed)
@@ -418,10 +423,16 @@ class MeshAPI(Resource):
         return json.dumps(body, sort_keys=True).encode() + b"\n"
 
     def _finish(
-        self, request: Request, op: str, outcome: str, code: int, body: dict[str, Any]
+        self,
+        request: Request,
+        still: Callable[[], bool],
+        op: str,
+        outcome: str,
+        code: int,
+        body: dict[str, Any],
     ) -> None:
         data = self._answer(request, op, outcome, code, body)
-        if request._disconnected or request.finished:
+        if not still():  # the caller went away
             return
         request.setHeader(b"content-length", str(len(data)).encode())
         request.write(data)

@@ -21,9 +21,7 @@ from urllib.parse import urlsplit
 
 import treq
 from attrs import frozen
-from OpenSSL import SSL
 from treq.client import HTTPClient
-from twisted.internet._sslverify import IOpenSSLTrustRoot
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IStreamClientEndpoint
@@ -34,7 +32,8 @@ from zope.interface import implementer
 
 from lchat import config, hosts
 from lchat.registry import Route
-from lchat.webutil import BytesProducer, quiet_pool
+from lchat.twisted_internals import platform_trust_plus, quiet_pool
+from lchat.webutil import BytesProducer
 
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
@@ -173,18 +172,6 @@ async def list_routes(
 # --- HTTP ---------------------------------------------------------------------------------------
 
 
-@implementer(IOpenSSLTrustRoot)
-class _SystemPlusFile:
-    """The platform's CAs plus those in ``ca_file`` (a private CA for the mesh's own names)."""
-
-    def __init__(self, ca_file: str) -> None:
-        self._ca_file = ca_file
-
-    def _addCACertsToContext(self, context: SSL.Context) -> None:
-        context.set_default_verify_paths()
-        context.load_verify_locations(self._ca_file)
-
-
 @implementer(IStreamClientEndpoint)
 class _TLSEndpoint:
     """``wrapClientTLS`` with the TLS layer's timers on *our* reactor: by default they use the
@@ -222,7 +209,7 @@ class _Endpoints:
 
 
 def _agent(reactor: Any, ca_file: str, timeout: float) -> Agent:
-    trust = _SystemPlusFile(ca_file) if ca_file else None
+    trust = platform_trust_plus(ca_file) if ca_file else None
     return Agent.usingEndpointFactory(
         reactor,
         _Endpoints(reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),

@@ -19,11 +19,8 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from OpenSSL import SSL
-from twisted.internet._sslverify import IOpenSSLTrustRoot
-from zope.interface import implementer
-
 from lchat.router import Header, RemotePeer
+from lchat.twisted_internals import TrustRoot, platform_trust_plus
 
 HEADER = b"x-lchat-mesh-forwarded"
 MAX_SKEW = 120.0  # seconds either way: boxes' clocks are NTP-close, not equal
@@ -57,22 +54,11 @@ def authentic(
     return hmac.compare_digest(mac.encode("ascii"), _mac(token, stamp, host).encode("ascii"))
 
 
-@implementer(IOpenSSLTrustRoot)
-class SystemPlusFile:
-    """Trust the platform's CAs plus those in ``ca_file`` (LCHAT_MESH_CA_FILE): a private CA for
-    the mesh's certificates without giving up ordinary verification."""
-
-    def __init__(self, ca_file: str) -> None:
-        self._ca_file = ca_file
-
-    def _addCACertsToContext(self, context: SSL.Context) -> None:
-        context.set_default_verify_paths()
-        context.load_verify_locations(self._ca_file)
-
-
-def trust_root(ca_file: str) -> IOpenSSLTrustRoot | None:
-    """The trust root for connections to peers (None: the platform's)."""
-    return SystemPlusFile(ca_file) if ca_file else None
+def trust_root(ca_file: str) -> TrustRoot | None:
+    """The trust root for connections to peers: the platform's CAs (None), plus those in
+    ``ca_file`` (LCHAT_MESH_CA_FILE) when given, a private CA for the mesh's certificates without
+    giving up ordinary verification."""
+    return platform_trust_plus(ca_file) if ca_file else None
 
 
 def peer_target(

@@ -27,13 +27,13 @@ is dead or cut off, and its leases last until they expire).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
@@ -79,9 +79,8 @@ class MeshRouter:
         membership: Any,  # lchat.mesh.membership.Membership: .live() -> members with .url, .self
         activator: Any,  # lchat.activator.Activator: .holds(host)
         *,
+        reactor: IReactorTime,  # its clock: caches, waits, forwarded-marker stamps (unix time)
         holder_ttl: float = 2.0,
-        clock: Callable[[], float] = time.monotonic,
-        reactor: Any = None,
     ) -> None:
         assert cfg.mesh is not None and cfg.hibernate is not None
         self._mesh = cfg.mesh
@@ -90,11 +89,7 @@ class MeshRouter:
         self._membership = membership
         self._activator = activator
         self._holder_ttl = holder_ttl
-        self._clock = clock
-        if reactor is None:
-            from twisted.internet import reactor as default_reactor
-
-            reactor = default_reactor
+        self._clock = reactor.seconds
         self._reactor = reactor
         self._self_url = placement.normalise_member_url(cfg.mesh.self_url)
         self._holders: dict[str, tuple[float, str | None]] = {}  # host -> (read at, owner url)
@@ -134,7 +129,7 @@ class MeshRouter:
     def route(self, route: Route, head: RequestHead, local: Local) -> Target | Deferred[Target]:
         host = route.host
         if head.forwarded is not None:
-            if forward.authentic(head.forwarded, self._mesh.token, host):
+            if forward.authentic(head.forwarded, self._mesh.token, host, now=self._clock):
                 _forwards.labels("local_forwarded").inc()
                 target = local()
                 if isinstance(target, Deferred):
@@ -176,7 +171,7 @@ class MeshRouter:
         ]
 
     def _to(self, peer: str, route: Route, local: Local) -> Target:
-        target = forward.peer_target(peer, route.host, self._mesh.token)
+        target = forward.peer_target(peer, route.host, self._mesh.token, now=self._clock)
 
         def unreachable(why: str) -> Target | Deferred[Target]:
             # Until its heartbeat ages out of everyone's view, a stopping or dead peer would
@@ -259,7 +254,8 @@ class MeshRouter:
         now = self._clock()
         cached = self._holders.get(host)
         ttl = self._holder_ttl if max_age is None else max_age
-        if cached is not None and now - cached[0] < ttl:
+        # (A microsecond of slack: an entry read exactly ``ttl`` ago on the clock's float is old.)
+        if cached is not None and now - cached[0] < ttl - 1e-6:
             return cached[1]
         reading = self._reading.get(host)
         if reading is None:

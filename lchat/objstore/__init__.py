@@ -15,16 +15,19 @@ them against each store):
   including ``if_match`` on a missing key (stores differ here; we normalise);
 - ``last_modified`` and ``now()`` are the *bucket's* clock (its ``Date`` header), never ours;
 - ``list(prefix)`` returns every key under the prefix in key order, however many pages it takes;
-- ``get_to_file``/``put_file`` stream: an object is never held whole in memory.
+- ``get_to_file``/``get_into``/``put_file`` stream: an object is never held whole in memory.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from attrs import field, frozen
+
+if TYPE_CHECKING:
+    from lchat.objstore.aws import ResolvedCredentials
 
 UTC = datetime.UTC
 
@@ -95,6 +98,16 @@ class ObjectStore(Protocol):
         """Stream the object into ``path`` (written to a temp file, fsynced, renamed)."""
         ...
 
+    async def get_into(self, key: str, sink: IO[bytes]) -> int:
+        """Stream the object's body into ``sink``; return how many bytes it received.
+
+        ``sink.write`` is called in worker threads, never on the reactor, about a megabyte at a
+        time and one call at a time. ``sink`` is rewound (``seek(0)``, ``truncate()``) before
+        each attempt, so a retried download starts it afresh. An exception from ``write`` fails
+        the call as it is, without a retry.
+        """
+        ...
+
     async def head(self, key: str) -> ObjectInfo: ...
 
     async def put(
@@ -133,15 +146,45 @@ class ObjectStore(Protocol):
         ...
 
 
-def open_store(reactor: Any, bucket: str, *, region: str = "", endpoint: str = "") -> ObjectStore:
-    """The store for ``LCHAT_HIBERNATE_BUCKET``: ``file:PATH`` or an S3 bucket name."""
-    if bucket.startswith("file:"):
+def needs_credentials(bucket: str) -> bool:
+    """Whether ``bucket`` (``LCHAT_HIBERNATE_BUCKET``) is an S3 bucket, which needs AWS
+    credentials (:func:`lchat.objstore.aws.resolve_credentials`); a ``file:`` bucket needs none."""
+    return not bucket.startswith("file:")
+
+
+def open_store(
+    reactor: Any,
+    bucket: str,
+    *,
+    region: str = "",
+    endpoint: str = "",
+    credentials: ResolvedCredentials | None = None,
+) -> ObjectStore:
+    """The store for ``LCHAT_HIBERNATE_BUCKET``: ``file:PATH`` or an S3 bucket name.
+
+    An S3 bucket needs ``credentials``, resolved once by the caller
+    (:func:`lchat.objstore.aws.resolve_credentials`); its ``region`` is ``region`` when given,
+    else the one the credential chain names, else ``us-east-1``. A ``file:`` bucket ignores all
+    three.
+    """
+    if not needs_credentials(bucket):
         from lchat.objstore.file import FileStore
 
         return FileStore(reactor, bucket[len("file:") :], create=True)
+    if credentials is None:
+        raise ValueError(
+            f"the S3 bucket {bucket!r} needs credentials: resolve them once (at start) with "
+            "lchat.objstore.aws.resolve_credentials and pass them in"
+        )
     from lchat.objstore.s3 import S3Store
 
-    return S3Store(reactor, bucket, region=region, endpoint=endpoint)
+    return S3Store(
+        reactor,
+        bucket,
+        region=region or credentials.region,
+        endpoint=endpoint,
+        credentials=credentials.credentials,
+    )
 
 
 async def probe_writable(store: ObjectStore, key: str) -> None:

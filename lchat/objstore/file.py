@@ -232,7 +232,7 @@ def _trailer(v: _Version) -> bytes:
     return t + _FOOTER.pack(_MAGIC, len(t))
 
 
-def _copy_body(src: IO[bytes], size: int, dst: IO[bytes]) -> str:
+def _copy_body(src: IO[bytes], size: int, dst: IO[bytes] | _Sink) -> str:
     """Copy ``size`` bytes in chunks, returning their hex MD5."""
     md5 = hashlib.md5(usedforsecurity=False)
     left = size
@@ -244,6 +244,34 @@ def _copy_body(src: IO[bytes], size: int, dst: IO[bytes]) -> str:
         dst.write(chunk)
         left -= len(chunk)
     return md5.hexdigest()
+
+
+class _SinkFailed(Exception):
+    """An exception from a caller's sink, carried through the store's error mapping unchanged."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Sink:
+    """A caller's sink whose own failures are marked as such (see :class:`_SinkFailed`)."""
+
+    def __init__(self, sink: IO[bytes]) -> None:
+        self._sink = sink
+
+    def rewind(self) -> None:
+        try:
+            self._sink.seek(0)
+            self._sink.truncate()
+        except Exception as e:
+            raise _SinkFailed(e) from e
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._sink.write(data)
+        except Exception as e:
+            raise _SinkFailed(e) from e
 
 
 def _fsync_dir(path: str) -> None:
@@ -314,6 +342,21 @@ class FileBucket:
             raise
         _fsync_dir(directory)
         return v.info()
+
+    def get_into(self, key: str, sink: IO[bytes]) -> int:
+        """Copy the body into ``sink`` (rewound first: ``seek(0)``, ``truncate()``) a chunk at a
+        time, then check it against its ETag; returns its size. An exception from ``sink`` is
+        raised as it is, not turned into a store error.
+        """
+        out = _Sink(sink)
+        try:
+            with self._guard(key), self._open(key) as (f, v):
+                out.rewind()
+                if _copy_body(f, v.size, out) != v.etag:
+                    raise _Corrupt("body does not match its ETag")
+                return v.size
+        except _SinkFailed as e:
+            raise e.error from None
 
     def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         """Every key starting with ``prefix``, in key (UTF-8 byte) order, without metadata."""
@@ -696,6 +739,9 @@ class FileStore:
 
     async def get_to_file(self, key: str, path: str) -> ObjectInfo:
         return await self._run(lambda: self.bucket.get_to_file(key, path), bounded=False)
+
+    async def get_into(self, key: str, sink: IO[bytes]) -> int:
+        return await self._run(lambda: self.bucket.get_into(key, sink), bounded=False)
 
     async def head(self, key: str) -> ObjectInfo:
         return await self._run(lambda: self.bucket.head(key))

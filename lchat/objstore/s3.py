@@ -1,10 +1,10 @@
 """The bucket over S3's HTTP API: AWS, or any S3-compatible store (``LCHAT_HIBERNATE_ENDPOINT``).
 
-botocore is used for two things only: SigV4 signing (``S3SigV4Auth``) and the standard credential
-chain (environment, shared config/profile, container and instance roles). Resolving and refreshing
-credentials can do blocking I/O (files, the instance metadata service), so it always runs in a
-thread, never on the reactor, and so does file I/O (``put_file``'s reads, ``get_to_file``'s
-writes). The transport is treq over one persistent connection pool.
+botocore is used for two things only: SigV4 signing (``S3SigV4Auth``) and the credentials the
+store is given (resolved once, by the caller, with :func:`lchat.objstore.aws.resolve_credentials`).
+Refreshing a role's credentials can do blocking I/O (STS, the instance metadata service), so it
+always runs in a thread, never on the reactor, and so does file I/O (``put_file``'s reads,
+``get_to_file``'s writes). The transport is treq over one persistent connection pool.
 
 Every request has a known ``Content-Length`` (S3 refuses chunked uploads), a per-attempt timeout
 and up to ``retries`` retries with jittered exponential backoff on 5xx, throttling, timeouts and
@@ -45,7 +45,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Container, Mapping, Sequence
 from io import BytesIO
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, Any, Literal
 from urllib.parse import quote, unquote_plus, urlsplit
 
 import treq.client
@@ -73,14 +73,16 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web import _newclient
 from twisted.web.client import (
     URI,
     Agent,
     BrowserLikePolicyForHTTPS,
     FileBodyProducer,
     HTTPConnectionPool,
+    RequestGenerationFailed,
+    RequestTransmissionFailed,
     ResponseDone,
+    ResponseFailed,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -98,10 +100,7 @@ from lchat.objstore import (
     StoredObject,
     StoreUnavailable,
 )
-from lchat.webutil import quiet_pool
-
-if TYPE_CHECKING:
-    from lchat.config import HibernateConfig
+from lchat.twisted_internals import RequestNotSent, WrongBodyLength, quiet_pool
 
 log = Logger()
 
@@ -161,10 +160,10 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     error.ConnectionDone,
     error.TimeoutError,
     builtins.TimeoutError,
-    _newclient.ResponseFailed,  # includes ResponseNeverReceived
-    _newclient.RequestTransmissionFailed,
-    _newclient.RequestNotSent,
-    _newclient.WrongBodyLength,
+    ResponseFailed,  # includes ResponseNeverReceived
+    RequestTransmissionFailed,
+    RequestNotSent,
+    WrongBodyLength,
 )
 # Not OSError at large: a local disk error (ENOSPC while writing get_to_file's temp file) is ours
 # to raise as it is, not a reason to retry against the store.
@@ -173,8 +172,11 @@ _NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (
     error.ConnectionRefusedError,
     error.DNSLookupError,
     error.ConnectingCancelledError,
-    _newclient.RequestNotSent,
+    RequestNotSent,
 )
+# Twisted's errors that carry their causes in ``reasons`` (a list of Failures): the public
+# subclasses of the private twisted.web._newclient._WrapperException.
+_WRAPPERS = (RequestGenerationFailed, RequestTransmissionFailed, ResponseFailed)
 
 
 def quote_key(key: str) -> str:
@@ -643,11 +645,12 @@ class S3Store:
 
     Keys are relative to the bucket. ``endpoint`` selects an S3-compatible store (then path-style
     addressing by default); without it, AWS's regional endpoint with virtual-hosted addressing
-    (path-style for bucket names that are not DNS-safe). ``credentials`` is a botocore
-    ``Credentials``; ``None`` means botocore's default chain, resolved (and, for refreshable
-    credentials, refreshed) in a thread. ``timeout`` bounds each attempt (for ``put_file`` and
-    ``get_to_file`` it is an idle timeout: no byte moved for that long); ``retries`` is the number
-    of extra attempts after a transient failure.
+    (path-style for bucket names that are not DNS-safe), in ``region`` (``us-east-1`` when empty).
+    ``credentials`` is a botocore ``Credentials``, already resolved
+    (:func:`lchat.objstore.aws.resolve_credentials`); ``RefreshableCredentials`` (a role's) are
+    refreshed in a thread when botocore says they are about to expire. ``timeout`` bounds each
+    attempt (for ``put_file`` and ``get_to_file`` it is an idle timeout: no byte moved for that
+    long); ``retries`` is the number of extra attempts after a transient failure.
     """
 
     def __init__(
@@ -655,10 +658,10 @@ class S3Store:
         reactor: Any,
         bucket: str,
         *,
+        credentials: Credentials,
         region: str = "",
         endpoint: str = "",
         prefix_style: AddressingStyle = "auto",
-        credentials: Credentials | None = None,
         timeout: float = 30.0,
         retries: int = 4,
         pool: HTTPConnectionPool | None = None,
@@ -675,7 +678,7 @@ class S3Store:
             raise ValueError("timeout must be positive and retries non-negative")
         self._reactor = reactor
         self.bucket = bucket
-        self._region = region
+        self._region = region or "us-east-1"
         self._endpoint = endpoint.rstrip("/")
         if self._endpoint and "://" not in self._endpoint:
             self._endpoint = "https://" + self._endpoint
@@ -695,54 +698,16 @@ class S3Store:
         self._http = treq.client.HTTPClient(
             Agent.usingEndpointFactory(reactor, _Endpoints(reactor, timeout), pool=pool)
         )
-        self._lock = DeferredLock()  # serialises credential resolution and refresh
-        self._ready = False
-        self._base_url = ""  # scheme://host[:port][/bucket]
-        self._host = ""
+        self._lock = DeferredLock()  # serialises credential refreshes
+        self._base_url, self._host = self._address()  # scheme://host[:port][/bucket], host
         self._last_date: tuple[bytes, float] | None = None
         self._rng = secrets.SystemRandom()
 
-    @classmethod
-    def from_config(cls, reactor: Any, config: HibernateConfig, **kwargs: Any) -> S3Store:
-        """The store for ``LCHAT_HIBERNATE_*`` (the caller prepends ``config.prefix`` to keys)."""
-        return cls(reactor, config.bucket, region=config.region, endpoint=config.endpoint, **kwargs)
-
     def describe(self) -> str:
         where = self._endpoint or "aws"
-        return f"s3://{self.bucket} at {where} (region {self._region or 'from the chain'})"
+        return f"s3://{self.bucket} at {where} (region {self._region})"
 
     # -- setup -----------------------------------------------------------------------------------
-
-    async def _prepare(self) -> None:
-        if self._ready:
-            return
-        async with self._lock:
-            if self._ready:
-                return
-            if self._credentials is None or not self._region:
-                try:
-                    creds, region = await self._in_thread(self._resolve_chain)
-                except Exception as e:
-                    raise StoreUnavailable(f"could not resolve AWS credentials: {e}") from e
-                if self._credentials is None:
-                    if creds is None:
-                        raise AccessDenied(
-                            "no AWS credentials found (environment, shared config, container "
-                            "or instance role)"
-                        )
-                    self._credentials = creds
-                self._region = self._region or region or "us-east-1"
-            self._base_url, self._host = self._address()
-            self._ready = True
-
-    def _resolve_chain(self) -> tuple[Credentials | None, str]:
-        # Blocking: reads config files, may ask the instance metadata service. Thread only.
-        import botocore.session  # type: ignore[import-untyped]
-
-        session = botocore.session.get_session()
-        creds = self._credentials if self._credentials is not None else session.get_credentials()
-        region = session.get_config_variable("region") or ""
-        return creds, region
 
     def _address(self) -> tuple[str, str]:
         style = self._style
@@ -770,7 +735,6 @@ class S3Store:
 
     async def _frozen_credentials(self) -> ReadOnlyCredentials:
         creds = self._credentials
-        assert creds is not None
         if isinstance(creds, RefreshableCredentials) and creds.refresh_needed():
             async with self._lock:
                 # A refresh fetches over the network (STS, IMDS, the container agent): a thread.
@@ -858,7 +822,6 @@ class S3Store:
         A transient failure on the last attempt raises :class:`StoreUnavailable`. Other error
         statuses are returned, not raised, so callers can normalise them (see ``_fail``).
         """
-        await self._prepare()
         url = self._url(key, query)
         payload_hash = self._payload_hash(body)
         headers = dict(headers or {})
@@ -987,7 +950,7 @@ class S3Store:
                 # Our caller cancelled the operation (treq reports it as a connect or response
                 # failure wrapping CancelledError): stop, do not retry.
                 raise CancelledError() from e
-            if isinstance(e, _newclient.RequestGenerationFailed) and e.reasons:
+            if isinstance(e, RequestGenerationFailed) and e.reasons:
                 # The body failed, not the store: put_file's file could not be read or changed
                 # size mid-upload. A local fault, raised as it is and not retried.
                 raise e.reasons[0].value from e
@@ -1345,13 +1308,13 @@ def _timed_out(result: object, timeout: float) -> object:
 def _is_cancellation(e: BaseException) -> bool:
     if isinstance(e, CancelledError | error.ConnectingCancelledError):
         return True
-    if isinstance(e, _newclient._WrapperException):
+    if isinstance(e, _WRAPPERS):
         return any(r.check(CancelledError) for r in e.reasons)
     return False
 
 
 def _describe(e: BaseException) -> str:
-    if isinstance(e, _newclient._WrapperException) and e.reasons:
+    if isinstance(e, _WRAPPERS) and e.reasons:
         inner = "; ".join(r.getErrorMessage() or r.type.__name__ for r in e.reasons)
         return f"{type(e).__name__}: {inner}"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -13,13 +13,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
-from typing import Protocol as TypingProtocol
 
 import httptools
 from attrs import define, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.internet import error as ierror
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
@@ -36,7 +35,6 @@ from lchat.proxy.http import (
     REFUSED,
     Header,
     Valve,
-    buffered_output,
     chunk,
     connection_tokens,
     end_to_end,
@@ -46,6 +44,7 @@ from lchat.proxy.http import (
 )
 from lchat.proxy.upstream import DialFailed, UpstreamConnection, UpstreamPool
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Routes, Target, plain
+from lchat.twisted_internals import buffered_output
 
 _log = Logger(namespace="lchat.proxy")
 
@@ -91,21 +90,6 @@ _reroutes = Counter(
     # unreachable, closed (a safe request closed unanswered), stopping (refused by a drain)
     ["why"],
 )
-
-
-class RequestObserver(TypingProtocol):
-    """Told when a routed request starts and ends (an upgraded one ends when it closes)."""
-
-    def request_started(self, head: RequestHead, target: Target) -> None: ...
-    def request_ended(self, head: RequestHead, target: Target) -> None: ...
-
-
-class _NoObserver:
-    def request_started(self, head: RequestHead, target: Target) -> None:
-        pass
-
-    def request_ended(self, head: RequestHead, target: Target) -> None:
-        pass
 
 
 @frozen
@@ -776,7 +760,7 @@ class Downstream(Protocol):
             upstream.abort()
         if self._spliced:
             # The space closed the tunnel (or died): close the client's side too. (It ends
-            # the request for the observer when the client's connection is gone.)
+            # the request, and its in-flight ticket, when the client's connection is gone.)
             self._closing()
             return
         if not started and not ex.response_started:
@@ -925,12 +909,15 @@ class Downstream(Protocol):
 
     def drain(self) -> None:
         """The router is stopping (ProxyFactory.close): close this connection now if it sits idle
-        between requests. One that has not carried a request yet is left to send its first: it
-        was opened a moment ago, and its request may be on the wire now (a mesh peer's pool
-        dials just before writing). Cutting it would leave a POST's fate unknown to its sender;
+        between requests, or is an upgraded tunnel (its space is stopping; its client
+        reconnects). One that has not carried a request yet is left to send its first: it was
+        opened a moment ago, and its request may be on the wire now (a mesh peer's pool dials
+        just before writing). Cutting it would leave a POST's fate unknown to its sender;
         answered, it is refused (marked for a peer, which sends it elsewhere) and closed. Its
         header timeout still bounds it."""
-        if self._active is None and self._parsing is None and not self._closed and self._served:
+        if self._closed:
+            return
+        if self._spliced or (self._active is None and self._parsing is None and self._served):
             self._closing()
 
     def _closing(self) -> None:
@@ -977,20 +964,24 @@ class Downstream(Protocol):
         self._closing()
 
     def _observe(self, ex: Exchange) -> None:
-        if ex.head is not None and ex.target is not None and not ex.observed:
+        """The request is routed to its target: take the target's in-flight ticket, if it has
+        one (an awake hibernating space), until :meth:`_end_observed`."""
+        target = ex.target
+        if isinstance(target, LocalSocket) and target.inflight is not None and not ex.observed:
             ex.observed = True
             try:
-                self.proxy.observer.request_started(ex.head, ex.target)
+                target.inflight.request_started(ex.upgrade)
             except Exception:
-                _log.failure("request observer failed")
+                _log.failure("in-flight ticket of {host} failed", host=target.host)
 
     def _end_observed(self, ex: Exchange) -> None:
-        if ex.observed and ex.head is not None and ex.target is not None:
+        target = ex.target
+        if ex.observed and isinstance(target, LocalSocket) and target.inflight is not None:
             ex.observed = False
             try:
-                self.proxy.observer.request_ended(ex.head, ex.target)
+                target.inflight.request_ended(ex.upgrade)
             except Exception:
-                _log.failure("request observer failed")
+                _log.failure("in-flight ticket of {host} failed", host=target.host)
 
     def _log_access(self, ex: Exchange) -> None:
         target = ex.target
@@ -1152,17 +1143,16 @@ class ProxyFactory(Factory):
         router: Routes,
         cfg: ProxyConfig | None = None,
         pool: UpstreamPool | None = None,
-        observer: RequestObserver | None = None,
         secure: bool = False,
     ) -> None:
         self.reactor = reactor
         self.router = router
         self.cfg = cfg or ProxyConfig()
         self.pool = pool or UpstreamPool(reactor, dial_retry=self.cfg.dial_retry)
-        self.observer: RequestObserver = observer or _NoObserver()
         self.secure = secure
         self.connections: set[Downstream] = set()
         self.draining = False  # close() was called: the router is stopping
+        self._quiet: list[Deferred[None]] = []  # quiesced() waiters
         self._hosts: dict[bytes, str] = {}
         self._counters: dict[tuple[str, int], Any] = {}
         # Deadlines are checked a few times per shortest timeout; the sweep runs only while
@@ -1189,6 +1179,11 @@ class ProxyFactory(Factory):
             if self._sweep.running:
                 self._sweep.stop()
             self._sweep = None
+        if not self.connections:
+            quiet, self._quiet = self._quiet, []
+            for d in quiet:
+                if not d.called:
+                    d.callback(None)
 
     def _check(self) -> None:
         now = self.reactor.seconds()
@@ -1230,3 +1225,27 @@ class ProxyFactory(Factory):
         for conn in list(self.connections):
             conn.drain()
         return self.pool.close()
+
+    def quiesced(self, grace: float) -> Deferred[None]:
+        """Fires once every client connection has closed, or after ``grace`` seconds, when the
+        ones left are aborted (and then once they are gone)."""
+        if not self.connections:
+            return succeed(None)
+        done: Deferred[None] = Deferred()
+        self._quiet.append(done)
+
+        def give_up() -> None:
+            if done.called:
+                return
+            _log.warn(
+                "{count} client connections still open {grace:g}s into the drain: aborting them",
+                count=len(self.connections),
+                grace=grace,
+            )
+            for conn in list(self.connections):
+                if conn.transport is not None:
+                    conn.transport.abortConnection()  # type: ignore[attr-defined]
+
+        timer = self.reactor.callLater(grace, give_up)
+        done.addBoth(lambda result: timer.cancel() if timer.active() else None)
+        return done

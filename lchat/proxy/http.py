@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from http import HTTPStatus
 
-from twisted.internet.abstract import FileDescriptor
 from twisted.internet.interfaces import IPushProducer, ITransport
-from twisted.protocols.tls import TLSMemoryBIOProtocol
 from zope.interface import implementer
 
 Header = tuple[bytes, bytes]
@@ -105,34 +103,6 @@ def simple_response(
     if close:
         all_headers.append((b"connection", b"close"))
     return head_bytes(status_line(status), all_headers) + body
-
-
-def buffered_output(transport: object) -> int | None:
-    """Bytes written to ``transport`` and not yet taken by the kernel, or None if it cannot tell.
-
-    Twisted has no public API for this, so it reads the private buffers of the transports the
-    router uses: a ``FileDescriptor`` (TCP, unix) keeps ``dataBuffer`` from ``offset`` on plus
-    ``_tempDataLen`` bytes; TLS (``TLSMemoryBIOProtocol``) adds its small-write aggregator and
-    pending application writes to the TCP transport beneath it. For the deadline sweep only (a few
-    attribute reads), never the per-request path; tests/test_proxy_adversarial.py pins it against
-    the Twisted in use (a renamed attribute makes it None: the send timeout then counts from the
-    pause or close instead of the last byte that moved).
-    """
-    total = 0
-    try:
-        if isinstance(transport, TLSMemoryBIOProtocol):
-            # (Checked first: a protocol wrapper forwards unknown attributes to the transport
-            # beneath, so dataBuffer would be found there and TLS's own buffers missed.)
-            total += sum(map(len, transport._appSendBuffer))
-            aggregator = getattr(transport, "_aggregator", None)
-            total += sum(map(len, getattr(aggregator, "_buffer", ())))
-            transport = transport.transport
-        if isinstance(transport, FileDescriptor):
-            unsent = len(transport.dataBuffer) - transport.offset
-            return total + unsent + transport._tempDataLen
-    except AttributeError:
-        pass
-    return None
 
 
 @implementer(IPushProducer)

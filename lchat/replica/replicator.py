@@ -463,8 +463,11 @@ class Replicator:
         if changed and self._pending_since is None:
             self._pending_since = now  # a commit since the last read: unshipped from now on
         want_sync = bool(self._queue) or self._need_snapshot or changed or bool(self._check)
-        if want_sync and now - self._last_sync < self.gap:
-            self._schedule(self._last_sync + self.gap - now)
+        due = self._last_sync + self.gap
+        if want_sync and now < due:
+            # (Compared with the sum itself: "now - last < gap" can hold where "now < due" does
+            # not, and a zero delay at the same instant would loop on a fake clock.)
+            self._schedule(due - now)
             return
         if not want_sync and not self._maintenance_due(now):
             self._schedule()

@@ -11,8 +11,8 @@ untouched. Pages are written as they were stored, so the database keeps its head
 
 Restore time is download time plus whatever is not overlapped with it, so everything is:
 
-- From S3 each body is decoded while it arrives (``_stream_all``): no LTX file is written or
-  read back. From any other store, file i+1 downloads while file i is applied.
+- Each body is decoded while it arrives (``_stream_all``, through the store's ``get_into``): no
+  LTX file is written or read back.
 - Decoded pages go to the file from a writer thread in ``pwritev`` batches, and a flusher thread
   ``fdatasync``s every 32 MiB, so the final fsync has little left to do.
 - That fsync and ``integrity_check`` (memory-mapped) run side by side; both must pass.
@@ -31,24 +31,20 @@ import os
 import re
 import shutil
 import sqlite3
-import sys
 import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, TypeGuard, cast
+from typing import IO, Any, BinaryIO, cast
 from urllib.parse import quote
 
 from attrs import frozen
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import ensureDeferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from lchat.objstore import UTC, ObjectInfo, ObjectStore
 from lchat.replica import ltx
-
-if TYPE_CHECKING:
-    from lchat.objstore.s3 import S3Store
 
 _log = Logger()
 
@@ -237,10 +233,7 @@ async def restore(
     state = _ApplyState(os.path.join(work, "db"))
     try:
         await run(state.open)
-        if _can_stream(store):
-            downloaded = await _stream_all(store, chosen, state, run)
-        else:
-            downloaded = await _download_all(store, chosen, work, state, run)
+        downloaded = await _stream_all(store, chosen, state, run)
         # Durable and sound, in parallel: the fsync waits on the disk while integrity_check reads
         # the same pages from the page cache. Both must succeed before out_path is touched.
         synced = ensureDeferred(run(state.sync))
@@ -274,20 +267,14 @@ async def _with_metadata(store: ObjectStore, f: ReplicaFile) -> ReplicaFile:
     return parse_key(head) or f
 
 
-def _can_stream(store: ObjectStore) -> TypeGuard[S3Store]:
-    # Without importing lchat.objstore.s3 (treq, botocore) for a store that is not from it.
-    s3 = sys.modules.get("lchat.objstore.s3")
-    return s3 is not None and isinstance(store, s3.S3Store)
-
-
 async def _stream_all(
-    store: S3Store, chosen: list[ReplicaFile], state: _ApplyState, run: RunInThread
+    store: ObjectStore, chosen: list[ReplicaFile], state: _ApplyState, run: RunInThread
 ) -> int:
-    """S3: each body is decoded and applied as it arrives and never stored.
+    """Each body is decoded and applied as it arrives and never stored.
 
-    This leans on ``S3Store.get_into`` (the GET-into-a-sink engine of its ``get_to_file``): the
-    body goes to the sink's ``write`` a megabyte or more at a time, in the reactor's thread pool, one piece at a time, the socket paused while a piece waits; the
-    sink is rewound (``seek(0)``, ``truncate()``) before every attempt; an exception from
+    This leans on ``ObjectStore.get_into``: the body goes to the sink's ``write`` about a megabyte
+    at a time, in a worker thread, one piece at a time (S3's socket paused while a piece waits);
+    the sink is rewound (``seek(0)``, ``truncate()``) before every attempt; an exception from
     ``write`` fails the GET without a retry. A :class:`_FileApply` is such a sink.
     """
     downloaded = 0
@@ -302,47 +289,6 @@ async def _stream_all(
     return downloaded
 
 
-async def _download_all(
-    store: ObjectStore,
-    chosen: list[ReplicaFile],
-    work: str,
-    state: _ApplyState,
-    run: RunInThread,
-) -> int:
-    """Any other store: each file is downloaded into ``work`` while the one before it is applied."""
-
-    def fetch(i: int) -> Deferred[ObjectInfo]:
-        ltx_path = os.path.join(work, f"{i:06d}.ltx")
-        return Deferred.fromCoroutine(store.get_to_file(chosen[i].info.key, ltx_path))
-
-    downloaded = 0
-    ahead: Deferred[ObjectInfo] | None = fetch(0)
-    try:
-        for i, f in enumerate(chosen):
-            assert ahead is not None
-            arriving, ahead = ahead, None
-            got = await arriving
-            ahead = fetch(i + 1) if i + 1 < len(chosen) else None
-            downloaded += got.size
-            await run(_apply_file, os.path.join(work, f"{i:06d}.ltx"), _FileApply(state, f))
-    except BaseException:
-        if ahead is not None:
-            # Let a download still writing into work finish before the caller removes work.
-            with contextlib.suppress(Exception):
-                await ahead
-        raise
-    return downloaded
-
-
-def _apply_file(ltx_path: str, sink: _FileApply) -> None:
-    with open(ltx_path, "rb") as src:
-        while chunk := src.read(_CHUNK):
-            sink.write(chunk)
-    sink.finish()
-    os.unlink(ltx_path)  # bounds the disk a long chain of files needs
-
-
-_CHUNK = 1 << 20
 _IOV_MAX = 512  # pages per pwritev (Linux allows 1024 buffers)
 _DECODE_AHEAD = 8 << 20  # bytes of body queued for the decoder, at most
 _WRITES_AHEAD = 4  # batches of pages (a piece of a body each: 1-4 MiB) queued for the writer

@@ -74,8 +74,9 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from zope.interface import implementer
 
 from lchat import hosts, unixhttp
+from lchat.twisted_internals import quiet_pool
 from lchat.unixhttp import Response
-from lchat.webutil import BytesProducer, quiet_pool
+from lchat.webutil import BytesProducer
 
 log = Logger(namespace="lchat.space.sidecar")
 

@@ -12,17 +12,17 @@
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import Counter
 from twisted.application.service import Service
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from lchat.activator import Activator, WakeFailed
+from lchat.hibernation.activator import Activator
+from lchat.hibernation.space import WakeFailed
 from lchat.registry import Route, RouteSource, RouteTable
 
 _log = Logger(namespace="lchat.sweeper")
@@ -35,21 +35,19 @@ class Sweeper(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         activator: Activator,
         routes: RouteSource,
         *,
         idle: float,
         sweep: float = 5.0,
         due_sweep: float = 30.0,
-        wall: Callable[[], float] = time.time,  # next_due is unix time
         may_wake: Callable[[Route], bool] = lambda route: True,  # the mesh: only the owner
     ) -> None:
         self._reactor = reactor
         self._activator = activator
         self._routes = routes
         self.idle = idle
-        self._wall = wall
         self._may_wake = may_wake
         self._idle_loop = LoopingCall(self.sweep_idle)
         self._idle_loop.clock = reactor
@@ -84,29 +82,47 @@ class Sweeper(Service):
         )
 
     def sweep_idle(self) -> list[str]:
-        """Put to sleep every space idle for the whole window; returns their names."""
-        sleeping = self._activator.idle_hosts(self.idle)
-        for host in sleeping:
-            self._activator.sleep(host, "idle")
+        """Put to sleep every space idle for the whole window; returns their names. One space
+        that fails does not stop the others, nor the next sweep."""
+        sleeping = []
+        for host in self._activator.idle_hosts(self.idle):
+            try:
+                self._activator.sleep(host, "idle")
+            except Exception:
+                _log.failure("activator: {host} could not be put to sleep", host=host)
+                continue
+            sleeping.append(host)
         return sleeping
 
     def sweep_due(self) -> list[str]:
         """Wake every sleeping space whose due time has passed; returns their names."""
-        now = self._wall()
+        now = self._reactor.seconds()  # next_due is unix time, as the reactor's clock is
         end = bisect.bisect_right(self._due, (int(now), "\uffff"))
         woken = []
         table = self._routes.table
         for due, host in self._due[:end]:
             route = table.get(host)
-            if route is None or route.next_due != due or self._activator.state(host) != "asleep":
+            try:
+                if (
+                    route is None
+                    or route.next_due != due
+                    or self._activator.state(host) != "asleep"
+                    or not self._may_wake(route)
+                ):
+                    continue
+                _log.info(
+                    "activator: {host} due wake (due {late:.0f}s ago)",
+                    host=host,
+                    late=now - due,
+                    due=due,
+                )
+                d = self._activator.wake(route, "due")
+            except Exception:
+                # One space (a host placement cannot judge, an activator bug) must not stop
+                # the others' due wakes, nor the sweep itself.
+                _due_wakes.labels("failed").inc()
+                _log.failure("activator: {host} due wake could not start", host=host)
                 continue
-            if not self._may_wake(route):
-                continue
-            late = now - due
-            _log.info(
-                "activator: {host} due wake (due {late:.0f}s ago)", host=host, late=late, due=due
-            )
-            d = self._activator.wake(route, "due")
             d.addCallbacks(
                 lambda _: _due_wakes.labels("ok").inc(), self._due_failed, errbackArgs=(host,)
             )

@@ -1,0 +1,419 @@
+"""The activator: hibernating spaces sleep in the bucket and wake on the next request (DESIGN.md §7).
+
+It exists only when ``LCHAT_HIBERNATE_BUCKET`` is set, and manages only rows flagged ``hibernate``.
+Per host: ``asleep`` (no :class:`~lchat.hibernation.space.Space`) -> ``waking`` -> ``awake`` ->
+``stopping`` -> ``asleep``. This module is the state machine; the steps of a wake and a stand-down
+are :class:`~lchat.hibernation.lifecycle.Lifecycle`'s.
+
+Invariants:
+
+- One wake per host at a time: every request arriving meanwhile joins it (coalescing), and waits at
+  most ``Budgets.queue`` for it (then 503 ``queue_timeout``; the wake goes on).
+- A failed wake stands down what it started and forgets the entry, so the next request starts
+  clean, but not sooner than its backoff (1 s, doubling to 60 s); a lease held elsewhere is
+  answered from memory for 0.25 s instead of asking the bucket again per request.
+- A request that arrives while its space is stopping waits, and wakes it again once stopped.
+- Every request routed to an awake space holds the space's in-flight ticket until it ends: the
+  idle sweep never sleeps a space with anything in flight, and a graceful sleep waits for them.
+- Once stopping (the router's drain), no wake starts: requests get 503 ``shutdown``, marked for a
+  mesh peer that forwarded them (lchat.router.unavailable).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+from twisted.application.service import Service
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredList,
+    TimeoutError,
+    fail,
+    succeed,
+)
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from lchat.backoff import Backoff
+from lchat.deferutil import relay, settled
+from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
+from lchat.hibernation.space import STATES, Budgets, Space, WakeFailed
+from lchat.registry import Route, RouteSource, RouteTable
+from lchat.router import Header, LocalResponse, LocalSocket, Target, unavailable
+from lchat.supervise import RunningChild
+from lchat.units import Claims
+
+_log = Logger(namespace="lchat.activator")
+
+PHASES = ("lease", "restore", "spawn", "ready", "replicate", "total")
+_wake_seconds = Histogram(
+    "lchat_wake_seconds",
+    "Wake latency by phase (total = lease + restore + spawn + ready + replicate)",
+    ["phase"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+_wakes = Counter("lchat_wakes_total", "Wakes by reason and outcome", ["reason", "outcome"])
+_sleeps = Counter("lchat_sleeps_total", "Sleeps by reason", ["reason"])
+_coalesced = Counter("lchat_wake_coalesced_total", "Requests that joined a wake already under way")
+_awake = Gauge(
+    "lchat_awake_spaces", "Hibernating spaces awake (or waking, or stopping) by state", ["state"]
+)
+
+# After a failed wake, the next attempt waits 1 s, 2 s, 4 s ... up to 60 s: a broken space must
+# not cost a lease write, a LIST and an upload on every request.
+WAKE_BACKOFF = Backoff(1.0, 60.0)
+LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without asking the bucket
+
+
+class Activator(Service):
+    """Wakes, tracks and sleeps hibernating spaces; the router's branch for them (:meth:`route`)."""
+
+    name = "activator"
+
+    def __init__(
+        self, reactor: Any, routes: RouteSource, lifecycle: Lifecycle, claims: Claims
+    ) -> None:
+        self._reactor = reactor
+        self._routes = routes
+        self._life = lifecycle
+        self._claims = claims  # the hosts this activator runs: builtin units leave them alone
+        self._spaces: dict[str, Space] = {}
+        self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
+        # host -> (answer from memory until, Retry-After, why): a lease seen held elsewhere
+        self._held: dict[str, tuple[float, float, str]] = {}
+        self._stopping = False
+        routes.subscribe(self._table_changed)
+
+    @property
+    def budgets(self) -> Budgets:
+        return self._life.budgets
+
+    @budgets.setter
+    def budgets(self, budgets: Budgets) -> None:
+        self._life.budgets = budgets
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def holds(self, host: str) -> bool:
+        """True while this activator has anything running (or stopping) for ``host``."""
+        return host in self._spaces
+
+    def state(self, host: str) -> str:
+        space = self._spaces.get(host)
+        return "asleep" if space is None else space.state
+
+    def idle_hosts(self, idle: float) -> list[str]:
+        """Awake spaces with nothing in flight for ``idle`` seconds (O(awake))."""
+        now = self._reactor.seconds()
+        return [
+            h for h, s in self._spaces.items() if s.state == "awake" and s.idle_for(now) >= idle
+        ]
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Every space this activator holds, as ``GET /status`` shows it."""
+        now = self._reactor.seconds()
+        out = {host: s.describe(now) for host, s in self._spaces.items()}
+        for host, entry in out.items():
+            sidecar = self._life.sidecars.status(host)
+            if sidecar is not None:
+                entry["sidecar"] = sidecar
+        return out
+
+    # -- the router's branch ---------------------------------------------------------------------
+
+    def route(self, route: Route, sidecar: bool = False) -> Target | Deferred[Target]:
+        """The target for a request to hibernating ``route``: its socket now if awake (with the
+        space's in-flight ticket, unless the request is its sidecar's own), after a wake
+        otherwise, or a 503 with ``Retry-After``."""
+        host = route.host
+        space = self._spaces.get(host)
+        if space is not None and space.state == "awake":
+            # Sidecar traffic earns no idle credit: an orphaned bot would keep it awake forever.
+            return LocalSocket(host=host, path=space.socket, inflight=None if sidecar else space)
+        if sidecar:
+            return self._unavailable(host, "sidecar")
+        if self._stopping:
+            return self._unavailable(host, "shutdown")
+        started = self._reactor.seconds()
+        d = self.wake(route, "request")
+        result: Deferred[Target] = Deferred()
+        timer = self._reactor.callLater(self.budgets.queue, d.cancel)
+
+        def done(outcome: object) -> None:
+            if timer.active():
+                timer.cancel()
+            result.callback(self._routed(host, outcome, started))
+
+        d.addBoth(done)
+        return result
+
+    def _routed(self, host: str, outcome: object, started: float) -> Target:
+        if isinstance(outcome, Failure):
+            if outcome.check(CancelledError):
+                return self._unavailable(host, "queue_timeout")
+            if isinstance(outcome.value, WakeFailed):
+                return self._unavailable(host, outcome.value.reason, outcome.value.retry_after)
+            _log.failure("wake of {host} failed", outcome, host=host)
+            return self._unavailable(host, "error")
+        space = self._spaces.get(host)
+        if space is None or space.state != "awake":
+            return self._unavailable(host, "stood_down")
+        waited: Header = (b"x-lchat-wake", f"{self._reactor.seconds() - started:.3f}s".encode())
+        return LocalSocket(host=host, path=space.socket, response_headers=(waited,), inflight=space)
+
+    def _unavailable(self, host: str, reason: str, retry_after: float = 0.0) -> LocalResponse:
+        return unavailable(host, reason, retry_after, stopping=self._stopping)
+
+    # -- waking ----------------------------------------------------------------------------------
+
+    def wake(self, route: Route, reason: str) -> Deferred[None]:
+        """Fires once ``route``'s space is awake (at once if it is), or fails with
+        :class:`WakeFailed`. Cancelling the returned Deferred stops waiting, not the wake."""
+        host = route.host
+        space = self._spaces.get(host)
+        if space is not None and space.state == "awake":
+            return succeed(None)
+        now = self._reactor.seconds()
+        if space is None and self._stopping:
+            # (route() refuses first; this is for the other callers: /wake, the due sweep.)
+            return fail(WakeFailed(host, "shutdown", "the router is stopping"))
+        if space is None and host in self._failures:
+            left = self._failures[host][1] - now
+            if left > 0:
+                return fail(WakeFailed(host, "backoff", "a recent wake failed", left))
+        if space is None and host in self._held:
+            # Held elsewhere a moment ago: answer from that, not with another PUT and GET of the
+            # lock (a busy space on a dead box would otherwise cost two requests per request).
+            until, retry_after, why = self._held[host]
+            if now < until:
+                LEASE_CONFLICTS.inc()
+                return fail(WakeFailed(host, "lease_held", why, retry_after))
+            del self._held[host]
+        waiter: Deferred[None] = Deferred(lambda d: self._drop_waiter(host, d))
+        if space is None:
+            space = self._life.new_space(host, route, reason)
+            if reason == "due":
+                space.due_woken = route.next_due
+            self._spaces[host] = space
+            self._claims.claim(host)
+            self._update_gauge()
+            space.waiters.append(waiter)
+            space.task = Deferred.fromCoroutine(
+                self._life.wake(
+                    space,
+                    on_lost=lambda why: self._lease_lost(space, why),
+                    on_exit=lambda child, info: self._child_ended(space, child, info),
+                )
+            )
+            space.task.addTimeout(self.budgets.wake, self._reactor)
+            space.task.addBoth(self._wake_done, space)
+        else:
+            _coalesced.inc()
+            space.waiters.append(waiter)
+            if space.state == "stopping":
+                space.wake_again = True
+        return waiter
+
+    def _drop_waiter(self, host: str, d: Deferred[None]) -> None:
+        space = self._spaces.get(host)
+        if space is not None and d in space.waiters:
+            space.waiters.remove(d)
+
+    def _wake_done(self, outcome: object, space: Space) -> None:
+        host = space.host
+        space.task = None
+        if self._spaces.get(host) is not space:
+            return
+        waiters, space.waiters = space.waiters, []
+        if isinstance(outcome, Failure):
+            failure = self._wake_failed(space, outcome)
+            reason = failure.value.reason  # type: ignore[union-attr]  # always a WakeFailed
+            space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=False))
+            for d in waiters:
+                if not d.called:
+                    d.errback(failure)
+            return
+        timings: dict[str, float] = outcome  # type: ignore[assignment]
+        now = self._reactor.seconds()
+        timings["total"] = now - space.since
+        for phase, seconds in timings.items():
+            _wake_seconds.labels(phase).observe(seconds)
+        space.state = "awake"
+        space.woke_at = space.last_active = now
+        self._failures.pop(host, None)
+        self._held.pop(host, None)
+        self._update_gauge()
+        _wakes.labels(space.reason, "ok").inc()
+        _log.info(
+            "activator: {host} awake ({total:.1f}s)",
+            host=host,
+            total=timings["total"],
+            timings={k: round(v, 4) for k, v in timings.items()},
+        )
+        if space.due_woken:
+            self._routes.record_next_due(host, 0, only_if=space.due_woken)
+        self._life.sidecars.start(space, lambda: self._awake(space))
+        for d in waiters:
+            if not d.called:
+                d.callback(None)
+
+    def _awake(self, space: Space) -> bool:
+        return self._spaces.get(space.host) is space and space.state == "awake"
+
+    def _wake_failed(self, space: Space, outcome: Failure) -> Failure:
+        """Name a failed wake, remember its backoff (or the held lease), log it; returns the
+        failure its waiters get (always a :class:`WakeFailed`)."""
+        host = space.host
+        why = outcome.value
+        if not isinstance(why, WakeFailed):
+            if outcome.check(TimeoutError):
+                why = WakeFailed(host, "timeout", f"wake took longer than {self.budgets.wake:g}s")
+            elif outcome.check(CancelledError):
+                why = WakeFailed(host, "cancelled", "the wake was called off")
+            else:
+                _log.failure("activator: {host} wake failed", outcome, host=host)
+                why = WakeFailed(host, "error", str(why))
+            outcome = Failure(why)
+        reason = why.reason
+        _wakes.labels(space.reason, reason).inc()
+        now = self._reactor.seconds()
+        if reason == "lease_held":
+            if len(self._held) > 10_000:
+                self._held.clear()
+            until = now + min(why.retry_after, LEASE_HELD_CACHE)
+            self._held[host] = (until, why.retry_after, why.message)
+        delay = 0.0
+        if reason not in ("lease_held", "cancelled"):
+            count = self._failures.get(host, (0, 0.0))[0] + 1
+            delay = WAKE_BACKOFF.delay(count)
+            self._failures[host] = (count, now + delay)
+        _log.warn(
+            "activator: {host} wake failed ({reason}); the next request retries{after}",
+            host=host,
+            reason=reason,
+            after=f" after {delay:g}s" if delay else "",
+        )
+        return outcome
+
+    # -- sleeping and standing down --------------------------------------------------------------
+
+    def sleep(self, host: str, reason: str) -> Deferred[None]:
+        """Put an awake space to sleep; fires when it is asleep (never fails)."""
+        space = self._spaces.get(host)
+        if space is None:
+            return succeed(None)
+        if space.state == "stopping" and space.task is not None:
+            return settled(space.task)
+        if space.state == "waking" and space.task is not None:
+            space.task.cancel()  # _wake_done stands it down (synchronously sets the new task)
+            return settled(space.task) if space.task is not None else succeed(None)
+        space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=True))
+        return settled(space.task)
+
+    async def _stand_down(self, space: Space, reason: str, *, graceful: bool) -> None:
+        """Stop everything ``space`` runs, flush, release, forget; then serve whoever queued
+        meanwhile (a new wake), unless the router is stopping. ``graceful``: a sleep; otherwise
+        a failed wake, a dead child or a lost lease."""
+        host = space.host
+        if space.state == "stopping" and not graceful:
+            return
+        space.state = "stopping"
+        space.since = self._reactor.seconds()
+        self._update_gauge()
+        if graceful:
+            _log.info("activator: {host} sleeping ({reason})", host=host, reason=reason)
+        try:
+            await self._life.stand_down(space, reason, graceful=graceful)
+        finally:
+            if self._spaces.get(host) is space:
+                del self._spaces[host]
+            self._update_gauge()
+            self._claims.release(host)
+        if graceful:
+            _sleeps.labels(reason).inc()
+            _log.info("activator: {host} asleep ({reason})", host=host, reason=reason)
+        waiters = [d for d in space.waiters if not d.called]
+        space.waiters = []
+        route = self._routes.table.get(host)
+        if (
+            waiters
+            and not self._stopping
+            and space.wake_again
+            and route is not None
+            and route.hibernate
+            and route.kind == "instance"
+        ):
+            for d in waiters:
+                self.wake(route, "request").addBoth(relay, d)
+            return
+        for d in waiters:
+            d.errback(WakeFailed(host, "stood_down", f"{host} stood down; try again"))
+
+    def _child_ended(self, space: Space, child: RunningChild, info: Any) -> None:
+        if self._spaces.get(space.host) is not space or space.child is not child:
+            return
+        if space.state == "awake":
+            _log.warn(
+                "activator: {host} exited unexpectedly ({info}) — recycling",
+                host=space.host,
+                info=info.describe(),
+            )
+            _sleeps.labels("child_exited").inc()
+            space.task = Deferred.fromCoroutine(
+                self._stand_down(space, "child_exited", graceful=False)
+            )
+        # While waking, wait_ready reports it.
+
+    def _lease_lost(self, space: Space, why: str) -> None:
+        space.lost = why
+        _log.error(
+            "activator: {host} lease lost ({why}); stopping it now", host=space.host, why=why
+        )
+        if self._spaces.get(space.host) is not space:
+            return
+        if space.replicator is not None:
+            Deferred.fromCoroutine(space.replicator.stop())
+        if space.state == "awake":
+            _sleeps.labels("lease_lost").inc()
+            space.task = Deferred.fromCoroutine(
+                self._stand_down(space, "lease_lost", graceful=False)
+            )
+        elif space.state == "waking" and space.task is not None:
+            space.task.cancel()
+
+    def _table_changed(self, old: RouteTable, new: RouteTable) -> None:
+        for host, space in list(self._spaces.items()):
+            route = new.get(host)
+            if route is None or not route.hibernate or route.kind != "instance":
+                why = "removed" if route is None else "hibernate off"
+                if space.state == "awake":
+                    self.sleep(host, why)
+                elif space.state == "waking" and space.task is not None:
+                    space.task.cancel()
+            elif space.state != "stopping":
+                space.route = route
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._life.sidecars.startService()
+        self._update_gauge()
+
+    def stopService(self) -> Deferred[None]:
+        """Drain: every awake space flushed and released, in parallel, in bounded time."""
+        super().stopService()
+        self._stopping = True
+        hosts_now = list(self._spaces)
+        if hosts_now:
+            _log.info("activator: draining {n} spaces", n=len(hosts_now))
+        waits = [self.sleep(host, "shutdown") for host in hosts_now]
+        d: Deferred[Any] = DeferredList(waits, consumeErrors=True)
+        d.addCallback(lambda _: self._life.sidecars.stopService())
+        return d.addCallback(lambda _: None)
+
+    def _update_gauge(self) -> None:
+        for state in STATES:
+            _awake.labels(state).set(sum(1 for s in self._spaces.values() if s.state == state))

@@ -1,0 +1,426 @@
+"""How one hibernating space is brought up and put down: the steps of a wake and of a stand-down,
+each under its budget (docs/hibernation.md, "Waking", "Sleeping", "Budgets").
+
+The activator (lchat.hibernation.activator) decides *when* and keeps the states; a
+:class:`Lifecycle` does the work on a :class:`~lchat.hibernation.space.Space` it is handed:
+
+- wake: take the lease (asking a held one again for ~0.7 s: a draining holder releases it within
+  moments) and keep it renewed; the database step (lchat.hibernation.localdb); replication, first
+  when the local file is exactly the bucket's newest state, else once the space is ready; spawn
+  the space (after evicting a leftover on its socket) and wait for ``GET /api/version``;
+- stand-down: stop the sidecar; ask the next due time (graceful only); let the requests already
+  sent finish (graceful only); SIGTERM, SIGKILL after the grace; flush; release the lease (never
+  without a flush); write the clean-sleep marker, or move the database aside when someone else
+  took the lease.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attrs import define, field
+from prometheus_client import Counter
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+
+from lchat import hosts
+from lchat.config import BoxConfig
+from lchat.hibernation import localdb
+from lchat.hibernation.contract import Contract, SpaceContract
+from lchat.hibernation.localdb import DBPlan, Restorer
+from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
+from lchat.hibernation.space import Budgets, Space, WakeFailed
+from lchat.lease import HeldLease, LeaseHeld, LeaseKeeper, acquire
+from lchat.objstore import ObjectStore, ObjectStoreError
+from lchat.registry import RouteSource
+from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
+from lchat.supervise import (
+    ChildSpec,
+    NotReady,
+    RunningChild,
+    SpawnError,
+    evict_listener,
+    spawn,
+)
+from lchat.threads import RunInThread
+from lchat.units import EnvFileError, space_env
+
+_log = Logger(namespace="lchat.activator")
+
+LEASE_CONFLICTS = Counter(
+    "lchat_lease_conflicts_total", "Wakes refused because another holder has the lease"
+)
+
+LEASE_HELD_RETRY = 10.0  # the longest Retry-After a lease held elsewhere earns
+LEASE_HELD_RETRIES = (0.1, 0.2, 0.4)  # seconds between asking a held lease again in one wake
+# Sleeps after which someone else runs the database: no marker (it could not stay true).
+HANDED_BACK = ("hibernate off", "removed")
+
+Spawner = Callable[[Any, ChildSpec], RunningChild]  # (reactor, spec): lchat.supervise.spawn
+
+
+def taken(why: str) -> bool:
+    """Did someone else take the lease (rather than our renewals failing)?"""
+    return why.startswith(("taken over", "gone", "replaced"))
+
+
+@define
+class Lifecycle:
+    """The steps of one box's wakes and stand-downs. Every collaborator is given here."""
+
+    reactor: Any
+    cfg: BoxConfig
+    store: ObjectStore
+    routes: RouteSource  # next due times are recorded in the registry
+    run_in_thread: RunInThread
+    sidecars: Sidecars
+    budgets: Budgets = field(factory=Budgets)
+    spawner: Spawner | None = None  # None: lchat.supervise.spawn (looked up at each spawn)
+    drop_idle: Callable[[str], object] = lambda socket: None  # the proxy's kept-alive connections
+    renew_every: float | None = None  # the lease keeper's period (default: TTL / 3)
+    # The clock the lease's deadline is kept on (``acquire`` and ``LeaseKeeper`` share it): the
+    # local monotonic clock, which also arms lchat.lease's watchdog thread; a test on a fake
+    # clock passes that clock's ``seconds``.
+    monotonic: Callable[[], float] = time.monotonic
+    replicator_options: Mapping[str, Any] = field(factory=dict)
+    contract: Contract | None = None  # None: SpaceContract, GET /api/next-due on its socket
+    restorer: Restorer = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.restorer = Restorer(
+            self.store,
+            self.run_in_thread,
+            self.cfg.box_id,
+            self.cfg.mesh is not None,
+            self.cfg.data_dir,
+            self.reactor,
+        )
+        if self.contract is None:
+            self.contract = SpaceContract(self.reactor, self.run_in_thread, self.cfg.data_dir)
+
+    def new_space(self, host: str, route: Any, reason: str) -> Space:
+        now = self.reactor.seconds()
+        return Space(
+            host=host,
+            route=route,
+            state="waking",
+            since=now,
+            socket=route.socket or hosts.socket_path(self.cfg.run_dir, host),
+            db=route.db_path or hosts.db_path(self.cfg.data_dir, host),
+            reason=reason,
+            clock=self.reactor.seconds,
+            last_active=now,
+        )
+
+    def lease_key(self, host: str) -> str:
+        assert self.cfg.hibernate is not None
+        return self.cfg.hibernate.key(host, "lock.json")
+
+    def replica_path(self, host: str) -> str:
+        assert self.cfg.hibernate is not None
+        return self.cfg.hibernate.key(host)
+
+    # -- waking ----------------------------------------------------------------------------------
+
+    async def wake(
+        self,
+        space: Space,
+        on_lost: Callable[[str], None],
+        on_exit: Callable[[RunningChild, Any], None],
+    ) -> dict[str, float]:
+        """Bring ``space`` up; returns the seconds each phase took. Raises :class:`WakeFailed`;
+        whatever it started stays on ``space`` for the stand-down to undo."""
+        host = space.host
+        timings: dict[str, float] = {}
+        clock = self.reactor.seconds
+        t = clock()
+        lease = await self._acquire(host)
+        space.lease = lease
+        space.keeper = LeaseKeeper(
+            self.reactor,
+            self.store,
+            lease,
+            on_lost,
+            renew_every=self.renew_every,
+            verify_retake=lambda held: self._retaken(space, held),
+            monotonic=self.monotonic,
+        )
+        space.keeper.start()
+        timings["lease"] = clock() - t
+        _log.info("activator: {host} waking (lease acquired)", host=host, reason=space.reason)
+
+        t = clock()
+        plan = await self.restorer.prepare(host, space.db, self.replica_path(host), space.lease)
+        timings["restore"] = clock() - t
+        if plan.resume is not None:
+            # The local database is exactly the bucket's newest state and nobody writes it yet:
+            # replication starts first and continues the replica without a snapshot.
+            t = clock()
+            await self._start_replication(space, plan)
+            timings["replicate"] = clock() - t
+
+        t = clock()
+        child = await self._spawn(space)
+        child.ended.addCallback(lambda info: on_exit(child, info))
+        timings["spawn"] = clock() - t
+
+        t = clock()
+        try:
+            # Poll often: a refused connect costs microseconds, and every poll interval is wake
+            # latency a member waits through.
+            await child.wait_ready(timeout=self.budgets.ready, interval=0.02)
+        except NotReady as e:
+            _log.error("activator: {host} did not become ready: {error}", host=host, error=e)
+            raise WakeFailed(host, "not_ready", f"{host} did not start: {e}") from e
+        timings["ready"] = clock() - t
+
+        if plan.resume is None:
+            # A new database (the space created it) or one of unknown lineage: snapshot.
+            t = clock()
+            await self._start_replication(space, plan)
+            timings["replicate"] = clock() - t
+        return timings
+
+    async def _acquire(self, host: str) -> HeldLease:
+        assert self.cfg.hibernate is not None
+        for delay in (*LEASE_HELD_RETRIES, None):
+            try:
+                return await acquire(
+                    self.store,
+                    self.lease_key(host),
+                    self.cfg.box_id,
+                    self.cfg.hibernate.lease_ttl,
+                    host=host,
+                    reclaim_own=True,
+                    monotonic=self.monotonic,
+                )
+            except LeaseHeld as e:
+                if delay is None:
+                    LEASE_CONFLICTS.inc()
+                    _log.info(
+                        "activator: {host} not woken: lease held by {owner}",
+                        host=host,
+                        owner=e.owner,
+                    )
+                    # The holder may be draining (seconds) or dead (until expiry): ask for a
+                    # retry soon either way rather than at the lease's expiry.
+                    raise WakeFailed(
+                        host,
+                        "lease_held",
+                        f"{host} is being served elsewhere ({e})",
+                        min(e.retry_after, LEASE_HELD_RETRY),
+                    ) from e
+            except ObjectStoreError as e:
+                raise WakeFailed(host, "bucket", f"the bucket is unavailable: {e}") from e
+            await deferLater(self.reactor, delay, lambda: None)
+        raise AssertionError("unreachable")
+
+    async def _spawn(self, space: Space) -> RunningChild:
+        host = space.host
+        await evict_listener(
+            self.reactor,
+            self.run_in_thread,
+            space.socket,
+            self.budgets.stop,
+            name=f"activator: {host}",
+        )
+        try:
+            env = await self.run_in_thread(lambda: space_env(self.cfg, host, space.socket))
+            env["LCHAT_DB"] = space.db
+            spec = ChildSpec(
+                name=host,
+                argv=tuple(self.cfg.space_argv(host)),
+                env=env,
+                ready_socket=space.socket,
+            )
+            space.child = (self.spawner or spawn)(self.reactor, spec)
+        except (EnvFileError, SpawnError, hosts.InvalidHost) as e:
+            _log.error("activator: {host} cannot start: {error}", host=host, error=e)
+            raise WakeFailed(host, "spawn", f"{host} cannot start: {e}") from e
+        return space.child
+
+    async def _start_replication(self, space: Space, plan: DBPlan) -> None:
+        space.replicator = Replicator(
+            self.reactor,
+            self.store,
+            space.db,
+            self.replica_path(space.host),
+            interval=INTERVALS.get(space.route.replication, INTERVALS["stream"]),
+            keeper=space.keeper,
+            **self.replicator_options,
+        )
+        try:
+            await space.replicator.start(
+                plan.listing, resume_txid=plan.resume, txid_floor=plan.floor
+            )
+        except (ObjectStoreError, ReplicatorStopped) as e:
+            raise WakeFailed(space.host, "bucket", f"replication could not start: {e}") from e
+        space.replicating = True
+        # From here the bucket moves on past the marker: it no longer describes the local file.
+        await self.run_in_thread(lambda: localdb.forget_marker(space.db))
+
+    async def _retaken(self, space: Space, held: HeldLease) -> bool:
+        """The keeper re-took the space's lock after it vanished from the bucket: is the replica
+        still only this box's? The replicator compares, and re-seeds what the bucket lost; False
+        (someone else wrote meanwhile) makes the keeper report a takeover."""
+        space.lease = held
+        _log.error(
+            "activator: {host}: its lease vanished from the bucket while awake here; re-took it "
+            "(generation {generation}) and keeps serving; checking the replica",
+            host=space.host,
+            generation=held.generation,
+        )
+        replicator = space.replicator
+        if replicator is None or replicator.stopped:
+            return True  # nothing shipped under this lease yet: replication's start LISTs itself
+        return await replicator.recheck("lease")
+
+    # -- standing down ---------------------------------------------------------------------------
+
+    async def stand_down(self, space: Space, reason: str, *, graceful: bool) -> None:
+        """Stop everything ``space`` runs, flush, release; each step under its budget, so that
+        nothing strands the lease. Never raises."""
+        host = space.host
+        try:
+            await self._step(
+                host,
+                "sidecar",
+                self.sidecars.stop(host, self.budgets.sidecar_stop),
+                self.budgets.sidecar_stop + 1,
+            )
+            if graceful and space.child is not None and space.child.exit_info is None:
+                assert self.contract is not None
+                due = await self._step(
+                    host,
+                    "next_due",
+                    self.contract.next_due(host, space.socket, self.budgets.next_due),
+                    self.budgets.next_due,
+                )
+                if isinstance(due, int):
+                    if due and space.due_woken and due <= space.due_woken:
+                        due = 0  # honoured already: a past due time wakes once, not in a loop
+                    self.routes.record_next_due(host, due)
+            if graceful and space.requests > 0 and space.child is not None:
+                # New requests queue (state "stopping"); those already sent to the space are
+                # let finish first. SIGTERM now would race them: the space closes the kept-alive
+                # connections it has not read a request on yet, so a request written a moment
+                # ago would go unanswered (the owner of a drain could not even say it was never
+                # processed).
+                await self._step(host, "requests", space.requests_finished(), self.budgets.requests)
+            self.drop_idle(space.socket)
+            if space.child is not None:
+                grace = self.budgets.lease_lost_stop if space.lost else self.budgets.stop
+                await space.child.terminate(timeout=grace)
+            await self._release(space, reason)
+        except Exception:
+            _log.failure("activator: {host} standing down failed", host=host)
+
+    async def _release(self, space: Space, reason: str) -> None:
+        host = space.host
+        flushed = False
+        if space.replicator is not None:
+            if space.lost is None and space.replicating:
+                flushed = await self._flush(space)
+            await space.replicator.stop()
+        if space.keeper is not None:
+            if space.lost is not None:
+                pass  # never write again: it is someone else's now
+            elif flushed or not space.replicating:
+                released = await space.keeper.release(self.budgets.release)
+                if not released:
+                    STEP_FAILURES.labels("release").inc()
+            else:
+                # Invariant 2: no release without a flush. The lease expires on its own; until
+                # then only this box (reclaim_own) can wake the space, from its newest local copy.
+                space.keeper.stop()
+                _log.error(
+                    "activator: {host} final flush failed: lease left to expire "
+                    "(only this box can wake it until then)",
+                    host=host,
+                )
+        now = self.reactor.seconds()
+        if flushed and space.replicator is not None and reason not in HANDED_BACK:
+            txid = space.replicator.txid
+            await self.run_in_thread(lambda: localdb.write_marker(space.db, txid, now))
+        if space.lost is not None and taken(space.lost):
+            # What the copy holds at least (every txid the replicator read from it): a wake
+            # compares it with the bucket, so it is never lost to an emptier bucket.
+            dated = space.replicator.txid if space.replicating and space.replicator else None
+            aside = await self.run_in_thread(
+                lambda: localdb.move_aside(space.db, "lease-lost", now, dated)
+            )
+            if aside:
+                _log.warn(
+                    "activator: {host} local db moved to {aside} (lease {why}: the bucket "
+                    "is the truth now)",
+                    host=host,
+                    aside=aside,
+                    why=space.lost,
+                )
+        elif space.lost is not None:
+            # Not renewed in time (the bucket was unreachable): nobody is known to have taken
+            # it, and the local file holds writes the bucket may lack. No marker: the next wake
+            # on this box trusts it and snapshots it.
+            _log.warn(
+                "activator: {host} lease lost ({why}): keeping the local db (newer than "
+                "the bucket); the next wake snapshots it",
+                host=host,
+                why=space.lost,
+            )
+
+    async def _step(self, host: str, name: str, work: Any, budget: float) -> Any:
+        """Run one stand-down step; its failure or timeout is counted and logged, never raised."""
+        d = Deferred.fromCoroutine(work)
+        d.addTimeout(budget, self.reactor)
+        try:
+            return await d
+        except (CancelledError, TimeoutError):
+            STEP_FAILURES.labels(name).inc()
+            _log.warn(
+                "activator: {host} sleep step {step} ran out of time ({budget:g}s)",
+                host=host,
+                step=name,
+                budget=budget,
+            )
+        except Exception as e:
+            STEP_FAILURES.labels(name).inc()
+            _log.warn(
+                "activator: {host} sleep step {step} failed: {error}",
+                host=host,
+                step=name,
+                error=e,
+            )
+        return None
+
+    async def _flush(self, space: Space) -> bool:
+        """Flush, retrying within the budget: True once everything is in the bucket."""
+        assert space.replicator is not None
+        deadline = self.reactor.seconds() + self.budgets.flush
+        delay = 0.5
+        while True:
+            # check: the last flush before sleep LISTs once, so a bucket that forgot the space
+            # is re-seeded now, not at the next wake (the bucket is then all there is off-box).
+            attempt = Deferred.fromCoroutine(space.replicator.flush(check=True))
+            attempt.addTimeout(max(deadline - self.reactor.seconds(), 0.01), self.reactor)
+            try:
+                await attempt
+                return True
+            except ReplicatorStopped as e:
+                _log.error("activator: {host} flush impossible: {error}", host=space.host, error=e)
+                return False
+            except (ObjectStoreError, CancelledError, OSError) as e:
+                STEP_FAILURES.labels("flush").inc()
+                left = deadline - self.reactor.seconds()
+                _log.error(
+                    "activator: {host} flush failed ({error}); {left:.0f}s left",
+                    host=space.host,
+                    error=e if not isinstance(e, CancelledError) else "timed out",
+                    left=max(left, 0),
+                )
+                if left <= delay:
+                    return False
+            await deferLater(self.reactor, delay, lambda: None)
+            delay = min(delay * 2, 10.0)

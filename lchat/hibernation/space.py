@@ -1,0 +1,129 @@
+"""One hibernating space as the activator tracks it, and the words of its life.
+
+A :class:`Space` exists from the moment a wake begins until its stand-down has finished; "asleep"
+is the absence of one. It is also the ticket the proxy holds for each request routed to it
+(:class:`lchat.router.InFlight`): ``inflight`` counts what keeps it awake, ``requests`` (the plain
+requests among them, not upgraded connections) what a graceful sleep waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from attrs import Factory, define, field, frozen
+from twisted.internet.defer import Deferred
+
+from lchat.lease import HeldLease, LeaseKeeper
+from lchat.registry import Route
+from lchat.replica.replicator import Replicator
+from lchat.supervise import RunningChild
+
+State = Literal["waking", "awake", "stopping"]
+STATES: tuple[State, ...] = ("waking", "awake", "stopping")
+
+
+@frozen
+class Budgets:
+    """Seconds each step may take (DESIGN.md §7, docs/hibernation.md "Budgets")."""
+
+    wake: float = 300.0  # the whole wake
+    queue: float = 30.0  # a request waiting for a wake
+    ready: float = 30.0  # the space answering GET /api/version
+    next_due: float = 10.0
+    requests: float = 10.0  # a graceful sleep: requests already sent to the space finishing
+    stop: float = 20.0  # SIGTERM -> SIGKILL
+    flush: float = 60.0  # the final replication flush (retried within)
+    release: float = 10.0
+    sidecar_stop: float = 10.0
+    lease_lost_stop: float = 2.0  # a space whose lease is gone: SIGKILL soon
+
+
+class WakeFailed(Exception):
+    """A wake did not happen. ``reason`` names it in metrics and picks the public 503 text
+    (lchat.router.unavailable); ``message`` is for the log only."""
+
+    def __init__(self, host: str, reason: str, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.host = host
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+
+
+@define(eq=False)
+class Space:
+    """What the activator holds for one host while anything runs (or stops) for it."""
+
+    host: str
+    route: Route
+    state: State
+    since: float  # when it entered ``state``
+    socket: str
+    db: str
+    reason: str  # what woke it
+    clock: Callable[[], float] = field(repr=False)
+    waiters: list[Deferred[None]] = Factory(list)
+    inflight: int = 0
+    requests: int = 0  # of inflight, the plain requests (not upgrades): a graceful sleep waits
+    requests_done: list[Deferred[None]] = Factory(list)  # fired when requests reaches 0
+    last_active: float = 0.0
+    woke_at: float = 0.0
+    lease: HeldLease | None = None
+    keeper: LeaseKeeper | None = None
+    replicator: Replicator | None = None
+    child: RunningChild | None = None
+    task: Deferred[Any] | None = None
+    lost: str | None = None
+    replicating: bool = False  # the replicator started (its flush means something)
+    due_woken: int = 0  # the next_due this wake honoured (a due time is honoured once)
+    wake_again: bool = False  # requests queued while stopping: wake once stopped
+
+    # -- the proxy's ticket (lchat.router.InFlight) ----------------------------------------------
+
+    def request_started(self, upgrade: bool) -> None:
+        self.inflight += 1
+        if not upgrade:
+            self.requests += 1
+        self.last_active = self.clock()
+
+    def request_ended(self, upgrade: bool) -> None:
+        self.inflight -= 1
+        if not upgrade:
+            self.requests -= 1
+            if self.requests <= 0:
+                done, self.requests_done = self.requests_done, []
+                for d in done:
+                    if not d.called:  # (a wait whose budget ran out was cancelled)
+                        d.callback(None)
+        self.last_active = self.clock()
+
+    async def requests_finished(self) -> None:
+        """Returns once no plain request is in flight (at once if none is)."""
+        if self.requests > 0:
+            done: Deferred[None] = Deferred()
+            self.requests_done.append(done)
+            await done
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """As ``GET /status`` shows it."""
+        entry: dict[str, Any] = {
+            "state": self.state,
+            "for": round(now - self.since, 3),
+            "reason": self.reason,
+            "inflight": self.inflight,
+            "idle": round(now - self.last_active, 3) if self.state == "awake" else None,
+            "pid": self.child.pid if self.child is not None else None,
+            "replication": self.route.replication,
+        }
+        if self.replicator is not None:
+            entry["txid"] = self.replicator.txid
+        return entry
+
+    def idle_for(self, now: float) -> float:
+        """Seconds with nothing in flight (0 while anything is)."""
+        return 0.0 if self.inflight > 0 else now - self.last_active
+
+
+def sidecar_name(host: str) -> str:
+    return f"{host}-bot"

@@ -1,0 +1,132 @@
+"""Every use lchat makes of Twisted's private API, in one place.
+
+Twisted keeps its compatibility promise for public names only: anything spelt with a leading
+underscore, or living in an underscore module (``twisted.web._newclient``,
+``twisted.internet._sslverify``), may change in any release without a deprecation cycle. The code
+below needs a few such names because no public API does the job; each function says exactly which
+private name it touches and why. Nothing else in ``lchat`` may reach into Twisted's privates.
+
+``tests/test_twisted_internals.py`` drives each of these against the installed Twisted over real
+loopback TCP and TLS connections, and fails naming the internal if one has changed. ``setup.cfg``
+pins Twisted to the releases those tests passed on: run them before widening the pin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet._sslverify import IOpenSSLTrustRoot
+from twisted.internet.abstract import FileDescriptor
+from twisted.protocols.tls import TLSMemoryBIOProtocol
+from twisted.web._newclient import RequestNotSent, WrongBodyLength
+from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
+from zope.interface import implementer
+
+__all__ = [
+    "RequestNotSent",
+    "TrustRoot",
+    "WrongBodyLength",
+    "buffered_output",
+    "platform_trust_plus",
+    "quiet_pool",
+]
+
+# --- HTTP client errors defined only in twisted.web._newclient ---------------------------------
+#
+# The S3 client (lchat.objstore.s3) tells "never sent, safe to retry" and "the body was wrong"
+# apart from other failures by type. Their siblings (ResponseFailed, ResponseNeverReceived,
+# RequestTransmissionFailed, RequestGenerationFailed) are public in twisted.web.client; these two
+# are defined only in the private twisted.web._newclient, and twisted.web.client does not export
+# them (RequestNotSent is imported there for its own retry logic, outside ``__all__``):
+#
+# - ``RequestNotSent``: ``HTTP11ClientProtocol.request`` was called on a connection that can no
+#   longer send (lost while idle in the pool, or busy): nothing reached the server, so even a
+#   non-idempotent request may be retried.
+# - ``WrongBodyLength``: a body producer wrote more or fewer bytes than its ``length``; Twisted
+#   wraps it in the public ``RequestGenerationFailed``, whose ``reasons`` the S3 client unwraps.
+
+# --- how much a transport still has to send --------------------------------------------------
+
+
+def buffered_output(transport: object) -> int | None:
+    """Bytes written to ``transport`` and not yet taken by the kernel, or None if it cannot tell.
+
+    Private names read: ``FileDescriptor.dataBuffer``, ``.offset`` and ``._tempDataLen``
+    (twisted.internet.abstract: what a TCP or unix transport holds, from ``offset`` on, plus the
+    small writes not yet joined into ``dataBuffer``); ``TLSMemoryBIOProtocol._appSendBuffer`` (the
+    application's writes held until the handshake completes) and
+    ``BufferingTLSTransport._aggregator._buffer`` (small writes held until the next reactor turn),
+    both twisted.protocols.tls. No public API: ``IConsumer``/``IPushProducer`` say only *whether* a
+    transport wants us to pause, never *how much* it holds, and the front door's send timeout
+    needs to see whether unsent output moves at all (lchat.proxy.downstream, ``_check_send``).
+
+    For the deadline sweep only (a few attribute reads), never the per-request path. A renamed
+    attribute makes it None (the send timeout then counts from the pause or close instead of the
+    last byte that moved), and the tests fail loudly.
+    """
+    total = 0
+    try:
+        if isinstance(transport, TLSMemoryBIOProtocol):
+            # (Checked first: a protocol wrapper forwards unknown attributes to the transport
+            # beneath, so dataBuffer would be found there and TLS's own buffers missed.)
+            total += sum(map(len, transport._appSendBuffer))
+            # After connectionLost the aggregator is a _NullAggregator, without a buffer.
+            aggregator = getattr(transport, "_aggregator", None)
+            total += sum(map(len, getattr(aggregator, "_buffer", ())))
+            transport = transport.transport
+        if isinstance(transport, FileDescriptor):
+            unsent = len(transport.dataBuffer) - transport.offset
+            return total + unsent + transport._tempDataLen
+    except AttributeError:
+        pass
+    return None
+
+
+# --- an HTTP client pool that does not log every connection ----------------------------------
+
+
+class _QuietClientFactory(_HTTP11ClientFactory):
+    noisy = False  # one per connection: "Starting factory" lines would drown the log
+
+
+def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
+    """An HTTP client connection pool whose per-connection factories do not log.
+
+    Private names touched: ``HTTPConnectionPool._factory`` (the factory class the pool builds for
+    each new connection) and ``twisted.web.client._HTTP11ClientFactory`` (its default, subclassed
+    here only to set ``noisy = False``). No public API: the pool takes no factory argument, and a
+    ``Factory`` logs "Starting factory" / "Stopping factory" at info level whenever ``noisy`` is
+    true, once per connection here. Filtering those events out of the global log would hide them
+    for every other factory too.
+    """
+    pool = HTTPConnectionPool(reactor, persistent=persistent)
+    pool._factory = _QuietClientFactory
+    return pool
+
+
+# --- the platform's CAs plus a private one -----------------------------------------------------
+
+TrustRoot = IOpenSSLTrustRoot  # what ``optionsForClientTLS(trustRoot=...)`` accepts
+
+
+@implementer(IOpenSSLTrustRoot)
+class _PlatformPlusFile:
+    def __init__(self, ca_file: str) -> None:
+        self._ca_file = ca_file
+
+    def _addCACertsToContext(self, context: Any) -> None:
+        context.set_default_verify_paths()
+        context.load_verify_locations(self._ca_file)
+
+
+def platform_trust_plus(ca_file: str) -> IOpenSSLTrustRoot:
+    """Trust the platform's CAs *and* those in ``ca_file`` (``LCHAT_MESH_CA_FILE``): a private CA
+    for the mesh's own names without giving up ordinary verification.
+
+    Private names touched: ``twisted.internet._sslverify.IOpenSSLTrustRoot`` and its one method,
+    ``_addCACertsToContext(context)``, which ``optionsForClientTLS`` calls to load the trusted CAs
+    into the OpenSSL context. No public API: ``twisted.internet.ssl`` offers ``platformTrust()``
+    (the platform's CAs only) and ``trustRootFromCertificates()`` (the given certificates only), and
+    no way to combine the two; the interface itself is not exported by ``twisted.internet.ssl``.
+    """
+    return _PlatformPlusFile(ca_file)

@@ -1,0 +1,266 @@
+"""Stand-ins for a space's process and its contract, for state-machine tests on a fake clock
+(tests/test_activator_machine.py), in the spirit of Twisted's procmon tests: everything that
+decides is real (activator, lifecycle, lease, replicator, registry, a ``file:`` store); only the
+child process and the HTTP questions put to it are replaced, each keeping the real one's contract.
+
+- :class:`Spawner` is a ``Lifecycle(spawner=...)`` (``(reactor, spec) -> child``) that makes
+  :class:`FakeChild` objects and remembers them;
+- :class:`FakeChild` is what the lifecycle and the activator use of
+  :class:`lchat.supervise.RunningChild`: ``pid``, ``exit_info``, ``ended`` (a new Deferred per
+  access, never failing), ``wait_ready`` (fails with ``ChildExited`` if it ends first and
+  ``ReadyTimeout`` after its timeout, on the fake clock), ``terminate`` (SIGTERM, SIGKILL after the
+  grace). Like a space, it creates its SQLite database in WAL mode at ``LCHAT_DB`` and keeps a
+  connection open while it runs, so that real replication has something to ship;
+- :class:`FakeContract` is a ``Lifecycle(contract=...)``: ``next_due`` answers what the test set;
+- :class:`RecordingStore` wraps a real store and writes each call into the :class:`Journal`.
+
+The :class:`Journal` is one ordered list of what happened, with the fake clock's time, so a test
+can assert the order of steps across all of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import sqlite3
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.task import Clock
+
+from lchat.supervise import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
+
+
+def inline(f: Any, *args: Any) -> Deferred[Any]:
+    """A thread runner that runs the work at once: with a fake clock there is no reactor thread
+    to hop back to, and the disk work these tests do takes microseconds."""
+    return maybeDeferred(f, *args)
+
+
+class Journal:
+    """What happened, in order: ``(clock time, event, detail)``."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self.entries: list[tuple[float, str, str]] = []
+
+    def add(self, event: str, detail: str = "") -> None:
+        self.entries.append((self._clock.seconds(), event, detail))
+
+    def events(self, *, since: int = 0) -> list[str]:
+        """The event names from entry ``since`` on."""
+        return [event for _, event, _ in self.entries[since:]]
+
+    def mark(self) -> int:
+        """The index of the next entry (for :meth:`events`' ``since``)."""
+        return len(self.entries)
+
+
+class RecordingStore:
+    """A real store, each call written to the journal as ``store.<method>`` with its key;
+    ``observe(method, key)``, when set, is called before each call reaches the store."""
+
+    def __init__(self, store: Any, journal: Journal) -> None:
+        self._store = store
+        self._journal = journal
+        self.calls: list[tuple[str, str]] = []
+        self.observe: Callable[[str, str], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name in ("describe",) or not callable(attr):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            key = str(args[0]) if args else ""
+            self.calls.append((name, key))
+            self._journal.add(f"store.{name}", key)
+            if self.observe is not None:
+                self.observe(name, key)
+            return await attr(*args, **kwargs)
+
+        return call
+
+    def count(self) -> int:
+        return len(self.calls)
+
+
+class FakeChild:
+    """One space "process". See the module docstring for the contract it keeps."""
+
+    def __init__(
+        self, clock: Clock, spec: ChildSpec, pid: int, journal: Journal, *, ready: bool
+    ) -> None:
+        self.spec = spec
+        self.host = spec.name
+        self.pid = pid
+        self.exit_info: ExitInfo | None = None
+        self.started_at = clock.seconds()
+        self.is_ready = ready
+        # Seconds a SIGTERM takes to end it; None: it ignores SIGTERM (ended by the SIGKILL).
+        self.stop_delay: float | None = 0.0
+        self.terminations: list[tuple[float, float]] = []  # (clock time, grace)
+        self._clock = clock
+        self._journal = journal
+        self._waiters: list[Deferred[ExitInfo]] = []
+        self._ready_waits: list[tuple[Deferred[None], IDelayedCall]] = []
+        self._end_call: IDelayedCall | None = None
+        self.db_path = spec.env["LCHAT_DB"]
+        self.db: sqlite3.Connection | None = sqlite3.connect(self.db_path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS messages(id INTEGER PRIMARY KEY, body TEXT)")
+
+    def __repr__(self) -> str:
+        return f"<FakeChild {self.host} pid={self.pid}>"
+
+    # -- what the space does ---------------------------------------------------------------------
+
+    def write(self, body: str) -> None:
+        """A member's write: one committed transaction in the space's database."""
+        assert self.db is not None, "the child has ended"
+        self.db.execute("INSERT INTO messages(body) VALUES (?)", (body,))
+
+    def become_ready(self) -> None:
+        """``GET /api/version`` starts answering 200."""
+        self.is_ready = True
+        self._journal.add("ready", self.host)
+        waits, self._ready_waits = self._ready_waits, []
+        for d, timer in waits:
+            timer.cancel()
+            d.callback(None)
+
+    def crash(self, sig: int = signal.SIGKILL) -> None:
+        """The process dies on its own (OOM killer, a bug)."""
+        self._journal.add("crash", self.host)
+        self._end(ExitInfo(code=None, signal=sig))
+
+    # -- RunningChild's interface ----------------------------------------------------------------
+
+    @property
+    def ended(self) -> Deferred[ExitInfo]:
+        """A new Deferred per access (as RunningChild's): cancelling one leaves the others."""
+        if self.exit_info is not None:
+            return succeed(self.exit_info)
+        d: Deferred[ExitInfo] = Deferred(self._waiters.remove)
+        self._waiters.append(d)
+        return d
+
+    def wait_ready(self, timeout: float = 30.0, interval: float = 0.2) -> Deferred[None]:
+        if self.exit_info is not None:
+            return fail(ChildExited(self.host, self.exit_info))
+        if self.is_ready:
+            return succeed(None)
+
+        def cancel(d: Deferred[None]) -> None:
+            for entry in list(self._ready_waits):
+                if entry[0] is d:
+                    self._ready_waits.remove(entry)
+                    entry[1].cancel()
+
+        d: Deferred[None] = Deferred(cancel)
+
+        def too_late() -> None:
+            self._ready_waits[:] = [e for e in self._ready_waits if e[0] is not d]
+            d.errback(ReadyTimeout(self.host, f"not ready after {timeout:g}s (no answer yet)"))
+
+        self._ready_waits.append((d, self._clock.callLater(timeout, too_late)))
+        return d
+
+    def terminate(self, timeout: float = 20.0) -> Deferred[ExitInfo]:
+        """SIGTERM now (ends it after ``stop_delay``), SIGKILL after ``timeout``."""
+        self.terminations.append((self._clock.seconds(), timeout))
+        self._journal.add("terminate", self.host)
+        if self.exit_info is not None:
+            return succeed(self.exit_info)
+        delay = self.stop_delay
+        if delay is not None and delay <= 0:
+            self._end(ExitInfo(code=0, signal=None))
+            return self.ended
+        kill = delay is None or delay >= timeout
+        info = ExitInfo(code=None, signal=signal.SIGKILL) if kill else ExitInfo(code=0, signal=None)
+        when = timeout if kill else delay
+        assert when is not None
+        if self._end_call is None or self._end_call.getTime() > self._clock.seconds() + when:
+            if self._end_call is not None:
+                self._end_call.cancel()
+            self._end_call = self._clock.callLater(when, self._end, info)
+        return self.ended
+
+    def _end(self, info: ExitInfo) -> None:
+        if self.exit_info is not None:
+            return
+        if self._end_call is not None and self._end_call.active():
+            self._end_call.cancel()
+        self._end_call = None
+        if self.db is not None:
+            self.db.close()
+            self.db = None
+        self.exit_info = info
+        self._journal.add("exit", self.host)
+        waits, self._ready_waits = self._ready_waits, []
+        for d, timer in waits:
+            timer.cancel()
+            d.errback(ChildExited(self.host, info))
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            w.callback(info)
+
+
+class Spawner:
+    """``Lifecycle(spawner=...)``: makes a :class:`FakeChild` per spawn and remembers it.
+
+    ``ready``: new children answer at once (else the test calls ``become_ready``);
+    ``stop_delay``: given to each new child; ``refuse``: raise :class:`SpawnError` with it."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.children: list[FakeChild] = []
+        self.ready = True
+        self.stop_delay: float | None = 0.0
+        self.refuse: str | None = None
+        self._pids = itertools.count(40_000)
+
+    def __call__(self, reactor: Any, spec: ChildSpec) -> FakeChild:
+        self.journal.add("spawn", spec.name)
+        if self.refuse is not None:
+            raise SpawnError(spec.name, self.refuse)
+        child = FakeChild(reactor, spec, next(self._pids), self.journal, ready=self.ready)
+        child.stop_delay = self.stop_delay
+        self.children.append(child)
+        return child
+
+    def of(self, host: str) -> list[FakeChild]:
+        return [c for c in self.children if c.host == host]
+
+    def last(self, host: str) -> FakeChild:
+        return self.of(host)[-1]
+
+    def close(self) -> None:
+        """Close what children are left running (the test is over)."""
+        for child in self.children:
+            if child.db is not None:
+                child.db.close()
+                child.db = None
+
+
+class FakeContract:
+    """``Lifecycle(contract=...)``: ``next_due`` answers ``due[host]`` (0 when unset); a host in
+    ``hang`` never answers (the stand-down's budget ends the wait); one in ``broken`` fails."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.due: dict[str, int] = {}
+        self.hang: set[str] = set()
+        self.broken: set[str] = set()
+        self.asked: list[tuple[str, str, float]] = []  # (host, socket, timeout)
+
+    async def next_due(self, host: str, socket: str, timeout: float) -> int:  # noqa: ASYNC109 (a Twisted timeout)
+        self.asked.append((host, socket, timeout))
+        self.journal.add("next_due", host)
+        if host in self.hang:
+            await Deferred()
+        if host in self.broken:
+            raise ValueError("GET /api/next-due answered 500")
+        return self.due.get(host, 0)

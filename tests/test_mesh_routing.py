@@ -1,0 +1,666 @@
+"""MeshRouter (lchat/mesh/routing.py) as a state machine on a fake clock.
+
+Where an in-scope hibernating space is served: the owner by rendezvous hash (scoped to a home
+region), the lease holder while the space is awake elsewhere, here for a request a peer forwarded
+with an authentic marker. Then the routing state kept between requests: the lease-holder cache
+(one GET per host per ``holder_ttl``, shared by requests arriving together), a peer left out of
+placement for ``dead_after`` after it could not take a request, and a draining peer's leases
+awaited (at most RELEASE_WAIT) instead of met held.
+
+Everything runs on one ``task.Clock`` (the router's clock and reactor) over a real ``file:`` store
+whose disk work runs inline (or is held back by the test to make requests overlap): no thread,
+no reactor, no wall-clock wait. The membership and the activator are reduced to what MeshRouter
+reads of them: ``live()`` and ``subscribe()``, and ``holds()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from attrs import frozen
+from prometheus_client import REGISTRY
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from lchat.config import BoxConfig, HibernateConfig, MeshConfig
+from lchat.lease import acquire
+from lchat.mesh import forward, placement, routing
+from lchat.mesh.routing import MeshRouter
+from lchat.objstore.file import FileStore
+from lchat.proxy.http import REFUSED
+from lchat.registry import Route
+from lchat.router import LocalResponse, RemotePeer, RequestHead, Target
+
+SELF = "http://a.example.net"
+B = "http://b.example.net"
+C = "http://c.example.net:8080"
+DOMAIN = "mesh.example"
+EPOCH = 10_000.0  # the clock's start: forwarded markers carry it (small: float steps stay exact)
+TOKEN = "routing-token-" + "z" * 20
+HEARTBEAT, DEAD_AFTER = 15.0, 45.0
+SERVED_HERE = LocalResponse(200, b"served here\n")
+
+
+@frozen
+class Peer:
+    """A member as the membership's view holds it (lchat.mesh.membership.Member, reduced)."""
+
+    url: str
+    region: str = ""
+    age: float = 1.0  # seconds since its last beat at the read that saw it
+
+
+class View:
+    """The membership (lchat.mesh.membership.Membership) as MeshRouter uses it: ``live()`` and
+    ``subscribe(fn)``; ``read()`` replaces the view as a heartbeat read would, telling the
+    subscribers (old, new) when the set of (URL, region) pairs changed."""
+
+    def __init__(self, *members: Peer) -> None:
+        self.members = list(members)
+        self._subscribers: list[Callable[[list[Peer], list[Peer]], object]] = []
+
+    def live(self) -> list[Peer]:
+        return list(self.members)
+
+    def subscribe(self, fn: Callable[[list[Peer], list[Peer]], object]) -> Callable[[], None]:
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn)
+
+    def read(self, *members: Peer) -> None:
+        old, self.members = self.members, list(members)
+        if {(m.url, m.region) for m in old} != {(m.url, m.region) for m in members}:
+            for fn in list(self._subscribers):
+                fn(list(old), list(members))
+
+
+class Running:
+    """The activator as MeshRouter sees it: ``holds(host)`` while it runs anything for it."""
+
+    def __init__(self) -> None:
+        self.hosts: set[str] = set()
+
+    def holds(self, host: str) -> bool:
+        return host in self.hosts
+
+
+class Disk:
+    """The file store's ``run_in_thread``: runs the disk work inline and counts the calls; while
+    :meth:`hold` is on, the work waits until :meth:`release` (requests then overlap)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._held: list[tuple[Callable[[], Any], Deferred[Any]]] | None = None
+
+    def __call__(self, work: Callable[[], Any]) -> Deferred[Any]:
+        self.calls += 1
+        if self._held is None:
+            return maybeDeferred(work)
+        waiting: Deferred[Any] = Deferred()
+        self._held.append((work, waiting))
+        return waiting
+
+    def hold(self) -> None:
+        self._held = []
+
+    def release(self) -> None:
+        held, self._held = self._held or [], None
+        for work, waiting in held:
+            maybeDeferred(work).chainDeferred(waiting)
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def forwards(outcome: str) -> float:
+    return sample("lchat_mesh_forwards_total", outcome=outcome)
+
+
+def owner_by_score(host: str, *urls: str) -> str:
+    """The rendezvous winner, straight from the score's specification (placement.score)."""
+    return max(urls, key=lambda url: (placement.score(url, host), url))
+
+
+def host_owned_by(url: str, *urls: str, but_not: tuple[str, ...] = ()) -> str:
+    """An in-scope host that ``url`` wins among ``urls``, and that no member set in ``but_not``
+    would give to ``url`` when ``url`` is missing (for the 'another owner' cases)."""
+    for i in range(10_000):
+        host = f"s{i}.{DOMAIN}"
+        if owner_by_score(host, *urls) == url and host not in but_not:
+            return host
+    raise AssertionError("no such host")
+
+
+def hibernating(host: str, home_region: str = "") -> Route:
+    return Route(
+        host=host,
+        kind="instance",
+        socket="/nonexistent.sock",
+        status="ready",
+        hibernate=True,
+        home_region=home_region,
+    )
+
+
+def box_config(directory: str) -> BoxConfig:
+    """A mesh box's settings: this box is SELF, the bucket is ``<directory>/bucket``."""
+    return BoxConfig(
+        env_file="",
+        data_dir=os.path.join(directory, "data"),
+        run_dir=os.path.join(directory, "run"),
+        registry=os.path.join(directory, "registry.db"),
+        acme_cache="",
+        cert_cache="dir",
+        https_addr=None,
+        http_addr=None,
+        fallback_url="",
+        units="builtin",
+        space_command=(),
+        sidecar_command=(),
+        hibernate=HibernateConfig(
+            bucket=f"file:{os.path.join(directory, 'bucket')}",
+            region="",
+            prefix="prod",
+            endpoint="",
+            idle=60.0,
+        ),
+        mesh=MeshConfig(
+            self_url=SELF,
+            domains=(DOMAIN,),
+            token=TOKEN,
+            region="",
+            heartbeat=HEARTBEAT,
+            dead_after=DEAD_AFTER,
+        ),
+        wildcard_domains=(),
+    )
+
+
+class _Base(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(self.dir, "bucket"))
+        self.clock = Clock()
+        self.clock.advance(EPOCH)  # the reactor's clock is unix time: forwarded markers carry it
+        self.disk = Disk()
+        self.bucket = os.path.join(self.dir, "bucket")
+        self.store = FileStore(self.clock, self.bucket, run_in_thread=self.disk)
+        self.cfg = box_config(self.dir)
+        assert self.cfg.hibernate is not None
+        self.hib = self.cfg.hibernate
+        self.running = Running()
+        self.served: list[str] = []  # hosts the activator was asked to serve ("here")
+
+    def mesh(self, view: View, holder_ttl: float = 2.0) -> MeshRouter:
+        return MeshRouter(
+            self.cfg,
+            self.store,
+            view,
+            self.running,
+            holder_ttl=holder_ttl,
+            reactor=self.clock,
+        )
+
+    def mesh_of(self, *urls: str) -> MeshRouter:
+        return self.mesh(View(*(Peer(u) for u in urls)))
+
+    def hold_lease(self, host: str, owner: str) -> str:
+        key = self.hib.key(host, "lock.json")
+        self.successResultOf(
+            Deferred.fromCoroutine(
+                acquire(self.store, key, owner, 900.0, host=host, monotonic=self.clock.seconds)
+            )
+        )
+        return key
+
+    def release_lease(self, key: str) -> None:
+        self.successResultOf(Deferred.fromCoroutine(self.store.delete(key)))
+
+    def route(
+        self,
+        mesh: MeshRouter,
+        host: str,
+        forwarded: bytes | None = None,
+        local: Callable[[], Target | Deferred[Target]] | None = None,
+        home_region: str = "",
+    ) -> Deferred[Target]:
+        """``mesh.route`` for a POST to ``host``, always as a Deferred (fired or not)."""
+        head = RequestHead(method=b"POST", target=b"/", host=host, forwarded=forwarded)
+
+        def here() -> Target | Deferred[Target]:
+            self.served.append(host)
+            return SERVED_HERE
+
+        target = mesh.route(hibernating(host, home_region), head, local or here)
+        return target if isinstance(target, Deferred) else succeed(target)
+
+    def routed(self, mesh: MeshRouter, host: str, **kw: Any) -> Target:
+        """Where a request for ``host`` goes, decided without waiting (the clock does not move)."""
+        return self.successResultOf(self.route(mesh, host, **kw))
+
+    def assertForwardedTo(self, target: Target, peer: str, host: str) -> RemotePeer:
+        assert isinstance(target, RemotePeer), target
+        parts = placement.normalise_member_url(peer).split("://", 1)[1].split(":")
+        self.assertEqual(
+            (target.host, target.address, target.server_name, target.tls),
+            (host, parts[0], host, False),
+        )
+        self.assertEqual(target.port, int(parts[1]) if len(parts) > 1 else 80)
+        ((name, value),) = target.add_headers
+        self.assertEqual(name, forward.HEADER)
+        self.assertTrue(forward.authentic(value, TOKEN, host, now=self.clock.seconds))
+        self.assertIsNotNone(target.fallback)
+        return target
+
+    def advance(self, seconds: float, step: float = 0.05) -> None:
+        for _ in range(round(seconds / step)):
+            self.clock.advance(step)
+
+    def advance_until(self, d: Deferred[Any], limit: float, step: float = 0.05) -> float:
+        """Move the clock in small steps until ``d`` fires; the clock reading it fired at."""
+        while not d.called:
+            self.assertLess(self.clock.seconds(), limit, "still waiting")
+            self.clock.advance(step)
+        return self.clock.seconds()
+
+
+class OwnershipTests(_Base):
+    """Who owns an in-scope host: rendezvous hashing over the live view, region first."""
+
+    def test_the_owner_is_the_highest_score_among_live_members(self) -> None:
+        mesh = self.mesh_of(SELF, B, C)
+        owners = set()
+        for i in range(30):
+            host = f"s{i}.{DOMAIN}"
+            expected = owner_by_score(host, SELF, B, C)
+            self.assertEqual(mesh.owner_url(hibernating(host)), expected, host)
+            self.assertEqual(mesh.is_owner(hibernating(host)), expected == SELF, host)
+            owners.add(expected)
+        self.assertEqual(owners, {SELF, B, C})  # 30 hosts spread over all three
+
+    def test_an_owned_host_is_served_here_a_peers_is_forwarded_to_it(self) -> None:
+        mesh = self.mesh_of(SELF, B, C)
+        mine, theirs = host_owned_by(SELF, SELF, B, C), host_owned_by(C, SELF, B, C)
+        here, there = forwards("local_owner"), forwards("to_owner")
+        self.assertIs(self.routed(mesh, mine), SERVED_HERE)
+        self.assertEqual(self.served, [mine])
+        target = self.assertForwardedTo(self.routed(mesh, theirs), C, theirs)
+        self.assertEqual(target.port, 8080)
+        self.assertEqual(self.served, [mine])
+        self.assertEqual((forwards("local_owner"), forwards("to_owner")), (here + 1, there + 1))
+        self.assertEqual(self.disk.calls, 2)  # one lease read per host: nobody holds either
+
+    def test_the_home_region_scopes_ownership_while_a_member_is_live_there(self) -> None:
+        view = View(Peer(SELF, "ie"), Peer(B, "us"), Peer(C, "us"))
+        mesh = self.mesh(view)
+        # A host this box would win over the whole fleet...
+        host = host_owned_by(SELF, SELF, B, C)
+        in_us = owner_by_score(host, B, C)
+        # ...goes to the US members for a US space, here for an Irish one, and to the whole
+        # fleet's winner when its region has no live member (availability over residency).
+        self.assertEqual(mesh.owner_url(hibernating(host, "us")), in_us)
+        self.assertEqual(mesh.owner_url(hibernating(host, "ie")), SELF)
+        self.assertEqual(mesh.owner_url(hibernating(host, "jp")), SELF)
+        self.assertEqual(mesh.owner_url(hibernating(host)), SELF)
+        self.assertForwardedTo(self.routed(mesh, host, home_region="us"), in_us, host)
+        self.assertFalse(mesh.is_owner(hibernating(host, "us")))
+        # The US members go: the US space comes home to the fleet's winner (here).
+        view.read(Peer(SELF, "ie"))
+        self.assertIs(self.routed(mesh, host, home_region="us"), SERVED_HERE)
+        self.assertTrue(mesh.is_owner(hibernating(host, "us")))
+
+    def test_alone_this_box_owns_every_host(self) -> None:
+        for view in (View(Peer(SELF)), View()):  # a view is never empty; if it were: here
+            mesh = self.mesh(view)
+            host = host_owned_by(B, SELF, B)
+            self.assertEqual(mesh.owner_url(hibernating(host)), SELF)
+            self.assertIs(self.routed(mesh, host), SERVED_HERE)
+
+    def test_only_the_mesh_domains_and_their_direct_children_are_placed(self) -> None:
+        mesh = self.mesh_of(SELF, B, C)
+        self.assertTrue(mesh.in_scope(DOMAIN))
+        self.assertTrue(mesh.in_scope(f"s1.{DOMAIN}"))
+        self.assertFalse(mesh.in_scope(f"a.b.{DOMAIN}"))  # directly under only
+        self.assertFalse(mesh.in_scope("chat.other.org"))
+        # A host out of scope is owned wherever it is (its due wakes fire here).
+        self.assertTrue(mesh.is_owner(hibernating("chat.other.org")))
+        self.assertTrue(mesh.is_owner(hibernating(f"a.b.{DOMAIN}")))
+
+    def test_an_ownership_change_is_counted_once_per_change(self) -> None:
+        view = View(Peer(SELF))
+        mesh = self.mesh(view)
+        host = host_owned_by(B, SELF, B)
+        changes = sample("lchat_mesh_ownership_changes_total")
+        for _ in range(3):  # the first computation is not a change, nor is the same answer
+            self.assertEqual(mesh.owner_url(hibernating(host)), SELF)
+        self.assertEqual(sample("lchat_mesh_ownership_changes_total"), changes)
+        view.read(Peer(SELF), Peer(B, age=40.0))  # B joins and wins the host
+        for _ in range(3):
+            self.assertForwardedTo(self.routed(mesh, host), B, host)
+        self.assertEqual(sample("lchat_mesh_ownership_changes_total"), changes + 1)
+        view.read(Peer(SELF))  # and leaves (aged out: not a drain)
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual(sample("lchat_mesh_ownership_changes_total"), changes + 2)
+
+
+class ForwardingTests(_Base):
+    """Here, to the holder, or to the owner; the forwarded marker."""
+
+    def test_a_space_running_here_is_served_here_without_reading_its_lease(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        host = host_owned_by(B, SELF, B)
+        self.running.hosts.add(host)  # awake (or waking, or stopping) on this box
+        counted = forwards("local_running")
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual(forwards("local_running"), counted + 1)
+        self.assertEqual(self.disk.calls, 0)
+
+    def test_a_space_awake_elsewhere_goes_to_its_lease_holder_whatever_the_hash_says(self) -> None:
+        mesh = self.mesh_of(SELF, B, C)
+        mine, bs = host_owned_by(SELF, SELF, B, C), host_owned_by(B, SELF, B, C)
+        for host in (mine, bs):
+            self.hold_lease(host, C)
+        counted = forwards("to_holder")
+        self.assertForwardedTo(self.routed(mesh, mine), C, mine)
+        self.assertForwardedTo(self.routed(mesh, bs), C, bs)
+        self.assertEqual(forwards("to_holder"), counted + 2)
+        self.assertEqual(self.served, [])
+
+    def test_a_lease_naming_nobody_to_forward_to_is_routed_by_the_hash(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        cases = {
+            "a member not in the view": "http://d.example.net",
+            "a box outside the mesh": "box-1",
+            "an unreadable lock.json": None,
+        }
+        for why, holder in cases.items():
+            host = host_owned_by(SELF, SELF, B, but_not=tuple(self.served))
+            if holder is None:
+                key = self.hib.key(host, "lock.json")
+                self.successResultOf(Deferred.fromCoroutine(self.store.put(key, b"{not json")))
+            else:
+                self.hold_lease(host, holder)
+            self.assertIs(self.routed(mesh, host), SERVED_HERE, why)
+            self.assertEqual(self.served[-1], host, why)
+
+    def test_a_bucket_that_cannot_be_read_names_no_holder(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        mine, bs = host_owned_by(SELF, SELF, B), host_owned_by(B, SELF, B)
+        os.rename(self.bucket, self.bucket + ".away")  # the store answers StoreUnavailable
+        self.assertIs(self.routed(mesh, mine), SERVED_HERE)
+        self.assertForwardedTo(self.routed(mesh, bs), B, bs)
+
+    def test_an_authentic_marker_is_served_here_whatever_this_box_thinks(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        host = host_owned_by(B, SELF, B)
+        self.hold_lease(host, B)  # even a lease elsewhere: the activator settles it
+        counted, reads = forwards("local_forwarded"), self.disk.calls
+        marker = forward.marker(TOKEN, host, now=self.clock.seconds)
+        self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
+        self.assertEqual(forwards("local_forwarded"), counted + 1)
+        self.assertEqual(self.disk.calls, reads)  # one hop only: nothing read, nothing asked
+
+    def test_a_forged_stale_or_misdirected_marker_is_routed_like_any_request(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        host = host_owned_by(B, SELF, B)
+        other = host_owned_by(B, SELF, B, but_not=(host,))
+        markers = {
+            "another token": forward.marker("not-the-token", host, now=self.clock.seconds),
+            "stamped 1000 s ago": forward.marker(TOKEN, host, now=lambda: EPOCH - 1000),
+            "stamped 1000 s ahead": forward.marker(TOKEN, host, now=lambda: EPOCH + 1000),
+            "another host's": forward.marker(TOKEN, other, now=self.clock.seconds),
+            "garbage": b"v1 garbage",
+        }
+        bad = forwards("bad_marker")
+        for why, marker in markers.items():
+            self.assertForwardedTo(self.routed(mesh, host, forwarded=marker), B, host)
+            self.assertEqual(self.served, [], why)
+        self.assertEqual(forwards("bad_marker"), bad + len(markers))
+
+    def test_only_a_stopping_refusal_of_an_authentic_forwarded_request_is_marked(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        host = host_owned_by(SELF, SELF, B)
+        stopping = LocalResponse(503, b"stopping\n", ((b"retry-after", b"5"),), refusal="stopping")
+        busy = LocalResponse(503, b"busy\n", ((b"retry-after", b"5"),))
+        marked = (*stopping.headers, (REFUSED, b"stopping"))
+        authentic = forward.marker(TOKEN, host, now=self.clock.seconds)
+        forged = forward.marker("not-the-token", host, now=self.clock.seconds)
+
+        def at_once() -> Target:
+            return stopping
+
+        def after_a_wait() -> Deferred[Target]:
+            return succeed(stopping)
+
+        for local in (at_once, after_a_wait):
+            got = self.routed(mesh, host, forwarded=authentic, local=local)
+            assert isinstance(got, LocalResponse)
+            self.assertEqual((got.status, got.headers), (503, marked))
+        for head in (None, forged):  # a client's own request: the plain 503
+            got = self.routed(mesh, host, forwarded=head, local=at_once)
+            assert isinstance(got, LocalResponse)
+            self.assertEqual(got.headers, stopping.headers)
+        self.assertEqual(self.routed(mesh, host, forwarded=authentic, local=lambda: busy), busy)
+
+
+class HolderCacheTests(_Base):
+    """lock.json is read at most once per host per ``holder_ttl``, by one GET shared by every
+    request that arrives while it is under way."""
+
+    def test_the_lease_is_read_once_per_host_per_holder_ttl(self) -> None:
+        mesh = self.mesh_of(SELF, B, C)
+        host = host_owned_by(SELF, SELF, B, C)
+        key = self.hold_lease(host, C)
+        reads = self.disk.calls
+        for _ in range(5):
+            self.assertForwardedTo(self.routed(mesh, host), C, host)
+        self.assertEqual(self.disk.calls, reads + 1)
+        other = host_owned_by(SELF, SELF, B, C, but_not=(host,))
+        self.assertIs(self.routed(mesh, other), SERVED_HERE)
+        self.assertEqual(self.disk.calls, reads + 2)  # each host its own read
+        self.clock.advance(1.0)
+        self.release_lease(key)  # C's space sleeps
+        reads = self.disk.calls
+        self.clock.advance(0.99)
+        # Still forwarded from the cache: C answers for the space (it wakes or redirects)...
+        self.assertForwardedTo(self.routed(mesh, host), C, host)
+        self.assertEqual(self.disk.calls, reads)
+        self.clock.advance(0.01)  # ...until the entry is holder_ttl old: read again
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual(self.disk.calls, reads + 1)
+
+    def test_the_ttl_is_the_routers_setting(self) -> None:
+        mesh = self.mesh(View(Peer(SELF), Peer(C)), holder_ttl=10.0)
+        host = host_owned_by(SELF, SELF, C)
+        key = self.hold_lease(host, C)
+        self.assertForwardedTo(self.routed(mesh, host), C, host)
+        self.release_lease(key)
+        reads = self.disk.calls
+        self.clock.advance(9.9)
+        self.assertForwardedTo(self.routed(mesh, host), C, host)
+        self.assertEqual(self.disk.calls, reads)
+        self.clock.advance(0.1)
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual(self.disk.calls, reads + 1)
+
+    def test_requests_arriving_together_share_one_read(self) -> None:
+        mesh = self.mesh_of(SELF, B, C)
+        host = host_owned_by(SELF, SELF, B, C)
+        self.hold_lease(host, C)
+        reads = self.disk.calls
+        self.disk.hold()  # the GET takes a while
+        waiting = [self.route(mesh, host) for _ in range(10)]
+        self.assertEqual([d.called for d in waiting], [False] * 10)
+        self.assertEqual(self.disk.calls, reads + 1)
+        self.disk.release()
+        for d in waiting:
+            self.assertForwardedTo(self.successResultOf(d), C, host)
+        self.assertEqual(self.disk.calls, reads + 1)
+        # The next arrival finds the answer cached; a new read after the TTL is a new GET.
+        self.assertForwardedTo(self.routed(mesh, host), C, host)
+        self.clock.advance(2.0)
+        self.assertForwardedTo(self.routed(mesh, host), C, host)
+        self.assertEqual(self.disk.calls, reads + 2)
+
+
+class UnreachablePeerTests(_Base):
+    """A peer that could not take a request is left out of placement for ``dead_after`` (its
+    heartbeat would take that long to age out of every view), not waited for."""
+
+    def test_an_unreachable_owner_is_left_out_for_dead_after_then_tried_again(self) -> None:
+        for why in ("unreachable", "closed"):
+            mesh = self.mesh_of(SELF, B)
+            started = self.clock.seconds()
+            first = host_owned_by(B, SELF, B)
+            second = host_owned_by(B, SELF, B, but_not=(first,))
+            counted = forwards("peer_unreachable")
+            target = self.assertForwardedTo(self.routed(mesh, first), B, first)
+            assert target.fallback is not None
+            # Routed again at once without B: here is the owner now.
+            self.assertIs(self.successResultOf(_deferred(target.fallback(why))), SERVED_HERE)
+            self.assertEqual(forwards("peer_unreachable"), counted + 1)
+            self.assertEqual(self.clock.getDelayedCalls(), [])  # nothing to wait for
+            # Every host B owns stays here while B is left out...
+            self.clock.advance(DEAD_AFTER - 0.1)
+            self.assertIs(self.routed(mesh, second), SERVED_HERE, why)
+            self.assertTrue(mesh.is_owner(hibernating(second)), why)  # its due wakes too
+            # ...and goes back to B after dead_after (B still live in the view: it recovered).
+            self.clock.advance(0.1)
+            self.assertEqual(self.clock.seconds(), started + DEAD_AFTER)
+            self.assertForwardedTo(self.routed(mesh, second), B, second)
+            self.assertFalse(mesh.is_owner(hibernating(second)), why)
+
+    def test_an_unreachable_lease_holder_is_not_waited_for(self) -> None:
+        """A peer that cannot be reached may be dead: its lease lasts until it expires, so the
+        request goes to the activator at once (503 lease_held there), not into a wait."""
+        mesh = self.mesh_of(SELF, C)
+        host = host_owned_by(SELF, SELF, C)
+        self.hold_lease(host, C)
+        target = self.assertForwardedTo(self.routed(mesh, host), C, host)
+        assert target.fallback is not None
+        reads = self.disk.calls
+        self.assertIs(self.successResultOf(_deferred(target.fallback("unreachable"))), SERVED_HERE)
+        self.assertEqual(self.disk.calls, reads + 1)  # the cached holder was dropped: re-read
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        # A fresh request does not try C again while it is left out.
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+
+
+class DrainTests(_Base):
+    """A draining peer's leases are about to be released: requests for its spaces wait for that
+    (reading lock.json every RELEASE_POLL, at most RELEASE_WAIT) instead of waking here into a
+    held lease."""
+
+    def refused_by_stopping_peer(self, mesh: MeshRouter, host: str) -> Deferred[Target]:
+        target = self.assertForwardedTo(self.routed(mesh, host), B, host)
+        assert target.fallback is not None
+        return _deferred(target.fallback("stopping"))
+
+    def test_a_refused_request_waits_for_the_stopping_peers_release(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        host = host_owned_by(B, SELF, B)
+        key = self.hold_lease(host, B)
+        stopping, released = (
+            forwards("peer_stopping"),
+            sample("lchat_mesh_release_waits_total", outcome="released"),
+        )
+        rerouted = self.refused_by_stopping_peer(mesh, host)
+        self.assertEqual(forwards("peer_stopping"), stopping + 1)
+        self.advance(0.5)
+        fresh = self.route(mesh, host)  # arriving meanwhile: waits the same way
+        reads = self.disk.calls
+        self.advance(1.0, step=0.01)  # fine steps: each poll fires within 10 ms of its time
+        # A wake here now would only meet the held lease: both wait, reading lock.json once per
+        # RELEASE_POLL between them (not once per request).
+        self.assertEqual((rerouted.called, fresh.called), (False, False))
+        self.assertEqual(self.served, [])
+        polls = 1.0 / routing.RELEASE_POLL
+        self.assertGreaterEqual(self.disk.calls - reads, polls - 1)
+        self.assertLessEqual(self.disk.calls - reads, polls + 1)
+        self.release_lease(key)  # B's drain releases it
+        let_go = self.clock.seconds()
+        for waiting in (rerouted, fresh):
+            fired = self.advance_until(waiting, let_go + 1.0, step=0.01)
+            self.assertLessEqual(fired - let_go, 2 * routing.RELEASE_POLL + 1e-6)
+        self.assertIs(self.successResultOf(rerouted), SERVED_HERE)
+        self.assertIs(self.successResultOf(fresh), SERVED_HERE)
+        self.assertEqual(self.served, [host, host])
+        self.assertEqual(sample("lchat_mesh_release_waits_total", outcome="released"), released + 2)
+
+    def test_the_wait_for_a_release_is_bounded_by_release_wait(self) -> None:
+        mesh = self.mesh_of(SELF, B)
+        host = host_owned_by(B, SELF, B)
+        self.hold_lease(host, B)  # B never releases it (a slow final flush, say)
+        timed_out = sample("lchat_mesh_release_waits_total", outcome="timed_out")
+        start = self.clock.seconds()
+        rerouted = self.refused_by_stopping_peer(mesh, host)
+        fired = self.advance_until(rerouted, start + routing.RELEASE_WAIT + 1.0) - start
+        self.assertGreaterEqual(fired, routing.RELEASE_WAIT)
+        self.assertLessEqual(fired, routing.RELEASE_WAIT + 2 * routing.RELEASE_POLL + 1e-6)
+        self.assertIs(self.successResultOf(rerouted), SERVED_HERE)  # lease_held from there
+        self.assertEqual(
+            sample("lchat_mesh_release_waits_total", outcome="timed_out"), timed_out + 1
+        )
+        # The drain's grace is over: later requests go to the activator at once.
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_member_whose_heartbeat_was_deleted_is_awaited(self) -> None:
+        """No request reached the draining peer to be refused, but the view lost it while its
+        heartbeat was fresh: only a drain deletes it, so its leases are about to be released."""
+        view = View(Peer(SELF), Peer(B, age=29.0))  # 29 s + one 15 s beat < 45 s: still live
+        mesh = self.mesh(view)
+        host = host_owned_by(SELF, SELF, B)
+        key = self.hold_lease(host, B)
+        view.read(Peer(SELF))
+        waiting = self.route(mesh, host)
+        self.advance(1.0)
+        self.assertFalse(waiting.called)
+        self.release_lease(key)
+        self.advance_until(waiting, self.clock.seconds() + 1.0)
+        self.assertIs(self.successResultOf(waiting), SERVED_HERE)
+
+    def test_a_member_that_aged_out_is_not_awaited(self) -> None:
+        """Gone because its heartbeat aged out: dead or cut off, its leases last until they
+        expire, and the request goes to the activator at once (503 lease_held there)."""
+        view = View(Peer(SELF), Peer(B, age=30.0))  # 30 s + one 15 s beat: it would be gone
+        mesh = self.mesh(view)
+        host = host_owned_by(SELF, SELF, B)
+        self.hold_lease(host, B)
+        view.read(Peer(SELF))
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_draining_member_that_rejoins_is_forwarded_to_again(self) -> None:
+        view = View(Peer(SELF), Peer(B))
+        mesh = self.mesh(view)
+        host = host_owned_by(SELF, SELF, B)
+        self.hold_lease(host, B)
+        view.read(Peer(SELF))  # B drains...
+        waiting = self.route(mesh, host)
+        self.advance(1.0)
+        self.assertFalse(waiting.called)
+        view.read(Peer(SELF), Peer(B))  # ...and restarts before releasing (a quick restart)
+        self.advance_until(waiting, self.clock.seconds() + 1.0)
+        self.assertForwardedTo(self.successResultOf(waiting), B, host)
+        self.assertForwardedTo(self.routed(mesh, host), B, host)  # no wait for new requests
+        # B leaving again later is a new drain: awaited again.
+        view.read(Peer(SELF))
+        self.assertFalse(self.route(mesh, host).called)
+
+    def test_this_box_leaving_its_own_view_is_not_a_drain_of_its_spaces(self) -> None:
+        view = View(Peer(SELF), Peer(B))
+        mesh = self.mesh(view)
+        host = host_owned_by(SELF, SELF, B)
+        self.hold_lease(host, SELF)  # an earlier process of this box; the activator decides
+        view.read(Peer(B))  # our own heartbeat went (deleted at our drain)
+        target = self.routed(mesh, host)
+        self.assertForwardedTo(target, B, host)  # B owns it now: nothing awaited
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+def _deferred(target: Target | Deferred[Target]) -> Deferred[Target]:
+    return target if isinstance(target, Deferred) else succeed(target)
