@@ -70,6 +70,7 @@ class Observer:
     """Hands out in-flight tickets (lchat.router.InFlight) that record each request's path."""
 
     events: list[tuple[str, str]] = field(factory=list)
+    upgrades: list[bool] = field(factory=list)  # each start's and end's upgrade flag
 
     def ticket(self, path: str) -> _Ticket:
         return _Ticket(self, path)
@@ -86,9 +87,11 @@ class _Ticket:
 
     def request_started(self, upgrade: bool) -> None:
         self.observer.events.append(("start", self.path))
+        self.observer.upgrades.append(upgrade)
 
     def request_ended(self, upgrade: bool) -> None:
         self.observer.events.append(("end", self.path))
+        self.observer.upgrades.append(upgrade)
 
 
 @define
@@ -648,6 +651,7 @@ class UpgradeTests(ProxyTestCase):
         self.assertEqual(replies, ["echo:one", "echo:two", "echo:" + "x" * 100_000])
         yield self.until(lambda: ("end", "/ws") in self.observer.events)
         # In flight from the handshake until the socket closed, not just for the 101.
+        self.assertEqual(self.observer.upgrades, [True, True], "a tunnel is an upgrade")
         self.assertEqual(self.observer.events, [("start", "/ws"), ("end", "/ws")])
 
     @inlineCallbacks
@@ -961,7 +965,7 @@ class FailureTests(ProxyTestCase):
         self.assertIn(b"partial", client.received)  # what arrived, then the cut: never a lie
 
     @inlineCallbacks
-    def test_observer_sees_start_and_end_and_local_answers_are_not_observed(self):
+    def test_the_ticket_sees_start_and_end_and_local_answers_take_none(self):
         yield self.backend(BackendFactory(fixed_response()))
         yield self.proxy()
         client = yield self.connect()
@@ -969,6 +973,7 @@ class FailureTests(ProxyTestCase):
         client.transport.write(b"GET /b HTTP/1.1\r\nHost: nobody.example.com\r\n\r\n")
         yield self.until(lambda: len(self.responses(client.received)) == 2)
         self.assertEqual(self.observer.events, [("start", "/a"), ("end", "/a")])
+        self.assertEqual(self.observer.upgrades, [False, False], "a plain request")
         self.assertEqual([r[0] for r in self.responses(client.received)], [200, 404])
 
 
