@@ -284,7 +284,7 @@ class Router:
         ]
         self.env_file.write_text("\n".join(lines))
         self.sock = self.run / "router.sock"
-        self.registry = Registry(str(self.data / "registry.db"))
+        self.registry = Registry(str(self.data / "registry.db"), time.time)
         self.registry.migrate()
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -318,7 +318,7 @@ class Box:
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.write(fd, b"LCHAT_ADMIN_TOKEN=" + secrets.token_hex(16).encode() + b"\n")
         os.close(fd)
-        registry = Registry(str(self.data / "registry.db"))
+        registry = Registry(str(self.data / "registry.db"), time.time)
         registry.migrate()
         registry.insert(
             Route(

@@ -235,10 +235,19 @@ def child_ours(argv: list[str]) -> None:
 
     from lchat.objstore.s3 import S3Store
     from lchat.replica.replicator import Replicator
+    from lchat.threads import thread_runner
 
     async def run(reactor: Any) -> None:
         creds = botocore.credentials.Credentials(key, secret)
-        store = S3Store(reactor, bucket, endpoint=endpoint, region=region, credentials=creds)
+        store = S3Store(
+            reactor,
+            bucket,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+            endpoint=endpoint,
+            region=region,
+            credentials=creds,
+        )
         rep = Replicator(reactor, store, db, path, interval=1.0)
         await rep.start()
         print("ready", flush=True)
@@ -463,6 +472,7 @@ async def main(reactor: Any, argv: list[str]) -> None:
         # -- restore ----------------------------------------------------------------------
         from lchat.replica.replicator import Replicator
         from lchat.replica.restore import replica_files, restore
+        from lchat.threads import thread_runner
 
         store = store_for(server, timeout=120.0)
         restores = []
@@ -485,7 +495,9 @@ async def main(reactor: Any, argv: list[str]) -> None:
                     got += (await store.get_to_file(fi.info.key, os.path.join(work, f"dl{i}"))).size
                 dls.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                await restore(store, rpath, o1, overwrite=True)
+                await restore(
+                    store, rpath, o1, overwrite=True, run_in_thread=thread_runner(reactor)
+                )
                 ours.append(time.perf_counter() - t)
             t_dl, t_ours = statistics.median(dls), statistics.median(ours)
             o2 = os.path.join(work, f"ls{mb}.db")

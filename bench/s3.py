@@ -26,6 +26,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThread
 
 from lchat.objstore.s3 import S3Store
+from lchat.threads import thread_runner
 from tests.s3servers import S3Server
 
 BODY = b"x" * 1024
@@ -78,6 +79,8 @@ async def bench_server(reactor: Any, kind: str, n: int) -> list[str]:
         store = S3Store(
             reactor,
             server.bucket,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
             region=server.region,
             endpoint=server.endpoint,
             credentials=server.credentials,
@@ -146,15 +149,19 @@ async def lease_cost(reactor: Any) -> list[str]:
         store = S3Store(
             reactor,
             server.bucket,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
             region=server.region,
             endpoint=server.endpoint,
             credentials=server.credentials,
         )
         ttl = 3.0  # stands for 15 m: renewals every ttl/3 as in production
         before = s3_requests()
-        held = await lease.acquire(store, "bench.example.com/lock.json", "bench-box", ttl)
+        held = await lease.acquire(
+            store, "bench.example.com/lock.json", "bench-box", ttl, monotonic=time.monotonic
+        )
         lost: list[str] = []
-        keeper = lease.LeaseKeeper(reactor, store, held, lost.append)
+        keeper = lease.LeaseKeeper(reactor, store, held, lost.append, monotonic=time.monotonic)
         keeper.start()
         await task.deferLater(reactor, ttl * 4, lambda: None)  # 4 TTLs = one "hour" at 15 m
         await keeper.release(5.0)

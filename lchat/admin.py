@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -81,10 +81,10 @@ class _Json(Resource):
 class AdminAPI:
     def __init__(
         self,
+        reactor: IReactorTime,  # its clock: uptime, and how long a wake or sleep took
         routes: RouteSource,
         units: str,
         children: StatusProvider | None = None,
-        clock: Callable[[], float] = time.time,
         activator: Any = None,  # lchat.activator.Activator, when hibernation is on
         mesh: Callable[[], dict[str, Any]] | None = None,  # the mesh's view, when it is on
         acme: Callable[[], dict[str, Any]] | None = None,  # the issuer's view, when ACME is on
@@ -95,8 +95,11 @@ class AdminAPI:
         self.activator = activator
         self._mesh = mesh
         self._acme = acme
-        self._clock = clock
-        self._started = clock()
+        self._clock = reactor.seconds
+        self._started = self._clock()
+
+    def clock(self) -> float:
+        return self._clock()
 
     def site(self) -> Site:
         return QuietSite(_Json(self))
@@ -166,7 +169,7 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
     route = admin.routes.table.get(host)
     if route is None or not route.hibernate or route.kind != "instance":
         return _json(request, 404, {"error": f"{host} is not a hibernating instance"})
-    started = time.monotonic()
+    started = admin.clock()
     still = answerable(request)
     d = activator.wake(route, "admin") if what == "wake" else activator.sleep(host, "admin")
 
@@ -178,7 +181,7 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
             {
                 "host": host,
                 "state": activator.state(host),
-                "seconds": round(time.monotonic() - started, 3),
+                "seconds": round(admin.clock() - started, 3),
             },
         )
 

@@ -21,7 +21,6 @@ from urllib.parse import urlsplit
 
 from attrs import field, frozen
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.testing import MemoryReactor
 
 from lchat import hosts
 
@@ -30,6 +29,7 @@ DEFAULT_ENV_FILE = "/data/router.env"
 Units = Literal["systemd", "builtin"]
 Replication = Literal["stream", "batched", "daily"]
 _Getter = Callable[[str], str]
+_NO_REACTOR = object()  # what an endpoint string is parsed with, to check it (never used)
 
 
 class ConfigError(ValueError):
@@ -158,9 +158,7 @@ class BoxConfig:
         """Who this box is, in leases and probes: its mesh URL (normalised, so a respelling of
         LCHAT_MESH_SELF still recognises its own leases), else its hostname."""
         if self.mesh is not None:
-            from lchat.mesh.placement import normalise_member_url
-
-            return normalise_member_url(self.mesh.self_url)
+            return hosts.normalise_member_url(self.mesh.self_url)
         return socket.gethostname()
 
     @property
@@ -400,7 +398,9 @@ def parse_address(name: str, text: str) -> str | None:
             return f"tcp6:{port}:interface=" + v6.replace(":", r"\:")
         return f"tcp:{port}" + (f":interface={v4}" if v4 else "")
     try:
-        serverFromString(MemoryReactor(), text)
+        # Only the syntax is checked: the endpoint is built and dropped, never listened on, and
+        # the parsers merely store the reactor they are given, so none is needed here.
+        serverFromString(_NO_REACTOR, text)
     except Exception as e:  # parsers also read files (ssl: certificates) and raise what they like
         raise ConfigError(
             f"{name}={text!r} is neither HOST:PORT nor a Twisted endpoint string ({e})"

@@ -11,6 +11,7 @@ import hashlib
 import ipaddress
 import os
 import re
+from urllib.parse import urlsplit
 
 import idna
 
@@ -19,6 +20,7 @@ MAX_LABEL = 63
 # Unix socket paths are limited to 108 bytes (sun_path) including the NUL; stay clear of it.
 MAX_SOCKET_PATH = 100
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 _LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
 # What may appear in a Host header at all before we look closer (RFC 3986 reg-name + IP literals).
@@ -203,3 +205,30 @@ def _to_ascii(name: str, raw: str) -> str:
         return idna.encode(name, uts46=True).decode("ascii")
     except (idna.IDNAError, UnicodeError) as e:
         raise InvalidHost(f"hostname {raw!r} is not a valid internationalised name: {e}") from e
+
+
+def normalise_member_url(url: str) -> str:
+    """Return the canonical form of a mesh member's base URL, or raise :class:`ValueError`.
+
+    Scheme and host lowercase, no trailing slash, the scheme's default port omitted (an explicit
+    other port is kept). Anything that is not a bare ``http(s)://host[:port]`` base URL (a path,
+    query, fragment, user info, a bad port, no host) is refused rather than guessed at, since two
+    boxes guessing differently would disagree about ownership. Idempotent. Part of the mesh's
+    placement wire format (:mod:`lchat.mesh.placement`); config names the box by it too.
+    """
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise ValueError(f"member URL {url!r} must use http or https")
+    host = parts.hostname  # lowercased, brackets of an IPv6 literal removed
+    if not host:
+        raise ValueError(f"member URL {url!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"member URL {url!r} must not carry user info")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"member URL {url!r} must not have a path, query or fragment")
+    port = parts.port  # raises ValueError when malformed or out of range
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None and port != _DEFAULT_PORTS[scheme]:
+        netloc = f"{netloc}:{port}"
+    return f"{scheme}://{netloc}"

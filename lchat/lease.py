@@ -63,6 +63,7 @@ from twisted.python.failure import Failure
 
 import lchat
 from lchat import hosts
+from lchat.backoff import Backoff
 from lchat.objstore import (
     NotFound,
     ObjectInfo,
@@ -74,7 +75,6 @@ from lchat.objstore import (
 
 UTC = datetime.UTC
 LOCK_NAME = "lock.json"
-DEFAULT_TTL = 900.0  # LCHAT_LEASE_TTL's default (15 min); renewed at a third
 _MAX_TTL = 1e9  # a corrupt record's absurd TTL must not overflow the date arithmetic
 _ACQUIRE_ATTEMPTS = 5  # a lock that keeps vanishing between our reads and writes: give up
 
@@ -261,7 +261,7 @@ async def acquire(
     ttl: float,
     *,
     host: str = "",
-    monotonic: Callable[[], float] = time.monotonic,
+    monotonic: Callable[[], float],
     reclaim_own: bool = False,
 ) -> HeldLease:
     """Take the lease at ``key`` for ``owner`` or raise :class:`LeaseHeld`.
@@ -511,8 +511,8 @@ class LeaseKeeper:
     renews would keep believing after others may take over.
 
     Timers use ``reactor.callLater``; Twisted's reactor clock is the wall clock, so a wall-clock
-    step backwards would delay them. With the default ``monotonic`` and a reactor that provides
-    ``IReactorFromThreads``, a watchdog thread sleeping on the monotonic clock also wakes the
+    step backwards would delay them. With ``monotonic=time.monotonic`` (the router's) and a reactor
+    that provides ``IReactorFromThreads``, a watchdog thread sleeping on the monotonic clock also wakes the
     reactor at the deadline, so ``lost`` fires in time even then. :meth:`holds` checks the deadline
     itself, so a caller asking before each write is never told a stale yes. A renewal already sent
     when the loss is declared may still land: it only extends a lease nobody acts on any more.
@@ -540,7 +540,7 @@ class LeaseKeeper:
         *,
         renew_every: float | None = None,
         safety_margin: float | None = None,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float],
         watchdog: bool | None = None,
         verify_retake: Callable[[HeldLease], Coroutine[Any, Any, bool]] | None = None,
     ) -> None:
@@ -559,9 +559,11 @@ class LeaseKeeper:
         if watchdog is None:
             watchdog = monotonic is time.monotonic and IReactorFromThreads.providedBy(reactor)
         self._watchdog = watchdog
-        self._initial_backoff = min(1.0, self.renew_every / 10)
-        self._max_backoff = max(self._initial_backoff, min(30.0, self.renew_every / 10))
-        self._backoff = self._initial_backoff
+        # Store errors: retried after min(1 s, a tenth of the period), doubling to a tenth of
+        # the period (at most 30 s); a confirmed write starts the series again.
+        first_retry = min(1.0, self.renew_every / 10)
+        self._retries = Backoff(first_retry, max(first_retry, min(30.0, self.renew_every / 10)))
+        self._retry_delays = self._retries.delays()
         self._renew_call: IDelayedCall | None = None
         self._deadline_call: IDelayedCall | None = None
         self._alarm: _Alarm | None = None
@@ -732,7 +734,7 @@ class LeaseKeeper:
         """``lease`` is what we hold now, as of a confirmed write: the deadline counts from it."""
         self._lease = lease
         self._first_unconfirmed = None
-        self._backoff = self._initial_backoff
+        self._retry_delays.reset()
         if self._stopped:
             return
         self._arm_deadline()
@@ -836,8 +838,7 @@ class LeaseKeeper:
             if self._stopped or self.lost_reason is not None:
                 return False
             why = "no answer in time" if isinstance(e, defer.TimeoutError | CancelledError) else e
-            delay = self._backoff
-            self._backoff = min(self._backoff * 2, self._max_backoff)
+            delay = self._retry_delays.next()
             log.warn(
                 "lease {host}: re-taken, but checking the bucket failed ({error}); asking again "
                 "in {delay:.1f}s (writes wait)",
@@ -872,8 +873,7 @@ class LeaseKeeper:
         OPERATIONS.labels(operation, "error").inc()
         if self._lease is not lease or not self.holds():
             return False
-        delay = min(self._backoff, max(0.0, self.deadline - self._monotonic()))
-        self._backoff = min(self._backoff * 2, self._max_backoff)
+        delay = min(self._retry_delays.next(), max(0.0, self.deadline - self._monotonic()))
         log.warn(
             "lease {host}: {what} failed ({error}); retrying in {delay:.1f}s, "
             "{left:.1f}s before standing down",

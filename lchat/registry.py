@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -22,11 +21,11 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import hosts
+from lchat.threads import RunInThread
 
 Kind = Literal["instance", "service"]
 Status = Literal["creating", "ready", "failed"]
@@ -133,7 +132,6 @@ class RouteTable:
 
     routes: Mapping[str, Route]
     fingerprint: tuple[Any, ...] = ()
-    loaded_at: float = 0.0
 
     def get(self, host: str) -> Route | None:
         return self.routes.get(host)
@@ -190,7 +188,9 @@ class Registry:
     thread pool and the CLI from its main thread without sharing a sqlite3 object across threads.
     """
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: str, clock: Callable[[], float]) -> None:
+        """``clock``: unix seconds, for the rows' ``updated_at`` (the router passes its
+        reactor's clock, the CLI ``time.time``)."""
         if "\x00" in path:
             raise RegistryError(f"registry {path!r}: the path contains a NUL byte")
         self.path = path
@@ -255,9 +255,7 @@ class Registry:
         for row in rows:
             route = _route_from_row(row)
             routes[route.host] = route
-        return RouteTable(
-            routes=MappingProxyType(routes), fingerprint=fingerprint, loaded_at=self._clock()
-        )
+        return RouteTable(routes=MappingProxyType(routes), fingerprint=fingerprint)
 
     def get(self, host: str) -> Route | None:
         with self.connect() as conn:
@@ -456,7 +454,6 @@ def changed_hosts(old: RouteTable, new: RouteTable) -> Iterable[str]:
 
 # --- the router's live view -------------------------------------------------------------------
 
-RunInThread = Callable[[Callable[[], Any]], "Deferred[Any]"]
 Listener = Callable[[RouteTable, RouteTable], None]
 
 _reloads = Counter("lchat_registry_reloads_total", "Registry reloads by outcome", ["outcome"])
@@ -478,13 +475,14 @@ class RouteSource(Service):
         reactor: IReactorTime,
         registry: Registry,
         initial: RouteTable = EMPTY,
-        run_in_thread: RunInThread | None = None,
+        *,
+        run_in_thread: RunInThread,
         poll_interval: float = 2.0,
     ) -> None:
         self._reactor = reactor
         self.registry = registry
         self.table = initial
-        self.run_in_thread = run_in_thread or _default_run_in_thread(reactor)
+        self.run_in_thread = run_in_thread
         self._poll_interval = poll_interval
         self._listeners: list[Listener] = []
         self._running: Deferred[RouteTable] | None = None
@@ -625,10 +623,3 @@ class RouteSource(Service):
 def _publish_gauge(table: RouteTable) -> None:
     for status, count in table.count_by_status().items():
         _routes_gauge.labels(status).set(count)
-
-
-def _default_run_in_thread(reactor: Any) -> RunInThread:
-    def run(f: Callable[[], Any]) -> Deferred[Any]:
-        return deferToThreadPool(reactor, reactor.getThreadPool(), f)
-
-    return run

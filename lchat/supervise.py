@@ -39,6 +39,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import unixhttp
+from lchat.backoff import Backoff
 
 State = Literal["starting", "ready", "backoff", "failed", "stopped"]
 STATES: tuple[State, ...] = ("starting", "ready", "backoff", "failed", "stopped")
@@ -511,8 +512,9 @@ class Supervisor(service.Service):
     ) -> None:
         self._reactor = reactor
         self._on_state = on_state
-        self.min_restart_delay = min_restart_delay
-        self.max_restart_delay = max_restart_delay
+        # Restarts wait min_restart_delay, doubling to max_restart_delay; back to the minimum
+        # once a run has stayed up for healthy_after (or its spec changed).
+        self.restart_backoff = Backoff(min_restart_delay, max(min_restart_delay, max_restart_delay))
         self.kill_timeout = kill_timeout
         self.ready_timeout = ready_timeout
         self.healthy_after = healthy_after
@@ -536,7 +538,7 @@ class Supervisor(service.Service):
             entry = self._entries.get(name)
             if entry is None:
                 self._entries[name] = _Entry(
-                    spec=spec, since=self._reactor.seconds(), delay=self.min_restart_delay
+                    spec=spec, since=self._reactor.seconds(), delay=self.restart_backoff.initial
                 )
                 if self.running:
                     self._start(name)
@@ -544,7 +546,7 @@ class Supervisor(service.Service):
             changed = entry.spec != spec
             entry.spec = spec
             if changed:
-                entry.failures, entry.delay = 0, self.min_restart_delay
+                entry.failures, entry.delay = 0, self.restart_backoff.initial
             if entry.child is not None:
                 if changed or entry.stopping:
                     # Replace the run; it starts again with the new spec once it is gone.
@@ -646,7 +648,7 @@ class Supervisor(service.Service):
 
     def _healthy(self, entry: _Entry) -> None:
         entry.healthy_call = None
-        entry.delay = self.min_restart_delay
+        entry.delay = self.restart_backoff.initial
 
     def _child_ended(self, info: ExitInfo, name: str, entry: _Entry, child: RunningChild) -> None:
         if entry.child is not child:
@@ -691,7 +693,7 @@ class Supervisor(service.Service):
             self._set_state(name, entry, "stopped", detail)
             return
         delay = entry.delay
-        entry.delay = min(entry.delay * 2, self.max_restart_delay)
+        entry.delay = self.restart_backoff.after(entry.delay)
         was_failed = entry.state == "failed"
         if state == "failed":
             if not was_failed or entry.detail != detail:

@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -135,11 +136,15 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     """Everything the box runs, wired feature by feature; the logic lives in the features' own
     modules. Fails loudly on anything unusable. Services stop in reverse order: the admin API,
     the front door (listeners, then idle connections), certificates, hibernation's drain, units,
-    the registry."""
+    the registry.
+
+    The one clock is ``reactor`` (``seconds()``, unix time); the one thread runner is the
+    reactor's pool (:func:`lchat.threads.thread_runner`); leases, whose deadlines must not jump
+    with the wall clock, are kept on ``time.monotonic``."""
     _prepare_box(cfg)
     aws = _aws_credentials(cfg)
     run = thread_runner(reactor)
-    registry = Registry(cfg.registry)
+    registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
     routes = RouteSource(
         reactor, registry, registry.load(), run_in_thread=run, poll_interval=poll_interval
@@ -162,7 +167,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         hibernation = _hibernation(reactor, cfg, routes, pool, claims, run, aws)
         hibernation.setServiceParent(top)
     certs = _certificates(top, reactor, cfg, routes, hibernation, run, aws)
-    _front_door(top, reactor, cfg, routes, pool, hibernation, certs)
+    _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run)
     _admin(top, reactor, cfg, routes, units, hibernation, certs)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
@@ -231,10 +236,25 @@ def _hibernation(
     hib = cfg.hibernate
     assert hib is not None
     store = objstore.open_store(
-        reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint, credentials=aws
+        reactor,
+        hib.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=hib.region,
+        endpoint=hib.endpoint,
+        credentials=aws,
     )
     sidecars = Sidecars(reactor, cfg, run, Supervisor(reactor, max_restart_delay=60.0))
-    lifecycle = Lifecycle(reactor, cfg, store, routes, run, sidecars, drop_idle=pool.drop_idle)
+    lifecycle = Lifecycle(
+        reactor,
+        cfg,
+        store,
+        routes,
+        run,
+        sidecars,
+        drop_idle=pool.drop_idle,
+        monotonic=time.monotonic,
+    )
     activator = Activator(reactor, routes, lifecycle, claims)
     membership = mesh = None
     may_wake: Callable[[Route], bool] = _anywhere
@@ -277,12 +297,16 @@ def _certificates(
     if cfg.https_addr is None:
         return _Certificates()
     own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
-    store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own))
+    store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own), run)
     shared = None
     if cfg.cert_cache == "s3":
         assert cfg.hibernate is not None and hibernation is not None  # config refuses s3 without
         shared = SharedCache(
-            hibernation.store, cfg.cert_cache_key, prefix=cfg.hibernate.prefix, box_id=cfg.box_id
+            hibernation.store,
+            cfg.cert_cache_key,
+            monotonic=time.monotonic,
+            prefix=cfg.hibernate.prefix,
+            box_id=cfg.box_id,
         )
     if cfg.acme is not None or shared is not None:
         LocalCache(cfg.acme_cache).ensure_directory()
@@ -332,6 +356,7 @@ def _front_door(
     pool: UpstreamPool,
     hibernation: _Hibernation | None,
     certs: _Certificates,
+    run: RunInThread,
 ) -> None:
     """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
     mesh's route-replication API addressed to this box's own name."""
@@ -341,7 +366,7 @@ def _front_door(
         # host (the bearer token is checked inside).
         mesh_socket = os.path.join(cfg.run_dir, "mesh.sock")
         clear_stale_socket(mesh_socket)
-        site = mesh_site(routes.registry, cfg, routes.reload)
+        site = mesh_site(routes.registry, cfg, routes.reload, run_in_thread=run)
         _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
     router = Router(
@@ -388,6 +413,7 @@ def _admin(
     clear_stale_socket(cfg.admin_socket)
     membership = hibernation.membership if hibernation is not None else None
     admin = AdminAPI(
+        reactor,
         routes,
         cfg.units,
         _children_status(units) if units is not None else None,
@@ -423,6 +449,9 @@ def _issuer(
             route53_zone_id=acme.route53_zone_id,
             route53_endpoint=acme.route53_endpoint,
             route53_session=aws.session if aws is not None else None,
+            sleep=time.sleep,  # the providers block in the issuer's worker threads
+            clock=time.monotonic,
+            now=reactor.seconds,
         )
 
     def may_issue(host: str) -> bool:
@@ -444,6 +473,7 @@ def _issuer(
         dns_timeout=acme.dns_timeout,
         shared=shared,
         own_hosts=own,
+        monotonic=time.monotonic,
     )
     store.on_missing = issuer.want
     if responder is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -50,14 +49,14 @@ from twisted.internet.interfaces import (
 from twisted.internet.protocol import connectionDone
 from twisted.internet.ssl import CertificateOptions, TLSVersion
 from twisted.internet.task import LoopingCall
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from lchat import hosts
-from lchat.registry import RouteSource, RunInThread
+from lchat.registry import RouteSource
+from lchat.threads import RunInThread
 
 Kind = Literal["host", "wildcard", "default"]
 KINDS: tuple[Kind, ...] = ("host", "wildcard", "default")
@@ -432,16 +431,15 @@ class CertStore(Service):
         reactor: IReactorTime,
         directory: str,
         is_known: IsKnown,
-        run_in_thread: RunInThread | None = None,
+        run_in_thread: RunInThread,
         interval: float = DEFAULT_SCAN_INTERVAL,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self._reactor = reactor
         self.directory = os.path.abspath(directory)
         self._is_known = is_known
-        self._run_in_thread = run_in_thread or _default_run_in_thread(reactor)
+        self._run_in_thread = run_in_thread
         self._interval = interval
-        self._clock = clock
+        self._clock = reactor.seconds  # unix time: certificates expire by it
         self._files: dict[str, _FileState] = {}
         self._hosts: dict[str, SSL.Context] = {}
         self._wildcards: dict[str, SSL.Context] = {}
@@ -718,13 +716,6 @@ def _safe(build: Callable[[], str]) -> str:
         return build()
     except hosts.InvalidHost as e:
         return f"(none possible: {e})"
-
-
-def _default_run_in_thread(reactor: Any) -> RunInThread:
-    def run(f: Callable[[], Any]) -> Deferred[Any]:
-        return deferToThreadPool(reactor, reactor.getThreadPool(), f)
-
-    return run
 
 
 # --- the listener -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 from typing import Protocol as TypingProtocol
 
@@ -98,33 +98,6 @@ async def request(
         return await attempt
     except defer.TimeoutError:
         raise UnixHTTPError(socket_path, f"no response within {timeout:g}s") from None
-
-
-def request_d(
-    reactor: Reactor,
-    socket_path: str,
-    method: str,
-    path: str,
-    *,
-    host: str = "localhost",
-    headers: Mapping[str, str] | None = None,
-    body: bytes = b"",
-    timeout: float = 5.0,
-    max_body: int = MAX_BODY,
-) -> Deferred[Response]:
-    """:func:`request`, as a Deferred."""
-    coro: Coroutine[Any, Any, Response] = request(
-        reactor,
-        socket_path,
-        method,
-        path,
-        host=host,
-        headers=headers,
-        body=body,
-        timeout=timeout,
-        max_body=max_body,
-    )
-    return Deferred.fromCoroutine(coro)
 
 
 async def _exchange(

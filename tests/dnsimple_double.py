@@ -29,7 +29,7 @@ Usable from sync code and from trial tests (``start()``/``stop()``, or a ``with`
 
     double = DNSimpleDouble(token="t0k", zones=["example.com"]).start()
     self.addCleanup(double.stop)
-    provider = DNSimple("t0k", base_url=double.url)
+    provider = DNSimple("t0k", base_url=double.url, sleep=time.sleep, now=time.time)
 """
 
 from __future__ import annotations

@@ -26,17 +26,15 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 
 from lchat.supervise import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
 
-
-def inline(f: Any, *args: Any) -> Deferred[Any]:
-    """A thread runner that runs the work at once: with a fake clock there is no reactor thread
-    to hop back to, and the disk work these tests do takes microseconds."""
-    return maybeDeferred(f, *args)
+# The thread runner for a fake clock (lchat.threads.inline): the work runs at once, since there is
+# no reactor thread to hop back to, and the disk work these tests do takes microseconds.
+from lchat.threads import inline as inline
 
 
 class Journal:

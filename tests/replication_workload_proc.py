@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from lchat.threads import thread_runner
+
 
 def _blob(rnd: random.Random, size: int) -> bytes:
     return rnd.randbytes(size)
@@ -172,7 +174,7 @@ def run_replicator(db: str, bucket: str, path: str, opts: dict[str, Any]) -> Non
 
     rep = Replicator(
         reactor,
-        FileStore(reactor, bucket),
+        FileStore(reactor, bucket, run_in_thread=thread_runner(reactor)),
         db,
         path,
         interval=opts.get("interval", 0.05),

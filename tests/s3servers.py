@@ -48,6 +48,7 @@ from twisted.internet import reactor as _reactor
 from twisted.internet.threads import deferToThreadPool
 
 from lchat.objstore.s3 import S3Store
+from lchat.threads import thread_runner
 
 Kind = Literal["moto", "seaweedfs"]
 KINDS: tuple[Kind, ...] = ("moto", "seaweedfs")
@@ -399,6 +400,8 @@ def store_for(server: S3Server, bucket: str | None = None, **kwargs: Any) -> S3S
         "credentials": server.credentials,
         "timeout": 10.0,
         "retries": 2,
+        "run_in_thread": thread_runner(_reactor),
+        "monotonic": time.monotonic,
         **kwargs,
     }
     return S3Store(_reactor, bucket or server.bucket, **options)

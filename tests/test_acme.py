@@ -162,7 +162,7 @@ class Box:
         self.env = os.path.join(self.dir, "router.env")
         with open(self.env, "w") as f:
             f.write(f"LCHAT_DATA_DIR={self.data}\nLCHAT_RUN_DIR={self.run}\nLCHAT_UNITS=builtin\n")
-        self.registry = Registry(os.path.join(self.data, "registry.db"))
+        self.registry = Registry(os.path.join(self.data, "registry.db"), clock=time.time)
         self.registry.migrate()
 
     def register(self, host: str, status: str = "ready") -> None:

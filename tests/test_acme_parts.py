@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from attrs import evolve
@@ -207,6 +208,7 @@ class ScheduleTests(TestCase):
             account=_Account(),  # type: ignore[arg-type]
             may_issue=lambda host: True,
             http01=ChallengeResponder(),
+            monotonic=time.monotonic,
             **kwargs,
         )
 
@@ -301,6 +303,7 @@ def running_issuer(test: TestCase, account: _Account, store: Any, **kwargs: Any)
         account=account,  # type: ignore[arg-type]
         may_issue=lambda host: True,
         http01=ChallengeResponder(),
+        monotonic=time.monotonic,
         **kwargs,
     )
     issuer.startService()
@@ -356,7 +359,10 @@ class SharedLockTests(TestCase):
         name = CertName.host("chat.example.com")
         failing = _IssuingAccount(fail=IssuanceError("validation", "unauthorized: 404"))
         box_a = running_issuer(
-            self, failing, _Store(), shared=SharedCache(store, self.KEY, prefix="p", box_id="a")
+            self,
+            failing,
+            _Store(),
+            shared=SharedCache(store, self.KEY, prefix="p", box_id="a", monotonic=time.monotonic),
         )
         await box_a.start(name, "test")
         self.assertEqual((failing.orders, box_a._failures[name][2]), (1, "validation"))
@@ -369,7 +375,7 @@ class SharedLockTests(TestCase):
             self,
             other,
             _Store(),
-            shared=SharedCache(store, self.KEY, prefix="p", box_id="b"),
+            shared=SharedCache(store, self.KEY, prefix="p", box_id="b", monotonic=time.monotonic),
             shared_poll=0.1,
         )
         waiting = box_b.start(name, "test")
@@ -395,7 +401,10 @@ class SharedLockTests(TestCase):
         name = CertName.host("chat.example.com")
         account = _IssuingAccount(fail=IssuanceError("network", "cannot reach the CA"))
         box = running_issuer(
-            self, account, _Store(), shared=SharedCache(store, self.KEY, prefix="p", box_id="a")
+            self,
+            account,
+            _Store(),
+            shared=SharedCache(store, self.KEY, prefix="p", box_id="a", monotonic=time.monotonic),
         )
         await box.start(name, "test")
         self.assertEqual(box._failures[name][2], "network")

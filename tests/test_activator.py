@@ -35,6 +35,7 @@ from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
 from lchat.supervise import listener_pid
 from lchat.tap import build_service, listening_ports
+from lchat.threads import thread_runner
 from tests import s3servers
 from tests.routerproc import spawn_router
 
@@ -90,7 +91,7 @@ class _Harness(TestCase):
         return config.load(env_file=self.env, environ=environ, flags=flags)
 
     def add_space(self, host: str, **row: Any) -> Route:
-        registry = Registry(self.config().registry)
+        registry = Registry(self.config().registry, clock=time.time)
         registry.migrate()
         env_file = os.path.join(self.data, f"{host}.env")
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -108,7 +109,7 @@ class _Harness(TestCase):
         )
 
     def update_row(self, host: str, **changes: Any) -> None:
-        Registry(self.cfg.registry).update(host, **changes)
+        Registry(self.cfg.registry, clock=time.time).update(host, **changes)
 
     def start(self, cfg: BoxConfig | None = None) -> Any:
         cfg = cfg or self.config()
@@ -345,10 +346,17 @@ class HibernationTests(_Harness):
         self.assertEqual(
             [k for k in _bucket_keys(self.bucket, "warm.example") if "/0009@d/" in k], snapshots
         )
-        store = open_store(reactor, f"file:{self.bucket}")
+        store = open_store(
+            reactor,
+            f"file:{self.bucket}",
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+        )
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         out = os.path.join(self.dir, "warm.restored")
-        yield Deferred.fromCoroutine(restore(store, "warm.example", out))
+        yield Deferred.fromCoroutine(
+            restore(store, "warm.example", out, run_in_thread=thread_runner(reactor))
+        )
         self.assertEqual([m[1] for m in _messages(out)], ["1", "2", "3"])
 
     @inlineCallbacks
@@ -510,7 +518,9 @@ class HibernationS3Tests(_Harness):
         store = s3servers.store_for(server, bucket)
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         out = os.path.join(self.dir, "outage.restored")
-        yield Deferred.fromCoroutine(restore(store, "outage.example", out))
+        yield Deferred.fromCoroutine(
+            restore(store, "outage.example", out, run_in_thread=thread_runner(reactor))
+        )
         self.assertEqual([m[1] for m in _messages(out)], ["a", "during"])
 
     @inlineCallbacks
@@ -538,7 +548,9 @@ class HibernationS3Tests(_Harness):
         store = s3servers.store_for(server, bucket)
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         out = os.path.join(self.dir, "s3.restored")
-        yield Deferred.fromCoroutine(restore(store, "s3.example", out))
+        yield Deferred.fromCoroutine(
+            restore(store, "s3.example", out, run_in_thread=thread_runner(reactor))
+        )
         self.assertEqual(
             [m[1] for m in _messages(out)], ["before", "during 0", "during 1", "during 2"]
         )
@@ -668,13 +680,20 @@ class TwistdDrainTests(_Harness):
         # twistd re-raises the signal it stopped on (systemd counts SIGTERM as a clean exit).
         self.assertIn(code, (0, -signal.SIGTERM), open(log_path).read())
         text = open(log_path).read()
-        store = open_store(reactor, f"file:{self.bucket}")
+        store = open_store(
+            reactor,
+            f"file:{self.bucket}",
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+        )
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         for host in hosts:
             self.assertIn(f"activator: {host} asleep (shutdown)", text)
             self.assertFalse(self.lock_exists(host), host)
             out = os.path.join(self.dir, f"{host}.restored")
-            yield Deferred.fromCoroutine(restore(store, host, out))
+            yield Deferred.fromCoroutine(
+                restore(store, host, out, run_in_thread=thread_runner(reactor))
+            )
             self.assertEqual([m[1] for m in _messages(out)], [host])
 
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 from typing import Any
 
 from prometheus_client import REGISTRY
@@ -223,7 +224,9 @@ class _Machine(SynchronousTestCase):
     def hold_elsewhere(self, host: str, owner: str = "box-b") -> None:
         """Another box holds ``host``'s live lease."""
         self.successResultOf(
-            Deferred.fromCoroutine(lease.acquire(self.raw, f"{host}/lock.json", owner, TTL))
+            Deferred.fromCoroutine(
+                lease.acquire(self.raw, f"{host}/lock.json", owner, TTL, monotonic=time.monotonic)
+            )
         )
 
     # -- time --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from typing import Any
 from unittest import mock
 
@@ -26,6 +27,7 @@ from twisted.web.server import Request, Site
 from lchat.objstore import UTC, open_store
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
 from lchat.objstore.s3 import S3Store
+from lchat.threads import thread_runner
 from tests import s3servers
 
 reactor: Any = _reactor
@@ -80,7 +82,13 @@ class ResolveCredentialsTests(TestCase):
     async def round_trip(self, resolved: ResolvedCredentials, region: str = "") -> S3Store:
         """The credentials sign a PUT and a GET the server accepts."""
         store = open_store(
-            reactor, self.bucket, region=region, endpoint=self.server.endpoint, credentials=resolved
+            reactor,
+            self.bucket,
+            region=region,
+            endpoint=self.server.endpoint,
+            credentials=resolved,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)

@@ -23,6 +23,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from prometheus_client import REGISTRY
@@ -38,6 +39,7 @@ from lchat.lease import LeaseKeeper, LeaseRecord
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.replica.replicator import Replicator, ReplicatorStopped
 from lchat.replica.restore import replica_files, restore
+from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replicas import dump, litestream_restore
 from tests.test_activator import ROOT, SPACE, _Harness, _messages
@@ -178,14 +180,20 @@ class ReplicaLoss(_Mixin):
     async def _keeper(self, rep_box: list[Replicator], ttl: float = 30.0) -> tuple[Any, list[str]]:
         """Our lease on PATH, kept with ``verify_retake`` asking the replicator (as the activator
         wires it). Renewals are driven by the test (``renew_now``); its TTL keeps timers away."""
-        held = await lease.acquire(self.raw, LOCK, "box-a", ttl)
+        held = await lease.acquire(self.raw, LOCK, "box-a", ttl, monotonic=time.monotonic)
         lost: list[str] = []
 
         async def verify(_held: Any) -> bool:
             return await rep_box[0].recheck("lease")
 
         keeper = LeaseKeeper(
-            reactor, self.raw, held, lost.append, watchdog=False, verify_retake=verify
+            reactor,
+            self.raw,
+            held,
+            lost.append,
+            watchdog=False,
+            verify_retake=verify,
+            monotonic=time.monotonic,
         )
         self.addCleanup(keeper.stop)
         return keeper, lost
@@ -208,7 +216,7 @@ class ReplicaLoss(_Mixin):
         """Ours and stock Litestream both rebuild exactly the source database."""
         want = await _thread(dump, self.src)
         ours = os.path.join(self.dir, f"ours-{self.rows}.db")
-        await restore(store or self.raw, PATH, ours)
+        await restore(store or self.raw, PATH, ours, run_in_thread=thread_runner(_reactor))
         self.assertEqual(await _thread(dump, ours), want)
         theirs = os.path.join(self.dir, f"litestream-{self.rows}.db")
         await litestream_restore(server or self.server, bucket or self.bucket, PATH, theirs)
@@ -302,7 +310,7 @@ class ReplicaLoss(_Mixin):
         # box-b: its own lease, its own replicator on its own copy (continuing the txids).
         other = os.path.join(self.dir, "other.db")
         await _thread(shutil.copy, self.src, other)
-        theirs = await lease.acquire(self.raw, LOCK, "box-b", 30.0)
+        theirs = await lease.acquire(self.raw, LOCK, "box-b", 30.0, monotonic=time.monotonic)
         b = Replicator(reactor, self._store(self.server, self.bucket), other, PATH, interval=0.05)
         await b.start()
         await b.stop()
@@ -327,10 +335,10 @@ class ReplicaLoss(_Mixin):
 
             async def put(self, key: str, body: bytes, **kw: Any) -> Any:
                 if key == LOCK and kw.get("if_none_match"):
-                    await lease.acquire(other, LOCK, "box-b", 30.0)
+                    await lease.acquire(other, LOCK, "box-b", 30.0, monotonic=time.monotonic)
                 return await self._store.put(key, body, **kw)
 
-        held = await lease.acquire(self.raw, LOCK, "box-a", 30.0)
+        held = await lease.acquire(self.raw, LOCK, "box-a", 30.0, monotonic=time.monotonic)
         lost: list[str] = []
         box: list[Replicator] = []
 
@@ -338,7 +346,13 @@ class ReplicaLoss(_Mixin):
             return await box[0].recheck("lease")
 
         keeper = LeaseKeeper(
-            reactor, BoxBFirst(self.raw), held, lost.append, watchdog=False, verify_retake=verify
+            reactor,
+            BoxBFirst(self.raw),
+            held,
+            lost.append,
+            watchdog=False,
+            verify_retake=verify,
+            monotonic=time.monotonic,
         )
         self.addCleanup(keeper.stop)
         rep = self._replicator(keeper=keeper)
@@ -502,7 +516,7 @@ class SpaceLoss(_SpaceMixin):
     async def _parked(self, host: str) -> list[str]:
         """The messages the bucket's copy holds, restored by us and by stock Litestream alike."""
         ours = os.path.join(self.dir, f"{host}.ours-{len(self.logged)}")
-        await restore(self.s3, host, ours)
+        await restore(self.s3, host, ours, run_in_thread=thread_runner(_reactor))
         theirs = ours.replace(".ours-", ".litestream-")
         await litestream_restore(self.server, self.s3bucket, host, theirs)
         bodies = [m[1] for m in _messages(ours)]

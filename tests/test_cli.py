@@ -105,7 +105,7 @@ socketserver.UnixStreamServer(os.environ["LCHAT_SOCKET"], H).serve_forever()
 # systemctl, as far as the CLI can tell. MODE: "space" (the reference space), "stub" (STUB_SPACE),
 # "idle" (succeeds, starts nothing) or "fail" (exit 1 like a unit that does not start).
 SYSTEMCTL = """#!{python}
-import json, os, subprocess, sys
+import json, os, subprocess, sys, time
 sys.path.insert(0, {repo!r})
 with open({log!r}, "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
@@ -118,7 +118,7 @@ if args[:2] == ["enable", "--now"] and mode in ("space", "stub"):
     from lchat import config, hosts
     from lchat.registry import Registry
     host = args[2].split("@", 1)[1]
-    route = Registry({registry!r}).get(host)
+    route = Registry({registry!r}, time.time).get(host)
     token = config.read_env_file(hosts.env_path({data!r}, host), must_exist=True)["LCHAT_ADMIN_TOKEN"]
     env = dict(os.environ, LCHAT_HOST=host, LCHAT_SOCKET=route.socket, LCHAT_DB=route.db_path,
                LCHAT_ADMIN_TOKEN=token)
@@ -167,7 +167,7 @@ class CliTestCase(SynchronousTestCase):
         os.mkdir(self.run_dir)
         self.env_file = os.path.join(self.root, "router.env")
         self.write_router_env()
-        self.registry = Registry(os.path.join(self.data_dir, "registry.db"))
+        self.registry = Registry(os.path.join(self.data_dir, "registry.db"), clock=time.time)
         self.admin_socket = os.path.join(self.run_dir, "router.sock")
         self._isolate_environ()
 

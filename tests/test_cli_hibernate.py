@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Any
 
-from lchat import hosts
-from lchat.cli import admin_client, backup, envfile
+from lchat import envfile, hosts
+from lchat.cli import admin_client, backup
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.registry import Route
 from tests.routerproc import spawn_router

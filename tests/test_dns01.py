@@ -15,6 +15,7 @@ import atexit
 import secrets
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -127,6 +128,7 @@ class DNSimpleTests(SynchronousTestCase):
 
     def provider(self, token: str = TOKEN, **kwargs: Any) -> DNSimple:
         kwargs.setdefault("sleep", self.time.sleep)
+        kwargs.setdefault("now", time.time)
         kwargs.setdefault("timeout", 5.0)
         provider = DNSimple(token, base_url=self.double.url, **kwargs)
         self.addCleanup(provider.close)
@@ -271,7 +273,9 @@ class DNSimpleTests(SynchronousTestCase):
     def test_connection_refused_fails_clearly(self) -> None:
         url = self.double.url
         self.double.stop()
-        dead = DNSimple(TOKEN, base_url=url, retries=1, sleep=self.time.sleep, timeout=2.0)
+        dead = DNSimple(
+            TOKEN, base_url=url, retries=1, sleep=self.time.sleep, timeout=2.0, now=time.time
+        )
         self.addCleanup(dead.close)
         e = self.assertRaises(
             DNSProviderError, dead.add_txt, "_acme-challenge.example.com", VALUE_A
@@ -298,16 +302,17 @@ class DNSimpleTests(SynchronousTestCase):
         ).start()
         self.addCleanup(double.stop)
         double.add_zone("example.com")
-        provider = DNSimple(TOKEN, base_url=double.url, sleep=self.time.sleep)
+        provider = DNSimple(TOKEN, base_url=double.url, sleep=self.time.sleep, now=time.time)
         self.addCleanup(provider.close)
         provider.add_txt("_acme-challenge.x.z05.example.com", VALUE_A)
         self.assertEqual(double.txt_values("_acme-challenge.x.z05.example.com"), [VALUE_A])
         self.assertEqual(double.calls("GET").count("/v2/1010/zones"), 4)  # 8 zones, 2 a page
 
     def test_plain_http_only_to_loopback(self) -> None:
-        self.assertRaises(ValueError, DNSimple, TOKEN, base_url="http://api.dnsimple.com")
-        self.assertRaises(ValueError, DNSimple, "", base_url=self.double.url)
-        DNSimple(TOKEN, base_url="http://[::1]:9").close()
+        clocks = {"sleep": time.sleep, "now": time.time}
+        self.assertRaises(ValueError, DNSimple, TOKEN, base_url="http://api.dnsimple.com", **clocks)
+        self.assertRaises(ValueError, DNSimple, "", base_url=self.double.url, **clocks)
+        DNSimple(TOKEN, base_url="http://[::1]:9", sleep=time.sleep, now=time.time).close()
 
 
 # -- Route53 ---------------------------------------------------------------------------------------
@@ -359,6 +364,8 @@ class Route53Tests(SynchronousTestCase):
         return zone_id
 
     def provider(self, **kwargs: Any) -> Route53:
+        kwargs.setdefault("sleep", time.sleep)
+        kwargs.setdefault("clock", time.monotonic)
         # The box's credentials come from botocore's chain; here, from a session told them.
         session = botocore.session.Session()
         session.set_credentials("AKIDLCHATTEST", "lchat-test-secret")
@@ -480,7 +487,13 @@ class Route53Tests(SynchronousTestCase):
         session = botocore.session.Session()
         # A chain with no providers: as on a box with no environment, profile or role.
         session.register_component("credential_provider", CredentialResolver(providers=[]))
-        r53 = Route53(endpoint_url=self.server.endpoint, session=session, retries=0)
+        r53 = Route53(
+            endpoint_url=self.server.endpoint,
+            session=session,
+            retries=0,
+            sleep=time.sleep,
+            clock=time.monotonic,
+        )
         e = self.assertRaises(
             DNSProviderError, r53.add_txt, f"_acme-challenge.{self.base}", VALUE_A
         )
@@ -911,16 +924,20 @@ class AuthoritativeWaitTests(SynchronousTestCase):
 # -- make_provider -----------------------------------------------------------------------------------
 
 
+# What the router passes make_provider (lchat.tap): the providers block in worker threads.
+CLOCKS: dict[str, Any] = {"sleep": time.sleep, "clock": time.monotonic, "now": time.time}
+
+
 class MakeProviderTests(SynchronousTestCase):
     def test_dnsimple_is_the_default(self) -> None:
         for name in ("", "dnsimple", " DNSimple "):
-            provider = make_provider(name, dnsimple_token=TOKEN)
+            provider = make_provider(name, dnsimple_token=TOKEN, **CLOCKS)
             self.assertIsInstance(provider, DNSimple)
             self.assertEqual(provider.name, "dnsimple")
             self.assertNotIn(TOKEN, repr(provider))
 
     def test_dnsimple_needs_a_token(self) -> None:
-        e = self.assertRaises(ValueError, make_provider, "dnsimple")
+        e = self.assertRaises(ValueError, make_provider, "dnsimple", **CLOCKS)
         self.assertIn("LCHAT_DNSIMPLE_TOKEN", str(e))
 
     def test_route53(self) -> None:
@@ -930,12 +947,15 @@ class MakeProviderTests(SynchronousTestCase):
             route53_zone_id="Z1",
             route53_endpoint="http://127.0.0.1:1",
             route53_session=session,
+            **CLOCKS,
         )
         assert isinstance(provider, Route53)
         self.assertEqual(provider.name, "route53")
         self.assertIs(provider._session, session)
 
     def test_unknown(self) -> None:
-        e = self.assertRaises(ValueError, make_provider, "cloudflare", dnsimple_token=TOKEN)
+        e = self.assertRaises(
+            ValueError, make_provider, "cloudflare", dnsimple_token=TOKEN, **CLOCKS
+        )
         self.assertIn("LCHAT_DNS_PROVIDER", str(e))
         self.assertIn("cloudflare", str(e))

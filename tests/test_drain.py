@@ -194,7 +194,12 @@ class DrainRoutingTests(TestCase):
             f.writelines(f"{k}={v}\n" for k, v in settings.items())
         self.cfg = config.load(env_file=env_file, environ={})
         assert self.cfg.hibernate is not None
-        self.store = open_store(reactor, self.cfg.hibernate.bucket)
+        self.store = open_store(
+            reactor,
+            self.cfg.hibernate.bucket,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+        )
         self.addCleanup(lambda: Deferred.fromCoroutine(self.store.close()))
         self.host = "s.mesh.example"
         self.route = Route(
@@ -204,12 +209,16 @@ class DrainRoutingTests(TestCase):
 
     @inlineCallbacks
     def test_only_a_stopping_activator_marks_and_only_its_drain_refusals(self):
-        registry = Registry(self.cfg.registry)
+        registry = Registry(self.cfg.registry, clock=time.time)
         registry.migrate()
-        routes = RouteSource(reactor, registry, registry.load())
+        routes = RouteSource(
+            reactor, registry, registry.load(), run_in_thread=thread_runner(reactor)
+        )
         run = thread_runner(reactor)
         sidecars = Sidecars(reactor, self.cfg, run, Supervisor(reactor))
-        lifecycle = Lifecycle(reactor, self.cfg, self.store, routes, run, sidecars)
+        lifecycle = Lifecycle(
+            reactor, self.cfg, self.store, routes, run, sidecars, monotonic=time.monotonic
+        )
         activator = Activator(reactor, routes, lifecycle, Claims())
         activator.startService()
         sidecar = activator.route(self.route, sidecar=True)

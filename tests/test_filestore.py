@@ -41,6 +41,7 @@ from lchat.objstore.file import (
     encode_segment,
     parse_file_bucket,
 )
+from lchat.threads import thread_runner
 
 reactor: Any = _reactor
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(lchat.__file__)))
@@ -537,7 +538,7 @@ class AsyncSeamTests(unittest.TestCase):
         base = os.path.abspath(self.mktemp())  # noqa: ASYNC240  (no I/O: a string)
         root = os.path.join(base, "bucket")
         os.makedirs(root)
-        store = FileStore(reactor, root)
+        store = FileStore(reactor, root, run_in_thread=thread_runner(reactor))
         fifo = os.path.join(base, "fifo")
         os.mkfifo(fifo)
         upload = Deferred.fromCoroutine(store.put_file("space/db", fifo))
@@ -560,7 +561,7 @@ class AsyncSeamTests(unittest.TestCase):
         import threading
 
         seen: list[str] = []
-        store = FileStore(reactor, root)
+        store = FileStore(reactor, root, run_in_thread=thread_runner(reactor))
         original = FileBucket.put
 
         def spy(*args: Any, **kwargs: Any) -> Any:

@@ -54,6 +54,7 @@ from lchat.objstore import (
     StoreUnavailable,
 )
 from lchat.objstore.file import FileStore
+from lchat.threads import thread_runner
 from tests import s3servers
 
 reactor: Any = _reactor
@@ -136,6 +137,7 @@ async def acquire_when_free(
 ) -> HeldLease:
     """Acquire, waiting out a live lease (by what ``LeaseHeld`` says is left, on the bucket)."""
     deadline = time.monotonic() + within
+    kw.setdefault("monotonic", time.monotonic)
     while True:
         try:
             return await lease.acquire(store, KEY, owner, ttl, host=HOST, **kw)
@@ -243,9 +245,9 @@ class RuleTests(SynchronousTestCase):
         clock = task.Clock()
         store: Any = None
         with self.assertRaises(ValueError):
-            LeaseKeeper(clock, store, held, Lost(), renew_every=8.5)
+            LeaseKeeper(clock, store, held, Lost(), renew_every=8.5, monotonic=time.monotonic)
         with self.assertRaises(ValueError):
-            LeaseKeeper(clock, store, held, Lost(), safety_margin=9.0)
+            LeaseKeeper(clock, store, held, Lost(), safety_margin=9.0, monotonic=time.monotonic)
         keeper = LeaseKeeper(clock, store, held, Lost(), monotonic=clock.seconds)
         self.assertEqual((keeper.renew_every, keeper.safety_margin), (3.0, 0.9))
         self.assertAlmostEqual(keeper.deadline, 8.1)
@@ -289,7 +291,7 @@ class Scenarios(_Mixin):
     async def contend(self, n: int) -> None:
         stores = await self.views(n)
         attempts = [
-            d(lease.acquire(store, KEY, f"box-{i}", self.ttl, host=HOST))
+            d(lease.acquire(store, KEY, f"box-{i}", self.ttl, host=HOST, monotonic=time.monotonic))
             for i, store in enumerate(stores)
         ]
         won, held = outcomes(await DeferredList(attempts, consumeErrors=True))
@@ -311,10 +313,10 @@ class Scenarios(_Mixin):
 
     async def test_live_lease_is_held(self) -> None:
         a, b = await self.views(2)
-        held = await lease.acquire(a, KEY, "box-a", 600.0, host=HOST)
+        held = await lease.acquire(a, KEY, "box-a", 600.0, host=HOST, monotonic=time.monotonic)
         bucket_now = await b.now()
         with self.assertRaises(LeaseHeld) as raised:
-            await lease.acquire(b, KEY, "box-b", 5.0, host=HOST)
+            await lease.acquire(b, KEY, "box-b", 5.0, host=HOST, monotonic=time.monotonic)
         e = raised.exception
         self.assertEqual((e.owner, e.generation), ("box-a", 1))
         # Judged by the holder's 600 s (larger than b's 5 s), counted from Last-Modified's second.
@@ -324,16 +326,18 @@ class Scenarios(_Mixin):
         self.assertLessEqual(e.expires_at, bucket_now + datetime.timedelta(seconds=602))
         # Our own old lease is not ours to take either: a wedged old process may still hold it.
         with self.assertRaises(LeaseHeld):
-            await lease.acquire(a, KEY, "box-a", 600.0, host=HOST)
+            await lease.acquire(a, KEY, "box-a", 600.0, host=HOST, monotonic=time.monotonic)
         self.assertEqual((await a.head(KEY)).etag, held.etag)
 
     async def test_ten_contenders_for_an_expired_lease(self) -> None:
         """A 412 race on the takeover: one wins with generation + 1, the rest name the winner."""
         stores = await self.views(11)
-        old = await lease.acquire(stores[0], KEY, "old", self.ttl, host=HOST)
+        old = await lease.acquire(
+            stores[0], KEY, "old", self.ttl, host=HOST, monotonic=time.monotonic
+        )
         await self.wait_until_expired(stores[0])
         attempts = [
-            d(lease.acquire(store, KEY, f"box-{i}", self.ttl, host=HOST))
+            d(lease.acquire(store, KEY, f"box-{i}", self.ttl, host=HOST, monotonic=time.monotonic))
             for i, store in enumerate(stores[1:])
         ]
         won, held = outcomes(await DeferredList(attempts, consumeErrors=True))
@@ -390,13 +394,13 @@ class Scenarios(_Mixin):
         self.assertTrue(await lease.release(reactor, b, new, 5.0))
         with self.assertRaises(NotFound):
             await b.head(KEY)
-        again = await lease.acquire(a, KEY, "box-a", self.ttl, host=HOST)
+        again = await lease.acquire(a, KEY, "box-a", self.ttl, host=HOST, monotonic=time.monotonic)
         self.assertEqual(again.generation, 1)
 
     async def test_skewed_box_cannot_steal(self) -> None:
         """A box whose local clocks run an hour ahead (or behind) meets a live lease: held."""
         a, b = await self.views(2)
-        held = await lease.acquire(a, KEY, "box-a", 30.0, host=HOST)
+        held = await lease.acquire(a, KEY, "box-a", 30.0, host=HOST, monotonic=time.monotonic)
         for offset in (3600.0, -3600.0):
             with self.assertRaises(LeaseHeld) as raised:
                 await lease.acquire(
@@ -431,7 +435,7 @@ class Scenarios(_Mixin):
         self.assertGreater(keeper.lease.written_at, held.written_at)  # it renewed
         await cut()
         with self.assertRaises(LeaseHeld):
-            await lease.acquire(b, KEY, "box-b", ttl, host=HOST)
+            await lease.acquire(b, KEY, "box-b", ttl, host=HOST, monotonic=time.monotonic)
         new = await acquire_when_free(b, "box-b", ttl)
         took_over = time.monotonic()
         self.assertEqual(lost.reasons, ["could not renew before expiry"])
@@ -449,10 +453,12 @@ class Scenarios(_Mixin):
         """The whole store dies: ``lost`` comes before the lease could expire (monotonic)."""
         ttl = max(self.ttl, 2.0)
         store, kill = await self.make_doomed_store()
-        held = await lease.acquire(store, KEY, "box-a", ttl, host=HOST)
+        held = await lease.acquire(store, KEY, "box-a", ttl, host=HOST, monotonic=time.monotonic)
         lost = Lost()
         # Real clocks, watchdog on.
-        keeper = LeaseKeeper(reactor, store, held, lost, safety_margin=MARGIN)
+        keeper = LeaseKeeper(
+            reactor, store, held, lost, safety_margin=MARGIN, monotonic=time.monotonic
+        )
         keeper.start()
         self.addCleanup(keeper.stop)
         await sleep(keeper.renew_every * 1.3)
@@ -471,11 +477,16 @@ class Scenarios(_Mixin):
 
     async def test_release_frees_at_once(self) -> None:
         a, b = await self.views(2)
-        held = await lease.acquire(a, KEY, "box-a", 600.0, host=HOST)
+        held = await lease.acquire(a, KEY, "box-a", 600.0, host=HOST, monotonic=time.monotonic)
         self.assertTrue(await lease.release(reactor, a, held, 5.0))
         with self.assertRaises(NotFound):
             await a.head(KEY)
-        self.assertEqual((await lease.acquire(b, KEY, "box-b", 600.0, host=HOST)).generation, 1)
+        self.assertEqual(
+            (
+                await lease.acquire(b, KEY, "box-b", 600.0, host=HOST, monotonic=time.monotonic)
+            ).generation,
+            1,
+        )
         self.assertFalse(await lease.release(reactor, a, held, 5.0))  # twice: not ours any more
         self.assertEqual(LeaseRecord.parse((await b.get(KEY)).body).owner, "box-b")
 
@@ -506,7 +517,7 @@ class FileStoreLeaseTests(Scenarios, TestCase):
         self.links = 0
 
     async def make_view(self) -> ObjectStore:
-        return FileStore(reactor, self.root)
+        return FileStore(reactor, self.root, run_in_thread=thread_runner(reactor))
 
     async def make_cut_off_view(
         self,
@@ -521,7 +532,7 @@ class FileStoreLeaseTests(Scenarios, TestCase):
         async def heal() -> None:
             os.symlink(self.root, link)
 
-        return FileStore(reactor, link), cut, heal
+        return FileStore(reactor, link, run_in_thread=thread_runner(reactor)), cut, heal
 
     async def make_doomed_store(self) -> tuple[ObjectStore, Callable[[], Awaitable[None]]]:
         root = os.path.join(self.base, "doomed")
@@ -530,13 +541,13 @@ class FileStoreLeaseTests(Scenarios, TestCase):
         async def kill() -> None:
             os.rename(root, root + ".gone")  # an unmounted or deleted directory
 
-        return FileStore(reactor, root), kill
+        return FileStore(reactor, root, run_in_thread=thread_runner(reactor)), kill
 
     async def test_an_unreadable_lock_is_judged_by_our_ttl(self) -> None:
         store = await self.make_view()
         await store.put(KEY, b"\x00 not a lease", if_none_match=True)
         with self.assertRaises(LeaseHeld) as raised:
-            await lease.acquire(store, KEY, "box-a", self.ttl, host=HOST)
+            await lease.acquire(store, KEY, "box-a", self.ttl, host=HOST, monotonic=time.monotonic)
         self.assertEqual(raised.exception.owner, "?")
         held = await acquire_when_free(store, "box-a", self.ttl)
         self.assertEqual((held.generation, held.took_over_from), (1, "?"))
@@ -609,6 +620,8 @@ class MotoLeaseTests(Scenarios, TestCase):
             region=server.region,
             credentials=server.credentials,
             timeout=5.0,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
         )
         self.addCleanup(lambda: d(store.close()))
         return store
@@ -640,7 +653,7 @@ class KeeperTimingTests(TestCase):
     def setUp(self) -> None:
         self.root = os.path.abspath(self.mktemp())
         os.makedirs(self.root)
-        self.store = FileStore(reactor, self.root)
+        self.store = FileStore(reactor, self.root, run_in_thread=thread_runner(reactor))
         self.clock = task.Clock()
 
     async def held(self, ttl: float = 30.0) -> HeldLease:
@@ -830,10 +843,14 @@ class KeeperTimingTests(TestCase):
         """The wall clock steps back an hour: Twisted's timers (wall-clock based) stall, but the
         monotonic watchdog still reports the loss before the lease could expire."""
         ttl = 1.0
-        held = await lease.acquire(self.store, KEY, "box-a", ttl, host=HOST)
+        held = await lease.acquire(
+            self.store, KEY, "box-a", ttl, host=HOST, monotonic=time.monotonic
+        )
         lost = Lost()
         stalled = LocalClock(-3600.0, timers=task.Clock())  # nobody advances these timers
-        keeper = LeaseKeeper(stalled, self.store, held, lost, safety_margin=MARGIN)
+        keeper = LeaseKeeper(
+            stalled, self.store, held, lost, safety_margin=MARGIN, monotonic=time.monotonic
+        )
         keeper.start()
         self.addCleanup(keeper.stop)
         await lost.fired.addTimeout(5.0, reactor)
@@ -1027,12 +1044,13 @@ class ProcessContenderTests(TestCase):
             "from twisted.internet import defer, task\n"
             "from lchat import lease\n"
             "from lchat.objstore.file import FileStore\n"
+            "from lchat.threads import thread_runner\n"
             "root, key, owner, start = sys.argv[1:5]\n"
             "async def main(reactor):\n"
-            "    store = FileStore(reactor, root)\n"
+            "    store = FileStore(reactor, root, thread_runner(reactor))\n"
             "    time.sleep(max(0.0, float(start) - time.time()))\n"
             "    try:\n"
-            "        held = await lease.acquire(store, key, owner, 60.0)\n"
+            "        held = await lease.acquire(store, key, owner, 60.0, monotonic=time.monotonic)\n"
             "        print(json.dumps({'won': held.owner, 'etag': held.etag}))\n"
             "    except lease.LeaseHeld as e:\n"
             "        print(json.dumps({'held': e.owner}))\n"
@@ -1056,7 +1074,7 @@ class ProcessContenderTests(TestCase):
             winners = [r["won"] for r in results if "won" in r]
             self.assertEqual(len(winners), 1, results)
             self.assertEqual({r["held"] for r in results if "held" in r}, set(winners))
-            obj = FileStore(reactor, root).bucket.get(KEY)
+            obj = FileStore(reactor, root, run_in_thread=thread_runner(reactor)).bucket.get(KEY)
             self.assertEqual(LeaseRecord.parse(obj.body).owner, winners[0])
 
         return in_thread(race).addCallback(check)
@@ -1186,7 +1204,11 @@ class LeaseMachine(RuleBasedStateMachine):
         self.root = os.path.join(self.dir, "bucket")
         os.mkdir(self.root)
         self.shifts: dict[str, float] = {}
-        self.store = ShiftedBucketClock(FileStore(reactor, self.root), self.clock, self.shifts)
+        self.store = ShiftedBucketClock(
+            FileStore(reactor, self.root, run_in_thread=thread_runner(reactor)),
+            self.clock,
+            self.shifts,
+        )
         self.n = 3
         self.views: dict[int, ShiftedBucketClock] = {}
         self.cut: set[int] = set()
@@ -1217,7 +1239,9 @@ class LeaseMachine(RuleBasedStateMachine):
         for i in range(n):
             os.symlink(self.root, self.link(i))
             self.views[i] = ShiftedBucketClock(
-                FileStore(reactor, self.link(i)), self.clock, self.shifts
+                FileStore(reactor, self.link(i), run_in_thread=thread_runner(reactor)),
+                self.clock,
+                self.shifts,
             )
 
     @rule(i=st.integers(0, 2))

@@ -43,6 +43,7 @@ from lchat.mesh.membership import (
 )
 from lchat.objstore import NotFound, ObjectInfo, ObjectStore, StoredObject
 from lchat.objstore.file import FileStore
+from lchat.threads import thread_runner
 from tests import s3servers
 
 reactor: Any = _reactor
@@ -619,7 +620,7 @@ class FileStoreMembershipTests(Scenarios, TestCase):
         os.makedirs(self.root)
 
     async def make_store(self) -> ObjectStore:
-        return FileStore(reactor, self.root)
+        return FileStore(reactor, self.root, run_in_thread=thread_runner(reactor))
 
     async def make_breakable(
         self,
@@ -636,7 +637,7 @@ class FileStoreMembershipTests(Scenarios, TestCase):
         return break_it, heal
 
     async def breakable_store(self) -> ObjectStore:
-        return FileStore(reactor, self.breakable)
+        return FileStore(reactor, self.breakable, run_in_thread=thread_runner(reactor))
 
     async def test_liveness_is_judged_on_the_bucket_clock(self) -> None:
         # The bucket's clock an hour behind the boxes': judged by our clock every beat would be an

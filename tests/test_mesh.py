@@ -63,7 +63,7 @@ class Box:
         return os.path.join(self.run, "router.sock")
 
     def registry(self) -> Registry:
-        registry = Registry(os.path.join(self.data, "registry.db"))
+        registry = Registry(os.path.join(self.data, "registry.db"), clock=time.time)
         registry.migrate()
         return registry
 
@@ -385,7 +385,7 @@ class MeshTests(MeshTestCase):
         host = f"f.{DOMAIN}"
         _boxes, owner, others = yield self.one_space(host)
         other = others[0]
-        forged = forward.marker("wrong-token", host).decode()
+        forged = forward.marker("wrong-token", host, now=time.time).decode()
         status, _, _ = yield self.req(other, host, headers={"X-Lchat-Mesh-Forwarded": forged})
         self.assertEqual(status, 200)
         # Still served by the owner: the other box forwarded instead of waking it locally.

@@ -31,8 +31,7 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import config, hosts
-from lchat.cli import envfile
+from lchat import config, envfile, hosts
 from lchat.cli import mesh as mesh_cli
 from lchat.config import BoxConfig
 from lchat.mesh import api, client
@@ -40,6 +39,7 @@ from lchat.mesh.membership import Heartbeat, Member, member_key
 from lchat.mesh.placement import normalise_member_url, owner
 from lchat.objstore.file import FileBucket
 from lchat.registry import Conflict, Registry, RegistryError, Route
+from lchat.threads import thread_runner
 from tests.test_tls import TestCA
 
 reactor: Any = _reactor
@@ -143,7 +143,7 @@ class Box:
             **settings,
         }
         self.write_env()
-        self.registry = Registry(os.path.join(self.data, "registry.db"))
+        self.registry = Registry(os.path.join(self.data, "registry.db"), clock=time.time)
         self.registry.migrate()
 
     def write_env(self, **changes: str) -> None:
@@ -200,7 +200,9 @@ class Served:
             self.reloads.append(reason)
             return reload(reason) if reload is not None else None
 
-        self.site = api.mesh_site(box.registry, box.cfg(), record)
+        self.site = api.mesh_site(
+            box.registry, box.cfg(), record, run_in_thread=thread_runner(reactor)
+        )
         self.port = reactor.listenTCP(0, self.site, interface="127.0.0.1")
         case.addCleanup(self.port.stopListening)
         self.number = self.port.getHost().port
@@ -216,7 +218,7 @@ class APITestCase(TestCase):
         self.url = self.served.url
 
     def push(self, body: dict[str, Any], token: str = TOKEN) -> Deferred[dict[str, Any]]:
-        return Deferred.fromCoroutine(client.push_route(self.url, token, body))
+        return Deferred.fromCoroutine(client.push_route(self.url, token, body, reactor=reactor))
 
     def raw(self, data: bytes) -> Deferred[tuple[int, dict[str, Any]]]:
         return deferToThread(raw_http, self.served.number, data)
@@ -326,7 +328,9 @@ class UpsertTests(APITestCase):
     def test_reload_is_waited_for(self) -> Any:
         gate: Deferred[None] = Deferred()
         served = Served(self, self.box, reload=lambda reason: gate)
-        answered = Deferred.fromCoroutine(client.push_route(served.url, TOKEN, payload()))
+        answered = Deferred.fromCoroutine(
+            client.push_route(served.url, TOKEN, payload(), reactor=reactor)
+        )
         yield deferLater(reactor, 0.3, lambda: None)
         self.assertEqual(len(served.reloads), 1)
         self.assertFalse(answered.called, "answered before the route table reloaded")
@@ -340,7 +344,9 @@ class UpsertTests(APITestCase):
             raise RuntimeError("reload exploded")
 
         served = Served(self, self.box, reload=broken)
-        answer = yield Deferred.fromCoroutine(client.push_route(served.url, TOKEN, payload()))
+        answer = yield Deferred.fromCoroutine(
+            client.push_route(served.url, TOKEN, payload(), reactor=reactor)
+        )
         self.assertEqual(answer["result"], "created")
         self.flushLoggedErrors()
 
@@ -551,7 +557,7 @@ class RefusalTests(APITestCase):
 
 class DeleteTests(APITestCase):
     def delete(self, host: str, token: str = TOKEN) -> Deferred[bool]:
-        return Deferred.fromCoroutine(client.delete_route(self.url, token, host))
+        return Deferred.fromCoroutine(client.delete_route(self.url, token, host, reactor=reactor))
 
     @inlineCallbacks
     def test_tombstone_is_idempotent_and_keeps_member_data(self) -> Any:
@@ -647,7 +653,7 @@ class ListTests(APITestCase):
         )
         listed = calls("list", "listed")
         before = self.box.changes()
-        routes = yield Deferred.fromCoroutine(client.list_routes(self.url, TOKEN))
+        routes = yield Deferred.fromCoroutine(client.list_routes(self.url, TOKEN, reactor=reactor))
         self.assertEqual(
             routes,
             [
@@ -682,7 +688,7 @@ class ListTests(APITestCase):
     def test_needs_the_token(self) -> Any:
         yield self.assertRefused(request_bytes("GET", "/api/mesh/routes", token="x"), 401)
         with self.assertRaises(client.MeshCallError):
-            yield Deferred.fromCoroutine(client.list_routes(self.url, "x"))
+            yield Deferred.fromCoroutine(client.list_routes(self.url, "x", reactor=reactor))
 
 
 # --- the client ---------------------------------------------------------------------------------
@@ -708,7 +714,12 @@ class ClientTests(TestCase):
             serialization.NoEncryption(),
         ) + cert.public_bytes(serialization.Encoding.PEM)
         options = ssl.PrivateCertificate.loadPEM(pem).options()
-        site = api.mesh_site(self.box.registry, self.box.cfg(), lambda reason: None)
+        site = api.mesh_site(
+            self.box.registry,
+            self.box.cfg(),
+            lambda reason: None,
+            run_in_thread=thread_runner(reactor),
+        )
         port = reactor.listenSSL(0, site, options, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         return int(port.getHost().port)
@@ -722,18 +733,20 @@ class ClientTests(TestCase):
         port = self.tls_site(ca, "localhost")
         url = f"https://localhost:{port}"
         answer = yield Deferred.fromCoroutine(
-            client.push_route(url, TOKEN, payload(), ca_file=ca_file)
+            client.push_route(url, TOKEN, payload(), ca_file=ca_file, reactor=reactor)
         )
         self.assertEqual(answer["result"], "created")
         # Without the CA the certificate is not trusted: there is no way around verification.
         with self.assertRaises(client.MeshCallError) as caught:
-            yield Deferred.fromCoroutine(client.list_routes(url, TOKEN))
+            yield Deferred.fromCoroutine(client.list_routes(url, TOKEN, reactor=reactor))
         self.assertIn("certificate", str(caught.exception).lower())
         # A certificate for another name is refused even with the CA trusted.
         other = self.tls_site(ca, "other.example.net")
         with self.assertRaises(client.MeshCallError):
             yield Deferred.fromCoroutine(
-                client.list_routes(f"https://localhost:{other}", TOKEN, ca_file=ca_file)
+                client.list_routes(
+                    f"https://localhost:{other}", TOKEN, ca_file=ca_file, reactor=reactor
+                )
             )
 
     @inlineCallbacks
@@ -744,7 +757,11 @@ class ClientTests(TestCase):
         with self.assertRaises(client.MeshCallError) as caught:
             yield Deferred.fromCoroutine(
                 client.push_route(
-                    f"http://127.0.0.1:{port.getHost().port}", TOKEN, payload(), timeout=0.5
+                    f"http://127.0.0.1:{port.getHost().port}",
+                    TOKEN,
+                    payload(),
+                    timeout=0.5,
+                    reactor=reactor,
                 )
             )
         self.assertLess(time.monotonic() - started, 3.0)
@@ -757,11 +774,11 @@ class ClientTests(TestCase):
             free = s.getsockname()[1]
         with self.assertRaises(client.MeshCallError):
             yield Deferred.fromCoroutine(
-                client.delete_route(f"http://127.0.0.1:{free}", TOKEN, HOST)
+                client.delete_route(f"http://127.0.0.1:{free}", TOKEN, HOST, reactor=reactor)
             )
         for url in ["ftp://x.example.net", "https://x.example.net/path", "http://"]:
             with self.assertRaises(client.MeshCallError):
-                yield Deferred.fromCoroutine(client.list_routes(url, TOKEN))
+                yield Deferred.fromCoroutine(client.list_routes(url, TOKEN, reactor=reactor))
 
     def test_route_payload_is_narrow(self) -> None:
         route = Route(

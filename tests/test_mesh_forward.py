@@ -73,18 +73,20 @@ class MarkerTests(TestCase):
 
 class PeerTargetTests(TestCase):
     def test_https_peer_is_pinned_and_verified_against_the_space(self) -> None:
-        target = forward.peer_target("https://box-b.example.net:8443", HOST, TOKEN)
+        target = forward.peer_target("https://box-b.example.net:8443", HOST, TOKEN, now=time.time)
         self.assertEqual(
             (target.address, target.port, target.server_name, target.tls),
             ("box-b.example.net", 8443, HOST, True),
         )
         ((name, value),) = target.add_headers
         self.assertEqual(name, forward.HEADER)
-        self.assertTrue(forward.authentic(value, TOKEN, HOST))
+        self.assertTrue(forward.authentic(value, TOKEN, HOST, now=time.time))
 
     def test_default_ports_and_plain_http(self) -> None:
-        self.assertEqual(forward.peer_target("https://10.0.0.5", HOST, TOKEN).port, 443)
-        plain = forward.peer_target("http://10.0.0.5", HOST, TOKEN)
+        self.assertEqual(
+            forward.peer_target("https://10.0.0.5", HOST, TOKEN, now=time.time).port, 443
+        )
+        plain = forward.peer_target("http://10.0.0.5", HOST, TOKEN, now=time.time)
         self.assertEqual((plain.port, plain.tls), (80, False))
 
 

@@ -52,6 +52,7 @@ from lchat.objstore import (
     StoreUnavailable,
 )
 from lchat.objstore.file import FileStore
+from lchat.threads import thread_runner
 from tests import s3servers
 
 reactor: Any = _reactor
@@ -642,7 +643,7 @@ class FileStoreTest(Conformance, unittest.TestCase):
         return root
 
     async def make_store(self) -> ObjectStore:
-        return FileStore(reactor, self.fresh_root())
+        return FileStore(reactor, self.fresh_root(), run_in_thread=thread_runner(reactor))
 
     async def make_denied_store(self) -> ObjectStore:
         root = self.store.describe().removeprefix("file:")
@@ -650,7 +651,7 @@ class FileStoreTest(Conformance, unittest.TestCase):
         self.addCleanup(os.chmod, root, 0o755)
         if os.geteuid() != 0:
             os.chmod(root, 0)
-        return FileStore(reactor, root)
+        return FileStore(reactor, root, run_in_thread=thread_runner(reactor))
 
     def denied(self) -> contextlib.AbstractContextManager[None]:
         return _as_nobody() if os.geteuid() == 0 else contextlib.nullcontext()
@@ -661,7 +662,7 @@ class FileStoreTest(Conformance, unittest.TestCase):
         async def kill() -> None:
             os.rename(root, root + ".gone")  # an unmounted or deleted directory
 
-        return FileStore(reactor, root, timeout=5.0), kill
+        return FileStore(reactor, root, timeout=5.0, run_in_thread=thread_runner(reactor)), kill
 
 
 @contextlib.contextmanager
@@ -690,6 +691,8 @@ class _S3Conformance(Conformance):
         return S3Store(
             reactor,
             bucket,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
             endpoint=server.endpoint,
             region=server.region,
             credentials=credentials or server.credentials,

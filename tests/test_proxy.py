@@ -55,6 +55,7 @@ from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
+from lchat.threads import thread_runner
 from tests.test_tls import TestCA
 
 HOST = "chat.example.com"
@@ -288,7 +289,9 @@ class ProxyTestCase(TestCase):
             certs = os.path.join(self.dir, "certs")
             os.makedirs(certs, mode=0o700)
             self.ca.write(tls.cert_path(certs, HOST), HOST)
-            store = tls.CertStore(reactor, certs, {HOST}.__contains__)
+            store = tls.CertStore(
+                reactor, certs, {HOST}.__contains__, run_in_thread=thread_runner(reactor)
+            )
             store.load_initial()
             endpoint = tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store)
         port = yield endpoint.listen(self.factory)

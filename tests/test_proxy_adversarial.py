@@ -43,6 +43,7 @@ from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import Downstream, ProxyFactory
 from lchat.router import Router
+from lchat.threads import thread_runner
 from lchat.twisted_internals import buffered_output
 from tests.proxy_harness import (
     FUZZ_CONFIG,
@@ -171,7 +172,12 @@ class ProxyCase(TestCase):
             os.makedirs(certs, mode=0o700)
             self.ca.write(tls.cert_path(certs, KNOWN), KNOWN)
             self.ca.write(tls.default_cert_path(certs), "default.invalid")
-            store = tls.CertStore(reactor, certs, {h for h, _ in rows}.__contains__)
+            store = tls.CertStore(
+                reactor,
+                certs,
+                {h for h, _ in rows}.__contains__,
+                run_in_thread=thread_runner(reactor),
+            )
             store.load_initial()
             endpoint = tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store)
         self.proxy_port = await endpoint.listen(self.factory)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
@@ -26,6 +27,7 @@ from lchat.registry import (
     UnknownHost,
 )
 from lchat.router import LocalSocket, RequestHead, Router
+from lchat.threads import thread_runner
 
 HOST = "chat-a.example.com"
 SOCK = "/run/lchat/chat-a.example.com.sock"
@@ -272,7 +274,7 @@ class Migrations(Base):
             self.assertEqual(f.read(), b"this is not a database" * 100)
 
     def test_missing_directory(self) -> None:
-        reg = Registry(os.path.join(self.dir, "nope", "registry.db"))
+        reg = Registry(os.path.join(self.dir, "nope", "registry.db"), clock=time.time)
         with self.assertRaises(RegistryError) as e:
             reg.migrate()
         self.assertIn("does not exist", str(e.exception))
@@ -280,7 +282,7 @@ class Migrations(Base):
     def test_nul_in_path(self) -> None:
         for path in (self.path + "\x00x", os.path.join(self.dir + "\x00", "r.db")):
             with self.assertRaises(RegistryError) as e:
-                Registry(path)
+                Registry(path, clock=time.time)
             self.assertIn("NUL", str(e.exception))
         self.assertEqual(os.listdir(self.dir), [])
 
@@ -431,7 +433,8 @@ class Rows(Base):
         reg.insert(route())
         self.assertNotEqual(reg.fingerprint(), first)
         self.assertEqual(
-            Registry(os.path.join(self.dir, "none.db")).fingerprint(), (None, None, None)
+            Registry(os.path.join(self.dir, "none.db"), clock=time.time).fingerprint(),
+            (None, None, None),
         )
 
 
@@ -517,7 +520,7 @@ class Source(Base):
 
     def test_poll_picks_up_a_write_by_another_registry(self) -> None:
         src = self.source()
-        writer = Registry(self.path)  # a second object, as the CLI would be
+        writer = Registry(self.path, clock=time.time)  # a second object, as the CLI would be
         writer.insert(route("b.example.com", status="ready"))
         self.assertIsNone(src.table.get("b.example.com"))
         self.reactor.advance(2.0)
@@ -565,7 +568,7 @@ class Source(Base):
 
     def test_poll_interval_is_respected(self) -> None:
         src = self.source()
-        Registry(self.path).insert(route("b.example.com"))
+        Registry(self.path, clock=time.time).insert(route("b.example.com"))
         self.reactor.advance(1.9)
         self.assertIsNone(src.table.get("b.example.com"))
         self.reactor.advance(0.1)
@@ -588,9 +591,9 @@ class Source(Base):
         src.reload("first").addCallback(results.append)
         self.assertEqual(len(pending), 1)
         # Two writes and two reload requests while the first load is in flight.
-        Registry(self.path).insert(route("b.example.com"))
+        Registry(self.path, clock=time.time).insert(route("b.example.com"))
         src.reload("second").addCallback(results.append)
-        Registry(self.path).insert(route("c.example.com"))
+        Registry(self.path, clock=time.time).insert(route("c.example.com"))
         src.reload("third").addCallback(results.append)
         self.assertEqual(len(pending), 1)
         # The poll does not pile on while a load runs.
@@ -664,7 +667,7 @@ class Source(Base):
         # Once the file is good again the next change is picked up.
         os.remove(self.path)
         self.reg.migrate()
-        Registry(self.path).insert(route("z.example.com", status="ready"))
+        Registry(self.path, clock=time.time).insert(route("z.example.com", status="ready"))
         self.reactor.advance(2.0)
         self.assertIsNotNone(src.table.get("z.example.com"))
         self.assertIsNone(src.table.get("a.example.com"))
@@ -678,7 +681,7 @@ class Source(Base):
 
         src.subscribe(broken)
         src.subscribe(lambda old, new: seen.append(new))
-        Registry(self.path).insert(route("b.example.com"))
+        Registry(self.path, clock=time.time).insert(route("b.example.com"))
         self.reactor.advance(2.0)
         self.assertIsNotNone(src.table.get("b.example.com"))
         self.assertEqual(seen, [src.table])
@@ -689,7 +692,7 @@ class Source(Base):
         self.assertEqual(len(self.reactor.getDelayedCalls()), 1)
         src.stopService()
         self.assertEqual(self.reactor.getDelayedCalls(), [])
-        Registry(self.path).insert(route("b.example.com"))
+        Registry(self.path, clock=time.time).insert(route("b.example.com"))
         self.reactor.advance(10.0)
         self.assertEqual(self.reg.loads, 0)
 
@@ -699,12 +702,12 @@ class SourceOnRealThreads(Base):
 
     def setUp(self) -> None:
         super().setUp()
-        self.reg = Registry(self.path)
+        self.reg = Registry(self.path, clock=time.time)
         self.reg.migrate()
 
     def test_reload_in_a_thread(self) -> Deferred[None]:
-        src = RouteSource(reactor, self.reg, self.reg.load())
-        Registry(self.path).insert(route("b.example.com", status="ready"))
+        src = RouteSource(reactor, self.reg, self.reg.load(), run_in_thread=thread_runner(reactor))
+        Registry(self.path, clock=time.time).insert(route("b.example.com", status="ready"))
         changes: list[tuple[RouteTable, RouteTable]] = []
         src.subscribe(lambda old, new: changes.append((old, new)))
         d = src.reload("test")
@@ -717,7 +720,13 @@ class SourceOnRealThreads(Base):
         return d.addCallback(check)
 
     def test_poll_in_a_thread(self) -> Deferred[None]:
-        src = RouteSource(reactor, self.reg, self.reg.load(), poll_interval=0.05)
+        src = RouteSource(
+            reactor,
+            self.reg,
+            self.reg.load(),
+            poll_interval=0.05,
+            run_in_thread=thread_runner(reactor),
+        )
         swapped: Deferred[RouteTable] = Deferred()
 
         def listener(old: RouteTable, new: RouteTable) -> None:
@@ -727,7 +736,7 @@ class SourceOnRealThreads(Base):
         src.subscribe(listener)
         src.startService()
         self.addCleanup(src.stopService)
-        Registry(self.path).insert(route("b.example.com", status="ready"))
+        Registry(self.path, clock=time.time).insert(route("b.example.com", status="ready"))
 
         def check(table: RouteTable) -> None:
             self.assertIsNotNone(table.get("b.example.com"))

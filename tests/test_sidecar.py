@@ -29,7 +29,6 @@ from lchat.space import sidecar
 from lchat.space.sidecar import (
     SIDECAR_HEADER,
     STOP_GRACE,
-    Backoff,
     BaseURL,
     ConfigError,
     RequestFailed,
@@ -433,7 +432,7 @@ class PureTests(SynchronousTestCase):
             self.assertIsNone(retry_after(junk, 0), junk)
 
     def test_backoff(self) -> None:
-        b = Backoff()
+        b = sidecar.BACKOFF.delays()
         self.assertEqual([b.next() for _ in range(9)], [1, 2, 4, 8, 16, 32, 60, 60, 60])
         b.reset()
         self.assertEqual((b.next(30), b.next(), b.next(1000)), (30, 2, 60))

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 from twisted.internet import reactor
@@ -63,7 +64,7 @@ class RouterTests(TestCase):
         return config.load(env_file=self.env, environ=environ, flags=flags)
 
     def add_space(self, host: str, token: str = "t" * 32) -> Route:
-        registry = Registry(self.config().registry)
+        registry = Registry(self.config().registry, clock=time.time)
         registry.migrate()
         env_file = os.path.join(self.data, f"{host}.env")
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -113,7 +114,9 @@ class RouterTests(TestCase):
 
     @inlineCallbacks
     def admin(self, method: str, path: str):
-        response = yield unixhttp.request_d(reactor, self.cfg.admin_socket, method, path)
+        response = yield Deferred.fromCoroutine(
+            unixhttp.request(reactor, self.cfg.admin_socket, method, path)
+        )
         return response
 
     @inlineCallbacks
@@ -183,7 +186,7 @@ class RouterTests(TestCase):
         yield self.wait_for(lambda: (r := self.row("late.example.com")) and r.status == "ready")
         code, _ = yield self.get("late.example.com")
         self.assertEqual(code, 200)
-        Registry(self.cfg.registry).delete("late.example.com")
+        Registry(self.cfg.registry, clock=time.time).delete("late.example.com")
         yield self.wait_for(
             lambda: not os.path.exists(os.path.join(self.rundir, "late.example.com.sock"))
         )
@@ -195,7 +198,7 @@ class RouterTests(TestCase):
         self.start(poll=3600)  # only an explicit reload can notice the change
         routes = self.routes
         backend = os.path.join(self.rundir, "svc.sock")
-        registry = Registry(self.cfg.registry)
+        registry = Registry(self.cfg.registry, clock=time.time)
         registry.insert(Route("svc.example.com", "service", backend, status="ready"))
         code, _ = yield self.get("svc.example.com")
         self.assertEqual(code, 404)

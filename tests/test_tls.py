@@ -37,6 +37,7 @@ from twisted.web.server import Request, Site
 
 from lchat import hosts, tls
 from lchat.cli.main import main
+from lchat.threads import thread_runner
 
 reactor: Any = _reactor
 NOW = datetime.datetime.now(datetime.UTC)
@@ -250,6 +251,7 @@ class SNITests(TestCase):
         self.logs = captured_logs(self)
 
     def make_store(self, **kw: Any) -> tls.CertStore:
+        kw.setdefault("run_in_thread", thread_runner(reactor))
         store = tls.CertStore(reactor, self.dir, self.known.__contains__, **kw)
         store.load_initial()
         return store
@@ -505,7 +507,9 @@ class StoreTests(SynchronousTestCase):
 
     def test_misnamed_file_is_ignored_with_a_hint(self) -> None:
         self.ca.write(os.path.join(self.dir, "A.Example.com.pem"), "a.example.com")
-        store = tls.CertStore(reactor, self.dir, lambda h: True)
+        store = tls.CertStore(
+            reactor, self.dir, lambda h: True, run_in_thread=thread_runner(reactor)
+        )
         store.load_initial()
         self.assertEqual(store.certificates(), {})
         self.assertTrue(any("rename it a.example.com.pem" in e for e in self.logs), self.logs)
@@ -553,22 +557,18 @@ class StoreTests(SynchronousTestCase):
         return outcome.why
 
     def test_certificate_that_expires_while_loaded_stops_being_served(self) -> None:
-        clock = [NOW.timestamp()]
+        clock = task.Clock()
+        clock.advance(NOW.timestamp())
         path = tls.cert_path(self.dir, "soon.example.com")
         self.ca.write(path, "soon.example.com", not_after=NOW + datetime.timedelta(hours=1))
-        store = tls.CertStore(
-            task.Clock(),
-            self.dir,
-            lambda h: True,
-            run_in_thread=synchronous,
-            clock=lambda: clock[0],
-        )
+        store = tls.CertStore(clock, self.dir, lambda h: True, run_in_thread=synchronous)
         store.load_initial()
         self.assertIsNotNone(store.context_for_server_name(b"soon.example.com"))
         self.assertGreater(
-            sample("lchat_tls_certificate_expiry_seconds", name="soon.example.com"), clock[0]
+            sample("lchat_tls_certificate_expiry_seconds", name="soon.example.com"),
+            clock.seconds(),
         )
-        clock[0] += 7200
+        clock.advance(7200)
         self.successResultOf(store.rescan())
         self.assertIsNone(store.context_for_server_name(b"soon.example.com"))
         self.assertTrue(any("expired" in e and "no longer served" in e for e in self.logs))
@@ -650,7 +650,9 @@ class StoreTests(SynchronousTestCase):
             self.ca.write(tls.cert_path(self.dir, name), name)
         self.ca.write(tls.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
         known = {"a.example.com"}
-        store = tls.CertStore(task.Clock(), self.dir, known.__contains__)
+        store = tls.CertStore(
+            task.Clock(), self.dir, known.__contains__, run_in_thread=thread_runner(task.Clock())
+        )
         store.load_initial()
         contexts = {c.label: c.context for c in store.certificates().values()}
         lookup = store.context_for_server_name
@@ -696,7 +698,9 @@ class DevCertTests(SynchronousTestCase):
             leaf.not_valid_after_utc - leaf.not_valid_before_utc,
             datetime.timedelta(days=365, hours=1),
         )
-        store = tls.CertStore(reactor, self.dir, lambda h: True)
+        store = tls.CertStore(
+            reactor, self.dir, lambda h: True, run_in_thread=thread_runner(reactor)
+        )
         store.load_initial()
         self.assertEqual(sorted(store.certificates()), ["*.example.com", "demo.localhost"])
         self.assertEqual(store.refused(), {})

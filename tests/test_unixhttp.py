@@ -79,9 +79,10 @@ class UnixHTTPTests(unittest.TestCase):
         resp = await unixhttp.request(reactor, self._site(), "GET", "/missing")
         self.assertEqual((resp.status, resp.body), (404, b"no"))
 
-    def test_post_body_via_deferred_edge(self):
-        d = unixhttp.request_d(reactor, self._site(), "POST", "/x", body=b"hello")
-        self.assertIsInstance(d, Deferred)
+    def test_post_body(self):
+        d = Deferred.fromCoroutine(
+            unixhttp.request(reactor, self._site(), "POST", "/x", body=b"hello")
+        )
         d.addCallback(lambda r: self.assertEqual((r.status, r.body), (200, b"echo:hello")))
         return d
 
@@ -157,7 +158,7 @@ class UnixHTTPTests(unittest.TestCase):
         self.assertEqual(r, Response(status=200, headers={"a": "b"}, body=b""))
 
     def test_relative_path_rejected(self):
-        d = unixhttp.request_d(reactor, "/nope", "GET", "api")
+        d = Deferred.fromCoroutine(unixhttp.request(reactor, "/nope", "GET", "api"))
         return self.assertFailure(d, ValueError)
 
 
@@ -166,7 +167,9 @@ class FakeTimeTests(unittest.TestCase):
 
     def test_timeout_while_connecting(self):
         clock = MemoryReactorClock()
-        d = unixhttp.request_d(clock, "/x.sock", "GET", "/api/version", timeout=2)
+        d = Deferred.fromCoroutine(
+            unixhttp.request(clock, "/x.sock", "GET", "/api/version", timeout=2)
+        )
         clock.advance(1.9)
         self.assertNoResult(d)
         clock.advance(0.2)
@@ -176,7 +179,7 @@ class FakeTimeTests(unittest.TestCase):
 
     def test_cancel_propagates(self):
         clock = MemoryReactorClock()
-        d = unixhttp.request_d(clock, "/x.sock", "GET", "/api/version")
+        d = Deferred.fromCoroutine(unixhttp.request(clock, "/x.sock", "GET", "/api/version"))
         d.cancel()
         self.failureResultOf(d, CancelledError)
         self.assertFalse(clock.getDelayedCalls())

@@ -44,10 +44,10 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from lchat import hosts, lease, tls
-from lchat.acme.client import write_private
 from lchat.deferutil import settled
+from lchat.files import write_atomic
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
-from lchat.registry import RunInThread
+from lchat.threads import RunInThread
 
 FORMAT = "lchat-cert/1"
 STOP_BUDGET = 5.0
@@ -181,7 +181,7 @@ class LocalCache:
         path = name.path(self.directory)
         # The first line says which CA issued it (what the sync and renewal go by).
         marker = tls.ORIGIN_MARKER + cert.origin.encode("ascii") + b"\n" if cert.origin else b""
-        write_private(path, marker + key + cert.chain_pem)
+        write_atomic(path, marker + key + cert.chain_pem, 0o600)
         return path
 
     def read(self, name: CertName) -> Certificate | None:
@@ -296,6 +296,7 @@ class SharedCache:
         store: ObjectStore,
         key: bytes,
         *,
+        monotonic: Callable[[], float],  # the issuance locks' local clock (lchat.lease.acquire)
         prefix: str = "",
         box_id: str = "",
         lock_ttl: float = 600.0,
@@ -303,6 +304,7 @@ class SharedCache:
         if len(key) != 32:
             raise ValueError("the certificate cache key must be 32 bytes")
         self.store = store
+        self._monotonic = monotonic
         self._key = key
         self._prefix = prefix.strip("/")
         self.box_id = box_id
@@ -379,6 +381,7 @@ class SharedCache:
             self.lock_owner,
             self.lock_ttl,
             host=name.label,
+            monotonic=self._monotonic,
         )
 
     async def unlock(self, reactor: Any, held: lease.HeldLease) -> None:
@@ -435,7 +438,6 @@ class CacheSync(Service):
         self._loop: LoopingCall | None = None
         self._running: Deferred[None] | None = None
         self._failing = False
-        self.rounds = 0
 
     def startService(self) -> None:
         super().startService()
@@ -473,7 +475,6 @@ class CacheSync(Service):
         return settled(d)
 
     async def _round(self) -> None:
-        self.rounds += 1
         try:
             listing = await self._shared.store.list(self._shared.listing_prefix)
         except ObjectStoreError as e:
@@ -567,7 +568,7 @@ class CacheSync(Service):
                     continue  # not readable by us: never overwrite what we could not judge
                 if remote[1] >= loaded.not_after:
                     continue
-            cert = await self._run_in_thread(lambda n=name: self._local.read(n))  # type: ignore[misc]
+            cert = await self._run_in_thread(self._local.read, name)
             if cert is None:
                 continue
             try:

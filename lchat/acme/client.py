@@ -28,10 +28,16 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from twisted.logger import Logger
 
 import lchat
+from lchat.backoff import Backoff
+from lchat.files import write_atomic
 
 ACCOUNT_KEY_FILE = "acme-account.key"
 USER_AGENT = f"lchat/{lchat.__version__}"
 DEFAULT_DEADLINE = 120.0  # seconds for validation and finalisation of one order
+# How often we look at a pending authorization, and at an order being finalized: at once, then
+# a short, growing delay (the library's own poll waits a whole second before its first look).
+VALIDATION_POLL = Backoff(0.02, 2.0)
+FINALIZE_POLL = Backoff(0.05, 2.0)
 
 _log = Logger(namespace="lchat.acme")
 
@@ -162,7 +168,7 @@ class AcmeAccount:
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        write_private(path, pem)
+        write_atomic(path, pem, 0o600)
         _log.info("acme: created the account key {path}", path=path)
         # Another process may have won the race: whoever is on disk now is the account.
         with open(path, "rb") as f:
@@ -252,13 +258,12 @@ class AcmeAccount:
     ) -> None:
         # The library polls once a second; a CA usually validates in well under that.
         for authz in order.authorizations:
-            delay = 0.02
+            delays = VALIDATION_POLL.delays()
             while acme.poll(authz)[0].body.status == messages.STATUS_PENDING:
                 if datetime.datetime.now() >= until:
                     return  # poll_and_finalize reports the timeout
-                if self.stopping.wait(delay):
+                if self.stopping.wait(delays.next()):
                     raise IssuanceError("stopped", "the router is stopping")
-                delay = min(delay * 2, 2.0)
 
     def _finalize(
         self, acme: client.ClientV2, order: messages.OrderResource, until: datetime.datetime
@@ -267,7 +272,7 @@ class AcmeAccount:
         growing delay: the library's own poll waits a whole second before its first look."""
         order = acme.begin_finalization(order)
         post_as_get = getattr(acme, "_post_as_get", None)  # the library's POST-as-GET
-        delay = 0.05
+        delays = FINALIZE_POLL.delays()
         while post_as_get is not None and datetime.datetime.now() < until:
             body = order.body
             if body.status == messages.STATUS_VALID and body.certificate is not None:
@@ -281,9 +286,8 @@ class AcmeAccount:
                 )
             if body.status != messages.STATUS_PROCESSING:
                 break  # anything unusual: the library's own loop knows every case
-            if self.stopping.wait(delay):
+            if self.stopping.wait(delays.next()):
                 raise IssuanceError("stopped", "the router is stopping")
-            delay = min(delay * 2, 2.0)
             response = post_as_get(order.uri)
             order = order.update(body=messages.Order.from_json(response.json()))
         try:
@@ -342,29 +346,3 @@ def _validation_errors(e: errors.ValidationError) -> str:
 def _short(e: Exception) -> str:
     text = str(e)
     return text if len(text) <= 300 else text[:300] + "..."
-
-
-def write_private(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically with mode 0600 (temp file, fsync, rename)."""
-    directory = os.path.dirname(path)
-    tmp = os.path.join(
-        directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp"
-    )
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import copy
 import email.utils
-import random
 import re
 import threading
-import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit
@@ -47,6 +45,7 @@ from attrs import field, frozen
 from twisted.logger import Logger
 
 from lchat import hosts
+from lchat.backoff import Backoff
 
 log = Logger(namespace="lchat.acme.dns")
 
@@ -55,11 +54,10 @@ DEFAULT_DNSIMPLE_URL = "https://api.dnsimple.com"
 _LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 _MAX_NAME = 253
 
-# DNSimple: attempts are 1 + retries; backoff doubles from _BACKOFF_BASE up to _BACKOFF_CAP (with
-# jitter), and a Retry-After longer than _RETRY_AFTER_CAP is cut to it: a rate limit that resets in
-# an hour is a failure to report, not a reason to hold the issuer's thread for an hour.
-_BACKOFF_BASE = 0.5
-_BACKOFF_CAP = 5.0
+# DNSimple: attempts are 1 + retries; backoff doubles from 0.5 s up to 5 s (equal jitter), and a
+# Retry-After longer than _RETRY_AFTER_CAP is cut to it: a rate limit that resets in an hour is a
+# failure to report, not a reason to hold the issuer's thread for an hour.
+_BACKOFF = Backoff(0.5, 5.0, jitter=(0.5, 1.0))
 _RETRY_AFTER_CAP = 10.0
 _PER_PAGE = 100  # DNSimple's maximum page size
 _MAX_PAGES = 100  # a listing longer than this is a broken server, not an account
@@ -210,12 +208,13 @@ class DNSimple:
         self,
         token: str,
         *,
+        sleep: Callable[[float], None],  # between retries (this runs in a worker thread)
+        now: Callable[[], float],  # unix seconds: an HTTP-date Retry-After is measured by it
         base_url: str = DEFAULT_DNSIMPLE_URL,
         account_id: str = "",
         ttl: int = 60,
         timeout: float = 30.0,
         retries: int = 4,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if not token:
             raise ValueError("dnsimple: an API token is required")
@@ -236,6 +235,7 @@ class DNSimple:
         self._timeout = timeout
         self._retries = max(0, retries)
         self._sleep = sleep
+        self._now = now
         self._lock = threading.Lock()
         self._session = requests.Session()
         self._session.headers.update(
@@ -466,10 +466,12 @@ class DNSimple:
                 reason = f"HTTP {status}: {_error_message(resp)}"
                 if status != 429 and status < 500:
                     raise self._error(f"{what}: {reason}")
-                retry_after = _retry_after(resp.headers.get("Retry-After"))
+                retry_after = _retry_after(resp.headers.get("Retry-After"), self._now())
             if attempt == attempts:
                 raise self._error(f"{what} failed after {attempts} attempts: {reason}")
-            delay = self._backoff(attempt) if retry_after is None else retry_after
+            delay = (
+                _BACKOFF.jittered(_BACKOFF.delay(attempt)) if retry_after is None else retry_after
+            )
             log.warn(
                 "acme: dns {provider}: {what} failed (attempt {attempt}/{attempts}): {reason}; "
                 "retrying in {delay:.1f}s",
@@ -482,11 +484,6 @@ class DNSimple:
             )
             self._sleep(delay)
         raise AssertionError("unreachable")
-
-    @staticmethod
-    def _backoff(attempt: int) -> float:
-        step = min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 1))
-        return step / 2 + random.uniform(0, step / 2)  # noqa: S311  (jitter, not crypto)
 
     def _scrub(self, text: str) -> str:
         # Belt and braces: nothing we build contains the token, but a server or an exception
@@ -517,7 +514,7 @@ def _error_message(resp: requests.Response) -> str:
     return message[:_MESSAGE_MAX]
 
 
-def _retry_after(value: str | None) -> float | None:
+def _retry_after(value: str | None, now: float) -> float | None:
     """``Retry-After`` in seconds (delta-seconds or an HTTP date), capped; None when absent or bad."""
     if not value:
         return None
@@ -528,7 +525,7 @@ def _retry_after(value: str | None) -> float | None:
             when = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError):
             return None
-        seconds = when.timestamp() - time.time()
+        seconds = when.timestamp() - now
     return min(max(seconds, 0.0), _RETRY_AFTER_CAP)
 
 
@@ -581,8 +578,8 @@ class Route53:
         wait_insync: bool = True,
         session: botocore.session.Session | None = None,
         retries: int = 4,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None],  # between polls and retries (a worker thread)
+        clock: Callable[[], float],  # monotonic: the INSYNC wait's deadline
     ) -> None:
         self._zone_id = _bare_zone_id(zone_id)
         self._zone_name = ""  # of the explicit zone, learnt on first use
@@ -891,8 +888,8 @@ def wait_for_txt(
     resolvers: Sequence[tuple[str, int]] = (),
     timeout: float = 120.0,
     interval: float = 2.0,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
     query_timeout: float = 5.0,
     discovery: dns.resolver.Resolver | None = None,
     authoritative_port: int = 53,
@@ -1138,9 +1135,15 @@ def make_provider(
     route53_endpoint: str = "",
     dnsimple_account: str = "",
     route53_session: botocore.session.Session | None = None,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+    now: Callable[[], float],
 ) -> DNSProvider:
     """The provider ``LCHAT_DNS_PROVIDER`` names (empty: DNSimple, the default), or ``ValueError``
     naming the variable to fix (invariant 7: misconfiguration fails at boot). Does no I/O.
+
+    The providers block in worker threads: ``sleep`` waits between polls and retries, ``clock``
+    (monotonic) bounds waits, ``now`` (unix seconds) reads an HTTP-date ``Retry-After``.
 
     ``route53_session`` is the botocore session whose credentials Route53 uses: the router's,
     resolved once at boot (``lchat.objstore.aws.ResolvedCredentials.session``); without it,
@@ -1154,12 +1157,18 @@ def make_provider(
             )
         return DNSimple(
             dnsimple_token.strip(),
+            sleep=sleep,
+            now=now,
             base_url=dnsimple_url or DEFAULT_DNSIMPLE_URL,
             account_id=dnsimple_account,
         )
     if kind == "route53":
         return Route53(
-            zone_id=route53_zone_id, endpoint_url=route53_endpoint, session=route53_session
+            zone_id=route53_zone_id,
+            endpoint_url=route53_endpoint,
+            session=route53_session,
+            sleep=sleep,
+            clock=clock,
         )
     raise ValueError(
         f"LCHAT_DNS_PROVIDER={name!r} is not a DNS provider we know (dnsimple or route53)"

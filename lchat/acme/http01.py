@@ -48,7 +48,6 @@ class ChallengeResponder:
         # registry's), not whatever a scanner sends.
         self.may_lookup = may_lookup or (lambda host: True)
         self.lookups = 0  # in flight
-        self.answered = 0  # challenges answered (tests and /status look)
 
     def publish(self, token: str, key_authorization: str) -> None:
         if not valid_token(token):
@@ -139,7 +138,6 @@ class _Challenge(Resource):
         return NOT_DONE_YET
 
     def _answer(self, request: Request, token: str, answer: str) -> bytes:
-        self._responder.answered += 1
         host = request.getHeader(b"host") or b"?"
         _log.info(
             "acme: answered the HTTP-01 challenge for {host}",

@@ -42,6 +42,7 @@ from lchat import hosts, tls
 from lchat.acme.cache import CacheEntryError, Certificate, CertName, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount, IssuanceError
 from lchat.acme.http01 import ChallengeResponder
+from lchat.backoff import Backoff
 from lchat.deferutil import settled
 from lchat.lease import LeaseHeld
 from lchat.objstore import ObjectStoreError
@@ -50,7 +51,8 @@ DAY = 86400.0
 RENEW_BEFORE = 30 * DAY
 RENEWAL_CHECK = 3600.0
 WILDCARD_CHECK = 12 * 3600.0
-BACKOFF = (60.0, 3600.0)
+BACKOFF = (60.0, 3600.0)  # after a failed issuance: the first delay, the cap (then +-10% jitter)
+SHARED_POLL_CAP = 15.0  # waiting on another box's order: it takes seconds; a lost holder, minutes
 ORDER_THREADS = 4
 WEEK = 7 * 86400.0
 ISSUED_PER_WEEK = 3  # certificates per name this box obtains in 7 days at most (a loop guard)
@@ -97,6 +99,7 @@ class Issuer(Service):
         account: AcmeAccount,
         may_issue: MayIssue,
         http01: ChallengeResponder | None,
+        monotonic: Callable[[], float],  # DNS-01: the propagation wait's deadline (a worker thread)
         dns: Any = None,  # lchat.acme.dns01.DNSProvider
         wildcard_domains: Sequence[str] = (),
         dns_resolvers: Sequence[tuple[str, int]] = (),
@@ -118,6 +121,7 @@ class Issuer(Service):
         self._may_issue = may_issue
         self._http01 = http01
         self._dns = dns
+        self._monotonic = monotonic
         self.wildcard_domains = tuple(wildcard_domains)
         self._dns_resolvers = tuple(dns_resolvers)
         self._dns_timeout = dns_timeout
@@ -125,7 +129,7 @@ class Issuer(Service):
         self.renew_before = renew_before
         self._renewal_check = renewal_check
         self._wildcard_check = wildcard_check
-        self._backoff = backoff
+        self._backoff = Backoff(*backoff, jitter=(0.9, 1.1))
         self._order_deadline = order_deadline
         self._shared_poll = shared_poll
         # This box's own names (its mesh self host): peers need them before anyone connects.
@@ -267,7 +271,7 @@ class Issuer(Service):
             return "issued"
         held = None
         waited = False
-        poll = self._shared_poll
+        polls = Backoff(self._shared_poll, max(self._shared_poll, SHARED_POLL_CAP)).delays()
         deadline = self._reactor.seconds() + shared.lock_ttl + 30
         while True:
             if not self.running:
@@ -316,8 +320,7 @@ class Issuer(Service):
                 raise IssuanceError(
                     "shared", "another box held the issuance lock and no certificate appeared"
                 )
-            await deferLater(self._reactor, poll, lambda: None)
-            poll = min(poll * 2, 15.0)  # an order takes seconds; a lost holder, minutes
+            await deferLater(self._reactor, polls.next(), lambda: None)
         keep_lock = False
         try:
             if not self.running:
@@ -400,7 +403,11 @@ class Issuer(Service):
             if self._dns is None:
                 raise IssuanceError("dns", "no DNS provider for DNS-01")
             solver = DNS01Solver(
-                self._dns, self._dns_resolvers, self._dns_timeout, self._account.stopping
+                self._dns,
+                self._dns_resolvers,
+                self._dns_timeout,
+                self._account.stopping,
+                self._monotonic,
             )
 
         def placed() -> None:
@@ -452,11 +459,10 @@ class Issuer(Service):
             _log.info("acme: {name} issuance abandoned: the router is stopping", name=name.label)
             return
         count = self._failures[name][0] + 1 if name in self._failures else 1
-        base, cap = self._backoff
-        delay = min(base * 2 ** (count - 1), cap)
+        delay = self._backoff.delay(count)
         if error.retry_after:
             delay = max(delay, error.retry_after)
-        delay *= self._rng.uniform(0.9, 1.1)
+        delay = self._backoff.jittered(delay, self._rng)
         self._failures[name] = (count, self._reactor.seconds() + delay, error.stage, str(error))
         FAILURES.labels(name.kind, error.stage).inc()
         ISSUANCES.labels(name.kind, "failed").inc()
@@ -698,11 +704,13 @@ class DNS01Solver:
         resolvers: Sequence[tuple[str, int]],
         timeout: float,
         stopping: threading.Event,
+        clock: Callable[[], float],
     ) -> None:
         self._provider = provider
         self._resolvers = resolvers
         self._timeout = timeout
         self._stopping = stopping
+        self._clock = clock
 
     def present(self, domain: str, token: str, validation: str) -> object:
         from lchat.acme import dns01
@@ -727,7 +735,12 @@ class DNS01Solver:
         for fqdn, values in wanted.items():
             try:
                 dns01.wait_for_txt(
-                    fqdn, values, resolvers=self._resolvers, timeout=self._timeout, sleep=sleep
+                    fqdn,
+                    values,
+                    resolvers=self._resolvers,
+                    timeout=self._timeout,
+                    sleep=sleep,
+                    clock=self._clock,
                 )
             except dns01.DNSProviderError as e:
                 raise IssuanceError("dns", str(e)) from e

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
-
-from twisted.internet.threads import deferToThreadPool
 
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, needs_credentials, open_store
 from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
+from lchat.threads import thread_runner
 
 
 async def open_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
@@ -22,12 +22,17 @@ async def open_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
     """
     hib = cfg.hibernate
     assert hib is not None, "the caller checks that hibernation is configured"
+    run = thread_runner(reactor)
     credentials: ResolvedCredentials | None = None
     if needs_credentials(hib.bucket):
         env = {**cfg.aws_env, **os.environ}
-        credentials = await deferToThreadPool(
-            reactor, reactor.getThreadPool(), resolve_credentials, env
-        )
+        credentials = await run(resolve_credentials, env)
     return open_store(
-        reactor, hib.bucket, region=hib.region, endpoint=hib.endpoint, credentials=credentials
+        reactor,
+        hib.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=hib.region,
+        endpoint=hib.endpoint,
+        credentials=credentials,
     )

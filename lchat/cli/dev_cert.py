@@ -13,7 +13,6 @@ import datetime
 import os
 import re
 import secrets
-import tempfile
 from collections.abc import Callable, Sequence
 
 from attrs import frozen
@@ -25,6 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from lchat import hosts, tls
 from lchat.config import BoxConfig
+from lchat.files import write_atomic
 
 SUMMARY = "make a local test CA and certificates for trying HTTPS (not for production)"
 CA_CERT = "dev-ca.pem"
@@ -172,8 +172,8 @@ def _ensure_ca(
         .sign(key, hashes.SHA256())
     )
     # Key first: a certificate without its key would make the next run refuse to go on.
-    _write(key_path, _key_pem(key), 0o600)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(key_path, _key_pem(key), 0o600)
+    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return cert, key, True
 
 
@@ -223,7 +223,7 @@ def _ensure_leaf(
         .sign(ca_key, hashes.SHA256())
     )
     # The layout: private key, then the chain, leaf first (the CA is the client's trust root).
-    _write(path, _key_pem(key) + cert.public_bytes(serialization.Encoding.PEM), 0o600)
+    write_atomic(path, _key_pem(key) + cert.public_bytes(serialization.Encoding.PEM), 0o600)
     return Issued(name, path, True, not_after)
 
 
@@ -278,18 +278,3 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-
-
-def _write(path: str, data: bytes, mode: int) -> None:
-    """Atomically: a temp file (``*.tmp``, which the certificate store ignores), then rename."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".dev-cert-", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

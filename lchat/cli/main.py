@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 
 import lchat
-from lchat import config, hosts
-from lchat.cli import admin_client, backup, certs, dev_cert, envfile, units
+from lchat import config, envfile, hosts
+from lchat.cli import admin_client, backup, certs, dev_cert, units
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
@@ -932,7 +932,7 @@ def open_registry(cfg: BoxConfig) -> Registry:
         _require_dir(directory, "LCHAT_DATA_DIR / --data-dir")
     else:
         _require_dir(directory, "LCHAT_REGISTRY / --registry")
-    registry = Registry(cfg.registry)
+    registry = Registry(cfg.registry, time.time)
     registry.migrate()
     return registry
 

@@ -22,6 +22,7 @@ from lchat.cli.bucket import open_bucket
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.replica import restore as restore_mod
+from lchat.threads import RunInThread, thread_runner
 
 SUMMARY = "list or restore a space's replica in the hibernation bucket"
 _T = TypeVar("_T")
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         try:
             if args.replica_command == "ls":
                 return await _ls(store, path, out)
-            return await _restore(store, path, host, args, out)
+            return await _restore(store, path, host, args, out, thread_runner(reactor))
         finally:
             await store.close()
 
@@ -116,11 +117,22 @@ async def _ls(store: ObjectStore, path: str, out: Callable[[str], None]) -> int:
 
 
 async def _restore(
-    store: ObjectStore, path: str, host: str, args: argparse.Namespace, out: Callable[[str], None]
+    store: ObjectStore,
+    path: str,
+    host: str,
+    args: argparse.Namespace,
+    out: Callable[[str], None],
+    run: RunInThread,
 ) -> int:
     output = args.output or f"{host}.db"
     result = await restore_mod.restore(
-        store, path, output, txid=args.txid, timestamp=args.timestamp, overwrite=args.force
+        store,
+        path,
+        output,
+        txid=args.txid,
+        timestamp=args.timestamp,
+        overwrite=args.force,
+        run_in_thread=run,
     )
     out(
         f"restored {host} to {result.path}: txid {result.txid:016x} "

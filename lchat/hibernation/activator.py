@@ -47,7 +47,6 @@ from lchat.units import Claims
 
 _log = Logger(namespace="lchat.activator")
 
-PHASES = ("lease", "restore", "spawn", "ready", "replicate", "total")
 _wake_seconds = Histogram(
     "lchat_wake_seconds",
     "Wake latency by phase (total = lease + restore + spawn + ready + replicate)",
@@ -241,7 +240,7 @@ class Activator(Service):
         for phase, seconds in timings.items():
             _wake_seconds.labels(phase).observe(seconds)
         space.state = "awake"
-        space.woke_at = space.last_active = now
+        space.last_active = now
         self._failures.pop(host, None)
         self._held.pop(host, None)
         self._update_gauge()

@@ -16,7 +16,6 @@ The activator (lchat.hibernation.activator) decides *when* and keeps the states;
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,13 +26,14 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from lchat import hosts
+from lchat.backoff import Backoff
 from lchat.config import BoxConfig
 from lchat.hibernation import localdb
 from lchat.hibernation.contract import Contract, SpaceContract
 from lchat.hibernation.localdb import DBPlan, Restorer
 from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
 from lchat.hibernation.space import Budgets, Space, WakeFailed
-from lchat.lease import HeldLease, LeaseHeld, LeaseKeeper, acquire
+from lchat.lease import HeldLease, LeaseHeld, LeaseKeeper, acquire, lease_key
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.registry import RouteSource
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
@@ -56,6 +56,7 @@ LEASE_CONFLICTS = Counter(
 
 LEASE_HELD_RETRY = 10.0  # the longest Retry-After a lease held elsewhere earns
 LEASE_HELD_RETRIES = (0.1, 0.2, 0.4)  # seconds between asking a held lease again in one wake
+FLUSH_RETRY = Backoff(0.5, 10.0)  # a failed flush before sleep, retried within the flush budget
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
 HANDED_BACK = ("hibernate off", "removed")
 
@@ -82,9 +83,9 @@ class Lifecycle:
     drop_idle: Callable[[str], object] = lambda socket: None  # the proxy's kept-alive connections
     renew_every: float | None = None  # the lease keeper's period (default: TTL / 3)
     # The clock the lease's deadline is kept on (``acquire`` and ``LeaseKeeper`` share it): the
-    # local monotonic clock, which also arms lchat.lease's watchdog thread; a test on a fake
-    # clock passes that clock's ``seconds``.
-    monotonic: Callable[[], float] = time.monotonic
+    # router passes ``time.monotonic``, which also arms lchat.lease's watchdog thread; a test on
+    # a fake clock passes that clock's ``seconds``.
+    monotonic: Callable[[], float] = field(kw_only=True)
     replicator_options: Mapping[str, Any] = field(factory=dict)
     contract: Contract | None = None  # None: SpaceContract, GET /api/next-due on its socket
     restorer: Restorer = field(init=False)
@@ -114,10 +115,6 @@ class Lifecycle:
             clock=self.reactor.seconds,
             last_active=now,
         )
-
-    def lease_key(self, host: str) -> str:
-        assert self.cfg.hibernate is not None
-        return self.cfg.hibernate.key(host, "lock.json")
 
     def replica_path(self, host: str) -> str:
         assert self.cfg.hibernate is not None
@@ -190,7 +187,7 @@ class Lifecycle:
             try:
                 return await acquire(
                     self.store,
-                    self.lease_key(host),
+                    lease_key(self.cfg.hibernate.prefix, host),
                     self.cfg.box_id,
                     self.cfg.hibernate.lease_ttl,
                     host=host,
@@ -399,7 +396,7 @@ class Lifecycle:
         """Flush, retrying within the budget: True once everything is in the bucket."""
         assert space.replicator is not None
         deadline = self.reactor.seconds() + self.budgets.flush
-        delay = 0.5
+        delays = FLUSH_RETRY.delays()
         while True:
             # check: the last flush before sleep LISTs once, so a bucket that forgot the space
             # is re-seeded now, not at the next wake (the bucket is then all there is off-box).
@@ -420,7 +417,7 @@ class Lifecycle:
                     error=e if not isinstance(e, CancelledError) else "timed out",
                     left=max(left, 0),
                 )
+                delay = delays.next()
                 if left <= delay:
                     return False
             await deferLater(self.reactor, delay, lambda: None)
-            delay = min(delay * 2, 10.0)

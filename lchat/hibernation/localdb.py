@@ -29,6 +29,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from lchat import hosts
+from lchat.files import write_atomic
 from lchat.hibernation.space import WakeFailed
 from lchat.lease import HeldLease
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
@@ -134,13 +135,10 @@ def local_state(db: str) -> LocalState:
 def write_marker(db: str, txid: int, now: float) -> None:
     """Record that the local database is exactly the bucket's state at ``txid`` — valid only
     while the files are untouched (anything else writing them voids it)."""
-    tmp = db + MARKER_SUFFIX + ".tmp"
     record = {"txid": txid, "slept_at": int(now), "files": fingerprint(db)}
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, db + MARKER_SUFFIX)
+    # Only the router reads it (mode 0600). No directory fsync: a marker lost to a crash only
+    # costs the next wake a download from the bucket.
+    write_atomic(db + MARKER_SUFFIX, json.dumps(record).encode(), 0o600, fsync_dir=False)
 
 
 def forget_marker(db: str) -> None:

@@ -68,7 +68,6 @@ class Space:
     requests: int = 0  # of inflight, the plain requests (not upgrades): a graceful sleep waits
     requests_done: list[Deferred[None]] = Factory(list)  # fired when requests reaches 0
     last_active: float = 0.0
-    woke_at: float = 0.0
     lease: HeldLease | None = None
     keeper: LeaseKeeper | None = None
     replicator: Replicator | None = None

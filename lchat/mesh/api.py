@@ -53,15 +53,14 @@ from typing import Any
 from attrs import frozen
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from lchat import hosts
-from lchat.cli import envfile
+from lchat import envfile, hosts
 from lchat.config import BoxConfig, ConfigError, MeshConfig, read_env_file
+from lchat.files import write_atomic
 from lchat.mesh.client import (
     ENV_KEY,
     PAYLOAD_FIELDS,
@@ -72,6 +71,7 @@ from lchat.mesh.client import (
     route_payload,
 )
 from lchat.registry import REPLICATIONS, Conflict, Registry, Route
+from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
 
 MAX_BODY = 64 * 1024
@@ -81,7 +81,6 @@ MAX_VERSION = 256
 _REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Reload = Callable[[str], object]
-RunInThread = Callable[[Callable[[], Any]], "Deferred[Any]"]
 
 _calls = Counter(
     "lchat_mesh_route_calls_total",
@@ -196,7 +195,7 @@ class MeshAPI(Resource):
         registry: Registry,
         cfg: BoxConfig,
         reload: Reload,
-        run_in_thread: RunInThread | None = None,
+        run_in_thread: RunInThread,
     ) -> None:
         super().__init__()
         if cfg.mesh is None:
@@ -207,7 +206,7 @@ class MeshAPI(Resource):
         self._run_dir = cfg.run_dir
         self._token = cfg.mesh.token.encode("utf-8")
         self._reload = reload
-        self._run: RunInThread = run_in_thread or deferToThread
+        self._run = run_in_thread
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
@@ -468,13 +467,13 @@ def mesh_site(
     cfg: BoxConfig,
     reload: Reload,
     *,
-    run_in_thread: RunInThread | None = None,
+    run_in_thread: RunInThread,
 ) -> Site:
     """The route-replication API as a Site, for the router to serve on its internal socket.
 
     ``reload(reason)`` is called after every write (the router passes ``RouteSource.reload``); a
     Deferred it returns is waited for before the answer. ``run_in_thread`` runs the registry and
-    file work (default: the reactor's thread pool)."""
+    file work (the router's thread runner)."""
     site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread))
     site.requestFactory = _CappedRequest
     return site
@@ -526,6 +525,6 @@ def _put_back(path: str, previous: bytes | None) -> None:
         if previous is None:
             os.unlink(path)
         else:
-            envfile.write_private(path, previous)
+            write_atomic(path, previous, envfile.MODE)
     except OSError as e:
         _log.error("mesh: could not put {path} back after a failed write: {e}", path=path, e=e)

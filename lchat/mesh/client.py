@@ -109,7 +109,7 @@ async def push_route(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any = None,
+    reactor: Any,  # the caller's: the router's, or the CLI's own
 ) -> dict[str, Any]:
     """``POST /api/mesh/route``: create or update the route on the peer. Returns its answer
     (``{"host": ..., "result": "created" | "updated"}``); raises :class:`MeshCallError`."""
@@ -134,7 +134,7 @@ async def delete_route(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any = None,
+    reactor: Any,  # the caller's: the router's, or the CLI's own
 ) -> bool:
     """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer. True when the peer had
     a row to delete, False when it had none; raises :class:`MeshCallError`."""
@@ -155,7 +155,7 @@ async def list_routes(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any = None,
+    reactor: Any,  # the caller's: the router's, or the CLI's own
 ) -> list[dict[str, Any]]:
     """``GET /api/mesh/routes``: the peer's in-scope hibernating routes, as payloads."""
     reply = await _call(
@@ -232,10 +232,6 @@ async def _call(
         url = check_peer_url(peer_url) + path
     except ValueError as e:
         raise MeshCallError(peer_url, str(e)) from e
-    if reactor is None:
-        from twisted.internet import reactor as global_reactor
-
-        reactor = global_reactor
     headers: dict[bytes | str, bytes | str] = {
         "Authorization": f"Bearer {token}",
         "Accept": "application/json",

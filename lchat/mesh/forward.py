@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -31,15 +30,14 @@ def _mac(token: str, stamp: str, host: str) -> str:
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
-def marker(token: str, host: str, now: Callable[[], float] = time.time) -> bytes:
-    """The header value a box adds when it forwards a request for ``host``."""
+def marker(token: str, host: str, now: Callable[[], float]) -> bytes:
+    """The header value a box adds when it forwards a request for ``host`` (``now``: unix
+    seconds, the router's clock)."""
     stamp = str(int(now()))
     return f"v1 {stamp} {_mac(token, stamp, host)}".encode("ascii")
 
 
-def authentic(
-    value: bytes | None, token: str, host: str, now: Callable[[], float] = time.time
-) -> bool:
+def authentic(value: bytes | None, token: str, host: str, now: Callable[[], float]) -> bool:
     """Does ``value`` (the raw header, or None) prove a mesh peer forwarded this request?"""
     if not value or not token or len(value) > 200:
         return False
@@ -61,9 +59,7 @@ def trust_root(ca_file: str) -> TrustRoot | None:
     return platform_trust_plus(ca_file) if ca_file else None
 
 
-def peer_target(
-    peer_url: str, host: str, token: str, now: Callable[[], float] = time.time
-) -> RemotePeer:
+def peer_target(peer_url: str, host: str, token: str, now: Callable[[], float]) -> RemotePeer:
     """Where to send ``host``'s request on the box ``peer_url``: connect to the peer's address,
     verify the certificate against the *space's* name (the shared wildcard), mark it forwarded."""
     parts = urlsplit(peer_url)

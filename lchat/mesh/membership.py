@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import re
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -63,7 +62,6 @@ _T = TypeVar("_T")
 MAX_BODY = 4096  # a heartbeat body is ~100 bytes; anything much larger is not one (not read)
 STOP_TIMEOUT = 5.0  # stopService's delete of our heartbeat gives up after this (seconds)
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
-_PROCESS_STARTED = time.time()  # this module is imported at the router's start: "process start"
 
 MEMBERS_LIVE = Gauge(
     "lchat_mesh_members_live", "Live mesh members in this box's view (self included)"
@@ -364,7 +362,8 @@ class Membership(Service):
             url=self.url,
             region=mesh.region,
             version=lchat.__version__,
-            started_at=round(_PROCESS_STARTED if started_at is None else started_at, 3),
+            # Informational: when this router started (it builds its membership at start).
+            started_at=round(reactor.seconds() if started_at is None else started_at, 3),
         )
         self._payload = self.body.to_json()
         self._bodies: BodyCache = {}

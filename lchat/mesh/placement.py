@@ -43,11 +43,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
-from urllib.parse import urlsplit
 
 from lchat import hosts
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
+from lchat.hosts import normalise_member_url  # part of this wire format; config needs it too
 
 
 class Candidate(Protocol):
@@ -73,32 +71,6 @@ def in_scope(host: str, domains: Sequence[str]) -> bool:
     Hosts out of scope never take part in placement: they are always served locally.
     """
     return any(hosts.covers(domain, host) for domain in domains)
-
-
-def normalise_member_url(url: str) -> str:
-    """Return the canonical form of a member's base URL, or raise :class:`ValueError`.
-
-    Scheme and host lowercase, no trailing slash, the scheme's default port omitted (an explicit
-    other port is kept). Anything that is not a bare ``http(s)://host[:port]`` base URL (a path,
-    query, fragment, user info, a bad port, no host) is refused rather than guessed at, since two
-    boxes guessing differently would disagree about ownership. Idempotent.
-    """
-    parts = urlsplit(url.strip())
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS:
-        raise ValueError(f"member URL {url!r} must use http or https")
-    host = parts.hostname  # lowercased, brackets of an IPv6 literal removed
-    if not host:
-        raise ValueError(f"member URL {url!r} has no host")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"member URL {url!r} must not carry user info")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"member URL {url!r} must not have a path, query or fragment")
-    port = parts.port  # raises ValueError when malformed or out of range
-    netloc = f"[{host}]" if ":" in host else host
-    if port is not None and port != _DEFAULT_PORTS[scheme]:
-        netloc = f"{netloc}:{port}"
-    return f"{scheme}://{netloc}"
 
 
 def score(member_url: str, host: str) -> int:

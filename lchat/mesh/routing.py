@@ -38,7 +38,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from lchat.config import BoxConfig
-from lchat.lease import LeaseRecord
+from lchat.lease import LeaseRecord, lease_key
 from lchat.mesh import forward, placement
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.proxy.http import REFUSED
@@ -279,7 +279,7 @@ class MeshRouter:
     async def _read_holder(self, host: str) -> str | None:
         owner: str | None = None
         try:
-            got = await self._store.get(self._hib.key(host, "lock.json"))
+            got = await self._store.get(lease_key(self._hib.prefix, host))
             owner = _member_url(LeaseRecord.parse(got.body).owner)
         except NotFound:
             owner = None

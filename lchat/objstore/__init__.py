@@ -21,10 +21,12 @@ them against each store):
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from attrs import field, frozen
+
+from lchat.threads import RunInThread
 
 if TYPE_CHECKING:
     from lchat.objstore.aws import ResolvedCredentials
@@ -155,7 +157,9 @@ def needs_credentials(bucket: str) -> bool:
 def open_store(
     reactor: Any,
     bucket: str,
+    run_in_thread: RunInThread,
     *,
+    monotonic: Callable[[], float],
     region: str = "",
     endpoint: str = "",
     credentials: ResolvedCredentials | None = None,
@@ -165,12 +169,13 @@ def open_store(
     An S3 bucket needs ``credentials``, resolved once by the caller
     (:func:`lchat.objstore.aws.resolve_credentials`); its ``region`` is ``region`` when given,
     else the one the credential chain names, else ``us-east-1``. A ``file:`` bucket ignores all
-    three.
+    three. ``run_in_thread`` runs the store's blocking work (disk, credential refreshes);
+    ``monotonic`` is the local monotonic clock an S3 bucket dates its answers by.
     """
     if not needs_credentials(bucket):
         from lchat.objstore.file import FileStore
 
-        return FileStore(reactor, bucket[len("file:") :], create=True)
+        return FileStore(reactor, bucket[len("file:") :], run_in_thread, create=True)
     if credentials is None:
         raise ValueError(
             f"the S3 bucket {bucket!r} needs credentials: resolve them once (at start) with "
@@ -181,6 +186,8 @@ def open_store(
     return S3Store(
         reactor,
         bucket,
+        run_in_thread=run_in_thread,
+        monotonic=monotonic,
         region=region or credentials.region,
         endpoint=endpoint,
         credentials=credentials.credentials,

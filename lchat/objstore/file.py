@@ -61,9 +61,9 @@ from typing import IO, Any, TypeVar
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, TimeoutError
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
+from lchat.files import fsync_directory
 from lchat.objstore import (
     UTC,
     AccessDenied,
@@ -75,11 +75,10 @@ from lchat.objstore import (
     StoredObject,
     StoreUnavailable,
 )
+from lchat.threads import RunInThread
 
 _log = Logger()
 _T = TypeVar("_T")
-
-RunInThread = Callable[[Callable[[], Any]], "Deferred[Any]"]
 
 MAX_KEY_BYTES = 1024  # S3's limit; kept so a key that works here works on a real bucket
 CHUNK = 1024 * 1024  # streaming unit: memory per stream stays around this
@@ -274,14 +273,6 @@ class _Sink:
             raise _SinkFailed(e) from e
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- the blocking store ----------------------------------------------------------------------
 
 
@@ -340,7 +331,7 @@ class FileBucket:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(directory)
+        fsync_directory(directory)
         return v.info()
 
     def get_into(self, key: str, sink: IO[bytes]) -> int:
@@ -464,7 +455,7 @@ class FileBucket:
                         if current is None or current.etag != if_match:
                             raise PreconditionFailed("ETag does not match", key=key)
                     os.unlink(path)
-                    _fsync_dir(directory)
+                    fsync_directory(directory)
             except (FileNotFoundError, NotADirectoryError):
                 self._check_root()
                 return  # a missing key is already deleted
@@ -623,7 +614,7 @@ class FileBucket:
                 os.mkdir(current, 0o700)
             except FileExistsError:
                 continue
-            _fsync_dir(parent)
+            fsync_directory(parent)
 
     def _write(
         self,
@@ -658,7 +649,7 @@ class FileBucket:
                     out.flush()
                     os.fsync(out.fileno())
                     os.rename(tmp, path)
-                    _fsync_dir(directory)
+                    fsync_directory(directory)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -690,13 +681,6 @@ class FileBucket:
 # --- the asynchronous store ------------------------------------------------------------------
 
 
-def _default_run_in_thread(reactor: Any) -> RunInThread:
-    def run(f: Callable[[], Any]) -> Deferred[Any]:
-        return deferToThreadPool(reactor, reactor.getThreadPool(), f)
-
-    return run
-
-
 @define
 class FileStore:
     """:class:`lchat.objstore.ObjectStore` over a local directory; every disk call in a thread.
@@ -708,22 +692,19 @@ class FileStore:
 
     _reactor: Any
     root: str = field(converter=_absolute)
-    _run_in_thread: RunInThread | None = None
+    _run_in_thread: RunInThread
     create: bool = False
     timeout: float | None = 60.0
     lock_timeout: float = 10.0
     bucket: FileBucket = field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self._run_in_thread is None:
-            self._run_in_thread = _default_run_in_thread(self._reactor)
         self.bucket = FileBucket(self.root, create=self.create, lock_timeout=self.lock_timeout)
 
     def describe(self) -> str:
         return f"file:{self.root}"
 
     async def _run(self, f: Callable[[], _T], *, bounded: bool = True) -> _T:
-        assert self._run_in_thread is not None
         d: Deferred[_T] = self._run_in_thread(f)
         if bounded and self.timeout is not None:
             d.addTimeout(self.timeout, self._reactor)
@@ -784,7 +765,7 @@ class FileStore:
         return await self._run(self.bucket.now)
 
     async def close(self) -> None:
-        """Nothing to release: the threads are the reactor's pool."""
+        """Nothing to release: the threads are the thread runner's."""
 
     async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         return await self._run(lambda: self.bucket.list(prefix))

@@ -41,7 +41,6 @@ import hashlib
 import os
 import secrets
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Container, Mapping, Sequence
 from io import BytesIO
@@ -70,7 +69,6 @@ from twisted.internet.endpoints import (
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import (
@@ -89,6 +87,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from lchat.backoff import Backoff
+from lchat.files import fsync_directory
 from lchat.objstore import (
     UTC,
     AccessDenied,
@@ -100,6 +100,7 @@ from lchat.objstore import (
     StoredObject,
     StoreUnavailable,
 )
+from lchat.threads import RunInThread
 from lchat.twisted_internals import RequestNotSent, WrongBodyLength, quiet_pool
 
 log = Logger()
@@ -128,8 +129,9 @@ _WRITE_HIGH_WATER = 4 * 1024 * 1024  # and pauses the socket when this much is w
 # per GiB, 256 KiB is 4k. Larger buys little (the transport sends at most 128 KiB per send()) and
 # costs memory: an upload holds about two chunks (one being sent, one read ahead).
 _READ_CHUNK = 256 * 1024
-_BACKOFF_BASE = 0.1
-_BACKOFF_CAP = 2.0
+# Between retries: 0.1 s doubling to 2 s, "equal jitter" (half the step fixed, half random), so
+# retries from many boxes spread out but never collapse to zero.
+_BACKOFF = Backoff(0.1, 2.0, jitter=(0.5, 1.0))
 _DATE_FRESH = 1.0  # now() reuses the Date of a response younger than this (seconds)
 
 # S3 error codes that mean "try again" whatever their status (RequestTimeout is a 400, SlowDown a 503,
@@ -349,7 +351,7 @@ class _Watchdog:
 
 @implementer(IBodyProducer)
 class _FileProducer:
-    """``put_file``'s request body: the file, read in the reactor's thread pool a chunk at a time.
+    """``put_file``'s request body: the file, read in a worker thread a chunk at a time.
 
     Nothing touches the disk on the reactor thread: the descriptor is opened (``_open_for_upload``),
     read (``_read_chunk``) and closed in the pool. At most one read is in flight and at most one
@@ -370,7 +372,7 @@ class _FileProducer:
 
     def __init__(
         self,
-        reactor: Any,
+        run_in_thread: RunInThread,
         fd: int,
         path: str,
         size: int,
@@ -380,7 +382,7 @@ class _FileProducer:
         self.path = path
         # Called on the reactor thread before each chunk is written (feeds an upload's watchdog).
         self.progress = progress
-        self._reactor = reactor
+        self._run_in_thread = run_in_thread
         self._fd = fd
         self._closing = False
         self._run = 0  # bumped by every start and stop: a result for an older run is dropped
@@ -432,7 +434,7 @@ class _FileProducer:
             await waiter
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
-            await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), os.close, fd)
+            await self._run_in_thread(os.close, fd)
 
     def _cancel(self, done: Deferred[None]) -> None:
         if done is self._done:
@@ -469,8 +471,7 @@ class _FileProducer:
         # The last read asks for one byte more: getting it means the file grew under us.
         ask = want + 1 if self._offset + want == self.length else want
         self._reading = True
-        pool = self._reactor.getThreadPool()
-        d = deferToThreadPool(self._reactor, pool, _read_chunk, self._fd, self._offset, ask)
+        d = self._run_in_thread(_read_chunk, self._fd, self._offset, ask)
         d.addBoth(self._got, self._run, want)
 
     def _got(self, result: bytes | Failure, run: int, want: int) -> None:
@@ -508,13 +509,13 @@ class _BodyReader(Protocol):
 
     def __init__(
         self,
-        reactor: Any,
+        run_in_thread: RunInThread,
         sink: IO[bytes] | None,
         progress: Callable[[], None] | None = None,
     ) -> None:
         self.done: Deferred[bytes] = Deferred(lambda _: self._abort())
         self.received = 0
-        self._reactor = reactor
+        self._run_in_thread = run_in_thread
         self._sink = sink
         self._progress = progress
         self._chunks: list[bytes] = []
@@ -561,8 +562,7 @@ class _BodyReader(Protocol):
             self._pending = 0
             assert self._sink is not None
             self._writing = True
-            pool = self._reactor.getThreadPool()
-            d = deferToThreadPool(self._reactor, pool, _write, self._sink, data)
+            d = self._run_in_thread(_write, self._sink, data)
             d.addCallbacks(self._written, self._write_failed)
             return
         if not self._open or self._aborted:
@@ -658,6 +658,8 @@ class S3Store:
         reactor: Any,
         bucket: str,
         *,
+        run_in_thread: RunInThread,
+        monotonic: Callable[[], float],
         credentials: Credentials,
         region: str = "",
         endpoint: str = "",
@@ -677,6 +679,10 @@ class S3Store:
         if timeout <= 0 or retries < 0:
             raise ValueError("timeout must be positive and retries non-negative")
         self._reactor = reactor
+        self._run_in_thread = run_in_thread
+        # The local monotonic clock: the bucket's time is estimated from its last Date plus the
+        # time since, which a step of the wall clock must not skew (leases expire by it).
+        self._monotonic = monotonic
         self.bucket = bucket
         self._region = region or "us-east-1"
         self._endpoint = endpoint.rstrip("/")
@@ -748,7 +754,7 @@ class S3Store:
         return creds.get_frozen_credentials()
 
     async def _in_thread(self, f: Callable[..., Any], *args: Any) -> Any:
-        return await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), f, *args)
+        return await self._run_in_thread(f, *args)
 
     # -- the request engine ----------------------------------------------------------------------
 
@@ -831,7 +837,7 @@ class S3Store:
         for attempt in range(1, attempts + 1):
             creds = await self._frozen_credentials()
             signed = self._sign(creds, method, url, headers, payload_hash)
-            started = time.monotonic()
+            started = self._monotonic()
             reason = ""
             sent_nothing = False
             try:
@@ -845,7 +851,7 @@ class S3Store:
                 REQUESTS.labels(op, "error").inc()  # cancelled by the caller, or a local fault
                 raise
             finally:
-                LATENCY.labels(op).observe(time.monotonic() - started)
+                LATENCY.labels(op).observe(self._monotonic() - started)
             if not reason:
                 if body_may_hold_error and reply.status == 200:
                     # Quirk (AWS): CopyObject may fail after sending 200; the error is the body.
@@ -885,10 +891,7 @@ class S3Store:
         raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int) -> float:
-        # "Equal jitter": half the exponential step is fixed, half random, so retries from many
-        # boxes spread out but never collapse to zero.
-        step = min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 1))
-        return step / 2 + self._rng.uniform(0, step / 2)
+        return _BACKOFF.jittered(_BACKOFF.delay(attempt), self._rng)
 
     @staticmethod
     def _transient(reply: _Reply) -> bool:
@@ -924,7 +927,7 @@ class S3Store:
             # A fresh producer per attempt: each has its own consumer, watchdog and lifetime, so
             # a late pause or stop from a dead attempt's transport cannot touch the next one.
             fd: int = await self._in_thread(_open_for_upload, body.path, body.size)
-            file_body = _FileProducer(self._reactor, fd, body.path, body.size)
+            file_body = _FileProducer(self._run_in_thread, fd, body.path, body.size)
         readers: list[_BodyReader] = []
         watchdog: _Watchdog | None = None
         d = Deferred.fromCoroutine(
@@ -999,12 +1002,12 @@ class S3Store:
         status = response.code
         date = _header(response.headers, "date")
         if date:
-            self._last_date = (date, time.monotonic())
+            self._last_date = (date, self._monotonic())
         request_id = _header_text(response.headers, "x-amz-request-id") or _header_text(
             response.headers, "x-amzn-requestid"
         )
         to_file = sink is not None and status in ok
-        reader = _BodyReader(self._reactor, sink if to_file else None, progress)
+        reader = _BodyReader(self._run_in_thread, sink if to_file else None, progress)
         readers.append(reader)
         response.deliverBody(reader)  # HEAD: ends at once, and the connection can be reused
         data = await reader.done
@@ -1058,7 +1061,7 @@ class S3Store:
             key=key,
             size=size,
             etag=_unquote_etag(_header_text(headers, "etag")),
-            last_modified=modified or datetime.datetime.now(UTC),
+            last_modified=modified or datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC),
             metadata=metadata,
         )
 
@@ -1277,7 +1280,7 @@ class S3Store:
 
     async def now(self) -> datetime.datetime:
         last = self._last_date
-        if last is None or time.monotonic() - last[1] >= _DATE_FRESH:
+        if last is None or self._monotonic() - last[1] >= _DATE_FRESH:
             # Any non-transient answer carries the bucket's Date, even a 403 for a policy that
             # does not grant s3:ListBucket (which HeadBucket needs).
             await self._send("HeadBucket", "HEAD", None, ok=(200, 403, 404))
@@ -1286,7 +1289,7 @@ class S3Store:
         date = _http_date(last[0])
         if date is None:
             raise StoreUnavailable("S3 sent no usable Date header")
-        return date + datetime.timedelta(seconds=time.monotonic() - last[1])
+        return date + datetime.timedelta(seconds=self._monotonic() - last[1])
 
     async def close(self) -> None:
         if self._own_pool:
@@ -1365,11 +1368,7 @@ def _commit(f: IO[bytes], tmp: str, path: str) -> None:
     os.fsync(f.fileno())
     f.close()
     os.replace(tmp, path)
-    dirfd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
+    fsync_directory(os.path.dirname(path))
 
 
 def _discard(f: IO[bytes], tmp: str) -> None:

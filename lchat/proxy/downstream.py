@@ -9,7 +9,6 @@ closed connection, never a stuck handler or a leaked upstream connection.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -122,7 +121,6 @@ class Exchange:
     length: int | None = None
     chunked: bool = False
     upgrade: bool = False
-    expects_continue: bool = False
     body: list[bytes] = field(factory=list)  # buffered until the upstream is ready
     body_complete: bool = False
     streaming: bool = False  # body goes straight upstream
@@ -295,7 +293,7 @@ class Downstream(Protocol):
         self._progress = True
         if self._closed:
             raise _StopReading()  # we already answered with "Connection: close" in this read
-        ex = Exchange(started=time.monotonic())
+        ex = Exchange(started=self.proxy.reactor.seconds())
         self._parsing = ex
         if self._active is None and self._timer_action != self._header_timed_out:
             # From idle keep-alive to reading a head; a running head deadline is not extended.
@@ -425,7 +423,6 @@ class Downstream(Protocol):
             elif lower == b"expect":
                 if value.strip().lower() != b"100-continue":
                     raise _Reject(417, "unsupported expectation")
-                ex.expects_continue = True
             if lower in INTERNAL:
                 internal[lower] = value
             else:
@@ -1005,7 +1002,7 @@ class Downstream(Protocol):
                 version=ex.version,
                 status=ex.status,
                 bytes=ex.bytes_out,
-                ms=round((time.monotonic() - ex.started) * 1000, 1),
+                ms=round((self.proxy.reactor.seconds() - ex.started) * 1000, 1),
             )
 
     # -- timers ---------------------------------------------------------------------------------

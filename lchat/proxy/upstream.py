@@ -8,8 +8,6 @@ bytes, completion, a switch to raw bytes after ``101``, or failure.
 from __future__ import annotations
 
 import errno
-import random
-from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -30,6 +28,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from lchat.backoff import Backoff
 from lchat.proxy.http import Header, Valve
 from lchat.router import LocalSocket, RemotePeer
 
@@ -265,6 +264,9 @@ def _retryable(failure: Failure) -> bool:
 
 
 PEER_DIAL_RETRY = 0.2  # seconds of dial retry towards a mesh peer: a refusing peer is stopping
+# Between dial attempts: 50 ms doubling to 1 s, each shortened by up to 20% at random so that the
+# requests queued behind a restarting space do not all dial in the same instant.
+DIAL_BACKOFF = Backoff(0.05, 1.0, jitter=(0.8, 1.0))
 
 
 def target_key(target: LocalSocket | RemotePeer) -> Key:
@@ -402,7 +404,8 @@ class UpstreamPool:
         # stopping or gone, and the mesh routes around it: retry it only briefly.
         window = self._dial_retry if isinstance(target, LocalSocket) else PEER_DIAL_RETRY
         deadline = self._reactor.seconds() + min(self._dial_retry, window)
-        state: dict[str, Any] = {"delay": 0.05, "cancelled": False, "attempts": 0}
+        state: dict[str, Any] = {"cancelled": False, "attempts": 0}
+        delays = DIAL_BACKOFF.delays()
 
         def attempt() -> None:
             if state["cancelled"]:
@@ -424,9 +427,8 @@ class UpstreamPool:
             now = self._reactor.seconds()
             if _retryable(failure) and now < deadline:
                 _dial_retries.inc()
-                delay = min(state["delay"], deadline - now)
-                state["delay"] = min(state["delay"] * 2, 1.0)
-                self._reactor.callLater(delay * random.uniform(0.8, 1.0), attempt)  # noqa: S311
+                delay = min(delays.next(), deadline - now)
+                self._reactor.callLater(DIAL_BACKOFF.jittered(delay), attempt)
                 return
             _dial_failures.inc()
             why = failure.getErrorMessage()
@@ -436,6 +438,3 @@ class UpstreamPool:
 
         attempt()
         return result
-
-
-Dialer = Callable[[LocalSocket | RemotePeer], Deferred[UpstreamConnection]]

@@ -620,15 +620,6 @@ def decode(fileobj: BinaryIO) -> DecodedLTX:
     return DecodedLTX(reader.header, pages, reader.trailer)
 
 
-def verify(fileobj: BinaryIO) -> tuple[LTXHeader, LTXTrailer]:
-    """Read and verify a file without keeping its pages."""
-    reader = LTXReader(fileobj)
-    for _ in reader:
-        pass
-    assert reader.trailer is not None
-    return reader.header, reader.trailer
-
-
 def filename(min_txid: int, max_txid: int) -> str:
     return f"{min_txid:016x}-{max_txid:016x}.ltx"
 

@@ -47,7 +47,7 @@ import datetime
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attrs import define
@@ -73,10 +73,9 @@ from lchat.replica.restore import (
     replica_files,
 )
 from lchat.replica.wal import Segment, WALPosition, WALReset, WALRewritten
+from lchat.threads import RunInThread
 
 _log = Logger()
-
-RunInThread = Callable[..., Any]  # (f, *args) -> Awaitable[result]
 
 _uploads = Counter(
     "lchat_replica_uploads_total", "LTX uploads by level and outcome", ["level", "outcome"]
@@ -226,7 +225,6 @@ class Replicator:
         # reason to doubt the bucket. See the module docstring.
         self._check: str | None = None
         self._retain_after_snapshot = False  # a re-seed: once its snapshot is durable, tidy up
-        self.reseeds = 0
 
     @property
     def txid(self) -> int:
@@ -289,7 +287,6 @@ class Replicator:
             resumed = resume_txid is not None and 0 < resume_txid == self._txid
             if resumed and _restores_to(files) != resume_txid:
                 resumed = False
-                self.reseeds += 1
                 RESEEDS.labels("start").inc()
                 _log.error(
                     "replica {path}: THE BUCKET LOST DATA: the local database matches txid "
@@ -426,7 +423,6 @@ class Replicator:
         self._snap_txid = max((e.max_txid for e in self.files(SNAPSHOT_LEVEL)), default=0)
         self._need_snapshot = True
         self._retain_after_snapshot = True
-        self.reseeds += 1
         RESEEDS.labels(trigger).inc()
         if missing:
             what = (
@@ -858,9 +854,14 @@ class Replicator:
         key = ltx.object_key(self.path, level, header.min_txid, header.max_txid)
         return _Prepared(key, tmp_path, level, header.max_txid, n, size, rfc3339_nano(stamp))
 
+    def _wall_clock(self) -> datetime.datetime:
+        """Now, by the reactor's clock (the LTX header's timestamp). Called in the worker thread:
+        ``seconds()`` is a plain read of the clock."""
+        return datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC)
+
     def _encode_snapshot(self, txid: int) -> tuple[_Prepared, WALPosition | None]:
         snap, pages = self._db.snapshot()
-        now = datetime.datetime.now(UTC)
+        now = self._wall_clock()
         pos = snap.position
         header = ltx.LTXHeader(
             page_size=snap.page_size,
@@ -876,7 +877,7 @@ class Replicator:
         return self._new_file(SNAPSHOT_LEVEL, header, pages, now), pos
 
     def _encode_segment(self, seg: Segment, txid: int) -> _Prepared:
-        now = datetime.datetime.now(UTC)
+        now = self._wall_clock()
         header = ltx.LTXHeader(
             page_size=seg.header.page_size,
             commit=seg.commit,

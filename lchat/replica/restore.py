@@ -18,7 +18,7 @@ Restore time is download time plus whatever is not overlapped with it, so everyt
 - That fsync and ``integrity_check`` (memory-mapped) run side by side; both must pass.
 
 Nothing runs on the reactor thread: file and CPU work goes through ``run_in_thread`` (the
-reactor's pool by default), S3 bodies are decoded in the pool ``S3Store`` writes its sinks from,
+caller's thread runner), S3 bodies are decoded in the pool ``S3Store`` writes its sinks from,
 and writes and flushes run in two threads owned by the restore.
 """
 
@@ -35,24 +35,22 @@ import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, BinaryIO, cast
 from urllib.parse import quote
 
 from attrs import frozen
 from twisted.internet.defer import ensureDeferred
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from lchat.objstore import UTC, ObjectInfo, ObjectStore
 from lchat.replica import ltx
+from lchat.threads import RunInThread
 
 _log = Logger()
 
 SNAPSHOT_LEVEL = 9
 TIMESTAMP_METADATA = "litestream-timestamp"
 _KEY = re.compile(r"(?:^|/)([0-9a-f]{4})/([0-9a-f]{16})-([0-9a-f]{16})\.ltx$")
-
-RunInThread = Callable[..., Any]  # (f, *args) -> Awaitable[result]
 
 
 class RestoreError(Exception):
@@ -191,13 +189,6 @@ class RestoreResult:
     bytes_downloaded: int
 
 
-def _default_run_in_thread() -> RunInThread:
-    from twisted.internet import reactor
-
-    r: Any = reactor
-    return lambda f, *args: deferToThreadPool(r, r.getThreadPool(), f, *args)
-
-
 async def restore(
     store: ObjectStore,
     path: str,
@@ -206,10 +197,11 @@ async def restore(
     txid: int | None = None,
     timestamp: datetime.datetime | None = None,
     overwrite: bool = False,
-    run_in_thread: RunInThread | None = None,
+    run_in_thread: RunInThread,
 ) -> RestoreResult:
-    """Restore the replica under ``<path>/`` (e.g. ``<prefix>/<host>``) into ``out_path``."""
-    run = run_in_thread or _default_run_in_thread()
+    """Restore the replica under ``<path>/`` (e.g. ``<prefix>/<host>``) into ``out_path``;
+    ``run_in_thread`` runs every file and CPU step."""
+    run = run_in_thread
     if timestamp is not None and timestamp.tzinfo is None:
         raise RestoreError("the target timestamp needs a time zone")
     if not overwrite and await run(os.path.lexists, out_path):

@@ -33,7 +33,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
@@ -74,6 +73,8 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from zope.interface import implementer
 
 from lchat import hosts, unixhttp
+from lchat.backoff import Backoff
+from lchat.files import write_atomic
 from lchat.twisted_internals import quiet_pool
 from lchat.unixhttp import Response
 from lchat.webutil import BytesProducer
@@ -87,6 +88,7 @@ MAX_TIME = 2**53  # as lchat.space.api: larger "unix seconds" are nonsense
 REQUEST_TIMEOUT = 10.0  # one request, connect to last byte
 BACKOFF_INITIAL = 1.0
 BACKOFF_CAP = 60.0  # seconds; also the cap on an honoured Retry-After
+BACKOFF = Backoff(BACKOFF_INITIAL, BACKOFF_CAP)  # every retry: posting, reporting, listening
 STOP_GRACE = 3.0  # on SIGTERM: an in-flight run and the final report get this long together
 MAX_RESPONSE = 1 << 20
 ROOM = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as lchat.space.api.ROOM
@@ -292,26 +294,6 @@ def retryable(status: int) -> bool:
     return status in (408, 425, 429) or 500 <= status <= 599
 
 
-@define
-class Backoff:
-    """Capped exponential backoff; a Retry-After is honoured up to the cap."""
-
-    initial: float = BACKOFF_INITIAL
-    cap: float = BACKOFF_CAP
-    _current: float = field(init=False, default=0.0)
-
-    def __attrs_post_init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self._current = self.initial
-
-    def next(self, at_least: float | None = None) -> float:
-        delay = min(self.cap, max(self._current, at_least or 0.0))
-        self._current = min(self.cap, self._current * 2)
-        return delay
-
-
 def when(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -350,32 +332,7 @@ class StateFile:
         return due
 
     def save(self, due: int) -> None:
-        directory = os.path.dirname(self.path) or "."
-        fd, tmp = tempfile.mkstemp(
-            dir=directory, prefix=os.path.basename(self.path) + ".", suffix=".tmp"
-        )
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"next_run": due}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        try:
-            dir_fd = os.open(directory, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dir_fd)
-        except OSError:
-            pass
-        finally:
-            os.close(dir_fd)
+        write_atomic(self.path, json.dumps({"next_run": due}).encode(), 0o600)
 
 
 # -- talking to the space ----------------------------------------------------------------------
@@ -792,7 +749,7 @@ class Sidecar:
     async def _post(self, room: str, due: int, deadline: int) -> str:
         text = self.config.message or f"scheduled run {when(due)}"
         body = json.dumps({"body": text}).encode()
-        backoff = Backoff()
+        backoff = BACKOFF.delays()
         while True:
             wait: float | None = None
             try:
@@ -852,7 +809,7 @@ class Sidecar:
 
     async def _report_loop(self) -> None:
         """Until the space knows our latest next run (a run meanwhile just changes the value)."""
-        backoff = Backoff()
+        backoff = BACKOFF.delays()
         while self.reported != self.next_run:
             due = self.next_run
             wait: float | None = None
@@ -918,7 +875,7 @@ class Sidecar:
         if connect is None:
             return
         path = f"/api/rooms/{self.config.room}/ws"
-        backoff = Backoff()
+        backoff = BACKOFF.delays()
         while not self.stopping:
             try:
                 handle = await connect(path, self._heard)

@@ -1,8 +1,9 @@
 """A space's env file, ``<data>/<host>.env``: the only plaintext copy of its admin token.
 
-Written atomically and private from the first byte: a temp file created 0600 with ``O_EXCL``, fsynced,
-renamed over the target, then the directory fsynced. Lines other than ``LCHAT_ADMIN_TOKEN`` (an
-operator's own settings) survive a rewrite.
+Written atomically and private from the first byte (:func:`lchat.files.write_atomic`, mode 0600).
+Lines other than ``LCHAT_ADMIN_TOKEN`` (an operator's own settings) survive a rewrite. The CLI
+writes these files, and so does the router when a mesh peer replicates a route
+(:mod:`lchat.mesh.api`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import secrets
 import stat
 from collections.abc import Mapping
 
 from lchat import config
+from lchat.files import write_atomic
 
 TOKEN_VAR = "LCHAT_ADMIN_TOKEN"  # noqa: S105 -- a variable name, not a secret
 MODE = 0o600
@@ -133,34 +134,4 @@ def _user(uid: int) -> str:
 
 
 def _write_private(path: str, text: str) -> None:
-    write_private(path, text.encode("utf-8"))
-
-
-def write_private(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data``: a temp file created 0600 with ``O_EXCL``, fsynced, renamed
-    over the target, then the directory fsynced."""
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, MODE)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), MODE)  # the umask can only have removed bits; make it exact
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, text.encode("utf-8"), MODE)
