@@ -297,7 +297,8 @@ def _certificates(
     if cfg.https_addr is None:
         return _Certificates()
     own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
-    store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own), run)
+    wanted = tls.CertificateWanted()  # the store's cue to the issuer (which connects itself)
+    store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own), run, wanted=wanted)
     shared = None
     if cfg.cert_cache == "s3":
         assert cfg.hibernate is not None and hibernation is not None  # config refuses s3 without
@@ -319,7 +320,7 @@ def _certificates(
                 lookup=shared.get_challenge if shared is not None else None,
                 may_lookup=tls.known_hosts(routes, own),
             )
-        issuer = _issuer(reactor, cfg, routes, store, responder, shared, own, aws)
+        issuer = _issuer(reactor, cfg, routes, store, wanted, responder, shared, own, aws)
         issuer.setName("acme")
         if hibernation is not None and shared is not None:
             hibernation.add_bucket_user(issuer)
@@ -431,6 +432,7 @@ def _issuer(
     cfg: BoxConfig,
     routes: RouteSource,
     store: tls.CertStore,
+    wanted: tls.CertificateWanted,
     responder: ChallengeResponder | None,
     shared: SharedCache | None,
     own: tuple[str, ...],
@@ -474,8 +476,8 @@ def _issuer(
         shared=shared,
         own_hosts=own,
         monotonic=time.monotonic,
+        wanted=wanted,
     )
-    store.on_missing = issuer.want
     if responder is None:
         _log.warn(
             "acme: LCHAT_HTTP_ADDR is off, so per-host certificates cannot be issued (HTTP-01 "

@@ -419,6 +419,28 @@ def known_hosts(routes: RouteSource, also: Iterable[str] = ()) -> IsKnown:
     return is_known
 
 
+class CertificateWanted:
+    """The cue from the certificate store to whoever obtains certificates (the ACME issuer, which
+    connects itself when it is built): a handshake for a known host found no certificate for it.
+    Called inside OpenSSL's SNI callback, so the listener must not block or raise."""
+
+    def __init__(self) -> None:
+        self._listener: Callable[[str], None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._listener is not None
+
+    def connect(self, listener: Callable[[str], None]) -> None:
+        if self._listener is not None:
+            raise RuntimeError("a certificate cue has one listener")
+        self._listener = listener
+
+    def __call__(self, host: str) -> None:
+        if self._listener is not None:
+            self._listener(host)
+
+
 class CertStore(Service):
     """The certificates in ``directory``, kept current, and the SNI callback that picks one.
 
@@ -433,6 +455,7 @@ class CertStore(Service):
         is_known: IsKnown,
         run_in_thread: RunInThread,
         interval: float = DEFAULT_SCAN_INTERVAL,
+        wanted: CertificateWanted | None = None,
     ) -> None:
         self._reactor = reactor
         self.directory = os.path.abspath(directory)
@@ -455,8 +478,8 @@ class CertStore(Service):
         self._published: set[str] = set()  # expiry gauge labels we set
         self.handshake_failures: dict[str, int] = {}
         # Told (on the reactor, inside the SNI callback) about a known host that has neither a
-        # certificate of its own nor a wildcard: the ACME issuer's cue. Must not block or raise.
-        self.on_missing: Callable[[str], None] | None = None
+        # certificate of its own nor a wildcard: the ACME issuer's cue.
+        self._wanted = wanted
         # The listener's context: no certificate of its own, it only dispatches on SNI.
         self._options = CertificateOptions(
             raiseMinimumTo=TLSVersion.TLSv1_2,
@@ -483,8 +506,8 @@ class CertStore(Service):
             context = self._wildcards.get(host.partition(".")[2])
             if context is not None:
                 return context
-            if self.on_missing is not None and self._is_known(host):
-                self.on_missing(host)
+            if self._wanted is not None and self._wanted.connected and self._is_known(host):
+                self._wanted(host)
             elif (
                 self._default is None and host not in self._no_cert_logged and self._is_known(host)
             ):

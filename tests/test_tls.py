@@ -595,6 +595,27 @@ class StoreTests(SynchronousTestCase):
             ],
         )
 
+    def test_a_registered_host_without_a_certificate_cues_the_issuer(self) -> None:
+        """The cue reaches whoever connected to it (the issuer), for known hosts only; a second
+        listener is refused (one issuer per box)."""
+        wanted = tls.CertificateWanted()
+        store = tls.CertStore(
+            task.Clock(),
+            self.dir,
+            {"a.example.com"}.__contains__,
+            run_in_thread=synchronous,
+            wanted=wanted,
+        )
+        store.load_initial()
+        self.assertIsNone(store.context_for_server_name(b"a.example.com"))  # not connected yet
+        asked: list[str] = []
+        wanted.connect(asked.append)
+        with self.assertRaises(RuntimeError):
+            wanted.connect(asked.append)
+        self.assertIsNone(store.context_for_server_name(b"a.example.com"))
+        self.assertIsNone(store.context_for_server_name(b"unregistered.example.com"))
+        self.assertEqual(asked, ["a.example.com"])
+
     def test_missing_directory_is_logged_once_and_picked_up_when_it_appears(self) -> None:
         directory = os.path.join(self.dir, "acme")
         store = tls.CertStore(task.Clock(), directory, lambda h: True, run_in_thread=synchronous)

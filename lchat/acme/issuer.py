@@ -113,6 +113,7 @@ class Issuer(Service):
         shared_poll: float = 2.0,
         rng: random.Random | None = None,
         own_hosts: Sequence[str] = (),
+        wanted: tls.CertificateWanted | None = None,  # the store's cue: want() is connected to it
     ) -> None:
         self._reactor = reactor
         self._store = store
@@ -148,6 +149,8 @@ class Issuer(Service):
         self._no_http01_logged = False
         self._unfileable: set[str] = set()
         self.orders: dict[str, int] = {"host": 0, "wildcard": 0}  # this issuer's, for tests
+        if wanted is not None:
+            wanted.connect(self.want)
 
     # -- asking -------------------------------------------------------------------------------
 

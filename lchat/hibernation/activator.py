@@ -25,14 +25,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from twisted.application.service import Service
-from twisted.internet.defer import (
-    CancelledError,
-    Deferred,
-    DeferredList,
-    TimeoutError,
-    fail,
-    succeed,
-)
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -265,16 +258,8 @@ class Activator(Service):
         """Name a failed wake, remember its backoff (or the held lease), log it; returns the
         failure its waiters get (always a :class:`WakeFailed`)."""
         host = space.host
-        why = outcome.value
-        if not isinstance(why, WakeFailed):
-            if outcome.check(TimeoutError):
-                why = WakeFailed(host, "timeout", f"wake took longer than {self.budgets.wake:g}s")
-            elif outcome.check(CancelledError):
-                why = WakeFailed(host, "cancelled", "the wake was called off")
-            else:
-                _log.failure("activator: {host} wake failed", outcome, host=host)
-                why = WakeFailed(host, "error", str(why))
-            outcome = Failure(why)
+        why = WakeFailed.of(host, outcome, self.budgets.wake)
+        outcome = outcome if why is outcome.value else Failure(why)
         reason = why.reason
         _wakes.labels(space.reason, reason).inc()
         now = self._reactor.seconds()

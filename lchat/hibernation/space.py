@@ -12,12 +12,16 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from attrs import Factory, define, field, frozen
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from lchat.lease import HeldLease, LeaseKeeper
 from lchat.registry import Route
 from lchat.replica.replicator import Replicator
 from lchat.supervise import RunningChild
+
+_log = Logger(namespace="lchat.activator")
 
 State = Literal["waking", "awake", "stopping"]
 STATES: tuple[State, ...] = ("waking", "awake", "stopping")
@@ -49,6 +53,20 @@ class WakeFailed(Exception):
         self.reason = reason
         self.message = message
         self.retry_after = retry_after
+
+    @classmethod
+    def of(cls, host: str, failure: Failure, wake_budget: float) -> WakeFailed:
+        """What a wake that ended in ``failure`` failed of: itself if it is one, else
+        ``timeout`` (the wake budget), ``cancelled`` (called off) or ``error`` (a bug: logged)."""
+        why = failure.value
+        if isinstance(why, WakeFailed):
+            return why
+        if failure.check(TimeoutError):
+            return cls(host, "timeout", f"wake took longer than {wake_budget:g}s")
+        if failure.check(CancelledError):
+            return cls(host, "cancelled", "the wake was called off")
+        _log.failure("activator: {host} wake failed", failure, host=host)
+        return cls(host, "error", str(why))
 
 
 @define(eq=False)
