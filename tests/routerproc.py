@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -32,3 +33,32 @@ def spawn_router(env_file: str, log_path: str) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+def kill_spaces_under(root: str) -> list[int]:
+    """SIGKILL every process whose environment puts its socket or database under ``root``: the
+    spaces a router that a test SIGKILLed left running. They run in sessions of their own, as in
+    production, where systemd's cgroup (KillMode=mixed) ends them with the router; a test has no
+    cgroup to do it. Returns the pids signalled."""
+    root = os.path.realpath(root) + os.sep
+    killed = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue  # gone, or not ours to read
+        for entry in environ:
+            key, _, value = entry.partition(b"=")
+            if key in (b"LCHAT_SOCKET", b"LCHAT_DB"):
+                path = os.path.realpath(os.fsdecode(value))
+                if path.startswith(root):
+                    try:
+                        os.kill(int(name), signal.SIGKILL)
+                        killed.append(int(name))
+                    except ProcessLookupError:
+                        pass
+                    break
+    return killed

@@ -37,7 +37,7 @@ from lchat.supervise import listener_pid
 from lchat.tap import build_service, listening_ports
 from lchat.threads import thread_runner
 from tests import s3servers
-from tests.routerproc import spawn_router
+from tests.routerproc import kill_spaces_under, spawn_router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
@@ -661,6 +661,7 @@ class TwistdDrainTests(_Harness):
             if router.poll() is None:
                 router.kill()
                 router.wait()
+            kill_spaces_under(self.dir)  # what a SIGKILLed router leaves behind
 
         self.addCleanup(kill)
         self.port = port

@@ -23,7 +23,7 @@ from lchat import envfile, hosts
 from lchat.cli import admin_client, backup
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.registry import Route
-from tests.routerproc import spawn_router
+from tests.routerproc import kill_spaces_under, spawn_router
 from tests.test_cli import REPO, TOKEN, CliTestCase, Result, _gone, token_from
 
 SPACE = f"env PYTHONPATH={REPO} {sys.executable} -m lchat.space"
@@ -139,6 +139,7 @@ class HibernateTestCase(CliTestCase):
             except subprocess.TimeoutExpired:
                 router.kill()
                 router.wait(10)
+        kill_spaces_under(self.root)  # anything a killed router left behind
 
     def _log(self, path: str) -> str:
         with open(path, errors="replace") as f:

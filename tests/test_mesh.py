@@ -29,7 +29,7 @@ from lchat.cli.dev_cert import make_dev_certs
 from lchat.mesh import forward
 from lchat.registry import Registry, Route
 from tests import s3servers
-from tests.routerproc import spawn_router
+from tests.routerproc import kill_spaces_under, spawn_router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
@@ -103,6 +103,8 @@ class Box:
             return f.read()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        """Stop the router with ``sig``; after SIGKILL its spaces are killed too (as the unit's
+        cgroup would), unless ``sig`` is SIGKILL in a test that wants them (see kill_spaces)."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else None
         self.proc.send_signal(sig)
@@ -111,6 +113,10 @@ class Box:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def kill_spaces(self) -> list[int]:
+        """Kill whatever spaces this box's router left running (its data or run dir)."""
+        return kill_spaces_under(self.dir)
 
     def status(self) -> dict[str, Any]:
         sock = socket.socket(socket.AF_UNIX)
@@ -232,6 +238,7 @@ class MeshTestCase(TestCase):
             shutil.copy(self.wildcard, box.acme)
             os.chmod(os.path.join(box.acme, os.path.basename(self.wildcard)), 0o600)
             box.settings = common  # type: ignore[attr-defined]
+            self.addCleanup(box.kill_spaces)  # (cleanups run last first: after the stop)
             self.addCleanup(box.stop, signal.SIGKILL)
         return boxes
 
