@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
+from typing import Any
 
-from attrs import define
+from attrs import define, field
 from twisted.trial.unittest import TestCase
 
 from lchat.registry import Route, RouteTable
-from lchat.router import LocalResponse, LocalSocket, RequestHead, Router
+from lchat.router import (
+    LocalResponse,
+    LocalSocket,
+    RemotePeer,
+    RequestHead,
+    Router,
+    Target,
+    unavailable,
+)
 
 
 @define
@@ -69,3 +79,128 @@ class RouterDecisionTests(TestCase):
         target = Router(table_of(row)).route(head("h.example.com"))
         assert isinstance(target, LocalResponse)
         self.assertEqual(target.status, 503)
+
+
+@define
+class _Activator:
+    """The activator as the router sees it: records each call, answers ``answer``."""
+
+    answer: Target
+    calls: list[tuple[str, bool]] = field(factory=list)
+
+    def route(self, route: Route, sidecar: bool = False) -> Target:
+        self.calls.append((route.host, sidecar))
+        return self.answer
+
+
+@define
+class _Mesh:
+    """The mesh as the router sees it: in scope for ``domain``; forwards, or serves locally."""
+
+    domain: str
+    forward_to: Target | None = None  # None: "here", call local()
+    routed: list[str] = field(factory=list)
+
+    def in_scope(self, host: str) -> bool:
+        return host.endswith("." + self.domain)
+
+    def route(self, route: Route, head: RequestHead, local: Callable[[], Any]) -> Any:
+        self.routed.append(route.host)
+        return self.forward_to if self.forward_to is not None else local()
+
+
+HIBERNATING = Route("h.mesh.example", "instance", "/run/h.sock", status="ready", hibernate=True)
+ELSEWHERE = RemotePeer("h.mesh.example", "10.0.0.2", 443, "h.mesh.example")
+AWAKE = LocalSocket("h.mesh.example", "/run/h.sock")
+
+
+class BranchTests(TestCase):
+    """Which part of the router decides: the activator, the mesh, ACME, the mesh API."""
+
+    def test_a_hibernating_row_goes_to_the_activator(self) -> None:
+        activator = _Activator(AWAKE)
+        router = Router(table_of(HIBERNATING), activator=activator)
+        self.assertIs(router.route(head("h.mesh.example")), AWAKE)
+        sidecar = RequestHead(method=b"GET", target=b"/", host="h.mesh.example", sidecar=True)
+        router.route(sidecar)
+        self.assertEqual(activator.calls, [("h.mesh.example", False), ("h.mesh.example", True)])
+
+    def test_a_hibernating_row_that_is_not_ready_never_reaches_the_activator(self) -> None:
+        activator = _Activator(AWAKE)
+        row = Route("h.mesh.example", "instance", "/s", status="failed", hibernate=True)
+        target = Router(table_of(row), activator=activator).route(head("h.mesh.example"))
+        assert isinstance(target, LocalResponse)
+        self.assertEqual((target.status, activator.calls), (503, []))
+
+    def test_a_mesh_host_is_the_meshs_to_place_and_here_means_the_activator(self) -> None:
+        activator = _Activator(AWAKE)
+        mesh = _Mesh("mesh.example")
+        router = Router(table_of(HIBERNATING), activator=activator, mesh=mesh)
+        self.assertIs(router.route(head("h.mesh.example")), AWAKE)  # placed here
+        self.assertEqual(
+            (mesh.routed, activator.calls), (["h.mesh.example"], [("h.mesh.example", False)])
+        )
+        mesh.forward_to = ELSEWHERE
+        self.assertIs(router.route(head("h.mesh.example")), ELSEWHERE)  # placed on a peer
+        self.assertEqual(len(activator.calls), 1, "a forwarded request never wakes it here")
+
+    def test_a_host_out_of_the_meshs_scope_goes_straight_to_the_activator(self) -> None:
+        activator = _Activator(AWAKE)
+        mesh = _Mesh("other.example")
+        router = Router(table_of(HIBERNATING), activator=activator, mesh=mesh)
+        self.assertIs(router.route(head("h.mesh.example")), AWAKE)
+        self.assertEqual(mesh.routed, [])
+
+    def test_a_non_hibernating_row_never_reaches_the_mesh_or_the_activator(self) -> None:
+        activator, mesh = _Activator(AWAKE), _Mesh("example.com")
+        router = Router(table_of(READY), activator=activator, mesh=mesh)
+        self.assertEqual(
+            router.route(head("chat.example.com")), LocalSocket("chat.example.com", "/run/x.sock")
+        )
+        self.assertEqual((activator.calls, mesh.routed), ([], []))
+
+    def test_the_mesh_api_is_this_boxs_own_name(self) -> None:
+        router = Router(table_of(READY), mesh_api=("box-1.example.net", "/run/mesh.sock"))
+        self.assertEqual(
+            router.route(head("box-1.example.net")),
+            LocalSocket("box-1.example.net", "/run/mesh.sock", kind="service"),
+        )
+
+    def test_an_acme_challenge_over_plain_http_goes_to_the_responder_for_any_host(self) -> None:
+        router = Router(table_of(READY), acme_challenge="/run/acme.sock")
+        for host in ("chat.example.com", "unregistered.example.com"):
+            challenge = RequestHead(
+                method=b"GET", target=b"/.well-known/acme-challenge/tok", host=host
+            )
+            self.assertEqual(
+                router.route(challenge), LocalSocket(host, "/run/acme.sock", kind="service")
+            )
+        over_tls = RequestHead(
+            method=b"GET",
+            target=b"/.well-known/acme-challenge/tok",
+            host="chat.example.com",
+            secure=True,
+        )
+        self.assertEqual(router.route(over_tls), LocalSocket("chat.example.com", "/run/x.sock"))
+
+
+class UnavailableTests(TestCase):
+    """The activator's 503s (lchat.router.unavailable): public words, Retry-After, the drain's
+    mark."""
+
+    def test_public_words_and_retry_after_bounds(self) -> None:
+        answer = unavailable("h.example.com", "lease_held", 2.2)
+        self.assertEqual(answer.status, 503)
+        self.assertIn(b"h.example.com is being served elsewhere right now", answer.body)
+        self.assertIn((b"retry-after", b"3"), answer.headers)
+        self.assertIn((b"retry-after", b"5"), unavailable("h.example.com", "spawn").headers)
+        self.assertIn((b"retry-after", b"3600"), unavailable("h", "backoff", 1e9).headers)
+        self.assertIn(b"temporarily unavailable", unavailable("h.example.com", "odd").body)
+        self.assertEqual(answer.label, "wake_lease_held")
+
+    def test_only_the_drains_refusals_are_marked_and_only_while_stopping(self) -> None:
+        for reason in ("shutdown", "stood_down", "cancelled"):
+            self.assertEqual(unavailable("h", reason, stopping=True).refusal, "stopping")
+            self.assertEqual(unavailable("h", reason).refusal, "")
+        for reason in ("lease_held", "backoff", "bucket", "spawn", "not_ready", "queue_timeout"):
+            self.assertEqual(unavailable("h", reason, stopping=True).refusal, "", reason)
