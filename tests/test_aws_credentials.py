@@ -9,12 +9,13 @@ is about it, so that no test waits on 169.254.169.254.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 from botocore.credentials import RefreshableCredentials  # type: ignore[import-untyped]
 from twisted.internet import reactor as _reactor
@@ -104,8 +105,7 @@ class ResolveCredentialsTests(TestCase):
             "AWS_SECRET_ACCESS_KEY": keys.secret_key,
             "AWS_DEFAULT_REGION": "eu-central-1",
         }
-        with mock.patch.dict(os.environ, {"AWS_ACCESS_KEY_ID": "AKIDPROCESSONLY"}, clear=False):
-            os.environ.pop("AWS_DEFAULT_REGION", None)
+        with _process_env(AWS_ACCESS_KEY_ID="AKIDPROCESSONLY", AWS_DEFAULT_REGION=None):
             resolved = await self.resolve(env)
         self.assertEqual(resolved.credentials.access_key, keys.access_key)
         self.assertEqual(resolved.method, "env")
@@ -115,7 +115,7 @@ class ResolveCredentialsTests(TestCase):
 
     async def test_the_process_environment_is_not_read_behind_our_back(self) -> None:
         process = {"AWS_ACCESS_KEY_ID": "AKIDPROCESS", "AWS_SECRET_ACCESS_KEY": "process-secret"}
-        with mock.patch.dict(os.environ, process):
+        with _process_env(**process):
             with self.assertRaises(NoCredentials):
                 await self.resolve(dict(ISOLATED))
 
@@ -186,3 +186,22 @@ def _write(path: str, text: str) -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+@contextlib.contextmanager
+def _process_env(**values: str | None) -> Iterator[None]:
+    """This process's environment with ``values`` set (None: unset), put back afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
