@@ -286,9 +286,17 @@ class S3Server(ServerLifecycle):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def pause(self) -> None:
-        """SIGSTOP the server: connections stay open, nothing answers (a hung store)."""
+        """SIGSTOP the server: connections stay open, nothing answers (a hung store). Returns
+        once every thread of it has stopped: a stop reaches each thread of a multi-threaded
+        server (SeaweedFS is Go) only when it next enters the kernel, and a request sent in that
+        window would still be answered."""
         assert self._proc is not None
         os.killpg(self._proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not _all_threads_stopped(self._proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self!r} did not stop within 5 s of SIGSTOP")
+            time.sleep(0.002)
 
     def resume(self) -> None:
         assert self._proc is not None
@@ -416,3 +424,20 @@ async def start_server(kind: Kind) -> S3Server:
         await server.destroy()
         raise
     return server
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state (``T``), as /proc shows it."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: nothing answers either
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
