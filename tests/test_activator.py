@@ -90,6 +90,30 @@ class _Harness(TestCase):
         environ = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", "")}
         return config.load(env_file=self.env, environ=environ, flags=flags)
 
+    def s3_config(self, server: Any, bucket: str, ttl: str = "60s") -> BoxConfig:
+        """A hibernating router's settings on ``bucket`` of the S3 ``server`` (tests/s3servers).
+        Its credentials are in its env file, as on a box (``AWS_*`` in router.env), never in
+        this process's environment."""
+        with open(self.env) as f:
+            base = f.read()
+        env_file = self.env + ".s3"
+        with open(env_file, "w") as f:
+            f.write(base)
+            f.write(f"AWS_ACCESS_KEY_ID={server.credentials.access_key}\n")
+            f.write(f"AWS_SECRET_ACCESS_KEY={server.credentials.secret_key}\n")
+        environ = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", "")}
+        flags = {
+            "LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1",
+            "LCHAT_HTTPS_ADDR": "off",
+            "LCHAT_SPACE_COMMAND": SPACE,
+            "LCHAT_HIBERNATE_BUCKET": bucket,
+            "LCHAT_HIBERNATE_ENDPOINT": server.endpoint,
+            "LCHAT_HIBERNATE_REGION": server.region,
+            "LCHAT_HIBERNATE_IDLE": "60s",
+            "LCHAT_LEASE_TTL": ttl,
+        }
+        return config.load(env_file=env_file, environ=environ, flags=flags)
+
     def add_space(self, host: str, **row: Any) -> Route:
         registry = Registry(self.config().registry, clock=time.time)
         registry.migrate()
@@ -452,27 +476,9 @@ class HibernationS3Tests(_Harness):
         server = yield Deferred.fromCoroutine(s3servers.start_server("moto"))
         self.addCleanup(lambda: Deferred.fromCoroutine(server.destroy()))
         bucket = yield Deferred.fromCoroutine(server.new_bucket())
-        key, secret = server.credentials.access_key, server.credentials.secret_key
-        environ = {
-            "PYTHONPATH": ROOT,
-            "PATH": os.environ.get("PATH", ""),
-            "AWS_ACCESS_KEY_ID": key,
-            "AWS_SECRET_ACCESS_KEY": secret,
-        }
-        flags = {
-            "LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1",
-            "LCHAT_HTTPS_ADDR": "off",
-            "LCHAT_SPACE_COMMAND": SPACE,
-            "LCHAT_HIBERNATE_BUCKET": bucket,
-            "LCHAT_HIBERNATE_ENDPOINT": server.endpoint,
-            "LCHAT_HIBERNATE_REGION": server.region,
-            "LCHAT_HIBERNATE_IDLE": "60s",
-            "LCHAT_LEASE_TTL": ttl,
-        }
         for host in hosts:
             self.add_space(host)
-        cfg = config.load(env_file=self.env, environ=environ, flags=flags)
-        self._with_aws_env(key, secret)
+        cfg = self.s3_config(server, bucket, ttl)
         self.start(cfg)
         return server, bucket
 
@@ -554,20 +560,6 @@ class HibernationS3Tests(_Harness):
         self.assertEqual(
             [m[1] for m in _messages(out)], ["before", "during 0", "during 1", "during 2"]
         )
-
-    def _with_aws_env(self, key: str, secret: str) -> None:
-        saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-        os.environ["AWS_ACCESS_KEY_ID"] = key
-        os.environ["AWS_SECRET_ACCESS_KEY"] = secret
-
-        def restore_env() -> None:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-        self.addCleanup(restore_env)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

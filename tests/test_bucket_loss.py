@@ -34,7 +34,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
-from lchat import config, lease
+from lchat import lease
 from lchat.lease import LeaseKeeper, LeaseRecord
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.replica.replicator import Replicator, ReplicatorStopped
@@ -42,7 +42,7 @@ from lchat.replica.restore import replica_files, restore
 from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replicas import dump, litestream_restore
-from tests.test_activator import ROOT, SPACE, _Harness, _messages
+from tests.test_activator import _Harness, _messages
 
 reactor: Any = _reactor
 PATH = "pre/h.example"
@@ -458,36 +458,8 @@ class SpaceLoss(_SpaceMixin):
         """A hibernating router on this kind's shared server, a fresh bucket, one space."""
         self.server = await s3servers.shared_server(self.kind)
         self.s3bucket = await self.server.new_bucket()
-        key, secret = self.server.credentials.access_key, self.server.credentials.secret_key
-        environ = {
-            "PYTHONPATH": ROOT,
-            "PATH": os.environ.get("PATH", ""),
-            "AWS_ACCESS_KEY_ID": key,
-            "AWS_SECRET_ACCESS_KEY": secret,
-        }
-        flags = {
-            "LCHAT_HTTP_ADDR": "tcp:0:interface=127.0.0.1",
-            "LCHAT_HTTPS_ADDR": "off",
-            "LCHAT_SPACE_COMMAND": SPACE,
-            "LCHAT_HIBERNATE_BUCKET": self.s3bucket,
-            "LCHAT_HIBERNATE_ENDPOINT": self.server.endpoint,
-            "LCHAT_HIBERNATE_REGION": self.server.region,
-            "LCHAT_HIBERNATE_IDLE": "60s",
-            "LCHAT_LEASE_TTL": ttl,
-        }
         self.add_space(host)
-        saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-        os.environ.update(AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
-
-        def put_back() -> None:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-        self.addCleanup(put_back)
-        self.start(config.load(env_file=self.env, environ=environ, flags=flags))
+        self.start(self.s3_config(self.server, self.s3bucket, ttl))
         self.s3 = s3servers.store_for(self.server, self.s3bucket)
         self.addCleanup(lambda: Deferred.fromCoroutine(self.s3.close()))
         self.logged: list[str] = []
