@@ -62,7 +62,7 @@ tools:
 	fi
 
 unit: $(STAMP) tools
-	$(BIN)/trial -j2 tests
+	$(BIN)/python -m tests.parallel -j2
 
 test: lint typecheck unit
 

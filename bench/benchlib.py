@@ -18,6 +18,7 @@ import resource
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -211,6 +212,39 @@ def http_status(port: int, path: str = "/", host: str = HOST, timeout: float = 2
         conn.close()
 
 
+def client_tls_context(cafile: Path) -> ssl.SSLContext:
+    """A client context that trusts only the bench's dev CA and checks the host name."""
+    context = ssl.create_default_context(cafile=str(cafile))
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def https_status(port: int, host: str, cafile: Path, timeout: float = 2.0) -> int | None:
+    """Status of a GET over TLS to 127.0.0.1:port with SNI ``host``, the certificate verified
+    against ``cafile``; None if the handshake or the request fails."""
+    info = tls_probe(port, host, cafile, timeout)
+    return info[0] if info is not None else None
+
+
+def tls_probe(
+    port: int, host: str, cafile: Path, timeout: float = 2.0
+) -> tuple[int, str, str] | None:
+    """(status, TLS version, cipher) of one verified GET over TLS with SNI ``host``, or None."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+            with client_tls_context(cafile).wrap_socket(raw, server_hostname=host) as s:
+                s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                head = s.recv(64)
+                cipher = s.cipher()
+                return (
+                    int(head.split(b" ", 2)[1]),
+                    s.version() or "?",
+                    cipher[0] if cipher else "?",
+                )
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def unix_answers(path: Path) -> bool:
     try:
         with socket.socket(socket.AF_UNIX) as s:
@@ -282,6 +316,7 @@ http {{
     uwsgi_temp_path {tmp}/nginx-tmp/uwsgi;
     scgi_temp_path {tmp}/nginx-tmp/scgi;
     keepalive_requests 100000000;  # the router never closes a busy keep-alive connection either
+{tls_settings}
 {upstreams}
 {servers}
 }}
@@ -299,7 +334,7 @@ NGINX_UPSTREAM = """\
 NGINX_SERVER = """\
     server {{
         listen 127.0.0.1:{port}{listen_options};
-        server_name {host};
+{tls_listen}        server_name {host};
         proxy_http_version 1.1;
         proxy_set_header Host $host;
         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
@@ -336,17 +371,39 @@ NGINX_SERVER = """\
 """
 
 
+# TLS for the --tls variant: the same certificate files as the router's, chosen by SNI per
+# server block as the router chooses a per-host context. The router offers TLS 1.2 and 1.3 and
+# resumes no sessions (no session cache, no tickets): nginx is set to the same, so that neither
+# side saves or spends work the other does not. HTTP/1.1 only (no `http2`), as the router.
+NGINX_TLS_SETTINGS = """\
+    ssl_protocols TLSv1.2 TLSv1.3;
+    ssl_session_cache off;
+    ssl_session_tickets off;
+"""
+
+NGINX_TLS_LISTEN = """\
+        listen 127.0.0.1:{port}{options} ssl;
+        ssl_certificate {pem};
+        ssl_certificate_key {pem};
+"""
+
+
 def start_nginx(
     procs: Processes,
     tmp: Path,
     upstreams: dict[str, Path],
     cpus: str | None = None,
     keepalive: int = 64,
+    tls: tuple[int, Path] | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]]:
     """nginx, one worker, upstream keep-alive; ``upstreams`` maps a Host to a backend socket.
 
     ``keepalive`` is how many idle upstream connections the worker keeps: below the number of
     client connections, nginx closes and re-dials some after every burst.
+
+    ``tls``: (port, certificate directory) also listens with TLS on that port, each host with
+    ``<dir>/<host>.pem`` (key and chain in one file, the router's layout: see
+    :func:`dev_certificates`).
     """
     nginx = which("nginx")
     assert nginx is not None
@@ -359,8 +416,14 @@ def start_nginx(
         blocks_up.append(NGINX_UPSTREAM.format(name=name, socket=sock, keepalive=keepalive))
         # Listen options may be given once per address: on the first server block.
         options = " backlog=4096" if i == 0 else ""
+        tls_listen = ""
+        if tls is not None:
+            pem = tls[1] / f"{host}.pem"
+            tls_listen = NGINX_TLS_LISTEN.format(port=tls[0], options=options, pem=pem)
         blocks_srv.append(
-            NGINX_SERVER.format(name=name, port=port, host=host, listen_options=options)
+            NGINX_SERVER.format(
+                name=name, port=port, host=host, listen_options=options, tls_listen=tls_listen
+            )
         )
     conf = tmp / "nginx.conf"
     conf.write_text(
@@ -370,6 +433,7 @@ def start_nginx(
             connections=min(nofile // 2, 16384),
             # As root nginx would drop its worker to "nobody", who cannot open our 0700 temp dir.
             user="user root;" if os.geteuid() == 0 else "",
+            tls_settings=NGINX_TLS_SETTINGS if tls is not None else "",
             upstreams="".join(blocks_up),
             servers="".join(blocks_srv),
         )
@@ -381,15 +445,42 @@ def start_nginx(
     )
     host = next(iter(upstreams))
     wait_until(lambda: http_status(port, host=host) is not None, 10, "nginx", procs)
+    if tls is not None:
+        ca = tls[1] / DEV_CA
+        wait_until(lambda: https_status(tls[0], host, ca) == 200, 10, "nginx over TLS", procs)
     return port, proc
 
 
 def router_label(rev: str | None) -> str:
-    """What a run measured: the working tree, or which commit."""
-    if rev is None:
-        info = machine_commit()
-        return f"working tree at {info}"
-    return f"commit {short_sha(rev)} (a git archive of it, whatever the working tree holds)"
+    """What a run measured: the working tree, a commit, or a source tree on ``PYTHONPATH``."""
+    if rev is not None:
+        return f"commit {short_sha(rev)} (a git archive of it, whatever the working tree holds)"
+    label = f"working tree at {machine_commit()}"
+    if os.environ.get("PYTHONPATH"):
+        # The router (and the CLI) import lchat from there, before the venv's editable install.
+        label += f"; PYTHONPATH={os.environ['PYTHONPATH']} comes first for the router"
+    return label
+
+
+ROUTER_DATA = "router-data"  # in the temp dir: the router's LCHAT_DATA_DIR
+DEV_CA = "dev-ca.pem"  # lchat dev-cert's CA, in the certificate directory
+
+
+def dev_certificates(tmp: Path, hosts: Sequence[str], rev: str | None = None) -> Path:
+    """``lchat dev-cert`` for ``hosts`` into the router's certificate directory (the default
+    ``LCHAT_ACME_CACHE``, ``<data>/acme``), as README says for trying HTTPS: one 0600 file per
+    host, ``<host>.pem``, with the ECDSA P-256 key and the chain, and ``dev-ca.pem`` to verify
+    them. nginx serves the very same files. Returns the directory."""
+    directory = tmp / ROUTER_DATA / "acme"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+    env.update(router_source(tmp, rev, reuse=True))
+    subprocess.run(
+        [sys.executable, "-m", "lchat.cli", "dev-cert", "--out", str(directory), *hosts],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    return directory
 
 
 def short_sha(rev: str) -> str:
@@ -401,16 +492,19 @@ def short_sha(rev: str) -> str:
     ).stdout.strip()
 
 
-def router_source(tmp: Path, rev: str | None) -> dict[str, str]:
+def router_source(tmp: Path, rev: str | None, reuse: bool = False) -> dict[str, str]:
     """Environment that makes the router run ``rev`` (a ``git archive`` of it).
 
     Without ``rev`` the router is the working tree (the venv's editable install). With it, the
     benchmark measures a fixed commit even while the tree is being edited, or compares two commits.
+    ``reuse``: an archive already unpacked in ``tmp`` is used as it is.
     """
     if rev is None:
         return {}
     sha = short_sha(rev)
     dest = tmp / f"router-src-{sha}"
+    if reuse and dest.exists():
+        return {"PYTHONPATH": str(dest)}
     dest.mkdir()
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", "--format=tar", sha], check=True, capture_output=True
@@ -426,15 +520,28 @@ def start_router(
     services: dict[str, Path],
     cpus: str | None = None,
     rev: str | None = None,
+    https_port: int | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]]:
     """``twistd -n lchat`` with an env file in ``tmp``; each Host routed with ``lchat add-service``.
 
     ``rev``: run that commit of lchat instead of the working tree (see :func:`router_source`).
+    ``https_port``: also listen with TLS there (``LCHAT_HTTPS_ADDR``), serving the certificates
+    :func:`dev_certificates` put in its default certificate directory (call it first); plain HTTP
+    then proxies too (``LCHAT_HTTP_REDIRECT=off``) and nothing is issued
+    (``LCHAT_ACME_DIRECTORY=off``).
     """
     port = free_port()
-    data, run = tmp / "router-data", tmp / "router-run"
+    data, run = tmp / ROUTER_DATA, tmp / "router-run"
     data.mkdir(exist_ok=True)
     run.mkdir(exist_ok=True)
+    if https_port is None:
+        tls_settings = ["LCHAT_HTTPS_ADDR=off"]
+    else:
+        tls_settings = [
+            f"LCHAT_HTTPS_ADDR=127.0.0.1:{https_port}",
+            "LCHAT_HTTP_REDIRECT=off",
+            "LCHAT_ACME_DIRECTORY=off",
+        ]
     env_file = tmp / "router.env"
     env_file.write_text(
         "\n".join(
@@ -442,7 +549,7 @@ def start_router(
                 f"LCHAT_DATA_DIR={data}",
                 f"LCHAT_RUN_DIR={run}",
                 f"LCHAT_HTTP_ADDR=127.0.0.1:{port}",
-                "LCHAT_HTTPS_ADDR=off",
+                *tls_settings,
                 "LCHAT_UNITS=builtin",
                 "",
             ]
@@ -450,7 +557,7 @@ def start_router(
     )
     # Our own environment may carry LCHAT_* from a developer's shell: the env file alone decides.
     env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
-    env.update(router_source(tmp, rev))
+    env.update(router_source(tmp, rev, reuse=True))
     for host, sock in services.items():
         subprocess.run(
             [
@@ -479,6 +586,8 @@ def start_router(
 
     def ready() -> bool:
         seen.append(http_status(port, host=host))
+        if seen[-1] == 200 and https_port is not None:
+            seen.append(https_status(https_port, host, data / "acme" / DEV_CA))
         return seen[-1] == 200
 
     try:
@@ -488,6 +597,35 @@ def start_router(
             f"{e}; last answer {seen[-1] if seen else None}; router log:\n{procs.tail('router')}"
         ) from None
     return port, proc
+
+
+def router_reactor(procs: Processes, name: str, pid: int) -> str:
+    """Which reactor the router runs on, from its own log line, and whether uvloop is loaded in
+    its process (its extension module in ``/proc/<pid>/maps``): the data plane must run on it."""
+    reactor = "?"
+    with contextlib.suppress(OSError):
+        for line in (procs.workdir / f"{name}.log").read_text(errors="replace").splitlines():
+            if "reactor class: " in line:
+                reactor = line.split("reactor class: ", 1)[1].strip().rstrip(".")
+                break
+    try:
+        uvloop = "uvloop" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return reactor
+    return f"{reactor}, uvloop {'loaded' if uvloop else 'NOT loaded'} in the router's process"
+
+
+def install_router_reactor() -> None:
+    """For a process about to become ``twistd lchat`` (a benchmark's ``--child-router``, which
+    imports lchat modules to patch them first): install the reactor the router runs on now, so
+    that no import installs twistd's default one before ``lchat``'s options would install it.
+    A commit from before the uvloop reactor has no ``lchat.uvloop_reactor``: twistd's default."""
+    try:
+        from lchat import uvloop_reactor
+    except ImportError:
+        return
+    if not uvloop_reactor.installed():
+        uvloop_reactor.install()
 
 
 # ---------------------------------------------------------------- /proc

@@ -7,7 +7,13 @@ bytes/s), the proxy's CPU, and its RSS before and at peak during each transfer: 
 process, nginx's worker. The peak is VmHWM after resetting it (``/proc/<pid>/clear_refs``), and
 VmRSS sampled every 20 ms as a cross-check.
 
-    .venv/bin/python bench/bulk.py [--size-mib 1024] [--router-rev REV]
+Goals (issue 15): the router moves 1 GiB each way at >= 0.8x nginx's MB/s (medians of the same
+run), in constant memory: its peak RSS at most ``RSS_GROWTH_BOUND_MIB`` above its RSS before the
+transfer (a proxy holding the body would grow by up to the whole transfer), and no higher in the
+second half of the transfer than in the first (``RSS_LATE_GROWTH_MIB`` of slack): memory that
+does not grow with the bytes moved.
+
+    .venv/bin/python bench/bulk.py [--size-mib 1024] [--rounds 1] [--router-rev REV]
 """
 
 from __future__ import annotations
@@ -19,10 +25,15 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import benchlib
 from benchlib import HOST, log
+
+GOAL_MBPS = 0.8  # router MB/s >= 0.8 x nginx's, each direction
+RSS_GROWTH_BOUND_MIB = 32  # the router's peak RSS - its RSS before a transfer, at most
+RSS_LATE_GROWTH_MIB = 4  # its RSS in the second half of a transfer - its peak in the first half
 
 
 class PeakRSS:
@@ -32,6 +43,7 @@ class PeakRSS:
         self.pid = pid
         self.interval = interval
         self.sampled = 0
+        self.samples: list[tuple[float, int]] = []  # (monotonic time, VmRSS KiB)
         self.hwm_reset = benchlib.reset_peak_rss(pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -46,7 +58,20 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.sampled = max(self.sampled, benchlib.proc_status(self.pid, "VmRSS"))
+            rss = benchlib.proc_status(self.pid, "VmRSS")
+            self.samples.append((time.monotonic(), rss))
+            self.sampled = max(self.sampled, rss)
+
+    @property
+    def late_growth(self) -> int:
+        """KiB by which the RSS sampled in the second half of the transfer exceeds the peak of
+        the first half (0 or less: it did not grow with the bytes moved). 0 with < 4 samples."""
+        if len(self.samples) < 4:
+            return 0
+        middle = (self.samples[0][0] + self.samples[-1][0]) / 2
+        first = [rss for t, rss in self.samples if t <= middle]
+        second = [rss for t, rss in self.samples if t > middle]
+        return max(second) - max(first) if first and second else 0
 
     @property
     def peak(self) -> int:
@@ -120,6 +145,8 @@ def transfer(
         "backend_cpu": 100 * backend_cpu / seconds if seconds else 0.0,
         "before": before,
         "peak": peak.peak,
+        "late_growth": peak.late_growth,
+        "samples": len(peak.samples),
     }
 
 
@@ -145,6 +172,7 @@ def main() -> None:
         router_port, router = benchlib.start_router(
             procs, tmp, {HOST: backend}, rev=args.router_rev
         )
+        info["reactor"] = benchlib.router_reactor(procs, "router", router.pid)
         upload = tmp / "upload.bin"
         with open(upload, "wb") as f:
             f.truncate(size)  # sparse: zeros from the page cache, no disk written
@@ -179,6 +207,7 @@ def main() -> None:
                 args.timeout,
             )
             log(f"{name}: {direction} " + ", ".join(f"{k}={v}" for k, v in r.items()))
+            growth = int(str(r["peak"])) - int(str(r["before"]))
             results.append((name, direction, r))
             rows.append(
                 [
@@ -190,6 +219,8 @@ def main() -> None:
                     f"{r['backend_cpu']:.0f}%",
                     benchlib.mib(int(str(r["before"]))),
                     benchlib.mib(int(str(r["peak"]))),
+                    benchlib.mib(growth),
+                    f"{benchlib.mib(int(str(r['late_growth'])))} ({r['samples']} samples)",
                 ]
             )
             procs.check_alive()
@@ -206,8 +237,17 @@ def main() -> None:
     )
     print(
         "- RSS: the router process, nginx's one worker; peak = max(VmHWM after a reset, "
-        "VmRSS sampled every 20 ms)"
+        "VmRSS sampled every 20 ms); growth = peak - RSS before; 2nd half = the highest RSS "
+        "sampled in the second half of the transfer - the highest in the first half"
     )
+    print(
+        f"- order: downloads, then uploads; each round alternates which proxy goes first; "
+        f"{args.rounds} round(s); MB/s = 10^6 bytes/s, medians over the rounds"
+    )
+    print()
+    print("### Goals (router ÷ nginx, same run)")
+    print()
+    print(summary(results, args.size_mib))
     print()
     headers = [
         "proxy",
@@ -218,35 +258,47 @@ def main() -> None:
         "backend CPU",
         "RSS before",
         "peak RSS",
+        "growth",
+        "2nd half",
     ]
     print(benchlib.table(headers, rows))
-    print()
-    print(summary(results))
     sys.stdout.flush()
 
 
-def summary(results: list[tuple[str, str, dict[str, object]]]) -> str:
-    """Per direction: median MB/s of each proxy, the ratio, the worst peak RSS, failures."""
+def summary(results: list[tuple[str, str, dict[str, object]]], size_mib: int) -> str:
+    """Per direction: the median MB/s of each proxy and the ratio against the goal, then whether
+    the router stayed in constant memory (every run: growth and second-half growth bounded)."""
     lines = []
     for direction in ("download", "upload"):
-        figures: dict[str, tuple[float, int, int, int]] = {}
+        figures: dict[str, tuple[float, int, int, int, int]] = {}
         for name in ("nginx", "router"):
             runs = [r for n, d, r in results if n == name and d == direction]
             good = [float(str(r["mbps"])) for r in runs if r["ok"]]
             growth = max(int(str(r["peak"])) - int(str(r["before"])) for r in runs)
+            late = max(int(str(r["late_growth"])) for r in runs)
             mbps = statistics.median(good) if good else 0.0
-            figures[name] = (mbps, growth, len(runs) - len(good), len(runs))
-        (n_mbps, n_growth, n_fail, n_runs), (r_mbps, r_growth, r_fail, r_runs) = (
-            figures["nginx"],
-            figures["router"],
-        )
+            figures[name] = (mbps, growth, late, len(runs) - len(good), len(runs))
+        n_mbps, n_growth, _, n_fail, n_runs = figures["nginx"]
+        r_mbps, r_growth, r_late, r_fail, r_runs = figures["router"]
+        what = f"{size_mib} MiB {direction}"
+        if r_fail or n_fail:
+            failed = [f"router {r_fail} of {r_runs}"] if r_fail else []
+            failed += [f"nginx {n_fail} of {n_runs}"] if n_fail else []
+            verdict = f"not judged: FAILED transfers ({', '.join(failed)})"
+        else:
+            verdict = "**met**" if r_mbps >= GOAL_MBPS * n_mbps else "**NOT met**"
         ratio = f"{r_mbps / n_mbps:.2f}x" if n_mbps else "-"
         lines.append(
-            f"- {direction}: router **{r_mbps:.0f} MB/s**, nginx {n_mbps:.0f} MB/s "
-            f"(router/nginx {ratio}, medians); peak RSS growth router "
-            f"{benchlib.mib(r_growth)}, nginx worker {benchlib.mib(n_growth)}"
-            + (f"; router FAILED {r_fail} of {r_runs}" if r_fail else "")
-            + (f"; nginx FAILED {n_fail} of {n_runs}" if n_fail else "")
+            f"- {what}: router **{r_mbps:.0f} MB/s**, nginx {n_mbps:.0f} MB/s, router/nginx "
+            f"**{ratio}** (goal ≥ {GOAL_MBPS}x): {verdict}"
+        )
+        bounded = r_growth <= RSS_GROWTH_BOUND_MIB * 1024 and r_late <= RSS_LATE_GROWTH_MIB * 1024
+        lines.append(
+            f"- {what}, constant memory: router peak RSS growth {benchlib.mib(r_growth)} "
+            f"(≤ {RSS_GROWTH_BOUND_MIB} MiB), second half over first half "
+            f"{benchlib.mib(r_late)} (≤ {RSS_LATE_GROWTH_MIB} MiB): "
+            f"{'**met**' if bounded else '**NOT met**'} (worst of {r_runs} run(s); nginx's "
+            f"worker grew {benchlib.mib(n_growth)})"
         )
     return "\n".join(lines)
 

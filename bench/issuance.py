@@ -455,6 +455,8 @@ def child_router(argv: list[str]) -> None:
     ``time.time()``): this process only, lchat's files are untouched."""
     import functools
 
+    # The router's reactor first: nothing imported below may install twistd's default.
+    benchlib.install_router_reactor()
     from acme import client as acme_client
 
     from lchat import tls

@@ -161,6 +161,8 @@ def child_router(argv: list[str]) -> None:
     ``PEER_DIAL_RETRY`` in this process only (lchat's files are not touched)."""
     from twisted.scripts.twistd import run
 
+    # The router's reactor first: nothing imported below may install twistd's default.
+    benchlib.install_router_reactor()
     retry = os.environ.get(PATCH_ENV)
     if retry is not None:
         from lchat.proxy import upstream

@@ -1,10 +1,19 @@
 """Small-response throughput and latency: wrk -> nginx -> backend against wrk -> router -> backend.
 
 One run, one session, the two proxies measured alternately (A/B, B/A, ...) against the same backend
-on the same unix socket, so that drift of the machine hits both alike. Prints every round, the
-medians, and the ratios router/nginx against the goal (throughput >= 0.8x, p99 <= 1.5x).
+on the same unix socket, so that drift of the machine hits both alike. Variants:
+
+- plain: HTTP/1.1 keep-alive, bench/backend.py. Goals: req/s >= 0.8x nginx's, p99 <= 1.5x.
+- ``--tls``: the same over TLS, connections kept alive (one handshake per connection per run);
+  both proxies serve bench.localhost's ``lchat dev-cert`` certificate, chosen by SNI. Goal: CPU
+  per request <= 1.5x nginx's.
+- ``--space``: the reference space's ``GET /api/version`` as the backend. Goal: req/s >= 0.9x.
+
+Prints every round, the medians, and per variant µs CPU/req, req/s, p50 and p99 of both with the
+ratios router/nginx (of the medians, and round by round) and whether each goal is met.
 
     .venv/bin/python bench/proxy_vs_nginx.py [--rounds 3] [--duration 10] [--connections 50]
+        [--tls] [--space] [--no-plain]
 
 Everything is on 127.0.0.1 and unix sockets in a temp dir; every process started is stopped at the
 end. nginx and wrk are installed with apt-get if missing (Debian).
@@ -25,7 +34,18 @@ import benchlib
 from benchlib import HOST, log
 
 # wrk's summary as one JSON line: exact percentiles (microseconds) instead of parsing its text.
+# wrk sends the URL's host as the TLS SNI name, and bench.localhost does not resolve here (no
+# /etc/hosts entry, and it is not ours to edit): every name is looked up as 127.0.0.1 instead, so
+# that an https://bench.localhost:PORT/ URL connects to loopback with SNI bench.localhost.
 WRK_LUA = """\
+wrk.resolve = function(host, service)
+  local addrs = wrk.lookup("127.0.0.1", service)
+  for i = #addrs, 1, -1 do
+    if not wrk.connect(addrs[i]) then table.remove(addrs, i) end
+  end
+  wrk.addrs = addrs
+end
+
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -36,15 +56,56 @@ done = function(summary, latency, requests)
 end
 """
 
-GOAL_THROUGHPUT = 0.8  # router req/s >= 0.8 x nginx's
-GOAL_P99 = 1.5  # router p99 <= 1.5 x nginx's
+
+@dataclass(frozen=True)
+class Goal:
+    """A bound on router/nginx for one figure (a ratio of the medians of the same run)."""
+
+    key: str  # a key of measure()'s result
+    bound: float
+    at_least: bool  # the ratio must be >= bound (else <=)
+
+    def text(self) -> str:
+        return f"{FIGURES[self.key]} {'≥' if self.at_least else '≤'} {self.bound:g}x nginx's"
+
+    def met(self, ratio: float) -> bool:
+        return ratio >= self.bound if self.at_least else ratio <= self.bound
+
+
+# The figures every variant reports, in this order: name in the tables, how to print one.
+FIGURES = {"us_per_req": "µs CPU/req", "rps": "req/s", "p50": "p50", "p99": "p99"}
+
+# Issue 15's goals, against nginx in the same run.
+GOALS = {
+    "plain": (Goal("rps", 0.8, at_least=True), Goal("p99", 1.5, at_least=False)),
+    "tls": (Goal("us_per_req", 1.5, at_least=False),),
+    "space": (Goal("rps", 0.9, at_least=True),),
+}
+BUSY = 15.0  # % of a core used by others during a run, above which a verdict gets a warning
 
 # CPU placement with --pin on 2 cores: the proxy alone on one, wrk and the backend on the other.
 PIN_PROXY, PIN_REST = "1", "0"
 
 
+@dataclass(frozen=True)
+class Target:
+    """One proxy as wrk sees it in a variant."""
+
+    port: int
+    pids: list[int]  # whose CPU is the proxy's
+    tls: bool = False
+
+    def url(self, host: str, path: str) -> str:
+        # Over TLS the URL's host is what wrk sends as SNI (the Lua script resolves it locally).
+        return (
+            f"https://{host}:{self.port}{path}"
+            if self.tls
+            else f"http://127.0.0.1:{self.port}{path}"
+        )
+
+
 def run_wrk(
-    port: int,
+    target: Target,
     path: str,
     host: str,
     seconds: float,
@@ -53,7 +114,7 @@ def run_wrk(
     cpus: str | None,
 ) -> dict[str, float]:
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s"]
-    argv += ["-H", f"Host: {host}", "-s", str(script), f"http://127.0.0.1:{port}{path}"]
+    argv += ["-H", f"Host: {host}", "-s", str(script), target.url(host, path)]
     if cpus is not None:
         argv = ["taskset", "-c", cpus, *argv]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
@@ -76,8 +137,7 @@ class Backend:
 
 def measure(
     name: str,
-    port: int,
-    pids: list[int],
+    target: Target,
     backend: Backend,
     args: argparse.Namespace,
     path: str,
@@ -86,6 +146,7 @@ def measure(
     seconds: float,
 ) -> dict[str, float]:
     """One wrk run, plus the CPU the proxy and the backend used and how often the proxy dialled."""
+    pids = target.pids
     dials0 = counters(backend)
     proxy0, backend0, own0, busy0, t0 = (
         benchlib.cpu_seconds(pids),
@@ -94,12 +155,15 @@ def measure(
         benchlib.busy_cpu_seconds(),
         time.monotonic(),
     )
-    result = run_wrk(port, path, host, seconds, args.connections, script, args.wrk_cpus)
+    result = run_wrk(target, path, host, seconds, args.connections, script, args.wrk_cpus)
     elapsed = time.monotonic() - t0
     proxy = benchlib.cpu_seconds(pids) - proxy0
     back = benchlib.cpu_seconds(backend.pids) - backend0
     own = benchlib.own_cpu_seconds() - own0  # wrk's and ours
     result["proxy_cpu"] = proxy / elapsed * 100
+    # The primary figure: what one request costs the proxy (robust on a shared machine). Per
+    # run, so that the median is the median of what each run measured.
+    result["us_per_req"] = proxy / result["requests"] * 1e6 if result["requests"] else 0.0
     result["backend_cpu"] = back / elapsed * 100
     # Whatever else ran on the machine meanwhile (other people's tests): it skews the figures.
     busy = benchlib.busy_cpu_seconds() - busy0
@@ -109,7 +173,7 @@ def measure(
     log(
         f"{name:6} {result['rps']:9.0f} req/s  p50 {ms(result['p50'])}  p99 {ms(result['p99'])}"
         f"  errors {int(result['errors'])}  proxy CPU {result['proxy_cpu']:.0f}%"
-        f"  other CPU {result['other_cpu']:.0f}%"
+        f"  {result['us_per_req']:.1f} µs/req  other CPU {result['other_cpu']:.0f}%"
     )
     return result
 
@@ -125,25 +189,28 @@ def ms(us: float) -> str:
 
 
 def compare(
+    variant: str,
     label: str,
     path: str,
     host: str,
-    targets: dict[str, tuple[int, list[int]]],
+    targets: dict[str, Target],
     backend: Backend,
     args: argparse.Namespace,
     script: Path,
-) -> str:
-    """Warm up, then alternate nginx and router for ``args.rounds`` rounds; markdown out."""
+) -> tuple[str, list[str]]:
+    """Warm up, then alternate nginx and router for ``args.rounds`` rounds.
+
+    Returns the variant's markdown section and one verdict line per goal of ``GOALS[variant]``.
+    """
     log(f"{label}: warm-up {args.warmup}s each")
-    for name, (port, pids) in targets.items():
-        measure(name, port, pids, backend, args, path, host, script, args.warmup)
+    for name, target in targets.items():
+        measure(name, target, backend, args, path, host, script, args.warmup)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
     rows = []
     for round_no in range(1, args.rounds + 1):
         order = list(targets) if round_no % 2 else list(reversed(targets))
         for name in order:
-            port, pids = targets[name]
-            r = measure(name, port, pids, backend, args, path, host, script, args.duration)
+            r = measure(name, targets[name], backend, args, path, host, script, args.duration)
             results[name].append(r)
             rows.append(row(str(round_no), name, r))
             time.sleep(1)  # let the previous run's connections close
@@ -164,19 +231,59 @@ def compare(
         "other CPU",
     ]
     text = [f"### {label}", "", benchlib.table(headers, rows), ""]
-    if "nginx" in medians and "router" in medians:
-        n, r = medians["nginx"], medians["router"]
-        tput, p99 = r["rps"] / n["rps"], r["p99"] / n["p99"]
-        ok_t, ok_p = tput >= GOAL_THROUGHPUT, p99 <= GOAL_P99
-        text += [
-            f"- throughput router/nginx: **{tput:.2f}x** (goal ≥ {GOAL_THROUGHPUT}x: "
-            f"{'met' if ok_t else 'NOT met'})",
-            f"- p99 router/nginx: **{p99:.2f}x** (goal ≤ {GOAL_P99}x: "
-            f"{'met' if ok_p else 'NOT met'})",
-            f"- p50 router/nginx: {r['p50'] / n['p50']:.2f}x",
-            "",
-        ]
-    return "\n".join(text)
+    n_runs, r_runs = results["nginx"], results["router"]
+    n, r = medians["nginx"], medians["router"]
+    goals = {g.key: g for g in GOALS[variant]}
+    errors = int(sum(x["errors"] for x in n_runs + r_runs))
+    other = max(x["other_cpu"] for x in n_runs + r_runs)
+    verdicts = []
+    ratio_rows = []
+    for key, what in FIGURES.items():
+        ratio = r[key] / n[key] if n[key] else float("nan")
+        per_round = ", ".join(
+            f"{b[key] / a[key]:.2f}" if a[key] else "-" for a, b in zip(n_runs, r_runs, strict=True)
+        )
+        goal = goals.get(key)
+        verdict = "-"
+        if goal is not None:
+            if errors:
+                state = f"not judged: {errors} errors"
+            else:
+                state = "**met**" if goal.met(ratio) else "**NOT met**"
+                if other > BUSY:
+                    state += f" (others used up to {other:.0f}% of a core meanwhile)"
+            verdict = f"{goal.text()}: {state}"
+            verdicts.append(
+                f"- {VARIANT_NAMES[variant]}: {what} router/nginx **{ratio:.2f}x** "
+                f"(goal {'≥' if goal.at_least else '≤'} {goal.bound:g}x): {state}"
+            )
+        ratio_rows.append(
+            [what, fmt(key, n[key]), fmt(key, r[key]), f"{ratio:.2f}x", per_round, verdict]
+        )
+    text += [
+        "Router against nginx in this run (medians of each; per round: the two runs of that round):",
+        "",
+        benchlib.table(
+            ["figure", "nginx", "router", "router/nginx", "per round", "goal"], ratio_rows
+        ),
+        "",
+    ]
+    return "\n".join(text), verdicts
+
+
+VARIANT_NAMES = {
+    "plain": "plain HTTP, keep-alive",
+    "tls": "TLS, keep-alive",
+    "space": "reference space backend",
+}
+
+
+def fmt(key: str, value: float) -> str:
+    if key in ("p50", "p99"):
+        return ms(value)
+    if key == "us_per_req":
+        return f"{value:.1f}"
+    return f"{value:.0f}"
 
 
 def row(round_no: str, name: str, r: dict[str, float]) -> list[str]:
@@ -188,7 +295,7 @@ def row(round_no: str, name: str, r: dict[str, float]) -> list[str]:
         ms(r["p99"]),
         str(int(r["errors"])),
         f"{r['proxy_cpu']:.0f}%",
-        f"{r['proxy_cpu'] / 100 / r['rps'] * 1e6:.0f}" if r["rps"] else "-",
+        f"{r['us_per_req']:.1f}" if r["requests"] else "-",
         f"{r['backend_cpu']:.0f}%",
         f"{r['dials']:.0f}" if r["dials"] >= 0 else "-",
         f"{r['other_cpu']:.0f}%",
@@ -200,7 +307,13 @@ def median(runs: list[dict[str, float]], key: str) -> float:
 
 
 def profile_router(
-    port: int, pid: int, path: str, host: str, args: argparse.Namespace, script: Path, tmp: Path
+    target: Target,
+    pid: int,
+    path: str,
+    host: str,
+    args: argparse.Namespace,
+    script: Path,
+    tmp: Path,
 ) -> str:
     """py-spy on the router while wrk loads it: the top functions, by own time and inclusive."""
     py_spy = benchlib.which("py-spy") or str(benchlib.BIN / "py-spy")
@@ -218,7 +331,7 @@ def profile_router(
         text=True,
     )
     time.sleep(0.5)
-    run_wrk(port, path, host, seconds, args.connections, script, args.wrk_cpus)
+    run_wrk(target, path, host, seconds, args.connections, script, args.wrk_cpus)
     try:
         _, err = spy.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -307,9 +420,18 @@ def main() -> None:
         help="nginx's idle upstream connections (64: more than wrk's 50, so none are re-dialled)",
     )
     parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="also measure over TLS on kept-alive connections (both proxies serving the same "
+        "lchat dev-cert certificate)",
+    )
+    parser.add_argument(
         "--space",
         action="store_true",
         help="also measure the reference space's GET /api/version as a second backend",
+    )
+    parser.add_argument(
+        "--no-plain", action="store_true", help="skip the plain HTTP variant (with --tls/--space)"
     )
     parser.add_argument(
         "--pin",
@@ -327,6 +449,8 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs)")
     args = parser.parse_args()
+    if args.no_plain and not (args.tls or args.space):
+        parser.error("--no-plain leaves nothing to measure without --tls or --space")
     args.wrk_cpus = PIN_REST if args.pin else None
     proxy_cpus = PIN_PROXY if args.pin else None
     rest_cpus = PIN_REST if args.pin else None
@@ -335,7 +459,8 @@ def main() -> None:
     benchlib.raise_nofile()
     info = benchlib.machine()
     info["router"] = benchlib.router_label(args.router_rev)
-    sections = []
+    sections, verdicts = [], []
+    tls_note = ""
     with benchlib.workspace(args.keep) as (tmp, procs):
         script = tmp / "summary.lua"
         script.write_text(WRK_LUA)
@@ -344,45 +469,86 @@ def main() -> None:
         if args.space:
             backends["space.localhost"] = benchlib.start_space(procs, tmp, rest_cpus)
             space = Backend([procs.started[-1][1].pid], None)
+        certs: Path | None = None  # with --tls: the certificates both proxies serve
+        tls_ports: tuple[int, int] | None = None  # with --tls: (nginx's, the router's)
+        if args.tls:
+            certs = benchlib.dev_certificates(tmp, list(backends), args.router_rev)
+            tls_ports = (benchlib.free_port(), benchlib.free_port())
         nginx_port, nginx = benchlib.start_nginx(
-            procs, tmp, backends, proxy_cpus, keepalive=args.nginx_keepalive
+            procs,
+            tmp,
+            backends,
+            proxy_cpus,
+            keepalive=args.nginx_keepalive,
+            tls=(tls_ports[0], certs) if tls_ports is not None and certs is not None else None,
         )
         router_port, router = benchlib.start_router(
-            procs, tmp, backends, proxy_cpus, args.router_rev
+            procs,
+            tmp,
+            backends,
+            proxy_cpus,
+            args.router_rev,
+            https_port=tls_ports[1] if tls_ports is not None else None,
         )
-        targets = {
-            "nginx": (nginx_port, benchlib.proxy_pids(nginx)),
-            "router": (router_port, benchlib.proxy_pids(router)),
+        info["reactor"] = benchlib.router_reactor(procs, "router", router.pid)
+        nginx_pids, router_pids = benchlib.proxy_pids(nginx), benchlib.proxy_pids(router)
+        plain = {
+            "nginx": Target(nginx_port, nginx_pids),
+            "router": Target(router_port, router_pids),
         }
         log(f"nginx on :{nginx_port}, router on :{router_port} (pid {router.pid}), temp {tmp}")
-        sections.append(
-            compare(
-                f"bench/backend.py, GET / ({args.connections} connections)",
+
+        def variant(
+            name: str,
+            label: str,
+            path: str,
+            host: str,
+            targets: dict[str, Target],
+            backend: Backend,
+        ) -> None:
+            section, lines = compare(name, label, path, host, targets, backend, args, script)
+            sections.append(section)
+            verdicts.extend(lines)
+
+        if not args.no_plain:
+            variant(
+                "plain",
+                f"plain HTTP, bench/backend.py, GET / ({args.connections} connections)",
                 "/",
                 HOST,
-                targets,
+                plain,
                 fast,
-                args,
-                script,
             )
-        )
+        if tls_ports is not None and certs is not None:
+            secure = {
+                "nginx": Target(tls_ports[0], nginx_pids, tls=True),
+                "router": Target(tls_ports[1], router_pids, tls=True),
+            }
+            tls_note = tls_description(certs, secure)
+            log(f"TLS: nginx on :{tls_ports[0]}, router on :{tls_ports[1]}; {tls_note}")
+            variant(
+                "tls",
+                f"TLS on kept-alive connections, bench/backend.py, GET / "
+                f"({args.connections} connections)",
+                "/",
+                HOST,
+                secure,
+                fast,
+            )
         if args.space:
-            sections.append(
-                compare(
-                    f"reference space, GET /api/version ({args.connections} connections)",
-                    "/api/version",
-                    "space.localhost",
-                    targets,
-                    space,
-                    args,
-                    script,
-                )
+            variant(
+                "space",
+                f"reference space, GET /api/version ({args.connections} connections)",
+                "/api/version",
+                "space.localhost",
+                plain,
+                space,
             )
         if args.profile:
             log("profiling the router with py-spy")
             sections.append(
                 "### router profile (bench/backend.py, GET /)\n\n"
-                + profile_router(router_port, router.pid, "/", HOST, args, script, tmp)
+                + profile_router(plain["router"], router.pid, "/", HOST, args, script, tmp)
             )
         procs.check_alive()
 
@@ -404,9 +570,38 @@ def main() -> None:
         "upstream dials = connections the backend accepted during the run; other CPU = "
         "CPU used by processes outside the benchmark during the run (should be ~0%)"
     )
+    print(
+        "- µs CPU/req = CPU time of the proxy's processes during the run (nginx: master and "
+        "worker; the router's process) ÷ requests completed: the primary figure"
+    )
+    if tls_note:
+        print(f"- TLS: {tls_note}")
+    print()
+    print("### Goals (router ÷ nginx, medians of the same run)")
+    print()
+    print("\n".join(verdicts))
     print()
     print("\n".join(sections))
     sys.stdout.flush()
+
+
+def tls_description(certs: Path, targets: dict[str, Target]) -> str:
+    """How the TLS variant is set up, and what each proxy negotiated with a verifying client."""
+    negotiated = []
+    for name, target in targets.items():
+        probe = benchlib.tls_probe(target.port, HOST, certs / benchlib.DEV_CA)
+        if probe is None:
+            raise RuntimeError(f"{name} does not answer over TLS with {HOST}'s certificate")
+        status, version, cipher = probe
+        negotiated.append(f"{name} {version} {cipher} (HTTP {status})")
+    return (
+        f"both serve `{certs.name}/{HOST}.pem` from `lchat dev-cert` (ECDSA P-256, verified "
+        f"against its dev CA), chosen by SNI; TLS 1.2 and 1.3 offered, no session resumption "
+        "(nginx `ssl_session_cache off`, `ssl_session_tickets off`), HTTP/1.1; wrk connects to "
+        f"`https://{HOST}:PORT/` (SNI {HOST}, no ALPN) and keeps its connections, so each run "
+        "makes one handshake per connection (plus one per error); negotiated: "
+        + "; ".join(negotiated)
+    )
 
 
 if __name__ == "__main__":

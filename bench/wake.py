@@ -1016,6 +1016,8 @@ def main() -> None:
 def child_router(argv: list[str]) -> None:
     """``twistd`` with ``RunningChild.wait_ready``'s interval replaced (the router process only;
     lchat's files are untouched): what the wake would cost with a finer readiness poll."""
+    # The router's reactor first: nothing imported below may install twistd's default.
+    benchlib.install_router_reactor()
     from lchat import supervise
 
     interval = float(argv[0])

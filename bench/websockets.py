@@ -8,6 +8,9 @@ worker. RSS per connection = (RSS with all open - RSS before) / connections open
 
 A proxy that answers the upgrade with anything but 101 is reported as such and skipped.
 
+Goal (issue 15): the router's RSS per connection at most nginx's (``GOAL_RSS_RATIO``), both
+measured in the same run, every WebSocket open and echoing.
+
     .venv/bin/python bench/websockets.py [--connections 1000] [--router-rev REV]
 
 (Named after what it measures; run it as a script, never import it as ``websockets``.)
@@ -29,6 +32,8 @@ from dataclasses import dataclass, field
 import benchlib
 from backend import WS_GUID, encode_frame
 from benchlib import HOST, log
+
+GOAL_RSS_RATIO = 1.0  # router RSS per connection <= nginx's worker's
 
 
 class HandshakeRefused(Exception):
@@ -188,7 +193,7 @@ async def measure(
     }
 
 
-def pct(values: list[float], q: float) -> str:
+def pct(values: list[float], q: int) -> str:
     if not values:
         return "-"
     if len(values) == 1:
@@ -218,15 +223,50 @@ def report_row(name: str, r: dict[str, object], connections: int) -> list[str]:
     ]
 
 
-async def run_all(targets: dict[str, tuple[int, int]], args: argparse.Namespace) -> list[list[str]]:
-    rows = []
+def per_connection(r: dict[str, object]) -> float | None:
+    """KiB of RSS per open WebSocket: (RSS all open - RSS before) / open; None if none opened."""
+    if "refused" in r:
+        return None
+    s = r["stats"]
+    assert isinstance(s, Stats)
+    if not s.opened:
+        return None
+    return (int(str(r["open"])) - int(str(r["before"]))) / s.opened
+
+
+def goal_line(results: dict[str, dict[str, object]], connections: int) -> str:
+    """The router's RSS per connection against nginx's, and whether the goal is met."""
+    n, r = per_connection(results["nginx"]), per_connection(results["router"])
+    if n is None or r is None:
+        return "- RSS per connection: not judged (a proxy opened no WebSocket)"
+    ratio = r / n if n > 0 else float("inf")
+    failures = []
+    for name, result in results.items():
+        s = result["stats"]
+        assert isinstance(s, Stats)
+        if s.opened < connections or s.close_errors:
+            failures.append(f"{name} {s.opened}/{connections} open, {s.close_errors} broken")
+    if failures:
+        verdict = f"not judged: {'; '.join(failures)}"
+    else:
+        verdict = "**met**" if ratio <= GOAL_RSS_RATIO else "**NOT met**"
+    return (
+        f"- {connections} WebSockets, RSS per connection: router **{r:.1f} KiB**, nginx's worker "
+        f"{n:.1f} KiB, router/nginx **{ratio:.2f}x** (goal ≤ {GOAL_RSS_RATIO:g}x): {verdict}"
+    )
+
+
+async def run_all(
+    targets: dict[str, tuple[int, int]], args: argparse.Namespace
+) -> dict[str, dict[str, object]]:
+    results = {}
     for name, (port, rss_pid) in targets.items():
         log(f"{name}: {args.connections} WebSockets")
         r = await measure(name, port, rss_pid, args)
         if "refused" in r:
             log(f"{name}: {r['refused']}")
-        rows.append(report_row(name, r, args.connections))
-    return rows
+        results[name] = r
+    return results
 
 
 def main() -> None:
@@ -253,12 +293,14 @@ def main() -> None:
         router_port, router = benchlib.start_router(
             procs, tmp, {HOST: backend}, rev=args.router_rev
         )
+        info["reactor"] = benchlib.router_reactor(procs, "router", router.pid)
         targets = {
             "nginx": (nginx_port, benchlib.nginx_worker(nginx)),
             "router": (router_port, router.pid),
         }
-        rows = asyncio.run(run_all(targets, args))
+        results = asyncio.run(run_all(targets, args))
         procs.check_alive()
+    rows = [report_row(name, r, args.connections) for name, r in results.items()]
 
     print()
     print("## websockets")
@@ -269,7 +311,14 @@ def main() -> None:
         f"{args.messages} x {args.size}-byte text messages each, {args.open_concurrency} "
         "handshakes at a time, all held open while RSS is read"
     )
-    print("- RSS: the router process, nginx's one worker")
+    print(
+        "- RSS: the router process, nginx's one worker, read from /proc in the same run (nginx "
+        "first, then the router); per connection = (RSS all open - RSS before) / open"
+    )
+    print()
+    print("### Goal (router ÷ nginx, same run)")
+    print()
+    print(goal_line(results, args.connections))
     print()
     headers = [
         "proxy",

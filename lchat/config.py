@@ -116,8 +116,19 @@ class ProxyConfig:
     # At shutdown, how long requests in flight may take before their connections are aborted
     # (longer than the activator's wait for a sleeping space's requests, Budgets.requests).
     drain_grace: float = 15.0
+    # How long a TLS handshake for a host with no certificate yet waits while ACME issues one
+    # (on-demand issuance on): its first visitor gets a valid certificate. 0: never wait.
+    first_contact_wait: float = 10.0
     max_header_bytes: int = 65536  # request line + headers; over it -> 431
     max_headers: int = 100  # header count; over it -> 431
+    # An upgraded (101) tunnel that carried no byte either way for this long is closed, both
+    # sides (a WebSocket that pings every minute or so is never idle this long).
+    tunnel_idle_timeout: float = 600.0
+    # The most request body bytes one request may carry: a larger Content-Length is answered 413
+    # before anything is sent upstream; a chunked body that grows past it is cut off (413 when its
+    # response has not started, else the connection is aborted), and a space never receives more
+    # than this. 0 = no limit (as nginx's client_max_body_size 0).
+    max_body: int = 100 * 1024 * 1024
     access_log: bool = False  # one structured log line per request
 
 
@@ -229,6 +240,9 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_SEND_TIMEOUT": "60s",
     "LCHAT_MAX_HEADER_BYTES": "65536",
     "LCHAT_MAX_HEADERS": "100",
+    "LCHAT_TUNNEL_IDLE_TIMEOUT": "10m",
+    "LCHAT_MAX_BODY": "100MiB",
+    "LCHAT_TLS_FIRST_CONTACT_WAIT": "10s",
     "LCHAT_ACCESS_LOG": "off",
 }
 
@@ -380,6 +394,36 @@ def parse_duration(name: str, text: str) -> float:
     return sum(float(n) * units[u] for n, u in parts)
 
 
+# Binary multiples, as nginx reads ``1k``/``1m``/``1g``; "KB"/"MB" are refused as ambiguous.
+_SIZE_UNITS = {
+    "": 1,
+    "k": 1 << 10,
+    "K": 1 << 10,
+    "KiB": 1 << 10,
+    "m": 1 << 20,
+    "M": 1 << 20,
+    "MiB": 1 << 20,
+    "g": 1 << 30,
+    "G": 1 << 30,
+    "GiB": 1 << 30,
+}
+_MAX_SIZE = (1 << 63) - 1  # what a 64-bit length can hold
+
+
+def parse_size(name: str, text: str) -> int:
+    """Parse a byte count: ``1048576``, ``512k``, ``100MiB``, ``2G`` (k/K/KiB, m/M/MiB, g/G/GiB:
+    binary multiples) into bytes."""
+    match = re.fullmatch(r"([0-9]+)([A-Za-z]*)", text)
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise ConfigError(
+            f"{name}={text!r} is not a size in bytes (examples: 1048576, 512k, 100MiB, 2G)"
+        )
+    size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if size > _MAX_SIZE:
+        raise ConfigError(f"{name}={text!r} is too large")
+    return size
+
+
 def parse_address(name: str, text: str) -> str | None:
     """``:443``, ``127.0.0.1:8080``, ``[::1]:8080`` or a Twisted endpoint string; ``off`` disables."""
     if text in ("", "off", "none"):
@@ -510,6 +554,11 @@ def _proxy(get: _Getter) -> ProxyConfig:
         send_timeout=positive("LCHAT_SEND_TIMEOUT"),
         max_header_bytes=count("LCHAT_MAX_HEADER_BYTES", 1024, 1 << 20),
         max_headers=count("LCHAT_MAX_HEADERS", 8, 10000),
+        tunnel_idle_timeout=positive("LCHAT_TUNNEL_IDLE_TIMEOUT"),
+        max_body=parse_size("LCHAT_MAX_BODY", get("LCHAT_MAX_BODY")),
+        first_contact_wait=parse_duration(
+            "LCHAT_TLS_FIRST_CONTACT_WAIT", get("LCHAT_TLS_FIRST_CONTACT_WAIT")
+        ),
         access_log=_switch("LCHAT_ACCESS_LOG", get("LCHAT_ACCESS_LOG")),
     )
 

@@ -23,8 +23,12 @@ MAX_SOCKET_PATH = 100
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
-# What may appear in a Host header at all before we look closer (RFC 3986 reg-name + IP literals).
-_HOST_HEADER_CHARS = re.compile(r"^[A-Za-z0-9.\-_:\[\]%~!$&'()*+,;=\x80-\U0010ffff]+$")
+# What may appear in a Host header at all before we look closer (RFC 3986 reg-name + IP literals):
+# printable ASCII only. A byte >= 0x80 is never decoded, case-folded or IDNA-mapped here: read as
+# Latin-1, "\xaa" is "ª", which NFKC/UTS-46 map to "a", and "\xad" (a soft hyphen) vanishes, so
+# "ch\xaat.example.com" would reach chat.example.com. An internationalised name travels as its
+# A-label (xn--...), as every HTTP client sends it. Used with fullmatch (a "$" would let "\n" end it).
+_HOST_HEADER_CHARS = re.compile(r"[A-Za-z0-9.\-_:\[\]%~!$&'()*+,;=]+")
 
 
 class InvalidHost(ValueError):
@@ -78,18 +82,27 @@ def normalise(raw: str) -> str:
 def parse_host_header(value: str) -> str:
     """Parse an HTTP ``Host`` header into the name to look up in the registry.
 
-    A syntactically broken header raises :class:`InvalidHost` (the caller answers 400). A well-formed
-    header that is simply not a space name (an IP literal, ``localhost``) is returned lowercased, so
-    the lookup misses and the caller answers 404 like any unknown host.
+    A syntactically broken header raises :class:`InvalidHost` (the caller answers 400), and so does
+    any character outside printable ASCII (a control character, or anything >= 0x80 however the
+    caller decoded the bytes): only an A-label (``xn--...``) names an internationalised host here,
+    so no header can fold onto a registered name (:func:`normalise` alone still takes U-labels,
+    for names an operator types). A well-formed header that is simply not a space name (an IP
+    literal, ``localhost``) is returned lowercased, so the lookup misses and the caller answers 404
+    like any unknown host.
     """
-    if value == "" or len(value) > 2 * MAX_NAME or not _HOST_HEADER_CHARS.match(value):
+    if (
+        value == ""
+        or len(value) > 2 * MAX_NAME
+        or not value.isascii()
+        or not _HOST_HEADER_CHARS.fullmatch(value)
+    ):
         raise InvalidHost("malformed Host header")
     try:
         return normalise(value)
     except InvalidHost:
         pass
     name = _strip_port(value).rstrip(".").lower()
-    if _is_ip_literal(name) or _LABEL.match(name):
+    if _is_ip_literal(name) or _LABEL.fullmatch(name):
         return name
     raise InvalidHost("malformed Host header")
 

@@ -20,7 +20,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, objstore, tls
+from lchat import config, objstore, tls, uvloop_reactor
 from lchat.acme.cache import CacheSync, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
@@ -33,13 +33,13 @@ from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener
-from lchat.mesh import forward
 from lchat.mesh.api import mesh_site
 from lchat.mesh.membership import Membership
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
 from lchat.proxy.downstream import ProxyFactory
-from lchat.proxy.upstream import UpstreamPool
+from lchat.proxy.serve import FrontListener, FrontPort
+from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, Route, RouteSource
 from lchat.router import Router
@@ -117,6 +117,11 @@ class Options(usage.Options):
         print(f"lchat {lchat.__version__}")
         raise SystemExit(0)
 
+    def postOptions(self) -> None:
+        # Before makeService imports the reactor: with no --reactor, twistd would install its
+        # default (epoll) the moment anything imports it. The data plane needs uvloop's.
+        uvloop_reactor.ensure()
+
 
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
@@ -160,7 +165,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     pool = UpstreamPool(
         reactor,
         dial_retry=cfg.proxy.dial_retry,
-        trust_root=forward.trust_root(cfg.mesh.ca_file) if cfg.mesh is not None else None,
+        tls_context=client_tls_context(cfg.mesh.ca_file) if cfg.mesh is not None else None,
+        loop=uvloop_reactor.loop_of(reactor),
     )
     hibernation = None
     if cfg.hibernate is not None:
@@ -184,9 +190,9 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     return top
 
 
-def listening_ports(service: IService) -> list[IListeningPort]:
+def listening_ports(service: IService) -> list[IListeningPort | FrontPort]:
     """Every port the service tree listens on now (tests and diagnostics)."""
-    if isinstance(service, Listener):
+    if isinstance(service, Listener | FrontListener):
         return [service.port] if service.port is not None else []
     if isinstance(service, MultiService):
         return [port for child in service for port in listening_ports(child)]
@@ -380,11 +386,19 @@ def _front_door(
     )
     factories: list[ProxyFactory] = []
     door = _FrontDoor(pool, factories, cfg.proxy.drain_grace)
+    loop = uvloop_reactor.loop_of(reactor)
     if cfg.https_addr is not None:
         assert certs.store is not None
         secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True)
         factories.append(secure)
-        _listen(door, tls.https_endpoint(reactor, cfg.https_addr, certs.store), secure)
+        FrontListener(
+            loop,
+            cfg.https_addr,
+            secure,
+            certs.store,
+            first_contact_wait=cfg.proxy.first_contact_wait,
+            handshake_timeout=cfg.proxy.header_timeout,
+        ).setServiceParent(door)
     if cfg.http_addr is not None:
         if cfg.https_addr is not None and cfg.http_redirect:
             port = _public_port(cfg.https_addr)
@@ -397,7 +411,7 @@ def _front_door(
         else:
             proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
             factories.append(proxy)
-            _listen(door, serverFromString(reactor, cfg.http_addr), proxy)
+            FrontListener(loop, cfg.http_addr, proxy).setServiceParent(door)
     door.setServiceParent(top)
 
 

@@ -14,21 +14,34 @@ The most specific wins: host, then wildcard, then default. Every other file (ACM
 a file of its own. File names are only ever built by :func:`cert_path` and :func:`wildcard_cert_path`.
 
 The directory is rescanned every few seconds; a file whose (inode, size, mtime, mode) changed is
-re-read in a thread and becomes a *new* OpenSSL context, so a context a connection already uses is
-never mutated. A changed file that is refused keeps the certificate loaded from it before (until it
+re-read in a thread and becomes *new* contexts, so a context a connection already uses is never
+mutated. A changed file that is refused keeps the certificate loaded from it before (until it
 expires); a loaded certificate that expires stops being served.
+
+Each certificate gets two contexts built from the very bytes that were checked: a pyOpenSSL one
+(Twisted's TLS listener, :func:`https_endpoint`) and a stdlib :class:`ssl.SSLContext` (the asyncio
+front door, :mod:`lchat.proxy.tls_accept`, whose listener context is
+:attr:`CertStore.server_ssl_context`). Both pick host, wildcard, default the same way
+(:meth:`CertStore.context_for_server_name`), both speak TLS 1.2+ and ALPN ``http/1.1`` only.
+
+On-demand issuance: when the ACME issuer listens on the store's :class:`CertificateWanted` cue, a
+known host without a certificate is *held* (:meth:`CertStore.holds_for`): the front door waits
+(:meth:`CertStore.wait_for`) until a rescan brings its certificate, so its first visitor gets a
+valid one rather than the default.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import ssl
 import stat
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from attrs import field, frozen
+from attrs import define, field, frozen
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
@@ -39,6 +52,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import (
     IAddress,
+    IDelayedCall,
     IHandshakeListener,
     IListeningPort,
     IProtocol,
@@ -181,7 +195,8 @@ class Loaded:
     fingerprint: Fingerprint
     not_after: float  # unix time
     serial: int
-    context: SSL.Context = field(eq=False, repr=False)
+    context: SSL.Context = field(eq=False, repr=False)  # pyOpenSSL: Twisted's TLS listener
+    ssl_context: ssl.SSLContext = field(eq=False, repr=False)  # stdlib: the asyncio front door
     not_before: float | None = None  # unix time
     issuer: str = ""  # the issuing CA's common name
     origin: str = ""  # the ACME directory that issued it (its marker line), "" = placed by hand
@@ -266,6 +281,12 @@ def _build(
         raise _Refuse(f"unsupported private key type {type(key).__name__}") from None
     except (SSL.Error, ValueError) as e:
         raise _Refuse(f"OpenSSL will not use it: {e}") from None
+    try:
+        ssl_context = _stdlib_context(keys[0], certs)
+    except ssl.SSLError as e:
+        raise _Refuse(f"OpenSSL will not use it: {e}") from None
+    except OSError as e:
+        raise _Refuse(f"cannot hand it to OpenSSL: {e.strerror or e}") from None
     names = leaf.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
     issuer = str(names[0].value) if names else leaf.issuer.rfc4514_string()
     return Loaded(
@@ -276,6 +297,7 @@ def _build(
         not_after,
         leaf.serial_number,
         context,
+        ssl_context,
         not_before=leaf.not_valid_before_utc.timestamp(),
         issuer=issuer,
         origin=origin_of(data),
@@ -339,6 +361,40 @@ def _strict_alpn(context: SSL.Context) -> None:
         return ALPN if ALPN in offered else SSL.NO_OVERLAPPING_PROTOCOLS
 
     context.set_alpn_select_callback(select)
+
+
+def server_context() -> ssl.SSLContext:
+    """A stdlib server context with the front door's protocol settings and no certificate: TLS 1.2
+    or later, ALPN ``http/1.1`` only, no renegotiation.
+
+    Set on the listener's context as well as on every per-name one: after the SNI switch OpenSSL
+    keeps the protocol floor and options of the context the connection started on, and takes the
+    ALPN choice from the new one. The stdlib's ALPN choice is already strict: a client offering no
+    ``http/1.1`` gets no ALPN at all (``SSL_TLSEXT_ERR_NOACK``) and the handshake carries on, as
+    :func:`_strict_alpn` makes pyOpenSSL do.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION  # a client-started renegotiation costs us, not it
+    context.set_alpn_protocols([ALPN.decode("ascii")])
+    return context
+
+
+def _stdlib_context(key: bytes, chain: list[bytes]) -> ssl.SSLContext:
+    # The stdlib loads keys and certificates from paths only. The bytes that passed the checks go
+    # through an anonymous memory file, never through the original path again (it may have been
+    # replaced, or chmod-ed, since it was read).
+    context = server_context()
+    fd = os.memfd_create("lchat-certificate", os.MFD_CLOEXEC)
+    try:
+        # The chain, leaf first, then the key; a block may lack its final newline (the last one).
+        data = memoryview(b"".join(pem.rstrip(b"\r\n") + b"\n" for pem in [*chain, key]))
+        while data:
+            data = data[os.write(fd, data) :]
+        context.load_cert_chain(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    return context
 
 
 def _fingerprint(st: os.stat_result) -> Fingerprint:
@@ -422,23 +478,77 @@ def known_hosts(routes: RouteSource, also: Iterable[str] = ()) -> IsKnown:
 class CertificateWanted:
     """The cue from the certificate store to whoever obtains certificates (the ACME issuer, which
     connects itself when it is built): a handshake for a known host found no certificate for it.
-    Called inside OpenSSL's SNI callback, so the listener must not block or raise."""
+    Called inside OpenSSL's SNI callback (or by the front door while it holds a handshake), so
+    the listener must not block or raise.
+
+    The listener may answer ``False`` to say it will not obtain one (policy, a back-off after
+    failures): the front door then holds nothing for that host. Any other answer (``None``
+    included) means a certificate may be on its way.
+    """
 
     def __init__(self) -> None:
-        self._listener: Callable[[str], None] | None = None
+        self._listener: Callable[[str], bool | None] | None = None
 
     @property
     def connected(self) -> bool:
         return self._listener is not None
 
-    def connect(self, listener: Callable[[str], None]) -> None:
+    def connect(self, listener: Callable[[str], bool | None]) -> None:
         if self._listener is not None:
             raise RuntimeError("a certificate cue has one listener")
         self._listener = listener
 
-    def __call__(self, host: str) -> None:
-        if self._listener is not None:
-            self._listener(host)
+    def __call__(self, host: str) -> bool:
+        """Cue the listener; False if there is none or it declined."""
+        if self._listener is None:
+            return False
+        return self._listener(host) is not False
+
+
+@define
+class HandshakeNotes:
+    """What the stdlib TLS layer saw of one server handshake, for telling a failure's kind.
+
+    The front door puts a fresh one in :data:`handshake_notes` (a context variable) before handing
+    an accepted socket to TLS; uvloop runs the connection's callbacks, and so the SNI callback and
+    every ``do_handshake``, in a copy of that context, where they note what they see.
+    """
+
+    server_name: str = ""  # the SNI name as the client sent it ("" for none)
+    steps: int = 0  # do_handshake calls: the first comes with the connection, before any byte
+    sni: bool = False  # the SNI callback ran (a whole ClientHello arrived and was accepted)
+    certificate: bool = False  # ... and found a certificate to serve
+    peeked: bool = False  # the front door already saw bytes from the peer (it peeked them)
+
+    @property
+    def received(self) -> bool:
+        """The peer sent at least one byte: a connection that sent none is a TCP probe (or a
+        client that gave up), not a failed handshake."""
+        return self.peeked or self.steps > 1
+
+
+handshake_notes: ContextVar[HandshakeNotes | None] = ContextVar(
+    "lchat_tls_handshake_notes", default=None
+)
+
+
+class _NotedSSLObject(ssl.SSLObject):
+    """The listener context's ``sslobject_class`` (the stdlib's hook for it): counts handshake
+    steps into the connection's :class:`HandshakeNotes`. uvloop (as asyncio's own SSL protocol)
+    calls ``do_handshake`` once when the connection is made, then once per chunk received."""
+
+    def do_handshake(self) -> None:
+        notes = handshake_notes.get()
+        if notes is not None:
+            notes.steps += 1
+        super().do_handshake()
+
+
+@define(eq=False)
+class _Waiter:
+    host: str
+    deferred: Deferred[bool]
+    timer: IDelayedCall | None = None
 
 
 class CertStore(Service):
@@ -464,9 +574,10 @@ class CertStore(Service):
         self._interval = interval
         self._clock = reactor.seconds  # unix time: certificates expire by it
         self._files: dict[str, _FileState] = {}
-        self._hosts: dict[str, SSL.Context] = {}
-        self._wildcards: dict[str, SSL.Context] = {}
-        self._default: SSL.Context | None = None
+        self._hosts: dict[str, Loaded] = {}
+        self._wildcards: dict[str, Loaded] = {}
+        self._default: Loaded | None = None
+        self._waiters: dict[str, list[_Waiter]] = {}  # host -> wait_for()s not yet fired
         self._scanned = False
         self._running: Deferred[None] | None = None
         self._waiting: list[Deferred[None]] = []
@@ -488,6 +599,10 @@ class CertStore(Service):
         )
         self._dispatch = self._options.getContext()
         _strict_alpn(self._dispatch)
+        # The same for the stdlib (the asyncio front door): no certificate of its own either.
+        self._ssl_dispatch = server_context()
+        self._ssl_dispatch.sni_callback = self._ssl_server_name
+        self._ssl_dispatch.sslobject_class = _NotedSSLObject
 
     # -- what the listener uses
 
@@ -496,16 +611,26 @@ class CertStore(Service):
         """The server connection creator to wrap a listener with (see :func:`https_endpoint`)."""
         return self._options
 
+    @property
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """The stdlib context to serve TLS with (the asyncio front door): it holds no certificate
+        and switches each connection, in its SNI callback, to the one
+        :meth:`context_for_server_name` would pick. Handshakes through it note what they saw in
+        :data:`handshake_notes`, when the caller set one."""
+        return self._ssl_dispatch
+
     def context_for_server_name(self, server_name: bytes | None) -> SSL.Context | None:
         """The most specific context for an SNI name: host (if registered), wildcard, default."""
-        host = _sni_host(server_name)
+        loaded = self._select(server_name)
+        return loaded.context if loaded is not None else None
+
+    def _select(self, server_name: bytes | None) -> Loaded | None:
+        # Shared by both TLS stacks: they serve the same certificate and give the same cues.
+        host = sni_host(server_name)
         if host is not None:
-            context = self._hosts.get(host)
-            if context is not None and self._is_known(host):
-                return context
-            context = self._wildcards.get(host.partition(".")[2])
-            if context is not None:
-                return context
+            loaded = self._certificate_for(host)
+            if loaded is not None:
+                return loaded
             if self._wanted is not None and self._wanted.connected and self._is_known(host):
                 self._wanted(host)
             elif (
@@ -519,9 +644,92 @@ class CertStore(Service):
                 )
         return self._default
 
+    def _certificate_for(self, host: str) -> Loaded | None:
+        """The host's own certificate (if registered), else its wildcard's; never the default."""
+        loaded = self._hosts.get(host)
+        if loaded is not None and self._is_known(host):
+            return loaded
+        return self._wildcards.get(host.partition(".")[2])
+
+    def _ssl_server_name(
+        self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext
+    ) -> None:
+        # The stdlib's SNI callback (on the event loop, inside the handshake): a few dict lookups.
+        # It must not raise (OpenSSL would abort the handshake with an internal_error alert).
+        try:
+            # The stdlib hands the name over as the A-label decoded as latin-1: undo that.
+            name = server_name.encode("latin-1") if server_name is not None else None
+            loaded = self._select(name)
+            notes = handshake_notes.get()
+            if notes is not None:
+                notes.server_name = server_name or ""
+                notes.sni = True
+                notes.certificate = loaded is not None
+            if loaded is not None:
+                connection.context = loaded.ssl_context
+        except Exception:
+            _log.failure("tls: choosing a certificate for {name!r} failed", name=server_name)
+
     def is_dispatch_context(self, context: SSL.Context | None) -> bool:
         """True for the listener's own context: a connection still on it got no certificate."""
         return context is self._dispatch
+
+    # -- on-demand issuance: the front door holds a first handshake while its certificate comes
+
+    @property
+    def on_demand(self) -> bool:
+        """Something obtains certificates on demand (the ACME issuer listens on the cue): only
+        then may a handshake be worth holding, and the front door reads its SNI name first."""
+        return self._wanted is not None and self._wanted.connected
+
+    @property
+    def has_default(self) -> bool:
+        """A default certificate is served to names nothing else matches."""
+        return self._default is not None
+
+    def holds_for(self, host: str) -> bool:
+        """``host`` (normalised) is eligible for on-demand issuance right now: something obtains
+        certificates on demand, the host is known, and neither its own certificate nor a
+        wildcard covers it. A handshake for any other name is never held."""
+        return self.on_demand and self._is_known(host) and self._certificate_for(host) is None
+
+    def want(self, host: str) -> bool:
+        """Cue the issuer for ``host`` (as the SNI callback does); False if nothing listens or it
+        declined (then waiting for a certificate is pointless)."""
+        return self._wanted is not None and self._wanted(host)
+
+    def wait_for(self, host: str, timeout: float) -> Deferred[bool]:
+        """Fires True as soon as a certificate of its own or a wildcard serves ``host``
+        (normalised; at once if one already does), False after ``timeout`` seconds on the
+        store's clock. Cancelling it forgets the wait. Waiting cues nobody: see :meth:`want`."""
+        if self._certificate_for(host) is not None:
+            return succeed(True)
+        d: Deferred[bool] = Deferred(canceller=lambda _: self._forget(waiter))
+        waiter = _Waiter(host, d)
+        waiter.timer = self._reactor.callLater(timeout, self._timed_out, waiter)
+        self._waiters.setdefault(host, []).append(waiter)
+        return d
+
+    def _timed_out(self, waiter: _Waiter) -> None:
+        self._forget(waiter)
+        waiter.deferred.callback(False)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        waiters = self._waiters.get(waiter.host, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiters[waiter.host]
+        if waiter.timer is not None and waiter.timer.active():
+            waiter.timer.cancel()
+
+    def _release_waiters(self) -> None:
+        ready = [host for host in self._waiters if self._certificate_for(host) is not None]
+        for host in ready:
+            for waiter in self._waiters.pop(host):
+                if waiter.timer is not None and waiter.timer.active():
+                    waiter.timer.cancel()
+                waiter.deferred.callback(True)
 
     # -- what operators and tests look at
 
@@ -669,10 +877,10 @@ class CertStore(Service):
 
     def _rebuild(self) -> None:
         # Whole new dicts, swapped in: the SNI callback never sees a half-applied scan.
-        by_kind: dict[Kind, dict[str, SSL.Context]] = {k: {} for k in KINDS}
+        by_kind: dict[Kind, dict[str, Loaded]] = {k: {} for k in KINDS}
         for state in self._files.values():
             if state.serving is not None:
-                by_kind[state.serving.kind][state.serving.name] = state.serving.context
+                by_kind[state.serving.kind][state.serving.name] = state.serving
         self._hosts = by_kind["host"]
         self._wildcards = by_kind["wildcard"]
         self._default = by_kind["default"].get("default")
@@ -686,6 +894,7 @@ class CertStore(Service):
             _expiry.labels(label).set(loaded.not_after)
         self._published = set(serving)
         _refused.set(sum(1 for s in self._files.values() if s.refusal))
+        self._release_waiters()  # last: what they run sees this scan whole
 
     # -- handshake failures
 
@@ -725,7 +934,9 @@ class CertStore(Service):
         return succeed(None) if self._running is not None else self.rescan()
 
 
-def _sni_host(server_name: bytes | None) -> str | None:
+def sni_host(server_name: bytes | None) -> str | None:
+    """An SNI name as the registry spells hosts (normalised), or None for no name or one that is
+    not a valid host name (no host can have it)."""
     if not server_name:
         return None
     try:
@@ -868,3 +1079,26 @@ def _classify(error: BaseException | None, detail: str, no_certificate: bool) ->
     if no_certificate:
         return "no_certificate"
     return "protocol"
+
+
+def classify_ssl_failure(error: BaseException, notes: HandshakeNotes) -> tuple[str, str]:
+    """A failed stdlib handshake (what uvloop raised) as ``(kind, detail)``: the same small set of
+    labels as :func:`_classify`, and the reason for the log."""
+    if not isinstance(error, ssl.SSLError):
+        # EOF or a reset mid-handshake, or the handshake timeout (ConnectionAbortedError).
+        detail = str(error) or "the peer closed the connection"
+        return "closed", detail
+    detail = _SSL_C_LINE.sub("", str(error))  # "[SSL: HTTP_REQUEST] http request"
+    text = detail.lower()
+    if "unsupported protocol" in text or "version too low" in text:
+        return "version", detail
+    if "http request" in text:
+        return "plain_http", detail
+    if "alert" in text:
+        return "peer_alert", detail  # the client refused us, usually our certificate
+    if notes.sni and not notes.certificate:
+        return "no_certificate", detail
+    return "protocol", detail
+
+
+_SSL_C_LINE = re.compile(r"\s*\(_ssl\.c:\d+\)$")

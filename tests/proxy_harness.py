@@ -516,11 +516,16 @@ def main(argv: Sequence[str]) -> None:
     """``python -m tests.proxy_harness DIR``: serve the proxy on 127.0.0.1 with a recording backend
     (answering on head) for ``chat.example.com``; print ``{"port": N}``; record each backend
     connection's bytes in ``DIR/conn-*.bin`` and every logged error in ``DIR/errors.log``."""
+    from lchat import uvloop_reactor
+
+    uvloop_reactor.install()  # as the router runs
+
     from twisted.internet import reactor as _reactor
-    from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
+    from twisted.internet.endpoints import UNIXServerEndpoint
     from twisted.logger import ILogObserver, globalLogBeginner
 
     from lchat.proxy.downstream import ProxyFactory
+    from lchat.proxy.serve import listen
 
     reactor: Any = _reactor
     directory = argv[0]
@@ -542,14 +547,13 @@ def main(argv: Sequence[str]) -> None:
     def started(port: Any) -> None:
         print(json.dumps({"port": port.getHost().port}), flush=True)
 
-    def listen(_: Any) -> Deferred[Any]:
-        d: Deferred[Any] = serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(factory)
-        return d.addCallback(started)
+    def serve(_: Any) -> Deferred[Any]:
+        return listen(factory).addCallback(started)
 
     router = FuzzRouter(Router(route_table([(KNOWN, sock)])))
     factory = ProxyFactory(reactor, router, FUZZ_CONFIG)
     router.factory = factory
-    UNIXServerEndpoint(reactor, sock).listen(backend).addCallback(listen)
+    UNIXServerEndpoint(reactor, sock).listen(backend).addCallback(serve)
     reactor.run()
 
 

@@ -684,6 +684,8 @@ class FrontDoor(Base):
         self.assertEqual(cfg.proxy.upstream_timeout, 300.0)
         self.assertEqual(cfg.proxy.send_timeout, 60.0)
         self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (65536, 100))
+        self.assertEqual(cfg.proxy.tunnel_idle_timeout, 600.0)
+        self.assertEqual(cfg.proxy.max_body, 100 * 1024 * 1024)
         self.assertFalse(cfg.proxy.access_log)
         self.assertTrue(cfg.http_redirect)
         self.assertIsNone(cfg.metrics_addr)
@@ -698,6 +700,8 @@ class FrontDoor(Base):
                 "LCHAT_SEND_TIMEOUT": "2m",
                 "LCHAT_MAX_HEADER_BYTES": "8192",
                 "LCHAT_MAX_HEADERS": "50",
+                "LCHAT_TUNNEL_IDLE_TIMEOUT": "90s",
+                "LCHAT_MAX_BODY": "8MiB",
                 "LCHAT_ACCESS_LOG": "on",
                 "LCHAT_HTTP_REDIRECT": "off",
                 "LCHAT_METRICS_ADDR": "127.0.0.1:9100",
@@ -708,6 +712,8 @@ class FrontDoor(Base):
         self.assertEqual(cfg.proxy.upstream_timeout, 3600.0)
         self.assertEqual(cfg.proxy.send_timeout, 120.0)
         self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (8192, 50))
+        self.assertEqual(cfg.proxy.tunnel_idle_timeout, 90.0)
+        self.assertEqual(cfg.proxy.max_body, 8 * 1024 * 1024)
         self.assertTrue(cfg.proxy.access_log)
         self.assertFalse(cfg.http_redirect)
         self.assertEqual(cfg.metrics_addr, "tcp:9100:interface=127.0.0.1")
@@ -723,11 +729,48 @@ class FrontDoor(Base):
             ("LCHAT_MAX_HEADER_BYTES", "10"),
             ("LCHAT_MAX_HEADER_BYTES", "lots"),
             ("LCHAT_MAX_HEADERS", "100000"),
+            ("LCHAT_TUNNEL_IDLE_TIMEOUT", "0s"),
+            ("LCHAT_TUNNEL_IDLE_TIMEOUT", "600"),
+            ("LCHAT_MAX_BODY", "lots"),
+            ("LCHAT_MAX_BODY", "-1"),
+            ("LCHAT_MAX_BODY", "100MB"),
+            ("LCHAT_MAX_BODY", "1.5M"),
+            ("LCHAT_MAX_BODY", "100 MiB"),
+            ("LCHAT_MAX_BODY", "99999999999G"),
             ("LCHAT_ACCESS_LOG", "yes"),
             ("LCHAT_HTTP_REDIRECT", "maybe"),
             ("LCHAT_METRICS_ADDR", ":99999"),
         ):
             self.refuses(name, {name: value})
+
+    def test_max_body_sizes(self) -> None:
+        """Plain bytes or binary multiples, as nginx's client_max_body_size; 0 = no limit."""
+        for text, size in (
+            ("0", 0),
+            ("1048576", 1 << 20),
+            ("512k", 512 << 10),
+            ("512K", 512 << 10),
+            ("512KiB", 512 << 10),
+            ("100m", 100 << 20),
+            ("100M", 100 << 20),
+            ("100MiB", 100 << 20),
+            ("2g", 2 << 30),
+            ("2G", 2 << 30),
+            ("2GiB", 2 << 30),
+        ):
+            self.assertEqual(self.load({"LCHAT_MAX_BODY": text}).proxy.max_body, size, text)
+
+    def test_new_front_door_variables_are_known(self) -> None:
+        cfg = self.load({"LCHAT_TUNNEL_IDLE_TIMEOUT": "10m", "LCHAT_MAX_BODY": "100MiB"})
+        self.assertEqual(cfg.warnings, ())
+
+
+class Sizes(unittest.TestCase):
+    def test_refusals_name_the_variable(self) -> None:
+        for text in ("", "k", "1KB", "1 k", "0x10", "1e6", "\u0661\u0660", "-5", "5.0"):
+            with self.assertRaises(ConfigError, msg=text) as e:
+                config.parse_size("LCHAT_X", text)
+            self.assertIn("LCHAT_X", str(e.exception))
 
 
 class Bucket(Base):

@@ -350,7 +350,34 @@ class ParseHostHeader(unittest.TestCase):
         self.assertEqual(hosts.parse_host_header("chat.example.com"), "chat.example.com")
         self.assertEqual(hosts.parse_host_header("Chat.Example.com:443"), "chat.example.com")
         self.assertEqual(hosts.parse_host_header("chat.example.com."), "chat.example.com")
-        self.assertEqual(hosts.parse_host_header("bücher.example"), "xn--bcher-kva.example")
+        self.assertEqual(hosts.parse_host_header("xn--bcher-kva.example"), "xn--bcher-kva.example")
+        self.assertEqual(hosts.parse_host_header("XN--BCHER-KVA.example"), "xn--bcher-kva.example")
+
+    def test_only_printable_ascii(self) -> None:
+        """Nothing outside printable ASCII is decoded, folded or IDNA-mapped onto a name: read as
+        Latin-1 (as the proxy reads header bytes) "\xaa" is "ª", which NFKC maps to "a", and a soft
+        hyphen vanishes; each of these reached chat.example.com. An IDN travels as its A-label."""
+        for bad in (
+            "ch\xaat.example.com",  # ª -> a
+            "\xaa.test",
+            "chat\xad.example.com",  # soft hyphen: mapped to nothing
+            "cha\u1d57.example.com",  # modifier letter small t -> t
+            "\u212a.example.com",  # Kelvin sign -> k
+            "chat\uff0eexample.com",  # fullwidth full stop -> "."
+            "chat.example.com\xff",
+            "bücher.example",  # a U-label: the client must send xn--bcher-kva.example
+            "b\xc3\xbccher.example",  # the same in UTF-8 bytes read as Latin-1
+            "chat.example.com\x85",  # NEL
+            "chat.example.com\xa0",  # no-break space
+            "a\x01.test",
+            "a\x1f.test",
+            "a\x7f.test",
+            "localhost\n",  # "$" in a regex matches before a final newline
+            "chat.example.com\n",
+            "chat.example.com\r",
+            "\tchat.example.com",
+        ):
+            self.assertRaises(InvalidHost, hosts.parse_host_header, bad)
 
     def test_non_space_names_pass_through_lowercased(self) -> None:
         self.assertEqual(hosts.parse_host_header("127.0.0.1:8080"), "127.0.0.1")
@@ -385,6 +412,19 @@ class ParseHostHeader(unittest.TestCase):
             "x" * 600,
         ):
             self.assertRaises(InvalidHost, hosts.parse_host_header, bad)
+
+    @PROPERTY
+    @given(
+        st.sampled_from(["chat.example.com", "a.test", "localhost:8080", "127.0.0.1", "[::1]"]),
+        st.integers(min_value=0, max_value=20),
+        st.characters().filter(lambda c: not 0x21 <= ord(c) <= 0x7E),
+    )
+    def test_one_character_outside_printable_ascii_is_refused(
+        self, name: str, at: int, extra: str
+    ) -> None:
+        """Wherever it is, whatever it would fold to, the header is refused."""
+        value = name[:at] + extra + name[at:]
+        self.assertRaises(InvalidHost, hosts.parse_host_header, value)
 
     @PROPERTY
     @given(arbitrary_text)

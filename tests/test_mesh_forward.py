@@ -28,6 +28,7 @@ from lchat.config import ProxyConfig
 from lchat.mesh import forward
 from lchat.proxy.downstream import REPLAY_LIMIT, ProxyFactory
 from lchat.proxy.http import REFUSED, Header
+from lchat.proxy.serve import listen_now
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
 
 _tcp: Any = reactor  # listenTCP's stub wants a ServerFactory; ours are plain Factories
@@ -138,7 +139,7 @@ class RerouteTests(TestCase):
     def _proxy(self, peer_port: int) -> tuple[int, _ToPeer]:
         router = _ToPeer(peer_port)
         factory = ProxyFactory(reactor, router, ProxyConfig())
-        port = _tcp.listenTCP(0, factory, interface="127.0.0.1")
+        port = listen_now(factory)
         self.addCleanup(port.stopListening)
         self.addCleanup(factory.pool.close)
         return port.getHost().port, router
@@ -330,7 +331,9 @@ class DrainRerouteTests(TestCase):
     def _proxy(self, router: Any) -> int:
         factory = ProxyFactory(reactor, router, ProxyConfig())
         self.addCleanup(factory.pool.close)
-        return self._listen(factory)
+        port = listen_now(factory)
+        self.addCleanup(port.stopListening)
+        return int(port.getHost().port)
 
     @inlineCallbacks
     def _post(self, port: int, body: bytes, pool: HTTPConnectionPool | None = None) -> Any:

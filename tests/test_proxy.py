@@ -54,6 +54,8 @@ from zope.interface import implementer
 from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
+from lchat.proxy.serve import listen
+from lchat.proxy.upstream import client_tls_context
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
 from lchat.threads import thread_runner
 from tests.test_tls import TestCA
@@ -283,7 +285,7 @@ class ProxyTestCase(TestCase):
     @inlineCallbacks
     def proxy(self, **cfg: Any):
         self.factory = ProxyFactory(reactor, self.router, ProxyConfig(**cfg), secure=self.secure)
-        endpoint = serverFromString(reactor, "tcp:0:interface=127.0.0.1")
+        store = None
         if self.secure:
             self.ca = TestCA()
             certs = os.path.join(self.dir, "certs")
@@ -293,8 +295,7 @@ class ProxyTestCase(TestCase):
                 reactor, certs, {HOST}.__contains__, run_in_thread=thread_runner(reactor)
             )
             store.load_initial()
-            endpoint = tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store)
-        port = yield endpoint.listen(self.factory)
+        port = yield listen(self.factory, store=store)
         self.addCleanup(port.stopListening)
         self.addCleanup(self.factory.close)
         self.addCleanup(self.proxy_side_closed)
@@ -918,7 +919,10 @@ class PeerTests(ProxyTestCase):
         endpoint = wrapServerTLS(options, serverFromString(reactor, "tcp:0:interface=127.0.0.1"))
         port = yield endpoint.listen(Site(Echo()))
         self.addCleanup(port.stopListening)
-        trust = Certificate.loadPEM(ca_cert.public_bytes(serialization.Encoding.PEM))
+        trust = client_tls_context()
+        trust.load_verify_locations(
+            cadata=ca_cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
+        )
         return port.getHost().port, trust
 
     @inlineCallbacks
@@ -928,7 +932,7 @@ class PeerTests(ProxyTestCase):
             HOST, "127.0.0.1", peer_port, HOST, add_headers=((b"X-Lchat-Mesh-Forwarded", b"mac"),)
         )
         yield self.proxy()
-        self.factory.pool._trust_root = trust
+        self.factory.pool._tls_context = trust
         client = yield self.connect()
         client.transport.write(b"GET /peer HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
         yield self.until(lambda: len(self.responses(client.received)) == 1)
@@ -943,7 +947,7 @@ class PeerTests(ProxyTestCase):
         peer_port, trust = yield self.peer("other.example.com")
         self.router.targets[HOST] = RemotePeer(HOST, "127.0.0.1", peer_port, HOST)
         yield self.proxy()
-        self.factory.pool._trust_root = trust
+        self.factory.pool._tls_context = trust
         client = yield self.connect()
         client.transport.write(b"GET /peer HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
         yield self.until(lambda: len(self.responses(client.received)) == 1)

@@ -81,10 +81,8 @@ class RouterTests(TestCase):
         self.addCleanup(service.stopService)
         ports: list[Any] = listening_ports(service)
         tcp = [p for p in ports if hasattr(p.getHost(), "port")]
-        self.tls_port = next(
-            (p.getHost().port for p in tcp if hasattr(p.factory, "wrappedFactory")), None
-        )
-        self.port = next(p.getHost().port for p in tcp if not hasattr(p.factory, "wrappedFactory"))
+        self.tls_port = next((p.getHost().port for p in tcp if getattr(p, "secure", False)), None)
+        self.port = next(p.getHost().port for p in tcp if not getattr(p, "secure", False))
         self.cfg = cfg
         self.routes = next(s for s in service if isinstance(s, RouteSource))
         return service

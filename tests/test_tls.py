@@ -1,11 +1,15 @@
 """The certificate store, SNI selection and the TLS listener, with real handshakes on 127.0.0.1.
 
+:class:`FrontDoorCases` is what any TLS front door must do; :class:`SNITests` runs it on Twisted's
+listener, ``tests.test_tls_accept`` on the asyncio one.
+
 A test CA is made here with ``cryptography``; clients are Python's ``ssl`` (in a thread, so any
 certificate can be inspected) and Twisted's own verifying client.
 """
 
 from __future__ import annotations
 
+import _ssl  # the ENCODING_DER constant of its Certificate objects (public from 3.13)
 import contextlib
 import datetime
 import io
@@ -14,7 +18,7 @@ import socket
 import ssl
 import stat
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
 from cryptography import x509
@@ -22,8 +26,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from prometheus_client import REGISTRY
+from twisted.internet import defer, task, threads
 from twisted.internet import reactor as _reactor
-from twisted.internet import task, threads
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, wrapClientTLS
 from twisted.internet.protocol import Protocol
@@ -230,7 +234,20 @@ def captured_logs(case: SynchronousTestCase) -> list[str]:
 # --- the listener -------------------------------------------------------------------------------
 
 
-class SNITests(TestCase):
+if TYPE_CHECKING:
+    _Case = TestCase
+else:
+    _Case = object
+
+
+class FrontDoorCases(_Case):
+    """What a TLS front door does with the store's certificates, with real handshakes: run against
+    Twisted's TLS listener (:class:`SNITests`) and the asyncio one (``tests.test_tls_accept``).
+
+    A subclass says how to listen (:meth:`serve`, answering each HTTP request head with
+    ``hello over tls``) and how to wait until every server connection has closed (:meth:`drain`).
+    """
+
     def setUp(self) -> None:
         self.dir = os.path.abspath(self.mktemp())
         os.makedirs(self.dir)
@@ -256,23 +273,14 @@ class SNITests(TestCase):
         store.load_initial()
         return store
 
-    @inlineCallbacks
-    def serve(self, store: tls.CertStore) -> Any:
-        """Listen with a trivial Site; cleanup waits until every server connection has closed."""
-        wrapper = WrappingFactory(Site(HelloResource()))
-        port = yield tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store).listen(wrapper)
-        self.addCleanup(self.drain, wrapper)
-        self.addCleanup(port.stopListening)
-        self.wrapper = wrapper
-        return port.getHost().port
+    if TYPE_CHECKING:  # provided by the subclass (after this class in its bases)
 
-    @inlineCallbacks
-    def drain(self, wrapper: WrappingFactory) -> Any:
-        for _ in range(500):
-            if not wrapper.protocols:
-                return
-            yield task.deferLater(reactor, 0.01, lambda: None)
-        self.fail(f"server connections still open: {wrapper.protocols}")
+        def serve(self, store: tls.CertStore, **kw: Any) -> Deferred[int]:
+            """Listen on 127.0.0.1 with ``store``'s certificates; fires with the port. Cleanup
+            stops listening, then drains."""
+
+        def drain(self) -> Deferred[None]:
+            """Fires once every server connection has closed (fails the test after ~5 s)."""
 
     def hello(self, port: int, name: str | None, **kw: Any) -> Deferred[Hello]:
         return threads.deferToThread(handshake, port, name, **kw)
@@ -329,7 +337,7 @@ class SNITests(TestCase):
         before = sample("lchat_tls_handshake_failures_total", reason="no_certificate")
         for name in ("stranger.example.com", None):
             yield self.assertFailure(self.hello(port, name), ssl.SSLError)
-        yield self.drain(self.wrapper)  # the server notices after the client gave up
+        yield self.drain()  # the server notices after the client gave up
         self.assertEqual(store.handshake_failures, {"no_certificate": 2})
         after = sample("lchat_tls_handshake_failures_total", reason="no_certificate")
         self.assertEqual(after - before, 2)
@@ -352,7 +360,7 @@ class SNITests(TestCase):
         yield self.assertFailure(
             self.hello(port, "a.example.com", tls_version=ssl.TLSVersion.TLSv1_1), ssl.SSLError
         )
-        yield self.drain(self.wrapper)
+        yield self.drain()
         self.assertEqual(store.handshake_failures, {"version": 1})
         got = yield self.hello(port, "a.example.com", tls_version=ssl.TLSVersion.TLSv1_2)
         self.assertEqual((got.serial, got.version), (self.serial["a"], "TLSv1.2"))
@@ -367,7 +375,7 @@ class SNITests(TestCase):
         yield threads.deferToThread(send_and_close, port, b"")  # a TCP probe: not a byte
         got = yield self.hello(port, "a.example.com")
         self.assertEqual(got.serial, self.serial["a"])
-        yield self.drain(self.wrapper)
+        yield self.drain()
         self.assertEqual(store.handshake_failures, {})
 
         yield threads.deferToThread(send_and_close, port, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -378,7 +386,7 @@ class SNITests(TestCase):
         )
         hello = client_hello("b.example.com")
         yield threads.deferToThread(send_and_close, port, hello[: len(hello) // 2])
-        yield self.drain(self.wrapper)
+        yield self.drain()
         self.assertEqual(store.handshake_failures, {"plain_http": 1, "peer_alert": 1, "closed": 1})
         refused = [line for line in self.logs if "(peer_alert)" in line]
         self.assertEqual(len(refused), 1, self.logs)
@@ -466,6 +474,27 @@ class SNITests(TestCase):
         got = yield self.hello(port, "b.example.com")
         self.assertEqual(got.serial, self.serial["default"])
         self.assertNotIn("b.example.com", store.certificates())
+
+
+class SNITests(FrontDoorCases, TestCase):
+    """Twisted's TLS listener (:func:`tls.https_endpoint`) with a trivial Site."""
+
+    @inlineCallbacks
+    def serve(self, store: tls.CertStore, **kw: Any) -> Any:
+        wrapper = WrappingFactory(Site(HelloResource()))
+        port = yield tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store).listen(wrapper)
+        self.addCleanup(self.drain)
+        self.addCleanup(port.stopListening)
+        self.wrapper = wrapper
+        return port.getHost().port
+
+    @inlineCallbacks
+    def drain(self) -> Any:
+        for _ in range(500):
+            if not self.wrapper.protocols:
+                return
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        self.fail(f"server connections still open: {self.wrapper.protocols}")
 
 
 # --- the store without sockets -------------------------------------------------------------------
@@ -684,6 +713,160 @@ class StoreTests(SynchronousTestCase):
         self.assertIsNone(lookup(b"a.b.example.com"))
         self.assertIsNone(lookup(b"\xff\xfe.example.com"))
         self.assertIsNone(lookup(None))
+
+
+class OnDemandStoreTests(SynchronousTestCase):
+    """What the front door asks the store while it holds a first handshake: is this host worth
+    holding (:meth:`CertStore.holds_for`), cue the issuer (:meth:`CertStore.want`), tell me when
+    its certificate is in (:meth:`CertStore.wait_for`). On a fake clock, scans inline."""
+
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.ca = TestCA()
+        self.clock = task.Clock()
+        self.clock.advance(NOW.timestamp())
+        self.known = {"a.example.com", "new.example.com", "x.wild.example.com"}
+        self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.wanted = tls.CertificateWanted()
+        self.store = tls.CertStore(
+            self.clock,
+            self.dir,
+            self.known.__contains__,
+            run_in_thread=synchronous,
+            wanted=self.wanted,
+        )
+        self.store.load_initial()
+
+    def test_holds_only_known_hosts_without_any_certificate_while_an_issuer_listens(self) -> None:
+        store = self.store
+        self.assertFalse(store.on_demand)
+        self.assertFalse(store.holds_for("new.example.com"))  # nobody would issue it
+        asked: list[str] = []
+        self.wanted.connect(asked.append)
+        self.assertTrue(store.on_demand)
+        self.assertTrue(store.holds_for("new.example.com"))
+        self.assertTrue(store.holds_for("x.wild.example.com"))
+        self.assertFalse(store.holds_for("a.example.com"))  # has its own
+        self.assertFalse(store.holds_for("unknown.example.com"))  # not in the registry
+        self.ca.write(tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com")
+        self.successResultOf(store.rescan())
+        self.assertFalse(store.holds_for("x.wild.example.com"))  # the wildcard serves it
+        self.assertEqual(asked, [])  # asking is want()'s job
+        self.assertTrue(store.want("new.example.com"))
+        self.assertEqual(asked, ["new.example.com"])
+
+    def test_want_reports_an_issuer_that_declines(self) -> None:
+        self.assertFalse(self.store.want("new.example.com"))  # nobody listens
+        self.wanted.connect(lambda host: host != "new.example.com")
+        self.assertFalse(self.store.want("new.example.com"))
+        self.assertTrue(self.store.want("x.wild.example.com"))
+
+    def test_wait_for_fires_when_a_rescan_brings_the_certificate(self) -> None:
+        self.assertIs(self.successResultOf(self.store.wait_for("a.example.com", 10)), True)
+        waits = [self.store.wait_for("new.example.com", 10) for _ in range(2)]
+        other = self.store.wait_for("x.wild.example.com", 10)
+        self.clock.advance(5)
+        self.successResultOf(self.store.rescan())  # nothing new
+        for d in (*waits, other):
+            self.assertNoResult(d)
+        self.ca.write(tls.cert_path(self.dir, "new.example.com"), "new.example.com")
+        self.successResultOf(self.store.rescan())
+        for d in waits:
+            self.assertIs(self.successResultOf(d), True)
+        self.assertNoResult(other)  # another host's certificate is not this one's
+        self.clock.advance(5)
+        self.assertIs(self.successResultOf(other), False)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_wait_for_a_host_a_new_wildcard_covers(self) -> None:
+        d = self.store.wait_for("x.wild.example.com", 10)
+        self.ca.write(tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com")
+        self.successResultOf(self.store.rescan())
+        self.assertIs(self.successResultOf(d), True)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_wait_for_times_out_on_the_store_clock(self) -> None:
+        d = self.store.wait_for("new.example.com", 10)
+        self.clock.advance(9.9)
+        self.assertNoResult(d)
+        self.clock.advance(0.1)
+        self.assertIs(self.successResultOf(d), False)
+        # A certificate arriving later fires nothing twice.
+        self.ca.write(tls.cert_path(self.dir, "new.example.com"), "new.example.com")
+        self.successResultOf(self.store.rescan())
+
+    def test_a_cancelled_wait_is_forgotten(self) -> None:
+        d = self.store.wait_for("new.example.com", 10)
+        d.cancel()
+        self.failureResultOf(d, defer.CancelledError)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.ca.write(tls.cert_path(self.dir, "new.example.com"), "new.example.com")
+        self.successResultOf(self.store.rescan())  # does not fire the cancelled one again
+
+
+class StdlibContextTests(SynchronousTestCase):
+    """The stdlib context each certificate gets: the checked bytes, the whole chain, the same
+    protocol settings as the listener's."""
+
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.ca = TestCA()
+
+    def test_built_from_the_checked_bytes_not_the_path(self) -> None:
+        paths: list[str] = []
+        real = ssl.SSLContext.load_cert_chain
+
+        def spy(context: ssl.SSLContext, certfile: Any, *args: Any, **kw: Any) -> None:
+            paths.append(str(certfile))
+            real(context, certfile, *args, **kw)
+
+        self.patch(ssl.SSLContext, "load_cert_chain", spy)
+        path = tls.cert_path(self.dir, "a.example.com")
+        serial = self.ca.write(path, "a.example.com")
+        loaded = tls.load_file(path, "host", "a.example.com", NOW.timestamp())
+        assert isinstance(loaded, tls.Loaded)
+        self.assertEqual(len(paths), 1)
+        self.assertRegex(paths[0], r"^/proc/self/fd/\d+$")
+        # Replaced on disk afterwards: the context still serves what was checked.
+        self.ca.write(path, "a.example.com")
+        chain = memory_handshake(loaded.ssl_context, "a.example.com", self.ca.pem)
+        self.assertEqual(chain[0].serial_number, serial)
+        self.assertEqual(chain[-1], self.ca.cert)  # the chain after the leaf is sent too
+
+    def test_a_key_that_the_stdlib_refuses_is_refused(self) -> None:
+        def refuse(*args: Any, **kw: Any) -> None:
+            raise ssl.SSLError(1, "[SSL] nope")
+
+        self.patch(ssl.SSLContext, "load_cert_chain", refuse)
+        path = tls.cert_path(self.dir, "a.example.com")
+        self.ca.write(path, "a.example.com")
+        outcome = tls.load_file(path, "host", "a.example.com", NOW.timestamp())
+        assert isinstance(outcome, tls.Refused)
+        self.assertIn("OpenSSL will not use it", outcome.why)
+
+
+def memory_handshake(server: ssl.SSLContext, name: str, ca: bytes) -> list[x509.Certificate]:
+    """One handshake between ``server`` and a verifying client in memory: the chain it sent."""
+    client_context = ssl.create_default_context(cadata=ca.decode("ascii"))
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    client = client_context.wrap_bio(c_in, c_out, server_hostname=name)
+    peer = server.wrap_bio(s_in, s_out, server_side=True)
+    done = [False, False]
+    for _ in range(10):
+        for i, (end, outgoing, other) in enumerate(((client, c_out, s_in), (peer, s_out, c_in))):
+            if not done[i]:
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    end.do_handshake()
+                    done[i] = True
+            other.write(outgoing.read())
+        if all(done):
+            break
+    assert all(done), "the in-memory handshake did not finish"
+    # Public as SSLObject.get_unverified_chain from Python 3.13; the same method underneath.
+    chain = client._sslobj.get_unverified_chain()  # type: ignore[attr-defined]
+    return [x509.load_der_x509_certificate(c.public_bytes(_ssl.ENCODING_DER)) for c in chain]
 
 
 # --- lchat dev-cert -------------------------------------------------------------------------------

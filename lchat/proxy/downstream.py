@@ -9,21 +9,22 @@ closed connection, never a stuck handler or a leaked upstream connection.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import struct
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import httptools
 from attrs import define, field, frozen
-from prometheus_client import Counter, Gauge
-from twisted.internet import error as ierror
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IPushProducer
-from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from lchat import hosts
 from lchat.config import ProxyConfig
@@ -43,7 +44,6 @@ from lchat.proxy.http import (
 )
 from lchat.proxy.upstream import DialFailed, UpstreamConnection, UpstreamPool
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Routes, Target, plain
-from lchat.twisted_internals import buffered_output
 
 _log = Logger(namespace="lchat.proxy")
 
@@ -53,19 +53,71 @@ _SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # RFC 9110 §9.2.1: no
 # because it is stopping, or one a kept-alive connection closed unanswered. Bigger bodies are
 # never sent twice (the peer's 503, or a 502, is the answer then).
 REPLAY_LIMIT = 64 * 1024
+# After refusing a request whose client may still be sending, how long what it sends is read and
+# dropped before the connection closes (Downstream._closing).
+LINGER = 2.0
+# Unsent output on a client connection beyond which nothing more is made for it (pause_writing);
+# it resumes at a quarter of it (asyncio's default low-water mark).
+HIGH_WATER = 64 * 1024
 
-_requests = Counter(
-    "lchat_http_requests_total",
-    "Requests answered, by host class and status",
-    ["host_class", "code"],
-)
+
+class _HotStats:
+    """The figures every request changes, kept as plain numbers and read at scrape time: a
+    Prometheus counter takes a lock per change, a few of which per request would cost more than
+    the rest of a small request's path (docs/performance.md)."""
+
+    __slots__ = ("bytes_down", "bytes_up", "connections", "in_flight", "requests", "upgraded")
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.in_flight = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.connections = 0
+        self.upgraded = 0
+
+    def count(self, host_class: str, status: int) -> None:
+        key = (host_class, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+class _HotCollector(Collector):
+    def __init__(self, stats: _HotStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats
+        requests = CounterMetricFamily(
+            "lchat_http_requests",
+            "Requests answered, by host class and status",
+            labels=["host_class", "code"],
+        )
+        for (host_class, status), count in sorted(stats.requests.items()):
+            requests.add_metric([host_class, str(status)], count)
+        yield requests
+        yield GaugeMetricFamily(
+            "lchat_http_in_flight", "Requests being served right now", value=stats.in_flight
+        )
+        relayed = CounterMetricFamily(
+            "lchat_proxy_bytes", "Body bytes relayed", labels=["direction"]
+        )
+        relayed.add_metric(["up"], stats.bytes_up)
+        relayed.add_metric(["down"], stats.bytes_down)
+        yield relayed
+        yield GaugeMetricFamily(
+            "lchat_upgraded_connections",
+            "Open upgraded (WebSocket) connections",
+            value=stats.upgraded,
+        )
+        yield GaugeMetricFamily(
+            "lchat_http_connections", "Open client connections", value=stats.connections
+        )
+
+
+STATS = _HotStats()
+REGISTRY.register(_HotCollector(STATS))
+
 _rejected = Counter("lchat_http_rejected_total", "Requests refused before routing", ["reason"])
-_in_flight = Gauge("lchat_http_in_flight", "Requests being served right now")
-_bytes = Counter("lchat_proxy_bytes_total", "Body bytes relayed", ["direction"])
-_bytes_up = _bytes.labels("up")
-_bytes_down = _bytes.labels("down")
-_upgraded = Gauge("lchat_upgraded_connections", "Open upgraded (WebSocket) connections")
-_connections = Gauge("lchat_http_connections", "Open client connections")
 _output_paused = Gauge(
     "lchat_http_output_paused_connections",
     "Client connections neither read nor answered because their unsent output is over the"
@@ -78,6 +130,10 @@ _output_pauses = Counter(
 _send_timeouts = Counter(
     "lchat_http_send_timeouts_total",
     "Client connections aborted because their unsent output did not move for LCHAT_SEND_TIMEOUT",
+)
+_tunnel_idle_closes = Counter(
+    "lchat_http_tunnel_idle_closes_total",
+    "Upgraded tunnels closed after LCHAT_TUNNEL_IDLE_TIMEOUT without a byte either way",
 )
 _pipeline_limited = Counter(
     "lchat_http_pipeline_limit_total",
@@ -119,6 +175,7 @@ class Exchange:
     target: Target | None = None
     keep_alive: bool = True  # what the client asked for
     length: int | None = None
+    body_size: int = 0  # request body bytes received so far
     chunked: bool = False
     upgrade: bool = False
     body: list[bytes] = field(factory=list)  # buffered until the upstream is ready
@@ -167,22 +224,26 @@ class Exchange:
         self.streaming = False
 
 
-@implementer(IPushProducer)
-class Downstream(Protocol):
-    """One client connection.
+class Downstream(asyncio.Protocol):
+    """One client connection (an asyncio Protocol on the reactor's uvloop loop).
 
-    It is also the streaming producer registered on its own transport, for the connection's whole
-    life: the transport pauses it when more than its high-water mark (Twisted's ``bufferSize``,
-    64 KiB) is unsent, and resumes it once everything went out. While paused nothing more is made
-    for the client: it is not read, no queued request is served, and the upstream of the response
-    (or tunnel) is not read either. The factory's sweep aborts a connection whose unsent output
-    has not moved for ``send_timeout``, paused or closing.
+    Its transport pauses it (``pause_writing``) when more than the high-water mark (64 KiB) is
+    unsent, and resumes it (``resume_writing``) once the output drained to the low-water mark.
+    While paused nothing more is made for the client: it is not read, no queued request is
+    served, and the upstream of the response (or tunnel) is not read either. The factory's sweep
+    aborts a connection whose unsent output has not moved for ``send_timeout``, paused or closing.
+
+    What one upstream read makes for the client (a response head and its body, often the whole
+    response) goes out in one write: between ``begin_batch`` and ``flush`` writes are gathered.
     """
 
     def __init__(self, factory: ProxyFactory) -> None:
         self.proxy = factory
         self.cfg = factory.cfg
+        self.transport: asyncio.Transport | None = None
         self.valve: Valve | None = None
+        self._batch: list[bytes] | None = None  # writes gathered during an upstream read
+        self._tunnel_moved = 0.0  # an upgraded tunnel's last byte, either way
         self._parser: httptools.HttpRequestParser | None = None
         self._parsing: Exchange | None = None  # the request the parser is inside
         self._active: Exchange | None = None  # the request being served
@@ -203,23 +264,42 @@ class Downstream(Protocol):
         # The send timeout: when the unsent output last moved, and how much there was then.
         self._send_moved_at = 0.0
         self._send_buffered: int | None = None
+        self._lost = False
+        self._linger_until: float | None = None  # reading and dropping after a refusal
 
     # -- connection -----------------------------------------------------------------------------
 
-    def connectionMade(self) -> None:
-        assert self.transport is not None
-        _connections.inc()
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's TLS transport has a Transport's methods without being a subclass.)
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        # The high-water mark, set explicitly: uvloop's TLS transport defaults to 512 KiB.
+        transport.set_write_buffer_limits(high=HIGH_WATER)
+        STATS.connections += 1
         self.proxy.add_connection(self)
-        self.valve = Valve(self.transport)
-        self.transport.registerProducer(self, True)  # type: ignore[attr-defined]
+        self.valve = Valve(transport)
         self._parser = httptools.HttpRequestParser(self)
-        peer = self.transport.getPeer()
-        self._client = str(getattr(peer, "host", "") or "unix")
+        peer = transport.get_extra_info("peername")
+        self._client = str(peer[0]) if isinstance(peer, tuple) and peer else "unix"
         # A fresh connection must send a request head promptly: the slowloris guard.
         self._arm(self.cfg.header_timeout, self._header_timed_out)
 
-    def connectionLost(self, reason: Failure = ierror.ConnectionDone) -> None:  # type: ignore[assignment]
-        _connections.dec()
+    @property
+    def closed(self) -> bool:
+        """The connection is gone (connection_lost ran)."""
+        return self._lost
+
+    def eof_received(self) -> bool:
+        # A client that shuts its sending side down has gone, as far as HTTP/1.1 is concerned
+        # (nginx: "client prematurely closed connection"): what it asked is cancelled.
+        if self.transport is not None:
+            self.transport.abort()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._batch = None
+        STATS.connections -= 1
         self.proxy.remove_connection(self)
         self._closed = True
         self._disarm()
@@ -232,22 +312,23 @@ class Downstream(Protocol):
                 ex.upstream = None
             self._end_observed(ex)
             if ex is self._active and not ex.response_complete:
-                _in_flight.dec()
+                STATS.in_flight -= 1
         if self._spliced:
-            _upgraded.dec()
+            STATS.upgraded -= 1
         if self._output_paused:
             self._output_paused = False
             _output_paused.dec()
         self._active = None
         self._waiting.clear()
 
-    def dataReceived(self, data: bytes) -> None:
+    def data_received(self, data: bytes) -> None:
         if self._closed:
             return
         if self._spliced:
             ex = self._active
             if ex is not None and ex.upstream is not None:
-                _bytes_up.inc(len(data))
+                STATS.bytes_up += len(data)
+                self._tunnel_moved = self.proxy.reactor.seconds()
                 ex.upstream.write(data)
             return
         if self._parser is None:
@@ -358,7 +439,10 @@ class Downstream(Protocol):
         if ex is None:
             return
         self._arm_body_timer()
-        _bytes_up.inc(len(data))
+        ex.body_size += len(data)
+        if self.cfg.max_body and ex.body_size > self.cfg.max_body:
+            raise _Reject(413, f"request body over {self.cfg.max_body} bytes (LCHAT_MAX_BODY)")
+        STATS.bytes_up += len(data)
         if ex.streaming and ex.upstream is not None:
             ex.upstream.write(chunk(data) if ex.chunked else data)
             ex.sent(data)
@@ -379,9 +463,9 @@ class Downstream(Protocol):
         if ex.streaming and ex.upstream is not None:
             if ex.chunked:
                 ex.upstream.write(LAST_CHUNK)
-            ex.upstream.transport.unregisterProducer()  # type: ignore[union-attr]
+            ex.upstream.backpressure = None
             assert self.valve is not None
-            self.valve.open(Valve.PEER_FULL)  # unregistering does not resume us
+            self.valve.open(Valve.PEER_FULL)  # the space's side being full no longer matters
             self._request_sent(ex, ex.upstream)
         elif ex.refused_by is not None and ex is self._active:
             # A draining peer refused it before its body was all here: now it is.
@@ -425,8 +509,14 @@ class Downstream(Protocol):
                     raise _Reject(417, "unsupported expectation")
             if lower in INTERNAL:
                 internal[lower] = value
-            else:
+            elif b"_" not in name:
+                # A name with an underscore is dropped, as nginx does (underscores_in_headers
+                # off): a CGI/WSGI-style server would fold it onto the dashed name.
                 kept.append((name, value))
+        if ex.chunked and ex.version == "1.0":
+            # HTTP/1.0 has no chunked coding: a server reading it as 1.0 would take the chunks
+            # for the body's bytes (RFC 9112 §6.1; nginx answers 400 too).
+            raise _Reject(400, "Transfer-Encoding in an HTTP/1.0 request")
         if len(host_values) != 1:
             raise _Reject(400, "exactly one Host header is required")
         host = self.proxy.parse_host(host_values[0])
@@ -437,6 +527,8 @@ class Downstream(Protocol):
             if not text.isdigit() or len(text) > 18:
                 raise _Reject(400, "malformed Content-Length")
             ex.length = int(text)
+            if self.cfg.max_body and ex.length > self.cfg.max_body:
+                raise _Reject(413, f"request body over {self.cfg.max_body} bytes (LCHAT_MAX_BODY)")
         tokens = connection_tokens(ex.headers)
         if b"host" in tokens:
             raise _Reject(400, "Connection may not name Host")  # it would strip Host upstream
@@ -462,7 +554,7 @@ class Downstream(Protocol):
     def _serve(self, ex: Exchange) -> None:
         assert self.valve is not None and ex.head is not None
         self._active = ex
-        _in_flight.inc()
+        STATS.in_flight += 1
         # Straight calls when the answer is at hand (the hot path); Deferreds only when it is not.
         try:
             target = self.proxy.router.route(ex.head)
@@ -562,7 +654,9 @@ class Downstream(Protocol):
         elif not ex.upgrade:
             # The client's body now flows straight through; a full upstream pauses the client.
             ex.streaming = True
-            upstream.transport.registerProducer(self.valve, True)  # type: ignore[union-attr]
+            upstream.backpressure = self
+            if upstream.write_paused:
+                self.valve.close(Valve.PEER_FULL)
         else:
             self._request_sent(ex, upstream)
         self.valve.open("routing")
@@ -606,10 +700,16 @@ class Downstream(Protocol):
         if ex is None or ex.version != "1.1":
             return  # HTTP/1.0 clients do not understand 1xx
         assert self.transport is not None
-        self.transport.write(head_bytes(status_line(status, reason), end_to_end(headers)))
+        self._send(head_bytes(status_line(status, reason), end_to_end(headers)))
 
     def response_head(
-        self, status: int, reason: bytes, headers: list[Header], length: int | None, chunked: bool
+        self,
+        status: int,
+        reason: bytes,
+        headers: list[Header],
+        length: int | None,
+        chunked: bool,
+        raw_head: bytes | None = None,
     ) -> None:
         ex = self._active
         if ex is None or self.transport is None:
@@ -620,14 +720,36 @@ class Downstream(Protocol):
         self._disarm()
         ex.status = status
         ex.response_started = True
-        out = end_to_end(headers, drop=INTERNAL)
-        if isinstance(ex.target, LocalSocket) and ex.target.response_headers:
-            out.extend(ex.target.response_headers)
-        no_body = ex.method == b"HEAD" or status in (204, 304)
         # A body the client has not finished sending cannot be skipped in step: close afterwards.
         ex.close_after = (
-            not ex.keep_alive or not self._body_done(ex) or ex.upgrade or self.proxy.draining
+            ex.close_after  # a bad request pipelined behind this one: nothing more is read
+            or not ex.keep_alive
+            or not self._body_done(ex)
+            or ex.upgrade
+            or self.proxy.draining
         )
+        target = ex.target
+        extra = target.response_headers if isinstance(target, LocalSocket) else ()
+        if raw_head is not None and not ex.close_after and ex.version == "1.1" and not extra:
+            # Nothing in it to drop or rewrite (UpstreamConnection checked): as it came.
+            self._send(raw_head)
+        else:
+            self._send(self._response_head(ex, status, reason, headers, length, extra))
+        if self._output_paused:
+            self._pause_upstream(ex)  # the client has not read what came before yet
+
+    def _response_head(
+        self,
+        ex: Exchange,
+        status: int,
+        reason: bytes,
+        headers: list[Header],
+        length: int | None,
+        extra: tuple[Header, ...],
+    ) -> bytes:
+        out = end_to_end(headers, drop=INTERNAL)
+        out.extend(extra)
+        no_body = ex.method == b"HEAD" or status in (204, 304)
         if length is not None:
             out.append((b"Content-Length", str(length).encode()))
         elif not no_body:
@@ -640,9 +762,7 @@ class Downstream(Protocol):
             out.append((b"Connection", b"close"))
         elif ex.version == "1.0":
             out.append((b"Connection", b"keep-alive"))
-        self.transport.write(head_bytes(status_line(status, reason), out))
-        if self._output_paused:
-            self._pause_upstream(ex)  # the client has not read what came before yet
+        return head_bytes(status_line(status, reason), out)
 
     def _refused_unprocessed(self, ex: Exchange, headers: list[Header]) -> bool:
         """A mesh peer's 503 marked ``X-Lchat-Refused: stopping``: it refused the request without
@@ -687,15 +807,15 @@ class Downstream(Protocol):
         if ex is None or self.transport is None or not data:
             return
         ex.bytes_out += len(data)
-        _bytes_down.inc(len(data))
-        self.transport.write(chunk(data) if ex.response_chunked else data)
+        STATS.bytes_down += len(data)
+        self._send(chunk(data) if ex.response_chunked else data)
 
     def response_complete(self) -> None:
         ex = self._active
         if ex is None or self.transport is None:
             return
         if ex.response_chunked:
-            self.transport.write(LAST_CHUNK)
+            self._send(LAST_CHUNK)
         ex.response_complete = True
         upstream, ex.upstream = ex.upstream, None
         if upstream is not None:
@@ -723,30 +843,34 @@ class Downstream(Protocol):
             kept.extend(ex.target.response_headers)
         upgrade = [v for n, v in headers if n.lower() == b"upgrade"][:1]
         kept += [(b"Connection", b"Upgrade"), *((b"Upgrade", v) for v in upgrade)]
-        self.transport.write(head_bytes(status_line(101, reason), kept))
+        self._send(head_bytes(status_line(101, reason), kept))
         if tail:
-            self.transport.write(tail)
+            self._send(tail)
         self._spliced = True
-        _upgraded.inc()
+        STATS.upgraded += 1
         upstream = ex.upstream
         upstream.request_sent = True
         if ex.upgrade_tail:
             upstream.write(ex.upgrade_tail)
             ex.upgrade_tail = b""
         # Backpressure both ways for the life of the tunnel (the client's side: see
-        # pauseProducing).
+        # pause_writing).
         assert self.valve is not None and upstream.valve is not None
         if self._output_paused:
             self._pause_upstream(ex)
-        upstream.transport.registerProducer(self.valve, True)  # type: ignore[union-attr]
+        upstream.backpressure = self
+        if upstream.write_paused:
+            self.valve.close(Valve.PEER_FULL)
+        self._tunnel_moved = self.proxy.reactor.seconds()
         self.valve.open("upgrade")
         self.valve.open("routing")
         self._log_access(ex)
 
     def upstream_data(self, data: bytes) -> None:
         if self.transport is not None:
-            _bytes_down.inc(len(data))
-            self.transport.write(data)
+            STATS.bytes_down += len(data)
+            self._tunnel_moved = self.proxy.reactor.seconds()
+            self._send(data)
 
     def upstream_failed(self, why: str, started: bool) -> None:
         ex = self._active
@@ -809,7 +933,7 @@ class Downstream(Protocol):
             host=ex.head.host if ex.head else "?",
             why=why,
         )
-        self.transport.abortConnection()  # type: ignore[attr-defined]
+        self._abort()
 
     # -- endings --------------------------------------------------------------------------------
 
@@ -823,12 +947,16 @@ class Downstream(Protocol):
             ex.upstream = None
         # Unless the request is complete we cannot find where the next one starts in step.
         ex.close_after = (
-            not ex.keep_alive or not self._body_done(ex) or ex.upgrade or self.proxy.draining
+            ex.close_after  # a bad request pipelined behind this one: nothing more is read
+            or not ex.keep_alive
+            or not self._body_done(ex)
+            or ex.upgrade
+            or self.proxy.draining
         )
         body = b"" if ex.method == b"HEAD" else response.body
         raw = simple_response(response.status, body, response.headers, close=ex.close_after)
         ex.bytes_out = len(body)
-        self.transport.write(raw)
+        self._send(raw)
         self._finish(ex)
 
     @staticmethod
@@ -857,7 +985,7 @@ class Downstream(Protocol):
             ex.upstream.abort()
             ex.upstream = None
         if ex is not None and not ex.response_started:
-            self.transport.write(simple_response(408, b"408 Request Timeout\n", close=True))
+            self._send(simple_response(408, b"408 Request Timeout\n", close=True))
         self._closing()
 
     def _finish(self, ex: Exchange) -> None:
@@ -865,7 +993,7 @@ class Downstream(Protocol):
             return
         self._active = None
         self._served += 1
-        _in_flight.dec()
+        STATS.in_flight -= 1
         self._log_access(ex)
         self._end_observed(ex)
         assert self.transport is not None and self.valve is not None
@@ -877,7 +1005,7 @@ class Downstream(Protocol):
 
     def _serve_waiting(self) -> None:
         """Serve the pipelined requests in order while the client's output has room (else
-        resumeProducing continues); once none waits, read the client again. A loop, not
+        resume_writing continues); once none waits, read the client again. A loop, not
         recursion: answers that complete at once (local ones) would nest a few stack frames per
         queued request."""
         if self._serving_queue:
@@ -917,23 +1045,70 @@ class Downstream(Protocol):
         if self._spliced or (self._active is None and self._parsing is None and self._served):
             self._closing()
 
-    def _closing(self) -> None:
-        """Close once the unsent output is out. Our producer is unregistered first: Twisted's TLS
-        layer does not even start to close while a producer is registered, and TCP, when it has
-        paused one, resumes it instead of closing. Then reading resumes, whatever paused it
-        (routing, pipelining, full output): TLS must read the client's answer to its close
-        (dataReceived drops anything else). The sweep aborts a close that does not finish
-        (output that does not move, or a TLS peer that never answers the close) within
-        ``send_timeout``."""
-        assert self.transport is not None and self.valve is not None
+    def _closing(self, linger: bool = False) -> None:
+        """Close once the unsent output is out (what a batch gathered goes first). The transport
+        stops reading (TLS still reads the client's answer to its close, inside the transport).
+        The sweep aborts a close that does not finish (output that does not move, or a TLS peer
+        that never answers the close) within ``send_timeout``.
+
+        ``linger`` (after a refusal, when the client may still be sending): only our sending
+        side closes, and what the client still sends is read and dropped for up to
+        :data:`LINGER` seconds. Closing with unread bytes would reset the connection, and a
+        reset can destroy our answer before the client read it (nginx: lingering_close)."""
+        assert self.transport is not None
         first = not self._closed
         self._closed = True
         self._disarm()
-        self.transport.unregisterProducer()  # type: ignore[attr-defined]
-        self.transport.loseConnection()
-        self.valve.open_all()
+        self._write_batch()
+        if linger and self.transport.can_write_eof() and not self._lost:
+            self.transport.write_eof()
+            self._linger_until = self.proxy.reactor.seconds() + LINGER
+            if self.valve is not None:
+                self.valve.open_all()
+        else:
+            self.transport.close()
         if first and not self._output_paused:
             self._watch_send()  # (a paused client's clock is already running)
+
+    # -- writing to the client --------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        """Write ``data`` to the client, or gather it while an upstream read is being relayed."""
+        batch = self._batch
+        if batch is not None:
+            batch.append(data)
+        elif self.transport is not None:
+            self.transport.write(data)
+
+    def begin_batch(self) -> None:
+        """An upstream read starts: gather what it makes for the client (UpstreamConnection)."""
+        if self._batch is None and not self._lost:
+            self._batch = []
+
+    def flush(self) -> None:
+        """The upstream read is relayed: write what it made in one go."""
+        self._write_batch()
+
+    def _write_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch and self.transport is not None:
+            self.transport.write(batch[0] if len(batch) == 1 else b"".join(batch))
+
+    def _abort(self) -> None:
+        """Drop the connection at once, unsent output and all."""
+        self._batch = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    def upstream_full(self, full: bool) -> None:
+        """The space's side of the current request has too much unsent (its body, or tunnel
+        bytes): stop reading the client until it drained (UpstreamConnection.pause_writing)."""
+        if self.valve is None:
+            return
+        if full:
+            self.valve.close(Valve.PEER_FULL)
+        else:
+            self.valve.open(Valve.PEER_FULL)
 
     def _reject(self, status: int, reason: str) -> None:
         """A request we will not forward: answer once, if we still can, and close."""
@@ -949,16 +1124,20 @@ class Downstream(Protocol):
         )
         assert self.transport is not None
         if ex is not None and ex is self._active and ex.response_started:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
+            self._abort()
             return
         if self._active is not None and self._active is not ex:
             # A pipelined request is bad while another is served: stop reading; close after.
             self._active.close_after = True
             self._parser = None
             return
-        _requests.labels("invalid", str(status)).inc()
-        self.transport.write(simple_response(status, f"{status} {reason}\n".encode(), close=True))
-        self._closing()
+        STATS.count("invalid", status)
+        if ex is not None and ex.upstream is not None:
+            # (A body over LCHAT_MAX_BODY, say: the space never sees the end of this request.)
+            ex.upstream.abort()
+            ex.upstream = None
+        self._send(simple_response(status, f"{status} {reason}\n".encode(), close=True))
+        self._closing(linger=True)
 
     def _observe(self, ex: Exchange) -> None:
         """The request is routed to its target: take the target's in-flight ticket, if it has
@@ -1017,8 +1196,14 @@ class Downstream(Protocol):
 
     def check_deadlines(self, now: float) -> None:
         """Called by the factory's sweep: fire whichever deadline has passed."""
+        if self._linger_until is not None and now >= self._linger_until:
+            self._linger_until = None
+            self._abort()  # (everything we sent went out long ago, or the send timeout acts)
+            return
         if self._output_paused or self._closed:
             self._check_send(now)
+        elif self._spliced and now - self._tunnel_moved >= self.cfg.tunnel_idle_timeout:
+            self._tunnel_idle(now)
         if self._body_deadline is not None and now >= self._body_deadline:
             self._body_deadline = None
             self._body_timed_out()
@@ -1027,6 +1212,24 @@ class Downstream(Protocol):
             self._disarm()
             if action is not None:
                 action()
+
+    def _tunnel_idle(self, now: float) -> None:
+        """No byte either way through an upgraded tunnel for LCHAT_TUNNEL_IDLE_TIMEOUT: close
+        both sides (a chat WebSocket pings well within it; a dead one holds two sockets)."""
+        _tunnel_idle_closes.inc()
+        ex = self._active
+        _log.info(
+            "tunnel from {client} to {host} idle for {seconds:.0f}s: closing it"
+            " (LCHAT_TUNNEL_IDLE_TIMEOUT)",
+            client=self._client,
+            host=ex.head.host if ex is not None and ex.head is not None else "?",
+            seconds=now - self._tunnel_moved,
+        )
+        if ex is not None and ex.upstream is not None:
+            upstream, ex.upstream = ex.upstream, None
+            upstream.handler = None  # its close is ours, not news
+            upstream.close()
+        self._closing()
 
     def _header_timed_out(self) -> None:
         if self._output_paused:
@@ -1037,7 +1240,7 @@ class Downstream(Protocol):
         if self._parsing is not None:
             _rejected.labels("408").inc()
             assert self.transport is not None
-            self.transport.write(simple_response(408, b"408 Request Timeout\n", close=True))
+            self._send(simple_response(408, b"408 Request Timeout\n", close=True))
         self._closing()
 
     def _idle_timed_out(self) -> None:
@@ -1054,9 +1257,9 @@ class Downstream(Protocol):
 
     # -- the client's output: backpressure and the send timeout ----------------------------------
 
-    def pauseProducing(self) -> None:
-        """The transport has more than its high-water mark unsent (called on every write while
-        it has): make nothing more for this client until it has read it."""
+    def pause_writing(self) -> None:
+        """The transport has more than its high-water mark unsent: make nothing more for this
+        client until it has read it."""
         if self._output_paused or self._closed:
             return
         self._output_paused = True
@@ -1072,8 +1275,9 @@ class Downstream(Protocol):
             # the upstream timeout is the space's time to answer, not the client's to read.)
             self._pause_upstream(ex)
 
-    def resumeProducing(self) -> None:
-        """Everything unsent went out: carry on where pauseProducing stopped."""
+    def resume_writing(self) -> None:
+        """The unsent output drained (to the low-water mark): carry on where pause_writing
+        stopped."""
         if not self._output_paused:
             return
         self._output_paused = False
@@ -1085,9 +1289,6 @@ class Downstream(Protocol):
         self.valve.open("output")
         if self._active is None and self._waiting and not self._closed:
             self._serve_waiting()
-
-    def stopProducing(self) -> None:
-        """The transport is going away; connectionLost does the cleanup."""
 
     def _pause_upstream(self, ex: Exchange) -> None:
         if ex.upstream is not None and ex.upstream.valve is not None:
@@ -1102,9 +1303,12 @@ class Downstream(Protocol):
         """Abort the connection if its unsent output has not moved for ``send_timeout``: a
         client that stopped reading would otherwise hold it, its space connection and the
         buffered bytes forever (nginx: send_timeout)."""
-        buffered = buffered_output(self.transport)
-        if buffered is not None and buffered != self._send_buffered:
-            self._send_buffered = buffered
+        buffered = self.transport.get_write_buffer_size() if self.transport is not None else None
+        moved = _delivered(self.transport)
+        if moved is None:
+            moved = buffered  # not TCP: the unsent output itself must change
+        if moved is not None and moved != self._send_buffered:
+            self._send_buffered = moved
             self._send_moved_at = now
             return
         if now - self._send_moved_at < self.cfg.send_timeout:
@@ -1125,14 +1329,39 @@ class Downstream(Protocol):
         )
         self._send_moved_at = now  # the abort completes in a moment; not twice meanwhile
         assert self.transport is not None
-        self.transport.abortConnection()  # type: ignore[attr-defined]
+        self._abort()
 
 
-class ProxyFactory(Factory):
-    """Builds a :class:`Downstream` per client connection; holds what they share."""
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, the bytes the peer's kernel has taken.
+_TCP_INFO_BYTES_ACKED = 120
 
-    protocol = Downstream
-    noisy = False
+
+def _delivered(transport: asyncio.Transport | None) -> int | None:
+    """How many bytes the client's side has taken so far on a TCP connection (None otherwise).
+
+    What moves when a client reads, whatever the layers: under TLS the transport's own unsent
+    count leaves out what sits in the TCP layer's buffer (up to its high-water mark), and the
+    kernel's send queue refills to the same size as it drains."""
+    if transport is None:
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_BYTES_ACKED + 8:
+        return None
+    return int(struct.unpack_from("=Q", info, _TCP_INFO_BYTES_ACKED)[0])
+
+
+class ProxyFactory:
+    """Builds a :class:`Downstream` per client connection (it is the protocol factory handed to
+    the loop: ``loop.create_server(factory, ...)``); holds what they share.
+
+    ``reactor`` is the clock (``seconds``, ``callLater``): the asyncio reactor whose loop runs
+    the connections, or a fake clock in tests of the timing logic."""
 
     def __init__(
         self,
@@ -1151,7 +1380,6 @@ class ProxyFactory(Factory):
         self.draining = False  # close() was called: the router is stopping
         self._quiet: list[Deferred[None]] = []  # quiesced() waiters
         self._hosts: dict[bytes, str] = {}
-        self._counters: dict[tuple[str, int], Any] = {}
         # Deadlines are checked a few times per shortest timeout; the sweep runs only while
         # there are connections, so an idle router (or a finished test) has no pending call.
         shortest = min(
@@ -1159,6 +1387,7 @@ class ProxyFactory(Factory):
             self.cfg.keepalive_timeout,
             self.cfg.upstream_timeout,
             self.cfg.send_timeout,
+            self.cfg.tunnel_idle_timeout,
         )
         self._tick = min(0.5, shortest / 5)
         self._sweep: LoopingCall | None = None
@@ -1195,8 +1424,10 @@ class ProxyFactory(Factory):
         host = self._hosts.get(raw)
         if host is None:
             try:
-                host = hosts.parse_host_header(raw.decode("latin-1"))
-            except hosts.InvalidHost:
+                # ASCII only: a byte over 0x7f must never be folded onto a registered name
+                # (IDNA mapping would turn "\xaa.test" into "a.test"); nginx refuses them too.
+                host = hosts.parse_host_header(raw.decode("ascii"))
+            except (UnicodeDecodeError, hosts.InvalidHost):
                 raise _Reject(400, "malformed Host header") from None
             if len(self._hosts) >= 4096:
                 self._hosts.clear()
@@ -1204,15 +1435,13 @@ class ProxyFactory(Factory):
         return host
 
     def count(self, host_class: str, status: int) -> None:
-        counter = self._counters.get((host_class, status))
-        if counter is None:
-            counter = self._counters[(host_class, status)] = _requests.labels(
-                host_class, str(status)
-            )
-        counter.inc()
+        STATS.count(host_class, status)
 
     def buildProtocol(self, addr: Any) -> Downstream:
         return Downstream(self)
+
+    def __call__(self) -> Downstream:
+        return self.buildProtocol(None)
 
     def close(self) -> Deferred[None]:
         """Shutdown: from now on every answer closes its connection (no more keep-alive); client
@@ -1240,8 +1469,7 @@ class ProxyFactory(Factory):
                 grace=grace,
             )
             for conn in list(self.connections):
-                if conn.transport is not None:
-                    conn.transport.abortConnection()  # type: ignore[attr-defined]
+                conn._abort()
 
         timer = self.reactor.callLater(grace, give_up)
         done.addBoth(lambda result: timer.cancel() if timer.active() else None)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from http import HTTPStatus
-
-from twisted.internet.interfaces import IPushProducer, ITransport
-from zope.interface import implementer
 
 Header = tuple[bytes, bytes]
 
@@ -105,19 +103,20 @@ def simple_response(
     return head_bytes(status_line(status), all_headers) + body
 
 
-@implementer(IPushProducer)
 class Valve:
     """Pauses one transport's reading for any number of independent reasons.
 
-    Twisted's pause/resume is not counted: the second party to resume would undo the first one's
-    pause. The valve keeps a set of reasons and reads only when it is empty. Registered as the
-    producer of the *other* side's transport, it turns that side's full write buffer into a pause
-    here: the backpressure that keeps a slow reader from making us buffer a fast writer.
+    asyncio's pause/resume is not counted: the second party to resume would undo the first one's
+    pause. The valve keeps a set of reasons and reads only when it is empty. The other side's
+    protocol closes it with :data:`PEER_FULL` while its transport's write buffer is over the
+    high-water mark (``pause_writing``) and opens it at ``resume_writing``: the backpressure that
+    keeps a slow reader from making us buffer a fast writer.
     """
 
     PEER_FULL = "peer-full"
+    __slots__ = ("_reasons", "_transport")
 
-    def __init__(self, transport: ITransport) -> None:
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
         self._reasons: set[str] = set()
 
@@ -126,32 +125,20 @@ class Valve:
         return bool(self._reasons)
 
     def close(self, reason: str) -> None:
-        if not self._reasons:
-            self._transport.pauseProducing()  # type: ignore[attr-defined]
+        if not self._reasons and not self._transport.is_closing():
+            self._transport.pause_reading()  # type: ignore[attr-defined]
         self._reasons.add(reason)
 
     def open(self, reason: str) -> None:
         if reason not in self._reasons:
             return
         self._reasons.discard(reason)
-        if not self._reasons and getattr(self._transport, "connected", True):
-            self._transport.resumeProducing()  # type: ignore[attr-defined]
+        if not self._reasons and not self._transport.is_closing():
+            self._transport.resume_reading()  # type: ignore[attr-defined]
 
     def open_all(self) -> None:
-        """Read again, whatever the reasons were: the connection is closing (TLS must read the
-        peer's answer to its close; TCP, once closing, reads nothing anyway)."""
+        """Read again, whatever the reasons were."""
         if self._reasons:
             self._reasons.clear()
-            if getattr(self._transport, "connected", True):
-                self._transport.resumeProducing()  # type: ignore[attr-defined]
-
-    # IPushProducer, as seen by the peer transport we are registered on
-    def pauseProducing(self) -> None:
-        self.close(self.PEER_FULL)
-
-    def resumeProducing(self) -> None:
-        self.open(self.PEER_FULL)
-
-    def stopProducing(self) -> None:
-        # The peer transport is going away; each side's connectionLost does the cleanup.
-        self.open(self.PEER_FULL)
+            if not self._transport.is_closing():
+                self._transport.resume_reading()  # type: ignore[attr-defined]

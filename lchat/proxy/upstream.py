@@ -1,35 +1,33 @@
 """The upstream side: connections to spaces (unix sockets) and peers (TLS), pooled, with dial retry.
 
-A connection carries one exchange at a time (no pipelining upstream). It parses the response with
-httptools and reports to its :class:`ResponseHandler`: informational heads, the final head, body
-bytes, completion, a switch to raw bytes after ``101``, or failure.
+asyncio Protocols on the reactor's own (uvloop) loop. A connection carries one exchange at a time
+(no pipelining upstream). It parses the response with httptools and reports to its
+:class:`ResponseHandler`: informational heads, the final head, body bytes, completion, a switch to
+raw bytes after ``101``, or failure; and, at the end of every read, ``flush`` (the handler may batch
+what one read makes into one write to its client).
+
+A response head that needs no rewriting (no hop-by-hop or internal header, ``Content-Length``
+framing, HTTP/1.1, the whole head in the exchange's first read) is also handed over byte for byte
+(``raw_head``): the handler may forward it as it is instead of building it again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
-from typing import Any
+import ssl
+from typing import Any, cast
 from typing import Protocol as TypingProtocol
 
 import httptools
 from prometheus_client import Counter, Gauge
-from twisted.internet import error as ierror
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.endpoints import (
-    TCP4ClientEndpoint,
-    TCP6ClientEndpoint,
-    UNIXClientEndpoint,
-    wrapClientTLS,
-)
-from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
-from lchat.proxy.http import Header, Valve
+from lchat.proxy.http import HOP_BY_HOP, INTERNAL, Header, Valve
 from lchat.router import LocalSocket, RemotePeer
 
 _log = Logger(namespace="lchat.proxy")
@@ -44,32 +42,46 @@ _idle = Gauge("lchat_upstream_idle_connections", "Idle pooled upstream connectio
 
 Key = tuple[Any, ...]
 
+# Response headers that make a head unfit to forward byte for byte (we must drop or rewrite them).
+_REWRITE = HOP_BY_HOP | INTERNAL | {b"proxy-authenticate", b"proxy-authorization"}
+
 
 class ResponseHandler(TypingProtocol):
     def informational(self, status: int, reason: bytes, headers: list[Header]) -> None: ...
     def response_head(
-        self, status: int, reason: bytes, headers: list[Header], length: int | None, chunked: bool
+        self,
+        status: int,
+        reason: bytes,
+        headers: list[Header],
+        length: int | None,
+        chunked: bool,
+        raw_head: bytes | None,
     ) -> None: ...
     def response_body(self, data: bytes) -> None: ...
     def response_complete(self) -> None: ...
     def switched(self, status_reason: bytes, headers: list[Header], tail: bytes) -> None: ...
     def upstream_data(self, data: bytes) -> None: ...
     def upstream_failed(self, why: str, started: bool) -> None: ...
+    def begin_batch(self) -> None: ...
+    def flush(self) -> None: ...
+    def upstream_full(self, full: bool) -> None: ...
 
 
 class _HeadDone(Exception):
     """Stops the parser after a HEAD response's head: its Content-Length promises no body."""
 
 
-class UpstreamConnection(Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One connection to a space or peer; see the module docstring."""
 
     def __init__(self, pool: UpstreamPool, key: Key) -> None:
         self.pool = pool
         self.key = key
+        self.transport: asyncio.Transport | None = None
         self.handler: ResponseHandler | None = None
         self.valve: Valve | None = None
         self.reused = 0
+        self.connected = False
         self._parser: httptools.HttpResponseParser | None = None
         self._method = b""
         self._headers: list[Header] = []
@@ -81,15 +93,24 @@ class UpstreamConnection(Protocol):
         self._spliced = False
         self._got_bytes = False
         self._in_head = False
+        self._first_read: bytes | None = None  # the exchange's first read, while it is parsed
         self.request_sent = False  # the whole request (head and body) has been written
         self.reusable = True
         self.idle_since = 0.0
+        # The client's side wants to hear when our output is over the high-water mark (its
+        # request body, or tunnel bytes, must then wait): Downstream.upstream_full.
+        self.backpressure: ResponseHandler | None = None
+        self.write_paused = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def connectionMade(self) -> None:
-        assert self.transport is not None
-        self.valve = Valve(self.transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's TLS transport has a Transport's methods without being a subclass.)
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=64 * 1024)  # (uvloop's TLS default: 512 KiB)
+        self.connected = True
+        self.valve = Valve(transport)
 
     def begin(self, handler: ResponseHandler, method: bytes) -> None:
         """Start an exchange: the caller writes the request next."""
@@ -112,42 +133,69 @@ class UpstreamConnection(Protocol):
     def abort(self) -> None:
         self.reusable = False
         self.handler = None
+        self.backpressure = None
         if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
+            self.transport.abort()
+
+    def close(self) -> None:
+        """Close when the unsent output is out (an idle or unwanted connection)."""
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- backpressure: our output towards the space ---------------------------------------------
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.backpressure is not None:
+            self.backpressure.upstream_full(True)
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.backpressure is not None:
+            self.backpressure.upstream_full(False)
 
     # -- bytes from upstream --------------------------------------------------------------------
 
-    def dataReceived(self, data: bytes) -> None:
+    def data_received(self, data: bytes) -> None:
         handler = self.handler
         if handler is None:
             # Bytes while idle in the pool, or after we gave up: the stream is out of step.
             self.reusable = False
-            assert self.transport is not None
-            self.transport.loseConnection()
+            if self.transport is not None:
+                self.transport.close()
             return
-        if self._spliced:
-            handler.upstream_data(data)
-            return
-        self._got_bytes = True
-        assert self._parser is not None
+        handler.begin_batch()
         try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as e:
-            offset = int(e.args[0]) if e.args else len(data)
-            if self._status == 101 and self._final:
-                self.splice()
-                handler.switched(self._reason, self._headers, data[offset:])
-            else:
-                self._fail("upstream asked to switch protocols unasked")
-        except httptools.HttpParserCallbackError as e:
-            if isinstance(e.__context__, _HeadDone):
-                self.reusable = False  # we cannot tell where the next response would start
-                self._finish()
-            else:
-                _log.failure("proxy response handler failed", Failure(e.__context__ or e))
-                self._fail("internal error")
-        except httptools.HttpParserError as e:
-            self._fail(f"malformed response: {e}")
+            if self._spliced:
+                handler.upstream_data(data)
+                return
+            if not self._got_bytes:
+                self._first_read = data
+            self._got_bytes = True
+            assert self._parser is not None
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade as e:
+                offset = int(e.args[0]) if e.args else len(data)
+                if self._status == 101 and self._final:
+                    self.splice()
+                    handler.switched(self._reason, self._headers, data[offset:])
+                else:
+                    self._fail("upstream asked to switch protocols unasked")
+            except httptools.HttpParserCallbackError as e:
+                if isinstance(e.__context__, _HeadDone):
+                    self.reusable = False  # we cannot tell where the next response would start
+                    self._finish()
+                else:
+                    _log.failure("proxy response handler failed", Failure(e.__context__ or e))
+                    self._fail("internal error")
+            except httptools.HttpParserError as e:
+                self._fail(f"malformed response: {e}")
+            finally:
+                self._first_read = None
+        finally:
+            handler.flush()
 
     def on_message_begin(self) -> None:
         self._headers = []
@@ -163,12 +211,14 @@ class UpstreamConnection(Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._parser is None or self.handler is None:
+        parser = self._parser
+        if parser is None or self.handler is None:
             self.reusable = False  # a response nobody asked for: the stream is out of step
             return
-        status = self._parser.get_status_code()
+        status = parser.get_status_code()
         self._status = status
         if 100 <= status < 200 and status != 101:
+            self._first_read = None  # a later head is not at the start of the first read
             self.handler.informational(status, self._reason, self._headers)
             return
         self._final = True
@@ -176,17 +226,28 @@ class UpstreamConnection(Protocol):
             return  # the upgrade exception follows the message end
         length: int | None = None
         chunked = False
+        plain = True  # nothing to drop or rewrite in this head
         for name, value in self._headers:
             lower = name.lower()
             if lower == b"content-length":
                 length = int(value)
             elif lower == b"transfer-encoding":
                 chunked = value.strip().lower().endswith(b"chunked")
+                plain = False
+            elif lower in _REWRITE or lower.startswith(b"proxy-") or b"_" in lower:
+                plain = False
         no_body = self._method == b"HEAD" or status in (204, 304)
         self._close_delimited = not no_body and length is None and not chunked
-        if not self._parser.should_keep_alive() or self._close_delimited:
+        keep_alive = parser.should_keep_alive()
+        if not keep_alive or self._close_delimited:
             self.reusable = False
-        self.handler.response_head(status, self._reason, self._headers, length, chunked)
+        raw: bytes | None = None
+        first = self._first_read
+        if plain and length is not None and keep_alive and first is not None:
+            end = first.find(b"\r\n\r\n")
+            if end >= 0 and first.startswith(b"HTTP/1.1 "):
+                raw = first[: end + 4]
+        self.handler.response_head(status, self._reason, self._headers, length, chunked, raw)
         if self._method == b"HEAD":
             raise _HeadDone()
 
@@ -210,12 +271,17 @@ class UpstreamConnection(Protocol):
         self.reusable = False
         handler, self.handler = self.handler, None
         if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
+            self.transport.abort()
         if handler is not None:
             handler.upstream_failed(why, self._final)
 
-    def connectionLost(self, reason: Failure = ierror.ConnectionDone) -> None:  # type: ignore[assignment]
+    def eof_received(self) -> bool:
+        return False  # the space closed its side: the connection ends (connection_lost follows)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.connected = False
         self.reusable = False
+        self.backpressure = None
         self.pool.forget(self)
         handler = self.handler
         if handler is None:
@@ -224,22 +290,15 @@ class UpstreamConnection(Protocol):
             self.handler = None
             handler.upstream_failed("closed", True)
         elif self._final and self._close_delimited and not self._complete:
-            self._finish()  # the close is the end of a close-delimited body
+            handler.begin_batch()
+            try:
+                self._finish()  # the close is the end of a close-delimited body
+            finally:
+                handler.flush()
         elif not self._complete:
             self.handler = None
             why = "closed before responding" if not self._got_bytes else "closed mid-response"
             handler.upstream_failed(why, self._final)
-
-
-class _ConnFactory(Factory):
-    noisy = False
-
-    def __init__(self, pool: UpstreamPool, key: Key) -> None:
-        self._pool = pool
-        self._key = key
-
-    def buildProtocol(self, addr: Any) -> UpstreamConnection:
-        return UpstreamConnection(self._pool, self._key)
 
 
 class DialFailed(Exception):
@@ -248,19 +307,14 @@ class DialFailed(Exception):
         self.why = why
 
 
-def _retryable(failure: Failure) -> bool:
+def _retryable(error: BaseException) -> bool:
     """A socket that refuses, does not exist yet, or drops us before the connection is made:
     the space is (re)starting or its accept queue is full. Nothing was sent: safe to retry."""
-    if failure.check(ierror.ConnectionRefusedError):
+    if isinstance(error, ConnectionRefusedError | FileNotFoundError | BlockingIOError):
         return True
-    os_error = getattr(failure.value, "osError", None)
-    if isinstance(os_error, int):
-        return os_error in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
-    if isinstance(os_error, Failure) and os_error.check(
-        ierror.ConnectionDone, ierror.ConnectionLost
-    ):
-        return True  # closed while connecting (a full accept queue on a unix socket)
-    return failure.check(ierror.ConnectError) is not None and "No such file" in str(failure.value)
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.ECONNRESET)
+    return False
 
 
 PEER_DIAL_RETRY = 0.2  # seconds of dial retry towards a mesh peer: a refusing peer is stopping
@@ -275,8 +329,23 @@ def target_key(target: LocalSocket | RemotePeer) -> Key:
     return ("tls" if target.tls else "tcp", target.address, target.port, target.server_name)
 
 
+def client_tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """How we verify a mesh peer: the platform's CAs, plus those in ``ca_file``
+    (``LCHAT_MESH_CA_FILE``) when given; the certificate must name the space (checked by the
+    ``server_hostname`` of each connection); HTTP/1.1 only."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    if ca_file:
+        context.load_verify_locations(ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
 class UpstreamPool:
-    """Keep-alive connections per upstream, and dialing with the dial-retry window."""
+    """Keep-alive connections per upstream, and dialing with the dial-retry window.
+
+    ``reactor`` is the clock (``seconds``, ``callLater``) and must be the asyncio reactor whose
+    loop is ``loop`` (the connections are asyncio ones)."""
 
     def __init__(
         self,
@@ -285,20 +354,28 @@ class UpstreamPool:
         max_idle_per_key: int = 256,
         idle_timeout: float = 55.0,
         connect_timeout: float = 5.0,
-        trust_root: Any = None,
+        tls_context: ssl.SSLContext | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._reactor = reactor
+        self._loop = loop
         self._dial_retry = dial_retry
         self._max_idle = max_idle_per_key
         self._idle_timeout = idle_timeout
         self._connect_timeout = connect_timeout
-        self._trust_root = trust_root
+        self._tls_context = tls_context
         self._idle: dict[Key, list[UpstreamConnection]] = {}
         self._idle_count = 0
         self._connections: set[UpstreamConnection] = set()
         # Idle connections are expired by one sweep, not a timer each (it is on every request's
         # path); it runs only while something is idle.
         self._sweep: LoopingCall | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_event_loop()
+        return self._loop
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -313,7 +390,7 @@ class UpstreamPool:
             conn = idle.pop()
             self._idle_count -= 1
             _idle.dec()
-            if conn.transport is not None and conn.reusable and conn.connected:
+            if conn.connected and conn.reusable:
                 conn.reused += 1
                 return conn
         return None
@@ -324,14 +401,15 @@ class UpstreamPool:
     def release(self, conn: UpstreamConnection) -> None:
         """Hand back a connection whose exchange completed cleanly."""
         conn.handler = None
-        transport = conn.transport
-        if transport is None:
+        conn.backpressure = None
+        if not conn.connected:
             return
-        transport.unregisterProducer()  # type: ignore[attr-defined]
         idle = self._idle.setdefault(conn.key, [])
         if not conn.reusable or len(idle) >= self._max_idle:
-            transport.loseConnection()
+            conn.close()
             return
+        if conn.valve is not None:
+            conn.valve.open_all()  # an idle pooled connection must read (to see it close)
         idle.append(conn)
         self._idle_count += 1
         _idle.inc()
@@ -345,8 +423,7 @@ class UpstreamPool:
         cutoff = self._reactor.seconds() - self._idle_timeout
         for idle in self._idle.values():
             for conn in [c for c in idle if c.idle_since <= cutoff]:
-                if conn.transport is not None:
-                    conn.transport.loseConnection()
+                conn.close()
         if self._idle_count <= 0 and self._sweep is not None:
             if self._sweep.running:
                 self._sweep.stop()
@@ -360,6 +437,10 @@ class UpstreamPool:
             self._idle_count -= 1
             _idle.dec()
 
+    def idle_connections(self) -> list[UpstreamConnection]:
+        """Every idle pooled connection (diagnostics and tests)."""
+        return [conn for idle in self._idle.values() for conn in idle]
+
     def drop_idle(self, socket_path: str) -> int:
         """Close the idle connections to one unix socket (its space is stopping: a kept-alive
         connection would only make its drain wait). Returns how many were closed."""
@@ -367,16 +448,14 @@ class UpstreamPool:
         for conn in idle:
             self._idle_count -= 1
             _idle.dec()
-            if conn.transport is not None:
-                conn.transport.loseConnection()
+            conn.close()
         return len(idle)
 
     def close(self) -> Deferred[None]:
         """Close every idle connection (shutdown)."""
         for idle in self._idle.values():
             for conn in list(idle):
-                if conn.transport is not None:
-                    conn.transport.loseConnection()
+                conn.close()
         if self._sweep is not None:
             if self._sweep.running:
                 self._sweep.stop()
@@ -385,18 +464,30 @@ class UpstreamPool:
 
     # -- dialing --------------------------------------------------------------------------------
 
-    def _endpoint(self, target: LocalSocket | RemotePeer) -> IStreamClientEndpoint:
+    async def _connect(self, target: LocalSocket | RemotePeer, key: Key) -> UpstreamConnection:
+        loop = self.loop
+
+        def build() -> UpstreamConnection:
+            return UpstreamConnection(self, key)
+
         if isinstance(target, LocalSocket):
-            return UNIXClientEndpoint(self._reactor, target.path, timeout=self._connect_timeout)
-        tcp_class = TCP6ClientEndpoint if ":" in target.address else TCP4ClientEndpoint
-        tcp = tcp_class(self._reactor, target.address, target.port, timeout=self._connect_timeout)
-        if not target.tls:
-            return tcp
-        # Pinned to the peer's address, verified against the space's name: no bypass anywhere.
-        options = optionsForClientTLS(
-            target.server_name, trustRoot=self._trust_root, acceptableProtocols=[b"http/1.1"]
-        )
-        return wrapClientTLS(options, tcp)
+            connecting = loop.create_unix_connection(build, target.path)
+        elif target.tls:
+            if self._tls_context is None:
+                self._tls_context = client_tls_context()
+            # Pinned to the peer's address, verified against the space's name: no bypass.
+            connecting = loop.create_connection(
+                build,
+                target.address,
+                target.port,
+                ssl=self._tls_context,
+                server_hostname=target.server_name,
+                ssl_handshake_timeout=self._connect_timeout,
+            )
+        else:
+            connecting = loop.create_connection(build, target.address, target.port)
+        _, conn = await asyncio.wait_for(connecting, self._connect_timeout)
+        return conn
 
     def _dial(self, target: LocalSocket | RemotePeer, key: Key) -> Deferred[UpstreamConnection]:
         result: Deferred[UpstreamConnection] = Deferred(lambda d: state.update(cancelled=True))
@@ -411,8 +502,15 @@ class UpstreamPool:
             if state["cancelled"]:
                 return
             state["attempts"] += 1
-            d = self._endpoint(target).connect(_ConnFactory(self, key))
-            d.addCallbacks(connected, failed)
+            future = asyncio.ensure_future(self._connect(target, key), loop=self.loop)
+            future.add_done_callback(done)
+
+        def done(future: asyncio.Future[UpstreamConnection]) -> None:
+            error = future.exception()
+            if error is None:
+                connected(future.result())
+            else:
+                failed(error)
 
         def connected(conn: UpstreamConnection) -> None:
             if state["cancelled"]:
@@ -421,17 +519,20 @@ class UpstreamPool:
             self._connections.add(conn)
             result.callback(conn)
 
-        def failed(failure: Failure) -> None:
+        def failed(error: BaseException) -> None:
             if state["cancelled"]:
                 return
             now = self._reactor.seconds()
-            if _retryable(failure) and now < deadline:
+            if _retryable(error) and now < deadline:
                 _dial_retries.inc()
                 delay = min(delays.next(), deadline - now)
                 self._reactor.callLater(DIAL_BACKOFF.jittered(delay), attempt)
                 return
             _dial_failures.inc()
-            why = failure.getErrorMessage()
+            if isinstance(error, asyncio.TimeoutError | TimeoutError):
+                why = f"no connection within {self._connect_timeout:g}s"
+            else:
+                why = str(error) or type(error).__name__
             if state["attempts"] > 1:
                 why += f" (after {state['attempts']} attempts)"
             result.errback(DialFailed(why))

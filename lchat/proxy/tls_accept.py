@@ -1,0 +1,559 @@
+"""The HTTPS front door's accept loop: stdlib TLS on uvloop's SSL transport, a certificate chosen
+per SNI name by the certificate store, and the first handshake of a new host held while its
+certificate is issued.
+
+Connections are accepted here by hand (non-blocking ``accept``, in batches) and handed to uvloop
+with ``loop.connect_accepted_socket(factory, sock, ssl=store.server_ssl_context)``; the store's SNI
+callback switches each one to its host's, its wildcard's or the default context.
+
+**First contact.** While something obtains certificates on demand (the ACME issuer listens on the
+store's cue), each connection's ClientHello is first *peeked* (``recv(MSG_PEEK)``: the bytes stay
+queued in the kernel for OpenSSL) to read its SNI name. A host eligible for on-demand issuance
+(known, no certificate of its own nor a wildcard: :meth:`CertStore.holds_for`) is held: the
+issuer is cued and the handshake waits, up to ``hold`` seconds, for the rescan that brings the
+certificate (:meth:`CertStore.wait_for`). A new space's first visitor so gets a valid certificate
+instead of the default, as with Caddy's on-demand TLS and Go's autocert.
+
+Invariants:
+
+- until uvloop owns a connection nothing reads from it but the peek, which consumes nothing;
+- only a host :meth:`CertStore.holds_for` calls eligible ever waits, for ``hold`` seconds at most;
+  every other connection goes to TLS as soon as its ClientHello is in (or at once, with nothing
+  obtaining certificates on demand);
+- a host whose hold ended without a certificate is not held again for ``retry_hold_after``
+  seconds (its issuance is failing: visitors would wait for nothing), nor is one the issuer
+  declines;
+- at most ``max_held`` connections are held at once; beyond that they are served at once;
+- a connection that closes without sending a byte is not a failed handshake; one that sends
+  nothing is closed after ``peek_timeout`` (or, unpeeked, after ``handshake_timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from attrs import define, field, frozen
+from prometheus_client import Counter, Gauge
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from lchat import tls
+
+ACCEPT_BATCH = 64  # connections accepted per wake-up (then the loop serves others)
+ACCEPT_PAUSE = 1.0  # seconds without accepting after running out of file descriptors
+PEEK_CAP = 16 * 1024  # bytes of ClientHello looked at, at most (it fits one TLS record)
+DEFAULT_MAX_HELD = 1000
+RETRY_HOLD_AFTER = 60.0  # the ACME issuer's first back-off after a failed issuance
+_GAVE_UP_PRUNE = 4096  # entries in the "hold timed out" memory before expired ones are dropped
+
+_log = Logger(namespace="lchat.tls")
+
+_held = Gauge(
+    "lchat_tls_held_handshakes",
+    "TLS handshakes being held until their host's certificate is issued",
+)
+_holds = Counter(
+    "lchat_tls_holds_total",
+    "TLS handshakes held for an on-demand certificate, by how the hold ended (issued: the "
+    "certificate came; timeout: served without it)",
+    ["outcome"],
+)
+for _outcome in ("issued", "timeout"):
+    _holds.labels(_outcome)
+_silent = Counter(
+    "lchat_tls_silent_connections_total",
+    "Connections closed because they sent no ClientHello within the peek timeout",
+)
+
+
+# --- reading the SNI name from a ClientHello ------------------------------------------------------
+
+HANDSHAKE_RECORD = 0x16
+CLIENT_HELLO = 1
+SERVER_NAME_EXTENSION = 0
+HOST_NAME = 0
+MAX_RECORD = 16384  # TLSPlaintext.length at most (RFC 8446 section 5.1)
+
+
+@frozen
+class Incomplete:
+    """A prefix of a ClientHello: nothing can be decided before ``needed`` bytes (counted from the
+    first) are in."""
+
+    needed: int
+
+
+def client_hello_server_name(data: bytes) -> str | Incomplete | None:
+    """The SNI host name in the ClientHello ``data`` starts with (the A-label, decoded as latin-1
+    like the stdlib's SNI callback does), None when ``data`` is not a TLS ClientHello, is
+    malformed or names no host, or :class:`Incomplete` for a prefix of one. Never raises.
+
+    Handles a ClientHello split over several TLS records (each at most :data:`MAX_RECORD`) as
+    well as over several TCP segments. Decides as early as it can: one byte that cannot start a
+    TLS handshake record is enough to say None.
+    """
+    message = b""  # the handshake message, reassembled from the records' payloads
+    offset = 0
+    while True:
+        header = data[offset : offset + 5]
+        # type 22 (handshake), then the legacy version's major byte, 3
+        if header[:1] not in (b"", b"\x16") or header[1:2] not in (b"", b"\x03"):
+            return None
+        if len(header) < 5:
+            return Incomplete(offset + 5)
+        length = int.from_bytes(header[3:5], "big")
+        if not 0 < length <= MAX_RECORD:
+            return None
+        end = offset + 5 + length
+        if len(data) < end:
+            return Incomplete(end)
+        message += data[offset + 5 : end]
+        offset = end
+        if message[0] != CLIENT_HELLO:
+            return None
+        if len(message) >= 4:
+            total = 4 + int.from_bytes(message[1:4], "big")
+            if len(message) >= total:
+                return _server_name(message[4:total])
+
+
+def _server_name(body: bytes) -> str | None:
+    # ClientHello (RFC 8446 section 4.1.2): legacy_version(2) random(32) session_id<0..32>
+    # cipher_suites<2..2^16-2> compression_methods<1..2^8-1> extensions<8..2^16-1>
+    at: int | None = 34
+    at = _skip(body, at, 1)  # legacy_session_id
+    at = _skip(body, at, 2)  # cipher_suites
+    at = _skip(body, at, 1)  # legacy_compression_methods
+    if at is None or at + 2 > len(body):
+        return None  # no extensions at all
+    end = at + 2 + int.from_bytes(body[at : at + 2], "big")
+    if end > len(body):
+        return None
+    at += 2
+    while at + 4 <= end:
+        kind = int.from_bytes(body[at : at + 2], "big")
+        size = int.from_bytes(body[at + 2 : at + 4], "big")
+        at += 4
+        if at + size > end:
+            return None
+        if kind == SERVER_NAME_EXTENSION:
+            return _host_name(body[at : at + size])
+        at += size
+    return None
+
+
+def _skip(body: bytes, at: int | None, width: int) -> int | None:
+    """Past a vector whose length takes ``width`` bytes at ``at``; None if it overruns."""
+    if at is None or at + width > len(body):
+        return None
+    after = at + width + int.from_bytes(body[at : at + width], "big")
+    return after if after <= len(body) else None
+
+
+def _host_name(extension: bytes) -> str | None:
+    # ServerNameList (RFC 6066 section 3): server_name_list<1..2^16-1> of
+    # (name_type(1), opaque HostName<1..2^16-1>)
+    if len(extension) < 2:
+        return None
+    end = 2 + int.from_bytes(extension[:2], "big")
+    if end > len(extension):
+        return None
+    at = 2
+    while at + 3 <= end:
+        kind = extension[at]
+        size = int.from_bytes(extension[at + 1 : at + 3], "big")
+        at += 3
+        if at + size > end:
+            return None
+        if kind == HOST_NAME:
+            return extension[at : at + size].decode("latin-1") or None
+        at += size
+    return None
+
+
+# --- the acceptor ---------------------------------------------------------------------------------
+
+ProtocolFactory = Callable[[], asyncio.BaseProtocol]
+
+
+class TLSAcceptor:
+    """Serves TLS on ``sock`` (bound, listening, non-blocking) on ``loop`` (the reactor's own):
+    each accepted connection gets a protocol from ``protocol_factory`` once its handshake is
+    done. Certificates, failure counts and on-demand issuance come from ``store``.
+
+    ``hold``: how long a first handshake waits for its host's certificate (0: never);
+    ``handshake_timeout``: the TLS handshake's bound, once uvloop has the connection;
+    ``peek_timeout``: how long a connection may take to send its ClientHello while names are read
+    (a client that connects and sends nothing is closed then); ``max_held``: connections held at
+    once at most; ``retry_hold_after``: after a hold ended without a certificate, how long that
+    host's handshakes are served without waiting.
+
+    The factory is called when uvloop takes the connection, before the handshake: a protocol whose
+    handshake fails is dropped without any call.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol_factory: ProtocolFactory,
+        store: tls.CertStore,
+        *,
+        hold: float = 10.0,
+        handshake_timeout: float = 10.0,
+        peek_timeout: float = 10.0,
+        max_held: int = DEFAULT_MAX_HELD,
+        retry_hold_after: float = RETRY_HOLD_AFTER,
+        accept_batch: int = ACCEPT_BATCH,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._factory = protocol_factory
+        self._store = store
+        self.hold = hold
+        self.handshake_timeout = handshake_timeout
+        self.peek_timeout = peek_timeout
+        self.max_held = max_held
+        self.retry_hold_after = retry_hold_after
+        self._batch = accept_batch
+        self._listening = False
+        self._closed = False
+        self._resume: asyncio.TimerHandle | None = None
+        self._peeks: set[_Peek] = set()
+        self._holds: dict[str, _Hold] = {}  # host -> the connections waiting for its certificate
+        self._held = 0  # connections in self._holds
+        self._full_logged = False
+        self._gave_up: dict[str, float] = {}  # host -> loop time its last hold timed out
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._buffer = bytearray(PEEK_CAP)  # peeks land here (one loop, one peek at a time)
+
+    # -- the listening socket
+
+    def start(self) -> None:
+        """Accept connections as they come."""
+        if self._listening or self._closed:
+            return
+        self._listening = True
+        self._loop.add_reader(self._sock.fileno(), self._accept, self._batch)
+
+    def accept_backlog(self) -> None:
+        """Accept, now, every connection the kernel has queued (a drain calls it just before
+        :meth:`close`: a connection the kernel completed is served, not reset)."""
+        if not self._closed:
+            self._accept(None)
+
+    def close(self) -> None:
+        """Stop accepting and close the listening socket. Connections accepted already (reading
+        their ClientHello, held, shaking hands or served) carry on."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_listening()
+        self._sock.close()
+
+    @property
+    def pending(self) -> int:
+        """Connections accepted whose handshake has not ended yet (reading the ClientHello, held,
+        or in TLS)."""
+        return len(self._peeks) + self._held + len(self._handshakes)
+
+    def _stop_listening(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        if self._listening:
+            self._listening = False
+            self._loop.remove_reader(self._sock.fileno())
+
+    def _accept(self, limit: int | None) -> None:
+        accepted = 0
+        while limit is None or accepted < limit:
+            try:
+                conn, address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                accepted += 1  # reset while it waited in the queue
+                continue
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause(e)
+                else:
+                    _log.error("tls: accepting a connection failed: {error}", error=e)
+                return
+            accepted += 1
+            self._admit(conn, _peer(address))
+
+    def _pause(self, error: OSError) -> None:
+        # Out of descriptors (or memory): the queued connections would wake us again at once.
+        _log.error(
+            "tls: cannot accept connections ({error}); trying again in {delay}s (raise the "
+            "file descriptor limit, LimitNOFILE=, if this recurs)",
+            error=error.strerror or error,
+            delay=ACCEPT_PAUSE,
+        )
+        if self._listening:
+            self._stop_listening()
+            self._resume = self._loop.call_later(ACCEPT_PAUSE, self._resume_accepting)
+
+    def _resume_accepting(self) -> None:
+        self._resume = None
+        self.start()
+
+    # -- each connection
+
+    def _admit(self, conn: socket.socket, peer: str) -> None:
+        try:
+            conn.setblocking(False)
+        except OSError:
+            conn.close()
+            return
+        if self.hold <= 0 or not self._store.on_demand:
+            # Nothing is ever held: no need to know the name before TLS does.
+            self._hand_over(conn, peer, tls.HandshakeNotes())
+            return
+        peek = _Peek(self, conn, peer)
+        self._peeks.add(peek)
+        try:
+            peek.start()
+        except (OSError, RuntimeError) as e:  # the loop refused to watch it: let TLS have it
+            self._peeks.discard(peek)
+            _log.warn(
+                "tls: cannot read the ClientHello from {peer} first: {error}", peer=peer, error=e
+            )
+            self._hand_over(conn, peer, tls.HandshakeNotes())
+
+    def _peeked(self, conn: socket.socket, peer: str, name: str | None) -> None:
+        """``conn``'s ClientHello is in (``name``: its SNI name), or will never be: hold it, or
+        hand it to TLS."""
+        notes = tls.HandshakeNotes(server_name=name or "", peeked=True)
+        host = tls.sni_host(name.encode("latin-1")) if name is not None else None
+        if host is None or not self._may_hold(host):
+            self._hand_over(conn, peer, notes)
+            return
+        if self._held >= self.max_held:
+            if not self._full_logged:
+                self._full_logged = True
+                _log.warn(
+                    "tls: {count} handshakes are held already (the most there may be): serving "
+                    "{host} without waiting for its certificate",
+                    count=self._held,
+                    host=host,
+                )
+            self._hand_over(conn, peer, notes)
+            return
+        hold = self._holds.get(host)
+        if hold is None:
+            if not self._store.want(host):
+                self._hand_over(conn, peer, notes)  # the issuer will not get one
+                return
+            hold = _Hold(host, self._loop.time())
+            self._holds[host] = hold
+            _log.info(
+                "tls: holding the first handshake for {host} while its certificate is issued "
+                "(up to {hold}s)",
+                host=host,
+                hold=self.hold,
+            )
+        hold.connections.append((conn, peer, notes))
+        self._held += 1
+        _held.inc()
+        if hold.wait is None:
+            # After the connection is in: the wait may fire at once.
+            wait = self._store.wait_for(host, self.hold)
+            hold.wait = wait
+            wait.addCallback(self._release, hold).addErrback(self._release_failed, hold)
+
+    def _may_hold(self, host: str) -> bool:
+        if not self._store.holds_for(host):
+            return False
+        gave_up = self._gave_up.get(host)
+        if gave_up is None:
+            return True
+        if self._loop.time() - gave_up < self.retry_hold_after:
+            return False
+        del self._gave_up[host]
+        return True
+
+    def _release(self, issued: bool, hold: _Hold) -> None:
+        if self._holds.get(hold.host) is hold:
+            del self._holds[hold.host]
+        count = len(hold.connections)
+        self._held -= count
+        _held.dec(count)
+        if self._held < self.max_held:
+            self._full_logged = False
+        _holds.labels("issued" if issued else "timeout").inc(count)
+        if issued:
+            _log.info(
+                "tls: certificate for {host} arrived after {seconds:.1f}s; completing {count} "
+                "held handshake(s)",
+                host=hold.host,
+                seconds=self._loop.time() - hold.started,
+                count=count,
+            )
+        else:
+            self._remember_gave_up(hold.host)
+            _log.warn(
+                "tls: no certificate for {host} within {hold}s: serving {what} to its {count} "
+                "held handshake(s), and holding none for {retry}s (see the acme log lines for "
+                "why its issuance is slow or failing)",
+                host=hold.host,
+                hold=self.hold,
+                what=(
+                    "the default certificate"
+                    if self._store.has_default
+                    else "no certificate (no default.pem: the handshake fails)"
+                ),
+                count=count,
+                retry=self.retry_hold_after,
+            )
+        for conn, peer, notes in hold.connections:
+            self._hand_over(conn, peer, notes)
+
+    def _release_failed(self, failure: Failure, hold: _Hold) -> None:
+        if not failure.check(CancelledError):
+            _log.failure("tls: a held handshake for {host} failed", failure, host=hold.host)
+
+    def _remember_gave_up(self, host: str) -> None:
+        now = self._loop.time()
+        if len(self._gave_up) >= _GAVE_UP_PRUNE:
+            self._gave_up = {
+                h: t for h, t in self._gave_up.items() if now - t < self.retry_hold_after
+            }
+        self._gave_up[host] = now
+
+    def _hand_over(self, conn: socket.socket, peer: str, notes: tls.HandshakeNotes) -> None:
+        task = self._loop.create_task(self._handshake(conn, peer, notes))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, conn: socket.socket, peer: str, notes: tls.HandshakeNotes) -> None:
+        # Seen by the SNI callback and every handshake step: uvloop runs the connection's
+        # callbacks in a copy of this task's context.
+        tls.handshake_notes.set(notes)
+        try:
+            await self._loop.connect_accepted_socket(
+                self._factory,
+                conn,
+                ssl=self._store.server_ssl_context,
+                ssl_handshake_timeout=self.handshake_timeout,
+            )
+        except OSError as e:  # ssl.SSLError included
+            conn.close()  # a no-op once uvloop has taken it (it detaches the socket object)
+            if notes.received:
+                kind, detail = tls.classify_ssl_failure(e, notes)
+                self._store.handshake_failed(kind, notes.server_name, peer, detail)
+        except Exception:
+            conn.close()
+            _log.failure("tls: serving a connection from {peer} failed", peer=peer)
+
+
+@define(eq=False)
+class _Hold:
+    host: str
+    started: float  # loop time
+    connections: list[tuple[socket.socket, str, tls.HandshakeNotes]] = field(factory=list)
+    wait: Deferred[bool] | None = None
+
+
+class _Peek:
+    """Looks at one connection's ClientHello, without consuming it, until its SNI name is known
+    (or it is clear there is none, or the client is not speaking TLS).
+
+    A peek leaves the bytes queued, so the socket stays readable: to wait for the rest of a
+    ClientHello split over TCP segments, its receive low-water mark (``SO_RCVLOWAT``) is raised
+    to the length still needed, and restored before TLS takes over.
+    """
+
+    def __init__(self, acceptor: TLSAcceptor, conn: socket.socket, peer: str) -> None:
+        self._acceptor = acceptor
+        self._conn = conn
+        self._peer = peer
+        self._fd = conn.fileno()
+        self._lowat = 1
+        self._seen = 0  # bytes the last peek found
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = self._acceptor._loop
+        loop.add_reader(self._fd, self._readable)
+        # Only once watching it: a failed add_reader leaves nothing behind.
+        self._timer = loop.call_later(self._acceptor.peek_timeout, self._timed_out)
+
+    def _stop(self) -> None:
+        acceptor = self._acceptor
+        acceptor._peeks.discard(self)
+        acceptor._loop.remove_reader(self._fd)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._lowat > 1:
+            try:
+                self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass  # gone: TLS finds out
+
+    def _readable(self) -> None:
+        acceptor = self._acceptor
+        buffer = acceptor._buffer
+        try:
+            n = self._conn.recv_into(buffer, PEEK_CAP, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._stop()
+            self._conn.close()
+            if self._seen:
+                acceptor._store.handshake_failed("closed", "", self._peer, str(e))
+            return
+        if n == 0:
+            # Closed without a byte: a TCP probe (a load balancer's health check), not a failure.
+            self._stop()
+            self._conn.close()
+            return
+        self._seen = n
+        result = client_hello_server_name(bytes(memoryview(buffer)[:n]))
+        if isinstance(result, Incomplete):
+            if n >= self._lowat and result.needed <= PEEK_CAP:
+                try:
+                    self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, result.needed)
+                except OSError:
+                    pass
+                else:
+                    self._lowat = result.needed
+                    return
+            # Woken with fewer bytes than the low-water mark: the peer closed mid-hello (or the
+            # hello is too big to look at). TLS reads what there is and tells the failure.
+            result = None
+        self._stop()
+        acceptor._peeked(self._conn, self._peer, result)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        self._stop()
+        self._conn.close()
+        if self._seen:
+            self._acceptor._store.handshake_failed(
+                "closed",
+                "",
+                self._peer,
+                f"no whole ClientHello within {self._acceptor.peek_timeout}s",
+            )
+        else:
+            _silent.inc()
+            _log.debug(
+                "tls: closed a connection from {peer} that sent nothing in {seconds}s",
+                peer=self._peer,
+                seconds=self._acceptor.peek_timeout,
+            )
+
+
+def _peer(address: Any) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address) or "(unix socket)"

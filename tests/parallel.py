@@ -1,0 +1,93 @@
+"""Run the test modules in parallel, each in a ``trial --reactor=uvloop`` process of its own.
+
+``make unit`` runs this instead of ``trial -j``: trial's distributed runner does not work with an
+asyncio reactor (a worker's reactor returns from ``run`` before its test finished, and the worker
+dies), and the router runs on one (lchat.uvloop_reactor). Modules are handed out longest first
+(their size is the estimate) to ``-j`` slots as they free up; each gets its own temp directory.
+A failing module's whole output is printed at the end; the exit status is 1 if any failed.
+
+    python -m tests.parallel [-j N] [module ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRIAL = [sys.executable, "-m", "twisted.trial", "--reactor=uvloop"]
+
+
+def modules() -> list[str]:
+    files = sorted(HERE.glob("test_*.py"), key=lambda p: p.stat().st_size, reverse=True)
+    return [f"tests.{p.stem}" for p in files]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("modules", nargs="*")
+    args = parser.parse_args()
+    queue = list(args.modules or modules())
+    lock = threading.Lock()
+    failed: list[tuple[str, str]] = []
+    totals = {"tests": 0, "modules": 0}
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="lchat-trial-")
+
+    def worker(slot: int) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                module = queue.pop(0)
+            t0 = time.monotonic()
+            temp = os.path.join(scratch, module)
+            proc = subprocess.run(
+                [*TRIAL, f"--temp-directory={temp}", module],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+            )
+            out = proc.stdout
+            ran = re.search(r"^Ran (\d+) tests?", out, re.MULTILINE)
+            verdict = out.strip().splitlines()[-1] if out.strip() else "(no output)"
+            with lock:
+                totals["modules"] += 1
+                totals["tests"] += int(ran.group(1)) if ran else 0
+                print(
+                    f"[{time.monotonic() - started:6.0f}s] {module}: {verdict}"
+                    f" ({time.monotonic() - t0:.1f}s)",
+                    flush=True,
+                )
+                if proc.returncode != 0:
+                    failed.append((module, out))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(max(1, args.jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for module, out in failed:
+        print(f"\n{'=' * 30} {module} {'=' * 30}\n{out}", flush=True)
+    elapsed = time.monotonic() - started
+    print(
+        f"\n{totals['tests']} tests in {totals['modules']} modules, {elapsed:.0f}s: "
+        + (f"FAILED ({', '.join(m for m, _ in failed)})" if failed else "PASSED"),
+        flush=True,
+    )
+    if not failed:
+        subprocess.run(["rm", "-rf", scratch], check=False)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
