@@ -211,6 +211,9 @@ class Router:
         self._mesh = mesh
         self._mesh_api = mesh_api
         self._acme_challenge = acme_challenge
+        # The target of each ready row, made once per row (a row is a frozen value: a changed
+        # one is a new object), not once per request.
+        self._sockets: dict[str, tuple[Route, LocalSocket]] = {}
 
     def route(self, head: RequestHead) -> Target | Deferred[Target]:
         host = head.host
@@ -253,4 +256,11 @@ class Router:
             return plain(
                 503, f"503 Service Unavailable: {host} is {route.status}", retry, label=route.status
             )
-        return LocalSocket(host=host, path=route.socket, kind=route.kind)
+        cached = self._sockets.get(host)
+        if cached is not None and cached[0] is route:
+            return cached[1]
+        target = LocalSocket(host=host, path=route.socket, kind=route.kind)
+        if len(self._sockets) > 2 * len(self._table.table) + 64:
+            self._sockets.clear()  # rows removed since: forget them
+        self._sockets[host] = (route, target)
+        return target

@@ -506,6 +506,9 @@ class UpstreamPool:
             future.add_done_callback(done)
 
         def done(future: asyncio.Future[UpstreamConnection]) -> None:
+            if future.cancelled():  # the loop is shutting down
+                failed(asyncio.CancelledError())
+                return
             error = future.exception()
             if error is None:
                 connected(future.result())
