@@ -1,4 +1,4 @@
-"""The certificate store and the SNI-switching TLS listener.
+"""The certificate store: the certificates the HTTPS front door serves, and its SNI callback.
 
 Layout of ``LCHAT_ACME_CACHE`` (one PEM file per name, holding the private key and the certificate
 chain, leaf first; every file mode 0600 or stricter):
@@ -14,15 +14,17 @@ The most specific wins: host, then wildcard, then default. Every other file (ACM
 a file of its own. File names are only ever built by :func:`cert_path` and :func:`wildcard_cert_path`.
 
 The directory is rescanned every few seconds; a file whose (inode, size, mtime, mode) changed is
-re-read in a thread and becomes *new* contexts, so a context a connection already uses is never
+re-read in a thread and becomes a *new* context, so a context a connection already uses is never
 mutated. A changed file that is refused keeps the certificate loaded from it before (until it
 expires); a loaded certificate that expires stops being served.
 
-Each certificate gets two contexts built from the very bytes that were checked: a pyOpenSSL one
-(Twisted's TLS listener, :func:`https_endpoint`) and a stdlib :class:`ssl.SSLContext` (the asyncio
-front door, :mod:`lchat.proxy.tls_accept`, whose listener context is
-:attr:`CertStore.server_ssl_context`). Both pick host, wildcard, default the same way
-(:meth:`CertStore.context_for_server_name`), both speak TLS 1.2+ and ALPN ``http/1.1`` only.
+Each certificate gets a stdlib :class:`ssl.SSLContext` built from the very bytes that were
+checked (handed to OpenSSL through an anonymous memory file, never read from the path again). The
+front door (:mod:`lchat.proxy.tls_accept`, on uvloop's SSL transport) serves with
+:attr:`CertStore.server_ssl_context`, which holds no certificate: its SNI callback switches each
+connection to the context of its host, its wildcard or the default
+(:meth:`CertStore.context_for_server_name`). Every context speaks TLS 1.2+ and ALPN ``http/1.1``
+only.
 
 On-demand issuance: when the ACME issuer listens on the store's :class:`CertificateWanted` cue, a
 known host without a certificate is *held* (:meth:`CertStore.holds_for`): the front door waits
@@ -39,34 +41,17 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal
 
 from attrs import define, field, frozen
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
-from OpenSSL import SSL, crypto
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import (
-    IAddress,
-    IDelayedCall,
-    IHandshakeListener,
-    IListeningPort,
-    IProtocol,
-    IProtocolFactory,
-    IReactorTime,
-    IStreamServerEndpoint,
-)
-from twisted.internet.protocol import connectionDone
-from twisted.internet.ssl import CertificateOptions, TLSVersion
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
-from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from lchat import hosts
 from lchat.registry import RouteSource
@@ -187,7 +172,7 @@ def _misnamed(filename: str) -> str | None:
 
 @frozen
 class Loaded:
-    """A certificate ready to serve, with the context built for it (never mutated afterwards)."""
+    """A certificate ready to serve, with its TLS context (never mutated afterwards)."""
 
     kind: Kind
     name: str  # host, domain (wildcard) or "default"
@@ -195,8 +180,7 @@ class Loaded:
     fingerprint: Fingerprint
     not_after: float  # unix time
     serial: int
-    context: SSL.Context = field(eq=False, repr=False)  # pyOpenSSL: Twisted's TLS listener
-    ssl_context: ssl.SSLContext = field(eq=False, repr=False)  # stdlib: the asyncio front door
+    ssl_context: ssl.SSLContext = field(eq=False, repr=False)  # what the SNI callback switches to
     not_before: float | None = None  # unix time
     issuer: str = ""  # the issuing CA's common name
     origin: str = ""  # the ACME directory that issued it (its marker line), "" = placed by hand
@@ -276,12 +260,6 @@ def _build(
     if kind != "default":
         _check_names(leaf, kind, name)
     try:
-        context = _context(key, chain)
-    except TypeError:
-        raise _Refuse(f"unsupported private key type {type(key).__name__}") from None
-    except (SSL.Error, ValueError) as e:
-        raise _Refuse(f"OpenSSL will not use it: {e}") from None
-    try:
         ssl_context = _stdlib_context(keys[0], certs)
     except ssl.SSLError as e:
         raise _Refuse(f"OpenSSL will not use it: {e}") from None
@@ -296,7 +274,6 @@ def _build(
         fingerprint,
         not_after,
         leaf.serial_number,
-        context,
         ssl_context,
         not_before=leaf.not_valid_before_utc.timestamp(),
         issuer=issuer,
@@ -337,41 +314,15 @@ def _directly_under(domain: str, host: str) -> bool:
     return host != domain and hosts.covers(domain, host)
 
 
-def _context(key: PrivateKeyTypes, chain: list[x509.Certificate]) -> SSL.Context:
-    # Built through CertificateOptions so each per-name context carries the same protocol floor,
-    # ciphers and ALPN as the listener's: after the SNI switch, OpenSSL uses *this* context's.
-    options = CertificateOptions(
-        privateKey=crypto.PKey.from_cryptography_key(key),  # type: ignore[arg-type]
-        certificate=crypto.X509.from_cryptography(chain[0]),
-        extraCertChain=[crypto.X509.from_cryptography(c) for c in chain[1:]],
-        raiseMinimumTo=TLSVersion.TLSv1_2,
-        acceptableProtocols=[ALPN],
-    )
-    context = options.getContext()
-    _strict_alpn(context)
-    return context
-
-
-def _strict_alpn(context: SSL.Context) -> None:
-    # Twisted's own callback also offers whatever the wrapped factory advertises (h2 from a Site
-    # when the h2 package is installed); the router speaks HTTP/1.1 and nothing else.
-    # No overlap: carry on without ALPN, as with a client that offered none. (Twisted's answer, b"",
-    # makes OpenSSL abort with an internal_error alert.)
-    def select(connection: SSL.Connection, offered: list[bytes]) -> Any:
-        return ALPN if ALPN in offered else SSL.NO_OVERLAPPING_PROTOCOLS
-
-    context.set_alpn_select_callback(select)
-
-
 def server_context() -> ssl.SSLContext:
     """A stdlib server context with the front door's protocol settings and no certificate: TLS 1.2
     or later, ALPN ``http/1.1`` only, no renegotiation.
 
     Set on the listener's context as well as on every per-name one: after the SNI switch OpenSSL
     keeps the protocol floor and options of the context the connection started on, and takes the
-    ALPN choice from the new one. The stdlib's ALPN choice is already strict: a client offering no
+    ALPN choice from the new one. The stdlib's ALPN choice is strict: a client offering no
     ``http/1.1`` gets no ALPN at all (``SSL_TLSEXT_ERR_NOACK``) and the handshake carries on, as
-    :func:`_strict_alpn` makes pyOpenSSL do.
+    with a client that offered none (never ``h2``: the router speaks HTTP/1.1 only).
     """
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -592,14 +543,6 @@ class CertStore(Service):
         # certificate of its own nor a wildcard: the ACME issuer's cue.
         self._wanted = wanted
         # The listener's context: no certificate of its own, it only dispatches on SNI.
-        self._options = CertificateOptions(
-            raiseMinimumTo=TLSVersion.TLSv1_2,
-            acceptableProtocols=[ALPN],
-            contextForServerName=self.context_for_server_name,
-        )
-        self._dispatch = self._options.getContext()
-        _strict_alpn(self._dispatch)
-        # The same for the stdlib (the asyncio front door): no certificate of its own either.
         self._ssl_dispatch = server_context()
         self._ssl_dispatch.sni_callback = self._ssl_server_name
         self._ssl_dispatch.sslobject_class = _NotedSSLObject
@@ -607,25 +550,22 @@ class CertStore(Service):
     # -- what the listener uses
 
     @property
-    def connection_creator(self) -> CertificateOptions:
-        """The server connection creator to wrap a listener with (see :func:`https_endpoint`)."""
-        return self._options
-
-    @property
     def server_ssl_context(self) -> ssl.SSLContext:
-        """The stdlib context to serve TLS with (the asyncio front door): it holds no certificate
-        and switches each connection, in its SNI callback, to the one
-        :meth:`context_for_server_name` would pick. Handshakes through it note what they saw in
-        :data:`handshake_notes`, when the caller set one."""
+        """The context to serve TLS with (the front door): it holds no certificate and switches
+        each connection, in its SNI callback, to the one :meth:`context_for_server_name` would
+        pick. Handshakes through it note what they saw in :data:`handshake_notes`, when the
+        caller set one."""
         return self._ssl_dispatch
 
-    def context_for_server_name(self, server_name: bytes | None) -> SSL.Context | None:
-        """The most specific context for an SNI name: host (if registered), wildcard, default."""
+    def context_for_server_name(self, server_name: bytes | None) -> ssl.SSLContext | None:
+        """The most specific context for an SNI name (the raw bytes, None for no SNI): host (if
+        registered), wildcard, default; None when nothing matches (the handshake then fails).
+        Cues the issuer, as a handshake does, for a known host that has no certificate."""
         loaded = self._select(server_name)
-        return loaded.context if loaded is not None else None
+        return loaded.ssl_context if loaded is not None else None
 
     def _select(self, server_name: bytes | None) -> Loaded | None:
-        # Shared by both TLS stacks: they serve the same certificate and give the same cues.
+        # What the SNI callback and context_for_server_name share: the choice, and the cue.
         host = sni_host(server_name)
         if host is not None:
             loaded = self._certificate_for(host)
@@ -669,10 +609,6 @@ class CertStore(Service):
                 connection.context = loaded.ssl_context
         except Exception:
             _log.failure("tls: choosing a certificate for {name!r} failed", name=server_name)
-
-    def is_dispatch_context(self, context: SSL.Context | None) -> bool:
-        """True for the listener's own context: a connection still on it got no certificate."""
-        return context is self._dispatch
 
     # -- on-demand issuance: the front door holds a first handshake while its certificate comes
 
@@ -952,138 +888,18 @@ def _safe(build: Callable[[], str]) -> str:
         return f"(none possible: {e})"
 
 
-# --- the listener -------------------------------------------------------------------------------
-
-
-def https_endpoint(reactor: Any, address: str, store: CertStore) -> IStreamServerEndpoint:
-    """``address`` (a Twisted server endpoint string, e.g. from ``LCHAT_HTTPS_ADDR``) with TLS on
-    top, certificates chosen per SNI name by ``store``, failed handshakes counted."""
-    return _TLSEndpoint(serverFromString(reactor, address), store, reactor)
-
-
-@implementer(IStreamServerEndpoint)
-class _TLSEndpoint:
-    def __init__(self, endpoint: IStreamServerEndpoint, store: CertStore, clock: Any) -> None:
-        self._endpoint = endpoint
-        self._store = store
-        self._clock = clock
-
-    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
-        return self._endpoint.listen(_TLSFactory(self._store, protocolFactory, self._clock))
-
-
-class _ObservedTLS(BufferingTLSTransport):
-    """The front door's TLS transport. It only notes whether the peer sent anything: a connection
-    closed before its first byte is a TCP probe, not a failed handshake."""
-
-    received = False
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received = True
-        super().dataReceived(data)
-
-
-@implementer(IProtocol, IHandshakeListener)
-class _HandshakeWatch:
-    """Sits between the TLS transport and the application's protocol and reports a handshake
-    that did not complete (the only place one is observable).
-
-    Built on public interfaces only: TLS tells its protocol that the handshake completed
-    (``IHandshakeListener.handshakeCompleted``) and hands it the handshake's error as the
-    ``connectionLost`` reason, and ``getHandle()`` is the OpenSSL connection (SNI name, context).
-    Everything else reaches the application unchanged: its transport is the TLS transport itself
-    (``makeConnection`` passes it on), and ``dataReceived`` is the application's own bound method,
-    so a request costs no extra call.
-    """
-
-    def __init__(self, app: IProtocol, store: CertStore) -> None:
-        self._app = app
-        self._store = store
-        self._tls: _ObservedTLS | None = None
-        self._connection: SSL.Connection | None = None
-        self._completed = False
-        self.dataReceived = app.dataReceived
-
-    def makeConnection(self, transport: Any) -> None:
-        self._tls = transport
-        self._connection = transport.getHandle()
-        self._app.makeConnection(transport)
-
-    def connectionMade(self) -> None:
-        """Not called: ``makeConnection`` hands the connection to the application whole."""
-
-    def handshakeCompleted(self) -> None:
-        self._completed = True
-        if IHandshakeListener.providedBy(self._app):
-            self._app.handshakeCompleted()
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        try:
-            tls = self._tls
-            if not self._completed and tls is not None and tls.received:
-                self._report(tls, reason)
-        finally:
-            self._app.connectionLost(reason)
-
-    def logPrefix(self) -> str:
-        prefix = getattr(self._app, "logPrefix", None)
-        return str(prefix()) if prefix is not None else self._app.__class__.__name__
-
-    def _report(self, tls: _ObservedTLS, reason: Failure) -> None:
-        connection = self._connection
-        if connection is None:
-            return
-        server_name = connection.get_servername()
-        name = server_name.decode("ascii", "replace") if server_name else ""
-        address = tls.transport.getPeer() if tls.transport is not None else None
-        host, port = getattr(address, "host", None), getattr(address, "port", None)
-        peer = f"{host}:{port}" if host is not None else str(address)
-        error = reason.value
-        detail = _ssl_reasons(error) if isinstance(error, SSL.Error) else ""
-        store = self._store
-        kind = _classify(error, detail, store.is_dispatch_context(connection.get_context()))
-        store.handshake_failed(kind, name, peer, detail or reason.getErrorMessage())
-
-
-class _TLSFactory(TLSMemoryBIOFactory):
-    protocol = _ObservedTLS
-
-    def __init__(self, store: CertStore, wrapped: IProtocolFactory, clock: IReactorTime) -> None:
-        super().__init__(store.connection_creator, False, wrapped, clock)
-        self.store = store
-
-    def buildProtocol(self, addr: IAddress | None) -> Any:
-        app = self.wrappedFactory.buildProtocol(addr)
-        if app is None:
-            return None  # the application refused the connection
-        return self.protocol(self, _HandshakeWatch(app, self.store))
-
-
-def _ssl_reasons(error: SSL.Error) -> str:
-    parts: Iterable[Any] = error.args[0] if error.args and isinstance(error.args[0], list) else []
-    text = "; ".join(str(p[2]) for p in parts if isinstance(p, tuple) and len(p) == 3)
-    return text or str(error)
-
-
-def _classify(error: BaseException | None, detail: str, no_certificate: bool) -> str:
-    """A small, fixed set of metric labels."""
-    if not isinstance(error, SSL.Error):
-        return "closed"  # the peer (or a timeout) closed the connection mid-handshake
-    text = detail.lower()
-    if "unsupported protocol" in text or "version too low" in text:
-        return "version"
-    if "http request" in text:
-        return "plain_http"
-    if "alert" in text:
-        return "peer_alert"  # the client refused us, usually our certificate
-    if no_certificate:
-        return "no_certificate"
-    return "protocol"
+# --- handshake failures -------------------------------------------------------------------------
 
 
 def classify_ssl_failure(error: BaseException, notes: HandshakeNotes) -> tuple[str, str]:
-    """A failed stdlib handshake (what uvloop raised) as ``(kind, detail)``: the same small set of
-    labels as :func:`_classify`, and the reason for the log."""
+    """A failed handshake (what uvloop raised) as ``(kind, detail)``: a metric label from a small,
+    fixed set, and the reason for the log.
+
+    ``closed``: the peer (or the handshake timeout) ended the connection mid-handshake;
+    ``version``: below TLS 1.2; ``plain_http``: an HTTP request on the HTTPS port; ``peer_alert``:
+    the client refused us, usually our certificate; ``no_certificate``: nothing to serve for the
+    name asked (nor a default); ``protocol``: anything else.
+    """
     if not isinstance(error, ssl.SSLError):
         # EOF or a reset mid-handshake, or the handshake timeout (ConnectionAbortedError).
         detail = str(error) or "the peer closed the connection"

@@ -6,6 +6,17 @@ underscore, or living in an underscore module (``twisted.web._newclient``,
 below needs a few such names because no public API does the job; each function says exactly which
 private name it touches and why. Nothing else in ``lchat`` may reach into Twisted's privates.
 
+The private names touched, all of them:
+
+- ``twisted.web._newclient.RequestNotSent`` and ``.WrongBodyLength``: error types the S3 client
+  tells apart (re-exported here); the S3 client also relies on the subclasses of
+  ``twisted.web._newclient._WrapperException`` being the three public ones it lists
+  (``lchat.objstore.s3._WRAPPERS``; checked by the tests, not touched);
+- ``twisted.web.client.HTTPConnectionPool._factory`` and
+  ``twisted.web.client._HTTP11ClientFactory``: :func:`quiet_pool`;
+- ``twisted.internet._sslverify.IOpenSSLTrustRoot`` and its ``_addCACertsToContext``:
+  :func:`platform_trust_plus` (the mesh's client TLS, lchat.mesh.client).
+
 ``tests/test_twisted_internals.py`` drives each of these against the installed Twisted over real
 loopback TCP and TLS connections, and fails naming the internal if one has changed. ``setup.cfg``
 pins Twisted to the releases those tests passed on: run them before widening the pin.
@@ -16,8 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet._sslverify import IOpenSSLTrustRoot
-from twisted.internet.abstract import FileDescriptor
-from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.web._newclient import RequestNotSent, WrongBodyLength
 from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 from zope.interface import implementer
@@ -26,7 +35,6 @@ __all__ = [
     "RequestNotSent",
     "TrustRoot",
     "WrongBodyLength",
-    "buffered_output",
     "platform_trust_plus",
     "quiet_pool",
 ]
@@ -44,43 +52,6 @@ __all__ = [
 #   non-idempotent request may be retried.
 # - ``WrongBodyLength``: a body producer wrote more or fewer bytes than its ``length``; Twisted
 #   wraps it in the public ``RequestGenerationFailed``, whose ``reasons`` the S3 client unwraps.
-
-# --- how much a transport still has to send --------------------------------------------------
-
-
-def buffered_output(transport: object) -> int | None:
-    """Bytes written to ``transport`` and not yet taken by the kernel, or None if it cannot tell.
-
-    Private names read: ``FileDescriptor.dataBuffer``, ``.offset`` and ``._tempDataLen``
-    (twisted.internet.abstract: what a TCP or unix transport holds, from ``offset`` on, plus the
-    small writes not yet joined into ``dataBuffer``); ``TLSMemoryBIOProtocol._appSendBuffer`` (the
-    application's writes held until the handshake completes) and
-    ``BufferingTLSTransport._aggregator._buffer`` (small writes held until the next reactor turn),
-    both twisted.protocols.tls. No public API: ``IConsumer``/``IPushProducer`` say only *whether* a
-    transport wants us to pause, never *how much* it holds, and the front door's send timeout
-    needs to see whether unsent output moves at all (lchat.proxy.downstream, ``_check_send``).
-
-    For the deadline sweep only (a few attribute reads), never the per-request path. A renamed
-    attribute makes it None (the send timeout then counts from the pause or close instead of the
-    last byte that moved), and the tests fail loudly.
-    """
-    total = 0
-    try:
-        if isinstance(transport, TLSMemoryBIOProtocol):
-            # (Checked first: a protocol wrapper forwards unknown attributes to the transport
-            # beneath, so dataBuffer would be found there and TLS's own buffers missed.)
-            total += sum(map(len, transport._appSendBuffer))
-            # After connectionLost the aggregator is a _NullAggregator, without a buffer.
-            aggregator = getattr(transport, "_aggregator", None)
-            total += sum(map(len, getattr(aggregator, "_buffer", ())))
-            transport = transport.transport
-        if isinstance(transport, FileDescriptor):
-            unsent = len(transport.dataBuffer) - transport.offset
-            return total + unsent + transport._tempDataLen
-    except AttributeError:
-        pass
-    return None
-
 
 # --- an HTTP client pool that does not log every connection ----------------------------------
 

@@ -1,7 +1,7 @@
-"""The certificate store, SNI selection and the TLS listener, with real handshakes on 127.0.0.1.
+"""The certificate store and SNI selection, with real handshakes on 127.0.0.1.
 
-:class:`FrontDoorCases` is what any TLS front door must do; :class:`SNITests` runs it on Twisted's
-listener, ``tests.test_tls_accept`` on the asyncio one.
+:class:`FrontDoorCases` is what the TLS front door must do with the store's certificates;
+``tests.test_tls_accept`` runs it on the front door (:mod:`lchat.proxy.tls_accept`).
 
 A test CA is made here with ``cryptography``; clients are Python's ``ssl`` (in a thread, so any
 certificate can be inspected) and Twisted's own verifying client.
@@ -33,11 +33,8 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, wrap
 from twisted.internet.protocol import Protocol
 from twisted.internet.ssl import Certificate, optionsForClientTLS
 from twisted.logger import formatEvent, globalLogPublisher
-from twisted.protocols.policies import WrappingFactory
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
-from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
 
 from lchat import hosts, tls
 from lchat.cli.main import main
@@ -205,14 +202,6 @@ class _Get(Protocol):
         self.done.callback(self.data)
 
 
-class HelloResource(Resource):
-    isLeaf = True
-
-    def render_GET(self, request: Request) -> bytes:
-        request.setHeader(b"content-type", b"text/plain")
-        return b"hello over tls\n"
-
-
 def sample(metric: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(metric, labels) or 0.0
 
@@ -241,8 +230,8 @@ else:
 
 
 class FrontDoorCases(_Case):
-    """What a TLS front door does with the store's certificates, with real handshakes: run against
-    Twisted's TLS listener (:class:`SNITests`) and the asyncio one (``tests.test_tls_accept``).
+    """What the TLS front door does with the store's certificates, with real handshakes (run by
+    ``tests.test_tls_accept``, with and without names peeked first).
 
     A subclass says how to listen (:meth:`serve`, answering each HTTP request head with
     ``hello over tls``) and how to wait until every server connection has closed (:meth:`drain`).
@@ -476,27 +465,6 @@ class FrontDoorCases(_Case):
         self.assertNotIn("b.example.com", store.certificates())
 
 
-class SNITests(FrontDoorCases, TestCase):
-    """Twisted's TLS listener (:func:`tls.https_endpoint`) with a trivial Site."""
-
-    @inlineCallbacks
-    def serve(self, store: tls.CertStore, **kw: Any) -> Any:
-        wrapper = WrappingFactory(Site(HelloResource()))
-        port = yield tls.https_endpoint(reactor, "tcp:0:interface=127.0.0.1", store).listen(wrapper)
-        self.addCleanup(self.drain)
-        self.addCleanup(port.stopListening)
-        self.wrapper = wrapper
-        return port.getHost().port
-
-    @inlineCallbacks
-    def drain(self) -> Any:
-        for _ in range(500):
-            if not self.wrapper.protocols:
-                return
-            yield task.deferLater(reactor, 0.01, lambda: None)
-        self.fail(f"server connections still open: {self.wrapper.protocols}")
-
-
 # --- the store without sockets -------------------------------------------------------------------
 
 
@@ -704,7 +672,7 @@ class StoreTests(SynchronousTestCase):
             task.Clock(), self.dir, known.__contains__, run_in_thread=thread_runner(task.Clock())
         )
         store.load_initial()
-        contexts = {c.label: c.context for c in store.certificates().values()}
+        contexts = {c.label: c.ssl_context for c in store.certificates().values()}
         lookup = store.context_for_server_name
         self.assertIs(lookup(b"a.example.com"), contexts["a.example.com"])
         self.assertIs(lookup(b"x.example.com"), contexts["*.example.com"])  # not registered

@@ -23,7 +23,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import PrivateCertificate, optionsForClientTLS, platformTrust
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, globalLogPublisher
-from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web import _newclient
@@ -36,7 +36,7 @@ from zope.interface import implementer
 
 from lchat import twisted_internals
 from lchat.objstore import s3
-from lchat.twisted_internals import buffered_output, platform_trust_plus, quiet_pool
+from lchat.twisted_internals import platform_trust_plus, quiet_pool
 from tests.test_tls import TestCA
 
 reactor: Any = _reactor
@@ -120,149 +120,11 @@ class _Base(TestCase):
         return PrivateCertificate.loadPEM(pem).options()
 
 
-# --- buffered_output --------------------------------------------------------------------------
-
-
-class BufferedOutputTCPTests(_Base):
-    """FileDescriptor.dataBuffer / .offset / ._tempDataLen, on a real TCP connection."""
-
-    async def test_the_attributes_it_reads_are_there(self) -> None:
-        held: list[_Held] = []
-        port = await self.listen(_factory(held))
-        await self.connect(port, Protocol())
-        await until(lambda: bool(held), 5, "the server side of the connection")
-        transport = held[0].transport
-        for name in ("dataBuffer", "offset", "_tempDataLen"):
-            self.assertTrue(
-                hasattr(transport, name),
-                moved(
-                    f"twisted.internet.abstract.FileDescriptor.{name}",
-                    "buffered_output cannot count a TCP transport's unsent output",
-                ),
-            )
-
-    async def test_counts_a_write_until_the_kernel_takes_it(self) -> None:
-        held: list[_Held] = []
-        port = await self.listen(_factory(held))
-        await self.connect(port, Protocol())
-        await until(lambda: bool(held), 5, "the server side of the connection")
-        transport = held[0].transport
-        self.assertEqual(buffered_output(transport), 0)
-        transport.write(b"x" * 1000)  # type: ignore[union-attr]  # sent on the next reactor turn
-        self.assertEqual(
-            buffered_output(transport),
-            1000,
-            moved(
-                "FileDescriptor._tempDataLen",
-                "a write not yet joined into dataBuffer is no longer counted",
-            ),
-        )
-        await until(lambda: buffered_output(transport) == 0, 5, "the write leaving")
-
-    async def test_counts_what_a_reader_that_stopped_leaves_behind(self) -> None:
-        held: list[_Held] = []
-        port = await self.listen(_factory(held))
-        client = await self.connect(port, Protocol())
-        client.transport.pauseProducing()  # type: ignore[union-attr]  # the client stops reading
-        await until(lambda: bool(held), 5, "the server side of the connection")
-        transport = held[0].transport
-        size = 16 * 1024 * 1024  # far beyond both kernels' socket buffers
-        transport.write(b"y" * size)  # type: ignore[union-attr]
-        await sleep(0.3)  # the reactor sends what the kernel takes
-        stuck = buffered_output(transport)
-        self.assertIsNotNone(stuck)
-        assert stuck is not None
-        unsent = len(transport.dataBuffer) - transport.offset + transport._tempDataLen  # type: ignore[union-attr]
-        self.assertTrue(
-            0 < stuck < size and stuck == unsent,
-            moved(
-                "FileDescriptor.dataBuffer/offset",
-                f"{stuck} bytes reported unsent, {unsent} held, of {size} written",
-            ),
-        )
-        client.transport.resumeProducing()  # type: ignore[union-attr]
-        await until(lambda: buffered_output(transport) == 0, 20, "the reader catching up")
-
-
-class BufferedOutputTLSTests(_Base):
-    """TLSMemoryBIOProtocol._appSendBuffer and BufferingTLSTransport._aggregator._buffer."""
-
-    async def test_the_attributes_it_reads_are_there(self) -> None:
-        held: list[_Held] = []
-        port = await self.listen(
-            TLSMemoryBIOFactory(self.server_tls(TestCA()), False, _factory(held))
-        )
-        await self.connect(port, Protocol())  # plain TCP: the handshake never starts
-        await until(lambda: bool(held), 5, "the server side of the connection")
-        tls = held[0].transport
-        self.assertIsInstance(tls, BufferingTLSTransport)
-        self.assertIsInstance(
-            getattr(tls, "_appSendBuffer", None),
-            list,
-            moved(
-                "twisted.protocols.tls.TLSMemoryBIOProtocol._appSendBuffer",
-                "writes held until the handshake completes are no longer counted",
-            ),
-        )
-        self.assertIsInstance(
-            getattr(getattr(tls, "_aggregator", None), "_buffer", None),
-            list,
-            moved(
-                "twisted.protocols.tls.BufferingTLSTransport._aggregator._buffer",
-                "small writes held for the next reactor turn are no longer counted",
-            ),
-        )
-
-    async def test_counts_writes_held_before_the_handshake(self) -> None:
-        held: list[_Held] = []
-        factory = TLSMemoryBIOFactory(self.server_tls(TestCA()), False, _factory(held, b"z" * 1000))
-        port = await self.listen(factory)
-        await self.connect(port, Protocol())  # sends no ClientHello: the handshake waits forever
-        await until(lambda: bool(held), 5, "the server side of the connection")
-        tls: Any = held[0].transport
-        await sleep(0.1)  # the small-write aggregator has passed the greeting on to TLS by now
-        self.assertEqual(
-            sum(len(b) for b in tls._appSendBuffer),
-            1000,
-            moved("TLSMemoryBIOProtocol._appSendBuffer", "no longer where early writes wait"),
-        )
-        self.assertEqual(buffered_output(tls), 1000, moved("_appSendBuffer", "not counted"))
-
-    async def test_counts_a_write_after_the_handshake_until_it_is_sent(self) -> None:
-        ca = TestCA()
-        held: list[_Held] = []
-        port = await self.listen(TLSMemoryBIOFactory(self.server_tls(ca), False, _factory(held)))
-        client_side: list[_Held] = []
-        client = TLSMemoryBIOFactory(
-            optionsForClientTLS(NAME, trustRoot=_ca_trust(ca)), True, _factory(client_side)
-        )
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port)
-        tcp: Any = await endpoint.connect(client)
-        self.addCleanup(tcp.transport.abortConnection)
-        await until(lambda: bool(client_side) and client_side[0].completed, 5, "the handshake")
-        await until(lambda: bool(held), 5, "the server side of the connection")
-        tls = held[0].transport
-        self.assertIsNotNone(
-            buffered_output(tls), moved("TLSMemoryBIOProtocol._appSendBuffer", "gone")
-        )
-        await until(lambda: buffered_output(tls) == 0, 5, "the handshake's own bytes leaving")
-        tls.write(b"w" * 1000)  # type: ignore[union-attr]
-        self.assertEqual(buffered_output(tls), 1000, moved("_aggregator._buffer", "not counted"))
-        await until(lambda: buffered_output(tls) == 0, 5, "the write leaving")
-        await until(lambda: client_side[0].received == b"w" * 1000, 5, "the client reading it")
-
-
 def _write_file(path: str, data: bytes) -> str:
     path = os.path.abspath(path)
     with open(path, "wb") as f:
         f.write(data)
     return path
-
-
-def _ca_trust(ca: TestCA) -> Any:
-    from twisted.internet.ssl import Certificate
-
-    return Certificate.loadPEM(ca.pem)
 
 
 # --- quiet_pool -------------------------------------------------------------------------------

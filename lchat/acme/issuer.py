@@ -154,13 +154,19 @@ class Issuer(Service):
 
     # -- asking -------------------------------------------------------------------------------
 
-    def want(self, host: str) -> None:
+    def want(self, host: str) -> bool:
         """A handshake for ``host`` found no certificate: get one if policy allows. Never raises,
-        never waits (it runs inside OpenSSL's SNI callback)."""
+        never waits (it runs inside OpenSSL's SNI callback, or before a held handshake). True
+        when a certificate for it is on the way (its own, or its wildcard): only then is the
+        handshake worth holding (lchat.proxy.tls_accept)."""
         try:
             self._want(host)
         except Exception:
             _log.failure("acme: deciding whether to issue for {host} failed", host=host)
+            return False
+        domain = self._wildcard_domain(host)
+        coming = [CertName("host", host)] + ([CertName.wildcard(domain)] if domain else [])
+        return any(name in self._inflight for name in coming)
 
     def _want(self, host: str) -> None:
         if not self.running:

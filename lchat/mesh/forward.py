@@ -19,7 +19,6 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from lchat.router import Header, RemotePeer
-from lchat.twisted_internals import TrustRoot, platform_trust_plus
 
 HEADER = b"x-lchat-mesh-forwarded"
 MAX_SKEW = 120.0  # seconds either way: boxes' clocks are NTP-close, not equal
@@ -50,13 +49,6 @@ def authentic(value: bytes | None, token: str, host: str, now: Callable[[], floa
     if abs(now() - int(stamp)) > MAX_SKEW:
         return False
     return hmac.compare_digest(mac.encode("ascii"), _mac(token, stamp, host).encode("ascii"))
-
-
-def trust_root(ca_file: str) -> TrustRoot | None:
-    """The trust root for connections to peers: the platform's CAs (None), plus those in
-    ``ca_file`` (LCHAT_MESH_CA_FILE) when given, a private CA for the mesh's certificates without
-    giving up ordinary verification."""
-    return platform_trust_plus(ca_file) if ca_file else None
 
 
 def peer_target(peer_url: str, host: str, token: str, now: Callable[[], float]) -> RemotePeer:
