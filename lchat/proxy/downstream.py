@@ -30,6 +30,7 @@ from lchat import hosts
 from lchat.config import ProxyConfig
 from lchat.proxy.http import (
     FORWARDING,
+    HOP_BY_HOP,
     INTERNAL,
     LAST_CHUNK,
     REFUSED,
@@ -47,7 +48,10 @@ from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Ro
 
 _log = Logger(namespace="lchat.proxy")
 
-_SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # RFC 9110 §9.2.1: no side effects
+_SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+# Request headers never passed on as they came (we frame each hop and set these ourselves).
+_NOT_PASSED = HOP_BY_HOP | {b"content-length"}
+_NO_TOKENS: frozenset[bytes] = frozenset()  # RFC 9110 §9.2.1: no side effects
 # The most request body kept after it went upstream (until the response starts), so that a request
 # an upstream never processed can be sent again from its first byte: one a mesh peer refused
 # because it is stopping, or one a kept-alive connection closed unanswered. Bigger bodies are
@@ -182,6 +186,8 @@ class Exchange:
     body_complete: bool = False
     streaming: bool = False  # body goes straight upstream
     upgrade_tail: bytes = b""  # bytes after an upgrade request's head
+    upstream_lines: bytes = b""  # the client's headers that go upstream, as "name: value" lines
+    forwarded_for: list[bytes] = field(factory=list)  # the client's own X-Forwarded-For values
     upstream: UpstreamConnection | None = None
     response_started: bool = False
     response_chunked: bool = False
@@ -251,6 +257,7 @@ class Downstream(asyncio.Protocol):
         # Deadlines, checked by the factory's sweep: cheaper than a callLater per request.
         self._deadline: float | None = None
         self._timer_action: Callable[[], None] | None = None
+        self._head_timer = False  # the armed deadline is the header timeout
         self._body_deadline: float | None = None
         self._completed: Exchange | None = None  # the last request whose message ended
         self._progress = False  # a parser callback ran during the current read
@@ -376,7 +383,7 @@ class Downstream(asyncio.Protocol):
             raise _StopReading()  # we already answered with "Connection: close" in this read
         ex = Exchange(started=self.proxy.reactor.seconds())
         self._parsing = ex
-        if self._active is None and self._timer_action != self._header_timed_out:
+        if self._active is None and not self._head_timer:
             # From idle keep-alive to reading a head; a running head deadline is not extended.
             self._arm(self.cfg.header_timeout, self._header_timed_out)
 
@@ -494,6 +501,11 @@ class Downstream(asyncio.Protocol):
         lengths: set[bytes] = set()
         internal: dict[bytes, bytes] = {}
         kept: list[Header] = []
+        # What goes upstream as it came, one "name: value" line each (end_to_end, in one pass
+        # with the checks: this is every request's path): no hop-by-hop or framing header, no
+        # Proxy-*, none we set ourselves. Connection's own tokens are applied below.
+        lines: list[bytes] = []
+        connection = False
         for name, value in ex.headers:
             lower = name.lower()
             if lower == b"host":
@@ -507,12 +519,20 @@ class Downstream(asyncio.Protocol):
             elif lower == b"expect":
                 if value.strip().lower() != b"100-continue":
                     raise _Reject(417, "unsupported expectation")
+            elif lower == b"connection":
+                connection = True
+            elif lower == b"x-forwarded-for":
+                ex.forwarded_for.append(value)
             if lower in INTERNAL:
                 internal[lower] = value
             elif b"_" not in name:
                 # A name with an underscore is dropped, as nginx does (underscores_in_headers
                 # off): a CGI/WSGI-style server would fold it onto the dashed name.
                 kept.append((name, value))
+                if not (
+                    lower in _NOT_PASSED or lower in FORWARDING or lower.startswith(b"proxy-")
+                ):
+                    lines.append(b"%s: %s\r\n" % (name, value))
         if ex.chunked and ex.version == "1.0":
             # HTTP/1.0 has no chunked coding: a server reading it as 1.0 would take the chunks
             # for the body's bytes (RFC 9112 §6.1; nginx answers 400 too).
@@ -529,7 +549,11 @@ class Downstream(asyncio.Protocol):
             ex.length = int(text)
             if self.cfg.max_body and ex.length > self.cfg.max_body:
                 raise _Reject(413, f"request body over {self.cfg.max_body} bytes (LCHAT_MAX_BODY)")
-        tokens = connection_tokens(ex.headers)
+        tokens = connection_tokens(ex.headers) if connection else _NO_TOKENS
+        if tokens and not tokens <= HOP_BY_HOP:
+            # Connection names headers of its own to drop (rare): filter the slow way.
+            lines = [b"%s: %s\r\n" % h for h in end_to_end(kept, drop=FORWARDING)]
+        ex.upstream_lines = b"".join(lines)
         if b"host" in tokens:
             raise _Reject(400, "Connection may not name Host")  # it would strip Host upstream
         ex.upgrade = b"upgrade" in tokens and any(n.lower() == b"upgrade" for n, _ in ex.headers)
@@ -561,12 +585,12 @@ class Downstream(asyncio.Protocol):
         except Exception:
             self._route_failed(Failure(), ex)
         else:
-            if isinstance(target, Deferred):
+            if isinstance(target, LocalSocket | RemotePeer | LocalResponse):
+                self._routed(target, ex)
+            else:  # a Deferred (isinstance on it is slow: an ABC's check)
                 target.addCallbacks(
                     self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
                 )
-            else:
-                self._routed(target, ex)
         if ex.upstream is None and not ex.response_started and not self._closed:
             # Routing or dialing goes on asynchronously: stop reading until it is done. (The
             # common case, a pooled connection to a known host, completes above without it.)
@@ -669,13 +693,13 @@ class Downstream(asyncio.Protocol):
 
     def _request_head(self, ex: Exchange) -> bytes:
         assert ex.head is not None and ex.target is not None
-        headers = end_to_end(ex.head.headers, drop=FORWARDING)
-        forwarded_for = self._client
-        prior = [v for n, v in ex.head.headers if n.lower() == b"x-forwarded-for"]
-        if prior:
-            forwarded_for = b", ".join(prior).decode("latin-1") + ", " + self._client
-        headers.append((b"X-Forwarded-For", forwarded_for.encode("latin-1")))
-        headers.append((b"X-Forwarded-Proto", b"https" if self.proxy.secure else b"http"))
+        client = self._client.encode("latin-1")
+        prior = ex.forwarded_for
+        forwarded_for = b", ".join([*prior, client]) if prior else client
+        headers: list[Header] = [
+            (b"X-Forwarded-For", forwarded_for),
+            (b"X-Forwarded-Proto", b"https" if self.proxy.secure else b"http"),
+        ]
         if isinstance(ex.target, RemotePeer):
             headers.extend(ex.target.add_headers)
         if ex.chunked:
@@ -685,7 +709,11 @@ class Downstream(asyncio.Protocol):
         if ex.upgrade:
             upgrade = [v for n, v in ex.head.headers if n.lower() == b"upgrade"]
             headers += [(b"Connection", b"Upgrade"), (b"Upgrade", upgrade[0])]
-        return head_bytes(ex.method + b" " + ex.head.target + b" HTTP/1.1", headers)
+        parts = [b"%s %s HTTP/1.1\r\n" % (ex.method, ex.head.target), ex.upstream_lines]
+        for name, value in headers:
+            parts += [name, b": ", value, b"\r\n"]
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
     def _upgrade_ready(self, ex: Exchange) -> None:
         """The upgrade request's head is parsed; the bytes after it wait for the 101."""
@@ -1189,10 +1217,12 @@ class Downstream(asyncio.Protocol):
     def _arm(self, seconds: float, action: Callable[[], None]) -> None:
         self._deadline = self.proxy.reactor.seconds() + seconds
         self._timer_action = action
+        self._head_timer = action == self._header_timed_out
 
     def _disarm(self) -> None:
         self._deadline = None
         self._timer_action = None
+        self._head_timer = False
 
     def check_deadlines(self, now: float) -> None:
         """Called by the factory's sweep: fire whichever deadline has passed."""

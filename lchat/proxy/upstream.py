@@ -38,7 +38,10 @@ _dial_retries = Counter(
 _dial_failures = Counter(
     "lchat_upstream_dial_failures_total", "Upstream dials given up after the retry window"
 )
+# Kept as a plain number (a gauge's lock per request is measurable) and read at scrape time.
+_IDLE = [0]
 _idle = Gauge("lchat_upstream_idle_connections", "Idle pooled upstream connections")
+_idle.set_function(lambda: _IDLE[0])
 
 Key = tuple[Any, ...]
 
@@ -116,7 +119,8 @@ class UpstreamConnection(asyncio.Protocol):
         """Start an exchange: the caller writes the request next."""
         self.handler = handler
         self._method = method
-        self._parser = httptools.HttpResponseParser(self)
+        if self._parser is None:  # (one per connection: a kept-alive one parses response after
+            self._parser = httptools.HttpResponseParser(self)  # response; a HEAD ends reuse)
         self._headers = []
         self._final = self._complete = self._close_delimited = self._got_bytes = False
         self.request_sent = False
@@ -389,7 +393,7 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()
             self._idle_count -= 1
-            _idle.dec()
+            _IDLE[0] -= 1
             if conn.connected and conn.reusable:
                 conn.reused += 1
                 return conn
@@ -412,7 +416,7 @@ class UpstreamPool:
             conn.valve.open_all()  # an idle pooled connection must read (to see it close)
         idle.append(conn)
         self._idle_count += 1
-        _idle.inc()
+        _IDLE[0] += 1
         conn.idle_since = self._reactor.seconds()
         if self._sweep is None:
             self._sweep = LoopingCall(self._expire)
@@ -435,7 +439,7 @@ class UpstreamPool:
         if idle and conn in idle:
             idle.remove(conn)
             self._idle_count -= 1
-            _idle.dec()
+            _IDLE[0] -= 1
 
     def idle_connections(self) -> list[UpstreamConnection]:
         """Every idle pooled connection (diagnostics and tests)."""
@@ -447,7 +451,7 @@ class UpstreamPool:
         idle = self._idle.pop(("unix", socket_path), [])
         for conn in idle:
             self._idle_count -= 1
-            _idle.dec()
+            _IDLE[0] -= 1
             conn.close()
         return len(idle)
 
