@@ -551,6 +551,8 @@ def start_router(
                 f"LCHAT_HTTP_ADDR=127.0.0.1:{port}",
                 *tls_settings,
                 "LCHAT_UNITS=builtin",
+                # As the nginx beside it (client_max_body_size 0): bulk.py uploads 1 GiB.
+                "LCHAT_MAX_BODY=0",
                 "",
             ]
         )
