@@ -529,9 +529,7 @@ class Downstream(asyncio.Protocol):
                 # A name with an underscore is dropped, as nginx does (underscores_in_headers
                 # off): a CGI/WSGI-style server would fold it onto the dashed name.
                 kept.append((name, value))
-                if not (
-                    lower in _NOT_PASSED or lower in FORWARDING or lower.startswith(b"proxy-")
-                ):
+                if not (lower in _NOT_PASSED or lower in FORWARDING or lower.startswith(b"proxy-")):
                     lines.append(b"%s: %s\r\n" % (name, value))
         if ex.chunked and ex.version == "1.0":
             # HTTP/1.0 has no chunked coding: a server reading it as 1.0 would take the chunks
