@@ -1021,12 +1021,21 @@ class Downstream(asyncio.Protocol):
         self._served += 1
         STATS.in_flight -= 1
         self._log_access(ex)
-        self._end_observed(ex)
+        if ex.observed:
+            self._end_observed(ex)
         assert self.transport is not None and self.valve is not None
         if ex.close_after:
             self._closing()
             return
         self.valve.open("routing")
+        if not self._waiting and not self._closed:
+            # Nothing pipelined (the common case): idle keep-alive, or the next head arriving.
+            self.valve.open("pipelined")
+            if self._parsing is None:
+                self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
+            else:
+                self._arm(self.cfg.header_timeout, self._header_timed_out)
+            return
         self._serve_waiting()
 
     def _serve_waiting(self) -> None:
@@ -1188,7 +1197,7 @@ class Downstream(asyncio.Protocol):
     def _log_access(self, ex: Exchange) -> None:
         target = ex.target
         host_class: str
-        if isinstance(target, LocalSocket):
+        if type(target) is LocalSocket:
             host_class = target.kind
         elif isinstance(target, RemotePeer):
             host_class = "peer"
@@ -1196,7 +1205,7 @@ class Downstream(asyncio.Protocol):
             host_class = target.label
         else:
             host_class = "none"
-        self.proxy.count(host_class, ex.status)
+        STATS.count(host_class, ex.status)
         if self.cfg.access_log and ex.head is not None:
             _log.info(
                 'access {client} {host} "{method} {target} HTTP/{version}" {status} {bytes} {ms}ms',

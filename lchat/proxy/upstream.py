@@ -111,7 +111,9 @@ class UpstreamConnection(asyncio.Protocol):
         # (uvloop's TLS transport has a Transport's methods without being a subclass.)
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
-        transport.set_write_buffer_limits(high=64 * 1024)  # (uvloop's TLS default: 512 KiB)
+        # Room for a request body's reads in flight towards the space (an upload arrives in
+        # reads of up to 256 KiB); uvloop's TLS default (512 KiB) is lowered for peers too.
+        transport.set_write_buffer_limits(high=UPSTREAM_HIGH_WATER)
         self.connected = True
         self.valve = Valve(transport)
 
@@ -321,6 +323,7 @@ def _retryable(error: BaseException) -> bool:
     return False
 
 
+UPSTREAM_HIGH_WATER = 256 * 1024  # unsent bytes towards a space beyond which its client waits
 PEER_DIAL_RETRY = 0.2  # seconds of dial retry towards a mesh peer: a refusing peer is stopping
 # Between dial attempts: 50 ms doubling to 1 s, each shortened by up to 20% at random so that the
 # requests queued behind a restarting space do not all dial in the same instant.
