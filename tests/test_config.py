@@ -702,6 +702,7 @@ class FrontDoor(Base):
                 "LCHAT_MAX_HEADERS": "50",
                 "LCHAT_TUNNEL_IDLE_TIMEOUT": "90s",
                 "LCHAT_MAX_BODY": "8MiB",
+                "LCHAT_TLS_FIRST_CONTACT_WAIT": "3s",
                 "LCHAT_ACCESS_LOG": "on",
                 "LCHAT_HTTP_REDIRECT": "off",
                 "LCHAT_METRICS_ADDR": "127.0.0.1:9100",
@@ -714,6 +715,11 @@ class FrontDoor(Base):
         self.assertEqual((cfg.proxy.max_header_bytes, cfg.proxy.max_headers), (8192, 50))
         self.assertEqual(cfg.proxy.tunnel_idle_timeout, 90.0)
         self.assertEqual(cfg.proxy.max_body, 8 * 1024 * 1024)
+        self.assertEqual(cfg.proxy.first_contact_wait, 3.0)
+        self.assertEqual(self.load({}).proxy.first_contact_wait, 10.0)
+        self.assertEqual(
+            self.load({"LCHAT_TLS_FIRST_CONTACT_WAIT": "0s"}).proxy.first_contact_wait, 0.0
+        )
         self.assertTrue(cfg.proxy.access_log)
         self.assertFalse(cfg.http_redirect)
         self.assertEqual(cfg.metrics_addr, "tcp:9100:interface=127.0.0.1")
@@ -737,6 +743,7 @@ class FrontDoor(Base):
             ("LCHAT_MAX_BODY", "1.5M"),
             ("LCHAT_MAX_BODY", "100 MiB"),
             ("LCHAT_MAX_BODY", "99999999999G"),
+            ("LCHAT_TLS_FIRST_CONTACT_WAIT", "10"),
             ("LCHAT_ACCESS_LOG", "yes"),
             ("LCHAT_HTTP_REDIRECT", "maybe"),
             ("LCHAT_METRICS_ADDR", ":99999"),
@@ -761,7 +768,13 @@ class FrontDoor(Base):
             self.assertEqual(self.load({"LCHAT_MAX_BODY": text}).proxy.max_body, size, text)
 
     def test_new_front_door_variables_are_known(self) -> None:
-        cfg = self.load({"LCHAT_TUNNEL_IDLE_TIMEOUT": "10m", "LCHAT_MAX_BODY": "100MiB"})
+        cfg = self.load(
+            {
+                "LCHAT_TUNNEL_IDLE_TIMEOUT": "10m",
+                "LCHAT_MAX_BODY": "100MiB",
+                "LCHAT_TLS_FIRST_CONTACT_WAIT": "10s",
+            }
+        )
         self.assertEqual(cfg.warnings, ())
 
 

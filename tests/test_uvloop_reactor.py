@@ -54,61 +54,41 @@ class ReactorTests(TestCase):
 class TwistdTests(TestCase):
     """``twistd lchat`` on its own installs uvloop; another reactor is refused at start."""
 
-    def run_twistd(self, *reactor_flag: str) -> subprocess.CompletedProcess[str]:
+    def twistd(self, *reactor_flag: str) -> tuple[list[str], str]:
+        """A ``twistd lchat`` command line on a fresh data directory, and that directory."""
         data = tempfile.mkdtemp(prefix="uvr", dir="/tmp")
         self.addCleanup(subprocess.run, ["rm", "-rf", data], check=False)
         os.makedirs(os.path.join(data, "run"))
-        return subprocess.run(
-            [
-                TWISTD,
-                "--nodaemon",
-                "--pidfile=",
-                *reactor_flag,
-                "lchat",
-                "--data-dir",
-                data,
-                "--run-dir",
-                os.path.join(data, "run"),
-                "--http",
-                "127.0.0.1:0",
-                "--https",
-                "off",
-                "--units",
-                "builtin",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            cwd=data,
-        )
+        argv = [
+            TWISTD,
+            "--nodaemon",
+            "--pidfile=",
+            *reactor_flag,
+            "lchat",
+            "--data-dir",
+            data,
+            "--run-dir",
+            os.path.join(data, "run"),
+            "--http",
+            "127.0.0.1:0",
+            "--https",
+            "off",
+            "--units",
+            "builtin",
+        ]
+        return argv, data
 
     def test_another_reactor_is_refused_naming_the_fix(self) -> None:
-        result = self.run_twistd("--reactor=epoll")
+        argv, data = self.twistd("--reactor=epoll")
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=data)
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("runs on uvloop", result.stdout + result.stderr)
         self.assertIn("twistd lchat", result.stdout + result.stderr)
 
     def test_the_router_runs_on_uvloop_by_itself(self) -> None:
-        data = tempfile.mkdtemp(prefix="uvr", dir="/tmp")
-        self.addCleanup(subprocess.run, ["rm", "-rf", data], check=False)
-        os.makedirs(os.path.join(data, "run"))
+        argv, data = self.twistd()
         proc = subprocess.Popen(
-            [
-                TWISTD,
-                "--nodaemon",
-                "--pidfile=",
-                "lchat",
-                "--data-dir",
-                data,
-                "--run-dir",
-                os.path.join(data, "run"),
-                "--http",
-                "127.0.0.1:0",
-                "--https",
-                "off",
-                "--units",
-                "builtin",
-            ],
+            argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

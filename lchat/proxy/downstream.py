@@ -301,7 +301,7 @@ class Downstream(asyncio.Protocol):
         # (nginx: "client prematurely closed connection"): what it asked is cancelled.
         if self.transport is not None:
             self.transport.abort()
-        return True
+        return False  # (closing already; True would be a warning under TLS)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
