@@ -347,9 +347,15 @@ class Replicator:
         if self._stopped:
             raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
         async with self._lock:
+            if self._stopped:
+                # Stopped while we waited for the lock (a tick that held it found the lease
+                # lost): nothing more goes up, and what was written is not in the bucket.
+                raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
             if check and self._check is None:
                 self._check = "flush"
             await self._sync_locked()
+            if self._stopped:
+                raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
             if self._queue:
                 raise ObjectStoreError(
                     f"replica {self.path}: {len(self._queue)} files not uploaded"
