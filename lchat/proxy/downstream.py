@@ -48,10 +48,10 @@ from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Ro
 
 _log = Logger(namespace="lchat.proxy")
 
-_SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+_SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # RFC 9110 §9.2.1: no side effects
 # Request headers never passed on as they came (we frame each hop and set these ourselves).
 _NOT_PASSED = HOP_BY_HOP | {b"content-length"}
-_NO_TOKENS: frozenset[bytes] = frozenset()  # RFC 9110 §9.2.1: no side effects
+_NO_TOKENS: frozenset[bytes] = frozenset()
 # The most request body kept after it went upstream (until the response starts), so that a request
 # an upstream never processed can be sent again from its first byte: one a mesh peer refused
 # because it is stopping, or one a kept-alive connection closed unanswered. Bigger bodies are
