@@ -361,7 +361,10 @@ class Downstream(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._reject(400, str(e))
         else:
-            self._bound_unreported(len(data))
+            if self._progress or self._parsing is None:
+                self._unreported = 0  # (the common case, without a call)
+            else:
+                self._bound_unreported(len(data))
 
     def _bound_unreported(self, size: int) -> None:
         """httptools reports a header (or trailer) line only once it ends, holding the partial line
@@ -669,7 +672,9 @@ class Downstream(asyncio.Protocol):
             upstream.write(chunk(piece) if ex.chunked else piece)
             ex.sent(piece)
         ex.body.clear()
-        if ex.body_complete and not ex.upgrade:
+        if self._body_done(ex) and not ex.upgrade:
+            # (A request without a body is whole at its head: its message ends in this very
+            # parse, with nothing to stream.)
             if ex.chunked:
                 upstream.write(LAST_CHUNK)
             self._request_sent(ex, upstream)
@@ -1178,7 +1183,7 @@ class Downstream(asyncio.Protocol):
         """The request is routed to its target: take the target's in-flight ticket, if it has
         one (an awake hibernating space), until :meth:`_end_observed`."""
         target = ex.target
-        if isinstance(target, LocalSocket) and target.inflight is not None and not ex.observed:
+        if type(target) is LocalSocket and target.inflight is not None and not ex.observed:
             ex.observed = True
             try:
                 target.inflight.request_started(ex.upgrade)
