@@ -253,6 +253,37 @@ class ScheduleTests(TestCase):
         )
         issuer._inflight.clear()
 
+    def test_want_says_whether_a_certificate_is_coming(self) -> None:
+        """The front door holds a first handshake only while its certificate is really being
+        ordered (lchat.proxy.tls_accept): want's answer decides."""
+        clock = Clock()
+        issuer = self.issuer(clock)
+        self.assertFalse(issuer.want("chat.example.com"), "not running: nothing is ordered")
+        issuer.running = True
+        self.assertTrue(issuer.want("chat.example.com"))
+        self.assertTrue(issuer.want("chat.example.com"), "joined: still coming")
+        issuer._inflight.clear()
+        name = CertName.host("chat.example.com")
+        issuer._failed(name, IssuanceError("validation", "no"))
+        self.assertFalse(issuer.want("chat.example.com"), "backing off: nothing is coming")
+        self.flushLoggedErrors()
+
+        refusing = self.issuer(clock)
+        refusing._may_issue = lambda host: False  # (a row that is not ready, say)
+        refusing.running = True
+        self.assertFalse(refusing.want("chat.example.com"))
+        no_http01 = self.issuer(clock)
+        no_http01._http01 = None  # LCHAT_HTTP_ADDR=off: per-host issuance impossible
+        no_http01.running = True
+        self.assertFalse(no_http01.want("chat.example.com"))
+
+        under = self.issuer(clock, wildcard_domains=("example.com",))
+        under.running = True
+        under._wildcards["example.com"] = "ok"  # believed served, but the file went away
+        self.assertTrue(under.want("a.example.com"), "its wildcard is being ordered")
+        for issuer_ in (issuer, under):
+            issuer_._inflight.clear()
+
     def test_a_wildcard_that_went_missing_is_ordered_again_at_once(self) -> None:
         clock = Clock()
         issuer = self.issuer(clock, wildcard_domains=("example.com",))
