@@ -15,6 +15,7 @@ from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
 from twisted.internet.interfaces import IListeningPort
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -385,7 +386,7 @@ def _front_door(
         acme_challenge=certs.challenge_socket,
     )
     factories: list[ProxyFactory] = []
-    door = _FrontDoor(pool, factories, cfg.proxy.drain_grace)
+    door = _FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace)
     loop = uvloop_reactor.loop_of(reactor)
     if cfg.https_addr is not None:
         assert certs.store is not None
@@ -711,31 +712,43 @@ class _FrontDoor(MultiService):
        first request yet is answered (ProxyFactory.close);
     3. the rest, requests in flight (a hibernating space's are let finish before it stops), may
        take up to ``cfg.drain_grace`` seconds; then they are aborted and idle upstream
-       connections closed.
+       connections closed. TLS handshakes still in progress (connections accepted from the
+       queue in step 1 among them) are waited for too, within the same grace: such a client
+       becomes a connection, sends its request and gets its answer (and a mesh peer that was
+       refused one routes it elsewhere).
     """
 
-    def __init__(self, pool: UpstreamPool, factories: list[ProxyFactory], grace: float) -> None:
+    def __init__(
+        self, clock: Any, pool: UpstreamPool, factories: list[ProxyFactory], grace: float
+    ) -> None:
         super().__init__()
         self.setName("front-door")
+        self._clock = clock
         self._pool = pool
         self._factories = factories
         self._grace = grace
 
     def stopService(self) -> Deferred[None]:
+        ports = [s.port for s in self if isinstance(s, FrontListener) and s.port is not None]
         listeners = [maybeDeferred(s.stopService) for s in reversed(list(self))]
         Service.stopService(self)
-        return Deferred.fromCoroutine(self._drain(listeners))
+        return Deferred.fromCoroutine(self._drain(listeners, ports))
 
-    async def _drain(self, listeners: list[Deferred[Any]]) -> None:
+    async def _drain(self, listeners: list[Deferred[Any]], ports: list[FrontPort]) -> None:
         for stopped in listeners:
             try:
                 await stopped
             except Exception:
                 _log.failure("a listener did not stop cleanly")
+        deadline = self._clock.seconds() + self._grace
         for factory in self._factories:
             factory.close()
-        for factory in self._factories:
-            await factory.quiesced(self._grace)
+        while True:
+            for factory in self._factories:
+                await factory.quiesced(max(0.0, deadline - self._clock.seconds()))
+            if self._clock.seconds() >= deadline or not any(p.handshaking for p in ports):
+                break
+            await deferLater(self._clock, 0.05, lambda: None)
         await self._pool.close()
 
 

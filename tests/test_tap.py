@@ -34,6 +34,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
 
 
+def _complete(response: bytes) -> bool:
+    """``response`` holds a whole HTTP response with a Content-Length."""
+    head, found, body = response.partition(b"\r\n\r\n")
+    if not found:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
+
+
 def sleep(seconds: float) -> Deferred[None]:
     return deferLater(reactor, seconds, lambda: None)
 
@@ -244,6 +256,65 @@ class RouterTests(TestCase):
         self.assertIn("version", json.loads(body))
         code, _ = yield self.get("chat.example.com", "/api/version?x=1")
         self.assertEqual(code, 301)
+
+    @inlineCallbacks
+    def test_the_drain_waits_for_a_tls_handshake_in_progress(self):
+        """A client whose TLS handshake is under way when the router starts to drain (one the
+        drain accepted from the kernel's queue, say) gets its answer: the front door's drain
+        waits for it within the grace, rather than letting the process exit under it."""
+        from lchat.cli.main import main as lchat_main
+
+        self.add_space("chat.example.com")
+        acme = os.path.join(self.data, "acme")
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.assertEqual(lchat_main(["dev-cert", "--out", acme, "chat.example.com"]), 0)
+        service = self.start(self.config(LCHAT_HTTPS_ADDR="tcp:0:interface=127.0.0.1"))
+        yield self.wait_for(lambda: (r := self.row("chat.example.com")) and r.status == "ready")
+        context = ssl.create_default_context(cafile=os.path.join(acme, "dev-ca.pem"))
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_hostname="chat.example.com")
+        raw = socket.create_connection(("127.0.0.1", self.tls_port), timeout=10)
+        self.addCleanup(raw.close)
+
+        def handshake_but_the_last_flight() -> None:
+            while True:
+                try:
+                    tls.do_handshake()
+                    return  # ours is done; the server still waits for our Finished
+                except ssl.SSLWantReadError:
+                    if outgoing.pending:
+                        raw.sendall(outgoing.read())
+                    incoming.write(raw.recv(65536))
+
+        def finish_and_ask() -> bytes:
+            tls.write(b"GET /api/version HTTP/1.1\r\nHost: chat.example.com\r\n\r\n")
+            raw.sendall(outgoing.read())
+            data = b""
+            while not _complete(data):
+                chunk = raw.recv(65536)
+                if not chunk:
+                    break
+                incoming.write(chunk)
+                try:
+                    while piece := tls.read(65536):
+                        data += piece
+                except ssl.SSLWantReadError:
+                    continue
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    break
+            raw.close()  # (not waiting for the router's close: the drain waits for ours)
+            return data
+
+        from twisted.internet.threads import deferToThread
+
+        yield deferToThread(handshake_but_the_last_flight)
+        drained = service.getServiceNamed("front-door").stopService()
+        yield sleep(0.5)
+        self.assertFalse(drained.called, "the drain did not wait for the handshake")
+        answer = yield deferToThread(finish_and_ask)
+        self.assertTrue(answer.startswith(b"HTTP/1.1 200 "), answer[:200])
+        self.assertIn(b"connection: close", answer.lower())  # draining: no keep-alive
+        yield drained
 
     @inlineCallbacks
     def test_a_file_bucket_is_probed_at_start(self):

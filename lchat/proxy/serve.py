@@ -177,6 +177,11 @@ class FrontPort:
         if self._closed:
             self._server.close()  # stopped while it was being set up
 
+    @property
+    def handshaking(self) -> int:
+        """TLS handshakes in progress (accepted, not yet a connection of the factory's)."""
+        return self._tls.pending if self._tls is not None else 0
+
     def getHost(self) -> Any:  # IPv4Address, IPv6Address or UNIXAddress
         return self._host
 
