@@ -361,8 +361,16 @@ class Downstream(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._reject(400, str(e))
         else:
-            if self._progress or self._parsing is None:
+            parsing = self._parsing
+            if parsing is None:
                 self._unreported = 0  # (the common case, without a call)
+                return
+            if parsing.head is None and self._active is None and not self._head_timer:
+                # From idle keep-alive (or a fresh connection) to a head begun and not complete:
+                # it must be within header_timeout; a running head deadline is not extended.
+                self._arm(self.cfg.header_timeout, self._header_timed_out)
+            if self._progress:
+                self._unreported = 0
             else:
                 self._bound_unreported(len(data))
 
@@ -384,11 +392,9 @@ class Downstream(asyncio.Protocol):
         self._progress = True
         if self._closed:
             raise _StopReading()  # we already answered with "Connection: close" in this read
-        ex = Exchange(started=self.proxy.reactor.seconds())
-        self._parsing = ex
-        if self._active is None and not self._head_timer:
-            # From idle keep-alive to reading a head; a running head deadline is not extended.
-            self._arm(self.cfg.header_timeout, self._header_timed_out)
+        self._parsing = Exchange(started=self.proxy.reactor.seconds())
+        # (The head's deadline is armed at the end of the read, if the head is not complete by
+        # then: most heads arrive whole, and need none.)
 
     def on_url(self, url: bytes) -> None:
         self._progress = True
