@@ -6,7 +6,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from attrs import define, field
+from attrs import define, evolve, field
 from twisted.trial.unittest import TestCase
 
 from lchat.registry import Route, RouteTable
@@ -43,6 +43,30 @@ class RouterDecisionTests(TestCase):
         self.assertEqual(
             router.route(head("chat.example.com")), LocalSocket("chat.example.com", "/run/x.sock")
         )
+
+    def test_a_ready_rows_target_is_made_once_and_follows_a_changed_row(self) -> None:
+        """The target of a ready row is kept per row (not made per request), and a row that
+        changed (a new socket, a new kind) or went away is never answered from the old one."""
+        tables = table_of(READY)
+        router = Router(tables)
+        first = router.route(head("chat.example.com"))
+        self.assertIs(router.route(head("chat.example.com")), first)
+        moved = evolve(READY, socket="/run/y.sock")
+        tables.table = table_of(moved).table
+        self.assertEqual(
+            router.route(head("chat.example.com")), LocalSocket("chat.example.com", "/run/y.sock")
+        )
+        service = evolve(moved, kind="service")
+        tables.table = table_of(service).table
+        target = router.route(head("chat.example.com"))
+        self.assertIsInstance(target, LocalSocket)
+        assert isinstance(target, LocalSocket)
+        self.assertEqual(target.kind, "service")
+        tables.table = table_of().table
+        gone = router.route(head("chat.example.com"))
+        self.assertIsInstance(gone, LocalResponse)
+        assert isinstance(gone, LocalResponse)
+        self.assertEqual(gone.status, 404)
 
     def test_service_row_is_labelled_as_a_service(self) -> None:
         row = Route("svc.example.com", "service", "/run/svc.sock", status="ready")
