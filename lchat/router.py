@@ -32,7 +32,6 @@ class RequestHead(NamedTuple):
     method: bytes
     target: bytes  # origin-form: /path?query
     host: str  # normalised (lchat.hosts.parse_host_header)
-    headers: tuple[Header, ...] = ()  # as received, minus the internal headers
     client: str = ""  # the peer's address
     secure: bool = False  # arrived over TLS
     sidecar: bool = False  # carried X-Lchat-Sidecar: a bot sidecar's own traffic

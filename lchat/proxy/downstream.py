@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import httptools
-from attrs import define, field, frozen
+from attrs import frozen
 from prometheus_client import REGISTRY, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -28,6 +28,7 @@ from twisted.python.failure import Failure
 
 from lchat import hosts
 from lchat.config import ProxyConfig
+from lchat.proxy import oneread
 from lchat.proxy.http import (
     FORWARDING,
     HOP_BY_HOP,
@@ -165,46 +166,56 @@ class _StopReading(Exception):
     a 400), or when we are already closing."""
 
 
-@define
 class Exchange:
-    """One request and its response."""
+    """One request and its response.
 
-    started: float
-    url: bytearray = field(factory=bytearray)
-    headers: list[Header] = field(factory=list)
-    header_bytes: int = 0
-    method: bytes = b""
-    version: str = "1.1"
+    A plain class: one is made per request, and with the immutable defaults on the class only the
+    mutable fields are set per instance (a third of what an attrs ``__init__`` of all 30 costs).
+    """
+
+    url: bytearray
+    headers: list[Header]
+    header_bytes = 0
+    version = "1.1"
     head: RequestHead | None = None
     target: Target | None = None
-    keep_alive: bool = True  # what the client asked for
+    keep_alive = True  # what the client asked for
     length: int | None = None
-    body_size: int = 0  # request body bytes received so far
-    chunked: bool = False
-    upgrade: bool = False
-    body: list[bytes] = field(factory=list)  # buffered until the upstream is ready
-    body_complete: bool = False
-    streaming: bool = False  # body goes straight upstream
-    upgrade_tail: bytes = b""  # bytes after an upgrade request's head
-    upstream_lines: bytes = b""  # the client's headers that go upstream, as "name: value" lines
-    forwarded_for: list[bytes] = field(factory=list)  # the client's own X-Forwarded-For values
+    body_size = 0  # request body bytes received so far
+    chunked = False
+    upgrade = False
+    body: list[bytes]  # buffered until the upstream is ready
+    body_complete = False
+    streaming = False  # body goes straight upstream
+    upgrade_tail = b""  # bytes after an upgrade request's head
+    upstream_lines = b""  # the client's headers that go upstream, as "name: value" lines
+    forwarded_for: list[bytes]  # the client's own X-Forwarded-For values
     upstream: UpstreamConnection | None = None
-    response_started: bool = False
-    response_chunked: bool = False
-    response_complete: bool = False
-    close_after: bool = False
-    status: int = 0
-    bytes_out: int = 0
-    observed: bool = False
-    retried: bool = False
-    rerouted: bool = False  # sent elsewhere once already (a mesh peer failed it)
+    response_started = False
+    response_chunked = False
+    response_complete = False
+    close_after = False
+    status = 0
+    bytes_out = 0
+    observed = False
+    retried = False
+    rerouted = False  # sent elsewhere once already (a mesh peer failed it)
     # The body already written upstream, kept until the response starts so that the request can
     # be sent again (REPLAY_LIMIT); None once it outgrew the limit, or the response started.
-    replay: list[bytes] | None = field(factory=list)
-    replay_size: int = 0
+    replay: list[bytes] | None
+    replay_size = 0
     # A draining peer that refused the request before its body was all here: sent elsewhere
     # once it is (on_message_complete).
     refused_by: RemotePeer | None = None
+
+    def __init__(self, started: float, method: bytes = b"") -> None:
+        self.started = started
+        self.method = method
+        self.url = bytearray()
+        self.headers = []
+        self.body = []
+        self.forwarded_for = []
+        self.replay = []
 
     def sent(self, data: bytes) -> None:
         """``data`` of the body went upstream: keep it while the request may be sent again."""
@@ -256,8 +267,7 @@ class Downstream(asyncio.Protocol):
         self._waiting: deque[Exchange] = deque()  # pipelined requests not yet served
         # Deadlines, checked by the factory's sweep: cheaper than a callLater per request.
         self._deadline: float | None = None
-        self._timer_action: Callable[[], None] | None = None
-        self._head_timer = False  # the armed deadline is the header timeout
+        self._timer_action: Callable[[Downstream], None] | None = None
         self._body_deadline: float | None = None
         self._completed: Exchange | None = None  # the last request whose message ended
         self._progress = False  # a parser callback ran during the current read
@@ -266,6 +276,8 @@ class Downstream(asyncio.Protocol):
         self._closed = False  # closing (or closed): nothing more is read or answered
         self._served = 0  # requests answered on this connection
         self._client = ""
+        self._client_bytes = b""
+        self._last_whole: oneread.WholeRequest | None = None  # (oneread.request's previous)
         self._output_paused = False  # the transport paused us: its unsent output is over the mark
         self._serving_queue = False  # _serve_waiting's loop is on the stack
         # The send timeout: when the unsent output last moved, and how much there was then.
@@ -288,8 +300,9 @@ class Downstream(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         peer = transport.get_extra_info("peername")
         self._client = str(peer[0]) if isinstance(peer, tuple) and peer else "unix"
+        self._client_bytes = self._client.encode("latin-1")
         # A fresh connection must send a request head promptly: the slowloris guard.
-        self._arm(self.cfg.header_timeout, self._header_timed_out)
+        self._arm(self.cfg.header_timeout, Downstream._header_timed_out)
 
     @property
     def closed(self) -> bool:
@@ -340,6 +353,15 @@ class Downstream(asyncio.Protocol):
             return
         if self._parser is None:
             return  # parsing stopped after a bad pipelined request; closing after the current one
+        if (
+            self._parsing is None
+            and self._active is None
+            and not self._waiting
+            and not self._output_paused
+            and data.endswith(b"\r\n\r\n")
+            and self._serve_whole(data)
+        ):
+            return  # (the common request: a head without a body, all in this read)
         self._progress = False
         try:
             self._parser.feed_data(data)
@@ -365,14 +387,40 @@ class Downstream(asyncio.Protocol):
             if parsing is None:
                 self._unreported = 0  # (the common case, without a call)
                 return
-            if parsing.head is None and self._active is None and not self._head_timer:
+            if (
+                parsing.head is None
+                and self._active is None
+                and self._timer_action is not Downstream._header_timed_out
+            ):
                 # From idle keep-alive (or a fresh connection) to a head begun and not complete:
                 # it must be within header_timeout; a running head deadline is not extended.
-                self._arm(self.cfg.header_timeout, self._header_timed_out)
+                self._arm(self.cfg.header_timeout, Downstream._header_timed_out)
             if self._progress:
                 self._unreported = 0
             else:
                 self._bound_unreported(len(data))
+
+    def _serve_whole(self, data: bytes) -> bool:
+        """Serve ``data`` if it is one whole request without a body (:mod:`oneread`), as the
+        parser's callbacks would have, and return True; else False, having done nothing."""
+        cfg = self.cfg
+        whole = oneread.request(data, cfg.max_header_bytes, cfg.max_headers, self._last_whole)
+        if whole is None:
+            return False
+        self._last_whole = whole
+        try:
+            host = self.proxy.parse_host(whole.host)
+        except _Reject:
+            return False  # the general path refuses it, as it would any malformed Host
+        ex = Exchange(self.proxy.reactor.seconds(), whole.method)
+        ex.upstream_lines = whole.lines
+        ex.body_complete = True
+        ex.head = RequestHead(whole.method, whole.target, host, self._client, self.proxy.secure)
+        self._completed = ex
+        self._unreported = 0
+        self._disarm()
+        self._serve(ex)
+        return True
 
     def _bound_unreported(self, size: int) -> None:
         """httptools reports a header (or trailer) line only once it ends, holding the partial line
@@ -392,7 +440,7 @@ class Downstream(asyncio.Protocol):
         self._progress = True
         if self._closed:
             raise _StopReading()  # we already answered with "Connection: close" in this read
-        self._parsing = Exchange(started=self.proxy.reactor.seconds())
+        self._parsing = Exchange(self.proxy.reactor.seconds())
         # (The head's deadline is armed at the end of the read, if the head is not complete by
         # then: most heads arrive whole, and need none.)
 
@@ -490,7 +538,7 @@ class Downstream(asyncio.Protocol):
             self._finish(ex)
         elif self._active is None and not self._waiting and not self._closed:
             # Answered before its (empty) message ended, e.g. locally: now it is idle keep-alive.
-            self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
+            self._arm(self.cfg.keepalive_timeout, Downstream._idle_timed_out)
         if not ex.keep_alive:
             raise _StopReading()
 
@@ -572,7 +620,6 @@ class Downstream(asyncio.Protocol):
             method=ex.method,
             target=url,
             host=host,
-            headers=tuple(kept),
             client=self._client,
             secure=self.proxy.secure,
             sidecar=b"x-lchat-sidecar" in internal,
@@ -592,12 +639,12 @@ class Downstream(asyncio.Protocol):
         except Exception:
             self._route_failed(Failure(), ex)
         else:
-            if isinstance(target, LocalSocket | RemotePeer | LocalResponse):
-                self._routed(target, ex)
-            else:  # a Deferred (isinstance on it is slow: an ABC's check)
+            if isinstance(target, Deferred):
                 target.addCallbacks(
                     self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
                 )
+            else:
+                self._routed(target, ex)
         if ex.upstream is None and not ex.response_started and not self._closed:
             # Routing or dialing goes on asynchronously: stop reading until it is done. (The
             # common case, a pooled connection to a known host, completes above without it.)
@@ -614,7 +661,8 @@ class Downstream(asyncio.Protocol):
         if isinstance(target, LocalResponse):
             self._answer_locally(ex, target)
             return
-        self._observe(ex)
+        if type(target) is LocalSocket and target.inflight is not None:
+            self._observe(ex)
         pooled = self.proxy.pool.take_idle(target)
         if pooled is not None:
             self._connected(pooled, ex)
@@ -674,16 +722,21 @@ class Downstream(asyncio.Protocol):
         ex.upstream = upstream
         upstream.begin(self, ex.method)
         upstream.write(self._request_head(ex))
-        for piece in ex.body:
-            upstream.write(chunk(piece) if ex.chunked else piece)
-            ex.sent(piece)
-        ex.body.clear()
-        if self._body_done(ex) and not ex.upgrade:
-            # (A request without a body is whole at its head: its message ends in this very
-            # parse, with nothing to stream.)
+        if ex.body:
+            for piece in ex.body:
+                upstream.write(chunk(piece) if ex.chunked else piece)
+                ex.sent(piece)
+            ex.body.clear()
+        if not ex.upgrade and (ex.body_complete or (not ex.chunked and not ex.length)):
+            # All of it is here and now upstream (a request without a body is whole at its head:
+            # its message ends in this very parse, with nothing to stream). _request_sent, inline:
+            # this is every small request's path.
             if ex.chunked:
                 upstream.write(LAST_CHUNK)
-            self._request_sent(ex, upstream)
+            upstream.request_sent = True
+            if not ex.response_started:
+                self._deadline = self.proxy.reactor.seconds() + self.cfg.upstream_timeout
+                self._timer_action = Downstream._upstream_timed_out
         elif not ex.upgrade:
             # The client's body now flows straight through; a full upstream pauses the client.
             ex.streaming = True
@@ -692,22 +745,38 @@ class Downstream(asyncio.Protocol):
                 self.valve.close(Valve.PEER_FULL)
         else:
             self._request_sent(ex, upstream)
-        self.valve.open("routing")
+        if self.valve.reasons:
+            self.valve.open("routing")
 
     def _request_sent(self, ex: Exchange, upstream: UpstreamConnection) -> None:
         """The whole request is upstream: now the space has ``upstream_timeout`` to answer."""
         upstream.request_sent = not ex.upgrade
         if not ex.response_started:
-            self._arm(self.cfg.upstream_timeout, self._upstream_timed_out)
+            self._arm(self.cfg.upstream_timeout, Downstream._upstream_timed_out)
 
     def _request_head(self, ex: Exchange) -> bytes:
         assert ex.head is not None and ex.target is not None
-        client = self._client.encode("latin-1")
+        if (
+            not ex.forwarded_for
+            and ex.length is None
+            and not ex.chunked
+            and not ex.upgrade
+            and type(ex.target) is LocalSocket
+        ):
+            # The common head: no body, no client-sent X-Forwarded-For, to this box's space.
+            return b"%s %s HTTP/1.1\r\n%sX-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n\r\n" % (
+                ex.method,
+                ex.head.target,
+                ex.upstream_lines,
+                self._client_bytes,
+                self.proxy.scheme,
+            )
+        client = self._client_bytes
         prior = ex.forwarded_for
         forwarded_for = b", ".join([*prior, client]) if prior else client
         headers: list[Header] = [
             (b"X-Forwarded-For", forwarded_for),
-            (b"X-Forwarded-Proto", b"https" if self.proxy.secure else b"http"),
+            (b"X-Forwarded-Proto", self.proxy.scheme),
         ]
         if isinstance(ex.target, RemotePeer):
             headers.extend(ex.target.add_headers)
@@ -716,7 +785,7 @@ class Downstream(asyncio.Protocol):
         elif ex.length is not None and (ex.length > 0 or ex.method in (b"POST", b"PUT", b"PATCH")):
             headers.append((b"Content-Length", str(ex.length).encode()))
         if ex.upgrade:
-            upgrade = [v for n, v in ex.head.headers if n.lower() == b"upgrade"]
+            upgrade = [v for n, v in ex.headers if n.lower() == b"upgrade"]
             headers += [(b"Connection", b"Upgrade"), (b"Upgrade", upgrade[0])]
         parts = [b"%s %s HTTP/1.1\r\n" % (ex.method, ex.head.target), ex.upstream_lines]
         for name, value in headers:
@@ -837,6 +906,42 @@ class Downstream(asyncio.Protocol):
             ex.refused_by = target  # on_message_complete sends it on (the body timer runs)
         else:
             self._reroute(ex, target, "stopping", "refused it unprocessed (stopping)")
+        return True
+
+    def response_whole(self, status: int, data: bytes, length: int) -> bool:
+        """The whole response in one read, ``length`` bytes of body after its head, and a head
+        that may go as it came (:func:`oneread.response`): relay it in one write and complete the
+        request, as response_head, response_body and response_complete would, and return True.
+        False, having done nothing, when this request needs more than that (its answer closes
+        the connection, gets headers added, or may be a mesh peer's refusal): the general way."""
+        ex = self._active
+        if (
+            ex is None
+            or self.transport is None
+            or not ex.body_complete
+            or ex.close_after
+            or not ex.keep_alive
+            or ex.upgrade
+            or ex.version != "1.1"
+            or self.proxy.draining
+        ):
+            return False
+        target = ex.target
+        if type(target) is LocalSocket:
+            if target.response_headers:
+                return False
+        elif status == 503:
+            return False  # perhaps a draining peer's refusal (_refused_unprocessed)
+        ex.replay = None
+        ex.status = status
+        ex.response_started = ex.response_complete = True
+        ex.bytes_out = length
+        STATS.bytes_down += length
+        self.transport.write(data)
+        upstream, ex.upstream = ex.upstream, None
+        if upstream is not None:
+            self.proxy.pool.release(upstream)
+        self._finish(ex)
         return True
 
     def response_body(self, data: bytes) -> None:
@@ -1031,22 +1136,31 @@ class Downstream(asyncio.Protocol):
         self._active = None
         self._served += 1
         STATS.in_flight -= 1
-        self._log_access(ex)
+        target = ex.target
+        if type(target) is LocalSocket and not self.cfg.access_log:
+            # _log_access, inline (every request's path): only the count.
+            key = (target.kind, ex.status)
+            STATS.requests[key] = STATS.requests.get(key, 0) + 1
+        else:
+            self._log_access(ex)
         if ex.observed:
             self._end_observed(ex)
         assert self.transport is not None and self.valve is not None
         if ex.close_after:
             self._closing()
             return
-        self.valve.open("routing")
+        valve = self.valve
         if not self._waiting and not self._closed:
             # Nothing pipelined (the common case): idle keep-alive, or the next head arriving.
-            self.valve.open("pipelined")
+            if valve.reasons:
+                valve.open("routing")
+                valve.open("pipelined")
             if self._parsing is None:
-                self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
+                self._arm(self.cfg.keepalive_timeout, Downstream._idle_timed_out)
             else:
-                self._arm(self.cfg.header_timeout, self._header_timed_out)
+                self._arm(self.cfg.header_timeout, Downstream._header_timed_out)
             return
+        valve.open("routing")
         self._serve_waiting()
 
     def _serve_waiting(self) -> None:
@@ -1074,9 +1188,9 @@ class Downstream(asyncio.Protocol):
         if self._active is None and not self._waiting and not self._closed:
             self.valve.open("pipelined")
             if self._parsing is None:
-                self._arm(self.cfg.keepalive_timeout, self._idle_timed_out)
+                self._arm(self.cfg.keepalive_timeout, Downstream._idle_timed_out)
             else:
-                self._arm(self.cfg.header_timeout, self._header_timed_out)
+                self._arm(self.cfg.header_timeout, Downstream._header_timed_out)
 
     def drain(self) -> None:
         """The router is stopping (ProxyFactory.close): close this connection now if it sits idle
@@ -1232,15 +1346,15 @@ class Downstream(asyncio.Protocol):
 
     # -- timers ---------------------------------------------------------------------------------
 
-    def _arm(self, seconds: float, action: Callable[[], None]) -> None:
+    def _arm(self, seconds: float, action: Callable[[Downstream], None]) -> None:
+        """One deadline at a time: ``action`` (a method of this class, unbound) runs at most once
+        when ``seconds`` have passed without another _arm or _disarm."""
         self._deadline = self.proxy.reactor.seconds() + seconds
         self._timer_action = action
-        self._head_timer = action == self._header_timed_out
 
     def _disarm(self) -> None:
         self._deadline = None
         self._timer_action = None
-        self._head_timer = False
 
     def check_deadlines(self, now: float) -> None:
         """Called by the factory's sweep: fire whichever deadline has passed."""
@@ -1259,7 +1373,7 @@ class Downstream(asyncio.Protocol):
             action = self._timer_action
             self._disarm()
             if action is not None:
-                action()
+                action(self)
 
     def _tunnel_idle(self, now: float) -> None:
         """No byte either way through an upgraded tunnel for LCHAT_TUNNEL_IDLE_TIMEOUT: close
@@ -1283,7 +1397,7 @@ class Downstream(asyncio.Protocol):
         if self._output_paused:
             # We stopped reading (the client's output is full), so the head cannot be complete:
             # not the client's delay; the send timeout governs a client that does not read.
-            self._arm(self.cfg.header_timeout, self._header_timed_out)
+            self._arm(self.cfg.header_timeout, Downstream._header_timed_out)
             return
         if self._parsing is not None:
             _rejected.labels("408").inc()
@@ -1424,6 +1538,7 @@ class ProxyFactory:
         self.cfg = cfg or ProxyConfig()
         self.pool = pool or UpstreamPool(reactor, dial_retry=self.cfg.dial_retry)
         self.secure = secure
+        self.scheme = b"https" if secure else b"http"  # X-Forwarded-Proto
         self.connections: set[Downstream] = set()
         self.draining = False  # close() was called: the router is stopping
         self._quiet: list[Deferred[None]] = []  # quiesced() waiters

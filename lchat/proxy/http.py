@@ -111,34 +111,37 @@ class Valve:
     protocol closes it with :data:`PEER_FULL` while its transport's write buffer is over the
     high-water mark (``pause_writing``) and opens it at ``resume_writing``: the backpressure that
     keeps a slow reader from making us buffer a fast writer.
+
+    ``reasons`` is the valve's own (read it, never change it): empty when open, so that a hot path
+    can skip calls to ``open`` that would find nothing to do.
     """
 
     PEER_FULL = "peer-full"
-    __slots__ = ("_reasons", "_transport")
+    __slots__ = ("_transport", "reasons")
 
     def __init__(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
-        self._reasons: set[str] = set()
+        self.reasons: set[str] = set()  # why reading is paused
 
     @property
     def closed(self) -> bool:
-        return bool(self._reasons)
+        return bool(self.reasons)
 
     def close(self, reason: str) -> None:
-        if not self._reasons and not self._transport.is_closing():
+        if not self.reasons and not self._transport.is_closing():
             self._transport.pause_reading()  # type: ignore[attr-defined]
-        self._reasons.add(reason)
+        self.reasons.add(reason)
 
     def open(self, reason: str) -> None:
-        if reason not in self._reasons:
+        if reason not in self.reasons:
             return
-        self._reasons.discard(reason)
-        if not self._reasons and not self._transport.is_closing():
+        self.reasons.discard(reason)
+        if not self.reasons and not self._transport.is_closing():
             self._transport.resume_reading()  # type: ignore[attr-defined]
 
     def open_all(self) -> None:
         """Read again, whatever the reasons were."""
-        if self._reasons:
-            self._reasons.clear()
+        if self.reasons:
+            self.reasons.clear()
             if not self._transport.is_closing():
                 self._transport.resume_reading()  # type: ignore[attr-defined]

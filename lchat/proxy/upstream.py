@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
+from lchat.proxy import oneread
 from lchat.proxy.http import HOP_BY_HOP, INTERNAL, Header, Valve
 from lchat.router import LocalSocket, RemotePeer
 
@@ -43,7 +44,7 @@ _IDLE = [0]
 _idle = Gauge("lchat_upstream_idle_connections", "Idle pooled upstream connections")
 _idle.set_function(lambda: _IDLE[0])
 
-Key = tuple[Any, ...]
+Key = str | tuple[Any, ...]  # a unix socket's path, or (scheme, address, port, server name)
 
 # Response headers that make a head unfit to forward byte for byte (we must drop or rewrite them).
 _REWRITE = HOP_BY_HOP | INTERNAL | {b"proxy-authenticate", b"proxy-authorization"}
@@ -60,6 +61,7 @@ class ResponseHandler(TypingProtocol):
         chunked: bool,
         raw_head: bytes | None,
     ) -> None: ...
+    def response_whole(self, status: int, data: bytes, length: int) -> bool: ...
     def response_body(self, data: bytes) -> None: ...
     def response_complete(self) -> None: ...
     def switched(self, status_reason: bytes, headers: list[Header], tail: bytes) -> None: ...
@@ -171,6 +173,16 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        if (
+            not self._got_bytes
+            and not self._spliced
+            and self._method != b"HEAD"
+            and self.request_sent
+            and self.reusable
+        ):
+            whole = oneread.response(data)
+            if whole is not None and handler.response_whole(whole[0], data, whole[1]):
+                return  # (the common response: all of it in this read, forwarded as it came)
         handler.begin_batch()
         try:
             if self._spliced:
@@ -204,6 +216,12 @@ class UpstreamConnection(asyncio.Protocol):
             handler.flush()
 
     def on_message_begin(self) -> None:
+        if self.handler is None:
+            # A response begins that nobody asked for (bytes after the one that completed, in
+            # the same read): the stream is out of step; never reuse it.
+            self.reusable = False
+            if self.transport is not None:
+                self.transport.close()
         self._headers = []
         self._reason = b""
         self._in_head = True
@@ -332,7 +350,7 @@ DIAL_BACKOFF = Backoff(0.05, 1.0, jitter=(0.8, 1.0))
 
 def target_key(target: LocalSocket | RemotePeer) -> Key:
     if isinstance(target, LocalSocket):
-        return ("unix", target.path)
+        return target.path  # (a string: no tuple made per request for the common target)
     return ("tls" if target.tls else "tcp", target.address, target.port, target.server_name)
 
 
@@ -411,11 +429,13 @@ class UpstreamPool:
         conn.backpressure = None
         if not conn.connected:
             return
-        idle = self._idle.setdefault(conn.key, [])
+        idle = self._idle.get(conn.key)
+        if idle is None:
+            idle = self._idle[conn.key] = []
         if not conn.reusable or len(idle) >= self._max_idle:
             conn.close()
             return
-        if conn.valve is not None:
+        if conn.valve is not None and conn.valve.reasons:
             conn.valve.open_all()  # an idle pooled connection must read (to see it close)
         idle.append(conn)
         self._idle_count += 1
@@ -451,7 +471,7 @@ class UpstreamPool:
     def drop_idle(self, socket_path: str) -> int:
         """Close the idle connections to one unix socket (its space is stopping: a kept-alive
         connection would only make its drain wait). Returns how many were closed."""
-        idle = self._idle.pop(("unix", socket_path), [])
+        idle = self._idle.pop(socket_path, [])
         for conn in idle:
             self._idle_count -= 1
             _IDLE[0] -= 1

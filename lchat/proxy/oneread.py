@@ -1,0 +1,121 @@
+"""Requests and responses that arrive whole in one read, recognised without the general parser.
+
+Most traffic through a router is small: a request head without a body, answered by a response
+whose head and body come in one read. For those the proxy's general path (httptools with a Python
+callback per element, then our checks) costs more than everything else on the request's path
+together (docs/performance.md). Here each is recognised by one compiled pattern instead.
+
+The invariant that makes this safe: **these recognisers accept a strict subset of what the general
+path accepts, and for that subset the proxy does exactly what the general path would**. Anything
+unusual — another method, a body, HTTP/1.0, a tab or a byte over 0x7e anywhere, a header the proxy
+drops or rewrites, two messages in one read, a response not all here — is declined (``None``) and
+goes the general way, which decides (and refuses) as it always did. ``tests/test_proxy_oneread.py``
+holds both paths to that, including on generated inputs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+# RFC 9110 §5.6.2 token characters: a header name.
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+# A field line as the recognisers take it: a token, a colon, then visible ASCII and spaces only
+# (no tab, no obs-text, no control byte), ending in CRLF.
+_LINE = _TOKEN + rb":[ -~]*\r\n"
+
+# GET or HEAD (they carry no body unless a framing header says so, and then we decline), an
+# origin-form target of visible ASCII, HTTP/1.1 exactly.
+_REQUEST_LINE = re.compile(rb"(GET|HEAD) (/[!-~]*) HTTP/1\.1\r\n")
+# The rest of the read: field lines and the empty line, nothing after it (one message).
+_HEADERS = re.compile(rb"(?:" + _LINE + rb")*\r\n")
+
+# Request header names (lowercased, after a newline) that the general path drops, rewrites, reads
+# for framing, or refuses: declined here. ``Connection: keep-alive`` alone is taken out first
+# (browsers send it on every HTTP/1.1 request; it changes nothing). The pattern starts with a
+# literal newline so that it is tried at line starts only.
+_REQUEST_DECLINED = re.compile(
+    rb"\n(?:[!#$%&'*+.^`|~0-9a-z-]*_|c(?:onnection|ontent-length):|keep-alive:|te:|trailer:"
+    rb"|transfer-encoding:|upgrade:|expect:|forwarded:|x-forwarded-for:|x-forwarded-proto:"
+    rb"|proxy-|x-lchat-)"
+)
+_KEEP_ALIVE_LINE = re.compile(rb"^connection: *keep-alive *\r\n", re.M | re.I)
+
+# A final response with a body length (2xx to 5xx), HTTP/1.1; its head must be the read's start.
+_RESPONSE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) [ -~]*(\r\n(?:" + _LINE + rb")*)\r\n")
+# In a response head (lowercased, after a newline): its Content-Length and its value, or a name
+# that makes the general path decline to forward the head byte for byte (a hop-by-hop, internal
+# or underscored header; another framing; a Content-Length with anything but digits). Nothing
+# after a value is consumed (a lookahead): the next line's newline starts the next match.
+_RESPONSE_NAMES = re.compile(
+    rb"\n(?:content-length: *([0-9]{1,18}) *(?=\r\n)|content-length:|[!#$%&'*+.^`|~0-9a-z-]*_"
+    rb"|connection:|keep-alive:|te:|trailer:|transfer-encoding:|upgrade:|proxy-|x-lchat-)"
+)
+
+
+class WholeRequest(NamedTuple):
+    """A bodyless request whose head is the whole read."""
+
+    method: bytes  # GET or HEAD
+    target: bytes  # origin-form
+    host: bytes  # the one Host header's value, lowercased, without surrounding spaces
+    lines: bytes  # the header lines that go upstream as they came, each ending in CRLF
+    block: bytes  # the header lines as they came, and the empty line: what a next one compares
+
+
+def request(
+    data: bytes, max_bytes: int, max_headers: int, previous: WholeRequest | None = None
+) -> WholeRequest | None:
+    """``data`` (one read) as a :class:`WholeRequest`, or ``None``: the general path decides.
+
+    Declined beyond ``max_bytes`` or ``max_headers`` too (the general path refuses with the
+    limit's own status). ``previous``, the last request recognised on the same connection: a
+    client sends the same header lines request after request, and lines already checked are not
+    checked again (one comparison of bytes instead)."""
+    if len(data) > max_bytes:
+        return None
+    request_line = _REQUEST_LINE.match(data)
+    if request_line is None:
+        return None
+    method, target = request_line.groups()
+    block = data[request_line.end() :]
+    if previous is not None and block == previous.block:
+        return WholeRequest(method, target, previous.host, previous.lines, block)
+    if _HEADERS.fullmatch(block) is None or block.count(b"\n") - 1 > max_headers:
+        return None
+    lines = block[:-2]
+    lowered = b"\n" + lines.lower()
+    if _REQUEST_DECLINED.search(lowered) is not None:
+        lines = _KEEP_ALIVE_LINE.sub(b"", lines, count=1)
+        lowered = b"\n" + lines.lower()
+        if _REQUEST_DECLINED.search(lowered) is not None:
+            return None
+    # Exactly one Host (none, or two, is the general path's 400).
+    at = lowered.find(b"\nhost:")
+    if at < 0 or lowered.find(b"\nhost:", at + 6) >= 0:
+        return None
+    host = lowered[at + 6 : lowered.index(b"\r", at)].strip(b" ")
+    return WholeRequest(method, target, host, lines, block)
+
+
+def response(data: bytes) -> tuple[int, int] | None:
+    """``(status, body length)`` when ``data`` (the first read of a response to a GET) is a whole
+    final response framed by one ``Content-Length``, whose head can be forwarded byte for byte,
+    with nothing after it; else ``None``: the general path parses it."""
+    match = _RESPONSE.match(data)
+    if match is None:
+        return None
+    length: bytes | None = None
+    # (The lines start with the status line's CRLF: every name follows a newline.)
+    for name in _RESPONSE_NAMES.finditer(match.group(2).lower()):
+        value = name.group(1)
+        if value is None or length is not None:
+            return None  # a name we must drop or rewrite, or a second Content-Length
+        length = value
+    if length is None:
+        return None
+    size = int(length)
+    status = int(match.group(1))
+    if match.end() + size != len(data) or status == 204 or status == 304:
+        return None
+    return status, size
