@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred
 from lchat.registry import Route, RouteTable
 
 RETRY_AFTER_SECONDS = 5
+_RETRY_AFTER = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())  # on 503s of ours
 ACME_CHALLENGE_PATH = b"/.well-known/acme-challenge/"
 
 Header = tuple[bytes, bytes]
@@ -228,12 +229,15 @@ class Router:
         if self._mesh_api is not None and host == self._mesh_api[0]:
             # Addressed to this box itself: the route-replication API (bearer token inside).
             return LocalSocket(host=host, path=self._mesh_api[1], kind="service")
-        route = self._table.table.get(host)
+        route = self._table.table.routes.get(host)  # (RouteTable.get, without the call)
+        cached = self._sockets.get(host)
+        if cached is not None and cached[0] is route:
+            return cached[1]  # the same ready row as before (rows are frozen: a change is new)
         if route is None:
             if self._fallback:
                 return LocalResponse(302, b"", ((b"location", self._fallback),), label="unknown")
             return plain(404, "404 Not Found: unknown host", label="unknown")
-        retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
+        retry = _RETRY_AFTER
         if route.hibernate and self._activator is not None and route.serveable:
             activator = self._activator
 
@@ -257,9 +261,6 @@ class Router:
             return plain(
                 503, f"503 Service Unavailable: {host} is {route.status}", retry, label=route.status
             )
-        cached = self._sockets.get(host)
-        if cached is not None and cached[0] is route:
-            return cached[1]
         target = LocalSocket(host=host, path=route.socket, kind=route.kind)
         if len(self._sockets) > 2 * len(self._table.table) + 64:
             self._sockets.clear()  # rows removed since: forget them

@@ -408,18 +408,49 @@ class Downstream(asyncio.Protocol):
         if whole is None:
             return False
         self._last_whole = whole
-        try:
-            host = self.proxy.parse_host(whole.host)
-        except _Reject:
-            return False  # the general path refuses it, as it would any malformed Host
-        ex = Exchange(self.proxy.reactor.seconds(), whole.method)
+        proxy = self.proxy
+        host = proxy.host_names.get(whole.host)
+        if host is None:
+            try:
+                host = proxy.parse_host(whole.host)
+            except _Reject:
+                return False  # the general path refuses it, as it would any malformed Host
+        now = proxy.reactor.seconds()
+        ex = Exchange(now, whole.method)
         ex.upstream_lines = whole.lines
         ex.body_complete = True
-        ex.head = RequestHead(whole.method, whole.target, host, self._client, self.proxy.secure)
+        ex.head = head = RequestHead(whole.method, whole.target, host, self._client, proxy.secure)
         self._completed = ex
         self._unreported = 0
-        self._disarm()
-        self._serve(ex)
+        self._deadline = self._timer_action = None  # (_disarm, inline)
+        # _serve, _routed and _connected, inline for a space on this box with a pooled
+        # connection to it (the common case; anything else continues the general way).
+        self._active = ex
+        STATS.in_flight += 1
+        try:
+            target = proxy.router.route(head)
+        except Exception:
+            self._route_failed(Failure(), ex)
+            return True
+        if type(target) is LocalSocket and target.inflight is None:
+            upstream = proxy.pool.take_idle(target)
+            if upstream is not None:
+                ex.target = target
+                ex.upstream = upstream
+                upstream.begin(self, whole.method)
+                upstream.request_sent = True
+                upstream_transport = upstream.transport
+                assert upstream_transport is not None
+                upstream_transport.write(
+                    b"%s %s HTTP/1.1\r\n%sX-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n\r\n"
+                    % (whole.method, whole.target, whole.lines, self._client_bytes, proxy.scheme)
+                )
+                self._deadline = now + self.cfg.upstream_timeout
+                self._timer_action = Downstream._upstream_timed_out
+                if self.valve is not None and self.valve.reasons:
+                    self.valve.open("routing")
+                return True
+        self._dispatch(target, ex)
         return True
 
     def _bound_unreported(self, size: int) -> None:
@@ -639,15 +670,21 @@ class Downstream(asyncio.Protocol):
         except Exception:
             self._route_failed(Failure(), ex)
         else:
-            if isinstance(target, Deferred):
-                target.addCallbacks(
-                    self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
-                )
-            else:
-                self._routed(target, ex)
+            self._dispatch(target, ex)
+
+    def _dispatch(self, target: Target | Deferred[Target], ex: Exchange) -> None:
+        """Go on with ``ex`` once the router answered (at once, or with a Deferred)."""
+        kind = type(target)  # (isinstance on a Deferred is an ABC's check: slower)
+        if kind is LocalSocket or kind is RemotePeer or kind is LocalResponse:
+            self._routed(cast(Target, target), ex)
+        else:
+            cast(Deferred[Target], target).addCallbacks(
+                self._routed, self._route_failed, callbackArgs=(ex,), errbackArgs=(ex,)
+            )
         if ex.upstream is None and not ex.response_started and not self._closed:
             # Routing or dialing goes on asynchronously: stop reading until it is done. (The
             # common case, a pooled connection to a known host, completes above without it.)
+            assert self.valve is not None
             self.valve.close("routing")
 
     def _route_failed(self, failure: Failure, ex: Exchange) -> None:
@@ -941,7 +978,26 @@ class Downstream(asyncio.Protocol):
         upstream, ex.upstream = ex.upstream, None
         if upstream is not None:
             self.proxy.pool.release(upstream)
-        self._finish(ex)
+        if (
+            type(target) is LocalSocket
+            and not ex.observed
+            and not self._waiting
+            and self._parsing is None
+            and not self._closed
+            and not self.cfg.access_log
+            and self.valve is not None
+            and not self.valve.reasons
+        ):
+            # _finish, inline for the common case: nothing pipelined, nothing to tell.
+            self._active = None
+            self._served += 1
+            STATS.in_flight -= 1
+            key = (target.kind, status)
+            STATS.requests[key] = STATS.requests.get(key, 0) + 1
+            self._deadline = self.proxy.reactor.seconds() + self.cfg.keepalive_timeout
+            self._timer_action = Downstream._idle_timed_out
+        else:
+            self._finish(ex)
         return True
 
     def response_body(self, data: bytes) -> None:
@@ -1542,7 +1598,8 @@ class ProxyFactory:
         self.connections: set[Downstream] = set()
         self.draining = False  # close() was called: the router is stopping
         self._quiet: list[Deferred[None]] = []  # quiesced() waiters
-        self._hosts: dict[bytes, str] = {}
+        # Host header value -> normalised name, for values seen recently (parse_host).
+        self.host_names: dict[bytes, str] = {}
         # Deadlines are checked a few times per shortest timeout; the sweep runs only while
         # there are connections, so an idle router (or a finished test) has no pending call.
         shortest = min(
@@ -1584,7 +1641,7 @@ class ProxyFactory:
 
     def parse_host(self, raw: bytes) -> str:
         """``Host`` header -> normalised name, remembering recent answers (it is hot and pure)."""
-        host = self._hosts.get(raw)
+        host = self.host_names.get(raw)
         if host is None:
             try:
                 # ASCII only: a byte over 0x7f must never be folded onto a registered name
@@ -1592,9 +1649,9 @@ class ProxyFactory:
                 host = hosts.parse_host_header(raw.decode("ascii"))
             except (UnicodeDecodeError, hosts.InvalidHost):
                 raise _Reject(400, "malformed Host header") from None
-            if len(self._hosts) >= 4096:
-                self._hosts.clear()
-            self._hosts[raw] = host
+            if len(self.host_names) >= 4096:
+                self.host_names.clear()
+            self.host_names[raw] = host
         return host
 
     def count(self, host_class: str, status: int) -> None:

@@ -78,9 +78,13 @@ def request(
     if request_line is None:
         return None
     method, target = request_line.groups()
+    if (
+        previous is not None
+        and len(data) - request_line.end() == len(previous.block)
+        and data.endswith(previous.block)
+    ):
+        return WholeRequest(method, target, previous.host, previous.lines, previous.block)
     block = data[request_line.end() :]
-    if previous is not None and block == previous.block:
-        return WholeRequest(method, target, previous.host, previous.lines, block)
     if _HEADERS.fullmatch(block) is None or block.count(b"\n") - 1 > max_headers:
         return None
     lines = block[:-2]
@@ -105,15 +109,13 @@ def response(data: bytes) -> tuple[int, int] | None:
     match = _RESPONSE.match(data)
     if match is None:
         return None
-    length: bytes | None = None
-    # (The lines start with the status line's CRLF: every name follows a newline.)
-    for name in _RESPONSE_NAMES.finditer(match.group(2).lower()):
-        value = name.group(1)
-        if value is None or length is not None:
-            return None  # a name we must drop or rewrite, or a second Content-Length
-        length = value
-    if length is None:
+    # (The lines start with the status line's CRLF: every name follows a newline.) One
+    # Content-Length with digits is one match with its value; anything else we look for is
+    # another match, or a match without a value.
+    found = _RESPONSE_NAMES.findall(match.group(2).lower())
+    if len(found) != 1 or not found[0]:
         return None
+    length = found[0]
     size = int(length)
     status = int(match.group(1))
     if match.end() + size != len(data) or status == 204 or status == 304:

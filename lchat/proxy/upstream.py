@@ -410,7 +410,8 @@ class UpstreamPool:
         return succeed(conn) if conn is not None else self.dial(target)
 
     def take_idle(self, target: LocalSocket | RemotePeer) -> UpstreamConnection | None:
-        idle = self._idle.get(target_key(target))
+        # (target_key, inline: every request's path)
+        idle = self._idle.get(target.path if type(target) is LocalSocket else target_key(target))
         while idle:
             conn = idle.pop()
             self._idle_count -= 1
