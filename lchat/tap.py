@@ -21,7 +21,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, objstore, tls, uvloop_reactor
+from lchat import config, malloc, objstore, tls, uvloop_reactor
 from lchat.acme.cache import CacheSync, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
@@ -122,6 +122,8 @@ class Options(usage.Options):
         # Before makeService imports the reactor: with no --reactor, twistd would install its
         # default (epoll) the moment anything imports it. The data plane needs uvloop's.
         uvloop_reactor.ensure()
+        # Large reads reuse heap memory instead of a fresh mmap each (lchat/malloc.py).
+        malloc.tune_for_streaming()
 
 
 def makeService(options: Options) -> IService:
