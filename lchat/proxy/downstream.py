@@ -278,6 +278,7 @@ class Downstream(asyncio.Protocol):
         self._client = ""
         self._client_bytes = b""
         self._last_whole: oneread.WholeRequest | None = None  # (oneread.request's previous)
+        self._body_left = 0  # bytes of a Content-Length body still to come, past the parser
         self._output_paused = False  # the transport paused us: its unsent output is over the mark
         self._serving_queue = False  # _serve_waiting's loop is on the stack
         # The send timeout: when the unsent output last moved, and how much there was then.
@@ -353,6 +354,9 @@ class Downstream(asyncio.Protocol):
             return
         if self._parser is None:
             return  # parsing stopped after a bad pipelined request; closing after the current one
+        if self._body_left:
+            self._body_read(data)
+            return
         if (
             self._parsing is None
             and self._active is None
@@ -399,6 +403,44 @@ class Downstream(asyncio.Protocol):
                 self._unreported = 0
             else:
                 self._bound_unreported(len(data))
+            if (
+                parsing.head is not None
+                and parsing.length
+                and not parsing.chunked
+                and self._parser is not None
+                and not self._closed
+            ):
+                # A Content-Length body under way: its bytes need no parsing (_body_read).
+                self._body_left = parsing.length - parsing.body_size
+
+    def _body_read(self, data: bytes) -> None:
+        """A read while a ``Content-Length`` body is under way: its bytes go to ``on_body`` as
+        they came, past the parser (it would copy each read into a new object, and call back per
+        read all the same); at the body's end, what the parser would have done at the message's
+        end, with a fresh parser for what follows (the old one still counts the body)."""
+        left = self._body_left
+        if len(data) <= left:
+            body, rest = data, b""
+        else:
+            body, rest = data[:left], data[left:]
+        self._body_left = left - len(body)
+        try:
+            self.on_body(body)
+            if not self._body_left:
+                self._parser = httptools.HttpRequestParser(self)
+                self.on_message_complete()
+        except _StopReading:
+            self._parser = None  # the connection closes after the current response
+            return
+        except _Reject as e:
+            self._reject(e.status, e.reason)
+            return
+        except Exception:
+            _log.failure("proxy request handler failed")
+            self._reject(500, "internal error")
+            return
+        if rest:
+            self.data_received(rest)
 
     def _serve_whole(self, data: bytes) -> bool:
         """Serve ``data`` if it is one whole request without a body (:mod:`oneread`), as the
