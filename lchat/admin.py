@@ -88,6 +88,7 @@ class AdminAPI:
         activator: Any = None,  # lchat.activator.Activator, when hibernation is on
         mesh: Callable[[], dict[str, Any]] | None = None,  # the mesh's view, when it is on
         acme: Callable[[], dict[str, Any]] | None = None,  # the issuer's view, when ACME is on
+        backup: Callable[[], dict[str, Any]] | None = None,  # the fleet backup's, when it is on
     ) -> None:
         self.routes = routes
         self._units = units
@@ -95,6 +96,7 @@ class AdminAPI:
         self.activator = activator
         self._mesh = mesh
         self._acme = acme
+        self._backup = backup
         self._clock = reactor.seconds
         self._started = self._clock()
 
@@ -136,6 +138,7 @@ class AdminAPI:
             "hibernation": self.activator is not None,
             **({"mesh": self._mesh()} if self._mesh is not None else {}),
             **({"acme": self._acme()} if self._acme is not None else {}),
+            **({"backup": self._backup()} if self._backup is not None else {}),
         }
 
 

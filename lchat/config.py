@@ -58,6 +58,23 @@ class HibernateConfig:
 
 
 @frozen
+class BackupConfig:
+    """The router's own backup of every database it does not hibernate (docs/backup.md)."""
+
+    bucket: str
+    region: str
+    prefix: str
+    endpoint: str
+    box: str  # this box's segment: <prefix>/<box>/<database name>/
+    interval: float = 10.0  # the longest a commit waits before it is in the backup
+    extra: tuple[str, ...] = ()  # globs under the data dir: more databases to back up
+
+    def key(self, *parts: str) -> str:
+        """An object key under the configured prefix."""
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+
+@frozen
 class MeshConfig:
     self_url: str
     domains: tuple[str, ...]
@@ -153,6 +170,7 @@ class BoxConfig:
     metrics_addr: str | None = None  # optional TCP endpoint serving /metrics
     http_redirect: bool = True  # with HTTPS on, plain HTTP answers 301 (else it proxies too)
     acme: AcmeConfig | None = None  # None: no issuance, the cache is served as it is
+    backup: BackupConfig | None = None  # None: no fleet backup (LCHAT_BACKUP_BUCKET unset)
     cert_cache_key: bytes = field(default=b"", repr=False)  # AES-256 key for keys in the bucket
     cert_cache_sync: float = 60.0  # how often the shared cache is listed for new certificates
     warnings: tuple[str, ...] = ()
@@ -222,7 +240,14 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HIBERNATE_SWEEP": "5s",
     "LCHAT_DUE_SWEEP": "30s",
     "LCHAT_SIDECAR_COMMAND": "/opt/lchat/live/{host}-bot",
-    "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # box-wide backup replicator (CLI; absent = none)
+    "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # an external Litestream's (CLI; absent = none)
+    "LCHAT_BACKUP_BUCKET": "",  # the router's own fleet backup (absent = none)
+    "LCHAT_BACKUP_REGION": "",
+    "LCHAT_BACKUP_PREFIX": "",
+    "LCHAT_BACKUP_ENDPOINT": "",
+    "LCHAT_BACKUP_BOX": "",  # this box's segment of the layout (default: its host name)
+    "LCHAT_BACKUP_INTERVAL": "10s",
+    "LCHAT_BACKUP_EXTRA": "",
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",
@@ -311,6 +336,8 @@ def load(
         raise ConfigError("LCHAT_CERT_CACHE_SYNC must be a positive duration")
     wildcard_domains = _domains("LCHAT_WILDCARD_DOMAINS", get("LCHAT_WILDCARD_DOMAINS"))
     acme = _acme(get, wildcard_domains)
+    hibernate = _hibernate(get)
+    mesh = _mesh(get)
 
     cfg = BoxConfig(
         env_file=path,
@@ -328,8 +355,9 @@ def load(
         units=_units(get("LCHAT_UNITS"), systemd_present),
         space_command=_space_command(get("LCHAT_SPACE_COMMAND")),
         sidecar_command=_space_command(get("LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"),
-        hibernate=_hibernate(get),
-        mesh=_mesh(get),
+        hibernate=hibernate,
+        mesh=mesh,
+        backup=_backup(get, hibernate, mesh),
         wildcard_domains=wildcard_domains,
         proxy=_proxy(get),
         metrics_addr=parse_address("LCHAT_METRICS_ADDR", get("LCHAT_METRICS_ADDR")),
@@ -575,29 +603,10 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
         sweeps[name] = parse_duration(name, get(name))
         if sweeps[name] <= 0:
             raise ConfigError(f"{name} must be a positive duration")
-    bucket = get("LCHAT_HIBERNATE_BUCKET")
-    if not bucket:
+    where = _bucket(get, "LCHAT_HIBERNATE")
+    if where is None:
         return None
-    if bucket.startswith("file:"):
-        path = bucket[len("file:") :]
-        if not path or "\x00" in path:
-            raise ConfigError(f"LCHAT_HIBERNATE_BUCKET={bucket!r}: file: needs a directory path")
-        bucket = "file:" + os.path.abspath(path)
-    elif not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
-        raise ConfigError(
-            f"LCHAT_HIBERNATE_BUCKET={bucket!r} is neither an S3 bucket name nor file:PATH"
-        )
-    endpoint = get("LCHAT_HIBERNATE_ENDPOINT")
-    if endpoint:
-        parts = urlsplit(endpoint)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(
-                f"LCHAT_HIBERNATE_ENDPOINT={endpoint!r} must be an http(s) URL such as "
-                f"https://s3.example.net"
-            )
-    prefix = get("LCHAT_HIBERNATE_PREFIX").strip("/")
-    if "\x00" in prefix or ".." in prefix.split("/"):
-        raise ConfigError(f"LCHAT_HIBERNATE_PREFIX={prefix!r} is not a safe key prefix")
+    bucket, endpoint, prefix = where
     return HibernateConfig(
         bucket=bucket,
         region=get("LCHAT_HIBERNATE_REGION"),
@@ -607,6 +616,77 @@ def _hibernate(get: _Getter) -> HibernateConfig | None:
         lease_ttl=lease_ttl,
         sweep=sweeps["LCHAT_HIBERNATE_SWEEP"],
         due_sweep=sweeps["LCHAT_DUE_SWEEP"],
+    )
+
+
+def _bucket(get: _Getter, stem: str) -> tuple[str, str, str] | None:
+    """``<stem>_BUCKET``, ``_ENDPOINT`` and ``_PREFIX`` checked: (bucket, endpoint, prefix), or
+    None when the bucket is not set."""
+    bucket = get(f"{stem}_BUCKET")
+    if not bucket:
+        return None
+    if bucket.startswith("file:"):
+        path = bucket[len("file:") :]
+        if not path or "\x00" in path:
+            raise ConfigError(f"{stem}_BUCKET={bucket!r}: file: needs a directory path")
+        bucket = "file:" + os.path.abspath(path)
+    elif not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+        raise ConfigError(f"{stem}_BUCKET={bucket!r} is neither an S3 bucket name nor file:PATH")
+    endpoint = get(f"{stem}_ENDPOINT")
+    if endpoint:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(
+                f"{stem}_ENDPOINT={endpoint!r} must be an http(s) URL such as "
+                f"https://s3.example.net"
+            )
+    prefix = get(f"{stem}_PREFIX").strip("/")
+    if "\x00" in prefix or ".." in prefix.split("/"):
+        raise ConfigError(f"{stem}_PREFIX={prefix!r} is not a safe key prefix")
+    return bucket, endpoint.rstrip("/"), prefix
+
+
+def _backup(
+    get: _Getter, hibernate: HibernateConfig | None, mesh: MeshConfig | None
+) -> BackupConfig | None:
+    interval = parse_duration("LCHAT_BACKUP_INTERVAL", get("LCHAT_BACKUP_INTERVAL"))
+    if interval <= 0:
+        raise ConfigError("LCHAT_BACKUP_INTERVAL must be a positive duration")
+    extra = tuple(p for p in re.split(r"[\s,]+", get("LCHAT_BACKUP_EXTRA")) if p)
+    for pattern in extra:
+        if "\x00" in pattern or pattern.startswith("/") or ".." in pattern.split("/"):
+            raise ConfigError(
+                f"LCHAT_BACKUP_EXTRA: {pattern!r} must be a glob relative to LCHAT_DATA_DIR "
+                f"(such as home.db or services/*.db)"
+            )
+    where = _bucket(get, "LCHAT_BACKUP")
+    if where is None:
+        return None
+    bucket, endpoint, prefix = where
+    box = get("LCHAT_BACKUP_BOX") or (mesh.self_host if mesh is not None else socket.gethostname())
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", box) or box in (".", ".."):
+        raise ConfigError(
+            f"LCHAT_BACKUP_BOX={box!r} must be a name of letters, digits, '.', '_' and '-' "
+            f"(it is a key segment of the backup layout; default: this box's host name)"
+        )
+    region = get("LCHAT_BACKUP_REGION")
+    if hibernate is not None and (hibernate.bucket, hibernate.endpoint) == (bucket, endpoint):
+        # One bucket, two layouts: <hibernate prefix>/<host>/ and <backup prefix>/<box>/<db>/.
+        inside = hibernate.prefix
+        if not prefix or prefix == inside or (inside and prefix.startswith(inside + "/")):
+            raise ConfigError(
+                f"LCHAT_BACKUP_PREFIX={prefix!r}: the backup shares the hibernation bucket "
+                f"{bucket}, so it needs a prefix of its own, outside LCHAT_HIBERNATE_PREFIX="
+                f"{inside!r} (such as backup)"
+            )
+    return BackupConfig(
+        bucket=bucket,
+        region=region,
+        prefix=prefix,
+        endpoint=endpoint,
+        box=box,
+        interval=interval,
+        extra=extra,
     )
 
 

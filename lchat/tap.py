@@ -28,6 +28,7 @@ from lchat.acme.dns01 import make_provider
 from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
+from lchat.backup.service import Backup
 from lchat.config import BoxConfig, ConfigError
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
@@ -161,6 +162,11 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     routes.setServiceParent(top)
     _SignalReload(reactor, routes).setServiceParent(top)
     claims = Claims()  # hosts the activator runs: builtin units leave them alone
+    backup = None
+    if cfg.backup is not None:
+        # Before the units, so that it stops after them: the last sync sees their last writes.
+        backup = _backup(reactor, cfg, routes, claims, run, aws)
+        backup.setServiceParent(top)
     units = None
     if cfg.units == "builtin":
         units = BuiltinUnits(reactor, cfg, routes, claims, run)
@@ -173,11 +179,13 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     )
     hibernation = None
     if cfg.hibernate is not None:
-        hibernation = _hibernation(reactor, cfg, routes, pool, claims, run, aws)
+        hibernation = _hibernation(
+            reactor, cfg, routes, pool, claims, run, aws, backup.backup if backup else None
+        )
         hibernation.setServiceParent(top)
     certs = _certificates(top, reactor, cfg, routes, hibernation, run, aws)
     _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run)
-    _admin(top, reactor, cfg, routes, units, hibernation, certs)
+    _admin(top, reactor, cfg, routes, units, hibernation, certs, backup)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
         "https={https}, http={http}, admin={admin}",
@@ -216,12 +224,13 @@ def _aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
     environment over the env file's ``AWS_*``, then profiles, then container and instance
     roles), when an S3 bucket or Route53 needs them."""
     s3 = cfg.hibernate is not None and objstore.needs_credentials(cfg.hibernate.bucket)
+    backup = cfg.backup is not None and objstore.needs_credentials(cfg.backup.bucket)
     route53 = (
         cfg.acme is not None
         and bool(cfg.wildcard_domains)
         and cfg.acme.dns_provider.strip().lower() == "route53"
     )
-    if not (s3 or route53):
+    if not (s3 or backup or route53):
         return None
     try:
         return resolve_credentials({**cfg.aws_env, **os.environ})  # the process env wins
@@ -229,7 +238,66 @@ def _aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
         if s3:
             assert cfg.hibernate is not None
             raise ConfigError(f"LCHAT_HIBERNATE_BUCKET={cfg.hibernate.bucket}: {e}") from e
+        if backup:
+            assert cfg.backup is not None
+            raise ConfigError(f"LCHAT_BACKUP_BUCKET={cfg.backup.bucket}: {e}") from e
         raise ConfigError(f"LCHAT_DNS_PROVIDER=route53: {e}") from e
+
+
+def _backup(
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    claims: Claims,
+    run: RunInThread,
+    aws: ResolvedCredentials | None,
+) -> _BackupService:
+    """The fleet backup: its bucket (probed at start) and one replicator per database."""
+    conf = cfg.backup
+    assert conf is not None
+    store = objstore.open_store(
+        reactor,
+        conf.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=conf.region,
+        endpoint=conf.endpoint,
+        credentials=aws,
+    )
+    backup = Backup(
+        reactor,
+        store,
+        conf,
+        routes,
+        claims,
+        registry=cfg.registry,
+        data_dir=cfg.data_dir,
+        run_in_thread=run,
+    )
+    check = _BucketCheck(reactor, store, backup.layout.probe_key(), "LCHAT_BACKUP", conf.bucket)
+    return _BackupService(check, backup)
+
+
+class _BackupService(MultiService):
+    """The backup bucket's probe, then the backup (which closes the bucket when it stops)."""
+
+    def __init__(self, check: _BucketCheck, backup: Backup) -> None:
+        super().__init__()
+        self.setName("backup")
+        self.check = check
+        self.backup = backup
+        check.setServiceParent(self)
+        backup.setServiceParent(self)
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        # A boot probe still in flight finishes before the backup closes its bucket (bounded).
+        await _probe_done(self.check, self.check._reactor)
+        self.check.stopService()
+        await self.backup.stopService()
 
 
 def _hibernation(
@@ -240,8 +308,10 @@ def _hibernation(
     claims: Claims,
     run: RunInThread,
     aws: ResolvedCredentials | None,
+    backup: Backup | None,
 ) -> _Hibernation:
-    """The bucket, the activator, its sweeps and (with LCHAT_MESH_SELF) the mesh."""
+    """The bucket, the activator, its sweeps and (with LCHAT_MESH_SELF) the mesh. With the fleet
+    backup on, a wake first takes the database from it (``Backup.release``)."""
     hib = cfg.hibernate
     assert hib is not None
     store = objstore.open_store(
@@ -263,6 +333,7 @@ def _hibernation(
         sidecars,
         drop_idle=pool.drop_idle,
         monotonic=time.monotonic,
+        handover=backup.release if backup is not None else None,
     )
     activator = Activator(reactor, routes, lifecycle, claims)
     membership = mesh = None
@@ -280,7 +351,13 @@ def _hibernation(
         due_sweep=hib.due_sweep,
         may_wake=may_wake,
     )
-    check = _BucketCheck(reactor, cfg, store)
+    check = _BucketCheck(
+        reactor,
+        store,
+        hib.key(".lchat", "probe", _probe_name(cfg.box_id)),
+        "LCHAT_HIBERNATE",
+        hib.bucket,
+    )
     return _Hibernation(reactor, store, check, activator, sweeper, membership, mesh)
 
 
@@ -426,6 +503,7 @@ def _admin(
     units: BuiltinUnits | None,
     hibernation: _Hibernation | None,
     certs: _Certificates,
+    backup: _BackupService | None,
 ) -> None:
     """The local admin API (router.sock) and the Prometheus endpoint."""
     clear_stale_socket(cfg.admin_socket)
@@ -438,6 +516,7 @@ def _admin(
         activator=hibernation.activator if hibernation is not None else None,
         mesh=_mesh_status(membership) if membership is not None else None,
         acme=certs.issuer.status if certs.issuer is not None else None,
+        backup=backup.backup.status if backup is not None else None,
     )
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
@@ -618,55 +697,72 @@ class _Hibernation(MultiService):
         for stopping in users:
             await stopping
         await self.activator.stopService()
-        # A boot probe still in flight must finish before its store closes (it is bounded by the
-        # store's own timeouts; this wait is bounded again, to keep shutdown bounded).
-        probe: Deferred[None] = Deferred()
-
-        def probed(result: object) -> object:
-            if not probe.called:
-                probe.callback(None)
-            return result
-
-        self.check.checked.addBoth(probed)
-        probe.addTimeout(10, self._reactor)
-        try:
-            await probe
-        except Exception:
-            _log.warn("the bucket probe was still running at shutdown")
+        await _probe_done(self.check, self._reactor)
         await self.store.close()
 
 
+async def _probe_done(check: _BucketCheck, reactor: Any) -> None:
+    """A boot probe still in flight must finish before its store closes (it is bounded by the
+    store's own timeouts; this wait is bounded again, to keep shutdown bounded)."""
+    probe: Deferred[None] = Deferred()
+
+    def probed(result: object) -> object:
+        if not probe.called:
+            probe.callback(None)
+        return result
+
+    check.checked.addBoth(probed)
+    probe.addTimeout(10, reactor)
+    try:
+        await probe
+    except Exception:
+        _log.warn("the bucket probe was still running at shutdown")
+
+
 class _BucketCheck(Service):
-    """At start, prove the hibernation bucket is reachable and writable; if not, stop the router.
+    """At start, prove a bucket is reachable and writable; if not, stop the router.
 
     twistd builds services before its reactor runs, so the probe runs at start; a failure logs
-    one line naming the variable and ends the process with status 1 (systemd shows it and retries).
+    one line naming the variables (``<stem>_BUCKET``...) and ends the process with status 1
+    (systemd shows it and retries).
     """
 
-    def __init__(self, reactor: Any, cfg: BoxConfig, store: objstore.ObjectStore) -> None:
-        assert cfg.hibernate is not None
+    def __init__(
+        self,
+        reactor: Any,
+        store: objstore.ObjectStore,
+        key: str,
+        stem: str,
+        bucket: str,
+    ) -> None:
         self._reactor = reactor
-        self._hibernate = cfg.hibernate
-        self._box = cfg.box_id
         self.store = store
+        self._key = key
+        self._stem = stem  # LCHAT_HIBERNATE or LCHAT_BACKUP
+        self._bucket = bucket
         self.checked: Deferred[None] = Deferred()
 
     def startService(self) -> None:
         super().startService()
-        key = self._hibernate.key(".lchat", "probe", _probe_name(self._box))
-        d = Deferred.fromCoroutine(objstore.probe_writable(self.store, key))
+        d = Deferred.fromCoroutine(objstore.probe_writable(self.store, self._key))
         d.addCallbacks(self._ok, self._failed)
         d.addBoth(lambda _: self.checked.callback(None) if not self.checked.called else None)
 
     def _ok(self, _: object) -> None:
-        _log.info("bucket {bucket} is reachable and writable", bucket=self.store.describe())
+        _log.info(
+            "bucket {bucket} ({stem}_BUCKET) is reachable and writable",
+            bucket=self.store.describe(),
+            stem=self._stem,
+        )
 
     def _failed(self, failure: Failure) -> None:
+        stem = self._stem
         _log.critical(
-            "LCHAT_HIBERNATE_BUCKET={bucket}: the bucket is not usable: {error} "
-            "(check LCHAT_HIBERNATE_BUCKET, LCHAT_HIBERNATE_ENDPOINT, LCHAT_HIBERNATE_REGION, "
-            "LCHAT_HIBERNATE_PREFIX and the AWS credentials)",
-            bucket=self._hibernate.bucket,
+            "{stem}_BUCKET={bucket}: the bucket is not usable: {error} "
+            "(check {stem}_BUCKET, {stem}_ENDPOINT, {stem}_REGION, {stem}_PREFIX and the AWS "
+            "credentials)",
+            stem=stem,
+            bucket=self._bucket,
             error=failure.getErrorMessage(),
         )
         self.failed = failure

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from lchat import envfile, hosts
-from lchat.cli import admin_client, backup
+from lchat.cli import admin_client, litestream_yml
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.registry import Route
 from tests.routerproc import kill_spaces_under, spawn_router
@@ -564,7 +564,7 @@ class BackupRefusalTests(HibernateTestCase):
         # The backup config regenerated while the command runs (between its first look and the
         # look it takes with the flag set): the flag goes back to what it was, and it says so.
         looks: list[bool] = []
-        real = backup.tracks
+        real = litestream_yml.tracks
 
         def tracks(config_file: str, db: str) -> bool:
             found = real(config_file, db)
@@ -573,7 +573,7 @@ class BackupRefusalTests(HibernateTestCase):
                 self.write_backup_config(self.db)
             return found
 
-        self.patch(backup, "tracks", tracks)
+        self.patch(litestream_yml, "tracks", tracks)
         result = self.lchat("hibernate", self.host, "--on")
         self.assertFailed(result, "still tracks")
         self.assertEqual(looks, [False, True])
@@ -620,7 +620,7 @@ class BackupScanTests(HibernateTestCase):
             ]
         )
         self.assertEqual(
-            backup.db_paths(text),
+            litestream_yml.db_paths(text),
             [
                 "/data/plain.db",
                 "/data/single.db",
@@ -638,10 +638,10 @@ class BackupScanTests(HibernateTestCase):
         os.symlink(real_dir, link)
         with open(self.backup_config, "w") as f:
             f.write(f"dbs:\n  - path: {link}/x.example.com.db\n")
-        self.assertTrue(backup.tracks(self.backup_config, f"{real_dir}/x.example.com.db"))
-        self.assertTrue(backup.tracks(self.backup_config, f"{real_dir}//x.example.com.db"))
-        self.assertFalse(backup.tracks(self.backup_config, f"{real_dir}/x.example.com.db-wal"))
-        self.assertFalse(backup.tracks(os.path.join(self.root, "absent.yml"), "/data/x.db"))
+        self.assertTrue(litestream_yml.tracks(self.backup_config, f"{real_dir}/x.example.com.db"))
+        self.assertTrue(litestream_yml.tracks(self.backup_config, f"{real_dir}//x.example.com.db"))
+        self.assertFalse(litestream_yml.tracks(self.backup_config, f"{real_dir}/x.example.com.db-wal"))
+        self.assertFalse(litestream_yml.tracks(os.path.join(self.root, "absent.yml"), "/data/x.db"))
 
 
 # --- env file ownership ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import attrs
 
 import lchat
 from lchat import config, envfile, hosts
-from lchat.cli import admin_client, backup, certs, dev_cert, units
+from lchat.cli import admin_client, certs, dev_cert, litestream_yml, units
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         RegistryError,
         hosts.InvalidHost,
         units.UnitError,
-        backup.BackupConfigError,
+        litestream_yml.BackupConfigError,
         mesh_cli.MeshCliError,
     ) as e:
         return _fail(str(e))
@@ -641,8 +641,8 @@ def _sidecar_first(cfg: BoxConfig, host: str) -> tuple[bool, ...]:
 
 def _refuse_if_backed_up(cfg: BoxConfig, host: str, db: str, unchanged: str) -> None:
     """Two replicators on one database corrupt each other's state (the seed's sharpest edge)."""
-    config_file = backup.config_path(cfg)
-    if backup.tracks(config_file, db):
+    config_file = litestream_yml.config_path(cfg)
+    if litestream_yml.tracks(config_file, db):
         raise CliError(
             f"refusing: the box-wide backup replicator still tracks {db} ({config_file} lists "
             f"it), and two replicators on one database corrupt each other: regenerate the backup "

@@ -81,6 +81,9 @@ class Lifecycle:
     budgets: Budgets = field(factory=Budgets)
     spawner: Spawner | None = None  # None: lchat.supervise.spawn (looked up at each spawn)
     drop_idle: Callable[[str], object] = lambda socket: None  # the proxy's kept-alive connections
+    # Fires once no other replicator (the fleet backup's) runs on a database path: awaited before
+    # a wake touches the database, so that one database never has two replicators.
+    handover: Callable[[str], Deferred[None]] | None = None
     renew_every: float | None = None  # the lease keeper's period (default: TTL / 3)
     # The clock the lease's deadline is kept on (``acquire`` and ``LeaseKeeper`` share it): the
     # router passes ``time.monotonic``, which also arms lchat.lease's watchdog thread; a test on
@@ -134,6 +137,8 @@ class Lifecycle:
         timings: dict[str, float] = {}
         clock = self.reactor.seconds
         t = clock()
+        if self.handover is not None:
+            await self.handover(space.db)
         lease = await self._acquire(host)
         space.lease = lease
         space.keeper = LeaseKeeper(

@@ -306,7 +306,7 @@ class Replicator:
             now = self._reactor.seconds()
             self._last_compaction = dict.fromkeys(self._levels, now)
             self._last_snapshot = now
-            _lag.labels(self.path).set_function(self._lag_now)
+            _lag.labels(self.path).set_function(self.lag)
             await self._sync_locked()
             if self._queue:
                 raise ObjectStoreError(f"replica {self.path}: initial upload not done")
@@ -550,8 +550,9 @@ class Replicator:
         else:
             self._pending_since = self._last_sync
 
-    def _lag_now(self) -> float:
-        """The gauge's value at scrape time."""
+    def lag(self) -> float:
+        """Seconds since the oldest commit not yet in the bucket was noticed (0: none); the
+        gauge's value at scrape time."""
         if self._pending_since is None or self._stopped:
             return 0.0
         return max(0.0, self._reactor.seconds() - self._pending_since)

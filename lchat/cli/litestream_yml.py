@@ -1,4 +1,4 @@
-"""The box-wide backup replicator's config (``LCHAT_BACKUP_CONFIG``, default ``/etc/litestream.yml``).
+"""An external Litestream's config (``LCHAT_BACKUP_CONFIG``, default ``/etc/litestream.yml``).
 
 Two replicators on one database corrupt each other's state, so a space handed to the activator
 (which replicates it itself) must not be listed there any more. Litestream names each database in a

@@ -1,0 +1,129 @@
+"""Which databases the router backs up: the rule in one place, for the service and the CLI.
+
+- the registry (always, stored as ``registry.db``);
+- every *instance* row that is not hibernating (systemd or builtin), its ``<host>.db`` (or the
+  row's ``db_path``) — unless the activator holds the host right now (it replicates it itself,
+  from the start of a wake to the end of its stand-down);
+- every file matching ``LCHAT_BACKUP_EXTRA`` under the data dir that is an SQLite database and
+  is not any instance's database (a hibernating host's database is the activator's, never ours).
+
+A database that does not exist yet (a space that never started) is picked up by a later scan.
+The invariant this module keeps for :mod:`lchat.backup.service`: a hibernating host's database is
+never chosen, so the two replicators of one database cannot both run.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Container, Iterable, Mapping
+
+from attrs import frozen
+
+from lchat import hosts
+from lchat.backup.layout import REGISTRY_NAME, is_name
+from lchat.registry import Route
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+@frozen
+class Chosen:
+    """One database to back up."""
+
+    name: str  # its name in the layout
+    path: str  # absolute
+    why: str  # "registry", "instance" or "extra"
+    host: str = ""  # the instance's host ("" otherwise)
+
+
+def instance_db(route: Route, data_dir: str) -> str:
+    """The database file of an instance row (the activator's and the units' rule)."""
+    return os.path.abspath(route.db_path or hosts.db_path(data_dir, route.host))
+
+
+def candidates(routes: Iterable[Route], registry: str, data_dir: str) -> list[str]:
+    """Every path the rule could choose from the rows alone (checked for existence in a thread)."""
+    paths = [os.path.abspath(registry)]
+    paths += [instance_db(r, data_dir) for r in routes if r.kind == "instance"]
+    return paths
+
+
+def scan(
+    data_dir: str, patterns: Iterable[str], paths: Iterable[str]
+) -> tuple[set[str], list[str]]:
+    """Blocking (run it in a thread): which of ``paths`` are SQLite databases now, and the
+    databases ``patterns`` (globs under ``data_dir``) match, absolute and sorted."""
+    present = {p for p in paths if is_sqlite(p)}
+    extra: set[str] = set()
+    for pattern in patterns:
+        for match in glob.glob(os.path.join(data_dir, pattern)):
+            if is_sqlite(match):
+                extra.add(os.path.abspath(match))
+    return present, sorted(extra)
+
+
+def is_sqlite(path: str) -> bool:
+    """A regular file that starts with SQLite's header (not a -wal, a lock or a directory)."""
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+    except OSError:
+        return False
+
+
+def choose(
+    routes: Iterable[Route],
+    *,
+    registry: str,
+    data_dir: str,
+    present: Container[str],
+    extra: Iterable[str],
+    claimed: Container[str] = (),
+) -> tuple[dict[str, Chosen], list[str]]:
+    """The databases to back up now, by name, and the problems worth a log line (a name two
+    databases would share, a file that cannot be named). ``present``: the paths that exist;
+    ``claimed``: the hosts the activator holds."""
+    chosen: dict[str, Chosen] = {}
+    problems: list[str] = []
+    registry = os.path.abspath(registry)
+    rows = [r for r in routes if r.kind == "instance"]
+    owned = {instance_db(r, data_dir) for r in rows} | {registry}
+
+    def add(item: Chosen) -> None:
+        other = chosen.get(item.name)
+        if other is not None:
+            problems.append(
+                f"{item.path} is not backed up: {other.path} has the same name {item.name} in "
+                f"the backup layout"
+            )
+            return
+        chosen[item.name] = item
+
+    if registry in present:
+        add(Chosen(REGISTRY_NAME, registry, "registry"))
+    for route in sorted(rows, key=lambda r: r.host):
+        path = instance_db(route, data_dir)
+        if route.hibernate or route.host in claimed or path not in present:
+            continue
+        name = os.path.basename(path)
+        if not is_name(name) or name == REGISTRY_NAME:
+            problems.append(f"{route.host}: its database {path} cannot be named in the backup")
+            continue
+        add(Chosen(name, path, "instance", route.host))
+    for path in extra:
+        path = os.path.abspath(path)
+        if path in owned:
+            continue  # an instance's (ours above, or the activator's) or the registry
+        name = os.path.basename(path)
+        if not is_name(name) or name == REGISTRY_NAME:
+            problems.append(f"LCHAT_BACKUP_EXTRA: {path} cannot be named in the backup")
+            continue
+        add(Chosen(name, path, "extra"))
+    return chosen, problems
+
+
+def by_path(chosen: Mapping[str, Chosen]) -> dict[str, Chosen]:
+    return {c.path: c for c in chosen.values()}

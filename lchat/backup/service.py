@@ -1,0 +1,407 @@
+"""The backup service: one replicator per database the activator does not replicate.
+
+Which databases: :mod:`lchat.backup.selection`. Where: :mod:`lchat.backup.layout`. Each chosen
+database gets a :class:`~lchat.replica.replicator.Replicator` on the backup bucket with the
+``batched`` cadence of ``LCHAT_BACKUP_INTERVAL`` (a commit is in the backup within it; a quiet
+database costs one ``stat`` per interval and no request). The choice is re-made when the route
+table changes, when the activator lets go of a host, and every ``rescan`` seconds (new files,
+``LCHAT_BACKUP_EXTRA`` globs).
+
+Invariants:
+
+- **One replicator per database.** A database's replicator here starts only while its row is not
+  hibernating and the activator does not hold its host (:class:`~lchat.units.Claims`); the
+  activator's wake awaits :meth:`Backup.release` of the database before it touches it (a final
+  sync, then the replicator is stopped). Going back, the activator's stand-down ends before it
+  releases the claim that lets a replicator here start. Operations on one database are
+  serialised (a per-database lock), so a release waits for a start in progress and stops it.
+- **Bounded hand-over.** The final sync of a release may take ``release_budget`` seconds; a
+  backup bucket that is down then costs the hand-over that long, never the wake's correctness
+  (the activator snapshots the database to its own bucket at its first wake).
+- **A start that fails is retried** (backoff 1 s doubling to 5 min); a bucket that fails while
+  running is the replicator's to ride out (uploads stay queued, nothing is lost locally).
+- Every state change is a log line and a metric (``lchat_backup_databases{state}``,
+  ``lchat_backup_lag_seconds{db}``, ``lchat_backup_handovers_total``, and the per-database
+  request, byte and error counters of :mod:`lchat.backup.metered`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attrs import define, field
+from prometheus_client import Counter, Gauge
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, DeferredLock, succeed
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+
+from lchat.backoff import Backoff
+from lchat.backup import selection
+from lchat.backup.layout import Layout
+from lchat.backup.metered import MeteredStore
+from lchat.config import BackupConfig
+from lchat.objstore import ObjectStore
+from lchat.registry import RouteSource, RouteTable
+from lchat.replica.replicator import Replicator
+from lchat.threads import RunInThread
+from lchat.units import Claims
+
+_log = Logger(namespace="lchat.backup")
+
+STATES = ("starting", "running", "failed", "stopping")
+_databases = Gauge("lchat_backup_databases", "Databases in the backup by state", ["state"])
+_lag = Gauge(
+    "lchat_backup_lag_seconds",
+    "Seconds since the oldest commit not yet in the backup was noticed (at scrape time)",
+    ["db"],
+)
+HANDOVERS = Counter(
+    "lchat_backup_handovers_total",
+    "Databases handed from the backup to the activator (a wake after hibernate --on)",
+)
+START_BACKOFF = Backoff(1.0, 300.0)
+RESCAN = 30.0  # seconds between scans for new databases (and retries of failed starts)
+RELEASE_BUDGET = 30.0  # the longest a hand-over's final sync may take
+
+ReplicatorFactory = Callable[[ObjectStore, str, str], Replicator]  # (store, db path, replica path)
+
+
+@define(eq=False)
+class _Database:
+    chosen: selection.Chosen
+    store: MeteredStore
+    lock: DeferredLock = field(factory=DeferredLock)
+    replicator: Replicator | None = None
+    state: str = "starting"
+    since: float = 0.0
+    failures: int = 0
+    retry_at: float = 0.0
+    gone: bool = False  # stopped for good: a newer entry may take the name
+
+
+class Backup(Service):
+    """Keeps one backup replicator per chosen database (see the module docstring)."""
+
+    name = "backup"
+
+    def __init__(
+        self,
+        reactor: Any,
+        store: ObjectStore,
+        cfg: BackupConfig,
+        routes: RouteSource,
+        claims: Claims,
+        *,
+        registry: str,
+        data_dir: str,
+        run_in_thread: RunInThread,
+        replicator: ReplicatorFactory | None = None,
+        rescan: float = RESCAN,
+        release_budget: float = RELEASE_BUDGET,
+    ) -> None:
+        self._reactor = reactor
+        self._store = store
+        self._cfg = cfg
+        self.layout = Layout(cfg.prefix, cfg.box)
+        self._routes = routes
+        self._claims = claims
+        self._registry = registry
+        self._data_dir = data_dir
+        self._run = run_in_thread
+        self._make = replicator or self._replicator
+        self._rescan = rescan
+        self._release_budget = release_budget
+        self._dbs: dict[str, _Database] = {}  # by name
+        self._problems: tuple[str, ...] = ()
+        self._scanning: Deferred[None] | None = None
+        self._again = False  # a change arrived during a scan: scan once more after it
+        self._tick: IDelayedCall | None = None
+        self._stopping = False
+        routes.subscribe(self._table_changed)
+        claims.on_release(self._released)
+
+    def _replicator(self, store: ObjectStore, db: str, replica: str) -> Replicator:
+        # One stat of the WAL per interval; what it finds ships at once.
+        return Replicator(self._reactor, store, db, replica, interval=self._cfg.interval)
+
+    # -- what is backed up -----------------------------------------------------------------------
+
+    def rescan(self) -> Deferred[None]:
+        """Re-make the choice now; fires once it is applied (starts and stops under way)."""
+        if self._stopping:
+            return succeed(None)
+        if self._scanning is not None:
+            self._again = True
+            return self._scanning
+        self._scanning = Deferred.fromCoroutine(self._scan())
+        return self._scanning
+
+    async def _scan(self) -> None:
+        try:
+            while True:
+                self._again = False
+                table = self._routes.table
+                paths = selection.candidates(table, self._registry, self._data_dir)
+                try:
+                    present, extra = await self._run(
+                        selection.scan, self._data_dir, self._cfg.extra, paths
+                    )
+                except Exception:
+                    _log.failure("backup: could not scan the data dir")
+                    return
+                self._apply(present, extra)
+                if not self._again or self._stopping:
+                    return
+        finally:
+            self._scanning = None
+
+    def _apply(self, present: set[str], extra: list[str]) -> None:
+        """On the reactor thread, with the table and the claims as they are *now*."""
+        if self._stopping:
+            return
+        chosen, problems = selection.choose(
+            self._routes.table,
+            registry=self._registry,
+            data_dir=self._data_dir,
+            present=present,
+            extra=extra,
+            claimed=self._claims,
+        )
+        if tuple(problems) != self._problems:
+            for problem in problems:
+                _log.error("backup: {problem}", problem=problem)
+            self._problems = tuple(problems)
+        now = self._reactor.seconds()
+        for name, db in list(self._dbs.items()):
+            wanted = chosen.get(name)
+            if db.state != "stopping" and (wanted is None or wanted.path != db.chosen.path):
+                self._stop(db, self._why_not(db.chosen, wanted))
+        for name, wanted in chosen.items():
+            known = self._dbs.get(name)
+            if known is None:
+                self._start(wanted)
+            elif known.state == "failed" and now >= known.retry_at:
+                known.state = "starting"
+                Deferred.fromCoroutine(self._run_start(known))
+        self._update_gauge()
+
+    def _why_not(self, was: selection.Chosen, now: selection.Chosen | None) -> str:
+        """Why a database we replicate is no longer ours, for the log."""
+        if now is not None:
+            return f"the name {was.name} is now {now.path}"
+        if was.host:
+            route = self._routes.table.get(was.host)
+            if route is None:
+                return f"{was.host} was removed"
+            if route.hibernate or was.host in self._claims:
+                return f"{was.host} hibernates: the activator replicates it"
+        return "no longer chosen (gone, or no longer matched)"
+
+    def _table_changed(self, old: RouteTable, new: RouteTable) -> None:
+        self.rescan()
+
+    def _released(self, host: str) -> None:
+        self.rescan()  # the activator let go of it: ours again, if it is not hibernating
+
+    # -- one database ----------------------------------------------------------------------------
+
+    def _start(self, chosen: selection.Chosen) -> None:
+        store = MeteredStore(self._store, chosen.name, self._reactor)
+        db = _Database(chosen, store, since=self._reactor.seconds())
+        self._dbs[chosen.name] = db
+        Deferred.fromCoroutine(self._run_start(db))
+
+    async def _run_start(self, db: _Database) -> None:
+        async with db.lock:
+            if db.state != "starting":
+                return  # stopped before it could start
+            name, path = db.chosen.name, db.chosen.path
+            replica = self.layout.replica_path(name)
+            replicator = self._make(db.store, path, replica)
+            try:
+                await replicator.start()
+            except Exception as e:
+                await replicator.stop()
+                if db.state != "starting":
+                    return
+                db.failures += 1
+                delay = START_BACKOFF.delay(db.failures)
+                db.state = "failed"
+                db.retry_at = self._reactor.seconds() + delay
+                db.store.last_error = db.store.last_error or str(e)
+                _log.error(
+                    "backup: {name} cannot start replicating to {replica}: {error} (retry in "
+                    "{delay:.0f}s)",
+                    name=name,
+                    replica=replica,
+                    error=e,
+                    delay=delay,
+                )
+                self._schedule(delay)
+                self._update_gauge()
+                return
+            if db.state != "starting":
+                # Stopped while it started (a hand-over): the stop waits on our lock.
+                db.replicator = replicator
+                return
+            db.replicator = replicator
+            db.state = "running"
+            db.failures = 0
+            db.since = self._reactor.seconds()
+            _lag.labels(name).set_function(replicator.lag)
+            _log.info(
+                "backup: {name} ({path}) replicating to {replica} every {interval:g}s, txid "
+                "{txid:016x}",
+                name=name,
+                path=path,
+                replica=replica,
+                interval=self._cfg.interval,
+                txid=replicator.txid,
+            )
+            self._update_gauge()
+
+    def _stop(self, db: _Database, why: str) -> Deferred[None]:
+        db.state = "stopping"
+        self._update_gauge()
+        return Deferred.fromCoroutine(self._run_stop(db, why))
+
+    async def _run_stop(self, db: _Database, why: str) -> None:
+        async with db.lock:
+            name = db.chosen.name
+            replicator, db.replicator = db.replicator, None
+            if replicator is not None:
+                synced = await self._final_sync(db, replicator)
+                await replicator.stop()
+                _log.info(
+                    "backup: {name} stopped ({why}); {synced}",
+                    name=name,
+                    why=why,
+                    synced=f"in the backup up to txid {replicator.txid:016x}"
+                    if synced
+                    else "its last commits may not be in the backup",
+                )
+            db.gone = True
+            if self._dbs.get(name) is db:
+                del self._dbs[name]
+                try:
+                    _lag.remove(name)
+                except KeyError:
+                    pass
+                db.store.forget()
+            self._update_gauge()
+
+    async def _final_sync(self, db: _Database, replicator: Replicator) -> bool:
+        flush = Deferred.fromCoroutine(replicator.flush())
+        flush.addTimeout(self._release_budget, self._reactor)
+        try:
+            await flush
+        except Exception as e:
+            _log.warn(
+                "backup: the final sync of {name} failed: {error}",
+                name=db.chosen.name,
+                error=e,
+            )
+            return False
+        return True
+
+    def release(self, db_path: str) -> Deferred[None]:
+        """Hand ``db_path`` over (the activator is about to replicate it): fires once no
+        replicator here runs on it, after a final sync bounded by ``release_budget``."""
+        for db in list(self._dbs.values()):
+            if db.chosen.path == os.path.abspath(db_path):
+                HANDOVERS.inc()
+                if db.state == "stopping":
+                    return Deferred.fromCoroutine(self._await_gone(db))
+                return self._stop(db, "handed to the activator")
+        return succeed(None)
+
+    async def _await_gone(self, db: _Database) -> None:
+        async with db.lock:
+            pass
+
+    # -- service ---------------------------------------------------------------------------------
+
+    def _schedule(self, delay: float) -> None:
+        if self._stopping:
+            return
+        when = self._reactor.seconds() + delay
+        if self._tick is not None and self._tick.active():
+            if self._tick.getTime() <= when:
+                return
+            self._tick.cancel()
+        self._tick = self._reactor.callLater(delay, self._ticked)
+
+    def _ticked(self) -> None:
+        self._tick = None
+        self.rescan()
+        self._schedule(self._rescan)
+
+    def startService(self) -> None:
+        super().startService()
+        _log.info(
+            "backup: every database not hibernating goes to {bucket} under {root} (every "
+            "{interval:g}s)",
+            bucket=self._store.describe(),
+            root=self.layout.box_path(),
+            interval=self._cfg.interval,
+        )
+        self.rescan()
+        self._schedule(self._rescan)
+
+    def stopService(self) -> Deferred[None]:
+        """A final sync of every database, in parallel, each bounded; then the bucket closes."""
+        super().stopService()
+        self._stopping = True
+        if self._tick is not None and self._tick.active():
+            self._tick.cancel()
+        stops = [self._stop(db, "shutdown") for db in list(self._dbs.values())]
+        d: Deferred[Any] = DeferredList(stops, consumeErrors=True)
+        d.addCallback(lambda _: Deferred.fromCoroutine(self._store.close()))
+        return d.addCallback(lambda _: None)
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """``GET /status``'s ``backup``: the bucket, the layout and every database's state."""
+        now = self._reactor.seconds()
+        databases: dict[str, Any] = {}
+        for name, db in sorted(self._dbs.items()):
+            r = db.replicator
+            entry: dict[str, Any] = {
+                "path": db.chosen.path,
+                "why": db.chosen.why,
+                "replica": self.layout.replica_path(name),
+                "state": db.state,
+                "since": round(now - db.since, 1),
+                "txid": f"{r.txid:016x}" if r is not None else None,
+                "lag": round(r.lag(), 3) if r is not None else None,
+                "requests": db.store.requests,
+                "bytes_up": db.store.bytes_up,
+            }
+            if db.chosen.host:
+                entry["host"] = db.chosen.host
+            if db.store.last_error:
+                entry["last_error"] = db.store.last_error
+                entry["last_error_ago"] = round(now - db.store.last_error_at, 1)
+            if db.state == "failed":
+                entry["retry_in"] = round(max(0.0, db.retry_at - now), 1)
+            databases[name] = entry
+        return {
+            "bucket": self._store.describe(),
+            "box": self.layout.box,
+            "prefix": self.layout.prefix,
+            "interval": self._cfg.interval,
+            "databases": databases,
+            **({"problems": list(self._problems)} if self._problems else {}),
+        }
+
+    def replicating(self) -> Mapping[str, str]:
+        """name -> path of every database with a replicator here (tests and the drill)."""
+        return {n: db.chosen.path for n, db in self._dbs.items() if db.replicator is not None}
+
+    def _update_gauge(self) -> None:
+        for state in STATES:
+            _databases.labels(state).set(sum(1 for d in self._dbs.values() if d.state == state))

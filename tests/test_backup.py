@@ -1,0 +1,351 @@
+"""The fleet backup's parts: the layout, the choice of databases, and the service that keeps one
+replicator per database — on real SQLite files, a real registry and real stores (FileStore for
+speed, moto for a bucket that fails and recovers)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sqlite3
+import time
+from typing import Any
+
+from twisted.internet import reactor as _reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import TestCase
+
+from lchat import hosts
+from lchat.backup import layout, selection
+from lchat.backup.layout import REGISTRY_NAME, Layout, catalogue
+from lchat.backup.service import Backup
+from lchat.config import BackupConfig
+from lchat.objstore import UTC, ObjectInfo
+from lchat.objstore.file import FileStore
+from lchat.registry import Registry, Route, RouteSource
+from lchat.replica.replicator import Replicator
+from lchat.replica.restore import restore
+from lchat.threads import thread_runner
+from lchat.units import Claims
+from tests import s3servers
+from tests.replicas import dump
+
+reactor: Any = _reactor
+
+
+def _info(key: str) -> ObjectInfo:
+    return ObjectInfo(key, 10, "e", datetime.datetime(2026, 1, 1, tzinfo=UTC))
+
+
+def _make_db(path: str, rows: int = 1) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY, v TEXT)")
+    for i in range(rows):
+        conn.execute("INSERT INTO t(v) VALUES (?)", (f"row {i}",))
+    conn.close()
+
+
+def _write(path: str, value: str) -> None:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+    conn.execute("INSERT INTO t(v) VALUES (?)", (value,))
+    conn.close()
+
+
+class LayoutTests(TestCase):
+    def test_names_are_plain_file_names(self) -> None:
+        for good in ("registry.db", "chat.example.com.db", "home_1.db", "a"):
+            self.assertEqual(layout.check_name(good), good)
+        for bad in (
+            "",
+            "../x.db",
+            "a/b.db",
+            ".hidden",
+            "x.db-wal",
+            "x.db-shm",
+            "x.",
+            "a b",
+            "é.db",
+        ):
+            with self.assertRaises(layout.BadName, msg=bad) as caught:
+                layout.check_name(bad)
+            self.assertIn("not a database name", str(caught.exception))
+
+    def test_keys(self) -> None:
+        where = Layout("backup", "box1")
+        self.assertEqual(where.replica_path("a.example.db"), "backup/box1/a.example.db")
+        self.assertEqual(where.box_path(), "backup/box1/")
+        self.assertEqual(where.probe_key(), "backup/.lchat/probe/box1")
+        self.assertEqual(where.root(), "backup/")
+        self.assertEqual(Layout("", "b").replica_path("x.db"), "b/x.db")
+        self.assertEqual(Layout("", "b").root(), "")
+
+    def test_catalogue_groups_by_name_and_box_and_skips_strays(self) -> None:
+        listing = [
+            _info("bk/box1/registry.db/0009/0000000000000001-0000000000000001.ltx"),
+            _info("bk/box1/registry.db/0000/0000000000000002-0000000000000003.ltx"),
+            _info("bk/box2/registry.db/0009/0000000000000001-0000000000000005.ltx"),
+            _info("bk/box1/a.example.db/0009/0000000000000001-0000000000000001.ltx"),
+            _info("bk/.lchat/probe/box1"),
+            _info("bk/box1/a.example.db/lock.json"),
+            _info("bk/box1/stray.txt"),
+            _info("bk/box1/..bad/0009/0000000000000001-0000000000000001.ltx"),
+            _info("other/box1/x.db/0009/0000000000000001-0000000000000001.ltx"),
+        ]
+        found = catalogue("bk", listing)
+        self.assertEqual(
+            [(s.name, s.box, s.txid, len(s.files)) for s in found],
+            [
+                ("a.example.db", "box1", 1, 1),
+                ("registry.db", "box1", 3, 2),
+                ("registry.db", "box2", 5, 1),
+            ],
+        )
+        self.assertEqual(found[1].path, "bk/box1/registry.db")
+        self.assertIsNotNone(found[1].last_snapshot)
+
+
+class SelectionTests(TestCase):
+    def setUp(self) -> None:
+        self.data = os.path.abspath(self.mktemp())
+        os.makedirs(self.data)
+        self.registry = os.path.join(self.data, "registry.db")
+        _make_db(self.registry)
+
+    def route(self, host: str, **kw: Any) -> Route:
+        return Route(host=host, kind=kw.pop("kind", "instance"), socket=f"/run/{host}.sock", **kw)
+
+    def choose(self, routes: list[Route], patterns: tuple[str, ...] = (), claimed: Any = ()) -> Any:
+        paths = selection.candidates(routes, self.registry, self.data)
+        present, extra = selection.scan(self.data, patterns, paths)
+        return selection.choose(
+            routes,
+            registry=self.registry,
+            data_dir=self.data,
+            present=present,
+            extra=extra,
+            claimed=claimed,
+        )
+
+    def test_registry_always_on_instances_and_extras_never_a_hibernating_host(self) -> None:
+        for name in ("on.example.db", "hib.example.db", "home.db", "notes.txt"):
+            path = os.path.join(self.data, name)
+            if name.endswith(".db"):
+                _make_db(path)
+            else:
+                with open(path, "w") as f:
+                    f.write("not a database")
+        routes = [
+            self.route("on.example"),
+            self.route("hib.example", hibernate=True),
+            self.route("new.example"),  # no database yet
+            self.route("svc.example", kind="service"),
+        ]
+        chosen, problems = self.choose(routes, ("*.db", "*.txt", "*-wal"))
+        self.assertEqual(problems, [])
+        self.assertEqual(
+            {n: (c.why, c.host) for n, c in chosen.items()},
+            {
+                REGISTRY_NAME: ("registry", ""),
+                "on.example.db": ("instance", "on.example"),
+                "home.db": ("extra", ""),
+            },
+            "a glob that matches a hibernating host's database must not choose it",
+        )
+        self.assertEqual(chosen["on.example.db"].path, hosts.db_path(self.data, "on.example"))
+
+    def test_a_host_the_activator_holds_is_not_chosen(self) -> None:
+        _make_db(os.path.join(self.data, "on.example.db"))
+        chosen, _ = self.choose([self.route("on.example")], claimed={"on.example"})
+        self.assertEqual(set(chosen), {REGISTRY_NAME})
+
+    def test_two_databases_with_one_name_keep_the_first_and_say_so(self) -> None:
+        os.mkdir(os.path.join(self.data, "sub"))
+        _make_db(os.path.join(self.data, "on.example.db"))
+        _make_db(os.path.join(self.data, "sub", "on.example.db"))
+        _make_db(os.path.join(self.data, "sub", "registry.db"))
+        chosen, problems = self.choose([self.route("on.example")], ("sub/*.db",))
+        self.assertEqual(chosen["on.example.db"].why, "instance")
+        self.assertEqual(len(problems), 2, problems)
+        self.assertIn("has the same name on.example.db", problems[0])
+        self.assertIn("cannot be named", problems[1])
+
+
+class BackupServiceTests(TestCase):
+    """The service on the real reactor: real files, a real registry, a FileStore bucket."""
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        self.root = os.path.abspath(self.mktemp())
+        self.data = os.path.join(self.root, "data")
+        os.makedirs(self.data)
+        self.in_thread = thread_runner(reactor)
+        self.registry_path = os.path.join(self.data, "registry.db")
+        self.registry = Registry(self.registry_path, time.time)
+        self.registry.migrate()
+        self.routes = RouteSource(
+            reactor,
+            self.registry,
+            self.registry.load(),
+            run_in_thread=self.in_thread,
+            poll_interval=3600,
+        )
+        self.claims = Claims()
+        os.makedirs(os.path.join(self.root, "bucket"))  # the router's boot probe does this
+        self.store = FileStore(
+            reactor, os.path.join(self.root, "bucket"), self.in_thread, create=True
+        )
+        self.cfg = BackupConfig(
+            bucket="file:" + os.path.join(self.root, "bucket"),
+            region="",
+            prefix="bk",
+            endpoint="",
+            box="box1",
+            interval=0.2,
+            extra=("home.db",),
+        )
+
+    def backup(self, store: Any = None, **kw: Any) -> Backup:
+        service = Backup(
+            reactor,
+            store or self.store,
+            self.cfg,
+            self.routes,
+            self.claims,
+            registry=self.registry_path,
+            data_dir=self.data,
+            run_in_thread=self.in_thread,
+            **kw,
+        )
+        service.startService()
+        self.addCleanup(lambda: service.stopService() if service.running else None)
+        return service
+
+    def add(self, host: str, hibernate: bool = False) -> str:
+        db = hosts.db_path(self.data, host)
+        _make_db(db)
+        self.registry.insert(
+            Route(host=host, kind="instance", socket=f"/tmp/{host}.sock", hibernate=hibernate)
+        )
+        return db
+
+    async def until(self, what: Any, within: float = 15.0) -> None:
+        deadline = time.monotonic() + within
+        while not what():
+            if time.monotonic() > deadline:
+                self.fail(f"timed out waiting for {what}")
+            await deferLater(reactor, 0.02, lambda: None)
+
+    async def keys(self, name: str) -> list[str]:
+        return [i.key for i in await self.store.list(f"bk/box1/{name}/")]
+
+    async def restored(self, name: str) -> str:
+        out = os.path.join(self.root, f"restored-{name}")
+        await restore(
+            self.store, f"bk/box1/{name}", out, overwrite=True, run_in_thread=self.in_thread
+        )
+        return dump(out)
+
+    async def test_backs_up_the_registry_instances_and_extras_and_ships_commits(self) -> None:
+        on = self.add("on.example")
+        self.add("hib.example", hibernate=True)
+        _make_db(os.path.join(self.data, "home.db"))
+        await self.routes.reload("test")
+        service = self.backup()
+        await self.until(lambda: len(service.replicating()) == 3)
+        self.assertEqual(set(service.replicating()), {REGISTRY_NAME, "on.example.db", "home.db"})
+        self.assertEqual(await self.keys("hib.example.db"), [], "a hibernating host is not ours")
+        _write(on, "after start")
+        await self.until(
+            lambda: service.status()["databases"]["on.example.db"]["txid"] != f"{1:016x}"
+        )
+        await Deferred.fromCoroutine(service._dbs["on.example.db"].replicator.flush())  # type: ignore[union-attr]
+        self.assertEqual(await self.restored("on.example.db"), dump(on))
+        status = service.status()
+        self.assertEqual(status["box"], "box1")
+        entry = status["databases"]["on.example.db"]
+        self.assertEqual(
+            (entry["state"], entry["why"], entry["host"]), ("running", "instance", "on.example")
+        )
+        self.assertGreater(entry["requests"], 0)
+        self.assertGreater(entry["bytes_up"], 0)
+
+    async def test_a_flip_to_hibernate_stops_the_replicator_after_a_final_sync(self) -> None:
+        on = self.add("on.example")
+        await self.routes.reload("test")
+        service = self.backup()
+        await self.until(lambda: "on.example.db" in service.replicating())
+        _write(on, "the last write before the flip")
+        self.registry.update("on.example", hibernate=True)
+        await self.routes.reload("flip")
+        await self.until(lambda: "on.example.db" not in service.status()["databases"])
+        self.assertEqual(
+            await self.restored("on.example.db"), dump(on), "the final sync shipped it"
+        )
+        before = await self.keys("on.example.db")
+        _write(on, "the activator's now")
+        await deferLater(reactor, 0.6, lambda: None)  # three intervals
+        self.assertEqual(await self.keys("on.example.db"), before, "nothing written after the stop")
+        await service.release(on)  # nothing to hand over: at once
+
+    async def test_release_hands_over_even_while_the_replicator_starts(self) -> None:
+        on = self.add("on.example")
+        await self.routes.reload("test")
+        gate: Deferred[None] = Deferred()
+
+        class Gated(Replicator):
+            async def start(self, *args: Any, **kwargs: Any) -> None:
+                if self.db_path == on:
+                    await gate  # a slow start: the hand-over arrives in the middle of it
+                await super().start(*args, **kwargs)
+
+        service = self.backup(
+            replicator=lambda store, db, path: Gated(reactor, store, db, path, interval=0.2)
+        )
+        await self.until(lambda: "on.example.db" in service.status()["databases"])
+        self.assertEqual(service.status()["databases"]["on.example.db"]["state"], "starting")
+        # The activator claims the host first, then awaits the release (Lifecycle.wake's order).
+        self.claims.claim("on.example")
+        released = service.release(on)
+        self.assertFalse(released.called, "the release waits for the start in progress")
+        gate.callback(None)
+        await released
+        self.assertNotIn("on.example.db", service.replicating())
+        before = await self.keys("on.example.db")
+        _write(on, "the activator's")
+        await service.rescan()
+        await deferLater(reactor, 0.6, lambda: None)
+        self.assertNotIn("on.example.db", service.status()["databases"], "claimed: not ours")
+        self.assertEqual(await self.keys("on.example.db"), before)
+        # The activator lets go (its stand-down ended, the flag is off): ours again.
+        self.claims.release("on.example")
+        await self.until(lambda: "on.example.db" in service.replicating())
+        self.assertEqual(await self.restored("on.example.db"), dump(on))
+
+    async def test_a_bucket_that_fails_at_start_is_retried_until_it_works(self) -> None:
+        server = await s3servers.shared_server("moto")
+        bucket = "bk-missing-" + os.urandom(4).hex()
+        store = s3servers.store_for(server, bucket)
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        service = self.backup(store)
+        await self.until(
+            lambda: service.status()["databases"].get(REGISTRY_NAME, {}).get("state") == "failed"
+        )
+        entry = service.status()["databases"][REGISTRY_NAME]
+        self.assertIn("last_error", entry)
+        await server.new_bucket(bucket)
+        await self.until(lambda: REGISTRY_NAME in service.replicating(), within=20)
+        self.assertNotIn("retry_in", service.status()["databases"][REGISTRY_NAME])
+
+    async def test_stop_ships_everything_and_stops_every_replicator(self) -> None:
+        on = self.add("on.example")
+        await self.routes.reload("test")
+        service = self.backup()
+        await self.until(lambda: len(service.replicating()) == 2)
+        _write(on, "at shutdown")
+        await service.stopService()
+        self.assertEqual(service.status()["databases"], {})
+        store = FileStore(reactor, os.path.join(self.root, "bucket"), self.in_thread)
+        self.store = store
+        self.assertEqual(await self.restored("on.example.db"), dump(on))
