@@ -68,6 +68,8 @@ class BackupConfig:
     box: str  # this box's segment: <prefix>/<box>/<database name>/
     interval: float = 10.0  # the longest a commit waits before it is in the backup
     extra: tuple[str, ...] = ()  # globs under the data dir: more databases to back up
+    # AES-256 key for the spaces' env files (their secrets) in the backup; b"": not backed up.
+    env_key: bytes = field(default=b"", repr=False)
 
     def key(self, *parts: str) -> str:
         """An object key under the configured prefix."""
@@ -248,6 +250,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_BACKUP_BOX": "",  # this box's segment of the layout (default: its host name)
     "LCHAT_BACKUP_INTERVAL": "10s",
     "LCHAT_BACKUP_EXTRA": "",
+    "LCHAT_BACKUP_KEY": "",  # AES-256 (base64) for the spaces' env files; unset: not backed up
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",
@@ -679,6 +682,7 @@ def _backup(
                 f"{bucket}, so it needs a prefix of its own, outside LCHAT_HIBERNATE_PREFIX="
                 f"{inside!r} (such as backup)"
             )
+    key_text = get("LCHAT_BACKUP_KEY")
     return BackupConfig(
         bucket=bucket,
         region=region,
@@ -687,6 +691,7 @@ def _backup(
         box=box,
         interval=interval,
         extra=extra,
+        env_key=aes_key("LCHAT_BACKUP_KEY", key_text) if key_text else b"",
     )
 
 
@@ -702,6 +707,11 @@ def _cert_cache_key(text: str) -> bytes:
             "LCHAT_CERT_CACHE=s3 needs LCHAT_CERT_CACHE_KEY: private keys are encrypted before "
             "they reach the bucket (make one with `openssl rand -base64 32`, the same on every box)"
         )
+    return aes_key("LCHAT_CERT_CACHE_KEY", text)
+
+
+def aes_key(name: str, text: str) -> bytes:
+    """An AES-256 key given in base64 (``openssl rand -base64 32``), checked."""
     padded = text + "=" * (-len(text) % 4)
     try:
         if re.fullmatch(r"[A-Za-z0-9+/]+=*", padded):
@@ -709,12 +719,10 @@ def _cert_cache_key(text: str) -> bytes:
         else:
             key = base64.urlsafe_b64decode(padded.encode("ascii"))
     except (binascii.Error, ValueError, UnicodeEncodeError):
-        raise ConfigError(
-            "LCHAT_CERT_CACHE_KEY is not base64 (`openssl rand -base64 32`)"
-        ) from None
+        raise ConfigError(f"{name} is not base64 (`openssl rand -base64 32`)") from None
     if len(key) != 32:
         raise ConfigError(
-            f"LCHAT_CERT_CACHE_KEY must be 32 bytes (AES-256) in base64, not {len(key)} bytes "
+            f"{name} must be 32 bytes (AES-256) in base64, not {len(key)} bytes "
             f"(`openssl rand -base64 32`)"
         )
     return key

@@ -10,19 +10,21 @@ import sqlite3
 import time
 from typing import Any
 
+import attrs
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 from lchat import hosts
-from lchat.backup import layout, selection
+from lchat.backup import envfiles, layout, selection
 from lchat.backup.layout import REGISTRY_NAME, Layout, catalogue
 from lchat.backup.service import Backup
 from lchat.config import BackupConfig
 from lchat.objstore import UTC, ObjectInfo
 from lchat.objstore.file import FileStore
 from lchat.registry import Registry, Route, RouteSource
+from lchat.replica.db import ReplicaDB
 from lchat.replica.replicator import Replicator
 from lchat.replica.restore import restore
 from lchat.threads import thread_runner
@@ -44,6 +46,11 @@ def _make_db(path: str, rows: int = 1) -> None:
     for i in range(rows):
         conn.execute("INSERT INTO t(v) VALUES (?)", (f"row {i}",))
     conn.close()
+
+
+def _text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def _write(path: str, value: str) -> None:
@@ -169,6 +176,66 @@ class SelectionTests(TestCase):
         self.assertEqual(len(problems), 2, problems)
         self.assertIn("has the same name on.example.db", problems[0])
         self.assertIn("cannot be named", problems[1])
+
+
+class ScanKeepsLocksTests(TestCase):
+    """Reading a header closes a descriptor, and POSIX then drops every lock this process holds on
+    the file: a replicator's read transaction would vanish and the space's last close would delete
+    the WAL under it (found by the flip test in tests/test_backup_box.py)."""
+
+    CLOSE_AS_A_SPACE_DOES = (
+        "import sqlite3, sys\n"
+        "conn = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "conn.execute(\"INSERT INTO t(v) VALUES ('from the space')\")\n"
+        "conn.close()\n"
+    )
+
+    def wal_after_the_space_closes(self, scan_sees_it_open: bool) -> bool:
+        data = os.path.abspath(self.mktemp())
+        os.makedirs(data)
+        path = os.path.join(data, "home.db")
+        _make_db(path)
+        replica = ReplicaDB(path)
+        replica.open()  # holds its read transaction, as a running replicator does
+        try:
+            open_here = {path} if scan_sees_it_open else set()
+            _, extra = selection.scan(data, ("*.db",), (), open_here)
+            self.assertEqual(extra, [path])
+            import subprocess
+            import sys
+
+            subprocess.run([sys.executable, "-c", self.CLOSE_AS_A_SPACE_DOES, path], check=True)
+            return os.path.exists(path + "-wal")
+        finally:
+            replica.close()
+
+    def test_a_database_open_here_is_only_stat_ed(self) -> None:
+        self.assertTrue(self.wal_after_the_space_closes(scan_sees_it_open=True))
+
+    def test_why_reading_its_header_would_be_a_bug(self) -> None:
+        self.assertFalse(
+            self.wal_after_the_space_closes(scan_sees_it_open=False),
+            "reading the header left the lock in place: the hazard this guards against is gone",
+        )
+
+
+class EnvFileSealTests(TestCase):
+    def test_sealed_for_one_name_and_key(self) -> None:
+        key, other = b"k" * 32, b"o" * 32
+        blob = envfiles.seal("a.example.env", b"LCHAT_ADMIN_TOKEN=secret\n", key)
+        self.assertNotIn(b"secret", blob)
+        self.assertEqual(envfiles.unseal("a.example.env", blob, key), b"LCHAT_ADMIN_TOKEN=secret\n")
+        for name, k in (("b.example.env", key), ("a.example.env", other)):
+            with self.assertRaises(envfiles.SealError) as e:
+                envfiles.unseal(name, blob, k)
+            self.assertIn("LCHAT_BACKUP_KEY", str(e.exception))
+        with self.assertRaises(envfiles.SealError):
+            envfiles.unseal("a.example.env", b"plain text", key)
+        self.assertEqual(
+            envfiles.key_for("bk/box1/", "a.example.env"), "bk/box1/.env/a.example.env"
+        )
+        with self.assertRaises(ValueError):
+            envfiles.key_for("bk/box1/", "../x")
 
 
 class BackupServiceTests(TestCase):
@@ -337,6 +404,39 @@ class BackupServiceTests(TestCase):
         await server.new_bucket(bucket)
         await self.until(lambda: REGISTRY_NAME in service.replicating(), within=20)
         self.assertNotIn("retry_in", service.status()["databases"][REGISTRY_NAME])
+
+    async def test_env_files_go_sealed_once_per_change_only_with_a_key(self) -> None:
+        self.add("on.example")
+        env = hosts.env_path(self.data, "on.example")
+        _text(env, "LCHAT_ADMIN_TOKEN=first\n")
+        await self.routes.reload("test")
+        key = f"bk/box1/.env/{os.path.basename(env)}"
+        service = self.backup()  # no LCHAT_BACKUP_KEY: not backed up
+        await self.until(lambda: "on.example.db" in service.replicating())
+        await service.rescan()
+        self.assertEqual([i.key for i in await self.store.list("bk/box1/.env/")], [])
+        await service.stopService()
+        self.store = FileStore(reactor, os.path.join(self.root, "bucket"), self.in_thread)
+        self.cfg = attrs.evolve(self.cfg, env_key=b"k" * 32)
+        service = self.backup()
+        await self.until(lambda: "on.example.db" in service.replicating())
+        await service.rescan()
+        first = await self.store.get(key)
+        self.assertEqual(
+            envfiles.unseal(os.path.basename(env), first.body, b"k" * 32),
+            b"LCHAT_ADMIN_TOKEN=first\n",
+        )
+        await service.rescan()
+        self.assertEqual(
+            (await self.store.head(key)).etag, first.info.etag, "unchanged: not re-sent"
+        )
+        _text(env, "LCHAT_ADMIN_TOKEN=second\n")
+        await service.rescan()
+        second = await self.store.get(key)
+        self.assertEqual(
+            envfiles.unseal(os.path.basename(env), second.body, b"k" * 32),
+            b"LCHAT_ADMIN_TOKEN=second\n",
+        )
 
     async def test_stop_ships_everything_and_stops_every_replicator(self) -> None:
         on = self.add("on.example")

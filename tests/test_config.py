@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
 from collections.abc import Mapping
 
 from twisted.trial import unittest
@@ -867,3 +868,84 @@ class MeshChecks(Base):
         self.refuses("LCHAT_HTTP_REDIRECT", plain)
         self.assertIsNotNone(self.load({**plain, "LCHAT_HTTP_REDIRECT": "off"}).mesh)
         self.refuses("LCHAT_MESH_SELF", {**self.base, "LCHAT_MESH_SELF": "https://u:p@box"})
+
+
+class Backup(Base):
+    def test_absent_means_no_backup(self) -> None:
+        self.assertIsNone(self.load({}).backup)
+
+    def test_settings_and_defaults(self) -> None:
+        cfg = self.load(
+            {
+                "LCHAT_BACKUP_BUCKET": "fleet-backup",
+                "LCHAT_BACKUP_PREFIX": "/boxes/",
+                "LCHAT_BACKUP_REGION": "eu-west-1",
+                "LCHAT_BACKUP_ENDPOINT": "https://s3.example.net/",
+                "LCHAT_BACKUP_EXTRA": "home.db, services/*.db",
+            }
+        )
+        backup = cfg.backup
+        assert backup is not None
+        self.assertEqual(
+            (backup.bucket, backup.prefix, backup.region, backup.endpoint),
+            ("fleet-backup", "boxes", "eu-west-1", "https://s3.example.net"),
+        )
+        self.assertEqual(backup.interval, 10.0)
+        self.assertEqual(backup.extra, ("home.db", "services/*.db"))
+        self.assertEqual(backup.box, socket.gethostname())
+        self.assertEqual(backup.key("b", "x.db"), "boxes/b/x.db")
+
+    def test_the_box_is_the_mesh_host_or_named(self) -> None:
+        mesh = {
+            "LCHAT_HIBERNATE_BUCKET": "hib",
+            "LCHAT_MESH_SELF": "https://box7.example.net",
+            "LCHAT_MESH_DOMAINS": "example.net",
+            "LCHAT_MESH_TOKEN": "t" * 32,
+            "LCHAT_BACKUP_BUCKET": "fleet-backup",
+        }
+        cfg = self.load(mesh)
+        assert cfg.backup is not None
+        self.assertEqual(cfg.backup.box, "box7.example.net")
+        cfg = self.load({**mesh, "LCHAT_BACKUP_BOX": "rack-3"})
+        assert cfg.backup is not None
+        self.assertEqual(cfg.backup.box, "rack-3")
+
+    def test_a_shared_bucket_needs_a_prefix_of_its_own(self) -> None:
+        shared = {"LCHAT_HIBERNATE_BUCKET": "one", "LCHAT_BACKUP_BUCKET": "one"}
+        for prefix in ("", "spaces", "spaces/backup"):
+            with self.assertRaises(ConfigError, msg=prefix) as e:
+                self.load(
+                    {**shared, "LCHAT_HIBERNATE_PREFIX": "spaces", "LCHAT_BACKUP_PREFIX": prefix}
+                )
+            self.assertIn("LCHAT_BACKUP_PREFIX", str(e.exception))
+        cfg = self.load(
+            {**shared, "LCHAT_HIBERNATE_PREFIX": "spaces", "LCHAT_BACKUP_PREFIX": "backup"}
+        )
+        assert cfg.backup is not None
+        self.assertEqual(cfg.backup.prefix, "backup")
+        # Another endpoint is another bucket, whatever its name.
+        other = {**shared, "LCHAT_BACKUP_ENDPOINT": "http://127.0.0.1:9000"}
+        self.assertIsNotNone(self.load(other).backup)
+
+    def test_refusals_name_the_variable(self) -> None:
+        for env, variable in (
+            ({"LCHAT_BACKUP_BUCKET": "Bad_Bucket"}, "LCHAT_BACKUP_BUCKET"),
+            ({"LCHAT_BACKUP_BUCKET": "file:"}, "LCHAT_BACKUP_BUCKET"),
+            (
+                {"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_ENDPOINT": "s3.local"},
+                "LCHAT_BACKUP_ENDPOINT",
+            ),
+            (
+                {"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_PREFIX": "a/../b"},
+                "LCHAT_BACKUP_PREFIX",
+            ),
+            ({"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_BOX": "a/b"}, "LCHAT_BACKUP_BOX"),
+            ({"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_BOX": ".lchat"}, "LCHAT_BACKUP_BOX"),
+            ({"LCHAT_BACKUP_INTERVAL": "0s"}, "LCHAT_BACKUP_INTERVAL"),
+            ({"LCHAT_BACKUP_INTERVAL": "often"}, "LCHAT_BACKUP_INTERVAL"),
+            ({"LCHAT_BACKUP_EXTRA": "/etc/*.db"}, "LCHAT_BACKUP_EXTRA"),
+            ({"LCHAT_BACKUP_EXTRA": "../other/*.db"}, "LCHAT_BACKUP_EXTRA"),
+        ):
+            with self.assertRaises(ConfigError, msg=str(env)) as e:
+                self.load(env)
+            self.assertIn(variable, str(e.exception))

@@ -403,6 +403,37 @@ class TwistdTests(TestCase):
         output = result.stdout + result.stderr
         self.assertIn("LCHAT_HIBERNATE_BUCKET=lchat-test: the bucket is not usable", output)
 
+    def test_an_unusable_backup_bucket_stops_the_router_naming_the_variable(self) -> None:
+        d = tempfile.mkdtemp(prefix="tw", dir="/tmp")
+        self.addCleanup(shutil.rmtree, d, True)
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        result = self.twistd(
+            "-n",
+            "--pidfile=",
+            "lchat",
+            "--data-dir",
+            d,
+            "--run-dir",
+            d,
+            "--http",
+            "tcp:0:interface=127.0.0.1",
+            "--https",
+            "off",
+            env={
+                "LCHAT_BACKUP_BUCKET": "fleet-backup",
+                "LCHAT_BACKUP_ENDPOINT": f"http://127.0.0.1:{port}",
+                "LCHAT_BACKUP_REGION": "us-east-1",
+                "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test",
+            },
+        )
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        output = result.stdout + result.stderr
+        self.assertIn("LCHAT_BACKUP_BUCKET=fleet-backup: the bucket is not usable", output)
+        self.assertIn("LCHAT_BACKUP_ENDPOINT", output)
+
     def test_misconfiguration_fails_at_boot_naming_the_variable(self) -> None:
         d = tempfile.mkdtemp(prefix="tw", dir="/tmp")
         self.addCleanup(shutil.rmtree, d, True)

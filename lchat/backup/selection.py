@@ -50,21 +50,35 @@ def candidates(routes: Iterable[Route], registry: str, data_dir: str) -> list[st
 
 
 def scan(
-    data_dir: str, patterns: Iterable[str], paths: Iterable[str]
+    data_dir: str, patterns: Iterable[str], paths: Iterable[str], open_here: Container[str] = ()
 ) -> tuple[set[str], list[str]]:
-    """Blocking (run it in a thread): which of ``paths`` are SQLite databases now, and the
-    databases ``patterns`` (globs under ``data_dir``) match, absolute and sorted."""
-    present = {p for p in paths if is_sqlite(p)}
+    """Blocking (run it in a thread): which of ``paths`` exist now, and the databases
+    ``patterns`` (globs under ``data_dir``) match, absolute and sorted.
+
+    Only a ``stat`` for ``paths`` and ``open_here`` (databases this process may hold open in
+    SQLite: the registry, every instance's, every one a replicator here has open). Reading a
+    file's header means opening and closing a descriptor of it, and POSIX drops *every* lock this
+    process holds on a file when any descriptor of it closes: a replicator's read transaction
+    would silently vanish, and the space's last close would checkpoint and delete the WAL under
+    it. So only a glob match nobody here has open gets its header read (``is_sqlite``).
+    """
+    paths = {os.path.abspath(p) for p in paths}
+    present = {p for p in paths if os.path.isfile(p)}
     extra: set[str] = set()
     for pattern in patterns:
         for match in glob.glob(os.path.join(data_dir, pattern)):
-            if is_sqlite(match):
-                extra.add(os.path.abspath(match))
+            match = os.path.abspath(match)
+            if match in paths or match in open_here:
+                if os.path.isfile(match):
+                    extra.add(match)
+            elif is_sqlite(match):
+                extra.add(match)
     return present, sorted(extra)
 
 
 def is_sqlite(path: str) -> bool:
-    """A regular file that starts with SQLite's header (not a -wal, a lock or a directory)."""
+    """A regular file that starts with SQLite's header (not a -wal, a lock or a directory).
+    Opens the file: never for a database this process has open (see :func:`scan`)."""
     try:
         if not os.path.isfile(path):
             return False

@@ -38,8 +38,9 @@ from twisted.internet.defer import Deferred, DeferredList, DeferredLock, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
+from lchat import hosts
 from lchat.backoff import Backoff
-from lchat.backup import selection
+from lchat.backup import envfiles, selection
 from lchat.backup.layout import Layout
 from lchat.backup.metered import MeteredStore
 from lchat.config import BackupConfig
@@ -61,6 +62,11 @@ _lag = Gauge(
 HANDOVERS = Counter(
     "lchat_backup_handovers_total",
     "Databases handed from the backup to the activator (a wake after hibernate --on)",
+)
+ENV_UPLOADS = Counter(
+    "lchat_backup_env_uploads_total",
+    "Env files uploaded to the backup (sealed), by outcome",
+    ["outcome"],
 )
 START_BACKOFF = Backoff(1.0, 300.0)
 RESCAN = 30.0  # seconds between scans for new databases (and retries of failed starts)
@@ -120,6 +126,8 @@ class Backup(Service):
         self._again = False  # a change arrived during a scan: scan once more after it
         self._tick: IDelayedCall | None = None
         self._stopping = False
+        self._env_sent: dict[str, str] = {}  # env file path -> sha256 of what is in the bucket
+        self._env_unreadable: set[str] = set()  # logged once each
         routes.subscribe(self._table_changed)
         claims.on_release(self._released)
 
@@ -145,14 +153,19 @@ class Backup(Service):
                 self._again = False
                 table = self._routes.table
                 paths = selection.candidates(table, self._registry, self._data_dir)
+                # Every database a replicator here may have open right now (they are only
+                # added by _apply, after this scan): their headers must not be read.
+                open_here = {db.chosen.path for db in self._dbs.values()}
                 try:
                     present, extra = await self._run(
-                        selection.scan, self._data_dir, self._cfg.extra, paths
+                        selection.scan, self._data_dir, self._cfg.extra, paths, open_here
                     )
                 except Exception:
                     _log.failure("backup: could not scan the data dir")
                     return
                 self._apply(present, extra)
+                if self._cfg.env_key:
+                    await self._sync_env_files()
                 if not self._again or self._stopping:
                     return
         finally:
@@ -187,6 +200,43 @@ class Backup(Service):
                 known.state = "starting"
                 Deferred.fromCoroutine(self._run_start(known))
         self._update_gauge()
+
+    async def _sync_env_files(self) -> None:
+        """Upload, sealed, every backed-up instance's env files that changed (envfiles)."""
+        paths = []
+        for db in list(self._dbs.values()):
+            host = db.chosen.host
+            if host:
+                paths += [hosts.env_path(self._data_dir, host)]
+                paths += [hosts.bot_env_path(self._data_dir, host)]
+        for path in paths:
+            try:
+                found = await self._run(envfiles.read, path)
+            except OSError as e:
+                if path not in self._env_unreadable:
+                    self._env_unreadable.add(path)
+                    _log.error(
+                        "backup: cannot read {path} ({error}): it is not in the backup, and a "
+                        "box rebuilt from the backup cannot start that space without it",
+                        path=path,
+                        error=e.strerror or e,
+                    )
+                continue
+            self._env_unreadable.discard(path)
+            if found is None or self._env_sent.get(path) == found[1]:
+                continue
+            content, digest = found
+            name = os.path.basename(path)
+            key = envfiles.key_for(self.layout.box_path(), name)
+            try:
+                await self._store.put(key, envfiles.seal(name, content, self._cfg.env_key))
+            except Exception as e:
+                ENV_UPLOADS.labels("failed").inc()
+                _log.warn("backup: could not upload {name}: {error}", name=name, error=e)
+                continue
+            ENV_UPLOADS.labels("ok").inc()
+            self._env_sent[path] = digest
+            _log.info("backup: {name} (sealed) is in the backup", name=name)
 
     def _why_not(self, was: selection.Chosen, now: selection.Chosen | None) -> str:
         """Why a database we replicate is no longer ours, for the log."""
@@ -348,6 +398,11 @@ class Backup(Service):
             root=self.layout.box_path(),
             interval=self._cfg.interval,
         )
+        if not self._cfg.env_key:
+            _log.warn(
+                "backup: LCHAT_BACKUP_KEY is not set, so the spaces' env files (their secrets) "
+                "are not in the backup: a box rebuilt from it needs them from elsewhere"
+            )
         self.rescan()
         self._schedule(self._rescan)
 

@@ -23,6 +23,7 @@ import attrs
 import lchat
 from lchat import config, envfile, hosts
 from lchat.cli import admin_client, certs, dev_cert, litestream_yml, units
+from lchat.cli import backup as backup_cli
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.config import BoxConfig, ConfigError
@@ -238,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_arguments(command("certs", certs.SUMMARY, cmd_certs))
     replica_cli.add_arguments(
         command("replica", replica_cli.SUMMARY, lambda a: replica_cli.run(a, load_config(a), _out)),
+        lambda p: _add_common(p, argparse.SUPPRESS),
+    )
+    backup_cli.add_arguments(
+        command("backup", backup_cli.SUMMARY, lambda a: backup_cli.run(a, load_config(a), _out)),
         lambda p: _add_common(p, argparse.SUPPRESS),
     )
     # Listed for --help only: main() hands `space ...` over before argparse sees it.

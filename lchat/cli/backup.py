@@ -1,0 +1,1141 @@
+"""``lchat backup ls|restore|drill|litestream-config``: the operator's side of the fleet backup.
+
+The bucket is the router's backup bucket (``LCHAT_BACKUP_*``, read from its env file like every
+command; docs/backup.md), laid out as :mod:`lchat.backup.layout` says. The running router is asked
+``GET /status`` on its admin socket for what it backs up right now (its ``backup`` section); it
+may be down, and then every command still works, without the live columns.
+
+- ``ls``: one LIST of the layout's root: every box's databases, their newest txid, size and
+  times; LAG from this box's router.
+- ``restore NAME``: one database into a file nothing uses (:func:`_in_use`), as of now, a txid or
+  a time. ``restore --all --into DIR``: a box rebuilt from nothing: the registry first, then every
+  database its rows run without hibernating, then the other databases of the box (extras).
+- ``drill``: every database of a box restored into a temp dir, checked, and compared with the
+  live txid: the one-command proof an operator runs after a change.
+- ``litestream-config``: what the router backs up now, as a stock Litestream config.
+
+Invariants: nothing is ever written to the bucket. A restore writes its output only once the
+whole database is rebuilt and checked (:func:`lchat.replica.restore.restore`), never over a
+database something uses right now, and then removes the ``-wal``/``-shm``/``-journal`` left
+beside the output by the file it replaced (SQLite would replay a stale WAL into the restored
+database). The commands are synchronous: :func:`run` runs the async work on the global reactor,
+once per process; :func:`execute` is the same on a reactor that is already running (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import sqlite3
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from attrs import field, frozen
+
+from lchat import hosts
+from lchat.backup import envfiles, selection
+from lchat.backup.layout import REGISTRY_NAME, BadName, Layout, Stored, catalogue, check_name
+from lchat.cli import admin_client
+from lchat.cli import replica as replica_cli
+from lchat.config import BackupConfig, BoxConfig
+from lchat.objstore import (
+    UTC,
+    NotFound,
+    ObjectStore,
+    ObjectStoreError,
+    needs_credentials,
+    open_store,
+)
+from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
+from lchat.objstore.file import FileStore
+from lchat.registry import Registry, RegistryError, Route
+from lchat.replica import restore as restore_mod
+from lchat.threads import RunInThread, thread_runner
+
+SUMMARY = "list, restore or drill the fleet backup (LCHAT_BACKUP_BUCKET)"
+STATUS_TIMEOUT = 3.0  # GET /status on the admin socket
+VERSIONING_TIMEOUT = 5.0  # the one GetBucketVersioning of `ls`
+SIDECARS = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a database file
+_BOX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # LCHAT_BACKUP_BOX's rule
+
+Out = Callable[[str], None]
+
+RESTORE_HELP = """\
+Restore one database (DB-NAME as `lchat backup ls` shows it: registry.db, <host>.db, home.db)
+to ./DB-NAME or -o PATH, as of the newest state in the backup, --txid N or --timestamp T (the
+last state committed before T).
+
+Which box's copy: --box BOX; else this box's (LCHAT_BACKUP_BOX); else the only box that has
+one. Nothing is written unless the whole database is rebuilt and passes integrity_check. An
+existing output is replaced only with --force, and never while something uses it (a database
+the running router backs up, the registry of a running router, a space's database while it
+runs): restore elsewhere with -o, stop what writes it, then move the file into place.
+
+--all --into DATA_DIR rebuilds a box: the registry (to DATA_DIR/registry.db), then the
+database of every space it lists that does not hibernate (DATA_DIR/<host>.db; a hibernating
+space wakes from the hibernation bucket), then the box's other databases (DATA_DIR/<name>).
+Refused while a router runs on DATA_DIR, or when DATA_DIR/registry.db exists (unless --force).
+"""
+
+DRILL_HELP = """\
+Restore every database of a box (--box, default this box) into a temp dir (removed after; set
+TMPDIR to put it elsewhere), run PRAGMA integrity_check on each, and compare its txid with the
+live one the running router reports (LIVE TXID '-' when it does not back that database up here).
+
+RESULT: ok (restored and checked; txid at or past the live one, or no live one), behind (the
+restored txid is older than the live one, but the router had commits in flight: its lag was
+above 0 when asked), missing (older although the router said everything up to the live txid
+was in the bucket: lag 0), failed (the restore or the check failed). Exit status 0 only when
+every database is ok or behind.
+"""
+
+LITESTREAM_HELP = """\
+Print a litestream.yml for the stock Litestream (0.5) listing exactly what the router backs up
+now: the registry, every instance that does not hibernate, and LCHAT_BACKUP_EXTRA, each to its
+replica path in the backup layout. Never run it beside the router's own backup: two replicators
+on one database corrupt each other. With the router's backup off, give the bucket to this
+command alone: LCHAT_BACKUP_BUCKET=my-bucket lchat backup litestream-config.
+"""
+
+
+class BackupCliError(Exception):
+    """A refusal or failure: one ``lchat: error:`` line, exit status 1."""
+
+
+_ERRORS = (
+    BackupCliError,
+    BadName,
+    restore_mod.RestoreError,
+    ObjectStoreError,
+    RegistryError,
+    replica_cli.ReplicaCliError,
+)
+
+
+# --- arguments ------------------------------------------------------------------------------------
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    common: Callable[[argparse.ArgumentParser], None] = lambda p: None,
+) -> None:
+    """``common`` adds the CLI's shared options to each action, so they may follow it too."""
+    sub = parser.add_subparsers(dest="backup_command", metavar="<action>", required=True)
+    raw = argparse.RawDescriptionHelpFormatter
+
+    ls = sub.add_parser(
+        "ls",
+        help="every backed-up database of every box: txid, size, times, lag (one LIST)",
+        description="Every database in the backup bucket, across boxes (one LIST), with LAG "
+        "from this box's running router; warns when the bucket's versioning is off.",
+    )
+    common(ls)
+    ls.add_argument("--json", action="store_true", help="print a JSON list (null where unknown)")
+    ls.add_argument("--box", type=_box, metavar="BOX", help="only this box's databases")
+
+    rs = sub.add_parser(
+        "restore",
+        help="rebuild a database (or a whole box) from the backup",
+        description=RESTORE_HELP,
+        formatter_class=raw,
+    )
+    common(rs)
+    rs.add_argument("name", nargs="?", metavar="DB-NAME", help="the database, as ls names it")
+    rs.add_argument("-o", "--output", metavar="PATH", help="where to write it (default ./DB-NAME)")
+    target = rs.add_mutually_exclusive_group()
+    target.add_argument(
+        "--txid", type=replica_cli._txid, metavar="N", help="restore up to this txid"
+    )
+    target.add_argument(
+        "--timestamp",
+        type=replica_cli._timestamp,
+        metavar="RFC3339",
+        help="restore the last state committed before this time",
+    )
+    rs.add_argument("--box", type=_box, metavar="BOX", help="the box whose copy to restore")
+    rs.add_argument("--force", action="store_true", help="replace an existing output file")
+    rs.add_argument("--all", action="store_true", help="restore the whole box into --into DATA_DIR")
+    rs.add_argument("--into", metavar="DATA_DIR", help="with --all: the data dir to rebuild")
+
+    dr = sub.add_parser(
+        "drill",
+        help="restore every database into a temp dir, check it, compare with the live txid",
+        description=DRILL_HELP,
+        formatter_class=raw,
+    )
+    common(dr)
+    dr.add_argument("--json", action="store_true", help="print a JSON list")
+    dr.add_argument("--box", type=_box, metavar="BOX", help="the box to drill (default: this one)")
+
+    lc = sub.add_parser(
+        "litestream-config",
+        help="print a litestream.yml listing what the router backs up now",
+        description=LITESTREAM_HELP,
+        formatter_class=raw,
+    )
+    common(lc)
+
+
+def _box(text: str) -> str:
+    if not _BOX.fullmatch(text) or text in (".", ".."):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a box name (letters, digits, '.', '_' and '-', as LCHAT_BACKUP_BOX)"
+        )
+    return text
+
+
+# --- entry points ---------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
+    """The command, synchronously: what needs no bucket is refused before the reactor runs."""
+    try:
+        conf = _precheck(args, cfg)
+        if args.backup_command == "litestream-config":
+            out(litestream_config(cfg, conf))
+            return 0
+        return replica_cli._run_on_reactor(lambda r: _execute(r, args, cfg, conf, out, _stderr))
+    except _ERRORS as e:
+        _stderr(_error(str(e)))
+        return 1
+
+
+async def execute(
+    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, out: Out, err: Out
+) -> int:
+    """The command on a running ``reactor``; ``out`` gets stdout's lines, ``err`` stderr's."""
+    try:
+        conf = _precheck(args, cfg)
+    except _ERRORS as e:
+        err(_error(str(e)))
+        return 1
+    return await _execute(reactor, args, cfg, conf, out, err)
+
+
+async def _execute(
+    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+) -> int:
+    try:
+        action = args.backup_command
+        if action == "litestream-config":
+            out(await thread_runner(reactor)(litestream_config, cfg, conf))
+            return 0
+        if action == "ls":
+            return await _ls(reactor, args, cfg, conf, out, err)
+        if action == "drill":
+            return await _drill(reactor, args, cfg, conf, out, err)
+        if args.all:
+            return await _restore_all(reactor, args, cfg, conf, out, err)
+        return await _restore_one(reactor, args, cfg, conf, out, err)
+    except _ERRORS as e:
+        err(_error(str(e)))
+        return 1
+    except OSError as e:
+        err(_error(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)))
+        return 1
+
+
+def _precheck(args: argparse.Namespace, cfg: BoxConfig) -> BackupConfig:
+    """Everything that can be refused without the bucket; normalises the paths in ``args``."""
+    if cfg.backup is None:
+        raise BackupCliError(
+            "no backup bucket: set LCHAT_BACKUP_BUCKET (in the router's env file, or in the "
+            "environment of this command)"
+        )
+    if args.backup_command == "restore":
+        _check_restore_args(args)
+    return cfg.backup
+
+
+def _check_restore_args(args: argparse.Namespace) -> None:
+    if args.all:
+        if not args.into:
+            raise BackupCliError("restore --all needs --into DATA_DIR (the data dir to rebuild)")
+        given = [
+            flag
+            for flag, value in (
+                ("DB-NAME", args.name),
+                ("-o", args.output),
+                ("--txid", args.txid),
+                ("--timestamp", args.timestamp),
+            )
+            if value is not None
+        ]
+        if given:
+            raise BackupCliError(
+                f"restore --all takes no {', '.join(given)}: it restores the newest state of "
+                f"every database of the box into --into"
+            )
+        args.into = os.path.abspath(args.into)
+        registry = os.path.join(args.into, "registry.db")
+        if os.path.lexists(registry) and not args.force:
+            raise BackupCliError(
+                f"{registry} already exists: --all rebuilds a box into an empty data dir (use "
+                f"--force to replace what is there)"
+            )
+        return
+    if args.into is not None:
+        raise BackupCliError("--into goes with --all (restore one database with -o PATH)")
+    if args.name is None:
+        raise BackupCliError(
+            "name the database to restore (`lchat backup ls` lists them), or restore the whole "
+            "box with --all --into DATA_DIR"
+        )
+    check_name(args.name)
+    output = os.path.abspath(args.output or args.name)
+    if os.path.isdir(output):
+        output = os.path.join(output, args.name)
+    args.output = output
+    if os.path.lexists(output) and not args.force:
+        raise BackupCliError(f"{output} already exists (use --force to replace it)")
+    if args.timestamp is not None:
+        now = datetime.datetime.now(UTC)
+        if args.timestamp > now:
+            raise BackupCliError(
+                f"--timestamp {_iso(args.timestamp, 'milliseconds')} is in the future (it is "
+                f"{_iso(now, 'milliseconds')} here): "
+                f"give a time the backup has already passed, or leave it out for the newest state"
+            )
+
+
+# --- the bucket -----------------------------------------------------------------------------------
+
+
+@frozen
+class _Bucket:
+    store: ObjectStore
+    credentials: ResolvedCredentials | None  # an S3 bucket's, for GetBucketVersioning
+
+
+async def open_backup_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
+    """The bucket of ``LCHAT_BACKUP_*`` on ``reactor``, to read (the caller closes it).
+
+    An S3 bucket's credentials are resolved once, as :func:`lchat.cli.bucket.open_bucket` does
+    for the hibernation bucket (the process environment over the env file's ``AWS_*``). A
+    ``file:`` bucket must exist: a backup that is not there is an error, never an empty bucket.
+    """
+    return (await _open(reactor, cfg)).store
+
+
+async def _open(reactor: Any, cfg: BoxConfig) -> _Bucket:
+    conf = cfg.backup
+    assert conf is not None, "the caller checks that the backup is configured"
+    run = thread_runner(reactor)
+    if not needs_credentials(conf.bucket):
+        return _Bucket(FileStore(reactor, conf.bucket[len("file:") :], run, create=False), None)
+    credentials: ResolvedCredentials = await run(resolve_credentials, {**cfg.aws_env, **os.environ})
+    store = open_store(
+        reactor,
+        conf.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=conf.region,
+        endpoint=conf.endpoint,
+        credentials=credentials,
+    )
+    return _Bucket(store, credentials)
+
+
+@contextlib.asynccontextmanager
+async def _opened(reactor: Any, cfg: BoxConfig) -> AsyncIterator[_Bucket]:
+    bucket = await _open(reactor, cfg)
+    try:
+        yield bucket
+    finally:
+        await bucket.store.close()
+
+
+async def _catalogue(store: ObjectStore, conf: BackupConfig) -> list[Stored]:
+    """Every box's databases: one LIST of the layout's root."""
+    return catalogue(conf.prefix, await store.list(Layout(conf.prefix, conf.box).root()))
+
+
+def _where(store: ObjectStore, conf: BackupConfig) -> str:
+    return f"{store.describe()} under {conf.prefix + '/' if conf.prefix else 'its root'}"
+
+
+def _pick(
+    stored: list[Stored], name: str, box: str | None, conf: BackupConfig, where: str
+) -> Stored:
+    """The copy of ``name`` to restore: ``box``'s; else this box's; else the only one."""
+    have = [s for s in stored if s.name == name]
+    boxes = ", ".join(s.box for s in have)
+    if box is not None:
+        for s in have:
+            if s.box == box:
+                return s
+        elsewhere = f" (boxes that have it: {boxes})" if have else ""
+        raise BackupCliError(f"no backup of {name} from box {box} in {where}{elsewhere}")
+    if not have:
+        names = sorted({s.name for s in stored})
+        there = (
+            f"it holds {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
+            if names
+            else "it holds no backup at all"
+        )
+        raise BackupCliError(f"no backup of {name} in {where}: {there} (`lchat backup ls`)")
+    for s in have:
+        if s.box == conf.box:
+            return s
+    if len(have) == 1:
+        return have[0]
+    raise BackupCliError(
+        f"{name} is backed up by {len(have)} boxes ({boxes}) and none of them is this box "
+        f"({conf.box}): pass --box BOX to choose"
+    )
+
+
+def _versioning_note(conf: BackupConfig, credentials: ResolvedCredentials | None) -> str | None:
+    """Blocking. The line ``ls`` ends with when the bucket's versioning is not known to be on
+    (the ransomware backstop, docs/backup.md), else None. Never raises."""
+    if credentials is None:
+        return (
+            f"lchat: versioning does not apply to a file: bucket ({conf.bucket}): keep "
+            f"another copy of that directory elsewhere"
+        )
+    try:
+        import botocore.config  # type: ignore[import-untyped]
+
+        client = credentials.session.create_client(
+            "s3",
+            region_name=conf.region or credentials.region or "us-east-1",
+            endpoint_url=conf.endpoint or None,
+            config=botocore.config.Config(
+                connect_timeout=VERSIONING_TIMEOUT,
+                read_timeout=VERSIONING_TIMEOUT,
+                retries={"max_attempts": 1, "mode": "standard"},
+                s3={"addressing_style": "path" if conf.endpoint else "auto"},
+            ),
+        )
+        status = str(client.get_bucket_versioning(Bucket=conf.bucket).get("Status") or "")
+    except Exception as e:
+        return (
+            f"lchat: warning: cannot tell whether versioning is on for bucket {conf.bucket} "
+            f"({_one_line(str(e)) or type(e).__name__}): docs/backup.md says how to turn it on "
+            f"with a 14-day noncurrent-version expiry"
+        )
+    if status == "Enabled":
+        return None
+    state = "suspended" if status == "Suspended" else "off"
+    return (
+        f"lchat: warning: versioning is {state} on bucket {conf.bucket}: an overwrite or a "
+        f"delete there is final. Turn it on with a 14-day noncurrent-version expiry "
+        f"(docs/backup.md)"
+    )
+
+
+# --- the running router ---------------------------------------------------------------------------
+
+
+@frozen
+class _Router:
+    """What the router of this box says (``GET /status``), or that it is not running."""
+
+    running: bool
+    known: bool  # it answered: ``databases`` is everything its backup replicates
+    box: str | None = None  # its backup's box (None: its backup is off)
+    databases: Mapping[str, Mapping[str, Any]] = field(factory=dict)  # its backup's, by name
+
+    def entry(self, box: str, name: str) -> Mapping[str, Any] | None:
+        """Its view of database ``name`` of ``box``, when it backs that one up."""
+        return self.databases.get(name) if box == self.box else None
+
+
+async def _ask_router(cfg: BoxConfig, run: RunInThread, err: Out) -> _Router:
+    try:
+        response = await run(admin_client.status, cfg.admin_socket, STATUS_TIMEOUT)
+    except admin_client.Unreachable as e:
+        if isinstance(e.__cause__, FileNotFoundError | ConnectionRefusedError):
+            return _Router(running=False, known=True)
+        err(f"lchat: cannot reach the router ({e}): taking it to be running")
+        return _Router(running=True, known=False)
+    except admin_client.ProtocolError as e:
+        err(f"lchat: the router did not answer GET /status ({e}): taking it to be running")
+        return _Router(running=True, known=False)
+    try:
+        body = response.json() if response.status == 200 else None
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        err(
+            f"lchat: the router answered GET /status with {response.status}: what it backs up "
+            f"is unknown"
+        )
+        return _Router(running=True, known=False)
+    backup = body.get("backup")
+    if not isinstance(backup, dict):
+        return _Router(running=True, known=True)
+    databases = backup.get("databases")
+    if not isinstance(databases, dict):
+        databases = {}
+    return _Router(
+        running=True,
+        known=True,
+        box=str(backup.get("box") or ""),
+        databases={str(k): v for k, v in databases.items() if isinstance(v, dict)},
+    )
+
+
+def _lag(entry: Mapping[str, Any] | None) -> float | None:
+    lag = entry.get("lag") if entry is not None else None
+    return float(lag) if isinstance(lag, int | float) else None
+
+
+def _live_txid(entry: Mapping[str, Any] | None) -> int | None:
+    text = entry.get("txid") if entry is not None else None
+    try:
+        return int(text, 16) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+# --- ls -------------------------------------------------------------------------------------------
+
+LS_COLUMNS = ("NAME", "BOX", "TXID", "SIZE", "NEWEST", "LAST SNAPSHOT", "LAG")
+
+
+async def _ls(
+    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+) -> int:
+    run = thread_runner(reactor)
+    router = await _ask_router(cfg, run, err)
+    async with _opened(reactor, cfg) as bucket:
+        stored = await _catalogue(bucket.store, conf)
+        where = _where(bucket.store, conf)
+        try:
+            versioning = await run(_versioning_note, conf, bucket.credentials)
+        except Exception as e:  # the note must never fail the command
+            versioning = f"lchat: warning: cannot tell whether versioning is on ({e})"
+    if args.box is not None:
+        stored = [s for s in stored if s.box == args.box]
+    objects = [_ls_object(s, router.entry(s.box, s.name)) for s in stored]
+    if args.json:
+        out(json.dumps(objects, indent=2))
+    else:
+        rows = [LS_COLUMNS, *(_ls_row(o) for o in objects)]
+        _table(rows, out)
+        for o in objects:
+            if o["last_error"]:
+                out(f"  {o['name']}: last error: {_one_line(o['last_error'])}")
+        if not objects:
+            err(f"lchat: nothing backed up{f' by box {args.box}' if args.box else ''} in {where}")
+    if router.box and args.box in (None, router.box):
+        listed = {s.name for s in stored if s.box == router.box}
+        for name, entry in sorted(router.databases.items()):
+            if name not in listed:
+                why = entry.get("last_error") or entry.get("state") or "?"
+                err(
+                    f"lchat: warning: the router backs up {name} ({entry.get('path')}) but none "
+                    f"of it is in the bucket yet: {_one_line(str(why))}"
+                )
+    if versioning:
+        err(versioning)
+    return 0
+
+
+def _ls_object(s: Stored, entry: Mapping[str, Any] | None) -> dict[str, Any]:
+    error = entry.get("last_error") if entry is not None else None
+    return {
+        "name": s.name,
+        "box": s.box,
+        "replica": s.path,
+        "txid": f"{s.txid:016x}",
+        "size": s.size,
+        "newest": _iso(s.newest) if s.newest else None,
+        "last_snapshot": _iso(s.last_snapshot) if s.last_snapshot else None,
+        "lag": _lag(entry),
+        "state": str(entry["state"]) if entry is not None and entry.get("state") else None,
+        "last_error": str(error) if error else None,
+    }
+
+
+def _ls_row(o: Mapping[str, Any]) -> tuple[str, ...]:
+    if o["state"] not in (None, "running"):
+        lag = str(o["state"])  # starting, failed, stopping: no lag to speak of
+    else:
+        lag = "-" if o["lag"] is None else f"{o['lag']:.1f}s"
+    return (
+        o["name"],
+        o["box"],
+        o["txid"],
+        _size(o["size"]),
+        o["newest"] or "-",
+        o["last_snapshot"] or "-",
+        lag,
+    )
+
+
+# --- restore --------------------------------------------------------------------------------------
+
+
+async def _restore_one(
+    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+) -> int:
+    run = thread_runner(reactor)
+    router = await _ask_router(cfg, run, err)
+    rows = await run(_rows_of, cfg.registry)
+    why = await run(_in_use, args.output, cfg, router, _dbs_of(rows, cfg.data_dir))
+    if why is not None:
+        raise BackupCliError(_refusal(args.output, why))
+    async with _opened(reactor, cfg) as bucket:
+        stored = await _catalogue(bucket.store, conf)
+        found = _pick(stored, args.name, args.box, conf, _where(bucket.store, conf))
+        line = await _restore_to(
+            bucket.store,
+            found,
+            args.output,
+            run,
+            txid=args.txid,
+            timestamp=args.timestamp,
+            overwrite=args.force,
+        )
+    out(f"restored {found.name} (box {found.box}) to {line}")
+    return 0
+
+
+async def _restore_to(
+    store: ObjectStore,
+    found: Stored,
+    output: str,
+    run: RunInThread,
+    *,
+    txid: int | None = None,
+    timestamp: datetime.datetime | None = None,
+    overwrite: bool,
+) -> str:
+    """Restore ``found`` to ``output``; what was done, for the operator (``"<path>: txid ..."``)."""
+    try:
+        result = await restore_mod.restore(
+            store,
+            found.path,
+            output,
+            txid=txid,
+            timestamp=timestamp,
+            overwrite=overwrite,
+            run_in_thread=run,
+        )
+    except restore_mod.RestoreError as e:
+        if timestamp is not None and str(e).startswith("no snapshot"):
+            first = await _first_state(store, found)
+            if first is not None and timestamp <= first:
+                raise BackupCliError(
+                    f"--timestamp {_iso(timestamp, 'milliseconds')} is before the first snapshot "
+                    f"({_iso(first, 'milliseconds')}) "
+                    f"of {found.name} in {found.path}/: there is no state that old to restore"
+                ) from None
+        raise restore_mod.RestoreError(f"{found.name} from box {found.box}: {e}") from None
+    removed = await run(_remove_sidecars, output)
+    tail = f"; removed the stale {', '.join(removed)} beside it" if removed else ""
+    return (
+        f"{result.path}: txid {result.txid:016x} ({_iso(result.timestamp)}), "
+        f"{result.pages * result.page_size} bytes, {result.bytes_downloaded} bytes "
+        f"downloaded{tail}"
+    )
+
+
+async def _first_state(store: ObjectStore, found: Stored) -> datetime.datetime | None:
+    """When the oldest file a restore can start from (txid 1) was written, by Litestream's
+    timestamp metadata (a LIST has none: one HEAD per such file, a handful at most)."""
+    times = []
+    for f in found.files:
+        if f.min_txid == 1:
+            head = restore_mod.parse_key(await store.head(f.info.key))
+            times.append((head or f).created_at)
+    return min(times, default=None)
+
+
+def _remove_sidecars(output: str) -> list[str]:
+    """Blocking. Remove what SQLite left beside the file ``output`` replaced: replayed into the
+    restored database, an old WAL would corrupt it. Returns the names removed."""
+    removed = []
+    for suffix in SIDECARS:
+        path = output + suffix
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(os.path.basename(path))
+    return removed
+
+
+async def _restore_all(
+    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+) -> int:
+    run = thread_runner(reactor)
+    into: str = args.into
+    router = await _ask_router(cfg, run, err)
+    if router.running and await run(_router_uses, cfg, router, into):
+        raise BackupCliError(
+            f"refusing: a router is running on {into} ({cfg.admin_socket} answers), and a "
+            f"restore would replace databases under their writers: stop it first (systemctl "
+            f"stop lchat), or restore into another directory"
+        )
+    here_rows = await run(_rows_of, cfg.registry)
+    tally = _Tally()
+    async with _opened(reactor, cfg) as bucket:
+        store = bucket.store
+        stored = await _catalogue(store, conf)
+        registry = _pick(stored, REGISTRY_NAME, args.box, conf, _where(store, conf))
+        box = registry.box
+        mine = {s.name: s for s in stored if s.box == box}
+        await run(lambda: os.makedirs(into, mode=0o750, exist_ok=True))
+        owner = await run(_owner_to_hand_to, into)
+        out(f"restoring box {box} from {_where(store, conf)} into {into}")
+
+        async def one(found: Stored, target: str, rows: list[tuple[Route, str]]) -> bool:
+            why = await run(_in_use, target, cfg, router, rows)
+            if why is not None:
+                return tally.failed(out, found.name, _refusal(target, why))
+            if not args.force and await run(os.path.lexists, target):
+                return tally.failed(out, found.name, f"{target} already exists (use --force)")
+            try:
+                line = await _restore_to(store, found, target, run, overwrite=args.force)
+                if owner is not None:
+                    await run(os.chown, target, *owner)
+            except (*_ERRORS, OSError) as e:
+                return tally.failed(out, found.name, str(e))
+            tally.restored += 1
+            out(f"{found.name}: restored to {line}")
+            return True
+
+        registry_out = os.path.join(into, "registry.db")
+        if not await one(registry, registry_out, _dbs_of(here_rows, cfg.data_dir)):
+            raise BackupCliError(
+                f"the registry could not be restored, so nothing else was: {tally.errors[0]}"
+            )
+        rows = await run(_open_registry, registry_out)
+        checks = _dbs_of(rows, into) + _dbs_of(here_rows, cfg.data_dir)
+        instance_names = set()
+        for route in rows:
+            if route.kind != "instance":
+                continue
+            name = os.path.basename(selection.instance_db(route, into))
+            instance_names.add(name)
+            if route.hibernate:
+                tally.skipped += 1
+                out(f"{route.host}: hibernating, it wakes from the hibernation bucket")
+                continue
+            found = mine.get(name)
+            if found is None:
+                tally.failed(out, name, f"{route.host} has no backup under {box}/ (never ran?)")
+                continue
+            target = hosts.db_path(into, route.host)
+            if not await one(found, target, checks):
+                continue
+            if _row_names_another(route, target):
+                out(
+                    f"  note: the row of {route.host} names {route.db_path}: move the database "
+                    f"there, or the space will not find it"
+                )
+            for line in await _restore_env_files(store, conf, box, route.host, into, owner, run):
+                out(line)
+        for name in sorted(mine):
+            if name == REGISTRY_NAME or name in instance_names:
+                continue
+            await one(mine[name], os.path.join(into, name), checks)
+    total = tally.restored + len(tally.errors)
+    out(
+        f"restored {tally.restored} of {total} databases into {into}"
+        f"{f', {tally.skipped} hibernating spaces skipped' if tally.skipped else ''}"
+    )
+    if tally.errors:
+        err(_error(f"{len(tally.errors)} of {total} databases were not restored (see above)"))
+        return 1
+    return 0
+
+
+async def _restore_env_files(
+    store: ObjectStore,
+    conf: BackupConfig,
+    box: str,
+    host: str,
+    into: str,
+    owner: tuple[int, int] | None,
+    run: RunInThread,
+) -> list[str]:
+    """Bring back ``host``'s env files (sealed in the backup with LCHAT_BACKUP_KEY) unless they
+    are there already; the lines to print."""
+    lines = []
+    box_path = Layout(conf.prefix, box).box_path()
+    for path in (hosts.env_path(into, host), hosts.bot_env_path(into, host)):
+        name = os.path.basename(path)
+        if await run(os.path.exists, path):
+            lines.append(f"  {name}: already there, kept")
+            continue
+        try:
+            blob = (await store.get(envfiles.key_for(box_path, name))).body
+        except NotFound:
+            if name.endswith("-bot.env"):
+                continue  # no bot staged
+            lines.append(
+                f"  note: {path} (its admin token) is not in the backup (the backing-up router "
+                f"had no LCHAT_BACKUP_KEY): the space starts once it is back (copy it from where "
+                f"you keep the box's secrets, mode 0600)"
+            )
+            continue
+        if not conf.env_key:
+            lines.append(
+                f"  note: {name} is in the backup, sealed: set LCHAT_BACKUP_KEY (the backing-up "
+                f"box's) and re-run with --force, or copy it from where you keep the secrets"
+            )
+            continue
+        try:
+            content = envfiles.unseal(name, blob, conf.env_key)
+        except envfiles.SealError as e:
+            lines.append(f"  note: {e}")
+            continue
+        uid, gid = owner if owner is not None else (-1, -1)
+        await run(envfiles.write_private, path, content, uid, gid)
+        lines.append(f"  {name}: restored (mode 0600)")
+    return lines
+
+
+def _row_names_another(route: Route, path: str) -> bool:
+    """The row names a database file other than ``path`` (absolute, normalised)."""
+    return bool(route.db_path) and os.path.normpath(route.db_path) != path
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.restored = 0
+        self.skipped = 0
+        self.errors: list[str] = []
+
+    def failed(self, out: Out, name: str, why: str) -> bool:
+        self.errors.append(why)
+        out(f"{name}: FAILED: {_one_line(why)}")
+        return False
+
+
+def _owner_to_hand_to(directory: str) -> tuple[int, int] | None:
+    """Blocking. Who restored files should belong to: the owner of the data dir they go into
+    (the router's user), when we are root and it is someone else; else None (leave them)."""
+    if os.geteuid() != 0:
+        return None
+    st = os.stat(directory)
+    return None if (st.st_uid, st.st_gid) == (0, 0) else (st.st_uid, st.st_gid)
+
+
+def _router_uses(cfg: BoxConfig, router: _Router, data_dir: str) -> bool:
+    """Blocking. Whether the running router works on ``data_dir``: it is the env file's data
+    dir, or the registry's directory, or what the router backs up lies under it."""
+    keys = _same(data_dir)
+    if keys & (_same(cfg.data_dir) | _same(os.path.dirname(cfg.registry))):
+        return True
+    real = os.path.realpath(data_dir) + os.sep
+    return any(
+        os.path.realpath(str(e.get("path", ""))).startswith(real) for e in router.databases.values()
+    )
+
+
+def _rows_of(registry: str) -> list[Route]:
+    """Blocking. The rows of the registry at ``registry`` (none when it does not exist); read
+    only: a registry the router has not migrated yet is an error, not an upgrade."""
+    if not os.path.exists(registry):
+        return []
+    return list(Registry(registry, time.time).load())
+
+
+def _open_registry(path: str) -> list[Route]:
+    """Blocking. A restored registry's rows, migrated to this lchat's schema (as the router
+    would at its start)."""
+    registry = Registry(path, time.time)
+    registry.migrate()
+    return list(registry.load())
+
+
+def _dbs_of(rows: Iterable[Route], data_dir: str) -> list[tuple[Route, str]]:
+    """Each instance row with its database file."""
+    return [(r, selection.instance_db(r, data_dir)) for r in rows if r.kind == "instance"]
+
+
+def _in_use(
+    output: str, cfg: BoxConfig, router: _Router, rows: Iterable[tuple[Route, str]]
+) -> str | None:
+    """Blocking. Why ``output`` must not be written now (something uses it), or None."""
+    keys = _same(output)
+    if router.running:
+        if not router.known and _under(output, cfg.data_dir):
+            return (
+                f"the router is running ({cfg.admin_socket}) but did not say what it backs up, "
+                f"and {output} is in its data dir"
+            )
+        for name, entry in router.databases.items():
+            if keys & _same(str(entry.get("path", ""))):
+                return f"the running router backs it up right now (as {name})"
+        if keys & _same(cfg.registry):
+            return "it is the registry of the running router"
+    for route, db in rows:
+        if not keys & _same(db):
+            continue
+        if admin_client.has_listener(route.socket):
+            return f"it is the database of {route.host}, which is running ({route.socket} answers)"
+        if router.running and not route.hibernate:
+            return (
+                f"it is the database of {route.host}, which does not hibernate: the running "
+                f"router keeps it running"
+            )
+    return None
+
+
+def _refusal(output: str, why: str) -> str:
+    base = os.path.basename(output)
+    return (
+        f"refusing to restore onto {output}: {why}. Restore it elsewhere (-o "
+        f"{output}.restored), stop what writes it (its space, the router), then move the "
+        f"restored file into place and delete the old {base}-wal and {base}-shm beside it"
+    )
+
+
+def _same(path: str) -> set[object]:
+    """The keys under which two paths name one file: the real path, and the file's identity."""
+    if not path or "\x00" in path:
+        return set()
+    keys: set[object] = {os.path.realpath(path)}
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        keys.add((st.st_dev, st.st_ino))
+    return keys
+
+
+def _under(path: str, directory: str) -> bool:
+    return os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep)
+
+
+# --- drill ----------------------------------------------------------------------------------------
+
+DRILL_COLUMNS = ("NAME", "TXID", "LIVE TXID", "INTEGRITY", "SECONDS", "RESULT")
+
+
+async def _drill(
+    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+) -> int:
+    run = thread_runner(reactor)
+    box = args.box or conf.box
+    # Asked before the restores: what it says was in the bucket then must be in what we restore.
+    router = await _ask_router(cfg, run, err)
+    results: list[dict[str, Any]] = []
+    async with _opened(reactor, cfg) as bucket:
+        store = bucket.store
+        stored = await _catalogue(store, conf)
+        mine = [s for s in stored if s.box == box]
+        if not mine:
+            boxes = sorted({s.box for s in stored})
+            there = f"boxes there: {', '.join(boxes)}; pass --box" if boxes else "it is empty"
+            raise BackupCliError(
+                f"nothing backed up by box {box} in {_where(store, conf)} ({there})"
+            )
+        work: str = await run(lambda: tempfile.mkdtemp(prefix="lchat-drill-"))
+        try:
+            for s in mine:
+                results.append(await _drill_one(store, s, router.entry(box, s.name), work, run))
+        finally:
+            await run(shutil.rmtree, work, True)
+    if args.json:
+        out(json.dumps(results, indent=2))
+    else:
+        rows = [DRILL_COLUMNS]
+        for r in results:
+            rows.append(
+                (
+                    r["name"],
+                    r["txid"] or "-",
+                    r["live_txid"] or "-",
+                    r["integrity"] or "-",
+                    f"{r['seconds']:.2f}",
+                    r["result"],
+                )
+            )
+        _table(rows, out)
+        for r in results:
+            if r["error"]:
+                out(f"  {r['name']}: {_one_line(r['error'])}")
+    bad = [r["name"] for r in results if r["result"] not in ("ok", "behind")]
+    if bad:
+        err(_error(f"the drill failed for {', '.join(bad)} (box {box})"))
+        return 1
+    return 0
+
+
+async def _drill_one(
+    store: ObjectStore, s: Stored, entry: Mapping[str, Any] | None, work: str, run: RunInThread
+) -> dict[str, Any]:
+    live = _live_txid(entry)
+    result: dict[str, Any] = {
+        "name": s.name,
+        "box": s.box,
+        "txid": None,
+        "live_txid": f"{live:016x}" if live is not None else None,
+        "integrity": None,
+        "seconds": 0.0,
+        "result": "failed",
+        "error": None,
+    }
+    path = os.path.join(work, s.name)
+    started = time.monotonic()
+    try:
+        restored = await restore_mod.restore(store, s.path, path, run_in_thread=run)
+        result["txid"] = f"{restored.txid:016x}"
+        result["integrity"] = await run(_integrity, path)
+    except (restore_mod.RestoreError, ObjectStoreError, OSError, sqlite3.Error) as e:
+        result["error"] = str(e) or type(e).__name__
+        return result
+    finally:
+        result["seconds"] = round(time.monotonic() - started, 3)
+        await run(_remove_quietly, path)
+    if result["integrity"] != "ok":
+        result["error"] = f"integrity_check: {result['integrity']}"
+    elif live is None or restored.txid >= live:
+        result["result"] = "ok"
+    elif (_lag(entry) or 0.0) > 0:
+        result["result"] = "behind"  # commits were in flight when the router was asked
+    else:
+        result["result"] = "missing"
+        result["error"] = (
+            f"the router said everything up to txid {live:016x} was in the bucket (lag 0), but "
+            f"the restore reached only {restored.txid:016x}"
+        )
+    return result
+
+
+def _integrity(path: str) -> str:
+    """Blocking. ``PRAGMA integrity_check``'s answer: ``ok``, or its first problems."""
+    conn = sqlite3.connect(f"file:{quote(path)}?immutable=1", uri=True)
+    try:
+        rows = conn.execute("PRAGMA integrity_check").fetchall()
+    finally:
+        conn.close()
+    return "; ".join(str(r[0]) for r in rows[:3])
+
+
+def _remove_quietly(path: str) -> None:
+    for p in (path, *(path + s for s in SIDECARS)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+# --- litestream-config ----------------------------------------------------------------------------
+
+
+def litestream_config(cfg: BoxConfig, conf: BackupConfig) -> str:
+    """Blocking. A ``litestream.yml`` (Litestream 0.5: ``dbs:``, one ``replica:`` each) listing
+    exactly what the router would back up now, by :mod:`lchat.backup.selection`'s rule with no
+    host claimed by the activator: never a hibernating space."""
+    rows = _rows_of(cfg.registry)
+    paths = selection.candidates(rows, cfg.registry, cfg.data_dir)
+    present, extra = selection.scan(cfg.data_dir, conf.extra, paths)
+    chosen, problems = selection.choose(
+        rows, registry=cfg.registry, data_dir=cfg.data_dir, present=present, extra=extra
+    )
+    layout = Layout(conf.prefix, conf.box)
+    now = _iso(datetime.datetime.now(UTC))
+    header = (
+        f"litestream.yml for the stock Litestream (0.5), generated by `lchat backup "
+        f"litestream-config` at {now} from {cfg.env_file}. It lists exactly what the lchat router "
+        f"backs up now: the registry, every space that does not hibernate, and "
+        f"LCHAT_BACKUP_EXTRA; never a hibernating space (the activator replicates those). "
+        f"Regenerate it whenever the registry changes."
+    )
+    warning = (
+        "DO NOT run Litestream on it while the router's own backup is on (LCHAT_BACKUP_BUCKET in "
+        "its env file): that puts two replicators on one database, and they corrupt each other."
+    )
+    notes = [
+        header,
+        warning,
+        "Credentials: Litestream's own (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or its chain).",
+    ]
+    if not needs_credentials(conf.bucket):
+        notes.append(
+            "A file: bucket: Litestream writes plain files there, which `litestream restore` "
+            "reads (`lchat backup restore` reads only the router's own file-store layout)."
+        )
+    lines = [
+        line
+        for note in notes
+        for line in textwrap.wrap(
+            note,
+            98,
+            initial_indent="# ",
+            subsequent_indent="# ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    ]
+    lines += [f"# not listed: {_one_line(p)}" for p in problems]
+    entries = []
+    for c in chosen.values():
+        replica = layout.replica_path(c.name)
+        entries.append(f"  - path: {_yaml(c.path)}  # {c.why}{f' {c.host}' if c.host else ''}")
+        entries.append("    replica:")
+        if needs_credentials(conf.bucket):
+            entries += [
+                "      type: s3",
+                f"      bucket: {_yaml(conf.bucket)}",
+                f"      path: {_yaml(replica)}",
+            ]
+            if conf.region:
+                entries.append(f"      region: {_yaml(conf.region)}")
+            if conf.endpoint:
+                entries.append(f"      endpoint: {_yaml(conf.endpoint)}")
+                entries.append("      force-path-style: true")
+        else:
+            directory = conf.bucket[len("file:") :]
+            entries += [
+                "      type: file",
+                f"      path: {_yaml(os.path.join(directory, replica))}",
+            ]
+        entries.append(f"      sync-interval: {round(conf.interval * 1000)}ms")
+    if any("$" in e for e in entries):
+        lines.append("# Run litestream with -no-expand-env: a path here contains '$'.")
+    lines += ["dbs:", *entries] if entries else ["dbs: []"]
+    return "\n".join(lines)
+
+
+def _yaml(text: str) -> str:
+    """A YAML double-quoted scalar (JSON's string syntax is a subset of it)."""
+    return json.dumps(text)
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[str]], out: Out) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _iso(when: datetime.datetime, timespec: str = "seconds") -> str:
+    return when.astimezone(UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _error(message: str) -> str:
+    return f"lchat: error: {_one_line(message)}"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
