@@ -208,8 +208,11 @@ class Writer(threading.Thread):
             conn.close()
 
 
-class BackupBoxTests(TestCase):
+class _BoxHarness(TestCase):
+    """Buckets on one S3 server of ``kind``, boxes, and waiting."""
+
     timeout = 400
+    kind: s3servers.Kind = "moto"
 
     def setUp(self) -> Deferred[None]:  # type: ignore[override]
         if not HAVE_LITESTREAM:
@@ -225,7 +228,7 @@ class BackupBoxTests(TestCase):
             box.stop(signal.SIGKILL)
 
     async def _buckets(self) -> None:
-        self.server = await s3servers.shared_server("moto")
+        self.server = await s3servers.shared_server(self.kind)
         self.backup_bucket = await self.server.new_bucket()
         self.hibernate_bucket = await self.server.new_bucket()
 
@@ -278,91 +281,8 @@ class BackupBoxTests(TestCase):
         databases = box.status().get("backup", {}).get("databases", {})
         return names <= {n for n, d in databases.items() if d["state"] == "running"}
 
-    async def test_a_killed_box_is_rebuilt_from_the_backup_alone(self) -> None:
-        old = self.box("old")
-        spaces = ["a.example", "b.example", "c.example"]
-        for host in spaces:
-            old.add_space(host)
-        old.start()
-        names = {"registry.db", *(f"{h}.db" for h in spaces)}
-        await self.until(lambda: self.backed_up(old, names), why="every database backed up")
-        writers = [Writer(old, host) for host in spaces]
-        for w in writers:
-            w.start()
-        # Registry writes too: rows added while the box runs (as `lchat add-service` does).
-        added: list[tuple[str, float]] = []
-        registry = old.registry()
-        for i in range(100):  # ten seconds of load
-            host = f"svc{i}.example"
-            registry.insert(Route(host=host, kind="service", socket=f"/run/{host}.sock"))
-            added.append((host, time.monotonic()))
-            await deferLater(reactor, 0.1, lambda: None)
-        old.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
-        killed = time.monotonic()
-        old.proc.wait()  # type: ignore[union-attr]
-        for w in writers:
-            w.stop.set()
-        for w in writers:
-            w.join(30)
-        old.stop(signal.SIGKILL)  # its spaces, as the unit's cgroup would
-        for w in writers:
-            self.assertGreater(len(w.acked), 20, f"{w.host}: too few writes: {w.refused[:5]}")
 
-        # A new box, an empty data dir: the whole box comes back from the bucket.
-        new = self.box("new")
-        ran = await deferToThread(
-            lchat_cli,
-            "backup",
-            "restore",
-            "--all",
-            "--into",
-            new.data,
-            "--box",
-            "old",
-            env_file=new.env_file,
-        )
-        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
-        for host in spaces:
-            self.assertIn(f"{host}.env: restored (mode 0600)", ran.stdout)
-        rows = {r.host for r in new.registry().load()}
-        for host, at in added:
-            if at < killed - SHIPPED_WITHIN:
-                self.assertIn(host, rows, "a registry write older than the backup interval is lost")
-        # The rows still name the old box's sockets: point them at the new run dir.
-        for host in spaces:
-            new.registry().update(host, socket=os.path.join(new.run, f"{host}.sock"))
-        new.start()
-        await self.until(
-            lambda: all(new.get(h, "/api/version")[0] == 200 for h in spaces), why="served again"
-        )
-        for w in writers:
-            stored = set(await deferToThread(new.messages, w.host))
-            old_enough = [text for text, at in w.acked if at < killed - SHIPPED_WITHIN]
-            self.assertGreater(len(old_enough), 0)
-            lost = [text for text in old_enough if text not in stored]
-            self.assertEqual(lost, [], f"{w.host}: acknowledged writes lost")
-
-        # The stock litestream reads every backup replica, to the same database we restored.
-        scratch = os.path.join(self.root, "litestream")
-        os.makedirs(scratch)
-        for name in sorted(names):
-            out = os.path.join(scratch, name)
-            await litestream_restore(self.server, self.backup_bucket, f"fleet/old/{name}", out)
-            ours = os.path.join(scratch, "lchat-" + name)
-            ran = await deferToThread(
-                lchat_cli,
-                "backup",
-                "restore",
-                name,
-                "-o",
-                ours,
-                "--box",
-                "old",
-                env_file=new.env_file,
-            )
-            self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
-            self.assertEqual(dump(out), dump(ours), name)
-
+class BackupBoxTests(_BoxHarness):
     async def test_flips_under_write_load_never_run_two_replicators(self) -> None:
         box = self.box("flip")
         host = "f.example"
@@ -469,6 +389,97 @@ class BackupBoxTests(TestCase):
         stored = _bodies(out)
         lost = [text for text, _ in writer.acked if text not in stored]
         self.assertEqual(lost, [], "the backup did not catch up")
+
+
+class KilledBoxTests(_BoxHarness):
+    async def test_a_killed_box_is_rebuilt_from_the_backup_alone(self) -> None:
+        old = self.box("old")
+        spaces = ["a.example", "b.example", "c.example"]
+        for host in spaces:
+            old.add_space(host)
+        old.start()
+        names = {"registry.db", *(f"{h}.db" for h in spaces)}
+        await self.until(lambda: self.backed_up(old, names), why="every database backed up")
+        writers = [Writer(old, host) for host in spaces]
+        for w in writers:
+            w.start()
+        # Registry writes too: rows added while the box runs (as `lchat add-service` does).
+        added: list[tuple[str, float]] = []
+        registry = old.registry()
+        for i in range(100):  # ten seconds of load
+            host = f"svc{i}.example"
+            registry.insert(Route(host=host, kind="service", socket=f"/run/{host}.sock"))
+            added.append((host, time.monotonic()))
+            await deferLater(reactor, 0.1, lambda: None)
+        old.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        killed = time.monotonic()
+        old.proc.wait()  # type: ignore[union-attr]
+        for w in writers:
+            w.stop.set()
+        for w in writers:
+            w.join(30)
+        old.stop(signal.SIGKILL)  # its spaces, as the unit's cgroup would
+        for w in writers:
+            self.assertGreater(len(w.acked), 20, f"{w.host}: too few writes: {w.refused[:5]}")
+
+        # A new box, an empty data dir: the whole box comes back from the bucket.
+        new = self.box("new")
+        ran = await deferToThread(
+            lchat_cli,
+            "backup",
+            "restore",
+            "--all",
+            "--into",
+            new.data,
+            "--box",
+            "old",
+            env_file=new.env_file,
+        )
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        for host in spaces:
+            self.assertIn(f"{host}.env: restored (mode 0600)", ran.stdout)
+        rows = {r.host for r in new.registry().load()}
+        for host, at in added:
+            if at < killed - SHIPPED_WITHIN:
+                self.assertIn(host, rows, "a registry write older than the backup interval is lost")
+        # The rows still name the old box's sockets: point them at the new run dir.
+        for host in spaces:
+            new.registry().update(host, socket=os.path.join(new.run, f"{host}.sock"))
+        new.start()
+        await self.until(
+            lambda: all(new.get(h, "/api/version")[0] == 200 for h in spaces), why="served again"
+        )
+        for w in writers:
+            stored = set(await deferToThread(new.messages, w.host))
+            old_enough = [text for text, at in w.acked if at < killed - SHIPPED_WITHIN]
+            self.assertGreater(len(old_enough), 0)
+            lost = [text for text in old_enough if text not in stored]
+            self.assertEqual(lost, [], f"{w.host}: acknowledged writes lost")
+
+        # The stock litestream reads every backup replica, to the same database we restored.
+        scratch = os.path.join(self.root, "litestream")
+        os.makedirs(scratch)
+        for name in sorted(names):
+            out = os.path.join(scratch, name)
+            await litestream_restore(self.server, self.backup_bucket, f"fleet/old/{name}", out)
+            ours = os.path.join(scratch, "lchat-" + name)
+            ran = await deferToThread(
+                lchat_cli,
+                "backup",
+                "restore",
+                name,
+                "-o",
+                ours,
+                "--box",
+                "old",
+                env_file=new.env_file,
+            )
+            self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+            self.assertEqual(dump(out), dump(ours), name)
+
+
+class SeaweedFSKilledBoxTests(KilledBoxTests):
+    kind = "seaweedfs"
 
 
 def _bodies(path: str) -> set[str]:
