@@ -162,15 +162,18 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     routes.setServiceParent(top)
     _SignalReload(reactor, routes).setServiceParent(top)
     claims = Claims()  # hosts the activator runs: builtin units leave them alone
+    # The spaces the router runs and their backup, stopped in that order (top's children stop
+    # all at once): the backup's last sync sees the spaces' last writes.
+    spaces = _InOrder("spaces")
+    spaces.setServiceParent(top)
     backup = None
     if cfg.backup is not None:
-        # Before the units, so that it stops after them: the last sync sees their last writes.
         backup = _backup(reactor, cfg, routes, claims, run, aws)
-        backup.setServiceParent(top)
+        backup.setServiceParent(spaces)
     units = None
     if cfg.units == "builtin":
         units = BuiltinUnits(reactor, cfg, routes, claims, run)
-        units.setServiceParent(top)
+        units.setServiceParent(spaces)
     pool = UpstreamPool(
         reactor,
         dial_retry=cfg.proxy.dial_retry,
@@ -276,6 +279,25 @@ def _backup(
     )
     check = _BucketCheck(reactor, store, backup.layout.probe_key(), "LCHAT_BACKUP", conf.bucket)
     return _BackupService(check, backup)
+
+
+class _InOrder(MultiService):
+    """Children stopped one after the other, last added first, each waited for."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.setName(name)
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        return Deferred.fromCoroutine(self._stop_each())
+
+    async def _stop_each(self) -> None:
+        for child in reversed(list(self)):
+            try:
+                await maybeDeferred(child.stopService)
+            except Exception:
+                _log.failure("{name} did not stop cleanly", name=getattr(child, "name", child))
 
 
 class _BackupService(MultiService):

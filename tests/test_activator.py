@@ -335,7 +335,7 @@ class HibernationTests(_Harness):
         self.assertFalse(self.lock_exists("off.example"))  # flushed and released
         # Only then do the builtin units run it as an always-on space, with its data.
         asleep_at = reactor.seconds()
-        units = next(s for s in self.service if hasattr(s, "supervisor"))
+        units = next(s for s in self.service.getServiceNamed("spaces") if hasattr(s, "supervisor"))
         child = yield self.wait_for(lambda: units.supervisor.child("off.example"))
         self.assertGreaterEqual(child.started_at, asleep_at - 0.1)  # never two at once
         response, body = yield self.request("off.example", "/api/rooms/r/messages")

@@ -461,6 +461,17 @@ class RestoreTests(BackupCliCase):
         result = await self.lchat("backup", "restore", f"{HOST}.db", "-o", db, "--force")
         self.assertEqual(result.code, 0, result)
 
+    async def test_a_hibernating_space_database_is_refused(self) -> None:
+        # Its backup copy is history from before it hibernated: the next wake would take the
+        # restored file as the newest state (found by review).
+        self.add_row(ASLEEP, hibernate=True)
+        db = hosts.db_path(self.data_dir, ASLEEP)
+        make_db(db, "asleep")
+        await self.backed_up(db)
+        result = await self.lchat("backup", "restore", f"{ASLEEP}.db", "-o", db, "--force")
+        self.assertFailed(result, "which hibernates", f"lchat replica restore {ASLEEP}")
+        self.assertEqual(bodies(db), ["asleep"])
+
     async def test_a_router_that_does_not_say_what_it_backs_up(self) -> None:
         await self.backed_up(self.home)
         self.router_says({}, status=500)  # running, but no answer to go by
@@ -503,7 +514,9 @@ class RestoreAllTests(BackupCliCase):
         self.assertIn(
             f"note: the row of {HOST} names {hosts.db_path(self.data_dir, HOST)}", result.out
         )
-        self.assertIn(f"{hosts.env_path(into, HOST)} (its admin token) is not in the backup", result.out)
+        self.assertIn(
+            f"{hosts.env_path(into, HOST)} (its admin token) is not in the backup", result.out
+        )
         self.assertEqual(
             sorted(n for n in os.listdir(into) if n.endswith(".db")),
             ["a.example.com.db", "home.db", "registry.db"],
@@ -612,6 +625,21 @@ class DrillTests(BackupCliCase):
         (result,) = json.loads(missing.out)
         self.assertEqual((result["live_txid"], result["result"]), ("0000000000000005", "missing"))
         self.assertIn("lag 0", result["error"])
+
+    async def test_a_database_the_router_backs_up_with_nothing_in_the_bucket_fails(self) -> None:
+        home = os.path.join(self.data_dir, "home.db")
+        make_db(home, "home")
+        await self.backed_up(home)
+        stuck = {"path": "/data/x.db", "state": "failed", "txid": None, "last_error": "put: 403"}
+        self.router_says(
+            {"home.db": {"path": home, "state": "running", "txid": None}, "x.db": stuck}
+        )
+        result = await self.lchat("backup", "drill", "--json")
+        self.assertFailed(result, "the drill failed for x.db")
+        by_name = {r["name"]: r for r in json.loads(result.out)}
+        self.assertEqual(by_name["home.db"]["result"], "ok")
+        self.assertEqual(by_name["x.db"]["result"], "missing")
+        self.assertIn("nothing of it is in the bucket (put: 403)", by_name["x.db"]["error"])
 
     async def test_nothing_for_this_box(self) -> None:
         home = os.path.join(self.data_dir, "home.db")

@@ -640,7 +640,9 @@ class BackupScanTests(HibernateTestCase):
             f.write(f"dbs:\n  - path: {link}/x.example.com.db\n")
         self.assertTrue(litestream_yml.tracks(self.backup_config, f"{real_dir}/x.example.com.db"))
         self.assertTrue(litestream_yml.tracks(self.backup_config, f"{real_dir}//x.example.com.db"))
-        self.assertFalse(litestream_yml.tracks(self.backup_config, f"{real_dir}/x.example.com.db-wal"))
+        self.assertFalse(
+            litestream_yml.tracks(self.backup_config, f"{real_dir}/x.example.com.db-wal")
+        )
         self.assertFalse(litestream_yml.tracks(os.path.join(self.root, "absent.yml"), "/data/x.db"))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 from collections.abc import Container, Iterable, Mapping
 
 from attrs import frozen
@@ -50,28 +51,45 @@ def candidates(routes: Iterable[Route], registry: str, data_dir: str) -> list[st
 
 
 def scan(
-    data_dir: str, patterns: Iterable[str], paths: Iterable[str], open_here: Container[str] = ()
+    data_dir: str, patterns: Iterable[str], paths: Iterable[str], open_here: Iterable[str] = ()
 ) -> tuple[set[str], list[str]]:
     """Blocking (run it in a thread): which of ``paths`` exist now, and the databases
     ``patterns`` (globs under ``data_dir``) match, absolute and sorted.
 
     Only a ``stat`` for ``paths`` and ``open_here`` (databases this process may hold open in
-    SQLite: the registry, every instance's, every one a replicator here has open). Reading a
-    file's header means opening and closing a descriptor of it, and POSIX drops *every* lock this
-    process holds on a file when any descriptor of it closes: a replicator's read transaction
-    would silently vanish, and the space's last close would checkpoint and delete the WAL under
-    it. So only a glob match nobody here has open gets its header read (``is_sqlite``).
+    SQLite: the registry, every instance's, every one a replicator here has open, every one the
+    activator took). Reading a file's header means opening and closing a descriptor of it, and
+    POSIX drops *every* lock this process holds on a file when any descriptor of it closes: a
+    replicator's read transaction would silently vanish, and the space's last close would
+    checkpoint and delete the WAL under it. So a glob match gets its header read only if it has
+    a database's name (never a ``-wal``/``-shm``/``-journal``, whose locks SQLite holds too) and
+    is not one of those files under another name (same device and inode: a hard link, or a file
+    renamed while open).
     """
-    paths = {os.path.abspath(p) for p in paths}
-    present = {p for p in paths if os.path.isfile(p)}
+    known = {os.path.abspath(p) for p in paths} | {os.path.abspath(p) for p in open_here}
+    present = {p for p in (os.path.abspath(p) for p in paths) if os.path.isfile(p)}
+    protected = set()
+    for path in known:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        protected.add((st.st_dev, st.st_ino))
     extra: set[str] = set()
     for pattern in patterns:
         for match in glob.glob(os.path.join(data_dir, pattern)):
             match = os.path.abspath(match)
-            if match in paths or match in open_here:
-                if os.path.isfile(match):
-                    extra.add(match)
-            elif is_sqlite(match):
+            if not is_name(os.path.basename(match)):
+                continue
+            try:
+                st = os.stat(match)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if match in known:
+                extra.add(match)  # a database, and perhaps open here: no header read
+            elif (st.st_dev, st.st_ino) not in protected and is_sqlite(match):
                 extra.add(match)
     return present, sorted(extra)
 
@@ -96,10 +114,12 @@ def choose(
     present: Container[str],
     extra: Iterable[str],
     claimed: Container[str] = (),
+    excluded: Container[str] = (),
 ) -> tuple[dict[str, Chosen], list[str]]:
     """The databases to back up now, by name, and the problems worth a log line (a name two
     databases would share, a file that cannot be named). ``present``: the paths that exist;
-    ``claimed``: the hosts the activator holds."""
+    ``claimed``: the hosts the activator holds; ``excluded``: the database paths it took (never
+    chosen, whichever rule would choose them: its row may be gone or re-pointed by now)."""
     chosen: dict[str, Chosen] = {}
     problems: list[str] = []
     registry = os.path.abspath(registry)
@@ -107,6 +127,8 @@ def choose(
     owned = {instance_db(r, data_dir) for r in rows} | {registry}
 
     def add(item: Chosen) -> None:
+        if item.path in excluded:
+            return
         other = chosen.get(item.name)
         if other is not None:
             problems.append(

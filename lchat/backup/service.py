@@ -44,8 +44,10 @@ from lchat.backup import envfiles, selection
 from lchat.backup.layout import Layout
 from lchat.backup.metered import MeteredStore
 from lchat.config import BackupConfig
+from lchat.deferutil import settled
 from lchat.objstore import ObjectStore
 from lchat.registry import RouteSource, RouteTable
+from lchat.replica.db import PageFds
 from lchat.replica.replicator import Replicator
 from lchat.threads import RunInThread
 from lchat.units import Claims
@@ -86,6 +88,9 @@ class _Database:
     failures: int = 0
     retry_at: float = 0.0
     gone: bool = False  # stopped for good: a newer entry may take the name
+    # The stop under way (at most one): every waiter watches it through settled(), so a waiter
+    # that gives up (a cancelled wake) never cancels the stop itself.
+    stop: Deferred[None] | None = None
 
 
 class Backup(Service):
@@ -126,6 +131,10 @@ class Backup(Service):
         self._again = False  # a change arrived during a scan: scan once more after it
         self._tick: IDelayedCall | None = None
         self._stopping = False
+        self._page_fds = PageFds()  # descriptors our replicators never close (replica/db.py)
+        # host -> database path the activator took (release() until the claim's release): never
+        # ours, and never opened here, whatever the table says by then.
+        self._handed: dict[str, str] = {}
         self._env_sent: dict[str, str] = {}  # env file path -> sha256 of what is in the bucket
         self._env_unreadable: set[str] = set()  # logged once each
         routes.subscribe(self._table_changed)
@@ -133,7 +142,9 @@ class Backup(Service):
 
     def _replicator(self, store: ObjectStore, db: str, replica: str) -> Replicator:
         # One stat of the WAL per interval; what it finds ships at once.
-        return Replicator(self._reactor, store, db, replica, interval=self._cfg.interval)
+        return Replicator(
+            self._reactor, store, db, replica, interval=self._cfg.interval, page_fds=self._page_fds
+        )
 
     # -- what is backed up -----------------------------------------------------------------------
 
@@ -156,6 +167,7 @@ class Backup(Service):
                 # Every database a replicator here may have open right now (they are only
                 # added by _apply, after this scan): their headers must not be read.
                 open_here = {db.chosen.path for db in self._dbs.values()}
+                open_here |= set(self._handed.values())
                 try:
                     present, extra = await self._run(
                         selection.scan, self._data_dir, self._cfg.extra, paths, open_here
@@ -182,6 +194,7 @@ class Backup(Service):
             present=present,
             extra=extra,
             claimed=self._claims,
+            excluded=set(self._handed.values()),
         )
         if tuple(problems) != self._problems:
             for problem in problems:
@@ -203,13 +216,16 @@ class Backup(Service):
 
     async def _sync_env_files(self) -> None:
         """Upload, sealed, every backed-up instance's env files that changed (envfiles)."""
+        # Every instance's, hibernating ones too: a box rebuilt from the backup wakes those
+        # from the hibernation bucket, and cannot start them without their env files either.
         paths = []
-        for db in list(self._dbs.values()):
-            host = db.chosen.host
-            if host:
-                paths += [hosts.env_path(self._data_dir, host)]
-                paths += [hosts.bot_env_path(self._data_dir, host)]
+        for route in self._routes.table:
+            if route.kind == "instance":
+                paths += [hosts.env_path(self._data_dir, route.host)]
+                paths += [hosts.bot_env_path(self._data_dir, route.host)]
         for path in paths:
+            if self._stopping:
+                return
             try:
                 found = await self._run(envfiles.read, path)
             except OSError as e:
@@ -254,6 +270,7 @@ class Backup(Service):
         self.rescan()
 
     def _released(self, host: str) -> None:
+        self._handed.pop(host, None)
         self.rescan()  # the activator let go of it: ours again, if it is not hibernating
 
     # -- one database ----------------------------------------------------------------------------
@@ -314,9 +331,18 @@ class Backup(Service):
             self._update_gauge()
 
     def _stop(self, db: _Database, why: str) -> Deferred[None]:
-        db.state = "stopping"
-        self._update_gauge()
-        return Deferred.fromCoroutine(self._run_stop(db, why))
+        """Stop ``db`` (once; a second call watches the first): fires when no replicator here
+        runs on it. The returned Deferred may be cancelled without cancelling the stop."""
+        if db.stop is None:
+            db.state = "stopping"
+            self._update_gauge()
+            db.stop = Deferred.fromCoroutine(self._run_stop(db, why))
+            db.stop.addErrback(
+                lambda f: _log.failure("backup: stopping {name} failed", f, name=db.chosen.name)
+            )
+            # A name chosen again meanwhile (a path change, a flip back) starts at once.
+            db.stop.addCallback(lambda _: self.rescan())
+        return settled(db.stop)
 
     async def _run_stop(self, db: _Database, why: str) -> None:
         async with db.lock:
@@ -357,20 +383,18 @@ class Backup(Service):
             return False
         return True
 
-    def release(self, db_path: str) -> Deferred[None]:
-        """Hand ``db_path`` over (the activator is about to replicate it): fires once no
-        replicator here runs on it, after a final sync bounded by ``release_budget``."""
+    def release(self, host: str, db_path: str) -> Deferred[None]:
+        """Hand ``db_path`` over to the activator, which has claimed ``host`` and is about to
+        replicate it: fires once no replicator here runs on it, after a final sync bounded by
+        ``release_budget``. From now until the claim is released the path is never chosen (nor
+        opened) here, whatever the table says (a row removed or re-pointed meanwhile)."""
+        path = os.path.abspath(db_path)
+        self._handed[host] = path
         for db in list(self._dbs.values()):
-            if db.chosen.path == os.path.abspath(db_path):
+            if db.chosen.path == path:
                 HANDOVERS.inc()
-                if db.state == "stopping":
-                    return Deferred.fromCoroutine(self._await_gone(db))
                 return self._stop(db, "handed to the activator")
         return succeed(None)
-
-    async def _await_gone(self, db: _Database) -> None:
-        async with db.lock:
-            pass
 
     # -- service ---------------------------------------------------------------------------------
 

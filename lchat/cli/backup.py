@@ -724,6 +724,10 @@ async def _restore_all(
             if route.hibernate:
                 tally.skipped += 1
                 out(f"{route.host}: hibernating, it wakes from the hibernation bucket")
+                for line in await _restore_env_files(
+                    store, conf, box, route.host, into, owner, run
+                ):
+                    out(line)
                 continue
             found = mine.get(name)
             if found is None:
@@ -885,6 +889,14 @@ def _in_use(
                 f"it is the database of {route.host}, which does not hibernate: the running "
                 f"router keeps it running"
             )
+        if route.hibernate:
+            # Its live copy is the hibernation bucket's; a backup copy here is history from
+            # before it hibernated, and the next wake would snapshot it as the newest state.
+            return (
+                f"it is the database of {route.host}, which hibernates: its newest copy is in "
+                f"the hibernation bucket (`lchat replica restore {route.host}`), and the next "
+                f"wake would take this file as newer"
+            )
     return None
 
 
@@ -929,7 +941,14 @@ async def _drill(
         store = bucket.store
         stored = await _catalogue(store, conf)
         mine = [s for s in stored if s.box == box]
-        if not mine:
+        # What the router backs up that has nothing in the bucket (a start that keeps failing:
+        # a wrong IAM prefix, say) fails the drill too: it is exactly what it is for.
+        absent = [
+            name
+            for name in sorted(router.databases if router.box == box else {})
+            if name not in {s.name for s in mine}
+        ]
+        if not mine and not absent:
             boxes = sorted({s.box for s in stored})
             there = f"boxes there: {', '.join(boxes)}; pass --box" if boxes else "it is empty"
             raise BackupCliError(
@@ -941,6 +960,20 @@ async def _drill(
                 results.append(await _drill_one(store, s, router.entry(box, s.name), work, run))
         finally:
             await run(shutil.rmtree, work, True)
+        for name in absent:
+            entry = router.databases[name]
+            why = entry.get("last_error") or f"state {entry.get('state')}"
+            results.append(
+                {
+                    "name": name,
+                    "txid": None,
+                    "live_txid": entry.get("txid"),
+                    "integrity": None,
+                    "seconds": 0.0,
+                    "result": "missing",
+                    "error": f"the router backs it up, but nothing of it is in the bucket ({why})",
+                }
+            )
     if args.json:
         out(json.dumps(results, indent=2))
     else:

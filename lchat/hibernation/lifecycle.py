@@ -83,7 +83,7 @@ class Lifecycle:
     drop_idle: Callable[[str], object] = lambda socket: None  # the proxy's kept-alive connections
     # Fires once no other replicator (the fleet backup's) runs on a database path: awaited before
     # a wake touches the database, so that one database never has two replicators.
-    handover: Callable[[str], Deferred[None]] | None = None
+    handover: Callable[[str, str], Deferred[None]] | None = None  # (host, database path)
     renew_every: float | None = None  # the lease keeper's period (default: TTL / 3)
     # The clock the lease's deadline is kept on (``acquire`` and ``LeaseKeeper`` share it): the
     # router passes ``time.monotonic``, which also arms lchat.lease's watchdog thread; a test on
@@ -138,7 +138,7 @@ class Lifecycle:
         clock = self.reactor.seconds
         t = clock()
         if self.handover is not None:
-            await self.handover(space.db)
+            await self.handover(host, space.db)
         lease = await self._acquire(host)
         space.lease = lease
         space.keeper = LeaseKeeper(
@@ -324,9 +324,13 @@ class Lifecycle:
         host = space.host
         flushed = False
         if space.replicator is not None:
-            if space.lost is None and space.replicating:
-                flushed = await self._flush(space)
-            await space.replicator.stop()
+            try:
+                if space.lost is None and space.replicating:
+                    flushed = await self._flush(space)
+            finally:
+                # Whatever the flush raised: the claim is released after this stand-down, and
+                # then the fleet backup may start its own replicator on the database.
+                await space.replicator.stop()
         if space.keeper is not None:
             if space.lost is not None:
                 pass  # never write again: it is someone else's now

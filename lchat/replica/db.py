@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -57,6 +58,48 @@ LOCK_TABLE = "_lchat_replica_lock"
 PENDING_BYTE = 0x40000000
 
 CheckpointMode = Literal["PASSIVE", "TRUNCATE"]
+
+
+class PageFds:
+    """Descriptors for page reads that stay open for the life of the process, one per file.
+
+    POSIX drops every lock a process holds on a file when *any* descriptor of that file is
+    closed. A database that other code in this process also uses through SQLite (the router's
+    own registry, which the fleet backup replicates) would lose that code's locks at a moment it
+    cannot know whenever a replicator's own descriptor closed: at a stop, at each retry of a
+    failed start. So such replicators borrow their descriptor from here and never close it.
+    Keyed by the file (device, inode): a database replaced by a rename gets a fresh descriptor;
+    one whose file has no name left (``st_nlink == 0``) is closed when next looked at, since no
+    lock on a deleted file protects anything. Thread-safe (replicators open in worker threads).
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[int, int], int] = {}
+        self._mu = threading.Lock()
+
+    def fd(self, path: str) -> int:
+        st = os.stat(path)
+        with self._mu:
+            for key, fd in list(self._fds.items()):
+                if os.fstat(fd).st_nlink == 0:
+                    del self._fds[key]
+                    os.close(fd)
+            key = (st.st_dev, st.st_ino)
+            known = self._fds.get(key)
+            if known is None:
+                fd = os.open(path, os.O_RDONLY)
+                got = os.fstat(fd)
+                if (got.st_dev, got.st_ino) != key:  # replaced between the stat and the open
+                    key = (got.st_dev, got.st_ino)
+                    if key in self._fds:
+                        os.close(fd)
+                        return self._fds[key]
+                self._fds[key] = fd
+                return fd
+            return known
+
+    def __len__(self) -> int:
+        return len(self._fds)
 
 
 class ReplicaDBError(Exception):
@@ -102,8 +145,12 @@ class ReplicaDB:
         truncate_busy_ms: int = 5,
         min_checkpoint_pages: int = 1000,
         truncate_pages: int = 10000,
+        page_fds: PageFds | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        # Where the descriptor for page reads comes from: None = our own, closed by close();
+        # a PageFds = one kept open for the process's life (see PageFds).
+        self._page_fds = page_fds
         self.wal_path = self.path + "-wal"
         self.busy_timeout_ms = busy_timeout_ms
         self.lock_timeout_ms = lock_timeout_ms
@@ -121,8 +168,14 @@ class ReplicaDB:
 
     def _connect(self, timeout_ms: int) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN/ROLLBACK ourselves; pool threads share connections.
+        # mode=rw: never create the database (a file removed since open() checked it must not
+        # come back empty and be shipped as the newest state).
         conn = sqlite3.connect(
-            self.path, timeout=timeout_ms / 1000, isolation_level=None, check_same_thread=False
+            f"file:{urllib.parse.quote(self.path)}?mode=rw",
+            uri=True,
+            timeout=timeout_ms / 1000,
+            isolation_level=None,
+            check_same_thread=False,
         )
         conn.execute(f"PRAGMA busy_timeout = {int(timeout_ms)}")
         # Our own writes must never start a checkpoint: only the dance checkpoints.
@@ -144,7 +197,10 @@ class ReplicaDB:
             # process holds on a file when ANY descriptor of it is closed, so a transient
             # open()/close() here would silently release SQLite's locks and let the space's last
             # connection checkpoint and delete the WAL under our read transaction.
-            self._dbfd = os.open(self.path, os.O_RDONLY)
+            if self._page_fds is not None:
+                self._dbfd = self._page_fds.fd(self.path)
+            else:
+                self._dbfd = os.open(self.path, os.O_RDONLY)
             mode = lk.execute("PRAGMA journal_mode = wal").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise ReplicaDBError(f"{self.path}: journal_mode is {mode}, cannot switch to wal")
@@ -179,9 +235,9 @@ class ReplicaDB:
                 if conn is not None:
                     conn.close()
             self._reader = self._locker = None
-            if self._dbfd is not None:
+            if self._dbfd is not None and self._page_fds is None:
                 os.close(self._dbfd)
-                self._dbfd = None
+            self._dbfd = None
             self._anchor = None
 
     def _fd(self) -> int:

@@ -62,7 +62,7 @@ from lchat.lease import LeaseKeeper, LeaseLost, LeaseSuspended
 from lchat.objstore import UTC, ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.replica import compact as _compact
 from lchat.replica import ltx, wal
-from lchat.replica.db import ReplicaDB
+from lchat.replica.db import PageFds, ReplicaDB
 from lchat.replica.restore import (
     SNAPSHOT_LEVEL,
     TIMESTAMP_METADATA,
@@ -154,6 +154,7 @@ class Replicator:
         compaction: Mapping[int, float] | None = None,  # level -> seconds (Litestream's defaults)
         snapshot_interval: float = _compact.DEFAULT_SNAPSHOT_INTERVAL,
         compacted_retention: float = 300.0,
+        page_fds: PageFds | None = None,  # for databases other code here also opens (db.py)
     ) -> None:
         self._reactor = reactor
         self._store = store
@@ -181,7 +182,7 @@ class Replicator:
             pool = self._pool
             run_in_thread = lambda f, *a: deferToThreadPool(reactor, pool, f, *a)  # noqa: E731
         self._run = run_in_thread
-        self._db = ReplicaDB(db_path, **dict(db_options or {}))
+        self._db = ReplicaDB(db_path, **dict(db_options or {}), page_fds=page_fds)
         self._tmp_root = tmp_dir
         self._tmp: str | None = None
         self._lock = DeferredLock()
