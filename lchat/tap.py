@@ -37,6 +37,7 @@ from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener
 from lchat.mesh.api import mesh_site
 from lchat.mesh.membership import Membership
+from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
 from lchat.proxy.downstream import ProxyFactory
@@ -281,6 +282,17 @@ def _backup(
     return _BackupService(check, backup)
 
 
+class _SayOnce(Service):
+    """Says something once, at start."""
+
+    def __init__(self, say: Callable[[], None]) -> None:
+        self._say = say
+
+    def startService(self) -> None:
+        super().startService()
+        self._say()
+
+
 class _InOrder(MultiService):
     """Children stopped one after the other, last added first, each waited for."""
 
@@ -364,6 +376,9 @@ def _hibernation(
         membership = Membership(reactor, store, hib, cfg.mesh)
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner
+        posture: Service = Posture(reactor, cfg, membership)
+    else:
+        posture = _SayOnce(lambda: say_off(cfg))
     sweeper = Sweeper(
         reactor,
         activator,
@@ -380,7 +395,9 @@ def _hibernation(
         "LCHAT_HIBERNATE",
         hib.bucket,
     )
-    return _Hibernation(reactor, store, check, activator, sweeper, membership, mesh)
+    hibernation = _Hibernation(reactor, store, check, activator, sweeper, membership, mesh)
+    hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
+    return hibernation
 
 
 @frozen
@@ -536,7 +553,7 @@ def _admin(
         cfg.units,
         _children_status(units) if units is not None else None,
         activator=hibernation.activator if hibernation is not None else None,
-        mesh=_mesh_status(membership) if membership is not None else None,
+        mesh=_mesh_status(membership, cfg.env_file) if membership is not None else None,
         acme=certs.issuer.status if certs.issuer is not None else None,
         backup=backup.backup.status if backup is not None else None,
     )
@@ -793,10 +810,12 @@ class _BucketCheck(Service):
             self._reactor.stop()
 
 
-def _mesh_status(membership: Membership) -> Callable[[], dict[str, Any]]:
+def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str, Any]]:
     def status() -> dict[str, Any]:
         live = membership.live()
         return {
+            # The settings a create must read to fan out (lchat add-instance warns otherwise).
+            "env_file": env_file,
             "live": len(live),
             "members": [
                 {

@@ -495,6 +495,35 @@ class AddInstanceTests(CliTestCase):
         self.assertIn("router not running", result.err)
         self.assertTrue(os.path.exists(hosts.env_path(self.data_dir, "h.example.com")))
 
+    def test_a_create_that_cannot_fan_out_on_a_mesh_box_warns(self) -> None:
+        # The seed's incident: lchat ran with an env file lacking the mesh settings on a box whose
+        # router is a mesh member; the space would be born dark on the peers.
+        self.write_router_env(LCHAT_HIBERNATE_BUCKET="file:/tmp/x")
+        status: dict[str, object] = {
+            "hosts": {},
+            "mesh": {"env_file": "/data/router.env", "live": 2, "members": []},
+        }
+
+        def on_request(method: str, path: str) -> tuple[int, dict[str, object]]:
+            if (method, path) == ("POST", "/reload"):
+                return 200, {"routes": 1}
+            if (method, path) == ("GET", "/status"):
+                return 200, status
+            return 404, {"error": "not found"}
+
+        server = serve_http(self.admin_socket, on_request)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        result = self.lchat("add-instance", "h.example.com", "--hibernate")
+        self.assertEqual(result.code, 0, result)
+        self.assertIn("the running router is a mesh member", result.err)
+        self.assertIn("h.example.com was not replicated to its peers", result.err)
+        self.assertIn("--env-file /data/router.env", result.err)
+        # A router without the mesh: nothing to say.
+        del status["mesh"]
+        quiet = self.lchat("add-instance", "i.example.com", "--hibernate")
+        self.assertNotIn("mesh member", quiet.err)
+
     def test_duplicate_refused(self) -> None:
         self.assertEqual(self.lchat("add-instance", "d.example.com").code, 0)
         before = self.env_token("d.example.com")

@@ -140,6 +140,8 @@ class Box:
             "LCHAT_MESH_TOKEN": TOKEN,
             "LCHAT_MESH_REGION": "ie",
             "LCHAT_HTTP_REDIRECT": "off",  # an http mesh-self URL needs plain http served
+            # A command that runs any host here (a peer refuses a route it could not wake).
+            "LCHAT_SPACE_COMMAND": f"{sys.executable} -m lchat.space",
             **settings,
         }
         self.write_env()
@@ -536,6 +538,30 @@ class RefusalTests(APITestCase):
             ("POST", "/api/mesh/route/", 405),
         ]:
             yield self.assertRefused(request_bytes(method, path), status)
+
+    @inlineCallbacks
+    def test_a_route_this_box_could_not_wake_is_refused(self) -> Any:
+        # The seed's incident class: the row arrives, and its first wake fails because the
+        # space's binary is missing on this box. Refused at the upsert instead, loudly.
+        for command, why in (
+            ("/opt/lchat/live/{host}", f"/opt/lchat/live/{HOST} does not exist"),
+            ("no-such-space-binary --x", "no-such-space-binary is not on the router's PATH"),
+            (__file__, "is not executable"),
+        ):
+            self.box.write_env(LCHAT_SPACE_COMMAND=command)
+            served = Served(self, self.box)
+            code, body = yield deferToThread(raw_http, served.number, self.post(payload()))
+            self.assertEqual(code, 422, body)
+            self.assertIn(why, body["error"])
+            self.assertIn("The space command", body["error"])
+            self.assertIsNone(self.box.registry.get(HOST))
+            self.assertFalse(os.path.exists(self.box.env_path(HOST)))
+        with self.assertRaises(client.MeshCallError) as caught:
+            yield Deferred.fromCoroutine(
+                client.push_route(served.url, TOKEN, payload(), reactor=reactor)
+            )
+        self.assertEqual(caught.exception.status, 422)
+        self.assertIn("cannot run", str(caught.exception))
 
     @inlineCallbacks
     def test_local_non_hibernating_row_is_never_overwritten(self) -> Any:

@@ -407,6 +407,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         # Nothing to start and nothing to wait for: no process and no database until its first
         # request (or `lchat hibernate --on`'s warm request) wakes it.
         notify_router(cfg)
+        _warn_if_born_dark(cfg, host)
         # With the mesh on, every live peer covering the host learns the route (best-effort).
         mesh_cli.fan_out_upsert(cfg, route, _note)
         _out(
@@ -636,6 +637,27 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
         units.enable_now(host, sidecar=True)
         _out(f"{host}: enabled and started {units.unit_name(host, sidecar=True)}")
     return code
+
+
+def _warn_if_born_dark(cfg: BoxConfig, host: str) -> None:
+    """The seed's incident: a create whose settings lack the mesh, on a box whose router is a
+    mesh member, does not fan out, and the space is born dark on its peers (404 there)."""
+    if cfg.mesh is not None:
+        return
+    try:
+        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
+        mesh = response.json().get("mesh") if response.status == 200 else None
+    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, AttributeError):
+        return
+    if not isinstance(mesh, dict):
+        return
+    right = mesh.get("env_file") or "the router's env file"
+    _warn(
+        f"the running router is a mesh member, but {cfg.env_file} has no LCHAT_MESH_SELF: "
+        f"{host} was not replicated to its peers, which answer 404 for it whenever they own it. "
+        f"Use `--env-file {right}` for creates on this box; catch each peer up now with "
+        f"`lchat mesh-seed <peer URL> --env-file {right}`"
+    )
 
 
 def _sidecar_first(cfg: BoxConfig, host: str) -> tuple[bool, ...]:

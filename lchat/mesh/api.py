@@ -45,6 +45,7 @@ import hmac
 import json
 import os
 import re
+import shutil
 import threading
 from collections.abc import Callable, Mapping
 from io import BytesIO
@@ -202,6 +203,7 @@ class MeshAPI(Resource):
             raise ValueError("the mesh API needs LCHAT_MESH_SELF (and its domains and token)")
         self._registry = registry
         self._mesh = cfg.mesh
+        self._space_argv = cfg.space_argv
         self._data_dir = cfg.data_dir
         self._run_dir = cfg.run_dir
         self._token = cfg.mesh.token.encode("utf-8")
@@ -300,6 +302,23 @@ class MeshAPI(Resource):
             replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
             home_region=payload.home_region,
         )
+        # A row this box could not wake is worse than none: its first wake here would fail
+        # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
+        unrunnable = _unrunnable(self._space_argv(host))
+        if unrunnable is not None:
+            _log.error(
+                "mesh: route {host} refused: this box cannot run it ({why}); set "
+                "LCHAT_SPACE_COMMAND to a command that runs any host (docs/mesh.md, The space "
+                "command), then catch up with `lchat mesh-seed`",
+                host=host,
+                why=unrunnable,
+            )
+            raise _Refused(
+                422,
+                f"this box cannot run {host}: {unrunnable} (its LCHAT_SPACE_COMMAND must run any "
+                f"mesh host: docs/mesh.md, The space command)",
+                "unrunnable",
+            )
         with self._lock:
             existing = self._registry.get(host)
             if existing is not None and (existing.kind != "instance" or not existing.hibernate):
@@ -436,6 +455,23 @@ class MeshAPI(Resource):
         request.setHeader(b"content-length", str(len(data)).encode())
         request.write(data)
         request.finish()
+
+
+def _unrunnable(argv: list[str]) -> str | None:
+    """Why ``argv`` (a space command, ``{host}`` filled in) cannot run here, or None. Blocking
+    (a stat or a PATH search): called in the API's worker thread."""
+    program = argv[0] if argv else ""
+    if not program:
+        return "LCHAT_SPACE_COMMAND is empty"
+    if "/" in program:
+        if not os.path.isfile(program):
+            return f"{program} does not exist"
+        if not os.access(program, os.X_OK):
+            return f"{program} is not executable"
+        return None
+    if shutil.which(program) is None:
+        return f"{program} is not on the router's PATH"
+    return None
 
 
 def _conflict(host: str, existing: Route) -> _Refused:
