@@ -27,6 +27,15 @@ failed PUT leaves our beat to age (peers take over our hosts after ``dead_after`
 arbitrates any overlap), a failed read keeps the last view. Draining deletes our heartbeat first
 (:meth:`Membership.stopService`), so peers drop this box at their next read instead of after
 ``dead_after``.
+
+The heartbeat janitor (:meth:`Membership._sweep`) deletes what crashed boxes leave behind, so the
+LIST stays small: a member key whose beat is older than ``janitor_after`` (10 x ``dead_after``,
+bucket clock) is deleted by the *janitor*, the live box with the lowest URL in its own view, at
+most one key per beat, oldest first, conditional on the ETag it listed (a box that beat again in
+between changed the ETag or, when it came back with the same body, at worst loses that one beat).
+Never our own key; never a key under the prefix that is not a well-formed member key (left, and
+logged once). Outcomes count in ``lchat_mesh_janitor_deletes_total{outcome}``; a failure is soft
+and the key is tried again at the next beat.
 """
 
 from __future__ import annotations
@@ -53,7 +62,14 @@ from twisted.python.failure import Failure
 import lchat
 from lchat.config import HibernateConfig, MeshConfig
 from lchat.mesh.placement import normalise_member_url
-from lchat.objstore import UTC, NotFound, ObjectStore, ObjectStoreError
+from lchat.objstore import (
+    UTC,
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    ObjectStoreError,
+    PreconditionFailed,
+)
 
 log = Logger(namespace="lchat.mesh.membership")
 
@@ -77,6 +93,17 @@ CHANGES = Counter(
     "lchat_mesh_membership_changes_total",
     "Changes of the set of live mesh members (URL and region) seen by this box",
 )
+
+# The heartbeat janitor: a member key older than this many ``dead_after`` is deleted.
+JANITOR_DEAD_AFTERS = 10.0
+JANITOR_DELETES = Counter(
+    "lchat_mesh_janitor_deletes_total",
+    "Conditional DELETEs of long-dead members' heartbeats by this box's janitor: deleted, "
+    "changed (the key changed or vanished since the LIST: left alone), failed (tried again)",
+    ["outcome"],
+)
+for _outcome in ("deleted", "changed", "failed"):
+    JANITOR_DELETES.labels(_outcome)  # exported as 0 before the first delete
 
 
 # --- keys and bodies ----------------------------------------------------------------------------
@@ -228,14 +255,18 @@ async def _read(
     self_url: str,
     include_dead: bool,
     phase: list[str],
+    listing: list[ObjectInfo] | None = None,
 ) -> tuple[datetime.datetime, list[Member]]:
     """The read itself; ``phase[0]`` says which operation is under way ("list", "get"), so
-    that the caller can count a failure or a timeout against it."""
+    that the caller can count a failure or a timeout against it. ``listing``, when given, receives
+    the raw LIST (for the janitor, which needs the dead keys and their ETags)."""
     prefix = members_prefix(hib)
     cache: BodyCache = {} if bodies is None else bodies
     me = normalise_member_url(self_url) if self_url else ""
     phase[0] = "list"
     listed = await store.list(prefix)
+    if listing is not None:
+        listing.extend(listed)
     now = await store.now()  # after the LIST: no listed beat is younger than it looks
     phase[0] = "get"
     for gone in set(cache) - {info.key for info in listed}:
@@ -318,6 +349,55 @@ def _garbage(cache: BodyCache, key: str, etag: str, why: str) -> None:
         cache[key] = (etag, None)
 
 
+# --- the heartbeat janitor ----------------------------------------------------------------------
+
+
+@frozen
+class StaleKey:
+    """A key under the members prefix whose last write is older than the janitor's threshold."""
+
+    key: str
+    etag: str  # as listed: the janitor's DELETE is conditional on it
+    age: float  # seconds since its Last-Modified, bucket clock, at the read
+    url: str | None  # the member the key names; None: not a well-formed member key (garbage)
+
+
+def stale_keys(
+    listed: Sequence[ObjectInfo], now: datetime.datetime, prefix: str, *, older_than: float
+) -> list[StaleKey]:
+    """The listed keys whose ``now - last_modified > older_than`` (bucket clock), oldest first.
+
+    Judged on the key's name and age only: a dead member's body is never read. A key is a
+    well-formed member key when its name (below ``prefix``, no ``/``) is what
+    :func:`encode_member_name` writes for a normalised URL; anything else has ``url=None``.
+    """
+    stale: list[StaleKey] = []
+    for info in listed:
+        age = (now - info.last_modified).total_seconds()
+        if age <= older_than or not info.key.startswith(prefix):
+            continue
+        name = info.key[len(prefix) :]
+        url = decode_member_name(name) if "/" not in name else None
+        stale.append(StaleKey(key=info.key, etag=info.etag, age=age, url=url))
+    stale.sort(key=lambda k: (-k.age, k.key))
+    return stale
+
+
+def _ago(seconds: float) -> str:
+    """``2d 5h``, ``3h 2m``, ``12m 5s``, ``48s``: a dead box's age for a log line."""
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
 # --- the service --------------------------------------------------------------------------------
 
 
@@ -337,6 +417,10 @@ class Membership(Service):
     ``subscribe(fn)``: ``fn(old, new)`` (lists of :class:`Member`) whenever the set of live
     (URL, region) pairs changes. ``stopService`` (the drain) deletes our heartbeat *first* and
     returns a Deferred that fires when the delete is done or failed, within :attr:`stop_timeout`.
+
+    After the view is updated, a beat runs the heartbeat janitor (:meth:`_sweep`): when our PUT
+    landed and we are the lowest URL of the new view, at most one conditional DELETE of the oldest
+    member key older than :attr:`janitor_after`, never our own key, never a garbage key.
     """
 
     def __init__(
@@ -376,6 +460,12 @@ class Membership(Service):
         self._stopping = False
         self._left: Deferred[None] | None = None
         self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
+        # The janitor deletes member keys older than this (bucket clock). Ten dead_afters: a box
+        # that is only cut off or frozen for a few minutes keeps its key (and ``lchat mesh`` shows
+        # it as dead meanwhile); only what a crash left for good is cleaned up.
+        self.janitor_after = JANITOR_DEAD_AFTERS * mesh.dead_after
+        self.janitor_beats = 0  # beats whose janitor step is over (whatever it did), for tests
+        self._garbage_left: set[str] = set()  # garbage keys the janitor has logged about
 
     # -- the view ------------------------------------------------------------------------------
 
@@ -497,9 +587,19 @@ class Membership(Service):
         if self._stopping:
             return
         phase = ["list"]
+        listing: list[ObjectInfo] = []
         try:
             now, view = await self._bounded(
-                _read(self._store, self._hib, self.dead_after, self._bodies, self.url, False, phase)
+                _read(
+                    self._store,
+                    self._hib,
+                    self.dead_after,
+                    self._bodies,
+                    self.url,
+                    False,
+                    phase,
+                    listing,
+                )
             )
         except CancelledError:
             raise  # the drain: not a failure
@@ -519,6 +619,86 @@ class Membership(Service):
         if not any(m.self for m in members) and (put_ok or not members):
             members = sorted([*members, self._self_member(now)], key=lambda m: m.url)
         self._update(members, now)
+        if put_ok and not self._stopping:
+            await self._sweep(listing, now)
+        self.janitor_beats += 1
+
+    async def _sweep(self, listing: Sequence[ObjectInfo], now: datetime.datetime) -> None:
+        """The heartbeat janitor's step of one beat. Never raises (but a drain's cancel).
+
+        Only the *janitor* acts: the live member with the lowest URL in our view, when that is
+        us. Views can differ for a beat, so two boxes may both act: harmless, because every
+        DELETE is conditional on the listed ETag, and the loser gets PreconditionFailed. One
+        janitor (rather than every box) saves the fleet N-1 doomed DELETEs per dead key and keeps
+        the log on one box. If the janitor dies, its own key goes stale and the next-lowest URL
+        takes over within ``dead_after``.
+
+        At most one DELETE per beat (bounded work, oldest key first); a key that fails stays in
+        the LIST and is tried again next beat. Our own key is never deleted, even when it is old
+        (our PUTs failing for long: then we are not the janitor anyway, see the caller). A key that
+        is not a well-formed member key is never deleted: it may be an operator's or a future
+        format's, and garbage does not accumulate with crashes, so it is logged once and left.
+        """
+        if not self._members or not self._members[0].self:
+            return
+        prefix = members_prefix(self._hib)
+        stale = stale_keys(listing, now, prefix, older_than=self.janitor_after)
+        listed = {info.key for info in listing}
+        self._garbage_left &= listed  # forget garbage that someone removed
+        victim: StaleKey | None = None
+        for candidate in stale:
+            if candidate.key == self.key:
+                continue
+            if candidate.url is None:
+                if candidate.key not in self._garbage_left:
+                    self._garbage_left.add(candidate.key)
+                    log.warn(
+                        "mesh: janitor leaves {key!r} under the members prefix (last written "
+                        "{ago} ago): it is not a member key; delete it by hand if nobody "
+                        "needs it",
+                        key=candidate.key,
+                        ago=_ago(candidate.age),
+                        age=candidate.age,
+                    )
+                continue
+            if victim is None:
+                victim = candidate
+        if victim is None:
+            return
+        try:
+            await self._bounded(self._store.delete(victim.key, if_match=victim.etag))
+        except CancelledError:
+            raise  # the drain: not a failure
+        except PreconditionFailed:
+            JANITOR_DELETES.labels("changed").inc()
+            log.info(
+                "mesh: janitor left the heartbeat of {url}: it changed since the listing (the "
+                "box beat again, or a peer deleted it first)",
+                url=victim.url,
+                key=victim.key,
+                age=victim.age,
+            )
+            return
+        except Exception as e:
+            JANITOR_DELETES.labels("failed").inc()
+            log.warn(
+                "mesh: janitor could not delete the heartbeat of {url}, dead for {ago} "
+                "({error}); trying again at the next beat",
+                url=victim.url,
+                ago=_ago(victim.age),
+                age=victim.age,
+                key=victim.key,
+                error=_describe(e, self.timeout),
+            )
+            return
+        JANITOR_DELETES.labels("deleted").inc()
+        log.info(
+            "mesh: janitor deleted the heartbeat of {url}, dead for {ago} (key {key})",
+            url=victim.url,
+            ago=_ago(victim.age),
+            age=victim.age,
+            key=victim.key,
+        )
 
     async def _put(self) -> bool:
         putting = Deferred.fromCoroutine(
