@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from attrs import frozen
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -24,10 +27,22 @@ from lchat.registry import RouteSource, RouteTable
 from lchat.webutil import QuietSite, answerable
 
 StatusProvider = Callable[[], dict[str, dict[str, Any]]]
+# host (normalised) -> (HTTP status, JSON body), never waking the space (docs/hibernation.md)
+StatsProvider = Callable[[str], Awaitable[tuple[int, dict[str, Any]]]]
 
 
 class AlreadyRunning(Exception):
     pass
+
+
+@frozen
+class Capacity:
+    """The box's limits (0 = none) and how to count its always-on space processes, for ``GET
+    /status``'s ``capacity`` (docs/hibernation.md "Capacity")."""
+
+    max_instances: int  # LCHAT_MAX_INSTANCES: resident space processes
+    max_registered: int  # LCHAT_MAX_REGISTERED: instance rows (add-instance refuses beyond)
+    always_on: Callable[[], int]  # always-on space processes running now
 
 
 def clear_stale_socket(path: str) -> None:
@@ -73,6 +88,8 @@ class _Json(Resource):
             return generate_latest()
         if path in (b"/wake", b"/sleep") and request.method == b"POST":
             return self._hibernation(request, path.decode()[1:])
+        if path.startswith(b"/stats/"):
+            return _stats(self._admin, request)
         if path in (b"/status", b"/reload", b"/metrics", b"/wake", b"/sleep"):
             return _json(request, 405, {"error": "method not allowed"})
         return _json(request, 404, {"error": "not found"})
@@ -89,6 +106,8 @@ class AdminAPI:
         mesh: Callable[[], dict[str, Any]] | None = None,  # the mesh's view, when it is on
         acme: Callable[[], dict[str, Any]] | None = None,  # the issuer's view, when ACME is on
         backup: Callable[[], dict[str, Any]] | None = None,  # the fleet backup's, when it is on
+        capacity: Capacity | None = None,  # the limits, for "capacity"
+        stats: StatsProvider | None = None,  # GET /stats/<host> (lchat.spacestats.SpaceStats)
     ) -> None:
         self.routes = routes
         self._units = units
@@ -97,6 +116,8 @@ class AdminAPI:
         self._mesh = mesh
         self._acme = acme
         self._backup = backup
+        self._capacity = capacity
+        self.stats = stats
         self._clock = reactor.seconds
         self._started = self._clock()
 
@@ -139,6 +160,23 @@ class AdminAPI:
             **({"mesh": self._mesh()} if self._mesh is not None else {}),
             **({"acme": self._acme()} if self._acme is not None else {}),
             **({"backup": self._backup()} if self._backup is not None else {}),
+            **({"capacity": self._capacity_now(table)} if self._capacity is not None else {}),
+        }
+
+    def _capacity_now(self, table: RouteTable) -> dict[str, int]:
+        """The limits and what counts against them: ``resident`` = ``always_on`` +
+        ``hibernating`` (the slots hibernating spaces hold: waking, awake or stopping);
+        ``registered``: instance rows in this box's registry (on a mesh, replicated ones too)."""
+        assert self._capacity is not None
+        always_on = self._capacity.always_on()
+        hibernating = self.activator.slots_held() if self.activator is not None else 0
+        return {
+            "max_instances": self._capacity.max_instances,
+            "resident": always_on + hibernating,
+            "always_on": always_on,
+            "hibernating": hibernating,
+            "max_registered": self._capacity.max_registered,
+            "registered": sum(1 for r in table if r.kind == "instance"),
         }
 
 
@@ -195,6 +233,29 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
 
     d.addCallbacks(done, failed)
     return NOT_DONE_YET
+
+
+def _stats(admin: AdminAPI, request: Request) -> bytes | int:
+    """``GET /stats/<host>``: a space's setup_complete, members and has_content, read read-only
+    off its local database without waking it (lchat.spacestats)."""
+    if request.method not in (b"GET", b"HEAD"):
+        return _json(request, 405, {"error": "method not allowed"})
+    if admin.stats is None:
+        return _json(request, 404, {"error": "stats are not served by this router"})
+    raw = request.path[len(b"/stats/") :]
+    try:
+        host = hosts.normalise(urllib.parse.unquote_to_bytes(raw).decode("utf-8", "strict"))
+    except (UnicodeDecodeError, hosts.InvalidHost) as e:
+        return _json(request, 400, {"error": f"bad host: {e}", "reason": "bad_host"})
+    still = answerable(request)
+    d = Deferred.fromCoroutine(_call(admin.stats, host))
+    d.addCallback(lambda answer: _finish(request, still, *answer))
+    d.addErrback(lambda f: _finish(request, still, 500, {"host": host, "error": str(f.value)}))
+    return NOT_DONE_YET
+
+
+async def _call(stats: StatsProvider, host: str) -> tuple[int, dict[str, Any]]:
+    return await stats(host)
 
 
 def _json(request: Request, code: int, body: object) -> bytes:

@@ -175,6 +175,10 @@ class BoxConfig:
     backup: BackupConfig | None = None  # None: no fleet backup (LCHAT_BACKUP_BUCKET unset)
     cert_cache_key: bytes = field(default=b"", repr=False)  # AES-256 key for keys in the bucket
     cert_cache_sync: float = 60.0  # how often the shared cache is listed for new certificates
+    # LCHAT_MAX_INSTANCES: resident space processes (always-on and awake hibernating together);
+    # LCHAT_MAX_REGISTERED: instance rows add-instance accepts. 0 = no limit (docs/hibernation.md).
+    max_instances: int = 40
+    max_registered: int = 400
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -241,6 +245,8 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_LEASE_TTL": "15m",
     "LCHAT_HIBERNATE_SWEEP": "5s",
     "LCHAT_DUE_SWEEP": "30s",
+    "LCHAT_MAX_INSTANCES": "40",  # resident space processes (0 = no limit)
+    "LCHAT_MAX_REGISTERED": "",  # instance rows add-instance accepts (default: 10 x the above)
     "LCHAT_SIDECAR_COMMAND": "/opt/lchat/live/{host}-bot",
     "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # an external Litestream's (CLI; absent = none)
     "LCHAT_BACKUP_BUCKET": "",  # the router's own fleet backup (absent = none)
@@ -341,6 +347,7 @@ def load(
     acme = _acme(get, wildcard_domains)
     hibernate = _hibernate(get)
     mesh = _mesh(get)
+    max_instances, max_registered = _capacity(get)
 
     cfg = BoxConfig(
         env_file=path,
@@ -367,6 +374,8 @@ def load(
         http_redirect=_switch("LCHAT_HTTP_REDIRECT", get("LCHAT_HTTP_REDIRECT")),
         warnings=warnings,
         file_env=file_env,
+        max_instances=max_instances,
+        max_registered=max_registered,
     )
     if (
         cfg.mesh is not None
@@ -592,6 +601,23 @@ def _proxy(get: _Getter) -> ProxyConfig:
         ),
         access_log=_switch("LCHAT_ACCESS_LOG", get("LCHAT_ACCESS_LOG")),
     )
+
+
+def _capacity(get: _Getter) -> tuple[int, int]:
+    """(LCHAT_MAX_INSTANCES, LCHAT_MAX_REGISTERED): whole numbers, 0 = no limit; the second
+    defaults to ten times the first."""
+
+    def limit(name: str, text: str) -> int:
+        if not re.fullmatch(r"[0-9]{1,9}", text):
+            raise ConfigError(f"{name}={text!r} must be a whole number (0: no limit)")
+        return int(text)
+
+    instances = limit("LCHAT_MAX_INSTANCES", get("LCHAT_MAX_INSTANCES"))
+    registered_text = get("LCHAT_MAX_REGISTERED")
+    registered = (
+        limit("LCHAT_MAX_REGISTERED", registered_text) if registered_text else 10 * instances
+    )
+    return instances, registered
 
 
 def _hibernate(get: _Getter) -> HibernateConfig | None:

@@ -27,7 +27,7 @@ from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
 from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
-from lchat.admin import AdminAPI, AlreadyRunning, clear_stale_socket, metrics_site
+from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
 from lchat.config import BoxConfig, ConfigError
 from lchat.hibernation.activator import Activator
@@ -46,6 +46,7 @@ from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, Route, RouteSource
 from lchat.router import Router
+from lchat.spacestats import SpaceStats
 from lchat.supervise import Supervisor
 from lchat.threads import RunInThread, thread_runner
 from lchat.units import BuiltinUnits, Claims
@@ -184,7 +185,15 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     hibernation = None
     if cfg.hibernate is not None:
         hibernation = _hibernation(
-            reactor, cfg, routes, pool, claims, run, aws, backup.backup if backup else None
+            reactor,
+            cfg,
+            routes,
+            pool,
+            claims,
+            run,
+            aws,
+            backup.backup if backup else None,
+            always_on=_always_on(units, routes),
         )
         hibernation.setServiceParent(top)
     certs = _certificates(top, reactor, cfg, routes, hibernation, run, aws)
@@ -343,6 +352,8 @@ def _hibernation(
     run: RunInThread,
     aws: ResolvedCredentials | None,
     backup: Backup | None,
+    *,
+    always_on: Callable[[], int],
 ) -> _Hibernation:
     """The bucket, the activator, its sweeps and (with LCHAT_MESH_SELF) the mesh. With the fleet
     backup on, a wake first takes the database from it (``Backup.release``)."""
@@ -369,7 +380,14 @@ def _hibernation(
         monotonic=time.monotonic,
         handover=backup.release if backup is not None else None,
     )
-    activator = Activator(reactor, routes, lifecycle, claims)
+    activator = Activator(
+        reactor,
+        routes,
+        lifecycle,
+        claims,
+        resident=always_on,  # counts against LCHAT_MAX_INSTANCES, never slept
+        max_instances=cfg.max_instances,
+    )
     membership = mesh = None
     may_wake: Callable[[Route], bool] = _anywhere
     if cfg.mesh is not None:
@@ -556,6 +574,12 @@ def _admin(
         mesh=_mesh_status(membership, cfg.env_file) if membership is not None else None,
         acme=certs.issuer.status if certs.issuer is not None else None,
         backup=backup.backup.status if backup is not None else None,
+        capacity=Capacity(cfg.max_instances, cfg.max_registered, _always_on(units, routes)),
+        stats=SpaceStats(
+            routes,
+            cfg.data_dir,
+            hibernation.activator.state if hibernation is not None else None,
+        ).answer,
     )
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
@@ -646,6 +670,18 @@ def _raise_open_files_limit() -> None:
             "connections or awake spaces",
             soft=soft,
         )
+
+
+def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], int]:
+    """How many always-on space processes run on this box now (LCHAT_MAX_INSTANCES counts them,
+    and never sleeps them): builtin units' running children; under systemd, the always-on
+    instance rows not failed (the CLI starts one unit per row)."""
+    if units is not None:
+        supervisor = units.supervisor
+        return lambda: sum(1 for child in supervisor.status().values() if child.pid is not None)
+    return lambda: sum(
+        1 for r in routes.table if r.kind == "instance" and not r.hibernate and r.status != "failed"
+    )
 
 
 def _children_status(units: BuiltinUnits) -> Any:

@@ -26,6 +26,7 @@ from lchat.cli import admin_client, certs, dev_cert, litestream_yml, units
 from lchat.cli import backup as backup_cli
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
+from lchat.cli import stats as stats_cli
 from lchat.config import BoxConfig, ConfigError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
@@ -234,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_mesh,
     )
 
+    stats_cli.add_arguments(
+        command(
+            "stats",
+            stats_cli.SUMMARY,
+            lambda a: stats_cli.run(a, load_config(a), _out, open_registry),
+        )
+    )
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
     certs.add_arguments(command("certs", certs.SUMMARY, cmd_certs))
@@ -332,7 +340,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_instances(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     routes = sorted(open_registry(cfg).load(), key=lambda r: r.host)
-    live = _router_hosts(cfg) if routes else {}
+    status = _router_status(cfg) if routes else {}
+    live = _hosts_of(status) if routes else {}
     if args.json:
         # Every column of the table: the registry row, and STATE (null where the table says
         # "?" or "-": no router to ask, or it has not loaded the row yet).
@@ -345,14 +354,16 @@ def cmd_instances(args: argparse.Namespace) -> int:
         _out("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         if route is not None and route.status == "failed":
             _out(f"  last error: {_one_line(route.last_error) or '(none recorded)'}")
+    # On stderr: stdout stays the table that scripts parse.
+    _note(_capacity_summary(cfg, routes, status))
     return 0
 
 
-def _router_hosts(cfg: BoxConfig) -> dict[str, dict[str, Any]] | None:
-    """The running router's per-host view (``GET /status``), or None when it cannot be asked."""
+def _router_status(cfg: BoxConfig) -> dict[str, Any] | None:
+    """The running router's ``GET /status``, or None when it cannot be asked."""
     try:
         response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
-        hosts_now = response.json().get("hosts") if response.status == 200 else None
+        doc = response.json() if response.status == 200 else None
     except admin_client.Unreachable as e:
         if not _router_absent(e):
             _note(f"cannot reach the router ({e}): STATE unknown")
@@ -360,7 +371,42 @@ def _router_hosts(cfg: BoxConfig) -> dict[str, dict[str, Any]] | None:
     except (admin_client.ProtocolError, ValueError, AttributeError) as e:
         _note(f"the router did not answer GET /status usefully ({e}): STATE unknown")
         return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _router_hosts(cfg: BoxConfig) -> dict[str, dict[str, Any]] | None:
+    """The running router's per-host view (``GET /status``), or None when it cannot be asked."""
+    return _hosts_of(_router_status(cfg))
+
+
+def _hosts_of(status: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
+    """The router's per-host view in its status, or None."""
+    hosts_now = status.get("hosts") if status is not None else None
     return hosts_now if isinstance(hosts_now, dict) else None
+
+
+def _capacity_summary(cfg: BoxConfig, routes: list[Route], status: dict[str, Any] | None) -> str:
+    """``capacity: 3 of 40 resident (1 always-on, 2 hibernating), 12 of 400 registered``: the
+    router's counts against LCHAT_MAX_INSTANCES (its own limit when it says), the registry's
+    instance rows against LCHAT_MAX_REGISTERED (0: "12 registered (no limit)")."""
+
+    def of(count: object, limit: int, what: str) -> str:
+        return f"{count} of {limit} {what}" if limit > 0 else f"{count} {what} (no limit)"
+
+    registered = sum(1 for r in routes if r.kind == "instance")
+    now = status.get("capacity") if status else None
+    if isinstance(now, dict) and isinstance(now.get("resident"), int):
+        limit = now.get("max_instances")
+        resident = of(
+            now["resident"], limit if isinstance(limit, int) else cfg.max_instances, "resident"
+        )
+        resident += f" ({now.get('always_on')} always-on, {now.get('hibernating')} hibernating)"
+    elif not routes:
+        resident = of(0, cfg.max_instances, "resident")
+    else:
+        why = "the router did not say" if status else "the router cannot be asked"
+        resident = of("?", cfg.max_instances, "resident") + f" ({why})"
+    return f"capacity: {resident}, {of(registered, cfg.max_registered, 'registered')}"
 
 
 def cmd_add_instance(args: argparse.Namespace) -> int:
@@ -374,6 +420,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     registry = open_registry(cfg)
     if registry.get(host) is not None:
         raise CliError(f"{host} is already registered")
+    _refuse_beyond_registered(cfg, registry)
     socket = hosts.socket_path(cfg.run_dir, host)
     if cfg.units == "systemd" and not args.hibernate and not socket.endswith(f"/{host}.sock"):
         # lchat@.service spells its socket <run>/%i.sock; a hashed name would not match it.
@@ -418,6 +465,22 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     if cfg.units == "systemd":
         return _start_with_systemd(cfg, registry, host, socket, args)
     return _start_with_router(cfg, registry, host, args)
+
+
+def _refuse_beyond_registered(cfg: BoxConfig, registry: Registry) -> None:
+    """LCHAT_MAX_REGISTERED (0 = no limit): the most instance rows this box takes, hibernating
+    or not (on a mesh, replicated rows count: every box holds them). Checked before anything is
+    written; two add-instance runs at once may both pass (a ceiling, not a lock)."""
+    limit = cfg.max_registered
+    if limit <= 0:
+        return
+    registered = sum(1 for r in registry.load() if r.kind == "instance")
+    if registered >= limit:
+        raise CliError(
+            f"{registered} instances are registered, the most this box takes "
+            f"(LCHAT_MAX_REGISTERED={limit}); nothing was registered. Remove one (lchat remove "
+            f"HOST) or raise LCHAT_MAX_REGISTERED in {cfg.env_file}"
+        )
 
 
 def cmd_add_service(args: argparse.Namespace) -> int:

@@ -17,10 +17,18 @@ Invariants:
   idle sweep never sleeps a space with anything in flight, and a graceful sleep waits for them.
 - Once stopping (the router's drain), no wake starts: requests get 503 ``shutdown``, marked for a
   mesh peer that forwarded them (lchat.router.unavailable).
+- Capacity (``LCHAT_MAX_INSTANCES``, docs/hibernation.md "Capacity"): the always-on space
+  processes (``resident``) plus the slots the hibernating spaces hold never exceed the limit
+  because of a wake. Every space waking, awake or stopping holds a slot; a stopping one whose slot
+  was handed to a waiting wake is counted once, for that wake. A wake at the limit takes the slot
+  of a space already stopping, else sleeps the awake space idle longest with nothing in flight
+  (never an always-on one), and spawns only once that stand-down is done; with neither, it is
+  refused at once: 503 ``capacity`` with ``Retry-After``. A slot is handed on at most once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -42,7 +50,8 @@ _log = Logger(namespace="lchat.activator")
 
 _wake_seconds = Histogram(
     "lchat_wake_seconds",
-    "Wake latency by phase (total = lease + restore + spawn + ready + replicate)",
+    "Wake latency by phase (total = lease + restore + spawn + ready + replicate, + capacity: "
+    "waiting for a slot at LCHAT_MAX_INSTANCES)",
     ["phase"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
@@ -53,10 +62,29 @@ _awake = Gauge(
     "lchat_awake_spaces", "Hibernating spaces awake (or waking, or stopping) by state", ["state"]
 )
 
+_capacity = Gauge(
+    "lchat_capacity_instances",
+    "Resident space processes against LCHAT_MAX_INSTANCES by kind: always_on, hibernating (the "
+    "slots hibernating spaces hold), max (the limit; 0 = none)",
+    ["kind"],
+)
+_evictions = Counter(
+    "lchat_capacity_evictions_total",
+    "Awake hibernating spaces slept to make room for another's wake (LCHAT_MAX_INSTANCES)",
+)
+
 # After a failed wake, the next attempt waits 1 s, 2 s, 4 s ... up to 60 s: a broken space must
 # not cost a lease write, a LIST and an upload on every request.
 WAKE_BACKOFF = Backoff(1.0, 60.0)
 LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without asking the bucket
+# A wake refused at capacity (everything resident busy): the client asks again this much later;
+# requests usually end within seconds, and then the longest-idle space can be slept.
+CAPACITY_RETRY = 5.0
+CAPACITY_LOG_EVERY = 10.0  # seconds between "503: nothing can be slept" lines (a storm is one)
+
+
+def _no_resident() -> int:
+    return 0
 
 
 class Activator(Service):
@@ -65,8 +93,18 @@ class Activator(Service):
     name = "activator"
 
     def __init__(
-        self, reactor: Any, routes: RouteSource, lifecycle: Lifecycle, claims: Claims
+        self,
+        reactor: Any,
+        routes: RouteSource,
+        lifecycle: Lifecycle,
+        claims: Claims,
+        *,
+        resident: Callable[[], int] = _no_resident,
+        max_instances: int = 0,
     ) -> None:
+        """``resident``: how many always-on space processes run on this box now (builtin units'
+        children), which count against ``max_instances`` (LCHAT_MAX_INSTANCES; 0: no limit) but
+        are never slept."""
         self._reactor = reactor
         self._routes = routes
         self._life = lifecycle
@@ -76,6 +114,12 @@ class Activator(Service):
         # host -> (answer from memory until, Retry-After, why): a lease seen held elsewhere
         self._held: dict[str, tuple[float, float, str]] = {}
         self._stopping = False
+        self._resident = resident
+        self._max_instances = max_instances
+        # A stopping space -> the waiting wake its slot was handed to (LCHAT_MAX_INSTANCES).
+        self._handed_on: dict[Space, Space] = {}
+        self._refused_since_log = 0  # capacity refusals not logged yet (one line per storm)
+        self._refusal_logged = float("-inf")
         routes.subscribe(self._table_changed)
 
     @property
@@ -102,6 +146,11 @@ class Activator(Service):
         return [
             h for h, s in self._spaces.items() if s.state == "awake" and s.idle_for(now) >= idle
         ]
+
+    def slots_held(self) -> int:
+        """The LCHAT_MAX_INSTANCES slots hibernating spaces hold: every one waking, awake or
+        stopping, a stopping one whose slot was handed to a waiting wake counted once."""
+        return len(self._spaces) - len(self._handed_on)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Every space this activator holds, as ``GET /status`` shows it."""
@@ -183,6 +232,11 @@ class Activator(Service):
                 LEASE_CONFLICTS.inc()
                 return fail(WakeFailed(host, "lease_held", why, retry_after))
             del self._held[host]
+        victim = None
+        if space is None and self._at_capacity():
+            victim = self._victim()
+            if victim is None:
+                return self._refuse_at_capacity(host, reason)
         waiter: Deferred[None] = Deferred(lambda d: self._drop_waiter(host, d))
         if space is None:
             space = self._life.new_space(host, route, reason)
@@ -190,14 +244,20 @@ class Activator(Service):
                 space.due_woken = route.next_due
             self._spaces[host] = space
             self._claims.claim(host)
+            freed = None
+            if victim is not None:
+                # Handed on before the sleep starts: a stand-down that ends at once must find it.
+                self._handed_on[victim] = space
+                freed = self._make_room(victim, host)
             self._update_gauge()
             space.waiters.append(waiter)
+            steps = self._life.wake(
+                space,
+                on_lost=lambda why: self._lease_lost(space, why),
+                on_exit=lambda child, info: self._child_ended(space, child, info),
+            )
             space.task = Deferred.fromCoroutine(
-                self._life.wake(
-                    space,
-                    on_lost=lambda why: self._lease_lost(space, why),
-                    on_exit=lambda child, info: self._child_ended(space, child, info),
-                )
+                steps if freed is None else self._wake_when_freed(freed, steps)
             )
             space.task.addTimeout(self.budgets.wake, self._reactor)
             space.task.addBoth(self._wake_done, space)
@@ -207,6 +267,107 @@ class Activator(Service):
             if space.state == "stopping":
                 space.wake_again = True
         return waiter
+
+    # -- capacity (LCHAT_MAX_INSTANCES) -----------------------------------------------------------
+
+    def _at_capacity(self) -> bool:
+        """Would one more space process exceed the limit?"""
+        if self._max_instances <= 0:
+            return False
+        held = self.slots_held()
+        return held >= self._max_instances or held + self._resident() >= self._max_instances
+
+    def _victim(self) -> Space | None:
+        """Whose slot a wake at capacity takes: a space already stopping (free soon and at no
+        cost; not one whose own queued requests will wake it again), the one stopping longest;
+        else the awake space idle longest with nothing in flight. Never a slot already handed
+        on, never an always-on space (the activator does not run those)."""
+        stopping = [
+            s
+            for s in self._spaces.values()
+            if s.state == "stopping" and s not in self._handed_on and not s.wake_again
+        ]
+        if stopping:
+            return min(stopping, key=lambda s: s.since)
+        idle = [s for s in self._spaces.values() if s.state == "awake" and s.inflight == 0]
+        return min(idle, key=lambda s: s.last_active, default=None)
+
+    def _make_room(self, victim: Space, host: str) -> Deferred[None]:
+        """Sleep ``victim`` (unless it is stopping already) for ``host``'s wake; fires once its
+        stand-down is done and its process gone."""
+        resident = self._resident() + self.slots_held()
+        if victim.state == "stopping":
+            _log.info(
+                "activator: at capacity ({resident} resident, LCHAT_MAX_INSTANCES={limit}): "
+                "{host} waits for {victim} to finish sleeping",
+                resident=resident,
+                limit=self._max_instances,
+                host=host,
+                victim=victim.host,
+            )
+            return settled(victim.task) if victim.task is not None else succeed(None)
+        idle = self._reactor.seconds() - victim.last_active
+        _evictions.inc()
+        _log.info(
+            "activator: at capacity ({resident} resident, LCHAT_MAX_INSTANCES={limit}): "
+            "sleeping {victim} (idle {idle}) to wake {host}",
+            resident=resident,
+            limit=self._max_instances,
+            victim=victim.host,
+            idle=_span(idle),
+            host=host,
+        )
+        return self.sleep(victim.host, "capacity")
+
+    async def _wake_when_freed(
+        self, freed: Deferred[None], steps: Coroutine[Any, Any, dict[str, float]]
+    ) -> dict[str, float]:
+        """The wake's steps, once the slot it was handed is free (within the wake budget: the
+        task's timeout covers the wait)."""
+        started = self._reactor.seconds()
+        try:
+            await freed
+        except BaseException:
+            steps.close()  # never started: no "coroutine was never awaited" warning
+            raise
+        waited = self._reactor.seconds() - started
+        timings: dict[str, float] = await steps
+        timings["capacity"] = waited
+        return timings
+
+    def _refuse_at_capacity(self, host: str, reason: str) -> Deferred[None]:
+        """Nothing can be slept: 503 ``capacity`` with ``Retry-After``; logged once per
+        CAPACITY_LOG_EVERY with how many were refused meanwhile."""
+        _wakes.labels(reason, "capacity").inc()
+        now = self._reactor.seconds()
+        self._refused_since_log += 1
+        if now - self._refusal_logged >= CAPACITY_LOG_EVERY:
+            states = [s.state for s in self._spaces.values()]
+            _log.warn(
+                "activator: at capacity ({resident} resident, LCHAT_MAX_INSTANCES={limit}: "
+                "{always_on} always-on, {awake} awake and busy, {waking} waking, {stopping} "
+                "stopping): {host} answered 503: nothing can be slept ({refused} refused since "
+                "the last such line); raise LCHAT_MAX_INSTANCES if this box has room",
+                resident=self._resident() + self.slots_held(),
+                limit=self._max_instances,
+                always_on=self._resident(),
+                awake=states.count("awake"),
+                waking=states.count("waking"),
+                stopping=states.count("stopping"),
+                host=host,
+                refused=self._refused_since_log,
+            )
+            self._refusal_logged = now
+            self._refused_since_log = 0
+        return fail(
+            WakeFailed(
+                host,
+                "capacity",
+                f"this box is at capacity (LCHAT_MAX_INSTANCES={self._max_instances}) and "
+                f"every resident space is busy",
+                CAPACITY_RETRY,
+            )
+        )
 
     def _drop_waiter(self, host: str, d: Deferred[None]) -> None:
         space = self._spaces.get(host)
@@ -313,6 +474,11 @@ class Activator(Service):
         finally:
             if self._spaces.get(host) is space:
                 del self._spaces[host]
+            # Its slot is free now (or the wake it was handed to holds it); and a waiting wake
+            # that ends before the space it waits for gives that space its slot back.
+            self._handed_on.pop(space, None)
+            for victim in [v for v, taker in self._handed_on.items() if taker is space]:
+                del self._handed_on[victim]
             self._update_gauge()
             self._claims.release(host)
         if graceful:
@@ -384,6 +550,10 @@ class Activator(Service):
     def startService(self) -> None:
         super().startService()
         self._life.sidecars.startService()
+        # Read at each scrape: the always-on count changes without telling the activator.
+        _capacity.labels("always_on").set_function(lambda: self._resident())
+        _capacity.labels("hibernating").set_function(self.slots_held)
+        _capacity.labels("max").set(self._max_instances)
         self._update_gauge()
 
     def stopService(self) -> Deferred[None]:
@@ -401,3 +571,12 @@ class Activator(Service):
     def _update_gauge(self) -> None:
         for state in STATES:
             _awake.labels(state).set(sum(1 for s in self._spaces.values() if s.state == state))
+
+
+def _span(seconds: float) -> str:
+    """``42s``, ``12m``, ``3h05m``: an idle time as an operator reads it."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"

@@ -41,6 +41,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX scheduled_pending ON scheduled (deliver_at) WHERE message_id IS NULL",
         "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
     ),
+    (
+        # The wake-free stats contract (docs/hibernation.md, "Wake-free stats"): the router reads
+        # this one row off a sleeping space's file, read-only, without waking it. This space has
+        # no accounts and no setup step: it counts as set up once anything was posted or
+        # scheduled in it, and reports no members. EXISTS, not COUNT: cheap on any size.
+        "CREATE VIEW lchat_stats AS SELECT"
+        " (EXISTS (SELECT 1 FROM messages) OR EXISTS (SELECT 1 FROM scheduled)) AS setup_complete,"
+        " 0 AS members,"
+        " (EXISTS (SELECT 1 FROM messages) OR EXISTS (SELECT 1 FROM scheduled)) AS has_content",
+    ),
 )
 BUSY_TIMEOUT_MS = 5000
 DELIVER_BATCH = 500

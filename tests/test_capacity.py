@@ -1,0 +1,494 @@
+"""Capacity limits (docs/hibernation.md "Capacity"): LCHAT_MAX_INSTANCES in the activator's wake
+decision, LCHAT_MAX_REGISTERED in ``lchat add-instance``, both in ``GET /status`` and ``lchat
+instances``.
+
+The activator's part runs on the fake clock of tests/test_activator_machine.py (its harness,
+imported: a real activator, lifecycle, lease, replication and ``file:`` bucket; fake children),
+so every step is exact and each test takes milliseconds. :class:`WakeStormTests` is the real
+thing: the router as twistd builds it, reference-space processes, concurrent HTTP requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
+from twisted.internet.task import LoopingCall
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import SynchronousTestCase
+
+from lchat import config, unixhttp
+from lchat.admin import AdminAPI, Capacity
+from lchat.config import ConfigError
+from lchat.hibernation import activator as activator_module
+from lchat.hibernation.activator import Activator
+from lchat.hibernation.space import Budgets
+from lchat.registry import Route
+from lchat.router import LocalSocket
+from tests.test_activator import _Harness, _open_websocket, sleep
+from tests.test_activator_machine import _Machine, metric
+from tests.test_cli import CliTestCase, serve_http
+
+LIMIT = 3
+
+
+class _AtCapacity(_Machine):
+    """The machine's box with LCHAT_MAX_INSTANCES=3 and ``self.always_on`` always-on processes."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.always_on = 0
+        # The harness's own activator (no limit) stays idle: this one replaces it for the test.
+        self.activator = Activator(
+            self.clock,
+            self.routes,
+            self.lifecycle,
+            self.claims,
+            resident=lambda: self.always_on,
+            max_instances=LIMIT,
+        )
+        self.activator.startService()
+
+    def awake_at(self, host: str, at: float) -> None:
+        """Wake ``host`` (a new space) at ``at`` seconds into the test: it is idle from then."""
+        self.advance(at - self.now())
+        self.add_space(host)
+        self.awake(host)
+
+    def running(self) -> list[str]:
+        """The hosts whose (fake) space process runs now."""
+        return sorted(c.host for c in self.spawner.children if c.exit_info is None)
+
+    def terminated(self, host: str) -> int:
+        return sum(len(c.terminations) for c in self.spawner.of(host))
+
+
+class EvictionTests(_AtCapacity):
+    def test_a_wake_at_the_limit_sleeps_the_space_idle_longest_and_spawns_once_it_is_gone(
+        self,
+    ) -> None:
+        self.always_on = 1
+        self.awake_at("a.example", 0.0)
+        self.awake_at("b.example", 10.0)
+        route = self.add_space("c.example")
+        self.advance(10.0)
+        self.spawner.children[0].stop_delay = 2.5  # a's SIGTERM takes 2.5 s
+        evictions = metric("lchat_capacity_evictions_total")
+        slept = metric("lchat_sleeps_total", reason="capacity")
+        mark = self.journal.mark()
+        routed = self.activator.route(route)
+        self.assertEqual(self.activator.state("a.example"), "stopping")  # idle longest (20 s)
+        self.assertEqual(self.activator.state("b.example"), "awake")
+        self.assertEqual(self.activator.state("c.example"), "waking")
+        self.assertEqual(self.spawner.of("c.example"), [])  # a still runs: c waits for it
+        self.assertEqual(self.activator.slots_held(), 2)  # a's slot is c's now
+        self.advance(2.5)
+        target = self.target(routed)
+        assert isinstance(target, LocalSocket), target
+        self.assertEqual(target.response_headers, ((b"x-lchat-wake", b"2.500s"),))
+        events = [
+            (event, detail)
+            for _, event, detail in self.journal.entries[mark:]
+            if event in ("terminate", "exit", "store.delete", "spawn")
+        ]
+        self.assertEqual(
+            events,
+            [
+                ("terminate", "a.example"),
+                ("exit", "a.example"),
+                ("store.delete", "a.example/lock.json"),  # flushed and released first
+                ("spawn", "c.example"),
+            ],
+        )
+        self.assertEqual(self.running(), ["b.example", "c.example"])
+        self.assertEqual(self.activator.state("a.example"), "asleep")
+        self.assertEqual(metric("lchat_capacity_evictions_total"), evictions + 1)
+        self.assertEqual(metric("lchat_sleeps_total", reason="capacity"), slept + 1)
+        self.assertEqual(metric("lchat_capacity_instances", kind="hibernating"), 2)
+        self.assertEqual(metric("lchat_capacity_instances", kind="always_on"), 1)
+        self.assertEqual(metric("lchat_capacity_instances", kind="max"), LIMIT)
+
+    def test_a_space_with_anything_in_flight_is_never_slept(self) -> None:
+        self.awake_at("a.example", 0.0)  # idle longest, but serving a request
+        self.awake_at("b.example", 5.0)
+        self.awake_at("c.example", 10.0)
+        ticket = self.target(self.activator.route(self.route("a.example")))
+        assert isinstance(ticket, LocalSocket) and ticket.inflight is not None
+        ticket.inflight.request_started(upgrade=False)
+        self.advance(60.0)  # a's request takes a minute: its last activity is older still
+        self.target(self.activator.route(self.add_space("d.example")))
+        self.assertEqual(self.activator.state("a.example"), "awake")
+        self.assertEqual(self.activator.state("b.example"), "asleep")
+        self.assertEqual(self.activator.state("d.example"), "awake")
+        self.assertEqual(self.activator.slots_held(), LIMIT)  # a, c and d: b's slot is free
+
+    def test_at_the_limit_with_every_space_busy_the_wake_is_a_503_with_retry_after(
+        self,
+    ) -> None:
+        tickets = []
+        for i, host in enumerate(("a.example", "b.example", "c.example")):
+            self.awake_at(host, 5.0 * i)
+            routed = self.target(self.activator.route(self.route(host)))
+            assert isinstance(routed, LocalSocket) and routed.inflight is not None
+            routed.inflight.request_started(upgrade=True)  # a WebSocket: busy for hours
+            tickets.append(routed.inflight)
+        refused = metric("lchat_wakes_total", reason="request", outcome="capacity")
+        route = self.add_space("d.example")
+        answer = self.refused(self.activator.route(route), "capacity")
+        self.assertEqual(dict(answer.headers)[b"retry-after"], b"5")
+        self.assertEqual(
+            metric("lchat_wakes_total", reason="request", outcome="capacity"), refused + 1
+        )
+        self.assertEqual(self.spawner.of("d.example"), [])
+        self.assertEqual(self.activator.state("d.example"), "asleep")
+        self.assertEqual(
+            [self.terminated(h) for h in ("a.example", "b.example", "c.example")], [0, 0, 0]
+        )
+        # Not a failed wake: no backoff. Once a space is free, the next request wakes it.
+        tickets[1].request_ended(upgrade=True)
+        self.advance(1.0)
+        self.target(self.activator.route(route))
+        self.assertEqual(self.activator.state("b.example"), "asleep")
+        self.assertEqual(self.activator.state("d.example"), "awake")
+
+    def test_always_on_processes_count_against_the_limit_and_are_never_slept(self) -> None:
+        self.always_on = LIMIT
+        route = self.add_space("a.example")
+        self.refused(self.activator.route(route), "capacity")
+        failure = self.wake_failure(self.activator.wake(route, "due"))  # a due wake too
+        self.assertEqual(failure.reason, "capacity")
+        self.always_on = LIMIT - 1
+        self.target(self.activator.route(route))
+        self.assertEqual(self.activator.state("a.example"), "awake")
+        self.advance(60.0)
+        # The only hibernating space is the one to sleep for the next: always-on ones never are.
+        self.target(self.activator.route(self.add_space("b.example")))
+        self.assertEqual(self.activator.state("a.example"), "asleep")
+        self.assertEqual(self.running(), ["b.example"])
+
+    def test_no_limit_never_sleeps_for_room(self) -> None:
+        self.activator = Activator(
+            self.clock, self.routes, self.lifecycle, self.claims, resident=lambda: 100
+        )
+        self.activator.startService()
+        for i in range(LIMIT + 2):
+            self.awake_at(f"s{i}.example", float(i))
+        self.assertEqual(len(self.running()), LIMIT + 2)
+
+
+class ConcurrencyTests(_AtCapacity):
+    def test_wakes_arriving_together_each_take_a_different_slot_and_never_overshoot(
+        self,
+    ) -> None:
+        for i, host in enumerate(("a.example", "b.example", "c.example")):
+            self.awake_at(host, 10.0 * i)
+        for child in self.spawner.children:
+            child.stop_delay = 2.5  # each sleep takes a while: the wakes overlap them
+        self.spawner.stop_delay = 0.0
+        self.advance(10.0)
+        routes = [self.add_space(h) for h in ("d.example", "e.example", "f.example", "g.example")]
+        answers = [self.activator.route(r) for r in routes]
+        answers += [self.activator.route(routes[0]) for _ in range(5)]  # join d's wake
+        # d, e, f each took the slot of a different space (oldest idle first); g found nothing.
+        self.assertEqual(
+            [self.activator.state(h) for h in ("a.example", "b.example", "c.example")],
+            ["stopping"] * 3,
+        )
+        self.refused(answers[3], "capacity")
+        self.assertEqual(self.activator.slots_held(), LIMIT)
+        peak = 0
+        for _ in range(20):
+            self.advance(0.25)
+            peak = max(peak, len(self.running()))
+            self.assertLessEqual(self.activator.slots_held(), LIMIT)
+        self.assertLessEqual(peak, LIMIT)
+        for answer in [*answers[:3], *answers[4:]]:
+            self.assertIsInstance(self.target(answer), LocalSocket)
+        self.assertEqual(self.running(), ["d.example", "e.example", "f.example"])
+        self.assertEqual(
+            [self.terminated(h) for h in ("a.example", "b.example", "c.example")], [1, 1, 1]
+        )
+        self.assertEqual(len(self.spawner.of("d.example")), 1)
+
+    def test_a_wake_takes_the_slot_of_a_space_already_going_to_sleep(self) -> None:
+        self.awake_at("a.example", 0.0)
+        self.awake_at("b.example", 5.0)
+        self.awake_at("c.example", 10.0)
+        self.spawner.last("c.example").stop_delay = 2.5
+        self.advance(60.0)
+        self.activator.sleep("c.example", "idle")  # the idle sweep's, under way
+        evictions = metric("lchat_capacity_evictions_total")
+        routed = self.activator.route(self.add_space("d.example"))
+        # No second sleep: c's slot is handed on; a (idle longest) stays awake.
+        self.assertEqual(self.activator.state("a.example"), "awake")
+        self.assertEqual(metric("lchat_capacity_evictions_total"), evictions)
+        self.assertEqual(self.spawner.of("d.example"), [])
+        self.advance(2.5)
+        self.assertIsInstance(self.target(routed), LocalSocket)
+        self.assertEqual(self.running(), ["a.example", "b.example", "d.example"])
+
+    def test_a_waiting_wake_called_off_gives_the_slot_back(self) -> None:
+        self.awake_at("a.example", 0.0)
+        self.awake_at("b.example", 5.0)
+        self.awake_at("c.example", 10.0)
+        self.spawner.last("a.example").stop_delay = 5.0
+        self.advance(10.0)
+        waiting = self.activator.wake(self.add_space("d.example"), "admin")
+        self.assertEqual(self.activator.state("a.example"), "stopping")
+        self.activator.sleep("d.example", "admin")  # e.g. its row removed: the wake called off
+        self.assertEqual(self.wake_failure(waiting).reason, "cancelled")
+        self.assertEqual(self.activator.state("d.example"), "asleep")
+        # a is still running: its slot is its own again, and the next wake waits for it.
+        self.assertEqual(self.activator.slots_held(), LIMIT)
+        routed = self.activator.route(self.add_space("e.example"))
+        self.assertEqual(self.activator.state("b.example"), "awake")
+        self.assertEqual(self.spawner.of("e.example"), [])
+        self.advance(5.0)
+        self.assertIsInstance(self.target(routed), LocalSocket)
+        self.assertEqual(self.running(), ["b.example", "c.example", "e.example"])
+
+    def test_the_wait_for_a_slot_is_within_the_wake_budget(self) -> None:
+        self.activator.budgets = Budgets(wake=5.0)
+        for i, host in enumerate(("a.example", "b.example", "c.example")):
+            self.awake_at(host, float(i))
+        self.contract.hang.add("a.example")  # its stand-down waits out the next-due budget (10 s)
+        d = self.activator.wake(self.add_space("d.example"), "admin")
+        self.advance(4.75)
+        self.assertFalse(d.called)
+        self.advance(0.25)
+        self.assertEqual(self.wake_failure(d).reason, "timeout")
+        self.assertEqual(self.spawner.of("d.example"), [])
+        self.advance(10.0)
+        self.assertEqual(self.activator.state("a.example"), "asleep")
+        self.assertEqual(self.activator.slots_held(), 2)
+
+
+class StatusTests(_AtCapacity):
+    def test_get_status_shows_the_limits_and_what_counts_against_them(self) -> None:
+        self.always_on = 1
+        self.awake_at("a.example", 0.0)
+        self.add_space("b.example")  # asleep: registered, not resident
+        self.registry.insert(Route("svc.example", kind="service", socket="/srv/x.sock"))
+        self.successResultOf(self.routes.reload("test"))
+        admin = AdminAPI(
+            self.clock,
+            self.routes,
+            "builtin",
+            activator=self.activator,
+            capacity=Capacity(LIMIT, 30, lambda: self.always_on),
+        )
+        self.assertEqual(
+            admin.status()["capacity"],
+            {
+                "max_instances": LIMIT,
+                "resident": 2,
+                "always_on": 1,
+                "hibernating": 1,
+                "max_registered": 30,
+                "registered": 2,  # instance rows; the service is not one
+            },
+        )
+        without = AdminAPI(self.clock, self.routes, "builtin", capacity=Capacity(0, 0, lambda: 4))
+        self.assertEqual(without.status()["capacity"]["resident"], 4)  # hibernation off
+
+
+class LogTests(SynchronousTestCase):
+    def test_idle_spans_read_as_an_operator_reads_them(self) -> None:
+        spans = [activator_module._span(s) for s in (0.4, 42, 59.4, 60, 720, 3599, 3600, 11_100)]
+        self.assertEqual(spans, ["0s", "42s", "59s", "1m", "12m", "59m", "1h00m", "3h05m"])
+
+
+# -- configuration and the command line ----------------------------------------------------------
+
+
+class ConfigTests(SynchronousTestCase):
+    def load(self, **env: str) -> config.BoxConfig:
+        environ = {"LCHAT_DATA_DIR": "/tmp", "LCHAT_RUN_DIR": "/tmp", "LCHAT_UNITS": "builtin"}
+        return config.load(environ={**environ, **env})
+
+    def test_defaults_forty_resident_and_ten_times_as_many_registered(self) -> None:
+        cfg = self.load()
+        self.assertEqual((cfg.max_instances, cfg.max_registered), (40, 400))
+        cfg = self.load(LCHAT_MAX_INSTANCES="8")
+        self.assertEqual((cfg.max_instances, cfg.max_registered), (8, 80))
+        cfg = self.load(LCHAT_MAX_INSTANCES="8", LCHAT_MAX_REGISTERED="1000")
+        self.assertEqual((cfg.max_instances, cfg.max_registered), (8, 1000))
+
+    def test_zero_is_no_limit(self) -> None:
+        cfg = self.load(LCHAT_MAX_INSTANCES="0")
+        self.assertEqual((cfg.max_instances, cfg.max_registered), (0, 0))
+
+    def test_anything_but_a_whole_number_is_refused_naming_the_variable(self) -> None:
+        for name in ("LCHAT_MAX_INSTANCES", "LCHAT_MAX_REGISTERED"):
+            for bad in ("-1", "ten", "4.5", "1e3", "\u00b2", "9999999999"):
+                with self.assertRaises(ConfigError) as caught:
+                    self.load(**{name: bad})
+                self.assertIn(name, str(caught.exception))
+        with self.assertRaises(ConfigError):
+            self.load(LCHAT_MAX_INSTANCES="")
+
+
+class CliTests(CliTestCase):
+    def add_rows(self, count: int) -> None:
+        self.registry.migrate()
+        for i in range(count):
+            self.registry.insert(
+                Route(f"s{i}.example.com", kind="instance", socket=f"/run/s{i}.sock")
+            )
+        self.registry.insert(Route("svc.example.com", kind="service", socket="/srv/s.sock"))
+
+    def test_add_instance_refuses_beyond_max_registered_and_writes_nothing(self) -> None:
+        self.write_router_env(LCHAT_MAX_REGISTERED="2")
+        self.add_rows(2)  # and a service: services do not count
+        result = self.lchat("add-instance", "new.example.com")
+        self.assertFailed(
+            result, "2 instances are registered", "LCHAT_MAX_REGISTERED=2", self.env_file
+        )
+        self.assertIsNone(self.row("new.example.com"))
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "new.example.com.env")))
+        # Raised (here by the environment, over the env file): accepted.
+        os.environ["LCHAT_MAX_REGISTERED"] = "3"
+        self.assertEqual(self.lchat("add-instance", "new.example.com").code, 0)
+        os.environ["LCHAT_MAX_REGISTERED"] = "0"  # no limit
+        self.assertEqual(self.lchat("add-instance", "more.example.com").code, 0)
+        self.assertIn("4 registered (no limit)", self.lchat("instances").err)
+
+    def test_instances_prints_a_capacity_summary_on_stderr_and_json_is_unchanged(self) -> None:
+        self.write_router_env(LCHAT_MAX_INSTANCES="5")
+        self.add_rows(2)
+        result = self.lchat("instances")
+        self.assertEqual(result.code, 0, result)
+        self.assertEqual(len(result.out.splitlines()), 4)  # the table alone: header + 3 rows
+        self.assertIn(
+            "lchat: capacity: ? of 5 resident (the router cannot be asked), 2 of 50 registered",
+            result.err,
+        )
+        listing = self.lchat("instances", "--json")
+        self.assertEqual(len(json.loads(listing.out)), 3)
+        self.assertNotIn("capacity", listing.err)
+        # With a router to ask: its counts and its own limit.
+        status: dict[str, object] = {
+            "hosts": {},
+            "capacity": {
+                "max_instances": 6,
+                "resident": 3,
+                "always_on": 1,
+                "hibernating": 2,
+                "max_registered": 50,
+                "registered": 2,
+            },
+        }
+        server = serve_http(self.admin_socket, lambda method, path: (200, status))
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        result = self.lchat("instances")
+        self.assertIn(
+            "lchat: capacity: 3 of 6 resident (1 always-on, 2 hibernating), 2 of 50 registered",
+            result.err,
+        )
+
+
+# -- the real thing --------------------------------------------------------------------------------
+
+
+class WakeStormTests(_Harness):
+    """The router as twistd builds it with LCHAT_MAX_INSTANCES=3, six hibernating reference
+    spaces and concurrent requests to all of them."""
+
+    timeout = 90
+
+    @inlineCallbacks
+    def test_a_wake_storm_beyond_the_limit(self) -> Any:
+        hosts = [f"s{i}.example" for i in range(6)]
+        for host in hosts:
+            self.add_space(host)
+        self.start(self.config(LCHAT_MAX_INSTANCES="3", LCHAT_HIBERNATE_IDLE="10m"))
+        activator = self.activator
+        peak = [0]
+
+        def sample() -> None:
+            # Space processes alive right now (a stopping space's until it has exited).
+            running = [
+                s
+                for s in activator._spaces.values()
+                if s.child is not None and s.child.exit_info is None
+            ]
+            peak[0] = max(peak[0], len(running))
+
+        sampler = LoopingCall(sample)
+        sampler.start(0.01)
+
+        def stop_sampling() -> None:
+            if sampler.running:
+                sampler.stop()
+
+        self.addCleanup(stop_sampling)
+
+        def post(host: str) -> Any:
+            return self.request(
+                host, "/api/rooms/r/messages", b"POST", json.dumps({"body": host}).encode()
+            )
+
+        # Three awake, s0 idle longest.
+        for host in hosts[:3]:
+            response, _ = yield post(host)
+            self.assertEqual(response.code, 201)
+            yield sleep(0.1)
+        # One more: the idle-longest (s0) is slept for it, the others stay.
+        response, _ = yield post(hosts[3])
+        self.assertEqual(response.code, 201)
+        self.assertEqual([self.state(h) for h in hosts[:4]], ["asleep", "awake", "awake", "awake"])
+
+        # The storm: a request to every space at once (three awake, three asleep).
+        results = yield DeferredList([post(h) for h in hosts], consumeErrors=True)
+        codes = {}
+        for host, (ok, value) in zip(hosts, results, strict=True):
+            self.assertTrue(ok, value)
+            response, body = value
+            codes[host] = response.code
+            if response.code == 503:
+                self.assertTrue(response.headers.getRawHeaders(b"retry-after"), body)
+        self.assertNotIn(502, codes.values())
+        self.assertTrue(set(codes.values()) <= {201, 503}, codes)
+        self.assertLessEqual(peak[0], 3)
+        # Whatever was refused was refused because everything resident was busy (serving or
+        # waking): asked again one at a time, each wakes by sleeping an idle one.
+        for host in [h for h, code in codes.items() if code == 503]:
+            response, _ = yield post(host)
+            self.assertEqual(response.code, 201, host)
+        self.assertLessEqual(peak[0], 3)
+
+        # Every resident space busy (a WebSocket open on each): the next wake is a 503.
+        awake = [h for h in hosts if self.state(h) == "awake"]
+        self.assertEqual(len(awake), 3)
+        sockets = []
+        for host in awake:
+            ws = yield deferToThread(_open_websocket, self.port, host, "/api/rooms/r/ws")
+            sockets.append(ws)
+        self.addCleanup(lambda: [ws.close() for ws in sockets])
+        asleep = next(h for h in hosts if self.state(h) == "asleep")
+        response, body = yield post(asleep)
+        self.assertEqual(response.code, 503, body)
+        self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"5"])
+        # One tunnel closed: that space (now the only idle one) is slept for the wake.
+        sockets[0].close()
+        yield self.wait_for(lambda: activator.status()[awake[0]]["inflight"] == 0, timeout=10)
+        response, _ = yield post(asleep)
+        self.assertEqual(response.code, 201)
+        self.assertEqual(self.state(awake[0]), "asleep")
+        self.assertLessEqual(peak[0], 3)
+        status = yield self.admin_status()
+        self.assertEqual(
+            {k: status["capacity"][k] for k in ("max_instances", "resident", "registered")},
+            {"max_instances": 3, "resident": 3, "registered": 6},
+        )
+
+    @inlineCallbacks
+    def admin_status(self) -> Any:
+        response = yield Deferred.fromCoroutine(
+            unixhttp.request(reactor, self.cfg.admin_socket, "GET", "/status")
+        )
+        return json.loads(response.body)

@@ -1,0 +1,519 @@
+"""Wake-free stats (lchat.spacestats, ``GET /stats/<host>``, ``lchat stats``).
+
+Databases are written by the reference space's own store (:class:`lchat.space.store.Store`), or
+by real ``lchat space`` processes under a real router (built as twistd builds it, in this
+process, on a ``file:`` bucket), asked over its admin socket. Each read is checked to create and
+change nothing (sha, size, mtime of the database and its ``-wal``/``-shm``; no new file) and,
+under a router, to wake nothing (the activator's state, no lease in the bucket, no wake counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from twisted.internet import reactor as _reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from lchat import spacestats
+from lchat.cli import admin_client
+from lchat.cli.main import main as cli_main
+from lchat.hibernation.localdb import MARKER_SUFFIX, local_state
+from lchat.objstore import open_store
+from lchat.registry import Registry, Route
+from lchat.replica.db import ReplicaDB
+from lchat.replica.restore import restore
+from lchat.space import store as store_module
+from lchat.space.store import Store
+from lchat.spacestats import Counts, StatsError, read_database, stats_of
+from lchat.threads import thread_runner
+from tests.test_activator import ROOT, _bucket_keys, _Harness, metric
+
+reactor: Any = _reactor  # the global reactor provides far more than its stub type says
+
+
+def files_of(directory: str) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``directory``: (size, mtime_ns, sha256) — what "nothing changed" means.
+
+    The digests are taken by another process: a descriptor this process opened and closed on a
+    database would drop the locks its SQLite connections hold on it (the router's registry, a
+    store left open), which is the very hazard lchat.spacestats avoids."""
+    names = sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n)))
+    if not names:
+        return {}
+    digests = subprocess.run(
+        ["sha256sum", *names], cwd=directory, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    out = {}
+    for name, line in zip(names, digests, strict=False):
+        st = os.stat(os.path.join(directory, name))
+        out[name] = (st.st_size, st.st_mtime_ns, line.split()[0])
+    return out
+
+
+async def write_space(db: str, posts: int = 0, scheduled: int = 0) -> None:
+    """A database as the reference space leaves it: opened, written, closed (WAL folded in)."""
+    store = await Store.open(reactor, db)
+    for n in range(posts):
+        await store.post("lobby", f"m{n}", 1000 + n)
+    for n in range(scheduled):
+        await store.schedule("lobby", f"s{n}", 2_000_000_000 + n)
+    await store.close()
+
+
+def route(host: str, **fields: Any) -> Route:
+    return Route(host=host, kind="instance", socket=f"/run/{host}.sock", **fields)
+
+
+class ReadDatabaseTests(TestCase):
+    """:func:`read_database` on files the reference store wrote: the contract's answers, and the
+    files exactly as they were."""
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="stats", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.db = os.path.join(self.dir, "s.example.db")
+
+    def assertUntouched(self, before: dict[str, Any]) -> None:
+        self.assertEqual(files_of(self.dir), before)
+
+    async def test_a_fresh_space_is_not_set_up_and_has_nothing(self) -> None:
+        await write_space(self.db)
+        self.assertEqual(sorted(os.listdir(self.dir)), ["s.example.db"])  # no -wal: closed
+        before = files_of(self.dir)
+        self.assertEqual(read_database(self.db), Counts(False, 0, False))
+        # Read-only and WAL-mode: a plain mode=ro open would have created a -wal and a -shm.
+        self.assertUntouched(before)
+
+    async def test_a_message_makes_it_set_up_with_content(self) -> None:
+        await write_space(self.db, posts=2)
+        before = files_of(self.dir)
+        self.assertEqual(read_database(self.db), Counts(True, 0, True))
+        self.assertUntouched(before)
+
+    async def test_a_scheduled_message_alone_is_content(self) -> None:
+        await write_space(self.db, scheduled=1)
+        self.assertEqual(read_database(self.db), Counts(True, 0, True))
+
+    async def test_a_running_space_is_read_under_its_writer(self) -> None:
+        store = await Store.open(reactor, self.db)  # the space, running: it holds the WAL
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        self.assertEqual(read_database(self.db), Counts(False, 0, False))
+        await store.post("lobby", "hi", 1000)
+        self.assertTrue(os.path.exists(self.db + "-wal"))  # noqa: ASYNC240 (a stat)
+        before = files_of(self.dir)
+        self.assertEqual(read_database(self.db), Counts(True, 0, True))  # seen in the WAL
+        # The database and its WAL are untouched. The -shm is SQLite's shared lock table: this
+        # process's writer mapped it writable, SQLite shares one mapping per process, and the
+        # read records its read mark there as every WAL reader must (out of process, or with
+        # no writer here, it is not written at all: the crash test below).
+        after = files_of(self.dir)
+        for name in ("s.example.db", "s.example.db-wal"):
+            self.assertEqual(after[name], before[name])
+        self.assertEqual(sorted(after), sorted(before))
+
+    def test_commits_left_in_a_crashed_writers_wal_are_seen(self) -> None:
+        self._v1_schema()  # then the full reference schema, by a writer that dies uncleanly
+        script = (
+            "import os, sqlite3, sys; sys.path.insert(0, sys.argv[2])\n"
+            "from lchat.space import store\n"
+            "conn = store._connect(sys.argv[1])\n"
+            "store._post(conn, 'lobby', 'x', 1, 1)\n"
+            "os._exit(0)\n"
+        )
+        subprocess.run([sys.executable, "-c", script, self.db, ROOT], check=True)
+        self.assertGreater(os.path.getsize(self.db + "-wal"), 0)
+        before = files_of(self.dir)
+        self.assertEqual(read_database(self.db), Counts(True, 0, True))
+        self.assertUntouched(before)
+
+    def test_a_wal_without_its_shm_is_refused_without_creating_one(self) -> None:
+        self._v1_schema()
+        script = (
+            "import os, sqlite3, sys; sys.path.insert(0, sys.argv[2])\n"
+            "from lchat.space import store\n"
+            "conn = store._connect(sys.argv[1])\n"
+            "store._post(conn, 'lobby', 'x', 1, 1)\n"
+            "os._exit(0)\n"
+        )
+        subprocess.run([sys.executable, "-c", script, self.db, ROOT], check=True)
+        os.unlink(self.db + "-shm")
+        before = files_of(self.dir)
+        with self.assertRaises(StatsError) as caught:
+            read_database(self.db)
+        self.assertEqual((caught.exception.code, caught.exception.reason), (409, "wal_without_shm"))
+        self.assertUntouched(before)
+
+    async def test_a_replicators_read_transaction_in_this_process_survives_the_read(self) -> None:
+        # The router's replicator holds a read transaction on an awake space's database, in the
+        # router's process. POSIX drops every lock a process holds on a file when any descriptor
+        # of it closes: a raw open()/close() by the stats read would release that transaction.
+        await write_space(self.db, posts=1)
+        replica = ReplicaDB(self.db)
+        await deferToThread(replica.open)
+        self.addCleanup(replica.close)
+        self.assertEqual(read_database(self.db), Counts(True, 0, True))
+        # Another process writes and asks for a TRUNCATE checkpoint: the replicator's read
+        # transaction must still pin the WAL (busy), else frames it has not shipped are gone.
+        script = (
+            "import sqlite3, sys\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=0.2)\n"
+            "c.execute('INSERT INTO meta (key, value) VALUES (\\'k\\', 1)')\n"
+            "print(c.execute('PRAGMA wal_checkpoint(TRUNCATE)').fetchone()[0])\n"
+            "c.close()\n"
+        )
+        done = await deferToThread(
+            subprocess.run,
+            [sys.executable, "-c", script, self.db],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        self.assertEqual(done.stdout.strip(), "1", "the replicator's read lock was lost")
+        self.assertGreater(os.path.getsize(self.db + "-wal"), 0)  # noqa: ASYNC240
+
+    async def test_a_rollback_journal_beside_it_is_busy_not_read(self) -> None:
+        await write_space(self.db, posts=1)
+        with open(self.db + "-journal", "wb"):  # noqa: ASYNC230 (a writer outside WAL mode)
+            pass
+        before = files_of(self.dir)
+        with self.assertRaises(StatsError) as caught:
+            read_database(self.db)
+        self.assertEqual((caught.exception.code, caught.exception.reason), (503, "busy"))
+        self.assertUntouched(before)
+
+    def test_a_database_without_the_view_has_no_contract(self) -> None:
+        self._v1_schema()  # a reference database from before the view (or a space without one)
+        with self.assertRaises(StatsError) as caught:
+            read_database(self.db)
+        self.assertEqual((caught.exception.code, caught.exception.reason), (409, "no_contract"))
+        self.assertIn("docs/hibernation.md", caught.exception.message)
+
+    def test_a_view_that_breaks_the_contract_is_refused(self) -> None:
+        for view, why in (
+            (
+                "SELECT 1 AS setup_complete, 0 AS members, 1 AS has_content UNION ALL "
+                "SELECT 1, 0, 1",
+                "2 rows",
+            ),
+            ("SELECT 2 AS setup_complete, 0 AS members, 1 AS has_content", "0 or 1"),
+            ("SELECT 1 AS setup_complete, 'many' AS members, 1 AS has_content", "a count"),
+        ):
+            self._with_view(view)
+            with self.assertRaises(StatsError) as caught:
+                read_database(self.db)
+            self.assertEqual(caught.exception.reason, "bad_contract")
+            self.assertIn(why, caught.exception.message)
+
+    def test_a_slow_view_is_interrupted_within_its_budget(self) -> None:
+        self._with_view(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+            "SELECT 0 AS setup_complete, (SELECT count(*) FROM n) AS members, 0 AS has_content"
+        )
+        started = time.monotonic()
+        with self.assertRaises(StatsError) as caught:
+            read_database(self.db, budget=0.2)
+        self.assertEqual(caught.exception.reason, "unreadable")
+        self.assertIn("took over", caught.exception.message)
+        self.assertLess(time.monotonic() - started, 30)  # not forever (normally ~0.2 s)
+
+    async def test_a_writer_that_starts_during_an_immutable_read_is_read_again_under_locks(
+        self,
+    ) -> None:
+        await write_space(self.db)
+        writer: list[sqlite3.Connection] = []
+
+        def clock() -> float:
+            # Called as the query starts (after the files were looked at): a space opens the
+            # database and commits, as a wake racing the read would.
+            if not writer:
+                conn = store_module._connect(self.db)
+                store_module._post(conn, "lobby", "raced", 1, 1)
+                writer.append(conn)
+            return time.monotonic()
+
+        def close_writer() -> None:
+            for conn in writer:
+                conn.close()
+
+        self.addCleanup(close_writer)
+        self.assertEqual(read_database(self.db, clock=clock), Counts(True, 0, True))
+
+    def _v1_schema(self) -> None:
+        conn = sqlite3.connect(self.db, isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        for statement in store_module.MIGRATIONS[0]:
+            conn.execute(statement)
+        conn.execute("PRAGMA user_version = 1")
+        conn.close()
+
+    def _with_view(self, select: str) -> None:
+        if os.path.exists(self.db):
+            os.unlink(self.db)
+        self._v1_schema()
+        conn = sqlite3.connect(self.db, isolation_level=None)
+        conn.execute(f"CREATE VIEW lchat_stats AS {select}")
+        conn.close()
+
+
+class StatsOfTests(TestCase):
+    """:func:`stats_of`: what the registry row and the data directory decide."""
+
+    def setUp(self) -> None:
+        self.data = tempfile.mkdtemp(prefix="stats", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.data, True)
+
+    def refused(self, row: Route | None, host: str, state: str | None = None) -> StatsError:
+        with self.assertRaises(StatsError) as caught:
+            stats_of(row, host, self.data, state)
+        return caught.exception
+
+    def test_unknown_host(self) -> None:
+        e = self.refused(None, "nobody.example")
+        self.assertEqual((e.code, e.reason), (404, "unknown_host"))
+
+    def test_a_service_row_is_refused(self) -> None:
+        row = Route(host="svc.example", kind="service", socket="/run/svc.sock")
+        e = self.refused(row, "svc.example")
+        self.assertEqual((e.code, e.reason), (409, "service"))
+
+    def test_an_always_on_space_without_its_database_is_an_error(self) -> None:
+        e = self.refused(route("on.example", status="ready"), "on.example")
+        self.assertEqual((e.code, e.reason), (404, "no_database"))
+        self.assertIn(os.path.join(self.data, "on.example.db"), e.message)
+
+    def test_a_never_woken_hibernating_space_answers_from_its_row(self) -> None:
+        stats = stats_of(route("h.example", hibernate=True), "h.example", self.data, "asleep")
+        self.assertEqual(
+            stats.to_json(),
+            {
+                "host": "h.example",
+                "setup_complete": False,
+                "members": 0,
+                "has_content": False,
+                "source": "registry",
+                "db": os.path.join(self.data, "h.example.db"),
+                "hibernate": True,
+                "state": "asleep",
+            },
+        )
+        self.assertEqual(os.listdir(self.data), [])
+
+    def test_a_hibernating_space_that_ran_here_before_is_not_never_woken(self) -> None:
+        db = os.path.join(self.data, "h.example.db")
+        row = route("h.example", hibernate=True)
+        with open(db + ".lease-lost-20260101T000000", "wb"):
+            pass
+        e = self.refused(row, "h.example")
+        self.assertEqual((e.code, e.reason), (409, "not_local"))
+        self.assertIn("lease-lost", e.message)
+        os.unlink(db + ".lease-lost-20260101T000000")
+        with open(db + MARKER_SUFFIX, "w") as f:
+            f.write("{}")
+        self.assertEqual(self.refused(row, "h.example").reason, "not_local")
+
+    def test_a_space_being_restored_is_asked_again(self) -> None:
+        e = self.refused(route("h.example", hibernate=True), "h.example", "waking")
+        self.assertEqual((e.code, e.reason), (409, "waking"))
+
+    async def test_a_database_is_read_whichever_the_flag(self) -> None:
+        await write_space(os.path.join(self.data, "on.example.db"), posts=1)
+        stats = stats_of(route("on.example", status="ready"), "on.example", self.data)
+        self.assertEqual((stats.source, stats.counts), ("database", Counts(True, 0, True)))
+        self.assertNotIn("state", stats.to_json())
+
+
+class RouterStatsTests(_Harness):
+    """``GET /stats/<host>`` on a real router's admin socket, with real spaces."""
+
+    def stats(self, host: str) -> Any:
+        def ask() -> tuple[int, dict[str, Any]]:
+            got = admin_client.request(self.cfg.admin_socket, "GET", f"/stats/{host}")
+            return got.status, got.json()
+
+        return deferToThread(ask)
+
+    @inlineCallbacks
+    def test_a_sleeping_space_is_read_without_waking_it(self):
+        host = "sleepy.example"
+        self.add_space(host)
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request(host, "/api/rooms/r/messages", b"POST", b'{"body": "hello"}')
+        yield self.activator.sleep(host, "test")
+        db = os.path.join(self.data, f"{host}.db")
+        marker = local_state(db).marker_txid
+        self.assertIsNotNone(marker)
+        before, bucket = files_of(self.data), sorted(_bucket_keys(self.bucket, host))
+        wakes = metric("lchat_wakes_total", reason="admin", outcome="ok") + metric(
+            "lchat_wakes_total", reason="request", outcome="ok"
+        )
+        code, body = yield self.stats(host)
+        self.assertEqual(code, 200, body)
+        self.assertEqual(
+            body,
+            {
+                "host": host,
+                "setup_complete": True,
+                "members": 0,
+                "has_content": True,
+                "source": "database",
+                "db": db,
+                "hibernate": True,
+                "state": "asleep",
+            },
+        )
+        # Not woken: still asleep, no lease taken, nothing counted, nothing in the bucket moved.
+        self.assertEqual(self.state(host), "asleep")
+        self.assertFalse(self.lock_exists(host))
+        self.assertEqual(
+            metric("lchat_wakes_total", reason="admin", outcome="ok")
+            + metric("lchat_wakes_total", reason="request", outcome="ok"),
+            wakes,
+        )
+        self.assertEqual(sorted(_bucket_keys(self.bucket, host)), bucket)
+        # Nothing on disk changed, so the clean-sleep marker still vouches for the file: the
+        # next wake resumes the replica instead of shipping a snapshot.
+        self.assertEqual(files_of(self.data), before)
+        self.assertEqual(local_state(db).marker_txid, marker)
+
+    @inlineCallbacks
+    def test_an_awake_space_is_read_while_its_replicator_holds_it(self):
+        host = "awake.example"
+        self.add_space(host)
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request(host, "/api/rooms/r/messages", b"POST", b'{"body": "1"}')
+        self.assertEqual(self.state(host), "awake")
+        code, body = yield self.stats(host)
+        self.assertEqual((code, body["has_content"], body["state"]), (200, True, "awake"))
+        # The space and its replication carry on: a write after the read reaches the bucket
+        # through the same replicator, and the sleep flushes it all.
+        yield self.request(host, "/api/rooms/r/messages", b"POST", b'{"body": "2"}')
+        yield self.activator.sleep(host, "test")
+        self.assertEqual(self.state(host), "asleep")
+        out = os.path.join(self.dir, "awake.restored")
+        yield Deferred.fromCoroutine(self._restore(host, out))
+        conn = sqlite3.connect(f"file:{out}?mode=ro", uri=True)
+        try:
+            bodies = [r[0] for r in conn.execute("SELECT body FROM messages ORDER BY id")]
+        finally:
+            conn.close()
+        self.assertEqual(bodies, ["1", "2"])
+
+    async def _restore(self, host: str, out: str) -> None:
+        store = open_store(
+            reactor,
+            f"file:{self.bucket}",
+            run_in_thread=thread_runner(reactor),
+            monotonic=time.monotonic,
+        )
+        try:
+            await restore(store, host, out, run_in_thread=thread_runner(reactor))
+        finally:
+            await store.close()
+
+    @inlineCallbacks
+    def test_never_woken_unknown_service_and_missing_database(self):
+        self.add_space("new.example")
+        self.add_space("on.example", hibernate=False, status="ready")
+        registry = Registry(self.config().registry, clock=time.time)
+        registry.insert(Route(host="svc.example", kind="service", socket="/run/x.sock"))
+        # systemd units: the router starts no always-on child, so on.example keeps no database.
+        self.start(self.config(LCHAT_UNITS="systemd"))
+        before = files_of(self.data)
+        code, body = yield self.stats("new.example")
+        self.assertEqual(code, 200, body)
+        self.assertEqual(
+            (body["source"], body["setup_complete"], body["members"], body["has_content"]),
+            ("registry", False, 0, False),
+        )
+        self.assertEqual(self.state("new.example"), "asleep")
+        self.assertFalse(self.lock_exists("new.example"))
+        self.assertEqual(files_of(self.data), before)  # no database appeared
+        for host, code_reason in (
+            ("nobody.example", (404, "unknown_host")),
+            ("svc.example", (409, "service")),
+            ("on.example", (404, "no_database")),
+        ):
+            code, body = yield self.stats(host)
+            self.assertEqual((code, body.get("reason")), code_reason, body)
+            self.assertIn(host, body["error"])
+        code, body = yield self.stats("bad..host")
+        self.assertEqual((code, body.get("reason")), (400, "bad_host"))
+
+    @inlineCallbacks
+    def test_the_cli_asks_the_router(self):
+        host = "cli.example"
+        self.add_space(host)
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="60s"))
+        yield self.request(host, "/api/rooms/r/messages", b"POST", b'{"body": "x"}')
+        yield self.activator.sleep(host, "test")
+        got = yield deferToThread(_lchat, "stats", host, "--json", "--env-file", self.env)
+        self.assertEqual(got.returncode, 0, got.stderr)
+        self.assertEqual(json.loads(got.stdout)["state"], "asleep")  # only the router knows
+        self.assertTrue(json.loads(got.stdout)["has_content"])
+        got = yield deferToThread(_lchat, "stats", host, "--env-file", self.env)
+        self.assertIn("has content     yes", got.stdout)
+        self.assertEqual(self.state(host), "asleep")
+        got = yield deferToThread(_lchat, "stats", "nobody.example", "--env-file", self.env)
+        self.assertEqual(got.returncode, 1)
+        self.assertIn("nobody.example is not registered", got.stderr)
+
+
+class CliWithoutRouterTests(TestCase):
+    """``lchat stats`` on a box whose router is not running reads the files itself."""
+
+    async def test_reads_the_database_and_the_registry_itself(self) -> None:
+        root = tempfile.mkdtemp(prefix="stats", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        data, run = os.path.join(root, "d"), os.path.join(root, "r")
+        os.mkdir(data)
+        env = os.path.join(root, "router.env")
+        with open(env, "w") as f:  # noqa: ASYNC230 (a test's small file)
+            f.write(f"LCHAT_DATA_DIR={data}\nLCHAT_RUN_DIR={run}\n")
+        registry = Registry(os.path.join(data, "registry.db"), clock=time.time)
+        registry.migrate()
+        registry.insert(route("a.example", hibernate=True, status="ready"))
+        registry.insert(route("b.example", hibernate=True, status="ready"))
+        await write_space(os.path.join(data, "a.example.db"), posts=1)
+        before = files_of(data)
+        got = await deferToThread(_lchat, "stats", "a.example", "--json", "--env-file", env)
+        self.assertEqual(got.returncode, 0, got.stderr)
+        self.assertIn("no router answers", got.stderr)
+        answer = json.loads(got.stdout)
+        self.assertEqual((answer["source"], answer["has_content"]), ("database", True))
+        self.assertEqual(answer["state"], "asleep")  # no router: nothing can be awake
+        got = await deferToThread(_lchat, "stats", "b.example", "--json", "--env-file", env)
+        self.assertEqual(json.loads(got.stdout)["source"], "registry")
+        after = files_of(data)  # (the CLI opens the registry as every command does)
+        self.assertEqual(after["a.example.db"], before["a.example.db"])
+        self.assertEqual(sorted(after), sorted(before))
+
+    def test_help_lists_the_command(self) -> None:
+        self.assertEqual(cli_main(["stats", "--help"]), 0)
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+
+
+def _lchat(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from lchat.cli.main import run; run()", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**_clean_env(), "PYTHONPATH": ROOT},
+        timeout=60,
+    )
+
+
+_ = spacestats  # the module under test, named for readers
