@@ -23,6 +23,7 @@ from attrs import field, frozen
 from twisted.internet.endpoints import serverFromString
 
 from lchat import hosts
+from lchat.ledger import LedgerURL, parse_ledger_url
 
 DEFAULT_ENV_FILE = "/data/router.env"
 
@@ -179,6 +180,10 @@ class BoxConfig:
     # LCHAT_MAX_REGISTERED: instance rows add-instance accepts. 0 = no limit (docs/hibernation.md).
     max_instances: int = 40
     max_registered: int = 400
+    # LCHAT_CLOUD_REGION: add-instance's default --home-region; LCHAT_CLOUD_ID_LEDGER: the shared
+    # id counter add-instance --mint draws from (None: this box's own count). docs/mesh.md.
+    cloud_region: str = ""
+    id_ledger: LedgerURL | None = None
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -264,6 +269,8 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_HEARTBEAT": "15s",
     "LCHAT_MESH_DEAD_AFTER": "45s",
     "LCHAT_MESH_CA_FILE": "",
+    "LCHAT_CLOUD_REGION": "",  # add-instance's default --home-region
+    "LCHAT_CLOUD_ID_LEDGER": "",  # s3://BUCKET[/PREFIX][?region=&endpoint=] or file:PATH
     "LCHAT_WILDCARD_DOMAINS": "",
     "LCHAT_METRICS_ADDR": "off",
     "LCHAT_HTTP_REDIRECT": "on",
@@ -348,6 +355,7 @@ def load(
     hibernate = _hibernate(get)
     mesh = _mesh(get)
     max_instances, max_registered = _capacity(get)
+    cloud_region, id_ledger = _cloud(get)
 
     cfg = BoxConfig(
         env_file=path,
@@ -376,6 +384,8 @@ def load(
         file_env=file_env,
         max_instances=max_instances,
         max_registered=max_registered,
+        cloud_region=cloud_region,
+        id_ledger=id_ledger,
     )
     if (
         cfg.mesh is not None
@@ -618,6 +628,21 @@ def _capacity(get: _Getter) -> tuple[int, int]:
         limit("LCHAT_MAX_REGISTERED", registered_text) if registered_text else 10 * instances
     )
     return instances, registered
+
+
+def _cloud(get: _Getter) -> tuple[str, LedgerURL | None]:
+    """LCHAT_CLOUD_REGION (validated as LCHAT_MESH_REGION is) and LCHAT_CLOUD_ID_LEDGER."""
+    region = get("LCHAT_CLOUD_REGION")
+    if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
+        raise ConfigError(
+            f"LCHAT_CLOUD_REGION={region!r}: letters, digits, '.', '_' and '-' (at most 64)"
+        )
+    text = get("LCHAT_CLOUD_ID_LEDGER")
+    try:
+        ledger = parse_ledger_url(text) if text else None
+    except ValueError as e:
+        raise ConfigError(f"LCHAT_CLOUD_ID_LEDGER={e}") from e
+    return region, ledger
 
 
 def _hibernate(get: _Getter) -> HibernateConfig | None:

@@ -13,12 +13,12 @@ import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from attrs import evolve, frozen
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -325,13 +325,16 @@ class Registry:
 
     # --- route replication (lchat.mesh.api) ---------------------------------------------------
 
-    def upsert_replicated(self, route: Route) -> tuple[Route, bool]:
+    def upsert_replicated(self, route: Route, *, next_due: bool = False) -> tuple[Route, bool]:
         """Write a hibernating instance row replicated from a mesh peer, in one transaction.
 
         Inserts ``route`` when the host has no row; otherwise updates only the replicated fields
-        (``version``, ``replication``, ``home_region``) of the hibernating instance already there,
-        keeping its local socket, database path and status. Returns ``(row, created)``. Raises
-        :class:`Conflict` when the existing row is a service or does not hibernate.
+        (``version``, ``replication``, ``home_region``, and ``next_due`` when ``next_due`` is true)
+        of the hibernating instance already there, keeping its local socket, database path and
+        status. ``next_due``: the payload carried one, and it replaces this box's value, 0
+        included (the sender slept the space or honoured its due time: it knows best); without
+        it the local value stays. Returns ``(row, created)``. Raises :class:`Conflict` when the
+        existing row is a service or does not hibernate.
         """
         route = validate(route)
         if route.kind != "instance" or not route.hibernate:
@@ -360,17 +363,19 @@ class Registry:
                             version=route.version,
                             replication=route.replication,
                             home_region=route.home_region,
+                            next_due=route.next_due if next_due else existing.next_due,
                             updated_at=now,
                         )
                     )
                     if result != evolve(existing, updated_at=now):
                         conn.execute(
                             "UPDATE routes SET version = ?, replication = ?, home_region = ?, "
-                            "updated_at = ? WHERE host = ?",
+                            "next_due = ?, updated_at = ? WHERE host = ?",
                             (
                                 result.version,
                                 result.replication,
                                 result.home_region,
+                                result.next_due,
                                 now,
                                 route.host,
                             ),
@@ -455,6 +460,7 @@ def changed_hosts(old: RouteTable, new: RouteTable) -> Iterable[str]:
 # --- the router's live view -------------------------------------------------------------------
 
 Listener = Callable[[RouteTable, RouteTable], None]
+_R = TypeVar("_R")
 
 _reloads = Counter("lchat_registry_reloads_total", "Registry reloads by outcome", ["outcome"])
 _routes_gauge = Gauge("lchat_routes", "Registry rows by status", ["status"])
@@ -485,6 +491,9 @@ class RouteSource(Service):
         self.run_in_thread = run_in_thread
         self._poll_interval = poll_interval
         self._listeners: list[Listener] = []
+        # Called with (host, due) after record_next_due changed a row (lchat.mesh.due pushes it).
+        self._due_listeners: list[Callable[[str, int], object]] = []
+        self._recording: set[Deferred[bool]] = set()  # record_next_due writes not done yet
         self._running: Deferred[RouteTable] | None = None
         # Reloads asked for while one runs: all served by one more load afterwards.
         self._again: list[tuple[str, Deferred[RouteTable]]] = []
@@ -510,6 +519,18 @@ class RouteSource(Service):
         if self._poller is not None and self._poller.running:
             self._poller.stop()
         return super().stopService()
+
+    def subscribe_next_due(self, listener: Callable[[str, int], object]) -> None:
+        """Call ``listener(host, due)`` after every :meth:`record_next_due` that changed a row
+        (a sleep recording a due time, a due wake clearing it); never for other writes."""
+        self._due_listeners.append(listener)
+
+    def recorded(self) -> Deferred[None]:
+        """Fires once every :meth:`record_next_due` asked for so far is written and its
+        listeners called (the drain waits for this before its due pushes). Never fails."""
+        pending = list(self._recording)
+        done: Deferred[Any] = DeferredList(pending, consumeErrors=True)
+        return done.addCallback(lambda _: None)
 
     def reload(self, reason: str) -> Deferred[RouteTable]:
         """Re-read the registry now. Fires with the table in force afterwards.
@@ -545,13 +566,21 @@ class RouteSource(Service):
         def written(changed: bool) -> bool:
             if changed:
                 self.reload(f"{host} next due")
+                for listener in list(self._due_listeners):
+                    try:
+                        listener(host, due)
+                    except Exception:
+                        _log.failure("next-due listener failed for {host}", host=host)
             return changed
 
         def failed(f: Failure) -> bool:
             _log.failure("could not record next due of {host}", f, host=host)
             return False
 
-        return d.addCallbacks(written, failed)
+        d.addCallbacks(written, failed)
+        self._recording.add(d)
+        d.addBoth(_forget, self._recording, d)
+        return d
 
     def _start(self, batch: list[tuple[str, Deferred[RouteTable]]]) -> None:
         reason = ", ".join(dict.fromkeys(r for r, _ in batch))
@@ -618,6 +647,11 @@ class RouteSource(Service):
         d.addCallback(compare)
         d.addErrback(lambda f: _log.error("registry poll failed: {e}", e=f.getErrorMessage()))
         return d
+
+
+def _forget(result: _R, pending: set[Deferred[bool]], d: Deferred[bool]) -> _R:
+    pending.discard(d)
+    return result
 
 
 def _publish_gauge(table: RouteTable) -> None:

@@ -36,6 +36,7 @@ from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener
 from lchat.mesh.api import mesh_site
+from lchat.mesh.due import DuePush
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
@@ -389,11 +390,16 @@ def _hibernation(
         max_instances=cfg.max_instances,
     )
     membership = mesh = None
+    due_push: DuePush | None = None
     may_wake: Callable[[Route], bool] = _anywhere
     if cfg.mesh is not None:
         membership = Membership(reactor, store, hib, cfg.mesh)
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
-        may_wake = mesh.is_owner  # due wakes fire only on the owner
+        may_wake = mesh.is_owner  # due wakes fire only on the owner...
+        # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
+        due_push = DuePush(
+            reactor, cfg.mesh, cfg.data_dir, routes, membership.live, run_in_thread=run
+        )
         posture: Service = Posture(reactor, cfg, membership)
     else:
         posture = _SayOnce(lambda: say_off(cfg))
@@ -413,7 +419,9 @@ def _hibernation(
         "LCHAT_HIBERNATE",
         hib.bucket,
     )
-    hibernation = _Hibernation(reactor, store, check, activator, sweeper, membership, mesh)
+    hibernation = _Hibernation(
+        reactor, store, check, activator, sweeper, membership, mesh, due_push
+    )
     hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
     return hibernation
 
@@ -736,6 +744,7 @@ class _Hibernation(MultiService):
         sweeper: Sweeper,
         membership: Membership | None,
         mesh: MeshRouter | None,
+        due_push: DuePush | None = None,
     ) -> None:
         super().__init__()
         self.setName("hibernation")
@@ -746,8 +755,9 @@ class _Hibernation(MultiService):
         self.sweeper = sweeper
         self.membership = membership
         self.mesh = mesh
+        self.due_push = due_push
         self._bucket_users: list[Service] = []
-        for service in (check, membership, activator, sweeper):
+        for service in (check, membership, activator, sweeper, due_push):
             if service is not None:
                 service.setServiceParent(self)
 
@@ -772,6 +782,9 @@ class _Hibernation(MultiService):
         for stopping in users:
             await stopping
         await self.activator.stopService()
+        if self.due_push is not None:
+            # The due times of the spaces the drain just slept reach the peers (bounded).
+            await self.due_push.stopService()
         await _probe_done(self.check, self._reactor)
         await self.store.close()
 

@@ -832,6 +832,7 @@ class ClientTests(TestCase):
                 "replication": "daily",
                 "home_region": "fi",
                 "env": {"LCHAT_ADMIN_TOKEN": "t"},
+                "next_due": 99,  # the due time travels (issue 17: due wakes follow the owner)
             },
         )
         self.assertNotIn("secret", json.dumps(body))

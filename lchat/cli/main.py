@@ -24,10 +24,12 @@ import lchat
 from lchat import config, envfile, hosts
 from lchat.cli import admin_client, certs, dev_cert, litestream_yml, units
 from lchat.cli import backup as backup_cli
+from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.cli import stats as stats_cli
 from lchat.config import BoxConfig, ConfigError
+from lchat.ledger import LedgerError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
 PROG = "lchat"
@@ -127,7 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command(
         "add-instance", "register a new space, write its env file and start it", cmd_add_instance
     )
-    sub.add_argument("host", help="the space's hostname, e.g. chat-a.example.com")
+    named = sub.add_mutually_exclusive_group(required=True)  # a usage error (2) otherwise
+    named.add_argument(
+        "host", nargs="?", help="the space's hostname, e.g. chat-a.example.com (or --mint)"
+    )
+    named.add_argument(
+        "--mint",
+        metavar="DOMAIN",
+        help="name it <id>.DOMAIN with the next id from the id ledger (LCHAT_CLOUD_ID_LEDGER; "
+        "unset: this box's own count) instead of giving HOST",
+    )
     sub.add_argument(
         "--admin-token",
         metavar="T",
@@ -145,7 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CLASS",
         help="replication class: stream (default), batched or daily",
     )
-    sub.add_argument("--home-region", metavar="R", default="", help="the space's home region")
+    sub.add_argument(
+        "--home-region",
+        metavar="R",
+        default=None,
+        help="the space's home region (default: LCHAT_CLOUD_REGION, else none)",
+    )
     sub.add_argument(
         "--timeout",
         type=_positive_seconds,
@@ -227,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prune",
         action="store_true",
         help="also tombstone the peer's in-scope rows that this registry no longer has",
+    )
+
+    id_ledger_cli.add_arguments(
+        command("id-ledger", id_ledger_cli.SUMMARY, cmd_id_ledger),
+        lambda p: _add_common(p, argparse.SUPPRESS),
     )
 
     command(
@@ -409,18 +430,39 @@ def _capacity_summary(cfg: BoxConfig, routes: list[Route], status: dict[str, Any
     return f"capacity: {resident}, {of(registered, cfg.max_registered, 'registered')}"
 
 
+def cmd_id_ledger(args: argparse.Namespace) -> int:
+    try:
+        return id_ledger_cli.run(args, load_config(args), _out)
+    except LedgerError as e:
+        raise CliError(str(e)) from e
+
+
 def cmd_add_instance(args: argparse.Namespace) -> int:
-    host = hosts.normalise(args.host)
+    if (args.host is None) == (args.mint is None):
+        raise CliError("give the space's HOST, or --mint DOMAIN to name it <id>.DOMAIN (not both)")
+    domain = hosts.normalise(args.mint) if args.mint is not None else ""
+    host = hosts.normalise(args.host) if args.host is not None else ""
     token = _check_token(args.admin_token) if args.admin_token is not None else None
-    home_region = _check_region(args.home_region)
     cfg = load_config(args)
+    # The flag wins; else the provisioner's region stamps the space at birth (LCHAT_CLOUD_REGION).
+    home_region = _check_region(
+        args.home_region if args.home_region is not None else cfg.cloud_region
+    )
     if args.hibernate and cfg.hibernate is None:
         raise CliError("--hibernate needs a hibernation bucket: set LCHAT_HIBERNATE_BUCKET")
     _require_dir(cfg.data_dir, "LCHAT_DATA_DIR / --data-dir")
     registry = open_registry(cfg)
-    if registry.get(host) is not None:
+    if host and registry.get(host) is not None:
         raise CliError(f"{host} is already registered")
     _refuse_beyond_registered(cfg, registry)
+    if domain:
+        # After every refusal that needs no id: a refused create wastes none.
+        try:
+            host = id_ledger_cli.mint(cfg, [r.host for r in registry.load()], domain, _note)
+        except LedgerError as e:
+            raise CliError(f"{e}; nothing was registered") from e
+        if registry.get(host) is not None:
+            raise CliError(f"{host} (just minted) is already registered: nothing was registered")
     socket = hosts.socket_path(cfg.run_dir, host)
     if cfg.units == "systemd" and not args.hibernate and not socket.endswith(f"/{host}.sock"):
         # lchat@.service spells its socket <run>/%i.sock; a hashed name would not match it.

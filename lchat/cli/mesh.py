@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from twisted.internet import defer
@@ -104,20 +104,9 @@ async def _members(reactor: Any, cfg: BoxConfig, *, include_dead: bool = False) 
         await store.close()
 
 
-def fan_out_targets(
-    mesh: MeshConfig, host: str, home_region: str, members: Sequence[Member]
-) -> list[Member]:
-    """The live peers that must hold ``host``'s route: every one when the host is under the mesh
-    domains (the boxes share them), plus those whose region is the route's ``home_region``."""
-    me = normalise_member_url(mesh.self_url)
-    covered = any(hosts.covers(domain, host) for domain in mesh.domains)
-    targets: dict[str, Member] = {}
-    for member in members:
-        if member.self or member.url == me:
-            continue
-        if covered or (home_region and member.region == home_region):
-            targets.setdefault(member.url, member)
-    return [targets[url] for url in sorted(targets)]
+# Which live peers must hold a route: shared with the router's due pushes (lchat.mesh.due), so it
+# lives in lchat.mesh.client, which the router may import; kept here under its old name.
+fan_out_targets = client.fan_out_targets
 
 
 # --- fan-out on create and remove ---------------------------------------------------------------

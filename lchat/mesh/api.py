@@ -15,6 +15,10 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN``, comp
     string of at most :data:`MAX_ENV_VALUE` bytes without line breaks or control characters. The
     host must be in this box's scope: equal to or directly under one of its ``LCHAT_MESH_DOMAINS``,
     or with a ``home_region`` equal to its ``LCHAT_MESH_REGION``. Any unknown field is refused.
+    One field is optional: ``next_due``, the space's next scheduled wake (an integer of unix
+    seconds, ``0 <= next_due < 2**53``; 0: none). Present, it replaces this box's value (the sender
+    is the box that slept or due-woke the space, or a seed from one); absent (an older peer, or a
+    row with no due time), this box's value is kept.
 
     Upsert: a new row is inserted ``ready`` and hibernating, its socket and database paths derived
     here (``hosts.py``), never taken from the payload; an existing hibernating instance row has its
@@ -64,7 +68,9 @@ from lchat.config import BoxConfig, ConfigError, MeshConfig, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh.client import (
     ENV_KEY,
+    MAX_NEXT_DUE,
     PAYLOAD_FIELDS,
+    REQUIRED_FIELDS,
     RESERVED_ENV,
     ROUTE_PATH,
     ROUTES_PATH,
@@ -104,6 +110,7 @@ class RoutePayload:
     replication: str
     home_region: str
     env: Mapping[str, str]
+    next_due: int | None = None  # None: absent, keep this box's value
 
 
 def parse_payload(data: object) -> RoutePayload:
@@ -113,7 +120,7 @@ def parse_payload(data: object) -> RoutePayload:
     unknown = sorted(set(data) - set(PAYLOAD_FIELDS))
     if unknown:
         raise PayloadError(f"unknown fields: {', '.join(unknown)[:200]}")
-    missing = [f for f in PAYLOAD_FIELDS if f not in data]
+    missing = [f for f in REQUIRED_FIELDS if f not in data]
     if missing:
         raise PayloadError(f"missing fields: {', '.join(missing)}")
     host = data["host"]
@@ -136,12 +143,20 @@ def parse_payload(data: object) -> RoutePayload:
     home_region = data["home_region"]
     if not isinstance(home_region, str) or (home_region and not _REGION.fullmatch(home_region)):
         raise PayloadError("home_region must be empty or letters, digits, '.', '_' or '-'")
+    next_due = data.get("next_due")  # absent: None (keep this box's value); null is refused
+    if "next_due" in data and (
+        not isinstance(next_due, int)
+        or isinstance(next_due, bool)
+        or not 0 <= next_due < MAX_NEXT_DUE
+    ):
+        raise PayloadError("next_due must be an integer of unix seconds, 0 (none) up to 2**53")
     return RoutePayload(
         host=host,
         version=version,
         replication=replication,
         home_region=home_region,
         env=_check_env(data["env"]),
+        next_due=next_due,
     )
 
 
@@ -301,6 +316,7 @@ class MeshAPI(Resource):
             version=payload.version,
             replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
             home_region=payload.home_region,
+            next_due=payload.next_due or 0,
         )
         # A row this box could not wake is worse than none: its first wake here would fail
         # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
@@ -326,19 +342,23 @@ class MeshAPI(Resource):
             previous = _read_private(env_file)
             envfile.write_env(env_file, payload.env)
             try:
-                _, created = self._registry.upsert_replicated(route)
+                _, created = self._registry.upsert_replicated(
+                    route, next_due=payload.next_due is not None
+                )
             except BaseException:
                 _put_back(env_file, previous)
                 raise
         result = "created" if created else "updated"
         _log.info(
             "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
-            "{n} env values)",
+            "{n} env values{due})",
             host=host,
             result=result,
             replication=payload.replication,
             region=payload.home_region or "-",
             n=len(payload.env),
+            due="" if payload.next_due is None else f", next due {payload.next_due or 'none'}",
+            next_due=payload.next_due,
         )
         return (201 if created else 200), {"host": host, "result": result}, result
 

@@ -8,14 +8,17 @@ and body together) and verifies HTTPS the way a browser does — the system's tr
 :func:`route_payload` builds the narrow payload that crosses the wire, for the CLI's fan-out and
 ``mesh-seed`` as for the API's own listing: host, kind, version, hibernate, replication class,
 home region and the space's ``LCHAT_*`` env values — never a socket or database path, which each
-box derives locally.
+box derives locally — plus, optionally, ``next_due`` (:data:`OPTIONAL_FIELDS`): the space's next
+scheduled wake, so that a due wake fires on whichever box owns the space at the due time
+(:mod:`lchat.mesh.due`). :func:`fan_out_targets` says which live peers must hold a route; the
+CLI's fan-out and the router's due pushes share it.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,13 +34,29 @@ from twisted.web.iweb import IAgentEndpointFactory, IResponse
 from zope.interface import implementer
 
 from lchat import config, hosts
+from lchat.mesh.membership import Member
+from lchat.mesh.placement import normalise_member_url
 from lchat.registry import Route
 from lchat.twisted_internals import platform_trust_plus, quiet_pool
 from lchat.webutil import BytesProducer
 
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
-PAYLOAD_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
+# Every field a payload may carry; all but OPTIONAL_FIELDS must be present. An optional field is
+# absent in the payloads of older peers, and means "keep this box's value" (lchat.mesh.api).
+PAYLOAD_FIELDS = (
+    "host",
+    "kind",
+    "version",
+    "hibernate",
+    "replication",
+    "home_region",
+    "env",
+    "next_due",
+)
+OPTIONAL_FIELDS = frozenset({"next_due"})
+REQUIRED_FIELDS = tuple(f for f in PAYLOAD_FIELDS if f not in OPTIONAL_FIELDS)
+MAX_NEXT_DUE = 2**53  # exclusive: unix seconds a JSON number carries exactly everywhere
 # The env values a space needs to boot; the contract's own three are set by whichever box runs it.
 ENV_KEY = re.compile(r"LCHAT_[A-Z0-9_]{1,64}")
 RESERVED_ENV = frozenset({"LCHAT_HOST", "LCHAT_SOCKET", "LCHAT_DB"})
@@ -75,9 +94,18 @@ def read_route_env(data_dir: str, host: str) -> dict[str, str]:
     return replicable_env(config.read_env_file(hosts.env_path(data_dir, host)))
 
 
-def route_payload(route: Route, env: Mapping[str, str]) -> dict[str, Any]:
-    """The narrow payload of ``POST /api/mesh/route`` for ``route`` with its env values."""
-    return {
+def route_payload(
+    route: Route, env: Mapping[str, str], *, next_due: int | None = None
+) -> dict[str, Any]:
+    """The narrow payload of ``POST /api/mesh/route`` for ``route`` with its env values.
+
+    ``next_due`` (unix seconds, 0: none) is carried when given — the router's due pushes give it,
+    0 included, to clear a due time a wake honoured — and otherwise only when the row has one: a
+    payload without it leaves the peer's value alone, so a create, ``mesh-seed`` or a listing can
+    add a due time a peer missed but never erase one (a wake too many, never a reminder lost), and
+    a peer running an older lchat (which refuses unknown fields) still takes the rows with none.
+    """
+    payload: dict[str, Any] = {
         "host": route.host,
         "kind": route.kind,
         "version": route.version,
@@ -86,6 +114,27 @@ def route_payload(route: Route, env: Mapping[str, str]) -> dict[str, Any]:
         "home_region": route.home_region,
         "env": replicable_env(env),
     }
+    due = route.next_due if next_due is None else next_due
+    if next_due is not None or due > 0:
+        payload["next_due"] = due
+    return payload
+
+
+def fan_out_targets(
+    mesh: config.MeshConfig, host: str, home_region: str, members: Sequence[Member]
+) -> list[Member]:
+    """The live peers that must hold ``host``'s route: every one when the host is under the mesh
+    domains (the boxes share them), plus those whose region is the route's ``home_region``.
+    Sorted by URL; never this box. Pure: the CLI's fan-out and the router's due pushes share it."""
+    me = normalise_member_url(mesh.self_url)
+    covered = any(hosts.covers(domain, host) for domain in mesh.domains)
+    targets: dict[str, Member] = {}
+    for member in members:
+        if member.self or member.url == me:
+            continue
+        if covered or (home_region and member.region == home_region):
+            targets.setdefault(member.url, member)
+    return [targets[url] for url in sorted(targets)]
 
 
 def check_peer_url(peer_url: str) -> str:
