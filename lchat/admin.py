@@ -146,6 +146,9 @@ class AdminAPI:
             if route.hibernate:
                 entry["next_due"] = route.next_due
                 entry["state"] = awake.get(route.host, {}).get("state", "asleep")
+            if route.elsewhere:  # a peer's always-on space: requests are forwarded there
+                entry["state"] = "elsewhere"
+                entry["lives_at"] = route.lives_at
             if route.host in awake:  # also while it stops after its flag was cleared
                 entry["activator"] = awake[route.host]
             per_host[route.host] = entry

@@ -93,6 +93,37 @@ class MeshConfig:
         return (urlsplit(self.self_url).hostname or "").lower()
 
 
+@frozen
+class RegionBucket:
+    """One region's hibernation bucket (``LCHAT_REGION_BUCKETS``): where that region's boxes keep
+    their spaces' replicas and leases, ``<prefix>/<host>/``. ``lchat relocate`` copies a replica
+    between two of these (docs/mesh.md, "Relocating a space").
+
+    ``bucket`` is an S3 bucket name or ``file:<absolute path>``; ``s3_region`` signs requests;
+    ``access_key_env``/``secret_key_env`` name the variables holding this region's key pair
+    ("": the box's standard AWS credential chain)."""
+
+    region: str  # the mesh region label (LCHAT_MESH_REGION of that region's boxes)
+    bucket: str
+    prefix: str = ""
+    s3_region: str = ""
+    endpoint: str = ""
+    access_key_env: str = ""
+    secret_key_env: str = ""
+
+    def key(self, *parts: str) -> str:
+        """An object key under this region's prefix."""
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def same_place(self, other: RegionBucket) -> bool:
+        """Whether both name the same objects (bucket, prefix and endpoint): a shared bucket."""
+        return (self.bucket, self.prefix, self.endpoint) == (
+            other.bucket,
+            other.prefix,
+            other.endpoint,
+        )
+
+
 LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
 LETS_ENCRYPT_STAGING = "https://acme-staging-v02.api.letsencrypt.org/directory"
 DNSIMPLE_URL = "https://api.dnsimple.com"
@@ -184,6 +215,8 @@ class BoxConfig:
     # id counter add-instance --mint draws from (None: this box's own count). docs/mesh.md.
     cloud_region: str = ""
     id_ledger: LedgerURL | None = None
+    # LCHAT_REGION_BUCKETS: each region's hibernation bucket (lchat relocate); () = one shared.
+    region_buckets: tuple[RegionBucket, ...] = ()
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -271,6 +304,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_CA_FILE": "",
     "LCHAT_CLOUD_REGION": "",  # add-instance's default --home-region
     "LCHAT_CLOUD_ID_LEDGER": "",  # s3://BUCKET[/PREFIX][?region=&endpoint=] or file:PATH
+    "LCHAT_REGION_BUCKETS": "",  # REGION=s3://BUCKET[/PREFIX][?...],... (lchat relocate)
     "LCHAT_WILDCARD_DOMAINS": "",
     "LCHAT_METRICS_ADDR": "off",
     "LCHAT_HTTP_REDIRECT": "on",
@@ -386,6 +420,7 @@ def load(
         max_registered=max_registered,
         cloud_region=cloud_region,
         id_ledger=id_ledger,
+        region_buckets=_region_buckets(get, hibernate, mesh),
     )
     if (
         cfg.mesh is not None
@@ -643,6 +678,99 @@ def _cloud(get: _Getter) -> tuple[str, LedgerURL | None]:
     except ValueError as e:
         raise ConfigError(f"LCHAT_CLOUD_ID_LEDGER={e}") from e
     return region, ledger
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def _region_buckets(
+    get: _Getter, hibernate: HibernateConfig | None, mesh: MeshConfig | None
+) -> tuple[RegionBucket, ...]:
+    """``LCHAT_REGION_BUCKETS=REGION=URL,REGION=URL``: each URL in ``LCHAT_CLOUD_ID_LEDGER``'s form
+    (``s3://BUCKET[/PREFIX][?region=R&endpoint=URL]`` or ``file:PATH``), plus optional
+    ``access_key_env=NAME&secret_key_env=NAME`` naming the variables with that region's keys.
+
+    The box's own region (``LCHAT_MESH_REGION``) keeps its replicas in ``LCHAT_HIBERNATE_*``: its
+    entry may be left out (it is then implied) and, if given, must name that same bucket, prefix
+    and endpoint, since a second spelling of "here" could only disagree with the one in use."""
+    from urllib.parse import parse_qsl, urlencode
+
+    text = get("LCHAT_REGION_BUCKETS").strip()
+    if not text:
+        return ()
+    if hibernate is None:
+        raise ConfigError(
+            "LCHAT_REGION_BUCKETS names other regions' hibernation buckets: set this box's own "
+            "LCHAT_HIBERNATE_BUCKET too"
+        )
+    found: dict[str, RegionBucket] = {}
+    for item in (part.strip() for part in text.split(",")):
+        region, equals, url = item.partition("=")
+        region, url = region.strip(), url.strip()
+        if not equals or not url:
+            raise ConfigError(
+                f"LCHAT_REGION_BUCKETS: {item!r} is not REGION=s3://BUCKET[/PREFIX][?region=R"
+                f"&endpoint=URL] (entries separated by commas)"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
+            raise ConfigError(
+                f"LCHAT_REGION_BUCKETS: region {region!r}: letters, digits, '.', '_' and '-'"
+            )
+        if region in found:
+            raise ConfigError(f"LCHAT_REGION_BUCKETS names region {region!r} twice")
+        base, _, query = url.partition("?")
+        names = {"access_key_env": "", "secret_key_env": ""}
+        rest = []
+        for name, value in parse_qsl(query, keep_blank_values=True):
+            if name in names:
+                if not _ENV_NAME.fullmatch(value):
+                    raise ConfigError(
+                        f"LCHAT_REGION_BUCKETS: {region}: {name}={value!r} is not a variable name"
+                    )
+                names[name] = value
+            else:
+                rest.append((name, value))
+        if bool(names["access_key_env"]) != bool(names["secret_key_env"]):
+            raise ConfigError(
+                f"LCHAT_REGION_BUCKETS: {region}: give both access_key_env and secret_key_env, "
+                f"or neither (the box's AWS credential chain)"
+            )
+        try:
+            where = parse_ledger_url(base + ("?" + urlencode(rest) if rest else ""))
+        except ValueError as e:
+            raise ConfigError(f"LCHAT_REGION_BUCKETS: {region}: {e}") from e
+        if where.bucket.startswith("file:") and names["access_key_env"]:
+            raise ConfigError(f"LCHAT_REGION_BUCKETS: {region}: a file: bucket takes no keys")
+        found[region] = RegionBucket(
+            region=region,
+            bucket=where.bucket,
+            prefix=where.prefix,
+            s3_region=where.region,
+            endpoint=where.endpoint,
+            **names,
+        )
+    own_region = mesh.region if mesh is not None else ""
+    if own_region:
+        own = RegionBucket(
+            region=own_region,
+            bucket=hibernate.bucket,
+            prefix=hibernate.prefix,
+            s3_region=hibernate.region,
+            endpoint=hibernate.endpoint,
+        )
+        given = found.get(own_region)
+        if given is None:
+            found[own_region] = own
+        elif not given.same_place(own) or (
+            given.s3_region and own.s3_region and given.s3_region != own.s3_region
+        ):
+            raise ConfigError(
+                f"LCHAT_REGION_BUCKETS: the entry for this box's own region {own_region!r} "
+                f"({given.bucket}, prefix {given.prefix!r}, endpoint {given.endpoint or '-'}) is "
+                f"not its LCHAT_HIBERNATE_* bucket ({own.bucket}, prefix {own.prefix!r}, endpoint "
+                f"{own.endpoint or '-'}): make them the same, or leave this region out"
+            )
+    return tuple(found[r] for r in sorted(found))
 
 
 def _hibernate(get: _Getter) -> HibernateConfig | None:

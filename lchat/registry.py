@@ -79,6 +79,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         """CREATE TRIGGER routes_changed_delete AFTER DELETE ON routes
            BEGIN UPDATE registry_changes SET n = n + 1 WHERE id = 1; END""",
     ),
+    (
+        # A "lives elsewhere" row (docs/mesh.md, Hibernate flips): the normalised LCHAT_MESH_SELF
+        # of the box that runs the space always-on; '' for every other row.
+        "ALTER TABLE routes ADD COLUMN lives_at TEXT NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -117,10 +122,26 @@ class Route:
     provider: str = ""
     created_at: int = 0
     updated_at: int = 0
+    # Non-empty only on a mesh peer's "lives elsewhere" row: the space runs always-on on the box
+    # at this URL (a normalised LCHAT_MESH_SELF), which this box forwards every request to. Such
+    # a row never hibernates, never runs here and has no database here (:attr:`elsewhere`).
+    lives_at: str = ""
 
     @property
     def serveable(self) -> bool:
         return self.status == "ready"
+
+    @property
+    def elsewhere(self) -> bool:
+        """A replicated "lives elsewhere" row: not this box's space in any way (no process, no
+        wake, no sweep, no backup); its requests go to :attr:`lives_at`."""
+        return bool(self.lives_at)
+
+    @property
+    def replicated(self) -> bool:
+        """A row a mesh peer may write or delete: a hibernating instance, or a lives-elsewhere
+        row. Services and spaces running here always-on are this box's alone."""
+        return self.kind == "instance" and (self.hibernate or self.elsewhere)
 
 
 _COLUMNS = tuple(Route.__attrs_attrs__[i].name for i in range(len(Route.__attrs_attrs__)))
@@ -174,7 +195,17 @@ def validate(route: Route) -> Route:
         raise RegistryError(f"db_path must be empty or an absolute path, not {route.db_path!r}")
     if route.kind == "service" and route.hibernate:
         raise RegistryError("a service row cannot hibernate: only instances can")
-    for name in ("version", "prev_version", "home_region", "provider", "last_error"):
+    if route.lives_at and (
+        route.kind != "instance"
+        or route.hibernate
+        or not route.lives_at.startswith(("https://", "http://"))
+        or any(c.isspace() or ord(c) < 0x20 for c in route.lives_at)
+    ):
+        raise RegistryError(
+            "lives_at must be empty, or a peer's http(s) URL on an instance row that does not "
+            f"hibernate, not {route.lives_at[:200]!r}"
+        )
+    for name in ("version", "prev_version", "home_region", "provider", "last_error", "lives_at"):
         value = getattr(route, name)
         if "\x00" in value or len(value) > 4096:
             raise RegistryError(f"{name} is not acceptable text")
@@ -326,19 +357,25 @@ class Registry:
     # --- route replication (lchat.mesh.api) ---------------------------------------------------
 
     def upsert_replicated(self, route: Route, *, next_due: bool = False) -> tuple[Route, bool]:
-        """Write a hibernating instance row replicated from a mesh peer, in one transaction.
+        """Write a row replicated from a mesh peer, in one transaction: a hibernating instance,
+        or a "lives elsewhere" row (``hibernate`` false, ``lives_at`` the URL of the box that
+        runs the space always-on).
 
         Inserts ``route`` when the host has no row; otherwise updates only the replicated fields
-        (``version``, ``replication``, ``home_region``, and ``next_due`` when ``next_due`` is true)
-        of the hibernating instance already there, keeping its local socket, database path and
-        status. ``next_due``: the payload carried one, and it replaces this box's value, 0
-        included (the sender slept the space or honoured its due time: it knows best); without
-        it the local value stays. Returns ``(row, created)``. Raises :class:`Conflict` when the
-        existing row is a service or does not hibernate.
+        (``version``, ``replication``, ``home_region``, ``hibernate``, ``lives_at``, and
+        ``next_due`` when ``next_due`` is true) of the replicated row already there
+        (:attr:`Route.replicated`), keeping its local socket, database path and status (a flip
+        back to hibernating makes it ``ready``). ``next_due``: the payload carried one, and it
+        replaces this box's value, 0 included (the sender slept the space or honoured its due
+        time: it knows best); without it the local value stays. A lives-elsewhere row never keeps
+        a due time (it never wakes here). Returns ``(row, created)``. Raises :class:`Conflict`
+        when the existing row is a service or a space this box runs always-on.
         """
         route = validate(route)
-        if route.kind != "instance" or not route.hibernate:
-            raise RegistryError(f"{route.host}: only hibernating instances replicate")
+        if not route.replicated:
+            raise RegistryError(
+                f"{route.host}: only hibernating instances and lives-elsewhere rows replicate"
+            )
         now = int(self._clock())
         with self.connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
@@ -357,25 +394,35 @@ class Registry:
                 else:
                     existing = _route_from_row(row)
                     _refuse_replicated(existing)
+                    due = route.next_due if next_due else existing.next_due
                     result = validate(
                         evolve(
                             existing,
                             version=route.version,
                             replication=route.replication,
                             home_region=route.home_region,
-                            next_due=route.next_due if next_due else existing.next_due,
+                            hibernate=route.hibernate,
+                            lives_at=route.lives_at,
+                            next_due=0 if route.elsewhere else due,
+                            status="ready"
+                            if existing.elsewhere != route.elsewhere
+                            else existing.status,
                             updated_at=now,
                         )
                     )
                     if result != evolve(existing, updated_at=now):
                         conn.execute(
                             "UPDATE routes SET version = ?, replication = ?, home_region = ?, "
-                            "next_due = ?, updated_at = ? WHERE host = ?",
+                            "hibernate = ?, lives_at = ?, next_due = ?, status = ?, "
+                            "updated_at = ? WHERE host = ?",
                             (
                                 result.version,
                                 result.replication,
                                 result.home_region,
+                                int(result.hibernate),
+                                result.lives_at,
                                 result.next_due,
+                                result.status,
                                 now,
                                 route.host,
                             ),
@@ -390,7 +437,8 @@ class Registry:
         return result, created
 
     def delete_replicated(self, host: str) -> Route | None:
-        """Delete ``host``'s row when it is a hibernating instance (a peer's tombstone), in one
+        """Delete ``host``'s row when it is replicated (a hibernating instance or a lives-elsewhere
+        row: :attr:`Route.replicated`) (a peer's tombstone), in one
         transaction. Returns the row deleted, or None when there was none. Raises
         :class:`Conflict` for a service or a space that does not hibernate."""
         with self.connect() as conn:
@@ -434,7 +482,7 @@ class Registry:
 def _refuse_replicated(existing: Route) -> None:
     if existing.kind != "instance":
         raise Conflict(f"{existing.host} is a service on this box: services do not replicate")
-    if not existing.hibernate:
+    if not existing.replicated:
         raise Conflict(
             f"{existing.host} runs on this box without hibernating: a peer may not change it"
         )

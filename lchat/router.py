@@ -195,6 +195,8 @@ class Mesh(Protocol):
         self, route: Route, head: RequestHead, local: Callable[[], Target | Deferred[Target]]
     ) -> Target | Deferred[Target]: ...
 
+    def forward_elsewhere(self, route: Route, head: RequestHead) -> Target: ...
+
 
 class Router:
     """Maps a request to a :data:`Target` using the current route table."""
@@ -239,6 +241,18 @@ class Router:
                 return LocalResponse(302, b"", ((b"location", self._fallback),), label="unknown")
             return plain(404, "404 Not Found: unknown host", label="unknown")
         retry = _RETRY_AFTER
+        if route.elsewhere:
+            # A peer's "lives elsewhere" row: the space runs always-on on the box at lives_at.
+            # Forwarded there, never woken, run or answered here (docs/mesh.md, Hibernate flips).
+            if self._mesh is None:
+                return plain(
+                    503,
+                    f"503 Service Unavailable: {host} runs on another box, and this router is "
+                    f"not in the mesh (LCHAT_MESH_SELF is not set)",
+                    retry,
+                    label="elsewhere",
+                )
+            return self._mesh.forward_elsewhere(route, head)
         if route.hibernate and self._activator is not None and route.serveable:
             activator = self._activator
 

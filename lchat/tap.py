@@ -688,7 +688,9 @@ def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], 
         supervisor = units.supervisor
         return lambda: sum(1 for child in supervisor.status().values() if child.pid is not None)
     return lambda: sum(
-        1 for r in routes.table if r.kind == "instance" and not r.hibernate and r.status != "failed"
+        1
+        for r in routes.table
+        if r.kind == "instance" and not r.hibernate and not r.elsewhere and r.status != "failed"
     )
 
 

@@ -142,7 +142,10 @@ class BuiltinUnits(MultiService):
         rows = [
             r
             for r in table
-            if r.kind == "instance" and not r.hibernate and r.host not in self._claims
+            if r.kind == "instance"
+            and not r.hibernate
+            and not r.elsewhere  # a peer's lives-elsewhere row: it runs on that box
+            and r.host not in self._claims
         ]
         cfg = self._cfg
         d = self._run(lambda: _specs(cfg, rows))

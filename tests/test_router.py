@@ -132,6 +132,11 @@ class _Mesh:
         self.routed.append(route.host)
         return self.forward_to if self.forward_to is not None else local()
 
+    def forward_elsewhere(self, route: Route, head: RequestHead) -> Target:
+        self.routed.append(route.host)
+        assert self.forward_to is not None
+        return self.forward_to
+
 
 HIBERNATING = Route("h.mesh.example", "instance", "/run/h.sock", status="ready", hibernate=True)
 ELSEWHERE = RemotePeer("h.mesh.example", "10.0.0.2", 443, "h.mesh.example")

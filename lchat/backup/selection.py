@@ -142,7 +142,8 @@ def choose(
         add(Chosen(REGISTRY_NAME, registry, "registry"))
     for route in sorted(rows, key=lambda r: r.host):
         path = instance_db(route, data_dir)
-        if route.hibernate or route.host in claimed or path not in present:
+        # A lives-elsewhere row is a peer's always-on space: a file at its path is not its data.
+        if route.hibernate or route.elsewhere or route.host in claimed or path not in present:
             continue
         name = os.path.basename(path)
         if not is_name(name) or name == REGISTRY_NAME:

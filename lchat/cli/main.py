@@ -263,6 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
             lambda a: stats_cli.run(a, load_config(a), _out, open_registry),
         )
     )
+    from lchat.cli import relocate as relocate_cli  # lchat relocate (docs/mesh.md)
+
+    relocate_cli.add_arguments(
+        command(
+            "relocate",
+            relocate_cli.SUMMARY,
+            lambda a: relocate_cli.run_cli(
+                a, load_config(a), open_registry, _out, _note, notify_router, _fail
+            ),
+        )
+    )
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
     certs.add_arguments(command("certs", certs.SUMMARY, cmd_certs))
@@ -612,6 +623,11 @@ def cmd_hibernate(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     registry = open_registry(cfg)
     route = _instance_row(registry, host, "hibernate")
+    if route.elsewhere:
+        raise CliError(
+            f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box): "
+            f"run `lchat hibernate {host}` there"
+        )
     if args.on:
         return _hibernate_on(cfg, registry, route, args.timeout)
     return _hibernate_off(cfg, registry, route, args.timeout)
@@ -690,7 +706,13 @@ def _hibernate_on(cfg: BoxConfig, registry: Registry, route: Route, timeout: flo
     # to start over its socket. systemd's `disable --now` has already waited for its stop.
     _wait_for_handover(cfg, host, route.socket, timeout)
     # 6. One warm request: the activator wakes it now rather than on a member's first request.
-    return _warm(cfg, host, timeout)
+    code = _warm(cfg, host, timeout)
+    # 7. The peers (mesh): the hibernating row replaces whatever they hold (a lives-elsewhere row,
+    # or nothing). Only once it is awake here, under its lease, with its replica in the bucket: a
+    # peer that owns it by hash forwards to the lease holder, and never wakes it from a bucket
+    # this box has not written yet. Until then the peers' lives-elsewhere rows forward here.
+    _fan_out_flip(cfg, registry, host)
+    return code
 
 
 def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: float) -> int:
@@ -706,6 +728,10 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
             f"lchat@.service uses; systemd units cannot run it (LCHAT_UNITS=builtin can)"
         )
     db = route.db_path or hosts.db_path(cfg.data_dir, host)
+    # 0. The peers (mesh) first: they swap their hibernating row for the lives-elsewhere shape,
+    # forward its requests here from now on, and put it to sleep (flushed, lease released) where
+    # it was awake. After this step a peer can no longer wake it while the unit runs here.
+    mesh_cli.fan_out_upsert(cfg, attrs.evolve(route, hibernate=False, next_due=0), _note)
     if route.hibernate:
         # 1. Asleep now, while the flag is still on: /sleep answers once flushed and released.
         _sleep_now(cfg, host)
@@ -742,6 +768,25 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
         units.enable_now(host, sidecar=True)
         _out(f"{host}: enabled and started {units.unit_name(host, sidecar=True)}")
     return code
+
+
+def _fan_out_flip(cfg: BoxConfig, registry: Registry, host: str) -> None:
+    """``hibernate --on``'s fan-out: the row as it is now, to the live peers, once the running
+    router says the space is awake here (see step 7); otherwise say how the peers catch up."""
+    if cfg.mesh is None:
+        return
+    route = registry.get(host)
+    if route is None or not route.hibernate:
+        return
+    entry = (_router_hosts(cfg) or {}).get(host)
+    if isinstance(entry, dict) and entry.get("state") == "awake":
+        mesh_cli.fan_out_upsert(cfg, route, _note)
+    elif mesh_cli.replicates(cfg.mesh, route):
+        _note(
+            f"mesh: {host} is not awake here yet, so its peers were not told: they keep forwarding "
+            f"it here; once it has woken here, run `lchat hibernate {host} --on` again or "
+            f"`lchat mesh-seed <peer>`"
+        )
 
 
 def _warn_if_born_dark(cfg: BoxConfig, host: str) -> None:
@@ -1127,6 +1172,8 @@ def _state(route: Route, live: dict[str, dict[str, Any]] | None) -> str:
     """What the running router says: a hibernating space's activator state (awake, waking,
     stopping, asleep); else the process it supervises (builtin units), else the row's status as
     it serves it. ``?``: the router cannot be asked; ``-``: it has not loaded this row yet."""
+    if route.elsewhere:
+        return f"elsewhere {route.lives_at}"  # a peer's always-on space: never runs here
     if live is None:
         return "?"
     entry = live.get(route.host)

@@ -113,18 +113,24 @@ fan_out_targets = client.fan_out_targets
 
 
 def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOUT_BUDGET) -> None:
-    """Push ``route`` (a hibernating instance just registered) to the live peers; never raises."""
+    """Push ``route`` to the live peers; never raises. A hibernating instance (just registered,
+    or flipped on by ``lchat hibernate --on``) goes as itself; an always-on instance of this box
+    (flipped off by ``lchat hibernate --off``) goes in its "lives elsewhere" shape, so that the
+    peers forward its requests here instead of waking a stale copy."""
     mesh = cfg.mesh
     if mesh is None:
         return
-    if route.kind != "instance" or not route.hibernate:
-        return  # only hibernating spaces can live on any box
-    try:
-        env = client.read_route_env(cfg.data_dir, route.host)
-    except ConfigError as e:
-        say(f"mesh: not replicating {route.host}: its env file cannot be read ({e})")
-        return
-    payload = client.route_payload(route, env)
+    if route.kind != "instance" or route.elsewhere:
+        return  # services do not replicate; a peer's lives-elsewhere row is not ours to push
+    if route.hibernate:
+        try:
+            env = client.read_route_env(cfg.data_dir, route.host)
+        except ConfigError as e:
+            say(f"mesh: not replicating {route.host}: its env file cannot be read ({e})")
+            return
+        payload = client.route_payload(route, env)
+    else:
+        payload = client.elsewhere_payload(route, mesh.self_url)
 
     def call(member: Member, reactor: Any, timeout: float) -> Awaitable[str]:
         async def push() -> str:
@@ -166,6 +172,12 @@ def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
     _fan_out(cfg, route, "tombstoned", call, say, budget)
 
 
+def replicates(mesh: MeshConfig, route: Route) -> bool:
+    """Is ``route`` a mesh host, whose rows the fan-out pushes: under the mesh domains, or
+    placed by a home region?"""
+    return bool(route.home_region) or any(hosts.covers(d, route.host) for d in mesh.domains)
+
+
 def _fan_out(
     cfg: BoxConfig,
     route: Route,
@@ -177,8 +189,7 @@ def _fan_out(
     mesh = cfg.mesh
     assert mesh is not None
     host = route.host
-    covered = any(hosts.covers(domain, host) for domain in mesh.domains)
-    if not covered and not route.home_region:
+    if not replicates(mesh, route):
         return  # not a mesh host: it lives on this box alone
     started = time.monotonic()
     results: dict[str, str] = {}
@@ -286,9 +297,18 @@ def mesh_seed(
             )
         except ConfigError as e:
             failures.append(f"{route.host}: its env file cannot be read ({e})")
-    have = {route.host for route in registry.load()}
+    table = registry.load()
+    have = {route.host for route in table}
+    # Spaces this box runs always-on: a peer's replicated row for one of them (a hibernating row
+    # left by a missed `hibernate --off` fan-out) becomes the lives-elsewhere shape (--prune).
+    always_on = {
+        route.host: route
+        for route in table
+        if route.kind == "instance" and not route.hibernate and not route.elsewhere
+    }
     counts: dict[str, int] = {}
     pruned: list[str] = []
+    flipped: list[str] = []
 
     async def main(reactor: Any) -> None:
         gate = DeferredSemaphore(SEED_CONCURRENCY)
@@ -343,6 +363,34 @@ def mesh_seed(
                 failures.append(f"--prune {host}: {e}")
 
         await gatherResults([gate.run(tombstone, h) for h in stale])
+        me = normalise_member_url(mesh.self_url)
+        to_flip = sorted(
+            {
+                str(r["host"])
+                for r in listing
+                if r["host"] in always_on
+                and _seed_scope(mesh, region, str(r["host"]), str(r.get("home_region") or ""))
+                and not (r.get("hibernate") is False and r.get("lives_at") == me)
+            }
+        )
+
+        async def elsewhere(host: str) -> None:
+            payload = client.elsewhere_payload(always_on[host], mesh.self_url)
+            try:
+                await client.push_route(
+                    peer,
+                    mesh.token,
+                    payload,
+                    ca_file=mesh.ca_file,
+                    timeout=SEED_CALL_TIMEOUT,
+                    reactor=reactor,
+                )
+            except client.MeshCallError as e:
+                failures.append(f"--prune {host} (lives here): {e}")
+                return
+            flipped.append(host)
+
+        await gatherResults([gate.run(elsewhere, h) for h in to_flip])
 
     budget = 3600.0 + len(payloads) * SEED_CALL_TIMEOUT  # each call is bounded; this is a backstop
     try:
@@ -357,6 +405,11 @@ def mesh_seed(
             f"pruned {len(pruned)} row(s) this registry no longer has"
             + (f": {', '.join(pruned[:20])}{' ...' if len(pruned) > 20 else ''}" if pruned else "")
         )
+        if flipped:
+            out(
+                f"flipped {len(flipped)} row(s) to live here (always-on on this box): "
+                f"{', '.join(sorted(flipped)[:20])}{' ...' if len(flipped) > 20 else ''}"
+            )
     for failure in failures[:20]:
         note(f"mesh-seed: {failure}")
     if len(failures) > 20:

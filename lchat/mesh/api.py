@@ -10,7 +10,12 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN``, comp
          "replication": "stream", "home_region": "", "env": {"LCHAT_ADMIN_TOKEN": "..."}}
 
     ``kind`` must be ``instance`` (services do not replicate) and ``hibernate`` true (only a
-    hibernating space can live on any box). ``env`` holds at most :data:`MAX_ENV_KEYS` entries named
+    hibernating space can live on any box) — or false for the "lives elsewhere" shape, with
+    ``lives_at`` (an optional field, present exactly then): the ``LCHAT_MESH_SELF`` of the box
+    that runs the space always-on (``lchat hibernate --off`` there), never this box's own. That
+    shape writes only the row (not hibernating, ``lives_at`` normalised, no due time), over no row
+    or a replicated one (:attr:`lchat.registry.Route.replicated`); the router forwards its
+    requests to that box and never wakes it (:meth:`lchat.mesh.routing.MeshRouter.forward_elsewhere`). ``env`` holds at most :data:`MAX_ENV_KEYS` entries named
     ``LCHAT_[A-Z0-9_]{1,64}`` (not ``LCHAT_HOST``, ``LCHAT_SOCKET`` or ``LCHAT_DB``), each value a
     string of at most :data:`MAX_ENV_VALUE` bytes without line breaks or control characters. The
     host must be in this box's scope: equal to or directly under one of its ``LCHAT_MESH_DOMAINS``,
@@ -36,7 +41,7 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN``, comp
 
 ``GET /api/mesh/routes``
     200 ``{"routes": [payload, ...]}``: every in-scope hibernating instance row, with its env values
-    (peers need them; the channel is authenticated).
+    (peers need them; the channel is authenticated), and every lives-elsewhere row (no env).
 
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
 is 401, a wrong method 405, any other path 404. Writes run in a thread, serialised, and the router's
@@ -74,9 +79,11 @@ from lchat.mesh.client import (
     RESERVED_ENV,
     ROUTE_PATH,
     ROUTES_PATH,
+    check_peer_url,
     replicable_env,
     route_payload,
 )
+from lchat.mesh.placement import normalise_member_url
 from lchat.registry import REPLICATIONS, Conflict, Registry, Route
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
@@ -111,6 +118,9 @@ class RoutePayload:
     home_region: str
     env: Mapping[str, str]
     next_due: int | None = None  # None: absent, keep this box's value
+    # Non-empty: the "lives elsewhere" shape (hibernate false): the normalised URL of the box
+    # that runs the space always-on; this box forwards to it and never wakes the space.
+    lives_at: str = ""
 
 
 def parse_payload(data: object) -> RoutePayload:
@@ -132,8 +142,16 @@ def parse_payload(data: object) -> RoutePayload:
         raise PayloadError(f"host: {e}") from None
     if data["kind"] != "instance":
         raise PayloadError("kind must be 'instance': services do not replicate")
-    if data["hibernate"] is not True:
-        raise PayloadError("hibernate must be true: only hibernating spaces replicate")
+    hibernate = data["hibernate"]
+    if not isinstance(hibernate, bool):
+        raise PayloadError("hibernate must be true or false")
+    lives_at = data.get("lives_at", "")
+    if hibernate and lives_at != "":
+        raise PayloadError("lives_at must be absent or empty on a hibernating route")
+    if not hibernate:
+        lives_at = _check_lives_at(lives_at)
+        if "next_due" in data:
+            raise PayloadError("next_due: a lives-elsewhere route never wakes here")
     version = data["version"]
     if not _text(version) or len(version) > MAX_VERSION or not _printable(version):
         raise PayloadError(f"version must be printable text of at most {MAX_VERSION} characters")
@@ -157,7 +175,22 @@ def parse_payload(data: object) -> RoutePayload:
         home_region=home_region,
         env=_check_env(data["env"]),
         next_due=next_due,
+        lives_at=lives_at,
     )
+
+
+def _check_lives_at(value: object) -> str:
+    """A route with ``hibernate`` false must say where it lives: a box's ``LCHAT_MESH_SELF``
+    (``http(s)://host[:port]``, no path), returned normalised."""
+    if not isinstance(value, str) or not value:
+        raise PayloadError(
+            "hibernate must be true, or false with lives_at (the URL of the box that runs the "
+            "space always-on): only hibernating spaces and lives-elsewhere routes replicate"
+        )
+    try:
+        return normalise_member_url(check_peer_url(value))
+    except ValueError as e:
+        raise PayloadError(f"lives_at: {e}"[:300]) from None
 
 
 def _check_env(env: object) -> dict[str, str]:
@@ -294,6 +327,11 @@ class MeshAPI(Resource):
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise PayloadError(f"the body is not JSON: {e}"[:300]) from None
         payload = parse_payload(data)
+        if payload.lives_at and payload.lives_at == normalise_member_url(self._mesh.self_url):
+            raise PayloadError(
+                f"lives_at {payload.lives_at} is this box: a space that runs here always-on is "
+                f"registered here, not replicated to it"
+            )
         if not in_scope(self._mesh, payload.host, payload.home_region):
             raise PayloadError(
                 f"{payload.host} is not in this box's mesh scope (not under "
@@ -304,6 +342,8 @@ class MeshAPI(Resource):
     # --- the work, in a thread ----------------------------------------------------------------
 
     def _upsert(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
+        if payload.lives_at:
+            return self._upsert_elsewhere(payload)
         host = payload.host
         env_file = hosts.env_path(self._data_dir, host)
         route = Route(
@@ -337,7 +377,7 @@ class MeshAPI(Resource):
             )
         with self._lock:
             existing = self._registry.get(host)
-            if existing is not None and (existing.kind != "instance" or not existing.hibernate):
+            if existing is not None and not existing.replicated:
                 raise _conflict(host, existing)
             previous = _read_private(env_file)
             envfile.write_env(env_file, payload.env)
@@ -362,12 +402,44 @@ class MeshAPI(Resource):
         )
         return (201 if created else 200), {"host": host, "result": result}, result
 
+    def _upsert_elsewhere(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
+        """The "lives elsewhere" shape: the space runs always-on on ``payload.lives_at``. Only
+        over no row or a replicated one (a space this box runs itself is never hijacked); the
+        env file is left as it is (this box never runs the space; a tombstone removes it)."""
+        host = payload.host
+        route = Route(
+            host=host,
+            kind="instance",
+            socket=hosts.socket_path(self._run_dir, host),
+            db_path=hosts.db_path(self._data_dir, host),
+            status="ready",
+            hibernate=False,
+            version=payload.version,
+            replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
+            home_region=payload.home_region,
+            lives_at=payload.lives_at,
+        )
+        with self._lock:
+            existing = self._registry.get(host)
+            if existing is not None and not existing.replicated:
+                raise _conflict(host, existing)
+            _, created = self._registry.upsert_replicated(route)
+        result = "created" if created else "updated"
+        _log.info(
+            "mesh: route {host} {result} by a peer: it lives at {lives_at} (always-on there); "
+            "this box forwards its requests there and never wakes it",
+            host=host,
+            result=result,
+            lives_at=payload.lives_at,
+        )
+        return (201 if created else 200), {"host": host, "result": result}, result
+
     def _delete(self, host: str) -> tuple[int, dict[str, Any], str]:
         with self._lock:
             existing = self._registry.get(host)
             if existing is None:
                 return 200, {"host": host, "deleted": False}, "absent"
-            if existing.kind != "instance" or not existing.hibernate:
+            if not existing.replicated:
                 raise _conflict(host, existing)
             if not in_scope(self._mesh, host, existing.home_region):
                 raise _Refused(400, f"{host} is not in this box's mesh scope", "invalid")
@@ -390,9 +462,12 @@ class MeshAPI(Resource):
     def _list(self) -> tuple[int, dict[str, Any], str]:
         routes = []
         for route in self._registry.load():
-            if route.kind != "instance" or not route.hibernate:
+            if not route.replicated:
                 continue
             if not in_scope(self._mesh, route.host, route.home_region):
+                continue
+            if route.elsewhere:
+                routes.append(route_payload(route, {}))  # never run here: no env values
                 continue
             try:
                 env = replicable_env(read_env_file(hosts.env_path(self._data_dir, route.host)))

@@ -10,7 +10,8 @@ and body together) and verifies HTTPS the way a browser does — the system's tr
 home region and the space's ``LCHAT_*`` env values — never a socket or database path, which each
 box derives locally — plus, optionally, ``next_due`` (:data:`OPTIONAL_FIELDS`): the space's next
 scheduled wake, so that a due wake fires on whichever box owns the space at the due time
-(:mod:`lchat.mesh.due`). :func:`fan_out_targets` says which live peers must hold a route; the
+(:mod:`lchat.mesh.due`). :func:`elsewhere_payload` builds the "lives elsewhere" shape of a space
+flipped to always-on (``hibernate`` false, ``lives_at`` the box that runs it). :func:`fan_out_targets` says which live peers must hold a route; the
 CLI's fan-out and the router's due pushes share it.
 """
 
@@ -53,8 +54,11 @@ PAYLOAD_FIELDS = (
     "home_region",
     "env",
     "next_due",
+    "lives_at",
 )
-OPTIONAL_FIELDS = frozenset({"next_due"})
+# lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with hibernate false: the
+# space was flipped to always-on on the box at that URL, and peers forward to it (lchat.mesh.api).
+OPTIONAL_FIELDS = frozenset({"next_due", "lives_at"})
 REQUIRED_FIELDS = tuple(f for f in PAYLOAD_FIELDS if f not in OPTIONAL_FIELDS)
 MAX_NEXT_DUE = 2**53  # exclusive: unix seconds a JSON number carries exactly everywhere
 # The env values a space needs to boot; the contract's own three are set by whichever box runs it.
@@ -114,10 +118,32 @@ def route_payload(
         "home_region": route.home_region,
         "env": replicable_env(env),
     }
+    if route.elsewhere:
+        payload["lives_at"] = route.lives_at  # a peer's listing of its lives-elsewhere rows
+        return payload
     due = route.next_due if next_due is None else next_due
     if next_due is not None or due > 0:
         payload["next_due"] = due
     return payload
+
+
+def elsewhere_payload(route: Route, self_url: str) -> dict[str, Any]:
+    """The "lives elsewhere" shape of ``route``, an always-on instance on the box ``self_url``
+    (its ``LCHAT_MESH_SELF``): ``hibernate`` false, ``lives_at`` the normalised URL, no env
+    values (a peer never runs it) and no ``next_due``. A peer holding it forwards every request
+    for the host to that box and never wakes it (docs/mesh.md, Hibernate flips)."""
+    if route.kind != "instance" or route.hibernate or route.elsewhere:
+        raise ValueError(f"{route.host}: only an always-on instance of this box lives elsewhere")
+    return {
+        "host": route.host,
+        "kind": route.kind,
+        "version": route.version,
+        "hibernate": False,
+        "replication": route.replication,
+        "home_region": route.home_region,
+        "env": {},
+        "lives_at": normalise_member_url(self_url),
+    }
 
 
 def fan_out_targets(

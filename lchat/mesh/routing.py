@@ -43,7 +43,7 @@ from lchat.mesh import forward, placement
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.proxy.http import REFUSED
 from lchat.registry import Route
-from lchat.router import LocalResponse, RequestHead, Target
+from lchat.router import RETRY_AFTER_SECONDS, LocalResponse, RequestHead, Target, plain
 
 _log = Logger(namespace="lchat.mesh")
 
@@ -51,7 +51,8 @@ _forwards = Counter(
     "lchat_mesh_forwards_total",
     "Mesh routing decisions for in-scope hibernating spaces",
     # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker,
-    # peer_unreachable, peer_stopping
+    # peer_unreachable, peer_stopping; for lives-elsewhere rows: to_elsewhere,
+    # elsewhere_unreachable, elsewhere_loop
     ["outcome"],
 )
 _ownership_changes = Counter(
@@ -140,6 +141,59 @@ class MeshRouter:
             _forwards.labels("local_running").inc()
             return local()
         return Deferred.fromCoroutine(self._route_remote(route, local))
+
+    def forward_elsewhere(self, route: Route, head: RequestHead) -> Target:
+        """A "lives elsewhere" row (``route.lives_at``): the space runs always-on on that box, so
+        every request for it is forwarded there, marked like any mesh forward (verified TLS
+        against the space's name, one hop). It is never served, woken or run here: a request
+        that arrives already forwarded (its sender thinks this box runs the space), or a peer
+        that cannot take it, gets a 503, not a wake of a stale copy."""
+        host = route.host
+        peer = route.lives_at
+        retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
+        forwarded = head.forwarded is not None and forward.authentic(
+            head.forwarded, self._mesh.token, host, now=self._clock
+        )
+        if forwarded or placement.normalise_member_url(peer) == self._self_url:
+            _forwards.labels("elsewhere_loop").inc()
+            _log.warn(
+                "mesh: {host} lives at {peer} by this box's row, but {why}: answering 503 (check "
+                "`lchat instances` on both boxes; `lchat mesh-seed --prune` from the box that "
+                "runs it)",
+                host=host,
+                peer=peer,
+                why="a peer forwarded it here"
+                if forwarded
+                else "that is this box, which has no always-on row for it",
+            )
+            return plain(
+                503,
+                f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
+                f"{RETRY_AFTER_SECONDS}s",
+                retry,
+                label="elsewhere_loop",
+            )
+        _forwards.labels("to_elsewhere").inc()
+        target = forward.peer_target(peer, host, self._mesh.token, now=self._clock)
+
+        def unreachable(why: str) -> Target:
+            _forwards.labels("elsewhere_unreachable").inc()
+            _log.warn(
+                "mesh: {host} lives at {peer}, which could not take the request ({why}): "
+                "answering 503 (it runs only there)",
+                host=host,
+                peer=peer,
+                why=why,
+            )
+            return plain(
+                503,
+                f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
+                f"{RETRY_AFTER_SECONDS}s",
+                retry,
+                label="elsewhere_unreachable",
+            )
+
+        return attrs.evolve(target, fallback=unreachable)
 
     async def _route_remote(self, route: Route, local: Local) -> Target:
         host = route.host

@@ -1,0 +1,401 @@
+"""``lchat relocate``: LCHAT_REGION_BUCKETS, and a real cross-implementation move (moto → SeaweedFS)
+that the stock ``litestream restore`` reads back."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Any
+
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+import lchat
+from lchat import config, lease
+from lchat.cli import main as cli_main
+from lchat.cli import mesh as mesh_cli
+from lchat.cli import relocate
+from lchat.config import BoxConfig, ConfigError
+from lchat.mesh.membership import Heartbeat, member_key
+from lchat.objstore.file import FileBucket
+from lchat.registry import Registry, Route
+from lchat.replica import ltx
+from tests import replicas
+from tests.s3servers import S3Server, shared_server, store_for
+from tests.test_mesh_api import TOKEN, Box, Served, write_private
+from tests.test_replica_cli import snapshot_pages
+
+HOST = "chat.example.com"
+
+
+def _load(env: dict[str, str]) -> BoxConfig:
+    base = {"LCHAT_DATA_DIR": "/tmp", "LCHAT_RUN_DIR": "/tmp"}
+    return config.load(env_file=os.devnull, environ={**base, **env}, systemd_present=False)
+
+
+class RegionBucketsConfigTests(TestCase):
+    HIB = {"LCHAT_HIBERNATE_BUCKET": "bucket-ie", "LCHAT_HIBERNATE_PREFIX": "prod"}
+
+    def refused(self, env: dict[str, str], *words: str) -> None:
+        with self.assertRaises(ConfigError) as e:
+            _load(env)
+        self.assertIn("LCHAT_REGION_BUCKETS", str(e.exception))
+        for word in words:
+            self.assertIn(word, str(e.exception))
+
+    def test_unset_means_one_shared_bucket(self) -> None:
+        self.assertEqual(_load(self.HIB).region_buckets, ())
+
+    def test_entries_parse_with_region_endpoint_and_key_names(self) -> None:
+        cfg = _load(
+            {
+                **self.HIB,
+                "LCHAT_REGION_BUCKETS": "ie=s3://bucket-ie/prod?region=eu-west-1, "
+                "fi=s3://bucket-fi/p/q?endpoint=https://s3.fi.example/&region=eu-north-1"
+                "&access_key_env=FI_KEY&secret_key_env=FI_SECRET",
+            }
+        )
+        fi, ie = cfg.region_buckets  # sorted by region
+        self.assertEqual(
+            (ie.region, ie.bucket, ie.prefix, ie.s3_region),
+            ("ie", "bucket-ie", "prod", "eu-west-1"),
+        )
+        self.assertEqual(
+            (fi.bucket, fi.prefix, fi.endpoint, fi.s3_region, fi.access_key_env, fi.secret_key_env),
+            ("bucket-fi", "p/q", "https://s3.fi.example", "eu-north-1", "FI_KEY", "FI_SECRET"),
+        )
+        self.assertEqual(fi.key(HOST, "lock.json"), f"p/q/{HOST}/lock.json")
+
+    def test_refusals_name_the_variable(self) -> None:
+        self.refused({"LCHAT_REGION_BUCKETS": "ie=s3://bucket-ie"}, "LCHAT_HIBERNATE_BUCKET")
+        self.refused({**self.HIB, "LCHAT_REGION_BUCKETS": "s3://bucket-ie"}, "REGION=")
+        self.refused({**self.HIB, "LCHAT_REGION_BUCKETS": "ie=s3://a-b,ie=s3://c-d"}, "twice")
+        self.refused({**self.HIB, "LCHAT_REGION_BUCKETS": "i e=s3://a-b"}, "region")
+        self.refused({**self.HIB, "LCHAT_REGION_BUCKETS": "ie=s3://a-b?colour=red"}, "colour")
+        self.refused({**self.HIB, "LCHAT_REGION_BUCKETS": "ie=http://a-b"}, "s3://")
+        self.refused(
+            {**self.HIB, "LCHAT_REGION_BUCKETS": "ie=s3://a-b?access_key_env=K"}, "secret_key_env"
+        )
+        self.refused(
+            {**self.HIB, "LCHAT_REGION_BUCKETS": "ie=s3://a-b?access_key_env=1&secret_key_env=S"},
+            "variable name",
+        )
+
+    def test_the_boxs_own_region_is_its_hibernation_bucket(self) -> None:
+        mesh = {
+            "LCHAT_MESH_SELF": "https://box1.example.net",
+            "LCHAT_MESH_DOMAINS": "example.com",
+            "LCHAT_MESH_TOKEN": "t" * 32,
+            "LCHAT_MESH_REGION": "ie",
+        }
+        # Left out: implied from LCHAT_HIBERNATE_*.
+        cfg = _load({**self.HIB, **mesh, "LCHAT_REGION_BUCKETS": "fi=s3://bucket-fi/prod"})
+        self.assertEqual(
+            [(b.region, b.bucket, b.prefix) for b in cfg.region_buckets],
+            [("fi", "bucket-fi", "prod"), ("ie", "bucket-ie", "prod")],
+        )
+        # Given and the same: accepted.
+        _load({**self.HIB, **mesh, "LCHAT_REGION_BUCKETS": "ie=s3://bucket-ie/prod"})
+        # Given and different: refused, naming both.
+        self.refused(
+            {**self.HIB, **mesh, "LCHAT_REGION_BUCKETS": "ie=s3://bucket-ie/other"},
+            "LCHAT_HIBERNATE_",
+            "'other'",
+        )
+
+
+def _snapshot(db: str, txid: int) -> tuple[str, bytes]:
+    """A level-9 snapshot of ``db`` at ``txid``: (its name under the replica dir, its bytes)."""
+    page_size, count, pages = snapshot_pages(db)
+    header = ltx.LTXHeader(
+        page_size=page_size,
+        commit=count,
+        min_txid=1,
+        max_txid=txid,
+        timestamp=int(time.time() * 1000),
+    )
+    name = ltx.object_key("", 9, 1, txid).lstrip("/")
+    return name, ltx.encode(header, pages)
+
+
+class RelocateTests(TestCase):
+    """Region ``ie`` on a moto bucket, region ``fi`` on a SeaweedFS bucket, each with its own keys
+    (named through ``access_key_env``/``secret_key_env``)."""
+
+    timeout = 120
+
+    async def setUp(self) -> None:  # type: ignore[override]  # trial waits for it
+        self.dir = tempfile.mkdtemp(prefix="reloc", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.moto: S3Server = await shared_server("moto")
+        self.weed: S3Server = await shared_server("seaweedfs")
+        self.ie_bucket = await self.moto.new_bucket()
+        self.fi_bucket = await self.weed.new_bucket()
+        self.ie = store_for(self.moto, self.ie_bucket)
+        self.fi = store_for(self.weed, self.fi_bucket)
+        self.addCleanup(self.ie.close)
+        self.addCleanup(self.fi.close)
+        # A real database, replicated to ie as one snapshot at txid 5.
+        self.db = os.path.join(self.dir, "source.db")
+        conn = sqlite3.connect(self.db)
+        conn.execute("CREATE TABLE m (id INTEGER PRIMARY KEY, body BLOB)")
+        conn.executemany(
+            "INSERT INTO m (body) VALUES (?)", [(os.urandom(200),) for _ in range(300)]
+        )
+        conn.commit()
+        conn.close()
+        name, body = _snapshot(self.db, 5)
+        await self.ie.put(f"prod/{HOST}/{name}", body)
+        self.registry = Registry(os.path.join(self.dir, "registry.db"), time.time)
+        self.registry.migrate()
+        self.registry.insert(
+            Route(
+                host=HOST,
+                kind="instance",
+                socket=os.path.join(self.dir, f"{HOST}.sock"),
+                status="ready",
+                hibernate=True,
+                home_region="ie",
+            )
+        )
+        self.extra: dict[str, str] = {}  # more settings for the relocating box
+        self.fanned: list[Route] = []
+        original = mesh_cli.fan_out_upsert
+
+        def record(cfg: BoxConfig, route: Route, say: Callable[[str], None], *a: Any) -> None:
+            self.fanned.append(route)
+            original(cfg, route, say, *a)
+
+        mesh_cli.fan_out_upsert = record  # type: ignore[assignment]
+        self.addCleanup(setattr, mesh_cli, "fan_out_upsert", original)
+
+    def env(self, buckets: bool = True) -> dict[str, str]:
+        m, w = self.moto, self.weed
+        env = {
+            "LCHAT_DATA_DIR": self.dir,
+            "LCHAT_RUN_DIR": self.dir,
+            "LCHAT_HIBERNATE_BUCKET": self.ie_bucket,
+            "LCHAT_HIBERNATE_PREFIX": "prod",
+            "LCHAT_HIBERNATE_ENDPOINT": m.endpoint,
+            "LCHAT_HIBERNATE_REGION": m.region,
+            "AWS_ACCESS_KEY_ID": m.credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": m.credentials.secret_key,
+            "FI_KEY": w.credentials.access_key,
+            "FI_SECRET": w.credentials.secret_key,
+        }
+        if buckets:
+            env["LCHAT_REGION_BUCKETS"] = (
+                f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region={m.region},"
+                f"fi=s3://{self.fi_bucket}/prod?endpoint={w.endpoint}&region={w.region}"
+                f"&access_key_env=FI_KEY&secret_key_env=FI_SECRET"
+            )
+        return env
+
+    def config(self, buckets: bool) -> BoxConfig:
+        path = os.path.join(self.dir, "router.env")
+        with open(path, "w") as f:
+            f.writelines(f"{k}={v}\n" for k, v in {**self.env(buckets), **self.extra}.items())
+        return config.load(env_file=path, environ={}, systemd_present=False)
+
+    async def relocate(
+        self, to: str = "fi", *, buckets: bool = True, as_json: bool = False
+    ) -> tuple[int, str, str]:
+        """Run the command as ``lchat relocate`` does, in a thread (it runs a reactor of its own).
+        The keys are given in an env file: the process environment must not carry moto's."""
+        cfg = self.config(buckets)
+        out, err = io.StringIO(), io.StringIO()
+        args = argparse.Namespace(host=HOST, to=to, json=as_json, timeout=60.0)
+
+        def call() -> int:
+            with redirect_stdout(out), redirect_stderr(err):
+                return relocate.run_cli(
+                    args,
+                    cfg,
+                    lambda _cfg: self.registry,
+                    cli_main._out,
+                    cli_main._note,
+                    lambda _cfg: None,
+                    cli_main._fail,
+                )
+
+        code = await deferToThread(call)
+        return code, out.getvalue(), err.getvalue()
+
+    async def keys(self, store: Any) -> list[str]:
+        return [i.key for i in await store.list(f"prod/{HOST}/")]
+
+    async def test_moves_the_replica_from_moto_to_seaweedfs(self) -> None:
+        source_keys = await self.keys(self.ie)
+        code, out, err = await self.relocate()
+        self.assertEqual(code, 0, err)
+        lines = out.splitlines()
+        self.assertEqual(lines[0], f"relocated {HOST}: ie → fi")
+        self.assertTrue(lines[1].startswith("store: copied 1 objects"), lines)
+        self.assertIn("download + re-upload", lines[1])
+        self.assertIn("lock.json excluded", lines[1])
+        self.assertTrue(lines[2].startswith("home_region flipped"), lines)
+        route = self.registry.get(HOST)
+        assert route is not None
+        self.assertEqual(route.home_region, "fi")
+        self.assertEqual([r.home_region for r in self.fanned], ["fi"])
+        # The destination holds the replica and no lease (a destination box takes a fresh one);
+        # the source is as it was, its lock included (absent: released by the sleep).
+        dest_keys = await self.keys(self.fi)
+        self.assertEqual(
+            [k.rsplit("/", 1)[1] for k in dest_keys], [k.rsplit("/", 1)[1] for k in source_keys]
+        )
+        self.assertNotIn(f"prod/{HOST}/lock.json", dest_keys)
+        self.assertEqual(await self.keys(self.ie), source_keys)
+        # The stock litestream reads the destination replica back to the same database.
+        restored = os.path.join(self.dir, "restored.db")
+        await replicas.litestream_restore(self.weed, self.fi_bucket, f"prod/{HOST}", restored)
+        self.assertEqual(replicas.dump(restored), replicas.dump(self.db))
+        # Re-run: nothing to do, nothing copied.
+        code, out, err = await self.relocate()
+        self.assertEqual((code, out.strip()), (0, f"{HOST}: already in fi: nothing to do"), err)
+        self.assertEqual(await self.keys(self.fi), dest_keys)
+
+    async def test_json_prints_the_steps(self) -> None:
+        code, out, err = await self.relocate(as_json=True)
+        self.assertEqual(code, 0, err)
+        steps = json.loads(out)
+        self.assertEqual((steps["from"], steps["to"], steps["result"]), ("ie", "fi", "relocated"))
+        self.assertEqual((steps["store"]["objects"], steps["store"]["txid"]), (1, f"{5:016x}"))
+
+    async def test_a_destination_ahead_is_never_overwritten(self) -> None:
+        name, body = _snapshot(self.db, 9)
+        await self.fi.put(f"prod/{HOST}/{name}", body)
+        before = await self.keys(self.fi)
+        code, _out, err = await self.relocate()
+        self.assertEqual(code, 1)
+        self.assertIn("ahead of the source", err)
+        self.assertEqual(await self.keys(self.fi), before)
+        route = self.registry.get(HOST)
+        assert route is not None
+        self.assertEqual(route.home_region, "ie")
+        self.assertEqual(self.fanned, [])
+
+    async def test_a_lease_held_by_another_box_is_refused_and_left_alone(self) -> None:
+        held = await lease.acquire(
+            self.ie,
+            lease.lease_key("prod", HOST),
+            "https://box2.example.net",
+            900.0,
+            host=HOST,
+            monotonic=time.monotonic,
+        )
+        info = await self.ie.head(held.key)
+        code, _out, err = await self.relocate()
+        self.assertEqual(code, 1)
+        self.assertIn("held by https://box2.example.net", err)
+        self.assertEqual((await self.ie.head(held.key)).etag, info.etag)
+        self.assertEqual(await self.keys(self.fi), [])
+        route = self.registry.get(HOST)
+        assert route is not None
+        self.assertEqual(route.home_region, "ie")
+
+    async def test_a_live_instance_is_refused_with_how_to_convert_it(self) -> None:
+        self.registry.update(HOST, hibernate=False)
+        code, _out, err = await self.relocate()
+        self.assertEqual(code, 1)
+        self.assertIn(f"lchat hibernate {HOST} --on", err)
+        self.assertEqual(await self.keys(self.fi), [])
+
+    async def test_a_shared_bucket_is_not_copied(self) -> None:
+        code, out, err = await self.relocate(buckets=False)
+        self.assertEqual(code, 0, err)
+        self.assertIn("store: no copy — source and destination share the same bucket", out)
+        self.assertEqual(await self.keys(self.fi), [])
+        route = self.registry.get(HOST)
+        assert route is not None
+        self.assertEqual(route.home_region, "fi")
+        self.assertEqual([r.home_region for r in self.fanned], ["fi"])
+
+    async def test_a_region_without_a_bucket_is_refused(self) -> None:
+        code, _out, err = await self.relocate(to="de")
+        self.assertEqual(code, 1)
+        self.assertIn("no bucket for region 'de'", err)
+
+    async def test_the_flip_reaches_a_live_peer_in_the_destination_region(self) -> None:
+        """A real fan-out: this box is a mesh member in ie; a peer in fi serves its mesh API on
+        loopback and beats in the shared membership; the relocated route arrives there with its
+        new home region."""
+        peer = Box(self.dir, "peer", LCHAT_MESH_REGION="fi")
+        served = Served(self, peer)
+        self.extra = {
+            "LCHAT_MESH_SELF": "http://box-1.example.net",
+            "LCHAT_MESH_DOMAINS": "elsewhere.example.org",  # not covering HOST: region-scoped only
+            "LCHAT_MESH_TOKEN": TOKEN,
+            "LCHAT_MESH_REGION": "ie",
+            "LCHAT_HTTP_REDIRECT": "off",
+        }
+        write_private(os.path.join(self.dir, f"{HOST}.env"), "LCHAT_ADMIN_TOKEN=tok-relocated\n")
+        cfg = self.config(True)
+        assert cfg.hibernate is not None
+        beat = Heartbeat(
+            url=served.url, region="fi", version=lchat.__version__, started_at=time.time()
+        )
+        await self.ie.put(member_key(cfg.hibernate, served.url), beat.to_json())
+        code, out, err = await self.relocate()
+        self.assertEqual(code, 0, err)
+        self.assertIn("home_region flipped + route re-fanned-out to peers", out)
+        self.assertIn(served.url, err)  # the fan-out's per-peer report
+        there = peer.registry.get(HOST)
+        assert there is not None
+        self.assertEqual((there.home_region, there.hibernate), ("fi", True))
+
+
+class RelocateProcessTests(TestCase):
+    """The command as an operator runs it: a real ``lchat`` process (its own reactor), file
+    buckets per region."""
+
+    def test_a_real_process_copies_between_file_buckets(self) -> None:
+        root = tempfile.mkdtemp(prefix="relocp", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        ie, fi = os.path.join(root, "ie"), os.path.join(root, "fi")
+        db = os.path.join(root, "source.db")
+        conn = sqlite3.connect(db)
+        conn.execute("CREATE TABLE m (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.executemany("INSERT INTO m (body) VALUES (?)", [("x" * 100,) for _ in range(50)])
+        conn.commit()
+        conn.close()
+        name, body = _snapshot(db, 3)
+        # A file: region bucket is a directory with no prefix (the URL form has none for it).
+        FileBucket(ie, create=True).put(f"{HOST}/{name}", body)
+        FileBucket(ie).put(f"other.example.com/{name}", body)  # another space: not copied
+        env = os.path.join(root, "router.env")
+        with open(env, "w") as f:
+            f.write(
+                f"LCHAT_DATA_DIR={root}\nLCHAT_RUN_DIR={root}\nLCHAT_HIBERNATE_BUCKET=file:{ie}\n"
+                f"LCHAT_REGION_BUCKETS=ie=file:{ie},fi=file:{fi}\n"
+            )
+        registry = Registry(os.path.join(root, "registry.db"), time.time)
+        registry.migrate()
+        registry.insert(
+            Route(
+                HOST, "instance", f"{root}/x.sock", status="ready", hibernate=True, home_region="ie"
+            )
+        )
+        ran = subprocess.run(
+            [sys.executable, "-m", "lchat.cli", "relocate", HOST, "--to", "fi", "--env-file", env],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertEqual(ran.returncode, 0, ran.stderr)
+        self.assertEqual(ran.stdout.splitlines()[0], f"relocated {HOST}: ie → fi")
+        route = registry.get(HOST)
+        assert route is not None
+        self.assertEqual(route.home_region, "fi")
+        self.assertEqual([i.key for i in FileBucket(fi).list("")], [f"{HOST}/{name}"])
+        self.assertEqual(FileBucket(fi).get(f"{HOST}/{name}").body, body)
