@@ -336,7 +336,10 @@ class BackupBoxTests(_BoxHarness):
             ln for ln in log.splitlines() if host in ln and ("backup:" in ln or "activator:" in ln)
         ]
         order.append("\n".join(lines))  # (printed when an assertion fails; no event of its own)
-        self.assertEqual(order.count("backup start"), 11, order)  # at start, then every --off
+        # At start, then after an --off — unless the next --on came before the backup's rescan
+        # applied (it then never started: fine). The last --off's start is always there.
+        self.assertGreaterEqual(order.count("backup start"), 2, order)
+        self.assertEqual(order[-2], "backup start", order)
         # (The activator may wake it more than ten times: a request that arrives between the
         # sleep of an --off and the flag's clearing wakes it again, and that wake is cancelled.)
         self.assertGreaterEqual(order.count("activator start"), 10, order)

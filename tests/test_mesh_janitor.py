@@ -432,7 +432,10 @@ class Scenarios(_Mixin):
         self.assertEqual([m.url for m in b.members], [A, B, DEAD])  # the crash is recent
         await self.advance_to(THRESHOLD + HEARTBEAT, a, b)
         self.assertFalse(await self.exists(dead_key))
-        self.assertEqual((a_store.count("delete"), b_store.count("delete")), (1, 0))
+        # a, the lowest URL, deleted it. b may have tried once in a beat whose view lacked a (the
+        # documented harmless case: its conditional DELETE is then refused), never more.
+        self.assertEqual(a_store.count("delete"), 1)
+        self.assertLessEqual(b_store.count("delete"), 1)
 
         # a drains (its own delete: not the janitor's); b is now the lowest URL and takes over.
         await a.stopService()
