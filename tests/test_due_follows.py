@@ -224,11 +224,13 @@ class DuePushTests(TestCase):
 
     @inlineCallbacks
     def test_a_dead_or_silent_peer_is_counted_and_never_blocks(self) -> Any:
+        # The silent one first: the refused port, freed next, can then never be handed to it
+        # (the kernel reuses a port just freed; two peers on one URL would be one target).
+        silent = reactor.listenTCP(0, Factory.forProtocol(_Silent), interface="127.0.0.1")
+        self.addCleanup(silent.stopListening)
         refused = reactor.listenTCP(0, Factory.forProtocol(Protocol), interface="127.0.0.1")
         refused_url = f"http://127.0.0.1:{refused.getHost().port}"
         yield refused.stopListening()  # nobody listens there any more: connection refused
-        silent = reactor.listenTCP(0, Factory.forProtocol(_Silent), interface="127.0.0.1")
-        self.addCleanup(silent.stopListening)
         self.members += [member(refused_url), member(f"http://127.0.0.1:{silent.getHost().port}")]
         due = self.service(timeout=1.0)
         failed = pushes("failed")
