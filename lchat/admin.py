@@ -88,9 +88,11 @@ class _Json(Resource):
             return generate_latest()
         if path in (b"/wake", b"/sleep") and request.method == b"POST":
             return self._hibernation(request, path.decode()[1:])
+        if path == b"/release" and request.method == b"POST":
+            return _release(self._admin, request)
         if path.startswith(b"/stats/"):
             return _stats(self._admin, request)
-        if path in (b"/status", b"/reload", b"/metrics", b"/wake", b"/sleep"):
+        if path in (b"/status", b"/reload", b"/metrics", b"/wake", b"/sleep", b"/release"):
             return _json(request, 405, {"error": "method not allowed"})
         return _json(request, 404, {"error": "not found"})
 
@@ -131,6 +133,7 @@ class AdminAPI:
         table: RouteTable = self.routes.table
         children = self._children()
         awake = self.activator.status() if self.activator is not None else {}
+        holds = self.activator.held_asleep() if self.activator is not None else {}
         per_host = {}
         for route in table:
             entry: dict[str, Any] = {
@@ -151,6 +154,8 @@ class AdminAPI:
                 entry["lives_at"] = route.lives_at
             if route.host in awake:  # also while it stops after its flag was cleared
                 entry["activator"] = awake[route.host]
+            if route.host in holds:
+                entry["held_for"] = holds[route.host]
             per_host[route.host] = entry
         return {
             "version": lchat.__version__,
@@ -199,11 +204,9 @@ def metrics_site() -> Site:
     return QuietSite(_Metrics())
 
 
-def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
-    """``POST /wake?host=H`` (the warm request of ``lchat hibernate --on``) and ``POST
-    /sleep?host=H``: answer once the space is awake / asleep."""
-    activator = admin.activator
-    if activator is None:
+def _hibernating_host(admin: AdminAPI, request: Request) -> tuple[str, Any] | bytes:
+    """The ``host`` argument as a hibernating instance's route, or the error answer."""
+    if admin.activator is None:
         return _json(request, 409, {"error": "hibernation is off (LCHAT_HIBERNATE_BUCKET)"})
     raw = (request.args or {}).get(b"host", [b""])[0]
     try:
@@ -213,6 +216,39 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
     route = admin.routes.table.get(host)
     if route is None or not route.hibernate or route.kind != "instance":
         return _json(request, 404, {"error": f"{host} is not a hibernating instance"})
+    return host, route
+
+
+def _release(admin: AdminAPI, request: Request) -> bytes:
+    """``POST /release?host=H``: end a hold ``POST /sleep?host=H&hold=S`` put on the space."""
+    found = _hibernating_host(admin, request)
+    if isinstance(found, bytes):
+        return found
+    host, _ = found
+    released = admin.activator.release_hold(host)
+    return _json(request, 200, {"host": host, "released": released})
+
+
+def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
+    """``POST /wake?host=H`` (the warm request of ``lchat hibernate --on``) and ``POST
+    /sleep?host=H[&hold=S]``: answer once the space is awake / asleep. ``hold``: no wake of it on
+    this box for ``S`` seconds (at most 3600) or until ``POST /release?host=H`` (``lchat
+    relocate`` keeps it asleep while it copies the replica); the hold begins before the sleep, so
+    requests queued meanwhile cannot wake it again."""
+    found = _hibernating_host(admin, request)
+    if isinstance(found, bytes):
+        return found
+    host, route = found
+    activator = admin.activator
+    if what == "sleep" and b"hold" in (request.args or {}):
+        raw_hold = request.args[b"hold"][0]
+        try:
+            hold = float(raw_hold.decode("ascii"))
+            if not 0 < hold <= 3600:
+                raise ValueError(hold)
+        except (UnicodeDecodeError, ValueError):
+            return _json(request, 400, {"error": "hold must be seconds, more than 0, at most 3600"})
+        activator.hold(host, hold, "admin")
     started = admin.clock()
     still = answerable(request)
     d = activator.wake(route, "admin") if what == "wake" else activator.sleep(host, "admin")

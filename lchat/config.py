@@ -86,6 +86,9 @@ class MeshConfig:
     heartbeat: float = 15.0  # seconds between this box's heartbeat PUTs
     dead_after: float = 45.0  # a member whose heartbeat is older (bucket clock) is gone
     ca_file: str = ""  # extra CA bundle trusted for peers' certificates ("" = system trust)
+    # LCHAT_MESH_BUCKET: where the heartbeats live when it is not the hibernation bucket (a fleet
+    # whose regions keep their replicas in different buckets still needs one membership).
+    bucket: RegionBucket | None = None
 
     @property
     def self_host(self) -> str:
@@ -302,6 +305,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_HEARTBEAT": "15s",
     "LCHAT_MESH_DEAD_AFTER": "45s",
     "LCHAT_MESH_CA_FILE": "",
+    "LCHAT_MESH_BUCKET": "",  # s3://BUCKET[/PREFIX][?...]: the heartbeats' own bucket
     "LCHAT_CLOUD_REGION": "",  # add-instance's default --home-region
     "LCHAT_CLOUD_ID_LEDGER": "",  # s3://BUCKET[/PREFIX][?region=&endpoint=] or file:PATH
     "LCHAT_REGION_BUCKETS": "",  # REGION=s3://BUCKET[/PREFIX][?...],... (lchat relocate)
@@ -683,6 +687,78 @@ def _cloud(get: _Getter) -> tuple[str, LedgerURL | None]:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
+def _bucket_url(what: str, region: str, url: str) -> RegionBucket:
+    """``s3://BUCKET[/PREFIX][?region=R&endpoint=URL&access_key_env=NAME&secret_key_env=NAME]``
+    or ``file:PATH`` (``LCHAT_CLOUD_ID_LEDGER``'s form plus the names of the variables holding
+    the bucket's own key pair); ``what`` begins every refusal."""
+    from urllib.parse import parse_qsl, urlencode
+
+    base, _, query = url.partition("?")
+    names = {"access_key_env": "", "secret_key_env": ""}
+    rest = []
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name in names:
+            if not _ENV_NAME.fullmatch(value):
+                raise ConfigError(f"{what}: {name}={value!r} is not a variable name")
+            names[name] = value
+        else:
+            rest.append((name, value))
+    if bool(names["access_key_env"]) != bool(names["secret_key_env"]):
+        raise ConfigError(
+            f"{what}: give both access_key_env and secret_key_env, "
+            f"or neither (the box's AWS credential chain)"
+        )
+    try:
+        where = parse_ledger_url(base + ("?" + urlencode(rest) if rest else ""))
+    except ValueError as e:
+        raise ConfigError(f"{what}: {e}") from e
+    if where.bucket.startswith("file:") and names["access_key_env"]:
+        raise ConfigError(f"{what}: a file: bucket takes no keys")
+    return RegionBucket(
+        region=region,
+        bucket=where.bucket,
+        prefix=where.prefix,
+        s3_region=where.region,
+        endpoint=where.endpoint,
+        **names,
+    )
+
+
+def mesh_bucket(cfg: BoxConfig) -> RegionBucket:
+    """Where the mesh's heartbeats live (``<prefix>/mesh/members/``): ``LCHAT_MESH_BUCKET``, else
+    the hibernation bucket. Only for a box with a mesh (which always has a hibernation bucket)."""
+    assert cfg.mesh is not None and cfg.hibernate is not None
+    if cfg.mesh.bucket is not None:
+        return cfg.mesh.bucket
+    hib = cfg.hibernate
+    return RegionBucket(
+        region="", bucket=hib.bucket, prefix=hib.prefix, s3_region=hib.region, endpoint=hib.endpoint
+    )
+
+
+def bucket_key_env(cfg: BoxConfig, where: RegionBucket) -> dict[str, str] | None:
+    """The environment the standard AWS chain resolves ``where``'s credentials from, when the
+    entry names its own key pair (``access_key_env``/``secret_key_env``, read from the env file
+    or the process environment, which wins as it does for ``AWS_*``); ``None`` when the box's
+    own credentials serve it. A named variable that is unset is a :class:`ConfigError`."""
+    if not where.access_key_env:
+        return None
+    env = {**cfg.file_env, **os.environ}
+    missing = [n for n in (where.access_key_env, where.secret_key_env) if not env.get(n)]
+    if missing:
+        label = f"region {where.region}" if where.region else "the mesh bucket"
+        raise ConfigError(
+            f"{label}'s keys are in {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} unset"
+        )
+    keep = {k: v for k, v in env.items() if k in ("AWS_REGION", "AWS_DEFAULT_REGION")}
+    return {
+        **keep,
+        "AWS_ACCESS_KEY_ID": env[where.access_key_env],
+        "AWS_SECRET_ACCESS_KEY": env[where.secret_key_env],
+    }
+
+
 def _region_buckets(
     get: _Getter, hibernate: HibernateConfig | None, mesh: MeshConfig | None
 ) -> tuple[RegionBucket, ...]:
@@ -693,8 +769,6 @@ def _region_buckets(
     The box's own region (``LCHAT_MESH_REGION``) keeps its replicas in ``LCHAT_HIBERNATE_*``: its
     entry may be left out (it is then implied) and, if given, must name that same bucket, prefix
     and endpoint, since a second spelling of "here" could only disagree with the one in use."""
-    from urllib.parse import parse_qsl, urlencode
-
     text = get("LCHAT_REGION_BUCKETS").strip()
     if not text:
         return ()
@@ -718,37 +792,7 @@ def _region_buckets(
             )
         if region in found:
             raise ConfigError(f"LCHAT_REGION_BUCKETS names region {region!r} twice")
-        base, _, query = url.partition("?")
-        names = {"access_key_env": "", "secret_key_env": ""}
-        rest = []
-        for name, value in parse_qsl(query, keep_blank_values=True):
-            if name in names:
-                if not _ENV_NAME.fullmatch(value):
-                    raise ConfigError(
-                        f"LCHAT_REGION_BUCKETS: {region}: {name}={value!r} is not a variable name"
-                    )
-                names[name] = value
-            else:
-                rest.append((name, value))
-        if bool(names["access_key_env"]) != bool(names["secret_key_env"]):
-            raise ConfigError(
-                f"LCHAT_REGION_BUCKETS: {region}: give both access_key_env and secret_key_env, "
-                f"or neither (the box's AWS credential chain)"
-            )
-        try:
-            where = parse_ledger_url(base + ("?" + urlencode(rest) if rest else ""))
-        except ValueError as e:
-            raise ConfigError(f"LCHAT_REGION_BUCKETS: {region}: {e}") from e
-        if where.bucket.startswith("file:") and names["access_key_env"]:
-            raise ConfigError(f"LCHAT_REGION_BUCKETS: {region}: a file: bucket takes no keys")
-        found[region] = RegionBucket(
-            region=region,
-            bucket=where.bucket,
-            prefix=where.prefix,
-            s3_region=where.region,
-            endpoint=where.endpoint,
-            **names,
-        )
+        found[region] = _bucket_url(f"LCHAT_REGION_BUCKETS: {region}", region, url)
     own_region = mesh.region if mesh is not None else ""
     if own_region:
         own = RegionBucket(
@@ -1048,6 +1092,8 @@ def _mesh(get: _Getter) -> MeshConfig | None:
     ca_file = get("LCHAT_MESH_CA_FILE")
     if ca_file and not os.path.isfile(ca_file):
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
+    bucket_url = get("LCHAT_MESH_BUCKET").strip()
+    bucket = _bucket_url("LCHAT_MESH_BUCKET", "", bucket_url) if bucket_url else None
     return MeshConfig(
         self_url=self_url.rstrip("/"),
         domains=domains,
@@ -1056,4 +1102,5 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         heartbeat=heartbeat,
         dead_after=dead_after,
         ca_file=ca_file,
+        bucket=bucket,
     )

@@ -144,6 +144,7 @@ _PUBLIC = {
     "bucket": "{host} cannot wake while storage is unreachable",
     "diverged": "{host} cannot wake until an operator checks its storage",
     "capacity": "{host} cannot wake right now: this server is at capacity",
+    "held": "{host} is being moved",
 }
 # 503s that mean "this box is stopping, and the request was never acted on": while the router
 # drains, a request refused for one of these is marked (LocalResponse.refusal) so that a mesh peer

@@ -29,7 +29,7 @@ from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
-from lchat.config import BoxConfig, ConfigError
+from lchat.config import BoxConfig, ConfigError, RegionBucket, bucket_key_env, mesh_bucket
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
@@ -258,6 +258,38 @@ def _aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
         raise ConfigError(f"LCHAT_DNS_PROVIDER=route53: {e}") from e
 
 
+def _open_region_store(
+    reactor: Any,
+    cfg: BoxConfig,
+    where: RegionBucket,
+    run: RunInThread,
+    aws: ResolvedCredentials | None,
+) -> objstore.ObjectStore:
+    """A store for an ``LCHAT_REGION_BUCKETS``-form entry (``LCHAT_MESH_BUCKET``): its own key
+    pair when it names one, else the box's credentials, resolved here at boot."""
+    credentials = None
+    if objstore.needs_credentials(where.bucket):
+        env = bucket_key_env(cfg, where)
+        if env is not None or aws is None:
+            try:
+                credentials = resolve_credentials(env or {**cfg.aws_env, **os.environ})
+            except NoCredentials as e:
+                raise ConfigError(f"LCHAT_MESH_BUCKET={where.bucket}: {e}") from e
+        else:
+            credentials = aws
+    else:
+        os.makedirs(where.bucket[len("file:") :], 0o700, exist_ok=True)
+    return objstore.open_store(
+        reactor,
+        where.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=where.s3_region,
+        endpoint=where.endpoint,
+        credentials=credentials,
+    )
+
+
 def _backup(
     reactor: Any,
     cfg: BoxConfig,
@@ -392,8 +424,23 @@ def _hibernation(
     membership = mesh = None
     due_push: DuePush | None = None
     may_wake: Callable[[Route], bool] = _anywhere
+    mesh_store: objstore.ObjectStore | None = None
+    mesh_check: _BucketCheck | None = None
     if cfg.mesh is not None:
-        membership = Membership(reactor, store, hib, cfg.mesh)
+        beats = mesh_bucket(cfg)
+        members_store = store
+        if cfg.mesh.bucket is not None:
+            # LCHAT_MESH_BUCKET: the heartbeats have a bucket of their own (a fleet whose regions
+            # keep replicas apart); probed at start like the hibernation bucket.
+            members_store = mesh_store = _open_region_store(reactor, cfg, beats, run, aws)
+            mesh_check = _BucketCheck(
+                reactor,
+                mesh_store,
+                beats.key(".lchat", "probe", _probe_name(cfg.box_id)),
+                "LCHAT_MESH",
+                beats.bucket,
+            )
+        membership = Membership(reactor, members_store, beats, cfg.mesh)
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
@@ -420,7 +467,16 @@ def _hibernation(
         hib.bucket,
     )
     hibernation = _Hibernation(
-        reactor, store, check, activator, sweeper, membership, mesh, due_push
+        reactor,
+        store,
+        check,
+        activator,
+        sweeper,
+        membership,
+        mesh,
+        due_push,
+        mesh_store=mesh_store,
+        mesh_check=mesh_check,
     )
     hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
     return hibernation
@@ -747,6 +803,9 @@ class _Hibernation(MultiService):
         membership: Membership | None,
         mesh: MeshRouter | None,
         due_push: DuePush | None = None,
+        *,
+        mesh_store: objstore.ObjectStore | None = None,  # LCHAT_MESH_BUCKET's, when set
+        mesh_check: _BucketCheck | None = None,
     ) -> None:
         super().__init__()
         self.setName("hibernation")
@@ -758,8 +817,10 @@ class _Hibernation(MultiService):
         self.membership = membership
         self.mesh = mesh
         self.due_push = due_push
+        self.mesh_store = mesh_store
+        self.mesh_check = mesh_check
         self._bucket_users: list[Service] = []
-        for service in (check, membership, activator, sweeper, due_push):
+        for service in (check, mesh_check, membership, activator, sweeper, due_push):
             if service is not None:
                 service.setServiceParent(self)
 
@@ -773,6 +834,8 @@ class _Hibernation(MultiService):
         Service.stopService(self)
         self.sweeper.stopService()
         self.check.stopService()
+        if self.mesh_check is not None:
+            self.mesh_check.stopService()
         return Deferred.fromCoroutine(self._drain())
 
     async def _drain(self) -> None:
@@ -789,6 +852,10 @@ class _Hibernation(MultiService):
             await self.due_push.stopService()
         await _probe_done(self.check, self._reactor)
         await self.store.close()
+        if self.mesh_store is not None:
+            assert self.mesh_check is not None
+            await _probe_done(self.mesh_check, self._reactor)
+            await self.mesh_store.close()
 
 
 async def _probe_done(check: _BucketCheck, reactor: Any) -> None:
@@ -847,11 +914,17 @@ class _BucketCheck(Service):
 
     def _failed(self, failure: Failure) -> None:
         stem = self._stem
+        check = (
+            # One URL carries the bucket, prefix, endpoint, region and the key pair's names.
+            f"{stem}_BUCKET's URL and its credentials"
+            if stem == "LCHAT_MESH"
+            else f"{stem}_BUCKET, {stem}_ENDPOINT, {stem}_REGION, {stem}_PREFIX and the AWS "
+            "credentials"
+        )
         _log.critical(
-            "{stem}_BUCKET={bucket}: the bucket is not usable: {error} "
-            "(check {stem}_BUCKET, {stem}_ENDPOINT, {stem}_REGION, {stem}_PREFIX and the AWS "
-            "credentials)",
+            "{stem}_BUCKET={bucket}: the bucket is not usable: {error} (check {check})",
             stem=stem,
+            check=check,
             bucket=self._bucket,
             error=failure.getErrorMessage(),
         )

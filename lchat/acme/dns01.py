@@ -21,15 +21,19 @@ Semantics both providers keep:
 - ``remove_txt`` is idempotent: a record that is already gone is success.
 - Errors are :class:`DNSProviderError` with a message that names the provider and the operation,
   and never contains a token.
+
+Route53 also repoints a host's address records (:meth:`Route53.point_address`, for ``lchat
+relocate --move-dns``): the one write here that is not a challenge TXT.
 """
 
 from __future__ import annotations
 
 import copy
 import email.utils
+import ipaddress
 import re
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit
 
@@ -62,6 +66,12 @@ _RETRY_AFTER_CAP = 10.0
 _PER_PAGE = 100  # DNSimple's maximum page size
 _MAX_PAGES = 100  # a listing longer than this is a broken server, not an account
 _MESSAGE_MAX = 300  # how much of an error body goes into an exception message
+
+# Route53 address records: a listing page while reading every set at one name (a name with more
+# sets than _ADDRESS_PAGES pages is refused, not guessed at), and the TTL bounds Route53 takes.
+_ADDRESS_PAGE = "100"
+_ADDRESS_PAGES = 10
+_MAX_TTL = 2147483647
 
 # Route53: a change refused as invalid (a DELETE whose set changed since we read it) is retried
 # from a fresh read this often.
@@ -541,6 +551,62 @@ class _RRSet:
         return [unquote_txt(v, octal=True) for v in self.raw]
 
 
+@frozen
+class AddressChange:
+    """What :meth:`Route53.point_address` found at a host and what it left there.
+
+    ``before`` and ``after`` are the addresses of the host's own plain ``A`` and ``AAAA`` sets,
+    IPv4 first, each family in numeric order, in ``ipaddress``'s canonical text; ``()`` when the
+    host had (has) none. ``change_id`` is Route53's change id, ``""`` when the records already
+    were exactly these (a re-run): then nothing was written and ``before == after``.
+    """
+
+    fqdn: str  # the host itself: lowercase, no trailing dot, never a wildcard
+    zone_id: str  # the bare hosted zone id ("Z123...")
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    ttl: int  # of the sets written (of the sets found, when nothing changed)
+    change_id: str
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.change_id)
+
+
+def canonical_addresses(addresses: Iterable[str]) -> tuple[str, ...]:
+    """``addresses`` as canonical text (``ipaddress``), deduplicated, IPv4 first, each family in
+    numeric order; ``ValueError`` naming the first that is not a unicast host address (an IP
+    with a zone index, the unspecified address or a multicast group cannot be an A/AAAA value)."""
+    parsed: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    for text in addresses:
+        try:
+            ip = ipaddress.ip_address(str(text).strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not an IP address") from None
+        if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
+            raise ValueError(f"{text!r} has a zone index: it means nothing outside one machine")
+        if ip.is_unspecified or ip.is_multicast:
+            raise ValueError(f"{text!r} is not a host's address (unspecified or multicast)")
+        parsed.add(ip)
+    return tuple(str(ip) for ip in sorted(parsed, key=lambda ip: (ip.version, int(ip))))
+
+
+def _as_listed(rrset: _RRSet | None) -> tuple[str, ...]:
+    """A listed address set's values in canonical order; a value that is not an address (Route53
+    never lists one) is kept as it is, so it counts as different from anything we write."""
+    if rrset is None:
+        return ()
+    try:
+        return canonical_addresses(rrset.raw)
+    except ValueError:
+        return rrset.raw
+
+
+def _family(addresses: Iterable[str], rtype: str) -> tuple[str, ...]:
+    version = 4 if rtype == "A" else 6
+    return tuple(a for a in addresses if ipaddress.ip_address(a).version == version)
+
+
 class Route53:
     """Route53 through botocore's ``route53`` client and the standard credential chain
     (environment, shared config/profile, container or instance role).
@@ -563,6 +629,11 @@ class Route53:
     With ``wait_insync`` each change is followed until ``GetChange`` says ``INSYNC``, for at most
     ``timeout`` seconds; past that it logs a warning and returns, since the record *is* written
     (and ``remove_txt`` needs the record to clean up) and visibility is :func:`wait_for_txt`'s job.
+
+    :meth:`point_address` (``lchat relocate --move-dns``) writes a host's ``A``/``AAAA`` sets under
+    the same lock, zone lookup, retry and INSYNC wait. Its batches never CREATE a set, so the moto
+    quirk above does not reach them: an ``UPSERT`` per family that stays and a ``DELETE`` (exactly
+    as read) per family that goes, all in one batch, which real Route53 applies atomically.
     """
 
     name = "route53"
@@ -649,6 +720,132 @@ class Route53:
             change=change,
         )
 
+    # -- address records (lchat relocate --move-dns) --------------------------------------------
+
+    def point_address(self, fqdn: str, addresses: Sequence[str], ttl: int = 60) -> AddressChange:
+        """Make ``fqdn``'s own address records exactly ``addresses``: the IPv4 ones one ``A`` set,
+        the IPv6 ones one ``AAAA`` set (each an ``UPSERT`` with ``ttl``), and a set of a family
+        ``addresses`` has none of ``DELETE``d exactly as read, so an old ``AAAA`` cannot keep
+        pointing at the old box. One change batch; a re-run finding exactly these addresses at
+        this TTL writes nothing. Returns what was there and what is there now.
+
+        ``fqdn`` is the host itself, never a wildcard: a host that a zone's ``*`` record serves
+        gets a record of its own, which takes precedence over the wildcard and leaves it as it
+        is. Refused with :class:`DNSProviderError` (nothing written): no address, a text that is
+        not a unicast IP address, a wildcard name, a name in no hosted zone, and a name whose
+        address records are not plain sets we may replace (a CNAME, an alias, a weighted /
+        latency / failover set), which someone configured on purpose and must change by hand.
+        """
+        what = f"point {fqdn} at {', '.join(str(a) for a in addresses) or 'nothing'}"
+        if "*" in fqdn:
+            raise DNSProviderError(
+                f"route53: {what}: {fqdn!r} is a wildcard name; only a host's own records are "
+                "repointed (the wildcard stays as it is)"
+            )
+        try:
+            name = normalise_fqdn(fqdn)
+            wanted = canonical_addresses(addresses)
+        except ValueError as exc:
+            raise DNSProviderError(f"route53: {what}: {exc}") from None
+        if not wanted:
+            raise DNSProviderError(
+                f"route53: point {name}: no address given (pointing a host at nothing would "
+                "delete its records)"
+            )
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 <= ttl <= _MAX_TTL:
+            raise DNSProviderError(f"route53: point {name}: TTL {ttl!r} is not 0..{_MAX_TTL} s")
+        what = f"point {name} at {', '.join(wanted)}"
+        zone_id = self._zone_for(name)
+        before: tuple[str, ...] = ()  # as the last plan read them: the answer's "before"
+
+        def plan() -> list[dict[str, Any]] | None:
+            nonlocal before
+            current = self._read_addresses(zone_id, name, what)
+            before = tuple(a for rtype in ("A", "AAAA") for a in _as_listed(current.get(rtype)))
+            changes: list[dict[str, Any]] = []
+            for rtype in ("A", "AAAA"):
+                want = _family(wanted, rtype)
+                have = current.get(rtype)
+                if want and (have is None or have.ttl != ttl or _as_listed(have) != want):
+                    changes.append(self._change("UPSERT", name, ttl, list(want), rtype))
+                elif not want and have is not None:
+                    # Exactly as read: if it changed since, Route53 refuses and we read again.
+                    changes.append(self._change("DELETE", name, have.ttl, list(have.raw), rtype))
+            return changes or None
+
+        with self._write_lock:
+            # Route53 takes a comment of at most 256 characters (many addresses would pass it).
+            comment = f"lchat relocate --move-dns: {what}"[:256]
+            change_id = self._apply_locked(zone_id, what, plan, comment=comment)
+        if change_id is None:
+            log.info(
+                "dns {provider}: {fqdn} already points at {addresses} with TTL {ttl} "
+                "(zone {zone}): nothing to change",
+                provider=self.name,
+                fqdn=name,
+                addresses=", ".join(wanted),
+                ttl=ttl,
+                zone=zone_id,
+            )
+        else:
+            log.info(
+                "dns {provider}: {fqdn} repointed {before} -> {after}, TTL {ttl} "
+                "(zone {zone}, change {change})",
+                provider=self.name,
+                fqdn=name,
+                before=", ".join(before) or "(none)",
+                after=", ".join(wanted),
+                ttl=ttl,
+                zone=zone_id,
+                change=change_id,
+            )
+        return AddressChange(name, zone_id, before, wanted, ttl, change_id or "")
+
+    def _read_addresses(self, zone_id: str, fqdn: str, what: str) -> dict[str, _RRSet]:
+        """The plain ``A``/``AAAA`` sets at exactly ``fqdn`` by type (values as listed); raises
+        :class:`DNSProviderError` when the name holds address records we must not replace."""
+        found: dict[str, _RRSet] = {}
+        start: dict[str, str] = {"StartRecordName": fqdn + "."}
+        for _ in range(_ADDRESS_PAGES):
+            listing = self._client_call(
+                what,
+                "list_resource_record_sets",
+                HostedZoneId=zone_id,
+                MaxItems=_ADDRESS_PAGE,
+                **start,
+            )
+            for rrset in listing.get("ResourceRecordSets", []):
+                name = str(rrset.get("Name", "")).lower().rstrip(".")
+                if name != fqdn:
+                    return found  # the listing is in name order from fqdn: its sets are done
+                rtype = str(rrset.get("Type", ""))
+                if rtype == "CNAME":
+                    raise DNSProviderError(
+                        f"route53: {what}: {fqdn} is a CNAME in zone {zone_id}, which no address "
+                        "record may sit beside; change it by hand"
+                    )
+                if rtype not in ("A", "AAAA"):
+                    continue
+                if "SetIdentifier" in rrset or "ResourceRecords" not in rrset:
+                    kind = "an alias" if "AliasTarget" in rrset else "a routing-policy set"
+                    raise DNSProviderError(
+                        f"route53: {what}: {fqdn}'s {rtype} record in zone {zone_id} is {kind} "
+                        "(someone set it up on purpose); change it by hand"
+                    )
+                raw = tuple(str(r["Value"]) for r in rrset["ResourceRecords"])
+                found[rtype] = _RRSet(int(rrset.get("TTL", self._ttl)), raw)
+            if not listing.get("IsTruncated") or not listing.get("NextRecordName"):
+                return found
+            start = {"StartRecordName": str(listing["NextRecordName"])}
+            if listing.get("NextRecordType"):
+                start["StartRecordType"] = str(listing["NextRecordType"])
+            if listing.get("NextRecordIdentifier"):
+                start["StartRecordIdentifier"] = str(listing["NextRecordIdentifier"])
+        raise DNSProviderError(
+            f"route53: {what}: {fqdn} has more record sets than {_ADDRESS_PAGES} pages of "
+            f"{_ADDRESS_PAGE}; not guessing which are its addresses"
+        )
+
     # -- the read-modify-write -------------------------------------------------------------------
 
     def _swap(
@@ -673,7 +870,7 @@ class Route53:
         update: Callable[[list[str]], list[str] | None],
         adding: bool,
     ) -> str | None:
-        for attempt in range(1, _CAS_ATTEMPTS + 1):
+        def plan() -> list[dict[str, Any]] | None:
             current = self._read(zone_id, fqdn, what)
             old_values = current.values() if current else []
             new_values = update(old_values)
@@ -688,16 +885,34 @@ class Route53:
                     unquote_txt(raw, octal=True): raw for raw in (current.raw if current else ())
                 }
                 raws = [kept.get(v) or quote_txt(v) for v in new_values]
-                changes = [self._change("UPSERT", fqdn, ttl, raws)]
-            else:
-                assert current is not None  # update() only empties a set that exists
-                changes = [self._change("DELETE", fqdn, current.ttl, list(current.raw))]
+                return [self._change("UPSERT", fqdn, ttl, raws)]
+            assert current is not None  # update() only empties a set that exists
+            return [self._change("DELETE", fqdn, current.ttl, list(current.raw))]
+
+        return self._apply_locked(zone_id, what, plan, comment=f"lchat acme dns-01: {what}")
+
+    def _apply_locked(
+        self,
+        zone_id: str,
+        what: str,
+        plan: Callable[[], list[dict[str, Any]] | None],
+        *,
+        comment: str,
+    ) -> str | None:
+        """Submit the changes ``plan`` makes from a fresh read (None: nothing to do) as one batch,
+        reading and planning again when Route53 refuses the batch as invalid (a set it DELETEs
+        changed since the read), up to ``_CAS_ATTEMPTS`` times; then wait for INSYNC. The
+        change's id, or None. The caller holds ``_write_lock``."""
+        for attempt in range(1, _CAS_ATTEMPTS + 1):
+            changes = plan()
+            if changes is None:
+                return None
             try:
                 info = self._client_call(
                     what,
                     "change_resource_record_sets",
                     HostedZoneId=zone_id,
-                    ChangeBatch={"Comment": f"lchat acme dns-01: {what}", "Changes": changes},
+                    ChangeBatch={"Comment": comment, "Changes": changes},
                 )["ChangeInfo"]
             except _Conflict as exc:
                 if attempt == _CAS_ATTEMPTS:
@@ -737,12 +952,14 @@ class Route53:
         return None
 
     @staticmethod
-    def _change(action: str, fqdn: str, ttl: int, raws: list[str]) -> dict[str, Any]:
+    def _change(
+        action: str, fqdn: str, ttl: int, raws: list[str], rtype: str = "TXT"
+    ) -> dict[str, Any]:
         return {
             "Action": action,
             "ResourceRecordSet": {
                 "Name": fqdn + ".",
-                "Type": "TXT",
+                "Type": rtype,
                 "TTL": ttl,
                 "ResourceRecords": [{"Value": raw} for raw in raws],
             },
@@ -1176,12 +1393,14 @@ def make_provider(
 
 
 __all__ = [
+    "AddressChange",
     "DNSProvider",
     "DNSProviderError",
     "DNSimple",
     "PropagationTimeout",
     "Route53",
     "TXTRecord",
+    "canonical_addresses",
     "make_provider",
     "normalise_fqdn",
     "quote_txt",

@@ -99,13 +99,23 @@ def wake_space(admin_socket: str, host: str, timeout: float) -> Response:
     return request(admin_socket, "POST", _with_host("/wake", host), body=b"{}", timeout=timeout)
 
 
-def sleep_space(admin_socket: str, host: str, timeout: float) -> Response:
-    """``POST /sleep?host=H``: answers once the space is asleep (flushed, lease released)."""
-    return request(admin_socket, "POST", _with_host("/sleep", host), body=b"{}", timeout=timeout)
+def sleep_space(
+    admin_socket: str, host: str, timeout: float, hold: float | None = None
+) -> Response:
+    """``POST /sleep?host=H``: answers once the space is asleep (flushed, lease released).
+    ``hold``: and no wake of it on this box for that many seconds, or until :func:`release`."""
+    extra = {} if hold is None else {"hold": f"{hold:g}"}
+    path = _with_host("/sleep", host, **extra)
+    return request(admin_socket, "POST", path, body=b"{}", timeout=timeout)
 
 
-def _with_host(path: str, host: str) -> str:
-    return f"{path}?{urllib.parse.urlencode({'host': host})}"
+def release(admin_socket: str, host: str, timeout: float = DEFAULT_TIMEOUT) -> Response:
+    """``POST /release?host=H``: end a hold :func:`sleep_space` put on the space."""
+    return request(admin_socket, "POST", _with_host("/release", host), body=b"{}", timeout=timeout)
+
+
+def _with_host(path: str, host: str, **extra: str) -> str:
+    return f"{path}?{urllib.parse.urlencode({'host': host, **extra})}"
 
 
 def has_listener(socket_path: str, timeout: float = 2.0) -> bool:

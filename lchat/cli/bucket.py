@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from lchat.config import BoxConfig
+from lchat.config import BoxConfig, RegionBucket, bucket_key_env
 from lchat.objstore import ObjectStore, needs_credentials, open_store
 from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
 from lchat.threads import thread_runner
@@ -36,3 +36,35 @@ async def open_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
         endpoint=hib.endpoint,
         credentials=credentials,
     )
+
+
+async def open_region_bucket(reactor: Any, cfg: BoxConfig, where: RegionBucket) -> ObjectStore:
+    """``where``'s store (an ``LCHAT_REGION_BUCKETS`` entry or ``LCHAT_MESH_BUCKET``), signed for
+    its own region, with its own key pair when it names one (:func:`lchat.config.bucket_key_env`;
+    an unset variable is a ``ConfigError``), else the box's standard chain. A ``file:`` bucket's
+    directory is made on first use, as the id ledger's is."""
+    run = thread_runner(reactor)
+    credentials: ResolvedCredentials | None = None
+    if needs_credentials(where.bucket):
+        env = bucket_key_env(cfg, where)
+        if env is None:
+            env = {**cfg.aws_env, **os.environ}
+        credentials = await run(resolve_credentials, env)
+    else:
+        await run(os.makedirs, where.bucket[len("file:") :], 0o700, True)
+    return open_store(
+        reactor,
+        where.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=where.s3_region,
+        endpoint=where.endpoint,
+        credentials=credentials,
+    )
+
+
+async def open_mesh_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
+    """The bucket the mesh's heartbeats live in (:func:`lchat.config.mesh_bucket`)."""
+    if cfg.mesh is not None and cfg.mesh.bucket is not None:
+        return await open_region_bucket(reactor, cfg, cfg.mesh.bucket)
+    return await open_bucket(reactor, cfg)

@@ -24,8 +24,8 @@ from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
 from twisted.python.failure import Failure
 
 from lchat import hosts
-from lchat.cli.bucket import open_bucket
-from lchat.config import BoxConfig, ConfigError, MeshConfig
+from lchat.cli.bucket import open_mesh_bucket
+from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url, owner
@@ -91,11 +91,11 @@ def run_on_own_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: f
 async def _members(reactor: Any, cfg: BoxConfig, *, include_dead: bool = False) -> list[Member]:
     mesh, hib = cfg.mesh, cfg.hibernate
     assert mesh is not None and hib is not None  # config.load refuses a mesh without a bucket
-    store = await open_bucket(reactor, cfg)
+    store = await open_mesh_bucket(reactor, cfg)
     try:
         return await read_members(
             store,
-            hib,
+            mesh_bucket(cfg),
             dead_after=mesh.dead_after,
             self_url=mesh.self_url,
             include_dead=include_dead,

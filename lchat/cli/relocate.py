@@ -39,17 +39,21 @@ from twisted.internet.defer import Deferred
 from lchat import hosts, lease
 from lchat.cli import admin_client
 from lchat.cli import mesh as mesh_cli
-from lchat.config import BoxConfig, RegionBucket
-from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError, needs_credentials, open_store
-from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
+from lchat.cli import move_dns as move_dns_cli
+from lchat.cli.bucket import open_region_bucket
+from lchat.config import BoxConfig, ConfigError, RegionBucket
+from lchat.mesh.membership import Member
+from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.registry import Registry
 from lchat.replica.restore import replica_files
 from lchat.threads import RunInThread, thread_runner
 
 SUMMARY = "move a hibernating space to another region (copy its replica, flip home_region)"
 DEFAULT_TIMEOUT = 3600.0  # the whole relocation: a large replica's download + re-upload
-SLEEP_TIMEOUT = 150.0  # POST /sleep: as `lchat hibernate --off` waits for it
+SLEEP_TIMEOUT = 150.0
+MAX_HOLD = 3600.0  # the router's bound on a hold (POST /sleep?hold=S)  # POST /sleep: as `lchat hibernate --off` waits for it
 FENCE_RELEASE_BUDGET = 15.0
+MEMBERS_BUDGET = 30.0  # one read of the mesh's heartbeats (a LIST and a few GETs)
 _REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Say = Callable[[str], None]
@@ -68,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="REGION",
         help="the destination region (a LCHAT_MESH_REGION; its bucket from LCHAT_REGION_BUCKETS)",
+    )
+    parser.add_argument(
+        "--move-dns",
+        action="store_true",
+        help="also point the host's own A/AAAA records at the destination region's live boxes "
+        "(Route53 only: LCHAT_DNS_PROVIDER=route53; not needed for correctness)",
     )
     parser.add_argument("--json", action="store_true", help="print the steps as one JSON object")
     parser.add_argument(
@@ -105,11 +115,34 @@ def run(
         )
     if cfg.hibernate is None:
         raise RelocateError("relocating needs the hibernation bucket: set LCHAT_HIBERNATE_BUCKET")
+    move_dns: bool = getattr(args, "move_dns", False)
+    if move_dns:
+        if cfg.mesh is None:
+            raise RelocateError(
+                "--move-dns points the record at the destination region's live boxes, which "
+                "only the mesh knows: set LCHAT_MESH_SELF (or move the record by hand)"
+            )
+        try:
+            move_dns_cli.require_route53(cfg, host)
+        except move_dns_cli.MoveDNSError as e:
+            raise RelocateError(f"{e}; nothing was copied or flipped") from e
     source = route.home_region or (cfg.mesh.region if cfg.mesh is not None else "")
     steps: dict[str, Any] = {"host": host, "from": source, "to": dest}
     if route.home_region == dest:
         steps["result"] = "nothing to do"
-        _report(args, steps, [f"{host}: already in {dest}: nothing to do"], out)
+        done = [f"{host}: already in {dest}: nothing to do"]
+        if move_dns:
+            members = mesh_cli.run_on_own_reactor(
+                lambda reactor: _read_members(reactor, cfg), MEMBERS_BUDGET + 5
+            )
+            if isinstance(members, Exception):
+                raise RelocateError(
+                    f"{host}: could not read the mesh's members ({members}) to move its record"
+                ) from members
+            _dns_step(
+                cfg, host, dest, sorted(m.url for m in members if m.region == dest), steps, done
+            )
+        _report(args, steps, done, out)
         return 0
     src_bucket, dst_bucket = _buckets(cfg, source, dest)
     lines: list[str] = []
@@ -121,23 +154,49 @@ def run(
         notify_router(cfg)
         mesh_cli.fan_out_upsert(cfg, updated, fanned.append)
 
-    if src_bucket is None or dst_bucket is None or src_bucket.same_place(dst_bucket):
+    shared = src_bucket is None or dst_bucket is None or src_bucket.same_place(dst_bucket)
+    placed: dict[str, Any] | None = None
+    if shared:
+        if cfg.mesh is not None:
+            members = mesh_cli.run_on_own_reactor(
+                lambda reactor: _read_members(reactor, cfg), MEMBERS_BUDGET + 5
+            )
+            placed = _placement(cfg, host, dest, shared, members, note)
         steps["store"] = {"copied": False, "why": "shared bucket"}
         lines.append(
             "store: no copy — source and destination share the same bucket (the shared-bucket case)"
         )
         flip()
+        # Awake here, it would keep being served here until its idle sleep: sleep it now, so its
+        # next request wakes it where the mesh now places it (the lease hands it over).
+        if _sleep_here(cfg, host):
+            note(f"{host}: slept on this box; its next request wakes it in {dest}")
     else:
-        steps["store"] = _copy_and_flip(cfg, host, src_bucket, dst_bucket, args.timeout, flip, note)
+        assert src_bucket is not None and dst_bucket is not None
+
+        def check_placement(members: list[Member] | Exception) -> None:
+            nonlocal placed
+            placed = _placement(cfg, host, dest, shared, members, note)
+
+        steps["store"] = _copy_and_flip(
+            cfg, host, src_bucket, dst_bucket, args.timeout, flip, note, check_placement
+        )
         store = steps["store"]
         lines.append(
             f"store: copied {store['objects']} objects ({store['bytes']} bytes, "
             f"{store['skipped']} already there) {store['from']} → {store['to']} by "
             f"{store['method']}, lock.json excluded; newest txid {store['txid']}"
         )
+    if placed is not None:
+        steps["placement"] = placed
     steps["home_region"] = dest
     steps["fan_out"] = fanned
     steps["result"] = "relocated"
+    if placed is not None and not placed["live_boxes"]:
+        lines.append(
+            f"placement: no live box in {dest} yet — the mesh places {host} on the whole fleet "
+            f"until one joins (availability wins over residency; the bucket is shared)"
+        )
     if cfg.mesh is None:
         lines.append(
             f"home_region flipped (no mesh on this box: no peers to tell) — {host} → {dest}"
@@ -149,8 +208,80 @@ def run(
         )
     for line in fanned:
         note(line)
+    if move_dns:
+        live = placed["live_boxes"] if placed is not None else []
+        try:
+            _dns_step(cfg, host, dest, live, steps, lines)
+        except RelocateError as e:
+            # The move stands: report it, then the record that did not follow.
+            _report(
+                args, steps, [f"relocated {host}: {source or '(no region)'} → {dest}", *lines], out
+            )
+            raise RelocateError(
+                f"{host} is relocated to {dest}, but its DNS record was not moved: {e}. The "
+                f"wildcard and the mesh's forwarding keep it reachable; re-run with --move-dns"
+            ) from e
     _report(args, steps, [f"relocated {host}: {source or '(no region)'} → {dest}", *lines], out)
     return 0
+
+
+def _dns_step(
+    cfg: BoxConfig, host: str, dest: str, live: list[str], steps: dict[str, Any], lines: list[str]
+) -> None:
+    """``--move-dns``: the host's own records made the addresses of ``dest``'s live boxes
+    (``live``: their mesh URLs). No live box there (a shared bucket's fallback): left alone,
+    said so. Raises :class:`RelocateError` when Route53 refuses or fails."""
+    if not live:
+        steps["dns"] = {"changed": False, "why": f"no live box in {dest}"}
+        lines.append(f"dns: not moved — no live box in {dest} to point {host} at")
+        return
+    try:
+        addresses = move_dns_cli.destination_addresses(live)
+        moved = move_dns_cli.move_dns(cfg, host, addresses)
+    except move_dns_cli.MoveDNSError as e:
+        raise RelocateError(str(e)) from e
+    steps["dns"] = moved.as_json()
+    lines.append(moved.line)
+
+
+def _placement(
+    cfg: BoxConfig, host: str, dest: str, shared: bool, members: list[Member] | Exception, note: Say
+) -> dict[str, Any] | None:
+    """The destination region's live boxes, from the mesh's heartbeats as read before anything
+    moves (``members``; the exception if the read failed; None without a mesh). With per-region
+    buckets and none of them live, the move is refused: placement would fall back to a box of
+    another region, whose bucket holds no current copy (the router refuses to wake it there, so
+    the space would be down until a ``dest`` box joins). With a shared bucket any box can wake
+    it, so the move goes ahead and says so."""
+    if cfg.mesh is None:
+        return None
+    if isinstance(members, Exception):
+        if shared:
+            note(f"could not read the mesh's members ({members}): placement in {dest} not checked")
+            return None
+        raise RelocateError(
+            f"{host}: could not read the mesh's members ({members}), so whether a {dest} box is "
+            f"live is unknown; nothing was copied or flipped: retry"
+        ) from members
+    live = sorted(m.url for m in members if m.region == dest)
+    if not live and not shared:
+        raise RelocateError(
+            f"{host}: no live box in region {dest}, and {dest} keeps its replicas in its own "
+            f"bucket: placement would fall back to a box of another region, which cannot wake "
+            f"it from there. Start a {dest} box (LCHAT_MESH_REGION={dest}) first, or relocate "
+            f"to a region that has one; nothing was copied or flipped"
+        )
+    return {"region": dest, "live_boxes": live}
+
+
+async def _read_members(reactor: Any, cfg: BoxConfig) -> list[Member] | Exception:
+    """The mesh's live members, or the error that kept us from reading them."""
+    try:
+        d = Deferred.fromCoroutine(mesh_cli._members(reactor, cfg))
+        d.addTimeout(MEMBERS_BUDGET, reactor)
+        return await d
+    except (ObjectStoreError, ConfigError, defer.TimeoutError) as e:
+        return e
 
 
 def _report(args: argparse.Namespace, steps: dict[str, Any], lines: list[str], out: Say) -> None:
@@ -194,16 +325,45 @@ def _copy_and_flip(
     timeout: float,
     flip: Callable[[], None],
     note: Say,
+    check_placement: Callable[[list[Member] | Exception], None],
+) -> dict[str, Any]:
+    held: list[bool] = []  # set once this box's router holds the space asleep
+
+    def sleep_and_hold() -> None:
+        held.append(_sleep_and_hold(cfg, host, min(timeout + 60.0, MAX_HOLD), note))
+
+    try:
+        return _fenced_copy_and_flip(
+            cfg, host, src, dst, timeout, flip, check_placement, sleep_and_hold
+        )
+    finally:
+        # After the flip (and the router's reload): a request now goes to the destination.
+        if any(held):
+            _release_hold(cfg, host, note)
+
+
+def _fenced_copy_and_flip(
+    cfg: BoxConfig,
+    host: str,
+    src: RegionBucket,
+    dst: RegionBucket,
+    timeout: float,
+    flip: Callable[[], None],
+    check_placement: Callable[[list[Member] | Exception], None],
+    sleep_and_hold: Callable[[], None],
 ) -> dict[str, Any]:
     hib = cfg.hibernate
     assert hib is not None
-    _sleep_first(cfg, host, note)
     owner = f"{cfg.box_id} (lchat relocate)"
 
     async def main(reactor: Any) -> dict[str, Any]:
         run_in_thread = thread_runner(reactor)
-        src_store = await _open(reactor, cfg, src, run_in_thread)
-        dst_store = await _open(reactor, cfg, dst, run_in_thread)
+        if cfg.mesh is not None:
+            # Before anything moves: a destination region without a live box is a refusal.
+            check_placement(await _read_members(reactor, cfg))
+        await run_in_thread(sleep_and_hold)
+        src_store = await open_region_bucket(reactor, cfg, src)
+        dst_store = await open_region_bucket(reactor, cfg, dst)
         fences: list[tuple[ObjectStore, lease.HeldLease]] = []
         try:
             for store, where in ((src_store, src), (dst_store, dst)):
@@ -247,6 +407,8 @@ def _copy_and_flip(
         result: dict[str, Any] = _on_reactor(main, timeout)
     except ObjectStoreError as e:
         raise RelocateError(f"{host}: the bucket failed ({e}); nothing was flipped: retry") from e
+    except ConfigError as e:
+        raise RelocateError(f"LCHAT_REGION_BUCKETS: {e}") from e
     except TimeoutError as e:
         raise RelocateError(f"{host}: the relocation did not finish ({e}); retry") from e
     return result
@@ -286,61 +448,50 @@ def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -
     return result
 
 
-def _sleep_first(cfg: BoxConfig, host: str, note: Say) -> None:
+def _sleep_and_hold(cfg: BoxConfig, host: str, hold: float, note: Say) -> bool:
     """Ask this box's router to sleep the space (flush, release the lease), as ``lchat hibernate
-    --off`` does. A router that is not running has nothing awake; another box's wake shows up as
-    its lease, which the fence refuses."""
+    --off`` does, and to keep it asleep for ``hold`` seconds (requests meanwhile get 503 with a
+    short Retry-After instead of waking it again before the fence is taken). Whether a hold was
+    placed. A router that is not running has nothing awake; another box's wake shows up as its
+    lease, which the fence refuses."""
     try:
-        response = admin_client.sleep_space(cfg.admin_socket, host, SLEEP_TIMEOUT)
+        response = admin_client.sleep_space(cfg.admin_socket, host, SLEEP_TIMEOUT, hold=hold)
     except admin_client.Unreachable:
-        return
+        return False
     except admin_client.ProtocolError as e:
+        # The hold may have been placed before the sleep timed out: lift it.
+        _release_hold(cfg, host, note)
         raise RelocateError(
             f"{host}: the router did not finish putting it to sleep within {SLEEP_TIMEOUT:g}s "
             f"({e}); nothing was copied or flipped: retry"
         ) from e
     if response.status == 200:
-        note(f"{host}: asleep on this box (flushed to the bucket, lease released)")
-    elif response.status not in (404, 409):
+        note(f"{host}: asleep on this box and held asleep while it moves")
+        return True
+    if response.status not in (404, 409):
         note(f"the router answered {response.status} to /sleep for {host}; checking the lease")
+    return False
 
 
-async def _open(
-    reactor: Any, cfg: BoxConfig, where: RegionBucket, run_in_thread: RunInThread
-) -> ObjectStore:
-    """``where``'s store, signed for its own region, with its own keys when it names them."""
-    credentials: ResolvedCredentials | None = None
-    if needs_credentials(where.bucket):
-        env = {**cfg.aws_env, **os.environ}
-        if where.access_key_env:
-            # The named variables may sit in the env file (beside the AWS_* ones) or the process
-            # environment, which wins as it does for AWS_*.
-            env = {**cfg.file_env, **os.environ}
-            missing = [n for n in (where.access_key_env, where.secret_key_env) if not env.get(n)]
-            if missing:
-                raise RelocateError(
-                    f"LCHAT_REGION_BUCKETS: region {where.region}'s keys are in "
-                    f"{' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} unset"
-                )
-            keep = {k: v for k, v in env.items() if k in ("AWS_REGION", "AWS_DEFAULT_REGION")}
-            env = {
-                **keep,
-                "AWS_ACCESS_KEY_ID": env[where.access_key_env],
-                "AWS_SECRET_ACCESS_KEY": env[where.secret_key_env],
-            }
-        credentials = await run_in_thread(resolve_credentials, env)
-    else:
-        # A file: region's directory is made on first use, as the id ledger's is.
-        await run_in_thread(os.makedirs, where.bucket[len("file:") :], 0o700, True)
-    return open_store(
-        reactor,
-        where.bucket,
-        run_in_thread,
-        monotonic=time.monotonic,
-        region=where.s3_region,
-        endpoint=where.endpoint,
-        credentials=credentials,
-    )
+def _sleep_here(cfg: BoxConfig, host: str) -> bool:
+    """After a shared-bucket flip: sleep the space if this box's router runs it (best effort:
+    otherwise it moves at its idle sleep). Whether it was asleep-by-us."""
+    try:
+        state = admin_client.status(cfg.admin_socket).json()["hosts"].get(host, {}).get("state")
+        if state not in ("awake", "waking"):
+            return False
+        response = admin_client.sleep_space(cfg.admin_socket, host, SLEEP_TIMEOUT)
+    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, KeyError):
+        return False
+    return response.status == 200
+
+
+def _release_hold(cfg: BoxConfig, host: str, note: Say) -> None:
+    """Lift the hold (it also ends by itself at its deadline)."""
+    try:
+        admin_client.release(cfg.admin_socket, host)
+    except (admin_client.Unreachable, admin_client.ProtocolError) as e:
+        note(f"{host}: could not lift the hold on this box's router ({e}); it ends by itself")
 
 
 async def _copy(

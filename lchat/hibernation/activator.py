@@ -68,6 +68,13 @@ _capacity = Gauge(
     "slots hibernating spaces hold), max (the limit; 0 = none)",
     ["kind"],
 )
+_holds_total = Counter(
+    "lchat_holds_total",
+    "Operator holds on a space's wakes (lchat relocate) by event: held, released, expired",
+    ["event"],
+)
+for _event in ("held", "released", "expired"):
+    _holds_total.labels(_event)
 _evictions = Counter(
     "lchat_capacity_evictions_total",
     "Awake hibernating spaces slept to make room for another's wake (LCHAT_MAX_INSTANCES)",
@@ -80,6 +87,7 @@ LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without a
 # A wake refused at capacity (everything resident busy): the client asks again this much later;
 # requests usually end within seconds, and then the longest-idle space can be slept.
 CAPACITY_RETRY = 5.0
+HOLD_RETRY_AFTER = 5.0  # a held space's Retry-After (a relocation usually ends within seconds)
 CAPACITY_LOG_EVERY = 10.0  # seconds between "503: nothing can be slept" lines (a storm is one)
 
 
@@ -113,6 +121,9 @@ class Activator(Service):
         self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
         # host -> (answer from memory until, Retry-After, why): a lease seen held elsewhere
         self._held: dict[str, tuple[float, float, str]] = {}
+        # host -> (no wake until, why): an operator's hold (`lchat relocate` sleeps a space and
+        # keeps it asleep while it copies the replica elsewhere).
+        self._holds: dict[str, tuple[float, str]] = {}
         self._stopping = False
         self._resident = resident
         self._max_instances = max_instances
@@ -139,6 +150,36 @@ class Activator(Service):
     def state(self, host: str) -> str:
         space = self._spaces.get(host)
         return "asleep" if space is None else space.state
+
+    def held_asleep(self) -> dict[str, float]:
+        """The hosts held asleep (:meth:`hold`) and the seconds each hold has left."""
+        now = self._reactor.seconds()
+        return {h: round(until - now, 1) for h, (until, _) in self._holds.items() if until > now}
+
+    def hold(self, host: str, seconds: float, why: str) -> None:
+        """No wake of ``host`` on this box for ``seconds`` (at most an hour), whoever asks: a
+        request gets 503 ``held`` with a short Retry-After, the due sweep and ``/wake`` fail. An
+        awake space is not touched (the caller sleeps it: :meth:`sleep`); requests that queued on
+        it while it stops are refused rather than waking it again. Ends at the deadline or at
+        :meth:`release_hold`, so a crashed caller cannot keep a space down for long."""
+        seconds = max(0.0, min(seconds, 3600.0))
+        self._holds[host] = (self._reactor.seconds() + seconds, why)
+        _holds_total.labels("held").inc()
+        _log.info(
+            "activator: {host} held asleep for up to {seconds:g}s ({why})",
+            host=host,
+            seconds=seconds,
+            why=why,
+        )
+
+    def release_hold(self, host: str) -> bool:
+        """End ``host``'s hold (the next request wakes it); whether there was one."""
+        held = self._holds.pop(host, None)
+        if held is None:
+            return False
+        _holds_total.labels("released").inc()
+        _log.info("activator: {host} hold released ({why})", host=host, why=held[1])
+        return True
 
     def idle_hosts(self, idle: float) -> list[str]:
         """Awake spaces with nothing in flight for ``idle`` seconds (O(awake))."""
@@ -220,6 +261,13 @@ class Activator(Service):
         if space is None and self._stopping:
             # (route() refuses first; this is for the other callers: /wake, the due sweep.)
             return fail(WakeFailed(host, "shutdown", "the router is stopping"))
+        if space is None and host in self._holds:
+            until, why = self._holds[host]
+            if now < until:
+                # Checked before the capacity and lease paths: a held space costs no bucket call.
+                return fail(WakeFailed(host, "held", why, min(until - now, HOLD_RETRY_AFTER)))
+            del self._holds[host]
+            _holds_total.labels("expired").inc()
         if space is None and host in self._failures:
             left = self._failures[host][1] - now
             if left > 0:

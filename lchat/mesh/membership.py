@@ -4,7 +4,8 @@ Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s)::
 
     <prefix>/mesh/members/<base64url(normalised LCHAT_MESH_SELF), no padding>
 
-The key is the record: it names the box, so one LIST of the prefix is the whole membership, and
+in the hibernation bucket, or in ``LCHAT_MESH_BUCKET`` when the fleet's regions keep their replicas
+in different buckets (every member of one mesh must name the same place). The key is the record: it names the box, so one LIST of the prefix is the whole membership, and
 the ``Last-Modified`` of each object is that box's last beat. The body is small JSON that stays the
 same across beats (so its ETag does not change and peers read it once per process of the box)::
 
@@ -47,7 +48,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from attrs import field, frozen
 from prometheus_client import Counter, Gauge
@@ -60,7 +61,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 import lchat
-from lchat.config import HibernateConfig, MeshConfig
+from lchat.config import MeshConfig
 from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import (
     UTC,
@@ -109,7 +110,14 @@ for _outcome in ("deleted", "changed", "failed"):
 # --- keys and bodies ----------------------------------------------------------------------------
 
 
-def members_prefix(hib: HibernateConfig) -> str:
+class KeyPrefix(Protocol):
+    """Where the heartbeats live: the hibernation bucket's config or ``LCHAT_MESH_BUCKET``'s entry
+    (:func:`lchat.config.mesh_bucket`); only its key prefix matters here."""
+
+    def key(self, *parts: str) -> str: ...
+
+
+def members_prefix(hib: KeyPrefix) -> str:
     """``<prefix>/mesh/members/``: what one LIST reads."""
     return hib.key("mesh", "members") + "/"
 
@@ -138,7 +146,7 @@ def decode_member_name(name: str) -> str | None:
     return url
 
 
-def member_key(hib: HibernateConfig, url: str) -> str:
+def member_key(hib: KeyPrefix, url: str) -> str:
     """The heartbeat key of the member ``url`` (normalised here; ValueError if it is no URL)."""
     return hib.key("mesh", "members", encode_member_name(normalise_member_url(url)))
 
@@ -218,7 +226,7 @@ BodyCache = dict[str, tuple[str, Heartbeat | None]]
 
 async def read_members(
     store: ObjectStore,
-    hib: HibernateConfig,
+    hib: KeyPrefix,
     *,
     dead_after: float = 45.0,
     bodies: BodyCache | None = None,
@@ -249,7 +257,7 @@ async def read_members(
 
 async def _read(
     store: ObjectStore,
-    hib: HibernateConfig,
+    hib: KeyPrefix,
     dead_after: float,
     bodies: BodyCache | None,
     self_url: str,
@@ -427,7 +435,7 @@ class Membership(Service):
         self,
         reactor: IReactorTime,
         store: ObjectStore,
-        hib: HibernateConfig,
+        hib: KeyPrefix,
         mesh: MeshConfig,
         *,
         started_at: float | None = None,

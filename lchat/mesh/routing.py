@@ -52,7 +52,8 @@ _forwards = Counter(
     "Mesh routing decisions for in-scope hibernating spaces",
     # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker,
     # peer_unreachable, peer_stopping; for lives-elsewhere rows: to_elsewhere,
-    # elsewhere_unreachable, elsewhere_loop
+    # elsewhere_unreachable, elsewhere_loop; region_down (its home region keeps its replica in
+    # another bucket and has no live box: not woken here)
     ["outcome"],
 )
 _ownership_changes = Counter(
@@ -67,6 +68,7 @@ _release_waits = Counter(
 # A peer that refused a request because it is stopping releases its leases within its drain
 # (about 0.1 s typically; a slow final flush can take longer): requests wait this long for it.
 RELEASE_WAIT = 10.0
+REGION_DOWN_LOG_EVERY = 60.0  # seconds between "not woken here" lines for one host
 RELEASE_POLL = 0.1  # seconds between reads of lock.json while waiting (shared by all requests)
 
 Local = Callable[[], "Target | Deferred[Target]"]
@@ -98,6 +100,14 @@ class MeshRouter:
         self._unreachable: dict[str, float] = {}  # peer url -> left out of placement until
         self._draining: dict[str, float] = {}  # peer url -> it is stopping: await releases until
         self._reading: dict[str, Deferred[str | None]] = {}  # host -> the GET of its lease
+        # LCHAT_REGION_BUCKETS: regions whose replicas live in a bucket other than ours. A space
+        # homed in one of them is never woken here (our bucket's copy of it is stale or absent).
+        # (config.load made our own region's entry, if any, name our hibernation bucket.)
+        here = (cfg.hibernate.bucket, cfg.hibernate.prefix, cfg.hibernate.endpoint)
+        self._foreign_regions = frozenset(
+            b.region for b in cfg.region_buckets if (b.bucket, b.prefix, b.endpoint) != here
+        )
+        self._region_down_logged: dict[str, float] = {}  # host -> last "not woken here" line
         subscribe = getattr(membership, "subscribe", None)
         if subscribe is not None:
             subscribe(self._members_changed)
@@ -124,13 +134,48 @@ class MeshRouter:
         return url
 
     def is_owner(self, route: Route) -> bool:
-        """Due wakes fire only on the owner of an in-scope space (anywhere for the rest)."""
-        return not self.in_scope(route.host) or self.owner_url(route) == self._self_url
+        """Due wakes fire only on the owner of an in-scope space (anywhere for the rest), and
+        never here for a space whose replica is in another region's bucket."""
+        if not self.in_scope(route.host):
+            return True
+        return self.owner_url(route) == self._self_url and not self._foreign(route)
+
+    def _foreign(self, route: Route) -> bool:
+        """Is ``route`` homed in a region that keeps its replicas in another bucket than this
+        box's (``LCHAT_REGION_BUCKETS``)? Such a space must be woken by a box of that region:
+        our bucket holds at most the copy it had before it moved."""
+        return bool(route.home_region) and route.home_region in self._foreign_regions
+
+    def _region_down(self, route: Route) -> Target:
+        """The 503 for a space whose home region has no live box and whose replica this box
+        cannot reach (placement fell back to us): never a wake of a stale copy."""
+        host = route.host
+        _forwards.labels("region_down").inc()
+        now = self._clock()
+        if now - self._region_down_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
+            self._region_down_logged[host] = now
+            _log.warn(
+                "mesh: {host} is homed in region {region}, which has no live box, and keeps its "
+                "replica in another bucket (LCHAT_REGION_BUCKETS): answering 503 instead of "
+                "waking this box's older copy (start a {region} box, or `lchat relocate {host} "
+                "--to` a region that has one)",
+                host=host,
+                region=route.home_region,
+            )
+        return plain(
+            503,
+            f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
+            f"{RETRY_AFTER_SECONDS}s",
+            (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+            label="region_down",
+        )
 
     def route(self, route: Route, head: RequestHead, local: Local) -> Target | Deferred[Target]:
         host = route.host
         if head.forwarded is not None:
             if forward.authentic(head.forwarded, self._mesh.token, host, now=self._clock):
+                if self._foreign(route) and not self._activator.holds(host):
+                    return self._region_down(route)
                 _forwards.labels("local_forwarded").inc()
                 target = local()
                 if isinstance(target, Deferred):
@@ -205,6 +250,8 @@ class MeshRouter:
             _forwards.labels("to_holder").inc()
             return self._to(holder, route, local)
         owner = self.owner_url(route)
+        if owner == self._self_url and self._foreign(route) and not self._activator.holds(host):
+            return self._region_down(route)
         if owner == self._self_url or self._activator.holds(host):
             _forwards.labels("local_owner").inc()
             return await _resolve(local())

@@ -1,0 +1,337 @@
+"""``lchat relocate`` end to end (issue 17): four real routers in two regions on two different S3
+implementations, one mesh.
+
+Region ``ie`` keeps its replicas in a moto bucket, region ``fi`` in a SeaweedFS bucket; the
+heartbeats of all four boxes live in a third bucket (``LCHAT_MESH_BUCKET``, on moto), so the two
+regions are one mesh. A space homed in ``ie`` is moved to ``fi`` while a client keeps writing to it
+through the ``ie`` boxes: every acknowledged write survives, the space ends up awake on an ``fi``
+box, the ``ie`` boxes forward to it, the ``fi`` bucket holds a replica the stock ``litestream
+restore`` reads, and the ``ie`` bucket keeps no lock. A second run is a no-op; a region with no
+live box and its own bucket is refused; with the ``fi`` boxes gone, the ``ie`` boxes answer 503
+rather than wake their stale copy. With one shared bucket, a move to a region with no live box goes
+ahead and says that placement falls back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import tempfile
+import threading
+import time
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.threads import deferToThread
+
+from lchat import lease
+from tests import replicas, s3servers, test_mesh
+from tests.test_mesh import DOMAIN, TOKEN, Box, MeshTestCase, request
+from tests.test_mesh import _lchat as lchat
+
+HOST = f"moving.{DOMAIN}"
+
+
+class _Writer:
+    """A client posting numbered messages to ``HOST`` through the given boxes in turn until
+    stopped; a 503 (held, waking, forwarded to a box that is not ready) is retried after a pause.
+    ``acked``: the bodies answered 201."""
+
+    def __init__(self, boxes: list[Box], ca: str) -> None:
+        self.boxes = boxes
+        self.ca = ca
+        self.acked: list[str] = []
+        self.answers: dict[int, int] = {}
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            box = self.boxes[n % len(self.boxes)]
+            body = f"m{n}"
+            try:
+                status, data, _ = request(
+                    box,
+                    HOST,
+                    "/api/rooms/r/messages",
+                    "POST",
+                    json.dumps({"body": body}).encode(),
+                    ca=self.ca,
+                )
+            except OSError as e:
+                self.errors.append(f"{box.name}: {e}")
+                time.sleep(0.2)
+                continue
+            self.answers[status] = self.answers.get(status, 0) + 1
+            if status == 201:
+                self.acked.append(body)
+                n += 1
+                time.sleep(0.05)
+            else:
+                if status != 503:
+                    self.errors.append(f"{box.name}: {status} {data[:200]!r}")
+                time.sleep(0.2)
+
+    def acked_since(self, mark: int) -> int:
+        return len(self.acked) - mark
+
+
+class RelocateAcrossRegionsTests(MeshTestCase):
+    timeout = 420
+
+    async def _bucket(self) -> None:
+        self.server = await s3servers.shared_server("moto")
+        self.bucket = await self.server.new_bucket()  # region ie's replicas
+        self.mesh_bucket = await self.server.new_bucket()  # every box's heartbeat
+        self.spare_bucket = await self.server.new_bucket()  # region lv: no box at all
+        self.weed = await s3servers.shared_server("seaweedfs")
+        self.fi_bucket = await self.weed.new_bucket()  # region fi's replicas
+        # Each router takes its keys from its env file alone (the process environment would win).
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            saved = os.environ.pop(name, None)
+            if saved is not None:
+                self.addCleanup(os.environ.__setitem__, name, saved)
+
+    def region_boxes(self) -> tuple[list[Box], list[Box]]:
+        moto, weed = self.server, self.weed
+        ports = s3servers.free_ports(4)
+        names = ["ie0", "ie1", "fi0", "fi1"]
+        boxes = [Box(self.root, name, f"127.0.0.{i + 2}", ports[i]) for i, name in enumerate(names)]
+        ie_keys = "access_key_env=IE_KEY&secret_key_env=IE_SECRET"
+        fi_keys = "access_key_env=FI_KEY&secret_key_env=FI_SECRET"
+        ie = f"s3://{self.bucket}/prod?endpoint={moto.endpoint}&region={moto.region}&{ie_keys}"
+        fi = f"s3://{self.fi_bucket}/prod?endpoint={weed.endpoint}&region={weed.region}&{fi_keys}"
+        lv = f"s3://{self.spare_bucket}/prod?endpoint={moto.endpoint}&region={moto.region}"
+        common = {
+            "LCHAT_HIBERNATE_IDLE": "120s",
+            "LCHAT_HIBERNATE_PREFIX": "prod",
+            "LCHAT_LEASE_TTL": "60s",  # the relocation's fences must outlast a slow copy
+            "LCHAT_MESH_DOMAINS": DOMAIN,
+            "LCHAT_MESH_TOKEN": TOKEN,
+            "LCHAT_MESH_HEARTBEAT": "300ms",
+            "LCHAT_MESH_DEAD_AFTER": "1500ms",
+            "LCHAT_MESH_CA_FILE": self.ca,
+            "LCHAT_MESH_BUCKET": f"s3://{self.mesh_bucket}/fleet?endpoint={moto.endpoint}"
+            f"&region={moto.region}&{ie_keys}",
+            "LCHAT_REGION_BUCKETS": f"ie={ie},fi={fi},lv={lv}&{ie_keys}",
+            "LCHAT_ACCESS_LOG": "on",
+            "IE_KEY": moto.credentials.access_key,
+            "IE_SECRET": moto.credentials.secret_key,
+            "FI_KEY": weed.credentials.access_key,
+            "FI_SECRET": weed.credentials.secret_key,
+        }
+        for box in boxes:
+            server, bucket, region = (
+                (moto, self.bucket, "ie")
+                if box.name.startswith("ie")
+                else (weed, self.fi_bucket, "fi")
+            )
+            os.makedirs(box.acme, mode=0o700)
+            shutil.copy(self.wildcard, box.acme)
+            os.chmod(os.path.join(box.acme, os.path.basename(self.wildcard)), 0o600)
+            test_mesh.MeshTests._ip_certificate(self, box)  # type: ignore[arg-type]
+            box.settings = {  # type: ignore[attr-defined]
+                **common,
+                "LCHAT_MESH_REGION": region,
+                "LCHAT_HIBERNATE_BUCKET": bucket,
+                "LCHAT_HIBERNATE_ENDPOINT": server.endpoint,
+                "LCHAT_HIBERNATE_REGION": server.region,
+                "AWS_ACCESS_KEY_ID": server.credentials.access_key,
+                "AWS_SECRET_ACCESS_KEY": server.credentials.secret_key,
+            }
+            box.add_space(HOST, home_region="ie")
+            self.addCleanup(box.kill_spaces)
+            self.addCleanup(box.stop, signal.SIGKILL)
+        return boxes[:2], boxes[2:]
+
+    def messages(self, box: Box) -> list[str]:
+        status, body, _ = request(box, HOST, "/api/rooms/r/messages?limit=1000", ca=self.ca)
+        assert status == 200, (box.name, status, body)
+        return [m["body"] for m in json.loads(body)["messages"]]
+
+    def logs(self, *boxes: Box) -> str:
+        return "\n".join(f"--- {b.name}\n{b.log()[-4000:]}" for b in boxes)
+
+    @inlineCallbacks
+    def test_a_space_moves_from_moto_to_seaweedfs_while_clients_write(self) -> Any:
+        ie, fi = self.region_boxes()
+        everyone = [*ie, *fi]
+        yield self.start(*everyone)
+        status, body, _ = yield self.req(
+            ie[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "before"}'
+        )
+        self.assertEqual(status, 201, body)
+        owners = [b for b in everyone if b.awake(HOST)]
+        self.assertEqual(len(owners), 1, self.logs(*everyone))
+        source = owners[0]
+        self.assertIn(source, ie, "placed outside its home region")
+
+        writer = _Writer(ie, self.ca)
+        running = deferToThread(writer.run)
+        try:
+            yield self.wait_for(lambda: len(writer.acked) >= 10, timeout=60)
+            ran = yield deferToThread(
+                lchat, "relocate", HOST, "--to", "fi", "--env-file", source.env_file
+            )
+            self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr + self.logs(*everyone))
+            lines = ran.stdout.splitlines()
+            self.assertEqual(lines[0], f"relocated {HOST}: ie → fi", lines)
+            self.assertIn("store: copied", lines[1])
+            self.assertIn("download + re-upload, lock.json excluded", lines[1])
+            self.assertTrue(lines[-1].startswith("home_region flipped + route re-fanned-out"))
+            for peer in (b for b in everyone if b is not source):
+                self.assertIn(f"pushed to {peer.url}: updated", ran.stderr)
+            # The writes go on, now served in fi.
+            mark = len(writer.acked)
+            yield self.wait_for(lambda: writer.acked_since(mark) >= 10, timeout=90)
+        finally:
+            writer.stop.set()
+            yield running
+        self.assertEqual(writer.errors, [], self.logs(*everyone))
+
+        # Owned by an fi box; no ie box runs it; both ie boxes forward to it.
+        awake = [b.name for b in everyone if b.awake(HOST)]
+        self.assertEqual(len(awake), 1, awake)
+        self.assertIn(awake[0], ("fi0", "fi1"))
+        expected = ["before", *writer.acked]
+        for box in everyone:
+            got = yield deferToThread(self.messages, box)
+            self.assertEqual(got, expected, box.name)
+        for box in everyone:
+            row = box.registry().get(HOST)
+            assert row is not None
+            self.assertEqual(row.home_region, "fi", box.name)
+
+        # Asleep (flushed to fi's bucket): the stock litestream restores every acknowledged write.
+        owner = next(b for b in fi if b.awake(HOST))
+        slept = yield deferToThread(_admin, owner, f"/sleep?host={HOST}")
+        self.assertEqual(slept[0], 200, slept)
+        restored = os.path.join(tempfile.mkdtemp(dir=self.root), "restored.db")
+        yield Deferred.fromCoroutine(
+            replicas.litestream_restore(self.weed, self.fi_bucket, f"prod/{HOST}", restored)
+        )
+        with sqlite3.connect(restored) as conn:
+            bodies = [r[0] for r in conn.execute("SELECT body FROM messages ORDER BY id")]
+        self.assertEqual(bodies, expected)
+        # No lock was copied or left behind in ie; fi's lock is its own box's (released now).
+        ie_store = s3servers.store_for(self.server, self.bucket)
+        self.addCleanup(lambda: Deferred.fromCoroutine(ie_store.close()))
+        listed = yield Deferred.fromCoroutine(ie_store.list(f"prod/{HOST}/"))
+        ie_keys = [i.key for i in listed]
+        self.assertNotIn(lease.lease_key("prod", HOST), ie_keys)
+
+        # Again: nothing to do.
+        again = yield deferToThread(
+            lchat, "relocate", HOST, "--to", "fi", "--env-file", source.env_file
+        )
+        self.assertEqual(
+            (again.returncode, again.stdout.strip()), (0, f"{HOST}: already in fi: nothing to do")
+        )
+        # A region with its own bucket and no live box: refused, nothing changes.
+        refused = yield deferToThread(
+            lchat, "relocate", HOST, "--to", "lv", "--env-file", owner.env_file
+        )
+        self.assertEqual(refused.returncode, 1, refused.stdout)
+        self.assertIn("no live box in region lv", refused.stderr)
+        row = owner.registry().get(HOST)
+        assert row is not None
+        self.assertEqual(row.home_region, "fi")
+
+        # Without a live fi box the ie boxes answer 503: they never wake their stale copy.
+        for box in fi:
+            yield deferToThread(box.stop, signal.SIGTERM)
+        yield self.wait_for(lambda: all(test_mesh._members(b) == 2 for b in ie), timeout=20)
+        for box in ie:
+            status, body, _ = yield self.req(box, HOST)
+            self.assertEqual(status, 503, body)
+            self.assertFalse(box.awake(HOST))
+        self.assertIn("has no live box, and keeps its replica in another bucket", ie[0].log())
+
+
+class RelocateSharedBucketTests(MeshTestCase):
+    timeout = 240
+
+    @inlineCallbacks
+    def test_shared_bucket_moves_dns_and_falls_back_without_a_live_box(self) -> Any:
+        from tests.test_dns01 import _moto_server
+
+        boxes = self.boxes(3, LCHAT_MESH_REGION="ie")
+        boxes[2].settings = {**boxes[2].settings, "LCHAT_MESH_REGION": "fi"}  # type: ignore[attr-defined]
+        for box in boxes:
+            test_mesh.MeshTests._ip_certificate(self, box)  # type: ignore[arg-type]
+            box.add_space(HOST, home_region="ie")
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(
+            boxes[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "kept"}'
+        )
+        self.assertEqual(status, 201, body)
+        source = next(b for b in boxes if b.awake(HOST))
+        self.assertIsNot(source, boxes[2])
+        # The CLI's env file: the router's, plus Route53 (moto's open mode) as the DNS provider.
+        dns = yield deferToThread(_moto_server)
+        r53 = dns.client("route53")
+        zone = r53.create_hosted_zone(Name=DOMAIN, CallerReference=str(time.time_ns()))
+        zone_id = zone["HostedZone"]["Id"].rsplit("/", 1)[-1]
+        cli_env = os.path.join(self.root, "cli.env")
+        with open(source.env_file) as f, open(cli_env, "w") as out:
+            out.write(f.read())
+            out.write(
+                f"LCHAT_ACME_DIRECTORY=http://127.0.0.1:9/directory\nLCHAT_DNS_PROVIDER=route53\n"
+                f"LCHAT_ROUTE53_ENDPOINT={dns.endpoint}\nLCHAT_ROUTE53_ZONE_ID={zone_id}\n"
+            )
+        ran = yield deferToThread(
+            lchat, "relocate", HOST, "--to", "fi", "--move-dns", "--json", "--env-file", cli_env
+        )
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        steps = json.loads(ran.stdout)
+        self.assertEqual(steps["store"], {"copied": False, "why": "shared bucket"})
+        self.assertEqual(steps["placement"], {"region": "fi", "live_boxes": [boxes[2].url]})
+        self.assertEqual((steps["dns"]["before"], steps["dns"]["after"]), ([], [boxes[2].address]))
+        records = r53.list_resource_record_sets(HostedZoneId=zone_id)["ResourceRecordSets"]
+        a_sets = [r for r in records if r["Type"] == "A"]
+        self.assertEqual(
+            [(r["Name"].rstrip("."), [v["Value"] for v in r["ResourceRecords"]]) for r in a_sets],
+            [(HOST, [boxes[2].address])],
+        )
+        # Served in fi now (the shared bucket), reachable through every box.
+        yield self.wait_for(lambda: self._served_everywhere(boxes), timeout=60)
+        self.assertTrue(boxes[2].awake(HOST))
+
+        # A region with no live box: the move goes ahead, says placement falls back, and leaves
+        # the record alone.
+        text = yield deferToThread(
+            lchat, "relocate", HOST, "--to", "se", "--move-dns", "--env-file", cli_env
+        )
+        self.assertEqual(text.returncode, 0, text.stderr)
+        self.assertIn("placement: no live box in se yet", text.stdout)
+        self.assertIn("dns: not moved — no live box in se", text.stdout)
+        yield self.wait_for(lambda: self._served_everywhere(boxes), timeout=60)
+
+    def _served_everywhere(self, boxes: list[Box]) -> bool:
+        for box in boxes:
+            status, body, _ = request(box, HOST, "/api/rooms/r/messages", ca=self.ca)
+            if status != 200 or [m["body"] for m in json.loads(body)["messages"]] != ["kept"]:
+                return False
+        return True
+
+
+def _admin(box: Box, path: str) -> tuple[int, bytes]:
+    """``POST path`` on the box's admin socket."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(60)
+    try:
+        sock.connect(box.admin)
+        sock.sendall(f"POST {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
