@@ -283,7 +283,8 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HIBERNATE_PREFIX": "",
     "LCHAT_HIBERNATE_ENDPOINT": "",
     "LCHAT_HIBERNATE_IDLE": "15m",
-    "LCHAT_LEASE_TTL": "15m",
+    # "": 15m off a mesh; 2h on a mesh box, whose leases its heartbeat fences (docs/lease.md).
+    "LCHAT_LEASE_TTL": "",
     "LCHAT_HIBERNATE_SWEEP": "5s",
     "LCHAT_DUE_SWEEP": "30s",
     "LCHAT_MAX_INSTANCES": "40",  # resident space processes (0 = no limit)
@@ -746,7 +747,7 @@ def bucket_key_env(cfg: BoxConfig, where: RegionBucket) -> dict[str, str] | None
     env = {**cfg.file_env, **os.environ}
     missing = [n for n in (where.access_key_env, where.secret_key_env) if not env.get(n)]
     if missing:
-        label = f"region {where.region}" if where.region else "the mesh bucket"
+        label = f"region {where.region}" if where.region else "LCHAT_MESH_BUCKET"
         raise ConfigError(
             f"{label}'s keys are in {' and '.join(missing)}, which "
             f"{'is' if len(missing) == 1 else 'are'} unset"
@@ -817,11 +818,23 @@ def _region_buckets(
     return tuple(found[r] for r in sorted(found))
 
 
+# LCHAT_LEASE_TTL's defaults. Off a mesh the TTL is the only way a dead holder's lease frees up
+# (renewed every TTL/3: 12 writes per awake space-hour). On a mesh box the holder's heartbeat
+# fences its leases, so a peer takes over a dead box's spaces within dead_after; the TTL is only
+# the backstop for a lease its live box leaked (renewed every 40 min: at most 3 lease requests
+# per awake space-hour with the acquire and the release).
+SOLO_LEASE_TTL = "15m"
+MESH_LEASE_TTL = "2h"
+
+
 def _hibernate(get: _Getter) -> HibernateConfig | None:
     idle = parse_duration("LCHAT_HIBERNATE_IDLE", get("LCHAT_HIBERNATE_IDLE"))
     if idle <= 0:
         raise ConfigError("LCHAT_HIBERNATE_IDLE must be a positive duration")
-    lease_ttl = parse_duration("LCHAT_LEASE_TTL", get("LCHAT_LEASE_TTL"))
+    ttl_text = get("LCHAT_LEASE_TTL") or (
+        MESH_LEASE_TTL if get("LCHAT_MESH_SELF") else SOLO_LEASE_TTL
+    )
+    lease_ttl = parse_duration("LCHAT_LEASE_TTL", ttl_text)
     if lease_ttl < 3:
         raise ConfigError("LCHAT_LEASE_TTL must be at least 3s (it is renewed at a third)")
     sweeps = {}

@@ -76,7 +76,8 @@ from lchat.objstore import (
 UTC = datetime.UTC
 LOCK_NAME = "lock.json"
 _MAX_TTL = 1e9  # a corrupt record's absurd TTL must not overflow the date arithmetic
-_ACQUIRE_ATTEMPTS = 5  # a lock that keeps vanishing between our reads and writes: give up
+_ACQUIRE_ATTEMPTS = 5
+BOX_NOT_ALIVE = "this box's heartbeat was not refreshed in time"  # a lock that keeps vanishing between our reads and writes: give up
 
 log = Logger(namespace="lchat.lease")
 
@@ -94,6 +95,17 @@ for _operation, _outcomes in (
 ):
     for _outcome in _outcomes:
         OPERATIONS.labels(_operation, _outcome)  # exported as 0 before the first event
+
+
+TAKEOVERS = Counter(
+    "lchat_lease_takeovers_total",
+    "Leases taken over from another holder, by reason: expired (its TTL passed), holder_dead "
+    "(its box's heartbeat is too old or gone), holder_restarted (its box beats with another "
+    "epoch), own (this box's previous process left it)",
+    ["reason"],
+)
+for _reason in ("expired", "holder_dead", "holder_restarted", "own"):
+    TAKEOVERS.labels(_reason)
 
 
 # --- values and errors --------------------------------------------------------------------------
@@ -118,6 +130,11 @@ class LeaseHeld(Exception):
         self.generation = generation
 
 
+class NotAlive(Exception):
+    """This box's heartbeat is not fresh (a mesh box: lchat.mesh.fence): it takes no lease, and
+    writes on none, until one lands."""
+
+
 class LeaseLost(Exception):
     """The lease is no longer ours (taken over, gone, or not renewed in time): stand down."""
 
@@ -139,21 +156,26 @@ class LeaseRecord:
     acquired_at: str = ""  # RFC 3339, bucket time of the acquisition (kept across renewals)
     version: str = ""  # lchat version of the holder
     lease_id: str = ""  # random per acquisition; only its holder writes records carrying it
+    # On a mesh box: the holder box's LCHAT_MESH_SELF and its process's heartbeat epoch. A lease
+    # naming them is fenced by that box's heartbeat (docs/lease.md): a peer may take it over once
+    # the box is dead (heartbeat too old or gone) or restarted (another epoch), before expiry.
+    box: str = ""
+    epoch: str = ""
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "owner": self.owner,
-                "generation": self.generation,
-                "expires_at": self.expires_at,
-                "ttl_seconds": self.ttl_seconds,
-                "host": self.host,
-                "acquired_at": self.acquired_at,
-                "version": self.version,
-                "lease_id": self.lease_id,
-            },
-            separators=(",", ":"),
-        ).encode()
+        data: dict[str, Any] = {
+            "owner": self.owner,
+            "generation": self.generation,
+            "expires_at": self.expires_at,
+            "ttl_seconds": self.ttl_seconds,
+            "host": self.host,
+            "acquired_at": self.acquired_at,
+            "version": self.version,
+            "lease_id": self.lease_id,
+        }
+        if self.box:
+            data["box"], data["epoch"] = self.box, self.epoch
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def parse(cls, body: bytes) -> LeaseRecord:
@@ -176,6 +198,8 @@ class LeaseRecord:
             acquired_at=_text(data.get("acquired_at")),
             version=_text(data.get("version")),
             lease_id=_text(data.get("lease_id")),
+            box=_text(data.get("box")),
+            epoch=_text(data.get("epoch")),
         )
 
 
@@ -198,6 +222,9 @@ class HeldLease:
     bucket_time: datetime.datetime  # bucket clock read shortly before the last successful write
     written_at: float  # local monotonic time just before the last successful write was sent
     took_over_from: str | None = None  # the expired holder we replaced, if any
+    took_over_because: str = ""  # expired | holder dead | holder restarted | own
+    box: str = ""  # the holder box and its epoch, written in the record (mesh boxes)
+    epoch: str = ""
 
     def record(self, now: datetime.datetime) -> LeaseRecord:
         """The body to write at bucket time ``now`` (an estimate is fine: informational)."""
@@ -210,7 +237,15 @@ class HeldLease:
             acquired_at=rfc3339(self.acquired_at),
             version=lchat.__version__,
             lease_id=self.lease_id,
+            box=self.box,
+            epoch=self.epoch,
         )
+
+
+# A judge of a live lease's holder box (lchat.mesh.fence): why it may be taken over before its
+# expiry ("holder dead", "holder restarted"), or None while the holder box is alive. Called right
+# before the conditional takeover write; a store error propagates (not knowing is not dead).
+HolderCheck = Callable[[LeaseRecord], Coroutine[Any, Any, str | None]]
 
 
 # --- keys, times and the expiry rule ------------------------------------------------------------
@@ -263,12 +298,21 @@ async def acquire(
     host: str = "",
     monotonic: Callable[[], float],
     reclaim_own: bool = False,
+    box: str = "",
+    epoch: str = "",
+    holder_check: HolderCheck | None = None,
 ) -> HeldLease:
     """Take the lease at ``key`` for ``owner`` or raise :class:`LeaseHeld`.
 
     ``reclaim_own``: a live lease whose owner is ``owner`` is taken over as if it had expired.
     Only for a caller that knows no other process writes as ``owner`` (the router: one per box,
     whose previous process crashed or stood down without releasing).
+
+    ``box``/``epoch``: written in the record (a mesh box: its URL and heartbeat epoch).
+    ``holder_check``: asked about a live lease whose record names a box other than ours (or
+    ours with another epoch); a reason it returns lets the lease be taken over at once, with the
+    same conditional write (``If-Match`` on the version judged) as an expired one, so two takers
+    can never both win. It must read the holder's heartbeat afresh (docs/lease.md).
 
     Store errors (``StoreUnavailable``, ``AccessDenied`` ...) propagate: not knowing is not
     holding. ``monotonic`` is the local clock the holder's deadline is measured on.
@@ -286,7 +330,11 @@ async def acquire(
             if create:
                 # The bucket's clock, for the informational expires_at/acquired_at only.
                 bucket_now = await store.now()
-                lease = _new_lease(key, host, owner, ttl, lease_id, bucket_now, monotonic())
+                lease = evolve(
+                    _new_lease(key, host, owner, ttl, lease_id, bucket_now, monotonic()),
+                    box=box,
+                    epoch=epoch,
+                )
                 try:
                     put = await store.put(
                         key,
@@ -313,9 +361,21 @@ async def acquire(
             bucket_now = await store.now()  # read after the version: judged at or after it
             if record.lease_id == lease_id:
                 # Our own write landed but its answer was lost (a store-level retry got 412).
-                return _ours(key, host, owner, ttl, current, record, bucket_now, first_sent)
+                return evolve(
+                    _ours(key, host, owner, ttl, current, record, bucket_now, first_sent),
+                    box=box,
+                    epoch=epoch,
+                )
             expiry = _expiry_of(current.info, record, ttl)
-            if bucket_now < expiry and not (reclaim_own and record.owner == owner):
+            why = "expired"
+            if bucket_now < expiry and reclaim_own and record.owner == owner:
+                why = "own"
+            elif bucket_now < expiry and holder_check is not None and record.box:
+                # Fenced by its box's heartbeat: dead or restarted boxes write nothing more.
+                judged = await holder_check(record)
+                if judged is not None:
+                    why = judged
+            if bucket_now < expiry and why == "expired":
                 log.info(
                     "lease {host}: held by {owner} until {expires_at}",
                     host=host,
@@ -331,6 +391,9 @@ async def acquire(
                 _new_lease(key, host, owner, ttl, lease_id, bucket_now, monotonic()),
                 generation=record.generation + 1,
                 took_over_from=record.owner,
+                took_over_because=why,
+                box=box,
+                epoch=epoch,
             )
             try:
                 put = await store.put(
@@ -346,10 +409,12 @@ async def acquire(
                 "lease {host}: taken over from {owner} ({why}), generation {generation}",
                 host=host,
                 owner=record.owner,
-                why="expired" if bucket_now >= expiry else "our own, left by a previous process",
+                why=_TAKEOVER_WORDS.get(why, why),
+                reason=why,
                 generation=lease.generation,
             )
             OPERATIONS.labels("takeover", "ok").inc()
+            TAKEOVERS.labels(why.replace(" ", "_")).inc()
             return evolve(lease, etag=put.etag)
     except (LeaseHeld, CancelledError):
         raise
@@ -365,6 +430,14 @@ async def acquire(
     raise LeaseHeld(
         record.owner, _expiry_of(current.info, record, ttl), float(ttl), record.generation
     )
+
+
+_TAKEOVER_WORDS = {
+    "expired": "expired",
+    "own": "our own, left by a previous process",
+    "holder dead": "holder dead: its box's heartbeat is too old or gone",
+    "holder restarted": "holder restarted: its box beats with another epoch",
+}
 
 
 def _new_lease(
@@ -543,7 +616,11 @@ class LeaseKeeper:
         monotonic: Callable[[], float],
         watchdog: bool | None = None,
         verify_retake: Callable[[HeldLease], Coroutine[Any, Any, bool]] | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
+        """``alive``: this box's liveness on a mesh (lchat.mesh.membership.Membership.alive):
+        once it says no, the lease is lost as if its deadline had passed — peers may judge the
+        box dead and take it over soon (docs/lease.md)."""
         ttl = lease.ttl
         self.renew_every = ttl / 3 if renew_every is None else renew_every
         self.safety_margin = ttl / 10 if safety_margin is None else safety_margin
@@ -572,6 +649,7 @@ class LeaseKeeper:
         # timed out may still have landed, and adopting it must not date it later than this.
         self._first_unconfirmed: float | None = None
         self._verify_retake = verify_retake
+        self._alive = alive
         self._retaking: HeldLease | None = None  # the lock being re-created after it vanished
         self._unverified = False  # re-taken; verify_retake has not said yes yet
         self._started = False
@@ -606,6 +684,9 @@ class LeaseKeeper:
             return False
         if self._monotonic() >= self.deadline:
             self._lose("could not renew before expiry")
+            return False
+        if self._alive is not None and not self._alive():
+            self._lose(BOX_NOT_ALIVE)
             return False
         return True
 

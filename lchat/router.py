@@ -145,6 +145,7 @@ _PUBLIC = {
     "diverged": "{host} cannot wake until an operator checks its storage",
     "capacity": "{host} cannot wake right now: this server is at capacity",
     "held": "{host} is being moved",
+    "not_alive": "{host} cannot wake on this server right now",
 }
 # 503s that mean "this box is stopping, and the request was never acted on": while the router
 # drains, a request refused for one of these is marked (LocalResponse.refusal) so that a mesh peer

@@ -37,6 +37,7 @@ from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener
 from lchat.mesh.api import mesh_site
 from lchat.mesh.due import DuePush
+from lchat.mesh.fence import BoxFence, HolderJudge
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
@@ -258,6 +259,43 @@ def _aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
         raise ConfigError(f"LCHAT_DNS_PROVIDER=route53: {e}") from e
 
 
+@frozen
+class _MembershipParts:
+    membership: Membership
+    fence: BoxFence
+    store: objstore.ObjectStore | None  # LCHAT_MESH_BUCKET's own store (None: the hibernation one)
+    check: _BucketCheck | None  # its boot probe
+
+
+def _membership(
+    reactor: Any,
+    cfg: BoxConfig,
+    store: objstore.ObjectStore,
+    run: RunInThread,
+    aws: ResolvedCredentials | None,
+) -> _MembershipParts:
+    """The heartbeat (in LCHAT_MESH_BUCKET, else the hibernation bucket) and the fence it makes
+    of this box's liveness."""
+    assert cfg.mesh is not None
+    beats = mesh_bucket(cfg)
+    members_store = store
+    mesh_store = mesh_check = None
+    if cfg.mesh.bucket is not None:
+        # LCHAT_MESH_BUCKET: the heartbeats have a bucket of their own (a fleet whose regions
+        # keep replicas apart); probed at start like the hibernation bucket.
+        members_store = mesh_store = _open_region_store(reactor, cfg, beats, run, aws)
+        mesh_check = _BucketCheck(
+            reactor,
+            mesh_store,
+            beats.key(".lchat", "probe", _probe_name(cfg.box_id)),
+            "LCHAT_MESH",
+            beats.bucket,
+        )
+    membership = Membership(reactor, members_store, beats, cfg.mesh, monotonic=time.monotonic)
+    fence = BoxFence(membership, HolderJudge(members_store, beats, cfg.mesh.dead_after))
+    return _MembershipParts(membership, fence, mesh_store, mesh_check)
+
+
 def _open_region_store(
     reactor: Any,
     cfg: BoxConfig,
@@ -401,6 +439,9 @@ def _hibernation(
         endpoint=hib.endpoint,
         credentials=aws,
     )
+    # The mesh's membership first: on a mesh box its heartbeat fences every lease the lifecycle
+    # takes (lchat.mesh.fence, docs/lease.md).
+    membership_parts = _membership(reactor, cfg, store, run, aws) if cfg.mesh is not None else None
     sidecars = Sidecars(reactor, cfg, run, Supervisor(reactor, max_restart_delay=60.0))
     lifecycle = Lifecycle(
         reactor,
@@ -412,6 +453,7 @@ def _hibernation(
         drop_idle=pool.drop_idle,
         monotonic=time.monotonic,
         handover=backup.release if backup is not None else None,
+        fence=membership_parts.fence if membership_parts is not None else None,
     )
     activator = Activator(
         reactor,
@@ -420,27 +462,17 @@ def _hibernation(
         claims,
         resident=always_on,  # counts against LCHAT_MAX_INSTANCES, never slept
         max_instances=cfg.max_instances,
+        lapsed=membership_parts.membership.lapsed if membership_parts is not None else None,
     )
     membership = mesh = None
     due_push: DuePush | None = None
     may_wake: Callable[[Route], bool] = _anywhere
-    mesh_store: objstore.ObjectStore | None = None
-    mesh_check: _BucketCheck | None = None
-    if cfg.mesh is not None:
-        beats = mesh_bucket(cfg)
-        members_store = store
-        if cfg.mesh.bucket is not None:
-            # LCHAT_MESH_BUCKET: the heartbeats have a bucket of their own (a fleet whose regions
-            # keep replicas apart); probed at start like the hibernation bucket.
-            members_store = mesh_store = _open_region_store(reactor, cfg, beats, run, aws)
-            mesh_check = _BucketCheck(
-                reactor,
-                mesh_store,
-                beats.key(".lchat", "probe", _probe_name(cfg.box_id)),
-                "LCHAT_MESH",
-                beats.bucket,
-            )
-        membership = Membership(reactor, members_store, beats, cfg.mesh)
+    if membership_parts is not None:
+        assert cfg.mesh is not None
+        membership = membership_parts.membership
+        # No heartbeat within dead_after - margin: every space stands down before peers may
+        # judge this box dead.
+        membership.on_not_alive(activator.box_not_alive)
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
@@ -475,8 +507,8 @@ def _hibernation(
         membership,
         mesh,
         due_push,
-        mesh_store=mesh_store,
-        mesh_check=mesh_check,
+        mesh_store=membership_parts.store if membership_parts is not None else None,
+        mesh_check=membership_parts.check if membership_parts is not None else None,
     )
     hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
     return hibernation
@@ -790,8 +822,9 @@ class _SignalReload(Service):
 
 class _Hibernation(MultiService):
     """The bucket, the activator, its sweeps and the mesh's membership, stopped in order: sweeps,
-    then the heartbeat (peers take our spaces over while we drain them), the bucket's other users,
-    the activator's drain (flush and release every awake space), and only then the bucket client."""
+    then a "draining" heartbeat (peers drop us from placement and take our spaces over as we
+    release them), the bucket's other users, the activator's drain (flush and release every awake
+    space), the heartbeat's deletion, and only then the bucket clients."""
 
     def __init__(
         self,
@@ -842,14 +875,19 @@ class _Hibernation(MultiService):
         # The bucket's other users stop alongside (each within a few seconds of its own)...
         users = [maybeDeferred(u.stopService) for u in reversed(self._bucket_users)]
         if self.membership is not None:
-            # ...but our heartbeat goes first: peers take our spaces over while we drain them.
-            await self.membership.stopService()
+            # ...but our heartbeat says "draining" first: peers drop us from placement and take
+            # our spaces over as we release them, while our leases stay fenced by a heartbeat
+            # that goes on beating until the drain is over (docs/lease.md).
+            await self.membership.begin_drain()
         for stopping in users:
             await stopping
         await self.activator.stopService()
         if self.due_push is not None:
             # The due times of the spaces the drain just slept reach the peers (bounded).
             await self.due_push.stopService()
+        if self.membership is not None:
+            # Every lease released (or given up): the heartbeat goes, and with it this box.
+            await self.membership.stopService()
         await _probe_done(self.check, self._reactor)
         await self.store.close()
         if self.mesh_store is not None:

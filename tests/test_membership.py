@@ -401,8 +401,10 @@ class Scenarios(_Mixin):
                 "region": "ie",
                 "version": lchat.__version__,
                 "started_at": a.body.started_at,
+                "epoch": a.epoch,
             },
         )
+        self.assertRegex(a.epoch, "^[0-9a-f]{32}$")
         await self.beats(a, 3)
         self.assertEqual((await store.head(a.key)).etag, obj.info.etag)
 

@@ -109,11 +109,15 @@ class Activator(Service):
         *,
         resident: Callable[[], int] = _no_resident,
         max_instances: int = 0,
+        lapsed: Callable[[], bool] | None = None,
     ) -> None:
         """``resident``: how many always-on space processes run on this box now (builtin units'
         children), which count against ``max_instances`` (LCHAT_MAX_INSTANCES; 0: no limit) but
-        are never slept."""
+        are never slept. ``lapsed``: on a mesh box, whether its liveness has lapsed (a heartbeat
+        landed once, none since ``dead_after - margin``: lchat.mesh.membership): no request is
+        served meanwhile (docs/lease.md)."""
         self._reactor = reactor
+        self._lapsed = lapsed
         self._routes = routes
         self._life = lifecycle
         self._claims = claims  # the hosts this activator runs: builtin units leave them alone
@@ -173,9 +177,13 @@ class Activator(Service):
         )
 
     def release_hold(self, host: str) -> bool:
-        """End ``host``'s hold (the next request wakes it); whether there was one."""
+        """End ``host``'s hold (the next request wakes it); whether there was one (a hold past
+        its deadline had already ended: counted ``expired``, not released)."""
         held = self._holds.pop(host, None)
         if held is None:
+            return False
+        if held[0] <= self._reactor.seconds():
+            _holds_total.labels("expired").inc()
             return False
         _holds_total.labels("released").inc()
         _log.info("activator: {host} hold released ({why})", host=host, why=held[1])
@@ -211,6 +219,11 @@ class Activator(Service):
         otherwise, or a 503 with ``Retry-After``."""
         host = route.host
         space = self._spaces.get(host)
+        if self._lapsed is not None and self._lapsed():
+            # Past this box's liveness deadline (a mesh box cut off from its bucket, or just
+            # thawed from a freeze before its timer ran): serve nothing, stand down now.
+            self.box_not_alive()
+            return self._unavailable(host, "not_alive")
         if space is not None and space.state == "awake":
             # Sidecar traffic earns no idle credit: an orphaned bot would keep it awake forever.
             return LocalSocket(host=host, path=space.socket, inflight=None if sidecar else space)
@@ -580,6 +593,17 @@ class Activator(Service):
             )
         elif space.state == "waking" and space.task is not None:
             space.task.cancel()
+
+    def box_not_alive(self) -> None:
+        """The mesh's liveness deadline passed (no heartbeat landed in ``dead_after - margin``):
+        peers may soon judge this box dead and take its spaces over, so every space stops now —
+        each lease keeper reports the loss (its ``alive`` check), which stands the space down at
+        once (SIGTERM, no further upload: docs/lease.md)."""
+        for space in list(self._spaces.values()):
+            if space.keeper is not None:
+                space.keeper.holds()  # lost now: on_lost -> _lease_lost
+            elif space.state == "waking" and space.task is not None:
+                space.task.cancel()
 
     def _table_changed(self, old: RouteTable, new: RouteTable) -> None:
         for host, space in list(self._spaces.items()):

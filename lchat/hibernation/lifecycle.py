@@ -17,7 +17,7 @@ The activator (lchat.hibernation.activator) decides *when* and keeps the states;
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from attrs import define, field
 from prometheus_client import Counter
@@ -33,7 +33,15 @@ from lchat.hibernation.contract import Contract, SpaceContract
 from lchat.hibernation.localdb import DBPlan, Restorer
 from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
 from lchat.hibernation.space import Budgets, Space, WakeFailed
-from lchat.lease import HeldLease, LeaseHeld, LeaseKeeper, acquire, lease_key
+from lchat.lease import (
+    HeldLease,
+    LeaseHeld,
+    LeaseKeeper,
+    LeaseRecord,
+    NotAlive,
+    acquire,
+    lease_key,
+)
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.registry import RouteSource
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
@@ -61,6 +69,22 @@ FLUSH_RETRY = Backoff(0.5, 10.0)  # a failed flush before sleep, retried within 
 HANDED_BACK = ("hibernate off", "removed")
 
 Spawner = Callable[[Any, ChildSpec], RunningChild]  # (reactor, spec): lchat.supervise.spawn
+
+
+class Fence(Protocol):
+    """The mesh's liveness fence, as the lifecycle sees it (lchat.mesh.fence.BoxFence)."""
+
+    @property
+    def box(self) -> str: ...
+
+    @property
+    def epoch(self) -> str: ...
+
+    def alive(self) -> bool: ...
+
+    async def holder_check(self, record: LeaseRecord) -> str | None: ...
+
+    async def ready(self, reactor: Any, budget: float) -> None: ...
 
 
 def taken(why: str) -> bool:
@@ -91,6 +115,10 @@ class Lifecycle:
     monotonic: Callable[[], float] = field(kw_only=True)
     replicator_options: Mapping[str, Any] = field(factory=dict)
     contract: Contract | None = None  # None: SpaceContract, GET /api/next-due on its socket
+    # On a mesh box: its liveness fences its leases (docs/lease.md). No lease is taken while the
+    # box is not alive; the leases it takes name it and its epoch; a peer's lease whose box is
+    # dead or restarted is taken over before its expiry.
+    fence: Fence | None = None
     restorer: Restorer = field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -149,6 +177,7 @@ class Lifecycle:
             renew_every=self.renew_every,
             verify_retake=lambda held: self._retaken(space, held),
             monotonic=self.monotonic,
+            alive=self.fence.alive if self.fence is not None else None,
         )
         space.keeper.start()
         timings["lease"] = clock() - t
@@ -188,6 +217,12 @@ class Lifecycle:
 
     async def _acquire(self, host: str) -> HeldLease:
         assert self.cfg.hibernate is not None
+        fence = self.fence
+        if fence is not None:
+            try:
+                await fence.ready(self.reactor, self.budgets.wake)
+            except NotAlive as e:
+                raise WakeFailed(host, "not_alive", f"{host} not woken: {e}") from e
         for delay in (*LEASE_HELD_RETRIES, None):
             try:
                 return await acquire(
@@ -198,6 +233,9 @@ class Lifecycle:
                     host=host,
                     reclaim_own=True,
                     monotonic=self.monotonic,
+                    box=fence.box if fence is not None else "",
+                    epoch=fence.epoch if fence is not None else "",
+                    holder_check=fence.holder_check if fence is not None else None,
                 )
             except LeaseHeld as e:
                 if delay is None:
@@ -254,9 +292,13 @@ class Lifecycle:
             keeper=space.keeper,
             **self.replicator_options,
         )
+        took_over = space.lease is not None and space.lease.took_over_from is not None
         try:
             await space.replicator.start(
-                plan.listing, resume_txid=plan.resume, txid_floor=plan.floor
+                plan.listing,
+                resume_txid=None if took_over else plan.resume,
+                txid_floor=plan.floor,
+                after_takeover=took_over,
             )
         except (ObjectStoreError, ReplicatorStopped) as e:
             raise WakeFailed(space.host, "bucket", f"replication could not start: {e}") from e

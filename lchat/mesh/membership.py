@@ -47,10 +47,12 @@ import datetime
 import json
 import math
 import re
+import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet import defer
@@ -78,6 +80,14 @@ _T = TypeVar("_T")
 
 MAX_BODY = 4096  # a heartbeat body is ~100 bytes; anything much larger is not one (not read)
 STOP_TIMEOUT = 5.0  # stopService's delete of our heartbeat gives up after this (seconds)
+# This box stops writing on its leases at dead_after * (1 - LIVENESS_MARGIN) after its last
+# successful beat was sent: a tenth of dead_after covers a monotonic clock running up to ~10 %
+# slower than the bucket's (docs/lease.md, "The timing argument").
+LIVENESS_MARGIN = 0.1
+STAND_DOWNS = Counter(
+    "lchat_mesh_stand_downs_total",
+    "Times this box stood every space down because no heartbeat landed within dead_after - margin",
+)
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 MEMBERS_LIVE = Gauge(
@@ -159,19 +169,26 @@ class Heartbeat:
     region: str  # LCHAT_MESH_REGION ("" = region-agnostic)
     version: str  # lchat.__version__ of the beating process
     started_at: float  # unix seconds (the box's clock, informational) of that process's start
+    # Random per router process: the leases it takes name it (docs/lease.md), so a peer can tell
+    # a restarted box (another epoch) from the process that took them. "" in older bodies.
+    epoch: str = ""
+    # The box is draining: out of placement at once, but alive (it still writes its last
+    # flushes) until the drain deletes the heartbeat.
+    draining: bool = False
 
     def to_json(self) -> bytes:
         """Deterministic: the same heartbeat always gives the same bytes (and ETag)."""
-        return json.dumps(
-            {
-                "url": self.url,
-                "region": self.region,
-                "version": self.version,
-                "started_at": self.started_at,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        ).encode()
+        data: dict[str, Any] = {
+            "url": self.url,
+            "region": self.region,
+            "version": self.version,
+            "started_at": self.started_at,
+        }
+        if self.epoch:
+            data["epoch"] = self.epoch
+        if self.draining:
+            data["draining"] = True
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def parse(cls, body: bytes) -> Heartbeat:
@@ -196,7 +213,17 @@ class Heartbeat:
             or not math.isfinite(started)
         ):
             raise ValueError("started_at must be a number")
-        return cls(url=url, region=region, version=version, started_at=float(started))
+        epoch, draining = data.get("epoch", ""), data.get("draining", False)
+        if not isinstance(epoch, str) or not isinstance(draining, bool):
+            raise ValueError("epoch must be a string and draining a boolean")
+        return cls(
+            url=url,
+            region=region,
+            version=version,
+            started_at=float(started),
+            epoch=epoch,
+            draining=draining,
+        )
 
 
 @frozen
@@ -215,6 +242,7 @@ class Member:
     key: str
     # ``self`` cannot be an __init__ parameter name: construct with ``is_self=``.
     self: bool = field(default=False, alias="is_self")
+    epoch: str = ""  # the beating process's epoch (Heartbeat.epoch)
 
 
 # Per key: the ETag of the version we parsed and what it held (None: garbage, already logged).
@@ -287,6 +315,8 @@ async def _read(
         heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size)
         if heartbeat is None:
             continue
+        if heartbeat.draining and not include_dead:
+            continue  # leaving: out of placement now (its leases stay fenced until it is gone)
         members.append(
             Member(
                 url=heartbeat.url,
@@ -297,6 +327,7 @@ async def _read(
                 age=age,
                 key=info.key,
                 is_self=heartbeat.url == me,
+                epoch=heartbeat.epoch,
             )
         )
     members.sort(key=lambda m: m.url)
@@ -346,7 +377,7 @@ async def _heartbeat(
     if body_url != url:
         _garbage(cache, key, etag, f"the body names {heartbeat.url!r}, the key {url!r}")
         return None
-    heartbeat = Heartbeat(url, heartbeat.region, heartbeat.version, heartbeat.started_at)
+    heartbeat = evolve(heartbeat, url=url)
     cache[key] = (etag, heartbeat)
     return heartbeat
 
@@ -439,10 +470,15 @@ class Membership(Service):
         mesh: MeshConfig,
         *,
         started_at: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        epoch: str | None = None,
     ) -> None:
+        """``monotonic``: the clock this box's liveness deadline is kept on (the one the lease
+        keepers use). ``epoch``: this process's heartbeat epoch (random when not given)."""
         self._reactor = reactor
         self._store = store
         self._hib = hib
+        self._monotonic = monotonic
         self.url = normalise_member_url(mesh.self_url)
         self.region = mesh.region
         self.key = member_key(hib, self.url)
@@ -456,8 +492,18 @@ class Membership(Service):
             version=lchat.__version__,
             # Informational: when this router started (it builds its membership at start).
             started_at=round(reactor.seconds() if started_at is None else started_at, 3),
+            epoch=uuid.uuid4().hex if epoch is None else epoch,
         )
         self._payload = self.body.to_json()
+        # Liveness (docs/lease.md): this box may write on its leases until ``_alive_until`` (the
+        # monotonic time the last successful beat was *sent* + dead_after - margin); peers may
+        # judge it dead only dead_after after that beat landed (the bucket's clock).
+        self.margin = mesh.dead_after * LIVENESS_MARGIN
+        self._alive_until: float | None = None  # None: no beat has landed yet (or we left)
+        self._alive_timer: Any = None
+        self._not_alive = False  # the deadline passed (logged, subscribers told) until a beat lands
+        self._first_beat: Deferred[None] = Deferred()
+        self._on_not_alive: list[Callable[[], object]] = []
         self._bodies: BodyCache = {}
         self._members: list[Member] = [self._self_member(None)]
         self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
@@ -466,6 +512,7 @@ class Membership(Service):
         self._beat: Deferred[None] | None = None
         self._putting: Deferred[Any] | None = None
         self._stopping = False
+        self._leaving = False
         self._left: Deferred[None] | None = None
         self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
         # The janitor deletes member keys older than this (bucket clock). Ten dead_afters: a box
@@ -485,6 +532,31 @@ class Membership(Service):
     def live(self) -> list[Member]:
         """Same as :attr:`members`."""
         return list(self._members)
+
+    @property
+    def epoch(self) -> str:
+        """This process's heartbeat epoch (written into the leases it takes)."""
+        return self.body.epoch
+
+    def alive(self) -> bool:
+        """May this box write on its leases now? True from the first landed beat until
+        ``dead_after - margin`` after the last one was sent (monotonic clock), while the
+        heartbeat exists. Peers cannot judge this box dead before that (docs/lease.md)."""
+        return self._alive_until is not None and self._monotonic() < self._alive_until
+
+    def lapsed(self) -> bool:
+        """A beat landed once, and none since ``dead_after - margin``: this box serves and writes
+        nothing until one lands (before the first beat a wake waits for it instead)."""
+        return self._first_beat.called and not self.alive()
+
+    def first_beat(self) -> Deferred[None]:
+        """Fires once a beat has landed (at once if one has): a mesh box takes no lease before."""
+        return _observe(self._first_beat)
+
+    def on_not_alive(self, fn: Callable[[], object]) -> None:
+        """``fn()`` when this box's liveness deadline passes without a beat landing: every space
+        it runs must stand down now (the activator's hook)."""
+        self._on_not_alive.append(fn)
 
     def peers(self) -> list[Member]:
         """The live members other than this box."""
@@ -533,6 +605,10 @@ class Membership(Service):
         return _observe(self._left)
 
     async def _leave(self) -> None:
+        self._leaving = True
+        self._alive_until = None  # nothing is written on our leases once the heartbeat goes
+        if self._alive_timer is not None and self._alive_timer.active():
+            self._alive_timer.cancel()
         putting = self._putting
         if putting is not None:
             # A PUT landing after our DELETE would bring the beat back: let it finish first.
@@ -709,6 +785,7 @@ class Membership(Service):
         )
 
     async def _put(self) -> bool:
+        sent = self._monotonic()
         putting = Deferred.fromCoroutine(
             self._store.put(self.key, self._payload, content_type="application/json")
         )
@@ -731,7 +808,76 @@ class Membership(Service):
         finally:
             if self._putting is putting:
                 self._putting = None
+        if self._leaving:
+            return True  # the heartbeat is being deleted: no liveness from a late PUT
+        self._beat_landed(sent)
         return True
+
+    def _beat_landed(self, sent: float) -> None:
+        """A PUT sent at ``sent`` (monotonic) succeeded: alive until ``sent + dead_after -
+        margin``."""
+        until = sent + self.dead_after - self.margin
+        if self._alive_until is not None and until <= self._alive_until:
+            return
+        self._alive_until = until
+        if self._alive_timer is not None and self._alive_timer.active():
+            self._alive_timer.cancel()
+        self._alive_timer = self._reactor.callLater(
+            max(0.0, until - self._monotonic()), self._deadline_passed
+        )
+        if self._not_alive:
+            self._not_alive = False
+            log.info(
+                "mesh: heartbeat {url} landed again: this box takes leases again", url=self.url
+            )
+        if not self._first_beat.called:
+            self._first_beat.callback(None)
+
+    def _deadline_passed(self) -> None:
+        self._alive_timer = None
+        if self.alive() or self._not_alive or self._alive_until is None:
+            if self._alive_until is not None and self.alive():
+                # (A timer that fired early by the reactor's clock: look again at the deadline.)
+                self._alive_timer = self._reactor.callLater(
+                    max(0.01, self._alive_until - self._monotonic()), self._deadline_passed
+                )
+            return
+        self._not_alive = True
+        STAND_DOWNS.inc()
+        log.critical(
+            "mesh: no heartbeat of {url} has landed for {seconds:.1f}s (dead after {dead_after:g}s "
+            "on the bucket's clock): standing every space down now, before peers may judge this "
+            "box dead and take them over; no lease is taken until a beat lands again",
+            url=self.url,
+            seconds=self.dead_after - self.margin,
+            dead_after=self.dead_after,
+        )
+        for fn in list(self._on_not_alive):
+            try:
+                fn()
+            except Exception:
+                log.failure("mesh: stand-down hook {fn!r} failed", fn=fn)
+
+    async def begin_drain(self) -> None:
+        """The drain's first step: beat once with ``draining`` set, so peers drop this box from
+        placement at their next read, while its leases stay fenced by a live heartbeat (its last
+        flushes still land). Beats go on until :meth:`stopService` deletes the heartbeat. Never
+        fails (a failed beat is logged; peers then drop us after ``dead_after``)."""
+        if self.body.draining:
+            return
+        self.body = evolve(self.body, draining=True)
+        self._payload = self.body.to_json()
+        putting = self._putting
+        if putting is not None:
+            try:
+                await _observe(putting)
+            except Exception:  # noqa: S110 -- logged by the beat
+                pass
+        try:
+            await self._put()
+        except CancelledError:
+            return
+        log.info("mesh: {url} draining: announced in its heartbeat", url=self.url)
 
     async def _bounded(self, coro: Coroutine[Any, Any, _T]) -> _T:
         d = Deferred.fromCoroutine(coro)

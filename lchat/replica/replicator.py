@@ -77,6 +77,10 @@ from lchat.threads import RunInThread
 
 _log = Logger()
 
+# The txids a replicator skips after a lease takeover (Replicator.start): the old holder can
+# have at most one upload in flight, naming at most the next txid; the rest is margin.
+TAKEOVER_TXID_GAP = 8
+
 _uploads = Counter(
     "lchat_replica_uploads_total", "LTX uploads by level and outcome", ["level", "outcome"]
 )
@@ -244,6 +248,7 @@ class Replicator:
         *,
         resume_txid: int | None = None,
         txid_floor: int = 0,
+        after_takeover: bool = False,
     ) -> None:
         """Begin replicating. ``listing``: a LIST of ``<path>/`` the caller just made under the
         same lease (saves ours).
@@ -260,6 +265,14 @@ class Replicator:
         ``txid_floor``: txids continue above it even if the bucket's files end lower — the
         caller re-seeds an emptied bucket from a copy that once matched that txid, and a txid
         must never name two different states of one space.
+
+        ``after_takeover``: the lease was taken over from another holder (expired, dead or
+        restarted box). That holder may still have one write in flight (its operations are
+        sequential, and it checked its lease before sending it), which can land at any time
+        with the next txid after what we list. So we never resume, and our first snapshot
+        skips :data:`TAKEOVER_TXID_GAP` txids: a late file of the old holder lies below our
+        snapshot, where no restore reads it, and it can never replace a file of ours
+        (docs/lease.md, "Late writes").
         """
         if self._started:
             raise RuntimeError("Replicator.start() called twice")
@@ -275,6 +288,9 @@ class Replicator:
                 listing = await self._store.list(self.path + "/")
             files = replica_files(list(listing))
             self._txid = max(max((f.max_txid for f in files), default=0), txid_floor)
+            if after_takeover:
+                resume_txid = None
+                self._txid += TAKEOVER_TXID_GAP
             for f in files:
                 self._remember(
                     _compact.Entry(

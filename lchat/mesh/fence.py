@@ -1,0 +1,127 @@
+"""A mesh box's liveness fences its spaces' leases (docs/lease.md).
+
+Two sides of one rule:
+
+- **The holder** (this box) may write on its leases only while :meth:`Membership.alive` says so:
+  from its first landed heartbeat until ``dead_after - margin`` after the last successful beat was
+  *sent*, on its monotonic clock. Past that, every space stands down (the membership's
+  ``on_not_alive`` hook) and no lease is taken until a beat lands again.
+- **A taker** (a peer waking one of its spaces) may take over a lease that is still live by its
+  TTL when the record names a holder box that is dead by the heartbeat rule — its heartbeat object
+  gone, or last written more than ``dead_after`` ago on the *bucket's* clock — or that restarted
+  (its heartbeat carries another epoch). :class:`HolderJudge` reads the holder's heartbeat afresh,
+  right before :func:`lchat.lease.acquire` writes its conditional (``If-Match``) takeover.
+
+:class:`BoxFence` bundles both for the activator's lifecycle.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from attrs import frozen
+from twisted.logger import Logger
+
+from lchat.hosts import normalise_member_url
+from lchat.lease import LeaseRecord, NotAlive
+from lchat.mesh.membership import Heartbeat, KeyPrefix, Membership, member_key
+from lchat.objstore import NotFound, ObjectStore
+
+log = Logger(namespace="lchat.mesh.fence")
+
+
+@frozen
+class HolderJudge:
+    """Judges a live lease's holder box by its heartbeat in the mesh's bucket.
+
+    ``__call__(record)``: ``"holder dead"`` when the heartbeat named by ``record.box`` is gone or
+    its ``Last-Modified`` is at least ``dead_after`` old on the bucket's clock (judged from
+    ``floor(Last-Modified) + 1 s``, since stores truncate it to whole seconds: never early);
+    ``"holder restarted"`` when the heartbeat carries an epoch other than the record's; None when
+    the box is alive (draining included: it still writes its last flushes), or when the record or
+    the heartbeat cannot be read as ours (not knowing is not dead). Store errors propagate.
+    """
+
+    store: ObjectStore  # the mesh's bucket (LCHAT_MESH_BUCKET, or the hibernation bucket)
+    where: KeyPrefix
+    dead_after: float
+
+    async def __call__(self, record: LeaseRecord) -> str | None:
+        try:
+            url = normalise_member_url(record.box)
+        except ValueError:
+            return None
+        try:
+            obj = await self.store.get(member_key(self.where, url))
+        except NotFound:
+            log.info("lease {host}: holder {box} is dead (no heartbeat)", host=record.host, box=url)
+            return "holder dead"
+        now = await self.store.now()  # after the GET: the heartbeat is no younger than it looks
+        written_by = obj.info.last_modified.replace(microsecond=0) + datetime.timedelta(seconds=1)
+        age = (now - written_by).total_seconds()
+        if age >= self.dead_after:
+            log.info(
+                "lease {host}: holder {box} is dead (last heartbeat {age:.1f}s ago, dead after "
+                "{dead_after:g}s)",
+                host=record.host,
+                box=url,
+                age=age + 1,
+                dead_after=self.dead_after,
+            )
+            return "holder dead"
+        try:
+            heartbeat = Heartbeat.parse(obj.body)
+        except ValueError:
+            return None
+        if record.epoch and heartbeat.epoch and heartbeat.epoch != record.epoch:
+            log.info(
+                "lease {host}: holder {box} restarted (epoch {epoch} took the lease, {now} beats)",
+                host=record.host,
+                box=url,
+                epoch=record.epoch[:8],
+                now=heartbeat.epoch[:8],
+            )
+            return "holder restarted"
+        return None
+
+
+@frozen
+class BoxFence:
+    """What the lifecycle needs from the mesh to take and keep leases (docs/lease.md)."""
+
+    membership: Membership
+    judge: HolderJudge
+
+    @property
+    def box(self) -> str:
+        return self.membership.url
+
+    @property
+    def epoch(self) -> str:
+        return self.membership.epoch
+
+    def alive(self) -> bool:
+        return self.membership.alive()
+
+    async def holder_check(self, record: LeaseRecord) -> str | None:
+        return await self.judge(record)
+
+    async def ready(self, reactor: Any, budget: float) -> None:
+        """Return once this box may take a lease: at once while alive; after the first beat
+        lands at boot (at most ``budget`` seconds); :class:`NotAlive` when a beat that landed
+        before is too old now (the box is cut off from its bucket)."""
+        if self.alive():
+            return
+        first = self.membership.first_beat()
+        if first.called:
+            raise NotAlive(
+                f"no heartbeat of {self.box} has landed for {self.membership.dead_after * 0.9:g}s"
+            )
+        first.addTimeout(budget, reactor)
+        try:
+            await first
+        except Exception as e:
+            raise NotAlive(f"no heartbeat of {self.box} has landed yet ({e})") from e
+        if not self.alive():
+            raise NotAlive(f"the first heartbeat of {self.box} is already too old")
