@@ -31,6 +31,24 @@ from lchat.objstore import NotFound, ObjectStore
 log = Logger(namespace="lchat.mesh.fence")
 
 
+def judged_dead(
+    last_modified: datetime.datetime, now: datetime.datetime, dead_after: float
+) -> bool:
+    """The taker's rule: a heartbeat whose ``Last-Modified`` is ``last_modified`` is dead at the
+    bucket time ``now`` once ``now >= floor(last_modified) + 1 s + dead_after``. Stores truncate
+    ``Last-Modified`` to whole seconds, so ``floor + 1 s`` bounds the real write from above:
+    never early (docs/lease.md, "The timing argument")."""
+    written_by = last_modified.replace(microsecond=0) + datetime.timedelta(seconds=1)
+    return now >= written_by + datetime.timedelta(seconds=dead_after)
+
+
+def holder_deadline(sent: float, dead_after: float, margin_fraction: float) -> float:
+    """The holder's rule: a box whose last successful heartbeat PUT was sent at ``sent`` (its
+    monotonic clock) writes nothing on its leases from ``sent + dead_after * (1 -
+    margin_fraction)`` on (lchat.mesh.membership.Membership.alive)."""
+    return sent + dead_after - dead_after * margin_fraction
+
+
 @frozen
 class HolderJudge:
     """Judges a live lease's holder box by its heartbeat in the mesh's bucket.
@@ -58,15 +76,14 @@ class HolderJudge:
             log.info("lease {host}: holder {box} is dead (no heartbeat)", host=record.host, box=url)
             return "holder dead"
         now = await self.store.now()  # after the GET: the heartbeat is no younger than it looks
-        written_by = obj.info.last_modified.replace(microsecond=0) + datetime.timedelta(seconds=1)
-        age = (now - written_by).total_seconds()
-        if age >= self.dead_after:
+        age = (now - obj.info.last_modified).total_seconds()
+        if judged_dead(obj.info.last_modified, now, self.dead_after):
             log.info(
                 "lease {host}: holder {box} is dead (last heartbeat {age:.1f}s ago, dead after "
                 "{dead_after:g}s)",
                 host=record.host,
                 box=url,
-                age=age + 1,
+                age=age,
                 dead_after=self.dead_after,
             )
             return "holder dead"

@@ -816,7 +816,7 @@ class Membership(Service):
     def _beat_landed(self, sent: float) -> None:
         """A PUT sent at ``sent`` (monotonic) succeeded: alive until ``sent + dead_after -
         margin``."""
-        until = sent + self.dead_after - self.margin
+        until = sent + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
         if self._alive_until is not None and until <= self._alive_until:
             return
         self._alive_until = until
