@@ -978,6 +978,10 @@ def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str
         return {
             # The settings a create must read to fan out (lchat add-instance warns otherwise).
             "env_file": env_file,
+            # May this box write on its leases (docs/lease.md)? False before the first beat and
+            # once none has landed for dead_after - margin.
+            "alive": membership.alive(),
+            "epoch": membership.epoch,
             "live": len(live),
             "members": [
                 {
