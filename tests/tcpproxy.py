@@ -6,7 +6,7 @@ write delayed in the network until after someone else took over.
     proxy.start()                                  # its own daemon thread; self.addCleanup(proxy.close)
     env["LCHAT_HIBERNATE_ENDPOINT"] = proxy.endpoint  # the router's S3 traffic now goes through it
 
-    proxy.cut()            # partition, failing fast: new connections refused, open ones reset
+    proxy.cut()            # partition, failing fast: every connection reset, new ones too
     proxy.blackhole()      # partition, failing slow: bytes swallowed, clients wait for their timeouts
     proxy.hold(request_matcher("PUT", "/leases/"))  # matching requests are kept back, others flow
     proxy.wait_held(1, timeout=10)                 # blocking; ``await proxy.until_held(1)`` in a test
@@ -295,6 +295,9 @@ class Exchange:
     status: int | None  # the upstream's final status; None if none came (yet)
     held: bool  # kept back by hold()
     dropped: bool  # arrived in a blackhole: never forwarded
+    lost: (
+        bool  # forwarded, but its connection ended before an answer: it may or may not have landed
+    )
     started: float
     started_wall: float
     answered: float | None
@@ -326,6 +329,7 @@ class _Exchange:
         self.status: int | None = None
         self.held = held
         self.dropped = dropped
+        self.lost = False
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.answered: float | None = None
@@ -337,6 +341,7 @@ class _Exchange:
             self.status,
             self.held,
             self.dropped,
+            self.lost,
             self.started,
             self.started_wall,
             self.answered,
@@ -390,13 +395,15 @@ class HeldRequest:
     def wait_answered(self, timeout: float) -> int:
         """Block until the upstream has answered this (released) request; its status."""
         with self._proxy._cond:
+            exchange = self._exchange
             if not self._proxy._cond.wait_for(
-                lambda: self._exchange.status is not None or self._abandoned, timeout
+                lambda: exchange.status is not None or exchange.lost or self._abandoned, timeout
             ):
                 raise TimeoutError(f"{self!r}: no answer from the upstream within {timeout:g}s")
-            if self._exchange.status is None:
-                raise RuntimeError(f"{self!r} was abandoned: its body never arrived whole")
-            return self._exchange.status
+            if exchange.status is None:
+                why = "its body never arrived whole" if self._abandoned else "its connection ended"
+                raise RuntimeError(f"{self!r} got no answer: {why}")
+            return exchange.status
 
 
 # -- the proxy ------------------------------------------------------------------------------------
@@ -455,7 +462,7 @@ class BucketProxy:
         self._waker_r.setblocking(False)
         self._waker_w.setblocking(False)
         self._watch(self._waker_r, selectors.EVENT_READ, None)
-        self._listening = True  # False while cut: the listener is shut (connections refused)
+        self._listening = True  # (always: a cut resets what it accepts)
         self._watch(self._listener, selectors.EVENT_READ, None)
         # Everything below is touched by the proxy thread only, or under _cond (the shared records).
         self._cond = threading.Condition()
@@ -548,12 +555,12 @@ class BucketProxy:
 
     def cut(self) -> None:
         """A partition that fails fast: every open client connection is reset (RST, and its upstream
-        connection with it) and new connections are refused (``ECONNREFUSED``). Refused rather than
-        accepted-then-reset because a refused connect fails at once and tells the client nothing
-        was sent (treq's ``ConnectionRefusedError``, which S3Store counts as "not sent" and simply
-        retries), where a reset after accepting races the client's write of the request and looks
-        like a lost answer. The port stays bound to the proxy throughout. Held requests stay held,
-        and deliveries of released ones carry on (those bytes were already on their way)."""
+        connection with it), and new connections are accepted and reset at once (never
+        forwarded: the client sees a reset, as for an answer lost on the way). Not refused: a
+        listener shut down to refuse connections frees its port for the kernel to hand to an
+        outgoing connection, and the heal's listen() then fails. The port stays bound to the
+        proxy throughout. Held requests stay held, and deliveries of released ones carry on
+        (those bytes were already on their way)."""
         self._call(lambda: self._set_mode(Mode.CUT, None))
 
     def blackhole(self) -> None:
@@ -675,7 +682,10 @@ class BucketProxy:
         try:
             while not self._stopping:
                 for key, mask in self._selector.select():
-                    self._dispatch(key, mask)
+                    try:
+                        self._dispatch(key, mask)
+                    except Exception:  # (a connection's own failure is handled in _dispatch)
+                        self._error("the proxy loop failed")
                     if self._stopping:
                         break
         except BaseException:
@@ -1021,10 +1031,19 @@ class BucketProxy:
             pipe.holding._pipe = None
             pipe.holding = None
 
+    def _lose(self, pipe: _Pipe) -> None:
+        """The requests the pipe forwarded will get no answer through it."""
+        with self._cond:
+            for exchange in pipe.awaiting:
+                exchange.lost = True
+            self._cond.notify_all()
+        pipe.awaiting.clear()
+
     def _close(self, pipe: _Pipe, *, reset: bool) -> None:
         if pipe.closed:
             return
         self._detach_held(pipe)
+        self._lose(pipe)
         pipe.closed = True
         self._pipes.discard(pipe)
         self._count("open", -1)
@@ -1044,7 +1063,7 @@ class BucketProxy:
         self._count("bytes_dropped", len(pipe.to_up) + len(pipe.to_client))
         pipe.to_up.clear()
         pipe.to_client.clear()
-        pipe.awaiting.clear()
+        self._lose(pipe)
         self._pump_requests(pipe)  # bytes waiting behind a held request are swallowed now
         self._settle(pipe)
 
@@ -1056,6 +1075,8 @@ class BucketProxy:
         clients = [p for p in self._pipes if p.client is not None]
         if mode is Mode.CUT:
             self._pause_listener()
+            for pipe in clients:
+                self._abort(pipe)
             return
         self._resume_listener()
         if mode is Mode.BLACKHOLE:
@@ -1068,16 +1089,11 @@ class BucketProxy:
                     self._abort(pipe)
 
     def _pause_listener(self) -> None:
-        if not self._listening:
-            return
-        try:
-            # Linux: a shut-down listener refuses new connections (and resets the queued ones) but
-            # keeps its port; listen() makes it accept again.
-            self._listener.shutdown(socket.SHUT_RD)
-        except OSError:
-            return  # elsewhere: keep accepting, and _accept resets each connection while cut
-        self._watch(self._listener, 0, None)
-        self._listening = False
+        # Keep accepting, and _accept resets each connection while cut. (Shutting the listener
+        # down would refuse connections outright, but its port is then free for the kernel to
+        # hand to an outgoing connection, and listen() at the heal fails with EADDRINUSE: seen
+        # with a router's own S3 connections on a loaded machine.)
+        return
 
     def _resume_listener(self) -> None:
         if self._listening:

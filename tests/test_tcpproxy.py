@@ -117,9 +117,13 @@ class MotoThroughProxyTests(TestCase):
             self.assertIs(self.proxy.mode, Mode.CUT)
             e, took = await self.failure(store, "k")
             self.assertLess(took, 10.0)
-            self.assertIn("refused", str(e).lower())
-            with self.assertRaises(ConnectionRefusedError):
-                socket.create_connection(("127.0.0.1", self.proxy.port), timeout=5).close()
+            self.assertIn("reset", str(e).lower())
+            # New connections are accepted and reset at once: no answer ever.
+            with contextlib.suppress(ConnectionResetError):
+                sock = socket.create_connection(("127.0.0.1", self.proxy.port), timeout=5)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                self.assertEqual(sock.recv(100), b"")
+                sock.close()
             self.proxy.pass_through()
             self.assertEqual((await store.get("k")).body, b"v")  # same port, service restored
 
@@ -398,7 +402,7 @@ class RawProxyTests(TestCase):
         _wait_until(lambda: self.proxy.stats().open_connections == 0, "the proxy saw the RST")
         self.assertEqual(self.proxy.release_held(), [held])
         self.assertTrue(held.abandoned)
-        with self.assertRaises(RuntimeError):
+        with self.assertRaisesRegex(RuntimeError, "never arrived whole"):
             held.wait_answered(1)
         self.assertEqual(self.upstream.paths(), [])
 
@@ -438,15 +442,18 @@ class RawProxyTests(TestCase):
         self.assertEqual(proxy.stats().upstream_connect_failures, 1)
         self.assertEqual(proxy.errors, [])
 
-    def test_cut_resets_open_connections_and_refuses_new_ones(self) -> None:
+    def test_cut_resets_open_connections_and_new_ones(self) -> None:
         idle = self.connect()
         idle.sendall(_request("GET", "/before"))
         self.assertEqual(_read_response(idle, bytearray()), (200, b"GET /before 0"))
         self.proxy.cut()
         with self.assertRaises(ConnectionResetError):  # a RST, not a polite FIN
             idle.recv(100)
-        with self.assertRaises(ConnectionRefusedError):
-            self.connect()
+        # A new connection is accepted and reset at once (the port stays the proxy's).
+        with contextlib.suppress(ConnectionResetError):
+            late = self.connect()
+            late.sendall(_request("GET", "/during"))
+            self.assertEqual(late.recv(100), b"")
         self.proxy.pass_through()
         again = self.connect()
         again.sendall(_request("GET", "/after"))
@@ -458,9 +465,12 @@ class RawProxyTests(TestCase):
         idle.sendall(_request("GET", "/before"))
         self.assertEqual(_read_response(idle, bytearray()), (200, b"GET /before 0"))
         self.proxy.blackhole()
+        idle.sendall(_request("GET", "/during"))  # on a connection open before
         fresh = self.connect()  # accepted
         fresh.sendall(_request("PUT", "/swallowed", b"x"))
-        _wait_until(lambda: self.proxy.stats().requests_dropped == 1, "the PUT was read")
+        _wait_until(lambda: self.proxy.stats().requests_dropped == 2, "both were read")
+        dropped = [(e.path, e.dropped, e.status) for e in self.proxy.requests[1:]]
+        self.assertEqual(sorted(dropped), [("/during", True, None), ("/swallowed", True, None)])
         self.assertEqual(self.upstream.paths(), ["/before"])
         self.proxy.pass_through()
         for sock in (idle, fresh):  # they lost bytes: reset at the heal
@@ -469,6 +479,21 @@ class RawProxyTests(TestCase):
         again = self.connect()
         again.sendall(_request("GET", "/after"))
         self.assertEqual(_read_response(again, bytearray()), (200, b"GET /after 0"))
+
+    def test_a_delivery_without_an_answer_is_lost(self) -> None:
+        self.proxy.hold(request_matcher("PUT"))
+        sock = self.connect()
+        sock.sendall(_request("PUT", "/never-answered", b"x"))
+        (held,) = self.proxy.wait_held(1, timeout=10)
+        _wait_until(lambda: held.complete, "its body arrived")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a RST: its connection cannot carry the request any more
+        _wait_until(lambda: self.proxy.stats().open_connections == 0, "the client left")
+        self.upstream.stop()  # and the bucket is gone (refusing) when the late write is let go
+        (released,) = self.proxy.release_held()
+        with self.assertRaisesRegex(RuntimeError, "connection ended"):
+            released.wait_answered(10)
+        self.assertTrue(self.proxy.requests[0].lost)
 
     def test_close_is_clean(self) -> None:
         proxy = BucketProxy("127.0.0.1", self.upstream.port)

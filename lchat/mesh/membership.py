@@ -292,6 +292,7 @@ async def _read(
     include_dead: bool,
     phase: list[str],
     listing: list[ObjectInfo] | None = None,
+    draining: set[str] | None = None,
 ) -> tuple[datetime.datetime, list[Member]]:
     """The read itself; ``phase[0]`` says which operation is under way ("list", "get"), so
     that the caller can count a failure or a timeout against it. ``listing``, when given, receives
@@ -316,7 +317,10 @@ async def _read(
         if heartbeat is None:
             continue
         if heartbeat.draining and not include_dead:
-            continue  # leaving: out of placement now (its leases stay fenced until it is gone)
+            # Leaving: out of placement now (its leases stay fenced until it is gone).
+            if draining is not None:
+                draining.add(heartbeat.url)
+            continue
         members.append(
             Member(
                 url=heartbeat.url,
@@ -504,6 +508,7 @@ class Membership(Service):
         self._not_alive = False  # the deadline passed (logged, subscribers told) until a beat lands
         self._first_beat: Deferred[None] = Deferred()
         self._on_not_alive: list[Callable[[], object]] = []
+        self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
         self._members: list[Member] = [self._self_member(None)]
         self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
@@ -543,6 +548,11 @@ class Membership(Service):
         ``dead_after - margin`` after the last one was sent (monotonic clock), while the
         heartbeat exists. Peers cannot judge this box dead before that (docs/lease.md)."""
         return self._alive_until is not None and self._monotonic() < self._alive_until
+
+    def draining(self) -> frozenset[str]:
+        """The peers whose heartbeat said "draining" at the last read (out of :meth:`live`, but
+        alive: they release their leases within moments)."""
+        return self._draining
 
     def lapsed(self) -> bool:
         """A beat landed once, and none since ``dead_after - margin``: this box serves and writes
@@ -672,6 +682,7 @@ class Membership(Service):
             return
         phase = ["list"]
         listing: list[ObjectInfo] = []
+        draining: set[str] = set()
         try:
             now, view = await self._bounded(
                 _read(
@@ -683,6 +694,7 @@ class Membership(Service):
                     False,
                     phase,
                     listing,
+                    draining,
                 )
             )
         except CancelledError:
@@ -700,6 +712,7 @@ class Membership(Service):
         finally:
             self.beats += 1
         members = view
+        self._draining = frozenset(draining)
         if not any(m.self for m in members) and (put_ok or not members):
             members = sorted([*members, self._self_member(now)], key=lambda m: m.url)
         self._update(members, now)

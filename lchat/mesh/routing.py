@@ -292,26 +292,27 @@ class MeshRouter:
         return attrs.evolve(target, fallback=unreachable)
 
     def _members_changed(self, old: list[Any], new: list[Any]) -> None:
-        """A member that left the view although it would still have been live at this read had
-        it gone silent (its age then plus one heartbeat is under ``dead_after``) had its
-        heartbeat deleted: it is draining (Membership.stopService) and releases its leases
-        within moments. One that (re)joins is not draining any more."""
+        """A member that left the view because its heartbeat says "draining" (Membership.
+        begin_drain) releases its leases within moments: its spaces wait here for them. One that
+        left otherwise (its heartbeat aged out or vanished) is dead: a wake takes its leases over
+        at once (docs/lease.md). One that (re)joins is not draining any more."""
         still = {placement.normalise_member_url(m.url) for m in new}
         for url in still - {placement.normalise_member_url(m.url) for m in old}:
             self._draining.pop(url, None)
+        draining = getattr(self._membership, "draining", None)
+        leaving = {placement.normalise_member_url(u) for u in draining()} if draining else set()
         now = self._clock()
         for member in old:
             url = placement.normalise_member_url(member.url)
-            if url in still or url == self._self_url:
+            if url in still or url == self._self_url or url not in leaving:
                 continue
-            if member.age + self._mesh.heartbeat < self._mesh.dead_after:
-                self._draining[url] = max(self._draining.get(url, 0.0), now + RELEASE_WAIT)
-                _log.info(
-                    "mesh: {url} left (its heartbeat was deleted: a drain): its spaces wait up "
-                    "to {wait:g}s here for their leases",
-                    url=url,
-                    wait=RELEASE_WAIT,
-                )
+            self._draining[url] = max(self._draining.get(url, 0.0), now + RELEASE_WAIT)
+            _log.info(
+                "mesh: {url} left (its heartbeat says it is draining): its spaces wait up to "
+                "{wait:g}s here for their leases",
+                url=url,
+                wait=RELEASE_WAIT,
+            )
 
     def _draining_peers(self) -> dict[str, float]:
         now = self._clock()
@@ -385,8 +386,10 @@ class MeshRouter:
         except NotFound:
             owner = None
         except ObjectStoreError as e:
+            # Not known, rather than "nobody": not remembered, so the next request asks again
+            # (a box just reconnected to its bucket must not route by a failed read for 2 s).
             _log.warn("mesh: could not read the lease of {host}: {e}", host=host, e=e)
-            owner = None
+            return None
         except Exception as e:  # a lock.json we cannot parse names nobody we can forward to
             _log.warn("mesh: unreadable lease of {host}: {e}", host=host, e=e)
             owner = None

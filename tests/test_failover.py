@@ -1,0 +1,214 @@
+"""Hard-kill failover fenced by box liveness (issue 18, docs/lease.md), end to end: three real
+routers on one moto bucket, each box's S3 traffic through its own :class:`tests.tcpproxy.BucketProxy`
+so that one box can be cut off from the bucket while its clients still reach it.
+
+Every lease here has a 10 min TTL: a failover that waited for the TTL would time the tests out.
+
+- kill -9 the owner (router and space) under write load: a survivor serves the space within
+  ``dead_after`` + one wake, taking the lease over because its holder is dead, with every write
+  acknowledged before the kill minus the replication window; then the killed box restarts: it
+  reclaims nothing (the survivor keeps the space), and when it later wakes the space itself it
+  restores the current copy rather than serving its stale one.
+- partition the owner from the bucket (not from its clients): it stops acknowledging writes before
+  the survivor takes over — every acknowledged write that the final state lacks was acknowledged
+  before the survivor's first acknowledged write.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+
+from tests.tcpproxy import BucketProxy
+from tests.test_mesh import DOMAIN, Box, MeshTestCase, _members, request, sleep
+from tests.test_relocate_mesh import _admin
+
+HOST = f"fo.{DOMAIN}"
+DEAD_AFTER = 1.5  # MeshTestCase's LCHAT_MESH_DEAD_AFTER
+REPLICATION_WINDOW = 1.5  # stream ships within ~1 s; plus the upload
+
+
+class _Writer:
+    """Posts numbered messages through ``boxes`` in turn until stopped. ``acks``: (body, box,
+    monotonic time the 201 arrived) of every acknowledged write."""
+
+    def __init__(self, boxes: list[Box], ca: str) -> None:
+        self.boxes = boxes
+        self.ca = ca
+        self.acks: list[tuple[str, str, float]] = []
+        self.refused = 0
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with self._lock:
+                n = self._n
+                self._n += 1
+            box = self.boxes[n % len(self.boxes)]
+            body = f"w{n}"
+            try:
+                status, _, _ = request(
+                    box,
+                    HOST,
+                    "/api/rooms/r/messages",
+                    "POST",
+                    json.dumps({"body": body}).encode(),
+                    ca=self.ca,
+                )
+            except OSError:
+                status = 0
+            if status == 201:
+                self.acks.append((body, box.name, time.monotonic()))
+                time.sleep(0.03)
+            else:
+                self.refused += 1
+                time.sleep(0.1)
+
+    def acked_after(self, t: float) -> int:
+        return sum(1 for _, _, at in self.acks if at > t)
+
+
+class FailoverTests(MeshTestCase):
+    timeout = 300
+
+    def proxied(self, n: int = 3) -> tuple[list[Box], dict[str, BucketProxy]]:
+        boxes = self.boxes(n, LCHAT_LEASE_TTL="10m")
+        proxies: dict[str, BucketProxy] = {}
+        for box in boxes:
+            proxy = BucketProxy("127.0.0.1", self.server.port).start()
+            self.addCleanup(proxy.close)
+            box.settings = {  # type: ignore[attr-defined]
+                **box.settings,  # type: ignore[attr-defined]
+                "LCHAT_HIBERNATE_ENDPOINT": proxy.endpoint,
+            }
+            box.add_space(HOST)
+            proxies[box.name] = proxy
+        return boxes, proxies
+
+    def messages(self, box: Box) -> list[str]:
+        status, body, _ = request(box, HOST, "/api/rooms/r/messages?limit=1000", ca=self.ca)
+        assert status == 200, (box.name, status, body, box.log()[-6000:])
+        return [m["body"] for m in json.loads(body)["messages"]]
+
+    def logs(self, *boxes: Box) -> str:
+        return "\n".join(f"--- {b.name}\n{b.log()[-5000:]}" for b in boxes)
+
+    @inlineCallbacks
+    def owned(self, boxes: list[Box]) -> Any:
+        status, body, _ = yield self.req(
+            boxes[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "first"}'
+        )
+        self.assertEqual(status, 201, body)
+        owner = next(b for b in boxes if b.awake(HOST))
+        return owner, [b for b in boxes if b is not owner]
+
+    @inlineCallbacks
+    def test_kill_9_of_the_owner_fails_over_within_dead_after_and_a_restart_reclaims_nothing(
+        self,
+    ) -> Any:
+        boxes, _ = self.proxied()
+        yield self.start(*boxes)
+        owner, survivors = yield self.owned(boxes)
+        writer = _Writer(survivors, self.ca)
+        running = deferToThread(writer.run)
+        try:
+            yield self.wait_for(lambda: len(writer.acks) >= 20, timeout=60)
+            assert owner.proc is not None
+            killed_at = time.monotonic()
+            owner.proc.send_signal(signal.SIGKILL)  # the whole box: its router and its space
+            owner.kill_spaces()
+            yield deferToThread(owner.proc.wait)
+            yield self.wait_for(lambda: writer.acked_after(killed_at) >= 1, timeout=60)
+            back = min(at for _, _, at in writer.acks if at > killed_at) - killed_at
+            mark = time.monotonic()
+            yield self.wait_for(lambda: writer.acked_after(mark) >= 10, timeout=60)
+        finally:
+            writer.stop.set()
+            yield running
+        # Served again within dead_after + one wake (and the lease's 10 min TTL never mattered).
+        self.assertLess(back, DEAD_AFTER + 10.0, self.logs(*survivors))
+        taker = [b for b in survivors if b.awake(HOST)]
+        self.assertEqual(len(taker), 1, self.logs(*survivors))
+        self.assertIn("(holder dead: its box's heartbeat is too old or gone)", taker[0].log())
+        final = yield deferToThread(self.messages, taker[0])
+        kept = set(final)
+        before = [body for body, _, at in writer.acks if at < killed_at - REPLICATION_WINDOW]
+        self.assertEqual([b for b in before if b not in kept], [], "acknowledged writes lost")
+        after = [body for body, _, at in writer.acks if at > killed_at]
+        self.assertEqual([b for b in after if b not in kept], [])
+
+        # The killed box comes back (same URL, new epoch): it takes nothing back.
+        owner.start(owner.settings)
+        yield self.wait_for(lambda: all(_members(b) == 3 for b in boxes), timeout=30)
+        yield sleep(1.0)
+        self.assertFalse(owner.awake(HOST))
+        got = yield deferToThread(self.messages, owner)  # forwarded to the holder
+        self.assertEqual(got, final)
+        self.assertEqual([b.name for b in boxes if b.awake(HOST)], [taker[0].name])
+        # Woken there later, it restores the current copy, never serving its stale one.
+        slept = yield deferToThread(_admin, taker[0], f"/sleep?host={HOST}")
+        self.assertEqual(slept[0], 200, slept)
+        woke = yield deferToThread(_admin, owner, f"/wake?host={HOST}")
+        self.assertEqual(woke[0], 200, woke)
+        got = yield deferToThread(self.messages, owner)
+        self.assertEqual(got, final, self.logs(owner))
+        self.assertIn("moved it to", owner.log())
+
+    @inlineCallbacks
+    def test_an_owner_cut_off_from_the_bucket_stops_before_the_survivor_takes_over(self) -> Any:
+        boxes, proxies = self.proxied()
+        yield self.start(*boxes)
+        owner, survivors = yield self.owned(boxes)
+        writer = _Writer(boxes, self.ca)  # its clients still reach the owner
+        running = deferToThread(writer.run)
+        try:
+            yield self.wait_for(lambda: len(writer.acks) >= 20, timeout=60)
+            cut_at = time.monotonic()
+            proxies[owner.name].cut()
+            yield self.wait_for(lambda: any(b.awake(HOST) for b in survivors), timeout=60)
+            mark = time.monotonic()
+            yield self.wait_for(lambda: writer.acked_after(mark) >= 15, timeout=60)
+        finally:
+            writer.stop.set()
+            yield running
+        self.assertIn("standing every space down now", owner.log(), self.logs(owner))
+        self.assertFalse(owner.awake(HOST))
+        taker = next(b for b in survivors if b.awake(HOST))
+        final = yield deferToThread(self.messages, taker)
+        kept = set(final)
+        # Writes acknowledged after the cut that survived were the new owner's (the old one could
+        # upload nothing): the first of them marks its first acknowledgement.
+        new_first = min(at for body, _, at in writer.acks if at > cut_at and body in kept)
+        lost = [(body, box, at - cut_at) for body, box, at in writer.acks if body not in kept]
+        self.assertEqual(
+            [x for x in lost if x[2] + cut_at >= new_first],
+            [],
+            f"acknowledged after the new owner's first acknowledgement, then lost: {lost}",
+        )
+        # ...and the old owner stopped by its own deadline (dead_after - margin after its last
+        # beat, at most dead_after after the cut).
+        self.assertEqual([x for x in lost if x[2] > DEAD_AFTER + 0.5], [], lost)
+        before = [body for body, _, at in writer.acks if at < cut_at - REPLICATION_WINDOW]
+        self.assertEqual([b for b in before if b not in kept], [], "acknowledged writes lost")
+
+        # Healed, the old owner is a member again and serves the current copy by forwarding.
+        proxies[owner.name].pass_through()
+        yield self.wait_for(lambda: all(_members(b) == 3 for b in boxes), timeout=30)
+        yield self.wait_for(lambda: owner.status()["mesh"]["alive"], timeout=30)
+        yield self.wait_for(lambda: _served(owner, self.ca), timeout=30)
+        got = yield deferToThread(self.messages, owner)
+        self.assertEqual(got, final)
+        self.assertEqual([b.name for b in boxes if b.awake(HOST)], [taker.name])
+
+
+def _served(box: Box, ca: str) -> bool:
+    status, _, _ = request(box, HOST, "/api/rooms/r/messages", ca=ca)
+    return status == 200
