@@ -25,7 +25,7 @@ from typing import Any
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.threads import deferToThread
 
-from tests.tcpproxy import BucketProxy
+from tests.tcpproxy import BucketProxy, request_matcher
 from tests.test_mesh import DOMAIN, Box, MeshTestCase, _members, request, sleep
 from tests.test_relocate_mesh import _admin
 
@@ -76,7 +76,9 @@ class _Writer:
         return sum(1 for _, _, at in self.acks if at > t)
 
 
-class FailoverTests(MeshTestCase):
+class _ProxiedMesh(MeshTestCase):
+    """Three routers, each box's S3 traffic through its own BucketProxy."""
+
     timeout = 300
 
     def proxied(self, n: int = 3) -> tuple[list[Box], dict[str, BucketProxy]]:
@@ -110,6 +112,8 @@ class FailoverTests(MeshTestCase):
         owner = next(b for b in boxes if b.awake(HOST))
         return owner, [b for b in boxes if b is not owner]
 
+
+class FailoverTests(_ProxiedMesh):
     @inlineCallbacks
     def test_kill_9_of_the_owner_fails_over_within_dead_after_and_a_restart_reclaims_nothing(
         self,
@@ -207,6 +211,52 @@ class FailoverTests(MeshTestCase):
         got = yield deferToThread(self.messages, owner)
         self.assertEqual(got, final)
         self.assertEqual([b.name for b in boxes if b.awake(HOST)], [taker.name])
+
+
+class LateWriteTests(_ProxiedMesh):
+    """docs/lease.md, "Late writes": an upload the dead owner had sent lands after the takeover."""
+
+    @inlineCallbacks
+    def test_a_late_upload_of_the_dead_owner_is_never_read(self) -> Any:
+        boxes, proxies = self.proxied()
+        yield self.start(*boxes)
+        owner, survivors = yield self.owned(boxes)
+        yield sleep(2.0)  # "first" is replicated
+        # The owner's next level-0 upload is held in flight, then the owner dies.
+        proxy = proxies[owner.name]
+        proxy.hold(request_matcher("PUT", f"{HOST}/0000/"))
+        status, body, _ = yield self.req(
+            owner, HOST, "/api/rooms/r/messages", "POST", b'{"body": "late"}'
+        )
+        self.assertEqual(status, 201, body)  # acknowledged, its upload held
+        yield deferToThread(proxy.wait_held, 1, 30.0)
+        assert owner.proc is not None
+        owner.proc.send_signal(signal.SIGKILL)
+        owner.kill_spaces()
+        yield deferToThread(owner.proc.wait)
+        # A survivor takes over (without "late": its upload never landed) and is written to.
+        yield self.wait_for(lambda: _served(survivors[0], self.ca), timeout=60)
+        status, body, _ = yield self.req(
+            survivors[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "after"}'
+        )
+        self.assertEqual(status, 201, body)
+        taker = next(b for b in survivors if b.awake(HOST))
+        yield sleep(2.0)  # "after" is replicated
+        # Now the dead owner's upload lands.
+        released = proxy.release_held()
+        self.assertEqual(len(released), 1)
+        answered = yield deferToThread(released[0].wait_answered, 30.0)
+        self.assertEqual(answered, 200)
+        # Whoever restores the space next reads the new owner's lineage only — even when the new
+        # owner dies too, before any flush or check of its own could notice the late file.
+        assert taker.proc is not None
+        taker.proc.send_signal(signal.SIGKILL)
+        taker.kill_spaces()
+        yield deferToThread(taker.proc.wait)
+        other = next(b for b in survivors if b is not taker)
+        yield self.wait_for(lambda: _served(other, self.ca), timeout=60)
+        got = yield deferToThread(self.messages, other)
+        self.assertEqual(got, ["first", "after"], self.logs(other))
 
 
 def _served(box: Box, ca: str) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import CancelledError, Deferred, DeferredList
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -36,6 +36,7 @@ from lchat.hibernation.space import Budgets
 from lchat.lease import (
     BOX_NOT_ALIVE,
     HeldLease,
+    HolderCheck,
     LeaseHeld,
     LeaseKeeper,
     LeaseRecord,
@@ -79,6 +80,18 @@ TTL = 600.0  # long: every lease below is live by its TTL unless a test says oth
 
 def d(coro: Coroutine[Any, Any, T]) -> Deferred[T]:
     return Deferred.fromCoroutine(coro)
+
+
+async def sleep(seconds: float) -> None:
+    await deferLater(reactor, seconds, lambda: None)
+
+
+async def until_bucket(store: ObjectStore, when: datetime.datetime, within: float) -> None:
+    """Wait (real time) until the bucket's clock reads ``when``."""
+    deadline = time.monotonic() + within
+    while await store.now() < when:
+        assert time.monotonic() < deadline, f"the bucket's clock did not reach {when}"
+        await sleep(0.1)
 
 
 def takeovers(reason: str) -> float:
@@ -253,7 +266,7 @@ class _Moto(TestCase):
     async def beat(self, url: str, epoch: str, *, draining: bool = False) -> None:
         await self.store.put(member_key(WHERE, url), heartbeat(url, epoch, draining=draining))
 
-    async def take(self, check: Any, **kw: Any) -> HeldLease:
+    async def take(self, check: HolderCheck | None, **kw: Any) -> HeldLease:
         options: dict[str, Any] = {"box": B, "epoch": EPOCH_B, "holder_check": check}
         options.update(kw)
         return await lease.acquire(
@@ -482,20 +495,6 @@ class AcquireTests(_Moto):
         with self.assertRaises(ObjectStoreError):
             await self.take(self.judge(nowhere))
         self.assertEqual((await self.store.head(KEY)).etag, etag)
-
-
-async def until_bucket(store: ObjectStore, when: datetime.datetime, within: float) -> None:
-    """Wait (real time) until the bucket's clock reads ``when``."""
-    deadline = time.monotonic() + within
-    while await store.now() < when:
-        assert time.monotonic() < deadline, f"the bucket's clock did not reach {when}"
-        await sleep(0.1)
-
-
-async def sleep(seconds: float) -> None:
-    from twisted.internet.task import deferLater
-
-    await deferLater(reactor, seconds, lambda: None)
 
 
 class HolderJudgeTests(_Moto):
@@ -1164,9 +1163,9 @@ class LeaseTtlConfigTests(SynchronousTestCase):
     }
 
     def ttl(self, environ: dict[str, str]) -> float:
-        env_file = os.path.join(self.mktemp() + ".env")
+        env_file = self.mktemp()
         with open(env_file, "w"):
-            pass
+            pass  # an empty router.env: the environment below is all there is
         cfg = config.load(env_file=env_file, environ=environ)
         assert cfg.hibernate is not None
         return cfg.hibernate.lease_ttl

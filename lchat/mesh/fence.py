@@ -21,6 +21,7 @@ import datetime
 from typing import Any
 
 from attrs import frozen
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from lchat.hosts import normalise_member_url
@@ -70,9 +71,16 @@ class HolderJudge:
             url = normalise_member_url(record.box)
         except ValueError:
             return None
+        key = member_key(self.where, url)
         try:
-            obj = await self.store.get(member_key(self.where, url))
+            obj = await self.store.get(key)
         except NotFound:
+            # A 404 may name the bucket, not the key (S3's NoSuchBucket: the mesh's bucket was
+            # deleted, or LCHAT_MESH_BUCKET names one that is not there), which says nothing about
+            # the holder. A LIST fails on a missing bucket and lists nothing when only the
+            # heartbeat is gone: not knowing is not dead.
+            if any(info.key == key for info in await self.store.list(key)):
+                return None  # it beat again between our GET and our LIST: alive
             log.info("lease {host}: holder {box} is dead (no heartbeat)", host=record.host, box=url)
             return "holder dead"
         now = await self.store.now()  # after the GET: the heartbeat is no younger than it looks
@@ -138,7 +146,8 @@ class BoxFence:
         first.addTimeout(budget, reactor)
         try:
             await first
-        except Exception as e:
-            raise NotAlive(f"no heartbeat of {self.box} has landed yet ({e})") from e
+        except defer.TimeoutError as e:
+            raise NotAlive(f"no heartbeat of {self.box} has landed within {budget:g}s") from e
+        # (A CancelledError is the caller calling the wait off, a drain: passed on as it is.)
         if not self.alive():
             raise NotAlive(f"the first heartbeat of {self.box} is already too old")
