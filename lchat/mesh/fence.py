@@ -17,7 +17,6 @@ Two sides of one rule:
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 from attrs import frozen
@@ -26,21 +25,16 @@ from twisted.logger import Logger
 
 from lchat.hosts import normalise_member_url
 from lchat.lease import LeaseRecord, NotAlive
-from lchat.mesh.membership import Heartbeat, KeyPrefix, Membership, member_key
+from lchat.mesh.membership import (
+    Heartbeat,
+    KeyPrefix,
+    Membership,
+    judged_dead,
+    member_key,
+)
 from lchat.objstore import NotFound, ObjectStore
 
 log = Logger(namespace="lchat.mesh.fence")
-
-
-def judged_dead(
-    last_modified: datetime.datetime, now: datetime.datetime, dead_after: float
-) -> bool:
-    """The taker's rule: a heartbeat whose ``Last-Modified`` is ``last_modified`` is dead at the
-    bucket time ``now`` once ``now >= floor(last_modified) + 1 s + dead_after``. Stores truncate
-    ``Last-Modified`` to whole seconds, so ``floor + 1 s`` bounds the real write from above:
-    never early (docs/lease.md, "The timing argument")."""
-    written_by = last_modified.replace(microsecond=0) + datetime.timedelta(seconds=1)
-    return now >= written_by + datetime.timedelta(seconds=dead_after)
 
 
 def holder_deadline(sent: float, dead_after: float, margin_fraction: float) -> float:

@@ -117,6 +117,19 @@ for _outcome in ("deleted", "changed", "failed"):
     JANITOR_DELETES.labels(_outcome)  # exported as 0 before the first delete
 
 
+def judged_dead(
+    last_modified: datetime.datetime, now: datetime.datetime, dead_after: float
+) -> bool:
+    """A heartbeat whose ``Last-Modified`` is ``last_modified`` is dead at the bucket time ``now``
+    once ``now >= floor(last_modified) + 1 s + dead_after``. Stores truncate ``Last-Modified`` to
+    whole seconds, so ``floor + 1 s`` bounds the real write from above: never early
+    (docs/lease.md, "The timing argument"). The membership's view and a taker of leases
+    (lchat.mesh.fence) use this one rule, so a box drops out of the view exactly when its leases
+    may be taken over."""
+    written_by = last_modified.replace(microsecond=0) + datetime.timedelta(seconds=1)
+    return now >= written_by + datetime.timedelta(seconds=dead_after)
+
+
 # --- keys and bodies ----------------------------------------------------------------------------
 
 
@@ -263,7 +276,8 @@ async def read_members(
 ) -> list[Member]:
     """The live members (sorted by URL): one LIST of the members prefix and ``store.now()``.
 
-    A member is live while ``now - last_modified <= dead_after`` on the bucket's clock. Bodies are
+    A member is live until :func:`judged_dead` on the bucket's clock (``now >= floor(last_modified)
+    + 1 s + dead_after``: the rule a taker of its leases applies, lchat.mesh.fence). Bodies are
     fetched (GET) only for live keys whose ETag is not already in ``bodies`` (``key -> (etag,
     parsed)``, a cache the caller may keep across reads; entries for keys no longer listed are
     dropped). Garbage is skipped with one log line per version (with a cache; each read without).
@@ -311,7 +325,7 @@ async def _read(
     members: list[Member] = []
     for info in listed:
         age = (now - info.last_modified).total_seconds()
-        if age > dead_after and not include_dead:
+        if judged_dead(info.last_modified, now, dead_after) and not include_dead:
             continue  # dead: its body does not matter
         heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size)
         if heartbeat is None:
