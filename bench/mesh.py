@@ -3,11 +3,14 @@ costs in S3 requests — three real routers, one moto bucket, HTTPS verified aga
 
     .venv/bin/python bench/mesh.py [--requests 2000] [--fresh 100] [--graceful 5] [--kills 3]
         [--heartbeat 1] [--dead-after 3] [--lease-ttl 5] [--idle 30] [--poll 0.025]
-        [--clients 32] [--default-hb-trials 3] [--patched-trials 3] [--patched-retry 0] [--keep]
+        [--clients 32] [--default-hb-trials 3] [--patched-trials 3] [--patched-retry 0]
+        [--default-hb-kills 5] [--lease-hour 30] [--only SECTION,...] [--keep]
 
-(~4.5 min with the defaults on 2 cores; needs the test extras — boto3, moto — as tests/s3servers.py
-does: .venv and /tmp/venv have them.) Prints a Markdown section and writes it to
-/tmp/mesh-section.md.
+(~13 min with the defaults on 2 cores, of which ~6 for 6. and 7.: ``--only
+default-kills,lease-requests`` runs just those; needs the test extras — boto3, moto — as
+tests/s3servers.py does: .venv and /tmp/venv have them.) Prints a Markdown section and writes it to
+/tmp/mesh-section.md. ``--only`` takes any of forwarding, graceful, kills, membership,
+default-graceful, patched, lease-requests, default-kills (all by default).
 
 What runs (the set-up of tests/test_mesh.py): a moto server (tests/s3servers.py), a test CA with a
 ``*.mesh.test`` wildcard certificate (``lchat dev-cert``'s ``make_dev_certs``) copied into each
@@ -50,7 +53,32 @@ from those events, on the same clock as the client's.
    awake; each router's ``lchat_s3_requests_total`` (admin ``GET /metrics``) before and after, by
    operation, per beat, and extrapolated to the default 15 s heartbeat.
 5. **Graceful failover at the default heartbeat**, ``--default-hb-trials``: the three routers
-   restarted with ``LCHAT_MESH_HEARTBEAT=15s``/``DEAD_AFTER=45s`` and the trials of 2. again.
+   restarted with ``LCHAT_MESH_HEARTBEAT=15s``/``DEAD_AFTER=45s`` and the trials of 2. again
+   (``--patched-trials``: once more with ``PEER_DIAL_RETRY`` patched in the routers).
+6. **Lease requests per awake space-hour** (issue 18), in a scaled hour: ``--lease-hour`` seconds
+   stand for one hour and every TTL is scaled by the same factor (30 s: 2 h → 60 s, 15 min → 7.5
+   s), so a count made in one scaled hour is the count of a real one (renewals every TTL/3, one
+   acquire and one release per wake: all times scale together). The routers are restarted (the
+   ``--heartbeat`` mesh) twice: with the mesh default TTL (``LCHAT_LEASE_TTL`` unset on a mesh box:
+   2 h) scaled, and with the per-space renewals every box had before (15 min) scaled, on the same
+   mesh. Each time three spaces are woken with the admin API's ``POST /wake``, one per box, kept
+   awake one scaled hour with no client traffic, and put to sleep with ``POST /sleep``. Counted:
+   every request moto logged for each space's ``lock.json`` (its access log, from a byte offset
+   taken before the wakes to one after the sleeps: PUT, GET, DELETE, HEAD by status), beside the
+   routers' ``lchat_lease_operations_total`` (admin ``GET /metrics``) and their lease log events
+   (acquired, renewed, released: the renewal period and how long each lease was held).
+7. **kill -9 failover at the default heartbeat**, ``--default-hb-kills`` trials: the routers
+   restarted with ``LCHAT_MESH_HEARTBEAT=15s``, ``DEAD_AFTER=45s`` and ``LCHAT_LEASE_TTL`` unset
+   (the 2 h mesh default), no patch; the kill trials of 3. on them, polling the survivor for up to
+   dead_after + 60 s, the kills spread over one heartbeat period (trial i of N kills the owner
+   0.1 s + i·heartbeat/N after one of its heartbeat PUTs landed, followed in moto's access log:
+   the first is the worst case, a kill right after a beat). Read per trial: the killed box's last heartbeat ``Last-Modified`` (moto, right
+   after the kill and again after the failover; the later one), hence when the heartbeat rule
+   allowed a takeover (floor(LM) + 1 s + dead_after); the survivor's judgement (``lease <host>:
+   holder <box> is dead (last heartbeat …s ago …)``, the age it computed) and its takeover line
+   with its reason; when the lease could have been taken by its TTL alone, for 15 min (the
+   per-space-renewal TTL) and the 2 h default, from the lease's ``Last-Modified``. Goal (issue 18):
+   served within dead_after + 2 s = 47 s of the kill.
 
 Each failover table row is one trial; the second table shows what the survivors' routers counted
 meanwhile and the reference wake. The text under it gives medians and which component cost what.
@@ -95,7 +123,22 @@ TOKEN = "mesh-bench-token-" + "x" * 24
 LOG_ENV = "BENCH_MESH_LOG"  # the child router's JSON event file
 PATCH_ENV = "BENCH_PEER_DIAL_RETRY"  # the child router's PEER_DIAL_RETRY, when set
 DEFAULT_HEARTBEAT = 15.0  # LCHAT_MESH_HEARTBEAT's default
-DEFAULT_TTL = 900.0  # LCHAT_LEASE_TTL's default
+DEFAULT_DEAD_AFTER = 45.0  # LCHAT_MESH_DEAD_AFTER's default
+DEFAULT_TTL = 900.0  # LCHAT_LEASE_TTL's default off a mesh (every box's before issue 18)
+MESH_TTL = 7200.0  # LCHAT_LEASE_TTL's default on a mesh box (lchat.config.MESH_LEASE_TTL)
+KILL_GOAL_SLACK = 2.0  # issue 18: hard-kill failover <= dead_after + 2 s
+KILL_PHASE_OFFSET = 0.1  # default-heartbeat kill i of N: this + i/N heartbeats after a beat
+LEASE_GOAL = 3.0  # issue 18: <= 3 lease requests per awake space-hour
+SECTIONS = (
+    "forwarding",
+    "graceful",
+    "kills",
+    "membership",
+    "lease-requests",
+    "default-graceful",
+    "patched",
+    "default-kills",
+)
 EVENT_FIELDS = (
     "host",
     "url",
@@ -111,7 +154,12 @@ EVENT_FIELDS = (
     "ago",
     "due",
     "previous",
+    "age",
+    "dead_after",
+    "epoch",
 )
+# Event fields kept under another name: Box.events() sets "box" to the box that logged it.
+RENAMED_FIELDS = {"box": "holder_box"}
 METRIC_LINE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})? (\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -149,6 +197,9 @@ def router_log_observer() -> Any:
                 for k in EVENT_FIELDS:
                     if k in event:
                         record[k] = event[k]
+                for k, as_ in RENAMED_FIELDS.items():
+                    if k in event:
+                        record[as_] = event[k]
                 self.json.write(json.dumps(record, default=str) + "\n")
             except Exception:
                 pass
@@ -499,6 +550,11 @@ ACQUIRED = "activator: {host} waking (lease acquired)"
 TAKEN_OVER = "lease {host}: taken over from"
 AWAKE = "activator: {host} awake ("
 PEER_UNREACHABLE = "peer {peer} unreachable for {host}"  # since ee59ef9
+# Issue 18 (lchat/mesh/fence.py, lchat/lease.py): a taker's judgement of the holder's box.
+JUDGED_DEAD = "lease {host}: holder {box} is dead"  # "(no heartbeat)" or "(last heartbeat …)"
+JUDGED_RESTARTED = "lease {host}: holder {box} restarted"
+LEASE_ACQUIRED = "lease {host}: acquired"
+LEASE_RENEWED = "lease {host}: renewed"  # debug level: the bench's observer keeps every level
 
 
 # ---------------------------------------------------------------- the poller
@@ -748,6 +804,7 @@ class Mesh:
             "AWS_SECRET_ACCESS_KEY": creds.secret_key,
         }
         self.hb, self.dead = args.heartbeat, args.dead_after
+        self.ttl: float = args.lease_ttl  # the lease TTL of the boxes started from now on
         self.boxes = [Box(tmp, i, procs) for i in range(3)]
         for box in self.boxes:
             dest = box.acme / os.path.basename(wildcard)
@@ -763,6 +820,66 @@ class Mesh:
         self.hb, self.dead = heartbeat, dead_after
         self.settings["LCHAT_MESH_HEARTBEAT"] = f"{heartbeat * 1000:g}ms"
         self.settings["LCHAT_MESH_DEAD_AFTER"] = f"{dead_after * 1000:g}ms"
+
+    def set_lease_ttl(self, ttl: float | None) -> None:
+        """For the boxes started from now on; None: ``LCHAT_LEASE_TTL`` unset (a mesh box's
+        default, 2 h)."""
+        if ttl is None:
+            self.settings.pop("LCHAT_LEASE_TTL", None)
+            self.ttl = mesh_default_ttl()
+        else:
+            self.settings["LCHAT_LEASE_TTL"] = f"{ttl * 1000:g}ms"
+            self.ttl = ttl
+
+    def restart(
+        self, heartbeat: float, dead_after: float, ttl: float | None, patch: float | None = None
+    ) -> float:
+        """Stop every box (SIGTERM: they drain), forget their heartbeats, start all three again
+        with these settings (``patch``: ``PEER_DIAL_RETRY`` in the routers); seconds until all
+        three saw each other."""
+        if any(b.proc is not None for b in self.boxes):
+            self.stop_all()
+            self.kill_orphans()
+            self.clear_members()
+        self.set_heartbeat(heartbeat, dead_after)
+        self.set_lease_ttl(ttl)
+        if patch is None:
+            self.env.pop(PATCH_ENV, None)
+        else:
+            self.env[PATCH_ENV] = f"{patch:g}"
+        t = time.time()
+        self.start_all()
+        return time.time() - t
+
+    @property
+    def server_log(self) -> Path:
+        """moto's access log (tests/s3servers.py points its stdout and stderr there): one line
+        per request, ``"PUT /<bucket>/<key> HTTP/1.1" 200``."""
+        return Path(self.server.dir) / "server.log"
+
+    def wait_beat(self, url: str, timeout: float) -> float:
+        """Block until moto logs the next heartbeat PUT of the member ``url`` (its access log,
+        followed every 5 ms: the line is written once the answer is sent); the instant it was
+        seen, within ~10 ms of the heartbeat's ``Last-Modified``."""
+        path = "/" + self.bucket + "/" + self.member_key(url)
+        deadline = time.time() + timeout
+        with self.server_log.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            pending = ""
+            while time.time() < deadline:
+                chunk = f.read()
+                if not chunk:
+                    time.sleep(0.005)
+                    continue
+                seen = time.time()
+                pending += chunk.decode(errors="replace")
+                lines = pending.split("\n")
+                pending = lines.pop()
+                for line in lines:
+                    m = ACCESS_LINE.search(ANSI.sub("", line))
+                    if m and m.group(1) == "PUT" and m.group(2) == path and m.group(3) == "200":
+                        return seen
+        raise RuntimeError(f"no heartbeat of {url} in moto's log for {timeout:g}s")
 
     def add_spaces(self, hosts_: Sequence[str]) -> None:
         for box in self.boxes:
@@ -894,6 +1011,13 @@ class OtherCPU:
         return max(0.0, other) / max(time.monotonic() - t, 1e-9)
 
 
+def mesh_default_ttl() -> float:
+    """``LCHAT_LEASE_TTL`` on a mesh box when unset (lchat/config.py), in seconds."""
+    from lchat.config import MESH_LEASE_TTL, parse_duration
+
+    return parse_duration("LCHAT_LEASE_TTL", MESH_LEASE_TTL)
+
+
 def _is_our_space(pid: int, tmp: Path) -> bool:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -998,9 +1122,21 @@ def post_message(mesh: Mesh, via: Box, host: str, text: str) -> None:
 
 
 def failover_trial(
-    mesh: Mesh, args: argparse.Namespace, kind: str, i: int, prefix: str = ""
+    mesh: Mesh,
+    args: argparse.Namespace,
+    kind: str,
+    i: int,
+    prefix: str = "",
+    deadline: float | None = None,
+    beat_phase: float | None = None,
 ) -> dict[str, Any]:
+    """One failover: ``kind`` "graceful" (SIGTERM) or "kill" (SIGKILL) to the owner of a space
+    woken by a post; ``deadline``: how long the poller tries (default: lease TTL + dead_after +
+    20 s for a kill, 30 s for a graceful stop); ``beat_phase``: send the signal this long after
+    one of the owner's heartbeats landed (moto's log), rather than whenever the trial is ready."""
     host = f"{prefix or kind[0]}{i}.{DOMAIN}"
+    if deadline is None:
+        deadline = mesh.ttl + mesh.dead + 20 if kind == "kill" else 30.0
     mesh.sleep_everything()
     other_cpu = OtherCPU(mesh)
     other_cpu.start()
@@ -1020,10 +1156,14 @@ def failover_trial(
         mesh.ca,
         text.encode(),
         args.poll,
-        args.lease_ttl + mesh.dead + 20 if kind == "kill" else 30.0,
+        deadline,
     )
     poller.prewarm(args.clients)
     m0 = {b.name: b.metrics() for b in survivors}
+    beat_seen = None
+    if beat_phase is not None:
+        beat_seen = mesh.wait_beat(owner_url, mesh.hb + 10)
+        time.sleep(max(0.0, beat_seen + beat_phase - time.time()))
     t0 = owner.signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
     lease_lm = member_lm = None
     if kind == "kill":
@@ -1031,6 +1171,11 @@ def failover_trial(
         member_lm = mesh.head(mesh.member_key(owner_url))
     poller.run(t0, lambda: any(host in b.awake() for b in survivors))
     m1 = {b.name: b.metrics() for b in survivors}
+    if kind == "kill":
+        # A beat PUT the owner sent just before the kill may have landed after the first read.
+        later = mesh.head(mesh.member_key(owner_url))
+        if later is not None and (member_lm is None or later > member_lm):
+            member_lm = later
     noise = other_cpu.share()
     code = owner.wait_exit(60)
     t_exit = owner.exited_at
@@ -1041,7 +1186,7 @@ def failover_trial(
     ev_owner = owner.events(t0 - 0.5)
     renewed = [
         e["t"]
-        for e in owner.events(t0 - 2 * args.lease_ttl, t0)
+        for e in owner.events(t0 - 2 * mesh.ttl, t0)
         if e["fmt"].startswith(("lease {host}: renewed", "lease {host}: acquired"))
         and e.get("host") == host
     ]
@@ -1072,6 +1217,8 @@ def failover_trial(
         "fallback_other": rel(first(ev_other, PEER_UNREACHABLE, host=host), t0),
         "heartbeat": mesh.hb,
         "dead_after": mesh.dead,
+        "beat_phase": beat_phase,
+        "beat_seen": None if beat_seen is None else t0 - beat_seen,
         "other_cpu": noise,
         "held": count(ev_surv, LEASE_HELD, host=host),
         "acquired": rel(woke, t0),
@@ -1084,20 +1231,53 @@ def failover_trial(
         "other_metrics": _trial_metrics(m0[other.name], m1[other.name]),
     }
     if kind == "kill":
-        ttl = args.lease_ttl
+        ttl = mesh.ttl
+        res["ttl"] = ttl
         if lease_lm is not None:
-            expiry = lease_lm.replace(microsecond=0).timestamp() + 1 + math.ceil(ttl)
-            res["lease_expiry"] = expiry - t0
+            # floor(LM) + 1 s: no earlier than the write (stores truncate Last-Modified).
+            written = lease_lm.replace(microsecond=0).timestamp() + 1
+            res["lease_written"] = written - t0
+            res["lease_expiry"] = written + math.ceil(ttl) - t0
         if renewed:
             res["lease_age"] = t0 - renewed[-1]
         if member_lm is not None:
             res["member_dead"] = member_lm.timestamp() + mesh.dead - t0
+            beat = member_lm.replace(microsecond=0).timestamp()
+            res["beat_lm"] = beat - t0
+            # lchat/mesh/fence.py judged_dead: the bucket's clock at floor(LM) + 1 s + dead_after.
+            res["hb_takeable"] = beat + 1 + mesh.dead - t0
+        taken = first(ev_surv, TAKEN_OVER, host=host)
+        res["takeover_reason"] = None if taken is None else taken.get("reason")
+        judged = None
+        if taken is not None:
+            judgements = [
+                e
+                for e in ev_surv
+                if e["box"] == taken["box"]
+                and e["t"] <= taken["t"]
+                and e.get("host") == host
+                and e["fmt"].startswith((JUDGED_DEAD, JUDGED_RESTARTED))
+            ]
+            judged = judgements[-1] if judgements else None
+        res["judged"] = rel(judged, t0)
+        res["judged_age"] = None if judged is None else judged.get("age")
+        res["judged_text"] = "" if judged is None else judged["text"]
+        res["judgements"] = count(ev_surv, JUDGED_DEAD, host=host) + count(
+            ev_surv, JUDGED_RESTARTED, host=host
+        )
     log(
         f"{kind} {i}: {owner.name} -> {res['woke_on']}, served after {sec(res['serve'])} "
         f"(survivor saw the member gone at {sec(res['gone_target'])}, re-routed at "
         f"{sec(res['fallback_target'])}, lease "
         f"{'released' if kind != 'kill' else 'taken over'} at "
-        f"{sec(res['released'] if kind != 'kill' else res['taken_over'])}); {res['statuses']}"
+        f"{sec(res['released'] if kind != 'kill' else res['taken_over'])}"
+        + (
+            f" ({res['takeover_reason']}; judged: {res['judged_text'] or '-'}; heartbeat rule "
+            f"allowed it at {sec(res.get('hb_takeable'))})"
+            if kind == "kill"
+            else ""
+        )
+        + f"); {res['statuses']}"
     )
     mesh.start(owner)  # a new port: a new member URL
     # Requests still out (re-dialling the stopped owner) end with the dial retry: wait for
@@ -1178,6 +1358,135 @@ def membership_cost(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
     return {"span": span, "per_box": per_box, "heartbeat": cost_hb}
 
 
+# ---------------------------------------------------------------- 6. lease requests per space-hour
+
+ACCESS_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})')
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _lease_tag(real_ttl: float | None) -> str:
+    return "m" if real_ttl is None else f"s{real_ttl:g}"
+
+
+def lease_hosts(tag: str) -> list[str]:
+    return [f"l{tag}{i}.{DOMAIN}" for i in range(3)]
+
+
+def lease_requests(
+    mesh: Mesh, args: argparse.Namespace, real_ttl: float | None, tag: str
+) -> dict[str, Any]:
+    """One scaled hour (``--lease-hour`` s) awake for three spaces, one per box, with the lease
+    TTL ``real_ttl`` scaled by the same factor (None: the mesh default, 2 h); what the bucket
+    saw for their ``lock.json`` meanwhile. The mesh is restarted with that TTL first."""
+    real = mesh_default_ttl() if real_ttl is None else real_ttl
+    scale = args.lease_hour / 3600.0
+    mesh.restart(args.heartbeat, args.dead_after, real * scale)
+    ttl = mesh.ttl
+    hosts_ = lease_hosts(tag)
+    before = {b.name: b.metrics() for b in mesh.boxes}
+    offset = mesh.server_log.stat().st_size
+    t_start = time.time()
+    spans: dict[str, dict[str, Any]] = {}
+    errors: list[str] = []
+
+    def hold(box: Box, host: str) -> None:
+        t = time.time()
+        code, body = admin(box.sock, "POST", f"/wake?host={host}", timeout=60)
+        woke = time.time()
+        if code != 200:
+            errors.append(f"wake {host} on {box.name}: {code} {body!r}")
+            return
+        time.sleep(max(0.0, woke + args.lease_hour - time.time()))
+        asleep_from = time.time()
+        code, body = admin(box.sock, "POST", f"/sleep?host={host}", timeout=60)
+        if code != 200:
+            errors.append(f"sleep {host} on {box.name}: {code} {body!r}")
+        spans[host] = {
+            "box": box.name,
+            "wake": woke - t,
+            "awake": asleep_from - woke,
+            "sleep": time.time() - asleep_from,
+        }
+
+    threads = [
+        threading.Thread(target=hold, args=(box, host), daemon=True)
+        for box, host in zip(mesh.boxes, hosts_, strict=True)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(args.lease_hour + 180)
+    time.sleep(0.5)  # the last lines of moto's log and of the routers'
+    after = {b.name: b.metrics() for b in mesh.boxes}
+    with mesh.server_log.open("rb") as f:
+        f.seek(offset)
+        access = f.read().decode(errors="replace")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+    per_host: dict[str, dict[str, Any]] = {}
+    for host in hosts_:
+        key = "/" + mesh.lease_key(host)
+        requests: dict[str, int] = {}
+        for line in access.splitlines():
+            m = ACCESS_LINE.search(ANSI.sub("", line))
+            if m is None or not m.group(2).split("?")[0].endswith(key):
+                continue
+            label = f"{m.group(1)} {m.group(3)}"
+            requests[label] = requests.get(label, 0) + 1
+        box = next(b for b in mesh.boxes if b.name == spans[host]["box"])
+        ev = [e for e in box.events(t_start) if e.get("host") == host]
+        acquired = first(ev, LEASE_ACQUIRED)
+        released = first(ev, RELEASED)
+        renewals = [e["t"] for e in ev if e["fmt"].startswith(LEASE_RENEWED)]
+        per_host[host] = {
+            **spans[host],
+            "requests": requests,
+            "total": sum(requests.values()),
+            "held": (
+                released["t"] - acquired["t"]
+                if acquired is not None and released is not None
+                else math.nan
+            ),
+            "renewals": len(renewals),
+            "periods": [
+                b - a
+                for a, b in zip(
+                    [acquired["t"] if acquired else math.nan, *renewals], renewals, strict=False
+                )
+            ],
+        }
+    ops: dict[str, float] = {}
+    for b in mesh.boxes:
+        m0 = by_label_pairs(before[b.name], "lchat_lease_operations_total")
+        for k, v in by_label_pairs(after[b.name], "lchat_lease_operations_total").items():
+            if v - m0.get(k, 0.0):
+                ops[k] = ops.get(k, 0.0) + v - m0.get(k, 0.0)
+    return {
+        "tag": tag,
+        "real_ttl": real,
+        "ttl": ttl,
+        "scale": scale,
+        "hour": args.lease_hour,
+        "heartbeat": mesh.hb,
+        "hosts": per_host,
+        "operations": ops,
+    }
+
+
+def by_label_pairs(
+    m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str
+) -> dict[str, float]:
+    """``lchat_lease_operations_total`` as {"operation outcome": value}."""
+    out: dict[str, float] = {}
+    for (n, ls), v in m.items():
+        if n == name:
+            d = dict(ls)
+            key = f"{d.get('operation', '')} {d.get('outcome', '')}"
+            out[key] = out.get(key, 0.0) + v
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -1199,32 +1508,99 @@ def lat_row(label: str, xs: Sequence[float]) -> list[str]:
 
 def report(
     args: argparse.Namespace,
-    fwd: dict[str, Any],
+    fwd: dict[str, Any] | None,
     graceful: list[dict[str, Any]],
     kills: list[dict[str, Any]],
-    cost: dict[str, Any],
-    converge_s: float,
+    cost: dict[str, Any] | None,
+    converge_s: float | None,
     slow_hb: list[dict[str, Any]],
     patched: list[dict[str, Any]],
+    leases: list[dict[str, Any]],
+    dkills: list[dict[str, Any]],
 ) -> str:
     out: list[str] = []
     hb, dead, ttl = args.heartbeat, args.dead_after, args.lease_ttl
-    out += [
-        f"Settings: `LCHAT_MESH_HEARTBEAT={hb * 1000:g}ms`, `LCHAT_MESH_DEAD_AFTER={dead * 1000:g}ms` "
-        f"(the default 1:3 ratio, 15 s : 45 s scaled down), `LCHAT_LEASE_TTL={ttl:g}s` (renewed "
-        f"every {ttl / 3:.2f} s), `LCHAT_DIAL_RETRY` default (13 s; "
-        + (
-            f"{peer_dial_retry():g} s towards a peer, `PEER_DIAL_RETRY`"
-            if peer_dial_retry() is not None
-            else "towards peers too"
-        )
-        + "), moto on loopback, three routers on 127.0.0.2-4 sharing 2 cores with moto, the "
-        f"spaces and this client (the last failover section restarts them with the default "
-        f"heartbeat). All three saw each other {converge_s:.1f} s after starting.",
-        "",
-    ]
+    if converge_s is not None:
+        out += [
+            f"Settings: `LCHAT_MESH_HEARTBEAT={hb * 1000:g}ms`, `LCHAT_MESH_DEAD_AFTER={dead * 1000:g}ms` "
+            f"(the default 1:3 ratio, 15 s : 45 s scaled down), `LCHAT_LEASE_TTL={ttl:g}s` (renewed "
+            f"every {ttl / 3:.2f} s), `LCHAT_DIAL_RETRY` default (13 s; "
+            + (
+                f"{peer_dial_retry():g} s towards a peer, `PEER_DIAL_RETRY`"
+                if peer_dial_retry() is not None
+                else "towards peers too"
+            )
+            + "), moto on loopback, three routers on 127.0.0.2-4 sharing 2 cores with moto, the "
+            f"spaces and this client (the later sections restart them with other settings, "
+            f"said in each). All three saw each other {converge_s:.1f} s after starting.",
+            "",
+        ]
+    else:
+        out += [
+            f"Sections run: {args.only}. Three routers on 127.0.0.2-4 and moto on loopback, "
+            f"sharing 2 cores with the spaces and this client; each section says its settings.",
+            "",
+        ]
+    if fwd is not None:
+        out += _forwarding_section(fwd)
 
-    # -- forwarding
+    # -- failover
+    sections = [
+        (graceful, "graceful", f"{len(graceful)} trials at the {hb * 1000:g} ms heartbeat"),
+        (kills, "kill", f"{len(kills)} trials"),
+        (slow_hb, "graceful", f"{len(slow_hb)} trials at the default 15 s heartbeat"),
+        (
+            patched,
+            "graceful",
+            f"{len(patched)} trials at the default 15 s heartbeat, the routers' "
+            f"`PEER_DIAL_RETRY` patched to {args.patched_retry:g} s",
+        ),
+    ]
+    for trials, kind, what in sections:
+        if trials:
+            out += [*_failover_section(trials, kind, what, args), ""]
+
+    if leases:
+        out += [*_lease_section(leases), ""]
+    if dkills:
+        out += [*_default_kill_section(dkills, args), ""]
+    if cost is not None:
+        out += _membership_section(cost, leases)
+
+    # -- goals
+    out += [
+        "### Goals",
+        "",
+        *_forwarding_goal(fwd),
+        *(
+            f"- graceful failover ≤ 1 s to serving: {mark(med(serve) <= 1.0)} (median "
+            f"{sec(med(serve))}, max {sec(max(serve))} over {len(serve)} trials at the "
+            f"{trials[0]['heartbeat']:g} s heartbeat"
+            + (
+                f", `PEER_DIAL_RETRY` patched to {trials[0]['patched']:g} s"
+                if trials[0].get("patched") is not None
+                else ""
+            )
+            + "; the Go system measured ~2 s)"
+            for trials in (graceful, slow_hb, patched)
+            if trials
+            for serve in ([t["serve"] for t in trials],)
+        ),
+        *(
+            f"- kill -9 failover ≤ lease TTL + 1 s = {ttl + 1:g} s: "
+            f"{mark(med(serve) <= ttl + 1)} (median {sec(med(serve))}, max {sec(max(serve))} "
+            f"over {len(serve)} trials, dead_after {dead:g} s)"
+            for serve in ([t["serve"] for t in kills],)
+            if kills
+        ),
+        *_lease_goal(leases),
+        *_default_kill_goal(dkills),
+    ]
+    return "\n".join(out)
+
+
+def _forwarding_section(fwd: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     lat, fresh = fwd["lat"], fwd["fresh"]
     d50 = statistics.median(lat["forwarded"]) - statistics.median(lat["direct"])
     d99 = pct(lat["forwarded"], 0.99) - pct(lat["direct"], 0.99)
@@ -1276,23 +1652,23 @@ def report(
         "",
     ]
 
-    # -- failover
-    sections = [
-        (graceful, "graceful", f"{len(graceful)} trials at the {hb * 1000:g} ms heartbeat"),
-        (kills, "kill", f"{len(kills)} trials"),
-        (slow_hb, "graceful", f"{len(slow_hb)} trials at the default 15 s heartbeat"),
-        (
-            patched,
-            "graceful",
-            f"{len(patched)} trials at the default 15 s heartbeat, the routers' "
-            f"`PEER_DIAL_RETRY` patched to {args.patched_retry:g} s",
-        ),
-    ]
-    for trials, kind, what in sections:
-        if trials:
-            out += [*_failover_section(trials, kind, what, args), ""]
+    return out
 
-    # -- membership cost
+
+def _forwarding_goal(fwd: dict[str, Any] | None) -> list[str]:
+    if fwd is None:
+        return []
+    lat, fresh = fwd["lat"], fwd["fresh"]
+    d50 = statistics.median(lat["forwarded"]) - statistics.median(lat["direct"])
+    d_fresh = _paired(fresh) if fresh["direct"] else math.nan
+    return [
+        f"- forwarding adds ≤ 2 ms p50: {mark(d50 <= 0.002)} ({ms(d50, 2)} kept-alive; "
+        f"{ms(d_fresh, 2)} paired median with a new connection per request)"
+    ]
+
+
+def _membership_section(cost: dict[str, Any], leases: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
     span = cost["span"]
     hb = cost["heartbeat"]
     beats = span / hb
@@ -1313,7 +1689,13 @@ def report(
         )
     per_beat = statistics.mean(totals) / beats if totals else math.nan
     at_default = per_beat * 3600 / DEFAULT_HEARTBEAT
-    lease_hour = 3600 / (DEFAULT_TTL / 3) + 2
+    # Per awake space-hour, one wake held one hour: acquire + release + the renewals due within
+    # the hour (every TTL/3); counted in "Lease requests per awake space-hour" when that ran.
+    lease_hour = _lease_hour_expected(DEFAULT_TTL)
+    mesh_hour = _lease_hour_expected(MESH_TTL)
+    counted = {r["real_ttl"]: _lease_counted(r) for r in leases}
+    lease_hour = counted.get(DEFAULT_TTL, lease_hour)
+    mesh_hour = counted.get(MESH_TTL, mesh_hour)
     out += [
         f"### S3 requests for membership ({span:.0f} s idle, nothing awake, 3 boxes, "
         f"{hb * 1000:g} ms heartbeat ≈ {beats:.0f} beats per box)",
@@ -1335,45 +1717,320 @@ def report(
         f"per box-hour** ({at_default / 2:,.0f} PUT + {at_default / 2:,.0f} LIST), "
         f"{at_default * 24 * 30:,.0f} per box-month; a fleet of N boxes pays N times that (each "
         f"box both beats and lists).",
-        f'- Against the lease (docs/performance.md, "S3 requests per lease-hour"): one awake '
-        f"space holds its lease for {lease_hour:.0f} requests an hour (acquire, a renewal every "
-        f"{DEFAULT_TTL / 3 / 60:.0f} min, release), so one box's membership costs as much as "
-        f"≈ {at_default / lease_hour:.0f} awake space-hours of leases. Both are PUT/LIST-class "
-        f"requests ($0.005 per 1,000 on S3 Standard): membership ≈ "
-        f"${at_default * 0.005 / 1000 * 24 * 30:.2f} per box-month.",
+        f"- Against the lease: a space awake one hour held its lease for {lease_hour:.0f} "
+        f"requests with per-space renewals (acquire, a renewal every "
+        f"{DEFAULT_TTL / 3 / 60:.0f} min, release; off a mesh still) and {mesh_hour:.0f} on a "
+        f"mesh box since issue 18 (a renewal every {MESH_TTL / 3 / 60:.0f} min), so one box's "
+        f"membership costs as much as ≈ {at_default / lease_hour:.0f} awake space-hours of "
+        f"per-space leases, or ≈ {at_default / mesh_hour:.0f} of mesh leases: the heartbeat "
+        f"that fences them. Both are PUT/LIST-class requests ($0.005 per 1,000 on S3 "
+        f"Standard): membership ≈ ${at_default * 0.005 / 1000 * 24 * 30:.2f} per box-month.",
         "",
     ]
 
-    # -- goals
-    d_fresh = _paired(fresh) if fresh["direct"] else math.nan
-    out += [
-        "### Goals",
-        "",
-        f"- forwarding adds ≤ 2 ms p50: {mark(d50 <= 0.002)} ({ms(d50, 2)} kept-alive; "
-        f"{ms(d_fresh, 2)} paired median with a new connection per request)",
-        *(
-            f"- graceful failover ≤ 1 s to serving: {mark(med(serve) <= 1.0)} (median "
-            f"{sec(med(serve))}, max {sec(max(serve))} over {len(serve)} trials at the "
-            f"{trials[0]['heartbeat']:g} s heartbeat"
-            + (
-                f", `PEER_DIAL_RETRY` patched to {trials[0]['patched']:g} s"
-                if trials[0].get("patched") is not None
-                else ""
+    return out
+
+
+def _lease_hour_expected(real_ttl: float) -> float:
+    """Lease requests of one wake held one hour: acquire + release + the renewals due within it
+    (every TTL/3; the one due at the hour itself counted, as a release comes after it)."""
+    return 2 + math.floor(3600 / (real_ttl / 3) + 1e-9)
+
+
+def _lease_counted(run: dict[str, Any]) -> float:
+    """The median over the run's spaces of their ``lock.json`` requests (moto's log)."""
+    return med([h["total"] for h in run["hosts"].values()])
+
+
+def _lease_section(runs: list[dict[str, Any]]) -> list[str]:
+    hour = runs[0]["hour"]
+    scale = runs[0]["scale"]
+    rows = []
+    for r in runs:
+        label = (
+            f"{_duration(r['real_ttl'])} → {r['ttl']:g} s "
+            f"({'mesh default' if r['real_ttl'] == MESH_TTL else 'per-space renewals'})"
+        )
+        for host, h in r["hosts"].items():
+            rows.append(
+                [
+                    label,
+                    f"{host.split('.')[0]} ({h['box']})",
+                    f"{h['held']:.1f} s = {h['held'] / hour * 60:.0f} min",
+                    ", ".join(f"{k}: {v}" for k, v in sorted(h["requests"].items())) or "-",
+                    f"**{h['total']}**",
+                    str(h["renewals"]),
+                    f"{med(h['periods']):.2f} s ({r['ttl'] / 3:.2f} s)" if h["periods"] else "-",
+                ]
             )
-            + "; the Go system measured ~2 s)"
-            for trials in (graceful, slow_hb, patched)
-            if trials
-            for serve in ([t["serve"] for t in trials],)
+    by_ttl = {r["real_ttl"]: r for r in runs}
+    ours, before = by_ttl.get(MESH_TTL), by_ttl.get(DEFAULT_TTL)
+    out = [
+        f"### Lease requests per awake space-hour (a scaled hour: {hour:g} s stand for 1 h)",
+        "",
+        f"Every duration scaled by {scale:.5f} ({hour:g} s for an hour): the mesh default "
+        f"`LCHAT_LEASE_TTL` (unset: {_duration(MESH_TTL)}) as {MESH_TTL * scale:g} s, the "
+        f"per-space renewals every box had before (15 min) as {DEFAULT_TTL * scale:g} s, each on "
+        f"the same three routers restarted with it (`LCHAT_MESH_HEARTBEAT="
+        f"{runs[0].get('heartbeat', 0) * 1000:g}ms`; the heartbeat does not touch leases). Three "
+        f"spaces per TTL, one per box, woken with `POST /wake`, awake {hour:g} s with no client "
+        f"traffic, put to sleep with `POST /sleep`. A renewal every TTL/3, one acquire and one "
+        f"release per wake: a count in a scaled hour is the count of a real one. Requests = every "
+        f"request moto logged for the space's `lock.json` (method and status); renewals and the "
+        f"period between them from the holder's log; held = its `acquired` to `released` (the "
+        f"lease is held from before the restore to after the final flush, so a little longer "
+        f"than the {hour:g} s awake).",
+        "",
+        benchlib.table(
+            [
+                "TTL (real → scaled)",
+                "space (box)",
+                "lease held (in real minutes)",
+                "lock.json requests (moto's log)",
+                "total",
+                "renewals",
+                "renewal period, median (TTL/3)",
+            ],
+            rows,
         ),
-        *(
-            f"- kill -9 failover ≤ lease TTL + 1 s = {ttl + 1:g} s: "
-            f"{mark(med(serve) <= ttl + 1)} (median {sec(med(serve))}, max {sec(max(serve))} "
-            f"over {len(serve)} trials, dead_after {dead:g} s)"
-            for serve in ([t["serve"] for t in kills],)
-            if kills
-        ),
+        "",
+        "Router metrics over each run (`lchat_lease_operations_total`, three boxes summed): "
+        + "; ".join(
+            f"{_duration(r['real_ttl'])}: "
+            + ", ".join(f"{k} {v:g}" for k, v in sorted(r["operations"].items()))
+            for r in runs
+        )
+        + ".",
+        "",
     ]
-    return "\n".join(out)
+    if ours is not None and before is not None:
+        a, b = _lease_counted(ours), _lease_counted(before)
+        out.append(
+            f"- Counted per space awake one hour: **{a:g}** lease requests with the mesh default, "
+            f"**{b:g}** with per-space renewals on the same mesh: **{b / a:.1f}x** fewer "
+            f"(expected {_lease_hour_expected(MESH_TTL):g} and "
+            f"{_lease_hour_expected(DEFAULT_TTL):g}: acquire, a renewal every TTL/3 = "
+            f"{MESH_TTL / 3 / 60:g} min or {DEFAULT_TTL / 3 / 60:g} min, release)."
+        )
+        out.append(
+            f"- Per awake space-hour over a long stay: {3600 / (MESH_TTL / 3):g} renewals an "
+            f"hour against {3600 / (DEFAULT_TTL / 3):g}, plus the acquire and the release once "
+            f"per wake (a PUT `If-None-Match` and a DELETE `If-Match`); so a space awake 1 h costs "
+            f"{_lease_hour_expected(MESH_TTL):g}, awake 8 h "
+            f"{2 + math.floor(8 * 3600 / (MESH_TTL / 3)):g} "
+            f"({(2 + math.floor(8 * 3600 / (MESH_TTL / 3))) / 8:.2f} per hour), against "
+            f"{_lease_hour_expected(DEFAULT_TTL):g} and "
+            f"{2 + math.floor(8 * 3600 / (DEFAULT_TTL / 3)):g}."
+        )
+    out.append(
+        "- Not counted here (no client traffic): a box that forwards requests to the holder "
+        "reads `lock.json` at most once per 2 s per forwarded host (see Forwarding); a survivor "
+        "asking a held lease during a failover; the heartbeat, which is per box (see "
+        "membership)."
+    )
+    return out
+
+
+def _lease_goal(runs: list[dict[str, Any]]) -> list[str]:
+    by_ttl = {r["real_ttl"]: r for r in runs}
+    ours, before = by_ttl.get(MESH_TTL), by_ttl.get(DEFAULT_TTL)
+    if ours is None:
+        return []
+    a = _lease_counted(ours)
+    line = (
+        f"- ≤ {LEASE_GOAL:g} lease requests per awake space-hour: {mark(a <= LEASE_GOAL)} "
+        f"({a:g} counted for a space awake one scaled hour with the mesh default TTL"
+    )
+    if before is not None:
+        b = _lease_counted(before)
+        line += f"; {b:g} with per-space renewals (15 min TTL) on the same mesh, {b / a:.1f}x"
+    return [line + ")"]
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+def _default_kill_section(trials: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    hb, dead = trials[0]["heartbeat"], trials[0]["dead_after"]
+    ttl = trials[0].get("ttl", math.nan)
+    goal = dead + KILL_GOAL_SLACK
+    rows = []
+    for t in trials:
+        written = t.get("lease_written")
+        rows.append(
+            [
+                f"{t['owner']} → {t['woke_on'] or '?'} (asked {t['target']})",
+                f"**{sec(t['serve'])}**",
+                (sec(t.get("beat_seen")) + " (LM " + sec(-t["beat_lm"]) + ")")
+                if t.get("beat_lm") is not None
+                else sec(t.get("beat_seen")),
+                sec(t.get("hb_takeable")),
+                f"{sec(t['judged'])} ({t['judged_age']:.1f} s)"
+                if t.get("judged_age") is not None
+                else sec(t.get("judged")),
+                f"{sec(t['taken_over'])} ({t.get('takeover_reason') or '?'})",
+                _wake_cell(t),
+                (
+                    f"{written + math.ceil(DEFAULT_TTL):.0f} s / "
+                    f"{written + math.ceil(MESH_TTL):.0f} s"
+                )
+                if written is not None
+                else "-",
+                str(t["held"]),
+                _statuses(t),
+                f"{t['other_cpu'] * 100:.0f}%",
+            ]
+        )
+
+    def m(key: str) -> float:
+        return med([t.get(key) for t in trials])
+
+    def md(f: Callable[[dict[str, Any]], float | None]) -> float:
+        return med([f(t) for t in trials])
+
+    def diff(a: str, b: str) -> Callable[[dict[str, Any]], float | None]:
+        def f(t: dict[str, Any]) -> float | None:
+            x, y = t.get(a), t.get(b)
+            return None if x is None or y is None else x - y
+
+        return f
+
+    serve = [t["serve"] for t in trials]
+    ok = [x for x in serve if x == x]
+    worst = max(ok, default=math.nan)
+    lag = md(diff("taken_over", "hb_takeable"))
+    wake = md(lambda t: t["timings"].get("total"))
+    to_answer = md(diff("serve", "awake"))
+    rest = md(diff("awake", "taken_over"))  # restore, spawn, ready, replicate
+    lease_phase = md(lambda t: t["timings"].get("lease"))
+    reasons: dict[str, int] = {}
+    for t in trials:
+        key = str(t.get("takeover_reason"))
+        reasons[key] = reasons.get(key, 0) + 1
+    ttl15 = md(
+        lambda t: (
+            t["lease_written"] + math.ceil(DEFAULT_TTL)
+            if t.get("lease_written") is not None
+            else None
+        )
+    )
+    ttl2h = md(
+        lambda t: (
+            t["lease_written"] + math.ceil(MESH_TTL) if t.get("lease_written") is not None else None
+        )
+    )
+    out = [
+        f"### kill -9 failover at the default heartbeat ({len(trials)} trials; SIGKILL to the "
+        f"owner 1.5 s after the post)",
+        "",
+        f"`LCHAT_MESH_HEARTBEAT={hb:g}s`, `LCHAT_MESH_DEAD_AFTER={dead:g}s` (the defaults), "
+        f"`LCHAT_LEASE_TTL` unset (a mesh box's default: {_duration(ttl)}, renewed every "
+        f"{_duration(ttl / 3)}), `PEER_DIAL_RETRY` unpatched. A survivor polled every "
+        f"{args.poll * 1000:g} ms ({args.clients} kept-alive client connections opened before) "
+        f"for up to dead_after + 60 s. The kills are spread over one heartbeat period: trial i "
+        f"of {len(trials)} kills the owner {KILL_PHASE_OFFSET:g} s + i·{hb:g}/{len(trials)} s "
+        f"after one of its heartbeat PUTs landed (seen in moto's access log), so the first is "
+        f"the worst case (a kill right after a beat: the full dead_after still to wait) and the "
+        f"median trial's phase is close to a random kill's median ({hb / 2:g} s). Times from the "
+        f"kill, one clock: served = the first 200 "
+        f"holding the message; last beat = how long before the kill the killed box's last "
+        f"heartbeat landed (moto's log), and its `Last-Modified` as the store keeps it "
+        f"(truncated to the second, read from moto); takeable = when the heartbeat rule let a peer take its leases (the "
+        f"bucket's clock at floor(LM) + 1 s + dead_after, lchat/mesh/fence.py); judged dead = "
+        f"the survivor's `lease <host>: holder <box> is dead (last heartbeat …s ago …)`, with "
+        f"the age it computed on the bucket's clock; taken over = its `taken over from …` line "
+        f"and the reason; awake = its wake (lease / restore / spawn / ready / replicate); by TTL "
+        f"= when the lease could have been taken by its TTL alone (the lease's `Last-Modified`: "
+        f"floor + 1 s + ceil(TTL)), with a 15 min TTL (per-space renewals) and the 2 h default; "
+        f"lease held = wakes answered 503 `lease_held` meanwhile.",
+        "",
+        benchlib.table(
+            [
+                "owner → woke on",
+                "served",
+                "last beat before the kill (LM)",
+                "takeable (heartbeat rule)",
+                "judged dead (heartbeat age judged)",
+                "taken over (reason)",
+                "awake (wake total: phases)",
+                "by TTL: 15 min / 2 h",
+                "lease held",
+                "answers (status: n)",
+                "other CPU",
+            ],
+            rows,
+        ),
+        "",
+        _detail_table(trials),
+        "",
+        f"Medians: served **{sec(med(serve))}** after the kill (max {sec(worst)}; goal ≤ "
+        f"dead_after + {KILL_GOAL_SLACK:g} s = {goal:g} s: {mark(med(serve) <= goal)} at the "
+        f"median; for every trial {mark(worst <= goal)}, "
+        f"{sum(1 for x in ok if x > goal)} of {len(ok)} over). Made of: the heartbeat rule allowed "
+        f"the takeover at {sec(m('hb_takeable'))} (the kill came {sec(-m('beat_lm'))} after "
+        f"the last beat was written: a kill lands anywhere in a {hb:g} s heartbeat, so this is "
+        f"dead_after + 1 s - that, between {dead + 1 - hb:g} and {dead + 1:g} s); the survivor "
+        f"took over {sec(lag)} after that (it judges on the bucket's `Date`, truncated to the "
+        f"second and extrapolated from its last answer, at its next wake attempt: requests try "
+        f"one at most every 0.25 s, each asking the held lease again for ~0.7 s); the space "
+        f"was awake {sec(rest)} after the takeover (restore, spawn, ready, replicate; the "
+        f"successful wake took {sec(wake)} in all, its first {sec(lease_phase)} asking the "
+        f"held lease until the rule allowed it); the answer came {ms(to_answer)} after that. "
+        f"Takeover reasons: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+        + f". By its TTL alone the lease would have been takeable at {sec(ttl15)} with "
+        f"per-space renewals (15 min; a freshly woken space: a kill at a random point of its "
+        f"renewal cycle lands in (600, 901] s) and {sec(ttl2h)} with the 2 h default: the "
+        f"heartbeat serves it **{ttl15 / med(serve):.0f}x** sooner than the 15 min TTL did.",
+    ]
+    if worst > goal or med(serve) > goal:
+        out.append(
+            f"\n**The goal is not met** in {sum(1 for x in ok if x > goal)} of {len(ok)} "
+            f"trials. The time is detection + wake. Detection is dead_after ({dead:g} s) from "
+            f"the last beat, plus what the whole-second clocks lose: the rule counts from "
+            f"floor(`Last-Modified`) + 1 s (0-1 s after the beat landed) and the survivor reads "
+            f"the bucket's clock from a `Date` truncated to the second (0-1 s late), plus its "
+            f"next wake attempt; a kill just after a beat therefore waits dead_after + ~1 s "
+            f"before anything can happen, and the rest of the wake (restore, spawn, the "
+            f"reference space's start on 2 shared cores: {sec(rest)} at the median) comes on "
+            f"top. Shorter: a shorter dead_after (it is almost all of it; a 5 s / 15 s heartbeat "
+            f"costs 3x the membership requests); a taker threshold a little below dead_after "
+            f"(the holder stops writing at dead_after - margin, {dead * 0.9:g} s, so judging at "
+            f"dead_after - 1 s would still leave {dead * 0.1 - 1:g} s for clock-rate error); a "
+            f"faster wake (a warm copy, a space that starts faster)."
+        )
+    else:
+        out.append(
+            f"\nWorst case by the rule: a kill right after a beat landed waits dead_after + 1 s "
+            f"({dead + 1:g} s) for the rule, then the survivor's next attempt and the rest of "
+            f"the wake ({sec(lag + rest + to_answer)} here at the median): ≈ "
+            f"{dead + 1 + lag + rest + to_answer:.1f} s against the goal's {goal:g} s, a margin "
+            f"of {goal - (dead + 1 + lag + rest + to_answer):.1f} s for a slow wake on a loaded "
+            f"machine."
+        )
+    return out
+
+
+def _default_kill_goal(trials: list[dict[str, Any]]) -> list[str]:
+    if not trials:
+        return []
+    dead = trials[0]["dead_after"]
+    goal = dead + KILL_GOAL_SLACK
+    serve = [t["serve"] for t in trials]
+    worst = max((x for x in serve if x == x), default=math.nan)
+    written = [t["lease_written"] for t in trials if t.get("lease_written") is not None]
+    ttl15 = med([w + math.ceil(DEFAULT_TTL) for w in written])
+    return [
+        f"- kill -9 failover at the default heartbeat ≤ dead_after + {KILL_GOAL_SLACK:g} s = "
+        f"{goal:g} s: {mark(worst <= goal)} (median {sec(med(serve))}, max {sec(worst)} over "
+        f"{len(serve)} trials; with per-space renewals the lease alone kept it dark "
+        f"{sec(ttl15)} for these spaces, up to 15 min)"
+    ]
 
 
 def _statuses(t: dict[str, Any]) -> str:
@@ -1641,15 +2298,21 @@ def _failover_section(
             f"cap, 10 s, applies)."
         )
     if kind == "kill":
+        reasons: dict[str, int] = {}
+        for t in trials:
+            key = str(t.get("takeover_reason"))
+            reasons[key] = reasons.get(key, 0) + 1
         out.append(
-            f"\nHow dead_after interacts: until the polled survivor stops sending to the dead "
-            f"owner (its view drops it after dead_after = {dead:g} s, or a refused forward "
-            f"re-routes), requests wait for the dial; after that and until the lease expires, "
-            f"every request tries a wake and gets 503 `lease_held`. Here the TTL ({ttl:g} s) "
-            f"decides. With the defaults (dead_after 45 s, TTL 15 min) the lease decides even "
-            f"more: a kill -9 leaves a space unavailable for 10-15 min. Were dead_after the "
-            f"longer one, a refused forward now takes the dead box out of the routing for "
-            f"dead_after anyway, so membership no longer keeps a space dark."
+            f"\nWhat decides (issue 18, docs/lease.md): the survivor may take the lease when its "
+            f"TTL has passed or, sooner, when the killed box is dead by the heartbeat rule (the "
+            f"bucket's clock at floor(heartbeat Last-Modified) + 1 s + dead_after: "
+            f"{sec(med([t.get('hb_takeable') for t in trials]))} here at the median, against "
+            f"{sec(m('lease_expiry'))} by the TTL). Until then every request that reaches a "
+            f"survivor tries a wake and gets 503 `lease_held`. Takeover reasons: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+            + f". With dead_after {dead:g} s and a {ttl:g} s TTL the two are close; at the "
+            f"defaults (dead_after 45 s, TTL 2 h on a mesh box, 15 min before) the heartbeat "
+            f"decides: see the kill -9 failover at the default heartbeat."
         )
     return out
 
@@ -1685,10 +2348,46 @@ def main() -> None:
         "--patched-retry in the routers (0 skips)",
     )
     parser.add_argument("--patched-retry", type=float, default=0.0, help="seconds")
+    parser.add_argument(
+        "--default-hb-kills",
+        type=int,
+        default=5,
+        help="kill -9 trials at the default 15 s heartbeat / 45 s dead-after and the mesh "
+        "default lease TTL (0 skips; ~70 s each)",
+    )
+    parser.add_argument(
+        "--lease-hour",
+        type=float,
+        default=30.0,
+        help="seconds that stand for one hour in the lease-requests count (every TTL scaled "
+        "alike; at least 12: the 15 min TTL must scale to >= 3 s)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help="comma-separated sections to run: " + ", ".join(SECTIONS),
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir and logs")
     args = parser.parse_args()
     if args.dead_after is None:
         args.dead_after = 3 * args.heartbeat
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = only - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}")
+    if DEFAULT_TTL * args.lease_hour / 3600 < 3:
+        parser.error("--lease-hour must be at least 12 (LCHAT_LEASE_TTL >= 3 s)")
+    # A section not asked for runs no trials.
+    for section, attr in (
+        ("graceful", "graceful"),
+        ("kills", "kills"),
+        ("default-graceful", "default_hb_trials"),
+        ("patched", "patched_trials"),
+        ("default-kills", "default_hb_kills"),
+    ):
+        if section not in only:
+            setattr(args, attr, 0)
+    args.only = ",".join(x for x in SECTIONS if x in only)
     try:
         import boto3  # type: ignore[import-untyped]  # noqa: F401
 
@@ -1704,30 +2403,54 @@ def main() -> None:
     with benchlib.workspace(keep=args.keep) as (tmp, procs):
         mesh = Mesh(tmp, procs, args)
         try:
+            initial = bool(only & {"forwarding", "graceful", "kills", "membership"})
+            lease_runs: list[float | None] = [None, DEFAULT_TTL] if "lease-requests" in only else []
             hosts_ = [
-                f"fwd.{DOMAIN}",
+                *([f"fwd.{DOMAIN}"] if "forwarding" in only else []),
                 *(f"g{i}.{DOMAIN}" for i in range(args.graceful)),
                 *(f"k{i}.{DOMAIN}" for i in range(args.kills)),
                 *(f"d{i}.{DOMAIN}" for i in range(args.default_hb_trials)),
                 *(f"p{i}.{DOMAIN}" for i in range(args.patched_trials)),
+                *(f"dk{i}.{DOMAIN}" for i in range(args.default_hb_kills)),
+                *(h for ttl in lease_runs for h in lease_hosts(_lease_tag(ttl))),
             ]
             mesh.add_spaces(hosts_)
-            log("starting three routers")
-            t = time.time()
-            mesh.start_all()
-            converge_s = time.time() - t
-            log(f"mesh up in {converge_s:.1f}s: {', '.join(b.url for b in mesh.boxes)}")
-
-            fwd = forwarding(mesh, args)
-            log(
-                "forwarding: p50 direct "
-                f"{ms(statistics.median(fwd['lat']['direct']), 2)}, forwarded "
-                f"{ms(statistics.median(fwd['lat']['forwarded']), 2)}"
-            )
+            fwd: dict[str, Any] | None = None
+            cost: dict[str, Any] | None = None
+            converge_s: float | None = None
+            graceful: list[dict[str, Any]] = []
+            kills: list[dict[str, Any]] = []
+            if initial:
+                log("starting three routers")
+                t = time.time()
+                mesh.start_all()
+                converge_s = time.time() - t
+                log(f"mesh up in {converge_s:.1f}s: {', '.join(b.url for b in mesh.boxes)}")
+            if "forwarding" in only:
+                fwd = forwarding(mesh, args)
+                log(
+                    "forwarding: p50 direct "
+                    f"{ms(statistics.median(fwd['lat']['direct']), 2)}, forwarded "
+                    f"{ms(statistics.median(fwd['lat']['forwarded']), 2)}"
+                )
             graceful = [failover_trial(mesh, args, "graceful", i) for i in range(args.graceful)]
             kills = [failover_trial(mesh, args, "kill", i) for i in range(args.kills)]
-            log(f"membership: {args.idle:g}s idle")
-            cost = membership_cost(mesh, args)
+            if "membership" in only:
+                log(f"membership: {args.idle:g}s idle")
+                cost = membership_cost(mesh, args)
+            leases: list[dict[str, Any]] = []
+            for real_ttl in lease_runs:
+                log(
+                    f"lease requests: LCHAT_LEASE_TTL "
+                    f"{'unset (the mesh default)' if real_ttl is None else f'{real_ttl:g}s'}, "
+                    f"scaled to an hour of {args.lease_hour:g}s"
+                )
+                leases.append(lease_requests(mesh, args, real_ttl, _lease_tag(real_ttl)))
+                r = leases[-1]
+                log(
+                    f"lease requests at {r['ttl']:g}s: "
+                    + "; ".join(f"{h}: {v['total']} {v['requests']}" for h, v in r["hosts"].items())
+                )
             slow_hb: list[dict[str, Any]] = []
             patched: list[dict[str, Any]] = []
             for n, prefix, patch in (
@@ -1740,19 +2463,35 @@ def main() -> None:
                     "the mesh again with the default 15 s heartbeat"
                     + (f", PEER_DIAL_RETRY patched to {patch:g} s" if patch is not None else "")
                 )
-                mesh.stop_all()
-                mesh.kill_orphans()
-                mesh.clear_members()
-                mesh.set_heartbeat(DEFAULT_HEARTBEAT, 3 * DEFAULT_HEARTBEAT)
-                if patch is not None:
-                    mesh.env[PATCH_ENV] = f"{patch:g}"
-                mesh.start_all()
+                mesh.restart(DEFAULT_HEARTBEAT, DEFAULT_DEAD_AFTER, args.lease_ttl, patch)
                 trials = [
                     failover_trial(mesh, args, "graceful", i, prefix=prefix) for i in range(n)
                 ]
-                for t in trials:
-                    t["patched"] = patch
+                for trial in trials:
+                    trial["patched"] = patch
                 (slow_hb if patch is None else patched).extend(trials)
+            dkills: list[dict[str, Any]] = []
+            if args.default_hb_kills:
+                log(
+                    "the mesh again with the default 15 s heartbeat and LCHAT_LEASE_TTL unset: "
+                    f"{args.default_hb_kills} kill -9 trials"
+                )
+                mesh.restart(DEFAULT_HEARTBEAT, DEFAULT_DEAD_AFTER, None)
+                # The kill's phase in the owner's heartbeat decides most of the failover (the
+                # rule counts dead_after from the last beat): spread it evenly over one period,
+                # the first trial right after a beat landed (the worst case).
+                dkills = [
+                    failover_trial(
+                        mesh,
+                        args,
+                        "kill",
+                        i,
+                        prefix="dk",
+                        deadline=mesh.dead + 60.0,
+                        beat_phase=KILL_PHASE_OFFSET + i * mesh.hb / args.default_hb_kills,
+                    )
+                    for i in range(args.default_hb_kills)
+                ]
             log("stopping the mesh")
             mesh.stop_all()
             orphans = mesh.kill_orphans()
@@ -1778,7 +2517,7 @@ def main() -> None:
             ),
             f"- run time: {time.time() - started:.0f} s",
             "",
-            report(args, fwd, graceful, kills, cost, converge_s, slow_hb, patched),
+            report(args, fwd, graceful, kills, cost, converge_s, slow_hb, patched, leases, dkills),
             "",
         ]
     )
