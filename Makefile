@@ -39,7 +39,18 @@ run: $(STAMP)
 	@$(BIN)/lchat instances --env-file $(VAR)/router.env --json | grep -q '"hibernate": true' || \
 	  $(BIN)/lchat hibernate demo.localhost --on --env-file $(VAR)/router.env >/dev/null 2>&1 || true
 	@$(BIN)/lchat dev-cert --env-file $(VAR)/router.env demo.localhost >/dev/null
-	$(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
+	printf '%s\n' \
+	  "LCHAT_DATA_DIR=$(VAR)/data" \
+	  "LCHAT_RUN_DIR=$(VAR)/run" \
+	  "LCHAT_HOME_ORIGINS=https://home.localhost:8443" > $(VAR)/home.env
+	@$(BIN)/lchat dev-cert --env-file $(VAR)/router.env home.localhost >/dev/null
+	$(BIN)/twistd --nodaemon --pidfile= lchat-home --env-file $(VAR)/home.env & home=$$!; \
+	  trap 'kill $$home 2>/dev/null' EXIT INT TERM; \
+	  for i in $$(seq 100); do test -S $(VAR)/run/home.sock && break; sleep 0.1; done; \
+	  $(BIN)/lchat instances --env-file $(VAR)/router.env --json | grep -q '"home.localhost"' || \
+	    $(BIN)/lchat add-service home.localhost --socket $(VAR)/run/home.sock \
+	      --env-file $(VAR)/router.env >/dev/null; \
+	  $(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
 
 lint: $(STAMP)
 	$(BIN)/ruff check lchat tests twisted $(wildcard bench)

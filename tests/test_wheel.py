@@ -130,15 +130,20 @@ class WheelInstallTests(TestCase):
         )
 
     def assert_knows_lchat(self, as_user: int | None = None) -> None:
+        """Both plugins: the router (``twistd lchat``) and home (``twistd lchat-home``)."""
         listing = self.twistd("--help", as_user=as_user)
         self.assertEqual(listing.returncode, 0, listing.stderr)
-        self.assertIn("lchat", listing.stdout.split("Commands:")[-1])
-        usage = self.twistd("lchat", "--help", as_user=as_user)
-        self.assertEqual(usage.returncode, 0, usage.stderr)
-        self.assertIn("--env-file", usage.stdout)
+        commands = listing.stdout.split("Commands:")[-1]
+        self.assertIn("lchat ", commands)
+        self.assertIn("lchat-home ", commands)
+        for plugin in ("lchat", "lchat-home"):
+            usage = self.twistd(plugin, "--help", as_user=as_user)
+            self.assertEqual(usage.returncode, 0, usage.stderr)
+            self.assertIn("--env-file", usage.stdout)
 
     def test_the_wheel_carries_the_plugin(self) -> None:
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "lchat_plugin.py")))
+        self.assertTrue(os.path.isfile(os.path.join(self.plugins, "lchat_home_plugin.py")))
         # Twisted's own package is untouched: the plugin directory stays Twisted's.
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "__init__.py")))
 

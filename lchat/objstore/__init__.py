@@ -57,6 +57,20 @@ class PutResult:
     etag: str  # unquoted
 
 
+@frozen
+class ObjectVersion:
+    """One entry of a versioned bucket's history (:meth:`VersionedObjectStore.list_versions`):
+    a stored version of ``key`` or, with ``delete_marker``, a delete marker (no body, no ETag)."""
+
+    key: str
+    version_id: str  # the store's id for this version ("null" for one written while unversioned)
+    etag: str  # unquoted; "" for a delete marker
+    size: int
+    last_modified: datetime.datetime  # timezone-aware UTC, whole seconds, on the bucket's clock
+    is_latest: bool
+    delete_marker: bool = False
+
+
 class ObjectStoreError(Exception):
     """Base of every store error. ``key`` and the store's ``request_id`` are kept for the log."""
 
@@ -145,6 +159,33 @@ class ObjectStore(Protocol):
 
     async def close(self) -> None:
         """Release connections and threads."""
+        ...
+
+
+class VersionedObjectStore(ObjectStore, Protocol):
+    """A store over a bucket with object versioning (S3's ``PutBucketVersioning``): every PUT
+    keeps the version it replaces, a plain DELETE adds a delete marker, and these reach the
+    history. Only :class:`lchat.objstore.s3.S3Store` offers it (the file store keeps no history).
+    """
+
+    async def versioning(self) -> str:
+        """The bucket's versioning status: ``"Enabled"``, ``"Suspended"``, or ``""`` (never on)."""
+        ...
+
+    async def list_versions(self, prefix: str, *, limit: int | None = None) -> list[ObjectVersion]:
+        """Every version and delete marker of every key under ``prefix``: keys in key order, each
+        key's history newest first (the latest entry, then by ``last_modified``; within one
+        second, versions keep their order but a delete marker's place among them is not
+        known). ``limit`` stops after that many entries (one request for the newest history
+        however long the rest is)."""
+        ...
+
+    async def get_version(self, key: str, version_id: str) -> StoredObject:
+        """One stored version of ``key`` (:class:`NotFound` if there is no such version)."""
+        ...
+
+    async def delete_version(self, key: str, version_id: str) -> None:
+        """Remove that version (or delete marker) for good. A missing version succeeds."""
         ...
 
 

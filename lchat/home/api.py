@@ -1,0 +1,660 @@
+"""Home's HTTP API (docs/home.md): passkeys, link tokens, devices and the vault, as JSON over HTTP
+on ``LCHAT_HOME_SOCKET`` (the router proxies ``home.<domain>`` there).
+
+Every route is a pure function of (request, store): a ceremony begun on one home process can be
+finished on any other that shares the store and ``LCHAT_HOME_SESSION_KEY`` (lchat.home.stateless).
+The only memory a process keeps is :class:`TokenCache` — which link tokens it checked lately, so
+that an authenticated read of a token seen in the last :data:`AUTH_CACHE_SECONDS` costs no store
+request; a revocation on another replica takes effect there within that time.
+
+The user document (``users/<uid>``, lchat.home.store) is the API's, laid out as::
+
+    {"credentials": {"<sha256(credential id) hex>": {"id": "<base64url>", "public_key":
+        "<base64url COSE key>", "sign_count": 3, "transports": ["internal"], "created":
+        "2026-12-02"}},
+     "devices": {"<device id>": {"token": "<sha256(token) hex>", "created": "2026-12-02",
+        "last_seen": "2026-12-02"}}}
+
+Nothing else: no name, no email, no per-user counters. ``last_seen`` is a day, written at most
+once a day per device, so an authenticated read never costs a write.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime
+import hashlib
+import json
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from attrs import define, field
+from prometheus_client import Counter
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+
+import lchat
+from lchat.home import passkeys as pk
+from lchat.home.stateless import Ceremonies, CeremonyRejected
+from lchat.home.store import (
+    NO_VERSION,
+    BadVersion,
+    Conflict,
+    HomeStoreError,
+    PointerTaken,
+    StoreError,
+    VaultStore,
+    resolve_checked,
+)
+from lchat.webutil import answerable
+
+_log = Logger(namespace="lchat.home")
+
+VAULT_MAX = 18 * 1024  # the largest vault blob (client ciphertext) a user may store
+_PAD_HEADER = 4  # stored = 4-byte big-endian length + blob + zeros up to VAULT_MAX
+MAX_BODY = 64 * 1024  # any JSON request body
+AUTH_CACHE_SECONDS = 60.0  # a checked link token is trusted this long without a store read
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_VERSION = re.compile(r'(?:W/)?"([^"\\]{1,256})"|([^\s",]{1,256})')
+
+REQUESTS = Counter(
+    "lchat_home_requests_total",
+    "Home API requests by route and outcome (the HTTP status, or 'error' for a bug)",
+    ["route", "status"],
+)
+
+
+class ApiError(Exception):
+    """An answer other than success: ``status`` and a JSON body ``{"error": message, ...}``."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.extra = extra
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def unb64url(text: str) -> bytes:
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"not base64url: {e}") from e
+    if b64url(raw) != text:
+        raise ValueError("not canonical base64url")
+    return raw
+
+
+def sha256_hex(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def pad(blob: bytes) -> bytes:
+    """What is stored: every vault is the same size, whatever its content."""
+    return len(blob).to_bytes(_PAD_HEADER, "big") + blob + b"\0" * (VAULT_MAX - len(blob))
+
+
+def unpad(stored: bytes) -> bytes:
+    length = int.from_bytes(stored[:_PAD_HEADER], "big")
+    if length > len(stored) - _PAD_HEADER:
+        raise StoreError("a stored vault is shorter than its length header")
+    return stored[_PAD_HEADER : _PAD_HEADER + length]
+
+
+@define
+class TokenCache:
+    """Link tokens this process checked lately: sha256(token) -> (uid, device id, checked at)."""
+
+    clock: Callable[[], float]
+    ttl: float = AUTH_CACHE_SECONDS
+    _entries: dict[str, tuple[str, str, float]] = field(factory=dict)
+
+    def get(self, digest: str) -> tuple[str, str] | None:
+        entry = self._entries.get(digest)
+        if entry is None or self.clock() - entry[2] >= self.ttl:
+            self._entries.pop(digest, None)
+            return None
+        return entry[0], entry[1]
+
+    def put(self, digest: str, uid: str, device: str) -> None:
+        if len(self._entries) > 100_000:
+            self._entries.clear()
+        self._entries[digest] = (uid, device, self.clock())
+
+    def forget_device(self, uid: str, device: str) -> None:
+        for digest, (u, d, _) in list(self._entries.items()):
+            if (u, d) == (uid, device):
+                del self._entries[digest]
+
+
+@define
+class HomeAPI:
+    """The routes. Collaborators: the store, the ceremony keys, the passkey layer, a clock (unix
+    seconds), randomness, and the WebAuthn relying party."""
+
+    store: VaultStore
+    ceremonies: Ceremonies
+    passkeys: pk.Passkeys
+    rp_id: str
+    origins: tuple[str, ...]
+    clock: Callable[[], float]
+    random_bytes: Callable[[int], bytes] = os.urandom
+    tokens: TokenCache = field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.tokens = TokenCache(self.clock)
+
+    def today(self) -> str:
+        return datetime.datetime.fromtimestamp(self.clock(), datetime.UTC).date().isoformat()
+
+    # -- passkey ceremonies --------------------------------------------------------------------
+
+    async def register_begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A new account: a fresh uid, and the options for ``navigator.credentials.create``."""
+        uid = b64url(self.random_bytes(16))
+        label = _label(body.get("label"), "lchat")
+        start = self.passkeys.begin_registration(rp_id=self.rp_id, uid=uid, user_name=label)
+        session = self.ceremonies.sessions.seal(
+            "register",
+            uid=uid,
+            challenge=start.challenge,
+            rp_id=self.rp_id,
+            user_verification=start.user_verification,
+        )
+        return {"options": json.loads(start.options_json), "session": session}
+
+    async def register_finish(self, session: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        opened = self.ceremonies.sessions.open(session, "register")
+        assert opened.uid is not None
+        credential = self.passkeys.finish_registration(
+            _credential(body),
+            challenge=opened.challenge,
+            rp_id=opened.rp_id,
+            origin=list(self.origins),
+            user_verification=opened.user_verification,
+        )
+        uid = opened.uid
+        cred_key = sha256_hex(credential.credential_id)
+        # The pointer first: a document listing a credential no pointer names could never log in.
+        try:
+            await self.store.put_pointer("creds", cred_key, uid)
+        except PointerTaken as e:
+            raise ApiError(409, "this passkey is registered already") from e
+        doc = {
+            "credentials": {
+                cred_key: {
+                    "id": b64url(credential.credential_id),
+                    "public_key": b64url(credential.public_key),
+                    "sign_count": credential.sign_count,
+                    "transports": list(credential.transports),
+                    "created": self.today(),
+                }
+            },
+            "devices": {},
+        }
+        try:
+            await self.store.put_user(uid, doc, NO_VERSION)
+        except Conflict as e:
+            # The same sealed session finished twice: the account exists already.
+            raise ApiError(409, "this registration was finished already") from e
+        _log.info("home: registered a new account")
+        return {"uid": uid, "proof": self.ceremonies.proofs.issue(uid, "link")}
+
+    async def login_begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Discoverable credentials: no user name is asked for, none is sent."""
+        start = self.passkeys.begin_login(rp_id=self.rp_id)
+        session = self.ceremonies.sessions.seal(
+            "login",
+            uid=None,
+            challenge=start.challenge,
+            rp_id=self.rp_id,
+            user_verification=start.user_verification,
+        )
+        return {"options": json.loads(start.options_json), "session": session}
+
+    async def login_finish(self, session: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        opened = self.ceremonies.sessions.open(session, "login")
+        response = _credential(body)
+        presented = self.passkeys.presented_credential(response)
+        cred_key = sha256_hex(presented.credential_id)
+        found = await resolve_checked(
+            self.store, "creds", cred_key, lambda doc: cred_key in doc.get("credentials", {})
+        )
+        if found is None:
+            raise ApiError(401, "unknown passkey")
+        uid, user = found
+        stored = _stored_credentials(user.doc)
+        verified = self.passkeys.finish_login(
+            response,
+            challenge=opened.challenge,
+            rp_id=opened.rp_id,
+            origin=list(self.origins),
+            uid=uid,
+            credentials=stored,
+            user_verification=opened.user_verification,
+        )
+        if verified.sign_count_changed:
+
+            def count(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+                if doc is None or cred_key not in doc.get("credentials", {}):
+                    return None
+                entry = doc["credentials"][cred_key]
+                if entry.get("sign_count", 0) >= verified.sign_count:
+                    return None  # a concurrent login stored a later count
+                entry["sign_count"] = verified.sign_count
+                return doc
+
+            await self.store.update_user(uid, count)
+        return {"uid": uid, "proof": self.ceremonies.proofs.issue(uid, "link")}
+
+    # -- link tokens and devices ---------------------------------------------------------------
+
+    async def mint_token(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A link token for a new device, for a proof from a passkey ceremony (5 minutes)."""
+        proof = body.get("proof")
+        if not isinstance(proof, str):
+            raise ApiError(400, "proof must be the string a passkey ceremony returned")
+        uid = self.ceremonies.proofs.verify(proof, "link").uid
+        token = b64url(self.random_bytes(32))
+        device = b64url(self.random_bytes(9))
+        digest = sha256_hex(token)
+        await self.store.put_pointer("tokens", digest, uid)
+        today = self.today()
+
+        def add(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            if doc is None:
+                raise ApiError(401, "this account is gone")
+            doc.setdefault("devices", {})[device] = {
+                "token": digest,
+                "created": today,
+                "last_seen": today,
+            }
+            return doc
+
+        await self.store.update_user(uid, add)
+        self.tokens.put(digest, uid, device)
+        return {"token": token, "device": device, "uid": uid}
+
+    async def authenticate(self, request: Request) -> tuple[str, str]:
+        """The (uid, device id) a request's ``Authorization: Bearer <token>`` names, or 401."""
+        header = (request.getHeader("authorization") or "").strip()
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "a link token is needed: Authorization: Bearer <token>")
+        digest = sha256_hex(token.strip())
+        cached = self.tokens.get(digest)
+        if cached is not None:
+            return cached
+        device: list[str] = []
+
+        def listed(doc: Mapping[str, Any]) -> bool:
+            for device_id, entry in doc.get("devices", {}).items():
+                if isinstance(entry, dict) and entry.get("token") == digest:
+                    device.append(device_id)
+                    return True
+            return False
+
+        found = await resolve_checked(self.store, "tokens", digest, listed)
+        if found is None:
+            raise ApiError(401, "unknown or revoked link token")
+        uid, user = found
+        today = self.today()
+        if user.doc["devices"][device[0]].get("last_seen") != today:
+
+            def seen(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+                entry = (doc or {}).get("devices", {}).get(device[0])
+                if doc is None or entry is None or entry.get("last_seen") == today:
+                    return None
+                entry["last_seen"] = today
+                return doc
+
+            await self.store.update_user(uid, seen)
+        self.tokens.put(digest, uid, device[0])
+        return uid, device[0]
+
+    async def devices(self, uid: str, device: str) -> dict[str, Any]:
+        user = await self.store.get_user(uid)
+        if user is None:
+            raise ApiError(401, "this account is gone")
+        devices = [
+            {
+                "id": device_id,
+                "created": entry.get("created", ""),
+                "last_seen": entry.get("last_seen", ""),
+                "current": device_id == device,
+            }
+            for device_id, entry in sorted(user.doc.get("devices", {}).items())
+        ]
+        credentials = [
+            {"id": entry.get("id", ""), "created": entry.get("created", "")}
+            for _, entry in sorted(user.doc.get("credentials", {}).items())
+        ]
+        return {"devices": devices, "credentials": credentials}
+
+    async def revoke_device(self, uid: str, victim: str) -> None:
+        gone: list[bool] = []
+
+        def drop(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            if doc is None or victim not in doc.get("devices", {}):
+                return None
+            del doc["devices"][victim]
+            gone.append(True)
+            return doc
+
+        await self.store.update_user(uid, drop)
+        self.tokens.forget_device(uid, victim)
+        if not gone:
+            raise ApiError(404, "no such device")
+        _log.info("home: a device was revoked")
+
+    async def revoke_credential(self, uid: str, credential_id: str) -> None:
+        try:
+            key = sha256_hex(unb64url(credential_id))
+        except ValueError as e:
+            raise ApiError(400, f"credential id: {e}") from e
+        gone: list[bool] = []
+
+        def drop(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            if doc is None or key not in doc.get("credentials", {}):
+                return None
+            del doc["credentials"][key]
+            gone.append(True)
+            return doc
+
+        await self.store.update_user(uid, drop)
+        if not gone:
+            raise ApiError(404, "no such passkey")
+        _log.info("home: a passkey was revoked")
+
+    # -- the vault -----------------------------------------------------------------------------
+
+    async def vault_get(self, uid: str) -> tuple[bytes, str] | None:
+        blob = await self.store.get_blob(uid)
+        return None if blob is None else (unpad(blob.data), blob.version)
+
+    async def vault_put(self, uid: str, data: bytes, expected: str) -> str:
+        if len(data) > VAULT_MAX:
+            raise ApiError(413, f"the vault is at most {VAULT_MAX} bytes")
+        try:
+            return await self.store.put_blob(uid, pad(data), expected)
+        except Conflict as e:
+            raise ApiError(409, "the vault changed", current=e.current_version) from e
+        except BadVersion as e:
+            raise ApiError(400, "not a version of this vault") from e
+
+    async def vault_versions(self, uid: str) -> dict[str, Any]:
+        versions = await self.store.list_blob_versions(uid)
+        return {
+            "versions": [
+                {"version": v.version, "modified": v.modified.isoformat()} for v in versions
+            ]
+        }
+
+    async def vault_version(self, uid: str, version: str) -> bytes:
+        data = await self.store.get_blob_version(uid, version)
+        if data is None:
+            raise ApiError(404, "not one of the kept versions")
+        return unpad(data)
+
+
+def _label(value: object, default: str) -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise ApiError(400, "label must be a string of 1 to 64 characters")
+    return value
+
+
+def _credential(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    credential = body.get("credential")
+    if not isinstance(credential, dict):
+        raise ApiError(400, "credential must be the JSON the browser's passkey call returned")
+    return credential
+
+
+def _stored_credentials(doc: Mapping[str, Any]) -> list[pk.StoredCredential]:
+    stored = []
+    for entry in doc.get("credentials", {}).values():
+        try:
+            stored.append(
+                pk.StoredCredential(
+                    credential_id=unb64url(entry["id"]),
+                    public_key=unb64url(entry["public_key"]),
+                    sign_count=int(entry.get("sign_count", 0)),
+                    transports=tuple(entry.get("transports", ())),
+                )
+            )
+        except (KeyError, ValueError, TypeError):
+            continue  # a damaged entry cannot log in; the rest still can
+    return stored
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+class HomeResource(Resource):
+    """Routes requests to :class:`HomeAPI`; every answer is JSON but the vault's bytes."""
+
+    isLeaf = True
+
+    def __init__(self, api: HomeAPI) -> None:
+        super().__init__()
+        self._api = api
+
+    def render(self, request: Request) -> bytes | int:
+        path = (request.path or b"").decode("latin-1")
+        method = (request.method or b"").decode("latin-1")
+        route, handler = self._route(method, path)
+        still = answerable(request)
+        d = Deferred.fromCoroutine(_answer(request, route, handler))
+
+        def failed(f: Failure) -> None:
+            _log.failure("home: {route} failed", f, route=route)
+            REQUESTS.labels(route, "error").inc()
+            if still():
+                _write_json(request, 500, {"error": "internal error"})
+
+        d.addErrback(failed)
+        return NOT_DONE_YET
+
+    def _route(
+        self, method: str, path: str
+    ) -> tuple[str, Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]]:
+        api = self._api
+        parts = path.rstrip("/").split("/")
+        table: dict[tuple[str, str], tuple[str, Any]] = {
+            ("GET", "/api/version"): ("version", self._version),
+            ("POST", "/api/register/begin"): ("register_begin", self._json(api.register_begin)),
+            ("POST", "/api/register/finish"): (
+                "register_finish",
+                self._session(api.register_finish),
+            ),
+            ("POST", "/api/login/begin"): ("login_begin", self._json(api.login_begin)),
+            ("POST", "/api/login/finish"): ("login_finish", self._session(api.login_finish)),
+            ("POST", "/api/tokens"): ("tokens", self._json(api.mint_token)),
+            ("GET", "/api/devices"): ("devices", self._devices),
+            ("GET", "/api/vault"): ("vault_get", self._vault_get),
+            ("PUT", "/api/vault"): ("vault_put", self._vault_put),
+            ("GET", "/api/vault/versions"): ("vault_versions", self._vault_versions),
+        }
+        found = table.get((method, "/".join(parts)))
+        if found is not None:
+            return found[0], found[1]
+        if len(parts) == 5 and parts[:4] == ["", "api", "vault", "versions"] and method == "GET":
+            return "vault_version", lambda r: self._vault_version(r, parts[4])
+        if len(parts) == 4 and parts[:3] == ["", "api", "devices"] and method == "DELETE":
+            return "device_delete", lambda r: self._revoke(r, parts[3], device=True)
+        if len(parts) == 4 and parts[:3] == ["", "api", "credentials"] and method == "DELETE":
+            return "credential_delete", lambda r: self._revoke(r, parts[3], device=False)
+        known = {p for _, p in table} | {"/api/vault/versions", "/api/devices", "/api/credentials"}
+        prefix = "/".join(parts[:4])
+        if "/".join(parts) in known or prefix in known:
+            return "method", _refuse(405, "method not allowed")
+        return "unknown", _refuse(404, "not found")
+
+    async def _version(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        return 200, {"version": lchat.__version__, "service": "home"}, {}
+
+    def _json(
+        self, fn: Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]:
+        async def handle(request: Request) -> tuple[int, Any, dict[str, str]]:
+            return 200, await fn(_body(request)), {}
+
+        return handle
+
+    def _session(
+        self, fn: Callable[[str, Mapping[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]:
+        async def handle(request: Request) -> tuple[int, Any, dict[str, str]]:
+            session = (request.args or {}).get(b"session", [b""])[0].decode("ascii", "replace")
+            if not session:
+                raise ApiError(400, "?session= is missing: begin the ceremony first")
+            return 200, await fn(session, _body(request)), {}
+
+        return handle
+
+    async def _devices(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        uid, device = await self._api.authenticate(request)
+        return 200, await self._api.devices(uid, device), {}
+
+    async def _revoke(
+        self, request: Request, ident: str, *, device: bool
+    ) -> tuple[int, Any, dict[str, str]]:
+        uid, _ = await self._api.authenticate(request)
+        if device:
+            if not _ID.fullmatch(ident):
+                raise ApiError(400, "not a device id")
+            await self._api.revoke_device(uid, ident)
+        else:
+            await self._api.revoke_credential(uid, ident)
+        return 204, None, {}
+
+    async def _vault_get(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        uid, _ = await self._api.authenticate(request)
+        got = await self._api.vault_get(uid)
+        if got is None:
+            raise ApiError(404, "no vault yet", version=NO_VERSION)
+        data, version = got
+        return 200, data, {"etag": _etag(version)}
+
+    async def _vault_put(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        uid, _ = await self._api.authenticate(request)
+        kind = (request.getHeader("content-type") or "").split(";")[0].strip().lower()
+        if kind != "application/octet-stream":
+            raise ApiError(415, "the vault is application/octet-stream (client ciphertext)")
+        expected = _expected_version(request)
+        data = request.content.read(VAULT_MAX + 1) if request.content is not None else b""
+        version = await self._api.vault_put(uid, data, expected)
+        return 200, {"version": version}, {"etag": _etag(version)}
+
+    async def _vault_versions(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        uid, _ = await self._api.authenticate(request)
+        return 200, await self._api.vault_versions(uid), {}
+
+    async def _vault_version(
+        self, request: Request, version: str
+    ) -> tuple[int, Any, dict[str, str]]:
+        uid, _ = await self._api.authenticate(request)
+        return 200, await self._api.vault_version(uid, version), {"etag": _etag(version)}
+
+
+def _refuse(status: int, message: str) -> Callable[[Request], Awaitable[Any]]:
+    async def handle(request: Request) -> Any:
+        raise ApiError(status, message)
+
+    return handle
+
+
+def _etag(version: str) -> str:
+    return f'"{version}"'
+
+
+def _expected_version(request: Request) -> str:
+    """``If-Match: "<version>"`` replaces that version; ``If-None-Match: *`` (or ``If-Match:
+    "0"``) creates only. One of them is required: a blind overwrite could lose another device's
+    write."""
+    if (request.getHeader("if-none-match") or "").strip() == "*":
+        return NO_VERSION
+    header = (request.getHeader("if-match") or "").strip()
+    if not header:
+        raise ApiError(
+            428, 'say which version you replace: If-Match: "<version>" (If-None-Match: * if none)'
+        )
+    match = _VERSION.fullmatch(header)
+    if match is None:
+        raise ApiError(400, "If-Match must name one version")
+    return match.group(1) or match.group(2)
+
+
+def _body(request: Request) -> Mapping[str, Any]:
+    kind = (request.getHeader("content-type") or "application/json").split(";")[0].strip()
+    if kind.lower() != "application/json":
+        raise ApiError(415, "the body must be application/json")
+    raw = request.content.read(MAX_BODY + 1) if request.content is not None else b""
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"the body is at most {MAX_BODY} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+async def _answer(
+    request: Request,
+    route: str,
+    handler: Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]],
+) -> None:
+    still = answerable(request)
+    try:
+        status, body, headers = await handler(request)
+    except ApiError as e:
+        status, body, headers = e.status, {"error": e.message, **e.extra}, {}
+        if e.status == 409 and "current" in e.extra:
+            headers = {"etag": _etag(e.extra["current"])}
+    except CeremonyRejected as e:
+        status, body, headers = 401, {"error": str(e), "reason": e.reason}, {}
+    except pk.PasskeyError as e:
+        status, body, headers = 401, {"error": str(e), "reason": e.reason}, {}
+    except (StoreError, HomeStoreError) as e:
+        _log.warn("home: {route}: the store failed: {error}", route=route, error=e)
+        status, body, headers = 503, {"error": "storage is unavailable; try again"}, {}
+        headers["retry-after"] = "2"
+    REQUESTS.labels(route, str(status)).inc()
+    if not still():
+        return
+    for name, value in headers.items():
+        request.setHeader(name.encode(), value.encode())
+    if isinstance(body, bytes):
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", b"application/octet-stream")
+        request.setHeader(b"cache-control", b"no-store")
+        request.write(body)
+        request.finish()
+    elif body is None:
+        request.setResponseCode(status)
+        request.finish()
+    else:
+        _write_json(request, status, body)
+
+
+def _write_json(request: Request, status: int, body: Any) -> None:
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    request.setHeader(b"cache-control", b"no-store")
+    request.write(json.dumps(body, sort_keys=True).encode() + b"\n")
+    request.finish()

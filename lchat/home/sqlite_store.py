@@ -1,0 +1,460 @@
+"""The home store on SQLite: one file (``LCHAT_HOME_DB``), the zero-config default, forever.
+
+:class:`SQLiteVaultStore` implements :class:`lchat.home.store.VaultStore` (read its contract).
+
+- **Threads.** Every call runs in the ``run_in_thread`` it is given (the reactor's pool, in
+  production), never on the reactor. Each worker thread checks a connection out of a small pool
+  (``_Connections``), so reads run in parallel under WAL; writes take SQLite's write lock up front
+  (``BEGIN IMMEDIATE``), so a compare-and-swap is one transaction and ``busy_timeout`` covers it.
+- **Versions** are per-user counters rendered as decimal strings: a user's first blob is ``"1"``,
+  each write adds one; the user document counts separately. ``"0"`` is "nothing yet". A version is
+  *ours* if it is a canonical decimal no larger than the current one; anything else (``"abc"``, an
+  S3 ETag, ``"07"``, a number we have not reached) is :class:`~lchat.home.store.BadVersion`. After
+  :meth:`~SQLiteVaultStore.delete_user` a user's counters start again from 1 (a deleted user's
+  uid is not reused).
+- **Keep-last-5** is the table itself: each blob write deletes the rows older than the 5 newest
+  in the same transaction, so the file holds at most 5 versions per user.
+- **Pointers** are rows of their own; :meth:`~SQLiteVaultStore.delete_user` leaves them, like the
+  S3 store (they deny by construction, see :func:`lchat.home.store.resolve_checked`).
+- Failures of SQLite itself (locked past ``busy_timeout``, I/O errors, a corrupt or foreign file)
+  raise :class:`~lchat.home.store.StoreError`, logged once with the file's path.
+
+Migrations are additive and keyed on ``PRAGMA user_version``, as for the registry.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from attrs import define, field
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from lchat.backoff import Uniform
+from lchat.home.store import (
+    CAS_CONFLICTS,
+    KEEP_VERSIONS,
+    NO_VERSION,
+    BadVersion,
+    Blob,
+    BlobVersion,
+    Conflict,
+    PointerKind,
+    PointerTaken,
+    StoreError,
+    UserDoc,
+    UserUpdate,
+    check_pointer,
+    check_uid,
+    decode_user,
+    encode_user,
+    measured,
+    update_user_cas,
+)
+from lchat.threads import RunInThread
+
+log = Logger()
+
+BACKEND = "sqlite"
+BUSY_TIMEOUT_MS = 5000
+_CANONICAL_VERSION = re.compile(r"0|[1-9][0-9]{0,17}")  # fits in SQLite's INTEGER
+
+_T = TypeVar("_T")
+
+# Each step moves the schema from version N to N+1. Never edit a step that has shipped; append.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        # The kept versions of each user's vault blob; the current one is the highest.
+        """CREATE TABLE blobs (
+            uid         TEXT NOT NULL,
+            version     INTEGER NOT NULL CHECK (version > 0),
+            data        BLOB NOT NULL,
+            modified_ms INTEGER NOT NULL,
+            PRIMARY KEY (uid, version)
+        ) WITHOUT ROWID""",
+        """CREATE TABLE users (
+            uid     TEXT PRIMARY KEY,
+            version INTEGER NOT NULL CHECK (version > 0),
+            doc     TEXT NOT NULL
+        ) WITHOUT ROWID""",
+        """CREATE TABLE pointers (
+            kind TEXT NOT NULL CHECK (kind IN ('creds', 'tokens')),
+            name TEXT NOT NULL,
+            uid  TEXT NOT NULL,
+            PRIMARY KEY (kind, name)
+        ) WITHOUT ROWID""",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class _Closed(Exception):
+    pass
+
+
+class _Connections:
+    """SQLite connections for worker threads: one checked out per call, returned after it.
+
+    A connection is used by one thread at a time (``check_same_thread=False`` only lets the next
+    call run on another pool thread). There are never more connections than calls in flight at
+    once, which the thread pool bounds. Thread-safe; ``close`` closes idle connections at once and
+    busy ones as they come back.
+    """
+
+    def __init__(self, path: str, busy_timeout_ms: int) -> None:
+        self.path = path
+        self._busy_timeout_ms = busy_timeout_ms
+        self._lock = threading.Lock()
+        self._idle: list[sqlite3.Connection] = []
+        self._closed = False
+
+    def open_first(self) -> None:
+        """Connect, enable WAL and migrate (once, at open); keep the connection for reuse."""
+        conn = self._connect()
+        try:
+            _migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._checkin(conn)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+            (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+            if mode != "wal":
+                raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """In a worker thread: ``fn(conn, *args)`` on a checked-out connection."""
+        with self._lock:
+            if self._closed:
+                raise _Closed()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._connect()
+        try:
+            return fn(conn, *args)
+        finally:
+            self._checkin(conn)
+
+    def _checkin(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:  # a failure mid-transaction that could not roll back
+            conn.close()
+            return
+        with self._lock:
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for i, conn in enumerate(idle):
+            try:
+                if i == len(idle) - 1:
+                    # PASSIVE, not TRUNCATE: a replicator's read transaction (Litestream) would
+                    # make TRUNCATE wait out the busy timeout. The last close cleans up anyway.
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error:
+                pass
+            finally:
+                conn.close()
+
+
+@define
+class SQLiteVaultStore:
+    """:class:`lchat.home.store.VaultStore` on one SQLite file. Build it with :meth:`open`."""
+
+    _connections: _Connections
+    _run_in_thread: RunInThread
+    _clock: IReactorTime  # times of blob versions (wall clock), update_user's backoff, latency
+    _rng: Uniform = field(factory=random.SystemRandom)
+
+    @classmethod
+    async def open(
+        cls,
+        path: str,
+        run_in_thread: RunInThread,
+        clock: IReactorTime,
+        *,
+        busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+        rng: Uniform | None = None,
+    ) -> SQLiteVaultStore:
+        """Open (creating and migrating) the database at ``path``. :class:`StoreError` if it
+        cannot be used: a directory that does not exist, a file that is not a database, a
+        schema newer than this code."""
+        connections = _Connections(path, busy_timeout_ms)
+        try:
+            await run_in_thread(connections.open_first)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open the home database {path}: {e}") from e
+        return cls(connections, run_in_thread, clock, rng or random.SystemRandom())
+
+    def describe(self) -> str:
+        return f"sqlite:{self._connections.path}"
+
+    async def _run(self, operation: str, fn: Callable[..., _T], *args: Any) -> _T:
+        try:
+            result: _T = await self._run_in_thread(self._connections.run, fn, *args)
+        except _Closed:
+            raise StoreError(f"{self.describe()}: the store is closed") from None
+        except sqlite3.Error as e:
+            log.error(
+                "home store: SQLite {operation} on {path} failed: {error} (a locked database "
+                "means another process holds its write lock; 'disk I/O error', 'malformed' or "
+                "'not a database' need the file checked)",
+                operation=operation,
+                path=self._connections.path,
+                error=f"{type(e).__name__}: {e}",
+            )
+            raise StoreError(f"{self.describe()}: {operation} failed: {e}") from e
+        return result
+
+    async def check(self) -> None:
+        with measured(BACKEND, "check", self._clock):
+            await self._run("check", _check)
+
+    async def get_blob(self, uid: str) -> Blob | None:
+        check_uid(uid)
+        with measured(BACKEND, "get_blob", self._clock):
+            return await self._run("get_blob", _get_blob, uid)
+
+    async def put_blob(self, uid: str, data: bytes, expected_version: str) -> str:
+        check_uid(uid)
+        if not isinstance(data, bytes):
+            raise ValueError("a vault blob is bytes")
+        with measured(BACKEND, "put_blob", self._clock):
+            try:
+                version: int = await self._run(
+                    "put_blob",
+                    _put_blob,
+                    uid,
+                    data,
+                    expected_version,
+                    int(self._clock.seconds() * 1000),
+                )
+            except Conflict:
+                CAS_CONFLICTS.labels(BACKEND, "blob").inc()
+                raise
+            return str(version)
+
+    async def list_blob_versions(self, uid: str) -> list[BlobVersion]:
+        check_uid(uid)
+        with measured(BACKEND, "list_blob_versions", self._clock):
+            rows: list[tuple[int, int, int]] = await self._run(
+                "list_blob_versions", _list_blob_versions, uid
+            )
+        return [
+            BlobVersion(str(version), datetime.fromtimestamp(ms / 1000, UTC), size)
+            for version, ms, size in rows
+        ]
+
+    async def get_blob_version(self, uid: str, version: str) -> bytes | None:
+        check_uid(uid)
+        if not _CANONICAL_VERSION.fullmatch(version) or version == NO_VERSION:
+            return None
+        with measured(BACKEND, "get_blob_version", self._clock):
+            return await self._run("get_blob_version", _get_blob_version, uid, int(version))
+
+    async def get_user(self, uid: str) -> UserDoc | None:
+        check_uid(uid)
+        with measured(BACKEND, "get_user", self._clock):
+            row: tuple[str, int] | None = await self._run("get_user", _get_user, uid)
+        if row is None:
+            return None
+        text, version = row
+        return UserDoc(decode_user(text.encode(), f"{self.describe()} user"), str(version))
+
+    async def put_user(self, uid: str, doc: Mapping[str, Any], expected_version: str) -> str:
+        check_uid(uid)
+        text = encode_user(doc).decode()
+        with measured(BACKEND, "put_user", self._clock):
+            try:
+                version: int = await self._run("put_user", _put_user, uid, text, expected_version)
+            except Conflict:
+                CAS_CONFLICTS.labels(BACKEND, "user").inc()
+                raise
+            return str(version)
+
+    async def update_user(self, uid: str, fn: UserUpdate) -> UserDoc | None:
+        check_uid(uid)
+        with measured(BACKEND, "update_user", self._clock):
+            return await update_user_cas(self, BACKEND, uid, fn, clock=self._clock, rng=self._rng)
+
+    async def put_pointer(self, kind: PointerKind, name: str, uid: str) -> None:
+        check_pointer(kind, name)
+        check_uid(uid)
+        with measured(BACKEND, "put_pointer", self._clock):
+            owner: str = await self._run("put_pointer", _put_pointer, kind, name, uid)
+            if owner != uid:
+                raise PointerTaken(f"the {kind} pointer {name!r} already names another user")
+
+    async def resolve_pointer(self, kind: PointerKind, name: str) -> str | None:
+        check_pointer(kind, name)
+        with measured(BACKEND, "resolve_pointer", self._clock):
+            return await self._run("resolve_pointer", _resolve_pointer, kind, name)
+
+    async def delete_user(self, uid: str) -> None:
+        check_uid(uid)
+        with measured(BACKEND, "delete_user", self._clock):
+            await self._run("delete_user", _delete_user, uid)
+
+    async def close(self) -> None:
+        await self._run_in_thread(self._connections.close)
+
+
+# -- in the worker thread ------------------------------------------------------------------------
+
+
+@contextmanager
+def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    # IMMEDIATE takes the write lock up front: the read that a compare-and-swap checks and the
+    # write it makes are one atomic step, and busy_timeout covers the whole transaction.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    with _write_transaction(conn):
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(
+                f"database schema version {version} is newer than this server knows "
+                f"({SCHEMA_VERSION}): run the newer lchat-home, or restore a backup"
+            )
+        for statements in MIGRATIONS[version:]:
+            for statement in statements:
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _check(conn: sqlite3.Connection) -> None:
+    conn.execute("SELECT 1 FROM blobs LIMIT 1").fetchall()
+    conn.execute("SELECT 1 FROM users LIMIT 1").fetchall()
+    conn.execute("SELECT 1 FROM pointers LIMIT 1").fetchall()
+
+
+def _expected(version: str, current: int) -> int:
+    """``version`` as the number it names, if this store could have issued it; else BadVersion."""
+    if not isinstance(version, str) or not _CANONICAL_VERSION.fullmatch(version):
+        raise BadVersion(f"{version!r} is not a version this store issues")
+    number = int(version)
+    if number > current:
+        raise BadVersion(f"version {version!r} was never issued (the current one is {current})")
+    return number
+
+
+def _get_blob(conn: sqlite3.Connection, uid: str) -> Blob | None:
+    row = conn.execute(
+        "SELECT data, version FROM blobs WHERE uid = ? ORDER BY version DESC LIMIT 1", (uid,)
+    ).fetchone()
+    return None if row is None else Blob(bytes(row[0]), str(row[1]))
+
+
+def _put_blob(
+    conn: sqlite3.Connection, uid: str, data: bytes, expected_version: str, now_ms: int
+) -> int:
+    with _write_transaction(conn):
+        (current,) = conn.execute(
+            "SELECT coalesce(max(version), 0) FROM blobs WHERE uid = ?", (uid,)
+        ).fetchone()
+        if _expected(expected_version, current) != current:
+            raise Conflict(str(current), "vault blob")
+        new = current + 1
+        conn.execute(
+            "INSERT INTO blobs (uid, version, data, modified_ms) VALUES (?, ?, ?, ?)",
+            (uid, new, data, now_ms),
+        )
+        conn.execute("DELETE FROM blobs WHERE uid = ? AND version <= ?", (uid, new - KEEP_VERSIONS))
+    return int(new)
+
+
+def _list_blob_versions(conn: sqlite3.Connection, uid: str) -> list[tuple[int, int, int]]:
+    return [
+        (int(v), int(ms), int(size))
+        for v, ms, size in conn.execute(
+            "SELECT version, modified_ms, length(data) FROM blobs WHERE uid = ?"
+            " ORDER BY version DESC LIMIT ?",
+            (uid, KEEP_VERSIONS),
+        )
+    ]
+
+
+def _get_blob_version(conn: sqlite3.Connection, uid: str, version: int) -> bytes | None:
+    # Only the KEEP_VERSIONS newest are readable, whatever the table holds.
+    row = conn.execute(
+        "SELECT data FROM (SELECT version, data FROM blobs WHERE uid = ?"
+        " ORDER BY version DESC LIMIT ?) WHERE version = ?",
+        (uid, KEEP_VERSIONS, version),
+    ).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def _get_user(conn: sqlite3.Connection, uid: str) -> tuple[str, int] | None:
+    row = conn.execute("SELECT doc, version FROM users WHERE uid = ?", (uid,)).fetchone()
+    return None if row is None else (str(row[0]), int(row[1]))
+
+
+def _put_user(conn: sqlite3.Connection, uid: str, text: str, expected_version: str) -> int:
+    with _write_transaction(conn):
+        row = conn.execute("SELECT version FROM users WHERE uid = ?", (uid,)).fetchone()
+        current = 0 if row is None else int(row[0])
+        if _expected(expected_version, current) != current:
+            raise Conflict(str(current), "user document")
+        new = current + 1
+        conn.execute(
+            "INSERT INTO users (uid, version, doc) VALUES (?, ?, ?)"
+            " ON CONFLICT (uid) DO UPDATE SET version = excluded.version, doc = excluded.doc",
+            (uid, new, text),
+        )
+    return new
+
+
+def _put_pointer(conn: sqlite3.Connection, kind: str, name: str, uid: str) -> str:
+    """Create the pointer if it is absent; return the uid it names afterwards."""
+    with _write_transaction(conn):
+        conn.execute(
+            "INSERT INTO pointers (kind, name, uid) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+            (kind, name, uid),
+        )
+        (owner,) = conn.execute(
+            "SELECT uid FROM pointers WHERE kind = ? AND name = ?", (kind, name)
+        ).fetchone()
+    return str(owner)
+
+
+def _resolve_pointer(conn: sqlite3.Connection, kind: str, name: str) -> str | None:
+    row = conn.execute(
+        "SELECT uid FROM pointers WHERE kind = ? AND name = ?", (kind, name)
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _delete_user(conn: sqlite3.Connection, uid: str) -> None:
+    with _write_transaction(conn):
+        conn.execute("DELETE FROM blobs WHERE uid = ?", (uid,))
+        conn.execute("DELETE FROM users WHERE uid = ?", (uid,))
+
+
+__all__ = ["BUSY_TIMEOUT_MS", "SCHEMA_VERSION", "SQLiteVaultStore"]

@@ -1,0 +1,386 @@
+"""``twistd lchat-home`` end to end (issue 19): real home processes on a unix socket, a software
+authenticator (tests/authenticator.py) in the browser's place, SQLite and moto's S3.
+
+- register a passkey, get a link token, write and read the vault, lose a race (409 with the
+  current version), list the kept versions, list and revoke devices and passkeys (a revoked
+  token and a revoked passkey are denied);
+- two home processes on one S3 bucket: a ceremony begun on one is finished on the other (the
+  statelessness proof), and a token minted on one works on the other;
+- bad input: a tampered or missing session, a replayed registration, an oversize vault, a wrong
+  content type, a blind write, an unknown token — each answered clearly, nothing written;
+- a store that cannot be used stops the process at boot with a line naming the settings.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from lchat.cli.admin_client import UnixHTTPConnection, Unreachable
+from tests import s3servers
+from tests.authenticator import SoftwareAuthenticator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORIGIN = "https://home.example.test"
+KEY = base64.b64encode(b"k" * 32).decode()
+
+
+class Home:
+    """One ``twistd -n lchat-home`` process and its directories."""
+
+    def __init__(self, root: str, name: str, **settings: str) -> None:
+        self.dir = os.path.join(root, name)
+        os.makedirs(os.path.join(self.dir, "data"))
+        os.makedirs(os.path.join(self.dir, "run"))
+        self.socket = os.path.join(self.dir, "run", "home.sock")
+        self.admin = os.path.join(self.dir, "run", "home-admin.sock")
+        self.env_file = os.path.join(self.dir, "home.env")
+        self.settings = {
+            "LCHAT_DATA_DIR": os.path.join(self.dir, "data"),
+            "LCHAT_RUN_DIR": os.path.join(self.dir, "run"),
+            "LCHAT_HOME_ORIGINS": ORIGIN,
+            "LCHAT_HOME_SESSION_KEY": KEY,
+            **settings,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.env_file, "w") as f:
+            f.writelines(f"{k}={v}\n" for k, v in self.settings.items())
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LCHAT_", "AWS_"))}
+        env["PYTHONPATH"] = ROOT
+        with open(os.path.join(self.dir, "home.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "from twisted.scripts.twistd import run; run()",
+                    "--nodaemon",
+                    "--pidfile=",
+                    "lchat-home",
+                    "--env-file",
+                    self.env_file,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def log(self) -> str:
+        with open(os.path.join(self.dir, "home.log"), errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def ready(self) -> bool:
+        try:
+            return self.call("GET", "/api/version")[0] == 200
+        except (OSError, Unreachable):
+            return False
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str = "",
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, Any, dict[str, str]]:
+        conn = UnixHTTPConnection(self.socket, timeout=20)
+        hdrs = {"Host": "home.example.test", **(headers or {})}
+        data: bytes | None = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        if token:
+            hdrs["Authorization"] = f"Bearer {token}"
+        try:
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            payload = resp.read()
+            got = {k.lower(): v for k, v in resp.getheaders()}
+        finally:
+            conn.close()
+        if got.get("content-type", "").startswith("application/json"):
+            return resp.status, json.loads(payload), got
+        return resp.status, payload, got
+
+
+class HomeTestCase(TestCase):
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="home", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.root, True)
+        self.authenticator = SoftwareAuthenticator()
+
+    @inlineCallbacks
+    def home(self, name: str = "h", **settings: str) -> Any:
+        home = Home(self.root, name, **settings)
+        home.start()
+        self.addCleanup(home.stop)
+        deadline = time.monotonic() + 30
+        while not (yield deferToThread(home.ready)):
+            assert home.proc is not None
+            self.assertIsNone(home.proc.poll(), home.log())
+            self.assertLess(time.monotonic(), deadline, home.log())
+            yield deferToThread(time.sleep, 0.1)
+        return home
+
+    def register(self, begin: Home, finish: Home | None = None) -> dict[str, Any]:
+        status, started, _ = begin.call("POST", "/api/register/begin", {})
+        assert status == 200, started
+        created = self.authenticator.create(started["options"], origin=ORIGIN)
+        status, done, _ = (finish or begin).call(
+            "POST", f"/api/register/finish?session={started['session']}", {"credential": created}
+        )
+        assert status == 200, done
+        return dict(done)
+
+    def login(self, begin: Home, finish: Home | None = None) -> tuple[int, Any]:
+        status, started, _ = begin.call("POST", "/api/login/begin", {})
+        assert status == 200, started
+        asserted = self.authenticator.get(started["options"], origin=ORIGIN)
+        status, done, _ = (finish or begin).call(
+            "POST", f"/api/login/finish?session={started['session']}", {"credential": asserted}
+        )
+        return status, done
+
+    def token(self, home: Home, proof: str) -> dict[str, Any]:
+        status, minted, _ = home.call("POST", "/api/tokens", {"proof": proof})
+        assert status == 200, minted
+        return dict(minted)
+
+
+class SQLiteHomeTests(HomeTestCase):
+    @inlineCallbacks
+    def test_passkeys_tokens_devices_and_the_vault(self) -> Any:
+        home = yield self.home()
+        account = yield deferToThread(self.register, home)
+        first = yield deferToThread(self.token, home, account["proof"])
+        self.assertEqual(first["uid"], account["uid"])
+        token = first["token"]
+        # No vault yet.
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/vault", token=token)
+        self.assertEqual((status, body["version"]), (404, "0"))
+        # Create it (If-None-Match: *), read it back: the bytes as written, the version as ETag.
+        blob = os.urandom(1000)
+        put = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+        status, body, hdrs = yield deferToThread(
+            home.call, "PUT", "/api/vault", token=token, headers=put, raw=blob
+        )
+        self.assertEqual(status, 200, body)
+        v1 = body["version"]
+        self.assertEqual(hdrs["etag"], f'"{v1}"')
+        status, data, hdrs = yield deferToThread(home.call, "GET", "/api/vault", token=token)
+        self.assertEqual((status, data, hdrs["etag"]), (200, blob, f'"{v1}"'))
+        # Replace it; a second device still holding v1 loses the race with the current version.
+        status, body, _ = yield deferToThread(
+            home.call,
+            "PUT",
+            "/api/vault",
+            token=token,
+            headers={"Content-Type": "application/octet-stream", "If-Match": f'"{v1}"'},
+            raw=b"second",
+        )
+        self.assertEqual(status, 200, body)
+        v2 = body["version"]
+        status, body, hdrs = yield deferToThread(
+            home.call,
+            "PUT",
+            "/api/vault",
+            token=token,
+            headers={"Content-Type": "application/octet-stream", "If-Match": f'"{v1}"'},
+            raw=b"stale",
+        )
+        self.assertEqual((status, body["current"], hdrs["etag"]), (409, v2, f'"{v2}"'))
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/vault/versions", token=token)
+        self.assertEqual([v["version"] for v in body["versions"]], [v2, v1])
+        status, old, _ = yield deferToThread(
+            home.call, "GET", f"/api/vault/versions/{v1}", token=token
+        )
+        self.assertEqual((status, old), (200, blob))
+
+        # A second device: log in with the passkey, link it, list, revoke it: its token is denied.
+        status, logged = yield deferToThread(self.login, home)
+        self.assertEqual((status, logged["uid"]), (200, account["uid"]), logged)
+        second = yield deferToThread(self.token, home, logged["proof"])
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/devices", token=token)
+        self.assertEqual(status, 200, body)
+        self.assertEqual(len(body["devices"]), 2)
+        self.assertEqual(len(body["credentials"]), 1)
+        self.assertEqual(
+            [d["current"] for d in body["devices"] if d["id"] == first["device"]], [True]
+        )
+        status, _, _ = yield deferToThread(
+            home.call, "DELETE", f"/api/devices/{second['device']}", token=token
+        )
+        self.assertEqual(status, 204)
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/vault", token=second["token"])
+        self.assertEqual(status, 401, body)
+        # Revoke the passkey: it cannot log in any more (its pointer is left, and denies).
+        credential = body_credential = (
+            yield deferToThread(home.call, "GET", "/api/devices", token=token)
+        )[1]["credentials"][0]["id"]
+        del body_credential
+        status, _, _ = yield deferToThread(
+            home.call, "DELETE", f"/api/credentials/{credential}", token=token
+        )
+        self.assertEqual(status, 204)
+        status, body = yield deferToThread(self.login, home)
+        self.assertEqual(status, 401, body)
+        # The first device's token still reads the vault.
+        status, data, _ = yield deferToThread(home.call, "GET", "/api/vault", token=token)
+        self.assertEqual((status, data), (200, b"second"))
+
+    @inlineCallbacks
+    def test_bad_input_is_refused_and_writes_nothing(self) -> Any:
+        home = yield self.home()
+        account = yield deferToThread(self.register, home)
+        token = (yield deferToThread(self.token, home, account["proof"]))["token"]
+        # A tampered session, a missing one, a replayed registration.
+        status, started, _ = yield deferToThread(home.call, "POST", "/api/register/begin", {})
+        created = self.authenticator.create(started["options"], origin=ORIGIN)
+        session = started["session"]
+        tampered = session[:-2] + ("A" if session[-2] != "A" else "B") + session[-1]
+        for path, want in (
+            (f"/api/register/finish?session={tampered}", 401),
+            ("/api/register/finish", 400),
+        ):
+            status, body, _ = yield deferToThread(home.call, "POST", path, {"credential": created})
+            self.assertEqual(status, want, body)
+        status, body, _ = yield deferToThread(
+            home.call, "POST", f"/api/register/finish?session={session}", {"credential": created}
+        )
+        self.assertEqual(status, 200, body)
+        status, body, _ = yield deferToThread(
+            home.call, "POST", f"/api/register/finish?session={session}", {"credential": created}
+        )
+        self.assertEqual(status, 409, body)
+        # A proof is for tokens only and expires; a made-up one is refused.
+        status, body, _ = yield deferToThread(
+            home.call, "POST", "/api/tokens", {"proof": account["proof"] + "x"}
+        )
+        self.assertEqual(status, 401, body)
+        # The vault: too big, wrong type, a blind write, a garbage version, an unknown token.
+        big = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+        for headers, raw, want in (
+            (big, b"x" * (18 * 1024 + 1), 413),
+            ({"Content-Type": "text/plain", "If-None-Match": "*"}, b"x", 415),
+            ({"Content-Type": "application/octet-stream"}, b"x", 428),
+        ):
+            status, body, _ = yield deferToThread(
+                home.call, "PUT", "/api/vault", token=token, headers=headers, raw=raw
+            )
+            self.assertEqual(status, want, body)
+        status, body, _ = yield deferToThread(
+            home.call,
+            "PUT",
+            "/api/vault",
+            token=token,
+            headers={"Content-Type": "application/octet-stream", "If-Match": '"12345"'},
+            raw=b"x",
+        )
+        self.assertIn(status, (400, 409), body)
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/vault", token=token)
+        self.assertEqual(status, 404, body)  # nothing was written
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/vault", token="nope")
+        self.assertEqual(status, 401, body)
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/vault")
+        self.assertEqual(status, 401, body)
+        status, body, _ = yield deferToThread(
+            home.call,
+            "POST",
+            "/api/login/begin",
+            raw=b"{not json",
+            headers={"Content-Type": "application/json"},
+        )
+        self.assertEqual(status, 400, body)
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/nothing")
+        self.assertEqual(status, 404, body)
+        # The admin socket: status and metrics.
+        conn = UnixHTTPConnection(home.admin, timeout=10)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+        self.assertIn('lchat_home_requests_total{route="vault_put",status="413"} 1.0', metrics)
+
+
+class S3HomeTests(HomeTestCase):
+    timeout = 180
+
+    @inlineCallbacks
+    def test_a_ceremony_begun_on_one_replica_finishes_on_another(self) -> Any:
+        server = yield Deferred.fromCoroutine(s3servers.shared_server("moto"))
+        bucket = yield Deferred.fromCoroutine(server.new_bucket())
+        # Home keeps its last 5 vault versions with the bucket's versioning (docs/home.md).
+        yield deferToThread(
+            server.client().put_bucket_versioning,
+            Bucket=bucket,
+            VersioningConfiguration={"Status": "Enabled"},
+        )
+        settings = {
+            "LCHAT_HOME_STORE": "s3",
+            "LCHAT_HOME_S3_BUCKET": bucket,
+            "LCHAT_HOME_S3_REGION": server.region,
+            "LCHAT_HOME_S3_ENDPOINT": server.endpoint,
+            "AWS_ACCESS_KEY_ID": server.credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.credentials.secret_key,
+        }
+        a = yield self.home("a", **settings)
+        b = yield self.home("b", **settings)
+        account = yield deferToThread(self.register, a, b)  # begun on a, finished on b
+        token = (yield deferToThread(self.token, a, account["proof"]))["token"]
+        put = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+        status, body, _ = yield deferToThread(
+            b.call, "PUT", "/api/vault", token=token, headers=put, raw=b"on b"
+        )
+        self.assertEqual(status, 200, body)
+        status, data, _ = yield deferToThread(a.call, "GET", "/api/vault", token=token)
+        self.assertEqual((status, data), (200, b"on b"))
+        status, logged = yield deferToThread(self.login, b, a)
+        self.assertEqual((status, logged.get("uid")), (200, account["uid"]), logged)
+
+    @inlineCallbacks
+    def test_an_unusable_bucket_stops_the_process_at_boot(self) -> Any:
+        (port,) = s3servers.free_ports(1)
+        home = Home(
+            self.root,
+            "broken",
+            LCHAT_HOME_STORE="s3",
+            LCHAT_HOME_S3_BUCKET="home-bucket",
+            LCHAT_HOME_S3_REGION="us-east-1",
+            LCHAT_HOME_S3_ENDPOINT=f"http://127.0.0.1:{port}",
+            AWS_ACCESS_KEY_ID="x",
+            AWS_SECRET_ACCESS_KEY="y",
+        )
+        home.start()
+        self.addCleanup(home.stop)
+        assert home.proc is not None
+        code = yield deferToThread(home.proc.wait, 60)
+        self.assertEqual(code, 1, home.log())
+        self.assertIn("home: cannot start", home.log())
+        self.assertIn("LCHAT_HOME_S3_BUCKET", home.log())
