@@ -37,6 +37,7 @@ from twisted.trial import unittest
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from lchat.home import sqlite_store
 from lchat.home.s3_store import S3VaultStore, normalise_prefix
 from lchat.home.sqlite_store import SQLiteVaultStore
 from lchat.home.store import (
@@ -86,6 +87,14 @@ def in_thread(f: Callable[..., T], *args: Any) -> Deferred[T]:
 def write_file(path: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
+
+
+def _sqlite_backup(source: str, destination: str) -> None:
+    with (
+        contextlib.closing(sqlite3.connect(source)) as src,
+        contextlib.closing(sqlite3.connect(destination)) as dst,
+    ):
+        src.backup(dst)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -653,14 +662,82 @@ class SQLiteTest(Conformance, unittest.TestCase):
 
     # -- SQLite only -------------------------------------------------------------------------------
 
-    async def test_versions_are_counters(self) -> None:
-        uid = new_uid()
-        assert await self.store.put_blob(uid, b"a", "0") == "1"
-        assert await self.store.put_blob(uid, b"b", "1") == "2"
-        assert await self.store.put_user(uid, {}, "0") == "1"  # its own counter
+    async def test_versions_are_never_reissued(self) -> None:
+        """One store-wide counter, floored by the clock: versions only grow, across users and
+        kinds and past a deletion; "never issued" is BadVersion, "issued, not current" Conflict."""
+        uid, other = new_uid(), new_uid()
+        issued = [await self.store.put_blob(uid, b"a", NO_VERSION)]
+        issued.append(await self.store.put_blob(uid, b"b", issued[-1]))
+        issued.append(await self.store.put_user(uid, {}, NO_VERSION))
+        issued.append(await self.store.put_blob(other, b"c", NO_VERSION))
+        numbers = [int(v) for v in issued]
+        assert numbers == sorted(set(numbers)), issued
+        assert numbers[0] >= int((time.time() - 60) * 1_000_000), "no clock floor"
         async with self.raises(BadVersion):
-            await self.store.put_blob(uid, b"c", "3")  # not issued yet
-        assert await self.conflict(self.store.put_blob(uid, b"c", "1")) == "2"  # issued, stale
+            await self.store.put_blob(uid, b"c", str(numbers[-1] + 1))  # not issued yet
+        assert await self.conflict(self.store.put_blob(uid, b"c", issued[0])) == issued[1]
+        # Issued to someone else: a conflict for this user, not a bad version.
+        assert await self.conflict(self.store.put_blob(uid, b"c", issued[3])) == issued[1]
+        await self.store.delete_user(uid)
+        # A client still holding the deleted blob's version: a conflict with "nothing yet".
+        assert await self.conflict(self.store.put_blob(uid, b"d", issued[1])) == NO_VERSION
+        again = await self.store.put_blob(uid, b"d", NO_VERSION)
+        assert int(again) > numbers[-1]
+
+    async def test_restored_database_never_reissues_a_version(self) -> None:
+        """The file is restored from a replica that lost the last write (Litestream lags): a
+        client holding the lost write's version must not have its CAS succeed against a new
+        write that got the same number (a lost update); it is told the version is unknown."""
+        uid = new_uid()
+        first = await self.store.put_blob(uid, b"kept", NO_VERSION)
+        await self.store.close()
+        backup = self.path + ".replica"
+        await in_thread(_sqlite_backup, self.path, backup)
+        store = await self.open(self.path)
+        lost = await store.put_blob(uid, b"lost in the crash", first)  # a client now holds it
+        await store.close()
+        await in_thread(os.replace, backup, self.path)
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path + suffix)
+        restored = await self.open(self.path)
+        self.addCleanup(lambda: Deferred.fromCoroutine(restored.close()))
+        assert await restored.get_blob(uid) == Blob(b"kept", first)
+        async with self.raises(BadVersion):  # a version this file never issued
+            await restored.put_blob(uid, b"the stale client", lost)
+        newer = await restored.put_blob(uid, b"written after the restore", first)
+        assert newer != lost and int(newer) > int(lost), (newer, lost)
+        assert await self.conflict(restored.put_blob(uid, b"the stale client", lost)) == newer
+        assert await restored.get_blob(uid) == Blob(b"written after the restore", newer)
+
+    async def test_schema_1_database_migrates(self) -> None:
+        """A file from schema 1 (per-user counters from 1) keeps its data and versions; the new
+        store-wide counter starts above every version it issued."""
+        path = self.db_path()
+
+        def make_schema_1() -> None:
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+                for statement in sqlite_store.MIGRATIONS[0]:
+                    conn.execute(statement)
+                conn.execute("PRAGMA user_version = 1")
+                for version in (1, 2, 3):
+                    conn.execute(
+                        "INSERT INTO blobs VALUES ('old', ?, ?, 0)", (version, b"v%d" % version)
+                    )
+                conn.execute("INSERT INTO users VALUES ('old', 2, '{\"a\":1}')")
+
+        await in_thread(make_schema_1)
+        store = await self.open(path)
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        assert await store.get_blob("old") == Blob(b"v3", "3")
+        assert await store.get_user("old") == UserDoc({"a": 1}, "2")
+        assert await self.conflict(store.put_blob("old", b"x", "1")) == "3"
+        async with self.raises(BadVersion):
+            await store.put_blob("old", b"x", "4")
+        newer = await store.put_blob("old", b"v4", "3")
+        assert int(newer) > 3
+        assert [v.version for v in await store.list_blob_versions("old")] == [newer, "3", "2", "1"]
+        assert await store.put_user("old", {"a": 2}, "2") not in ("1", "2", "3", newer)
 
     async def test_file_keeps_at_most_five_rows_per_user(self) -> None:
         uid = new_uid()
@@ -692,7 +769,8 @@ class SQLiteTest(Conformance, unittest.TestCase):
         again = await self.open(self.path)
         self.addCleanup(lambda: Deferred.fromCoroutine(again.close()))
         assert await again.get_blob(uid) == Blob(b"kept", version)
-        assert await again.get_user(uid) == UserDoc({"k": 1}, "1")
+        user = await again.get_user(uid)
+        assert user is not None and user.doc == {"k": 1}, user
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 

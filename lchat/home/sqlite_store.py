@@ -6,14 +6,18 @@
   production), never on the reactor. Each worker thread checks a connection out of a small pool
   (``_Connections``), so reads run in parallel under WAL; writes take SQLite's write lock up front
   (``BEGIN IMMEDIATE``), so a compare-and-swap is one transaction and ``busy_timeout`` covers it.
-- **Versions** are per-user counters rendered as decimal strings: a user's first blob is ``"1"``,
-  each write adds one; the user document counts separately. ``"0"`` is "nothing yet". A version is
-  *ours* if it is a canonical decimal no larger than the current one; anything else (``"abc"``, an
-  S3 ETag, ``"07"``, a number we have not reached) is :class:`~lchat.home.store.BadVersion`. After
-  :meth:`~SQLiteVaultStore.delete_user` a user's counters start again from 1 (a deleted user's
-  uid is not reused).
-- **Keep-last-5** is the table itself: each blob write deletes the rows older than the 5 newest
-  in the same transaction, so the file holds at most 5 versions per user.
+- **Versions** are decimal strings from one store-wide counter: every write (a blob or a user
+  document, any user) takes the next number, and that number is also at least the clock in
+  microseconds. So a version is never issued twice, not across users, not after
+  :meth:`~SQLiteVaultStore.delete_user`, and not after the file is restored from a replica that
+  lost the last writes (as long as the restoring box's clock is not behind the one that crashed by
+  more than the restore took: NTP keeps boxes within milliseconds). That matters: a client holding
+  a version must never see its compare-and-swap succeed against other content that happens to
+  carry the same number. ``"0"`` is "nothing yet". A version is *ours* if it is a canonical
+  decimal between the first and the last version issued; anything else (``"abc"``, an S3 ETag,
+  ``"07"``, ``"12"``, a number not issued yet) is :class:`~lchat.home.store.BadVersion`.
+- **Keep-last-5** is the table itself: each blob write deletes the user's rows older than the 5
+  newest in the same transaction, so the file holds at most 5 versions per user.
 - **Pointers** are rows of their own; :meth:`~SQLiteVaultStore.delete_user` leaves them, like the
   S3 store (they deny by construction, see :func:`lchat.home.store.resolve_checked`).
 - Failures of SQLite itself (locked past ``busy_timeout``, I/O errors, a corrupt or foreign file)
@@ -90,6 +94,21 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             uid  TEXT NOT NULL,
             PRIMARY KEY (kind, name)
         ) WITHOUT ROWID""",
+    ),
+    (
+        # The store-wide version counter (see the module docstring): the first and the last
+        # version issued (0 and 0 before any), so "never issued" can be told apart. Schema 1
+        # counted per user from 1: the counter starts above every version it issued.
+        """CREATE TABLE version_counter (
+            id    INTEGER PRIMARY KEY CHECK (id = 1),
+            first INTEGER NOT NULL,
+            last  INTEGER NOT NULL
+        )""",
+        """INSERT INTO version_counter (id, first, last)
+           SELECT 1, min(issued, 1), issued FROM (SELECT max(
+               (SELECT coalesce(max(version), 0) FROM blobs),
+               (SELECT coalesce(max(version), 0) FROM users)
+           ) AS issued)""",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -183,7 +202,8 @@ class SQLiteVaultStore:
 
     _connections: _Connections
     _run_in_thread: RunInThread
-    _clock: IReactorTime  # times of blob versions (wall clock), update_user's backoff, latency
+    # Wall clock: blob versions' times and the versions' floor; update_user's backoff; latency.
+    _clock: IReactorTime
     _rng: Uniform = field(factory=random.SystemRandom)
 
     @classmethod
@@ -242,12 +262,7 @@ class SQLiteVaultStore:
         with measured(BACKEND, "put_blob", self._clock):
             try:
                 version: int = await self._run(
-                    "put_blob",
-                    _put_blob,
-                    uid,
-                    data,
-                    expected_version,
-                    int(self._clock.seconds() * 1000),
+                    "put_blob", _put_blob, uid, data, expected_version, self._clock.seconds()
                 )
             except Conflict:
                 CAS_CONFLICTS.labels(BACKEND, "blob").inc()
@@ -286,7 +301,9 @@ class SQLiteVaultStore:
         text = encode_user(doc).decode()
         with measured(BACKEND, "put_user", self._clock):
             try:
-                version: int = await self._run("put_user", _put_user, uid, text, expected_version)
+                version: int = await self._run(
+                    "put_user", _put_user, uid, text, expected_version, self._clock.seconds()
+                )
             except Conflict:
                 CAS_CONFLICTS.labels(BACKEND, "user").inc()
                 raise
@@ -355,14 +372,35 @@ def _check(conn: sqlite3.Connection) -> None:
     conn.execute("SELECT 1 FROM pointers LIMIT 1").fetchall()
 
 
-def _expected(version: str, current: int) -> int:
-    """``version`` as the number it names, if this store could have issued it; else BadVersion."""
-    if not isinstance(version, str) or not _CANONICAL_VERSION.fullmatch(version):
-        raise BadVersion(f"{version!r} is not a version this store issues")
-    number = int(version)
-    if number > current:
-        raise BadVersion(f"version {version!r} was never issued (the current one is {current})")
-    return number
+def _issued(conn: sqlite3.Connection) -> tuple[int, int]:
+    """The first and the last version this store issued ((0, 0) before any)."""
+    first, last = conn.execute("SELECT first, last FROM version_counter WHERE id = 1").fetchone()
+    return int(first), int(last)
+
+
+def _check_expected(conn: sqlite3.Connection, expected: str, current: int, what: str) -> None:
+    """Pass if ``expected`` is the current version (``current``, 0 for none); else Conflict if
+    this store ever issued it, BadVersion if not."""
+    if not isinstance(expected, str) or not _CANONICAL_VERSION.fullmatch(expected):
+        raise BadVersion(f"{expected!r} is not a version this store issues")
+    number = int(expected)
+    if number == current:
+        return
+    first, last = _issued(conn)
+    if number != 0 and not first <= number <= last:  # "0" is everyone's
+        raise BadVersion(f"version {expected!r} was never issued by this store")
+    raise Conflict(str(current), what)
+
+
+def _next_version(conn: sqlite3.Connection, now: float) -> int:
+    """Take the next version: above every one issued, and at least the clock in microseconds
+    (which covers versions issued and forgotten by a restore). In the write transaction."""
+    first, last = _issued(conn)
+    version = max(last + 1, int(now * 1_000_000))
+    conn.execute(
+        "UPDATE version_counter SET first = ?, last = ? WHERE id = 1", (first or version, version)
+    )
+    return version
 
 
 def _get_blob(conn: sqlite3.Connection, uid: str) -> Blob | None:
@@ -373,21 +411,24 @@ def _get_blob(conn: sqlite3.Connection, uid: str) -> Blob | None:
 
 
 def _put_blob(
-    conn: sqlite3.Connection, uid: str, data: bytes, expected_version: str, now_ms: int
+    conn: sqlite3.Connection, uid: str, data: bytes, expected_version: str, now: float
 ) -> int:
     with _write_transaction(conn):
         (current,) = conn.execute(
             "SELECT coalesce(max(version), 0) FROM blobs WHERE uid = ?", (uid,)
         ).fetchone()
-        if _expected(expected_version, current) != current:
-            raise Conflict(str(current), "vault blob")
-        new = current + 1
+        _check_expected(conn, expected_version, current, "vault blob")
+        new = _next_version(conn, now)
         conn.execute(
             "INSERT INTO blobs (uid, version, data, modified_ms) VALUES (?, ?, ?, ?)",
-            (uid, new, data, now_ms),
+            (uid, new, data, int(now * 1000)),
         )
-        conn.execute("DELETE FROM blobs WHERE uid = ? AND version <= ?", (uid, new - KEEP_VERSIONS))
-    return int(new)
+        conn.execute(
+            "DELETE FROM blobs WHERE uid = ? AND version NOT IN"
+            " (SELECT version FROM blobs WHERE uid = ? ORDER BY version DESC LIMIT ?)",
+            (uid, uid, KEEP_VERSIONS),
+        )
+    return new
 
 
 def _list_blob_versions(conn: sqlite3.Connection, uid: str) -> list[tuple[int, int, int]]:
@@ -416,13 +457,14 @@ def _get_user(conn: sqlite3.Connection, uid: str) -> tuple[str, int] | None:
     return None if row is None else (str(row[0]), int(row[1]))
 
 
-def _put_user(conn: sqlite3.Connection, uid: str, text: str, expected_version: str) -> int:
+def _put_user(
+    conn: sqlite3.Connection, uid: str, text: str, expected_version: str, now: float
+) -> int:
     with _write_transaction(conn):
         row = conn.execute("SELECT version FROM users WHERE uid = ?", (uid,)).fetchone()
         current = 0 if row is None else int(row[0])
-        if _expected(expected_version, current) != current:
-            raise Conflict(str(current), "user document")
-        new = current + 1
+        _check_expected(conn, expected_version, current, "user document")
+        new = _next_version(conn, now)
         conn.execute(
             "INSERT INTO users (uid, version, doc) VALUES (?, ?, ?)"
             " ON CONFLICT (uid) DO UPDATE SET version = excluded.version, doc = excluded.doc",

@@ -64,8 +64,11 @@ from typing import Any, Literal, NamedTuple, Protocol, get_args
 from prometheus_client import Counter, Histogram
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
+from twisted.logger import Logger
 
 from lchat.backoff import Backoff, Uniform
+
+log = Logger()
 
 NO_VERSION = "0"  # the universal "nothing yet" version
 KEEP_VERSIONS = 5  # blob versions the interface keeps reachable (the current one included)
@@ -285,6 +288,13 @@ async def update_user_cas(
                 await deferLater(clock, delay)
             continue
         return UserDoc(doc, version)
+    log.warn(
+        "home store ({backend}): a user document update lost {attempts} races in a row and gave "
+        "up (the client gets a conflict); many clients of one user writing at once, or a "
+        "store answering slowly, cause this",
+        backend=backend,
+        attempts=attempts,
+    )
     raise Conflict(current_version, f"user document still contended after {attempts} attempts")
 
 
