@@ -29,6 +29,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from lchat.cli.admin_client import UnixHTTPConnection, Unreachable
+from lchat.home.stateless import Ceremonies, load_session_keys
 from tests import s3servers
 from tests.authenticator import SoftwareAuthenticator
 
@@ -284,6 +285,11 @@ class SQLiteHomeTests(HomeTestCase):
         status, body, _ = yield deferToThread(
             home.call, "POST", "/api/tokens", {"proof": account["proof"] + "x"}
         )
+        self.assertEqual(status, 401, body)
+        # A genuine proof (the same LCHAT_HOME_SESSION_KEY) for a uid nobody registered.
+        keys, _ = load_session_keys(KEY)
+        stranger = Ceremonies.from_keys(keys, time.time).proofs.issue("nobody-here", "link")
+        status, body, _ = yield deferToThread(home.call, "POST", "/api/tokens", {"proof": stranger})
         self.assertEqual(status, 401, body)
         # The vault: too big, wrong type, a blind write, a garbage version, an unknown token.
         big = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}

@@ -264,6 +264,8 @@ class HomeAPI:
         if not isinstance(proof, str):
             raise ApiError(400, "proof must be the string a passkey ceremony returned")
         uid = self.ceremonies.proofs.verify(proof, "link").uid
+        if await self.store.get_user(uid) is None:
+            raise ApiError(401, "this account is gone")  # (before anything is written)
         token = b64url(self.random_bytes(32))
         device = b64url(self.random_bytes(9))
         digest = sha256_hex(token)
