@@ -672,7 +672,9 @@ class BucketKeyEnvTests(SynchronousTestCase):
         os.environ["MS"] = ""  # empty is unset
         with self.assertRaises(ConfigError) as caught:
             bucket_key_env(cfg, where)
-        self.assertEqual(str(caught.exception), "LCHAT_MESH_BUCKET's keys are in MS, which is unset")
+        self.assertEqual(
+            str(caught.exception), "LCHAT_MESH_BUCKET's keys are in MS, which is unset"
+        )
         fi = attrs.evolve(where, region="fi")
         with self.assertRaises(ConfigError) as caught:
             bucket_key_env(cfg, fi)
