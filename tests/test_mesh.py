@@ -424,6 +424,7 @@ class MeshTests(MeshTestCase):
             owner.proc.send_signal(signal.SIGCONT)
         yield self.wait_for(lambda: not owner.awake(host), timeout=20)
         self.assertIn("standing every space down now", owner.log())
+        # Until its copy has stopped, the old owner sends the space's requests to the new holder.
         yield self.wait_for(lambda: all(_members(b) == 3 for b in boxes), timeout=20)
         status, body, _ = yield self.req(owner, host, "/api/rooms/r/messages")
         self.assertEqual(status, 200, body)

@@ -87,9 +87,13 @@ class Running:
 
     def __init__(self) -> None:
         self.hosts: set[str] = set()
+        self.lost: set[str] = set()  # standing down here because the lease was taken
 
     def holds(self, host: str) -> bool:
         return host in self.hosts
+
+    def lease_lost(self, host: str) -> bool:
+        return host in self.lost
 
 
 class Disk:
@@ -363,6 +367,17 @@ class ForwardingTests(_Base):
         self.assertIs(self.routed(mesh, host), SERVED_HERE)
         self.assertEqual(forwards("local_running"), counted + 1)
         self.assertEqual(self.disk.calls, 0)
+
+    def test_a_copy_standing_down_after_a_takeover_sends_requests_to_the_taker(self) -> None:
+        """Our copy lost its lease (taken over while this box was frozen or cut off) and still
+        stops: its requests go to the new holder — even before the holder is back in our view —
+        never into a wake here that would only meet the held lease."""
+        mesh = self.mesh_of(SELF)  # a view that has not seen B again yet
+        host = host_owned_by(SELF, SELF, B)
+        self.running.hosts.add(host)
+        self.running.lost.add(host)
+        self.hold_lease(host, B)
+        self.assertForwardedTo(self.routed(mesh, host), B, host)
 
     def test_a_space_awake_elsewhere_goes_to_its_lease_holder_whatever_the_hash_says(self) -> None:
         mesh = self.mesh_of(SELF, B, C)

@@ -151,6 +151,13 @@ class Activator(Service):
         """True while this activator has anything running (or stopping) for ``host``."""
         return host in self._spaces
 
+    def lease_lost(self, host: str) -> bool:
+        """True while ``host``'s space stands down here because its lease was lost (taken over,
+        or this box's liveness lapsed): its requests belong to the new holder, not to a wake
+        here."""
+        space = self._spaces.get(host)
+        return space is not None and space.lost is not None
+
     def state(self, host: str) -> str:
         space = self._spaces.get(host)
         return "asleep" if space is None else space.state
