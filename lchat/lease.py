@@ -161,6 +161,7 @@ class LeaseRecord:
     # the box is dead (heartbeat too old or gone) or restarted (another epoch), before expiry.
     box: str = ""
     epoch: str = ""
+    epoch_started: float | None = None  # when that epoch began (the box's clock): orders epochs
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
@@ -175,6 +176,8 @@ class LeaseRecord:
         }
         if self.box:
             data["box"], data["epoch"] = self.box, self.epoch
+            if self.epoch_started is not None:
+                data["epoch_started"] = self.epoch_started
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -200,11 +203,18 @@ class LeaseRecord:
             lease_id=_text(data.get("lease_id")),
             box=_text(data.get("box")),
             epoch=_text(data.get("epoch")),
+            epoch_started=_number(data.get("epoch_started")),
         )
 
 
 def _text(value: object) -> str:
     return value if isinstance(value, str) else ""
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 @frozen
@@ -225,6 +235,7 @@ class HeldLease:
     took_over_because: str = ""  # expired | holder dead | holder restarted | own
     box: str = ""  # the holder box and its epoch, written in the record (mesh boxes)
     epoch: str = ""
+    epoch_started: float | None = None
 
     def record(self, now: datetime.datetime) -> LeaseRecord:
         """The body to write at bucket time ``now`` (an estimate is fine: informational)."""
@@ -239,6 +250,7 @@ class HeldLease:
             lease_id=self.lease_id,
             box=self.box,
             epoch=self.epoch,
+            epoch_started=self.epoch_started,
         )
 
 
@@ -300,6 +312,7 @@ async def acquire(
     reclaim_own: bool = False,
     box: str = "",
     epoch: str = "",
+    epoch_started: float | None = None,
     holder_check: HolderCheck | None = None,
 ) -> HeldLease:
     """Take the lease at ``key`` for ``owner`` or raise :class:`LeaseHeld`.
@@ -334,6 +347,7 @@ async def acquire(
                     _new_lease(key, host, owner, ttl, lease_id, bucket_now, monotonic()),
                     box=box,
                     epoch=epoch,
+                    epoch_started=epoch_started,
                 )
                 try:
                     put = await store.put(
@@ -365,6 +379,7 @@ async def acquire(
                     _ours(key, host, owner, ttl, current, record, bucket_now, first_sent),
                     box=box,
                     epoch=epoch,
+                    epoch_started=epoch_started,
                 )
             expiry = _expiry_of(current.info, record, ttl)
             why = "expired"
@@ -394,6 +409,7 @@ async def acquire(
                 took_over_because=why,
                 box=box,
                 epoch=epoch,
+                epoch_started=epoch_started,
             )
             try:
                 put = await store.put(

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
+import attrs
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import CancelledError, Deferred, DeferredList
@@ -523,6 +524,13 @@ class HolderJudgeTests(_Moto):
         judge = self.judge(dead_after=3.0)
         self.assertIsNone(await judge(self.holder(epoch=m.epoch)))
         self.assertEqual(await judge(self.holder(epoch=EPOCH_A2)), "holder restarted")
+        # Ordered: a heartbeat of an *older* epoch than the record's (a late beat of a process
+        # that died, landing after its successor's) is no restart; a newer one is.
+        started = m.body.started_at
+        older = attrs.evolve(self.holder(epoch=EPOCH_A2), epoch_started=started + 100.0)
+        self.assertIsNone(await judge(older))
+        newer = attrs.evolve(self.holder(epoch=EPOCH_A2), epoch_started=started - 100.0)
+        self.assertEqual(await judge(newer), "holder restarted")
         # A record without an epoch (its box ran an older version) is judged by age only.
         self.assertIsNone(await judge(self.holder(epoch="")))
         # The box name in the record need not be normalised.
@@ -692,6 +700,39 @@ class MembershipLivenessTests(_Clocked):
         self.assertTrue(m.alive())
         mono.advance(0.25)
         self.assertEqual((m.alive(), m.lapsed()), (False, True))
+
+    def test_a_beat_sent_after_a_lapse_stands_down_and_starts_a_new_epoch(self) -> None:
+        """The frozen box whose first act on thawing is a beat (before its deadline timer ran):
+        that beat was sent after its liveness had lapsed, so peers may have taken its spaces
+        over. It stands every space down once, and beats on under a new, later epoch: a lease
+        keeper of the old epoch never holds again, and a janitor's delete listed with the old
+        body's ETag cannot remove the new body."""
+        from lchat.hibernation.lifecycle import _alive_in
+
+        mono = Clock()
+        mono.advance(500.0)
+        m = self.membership(monotonic=mono.seconds)
+        hooks: list[str] = []
+        m.on_not_alive(lambda: hooks.append(m.epoch))
+        m.startService()
+        old_epoch, old_started = m.epoch, m.body.started_at
+        keeper_alive = _alive_in(
+            cast(Any, m), old_epoch
+        )  # BoxFence's alive/epoch are the membership's
+        self.assertTrue(keeper_alive())
+        old_body = self.successResultOf(d(self.file_store(self.mesh_dir).get(m.key)))
+        mono.advance(LIVE_FOR + 5.0)  # frozen: the monotonic clock ran, no timer did
+        self.successResultOf(d(m._put()))  # the thawed process beats first
+        self.assertEqual(hooks, [old_epoch])  # stood down, once, in the old epoch
+        self.assertNotEqual(m.epoch, old_epoch)
+        self.assertGreater(m.body.started_at, old_started)
+        self.assertTrue(m.alive())
+        self.assertFalse(keeper_alive())  # the old epoch's leases stay lost
+        self.assertTrue(_alive_in(cast(Any, m), m.epoch)())
+        self.successResultOf(d(m._put()))  # the next beat carries the new body
+        new_body = self.successResultOf(d(self.file_store(self.mesh_dir).get(m.key)))
+        self.assertNotEqual(new_body.info.etag, old_body.info.etag)
+        self.assertEqual(Heartbeat.parse(new_body.body).epoch, m.epoch)
 
     def test_the_epoch_is_random_hex_and_in_the_heartbeat(self) -> None:
         m = self.membership()

@@ -80,11 +80,20 @@ class Fence(Protocol):
     @property
     def epoch(self) -> str: ...
 
+    @property
+    def epoch_started(self) -> float: ...
+
     def alive(self) -> bool: ...
 
     async def holder_check(self, record: LeaseRecord) -> str | None: ...
 
     async def ready(self, reactor: Any, budget: float) -> None: ...
+
+
+def _alive_in(fence: Fence, epoch: str) -> Callable[[], bool]:
+    """A lease keeper's liveness: the box is alive *and* still in the epoch the lease was taken
+    in (a lapse starts a new epoch: nothing of the old one counts again, docs/lease.md)."""
+    return lambda: fence.alive() and fence.epoch == epoch
 
 
 def taken(why: str) -> bool:
@@ -177,7 +186,7 @@ class Lifecycle:
             renew_every=self.renew_every,
             verify_retake=lambda held: self._retaken(space, held),
             monotonic=self.monotonic,
-            alive=self.fence.alive if self.fence is not None else None,
+            alive=_alive_in(self.fence, lease.epoch) if self.fence is not None else None,
         )
         space.keeper.start()
         timings["lease"] = clock() - t
@@ -235,6 +244,7 @@ class Lifecycle:
                     monotonic=self.monotonic,
                     box=fence.box if fence is not None else "",
                     epoch=fence.epoch if fence is not None else "",
+                    epoch_started=fence.epoch_started if fence is not None else None,
                     holder_check=fence.holder_check if fence is not None else None,
                 )
             except LeaseHeld as e:

@@ -93,7 +93,10 @@ class HolderJudge:
             heartbeat = Heartbeat.parse(obj.body)
         except ValueError:
             return None
-        if record.epoch and heartbeat.epoch and heartbeat.epoch != record.epoch:
+        newer = record.epoch_started is None or heartbeat.started_at > record.epoch_started
+        if record.epoch and heartbeat.epoch and heartbeat.epoch != record.epoch and newer:
+            # (Only a *newer* epoch: a late beat of an older process — sent before it died,
+            # landing after its successor's — says nothing about the successor.)
             log.info(
                 "lease {host}: holder {box} restarted (epoch {epoch} took the lease, {now} beats)",
                 host=record.host,
@@ -119,6 +122,10 @@ class BoxFence:
     @property
     def epoch(self) -> str:
         return self.membership.epoch
+
+    @property
+    def epoch_started(self) -> float:
+        return self.membership.body.started_at
 
     def alive(self) -> bool:
         return self.membership.alive()

@@ -844,6 +844,11 @@ class Membership(Service):
         """A PUT sent at ``sent`` (monotonic) succeeded: alive until ``sent + dead_after -
         margin``."""
         until = sent + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
+        if self._alive_until is not None and sent >= self._alive_until:
+            # Sent after our liveness had lapsed (a freeze, a long cut, before our timer said
+            # so): peers may have taken our spaces over meanwhile. Nothing of this epoch counts
+            # again: stand down (unless done) and beat on under a new epoch.
+            self._lapse()
         if self._alive_until is not None and until <= self._alive_until:
             return
         self._alive_until = until
@@ -869,6 +874,29 @@ class Membership(Service):
                     max(0.01, self._alive_until - self._monotonic()), self._deadline_passed
                 )
             return
+        self._declare_not_alive()
+
+    def _lapse(self) -> None:
+        """Our liveness lapsed: the stand-down (once), then a new epoch, so that every lease of
+        the old one stays lost (their keepers compare epochs) and a janitor's delete listed with
+        the old body's ETag cannot remove the new one."""
+        if not self._not_alive:
+            self._declare_not_alive()
+        old = self.body.epoch
+        self.body = evolve(
+            self.body,
+            epoch=uuid.uuid4().hex,
+            started_at=round(max(self._reactor.seconds(), self.body.started_at + 0.001), 3),
+        )
+        self._payload = self.body.to_json()
+        log.info(
+            "mesh: {url} beats under a new epoch {epoch} (was {old}): nothing of the old one counts",
+            url=self.url,
+            epoch=self.body.epoch[:8],
+            old=old[:8],
+        )
+
+    def _declare_not_alive(self) -> None:
         self._not_alive = True
         STAND_DOWNS.inc()
         log.critical(
