@@ -734,6 +734,21 @@ class MembershipLivenessTests(_Clocked):
         self.assertNotEqual(new_body.info.etag, old_body.info.etag)
         self.assertEqual(Heartbeat.parse(new_body.body).epoch, m.epoch)
 
+    def test_a_late_drain_never_deletes_a_successors_heartbeat(self) -> None:
+        """A drained process's delete that lands after its successor (the same box restarted,
+        another epoch) beat: it deletes only its own last body (If-Match), so the successor's
+        heartbeat stays and no peer judges the living successor dead."""
+        old = self.membership()
+        old.startService()
+        successor = self.membership()
+        successor.startService()  # the same URL and key, another epoch and body
+        store = self.file_store(self.mesh_dir)
+        self.successResultOf(old.stopService())  # its delete arrives late
+        body = Heartbeat.parse(self.successResultOf(d(store.get(successor.key))).body)
+        self.assertEqual(body.epoch, successor.epoch)
+        self.successResultOf(successor.stopService())  # its own delete does delete
+        self.failureResultOf(d(store.get(successor.key)))
+
     def test_the_epoch_is_random_hex_and_in_the_heartbeat(self) -> None:
         m = self.membership()
         other = self.membership(B)

@@ -532,6 +532,7 @@ class Membership(Service):
         self._putting: Deferred[Any] | None = None
         self._stopping = False
         self._leaving = False
+        self._etag = ""  # of our last landed PUT: the drain deletes only that version
         self._left: Deferred[None] | None = None
         self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
         # The janitor deletes member keys older than this (bucket clock). Ten dead_afters: a box
@@ -651,7 +652,17 @@ class Membership(Service):
         if self._beat is not None:
             self._beat.cancel()  # the read part, if any: nobody needs the view any more
         try:
-            await self._store.delete(self.key)
+            # Only our own last body: a successor process of this box (another epoch, another
+            # ETag) may beat already; a late delete of ours must never remove its heartbeat.
+            await self._store.delete(self.key, if_match=self._etag or None)
+        except (PreconditionFailed, NotFound):
+            log.info(
+                "mesh: heartbeat {key} is no longer ours (another process of {url} beats, or it "
+                "is gone): left alone",
+                key=self.key,
+                url=self.url,
+            )
+            return
         except CancelledError:
             raise
         except Exception:
@@ -819,7 +830,8 @@ class Membership(Service):
         putting.addTimeout(self.timeout, self._reactor)
         self._putting = putting
         try:
-            await _observe(putting)
+            put = await _observe(putting)
+            self._etag = getattr(put, "etag", "") or ""
         except CancelledError:
             raise
         except Exception as e:
