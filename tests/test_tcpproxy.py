@@ -117,7 +117,11 @@ class MotoThroughProxyTests(TestCase):
             self.assertIs(self.proxy.mode, Mode.CUT)
             e, took = await self.failure(store, "k")
             self.assertLess(took, 10.0)
-            self.assertIn("reset", str(e).lower())
+            # A reset, seen by the client as a reset or a lost connection (when it comes before
+            # the request is written, or after): never an answer.
+            self.assertTrue(
+                any(w in str(e).lower() for w in ("reset", "lost", "closed", "aborted")), str(e)
+            )
             # New connections are accepted and reset at once: no answer ever.
             with contextlib.suppress(ConnectionResetError):
                 sock = socket.create_connection(("127.0.0.1", self.proxy.port), timeout=5)
