@@ -386,7 +386,13 @@ class Lifecycle:
         if space.keeper is not None:
             if space.lost is not None:
                 pass  # never write again: it is someone else's now
-            elif flushed or not space.replicating:
+            elif flushed or not (
+                space.replicating or (space.replicator is not None and space.replicator.wrote)
+            ):
+                # (A replication start that failed may have sent its first upload, which can
+                # still land: released, the next holder would be no taker, resume without
+                # TAKEOVER_TXID_GAP and meet it. Then the lease expires, or this box reclaims
+                # it: a takeover.)
                 released = await space.keeper.release(self.budgets.release)
                 if not released:
                     STEP_FAILURES.labels("release").inc()

@@ -824,6 +824,7 @@ class Membership(Service):
 
     async def _put(self) -> bool:
         sent = self._monotonic()
+        epoch = self.body.epoch  # the body this PUT carries
         putting = Deferred.fromCoroutine(
             self._store.put(self.key, self._payload, content_type="application/json")
         )
@@ -849,18 +850,23 @@ class Membership(Service):
                 self._putting = None
         if self._leaving:
             return True  # the heartbeat is being deleted: no liveness from a late PUT
-        self._beat_landed(sent)
+        self._beat_landed(sent, epoch)
         return True
 
-    def _beat_landed(self, sent: float) -> None:
-        """A PUT sent at ``sent`` (monotonic) succeeded: alive until ``sent + dead_after -
-        margin``."""
-        until = sent + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
-        if self._alive_until is not None and sent >= self._alive_until:
-            # Sent after our liveness had lapsed (a freeze, a long cut, before our timer said
-            # so): peers may have taken our spaces over meanwhile. Nothing of this epoch counts
-            # again: stand down (unless done) and beat on under a new epoch.
+    def _beat_landed(self, sent: float, epoch: str) -> None:
+        """A PUT sent at ``sent`` (monotonic) with the body of ``epoch`` succeeded: alive until
+        ``sent + dead_after - margin``, if that epoch is still ours and had not lapsed when this
+        answer is handled."""
+        if epoch != self.body.epoch:
+            return  # a beat of an epoch that lapsed since it was sent: it counts for nothing
+        if self._alive_until is not None and self._monotonic() >= self._alive_until:
+            # The deadline passed before this answer was handled (a freeze, a stalled loop: the
+            # timer has not run yet, whenever the beat was sent). Peers may have taken our spaces
+            # over meanwhile, and this beat carries the lapsed epoch's body (and ETag: a
+            # janitor's delete listed before may remove it): it counts for nothing.
             self._lapse()
+            return
+        until = sent + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
         if self._alive_until is not None and until <= self._alive_until:
             return
         self._alive_until = until
@@ -879,19 +885,24 @@ class Membership(Service):
 
     def _deadline_passed(self) -> None:
         self._alive_timer = None
-        if self.alive() or self._not_alive or self._alive_until is None:
-            if self._alive_until is not None and self.alive():
+        if self.alive() or self._alive_until is None:
+            if self._alive_until is not None:
                 # (A timer that fired early by the reactor's clock: look again at the deadline.)
                 self._alive_timer = self._reactor.callLater(
                     max(0.01, self._alive_until - self._monotonic()), self._deadline_passed
                 )
             return
-        self._declare_not_alive()
+        self._lapse()  # the new epoch at once: every beat sent from now on carries its body
 
     def _lapse(self) -> None:
-        """Our liveness lapsed: the stand-down (once), then a new epoch, so that every lease of
-        the old one stays lost (their keepers compare epochs) and a janitor's delete listed with
-        the old body's ETag cannot remove the new one."""
+        """Our liveness lapsed: the stand-down (once), then a new epoch, alive from its own
+        first beat: every lease of the old one stays lost (their keepers compare epochs), no
+        beat of the old body counts again, and a janitor's delete listed with the old body's
+        ETag cannot remove a beat that counts."""
+        if self._alive_timer is not None and self._alive_timer.active():
+            self._alive_timer.cancel()
+        self._alive_timer = None
+        self._alive_until = None
         if not self._not_alive:
             self._declare_not_alive()
         old = self.body.epoch

@@ -201,6 +201,7 @@ class Replicator:
         self._pending_since: float | None = None
         self._started = False
         self._stopped = False  # no more writes
+        self._wrote = False  # a write was sent: it may land, whatever its answer said
         self._closed = False  # stop() ran
         self.lost: str | None = None  # why the lease was lost, if it was
         self.snapshots = 0
@@ -235,6 +236,12 @@ class Replicator:
     def txid(self) -> int:
         """The last txid prepared (uploaded too, when nothing is queued)."""
         return self._txid
+
+    @property
+    def wrote(self) -> bool:
+        """Has this replicator sent any write (upload or delete)? One whose answer was an error
+        or never came may still land, at any time (docs/lease.md, "Late writes")."""
+        return self._wrote
 
     @property
     def stopped(self) -> bool:
@@ -653,6 +660,7 @@ class Replicator:
     async def _write(self, request: Any) -> Any:
         """Run one store write so that :meth:`stop` can abandon it (a lost lease must not wait
         for a hung upload, and should not let it land later if the connection can still be cut)."""
+        self._wrote = True
         d = Deferred.fromCoroutine(request)
         self._writing = d
         try:
