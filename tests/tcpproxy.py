@@ -60,6 +60,7 @@ path plus query); header names are lower case, repeated headers joined with ``",
 T = TypeVar("T")
 
 _BACKLOG = 128
+_ERROR_BODY_KEPT = 1024  # bytes of an error answer's body kept for a test's failure message
 _RECV_SIZE = 256 * 1024
 # Stop reading a side while this much waits to be written to the other (or waits behind a held
 # request): a slow reader slows its writer down instead of growing our buffers without bound.
@@ -333,6 +334,7 @@ class _Exchange:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.answered: float | None = None
+        self.error_body = bytearray()  # the first bytes of a 4xx/5xx answer's body (diagnostics)
 
     def snapshot(self) -> Exchange:
         return Exchange(
@@ -392,6 +394,12 @@ class HeldRequest:
         with self._proxy._cond:
             return self._exchange.status
 
+    @property
+    def error_body(self) -> bytes:
+        """The first bytes of the upstream's answer's body when that answer was an error."""
+        with self._proxy._cond:
+            return bytes(self._exchange.error_body)
+
     def wait_answered(self, timeout: float) -> int:
         """Block until the upstream has answered this (released) request; its status."""
         with self._proxy._cond:
@@ -433,6 +441,7 @@ class _Pipe:
         self.awaiting: collections.deque[_Exchange] = collections.deque()
         self.poisoned = poisoned  # blackholed: reads are thrown away, nothing is forwarded
         self.closed = False
+        self.failing: _Exchange | None = None  # the error answer whose body is arriving now
 
     @property
     def usable(self) -> bool:
@@ -928,6 +937,12 @@ class BucketProxy:
             kind, data = event
             if kind is _Event.HEAD:
                 self._response_head(pipe, data)
+            elif pipe.failing is not None:
+                with self._cond:
+                    kept = pipe.failing.error_body
+                    kept += data[: max(0, _ERROR_BODY_KEPT - len(kept))]
+                if kind is _Event.END:
+                    pipe.failing = None
             self._send_down(pipe, data)
         if pipe.up_eof and stream.buffer:
             self._send_down(pipe, stream.drain())
@@ -943,6 +958,7 @@ class BucketProxy:
             pipe.responses.set_framing(_Framing.LENGTH, 0)
             return
         exchange = pipe.awaiting.popleft()
+        pipe.failing = exchange if status >= 400 else None
         with self._cond:
             exchange.status, exchange.answered = status, time.monotonic()
             self._counts["responses_down"] += 1

@@ -246,7 +246,11 @@ class LateWriteTests(_ProxiedMesh):
         released = proxy.release_held()
         self.assertEqual(len(released), 1)
         answered = yield deferToThread(released[0].wait_answered, 30.0)
-        self.assertEqual(answered, 200)
+        self.assertEqual(
+            answered,
+            200,
+            f"{released[0]!r} {released[0].headers} -> {released[0].error_body!r}",
+        )
         # Whoever restores the space next reads the new owner's lineage only — even when the new
         # owner dies too, before any flush or check of its own could notice the late file.
         assert taker.proc is not None

@@ -222,6 +222,11 @@ class Scenarios(_Mixin):
             f"the beat at {t:g}",
         )
 
+    async def beat_until(self, t: float, *boxes: Membership) -> None:
+        """:meth:`advance_to` one heartbeat at a time, up to ``t``."""
+        while self.clock.seconds() < t:
+            await self.advance_to(self.clock.seconds() + HEARTBEAT, *boxes)
+
     @property
     def outside(self) -> ShiftedBucketClock:
         """The test's own connection to the bucket (shifted clock), made once."""
@@ -430,12 +435,15 @@ class Scenarios(_Mixin):
         await self.start(a, b)
         await self.advance_to(HEARTBEAT, a, b)
         self.assertEqual([m.url for m in b.members], [A, B, DEAD])  # the crash is recent
-        await self.advance_to(THRESHOLD + HEARTBEAT, a, b)
+        # Beat by beat, as boxes do: a jump past dead_after would lapse both boxes' liveness and
+        # leave each one's view to the race between the other's PUT and its own LIST.
+        await self.beat_until(THRESHOLD + HEARTBEAT, a, b)
         self.assertFalse(await self.exists(dead_key))
         # a, the lowest URL, deleted it. b may have tried once in a beat whose view lacked a (the
         # documented harmless case: its conditional DELETE is then refused), never more.
         self.assertEqual(a_store.count("delete"), 1)
         self.assertLessEqual(b_store.count("delete"), 1)
+        b_before = b_store.count("delete")
 
         # a drains (its own delete: not the janitor's); b is now the lowest URL and takes over.
         await a.stopService()
@@ -444,9 +452,9 @@ class Scenarios(_Mixin):
         start = self.clock.seconds()
         await self.advance_to(start + HEARTBEAT, b)
         self.assertEqual(b.members[0].url, B)  # a is gone: b is the lowest URL now
-        await self.advance_to(start + THRESHOLD + HEARTBEAT, b)
+        await self.beat_until(start + THRESHOLD + HEARTBEAT, b)
         self.assertFalse(await self.exists(dead_2))
-        self.assertEqual(b_store.count("delete"), 1)
+        self.assertEqual(b_store.count("delete") - b_before, 1)  # its first phase's try aside
 
 
 class FileStoreJanitorTests(Scenarios, TestCase):
