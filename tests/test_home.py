@@ -6,6 +6,9 @@ authenticator (tests/authenticator.py) in the browser's place, SQLite and moto's
   token and a revoked passkey are denied);
 - two home processes on one S3 bucket: a ceremony begun on one is finished on the other (the
   statelessness proof), and a token minted on one works on the other;
+- revocation across replicas: a token both processes checked today costs no store request for
+  the authentication, and revoked through one it is refused by the other within its
+  ``LCHAT_HOME_REVOCATION_POLL`` (the revocation feed);
 - bad input: a tampered or missing session, a replayed registration, an oversize vault, a wrong
   content type, a blind write, an unknown token — each answered clearly, nothing written;
 - a store that cannot be used stops the process at boot with a line naming the settings.
@@ -14,16 +17,19 @@ authenticator (tests/authenticator.py) in the browser's place, SQLite and moto's
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
@@ -93,6 +99,20 @@ class Home:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of the admin socket's /metrics: (name, sorted labels) -> value."""
+        conn = UnixHTTPConnection(self.admin, timeout=20)
+        try:
+            conn.request("GET", "/metrics", headers={"Host": "admin"})
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
 
     def ready(self) -> bool:
         try:
@@ -335,6 +355,70 @@ class SQLiteHomeTests(HomeTestCase):
         self.assertIn('lchat_home_requests_total{route="vault_put",status="413"} 1.0', metrics)
 
 
+def send_body(path: str, head: bytes, chunks: int, chunk: bytes) -> tuple[bytes, int]:
+    """Send ``head`` then up to ``chunks`` times ``chunk`` to a unix socket until the server
+    stops reading; return everything it answered and how many body bytes went out."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(20)
+    sent = 0
+    try:
+        conn.connect(path)
+        conn.sendall(head)
+        try:
+            for _ in range(chunks):
+                conn.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while data := conn.recv(65536):
+                answer += data
+    finally:
+        conn.close()
+    return answer, sent
+
+
+class SQLiteHomeBodyCapTests(HomeTestCase):
+    @inlineCallbacks
+    def test_a_huge_body_is_refused_before_it_is_buffered(self) -> Any:
+        """twisted.web buffers whole bodies: past 64 KiB home answers 413 and stops reading,
+        whether the Content-Length says so or the chunks do; then it serves on."""
+        home = yield self.home()
+        chunk = b"x" * 65536
+        head = (
+            b"PUT /api/vault HTTP/1.1\r\nHost: home.example.test\r\n"
+            b"Content-Type: application/octet-stream\r\nIf-None-Match: *\r\n"
+            b"Content-Length: %d\r\n\r\n"
+        ) % (1 << 30)
+        answer, sent = yield deferToThread(send_body, home.socket, head, 256, chunk)
+        self.assertTrue(answer.startswith(b"HTTP/1.1 413 "), answer[:200])
+        self.assertIn(b"at most 65536 bytes", answer)
+        self.assertLess(sent, 256 * len(chunk))  # it stopped reading: 16 MiB never went in
+        chunked = (
+            b"POST /api/register/begin HTTP/1.1\r\nHost: home.example.test\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        piece = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+        answer, sent = yield deferToThread(send_body, home.socket, chunked, 256, piece)
+        self.assertTrue(answer.startswith(b"HTTP/1.1 413 "), answer[:200])
+        self.assertLess(sent, 256 * len(piece))
+        # Under the cap, the routes' own limits answer as before; the process serves on.
+        status, body, _ = yield deferToThread(
+            home.call,
+            "POST",
+            "/api/register/begin",
+            raw=b" " * 60000 + b"{}",
+            headers={"Content-Type": "application/json"},
+        )
+        self.assertEqual(status, 200, body)
+        status, body, _ = yield deferToThread(home.call, "GET", "/api/version")
+        self.assertEqual(status, 200, body)
+        metrics = yield deferToThread(home.metrics)
+        refused = metrics[("lchat_home_requests_total", (("route", "oversize"), ("status", "413")))]
+        self.assertEqual(refused, 2)
+
+
 class S3HomeTests(HomeTestCase):
     timeout = 180
 
@@ -369,6 +453,91 @@ class S3HomeTests(HomeTestCase):
         self.assertEqual((status, data), (200, b"on b"))
         status, logged = yield deferToThread(self.login, b, a)
         self.assertEqual((status, logged.get("uid")), (200, account["uid"]), logged)
+
+    @inlineCallbacks
+    def moto_settings(self) -> Any:
+        server = yield Deferred.fromCoroutine(s3servers.shared_server("moto"))
+        bucket = yield Deferred.fromCoroutine(server.new_bucket())
+        yield deferToThread(
+            server.client().put_bucket_versioning,
+            Bucket=bucket,
+            VersioningConfiguration={"Status": "Enabled"},
+        )
+        return {
+            "LCHAT_HOME_STORE": "s3",
+            "LCHAT_HOME_S3_BUCKET": bucket,
+            "LCHAT_HOME_S3_REGION": server.region,
+            "LCHAT_HOME_S3_ENDPOINT": server.endpoint,
+            "AWS_ACCESS_KEY_ID": server.credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.credentials.secret_key,
+        }
+
+    @inlineCallbacks
+    def test_a_revocation_on_one_replica_is_refused_by_the_other_within_the_poll(self) -> Any:
+        """Two home processes on one bucket, a device authenticated on both: reads with its
+        token cost no store request for the authentication (the vault's own GET only); revoked
+        through one, it is refused by the other within the poll period, which the feed did (the
+        other's cache would have trusted it for the rest of the day)."""
+        poll = 2.0  # stale after 6 s: a slow LIST on a loaded machine must not flake the count
+        settings = yield self.moto_settings()
+        settings["LCHAT_HOME_REVOCATION_POLL"] = str(poll)
+        a = yield self.home("a", **settings)
+        b = yield self.home("b", **settings)
+        account = yield deferToThread(self.register, a)
+        victim = yield deferToThread(self.token, a, account["proof"])
+        keeper = yield deferToThread(self.token, a, account["proof"])
+        put = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+        status, body, _ = yield deferToThread(
+            a.call, "PUT", "/api/vault", token=keeper["token"], headers=put, raw=b"vault"
+        )
+        self.assertEqual(status, 200, body)
+
+        def read(home: Home, token: str) -> int:
+            return home.call("GET", "/api/vault", token=token)[0]
+
+        for home in (a, b):  # the first check of the day on each: pointer + user document
+            self.assertEqual((yield deferToThread(read, home, victim["token"])), 200)
+
+        def delta(
+            before: dict[Any, float], after: dict[Any, float], name: str, label: str
+        ) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for (sample, labels), value in after.items():
+                if sample == name:
+                    key = dict(labels)[label]
+                    out[key] = out.get(key, 0) + value - before.get((sample, labels), 0)
+            return {k: v for k, v in out.items() if v}
+
+        reads = 10
+        before = yield deferToThread(b.metrics)
+        for _ in range(reads):
+            self.assertEqual((yield deferToThread(read, b, victim["token"])), 200)
+        after = yield deferToThread(b.metrics)
+        operations = delta(before, after, "lchat_home_store_operations_total", "operation")
+        self.assertEqual(operations.pop("get_blob", 0), reads, operations)
+        self.assertEqual(set(operations) - {"revoked_since"}, set(), operations)  # the polls
+        requests = delta(before, after, "lchat_s3_requests_total", "operation")
+        self.assertEqual(requests.pop("GetObject", 0), reads, requests)  # blobs/<uid> only
+        self.assertEqual(set(requests) - {"ListObjectsV2"}, set(), requests)  # the polls
+
+        applied = after.get(("lchat_home_revocations_applied_total", ()), 0)
+        status, body, _ = yield deferToThread(
+            a.call, "DELETE", f"/api/devices/{victim['device']}", token=keeper["token"]
+        )
+        self.assertEqual(status, 204, body)
+        revoked = time.monotonic()
+        self.assertEqual((yield deferToThread(read, a, victim["token"])), 401)  # at once on a
+        while (yield deferToThread(read, b, victim["token"])) != 401:
+            self.assertLess(time.monotonic() - revoked, 30, "b still accepts a revoked token")
+            yield deferToThread(time.sleep, poll / 5)
+        # Within the poll period, give or take a loaded machine's scheduling.
+        self.assertLess(time.monotonic() - revoked, poll + 10)
+        now = yield deferToThread(b.metrics)
+        self.assertEqual(now.get(("lchat_home_revocations_applied_total", ()), 0), applied + 1)
+        self.assertEqual(now.get(("lchat_home_revocation_feed_ok", ()), 0), 1)
+        self.assertEqual((yield deferToThread(read, b, keeper["token"])), 200)
+        status, body, _ = yield deferToThread(a.call, "GET", "/api/devices", token=keeper["token"])
+        self.assertEqual([d["id"] for d in body["devices"]], [keeper["device"]])
 
     @inlineCallbacks
     def test_an_unusable_bucket_stops_the_process_at_boot(self) -> Any:

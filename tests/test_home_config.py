@@ -101,3 +101,9 @@ class HomeConfigTests(SynchronousTestCase):
             LCHAT_HOME_ORIGINS="https://home.example.com",
             LCHAT_HOME_RP_ID="other.example",
         )
+
+    def test_revocation_poll(self) -> None:
+        self.assertEqual(load().revocation_poll, 5.0)
+        self.assertEqual(load(LCHAT_HOME_REVOCATION_POLL="0.5").revocation_poll, 0.5)
+        for bad in ("0", "-1", "soon", "301", "nan"):
+            self.refused(f"LCHAT_HOME_REVOCATION_POLL={bad!r}", LCHAT_HOME_REVOCATION_POLL=bad)

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import datetime
 import itertools
+import json
 import os
 import secrets
 import sqlite3
@@ -42,6 +43,7 @@ from lchat.home.s3_store import S3VaultStore, normalise_prefix
 from lchat.home.sqlite_store import SQLiteVaultStore
 from lchat.home.store import (
     KEEP_VERSIONS,
+    MARKER_LIFETIME,
     NO_VERSION,
     BadVersion,
     Blob,
@@ -123,8 +125,38 @@ OPERATIONS: dict[str, Operation] = {
     "resolve_pointer": lambda s: s.resolve_pointer("creds", "seeded-cred"),
     "delete_user": lambda s: s.delete_user("seeded"),
     "check": lambda s: s.check(),
+    "mark_revoked": lambda s: s.mark_revoked("ab" * 32, "seeded", "device-a"),
+    "revoked_since": lambda s: s.revoked_since(""),
 }
-WRITES = ("put_blob", "put_blob_new", "put_user", "update_user", "put_pointer", "delete_user")
+WRITES = (
+    "put_blob",
+    "put_blob_new",
+    "put_user",
+    "update_user",
+    "put_pointer",
+    "delete_user",
+    "mark_revoked",
+)
+
+
+class ShiftedClock:
+    """The reactor's clock, ``shift`` seconds ahead (a store that lives two days later)."""
+
+    def __init__(self, shift: float) -> None:
+        self.shift = shift
+
+    def seconds(self) -> float:
+        return float(reactor.seconds()) + self.shift
+
+    def callLater(self, delay: float, f: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        return reactor.callLater(delay, f, *a, **kw)
+
+    def getDelayedCalls(self) -> Any:
+        return reactor.getDelayedCalls()
+
+
+def digest(n: int) -> str:
+    return f"{n:064x}"
 
 
 class Conformance(_Mixin):
@@ -145,6 +177,10 @@ class Conformance(_Mixin):
 
     async def leftovers(self, uid: str) -> list[str]:
         """What the backend still holds of ``uid``'s blob and document (rows, object versions)."""
+        raise NotImplementedError
+
+    async def on_clock(self, clock: Any) -> VaultStore:
+        """Another store over the same storage as ``self.store``, on ``clock``."""
         raise NotImplementedError
 
     async def failure_scenarios(
@@ -529,6 +565,53 @@ class Conformance(_Mixin):
 
     # -- arguments, metrics, failures -------------------------------------------------------------
 
+    # -- the revocation feed ---------------------------------------------------------------------
+
+    async def test_revocation_feed_lists_new_markers(self) -> None:
+        """mark_revoked publishes; revoked_since("") lists every live marker, and from the
+        cursor it returned, at least every marker written since (S3 lists them all again)."""
+        first = await self.store.revoked_since("")
+        assert first.markers == [], first
+        a, b, c = digest(1), digest(2), digest(3)
+        await self.store.mark_revoked(a, "user-1", "device-1")
+        await self.store.mark_revoked(b, "user-2", "device-2")
+        listed = await self.store.revoked_since(first.cursor)
+        assert {m.digest for m in listed.markers} == {a, b}, listed
+        for marker in listed.markers:
+            assert marker.marked.tzinfo is not None
+            assert abs(marker.marked.timestamp() - reactor.seconds()) < 120, marker
+        await self.store.mark_revoked(c, "user-1", "device-3")
+        await self.store.mark_revoked(c, "user-1", "device-3")  # idempotent
+        since = await self.store.revoked_since(listed.cursor)
+        assert c in {m.digest for m in since.markers}, since
+        assert {m.digest for m in since.markers} <= {a, b, c}, since
+        assert len([m for m in since.markers if m.digest == c]) == 1, since
+        everything = await self.store.revoked_since("")
+        assert {m.digest for m in everything.markers} == {a, b, c}, everything
+        with self.assertRaises(ValueError):
+            await self.store.mark_revoked("not-a-digest", "user-1", "device-1")
+        with self.assertRaises(ValueError):
+            await self.store.mark_revoked(digest(0xABC).upper(), "user-1", "device-1")
+        with self.assertRaises(ValueError):
+            await self.store.mark_revoked(digest(4), "no/uid", "device-1")
+
+    async def test_revocation_markers_expire_after_two_days(self) -> None:
+        """A marker older than MARKER_LIFETIME is listed no more, and whoever lists it deletes
+        it (S3: a conditional DELETE; SQLite: a DELETE of the expired rows)."""
+        await self.store.mark_revoked(digest(10), "user-1", "device-1")
+        await self.store.mark_revoked(digest(11), "user-1", "device-2")
+        almost = await self.on_clock(ShiftedClock(MARKER_LIFETIME - 3600))
+        listed = await almost.revoked_since("")
+        assert {m.digest for m in listed.markers} == {digest(10), digest(11)}, listed
+        later = await self.on_clock(ShiftedClock(MARKER_LIFETIME + 3600))
+        assert (await later.revoked_since("")).markers == []
+        assert await self.revocation_rows() == []  # gone from storage, not only hidden
+        assert (await self.store.revoked_since("")).markers == []
+
+    async def revocation_rows(self) -> list[str]:
+        """The digests the backend holds markers for, expired or not."""
+        raise NotImplementedError
+
     async def test_bad_arguments(self) -> None:
         for uid in ("", "a/b", "x" * 129, "../x", "dot.", "ü"):
             with self.assertRaises(ValueError):
@@ -630,6 +713,18 @@ class SQLiteTest(Conformance, unittest.TestCase):
     async def make_store(self) -> VaultStore:
         self.path = self.db_path()
         return await self.open(self.path)
+
+    async def on_clock(self, clock: Any) -> VaultStore:
+        store = await SQLiteVaultStore.open(self.path, thread_runner(reactor), clock)
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        return store
+
+    async def revocation_rows(self) -> list[str]:
+        def rows() -> list[str]:
+            with contextlib.closing(sqlite3.connect(self.path)) as conn:
+                return [d for (d,) in conn.execute("SELECT digest FROM revocations ORDER BY seq")]
+
+        return await in_thread(rows)
 
     async def leftovers(self, uid: str) -> list[str]:
         def rows() -> list[str]:
@@ -821,6 +916,35 @@ class _S3Conformance(Conformance):
         self.bucket = await versioned_bucket(self.server)
         self.objects = self.s3_objects(self.server, self.bucket)
         return S3VaultStore(self.objects, reactor, prefix=self.prefix)
+
+    async def on_clock(self, clock: Any) -> VaultStore:
+        return S3VaultStore(self.objects, clock, prefix=self.prefix)
+
+    async def revocation_rows(self) -> list[str]:
+        prefix = "home-tests/revoked/"
+        return [i.key[len(prefix) :] for i in await self.objects.list(prefix)]
+
+    async def test_revocation_feed_requests_and_layout(self) -> None:
+        """A marker is one PUT of ``revoked/<sha256>`` (body uid, device, time); a poll is one
+        LIST; a marker past its lifetime costs its lister one conditional DELETE."""
+        token = digest(20)
+        assert await self.counted(self.store.mark_revoked(token, "user-1", "device-1")) == {
+            ("PutObject", "ok"): 1
+        }
+        stored = await self.objects.get(f"home-tests/revoked/{token}")
+        body = json.loads(stored.body)
+        assert set(body) == {"uid", "device", "time"}, body
+        assert (body["uid"], body["device"]) == ("user-1", "device-1")
+        assert await self.counted(self.store.revoked_since("")) == {("ListObjectsV2", "ok"): 1}
+        # Not a digest under revoked/ (someone else's object): never taken for a revocation.
+        await self.objects.put("home-tests/revoked/README", b"x")
+        assert [m.digest for m in (await self.store.revoked_since("")).markers] == [token]
+        later = await self.on_clock(ShiftedClock(MARKER_LIFETIME + 60))
+        assert await self.counted(later.revoked_since("")) == {
+            ("ListObjectsV2", "ok"): 1,
+            ("DeleteObject", "ok"): 1,
+        }
+        assert await self.revocation_rows() == ["README"]
 
     async def leftovers(self, uid: str) -> list[str]:
         keys = [f"home-tests/blobs/{uid}", f"home-tests/users/{uid}"]

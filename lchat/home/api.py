@@ -3,9 +3,10 @@ on ``LCHAT_HOME_SOCKET`` (the router proxies ``home.<domain>`` there).
 
 Every route is a pure function of (request, store): a ceremony begun on one home process can be
 finished on any other that shares the store and ``LCHAT_HOME_SESSION_KEY`` (lchat.home.stateless).
-The only memory a process keeps is :class:`TokenCache` — which link tokens it checked lately, so
-that an authenticated read of a token seen in the last :data:`AUTH_CACHE_SECONDS` costs no store
-request; a revocation on another replica takes effect there within that time.
+The only memory a process keeps is its :class:`~lchat.home.revocation.TokenCache` — which link
+tokens it checked today, so that an authenticated request with a token seen today costs no store
+request — and :class:`~lchat.home.revocation.RevocationFeed` makes every process forget a revoked
+token within ``LCHAT_HOME_REVOCATION_POLL`` seconds (lchat.home.revocation).
 
 The user document (``users/<uid>``, lchat.home.store) is the API's, laid out as::
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import datetime
 import hashlib
 import json
 import os
@@ -31,7 +31,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from attrs import define, field
+from attrs import define
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -41,6 +41,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 import lchat
 from lchat.home import passkeys as pk
+from lchat.home.revocation import RevocationFeed, TokenCache, utc_day
 from lchat.home.stateless import Ceremonies, CeremonyRejected
 from lchat.home.store import (
     NO_VERSION,
@@ -59,8 +60,11 @@ _log = Logger(namespace="lchat.home")
 VAULT_MAX = 18 * 1024  # the largest vault blob (client ciphertext) a user may store
 _PAD_HEADER = 4  # stored = 4-byte big-endian length + blob + zeros up to VAULT_MAX
 MAX_BODY = 64 * 1024  # any JSON request body
-AUTH_CACHE_SECONDS = 60.0  # a checked link token is trusted this long without a store read
+# What the listener buffers of any request body, at most: the largest a route accepts (a JSON
+# body; the vault's 18 KiB fits). Larger is refused with 413 before it is buffered.
+LISTENER_MAX_BODY = MAX_BODY
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r'(?:W/)?"([^"\\]{1,256})"|([^\s",]{1,256})')
 
 REQUESTS = Counter(
@@ -111,35 +115,10 @@ def unpad(stored: bytes) -> bytes:
 
 
 @define
-class TokenCache:
-    """Link tokens this process checked lately: sha256(token) -> (uid, device id, checked at)."""
-
-    clock: Callable[[], float]
-    ttl: float = AUTH_CACHE_SECONDS
-    _entries: dict[str, tuple[str, str, float]] = field(factory=dict)
-
-    def get(self, digest: str) -> tuple[str, str] | None:
-        entry = self._entries.get(digest)
-        if entry is None or self.clock() - entry[2] >= self.ttl:
-            self._entries.pop(digest, None)
-            return None
-        return entry[0], entry[1]
-
-    def put(self, digest: str, uid: str, device: str) -> None:
-        if len(self._entries) > 100_000:
-            self._entries.clear()
-        self._entries[digest] = (uid, device, self.clock())
-
-    def forget_device(self, uid: str, device: str) -> None:
-        for digest, (u, d, _) in list(self._entries.items()):
-            if (u, d) == (uid, device):
-                del self._entries[digest]
-
-
-@define
 class HomeAPI:
     """The routes. Collaborators: the store, the ceremony keys, the passkey layer, a clock (unix
-    seconds), randomness, and the WebAuthn relying party."""
+    seconds), the revocation feed (which holds the token cache), randomness, and the WebAuthn
+    relying party."""
 
     store: VaultStore
     ceremonies: Ceremonies
@@ -147,14 +126,17 @@ class HomeAPI:
     rp_id: str
     origins: tuple[str, ...]
     clock: Callable[[], float]
+    feed: RevocationFeed
     random_bytes: Callable[[int], bytes] = os.urandom
-    tokens: TokenCache = field(init=False)
 
-    def __attrs_post_init__(self) -> None:
-        self.tokens = TokenCache(self.clock)
+    @property
+    def tokens(self) -> TokenCache:
+        return self.feed.cache
 
     def today(self) -> str:
-        return datetime.datetime.fromtimestamp(self.clock(), datetime.UTC).date().isoformat()
+        # The same UTC day as the token cache's: a token's first check of a day writes
+        # last_seen, every later request that day is served from the cache.
+        return utc_day(self.clock())
 
     # -- passkey ceremonies --------------------------------------------------------------------
 
@@ -343,19 +325,25 @@ class HomeAPI:
         return {"devices": devices, "credentials": credentials}
 
     async def revoke_device(self, uid: str, victim: str) -> None:
-        gone: list[bool] = []
+        """The user document first (the authority: every fresh check denies from then on),
+        then the revocation feed (this process forgets the token at once, the others within
+        their poll period)."""
+        gone: list[str] = []
 
         def drop(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            gone.clear()  # fn may run again after a lost race
             if doc is None or victim not in doc.get("devices", {}):
                 return None
-            del doc["devices"][victim]
-            gone.append(True)
+            entry = doc["devices"].pop(victim)
+            gone.append(str(entry.get("token", "")) if isinstance(entry, dict) else "")
             return doc
 
         await self.store.update_user(uid, drop)
-        self.tokens.forget_device(uid, victim)
         if not gone:
             raise ApiError(404, "no such device")
+        digest = gone[0]
+        if _DIGEST.fullmatch(digest):
+            await self.feed.publish(digest, uid, victim)
         _log.info("home: a device was revoked")
 
     async def revoke_credential(self, uid: str, credential_id: str) -> None:
@@ -372,6 +360,8 @@ class HomeAPI:
             gone.append(True)
             return doc
 
+        # No revocation marker: no process caches passkeys (every login re-reads the user
+        # document through the credential's pointer), so removing it here is enough everywhere.
         await self.store.update_user(uid, drop)
         if not gone:
             raise ApiError(404, "no such passkey")
@@ -441,6 +431,56 @@ def _stored_credentials(doc: Mapping[str, Any]) -> list[pk.StoredCredential]:
 
 
 # --- HTTP ---------------------------------------------------------------------------------------
+
+
+class CappedRequest(Request):
+    """A request whose body is refused past :data:`LISTENER_MAX_BODY` bytes, before it is buffered.
+
+    twisted.web reads a whole body into memory (or a temporary file) before rendering, so a
+    route's own size check comes too late against a hostile client sending gigabytes. This one
+    answers ``413`` as soon as the ``Content-Length`` says too much, or as soon as the chunks
+    received pass the cap, keeps nothing more, and closes the connection (the rest of the body
+    is never read). Install it as the site's ``requestFactory``.
+    """
+
+    max_body = LISTENER_MAX_BODY
+    _refused = False
+    _received = 0
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self.max_body:
+            self._refuse()
+        super().gotLength(0 if self._refused else length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._received += len(data)
+        if self._received > self.max_body:
+            self._refuse()
+            return
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if self._refused:
+            return  # answered already; the connection is closing
+        super().requestReceived(command, path, version)
+
+    def _refuse(self) -> None:
+        if self._refused:
+            return
+        self._refused = True
+        REQUESTS.labels("oversize", "413").inc()
+        body = json.dumps({"error": f"a request body is at most {self.max_body} bytes"}).encode()
+        head = (
+            b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+            b"cache-control: no-store\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+        ) % (len(body) + 1)
+        transport = self.channel.transport
+        if transport is None:  # the client is gone already
+            return
+        transport.write(head + body + b"\n")
+        transport.loseConnection()
 
 
 class HomeResource(Resource):

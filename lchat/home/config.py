@@ -31,10 +31,14 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HOME_S3_PREFIX": "",
     "LCHAT_HOME_S3_ENDPOINT": "",  # path-style, for S3-compatible stores
     "LCHAT_HOME_SESSION_KEY": "",  # base64 of >= 32 bytes; unset: ephemeral, with a warning
+    "LCHAT_HOME_SESSION_KEY_ACCEPT": "",  # during a rotation: opens proofs/sessions, never makes
     "LCHAT_HOME_ORIGINS": "https://home.localhost",  # the WebAuthn origins the browser reports
     "LCHAT_HOME_RP_ID": "",  # the WebAuthn relying party id (default: the first origin's host)
     "LCHAT_HOME_RP_NAME": "lchat",  # shown by the browser's passkey dialogs
+    # Seconds between two reads of the revocation feed: the revocation window across replicas.
+    "LCHAT_HOME_REVOCATION_POLL": "5",
 }
+REVOCATION_POLL_MAX = 300.0  # a longer window would let a revoked token live too long
 
 _ADDR = re.compile(r"(?:(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|localhost)?:)?(\d{1,5})")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -63,6 +67,9 @@ class HomeConfig:
     origins: tuple[str, ...]
     rp_id: str
     rp_name: str
+    revocation_poll: float = 5.0
+    # LCHAT_HOME_SESSION_KEY_ACCEPT (lchat.home.stateless.load_session_keys checks it): "" = none.
+    session_key_accept: str = field(default="", repr=False)
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
     @property
@@ -125,11 +132,26 @@ def load(
         db=db,
         s3=s3,
         session_key=get("LCHAT_HOME_SESSION_KEY"),
+        session_key_accept=get("LCHAT_HOME_SESSION_KEY_ACCEPT"),
         origins=origins,
         rp_id=rp_id,
         rp_name=get("LCHAT_HOME_RP_NAME") or "lchat",
+        revocation_poll=_poll(get("LCHAT_HOME_REVOCATION_POLL")),
         file_env=file_env,
     )
+
+
+def _poll(text: str) -> float:
+    try:
+        seconds = float(text or DEFAULTS["LCHAT_HOME_REVOCATION_POLL"])
+    except ValueError:
+        seconds = -1.0
+    if not 0.1 <= seconds <= REVOCATION_POLL_MAX:
+        raise ConfigError(
+            f"LCHAT_HOME_REVOCATION_POLL={text!r}: seconds between reads of the revocation feed, "
+            f"0.1 to {REVOCATION_POLL_MAX:g} (the revocation window across replicas; default 5)"
+        )
+    return seconds
 
 
 def _tcp(text: str) -> tuple[str, int] | None:

@@ -9,6 +9,8 @@ own S3 client, :class:`lchat.objstore.s3.S3Store`, through the
     <prefix>users/<uid>        the user document: compact JSON, every change an If-Match CAS
     <prefix>creds/<credId>     write-once pointer (If-None-Match: *), body = uid
     <prefix>tokens/<sha256>    write-once pointer (If-None-Match: *), body = uid
+    <prefix>revoked/<sha256>   revocation marker of a link token (plain PUT), body = JSON
+                               {uid, device, time}; deleted by any lister after 2 days
 
 Decisions, and why:
 
@@ -47,15 +49,25 @@ Decisions, and why:
 Requests per operation: ``get_blob`` 1 GET; ``put_blob``/``put_user`` 1 PUT (+1 HEAD on a
 conflict); ``get_user`` 1 GET; ``update_user`` 1 GET + 1 PUT per attempt; ``put_pointer`` 1 PUT
 (+1 GET if it exists); ``resolve_pointer`` 1 GET; ``list_blob_versions`` 1 LIST;
-``get_blob_version`` 1 LIST + 1 GET; ``delete_user`` 2 LISTs + 1 DELETE per version + 2 LISTs.
+``get_blob_version`` 1 LIST + 1 GET; ``delete_user`` 2 LISTs + 1 DELETE per version + 2 LISTs;
+``mark_revoked`` 1 PUT; ``revoked_since`` 1 LIST (ListObjectsV2 of ``revoked/``, a page of 1000
+markers: 2 days of revocations) + 1 conditional DELETE per marker past its 2 days.
+
+The revocation feed lists every live marker each time (the keys are digests: their order says
+nothing about age, and markers are few), so its cursor is unused; ``LastModified`` (the bucket's
+clock) dates a marker, our clock decides when it is old, 2 days leave room for any skew.
 
 The IAM policy needs, on the bucket: ``s3:GetObject``, ``s3:GetObjectVersion``, ``s3:PutObject``,
-``s3:DeleteObjectVersion``, ``s3:ListBucket``, ``s3:ListBucketVersions``,
-``s3:GetBucketVersioning``.
+``s3:DeleteObject`` (expired revocation markers), ``s3:DeleteObjectVersion``, ``s3:ListBucket``,
+``s3:ListBucketVersions``, ``s3:GetBucketVersioning``. On the versioned bucket, deleting a marker
+leaves a delete marker and a noncurrent version: the lifecycle rule reclaims both (noncurrent
+expiry plus ``ExpiredObjectDeleteMarker``).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import random
 import re
 from collections.abc import Iterator, Mapping
@@ -70,15 +82,19 @@ from lchat.backoff import Uniform
 from lchat.home.store import (
     CAS_CONFLICTS,
     KEEP_VERSIONS,
+    MARKER_LIFETIME,
     NO_VERSION,
     Blob,
     BlobVersion,
     Conflict,
     PointerKind,
     PointerTaken,
+    Revocation,
+    Revocations,
     StoreError,
     UserDoc,
     UserUpdate,
+    check_digest,
     check_pointer,
     check_uid,
     decode_user,
@@ -334,6 +350,56 @@ class S3VaultStore:
                     raise StoreError(
                         f"{key}: new versions keep appearing while the user is deleted"
                     )
+
+    def _revoked_prefix(self) -> str:
+        return f"{self._prefix}revoked/"
+
+    async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
+        key = self._revoked_prefix() + check_digest(digest)
+        check_uid(uid)
+        now = datetime.datetime.fromtimestamp(self._clock.seconds(), datetime.UTC)
+        body = json.dumps(
+            {"uid": uid, "device": device, "time": now.isoformat(timespec="seconds")},
+            sort_keys=True,
+        ).encode()
+        with measured(BACKEND, "mark_revoked", self._clock), self._failures("mark_revoked"):
+            # A plain PUT: marking twice only moves the marker's date (its 2 days restart).
+            await self._objects.put(key, body, content_type="application/json")
+
+    async def revoked_since(self, cursor: str) -> Revocations:
+        prefix = self._revoked_prefix()
+        with measured(BACKEND, "revoked_since", self._clock), self._failures("revoked_since"):
+            listed = await self._objects.list(prefix)
+        now = self._clock.seconds()
+        live: list[Revocation] = []
+        for info in listed:
+            digest = info.key[len(prefix) :]
+            try:
+                check_digest(digest)
+            except ValueError:
+                continue  # not ours (someone else's object under revoked/): never a revocation
+            if now - info.last_modified.timestamp() > MARKER_LIFETIME:
+                await self._expire_marker(info.key, info.etag)
+                continue
+            live.append(Revocation(digest, info.last_modified))
+        return Revocations(live, "")
+
+    async def _expire_marker(self, key: str, etag: str) -> None:
+        """Delete a marker past its lifetime, only if it is still the one listed (If-Match: a
+        marker written again meanwhile is newer and stays). Every process may race to do this;
+        whoever loses, or fails, leaves it to the next listing."""
+        try:
+            with measured(BACKEND, "expire_revocation", self._clock):
+                await self._objects.delete(key, if_match=etag)
+        except PreconditionFailed:
+            pass  # re-marked meanwhile, or another process deleted it first
+        except ObjectStoreError as e:
+            log.info(
+                "home store: deleting the expired revocation marker {key} failed: {error} "
+                "(harmless: the next listing tries again)",
+                key=key,
+                error=e,
+            )
 
     async def close(self) -> None:
         await self._objects.close()

@@ -20,6 +20,11 @@
   newest in the same transaction, so the file holds at most 5 versions per user.
 - **Pointers** are rows of their own; :meth:`~SQLiteVaultStore.delete_user` leaves them, like the
   S3 store (they deny by construction, see :func:`lchat.home.store.resolve_checked`).
+- **Revocation markers** (the feed, :meth:`~SQLiteVaultStore.mark_revoked` and
+  :meth:`~SQLiteVaultStore.revoked_since`) are rows numbered by an ``AUTOINCREMENT`` sequence
+  (never reused, committed in order: SQLite has one writer), so the cursor is the last number
+  seen and a poll is one ``SELECT`` of the rows above it. Rows past their 2 days are deleted by
+  the poll that finds them (the only time a poll takes the write lock).
 - Failures of SQLite itself (locked past ``busy_timeout``, I/O errors, a corrupt or foreign file)
   raise :class:`~lchat.home.store.StoreError`, logged once with the file's path.
 
@@ -45,6 +50,7 @@ from lchat.backoff import Uniform
 from lchat.home.store import (
     CAS_CONFLICTS,
     KEEP_VERSIONS,
+    MARKER_LIFETIME,
     NO_VERSION,
     BadVersion,
     Blob,
@@ -52,9 +58,12 @@ from lchat.home.store import (
     Conflict,
     PointerKind,
     PointerTaken,
+    Revocation,
+    Revocations,
     StoreError,
     UserDoc,
     UserUpdate,
+    check_digest,
     check_pointer,
     check_uid,
     decode_user,
@@ -109,6 +118,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
                (SELECT coalesce(max(version), 0) FROM blobs),
                (SELECT coalesce(max(version), 0) FROM users)
            ) AS issued)""",
+    ),
+    (
+        # The revocation feed: one row per revoked link token, numbered in commit order.
+        """CREATE TABLE revocations (
+            seq       INTEGER PRIMARY KEY AUTOINCREMENT,
+            digest    TEXT NOT NULL UNIQUE,
+            uid       TEXT NOT NULL,
+            device    TEXT NOT NULL,
+            marked_ms INTEGER NOT NULL
+        )""",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -332,6 +351,27 @@ class SQLiteVaultStore:
         with measured(BACKEND, "delete_user", self._clock):
             await self._run("delete_user", _delete_user, uid)
 
+    async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
+        check_digest(digest)
+        check_uid(uid)
+        with measured(BACKEND, "mark_revoked", self._clock):
+            await self._run(
+                "mark_revoked", _mark_revoked, digest, uid, device, self._clock.seconds()
+            )
+
+    async def revoked_since(self, cursor: str) -> Revocations:
+        if cursor and not _CANONICAL_VERSION.fullmatch(cursor):
+            raise ValueError(f"not a revocation cursor of this store: {cursor!r}")
+        after = int(cursor or 0)
+        with measured(BACKEND, "revoked_since", self._clock):
+            rows: list[tuple[int, str, int]] = await self._run(
+                "revoked_since", _revoked_since, after, self._clock.seconds()
+            )
+        markers = [
+            Revocation(digest, datetime.fromtimestamp(ms / 1000, UTC)) for _, digest, ms in rows
+        ]
+        return Revocations(markers, str(max([after, *(seq for seq, _, _ in rows)])))
+
     async def close(self) -> None:
         await self._run_in_thread(self._connections.close)
 
@@ -370,6 +410,7 @@ def _check(conn: sqlite3.Connection) -> None:
     conn.execute("SELECT 1 FROM blobs LIMIT 1").fetchall()
     conn.execute("SELECT 1 FROM users LIMIT 1").fetchall()
     conn.execute("SELECT 1 FROM pointers LIMIT 1").fetchall()
+    conn.execute("SELECT 1 FROM revocations LIMIT 1").fetchall()
 
 
 def _issued(conn: sqlite3.Connection) -> tuple[int, int]:
@@ -497,6 +538,32 @@ def _delete_user(conn: sqlite3.Connection, uid: str) -> None:
     with _write_transaction(conn):
         conn.execute("DELETE FROM blobs WHERE uid = ?", (uid,))
         conn.execute("DELETE FROM users WHERE uid = ?", (uid,))
+
+
+def _mark_revoked(conn: sqlite3.Connection, digest: str, uid: str, device: str, now: float) -> None:
+    with _write_transaction(conn):
+        # Marked again (a retried revoke): a new number and date, so every cursor sees it again.
+        conn.execute("DELETE FROM revocations WHERE digest = ?", (digest,))
+        conn.execute(
+            "INSERT INTO revocations (digest, uid, device, marked_ms) VALUES (?, ?, ?, ?)",
+            (digest, uid, device, int(now * 1000)),
+        )
+
+
+def _revoked_since(conn: sqlite3.Connection, after: int, now: float) -> list[tuple[int, str, int]]:
+    oldest = int((now - MARKER_LIFETIME) * 1000)
+    # Expired markers are deleted by whoever lists them: a write only when there are some (the
+    # oldest row is the lowest-numbered one), so a poll is one read otherwise.
+    if conn.execute("SELECT 1 FROM revocations WHERE marked_ms < ? LIMIT 1", (oldest,)).fetchone():
+        with _write_transaction(conn):
+            conn.execute("DELETE FROM revocations WHERE marked_ms < ?", (oldest,))
+    return [
+        (int(seq), str(digest), int(ms))
+        for seq, digest, ms in conn.execute(
+            "SELECT seq, digest, marked_ms FROM revocations WHERE seq > ? ORDER BY seq",
+            (after,),
+        )
+    ]
 
 
 __all__ = ["BUSY_TIMEOUT_MS", "SCHEMA_VERSION", "SQLiteVaultStore"]

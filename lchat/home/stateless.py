@@ -37,7 +37,13 @@ Invariants:
   writes nothing) and count in ``lchat_home_ceremony_tokens_total``.
 
 Limits: AES-GCM with random nonces is safe for about 2**32 seals per key; rotate
-``LCHAT_HOME_SESSION_KEY`` long before (rotation only fails ceremonies in flight at that moment).
+``LCHAT_HOME_SESSION_KEY`` long before.
+
+Rotation (docs/secrets.md): ``LCHAT_HOME_SESSION_KEY_ACCEPT`` is one more secret whose derived keys
+*open* proofs and sessions (never make them), so replicas can change keys one at a time without
+failing a ceremony that crosses two of them: accept the new secret everywhere, then make it the
+main one (accepting the old), then drop the old. Both MACs are computed and compared on every proof;
+a token that only the accepted secret opens counts in ``lchat_home_session_accept_key_total``.
 """
 
 from __future__ import annotations
@@ -53,14 +59,16 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from prometheus_client import Counter
+from twisted.logger import Logger
 
 SESSION_KEY_ENV = "LCHAT_HOME_SESSION_KEY"
+ACCEPT_KEY_ENV = "LCHAT_HOME_SESSION_KEY_ACCEPT"
 MIN_SECRET_BYTES = 32
 PROOF_TTL = 300.0  # seconds: the 5-minute window of a ceremony proof
 SESSION_TTL = 300.0  # seconds: how long a begun WebAuthn ceremony may take to finish
@@ -92,6 +100,17 @@ TOKENS = Counter(
     "wrong_purpose (proofs only)",
     ["token", "outcome"],
 )
+
+ACCEPT_KEY_USES = Counter(
+    "lchat_home_session_accept_key_total",
+    "Ceremony proofs and sealed WebAuthn sessions that only LCHAT_HOME_SESSION_KEY_ACCEPT opened "
+    "(a replica still makes them with that secret). Flat on every replica: it can be dropped",
+    ["token"],
+)
+for _token in ("proof", "session"):
+    ACCEPT_KEY_USES.labels(_token)
+
+_log = Logger(namespace="lchat.home.stateless")
 
 
 class SessionKeyError(ValueError):
@@ -157,6 +176,14 @@ class SessionKeys:
     proof_key: bytes = field(repr=_hide)  # HMAC-SHA256 key for ceremony proofs
     seal_key: bytes = field(repr=_hide)  # AES-256-GCM key for sealed WebAuthn sessions
     ephemeral: bool = False
+    # From LCHAT_HOME_SESSION_KEY_ACCEPT: they open proofs and sessions, never make them (b"": none).
+    accept_proof_key: bytes = field(default=b"", repr=_hide)
+    accept_seal_key: bytes = field(default=b"", repr=_hide)
+
+    def accepting(self, secret: bytes) -> SessionKeys:
+        """These keys, also opening what ``secret``'s derived keys made (a rotation window)."""
+        other = SessionKeys.derive(secret)
+        return evolve(self, accept_proof_key=other.proof_key, accept_seal_key=other.seal_key)
 
     @classmethod
     def derive(cls, secret: bytes, *, ephemeral: bool = False) -> SessionKeys:
@@ -177,10 +204,11 @@ def _hkdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def parse_session_key(text: str) -> bytes:
-    """The secret in ``LCHAT_HOME_SESSION_KEY``: base64 (standard or URL-safe alphabet, padding
-    optional, surrounding whitespace ignored) of at least 32 bytes, e.g. ``openssl rand -base64 32``.
-    Raises :class:`SessionKeyError` with a message an operator can act on (never the value)."""
+def parse_session_key(text: str, name: str = SESSION_KEY_ENV) -> bytes:
+    """The secret in ``LCHAT_HOME_SESSION_KEY`` (or ``name``): base64 (standard or URL-safe
+    alphabet, padding optional, surrounding whitespace ignored) of at least 32 bytes, e.g.
+    ``openssl rand -base64 32``. Raises :class:`SessionKeyError` with a message an operator can act
+    on (never the value)."""
     text = text.strip()
     how = "(make one with `openssl rand -base64 32`, the same on every replica)"
     padded = text + "=" * (-len(text) % 4)
@@ -192,21 +220,52 @@ def parse_session_key(text: str) -> bytes:
         else:
             raise ValueError("not base64")
     except (binascii.Error, ValueError):
-        raise SessionKeyError(f"{SESSION_KEY_ENV} is not base64 {how}") from None
+        raise SessionKeyError(f"{name} is not base64 {how}") from None
     if len(secret) < MIN_SECRET_BYTES:
         raise SessionKeyError(
-            f"{SESSION_KEY_ENV} must decode to at least {MIN_SECRET_BYTES} bytes, not "
-            f"{len(secret)} {how}"
+            f"{name} must decode to at least {MIN_SECRET_BYTES} bytes, not {len(secret)} {how}"
         )
     return secret
 
 
 def load_session_keys(
-    text: str | None, *, random_bytes: Callable[[int], bytes] = os.urandom
+    text: str | None,
+    *,
+    random_bytes: Callable[[int], bytes] = os.urandom,
+    accept: str | None = None,
 ) -> tuple[SessionKeys, str | None]:
     """The keys for ``LCHAT_HOME_SESSION_KEY``'s value, and a warning for the caller to log loudly
     when it is unset or empty (an ephemeral secret is minted: fine for one process, wrong for
-    replicas). A set but malformed value raises :class:`SessionKeyError` (fail at boot)."""
+    replicas). A set but malformed value raises :class:`SessionKeyError` (fail at boot).
+
+    ``accept``: ``LCHAT_HOME_SESSION_KEY_ACCEPT``'s value, checked the same way; its keys open
+    (never make) proofs and sessions. Equal to the main secret, or beside an unset one, it is
+    ignored with a warning logged here (the returned warning stays about the ephemeral key)."""
+    keys, warning = _main_keys(text, random_bytes)
+    if accept is None or not accept.strip():
+        return keys, warning
+    secret = parse_session_key(accept, ACCEPT_KEY_ENV)
+    if keys.ephemeral:
+        _log.warn(
+            "{accept} is set but {main} is not: ignored (set both during a rotation)",
+            accept=ACCEPT_KEY_ENV,
+            main=SESSION_KEY_ENV,
+        )
+        return keys, warning
+    if SessionKeys.derive(secret) == keys:
+        _log.warn(
+            "{accept} equals {main}: ignored (mid-rotation it holds the other secret; after it, "
+            "remove the line)",
+            accept=ACCEPT_KEY_ENV,
+            main=SESSION_KEY_ENV,
+        )
+        return keys, warning
+    return keys.accepting(secret), warning
+
+
+def _main_keys(
+    text: str | None, random_bytes: Callable[[int], bytes]
+) -> tuple[SessionKeys, str | None]:
     if text is None or not text.strip():
         keys = SessionKeys.derive(random_bytes(MIN_SECRET_BYTES), ephemeral=True)
         return keys, (
@@ -261,6 +320,7 @@ class CeremonyProofs:
     key: bytes = field(repr=_hide)
     clock: Callable[[], float]
     ttl: float = PROOF_TTL
+    accept_key: bytes = field(default=b"", repr=_hide)  # verifies too, never signs (b"": none)
 
     def issue(self, uid: str, purpose: str) -> str:
         """A proof that ``uid`` just finished a ceremony, good for ``purpose`` during ``ttl``."""
@@ -281,8 +341,9 @@ class CeremonyProofs:
         _count("proof", "accepted")
         return proof
 
-    def _tag(self, segment: str) -> bytes:
-        return hmac.new(self.key, segment.encode("ascii"), hashlib.sha256).digest()
+    def _tag(self, segment: str, key: bytes | None = None) -> bytes:
+        key = self.key if key is None else key
+        return hmac.new(key, segment.encode("ascii"), hashlib.sha256).digest()
 
     def _verify(self, token: str, purpose: str) -> CeremonyProof:
         if not isinstance(token, str) or len(token) > _MAX_TOKEN_CHARS or token.count(".") != 1:
@@ -293,7 +354,14 @@ class CeremonyProofs:
         # comparison's time independent of where a forged tag first differs.
         if tag is None or not _B64URL.fullmatch(segment):
             raise ProofNotAuthentic("not a ceremony proof")
-        if not hmac.compare_digest(tag, self._tag(segment)):
+        made_here = hmac.compare_digest(tag, self._tag(segment))
+        # Compared whether or not the first matched: the time says nothing about which did.
+        made_under_accept = bool(self.accept_key) and hmac.compare_digest(
+            tag, self._tag(segment, self.accept_key)
+        )
+        if made_under_accept and not made_here:
+            ACCEPT_KEY_USES.labels("proof").inc()
+        if not (made_here or made_under_accept):
             raise ProofNotAuthentic(
                 "ceremony proof signature does not verify (tampered, or made under another "
                 f"{SESSION_KEY_ENV})"
@@ -351,6 +419,7 @@ class SessionSealer:
     clock: Callable[[], float]
     ttl: float = SESSION_TTL
     random_bytes: Callable[[int], bytes] = os.urandom
+    accept_key: bytes = field(default=b"", repr=_hide)  # opens too, never seals (b"": none)
 
     def seal(
         self,
@@ -381,6 +450,16 @@ class SessionSealer:
         sealed = AESGCM(self.key).encrypt(nonce, plaintext, _SEAL_AD_PREFIX + purpose.encode())
         return _b64url(bytes([_SEAL_VERSION]) + nonce + sealed)
 
+    def _open_under_accept(self, nonce: bytes, sealed: bytes, associated: bytes) -> bytes | None:
+        if not self.accept_key:
+            return None
+        try:
+            plaintext = AESGCM(self.accept_key).decrypt(nonce, sealed, associated)
+        except InvalidTag:
+            return None
+        ACCEPT_KEY_USES.labels("session").inc()
+        return plaintext
+
     def open(self, token: str, purpose: SessionPurpose) -> WebAuthnSession:
         """The session in ``token`` if it opens for ``purpose`` and is unexpired; otherwise
         :class:`SessionNotAuthentic` or :class:`SessionExpired`."""
@@ -402,13 +481,17 @@ class SessionSealer:
         if blob is None or len(blob) < 1 + _NONCE_BYTES + _TAG_BYTES or blob[0] != _SEAL_VERSION:
             raise SessionNotAuthentic("not a WebAuthn session")
         nonce, sealed = blob[1 : 1 + _NONCE_BYTES], blob[1 + _NONCE_BYTES :]
+        associated = _SEAL_AD_PREFIX + purpose.encode()
+        plaintext: bytes | None
         try:
-            plaintext = AESGCM(self.key).decrypt(nonce, sealed, _SEAL_AD_PREFIX + purpose.encode())
+            plaintext = AESGCM(self.key).decrypt(nonce, sealed, associated)
         except InvalidTag:
+            plaintext = self._open_under_accept(nonce, sealed, associated)
+        if plaintext is None:
             raise SessionNotAuthentic(
                 f"WebAuthn session does not open for {purpose!r} (tampered, begun for another "
                 f"ceremony, or sealed under another {SESSION_KEY_ENV})"
-            ) from None
+            )
         try:
             fields = json.loads(plaintext)
         except ValueError:
@@ -449,6 +532,8 @@ class Ceremonies:
     @classmethod
     def from_keys(cls, keys: SessionKeys, clock: Callable[[], float]) -> Ceremonies:
         return cls(
-            proofs=CeremonyProofs(key=keys.proof_key, clock=clock),
-            sessions=SessionSealer(key=keys.seal_key, clock=clock),
+            proofs=CeremonyProofs(
+                key=keys.proof_key, clock=clock, accept_key=keys.accept_proof_key
+            ),
+            sessions=SessionSealer(key=keys.seal_key, clock=clock, accept_key=keys.accept_seal_key),
         )

@@ -15,6 +15,13 @@ Home keeps three kinds of data, all per user and never queried across users
 
 :meth:`~VaultStore.delete_user` removes a user's blob (every version) and document: a prefix delete.
 
+Beside them, the **revocation feed** (``revoked/<sha256 of a link token>``): a short-lived
+marker per revoked link token (:meth:`~VaultStore.mark_revoked`) that every home process polls
+(:meth:`~VaultStore.revoked_since`, one request) to drop the token from its day-long cache
+(lchat.home.api's ``TokenCache``, lchat.home.revocation). A marker only ever makes a cache
+forget: the user document stays the authority, so a lost or late marker never grants access
+beyond the cache's day, and a marker for a live token only costs that token a store read.
+
 Two implementations keep the same contract (the conformance suite is ``tests/test_home_store.py``):
 :class:`lchat.home.sqlite_store.SQLiteVaultStore` (the default, forever: one file,
 ``LCHAT_HOME_DB``) and :class:`lchat.home.s3_store.S3VaultStore` (one bucket, no database).
@@ -72,6 +79,9 @@ log = Logger()
 
 NO_VERSION = "0"  # the universal "nothing yet" version
 KEEP_VERSIONS = 5  # blob versions the interface keeps reachable (the current one included)
+
+MARKER_LIFETIME = 2 * 86400.0  # seconds a revocation marker lives: longer than any cache entry
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # a link token's SHA-256, lowercase hex
 
 PointerKind = Literal["creds", "tokens"]
 POINTER_KINDS: frozenset[str] = frozenset(get_args(PointerKind))
@@ -163,6 +173,20 @@ class UserDoc(NamedTuple):
     version: str
 
 
+class Revocation(NamedTuple):
+    """One revocation marker: the revoked link token's SHA-256 (hex) and when it was marked."""
+
+    digest: str
+    marked: datetime  # timezone-aware UTC (S3: the object's LastModified; SQLite: our clock)
+
+
+class Revocations(NamedTuple):
+    """What :meth:`VaultStore.revoked_since` found, and the cursor to hand it next time."""
+
+    markers: list[Revocation]
+    cursor: str
+
+
 # fn(current document or None if there is none) -> the new document, or None to write nothing.
 UserUpdate = Callable[[dict[str, Any] | None], Mapping[str, Any] | None]
 
@@ -224,6 +248,23 @@ class VaultStore(Protocol):
 
     async def resolve_pointer(self, kind: PointerKind, name: str) -> str | None:
         """The uid a pointer names, or None. Never authoritative: see :func:`resolve_checked`."""
+        ...
+
+    async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
+        """Publish that the link token whose SHA-256 is ``digest`` (64 lowercase hex) was revoked
+        (S3: a plain PUT of ``revoked/<digest>``, body uid, device and time; SQLite: a row).
+        Idempotent. Call it after the user document no longer lists the token: the marker makes
+        other processes forget it, the document is what denies it."""
+        ...
+
+    async def revoked_since(self, cursor: str) -> Revocations:
+        """The markers written after ``cursor`` (``""``: every live one) and the cursor for the
+        next call, in ONE store request (S3: one LIST of ``revoked/`` while fewer than 1000
+        markers live, a page; SQLite: one SELECT). At least once: a marker may come back again
+        (S3 lists every live marker each time; its cursor is unused), so callers apply them
+        idempotently. Markers older than :data:`MARKER_LIFETIME` are not returned, and the call
+        deletes them (S3: conditionally and softly, a failed delete is logged and left to the
+        next listing)."""
         ...
 
     async def delete_user(self, uid: str) -> None:
@@ -314,6 +355,12 @@ def check_pointer(kind: str, name: str) -> None:
         raise ValueError(f"not a pointer name (1-512 of A-Z a-z 0-9 _ -): {name!r}")
 
 
+def check_digest(digest: str) -> str:
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ValueError(f"not a SHA-256 digest (64 lowercase hex): {digest!r}")
+    return digest
+
+
 def encode_user(doc: Mapping[str, Any]) -> bytes:
     """The stored form of a user document: compact, key-sorted JSON (one spelling per document)."""
     if not isinstance(doc, Mapping):
@@ -360,6 +407,7 @@ def measured(backend: str, operation: str, clock: IReactorTime) -> Iterator[None
 
 __all__ = [
     "KEEP_VERSIONS",
+    "MARKER_LIFETIME",
     "NO_VERSION",
     "POINTER_KINDS",
     "BadVersion",
@@ -369,6 +417,8 @@ __all__ = [
     "HomeStoreError",
     "PointerKind",
     "PointerTaken",
+    "Revocation",
+    "Revocations",
     "StoreError",
     "UserDoc",
     "UserUpdate",

@@ -31,8 +31,9 @@ from lchat import objstore
 from lchat.admin import clear_stale_socket
 from lchat.config import ConfigError
 from lchat.home import config as home_config
-from lchat.home.api import HomeAPI, HomeResource
+from lchat.home.api import CappedRequest, HomeAPI, HomeResource
 from lchat.home.passkeys import Passkeys
+from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
 from lchat.home.store import VaultStore
 from lchat.objstore.aws import NoCredentials, resolve_credentials
@@ -84,7 +85,7 @@ def makeService(options: Options) -> IService:
     }
     try:
         cfg = home_config.load(env_file=options["env-file"], flags=flags)
-        keys, warning = load_session_keys(cfg.session_key)
+        keys, warning = load_session_keys(cfg.session_key, accept=cfg.session_key_accept)
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"lchat-home: {e}") from e
     from twisted.internet import reactor
@@ -120,6 +121,7 @@ class HomeService(MultiService):
         self._warning = warning
         self.store: VaultStore | None = None
         self.api: HomeAPI | None = None
+        self.feed: RevocationFeed | None = None
         self._ports: list[Any] = []
         self._started_at = reactor.seconds()
         self.ready: Deferred[None] = Deferred()
@@ -137,6 +139,12 @@ class HomeService(MultiService):
         store = await open_store(self._reactor, cfg, run)
         self.store = store
         await store.check()
+        # The feed polls at once and then every LCHAT_HOME_REVOCATION_POLL seconds; until a
+        # poll succeeds the token cache does not answer (every request reads the store).
+        self.feed = RevocationFeed(
+            store, TokenCache(self._reactor.seconds), self._reactor, cfg.revocation_poll
+        )
+        self.feed.start()
         self.api = HomeAPI(
             store,
             self._ceremonies,
@@ -144,8 +152,10 @@ class HomeService(MultiService):
             rp_id=cfg.rp_id,
             origins=cfg.origins,
             clock=self._reactor.seconds,
+            feed=self.feed,
         )
         site = QuietSite(HomeResource(self.api))
+        site.requestFactory = CappedRequest  # a body past 64 KiB: 413 before it is buffered
         for path in (cfg.socket, cfg.admin_socket):
             # A socket left by a process that is gone is removed; one that answers is another
             # home process: refused (AlreadyRunning), never taken over.
@@ -195,6 +205,8 @@ class HomeService(MultiService):
         for port in self._ports:
             await port.stopListening()
         self._ports.clear()
+        if self.feed is not None:
+            await self.feed.stop()
         if self.store is not None:
             await self.store.close()
 
@@ -207,6 +219,9 @@ class HomeService(MultiService):
             "rp_id": self.cfg.rp_id,
             "origins": list(self.cfg.origins),
             "session_key": "ephemeral" if self._warning else "configured",
+            "revocation_poll": self.cfg.revocation_poll,
+            "revocation_feed_ok": self.feed.cache.trusted if self.feed is not None else False,
+            "cached_tokens": len(self.feed.cache) if self.feed is not None else 0,
         }
 
 
