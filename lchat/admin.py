@@ -1,7 +1,7 @@
 """The local admin API on ``<run>/router.sock`` (mode 0600): how the CLI talks to the running router.
 
 ``GET /status`` (JSON), ``POST /reload`` (re-read the registry now, answer when done), ``GET /metrics``
-(Prometheus text format). Only root or the router's own user can open the socket; there is no other
+(Prometheus text format), ``POST /restart?host=H`` (run an always-on space anew: ``lchat deploy``). Only root or the router's own user can open the socket; there is no other
 authentication, so nothing here may ever be exposed on TCP.
 """
 
@@ -90,9 +90,19 @@ class _Json(Resource):
             return self._hibernation(request, path.decode()[1:])
         if path == b"/release" and request.method == b"POST":
             return _release(self._admin, request)
+        if path == b"/restart" and request.method == b"POST":
+            return _restart(self._admin, request)
         if path.startswith(b"/stats/"):
             return _stats(self._admin, request)
-        if path in (b"/status", b"/reload", b"/metrics", b"/wake", b"/sleep", b"/release"):
+        if path in (
+            b"/status",
+            b"/reload",
+            b"/metrics",
+            b"/wake",
+            b"/sleep",
+            b"/release",
+            b"/restart",
+        ):
             return _json(request, 405, {"error": "method not allowed"})
         return _json(request, 404, {"error": "not found"})
 
@@ -110,6 +120,7 @@ class AdminAPI:
         backup: Callable[[], dict[str, Any]] | None = None,  # the fleet backup's, when it is on
         capacity: Capacity | None = None,  # the limits, for "capacity"
         stats: StatsProvider | None = None,  # GET /stats/<host> (lchat.spacestats.SpaceStats)
+        restart: Callable[[str], Deferred[int | None]] | None = None,  # builtin units' restart
     ) -> None:
         self.routes = routes
         self._units = units
@@ -120,6 +131,7 @@ class AdminAPI:
         self._backup = backup
         self._capacity = capacity
         self.stats = stats
+        self.restart = restart
         self._clock = reactor.seconds
         self._started = self._clock()
 
@@ -227,6 +239,27 @@ def _release(admin: AdminAPI, request: Request) -> bytes:
     host, _ = found
     released = admin.activator.release_hold(host)
     return _json(request, 200, {"host": host, "released": released})
+
+
+def _restart(admin: AdminAPI, request: Request) -> bytes | int:
+    """``POST /restart?host=H``: stop an always-on space this router runs (builtin units) and
+    start it again from the same command (``lchat deploy`` repointed ``live/<host>``); answers
+    once the new run has started, with its pid, before it is ready (the caller health-checks)."""
+    if admin.restart is None:
+        return _json(request, 409, {"error": "this router does not run always-on spaces itself"})
+    raw = (request.args or {}).get(b"host", [b""])[0]
+    try:
+        host = hosts.normalise(raw.decode("utf-8", "strict"))
+    except (UnicodeDecodeError, hosts.InvalidHost) as e:
+        return _json(request, 400, {"error": f"bad host: {e}"})
+    try:
+        d = admin.restart(host)
+    except KeyError:
+        return _json(request, 404, {"error": f"{host} is not an always-on space run here"})
+    still = answerable(request)
+    d.addCallback(lambda pid: _finish(request, still, 200, {"host": host, "pid": pid}))
+    d.addErrback(lambda f: _finish(request, still, 500, {"host": host, "error": str(f.value)}))
+    return NOT_DONE_YET
 
 
 def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:

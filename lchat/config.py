@@ -24,6 +24,7 @@ from twisted.internet.endpoints import serverFromString
 
 from lchat import hosts
 from lchat.ledger import LedgerURL, parse_ledger_url
+from lchat.release.layout import fall_back_to_default
 
 DEFAULT_ENV_FILE = "/data/router.env"
 
@@ -89,6 +90,9 @@ class MeshConfig:
     # LCHAT_MESH_BUCKET: where the heartbeats live when it is not the hibernation bucket (a fleet
     # whose regions keep their replicas in different buckets still needs one membership).
     bucket: RegionBucket | None = None
+    # LCHAT_MESH_TOKEN_ACCEPT: one more token this box accepts (bearer and forwarded marker) but
+    # never sends, for a rotation without refusals (lchat.mesh.tokens, docs/secrets.md); "": none.
+    accept_token: str = field(default="", repr=False)
 
     @property
     def self_host(self) -> str:
@@ -209,6 +213,9 @@ class BoxConfig:
     acme: AcmeConfig | None = None  # None: no issuance, the cache is served as it is
     backup: BackupConfig | None = None  # None: no fleet backup (LCHAT_BACKUP_BUCKET unset)
     cert_cache_key: bytes = field(default=b"", repr=False)  # AES-256 key for keys in the bucket
+    # LCHAT_CERT_CACHE_KEY_PREVIOUS: the key being rotated away from: entries sealed with it are
+    # still read, and re-sealed with cert_cache_key (lchat.acme.cache); b"": none.
+    cert_cache_previous_key: bytes = field(default=b"", repr=False)
     cert_cache_sync: float = 60.0  # how often the shared cache is listed for new certificates
     # LCHAT_MAX_INSTANCES: resident space processes (always-on and awake hibernating together);
     # LCHAT_MAX_REGISTERED: instance rows add-instance accepts. 0 = no limit (docs/hibernation.md).
@@ -245,12 +252,14 @@ class BoxConfig:
     def space_argv(self, host: str) -> list[str]:
         """The command that runs ``host``'s space: ``LCHAT_SPACE_COMMAND`` with ``{host}`` filled in."""
         host = hosts.normalise(host)
-        return [part.replace("{host}", host) for part in self.space_command]
+        argv = [part.replace("{host}", host) for part in self.space_command]
+        return fall_back_to_default(argv, host)  # no live/<host>: the box's default build
 
     def sidecar_argv(self, host: str) -> list[str]:
         """The command that runs ``host``'s staged bot sidecar (``LCHAT_SIDECAR_COMMAND``)."""
         host = hosts.normalise(host)
-        return [part.replace("{host}", host) for part in self.sidecar_command]
+        argv = [part.replace("{host}", host) for part in self.sidecar_command]
+        return fall_back_to_default(argv, host, sidecar=True)
 
 
 # Every variable we read, with its default. Names not listed here but starting LCHAT_ get a warning.
@@ -261,6 +270,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_ACME_CACHE": "",  # default: <data>/acme
     "LCHAT_CERT_CACHE": "dir",
     "LCHAT_CERT_CACHE_KEY": "",
+    "LCHAT_CERT_CACHE_KEY_PREVIOUS": "",  # during a key rotation: read (and re-sealed), never written
     "LCHAT_CERT_CACHE_SYNC": "1m",
     "LCHAT_ACME_DIRECTORY": LETS_ENCRYPT,
     "LCHAT_ACME_EMAIL": "",
@@ -302,6 +312,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",
+    "LCHAT_MESH_TOKEN_ACCEPT": "",  # during a token rotation: accepted too, never sent
     "LCHAT_MESH_REGION": "",
     "LCHAT_MESH_HEARTBEAT": "15s",
     "LCHAT_MESH_DEAD_AFTER": "45s",
@@ -340,6 +351,13 @@ _NOT_OURS = frozenset(
         "LCHAT_BOT_LISTEN",
         "LCHAT_SIDECAR_URL",
         "LCHAT_BUILD",
+        # The build tree and the release feed: read by lchat/release/settings.py (the CLI's
+        # `release`, `deploy`, `rollback`, `fleet`), and LCHAT_OPT_DIR below for the commands'
+        # defaults.
+        "LCHAT_OPT_DIR",
+        "LCHAT_RELEASE_URL",
+        "LCHAT_RELEASE_MIRROR_URL",
+        "LCHAT_RELEASE_PUBKEY",
     }
 )
 
@@ -378,7 +396,7 @@ def load(
     acme_cache = _directory("LCHAT_ACME_CACHE", acme_cache)
 
     cert_cache = _cert_cache(get("LCHAT_CERT_CACHE"))
-    cert_cache_key = b""
+    cert_cache_key = cert_cache_previous_key = b""
     if cert_cache == "s3":
         if not get("LCHAT_HIBERNATE_BUCKET"):
             raise ConfigError(
@@ -386,6 +404,10 @@ def load(
                 "LCHAT_HIBERNATE_BUCKET"
             )
         cert_cache_key = _cert_cache_key(get("LCHAT_CERT_CACHE_KEY"))
+        cert_cache_previous_key, previous_warning = _cert_cache_previous_key(
+            get("LCHAT_CERT_CACHE_KEY_PREVIOUS"), cert_cache_key
+        )
+        warnings += previous_warning
     cert_cache_sync = parse_duration("LCHAT_CERT_CACHE_SYNC", get("LCHAT_CERT_CACHE_SYNC"))
     if cert_cache_sync <= 0:
         raise ConfigError("LCHAT_CERT_CACHE_SYNC must be a positive duration")
@@ -393,6 +415,11 @@ def load(
     acme = _acme(get, wildcard_domains)
     hibernate = _hibernate(get)
     mesh = _mesh(get)
+    if mesh is not None and get("LCHAT_MESH_TOKEN_ACCEPT") == mesh.token:
+        warnings += (
+            "LCHAT_MESH_TOKEN_ACCEPT equals LCHAT_MESH_TOKEN: it adds nothing (mid-rotation, it "
+            "should hold the other value; after it, remove the line)",
+        )
     max_instances, max_registered = _capacity(get)
     cloud_region, id_ledger = _cloud(get)
 
@@ -404,14 +431,17 @@ def load(
         acme_cache=os.path.abspath(acme_cache),
         cert_cache=cert_cache,
         cert_cache_key=cert_cache_key,
+        cert_cache_previous_key=cert_cache_previous_key,
         cert_cache_sync=cert_cache_sync,
         acme=acme,
         https_addr=parse_address("LCHAT_HTTPS_ADDR", get("LCHAT_HTTPS_ADDR")),
         http_addr=parse_address("LCHAT_HTTP_ADDR", get("LCHAT_HTTP_ADDR")),
         fallback_url=_fallback_url(get("LCHAT_FALLBACK_URL")),
         units=_units(get("LCHAT_UNITS"), systemd_present),
-        space_command=_space_command(get("LCHAT_SPACE_COMMAND")),
-        sidecar_command=_space_command(get("LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"),
+        space_command=_space_command(_under_opt(merged, "LCHAT_SPACE_COMMAND")),
+        sidecar_command=_space_command(
+            _under_opt(merged, "LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"
+        ),
         hibernate=hibernate,
         mesh=mesh,
         backup=_backup(get, hibernate, mesh),
@@ -589,6 +619,18 @@ def _units(text: str, systemd_present: bool | None) -> Units:
     if text in ("systemd", "builtin"):
         return "systemd" if text == "systemd" else "builtin"
     raise ConfigError(f"LCHAT_UNITS must be auto, systemd or builtin, not {text!r}")
+
+
+def _under_opt(merged: Mapping[str, str], name: str) -> str:
+    """``name``'s value; unset, its default under ``LCHAT_OPT_DIR`` when that is set (the build
+    tree ``lchat deploy`` repoints: ``<opt>/live/{host}``, lchat/release/layout.py)."""
+    if name in merged:
+        return merged[name].strip()
+    opt = merged.get("LCHAT_OPT_DIR", "").strip().rstrip("/")
+    default = DEFAULTS[name]
+    if opt and default.startswith("/opt/lchat/"):
+        return shlex.quote(opt + default[len("/opt/lchat") :])
+    return default
 
 
 def _space_command(text: str, name: str = "LCHAT_SPACE_COMMAND") -> tuple[str, ...]:
@@ -946,6 +988,21 @@ def _cert_cache_key(text: str) -> bytes:
     return aes_key("LCHAT_CERT_CACHE_KEY", text)
 
 
+def _cert_cache_previous_key(text: str, current: bytes) -> tuple[bytes, tuple[str, ...]]:
+    """``LCHAT_CERT_CACHE_KEY_PREVIOUS``: checked like the current key (a typo fails the boot,
+    not the first read of an old entry); equal to the current key, it is ignored with a warning
+    (harmless, but a sign the rotation was set up wrong)."""
+    if not text:
+        return b"", ()
+    previous = aes_key("LCHAT_CERT_CACHE_KEY_PREVIOUS", text)
+    if previous == current:
+        return b"", (
+            "LCHAT_CERT_CACHE_KEY_PREVIOUS equals LCHAT_CERT_CACHE_KEY: ignored (mid-rotation it "
+            "holds the old key; after it, remove the line)",
+        )
+    return previous, ()
+
+
 def aes_key(name: str, text: str) -> bytes:
     """An AES-256 key given in base64 (``openssl rand -base64 32``), checked."""
     padded = text + "=" * (-len(text) % 4)
@@ -1107,6 +1164,7 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
     bucket_url = get("LCHAT_MESH_BUCKET").strip()
     bucket = _bucket_url("LCHAT_MESH_BUCKET", "", bucket_url) if bucket_url else None
+    accept_token = get("LCHAT_MESH_TOKEN_ACCEPT")
     return MeshConfig(
         self_url=self_url.rstrip("/"),
         domains=domains,
@@ -1116,4 +1174,6 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         dead_after=dead_after,
         ca_file=ca_file,
         bucket=bucket,
+        # Equal to the token it accepts nothing more: dropped here, and load() warns.
+        accept_token="" if accept_token == token else accept_token,
     )

@@ -574,6 +574,25 @@ class Supervisor(service.Service):
         entry = self._entries.get(name)
         return entry.child if entry is not None else None
 
+    def restart(self, name: str) -> Deferred[int | None]:
+        """Run ``name`` anew with the same spec, now: a deploy repointed the program its spec
+        names (``live/<host>``). A running child is stopped first; one waiting in backoff or
+        failed starts at once, its backoff forgotten. Fires with the new run's pid (None if it
+        could not even be spawned) once it has started; KeyError for a name not wanted."""
+        entry = self._entries.get(name)
+        if entry is None or name not in self._wanted or not self.running:
+            raise KeyError(name)
+        entry.failures, entry.delay = 0, self.restart_backoff.initial
+        if entry.child is not None:
+            # _child_ended (called first: it waited on this run since it started) starts the
+            # new run before this Deferred fires.
+            ended = self._terminate(entry)
+            return ended.addCallback(lambda _: entry.child.pid if entry.child else None)
+        self._cancel(entry)
+        self._start(name)
+        self._notify()
+        return succeed(entry.child.pid if entry.child is not None else None)
+
     def startService(self) -> None:
         super().startService()
         for name in self._wanted:

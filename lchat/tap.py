@@ -38,6 +38,7 @@ from lchat.listener import Listener
 from lchat.mesh.api import mesh_site
 from lchat.mesh.due import DuePush
 from lchat.mesh.fence import BoxFence, HolderJudge
+from lchat.mesh.fleet import SpacesView
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
@@ -199,7 +200,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
         )
         hibernation.setServiceParent(top)
     certs = _certificates(top, reactor, cfg, routes, hibernation, run, aws)
-    _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run)
+    fleet = _fleet_view(reactor, cfg, routes, hibernation, units, backup)
+    _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run, spaces=fleet)
     _admin(top, reactor, cfg, routes, units, hibernation, certs, backup)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
@@ -547,6 +549,7 @@ def _certificates(
             monotonic=time.monotonic,
             prefix=cfg.hibernate.prefix,
             box_id=cfg.box_id,
+            previous_key=cfg.cert_cache_previous_key,
         )
     if cfg.acme is not None or shared is not None:
         LocalCache(cfg.acme_cache).ensure_directory()
@@ -597,16 +600,18 @@ def _front_door(
     hibernation: _Hibernation | None,
     certs: _Certificates,
     run: RunInThread,
+    spaces: Callable[[], Callable[[], dict[str, Any]]] | None = None,
 ) -> None:
     """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
-    mesh's route-replication API addressed to this box's own name."""
+    mesh's route-replication API addressed to this box's own name (with ``spaces``, the fleet
+    view: ``GET /api/mesh/spaces``)."""
     mesh_api: tuple[str, str] | None = None
     if cfg.mesh is not None:
         # Reached through the proxy by requests addressed to this box's own LCHAT_MESH_SELF
         # host (the bearer token is checked inside).
         mesh_socket = os.path.join(cfg.run_dir, "mesh.sock")
         clear_stale_socket(mesh_socket)
-        site = mesh_site(routes.registry, cfg, routes.reload, run_in_thread=run)
+        site = mesh_site(routes.registry, cfg, routes.reload, run_in_thread=run, spaces=spaces)
         _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
     router = Router(
@@ -676,6 +681,7 @@ def _admin(
             cfg.data_dir,
             hibernation.activator.state if hibernation is not None else None,
         ).answer,
+        restart=units.supervisor.restart if units is not None else None,  # lchat deploy
     )
     _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
@@ -996,6 +1002,28 @@ def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str
         }
 
     return status
+
+
+def _fleet_view(
+    reactor: Any,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    hibernation: _Hibernation | None,
+    units: BuiltinUnits | None,
+    backup: _BackupService | None,
+) -> Callable[[], Callable[[], dict[str, Any]]] | None:
+    """``GET /api/mesh/spaces`` for ``lchat fleet`` (lchat.mesh.fleet), on a mesh box only."""
+    if hibernation is None or hibernation.membership is None:
+        return None
+    return SpacesView(
+        reactor.seconds,
+        cfg,
+        lambda: routes.table,
+        hibernation.activator,
+        hibernation.membership.live,
+        children=units.supervisor.status if units is not None else None,
+        backup=backup.backup.status if backup is not None else None,
+    ).snapshot
 
 
 def _anywhere(route: Route) -> bool:

@@ -353,7 +353,8 @@ class InstancesTests(CliTestCase):
         result = self.lchat("instances", "--json")
         self.assertEqual(result.code, 0, result)
         [row] = json.loads(result.out)
-        self.assertEqual(set(row), {a.name for a in Route.__attrs_attrs__} | {"state"})
+        extra = {"state", "live_version", "canary"}  # canary, live_version: lchat deploy's
+        self.assertEqual(set(row), {a.name for a in Route.__attrs_attrs__} | extra)
         self.assertIsNone(row["state"], "no router to ask")
         self.assertEqual((row["host"], row["home_region"]), ("a.example.com", "fi"))
         self.assertNotIn(self.env_token("a.example.com"), result.out)

@@ -345,6 +345,30 @@ class EnvFileRefusals(Base):
 
 
 class Defaults(Base):
+    def test_space_commands_follow_the_build_tree(self) -> None:
+        """LCHAT_OPT_DIR moves the default commands into its live/ (lchat deploy repoints there);
+        it is no unknown variable, and a command given explicitly wins."""
+        cfg = self.load({"LCHAT_OPT_DIR": "/srv/lchat builds/"})
+        self.assertEqual(cfg.space_command, ("/srv/lchat builds/live/{host}",))
+        self.assertEqual(cfg.sidecar_command, ("/srv/lchat builds/live/{host}-bot",))
+        self.assertEqual(cfg.warnings, ())
+        cfg = self.load({"LCHAT_OPT_DIR": "/srv/o", "LCHAT_SPACE_COMMAND": "/bin/x {host}"})
+        self.assertEqual(cfg.space_command, ("/bin/x", "{host}"))
+        self.assertEqual(cfg.sidecar_command, ("/srv/o/live/{host}-bot",))
+
+    def test_a_host_without_a_live_link_runs_the_default_build(self) -> None:
+        opt = self.mktemp()
+        os.makedirs(os.path.join(opt, "live"))
+        cfg = self.load({"LCHAT_OPT_DIR": opt})
+        own = os.path.join(opt, "live", "a.example.com")
+        self.assertEqual(cfg.space_argv("a.example.com"), [own])  # neither: as configured
+        os.symlink("../versions/1/space", os.path.join(opt, "live", "_default"))
+        default = os.path.join(opt, "live", "_default")
+        self.assertEqual(cfg.space_argv("a.example.com"), [default])
+        self.assertEqual(cfg.sidecar_argv("a.example.com"), [own + "-bot"])  # no default bot
+        os.symlink("../versions/2/space", own)
+        self.assertEqual(cfg.space_argv("a.example.com"), [own])
+
     def test_defaults(self) -> None:
         cfg = self.load()
         self.assertEqual(cfg.env_file, self.env_file)

@@ -18,6 +18,15 @@ every box of a mesh can present any space's certificate:
 Every box lists ``<prefix>/certs/`` every ``LCHAT_CERT_CACHE_SYNC`` (one LIST; a GET only for an
 object whose ETag changed) and installs anything newer than its local copy; a certificate this box
 has and the bucket lacks (or has older) is uploaded, which also heals a failed upload.
+
+**Key rotation** (``LCHAT_CERT_CACHE_KEY_PREVIOUS``, docs/secrets.md): an entry is opened with the
+key its ``key_id`` names, the current key or the previous one; it is only ever sealed with the
+current key. An entry read under the previous key is re-sealed under the current key at once, by the
+sync that read it (every entry is read in a box's first round after its restart), with ``If-Match``
+on the ETag it read: a newer upload made meanwhile (by a box still on the old key, say) is never
+overwritten, it is simply read — and re-sealed — in the next round. Publishing replaces an entry
+sealed with either key, and refuses one sealed with any other (a misconfigured box never destroys
+what the fleet can read). Each such read counts in ``lchat_cert_cache_previous_key_total``.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from twisted.logger import Logger
 from lchat import hosts, lease, tls
 from lchat.deferutil import settled
 from lchat.files import write_atomic
-from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, PreconditionFailed
 from lchat.threads import RunInThread
 
 FORMAT = "lchat-cert/1"
@@ -67,6 +76,17 @@ for _op, _outcomes in (
 ):
     for _o in _outcomes:
         _sync.labels(_op, _o)
+
+_previous_key = Counter(
+    "lchat_cert_cache_previous_key_total",
+    "Shared cache entries read under LCHAT_CERT_CACHE_KEY_PREVIOUS, by what followed: resealed "
+    "(under LCHAT_CERT_CACHE_KEY), raced (a newer upload came first; read again next round), "
+    "failed (the bucket refused; tried again next round), read (by the issuer, not resealed). "
+    "Flat on every box after each box's first round: no entry needs the previous key any more",
+    ["outcome"],
+)
+for _o in ("resealed", "raced", "failed", "read"):
+    _previous_key.labels(_o)
 
 
 @frozen
@@ -253,15 +273,34 @@ def describe(body: bytes) -> dict[str, Any]:
     return data
 
 
-def unseal(name: CertName, body: bytes, key: bytes) -> Certificate:
+def sealed_key_id(body: bytes) -> str | None:
+    """The ``key_id`` an entry says its private key is sealed with (None: unreadable entry)."""
+    try:
+        found = describe(body).get("key", {}).get("key_id")
+    except (CacheEntryError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def unseal(name: CertName, body: bytes, key: bytes, previous: bytes = b"") -> Certificate:
+    """The certificate in ``body``, its key decrypted with ``key`` or, when the entry names it,
+    ``previous`` (a key rotation's old key; b"": none). :class:`CacheEntryError` otherwise."""
     data = describe(body)
     try:
         chain = str(data["chain"]).encode("ascii")
         sealed = data["key"]
-        if sealed.get("key_id") != key_id(key):
+        if previous and sealed.get("key_id") == key_id(previous):
+            key = previous
+        elif sealed.get("key_id") != key_id(key):
+            ours = f"ours is {key_id(key)}"
+            if previous:
+                ours = (
+                    f"ours are {key_id(key)} (LCHAT_CERT_CACHE_KEY) and {key_id(previous)} "
+                    f"(LCHAT_CERT_CACHE_KEY_PREVIOUS)"
+                )
             raise CacheEntryError(
-                f"its key is encrypted with cache key {sealed.get('key_id')}, ours is "
-                f"{key_id(key)} (LCHAT_CERT_CACHE_KEY must be the same on every box)"
+                f"its key is encrypted with cache key {sealed.get('key_id')}, {ours} "
+                f"(LCHAT_CERT_CACHE_KEY must be the same on every box)"
             )
         nonce = base64.b64decode(sealed["nonce"], validate=True)
         ciphertext = base64.b64decode(sealed["ciphertext"], validate=True)
@@ -300,12 +339,14 @@ class SharedCache:
         prefix: str = "",
         box_id: str = "",
         lock_ttl: float = 600.0,
+        previous_key: bytes = b"",  # LCHAT_CERT_CACHE_KEY_PREVIOUS: read, re-sealed, never written
     ) -> None:
-        if len(key) != 32:
+        if len(key) != 32 or (previous_key and len(previous_key) != 32):
             raise ValueError("the certificate cache key must be 32 bytes")
         self.store = store
         self._monotonic = monotonic
         self._key = key
+        self._previous_key = b"" if previous_key == key else previous_key
         self._prefix = prefix.strip("/")
         self.box_id = box_id
         self.lock_ttl = lock_ttl
@@ -331,10 +372,13 @@ class SharedCache:
         except NotFound:
             return None
         try:
-            return unseal(name, got.body, self._key), got.info.etag
+            cert, under_previous = self.open(name, got.body)
         except CacheEntryError as e:
             _log.error("acme: shared cache entry {key} is unusable: {why}", key=got.info.key, why=e)
             return None
+        if under_previous:
+            _previous_key.labels("read").inc()  # the sync re-seals it; this read only uses it
+        return cert, got.info.etag
 
     async def publish(self, name: CertName, cert: Certificate) -> None:
         """Upload ``cert`` as the bucket's copy of ``name``. An entry sealed under another cache
@@ -346,11 +390,10 @@ class SharedCache:
         except NotFound:
             pass
         else:
-            try:
-                sealed_with = describe(current.body).get("key", {}).get("key_id")
-            except (CacheEntryError, AttributeError):
-                sealed_with = None  # unreadable garbage: replacing it heals the entry
-            if sealed_with is not None and sealed_with != key_id(self._key):
+            # None: unreadable garbage, replacing it heals the entry. The previous key's entries
+            # are ours to replace (every box in the rotation reads both keys).
+            sealed_with = sealed_key_id(current.body)
+            if sealed_with is not None and sealed_with not in self.key_ids:
                 raise CacheEntryError(
                     f"{key} is sealed with cache key {sealed_with}, ours is "
                     f"{key_id(self._key)}: not replacing it (LCHAT_CERT_CACHE_KEY must be the "
@@ -366,8 +409,63 @@ class SharedCache:
             serial=cert.serial,
         )
 
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        """The ids of the keys this box opens entries with: current first, then previous."""
+        if self._previous_key:
+            return (key_id(self._key), key_id(self._previous_key))
+        return (key_id(self._key),)
+
     def unseal(self, name: CertName, body: bytes) -> Certificate:
-        return unseal(name, body, self._key)
+        return self.open(name, body)[0]
+
+    def open(self, name: CertName, body: bytes) -> tuple[Certificate, bool]:
+        """The certificate in an entry, and whether it was sealed with the previous key."""
+        cert = unseal(name, body, self._key, self._previous_key)
+        under_previous = bool(self._previous_key) and sealed_key_id(body) == key_id(
+            self._previous_key
+        )
+        return cert, under_previous
+
+    async def reseal(self, name: CertName, cert: Certificate, body: bytes, etag: str) -> str | None:
+        """Replace the entry read as ``body``/``etag`` (sealed with the previous key) by the same
+        certificate sealed with the current key, only if it is still that version (If-Match). The
+        new ETag, or None when the entry changed meanwhile or the bucket refused (both logged and
+        counted; the caller reads the entry again next round)."""
+        key = self.entry_key(name)
+        issued_by = str(describe(body).get("issued_by") or self.box_id)
+        try:
+            put = await self.store.put(
+                key,
+                seal(name, cert, self._key, issued_by),
+                if_match=etag,
+                content_type="application/json",
+            )
+        except PreconditionFailed:
+            _previous_key.labels("raced").inc()
+            _log.info(
+                "acme: {key} changed while this box re-sealed it under the current cache key; "
+                "reading it again next round",
+                key=key,
+            )
+            return None
+        except ObjectStoreError as e:
+            _previous_key.labels("failed").inc()
+            _log.warn(
+                "acme: cannot re-seal {key} under the current cache key ({error}); still readable "
+                "with LCHAT_CERT_CACHE_KEY_PREVIOUS, tried again next round",
+                key=key,
+                error=e,
+            )
+            return None
+        _previous_key.labels("resealed").inc()
+        _log.info(
+            "acme: {key} was sealed with the previous cache key {old}; re-sealed with {new}",
+            key=key,
+            old=key_id(self._previous_key),
+            new=key_id(self._key),
+        )
+        return put.etag
 
     # -- issuance locks
 
@@ -522,14 +620,28 @@ class CacheSync(Service):
             _log.warn("acme: cannot read {key}: {error}", key=key, error=e)
             return False
         try:
-            cert = self._shared.unseal(name, got.body)
+            cert, under_previous = self._shared.open(name, got.body)
         except CacheEntryError as e:
             self._etags[key] = got.info.etag  # said once per version
             _sync.labels("install", "refused").inc()
             _log.error("acme: shared cache entry {key} is unusable: {why}", key=key, why=e)
             return False
+        etag = got.info.etag
+        if under_previous:
+            resealed = await self._shared.reseal(name, cert, got.body, etag)
+            if resealed is None:
+                # Not remembered as read: the next round reads (and re-seals) it again. Nothing
+                # is installed from a version that may already be outdated.
+                return False
+            etag = resealed  # the bucket now holds this very certificate under our key
+        return await self._consider(name, key, cert, got.body, etag)
+
+    async def _consider(
+        self, name: CertName, key: str, cert: Certificate, body: bytes, etag: str
+    ) -> bool:
+        """Install ``cert`` (the entry ``key`` at ``etag``) if it is for us and newer than ours."""
         if self.directory and cert.origin != self.directory:
-            self._etags[key] = got.info.etag
+            self._etags[key] = etag
             _log.info(
                 "acme: not installing the {name} certificate from the shared cache: it comes "
                 "from {origin}, this box uses {directory}",
@@ -538,22 +650,22 @@ class CacheSync(Service):
                 directory=self.directory,
             )
             return False
-        self._remote[name] = (got.info.etag, cert.not_after)
+        self._remote[name] = (etag, cert.not_after)
         local = await self._run_in_thread(lambda: self._local.read(name))
         if (local is not None and local.not_after >= cert.not_after) or (
             cert.not_after <= self._reactor.seconds()
         ):
-            self._etags[key] = got.info.etag
+            self._etags[key] = etag
             return False
         await self._run_in_thread(lambda: self._local.install(name, cert))
-        self._etags[key] = got.info.etag  # only now: a failed install is tried again next round
+        self._etags[key] = etag  # only now: a failed install is tried again next round
         _sync.labels("install", "ok").inc()
         _log.info(
             "acme: installed the {name} certificate from the shared cache (serial {serial:x}, "
             "issued by {box})",
             name=name.label,
             serial=cert.serial,
-            box=describe(got.body).get("issued_by") or "?",
+            box=describe(body).get("issued_by") or "?",
         )
         return True
 

@@ -3,7 +3,9 @@
 One row per name: host or wildcard, issuer, not-after, and where it is (``dir``: this box's
 ``LCHAT_ACME_CACHE``; ``s3``: the shared cache in the bucket; ``dir+s3``: both, the same
 certificate; a row per copy when they differ). The bucket's entries are read (one LIST, one GET
-each) but never decrypted: the listing needs no key.
+each) but never decrypted: the listing needs no key. An entry sealed with another cache key than
+``LCHAT_CERT_CACHE_KEY`` says so in its note (``LCHAT_CERT_CACHE_KEY_PREVIOUS``'s, during a
+rotation, or one this box cannot read at all).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from attrs import asdict, define
 from cryptography import x509
 
 from lchat import tls
-from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name
+from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name, key_id
 from lchat.cli import admin_client
 from lchat.cli.bucket import open_bucket
 from lchat.cli.replica import _run_on_reactor
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         async def main(reactor: Any) -> list[Row]:
             store = await open_bucket(reactor, cfg)
             try:
-                return await _shared_rows(store, hib.key("certs") + "/")
+                return await _shared_rows(store, hib.key("certs") + "/", *_key_ids(cfg))
             finally:
                 await store.close()
 
@@ -156,7 +158,25 @@ def _local_rows(directory: str) -> list[Row]:
     return rows
 
 
-async def _shared_rows(store: Any, prefix: str) -> list[Row]:
+def _key_ids(cfg: BoxConfig) -> tuple[str, str]:
+    """The public ids of this box's cache key and previous key ("": none)."""
+    current = key_id(cfg.cert_cache_key) if cfg.cert_cache_key else ""
+    previous = key_id(cfg.cert_cache_previous_key) if cfg.cert_cache_previous_key else ""
+    return current, previous
+
+
+def _sealing_note(data: dict[str, Any], current: str, previous: str) -> str:
+    """What the note says about the key an entry is sealed with ("" for this box's own)."""
+    sealed = data.get("key")
+    found = sealed.get("key_id") if isinstance(sealed, dict) else None
+    if not current or found == current:
+        return ""
+    if previous and found == previous:
+        return "; sealed with LCHAT_CERT_CACHE_KEY_PREVIOUS: the next sync re-seals it"
+    return f"; sealed with cache key {_printable(str(found))}, which this box cannot read"
+
+
+async def _shared_rows(store: Any, prefix: str, current: str = "", previous: str = "") -> list[Row]:
     rows = []
     for info in await store.list(prefix):
         rest = info.key[len(prefix) :]
@@ -181,7 +201,8 @@ async def _shared_rows(store: Any, prefix: str) -> list[Row]:
                 _date(leaf.not_valid_after_utc.timestamp()),
                 f"{leaf.serial_number:x}",
                 "s3",
-                f"issued by {_printable(str(data.get('issued_by') or '?'))}",
+                f"issued by {_printable(str(data.get('issued_by') or '?'))}"
+                + _sealing_note(data, current, previous),
                 _printable(str(data.get("directory") or "")),
             )
         )

@@ -274,6 +274,37 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from lchat.cli import fleet as fleet_cli  # lchat fleet (docs/operations.md, Fleet status)
+
+    fleet_cli.add_arguments(
+        command(
+            "fleet",
+            fleet_cli.SUMMARY,
+            lambda a: fleet_cli.run_cli(a, load_config(a), open_registry, _out, _note, _fail),
+        )
+    )
+    from lchat.cli import release as release_cli  # lchat release|deploy|rollback (operations.md)
+
+    def _release_handler(run: release_cli.Run) -> Callable[[argparse.Namespace], int]:
+        return release_cli.handler(run, load_config, open_registry, _out, _fail)
+
+    release_cli.add_release_arguments(
+        command("release", release_cli.RELEASE_SUMMARY, _release_handler(release_cli.run_release)),
+        lambda p: _add_common(p, argparse.SUPPRESS),
+    )
+    release_cli.add_deploy_arguments(
+        command("deploy", release_cli.DEPLOY_SUMMARY, _release_handler(release_cli.run_deploy))
+    )
+    release_cli.add_rollback_arguments(
+        command(
+            "rollback", release_cli.ROLLBACK_SUMMARY, _release_handler(release_cli.run_rollback)
+        )
+    )
+    from lchat.cli import bootstrap as bootstrap_cli  # lchat bootstrap (docs/operations.md)
+
+    bootstrap_cli.add_arguments(
+        command("bootstrap", bootstrap_cli.SUMMARY, lambda a: bootstrap_cli.run(a, _out, _fail))
+    )
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
     certs.add_arguments(command("certs", certs.SUMMARY, cmd_certs))
@@ -374,19 +405,30 @@ def cmd_instances(args: argparse.Namespace) -> int:
     routes = sorted(open_registry(cfg).load(), key=lambda r: r.host)
     status = _router_status(cfg) if routes else {}
     live = _hosts_of(status) if routes else {}
+    from lchat.cli.release import live_versions  # the live/<host> links (lchat deploy)
+
+    builds = live_versions(cfg, [r.host for r in routes])
     if args.json:
         # Every column of the table: the registry row, and STATE (null where the table says
-        # "?" or "-": no router to ask, or it has not loaded the row yet).
-        objects = [attrs.asdict(r) | {"state": _json_state(_state(r, live))} for r in routes]
+        # "?" or "-": no router to ask, or it has not loaded the row yet); live_version and
+        # canary: the build live/<host> points at here, and whether `deploy --canary` put it.
+        objects = [
+            attrs.asdict(r)
+            | {"state": _json_state(_state(r, live))}
+            | dict(zip(("live_version", "canary"), builds.get(r.host, (None, False)), strict=True))
+            for r in routes
+        ]
         _out(json.dumps(objects, indent=2))
         return 0
-    rows = [TABLE_COLUMNS, *(_table_row(r, live) for r in routes)]
+    rows = [TABLE_COLUMNS, *(_table_row(r, live, builds.get(r.host)) for r in routes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
     for row, route in zip(rows, [None, *routes], strict=True):
         _out("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         if route is not None and route.status == "failed":
             _out(f"  last error: {_one_line(route.last_error) or '(none recorded)'}")
     # On stderr: stdout stays the table that scripts parse.
+    if any(canary for _, canary in builds.values()):
+        _note("VERSION*: a canary (lchat deploy --canary); `lchat deploy <v> --all` clears it")
     _note(_capacity_summary(cfg, routes, status))
     return 0
 
@@ -1154,13 +1196,18 @@ def _check_socket_arg(path: str) -> str:
 # --- output -------------------------------------------------------------------------------------
 
 
-def _table_row(route: Route, live: dict[str, dict[str, Any]] | None) -> tuple[str, ...]:
+def _table_row(
+    route: Route,
+    live: dict[str, dict[str, Any]] | None,
+    build: tuple[str | None, bool] | None = None,
+) -> tuple[str, ...]:
+    version, canary = build or (None, False)
     return (
         route.host,
         route.kind,
         route.status,
         _state(route, live),
-        route.version or "-",
+        f"{version}{'*' if canary else ''}" if version else route.version or "-",
         "on" if route.hibernate else "off",
         route.replication,
         _utc(route.next_due),

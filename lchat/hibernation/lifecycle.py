@@ -44,6 +44,7 @@ from lchat.lease import (
 )
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.registry import RouteSource
+from lchat.release import wakes
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
 from lchat.supervise import (
     ChildSpec,
@@ -286,6 +287,8 @@ class Lifecycle:
                 env=env,
                 ready_socket=space.socket,
             )
+            # Which build this wake runs (live/<host> resolved now): `lchat rollback` reads it.
+            await self.run_in_thread(wakes.record_quietly, self.cfg.data_dir, host, spec.argv[0])
             space.child = (self.spawner or spawn)(self.reactor, spec)
         except (EnvFileError, SpawnError, hosts.InvalidHost) as e:
             _log.error("activator: {host} cannot start: {error}", host=host, error=e)

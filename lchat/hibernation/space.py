@@ -135,6 +135,8 @@ class Space:
         }
         if self.replicator is not None:
             entry["txid"] = self.replicator.txid
+            # Seconds since the oldest commit not yet in the bucket (lchat fleet's LAG).
+            entry["lag"] = round(self.replicator.lag(), 3)
         return entry
 
     def idle_for(self, now: float) -> float:

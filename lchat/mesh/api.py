@@ -1,7 +1,8 @@
 """Route replication, the serving side (DESIGN.md §9): how a peer hands this box its routes.
 
 Every box's router serves this API on an internal unix socket and proxies to it the requests
-addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN``, compared in constant time.
+addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, during a rotation,
+``LCHAT_MESH_TOKEN_ACCEPT``: :mod:`lchat.mesh.tokens`), compared in constant time.
 
 ``POST /api/mesh/route``
     Body (``Content-Type: application/json``, at most :data:`MAX_BODY` bytes), exactly these fields::
@@ -43,6 +44,11 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN``, comp
     200 ``{"routes": [payload, ...]}``: every in-scope hibernating instance row, with its env values
     (peers need them; the channel is authenticated), and every lives-elsewhere row (no env).
 
+``GET /api/mesh/spaces``
+    200: the spaces this box reports for ``lchat fleet``, by the ownership rule of
+    :mod:`lchat.mesh.fleet` (state, version, awake-since, next-due, replication lag); 404 when
+    the router serves no such view. Reads only.
+
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
 is 401, a wrong method 405, any other path 404. Writes run in a thread, serialised, and the router's
 route table is reloaded (the ``reload`` callback) before the answer goes out.
@@ -50,7 +56,6 @@ route table is reloaded (the ``reload`` callback) before the answer goes out.
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import re
@@ -71,6 +76,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from lchat import envfile, hosts
 from lchat.config import BoxConfig, ConfigError, MeshConfig, read_env_file
 from lchat.files import write_atomic
+from lchat.mesh import tokens
 from lchat.mesh.client import (
     ENV_KEY,
     MAX_NEXT_DUE,
@@ -83,6 +89,7 @@ from lchat.mesh.client import (
     replicable_env,
     route_payload,
 )
+from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
 from lchat.registry import REPLICATIONS, Conflict, Registry, Route
 from lchat.threads import RunInThread
@@ -95,6 +102,8 @@ MAX_VERSION = 256
 _REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Reload = Callable[[str], object]
+# Called on the reactor: a snapshot of the fleet view, finished in a worker thread.
+Spaces = Callable[[], Callable[[], dict[str, Any]]]
 
 _calls = Counter(
     "lchat_mesh_route_calls_total",
@@ -245,6 +254,7 @@ class MeshAPI(Resource):
         cfg: BoxConfig,
         reload: Reload,
         run_in_thread: RunInThread,
+        spaces: Spaces | None = None,
     ) -> None:
         super().__init__()
         if cfg.mesh is None:
@@ -255,8 +265,10 @@ class MeshAPI(Resource):
         self._data_dir = cfg.data_dir
         self._run_dir = cfg.run_dir
         self._token = cfg.mesh.token.encode("utf-8")
+        self._accept_token = cfg.mesh.accept_token.encode("utf-8")  # b"": none (lchat.mesh.tokens)
         self._reload = reload
         self._run = run_in_thread
+        self._spaces = spaces  # GET /api/mesh/spaces (lchat.mesh.fleet.SpacesView.snapshot)
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
@@ -267,6 +279,8 @@ class MeshAPI(Resource):
             op, allowed, host_segment = "upsert", b"POST", b""
         elif path == ROUTES_PATH.encode():
             op, allowed, host_segment = "list", b"GET", b""
+        elif path == SPACES_PATH.encode():
+            op, allowed, host_segment = "spaces", b"GET", b""
         elif path.startswith(ROUTE_PATH.encode() + b"/") and path.count(b"/") == 4:
             op, allowed, host_segment = "delete", b"DELETE", path.rsplit(b"/", 1)[1]
         else:
@@ -294,6 +308,16 @@ class MeshAPI(Resource):
             except (UnicodeDecodeError, hosts.InvalidHost) as e:
                 return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
             return self._start(request, op, lambda: self._delete(host), host)
+        if op == "spaces":
+            if self._spaces is None:
+                return self._answer(request, op, "not_found", 404, {"error": "not served here"})
+            try:
+                finish = self._spaces()  # a snapshot, here on the reactor; the rest in a thread
+            except Exception:
+                _log.failure("mesh: the fleet view failed")
+                error = {"error": "internal error: see the router's log"}
+                return self._answer(request, op, "error", 500, error)
+            return self._start(request, op, lambda: (200, finish(), "listed"), "")
         return self._start(request, op, self._list, "")
 
     # --- checks, on the reactor (cheap) -------------------------------------------------------
@@ -305,7 +329,10 @@ class MeshAPI(Resource):
         scheme, _, given = values[0].partition(b" ")
         if scheme.lower() != b"bearer":
             return False
-        return hmac.compare_digest(given.strip(), self._token)
+        which = tokens.match(given.strip(), self._token, self._accept_token)
+        if which == "accept":
+            tokens.note_accept_use("api")
+        return which is not None
 
     def _read_payload(self, request: Request) -> RoutePayload:
         if getattr(request, "too_large", False):
@@ -363,9 +390,10 @@ class MeshAPI(Resource):
         unrunnable = _unrunnable(self._space_argv(host))
         if unrunnable is not None:
             _log.error(
-                "mesh: route {host} refused: this box cannot run it ({why}); set "
-                "LCHAT_SPACE_COMMAND to a command that runs any host (docs/mesh.md, The space "
-                "command), then catch up with `lchat mesh-seed`",
+                "mesh: route {host} refused: this box cannot run it ({why}); give it a default "
+                "build (`lchat deploy <version> --all`) or set LCHAT_SPACE_COMMAND to a command "
+                "that runs any host (docs/mesh.md, The space command), then catch up with "
+                "`lchat mesh-seed`",
                 host=host,
                 why=unrunnable,
             )
@@ -490,7 +518,7 @@ class MeshAPI(Resource):
         d: Deferred[tuple[int, dict[str, Any], str]] = self._run(work)
 
         def reload_then(result: tuple[int, dict[str, Any], str]) -> Deferred[Any] | Any:
-            if op == "list" or result[2] == "absent":
+            if op in ("list", "spaces") or result[2] == "absent":
                 return result
             reloaded = maybeDeferred(self._reload, f"mesh route {result[2]}: {host}")
             reloaded.addErrback(
@@ -599,13 +627,14 @@ def mesh_site(
     reload: Reload,
     *,
     run_in_thread: RunInThread,
+    spaces: Spaces | None = None,
 ) -> Site:
     """The route-replication API as a Site, for the router to serve on its internal socket.
 
     ``reload(reason)`` is called after every write (the router passes ``RouteSource.reload``); a
     Deferred it returns is waited for before the answer. ``run_in_thread`` runs the registry and
-    file work (the router's thread runner)."""
-    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread))
+    file work (the router's thread runner). ``spaces``: the fleet view (``GET /api/mesh/spaces``)."""
+    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread, spaces))
     site.requestFactory = _CappedRequest
     return site
 

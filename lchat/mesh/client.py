@@ -244,6 +244,24 @@ async def list_routes(
     return routes
 
 
+async def get_json(
+    peer_url: str,
+    token: str,
+    path: str,
+    *,
+    ca_file: str = "",
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    reactor: Any,  # the caller's: the router's, or the CLI's own
+) -> dict[str, Any]:
+    """``GET path`` on the peer's mesh API (``lchat fleet``'s ``/api/mesh/spaces``): its answer,
+    a JSON object; raises :class:`MeshCallError` (no answer in time, not 2xx, not an object).
+    ``MeshCallError.status`` is None exactly when no HTTP answer came at all."""
+    reply = await _call(
+        "GET", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor
+    )
+    return _object(peer_url, reply)
+
+
 # --- HTTP ---------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,11 @@ so a request never bounces between two boxes. The marker is honoured only when i
 bound to the space's hostname and fresh within :data:`MAX_SKEW` seconds. Anything else — no
 token, a wrong MAC, another host's marker, a stale one — is ignored (the proxy strips the header
 from every request before it reaches a space in any case). Comparison is constant-time.
+
+A box signs with ``LCHAT_MESH_TOKEN`` only; it verifies with it and, during a token rotation, with
+``LCHAT_MESH_TOKEN_ACCEPT`` too (both MACs are computed and compared every time; a marker that only
+the accepted value verifies counts in ``lchat_mesh_accept_token_total{use="forwarded"}``, see
+:mod:`lchat.mesh.tokens`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hmac
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from lchat.mesh import tokens
 from lchat.router import Header, RemotePeer
 
 HEADER = b"x-lchat-mesh-forwarded"
@@ -36,8 +42,11 @@ def marker(token: str, host: str, now: Callable[[], float]) -> bytes:
     return f"v1 {stamp} {_mac(token, stamp, host)}".encode("ascii")
 
 
-def authentic(value: bytes | None, token: str, host: str, now: Callable[[], float]) -> bool:
-    """Does ``value`` (the raw header, or None) prove a mesh peer forwarded this request?"""
+def authentic(
+    value: bytes | None, token: str, host: str, now: Callable[[], float], accept: str = ""
+) -> bool:
+    """Does ``value`` (the raw header, or None) prove a mesh peer forwarded this request? It does
+    when its MAC is made with ``token`` or, in a rotation window, with ``accept`` (counted)."""
     if not value or not token or len(value) > 200:
         return False
     try:
@@ -48,7 +57,13 @@ def authentic(value: bytes | None, token: str, host: str, now: Callable[[], floa
         return False
     if abs(now() - int(stamp)) > MAX_SKEW:
         return False
-    return hmac.compare_digest(mac.encode("ascii"), _mac(token, stamp, host).encode("ascii"))
+    given = mac.encode("ascii")
+    expected = _mac(token, stamp, host).encode("ascii")
+    also = _mac(accept, stamp, host).encode("ascii") if accept else b""
+    which = tokens.match(given, expected, also)
+    if which == "accept":
+        tokens.note_accept_use("forwarded")
+    return which is not None
 
 
 def peer_target(peer_url: str, host: str, token: str, now: Callable[[], float]) -> RemotePeer:

@@ -173,7 +173,9 @@ class MeshRouter:
     def route(self, route: Route, head: RequestHead, local: Local) -> Target | Deferred[Target]:
         host = route.host
         if head.forwarded is not None:
-            if forward.authentic(head.forwarded, self._mesh.token, host, now=self._clock):
+            if forward.authentic(
+                head.forwarded, self._mesh.token, host, self._clock, self._mesh.accept_token
+            ):
                 if self._foreign(route) and not self._activator.holds(host):
                     return self._region_down(route)
                 _forwards.labels("local_forwarded").inc()
@@ -197,7 +199,7 @@ class MeshRouter:
         peer = route.lives_at
         retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
         forwarded = head.forwarded is not None and forward.authentic(
-            head.forwarded, self._mesh.token, host, now=self._clock
+            head.forwarded, self._mesh.token, host, self._clock, self._mesh.accept_token
         )
         if forwarded or placement.normalise_member_url(peer) == self._self_url:
             _forwards.labels("elsewhere_loop").inc()

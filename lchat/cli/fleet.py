@@ -1,0 +1,386 @@
+"""``lchat fleet [--json] [--publish URL]``: every live mesh member's spaces in one table.
+
+On any mesh box: read the live members (the heartbeats, as ``lchat mesh`` does), ask each one's
+mesh API for ``GET /api/mesh/spaces`` (bearer ``LCHAT_MESH_TOKEN``, TLS verified as for every
+mesh call, each call bounded by ``--timeout``, all at once), and print the union: each space once,
+reported by the box that owns it (:mod:`lchat.mesh.fleet`). A member that does not answer is a
+line saying so and why, never dropped; this box's registry says roughly how many spaces it owns.
+
+Exit status: 0 every live member answered; 3 the view is partial (a member unreachable, or its
+answer refused: bad token, not lchat, garbage), printed all the same; 1 nothing could be shown
+(no mesh settings, membership unreadable or without a live member, or the publish failed); 2 a
+usage error.
+
+``--publish s3://BUCKET[/PREFIX][?region=R&endpoint=URL]`` (or ``file:PATH``) writes the counts
+only (:func:`lchat.mesh.fleet.publishable`) to ``<PREFIX>/status/fleet.json``, and only on the
+elected box: the live member with the lowest URL (the heartbeat janitor's rule). Any other box
+says it is not elected and exits 0 without asking anyone, so every box can run the same timer
+(``ops/systemd/lchat-fleet-publish.timer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar, cast
+
+from attrs import frozen
+from twisted.internet import defer
+from twisted.internet.defer import Deferred, gatherResults
+from twisted.python.failure import Failure
+
+from lchat.cli.bucket import open_mesh_bucket, open_region_bucket
+from lchat.config import BoxConfig, RegionBucket, mesh_bucket
+from lchat.ledger import parse_ledger_url
+from lchat.mesh import client, fleet
+from lchat.mesh.membership import Member, read_members
+from lchat.mesh.placement import normalise_member_url
+from lchat.objstore import ObjectStoreError
+from lchat.registry import Registry, Route
+
+SUMMARY = "every mesh box's spaces in one table: state, version, awake-since, next-due, lag"
+DEFAULT_TIMEOUT = 5.0  # seconds for each member's answer
+MEMBERS_TIMEOUT = 15.0  # reading the membership from the bucket
+PUBLISH_TIMEOUT = 30.0  # writing status/fleet.json
+PUBLISH_KEY = "status/fleet.json"
+EXIT_PARTIAL = 3
+COLUMNS = ("BOX", "HOST", "STATE", "VERSION", "AWAKE-SINCE", "NEXT-DUE", "LAG")
+
+Say = Callable[[str], None]
+_T = TypeVar("_T")
+
+
+class FleetCliError(Exception):
+    """A refusal or failure: one ``lchat: error:`` line, exit status 1."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the table and totals as JSON")
+    parser.add_argument(
+        "--publish",
+        metavar="BUCKET-URL",
+        help="on the elected box only (the live member with the lowest URL), write the counts "
+        "(no hostnames) to status/fleet.json under s3://BUCKET[/PREFIX][?region=R&endpoint=URL] "
+        "or file:PATH",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long each member may take to answer (default {DEFAULT_TIMEOUT:g})",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 300:
+        raise argparse.ArgumentTypeError("the timeout must be more than 0, at most 300 seconds")
+    return value
+
+
+def run_cli(
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    open_registry: Callable[[BoxConfig], Registry],
+    out: Say,
+    note: Say,
+    fail: Callable[[str], int],
+) -> int:
+    """``lchat fleet``'s handler: a refusal is one ``lchat: error:`` line, exit status 1."""
+    try:
+        return run(args, cfg, open_registry, out, note)
+    except FleetCliError as e:
+        return fail(str(e))
+
+
+def run(
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    open_registry: Callable[[BoxConfig], Registry],
+    out: Say,
+    note: Say,
+) -> int:
+    mesh = cfg.mesh
+    if mesh is None or cfg.hibernate is None:
+        raise FleetCliError(
+            "lchat fleet needs the mesh settings (LCHAT_MESH_SELF, LCHAT_MESH_DOMAINS, "
+            "LCHAT_MESH_TOKEN): pass --env-file /data/router.env"
+        )
+    target = _publish_target(args.publish) if args.publish else None
+    me = normalise_member_url(mesh.self_url)
+    timeout: float = args.timeout
+
+    async def main(reactor: Any) -> tuple[list[Member], fleet.Fleet | None]:
+        try:
+            members = await _members(reactor, cfg)
+        except ObjectStoreError as e:
+            raise FleetCliError(f"could not read the membership from the bucket: {e}") from e
+        if target is not None and not fleet.elected(members, me):
+            return members, None
+        reports = await gatherResults(
+            [Deferred.fromCoroutine(_ask(reactor, cfg, m, timeout)) for m in members]
+        )
+        result = _fleet(cfg, open_registry, members, reports)
+        if target is not None:
+            try:
+                await _publish(reactor, cfg, target[0], result)
+            except ObjectStoreError as e:
+                raise FleetCliError(f"could not write {target[1]}: {e}") from e
+        return members, result
+
+    # Each step is bounded; this is a backstop well past their sum.
+    budget = MEMBERS_TIMEOUT + timeout + PUBLISH_TIMEOUT + 10.0
+    try:
+        members, result = _on_reactor(main, budget)
+    except TimeoutError as e:
+        raise FleetCliError(f"gave up: {e}") from e
+    if result is None:
+        lowest = members[0].url if members else "none"
+        out(
+            f"not elected: the publisher is the live member with the lowest URL ({lowest}), and "
+            f"this box is {me}; nothing written"
+        )
+        return 0
+    if not members:
+        raise FleetCliError(
+            f"no live member in the mesh's heartbeats, not even this box ({me}): is its router "
+            "running? (`lchat mesh` lists the members, dead ones too)"
+        )
+    if target is not None:
+        counts = fleet.publishable(result)
+        out(
+            f"published {target[1]}: {counts['boxes']['live']} live box(es), "
+            f"{counts['boxes']['answered']} answered, {counts['spaces']['total']} space(s)"
+        )
+    elif args.json:
+        out(json.dumps(fleet.as_json(result), indent=2))
+    else:
+        _table(result, me, out)
+    for warning in result.warnings:
+        note(f"warning: {warning}")
+    return 0 if result.complete else EXIT_PARTIAL
+
+
+def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -> _T:
+    """Run ``main(reactor)`` on the global reactor, at most ``budget`` seconds (then
+    :class:`TimeoutError`), from a synchronous caller: started and stopped here, or, when it
+    already runs in another thread (a test), called into. Not on a reactor of its own as ``lchat
+    mesh`` does: an S3 upload's body is paced by Twisted's global cooperator, which only the
+    global reactor runs."""
+    from twisted.internet import reactor
+    from twisted.internet.threads import blockingCallFromThread
+    from twisted.python.threadable import isInIOThread
+
+    r: Any = reactor
+
+    def start() -> Deferred[Any]:
+        d: Deferred[Any] = Deferred.fromCoroutine(main(r))
+        d.addTimeout(budget, r)
+        return d
+
+    try:
+        if r.running:
+            if isInIOThread():
+                raise RuntimeError("lchat fleet would block the reactor's own thread")
+            result: _T = cast(_T, blockingCallFromThread(r, start))
+            return result
+        outcome: list[Any] = []
+
+        def run() -> None:
+            d = start()
+
+            def done(value: object) -> None:
+                outcome.append(value)
+                r.stop()
+
+            d.addBoth(done)
+
+        r.callWhenRunning(run)
+        r.run()
+    except defer.TimeoutError as e:
+        raise TimeoutError(f"not finished within {budget:g}s") from e
+    if not outcome:
+        raise KeyboardInterrupt  # the reactor stopped on a signal
+    value = outcome[0]
+    if isinstance(value, Failure):
+        if value.check(defer.TimeoutError):
+            raise TimeoutError(f"not finished within {budget:g}s")
+        value.raiseException()
+    done_value: _T = value
+    return done_value
+
+
+@frozen
+class _Target:
+    where: RegionBucket
+    key: str
+
+
+def _publish_target(url: str) -> tuple[_Target, str]:
+    """The ``--publish`` URL: where, and its text for messages."""
+    try:
+        parsed = parse_ledger_url(url)
+    except ValueError as e:
+        raise FleetCliError(f"--publish: {e}") from None
+    where = RegionBucket(
+        region="",
+        bucket=parsed.bucket,
+        prefix=parsed.prefix,
+        s3_region=parsed.region,
+        endpoint=parsed.endpoint,
+    )
+    key = where.key(PUBLISH_KEY)
+    shown = (
+        f"{where.bucket}/{key}"
+        if where.bucket.startswith("file:")
+        else f"s3://{where.bucket}/{key}"
+    )
+    return _Target(where, key), shown
+
+
+async def _members(reactor: Any, cfg: BoxConfig) -> list[Member]:
+    mesh = cfg.mesh
+    assert mesh is not None
+    store = await open_mesh_bucket(reactor, cfg)
+    try:
+        read: Deferred[list[Member]] = Deferred.fromCoroutine(
+            read_members(
+                store, mesh_bucket(cfg), dead_after=mesh.dead_after, self_url=mesh.self_url
+            )
+        )
+        read.addTimeout(MEMBERS_TIMEOUT, reactor)
+        try:
+            return await read
+        except TimeoutError as e:
+            raise ObjectStoreError(f"no answer within {MEMBERS_TIMEOUT:g}s") from e
+    finally:
+        await store.close()
+
+
+async def _ask(reactor: Any, cfg: BoxConfig, member: Member, timeout: float) -> fleet.BoxReport:  # noqa: ASYNC109 -- bounded by the mesh client's addTimeout
+    """One member's answer, or why there is none; never raises."""
+    mesh = cfg.mesh
+    assert mesh is not None
+
+    def report(outcome: fleet.Outcome, error: str = "", answer: Any = None) -> fleet.BoxReport:
+        return fleet.BoxReport(
+            url=member.url,
+            region=member.region,
+            outcome=outcome,
+            error=error,
+            answer=answer,
+            is_self=member.self,
+        )
+
+    try:
+        body = await client.get_json(
+            member.url,
+            mesh.token,
+            fleet.SPACES_PATH,
+            ca_file=mesh.ca_file,
+            timeout=timeout,
+            reactor=reactor,
+        )
+    except client.MeshCallError as e:
+        why = str(e).removeprefix(f"{member.url}: ")
+        if e.status is None:
+            return report("unreachable", why)
+        if e.status == 401:
+            why += " (its LCHAT_MESH_TOKEN differs from this box's: a rotation half done?)"
+        elif e.status == 404:
+            why += " (an lchat without fleet status? upgrade it)"
+        return report("error", why)
+    try:
+        return report("ok", answer=fleet.parse_answer(body))
+    except fleet.BadAnswer as e:
+        return report("error", f"answered nonsense: {e}")
+
+
+def _fleet(
+    cfg: BoxConfig,
+    open_registry: Callable[[BoxConfig], Registry],
+    members: list[Member],
+    reports: list[fleet.BoxReport],
+) -> fleet.Fleet:
+    """The aggregation, with estimates for the members that did not answer from this box's own
+    registry (when it can be read)."""
+    mesh = cfg.mesh
+    assert mesh is not None
+    missing = [r.url for r in reports if r.outcome != "ok"]
+    unreported: dict[str, int] = {}
+    if missing:
+        routes: Iterable[Route] = ()
+        with contextlib.suppress(Exception):  # an estimate only: without a registry, none shown
+            routes = open_registry(cfg).load()
+        unreported = fleet.registry_counts(
+            routes, normalise_member_url(mesh.self_url), members, mesh.domains, missing
+        )
+    return fleet.aggregate(reports, time.time(), unreported)
+
+
+async def _publish(reactor: Any, cfg: BoxConfig, where: _Target, result: fleet.Fleet) -> None:
+    body = json.dumps(fleet.publishable(result), indent=2, sort_keys=True).encode() + b"\n"
+    store = await open_region_bucket(reactor, cfg, where.where)
+    try:
+        put: Deferred[Any] = Deferred.fromCoroutine(
+            store.put(where.key, body, content_type="application/json")
+        )
+        put.addTimeout(PUBLISH_TIMEOUT, reactor)
+        try:
+            await put
+        except TimeoutError as e:
+            raise ObjectStoreError(f"no answer within {PUBLISH_TIMEOUT:g}s", where.key) from e
+    finally:
+        await store.close()
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def _table(result: fleet.Fleet, me: str, out: Say) -> None:
+    rows = [COLUMNS]
+    for row in result.rows:
+        space = row.space
+        state = space.state
+        if space.process is not None and space.process != "ready":
+            state += f" ({space.process})"
+        if row.running_on:
+            state += f" on {row.running_on}"
+        rows.append(
+            (
+                row.box,
+                space.host,
+                state,
+                space.version or "-",
+                fleet.utc(space.awake_since) or "-",
+                fleet.utc(space.next_due) or "-",
+                "-" if space.lag is None else f"{space.lag:.1f}s",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    for r in rows:
+        out("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    out("")
+    for box in result.boxes:
+        name = box.url + (" (this box)" if box.is_self else "")
+        if box.outcome == "ok":
+            states = ", ".join(f"{n} {state}" for state, n in box.by_state.items())
+            out(f"{name}: {box.spaces} space(s)" + (f": {states}" if states else ""))
+            continue
+        what = "unreachable" if box.outcome == "unreachable" else "error"
+        line = f"{name}: {what}: {box.error}"
+        if box.unreported:
+            line += f"; about {box.unreported} space(s) it owns are not shown (this box's registry)"
+        out(line)
+    answered = sum(1 for b in result.boxes if b.outcome == "ok")
+    out(
+        f"total: {len(result.rows)} space(s) on {len(result.boxes)} live box(es), "
+        f"{answered} answered" + ("" if result.complete else " (partial: exit status 3)")
+    )

@@ -1,0 +1,431 @@
+"""``lchat release fetch|list|publish|keygen``, ``lchat deploy`` and ``lchat rollback``: space
+builds from the signed feed, and switching this box's spaces between them
+(lchat.release; docs/operations.md, "Releases" and "Deploys and rollbacks")."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from lchat import hosts as hostnames
+from lchat.config import BoxConfig
+from lchat.objstore import ObjectStore, ObjectStoreError
+from lchat.registry import Registry
+from lchat.release import deploy as deploy_mod
+from lchat.release import feed as feedlib
+from lchat.release import settings as settings_mod
+from lchat.release.deploy import Deployer, DeployError, RouterRestarter, SystemdRestarter
+from lchat.release.feed import FeedError
+from lchat.release.fetch import BucketSource, FeedSource, Fetcher, HttpSource, http_client
+from lchat.release.layout import BadVersion
+from lchat.release.publish import BucketTarget, DirectoryTarget, PublishTarget, publish
+from lchat.release.settings import ReleaseSettings, SettingsError
+
+RELEASE_SUMMARY = "fetch, list and publish space builds from the signed release feed"
+DEPLOY_SUMMARY = "switch spaces on this box to an installed build (canary, then all)"
+ROLLBACK_SUMMARY = "return spaces to the build they ran before their last deploy"
+DEFAULT_TIMEOUT = 30.0
+
+Out = Callable[[str], None]
+Fail = Callable[[str], int]
+LoadConfig = Callable[[argparse.Namespace], BoxConfig]
+OpenRegistry = Callable[[BoxConfig], Registry]
+
+ERRORS = (FeedError, DeployError, SettingsError, ObjectStoreError, BadVersion)
+Run = Callable[[argparse.Namespace, LoadConfig, OpenRegistry, Out], int]
+
+
+def handler(
+    run: Run, load_config: LoadConfig, open_registry: OpenRegistry, out: Out, fail: Fail
+) -> Callable[[argparse.Namespace], int]:
+    """``run`` as a command handler: this module's refusals become one ``lchat: error:`` line."""
+
+    def handle(args: argparse.Namespace) -> int:
+        try:
+            return run(args, load_config, open_registry, out)
+        except ERRORS as e:
+            return fail(str(e))
+
+    return handle
+
+
+# --- arguments -------------------------------------------------------------------------------------
+
+
+def add_release_arguments(
+    parser: argparse.ArgumentParser, add_common: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    actions = parser.add_subparsers(dest="release_action", metavar="<action>", required=True)
+    sub = actions.add_parser("fetch", help="download, verify and install a build")
+    add_common(sub)
+    sub.add_argument("version", help="the version to install into <opt>/versions/")
+    sub = actions.add_parser("list", help="installed builds, the hosts on each, and the feed's")
+    add_common(sub)
+    sub.add_argument("--offline", action="store_true", help="do not read the feed")
+    sub = actions.add_parser("publish", help="(release host) add a build to the feed and sign it")
+    add_common(sub)
+    sub.add_argument("version", help="the new version's name")
+    sub.add_argument("directory", help="the build: a directory with 'space' (and 'space-bot')")
+    sub.add_argument("--key", required=True, metavar="FILE", help="the Ed25519 private key (PEM)")
+    sub.add_argument("--to", metavar="DIR", help="write into DIR (served as LCHAT_RELEASE_URL)")
+    sub.add_argument(
+        "--mirror",
+        action="store_true",
+        help="upload to the S3 mirror (LCHAT_RELEASE_MIRROR_URL)",
+    )
+    sub = actions.add_parser("keygen", help="(release host) make a signing key pair")
+    add_common(sub)
+    sub.add_argument("--out", required=True, metavar="FILE", help="where to write the private key")
+
+
+def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("version", help="an installed version (lchat release fetch)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--canary", metavar="HOST", help="deploy to this one space first")
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="every space registered on this box, then the box's default build (live/_default)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="spaces switched together with --all (default 1); a failed batch stops the rollout",
+    )
+    _timeout(parser)
+
+
+def add_rollback_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("host", nargs="?", help="the space to roll back")
+    which.add_argument("--all", action="store_true", help="every space with a previous version")
+    _timeout(parser)
+
+
+def _timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long an always-on space has to answer after its restart (default "
+        f"{DEFAULT_TIMEOUT:g})",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+# --- release -------------------------------------------------------------------------------------
+
+
+def run_release(
+    args: argparse.Namespace, load_config: LoadConfig, open_registry: OpenRegistry, out: Out
+) -> int:
+    if args.release_action == "keygen":
+        return _keygen(args.out, out)
+    cfg = load_config(args)
+    settings = settings_mod.read(cfg.file_env)
+    if args.release_action == "publish":
+        return _publish(args, cfg, settings, out)
+    if args.release_action == "list":
+        return _list(args, cfg, settings, open_registry, out)
+    return _fetch(args.version, cfg, settings, out)
+
+
+def _keygen(path: str, out: Out) -> int:
+    key = Ed25519PrivateKey.generate()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise FeedError(f"{path} exists: refusing to overwrite a key") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(feedlib.private_key_pem(key))
+        os.fsync(f.fileno())
+    out(f"private key written to {path} (mode 0600): keep it on the release host only")
+    out(f"LCHAT_RELEASE_PUBKEY={feedlib.public_key_text(key.public_key())}")
+    return 0
+
+
+def _pubkey(cfg: BoxConfig, settings: ReleaseSettings) -> Any:
+    if not settings.pubkey:
+        raise SettingsError(
+            f"LCHAT_RELEASE_PUBKEY is not set (in {cfg.env_file}): without it no feed can be "
+            "verified"
+        )
+    return feedlib.public_key_from_text(settings.pubkey)
+
+
+async def _mirror_store(reactor: Any, cfg: BoxConfig, settings: ReleaseSettings) -> ObjectStore:
+    from lchat.cli.bucket import open_region_bucket
+
+    assert settings.mirror is not None
+    return await open_region_bucket(reactor, cfg, settings.mirror)
+
+
+async def _fetcher(
+    reactor: Any, cfg: BoxConfig, settings: ReleaseSettings
+) -> tuple[Fetcher, list[ObjectStore]]:
+    pubkey = _pubkey(cfg, settings)
+    primary: FeedSource | None = (
+        HttpSource(settings.url, http_client(reactor), reactor) if settings.url else None
+    )
+    mirror: FeedSource | None = None
+    stores = []
+    if settings.mirror is not None:
+        store = await _mirror_store(reactor, cfg, settings)
+        stores.append(store)
+        mirror = BucketSource(store, settings.mirror.prefix, settings.mirror_url)
+    fetcher = Fetcher(
+        layout=settings.layout,
+        pubkey=pubkey,
+        state_file=settings.state_file,
+        primary=primary,
+        mirror=mirror,
+    )
+    return fetcher, stores
+
+
+def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
+    from lchat.cli.replica import _run_on_reactor
+    from lchat.release.layout import check_version
+
+    check_version(version)
+    _pubkey(cfg, settings)  # refuse before any network
+
+    async def main(reactor: Any) -> tuple[str, str, str]:
+        fetcher, stores = await _fetcher(reactor, cfg, settings)
+        try:
+            what, release, source = await fetcher.fetch(version)
+        finally:
+            for store in stores:
+                await store.close()
+        return what, source, settings.layout.build_dir(release.version)
+
+    what, source, where = _run_on_reactor(main)
+    out(f"{version}: {what} in {where} (feed from the {source})")
+    return 0
+
+
+def _list(
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    settings: ReleaseSettings,
+    open_registry: OpenRegistry,
+    out: Out,
+) -> int:
+    from lchat.cli.replica import _run_on_reactor
+
+    layout = settings.layout
+    feed_versions: dict[str, str] = {}
+    feed_line = "feed: not read (--offline)"
+    if not args.offline:
+
+        async def main(reactor: Any) -> tuple[feedlib.Feed, str]:
+            fetcher, stores = await _fetcher(reactor, cfg, settings)
+            try:
+                feed, source, _ = await fetcher.feed()
+            finally:
+                for store in stores:
+                    await store.close()
+            return feed, source
+
+        feed, source = _run_on_reactor(main)
+        feed_versions = {v: r.released_at for v, r in feed.versions.items()}
+        feed_line = f"feed: feed_version {feed.feed_version} from the {source}"
+    routes = [r for r in open_registry(cfg).load() if r.kind == "instance" and not r.elsewhere]
+    on: dict[str, list[str]] = {}
+    for route in routes:
+        version = layout.version_of(route.host)
+        if version is not None:
+            on.setdefault(version, []).append(route.host)
+    installed = set(layout.installed())
+    rows = [("VERSION", "INSTALLED", "HOSTS", "IN-FEED", "RELEASED")]
+    for version in sorted(installed | set(feed_versions) | set(on)):
+        rows.append(
+            (
+                version,
+                "yes" if version in installed else "no",
+                str(len(on.get(version, []))),
+                "yes" if version in feed_versions else ("?" if args.offline else "no"),
+                feed_versions.get(version) or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    out(feed_line)
+    return 0
+
+
+def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
+    from lchat.cli.replica import _run_on_reactor
+
+    if not args.to and not args.mirror:
+        raise FeedError("give --to DIR and/or --mirror: nowhere to publish to")
+    if args.mirror and settings.mirror is None:
+        raise SettingsError("--mirror: LCHAT_RELEASE_MIRROR_URL is not set")
+    try:
+        with open(args.key, "rb") as f:
+            key = feedlib.load_private_key(f.read(), args.key)
+    except OSError as e:
+        raise FeedError(f"--key {args.key}: {e.strerror or e}") from None
+    if not os.path.isdir(args.directory):
+        raise FeedError(f"{args.directory} is not a directory")
+    to = os.path.abspath(args.to) if args.to else None
+
+    async def main(reactor: Any) -> feedlib.Feed:
+        targets: list[PublishTarget] = []
+        stores = []
+        if to is not None:
+            targets.append(DirectoryTarget(to))
+        if args.mirror:
+            assert settings.mirror is not None
+            store = await _mirror_store(reactor, cfg, settings)
+            stores.append(store)
+            targets.append(BucketTarget(store, settings.mirror.prefix, settings.mirror_url))
+        try:
+            return await publish(
+                args.version, args.directory, key, targets, datetime.datetime.now(datetime.UTC)
+            )
+        finally:
+            for store in stores:
+                await store.close()
+
+    feed = _run_on_reactor(main)
+    where = " and ".join(filter(None, [args.to, settings.mirror_url if args.mirror else ""]))
+    out(
+        f"published {args.version} as feed_version {feed.feed_version} to {where} "
+        f"({len(feed.versions)} versions listed)"
+    )
+    return 0
+
+
+# --- deploy and rollback -------------------------------------------------------------------------
+
+
+def _deployer(
+    args: argparse.Namespace, cfg: BoxConfig, registry: Registry, out: Out
+) -> tuple[Deployer, list[str]]:
+    settings = settings_mod.read(cfg.file_env)
+    runs = cfg.space_command[0] if cfg.space_command else ""
+    expected = settings.layout.live_link("{host}")
+    if os.path.normpath(runs) != expected:
+        raise DeployError(
+            f"LCHAT_SPACE_COMMAND runs {runs!r}, not {expected}: switching live links would "
+            "change nothing this router runs (set LCHAT_SPACE_COMMAND, or LCHAT_OPT_DIR)"
+        )
+    routes = {r.host: r for r in registry.load() if r.kind == "instance" and not r.elsewhere}
+    restarter: Any
+    if cfg.units == "systemd":
+        restarter = SystemdRestarter()
+    else:
+        restarter = RouterRestarter(cfg.admin_socket)
+    if not 0 < args.timeout < 86400:
+        raise DeployError("--timeout must be between 0 and 86400 seconds")
+    deployer = Deployer(
+        layout=settings.layout,
+        data_dir=cfg.data_dir,
+        routes=routes,
+        restarter=restarter,
+        out=out,
+        timeout=args.timeout,
+        awake=lambda host: _activator_state(cfg, host) in ("waking", "awake", "stopping"),
+    )
+    return deployer, sorted(routes)
+
+
+def _activator_state(cfg: BoxConfig, host: str) -> str | None:
+    """The running router's activator state of ``host`` (None: not known)."""
+    from lchat.cli import admin_client
+
+    try:
+        entry = admin_client.status(cfg.admin_socket, timeout=3.0).json()["hosts"][host]
+    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, KeyError, TypeError):
+        return None
+    state = entry.get("state") if isinstance(entry, dict) else None
+    return state if isinstance(state, str) else None
+
+
+def _need_router(cfg: BoxConfig, deployer: Deployer, hosts: list[str]) -> None:
+    restarter = deployer.restarter
+    if not isinstance(restarter, RouterRestarter):
+        return
+    if any(not deployer.route(h).hibernate for h in hosts) and not restarter.reachable():
+        raise DeployError(
+            f"the router does not answer on {cfg.admin_socket}, and always-on spaces are "
+            "restarted by it (LCHAT_UNITS=builtin): start it, then deploy; nothing changed"
+        )
+
+
+def run_deploy(
+    args: argparse.Namespace, load_config: LoadConfig, open_registry: OpenRegistry, out: Out
+) -> int:
+    cfg = load_config(args)
+    deployer, every = _deployer(args, cfg, open_registry(cfg), out)
+    hosts = [hostnames.normalise(args.canary)] if args.canary else every
+    for host in hosts:
+        deployer.route(host)
+    deploy_mod.check_installed(deployer.layout, args.version)
+    if not hosts:  # --all on a box with no space yet: only its default build
+        out("no spaces are registered on this box yet")
+        deployer.set_default(args.version)
+        return 0
+    _need_router(cfg, deployer, hosts)
+    code = deployer.deploy(
+        args.version, hosts, canary=bool(args.canary), batch=1 if args.canary else args.batch
+    )
+    if code == 0 and args.all:
+        deployer.set_default(args.version)  # after the rollout: a failed one leaves it alone
+    return code
+
+
+def run_rollback(
+    args: argparse.Namespace, load_config: LoadConfig, open_registry: OpenRegistry, out: Out
+) -> int:
+    cfg = load_config(args)
+    deployer, every = _deployer(args, cfg, open_registry(cfg), out)
+    if args.all:
+        states = deploy_mod.read_states(deployer.layout)
+        hosts = [h for h in every if h in states and states[h].previous is not None]
+        if not hosts:
+            raise DeployError("no space on this box has a previous version to return to")
+    else:
+        hosts = [hostnames.normalise(args.host)]
+        deployer.route(hosts[0])
+    _need_router(cfg, deployer, hosts)
+    return deployer.rollback(hosts)
+
+
+# --- lchat instances ------------------------------------------------------------------------------
+
+
+def live_versions(cfg: BoxConfig, hosts: list[str]) -> dict[str, tuple[str | None, bool]]:
+    """Each host's build on this box (its ``live/<host>`` link) and whether a ``--canary``
+    deploy put it there; empty when LCHAT_OPT_DIR is unusable (``instances`` must still work)."""
+    try:
+        layout = settings_mod.read(cfg.file_env).layout
+    except SettingsError:
+        return {}
+    states = deploy_mod.read_states(layout)
+    result = {}
+    for host in hosts:
+        version = layout.version_of(host)
+        state = states.get(host)
+        canary = state is not None and state.canary and state.version == version
+        result[host] = (version, canary)
+    return result

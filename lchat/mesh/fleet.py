@@ -1,0 +1,652 @@
+"""Fleet status (docs/operations.md, "Fleet status"): every mesh box's spaces, each counted once.
+
+Every router serves ``GET /api/mesh/spaces`` (:data:`SPACES_PATH`) on its mesh API (bearer
+``LCHAT_MESH_TOKEN``, :mod:`lchat.mesh.api`): the spaces *this box reports*, and ``lchat fleet``
+(:mod:`lchat.cli.fleet`) asks every live member for its list and prints the union.
+
+The ownership rule (:func:`reporter`), the same on every box, so that the union over the boxes
+counts every space exactly once while they agree on the membership view:
+
+- an always-on instance (``hibernate`` off, not a "lives elsewhere" row) is reported by the box
+  that runs it, the only one with that row (its peers hold a lives-elsewhere row naming it,
+  which they never report);
+- a hibernating instance in the mesh's placement scope (under ``LCHAT_MESH_DOMAINS``, or with a
+  ``home_region``) is reported by its owner by rendezvous hashing over the live members
+  (:func:`lchat.mesh.placement.owner`, the rule of due wakes and of ``lchat mesh``), whatever box
+  it happens to be awake on; with no live member at all, by the box itself;
+- any other hibernating instance lives on this box alone and is reported here;
+- services are not spaces, and are never reported.
+
+A space awake on a box that does not own it (it stays where it woke until it sleeps, after a
+membership change) would look asleep in its owner's list: its holder lists it under
+``visiting`` (host, state, times, lag, owner), which the aggregation (:func:`aggregate`) lays over
+the owner's row. Visiting entries are never counted by themselves, so the count stays exact.
+
+Answer of ``GET /api/mesh/spaces`` (200, JSON)::
+
+    {"box": "https://box-1.example.net", "region": "ie", "lchat": "0.1.0",
+     "generated_at": 1789000000.0, "members": ["https://box-1.example.net", ...],
+     "spaces": [{"host": "a.chat.example.com", "state": "awake", "version": "1.4.0",
+                 "awake_since": 1788990000, "next_due": null, "lag": 0.2, "process": null,
+                 "home_region": ""}, ...],
+     "visiting": [{... the same fields ..., "owner": "https://box-2.example.net"}, ...]}
+
+``state`` is the activator's (``asleep``, ``waking``, ``awake``, ``stopping``) for a hibernating
+space and ``always-on`` for the others (``process``: their supervisor's state when the router
+runs them itself, ``ready``, ``starting``, ``backoff``, ``failed``...; null under systemd).
+``version``: the build ``<LCHAT_OPT_DIR>/live/<host>`` points into
+(:meth:`lchat.release.layout.BuildLayout.version_of`), null when it has none. ``awake_since``:
+unix seconds, null unless awake (always-on: ready). ``next_due``: unix seconds, null when none.
+``lag``: seconds since the oldest commit not yet in the bucket (the hibernation replica of an
+awake space, the fleet backup's of an always-on one), null when nothing replicates it here (an
+asleep space was flushed when it slept). ``members``: the live view the ownership was computed
+from, so that the caller can tell when boxes disagree.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+from attrs import frozen
+
+import lchat
+from lchat import hosts
+from lchat.config import BoxConfig
+from lchat.mesh import placement
+from lchat.registry import Route
+from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
+
+SPACES_PATH = "/api/mesh/spaces"
+SCHEMA = 1  # of the published document (publishable)
+ALWAYS_ON = "always-on"
+HIBERNATING_STATES = ("asleep", "waking", "awake", "stopping")
+MAX_STATE = 32  # a peer's state or process label longer than this is not one
+MAX_VERSION = 64  # BuildLayout's version names are at most 64 characters
+REGION_UNSET = "default"  # the published key of members without LCHAT_MESH_REGION
+
+Outcome = Literal["ok", "unreachable", "error"]
+
+
+def opt_dir(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) -> str:
+    """``LCHAT_OPT_DIR`` (the process environment wins over the env file, as for every setting),
+    else ``/opt/lchat``."""
+    environ = os.environ if environ is None else environ
+    value = (environ.get("LCHAT_OPT_DIR") or file_env.get("LCHAT_OPT_DIR") or "").strip()
+    return value or DEFAULT_OPT_DIR
+
+
+# --- the ownership rule (pure) ------------------------------------------------------------------
+
+
+def reporter(
+    route: Route, me: str, live: Sequence[placement.Candidate], domains: Sequence[str]
+) -> str | None:
+    """The normalised URL of the box that reports ``route`` under the rule in the module
+    docstring, as ``me`` (this box's normalised URL) sees it with the live members ``live``;
+    None when the row is no space to report (a service, or a peer's always-on space)."""
+    if route.kind != "instance" or route.elsewhere:
+        return None
+    if not route.hibernate:
+        return me
+    if not (route.home_region or placement.in_scope(route.host, domains)):
+        return me
+    chosen = placement.owner(route.host, live, route.home_region)
+    return placement.normalise_member_url(chosen.url) if chosen is not None else me
+
+
+# --- the serving side ---------------------------------------------------------------------------
+
+
+@frozen
+class _Held:
+    """What the activator says of a hibernating space it holds (waking, awake or stopping)."""
+
+    state: str
+    since: float  # unix seconds it entered ``state``
+    lag: float | None
+    lost: bool  # standing down: its lease went to another box
+
+
+@frozen
+class _Running:
+    """An always-on space's process, as the builtin supervisor sees it."""
+
+    state: str
+    since: float  # reactor (unix) seconds of its last state change
+
+
+class SpacesView:
+    """The answer of ``GET /api/mesh/spaces`` on one router (see the module docstring).
+
+    :meth:`snapshot` runs on the reactor and copies what the activator, the membership, the
+    supervisor and the backup know (none of them is thread-safe); the function it returns runs in
+    a worker thread and adds what needs the disk (each space's live link). Reads only."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],  # unix seconds: the reactor's
+        cfg: BoxConfig,
+        table: Callable[[], Iterable[Route]],  # the router's current route table
+        activator: Any,  # lchat.hibernation.activator.Activator: status(), lease_lost(host)
+        live: Callable[[], Sequence[placement.Candidate]],  # Membership.live
+        *,
+        children: Callable[[], Mapping[str, Any]] | None = None,  # Supervisor.status (builtin)
+        backup: Callable[[], Mapping[str, Any]] | None = None,  # Backup.status (fleet backup)
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        if cfg.mesh is None:
+            raise ValueError("fleet status needs the mesh (LCHAT_MESH_SELF)")
+        self._clock = clock
+        self._me = placement.normalise_member_url(cfg.mesh.self_url)
+        self._region = cfg.mesh.region
+        self._domains = cfg.mesh.domains
+        self._table = table
+        self._activator = activator
+        self._live = live
+        self._children = children
+        self._backup = backup
+        self._layout = BuildLayout(opt_dir(cfg.file_env, environ))
+
+    def snapshot(self) -> Callable[[], dict[str, Any]]:
+        """On the reactor: copy the state; returns the (blocking) rest, for a worker thread."""
+        now = self._clock()
+        routes = list(self._table())
+        live = list(self._live())
+        held: dict[str, _Held] = {}
+        for host, entry in self._activator.status().items():
+            since = now - _number(entry.get("for"), 0.0)
+            held[host] = _Held(
+                state=str(entry.get("state") or "awake"),
+                since=since,
+                lag=_optional_number(entry.get("lag")),
+                lost=bool(self._activator.lease_lost(host)),
+            )
+        running: dict[str, _Running] = {}
+        if self._children is not None:
+            for host, child in self._children().items():
+                running[host] = _Running(state=str(child.state), since=float(child.since))
+        backup_lag = _backup_lags(self._backup() if self._backup is not None else {})
+
+        def finish() -> dict[str, Any]:
+            return self._answer(now, routes, live, held, running, backup_lag)
+
+        return finish
+
+    def _answer(
+        self,
+        now: float,
+        routes: list[Route],
+        live: list[Any],
+        held: Mapping[str, _Held],
+        running: Mapping[str, _Running],
+        backup_lag: Mapping[str, float],
+    ) -> dict[str, Any]:
+        spaces: list[dict[str, Any]] = []
+        visiting: list[dict[str, Any]] = []
+        for route in sorted(routes, key=lambda r: r.host):
+            owner = reporter(route, self._me, live, self._domains)
+            if owner is None:
+                continue
+            here = held.get(route.host)
+            if owner == self._me:
+                spaces.append(self._entry(route, now, here, running, backup_lag))
+            elif route.hibernate and here is not None and not here.lost:
+                visiting.append(
+                    self._entry(route, now, here, running, backup_lag) | {"owner": owner}
+                )
+        return {
+            "box": self._me,
+            "region": self._region,
+            "lchat": lchat.__version__,
+            "generated_at": round(now, 3),
+            "members": sorted(placement.normalise_member_url(m.url) for m in live),
+            "spaces": spaces,
+            "visiting": visiting,
+        }
+
+    def _entry(
+        self,
+        route: Route,
+        now: float,
+        here: _Held | None,
+        running: Mapping[str, _Running],
+        backup_lag: Mapping[str, float],
+    ) -> dict[str, Any]:
+        process: str | None = None
+        awake_since: float | None = None
+        lag: float | None = None
+        if route.hibernate:
+            state = here.state if here is not None else "asleep"
+            if here is not None:
+                lag = here.lag
+                if state == "awake":
+                    awake_since = here.since
+        else:
+            state = ALWAYS_ON
+            child = running.get(route.host)
+            if child is not None:
+                process = child.state
+                if child.state == "ready":
+                    awake_since = child.since
+            lag = backup_lag.get(route.host)
+        return {
+            "host": route.host,
+            "state": state,
+            "version": self._layout.version_of(route.host),
+            "awake_since": int(awake_since) if awake_since is not None else None,
+            "next_due": route.next_due if route.hibernate and route.next_due > 0 else None,
+            "lag": round(lag, 3) if lag is not None else None,
+            "process": process,
+            "home_region": route.home_region,
+        }
+
+
+def _backup_lags(status: Mapping[str, Any]) -> dict[str, float]:
+    """host -> the largest lag of its databases in the fleet backup's ``status()``."""
+    lags: dict[str, float] = {}
+    databases = status.get("databases")
+    if not isinstance(databases, Mapping):
+        return lags
+    for entry in databases.values():
+        if not isinstance(entry, Mapping):
+            continue
+        host, lag = entry.get("host"), _optional_number(entry.get("lag"))
+        if isinstance(host, str) and lag is not None:
+            lags[host] = max(lag, lags.get(host, 0.0))
+    return lags
+
+
+def _number(value: object, default: float) -> float:
+    found = _optional_number(value)
+    return default if found is None else found
+
+
+def _optional_number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+# --- the calling side: parsing a peer's answer --------------------------------------------------
+
+
+class BadAnswer(ValueError):
+    """A peer's ``GET /api/mesh/spaces`` answer that is not one; the message says what is off."""
+
+
+@frozen
+class Space:
+    """One space as one box reported it (``owner``: set on a visiting entry only)."""
+
+    host: str
+    state: str
+    version: str | None = None
+    awake_since: int | None = None
+    next_due: int | None = None
+    lag: float | None = None
+    process: str | None = None
+    home_region: str = ""
+    owner: str = ""
+
+
+@frozen
+class BoxAnswer:
+    """A member's answer, checked."""
+
+    box: str
+    region: str
+    members: tuple[str, ...]
+    spaces: tuple[Space, ...]
+    visiting: tuple[Space, ...]
+
+
+def parse_answer(body: object) -> BoxAnswer:
+    """Check a decoded answer field by field (hostile peers included); :class:`BadAnswer`."""
+    if not isinstance(body, dict):
+        raise BadAnswer("the answer is not a JSON object")
+    box = _member(body.get("box"), "box")
+    region = body.get("region", "")
+    if not isinstance(region, str) or len(region) > 64:
+        raise BadAnswer("region is not a short string")
+    members = body.get("members")
+    if not isinstance(members, list):
+        raise BadAnswer("members is not a list")
+    spaces = body.get("spaces")
+    visiting = body.get("visiting", [])
+    if not isinstance(spaces, list) or not isinstance(visiting, list):
+        raise BadAnswer("spaces and visiting must be lists")
+    return BoxAnswer(
+        box=box,
+        region=region,
+        members=tuple(_member(m, "members") for m in members),
+        spaces=tuple(_space(s, visiting=False) for s in spaces),
+        visiting=tuple(_space(s, visiting=True) for s in visiting),
+    )
+
+
+def _member(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        raise BadAnswer(f"{field}: not a member URL")
+    try:
+        return placement.normalise_member_url(value)
+    except ValueError as e:
+        raise BadAnswer(f"{field}: {e}"[:200]) from None
+
+
+def _space(value: object, *, visiting: bool) -> Space:
+    if not isinstance(value, dict):
+        raise BadAnswer("a space is not a JSON object")
+    host = value.get("host")
+    if not isinstance(host, str):
+        raise BadAnswer("a space has no host")
+    try:
+        host = hosts.normalise(host)
+    except hosts.InvalidHost as e:
+        raise BadAnswer(f"space host: {e}"[:200]) from None
+    state = _label(value.get("state"), f"{host}: state", MAX_STATE)
+    if state is None:
+        raise BadAnswer(f"{host}: no state")
+    home_region = value.get("home_region", "")
+    if not isinstance(home_region, str) or len(home_region) > 64:
+        raise BadAnswer(f"{host}: home_region is not a short string")
+    return Space(
+        host=host,
+        state=state,
+        version=_label(value.get("version"), f"{host}: version", MAX_VERSION),
+        awake_since=_seconds(value.get("awake_since"), f"{host}: awake_since"),
+        next_due=_seconds(value.get("next_due"), f"{host}: next_due"),
+        lag=_lag(value.get("lag"), host),
+        process=_label(value.get("process"), f"{host}: process", MAX_STATE),
+        home_region=home_region,
+        owner=_member(value.get("owner"), f"{host}: owner") if visiting else "",
+    )
+
+
+def _label(value: object, what: str, limit: int) -> str | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > limit
+        or not value.isprintable()
+        or value != value.strip()
+    ):
+        raise BadAnswer(f"{what} is not a short printable label")
+    return value
+
+
+def _seconds(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
+        raise BadAnswer(f"{what} is not unix seconds")
+    return value
+
+
+def _lag(value: object, host: str) -> float | None:
+    if value is None:
+        return None
+    lag = _optional_number(value)
+    if lag is None or lag < 0:
+        raise BadAnswer(f"{host}: lag is not a number of seconds")
+    return lag
+
+
+# --- the calling side: the fleet ----------------------------------------------------------------
+
+
+@frozen
+class BoxReport:
+    """One live member as ``lchat fleet`` saw it: its answer, or why there is none."""
+
+    url: str  # normalised
+    region: str  # from its heartbeat
+    outcome: Outcome
+    error: str = ""
+    answer: BoxAnswer | None = None
+    is_self: bool = False
+
+
+@frozen
+class Row:
+    """One space in the fleet table: ``box`` reports it; ``running_on`` is the box it is awake on
+    when that is another (a visiting entry laid over the owner's row)."""
+
+    box: str
+    space: Space
+    running_on: str = ""
+
+
+@frozen
+class BoxTotal:
+    """One live member's line under the table: its outcome and what it reports, by state."""
+
+    url: str
+    region: str
+    outcome: Outcome
+    error: str
+    is_self: bool
+    spaces: int
+    by_state: Mapping[str, int]
+    unreported: int | None = None  # unanswered: what this box's registry says it owns
+
+
+@frozen
+class Fleet:
+    generated_at: float  # unix seconds
+    rows: tuple[Row, ...]
+    boxes: tuple[BoxTotal, ...]
+    conflicts: Mapping[str, tuple[str, ...]]  # host -> every box that reported it
+    warnings: tuple[str, ...]
+
+    @property
+    def complete(self) -> bool:
+        """Every live member answered."""
+        return all(b.outcome == "ok" for b in self.boxes)
+
+
+def aggregate(
+    reports: Sequence[BoxReport],
+    now: float,
+    unreported: Mapping[str, int] | None = None,
+) -> Fleet:
+    """The union of the members' answers, each space once.
+
+    A host reported by two boxes (their membership views differ for a moment) is kept once, from
+    the box whose row is not asleep, else the lower URL, and named in ``conflicts``. A visiting
+    entry updates its owner's row (state, times, lag: the space is awake elsewhere) or, when the
+    owner did not answer, stands in for it under the owner's URL. ``unreported``: for members that
+    did not answer, how many spaces this box's registry says they own (:func:`registry_counts`).
+    """
+    warnings: list[str] = []
+    claims: dict[str, list[Row]] = {}
+    views = {}
+    for report in sorted(reports, key=lambda r: r.url):
+        if report.answer is None:
+            continue
+        views[report.url] = report.answer.members
+        if report.answer.box != report.url:
+            warnings.append(
+                f"{report.url} answered as {report.answer.box}: its LCHAT_MESH_SELF differs "
+                "from its heartbeat's URL"
+            )
+        for space in report.answer.spaces:
+            claims.setdefault(space.host, []).append(Row(report.url, space))
+    rows: dict[str, Row] = {}
+    conflicts: dict[str, tuple[str, ...]] = {}
+    for host, claimed in claims.items():
+        if len(claimed) > 1:
+            conflicts[host] = tuple(r.box for r in claimed)
+            claimed = sorted(claimed, key=lambda r: (r.space.state == "asleep", r.box))
+        rows[host] = claimed[0]
+    for report in sorted(reports, key=lambda r: r.url):
+        if report.answer is None:
+            continue
+        for visit in report.answer.visiting:
+            row = rows.get(visit.host)
+            space = attrs.evolve(visit, owner="")
+            if row is None:
+                rows[visit.host] = Row(visit.owner, space, running_on=report.url)
+            elif row.box != report.url:
+                rows[visit.host] = Row(row.box, space, running_on=report.url)
+    expected = sorted(r.url for r in reports)
+    for url, view in views.items():
+        if sorted(view) != expected:
+            warnings.append(
+                f"{url} sees the live members {', '.join(view) or 'none'}, this box sees "
+                f"{', '.join(expected)}: until the views agree, a space may show twice or not at "
+                "all (heartbeats settle within LCHAT_MESH_DEAD_AFTER)"
+            )
+    if conflicts:
+        warnings.append(
+            f"{len(conflicts)} space(s) reported by more than one box (shown once): "
+            f"{', '.join(sorted(conflicts)[:10])}"
+        )
+    totals = []
+    for report in sorted(reports, key=lambda r: r.url):
+        mine = [row for row in rows.values() if row.box == report.url]
+        totals.append(
+            BoxTotal(
+                url=report.url,
+                region=report.region,
+                outcome=report.outcome,
+                error=report.error,
+                is_self=report.is_self,
+                spaces=len(mine),
+                by_state=_count(row.space.state for row in mine),
+                unreported=(unreported or {}).get(report.url) if report.outcome != "ok" else None,
+            )
+        )
+    ordered = tuple(sorted(rows.values(), key=lambda r: (r.box, r.space.host)))
+    return Fleet(now, ordered, tuple(totals), conflicts, tuple(warnings))
+
+
+def registry_counts(
+    routes: Iterable[Route],
+    me: str,
+    live: Sequence[placement.Candidate],
+    domains: Sequence[str],
+    members: Iterable[str],
+) -> dict[str, int]:
+    """For each of ``members`` (normalised URLs), how many spaces this box's registry says it
+    reports: the hibernating rows it owns by the rule, and the lives-elsewhere rows naming it
+    (its always-on spaces our peers forward to). An estimate for a member that did not answer."""
+    counts = dict.fromkeys(members, 0)
+    for route in routes:
+        if route.kind != "instance":
+            continue
+        if route.elsewhere:
+            url = route.lives_at
+        else:
+            url = reporter(route, me, live, domains) or ""
+            if not route.hibernate:
+                continue  # ours: we answered, or we would not be asking
+        if url in counts:
+            counts[url] += 1
+    return counts
+
+
+def _count(states: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for state in states:
+        counts[state] = counts.get(state, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def elected(members: Sequence[placement.Candidate], me: str) -> bool:
+    """Is ``me`` the publisher: the live member with the lowest URL (the heartbeat janitor's
+    rule, :meth:`lchat.mesh.membership.Membership._sweep`)? Never when ``me`` is not live."""
+    urls = sorted(placement.normalise_member_url(m.url) for m in members)
+    return bool(urls) and urls[0] == placement.normalise_member_url(me)
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def utc(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    try:
+        moment = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def as_json(fleet: Fleet) -> dict[str, Any]:
+    """``lchat fleet --json``: the table, the per-box totals, conflicts and warnings."""
+    return {
+        "generated_at": utc(fleet.generated_at),
+        "complete": fleet.complete,
+        "boxes": [
+            {
+                "url": b.url,
+                "region": b.region,
+                "self": b.is_self,
+                "outcome": b.outcome,
+                "error": b.error or None,
+                "spaces": b.spaces,
+                "by_state": dict(b.by_state),
+                "unreported": b.unreported,
+            }
+            for b in fleet.boxes
+        ],
+        "spaces": [
+            {
+                "box": row.box,
+                "host": row.space.host,
+                "state": row.space.state,
+                "version": row.space.version,
+                "awake_since": row.space.awake_since,
+                "next_due": row.space.next_due,
+                "lag": row.space.lag,
+                "process": row.space.process,
+                "running_on": row.running_on or None,
+            }
+            for row in fleet.rows
+        ],
+        "conflicts": {host: list(boxes) for host, boxes in sorted(fleet.conflicts.items())},
+        "warnings": list(fleet.warnings),
+    }
+
+
+def publishable(fleet: Fleet) -> dict[str, Any]:
+    """The public document (``status/fleet.json``): counts only, never a space's or a box's
+    name. Schema :data:`SCHEMA`; see docs/operations.md, "Fleet status"."""
+    regions: dict[str, dict[str, Any]] = {}
+    for box in fleet.boxes:
+        region = regions.setdefault(
+            box.region or REGION_UNSET,
+            {"boxes": 0, "answered": 0, "spaces": 0, "by_state": {}},
+        )
+        region["boxes"] += 1
+        region["answered"] += box.outcome == "ok"
+        region["spaces"] += box.spaces
+        for state, n in box.by_state.items():
+            region["by_state"][state] = region["by_state"].get(state, 0) + n
+    for region in regions.values():
+        region["by_state"] = dict(sorted(region["by_state"].items()))
+    versions = _count(row.space.version or "unknown" for row in fleet.rows)
+    return {
+        "schema": SCHEMA,
+        "generated_at": utc(fleet.generated_at),
+        "complete": fleet.complete,
+        "boxes": {
+            "live": len(fleet.boxes),
+            "answered": sum(1 for b in fleet.boxes if b.outcome == "ok"),
+            "unreachable": sum(1 for b in fleet.boxes if b.outcome == "unreachable"),
+            "error": sum(1 for b in fleet.boxes if b.outcome == "error"),
+        },
+        "spaces": {
+            "total": len(fleet.rows),
+            "by_state": _count(row.space.state for row in fleet.rows),
+        },
+        "regions": dict(sorted(regions.items())),
+        "versions": versions,
+    }

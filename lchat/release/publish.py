@@ -1,0 +1,171 @@
+"""Publishing a build (the release host): add it to the feed, sign, upload.
+
+``publish`` reads the target's current feed (which must verify against the signing key's own
+public key: a publisher never extends a feed it cannot vouch for), adds the new version with the
+sha256, size and mode of each file in the build directory, bumps ``feed_version`` by one, keeps
+every older version listed, and writes the artefacts first, then ``feed.json``, then
+``feed.json.sig``: a reader never sees a feed naming artefacts that are not there yet (and a
+reader between the last two writes reads again: lchat.release.fetch).
+
+Targets: a directory a static HTTP server serves (``LCHAT_RELEASE_URL``'s), and/or the S3 mirror.
+Both get the same bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import stat
+from typing import Protocol
+
+from attrs import frozen
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from lchat.files import write_atomic
+from lchat.objstore import NotFound, ObjectStore
+from lchat.release import feed as feedlib
+from lchat.release.feed import ARTEFACT_NAMES, Artefact, Feed, FeedError, Release
+from lchat.release.layout import SPACE_BINARY, check_version
+
+
+class PublishTarget(Protocol):
+    def describe(self) -> str: ...
+
+    async def read(self, path: str) -> bytes | None: ...
+
+    async def write(self, path: str, data: bytes) -> None: ...
+
+    async def upload(self, path: str, local: str) -> None: ...
+
+
+@frozen
+class DirectoryTarget:
+    root: str
+
+    def describe(self) -> str:
+        return self.root
+
+    async def read(self, path: str) -> bytes | None:
+        try:
+            return _read(os.path.join(self.root, path))
+        except FileNotFoundError:
+            return None
+
+    async def write(self, path: str, data: bytes) -> None:
+        _write(os.path.join(self.root, path), data)
+
+    async def upload(self, path: str, local: str) -> None:
+        _write(os.path.join(self.root, path), _read(local))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path: str, data: bytes) -> None:
+    """Atomically, world-readable: a static HTTP server serves it."""
+    os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+    write_atomic(path, data, 0o644)
+
+
+@frozen
+class BucketTarget:
+    store: ObjectStore
+    prefix: str
+    url: str
+
+    def describe(self) -> str:
+        return self.url
+
+    def _key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    async def read(self, path: str) -> bytes | None:
+        try:
+            return (await self.store.get(self._key(path))).body
+        except NotFound:
+            return None
+
+    async def write(self, path: str, data: bytes) -> None:
+        await self.store.put(self._key(path), data, content_type="application/json")
+
+    async def upload(self, path: str, local: str) -> None:
+        await self.store.put_file(self._key(path), local)
+
+
+def artefacts_of(version: str, directory: str) -> dict[str, tuple[Artefact, str]]:
+    """The build in ``directory`` (``space``, optionally ``space-bot``): name -> (its feed
+    entry, the local file)."""
+    found = {}
+    for name in ARTEFACT_NAMES:
+        local = os.path.join(directory, name)
+        try:
+            st = os.stat(local)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise FeedError(f"{local} is not a regular file")
+        with open(local, "rb") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        mode = (stat.S_IMODE(st.st_mode) | 0o555) & 0o755  # readable, executable, owner-writable
+        found[name] = (
+            Artefact(name, f"versions/{version}/{name}", sha, st.st_size, mode),
+            local,
+        )
+    if SPACE_BINARY not in found:
+        raise FeedError(f"{directory} has no '{SPACE_BINARY}' file: nothing to publish")
+    return found
+
+
+async def current_feed(target: PublishTarget, key: Ed25519PrivateKey) -> Feed | None:
+    data = await target.read(feedlib.FEED_NAME)
+    if data is None:
+        return None
+    signature = await target.read(feedlib.SIGNATURE_NAME) or b""
+    try:
+        feedlib.verify(key.public_key(), data, signature)
+    except feedlib.BadSignature as e:
+        raise FeedError(
+            f"{target.describe()}: its feed does not verify against this key ({e}): refusing to "
+            "extend it (wrong --key, or the feed was tampered with)"
+        ) from None
+    return feedlib.parse(data)
+
+
+async def publish(
+    version: str,
+    directory: str,
+    key: Ed25519PrivateKey,
+    targets: list[PublishTarget],
+    now: datetime.datetime,
+) -> Feed:
+    """Publish ``version`` from ``directory`` to every target; returns the new feed. The new
+    ``feed_version`` is one more than the highest among the targets' current feeds."""
+    check_version(version)
+    files = artefacts_of(version, directory)
+    currents = [await current_feed(t, key) for t in targets]
+    base = max((f for f in currents if f is not None), key=lambda f: f.feed_version, default=None)
+    versions = dict(base.versions) if base is not None else {}
+    if version in versions:
+        raise FeedError(
+            f"version {version} is already in the feed (feed_version {base.feed_version if base else 0}): "
+            "a published version never changes; publish a new version name"
+        )
+    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    versions[version] = Release(version, stamp, {n: a for n, (a, _) in files.items()})
+    new = Feed(
+        feed_version=(base.feed_version if base is not None else 0) + 1,
+        released_at=stamp,
+        versions=versions,
+        digest="",
+    )
+    data = new.to_bytes()
+    signature = feedlib.sign(key, data)
+    for target in targets:
+        for artefact, local in files.values():
+            await target.upload(artefact.path, local)
+        await target.write(feedlib.FEED_NAME, data)
+        await target.write(feedlib.SIGNATURE_NAME, signature)
+    return feedlib.parse(data)

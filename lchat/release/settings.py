@@ -1,0 +1,96 @@
+"""The release settings, read from the same env file (and process environment) as the rest of the
+box's settings (:func:`lchat.config.load` keeps the file's values in ``BoxConfig.file_env``).
+
+=============================  =====================================================================
+``LCHAT_OPT_DIR``              the build tree (default ``/opt/lchat``: ``versions/``, ``live/``)
+``LCHAT_RELEASE_URL``          the primary feed's base: ``https://...`` (``feed.json`` beneath it)
+``LCHAT_RELEASE_MIRROR_URL``   the S3 mirror: ``s3://BUCKET[/PREFIX][?region=R&endpoint=URL]`` (the
+                               box's AWS credential chain), or ``file:PATH``
+``LCHAT_RELEASE_PUBKEY``       base64 of the raw 32-byte Ed25519 key that signs the feed
+=============================  =====================================================================
+
+The process environment wins over the file, as for every other setting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from attrs import frozen
+
+from lchat.config import RegionBucket
+from lchat.ledger import parse_ledger_url
+from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
+
+VARIABLES = (
+    "LCHAT_OPT_DIR",
+    "LCHAT_RELEASE_URL",
+    "LCHAT_RELEASE_MIRROR_URL",
+    "LCHAT_RELEASE_PUBKEY",
+)
+
+
+class SettingsError(ValueError):
+    """A release setting that cannot be used; one line naming the variable."""
+
+
+@frozen
+class ReleaseSettings:
+    opt_dir: str
+    url: str  # "" when unset
+    mirror: RegionBucket | None
+    mirror_url: str  # as given, for messages
+    pubkey: str  # "" when unset
+
+    @property
+    def layout(self) -> BuildLayout:
+        return BuildLayout(self.opt_dir)
+
+    @property
+    def state_file(self) -> str:
+        """The newest feed this box accepted (anti-rollback): ``<opt>/release-state.json``."""
+        return os.path.join(self.opt_dir, "release-state.json")
+
+
+def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) -> ReleaseSettings:
+    environ = os.environ if environ is None else environ
+    merged = {k: file_env[k] for k in VARIABLES if k in file_env}
+    merged.update({k: environ[k] for k in VARIABLES if k in environ})
+
+    def get(name: str) -> str:
+        return merged.get(name, "").strip()
+
+    opt_dir = get("LCHAT_OPT_DIR") or DEFAULT_OPT_DIR
+    if not os.path.isabs(opt_dir) or "\x00" in opt_dir:
+        raise SettingsError(f"LCHAT_OPT_DIR={opt_dir!r} must be an absolute path")
+    url = get("LCHAT_RELEASE_URL").rstrip("/")
+    if url:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
+            raise SettingsError(
+                f"LCHAT_RELEASE_URL={url!r} must be an http(s) URL without a query "
+                "(the directory feed.json is in)"
+            )
+    mirror_url = get("LCHAT_RELEASE_MIRROR_URL")
+    mirror = None
+    if mirror_url:
+        try:
+            where = parse_ledger_url(mirror_url)
+        except ValueError as e:
+            raise SettingsError(f"LCHAT_RELEASE_MIRROR_URL: {e}") from None
+        mirror = RegionBucket(
+            region="",
+            bucket=where.bucket,
+            prefix=where.prefix,
+            s3_region=where.region,
+            endpoint=where.endpoint,
+        )
+    return ReleaseSettings(
+        opt_dir=os.path.normpath(opt_dir),
+        url=url,
+        mirror=mirror,
+        mirror_url=mirror_url,
+        pubkey=get("LCHAT_RELEASE_PUBKEY"),
+    )

@@ -1,0 +1,303 @@
+"""``lchat deploy`` and ``lchat rollback`` against a real router (builtin units and the activator,
+a ``file:`` bucket) running spaces from ``<opt>/live/<host>``.
+
+A "build" is a small executable in ``<opt>/versions/<v>/space`` that execs the reference space
+with ``LCHAT_BUILD=<v>`` (so ``GET /api/version`` says which build answers); the broken build
+exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from lchat.cli import admin_client
+from lchat.release import deploy, wakes
+from lchat.release.layout import BuildLayout
+from tests.test_cli import REPO
+from tests.test_cli_hibernate import HibernateTestCase
+
+GOOD_BUILD = """#!/bin/sh
+LCHAT_BUILD={version} PYTHONPATH={repo} exec {python} -m lchat.space
+"""
+BROKEN_BUILD = """#!/bin/sh
+echo "build {version}: cannot open the database (a broken build)" >&2
+exit 3
+"""
+
+
+class DeployTestCase(HibernateTestCase):
+    def configure(self, units: str = "builtin", **extra: str) -> None:
+        self.opt = os.path.join(self.root, "opt")
+        self.layout = BuildLayout(self.opt)
+        settings = {
+            "LCHAT_OPT_DIR": self.opt,
+            "LCHAT_SPACE_COMMAND": os.path.join(self.opt, "live", "{host}"),
+            **extra,
+        }
+        super().configure(units, **settings)
+
+    def install(self, version: str, *, broken: bool = False) -> None:
+        os.makedirs(self.layout.build_dir(version), exist_ok=True)
+        template = BROKEN_BUILD if broken else GOOD_BUILD
+        with open(self.layout.binary(version), "w") as f:
+            f.write(template.format(version=version, repo=REPO, python=sys.executable))
+        os.chmod(self.layout.binary(version), 0o755)
+
+    def build_of(self, host: str) -> str:
+        """The build answering ``host`` through the router. The router routes a (re)started
+        space once its supervisor has marked the row ready, a moment after the space answers on
+        its socket (what add-instance and deploy check): a 503 meanwhile is waited out."""
+        deadline = time.monotonic() + 15
+        while True:
+            response = admin_client.request(
+                self.http_socket, "GET", "/api/version", host=host, timeout=60
+            )
+            if response.status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.assertEqual(response.status, 200, response.body[:300])
+        build: str = json.loads(response.body)["build"]
+        return build
+
+    def states(self) -> dict[str, dict[str, object]]:
+        with open(os.path.join(self.opt, "live", ".state.json")) as f:
+            hosts: dict[str, dict[str, object]] = json.load(f)["hosts"]
+            return hosts
+
+
+class AlwaysOnTests(DeployTestCase):
+    def test_canary_then_all_then_a_broken_build_rolls_back_alone(self) -> None:
+        for version in ("v1", "v2"):
+            self.install(version)
+        self.install("bad", broken=True)
+        a, b = "a.example.com", "b.example.com"
+        for host in (a, b):
+            deploy.point(self.layout, host, "v1")
+        self.start_router()
+        for host in (a, b):
+            added = self.lchat("add-instance", host, "--timeout", "30")
+            self.assertEqual(added.code, 0, added)
+            self.assertEqual(self.build_of(host), "v1")
+
+        canary = self.lchat("deploy", "v2", "--canary", a)
+        self.assertEqual(canary.code, 0, canary)
+        self.assertIn(f"{a}: v1 -> v2: restarted, healthy", canary.out)
+        self.assertEqual((self.build_of(a), self.build_of(b)), ("v2", "v1"))
+        table = self.instances()
+        self.assertEqual((table[a]["VERSION"], table[b]["VERSION"]), ("v2*", "v1"))
+        self.assertEqual(self.states()[a]["canary"], True)
+        listed = {r["host"]: r for r in json.loads(self.lchat("instances", "--json").out)}
+        self.assertEqual(
+            [(listed[h]["live_version"], listed[h]["canary"]) for h in (a, b)],
+            [("v2", True), ("v1", False)],
+        )
+
+        everyone = self.lchat("deploy", "v2", "--all")
+        self.assertEqual(everyone.code, 0, everyone)
+        self.assertIn(f"{a}: already on v2", everyone.out)
+        self.assertIn(f"{b}: v1 -> v2: restarted, healthy", everyone.out)
+        self.assertEqual((self.build_of(a), self.build_of(b)), ("v2", "v2"))
+        self.assertEqual(self.instances()[a]["VERSION"], "v2")  # no longer a canary
+
+        broken = self.lchat("deploy", "bad", "--all", "--batch", "1", "--timeout", "20")
+        self.assertEqual(broken.code, 1, broken)
+        self.assertIn(f"{a}: v2 -> bad FAILED (it exited:", broken.out)
+        self.assertIn("cannot open the database (a broken build)", broken.out)
+        self.assertIn("rolled back to v2, healthy", broken.out)
+        self.assertIn(
+            f"rollout stopped: 1 of 1 in this batch failed; 1 host(s) not touched: {b}", broken.out
+        )
+        self.assertEqual((self.layout.version_of(a), self.layout.version_of(b)), ("v2", "v2"))
+        self.assertEqual((self.build_of(a), self.build_of(b)), ("v2", "v2"))
+        self.assertEqual(self.states()[a]["previous"], "v1")  # the failed deploy recorded nothing
+
+        back = self.lchat("rollback", a)
+        self.assertEqual(back.code, 0, back)
+        self.assertIn(f"{a}: v2 -> v1: restarted, healthy", back.out)
+        self.assertEqual((self.build_of(a), self.build_of(b)), ("v1", "v2"))
+        again = self.lchat("rollback", a)
+        self.assertEqual(again.code, 1, again)
+        self.assertIn("no previous version recorded", again.out)
+
+    def test_refusals_change_nothing(self) -> None:
+        self.install("v1")
+        deploy.point(self.layout, "a.example.com", "v1")
+        self.add_row("a.example.com")
+        missing = self.lchat("deploy", "v9", "--canary", "a.example.com")
+        self.assertFailed(missing, "version v9 is not installed", "lchat release fetch v9")
+        unknown = self.lchat("deploy", "v1", "--canary", "nope.example.com")
+        self.assertFailed(unknown, "nope.example.com is not a space registered on this box")
+        self.install("v2")
+        no_router = self.lchat("deploy", "v2", "--canary", "a.example.com")
+        self.assertFailed(no_router, "the router does not answer", "nothing changed")
+        self.assertEqual(self.layout.version_of("a.example.com"), "v1")
+        self.assertFalse(os.path.exists(os.path.join(self.opt, "live", ".state.json")))
+        self.configure(LCHAT_SPACE_COMMAND="/usr/bin/space-{host}")
+        elsewhere = self.lchat("deploy", "v2", "--canary", "a.example.com")
+        self.assertFailed(elsewhere, "LCHAT_SPACE_COMMAND runs '/usr/bin/space-{host}', not")
+        self.assertEqual(self.layout.version_of("a.example.com"), "v1")
+
+    def test_a_deploy_fixes_a_space_that_was_failing(self) -> None:
+        self.install("bad", broken=True)
+        self.install("v1")
+        host = "f.example.com"
+        deploy.point(self.layout, host, "bad")
+        self.start_router()
+        added = self.lchat("add-instance", host, "--timeout", "60")
+        self.assertFailed(added, "cannot open the database")
+        fixed = self.lchat("deploy", "v1", "--canary", host)
+        self.assertEqual(fixed.code, 0, fixed)
+        self.assertIn(f"{host}: bad -> v1: restarted, healthy", fixed.out)
+        # The router routes it again once its supervisor has written "ready" to the row.
+        deadline = time.monotonic() + 30
+        while self.row(host).status != "ready" and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.1)
+        self.assertEqual(self.build_of(host), "v1")
+
+
+class HibernatingTests(DeployTestCase):
+    def test_repointed_wakes_on_the_new_build_and_then_cannot_roll_back(self) -> None:
+        for version in ("v1", "v2"):
+            self.install(version)
+        woken, sleeper, newcomer = "h.example.com", "s.example.com", "n.example.com"
+        for host in (woken, sleeper):
+            deploy.point(self.layout, host, "v1")
+            self.add_row(host, hibernate=True)
+        self.add_row(newcomer, hibernate=True)  # no build of its own, and no default yet
+        self.start_router()
+        self.assertEqual(self.build_of(woken), "v1")  # a wake on v1
+        record = wakes.read(self.data_dir, woken)
+        assert record is not None
+        self.assertEqual(record.version, "v1")
+        self.assertEqual(record.build, os.path.realpath(self.layout.binary("v1")))
+
+        result = self.lchat("deploy", "v2", "--all")
+        self.assertEqual(result.code, 0, result)
+        self.assertIn(
+            f"{woken}: v1 -> v2: repointed (hibernating: its next wake runs v2)", result.out
+        )
+        self.assertIn("awake now, it runs v1 until it sleeps", result.out)
+        self.assertIn(f"{sleeper}: v1 -> v2: repointed", result.out)
+        self.assertEqual(result.out.count("awake now"), 1)
+        # --all then makes v2 the box's default build: a host without a link of its own (one
+        # replicated from a peer, say) wakes on it.
+        self.assertIn("default build: - -> v2", result.out)
+        self.assertEqual(self.layout.version_of("_default"), "v2")
+        deploy.point(self.layout, newcomer, None)
+        self.assertEqual(self.layout.version_of(newcomer), "v2")  # the default's
+        self.assertEqual(self.build_of(newcomer), "v2")
+        self.assertEqual(self.build_of(woken), "v1")  # still awake on the build it woke on
+
+        self.assertEqual(admin_client.sleep_space(self.admin_socket, woken, 60).status, 200)
+        self.assertEqual(self.build_of(woken), "v2")  # the next wake runs the new build
+        self.assertEqual(wakes.read(self.data_dir, woken).version, "v2")  # type: ignore[union-attr]
+
+        refused = self.lchat("rollback", woken)
+        self.assertEqual(refused.code, 1, refused)
+        self.assertIn(f"{woken}: refused: it woke on v2 at", refused.out)
+        self.assertIn("additive) migrations", refused.out)
+        self.assertEqual(self.layout.version_of(woken), "v2")
+
+        allowed = self.lchat("rollback", sleeper)  # never woke on v2: safe to go back
+        self.assertEqual(allowed.code, 0, allowed)
+        self.assertIn(f"{sleeper}: v2 -> v1: repointed (hibernating)", allowed.out)
+        self.assertEqual(self.build_of(sleeper), "v1")
+
+
+# systemctl as far as `lchat deploy` can tell (LCHAT_UNITS=systemd): records its argv; `restart
+# lchat@H` stops the unit's process and starts <opt>/live/H as lchat@.service would.
+SYSTEMCTL = """#!{python}
+import json, os, signal, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+with open({log!r}, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+args = sys.argv[1:]
+host = args[-1].split("@", 1)[1]
+pidfile = os.path.join({pids!r}, host + ".pid")
+if args[0] == "restart":
+    if os.path.exists(pidfile):
+        with open(pidfile) as f:
+            pid = int(f.read())
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{{pid}}") and time.monotonic() < deadline:
+            with open(f"/proc/{{pid}}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+    from lchat import config
+    env = dict(os.environ)
+    env.update(config.read_env_file(os.path.join({data!r}, host + ".env"), must_exist=True))
+    env.update(LCHAT_HOST=host, LCHAT_SOCKET=os.path.join({run!r}, host + ".sock"),
+               LCHAT_DB=os.path.join({data!r}, host + ".db"))
+    with open({space_log!r}, "ab") as out:
+        child = subprocess.Popen([os.path.join({opt!r}, "live", host)], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                 start_new_session=True)
+    with open(pidfile, "w") as f:
+        f.write(str(child.pid))
+"""
+
+
+class SystemdTests(DeployTestCase):
+    def deploy_systemctl(self) -> str:
+        bin_dir = os.path.join(self.root, "bin")
+        pids = os.path.join(self.root, "units")
+        os.makedirs(bin_dir, exist_ok=True)
+        os.makedirs(pids, exist_ok=True)
+        log = os.path.join(self.root, "systemctl.log")
+        script = os.path.join(bin_dir, "systemctl")
+        with open(script, "w") as f:
+            f.write(
+                SYSTEMCTL.format(
+                    python=sys.executable,
+                    repo=REPO,
+                    log=log,
+                    pids=pids,
+                    data=self.data_dir,
+                    run=self.run_dir,
+                    opt=self.opt,
+                    space_log=os.path.join(self.root, "space.log"),
+                )
+            )
+        os.chmod(script, 0o755)
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        self.addCleanup(self._stop_units, pids)
+        return log
+
+    def version_on_socket(self, host: str) -> str:
+        response = admin_client.request(
+            os.path.join(self.run_dir, f"{host}.sock"), "GET", "/api/version", host=host
+        )
+        self.assertEqual(response.status, 200)
+        build: str = json.loads(response.body)["build"]
+        return build
+
+    def test_restarts_the_unit_and_restores_it_when_the_build_fails(self) -> None:
+        self.configure(units="systemd")
+        log = self.deploy_systemctl()
+        for version in ("v1", "v2"):
+            self.install(version)
+        self.install("bad", broken=True)
+        host = "u.example.com"
+        deploy.point(self.layout, host, "v1")
+        self.add_row(host)
+        good = self.lchat("deploy", "v2", "--canary", host)
+        self.assertEqual(good.code, 0, good)
+        self.assertIn(f"{host}: v1 -> v2: restarted, healthy", good.out)
+        self.assertEqual(self.version_on_socket(host), "v2")
+
+        bad = self.lchat("deploy", "bad", "--canary", host, "--timeout", "3")
+        self.assertEqual(bad.code, 1, bad)
+        self.assertIn(f"{host}: v2 -> bad FAILED (not answering on", bad.out)
+        self.assertIn("rolled back to v2, healthy", bad.out)
+        self.assertEqual(self.version_on_socket(host), "v2")
+        with open(log) as f:
+            calls = [json.loads(line) for line in f]
+        self.assertEqual(calls, [["restart", f"lchat@{host}"]] * 3)

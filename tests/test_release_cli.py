@@ -1,0 +1,164 @@
+"""``lchat release keygen|publish|fetch|list`` as an operator runs them: real processes, a feed
+directory served over HTTP on 127.0.0.1, an S3 mirror on moto's server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+from twisted.trial.unittest import TestCase
+
+from lchat.registry import Registry, Route
+from lchat.release.layout import BuildLayout
+from tests.s3servers import shared_server
+from tests.test_release_feed import closed_port_url, serve_directory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lchat(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LCHAT_", "AWS_"))}
+    env["PYTHONPATH"] = ROOT
+    return subprocess.run(
+        [sys.executable, "-m", "lchat.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+class ReleaseCliTests(TestCase):
+    timeout = 180
+
+    async def setUp(self) -> None:  # type: ignore[override]  # trial waits for it
+        self.tmp = tempfile.mkdtemp(prefix="rc")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.www = os.path.join(self.tmp, "www")
+        os.makedirs(os.path.join(self.www, "feed"))
+        server, self.url = serve_directory(self.www)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        s3 = await shared_server("moto")
+        self.bucket = await s3.new_bucket()
+        self.mirror = f"s3://{self.bucket}/rel?region={s3.region}&endpoint={s3.endpoint}"
+        self.aws = {
+            "AWS_ACCESS_KEY_ID": s3.credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": s3.credentials.secret_key,
+        }
+        self.opt = os.path.join(self.tmp, "opt")
+        self.data = os.path.join(self.tmp, "data")
+        os.makedirs(self.data)
+        self.key = os.path.join(self.tmp, "release.key")
+
+    def env_file(self, name: str, **values: str) -> str:
+        path = os.path.join(self.tmp, name)
+        settings = {
+            "LCHAT_DATA_DIR": self.data,
+            "LCHAT_RUN_DIR": self.tmp,
+            "LCHAT_OPT_DIR": self.opt,
+            **self.aws,
+            **values,
+        }
+        with open(path, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in settings.items()))
+        return path
+
+    def build(self, version: str) -> str:
+        directory = os.path.join(self.tmp, "builds", version)
+        os.makedirs(directory)
+        with open(os.path.join(directory, "space"), "w") as f:
+            f.write(f"#!/bin/sh\necho {version}\n")
+        os.chmod(os.path.join(directory, "space"), 0o755)
+        return directory
+
+    def keygen(self) -> str:
+        made = lchat("release", "keygen", "--out", self.key)
+        self.assertEqual(made.returncode, 0, made)
+        self.assertEqual(stat.S_IMODE(os.stat(self.key).st_mode), 0o600)
+        lines = [ln for ln in made.stdout.splitlines() if ln.startswith("LCHAT_RELEASE_PUBKEY=")]
+        self.assertEqual(len(lines), 1, made.stdout)
+        return lines[0].split("=", 1)[1]
+
+    def test_keygen_publish_fetch_list(self) -> None:
+        pubkey = self.keygen()
+        again = lchat("release", "keygen", "--out", self.key)
+        self.assertEqual(again.returncode, 1, again)
+        self.assertIn("exists: refusing to overwrite a key", again.stderr)
+
+        publisher = self.env_file("publisher.env", LCHAT_RELEASE_MIRROR_URL=self.mirror)
+        feed_dir = os.path.join(self.www, "feed")
+        for version in ("1.0.0", "1.1.0"):
+            published = lchat(
+                "release", "publish", version, self.build(version), "--key", self.key,
+                "--to", feed_dir, "--mirror", "--env-file", publisher,
+            )  # fmt: skip
+            self.assertEqual(published.returncode, 0, published)
+        self.assertIn("published 1.1.0 as feed_version 2", published.stdout)
+        with open(os.path.join(feed_dir, "feed.json")) as f:
+            self.assertEqual(sorted(json.load(f)["versions"]), ["1.0.0", "1.1.0"])
+
+        box = self.env_file(
+            "router.env",
+            LCHAT_RELEASE_URL=self.url,
+            LCHAT_RELEASE_MIRROR_URL=self.mirror,
+            LCHAT_RELEASE_PUBKEY=pubkey,
+        )
+        fetched = lchat("release", "fetch", "1.1.0", "--env-file", box)
+        self.assertEqual(fetched.returncode, 0, fetched)
+        self.assertIn("1.1.0: installed in", fetched.stdout)
+        self.assertIn("(feed from the primary)", fetched.stdout)
+        self.assertEqual(BuildLayout(self.opt).installed(), ["1.1.0"])
+
+        # The primary down: the mirror serves the same signed feed.
+        os.rename(feed_dir, feed_dir + ".gone")
+        fetched = lchat("release", "fetch", "1.0.0", "--env-file", box)
+        self.assertEqual(fetched.returncode, 0, fetched)
+        self.assertIn("(feed from the mirror)", fetched.stdout)
+
+        registry = Registry(os.path.join(self.data, "registry.db"), clock=lambda: 0.0)
+        registry.migrate()
+        registry.insert(Route("a.example.com", kind="instance", socket="/run/a.sock"))
+        os.makedirs(os.path.join(self.opt, "live"))
+        os.symlink("../versions/1.1.0/space", os.path.join(self.opt, "live", "a.example.com"))
+        listed = lchat("release", "list", "--env-file", box)
+        self.assertEqual(listed.returncode, 0, listed)
+        rows = [ln.split() for ln in listed.stdout.splitlines()]
+        self.assertEqual(rows[0], ["VERSION", "INSTALLED", "HOSTS", "IN-FEED", "RELEASED"])
+        self.assertEqual(
+            [r[:4] for r in rows[1:3]], [["1.0.0", "yes", "0", "yes"], ["1.1.0", "yes", "1", "yes"]]
+        )
+        self.assertIn("feed: feed_version 2 from the mirror", listed.stdout)
+
+    def test_refusals_are_one_line_and_change_nothing(self) -> None:
+        pubkey = self.keygen()
+        no_key = self.env_file("nokey.env", LCHAT_RELEASE_URL=self.url)
+        refused = lchat("release", "fetch", "1.0.0", "--env-file", no_key)
+        self.assertEqual(refused.returncode, 1, refused)
+        self.assertIn("lchat: error: LCHAT_RELEASE_PUBKEY is not set", refused.stderr)
+
+        down = self.env_file(
+            "down.env",
+            LCHAT_RELEASE_URL=closed_port_url(),
+            LCHAT_RELEASE_MIRROR_URL=self.mirror,
+            LCHAT_RELEASE_PUBKEY=pubkey,
+        )
+        refused = lchat("release", "fetch", "1.0.0", "--env-file", down)
+        self.assertEqual(refused.returncode, 1, refused)
+        errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("lchat: error: ")]
+        self.assertEqual(len(errors), 1, refused.stderr)
+        self.assertIn("no usable release feed, nothing changed: primary", errors[0])
+        self.assertIn("mirror s3://", errors[0])
+        self.assertFalse(os.path.exists(self.opt))
+
+        bad = self.env_file("bad.env", LCHAT_RELEASE_PUBKEY="bm90IGEga2V5")
+        refused = lchat("release", "fetch", "1.0.0", "--env-file", bad)
+        self.assertIn("must be 32 bytes", refused.stderr)
+        refused = lchat("release", "fetch", "../etc", "--env-file", down)
+        self.assertIn("is not a version name", refused.stderr)
