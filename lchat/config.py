@@ -730,7 +730,7 @@ def _cloud(get: _Getter) -> tuple[str, LedgerURL | None]:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
-def _bucket_url(what: str, region: str, url: str) -> RegionBucket:
+def parse_bucket_url(what: str, region: str, url: str) -> RegionBucket:
     """``s3://BUCKET[/PREFIX][?region=R&endpoint=URL&access_key_env=NAME&secret_key_env=NAME]``
     or ``file:PATH`` (``LCHAT_CLOUD_ID_LEDGER``'s form plus the names of the variables holding
     the bucket's own key pair); ``what`` begins every refusal."""
@@ -835,7 +835,7 @@ def _region_buckets(
             )
         if region in found:
             raise ConfigError(f"LCHAT_REGION_BUCKETS names region {region!r} twice")
-        found[region] = _bucket_url(f"LCHAT_REGION_BUCKETS: {region}", region, url)
+        found[region] = parse_bucket_url(f"LCHAT_REGION_BUCKETS: {region}", region, url)
     own_region = mesh.region if mesh is not None else ""
     if own_region:
         own = RegionBucket(
@@ -1163,7 +1163,7 @@ def _mesh(get: _Getter) -> MeshConfig | None:
     if ca_file and not os.path.isfile(ca_file):
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
     bucket_url = get("LCHAT_MESH_BUCKET").strip()
-    bucket = _bucket_url("LCHAT_MESH_BUCKET", "", bucket_url) if bucket_url else None
+    bucket = parse_bucket_url("LCHAT_MESH_BUCKET", "", bucket_url) if bucket_url else None
     accept_token = get("LCHAT_MESH_TOKEN_ACCEPT")
     return MeshConfig(
         self_url=self_url.rstrip("/"),

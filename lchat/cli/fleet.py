@@ -33,8 +33,7 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.python.failure import Failure
 
 from lchat.cli.bucket import open_mesh_bucket, open_region_bucket
-from lchat.config import BoxConfig, RegionBucket, mesh_bucket
-from lchat.ledger import parse_ledger_url
+from lchat.config import BoxConfig, ConfigError, RegionBucket, mesh_bucket, parse_bucket_url
 from lchat.mesh import client, fleet
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url
@@ -226,16 +225,9 @@ class _Target:
 def _publish_target(url: str) -> tuple[_Target, str]:
     """The ``--publish`` URL: where, and its text for messages."""
     try:
-        parsed = parse_ledger_url(url)
-    except ValueError as e:
-        raise FleetCliError(f"--publish: {e}") from None
-    where = RegionBucket(
-        region="",
-        bucket=parsed.bucket,
-        prefix=parsed.prefix,
-        s3_region=parsed.region,
-        endpoint=parsed.endpoint,
-    )
+        where = parse_bucket_url("--publish", "", url)
+    except ConfigError as e:
+        raise FleetCliError(str(e)) from None
     key = where.key(PUBLISH_KEY)
     shown = (
         f"{where.bucket}/{key}"

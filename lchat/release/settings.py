@@ -20,8 +20,7 @@ from urllib.parse import urlsplit
 
 from attrs import frozen
 
-from lchat.config import RegionBucket
-from lchat.ledger import parse_ledger_url
+from lchat.config import ConfigError, RegionBucket, parse_bucket_url
 from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
 VARIABLES = (
@@ -77,16 +76,9 @@ def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) 
     mirror = None
     if mirror_url:
         try:
-            where = parse_ledger_url(mirror_url)
-        except ValueError as e:
-            raise SettingsError(f"LCHAT_RELEASE_MIRROR_URL: {e}") from None
-        mirror = RegionBucket(
-            region="",
-            bucket=where.bucket,
-            prefix=where.prefix,
-            s3_region=where.region,
-            endpoint=where.endpoint,
-        )
+            mirror = parse_bucket_url("LCHAT_RELEASE_MIRROR_URL", "", mirror_url)
+        except ConfigError as e:
+            raise SettingsError(str(e)) from None
     return ReleaseSettings(
         opt_dir=os.path.normpath(opt_dir),
         url=url,
