@@ -121,6 +121,10 @@ class BuiltinUnits(MultiService):
         self.supervisor = supervisor or Supervisor(reactor, on_state=self._on_state)
         self.supervisor.setServiceParent(self)
         self._spec_errors: dict[str, str] = {}
+        # Each _apply's desired set is built in a thread: two in flight may finish in either
+        # order. Only the newest is handed to the supervisor (an older one landing last would
+        # stop a space a newer table wants: seen when `hibernate --off` raced a cancelled wake).
+        self._applying = 0
         routes.subscribe(self._changed)
         claims.on_release(self._released)
 
@@ -148,12 +152,20 @@ class BuiltinUnits(MultiService):
             and r.host not in self._claims
         ]
         cfg = self._cfg
+        self._applying += 1
         d = self._run(lambda: _specs(cfg, rows))
-        d.addCallback(self._want, table)
+        d.addCallback(self._want, table, self._applying)
         d.addErrback(lambda f: _log.failure("could not compute the spaces to run", f))
         return d
 
-    def _want(self, built: tuple[dict[str, ChildSpec], dict[str, str]], table: RouteTable) -> None:
+    def _want(
+        self,
+        built: tuple[dict[str, ChildSpec], dict[str, str]],
+        table: RouteTable,
+        generation: int,
+    ) -> None:
+        if generation != self._applying:
+            return  # a newer table's set is on its way (or was applied already): it decides
         specs, errors = built
         for host, error in errors.items():
             if self._spec_errors.get(host) != error:
