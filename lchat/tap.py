@@ -1079,7 +1079,14 @@ class _FrontDoor(MultiService):
         while True:
             for factory in self._factories:
                 await factory.quiesced(max(0.0, deadline - self._clock.seconds()))
-            if self._clock.seconds() >= deadline or not any(p.handshaking for p in ports):
+            if self._clock.seconds() >= deadline:
+                break
+            # Quiet only when no handshake is left *and* no factory gained a connection while
+            # another was being waited for (a TLS handshake that finished meanwhile: its
+            # request would otherwise meet the process's exit, unanswered).
+            if not any(p.handshaking for p in ports) and not any(
+                f.connections for f in self._factories
+            ):
                 break
             await deferLater(self._clock, 0.05, lambda: None)
         await self._pool.close()

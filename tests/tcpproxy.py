@@ -400,23 +400,6 @@ class HeldRequest:
         with self._proxy._cond:
             return bytes(self._data)
 
-    def send_again_directly(self, timeout: float) -> int:
-        """Send :attr:`raw` to the upstream on a connection of its own, bypassing the proxy (a
-        test's second try at landing it); the upstream's status."""
-        host, port = self._proxy._up_address[:2]
-        with socket.create_connection((str(host), int(port)), timeout=timeout) as sock:
-            sock.sendall(self.raw)
-            answer = b""
-            while b"\r\n" not in answer:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                answer += chunk
-        parts = answer.split(b" ", 2)
-        if len(parts) < 2 or not parts[1].isdigit():
-            raise RuntimeError(f"{self!r}: no HTTP answer when sent directly: {answer[:200]!r}")
-        return int(parts[1])
-
     @property
     def error_body(self) -> bytes:
         """The first bytes of the upstream's answer's body when that answer was an error."""

@@ -1160,8 +1160,18 @@ class Downstream(asyncio.Protocol):
                 ex.rewind()
                 self._reroute(ex, target, "closed", "closed before responding")
                 return
+            to = "a peer" if isinstance(target, RemotePeer) else "its space"
+            conn = "reused" if upstream is not None and upstream.reused else "new"
             _log.warn(
-                "upstream for {host} failed: {why}", host=ex.head.host if ex.head else "?", why=why
+                "upstream for {host} failed: {why} ({method} to {to} on a {conn} connection"
+                "{retry}{resend})",
+                host=ex.head.host if ex.head else "?",
+                why=why,
+                method=ex.method.decode("latin-1"),
+                to=to,
+                conn=conn,
+                retry=", a retry" if ex.retried else "",
+                resend="" if resendable else ", not resendable",
             )
             self._answer_locally(
                 ex,
