@@ -156,7 +156,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     reactor's pool (:func:`lchat.threads.thread_runner`); leases, whose deadlines must not jump
     with the wall clock, are kept on ``time.monotonic``."""
     _prepare_box(cfg)
-    aws = _aws_credentials(cfg)
+    aws = aws_credentials(cfg)
     run = thread_runner(reactor)
     registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
@@ -236,7 +236,7 @@ def _prepare_box(cfg: BoxConfig) -> None:
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
 
 
-def _aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
+def aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
     """The AWS credentials, resolved once at boot by the standard chain (the process
     environment over the env file's ``AWS_*``, then profiles, then container and instance
     roles), when an S3 bucket or Route53 needs them."""
@@ -289,7 +289,7 @@ def _membership(
         mesh_check = _BucketCheck(
             reactor,
             mesh_store,
-            beats.key(".lchat", "probe", _probe_name(cfg.box_id)),
+            beats.key(".lchat", "probe", probe_name(cfg.box_id)),
             "LCHAT_MESH",
             beats.bucket,
         )
@@ -496,7 +496,7 @@ def _hibernation(
     check = _BucketCheck(
         reactor,
         store,
-        hib.key(".lchat", "probe", _probe_name(cfg.box_id)),
+        hib.key(".lchat", "probe", probe_name(cfg.box_id)),
         "LCHAT_HIBERNATE",
         hib.bucket,
     )
@@ -1030,7 +1030,7 @@ def _anywhere(route: Route) -> bool:
     return True
 
 
-def _probe_name(box: str) -> str:
+def probe_name(box: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", box)[:200] or "box"
 
 

@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
         if args.backup_command == "litestream-config":
             out(litestream_config(cfg, conf))
             return 0
-        return replica_cli._run_on_reactor(lambda r: _execute(r, args, cfg, conf, out, _stderr))
+        return replica_cli.run_on_reactor(lambda r: _execute(r, args, cfg, conf, out, _stderr))
     except _ERRORS as e:
         _stderr(_error(str(e)))
         return 1

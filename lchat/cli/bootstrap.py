@@ -798,7 +798,7 @@ def probe(env_path: str, *, file_buckets: bool = True) -> tuple[list[str], list[
     ok.append(f"{env_path}: the router accepts its settings")
     ok.append(_certificates_line(cfg))
     try:
-        aws = tap._aws_credentials(cfg)
+        aws = tap.aws_credentials(cfg)
     except ConfigError as e:
         return ok, [*left, f"AWS credentials (in {env_path}, or an instance role): {e}"]
     if cfg.hibernate is None:
@@ -810,11 +810,9 @@ def probe(env_path: str, *, file_buckets: bool = True) -> tuple[list[str], list[
                 ok.append(f"{b.stem}_BUCKET={b.bucket}: not probed (not as the service user)")
         buckets = [b for b in buckets if not b.bucket.startswith("file:")]
     if buckets:
-        from lchat.cli.replica import _run_on_reactor
+        from lchat.cli.replica import run_on_reactor
 
-        for stem, bucket, error in _run_on_reactor(
-            lambda reactor: _probe_buckets(reactor, buckets)
-        ):
+        for stem, bucket, error in run_on_reactor(lambda reactor: _probe_buckets(reactor, buckets)):
             if error is None:
                 ok.append(f"{stem}_BUCKET={bucket}: reachable and writable")
             else:
@@ -858,7 +856,7 @@ def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
     from lchat.backup.layout import Layout
     from lchat.cli.bucket import open_mesh_bucket
     from lchat.config import mesh_bucket
-    from lchat.tap import _probe_name
+    from lchat.tap import probe_name
     from lchat.threads import thread_runner
 
     def opener(bucket: str, region: str, endpoint: str) -> Callable[[Any], Any]:
@@ -876,7 +874,7 @@ def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
         return open_it
 
     found = []
-    probe_name = _probe_name(cfg.box_id)
+    probe_key = probe_name(cfg.box_id)
     hib = cfg.hibernate
     if hib is not None:
         found.append(
@@ -884,7 +882,7 @@ def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
                 "LCHAT_HIBERNATE",
                 hib.bucket,
                 opener(hib.bucket, hib.region, hib.endpoint),
-                hib.key(".lchat", "probe", probe_name),
+                hib.key(".lchat", "probe", probe_key),
             )
         )
         if cfg.mesh is not None and cfg.mesh.bucket is not None:
@@ -895,7 +893,7 @@ def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
 
             found.append(
                 _Bucket(
-                    "LCHAT_MESH", beats.bucket, open_mesh, beats.key(".lchat", "probe", probe_name)
+                    "LCHAT_MESH", beats.bucket, open_mesh, beats.key(".lchat", "probe", probe_key)
                 )
             )
     backup = cfg.backup

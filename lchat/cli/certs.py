@@ -24,7 +24,7 @@ from lchat import tls
 from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name, key_id
 from lchat.cli import admin_client
 from lchat.cli.bucket import open_bucket
-from lchat.cli.replica import _run_on_reactor
+from lchat.cli.replica import run_on_reactor
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
                 await store.close()
 
         try:
-            rows = _merge(rows, _run_on_reactor(main))
+            rows = _merge(rows, run_on_reactor(main))
         except ObjectStoreError as e:
             raise CertsError(f"cannot read the shared certificate cache: {e}") from e
     rows.sort(key=lambda r: (r.kind != "default", r.name.lstrip("*."), r.source))

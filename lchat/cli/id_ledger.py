@@ -231,13 +231,13 @@ def on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
     from twisted.internet.defer import Deferred
     from twisted.internet.threads import blockingCallFromThread
 
-    from lchat.cli.replica import _run_on_reactor
+    from lchat.cli.replica import run_on_reactor
     from lchat.objstore import ObjectStoreError
 
     r: Any = reactor
     try:
         if not r.running:
-            return _run_on_reactor(main)
+            return run_on_reactor(main)
         from twisted.python.threadable import isInIOThread
 
         if isInIOThread():

@@ -201,7 +201,7 @@ async def _fetcher(
 
 
 def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
-    from lchat.cli.replica import _run_on_reactor
+    from lchat.cli.replica import run_on_reactor
     from lchat.release.layout import check_version
 
     check_version(version)
@@ -216,7 +216,7 @@ def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) ->
                 await store.close()
         return what, source, settings.layout.build_dir(release.version)
 
-    what, source, where = _run_on_reactor(main)
+    what, source, where = run_on_reactor(main)
     out(f"{version}: {what} in {where} (feed from the {source})")
     return 0
 
@@ -228,7 +228,7 @@ def _list(
     open_registry: OpenRegistry,
     out: Out,
 ) -> int:
-    from lchat.cli.replica import _run_on_reactor
+    from lchat.cli.replica import run_on_reactor
 
     layout = settings.layout
     feed_versions: dict[str, str] = {}
@@ -244,7 +244,7 @@ def _list(
                     await store.close()
             return feed, source
 
-        feed, source = _run_on_reactor(main)
+        feed, source = run_on_reactor(main)
         feed_versions = {v: r.released_at for v, r in feed.versions.items()}
         feed_line = f"feed: feed_version {feed.feed_version} from the {source}"
     routes = [r for r in open_registry(cfg).load() if r.kind == "instance" and not r.elsewhere]
@@ -273,7 +273,7 @@ def _list(
 
 
 def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
-    from lchat.cli.replica import _run_on_reactor
+    from lchat.cli.replica import run_on_reactor
 
     if not args.to and not args.mirror:
         raise FeedError("give --to DIR and/or --mirror: nowhere to publish to")
@@ -306,7 +306,7 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
             for store in stores:
                 await store.close()
 
-    feed = _run_on_reactor(main)
+    feed = run_on_reactor(main)
     where = " and ".join(filter(None, [args.to, settings.mirror_url if args.mirror else ""]))
     out(
         f"published {args.version} as feed_version {feed.feed_version} to {where} "

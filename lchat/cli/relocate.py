@@ -424,7 +424,7 @@ def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -
     from twisted.internet.threads import blockingCallFromThread
     from twisted.python.threadable import isInIOThread
 
-    from lchat.cli.replica import _run_on_reactor
+    from lchat.cli.replica import run_on_reactor
 
     r: Any = reactor
 
@@ -437,7 +437,7 @@ def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -
             raise TimeoutError(f"not finished within {budget:g}s") from e
 
     if not r.running:
-        return _run_on_reactor(bounded)
+        return run_on_reactor(bounded)
     if isInIOThread():
         raise RuntimeError("relocate would block the reactor's own thread")
 

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
             await store.close()
 
     try:
-        return _run_on_reactor(main)
+        return run_on_reactor(main)
     except (ReplicaCliError, restore_mod.RestoreError, ObjectStoreError) as e:
         return _fail(str(e))
 
@@ -142,7 +142,7 @@ async def _restore(
     return 0
 
 
-def _run_on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+def run_on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
     from twisted.internet import reactor
 
     r: Any = reactor

@@ -29,6 +29,11 @@ def disable_now(host: str, *, sidecar: bool = False) -> None:
     _systemctl("disable", "--now", unit_name(host, sidecar=sidecar))
 
 
+def restart(host: str, *, sidecar: bool = False) -> None:
+    """``systemctl restart lchat@<host>`` (a deploy's restart onto a new build)."""
+    _systemctl("restart", unit_name(host, sidecar=sidecar))
+
+
 def _systemctl(*args: str) -> None:
     command = "systemctl " + " ".join(args)
     binary = shutil.which("systemctl")

@@ -239,7 +239,7 @@ class SystemdRestarter:
 
     def restart(self, host: str) -> None:
         try:
-            systemd_units._systemctl("restart", systemd_units.unit_name(host))
+            systemd_units.restart(host)
         except systemd_units.UnitError as e:
             raise DeployError(f"{host}: {e}") from e
 
