@@ -140,6 +140,23 @@ class AlwaysOnTests(DeployTestCase):
         self.assertFailed(elsewhere, "LCHAT_SPACE_COMMAND runs '/usr/bin/space-{host}', not")
         self.assertEqual(self.layout.version_of("a.example.com"), "v1")
 
+    def test_a_box_with_no_space_yet_gets_its_default_build(self) -> None:
+        """A fresh box (README, "A real box"): `deploy --all` with nothing registered sets the
+        default build that later spaces run, without a router; again, it changes nothing."""
+        self.install("v1")
+        first = self.lchat("deploy", "v1", "--all")
+        self.assertEqual(first.code, 0, first)
+        self.assertIn("no spaces are registered on this box yet", first.out)
+        self.assertIn("default build: - -> v1", first.out)
+        self.assertEqual(self.layout.version_of("_default"), "v1")
+        self.assertEqual(self.layout.version_of("later.example.com"), "v1")
+        again = self.lchat("deploy", "v1", "--all")
+        self.assertEqual(again.code, 0, again)
+        self.assertIn("default build: already v1", again.out)
+        missing = self.lchat("deploy", "v2", "--all")
+        self.assertFailed(missing, "version v2 is not installed")
+        self.assertEqual(self.layout.version_of("_default"), "v1")
+
     def test_a_deploy_fixes_a_space_that_was_failing(self) -> None:
         self.install("bad", broken=True)
         self.install("v1")
