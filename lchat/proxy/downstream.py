@@ -29,6 +29,7 @@ from twisted.python.failure import Failure
 from lchat import hosts
 from lchat.config import ProxyConfig
 from lchat.proxy import oneread
+from lchat.proxy.bulk import BUFFERS, MIN_BULK, BulkReader
 from lchat.proxy.http import (
     FORWARDING,
     HOP_BY_HOP,
@@ -286,6 +287,8 @@ class Downstream(asyncio.Protocol):
         self._send_buffered: int | None = None
         self._lost = False
         self._linger_until: float | None = None  # reading and dropping after a refusal
+        self._bulk: BulkReader | None = None  # the transport's protocol while a body streams
+        self.bulk_written = 0  # bytes written to the client from BUFFERS (lchat.proxy.bulk)
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -441,6 +444,51 @@ class Downstream(asyncio.Protocol):
             return
         if rest:
             self.data_received(rest)
+        elif self._body_left >= MIN_BULK and self._bulk is None:
+            ex = self._parsing
+            if (
+                ex is not None
+                and ex.streaming
+                and ex.upstream is not None
+                and ex.replay is None
+                and not self._closed
+                and self.transport is not None
+            ):
+                # The middle of a big body: read it into our own buffers (lchat.proxy.bulk).
+                self._bulk = BulkReader(self)
+                self.transport.set_protocol(self._bulk)
+
+    def bulk_received(self, nbytes: int) -> None:
+        """A read into ``BUFFERS.view`` while a big request body streams (BulkReader): the middle
+        of the body goes upstream as a slice of the buffer, as ``_body_read`` would have sent it;
+        anything else goes the general way, as ``bytes``, with this object the protocol again."""
+        view = BUFFERS.view
+        ex = self._parsing
+        if nbytes < self._body_left and ex is not None and not self._closed:
+            upstream = ex.upstream
+            size = ex.body_size + nbytes
+            max_body = self.cfg.max_body
+            if (
+                ex.streaming
+                and upstream is not None
+                and ex.replay is None
+                and (not max_body or size <= max_body)
+            ):
+                transport = upstream.transport
+                if transport is not None:
+                    self._body_left -= nbytes
+                    ex.body_size = size
+                    STATS.bytes_up += nbytes
+                    self._body_deadline = self.proxy.reactor.seconds() + self.cfg.keepalive_timeout
+                    transport.write(view[:nbytes])
+                    upstream.bulk_written += nbytes
+                    if transport.get_write_buffer_size():
+                        BUFFERS.lend(transport, upstream)  # uvloop kept a view of the unsent rest
+                    return
+        self._bulk = None
+        if self.transport is not None:
+            self.transport.set_protocol(self)
+        self.data_received(bytes(view[:nbytes]))
 
     def _serve_whole(self, data: bytes) -> bool:
         """Serve ``data`` if it is one whole request without a body (:mod:`oneread`), as the
@@ -1049,6 +1097,21 @@ class Downstream(asyncio.Protocol):
         ex.bytes_out += len(data)
         STATS.bytes_down += len(data)
         self._send(chunk(data) if ex.response_chunked else data)
+
+    def response_view(self, view: memoryview, nbytes: int) -> bool:
+        """``response_body`` of ``view[:nbytes]`` (a read into our own buffer, lchat.proxy.bulk),
+        written at once; False, having done nothing, when it cannot go that way."""
+        ex = self._active
+        transport = self.transport
+        if ex is None or transport is None or ex.response_chunked or self._batch is not None:
+            return False
+        ex.bytes_out += nbytes
+        STATS.bytes_down += nbytes
+        transport.write(view[:nbytes])
+        self.bulk_written += nbytes
+        if transport.get_write_buffer_size():
+            BUFFERS.lend(transport, self)  # uvloop kept a view of the unsent rest
+        return True
 
     def response_complete(self) -> None:
         ex = self._active

@@ -28,6 +28,7 @@ from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
 from lchat.proxy import oneread
+from lchat.proxy.bulk import BUFFERS, MIN_BULK, BulkReader
 from lchat.proxy.http import HOP_BY_HOP, INTERNAL, Header, Valve
 from lchat.router import LocalSocket, RemotePeer
 
@@ -63,6 +64,7 @@ class ResponseHandler(TypingProtocol):
     ) -> None: ...
     def response_whole(self, status: int, data: bytes, length: int) -> bool: ...
     def response_body(self, data: bytes) -> None: ...
+    def response_view(self, view: memoryview, nbytes: int) -> bool: ...
     def response_complete(self) -> None: ...
     def switched(self, status_reason: bytes, headers: list[Header], tail: bytes) -> None: ...
     def upstream_data(self, data: bytes) -> None: ...
@@ -106,6 +108,12 @@ class UpstreamConnection(asyncio.Protocol):
         # request body, or tunnel bytes, must then wait): Downstream.upstream_full.
         self.backpressure: ResponseHandler | None = None
         self.write_paused = False
+        # Bytes of a Content-Length response body still to come (counted from the head on); once
+        # the read that brought the head is parsed, the rest of the body goes past the parser.
+        self._body_left = 0
+        self._past_parser = False
+        self._bulk: BulkReader | None = None  # the transport's protocol while a body streams
+        self.bulk_written = 0  # bytes written to the space from BUFFERS (lchat.proxy.bulk)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -128,6 +136,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers = []
         self._final = self._complete = self._close_delimited = self._got_bytes = False
         self.request_sent = False
+        self._body_left = 0
+        self._past_parser = False
 
     def splice(self) -> None:
         """After 101: everything from now on is raw bytes for the handler."""
@@ -173,6 +183,9 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        if self._past_parser:
+            self._body_read(data)
+            return
         if (
             not self._got_bytes
             and not self._spliced
@@ -210,10 +223,64 @@ class UpstreamConnection(asyncio.Protocol):
                     self._fail("internal error")
             except httptools.HttpParserError as e:
                 self._fail(f"malformed response: {e}")
+            else:
+                if self._body_left > 0 and self.handler is not None and not self._complete:
+                    self._past_parser = True  # a Content-Length body under way: _body_read
             finally:
                 self._first_read = None
         finally:
             handler.flush()
+
+    def _body_read(self, data: bytes) -> None:
+        """A read while a ``Content-Length`` body is under way: its bytes go to ``on_body`` as
+        they came, past the parser (it would copy each read into a new object); at the body's
+        end, what the parser would have done at the message's end, with a fresh parser for what
+        follows (the old one still counts the body)."""
+        handler = self.handler
+        assert handler is not None
+        left = self._body_left
+        if len(data) <= left:
+            body, rest = data, b""
+        else:
+            body, rest = data[:left], data[left:]
+        handler.begin_batch()
+        try:
+            self.on_body(body)
+            if not self._body_left:
+                self._past_parser = False
+                self._parser = httptools.HttpResponseParser(self)
+                self.on_message_complete()
+        except Exception:
+            _log.failure("proxy response handler failed")
+            self._fail("internal error")
+            return
+        finally:
+            handler.flush()
+        if rest:
+            self.data_received(rest)  # (nobody asked for it: the stream is out of step)
+        elif self._body_left >= MIN_BULK and self._bulk is None and self.transport is not None:
+            # The middle of a big body: read it into our own buffers (lchat.proxy.bulk).
+            self._bulk = BulkReader(self)
+            self.transport.set_protocol(self._bulk)
+
+    def bulk_received(self, nbytes: int) -> None:
+        """A read into ``BUFFERS.view`` while a big response body streams (BulkReader): the middle
+        of the body goes to the handler as a slice of the buffer; anything else goes the general
+        way, as ``bytes``, with this object the protocol again."""
+        view = BUFFERS.view
+        handler = self.handler
+        if (
+            nbytes < self._body_left
+            and handler is not None
+            and self._past_parser
+            and handler.response_view(view, nbytes)
+        ):
+            self._body_left -= nbytes
+            return
+        self._bulk = None
+        if self.transport is not None:
+            self.transport.set_protocol(self)
+        self.data_received(bytes(view[:nbytes]))
 
     def on_message_begin(self) -> None:
         if self.handler is None:
@@ -262,6 +329,7 @@ class UpstreamConnection(asyncio.Protocol):
                 plain = False
         no_body = self._method == b"HEAD" or status in (204, 304)
         self._close_delimited = not no_body and length is None and not chunked
+        self._body_left = length if length and not no_body and not chunked else 0
         keep_alive = parser.should_keep_alive()
         if not keep_alive or self._close_delimited:
             self.reusable = False
@@ -276,6 +344,7 @@ class UpstreamConnection(asyncio.Protocol):
             raise _HeadDone()
 
     def on_body(self, data: bytes) -> None:
+        self._body_left -= len(data)
         if self.handler is not None:
             self.handler.response_body(data)
 
