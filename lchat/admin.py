@@ -299,9 +299,14 @@ def _wake_or_sleep(admin: AdminAPI, request: Request, what: str) -> bytes | int:
         )
 
     def failed(f: Any) -> None:
-        _finish(
-            request, still, 503, {"host": host, "error": getattr(f.value, "message", str(f.value))}
-        )
+        body: dict[str, Any] = {"host": host, "error": getattr(f.value, "message", str(f.value))}
+        # WakeFailed's stable word and its Retry-After: `hibernate --off` waits out a lease a
+        # peer is still releasing (reason lease_held) rather than failing at once.
+        reason = getattr(f.value, "reason", None)
+        if isinstance(reason, str):
+            body["reason"] = reason
+            body["retry_after"] = round(float(getattr(f.value, "retry_after", 0.0)), 3)
+        _finish(request, still, 503, body)
 
     d.addCallbacks(done, failed)
     return NOT_DONE_YET

@@ -11,7 +11,10 @@ ever runs :data:`QUERY` against it. Where the answer comes from:
   box that served it last), whether it sleeps or runs right now;
 - a hibernating space that never woke on this box (no database, no clean-sleep marker, no copy
   moved aside): its registry row says it all: never set up, no members, no content;
-- an always-on space: its database, which must exist (a missing one is a create that failed).
+- an always-on space: its database, which must exist (a missing one is a create that failed);
+- a "lives elsewhere" row (a mesh peer runs the space always-on, ``lives_at``): no answer here,
+  whatever file this box may still hold from when the space hibernated on it (that copy is stale
+  by definition): the error names the box to ask (``reason`` ``elsewhere``, ``lives_at``).
 
 Invariants of the read (:func:`read_database`):
 
@@ -68,17 +71,22 @@ Source = Literal["database", "registry"]
 
 class StatsError(Exception):
     """Why there are no stats; ``code`` is the admin API's HTTP status, ``reason`` a stable word
-    (``unknown_host``, ``service``, ``no_database``, ``not_local``, ``waking``, ``no_contract``,
-    ``bad_contract``, ``wal_without_shm``, ``busy``, ``unreadable``)."""
+    (``unknown_host``, ``service``, ``elsewhere``, ``no_database``, ``not_local``, ``waking``,
+    ``no_contract``, ``bad_contract``, ``wal_without_shm``, ``busy``, ``unreadable``).
+    ``lives_at``: with ``elsewhere``, the URL of the box that runs the space."""
 
-    def __init__(self, code: int, reason: str, message: str) -> None:
+    def __init__(self, code: int, reason: str, message: str, *, lives_at: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
+        self.lives_at = lives_at
 
     def to_json(self, host: str) -> dict[str, Any]:
-        return {"host": host, "error": self.message, "reason": self.reason}
+        out = {"host": host, "error": self.message, "reason": self.reason}
+        if self.lives_at:
+            out["lives_at"] = self.lives_at
+        return out
 
 
 @frozen
@@ -133,6 +141,16 @@ def stats_of(route: Route | None, host: str, data_dir: str, state: str | None = 
             409,
             "service",
             f"{host} is a service route (a server lchat does not run): it has no space database",
+        )
+    if route.elsewhere:
+        # Checked before any file: a database left here from when the space hibernated on this
+        # box is older than what the box at lives_at serves, and its numbers would mislead.
+        raise StatsError(
+            409,
+            "elsewhere",
+            f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box), "
+            f"not here: ask there (`lchat stats {host}` on that box)",
+            lives_at=route.lives_at,
         )
     db = db_of(route, data_dir)
     if not os.path.exists(db):  # a stat, never an open (see the module docstring)

@@ -364,6 +364,10 @@ class FlipsEndToEndTests(test_mesh.MeshTestCase):
             box.add_space(host)
             box.add_space(other)  # keeps --prune's zero-source guard satisfied on box A
         yield self.start(a, b)
+        # The router as twistd builds it logs its replication posture once, at start (the
+        # seed's "controld posture line"; its content is lchat/mesh/posture.py's, tested there).
+        for box in (a, b):
+            yield self.wait_for(lambda box=box: f"mesh posture: on as {box.url}" in box.log(), 20)
         # Awake on A, with a message in it.
         woke = yield deferToThread(_wake, a, host)
         self.assertTrue(woke, a.log()[-3000:])

@@ -1054,16 +1054,42 @@ class SeedTests(CliTestCase):
 
     @inlineCallbacks
     def test_prune_zero_source_guard(self) -> Any:
-        self.a.add("out.elsewhere.org")  # rows, but none in scope
-        self.a.add("live.chat.example.com", hibernate=False)
+        # Rows, but none this box publishes in scope: out of scope (hibernating and always-on),
+        # a service, and a third box's lives-elsewhere row (not this box's to publish).
+        self.a.add("out.elsewhere.org")
+        self.a.add("live.elsewhere.org", hibernate=False)
+        self.a.add("svc.chat.example.com", kind="service")
+        self.a.add("y.chat.example.com", hibernate=False, lives_at="https://box-c.example.net")
         self.b.add("x.chat.example.com")
         before = (self.b.changes(), self.b.files())
         done = yield self.lchat("mesh-seed", "--prune", self.peer.url)
         self.assertEqual(done.returncode, 1, done)
         self.assertIn("refusing to prune", done.stderr)
-        self.assertIn("no in-scope hibernating routes", done.stderr)
+        self.assertIn("publishes no in-scope route", done.stderr)
         self.assertEqual((self.b.changes(), self.b.files()), before)
         self.assertEqual(self.peer.reloads, [])
+
+    @inlineCallbacks
+    def test_prune_counts_always_on_spaces_as_published(self) -> Any:
+        # This box's last hibernating space went always-on, and the peer missed the flip: the
+        # registry is not empty (it publishes the lives-elsewhere shape), so --prune repairs it.
+        self.a.add("live.chat.example.com", hibernate=False)
+        self.b.add("live.chat.example.com")  # the stale hibernating row the flip should replace
+        self.b.add("gone.chat.example.com")
+        done = yield self.lchat("mesh-seed", "--prune", self.peer.url)
+        self.assertEqual(done.returncode, 0, done)
+        self.assertIn("0 route(s) in scope", done.stdout)
+        self.assertIn(
+            "pruned 1 row(s) this registry no longer has: gone.chat.example.com", done.stdout
+        )
+        self.assertIn("flipped 1 row(s) to live here", done.stdout)
+        row = self.b.registry.get("live.chat.example.com")
+        assert row is not None
+        self.assertEqual(
+            (row.hibernate, row.lives_at),
+            (False, normalise_member_url(self.a.settings["LCHAT_MESH_SELF"])),
+        )
+        self.assertIsNone(self.b.registry.get("gone.chat.example.com"))
 
     @inlineCallbacks
     def test_failures_are_reported(self) -> Any:

@@ -265,6 +265,33 @@ class RelocateTests(TestCase):
         self.assertEqual((code, out.strip()), (0, f"{HOST}: already in fi: nothing to do"), err)
         self.assertEqual(await self.keys(self.fi), dest_keys)
 
+    async def test_one_bucket_two_prefixes_is_a_server_side_copy(self) -> None:
+        # fi keeps its replicas in the same moto bucket and endpoint as ie, under another prefix:
+        # CopyObject on the server, no bytes through this box; relocate's own lease on the source
+        # (held during the copy) does not travel.
+        m = self.moto
+        self.extra["LCHAT_REGION_BUCKETS"] = (
+            f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region={m.region},"
+            f"fi=s3://{self.ie_bucket}/prod-fi?endpoint={m.endpoint}&region={m.region}"
+        )
+        source_keys = await self.keys(self.ie)
+        code, out, err = await self.relocate(as_json=True)
+        self.assertEqual(code, 0, err)
+        steps = json.loads(out)
+        self.assertEqual(
+            (steps["store"]["method"], steps["store"]["objects"]), ("server-side copy", 1)
+        )
+        self.assertEqual(steps["store"]["bytes"], len(_snapshot(self.db, 5)[1]))
+        dest = [i.key for i in await self.ie.list(f"prod-fi/{HOST}/")]
+        self.assertEqual(
+            sorted(k.rsplit("/", 1)[1] for k in dest),
+            sorted(k.rsplit("/", 1)[1] for k in source_keys),
+        )
+        self.assertNotIn(f"prod-fi/{HOST}/lock.json", dest)
+        restored = os.path.join(self.dir, "restored.db")
+        await replicas.litestream_restore(self.moto, self.ie_bucket, f"prod-fi/{HOST}", restored)
+        self.assertEqual(replicas.dump(restored), replicas.dump(self.db))
+
     async def test_json_prints_the_steps(self) -> None:
         code, out, err = await self.relocate(as_json=True)
         self.assertEqual(code, 0, err)

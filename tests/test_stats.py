@@ -321,6 +321,29 @@ class StatsOfTests(TestCase):
             f.write("{}")
         self.assertEqual(self.refused(row, "h.example").reason, "not_local")
 
+    async def test_a_lives_elsewhere_row_names_its_box_and_reads_no_local_file(self) -> None:
+        # The copy left here from when it hibernated on this box is stale: never its answer.
+        db = os.path.join(self.data, "away.example.db")
+        await write_space(db, posts=1)
+        before = files_of(self.data)
+        row = route("away.example", status="ready", lives_at="https://box-b.example:8443")
+        e = self.refused(row, "away.example")
+        self.assertEqual((e.code, e.reason), (409, "elsewhere"))
+        self.assertIn("runs always-on on https://box-b.example:8443", e.message)
+        self.assertEqual(
+            e.to_json("away.example"),
+            {
+                "host": "away.example",
+                "error": e.message,
+                "reason": "elsewhere",
+                "lives_at": "https://box-b.example:8443",
+            },
+        )
+        os.unlink(db)  # and without a local file: the same answer, not "no_database"
+        self.assertEqual(self.refused(row, "away.example").reason, "elsewhere")
+        self.assertNotIn("lives_at", self.refused(route("on.example"), "on.example").to_json("x"))
+        self.assertEqual(sorted(files_of(self.data)), sorted(set(before) - {"away.example.db"}))
+
     def test_a_space_being_restored_is_asked_again(self) -> None:
         e = self.refused(route("h.example", hibernate=True), "h.example", "waking")
         self.assertEqual((e.code, e.reason), (409, "waking"))
@@ -450,6 +473,26 @@ class RouterStatsTests(_Harness):
         self.assertEqual((code, body.get("reason")), (400, "bad_host"))
 
     @inlineCallbacks
+    def test_a_lives_elsewhere_row_is_answered_with_its_box(self):
+        host = "away.example"
+        registry = Registry(self.config().registry, clock=time.time)
+        registry.migrate()
+        registry.insert(
+            Route(
+                host=host,
+                kind="instance",
+                socket=f"/run/{host}.sock",
+                status="ready",
+                lives_at="https://box-b.example:8443",
+            )
+        )
+        self.start(self.config(LCHAT_UNITS="systemd"))
+        code, body = yield self.stats(host)
+        self.assertEqual((code, body.get("reason")), (409, "elsewhere"), body)
+        self.assertEqual(body["lives_at"], "https://box-b.example:8443")
+        self.assertIn(f"`lchat stats {host}` on that box", body["error"])
+
+    @inlineCallbacks
     def test_the_cli_asks_the_router(self):
         host = "cli.example"
         self.add_space(host)
@@ -496,6 +539,31 @@ class CliWithoutRouterTests(TestCase):
         after = files_of(data)  # (the CLI opens the registry as every command does)
         self.assertEqual(after["a.example.db"], before["a.example.db"])
         self.assertEqual(sorted(after), sorted(before))
+
+    async def test_a_lives_elsewhere_row_says_which_box_to_ask(self) -> None:
+        root = tempfile.mkdtemp(prefix="stats", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        data, run = os.path.join(root, "d"), os.path.join(root, "r")
+        os.mkdir(data)
+        env = os.path.join(root, "router.env")
+        with open(env, "w") as f:  # noqa: ASYNC230 (a test's small file)
+            f.write(f"LCHAT_DATA_DIR={data}\nLCHAT_RUN_DIR={run}\n")
+        registry = Registry(os.path.join(data, "registry.db"), clock=time.time)
+        registry.migrate()
+        registry.insert(route("away.example", status="ready", lives_at="https://b.example:8443"))
+        await write_space(os.path.join(data, "away.example.db"), posts=1)  # stale, from before
+        got = await deferToThread(_lchat, "stats", "away.example", "--env-file", env)
+        self.assertEqual(got.returncode, 1, got.stdout)
+        self.assertEqual(got.stdout, "")  # no numbers at all, not the stale copy's
+        self.assertIn(
+            "lchat: error: away.example runs always-on on https://b.example:8443", got.stderr
+        )
+        self.assertIn("`lchat stats away.example` on that box", got.stderr)
+        got = await deferToThread(_lchat, "stats", "away.example", "--json", "--env-file", env)
+        answer = json.loads(got.stdout)
+        self.assertEqual(
+            (answer["reason"], answer["lives_at"]), ("elsewhere", "https://b.example:8443")
+        )
 
     def test_help_lists_the_command(self) -> None:
         self.assertEqual(cli_main(["stats", "--help"]), 0)

@@ -22,7 +22,7 @@ import attrs
 
 import lchat
 from lchat import config, envfile, hosts
-from lchat.cli import admin_client, certs, dev_cert, litestream_yml, units
+from lchat.cli import admin_client, certs, dev_cert, handback, litestream_yml, units
 from lchat.cli import backup as backup_cli
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import mesh as mesh_cli
@@ -30,6 +30,7 @@ from lchat.cli import replica as replica_cli
 from lchat.cli import stats as stats_cli
 from lchat.config import BoxConfig, ConfigError
 from lchat.ledger import LedgerError
+from lchat.objstore import ObjectStoreError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
 PROG = "lchat"
@@ -770,6 +771,11 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
             f"lchat@.service uses; systemd units cannot run it (LCHAT_UNITS=builtin can)"
         )
     db = route.db_path or hosts.db_path(cfg.data_dir, host)
+    if route.hibernate:
+        # Before anything changes: a refusal here (the bucket cannot be read, the newest copy
+        # is in the bucket but no router runs to fetch it) leaves the peers and the row as
+        # they were.
+        _precheck_newest_copy(cfg, route, db)
     # 0. The peers (mesh) first: they swap their hibernating row for the lives-elsewhere shape,
     # forward its requests here from now on, and put it to sleep (flushed, lease released) where
     # it was awake. After this step a peer can no longer wake it while the unit runs here.
@@ -779,6 +785,9 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
         _sleep_now(cfg, host)
         # An instance refuses to start over a socket that still has a listener.
         _wait_released(socket, host, timeout)
+        # 1b. The unit serves whatever file it finds: the newest copy must be here first (the
+        # space may last have run on another box, and the peers have just flushed it).
+        _newest_copy_here(cfg, route, db, timeout)
         # The unit writes the database from now on: the marker of a clean sleep stops being true.
         _forget_clean_sleep(db)
         registry.update(host, hibernate=False, next_due=0)
@@ -810,6 +819,142 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
         units.enable_now(host, sidecar=True)
         _out(f"{host}: enabled and started {units.unit_name(host, sidecar=True)}")
     return code
+
+
+def _freshness(cfg: BoxConfig, host: str, db: str) -> handback.Freshness:
+    """The local database against the bucket (one LIST); a bucket that does not answer is a
+    refusal: without it nobody can tell whether another box wrote the space since."""
+    try:
+        return handback.read_freshness(cfg, host, db)
+    except (ObjectStoreError, TimeoutError) as e:
+        raise CliError(
+            f"{host}: cannot read the bucket to check that {db} is the newest copy of the space "
+            f"({_one_line(str(e))[:300]}); it stays hibernating (nothing was handed to its unit): "
+            f"retry `lchat hibernate {host} --off` once the bucket answers"
+        ) from e
+
+
+def _precheck_newest_copy(cfg: BoxConfig, route: Route, db: str) -> None:
+    """``--off``'s refusals that must come before the peers are told: a space whose replica
+    lives in another region's bucket, and a stale local file with no router here to fetch the
+    newest copy (the activator restores only under the space's lease; the CLI never does)."""
+    host = route.host
+    if cfg.hibernate is None:
+        return  # no bucket: no activator ever ran it, so it ran nowhere but in its unit
+    foreign = handback.foreign_bucket(cfg, route.home_region)
+    if foreign is not None:
+        raise CliError(
+            f"{host} is homed in region {route.home_region}, whose replicas live in "
+            f"{foreign.bucket} (LCHAT_REGION_BUCKETS), not in this box's bucket: this box cannot "
+            f"fetch its newest copy. Run `lchat hibernate {host} --off` on a box of region "
+            f"{route.home_region}, or first `lchat relocate {host} --to <this box's region>`; "
+            f"nothing changed"
+        )
+    fresh = _freshness(cfg, host, db)
+    if fresh.current or _router_status(cfg) is not None:
+        return
+    raise CliError(
+        f"{host}: {fresh.describe()}: the newest copy is in the bucket (the space last ran on "
+        f"another box, or was not slept cleanly here), and only the router's activator fetches "
+        f"it, under the space's lease, but no router answers on {cfg.admin_socket}. Nothing "
+        f"changed (still hibernating): start the router, then re-run `lchat hibernate {host} "
+        f"--off`"
+    )
+
+
+def _newest_copy_here(cfg: BoxConfig, route: Route, db: str, timeout: float) -> None:
+    """Make ``db`` the bucket's newest copy before the unit owns it, or refuse (the flag stays
+    on). When it is not already (see :func:`_stale_copy`), the activator wakes it here once,
+    under its lease (it moves a stale local file aside and restores; it refuses a bucket behind a
+    local copy), and sleeps it (flushed, a marker at the newest txid); then it is checked again.
+    Peers already forward the space here, so no other box wakes it meanwhile."""
+    host = route.host
+    if cfg.hibernate is None:
+        return
+    stale = _stale_copy(cfg, host, db, timeout)
+    if stale is None:
+        return
+    _out(
+        f"{host}: {stale.describe()}: fetching the newest copy from the bucket under the "
+        f"space's lease (one wake here, then a sleep)"
+    )
+    _restore_by_wake(cfg, host, timeout)
+    _sleep_now(cfg, host)
+    stale = _stale_copy(cfg, host, db, timeout, fetched=True)
+    if stale is not None:
+        raise CliError(
+            f"{host}: after the wake and sleep here, {stale.describe()}: it stays hibernating "
+            f"(nothing was handed to its unit). See the router's log (`activator: {host}`), then "
+            f"re-run `lchat hibernate {host} --off`"
+        )
+
+
+def _stale_copy(
+    cfg: BoxConfig, host: str, db: str, timeout: float, *, fetched: bool = False
+) -> handback.Freshness | None:
+    """None when the unit may take the local database as it is, else what the check saw.
+
+    It may when the file is the bucket's newest copy (:attr:`handback.Freshness.current`), or
+    when a request has woken the space here again since the sleep (the flag is still on): the
+    activator wakes only under the space's lease and from its newest copy, and the reload that
+    hands the space to its unit sleeps it with a full flush first. A wake in progress here is
+    waited out (its outcome decides); the state is read after the file, and a space that went
+    back to sleep in between is read once more."""
+    deadline = time.monotonic() + timeout
+    reread = False
+    while True:
+        fresh = _freshness(cfg, host, db)
+        if fresh.current:
+            if fresh.bucket.newest:
+                now = "now " if fetched else ""
+                _out(f"{host}: {db} is {now}the newest copy (txid {fresh.bucket.newest})")
+            return None
+        state = (_router_entry(cfg, host) or {}).get("state")
+        if state in ("awake", "stopping"):
+            _out(
+                f"{host}: {state} here again (a request woke it under its lease, from the newest "
+                f"copy): the router flushes it to this box's file before the unit starts"
+            )
+            return None
+        if state == "waking" and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
+            continue
+        if state in (None, "asleep") and not reread:
+            reread = True  # asleep now: it may have slept (marker written) since the read
+            continue
+        return fresh
+
+
+def _restore_by_wake(cfg: BoxConfig, host: str, timeout: float) -> None:
+    """``POST /wake`` until it answers 200; a lease a peer is still releasing (its sleep, on the
+    lives-elsewhere push) is waited out until ``timeout``. Anything else is a refusal."""
+    deadline = time.monotonic() + timeout
+    then = (
+        f"it stays hibernating here (nothing was handed to its unit), and the peers forward it "
+        f"here: fix that and re-run `lchat hibernate {host} --off`, or run `lchat hibernate "
+        f"{host} --on` to give the peers its hibernating row back"
+    )
+    while True:
+        try:
+            response = admin_client.wake_space(cfg.admin_socket, host, timeout)
+        except (admin_client.Unreachable, admin_client.ProtocolError) as e:
+            raise CliError(
+                f"{host}: the wake that fetches its newest copy failed ({e}); {then}"
+            ) from e
+        body = _json_body(response)
+        if response.status == 200:
+            _out(f"{host}: woken here from the newest copy ({body.get('seconds', '?')}s)")
+            return
+        if response.status == 409:
+            raise CliError(
+                f"{host}: the running router has no activator (LCHAT_HIBERNATE_BUCKET is unset in "
+                f"its environment), so it cannot fetch the newest copy; {then}"
+            )
+        error = body.get("error") or f"the router answered {response.status}"
+        if body.get("reason") == "lease_held" and time.monotonic() < deadline:
+            time.sleep(1.0)  # the CLI is synchronous: no reactor here to block
+            continue
+        raise CliError(f"{host}: the wake that fetches its newest copy failed: {error}; {then}")
 
 
 def _fan_out_flip(cfg: BoxConfig, registry: Registry, host: str) -> None:
@@ -1071,6 +1216,10 @@ def _start_with_router(
         return 0
     route = _wait_for_verdict(registry, host, args.timeout)
     if route.status == "ready":
+        # The supervisor wrote "ready" and then asked its own table to reload: a request sent
+        # the moment we saw the row could still meet the old table (a 503). A reload asked for
+        # now answers once a table read after the row was ready is in force.
+        notify_router(cfg)
         _out(f"{host} is ready")
         return 0
     if route.status == "failed":

@@ -283,10 +283,28 @@ def mesh_seed(
     if normalise_member_url(peer) == normalise_member_url(mesh.self_url):
         raise MeshCliError(f"{peer} is this box (LCHAT_MESH_SELF): name a peer")
     routes = seed_routes(registry, mesh, region)
-    if prune and not routes:
+    table = registry.load()
+    # Spaces this box runs always-on: a peer's replicated row for one of them (a hibernating row
+    # left by a missed `hibernate --off` fan-out) becomes the lives-elsewhere shape (--prune).
+    always_on = {
+        route.host: route
+        for route in table
+        if route.kind == "instance" and not route.hibernate and not route.elsewhere
+    }
+    # The zero-source guard: --prune deletes every in-scope peer row this registry lacks, so a
+    # registry that publishes nothing in scope (empty, misread, or the wrong --env-file) would
+    # wipe the peer. It counts every row this source publishes in scope: its hibernating routes
+    # and the lives-elsewhere shapes of its always-on spaces (a box whose last hibernating space
+    # went always-on is not empty, and --prune is how its missed flips get repaired). A peer's
+    # lives-elsewhere row held here is not this box's to publish, so it does not count.
+    publishes = len(routes) + sum(
+        _seed_scope(mesh, region, r.host, r.home_region) for r in always_on.values()
+    )
+    if prune and publishes == 0:
         raise MeshCliError(
-            "refusing to prune: this registry has no in-scope hibernating routes, and a "
-            "misread registry must never mass-delete a peer's rows; nothing was pushed or deleted"
+            "refusing to prune: this registry publishes no in-scope route (no hibernating space, "
+            "no always-on space of this box under the mesh domains), and a misread registry must "
+            "never mass-delete a peer's rows; nothing was pushed or deleted"
         )
     payloads: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -297,15 +315,7 @@ def mesh_seed(
             )
         except ConfigError as e:
             failures.append(f"{route.host}: its env file cannot be read ({e})")
-    table = registry.load()
     have = {route.host for route in table}
-    # Spaces this box runs always-on: a peer's replicated row for one of them (a hibernating row
-    # left by a missed `hibernate --off` fan-out) becomes the lives-elsewhere shape (--prune).
-    always_on = {
-        route.host: route
-        for route in table
-        if route.kind == "instance" and not route.hibernate and not route.elsewhere
-    }
     counts: dict[str, int] = {}
     pruned: list[str] = []
     flipped: list[str] = []
