@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
+import attrs
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
@@ -25,7 +26,7 @@ from lchat import config, lease
 from lchat.cli import main as cli_main
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import relocate
-from lchat.config import BoxConfig, ConfigError
+from lchat.config import BoxConfig, ConfigError, RegionBucket
 from lchat.mesh.membership import Heartbeat, member_key
 from lchat.objstore.file import FileBucket
 from lchat.registry import Registry, Route
@@ -291,6 +292,49 @@ class RelocateTests(TestCase):
         restored = os.path.join(self.dir, "restored.db")
         await replicas.litestream_restore(self.moto, self.ie_bucket, f"prod-fi/{HOST}", restored)
         self.assertEqual(replicas.dump(restored), replicas.dump(self.db))
+
+    async def test_two_buckets_of_one_account_on_one_endpoint_copy_on_the_server(self) -> None:
+        # fi keeps its replicas in another moto bucket, same endpoint, same keys: CopyObject into
+        # fi's bucket naming ie's as the source (no byte through this box). With fi's own key
+        # pair (another account, as far as the configuration says) the bytes stream instead.
+        m = self.moto
+        fi_bucket = await m.new_bucket()
+        fi = store_for(m, fi_bucket)
+        self.addCleanup(fi.close)
+        self.extra["LCHAT_REGION_BUCKETS"] = (
+            f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region={m.region},"
+            f"fi=s3://{fi_bucket}/prod?endpoint={m.endpoint}&region={m.region}"
+        )
+        source = {i.key: i.size for i in await self.ie.list(f"prod/{HOST}/")}
+        code, out, err = await self.relocate(as_json=True)
+        self.assertEqual(code, 0, err)
+        steps = json.loads(out)
+        self.assertEqual(
+            (steps["store"]["method"], steps["store"]["objects"]), ("server-side copy", 1)
+        )
+        copied = {i.key: i.size for i in await fi.list(f"prod/{HOST}/")}
+        self.assertEqual(copied, {k: v for k, v in source.items() if not k.endswith("lock.json")})
+        restored = os.path.join(self.dir, "restored.db")
+        await replicas.litestream_restore(self.moto, fi_bucket, f"prod/{HOST}", restored)
+        self.assertEqual(replicas.dump(restored), replicas.dump(self.db))
+
+    def test_one_account_is_judged_from_the_configuration(self) -> None:
+        m = self.moto
+        cfg = self.config(True)
+        ie = RegionBucket("ie", "b1", "prod", m.region, m.endpoint)
+        same = RegionBucket("fi", "b2", "prod", m.region, m.endpoint)
+        own_key = attrs.evolve(same, access_key_env="FI_KEY", secret_key_env="FI_SECRET")
+        elsewhere = attrs.evolve(same, endpoint=self.weed.endpoint)
+        aws_ie = RegionBucket("ie", "b1", "", "eu-west-1")
+        aws_fi = RegionBucket("fi", "b2", "", "eu-north-1")
+        self.assertTrue(relocate._one_account(cfg, ie, same))
+        self.assertFalse(relocate._one_account(cfg, ie, own_key))  # FI_KEY is weed's key
+        self.assertFalse(relocate._one_account(cfg, ie, elsewhere))
+        self.assertFalse(relocate._one_account(cfg, aws_ie, aws_fi))  # two AWS regions
+        self.assertTrue(
+            relocate._one_account(cfg, aws_ie, attrs.evolve(aws_fi, s3_region="eu-west-1"))
+        )
+        self.assertFalse(relocate._one_account(cfg, ie, RegionBucket("fi", f"file:{self.dir}/b")))
 
     async def test_json_prints_the_steps(self) -> None:
         code, out, err = await self.relocate(as_json=True)

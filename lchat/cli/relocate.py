@@ -41,9 +41,10 @@ from lchat.cli import admin_client
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
 from lchat.cli.bucket import open_region_bucket
-from lchat.config import BoxConfig, ConfigError, RegionBucket
+from lchat.config import BoxConfig, ConfigError, RegionBucket, bucket_key_env
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
+from lchat.objstore.s3 import S3Store
 from lchat.registry import Registry
 from lchat.replica.restore import replica_files
 from lchat.threads import RunInThread, thread_runner
@@ -386,7 +387,16 @@ def _fenced_copy_and_flip(
                     ) from e
                 fences.append((store, held))
             started = time.monotonic()
-            result = await _copy(reactor, host, src, dst, src_store, dst_store, run_in_thread)
+            result = await _copy(
+                reactor,
+                host,
+                src,
+                dst,
+                src_store,
+                dst_store,
+                run_in_thread,
+                one_account=_one_account(cfg, src, dst),
+            )
             if time.monotonic() - started > hib.lease_ttl * 0.9:
                 raise RelocateError(
                     f"{host}: the copy took longer than the lease TTL ({hib.lease_ttl:g}s), so "
@@ -502,6 +512,8 @@ async def _copy(
     src_store: ObjectStore,
     dst_store: ObjectStore,
     run_in_thread: RunInThread,
+    *,
+    one_account: bool = False,
 ) -> dict[str, Any]:
     src_dir, dst_dir = src.key(host) + "/", dst.key(host) + "/"
     source = [i for i in await src_store.list(src_dir) if not _is_lock(i, src_dir)]
@@ -519,7 +531,10 @@ async def _copy(
             f"flipped; if {dst.region} is where it lives, flip only its home_region"
         )
     same_store = (src.bucket, src.endpoint) == (dst.bucket, dst.endpoint)
-    method = "server-side copy" if same_store else "download + re-upload"
+    # Two buckets of one account on one endpoint: CopyObject into the destination, named from
+    # the source bucket (no byte through this box). Anything else streams through a temp file.
+    across = not same_store and one_account and isinstance(dst_store, S3Store)
+    method = "server-side copy" if same_store or across else "download + re-upload"
     copied = skipped = size = 0
     for info in source:
         rel = info.key[len(src_dir) :]
@@ -531,6 +546,9 @@ async def _copy(
             continue
         if same_store:
             await src_store.copy(info.key, target)
+        elif across:
+            assert isinstance(dst_store, S3Store)
+            await dst_store.copy(info.key, target, source_bucket=src.bucket)
         else:
             await _stream(src_store, dst_store, info.key, target, run_in_thread)
         copied += 1
@@ -576,6 +594,21 @@ async def _stream(
             await run_in_thread(os.unlink, path)
         except FileNotFoundError:
             pass
+
+
+def _one_account(cfg: BoxConfig, src: RegionBucket, dst: RegionBucket) -> bool:
+    """Whether ``dst``'s store may copy ``src``'s objects on the server: two S3 buckets on one
+    endpoint (the same explicit endpoint, or AWS in the same region) reached with the same access
+    key (both the box's own credentials, or the same named key). Read from the configuration
+    only: resolving a role's credentials could block."""
+    if src.bucket.startswith("file:") or dst.bucket.startswith("file:"):
+        return False
+    if src.endpoint.rstrip("/") != dst.endpoint.rstrip("/"):
+        return False
+    if not src.endpoint and (src.s3_region or "us-east-1") != (dst.s3_region or "us-east-1"):
+        return False
+    keys = [(bucket_key_env(cfg, where) or {}).get("AWS_ACCESS_KEY_ID") for where in (src, dst)]
+    return keys[0] == keys[1]
 
 
 def _is_lock(info: ObjectInfo, directory: str) -> bool:

@@ -1271,10 +1271,18 @@ class S3Store:
         out.sort(key=lambda info: info.key)
         return out
 
-    async def copy(self, source: str, destination: str) -> PutResult:
+    async def copy(
+        self, source: str, destination: str, *, source_bucket: str | None = None
+    ) -> PutResult:
+        """``source`` (in ``source_bucket``, this bucket by default) to ``destination`` in this
+        bucket, on the server: no byte through this process. Another bucket must be on the same
+        endpoint and readable with this store's credentials (the same account)."""
         _check_key(source)
         _check_key(destination)
-        headers = {"x-amz-copy-source": f"/{quote_key(self.bucket)}/{quote_key(source)}"}
+        from_bucket = self.bucket if source_bucket is None else source_bucket
+        if not from_bucket or "/" in from_bucket:
+            raise ValueError(f"bad source bucket name {from_bucket!r}")
+        headers = {"x-amz-copy-source": f"/{quote_key(from_bucket)}/{quote_key(source)}"}
         reply = await self._send(
             "CopyObject", "PUT", destination, headers=headers, body_may_hold_error=True
         )
