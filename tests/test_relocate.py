@@ -26,6 +26,7 @@ from lchat import config, lease
 from lchat.cli import main as cli_main
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import relocate
+from lchat.cli.bucket import open_region_bucket
 from lchat.config import BoxConfig, ConfigError, RegionBucket
 from lchat.mesh.membership import Heartbeat, member_key
 from lchat.objstore.file import FileBucket
@@ -317,6 +318,29 @@ class RelocateTests(TestCase):
         restored = os.path.join(self.dir, "restored.db")
         await replicas.litestream_restore(self.moto, fi_bucket, f"prod/{HOST}", restored)
         self.assertEqual(replicas.dump(restored), replicas.dump(self.db))
+
+    async def test_each_regions_store_is_signed_for_its_own_region(self) -> None:
+        # The copy's clients: each region's store signs for that region (SigV4's scope), and
+        # answers (moto and SeaweedFS take any region in the scope, so the scope is read back).
+        m, w = self.moto, self.weed
+        self.extra["LCHAT_REGION_BUCKETS"] = (
+            f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region=eu-west-1,"
+            f"fi=s3://{self.fi_bucket}/prod?endpoint={w.endpoint}&region=eu-north-1"
+            f"&access_key_env=FI_KEY&secret_key_env=FI_SECRET"
+        )
+        cfg = self.config(True)
+        from twisted.internet import reactor
+
+        regions = {"ie": "eu-west-1", "fi": "eu-north-1"}
+        self.assertEqual(sorted(b.region for b in cfg.region_buckets), ["fi", "ie"])
+        for where in cfg.region_buckets:
+            region = regions[where.region]
+            store = await open_region_bucket(reactor, cfg, where)
+            try:
+                self.assertTrue(store.describe().endswith(f"(region {region})"), store.describe())
+                await store.list("prod/")
+            finally:
+                await store.close()
 
     def test_one_account_is_judged_from_the_configuration(self) -> None:
         m = self.moto
