@@ -514,16 +514,21 @@ class RouterStatsTests(_Harness):
 class CliWithoutRouterTests(TestCase):
     """``lchat stats`` on a box whose router is not running reads the files itself."""
 
-    async def test_reads_the_database_and_the_registry_itself(self) -> None:
+    def box(self) -> tuple[str, str, Registry]:
+        """A box's data directory, env file and registry, and no router."""
         root = tempfile.mkdtemp(prefix="stats", dir="/tmp")
         self.addCleanup(shutil.rmtree, root, True)
         data, run = os.path.join(root, "d"), os.path.join(root, "r")
         os.mkdir(data)
         env = os.path.join(root, "router.env")
-        with open(env, "w") as f:  # noqa: ASYNC230 (a test's small file)
+        with open(env, "w") as f:
             f.write(f"LCHAT_DATA_DIR={data}\nLCHAT_RUN_DIR={run}\n")
         registry = Registry(os.path.join(data, "registry.db"), clock=time.time)
         registry.migrate()
+        return data, env, registry
+
+    async def test_reads_the_database_and_the_registry_itself(self) -> None:
+        data, env, registry = self.box()
         registry.insert(route("a.example", hibernate=True, status="ready"))
         registry.insert(route("b.example", hibernate=True, status="ready"))
         await write_space(os.path.join(data, "a.example.db"), posts=1)
@@ -541,15 +546,7 @@ class CliWithoutRouterTests(TestCase):
         self.assertEqual(sorted(after), sorted(before))
 
     async def test_a_lives_elsewhere_row_says_which_box_to_ask(self) -> None:
-        root = tempfile.mkdtemp(prefix="stats", dir="/tmp")
-        self.addCleanup(shutil.rmtree, root, True)
-        data, run = os.path.join(root, "d"), os.path.join(root, "r")
-        os.mkdir(data)
-        env = os.path.join(root, "router.env")
-        with open(env, "w") as f:  # noqa: ASYNC230 (a test's small file)
-            f.write(f"LCHAT_DATA_DIR={data}\nLCHAT_RUN_DIR={run}\n")
-        registry = Registry(os.path.join(data, "registry.db"), clock=time.time)
-        registry.migrate()
+        data, env, registry = self.box()
         registry.insert(route("away.example", status="ready", lives_at="https://b.example:8443"))
         await write_space(os.path.join(data, "away.example.db"), posts=1)  # stale, from before
         got = await deferToThread(_lchat, "stats", "away.example", "--env-file", env)
