@@ -364,6 +364,42 @@ class InstancesTests(CliTestCase):
         self.assertEqual((result.code, json.loads(result.out)), (0, []))
 
 
+class ClosedPipeTests(CliTestCase):
+    """``lchat instances | head`` or ``| grep -q`` (make run does the latter): a reader that
+    leaves early ends the command quietly, exit 141 as for SIGPIPE, not with an error line."""
+
+    def run_into(self, stdout: int) -> subprocess.CompletedProcess[bytes]:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from lchat.cli.main import run; run()",
+                "instances",
+                *self.common(),
+            ],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": root},
+            timeout=60,
+        )
+
+    def test_a_reader_gone_is_a_quiet_141(self) -> None:
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything was written
+        try:
+            done = self.run_into(write_end)
+        finally:
+            os.close(write_end)
+        self.assertEqual((done.returncode, done.stderr), (128 + signal.SIGPIPE, b""))
+
+    def test_a_reader_that_stays_gets_everything(self) -> None:
+        done = self.run_into(subprocess.PIPE)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertTrue(done.stdout.startswith(b"HOST"), done.stdout)
+
+
 class VersionAndHelpTests(CliTestCase):
     def test_version(self) -> None:
         result = self.lchat("version")

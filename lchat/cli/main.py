@@ -12,6 +12,8 @@ import json
 import os
 import re
 import secrets
+import select
+import signal
 import stat
 import sys
 import time
@@ -69,7 +71,32 @@ class CliError(Exception):
 
 
 def run() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is caught below
+    except BrokenPipeError:
+        code = _reader_gone()
+    sys.exit(code)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def _reader_gone() -> int:
+    """stdout's reader went away (``lchat instances | head``, ``| grep -q``): stop quietly, as
+    a command killed by SIGPIPE would (exit 141), with no error line. stdout now points at
+    /dev/null so that nothing tries to flush into the closed pipe again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         mesh_cli.MeshCliError,
     ) as e:
         return _fail(str(e))
+    except BrokenPipeError as e:
+        if _stdout_closed():
+            return _reader_gone()
+        return _fail(str(e))  # another pipe or socket (the router's, say): a real error
     except OSError as e:
         return _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
     except KeyboardInterrupt:
