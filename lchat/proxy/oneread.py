@@ -19,16 +19,19 @@ import re
 from typing import NamedTuple
 
 # RFC 9110 §5.6.2 token characters: a header name.
-_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]++"
 # A field line as the recognisers take it: a token, a colon, then visible ASCII and spaces only
 # (no tab, no obs-text, no control byte), ending in CRLF.
-_LINE = _TOKEN + rb":[ -~]*\r\n"
+_LINE = _TOKEN + rb":[ -~]*+\r\n"
+# (The repeats are possessive, ``*+``: each stops at a byte the next element cannot start with
+# (a token at its colon, a value at its CR, the lines at the empty line's CR), so backtracking
+# could never find another match: the same language, matched without saving a backtrack point.)
 
 # GET or HEAD (they carry no body unless a framing header says so, and then we decline), an
 # origin-form target of visible ASCII, HTTP/1.1 exactly.
-_REQUEST_LINE = re.compile(rb"(GET|HEAD) (/[!-~]*) HTTP/1\.1\r\n")
+_REQUEST_LINE = re.compile(rb"(GET|HEAD) (/[!-~]*+) HTTP/1\.1\r\n")
 # The rest of the read: field lines and the empty line, nothing after it (one message).
-_HEADERS = re.compile(rb"(?:" + _LINE + rb")*\r\n")
+_HEADERS = re.compile(rb"(?:" + _LINE + rb")*+\r\n")
 
 # Request header names (lowercased, after a newline) that the general path drops, rewrites, reads
 # for framing, or refuses: declined here. ``Connection: keep-alive`` alone is taken out first
@@ -42,7 +45,7 @@ _REQUEST_DECLINED = re.compile(
 _KEEP_ALIVE_LINE = re.compile(rb"^connection: *keep-alive *\r\n", re.M | re.I)
 
 # A final response with a body length (2xx to 5xx), HTTP/1.1; its head must be the read's start.
-_RESPONSE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) [ -~]*(\r\n(?:" + _LINE + rb")*)\r\n")
+_RESPONSE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) [ -~]*+(\r\n(?:" + _LINE + rb")*+)\r\n")
 # In a response head (lowercased, after a newline): its Content-Length and its value, or a name
 # that makes the general path decline to forward the head byte for byte (a hop-by-hop, internal
 # or underscored header; another framing; a Content-Length with anything but digits). Nothing
@@ -50,6 +53,13 @@ _RESPONSE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) [ -~]*(\r\n(?:" + _LINE + 
 _RESPONSE_NAMES = re.compile(
     rb"\n(?:content-length: *([0-9]{1,18}) *(?=\r\n)|content-length:|[!#$%&'*+.^`|~0-9a-z-]*_"
     rb"|connection:|keep-alive:|te:|trailer:|transfer-encoding:|upgrade:|proxy-|x-lchat-)"
+)
+# The same for a head with no underscore anywhere (the usual one), which cannot match the
+# underscored-name branch: without it, and its alternatives grouped by their first byte, the scan
+# tries a few literals per line instead of a token loop.
+_RESPONSE_NAMES_PLAIN = re.compile(
+    rb"\n(?:c(?:ontent-length: *([0-9]{1,18}) *(?=\r\n)|ontent-length:|onnection:)|keep-alive:"
+    rb"|t(?:e:|railer:|ransfer-encoding:)|upgrade:|proxy-|x-lchat-)"
 )
 
 
@@ -112,7 +122,8 @@ def response(data: bytes) -> tuple[int, int] | None:
     # (The lines start with the status line's CRLF: every name follows a newline.) One
     # Content-Length with digits is one match with its value; anything else we look for is
     # another match, or a match without a value.
-    found = _RESPONSE_NAMES.findall(match.group(2).lower())
+    lowered = match.group(2).lower()
+    found = (_RESPONSE_NAMES if b"_" in lowered else _RESPONSE_NAMES_PLAIN).findall(lowered)
     if len(found) != 1 or not found[0]:
         return None
     length = found[0]
