@@ -279,6 +279,8 @@ class Downstream(asyncio.Protocol):
         self._client = ""
         self._client_bytes = b""
         self._last_whole: oneread.WholeRequest | None = None  # (oneread.request's previous)
+        self._last_head: RequestHead | None = None  # its head, once made (_serve_whole)
+        self._last_request: bytes | None = None  # and the request written upstream for it
         self._body_left = 0  # bytes of a Content-Length body still to come, past the parser
         self._output_paused = False  # the transport paused us: its unsent output is over the mark
         self._serving_queue = False  # _serve_waiting's loop is on the stack
@@ -497,19 +499,25 @@ class Downstream(asyncio.Protocol):
         whole = oneread.request(data, cfg.max_header_bytes, cfg.max_headers, self._last_whole)
         if whole is None:
             return False
-        self._last_whole = whole
         proxy = self.proxy
-        host = proxy.host_names.get(whole.host)
-        if host is None:
-            try:
-                host = proxy.parse_host(whole.host)
-            except _Reject:
-                return False  # the general path refuses it, as it would any malformed Host
+        head = self._last_head
+        if whole is not self._last_whole or head is None:
+            self._last_whole = whole
+            self._last_head = self._last_request = None
+            host = proxy.host_names.get(whole.host)
+            if host is None:
+                try:
+                    host = proxy.parse_host(whole.host)
+                except _Reject:
+                    return False  # the general path refuses it, as it would any malformed Host
+            head = RequestHead(whole.method, whole.target, host, self._client, proxy.secure)
+            self._last_head = head
+        # (else the same request as the last one served here: its head, an immutable value, again)
         now = proxy.reactor.seconds()
         ex = Exchange(now, whole.method)
         ex.upstream_lines = whole.lines
         ex.body_complete = True
-        ex.head = head = RequestHead(whole.method, whole.target, host, self._client, proxy.secure)
+        ex.head = head
         self._completed = ex
         self._unreported = 0
         self._deadline = self._timer_action = None  # (_disarm, inline)
@@ -531,10 +539,19 @@ class Downstream(asyncio.Protocol):
                 upstream.request_sent = True
                 upstream_transport = upstream.transport
                 assert upstream_transport is not None
-                upstream_transport.write(
-                    b"%s %s HTTP/1.1\r\n%sX-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n\r\n"
-                    % (whole.method, whole.target, whole.lines, self._client_bytes, proxy.scheme)
-                )
+                request = self._last_request
+                if request is None:
+                    request = self._last_request = (
+                        b"%s %s HTTP/1.1\r\n%sX-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n\r\n"
+                        % (
+                            whole.method,
+                            whole.target,
+                            whole.lines,
+                            self._client_bytes,
+                            proxy.scheme,
+                        )
+                    )
+                upstream_transport.write(request)
                 self._deadline = now + self.cfg.upstream_timeout
                 self._timer_action = Downstream._upstream_timed_out
                 if self.valve is not None and self.valve.reasons:

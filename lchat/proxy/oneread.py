@@ -93,6 +93,8 @@ def request(
         and len(data) - request_line.end() == len(previous.block)
         and data.endswith(previous.block)
     ):
+        if method == previous.method and target == previous.target:
+            return previous  # (the same request again: nothing new to make)
         return WholeRequest(method, target, previous.host, previous.lines, previous.block)
     block = data[request_line.end() :]
     if _HEADERS.fullmatch(block) is None or block.count(b"\n") - 1 > max_headers:
