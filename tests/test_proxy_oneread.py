@@ -20,7 +20,7 @@ import httptools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from lchat.config import ProxyConfig
 from lchat.proxy import downstream, oneread
@@ -593,6 +593,80 @@ class GeneratedTests(SynchronousTestCase):
         request = WRK.replace(b"GET", b"HEAD") if head else WRK
         reads = [(request, response), (WRK, OK)]
         self.assertEqual(run(reads, general=False), run(reads, general=True))
+
+
+def _mutated(draw: Any, data: bytes) -> bytes:
+    """``data`` with up to three bytes inserted, dropped or replaced (the edges the explicit
+    lines above do not list)."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(out)))
+        byte = draw(st.sampled_from(b"\r\n \t:_/-aAzZ09\x00\x7f\x80\xff"))
+        how = draw(st.sampled_from(["insert", "drop", "replace"]))
+        if how == "insert" or not out:
+            out[at:at] = bytes([byte])
+        elif how == "drop":
+            del out[min(at, len(out) - 1)]
+        else:
+            out[min(at, len(out) - 1)] = byte
+    return bytes(out)
+
+
+@st.composite
+def mutated_requests(draw: Any) -> bytes:
+    return _mutated(draw, draw(requests()))
+
+
+@st.composite
+def mutated_responses(draw: Any) -> bytes:
+    return _mutated(draw, draw(responses()))
+
+
+_LIMITS = st.sampled_from([(8192, 100), (8192, 2), (48, 100)])
+
+
+class CompiledRecognisersTests(SynchronousTestCase):
+    """The recognisers in C (lchat/proxy/_oneread_c.pyx), when built, against the reference ones
+    (the patterns in oneread.py): the same answer on every input, so that everything above,
+    which runs whichever is installed, holds for both."""
+
+    def setUp(self) -> None:
+        if oneread.request is oneread.request_py:
+            raise SkipTest("lchat.proxy._oneread_c is not built here")
+
+    @settings(max_examples=3000, deadline=None, derandomize=True)
+    @given(first=mutated_requests(), second=mutated_requests(), limits=_LIMITS)
+    def test_requests(self, first: bytes, second: bytes, limits: tuple[int, int]) -> None:
+        for previous in (
+            None,
+            oneread.request_py(first, 8192, 100),
+            oneread.request_py(WRK, 8192, 100),
+        ):
+            self.assertEqual(
+                oneread.request(second, *limits, previous),
+                oneread.request_py(second, *limits, previous),
+            )
+        self.assertEqual(oneread.request(first, *limits), oneread.request_py(first, *limits))
+
+    @settings(max_examples=3000, deadline=None, derandomize=True)
+    @given(response=mutated_responses())
+    def test_responses(self, response: bytes) -> None:
+        self.assertEqual(oneread.response(response), oneread.response_py(response))
+
+    def test_explicit(self) -> None:
+        for request in (
+            WRK,
+            BROWSER,
+            WRK.replace(b"GET", b"HEAD"),
+            BROWSER.replace(b"keep-alive", b"Keep-Alive "),
+        ):
+            self.assertEqual(
+                oneread.request(request, 8192, 100), oneread.request_py(request, 8192, 100)
+            )
+            self.assertIsNotNone(oneread.request(request, 8192, 100))
+        for response in (OK, OK.replace(b"Content-Length: 3", b"Content-Length:  3  ")):
+            self.assertEqual(oneread.response(response), (200, 3))
+            self.assertEqual(oneread.response_py(response), (200, 3))
 
 
 # (The module's Downstream is the one the tests drive: keep the import's purpose explicit.)

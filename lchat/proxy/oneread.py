@@ -134,3 +134,15 @@ def response(data: bytes) -> tuple[int, int] | None:
     if match.end() + size != len(data) or status == 204 or status == 304:
         return None
     return status, size
+
+
+# The same recognisers as byte scanners in C (lchat/proxy/_oneread_c.pyx), when built: the
+# functions above stay the reference (tests/test_proxy_oneread.py holds the two to each other).
+request_py, response_py = request, response
+try:
+    from lchat.proxy import _oneread_c
+except ImportError:  # (no compiler where it was installed: the patterns above do the work)
+    pass
+else:
+    _oneread_c.WholeRequest = WholeRequest
+    request, response = _oneread_c.request, _oneread_c.response

@@ -1,0 +1,11 @@
+# The compiled recognisers' signatures (lchat/proxy/_oneread_c.pyx), for mypy.
+from typing import Any
+
+from lchat.proxy.oneread import WholeRequest as _WholeRequest
+
+WholeRequest: Any
+
+def request(
+    data: bytes, max_bytes: int, max_headers: int, previous: _WholeRequest | None = None
+) -> _WholeRequest | None: ...
+def response(data: bytes) -> tuple[int, int] | None: ...

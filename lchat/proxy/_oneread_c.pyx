@@ -1,0 +1,237 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""lchat.proxy.oneread's recognisers as byte scanners in C (optional; oneread.py is the reference).
+
+``request`` and ``response`` accept exactly what oneread.py's ``_request_py`` and ``_response_py``
+accept and return the same values (tests/test_proxy_oneread.py compares them on generated inputs):
+one pass over the head instead of the patterns, the lowered copy and the findall list.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.string cimport memcmp
+
+WholeRequest = None  # set by oneread.py (its NamedTuple)
+
+# RFC 9110 token characters.
+cdef unsigned char TOKEN[256]
+cdef int _i
+for _i in range(256):
+    TOKEN[_i] = 0
+cdef bytes _TOKENS = b"!#$%&'*+.^_`|~-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+cdef const unsigned char* _t = <const unsigned char*>PyBytes_AS_STRING(_TOKENS)
+for _i in range(PyBytes_GET_SIZE(_TOKENS)):
+    TOKEN[_t[_i]] = 1
+
+
+cdef inline unsigned char low(unsigned char c) noexcept nogil:
+    return c + 32 if 65 <= c <= 90 else c
+
+
+cdef inline bint name_is(const unsigned char* p, Py_ssize_t n, const char* lit, Py_ssize_t m) noexcept nogil:
+    """The name p[:n], lowered, is ``lit`` (lower case, m bytes)."""
+    cdef Py_ssize_t k
+    if n != m:
+        return False
+    for k in range(m):
+        if low(p[k]) != <unsigned char>lit[k]:
+            return False
+    return True
+
+
+cdef inline bint name_starts(const unsigned char* p, Py_ssize_t n, const char* lit, Py_ssize_t m) noexcept nogil:
+    cdef Py_ssize_t k
+    if n < m:
+        return False
+    for k in range(m):
+        if low(p[k]) != <unsigned char>lit[k]:
+            return False
+    return True
+
+
+cdef inline Py_ssize_t field_line(const unsigned char* p, Py_ssize_t i, Py_ssize_t n,
+                                  Py_ssize_t* colon) noexcept nogil:
+    """A field line at ``i`` (token, colon, visible ASCII and spaces, CRLF): the index after its
+    CRLF, its colon's index in ``colon``; -1 if it is not one."""
+    cdef Py_ssize_t start = i
+    while i < n and TOKEN[p[i]]:
+        i += 1
+    if i == start or i >= n or p[i] != 58:  # ':'
+        return -1
+    colon[0] = i
+    i += 1
+    while i < n and 32 <= p[i] <= 126:
+        i += 1
+    if i + 1 >= n or p[i] != 13 or p[i + 1] != 10:
+        return -1
+    return i + 2
+
+
+cdef inline bint has_underscore(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in range(n):
+        if p[k] == 95:
+            return True
+    return False
+
+
+def response(bytes data not None):
+    """oneread.response: ``(status, body length)`` or ``None``."""
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t i, line, colon = 0, nlen, v, d0, d1
+    cdef int status
+    cdef long long size = -1
+    cdef int found = 0
+    if n < 13 or memcmp(p, b"HTTP/1.1 ", 9) != 0:
+        return None
+    if not (50 <= p[9] <= 53 and 48 <= p[10] <= 57 and 48 <= p[11] <= 57 and p[12] == 32):
+        return None
+    status = (p[9] - 48) * 100 + (p[10] - 48) * 10 + (p[11] - 48)
+    i = 13
+    while i < n and 32 <= p[i] <= 126:
+        i += 1
+    if i + 1 >= n or p[i] != 13 or p[i + 1] != 10:
+        return None
+    i += 2
+    while True:
+        if i + 1 < n and p[i] == 13 and p[i + 1] == 10:
+            i += 2  # the empty line: the head ends
+            break
+        line = i
+        i = field_line(p, i, n, &colon)
+        if i < 0:
+            return None
+        nlen = colon - line
+        if name_is(p + line, nlen, b"content-length", 14):
+            found += 1
+            # ' *([0-9]{1,18}) *' up to the CRLF, else a Content-Length we decline
+            v = colon + 1
+            while p[v] == 32:
+                v += 1
+            d0 = v
+            while 48 <= p[v] <= 57:
+                v += 1
+            d1 = v
+            while p[v] == 32:
+                v += 1
+            if d1 == d0 or d1 - d0 > 18 or v != i - 2:
+                return None
+            size = 0
+            for v in range(d0, d1):
+                size = size * 10 + (p[v] - 48)
+        elif (
+            has_underscore(p + line, nlen)
+            or name_is(p + line, nlen, b"connection", 10)
+            or name_is(p + line, nlen, b"keep-alive", 10)
+            or name_is(p + line, nlen, b"te", 2)
+            or name_is(p + line, nlen, b"trailer", 7)
+            or name_is(p + line, nlen, b"transfer-encoding", 17)
+            or name_is(p + line, nlen, b"upgrade", 7)
+            or name_starts(p + line, nlen, b"proxy-", 6)
+            or name_starts(p + line, nlen, b"x-lchat-", 8)
+        ):
+            return None
+    if found != 1 or size < 0:
+        return None
+    if i + size != n or status == 204 or status == 304:
+        return None
+    return status, size
+
+
+cdef inline bint keep_alive_line(const unsigned char* p, Py_ssize_t colon, Py_ssize_t end) noexcept nogil:
+    """The value after ``colon`` up to the CRLF ending at ``end`` is ' *keep-alive *' (any case)."""
+    cdef Py_ssize_t v = colon + 1
+    cdef Py_ssize_t e = end - 2
+    while v < e and p[v] == 32:
+        v += 1
+    if e - v < 10 or not name_starts(p + v, e - v, b"keep-alive", 10):
+        return False
+    v += 10
+    while v < e and p[v] == 32:
+        v += 1
+    return v == e
+
+
+def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, previous=None):
+    """oneread.request: a WholeRequest or ``None``."""
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t i, m, t0, t1, head_start, line, colon = 0, nlen
+    cdef Py_ssize_t lines = 0, drop0 = -1, drop1 = -1, host0 = -1, host1 = -1
+    cdef bytes block, prev_block
+    if n > max_bytes:
+        return None
+    if n >= 4 and memcmp(p, b"GET ", 4) == 0:
+        m = 3
+    elif n >= 5 and memcmp(p, b"HEAD ", 5) == 0:
+        m = 4
+    else:
+        return None
+    t0 = m + 1
+    if t0 >= n or p[t0] != 47:  # '/'
+        return None
+    i = t0 + 1
+    while i < n and 33 <= p[i] <= 126:
+        i += 1
+    t1 = i
+    if n - i < 11 or memcmp(p + i, b" HTTP/1.1\r\n", 11) != 0:
+        return None
+    head_start = i + 11
+    method = b"GET" if m == 3 else b"HEAD"
+    target = data[t0:t1]
+    if previous is not None:
+        prev_block = previous.block
+        if n - head_start == PyBytes_GET_SIZE(prev_block) and memcmp(
+            p + head_start, PyBytes_AS_STRING(prev_block), n - head_start
+        ) == 0:
+            if method == previous.method and target == previous.target:
+                return previous
+            return WholeRequest(method, target, previous.host, previous.lines, prev_block)
+    i = head_start
+    while True:
+        if i + 1 < n and p[i] == 13 and p[i + 1] == 10:
+            i += 2
+            break
+        line = i
+        i = field_line(p, i, n, &colon)
+        if i < 0:
+            return None
+        lines += 1
+        nlen = colon - line
+        if name_is(p + line, nlen, b"host", 4):
+            if host0 >= 0:
+                return None  # two Hosts
+            host0 = colon + 1
+            host1 = i - 2
+        elif name_is(p + line, nlen, b"connection", 10):
+            if drop0 >= 0 or not keep_alive_line(p, colon, i):
+                return None
+            drop0, drop1 = line, i
+        elif (
+            has_underscore(p + line, nlen)
+            or name_is(p + line, nlen, b"content-length", 14)
+            or name_is(p + line, nlen, b"keep-alive", 10)
+            or name_is(p + line, nlen, b"te", 2)
+            or name_is(p + line, nlen, b"trailer", 7)
+            or name_is(p + line, nlen, b"transfer-encoding", 17)
+            or name_is(p + line, nlen, b"upgrade", 7)
+            or name_is(p + line, nlen, b"expect", 6)
+            or name_is(p + line, nlen, b"forwarded", 9)
+            or name_is(p + line, nlen, b"x-forwarded-for", 15)
+            or name_is(p + line, nlen, b"x-forwarded-proto", 17)
+            or name_starts(p + line, nlen, b"proxy-", 6)
+            or name_starts(p + line, nlen, b"x-lchat-", 8)
+        ):
+            return None
+    if i != n or lines > max_headers or host0 < 0:
+        return None
+    while host0 < host1 and p[host0] == 32:
+        host0 += 1
+    while host1 > host0 and p[host1 - 1] == 32:
+        host1 -= 1
+    host = data[host0:host1].lower()
+    block = data[head_start:]
+    if drop0 < 0:
+        header_lines = data[head_start : n - 2]
+    else:
+        header_lines = data[head_start:drop0] + data[drop1 : n - 2]
+    return WholeRequest(method, target, host, header_lines, block)
