@@ -611,10 +611,16 @@ def router_reactor(procs: Processes, name: str, pid: int) -> str:
                 reactor = line.split("reactor class: ", 1)[1].strip().rstrip(".")
                 break
     try:
-        uvloop = "uvloop" in Path(f"/proc/{pid}/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return reactor
-    return f"{reactor}, uvloop {'loaded' if uvloop else 'NOT loaded'} in the router's process"
+    uvloop = "uvloop" in maps
+    # The one-read recognisers: the C scanners when built (lchat/proxy/_oneread_c), else patterns.
+    compiled = "_oneread_c" in maps
+    return (
+        f"{reactor}, uvloop {'loaded' if uvloop else 'NOT loaded'} in the router's process, "
+        f"one-read recognisers {'compiled' if compiled else 'patterns (NOT compiled)'}"
+    )
 
 
 def install_router_reactor() -> None:

@@ -43,6 +43,7 @@ from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
+from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
@@ -205,7 +206,8 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     _admin(top, reactor, cfg, routes, units, hibernation, certs, backup)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
-        "https={https}, http={http}, admin={admin}",
+        "https={https}, http={http}, admin={admin}, one-read recognisers {oneread}",
+        oneread=oneread.implementation(),
         version=lchat.__version__,
         routes=len(routes.table),
         registry=cfg.registry,

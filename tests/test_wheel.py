@@ -36,6 +36,8 @@ _NOT_SOURCE = shutil.ignore_patterns(
     "*.egg-info",
     "_trial_temp*",
     "__pycache__",
+    "*.so",  # an in-place build of lchat/proxy/_oneread_c: the wheel compiles its own
+    "_oneread_c.c",
     ".mypy_cache",
     ".ruff_cache",
     ".hypothesis",
@@ -146,6 +148,18 @@ class WheelInstallTests(TestCase):
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "lchat_home_plugin.py")))
         # Twisted's own package is untouched: the plugin directory stays Twisted's.
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "__init__.py")))
+
+    def test_the_wheel_carries_the_compiled_recognisers(self) -> None:
+        """The build compiled lchat/proxy/_oneread_c.pyx into the wheel (the one-read path's C
+        scanners, docs/performance.md): the router runs them, not the patterns' fallback."""
+        done = subprocess.run(
+            [self.bin("python"), "-c", "from lchat.proxy import oneread; print(oneread.COMPILED)"],
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            cwd="/",
+        )
+        self.assertEqual((done.returncode, done.stdout.strip()), (0, "True"), done.stderr)
 
     def test_twistd_knows_lchat_from_a_neutral_directory(self) -> None:
         self.assert_knows_lchat()
