@@ -627,7 +627,7 @@ def apply(request: Request, steps: Sequence[Step], probe: bool = True) -> Outcom
         left.append(
             f"install lchat into {os.path.dirname(os.path.dirname(VENV_TWISTD))} (the units run "
             f"{VENV_TWISTD}): python3 -m venv /opt/lchat/venv && /opt/lchat/venv/bin/pip install "
-            f"lchat-<version>-py3-none-any.whl"
+            f"lchat-<version>-*.whl"
         )
     if not BuildLayout(request.path(DEFAULT_OPT_DIR)).installed():
         left.append(
