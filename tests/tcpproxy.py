@@ -597,13 +597,22 @@ class BucketProxy:
         with self._cond:
             return list(self._held)
 
-    def wait_held(self, n: int, timeout: float) -> list[HeldRequest]:
-        """Block until at least ``n`` requests are held; those held then. Not on the reactor thread
-        when the client is in this process: use :meth:`until_held`."""
+    def wait_held(self, n: int, timeout: float, *, complete: bool = False) -> list[HeldRequest]:
+        """Block until at least ``n`` requests are held (with ``complete``: held with their whole
+        body arrived, so that the client may die now and the request still be delivered whole);
+        those held then. Not on the reactor thread when the client is in this process: use
+        :meth:`until_held`."""
+
+        def enough() -> bool:
+            held = [h for h in self._held if h._complete] if complete else self._held
+            return len(held) >= n
+
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self._held) >= n, timeout):
+            if not self._cond.wait_for(enough, timeout):
+                whole = sum(1 for h in self._held if h._complete)
                 raise TimeoutError(
-                    f"{self!r}: {len(self._held)} of {n} requests held after {timeout:g}s"
+                    f"{self!r}: {len(self._held)} of {n} requests held ({whole} whole) after "
+                    f"{timeout:g}s"
                 )
             return list(self._held)
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -56,6 +55,9 @@ from lchat.proxy.bulk import BUFFERS, MIN_BULK, READ_SIZE, Buffers, BulkReader
 from lchat.proxy.downstream import REPLAY_LIMIT, STATS, Downstream, ProxyFactory
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target
+from tests.test_proxy_bulk import pattern
+from tests.test_proxy_oneread import stats as oneread_stats
+from tests.test_proxy_oneread import stats_delta
 
 HOST = b"chat.example.com"
 CLIENT = ("192.0.2.7", 50000)
@@ -66,20 +68,6 @@ DEFAULT_MAX_BODY = ProxyConfig().max_body
 FINAL = b"GET /final HTTP/1.1\r\nHost: chat.example.com\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n"
 SPACE_CHUNK = 100_003  # the chunk size of a chunked body (either way)
-
-PATTERN = random.Random(55).randbytes(1_000_003)  # a prime length: no read lines up with it
-
-
-def pattern(offset: int, size: int) -> bytes:
-    """``size`` bytes of the pattern from ``offset`` on (cheap: a few slices)."""
-    out = bytearray()
-    while size:
-        start = offset % len(PATTERN)
-        piece = PATTERN[start : start + size]
-        out += piece
-        offset += len(piece)
-        size -= len(piece)
-    return bytes(out)
 
 
 def first_difference(a: bytes, b: bytes) -> str:
@@ -703,22 +691,8 @@ class Outcome:
 
 
 def stats() -> dict[str, Any]:
-    return {
-        "requests": dict(STATS.requests),
-        "in_flight": STATS.in_flight,
-        "bytes_down": STATS.bytes_down,
-        "bytes_up": STATS.bytes_up,
-        "connections": STATS.connections,
-    }
-
-
-def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    requests = {
-        key: after["requests"].get(key, 0) - before["requests"].get(key, 0)
-        for key in after["requests"]
-        if after["requests"].get(key, 0) != before["requests"].get(key, 0)
-    }
-    return {"requests": requests, **{k: after[k] - before[k] for k in before if k != "requests"}}
+    """test_proxy_oneread's counters, and the connections count."""
+    return {**oneread_stats(), "connections": STATS.connections}
 
 
 @contextmanager

@@ -253,10 +253,7 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
         for key in after["requests"]
         if after["requests"].get(key, 0) != before["requests"].get(key, 0)
     }
-    return {
-        "requests": requests,
-        **{k: after[k] - before[k] for k in ("in_flight", "bytes_down", "bytes_up")},
-    }
+    return {"requests": requests, **{k: after[k] - before[k] for k in before if k != "requests"}}
 
 
 def run(reads: Sequence[tuple[bytes, bytes | None]], general: bool) -> dict[str, Any]:
