@@ -73,6 +73,21 @@ cdef inline bint has_underscore(const unsigned char* p, Py_ssize_t n) noexcept n
     return False
 
 
+cdef inline bint hop_or_internal(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    """A name both recognisers decline, request or response: underscored, hop-by-hop or
+    framing (keep-alive, te, trailer, transfer-encoding, upgrade), proxy-* or x-lchat-*."""
+    return (
+        has_underscore(p, n)
+        or name_is(p, n, b"keep-alive", 10)
+        or name_is(p, n, b"te", 2)
+        or name_is(p, n, b"trailer", 7)
+        or name_is(p, n, b"transfer-encoding", 17)
+        or name_is(p, n, b"upgrade", 7)
+        or name_starts(p, n, b"proxy-", 6)
+        or name_starts(p, n, b"x-lchat-", 8)
+    )
+
+
 def response(bytes data not None):
     """oneread.response: ``(status, body length)`` or ``None``."""
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
@@ -118,17 +133,7 @@ def response(bytes data not None):
             size = 0
             for v in range(d0, d1):
                 size = size * 10 + (p[v] - 48)
-        elif (
-            has_underscore(p + line, nlen)
-            or name_is(p + line, nlen, b"connection", 10)
-            or name_is(p + line, nlen, b"keep-alive", 10)
-            or name_is(p + line, nlen, b"te", 2)
-            or name_is(p + line, nlen, b"trailer", 7)
-            or name_is(p + line, nlen, b"transfer-encoding", 17)
-            or name_is(p + line, nlen, b"upgrade", 7)
-            or name_starts(p + line, nlen, b"proxy-", 6)
-            or name_starts(p + line, nlen, b"x-lchat-", 8)
-        ):
+        elif name_is(p + line, nlen, b"connection", 10) or hop_or_internal(p + line, nlen):
             return None
     if found != 1 or size < 0:
         return None
@@ -207,19 +212,12 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
                 return None
             drop0, drop1 = line, i
         elif (
-            has_underscore(p + line, nlen)
+            hop_or_internal(p + line, nlen)
             or name_is(p + line, nlen, b"content-length", 14)
-            or name_is(p + line, nlen, b"keep-alive", 10)
-            or name_is(p + line, nlen, b"te", 2)
-            or name_is(p + line, nlen, b"trailer", 7)
-            or name_is(p + line, nlen, b"transfer-encoding", 17)
-            or name_is(p + line, nlen, b"upgrade", 7)
             or name_is(p + line, nlen, b"expect", 6)
             or name_is(p + line, nlen, b"forwarded", 9)
             or name_is(p + line, nlen, b"x-forwarded-for", 15)
             or name_is(p + line, nlen, b"x-forwarded-proto", 17)
-            or name_starts(p + line, nlen, b"proxy-", 6)
-            or name_starts(p + line, nlen, b"x-lchat-", 8)
         ):
             return None
     if i != n or lines > max_headers or host0 < 0:
