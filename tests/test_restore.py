@@ -364,6 +364,17 @@ def _corrupt_a_page(body: bytes) -> bytes:
     return bytes(bad)
 
 
+def _unsupported_flags_mid_file(body: bytes) -> bytes:
+    """``body`` with its middle page frame's flags garbled: refused as soon as it is decoded."""
+    frames = []
+    pos = ltx.HEADER_SIZE
+    while body[pos : pos + 6] != b"\x00" * 6:
+        frames.append(pos)
+        pos += 10 + int.from_bytes(body[pos + 6 : pos + 10], "big")
+    pos = frames[len(frames) // 2]
+    return body[: pos + 4] + b"pt" + body[pos + 6 :]
+
+
 def _sparse_file() -> tuple[bytes, list[tuple[int, bytes]]]:
     # Page numbers across every uvarint width the decoder's index tables handle (the lock page of
     # 512-byte pages is 2**21 + 1): 1, 2, 3 and 5 bytes.
@@ -473,6 +484,54 @@ class ApplyTests(SynchronousTestCase):
         self.state.sync()
         self.state.check()
         self.assertEqual(dump(self.state.db_path), want)
+
+    def _decoder_idle(self) -> None:
+        """Return once the decoder thread has run every piece queued so far (it runs in order)."""
+        decoder = self.state._decoder
+        assert decoder is not None
+        decoder.submit(lambda: None).result()
+
+    def test_a_corrupt_attempt_is_retried_however_far_the_decoder_got(self) -> None:
+        # The decoder is made to reach an attempt's bad bytes before the store's next step (its
+        # next piece, then its retry): neither may fail the download; the retry starts over.
+        files, want = _replica(self.dir, steps=3)
+        for i, (key, body) in enumerate(files):
+            # A page corrupt in its middle (a snapshot, a delta), and bytes that are no LTX file.
+            bad = (
+                b"junk that is no LTX file at all" * 40
+                if i == 2
+                else _unsupported_flags_mid_file(body)
+            )
+            cut = len(bad) * 2 // 3
+            with self.assertRaises(ltx.LTXError):
+                ltx.LTXDecoder().feed(bad[:cut])  # the bad bytes are in the first piece
+            sink = restore_mod._FileApply(self.state, self._file(key, body))
+            sink.seek(0)
+            sink.truncate()
+            sink.write(bad[:cut])
+            self._decoder_idle()  # found bad before the next piece arrives...
+            if i != 1:  # (the delta's connection breaks with no piece after the bad one)
+                sink.write(bad[cut : cut + 100])
+                self._decoder_idle()  # ...and before the connection breaks
+            sink.seek(0)
+            sink.truncate()
+            for n in range(0, len(body), 5000):
+                sink.write(body[n : n + 5000])
+            sink.finish()
+        self.state.sync()
+        self.state.check()
+        self.assertEqual(dump(self.state.db_path), want)
+
+    def test_a_corrupt_body_received_whole_fails_at_its_end(self) -> None:
+        files, _ = _replica(self.dir, steps=1)
+        key, body = files[0]
+        bad = _unsupported_flags_mid_file(body)
+        sink = restore_mod._FileApply(self.state, self._file(key, body))
+        sink.write(bad[: len(bad) // 2 + 2000])
+        self._decoder_idle()
+        sink.write(bad[len(bad) // 2 + 2000 :])  # the rest of the body is taken, and skipped
+        with self.assertRaisesRegex(RestoreError, f"{key}: .*unsupported page flags 0x7074"):
+            sink.finish()
 
     def test_an_object_that_changed_between_attempts_is_refused(self) -> None:
         files, _ = _replica(self.dir, steps=1)

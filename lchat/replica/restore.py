@@ -337,7 +337,8 @@ class _ApplyState:
 
     def queue(self, f: Callable[[], None], size: int) -> None:
         """Queue ``f()`` for the decoder thread (``size``: the bytes it holds); wait while it is
-        too far behind. Raises the error of an earlier job if one has failed."""
+        too far behind. Raises the error of an earlier job if one has failed (a piece of a body
+        never fails its job: :class:`_Attempt` keeps its error)."""
         assert self._decoder is not None
         queue = self._decoding
         while queue and (queue[0][0].done() or self._decoding_bytes > _DECODE_AHEAD):
@@ -421,6 +422,17 @@ class _ApplyState:
             raise RestoreError(f"integrity check failed: {problems}")
 
 
+class _Attempt:
+    """One download of one file. The first error its pieces meet is kept here rather than
+    raised: the attempt that completes raises it (:meth:`_FileApply.finish_queued`), an attempt
+    the store abandons takes it away with it (:meth:`_FileApply.seek`)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+
 class _FileApply:
     """Applies one LTX file to the database while its bytes arrive, then verifies the whole.
 
@@ -429,6 +441,13 @@ class _FileApply:
     ``seek(0)`` + ``truncate()`` — what a store does before retrying a download — start the file
     over: the pages an abandoned attempt wrote must all be rewritten by the attempt that
     completes (or lie past its commit), else the object changed under us and the restore fails.
+
+    An attempt's error (a corrupt or junk piece, an unexpected header) is never raised from
+    ``write``: the store would take it as final and not retry, and whether the decoder had got
+    to that piece before the connection broke would decide whether a cut download is retried.
+    The attempt's later pieces are skipped; a retry (``seek(0)``) drops the attempt and its error
+    with it, and an attempt that the store completes raises it from ``finish_queued``. (So a body
+    that is corrupt in the bucket is downloaded whole before the restore fails.)
     """
 
     def __init__(self, state: _ApplyState, f: ReplicaFile) -> None:
@@ -437,6 +456,7 @@ class _FileApply:
         self._decoder = ltx.LTXDecoder()
         self._header: ltx.LTXHeader | None = None  # the first attempt's
         self._started = False
+        self._attempt = _Attempt()
         self._fed = False  # this attempt has queued pieces
         self._runs: list[tuple[int, int]] = []  # (first pgno, count) written by this attempt
         self._abandoned: list[tuple[int, int]] = []  # by earlier attempts
@@ -445,7 +465,7 @@ class _FileApply:
 
     def write(self, data: bytes) -> int:
         self._fed = True
-        self._state.queue(functools.partial(self._feed, data), len(data))
+        self._state.queue(functools.partial(self._feed, self._attempt, data), len(data))
         return len(data)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
@@ -454,7 +474,10 @@ class _FileApply:
         if not self._fed:
             return 0  # the first attempt: nothing to start over (and no need to wait)
         self._fed = False
+        # Every piece of the abandoned attempt has been through the decoder once this returns
+        # (their errors stay on the attempt; an error raised here is an earlier file's).
         self._state.decoded()
+        self._attempt = _Attempt()
         self._abandoned += self._runs
         self._runs = []
         self._decoder = ltx.LTXDecoder()
@@ -466,7 +489,15 @@ class _FileApply:
 
     # -- applying (in the decoder thread, then finish) -------------------------------------------
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, attempt: _Attempt, data: bytes) -> None:
+        if attempt.error is not None:
+            return  # this attempt has failed: its bytes are waiting for a retry or the end
+        try:
+            self._apply(data)
+        except Exception as e:
+            attempt.error = e
+
+    def _apply(self, data: bytes) -> None:
         try:
             pages = self._decoder.feed(data)
         except ltx.LTXError as e:
@@ -526,6 +557,8 @@ class _FileApply:
     def finish_queued(self) -> None:
         """Verify the whole file and cut the database to its size (as a decoder job, after the
         file's pieces; or once they are done)."""
+        if self._attempt.error is not None:
+            raise self._attempt.error
         db = self._state.db
         assert db is not None
         key = self._file.info.key
