@@ -3,8 +3,11 @@
 ``make unit`` runs this instead of ``trial -j``: trial's distributed runner does not work with an
 asyncio reactor (a worker's reactor returns from ``run`` before its test finished, and the worker
 dies), and the router runs on one (lchat.uvloop_reactor). Modules are handed out longest first
-(their size is the estimate) to ``-j`` slots as they free up; each gets its own temp directory.
-A failing module's whole output is printed at the end; the exit status is 1 if any failed.
+(their size is the estimate) to ``-j`` slots as they free up; each gets its own temp directory
+under one scratch directory in ``$TMPDIR``. A passing module's temp directory is removed as soon as
+it ends; a failing module's is kept (its ``test.log`` and whatever its tests left there), and its
+path is printed with the module's whole output at the end; the exit status is 1 if any failed.
+Interrupted (Ctrl-C), it removes the whole scratch directory.
 
     python -m tests.parallel [-j N] [module ...]
 """
@@ -12,8 +15,10 @@ A failing module's whole output is printed at the end; the exit status is 1 if a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +65,8 @@ def main() -> int:
             out = proc.stdout
             ran = re.search(r"^Ran (\d+) tests?", out, re.MULTILINE)
             verdict = out.strip().splitlines()[-1] if out.strip() else "(no output)"
+            if proc.returncode == 0:
+                shutil.rmtree(temp, ignore_errors=True)
             with lock:
                 totals["modules"] += 1
                 totals["tests"] += int(ran.group(1)) if ran else 0
@@ -72,21 +79,50 @@ def main() -> int:
                     failed.append((module, out))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(max(1, args.jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:
+        # The running trials got the same SIGINT; hand out nothing more and clean up after them.
+        with lock:
+            queue.clear()
+        for t in threads:
+            t.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"\ninterrupted; removed {scratch}", file=sys.stderr, flush=True)
+        return 130
     for module, out in failed:
-        print(f"\n{'=' * 30} {module} {'=' * 30}\n{out}", flush=True)
+        temp = os.path.join(scratch, module)
+        print(
+            f"\n{'=' * 30} {module} {'=' * 30}\n{out}\n"
+            f"(its temp directory, kept: {temp} ({_size(temp)}); its trial log: {temp}/test.log)",
+            flush=True,
+        )
     elapsed = time.monotonic() - started
     print(
         f"\n{totals['tests']} tests in {totals['modules']} modules, {elapsed:.0f}s: "
         + (f"FAILED ({', '.join(m for m, _ in failed)})" if failed else "PASSED"),
         flush=True,
     )
-    if not failed:
-        subprocess.run(["rm", "-rf", scratch], check=False)
+    if failed:
+        print(
+            f"kept for the failed modules: {scratch} ({_size(scratch)}); `rm -rf {scratch}` when done",
+            flush=True,
+        )
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
     return 1 if failed else 0
+
+
+def _size(path: str) -> str:
+    total = 0
+    for top, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_size
+    return f"{total / 1e6:.0f} MB" if total >= 1e6 else f"{total / 1e3:.0f} kB"
 
 
 if __name__ == "__main__":
