@@ -2,7 +2,7 @@
 
 Every name that reaches the disk (``<data>/<host>.db``, ``<run>/<host>.sock`` ...) is built here, from a
 name that passed :func:`normalise`. Nothing taken from the network or the command line is ever joined onto
-a path anywhere else (DESIGN.md §10, invariant 3).
+a path anywhere else (docs/design.md §10, invariant 3).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The CLI writes rows; the router reads them into an immutable :class:`RouteTable` that it swaps
 atomically, on SIGHUP, on ``POST /reload`` and when the database's fingerprint changes (polled).
 WAL mode plus a busy timeout lets the CLI write while the router reads. Migrations are additive only
-(DESIGN.md §10, invariant 5) and keyed on ``PRAGMA user_version``.
+(docs/design.md §10, invariant 5) and keyed on ``PRAGMA user_version``.
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ class Migrations(Base):
         self.assertRaises(RegistryError, reg.load)
 
     def test_migrations_are_additive(self) -> None:
-        """DESIGN §10 invariant 5: after v1, a step only adds: columns with defaults, new tables,
+        """docs/design.md §10 invariant 5: after v1, a step only adds: columns with defaults, new tables,
         rows in new tables, triggers. Nothing is dropped, renamed or rewritten."""
         additive = re.compile(
             r"^(ALTER TABLE routes ADD COLUMN \w+ .*NOT NULL DEFAULT "

@@ -7,7 +7,7 @@ through its DNS host's API: DNSimple (``LCHAT_DNSIMPLE_TOKEN``) by default, or R
 chain, so no DNS secret sits on disk.
 
 Everything here is *blocking* (plain synchronous HTTP and DNS): the ACME issuer calls it from its
-worker thread, never from the reactor (DESIGN.md §10, invariant 6). Constructors do no I/O, so a
+worker thread, never from the reactor (docs/design.md §10, invariant 6). Constructors do no I/O, so a
 provider may be built at boot on the reactor thread; the first call does the lookups.
 
 Semantics both providers keep:

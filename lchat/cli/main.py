@@ -62,7 +62,7 @@ TABLE_COLUMNS = (
     "NEXT-DUE",
     "SOCKET",
 )
-# The activator's states of a hibernating space (DESIGN.md §7); "asleep" is the absence of one.
+# The activator's states of a hibernating space (docs/design.md §7); "asleep" is the absence of one.
 ACTIVATOR_BUSY = ("waking", "awake", "stopping")
 
 

@@ -1,4 +1,4 @@
-"""The mesh from the command line (DESIGN.md §9): route fan-out, ``mesh-seed``, ``mesh``.
+"""The mesh from the command line (docs/design.md §9): route fan-out, ``mesh-seed``, ``mesh``.
 
 With ``LCHAT_MESH_SELF`` in the router's settings, ``add-instance --hibernate`` pushes the new route
 to every live peer that covers the host (by mesh domain, or by ``home_region``), and ``remove``

@@ -1,4 +1,4 @@
-"""Stream a live space's database to the bucket as Litestream-0.5 LTX files (DESIGN.md §6).
+"""Stream a live space's database to the bucket as Litestream-0.5 LTX files (docs/design.md §6).
 
 One :class:`Replicator` per space. A *sync* reads the WAL's newly committed frames after what we
 shipped (``ReplicaDB.read_committed``), encodes them as one level-0 LTX file and uploads it. When
@@ -102,7 +102,7 @@ _lag = Gauge(
     ["path"],
 )
 
-# Replication classes (DESIGN.md §6): the longest a commit may wait before it is durable.
+# Replication classes (docs/design.md §6): the longest a commit may wait before it is durable.
 INTERVALS = {"stream": 1.0, "batched": 300.0, "daily": 86400.0}
 
 # How often a ``stream`` replicator looks at the WAL (one stat, no read) for new commits.

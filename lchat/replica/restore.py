@@ -1,4 +1,4 @@
-"""Rebuild a database from its replica in the bucket (DESIGN.md §6 "Restore").
+"""Rebuild a database from its replica in the bucket (docs/design.md §6 "Restore").
 
 The plan is Litestream 0.5's (``CalcRestorePlan``): the latest level-9 snapshot at or before the
 target, then, again and again, the file from levels 8…0 that extends the contiguous txid range the

@@ -1,4 +1,4 @@
-"""The reference space server (DESIGN §8): `lchat space`, or `python -m lchat.space`."""
+"""The reference space server (docs/design.md §8): `lchat space`, or `python -m lchat.space`."""
 
 from lchat.space.server import main
 

@@ -1,4 +1,4 @@
-"""The space's HTTP API (DESIGN §8) and the chat logic behind it.
+"""The space's HTTP API (docs/design.md §8) and the chat logic behind it.
 
 `Space` is the logic (store, hub, scheduler tick); `Api` maps HTTP onto it; `SpaceRequest` and
 `SpaceSite` track requests in flight so that a SIGTERM drain can wait for them.

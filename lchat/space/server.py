@@ -1,4 +1,4 @@
-"""The reference space server's lifecycle (DESIGN §8): listen, tick, drain; and `main`.
+"""The reference space server's lifecycle (docs/design.md §8): listen, tick, drain; and `main`.
 
 `SpaceServer` opens the store, listens on the unix socket and runs the scheduler; on SIGTERM it
 drains in order (listener, in-flight requests, connections, database). `main` is `lchat space`.

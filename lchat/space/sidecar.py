@@ -1,4 +1,4 @@
-"""The reference bot sidecar (DESIGN §7, §8): `python -m lchat.space.sidecar`.
+"""The reference bot sidecar (docs/design.md §7, §8): `python -m lchat.space.sidecar`.
 
 A small second process beside a space. On a hibernating host the activator co-spawns it once the
 space is healthy and stops it first at sleep, so it lives exactly while its space is awake. It
