@@ -224,6 +224,7 @@ class SpaceTests(TestCase):
         content = await readBody(response)
         if response.headers.hasHeader(b"content-type"):
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
+            self.assertTrue(content.endswith(b"}\n"), content)  # a line, as curl prints it
             return response.code, json.loads(content)
         return response.code, content
 

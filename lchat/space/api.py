@@ -188,7 +188,8 @@ def route(path: bytes) -> tuple[str, str | None] | None:
 def _json(request: Request, code: int, payload: object) -> bytes:
     request.setResponseCode(code)
     request.setHeader(b"content-type", b"application/json")
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    # Ends with a newline, as every JSON answer of ours does (curl's prompt lands on its own line).
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
 def _bearer(request: Request, token: bytes | None) -> bool:
