@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml setup.py lchat/proxy/_oneread_c.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,7 +20,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import deferLater
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SkipTest, TestCase
 from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 
@@ -372,6 +372,23 @@ class TwistdTests(TestCase):
             "--space-command",
         ):
             self.assertIn(option, text)
+
+    def test_the_venvs_twistd_finds_both_plugins_from_any_directory(self) -> None:
+        # What make install leaves (an editable install: no PYTHONPATH, not run from the checkout)
+        # must find twisted/plugins as an installed wheel does: make run needs both.
+        twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
+        if not os.path.exists(twistd):
+            raise SkipTest(f"no twistd beside {sys.executable}")
+        result = subprocess.run(
+            [twistd, "--help"],
+            capture_output=True,
+            text=True,
+            cwd="/",
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            timeout=60,
+        )
+        commands = {line.split()[0] for line in result.stdout.splitlines() if line[:4] == "    "}
+        self.assertLessEqual({"lchat", "lchat-home"}, commands, result.stdout + result.stderr)
 
     def test_an_unusable_bucket_stops_the_router_naming_the_variable(self) -> None:
         d = tempfile.mkdtemp(prefix="tw", dir="/tmp")
