@@ -49,7 +49,8 @@ run: $(STAMP)
 	  for i in $$(seq 100); do test -S $(VAR)/run/home.sock && break; sleep 0.1; done; \
 	  $(BIN)/lchat instances --env-file $(VAR)/router.env --json | grep -q '"home.localhost"' || \
 	    $(BIN)/lchat add-service home.localhost --socket $(VAR)/run/home.sock \
-	      --env-file $(VAR)/router.env >/dev/null; \
+	      --env-file $(VAR)/router.env >/dev/null 2>$(VAR)/add-service.err || \
+	    { cat $(VAR)/add-service.err >&2; exit 1; }; \
 	  $(BIN)/twistd --nodaemon --pidfile= lchat --env-file $(VAR)/router.env
 
 lint: $(STAMP)
