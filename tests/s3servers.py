@@ -202,6 +202,7 @@ class S3Server(ServerLifecycle):
         os.makedirs(data, exist_ok=True)
         return [
             os.path.join(BIN, "weed"),
+            f"-logdir={self.dir}",  # its log files, else left in /tmp by every server
             "mini",
             f"-dir={data}",
             "-ip=127.0.0.1",

@@ -8,6 +8,7 @@ within a memory ceiling, and the request counter.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -537,6 +538,9 @@ class RealServerTests(_RealServer):
     ) -> None:
         size = 64 * 1024 * 1024
         source = self.mktemp()
+        target = self.mktemp()
+        for path in (source, target):  # 128 MiB per store kind: not left in the trial directory
+            self.addCleanup(_remove, path)
         digest = await in_thread(_write_random_file, source, size)
         tracemalloc.start()
         try:
@@ -544,7 +548,6 @@ class RealServerTests(_RealServer):
             result = await self.store.put_file("big", source, metadata={"kind": "snapshot"})
             upload_peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
-            target = self.mktemp()
             info = await self.store.get_to_file("big", target)
             download_peak = tracemalloc.get_traced_memory()[1]
         finally:
@@ -1242,6 +1245,11 @@ def _write_random_file(path: str, size: int) -> str:
             digest.update(chunk)
             f.write(chunk)
     return digest.hexdigest()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _md5_file(path: str) -> str:
