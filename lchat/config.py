@@ -93,6 +93,9 @@ class MeshConfig:
     # LCHAT_MESH_TOKEN_ACCEPT: one more token this box accepts (bearer and forwarded marker) but
     # never sends, for a rotation without refusals (lchat.mesh.tokens, docs/secrets.md); "": none.
     accept_token: str = field(default="", repr=False)
+    # LCHAT_MESH_OUTAGE_TOLERANCE: the longest this box keeps its spaces on its peers' word alone,
+    # no heartbeat of it landing in the bucket (a bucket outage: docs/lease.md, "Witnesses").
+    outage_tolerance: float = 900.0
 
     @property
     def self_host(self) -> str:
@@ -316,6 +319,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_REGION": "",
     "LCHAT_MESH_HEARTBEAT": "15s",
     "LCHAT_MESH_DEAD_AFTER": "45s",
+    "LCHAT_MESH_OUTAGE_TOLERANCE": "15m",
     "LCHAT_MESH_CA_FILE": "",
     "LCHAT_MESH_BUCKET": "",  # s3://BUCKET[/PREFIX][?...]: the heartbeats' own bucket
     "LCHAT_CLOUD_REGION": "",  # add-instance's default --home-region
@@ -1159,6 +1163,12 @@ def _mesh(get: _Getter) -> MeshConfig | None:
             "LCHAT_MESH_DEAD_AFTER must be at least twice LCHAT_MESH_HEARTBEAT (a missed beat "
             "must not kill a member)"
         )
+    tolerance = parse_duration("LCHAT_MESH_OUTAGE_TOLERANCE", get("LCHAT_MESH_OUTAGE_TOLERANCE"))
+    if tolerance < dead_after:
+        raise ConfigError(
+            "LCHAT_MESH_OUTAGE_TOLERANCE must be at least LCHAT_MESH_DEAD_AFTER (how long spaces "
+            "keep serving on the peers' word while the bucket is out of reach)"
+        )
     ca_file = get("LCHAT_MESH_CA_FILE")
     if ca_file and not os.path.isfile(ca_file):
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
@@ -1172,6 +1182,7 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         region=region,
         heartbeat=heartbeat,
         dead_after=dead_after,
+        outage_tolerance=tolerance,
         ca_file=ca_file,
         bucket=bucket,
         # Equal to the token it accepts nothing more: dropped here, and load() warns.

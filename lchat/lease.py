@@ -100,11 +100,11 @@ for _operation, _outcomes in (
 TAKEOVERS = Counter(
     "lchat_lease_takeovers_total",
     "Leases taken over from another holder, by reason: expired (its TTL passed), holder_dead "
-    "(its box's heartbeat is too old or gone), holder_restarted (its box beats with another "
-    "epoch), own (this box's previous process left it)",
+    "(its box's heartbeat is too old or gone, and its silence is witnessed), own (this box's "
+    "previous process, or its liveness period before a lapse, left it)",
     ["reason"],
 )
-for _reason in ("expired", "holder_dead", "holder_restarted", "own"):
+for _reason in ("expired", "holder_dead", "own"):
     TAKEOVERS.labels(_reason)
 
 
@@ -158,7 +158,7 @@ class LeaseRecord:
     lease_id: str = ""  # random per acquisition; only its holder writes records carrying it
     # On a mesh box: the holder box's LCHAT_MESH_SELF and its process's heartbeat epoch. A lease
     # naming them is fenced by that box's heartbeat (docs/lease.md): a peer may take it over once
-    # the box is dead (heartbeat too old or gone) or restarted (another epoch), before expiry.
+    # the box is dead (heartbeat too old or gone, and its silence witnessed), before expiry.
     box: str = ""
     epoch: str = ""
     epoch_started: float | None = None  # when that epoch began (the box's clock): orders epochs
@@ -232,7 +232,7 @@ class HeldLease:
     bucket_time: datetime.datetime  # bucket clock read shortly before the last successful write
     written_at: float  # local monotonic time just before the last successful write was sent
     took_over_from: str | None = None  # the expired holder we replaced, if any
-    took_over_because: str = ""  # expired | holder dead | holder restarted | own
+    took_over_because: str = ""  # expired | holder dead | own
     box: str = ""  # the holder box and its epoch, written in the record (mesh boxes)
     epoch: str = ""
     epoch_started: float | None = None
@@ -255,7 +255,7 @@ class HeldLease:
 
 
 # A judge of a live lease's holder box (lchat.mesh.fence): why it may be taken over before its
-# expiry ("holder dead", "holder restarted"), or None while the holder box is alive. Called right
+# expiry ("holder dead"), or None while the holder box is alive. Called right
 # before the conditional takeover write; a store error propagates (not knowing is not dead).
 HolderCheck = Callable[[LeaseRecord], Coroutine[Any, Any, str | None]]
 
@@ -386,7 +386,7 @@ async def acquire(
             if bucket_now < expiry and reclaim_own and record.owner == owner:
                 why = "own"
             elif bucket_now < expiry and holder_check is not None and record.box:
-                # Fenced by its box's heartbeat: dead or restarted boxes write nothing more.
+                # Fenced by its box's liveness: a dead box writes nothing more.
                 judged = await holder_check(record)
                 if judged is not None:
                     why = judged
@@ -451,8 +451,7 @@ async def acquire(
 _TAKEOVER_WORDS = {
     "expired": "expired",
     "own": "our own, left by a previous process",
-    "holder dead": "holder dead: its box's heartbeat is too old or gone",
-    "holder restarted": "holder restarted: its box beats with another epoch",
+    "holder dead": "holder dead: its box's heartbeat is too old or gone, and it is silent",
 }
 
 

@@ -146,6 +146,8 @@ _PUBLIC = {
     "capacity": "{host} cannot wake right now: this server is at capacity",
     "held": "{host} is being moved",
     "not_alive": "{host} cannot wake on this server right now",
+    "not_witnessed": "{host} cannot save changes right now (its storage is out of reach); "
+    "reads still work",
 }
 # 503s that mean "this box is stopping, and the request was never acted on": while the router
 # drains, a request refused for one of these is marked (LocalResponse.refusal) so that a mesh peer
@@ -185,7 +187,13 @@ def unavailable(
 class Hibernation(Protocol):
     """The activator, as the router sees it."""
 
-    def route(self, route: Route, sidecar: bool = False) -> Target | Deferred[Target]: ...
+    def route(
+        self, route: Route, sidecar: bool = False, write: bool = False
+    ) -> Target | Deferred[Target]: ...
+
+
+# Methods that change nothing (RFC 9110 9.2.1): every other one may be a write.
+SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 
 
 class Mesh(Protocol):
@@ -259,7 +267,7 @@ class Router:
             activator = self._activator
 
             def local() -> Target | Deferred[Target]:
-                return activator.route(route, head.sidecar)
+                return activator.route(route, head.sidecar, head.method not in SAFE_METHODS)
 
             if self._mesh is not None and self._mesh.in_scope(host):
                 return self._mesh.route(route, head, local)

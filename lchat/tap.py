@@ -36,6 +36,7 @@ from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener
 from lchat.mesh.api import mesh_site
+from lchat.mesh.client import PeerBeats
 from lchat.mesh.due import DuePush
 from lchat.mesh.fence import BoxFence, HolderJudge
 from lchat.mesh.fleet import SpacesView
@@ -295,8 +296,14 @@ def _membership(
             "LCHAT_MESH",
             beats.bucket,
         )
-    membership = Membership(reactor, members_store, beats, cfg.mesh, monotonic=time.monotonic)
-    fence = BoxFence(membership, HolderJudge(members_store, beats, cfg.mesh.dead_after))
+    # Beats reach the peers over the mesh API (verified HTTPS, the mesh token): their word keeps
+    # this box alive while the bucket is out of reach (lchat.mesh.witness, docs/lease.md).
+    peers = PeerBeats(reactor, cfg.mesh.token, cfg.mesh.ca_file)
+    membership = Membership(
+        reactor, members_store, beats, cfg.mesh, monotonic=time.monotonic, peers=peers
+    )
+    judge = HolderJudge(members_store, beats, cfg.mesh.dead_after, witness=membership)
+    fence = BoxFence(membership, judge)
     return _MembershipParts(membership, fence, mesh_store, mesh_check)
 
 
@@ -467,6 +474,10 @@ def _hibernation(
         resident=always_on,  # counts against LCHAT_MAX_INSTANCES, never slept
         max_instances=cfg.max_instances,
         lapsed=membership_parts.membership.lapsed if membership_parts is not None else None,
+        witness=membership_parts.membership if membership_parts is not None else None,
+        bucket_reachable=(
+            membership_parts.membership.bucket_reachable if membership_parts is not None else None
+        ),
     )
     membership = mesh = None
     due_push: DuePush | None = None
@@ -474,9 +485,11 @@ def _hibernation(
     if membership_parts is not None:
         assert cfg.mesh is not None
         membership = membership_parts.membership
-        # No heartbeat within dead_after - margin: every space stands down before peers may
-        # judge this box dead.
+        # Neither a landed heartbeat nor the peers' word covers this box any more: every space
+        # stands down before peers may judge it dead.
         membership.on_not_alive(activator.box_not_alive)
+        # What its beats tell the peers: a backlog that cannot ship, the hosts awake here.
+        membership.report(activator.backlog, activator.awake_hosts)
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
@@ -613,7 +626,15 @@ def _front_door(
         # host (the bearer token is checked inside).
         mesh_socket = os.path.join(cfg.run_dir, "mesh.sock")
         clear_stale_socket(mesh_socket)
-        site = mesh_site(routes.registry, cfg, routes.reload, run_in_thread=run, spaces=spaces)
+        membership = hibernation.membership if hibernation is not None else None
+        site = mesh_site(
+            routes.registry,
+            cfg,
+            routes.reload,
+            run_in_thread=run,
+            spaces=spaces,
+            beats=membership.receive_beat if membership is not None else None,
+        )
         _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
     router = Router(

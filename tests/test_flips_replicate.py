@@ -304,7 +304,7 @@ class _Activator:
     def holds(self, host: str) -> bool:
         raise AssertionError("a lives-elsewhere row never reaches the activator")
 
-    def route(self, route: Route, sidecar: bool = False) -> Any:
+    def route(self, route: Route, sidecar: bool = False, write: bool = False) -> Any:
         raise AssertionError("a lives-elsewhere row is never woken")
 
 

@@ -42,6 +42,55 @@ def sleep(seconds: float) -> Deferred[None]:
     return deferLater(reactor, seconds, lambda: None)
 
 
+def ip_default_cert(certs: str, acme: str, address: str) -> str:
+    """A ``default.pem`` in ``acme`` for the IP ``address``, issued by the dev CA in ``certs``:
+    what a box serves to a client that sends no SNI, as peers calling its mesh API at
+    ``https://<address>:<port>`` do (an IP is never sent as SNI). Returns its path."""
+    import datetime as _dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from lchat.cli.dev_cert import CA_CERT, CA_KEY
+
+    with open(os.path.join(certs, CA_CERT), "rb") as f:
+        ca_cert = x509.load_pem_x509_certificate(f.read())
+    with open(os.path.join(certs, CA_KEY), "rb") as f:
+        ca_key = serialization.load_pem_private_key(f.read(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    now = _dt.datetime.now(_dt.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _dt.timedelta(hours=1))
+        .not_valid_after(now + _dt.timedelta(days=30))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    path = os.path.join(acme, "default.pem")
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ) + cert.public_bytes(serialization.Encoding.PEM)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, pem)
+    os.close(fd)
+    return path
+
+
 class Box:
     """One router process and its directories."""
 
@@ -238,6 +287,8 @@ class MeshTestCase(TestCase):
             os.makedirs(box.acme, mode=0o700)
             shutil.copy(self.wildcard, box.acme)
             os.chmod(os.path.join(box.acme, os.path.basename(self.wildcard)), 0o600)
+            # Peers reach each other's mesh API at https://<address>:<port> (no SNI).
+            ip_default_cert(os.path.dirname(self.wildcard), box.acme, box.address)
             box.settings = common  # type: ignore[attr-defined]
             self.addCleanup(box.kill_spaces)  # (cleanups run last first: after the stop)
             self.addCleanup(box.stop, signal.SIGKILL)
@@ -430,7 +481,10 @@ class MeshTests(MeshTestCase):
             self.assertEqual([m["body"] for m in json.loads(body)["messages"]], ["one writer"])
             taker = [b for b in others if b.awake(host)]
             self.assertEqual(len(taker), 1)
-            self.assertIn("(holder dead: its box's heartbeat is too old or gone)", taker[0].log())
+            self.assertIn(
+            "(holder dead: its box's heartbeat is too old or gone, and it is silent)",
+            taker[0].log(),
+        )
         finally:
             owner.proc.send_signal(signal.SIGCONT)
         yield self.wait_for(lambda: not owner.awake(host), timeout=20)
@@ -469,46 +523,9 @@ class MeshTests(MeshTestCase):
             self.assertFalse(os.path.exists(os.path.join(box.data, f"{host}.env")))
 
     def _ip_certificate(self, box: Box) -> None:
-        """``default.pem`` for a handshake without SNI (the mesh API at https://127.0.0.N)."""
-        import datetime
-
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-
-        certs = os.path.dirname(self.ca)
-        with open(os.path.join(certs, "dev-ca.key"), "rb") as f:
-            ca_key = serialization.load_pem_private_key(f.read(), password=None)
-        with open(self.ca, "rb") as f:
-            ca = x509.load_pem_x509_certificate(f.read())
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        import ipaddress
-
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, box.address)]))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(
-                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(box.address))]),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
-        )
-        pem = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ) + cert.public_bytes(serialization.Encoding.PEM)
-        path = os.path.join(box.acme, "default.pem")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, pem)
-        os.close(fd)
+        """``default.pem`` for a handshake without SNI (the mesh API at https://127.0.0.N):
+        :meth:`boxes` gives every box one already; kept for the tests that make boxes by hand."""
+        ip_default_cert(os.path.dirname(self.ca), box.acme, box.address)
 
 
 def _lchat(*args: str) -> subprocess.CompletedProcess[str]:

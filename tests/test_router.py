@@ -112,7 +112,7 @@ class _Activator:
     answer: Target
     calls: list[tuple[str, bool]] = field(factory=list)
 
-    def route(self, route: Route, sidecar: bool = False) -> Target:
+    def route(self, route: Route, sidecar: bool = False, write: bool = False) -> Target:
         self.calls.append((route.host, sidecar))
         return self.answer
 

@@ -29,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 from twisted.application.service import Service
@@ -89,6 +89,26 @@ LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without a
 CAPACITY_RETRY = 5.0
 HOLD_RETRY_AFTER = 5.0  # a held space's Retry-After (a relocation usually ends within seconds)
 CAPACITY_LOG_EVERY = 10.0  # seconds between "503: nothing can be slept" lines (a storm is one)
+# A write to a space whose backlog is older than its class promises waits at most this long for
+# the peers to know of it (docs/lease.md, "Writes during an outage"), then gets a 503.
+WITNESS_WAIT = 1.0
+REFUSED_LOG_EVERY = 10.0  # seconds between "writes refused" lines for one host
+BUCKET_RETRY = 5.0  # a wake refused because the bucket is out of reach: Retry-After
+
+_refused_writes = Counter(
+    "lchat_writes_refused_total",
+    "Writes answered 503 because their space's backlog is older than its replication class "
+    "promises and this box's peers could not be told (it is isolated from bucket and peers)",
+)
+
+
+class WriteWitness(Protocol):
+    """What the activator asks a mesh box's membership before acknowledging a write that cannot
+    ship now (lchat.mesh.membership.Membership)."""
+
+    def writes_safe(self) -> bool: ...
+
+    def writes_known(self, timeout: float) -> Deferred[bool]: ...
 
 
 def _no_resident() -> int:
@@ -110,14 +130,22 @@ class Activator(Service):
         resident: Callable[[], int] = _no_resident,
         max_instances: int = 0,
         lapsed: Callable[[], bool] | None = None,
+        witness: WriteWitness | None = None,
+        bucket_reachable: Callable[[], bool] | None = None,
     ) -> None:
         """``resident``: how many always-on space processes run on this box now (builtin units'
         children), which count against ``max_instances`` (LCHAT_MAX_INSTANCES; 0: no limit) but
-        are never slept. ``lapsed``: on a mesh box, whether its liveness has lapsed (a heartbeat
-        landed once, none since ``dead_after - margin``: lchat.mesh.membership): no request is
-        served meanwhile (docs/lease.md)."""
+        are never slept. ``lapsed``: on a mesh box, whether its liveness has lapsed (neither its
+        heartbeat nor its peers' word covers it: lchat.mesh.membership): no request is served
+        meanwhile (docs/lease.md). ``witness``: on a mesh box, asked before a write is passed to
+        a space whose backlog is older than its replication class promises.
+        ``bucket_reachable``: whether the bucket answered this box's last heartbeat (a wake needs
+        it: refused at once while not)."""
         self._reactor = reactor
         self._lapsed = lapsed
+        self._witness = witness
+        self._bucket_reachable = bucket_reachable
+        self._refusals_logged: dict[str, float] = {}  # host -> last "writes refused" line
         self._routes = routes
         self._life = lifecycle
         self._claims = claims  # the hosts this activator runs: builtin units leave them alone
@@ -220,18 +248,25 @@ class Activator(Service):
 
     # -- the router's branch ---------------------------------------------------------------------
 
-    def route(self, route: Route, sidecar: bool = False) -> Target | Deferred[Target]:
+    def route(
+        self, route: Route, sidecar: bool = False, write: bool = False
+    ) -> Target | Deferred[Target]:
         """The target for a request to hibernating ``route``: its socket now if awake (with the
         space's in-flight ticket, unless the request is its sidecar's own), after a wake
-        otherwise, or a 503 with ``Retry-After``."""
+        otherwise, or a 503 with ``Retry-After``. ``write``: the request may change the space
+        (its method is not a safe one): on a mesh box that cannot ship it now, it waits for the
+        peers' word, or is refused (:meth:`_write_target`)."""
         host = route.host
         space = self._spaces.get(host)
         if self._lapsed is not None and self._lapsed():
-            # Past this box's liveness deadline (a mesh box cut off from its bucket, or just
-            # thawed from a freeze before its timer ran): serve nothing, stand down now.
+            # Past this box's liveness deadline (a mesh box cut off from its bucket and its
+            # peers, or just thawed from a freeze before its timer ran): serve nothing, stand
+            # down now.
             self.box_not_alive()
             return self._unavailable(host, "not_alive")
         if space is not None and space.state == "awake":
+            if write and self._witness is not None and self._stale(space):
+                return self._write_target(space, sidecar)
             # Sidecar traffic earns no idle credit: an orphaned bot would keep it awake forever.
             return LocalSocket(host=host, path=space.socket, inflight=None if sidecar else space)
         if sidecar:
@@ -250,6 +285,57 @@ class Activator(Service):
 
         d.addBoth(done)
         return result
+
+    # -- writes that cannot ship now (docs/lease.md, "Writes during an outage") ------------------
+
+    @staticmethod
+    def _stale(space: Space) -> bool:
+        """Is ``space``'s oldest commit not in the bucket older than its class promises?"""
+        replicator = space.replicator
+        return replicator is not None and replicator.lag() > replicator.interval
+
+    def backlog(self) -> bool:
+        """Does any space here hold commits older than their class promises, not yet in the
+        bucket? (What this box's beats tell its peers: lchat.mesh.witness.)"""
+        return any(self._stale(s) for s in self._spaces.values())
+
+    def awake_hosts(self) -> list[str]:
+        """The hosts awake here (a routing hint for the peers)."""
+        return [h for h, s in self._spaces.items() if s.state == "awake"]
+
+    def _write_target(self, space: Space, sidecar: bool) -> Target | Deferred[Target]:
+        """A write to ``space``, whose backlog cannot ship now: passed on once every peer that
+        could take this box's spaces over knows it holds such writes (then none will, and the
+        write ships when the bucket is back); else, after at most :data:`WITNESS_WAIT`, a 503:
+        this box is isolated, and a write acknowledged now could be lost to a takeover."""
+        assert self._witness is not None
+        host = space.host
+
+        def target(safe: bool) -> Target:
+            current = self._spaces.get(host)
+            if current is not space or space.state != "awake":
+                return self._unavailable(host, "stood_down")
+            if safe:
+                return LocalSocket(
+                    host=host, path=space.socket, inflight=None if sidecar else space
+                )
+            _refused_writes.inc()
+            now = self._reactor.seconds()
+            if now - self._refusals_logged.get(host, float("-inf")) >= REFUSED_LOG_EVERY:
+                self._refusals_logged[host] = now
+                replicator = space.replicator
+                _log.warn(
+                    "activator: {host}: writes refused (503): {lag:.1f}s of its writes are not "
+                    "in the bucket yet, and no peer could be told so: this box cannot reach the "
+                    "bucket or its peers; reads are still served",
+                    host=host,
+                    lag=replicator.lag() if replicator is not None else 0.0,
+                )
+            return self._unavailable(host, "not_witnessed", 1.0)
+
+        if self._witness.writes_safe():
+            return target(True)
+        return self._witness.writes_known(WITNESS_WAIT).addCallback(target)
 
     def _routed(self, host: str, outcome: object, started: float) -> Target:
         if isinstance(outcome, Failure):
@@ -292,6 +378,14 @@ class Activator(Service):
             left = self._failures[host][1] - now
             if left > 0:
                 return fail(WakeFailed(host, "backoff", "a recent wake failed", left))
+        if space is None and self._bucket_reachable is not None and not self._bucket_reachable():
+            # A wake needs the bucket (the lease, at least): while this box's heartbeat cannot
+            # land, refuse at once rather than after the store's timeouts.
+            return fail(
+                WakeFailed(
+                    host, "bucket", "the bucket is out of reach (no heartbeat lands)", BUCKET_RETRY
+                )
+            )
         if space is None and host in self._held:
             # Held elsewhere a moment ago: answer from that, not with another PUT and GET of the
             # lock (a busy space on a dead box would otherwise cost two requests per request).

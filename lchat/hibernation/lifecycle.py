@@ -127,7 +127,7 @@ class Lifecycle:
     contract: Contract | None = None  # None: SpaceContract, GET /api/next-due on its socket
     # On a mesh box: its liveness fences its leases (docs/lease.md). No lease is taken while the
     # box is not alive; the leases it takes name it and its epoch; a peer's lease whose box is
-    # dead or restarted is taken over before its expiry.
+    # dead (its heartbeat stale and its silence witnessed) is taken over before its expiry.
     fence: Fence | None = None
     restorer: Restorer = field(init=False)
 

@@ -44,6 +44,13 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     200 ``{"routes": [payload, ...]}``: every in-scope hibernating instance row, with its env values
     (peers need them; the channel is authenticated), and every lives-elsewhere row (no env).
 
+``POST /api/mesh/beat``
+    A peer's heartbeat, straight from the peer (lchat.mesh.witness.BeatMessage): recorded by this
+    box's membership, its heartbeat relayed into the bucket when it asks (and this box's own
+    lands), answered with this box's (``BeatReply``, 200). 400 for a body that is not one, 404 when
+    this router has no membership to give it to. Answered on the reactor, never in a thread: it
+    is what keeps a box alive while the bucket is out of reach.
+
 ``GET /api/mesh/spaces``
     200: the spaces this box reports for ``lchat fleet``, by the ownership rule of
     :mod:`lchat.mesh.fleet` (state, version, awake-since, next-due, replication lag); 404 when
@@ -61,7 +68,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from io import BytesIO
 from typing import Any
 
@@ -91,6 +98,7 @@ from lchat.mesh.client import (
 )
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
+from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
 from lchat.registry import REPLICATIONS, Conflict, Registry, Route
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
@@ -104,6 +112,8 @@ _REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 Reload = Callable[[str], object]
 # Called on the reactor: a snapshot of the fleet view, finished in a worker thread.
 Spaces = Callable[[], Callable[[], dict[str, Any]]]
+# A peer's beat, to this box's membership (lchat.mesh.membership.Membership.receive_beat).
+Beats = Callable[[BeatMessage], Coroutine[Any, Any, BeatReply]]
 
 _calls = Counter(
     "lchat_mesh_route_calls_total",
@@ -255,6 +265,7 @@ class MeshAPI(Resource):
         reload: Reload,
         run_in_thread: RunInThread,
         spaces: Spaces | None = None,
+        beats: Beats | None = None,
     ) -> None:
         super().__init__()
         if cfg.mesh is None:
@@ -269,6 +280,7 @@ class MeshAPI(Resource):
         self._reload = reload
         self._run = run_in_thread
         self._spaces = spaces  # GET /api/mesh/spaces (lchat.mesh.fleet.SpacesView.snapshot)
+        self._beats = beats  # POST /api/mesh/beat
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
@@ -281,6 +293,8 @@ class MeshAPI(Resource):
             op, allowed, host_segment = "list", b"GET", b""
         elif path == SPACES_PATH.encode():
             op, allowed, host_segment = "spaces", b"GET", b""
+        elif path == BEAT_PATH.encode():
+            op, allowed, host_segment = "beat", b"POST", b""
         elif path.startswith(ROUTE_PATH.encode() + b"/") and path.count(b"/") == 4:
             op, allowed, host_segment = "delete", b"DELETE", path.rsplit(b"/", 1)[1]
         else:
@@ -308,6 +322,8 @@ class MeshAPI(Resource):
             except (UnicodeDecodeError, hosts.InvalidHost) as e:
                 return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
             return self._start(request, op, lambda: self._delete(host), host)
+        if op == "beat":
+            return self._beat(request)
         if op == "spaces":
             if self._spaces is None:
                 return self._answer(request, op, "not_found", 404, {"error": "not served here"})
@@ -319,6 +335,46 @@ class MeshAPI(Resource):
                 return self._answer(request, op, "error", 500, error)
             return self._start(request, op, lambda: (200, finish(), "listed"), "")
         return self._start(request, op, self._list, "")
+
+    def _beat(self, request: Request) -> bytes | int:
+        """``POST /api/mesh/beat``, on the reactor (see the module docstring)."""
+        op = "beat"
+        if self._beats is None:
+            return self._answer(request, op, "not_found", 404, {"error": "not served here"})
+        if getattr(request, "too_large", False):
+            return self._answer(request, op, "invalid", 400, {"error": "the body is too large"})
+        content = request.content.read() if request.content is not None else b""
+        try:
+            message = BeatMessage.parse(content)
+            normalise_member_url(message.heartbeat.url)
+        except (MessageError, ValueError) as e:
+            return self._answer(request, op, "invalid", 400, {"error": f"not a beat: {e}"})
+        still = answerable(request)
+        d = Deferred.fromCoroutine(self._beats(message))
+
+        def done(reply: BeatReply) -> None:
+            if not still():
+                return
+            data = reply.to_json()
+            _calls.labels(op, "ok").inc()
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", b"application/json")
+            request.setHeader(b"cache-control", b"no-store")
+            request.setHeader(b"content-length", str(len(data)).encode())
+            request.write(data)
+            request.finish()
+
+        def failed(failure: Failure) -> None:
+            if failure.check(MessageError, ValueError):
+                error = {"error": f"not a beat: {failure.getErrorMessage()}"}
+                self._finish(request, still, op, "invalid", 400, error)
+                return
+            _log.failure("mesh: a peer's beat failed", failure)
+            error = {"error": "internal error: see the router's log"}
+            self._finish(request, still, op, "error", 500, error)
+
+        d.addCallbacks(done, failed)
+        return NOT_DONE_YET
 
     # --- checks, on the reactor (cheap) -------------------------------------------------------
 
@@ -628,13 +684,15 @@ def mesh_site(
     *,
     run_in_thread: RunInThread,
     spaces: Spaces | None = None,
+    beats: Beats | None = None,
 ) -> Site:
     """The route-replication API as a Site, for the router to serve on its internal socket.
 
     ``reload(reason)`` is called after every write (the router passes ``RouteSource.reload``); a
     Deferred it returns is waited for before the answer. ``run_in_thread`` runs the registry and
-    file work (the router's thread runner). ``spaces``: the fleet view (``GET /api/mesh/spaces``)."""
-    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread, spaces))
+    file work (the router's thread runner). ``spaces``: the fleet view (``GET /api/mesh/spaces``);
+    ``beats``: the membership's ``receive_beat`` (``POST /api/mesh/beat``)."""
+    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread, spaces, beats))
     site.requestFactory = _CappedRequest
     return site
 

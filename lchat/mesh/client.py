@@ -37,6 +37,7 @@ from zope.interface import implementer
 from lchat import config, hosts
 from lchat.mesh.membership import Member
 from lchat.mesh.placement import normalise_member_url
+from lchat.mesh.witness import BEAT_PATH, MAX_MESSAGE, PeerCallError
 from lchat.registry import Route
 from lchat.twisted_internals import platform_trust_plus, quiet_pool
 from lchat.webutil import BytesProducer
@@ -260,6 +261,84 @@ async def get_json(
         "GET", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor
     )
     return _object(peer_url, reply)
+
+
+class PeerBeats:
+    """The witness's channel (lchat.mesh.witness.PeerChannel): ``POST /api/mesh/beat`` on a
+    peer, with the mesh token, verified HTTPS as every mesh call, over kept-alive connections (a
+    box beats each peer every heartbeat, and several times a second while a write waits for the
+    peers to know of a backlog)."""
+
+    def __init__(self, reactor: Any, token: str, ca_file: str = "") -> None:
+        self._reactor = reactor
+        self._token = token
+        self._ca_file = ca_file
+        self._agents: dict[float, Agent] = {}
+
+    def _agent(self, timeout: float) -> Agent:
+        agent = self._agents.get(timeout)
+        if agent is None:
+            trust = platform_trust_plus(self._ca_file) if self._ca_file else None
+            agent = self._agents[timeout] = Agent.usingEndpointFactory(
+                self._reactor,
+                _Endpoints(self._reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),
+                pool=quiet_pool(self._reactor, persistent=True),
+            )
+        return agent
+
+    async def call(
+        self,
+        url: str,
+        body: bytes,
+        timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    ) -> bytes:
+        try:
+            target = check_peer_url(url) + BEAT_PATH
+        except ValueError as e:
+            raise PeerCallError(url, str(e)) from e
+        client = HTTPClient(self._agent(timeout), data_to_body_producer=BytesProducer)
+        headers: dict[bytes | str, bytes | str] = {
+            "Authorization": f"Bearer {self._token}",
+            "Content-Type": "application/json",
+        }
+
+        async def exchange() -> tuple[int, bytes]:
+            response: IResponse = await client.request(
+                "POST",
+                target,
+                headers=headers,
+                data=body,
+                allow_redirects=False,
+                reactor=self._reactor,
+            )
+            chunks: list[bytes] = []
+            size = 0
+
+            def collect(data: bytes) -> None:
+                nonlocal size
+                size += len(data)
+                if size > MAX_MESSAGE:
+                    raise PeerCallError(url, f"the answer is larger than {MAX_MESSAGE} bytes")
+                chunks.append(data)
+
+            await treq.collect(response, collect)
+            return response.code, b"".join(chunks)
+
+        d: Deferred[tuple[int, bytes]] = Deferred.fromCoroutine(exchange())
+
+        def timed_out(result: object, seconds: float) -> tuple[int, bytes]:
+            raise PeerCallError(url, f"no answer within {seconds:g}s")
+
+        d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)
+        try:
+            code, data = await d
+        except PeerCallError:
+            raise
+        except Exception as e:
+            raise PeerCallError(url, _describe(e)) from e
+        if not 200 <= code < 300:
+            raise PeerCallError(url, f"answered {code}", code)
+        return data
 
 
 # --- HTTP ---------------------------------------------------------------------------------------

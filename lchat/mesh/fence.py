@@ -3,23 +3,29 @@
 Two sides of one rule:
 
 - **The holder** (this box) may write on its leases only while :meth:`Membership.alive` says so:
-  from its first landed heartbeat until ``dead_after - margin`` after the last successful beat was
-  *sent*, on its monotonic clock. Past that, every space stands down (the membership's
-  ``on_not_alive`` hook) and no lease is taken until a beat lands again.
+  from its first landed heartbeat until its deadline — ``dead_after - margin`` after the last
+  heartbeat that landed in the bucket was *sent* (W1), or for as long as its peers' word covers it
+  (W2, lchat.mesh.witness), on its monotonic clock. Past that, every space stands down (the
+  membership's ``on_not_alive`` hook) and no lease is taken until a beat lands again.
 - **A taker** (a peer waking one of its spaces) may take over a lease that is still live by its
-  TTL when the record names a holder box that is dead by the heartbeat rule — its heartbeat object
-  gone, or last written more than ``dead_after`` ago on the *bucket's* clock — or that restarted
-  (its heartbeat carries another epoch). :class:`HolderJudge` reads the holder's heartbeat afresh,
-  right before :func:`lchat.lease.acquire` writes its conditional (``If-Match``) takeover.
+  TTL when the record names a holder box that is dead: its heartbeat in the bucket is gone or too
+  old on the *bucket's* clock, **and** its silence is witnessed — this box holds an answer of the
+  holder's process, has not heard from it for ``dead_after`` and was not told it holds writes the
+  bucket lacks (or the heartbeat is older than any holder can live on its peers' word) — **and** a
+  direct probe of it fails. :class:`HolderJudge` reads the heartbeat afresh, right before
+  :func:`lchat.lease.acquire` writes its conditional (``If-Match``) takeover. A holder that
+  restarted or came back from a lapse is alive: it takes its own leases back itself, from its own
+  copy, which may be newer than the bucket's (the newest copy wins).
 
 :class:`BoxFence` bundles both for the activator's lifecycle.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from attrs import frozen
+from prometheus_client import Counter
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -32,40 +38,74 @@ from lchat.mesh.membership import (
     judged_dead,
     member_key,
 )
+from lchat.mesh.witness import Witnesses
 from lchat.objstore import NotFound, ObjectStore
 
 log = Logger(namespace="lchat.mesh.fence")
+
+JUDGEMENTS = Counter(
+    "lchat_lease_holder_judgements_total",
+    "Judgements of a live lease's holder box before a takeover, by outcome: alive (its heartbeat "
+    "is fresh), witnessed (stale, but heard within dead_after, holding writes the bucket lacks, or "
+    "never answered here), answers (stale, but it answered a probe), dead (taken over)",
+    ["outcome"],
+)
+for _outcome in ("alive", "witnessed", "answers", "dead"):
+    JUDGEMENTS.labels(_outcome)
 
 
 def holder_deadline(sent: float, dead_after: float, margin_fraction: float) -> float:
     """The holder's rule: a box whose last successful heartbeat PUT was sent at ``sent`` (its
     monotonic clock) writes nothing on its leases from ``sent + dead_after * (1 -
-    margin_fraction)`` on (lchat.mesh.membership.Membership.alive)."""
+    margin_fraction)`` on (lchat.mesh.membership.Membership.alive), unless its peers' word
+    keeps it alive longer (lchat.mesh.witness)."""
     return sent + dead_after - dead_after * margin_fraction
+
+
+class Witness(Protocol):
+    """What a taker needs of this box's own membership (lchat.mesh.membership.Membership)."""
+
+    url: str
+    witnesses: Witnesses
+
+    @property
+    def epoch(self) -> str: ...
+
+    def now(self) -> float: ...
+
+    async def probe(self, url: str) -> bool: ...
 
 
 @frozen
 class HolderJudge:
-    """Judges a live lease's holder box by its heartbeat in the mesh's bucket.
+    """Judges a live lease's holder box by its heartbeat in the mesh's bucket and, with a
+    ``witness`` (this box's membership), by what the peers told this box.
 
     ``__call__(record)``: ``"holder dead"`` when the heartbeat named by ``record.box`` is gone or
     its ``Last-Modified`` is at least ``dead_after`` old on the bucket's clock (judged from
-    ``floor(Last-Modified) + 1 s``, since stores truncate it to whole seconds: never early);
-    ``"holder restarted"`` when the heartbeat carries an epoch other than the record's; None when
-    the box is alive (draining included: it still writes its last flushes), or when the record or
-    the heartbeat cannot be read as ours (not knowing is not dead). Store errors propagate.
+    ``floor(Last-Modified) + 1 s``, since stores truncate it to whole seconds: never early), and —
+    with a witness, and a holder running an lchat that takes part — its silence is witnessed here
+    (:meth:`Witnesses.silent`) or its heartbeat is older than any holder lives on its peers' word
+    (:meth:`Witnesses.slow_after`), and a probe of it fails. None otherwise (not knowing is not
+    dead; a record naming this box is its own to take back). Store errors propagate.
     """
 
     store: ObjectStore  # the mesh's bucket (LCHAT_MESH_BUCKET, or the hibernation bucket)
     where: KeyPrefix
     dead_after: float
+    witness: Witness | None = None
 
     async def __call__(self, record: LeaseRecord) -> str | None:
         try:
             url = normalise_member_url(record.box)
         except ValueError:
             return None
+        witness = self.witness
+        if witness is not None and url == witness.url:
+            return None  # our own box's: acquire's reclaim_own takes it back
         key = member_key(self.where, url)
+        heartbeat: Heartbeat | None = None
+        age = float("inf")
         try:
             obj = await self.store.get(key)
         except NotFound:
@@ -74,38 +114,65 @@ class HolderJudge:
             # the holder. A LIST fails on a missing bucket and lists nothing when only the
             # heartbeat is gone: not knowing is not dead.
             if any(info.key == key for info in await self.store.list(key)):
+                JUDGEMENTS.labels("alive").inc()
                 return None  # it beat again between our GET and our LIST: alive
-            log.info("lease {host}: holder {box} is dead (no heartbeat)", host=record.host, box=url)
-            return "holder dead"
-        now = await self.store.now()  # after the GET: the heartbeat is no younger than it looks
-        age = (now - obj.info.last_modified).total_seconds()
-        if judged_dead(obj.info.last_modified, now, self.dead_after):
-            log.info(
-                "lease {host}: holder {box} is dead (last heartbeat {age:.1f}s ago, dead after "
-                "{dead_after:g}s)",
-                host=record.host,
-                box=url,
-                age=age,
-                dead_after=self.dead_after,
+            gone = True
+        else:
+            gone = False
+            now = await self.store.now()  # after the GET: no younger than it looks
+            age = (now - obj.info.last_modified).total_seconds()
+            if not judged_dead(obj.info.last_modified, now, self.dead_after):
+                JUDGEMENTS.labels("alive").inc()
+                return None
+            try:
+                heartbeat = Heartbeat.parse(obj.body)
+            except ValueError:
+                return None
+        said = "no heartbeat" if gone else f"last heartbeat {age:.1f}s ago"
+        if witness is not None and (heartbeat is None or heartbeat.process):
+            witnesses = witness.witnesses
+            slow = gone or age >= witnesses.slow_after()
+            why_not = (
+                None
+                if slow
+                else witnesses.silent(
+                    url,
+                    heartbeat.process if heartbeat is not None else None,
+                    witness.epoch,
+                    witness.now(),
+                )
             )
-            return "holder dead"
-        try:
-            heartbeat = Heartbeat.parse(obj.body)
-        except ValueError:
-            return None
-        newer = record.epoch_started is None or heartbeat.started_at > record.epoch_started
-        if record.epoch and heartbeat.epoch and heartbeat.epoch != record.epoch and newer:
-            # (Only a *newer* epoch: a late beat of an older process — sent before it died,
-            # landing after its successor's — says nothing about the successor.)
-            log.info(
-                "lease {host}: holder {box} restarted (epoch {epoch} took the lease, {now} beats)",
-                host=record.host,
-                box=url,
-                epoch=record.epoch[:8],
-                now=heartbeat.epoch[:8],
-            )
-            return "holder restarted"
-        return None
+            if why_not is not None:
+                JUDGEMENTS.labels("witnessed").inc()
+                log.info(
+                    "lease {host}: holder {box} is not judged dead ({said}, dead after "
+                    "{dead_after:g}s): {why}",
+                    host=record.host,
+                    box=url,
+                    said=said,
+                    dead_after=self.dead_after,
+                    why=why_not,
+                )
+                return None
+            if await witness.probe(url):
+                JUDGEMENTS.labels("answers").inc()
+                log.info(
+                    "lease {host}: holder {box} is not judged dead ({said}): it answers this box",
+                    host=record.host,
+                    box=url,
+                    said=said,
+                )
+                return None
+        JUDGEMENTS.labels("dead").inc()
+        log.info(
+            "lease {host}: holder {box} is dead ({said}, dead after {dead_after:g}s)",
+            host=record.host,
+            box=url,
+            said=said,
+            age=age,
+            dead_after=self.dead_after,
+        )
+        return "holder dead"
 
 
 @frozen
@@ -130,6 +197,11 @@ class BoxFence:
     def alive(self) -> bool:
         return self.membership.alive()
 
+    def bucket_reachable(self) -> bool:
+        """Did this box's last heartbeat PUT succeed? A wake needs the bucket: while not, it is
+        refused at once (a 503 within a second, not after the store's timeouts)."""
+        return self.membership.bucket_reachable()
+
     async def holder_check(self, record: LeaseRecord) -> str | None:
         return await self.judge(record)
 
@@ -142,7 +214,8 @@ class BoxFence:
         first = self.membership.first_beat()
         if first.called:
             raise NotAlive(
-                f"no heartbeat of {self.box} has landed for {self.membership.dead_after * 0.9:g}s"
+                f"{self.box} is not alive: no heartbeat of it lands in the bucket, and its "
+                "peers' word does not cover it"
             )
         first.addTimeout(budget, reactor)
         try:

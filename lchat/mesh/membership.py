@@ -44,12 +44,11 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime
-import json
 import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from attrs import evolve, field, frozen
@@ -58,13 +57,24 @@ from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 import lchat
 from lchat.config import MeshConfig
+from lchat.mesh.heartbeat import Heartbeat
 from lchat.mesh.placement import normalise_member_url
+from lchat.mesh.witness import (
+    BeatMessage,
+    BeatReply,
+    MessageError,
+    Peer,
+    PeerCallError,
+    PeerChannel,
+    Witnesses,
+    normal_holds,
+)
 from lchat.objstore import (
     UTC,
     NotFound,
@@ -89,6 +99,44 @@ STAND_DOWNS = Counter(
     "Times this box stood every space down because no heartbeat landed within dead_after - margin",
 )
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+# The witness (lchat.mesh.witness, docs/lease.md): seconds a beat to a peer may take (at most;
+# never more than the heartbeat, at least 1 s), a peer's relay of our heartbeat inside it, a
+# probe of a holder about to be judged dead, and the fast rounds a write waits for while the
+# bucket is out of reach.
+PEER_TIMEOUT = 5.0
+RELAY_TIMEOUT = 2.0
+PROBE_TIMEOUT = 1.0
+FAST_ROUND = 0.25
+FAST_WANTED = 2.0
+_BUCKET = Gauge(
+    "lchat_mesh_bucket_reachable",
+    "1 while this box's last heartbeat PUT succeeded, 0 after one failed (the bucket is out of "
+    "reach: wakes are refused at once, the peers are asked to relay the heartbeat)",
+)
+_LIVENESS = Counter(
+    "lchat_mesh_liveness_changes_total",
+    "What keeps this box alive, each time it changes: bucket (its own landed heartbeat), peers "
+    "(its peers' word alone: the bucket is out of reach), none (it stood every space down)",
+    ["via"],
+)
+for _via in ("bucket", "peers", "none"):
+    _LIVENESS.labels(_via)
+_PEER_BEATS = Counter(
+    "lchat_mesh_peer_beats_total",
+    "Beats this box sent its peers, by outcome: ok (answered), failed (no usable answer), "
+    "relayed (answered, and the peer wrote this box's heartbeat into the bucket for it)",
+    ["outcome"],
+)
+_RELAYS = Counter(
+    "lchat_mesh_relays_total",
+    "Heartbeats of peers this box wrote into the bucket for them, by outcome",
+    ["outcome"],
+)
+for _outcome in ("ok", "failed", "relayed"):
+    _PEER_BEATS.labels(_outcome)
+for _outcome in ("ok", "failed"):
+    _RELAYS.labels(_outcome)
 
 MEMBERS_LIVE = Gauge(
     "lchat_mesh_members_live", "Live mesh members in this box's view (self included)"
@@ -175,71 +223,6 @@ def member_key(hib: KeyPrefix, url: str) -> str:
 
 
 @frozen
-class Heartbeat:
-    """The body of a heartbeat object."""
-
-    url: str  # normalised LCHAT_MESH_SELF
-    region: str  # LCHAT_MESH_REGION ("" = region-agnostic)
-    version: str  # lchat.__version__ of the beating process
-    started_at: float  # unix seconds (the box's clock, informational) of that process's start
-    # Random per router process: the leases it takes name it (docs/lease.md), so a peer can tell
-    # a restarted box (another epoch) from the process that took them. "" in older bodies.
-    epoch: str = ""
-    # The box is draining: out of placement at once, but alive (it still writes its last
-    # flushes) until the drain deletes the heartbeat.
-    draining: bool = False
-
-    def to_json(self) -> bytes:
-        """Deterministic: the same heartbeat always gives the same bytes (and ETag)."""
-        data: dict[str, Any] = {
-            "url": self.url,
-            "region": self.region,
-            "version": self.version,
-            "started_at": self.started_at,
-        }
-        if self.epoch:
-            data["epoch"] = self.epoch
-        if self.draining:
-            data["draining"] = True
-        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def parse(cls, body: bytes) -> Heartbeat:
-        """Strict (ValueError says why): every field present with its type; extra fields ignored."""
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError("body is not JSON") from None
-        if not isinstance(data, dict):
-            raise ValueError("body is not a JSON object")
-        url, region, version, started = (
-            data.get("url"),
-            data.get("region"),
-            data.get("version"),
-            data.get("started_at"),
-        )
-        if not (isinstance(url, str) and isinstance(region, str) and isinstance(version, str)):
-            raise ValueError("url, region and version must be strings")
-        if (
-            not isinstance(started, int | float)
-            or isinstance(started, bool)
-            or not math.isfinite(started)
-        ):
-            raise ValueError("started_at must be a number")
-        epoch, draining = data.get("epoch", ""), data.get("draining", False)
-        if not isinstance(epoch, str) or not isinstance(draining, bool):
-            raise ValueError("epoch must be a string and draining a boolean")
-        return cls(
-            url=url,
-            region=region,
-            version=version,
-            started_at=float(started),
-            epoch=epoch,
-            draining=draining,
-        )
-
-
-@frozen
 class Member:
     """A mesh member as seen in one read of the bucket.
 
@@ -256,6 +239,7 @@ class Member:
     # ``self`` cannot be an __init__ parameter name: construct with ``is_self=``.
     self: bool = field(default=False, alias="is_self")
     epoch: str = ""  # the beating process's epoch (Heartbeat.epoch)
+    process: str = ""  # its process (Heartbeat.process; "": an older lchat)
 
 
 # Per key: the ETag of the version we parsed and what it held (None: garbage, already logged).
@@ -346,6 +330,7 @@ async def _read(
                 key=info.key,
                 is_self=heartbeat.url == me,
                 epoch=heartbeat.epoch,
+                process=heartbeat.process,
             )
         )
     members.sort(key=lambda m: m.url)
@@ -463,13 +448,22 @@ def _urls(members: Sequence[Member]) -> frozenset[tuple[str, str]]:
 
 
 class Membership(Service):
-    """This box's heartbeat and its view of the mesh (DESIGN.md §9).
+    """This box's heartbeat, its peers' witness, and its view of the mesh (docs/mesh.md).
 
     On start it beats at once, then every ``mesh.heartbeat`` seconds: PUT our heartbeat, then one
     :func:`read_members` (bodies cached by ETag). Each operation is bounded by
     ``max(mesh.heartbeat, 1 s)``. :attr:`members` is the last view: live members, this box
     included. It is never empty: until a read shows anybody, and whenever our latest PUT succeeded
     but the listing does not show it yet, this box is in it (so placement always has a fleet).
+
+    With a peer channel (``peers``; the router always has one), it also sends its heartbeat to
+    every peer it knows once per beat, on a loop of its own that no bucket operation holds up, and
+    answers theirs (:meth:`receive_beat`): the witness (lchat.mesh.witness, docs/lease.md). A peer
+    heard within ``dead_after`` is in the view even when its heartbeat in the bucket is too old,
+    and this box's liveness is ``W1`` (its last landed heartbeat, written by itself or relayed
+    into the bucket by a peer) or ``W2`` (its required peers' word, at most
+    ``LCHAT_MESH_OUTAGE_TOLERANCE`` after the last landed heartbeat). Without one, liveness is the
+    bucket's alone (``W1``).
 
     ``subscribe(fn)``: ``fn(old, new)`` (lists of :class:`Member`) whenever the set of live
     (URL, region) pairs changes. ``stopService`` (the drain) deletes our heartbeat *first* and
@@ -490,13 +484,18 @@ class Membership(Service):
         started_at: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         epoch: str | None = None,
+        peers: PeerChannel | None = None,
+        process: str | None = None,
     ) -> None:
         """``monotonic``: the clock this box's liveness deadline is kept on (the one the lease
-        keepers use). ``epoch``: this process's heartbeat epoch (random when not given)."""
+        keepers use). ``epoch``: this process's first heartbeat epoch (random when not given);
+        ``process``: its process id (random when not given). ``peers``: how beats reach the
+        peers' mesh API (None: no witness, the bucket alone)."""
         self._reactor = reactor
         self._store = store
         self._hib = hib
         self._monotonic = monotonic
+        self._peers = peers
         self.url = normalise_member_url(mesh.self_url)
         self.region = mesh.region
         self.key = member_key(hib, self.url)
@@ -504,6 +503,10 @@ class Membership(Service):
         self.dead_after = mesh.dead_after
         self.timeout = max(mesh.heartbeat, 1.0)  # per store operation of a beat
         self.stop_timeout = STOP_TIMEOUT
+        # A beat to a peer: long enough for its relay (RELAY_TIMEOUT) and a round trip.
+        self.peer_timeout = min(max(mesh.heartbeat, 1.0), PEER_TIMEOUT)
+        self.relay_timeout = min(RELAY_TIMEOUT, self.peer_timeout / 2)
+        self.probe_timeout = min(PROBE_TIMEOUT, mesh.dead_after / 4)
         self.body = Heartbeat(
             url=self.url,
             region=mesh.region,
@@ -511,12 +514,21 @@ class Membership(Service):
             # Informational: when this router started (it builds its membership at start).
             started_at=round(reactor.seconds() if started_at is None else started_at, 3),
             epoch=uuid.uuid4().hex if epoch is None else epoch,
+            process=(uuid.uuid4().hex if process is None else process) if peers else "",
         )
         self._payload = self.body.to_json()
-        # Liveness (docs/lease.md): this box may write on its leases until ``_alive_until`` (the
-        # monotonic time the last successful beat was *sent* + dead_after - margin); peers may
-        # judge it dead only dead_after after that beat landed (the bucket's clock).
+        # Liveness (docs/lease.md): this box may write on its leases until ``_alive_until``: the
+        # later of W1 (the monotonic time the last landed beat was *sent* + dead_after - margin)
+        # and W2 (its required peers' word); peers may judge it dead only after that.
         self.margin = mesh.dead_after * LIVENESS_MARGIN
+        self.witnesses = Witnesses(
+            self.url,
+            mesh.dead_after,
+            self.margin,
+            mesh.outage_tolerance,
+            started=monotonic(),
+        )
+        self._landed: float | None = None  # when the last landed beat of this epoch was sent
         self._alive_until: float | None = None  # None: no beat has landed yet (or we left)
         self._alive_timer: Any = None
         self._not_alive = False  # the deadline passed (logged, subscribers told) until a beat lands
@@ -524,23 +536,45 @@ class Membership(Service):
         self._on_not_alive: list[Callable[[], object]] = []
         self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
+        self._bucket_members: list[Member] = []  # the last listing's live members
         self._members: list[Member] = [self._self_member(None)]
         self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
         self._loop = LoopingCall(self._tick)
         self._loop.clock = reactor
+        self._peer_loop = LoopingCall(self._peer_round)
+        self._peer_loop.clock = reactor
+        self._fast_loop = LoopingCall(self._fast_round)
+        self._fast_loop.clock = reactor
+        self._fast_until = -math.inf  # fast witness rounds wanted until then (monotonic)
         self._beat: Deferred[None] | None = None
         self._putting: Deferred[Any] | None = None
+        self._put_failed = False  # our last heartbeat PUT failed: the bucket is out of reach
         self._stopping = False
         self._leaving = False
         self._etag = ""  # of our last landed PUT: the drain deletes only that version
         self._left: Deferred[None] | None = None
         self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
-        # The janitor deletes member keys older than this (bucket clock). Ten dead_afters: a box
-        # that is only cut off or frozen for a few minutes keeps its key (and ``lchat mesh`` shows
-        # it as dead meanwhile); only what a crash left for good is cleaned up.
+        self.rounds = 0  # completed rounds of beats to the peers
+        # The janitor deletes member keys older than this (bucket clock). Ten dead_afters, and
+        # never before a holder could have lived on its peers' word (the slow path's age,
+        # lchat.mesh.witness): a box that is only cut off or frozen for a while keeps its key
+        # (and ``lchat mesh`` shows it as dead meanwhile); only what a crash left for good is
+        # cleaned up.
         self.janitor_after = JANITOR_DEAD_AFTERS * mesh.dead_after
+        if peers is not None:
+            self.janitor_after = max(
+                self.janitor_after, self.witnesses.slow_after() + mesh.dead_after
+            )
         self.janitor_beats = 0  # beats whose janitor step is over (whatever it did), for tests
         self._garbage_left: set[str] = set()  # garbage keys the janitor has logged about
+        # What the activator tells the witness: whether this box holds writes older than their
+        # class promises, not in the bucket yet; which hosts are awake here.
+        self._backlog: Callable[[], bool] = _no_backlog
+        self._holds: Callable[[], Iterable[str]] = tuple
+        self._backlog_seen: float | None = None  # when _backlog() last said yes (monotonic)
+        self._witness_waiters: list[Deferred[bool]] = []
+        self._relayed_by: str | None = None  # the peer whose relay landed our last beat (logged)
+        self._witnessed_by_peers = False  # alive on W2 alone (logged when it changes)
 
     # -- the view ------------------------------------------------------------------------------
 
@@ -555,14 +589,27 @@ class Membership(Service):
 
     @property
     def epoch(self) -> str:
-        """This process's heartbeat epoch (written into the leases it takes)."""
+        """This liveness period's heartbeat epoch (written into the leases it takes)."""
         return self.body.epoch
 
+    @property
+    def process(self) -> str:
+        return self.body.process
+
+    def now(self) -> float:
+        """This box's monotonic clock (the one its deadline and its witness records are on)."""
+        return self._monotonic()
+
     def alive(self) -> bool:
-        """May this box write on its leases now? True from the first landed beat until
-        ``dead_after - margin`` after the last one was sent (monotonic clock), while the
-        heartbeat exists. Peers cannot judge this box dead before that (docs/lease.md)."""
+        """May this box write on its leases now? True from the first landed beat until its
+        deadline (W1 or W2, monotonic clock), while the heartbeat exists. Peers cannot judge this
+        box dead before that (docs/lease.md)."""
         return self._alive_until is not None and self._monotonic() < self._alive_until
+
+    def bucket_reachable(self) -> bool:
+        """Did our last heartbeat PUT succeed? (False: the bucket is out of reach: a wake, which
+        needs it, is refused at once rather than after the store's timeouts.)"""
+        return not self._put_failed
 
     def draining(self) -> frozenset[str]:
         """The peers whose heartbeat said "draining" at the last read (out of :meth:`live`, but
@@ -570,8 +617,8 @@ class Membership(Service):
         return self._draining
 
     def lapsed(self) -> bool:
-        """A beat landed once, and none since ``dead_after - margin``: this box serves and writes
-        nothing until one lands (before the first beat a wake waits for it instead)."""
+        """A beat landed once, and this box is not alive now: it serves and writes nothing until
+        it is again (before the first beat a wake waits for it instead)."""
         return self._first_beat.called and not self.alive()
 
     def first_beat(self) -> Deferred[None]:
@@ -579,8 +626,8 @@ class Membership(Service):
         return _observe(self._first_beat)
 
     def on_not_alive(self, fn: Callable[[], object]) -> None:
-        """``fn()`` when this box's liveness deadline passes without a beat landing: every space
-        it runs must stand down now (the activator's hook)."""
+        """``fn()`` when this box's liveness deadline passes: every space it runs must stand down
+        now (the activator's hook)."""
         self._on_not_alive.append(fn)
 
     def peers(self) -> list[Member]:
@@ -597,6 +644,69 @@ class Membership(Service):
 
         return unsubscribe
 
+    def report(self, backlog: Callable[[], bool], holds: Callable[[], Iterable[str]]) -> None:
+        """What this box's beats tell its peers: ``backlog()``, whether it holds writes older
+        than their class promises that are not in the bucket yet; ``holds()``, the hosts awake
+        here."""
+        self._backlog = backlog
+        self._holds = holds
+
+    def holding(self, host: str) -> str | None:
+        """The peer that said, within ``dead_after``, that ``host`` is awake on it (a routing
+        hint that needs no bucket read)."""
+        return self.witnesses.holding(host, self._monotonic())
+
+    def peer_unreachable(self, url: str) -> bool:
+        """Did our last beats to ``url`` go unanswered (twice in a row)?"""
+        peer = self.witnesses.peers.get(url)
+        return peer is not None and peer.failed >= 2
+
+    # -- writes while the bucket is out of reach ---------------------------------------------
+
+    def writes_safe(self) -> bool:
+        """May a write be acknowledged that cannot ship now (its space's backlog is older than its
+        class promises)? Only while every required peer knows this box holds such writes (then
+        none takes it over by its silence: docs/lease.md, "Writes during an outage")."""
+        return self.alive() and self.witnesses.all_know_backlog()
+
+    def want_witness(self, seconds: float = FAST_WANTED) -> None:
+        """Send beats to the peers every :data:`FAST_ROUND` for the next ``seconds``: a write
+        waits for them to know about the backlog (:meth:`writes_known`)."""
+        if self._peers is None or self._stopping:
+            return
+        self._fast_until = max(self._fast_until, self._monotonic() + seconds)
+        if not self._fast_loop.running:
+            self._fast_loop.start(min(FAST_ROUND, self.heartbeat), now=True).addErrback(
+                lambda f: log.failure("mesh: fast witness loop crashed", f)
+            )
+
+    def writes_known(self, timeout: float) -> Deferred[bool]:
+        """Fires True as soon as :meth:`writes_safe`, False after ``timeout`` seconds."""
+        if self.writes_safe():
+            return defer.succeed(True)
+        self.want_witness()
+        waiter: Deferred[bool] = Deferred()
+        self._witness_waiters.append(waiter)
+
+        def expire() -> None:
+            if waiter in self._witness_waiters:
+                self._witness_waiters.remove(waiter)
+                waiter.callback(False)
+
+        self._reactor.callLater(timeout, expire)
+        return waiter
+
+    def _backlog_flag(self) -> bool:
+        """What our beats say of the backlog: yes while there is one, and until a heartbeat sent
+        after it ended has landed (before that, a peer told "no more" could judge this box by a
+        silence its W1 does not cover yet)."""
+        now = self._monotonic()
+        if self._backlog():
+            self._backlog_seen = now
+            return True
+        seen = self._backlog_seen
+        return seen is not None and (self._landed is None or self._landed <= seen)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def startService(self) -> None:
@@ -604,28 +714,39 @@ class Membership(Service):
         self._stopping = False
         log.info(
             "mesh: beating as {url} (region {region}) every {heartbeat:g}s, dead after "
-            "{dead_after:g}s, key {key}",
+            "{dead_after:g}s, key {key}{witness}",
             url=self.url,
             region=self.region or "-",
             heartbeat=self.heartbeat,
             dead_after=self.dead_after,
             key=self.key,
+            witness=(
+                f"; witnessed by its peers for up to {self.witnesses.tolerance:g}s of bucket outage"
+                if self._peers is not None
+                else ""
+            ),
         )
         self._loop.start(self.heartbeat, now=True).addErrback(
             lambda f: log.failure("mesh: heartbeat loop crashed", f)
         )
+        if self._peers is not None:
+            self._peer_loop.start(self.heartbeat, now=False).addErrback(
+                lambda f: log.failure("mesh: peer beat loop crashed", f)
+            )
 
     def stopService(self) -> Deferred[None]:
         """Stop beating and delete our heartbeat first; fires when the delete is done or failed
-        (at most :attr:`stop_timeout` seconds). Never fails."""
+        (at most :attr:`stop_timeout` seconds), then tells the peers it left. Never fails."""
         super().stopService()
         self._stopping = True
-        if self._loop.running:
-            self._loop.stop()
+        for loop in (self._loop, self._peer_loop, self._fast_loop):
+            if loop.running:
+                loop.stop()
         if self._left is None or self._left.called:
             left = Deferred.fromCoroutine(self._leave())
             left.addTimeout(self.stop_timeout, self._reactor)
             left.addErrback(self._leave_failed)
+            left.addCallback(lambda _: Deferred.fromCoroutine(self._goodbye()))
             self._left = left
         return _observe(self._left)
 
@@ -670,6 +791,21 @@ class Membership(Service):
             raise
         log.info("mesh: heartbeat {key} deleted: peers drop {url} now", key=self.key, url=self.url)
 
+    async def _goodbye(self) -> None:
+        """The drain is over (every lease released or left to expire, the heartbeat deleted or
+        left to age): tell the peers this process writes nothing more, so that whatever lease
+        it could not release is taken over at once rather than after ``dead_after``. Best
+        effort, bounded; never fails."""
+        if self._peers is None:
+            return
+        message = self._message(leaving=True)
+        calls = [
+            Deferred.fromCoroutine(self._send(peer, message, min(1.0, self.peer_timeout)))
+            for peer in self.witnesses.roster()
+        ]
+        if calls:
+            await defer.DeferredList(calls, consumeErrors=True)
+
     def _leave_failed(self, failure: Failure) -> None:
         if failure.check(CancelledError, defer.TimeoutError):
             FAILURES.labels("delete").inc()
@@ -685,7 +821,7 @@ class Membership(Service):
             dead_after=self.dead_after,
         )
 
-    # -- beating -------------------------------------------------------------------------------
+    # -- beating into the bucket -----------------------------------------------------------------
 
     def _tick(self) -> Deferred[None]:
         beat = Deferred.fromCoroutine(self._beat_once())
@@ -733,17 +869,79 @@ class Membership(Service):
                 error=_describe(e, self.timeout),
                 count=len(self._members),
             )
+            self._update(self._view(None), None)
             return
         finally:
             self.beats += 1
-        members = view
         self._draining = frozenset(draining)
+        self._bucket_members = view
+        self._listed(listing, view, now)
+        members = self._view(view)
         if not any(m.self for m in members) and (put_ok or not members):
             members = sorted([*members, self._self_member(now)], key=lambda m: m.url)
         self._update(members, now)
         if put_ok and not self._stopping:
             await self._sweep(listing, now)
         self.janitor_beats += 1
+
+    def _listed(
+        self, listing: Sequence[ObjectInfo], view: list[Member], now: datetime.datetime
+    ) -> None:
+        """What a listing tells the witness: the peers to beat, the older lchats among the live
+        ones (judged by the bucket alone, as they judge us), and the required peers that lapsed
+        (:meth:`Witnesses.retire`)."""
+        if self._peers is None:
+            return
+        prefix = members_prefix(self._hib)
+        ages: dict[str, float | None] = {}
+        for info in listing:
+            name = info.key[len(prefix) :] if info.key.startswith(prefix) else "/"
+            url = decode_member_name(name) if "/" not in name else None
+            if url is not None and url != self.url:
+                ages[url] = (now - info.last_modified).total_seconds()
+        self.witnesses.know(
+            u for u, age in ages.items() if age is not None and age < self.janitor_after
+        )
+        for member in view:
+            if not member.self and member.url in self.witnesses.peers:
+                self.witnesses.peers[member.url].legacy = not member.process
+        retired = self.witnesses.retire(ages, self._monotonic())
+        for peer in retired:
+            log.info(
+                "mesh: {peer} no longer witnesses {url}: silent for {dead_after:g}s and its "
+                "heartbeat is stale (its own liveness lapsed)",
+                peer=peer.url,
+                url=self.url,
+                dead_after=self.dead_after,
+            )
+        self._recheck()  # (a retired peer, or an older lchat among the live ones, moves it)
+        self.witnesses.forget(
+            u for u, p in list(self.witnesses.peers.items()) if u not in ages and not p.required
+        )
+
+    def _view(self, bucket: list[Member] | None) -> list[Member]:
+        """The live members: those the bucket shows live (the last listing's when ``bucket`` is
+        None), and the peers heard within ``dead_after`` (their word counts as much as the
+        bucket's: a box cut off from it, or every box during its outage, stays in the view)."""
+        base = self._bucket_members if bucket is None else bucket
+        if bucket is None and not base:
+            base = [m for m in self._members if m.self]
+        members = {m.url: m for m in base}
+        now = self._monotonic()
+        for peer in self.witnesses.heard_within(self.dead_after, now):
+            if peer.url not in members and peer.url not in self._draining and peer.process:
+                members[peer.url] = Member(
+                    url=peer.url,
+                    region=peer.region,
+                    version=peer.version,
+                    started_at=0.0,
+                    last_modified=datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC),
+                    age=now - (peer.heard or now),
+                    key=member_key(self._hib, peer.url),
+                    epoch="",
+                    process=peer.process,
+                )
+        return sorted(members.values(), key=lambda m: m.url)
 
     async def _sweep(self, listing: Sequence[ObjectInfo], now: datetime.datetime) -> None:
         """The heartbeat janitor's step of one beat. Never raises (but a drain's cancel).
@@ -837,44 +1035,98 @@ class Membership(Service):
             raise
         except Exception as e:
             FAILURES.labels("put").inc()
-            log.warn(
-                "mesh: heartbeat PUT failed ({error}); peers drop {url} after {dead_after:g}s "
-                "without one",
-                error=_describe(e, self.timeout),
-                url=self.url,
-                dead_after=self.dead_after,
-            )
+            if not self._put_failed:
+                log.warn(
+                    "mesh: heartbeat PUT failed ({error}); {fallback}",
+                    error=_describe(e, self.timeout),
+                    fallback=(
+                        "asking the peers to relay it, and to witness this box meanwhile"
+                        if self._peers is not None
+                        else f"peers drop {self.url} after {self.dead_after:g}s without one"
+                    ),
+                    url=self.url,
+                    dead_after=self.dead_after,
+                )
+            self._put_failed = True
+            _BUCKET.set(0)
             return False
         finally:
             if self._putting is putting:
                 self._putting = None
+        if self._put_failed:
+            log.info("mesh: heartbeat {url} lands in the bucket again", url=self.url)
+        self._put_failed = False
+        _BUCKET.set(1)
         if self._leaving:
             return True  # the heartbeat is being deleted: no liveness from a late PUT
         self._beat_landed(sent, epoch)
         return True
 
+    # -- liveness ------------------------------------------------------------------------------
+
     def _beat_landed(self, sent: float, epoch: str) -> None:
-        """A PUT sent at ``sent`` (monotonic) with the body of ``epoch`` succeeded: alive until
-        ``sent + dead_after - margin``, if that epoch is still ours and had not lapsed when this
-        answer is handled."""
-        if epoch != self.body.epoch:
+        """A heartbeat sent at ``sent`` (monotonic) with the body of ``epoch`` landed in the
+        bucket (our PUT, or a peer's relay of it): W1 runs until ``sent + dead_after - margin``,
+        if that epoch is still ours and had not lapsed when this answer is handled."""
+        if epoch != self.body.epoch or self._leaving:
             return  # a beat of an epoch that lapsed since it was sent: it counts for nothing
+        if self._missed():
+            return
+        if self._landed is None or sent > self._landed:
+            self._landed = sent
+        self._recheck()
+
+    def _deadline(self) -> float | None:
+        """W1 or W2, whichever is later (None: no beat of this epoch has landed yet)."""
+        if self._landed is None:
+            return None
+        w1 = self._landed + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
+        if self._peers is None:
+            return w1
+        return max(w1, self.witnesses.holder_deadline(self._landed))
+
+    def _missed(self) -> bool:
+        """Has our deadline passed unnoticed (a freeze, a stalled loop: its timer has not run
+        yet)? Then whatever is being handled now counts for nothing: peers may have judged us
+        dead meanwhile. Lapses now, and says so."""
         if self._alive_until is not None and self._monotonic() >= self._alive_until:
-            # The deadline passed before this answer was handled (a freeze, a stalled loop: the
-            # timer has not run yet, whenever the beat was sent). Peers may have taken our spaces
-            # over meanwhile, and this beat carries the lapsed epoch's body (and ETag: a
-            # janitor's delete listed before may remove it): it counts for nothing.
             self._lapse()
+            return True
+        return False
+
+    def _recheck(self) -> None:
+        """Our deadline may have moved (a beat landed, a peer answered or was retired, a peer
+        became required, our beats' word changed): re-arm its timer, or lapse if it is past."""
+        now = self._monotonic()
+        until = self._deadline()
+        if until is None:
             return
-        until = sent + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
-        if self._alive_until is not None and until <= self._alive_until:
+        if until <= now:
+            if self._alive_until is not None:
+                self._lapse()
             return
+        previous = self._alive_until
         self._alive_until = until
-        if self._alive_timer is not None and self._alive_timer.active():
-            self._alive_timer.cancel()
-        self._alive_timer = self._reactor.callLater(
-            max(0.0, until - self._monotonic()), self._deadline_passed
-        )
+        if previous != until:
+            if self._alive_timer is not None and self._alive_timer.active():
+                self._alive_timer.cancel()
+            self._alive_timer = self._reactor.callLater(until - now, self._deadline_passed)
+        w1 = self._landed is not None and now < self._landed + self.dead_after - self.margin
+        if self._peers is not None and w1 == self._witnessed_by_peers:
+            self._witnessed_by_peers = not w1
+            if not w1:
+                _LIVENESS.labels("peers").inc()
+                log.warn(
+                    "mesh: no heartbeat of {url} has landed for {seconds:.1f}s: alive on its "
+                    "peers' word ({peers}) for up to {left:.0f}s more; its spaces keep serving",
+                    url=self.url,
+                    seconds=now - (self._landed or now),
+                    peers=", ".join(p.url for p in self.witnesses.required()) or "none",
+                    left=until - now,
+                )
+            else:
+                _LIVENESS.labels("bucket").inc()
+                log.info("mesh: {url} is alive on its own heartbeat again", url=self.url)
         if self._not_alive:
             self._not_alive = False
             log.info(
@@ -885,24 +1137,27 @@ class Membership(Service):
 
     def _deadline_passed(self) -> None:
         self._alive_timer = None
-        if self.alive() or self._alive_until is None:
-            if self._alive_until is not None:
-                # (A timer that fired early by the reactor's clock: look again at the deadline.)
-                self._alive_timer = self._reactor.callLater(
-                    max(0.01, self._alive_until - self._monotonic()), self._deadline_passed
-                )
+        if self._alive_until is None:
+            return
+        left = self._alive_until - self._monotonic()
+        if left > 0:
+            # (A timer that fired early by the reactor's clock: look again at the deadline. A
+            # deadline that moved was re-armed by _recheck, which cancelled this timer.)
+            self._alive_timer = self._reactor.callLater(max(0.01, left), self._deadline_passed)
             return
         self._lapse()  # the new epoch at once: every beat sent from now on carries its body
 
     def _lapse(self) -> None:
         """Our liveness lapsed: the stand-down (once), then a new epoch, alive from its own
-        first beat: every lease of the old one stays lost (their keepers compare epochs), no
-        beat of the old body counts again, and a janitor's delete listed with the old body's
-        ETag cannot remove a beat that counts."""
+        first landed beat: every lease of the old one stays lost (their keepers compare epochs),
+        no beat of the old body counts again, a janitor's delete listed with the old body's ETag
+        cannot remove a beat that counts, and every permission to judge a peer by its silence
+        that this box held is void (the peer may have stopped counting on it)."""
         if self._alive_timer is not None and self._alive_timer.active():
             self._alive_timer.cancel()
         self._alive_timer = None
         self._alive_until = None
+        self._landed = None
         if not self._not_alive:
             self._declare_not_alive()
         old = self.body.epoch
@@ -922,12 +1177,32 @@ class Membership(Service):
     def _declare_not_alive(self) -> None:
         self._not_alive = True
         STAND_DOWNS.inc()
+        _LIVENESS.labels("none").inc()
+        silent = [p.url for p in self.witnesses.required() if not self.witnesses.knows_backlog(p)]
+        if self._peers is None:
+            why = (
+                f"no heartbeat of {self.url} has landed for "
+                f"{self.dead_after - self.margin:.1f}s (dead after {self.dead_after:g}s on the "
+                "bucket's clock)"
+            )
+        elif (
+            self._landed is not None
+            and self._monotonic() >= self._landed + self.witnesses.tolerance
+        ):
+            why = (
+                f"no heartbeat of {self.url} has landed for "
+                f"{self.witnesses.tolerance:g}s (LCHAT_MESH_OUTAGE_TOLERANCE)"
+            )
+        else:
+            why = (
+                f"isolated: no heartbeat of {self.url} lands in the bucket, and its peers "
+                f"{', '.join(silent) or '(none)'} have not answered in time"
+            )
         log.critical(
-            "mesh: no heartbeat of {url} has landed for {seconds:.1f}s (dead after {dead_after:g}s "
-            "on the bucket's clock): standing every space down now, before peers may judge this "
-            "box dead and take them over; no lease is taken until a beat lands again",
+            "mesh: standing down: {why}: standing every space down now, before peers may "
+            "judge this box dead and take them over; no lease is taken until a beat lands again",
+            why=why,
             url=self.url,
-            seconds=self.dead_after - self.margin,
             dead_after=self.dead_after,
         )
         for fn in list(self._on_not_alive):
@@ -957,6 +1232,184 @@ class Membership(Service):
             return
         log.info("mesh: {url} draining: announced in its heartbeat", url=self.url)
 
+    # -- beating to the peers ----------------------------------------------------------------
+
+    def _message(self, leaving: bool = False) -> BeatMessage:
+        return BeatMessage(
+            heartbeat=self.body,
+            seq=self.witnesses.next_seq(),
+            relay=self._put_failed and not leaving and not self._leaving,
+            backlog=self._backlog_flag(),
+            holds=normal_holds(self._holds()),
+            leaving=leaving,
+        )
+
+    def _peer_round(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._round(fast=False))
+
+    def _fast_round(self) -> Deferred[None] | None:
+        if self._monotonic() >= self._fast_until or self._stopping:
+            if self._fast_loop.running:
+                self._fast_loop.stop()
+            return None
+        return Deferred.fromCoroutine(self._round(fast=True))
+
+    async def _round(self, fast: bool) -> None:
+        """One beat to every peer of the roster that has none on its way (each answered or given
+        up on within :attr:`peer_timeout`; the next round does not wait for a slow one)."""
+        if self._stopping or self._peers is None:
+            return
+        message = self._message()
+        calls = []
+        for peer in self.witnesses.roster():
+            if peer.in_flight:
+                continue
+            calls.append(Deferred.fromCoroutine(self._send(peer, message, self.peer_timeout)))
+        if not fast:
+            self.rounds += 1
+        if calls and not fast:
+            # The regular round waits (bounded) so that the loop never stacks rounds up; the fast
+            # one does not wait at all: a slow peer is skipped until it answers.
+            await defer.DeferredList(calls, consumeErrors=True)
+
+    async def _send(
+        self,
+        peer: Peer,
+        message: BeatMessage,
+        timeout: float,  # noqa: ASYNC109 -- Twisted: the channel enforces it
+    ) -> tuple[bool, int | None]:
+        """Send ``message`` to ``peer``: (answered, the HTTP status of a refusal). What an answer
+        says is recorded."""
+        assert self._peers is not None
+        epoch = self.body.epoch
+        sent = self._monotonic()
+        # (What it is told may let it judge this box sooner: our deadline may move now.)
+        self.witnesses.sent(peer, message.seq, message.backlog)
+        self._recheck()
+        peer.in_flight = True
+        try:
+            raw = await self._peers.call(peer.url, message.to_json(), timeout)
+            reply = BeatReply.parse(raw)
+            if normalise_member_url(reply.heartbeat.url) != peer.url:
+                raise PeerCallError(peer.url, f"answered as {reply.heartbeat.url!r}")
+        except CancelledError:
+            raise
+        except Exception as e:
+            status = getattr(e, "status", None)
+            was = peer.failed
+            self.witnesses.not_answered(peer, legacy=status == 404)
+            _PEER_BEATS.labels("failed").inc()
+            if was == 1 and not message.leaving:
+                log.warn(
+                    "mesh: {peer} does not answer this box's beats ({error})",
+                    peer=peer.url,
+                    error=e if isinstance(e, MessageError) else _describe(e, timeout),
+                )
+            return False, status
+        finally:
+            peer.in_flight = False
+        _PEER_BEATS.labels("ok").inc()
+        was_failing = peer.failed >= 2
+        if self._missed():
+            return True, None
+        self.witnesses.confirmed(
+            peer, reply, sent, message.seq, message.backlog, self._monotonic(), self.body.epoch
+        )
+        if was_failing:
+            log.info("mesh: {peer} answers this box's beats again", peer=peer.url)
+        if reply.relayed and message.relay:
+            _PEER_BEATS.labels("relayed").inc()
+            if self._relayed_by != peer.url:
+                self._relayed_by = peer.url
+                log.warn(
+                    "mesh: {url} reachable via peer {peer}: its heartbeat landed in the bucket "
+                    "through it (this box cannot reach the bucket itself)",
+                    url=self.url,
+                    peer=peer.url,
+                )
+            self._beat_landed(sent, epoch)
+        else:
+            self._recheck()
+        self._wake_witness_waiters()
+        return True, None
+
+    def _wake_witness_waiters(self) -> None:
+        if self._witness_waiters and self.writes_safe():
+            waiters, self._witness_waiters = self._witness_waiters, []
+            for waiter in waiters:
+                waiter.callback(True)
+
+    async def receive_beat(self, message: BeatMessage) -> BeatReply:
+        """A peer's beat (the mesh API has checked its token): record it, relay its heartbeat
+        into the bucket when it asks and ours lands, answer with ours."""
+        url = normalise_member_url(message.heartbeat.url)
+        if url == self.url:
+            raise MessageError("a beat from this box itself")
+        if not message.heartbeat.process:
+            raise MessageError("the heartbeat names no process")
+        message = evolve(message, heartbeat=evolve(message.heartbeat, url=url))
+        if self._missed():
+            pass  # (lapsed now; the answer still goes out)
+        seq = self.witnesses.next_seq()
+        backlog = self._backlog_flag()
+        self.witnesses.answered(message, self._monotonic(), seq, backlog)
+        if message.leaving:
+            log.info("mesh: {peer} has drained: it writes nothing more", peer=url)
+        self._recheck()
+        relayed = False
+        if message.relay and not self._put_failed and not self._stopping:
+            relayed = await self._relay(message.heartbeat)
+        return BeatReply(
+            heartbeat=self.body,
+            seq=seq,
+            backlog=backlog,
+            relayed=relayed,
+            holds=normal_holds(self._holds()),
+        )
+
+    async def _relay(self, heartbeat: Heartbeat) -> bool:
+        """Write a peer's heartbeat into the bucket for it (it cannot: docs/lease.md). True once
+        the write succeeded; bounded by :attr:`relay_timeout`."""
+        putting = Deferred.fromCoroutine(
+            self._store.put(
+                member_key(self._hib, heartbeat.url),
+                heartbeat.to_json(),
+                content_type="application/json",
+            )
+        )
+        putting.addTimeout(self.relay_timeout, self._reactor)
+        try:
+            await putting
+        except CancelledError:
+            raise
+        except Exception as e:
+            _RELAYS.labels("failed").inc()
+            log.warn(
+                "mesh: could not relay the heartbeat of {peer} ({error})",
+                peer=heartbeat.url,
+                error=_describe(e, self.relay_timeout),
+            )
+            return False
+        _RELAYS.labels("ok").inc()
+        return True
+
+    async def probe(self, url: str) -> bool:
+        """Is the box at ``url`` there? One beat to it, bounded by :attr:`probe_timeout`: any
+        answer of its mesh API says yes (even a refusal: something runs there)."""
+        if self._peers is None:
+            return False
+        peer = self.witnesses.peer(url)
+        if peer.in_flight:
+            # A beat is on its way to it already: wait for that one instead of a second.
+            waited = 0.0
+            while peer.in_flight and waited < self.probe_timeout:
+                await deferLater(self._reactor, 0.05, lambda: None)
+                waited += 0.05
+            if not peer.in_flight and peer.failed == 0:
+                return True
+        answered, status = await self._send(peer, self._message(), self.probe_timeout)
+        return answered or status is not None
+
     async def _bounded(self, coro: Coroutine[Any, Any, _T]) -> _T:
         d = Deferred.fromCoroutine(coro)
         d.addTimeout(self.timeout, self._reactor)
@@ -974,9 +1427,12 @@ class Membership(Service):
             age=0.0,
             key=self.key,
             is_self=True,
+            process=self.body.process,
         )
 
-    def _update(self, members: list[Member], now: datetime.datetime) -> None:
+    def _update(self, members: list[Member], now: datetime.datetime | None) -> None:
+        if now is None:
+            now = datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC)
         old = self._members
         self._members = members
         MEMBERS_LIVE.set(len(members))
@@ -1016,6 +1472,10 @@ class Membership(Service):
                 fn(list(old), list(members))
             except Exception:
                 log.failure("mesh: membership subscriber {fn!r} failed", fn=fn)
+
+
+def _no_backlog() -> bool:
+    return False
 
 
 def _describe(e: BaseException | None, timeout: float) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 from prometheus_client import Counter
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -51,7 +51,8 @@ _forwards = Counter(
     "lchat_mesh_forwards_total",
     "Mesh routing decisions for in-scope hibernating spaces",
     # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker,
-    # peer_unreachable, peer_stopping; for lives-elsewhere rows: to_elsewhere,
+    # peer_unreachable, peer_stopping, holder_unreachable (awake on a peer whose beats go
+    # unanswered: 503 at once); for lives-elsewhere rows: to_elsewhere,
     # elsewhere_unreachable, elsewhere_loop; region_down (its home region keeps its replica in
     # another bucket and has no live box: not woken here)
     ["outcome"],
@@ -70,6 +71,9 @@ _release_waits = Counter(
 RELEASE_WAIT = 10.0
 REGION_DOWN_LOG_EVERY = 60.0  # seconds between "not woken here" lines for one host
 RELEASE_POLL = 0.1  # seconds between reads of lock.json while waiting (shared by all requests)
+# A read of lock.json on a request's path gives up after this long (a frozen bucket must not hold
+# requests up: the routing then goes by what it knows without it).
+HOLDER_READ_TIMEOUT = 2.0
 
 Local = Callable[[], "Target | Deferred[Target]"]
 
@@ -244,11 +248,20 @@ class MeshRouter:
 
     async def _route_remote(self, route: Route, local: Local) -> Target:
         host = route.host
-        holder = await self._holder(host)
+        holding = getattr(self._membership, "holding", None)
+        told = holding(host) if holding is not None else None
+        # A peer said it has the space awake (its beats: no bucket read), else the lease says.
+        holder = told if told is not None else await self._holder(host)
         if holder is not None and holder in self._draining_peers():
             holder = await self._released(host, holder)
         live = {placement.normalise_member_url(m.url) for m in self._live()}
         if holder is not None and holder != self._self_url and holder in live:
+            unreachable = getattr(self._membership, "peer_unreachable", None)
+            if unreachable is not None and unreachable(holder):
+                # Alive (its heartbeat, or a peer's word, says so) but not answering this box's
+                # beats: a forward would wait for a dial that fails, and a wake here would meet
+                # its lease. Refuse at once; the client retries.
+                return self._holder_unreachable(host, holder)
             _forwards.labels("to_holder").inc()
             return self._to(holder, route, local)
         owner = self.owner_url(route)
@@ -269,6 +282,25 @@ class MeshRouter:
             return await _resolve(local())
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, local)
+
+    def _holder_unreachable(self, host: str, holder: str) -> Target:
+        _forwards.labels("holder_unreachable").inc()
+        now = self._clock()
+        if now - self._region_down_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
+            self._region_down_logged[host] = now
+            _log.warn(
+                "mesh: {host} is awake on {holder}, which this box cannot reach (its beats go "
+                "unanswered): answering 503 until it can, or until it is judged dead",
+                host=host,
+                holder=holder,
+            )
+        return plain(
+            503,
+            f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
+            f"{RETRY_AFTER_SECONDS}s",
+            (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+            label="holder_unreachable",
+        )
 
     def _live(self) -> list[Any]:
         """The membership's live view minus peers that just refused a forwarded request."""
@@ -392,11 +424,27 @@ class MeshRouter:
 
     async def _read_holder(self, host: str) -> str | None:
         owner: str | None = None
+        reachable = getattr(self._membership, "bucket_reachable", None)
+        if reachable is not None and not reachable():
+            # The bucket is out of reach (this box's heartbeat does not land): what was read
+            # before, however old, rather than a read that hangs.
+            cached = self._holders.get(host)
+            return cached[1] if cached is not None else None
         try:
-            got = await self._store.get(lease_key(self._hib.prefix, host))
+            reading = Deferred.fromCoroutine(self._store.get(lease_key(self._hib.prefix, host)))
+            reading.addTimeout(HOLDER_READ_TIMEOUT, self._reactor)
+            got = await reading
             owner = _member_url(LeaseRecord.parse(got.body).owner)
         except NotFound:
             owner = None
+        except TimeoutError:
+            _log.warn(
+                "mesh: the lease of {host} could not be read within {timeout:g}s",
+                host=host,
+                timeout=HOLDER_READ_TIMEOUT,
+            )
+            cached = self._holders.get(host)
+            return cached[1] if cached is not None else None
         except ObjectStoreError as e:
             # Not known, rather than "nobody": not remembered, so the next request asks again
             # (a box just reconnected to its bucket must not route by a failed read for 2 s).
