@@ -482,9 +482,9 @@ class MeshTests(MeshTestCase):
             taker = [b for b in others if b.awake(host)]
             self.assertEqual(len(taker), 1)
             self.assertIn(
-            "(holder dead: its box's heartbeat is too old or gone, and it is silent)",
-            taker[0].log(),
-        )
+                "(holder dead: its box's heartbeat is too old or gone, and it is silent)",
+                taker[0].log(),
+            )
         finally:
             owner.proc.send_signal(signal.SIGCONT)
         yield self.wait_for(lambda: not owner.awake(host), timeout=20)
