@@ -88,10 +88,6 @@ DEFAULT_SETTINGS: dict[str, str | None] = {
 }
 
 
-class MeshNetUnavailable(Exception):
-    pass
-
-
 # -- the network ---------------------------------------------------------------------------------
 
 
