@@ -2,7 +2,7 @@
 
 Precedence, lowest first: the env file (``--env-file``, default ``/data/router.env``; absent is fine
 unless named explicitly), the process environment, command-line flags. Anything wrong fails here, at
-boot, with a message naming the variable (DESIGN.md §10, invariant 7). Secrets never appear in a repr.
+boot, with a message naming the variable (docs/design.md §10, invariant 7). Secrets never appear in a repr.
 """
 
 from __future__ import annotations
