@@ -490,6 +490,8 @@ def _hibernation(
         membership.on_not_alive(activator.box_not_alive)
         # What its beats tell the peers: a backlog that cannot ship, the hosts awake here.
         membership.report(activator.backlog, activator.awake_hosts)
+        # Alive (at start, and back from a lapse): ship the local copies the bucket lacks.
+        membership.on_alive(activator.recover)
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).

@@ -40,6 +40,7 @@ from twisted.python.failure import Failure
 from lchat.backoff import Backoff
 from lchat.deferutil import relay, settled
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
+from lchat.hibernation.recovery import LocalCopies
 from lchat.hibernation.space import STATES, Budgets, Space, WakeFailed
 from lchat.registry import Route, RouteSource, RouteTable
 from lchat.router import Header, LocalResponse, LocalSocket, Target, unavailable
@@ -146,6 +147,14 @@ class Activator(Service):
         self._witness = witness
         self._bucket_reachable = bucket_reachable
         self._refusals_logged: dict[str, float] = {}  # host -> last "writes refused" line
+        # Local copies that may hold writes the bucket lacks (lchat.hibernation.recovery).
+        self.copies = LocalCopies(
+            routes,
+            lifecycle.run_in_thread,
+            lifecycle.cfg.data_dir,
+            lifecycle.cfg.box_id,
+            lifecycle.lease_owner,
+        )
         self._routes = routes
         self._life = lifecycle
         self._claims = claims  # the hosts this activator runs: builtin units leave them alone
@@ -295,9 +304,20 @@ class Activator(Service):
         return replicator is not None and replicator.lag() > replicator.interval
 
     def backlog(self) -> bool:
-        """Does any space here hold commits older than their class promises, not yet in the
-        bucket? (What this box's beats tell its peers: lchat.mesh.witness.)"""
-        return any(self._stale(s) for s in self._spaces.values())
+        """Does this box hold writes the bucket lacks beyond what the class promises allow: a
+        space here whose oldest unshipped commit is older than its class promises, or a local
+        copy not cleanly slept (lchat.hibernation.recovery)? What its beats tell its peers
+        (lchat.mesh.witness)."""
+        return bool(self.copies) or any(self._stale(s) for s in self._spaces.values())
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def recover(self) -> Deferred[None]:
+        """Ship the local copies that may hold writes the bucket lacks (the recovery: a wake
+        here, then a sleep). Called once this box may take leases. Never fails."""
+        return Deferred.fromCoroutine(self.copies.recover(self))
 
     def awake_hosts(self) -> list[str]:
         """The hosts awake here (a routing hint for the peers)."""
@@ -557,6 +577,7 @@ class Activator(Service):
             _wake_seconds.labels(phase).observe(seconds)
         space.state = "awake"
         space.last_active = now
+        self.copies.awake(host)
         self._failures.pop(host, None)
         self._held.pop(host, None)
         self._update_gauge()
@@ -643,6 +664,7 @@ class Activator(Service):
                 del self._handed_on[victim]
             self._update_gauge()
             self._claims.release(host)
+            self.copies.stood_down(host, space.db, self.holds)
         if graceful:
             _sleeps.labels(reason).inc()
             _log.info("activator: {host} asleep ({reason})", host=host, reason=reason)
@@ -728,6 +750,11 @@ class Activator(Service):
         _capacity.labels("hibernating").set_function(self.slots_held)
         _capacity.labels("max").set(self._max_instances)
         self._update_gauge()
+        # Recovered once scanned (a mesh box's recovery wake waits for its first landed
+        # heartbeat; it recovers again each time it is alive again: Membership.on_alive).
+        scan = Deferred.fromCoroutine(self.copies.scan(self.holds))
+        scan.addCallback(lambda _: self.recover())
+        scan.addErrback(lambda f: _log.failure("activator: scanning local copies failed", f))
 
     def stopService(self) -> Deferred[None]:
         """Drain: every awake space flushed and released, in parallel, in bounded time."""

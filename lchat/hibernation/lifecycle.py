@@ -42,7 +42,7 @@ from lchat.lease import (
     acquire,
     lease_key,
 )
-from lchat.objstore import ObjectStore, ObjectStoreError
+from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, StoreUnavailable
 from lchat.registry import RouteSource
 from lchat.release import wakes
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
@@ -64,6 +64,7 @@ LEASE_CONFLICTS = Counter(
 )
 
 LEASE_HELD_RETRY = 10.0  # the longest Retry-After a lease held elsewhere earns
+LEASE_READ_TIMEOUT = 10.0  # a read of a lease outside a wake (the recovery of local copies)
 LEASE_HELD_RETRIES = (0.1, 0.2, 0.4)  # seconds between asking a held lease again in one wake
 FLUSH_RETRY = Backoff(0.5, 10.0)  # a failed flush before sleep, retried within the flush budget
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
@@ -95,6 +96,12 @@ def _alive_in(fence: Fence, epoch: str) -> Callable[[], bool]:
     """A lease keeper's liveness: the box is alive *and* still in the epoch the lease was taken
     in (a lapse starts a new epoch: nothing of the old one counts again, docs/lease.md)."""
     return lambda: fence.alive() and fence.epoch == epoch
+
+
+def _read_failed(failure: Any) -> None:
+    if failure.check(TimeoutError, CancelledError):
+        raise StoreUnavailable(f"no answer within {LEASE_READ_TIMEOUT:g}s")
+    failure.raiseException()
 
 
 def taken(why: str) -> bool:
@@ -160,6 +167,24 @@ class Lifecycle:
     def replica_path(self, host: str) -> str:
         assert self.cfg.hibernate is not None
         return self.cfg.hibernate.key(host)
+
+    def lease_owner(self, host: str) -> Deferred[str | None]:
+        """Who ``host``'s lease names now (None: no lease), read from the bucket within
+        :data:`LEASE_READ_TIMEOUT` (a store error or a timeout fails it)."""
+        assert self.cfg.hibernate is not None
+        key = lease_key(self.cfg.hibernate.prefix, host)
+
+        async def read() -> str | None:
+            try:
+                got = await self.store.get(key)
+            except NotFound:
+                return None
+            return LeaseRecord.parse(got.body).owner
+
+        d = Deferred.fromCoroutine(read())
+        d.addTimeout(LEASE_READ_TIMEOUT, self.reactor)
+        d.addErrback(_read_failed)
+        return d
 
     # -- waking ----------------------------------------------------------------------------------
 

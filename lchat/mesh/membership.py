@@ -57,7 +57,7 @@ from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -534,6 +534,7 @@ class Membership(Service):
         self._not_alive = False  # the deadline passed (logged, subscribers told) until a beat lands
         self._first_beat: Deferred[None] = Deferred()
         self._on_not_alive: list[Callable[[], object]] = []
+        self._on_alive: list[Callable[[], object]] = []
         self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
         self._bucket_members: list[Member] = []  # the last listing's live members
@@ -625,6 +626,11 @@ class Membership(Service):
         """Fires once a beat has landed (at once if one has): a mesh box takes no lease before."""
         return _observe(self._first_beat)
 
+    def on_alive(self, fn: Callable[[], object]) -> None:
+        """``fn()`` each time this box becomes alive: its first landed heartbeat, and every time
+        it is alive again after a lapse (the activator recovers its local copies then)."""
+        self._on_alive.append(fn)
+
     def on_not_alive(self, fn: Callable[[], object]) -> None:
         """``fn()`` when this box's liveness deadline passes: every space it runs must stand down
         now (the activator's hook)."""
@@ -667,7 +673,7 @@ class Membership(Service):
         """May a write be acknowledged that cannot ship now (its space's backlog is older than its
         class promises)? Only while every required peer knows this box holds such writes (then
         none takes it over by its silence: docs/lease.md, "Writes during an outage")."""
-        return self.alive() and self.witnesses.all_know_backlog()
+        return self.alive() and self.witnesses.all_know_backlog(self._monotonic())
 
     def want_witness(self, seconds: float = FAST_WANTED) -> None:
         """Send beats to the peers every :data:`FAST_ROUND` for the next ``seconds``: a write
@@ -697,15 +703,19 @@ class Membership(Service):
         return waiter
 
     def _backlog_flag(self) -> bool:
-        """What our beats say of the backlog: yes while there is one, and until a heartbeat sent
-        after it ended has landed (before that, a peer told "no more" could judge this box by a
-        silence its W1 does not cover yet)."""
+        """What our beats say of the backlog: yes while there is one, and after it ended until a
+        heartbeat sent since has landed, unless our own landed heartbeat covers us now (a peer
+        told "no more" may judge this box by its silence from then on: only W1 makes that safe
+        at once)."""
         now = self._monotonic()
         if self._backlog():
             self._backlog_seen = now
             return True
         seen = self._backlog_seen
-        return seen is not None and (self._landed is None or self._landed <= seen)
+        if seen is None or (self._landed is not None and self._landed > seen):
+            return False
+        w1 = self._landed is not None and now < self._landed + self.dead_after - self.margin
+        return not w1
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -899,9 +909,13 @@ class Membership(Service):
             url = decode_member_name(name) if "/" not in name else None
             if url is not None and url != self.url:
                 ages[url] = (now - info.last_modified).total_seconds()
-        self.witnesses.know(
+        new = self.witnesses.know(
             u for u, age in ages.items() if age is not None and age < self.janitor_after
         )
+        if new and not self._stopping and self._peer_loop.running:
+            # Beat them now rather than at the next round: until a peer has answered a beat of
+            # ours, its silence proves nothing here (no permission yet: lchat.mesh.witness).
+            self._reactor.callLater(0, self._peer_round)
         for member in view:
             if not member.self and member.url in self.witnesses.peers:
                 self.witnesses.peers[member.url].legacy = not member.process
@@ -1127,6 +1141,7 @@ class Membership(Service):
             else:
                 _LIVENESS.labels("bucket").inc()
                 log.info("mesh: {url} is alive on its own heartbeat again", url=self.url)
+        became = self._not_alive or not self._first_beat.called
         if self._not_alive:
             self._not_alive = False
             log.info(
@@ -1134,6 +1149,12 @@ class Membership(Service):
             )
         if not self._first_beat.called:
             self._first_beat.callback(None)
+        if became:
+            for fn in list(self._on_alive):
+                try:
+                    fn()
+                except Exception:
+                    log.failure("mesh: alive hook {fn!r} failed", fn=fn)
 
     def _deadline_passed(self) -> None:
         self._alive_timer = None
@@ -1277,16 +1298,19 @@ class Membership(Service):
         peer: Peer,
         message: BeatMessage,
         timeout: float,  # noqa: ASYNC109 -- Twisted: the channel enforces it
+        track: bool = True,
     ) -> tuple[bool, int | None]:
         """Send ``message`` to ``peer``: (answered, the HTTP status of a refusal). What an answer
-        says is recorded."""
+        says is recorded. ``track``: a round's beat (at most one on its way to a peer); a probe
+        is not."""
         assert self._peers is not None
         epoch = self.body.epoch
         sent = self._monotonic()
         # (What it is told may let it judge this box sooner: our deadline may move now.)
         self.witnesses.sent(peer, message.seq, message.backlog)
         self._recheck()
-        peer.in_flight = True
+        if track:
+            peer.in_flight = True
         try:
             raw = await self._peers.call(peer.url, message.to_json(), timeout)
             reply = BeatReply.parse(raw)
@@ -1307,7 +1331,8 @@ class Membership(Service):
                 )
             return False, status
         finally:
-            peer.in_flight = False
+            if track:
+                peer.in_flight = False
         _PEER_BEATS.labels("ok").inc()
         was_failing = peer.failed >= 2
         if self._missed():
@@ -1399,15 +1424,7 @@ class Membership(Service):
         if self._peers is None:
             return False
         peer = self.witnesses.peer(url)
-        if peer.in_flight:
-            # A beat is on its way to it already: wait for that one instead of a second.
-            waited = 0.0
-            while peer.in_flight and waited < self.probe_timeout:
-                await deferLater(self._reactor, 0.05, lambda: None)
-                waited += 0.05
-            if not peer.in_flight and peer.failed == 0:
-                return True
-        answered, status = await self._send(peer, self._message(), self.probe_timeout)
+        answered, status = await self._send(peer, self._message(), self.probe_timeout, track=False)
         return answered or status is not None
 
     async def _bounded(self, coro: Coroutine[Any, Any, _T]) -> _T:

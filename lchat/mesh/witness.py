@@ -274,11 +274,14 @@ class Witnesses:
             got = self.peers[url] = Peer(url)
         return got
 
-    def know(self, urls: Iterable[str]) -> None:
-        """Peers seen in a listing of the bucket: beaten from now on (not required by that)."""
+    def know(self, urls: Iterable[str]) -> list[Peer]:
+        """Peers seen in a listing of the bucket: beaten from now on (not required by that).
+        Returns those that were not known before."""
+        new = []
         for url in urls:
-            if url != self.self_url:
-                self.peer(url)
+            if url != self.self_url and url not in self.peers:
+                new.append(self.peer(url))
+        return new
 
     def roster(self) -> list[Peer]:
         """The peers to send beats to: every one known, but those that drained and are not
@@ -382,12 +385,16 @@ class Witnesses:
     def required(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.required]
 
-    def all_know_backlog(self) -> bool:
-        """Every required peer knows we hold writes the bucket lacks (and there is one): a write
-        acknowledged now is safe from a takeover until it ships, or until the outage tolerance
-        (docs/lease.md, "Writes during an outage")."""
+    def all_know_backlog(self, now: float) -> bool:
+        """Every required peer knows we hold writes the bucket lacks, and has heard from us within
+        ``dead_after - margin`` (and there is one): a write acknowledged now is safe from a
+        takeover until it ships, unless this box stays cut off from bucket and peers past the
+        outage tolerance (docs/lease.md, "Writes during an outage")."""
         required = self.required()
-        return bool(required) and all(self.knows_backlog(p) for p in required)
+        fresh = now - (self.dead_after - self.margin)
+        return bool(required) and all(
+            self.knows_backlog(p) and p.accepted > fresh for p in required
+        )
 
     def retire(self, ages: Mapping[str, float | None], now: float, log: Any = None) -> list[Peer]:
         """A listing of the bucket, read at ``now``: ``ages`` maps each listed member's URL to
