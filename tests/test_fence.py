@@ -61,7 +61,7 @@ from lchat.units import Claims
 from tests import s3servers
 from tests.fakes import inline
 from tests.replicas import HAVE_LITESTREAM, dump, litestream_restore
-from tests.test_activator_machine import EPOCH, _Machine
+from tests.test_activator_machine import _Machine
 from tests.test_lease import Lost, outcomes
 from tests.test_membership import Counting
 
@@ -956,6 +956,7 @@ class FencedActivatorTests(_Machine):
         )
         self.activator.startService()
         self.membership.on_not_alive(self.activator.box_not_alive)
+        self.membership.on_alive(self.activator.recover)
         self.addCleanup(self._stop_all)
 
     def _stop_all(self) -> None:
@@ -978,7 +979,12 @@ class FencedActivatorTests(_Machine):
             if event in ("store.put", "store.put_file", "store.delete", "store.copy")
         ]
 
-    def test_a_lapsed_box_stands_every_space_down_and_serves_nothing(self) -> None:
+    def test_a_lapsed_box_keeps_its_spaces_read_only_and_writes_nothing(self) -> None:
+        """Issue 28: cut off from the bucket (and, here, with no peer to vouch for it), the box
+        writes nothing on its leases from its deadline on; its awake spaces keep answering reads
+        from their copies, marked, and refuse writes at once; nothing is woken. Alive again,
+        the read-only copies stand down and are shipped from here (their leases are this
+        box's still)."""
         self.membership.startService()  # the beat at 0 lands: alive until 36
         for host in ("a.example", "b.example", "c.example"):
             self.add_space(host)
@@ -988,7 +994,7 @@ class FencedActivatorTests(_Machine):
         self.lifecycle.budgets = self.activator.budgets = Budgets(queue=120.0, ready=120.0)
         waking = self.activator.route(self.route("c.example"))  # lease taken, not ready yet
         c = self.spawner.last("c.example")
-        lease_lost = metric_sleeps("lease_lost")
+        read_only = REGISTRY.get_sample_value("lchat_spaces_read_only_total") or 0.0
         self.cut()
         self.advance(LIVE_FOR - 0.25)
         self.assertEqual(
@@ -997,58 +1003,64 @@ class FencedActivatorTests(_Machine):
         )
         mark = self.journal.mark()
         self.advance(0.25)
-        # Every space stands down at the deadline: SIGTERM now, SIGKILL soon, nothing written.
-        for host, child in (("a.example", a), ("b.example", b), ("c.example", c)):
-            self.assertEqual(self.activator.state(host), "asleep", host)
-            self.assertEqual(
-                child.terminations, [(EPOCH + LIVE_FOR, Budgets().lease_lost_stop)], host
-            )
-            self.assertEqual(self.lock_owner(host), self.cfg.box_id)  # not released
-        self.assertEqual(metric_sleeps("lease_lost"), lease_lost + 2)
+        # At the deadline: the awake spaces read-only, the waking one called off; no lease
+        # released, nothing written.
+        for host, child in (("a.example", a), ("b.example", b)):
+            self.assertEqual(self.activator.state(host), "awake", host)
+            self.assertEqual(child.terminations, [], host)
+            self.assertEqual(self.lock_owner(host), self.cfg.box_id)
+        self.assertEqual(REGISTRY.get_sample_value("lchat_spaces_read_only_total"), read_only + 2)
         self.refused(waking, "cancelled")
+        self.assertEqual(self.activator.state("c.example"), "asleep")
+        self.assertEqual(len(c.terminations), 1)
         self.advance(10.0)
         self.assertEqual(self.store_writes(mark), [])
-        self.assertFalse(self.has_marker("a.example"))
 
-        # Lapsed: every request is a 503 and no wake starts.
+        # Lapsed: reads of an awake space answered, marked; writes refused at once; no wake.
+        target = self.activator.route(self.route("a.example"))
+        assert isinstance(target, LocalSocket), target
+        self.assertEqual(target.response_headers, ((b"x-lchat-read-only", b"isolated"),))
+        answer = self.refused(
+            self.activator.route(self.route("a.example"), write=True), "not_witnessed"
+        )
+        self.assertEqual(answer.status, 503)
+        self.assertIn(b"cannot save changes right now", answer.body)
+        self.assertIn((b"retry-after", b"1"), answer.headers)
         spawned = len(self.spawner.children)
-        wakes = REGISTRY.get_sample_value(
-            "lchat_wakes_total", {"reason": "request", "outcome": "not_alive"}
-        )
-        for host in ("a.example", "c.example"):
-            answer = self.refused(self.activator.route(self.route(host)), "not_alive")
-            self.assertIn(f"{host} cannot wake on this server right now".encode(), answer.body)
-            self.assertEqual(self.activator.state(host), "asleep")
-        self.assertEqual(
-            REGISTRY.get_sample_value(
-                "lchat_wakes_total", {"reason": "request", "outcome": "not_alive"}
-            ),
-            wakes,
-        )
-        failed = self.wake_failure(self.activator.wake(self.route("b.example"), "due"))
+        answer = self.refused(self.activator.route(self.route("c.example")), "not_alive")
+        self.assertIn(b"c.example cannot wake on this server right now", answer.body)
+        failed = self.wake_failure(self.activator.wake(self.route("c.example"), "due"))
         self.assertEqual(failed.reason, "not_alive")
         self.assertEqual(len(self.spawner.children), spawned)
         self.assertEqual(self.store_writes(mark), [])
 
-        # A beat lands again: the spaces wake here again (their leases are still this box's).
+        # A beat lands again: the read-only copies stand down, and are woken here again from
+        # their copies (their leases are still this box's: "own").
         self.heal()
         self.spawner.ready = True
         self.advance(HEARTBEAT)
         self.assertTrue(self.membership.alive())
-        self.awake("a.example")
+        self.advance(5.0)
+        self.assertEqual(len(a.terminations), 1)  # the read-only copy, stood down
+        self.assertEqual(self.activator.state("a.example"), "awake")
+        self.assertIsNot(self.spawner.last("a.example"), a)
         self.assertEqual(self.lock_owner("a.example"), self.cfg.box_id)
 
-    def test_a_box_thawed_past_its_deadline_serves_nothing_before_its_timer_runs(self) -> None:
+    def test_a_box_thawed_past_its_deadline_writes_nothing_before_its_timer_runs(self) -> None:
         """A frozen box (SIGSTOP, a paused VM) finds its deadline past when it runs again: the
-        first request stands it down, before the membership's timer has had a chance to."""
+        first request makes its spaces read-only, before the membership's timer has had a
+        chance to; a write is refused."""
         self.membership.startService()
         self.add_space("f.example")
         child = self.awake("f.example")
         self.frozen_for = LIVE_FOR  # thawed: no timer of the reactor has run since
-        answer = self.refused(self.activator.route(self.route("f.example")), "not_alive")
-        self.assertIn(b"cannot wake on this server right now", answer.body)
-        self.assertEqual(self.activator.state("f.example"), "asleep")
-        self.assertEqual(len(child.terminations), 1)
+        answer = self.refused(
+            self.activator.route(self.route("f.example"), write=True), "not_witnessed"
+        )
+        self.assertIn(b"cannot save changes right now", answer.body)
+        self.assertEqual(self.activator.state("f.example"), "awake")
+        self.assertEqual(self.activator.status()["f.example"]["read_only"], "isolated")
+        self.assertEqual(child.terminations, [])
 
     def test_before_the_first_beat_a_wake_waits_for_it(self) -> None:
         self.cut()

@@ -42,6 +42,7 @@ from lchat.deferutil import relay, settled
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
 from lchat.hibernation.recovery import LocalCopies
 from lchat.hibernation.space import STATES, Budgets, Space, WakeFailed
+from lchat.lease import BOX_NOT_ALIVE
 from lchat.registry import Route, RouteSource, RouteTable
 from lchat.router import Header, LocalResponse, LocalSocket, Target, unavailable
 from lchat.supervise import RunningChild
@@ -92,10 +93,15 @@ HOLD_RETRY_AFTER = 5.0  # a held space's Retry-After (a relocation usually ends 
 CAPACITY_LOG_EVERY = 10.0  # seconds between "503: nothing can be slept" lines (a storm is one)
 # A write to a space whose backlog is older than its class promises waits at most this long for
 # the peers to know of it (docs/lease.md, "Writes during an outage"), then gets a 503.
-WITNESS_WAIT = 1.0
+WITNESS_WAIT = 0.75
 REFUSED_LOG_EVERY = 10.0  # seconds between "writes refused" lines for one host
 BUCKET_RETRY = 5.0  # a wake refused because the bucket is out of reach: Retry-After
 
+_fenced = Counter(
+    "lchat_spaces_read_only_total",
+    "Spaces kept answering reads (writes refused, nothing shipped) because this mesh box was "
+    "cut off from the bucket and its peers (its liveness lapsed)",
+)
 _refused_writes = Counter(
     "lchat_writes_refused_total",
     "Writes answered 503 because their space's backlog is older than its replication class "
@@ -269,10 +275,13 @@ class Activator(Service):
         space = self._spaces.get(host)
         if self._lapsed is not None and self._lapsed():
             # Past this box's liveness deadline (a mesh box cut off from its bucket and its
-            # peers, or just thawed from a freeze before its timer ran): serve nothing, stand
-            # down now.
+            # peers, or just thawed from a freeze before its timer ran): nothing is written or
+            # woken; a space already awake here answers reads from its copy (read-only).
             self.box_not_alive()
-            return self._unavailable(host, "not_alive")
+            if space is None or not space.fenced or space.state != "awake":
+                return self._unavailable(host, "not_alive")
+        if space is not None and space.state == "awake" and space.fenced:
+            return self._read_only(space, sidecar, write)
         if space is not None and space.state == "awake":
             if write and self._witness is not None and self._stale(space):
                 return self._write_target(space, sidecar)
@@ -297,6 +306,24 @@ class Activator(Service):
 
     # -- writes that cannot ship now (docs/lease.md, "Writes during an outage") ------------------
 
+    def _read_only(self, space: Space, sidecar: bool, write: bool) -> Target:
+        """A fenced space (its box is isolated): reads from its copy, marked; writes refused."""
+        host = space.host
+        if write or sidecar:
+            _refused_writes.inc()
+            now = self._reactor.seconds()
+            if now - self._refusals_logged.get(host, float("-inf")) >= REFUSED_LOG_EVERY:
+                self._refusals_logged[host] = now
+                _log.warn(
+                    "activator: {host}: writes refused (503): this box is cut off from the "
+                    "bucket and its peers; reads are answered from its copy, which may be "
+                    "behind (X-Lchat-Read-Only: isolated)",
+                    host=host,
+                )
+            return self._unavailable(host, "not_witnessed", 1.0)
+        marked: Header = (b"x-lchat-read-only", b"isolated")
+        return LocalSocket(host=host, path=space.socket, response_headers=(marked,), inflight=space)
+
     @staticmethod
     def _stale(space: Space) -> bool:
         """Is ``space``'s oldest commit not in the bucket older than its class promises?"""
@@ -315,9 +342,24 @@ class Activator(Service):
         return self._stopping
 
     def recover(self) -> Deferred[None]:
-        """Ship the local copies that may hold writes the bucket lacks (the recovery: a wake
-        here, then a sleep). Called once this box may take leases. Never fails."""
-        return Deferred.fromCoroutine(self.copies.recover(self))
+        """This box may take leases (again): the spaces it kept read-only while cut off stand
+        down, then the local copies that may hold writes the bucket lacks are shipped (a wake
+        here from each: lchat.hibernation.recovery). Never fails."""
+        return Deferred.fromCoroutine(self._recover())
+
+    async def _recover(self) -> None:
+        fenced = [s for s in self._spaces.values() if s.fenced and s.state == "awake"]
+        for space in fenced:
+            _log.info(
+                "activator: {host}: this box is alive again: the read-only copy stands down "
+                "(it is shipped from here, or was taken over meanwhile)",
+                host=space.host,
+            )
+            space.task = Deferred.fromCoroutine(self._stand_down(space, "fenced", graceful=False))
+        waits = [settled(s.task) for s in fenced if s.task is not None]
+        if waits:
+            await DeferredList(waits, consumeErrors=True)
+        await self.copies.recover(self)
 
     def awake_hosts(self) -> list[str]:
         """The hosts awake here (a routing hint for the peers)."""
@@ -701,6 +743,14 @@ class Activator(Service):
         # While waking, wait_ready reports it.
 
     def _lease_lost(self, space: Space, why: str) -> None:
+        if (
+            why == BOX_NOT_ALIVE
+            and space.state == "awake"
+            and self._lapsed is not None
+            and self._spaces.get(space.host) is space
+        ):
+            self._fence(space)
+            return
         space.lost = why
         _log.error(
             "activator: {host} lease lost ({why}); stopping it now", host=space.host, why=why
@@ -716,6 +766,22 @@ class Activator(Service):
             )
         elif space.state == "waking" and space.task is not None:
             space.task.cancel()
+
+    def _fence(self, space: Space) -> None:
+        """The box is not alive: ``space`` writes nothing more (its lease is lost, its
+        replicator stopped) but keeps answering reads from its copy, until the box is alive
+        again (:meth:`recover` stands it down) or it is slept."""
+        space.lost = BOX_NOT_ALIVE
+        space.fenced = True
+        _fenced.inc()
+        if space.replicator is not None:
+            Deferred.fromCoroutine(space.replicator.stop())
+        _log.error(
+            "activator: {host}: this box is cut off from the bucket and its peers: read-only "
+            "now (reads answered from its copy, writes refused, nothing shipped) until it is "
+            "alive again",
+            host=space.host,
+        )
 
     def box_not_alive(self) -> None:
         """The mesh's liveness deadline passed (no heartbeat landed in ``dead_after - margin``):

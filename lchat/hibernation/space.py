@@ -95,6 +95,10 @@ class Space:
     replicating: bool = False  # the replicator started (its flush means something)
     due_woken: int = 0  # the next_due this wake honoured (a due time is honoured once)
     wake_again: bool = False  # requests queued while stopping: wake once stopped
+    # Read-only: its lease was lost because this (mesh) box is not alive any more, cut off from
+    # bucket and peers; the space keeps answering reads, writes are refused, nothing is shipped,
+    # until the box is alive again (then it stands down: docs/lease.md, "An isolated box").
+    fenced: bool = False
 
     # -- the proxy's ticket (lchat.router.InFlight) ----------------------------------------------
 
@@ -133,6 +137,8 @@ class Space:
             "pid": self.child.pid if self.child is not None else None,
             "replication": self.route.replication,
         }
+        if self.fenced:
+            entry["read_only"] = "isolated"
         if self.replicator is not None:
             entry["txid"] = self.replicator.txid
             # Seconds since the oldest commit not yet in the bucket (lchat fleet's LAG).

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import treq
 from attrs import frozen
 from treq.client import HTTPClient
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.protocols.tls import TLSMemoryBIOFactory
@@ -274,17 +274,25 @@ class PeerBeats:
         self._token = token
         self._ca_file = ca_file
         self._agents: dict[float, Agent] = {}
+        self._pools: list[Any] = []
 
     def _agent(self, timeout: float) -> Agent:
         agent = self._agents.get(timeout)
         if agent is None:
             trust = platform_trust_plus(self._ca_file) if self._ca_file else None
+            pool = quiet_pool(self._reactor, persistent=True)
+            self._pools.append(pool)
             agent = self._agents[timeout] = Agent.usingEndpointFactory(
                 self._reactor,
                 _Endpoints(self._reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),
-                pool=quiet_pool(self._reactor, persistent=True),
+                pool=pool,
             )
         return agent
+
+    def close(self) -> Deferred[Any]:
+        """Close the kept-alive connections (the router's stop)."""
+        pools, self._pools, self._agents = self._pools, [], {}
+        return DeferredList([p.closeCachedConnections() for p in pools], consumeErrors=True)
 
     async def call(
         self,

@@ -663,17 +663,29 @@ class Membership(Service):
         return self.witnesses.holding(host, self._monotonic())
 
     def peer_unreachable(self, url: str) -> bool:
-        """Did our last beats to ``url`` go unanswered (twice in a row)?"""
+        """Did our last beat to ``url`` go unanswered?"""
         peer = self.witnesses.peers.get(url)
-        return peer is not None and peer.failed >= 2
+        return peer is not None and peer.failed >= 1
+
+    def answered_since(self, url: str, since: float) -> bool:
+        """Has ``url`` answered a beat of ours since ``since`` (our monotonic clock), and the
+        last one?"""
+        peer = self.witnesses.peers.get(url)
+        return peer is not None and peer.failed == 0 and (peer.heard or -math.inf) > since
 
     # -- writes while the bucket is out of reach ---------------------------------------------
 
     def writes_safe(self) -> bool:
         """May a write be acknowledged that cannot ship now (its space's backlog is older than its
-        class promises)? Only while every required peer knows this box holds such writes (then
-        none takes it over by its silence: docs/lease.md, "Writes during an outage")."""
-        return self.alive() and self.witnesses.all_know_backlog(self._monotonic())
+        class promises)? Only while every required peer knows this box holds such writes and has
+        heard from it lately (then none takes it over by its silence: docs/lease.md, "Writes
+        during an outage"); with no required peer (none may judge it by silence), while its own
+        heartbeat lands (the bucket is slow, not out of reach)."""
+        if not self.alive():
+            return False
+        if not self.witnesses.required():
+            return not self._put_failed and self._landed is not None
+        return self.witnesses.all_know_backlog(self._monotonic())
 
     def want_witness(self, seconds: float = FAST_WANTED) -> None:
         """Send beats to the peers every :data:`FAST_ROUND` for the next ``seconds``: a write
@@ -815,6 +827,9 @@ class Membership(Service):
         ]
         if calls:
             await defer.DeferredList(calls, consumeErrors=True)
+        close = getattr(self._peers, "close", None)
+        if close is not None:
+            await close()
 
     def _leave_failed(self, failure: Failure) -> None:
         if failure.check(CancelledError, defer.TimeoutError):
@@ -916,9 +931,9 @@ class Membership(Service):
             # Beat them now rather than at the next round: until a peer has answered a beat of
             # ours, its silence proves nothing here (no permission yet: lchat.mesh.witness).
             self._reactor.callLater(0, self._peer_round)
-        for member in view:
-            if not member.self and member.url in self.witnesses.peers:
-                self.witnesses.peers[member.url].legacy = not member.process
+        older = {m.url for m in view if not m.self and not m.process}
+        for url, peer in self.witnesses.peers.items():
+            peer.legacy = url in older or (peer.legacy and peer.process == "" and url in ages)
         retired = self.witnesses.retire(ages, self._monotonic())
         for peer in retired:
             log.info(

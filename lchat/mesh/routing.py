@@ -98,10 +98,12 @@ class MeshRouter:
         self._holder_ttl = holder_ttl
         self._clock = reactor.seconds
         self._reactor = reactor
+        self._mono: Callable[[], float] = getattr(membership, "now", reactor.seconds)
         self._self_url = placement.normalise_member_url(cfg.mesh.self_url)
         self._holders: dict[str, tuple[float, str | None]] = {}  # host -> (read at, owner url)
         self._owners: dict[str, str] = {}  # host -> last computed owner (for the metric)
-        self._unreachable: dict[str, float] = {}  # peer url -> left out of placement until
+        # peer url -> (left out of placement until, when it failed: the membership's clock)
+        self._unreachable: dict[str, tuple[float, float]] = {}
         self._draining: dict[str, float] = {}  # peer url -> it is stopping: await releases until
         self._reading: dict[str, Deferred[str | None]] = {}  # host -> the GET of its lease
         # LCHAT_REGION_BUCKETS: regions whose replicas live in a bucket other than ours. A space
@@ -305,9 +307,10 @@ class MeshRouter:
     def _live(self) -> list[Any]:
         """The membership's live view minus peers that just refused a forwarded request."""
         now = self._clock()
-        for url, until in list(self._unreachable.items()):
-            if until <= now:
-                del self._unreachable[url]
+        answered = getattr(self._membership, "answered_since", None)
+        for url, (until, failed) in list(self._unreachable.items()):
+            if until <= now or (answered is not None and answered(url, failed)):
+                del self._unreachable[url]  # (it answers this box's beats again: back)
         members = self._membership.live()
         if not self._unreachable:
             return list(members)
@@ -329,7 +332,7 @@ class MeshRouter:
                 self._draining[peer] = max(self._draining.get(peer, 0.0), now + RELEASE_WAIT)
             else:
                 _forwards.labels("peer_unreachable").inc()
-            self._unreachable[peer] = now + self._mesh.dead_after
+            self._unreachable[peer] = (now + self._mesh.dead_after, self._mono())
             self._holders.pop(route.host, None)
             return Deferred.fromCoroutine(self._route_remote(route, local))
 

@@ -236,7 +236,9 @@ class Peer:
     granted_in: str = ""
     holds: frozenset[str] = frozenset()
     leaving: bool = False  # its process drained and writes nothing more
-    legacy: bool = False  # an older lchat: no beats (judged by the bucket alone, as it judges us)
+    # A live older lchat (its heartbeat names no process, or it answered a beat 404): it judges
+    # by the bucket alone, so this box has no W2 while it is in the view.
+    legacy: bool = False
     # -- what it may know of us (holder side) ----------------------------------------------------
     required: bool = False  # we answered a beat of it: it may have permission to judge us
     # A lower bound on the send time of our latest message it received: it cannot judge us by
@@ -374,7 +376,7 @@ class Witnesses:
         ``landed``: when the last heartbeat that landed in the bucket was sent (None: none yet:
         a box is alive only from its first landed heartbeat). A live older lchat among the
         peers judges by the bucket alone, so then there is no ``W2``."""
-        if landed is None or any(p.legacy for p in self.peers.values() if p.required):
+        if landed is None or any(p.legacy for p in self.peers.values()):
             return -INF
         until = landed + self.tolerance
         for peer in self.peers.values():

@@ -412,6 +412,10 @@ def _retryable(error: BaseException) -> bool:
 
 UPSTREAM_HIGH_WATER = 256 * 1024  # unsent bytes towards a space beyond which its client waits
 PEER_DIAL_RETRY = 0.2  # seconds of dial retry towards a mesh peer: a refusing peer is stopping
+# A mesh peer that has not accepted the connection and finished the TLS handshake within this long
+# is out of reach for a request waiting on it: the mesh routes around it, or refuses at once
+# ("refuse fast, never hang": a cut link must not hold every request up for the full timeout).
+PEER_CONNECT_TIMEOUT = 0.8
 # Between dial attempts: 50 ms doubling to 1 s, each shortened by up to 20% at random so that the
 # requests queued behind a restarting space do not all dial in the same instant.
 DIAL_BACKOFF = Backoff(0.05, 1.0, jitter=(0.8, 1.0))
@@ -567,6 +571,7 @@ class UpstreamPool:
         def build() -> UpstreamConnection:
             return UpstreamConnection(self, key)
 
+        timeout = self._timeout_for(target)
         if isinstance(target, LocalSocket):
             connecting = loop.create_unix_connection(build, target.path)
         elif target.tls:
@@ -579,12 +584,17 @@ class UpstreamPool:
                 target.port,
                 ssl=self._tls_context,
                 server_hostname=target.server_name,
-                ssl_handshake_timeout=self._connect_timeout,
+                ssl_handshake_timeout=timeout,
             )
         else:
             connecting = loop.create_connection(build, target.address, target.port)
-        _, conn = await asyncio.wait_for(connecting, self._connect_timeout)
+        _, conn = await asyncio.wait_for(connecting, timeout)
         return conn
+
+    def _timeout_for(self, target: LocalSocket | RemotePeer) -> float:
+        if isinstance(target, LocalSocket):
+            return self._connect_timeout
+        return min(self._connect_timeout, PEER_CONNECT_TIMEOUT)
 
     def _dial(self, target: LocalSocket | RemotePeer, key: Key) -> Deferred[UpstreamConnection]:
         result: Deferred[UpstreamConnection] = Deferred(lambda d: state.update(cancelled=True))
@@ -630,7 +640,7 @@ class UpstreamPool:
                 return
             _dial_failures.inc()
             if isinstance(error, asyncio.TimeoutError | TimeoutError):
-                why = f"no connection within {self._connect_timeout:g}s"
+                why = f"no connection within {self._timeout_for(target):g}s"
             else:
                 why = str(error) or type(error).__name__
             if state["attempts"] > 1:
