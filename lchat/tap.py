@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from attrs import frozen
 from twisted.application.service import IService, MultiService, Service
@@ -492,6 +493,8 @@ def _hibernation(
         membership.report(activator.backlog, activator.awake_hosts)
         # Alive (at start, and back from a lapse): ship the local copies the bucket lacks.
         membership.on_alive(activator.recover)
+        # A peer out of reach: the requests forwarded to it fail now, not when TCP gives up.
+        membership.on_unreachable(lambda url: pool.abort_peer(*_address(url)))
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
@@ -1003,6 +1006,12 @@ class _BucketCheck(Service):
             self._reactor.stop()
 
 
+def _address(url: str) -> tuple[str, int]:
+    """A member URL's address and port, as a forward to it connects (lchat.mesh.forward)."""
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str, Any]]:
     def status() -> dict[str, Any]:
         live = membership.live()
@@ -1024,6 +1033,8 @@ def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str
                 }
                 for m in live
             ],
+            # What keeps it alive, and each peer's part (docs/lease.md, "Witnesses").
+            "witness": membership.witness_status(),
         }
 
     return status

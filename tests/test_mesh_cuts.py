@@ -87,6 +87,12 @@ LAG_UNDER, LAG_WITHIN = 5.0, 15.0
 WAKE = 5.0  # d: a wake from the bucket on a loaded test machine
 TAKEOVER_WITHIN = DEAD_AFTER + 2.0 + WAKE  # d: the isolated box's spaces served by a peer (s)
 LOSS_WINDOW = 2.0  # d: writes acknowledged within this of the cut may be lost (stream: ~1 s)
+# d: a request forwarded to the isolated box just before its peers notice the cut (a beat goes
+# unanswered: a heartbeat and a beat's timeout) fails once they do (its connection aborted, the
+# request routed again: a dial that gives up, lchat.proxy.upstream.PEER_CONNECT_TIMEOUT).
+NOTICED_WITHIN = HEARTBEAT + 1.0
+IN_FLIGHT_FAILS_WITHIN = NOTICED_WITHIN + 0.8 + REFUSED_WITHIN
+IN_FLIGHT_SLACK = 0.5  # a request sent this long before the cut may be on its way into it
 
 
 @dataclass
@@ -215,14 +221,22 @@ class _Cuts(TestCase):
     # -- checks (each adds to run.problems) ---------------------------------------------------
 
     @staticmethod
-    def check_fast_refusals(run: Run, allowed: Callable[[Attempt], bool] | None = None) -> None:
+    def check_fast_refusals(
+        run: Run,
+        allowed: Callable[[Attempt], bool] | None = None,
+        in_flight: Callable[[Attempt], bool] | None = None,
+    ) -> None:
         """Every failed request is a 503 with Retry-After within REFUSED_WITHIN, and (when
-        ``allowed`` is given) one that ``allowed(attempt)`` accepts."""
+        ``allowed`` is given) one that ``allowed(attempt)`` accepts. ``in_flight(attempt)``: a
+        request that was on its way to a peer when the link to it was cut: it fails, in any
+        manner, once the cut is noticed (IN_FLIGHT_FAILS_WITHIN)."""
         result = run.result
         bad = [
             a
             for a in result.attempts
-            if not a.ok and not (a.refused and a.latency < REFUSED_WITHIN)
+            if not a.ok
+            and not (a.refused and a.latency < REFUSED_WITHIN)
+            and not (in_flight is not None and in_flight(a) and a.latency < IN_FLIGHT_FAILS_WITHIN)
         ]
         if bad:
             run.problems.append(
@@ -421,7 +435,7 @@ class TwoBoxes(_Cuts):
             for a in result.attempts
             if not a.ok
             and a.box != isolated
-            and not (a.host in mine and cut <= a.start < cut + TAKEOVER_WITHIN)
+            and not (a.host in mine and cut - IN_FLIGHT_SLACK <= a.start < cut + TAKEOVER_WITHIN)
         ]
         if others:
             problems.append(
@@ -429,7 +443,9 @@ class TwoBoxes(_Cuts):
                 "box's spaces during the takeover, e.g. "
                 + "; ".join(result.describe(a) for a in others[:3])
             )
-        self.check_fast_refusals(run)
+
+        pairs = {frozenset((isolated, p)) for p in peers}
+        self.check_fast_refusals(run, in_flight=_in_flight(run, "isolate", pairs))
 
 
 class ThreeBoxes(_Cuts):
@@ -451,7 +467,10 @@ class ThreeBoxes(_Cuts):
                 recover_from="heal",
             )
             self.check_lost(run)
-            self.check_fast_refusals(run, _across(run, a, b, "cut", "heal"))
+            pair = {frozenset((a.name, b.name))}
+            self.check_fast_refusals(
+                run, _across(run, a, b, "cut", "heal"), _in_flight(run, "cut", pair)
+            )
             self.check_served_again(run)
             self.check_one_holder(run)
             return run
@@ -473,7 +492,10 @@ class ThreeBoxes(_Cuts):
                 recover_from="thaw",
             )
             self.check_lost(run)
-            self.check_fast_refusals(run, _across(run, a, b, "cut", "heal"))
+            pair = {frozenset((a.name, b.name))}
+            self.check_fast_refusals(
+                run, _across(run, a, b, "cut", "heal"), _in_flight(run, "cut", pair)
+            )
             self.check_served_again(run)
             self.check_lag(run, "thaw")
             self.check_one_holder(run)
@@ -511,10 +533,28 @@ def _two_holders(world: MeshWorld) -> tuple[NsBox, NsBox]:
     return pair[0], pair[1]
 
 
+def _in_flight(run: Run, cut: str, pairs: set[frozenset[str]]) -> Callable[[Attempt], bool]:
+    """A request through one box for a space another held, the link between them among
+    ``pairs`` (box names), started after the cut but before it could be noticed
+    (NOTICED_WITHIN): it was on its way into the cut."""
+    t0 = run.result.marks[cut] - IN_FLIGHT_SLACK  # (sent as the cut was being made)
+
+    def crossed(a: Attempt) -> bool:
+        holder = run.holders.get(a.host)
+        return (
+            holder is not None
+            and frozenset((a.box, holder)) in pairs
+            and t0 <= a.start < t0 + IN_FLIGHT_SLACK + NOTICED_WITHIN
+        )
+
+    return crossed
+
+
 def _across(run: Run, a: NsBox, b: NsBox, since: str, until: str) -> Callable[[Attempt], bool]:
     """A refusal is expected only through one of the two cut boxes, for a space the other held
-    at the fault, while they were cut (and one heartbeat after)."""
-    t0, t1 = run.result.marks[since], run.result.marks[until] + HEARTBEAT
+    at the fault, while they were cut (and until a beat across the healed link is answered:
+    one heartbeat, and one beat that was on its way when it healed)."""
+    t0, t1 = run.result.marks[since], run.result.marks[until] + HEARTBEAT + 1.0
 
     def allowed(attempt: Attempt) -> bool:
         holder = run.holders.get(attempt.host)

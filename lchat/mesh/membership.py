@@ -535,6 +535,7 @@ class Membership(Service):
         self._first_beat: Deferred[None] = Deferred()
         self._on_not_alive: list[Callable[[], object]] = []
         self._on_alive: list[Callable[[], object]] = []
+        self._on_unreachable: list[Callable[[str], object]] = []
         self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
         self._bucket_members: list[Member] = []  # the last listing's live members
@@ -631,6 +632,11 @@ class Membership(Service):
         it is alive again after a lapse (the activator recovers its local copies then)."""
         self._on_alive.append(fn)
 
+    def on_unreachable(self, fn: Callable[[str], object]) -> None:
+        """``fn(url)`` when a peer that answered this box's last beat does not answer the next
+        (the proxy aborts its connections to it: a request waiting on it would wait for TCP)."""
+        self._on_unreachable.append(fn)
+
     def on_not_alive(self, fn: Callable[[], object]) -> None:
         """``fn()`` when this box's liveness deadline passes: every space it runs must stand down
         now (the activator's hook)."""
@@ -666,6 +672,50 @@ class Membership(Service):
         """Did our last beat to ``url`` go unanswered?"""
         peer = self.witnesses.peers.get(url)
         return peer is not None and peer.failed >= 1
+
+    def witness_status(self) -> dict[str, Any]:
+        """What ``GET /status`` shows of the witness: what keeps this box alive, and each peer's
+        part (seconds are ages on this box's monotonic clock)."""
+        now = self._monotonic()
+        w1 = self._landed is not None and now < self._landed + self.dead_after - self.margin
+        alive = self.alive()
+        peers = []
+        for peer in sorted(self.witnesses.peers.values(), key=lambda p: p.url):
+            peers.append(
+                {
+                    "url": peer.url,
+                    "required": peer.required,
+                    "heard": None if peer.heard is None else round(now - peer.heard, 1),
+                    "accepted": None
+                    if math.isinf(peer.accepted)
+                    else round(now - peer.accepted, 1),
+                    "knows_backlog": self.witnesses.knows_backlog(peer),
+                    "says_backlog": peer.backlog,
+                    "unanswered": peer.failed,
+                    "older_lchat": peer.legacy,
+                }
+            )
+        return {
+            "alive_by": ("bucket" if w1 else "peers") if alive else None,
+            "bucket_reachable": not self._put_failed,
+            "backlog": self._backlog_flag(),
+            "writes_safe": self.writes_safe(),
+            "peers": peers,
+        }
+
+    def kick(self, url: str) -> None:
+        """Beat ``url`` now, unless a kick is on its way to it already (a request found it out
+        of reach: it is back in reach as soon as it answers, not at the next round)."""
+        peer = self.witnesses.peers.get(url)
+        if self._peers is None or self._stopping or peer is None or peer.kicked:
+            return
+        peer.kicked = True
+
+        def done(_: object) -> None:
+            peer.kicked = False
+
+        sending = self._send(peer, self._message(), self.probe_timeout, track=False)
+        Deferred.fromCoroutine(sending).addBoth(done)
 
     def answered_since(self, url: str, since: float) -> bool:
         """Has ``url`` answered a beat of ours since ``since`` (our monotonic clock), and the
@@ -1338,6 +1388,12 @@ class Membership(Service):
             was = peer.failed
             self.witnesses.not_answered(peer, legacy=status == 404)
             _PEER_BEATS.labels("failed").inc()
+            if was == 0 and status is None:
+                for fn in list(self._on_unreachable):
+                    try:
+                        fn(peer.url)
+                    except Exception:
+                        log.failure("mesh: unreachable hook {fn!r} failed", fn=fn)
             if was == 1 and not message.leaving:
                 log.warn(
                     "mesh: {peer} does not answer this box's beats ({error})",

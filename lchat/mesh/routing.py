@@ -257,13 +257,12 @@ class MeshRouter:
         if holder is not None and holder in self._draining_peers():
             holder = await self._released(host, holder)
         live = {placement.normalise_member_url(m.url) for m in self._live()}
+        if holder is not None and holder != self._self_url and self._cut_off(holder):
+            # Alive (its heartbeat, or a peer's word, says so) but out of this box's reach (its
+            # beats or a forward went unanswered): a forward would wait for a dial that fails,
+            # and a wake here would meet its lease. Refuse at once; the client retries.
+            return self._holder_unreachable(host, holder)
         if holder is not None and holder != self._self_url and holder in live:
-            unreachable = getattr(self._membership, "peer_unreachable", None)
-            if unreachable is not None and unreachable(holder):
-                # Alive (its heartbeat, or a peer's word, says so) but not answering this box's
-                # beats: a forward would wait for a dial that fails, and a wake here would meet
-                # its lease. Refuse at once; the client retries.
-                return self._holder_unreachable(host, holder)
             _forwards.labels("to_holder").inc()
             return self._to(holder, route, local)
         owner = self.owner_url(route)
@@ -285,8 +284,21 @@ class MeshRouter:
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, local)
 
+    def _cut_off(self, peer: str) -> bool:
+        """Is ``peer`` a live member (its heartbeat or a peer's word) that this box cannot
+        reach now?"""
+        members = {placement.normalise_member_url(m.url) for m in self._membership.live()}
+        if peer not in members:
+            return False
+        self._live()  # (forgets the marks of peers that answer again)
+        unreachable = getattr(self._membership, "peer_unreachable", None)
+        return peer in self._unreachable or (unreachable is not None and unreachable(peer))
+
     def _holder_unreachable(self, host: str, holder: str) -> Target:
         _forwards.labels("holder_unreachable").inc()
+        kick = getattr(self._membership, "kick", None)
+        if kick is not None:
+            kick(holder)  # a beat now: back in reach as soon as it answers
         now = self._clock()
         if now - self._region_down_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
             self._region_down_logged[host] = now

@@ -249,6 +249,7 @@ class Peer:
     clear_sent_seq: int = -1  # the highest seq of any message we sent it saying "no backlog"
     failed: int = 0  # our beats to it that failed in a row (0: the last one was answered)
     in_flight: bool = False  # a beat to it is on its way
+    kicked: bool = False  # an extra beat (a request found it out of reach) is on its way
 
 
 @define
@@ -388,14 +389,17 @@ class Witnesses:
         return [p for p in self.peers.values() if p.required]
 
     def all_know_backlog(self, now: float) -> bool:
-        """Every required peer knows we hold writes the bucket lacks, and has heard from us within
-        ``dead_after - margin`` (and there is one): a write acknowledged now is safe from a
-        takeover until it ships, unless this box stays cut off from bucket and peers past the
-        outage tolerance (docs/lease.md, "Writes during an outage")."""
+        """Every required peer knows we hold writes the bucket lacks (none takes us over by our
+        silence), and one of them at least has heard from us within ``dead_after - margin``
+        (this box is not isolated): a write acknowledged now is safe until it ships, unless this
+        box is then cut off from bucket and peers past the outage tolerance (docs/lease.md,
+        "Writes during an outage")."""
         required = self.required()
         fresh = now - (self.dead_after - self.margin)
-        return bool(required) and all(
-            self.knows_backlog(p) and p.accepted > fresh for p in required
+        return (
+            bool(required)
+            and all(self.knows_backlog(p) for p in required)
+            and any(p.accepted > fresh for p in required)
         )
 
     def retire(self, ages: Mapping[str, float | None], now: float, log: Any = None) -> list[Peer]:

@@ -45,7 +45,7 @@ from lchat.proxy.http import (
     simple_response,
     status_line,
 )
-from lchat.proxy.upstream import DialFailed, UpstreamConnection, UpstreamPool
+from lchat.proxy.upstream import PEER_UNREACHABLE, DialFailed, UpstreamConnection, UpstreamPool
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Routes, Target, plain
 
 _log = Logger(namespace="lchat.proxy")
@@ -1227,7 +1227,7 @@ class Downstream(asyncio.Protocol):
                 return
             target = ex.target
             if (
-                why == "closed before responding"
+                why in ("closed before responding", PEER_UNREACHABLE)
                 and isinstance(target, RemotePeer)
                 and target.fallback is not None
                 and not ex.rerouted

@@ -89,6 +89,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.valve: Valve | None = None
         self.reused = 0
         self.connected = False
+        self.unreachable = False  # aborted because its peer went out of reach (abort_peer)
         self._parser: httptools.HttpResponseParser | None = None
         self._method = b""
         self._headers: list[Header] = []
@@ -391,6 +392,8 @@ class UpstreamConnection(asyncio.Protocol):
         elif not self._complete:
             self.handler = None
             why = "closed before responding" if not self._got_bytes else "closed mid-response"
+            if self.unreachable and not self._got_bytes:
+                why = PEER_UNREACHABLE
             handler.upstream_failed(why, self._final)
 
 
@@ -416,6 +419,9 @@ PEER_DIAL_RETRY = 0.2  # seconds of dial retry towards a mesh peer: a refusing p
 # is out of reach for a request waiting on it: the mesh routes around it, or refuses at once
 # ("refuse fast, never hang": a cut link must not hold every request up for the full timeout).
 PEER_CONNECT_TIMEOUT = 0.8
+# Why a request on its way to a peer failed when the peer went out of reach (abort_peer): not
+# sent again on a new connection (it would wait for a dial that fails).
+PEER_UNREACHABLE = "peer out of reach"
 # Between dial attempts: 50 ms doubling to 1 s, each shortened by up to 20% at random so that the
 # requests queued behind a restarting space do not all dial in the same instant.
 DIAL_BACKOFF = Backoff(0.05, 1.0, jitter=(0.8, 1.0))
@@ -551,6 +557,25 @@ class UpstreamPool:
             _IDLE[0] -= 1
             conn.close()
         return len(idle)
+
+    def abort_peer(self, address: str, port: int) -> int:
+        """Abort every connection, idle or busy, to the mesh peer at ``address``:``port`` (its
+        beats go unanswered: a request waiting on it would wait for TCP to give up). Returns how
+        many were aborted."""
+        doomed = [
+            conn
+            for conn in self._connections
+            if isinstance(conn.key, tuple) and conn.key[1:3] == (address, port)
+        ]
+        for idle in self._idle.values():
+            doomed.extend(c for c in idle if c not in doomed and c.key[1:3] == (address, port))
+        for conn in doomed:
+            if conn.transport is not None:
+                conn.reusable = False
+                conn.unreachable = True
+                # (connection_lost tells a request in flight that its peer went away.)
+                conn.transport.abort()
+        return len(doomed)
 
     def close(self) -> Deferred[None]:
         """Close every idle connection (shutdown)."""
