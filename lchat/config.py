@@ -424,6 +424,17 @@ def load(
             "LCHAT_MESH_TOKEN_ACCEPT equals LCHAT_MESH_TOKEN: it adds nothing (mid-rotation, it "
             "should hold the other value; after it, remove the line)",
         )
+    if (
+        mesh is not None
+        and hibernate is not None
+        and hibernate.lease_ttl < 2 * mesh.outage_tolerance
+    ):
+        warnings += (
+            f"LCHAT_LEASE_TTL={hibernate.lease_ttl:g}s is shorter than twice "
+            f"LCHAT_MESH_OUTAGE_TOLERANCE={mesh.outage_tolerance:g}s: during an outage of the "
+            "bucket, a space's lease can expire before the tolerance is over, and its box stands "
+            "it down then (docs/lease.md, Settings)",
+        )
     max_instances, max_registered = _capacity(get)
     cloud_region, id_ledger = _cloud(get)
 
