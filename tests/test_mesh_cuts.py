@@ -410,7 +410,9 @@ class TwoBoxes(_Cuts):
                 f"the isolated {isolated} acknowledged {len(acked)} write(s) while isolated, more "
                 f"than {LOSS_WINDOW:g}s after the cut"
             )
-        via = result.select("write", since=late, until=rejoin, boxes=[isolated])
+        # (A write sent in the last second before the rejoin may be held that second, for the
+        # peers' word, and acknowledged once rejoined: right.)
+        via = result.select("write", since=late, until=rejoin - 1.0, boxes=[isolated])
         held = [a for a in via if a.ok and a.end >= rejoin]
         other = [a for a in via if not a.ok and not (a.refused and a.latency < REFUSED_WITHIN)]
         if held or other:
