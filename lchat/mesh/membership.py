@@ -717,6 +717,13 @@ class Membership(Service):
         sending = self._send(peer, self._message(), self.probe_timeout, track=False)
         Deferred.fromCoroutine(sending).addBoth(done)
 
+    def silent_for(self, url: str) -> float:
+        """Seconds since ``url`` was last heard (this box's monotonic clock; since this process
+        started when never)."""
+        peer = self.witnesses.peers.get(url)
+        heard = peer.heard if peer is not None and peer.heard is not None else None
+        return self._monotonic() - (heard if heard is not None else self.witnesses.started)
+
     def answered_since(self, url: str, since: float) -> bool:
         """Has ``url`` answered a beat of ours since ``since`` (our monotonic clock), and the
         last one?"""

@@ -286,9 +286,13 @@ class MeshRouter:
 
     def _cut_off(self, peer: str) -> bool:
         """Is ``peer`` a live member (its heartbeat or a peer's word) that this box cannot
-        reach now?"""
+        reach now, and heard from lately (silent for ``dead_after``, it may be dead: a wake
+        here then judges it, and takes its lease over if it is)?"""
         members = {placement.normalise_member_url(m.url) for m in self._membership.live()}
         if peer not in members:
+            return False
+        silent_for = getattr(self._membership, "silent_for", None)
+        if silent_for is not None and silent_for(peer) >= self._mesh.dead_after:
             return False
         self._live()  # (forgets the marks of peers that answer again)
         unreachable = getattr(self._membership, "peer_unreachable", None)
