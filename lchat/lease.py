@@ -1,6 +1,6 @@
-"""The per-space single-writer lease: ``<prefix>/<host>/lock.json`` in the bucket (DESIGN.md §5).
+"""The per-space single-writer lease: ``<prefix>/<host>/lock.json`` in the bucket (docs/design.md §5).
 
-Whoever holds a space's lease is its one writer (DESIGN.md §10, invariant 1); everyone else fails
+Whoever holds a space's lease is its one writer (docs/design.md §10, invariant 1); everyone else fails
 loudly with :class:`LeaseHeld`. The bucket's conditional writes are the only arbiter:
 
 - :func:`acquire` creates the object with ``If-None-Match: *``; if it exists and has expired it

@@ -447,7 +447,7 @@ class TwoBoxes(_Cuts):
             )
 
         pairs = {frozenset((isolated, p)) for p in peers}
-        self.check_fast_refusals(run, in_flight=_in_flight(run, "isolate", pairs))
+        self.check_fast_refusals(run, in_flight=_in_flight(run, "isolate", pairs, "rejoin"))
 
 
 class ThreeBoxes(_Cuts):
@@ -471,7 +471,7 @@ class ThreeBoxes(_Cuts):
             self.check_lost(run)
             pair = {frozenset((a.name, b.name))}
             self.check_fast_refusals(
-                run, _across(run, a, b, "cut", "heal"), _in_flight(run, "cut", pair)
+                run, _across(run, a, b, "cut", "heal"), _in_flight(run, "cut", pair, "heal")
             )
             self.check_served_again(run)
             self.check_one_holder(run)
@@ -496,7 +496,7 @@ class ThreeBoxes(_Cuts):
             self.check_lost(run)
             pair = {frozenset((a.name, b.name))}
             self.check_fast_refusals(
-                run, _across(run, a, b, "cut", "heal"), _in_flight(run, "cut", pair)
+                run, _across(run, a, b, "cut", "heal"), _in_flight(run, "cut", pair, "heal")
             )
             self.check_served_again(run)
             self.check_lag(run, "thaw")
@@ -535,18 +535,22 @@ def _two_holders(world: MeshWorld) -> tuple[NsBox, NsBox]:
     return pair[0], pair[1]
 
 
-def _in_flight(run: Run, cut: str, pairs: set[frozenset[str]]) -> Callable[[Attempt], bool]:
+def _in_flight(
+    run: Run, cut: str, pairs: set[frozenset[str]], heal: str | None = None
+) -> Callable[[Attempt], bool]:
     """A request through one box for a space another held, the link between them among
-    ``pairs`` (box names), started after the cut but before it could be noticed
-    (NOTICED_WITHIN): it was on its way into the cut."""
-    t0 = run.result.marks[cut] - IN_FLIGHT_SLACK  # (sent as the cut was being made)
+    ``pairs`` (box names), started as the cut was made or healed, before either could be
+    noticed (NOTICED_WITHIN): it was on its way into the cut, or out of it."""
+    windows = [run.result.marks[cut]]
+    if heal is not None:
+        windows.append(run.result.marks[heal])
 
     def crossed(a: Attempt) -> bool:
         holder = run.holders.get(a.host)
         return (
             holder is not None
             and frozenset((a.box, holder)) in pairs
-            and t0 <= a.start < t0 + IN_FLIGHT_SLACK + NOTICED_WITHIN
+            and any(t - IN_FLIGHT_SLACK <= a.start < t + NOTICED_WITHIN for t in windows)
         )
 
     return crossed

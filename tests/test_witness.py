@@ -41,6 +41,7 @@ C = "https://box-c.example.net"
 DEAD_AFTER = 45.0
 MARGIN = 4.5
 TOLERANCE = 900.0
+HEARTBEAT = 15.0
 
 
 def beat(url: str, process: str = "p", epoch: str = "e") -> Heartbeat:
@@ -56,7 +57,7 @@ def reply(url: str = B, seq: int = 1, process: str = "p", **kw: Any) -> BeatRepl
 
 
 def witnesses() -> Witnesses:
-    return Witnesses(A, DEAD_AFTER, MARGIN, TOLERANCE, started=0.0)
+    return Witnesses(A, DEAD_AFTER, MARGIN, TOLERANCE, HEARTBEAT, started=0.0)
 
 
 class MessageTests(SynchronousTestCase):
@@ -101,7 +102,7 @@ class HolderTests(SynchronousTestCase):
     def test_no_landed_beat_no_liveness_and_no_peer_the_tolerance(self) -> None:
         w = witnesses()
         self.assertEqual(w.holder_deadline(None), -math.inf)
-        self.assertEqual(w.holder_deadline(10.0), 10.0 + TOLERANCE)
+        self.assertEqual(w.holder_deadline(10.0), 10.0 + HEARTBEAT + TOLERANCE)
         self.assertFalse(w.all_know_backlog(10.0))  # nobody to vouch: isolated
 
     def test_a_peer_answered_is_required_from_the_answer_on(self) -> None:
@@ -113,8 +114,8 @@ class HolderTests(SynchronousTestCase):
         w.confirmed(peer, reply(), sent_at=130.0, sent_seq=2, sent_backlog=False, now=130.1,
                     epoch="e1")  # fmt: skip
         self.assertEqual(w.holder_deadline(10.0), 130.0 + DEAD_AFTER - MARGIN)
-        # Never beyond the tolerance after the last landed beat.
-        self.assertEqual(w.holder_deadline(-800.0), -800.0 + TOLERANCE)
+        # Never beyond the tolerance after the first beat that did not land.
+        self.assertEqual(w.holder_deadline(-800.0), -800.0 + HEARTBEAT + TOLERANCE)
 
     def test_a_peer_told_of_the_backlog_never_judges_by_silence(self) -> None:
         w = witnesses()
@@ -122,7 +123,7 @@ class HolderTests(SynchronousTestCase):
         w.confirmed(peer, reply(), sent_at=110.0, sent_seq=2, sent_backlog=True, now=110.1,
                     epoch="e1")  # fmt: skip
         self.assertTrue(w.knows_backlog(peer))
-        self.assertEqual(w.holder_deadline(10.0), 10.0 + TOLERANCE)
+        self.assertEqual(w.holder_deadline(10.0), 10.0 + HEARTBEAT + TOLERANCE)
         self.assertTrue(w.all_know_backlog(110.0 + DEAD_AFTER - MARGIN - 0.1))
         self.assertFalse(w.all_know_backlog(110.0 + DEAD_AFTER - MARGIN))  # not heard lately
         # A message saying "no backlog" may reach it, even unanswered: finite again.
@@ -189,8 +190,8 @@ class TakerTests(SynchronousTestCase):
 
     def test_the_slow_path_outlasts_any_holder_on_its_peers_word(self) -> None:
         w = witnesses()
-        # A holder's clock may run 10 % slow: it lives tolerance / 0.9 at most, then dead_after.
-        self.assertAlmostEqual(w.slow_after(), TOLERANCE / 0.9 + DEAD_AFTER)
+        # A holder's clock may run 10 % slow: it lives (heartbeat + tolerance) / 0.9 at most.
+        self.assertAlmostEqual(w.slow_after(), (HEARTBEAT + TOLERANCE) / 0.9 + DEAD_AFTER)
 
     def test_a_host_awake_on_a_peer_lately(self) -> None:
         w = witnesses()

@@ -1,4 +1,4 @@
-"""Hibernation: spaces that sleep in the bucket and wake on the next request (DESIGN.md §7,
+"""Hibernation: spaces that sleep in the bucket and wake on the next request (docs/design.md §7,
 docs/hibernation.md). One module per noun:
 
 - :mod:`~lchat.hibernation.activator`: the state machine (asleep, waking, awake, stopping), the

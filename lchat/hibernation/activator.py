@@ -1,4 +1,4 @@
-"""The activator: hibernating spaces sleep in the bucket and wake on the next request (DESIGN.md §7).
+"""The activator: hibernating spaces sleep in the bucket and wake on the next request (docs/design.md §7).
 
 It exists only when ``LCHAT_HIBERNATE_BUCKET`` is set, and manages only rows flagged ``hibernate``.
 Per host: ``asleep`` (no :class:`~lchat.hibernation.space.Space`) -> ``waking`` -> ``awake`` ->

@@ -29,7 +29,7 @@ STATES: tuple[State, ...] = ("waking", "awake", "stopping")
 
 @frozen
 class Budgets:
-    """Seconds each step may take (DESIGN.md §7, docs/hibernation.md "Budgets")."""
+    """Seconds each step may take (docs/design.md §7, docs/hibernation.md "Budgets")."""
 
     wake: float = 300.0  # the whole wake
     queue: float = 30.0  # a request waiting for a wake

@@ -1,4 +1,4 @@
-"""The two background sweeps of hibernation (DESIGN.md §7).
+"""The two background sweeps of hibernation (docs/design.md §7).
 
 - The idle sweep (``LCHAT_HIBERNATE_SWEEP``, every few seconds) sleeps each awake space with no
   request in flight for the whole idle window. It looks only at awake spaces: O(awake) per tick.

@@ -1,4 +1,4 @@
-"""Route replication, the serving side (DESIGN.md §9): how a peer hands this box its routes.
+"""Route replication, the serving side (docs/design.md §9): how a peer hands this box its routes.
 
 Every box's router serves this API on an internal unix socket and proxies to it the requests
 addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, during a rotation,

@@ -1,4 +1,4 @@
-"""The one-hop marker on a forwarded request, and the target that forwards it (DESIGN.md §9).
+"""The one-hop marker on a forwarded request, and the target that forwards it (docs/design.md §9).
 
 A box that forwards a request to the space's owner adds ``X-Lchat-Mesh-Forwarded``; the owner then
 serves it locally whatever its own view of the membership says (the lease settles a disagreement),

@@ -1,4 +1,4 @@
-"""Membership (DESIGN.md §9): heartbeats in the bucket, one LIST gives the fleet.
+"""Membership (docs/design.md §9): heartbeats in the bucket, one LIST gives the fleet.
 
 Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s)::
 
@@ -526,6 +526,7 @@ class Membership(Service):
             mesh.dead_after,
             self.margin,
             mesh.outage_tolerance,
+            mesh.heartbeat,
             started=monotonic(),
         )
         self._landed: float | None = None  # when the last landed beat of this epoch was sent
@@ -539,6 +540,7 @@ class Membership(Service):
         self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
         self._bucket_members: list[Member] = []  # the last listing's live members
+        self._listed_at: float | None = None  # when that listing was read (monotonic)
         self._members: list[Member] = [self._self_member(None)]
         self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
         self._loop = LoopingCall(self._tick)
@@ -716,6 +718,14 @@ class Membership(Service):
 
         sending = self._send(peer, self._message(), self.probe_timeout, track=False)
         Deferred.fromCoroutine(sending).addBoth(done)
+
+    def fresh_in_bucket(self, url: str) -> bool:
+        """Is ``url``'s heartbeat younger than ``dead_after`` in the bucket, as the last listing
+        showed it and aged by the time since (this box's clock)?"""
+        if self._listed_at is None:
+            return False
+        since = self._monotonic() - self._listed_at
+        return any(m.url == url and m.age + since < self.dead_after for m in self._bucket_members)
 
     def silent_for(self, url: str) -> float:
         """Seconds since ``url`` was last heard (this box's monotonic clock; since this process
@@ -957,6 +967,7 @@ class Membership(Service):
             self.beats += 1
         self._draining = frozenset(draining)
         self._bucket_members = view
+        self._listed_at = self._monotonic()
         self._listed(listing, view, now)
         members = self._view(view)
         if not any(m.self for m in members) and (put_ok or not members):

@@ -1,4 +1,4 @@
-"""Placement (DESIGN.md §9): which live mesh member owns an in-scope hostname.
+"""Placement (docs/design.md §9): which live mesh member owns an in-scope hostname.
 
 Pure functions, no I/O. Every box computes ownership independently from the same membership view,
 so the arithmetic below is a wire format: it must give the same answer on every box and in every

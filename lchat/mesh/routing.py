@@ -1,4 +1,4 @@
-"""Which box serves an in-scope hibernating space (DESIGN.md §9): here, or forward once.
+"""Which box serves an in-scope hibernating space (docs/design.md §9): here, or forward once.
 
 For a host equal to or directly under ``LCHAT_MESH_DOMAINS`` (every other host is always local):
 
@@ -285,18 +285,19 @@ class MeshRouter:
         return self._to(owner, route, local)
 
     def _cut_off(self, peer: str) -> bool:
-        """Is ``peer`` a live member (its heartbeat or a peer's word) that this box cannot
-        reach now, and heard from lately (silent for ``dead_after``, it may be dead: a wake
-        here then judges it, and takes its lease over if it is)?"""
-        members = {placement.normalise_member_url(m.url) for m in self._membership.live()}
-        if peer not in members:
-            return False
-        silent_for = getattr(self._membership, "silent_for", None)
-        if silent_for is not None and silent_for(peer) >= self._mesh.dead_after:
+        """Is ``peer`` alive — its heartbeat fresh in the bucket, or heard lately — but out of
+        this box's reach now? (Neither fresh nor heard for ``dead_after``, it may be dead: a wake
+        then judges it, and takes its lease over if it is.)"""
+        membership = self._membership
+        unreachable = getattr(membership, "peer_unreachable", None)
+        silent_for = getattr(membership, "silent_for", None)
+        fresh = getattr(membership, "fresh_in_bucket", None)
+        if unreachable is None or silent_for is None or fresh is None:
+            return False  # (a membership without the witness: route as before)
+        if silent_for(peer) >= self._mesh.dead_after and not fresh(peer):
             return False
         self._live()  # (forgets the marks of peers that answer again)
-        unreachable = getattr(self._membership, "peer_unreachable", None)
-        return peer in self._unreachable or (unreachable is not None and unreachable(peer))
+        return peer in self._unreachable or unreachable(peer)
 
     def _holder_unreachable(self, host: str, holder: str) -> Target:
         _forwards.labels("holder_unreachable").inc()

@@ -257,13 +257,14 @@ class Witnesses:
     """The peers of one box and the rule both sides apply (see the module docstring).
 
     ``dead_after``: LCHAT_MESH_DEAD_AFTER; ``margin``: the holder's safety margin (a tenth of it);
-    ``tolerance``: LCHAT_MESH_OUTAGE_TOLERANCE, the longest a holder lives on its peers' word
-    without a landed heartbeat."""
+    ``tolerance``: LCHAT_MESH_OUTAGE_TOLERANCE, the longest a holder lives on its peers' word,
+    counted from its first heartbeat that did not land (``heartbeat`` after the last that did)."""
 
     self_url: str
     dead_after: float
     margin: float
     tolerance: float
+    heartbeat: float = 0.0
     peers: dict[str, Peer] = field(factory=dict)
     _seq: int = 0
     # When this box's process started (monotonic): a peer never heard is treated as heard then.
@@ -379,7 +380,7 @@ class Witnesses:
         peers judges by the bucket alone, so then there is no ``W2``."""
         if landed is None or any(p.legacy for p in self.peers.values()):
             return -INF
-        until = landed + self.tolerance
+        until = landed + self.heartbeat + self.tolerance
         for peer in self.peers.values():
             if peer.required:
                 until = min(until, self._judges_us_at(peer) - self.margin)
@@ -459,8 +460,9 @@ class Witnesses:
     def slow_after(self) -> float:
         """How old (bucket clock) a holder's heartbeat must be for any box to judge it dead
         without its permission: past the longest a holder lives on its peers' word
-        (``tolerance`` on a clock up to :data:`LIVENESS_MARGIN` slow), plus ``dead_after``."""
-        return self.tolerance / (1 - self.margin / self.dead_after) + self.dead_after
+        (``heartbeat + tolerance`` on a clock up to a tenth slow), plus ``dead_after``."""
+        lives = self.heartbeat + self.tolerance
+        return lives / (1 - self.margin / self.dead_after) + self.dead_after
 
     def holding(self, host: str, now: float) -> str | None:
         """The peer that said, within ``dead_after``, that ``host`` is awake on it."""

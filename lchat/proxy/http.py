@@ -21,9 +21,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 # On a 503 a box made itself, instead of processing a request a mesh peer forwarded, because it
-# is stopping: the peer may send the request elsewhere (lchat.mesh.routing, DESIGN.md §9).
+# is stopping: the peer may send the request elsewhere (lchat.mesh.routing, docs/design.md §9).
 REFUSED = b"x-lchat-refused"
-# Read to classify a request, never passed to a space (DESIGN.md §4); dropped from every space's
+# Read to classify a request, never passed to a space (docs/design.md §4); dropped from every space's
 # and peer's response too, so that neither a space nor a client ever sees or forges one.
 INTERNAL = frozenset({b"x-lchat-sidecar", b"x-lchat-mesh-forwarded", REFUSED})
 # We set these ourselves on the way to a space (and a client's own Forwarded is not believed).
