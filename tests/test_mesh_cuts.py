@@ -244,7 +244,14 @@ class _Cuts(TestCase):
                 + "; ".join(result.describe(a) for a in bad[:3])
             )
         if allowed is not None:
-            wrong = [a for a in result.attempts if not a.ok and a not in bad and not allowed(a)]
+            wrong = [
+                a
+                for a in result.attempts
+                if not a.ok
+                and a not in bad
+                and not allowed(a)
+                and not (in_flight is not None and in_flight(a))
+            ]
             if wrong:
                 run.problems.append(
                     f"{len(wrong)} fast refusal(s) where none was expected, e.g. "
