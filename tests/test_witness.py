@@ -28,6 +28,7 @@ from lchat.mesh.witness import (
     MessageError,
     PeerCallError,
     Witnesses,
+    normal_holds,
 )
 from lchat.objstore.file import FileStore
 from lchat.threads import thread_runner
@@ -89,6 +90,15 @@ class MessageTests(SynchronousTestCase):
                 with self.assertRaises(MessageError) as caught:
                     BeatMessage.parse(body)
                 self.assertIn(why, str(caught.exception))
+
+    def test_the_hosts_a_message_lists_are_bounded(self) -> None:
+        long = [f"{i:04d}" + "a" * 240 + ".example" for i in range(1000)]
+        holds = normal_holds(long)
+        self.assertLess(sum(len(h) + 3 for h in holds), 32 * 1024 + 1)
+        m = message(holds=holds, relay=True, backlog=True)
+        self.assertLess(len(m.to_json()), 64 * 1024)
+        self.assertEqual(BeatMessage.parse(m.to_json()).holds, holds)
+        self.assertEqual(normal_holds(["Not A Host!", "ok.example"]), ("ok.example",))
 
     def test_an_older_heartbeat_has_no_process(self) -> None:
         old = Heartbeat(A, "", "0.0.9", 1.0, epoch="e")

@@ -50,6 +50,7 @@ INF = math.inf
 BEAT_PATH = "/api/mesh/beat"
 MAX_HOLDS = 1000  # hosts listed in one message (a routing hint: the rest are found by the lease)
 MAX_MESSAGE = 64 * 1024  # bytes of a message or a reply
+HOLDS_BYTES = 32 * 1024  # the hosts a message lists take at most this much of it
 _HOST = re.compile(r"[a-z0-9.-]{1,253}")
 
 
@@ -206,15 +207,19 @@ class BeatReply:
 
 
 def normal_holds(names: Iterable[str]) -> tuple[str, ...]:
-    """The hosts of a ``holds`` list, normalised and bounded (garbage dropped)."""
-    out = []
+    """The hosts of a ``holds`` list, normalised and bounded: at most :data:`MAX_HOLDS` of them,
+    in at most :data:`HOLDS_BYTES` (garbage dropped; the rest are found by reading the lease)."""
+    out: list[str] = []
+    size = 0
     for name in names:
         try:
-            out.append(hosts.normalise(name))
+            host = hosts.normalise(name)
         except hosts.InvalidHost:
             continue
-        if len(out) >= MAX_HOLDS:
+        size += len(host) + 3  # (as JSON: quotes and a comma)
+        if len(out) >= MAX_HOLDS or size > HOLDS_BYTES:
             break
+        out.append(host)
     return tuple(out)
 
 
