@@ -65,7 +65,7 @@ from lchat.hosts import normalise_member_url
 from lchat.mesh import placement
 from tests import s3servers
 from tests.routerproc import ROOT, kill_spaces_under
-from tests.test_mesh import DOMAIN, SPACE, TOKEN, Box
+from tests.test_mesh import DOMAIN, TOKEN, Box
 
 STATE_DIR = "/run/lchat-meshnet"
 NS_PREFIX = "lchatmn-"
@@ -463,6 +463,31 @@ def ip_certificate(certs: str, ca_path: str, address: str, out: str) -> None:
 # -- boxes ---------------------------------------------------------------------------------------
 
 
+# MeshWorld(precise_logs=True): the routers log through this twistd ``--logger`` instead of
+# twistd's own observer: the same lines, their times with milliseconds
+# (2026-12-04T22:55:02.123+0000). It is defined in the router's ``-c`` program (as
+# ``__main__.precise_observer``): a module imported for it would import the reactor before the
+# router installs its own.
+PRECISE_OBSERVER = """
+def precise_observer():
+    import os, time
+    from twisted.logger import FileLogObserver, formatEventAsClassicLogText
+
+    def stamp(t):
+        if t is None:
+            return "-"
+        local = time.localtime(t)
+        return (
+            time.strftime("%Y-%m-%dT%H:%M:%S", local)
+            + ".%03d" % int(t % 1 * 1000)
+            + time.strftime("%z", local)
+        )
+
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # twistd points sys.stdout at the log
+    return FileLogObserver(out, lambda e: formatEventAsClassicLogText(e, formatTime=stamp))
+"""
+
+
 class NsBox(Box):
     """tests/test_mesh.py's Box, its router (and so its spaces) run inside ``node``'s namespace,
     listening on the namespace's address, which is also its LCHAT_MESH_SELF."""
@@ -473,22 +498,12 @@ class NsBox(Box):
         self.settings: dict[str, str] = {}
         self.environ: dict[str, str] = {}  # extra environment (the bucket's credentials)
         self.starts = 0
+        self.precise_logs = False  # log times with milliseconds (PRECISE_OBSERVER)
 
     def start(self, settings: dict[str, str] | None = None) -> None:
         if settings is not None:
             self.settings = settings
-        lines = {
-            "LCHAT_DATA_DIR": self.data,
-            "LCHAT_RUN_DIR": self.run,
-            "LCHAT_HTTP_ADDR": "off",
-            "LCHAT_HTTPS_ADDR": f"{self.address}:{self.port}",
-            "LCHAT_UNITS": "builtin",
-            "LCHAT_SPACE_COMMAND": SPACE,
-            "LCHAT_MESH_SELF": self.url,
-            **self.settings,
-        }
-        with open(self.env_file, "w") as f:
-            f.writelines(f"{k}={v}\n" for k, v in lines.items())
+        self.write_env(self.settings)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
         env.update(self.environ)
         env["PYTHONPATH"] = ROOT
@@ -496,14 +511,20 @@ class NsBox(Box):
         with open(os.path.join(self.dir, "router.log"), "ab") as log:
             log.write(f"===== meshnet: start #{self.starts} of {self.name} =====\n".encode())
             log.flush()
+            program = "from twisted.scripts.twistd import run; run()"
+            logger: list[str] = []
+            if self.precise_logs:
+                program = PRECISE_OBSERVER + "\n" + program
+                logger = ["--logger=__main__.precise_observer"]
             self.proc = subprocess.Popen(
                 self.node.argv(
                     [
                         sys.executable,
                         "-c",
-                        "from twisted.scripts.twistd import run; run()",
+                        program,
                         "--nodaemon",
                         "--pidfile=",
+                        *logger,
                         "lchat",
                         "--env-file",
                         self.env_file,
@@ -614,8 +635,10 @@ class MeshWorld:
         settings: dict[str, str | None] | None = None,
         box_settings: dict[str, dict[str, str | None]] | None = None,
         root: str | None = None,
+        precise_logs: bool = False,
     ) -> None:
         self.n = boxes
+        self.precise_logs = precise_logs  # router log times with milliseconds
         self.kind: s3servers.Kind = kind
         self.spaces_per_box = spaces_per_box
         self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
@@ -661,6 +684,7 @@ class MeshWorld:
         wildcard = os.path.join(certs, f"wildcard-{DOMAIN}.pem")
         self.boxes = [NsBox(self.root, f"box{i}", self.net.nodes[f"box{i}"]) for i in range(self.n)]
         for box in self.boxes:
+            box.precise_logs = self.precise_logs
             os.makedirs(box.acme, mode=0o700)
             shutil.copy(wildcard, box.acme)
             os.chmod(os.path.join(box.acme, os.path.basename(wildcard)), 0o600)
@@ -998,10 +1022,12 @@ def _trim(line: str, n: int = 400) -> str:
 
 
 def _log_time(line: str) -> float | None:
-    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)([+-]\d{4})", line)
+    """A router log line's time (wall clock; with its milliseconds when it has them)."""
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?([+-]\d{4})", line)
     if not m:
         return None
-    return datetime.datetime.strptime(m.group(1) + m.group(2), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    t = datetime.datetime.strptime(m.group(1) + m.group(3), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    return t + float(m.group(2) or 0)
 
 
 def _up_or_exited(box: NsBox) -> bool:
@@ -1128,6 +1154,7 @@ class Attempt:
     end: float = 0.0
     status: int = 0
     retry_after: str | None = None
+    read_only: str | None = None  # the answer's X-Lchat-Read-Only (an isolated box's reads)
     error: str = ""
 
     @property
@@ -1158,6 +1185,7 @@ class Sample:
     live: int | None
     awake: tuple[str, ...]
     lag: float | None
+    witness: dict[str, Any] | None = None  # GET /status's mesh.witness (each peer's part)
 
 
 @dataclass
@@ -1492,7 +1520,15 @@ class Load:
                     )
                     lag = box.replica_lag()
                     self.samples.append(
-                        Sample(at, box.name, mesh.get("alive"), mesh.get("live"), awake, lag)
+                        Sample(
+                            at,
+                            box.name,
+                            mesh.get("alive"),
+                            mesh.get("live"),
+                            awake,
+                            lag,
+                            mesh.get("witness"),
+                        )
                     )
                 except Exception:
                     self.samples.append(Sample(at, box.name, None, None, (), None))
@@ -1625,6 +1661,7 @@ class _Stream:
                 )
             attempt.status = status
             attempt.retry_after = headers.get("retry-after")
+            attempt.read_only = headers.get("x-lchat-read-only")
             if status >= 400:
                 attempt.error = data[:120].decode("utf-8", "replace").strip()
         except Exception as e:

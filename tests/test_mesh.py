@@ -133,7 +133,8 @@ class Box:
             )
         )
 
-    def start(self, settings: dict[str, str]) -> None:
+    def write_env(self, settings: dict[str, str]) -> None:
+        """``router.env``: this box's own lines, then ``settings``."""
         lines = {
             "LCHAT_DATA_DIR": self.data,
             "LCHAT_RUN_DIR": self.run,
@@ -146,6 +147,9 @@ class Box:
         }
         with open(self.env_file, "w") as f:
             f.writelines(f"{k}={v}\n" for k, v in lines.items())
+
+    def start(self, settings: dict[str, str]) -> None:
+        self.write_env(settings)
         self.proc = spawn_router(self.env_file, os.path.join(self.dir, "router.log"))
 
     def log(self) -> str:

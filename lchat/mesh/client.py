@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -309,41 +309,17 @@ class PeerBeats:
             "Authorization": f"Bearer {self._token}",
             "Content-Type": "application/json",
         }
-
-        async def exchange() -> tuple[int, bytes]:
-            response: IResponse = await client.request(
-                "POST",
-                target,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                reactor=self._reactor,
-            )
-            chunks: list[bytes] = []
-            size = 0
-
-            def collect(data: bytes) -> None:
-                nonlocal size
-                size += len(data)
-                if size > MAX_MESSAGE:
-                    raise PeerCallError(url, f"the answer is larger than {MAX_MESSAGE} bytes")
-                chunks.append(data)
-
-            await treq.collect(response, collect)
-            return response.code, b"".join(chunks)
-
-        d: Deferred[tuple[int, bytes]] = Deferred.fromCoroutine(exchange())
-
-        def timed_out(result: object, seconds: float) -> tuple[int, bytes]:
-            raise PeerCallError(url, f"no answer within {seconds:g}s")
-
-        d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)
-        try:
-            code, data = await d
-        except PeerCallError:
-            raise
-        except Exception as e:
-            raise PeerCallError(url, _describe(e)) from e
+        code, data = await _exchange(
+            client,
+            "POST",
+            target,
+            headers,
+            body,
+            reactor=self._reactor,
+            timeout=timeout,
+            limit=MAX_MESSAGE,
+            fail=lambda what: PeerCallError(url, what),
+        )
         if not 200 <= code < 300:
             raise PeerCallError(url, f"answered {code}", code)
         return data
@@ -422,8 +398,41 @@ async def _call(
     # global cooperator, which the CLI's own reactor never runs.
     client = HTTPClient(_agent(reactor, ca_file, timeout), data_to_body_producer=BytesProducer)
 
-    async def exchange() -> _Reply:
-        # A redirect would carry the bearer token elsewhere: an answer is final.
+    code, raw = await _exchange(
+        client,
+        method,
+        url,
+        headers,
+        body,
+        reactor=reactor,
+        timeout=timeout,
+        limit=MAX_RESPONSE,
+        fail=lambda what: MeshCallError(peer_url, f"{method} {path}: {what}"),
+    )
+    try:
+        parsed = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        parsed = None
+    return _Reply(code, parsed)
+
+
+async def _exchange(
+    client: HTTPClient,
+    method: str,
+    url: str,
+    headers: dict[bytes | str, bytes | str],
+    body: bytes | None,
+    *,
+    reactor: Any,
+    timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
+    limit: int,
+    fail: Callable[[str], Exception],
+) -> tuple[int, bytes]:
+    """One request and its whole answer (status, body): no redirect followed (it would carry
+    the bearer token elsewhere), at most ``limit`` bytes, within ``timeout``; any failure is
+    ``fail(what happened)``."""
+
+    async def exchange() -> tuple[int, bytes]:
         response: IResponse = await client.request(
             method, url, headers=headers, data=body, allow_redirects=False, reactor=reactor
         )
@@ -433,31 +442,26 @@ async def _call(
         def collect(data: bytes) -> None:
             nonlocal size
             size += len(data)
-            if size > MAX_RESPONSE:
-                raise MeshCallError(peer_url, f"the answer is larger than {MAX_RESPONSE} bytes")
+            if size > limit:
+                raise fail(f"the answer is larger than {limit} bytes")
             chunks.append(data)
 
         await treq.collect(response, collect)
-        raw = b"".join(chunks)
-        try:
-            parsed = json.loads(raw) if raw else None
-        except (ValueError, RecursionError):
-            parsed = None
-        return _Reply(response.code, parsed)
+        return response.code, b"".join(chunks)
 
-    d: Deferred[_Reply] = Deferred.fromCoroutine(exchange())
+    d: Deferred[tuple[int, bytes]] = Deferred.fromCoroutine(exchange())
 
-    def timed_out(result: object, seconds: float) -> _Reply:
+    def timed_out(result: object, seconds: float) -> tuple[int, bytes]:
         # Whatever the cancellation turned into on its way out (ResponseNeverReceived, ...).
-        raise MeshCallError(peer_url, f"{method} {path}: no answer within {seconds:g}s")
+        raise fail(f"no answer within {seconds:g}s")
 
     d.addTimeout(timeout, reactor, onTimeoutCancel=timed_out)
     try:
         return await d
-    except MeshCallError:
+    except (MeshCallError, PeerCallError):
         raise
     except Exception as e:
-        raise MeshCallError(peer_url, f"{method} {path}: {_describe(e)}") from e
+        raise fail(_describe(e)) from e
 
 
 def _describe(e: BaseException) -> str:

@@ -124,6 +124,20 @@ def _object(body: bytes) -> dict[str, Any]:
     return data
 
 
+def _encode(heartbeat: Heartbeat, seq: int, holds: tuple[str, ...], **flags: bool) -> bytes:
+    """A message's or a reply's JSON: the heartbeat body, ``seq``, ``holds`` and the flags."""
+    data: dict[str, Any] = {"heartbeat": json.loads(heartbeat.to_json()), "seq": seq}
+    data.update(flags)
+    data["holds"] = list(holds[:MAX_HOLDS])
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _decode(body: bytes) -> tuple[dict[str, Any], Heartbeat, int, tuple[str, ...]]:
+    """What a message and a reply share, checked: (the object, heartbeat, seq, holds)."""
+    data = _object(body)
+    return data, _heartbeat_of(data.get("heartbeat")), _seq(data), _holds_of(data.get("holds", []))
+
+
 @frozen
 class BeatMessage:
     """What a box sends its peers once per heartbeat (``POST /api/mesh/beat``).
@@ -145,27 +159,18 @@ class BeatMessage:
     leaving: bool = False
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "heartbeat": json.loads(self.heartbeat.to_json()),
-                "seq": self.seq,
-                "relay": self.relay,
-                "backlog": self.backlog,
-                "holds": list(self.holds[:MAX_HOLDS]),
-                "leaving": self.leaving,
-            },
-            separators=(",", ":"),
-        ).encode()
+        return _encode(self.heartbeat, self.seq, self.holds, relay=self.relay,
+                       backlog=self.backlog, leaving=self.leaving)  # fmt: skip
 
     @classmethod
     def parse(cls, body: bytes) -> BeatMessage:
-        data = _object(body)
+        data, heartbeat, seq, holds = _decode(body)
         return cls(
-            heartbeat=_heartbeat_of(data.get("heartbeat")),
-            seq=_seq(data),
+            heartbeat=heartbeat,
+            seq=seq,
             relay=_flag(data, "relay"),
             backlog=_flag(data, "backlog"),
-            holds=_holds_of(data.get("holds", [])),
+            holds=holds,
             leaving=_flag(data, "leaving"),
         )
 
@@ -183,26 +188,18 @@ class BeatReply:
     holds: tuple[str, ...] = ()
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "heartbeat": json.loads(self.heartbeat.to_json()),
-                "seq": self.seq,
-                "backlog": self.backlog,
-                "relayed": self.relayed,
-                "holds": list(self.holds[:MAX_HOLDS]),
-            },
-            separators=(",", ":"),
-        ).encode()
+        return _encode(self.heartbeat, self.seq, self.holds, backlog=self.backlog,
+                       relayed=self.relayed)  # fmt: skip
 
     @classmethod
     def parse(cls, body: bytes) -> BeatReply:
-        data = _object(body)
+        data, heartbeat, seq, holds = _decode(body)
         return cls(
-            heartbeat=_heartbeat_of(data.get("heartbeat")),
-            seq=_seq(data),
+            heartbeat=heartbeat,
+            seq=seq,
             backlog=_flag(data, "backlog"),
             relayed=_flag(data, "relayed"),
-            holds=_holds_of(data.get("holds", [])),
+            holds=holds,
         )
 
 
