@@ -332,10 +332,10 @@ class Activator(Service):
 
     def backlog(self) -> bool:
         """Does this box hold writes the bucket lacks beyond what the class promises allow: a
-        space here whose oldest unshipped commit is older than its class promises, or a local
-        copy not cleanly slept (lchat.hibernation.recovery)? What its beats tell its peers
-        (lchat.mesh.witness)."""
-        return bool(self.copies) or any(self._stale(s) for s in self._spaces.values())
+        space here whose oldest unshipped commit is older than its class promises, a read-only
+        space (its replication stopped), or a local copy not cleanly slept
+        (lchat.hibernation.recovery)? What its beats tell its peers (lchat.mesh.witness)."""
+        return bool(self.copies) or any(s.fenced or self._stale(s) for s in self._spaces.values())
 
     @property
     def stopping(self) -> bool:
