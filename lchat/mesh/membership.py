@@ -1404,7 +1404,7 @@ class Membership(Service):
         except Exception as e:
             status = getattr(e, "status", None)
             was = peer.failed
-            self.witnesses.not_answered(peer, legacy=status == 404)
+            self.witnesses.not_answered(peer, self._monotonic(), legacy=status == 404)
             _PEER_BEATS.labels("failed").inc()
             if was == 0 and status is None:
                 for fn in list(self._on_unreachable):
@@ -1509,7 +1509,9 @@ class Membership(Service):
 
     async def probe(self, url: str) -> bool:
         """Is the box at ``url`` there? One beat to it, bounded by :attr:`probe_timeout`: any
-        answer of its mesh API says yes (even a refusal: something runs there)."""
+        answer of its mesh API says yes (even a refusal: something runs there). When our last two
+        beats to it went unanswered, the latest within a heartbeat, and nothing was heard of it
+        since, that is the answer already (no second wait)."""
         if self._peers is None:
             return False
         peer = self.witnesses.peer(url)

@@ -250,6 +250,7 @@ class Peer:
     accepted_backlog: bool = False  # ...and what that said
     clear_sent_seq: int = -1  # the highest seq of any message we sent it saying "no backlog"
     failed: int = 0  # our beats to it that failed in a row (0: the last one was answered)
+    failed_at: float | None = None  # when (our clock) the last of them gave up
     in_flight: bool = False  # a beat to it is on its way
     kicked: bool = False  # an extra beat (a request found it out of reach) is on its way
 
@@ -355,8 +356,9 @@ class Witnesses:
             peer.accepted_seq, peer.accepted_backlog = sent_seq, sent_backlog
         peer.failed = 0
 
-    def not_answered(self, peer: Peer, legacy: bool = False) -> None:
+    def not_answered(self, peer: Peer, now: float, legacy: bool = False) -> None:
         peer.failed += 1
+        peer.failed_at = now
         if legacy:
             peer.legacy = True
 
