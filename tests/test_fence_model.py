@@ -2083,13 +2083,17 @@ COVERAGE = (
     "acquired: free",
     "acquired: own",
     "stand-down: not alive",
-    "replica write landed after its lease ended",
     "heartbeat landed late",
     "heartbeat deleted by its box",
     "heartbeat deleted by the janitor",
     "thaw, answers first",
     "thaw, timers first",
 )
+# (A late replica write of an old holder: the classic search met it when a restarted box took its
+# own space over from its previous process's lease "holder restarted"; that takeover is gone
+# (docs/lease.md), and the late write needs a holder killed with an upload in flight and judged
+# dead: test_outages_cuts_and_isolation's search sees it, test_late_write_of_a_dead_holder
+# scripts it.)
 # The classic search's faults: every one but the cuts between boxes and the bucket-wide outages
 # (test_outages_cuts_and_isolation's). A box cut off from the bucket alone is relayed by its
 # peers now: its holder-dead takeovers are that test's too.
@@ -2446,5 +2450,5 @@ class FenceModelTests(SynchronousTestCase):
                 "swarm": False,
             },
         )
-        run_state_machine_as_test(machine, settings=model_settings(100, 40))
+        run_state_machine_as_test(machine, settings=model_settings(120, 40))
         self.assertEqual([what for what in WITNESS_COVERAGE if not SEEN[what]], [], SEEN)
