@@ -388,33 +388,6 @@ class NsS3Server(s3servers.S3Server):
                 return False
         return True
 
-    def start_sync(self) -> None:  # S3Server.start_sync, with the port checked at our address
-        if self.running:
-            return
-        log = open(os.path.join(self.dir, "server.log"), "ab")  # the child keeps its own descriptor
-        try:
-            self._proc = subprocess.Popen(
-                self._argv(),
-                cwd=self.dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # ip netns exec execs the server: pause() signals it
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + s3servers.START_TIMEOUT
-        while not self._answers():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.stop_sync()
-                raise RuntimeError(f"{self.kind} did not start on {self.endpoint}:\n{tail}")
-            time.sleep(0.05)
-        if self.kind == "moto":
-            self._provision_moto()
-        else:
-            self._wait_for_seaweed_bucket(deadline)
-
 
 def weed_available() -> bool:
     return os.access(os.path.join(s3servers.BIN, "weed"), os.X_OK)
@@ -556,19 +529,7 @@ class NsBox(Box):
         return self.proc is not None and self.proc.poll() is None
 
     def admin_get(self, path: str, timeout: float = 3.0) -> tuple[int, bytes]:
-        """A GET on the admin socket (a unix socket: never cut)."""
-        sock = socket.socket(socket.AF_UNIX)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(self.admin)
-            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-        finally:
-            sock.close()
-        head, _, body = data.partition(b"\r\n\r\n")
-        return int(head.split(b" ", 2)[1]), body
+        return self.admin_call("GET", path, timeout)
 
     def status(self) -> dict[str, Any]:
         _, body = self.admin_get("/status")

@@ -234,6 +234,9 @@ class S3Server(ServerLifecycle):
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def _answers(self) -> bool:
+        return port_answers(self.port)
+
     def start_sync(self) -> None:
         """Spawn the server (no-op if running), wait until its S3 port answers, provision it."""
         if self._destroyed:
@@ -253,7 +256,7 @@ class S3Server(ServerLifecycle):
         finally:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT
-        while not port_answers(self.port):
+        while not self._answers():
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 tail = self.log_tail()
                 self.stop_sync()

@@ -325,17 +325,4 @@ class RelocateSharedBucketTests(MeshTestCase):
 
 def _admin(box: Box, path: str) -> tuple[int, bytes]:
     """``POST path`` on the box's admin socket."""
-    import socket
-
-    sock = socket.socket(socket.AF_UNIX)
-    sock.settimeout(60)
-    try:
-        sock.connect(box.admin)
-        sock.sendall(f"POST {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    finally:
-        sock.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    return box.admin_call("POST", path, timeout=60)
