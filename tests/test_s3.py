@@ -415,6 +415,20 @@ class RealServerTests(_RealServer):
         await self.store.now()
         self.assertEqual(requests_count("HeadBucket", "ok"), before + 1)
 
+    async def test_now_is_never_ahead_and_tightens_with_more_dates(self) -> None:
+        """A Date alone is up to 1 s behind (truncated to the second); answers spread over a
+        second bound the bucket's clock within a request's latency, and never ahead of it (the
+        server shares this machine's clock)."""
+        await self.store.put("k", b"v")
+        for _ in range(12):
+            await self.store.get("k")
+            now = await self.store.now()
+            wall = datetime.datetime.now(UTC)
+            self.assertLessEqual(now, wall + datetime.timedelta(milliseconds=5))
+            await deferLater(reactor, 0.1)
+        behind = (datetime.datetime.now(UTC) - await self.store.now()).total_seconds()
+        self.assertLess(behind, 0.35)
+
     async def test_500_then_recovery_is_retried(self) -> None:
         proxy, store = self.proxy(
             canned(500, "InternalError"), canned(503, "SlowDown"), canned(400, "RequestTimeout")

@@ -139,6 +139,12 @@ _READ_CHUNK = 256 * 1024
 # retries from many boxes spread out but never collapse to zero.
 _BACKOFF = Backoff(0.1, 2.0, jitter=(0.5, 1.0))
 _DATE_FRESH = 1.0  # now() reuses the Date of a response younger than this (seconds)
+# now() bounds the bucket's clock from below by every Date seen within this long (seconds): a Date
+# is truncated to the second, so one alone is up to 1 s behind, and the latest bound of several
+# taken at different phases of the second is much closer. Short: each is carried forward on this
+# box's monotonic clock, whose rate error it adds to (the lease's margin covers rate errors over
+# dead_after, docs/lease.md).
+_DATE_WINDOW = 2.0
 
 # S3 error codes that mean "try again" whatever their status (RequestTimeout is a 400, SlowDown a 503,
 # OperationAborted a 409 about a conflicting bucket operation in progress).
@@ -713,6 +719,7 @@ class S3Store:
         self._lock = DeferredLock()  # serialises credential refreshes
         self._base_url, self._host = self._address()  # scheme://host[:port][/bucket], host
         self._last_date: tuple[bytes, float] | None = None
+        self._dates: list[tuple[bytes, float]] = []  # (Date, monotonic when it came), oldest first
         self._rng = secrets.SystemRandom()
 
     def describe(self) -> str:
@@ -948,11 +955,11 @@ class S3Store:
         try:
             return await d
         except _Timeout:
-            self._last_date = None
+            self._forget_dates()
             raise
         except BaseException as e:
             # The store just failed us: a remembered Date must not make now() look healthy.
-            self._last_date = None
+            self._forget_dates()
             if watchdog is not None and watchdog.fired:
                 raise _Timeout() from e
             if _is_cancellation(e):
@@ -1008,7 +1015,7 @@ class S3Store:
         status = response.code
         date = _header(response.headers, "date")
         if date:
-            self._last_date = (date, self._monotonic())
+            self._note_date(date)
         request_id = _header_text(response.headers, "x-amz-request-id") or _header_text(
             response.headers, "x-amzn-requestid"
         )
@@ -1385,7 +1392,25 @@ class S3Store:
             return  # already gone
         raise self._fail(reply, key)
 
+    def _note_date(self, date: bytes) -> None:
+        at = self._monotonic()
+        self._last_date = (date, at)
+        dates = self._dates
+        if dates and dates[-1][0] == date:
+            return  # the same second again, later: the earlier bound is the tighter
+        dates.append((date, at))
+        while dates[0][1] < at - _DATE_WINDOW:
+            del dates[0]
+
+    def _forget_dates(self) -> None:
+        self._last_date = None
+        self._dates.clear()
+
     async def now(self) -> datetime.datetime:
+        """The bucket's clock, never ahead of it: a Date (truncated to the second, so no later
+        than the bucket's time when it was sent) plus the time since it came, the latest such
+        bound over the Dates of the last :data:`_DATE_WINDOW` seconds. A HeadBucket fetches a
+        Date when none is younger than :data:`_DATE_FRESH`."""
         last = self._last_date
         if last is None or self._monotonic() - last[1] >= _DATE_FRESH:
             # Any non-transient answer carries the bucket's Date, even a 403 for a policy that
@@ -1393,10 +1418,18 @@ class S3Store:
             await self._send("HeadBucket", "HEAD", None, ok=(200, 403, 404))
             last = self._last_date
         assert last is not None
-        date = _http_date(last[0])
-        if date is None:
+        at = self._monotonic()
+        best: datetime.datetime | None = None
+        for raw, came in self._dates if self._dates else [last]:
+            date = _http_date(raw)
+            if date is None or came < at - _DATE_WINDOW:
+                continue
+            bound = date + datetime.timedelta(seconds=at - came)
+            if best is None or bound > best:
+                best = bound
+        if best is None:
             raise StoreUnavailable("S3 sent no usable Date header")
-        return date + datetime.timedelta(seconds=self._monotonic() - last[1])
+        return best
 
     async def close(self) -> None:
         if self._own_pool:
