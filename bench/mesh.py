@@ -552,7 +552,7 @@ AWAKE = "activator: {host} awake ("
 PEER_UNREACHABLE = "peer {peer} unreachable for {host}"  # since ee59ef9
 # Issue 18 (lchat/mesh/fence.py, lchat/lease.py): a taker's judgement of the holder's box.
 JUDGED_DEAD = "lease {host}: holder {box} is dead"  # "(no heartbeat)" or "(last heartbeat …)"
-JUDGED_RESTARTED = "lease {host}: holder {box} restarted"
+JUDGED_RESTARTED = "lease {host}: holder {box} restarted"  # before issue 28 (no such reason now)
 LEASE_ACQUIRED = "lease {host}: acquired"
 LEASE_RENEWED = "lease {host}: renewed"  # debug level: the bench's observer keeps every level
 
@@ -766,6 +766,7 @@ class Mesh:
         from lchat.cli.dev_cert import make_dev_certs
         from lchat.tls import wildcard_cert_path
         from tests.s3servers import S3Server
+        from tests.test_mesh import ip_default_cert
 
         self.tmp, self.procs, self.args = tmp, procs, args
         certs = tmp / "certs"
@@ -810,6 +811,10 @@ class Mesh:
             dest = box.acme / os.path.basename(wildcard)
             shutil.copy(wildcard, dest)
             os.chmod(dest, 0o600)
+            # The certificate a box serves without SNI: its peers' beats (POST /api/mesh/beat,
+            # issue 28) call https://<its address>:<port>. Without it no beat is answered, so no
+            # peer ever has the permission to judge a killed box dead.
+            ip_default_cert(str(certs), str(box.acme), box.address)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
