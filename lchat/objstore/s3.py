@@ -1420,9 +1420,11 @@ class S3Store:
         assert last is not None
         at = self._monotonic()
         best: datetime.datetime | None = None
-        for raw, came in self._dates if self._dates else [last]:
+        # The last Date always counts (a Date seen again keeps its first arrival in the window,
+        # which a slow answer can push out of it).
+        for raw, came in [*self._dates, last]:
             date = _http_date(raw)
-            if date is None or came < at - _DATE_WINDOW:
+            if date is None or (came < at - _DATE_WINDOW and (raw, came) != last):
                 continue
             bound = date + datetime.timedelta(seconds=at - came)
             if best is None or bound > best:
