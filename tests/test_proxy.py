@@ -524,6 +524,42 @@ class FramingTests(ProxyTestCase):
         self.assertEqual(json.loads(final[2])["body_length"], 5)
 
     @inlineCallbacks
+    def test_informational_heads_lose_internal_headers_like_final_ones(self):
+        # A space's 103 Early Hints (and a 100 Continue) carrying the router's internal markers:
+        # none reaches the client, whether the final head comes in the same read or a later one.
+        internal = (
+            b"X-Lchat-Sidecar: 1\r\nX-Lchat-Mesh-Forwarded: forged\r\nX-Lchat-Refused: stopping\r\n"
+            b"X_Lchat_Sidecar: 1\r\n"
+        )
+
+        def respond(conn: Backend) -> None:
+            if b"\r\n\r\n" not in conn.buffer:
+                return
+            together = b"/together" in conn.buffer
+            conn.buffer.clear()
+            assert conn.transport is not None
+            hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n%s\r\n" % internal
+            cont = b"HTTP/1.1 100 Continue\r\n%s\r\n" % internal
+            final = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n%s\r\nok" % internal
+            if together:
+                conn.transport.write(cont + hints + final)
+            else:
+                conn.transport.write(hints)
+                reactor.callLater(0.05, conn.transport.write, final)
+
+        yield self.backend(BackendFactory(respond))
+        yield self.proxy()
+        for path in (b"/together", b"/apart"):
+            client = yield self.connect()
+            client.transport.write(b"GET %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (path, HOST.encode()))
+            yield self.until(lambda c=client: c.received.endswith(b"\r\n\r\nok"))
+            received = bytes(client.received)
+            self.assertIn(b"HTTP/1.1 103 Early Hints\r\n", received)
+            self.assertIn(b"Link: </a.css>; rel=preload\r\n", received)  # the hint itself stays
+            self.assertNotIn(b"x-lchat", received.lower(), received)
+            self.assertNotIn(b"x_lchat", received.lower(), received)
+
+    @inlineCallbacks
     def test_upstream_answering_before_the_body_closes_the_client(self):
         def respond(conn: Backend) -> None:
             if b"\r\n\r\n" in conn.buffer and not conn.f.live[0].buffer.endswith(b"done"):

@@ -950,7 +950,10 @@ class Downstream(asyncio.Protocol):
         if ex is None or ex.version != "1.1":
             return  # HTTP/1.0 clients do not understand 1xx
         assert self.transport is not None
-        self._send(head_bytes(status_line(status, reason), end_to_end(headers)))
+        # Stripped of the router's internal markers as a final head is (_response_head): a 100
+        # or 103 is the space's word too. (The one-read paths never take a 1xx: oneread.response
+        # and its C twin accept 2xx-5xx only, so every 1xx head comes through here.)
+        self._send(head_bytes(status_line(status, reason), end_to_end(headers, drop=INTERNAL)))
 
     def response_head(
         self,
