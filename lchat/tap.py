@@ -581,6 +581,8 @@ def _certificates(
             responder = ChallengeResponder(
                 lookup=shared.get_challenge if shared is not None else None,
                 may_lookup=tls.known_hosts(routes, own),
+                pending=shared.challenge_tokens if shared is not None else None,
+                clock=reactor,
             )
         issuer = _issuer(reactor, cfg, routes, store, wanted, responder, shared, own, aws)
         issuer.setName("acme")

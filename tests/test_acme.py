@@ -545,14 +545,29 @@ class SharedCacheTests(SharedCacheBase):
         self.start(a.config(**flags))
         leaf = await self.served(self.start_port, HOST, "127.0.0.2")
         # A box with another key cannot decrypt the entry: it refuses it (logged) and orders.
+        # Its HTTP-01 answer, MACed under its own key, is refused by A (where the CA looks): a
+        # box without the fleet's key is no box of the fleet, and gets no certificate through it.
         b = Box(self, "127.0.0.3")
         b.register(HOST)
         other = {**self.box_flags(b), "LCHAT_CERT_CACHE_KEY": base64.b64encode(b"k" * 32).decode()}
+        refused = REGISTRY.get_sample_value(
+            "lchat_acme_challenge_lookups_total", {"outcome": "unauthenticated"}
+        )
         _, issuer_b, port_b = self.start(b.config(**other))
-        leaf_b = await self.served(port_b, HOST, "127.0.0.3")
-        self.assertNotEqual(leaf_b.serial_number, leaf.serial_number)
+        await deferToThread(handshake, port_b, HOST, self.roots, "127.0.0.3")  # B orders
+        for _ in range(300):
+            if HOST in issuer_b.status()["failing"]:
+                break
+            await sleep(0.1)
+        self.assertEqual(issuer_b.status()["failing"][HOST]["stage"], "validation")
         self.assertEqual(issuer_b.orders["host"], 1)
-        # ...but never replaces the fleet's entry with one the fleet cannot read.
+        self.assertGreater(
+            REGISTRY.get_sample_value(
+                "lchat_acme_challenge_lookups_total", {"outcome": "unauthenticated"}
+            ),
+            refused or 0.0,
+        )
+        # ...and never replaces the fleet's entry with one the fleet cannot read.
         body = self.s3.client().get_object(Bucket=self.bucket, Key=f"fleet/certs/{HOST}.json")
         entry = json.loads(body["Body"].read())
         self.assertEqual(entry["serial"], f"{leaf.serial_number:x}")

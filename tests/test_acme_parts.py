@@ -26,7 +26,7 @@ from twisted.web.server import Site
 from lchat.acme import cache
 from lchat.acme.cache import CacheEntryError, Certificate, CertName, SharedCache
 from lchat.acme.client import IssuanceError
-from lchat.acme.http01 import ChallengeResponder
+from lchat.acme.http01 import ChallengeResponder, PendingIndex
 from lchat.acme.issuer import DAY, Issuer
 from lchat.redirect import RedirectToHTTPS
 from tests.s3servers import shared_server, store_for
@@ -100,6 +100,7 @@ class ResponderTests(TestCase):
             "/.well-known/acme-challenge/" + "A" * 300,
             "/.well-known/acme-challenge/to%00ken",
             "/.well-known/acme-challenge/tok.en",
+            "/.well-known/acme-challenge/not-a-CA-token",  # < 128 bits: no CA sends it
         ):
             code, _ = await self.get(path)
             self.assertEqual(code, 404, path)
@@ -120,6 +121,58 @@ class ResponderTests(TestCase):
     def test_publish_refuses_a_non_token(self) -> None:
         with self.assertRaises(ValueError):
             self.responder.publish("../x", "y")
+
+
+class PendingIndexTests(TestCase):
+    """The listing of certs/challenges/ every lookup shares, on a fake clock."""
+
+    def test_listings_are_shared_paced_and_one_at_a_time(self) -> None:
+        clock = Clock()
+        calls: list[Deferred[frozenset[str]]] = []
+
+        def list_tokens() -> Deferred[frozenset[str]]:
+            calls.append(Deferred())
+            return calls[-1]
+
+        index = PendingIndex(clock, list_tokens, interval=0.5)
+        first = [index.holds(f"t{i}") for i in range(100)]
+        clock.advance(0)
+        self.assertEqual(len(calls), 1)  # a hundred lookups, one listing
+        late = index.holds("t1")  # arrived after that listing began: waits for the next
+        clock.advance(1.0)
+        self.assertEqual(len(calls), 1)  # never two at once
+        calls[0].callback(frozenset({"t1"}))
+        self.assertEqual([d.result for d in first[:3]], [False, True, False])
+        self.assertNoResult(late)
+        clock.advance(0)
+        self.assertEqual(len(calls), 2)  # the next one, as soon as the first is done
+        calls[1].callback(frozenset({"t1", "t9"}))
+        self.assertTrue(self.successResultOf(late))
+        self.assertTrue(self.successResultOf(index.holds("t9")))  # in the last one: no wait
+        self.assertEqual(len(calls), 2)
+        again = index.holds("t2")
+        clock.advance(0.4)
+        self.assertEqual(len(calls), 2)  # paced: not before 0.5 s after the last began
+        clock.advance(0.1)
+        self.assertEqual(len(calls), 3)
+        calls[2].errback(OSError("bucket down"))
+        self.failureResultOf(again, OSError)
+
+    def test_a_challenge_object_is_good_for_its_token_only_and_under_the_fleets_keys(self) -> None:
+        key, old, stranger = bytes(32), bytes(range(32)), bytes([9] * 32)
+        body = cache.seal_challenge(TOKEN, TOKEN + ".thumb", key)
+        self.assertEqual(cache.open_challenge(TOKEN, body, key), TOKEN + ".thumb")
+        self.assertEqual(cache.open_challenge(TOKEN, body, old, key), TOKEN + ".thumb")
+        other = "x" * 43
+        for args in (
+            (TOKEN, body, stranger),  # another fleet's key
+            (other, body, key),  # moved to another token's name
+            (TOKEN, (TOKEN + ".thumb").encode(), key),  # unsealed, as before
+            (TOKEN, body.replace(b".thumb", b".thumX"), key),  # altered
+            (TOKEN, b"x" * 5000, key),
+        ):
+            with self.assertRaises(cache.ChallengeRefused):
+                cache.open_challenge(*args)
 
 
 class SealedEntryTests(TestCase):

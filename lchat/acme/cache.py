@@ -13,7 +13,11 @@ every box of a mesh can present any space's certificate:
 - ``<prefix>/certs/locks/<file stem>.json``: a short lease (:mod:`lchat.lease`) held while one box
   issues that name, so a fleet places one order per name, not one per box;
 - ``<prefix>/certs/challenges/<token>``: an HTTP-01 key authorisation while its order runs, so the
-  box the CA happens to reach can answer for the box that ordered.
+  box the CA happens to reach can answer for the box that ordered. It carries an HMAC-SHA256 over
+  the token and the key authorisation, keyed from ``LCHAT_CERT_CACHE_KEY`` (a key derived for this
+  use only): a box answers a bucket object only when the MAC verifies, so someone who can write to
+  the bucket but holds no cache key cannot have the fleet answer *their* order's challenge (which
+  would give them a real certificate for a fleet name).
 
 Every box lists ``<prefix>/certs/`` every ``LCHAT_CERT_CACHE_SYNC`` (one LIST; a GET only for an
 object whose ETag changed) and installs anything newer than its local copy; a certificate this box
@@ -34,6 +38,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -59,6 +64,8 @@ from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, Precondition
 from lchat.threads import RunInThread
 
 FORMAT = "lchat-cert/1"
+CHALLENGE_FORMAT = "lchat-challenge/1"
+MAX_CHALLENGE_BYTES = 4096  # a key authorisation is a token, a dot and a 43-character thumbprint
 STOP_BUDGET = 5.0
 Kind = Literal["host", "wildcard"]
 
@@ -323,6 +330,68 @@ def unseal(name: CertName, body: bytes, key: bytes, previous: bytes = b"") -> Ce
     return cert
 
 
+class ChallengeRefused(CacheEntryError):
+    """A ``certs/challenges/`` object no box of this fleet wrote: its MAC does not verify under
+    the cache key (or the previous one), or it is not a challenge object at all."""
+
+
+def challenge_key(key: bytes) -> bytes:
+    """The MAC key of challenge objects: derived from the cache key for this one use (HMAC as a
+    PRF with its own label), so no MAC is ever made with the key that seals private keys."""
+    return hmac.new(key, b"lchat http-01 challenge mac v1", hashlib.sha256).digest()
+
+
+def _challenge_mac(key: bytes, token: str, key_authorization: str) -> str:
+    message = b"\0".join(
+        (CHALLENGE_FORMAT.encode(), token.encode("ascii"), key_authorization.encode("ascii"))
+    )
+    digest = hmac.new(challenge_key(key), message, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode("ascii")
+
+
+def seal_challenge(token: str, key_authorization: str, key: bytes) -> bytes:
+    """The bucket object for an HTTP-01 answer: the key authorisation (it is public: the CA
+    fetches it over plain HTTP) and a MAC binding it to ``token`` under the cache key."""
+    body = {
+        "format": CHALLENGE_FORMAT,
+        "key_id": key_id(key),
+        "key_authorization": key_authorization,
+        "mac": _challenge_mac(key, token, key_authorization),
+    }
+    return json.dumps(body).encode()
+
+
+def open_challenge(token: str, body: bytes, key: bytes, previous: bytes = b"") -> str:
+    """The key authorisation in a challenge object for ``token``, once its MAC verifies under
+    ``key`` or ``previous`` (a rotation's old key; b"": none); :class:`ChallengeRefused`
+    otherwise, saying why. Invariant: nothing is returned that a holder of neither key could have
+    made, and an object is only good for the token it was made for."""
+    if len(body) > MAX_CHALLENGE_BYTES:
+        raise ChallengeRefused(f"larger than {MAX_CHALLENGE_BYTES} bytes")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise ChallengeRefused(
+            "not a sealed challenge (not JSON: a plain key authorisation?)"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != CHALLENGE_FORMAT:
+        raise ChallengeRefused("not a sealed challenge (format)")
+    answer, mac = data.get("key_authorization"), data.get("mac")
+    if not isinstance(answer, str) or not isinstance(mac, str) or not answer.isascii():
+        raise ChallengeRefused("malformed challenge object")
+    if not answer.startswith(token + "."):
+        raise ChallengeRefused("its key authorisation is for another token")
+    for candidate in (key, previous) if previous else (key,):
+        if hmac.compare_digest(
+            mac.encode("ascii", "replace"), _challenge_mac(candidate, token, answer).encode()
+        ):
+            return answer
+    raise ChallengeRefused(
+        f"its MAC does not verify under the cache key{' or the previous one' if previous else ''} "
+        f"(it says key {str(data.get('key_id'))[:16]!r}; ours: {key_id(key)})"
+    )
+
+
 def _rfc3339(when: float) -> str:
     return datetime.datetime.fromtimestamp(when, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -488,16 +557,31 @@ class SharedCache:
     # -- HTTP-01 tokens
 
     async def put_challenge(self, token: str, key_authorization: str) -> None:
+        """Share an HTTP-01 answer, MACed under the current cache key (:func:`seal_challenge`)."""
         await self.store.put(
-            self.key_for("challenges", token), key_authorization.encode(), content_type="text/plain"
+            self.key_for("challenges", token),
+            seal_challenge(token, key_authorization, self._key),
+            content_type="application/json",
         )
 
     async def get_challenge(self, token: str) -> str | None:
+        """The key authorisation a box of this fleet shared for ``token``; None when there is
+        none. :class:`ChallengeRefused` when there is an object no box of this fleet wrote (its
+        MAC does not verify under either cache key): never to be answered."""
         try:
             got = await self.store.get(self.key_for("challenges", token))
         except NotFound:
             return None
-        return got.body.decode("ascii", "replace")
+        return open_challenge(token, got.body, self._key, self._previous_key)
+
+    async def challenge_tokens(self) -> frozenset[str]:
+        """The tokens under ``certs/challenges/`` (one LIST): which lookups may find something."""
+        prefix = self.key_for("challenges") + "/"
+        return frozenset(
+            info.key[len(prefix) :]
+            for info in await self.store.list(prefix)
+            if "/" not in info.key[len(prefix) :]
+        )
 
     async def delete_challenge(self, token: str) -> None:
         await self.store.delete(self.key_for("challenges", token))
