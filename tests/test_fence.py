@@ -44,6 +44,7 @@ from lchat.lease import (
     NotAlive,
 )
 from lchat.mesh.fence import BoxFence, HolderJudge, holder_deadline, judged_dead
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import (
     LIVENESS_MARGIN,
     Heartbeat,
@@ -761,7 +762,15 @@ class MembershipLivenessTests(_Clocked):
 
         def seen_by_a_peer() -> set[str]:
             members = self.successResultOf(
-                d(read_members(store, WHERE, dead_after=DEAD_AFTER, self_url=B))
+                d(
+                    read_members(
+                        store,
+                        WHERE,
+                        dead_after=DEAD_AFTER,
+                        self_url=B,
+                        keys=HeartbeatKeys.of("t"),
+                    )
+                )
             )
             return {member.url for member in members}
 

@@ -31,6 +31,7 @@ from zope.interface import implementer
 import lchat
 from lchat.config import HibernateConfig, MeshConfig
 from lchat.mesh import membership
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import (
     Heartbeat,
     Member,
@@ -61,6 +62,11 @@ def d(coro: Coroutine[Any, Any, T]) -> Deferred[T]:
 
 async def sleep(seconds: float) -> None:
     await task.deferLater(reactor, seconds, lambda: None)
+
+
+# The heartbeat keys of the boxes here (their MeshConfig token "t"): a body planted by a test as
+# another member's is signed with them, as that member would.
+KEYS = HeartbeatKeys.of("t")
 
 
 async def until(
@@ -372,11 +378,11 @@ class Scenarios(_Mixin):
 
         # The CLI's read: one LIST from anywhere, self marked only when asked.
         store = await self.make_store()
-        outside = await read_members(store, HIB, dead_after=self.dead_after)
+        outside = await read_members(store, HIB, dead_after=self.dead_after, keys=KEYS)
         self.assertEqual(urls(outside), everyone)
         self.assertFalse(any(x.self for x in outside))
         marked = await read_members(
-            store, HIB, dead_after=self.dead_after, self_url="HTTPS://box-b.example.net/"
+            store, HIB, dead_after=self.dead_after, keys=KEYS, self_url="HTTPS://box-b.example.net/"
         )
         self.assertEqual([x.url for x in marked if x.self], [B])
 
@@ -402,8 +408,12 @@ class Scenarios(_Mixin):
                 "version": lchat.__version__,
                 "started_at": a.body.started_at,
                 "epoch": a.epoch,
+                "mac": a.body.mac,
             },
         )
+        # The MAC is the mesh token's, over every other field (lchat.mesh.heartbeat).
+        self.assertEqual(KEYS.check(Heartbeat.parse(obj.body)), "current")
+        self.assertEqual(KEYS.sign(evolve(a.body, mac="")), a.body)
         self.assertRegex(a.epoch, "^[0-9a-f]{32}$")
         await self.beats(a, 3)
         self.assertEqual((await store.head(a.key)).etag, obj.info.etag)
@@ -417,7 +427,7 @@ class Scenarios(_Mixin):
         crashed = "https://crashed.example.net"
         key = member_key(HIB, crashed)
         # One beat of a box that then dies (no drain: its heartbeat is left to rot).
-        await store.put(key, Heartbeat(crashed, "ie", "0.0.9", 5.0).to_json())
+        await store.put(key, KEYS.sign(Heartbeat(crashed, "ie", "0.0.9", 5.0)).to_json())
         written = time.monotonic()
         await until(lambda: crashed in urls(b.members), 10, "the crashed box is seen")
         [seen_once] = [x for x in b.members if x.url == crashed]
@@ -443,10 +453,12 @@ class Scenarios(_Mixin):
         # Not counted when we read on its own either: within a second, since a fresh store knows
         # the bucket's clock from one Date (up to 1 s behind it) and b's from the Dates of 2 s.
         deadline = time.monotonic() + 2.0
-        while urls(await read_members(store, HIB, dead_after=self.dead_after)) != {B}:
+        while urls(await read_members(store, HIB, dead_after=self.dead_after, keys=KEYS)) != {B}:
             self.assertLess(time.monotonic(), deadline, "a reader on its own still counts it")
             await sleep(0.1)
-        with_dead = await read_members(store, HIB, dead_after=self.dead_after, include_dead=True)
+        with_dead = await read_members(
+            store, HIB, dead_after=self.dead_after, keys=KEYS, include_dead=True
+        )
         self.assertEqual(urls(with_dead), {B, crashed})
         self.assertGreater(next(x for x in with_dead if x.url == crashed).age, self.dead_after)
 
@@ -517,7 +529,9 @@ class Scenarios(_Mixin):
         b = await self.box(B, store=counting)
         await self.beats(b, 3)
         self.assertEqual(urls(b.members), {B})
-        self.assertEqual(urls(await read_members(store, HIB, dead_after=self.dead_after)), {B})
+        self.assertEqual(
+            urls(await read_members(store, HIB, dead_after=self.dead_after, keys=KEYS)), {B}
+        )
         # Each piece of garbage is logged once however many beats see it (the cache remembers),
         # and the oversized body and the keys that name no member are never even read.
         for key in garbage:
@@ -528,7 +542,7 @@ class Scenarios(_Mixin):
 
         # A box whose body is fixed is seen at once (the cache is keyed by ETag).
         fixed = "https://mismatch.example.net"
-        await store.put(member_key(HIB, fixed), Heartbeat(fixed, "", "v", 1.0).to_json())
+        await store.put(member_key(HIB, fixed), KEYS.sign(Heartbeat(fixed, "", "v", 1.0)).to_json())
         await until(lambda: urls(b.members) == {B, fixed}, 10, "the repaired member")
 
     async def test_bodies_are_not_read_again_while_their_etag_is_unchanged(self) -> None:
@@ -555,13 +569,17 @@ class Scenarios(_Mixin):
         # The same cache, kept by a caller of read_members.
         reader = Counting(await self.make_store())
         bodies: membership.BodyCache = {}
-        first = await read_members(reader, HIB, dead_after=self.dead_after, bodies=bodies)
+        first = await read_members(
+            reader, HIB, dead_after=self.dead_after, keys=KEYS, bodies=bodies
+        )
         self.assertEqual(reader.count("get"), 2)
         self.assertEqual(set(bodies), {member_key(HIB, A), member_key(HIB, B)})
         etag, parsed = bodies[member_key(HIB, B)]
         self.assertEqual(etag, (await reader.head(member_key(HIB, B))).etag)
         self.assertEqual(parsed, b2.body)
-        again = await read_members(reader, HIB, dead_after=self.dead_after, bodies=bodies)
+        again = await read_members(
+            reader, HIB, dead_after=self.dead_after, keys=KEYS, bodies=bodies
+        )
         self.assertEqual(reader.count("get"), 2)
         self.assertEqual(reader.count("list"), 2)
         self.assertEqual(
@@ -570,7 +588,7 @@ class Scenarios(_Mixin):
         )
         # A key no longer listed leaves the cache.
         await b2.stopService()
-        await read_members(reader, HIB, dead_after=self.dead_after, bodies=bodies)
+        await read_members(reader, HIB, dead_after=self.dead_after, keys=KEYS, bodies=bodies)
         self.assertEqual(set(bodies), {member_key(HIB, A)})
 
     async def test_a_failing_store_keeps_the_last_view_and_counts_failures(self) -> None:
@@ -665,7 +683,9 @@ class FileStoreMembershipTests(Scenarios, TestCase):
         ahead = BucketClockOff(await self.make_store(), 3600.0)
         c = await self.box(C, store=ahead)
         crashed = "https://crashed.example.net"
-        await ahead.put(member_key(HIB, crashed), Heartbeat(crashed, "", "v", 1.0).to_json())
+        await ahead.put(
+            member_key(HIB, crashed), KEYS.sign(Heartbeat(crashed, "", "v", 1.0)).to_json()
+        )
         written = time.monotonic()
         await until(lambda: crashed in urls(c.members), 10, "c sees the crashed box")
         await until(lambda: crashed not in urls(c.members), 10, "the crashed box is gone")

@@ -28,6 +28,7 @@ from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublish
 from twisted.trial.unittest import TestCase
 
 from lchat.config import MeshConfig
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import (
     JANITOR_DEAD_AFTERS,
     Heartbeat,
@@ -61,7 +62,9 @@ def deletes(outcome: str) -> float:
 
 
 def beat_of(url: str, started_at: float = 1.0) -> bytes:
-    return Heartbeat(url=url, region="", version="0.0.9", started_at=started_at).to_json()
+    # Signed as that member would (the boxes' token "t"): an unsigned body is no member.
+    heartbeat = Heartbeat(url=url, region="", version="0.0.9", started_at=started_at)
+    return HeartbeatKeys.of("t").sign(heartbeat).to_json()
 
 
 class LateBeat:

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from attrs import evolve
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
@@ -19,8 +20,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat.mesh import api
 from lchat.mesh.client import PeerBeats
-from lchat.mesh.heartbeat import Heartbeat
-from lchat.mesh.membership import Membership, member_key
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.membership import Membership, member_key, read_members
 from lchat.mesh.witness import (
     MAX_HOLDS,
     BeatMessage,
@@ -30,6 +31,7 @@ from lchat.mesh.witness import (
     Witnesses,
     normal_holds,
 )
+from lchat.objstore import NotFound
 from lchat.objstore.file import FileStore
 from lchat.threads import thread_runner
 from tests.test_mesh_api import TOKEN, Box
@@ -254,6 +256,7 @@ class EndpointTests(TestCase):
     def test_a_beat_is_answered_recorded_and_relayed_on_request(self) -> Any:
         before = sample("lchat_mesh_relays_total", outcome="ok")
         sent = message(C, seq=3, relay=True, holds=("x.example",), process="pc")
+        sent = evolve(sent, heartbeat=HeartbeatKeys.of(TOKEN).sign(sent.heartbeat))
         raw = yield self.call(sent.to_json())
         answer = BeatReply.parse(raw)
         self.assertEqual(answer.heartbeat.url, self.membership.url)
@@ -266,6 +269,41 @@ class EndpointTests(TestCase):
         self.assertTrue(peer.required)
         self.assertEqual((peer.process, peer.seq), ("pc", 3))
         self.assertEqual(self.membership.holding("x.example"), C)
+
+    @inlineCallbacks
+    def test_a_heartbeat_with_a_wrong_mac_is_not_relayed_nor_a_member(self) -> Any:
+        """A peer (it holds the token: its beat is answered) asks to relay a heartbeat whose MAC
+        is not the mesh's — none at all, another token's, or a field changed after signing: it
+        is not written, and the same body planted in the bucket by a bucket writer is no
+        member of anyone's view."""
+        failed = sample("lchat_mesh_relays_total", outcome="failed")
+        bodies = {
+            "none": beat(C, "pc"),
+            "another token": HeartbeatKeys.of("another-token-" + "w" * 30).sign(beat(C, "pc")),
+            "changed": evolve(HeartbeatKeys.of(TOKEN).sign(beat(C, "pc")), region="elsewhere"),
+        }
+        for seq, (why, heartbeat) in enumerate(bodies.items(), start=1):
+            sent = BeatMessage(heartbeat=heartbeat, seq=seq, relay=True)
+            answer = BeatReply.parse((yield self.call(sent.to_json())))
+            self.assertFalse(answer.relayed, why)
+            with self.assertRaises(NotFound):
+                yield Deferred.fromCoroutine(self.store.get(member_key(self.hib, C)))
+            yield Deferred.fromCoroutine(
+                self.store.put(member_key(self.hib, C), heartbeat.to_json())
+            )
+            members = yield Deferred.fromCoroutine(
+                read_members(self.store, self.hib, keys=HeartbeatKeys.of(TOKEN))
+            )
+            self.assertNotIn(C, [m.url for m in members], why)
+            yield Deferred.fromCoroutine(self.store.delete(member_key(self.hib, C)))
+        self.assertEqual(sample("lchat_mesh_relays_total", outcome="failed"), failed + 3)
+        # The control: signed with the mesh token, it is a member.
+        good = HeartbeatKeys.of(TOKEN).sign(beat(C, "pc"))
+        yield Deferred.fromCoroutine(self.store.put(member_key(self.hib, C), good.to_json()))
+        members = yield Deferred.fromCoroutine(
+            read_members(self.store, self.hib, keys=HeartbeatKeys.of(TOKEN))
+        )
+        self.assertIn(C, [m.url for m in members])
 
     @inlineCallbacks
     def test_refusals(self) -> Any:

@@ -35,6 +35,7 @@ from twisted.python.failure import Failure
 from lchat.cli.bucket import open_mesh_bucket, open_region_bucket
 from lchat.config import BoxConfig, ConfigError, RegionBucket, mesh_bucket, parse_bucket_url
 from lchat.mesh import client, fleet
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import ObjectStoreError
@@ -244,7 +245,13 @@ async def _members(reactor: Any, cfg: BoxConfig) -> list[Member]:
     try:
         read: Deferred[list[Member]] = Deferred.fromCoroutine(
             read_members(
-                store, mesh_bucket(cfg), dead_after=mesh.dead_after, self_url=mesh.self_url
+                store,
+                mesh_bucket(cfg),
+                dead_after=mesh.dead_after,
+                self_url=mesh.self_url,
+                # Only authenticated members are asked (with the mesh token): a heartbeat
+                # planted in the bucket is no member.
+                keys=HeartbeatKeys.of(mesh.token, mesh.accept_token),
             )
         )
         read.addTimeout(MEMBERS_TIMEOUT, reactor)

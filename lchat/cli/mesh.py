@@ -27,6 +27,7 @@ from lchat import hosts
 from lchat.cli.bucket import open_mesh_bucket
 from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url, owner
 from lchat.objstore import ObjectStoreError
@@ -99,6 +100,7 @@ async def _members(reactor: Any, cfg: BoxConfig, *, include_dead: bool = False) 
             dead_after=mesh.dead_after,
             self_url=mesh.self_url,
             include_dead=include_dead,
+            keys=HeartbeatKeys.of(mesh.token, mesh.accept_token),  # planted beats: no members
         )
     finally:
         await store.close()

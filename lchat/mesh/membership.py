@@ -9,7 +9,17 @@ in different buckets (every member of one mesh must name the same place). The ke
 the ``Last-Modified`` of each object is that box's last beat. The body is small JSON that stays the
 same across beats (so its ETag does not change and peers read it once per process of the box)::
 
-    {"region": "ie", "started_at": 1789000000.123, "url": "https://box-1.example.net", "version": "0.1.0"}
+    {"mac": "…", "region": "ie", "started_at": 1789000000.123, "url": "https://box-1.example.net", "version": "0.1.0"}
+
+**Only authenticated heartbeats make members** (issue 29): ``mac`` is an HMAC of the rest of the
+body under a key derived from ``LCHAT_MESH_TOKEN`` (:class:`lchat.mesh.heartbeat.HeartbeatKeys`;
+``LCHAT_MESH_TOKEN_ACCEPT``'s verifies too, during a rotation). A body without a MAC that
+verifies — planted by someone who can write to the bucket but holds no token, or written by an
+lchat older than this check — is no member: it is in no view, so no beat, route push, forward,
+placement share, janitor or publisher election, probe or fleet call ever goes to its URL. It is
+logged once per key and version and counted in
+``lchat_mesh_unauthenticated_heartbeats_total``. Every path that contacts peers picks them from
+:func:`read_members` or the :class:`Membership` view, so that one check covers them all.
 
 Liveness is judged on the *bucket's* clock only: a member is live while ``store.now() -
 Last-Modified <= dead_after`` (45 s, three missed beats). No box's own clock takes part, so a box
@@ -63,7 +73,7 @@ from twisted.python.failure import Failure
 
 import lchat
 from lchat.config import MeshConfig
-from lchat.mesh.heartbeat import Heartbeat
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.witness import (
     BeatMessage,
@@ -148,6 +158,11 @@ FAILURES = Counter(
 )
 for _op in ("put", "list", "get", "delete"):
     FAILURES.labels(_op)  # exported as 0 before the first failure
+UNAUTHENTICATED = Counter(
+    "lchat_mesh_unauthenticated_heartbeats_total",
+    "Heartbeats under the members prefix whose MAC does not verify under the mesh token (planted "
+    "by a bucket writer, or written by an older lchat): no member's. Once per key and version",
+)
 CHANGES = Counter(
     "lchat_mesh_membership_changes_total",
     "Changes of the set of live mesh members (URL and region) seen by this box",
@@ -257,6 +272,7 @@ async def read_members(
     bodies: BodyCache | None = None,
     self_url: str = "",
     include_dead: bool = False,
+    keys: HeartbeatKeys,
 ) -> list[Member]:
     """The live members (sorted by URL): one LIST of the members prefix and ``store.now()``.
 
@@ -266,7 +282,9 @@ async def read_members(
     parsed)``, a cache the caller may keep across reads; entries for keys no longer listed are
     dropped). Garbage is skipped with one log line per version (with a cache; each read without).
     ``self_url`` marks this box's own entry (``Member.self``); ``include_dead`` also returns the
-    members whose beat is too old (the caller can tell them by ``age``).
+    members whose beat is too old (the caller can tell them by ``age``). ``keys``: the mesh's
+    heartbeat keys; a body whose MAC does not verify under them is no member (logged once per
+    version, counted in ``lchat_mesh_unauthenticated_heartbeats_total``).
 
     Store errors propagate (typed :class:`~lchat.objstore.ObjectStoreError`) after being counted
     in ``lchat_mesh_heartbeat_failures_total``, except a body GET that fails while an older body
@@ -274,7 +292,9 @@ async def read_members(
     """
     phase = ["list"]
     try:
-        _, members = await _read(store, hib, dead_after, bodies, self_url, include_dead, phase)
+        _, members = await _read(
+            store, hib, dead_after, bodies, self_url, include_dead, phase, keys=keys
+        )
     except (ObjectStoreError, CancelledError):
         FAILURES.labels(phase[0]).inc()
         raise
@@ -291,10 +311,16 @@ async def _read(
     phase: list[str],
     listing: list[ObjectInfo] | None = None,
     draining: set[str] | None = None,
+    *,
+    keys: HeartbeatKeys,
+    read_within: float = 0.0,
 ) -> tuple[datetime.datetime, list[Member]]:
     """The read itself; ``phase[0]`` says which operation is under way ("list", "get"), so
     that the caller can count a failure or a timeout against it. ``listing``, when given, receives
-    the raw LIST (for the janitor, which needs the dead keys and their ETags)."""
+    the raw LIST (for the janitor, which needs the dead keys and their ETags). ``read_within``:
+    the bodies of dead keys younger than this many seconds are read (and authenticated, cached
+    in ``bodies``) too, though they are not members: the witness's roster knows only the URLs
+    whose heartbeat authenticates."""
     prefix = members_prefix(hib)
     cache: BodyCache = {} if bodies is None else bodies
     me = normalise_member_url(self_url) if self_url else ""
@@ -310,8 +336,10 @@ async def _read(
     for info in listed:
         age = (now - info.last_modified).total_seconds()
         if judged_dead(info.last_modified, now, dead_after) and not include_dead:
-            continue  # dead: its body does not matter
-        heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size)
+            if age < read_within:
+                await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
+            continue  # dead: no member
+        heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
         if heartbeat is None:
             continue
         if heartbeat.draining and not include_dead:
@@ -338,9 +366,16 @@ async def _read(
 
 
 async def _heartbeat(
-    store: ObjectStore, cache: BodyCache, prefix: str, key: str, etag: str, size: int
+    store: ObjectStore,
+    cache: BodyCache,
+    prefix: str,
+    key: str,
+    etag: str,
+    size: int,
+    keys: HeartbeatKeys,
 ) -> Heartbeat | None:
-    """The parsed body of ``key`` at ``etag`` (cached), or None for garbage (logged once)."""
+    """The parsed, authenticated body of ``key`` at ``etag`` (cached), or None for garbage or a
+    body whose MAC does not verify (logged once per version)."""
     cached = cache.get(key)
     if cached is not None and cached[0] == etag:
         return cached[1]
@@ -379,6 +414,22 @@ async def _heartbeat(
         body_url = ""
     if body_url != url:
         _garbage(cache, key, etag, f"the body names {heartbeat.url!r}, the key {url!r}")
+        return None
+    if keys.check(heartbeat) is None:
+        if cache.get(key) != (etag, None):
+            UNAUTHENTICATED.inc()
+            log.warn(
+                "mesh: ignoring the heartbeat of {url} ({key!r}): {why}; it is no member (no "
+                "token, route, forward or share of the spaces goes to it)",
+                url=url,
+                key=key,
+                why="it carries no MAC (written by an lchat older than heartbeat MACs, or "
+                "planted)"
+                if not heartbeat.mac
+                else "its MAC does not verify under LCHAT_MESH_TOKEN (planted, or another "
+                "mesh's token)",
+            )
+            cache[key] = (etag, None)
         return None
     heartbeat = evolve(heartbeat, url=url)
     cache[key] = (etag, heartbeat)
@@ -507,6 +558,7 @@ class Membership(Service):
         self.peer_timeout = min(max(mesh.heartbeat, 1.0), PEER_TIMEOUT)
         self.relay_timeout = min(RELAY_TIMEOUT, self.peer_timeout / 2)
         self.probe_timeout = min(PROBE_TIMEOUT, mesh.dead_after / 4)
+        self.keys = HeartbeatKeys.of(mesh.token, mesh.accept_token)
         self.body = Heartbeat(
             url=self.url,
             region=mesh.region,
@@ -516,6 +568,7 @@ class Membership(Service):
             epoch=uuid.uuid4().hex if epoch is None else epoch,
             process=(uuid.uuid4().hex if process is None else process) if peers else "",
         )
+        self.body = self.keys.sign(self.body)
         self._payload = self.body.to_json()
         # Liveness (docs/lease.md): this box may write on its leases until ``_alive_until``: the
         # later of W1 (the monotonic time the last landed beat was *sent* + dead_after - margin)
@@ -718,6 +771,15 @@ class Membership(Service):
 
         sending = self._send(peer, self._message(), self.probe_timeout, track=False)
         Deferred.fromCoroutine(sending).addBoth(done)
+
+    def known(self, url: str) -> bool:
+        """Is ``url`` a mesh box's, as far as this box can tell: a live member, or a peer of the
+        witness's roster (its heartbeat's MAC verified within the janitor's age, or it beat this
+        box with the mesh token)? Only such a URL is sent the mesh token, a forward or a route
+        (a ``lives_at`` naming anything else is refused: lchat.mesh.api)."""
+        return url == self.url or url in self.witnesses.peers or any(
+            m.url == url for m in self._members
+        )
 
     def fresh_in_bucket(self, url: str) -> bool:
         """Is ``url``'s heartbeat younger than ``dead_after`` in the bucket, as the last listing
@@ -948,6 +1010,8 @@ class Membership(Service):
                     phase,
                     listing,
                     draining,
+                    keys=self.keys,
+                    read_within=self.janitor_after,
                 )
             )
         except CancelledError:
@@ -987,13 +1051,21 @@ class Membership(Service):
             return
         prefix = members_prefix(self._hib)
         ages: dict[str, float | None] = {}
+        authentic: set[str] = set()
         for info in listing:
             name = info.key[len(prefix) :] if info.key.startswith(prefix) else "/"
             url = decode_member_name(name) if "/" not in name else None
             if url is not None and url != self.url:
                 ages[url] = (now - info.last_modified).total_seconds()
+                cached = self._bodies.get(info.key)
+                if cached is not None and cached[0] == info.etag and cached[1] is not None:
+                    authentic.add(url)  # its body's MAC verified (_heartbeat)
+        # Only a URL whose heartbeat authenticates is beaten (with the mesh token): a key planted
+        # by a bucket writer, whatever its name, is never contacted.
         new = self.witnesses.know(
-            u for u, age in ages.items() if age is not None and age < self.janitor_after
+            u
+            for u, age in ages.items()
+            if u in authentic and age is not None and age < self.janitor_after
         )
         if new and not self._stopping and self._peer_loop.running:
             # Beat them now rather than at the next round: until a peer has answered a beat of
@@ -1265,10 +1337,12 @@ class Membership(Service):
         if not self._not_alive:
             self._declare_not_alive()
         old = self.body.epoch
-        self.body = evolve(
-            self.body,
-            epoch=uuid.uuid4().hex,
-            started_at=round(max(self._reactor.seconds(), self.body.started_at + 0.001), 3),
+        self.body = self.keys.sign(
+            evolve(
+                self.body,
+                epoch=uuid.uuid4().hex,
+                started_at=round(max(self._reactor.seconds(), self.body.started_at + 0.001), 3),
+            )
         )
         self._payload = self.body.to_json()
         log.info(
@@ -1322,7 +1396,7 @@ class Membership(Service):
         fails (a failed beat is logged; peers then drop us after ``dead_after``)."""
         if self.body.draining:
             return
-        self.body = evolve(self.body, draining=True)
+        self.body = self.keys.sign(evolve(self.body, draining=True))
         self._payload = self.body.to_json()
         putting = self._putting
         if putting is not None:
@@ -1472,7 +1546,16 @@ class Membership(Service):
         self._recheck()
         relayed = False
         if message.relay and not self._put_failed and not self._stopping:
-            relayed = await self._relay(message.heartbeat)
+            if self.keys.check(message.heartbeat) is None:
+                # (It would be no member's in the bucket: not worth a write.)
+                _RELAYS.labels("failed").inc()
+                log.warn(
+                    "mesh: not relaying the heartbeat of {peer}: its MAC does not verify under "
+                    "LCHAT_MESH_TOKEN (an older lchat, or another token)",
+                    peer=url,
+                )
+            else:
+                relayed = await self._relay(message.heartbeat)
         return BeatReply(
             heartbeat=self.body,
             seq=seq,
@@ -1514,7 +1597,15 @@ class Membership(Service):
         since, that is the answer already (no second wait)."""
         if self._peers is None:
             return False
-        peer = self.witnesses.peer(url)
+        peer = self.witnesses.peers.get(url)
+        if peer is None:
+            # Not a URL whose heartbeat authenticated, nor one that beat this box with the
+            # token: a lease naming it was not written by a mesh box (or by one long gone).
+            # The mesh token never goes to it: it does not answer.
+            log.info(
+                "mesh: not probing {url}: no authenticated heartbeat of it is known here", url=url
+            )
+            return False
         answered, status = await self._send(peer, self._message(), self.probe_timeout, track=False)
         return answered or status is not None
 

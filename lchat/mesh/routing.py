@@ -270,6 +270,7 @@ class MeshRouter:
             holder is not None
             and holder != self._self_url
             and holder not in self._unreachable
+            and self._known(holder)
             and _lost_here(self._activator, host)
         ):
             # Our copy stands down because the lease was taken: the taker serves it (once it is
@@ -283,6 +284,15 @@ class MeshRouter:
             return await _resolve(local())
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, local)
+
+    def _known(self, url: str) -> bool:
+        """Is ``url`` a mesh box's (its heartbeat authenticated, or it beat this box with the
+        token: Membership.known)? A lease in the bucket may name anything; a request is
+        forwarded only to a box that proved it holds the mesh token."""
+        known = getattr(self._membership, "known", None)
+        if known is None:
+            return any(placement.normalise_member_url(m.url) == url for m in self._live())
+        return bool(known(url))
 
     def _cut_off(self, peer: str) -> bool:
         """Is ``peer`` alive — its heartbeat fresh in the bucket, or heard lately — but out of

@@ -28,16 +28,17 @@ from twisted.logger import Logger
 ACCEPT_ENV = "LCHAT_MESH_TOKEN_ACCEPT"
 
 Match = Literal["current", "accept"]
-Use = Literal["api", "forwarded"]
+Use = Literal["api", "forwarded", "heartbeat"]
 
 ACCEPT_TOKEN_USES = Counter(
     "lchat_mesh_accept_token_total",
     "Mesh requests authenticated by LCHAT_MESH_TOKEN_ACCEPT, not LCHAT_MESH_TOKEN, by use (api: "
-    "a route-replication call's bearer; forwarded: a forwarded request's marker). Flat on every "
+    "a route-replication call's bearer; forwarded: a forwarded request's marker; heartbeat: a "
+    "member's heartbeat MAC). Flat on every "
     "box: no peer still sends that value, so it can be dropped",
     ["use"],
 )
-for _use in ("api", "forwarded"):
+for _use in ("api", "forwarded", "heartbeat"):
     ACCEPT_TOKEN_USES.labels(_use)
 
 _log = Logger(namespace="lchat.mesh.tokens")
