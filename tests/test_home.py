@@ -190,6 +190,22 @@ class HomeTestCase(TestCase):
         )
         return status, done
 
+    def step_up(self, home: Home, token: str, action: str) -> str:
+        """A step-up proof for ``action`` (the passkey asserted for that one change)."""
+        status, started, _ = home.call(
+            "POST", "/api/step-up/begin", {"action": action}, token=token
+        )
+        assert status == 200, started
+        asserted = self.authenticator.get(started["options"], origin=ORIGIN)
+        status, done, _ = home.call(
+            "POST",
+            f"/api/step-up/finish?session={started['session']}",
+            {"credential": asserted},
+            token=token,
+        )
+        assert status == 200, done
+        return str(done["step_up"])
+
     def token(self, home: Home, proof: str) -> dict[str, Any]:
         status, minted, _ = home.call("POST", "/api/tokens", {"proof": proof})
         assert status == 200, minted
@@ -256,23 +272,37 @@ class SQLiteHomeTests(HomeTestCase):
         self.assertEqual(
             [d["current"] for d in body["devices"] if d["id"] == first["device"]], [True]
         )
+        # Revoking another device takes a step-up (a fresh passkey assertion for that change;
+        # tests/test_home_abuse.py has the refusals).
+        step_up = yield deferToThread(
+            self.step_up, home, token, f"DELETE /api/devices/{second['device']}"
+        )
         status, _, _ = yield deferToThread(
-            home.call, "DELETE", f"/api/devices/{second['device']}", token=token
+            home.call,
+            "DELETE",
+            f"/api/devices/{second['device']}",
+            token=token,
+            headers={"Step-Up": step_up},
         )
         self.assertEqual(status, 204)
         status, body, _ = yield deferToThread(home.call, "GET", "/api/vault", token=second["token"])
         self.assertEqual(status, 401, body)
-        # Revoke the passkey: it cannot log in any more (its pointer is left, and denies).
-        credential = body_credential = (
-            yield deferToThread(home.call, "GET", "/api/devices", token=token)
-        )[1]["credentials"][0]["id"]
-        del body_credential
-        status, _, _ = yield deferToThread(
-            home.call, "DELETE", f"/api/credentials/{credential}", token=token
+        # The last passkey is never deleted (tests/test_home_abuse.py deletes a second one).
+        credential = (yield deferToThread(home.call, "GET", "/api/devices", token=token))[1][
+            "credentials"
+        ][0]["id"]
+        action = f"DELETE /api/credentials/{credential}"
+        step_up = yield deferToThread(self.step_up, home, token, action)
+        status, body, _ = yield deferToThread(
+            home.call,
+            "DELETE",
+            f"/api/credentials/{credential}",
+            token=token,
+            headers={"Step-Up": step_up},
         )
-        self.assertEqual(status, 204)
+        self.assertEqual(status, 409, body)
         status, body = yield deferToThread(self.login, home)
-        self.assertEqual(status, 401, body)
+        self.assertEqual(status, 200, body)
         # The first device's token still reads the vault.
         status, data, _ = yield deferToThread(home.call, "GET", "/api/vault", token=token)
         self.assertEqual((status, data), (200, b"second"))
@@ -485,7 +515,9 @@ class S3HomeTests(HomeTestCase):
         b = yield self.home("b", **settings)
         account = yield deferToThread(self.register, a)
         victim = yield deferToThread(self.token, a, account["proof"])
-        keeper = yield deferToThread(self.token, a, account["proof"])
+        status, logged = yield deferToThread(self.login, a)  # a proof mints one token
+        self.assertEqual(status, 200, logged)
+        keeper = yield deferToThread(self.token, a, logged["proof"])
         put = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
         status, body, _ = yield deferToThread(
             a.call, "PUT", "/api/vault", token=keeper["token"], headers=put, raw=b"vault"
@@ -521,8 +553,15 @@ class S3HomeTests(HomeTestCase):
         self.assertEqual(set(requests) - {"ListObjectsV2"}, set(), requests)  # the polls
 
         applied = after.get(("lchat_home_revocations_applied_total", ()), 0)
+        step_up = yield deferToThread(
+            self.step_up, a, keeper["token"], f"DELETE /api/devices/{victim['device']}"
+        )
         status, body, _ = yield deferToThread(
-            a.call, "DELETE", f"/api/devices/{victim['device']}", token=keeper["token"]
+            a.call,
+            "DELETE",
+            f"/api/devices/{victim['device']}",
+            token=keeper["token"],
+            headers={"Step-Up": step_up},
         )
         self.assertEqual(status, 204, body)
         revoked = time.monotonic()

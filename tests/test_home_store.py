@@ -44,10 +44,12 @@ from lchat.home.sqlite_store import SQLiteVaultStore
 from lchat.home.store import (
     KEEP_VERSIONS,
     MARKER_LIFETIME,
+    MAX_USER_DOC,
     NO_VERSION,
     BadVersion,
     Blob,
     Conflict,
+    DocumentTooLarge,
     PointerTaken,
     StoreError,
     UserDoc,
@@ -611,6 +613,26 @@ class Conformance(_Mixin):
     async def revocation_rows(self) -> list[str]:
         """The digests the backend holds markers for, expired or not."""
         raise NotImplementedError
+
+    async def test_use_once_is_single_use_among_racers(self) -> None:
+        """A challenge or proof is used once, whoever races for it (issue 29: replays)."""
+        name = secrets.token_hex(32)
+        won = await gatherResults(
+            [Deferred.fromCoroutine(self.store.use_once(name, time.time() + 300)) for _ in range(5)]
+        )
+        assert sorted(won) == [False] * 4 + [True], won
+        assert await self.store.use_once(name, time.time() + 300) is False
+        assert await self.store.use_once(secrets.token_hex(32), time.time() + 300) is True
+        with self.assertRaises(ValueError):
+            await self.store.use_once("not-a-digest", time.time())
+
+    async def test_user_documents_are_capped(self) -> None:
+        """One account cannot make every call decode a huge document (issue 29)."""
+        uid = new_uid()
+        with self.assertRaises(DocumentTooLarge):
+            await self.store.put_user(uid, {"pad": "x" * MAX_USER_DOC}, NO_VERSION)
+        assert await self.store.get_user(uid) is None
+        await self.store.put_user(uid, {"pad": "x" * (MAX_USER_DOC - 100)}, NO_VERSION)
 
     async def test_bad_arguments(self) -> None:
         for uid in ("", "a/b", "x" * 129, "../x", "dot.", "ü"):

@@ -14,10 +14,25 @@ The user document (``users/<uid>``, lchat.home.store) is the API's, laid out as:
         "<base64url COSE key>", "sign_count": 3, "transports": ["internal"], "created":
         "2026-12-02"}},
      "devices": {"<device id>": {"token": "<sha256(token) hex>", "created": "2026-12-02",
-        "last_seen": "2026-12-02"}}}
+        "last_seen": "2026-12-02", "cred": "<sha256(credential id) hex of the passkey that
+        minted it>"}}}
 
 Nothing else: no name, no email, no per-user counters. ``last_seen`` is a day, written at most
 once a day per device, so an authenticated read never costs a write.
+
+Abuse (docs/home.md, "Limits" and "Step-up"):
+
+- every request passes the rate limits of lchat.home.limits first (per client address; per
+  account once a link token named it); a refusal is ``429`` with ``Retry-After`` and writes
+  nothing; quotas bound what one account holds (devices, the vault's size);
+- **every WebAuthn challenge and every ceremony proof is single-use across replicas**: after it
+  verifies, its SHA-256 is recorded once in the store (``VaultStore.use_once``); a second
+  presentation, on any process sharing the store, is refused;
+- **destructive changes need a step-up**: revoking another device or deleting a passkey takes a
+  fresh passkey assertion bound to that one change (``POST /api/step-up/begin`` and
+  ``/finish``, then the change with ``Step-Up: <proof>``, single-use, good for
+  ``LCHAT_HOME_STEP_UP_WINDOW`` seconds); a link token alone can only sign its own device out;
+  the last passkey is never deleted, and deleting one revokes every device it linked.
 """
 
 from __future__ import annotations
@@ -28,10 +43,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from attrs import define
+from attrs import Factory, define
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -41,12 +56,14 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 import lchat
 from lchat.home import passkeys as pk
+from lchat.home.limits import IPNetwork, Limits, RateLimited, client_address
 from lchat.home.revocation import RevocationFeed, TokenCache, utc_day
 from lchat.home.stateless import Ceremonies, CeremonyRejected
 from lchat.home.store import (
     NO_VERSION,
     BadVersion,
     Conflict,
+    DocumentTooLarge,
     HomeStoreError,
     PointerTaken,
     StoreError,
@@ -57,7 +74,7 @@ from lchat.webutil import answerable
 
 _log = Logger(namespace="lchat.home")
 
-VAULT_MAX = 18 * 1024  # the largest vault blob (client ciphertext) a user may store
+VAULT_MAX = 18 * 1024  # the default largest vault blob (LCHAT_HOME_VAULT_MAX)
 _PAD_HEADER = 4  # stored = 4-byte big-endian length + blob + zeros up to VAULT_MAX
 MAX_BODY = 64 * 1024  # any JSON request body
 # What the listener buffers of any request body, at most: the largest a route accepts (a JSON
@@ -66,11 +83,36 @@ LISTENER_MAX_BODY = MAX_BODY
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r'(?:W/)?"([^"\\]{1,256})"|([^\s",]{1,256})')
+# The changes a step-up is asked for: revoke another device, delete a passkey.
+_STEP_UP_ACTION = re.compile(r"DELETE /api/(devices|credentials)/([A-Za-z0-9_-]{1,1400})")
+STEP_UP_HEADER = "step-up"
+# A single-use record outlives what it records by this much: replicas' clocks may disagree on
+# when a session or proof expires (by far less than this, with NTP).
+USED_MARGIN = 3600.0
+MAX_DEVICES = 20  # LCHAT_HOME_MAX_DEVICES' default
+STEP_UP_WINDOW = 300.0  # LCHAT_HOME_STEP_UP_WINDOW's default
 
 REQUESTS = Counter(
     "lchat_home_requests_total",
     "Home API requests by route and outcome (the HTTP status, or 'error' for a bug)",
     ["route", "status"],
+)
+REFUSED_REUSE = Counter(
+    "lchat_home_single_use_refusals_total",
+    "WebAuthn challenges and ceremony proofs presented again after they were used once (on this "
+    "or any replica), by kind (register, login, step_up, proof, step_up_proof): replays",
+    ["kind"],
+)
+QUOTA_REFUSALS = Counter(
+    "lchat_home_quota_refusals_total",
+    "Writes refused for a quota, by quota (devices, vault_size, document_size, last_passkey)",
+    ["quota"],
+)
+STEP_UPS = Counter(
+    "lchat_home_step_ups_total",
+    "Destructive changes by their step-up, by outcome (accepted; missing, not_valid, "
+    "wrong_change, used: refused with 403)",
+    ["outcome"],
 )
 
 
@@ -102,9 +144,9 @@ def sha256_hex(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-def pad(blob: bytes) -> bytes:
-    """What is stored: every vault is the same size, whatever its content."""
-    return len(blob).to_bytes(_PAD_HEADER, "big") + blob + b"\0" * (VAULT_MAX - len(blob))
+def pad(blob: bytes, size: int = VAULT_MAX) -> bytes:
+    """What is stored: every vault is the same size (``size``), whatever its content."""
+    return len(blob).to_bytes(_PAD_HEADER, "big") + blob + b"\0" * max(0, size - len(blob))
 
 
 def unpad(stored: bytes) -> bytes:
@@ -117,8 +159,8 @@ def unpad(stored: bytes) -> bytes:
 @define
 class HomeAPI:
     """The routes. Collaborators: the store, the ceremony keys, the passkey layer, a clock (unix
-    seconds), the revocation feed (which holds the token cache), randomness, and the WebAuthn
-    relying party."""
+    seconds), the revocation feed (which holds the token cache), randomness, the WebAuthn
+    relying party, the rate limits (none by default) and the quotas."""
 
     store: VaultStore
     ceremonies: Ceremonies
@@ -128,6 +170,10 @@ class HomeAPI:
     clock: Callable[[], float]
     feed: RevocationFeed
     random_bytes: Callable[[int], bytes] = os.urandom
+    limits: Limits = Factory(lambda self: Limits.build({}, self.clock), takes_self=True)
+    max_devices: int = MAX_DEVICES
+    vault_max: int = VAULT_MAX
+    step_up_window: float = STEP_UP_WINDOW
 
     @property
     def tokens(self) -> TokenCache:
@@ -154,6 +200,15 @@ class HomeAPI:
         )
         return {"options": json.loads(start.options_json), "session": session}
 
+    async def _use_once(self, kind: str, what: bytes | str, expires_at: float) -> bool:
+        """Record ``what`` (a challenge, a proof) as used, on every replica: True the first
+        time. The record outlives ``expires_at`` (after which nothing accepts it anyway)."""
+        if await self.store.use_once(sha256_hex(what), expires_at + USED_MARGIN):
+            return True
+        REFUSED_REUSE.labels(kind).inc()
+        _log.warn("home: a used {kind} was presented again (a replay): refused", kind=kind)
+        return False
+
     async def register_finish(self, session: str, body: Mapping[str, Any]) -> dict[str, Any]:
         opened = self.ceremonies.sessions.open(session, "register")
         assert opened.uid is not None
@@ -164,6 +219,8 @@ class HomeAPI:
             origin=list(self.origins),
             user_verification=opened.user_verification,
         )
+        if not await self._use_once("register", opened.challenge, opened.expires_at):
+            raise ApiError(409, "this registration was finished already")
         uid = opened.uid
         cred_key = sha256_hex(credential.credential_id)
         # The pointer first: a document listing a credential no pointer names could never log in.
@@ -189,7 +246,7 @@ class HomeAPI:
             # The same sealed session finished twice: the account exists already.
             raise ApiError(409, "this registration was finished already") from e
         _log.info("home: registered a new account")
-        return {"uid": uid, "proof": self.ceremonies.proofs.issue(uid, "link")}
+        return {"uid": uid, "proof": self.ceremonies.proofs.issue(uid, "link", credential=cred_key)}
 
     async def login_begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Discoverable credentials: no user name is asked for, none is sent."""
@@ -205,13 +262,24 @@ class HomeAPI:
 
     async def login_finish(self, session: str, body: Mapping[str, Any]) -> dict[str, Any]:
         opened = self.ceremonies.sessions.open(session, "login")
-        response = _credential(body)
+        uid, cred_key = await self._assert(opened, _credential(body), "login")
+        return {
+            "uid": uid,
+            "proof": self.ceremonies.proofs.issue(uid, "link", credential=cred_key),
+        }
+
+    async def _assert(
+        self, opened: Any, response: Mapping[str, Any], kind: str, uid_must_be: str = ""
+    ) -> tuple[str, str]:
+        """Verify a passkey assertion for the sealed ceremony ``opened``, use its challenge up
+        (a replay, on any replica, is refused) and store a sign count that moved: the uid and
+        the credential's key."""
         presented = self.passkeys.presented_credential(response)
         cred_key = sha256_hex(presented.credential_id)
         found = await resolve_checked(
             self.store, "creds", cred_key, lambda doc: cred_key in doc.get("credentials", {})
         )
-        if found is None:
+        if found is None or (uid_must_be and found[0] != uid_must_be):
             raise ApiError(401, "unknown passkey")
         uid, user = found
         stored = _stored_credentials(user.doc)
@@ -224,6 +292,12 @@ class HomeAPI:
             credentials=stored,
             user_verification=opened.user_verification,
         )
+        # Only now (the signature verified): nobody without the passkey can use a challenge up.
+        # Synced passkeys never move their sign count, so this record is what stops a replay.
+        if not await self._use_once(kind, opened.challenge, opened.expires_at):
+            raise ApiError(
+                401, "this passkey assertion was used already: begin again", reason="replayed"
+            )
         if verified.sign_count_changed:
 
             def count(doc: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -236,7 +310,7 @@ class HomeAPI:
                 return doc
 
             await self.store.update_user(uid, count)
-        return {"uid": uid, "proof": self.ceremonies.proofs.issue(uid, "link")}
+        return uid, cred_key
 
     # -- link tokens and devices ---------------------------------------------------------------
 
@@ -245,9 +319,17 @@ class HomeAPI:
         proof = body.get("proof")
         if not isinstance(proof, str):
             raise ApiError(400, "proof must be the string a passkey ceremony returned")
-        uid = self.ceremonies.proofs.verify(proof, "link").uid
-        if await self.store.get_user(uid) is None:
+        verified = self.ceremonies.proofs.verify(proof, "link")
+        uid = verified.uid
+        self.limits.check([("mints", uid)])
+        user = await self.store.get_user(uid)
+        if user is None:
             raise ApiError(401, "this account is gone")  # (before anything is written)
+        if len(user.doc.get("devices", {})) >= self.max_devices:
+            raise self._too_many_devices()  # the proof is not used up: revoke one, retry
+        if not await self._use_once("proof", proof, verified.expires_at):
+            raise ApiError(401, "this proof was used already: log in again", reason="replayed")
+        self.limits.take([("mints", uid)])
         token = b64url(self.random_bytes(32))
         device = b64url(self.random_bytes(9))
         digest = sha256_hex(token)
@@ -257,16 +339,29 @@ class HomeAPI:
         def add(doc: dict[str, Any] | None) -> dict[str, Any] | None:
             if doc is None:
                 raise ApiError(401, "this account is gone")
-            doc.setdefault("devices", {})[device] = {
-                "token": digest,
-                "created": today,
-                "last_seen": today,
-            }
+            devices = doc.setdefault("devices", {})
+            if len(devices) >= self.max_devices:
+                raise self._too_many_devices()
+            entry = {"token": digest, "created": today, "last_seen": today}
+            if verified.credential:
+                # What this passkey linked is revoked with it (revoke_credential).
+                entry["cred"] = verified.credential
+            devices[device] = entry
             return doc
 
         await self.store.update_user(uid, add)
         self.tokens.put(digest, uid, device)
+        _log.info("home: a device was linked")
         return {"token": token, "device": device, "uid": uid}
+
+    def _too_many_devices(self) -> ApiError:
+        QUOTA_REFUSALS.labels("devices").inc()
+        _log.info("home: a device was not linked: the account has {n} already", n=self.max_devices)
+        return ApiError(
+            409,
+            f"an account links at most {self.max_devices} devices: revoke one first",
+            quota="devices",
+        )
 
     async def authenticate(self, request: Request) -> tuple[str, str]:
         """The (uid, device id) a request's ``Authorization: Bearer <token>`` names, or 401."""
@@ -277,6 +372,7 @@ class HomeAPI:
         digest = sha256_hex(token.strip())
         cached = self.tokens.get(digest)
         if cached is not None:
+            self.limits.take([("account", cached[0])])
             return cached
         device: list[str] = []
 
@@ -303,6 +399,7 @@ class HomeAPI:
 
             await self.store.update_user(uid, seen)
         self.tokens.put(digest, uid, device[0])
+        self.limits.take([("account", uid)])
         return uid, device[0]
 
     async def devices(self, uid: str, device: str) -> dict[str, Any]:
@@ -324,10 +421,92 @@ class HomeAPI:
         ]
         return {"devices": devices, "credentials": credentials}
 
+    # -- step-up: a fresh passkey assertion for one destructive change -------------------------
+
+    async def step_up_begin(self, uid: str, device: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Options to assert one of the account's passkeys (user verification required), for
+        the one change ``body["action"]`` names, by this device."""
+        action = body.get("action")
+        if not isinstance(action, str) or not _STEP_UP_ACTION.fullmatch(action):
+            raise ApiError(
+                400,
+                'action must name the change: "DELETE /api/devices/<id>" or "DELETE '
+                '/api/credentials/<id>"',
+            )
+        user = await self.store.get_user(uid)
+        if user is None:
+            raise ApiError(401, "this account is gone")
+        start = self.passkeys.begin_login(
+            rp_id=self.rp_id,
+            credentials=_stored_credentials(user.doc),
+            user_verification="required",
+        )
+        session = self.ceremonies.sessions.seal(
+            "stepup",
+            uid=uid,
+            challenge=start.challenge,
+            rp_id=self.rp_id,
+            user_verification=start.user_verification,
+            bound=f"{device} {action}",
+        )
+        return {"options": json.loads(start.options_json), "session": session}
+
+    async def step_up_finish(
+        self, uid: str, device: str, session: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The step-up proof: single-use, for this account, device and change only, good for
+        ``step_up_window`` seconds."""
+        opened = self.ceremonies.sessions.open(session, "stepup")
+        bound_device, _, action = opened.bound.partition(" ")
+        if opened.uid != uid or bound_device != device or not action:
+            raise ApiError(401, "this step-up was begun by another device", reason="not_yours")
+        _, cred_key = await self._assert(opened, _credential(body), "step_up", uid_must_be=uid)
+        proof = self.ceremonies.proofs.issue(
+            uid,
+            "stepup",
+            credential=cred_key,
+            action=action,
+            device=device,
+            ttl=self.step_up_window,
+        )
+        _log.info("home: a step-up was granted for {action}", action=action.split("/")[2])
+        return {"step_up": proof, "action": action, "expires_in": self.step_up_window}
+
+    async def require_step_up(self, uid: str, device: str, action: str, presented: str) -> None:
+        """403 unless ``presented`` is an unused step-up proof of this account and device for
+        exactly ``action``; uses it up."""
+        if not presented:
+            STEP_UPS.labels("missing").inc()
+            raise ApiError(
+                403,
+                f'this change needs a step-up: POST /api/step-up/begin {{"action": "{action}"}}'
+                ", assert a passkey, then send the proof as Step-Up: <proof>",
+                step_up="required",
+                action=action,
+            )
+        try:
+            proof = self.ceremonies.proofs.verify(presented, "stepup")
+        except CeremonyRejected as e:
+            STEP_UPS.labels("not_valid").inc()
+            raise ApiError(403, f"step-up: {e}", step_up="required", action=action) from e
+        if proof.uid != uid or proof.device != device or proof.action != action:
+            STEP_UPS.labels("wrong_change").inc()
+            raise ApiError(
+                403,
+                "this step-up was granted for another change",
+                step_up="required",
+                action=action,
+            )
+        if not await self._use_once("step_up_proof", presented, proof.expires_at):
+            STEP_UPS.labels("used").inc()
+            raise ApiError(403, "this step-up was used already", step_up="required", action=action)
+        STEP_UPS.labels("accepted").inc()
+
     async def revoke_device(self, uid: str, victim: str) -> None:
         """The user document first (the authority: every fresh check denies from then on),
         then the revocation feed (this process forgets the token at once, the others within
-        their poll period)."""
+        their poll period). The caller checked the step-up (another device) first."""
+        self.limits.take([("revocations", uid)])
         gone: list[str] = []
 
         def drop(doc: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -347,25 +526,46 @@ class HomeAPI:
         _log.info("home: a device was revoked")
 
     async def revoke_credential(self, uid: str, credential_id: str) -> None:
-        try:
-            key = sha256_hex(unb64url(credential_id))
-        except ValueError as e:
-            raise ApiError(400, f"credential id: {e}") from e
-        gone: list[bool] = []
+        """Delete a passkey (never the last one) and revoke every device it linked. The caller
+        checked the step-up first."""
+        key = _credential_key(credential_id)
+        self.limits.take([("revocations", uid)])
+        gone: list[tuple[str, str]] = []  # (device, token digest) it linked
+        found: list[bool] = []
 
         def drop(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+            gone.clear()  # fn may run again after a lost race
+            found.clear()
             if doc is None or key not in doc.get("credentials", {}):
                 return None
+            found.append(True)
+            if len(doc["credentials"]) <= 1:
+                QUOTA_REFUSALS.labels("last_passkey").inc()
+                raise ApiError(
+                    409,
+                    "this is the account's last passkey: it cannot be deleted (the account "
+                    "would be lost)",
+                    quota="last_passkey",
+                )
             del doc["credentials"][key]
-            gone.append(True)
+            devices = doc.get("devices", {})
+            for device_id, entry in list(devices.items()):
+                if isinstance(entry, dict) and entry.get("cred") == key:
+                    del devices[device_id]
+                    gone.append((device_id, str(entry.get("token", ""))))
             return doc
 
-        # No revocation marker: no process caches passkeys (every login re-reads the user
-        # document through the credential's pointer), so removing it here is enough everywhere.
+        # The passkey needs no marker: no process caches passkeys (every login re-reads the
+        # user document through the credential's pointer). The devices it linked do.
         await self.store.update_user(uid, drop)
-        if not gone:
+        if not found:
             raise ApiError(404, "no such passkey")
-        _log.info("home: a passkey was revoked")
+        for device_id, digest in gone:
+            if _DIGEST.fullmatch(digest):
+                await self.feed.publish(digest, uid, device_id)
+        _log.info(
+            "home: a passkey was deleted, and the {n} device(s) it linked revoked", n=len(gone)
+        )
 
     # -- the vault -----------------------------------------------------------------------------
 
@@ -374,10 +574,12 @@ class HomeAPI:
         return None if blob is None else (unpad(blob.data), blob.version)
 
     async def vault_put(self, uid: str, data: bytes, expected: str) -> str:
-        if len(data) > VAULT_MAX:
-            raise ApiError(413, f"the vault is at most {VAULT_MAX} bytes")
+        if len(data) > self.vault_max:
+            QUOTA_REFUSALS.labels("vault_size").inc()
+            raise ApiError(413, f"the vault is at most {self.vault_max} bytes", quota="vault_size")
+        self.limits.take([("vault_writes", uid)])
         try:
-            return await self.store.put_blob(uid, pad(data), expected)
+            return await self.store.put_blob(uid, pad(data, self.vault_max), expected)
         except Conflict as e:
             raise ApiError(409, "the vault changed", current=e.current_version) from e
         except BadVersion as e:
@@ -396,6 +598,13 @@ class HomeAPI:
         if data is None:
             raise ApiError(404, "not one of the kept versions")
         return unpad(data)
+
+
+def _credential_key(credential_id: str) -> str:
+    try:
+        return sha256_hex(unb64url(credential_id))
+    except ValueError as e:
+        raise ApiError(400, f"credential id: {e}") from e
 
 
 def _label(value: object, default: str) -> str:
@@ -488,16 +697,18 @@ class HomeResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, api: HomeAPI) -> None:
+    def __init__(self, api: HomeAPI, trusted_proxies: Sequence[IPNetwork] = ()) -> None:
         super().__init__()
         self._api = api
+        self._trusted = tuple(trusted_proxies)
 
     def render(self, request: Request) -> bytes | int:
         path = (request.path or b"").decode("latin-1")
         method = (request.method or b"").decode("latin-1")
         route, handler = self._route(method, path)
         still = answerable(request)
-        d = Deferred.fromCoroutine(_answer(request, route, handler))
+        client = client_address(request, self._trusted)
+        d = Deferred.fromCoroutine(_answer(request, route, handler, self._api.limits, client))
 
         def failed(f: Failure) -> None:
             _log.failure("home: {route} failed", f, route=route)
@@ -523,6 +734,8 @@ class HomeResource(Resource):
             ("POST", "/api/login/begin"): ("login_begin", self._json(api.login_begin)),
             ("POST", "/api/login/finish"): ("login_finish", self._session(api.login_finish)),
             ("POST", "/api/tokens"): ("tokens", self._json(api.mint_token)),
+            ("POST", "/api/step-up/begin"): ("step_up_begin", self._step_up_begin),
+            ("POST", "/api/step-up/finish"): ("step_up_finish", self._step_up_finish),
             ("GET", "/api/devices"): ("devices", self._devices),
             ("GET", "/api/vault"): ("vault_get", self._vault_get),
             ("PUT", "/api/vault"): ("vault_put", self._vault_put),
@@ -558,10 +771,7 @@ class HomeResource(Resource):
         self, fn: Callable[[str, Mapping[str, Any]], Awaitable[dict[str, Any]]]
     ) -> Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]:
         async def handle(request: Request) -> tuple[int, Any, dict[str, str]]:
-            session = (request.args or {}).get(b"session", [b""])[0].decode("ascii", "replace")
-            if not session:
-                raise ApiError(400, "?session= is missing: begin the ceremony first")
-            return 200, await fn(session, _body(request)), {}
+            return 200, await fn(_session_arg(request), _body(request)), {}
 
         return handle
 
@@ -569,15 +779,29 @@ class HomeResource(Resource):
         uid, device = await self._api.authenticate(request)
         return 200, await self._api.devices(uid, device), {}
 
+    async def _step_up_begin(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        uid, device = await self._api.authenticate(request)
+        return 200, await self._api.step_up_begin(uid, device, _body(request)), {}
+
+    async def _step_up_finish(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+        uid, device = await self._api.authenticate(request)
+        session = _session_arg(request)
+        return 200, await self._api.step_up_finish(uid, device, session, _body(request)), {}
+
     async def _revoke(
         self, request: Request, ident: str, *, device: bool
     ) -> tuple[int, Any, dict[str, str]]:
-        uid, _ = await self._api.authenticate(request)
+        uid, own = await self._api.authenticate(request)
+        presented = (request.getHeader(STEP_UP_HEADER) or "").strip()
         if device:
             if not _ID.fullmatch(ident):
                 raise ApiError(400, "not a device id")
+            if ident != own:  # signing this device out needs no step-up; another one does
+                await self._api.require_step_up(uid, own, f"DELETE /api/devices/{ident}", presented)
             await self._api.revoke_device(uid, ident)
         else:
+            _credential_key(ident)  # 400 for a malformed id before a step-up is asked for
+            await self._api.require_step_up(uid, own, f"DELETE /api/credentials/{ident}", presented)
             await self._api.revoke_credential(uid, ident)
         return 204, None, {}
 
@@ -595,7 +819,8 @@ class HomeResource(Resource):
         if kind != "application/octet-stream":
             raise ApiError(415, "the vault is application/octet-stream (client ciphertext)")
         expected = _expected_version(request)
-        data = request.content.read(VAULT_MAX + 1) if request.content is not None else b""
+        cap = self._api.vault_max + 1
+        data = request.content.read(cap) if request.content is not None else b""
         version = await self._api.vault_put(uid, data, expected)
         return 200, {"version": version}, {"etag": _etag(version)}
 
@@ -608,6 +833,13 @@ class HomeResource(Resource):
     ) -> tuple[int, Any, dict[str, str]]:
         uid, _ = await self._api.authenticate(request)
         return 200, await self._api.vault_version(uid, version), {"etag": _etag(version)}
+
+
+def _session_arg(request: Request) -> str:
+    session = (request.args or {}).get(b"session", [b""])[0].decode("ascii", "replace")
+    if not session:
+        raise ApiError(400, "?session= is missing: begin the ceremony first")
+    return session
 
 
 def _refuse(status: int, message: str) -> Callable[[Request], Awaitable[Any]]:
@@ -656,14 +888,37 @@ def _body(request: Request) -> Mapping[str, Any]:
     return body
 
 
+# What each route costs of the per-address limits beside "ip" (every request).
+_ROUTE_LIMITS: dict[str, tuple[str, ...]] = {"register_begin": ("register_ip", "register")}
+
+
 async def _answer(
     request: Request,
     route: str,
     handler: Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]],
+    limits: Limits,
+    client: str,
 ) -> None:
+    """Run ``handler`` behind the per-address limits; a 401 it answers counts as a failure of
+    ``client`` (never of an account: see lchat.home.limits)."""
     still = answerable(request)
     try:
+        if route != "version":
+            # An address that failed too often is refused before anything is looked at.
+            limits.check([("failures_ip", client)])
+            wanted = [("ip", client)]
+            wanted += [
+                (n, "*" if n == "register" else client) for n in _ROUTE_LIMITS.get(route, ())
+            ]
+            limits.take(wanted)
         status, body, headers = await handler(request)
+    except RateLimited as e:
+        status = 429
+        body = {"error": str(e), "limit": e.limit, "retry_after": int(e.header)}
+        headers = {"retry-after": e.header}
+    except DocumentTooLarge as e:
+        QUOTA_REFUSALS.labels("document_size").inc()
+        status, body, headers = 413, {"error": f"this account is full: {e}"}, {}
     except ApiError as e:
         status, body, headers = e.status, {"error": e.message, **e.extra}, {}
         if e.status == 409 and "current" in e.extra:
@@ -677,6 +932,8 @@ async def _answer(
         status, body, headers = 503, {"error": "storage is unavailable; try again"}, {}
         headers["retry-after"] = "2"
     REQUESTS.labels(route, str(status)).inc()
+    if status == 401:
+        limits.spend("failures_ip", client)
     if not still():
         return
     for name, value in headers.items():

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from attrs import field, frozen
 
 from lchat.config import ConfigError, read_env_file
+from lchat.home.limits import DEFAULT_MAX_KEYS, NAMES, IPNetwork, Rate, parse_trusted
 
 DEFAULT_ENV_FILE = "/data/home.env"
 
@@ -37,8 +38,29 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HOME_RP_NAME": "lchat",  # shown by the browser's passkey dialogs
     # Seconds between two reads of the revocation feed: the revocation window across replicas.
     "LCHAT_HOME_REVOCATION_POLL": "5",
+    # Rate limits (lchat.home.limits, docs/home.md "Limits"): COUNT/SECONDS, a bucket of COUNT
+    # refilled over SECONDS; 0 turns one off.
+    "LCHAT_HOME_LIMIT_IP": "300/60",  # every request, per client address
+    "LCHAT_HOME_LIMIT_FAILURES_IP": "30/600",  # 401s per client address, then 429
+    "LCHAT_HOME_LIMIT_REGISTER_IP": "10/3600",  # registrations per client address
+    "LCHAT_HOME_LIMIT_REGISTER": "1000/3600",  # registrations, all addresses together
+    "LCHAT_HOME_LIMIT_ACCOUNT": "600/60",  # authenticated requests per account
+    "LCHAT_HOME_LIMIT_VAULT_WRITES": "120/3600",  # vault writes per account
+    "LCHAT_HOME_LIMIT_MINTS": "10/3600",  # link tokens minted per account
+    "LCHAT_HOME_LIMIT_REVOCATIONS": "20/86400",  # devices revoked per account
+    "LCHAT_HOME_LIMIT_KEYS": "100000",  # keys (addresses, accounts) each limit tracks at most
+    "LCHAT_HOME_TRUSTED_PROXIES": "",  # TCP peers whose last X-Forwarded-For entry is believed
+    # Quotas.
+    "LCHAT_HOME_MAX_DEVICES": "20",  # linked devices per account
+    "LCHAT_HOME_VAULT_MAX": "18432",  # bytes of one vault (stored padded to this size)
+    # Seconds a step-up (a fresh passkey assertion for one destructive change) stays good.
+    "LCHAT_HOME_STEP_UP_WINDOW": "300",
 }
-REVOCATION_POLL_MAX = 300.0  # a longer window would let a revoked token live too long
+REVOCATION_POLL_MAX = 300.0
+MAX_DEVICES_CEILING = 200  # a user document stays small (lchat.home.store.MAX_USER_DOC)
+VAULT_MAX_CEILING = (
+    60 * 1024
+)  # the vault and its request must fit the 64 KiB body cap  # a longer window would let a revoked token live too long
 
 _ADDR = re.compile(r"(?:(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|localhost)?:)?(\d{1,5})")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -68,6 +90,12 @@ class HomeConfig:
     rp_id: str
     rp_name: str
     revocation_poll: float = 5.0
+    rates: Mapping[str, Rate] = field(factory=dict)  # lchat.home.limits.NAMES -> rate; absent: off
+    limit_keys: int = DEFAULT_MAX_KEYS
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+    max_devices: int = 20
+    vault_max: int = 18 * 1024
+    step_up_window: float = 300.0
     # LCHAT_HOME_SESSION_KEY_ACCEPT (lchat.home.stateless.load_session_keys checks it): "" = none.
     session_key_accept: str = field(default="", repr=False)
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
@@ -137,6 +165,12 @@ def load(
         rp_id=rp_id,
         rp_name=get("LCHAT_HOME_RP_NAME") or "lchat",
         revocation_poll=_poll(get("LCHAT_HOME_REVOCATION_POLL")),
+        rates={name: _rate(f"LCHAT_HOME_LIMIT_{name.upper()}", get) for name in NAMES},
+        limit_keys=_int(get, "LCHAT_HOME_LIMIT_KEYS", 100, 10_000_000),
+        trusted_proxies=_trusted(get("LCHAT_HOME_TRUSTED_PROXIES")),
+        max_devices=_int(get, "LCHAT_HOME_MAX_DEVICES", 1, MAX_DEVICES_CEILING),
+        vault_max=_int(get, "LCHAT_HOME_VAULT_MAX", 1024, VAULT_MAX_CEILING),
+        step_up_window=float(_int(get, "LCHAT_HOME_STEP_UP_WINDOW", 30, 900)),
         file_env=file_env,
     )
 
@@ -152,6 +186,43 @@ def _poll(text: str) -> float:
             f"0.1 to {REVOCATION_POLL_MAX:g} (the revocation window across replicas; default 5)"
         )
     return seconds
+
+
+def _rate(name: str, get: Callable[[str], str]) -> Rate:
+    text = get(name) or DEFAULTS[name]
+    count, _, seconds = text.partition("/")
+    try:
+        rate = Rate(int(count), float(seconds or 1))
+    except ValueError:
+        rate = Rate(-1, 0)
+    if text.strip() == "0":
+        return Rate(0, 1)
+    if not (0 < rate.count <= 1_000_000 and 0 < rate.seconds <= 7 * 86400):
+        raise ConfigError(
+            f"{name}={text!r}: COUNT/SECONDS (a bucket of COUNT requests refilled over SECONDS, "
+            f"e.g. {DEFAULTS[name]}), or 0 to turn the limit off"
+        )
+    return rate
+
+
+def _int(get: Callable[[str], str], name: str, low: int, high: int) -> int:
+    text = get(name) or DEFAULTS[name]
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={text!r}: a whole number from {low} to {high}")
+    return value
+
+
+def _trusted(text: str) -> tuple[IPNetwork, ...]:
+    try:
+        return parse_trusted(text)
+    except ValueError as e:
+        raise ConfigError(
+            f"LCHAT_HOME_TRUSTED_PROXIES={text!r}: comma-separated addresses or networks ({e})"
+        ) from e
 
 
 def _tcp(text: str) -> tuple[str, int] | None:

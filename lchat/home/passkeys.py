@@ -54,6 +54,10 @@ from webauthn.helpers import (
     parse_registration_credential_json,
 )
 from webauthn.helpers.cose import COSEAlgorithmIdentifier
+from webauthn.helpers.decode_credential_public_key import (
+    DecodedRSAPublicKey,
+    decode_credential_public_key,
+)
 from webauthn.helpers.exceptions import WebAuthnException
 from webauthn.helpers.structs import (
     AttestationConveyancePreference,
@@ -76,6 +80,12 @@ ALGORITHMS = [
 CHALLENGE_BYTES = 32
 MAX_USER_HANDLE_BYTES = 64  # WebAuthn's limit on user.id
 MAX_CREDENTIAL_ID_BYTES = 1023  # WebAuthn L3 §7.1 step 23: longer ones are refused
+# RS256 keys: the modulus within these bits and a small odd public exponent. A verification's
+# cost grows with both (and runs on the reactor): a 16384-bit modulus or a huge exponent would
+# let one passkey make every login with it, or a flood of registrations, expensive.
+RSA_MIN_BITS = 2048
+RSA_MAX_BITS = 4096
+RSA_MAX_EXPONENT = (1 << 32) - 1
 DEFAULT_TIMEOUT_MS = 300_000  # the browser's hint; the sealed session's window is the real limit
 
 Response = str | Mapping[str, Any]  # the browser's PublicKeyCredential JSON, as text or parsed
@@ -278,6 +288,7 @@ class Passkeys:
             )
         except (WebAuthnException, ValueError, TypeError, KeyError) as e:
             raise CeremonyFailed(f"passkey registration does not verify: {e}") from e
+        check_public_key(verified.credential_public_key)
         if len(verified.credential_id) > MAX_CREDENTIAL_ID_BYTES:
             raise CeremonyFailed(
                 f"credential ID is {len(verified.credential_id)} bytes, over WebAuthn's "
@@ -334,6 +345,7 @@ class Passkeys:
         )
         if stored is None:
             raise UnknownCredential(presented.raw_id)
+        check_public_key(stored.public_key)  # one stored before the bound never verifies
         handle = presented.response.user_handle
         if handle and handle != user_handle(uid):  # absent or empty: a non-discoverable login
             raise CeremonyFailed("the credential's user handle belongs to another account")
@@ -384,6 +396,25 @@ class Passkeys:
         if handle_text and bytes_to_base64url(handle or b"") != handle_text.rstrip("="):
             raise CeremonyFailed("passkey login response is malformed: userHandle is not base64url")
         return credential
+
+
+def check_public_key(public_key: bytes) -> None:
+    """:class:`CeremonyFailed` unless ``public_key`` (COSE) parses, and an RSA one has a modulus of
+    :data:`RSA_MIN_BITS` to :data:`RSA_MAX_BITS` bits and an odd exponent of 3 to
+    :data:`RSA_MAX_EXPONENT`."""
+    try:
+        decoded = decode_credential_public_key(public_key)
+    except Exception as e:  # hostile CBOR: any parse failure is a refusal
+        raise CeremonyFailed(f"the passkey's public key does not parse: {e}") from e
+    if isinstance(decoded, DecodedRSAPublicKey):
+        bits = int.from_bytes(decoded.n, "big").bit_length()
+        exponent = int.from_bytes(decoded.e, "big")
+        if not RSA_MIN_BITS <= bits <= RSA_MAX_BITS:
+            raise CeremonyFailed(
+                f"an RSA passkey's modulus is {RSA_MIN_BITS} to {RSA_MAX_BITS} bits, not {bits}"
+            )
+        if not (3 <= exponent <= RSA_MAX_EXPONENT and exponent % 2 == 1):
+            raise CeremonyFailed("an RSA passkey's public exponent must be odd, 3 to 2**32-1")
 
 
 def _as_json(response: Response) -> str | dict[str, Any]:

@@ -11,6 +11,9 @@ own S3 client, :class:`lchat.objstore.s3.S3Store`, through the
     <prefix>tokens/<sha256>    write-once pointer (If-None-Match: *), body = uid
     <prefix>revoked/<sha256>   revocation marker of a link token (plain PUT), body = JSON
                                {uid, device, time}; deleted by any lister after 2 days
+    <prefix>used/<sha256>      single-use record of a challenge or proof (If-None-Match: *),
+                               body = JSON {expires}; never read or listed: the bucket's
+                               lifecycle rule expires the prefix (a day is plenty)
 
 Decisions, and why:
 
@@ -50,7 +53,7 @@ Requests per operation: ``get_blob`` 1 GET; ``put_blob``/``put_user`` 1 PUT (+1 
 conflict); ``get_user`` 1 GET; ``update_user`` 1 GET + 1 PUT per attempt; ``put_pointer`` 1 PUT
 (+1 GET if it exists); ``resolve_pointer`` 1 GET; ``list_blob_versions`` 1 LIST;
 ``get_blob_version`` 1 LIST + 1 GET; ``delete_user`` 2 LISTs + 1 DELETE per version + 2 LISTs;
-``mark_revoked`` 1 PUT; ``revoked_since`` 1 LIST (ListObjectsV2 of ``revoked/``, a page of 1000
+``mark_revoked`` 1 PUT; ``use_once`` 1 conditional PUT; ``revoked_since`` 1 LIST (ListObjectsV2 of ``revoked/``, a page of 1000
 markers: 2 days of revocations) + 1 conditional DELETE per marker past its 2 days.
 
 The revocation feed lists every live marker each time (the keys are digests: their order says
@@ -97,6 +100,7 @@ from lchat.home.store import (
     check_digest,
     check_pointer,
     check_uid,
+    check_used_name,
     decode_user,
     encode_user,
     measured,
@@ -332,6 +336,18 @@ class S3VaultStore:
         key = self._pointer_key(kind, name)
         with measured(BACKEND, "resolve_pointer", self._clock), self._failures("resolve_pointer"):
             return await self._read_pointer(key)
+
+    async def use_once(self, name: str, expires_at: float) -> bool:
+        key = f"{self._prefix}used/{check_used_name(name)}"
+        body = json.dumps({"expires": round(expires_at)}).encode()
+        with measured(BACKEND, "use_once", self._clock), self._failures("use_once"):
+            try:
+                await self._objects.put(
+                    key, body, if_none_match=True, content_type="application/json"
+                )
+            except PreconditionFailed:
+                return False
+        return True
 
     async def delete_user(self, uid: str) -> None:
         keys = (self._blob_key(uid), self._user_key(uid))

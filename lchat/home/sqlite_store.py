@@ -25,6 +25,10 @@
   (never reused, committed in order: SQLite has one writer), so the cursor is the last number
   seen and a poll is one ``SELECT`` of the rows above it. Rows past their 2 days are deleted by
   the poll that finds them (the only time a poll takes the write lock).
+- **Single-use records** (:meth:`~SQLiteVaultStore.use_once`: used WebAuthn challenges and
+  ceremony proofs) are rows of ``used``; the insert that finds the name there already says "used";
+  each insert first deletes the rows past their expiry (an index range, usually empty).
+- User documents are decoded and encoded in the worker thread, never on the reactor.
 - Failures of SQLite itself (locked past ``busy_timeout``, I/O errors, a corrupt or foreign file)
   raise :class:`~lchat.home.store.StoreError`, logged once with the file's path.
 
@@ -66,6 +70,7 @@ from lchat.home.store import (
     check_digest,
     check_pointer,
     check_uid,
+    check_used_name,
     decode_user,
     encode_user,
     measured,
@@ -128,6 +133,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             device    TEXT NOT NULL,
             marked_ms INTEGER NOT NULL
         )""",
+    ),
+    (
+        # Single-use records (challenges, proofs): a name is accepted once; rows past their
+        # expiry are deleted by later writes (the index keeps that cheap).
+        """CREATE TABLE used (
+            name       TEXT PRIMARY KEY,
+            expires_ms INTEGER NOT NULL
+        ) WITHOUT ROWID""",
+        "CREATE INDEX used_expiry ON used (expires_ms)",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -309,19 +323,18 @@ class SQLiteVaultStore:
     async def get_user(self, uid: str) -> UserDoc | None:
         check_uid(uid)
         with measured(BACKEND, "get_user", self._clock):
-            row: tuple[str, int] | None = await self._run("get_user", _get_user, uid)
-        if row is None:
-            return None
-        text, version = row
-        return UserDoc(decode_user(text.encode(), f"{self.describe()} user"), str(version))
+            # Decoded in the worker thread: the reactor never parses a document.
+            return await self._run("get_user", _get_user, uid, f"{self.describe()} user {uid}")
 
     async def put_user(self, uid: str, doc: Mapping[str, Any], expected_version: str) -> str:
         check_uid(uid)
-        text = encode_user(doc).decode()
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"a user document is a JSON object, not {type(doc).__name__}")
         with measured(BACKEND, "put_user", self._clock):
             try:
+                # Encoded in the worker thread (ValueError/DocumentTooLarge come back from it).
                 version: int = await self._run(
-                    "put_user", _put_user, uid, text, expected_version, self._clock.seconds()
+                    "put_user", _put_user, uid, doc, expected_version, self._clock.seconds()
                 )
             except Conflict:
                 CAS_CONFLICTS.labels(BACKEND, "user").inc()
@@ -345,6 +358,11 @@ class SQLiteVaultStore:
         check_pointer(kind, name)
         with measured(BACKEND, "resolve_pointer", self._clock):
             return await self._run("resolve_pointer", _resolve_pointer, kind, name)
+
+    async def use_once(self, name: str, expires_at: float) -> bool:
+        check_used_name(name)
+        with measured(BACKEND, "use_once", self._clock):
+            return await self._run("use_once", _use_once, name, expires_at, self._clock.seconds())
 
     async def delete_user(self, uid: str) -> None:
         check_uid(uid)
@@ -411,6 +429,7 @@ def _check(conn: sqlite3.Connection) -> None:
     conn.execute("SELECT 1 FROM users LIMIT 1").fetchall()
     conn.execute("SELECT 1 FROM pointers LIMIT 1").fetchall()
     conn.execute("SELECT 1 FROM revocations LIMIT 1").fetchall()
+    conn.execute("SELECT 1 FROM used LIMIT 1").fetchall()
 
 
 def _issued(conn: sqlite3.Connection) -> tuple[int, int]:
@@ -493,14 +512,21 @@ def _get_blob_version(conn: sqlite3.Connection, uid: str, version: int) -> bytes
     return None if row is None else bytes(row[0])
 
 
-def _get_user(conn: sqlite3.Connection, uid: str) -> tuple[str, int] | None:
+def _get_user(conn: sqlite3.Connection, uid: str, where: str) -> UserDoc | None:
     row = conn.execute("SELECT doc, version FROM users WHERE uid = ?", (uid,)).fetchone()
-    return None if row is None else (str(row[0]), int(row[1]))
+    if row is None:
+        return None
+    return UserDoc(decode_user(str(row[0]).encode(), where), str(row[1]))
 
 
 def _put_user(
-    conn: sqlite3.Connection, uid: str, text: str, expected_version: str, now: float
+    conn: sqlite3.Connection,
+    uid: str,
+    doc: Mapping[str, Any],
+    expected_version: str,
+    now: float,
 ) -> int:
+    text = encode_user(doc).decode()
     with _write_transaction(conn):
         row = conn.execute("SELECT version FROM users WHERE uid = ?", (uid,)).fetchone()
         current = 0 if row is None else int(row[0])
@@ -532,6 +558,16 @@ def _resolve_pointer(conn: sqlite3.Connection, kind: str, name: str) -> str | No
         "SELECT uid FROM pointers WHERE kind = ? AND name = ?", (kind, name)
     ).fetchone()
     return None if row is None else str(row[0])
+
+
+def _use_once(conn: sqlite3.Connection, name: str, expires_at: float, now: float) -> bool:
+    with _write_transaction(conn):
+        conn.execute("DELETE FROM used WHERE expires_ms < ?", (int(now * 1000),))
+        inserted = conn.execute(
+            "INSERT INTO used (name, expires_ms) VALUES (?, ?) ON CONFLICT DO NOTHING",
+            (name, int(expires_at * 1000)),
+        ).rowcount
+    return bool(inserted == 1)
 
 
 def _delete_user(conn: sqlite3.Connection, uid: str) -> None:

@@ -6,9 +6,11 @@ another began (``/work/shared/seeds/planet-scale.txt``, "Home is stateless"):
 - A **ceremony proof** (:class:`CeremonyProofs`) says "this client finished a WebAuthn ceremony as
   ``uid``, for ``purpose``, until ``expires_at``" (5 minutes). It is
   ``base64url(payload JSON) "." base64url(HMAC-SHA256(proof key, payload segment))``: readable by
-  anyone, forgeable by no one without the key, verified in constant time. It is a bearer capability:
-  stateless means it is not single-use, so within its window it may be presented more than once;
-  ``purpose`` confines it to one kind of action.
+  anyone, forgeable by no one without the key, verified in constant time. It is a bearer capability
+  that ``purpose`` confines to one kind of action (a step-up proof to one change, ``action``, by one
+  device). This module keeps no state, so it cannot make it single-use: the API does, with the
+  store's single-use record (``VaultStore.use_once`` of its SHA-256), as it does for every
+  WebAuthn challenge (lchat.home.api).
 - A **sealed WebAuthn session** (:class:`SessionSealer`) is the in-flight ceremony (challenge, uid,
   RP ID, user-verification requirement, expiry) serialised to JSON and sealed with AES-256-GCM under a
   random 96-bit nonce, with the ceremony's purpose (``register``/``login``/``link``) as associated
@@ -78,7 +80,7 @@ SESSION_TTL = 300.0  # seconds: how long a begun WebAuthn ceremony may take to f
 PROOF_KEY_INFO = b"lchat-home/v1 ceremony-proof HMAC-SHA256"
 SEAL_KEY_INFO = b"lchat-home/v1 webauthn-session AES-256-GCM"
 
-SessionPurpose = Literal["register", "login", "link"]
+SessionPurpose = Literal["register", "login", "link", "stepup"]
 SESSION_PURPOSES: frozenset[str] = frozenset(get_args(SessionPurpose))
 UserVerification = Literal["required", "preferred", "discouraged"]
 _USER_VERIFICATIONS: frozenset[str] = frozenset(get_args(UserVerification))
@@ -310,6 +312,9 @@ class CeremonyProof:
     uid: str
     purpose: str
     expires_at: float
+    credential: str = ""  # sha256 hex of the passkey that finished the ceremony ("": unknown)
+    action: str = ""  # a step-up's one change, e.g. "DELETE /api/devices/<id>"
+    device: str = ""  # a step-up's device (the link token that asked for it)
 
 
 @frozen
@@ -322,11 +327,26 @@ class CeremonyProofs:
     ttl: float = PROOF_TTL
     accept_key: bytes = field(default=b"", repr=_hide)  # verifies too, never signs (b"": none)
 
-    def issue(self, uid: str, purpose: str) -> str:
-        """A proof that ``uid`` just finished a ceremony, good for ``purpose`` during ``ttl``."""
+    def issue(
+        self,
+        uid: str,
+        purpose: str,
+        *,
+        credential: str = "",
+        action: str = "",
+        device: str = "",
+        ttl: float | None = None,
+    ) -> str:
+        """A proof that ``uid`` just finished a ceremony (with the passkey whose SHA-256 is
+        ``credential``), good for ``purpose`` (and, a step-up, for ``action`` by ``device``
+        only) during ``ttl`` (default :attr:`ttl`)."""
         if not uid or not purpose:
             raise ValueError("a ceremony proof needs a uid and a purpose")
-        payload = {"v": 1, "u": uid, "p": purpose, "e": self.clock() + self.ttl}
+        lifetime = self.ttl if ttl is None else ttl
+        payload: dict[str, Any] = {"v": 1, "u": uid, "p": purpose, "e": self.clock() + lifetime}
+        for name, value in (("c", credential), ("a", action), ("d", device)):
+            if value:
+                payload[name] = value
         segment = _b64url(json.dumps(payload, separators=(",", ":"), sort_keys=True).encode())
         return f"{segment}.{_b64url(self._tag(segment))}"
 
@@ -379,6 +399,7 @@ class CeremonyProofs:
             or not payload["u"]
             or not isinstance(payload.get("p"), str)
             or not _is_time(payload.get("e"))
+            or not all(isinstance(payload.get(k, ""), str) for k in ("c", "a", "d"))
         ):
             raise ProofNotAuthentic("ceremony proof payload is malformed")
         if payload["p"] != purpose:
@@ -387,7 +408,14 @@ class CeremonyProofs:
             )
         if self.clock() >= payload["e"]:
             raise ProofExpired("ceremony proof has expired: finish a passkey ceremony again")
-        return CeremonyProof(uid=payload["u"], purpose=payload["p"], expires_at=payload["e"])
+        return CeremonyProof(
+            uid=payload["u"],
+            purpose=payload["p"],
+            expires_at=payload["e"],
+            credential=payload.get("c", ""),
+            action=payload.get("a", ""),
+            device=payload.get("d", ""),
+        )
 
 
 @frozen
@@ -401,6 +429,7 @@ class WebAuthnSession:
     rp_id: str
     user_verification: UserVerification
     expires_at: float
+    bound: str = ""  # what the ceremony is for beyond its purpose (a step-up's change)
 
 
 def _check_purpose(purpose: str) -> None:
@@ -429,8 +458,10 @@ class SessionSealer:
         challenge: bytes,
         rp_id: str,
         user_verification: UserVerification = "preferred",
+        bound: str = "",
     ) -> str:
-        """The ``?session=`` value carrying this ceremony, good for ``purpose`` during ``ttl``."""
+        """The ``?session=`` value carrying this ceremony, good for ``purpose`` during ``ttl``;
+        ``bound`` (sealed too) names what exactly it is for (a step-up's one change)."""
         _check_purpose(purpose)
         if not challenge or not rp_id or user_verification not in _USER_VERIFICATIONS:
             raise ValueError("a WebAuthn session needs a challenge, an RP ID and a UV requirement")
@@ -442,6 +473,7 @@ class SessionSealer:
                 "r": rp_id,
                 "uv": user_verification,
                 "e": self.clock() + self.ttl,
+                **({"b": bound} if bound else {}),
             },
             separators=(",", ":"),
             sort_keys=True,
@@ -508,6 +540,7 @@ class SessionSealer:
             or not fields["r"]
             or fields.get("uv") not in _USER_VERIFICATIONS
             or not _is_time(fields.get("e"))
+            or not isinstance(fields.get("b", ""), str)
         ):
             raise SessionNotAuthentic("WebAuthn session payload is malformed")
         if self.clock() >= fields["e"]:
@@ -519,6 +552,7 @@ class SessionSealer:
             rp_id=fields["r"],
             user_verification=fields["uv"],
             expires_at=fields["e"],
+            bound=fields.get("b", ""),
         )
 
 

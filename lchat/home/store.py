@@ -80,6 +80,13 @@ log = Logger()
 NO_VERSION = "0"  # the universal "nothing yet" version
 KEEP_VERSIONS = 5  # blob versions the interface keeps reachable (the current one included)
 
+# The largest user document stored or parsed (its JSON): with LCHAT_HOME_MAX_DEVICES at most 200
+# devices (~150 bytes each) it never comes near; it bounds what one account can make any call
+# decode, copy and encode. A larger write is refused (DocumentTooLarge), a larger stored one is
+# never parsed (StoreError: that account only gets 503s).
+MAX_USER_DOC = 64 * 1024
+_USED_NAME = re.compile(r"[0-9a-f]{64}")  # a single-use record's name: a SHA-256, hex
+
 MARKER_LIFETIME = 2 * 86400.0  # seconds a revocation marker lives: longer than any cache entry
 _DIGEST = re.compile(r"[0-9a-f]{64}")  # a link token's SHA-256, lowercase hex
 
@@ -97,13 +104,14 @@ _POINTER_NAME = re.compile(r"[A-Za-z0-9_-]{1,512}")
 UPDATE_ATTEMPTS = 20
 UPDATE_BACKOFF = Backoff(0.005, 0.25, jitter=(0.5, 1.0))
 
-Outcome = Literal["ok", "conflict", "bad_version", "pointer_taken", "error"]
+Outcome = Literal["ok", "conflict", "bad_version", "pointer_taken", "too_large", "error"]
 
 OPERATIONS = Counter(
     "lchat_home_store_operations_total",
     "Home store operations, by backend (sqlite, s3), operation and outcome (ok, conflict: a CAS "
     "lost to another writer or a stale version; bad_version: a version never issued (SQLite); "
-    "pointer_taken; error: the store failed, the client saw a 503)",
+    "pointer_taken; too_large: a user document over MAX_USER_DOC, not written; error: the store "
+    "failed, the client saw a 503)",
     ["backend", "operation", "outcome"],
 )
 LATENCY = Histogram(
@@ -148,6 +156,10 @@ class PointerTaken(HomeStoreError):
 class StoreError(HomeStoreError):
     """The store itself failed (unreachable, 5xx, timeouts, disk, a locked or corrupt database).
     Nothing is known about whether a write landed; the API answers 503 and the client retries."""
+
+
+class DocumentTooLarge(HomeStoreError):
+    """A user document over :data:`MAX_USER_DOC` bytes was not written (the API answers 413)."""
 
 
 class Blob(NamedTuple):
@@ -267,6 +279,16 @@ class VaultStore(Protocol):
         next listing)."""
         ...
 
+    async def use_once(self, name: str, expires_at: float) -> bool:
+        """Record that the single-use thing ``name`` (a SHA-256, 64 lowercase hex: of a WebAuthn
+        challenge, a ceremony proof) was used: True the first time, False every later time, on
+        every process sharing the store (one conditional write: SQLite an ``INSERT`` that
+        conflicts, S3 a ``PUT`` of ``used/<name>`` with ``If-None-Match: *``). ``expires_at``
+        (unix seconds) is when the thing stops being accepted anyway: the record may be dropped
+        after it (SQLite deletes expired rows as it writes; S3 leaves it to the bucket's
+        lifecycle rule on ``used/``), never before."""
+        ...
+
     async def delete_user(self, uid: str) -> None:
         """Remove the user's blob (every version) and document. Pointers stay (they deny by
         construction). Idempotent. A write racing the delete may survive it: revoke first."""
@@ -361,17 +383,37 @@ def check_digest(digest: str) -> str:
     return digest
 
 
+def check_used_name(name: str) -> str:
+    if not isinstance(name, str) or not _USED_NAME.fullmatch(name):
+        raise ValueError(f"not a single-use record name (64 lowercase hex): {name!r}")
+    return name
+
+
 def encode_user(doc: Mapping[str, Any]) -> bytes:
-    """The stored form of a user document: compact, key-sorted JSON (one spelling per document)."""
+    """The stored form of a user document: compact, key-sorted JSON (one spelling per document).
+    :class:`DocumentTooLarge` past :data:`MAX_USER_DOC` bytes."""
     if not isinstance(doc, Mapping):
         raise ValueError(f"a user document is a JSON object, not {type(doc).__name__}")
     try:
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ValueError(f"the user document is not JSON: {e}") from e
+    if len(data) > MAX_USER_DOC:
+        raise DocumentTooLarge(f"a user document is at most {MAX_USER_DOC} bytes, not {len(data)}")
+    return data
 
 
 def decode_user(data: bytes, where: str) -> dict[str, Any]:
+    if len(data) > MAX_USER_DOC:
+        # Never parsed: one account must not make a call spend long on the reactor.
+        log.error(
+            "home store: {where} is {size} bytes, over {cap}: not read (that account is answered "
+            "503; it was written before the cap, delete or trim it)",
+            where=where,
+            size=len(data),
+            cap=MAX_USER_DOC,
+        )
+        raise StoreError(f"{where}: the stored user document is over {MAX_USER_DOC} bytes")
     try:
         doc = json.loads(data)
     except ValueError as e:
@@ -397,6 +439,9 @@ def measured(backend: str, operation: str, clock: IReactorTime) -> Iterator[None
     except PointerTaken:
         outcome = "pointer_taken"
         raise
+    except DocumentTooLarge:
+        outcome = "too_large"
+        raise
     except BaseException:
         outcome = "error"
         raise
@@ -408,12 +453,14 @@ def measured(backend: str, operation: str, clock: IReactorTime) -> Iterator[None
 __all__ = [
     "KEEP_VERSIONS",
     "MARKER_LIFETIME",
+    "MAX_USER_DOC",
     "NO_VERSION",
     "POINTER_KINDS",
     "BadVersion",
     "Blob",
     "BlobVersion",
     "Conflict",
+    "DocumentTooLarge",
     "HomeStoreError",
     "PointerKind",
     "PointerTaken",

@@ -32,6 +32,7 @@ from lchat.admin import clear_stale_socket
 from lchat.config import ConfigError
 from lchat.home import config as home_config
 from lchat.home.api import CappedRequest, HomeAPI, HomeResource
+from lchat.home.limits import Limits
 from lchat.home.passkeys import Passkeys
 from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
@@ -153,8 +154,12 @@ class HomeService(MultiService):
             origins=cfg.origins,
             clock=self._reactor.seconds,
             feed=self.feed,
+            limits=Limits.build(dict(cfg.rates), self._reactor.seconds, cfg.limit_keys),
+            max_devices=cfg.max_devices,
+            vault_max=cfg.vault_max,
+            step_up_window=cfg.step_up_window,
         )
-        site = QuietSite(HomeResource(self.api))
+        site = QuietSite(HomeResource(self.api, cfg.trusted_proxies))
         site.requestFactory = CappedRequest  # a body past 64 KiB: 413 before it is buffered
         for path in (cfg.socket, cfg.admin_socket):
             # A socket left by a process that is gone is removed; one that answers is another
@@ -222,6 +227,10 @@ class HomeService(MultiService):
             "revocation_poll": self.cfg.revocation_poll,
             "revocation_feed_ok": self.feed.cache.trusted if self.feed is not None else False,
             "cached_tokens": len(self.feed.cache) if self.feed is not None else 0,
+            "limits": self.api.limits.describe() if self.api is not None else {},
+            "max_devices": self.cfg.max_devices,
+            "vault_max": self.cfg.vault_max,
+            "step_up_window": self.cfg.step_up_window,
         }
 
 
