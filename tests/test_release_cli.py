@@ -10,10 +10,12 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 from twisted.trial.unittest import TestCase
 
 from lchat.registry import Registry, Route
+from lchat.release import feed as feedlib
 from lchat.release.layout import BuildLayout
 from tests.s3servers import shared_server
 from tests.test_release_feed import closed_port_url, serve_directory
@@ -135,6 +137,45 @@ class ReleaseCliTests(TestCase):
             [r[:4] for r in rows[1:3]], [["1.0.0", "yes", "0", "yes"], ["1.1.0", "yes", "1", "yes"]]
         )
         self.assertIn("feed: feed_version 2 from the mirror", listed.stdout)
+
+    def test_publish_signs_an_expiry_and_refresh_extends_it(self) -> None:
+        pubkey = self.keygen()
+        feed_dir = os.path.join(self.www, "feed")
+        publisher = self.env_file("publisher.env", LCHAT_RELEASE_FEED_VALIDITY="2h")
+        started = time.time()
+        published = lchat(
+            "release", "publish", "1.0.0", self.build("1.0.0"), "--key", self.key,
+            "--to", feed_dir, "--env-file", publisher,
+        )  # fmt: skip
+        self.assertEqual(published.returncode, 0, published)
+        with open(os.path.join(feed_dir, "feed.json")) as f:
+            first = json.load(f)
+        expires = feedlib.parse_stamp(first["expires_at"])
+        self.assertLess(abs(expires - (started + 7200)), 120)
+        self.assertIn(f"expires {first['expires_at']}", published.stdout)
+
+        longer = self.env_file("longer.env", LCHAT_RELEASE_FEED_VALIDITY="30d")
+        refreshed = lchat(
+            "release", "refresh", "--key", self.key, "--to", feed_dir, "--env-file", longer
+        )
+        self.assertEqual(refreshed.returncode, 0, refreshed)
+        self.assertIn("refreshed the feed as feed_version 2", refreshed.stdout)
+        with open(os.path.join(feed_dir, "feed.json")) as f:
+            second = json.load(f)
+        self.assertEqual((second["feed_version"], sorted(second["versions"])), (2, ["1.0.0"]))
+        self.assertGreater(feedlib.parse_stamp(second["expires_at"]), started + 29 * 86400)
+
+        box = self.env_file("router.env", LCHAT_RELEASE_URL=self.url, LCHAT_RELEASE_PUBKEY=pubkey)
+        listed = lchat("release", "list", "--env-file", box)
+        self.assertEqual(listed.returncode, 0, listed)
+        self.assertIn(f"expires {second['expires_at']}", listed.stdout)
+
+        bad = self.env_file("bad.env", LCHAT_RELEASE_FEED_VALIDITY="5m")
+        refused = lchat(
+            "release", "refresh", "--key", self.key, "--to", feed_dir, "--env-file", bad
+        )
+        self.assertEqual(refused.returncode, 1, refused)
+        self.assertIn("LCHAT_RELEASE_FEED_VALIDITY=5m must be between 1h and 365d", refused.stderr)
 
     def test_refusals_are_one_line_and_change_nothing(self) -> None:
         pubkey = self.keygen()

@@ -22,6 +22,7 @@ from twisted.trial.unittest import TestCase
 from lchat.objstore.s3 import S3Store
 from lchat.release import feed as feedlib
 from lchat.release.fetch import (
+    FETCHES,
     BucketSource,
     Fetcher,
     HttpSource,
@@ -30,10 +31,11 @@ from lchat.release.fetch import (
     read_state,
 )
 from lchat.release.layout import BuildLayout
-from lchat.release.publish import BucketTarget, DirectoryTarget, publish
+from lchat.release.publish import BucketTarget, DirectoryTarget, publish, refresh
 from tests.s3servers import shared_server, store_for
 
 NOW = datetime.datetime(2026, 12, 2, 3, 0, tzinfo=datetime.UTC)
+DAY = 86400.0
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -104,7 +106,8 @@ class FeedTestCase(TestCase):
         chosen = list(targets) or [self.primary_target, self.mirror_target]
         return await publish(version, self.build(version, bot=bot), self.key, chosen, NOW)  # type: ignore[arg-type]
 
-    def fetcher(self, primary: str | None = None, mirror: bool = True) -> Fetcher:
+    def fetcher(self, primary: str | None = None, mirror: bool = True, at: float = 60.0) -> Fetcher:
+        """A box fetching ``at`` seconds after NOW (the feeds' publishing time)."""
         http = HttpSource(primary or self.url, http_client(reactor), reactor)
         bucket = BucketSource(self.store, "releases", f"s3://{self.bucket}/releases")
         return Fetcher(
@@ -113,6 +116,7 @@ class FeedTestCase(TestCase):
             state_file=self.state,
             primary=http,
             mirror=bucket if mirror else None,
+            clock=lambda: NOW.timestamp() + at,
         )
 
     def primary_files(self) -> dict[str, bytes]:
@@ -356,3 +360,74 @@ class AntiRollbackTests(FeedTestCase):
         self.assertIn("ConnectionRefused", message)
         self.assertIn("no object nowhere/feed.json", message)
         self.assertEqual(self.opt_listing(), [])  # <opt> was not even created
+
+
+class FreshnessTests(FeedTestCase):
+    """A signed ``expires_at``: a primary or mirror cannot freeze a box on an old feed, and a
+    fresh box (no release-state.json) does not take just any old signed feed."""
+
+    async def test_a_feed_past_its_expiry_is_refused_saying_so(self) -> None:
+        published = await self.publish("1.0.0")  # valid for 7 days by default
+        self.assertEqual(published.expires_at, "2026-12-09T03:00:00Z")
+        before = FETCHES.labels("primary", "expired")._value.get()
+        with self.assertRaises(NoUsableFeed) as e:
+            await self.fetcher(at=8 * DAY).fetch("1.0.0")  # a fresh box, a week later
+        message = str(e.exception)
+        self.assertEqual(message.count("expired at 2026-12-09T03:00:00Z (1 day ago)"), 2, message)
+        self.assertIn("lchat release refresh", message)
+        self.assertEqual(FETCHES.labels("primary", "expired")._value.get() - before, 1)
+        self.assertEqual(self.opt_listing(), [])  # nothing accepted, nothing installed
+
+    async def test_a_feed_within_its_expiry_is_accepted(self) -> None:
+        await self.publish("1.0.0")
+        what, _, source = await self.fetcher(at=7 * DAY - 60).fetch("1.0.0")
+        self.assertEqual((what, source), ("installed", "primary"))
+
+    async def test_a_tampered_expires_at_fails_the_signature(self) -> None:
+        await self.publish("1.0.0")
+        data = read_bytes(os.path.join(self.primary_dir, "feed.json"))
+        self.assertIn(b'"expires_at": "2026-12-09T03:00:00Z"', data)
+        extended = data.replace(b"2026-12-09T03:00:00Z", b"2036-12-09T03:00:00Z")
+        write_bytes(os.path.join(self.primary_dir, "feed.json"), extended)
+        await self.store.put("releases/feed.json", extended)
+        with self.assertRaises(NoUsableFeed) as e:
+            await self.fetcher(at=8 * DAY).fetch("1.0.0")
+        self.assertEqual(str(e.exception).count("does not verify against LCHAT_RELEASE_PUBKEY"), 2)
+
+    async def test_a_feed_without_expires_at_is_refused(self) -> None:
+        # What a release host signed before feeds expired: validly signed, but unbounded.
+        await self.publish("1.0.0")
+        doc = json.loads(read_bytes(os.path.join(self.primary_dir, "feed.json")))
+        del doc["expires_at"]
+        legacy = json.dumps(doc).encode()
+        self.restore_primary({"feed.json": legacy, "feed.json.sig": feedlib.sign(self.key, legacy)})
+        with self.assertRaises(NoUsableFeed) as e:
+            await self.fetcher(mirror=False).fetch("1.0.0")
+        self.assertIn("has no expires_at", str(e.exception))
+        self.assertIn("lchat release refresh", str(e.exception))
+
+    async def test_refresh_re_signs_the_same_builds_with_a_later_expiry(self) -> None:
+        await self.publish("1.0.0")
+        await self.fetcher(at=60).fetch("1.0.0")
+        later = NOW + datetime.timedelta(days=6)
+        refreshed = await refresh(
+            self.key, [self.primary_target, self.mirror_target], later, datetime.timedelta(days=3)
+        )
+        self.assertEqual(
+            (refreshed.feed_version, sorted(refreshed.versions), refreshed.expires_at),
+            (2, ["1.0.0"], "2026-12-11T03:00:00Z"),
+        )
+        feed, source, _ = await self.fetcher(at=8 * DAY).feed()
+        self.assertEqual((feed.feed_version, source), (2, "primary"))
+        # A publish keeps the validity it is given, and the builds listed before.
+        published = await publish(
+            "1.1.0",
+            self.build("1.1.0"),
+            self.key,
+            [self.primary_target],
+            later,
+            valid_for=datetime.timedelta(hours=12),
+        )
+        self.assertEqual(
+            (published.feed_version, published.expires_at), (3, "2026-12-08T15:00:00Z")
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -27,6 +28,9 @@ class SettingsTests(SynchronousTestCase):
         )
         self.assertEqual((s.url, s.opt_dir), ("https://releases.example.com/lchat", "/b"))
         self.assertEqual(s.state_file, "/b/release-state.json")
+        self.assertEqual(s.feed_validity, datetime.timedelta(days=7))
+        s = settings_mod.read({"LCHAT_RELEASE_FEED_VALIDITY": "36h"}, {})
+        self.assertEqual(s.feed_validity, datetime.timedelta(hours=36))
 
     def test_mirror_url_in_the_bucket_variables_form(self) -> None:
         s = settings_mod.read(
@@ -46,6 +50,9 @@ class SettingsTests(SynchronousTestCase):
             ("LCHAT_OPT_DIR", "opt", "must be an absolute path"),
             ("LCHAT_RELEASE_URL", "ftp://x/y", "must be an http(s) URL"),
             ("LCHAT_RELEASE_MIRROR_URL", "http://bucket", "LCHAT_RELEASE_MIRROR_URL"),
+            ("LCHAT_RELEASE_FEED_VALIDITY", "week", "is not a duration"),
+            ("LCHAT_RELEASE_FEED_VALIDITY", "10m", "must be between 1h and 365d"),
+            ("LCHAT_RELEASE_FEED_VALIDITY", "400d", "must be between 1h and 365d"),
         ]:
             with self.assertRaises(settings_mod.SettingsError) as e:
                 settings_mod.read({name: value}, {})

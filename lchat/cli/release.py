@@ -1,4 +1,4 @@
-"""``lchat release fetch|list|publish|keygen``, ``lchat deploy`` and ``lchat rollback``: space
+"""``lchat release fetch|list|publish|refresh|keygen``, ``lchat deploy`` and ``lchat rollback``: space
 builds from the signed feed, and switching this box's spaces between them
 (lchat.release; docs/operations.md, "Releases" and "Deploys and rollbacks")."""
 
@@ -23,7 +23,7 @@ from lchat.release.deploy import Deployer, DeployError, RouterRestarter, Systemd
 from lchat.release.feed import FeedError
 from lchat.release.fetch import BucketSource, FeedSource, Fetcher, HttpSource, http_client
 from lchat.release.layout import BadVersion
-from lchat.release.publish import BucketTarget, DirectoryTarget, PublishTarget, publish
+from lchat.release.publish import BucketTarget, DirectoryTarget, PublishTarget, publish, refresh
 from lchat.release.settings import ReleaseSettings, SettingsError
 
 RELEASE_SUMMARY = "fetch, list and publish space builds from the signed release feed"
@@ -72,15 +72,27 @@ def add_release_arguments(
     sub.add_argument("version", help="the new version's name")
     sub.add_argument("directory", help="the build: a directory with 'space' (and 'space-bot')")
     sub.add_argument("--key", required=True, metavar="FILE", help="the Ed25519 private key (PEM)")
+    _publish_targets(sub)
+    sub = actions.add_parser(
+        "refresh",
+        help="(release host) re-sign the feed with a new expiry (LCHAT_RELEASE_FEED_VALIDITY), "
+        "same builds: run it daily",
+    )
+    add_common(sub)
+    sub.add_argument("--key", required=True, metavar="FILE", help="the Ed25519 private key (PEM)")
+    _publish_targets(sub)
+    sub = actions.add_parser("keygen", help="(release host) make a signing key pair")
+    add_common(sub)
+    sub.add_argument("--out", required=True, metavar="FILE", help="where to write the private key")
+
+
+def _publish_targets(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--to", metavar="DIR", help="write into DIR (served as LCHAT_RELEASE_URL)")
     sub.add_argument(
         "--mirror",
         action="store_true",
         help="upload to the S3 mirror (LCHAT_RELEASE_MIRROR_URL)",
     )
-    sub = actions.add_parser("keygen", help="(release host) make a signing key pair")
-    add_common(sub)
-    sub.add_argument("--out", required=True, metavar="FILE", help="where to write the private key")
 
 
 def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +152,7 @@ def run_release(
         return _keygen(args.out, out)
     cfg = load_config(args)
     settings = settings_mod.read(cfg.file_env)
-    if args.release_action == "publish":
+    if args.release_action in ("publish", "refresh"):
         return _publish(args, cfg, settings, out)
     if args.release_action == "list":
         return _list(args, cfg, settings, open_registry, out)
@@ -246,7 +258,9 @@ def _list(
 
         feed, source = run_on_reactor(main)
         feed_versions = {v: r.released_at for v, r in feed.versions.items()}
-        feed_line = f"feed: feed_version {feed.feed_version} from the {source}"
+        feed_line = (
+            f"feed: feed_version {feed.feed_version} from the {source}, expires {feed.expires_at}"
+        )
     routes = [r for r in open_registry(cfg).load() if r.kind == "instance" and not r.elsewhere]
     on: dict[str, list[str]] = {}
     for route in routes:
@@ -284,7 +298,8 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
             key = feedlib.load_private_key(f.read(), args.key)
     except OSError as e:
         raise FeedError(f"--key {args.key}: {e.strerror or e}") from None
-    if not os.path.isdir(args.directory):
+    refreshing = args.release_action == "refresh"
+    if not refreshing and not os.path.isdir(args.directory):
         raise FeedError(f"{args.directory} is not a directory")
     to = os.path.abspath(args.to) if args.to else None
 
@@ -298,9 +313,12 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
             store = await _mirror_store(reactor, cfg, settings)
             stores.append(store)
             targets.append(BucketTarget(store, settings.mirror.prefix, settings.mirror_url))
+        now = datetime.datetime.now(datetime.UTC)
         try:
+            if refreshing:
+                return await refresh(key, targets, now, settings.feed_validity)
             return await publish(
-                args.version, args.directory, key, targets, datetime.datetime.now(datetime.UTC)
+                args.version, args.directory, key, targets, now, settings.feed_validity
             )
         finally:
             for store in stores:
@@ -308,9 +326,15 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
 
     feed = run_on_reactor(main)
     where = " and ".join(filter(None, [args.to, settings.mirror_url if args.mirror else ""]))
+    if refreshing:
+        out(
+            f"refreshed the feed as feed_version {feed.feed_version} on {where} "
+            f"({len(feed.versions)} versions listed), expires {feed.expires_at}"
+        )
+        return 0
     out(
         f"published {args.version} as feed_version {feed.feed_version} to {where} "
-        f"({len(feed.versions)} versions listed)"
+        f"({len(feed.versions)} versions listed), expires {feed.expires_at}"
     )
     return 0
 

@@ -10,6 +10,7 @@ The manifest::
 
     {"feed_version": 7,                      # monotonic: every publish is the previous + 1
      "released_at": "2026-12-02T03:00:00Z",
+     "expires_at": "2026-12-09T03:00:00Z",   # no box takes this feed after then
      "versions": {"1.4.0": {"released_at": "...",
                             "artefacts": {"space": {"path": "versions/1.4.0/space",
                                                     "sha256": "<64 hex>", "size": 123,
@@ -21,13 +22,17 @@ Invariants: a feed is trusted only when its signature verifies against the box's
 a context prefix, so no other Ed25519 signature by the same key can pass as a feed's; an
 artefact path is relative, without ``..``, so the same manifest serves from any base (the HTTP
 primary and the S3 mirror alike); every artefact carries its sha256 and size, which the installer
-checks before a byte reaches ``versions/``.
+checks before a byte reaches ``versions/``; ``expires_at`` is inside the signed bytes, so nobody
+without the signing key can extend a feed's life (a box refuses a feed past it, or without it:
+:func:`lchat.release.fetch.freshness`), and the release host re-signs before it passes
+(``lchat release refresh``: :func:`lchat.release.publish.refresh`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import hashlib
 import json
 import re
@@ -47,6 +52,10 @@ SIGNING_CONTEXT = b"lchat release feed v1\n"
 MAX_FEED_BYTES = 4 * 1024 * 1024
 MAX_ARTEFACT_BYTES = 2 * 1024 * 1024 * 1024
 ARTEFACT_NAMES = (SPACE_BINARY, SIDECAR_BINARY)
+DEFAULT_VALIDITY = datetime.timedelta(
+    days=7
+)  # a published feed's life (LCHAT_RELEASE_FEED_VALIDITY)
+_STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PATH_PART = re.compile(r"[0-9A-Za-z._+-]+")
@@ -162,14 +171,36 @@ class Feed:
     released_at: str
     versions: Mapping[str, Release]
     digest: str  # sha256 hex of feed.json's bytes
+    expires_at: str = ""  # RFC 3339 UTC; "" for a feed signed before feeds expired (refused)
 
     def to_bytes(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "feed_version": self.feed_version,
             "released_at": self.released_at,
             "versions": {v: r.as_json() for v, r in sorted(self.versions.items())},
         }
+        if self.expires_at:
+            doc["expires_at"] = self.expires_at
         return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+
+    @property
+    def expires(self) -> float | None:
+        """``expires_at`` as a Unix time (None: the feed has none)."""
+        return parse_stamp(self.expires_at) if self.expires_at else None
+
+
+def stamp(when: datetime.datetime) -> str:
+    """``2026-12-09T03:00:00Z``: how the feed writes times."""
+    return when.astimezone(datetime.UTC).strftime(_STAMP)
+
+
+def parse_stamp(text: str) -> float:
+    """A feed time (``YYYY-MM-DDTHH:MM:SSZ``) as a Unix time; :class:`FeedError` otherwise."""
+    try:
+        when = datetime.datetime.strptime(text, _STAMP).replace(tzinfo=datetime.UTC)
+    except (TypeError, ValueError):
+        raise FeedError(f"{text!r} is not a time of the form 2026-12-09T03:00:00Z") from None
+    return when.timestamp()
 
 
 def digest(data: bytes) -> str:
@@ -200,11 +231,20 @@ def parse(feed_bytes: bytes) -> Feed:
         except BadVersion as e:
             raise FeedError(f"the feed lists a bad version: {e}") from None
         releases[version] = _release(version, entry)
+    expires_at = doc.get("expires_at", "")
+    if expires_at != "":
+        if not isinstance(expires_at, str):
+            raise FeedError(f"expires_at {expires_at!r} is not a time")
+        try:
+            parse_stamp(expires_at)
+        except FeedError as e:
+            raise FeedError(f"expires_at: {e}") from None
     return Feed(
         feed_version=feed_version,
         released_at=str(doc.get("released_at", "")),
         versions=releases,
         digest=digest(feed_bytes),
+        expires_at=expires_at,
     )
 
 

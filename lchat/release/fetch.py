@@ -3,7 +3,10 @@
 The order (docs/operations.md, "Releases"):
 
 1. The primary (``LCHAT_RELEASE_URL``): ``feed.json`` and ``feed.json.sig``. It is used when its
-   signature verifies, it parses, and it is not older than the newest feed this box ever accepted
+   signature verifies, it parses, it has not expired (its signed ``expires_at`` is later than
+   this box's clock: a source cannot freeze a box on an old feed for longer than the feed's
+   validity, and a fresh box never takes an old one; a feed without ``expires_at`` is refused),
+   and it is not older than the newest feed this box ever accepted
    (``<opt>/release-state.json``: an older ``feed_version``, or the same one with other bytes,
    is a stale or frozen feed, never installed from).
 2. Otherwise the mirror (``LCHAT_RELEASE_MIRROR_URL``), under exactly the same checks: the mirror
@@ -38,6 +41,7 @@ from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.error import ConnectError, ConnectingCancelledError, DNSLookupError
 from twisted.internet.protocol import Protocol as TwistedProtocol
 from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
@@ -49,8 +53,15 @@ from lchat.release.feed import Artefact, Feed, FeedError, Release
 from lchat.release.layout import BuildLayout
 
 FETCHES = Counter(
-    "lchat_release_fetches_total", "Release feed reads by source and outcome", ["source", "outcome"]
+    "lchat_release_fetches_total",
+    "Release feed reads by source and outcome: ok, down, bad (signature or manifest), expired "
+    "(past its signed expires_at, or without one), stale (older than the feed this box accepted)",
+    ["source", "outcome"],
 )
+for _source in ("primary", "mirror"):
+    for _outcome in ("ok", "down", "bad", "expired", "stale"):
+        FETCHES.labels(_source, _outcome)
+_log = Logger(namespace="lchat.release")
 HTTP_TIMEOUT = 60.0
 BODY_TIMEOUT = 900.0  # a build of a few hundred MB over a slow link, with room to spare
 
@@ -344,6 +355,35 @@ def staleness(feed: Feed, accepted: Accepted | None) -> str | None:
     )
 
 
+def freshness(feed: Feed, now: float) -> str | None:
+    """Why ``feed`` must not be used at ``now`` (it expired, or it has no ``expires_at``), or
+    None when it may. The time is the feed's signed ``expires_at``: nobody without the signing
+    key can extend it."""
+    expires = feed.expires
+    if expires is None:
+        return (
+            f"feed_version {feed.feed_version} has no expires_at (signed before feeds expired, "
+            "so it could be replayed for ever): re-sign it on the release host with "
+            "`lchat release refresh`"
+        )
+    if now >= expires:
+        return (
+            f"expired: feed_version {feed.feed_version} expired at {feed.expires_at} "
+            f"({_ago(now - expires)} ago): a source serving an old feed, or a release host that "
+            "stopped re-signing it (`lchat release refresh`)"
+        )
+    return None
+
+
+def _ago(seconds: float) -> str:
+    if seconds >= 86400:
+        days = int(seconds // 86400)
+        return f"{days} day{'s' if days != 1 else ''}"
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)} h"
+    return f"{int(seconds)} s"
+
+
 # --- the fetcher -----------------------------------------------------------------------------------
 
 
@@ -380,9 +420,26 @@ class Fetcher:
                 ).inc()
                 problems.append(f"{name} {source.describe()}: {e}")
                 continue
+            expired = freshness(feed, self._clock())
+            if expired is not None:
+                FETCHES.labels(name, "expired").inc()
+                _log.warn(
+                    "release: refusing the feed from the {name} {source}: {why}",
+                    name=name,
+                    source=source.describe(),
+                    why=expired,
+                )
+                problems.append(f"{name} {source.describe()}: {expired}")
+                continue
             stale = staleness(feed, accepted)
             if stale is not None:
                 FETCHES.labels(name, "stale").inc()
+                _log.warn(
+                    "release: refusing the feed from the {name} {source}: {why}",
+                    name=name,
+                    source=source.describe(),
+                    why=stale,
+                )
                 problems.append(f"{name} {source.describe()}: {stale}")
                 continue
             FETCHES.labels(name, "ok").inc()

@@ -7,6 +7,11 @@ every older version listed, and writes the artefacts first, then ``feed.json``, 
 ``feed.json.sig``: a reader never sees a feed naming artefacts that are not there yet (and a
 reader between the last two writes reads again: lchat.release.fetch).
 
+Every feed written carries a signed ``expires_at``, ``valid_for`` after it was written (default 7
+days, ``LCHAT_RELEASE_FEED_VALIDITY``): boxes refuse it afterwards. ``refresh`` re-signs the
+current feed (same builds, ``feed_version`` + 1, a new ``expires_at``) without publishing a build:
+run it on the release host well within the validity (a daily timer), or boxes cannot fetch.
+
 Targets: a directory a static HTTP server serves (``LCHAT_RELEASE_URL``'s), and/or the S3 mirror.
 Both get the same bytes.
 """
@@ -17,6 +22,7 @@ import datetime
 import hashlib
 import os
 import stat
+from collections.abc import Iterable
 from typing import Protocol
 
 from attrs import frozen
@@ -134,37 +140,89 @@ async def current_feed(target: PublishTarget, key: Ed25519PrivateKey) -> Feed | 
     return feedlib.parse(data)
 
 
+def _check_validity(valid_for: datetime.timedelta) -> None:
+    if valid_for <= datetime.timedelta(0):
+        raise FeedError(f"a feed's validity must be positive, not {valid_for}")
+
+
+async def _newest(targets: list[PublishTarget], key: Ed25519PrivateKey) -> Feed | None:
+    currents = [await current_feed(t, key) for t in targets]
+    return max((f for f in currents if f is not None), key=lambda f: f.feed_version, default=None)
+
+
 async def publish(
     version: str,
     directory: str,
     key: Ed25519PrivateKey,
     targets: list[PublishTarget],
     now: datetime.datetime,
+    valid_for: datetime.timedelta = feedlib.DEFAULT_VALIDITY,
 ) -> Feed:
     """Publish ``version`` from ``directory`` to every target; returns the new feed. The new
-    ``feed_version`` is one more than the highest among the targets' current feeds."""
+    ``feed_version`` is one more than the highest among the targets' current feeds; it expires
+    ``valid_for`` after ``now``."""
     check_version(version)
+    _check_validity(valid_for)
     files = artefacts_of(version, directory)
-    currents = [await current_feed(t, key) for t in targets]
-    base = max((f for f in currents if f is not None), key=lambda f: f.feed_version, default=None)
+    base = await _newest(targets, key)
     versions = dict(base.versions) if base is not None else {}
     if version in versions:
         raise FeedError(
             f"version {version} is already in the feed (feed_version {base.feed_version if base else 0}): "
             "a published version never changes; publish a new version name"
         )
-    stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = feedlib.stamp(now)
     versions[version] = Release(version, stamp, {n: a for n, (a, _) in files.items()})
     new = Feed(
         feed_version=(base.feed_version if base is not None else 0) + 1,
         released_at=stamp,
         versions=versions,
         digest="",
+        expires_at=feedlib.stamp(now + valid_for),
     )
+    return await _sign_and_write(new, key, targets, files.values())
+
+
+async def refresh(
+    key: Ed25519PrivateKey,
+    targets: list[PublishTarget],
+    now: datetime.datetime,
+    valid_for: datetime.timedelta = feedlib.DEFAULT_VALIDITY,
+) -> Feed:
+    """Re-sign the newest of the targets' feeds with a new ``expires_at`` (``valid_for`` after
+    ``now``) and ``feed_version`` + 1, listing the same builds; written to every target. A feed
+    already expired is refreshed too (the release host vouches for it again); a target without
+    any feed is refused: there is nothing to refresh."""
+    _check_validity(valid_for)
+    base = await _newest(targets, key)
+    if base is None:
+        raise FeedError(
+            "no feed to refresh on "
+            + ", ".join(t.describe() for t in targets)
+            + ": publish a build first"
+        )
+    new = Feed(
+        feed_version=base.feed_version + 1,
+        released_at=feedlib.stamp(now),
+        versions=base.versions,
+        digest="",
+        expires_at=feedlib.stamp(now + valid_for),
+    )
+    return await _sign_and_write(new, key, targets, ())
+
+
+async def _sign_and_write(
+    new: Feed,
+    key: Ed25519PrivateKey,
+    targets: list[PublishTarget],
+    files: Iterable[tuple[Artefact, str]],
+) -> Feed:
+    """Artefacts first, then ``feed.json``, then its signature, on every target."""
     data = new.to_bytes()
     signature = feedlib.sign(key, data)
+    files = list(files)
     for target in targets:
-        for artefact, local in files.values():
+        for artefact, local in files:
             await target.upload(artefact.path, local)
         await target.write(feedlib.FEED_NAME, data)
         await target.write(feedlib.SIGNATURE_NAME, signature)

@@ -7,6 +7,9 @@ box's settings (:func:`lchat.config.load` keeps the file's values in ``BoxConfig
 ``LCHAT_RELEASE_MIRROR_URL``   the S3 mirror: ``s3://BUCKET[/PREFIX][?region=R&endpoint=URL]`` (the
                                box's AWS credential chain), or ``file:PATH``
 ``LCHAT_RELEASE_PUBKEY``       base64 of the raw 32-byte Ed25519 key that signs the feed
+``LCHAT_RELEASE_FEED_VALIDITY`` (release host) how long a feed it signs stays valid: its signed
+                               ``expires_at`` is this long after ``publish``/``refresh`` (default
+                               ``7d``; at least ``1h``, at most ``365d``)
 =============================  =====================================================================
 
 The process environment wins over the file, as for every other setting.
@@ -14,13 +17,15 @@ The process environment wins over the file, as for every other setting.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from attrs import frozen
 
-from lchat.config import ConfigError, RegionBucket, parse_bucket_url
+from lchat.config import ConfigError, RegionBucket, parse_bucket_url, parse_duration
+from lchat.release.feed import DEFAULT_VALIDITY
 from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
 VARIABLES = (
@@ -28,7 +33,10 @@ VARIABLES = (
     "LCHAT_RELEASE_URL",
     "LCHAT_RELEASE_MIRROR_URL",
     "LCHAT_RELEASE_PUBKEY",
+    "LCHAT_RELEASE_FEED_VALIDITY",
 )
+MIN_VALIDITY = datetime.timedelta(hours=1)  # shorter: a refresh timer's hiccup stops every fetch
+MAX_VALIDITY = datetime.timedelta(days=365)  # longer: a frozen source keeps boxes back that long
 
 
 class SettingsError(ValueError):
@@ -42,6 +50,7 @@ class ReleaseSettings:
     mirror: RegionBucket | None
     mirror_url: str  # as given, for messages
     pubkey: str  # "" when unset
+    feed_validity: datetime.timedelta = DEFAULT_VALIDITY  # what publish/refresh sign
 
     @property
     def layout(self) -> BuildLayout:
@@ -79,10 +88,25 @@ def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) 
             mirror = parse_bucket_url("LCHAT_RELEASE_MIRROR_URL", "", mirror_url)
         except ConfigError as e:
             raise SettingsError(str(e)) from None
+    validity = DEFAULT_VALIDITY
+    if get("LCHAT_RELEASE_FEED_VALIDITY"):
+        try:
+            seconds = parse_duration(
+                "LCHAT_RELEASE_FEED_VALIDITY", get("LCHAT_RELEASE_FEED_VALIDITY")
+            )
+        except ConfigError as e:
+            raise SettingsError(str(e)) from None
+        validity = datetime.timedelta(seconds=seconds)
+        if not MIN_VALIDITY <= validity <= MAX_VALIDITY:
+            raise SettingsError(
+                f"LCHAT_RELEASE_FEED_VALIDITY={get('LCHAT_RELEASE_FEED_VALIDITY')} must be "
+                f"between 1h and 365d (a feed's life after it is signed)"
+            )
     return ReleaseSettings(
         opt_dir=os.path.normpath(opt_dir),
         url=url,
         mirror=mirror,
         mirror_url=mirror_url,
         pubkey=get("LCHAT_RELEASE_PUBKEY"),
+        feed_validity=validity,
     )
