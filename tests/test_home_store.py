@@ -610,6 +610,15 @@ class Conformance(_Mixin):
         assert await self.revocation_rows() == []  # gone from storage, not only hidden
         assert (await self.store.revoked_since("")).markers == []
 
+    async def test_revocation_markers_live_a_cache_day_and_an_hour(self) -> None:
+        """The feed is compacted to what a cache can still hold (issue 29): a cache entry lives
+        at most to the end of its UTC day, so a marker 26 hours old is gone."""
+        await self.store.mark_revoked(digest(12), "user-1", "device-1")
+        day = await self.on_clock(ShiftedClock(24.5 * 3600))
+        assert [m.digest for m in (await day.revoked_since("")).markers] == [digest(12)]
+        later = await self.on_clock(ShiftedClock(26 * 3600))
+        assert (await later.revoked_since("")).markers == []
+
     async def revocation_rows(self) -> list[str]:
         """The digests the backend holds markers for, expired or not."""
         raise NotImplementedError

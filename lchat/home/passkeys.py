@@ -10,7 +10,9 @@ Each ceremony is two calls with nothing kept in between (the caller seals the ch
 
 Policy, decided here once:
 
-- **Algorithms**: EdDSA, ES256 and RS256 (:data:`ALGORITHMS`), all the library verifies.
+- **Algorithms**: EdDSA, ES256 and RS256 (:data:`ALGORITHMS`), all the library verifies. An RS256
+  key's modulus is bounded (:func:`check_public_key`, at registration and before every
+  verification): its cost is paid on the reactor.
 - **Attestation**: ``"none"`` is requested and nothing about the authenticator's make is trusted or
   required; home stores public-key metadata only (credential ID, COSE public key, sign count,
   transports, AAGUID) and no name.
@@ -27,7 +29,9 @@ Policy, decided here once:
   the private key can trip it. The credential is not revoked automatically (that would let a flaky
   authenticator lock its owner out; the owner can revoke it from another device), and the stored
   count is not changed. Authenticators that do not count (synced passkeys) report 0 forever and are
-  never judged. Concurrent logins with one counting authenticator can race: store
+  never judged: the sign count cannot stop their assertions from being replayed, so the API
+  records every challenge it accepted as used, on every replica (lchat.home.api,
+  ``VaultStore.use_once``). Concurrent logins with one counting authenticator can race: store
   ``max(stored, new)`` in the CAS loop, and the slower of the two simply fails and is retried.
 - Every failure is a :class:`PasskeyError` (answer 401, write nothing); no exception from parsing
   hostile input escapes as anything else.

@@ -10,7 +10,7 @@ own S3 client, :class:`lchat.objstore.s3.S3Store`, through the
     <prefix>creds/<credId>     write-once pointer (If-None-Match: *), body = uid
     <prefix>tokens/<sha256>    write-once pointer (If-None-Match: *), body = uid
     <prefix>revoked/<sha256>   revocation marker of a link token (plain PUT), body = JSON
-                               {uid, device, time}; deleted by any lister after 2 days
+                               {uid, device, time}; deleted by any lister after 25 hours
     <prefix>used/<sha256>      single-use record of a challenge or proof (If-None-Match: *),
                                body = JSON {expires}; never read or listed: the bucket's
                                lifecycle rule expires the prefix (a day is plenty)
@@ -54,11 +54,11 @@ conflict); ``get_user`` 1 GET; ``update_user`` 1 GET + 1 PUT per attempt; ``put_
 (+1 GET if it exists); ``resolve_pointer`` 1 GET; ``list_blob_versions`` 1 LIST;
 ``get_blob_version`` 1 LIST + 1 GET; ``delete_user`` 2 LISTs + 1 DELETE per version + 2 LISTs;
 ``mark_revoked`` 1 PUT; ``use_once`` 1 conditional PUT; ``revoked_since`` 1 LIST (ListObjectsV2 of ``revoked/``, a page of 1000
-markers: 2 days of revocations) + 1 conditional DELETE per marker past its 2 days.
+markers: 25 hours of revocations) + 1 conditional DELETE per marker past its 25 hours.
 
 The revocation feed lists every live marker each time (the keys are digests: their order says
 nothing about age, and markers are few), so its cursor is unused; ``LastModified`` (the bucket's
-clock) dates a marker, our clock decides when it is old, 2 days leave room for any skew.
+clock) dates a marker, our clock decides when it is old (store.MARKER_LIFETIME: a day and an hour for skew).
 
 The IAM policy needs, on the bucket: ``s3:GetObject``, ``s3:GetObjectVersion``, ``s3:PutObject``,
 ``s3:DeleteObject`` (expired revocation markers), ``s3:DeleteObjectVersion``, ``s3:ListBucket``,
@@ -379,7 +379,7 @@ class S3VaultStore:
             sort_keys=True,
         ).encode()
         with measured(BACKEND, "mark_revoked", self._clock), self._failures("mark_revoked"):
-            # A plain PUT: marking twice only moves the marker's date (its 2 days restart).
+            # A plain PUT: marking twice only moves the marker's date (its 25 hours restart).
             await self._objects.put(key, body, content_type="application/json")
 
     async def revoked_since(self, cursor: str) -> Revocations:

@@ -23,7 +23,7 @@
 - **Revocation markers** (the feed, :meth:`~SQLiteVaultStore.mark_revoked` and
   :meth:`~SQLiteVaultStore.revoked_since`) are rows numbered by an ``AUTOINCREMENT`` sequence
   (never reused, committed in order: SQLite has one writer), so the cursor is the last number
-  seen and a poll is one ``SELECT`` of the rows above it. Rows past their 2 days are deleted by
+  seen and a poll is one ``SELECT`` of the rows above it. Rows past their 25 hours are deleted by
   the poll that finds them (the only time a poll takes the write lock).
 - **Single-use records** (:meth:`~SQLiteVaultStore.use_once`: used WebAuthn challenges and
   ceremony proofs) are rows of ``used``; the insert that finds the name there already says "used";

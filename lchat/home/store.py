@@ -87,7 +87,11 @@ KEEP_VERSIONS = 5  # blob versions the interface keeps reachable (the current on
 MAX_USER_DOC = 64 * 1024
 _USED_NAME = re.compile(r"[0-9a-f]{64}")  # a single-use record's name: a SHA-256, hex
 
-MARKER_LIFETIME = 2 * 86400.0  # seconds a revocation marker lives: longer than any cache entry
+# Seconds a revocation marker lives: longer than any cache entry, and no longer (the feed every
+# replica lists stays as short as it can be). A token is trusted from the cache only on the UTC
+# day it was checked (lchat.home.revocation), so an entry that may still hold a token revoked at
+# t ends by the end of t's day, under 24 hours later; the extra hour covers replicas' clocks.
+MARKER_LIFETIME = 25 * 3600.0
 _DIGEST = re.compile(r"[0-9a-f]{64}")  # a link token's SHA-256, lowercase hex
 
 PointerKind = Literal["creds", "tokens"]
