@@ -256,8 +256,8 @@ class ChallengeResponder:
     def refused_busy(self, outcome: str, client: str) -> None:
         _lookups.labels(outcome).inc()
         self._busy_since_log += 1
-        now = self._clock.seconds() if self._clock is not None else float("inf")
-        if now - self._busy_logged >= BUSY_LOG_EVERY:
+        now = self._clock.seconds() if self._clock is not None else None
+        if now is None or now - self._busy_logged >= BUSY_LOG_EVERY:  # (no clock: every time)
             _log.warn(
                 "acme: refused {count} HTTP-01 lookups (404 without a lookup): too many waiting "
                 "({why}; the latest from {client})",
@@ -265,7 +265,7 @@ class ChallengeResponder:
                 why=f"{MAX_PER_CLIENT} from one client" if outcome == "busy_client" else "in all",
                 client=client,
             )
-            self._busy_logged = now
+            self._busy_logged = now if now is not None else self._busy_logged
             self._busy_since_log = 0
 
 
