@@ -159,6 +159,7 @@ class BucketChallengeTests(TestCase):
         gets_before = sum(outcome(o) for o in ("answered", "missing", "unauthenticated"))
         # The bucket answers slowly (every read under certs/challenges/ held) while one client
         # sends 40 random, well-formed tokens at once.
+        busy_before = outcome("busy_client")
         self.proxy.hold(request_matcher("GET", "challenges"))
         flood = [Deferred.fromCoroutine(self.get(token(), source="127.0.0.1")) for _ in range(40)]
         flooding = DeferredList(flood, consumeErrors=True)
@@ -174,6 +175,8 @@ class BucketChallengeTests(TestCase):
         ca = Deferred.fromCoroutine(self.get(ours, source="127.0.0.2"))
         await _sleep(0.2)
         self.assertFalse(ca.called)  # waiting for the bucket, as the CA would (not refused)
+        # That one address had 4 lookups waiting at most: the other 36 were refused at once.
+        self.assertEqual(outcome("busy_client") - busy_before, 36)
         self.proxy.pass_through()
         self.proxy.release_held()
         self.assertEqual(await ca, (200, f"{ours}.fleet-thumbprint".encode()))
