@@ -105,6 +105,9 @@ class MeshRouter:
         # peer url -> (left out of placement until, when it failed: the membership's clock)
         self._unreachable: dict[str, tuple[float, float]] = {}
         self._draining: dict[str, float] = {}  # peer url -> it is stopping: await releases until
+        # Peers left out because their port refused a forward (not silent): stopping or dead,
+        # so a wake here meets their lease (released, or judged) rather than a 503 (_cut_off).
+        self._refused: set[str] = set()
         self._reading: dict[str, Deferred[str | None]] = {}  # host -> the GET of its lease
         # LCHAT_REGION_BUCKETS: regions whose replicas live in a bucket other than ours. A space
         # homed in one of them is never woken here (our bucket's copy of it is stale or absent).
@@ -307,7 +310,7 @@ class MeshRouter:
         if silent_for(peer) >= self._mesh.dead_after and not fresh(peer):
             return False
         self._live()  # (forgets the marks of peers that answer again)
-        return peer in self._unreachable or unreachable(peer)
+        return (peer in self._unreachable and peer not in self._refused) or unreachable(peer)
 
     def _holder_unreachable(self, host: str, holder: str) -> Target:
         _forwards.labels("holder_unreachable").inc()
@@ -338,6 +341,7 @@ class MeshRouter:
         for url, (until, failed) in list(self._unreachable.items()):
             if until <= now or (answered is not None and answered(url, failed)):
                 del self._unreachable[url]  # (it answers this box's beats again: back)
+                self._refused.discard(url)
         members = self._membership.live()
         if not self._unreachable:
             return list(members)
@@ -359,6 +363,12 @@ class MeshRouter:
                 self._draining[peer] = max(self._draining.get(peer, 0.0), now + RELEASE_WAIT)
             else:
                 _forwards.labels("peer_unreachable").inc()
+            if why == "refused":
+                # Its port refused the connection: the box is up and its router is not (stopping,
+                # or killed). Unlike a silent cut, nothing of it can be serving the space.
+                self._refused.add(peer)
+            else:
+                self._refused.discard(peer)
             self._unreachable[peer] = (now + self._mesh.dead_after, self._mono())
             self._holders.pop(route.host, None)
             return Deferred.fromCoroutine(self._route_remote(route, local))

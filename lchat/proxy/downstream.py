@@ -822,7 +822,10 @@ class Downstream(asyncio.Protocol):
         if isinstance(target, RemotePeer) and target.fallback is not None:
             # A mesh peer that does not answer (stopping, or gone before its heartbeat aged
             # out): route again without it. Nothing was sent, so this is safe.
-            self._reroute(ex, target, "unreachable", f"unreachable ({why})")
+            refused = isinstance(failure.value, DialFailed) and failure.value.refused
+            self._reroute(
+                ex, target, "refused" if refused else "unreachable", f"unreachable ({why})"
+            )
             return
         _log.warn(
             "upstream for {host} unreachable: {why}", host=ex.head.host if ex.head else "?", why=why

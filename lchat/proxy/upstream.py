@@ -398,9 +398,13 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class DialFailed(Exception):
-    def __init__(self, why: str) -> None:
+    """No connection: ``refused`` when the last attempt was refused (the host is up, nothing
+    listens: a peer box whose router is stopping or dead), not silent or timed out."""
+
+    def __init__(self, why: str, *, refused: bool = False) -> None:
         super().__init__(why)
         self.why = why
+        self.refused = refused
 
 
 def _retryable(error: BaseException) -> bool:
@@ -670,7 +674,10 @@ class UpstreamPool:
                 why = str(error) or type(error).__name__
             if state["attempts"] > 1:
                 why += f" (after {state['attempts']} attempts)"
-            result.errback(DialFailed(why))
+            refused = isinstance(error, ConnectionRefusedError) or (
+                isinstance(error, OSError) and error.errno == errno.ECONNREFUSED
+            )
+            result.errback(DialFailed(why, refused=refused))
 
         attempt()
         return result
