@@ -564,7 +564,8 @@ class SharedCacheTests(SharedCacheBase):
         self.assertGreater(
             REGISTRY.get_sample_value(
                 "lchat_acme_challenge_lookups_total", {"outcome": "unauthenticated"}
-            ),
+            )
+            or 0.0,
             refused or 0.0,
         )
         # ...and never replaces the fleet's entry with one the fleet cannot read.
