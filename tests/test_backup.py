@@ -267,22 +267,73 @@ class ScanKeepsLocksTests(TestCase):
 
 
 class EnvFileSealTests(TestCase):
-    def test_sealed_for_one_name_and_key(self) -> None:
+    PLACE = layout.Layout("bk", "box1")
+
+    def test_sealed_for_one_place_name_and_key(self) -> None:
         key, other = b"k" * 32, b"o" * 32
-        blob = envfiles.seal("a.example.env", b"LCHAT_ADMIN_TOKEN=secret\n", key)
+        blob = envfiles.seal(self.PLACE, "a.example.env", b"LCHAT_ADMIN_TOKEN=secret\n", key, 7)
         self.assertNotIn(b"secret", blob)
-        self.assertEqual(envfiles.unseal("a.example.env", blob, key), b"LCHAT_ADMIN_TOKEN=secret\n")
-        for name, k in (("b.example.env", key), ("a.example.env", other)):
+        opened = envfiles.unseal(self.PLACE, "a.example.env", blob, key)
+        self.assertEqual((opened.content, opened.generation), (b"LCHAT_ADMIN_TOKEN=secret\n", 7))
+        for place, name, k in (
+            (self.PLACE, "b.example.env", key),  # another file's
+            (self.PLACE, "a.example.env", other),  # another key's
+            (layout.Layout("bk", "box2"), "a.example.env", key),  # another box's
+            (layout.Layout("other", "box1"), "a.example.env", key),  # another prefix's
+        ):
             with self.assertRaises(envfiles.SealError) as e:
-                envfiles.unseal(name, blob, k)
+                envfiles.unseal(place, name, blob, k)
             self.assertIn("LCHAT_BACKUP_KEY", str(e.exception))
+            self.assertIn("moved here", str(e.exception))
         with self.assertRaises(envfiles.SealError):
-            envfiles.unseal("a.example.env", b"plain text", key)
+            envfiles.unseal(self.PLACE, "a.example.env", b"plain text", key)
         self.assertEqual(
             envfiles.key_for("bk/box1/", "a.example.env"), "bk/box1/.env/a.example.env"
         )
         with self.assertRaises(ValueError):
             envfiles.key_for("bk/box1/", "../x")
+        with self.assertRaises(ValueError):
+            envfiles.key_for("bk/box1/", envfiles.MANIFEST_NAME)  # no env file can take it
+
+    def test_the_generation_is_authenticated_and_an_older_one_refused(self) -> None:
+        key = b"k" * 32
+        blob = envfiles.seal(self.PLACE, "a.example.env", b"X=1\n", key, 1000)
+        # A header edited to claim a newer generation no longer opens.
+        forged = blob.replace(envfiles._GEN.pack(1000), envfiles._GEN.pack(5000), 1)
+        with self.assertRaises(envfiles.SealError) as e:
+            envfiles.unseal(self.PLACE, "a.example.env", forged, key)
+        self.assertIn("altered", str(e.exception))
+        with self.assertRaises(envfiles.SealError) as e:
+            envfiles.unseal(self.PLACE, "a.example.env", blob, key, not_before=1001)
+        self.assertIn("rolled back", str(e.exception))
+        self.assertEqual(
+            envfiles.unseal(self.PLACE, "a.example.env", blob, key, not_before=1000).content,
+            b"X=1\n",
+        )
+
+    def test_a_first_format_seal_opens_only_when_accepted(self) -> None:
+        key = b"k" * 32
+        nonce = b"n" * 12
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        old = envfiles.MAGIC_V1 + nonce + AESGCM(key).encrypt(nonce, b"X=1\n", b"a.example.env")
+        with self.assertRaises(envfiles.SealError) as e:
+            envfiles.unseal(self.PLACE, "a.example.env", old, key)
+        self.assertIn("--accept-unpinned-env", str(e.exception))
+        opened = envfiles.unseal(self.PLACE, "a.example.env", old, key, accept_legacy=True)
+        self.assertEqual((opened.content, opened.legacy), (b"X=1\n", True))
+
+    def test_the_manifest_is_bound_to_its_box(self) -> None:
+        key = b"k" * 32
+        manifest = envfiles.Manifest(9, {"a.example.env": 7})
+        blob = envfiles.seal_manifest(self.PLACE, manifest, key)
+        self.assertEqual(envfiles.unseal_manifest(self.PLACE, blob, key), manifest)
+        with self.assertRaises(envfiles.SealError):
+            envfiles.unseal_manifest(layout.Layout("bk", "box2"), blob, key)
+        with self.assertRaises(envfiles.SealError):  # an env file is not a manifest
+            envfiles.unseal_manifest(
+                self.PLACE, envfiles.seal(self.PLACE, "a.example.env", b"{}", key, 9), key
+            )
 
 
 class BackupServiceTests(TestCase):
@@ -518,12 +569,12 @@ class BackupServiceTests(TestCase):
         await service.rescan()
         asleep = await self.store.get("bk/box1/.env/hib.example.env")
         self.assertEqual(
-            envfiles.unseal("hib.example.env", asleep.body, b"k" * 32),
+            envfiles.unseal(service.layout, "hib.example.env", asleep.body, b"k" * 32).content,
             b"LCHAT_ADMIN_TOKEN=asleep\n",
         )
         first = await self.store.get(key)
         self.assertEqual(
-            envfiles.unseal(os.path.basename(env), first.body, b"k" * 32),
+            envfiles.unseal(service.layout, os.path.basename(env), first.body, b"k" * 32).content,
             b"LCHAT_ADMIN_TOKEN=first\n",
         )
         await service.rescan()
@@ -534,9 +585,31 @@ class BackupServiceTests(TestCase):
         await service.rescan()
         second = await self.store.get(key)
         self.assertEqual(
-            envfiles.unseal(os.path.basename(env), second.body, b"k" * 32),
+            envfiles.unseal(service.layout, os.path.basename(env), second.body, b"k" * 32).content,
             b"LCHAT_ADMIN_TOKEN=second\n",
         )
+        # The manifest pins each file to its newest seal; a restart carries it forward.
+        gens = {
+            name: envfiles.unseal(service.layout, name, blob.body, b"k" * 32).generation
+            for name, blob in (("hib.example.env", asleep), ("on.example.env", second))
+        }
+        first_gen = envfiles.unseal(service.layout, "on.example.env", first.body, b"k" * 32)
+        self.assertGreater(gens["on.example.env"], first_gen.generation)
+        manifest_key = envfiles.manifest_key("bk/box1/")
+        manifest = envfiles.unseal_manifest(
+            service.layout, (await self.store.get(manifest_key)).body, b"k" * 32
+        )
+        self.assertEqual(dict(manifest.files), gens)
+        await service.stopService()
+        service = self.backup()
+        await self.until(lambda: "on.example.db" in service.replicating())
+        await service.rescan()
+        again = envfiles.unseal_manifest(
+            service.layout, (await self.store.get(manifest_key)).body, b"k" * 32
+        )
+        self.assertGreater(again.generation, manifest.generation)
+        for name, generation in gens.items():
+            self.assertGreater(again.files[name], generation)  # re-sealed at the start
 
     async def test_stop_ships_everything_and_stops_every_replicator(self) -> None:
         on = self.add("on.example")

@@ -512,9 +512,6 @@ class RestoreAllTests(BackupCliCase):
         self.assertIn("1 hibernating spaces skipped", result.out)
         # What the backup does not hold, said where the operator looks.
         self.assertIn(
-            f"note: the row of {HOST} names {hosts.db_path(self.data_dir, HOST)}", result.out
-        )
-        self.assertIn(
             f"{hosts.env_path(into, HOST)} (its admin token) is not in the backup", result.out
         )
         self.assertEqual(
@@ -523,6 +520,9 @@ class RestoreAllTests(BackupCliCase):
         )
         rows = Registry(os.path.join(into, "registry.db"), time.time).load()
         self.assertEqual(sorted(r.host for r in rows), [HOST, ASLEEP, "c.example.com"])
+        for row in rows:  # the paths are this box's, derived, not the backup's
+            self.assertEqual(row.db_path, hosts.db_path(into, row.host))
+            self.assertEqual(row.socket, hosts.socket_path(self.run_dir, row.host))
         for name in ("registry.db", f"{HOST}.db", "home.db"):
             path = os.path.join(into, name)
             self.assertEqual(integrity(path), "ok")

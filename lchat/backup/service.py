@@ -45,7 +45,7 @@ from lchat.backup.layout import Layout
 from lchat.backup.metered import MeteredStore
 from lchat.config import BackupConfig
 from lchat.deferutil import settled
-from lchat.objstore import ObjectStore
+from lchat.objstore import NotFound, ObjectStore
 from lchat.registry import RouteSource, RouteTable
 from lchat.replica.db import PageFds
 from lchat.replica.replicator import Replicator
@@ -136,6 +136,10 @@ class Backup(Service):
         # ours, and never opened here, whatever the table says by then.
         self._handed: dict[str, str] = {}
         self._env_sent: dict[str, str] = {}  # env file path -> sha256 of what is in the bucket
+        # The box's env manifest (envfiles): None until read from the bucket once; then each env
+        # file's newest sealed generation, carried forward across starts.
+        self._env_manifest: envfiles.Manifest | None = None
+        self._env_manifest_due = False  # an upload since the manifest was last written
         self._env_unreadable: set[str] = set()  # logged once each
         routes.subscribe(self._table_changed)
         claims.on_release(self._released)
@@ -215,7 +219,15 @@ class Backup(Service):
         self._update_gauge()
 
     async def _sync_env_files(self) -> None:
-        """Upload, sealed, every backed-up instance's env files that changed (envfiles)."""
+        """Upload, sealed, every backed-up instance's env files that changed, then the box's
+        manifest naming each one's newest generation (envfiles: a restore refuses an older
+        copy). Nothing is uploaded until the manifest there has been read (a lost entry would
+        unpin a file), and a manifest that failed to go up is retried at the next scan."""
+        key = self._cfg.env_key
+        if not key:
+            return
+        if self._env_manifest is None and not await self._load_env_manifest(key):
+            return
         # Every instance's, hibernating ones too: a box rebuilt from the backup wakes those
         # from the hibernation bucket, and cannot start them without their env files either.
         paths = []
@@ -243,16 +255,74 @@ class Backup(Service):
                 continue
             content, digest = found
             name = os.path.basename(path)
-            key = envfiles.key_for(self.layout.box_path(), name)
+            files = self._env_manifest.files if self._env_manifest is not None else {}
+            generation = envfiles.next_generation(self._now_ns(), files.get(name, 0))
             try:
-                await self._store.put(key, envfiles.seal(name, content, self._cfg.env_key))
+                await self._store.put(
+                    envfiles.key_for(self.layout.box_path(), name),
+                    envfiles.seal(self.layout, name, content, key, generation),
+                )
             except Exception as e:
                 ENV_UPLOADS.labels("failed").inc()
                 _log.warn("backup: could not upload {name}: {error}", name=name, error=e)
                 continue
             ENV_UPLOADS.labels("ok").inc()
             self._env_sent[path] = digest
+            assert self._env_manifest is not None
+            self._env_manifest = envfiles.Manifest(
+                self._env_manifest.generation, {**self._env_manifest.files, name: generation}
+            )
+            self._env_manifest_due = True
             _log.info("backup: {name} (sealed) is in the backup", name=name)
+        if self._env_manifest_due:
+            await self._put_env_manifest(key)
+
+    def _now_ns(self) -> int:
+        return int(self._reactor.seconds() * 1e9)
+
+    async def _load_env_manifest(self, key: bytes) -> bool:
+        """Read the box's env manifest once (what earlier starts sealed); False: not now."""
+        try:
+            blob = (await self._store.get(envfiles.manifest_key(self.layout.box_path()))).body
+        except NotFound:
+            self._env_manifest = envfiles.Manifest(0, {})
+            return True
+        except Exception as e:
+            ENV_UPLOADS.labels("manifest_unreadable").inc()
+            _log.warn(
+                "backup: cannot read the env manifest ({error}): env files wait for the next scan",
+                error=e,
+            )
+            return False
+        try:
+            self._env_manifest = envfiles.unseal_manifest(self.layout, blob, key)
+        except envfiles.SealError as e:
+            # Not ours to trust (another key, moved, altered): started afresh. Every file this
+            # router can read is re-sealed and named anew; what it cannot read stays unpinned.
+            ENV_UPLOADS.labels("manifest_refused").inc()
+            _log.error("backup: {error}: writing a new one", error=e)
+            self._env_manifest = envfiles.Manifest(0, {})
+            self._env_manifest_due = True
+        return True
+
+    async def _put_env_manifest(self, key: bytes) -> None:
+        assert self._env_manifest is not None
+        manifest = envfiles.Manifest(
+            envfiles.next_generation(self._now_ns(), self._env_manifest.generation),
+            self._env_manifest.files,
+        )
+        try:
+            await self._store.put(
+                envfiles.manifest_key(self.layout.box_path()),
+                envfiles.seal_manifest(self.layout, manifest, key),
+            )
+        except Exception as e:
+            ENV_UPLOADS.labels("manifest_failed").inc()
+            _log.warn("backup: could not upload the env manifest: {error}", error=e)
+            return
+        ENV_UPLOADS.labels("manifest_ok").inc()
+        self._env_manifest = manifest
+        self._env_manifest_due = False
 
     def _why_not(self, was: selection.Chosen, now: selection.Chosen | None) -> str:
         """Why a database we replicate is no longer ours, for the log."""

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
 import sys
 import tempfile
 import textwrap
@@ -42,7 +43,7 @@ from urllib.parse import quote
 
 from attrs import field, frozen
 
-from lchat import hosts
+from lchat import files, hosts
 from lchat.backup import envfiles, selection
 from lchat.backup.layout import REGISTRY_NAME, BadName, Layout, Stored, catalogue, check_name
 from lchat.cli import admin_client
@@ -85,6 +86,10 @@ runs): restore elsewhere with -o, stop what writes it, then move the file into p
 database of every space it lists that does not hibernate (DATA_DIR/<host>.db; a hibernating
 space wakes from the hibernation bucket), then the box's other databases (DATA_DIR/<name>).
 Refused while a router runs on DATA_DIR, or when DATA_DIR/registry.db exists (unless --force).
+The restored registry's paths are re-derived (this box's LCHAT_RUN_DIR, DATA_DIR), its service
+rows dropped (add them again); beside the rows' databases only *.db names are restored. Sealed
+env files come back only as new as the box's env manifest names (--accept-unpinned-env also
+takes ones it does not pin: sealed by an older lchat, or with the manifest missing).
 """
 
 DRILL_HELP = """\
@@ -166,6 +171,12 @@ def add_arguments(
     rs.add_argument("--force", action="store_true", help="replace an existing output file")
     rs.add_argument("--all", action="store_true", help="restore the whole box into --into DATA_DIR")
     rs.add_argument("--into", metavar="DATA_DIR", help="with --all: the data dir to rebuild")
+    rs.add_argument(
+        "--accept-unpinned-env",
+        action="store_true",
+        help="with --all: also restore sealed env files no manifest of the box pins (sealed by "
+        "an older lchat, or the manifest is missing): they may be swapped or rolled back",
+    )
 
     dr = sub.add_parser(
         "drill",
@@ -286,6 +297,10 @@ def _check_restore_args(args: argparse.Namespace) -> None:
         return
     if args.into is not None:
         raise BackupCliError("--into goes with --all (restore one database with -o PATH)")
+    if args.accept_unpinned_env:
+        raise BackupCliError(
+            "--accept-unpinned-env goes with --all (env files come back with a box)"
+        )
     if args.name is None:
         raise BackupCliError(
             "name the database to restore (`lchat backup ls` lists them), or restore the whole "
@@ -587,41 +602,91 @@ async def _restore_one(
     why = await run(_in_use, args.output, cfg, router, _dbs_of(rows, cfg.data_dir))
     if why is not None:
         raise BackupCliError(_refusal(args.output, why))
-    async with _opened(reactor, cfg) as bucket:
+    async with _opened(reactor, cfg) as bucket, _target(run, os.path.dirname(args.output)) as where:
         stored = await _catalogue(bucket.store, conf)
         found = _pick(stored, args.name, args.box, conf, _where(bucket.store, conf))
         line = await _restore_to(
             bucket.store,
             found,
-            args.output,
+            where,
+            os.path.basename(args.output),
             run,
             txid=args.txid,
             timestamp=args.timestamp,
             overwrite=args.force,
+            owner=None,
         )
     out(f"restored {found.name} (box {found.box}) to {line}")
     return 0
 
 
+@frozen
+class _Where:
+    """Where restored files go: the directory (held by a descriptor: every write there is
+    relative to it, so a directory swapped for a symlink mid-way redirects nothing), and a
+    private staging directory of our own (``mkdtemp`` under ``TMPDIR``) where each database is
+    rebuilt and checked before it is installed (:func:`lchat.files.install_file`)."""
+
+    path: str
+    fd: int
+    stage: str
+
+
+@contextlib.asynccontextmanager
+async def _target(run: RunInThread, directory: str) -> AsyncIterator[_Where]:
+    fd: int = await run(files.open_directory, directory)
+    try:
+        stage: str = await run(_make_stage)
+        try:
+            yield _Where(directory, fd, stage)
+        finally:
+            await run(shutil.rmtree, stage, True)
+    finally:
+        await run(os.close, fd)
+
+
+def _make_stage() -> str:
+    """Blocking. A fresh directory only we write (mode 0700), in a parent nobody else can rename
+    it out of: not writable by others, or sticky (as /tmp is)."""
+    stage = tempfile.mkdtemp(prefix="lchat-restore-")
+    parent = os.stat(os.path.dirname(stage))
+    if parent.st_uid not in (0, os.geteuid()) or (
+        parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX
+    ):
+        shutil.rmtree(stage, True)
+        raise BackupCliError(
+            f"{os.path.dirname(stage)} (TMPDIR) is writable by other users and not sticky: a "
+            f"restore stages databases there; set TMPDIR to a directory only you write"
+        )
+    return stage
+
+
 async def _restore_to(
     store: ObjectStore,
     found: Stored,
-    output: str,
+    where: _Where,
+    name: str,
     run: RunInThread,
     *,
     txid: int | None = None,
     timestamp: datetime.datetime | None = None,
     overwrite: bool,
+    owner: tuple[int, int] | None,
+    prepare: Callable[[str], object] | None = None,
 ) -> str:
-    """Restore ``found`` to ``output``; what was done, for the operator (``"<path>: txid ..."``)."""
+    """Restore ``found`` to ``name`` in ``where``, owned by ``owner`` when given; what was done,
+    for the operator (``"<path>: txid ..."``). The database is rebuilt and checked in the
+    staging directory, ``prepare`` (blocking) runs on it there, and only then is it installed."""
+    output = os.path.join(where.path, name)
+    staged = os.path.join(where.stage, found.name)
     try:
         result = await restore_mod.restore(
             store,
             found.path,
-            output,
+            staged,
             txid=txid,
             timestamp=timestamp,
-            overwrite=overwrite,
+            overwrite=True,
             run_in_thread=run,
         )
     except restore_mod.RestoreError as e:
@@ -634,10 +699,23 @@ async def _restore_to(
                     f"of {found.name} in {found.path}/: there is no state that old to restore"
                 ) from None
         raise restore_mod.RestoreError(f"{found.name} from box {found.box}: {e}") from None
-    removed = await run(_remove_sidecars, output)
+    try:
+        if prepare is not None:
+            await run(prepare, staged)
+        uid, gid = owner if owner is not None else (-1, -1)
+        await run(
+            lambda: files.install_file(
+                staged, where.fd, name, uid=uid, gid=gid, overwrite=overwrite
+            )
+        )
+    except FileExistsError:
+        raise restore_mod.RestoreError(f"{output} already exists") from None
+    finally:
+        await run(_remove_quietly, staged)
+    removed = await run(_remove_sidecars, where, name)
     tail = f"; removed the stale {', '.join(removed)} beside it" if removed else ""
     return (
-        f"{result.path}: txid {result.txid:016x} ({_iso(result.timestamp)}), "
+        f"{output}: txid {result.txid:016x} ({_iso(result.timestamp)}), "
         f"{result.pages * result.page_size} bytes, {result.bytes_downloaded} bytes "
         f"downloaded{tail}"
     )
@@ -654,18 +732,21 @@ async def _first_state(store: ObjectStore, found: Stored) -> datetime.datetime |
     return min(times, default=None)
 
 
-def _remove_sidecars(output: str) -> list[str]:
-    """Blocking. Remove what SQLite left beside the file ``output`` replaced: replayed into the
-    restored database, an old WAL would corrupt it. Returns the names removed."""
+def _remove_sidecars(where: _Where, name: str) -> list[str]:
+    """Blocking. Remove what SQLite left beside the file ``name`` replaced: replayed into the
+    restored database, an old WAL would corrupt it. Returns the names removed. (An unlink
+    removes a planted symlink itself, never what it points to.)"""
     removed = []
     for suffix in SIDECARS:
-        path = output + suffix
         try:
-            os.unlink(path)
+            os.unlink(name + suffix, dir_fd=where.fd)
         except FileNotFoundError:
             continue
-        removed.append(os.path.basename(path))
+        removed.append(name + suffix)
     return removed
+
+
+EXTRA_SUFFIX = ".db"  # what `restore --all` restores by listing, beside the registry's rows
 
 
 async def _restore_all(
@@ -682,71 +763,93 @@ async def _restore_all(
         )
     here_rows = await run(_rows_of, cfg.registry)
     tally = _Tally()
-    async with _opened(reactor, cfg) as bucket:
+    await run(lambda: os.makedirs(into, mode=0o750, exist_ok=True))
+    async with _opened(reactor, cfg) as bucket, _target(run, into) as where:
         store = bucket.store
         stored = await _catalogue(store, conf)
         registry = _pick(stored, REGISTRY_NAME, args.box, conf, _where(store, conf))
         box = registry.box
         mine = {s.name: s for s in stored if s.box == box}
-        await run(lambda: os.makedirs(into, mode=0o750, exist_ok=True))
-        owner = await run(_owner_to_hand_to, into)
+        owner = await run(_owner_to_hand_to, where.fd)
         out(f"restoring box {box} from {_where(store, conf)} into {into}")
+        env = _EnvRestore(store, conf, Layout(conf.prefix, box), where, owner, run, args)
 
-        async def one(found: Stored, target: str, rows: list[tuple[Route, str]]) -> bool:
+        async def one(
+            found: Stored,
+            name: str,
+            rows: list[tuple[Route, str]],
+            prepare: Callable[[str], object] | None = None,
+        ) -> bool:
+            target = os.path.join(into, name)
             why = await run(_in_use, target, cfg, router, rows)
             if why is not None:
                 return tally.failed(out, found.name, _refusal(target, why))
             if not args.force and await run(os.path.lexists, target):
                 return tally.failed(out, found.name, f"{target} already exists (use --force)")
             try:
-                line = await _restore_to(store, found, target, run, overwrite=args.force)
-                if owner is not None:
-                    await run(os.chown, target, *owner)
+                line = await _restore_to(
+                    store,
+                    found,
+                    where,
+                    name,
+                    run,
+                    overwrite=args.force,
+                    owner=owner,
+                    prepare=prepare,
+                )
             except (*_ERRORS, OSError) as e:
                 return tally.failed(out, found.name, str(e))
             tally.restored += 1
             out(f"{found.name}: restored to {line}")
             return True
 
-        registry_out = os.path.join(into, "registry.db")
-        if not await one(registry, registry_out, _dbs_of(here_rows, cfg.data_dir)):
+        checked: list[str] = []
+        rows: list[Route] = []
+
+        def sanitise(path: str) -> None:
+            # On the staged copy: read there, never through a name in the data dir.
+            checked.extend(_sanitise_registry(path, into, cfg.run_dir))
+            rows.extend(Registry(path, time.time).load())
+
+        if not await one(registry, REGISTRY_NAME, _dbs_of(here_rows, cfg.data_dir), sanitise):
             raise BackupCliError(
                 f"the registry could not be restored, so nothing else was: {tally.errors[0]}"
             )
-        rows = await run(_open_registry, registry_out)
+        for line in checked:
+            out(f"  note: {line}")
         checks = _dbs_of(rows, into) + _dbs_of(here_rows, cfg.data_dir)
         instance_names = set()
         for route in rows:
             if route.kind != "instance":
                 continue
-            name = os.path.basename(selection.instance_db(route, into))
+            name = os.path.basename(hosts.db_path(into, route.host))
             instance_names.add(name)
             if route.hibernate:
                 tally.skipped += 1
                 out(f"{route.host}: hibernating, it wakes from the hibernation bucket")
-                for line in await _restore_env_files(
-                    store, conf, box, route.host, into, owner, run
-                ):
+                for line in await env.restore(route.host):
                     out(line)
                 continue
             found = mine.get(name)
             if found is None:
                 tally.failed(out, name, f"{route.host} has no backup under {box}/ (never ran?)")
                 continue
-            target = hosts.db_path(into, route.host)
-            if not await one(found, target, checks):
+            if not await one(found, name, checks):
                 continue
-            if _row_names_another(route, target):
-                out(
-                    f"  note: the row of {route.host} names {route.db_path}: move the database "
-                    f"there, or the space will not find it"
-                )
-            for line in await _restore_env_files(store, conf, box, route.host, into, owner, run):
+            for line in await env.restore(route.host):
                 out(line)
         for name in sorted(mine):
             if name == REGISTRY_NAME or name in instance_names:
                 continue
-            await one(mine[name], os.path.join(into, name), checks)
+            if not name.endswith(EXTRA_SUFFIX):
+                # Never a name the box's files could collide with (an env file, a key): whoever
+                # writes the bucket could plant a "replica" of any name under the box.
+                out(
+                    f"{name}: not restored (only {EXTRA_SUFFIX} names are restored with --all; "
+                    f"if it is yours: lchat backup restore {name} --box {box} -o PATH)"
+                )
+                continue
+            await one(mine[name], name, checks)
     total = tally.restored + len(tally.errors)
     out(
         f"restored {tally.restored} of {total} databases into {into}"
@@ -758,55 +861,176 @@ async def _restore_all(
     return 0
 
 
-async def _restore_env_files(
-    store: ObjectStore,
-    conf: BackupConfig,
-    box: str,
-    host: str,
-    into: str,
-    owner: tuple[int, int] | None,
-    run: RunInThread,
-) -> list[str]:
-    """Bring back ``host``'s env files (sealed in the backup with LCHAT_BACKUP_KEY) unless they
-    are there already; the lines to print."""
-    lines = []
-    box_path = Layout(conf.prefix, box).box_path()
-    for path in (hosts.env_path(into, host), hosts.bot_env_path(into, host)):
-        name = os.path.basename(path)
-        if await run(os.path.exists, path):
-            lines.append(f"  {name}: already there, kept")
-            continue
+class _EnvRestore:
+    """Bringing back the spaces' env files of one box (sealed with LCHAT_BACKUP_KEY, pinned by
+    the box's manifest: lchat.backup.envfiles)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        conf: BackupConfig,
+        place: Layout,
+        where: _Where,
+        owner: tuple[int, int] | None,
+        run: RunInThread,
+        args: argparse.Namespace,
+    ) -> None:
+        self._store = store
+        self._conf = conf
+        self._place = place
+        self._where = where
+        self._owner = owner
+        self._run = run
+        self._accept_unpinned = bool(getattr(args, "accept_unpinned_env", False))
+        self._manifest: envfiles.Manifest | None = None
+        self._manifest_read = False
+
+    async def _read_manifest(self) -> list[str]:
+        """The box's manifest, read once; the lines to print about it."""
+        if self._manifest_read or not self._conf.env_key:
+            return []
+        self._manifest_read = True
+        key = envfiles.manifest_key(self._place.box_path())
         try:
-            blob = (await store.get(envfiles.key_for(box_path, name))).body
+            blob = (await self._store.get(key)).body
         except NotFound:
-            if name.endswith("-bot.env"):
-                continue  # no bot staged
-            lines.append(
-                f"  note: {path} (its admin token) is not in the backup (the backing-up router "
-                f"had no LCHAT_BACKUP_KEY): the space starts once it is back (copy it from where "
-                f"you keep the box's secrets, mode 0600)"
-            )
-            continue
-        if not conf.env_key:
-            lines.append(
-                f"  note: {name} is in the backup, sealed: set LCHAT_BACKUP_KEY (the backing-up "
-                f"box's) and re-run with --force, or copy it from where you keep the secrets"
-            )
-            continue
+            return [
+                f"  note: box {self._place.box} has no env manifest in the backup: its sealed env "
+                f"files are not pinned to their newest versions"
+                + (
+                    ""
+                    if self._accept_unpinned
+                    else " and are not restored without --accept-unpinned-env"
+                )
+            ]
         try:
-            content = envfiles.unseal(name, blob, conf.env_key)
+            self._manifest = envfiles.unseal_manifest(self._place, blob, self._conf.env_key)
         except envfiles.SealError as e:
-            lines.append(f"  note: {e}")
-            continue
-        uid, gid = owner if owner is not None else (-1, -1)
-        await run(envfiles.write_private, path, content, uid, gid)
-        lines.append(f"  {name}: restored (mode 0600)")
-    return lines
+            return [
+                f"  note: {e}: the box's env files are not pinned"
+                + (
+                    ""
+                    if self._accept_unpinned
+                    else " and not restored without --accept-unpinned-env"
+                )
+            ]
+        return [
+            f"  env files: the box's manifest was sealed at {self._manifest.sealed_at} (a file "
+            f"older than it names is refused as rolled back)"
+        ]
+
+    async def restore(self, host: str) -> list[str]:
+        """Bring back ``host``'s env files unless they are there already; the lines to print."""
+        lines = await self._read_manifest()
+        run = self._run
+        for path in (
+            hosts.env_path(self._where.path, host),
+            hosts.bot_env_path(self._where.path, host),
+        ):
+            name = os.path.basename(path)
+            if await run(_exists_in, self._where.fd, name):
+                lines.append(f"  {name}: already there, kept")
+                continue
+            try:
+                blob = (await self._store.get(envfiles.key_for(self._place.box_path(), name))).body
+            except NotFound:
+                if name.endswith("-bot.env"):
+                    continue  # no bot staged
+                lines.append(
+                    f"  note: {path} (its admin token) is not in the backup (the backing-up router "
+                    f"had no LCHAT_BACKUP_KEY): the space starts once it is back (copy it from "
+                    f"where you keep the box's secrets, mode 0600)"
+                )
+                continue
+            if not self._conf.env_key:
+                lines.append(
+                    f"  note: {name} is in the backup, sealed: set LCHAT_BACKUP_KEY (the "
+                    f"backing-up box's) and re-run with --force, or copy it from where you keep "
+                    f"the secrets"
+                )
+                continue
+            floor = self._manifest.files.get(name) if self._manifest is not None else None
+            try:
+                if floor is None and not self._accept_unpinned:
+                    raise envfiles.SealError(
+                        f"{name}: no env manifest of box {self._place.box} pins it, so a copy "
+                        f"rolled back or planted by whoever writes the bucket cannot be told "
+                        f"from the newest: not restored (re-run with --accept-unpinned-env to "
+                        f"accept it, or copy it from where you keep the secrets)"
+                    )
+                opened = envfiles.unseal(
+                    self._place,
+                    name,
+                    blob,
+                    self._conf.env_key,
+                    not_before=floor,
+                    accept_legacy=self._accept_unpinned,
+                )
+            except envfiles.SealError as e:
+                lines.append(f"  note: {e}")
+                continue
+            uid, gid = self._owner if self._owner is not None else (-1, -1)
+            await run(envfiles.write_private, self._where.fd, name, opened.content, uid, gid)
+            sealed = (
+                "first-format seal, accepted"
+                if opened.legacy
+                else f"sealed at {envfiles.when(opened.generation)}"
+            )
+            lines.append(f"  {name}: restored (mode 0600; {sealed})")
+        return lines
 
 
-def _row_names_another(route: Route, path: str) -> bool:
-    """The row names a database file other than ``path`` (absolute, normalised)."""
-    return bool(route.db_path) and os.path.normpath(route.db_path) != path
+def _exists_in(dir_fd: int, name: str) -> bool:
+    """Blocking. Whether ``name`` is in the directory (a symlink counts, followed nowhere)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _sanitise_registry(path: str, data_dir: str, run_dir: str) -> list[str]:
+    """Blocking. Make a restored registry (in the staging directory) trust nothing the backup
+    said about paths: every instance row's socket and database are re-derived by
+    :mod:`lchat.hosts` (this box's LCHAT_RUN_DIR, the data dir restored into); service rows
+    (their socket is whatever the operator gave, so any path a bucket writer likes, such as the
+    router's admin socket) and rows that are not valid are removed. Migrates it to this lchat's
+    schema, as the router would at its start. Returns what was changed, in words."""
+    registry = Registry(path, time.time)
+    registry.migrate()
+    notes = []
+    for route in registry.load():
+        try:
+            if not hosts.is_normal(route.host):
+                raise RegistryError("not a normalised host name")
+            if route.kind != "instance":
+                registry.delete(route.host)
+                notes.append(
+                    f"{route.host}: a service row (the backup names socket {route.socket}) was "
+                    f"not restored: a restore cannot tell a service's socket from a planted "
+                    f"one. Add it again if it is yours: lchat add-service {route.host} --socket "
+                    f"PATH"
+                )
+                continue
+            socket = hosts.socket_path(run_dir, route.host)
+            db = hosts.db_path(data_dir, route.host)
+            if (route.socket, route.db_path) != (socket, db):
+                registry.update(route.host, socket=socket, db_path=db)
+                # Said only when the backup's path is not this host's file in some other
+                # directory (a box restored elsewhere): that is a path the host could not have.
+                for what, was, now in (
+                    ("socket", route.socket, socket),
+                    ("database", route.db_path, db),
+                ):
+                    if was and os.path.basename(was) != os.path.basename(now):
+                        notes.append(
+                            f"{route.host}: the backup's row names {what} {was}, not a path of "
+                            f"this host: set to {now}"
+                        )
+        except (RegistryError, hosts.InvalidHost) as e:
+            registry.delete(route.host)
+            notes.append(f"{route.host!r}: removed from the restored registry ({e})")
+    return notes
 
 
 class _Tally:
@@ -821,12 +1045,12 @@ class _Tally:
         return False
 
 
-def _owner_to_hand_to(directory: str) -> tuple[int, int] | None:
+def _owner_to_hand_to(dir_fd: int) -> tuple[int, int] | None:
     """Blocking. Who restored files should belong to: the owner of the data dir they go into
     (the router's user), when we are root and it is someone else; else None (leave them)."""
     if os.geteuid() != 0:
         return None
-    st = os.stat(directory)
+    st = os.fstat(dir_fd)
     return None if (st.st_uid, st.st_gid) == (0, 0) else (st.st_uid, st.st_gid)
 
 
@@ -848,14 +1072,6 @@ def _rows_of(registry: str) -> list[Route]:
     if not os.path.exists(registry):
         return []
     return list(Registry(registry, time.time).load())
-
-
-def _open_registry(path: str) -> list[Route]:
-    """Blocking. A restored registry's rows, migrated to this lchat's schema (as the router
-    would at its start)."""
-    registry = Registry(path, time.time)
-    registry.migrate()
-    return list(registry.load())
 
 
 def _dbs_of(rows: Iterable[Route], data_dir: str) -> list[tuple[Route, str]]:
