@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from attrs import field, frozen
 
-from lchat import config, envfile, ops
+from lchat import config, envfile, files, ops
 from lchat.config import BoxConfig, ConfigError
 from lchat.files import write_atomic
 from lchat.release import settings as release_settings
@@ -358,9 +358,16 @@ def _data_dir_step(request: Request, account: _Account | None) -> Step:
     path = request.path(request.data_dir)
     user = request.user
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        # Root chowns it to the service user: through a link, that would hand over whatever it
+        # points to. Name the real directory instead.
+        raise BootstrapError(
+            f"{path} is a symbolic link (to {os.readlink(path)}): bootstrap hands the data dir "
+            f"to {user} and will not follow a link to do so; give --data-dir the real directory"
+        )
     if st is not None and not stat.S_ISDIR(st.st_mode):
         raise BootstrapError(f"{path} exists and is not a directory")
     mode = stat.S_IMODE(st.st_mode) if st is not None else None
@@ -370,18 +377,23 @@ def _data_dir_step(request: Request, account: _Account | None) -> Step:
 
     def run() -> str:
         owner = _owner(user)
-        created = not os.path.isdir(path)
+        created = not os.path.lexists(path)
         if created:
             os.makedirs(os.path.dirname(path) or "/", mode=0o755, exist_ok=True)
             os.mkdir(path, DATA_MODE)
-        now = os.stat(path)
-        changed = []
-        if stat.S_IMODE(now.st_mode) != DATA_MODE:
-            os.chmod(path, DATA_MODE)  # the umask may have narrowed mkdir's mode
-            changed.append(f"mode {stat.S_IMODE(now.st_mode):04o} -> {DATA_MODE:04o}")
-        if (now.st_uid, now.st_gid) != _ids(owner):
-            os.chown(path, owner.uid, owner.gid)
-            changed.append(f"owner {_name_of(now.st_uid)} -> {user}")
+        # Changed through a descriptor of the directory itself (no link followed), never by name.
+        fd = files.open_directory(path)
+        try:
+            now = os.fstat(fd)
+            changed = []
+            if stat.S_IMODE(now.st_mode) != DATA_MODE:
+                os.fchmod(fd, DATA_MODE)  # the umask may have narrowed mkdir's mode
+                changed.append(f"mode {stat.S_IMODE(now.st_mode):04o} -> {DATA_MODE:04o}")
+            if (now.st_uid, now.st_gid) != _ids(owner):
+                os.fchown(fd, owner.uid, owner.gid)
+                changed.append(f"owner {_name_of(now.st_uid)} -> {user}")
+        finally:
+            os.close(fd)
         if created:
             return f"{path}: created, mode {DATA_MODE:04o}, owner {user}"
         return f"{path}: {', '.join(changed)}"
@@ -398,13 +410,14 @@ def _data_dir_step(request: Request, account: _Account | None) -> Step:
 def _env_step(request: Request, account: _Account | None) -> Step:
     path = request.path(request.env_file)
     exists = os.path.lexists(path)
-    if exists and not os.path.isfile(path):
-        raise BootstrapError(f"{path} exists and is not a regular file")
+    if exists and (os.path.islink(path) or not os.path.isfile(path)):
+        # The data dir is the service user's: a link (or a second name of another file) there
+        # would have root copy what it points to into a file handed to that user.
+        raise BootstrapError(f"{path} exists and is not a regular file (a link is not followed)")
     source = path if exists else ops.ENV_EXAMPLE
     try:
         current = config.read_env_file(source, must_exist=True)
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
+        text = _read_own_file(source) if exists else _read_text(source)
     except ConfigError as e:
         raise BootstrapError(f"{e} (fix it by hand first; bootstrap edits only valid files)") from e
     values = dict(request.values)
@@ -427,12 +440,13 @@ def _env_step(request: Request, account: _Account | None) -> Step:
 
     def run() -> str:
         owner = _owner(user)
-        if changes or not exists:
-            write_atomic(path, new_text.encode("utf-8"), envfile.MODE)
         said = [] if exists else ["created from the example"]
         said.extend(changes)
-        _, handed = envfile.hand_to(path, owner.uid, owner.gid)  # the reader owns it
-        if exists and not private:
+        if changes or not exists:
+            # The reader owns it: handed over on the descriptor, before the rename.
+            write_atomic(path, new_text.encode("utf-8"), envfile.MODE, uid=owner.uid, gid=owner.gid)
+        elif not private:
+            _, handed = envfile.hand_to(path, owner.uid, owner.gid)  # the reader owns it
             said.append(handed)
         if not exists or changes:
             said.append(f"mode {envfile.MODE:04o}, owner {user}")
@@ -447,6 +461,31 @@ def _env_step(request: Request, account: _Account | None) -> Step:
     if exists and not private:
         what += f"; make it mode 0600, owner {user}"
     return Step(what, run=run)
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _read_own_file(path: str) -> str:
+    """The text of ``path``, read through a descriptor that followed no link, of a file with no
+    other name (a hard link to a file outside the data dir would be copied into one the service
+    user owns)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise BootstrapError(
+            f"{path}: cannot open it without following a link ({e.strerror})"
+        ) from None
+    with os.fdopen(fd, encoding="utf-8") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise BootstrapError(
+                f"{path} is not a regular file with one name (links: {st.st_nlink}): fix it by "
+                f"hand first"
+            )
+        return f.read()
 
 
 def _refuse_bad_values(request: Request, merged: Mapping[str, str]) -> None:

@@ -153,7 +153,9 @@ def write_states(layout: BuildLayout, states: dict[str, HostState]) -> None:
 def deploy_lock(layout: BuildLayout) -> Iterator[None]:
     """One deploy or rollback at a time on this box."""
     os.makedirs(layout.live_dir, 0o755, exist_ok=True)
-    fd = os.open(os.path.join(layout.live_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    # live/ is root's (0755): no other user can plant a link here; O_NOFOLLOW all the same.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(os.path.join(layout.live_dir, LOCK_NAME), flags, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
