@@ -423,8 +423,7 @@ async def _heartbeat(
                 "token, route, forward or share of the spaces goes to it)",
                 url=url,
                 key=key,
-                why="it carries no MAC (written by an lchat older than heartbeat MACs, or "
-                "planted)"
+                why="it carries no MAC (written by an lchat older than heartbeat MACs, or planted)"
                 if not heartbeat.mac
                 else "its MAC does not verify under LCHAT_MESH_TOKEN (planted, or another "
                 "mesh's token)",
@@ -777,8 +776,10 @@ class Membership(Service):
         witness's roster (its heartbeat's MAC verified within the janitor's age, or it beat this
         box with the mesh token)? Only such a URL is sent the mesh token, a forward or a route
         (a ``lives_at`` naming anything else is refused: lchat.mesh.api)."""
-        return url == self.url or url in self.witnesses.peers or any(
-            m.url == url for m in self._members
+        return (
+            url == self.url
+            or url in self.witnesses.peers
+            or any(m.url == url for m in self._members)
         )
 
     def fresh_in_bucket(self, url: str) -> bool:
