@@ -78,6 +78,9 @@ class BackupConfig:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
 
+MIN_MESH_TOKEN = 32  # characters of LCHAT_MESH_TOKEN (and _ACCEPT): `openssl rand -hex 32` has 64
+
+
 @frozen
 class MeshConfig:
     self_url: str
@@ -1158,6 +1161,17 @@ def _mesh(get: _Getter) -> MeshConfig | None:
         raise ConfigError(
             "LCHAT_MESH_SELF is set but LCHAT_MESH_TOKEN is empty: set the shared token"
         )
+    # The token is a bearer on the public port and the key of every heartbeat's and forwarded
+    # marker's MAC: a short one could be guessed (issue 29). The value is never in a message.
+    for name, value in (
+        ("LCHAT_MESH_TOKEN", token),
+        ("LCHAT_MESH_TOKEN_ACCEPT", get("LCHAT_MESH_TOKEN_ACCEPT")),
+    ):
+        if value and len(value) < MIN_MESH_TOKEN:
+            raise ConfigError(
+                f"{name} is {len(value)} characters: at least {MIN_MESH_TOKEN} are needed "
+                "(make one with: openssl rand -hex 32)"
+            )
     if not get("LCHAT_HIBERNATE_BUCKET"):
         raise ConfigError(
             "LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket"

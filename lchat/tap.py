@@ -641,6 +641,8 @@ def _front_door(
             run_in_thread=run,
             spaces=spaces,
             beats=membership.receive_beat if membership is not None else None,
+            members=membership.known if membership is not None else None,
+            clock=reactor.seconds,
         )
         _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)

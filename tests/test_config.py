@@ -16,7 +16,7 @@ MESH_OK = {
     "LCHAT_HIBERNATE_BUCKET": "my-hibernation-bucket",
     "LCHAT_MESH_SELF": "https://box-1.example.net",
     "LCHAT_MESH_DOMAINS": "11ch.example.com",
-    "LCHAT_MESH_TOKEN": "s3cret-mesh-token-value",
+    "LCHAT_MESH_TOKEN": "s3cret-mesh-token-value-0123456789",
 }
 
 
@@ -535,11 +535,11 @@ class EnvFileSyntax(Base):
         with self.assertRaises(ConfigError) as e:
             self.load(env_file=path)
         self.assertIn("LCHAT_MESH_TOKEN", str(e.exception))
-        cfg = self.load({"LCHAT_MESH_TOKEN": "t0ken"}, env_file=path)
+        cfg = self.load({"LCHAT_MESH_TOKEN": "t0ken" * 7}, env_file=path)
         assert cfg.mesh is not None
         self.assertEqual(cfg.mesh.self_url, "https://box-1.example.net")
         self.assertEqual(cfg.mesh.domains, ("11ch.example.com",))
-        self.assertEqual(cfg.mesh.token, "t0ken")
+        self.assertEqual(cfg.mesh.token, "t0ken" * 7)
 
     def test_hash_inside_an_unquoted_value(self) -> None:
         path = self.write_env("A=#not-a-comment\nB=x#y\nC= # comment only\n", "hash.env")
@@ -857,7 +857,7 @@ class MeshTiming(Base):
             "LCHAT_HIBERNATE_BUCKET": "b-1",
             "LCHAT_MESH_SELF": "https://box-1.example.net",
             "LCHAT_MESH_DOMAINS": "example.com",
-            "LCHAT_MESH_TOKEN": "t",
+            "LCHAT_MESH_TOKEN": "t" * 32,
         }
         cfg = self.load(base)
         assert cfg.mesh is not None
@@ -875,7 +875,7 @@ class MeshChecks(Base):
         "LCHAT_HIBERNATE_BUCKET": "b-1",
         "LCHAT_MESH_SELF": "HTTPS://Box-1.Example.NET:443/",
         "LCHAT_MESH_DOMAINS": "example.com",
-        "LCHAT_MESH_TOKEN": "t",
+        "LCHAT_MESH_TOKEN": "t" * 32,
     }
 
     def test_box_id_is_the_normalised_self_url(self) -> None:

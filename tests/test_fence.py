@@ -1233,7 +1233,7 @@ class LeaseTtlConfigTests(SynchronousTestCase):
         "LCHAT_HIBERNATE_BUCKET": "my-hibernation-bucket",
         "LCHAT_MESH_SELF": "https://box-1.example.net",
         "LCHAT_MESH_DOMAINS": "example.com",
-        "LCHAT_MESH_TOKEN": "s3cret-mesh-token-value",
+        "LCHAT_MESH_TOKEN": "s3cret-mesh-token-value-0123456789",
     }
 
     def ttl(self, environ: dict[str, str]) -> float:

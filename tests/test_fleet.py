@@ -34,6 +34,7 @@ from lchat import config
 from lchat.cli.main import build_parser
 from lchat.config import BoxConfig
 from lchat.mesh import api, client, fleet, placement
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, member_key
 from lchat.registry import Registry, Route
 from lchat.threads import thread_runner
@@ -697,16 +698,15 @@ class FleetMeshTests(MeshTestCase):
         self.assertIn(f"{boxes[0].url} (this box): ", ran.stdout)
         self.assertIn("total: 7 space(s) on 3 live box(es), 3 answered", ran.stdout)
 
-        # A wrong token: every member refuses, nothing crashes, the exit status says partial.
+        # A wrong token: no heartbeat authenticates with it (issue 29), so no box is a member,
+        # none is asked (nobody is sent that token), and the error says why.
         wrong = os.path.join(self.root, "wrong.env")
         with open(boxes[0].env_file) as f, open(wrong, "w") as out:
-            out.write(f.read().replace(TOKEN, "not-the-mesh-token-" + "y" * 12))
+            out.write(f.read().replace(TOKEN, "not-the-mesh-token-" + "y" * 16))
         ran = yield deferToThread(self.fleet, boxes[0], "--json", env_file=wrong)
-        self.assertEqual(ran.returncode, 3, ran.stderr)
-        doc = json.loads(ran.stdout)
-        self.assertEqual([b["outcome"] for b in doc["boxes"]], ["error"] * 3)
-        self.assertIn("answered 401", doc["boxes"][0]["error"])
-        self.assertEqual(doc["spaces"], [])
+        self.assertNotEqual(ran.returncode, 0, ran.stderr)
+        self.assertIn("is LCHAT_MESH_TOKEN this mesh's", ran.stderr)
+        self.assertEqual(ran.stdout, "")
 
         # A member that is no lchat: garbage, then hostile JSON. Shown as an error each time.
         peer_url, peer = yield deferToThread(self.garbage_member)
@@ -838,6 +838,7 @@ class FleetMeshTests(MeshTestCase):
         s3 = self.server.client("s3")
         key = member_key(_Prefix(), fake.url)
         beat = Heartbeat(url=fake.url, region="", version="garbage", started_at=time.time())
+        beat = HeartbeatKeys.of(TOKEN).sign(beat)  # a member (a box with the token, broken)
         stop = threading.Event()
 
         def beats() -> None:

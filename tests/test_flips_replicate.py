@@ -189,7 +189,8 @@ class APITests(TestCase):
         self.root = tempfile.mkdtemp(prefix="flipapi", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.root, True)
         self.box = Box(self.root, "box-1")
-        self.served = Served(self, self.box)
+        # PEER is a member here (its heartbeat authenticated): lives_at may name it.
+        self.served = Served(self, self.box, members=lambda url: url == PEER)
 
     def post(self, body: dict[str, Any]) -> Deferred[tuple[int, dict[str, Any]]]:
         data = request_bytes("POST", client.ROUTE_PATH, json.dumps(body).encode())
@@ -330,7 +331,8 @@ class RoutingTests(SynchronousTestCase):
         self.assertEqual(target.server_name, HOST)
         [(name, value)] = target.add_headers
         self.assertEqual(name, forward.HEADER)
-        self.assertTrue(forward.authentic(value, TOKEN, HOST, now=self.clock.seconds))
+        to = forward.Bound(b"GET", b"/", "https://box-2.example.net")
+        self.assertTrue(forward.authentic(value, TOKEN, HOST, self.clock.seconds, bound=to))
         # A peer that cannot take it: a 503, never a wake here.
         assert target.fallback is not None
         answer = target.fallback("unreachable")
@@ -338,7 +340,8 @@ class RoutingTests(SynchronousTestCase):
         self.assertEqual((answer.status, answer.label), (503, "elsewhere_unreachable"))
 
     def test_a_forwarded_request_is_not_forwarded_again(self) -> None:
-        marker = forward.marker(TOKEN, HOST, self.clock.seconds)
+        here = forward.Bound(b"GET", b"/", HERE)  # sent to this box
+        marker = forward.marker(TOKEN, HOST, self.clock.seconds, here)
         target = self.router(self.mesh).route(RequestHead(b"GET", b"/", HOST, forwarded=marker))
         assert isinstance(target, LocalResponse)
         self.assertEqual((target.status, target.label), (503, "elsewhere_loop"))

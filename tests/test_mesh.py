@@ -34,7 +34,7 @@ from tests.routerproc import kill_spaces_under, spawn_router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
-TOKEN = "mesh-token-" + "x" * 20
+TOKEN = "mesh-token-" + "x" * 24  # at least 32 characters (config.MIN_MESH_TOKEN)
 DOMAIN = "mesh.test"
 
 
@@ -464,7 +464,9 @@ class MeshTests(MeshTestCase):
         host = f"f.{DOMAIN}"
         _boxes, owner, others = yield self.one_space(host)
         other = others[0]
-        forged = forward.marker("wrong-token", host, now=time.time).decode()
+        # (Bound to this very request and box: only the token is wrong.)
+        to = forward.Bound(b"GET", b"/api/version", normalise_member_url(other.url))
+        forged = forward.marker("wrong-token", host, time.time, to).decode()
         status, _, _ = yield self.req(other, host, headers={"X-Lchat-Mesh-Forwarded": forged})
         self.assertEqual(status, 200)
         # Still served by the owner: the other box forwarded instead of waking it locally.

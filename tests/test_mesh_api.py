@@ -35,6 +35,7 @@ from lchat import config, envfile, hosts
 from lchat.cli import mesh as mesh_cli
 from lchat.config import BoxConfig
 from lchat.mesh import api, client, tokens
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, Member, member_key
 from lchat.mesh.placement import normalise_member_url, owner
 from lchat.objstore.file import FileBucket
@@ -44,7 +45,7 @@ from tests.test_tls import TestCA
 
 reactor: Any = _reactor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKEN = "mesh-token-for-tests-0123456789"
+TOKEN = "mesh-token-for-tests-0123456789-abcdef"  # >= 32 characters (config.MIN_MESH_TOKEN)
 DOMAIN = "chat.example.com"
 HOST = "a.chat.example.com"
 ADMIN = "admin-token-" + "k" * 24
@@ -193,8 +194,16 @@ class Served:
     """A box's mesh API on 127.0.0.1, with its reload callback recorded."""
 
     def __init__(
-        self, case: TestCase, box: Box, reload: Callable[[str], object] | None = None
+        self,
+        case: TestCase,
+        box: Box,
+        reload: Callable[[str], object] | None = None,
+        *,
+        members: Callable[[str], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``members``: which URLs are members (``lives_at`` may name them); ``clock``: the
+        failed-authentication limiter's."""
         self.box = box
         self.reloads: list[str] = []
 
@@ -203,7 +212,12 @@ class Served:
             return reload(reason) if reload is not None else None
 
         self.site = api.mesh_site(
-            box.registry, box.cfg(), record, run_in_thread=thread_runner(reactor)
+            box.registry,
+            box.cfg(),
+            record,
+            run_in_thread=thread_runner(reactor),
+            members=members,
+            clock=clock,
         )
         self.port = reactor.listenTCP(0, self.site, interface="127.0.0.1")
         case.addCleanup(self.port.stopListening)
@@ -308,8 +322,9 @@ class UpsertTests(APITestCase):
 
     @inlineCallbacks
     def test_home_region_of_this_box_is_in_scope(self) -> Any:
-        yield self.push(payload(host="x.elsewhere.org", home_region="ie"))
-        route = self.box.registry.get("x.elsewhere.org")
+        # (Under the mesh's domain, though not directly: placed by region, not by hash.)
+        yield self.push(payload(host="x.deep.chat.example.com", home_region="ie"))
+        route = self.box.registry.get("x.deep.chat.example.com")
         assert route is not None
         self.assertEqual(route.home_region, "ie")
 
@@ -663,7 +678,7 @@ class ListTests(APITestCase):
     @inlineCallbacks
     def test_lists_in_scope_hibernating_rows_with_env(self) -> Any:
         yield self.push(payload())
-        yield self.push(payload(host="r.elsewhere.org", home_region="ie", env={}))
+        yield self.push(payload(host="r.deep.chat.example.com", home_region="ie", env={}))
         self.box.add("local.chat.example.com", home_region="fi")  # a local hibernating one
         self.box.add("live.chat.example.com", hibernate=False)
         self.box.add("svc.chat.example.com", kind="service")
@@ -698,7 +713,7 @@ class ListTests(APITestCase):
                     **payload(host="noenv.chat.example.com", version="", replication="stream"),
                     "env": {},
                 },
-                payload(host="r.elsewhere.org", home_region="ie", env={}),
+                payload(host="r.deep.chat.example.com", home_region="ie", env={}),
             ],
         )
         # Every entry is a payload the API itself accepts.
@@ -707,7 +722,7 @@ class ListTests(APITestCase):
         self.assertEqual(self.box.changes(), before)
         self.assertEqual(
             self.served.reloads,
-            [f"mesh route created: {HOST}", "mesh route created: r.elsewhere.org"],
+            [f"mesh route created: {HOST}", "mesh route created: r.deep.chat.example.com"],
         )
         self.assertEqual(calls("list", "listed"), listed + 1)
 
@@ -973,7 +988,10 @@ def beat(box: Box, url: str, region: str = "") -> None:
     assert hib is not None
     bucket = FileBucket(hib.bucket[len("file:") :], create=True)
     body = Heartbeat(url=normalise_member_url(url), region=region, version="t", started_at=1.0)
-    bucket.put(member_key(hib, url), body.to_json())
+    mesh = box.cfg().mesh
+    assert mesh is not None
+    # MACed with the mesh token, as a member's router does (an unsigned body is no member).
+    bucket.put(member_key(hib, url), HeartbeatKeys.of(mesh.token).sign(body).to_json())
 
 
 class CliTestCase(TestCase):
@@ -983,7 +1001,10 @@ class CliTestCase(TestCase):
         # The source box (where the CLI runs) and the peer (served here).
         self.a = Box(self.root, "box-a")
         self.b = Box(self.root, "box-b", LCHAT_MESH_REGION="fi")
-        self.peer = Served(self, self.b)
+        # The source is a member the peer knows (its heartbeat authenticated): its
+        # lives-elsewhere rows may name it.
+        source = normalise_member_url(self.a.settings["LCHAT_MESH_SELF"])
+        self.peer = Served(self, self.b, members=lambda url: url == source)
         self.b.write_env(LCHAT_MESH_SELF=self.peer.url)
         os.makedirs(os.path.join(self.root, "bucket"))  # the routers would have made it
 
@@ -1021,14 +1042,14 @@ class SeedTests(CliTestCase):
     @inlineCallbacks
     def test_region_adds_the_routes_homed_there(self) -> Any:
         self.a.add("h1.chat.example.com")
-        self.a.add("x.elsewhere.org", home_region="fi")
+        self.a.add("x.deep.chat.example.com", home_region="fi")
         done = yield self.lchat("mesh-seed", self.peer.url)
         self.assertEqual(done.returncode, 0, done)
-        self.assertIsNone(self.b.registry.get("x.elsewhere.org"))
+        self.assertIsNone(self.b.registry.get("x.deep.chat.example.com"))
         done = yield self.lchat("mesh-seed", "--region", "fi", self.peer.url)
         self.assertEqual(done.returncode, 0, done)
         self.assertIn("home region fi", done.stdout)
-        self.assertIsNotNone(self.b.registry.get("x.elsewhere.org"))
+        self.assertIsNotNone(self.b.registry.get("x.deep.chat.example.com"))
 
     @inlineCallbacks
     def test_prune_tombstones_rows_the_source_no_longer_has(self) -> Any:
@@ -1094,7 +1115,7 @@ class SeedTests(CliTestCase):
     @inlineCallbacks
     def test_failures_are_reported(self) -> Any:
         self.a.add("h1.chat.example.com")
-        self.a.write_env(LCHAT_MESH_TOKEN="not-the-peers-token")
+        self.a.write_env(LCHAT_MESH_TOKEN="not-the-peers-token-" + "n" * 16)
         done = yield self.lchat("mesh-seed", "--prune", self.peer.url)
         self.assertEqual(done.returncode, 1, done)
         self.assertIn("answered 401", done.stderr)

@@ -35,22 +35,40 @@ _tcp: Any = reactor  # listenTCP's stub wants a ServerFactory; ours are plain Fa
 
 TOKEN = "s3cret-token"
 HOST = "a.mesh.example"
+PEER = "https://box-b.example.net:8443"
+BOUND = forward.Bound(method=b"GET", target=b"/api/x?y=1", peer=PEER)
 
 
 class MarkerTests(TestCase):
     def test_a_fresh_marker_for_this_host_authenticates(self) -> None:
-        value = forward.marker(TOKEN, HOST, now=lambda: 1_000_000.0)
-        self.assertTrue(value.startswith(b"v1 1000000 "))
-        self.assertTrue(forward.authentic(value, TOKEN, HOST, now=lambda: 1_000_030.0))
+        value = forward.marker(TOKEN, HOST, lambda: 1_000_000.0, BOUND)
+        self.assertTrue(value.startswith(b"v2 1000000 "))
+        self.assertTrue(forward.authentic(value, TOKEN, HOST, lambda: 1_000_030.0, bound=BOUND))
 
     def test_wrong_token_other_host_or_stale_is_refused(self) -> None:
-        value = forward.marker(TOKEN, HOST, now=lambda: 1_000_000.0)
+        value = forward.marker(TOKEN, HOST, lambda: 1_000_000.0, BOUND)
         at = lambda: 1_000_000.0  # noqa: E731
-        self.assertFalse(forward.authentic(value, "other-token", HOST, now=at))
-        self.assertFalse(forward.authentic(value, TOKEN, "b.mesh.example", now=at))
-        self.assertFalse(forward.authentic(value, TOKEN, HOST, now=lambda: 1_000_000.0 + 121))
-        self.assertFalse(forward.authentic(value, TOKEN, HOST, now=lambda: 1_000_000.0 - 121))
-        self.assertFalse(forward.authentic(value, "", HOST, now=at))  # no token: never
+        b = BOUND
+        self.assertFalse(forward.authentic(value, "other-token", HOST, at, bound=b))
+        self.assertFalse(forward.authentic(value, TOKEN, "b.mesh.example", at, bound=b))
+        self.assertFalse(forward.authentic(value, TOKEN, HOST, lambda: 1_000_000.0 + 121, bound=b))
+        self.assertFalse(forward.authentic(value, TOKEN, HOST, lambda: 1_000_000.0 - 121, bound=b))
+        self.assertFalse(forward.authentic(value, "", HOST, at, bound=b))  # no token: never
+
+    def test_a_marker_is_bound_to_its_request_and_its_peer(self) -> None:
+        """Issue 29: a marker captured at the box it was sent to (a ``lives_at`` target, any
+        peer) is refused for any other request — another path, query or method — and by any
+        other box, within its freshness window too."""
+        value = forward.marker(TOKEN, HOST, lambda: 1_000_000.0, BOUND)
+        at = lambda: 1_000_000.0  # noqa: E731
+        for other in (
+            forward.Bound(b"GET", b"/api/x?y=2", PEER),  # another query
+            forward.Bound(b"GET", b"/api/admin", PEER),  # another path
+            forward.Bound(b"POST", b"/api/x?y=1", PEER),  # another method
+            forward.Bound(b"GET", b"/api/x?y=1", "https://box-c.example.net"),  # another peer
+        ):
+            self.assertFalse(forward.authentic(value, TOKEN, HOST, at, bound=other), other)
+        self.assertTrue(forward.authentic(value, TOKEN, HOST, at, bound=BOUND))
 
     def test_garbage_is_refused(self) -> None:
         for value in (
@@ -65,29 +83,34 @@ class MarkerTests(TestCase):
             b"\xff\xfe",
             b"v1 1000000 " + b"a" * 500,
         ):
-            self.assertFalse(forward.authentic(value, TOKEN, HOST, now=lambda: 1_000_000.0))
+            self.assertFalse(forward.authentic(value, TOKEN, HOST, lambda: 1e6, bound=BOUND))
 
     @given(st.binary(max_size=300))
     def test_no_random_value_authenticates(self, value: bytes) -> None:
-        self.assertFalse(forward.authentic(value, TOKEN, HOST, now=lambda: 1_000_000.0))
+        self.assertFalse(forward.authentic(value, TOKEN, HOST, lambda: 1e6, bound=BOUND))
 
 
 class PeerTargetTests(TestCase):
     def test_https_peer_is_pinned_and_verified_against_the_space(self) -> None:
-        target = forward.peer_target("https://box-b.example.net:8443", HOST, TOKEN, now=time.time)
+        target = forward.peer_target(
+            "HTTPS://Box-B.example.net:8443/", HOST, TOKEN, time.time, method=b"GET",
+            target=b"/api/x?y=1",
+        )  # fmt: skip
         self.assertEqual(
             (target.address, target.port, target.server_name, target.tls),
             ("box-b.example.net", 8443, HOST, True),
         )
         ((name, value),) = target.add_headers
         self.assertEqual(name, forward.HEADER)
-        self.assertTrue(forward.authentic(value, TOKEN, HOST, now=time.time))
+        # Bound to the request and to the peer's normalised URL.
+        self.assertTrue(forward.authentic(value, TOKEN, HOST, time.time, bound=BOUND))
 
     def test_default_ports_and_plain_http(self) -> None:
+        get = {"method": b"GET", "target": b"/"}
         self.assertEqual(
-            forward.peer_target("https://10.0.0.5", HOST, TOKEN, now=time.time).port, 443
+            forward.peer_target("https://10.0.0.5", HOST, TOKEN, time.time, **get).port, 443
         )
-        plain = forward.peer_target("http://10.0.0.5", HOST, TOKEN, now=time.time)
+        plain = forward.peer_target("http://10.0.0.5", HOST, TOKEN, time.time, **get)
         self.assertEqual((plain.port, plain.tls), (80, False))
 
 

@@ -15,6 +15,7 @@ reads of them: ``live()`` and ``subscribe()``, and ``holds()``.
 
 from __future__ import annotations
 
+import hmac
 import os
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,8 @@ SELF = "http://a.example.net"
 B = "http://b.example.net"
 C = "http://c.example.net:8080"
 DOMAIN = "mesh.example"
+# What a marker on a request routed by these tests (POST /, to SELF) is bound to.
+BOUND = forward.Bound(method=b"POST", target=b"/", peer=SELF)
 EPOCH = 10_000.0  # the clock's start: forwarded markers carry it (small: float steps stay exact)
 TOKEN = "routing-token-" + "z" * 20
 HEARTBEAT, DEAD_AFTER = 15.0, 45.0
@@ -62,9 +65,14 @@ class View:
         self.members = list(members)
         self.leaving: frozenset[str] = frozenset()
         self._subscribers: list[Callable[[list[Peer], list[Peer]], object]] = []
+        # URLs whose heartbeat authenticated once (the witness's roster): Membership.known.
+        self.seen = {m.url for m in members}
 
     def live(self) -> list[Peer]:
         return list(self.members)
+
+    def known(self, url: str) -> bool:
+        return url in self.seen or any(m.url == url for m in self.members)
 
     def draining(self) -> frozenset[str]:
         return self.leaving
@@ -77,6 +85,7 @@ class View:
         """``draining``: peers whose heartbeat said "draining" at this read."""
         self.leaving = frozenset(draining)
         old, self.members = self.members, list(members)
+        self.seen |= {m.url for m in members}
         if {(m.url, m.region) for m in old} != {(m.url, m.region) for m in members}:
             for fn in list(self._subscribers):
                 fn(list(old), list(members))
@@ -261,7 +270,8 @@ class _Base(SynchronousTestCase):
         self.assertEqual(target.port, int(parts[1]) if len(parts) > 1 else 80)
         ((name, value),) = target.add_headers
         self.assertEqual(name, forward.HEADER)
-        self.assertTrue(forward.authentic(value, TOKEN, host, now=self.clock.seconds))
+        to = forward.Bound(b"POST", b"/", placement.normalise_member_url(peer))
+        self.assertTrue(forward.authentic(value, TOKEN, host, now=self.clock.seconds, bound=to))
         self.assertIsNotNone(target.fallback)
         return target
 
@@ -372,12 +382,24 @@ class ForwardingTests(_Base):
         """Our copy lost its lease (taken over while this box was frozen or cut off) and still
         stops: its requests go to the new holder — even before the holder is back in our view —
         never into a wake here that would only meet the held lease."""
-        mesh = self.mesh_of(SELF)  # a view that has not seen B again yet
+        view = View(Peer(SELF))  # a view that has not seen B again yet
+        view.seen.add(B)  # (but B's heartbeat authenticated before: a member it knows)
+        mesh = self.mesh(view)
         host = host_owned_by(SELF, SELF, B)
         self.running.hosts.add(host)
         self.running.lost.add(host)
         self.hold_lease(host, B)
         self.assertForwardedTo(self.routed(mesh, host), B, host)
+
+    def test_a_lease_naming_no_member_gets_no_request(self) -> None:
+        """Issue 29: a lease in the bucket may name any URL (a bucket writer's): a copy standing
+        down here never sends a request to a holder whose heartbeat never authenticated."""
+        mesh = self.mesh_of(SELF)
+        host = host_owned_by(SELF, SELF, B)
+        self.running.hosts.add(host)
+        self.running.lost.add(host)
+        self.hold_lease(host, B)  # B: never a member this box knows
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)  # (its activator refuses the wake)
 
     def test_a_space_awake_elsewhere_goes_to_its_lease_holder_whatever_the_hash_says(self) -> None:
         mesh = self.mesh_of(SELF, B, C)
@@ -419,7 +441,7 @@ class ForwardingTests(_Base):
         host = host_owned_by(B, SELF, B)
         self.hold_lease(host, B)  # even a lease elsewhere: the activator settles it
         counted, reads = forwards("local_forwarded"), self.disk.calls
-        marker = forward.marker(TOKEN, host, now=self.clock.seconds)
+        marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
         self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
         self.assertEqual(forwards("local_forwarded"), counted + 1)
         self.assertEqual(self.disk.calls, reads)  # one hop only: nothing read, nothing asked
@@ -429,11 +451,28 @@ class ForwardingTests(_Base):
         host = host_owned_by(B, SELF, B)
         other = host_owned_by(B, SELF, B, but_not=(host,))
         markers = {
-            "another token": forward.marker("not-the-token", host, now=self.clock.seconds),
-            "stamped 1000 s ago": forward.marker(TOKEN, host, now=lambda: EPOCH - 1000),
-            "stamped 1000 s ahead": forward.marker(TOKEN, host, now=lambda: EPOCH + 1000),
-            "another host's": forward.marker(TOKEN, other, now=self.clock.seconds),
+            "another token": forward.marker("not-the-token", host, self.clock.seconds, BOUND),
+            "stamped 1000 s ago": forward.marker(TOKEN, host, lambda: EPOCH - 1000, BOUND),
+            "stamped 1000 s ahead": forward.marker(TOKEN, host, lambda: EPOCH + 1000, BOUND),
+            "another host's": forward.marker(TOKEN, other, self.clock.seconds, BOUND),
             "garbage": b"v1 garbage",
+            # Issue 29: a marker captured where it was sent replays nowhere else.
+            "another path's": forward.marker(
+                TOKEN, host, self.clock.seconds, forward.Bound(b"POST", b"/admin", SELF)
+            ),
+            "another method's": forward.marker(
+                TOKEN, host, self.clock.seconds, forward.Bound(b"GET", b"/", SELF)
+            ),
+            "another peer's": forward.marker(
+                TOKEN, host, self.clock.seconds, forward.Bound(b"POST", b"/", B)
+            ),
+            "an older lchat's (v1, bound to the host only)": b"v1 %d %s"
+            % (
+                EPOCH,
+                hmac.new(TOKEN.encode(), b"v1\n%d\n%s" % (EPOCH, host.encode()), "sha256")
+                .hexdigest()
+                .encode(),
+            ),
         }
         bad = forwards("bad_marker")
         for why, marker in markers.items():
@@ -447,8 +486,8 @@ class ForwardingTests(_Base):
         stopping = LocalResponse(503, b"stopping\n", ((b"retry-after", b"5"),), refusal="stopping")
         busy = LocalResponse(503, b"busy\n", ((b"retry-after", b"5"),))
         marked = (*stopping.headers, (REFUSED, b"stopping"))
-        authentic = forward.marker(TOKEN, host, now=self.clock.seconds)
-        forged = forward.marker("not-the-token", host, now=self.clock.seconds)
+        authentic = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
+        forged = forward.marker("not-the-token", host, self.clock.seconds, BOUND)
 
         def at_once() -> Target:
             return stopping

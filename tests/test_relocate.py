@@ -28,6 +28,7 @@ from lchat.cli import mesh as mesh_cli
 from lchat.cli import relocate
 from lchat.cli.bucket import open_region_bucket
 from lchat.config import BoxConfig, ConfigError, RegionBucket
+from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, member_key
 from lchat.objstore.file import FileBucket
 from lchat.registry import Registry, Route
@@ -440,6 +441,7 @@ class RelocateTests(TestCase):
         beat = Heartbeat(
             url=served.url, region="fi", version=lchat.__version__, started_at=time.time()
         )
+        beat = HeartbeatKeys.of(TOKEN).sign(beat)  # as the peer's router writes it
         await self.ie.put(member_key(cfg.hibernate, served.url), beat.to_json())
         code, out, err = await self.relocate()
         self.assertEqual(code, 0, err)

@@ -51,6 +51,7 @@ from lchat.tap import build_service
 from tests.s3servers import shared_server
 from tests.test_activator_machine import _Machine, metric
 from tests.test_mesh_routing import (
+    BOUND,
     SELF,
     SERVED_HERE,
     TOKEN,
@@ -430,12 +431,12 @@ class ForeignRegionTests(_RoutingBase):
         # Ours by the fallback, or B's by the hash (a peer that thought otherwise): a 503 here.
         host, theirs = host_owned_by(SELF, SELF, B), host_owned_by(B, SELF, B)
         for h in (host, theirs):
-            marker = forward.marker(TOKEN, h, self.clock.seconds)
+            marker = forward.marker(TOKEN, h, self.clock.seconds, BOUND)
             self.assertRegionDown(self.routed(mesh, h, forwarded=marker, home_region="fi"), h)
         self.assertEqual(self.served, [])
         # The same forward for a space homed in our bucket's regions is served here.
         for region in ("ie", "se", ""):
-            marker = forward.marker(TOKEN, theirs, self.clock.seconds)
+            marker = forward.marker(TOKEN, theirs, self.clock.seconds, BOUND)
             self.assertIs(
                 self.routed(mesh, theirs, forwarded=marker, home_region=region), SERVED_HERE
             )
@@ -477,7 +478,7 @@ class ForeignRegionTests(_RoutingBase):
         host = host_owned_by(SELF, SELF, B)
         self.running.hosts.add(host)
         self.assertIs(self.routed(mesh, host, home_region="fi"), SERVED_HERE)
-        marker = forward.marker(TOKEN, host, self.clock.seconds)
+        marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
         self.assertIs(self.routed(mesh, host, forwarded=marker, home_region="fi"), SERVED_HERE)
         self.assertEqual(self.served, [host, host])
         self.running.hosts.clear()  # asleep again: the guard applies again

@@ -54,7 +54,16 @@ from lchat.threads import thread_runner
 from tests.s3servers import shared_server, store_for
 from tests.test_acme_parts import certificate
 from tests.test_mesh_api import Box, Served, payload
-from tests.test_mesh_routing import SELF, SERVED_HERE, TOKEN, B, _Base, forwards, host_owned_by
+from tests.test_mesh_routing import (
+    BOUND,
+    SELF,
+    SERVED_HERE,
+    TOKEN,
+    B,
+    _Base,
+    forwards,
+    host_owned_by,
+)
 
 reactor: Any = _reactor
 
@@ -201,9 +210,11 @@ class MeshAPIRotationTests(TestCase):
                         assert got is not None
                         status = await self.status_of(served[receiver].url, sent.token)
                         self.assertEqual(status, 200, state)
-                        marker = forward.marker(sent.token, host, now=time.time)
+                        marker = forward.marker(sent.token, host, time.time, BOUND)
                         self.assertTrue(
-                            forward.authentic(marker, got.token, host, time.time, got.accept_token),
+                            forward.authentic(
+                                marker, got.token, host, time.time, got.accept_token, bound=BOUND
+                            ),
                             state,
                         )
         self.assertEqual(set(settings.values()), {(NEW, "")})
@@ -230,25 +241,26 @@ class ForwardedMarkerRotationTests(_Base):
         mesh = self.mesh_of(SELF, B)
         host = host_owned_by(B, SELF, B)
         here, uses = forwards("local_forwarded"), accept_uses("forwarded")
-        marker = forward.marker(OLD, host, now=self.clock.seconds)
+        marker = forward.marker(OLD, host, self.clock.seconds, BOUND)
         self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
         self.assertEqual(forwards("local_forwarded"), here + 1)
         self.assertEqual(accept_uses("forwarded"), uses + 1)
         # The current token still works, uncounted; a box sends only the current one.
-        marker = forward.marker(TOKEN, host, now=self.clock.seconds)
+        marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
         self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
         self.assertEqual(accept_uses("forwarded"), uses + 1)
         other = host_owned_by(B, SELF, B, but_not=(host,))
         target = self.routed(mesh, other)
         ((_, sent),) = target.add_headers  # type: ignore[union-attr]
-        self.assertTrue(forward.authentic(sent, TOKEN, other, now=self.clock.seconds))
-        self.assertFalse(forward.authentic(sent, OLD, other, now=self.clock.seconds))
+        to_b = forward.Bound(b"POST", b"/", B)
+        self.assertTrue(forward.authentic(sent, TOKEN, other, self.clock.seconds, bound=to_b))
+        self.assertFalse(forward.authentic(sent, OLD, other, self.clock.seconds, bound=to_b))
 
     def test_once_dropped_the_old_marker_is_routed_like_any_request(self) -> None:
         mesh = self.mesh_of(SELF, B)
         host = host_owned_by(B, SELF, B)
         bad, uses = forwards("bad_marker"), accept_uses("forwarded")
-        marker = forward.marker(OLD, host, now=self.clock.seconds)
+        marker = forward.marker(OLD, host, self.clock.seconds, BOUND)
         self.assertForwardedTo(self.routed(mesh, host, forwarded=marker), B, host)
         self.assertEqual(self.served, [])
         self.assertEqual(forwards("bad_marker"), bad + 1)
@@ -257,12 +269,16 @@ class ForwardedMarkerRotationTests(_Base):
     def test_the_accepted_token_does_not_loosen_the_other_checks(self) -> None:
         at = self.clock.seconds
         host = "a.mesh.example"
-        stale = forward.marker(OLD, host, now=lambda: at() - 1000)
-        self.assertFalse(forward.authentic(stale, TOKEN, host, at, OLD))
-        other_host = forward.marker(OLD, "b.mesh.example", now=at)
-        self.assertFalse(forward.authentic(other_host, TOKEN, host, at, OLD))
-        self.assertFalse(forward.authentic(forward.marker("", host, at), TOKEN, host, at, ""))
-        self.assertFalse(forward.authentic(forward.marker(OLD, host, at), "", host, at, OLD))
+        stale = forward.marker(OLD, host, lambda: at() - 1000, BOUND)
+        self.assertFalse(forward.authentic(stale, TOKEN, host, at, OLD, bound=BOUND))
+        other_host = forward.marker(OLD, "b.mesh.example", at, BOUND)
+        self.assertFalse(forward.authentic(other_host, TOKEN, host, at, OLD, bound=BOUND))
+        self.assertFalse(
+            forward.authentic(forward.marker("", host, at, BOUND), TOKEN, host, at, "", bound=BOUND)
+        )
+        self.assertFalse(
+            forward.authentic(forward.marker(OLD, host, at, BOUND), "", host, at, OLD, bound=BOUND)
+        )
 
 
 # --- certificate cache key ----------------------------------------------------------------------

@@ -151,7 +151,8 @@ def run(
     if not members:
         raise FleetCliError(
             f"no live member in the mesh's heartbeats, not even this box ({me}): is its router "
-            "running? (`lchat mesh` lists the members, dead ones too)"
+            "running, and is LCHAT_MESH_TOKEN this mesh's (a heartbeat counts only when its MAC "
+            "verifies with it)? (`lchat mesh` lists the members, dead ones too)"
         )
     if target is not None:
         counts = fleet.publishable(result)

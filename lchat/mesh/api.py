@@ -57,17 +57,35 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     the router serves no such view. Reads only.
 
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
-is 401, a wrong method 405, any other path 404. Writes run in a thread, serialised, and the router's
+is 401, a wrong method 405, any other path 404.
+
+**Failed authentication is rate-limited per client address** (:class:`AuthLimiter`): each 401
+takes a token from the client's bucket (:data:`AUTH_FAILURES_BURST`, refilled one per
+:data:`AUTH_FAILURE_EVERY` seconds); with none left, every request of that client — whatever
+token it carries, so that guessing gains nothing — is answered 429 with ``Retry-After`` until one
+is back, counted in ``lchat_mesh_auth_limited_total`` and logged once per episode. The client is
+the last ``X-Forwarded-For`` entry, which this box's proxy appends (the API is reached only
+through it, or on its unix socket: "local").
+
+**``lives_at`` names a member** (issue 29): the URL must be one whose heartbeat authenticated
+with the mesh token (``members``: :meth:`lchat.mesh.membership.Membership.known`), and ``https``
+(``http`` only on a mesh whose own ``LCHAT_MESH_SELF`` is plain HTTP, which chose cleartext):
+never an arbitrary address of the box's network, never a cleartext diversion of a space's
+traffic. A host is in scope only under the mesh's domains (see :func:`in_scope`): a token
+holder cannot make a box order certificates for names outside them. Writes run in a thread, serialised, and the router's
 route table is reloaded (the ``reload`` callback) before the answer goes out.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from io import BytesIO
 from typing import Any
@@ -114,6 +132,19 @@ Reload = Callable[[str], object]
 Spaces = Callable[[], Callable[[], dict[str, Any]]]
 # A peer's beat, to this box's membership (lchat.mesh.membership.Membership.receive_beat).
 Beats = Callable[[BeatMessage], Coroutine[Any, Any, BeatReply]]
+# Is this URL a mesh member's (an authenticated heartbeat; Membership.known)?
+Members = Callable[[str], bool]
+
+# Failed authentication, per client address: a burst of this many 401s, then one more every
+# AUTH_FAILURE_EVERY seconds (a peer with a stale token during a botched rotation retries far
+# less often than that; a guesser gets 10 guesses a minute at most).
+AUTH_FAILURES_BURST = 10
+AUTH_FAILURE_EVERY = 6.0
+AUTH_CLIENTS = 10_000  # client buckets kept (least recently failed dropped first)
+_limited = Counter(
+    "lchat_mesh_auth_limited_total",
+    "Mesh API requests answered 429 because their client failed authentication too often",
+)
 
 _calls = Counter(
     "lchat_mesh_route_calls_total",
@@ -237,10 +268,70 @@ def _check_env(env: object) -> dict[str, str]:
 
 
 def in_scope(mesh: MeshConfig, host: str, home_region: str) -> bool:
-    """Is ``host`` one of the mesh's: under a mesh domain, or homed in this box's region?"""
+    """Is ``host`` one of the mesh's: equal to or directly under a mesh domain, or homed in this
+    box's region *and* under a mesh domain at any depth? Never a name outside the mesh's
+    domains: a replicated route makes this box serve, and order a certificate for, its host."""
     if any(hosts.covers(domain, host) for domain in mesh.domains):
         return True
-    return bool(home_region) and home_region == mesh.region
+    return (
+        bool(home_region)
+        and home_region == mesh.region
+        and any(host.endswith("." + domain) for domain in mesh.domains)
+    )
+
+
+class AuthLimiter:
+    """A token bucket per client address for failed mesh-API authentication (the module
+    docstring). Invariants: a client with an empty bucket is refused before its token is
+    looked at; at most :data:`AUTH_CLIENTS` buckets are kept (the least recently failing client
+    is forgotten first: it starts again with a full bucket, which costs a guesser nothing it
+    did not have)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        burst: int = AUTH_FAILURES_BURST,
+        every: float = AUTH_FAILURE_EVERY,
+        clients: int = AUTH_CLIENTS,
+    ) -> None:
+        self._clock = clock
+        self.burst = burst
+        self.every = every
+        self._clients = clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
+        self._limited: set[str] = set()  # clients refused since their last refill (logged)
+
+    def _tokens(self, client: str) -> float:
+        got = self._buckets.get(client)
+        if got is None:
+            return float(self.burst)
+        tokens, at = got
+        return min(float(self.burst), tokens + (self._clock() - at) / self.every)
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds until ``client`` may try again (at least 1), or None: it may now."""
+        tokens = self._tokens(client)
+        if tokens >= 1.0:
+            if client in self._limited:
+                self._limited.discard(client)
+            return None
+        return max(1, math.ceil((1.0 - tokens) * self.every))
+
+    def failed(self, client: str) -> None:
+        """``client`` failed to authenticate: one token less."""
+        tokens = max(0.0, self._tokens(client) - 1.0)
+        self._buckets[client] = (tokens, self._clock())
+        self._buckets.move_to_end(client)
+        while len(self._buckets) > self._clients:
+            gone, _ = self._buckets.popitem(last=False)
+            self._limited.discard(gone)
+
+    def first_refusal(self, client: str) -> bool:
+        """True once per episode of refusals of ``client`` (for one log line)."""
+        if client in self._limited:
+            return False
+        self._limited.add(client)
+        return True
 
 
 # --- the resource -------------------------------------------------------------------------------
@@ -266,7 +357,11 @@ class MeshAPI(Resource):
         run_in_thread: RunInThread,
         spaces: Spaces | None = None,
         beats: Beats | None = None,
+        members: Members | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``members``: is a URL a member's (``lives_at`` must be; None: no membership here, so
+        no ``lives_at`` is accepted). ``clock``: the failed-authentication limiter's."""
         super().__init__()
         if cfg.mesh is None:
             raise ValueError("the mesh API needs LCHAT_MESH_SELF (and its domains and token)")
@@ -281,6 +376,8 @@ class MeshAPI(Resource):
         self._run = run_in_thread
         self._spaces = spaces  # GET /api/mesh/spaces (lchat.mesh.fleet.SpacesView.snapshot)
         self._beats = beats  # POST /api/mesh/beat
+        self._members = members
+        self._limiter = AuthLimiter(clock)
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
@@ -304,9 +401,34 @@ class MeshAPI(Resource):
             return self._answer(
                 request, op, "bad_method", 405, {"error": f"use {allowed.decode()} here"}
             )
+        client = _client(request)
+        retry = self._limiter.retry_after(client)
+        if retry is not None:
+            _limited.inc()
+            if self._limiter.first_refusal(client):
+                _log.warn(
+                    "mesh API: {client} failed authentication {burst} times: answering it 429 "
+                    "until it may try again (one more every {every:g}s)",
+                    client=client,
+                    burst=self._limiter.burst,
+                    every=self._limiter.every,
+                )
+            request.setHeader(b"retry-after", str(retry).encode())
+            return self._answer(
+                request,
+                op,
+                "limited",
+                429,
+                {"error": f"too many failed authentications: try again in {retry}s"},
+            )
         if not self._authorised(request):
+            self._limiter.failed(client)
             request.setHeader(b"www-authenticate", b'Bearer realm="lchat-mesh"')
-            _log.warn("mesh API: {op} refused: missing or wrong mesh token", op=op)
+            _log.warn(
+                "mesh API: {op} refused: missing or wrong mesh token (from {client})",
+                op=op,
+                client=client,
+            )
             return self._answer(
                 request, op, "unauthorized", 401, {"error": "missing or wrong mesh token"}
             )
@@ -415,12 +537,30 @@ class MeshAPI(Resource):
                 f"lives_at {payload.lives_at} is this box: a space that runs here always-on is "
                 f"registered here, not replicated to it"
             )
+        if payload.lives_at:
+            self._check_member(payload.lives_at)
         if not in_scope(self._mesh, payload.host, payload.home_region):
             raise PayloadError(
                 f"{payload.host} is not in this box's mesh scope (not under "
                 f"{', '.join(self._mesh.domains)}, and its home region is not this box's)"
             )
         return payload
+
+    def _check_member(self, url: str) -> None:
+        """``lives_at`` must be a member's URL, over HTTPS (the module docstring)."""
+        cleartext_mesh = self._mesh.self_url.lower().startswith("http://")
+        if not url.startswith("https://") and not cleartext_mesh:
+            _log.warn("mesh: refused lives_at {url}: not https", url=url)
+            raise PayloadError(
+                f"lives_at {url} must be https: a space's traffic is never forwarded in clear "
+                "text on a mesh whose boxes speak HTTPS"
+            )
+        if self._members is None or not self._members(url):
+            _log.warn("mesh: refused lives_at {url}: not a member of this mesh", url=url)
+            raise PayloadError(
+                f"lives_at {url} is not a member of this mesh (no heartbeat of it authenticated "
+                "with the mesh token is known here): requests are forwarded only to members"
+            )
 
     # --- the work, in a thread ----------------------------------------------------------------
 
@@ -685,19 +825,33 @@ def mesh_site(
     run_in_thread: RunInThread,
     spaces: Spaces | None = None,
     beats: Beats | None = None,
+    members: Members | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Site:
     """The route-replication API as a Site, for the router to serve on its internal socket.
 
     ``reload(reason)`` is called after every write (the router passes ``RouteSource.reload``); a
     Deferred it returns is waited for before the answer. ``run_in_thread`` runs the registry and
     file work (the router's thread runner). ``spaces``: the fleet view (``GET /api/mesh/spaces``);
-    ``beats``: the membership's ``receive_beat`` (``POST /api/mesh/beat``)."""
-    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread, spaces, beats))
+    ``beats``: the membership's ``receive_beat`` (``POST /api/mesh/beat``); ``members``: its
+    ``known`` (which ``lives_at`` URLs are accepted); ``clock``: the auth limiter's."""
+    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread, spaces, beats, members, clock))
     site.requestFactory = _CappedRequest
     return site
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _client(request: Request) -> str:
+    """The client's address: the last X-Forwarded-For entry (this box's proxy appends the
+    address it accepted the connection from, after any the client sent), else "local" (a caller
+    on the unix socket itself)."""
+    values = request.requestHeaders.getRawHeaders(b"x-forwarded-for") or []
+    if not values:
+        return "local"
+    last = values[-1].rsplit(b",", 1)[-1].strip()
+    return last.decode("ascii", "replace")[:64] or "local"
 
 
 def _text(value: object) -> bool:

@@ -183,7 +183,12 @@ class MeshRouter:
         host = route.host
         if head.forwarded is not None:
             if forward.authentic(
-                head.forwarded, self._mesh.token, host, self._clock, self._mesh.accept_token
+                head.forwarded,
+                self._mesh.token,
+                host,
+                self._clock,
+                self._mesh.accept_token,
+                bound=self._bound(head),
             ):
                 if self._foreign(route) and not self._activator.holds(host):
                     return self._region_down(route)
@@ -196,7 +201,12 @@ class MeshRouter:
         if self._activator.holds(host) and not _lost_here(self._activator, host):
             _forwards.labels("local_running").inc()
             return local()
-        return Deferred.fromCoroutine(self._route_remote(route, local))
+        return Deferred.fromCoroutine(self._route_remote(route, local, head))
+
+    def _bound(self, head: RequestHead) -> forward.Bound:
+        """What a marker on ``head`` must be bound to, to be honoured here: this request, and
+        this box as the peer it was sent to."""
+        return forward.Bound(method=head.method, target=head.target, peer=self._self_url)
 
     def forward_elsewhere(self, route: Route, head: RequestHead) -> Target:
         """A "lives elsewhere" row (``route.lives_at``): the space runs always-on on that box, so
@@ -208,7 +218,12 @@ class MeshRouter:
         peer = route.lives_at
         retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
         forwarded = head.forwarded is not None and forward.authentic(
-            head.forwarded, self._mesh.token, host, self._clock, self._mesh.accept_token
+            head.forwarded,
+            self._mesh.token,
+            host,
+            self._clock,
+            self._mesh.accept_token,
+            bound=self._bound(head),
         )
         if forwarded or placement.normalise_member_url(peer) == self._self_url:
             _forwards.labels("elsewhere_loop").inc()
@@ -229,8 +244,26 @@ class MeshRouter:
                 retry,
                 label="elsewhere_loop",
             )
+        if not peer.startswith("https://") and self._self_url.startswith("https://"):
+            # (The mesh API refuses such a row; one from elsewhere is never followed in clear.)
+            _forwards.labels("elsewhere_unreachable").inc()
+            _log.warn(
+                "mesh: {host} lives at {peer}, which is not https: answering 503 (a space's "
+                "traffic is never forwarded in clear text on an HTTPS mesh)",
+                host=host,
+                peer=peer,
+            )
+            return plain(
+                503,
+                f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
+                f"{RETRY_AFTER_SECONDS}s",
+                retry,
+                label="elsewhere_unreachable",
+            )
         _forwards.labels("to_elsewhere").inc()
-        target = forward.peer_target(peer, host, self._mesh.token, now=self._clock)
+        target = forward.peer_target(
+            peer, host, self._mesh.token, now=self._clock, method=head.method, target=head.target
+        )
 
         def unreachable(why: str) -> Target:
             _forwards.labels("elsewhere_unreachable").inc()
@@ -251,7 +284,7 @@ class MeshRouter:
 
         return attrs.evolve(target, fallback=unreachable)
 
-    async def _route_remote(self, route: Route, local: Local) -> Target:
+    async def _route_remote(self, route: Route, local: Local, head: RequestHead) -> Target:
         host = route.host
         holding = getattr(self._membership, "holding", None)
         told = holding(host) if holding is not None else None
@@ -267,7 +300,7 @@ class MeshRouter:
             return self._holder_unreachable(host, holder)
         if holder is not None and holder != self._self_url and holder in live:
             _forwards.labels("to_holder").inc()
-            return self._to(holder, route, local)
+            return self._to(holder, route, local, head)
         owner = self.owner_url(route)
         if (
             holder is not None
@@ -279,14 +312,14 @@ class MeshRouter:
             # Our copy stands down because the lease was taken: the taker serves it (once it is
             # back in our view), never a wake here.
             _forwards.labels("to_holder").inc()
-            return self._to(holder, route, local)
+            return self._to(holder, route, local, head)
         if owner == self._self_url and self._foreign(route) and not self._activator.holds(host):
             return self._region_down(route)
         if owner == self._self_url or self._activator.holds(host):
             _forwards.labels("local_owner").inc()
             return await _resolve(local())
         _forwards.labels("to_owner").inc()
-        return self._to(owner, route, local)
+        return self._to(owner, route, local, head)
 
     def _known(self, url: str) -> bool:
         """Is ``url`` a mesh box's (its heartbeat authenticated, or it beat this box with the
@@ -349,8 +382,15 @@ class MeshRouter:
             m for m in members if placement.normalise_member_url(m.url) not in self._unreachable
         ]
 
-    def _to(self, peer: str, route: Route, local: Local) -> Target:
-        target = forward.peer_target(peer, route.host, self._mesh.token, now=self._clock)
+    def _to(self, peer: str, route: Route, local: Local, head: RequestHead) -> Target:
+        target = forward.peer_target(
+            peer,
+            route.host,
+            self._mesh.token,
+            now=self._clock,
+            method=head.method,
+            target=head.target,
+        )
 
         def unreachable(why: str) -> Target | Deferred[Target]:
             # Until its heartbeat ages out of everyone's view, a stopping or dead peer would
@@ -371,7 +411,7 @@ class MeshRouter:
                 self._refused.discard(peer)
             self._unreachable[peer] = (now + self._mesh.dead_after, self._mono())
             self._holders.pop(route.host, None)
-            return Deferred.fromCoroutine(self._route_remote(route, local))
+            return Deferred.fromCoroutine(self._route_remote(route, local, head))
 
         return attrs.evolve(target, fallback=unreachable)
 
