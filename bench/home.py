@@ -5,9 +5,9 @@ the same client (lchat.objstore's S3Store).
 
     .venv/bin/python bench/home.py [--clients 8] [--rounds 3] [--duration 4] [--warmup 1]
         [--vault-bytes 8192] [--backends sqlite,moto,seaweedfs] [--wire-ops 20] [--idle 61]
-        [--keep]
+        [--no-limits-check] [--keep]
 
-(~6.5 min with the defaults; needs the test extras — boto3, moto, seaweedfs — as
+(~7 min with the defaults; needs the test extras — boto3, moto, seaweedfs — as
 tests/s3servers.py does: .venv has them.) Prints a Markdown section and writes it to
 /tmp/home-section.md.
 
@@ -16,18 +16,23 @@ What runs, all on loopback:
 - per S3 backend, its server (tests/s3servers.py) and one bucket with **versioning enabled**
   (home refuses to start without it);
 - **home**: ``twistd -n --pidfile= lchat-home --env-file <tmp>/home-<backend>.env`` on a unix
-  socket (``LCHAT_HOME_STORE=sqlite`` or ``s3`` with ``LCHAT_HOME_S3_ENDPOINT`` the server);
+  socket (``LCHAT_HOME_STORE=sqlite`` or ``s3`` with ``LCHAT_HOME_S3_ENDPOINT`` the server), with
+  **every rate limit off** (each ``LCHAT_HOME_LIMIT_*=0``: every client here is one address,
+  ``local``, reading thousands of times a minute) and ``LCHAT_HOME_MAX_DEVICES=200`` (the shared
+  account links a device per client per round: ``--clients`` x (``--rounds`` + 1) <= 200);
 - **clients**: ``--clients`` asyncio tasks in this process, each on its own kept-alive
   HTTP/1.1 connection to home's socket (no router in between: home's own cost is measured);
 - **the anchor** (S3 only): the same number of tasks calling an ``S3Store`` in this process
   (Twisted's asyncio reactor on this process's loop), built with home's client settings.
 
-Set-up per backend: ``--clients`` + 1 accounts are registered over the API with the software
-authenticator (tests/authenticator.py), each client owns one, the last is shared; each account's
-vault is created (``If-None-Match: *``, ``--vault-bytes`` random bytes). Before every phase each
-client mints a fresh link token (``POST /api/tokens`` with its account's ceremony proof, which
-lasts 5 minutes: a backend's phases must fit in 4), so every measured read finds its token in
-home's token cache (a token checked today; lchat.home.revocation), as a device seen today does.
+Set-up per backend: ``--clients`` + 1 accounts are registered over the API, each with a software
+authenticator of its own (tests/authenticator.py: a login picks its one passkey), each client
+owns one, the last is shared; each account's vault is created (``If-None-Match: *``,
+``--vault-bytes`` random bytes). Before every home phase each client gets a fresh link token from
+a fresh login ceremony (``/api/login/begin``, the passkey's assertion, ``/api/login/finish``,
+then ``POST /api/tokens`` with that proof: a proof mints one token), so every measured read finds
+its token in home's token cache (a token checked today; lchat.home.revocation), as a device seen
+today does.
 
 Phases, each ``--warmup`` seconds (not counted) then ``--duration`` seconds, clients in a closed
 loop (the next request when the previous answer is in), ``--rounds`` rounds of all of them in
@@ -46,6 +51,17 @@ this order (each home operation right after its anchor, so both meet the same ma
   device's token); a 409 gives the current version, which the client's next PUT names at once
   (no re-read: its bytes are random, there is nothing to merge).
 
+On SQLite (unless ``--no-limits-check``), the **limiter's cost**: two more home processes, set
+up the same way (each account registered from an address of its own: ``X-Forwarded-For``, as the
+router appends it), whose clients read their own vaults from one address (``local``) right after
+``vault GET``: ``vault GET, limits on, never binding`` (every limit ``1000000/1``: consulted and
+charged, never refusing) and ``vault GET, limits at defaults, refused (429)`` (the default
+limits, each phase after the clients read until refused: its answers are 429s, but for the
+bucket's refill). Their CPU per request beside ``vault GET``'s, per round. Two processes' CPU per
+request varies more from round to round on a shared machine than the bookkeeping would add, so
+the limiter's work for one served read (the failures check, the address's and the account's
+buckets) is also timed alone in this process, limits on and off.
+
 Per phase: latency p50/p99 of each request, throughput, the home process's CPU (utime+stime of
 ``/proc/<pid>/stat``) per request, and, per request, the S3 requests by type counted by home's S3
 client (``lchat_s3_requests_total`` on home's admin socket ``/metrics``, every attempt counted)
@@ -63,7 +79,8 @@ stale writes (a 409 each). The revocation feed's polls (one LIST of ``revoked/``
 
 Goals (issue 19): a vault read is one GET, a write is one conditional PUT (+ one HEAD/GET on a
 conflict), and an authenticated read of a token seen today costs no request for the
-authentication. With ``--keep`` the temp dir keeps every process's log.
+authentication. The limits' checks (issue 29): the limiter's bookkeeping is under 5% of a served
+read's CPU; a 429 costs less CPU than a served read. With ``--keep`` the temp dir keeps every process's log.
 """
 
 from __future__ import annotations
@@ -115,6 +132,27 @@ S3_OPERATION_KIND = {
     "ListObjectVersions": "LIST",
     "DeleteObject": "DELETE",
 }
+
+
+# Home's settings for the throughput phases: every rate limit off (the benchmark's clients all
+# come from one address, "local", and read thousands of times a minute) and a device cap above
+# what the run links (a device per login: the shared account gets one per client per round).
+def _limit_settings(value: str) -> dict[str, str]:
+    from lchat.home.config import DEFAULTS
+
+    names = [
+        k for k in DEFAULTS if k.startswith("LCHAT_HOME_LIMIT_") and k != "LCHAT_HOME_LIMIT_KEYS"
+    ]
+    assert len(names) == 8, names  # lchat.home.limits.NAMES: a new limit must be turned off here
+    return dict.fromkeys(names, value)
+
+
+MAX_DEVICES = 200  # LCHAT_HOME_MAX_DEVICES's ceiling (lchat.home.config.MAX_DEVICES_CEILING)
+LIMITS_OFF = {**_limit_settings("0"), "LCHAT_HOME_MAX_DEVICES": str(MAX_DEVICES)}
+# Every limit on, a million a second: the buckets are consulted and charged, never empty.
+LIMITS_NEVER_BINDING = _limit_settings("1000000/1")
+LIMITS_ON = "limits on, never binding"
+LIMITS_DEFAULT = "limits at defaults, refused (429)"
 
 
 # ---------------------------------------------------------------- the client
@@ -170,12 +208,18 @@ class UnixHTTP:
         self._reader = self._writer = None
 
 
-def call(sock: Path, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One blocking JSON request to home's API socket (set-up only): (status, JSON body)."""
+def call(
+    sock: Path, method: str, path: str, body: Any = None, address: str = ""
+) -> tuple[int, Any]:
+    """One blocking JSON request to home's API socket (set-up only): (status, JSON body).
+    ``address``: the client address home limits it as (the ``X-Forwarded-For`` entry the router
+    would append); none: every request of the run is one client, ``local``."""
     conn = benchlib.UnixHTTPConnection(str(sock), timeout=30)
     try:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Host": HOST, "Content-Type": "application/json"}
+        if address:
+            headers["X-Forwarded-For"] = address
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         payload = resp.read()
@@ -250,14 +294,17 @@ def home_reactor(procs: Processes, home: Home) -> str:
 
 @define
 class Account:
-    """A registered account: its uid and the ceremony proof that mints link tokens (5 minutes)."""
+    """A registered account: its uid and its passkey (a software authenticator of its own, the
+    only credential it holds: a login picks the newest one, as a browser does), and the client
+    address its set-up requests come from (see :func:`call`)."""
 
     uid: str
-    proof: str
+    authenticator: Any  # tests.authenticator.SoftwareAuthenticator
+    address: str = ""
 
 
-def register(home: Home, authenticator: Any) -> Account:
-    status, started = call(home.socket, "POST", "/api/register/begin", {})
+def register(home: Home, authenticator: Any, address: str = "") -> Account:
+    status, started = call(home.socket, "POST", "/api/register/begin", {}, address)
     if status != 200:
         raise RuntimeError(f"register/begin: {status} {started}")
     created = authenticator.create(started["options"], origin=ORIGIN)
@@ -266,14 +313,31 @@ def register(home: Home, authenticator: Any) -> Account:
         "POST",
         f"/api/register/finish?session={started['session']}",
         {"credential": created},
+        address,
     )
     if status != 200:
         raise RuntimeError(f"register/finish: {status} {done}")
-    return Account(done["uid"], done["proof"])
+    return Account(done["uid"], authenticator, address)
 
 
 def mint(home: Home, account: Account) -> str:
-    status, minted = call(home.socket, "POST", "/api/tokens", {"proof": account.proof})
+    """A link token (a new device) from a fresh login ceremony: a proof mints one token."""
+    status, started = call(home.socket, "POST", "/api/login/begin", {}, account.address)
+    if status != 200:
+        raise RuntimeError(f"login/begin: {status} {started}")
+    asserted = account.authenticator.get(started["options"], origin=ORIGIN)
+    status, done = call(
+        home.socket,
+        "POST",
+        f"/api/login/finish?session={started['session']}",
+        {"credential": asserted},
+        account.address,
+    )
+    if status != 200 or done.get("uid") != account.uid:
+        raise RuntimeError(f"login/finish: {status} {done} (expected uid {account.uid})")
+    status, minted = call(
+        home.socket, "POST", "/api/tokens", {"proof": done["proof"]}, account.address
+    )
     if status != 200:
         raise RuntimeError(f"POST /api/tokens: {status} {minted}")
     token: str = minted["token"]
@@ -454,6 +518,7 @@ class Client:
     """One benchmark client of home: its connection, token and the version it last saw."""
 
     conn: UnixHTTP
+    home: Home  # the process its tokens come from (and its conn goes to)
     account: Account
     token: str = ""
     version: str = "0"
@@ -607,22 +672,61 @@ async def bench_backend(
             "AWS_ACCESS_KEY_ID": server.credentials.access_key,
             "AWS_SECRET_ACCESS_KEY": server.credentials.secret_key,
         }
-    log(f"{kind}: starting home")
+    settings = {**settings, **LIMITS_OFF}
+    log(f"{kind}: starting home (limits off)")
     home = start_home(procs, tmp, f"home-{kind}", settings)
+    homes = [home]
     result.reactor = home_reactor(procs, home)
-    authenticator = SoftwareAuthenticator()
-    accounts = [register(home, authenticator) for _ in range(args.clients + 1)]
-    own = [Client(UnixHTTP(home.socket), a) for a in accounts[:-1]]
-    shared = [Client(UnixHTTP(home.socket), accounts[-1]) for _ in range(args.clients)]
+    # One passkey (software authenticator) per account: a login picks it, as a browser would.
+    accounts = [register(home, SoftwareAuthenticator()) for _ in range(args.clients + 1)]
+    own = [Client(UnixHTTP(home.socket), home, a) for a in accounts[:-1]]
+    shared = [Client(UnixHTTP(home.socket), home, accounts[-1]) for _ in range(args.clients)]
 
     async def fresh_tokens(clients: list[Client]) -> None:
-        # Minted now (and so checked today), so every measured read finds its token cached.
+        # Minted now, each from its own login (and so checked today), so every measured read
+        # finds its token cached.
         for client in clients:
-            client.token = mint(home, client.account)
+            client.token = mint(client.home, client.account)
 
     await fresh_tokens(own + shared)
     for client in own + shared:
         await create_vault(client, args.vault_bytes)
+
+    # The limiter's own cost (SQLite only: no S3 server's noise): two more home processes whose
+    # clients read their own vaults as ``own`` do, every request from one address ("local": no
+    # X-Forwarded-For) — one with every limit on but never binding (its bookkeeping on a served
+    # read), one at the default limits (past 300 requests a minute every read is a 429).
+    limited: dict[str, list[Client]] = {}
+    if kind == "sqlite" and args.limits_check:
+        for label, suffix, extra in (
+            (LIMITS_ON, "limits-on", LIMITS_NEVER_BINDING),
+            (LIMITS_DEFAULT, "limits-default", {}),
+        ):
+            log(f"{kind}: starting home ({label})")
+            other = start_home(procs, tmp, f"home-{kind}-{suffix}", extra)
+            homes.append(other)
+            # Set-up from an address per account (LCHAT_HOME_LIMIT_REGISTER_IP is 10 an hour).
+            clients = [
+                Client(
+                    UnixHTTP(other.socket),
+                    other,
+                    register(other, SoftwareAuthenticator(), f"198.51.100.{i + 1}"),
+                )
+                for i in range(args.clients)
+            ]
+            await fresh_tokens(clients)
+            for client in clients:
+                await create_vault(client, args.vault_bytes)
+            limited[label] = clients
+
+    async def drain(clients: list[Client]) -> None:
+        """Every client reads until refused: the measured phase meets an empty bucket."""
+        for client in clients:
+            for _ in range(10_000):
+                if await vault_get(client)() == "429":
+                    break
+            else:
+                raise RuntimeError("no 429 after 10,000 reads at the default limits")
 
     loop = asyncio.get_running_loop()
 
@@ -664,28 +768,52 @@ async def bench_backend(
     # Per writing phase: the versions its won writes replaced (each at most once, or an update
     # was lost: compare-and-swap failed).
     replaced: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    # (name, its workers, home or None for the anchor, whose tokens to mint first); each round
-    # runs them in this order, so that an operation and its anchor are measured back to back.
-    plan: list[tuple[str, list[Worker], Home | None, list[Client]]] = []
+
+    def tokens(clients: list[Client]) -> Callable[[], Awaitable[None]]:
+        return lambda: fresh_tokens(clients)
+
+    async def nothing() -> None:
+        pass
+
+    # (name, its workers, home or None for the anchor, what to do first: mint its clients' tokens);
+    # each round runs them in this order, so that an operation and its anchor are measured back
+    # to back.
+    plan: list[tuple[str, list[Worker], Home | None, Callable[[], Awaitable[None]]]] = []
     if server is not None:
-        plan.append(("direct S3 GET", [direct_get(i) for i in range(args.clients)], None, []))
-    plan.append(("vault GET", [vault_get(c) for c in own], home, own))
+        workers = [direct_get(i) for i in range(args.clients)]
+        plan.append(("direct S3 GET", workers, None, nothing))
+    plan.append(("vault GET", [vault_get(c) for c in own], home, tokens(own)))
+
+    def limited_prepare(label: str, clients: list[Client]) -> Callable[[], Awaitable[None]]:
+        async def go() -> None:
+            await fresh_tokens(clients)
+            if label == LIMITS_DEFAULT:
+                await drain(clients)
+
+        return go
+
+    for label, clients in limited.items():
+        workers = [vault_get(c) for c in clients]
+        plan.append(
+            (f"vault GET, {label}", workers, clients[0].home, limited_prepare(label, clients))
+        )
     if server is not None:
         name = "direct S3 PUT If-Match"
         workers = [direct_put(i, f"anchor/{i}", replaced[name]) for i in range(args.clients)]
-        plan.append((name, workers, None, []))
+        plan.append((name, workers, None, nothing))
     name = "vault PUT If-Match"
-    plan.append((name, [vault_put(c, args.vault_bytes, replaced[name]) for c in own], home, own))
+    workers = [vault_put(c, args.vault_bytes, replaced[name]) for c in own]
+    plan.append((name, workers, home, tokens(own)))
     if server is not None:
         name = "direct S3 PUT If-Match, contended"
         workers = [
             direct_put(args.clients + i, "anchor/shared", replaced[name])
             for i in range(args.clients)
         ]
-        plan.append((name, workers, None, []))
+        plan.append((name, workers, None, nothing))
     name = "vault PUT If-Match, contended"
     workers = [vault_put(c, args.vault_bytes, replaced[name]) for c in shared]
-    plan.append((name, workers, home, shared))
+    plan.append((name, workers, home, tokens(shared)))
 
     try:
         if server is not None:
@@ -705,8 +833,8 @@ async def bench_backend(
             etags.update({args.clients + i: shared_etag for i in range(args.clients)})
         summaries = {name: Summary(kind, name, len(workers)) for name, workers, _, _ in plan}
         for round_ in range(1, args.rounds + 1):
-            for name, workers, target, clients in plan:
-                await fresh_tokens(clients)
+            for name, workers, target, first in plan:
+                await first()
                 summaries[name].rounds.append(
                     await measure(
                         kind,
@@ -727,9 +855,10 @@ async def bench_backend(
     finally:
         if s3 is not None:
             await tw(s3.close())
-        for client in own + shared:
+        for client in own + shared + [c for cs in limited.values() for c in cs]:
             client.conn.close()
-        procs.stop(home.proc)
+        for each in homes:
+            procs.stop(each.proc)
     return result
 
 
@@ -758,7 +887,7 @@ async def wire_check(
             {**settings, "LCHAT_HOME_S3_ENDPOINT": proxy.url},
         )
         conn = UnixHTTP(home.socket)
-        client = Client(conn, seen.account, seen.token, seen.version)
+        client = Client(conn, home, seen.account, seen.token, seen.version)
 
         started = time.time()
 
@@ -784,7 +913,7 @@ async def wire_check(
         def read() -> Worker:
             async def w() -> str:
                 auth = (("Authorization", f"Bearer {client.token}"),)
-                status, hdrs, _ = await conn.request("GET", "/api/vault", auth)
+                status, hdrs, _ = await client.conn.request("GET", "/api/vault", auth)
                 client.version = hdrs.get("etag", '"0"').strip('"')
                 return str(status)
 
@@ -800,7 +929,7 @@ async def wire_check(
                     ("If-Match", f'"{stale[0]}"'),
                 )
                 body = os.urandom(args.vault_bytes)
-                status, _, _ = await conn.request("PUT", "/api/vault", headers, body)
+                status, _, _ = await client.conn.request("PUT", "/api/vault", headers, body)
                 return str(status)
 
             return w
@@ -916,7 +1045,7 @@ def summary_row(summary: Summary, direct: Summary | None) -> list[object]:
     ]
 
 
-def goals(result: Result) -> list[str]:
+def goals(result: Result, bookkeeping: tuple[float, float] | None = None) -> list[str]:
     """The goal lines of one backend (S3: requests; SQLite: store operations)."""
     lines: list[str] = []
     s3 = result.backend != "sqlite"
@@ -980,6 +1109,8 @@ def goals(result: Result) -> list[str]:
         f"requests for the authentication: {verdict(r_auth == 0)} ({r_auth:.0f} store "
         f"operations for authentication over {read.requests} reads)"
     )
+    if bookkeeping is not None:
+        lines += limiter_lines(result, read, bookkeeping)
     wire = result.wire
     if wire is not None:
 
@@ -1035,6 +1166,62 @@ def goals(result: Result) -> list[str]:
                     f"(home's `lchat_s3_request_seconds`): {shown}"
                 )
     return lines
+
+
+def limiter_bookkeeping(n: int = 50_000) -> tuple[float, float]:
+    """CPU seconds of the limiter's work for one served vault GET (the failures check, the
+    address's and the account's buckets, as lchat.home.api takes them), in this process: (every
+    limit on, never binding; every limit off). Two home processes' CPU per request differ by
+    more than this from run to run on a shared machine, so the bookkeeping is timed alone."""
+    from lchat.home.limits import NAMES, Limits, Rate
+
+    out = []
+    for rates in ({name: Rate(1_000_000, 1) for name in NAMES}, {}):
+        limits = Limits.build(rates, time.monotonic)
+        started = time.process_time()
+        for _ in range(n):
+            limits.check([("failures_ip", "local")])
+            limits.take([("ip", "local")])
+            limits.take([("account", "uid")])
+        out.append((time.process_time() - started) / n)
+    return out[0], out[1]
+
+
+def limiter_lines(result: Result, off: Summary, bookkeeping: tuple[float, float]) -> list[str]:
+    """The limiter's cost beside ``off`` (vault GET with every limit off): its bookkeeping per
+    served read timed alone, home's CPU per request with every limit on but never binding, and
+    per 429 at the defaults (per round, each measured right after ``off``, then the median)."""
+    on = find(result, f"vault GET, {LIMITS_ON}")
+    refused = find(result, f"vault GET, {LIMITS_DEFAULT}")
+    if on is None or refused is None:
+        return []
+
+    def cpu(p: Phase) -> float:
+        return p.per_request(p.server_cpu)
+
+    def ratio(x: Summary) -> float:
+        return statistics.median(cpu(a) / cpu(b) for a, b in zip(x.rounds, off.rounds, strict=True))
+
+    on_ratio, refused_ratio = ratio(on), ratio(refused)
+    share = refused.outcomes.get("429", 0) / max(1, refused.requests)
+    added = bookkeeping[0] - bookkeeping[1]
+    part = added / off.median(cpu) if off.median(cpu) else 0.0
+    return [
+        f"- {result.backend}, the limiter adds no measurable CPU to a served read (its "
+        f"bookkeeping under 5% of a read's CPU): {verdict(part < 0.05)} (the failures check and "
+        f"the address's and account's buckets timed alone in the benchmark's process: "
+        f"{bookkeeping[0] * 1e6:.1f} µs with every limit on, {bookkeeping[1] * 1e6:.1f} µs off, "
+        f"+{added * 1e6:.1f} µs = {part:.1%} of the {off.median(cpu) * 1e6:,.0f} µs home spends "
+        f"per read with limits off; a home process with every limit on, never binding: "
+        f"{on.median(cpu) * 1e6:,.0f} µs per read, {on_ratio:.2f}x (per round: "
+        + ", ".join(f"{cpu(a) / cpu(b):.2f}x" for a, b in zip(on.rounds, off.rounds, strict=True))
+        + f"; answers {', '.join(sorted(on.outcomes))}): two processes' CPU per request, "
+        "noisier than the bookkeeping it would show)",
+        f"- {result.backend}, a read refused at the default limits (`429`, nothing looked up) "
+        f"costs less CPU than a served read: {verdict(refused_ratio < 1 and share > 0.95)} "
+        f"({refused.median(cpu) * 1e6:,.0f} µs per request, {refused_ratio:.2f}x a served read "
+        f"with limits off; {share:.1%} of its answers 429, the rest the bucket's refill)",
+    ]
 
 
 def wire_table(results: list[Result]) -> list[str]:
@@ -1131,7 +1318,9 @@ def report(
         ),
         "",
         f"`bench/home.py --clients {args.clients} --rounds {args.rounds} --duration "
-        f"{args.duration:g} --warmup {args.warmup:g} --vault-bytes {args.vault_bytes} --wire-ops {args.wire_ops} --idle {args.idle:g}`: "
+        f"{args.duration:g} --warmup {args.warmup:g} --vault-bytes {args.vault_bytes} "
+        f"--wire-ops {args.wire_ops} --idle {args.idle:g}"
+        f"{'' if args.limits_check else ' --no-limits-check'}`: "
         f"{args.clients} clients in a closed loop on their own kept-alive connections to home's "
         f"unix socket (no router), {args.duration:g} s per phase after {args.warmup:g} s of "
         f"warm-up, {args.rounds} rounds (each operation right after its `direct` anchor; "
@@ -1144,15 +1333,22 @@ def report(
         "one object, a 412 followed by a HEAD for the current ETag. CPU per request: the home "
         "process's utime+stime (for `direct`, the benchmark process's: the S3 client alone). "
         "S3 requests: home's `lchat_s3_requests_total` (every attempt), store ops: "
-        "`lchat_home_store_operations_total`, both from its admin `/metrics`.",
+        "`lchat_home_store_operations_total`, both from its admin `/metrics`. Home runs with "
+        "every `LCHAT_HOME_LIMIT_*` off and `LCHAT_HOME_MAX_DEVICES` "
+        f"{MAX_DEVICES} (every client is one address, `local`); each link token comes from a "
+        "fresh login ceremony (one passkey per account), one per client before each home phase. "
+        "On SQLite, `vault GET, limits ...`: the same reads on two more home processes, one "
+        "with every limit on at 1000000/1 (never binding), one at the default limits with "
+        "every client's bucket emptied first (its answers are 429s).",
         "",
         benchlib.table(headers, rows),
         "",
         "### Goals",
         "",
     ]
+    bookkeeping = limiter_bookkeeping() if args.limits_check else None
     for result in results:
-        lines += goals(result)
+        lines += goals(result, bookkeeping)
     lines += ["", *wire_table(results)]
     lines += [
         "",
@@ -1182,17 +1378,22 @@ def main() -> None:
         default=61,
         help="seconds the wire check waits before reading a token seen today again (0: skip)",
     )
+    parser.add_argument(
+        "--no-limits-check",
+        dest="limits_check",
+        action="store_false",
+        help="skip the limiter's phases on SQLite (limits on never binding, at defaults: 429)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir and logs")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     if unknown := set(backends) - set(BACKENDS):
         sys.exit(f"unknown backends {sorted(unknown)}: choose from {', '.join(BACKENDS)}")
-    # Every account's ceremony proof mints tokens for 5 minutes from its registration.
-    per_backend = args.rounds * 6 * (args.duration + args.warmup + 1)
-    if per_backend > 240:
+    # A device per login: the shared account links one per client at set-up and per round.
+    if args.clients * (args.rounds + 1) > MAX_DEVICES:
         sys.exit(
-            f"--rounds x 6 phases x (--duration + --warmup) is {per_backend:.0f} s per backend: "
-            "keep it under 4 minutes (the accounts' ceremony proofs last 5)"
+            f"--clients x (--rounds + 1) is {args.clients * (args.rounds + 1)} devices on the "
+            f"shared account: home allows {MAX_DEVICES} at most (LCHAT_HOME_MAX_DEVICES)"
         )
     if not 0 < args.vault_bytes <= 18 * 1024:
         sys.exit("--vault-bytes: 1 to 18432 (home's cap)")
