@@ -12,17 +12,26 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from typing import Any
 
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
 
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.membership import Membership
+from lchat.mesh.witness import PeerCallError
+from lchat.objstore.file import FileStore
+from lchat.threads import thread_runner
 from tests.test_mesh import DOMAIN, TOKEN, MeshTestCase, _lchat, ip_default_cert, sleep
+from tests.test_mesh_api import Box as ApiBox
 
 ATTACKER = "127.0.0.9"
 
@@ -189,3 +198,42 @@ class BucketWriterTests(MeshTestCase):
         self.assertEqual(beat[2]["authorization"], f"Bearer {TOKEN}")
         stop.set()
         _ = json  # (bodies are not read here)
+
+
+class Recording:
+    """A peer channel that records where beats would go (and answers none)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def call(self, url: str, body: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
+        self.calls.append(url)
+        raise PeerCallError(url, "no answer (recorded)")
+
+
+class ProbeTests(TestCase):
+    """A lease in the bucket may name any URL: a takeover's probe of the holder (lchat.mesh.
+    fence) goes only to a URL whose heartbeat authenticated, never with the token elsewhere."""
+
+    def setUp(self) -> None:
+        root = tempfile.mkdtemp(prefix="probe", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        box = ApiBox(root, "box-1")
+        cfg = box.cfg()
+        assert cfg.mesh is not None and cfg.hibernate is not None
+        os.makedirs(os.path.join(root, "bucket"))
+        store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
+        self.channel = Recording()
+        self.membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=self.channel)
+
+    @inlineCallbacks
+    def test_a_url_no_heartbeat_vouches_for_is_never_probed(self):
+        planted = f"https://{ATTACKER}:1"
+        answered = yield Deferred.fromCoroutine(self.membership.probe(planted))
+        self.assertFalse(answered)  # (as dead as a box that does not answer)
+        self.assertEqual(self.channel.calls, [])
+        self.assertFalse(self.membership.known(planted))
+        # The control: a peer the witness knows (its heartbeat authenticated) is probed.
+        self.membership.witnesses.know([planted])
+        yield Deferred.fromCoroutine(self.membership.probe(planted))
+        self.assertEqual(self.channel.calls, [planted])

@@ -337,7 +337,10 @@ async def _read(
         age = (now - info.last_modified).total_seconds()
         if judged_dead(info.last_modified, now, dead_after) and not include_dead:
             if age < read_within:
-                await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
+                try:
+                    await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
+                except ObjectStoreError:
+                    pass  # only what the roster knows of a dead key: tried at the next read
             continue  # dead: no member
         heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
         if heartbeat is None:
