@@ -9,7 +9,21 @@ into 503s (tests.test_drain saw three)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import tempfile
+
+from twisted.internet import reactor
+from twisted.trial.unittest import TestCase
+
+from lchat.mesh.client import PeerBeats
+from lchat.mesh.membership import Membership
+from lchat.mesh.witness import PeerCallError
+from lchat.objstore.file import FileStore
 from lchat.router import LocalResponse
+from lchat.threads import thread_runner
+from tests.test_mesh_api import TOKEN, Box
 from tests.test_mesh_routing import (
     SELF,
     SERVED_HERE,
@@ -20,6 +34,8 @@ from tests.test_mesh_routing import (
     _deferred,
     host_owned_by,
 )
+
+PEER = "https://box-b.example.net"
 
 
 class WitnessView(View):
@@ -62,3 +78,76 @@ class RefusedHolderTests(_Base):
         self.assertIs(rerouted, SERVED_HERE)
         self.assertIs(later, SERVED_HERE)  # left out meanwhile, not tried again
         self.assertEqual(self.served, [host, host])
+
+
+class RefusingChannel:
+    """A peer channel (lchat.mesh.witness.PeerChannel) whose every beat fails as ``error``."""
+
+    def __init__(self, error: PeerCallError) -> None:
+        self.error = error
+
+    async def call(self, url: str, body: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
+        raise self.error
+
+
+class BeatRefusedTests(TestCase):
+    """The beats' side: a peer whose port refuses a beat is not out of reach (no abort of the
+    connections its draining router is still answering, no 503 for its spaces); a silent one is
+    (tests.test_drain saw a drain's in-flight POSTs aborted into 502s)."""
+
+    def membership(self, error: PeerCallError) -> tuple[Membership, list[str]]:
+        root = tempfile.mkdtemp(prefix="mr", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        box = Box(root, "box-1")
+        os.makedirs(os.path.join(root, "bucket"))
+        store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
+        cfg = box.cfg()
+        assert cfg.mesh is not None and cfg.hibernate is not None
+        membership = Membership(
+            reactor, store, cfg.hibernate, cfg.mesh, peers=RefusingChannel(error)
+        )
+        aborted: list[str] = []
+        membership.on_unreachable(aborted.append)
+        return membership, aborted
+
+    async def beat_once(self, membership: Membership, url: str) -> None:
+        peer = membership.witnesses.peer(url)
+        answered, _ = await membership._send(peer, membership._message(), 1.0)
+        self.assertFalse(answered)
+
+    async def test_a_refused_beat_aborts_nothing_and_marks_no_cut(self) -> None:
+        membership, aborted = self.membership(PeerCallError(PEER, "refused", refused=True))
+        await self.beat_once(membership, PEER)
+        self.assertEqual(aborted, [])
+        self.assertFalse(membership.peer_unreachable(PEER))
+
+    async def test_a_silent_beat_aborts_its_connections_and_marks_a_cut(self) -> None:
+        membership, aborted = self.membership(PeerCallError(PEER, "no answer within 1s"))
+        await self.beat_once(membership, PEER)
+        self.assertEqual(aborted, [PEER])
+        self.assertTrue(membership.peer_unreachable(PEER))
+
+
+class PeerBeatsRefusedTests(TestCase):
+    """The real client tells a refused connection from a silent one."""
+
+    async def call(self, url: str, timeout: float) -> PeerCallError:  # noqa: ASYNC109
+        peers = PeerBeats(reactor, TOKEN)
+        self.addCleanup(peers.close)
+        with self.assertRaises(PeerCallError) as caught:
+            await peers.call(url, b"{}", timeout)
+        return caught.exception
+
+    async def test_a_closed_port_is_refused(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # bound, never listening: the kernel refuses
+            caught = await self.call(f"http://127.0.0.1:{port}", 2.0)
+        self.assertTrue(caught.refused, caught)
+
+    async def test_a_listener_that_never_answers_is_not_refused(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(8)  # accepts (the kernel's backlog), never reads nor answers
+            caught = await self.call(f"http://127.0.0.1:{s.getsockname()[1]}", 0.3)
+        self.assertFalse(caught.refused, caught)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import treq
 from attrs import frozen
 from treq.client import HTTPClient
+from twisted.internet import error
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IStreamClientEndpoint
@@ -309,17 +310,21 @@ class PeerBeats:
             "Authorization": f"Bearer {self._token}",
             "Content-Type": "application/json",
         }
-        code, data = await _exchange(
-            client,
-            "POST",
-            target,
-            headers,
-            body,
-            reactor=self._reactor,
-            timeout=timeout,
-            limit=MAX_MESSAGE,
-            fail=lambda what: PeerCallError(url, what),
-        )
+        try:
+            code, data = await _exchange(
+                client,
+                "POST",
+                target,
+                headers,
+                body,
+                reactor=self._reactor,
+                timeout=timeout,
+                limit=MAX_MESSAGE,
+                fail=lambda what: PeerCallError(url, what),
+            )
+        except PeerCallError as e:
+            e.refused = isinstance(e.__cause__, error.ConnectionRefusedError)
+            raise
         if not 200 <= code < 300:
             raise PeerCallError(url, f"answered {code}", code)
         return data

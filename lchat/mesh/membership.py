@@ -726,9 +726,11 @@ class Membership(Service):
         return self.witnesses.holding(host, self._monotonic())
 
     def peer_unreachable(self, url: str) -> bool:
-        """Did our last beat to ``url`` go unanswered?"""
+        """Did our last beat to ``url`` go unanswered, silently? (One its port refused is not
+        out of reach but stopping or dead: nothing of it serves a space, so a request for one
+        of its spaces goes to the activator, which meets its lease, released or judged.)"""
         peer = self.witnesses.peers.get(url)
-        return peer is not None and peer.failed >= 1
+        return peer is not None and peer.failed >= 1 and not peer.refused
 
     def witness_status(self) -> dict[str, Any]:
         """What ``GET /status`` shows of the witness: what keeps this box alive, and each peer's
@@ -1481,10 +1483,16 @@ class Membership(Service):
             raise
         except Exception as e:
             status = getattr(e, "status", None)
+            refused = bool(getattr(e, "refused", False))
             was = peer.failed
-            self.witnesses.not_answered(peer, self._monotonic(), legacy=status == 404)
+            self.witnesses.not_answered(
+                peer, self._monotonic(), legacy=status == 404, refused=refused
+            )
             _PEER_BEATS.labels("failed").inc()
-            if was == 0 and status is None:
+            # Silent: what waits on it would wait for TCP, so its connections are aborted.
+            # Refused: a draining router closes its port and still answers the requests it has
+            # (aborting them would fail answers on their way); a dead one's kernel resets them.
+            if was == 0 and status is None and not refused:
                 for fn in list(self._on_unreachable):
                     try:
                         fn(peer.url)

@@ -60,12 +60,16 @@ class MessageError(ValueError):
 
 class PeerCallError(Exception):
     """A beat to a peer got no usable answer. ``status``: the HTTP status it answered with, None
-    when no answer came at all (unreachable, timed out)."""
+    when no answer came at all (unreachable, timed out). ``refused``: its port refused the
+    connection (the host is up and nothing listens: its router is stopping or dead)."""
 
-    def __init__(self, peer: str, what: str, status: int | None = None) -> None:
+    def __init__(
+        self, peer: str, what: str, status: int | None = None, *, refused: bool = False
+    ) -> None:
         super().__init__(f"{peer}: {what}")
         self.peer = peer
         self.status = status
+        self.refused = refused
 
 
 class PeerChannel(Protocol):
@@ -251,6 +255,7 @@ class Peer:
     clear_sent_seq: int = -1  # the highest seq of any message we sent it saying "no backlog"
     failed: int = 0  # our beats to it that failed in a row (0: the last one was answered)
     failed_at: float | None = None  # when (our clock) the last of them gave up
+    refused: bool = False  # the last of them was refused (its router stopping or dead), not silent
     in_flight: bool = False  # a beat to it is on its way
     kicked: bool = False  # an extra beat (a request found it out of reach) is on its way
 
@@ -355,10 +360,14 @@ class Witnesses:
         if sent_seq > peer.accepted_seq:
             peer.accepted_seq, peer.accepted_backlog = sent_seq, sent_backlog
         peer.failed = 0
+        peer.refused = False
 
-    def not_answered(self, peer: Peer, now: float, legacy: bool = False) -> None:
+    def not_answered(
+        self, peer: Peer, now: float, legacy: bool = False, refused: bool = False
+    ) -> None:
         peer.failed += 1
         peer.failed_at = now
+        peer.refused = refused
         if legacy:
             peer.legacy = True
 
