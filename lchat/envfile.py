@@ -111,6 +111,14 @@ def hand_to(path: str, uid: int, gid: int) -> tuple[bool, str]:
         )
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
+        # What was opened must be what was looked at, with one name: a hard link to another
+        # file (/etc/shadow, say) swapped in since the lstat is not handed over.
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or opened.st_nlink != 1:
+            raise OSError(
+                f"{path} changed while being handed over, or has another name: not changing "
+                "its owner"
+            )
         # Tighten before handing over, so the new owner never sees a looser file.
         if mode != private:
             os.fchmod(fd, private)

@@ -9,6 +9,7 @@ import os
 import stat
 import tempfile
 
+from lchat.envfile import hand_to
 from tests.test_bootstrap import _require_root, _Root, _service_user
 
 SECRET = "OTHER_SERVICE_TOKEN=s3cr3t\n"
@@ -55,3 +56,13 @@ class LinkTests(_Root):
                 self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
                 self.assertIn(env_file, done.stderr)
                 os.unlink(env_file)
+
+    def test_hand_to_never_hands_over_a_file_with_a_second_name(self) -> None:
+        """``lchat.envfile.hand_to`` (root fixing an env file's owner) meets a hard link to a
+        root-only file where the env file was: it refuses, and the file keeps its owner."""
+        env = os.path.join(self.root, "space.env")
+        os.link(self.secret, env)
+        with self.assertRaises(OSError) as caught:
+            hand_to(env, 4242, 4242)
+        self.assertIn("another name", str(caught.exception))
+        self.assertEqual(self.owner_and_mode(self.secret), (0, 0, 0o600))
