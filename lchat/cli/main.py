@@ -1331,9 +1331,30 @@ def open_registry(cfg: BoxConfig) -> Registry:
         _require_dir(directory, "LCHAT_DATA_DIR / --data-dir")
     else:
         _require_dir(directory, "LCHAT_REGISTRY / --registry")
+    _create_registry_for_router(cfg.registry)
     registry = Registry(cfg.registry, time.time)
     registry.migrate()
     return registry
+
+
+def _create_registry_for_router(path: str) -> None:
+    """As root, a registry that does not exist yet is created empty (an empty file is an empty
+    SQLite database) owned by its directory's owner, the router's user: created by SQLite it
+    would be root's, and the router could never write it (``lchat deploy --all`` before the
+    router's first start did this: "attempt to write a readonly database"; and every env file
+    handed "to the router's user" after it went to root, who owned the registry). Its ``-wal``
+    and ``-shm`` follow: SQLite run as root gives them the database file's owner."""
+    if os.geteuid() != 0 or os.path.lexists(path):
+        return
+    st = os.stat(os.path.dirname(path) or ".")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+    except FileExistsError:
+        return  # made a moment ago (by the router, or another command): SQLite opens it
+    try:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    finally:
+        os.close(fd)
 
 
 def _require_dir(path: str, setting: str) -> None:
