@@ -1,0 +1,322 @@
+"""lchat under a real systemd: README's "A real box", run literally in a booted Debian 12 container.
+
+One box per test process (built once, powered off at exit: trial has no setUpClass). The first
+scenario follows README.md's "A real box" section command by command, exactly as written (its
+``sh`` blocks are parsed here: a README that drifts from what works fails this test); the later
+scenarios build on the box it left, in the order of their names, and skip when it is not there.
+
+What the box provides that a real box gets elsewhere, and nothing more:
+
+- the wheel in the working directory, and a wheelhouse in place of PyPI (``/etc/pip.conf``): the
+  box has no network;
+- an editor for step 3's ``sudo -e /data/router.env`` (``SUDO_EDITOR``) that adds what an operator
+  would type there: a ``file:`` release mirror holding a signed 1.0.0 build of the reference space
+  (published on the host with ``lchat release publish --mirror``), a ``file:`` hibernation bucket
+  under ``/data``, a short idle window, and ``LCHAT_ACME_DIRECTORY=off`` (no CA reachable: the
+  certificates come from ``lchat dev-cert``, handed to the service user);
+- ``timeout`` around step 5's ``journalctl -f``, which never ends by itself.
+
+Limits of the box (tests/systembox.py): LimitNOFILE is capped at 20000, resource controls are not
+enforced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
+
+from tests import systembox
+from tests.systembox import Box, BoxError
+
+HEADING = "### A real box"
+ALWAYS_ON = "chat.example.com"  # the space README's step 5 adds
+SLEEPY = "sleepy.example.com"  # a hibernating one, added by the scenarios
+RELEASE = "1.0.0"  # the build README's step 4 fetches and deploys
+MIRROR = "/srv/lchat-releases"  # the release mirror (file:) in the box
+WORKDIR = "/root/lchat"  # where the operator stands: the wheel is here
+IDLE = 5  # seconds: LCHAT_HIBERNATE_IDLE
+
+# A request through the router as a client makes it: TCP to the box's 127.0.0.1:443, TLS with the
+# space's name (SNI and Host), verified against the dev CA. One JSON line: status, headers, body.
+BOX_HTTPS = """\
+import http.client, json, socket, ssl, sys
+host, path = sys.argv[1], sys.argv[2]
+ctx = ssl.create_default_context(cafile="/data/acme/dev-ca.pem")
+try:
+    conn = http.client.HTTPSConnection(host, 443, context=ctx, timeout=20)
+    conn.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", 443), timeout=20),
+                                server_hostname=host)
+    conn.request("GET", path)
+    r = conn.getresponse()
+    body = r.read(2000).decode(errors="replace")
+    print(json.dumps({"status": r.status, "headers": {k.lower(): v for k, v in r.getheaders()},
+                      "body": body}))
+except Exception as e:
+    print(json.dumps({"status": 0, "error": repr(e)}))
+"""
+
+# The build published as 1.0.0: the reference space from the installed wheel.
+SPACE_BUILD = '#!/bin/sh\nexec /opt/lchat/venv/bin/python3 -m lchat.space "$@"\n'
+
+
+class _State:
+    """What the scenarios share: the box, and how far the README got."""
+
+    box: Box | None = None
+    readme_done = False
+    transcript: list[str] = []
+
+
+@functools.cache
+def _box() -> Box:
+    why = systembox.unavailable()
+    if why is not None:
+        raise SkipTest(f"no box here: {why}")
+    t0 = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix="lchat-box-host-", dir="/var/tmp"))
+    atexit.register(shutil.rmtree, scratch, True)
+    systembox.say("building the wheels with the box's Python")
+    wheel = systembox.build_wheels(scratch / "wheels")
+    pubkey = _publish_release(scratch)
+    systembox.say(f"wheels and release ready in {time.monotonic() - t0:.0f} s; booting the box")
+    box = systembox.start()
+    if os.environ.get("LCHAT_BOX_KEEP"):
+        # Debugging: the box stays up; enter it with nsenter, power it off yourself.
+        systembox.say(
+            f"kept: nsenter --target={box.leader} --all; nspawn pid {box.nspawn.pid if box.nspawn else '?'}"
+        )
+    else:
+        atexit.register(box.poweroff)
+    _State.box = box
+    systembox.say(f"box up ({time.monotonic() - t0:.0f} s since the start)")
+    # The wheelhouse in place of PyPI, the wheel where the operator stands.
+    shutil.copytree(scratch / "wheels", box.root / "var/cache/lchat-wheels")
+    (box.root / WORKDIR.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(wheel, box.root / WORKDIR.lstrip("/") / wheel.name)
+    box.write(
+        "/etc/pip.conf",
+        "[global]\n# the box is offline: the host built these wheels\n"
+        "no-index = true\nfind-links = /var/cache/lchat-wheels\ndisable-pip-version-check = true\n",
+    )
+    # The release mirror (built on the host).
+    shutil.copytree(scratch / "mirror", box.root / MIRROR.lstrip("/"))
+    # What the operator types into router.env at step 3.
+    settings = "\n".join(
+        [
+            "# the box test's settings (tests/box/test_box_systemd.py): an offline box",
+            "LCHAT_ACME_DIRECTORY=off",
+            f"LCHAT_RELEASE_MIRROR_URL=file:{MIRROR}",
+            f"LCHAT_RELEASE_PUBKEY={pubkey}",
+            "LCHAT_HIBERNATE_BUCKET=file:/data/bucket",
+            f"LCHAT_HIBERNATE_IDLE={IDLE}s",
+            "LCHAT_HIBERNATE_SWEEP=1s",
+            "",
+        ]
+    )
+    box.write("/root/lchat-box/router.env.add", settings, 0o600)
+    box.write(
+        "/usr/local/sbin/lchat-box-editor",
+        "#!/bin/sh\n# SUDO_EDITOR for the box test: appends what an operator would type\n"
+        'cat /root/lchat-box/router.env.add >>"$1"\n',
+        0o755,
+    )
+    box.write("/usr/local/bin/box-https", "#!/usr/bin/python3\n" + BOX_HTTPS, 0o755)
+    return box
+
+
+def _publish_release(scratch: Path) -> str:
+    """A signed feed with RELEASE in a file: mirror under `scratch` (the host's lchat, as a
+    release host runs it); returns LCHAT_RELEASE_PUBKEY."""
+    build = scratch / "build"
+    build.mkdir()
+    (build / "space").write_text(SPACE_BUILD)
+    (build / "space").chmod(0o755)
+    key = scratch / "release.key"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+    env["LCHAT_RELEASE_MIRROR_URL"] = f"file:{scratch / 'mirror'}"
+    lchat = [sys.executable, "-m", "lchat.cli"]
+    keygen = subprocess.run(
+        [*lchat, "release", "keygen", "--out", str(key)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(scratch),
+    )
+    match = re.search(r"^LCHAT_RELEASE_PUBKEY=(\S+)$", keygen.stdout, re.MULTILINE)
+    if keygen.returncode != 0 or match is None:
+        raise BoxError(f"lchat release keygen: {keygen.stdout}{keygen.stderr}")
+    env["LCHAT_RELEASE_PUBKEY"] = match.group(1)
+    (scratch / "mirror").mkdir()
+    publish = subprocess.run(
+        [*lchat, "release", "publish", RELEASE, str(build), "--key", str(key), "--mirror"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(scratch),
+    )
+    if publish.returncode != 0:
+        raise BoxError(f"lchat release publish: {publish.stdout}{publish.stderr}")
+    return match.group(1)
+
+
+def _wheel_version(box: Box) -> str:
+    (wheel,) = (box.root / WORKDIR.lstrip("/")).glob("lchat-*.whl")
+    return wheel.name.split("-")[1]
+
+
+class SystemdBoxTests(SynchronousTestCase):
+    """The scenarios, in the order of their names; each later one needs the README's box."""
+
+    def setUp(self) -> None:
+        self.box = _box()
+
+    def need_readme(self) -> None:
+        if not _State.readme_done:
+            raise SkipTest("README's box was not set up (see test_1_readme_real_box)")
+
+    def https(self, host: str, path: str = "/api/version") -> dict[str, object]:
+        done = self.box.run(["box-https", host, path], timeout=60)
+        answer: dict[str, object] = json.loads(done.stdout)
+        return answer
+
+    def assert_200(
+        self, host: str, path: str = "/api/version", wait: float = 30
+    ) -> dict[str, object]:
+        """GET through the router until it answers 200 (a certificate just written is picked up
+        within seconds, a restarted router takes a moment to listen); the last answer."""
+        deadline = time.monotonic() + wait
+        while True:
+            answer = self.https(host, path)
+            if answer["status"] == 200:
+                return answer
+            if time.monotonic() > deadline:
+                self.fail(f"GET https://{host}{path}: {answer}\n{self.router_log()}")
+            time.sleep(0.5)
+
+    def router_log(self, since: str = "") -> str:
+        return "router's journal (tail):\n" + self.box.journal("lchat-router", since)[-4000:]
+
+    def active(self, unit: str) -> str:
+        return self.box.run(["systemctl", "is-active", unit], check=False).stdout.strip()
+
+    def certificate(self, host: str) -> None:
+        """What ACME would have issued at first contact: a dev CA's certificate, the router's."""
+        self.box.run(f"lchat dev-cert {host} && chown -R lchat:lchat /data/acme")
+
+    # --- 1: the README, literally ----------------------------------------------------------
+    def test_1_readme_real_box(self) -> None:
+        """README's "A real box", every command as written; then HTTPS to its space: 200."""
+        commands = systembox.readme_commands(HEADING)
+        version = _wheel_version(self.box)
+        env = {"SUDO_EDITOR": "/usr/local/sbin/lchat-box-editor"}
+        for command in commands:
+            line = command.replace("<version>", version)
+            follows = re.search(r"(^|\s)journalctl\s.*\s-f(\s|$)", line) is not None
+            shell = f"timeout 5 {line}" if follows else line
+            done = self.box.run(shell, check=False, env=env, cwd=WORKDIR, timeout=300)
+            _State.transcript.append(f"$ {line}\n{done.stdout}{done.stderr}")
+            ok = done.returncode == 0 or (follows and done.returncode == 124)
+            if not ok:
+                self.fail(
+                    f"README's {line!r} exited {done.returncode} in the box:\n"
+                    + "\n".join(_State.transcript)[-6000:]
+                )
+            if follows:
+                # The README's comment says what it shows first: the router's start line.
+                self.assertRegex(
+                    done.stdout, r"lchat \S+ starting: ", "\n".join(_State.transcript)[-6000:]
+                )
+        self.assertEqual(self.active("lchat-router"), "active")
+        self.assertEqual(self.active(f"lchat@{ALWAYS_ON}"), "active")
+        # Step 1 wrote Twisted's plugin cache: the sandboxed router need not (and cannot).
+        self.assertNotIn("Unable to write to plugin cache", self.box.journal("lchat-router"))
+        self.certificate(ALWAYS_ON)
+        answer = self.assert_200(ALWAYS_ON)
+        self.assertIn('"version"', str(answer["body"]))
+        _State.readme_done = True
+
+    # --- 2: a hibernating space: add, wake, idle sleep --------------------------------------
+    def test_2_hibernating_space_wakes_and_sleeps(self) -> None:
+        self.need_readme()
+        since = self.box.now()
+        self.box.run(["lchat", "add-instance", SLEEPY, "--hibernate"])
+        self.certificate(SLEEPY)
+        # Registered asleep: no unit of its own, nothing started.
+        self.assertNotEqual(self.active(f"lchat@{SLEEPY}"), "active")
+        answer = self.assert_200(SLEEPY)
+        headers = answer["headers"]
+        assert isinstance(headers, dict)
+        self.assertIn("x-lchat-wake", headers, answer)
+        self.box.wait_for(
+            f"{SLEEPY} asleep after {IDLE}s idle",
+            f"journalctl -u lchat-router --since '{since}' -o cat | grep -F '{SLEEPY} asleep (idle)'",
+            timeout=IDLE + 30,
+        )
+        log = self.box.journal("lchat-router", since)
+        for line in (
+            f"activator: {SLEEPY} waking (lease acquired)",
+            f"activator: {SLEEPY} awake",
+            f"activator: {SLEEPY} sleeping (idle)",
+        ):
+            self.assertIn(line, log)
+        # And it wakes again, with its database back.
+        answer = self.assert_200(SLEEPY)
+        self.assertIn(
+            f"activator: {SLEEPY} restored: local db present",
+            self.box.journal("lchat-router", since),
+        )
+
+    # --- 3: the spaces' own log lines in the journal ----------------------------------------
+    def test_3_journal_has_the_spaces_lines(self) -> None:
+        """An always-on space logs to its unit's journal; a hibernating one's lines reach the
+        router's journal through the router, as in the tests that run the router directly."""
+        self.need_readme()
+        own = self.box.journal(f"lchat@{ALWAYS_ON}")
+        self.assertIn(f"space {ALWAYS_ON} listening on /run/lchat/{ALWAYS_ON}.sock", own)
+        relayed = self.box.journal("lchat-router", grep=f"space {SLEEPY} listening on")
+        self.assertIn(f"{SLEEPY} stderr:", relayed, self.router_log())
+
+    # --- 4: drain: systemctl stop flushes every awake space -----------------------------------
+    def test_4_router_stop_drains_every_space(self) -> None:
+        self.need_readme()
+        answer = self.assert_200(SLEEPY)  # awake (again) before the stop
+        self.assertEqual(answer["status"], 200)
+        since = self.box.now()
+        self.box.run(["systemctl", "stop", "lchat-router"], timeout=200)
+        log = self.box.journal("lchat-router", since)
+        self.assertIn("activator: draining 1 spaces", log, log[-4000:])
+        self.assertIn(f"activator: {SLEEPY} asleep (shutdown)", log, log[-4000:])
+        # An always-on space is its own unit: the router's stop leaves it running.
+        self.assertEqual(self.active(f"lchat@{ALWAYS_ON}"), "active")
+        self.box.run(["systemctl", "start", "lchat-router"])
+        self.box.wait_for(
+            "the router back", "box-https chat.example.com /api/version | grep -q '\"status\": 200'"
+        )
+        self.assert_200(SLEEPY)
+
+    # --- 5: a reboot brings everything back ---------------------------------------------------
+    def test_5_reboot_brings_everything_back(self) -> None:
+        self.need_readme()
+        self.box.reboot()
+        self.box.wait_for("lchat-router active", "systemctl is-active lchat-router")
+        self.box.wait_for(f"lchat@{ALWAYS_ON} active", f"systemctl is-active lchat@{ALWAYS_ON}")
+        self.box.wait_for(
+            "the router answering",
+            f"box-https {ALWAYS_ON} /api/version | grep -q '\"status\": 200'",
+        )
+        self.assert_200(ALWAYS_ON)
+        answer = self.assert_200(SLEEPY)
+        headers = answer["headers"]
+        assert isinstance(headers, dict)
+        self.assertIn("x-lchat-wake", headers, answer)
