@@ -2067,9 +2067,10 @@ class Scenario:
 # expired" and "wake failed after the lease was taken", more rarely: how often depends on the
 # code under test.)
 # The witness's paths (docs/lease.md, issue 28), seen by test_outages_cuts_and_isolation's search.
+# ("replica write landed after its lease ended" is test_late_write_of_a_dead_holder's: since a
+# holder silent twice lately is judged without a probe, the search meets it too rarely to count.)
 WITNESS_COVERAGE = (
     "acquired: holder dead",
-    "replica write landed after its lease ended",
     "acquired: holder dead (slow path)",
     "acquired: own",
     "recovery wake",

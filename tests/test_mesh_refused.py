@@ -85,8 +85,10 @@ class RefusingChannel:
 
     def __init__(self, error: PeerCallError) -> None:
         self.error = error
+        self.calls = 0
 
     async def call(self, url: str, body: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
+        self.calls += 1
         raise self.error
 
 
@@ -108,6 +110,7 @@ class BeatRefusedTests(TestCase):
         )
         aborted: list[str] = []
         membership.on_unreachable(aborted.append)
+        self.channel = membership._peers
         return membership, aborted
 
     async def beat_once(self, membership: Membership, url: str) -> None:
@@ -126,6 +129,23 @@ class BeatRefusedTests(TestCase):
         await self.beat_once(membership, PEER)
         self.assertEqual(aborted, [PEER])
         self.assertTrue(membership.peer_unreachable(PEER))
+
+    async def test_a_holder_silent_twice_lately_is_not_probed_again(self) -> None:
+        """Judging a holder dead ends with a probe of it; when this box's last two beats to it
+        went unanswered within a heartbeat and it said nothing since, the probe would only wait
+        out its timeout again (a second more before its spaces are served elsewhere)."""
+        membership, _ = self.membership(PeerCallError(PEER, "no answer within 1s"))
+        channel = self.channel
+        assert isinstance(channel, RefusingChannel)
+        await self.beat_once(membership, PEER)
+        self.assertFalse(await membership.probe(PEER))  # once: asked
+        self.assertEqual(channel.calls, 2)
+        self.assertFalse(await membership.probe(PEER))  # twice lately: not asked again
+        self.assertEqual(channel.calls, 2)
+        # Heard from since (a beat of its own came in): asked again.
+        membership.witnesses.peers[PEER].heard = membership._monotonic() + 1.0
+        self.assertFalse(await membership.probe(PEER))
+        self.assertEqual(channel.calls, 3)
 
 
 class PeerBeatsRefusedTests(TestCase):

@@ -138,6 +138,15 @@ _PEER_BEATS = Counter(
     "relayed (answered, and the peer wrote this box's heartbeat into the bucket for it)",
     ["outcome"],
 )
+_PROBES = Counter(
+    "lchat_mesh_probes_total",
+    "Probes of a lease holder about to be judged dead, by outcome: answered (alive: not taken "
+    "over), silent (no answer within the probe timeout), known_silent (its last two beats went "
+    "unanswered within a heartbeat: not asked again)",
+    ["outcome"],
+)
+for _outcome in ("answered", "silent", "known_silent"):
+    _PROBES.labels(_outcome)
 _RELAYS = Counter(
     "lchat_mesh_relays_total",
     "Heartbeats of peers this box wrote into the bucket for them, by outcome",
@@ -1618,7 +1627,19 @@ class Membership(Service):
                 "mesh: not probing {url}: no authenticated heartbeat of it is known here", url=url
             )
             return False
+        now = self._monotonic()
+        if (
+            peer.failed >= 2
+            and peer.failed_at is not None
+            and now - peer.failed_at < self.heartbeat
+            and (peer.heard is None or peer.heard < peer.failed_at)
+        ):
+            # Our last two beats went unanswered, the latest within a heartbeat, and it said
+            # nothing since (a box that reaches us beats us): one more would only time out.
+            _PROBES.labels("known_silent").inc()
+            return False
         answered, status = await self._send(peer, self._message(), self.probe_timeout, track=False)
+        _PROBES.labels("answered" if answered or status is not None else "silent").inc()
         return answered or status is not None
 
     async def _bounded(self, coro: Coroutine[Any, Any, _T]) -> _T:
