@@ -43,6 +43,8 @@ HEADING = "### A real box"
 ALWAYS_ON = "chat.example.com"  # the space README's step 5 adds
 SLEEPY = "sleepy.example.com"  # a hibernating one, added by the scenarios
 RELEASE = "1.0.0"  # the build README's step 4 fetches and deploys
+NEXT = "1.0.1"  # the build the deploy scenario moves to (and rolls back from)
+BOTS = "bots.example.com"  # an always-on space with a bot sidecar
 MIRROR = "/srv/lchat-releases"  # the release mirror (file:) in the box
 WORKDIR = "/root/lchat"  # where the operator stands: the wheel is here
 IDLE = 5  # seconds: LCHAT_HIBERNATE_IDLE
@@ -66,8 +68,13 @@ except Exception as e:
     print(json.dumps({"status": 0, "error": repr(e)}))
 """
 
-# The build published as 1.0.0: the reference space from the installed wheel.
-SPACE_BUILD = '#!/bin/sh\nexec /opt/lchat/venv/bin/python3 -m lchat.space "$@"\n'
+# The builds published (RELEASE, NEXT): the reference space and sidecar from the installed wheel,
+# each space reporting its version as its build (GET /api/version), so a deploy shows.
+SPACE_BUILD = """#!/bin/sh
+export LCHAT_BUILD={version}
+exec /opt/lchat/venv/bin/python3 -m lchat.space "$@"
+"""
+SIDECAR_BUILD = '#!/bin/sh\nexec /opt/lchat/venv/bin/python3 -m lchat.space.sidecar "$@"\n'
 
 
 class _State:
@@ -136,12 +143,8 @@ def _box() -> Box:
 
 
 def _publish_release(scratch: Path) -> str:
-    """A signed feed with RELEASE in a file: mirror under `scratch` (the host's lchat, as a
-    release host runs it); returns LCHAT_RELEASE_PUBKEY."""
-    build = scratch / "build"
-    build.mkdir()
-    (build / "space").write_text(SPACE_BUILD)
-    (build / "space").chmod(0o755)
+    """A signed feed with RELEASE and NEXT in a file: mirror under `scratch` (the host's lchat,
+    as a release host runs it); returns LCHAT_RELEASE_PUBKEY."""
     key = scratch / "release.key"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
     env["LCHAT_RELEASE_MIRROR_URL"] = f"file:{scratch / 'mirror'}"
@@ -158,15 +161,24 @@ def _publish_release(scratch: Path) -> str:
         raise BoxError(f"lchat release keygen: {keygen.stdout}{keygen.stderr}")
     env["LCHAT_RELEASE_PUBKEY"] = match.group(1)
     (scratch / "mirror").mkdir()
-    publish = subprocess.run(
-        [*lchat, "release", "publish", RELEASE, str(build), "--key", str(key), "--mirror"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(scratch),
-    )
-    if publish.returncode != 0:
-        raise BoxError(f"lchat release publish: {publish.stdout}{publish.stderr}")
+    for version in (RELEASE, NEXT):
+        build = scratch / f"build-{version}"
+        build.mkdir()
+        for name, text in (
+            ("space", SPACE_BUILD.format(version=version)),
+            ("space-bot", SIDECAR_BUILD),
+        ):
+            (build / name).write_text(text)
+            (build / name).chmod(0o755)
+        publish = subprocess.run(
+            [*lchat, "release", "publish", version, str(build), "--key", str(key), "--mirror"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(scratch),
+        )
+        if publish.returncode != 0:
+            raise BoxError(f"lchat release publish {version}: {publish.stdout}{publish.stderr}")
     return match.group(1)
 
 
@@ -210,6 +222,14 @@ class SystemdBoxTests(SynchronousTestCase):
     def active(self, unit: str) -> str:
         return self.box.run(["systemctl", "is-active", unit], check=False).stdout.strip()
 
+    def main_pid(self, unit: str) -> int:
+        return int(self.box.run(["systemctl", "show", "-p", "MainPID", "--value", unit]).stdout)
+
+    def build_of(self, host: str) -> str:
+        """The version ``live/<host>`` points at."""
+        target = self.box.run(["readlink", f"/opt/lchat/live/{host}"]).stdout.strip()
+        return target.split("/")[-2]
+
     def certificate(self, host: str) -> None:
         """What ACME would have issued at first contact: a dev CA's certificate, the router's."""
         self.box.run(f"lchat dev-cert {host} && chown -R lchat:lchat /data/acme")
@@ -243,7 +263,8 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertNotIn("Unable to write to plugin cache", self.box.journal("lchat-router"))
         self.certificate(ALWAYS_ON)
         answer = self.assert_200(ALWAYS_ON)
-        self.assertIn('"version"', str(answer["body"]))
+        # The box's default build (step 4's deploy --all) is what the space runs.
+        self.assertEqual(json.loads(str(answer["body"]))["build"], RELEASE)
         _State.readme_done = True
 
     # --- 2: a hibernating space: add, wake, idle sleep --------------------------------------
@@ -320,3 +341,60 @@ class SystemdBoxTests(SynchronousTestCase):
         headers = answer["headers"]
         assert isinstance(headers, dict)
         self.assertIn("x-lchat-wake", headers, answer)
+
+    # --- 6: deploy and rollback restart the space's unit ----------------------------------------
+    def test_6_deploy_and_rollback_restart_the_units(self) -> None:
+        self.need_readme()
+        unit = f"lchat@{ALWAYS_ON}"
+        first = self.main_pid(unit)
+        self.box.run(["lchat", "release", "fetch", NEXT])
+        self.box.run(["lchat", "deploy", NEXT, "--all"], timeout=300)
+        self.assertEqual(self.build_of(ALWAYS_ON), NEXT)
+        self.assertEqual(self.build_of(SLEEPY), NEXT)  # repointed only: its next wake runs it
+        second = self.main_pid(unit)
+        self.assertNotIn(second, (0, first))  # restarted by systemd onto the new build
+        answer = self.assert_200(ALWAYS_ON)
+        self.assertEqual(json.loads(str(answer["body"]))["build"], NEXT)
+        self.box.run(["lchat", "rollback", ALWAYS_ON], timeout=300)
+        self.assertEqual(self.build_of(ALWAYS_ON), RELEASE)
+        self.assertNotIn(self.main_pid(unit), (0, second))
+        answer = self.assert_200(ALWAYS_ON)
+        self.assertEqual(json.loads(str(answer["body"]))["build"], RELEASE)
+
+    # --- 7: a bot sidecar as a unit beside its space ------------------------------------------
+    def test_7_sidecar_unit_runs_beside_its_space(self) -> None:
+        """An always-on space's staged ``<host>-bot.env``: ``lchat-bot@<host>`` runs the build's
+        sidecar (live/_default-bot), which posts on schedule into its space through the socket;
+        a restart of the space (a deploy's, a rollback's) restarts its bot too (BindsTo=)."""
+        self.need_readme()
+        token = "box-test-bot-token-" + os.urandom(8).hex()
+        self.box.write(
+            f"/data/{BOTS}-bot.env",
+            f"LCHAT_BOT_TOKEN={token}\nLCHAT_BOT_EVERY=2\nLCHAT_BOT_ROOM=lobby\n",
+            0o600,
+        )
+        self.box.run(["chown", "lchat:lchat", f"/data/{BOTS}-bot.env"])
+        self.box.run(["lchat", "add-instance", BOTS])
+        # The space accepts its bot's reports once its own env file has the bot's token.
+        self.box.run(f"echo LCHAT_BOT_TOKEN={token} >>/data/{BOTS}.env")
+        self.box.run(["systemctl", "restart", f"lchat@{BOTS}"])
+        # add-instance starts no sidecar unit (only `lchat hibernate --off` does): the operator's.
+        self.box.run(["systemctl", "enable", "--now", f"lchat-bot@{BOTS}"])
+        self.certificate(BOTS)
+        self.box.wait_for(
+            "a scheduled post from the sidecar",
+            f"box-https {BOTS} /api/rooms/lobby/messages | grep -q 'scheduled run'",
+            timeout=30,
+        )
+        bot = self.main_pid(f"lchat-bot@{BOTS}")
+        self.box.run(["systemctl", "restart", f"lchat@{BOTS}"])
+        self.box.wait_for(
+            f"lchat-bot@{BOTS} back after its space's restart",
+            f"systemctl is-active lchat-bot@{BOTS}",
+            timeout=20,
+        )
+        self.assertNotIn(self.main_pid(f"lchat-bot@{BOTS}"), (0, bot))
+        log = self.box.journal(f"lchat-bot@{BOTS}")
+        self.assertIn(f"sidecar {BOTS} started: every 2s, room lobby", log)
+        self.assertIn(f"sidecar {BOTS}: reported next run", log)
+        self.assertNotIn("refused", log)
