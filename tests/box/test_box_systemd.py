@@ -23,6 +23,7 @@ enforced.
 from __future__ import annotations
 
 import atexit
+import base64
 import functools
 import json
 import os
@@ -50,16 +51,19 @@ WORKDIR = "/root/lchat"  # where the operator stands: the wheel is here
 IDLE = 5  # seconds: LCHAT_HIBERNATE_IDLE
 
 # A request through the router as a client makes it: TCP to the box's 127.0.0.1:443, TLS with the
-# space's name (SNI and Host), verified against the dev CA. One JSON line: status, headers, body.
+# space's name (SNI and Host), verified against the dev CA; a third argument is a JSON body to POST.
+# One JSON line: status, headers, body.
 BOX_HTTPS = """\
 import http.client, json, socket, ssl, sys
 host, path = sys.argv[1], sys.argv[2]
+body = sys.argv[3].encode() if len(sys.argv) > 3 else None
 ctx = ssl.create_default_context(cafile="/data/acme/dev-ca.pem")
 try:
     conn = http.client.HTTPSConnection(host, 443, context=ctx, timeout=20)
     conn.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", 443), timeout=20),
                                 server_hostname=host)
-    conn.request("GET", path)
+    conn.request("POST" if body is not None else "GET", path, body=body,
+                 headers={"content-type": "application/json"} if body is not None else {})
     r = conn.getresponse()
     body = r.read(2000).decode(errors="replace")
     print(json.dumps({"status": r.status, "headers": {k.lower(): v for k, v in r.getheaders()},
@@ -197,8 +201,8 @@ class SystemdBoxTests(SynchronousTestCase):
         if not _State.readme_done:
             raise SkipTest("README's box was not set up (see test_1_readme_real_box)")
 
-    def https(self, host: str, path: str = "/api/version") -> dict[str, object]:
-        done = self.box.run(["box-https", host, path], timeout=60)
+    def https(self, host: str, path: str = "/api/version", body: str = "") -> dict[str, object]:
+        done = self.box.run(["box-https", host, path, *([body] if body else [])], timeout=60)
         answer: dict[str, object] = json.loads(done.stdout)
         return answer
 
@@ -398,3 +402,66 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertIn(f"sidecar {BOTS} started: every 2s, room lobby", log)
         self.assertIn(f"sidecar {BOTS}: reported next run", log)
         self.assertNotIn("refused", log)
+
+    # --- 8: hibernate flips hand a space between its units and the router -------------------
+    def test_8_hibernate_flips_between_units_and_activator(self) -> None:
+        """``lchat hibernate --on`` stops and disables ``lchat-bot@`` and ``lchat@`` and the
+        router wakes the space (its sidecar co-spawned); ``--off`` gives it back to its units."""
+        self.need_readme()
+        self.box.run(["lchat", "hibernate", BOTS, "--on"], timeout=180)
+        for unit in (f"lchat@{BOTS}", f"lchat-bot@{BOTS}"):
+            self.assertNotEqual(self.active(unit), "active", unit)
+            enabled = self.box.run(["systemctl", "is-enabled", unit], check=False).stdout.strip()
+            self.assertEqual(enabled, "disabled", unit)
+        self.assert_200(BOTS)
+        self.box.wait_for(
+            f"{BOTS}'s sidecar co-spawned by the router",
+            f"journalctl -u lchat-router -o cat | grep -F 'activator: {BOTS} starting its bot sidecar'",
+            timeout=20,
+        )
+        self.box.run(["lchat", "hibernate", BOTS, "--off"], timeout=180)
+        self.assertEqual(self.active(f"lchat@{BOTS}"), "active")
+        self.box.wait_for(
+            f"lchat-bot@{BOTS} started again", f"systemctl is-active lchat-bot@{BOTS}", timeout=20
+        )
+        self.assert_200(BOTS)
+
+    # --- 9: the fleet backup of a space that runs as a unit -----------------------------------
+    def test_9_fleet_backup_of_a_systemd_space(self) -> None:
+        """With LCHAT_BACKUP_BUCKET the router backs up the always-on space's database (a file
+        another unit writes); a write through the router reaches the backup; the drill passes."""
+        self.need_readme()
+        key = base64.b64encode(os.urandom(32)).decode()
+        self.box.run(
+            [
+                "lchat",
+                "bootstrap",
+                "--set",
+                "LCHAT_BACKUP_BUCKET=file:/data/backup",
+                "--set",
+                "LCHAT_BACKUP_INTERVAL=1s",
+                "--set",
+                f"LCHAT_BACKUP_KEY={key}",
+            ]
+        )
+        since = self.box.now()
+        self.box.run(["systemctl", "restart", "lchat-router"], timeout=200)
+        self.assert_200(ALWAYS_ON)
+        self.box.wait_for(
+            f"{ALWAYS_ON}'s database backed up",
+            f"journalctl -u lchat-router --since '{since}' -o cat"
+            f" | grep -F 'backup: {ALWAYS_ON}.db' | grep -F replicating",
+            timeout=30,
+        )
+        posted = self.https(
+            ALWAYS_ON, "/api/rooms/lobby/messages", json.dumps({"body": "backed up in a box"})
+        )
+        self.assertEqual(posted["status"], 201, posted)
+        drill = self.box.wait_for(
+            "lchat backup drill: every database ok",
+            "lchat backup drill",
+            timeout=30,
+            interval=2,
+        )
+        self.assertIn(f"{ALWAYS_ON}.db", drill)
+        self.assertIn("registry.db", drill)
