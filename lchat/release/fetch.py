@@ -420,27 +420,19 @@ class Fetcher:
                 ).inc()
                 problems.append(f"{name} {source.describe()}: {e}")
                 continue
-            expired = freshness(feed, self._clock())
-            if expired is not None:
-                FETCHES.labels(name, "expired").inc()
+            refusal = freshness(feed, self._clock())
+            outcome = "expired"
+            if refusal is None:
+                refusal, outcome = staleness(feed, accepted), "stale"
+            if refusal is not None:
+                FETCHES.labels(name, outcome).inc()
                 _log.warn(
                     "release: refusing the feed from the {name} {source}: {why}",
                     name=name,
                     source=source.describe(),
-                    why=expired,
+                    why=refusal,
                 )
-                problems.append(f"{name} {source.describe()}: {expired}")
-                continue
-            stale = staleness(feed, accepted)
-            if stale is not None:
-                FETCHES.labels(name, "stale").inc()
-                _log.warn(
-                    "release: refusing the feed from the {name} {source}: {why}",
-                    name=name,
-                    source=source.describe(),
-                    why=stale,
-                )
-                problems.append(f"{name} {source.describe()}: {stale}")
+                problems.append(f"{name} {source.describe()}: {refusal}")
                 continue
             FETCHES.labels(name, "ok").inc()
             if accepted is None or (accepted.feed_version, accepted.digest) != (
