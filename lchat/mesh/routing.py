@@ -182,14 +182,7 @@ class MeshRouter:
     def route(self, route: Route, head: RequestHead, local: Local) -> Target | Deferred[Target]:
         host = route.host
         if head.forwarded is not None:
-            if forward.authentic(
-                head.forwarded,
-                self._mesh.token,
-                host,
-                self._clock,
-                self._mesh.accept_token,
-                bound=self._bound(head),
-            ):
+            if self._authentic(head, host):
                 if self._foreign(route) and not self._activator.holds(host):
                     return self._region_down(route)
                 _forwards.labels("local_forwarded").inc()
@@ -203,10 +196,17 @@ class MeshRouter:
             return local()
         return Deferred.fromCoroutine(self._route_remote(route, local, head))
 
-    def _bound(self, head: RequestHead) -> forward.Bound:
-        """What a marker on ``head`` must be bound to, to be honoured here: this request, and
-        this box as the peer it was sent to."""
-        return forward.Bound(method=head.method, target=head.target, peer=self._self_url)
+    def _authentic(self, head: RequestHead, host: str) -> bool:
+        """Does ``head`` carry a forwarded marker to honour here: authentic, fresh, and bound to
+        this request and to this box as the peer it was sent to?"""
+        return head.forwarded is not None and forward.authentic(
+            head.forwarded,
+            self._mesh.token,
+            host,
+            self._clock,
+            self._mesh.accept_token,
+            bound=forward.Bound(method=head.method, target=head.target, peer=self._self_url),
+        )
 
     def forward_elsewhere(self, route: Route, head: RequestHead) -> Target:
         """A "lives elsewhere" row (``route.lives_at``): the space runs always-on on that box, so
@@ -217,14 +217,7 @@ class MeshRouter:
         host = route.host
         peer = route.lives_at
         retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
-        forwarded = head.forwarded is not None and forward.authentic(
-            head.forwarded,
-            self._mesh.token,
-            host,
-            self._clock,
-            self._mesh.accept_token,
-            bound=self._bound(head),
-        )
+        forwarded = self._authentic(head, host)
         if forwarded or placement.normalise_member_url(peer) == self._self_url:
             _forwards.labels("elsewhere_loop").inc()
             _log.warn(
