@@ -7,14 +7,29 @@ scenarios build on the box it left, in the order of their names, and skip when i
 
 What the box provides that a real box gets elsewhere, and nothing more:
 
-- the wheel in the working directory, and a wheelhouse in place of PyPI (``/etc/pip.conf``): the
-  box has no network;
+- the wheel in the working directory (``<version>`` in the README is its version), and a
+  wheelhouse in place of PyPI (``/etc/pip.conf``): the box has no network;
 - an editor for step 3's ``sudo -e /data/router.env`` (``SUDO_EDITOR``) that adds what an operator
-  would type there: a ``file:`` release mirror holding a signed 1.0.0 build of the reference space
-  (published on the host with ``lchat release publish --mirror``), a ``file:`` hibernation bucket
-  under ``/data``, a short idle window, and ``LCHAT_ACME_DIRECTORY=off`` (no CA reachable: the
-  certificates come from ``lchat dev-cert``, handed to the service user);
+  would type there: a ``file:`` release mirror holding signed builds 1.0.0 and 1.0.1 of the
+  reference space and sidecar (published on the host with ``lchat release publish --mirror``), a
+  ``file:`` hibernation bucket under ``/data``, a short idle window, and
+  ``LCHAT_ACME_DIRECTORY=off`` (no CA reachable: the certificates come from ``lchat dev-cert``,
+  handed to the service user);
 - ``timeout`` around step 5's ``journalctl -f``, which never ends by itself.
+
+The scenarios, in order: 1 the README (router, an always-on space, HTTPS 200 through the router);
+2 a hibernating space's wake and idle sleep; 3 the spaces' log lines in the journal; 4 ``systemctl
+stop lchat-router`` drains every awake space; 5 a reboot of the box; 6 deploy and rollback
+restarting ``lchat@``; 7 a bot sidecar unit; 8 hibernate flips between units and activator; 9 the
+fleet backup of a systemd space.
+
+Adding one: a method ``test_<N>_<what>`` (the number keeps the order; a scenario that changes the
+box in a way later ones would trip on goes last), starting with ``self.need_readme()``, driving the
+box with ``self.box.run`` (a shell line or an argv, as root, in the box's namespaces),
+``self.box.journal(unit, since)``, ``self.box.wait_for(what, shell_probe)``, ``self.https`` /
+``self.assert_200`` (a client's request through the router) and ``self.box.write`` (a file in the
+box, from the host). A process that must run *as* a space (the isolation probes) is a build: put a
+program under ``/opt/lchat/versions/<v>/`` with ``self.box.write`` and point ``live/<host>`` at it.
 
 Limits of the box (tests/systembox.py): LimitNOFILE is capped at 20000, resource controls are not
 enforced.
@@ -263,6 +278,10 @@ class SystemdBoxTests(SynchronousTestCase):
                 )
         self.assertEqual(self.active("lchat-router"), "active")
         self.assertEqual(self.active(f"lchat@{ALWAYS_ON}"), "active")
+        # LimitNOFILE=65536 is capped by the host here (20000): enough, the router's own floor.
+        pid = self.main_pid("lchat-router")
+        limits = self.box.run(["grep", "Max open files", f"/proc/{pid}/limits"]).stdout.split()
+        self.assertGreaterEqual(int(limits[3]), 4096, limits)
         # Step 1 wrote Twisted's plugin cache: the sandboxed router need not (and cannot).
         self.assertNotIn("Unable to write to plugin cache", self.box.journal("lchat-router"))
         self.certificate(ALWAYS_ON)
@@ -309,6 +328,9 @@ class SystemdBoxTests(SynchronousTestCase):
         self.need_readme()
         own = self.box.journal(f"lchat@{ALWAYS_ON}")
         self.assertIn(f"space {ALWAYS_ON} listening on /run/lchat/{ALWAYS_ON}.sock", own)
+        # Under the live link's name too (SyslogIdentifier=), as an exec of the link would be.
+        tagged = self.box.run(["journalctl", "--no-pager", "-o", "cat", "-t", ALWAYS_ON]).stdout
+        self.assertIn(f"space {ALWAYS_ON} listening on", tagged)
         relayed = self.box.journal("lchat-router", grep=f"space {SLEEPY} listening on")
         self.assertIn(f"{SLEEPY} stderr:", relayed, self.router_log())
 
