@@ -514,11 +514,68 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-def start(scratch_parent: str | None = None) -> Box:
+SCRATCH_PARENT = Path("/var/tmp")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(parent: Path = SCRATCH_PARENT) -> None:
+    """What a test process that died (a CI timeout's SIGKILL) left: its box is powered off by
+    the pid of the nspawn that runs it, its overlay unmounted and removed, its cgroups removed.
+    Only boxes named after a test process that no longer exists are touched."""
+    for scratch in parent.glob("lchat-box-*-*"):
+        match = re.fullmatch(r"lchat-box-(\d+)-\w+", scratch.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        name = f"lchat-box-{match.group(1)}"
+        for pid in _nspawn_pids(name):
+            say(f"a box left by a dead test process: SIGTERM to its nspawn {pid}")
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                deadline = time.monotonic() + 15
+                while _alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                if not _alive(pid):
+                    break
+        _remove_cgroups(name)
+        root = scratch / "root"
+        if os.path.ismount(root):
+            subprocess.run(["umount", str(root)], check=False)
+        if not os.path.ismount(root):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _nspawn_pids(name: str) -> list[int]:
+    """The systemd-nspawn processes running the box called `name`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"systemd-nspawn") and f"--machine={name}".encode() in argv:
+            found.append(int(proc.name))
+    return found
+
+
+def start() -> Box:
     """Build (or reuse) the root file system, then mount and boot a fresh box."""
+    sweep_stale()
     lower = rootfs()
-    scratch = Path(tempfile.mkdtemp(prefix="lchat-box-", dir=scratch_parent or "/var/tmp"))
-    box = Box(lower, scratch, f"lchat-box-{os.getpid()}")
+    name = f"lchat-box-{os.getpid()}"
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=SCRATCH_PARENT))
+    box = Box(lower, scratch, name)
     try:
         box.mount()
         box.boot()

@@ -110,7 +110,7 @@ def _box() -> Box:
     if why is not None:
         raise SkipTest(f"no box here: {why}")
     t0 = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix="lchat-box-host-", dir="/var/tmp"))
+    scratch = Path(tempfile.mkdtemp(prefix="lchat-boxhost-", dir="/var/tmp"))
     atexit.register(shutil.rmtree, scratch, True)
     systembox.say("building the wheels with the box's Python")
     wheel = systembox.build_wheels(scratch / "wheels")
