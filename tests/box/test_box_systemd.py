@@ -21,15 +21,16 @@ The scenarios, in order: 1 the README (router, an always-on space, HTTPS 200 thr
 2 a hibernating space's wake and idle sleep; 3 the spaces' log lines in the journal; 4 ``systemctl
 stop lchat-router`` drains every awake space; 5 a reboot of the box; 6 deploy and rollback
 restarting ``lchat@``; 7 a bot sidecar unit; 8 hibernate flips between units and activator; 9 the
-fleet backup of a systemd space.
+fleet backup of a systemd space; 10 what the sandbox gave the router and a space.
 
-Adding one: a method ``test_<N>_<what>`` (the number keeps the order; a scenario that changes the
-box in a way later ones would trip on goes last), starting with ``self.need_readme()``, driving the
-box with ``self.box.run`` (a shell line or an argv, as root, in the box's namespaces),
-``self.box.journal(unit, since)``, ``self.box.wait_for(what, shell_probe)``, ``self.https`` /
-``self.assert_200`` (a client's request through the router) and ``self.box.write`` (a file in the
-box, from the host). A process that must run *as* a space (the isolation probes) is a build: put a
-program under ``/opt/lchat/versions/<v>/`` with ``self.box.write`` and point ``live/<host>`` at it.
+Adding one: a method ``test_<NN>_<what>`` (two digits: trial runs them in the order of their
+names; a scenario that changes the box in a way later ones would trip on goes last), starting
+with ``self.need_readme()``, driving the box with ``self.box.run`` (a shell line or an argv, as
+root, in the box's namespaces), ``self.box.journal(unit, since)``, ``self.box.wait_for(what,
+shell_probe)``, ``self.https`` / ``self.assert_200`` (a client's request through the router) and
+``self.box.write`` (a file in the box, from the host). A process that must run *as* a space (the
+isolation probes) is a build: put a program under ``/opt/lchat/versions/<v>/`` with
+``self.box.write`` and point ``live/<host>`` at it.
 
 Limits of the box (tests/systembox.py): LimitNOFILE is capped at 20000, resource controls are not
 enforced.
@@ -214,7 +215,7 @@ class SystemdBoxTests(SynchronousTestCase):
 
     def need_readme(self) -> None:
         if not _State.readme_done:
-            raise SkipTest("README's box was not set up (see test_1_readme_real_box)")
+            raise SkipTest("README's box was not set up (see test_01_readme_real_box)")
 
     def https(self, host: str, path: str = "/api/version", body: str = "") -> dict[str, object]:
         done = self.box.run(["box-https", host, path, *([body] if body else [])], timeout=60)
@@ -254,7 +255,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.box.run(f"lchat dev-cert {host} && chown -R lchat:lchat /data/acme")
 
     # --- 1: the README, literally ----------------------------------------------------------
-    def test_1_readme_real_box(self) -> None:
+    def test_01_readme_real_box(self) -> None:
         """README's "A real box", every command as written; then HTTPS to its space: 200."""
         commands = systembox.readme_commands(HEADING)
         version = _wheel_version(self.box)
@@ -291,7 +292,7 @@ class SystemdBoxTests(SynchronousTestCase):
         _State.readme_done = True
 
     # --- 2: a hibernating space: add, wake, idle sleep --------------------------------------
-    def test_2_hibernating_space_wakes_and_sleeps(self) -> None:
+    def test_02_hibernating_space_wakes_and_sleeps(self) -> None:
         self.need_readme()
         since = self.box.now()
         self.box.run(["lchat", "add-instance", SLEEPY, "--hibernate"])
@@ -322,7 +323,7 @@ class SystemdBoxTests(SynchronousTestCase):
         )
 
     # --- 3: the spaces' own log lines in the journal ----------------------------------------
-    def test_3_journal_has_the_spaces_lines(self) -> None:
+    def test_03_journal_has_the_spaces_lines(self) -> None:
         """An always-on space logs to its unit's journal; a hibernating one's lines reach the
         router's journal through the router, as in the tests that run the router directly."""
         self.need_readme()
@@ -335,7 +336,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertIn(f"{SLEEPY} stderr:", relayed, self.router_log())
 
     # --- 4: drain: systemctl stop flushes every awake space -----------------------------------
-    def test_4_router_stop_drains_every_space(self) -> None:
+    def test_04_router_stop_drains_every_space(self) -> None:
         self.need_readme()
         answer = self.assert_200(SLEEPY)  # awake (again) before the stop
         self.assertEqual(answer["status"], 200)
@@ -353,7 +354,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assert_200(SLEEPY)
 
     # --- 5: a reboot brings everything back ---------------------------------------------------
-    def test_5_reboot_brings_everything_back(self) -> None:
+    def test_05_reboot_brings_everything_back(self) -> None:
         self.need_readme()
         self.box.reboot()
         self.box.wait_for("lchat-router active", "systemctl is-active lchat-router")
@@ -369,7 +370,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertIn("x-lchat-wake", headers, answer)
 
     # --- 6: deploy and rollback restart the space's unit ----------------------------------------
-    def test_6_deploy_and_rollback_restart_the_units(self) -> None:
+    def test_06_deploy_and_rollback_restart_the_units(self) -> None:
         self.need_readme()
         unit = f"lchat@{ALWAYS_ON}"
         first = self.main_pid(unit)
@@ -388,7 +389,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertEqual(json.loads(str(answer["body"]))["build"], RELEASE)
 
     # --- 7: a bot sidecar as a unit beside its space ------------------------------------------
-    def test_7_sidecar_unit_runs_beside_its_space(self) -> None:
+    def test_07_sidecar_unit_runs_beside_its_space(self) -> None:
         """An always-on space's staged ``<host>-bot.env``: ``lchat-bot@<host>`` runs the build's
         sidecar (live/_default-bot), which posts on schedule into its space through the socket;
         a restart of the space (a deploy's, a rollback's) restarts its bot too (BindsTo=)."""
@@ -426,7 +427,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertNotIn("refused", log)
 
     # --- 8: hibernate flips hand a space between its units and the router -------------------
-    def test_8_hibernate_flips_between_units_and_activator(self) -> None:
+    def test_08_hibernate_flips_between_units_and_activator(self) -> None:
         """``lchat hibernate --on`` stops and disables ``lchat-bot@`` and ``lchat@`` and the
         router wakes the space (its sidecar co-spawned); ``--off`` gives it back to its units."""
         self.need_readme()
@@ -449,7 +450,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assert_200(BOTS)
 
     # --- 9: the fleet backup of a space that runs as a unit -----------------------------------
-    def test_9_fleet_backup_of_a_systemd_space(self) -> None:
+    def test_09_fleet_backup_of_a_systemd_space(self) -> None:
         """With LCHAT_BACKUP_BUCKET the router backs up the always-on space's database (a file
         another unit writes); a write through the router reaches the backup; the drill passes."""
         self.need_readme()
@@ -487,3 +488,39 @@ class SystemdBoxTests(SynchronousTestCase):
         )
         self.assertIn(f"{ALWAYS_ON}.db", drill)
         self.assertIn("registry.db", drill)
+
+    # --- 10: what the units' sandbox gave the processes ----------------------------------------
+    def test_10_units_run_sandboxed(self) -> None:
+        """The router and a space as systemd started them: the service user, no privilege to
+        gain, a system-call filter, the router's one capability, the space's none."""
+        self.need_readme()
+        lchat_uid = self.box.run(["id", "-u", "lchat"]).stdout.strip()
+        for unit, caps in (
+            ("lchat-router", "0000000000000400"),  # CAP_NET_BIND_SERVICE only
+            (f"lchat@{ALWAYS_ON}", "0000000000000000"),
+        ):
+            pid = self.main_pid(unit)
+            status = self.box.run(["cat", f"/proc/{pid}/status"]).stdout
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            got = {
+                k: fields[k].split() for k in ("Uid", "CapEff", "CapBnd", "NoNewPrivs", "Seccomp")
+            }
+            self.assertEqual(got["Uid"], [lchat_uid] * 4, (unit, got))
+            self.assertEqual(got["CapEff"], [caps], (unit, got))
+            self.assertEqual(got["CapBnd"], [caps], (unit, got))
+            self.assertEqual(got["NoNewPrivs"], ["1"], (unit, got))
+            self.assertEqual(got["Seccomp"], ["2"], (unit, got))
+            # ProtectSystem=strict: the installed code is read-only to it.
+            probe = self.box.run(
+                [
+                    "nsenter",
+                    f"--target={pid}",
+                    "--mount",
+                    "--",
+                    "sh",
+                    "-c",
+                    "touch /opt/lchat/venv/x 2>&1; touch /usr/x 2>&1",
+                ],
+                check=False,
+            )
+            self.assertIn("Read-only file system", probe.stdout, (unit, probe.stdout))
