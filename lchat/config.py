@@ -16,7 +16,7 @@ import shlex
 import shutil
 import socket
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, cast
 from urllib.parse import urlsplit
 
 from attrs import field, frozen
@@ -29,6 +29,7 @@ from lchat.release.layout import fall_back_to_default
 DEFAULT_ENV_FILE = "/data/router.env"
 
 Units = Literal["systemd", "builtin"]
+Isolation = Literal["auto", "on", "off"]
 Replication = Literal["stream", "batched", "daily"]
 _Getter = Callable[[str], str]
 _NO_REACTOR = object()  # what an endpoint string is parsed with, to check it (never used)
@@ -233,6 +234,10 @@ class BoxConfig:
     id_ledger: LedgerURL | None = None
     # LCHAT_REGION_BUCKETS: each region's hibernation bucket (lchat relocate); () = one shared.
     region_buckets: tuple[RegionBucket, ...] = ()
+    # LCHAT_ISOLATION: every space its own user (lchat/isolation.py, docs/secrets.md); auto: when
+    # the router has the privilege for it. LCHAT_SPACE_UIDS: the uids spaces are given.
+    isolation: Isolation = "auto"
+    space_uids: tuple[int, int] = (40000, 59999)
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
 
@@ -293,6 +298,8 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_HTTP_ADDR": ":80",
     "LCHAT_FALLBACK_URL": "",
     "LCHAT_UNITS": "auto",
+    "LCHAT_ISOLATION": "auto",
+    "LCHAT_SPACE_UIDS": "40000-59999",
     "LCHAT_SPACE_COMMAND": "/opt/lchat/live/{host}",
     "LCHAT_HIBERNATE_BUCKET": "",
     "LCHAT_HIBERNATE_REGION": "",
@@ -456,6 +463,8 @@ def load(
         http_addr=parse_address("LCHAT_HTTP_ADDR", get("LCHAT_HTTP_ADDR")),
         fallback_url=_fallback_url(get("LCHAT_FALLBACK_URL")),
         units=_units(get("LCHAT_UNITS"), systemd_present),
+        isolation=_isolation(get("LCHAT_ISOLATION")),
+        space_uids=_uid_range(get("LCHAT_SPACE_UIDS")),
         space_command=_space_command(_under_opt(merged, "LCHAT_SPACE_COMMAND")),
         sidecar_command=_space_command(
             _under_opt(merged, "LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"
@@ -637,6 +646,26 @@ def _units(text: str, systemd_present: bool | None) -> Units:
     if text in ("systemd", "builtin"):
         return "systemd" if text == "systemd" else "builtin"
     raise ConfigError(f"LCHAT_UNITS must be auto, systemd or builtin, not {text!r}")
+
+
+def _isolation(text: str) -> Isolation:
+    if text in ("auto", "on", "off"):
+        return cast(Isolation, text)
+    raise ConfigError(f"LCHAT_ISOLATION must be auto, on or off, not {text!r}")
+
+
+def _uid_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("-")
+    try:
+        low, high = int(first), int(last)
+    except ValueError:
+        low, high = 0, -1
+    # Below 1000: system users; 65534: nobody; from 61184: systemd's dynamic users.
+    if not sep or not 1000 <= low <= high <= 61183:
+        raise ConfigError(
+            f"LCHAT_SPACE_UIDS must be a range FIRST-LAST within 1000-61183, not {text!r}"
+        )
+    return low, high
 
 
 def _under_opt(merged: Mapping[str, str], name: str) -> str:

@@ -139,8 +139,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+SPACES = "spaces"  # <data>/spaces/<host>/, <run>/spaces/<host>/: a box that isolates its spaces
+
+
+def isolated(data_dir: str) -> bool:
+    """Does this box give every space its own directories (and user)? The layout on disk is the
+    switch: ``<data>/spaces`` exists (lchat/isolation.py creates it; bootstrap migrates to it)."""
+    return os.path.isdir(os.path.join(data_dir, SPACES))
+
+
+def space_dir(data_dir: str, host: str) -> str:
+    """``<data>/spaces/<host>``: an isolated space's own directory (its database and journals)."""
+    return os.path.join(os.path.abspath(data_dir), SPACES, _checked(host))
+
+
 def db_path(data_dir: str, host: str) -> str:
-    """``<data>/<host>.db``: the space's SQLite database."""
+    """The space's SQLite database: ``<data>/spaces/<host>/<host>.db`` on a box that isolates its
+    spaces, else ``<data>/<host>.db``."""
+    if isolated(data_dir):
+        return _space_file(space_dir(data_dir, host), host, ".db")
     return _space_file(data_dir, host, ".db")
 
 
@@ -154,13 +171,17 @@ def bot_env_path(data_dir: str, host: str) -> str:
     return _space_file(data_dir, host, "-bot.env")
 
 
-def socket_path(run_dir: str, host: str) -> str:
-    """``<run>/<host>.sock``, or a hashed name when that would not fit in a unix socket address."""
-    path = _space_file(run_dir, host, ".sock")
+def socket_path(run_dir: str, host: str, *, isolated: bool = False) -> str:
+    """``<run>/<host>.sock`` (``isolated``: ``<run>/spaces/<host>/<host>.sock``, in a directory of
+    the space's own), or a hashed name when that would not fit in a unix socket address."""
+    directory = os.path.join(run_dir, SPACES, _checked(host)) if isolated else run_dir
+    path = _space_file(directory, host, ".sock")
     if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
         return path
     digest = hashlib.sha256(_checked(host).encode("ascii")).hexdigest()[:32]
     hashed = os.path.join(os.path.abspath(run_dir), f"h-{digest}.sock")
+    if isolated:
+        hashed = os.path.join(os.path.abspath(run_dir), SPACES, f"h-{digest}", "s.sock")
     if len(os.fsencode(hashed)) > MAX_SOCKET_PATH:
         raise InvalidHost(f"run directory {run_dir!r} is too long for unix socket paths")
     return hashed

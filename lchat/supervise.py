@@ -40,6 +40,7 @@ from twisted.python.failure import Failure
 
 from lchat import unixhttp
 from lchat.backoff import Backoff
+from lchat.isolation import IsolationError, SpaceUser, argv_as
 
 State = Literal["starting", "ready", "backoff", "failed", "stopped"]
 STATES: tuple[State, ...] = ("starting", "ready", "backoff", "failed", "stopped")
@@ -84,6 +85,7 @@ class ChildSpec:
     env: Mapping[str, str] = field(repr=False)  # the complete environment; holds secrets
     cwd: str | None = None
     ready_socket: str | None = None  # ready once GET /api/version answers 200 here
+    user: SpaceUser | None = None  # run as this user (lchat.isolation); None: as the router
 
 
 @frozen
@@ -451,6 +453,11 @@ def spawn(reactor: Reactor, spec: ChildSpec, *, new_session: bool = True) -> Run
         raise SpawnError(spec.name, f"space {spec.name}: working directory {spec.cwd} not found")
     setsid = _setsid() if new_session else None
     argv = [exe, *spec.argv[1:]]
+    if spec.user is not None:
+        try:
+            argv = argv_as(spec.user, argv)
+        except IsolationError as e:
+            raise SpawnError(spec.name, f"space {spec.name}: {e}") from e
     if setsid is not None:
         argv = [setsid, *argv]
     child = RunningChild(reactor, spec, own_group=setsid is not None)

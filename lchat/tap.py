@@ -22,7 +22,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, malloc, objstore, tls, uvloop_reactor
+from lchat import config, isolation, malloc, objstore, tls, uvloop_reactor
 from lchat.acme.cache import CacheSync, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
@@ -163,6 +163,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     run = thread_runner(reactor)
     registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
+    _isolate(cfg)
     routes = RouteSource(
         reactor, registry, registry.load(), run_in_thread=run, poll_interval=poll_interval
     )
@@ -238,6 +239,25 @@ def _prepare_box(cfg: BoxConfig) -> None:
     if not os.path.isdir(cfg.data_dir):
         raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
+
+
+def _isolate(cfg: BoxConfig) -> None:
+    """Every space its own user where this router can (lchat/isolation.py), said at start
+    either way; refuses to start where the box requires it and the router cannot."""
+    try:
+        decision = isolation.decide(cfg.isolation, cfg.data_dir, cfg.run_dir)
+    except isolation.IsolationError as e:
+        raise ConfigError(str(e)) from e
+    isolation.ISOLATED.set(1 if decision.on else 0)
+    if not decision.on:
+        isolation.clear_ambient()
+        if cfg.isolation == "off":
+            _log.info("isolation: off ({why})", why=decision.why)
+        else:
+            _log.warn("{why}", why=decision.why)
+        return
+    isolation.enable(cfg.data_dir, cfg.run_dir)
+    _log.info("isolation: on: {why}", why=decision.why)
 
 
 def aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:

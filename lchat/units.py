@@ -16,8 +16,9 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from lchat import hosts
+from lchat import hosts, isolation
 from lchat.config import BoxConfig, ConfigError, read_env_file
+from lchat.isolation import IsolationError, SpaceUser
 from lchat.registry import Registry, Route, RouteSource, RouteTable
 from lchat.supervise import ChildSpec, Supervisor
 from lchat.threads import RunInThread
@@ -67,6 +68,14 @@ def space_env(
         LCHAT_DB=hosts.db_path(cfg.data_dir, host),
     )
     return env
+
+
+def space_user(cfg: BoxConfig, host: str, socket: str) -> SpaceUser | None:
+    """Who ``host``'s space runs as on a box that isolates its spaces (its directories made
+    ready, lchat.isolation.prepare; raises IsolationError); None: as the router."""
+    if not hosts.isolated(cfg.data_dir):
+        return None
+    return isolation.prepare(cfg.data_dir, cfg.space_uids, host, socket)
 
 
 class Claims:
@@ -201,10 +210,11 @@ def _specs(cfg: BoxConfig, rows: list[Route]) -> tuple[dict[str, ChildSpec], dic
         try:
             env = space_env(cfg, route.host, route.socket)
             argv = tuple(cfg.space_argv(route.host))
-        except (EnvFileError, hosts.InvalidHost) as e:
+            user = space_user(cfg, route.host, route.socket)
+        except (EnvFileError, hosts.InvalidHost, IsolationError, OSError) as e:
             errors[route.host] = str(e)
             continue
         specs[route.host] = ChildSpec(
-            name=route.host, argv=argv, env=env, ready_socket=route.socket
+            name=route.host, argv=argv, env=env, ready_socket=route.socket, user=user
         )
     return specs, errors

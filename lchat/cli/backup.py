@@ -1012,7 +1012,7 @@ def _sanitise_registry(path: str, data_dir: str, run_dir: str) -> list[str]:
                     f"PATH"
                 )
                 continue
-            socket = hosts.socket_path(run_dir, route.host)
+            socket = hosts.socket_path(run_dir, route.host, isolated=hosts.isolated(data_dir))
             db = hosts.db_path(data_dir, route.host)
             if (route.socket, route.db_path) != (socket, db):
                 registry.update(route.host, socket=socket, db_path=db)

@@ -548,11 +548,11 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
             raise CliError(f"{e}; nothing was registered") from e
         if registry.get(host) is not None:
             raise CliError(f"{host} (just minted) is already registered: nothing was registered")
-    socket = hosts.socket_path(cfg.run_dir, host)
+    socket = hosts.socket_path(cfg.run_dir, host, isolated=hosts.isolated(cfg.data_dir))
     if cfg.units == "systemd" and not args.hibernate and not socket.endswith(f"/{host}.sock"):
         # lchat@.service spells its socket <run>/%i.sock; a hashed name would not match it.
         raise CliError(
-            f"{host}: the socket path {cfg.run_dir}/{host}.sock is too long for a unix socket; "
+            f"{host}: the socket path {socket} is too long for a unix socket; "
             f"systemd units cannot run it (use LCHAT_UNITS=builtin, or a shorter LCHAT_RUN_DIR)"
         )
     db = hosts.db_path(cfg.data_dir, host)
@@ -796,9 +796,10 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
     host = route.host
     socket = route.socket
     systemd = cfg.units == "systemd"
-    if systemd and socket != os.path.join(cfg.run_dir, f"{host}.sock"):
+    expected = hosts.socket_path(cfg.run_dir, host, isolated=hosts.isolated(cfg.data_dir))
+    if systemd and (socket != expected or not expected.endswith(f"/{host}.sock")):
         raise CliError(
-            f"{host}: its socket {socket} is not {cfg.run_dir}/{host}.sock, the path "
+            f"{host}: its socket {socket} is not {expected}, the path "
             f"lchat@.service uses; systemd units cannot run it (LCHAT_UNITS=builtin can)"
         )
     db = route.db_path or hosts.db_path(cfg.data_dir, host)

@@ -33,6 +33,7 @@ from lchat.hibernation.contract import Contract, SpaceContract
 from lchat.hibernation.localdb import DBPlan, Restorer
 from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
 from lchat.hibernation.space import Budgets, Space, WakeFailed
+from lchat.isolation import IsolationError
 from lchat.lease import (
     HeldLease,
     LeaseHeld,
@@ -55,7 +56,7 @@ from lchat.supervise import (
     spawn,
 )
 from lchat.threads import RunInThread
-from lchat.units import EnvFileError, space_env
+from lchat.units import EnvFileError, space_env, space_user
 
 _log = Logger(namespace="lchat.activator")
 
@@ -157,7 +158,10 @@ class Lifecycle:
             route=route,
             state="waking",
             since=now,
-            socket=route.socket or hosts.socket_path(self.cfg.run_dir, host),
+            socket=route.socket
+            or hosts.socket_path(
+                self.cfg.run_dir, host, isolated=hosts.isolated(self.cfg.data_dir)
+            ),
             db=route.db_path or hosts.db_path(self.cfg.data_dir, host),
             reason=reason,
             clock=self.reactor.seconds,
@@ -306,16 +310,18 @@ class Lifecycle:
         try:
             env = await self.run_in_thread(lambda: space_env(self.cfg, host, space.socket))
             env["LCHAT_DB"] = space.db
+            user = await self.run_in_thread(lambda: space_user(self.cfg, host, space.socket))
             spec = ChildSpec(
                 name=host,
                 argv=tuple(self.cfg.space_argv(host)),
                 env=env,
                 ready_socket=space.socket,
+                user=user,
             )
             # Which build this wake runs (live/<host> resolved now): `lchat rollback` reads it.
             await self.run_in_thread(wakes.record_quietly, self.cfg.data_dir, host, spec.argv[0])
             space.child = (self.spawner or spawn)(self.reactor, spec)
-        except (EnvFileError, SpawnError, hosts.InvalidHost) as e:
+        except (EnvFileError, SpawnError, hosts.InvalidHost, IsolationError, OSError) as e:
             _log.error("activator: {host} cannot start: {error}", host=host, error=e)
             raise WakeFailed(host, "spawn", f"{host} cannot start: {e}") from e
         return space.child

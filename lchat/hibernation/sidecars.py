@@ -20,7 +20,7 @@ from lchat.config import BoxConfig
 from lchat.hibernation.space import Space, sidecar_name
 from lchat.supervise import ChildSpec, Supervisor
 from lchat.threads import RunInThread
-from lchat.units import space_env
+from lchat.units import space_env, space_user
 
 _log = Logger(namespace="lchat.activator")
 
@@ -69,7 +69,10 @@ class Sidecars(Service):
             env = space_env(self._cfg, host, space.socket, env_file=bot_env)
             env["LCHAT_DB"] = space.db
             return ChildSpec(
-                name=sidecar_name(host), argv=tuple(self._cfg.sidecar_argv(host)), env=env
+                name=sidecar_name(host),
+                argv=tuple(self._cfg.sidecar_argv(host)),
+                env=env,
+                user=space_user(self._cfg, host, space.socket),  # the space's own user
             )
 
         def got(spec: ChildSpec | None) -> None:

@@ -572,7 +572,7 @@ class MeshAPI(Resource):
         route = Route(
             host=host,
             kind="instance",
-            socket=hosts.socket_path(self._run_dir, host),
+            socket=hosts.socket_path(self._run_dir, host, isolated=hosts.isolated(self._data_dir)),
             db_path=hosts.db_path(self._data_dir, host),
             status="ready",
             hibernate=True,
@@ -634,7 +634,7 @@ class MeshAPI(Resource):
         route = Route(
             host=host,
             kind="instance",
-            socket=hosts.socket_path(self._run_dir, host),
+            socket=hosts.socket_path(self._run_dir, host, isolated=hosts.isolated(self._data_dir)),
             db_path=hosts.db_path(self._data_dir, host),
             status="ready",
             hibernate=False,
