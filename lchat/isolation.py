@@ -119,7 +119,9 @@ def unreachable(path: str) -> str | None:
         path = parent
 
 
-def decide(setting: str, data_dir: str, run_dir: str, *, euid: int | None = None) -> Decision:
+def decide(
+    setting: str, data_dir: str, run_dir: str, *, missing: list[str] | None = None
+) -> Decision:
     """``LCHAT_ISOLATION`` (auto, on, off) against what this process can do. Raises
     :class:`IsolationError` when isolation is required (``on``, or the box's layout already
     isolates its spaces) but impossible: a router must not run isolated spaces as itself."""
@@ -131,8 +133,9 @@ def decide(setting: str, data_dir: str, run_dir: str, *, euid: int | None = None
                 " gives every space its own user; its files are not the router's to run as itself"
             )
         return Decision(False, "LCHAT_ISOLATION=off")
-    user = _user_name(os.geteuid() if euid is None else euid)
-    missing = missing_privilege()
+    user = _user_name(os.geteuid())
+    if missing is None:
+        missing = missing_privilege()
     why_not = None
     if missing:
         why_not = f"the router runs as {user} without {', '.join(missing)}"

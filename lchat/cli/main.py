@@ -840,6 +840,7 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
         _wait_released(socket, host, timeout)
     # 3. systemd: the unit, its health, then the sidecar unit.
     try:
+        units.install_space(cfg, host, socket)
         units.enable_now(host)
     except units.UnitError as e:
         registry.set_status(host, "failed", str(e))
@@ -1208,6 +1209,7 @@ def _start_with_systemd(
     cfg: BoxConfig, registry: Registry, host: str, socket: str, args: argparse.Namespace
 ) -> int:
     try:
+        units.install_space(cfg, host, socket)
         units.enable_now(host)
     except units.UnitError as e:
         registry.set_status(host, "failed", str(e))

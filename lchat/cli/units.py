@@ -3,13 +3,21 @@ sidecar's ``lchat-bot@<host>``."""
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
 import shutil
 import subprocess
 
-from lchat import hosts
+from lchat import hosts, isolation
+from lchat.config import BoxConfig
+from lchat.files import write_atomic
+from lchat.isolation import SpaceUser
 
 # `enable --now` waits for the start job; a unit that hangs must not hang the CLI forever.
 SYSTEMCTL_TIMEOUT = 120.0
+SYSTEMD_DIR = "/etc/systemd/system"
+DROPIN = "10-space.conf"
 
 
 class UnitError(Exception):
@@ -32,6 +40,117 @@ def disable_now(host: str, *, sidecar: bool = False) -> None:
 def restart(host: str, *, sidecar: bool = False) -> None:
     """``systemctl restart lchat@<host>`` (a deploy's restart onto a new build)."""
     _systemctl("restart", unit_name(host, sidecar=sidecar))
+
+
+def install_space(cfg: BoxConfig, host: str, socket: str) -> SpaceUser | None:
+    """On a box that isolates its spaces (lchat/isolation.py), before ``lchat@<host>`` starts:
+    the space's user (``lchat-<sha>``, created with the uid its directory has or is given), its
+    directories, and the drop-ins that run its units as that user with nothing of the box's but
+    its own directories and its credential; then ``daemon-reload``. Idempotent; None (nothing
+    done) on a box that does not isolate its spaces."""
+    if not hosts.isolated(cfg.data_dir):
+        return None
+    try:
+        user = isolation.prepare(cfg.data_dir, cfg.space_uids, host, socket)
+        _ensure_system_user(user)
+    except (isolation.IsolationError, OSError) as e:
+        raise UnitError(f"{host}: cannot prepare its own user: {e}") from e
+    for sidecar in (False, True):
+        path = dropin_path(host, sidecar=sidecar)
+        text = space_dropin(cfg, host, user, socket, sidecar=sidecar)
+        try:
+            os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+            write_atomic(path, text.encode(), 0o644)
+        except OSError as e:
+            raise UnitError(f"cannot write {path}: {e}") from e
+    _systemctl("daemon-reload")
+    return user
+
+
+def dropin_path(host: str, *, sidecar: bool = False) -> str:
+    """``/etc/systemd/system/lchat@<host>.service.d/10-space.conf`` (or lchat-bot@'s)."""
+    return os.path.join(SYSTEMD_DIR, f"{unit_name(host, sidecar=sidecar)}.service.d", DROPIN)
+
+
+def space_dropin(
+    cfg: BoxConfig, host: str, user: SpaceUser, socket: str, *, sidecar: bool = False
+) -> str:
+    """The per-instance drop-in of an isolated space's unit (the template alone refuses to start
+    on such a box: ``AssertPathExists=!<data>/spaces``, which this resets)."""
+    own_dir = hosts.space_dir(cfg.data_dir, host)
+    run_dir = os.path.dirname(socket)
+    lines = [
+        f"# Written by lchat (add-instance, bootstrap): {host} runs as its own user and sees of",
+        f"# {cfg.data_dir} and {cfg.run_dir} only its own directories (lchat/isolation.py).",
+        "[Unit]",
+        "AssertPathExists=",
+        "[Service]",
+        f"User={user.name}",
+        f"Group={user.name}",
+    ]
+    if not sidecar:
+        # Its secrets as a credential, not environment: readable by this unit's user only
+        # ($CREDENTIALS_DIRECTORY, a private ramfs), never inherited by the space's children.
+        env_file = hosts.env_path(cfg.data_dir, host)
+        lines += ["EnvironmentFile=", f"LoadCredential=env:{env_file}"]
+        if os.path.dirname(run_dir).startswith("/run/"):
+            lines += [
+                f"RuntimeDirectory={os.path.relpath(run_dir, '/run')}",
+                "RuntimeDirectoryMode=0700",
+                "RuntimeDirectoryPreserve=yes",
+            ]
+    lines += [
+        f"Environment=LCHAT_SOCKET={socket}",
+        f"Environment=LCHAT_DB={hosts.db_path(cfg.data_dir, host)}",
+        # An empty read-only tmpfs over each; its own directories bound back in: router.env,
+        # acme/, the registry, the admin socket, every other space's files are simply absent.
+        "ReadWritePaths=",
+        f"TemporaryFileSystem={cfg.data_dir}:ro {cfg.run_dir}:ro",
+        f"BindPaths={own_dir} {run_dir}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _ensure_system_user(user: SpaceUser) -> None:
+    """``user`` exists with its uid and a group of its own with the same number."""
+    try:
+        known = pwd.getpwnam(user.name)
+    except KeyError:
+        known = None
+    if known is not None:
+        if (known.pw_uid, known.pw_gid) != (user.uid, user.gid):
+            raise isolation.IsolationError(
+                f"user {user.name} exists with uid {known.pw_uid}, its directory is uid {user.uid}"
+            )
+        return
+    try:
+        grp.getgrnam(user.name)
+    except KeyError:
+        _run(["groupadd", "--system", "--gid", str(user.gid), user.name])
+    _run(
+        [
+            "useradd",
+            "--system",
+            "--uid",
+            str(user.uid),
+            "--gid",
+            str(user.gid),
+            "--no-create-home",
+            "--home-dir",
+            "/nonexistent",
+            "--shell",
+            "/usr/sbin/nologin",
+            user.name,
+        ]
+    )
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, errors="replace", check=False)
+    if done.returncode != 0:
+        raise isolation.IsolationError(
+            f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()}"
+        )
 
 
 def _systemctl(*args: str) -> None:

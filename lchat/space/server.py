@@ -243,6 +243,31 @@ def parse_no_options(
     return None
 
 
+# What a space process never hands to its own children (they read os.environ).
+SECRETS = ("LCHAT_ADMIN_TOKEN", "LCHAT_BOT_TOKEN")
+
+
+def environment(environ: os._Environ[str]) -> dict[str, str]:
+    """The space's settings: the environment, under its systemd credential
+    (``LoadCredential=env:...``: ``$CREDENTIALS_DIRECTORY/env``, readable by this unit's user
+    only) where it has one. The secrets are then taken out of ``environ``: nothing this process
+    starts inherits them."""
+    settings = dict(environ)
+    credentials = environ.get("CREDENTIALS_DIRECTORY")
+    if credentials:
+        from lchat.config import ConfigError as EnvFileError
+        from lchat.config import read_env_file
+
+        path = os.path.join(credentials, "env")
+        try:
+            settings.update(read_env_file(path, must_exist=True))
+        except EnvFileError as e:
+            raise ConfigError(str(e)) from e
+    for name in SECRETS:
+        environ.pop(name, None)
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     stop = parse_no_options(
         argv,
@@ -253,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if stop is not None:
         return stop
     try:
-        config = Config.from_env(os.environ)
+        config = Config.from_env(environment(os.environ))
     except ConfigError as e:
         print(f"lchat space: {e}", file=sys.stderr)
         return 2
