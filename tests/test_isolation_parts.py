@@ -31,22 +31,22 @@ class Box(SynchronousTestCase):
         os.chmod(self.top, 0o711)
         self.addCleanup(shutil.rmtree, self.top)
         self.data = os.path.join(self.top, "data")
-        self.run = os.path.join(self.top, "run")
+        self.rundir = os.path.join(self.top, "run")
         os.mkdir(self.data, 0o755)
 
     def socket(self, host: str = HOST) -> str:
-        return hosts.socket_path(self.run, host, isolated=True)
+        return hosts.socket_path(self.rundir, host, isolated=True)
 
 
 class DecideTests(Box):
     def test_off_is_off(self) -> None:
-        self.assertFalse(isolation.decide("off", self.data, self.run, missing=[]).on)
+        self.assertFalse(isolation.decide("off", self.data, self.rundir, missing=[]).on)
 
     def test_auto_with_privilege_is_on(self) -> None:
-        self.assertTrue(isolation.decide("auto", self.data, self.run, missing=[]).on)
+        self.assertTrue(isolation.decide("auto", self.data, self.rundir, missing=[]).on)
 
     def test_auto_without_privilege_says_plainly_it_is_off(self) -> None:
-        d = isolation.decide("auto", self.data, self.run, missing=["CAP_SETUID"])
+        d = isolation.decide("auto", self.data, self.rundir, missing=["CAP_SETUID"])
         self.assertFalse(d.on)
         self.assertIn("isolation: OFF", d.why)
         self.assertIn("CAP_SETUID", d.why)
@@ -54,31 +54,31 @@ class DecideTests(Box):
 
     def test_on_without_privilege_refuses(self) -> None:
         with self.assertRaises(isolation.IsolationError):
-            isolation.decide("on", self.data, self.run, missing=["CAP_SETUID"])
+            isolation.decide("on", self.data, self.rundir, missing=["CAP_SETUID"])
 
     def test_a_box_laid_out_for_isolation_never_runs_spaces_as_the_router(self) -> None:
-        isolation.enable(self.data, self.run)
+        isolation.enable(self.data, self.rundir)
         for setting, missing in (("auto", ["CAP_SETUID"]), ("off", [])):
             with self.assertRaises(isolation.IsolationError, msg=setting):
-                isolation.decide(setting, self.data, self.run, missing=missing)
+                isolation.decide(setting, self.data, self.rundir, missing=missing)
 
     def test_a_data_dir_others_cannot_reach_turns_auto_off(self) -> None:
         os.chmod(self.top, 0o700)
-        d = isolation.decide("auto", self.data, self.run, missing=[])
+        d = isolation.decide("auto", self.data, self.rundir, missing=[])
         self.assertFalse(d.on)
         self.assertIn(f"{self.top} is not traversable", d.why)
         with self.assertRaises(isolation.IsolationError):
-            isolation.decide("on", self.data, self.run, missing=[])
+            isolation.decide("on", self.data, self.rundir, missing=[])
 
 
 class LayoutTests(Box):
     def test_paths_follow_the_layout_on_disk(self) -> None:
         self.assertEqual(hosts.db_path(self.data, HOST), os.path.join(self.data, HOST + ".db"))
-        isolation.enable(self.data, self.run)
+        isolation.enable(self.data, self.rundir)
         self.assertEqual(
             hosts.db_path(self.data, HOST), os.path.join(self.data, "spaces", HOST, HOST + ".db")
         )
-        self.assertEqual(self.socket(), os.path.join(self.run, "spaces", HOST, HOST + ".sock"))
+        self.assertEqual(self.socket(), os.path.join(self.rundir, "spaces", HOST, HOST + ".sock"))
         long_host = ("x" * 60) + ".example.com"
         self.assertTrue(self.socket(long_host).endswith("/s.sock"), self.socket(long_host))
 
@@ -87,7 +87,7 @@ class LayoutTests(Box):
         with open(secret, "w") as f:
             f.write("LCHAT_MESH_TOKEN=x\n")
         os.chmod(secret, 0o644)
-        isolation.enable(self.data, self.run)
+        isolation.enable(self.data, self.rundir)
         self.assertEqual(os.stat(secret).st_mode & 0o777, 0o640)
         self.assertEqual(os.stat(self.data).st_mode & 0o777, 0o711)
         self.assertEqual(os.stat(os.path.join(self.data, "spaces")).st_mode & 0o777, 0o711)
@@ -97,7 +97,7 @@ class PrepareTests(Box):
     def setUp(self) -> None:
         super().setUp()
         _need_root(self)
-        isolation.enable(self.data, self.run)
+        isolation.enable(self.data, self.rundir)
 
     def test_a_new_space_gets_a_free_uid_and_its_own_directories(self) -> None:
         user = isolation.prepare(self.data, UIDS, HOST, self.socket())
@@ -166,7 +166,7 @@ class DropinTests(Box):
         env = os.path.join(self.top, "router.env")
         with open(env, "w") as f:
             f.write(f"LCHAT_DATA_DIR={self.data}\nLCHAT_RUN_DIR=/run/lchat\n")
-        isolation.enable(self.data, self.run)
+        isolation.enable(self.data, self.rundir)
         cfg = load(env_file=env, environ={}, systemd_present=False)
         user = isolation.SpaceUser(45123, 45123, isolation.user_name(HOST))
         socket = hosts.socket_path("/run/lchat", HOST, isolated=True)
@@ -197,7 +197,12 @@ class CredentialTests(SynchronousTestCase):
         with open(os.path.join(creds, "env"), "w") as f:
             f.write("LCHAT_ADMIN_TOKEN=from-the-credential\n")
         saved = dict(os.environ)
-        self.addCleanup(lambda: (os.environ.clear(), os.environ.update(saved)))
+
+        def restore() -> None:
+            os.environ.clear()
+            os.environ.update(saved)
+
+        self.addCleanup(restore)
         os.environ["CREDENTIALS_DIRECTORY"] = creds
         os.environ["LCHAT_ADMIN_TOKEN"] = "from-the-environment"
         settings = server.environment(os.environ)
