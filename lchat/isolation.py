@@ -103,9 +103,10 @@ def missing_privilege(status_file: str = "/proc/self/status") -> list[str]:
 
 
 def unreachable(path: str) -> str | None:
-    """The first directory above ``path`` (itself included) that other users cannot traverse
-    (no o+x): a space running as its own user could never reach its files below it."""
-    path = os.path.abspath(path)
+    """The first directory above ``path`` that other users cannot traverse (no o+x): a space
+    running as its own user could never reach its files below it. (``path`` itself is made
+    0711 by :func:`enable`.)"""
+    path = os.path.dirname(os.path.abspath(path))
     while True:
         try:
             mode = os.stat(path).st_mode

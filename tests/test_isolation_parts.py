@@ -63,6 +63,8 @@ class DecideTests(Box):
                 isolation.decide(setting, self.data, self.rundir, missing=missing)
 
     def test_a_data_dir_others_cannot_reach_turns_auto_off(self) -> None:
+        os.chmod(self.data, 0o700)  # itself is fine: enable() makes it 0711
+        self.assertTrue(isolation.decide("auto", self.data, self.rundir, missing=[]).on)
         os.chmod(self.top, 0o700)
         d = isolation.decide("auto", self.data, self.rundir, missing=[])
         self.assertFalse(d.on)

@@ -53,12 +53,16 @@ from pathlib import Path
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
+from lchat import isolation
 from tests import systembox
 from tests.systembox import Box, BoxError
 
 HEADING = "### A real box"
 ALWAYS_ON = "chat.example.com"  # the space README's step 5 adds
 SLEEPY = "sleepy.example.com"  # a hibernating one, added by the scenarios
+BOX = Path(__file__).resolve().parent
+# Spaces that try to escape (test 11): two units, then one the router wakes.
+ESCAPERS = ("escape-a.example.com", "escape-b.example.com", "escape-c.example.com")
 NAP = "nap.example.com"  # another, for the drain
 RELEASE = "1.0.0"  # the build README's step 4 fetches and deploys
 NEXT = "1.0.1"  # the build the deploy scenario moves to (and rolls back from)
@@ -508,13 +512,17 @@ class SystemdBoxTests(SynchronousTestCase):
 
     # --- 10: what the units' sandbox gave the processes ----------------------------------------
     def test_10_units_run_sandboxed(self) -> None:
-        """The router and a space as systemd started them: the service user, no privilege to
-        gain, a system-call filter, the router's one capability, the space's none."""
+        """The router and a space as systemd started them: each its own user, no privilege to
+        gain, a system-call filter, the router's capabilities (ports, and running spaces as their
+        users: lchat/isolation.py), the space's none."""
         self.need_readme()
         lchat_uid = self.box.run(["id", "-u", "lchat"]).stdout.strip()
-        for unit, caps in (
-            ("lchat-router", "0000000000000400"),  # CAP_NET_BIND_SERVICE only
-            (f"lchat@{ALWAYS_ON}", "0000000000000000"),
+        space_uid = self.box.run(["id", "-u", isolation.user_name(ALWAYS_ON)]).stdout.strip()
+        self.assertNotEqual(space_uid, lchat_uid)
+        for unit, uid, caps in (
+            # NET_BIND_SERVICE, CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID
+            ("lchat-router", lchat_uid, "00000000000004eb"),
+            (f"lchat@{ALWAYS_ON}", space_uid, "0000000000000000"),
         ):
             pid = self.main_pid(unit)
             status = self.box.run(["cat", f"/proc/{pid}/status"]).stdout
@@ -522,7 +530,7 @@ class SystemdBoxTests(SynchronousTestCase):
             got = {
                 k: fields[k].split() for k in ("Uid", "CapEff", "CapBnd", "NoNewPrivs", "Seccomp")
             }
-            self.assertEqual(got["Uid"], [lchat_uid] * 4, (unit, got))
+            self.assertEqual(got["Uid"], [uid] * 4, (unit, got))
             self.assertEqual(got["CapEff"], [caps], (unit, got))
             self.assertEqual(got["CapBnd"], [caps], (unit, got))
             self.assertEqual(got["NoNewPrivs"], ["1"], (unit, got))
@@ -541,3 +549,67 @@ class SystemdBoxTests(SynchronousTestCase):
                 check=False,
             )
             self.assertIn("Read-only file system", probe.stdout, (unit, probe.stdout))
+
+    # --- 11: a space tries to escape, as a unit and as the router's child ------------------------
+    def test_11_a_space_cannot_reach_the_router_or_another_space(self) -> None:
+        """Three spaces run a build that first tries every escape (tests/box/escape_probe.py):
+        two always-on units and a hibernating space the router wakes. Each runs as its own user
+        with no groups and no capabilities; reading router.env, another space's env file or
+        database, the registry, the ACME cache; connecting to another space's or the admin
+        socket; planting files; signalling another space or the router: all refused."""
+        self.need_readme()
+        b = self.box
+        b.write("/opt/lchat/versions/escape/space", (BOX / "escape_probe.py").read_text(), 0o755)
+        router_pid = self.main_pid("lchat-router")
+        previous = ALWAYS_ON
+        for host in ESCAPERS:
+            b.write(
+                f"/etc/lchat-escape/{host}.json",
+                json.dumps(
+                    {
+                        "other": previous,
+                        "other_pid": self.main_pid(f"lchat@{previous}"),
+                        "other_db": f"/data/spaces/{previous}/{previous}.db",
+                        "other_socket": f"/run/lchat/spaces/{previous}/{previous}.sock",
+                        "router_pid": router_pid,
+                    }
+                ),
+            )
+            b.run(["ln", "-sfn", "/opt/lchat/versions/escape/space", f"/opt/lchat/live/{host}"])
+            woken = host == ESCAPERS[-1]
+            since = b.now()
+            b.run(["lchat", "add-instance", host, *(["--hibernate"] if woken else [])])
+            if woken:
+                self.certificate(host)
+                self.assert_200(host)
+                log = self.box.journal("lchat-router", since)
+            else:
+                log = b.run(f"journalctl -t {host} -o cat --no-pager").stdout
+            lines = [line for line in log.splitlines() if "ESCAPE {" in line]
+            self.assertTrue(lines, f"{host}: no ESCAPE line in\n{log[-3000:]}")
+            outcome = json.loads(lines[-1].split("ESCAPE ", 1)[1])
+            uid = b.run(["stat", "-c", "%u", f"/data/spaces/{host}"]).stdout.strip()
+            if not woken:
+                self.assertEqual(b.run(["id", "-u", isolation.user_name(host)]).stdout.strip(), uid)
+            ids = outcome.pop("ids")
+            self.assertEqual(ids["Uid"], [uid] * 4, (host, ids))
+            self.assertEqual(ids["Gid"], [uid] * 4, (host, ids))
+            # none but its own (systemd's initgroups lists the primary group; setpriv none)
+            self.assertIn(ids["Groups"], ([], [uid]), (host, ids))
+            for cap in ("CapEff", "CapPrm", "CapAmb"):
+                self.assertEqual(ids[cap], ["0000000000000000"], (host, cap, ids))
+            self.assertEqual(ids["NoNewPrivs"], ["1"], (host, ids))
+            self.assertEqual(outcome.pop("write in its own directory"), "ALLOWED", host)
+            in_own = outcome.pop("admin token in its own environment")
+            in_child = outcome.pop("admin token in a child's environment")
+            if not woken:
+                # A unit's secrets are a credential: its own, and no child inherits them.
+                self.assertEqual(outcome.pop("read its own credential"), "ALLOWED", host)
+                self.assertFalse(in_own or in_child, host)
+            listed = outcome.pop("list the data dir")
+            if not str(listed).startswith("refused"):
+                self.assertEqual(listed, ["spaces"], f"{host}: what it sees of /data")
+            for name, result in outcome.items():
+                self.assertTrue(str(result).startswith("refused"), f"{host}: {name}: {result}")
+            self.assertEqual(self.active(f"lchat@{previous}"), "active", previous)
+            previous = host
