@@ -290,8 +290,10 @@ class RefusalTests(Box):
         self.add(A)
         self.database(self.flat(A))
         self.run_it()
-        with open(self.flat(A, ".db-wal"), "wb") as f:  # left by something else since
+        with open(self.flat(A, ".db-journal"), "wb") as f:  # left by something else since
             f.write(b"stale")
         lines = self.run_it()
-        self.assertRefused(lines, A, f"{self.new(A)} exists and so does {self.flat(A, '.db-wal')}")
-        self.assertTrue(os.path.exists(self.flat(A, ".db-wal")))
+        self.assertRefused(
+            lines, A, f"{self.new(A)} exists and so does {self.flat(A, '.db-journal')}"
+        )
+        self.assertTrue(os.path.exists(self.flat(A, ".db-journal")))
