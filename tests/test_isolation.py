@@ -1,0 +1,291 @@
+"""Every space isolated from the router and from every other space, proven from inside real spaces
+(issue 30, item 3; builtin units, as root): a real ``twistd lchat`` router with
+``LCHAT_ISOLATION=on`` runs tests/isolation_probe.py as two always-on spaces and as a hibernating
+one the activator wakes. Each probe, running as its space's user, tries the escapes a compromised
+space would (the router's env file and registry, the ACME cache, another space's env file,
+database, socket and process, the admin socket, planting files) and reports what it was refused;
+every attempt must be refused with a permission error, and the space must be itself: its own uid
+and gid, no groups, no capabilities, no_new_privs. The parts on their own are in
+tests/test_isolation_parts.py; the same proof under systemd is the box test's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sqlite3
+import stat
+import sys
+import time
+from typing import Any
+
+from lchat import hosts
+from lchat.acme.cache import LocalCache
+from lchat.cli import admin_client
+from tests.test_cli_hibernate import HibernateTestCase
+
+PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation_probe.py")
+# The probe needs only the standard library: the system's Python, which every user can run (a
+# virtualenv's interpreter may live under a home directory a space cannot traverse).
+PROBE_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+PROBE = f"{PROBE_PYTHON} -I {PROBE_SCRIPT}"
+SECRET = "router-secret-that-no-space-may-read-0123456789"
+A, B, H = "a.iso.test", "b.iso.test", "h.iso.test"
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: spaces are started as their own users only by a privileged router"
+    if shutil.which("setpriv") is None:
+        return "needs util-linux setpriv: the router starts isolated spaces through it"
+    return None
+
+
+class IsolatedBoxTestCase(HibernateTestCase):
+    """A box whose router isolates its spaces: data and run directories other users can
+    traverse, the router's env file in ``<data>`` (as on a real box) with a secret in it, an ACME
+    cache with a key file, as the router leaves them."""
+
+    def setUp(self) -> None:
+        reason = _skip_reason()
+        if reason is not None:
+            self.skipTest(reason)
+        super().setUp()
+        os.unlink(self.env_file)
+        os.chmod(self.root, 0o711)  # spaces traverse it to their own directories
+        for directory in (self.data_dir, self.run_dir, self.bucket):
+            os.chmod(directory, 0o711)  # as above
+        self.env_file = os.path.join(self.data_dir, "router.env")
+        self.configure(LCHAT_ISOLATION="on", LCHAT_SPACE_COMMAND=PROBE)
+        cache = LocalCache(os.path.join(self.data_dir, "acme"))
+        cache.ensure_directory()
+        with open(os.path.join(cache.directory, "account.key"), "w") as f:
+            f.write("-----BEGIN PRIVATE KEY----- not a real one\n")
+
+    def write_router_env(self, units: str = "builtin", **extra: str) -> None:
+        super().write_router_env(units, **extra)
+        with open(self.env_file, "a") as f:
+            f.write(
+                f"# the mesh token, the bucket's keys, the cert-cache key live here: {SECRET}\n"
+            )
+
+    # -- what the probes left in their own directories -----------------------------------------
+
+    def own_dir(self, host: str) -> str:
+        return hosts.space_dir(self.data_dir, host)
+
+    def wait_for(self, host: str, name: str) -> Any:
+        path = os.path.join(self.own_dir(host), name)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                self.fail(f"{host} never wrote {name}:\n{self._log(self.router_log)}")
+            time.sleep(0.05)
+        with open(path) as f:
+            return json.load(f)
+
+    @property
+    def router_log(self) -> str:
+        return os.path.join(self.root, "router.log")
+
+    def pid_of(self, host: str) -> int:
+        self.wait_for(host, "own.json")  # written after the pid
+        with open(os.path.join(self.own_dir(host), "pid")) as f:
+            return int(f.read())
+
+    # -- assertions ------------------------------------------------------------------------------
+
+    def assertRefused(self, host: str, outcomes: dict[str, Any], attempt: str) -> None:
+        self.assertIn(attempt, outcomes, f"{host} did not try: {attempt}")
+        self.assertTrue(
+            str(outcomes[attempt]).startswith("refused: PermissionError"),
+            f"{host}: {attempt}: {outcomes[attempt]} (must be refused: permission denied)",
+        )
+
+    def assertItself(self, host: str, own: dict[str, Any], others: list[int]) -> int:
+        """``host``'s space runs as the owner of its directory (not root, not another space's
+        uid), with no groups, no capabilities and no_new_privs; checked from inside (its
+        /proc/self/status) and from outside (its pid's). Returns its uid."""
+        uid = os.stat(self.own_dir(host)).st_uid
+        self.assertNotEqual(uid, 0, f"{host}'s directory is root's")
+        self.assertNotIn(uid, others, f"{host} shares a uid with another space")
+        status = own["status"]
+        self.assertEqual(status["Uid"].split(), [str(uid)] * 4, f"{host}: its uid ({status})")
+        self.assertEqual(status["Gid"].split(), [str(uid)] * 4, f"{host}: its gid ({status})")
+        self.assertEqual(status["Groups"], "", f"{host}: supplementary groups ({status})")
+        for caps in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+            self.assertEqual(int(status[caps], 16), 0, f"{host}: {caps} ({status})")
+        self.assertEqual(status["NoNewPrivs"], "1", f"{host}: NoNewPrivs ({status})")
+        self.assertEqual(
+            own["own: create a file in its own directory"],
+            "ALLOWED",
+            f"{host}: create a file in its own directory",
+        )
+        with open(f"/proc/{self.pid_of(host)}/status") as f:
+            outside = dict(line.split(":", 1) for line in f)
+        self.assertEqual(
+            outside["Uid"].split()[0], str(uid), f"{host}: its pid's uid, seen by root"
+        )
+        return uid
+
+    def assertBoxRefused(self, host: str, own: dict[str, Any]) -> None:
+        """The escapes into the router's part of the box, all refused."""
+        for attempt in (
+            "read <data>/router.env",
+            "read <data>/registry.db",
+            "list <data>/acme",
+            "read <data>/acme/account.key",
+            "list <data>",
+            "list <data>/spaces",
+            "list <run>",
+            "connect to the admin socket <run>/router.sock",
+            "plant a file in <data>",
+            "plant a file in <data>/spaces",
+            "plant a file in <run>",
+            "plant a file in <run>/spaces",
+            "read the router's /proc/<pid>/environ",
+            "signal 0 to the router",
+        ):
+            self.assertRefused(host, own, attempt)
+
+    def assertTargetsExist(self) -> None:
+        """Refusals prove nothing about files that are not there: root sees every target."""
+        for path in (
+            os.path.join(self.data_dir, "router.env"),
+            os.path.join(self.data_dir, "registry.db"),
+            os.path.join(self.data_dir, "acme", "account.key"),
+            self.admin_socket,
+        ):
+            self.assertTrue(os.path.exists(path), path)
+
+
+class AlwaysOnTests(IsolatedBoxTestCase):
+    def test_two_spaces_cannot_reach_the_router_or_each_other(self) -> None:
+        router = self.start_router()
+        for host in (A, B):
+            result = self.lchat("add-instance", host, "--timeout", "30")
+            self.assertEqual(result.code, 0, f"{result}\n{self._log(self.router_log)}")
+        with open(self.router_log) as f:
+            self.assertIn("isolation: on", f.read())
+        # The router tightened what it found at the top of <data> (it was made with umask 022).
+        for name in ("router.env", "registry.db", "acme"):
+            mode = stat.S_IMODE(os.stat(os.path.join(self.data_dir, name)).st_mode)
+            self.assertEqual(mode & 0o007, 0, f"<data>/{name} is mode {mode:o}")
+        self.assertTargetsExist()
+
+        pids = {host: self.pid_of(host) for host in (A, B)}
+        uids: list[int] = []
+        for host in (A, B):
+            own = self.wait_for(host, "own.json")
+            uids.append(self.assertItself(host, own, uids))
+            self.assertEqual(own["router_pid"], router.pid, f"{host}'s parent is the router")
+            self.assertBoxRefused(host, own)
+
+        # Each is told the other (its pid, database, socket) and every path root sees under
+        # <data> and <run> but its own.
+        for host, other in ((A, B), (B, A)):
+            route = self.row(other)
+            assert route is not None
+            self.assertTrue(os.path.exists(route.db_path), route.db_path)
+            self.assertTrue(os.path.exists(route.socket), route.socket)
+            targets = {
+                "host": other,
+                "pid": pids[other],
+                "db": route.db_path,
+                "socket": route.socket,
+                "paths": self.paths_but(host),
+            }
+            with open(os.path.join(self.own_dir(host), "targets.json"), "w") as f:
+                json.dump(targets, f)
+        for host in (A, B):
+            escapes = self.wait_for(host, "escapes.json")
+            for attempt in escapes:
+                self.assertRefused(host, escapes, attempt)
+            for attempt in (
+                "read the other space's env file <data>/<B>.env",
+                "read the other space's database",
+                "list the other space's directory <data>/spaces/<B>",
+                "create a file in the other space's directory",
+                "connect to the other space's socket",
+                "read the other space's /proc/<pid>/environ",
+                "signal 0 to the other space",
+                "SIGTERM to the other space",
+            ):
+                self.assertIn(attempt, escapes, f"{host} did not try: {attempt}")
+        # Nobody was signalled away: the same two processes still run, ready.
+        for host in (A, B):
+            self.assertEqual(self.pid_of(host), pids[host], f"{host} was restarted")
+            process = self.router_entry(host)["process"]
+            self.assertEqual(
+                (process["state"], process["pid"], process["restarts"]),
+                ("ready", pids[host], 0),
+                f"{host}: the router's view of it",
+            )
+            code, body = self.call(host, "GET", "/api/version")
+            self.assertEqual((code, body["uid"]), (200, os.stat(self.own_dir(host)).st_uid))
+
+    def paths_but(self, host: str) -> list[str]:
+        """Every file and socket under ``<data>`` and ``<run>``, except ``host``'s own."""
+        mine = (
+            self.own_dir(host),
+            os.path.dirname(hosts.socket_path(self.run_dir, host, isolated=True)),
+        )
+        found = []
+        for top in (self.data_dir, self.run_dir):
+            for directory, dirs, names in os.walk(top):
+                if directory in mine:
+                    dirs[:] = []
+                    continue
+                found += [os.path.join(directory, n) for n in names]
+        return sorted(found)
+
+
+class HibernatingTests(IsolatedBoxTestCase):
+    def test_a_woken_space_runs_as_its_own_user_too(self) -> None:
+        router = self.start_router()
+        result = self.lchat("add-instance", H, "--hibernate")
+        self.assertEqual(result.code, 0, f"{result}\n{self._log(self.router_log)}")
+        self.assertFalse(os.path.exists(os.path.join(self.own_dir(H), "pid")), "running asleep")
+        code, body = self.call(H, "GET", "/api/version")  # the activator wakes it
+        self.assertEqual(code, 200, body)
+        self.assertEqual(self.instances()[H]["STATE"], "awake")
+        self.assertTargetsExist()
+        own = self.wait_for(H, "own.json")
+        uid = self.assertItself(H, own, [])
+        self.assertEqual(body["uid"], uid)
+        self.assertEqual(own["router_pid"], router.pid, f"{H}'s parent is the router")
+        self.assertBoxRefused(H, own)
+
+
+class ReplicationLinkTests(IsolatedBoxTestCase):
+    # A known hole, found by this test: the replicator (lchat/replica/db.py, wal.py) opens a
+    # hibernating space's database by its path as root, and so follows a link the space planted
+    # after lchat/isolation.py checked its directory (at spawn only). Expected to fail until the
+    # router reads a space's files with no more privilege than the space has.
+    todo = "issue 30: the replicator follows a space's database link as root"
+
+    def test_a_space_cannot_point_the_routers_replication_at_another_file(self) -> None:
+        """The router replicates a hibernating space's database as root: a space that makes its
+        database a symbolic link (to the registry, another space's database) must not have the
+        router open, change and upload that file for it (and restore it into the space's own
+        directory at its next wake)."""
+        registry = os.path.join(self.data_dir, "registry.db")
+        self.start_router()
+        result = self.lchat("add-instance", H, "--hibernate")
+        self.assertEqual(result.code, 0, f"{result}\n{self._log(self.router_log)}")
+        with open(hosts.env_path(self.data_dir, H), "a") as f:  # stays 0600: space_env checks
+            f.write(f"PROBE_DB_LINK={registry}\n")
+        before = self.tables(registry)
+        response = admin_client.request(self.http_socket, "GET", "/api/version", host=H, timeout=60)
+        self.assertTrue(os.path.islink(hosts.db_path(self.data_dir, H)), "the probe made its link")
+        self.assertEqual(
+            self.tables(registry),
+            before,
+            f"the router opened (and wrote) the registry through {H}'s database link; the wake"
+            f" answered {response.status}",
+        )
+
+    def tables(self, path: str) -> list[str]:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            return sorted(row[0] for row in conn.execute("SELECT name FROM sqlite_master"))
