@@ -343,7 +343,9 @@ class SystemdBoxTests(SynchronousTestCase):
         router's journal through the router, as in the tests that run the router directly."""
         self.need_readme()
         own = self.box.journal(f"lchat@{ALWAYS_ON}")
-        self.assertIn(f"space {ALWAYS_ON} listening on /run/lchat/{ALWAYS_ON}.sock", own)
+        self.assertIn(
+            f"space {ALWAYS_ON} listening on /run/lchat/spaces/{ALWAYS_ON}/{ALWAYS_ON}.sock", own
+        )
         # Under the live link's name too (SyslogIdentifier=), as an exec of the link would be.
         tagged = self.box.run(["journalctl", "--no-pager", "-o", "cat", "-t", ALWAYS_ON]).stdout
         self.assertIn(f"space {ALWAYS_ON} listening on", tagged)
