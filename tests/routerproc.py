@@ -6,18 +6,23 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def spawn_router(env_file: str, log_path: str) -> subprocess.Popen[bytes]:
+def spawn_router(
+    env_file: str, log_path: str, argv_prefix: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
     """Start ``twistd --nodaemon lchat --env-file ENV_FILE`` with its output appended to
-    ``log_path``. Only the env file configures it: the test's own ``LCHAT_*`` are not passed on."""
+    ``log_path``. Only the env file configures it: the test's own ``LCHAT_*`` are not passed on.
+    ``argv_prefix``: a command that execs the router in place (``setpriv ... --``: another user)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
     env["PYTHONPATH"] = ROOT
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         return subprocess.Popen(
             [
+                *argv_prefix,
                 sys.executable,
                 "-c",
                 "from twisted.scripts.twistd import run; run()",

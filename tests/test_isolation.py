@@ -5,17 +5,22 @@ one the activator wakes. Each probe, running as its space's user, tries the esca
 space would (the router's env file and registry, the ACME cache, another space's env file,
 database, socket and process, the admin socket, planting files) and reports what it was refused;
 every attempt must be refused with a permission error, and the space must be itself: its own uid
-and gid, no groups, no capabilities, no_new_privs. The parts on their own are in
-tests/test_isolation_parts.py; the same proof under systemd is the box test's."""
+and gid, no groups, no capabilities, no_new_privs. Once with the router as root, once as
+lchat-router.service runs it (its own uid, the unit's capabilities as ambient ones). A space that
+turns its database into a link the router then opens is a known hole (ReplicationLinkTests, todo).
+The parts on their own are in tests/test_isolation_parts.py; the same proof under systemd is the
+box test's."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import sqlite3
 import stat
+import subprocess
 import sys
 import time
 from typing import Any
@@ -23,6 +28,7 @@ from typing import Any
 from lchat import hosts
 from lchat.acme.cache import LocalCache
 from lchat.cli import admin_client
+from tests.routerproc import spawn_router
 from tests.test_cli_hibernate import HibernateTestCase
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation_probe.py")
@@ -32,6 +38,10 @@ PROBE_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else
 PROBE = f"{PROBE_PYTHON} -I {PROBE_SCRIPT}"
 SECRET = "router-secret-that-no-space-may-read-0123456789"
 A, B, H = "a.iso.test", "b.iso.test", "h.iso.test"
+# lchat-router.service's capabilities (AmbientCapabilities=, CapabilityBoundingSet=), in setpriv's
+# spelling, and their bits in /proc/<pid>/status.
+UNIT_CAPS = "+net_bind_service,+chown,+dac_override,+fowner,+kill,+setgid,+setuid"
+UNIT_CAP_BITS = 0x4EB
 
 
 def _skip_reason() -> str | None:
@@ -69,6 +79,26 @@ class IsolatedBoxTestCase(HibernateTestCase):
             f.write(
                 f"# the mesh token, the bucket's keys, the cert-cache key live here: {SECRET}\n"
             )
+
+    router_prefix: tuple[str, ...] = ()  # how the router is started: as root, as is
+
+    def start_router(self) -> subprocess.Popen[bytes]:
+        router = spawn_router(self.env_file, self.router_log, self.router_prefix)
+        self.addCleanup(self._stop_router, router)
+        deadline = time.monotonic() + 30
+        while True:
+            if router.poll() is not None:
+                self.fail(
+                    f"the router exited with {router.returncode}:\n{self._log(self.router_log)}"
+                )
+            try:
+                if admin_client.status(self.admin_socket, timeout=2).status == 200:
+                    return router
+            except (admin_client.Unreachable, admin_client.ProtocolError):
+                pass
+            if time.monotonic() > deadline:
+                self.fail(f"the router did not come up:\n{self._log(self.router_log)}")
+            time.sleep(0.1)
 
     # -- what the probes left in their own directories -----------------------------------------
 
@@ -256,6 +286,65 @@ class HibernatingTests(IsolatedBoxTestCase):
         self.assertEqual(body["uid"], uid)
         self.assertEqual(own["router_pid"], router.pid, f"{H}'s parent is the router")
         self.assertBoxRefused(H, own)
+
+
+def _unknown_uid(start: int = 39990) -> int:
+    """A uid below LCHAT_SPACE_UIDS that names no user: the router's, for the test."""
+    uid = start
+    while True:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+        uid -= 1
+
+
+class UnitUserRouterTests(IsolatedBoxTestCase):
+    """The router as lchat-router.service runs it: not root, its user's own uid, the unit's
+    capabilities as ambient ones, no_new_privs. Its spaces must not inherit those capabilities
+    (an ambient set survives exec, and a uid change away from a non-root uid keeps the
+    permitted set: only setpriv's clearing stands between a space and CAP_DAC_OVERRIDE)."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.router_uid = _unknown_uid()
+        self.router_prefix = (
+            "setpriv",
+            f"--reuid={self.router_uid}",
+            f"--regid={self.router_uid}",
+            "--clear-groups",
+            f"--inh-caps=-all,{UNIT_CAPS}",
+            f"--ambient-caps=-all,{UNIT_CAPS}",
+            f"--bounding-set=-all,{UNIT_CAPS}",
+            "--no-new-privs",
+            "--",
+        )
+        # The box's directories and the router's own files are its user's, as bootstrap leaves
+        # them for the lchat user.
+        acme = os.path.join(self.data_dir, "acme")
+        for path in (self.data_dir, self.run_dir, self.bucket, acme, self.env_file):
+            os.chown(path, self.router_uid, self.router_uid)
+        os.chown(os.path.join(acme, "account.key"), self.router_uid, self.router_uid)
+
+    def test_spaces_of_a_router_with_capabilities_have_none(self) -> None:
+        router = self.start_router()
+        with open(f"/proc/{router.pid}/status") as f:
+            seen = dict(line.split(":", 1) for line in f)
+        self.assertEqual(seen["Uid"].split()[0], str(self.router_uid), "the router's uid")
+        self.assertEqual(int(seen["CapAmb"], 16), UNIT_CAP_BITS, "the router's ambient set")
+        result = self.lchat("add-instance", A, "--timeout", "30")
+        self.assertEqual(result.code, 0, f"{result}\n{self._log(self.router_log)}")
+        result = self.lchat("add-instance", H, "--hibernate")
+        self.assertEqual(result.code, 0, f"{result}\n{self._log(self.router_log)}")
+        code, body = self.call(H, "GET", "/api/version")  # the activator wakes it
+        self.assertEqual(code, 200, body)
+        self.assertTargetsExist()
+        uids: list[int] = [self.router_uid]
+        for host in (A, H):
+            own = self.wait_for(host, "own.json")
+            uids.append(self.assertItself(host, own, uids))
+            self.assertEqual(own["router_pid"], router.pid, f"{host}'s parent is the router")
+            self.assertBoxRefused(host, own)
 
 
 class ReplicationLinkTests(IsolatedBoxTestCase):
