@@ -77,6 +77,15 @@ def create(path: str) -> Callable[[], object]:
     return go
 
 
+def link(source: str, name: str) -> Callable[[], object]:
+    def go() -> object:
+        os.link(source, name)
+        os.unlink(name)
+        return None
+
+    return go
+
+
 def status() -> dict[str, str]:
     with open("/proc/self/status") as f:
         return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
@@ -120,6 +129,11 @@ def own() -> dict[str, object]:
         "plant a file in <run>": attempt(create(os.path.join(RUN, f"planted-by-{HOST}"))),
         "plant a file in <run>/spaces": attempt(
             create(os.path.join(RUN, "spaces", f"planted-by-{HOST}"))
+        ),
+        # A link in its own directory is a name the router opens as root (its database):
+        # fs.protected_hardlinks refuses linking a file one can neither read nor write.
+        "hard-link <data>/registry.db into its own directory": attempt(
+            link(os.path.join(DATA, "registry.db"), os.path.join(OWN, "linked-registry"))
         ),
         "read the router's /proc/<pid>/environ": attempt(read(f"/proc/{router}/environ")),
         "signal 0 to the router": attempt(lambda: os.kill(router, 0)),

@@ -174,6 +174,7 @@ class IsolatedBoxTestCase(HibernateTestCase):
             "plant a file in <data>/spaces",
             "plant a file in <run>",
             "plant a file in <run>/spaces",
+            "hard-link <data>/registry.db into its own directory",  # fs.protected_hardlinks=1
             "read the router's /proc/<pid>/environ",
             "signal 0 to the router",
         ):
