@@ -7,7 +7,7 @@ database, socket and process, the admin socket, planting files) and reports what
 every attempt must be refused with a permission error, and the space must be itself: its own uid
 and gid, no groups, no capabilities, no_new_privs. Once with the router as root, once as
 lchat-router.service runs it (its own uid, the unit's capabilities as ambient ones). A space that
-turns its database into a link the router then opens is a known hole (ReplicationLinkTests, todo).
+turns its database into a link is refused replication (ReplicationLinkTests).
 The parts on their own are in tests/test_isolation_parts.py; the same proof under systemd is the
 box test's."""
 
@@ -349,11 +349,9 @@ class UnitUserRouterTests(IsolatedBoxTestCase):
 
 
 class ReplicationLinkTests(IsolatedBoxTestCase):
-    # A known hole, found by this test: the replicator (lchat/replica/db.py, wal.py) opens a
-    # hibernating space's database by its path as root, and so follows a link the space planted
-    # after lchat/isolation.py checked its directory (at spawn only). Expected to fail until the
-    # router reads a space's files with no more privilege than the space has.
-    todo = "issue 30: the replicator follows a space's database link as root"
+    # Found by this test (it failed before lchat/replica/db.py checked which file SQLite opened
+    # and wal.py opened O_NOFOLLOW): the replicator opens a hibernating space's database by its
+    # path with the router's privilege, after lchat/isolation.py checked the directory at spawn.
 
     def test_a_space_cannot_point_the_routers_replication_at_another_file(self) -> None:
         """The router replicates a hibernating space's database as root: a space that makes its
@@ -369,6 +367,12 @@ class ReplicationLinkTests(IsolatedBoxTestCase):
         before = self.tables(registry)
         response = admin_client.request(self.http_socket, "GET", "/api/version", host=H, timeout=60)
         self.assertTrue(os.path.islink(hosts.db_path(self.data_dir, H)), "the probe made its link")
+        deadline = time.monotonic() + 20
+        while "is a link to" not in self._log(self.router_log):
+            if time.monotonic() > deadline:
+                self.fail(f"no refusal logged:\n{self._log(self.router_log)}")
+            time.sleep(0.2)
+        self.assertIn(f"is a link to {registry}", self._log(self.router_log))
         self.assertEqual(
             self.tables(registry),
             before,

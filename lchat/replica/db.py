@@ -78,7 +78,7 @@ class PageFds:
         self._mu = threading.Lock()
 
     def fd(self, path: str) -> int:
-        st = os.stat(path)
+        st = os.lstat(path)  # and O_NOFOLLOW below: a link planted by the space is refused
         with self._mu:
             for key, fd in list(self._fds.items()):
                 if os.fstat(fd).st_nlink == 0:
@@ -87,7 +87,7 @@ class PageFds:
             key = (st.st_dev, st.st_ino)
             known = self._fds.get(key)
             if known is None:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
                 got = os.fstat(fd)
                 if (got.st_dev, got.st_ino) != key:  # replaced between the stat and the open
                     key = (got.st_dev, got.st_ino)
@@ -177,6 +177,15 @@ class ReplicaDB:
             isolation_level=None,
             check_same_thread=False,
         )
+        # SQLite resolves a link at the database's name (its journals it opens O_NOFOLLOW): a
+        # space that made its database a link to another's, or to the registry, is refused.
+        opened = conn.execute("PRAGMA database_list").fetchone()[2]
+        expected = os.path.join(
+            os.path.realpath(os.path.dirname(self.path)), os.path.basename(self.path)
+        )
+        if opened != expected:
+            conn.close()
+            raise ReplicaDBError(f"{self.path} is a link to {opened}: refusing to replicate it")
         conn.execute(f"PRAGMA busy_timeout = {int(timeout_ms)}")
         # Our own writes must never start a checkpoint: only the dance checkpoints.
         conn.execute("PRAGMA wal_autocheckpoint = 0")
@@ -200,7 +209,7 @@ class ReplicaDB:
             if self._page_fds is not None:
                 self._dbfd = self._page_fds.fd(self.path)
             else:
-                self._dbfd = os.open(self.path, os.O_RDONLY)
+                self._dbfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
             mode = lk.execute("PRAGMA journal_mode = wal").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise ReplicaDBError(f"{self.path}: journal_mode is {mode}, cannot switch to wal")

@@ -218,7 +218,9 @@ class WALReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._f: BinaryIO = open(self.path, "rb")
+        # Never through a link: a space owns its directory and could point its -wal at another
+        # space's (the router reads with CAP_DAC_OVERRIDE; docs/secrets.md, "Who can read what").
+        self._f: BinaryIO = os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
     def close(self) -> None:
         self._f.close()
