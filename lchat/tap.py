@@ -22,7 +22,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, isolation, malloc, objstore, tls, uvloop_reactor
+from lchat import config, isolation, malloc, objstore, relayout, tls, uvloop_reactor
 from lchat.acme.cache import CacheSync, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
@@ -163,7 +163,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     run = thread_runner(reactor)
     registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
-    _isolate(cfg)
+    _isolate(cfg, registry)
     routes = RouteSource(
         reactor, registry, registry.load(), run_in_thread=run, poll_interval=poll_interval
     )
@@ -241,9 +241,11 @@ def _prepare_box(cfg: BoxConfig) -> None:
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
 
 
-def _isolate(cfg: BoxConfig) -> None:
+def _isolate(cfg: BoxConfig, registry: Registry) -> None:
     """Every space its own user where this router can (lchat/isolation.py), said at start
-    either way; refuses to start where the box requires it and the router cannot."""
+    either way; refuses to start where the box requires it and the router cannot. An older
+    box's flat files move into the spaces' own directories first (lchat/relayout.py: what no
+    space runs from; a unit's, bootstrap moves with the units stopped)."""
     try:
         decision = isolation.decide(cfg.isolation, cfg.data_dir, cfg.run_dir)
     except isolation.IsolationError as e:
@@ -257,6 +259,7 @@ def _isolate(cfg: BoxConfig) -> None:
             _log.warn("{why}", why=decision.why)
         return
     isolation.enable(cfg.data_dir, cfg.run_dir)
+    relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry)  # logs each step
     _log.info("isolation: on: {why}", why=decision.why)
 
 
