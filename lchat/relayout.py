@@ -109,9 +109,12 @@ def plan(
     registry: Registry,
     *,
     uids: tuple[int, int] | None = None,
+    probe_running: bool = True,
 ) -> list[Step]:
     """Every step, in order, for every row of ``registry``. Reads the box; changes nothing.
-    ``uids`` (LCHAT_SPACE_UIDS): the move lines say which uid each space will get."""
+    ``uids`` (LCHAT_SPACE_UIDS): the move lines say which uid each space will get.
+    ``probe_running=False``: the caller stops every space before it applies a fresh plan
+    (bootstrap under systemd): a running space is not refused in this one."""
     data_dir = os.path.abspath(data_dir)
     run_dir = os.path.abspath(run_dir)
     steps: list[Step] = []
@@ -128,7 +131,7 @@ def plan(
         if route.kind != "instance":
             continue  # a service's files are its own business: never a space's directory
         try:
-            steps.extend(_host_steps(data_dir, run_dir, route, uids))
+            steps.extend(_host_steps(data_dir, run_dir, route, uids, probe_running))
         except (hosts.InvalidHost, OSError, isolation.IsolationError) as e:
             steps.append(Step("refuse", f"{route.host}: not moved: {e}", host=route.host))
     if not any(s.to_do or s.action == "refuse" for s in steps):
@@ -198,7 +201,7 @@ def relayout(
 
 
 def _host_steps(
-    data_dir: str, run_dir: str, route: Route, uids: tuple[int, int] | None
+    data_dir: str, run_dir: str, route: Route, uids: tuple[int, int] | None, probe_running: bool
 ) -> list[Step]:
     host = route.host
     directory = hosts.space_dir(data_dir, host)  # raises InvalidHost for a name not normal
@@ -250,8 +253,8 @@ def _host_steps(
             return [_refusal(host, why)]
     steps: list[Step] = []
     if present:
-        for candidate in (flat_socket, new_socket):
-            if _listening(candidate):
+        for candidate in (flat_socket, new_socket) if probe_running else ():
+            if listening(candidate):
                 return [
                     _refusal(
                         host,
@@ -315,7 +318,7 @@ def _not_plain(path: str) -> str | None:
     return None
 
 
-def _listening(path: str) -> bool:
+def listening(path: str) -> bool:
     """Does a process accept connections on the unix socket ``path``?"""
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):

@@ -37,6 +37,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,6 +58,9 @@ DEFAULT_USER = "lchat"
 DEFAULT_DATA_DIR = os.path.dirname(config.DEFAULT_ENV_FILE)  # /data
 ENV_NAME = os.path.basename(config.DEFAULT_ENV_FILE)  # router.env
 DATA_MODE = 0o750
+# A box that isolates its spaces (lchat/isolation.py): each space, its own user, traverses
+# <data> to reach <data>/spaces/<host>; nothing else in it is open to other users.
+ISOLATED_DATA_MODE = 0o711
 OPT_MODE = 0o755
 UNIT_MODE = 0o644
 UNITS_TARGET = "/etc/systemd/system"
@@ -272,7 +276,11 @@ class Step:
     what: str
     already: str | None = None
     skipped: str | None = None
-    run: Callable[[], str] | None = field(default=None, eq=False, repr=False)
+    run: Callable[[], str | list[str]] | None = field(default=None, eq=False, repr=False)
+    # Lines under ``what`` in the plan (the relayout's moves and row changes, one a line).
+    detail: tuple[str, ...] = ()
+    # Filled by ``run`` (or the plan) with what is left for the operator (a relayout refusal).
+    left: list[str] = field(factory=list, eq=False, repr=False)
 
     @property
     def to_do(self) -> bool:
@@ -310,13 +318,15 @@ def plan(request: Request) -> list[Step]:
     account = _account(request.user)
     group = account.group if account is not None else request.user  # useradd --user-group
     units = _unit_steps(request, group)
+    spaces, isolating = _relayout_steps(request)
     return [
         _user_step(request, account),
-        _data_dir_step(request, account),
+        _data_dir_step(request, account, ISOLATED_DATA_MODE if isolating else DATA_MODE),
         _env_step(request, account),
         *_opt_steps(request),
         *units,
         *_systemctl_steps(request, any(u.to_do for u in units)),
+        *spaces,
     ]
 
 
@@ -354,7 +364,9 @@ def _user_step(request: Request, account: _Account | None) -> Step:
     return Step(f"create the service user {name}: {shlex.join(argv)}", run=run)
 
 
-def _data_dir_step(request: Request, account: _Account | None) -> Step:
+def _data_dir_step(request: Request, account: _Account | None, want: int) -> Step:
+    """``want``: :data:`want`, or :data:`ISOLATED_want` on a box that isolates its
+    spaces (or is about to): 0750 there would lock every space out of its own directory."""
     path = request.path(request.data_dir)
     user = request.user
     try:
@@ -372,37 +384,36 @@ def _data_dir_step(request: Request, account: _Account | None) -> Step:
         raise BootstrapError(f"{path} exists and is not a directory")
     mode = stat.S_IMODE(st.st_mode) if st is not None else None
     owned = st is not None and account is not None and (st.st_uid, st.st_gid) == _ids(account)
-    if st is not None and owned and mode == DATA_MODE:
-        return Step(path, already=f"{path}: mode {DATA_MODE:04o}, owner {user}")
+    if st is not None and owned and mode == want:
+        return Step(path, already=f"{path}: mode {want:04o}, owner {user}")
 
     def run() -> str:
         owner = _owner(user)
         created = not os.path.lexists(path)
         if created:
             os.makedirs(os.path.dirname(path) or "/", mode=0o755, exist_ok=True)
-            os.mkdir(path, DATA_MODE)
+            os.mkdir(path, want)
         # Changed through a descriptor of the directory itself (no link followed), never by name.
         fd = files.open_directory(path)
         try:
             now = os.fstat(fd)
             changed = []
-            if stat.S_IMODE(now.st_mode) != DATA_MODE:
-                os.fchmod(fd, DATA_MODE)  # the umask may have narrowed mkdir's mode
-                changed.append(f"mode {stat.S_IMODE(now.st_mode):04o} -> {DATA_MODE:04o}")
+            if stat.S_IMODE(now.st_mode) != want:
+                os.fchmod(fd, want)  # the umask may have narrowed mkdir's mode
+                changed.append(f"mode {stat.S_IMODE(now.st_mode):04o} -> {want:04o}")
             if (now.st_uid, now.st_gid) != _ids(owner):
                 os.fchown(fd, owner.uid, owner.gid)
                 changed.append(f"owner {_name_of(now.st_uid)} -> {user}")
         finally:
             os.close(fd)
         if created:
-            return f"{path}: created, mode {DATA_MODE:04o}, owner {user}"
+            return f"{path}: created, mode {want:04o}, owner {user}"
         return f"{path}: {', '.join(changed)}"
 
     if st is None:
-        return Step(f"create {path}, mode {DATA_MODE:04o}, owner {user}", run=run)
+        return Step(f"create {path}, mode {want:04o}, owner {user}", run=run)
     return Step(
-        f"{path}: make it mode {DATA_MODE:04o} (is {mode:04o}), owner {user} (is "
-        f"{_name_of(st.st_uid)})",
+        f"{path}: make it mode {want:04o} (is {mode:04o}), owner {user} (is {_name_of(st.st_uid)})",
         run=run,
     )
 
@@ -634,6 +645,181 @@ def _systemctl_steps(request: Request, units_change: bool) -> list[Step]:
     return steps
 
 
+RELAYOUT = "move every space's files into a directory of its own (lchat/relayout.py)"
+SPACES_TARGET = "lchat-spaces.target"
+SPACE_UNITS = ("lchat@*", "lchat-bot@*")
+
+
+def _relayout_steps(request: Request) -> tuple[list[Step], bool]:
+    """A box with spaces whose router.env leaves isolation on (``LCHAT_ISOLATION`` not ``off``):
+    their flat files moved into their own directories and their rows rewritten
+    (:mod:`lchat.relayout`); under systemd, with the router and every space stopped meanwhile
+    and started again after (those that ran), and each always-on space's unit drop-in written
+    (its own user: :func:`lchat.cli.units.install_space`). Returns the steps and whether the
+    box isolates its spaces once they are done. Reads the box; changes nothing."""
+    from lchat import hosts, relayout
+    from lchat.cli import units
+    from lchat.registry import Registry, RegistryError
+
+    env_path = request.path(request.env_file)
+    if request.root:
+        # The rows name box paths (/data/<host>.db), not paths under --root.
+        registry_file = request.path(os.path.join(request.data_dir, "registry.db"))
+        if not os.path.exists(registry_file):
+            return [], hosts.isolated(request.path(request.data_dir))
+        skip = f"--root {request.root} given: run bootstrap on the box itself"
+        return [Step(RELAYOUT, skipped=skip)], hosts.isolated(request.path(request.data_dir))
+    if not os.path.isfile(env_path):
+        return [], hosts.isolated(request.data_dir)
+    try:
+        cfg = config.load(
+            env_file=env_path, environ={}, systemd_present=request.no_systemctl is None
+        )
+    except ConfigError as e:
+        isolated = hosts.isolated(request.data_dir)
+        if not os.path.exists(os.path.join(request.data_dir, "registry.db")):
+            return [], isolated
+        return [Step(RELAYOUT, skipped=f"{env_path} does not load ({e}): fix it, run again")], (
+            isolated
+        )
+    isolated = hosts.isolated(cfg.data_dir)
+    if not os.path.exists(cfg.registry):
+        return [], isolated  # no spaces yet: the router lays the box out at its start
+    registry = Registry(cfg.registry, time.time)
+    try:
+        rows = [r for r in registry.load() if r.kind == "instance"]
+    except RegistryError as e:
+        return [Step(RELAYOUT, skipped=f"cannot read the spaces' rows: {e}")], isolated
+    if not rows:
+        return [], isolated
+    if cfg.isolation == "off":
+        why = f"LCHAT_ISOLATION=off in {env_path}: every space runs as the router's user"
+        if isolated:
+            why += (
+                f" (but {os.path.join(cfg.data_dir, hosts.SPACES)} exists: the router refuses that)"
+            )
+        return [Step(RELAYOUT, skipped=why)], isolated
+    systemctl = request.no_systemctl is None
+    steps = relayout.plan(
+        cfg.data_dir, cfg.run_dir, registry, uids=cfg.space_uids, probe_running=not systemctl
+    )
+    to_do = any(s.to_do for s in steps)
+    said = tuple(s.line for s in steps if s.action != "nothing")
+    refused = [s.line for s in steps if s.action == "refuse"]
+    out: list[Step] = []
+    if not to_do:
+        out.append(
+            Step(
+                RELAYOUT,
+                already="every space's files are in a directory of its own",
+                detail=said,
+                left=refused,
+            )
+        )
+    elif not systemctl and relayout.listening(cfg.admin_socket):
+        out.append(
+            Step(
+                RELAYOUT,
+                skipped=f"the router runs ({cfg.admin_socket} answers) and bootstrap cannot stop"
+                f" it ({request.no_systemctl}): stop it and its spaces, then run bootstrap again",
+                detail=said,
+            )
+        )
+    else:
+        was_active: list[str] = []
+        if systemctl:
+
+            def stop() -> str:
+                was_active[:] = units.active_units(ROUTER_UNIT, *SPACE_UNITS)
+                units.stop_units(ROUTER_UNIT, SPACES_TARGET)
+                return f"stopped {ROUTER_UNIT} and {SPACES_TARGET} ({len(was_active)} units ran)"
+
+            out.append(
+                Step(
+                    f"stop {ROUTER_UNIT} and {SPACES_TARGET}: no space runs while its files move",
+                    run=_unit_errors(stop),
+                )
+            )
+        left: list[str] = []
+
+        def move() -> list[str]:
+            # Planned again: under systemd, only now that nothing runs is a running space a refusal.
+            fresh = relayout.plan(cfg.data_dir, cfg.run_dir, registry, uids=cfg.space_uids)
+            report = relayout.apply(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry, fresh)
+            left.extend(report.refused)
+            return report.done
+
+        out.append(Step(RELAYOUT, run=move, detail=said, left=left))
+        isolated = True
+    if isolated and systemctl and cfg.units == "systemd":
+        out.extend(_dropin_steps(cfg, registry, rows))
+    if to_do and systemctl:
+
+        def start() -> str:
+            if not was_active:
+                return "nothing to start again (no unit ran before)"
+            units.start_units(*was_active)
+            return f"started again: {' '.join(was_active)}"
+
+        out.append(Step("start again the units that ran", run=_unit_errors(start)))
+    return out, isolated
+
+
+def _dropin_steps(cfg: BoxConfig, registry: Any, rows: Sequence[Any]) -> list[Step]:
+    """Each always-on space's units run as its own user only with their drop-ins (the template
+    refuses an isolated box without one): written where missing."""
+    from lchat import hosts, isolation
+    from lchat.cli import units
+
+    missing = [
+        r.host
+        for r in rows
+        if not r.hibernate and not r.elsewhere and not os.path.exists(units.dropin_path(r.host))
+    ]
+    if not missing:
+        return []
+
+    def write() -> list[str]:
+        done = []
+        for host in missing:
+            route = registry.get(host)
+            if route is None or route.hibernate or route.elsewhere:
+                continue
+            socket = hosts.socket_path(cfg.run_dir, host, isolated=True)
+            db = hosts.db_path(cfg.data_dir, host)
+            if route.socket != socket or route.db_path not in ("", db):
+                # Its files did not move (a refusal above): a unit started on the isolated
+                # paths would serve an empty database beside the real one.
+                done.append(f"{host}: no drop-in: its row still names {route.socket}")
+                continue
+            user = units.install_space(cfg, host, socket)
+            uid = f"uid {user.uid}" if user is not None else "no user of its own"
+            done.append(f"{host}: its units run as {isolation.user_name(host)} ({uid})")
+        return done
+
+    return [
+        Step(
+            "write each always-on space's unit drop-ins (its own user, its own directories)",
+            run=_unit_errors(write),
+            detail=tuple(units.dropin_path(h) for h in missing),
+        )
+    ]
+
+
+def _unit_errors(
+    run: Callable[[], str | list[str]],
+) -> Callable[[], str | list[str]]:
+    from lchat.cli import units
+
+    def checked() -> str | list[str]:
+        try:
+            return run()
+        except units.UnitError as e:
+            raise BootstrapError(str(e)) from e
+
+    return checked
+
+
 # --- applying it -------------------------------------------------------------------------------
 
 
@@ -656,9 +842,12 @@ def apply(request: Request, steps: Sequence[Step], probe: bool = True) -> Outcom
             skipped.append(f"{step.what}: {step.skipped}")
         else:
             assert step.run is not None
-            done.append(step.run())
+            result = step.run()
+            done.extend([result] if isinstance(result, str) else result)
     ok, left = [], []
-    if any(s.skipped for s in steps):
+    for step in steps:
+        left.extend(step.left)
+    if any(s.skipped and s.what.startswith("systemctl") for s in steps):
         where = "on the box" if request.root else "run them yourself"
         left.append(f"{where}: systemctl daemon-reload && systemctl enable {ROUTER_UNIT}")
     twistd = request.path(VENV_TWISTD)
@@ -1025,6 +1214,8 @@ def run(args: argparse.Namespace, out: Callable[[str], None], fail: Callable[[st
                     out(f"  skip     {step.what}: {step.skipped}")
                 else:
                     out(f"  to do    {step.what}")
+                for line in step.detail:
+                    out(f"             {line}")
             return 0
         outcome = apply(request, steps)
     except BootstrapError as e:
