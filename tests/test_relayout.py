@@ -214,6 +214,17 @@ class MoveTests(Box):
         finally:
             conn.close()
 
+    def test_a_lives_elsewhere_row_gets_the_isolated_paths(self) -> None:
+        # A peer's flip back to hibernating keeps this box's socket and database path
+        # (Registry.upsert_replicated): they must be the isolated ones by then.
+        self.add(A, lives_at="https://box-2.example.net")
+        self.run_it()
+        row = self.registry.get(A)
+        assert row is not None
+        self.assertEqual(row.lives_at, "https://box-2.example.net")
+        self.assertEqual(row.socket, hosts.socket_path(self.rundir, A, isolated=True))
+        self.assertEqual(row.db_path, self.new(A))
+
 
 class LeftAloneTests(Box):
     def test_a_custom_database_path_and_a_service_are_left_alone(self) -> None:
