@@ -383,3 +383,40 @@ class ReplicationLinkTests(IsolatedBoxTestCase):
     def tables(self, path: str) -> list[str]:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
             return sorted(row[0] for row in conn.execute("SELECT name FROM sqlite_master"))
+
+
+class RelayoutAtStartTests(IsolatedBoxTestCase):
+    def test_an_older_box_is_relaid_out_when_its_router_starts_isolating(self) -> None:
+        """A box from before isolation (flat files, rows naming them) whose router starts with
+        isolation on: before any space starts, the space's database moves into its own
+        directory (its rows, its contents kept), and the space then runs there as its own user."""
+        self.configure(LCHAT_ISOLATION="off", LCHAT_SPACE_COMMAND=PROBE)
+        router = self.start_router()
+        result = self.lchat("add-instance", A)
+        self.assertEqual(result.code, 0, f"{result}\n{self._log(self.router_log)}")
+        flat = os.path.join(self.data_dir, f"{A}.db")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flat):
+            if time.monotonic() > deadline:
+                self.fail(f"{A} never made {flat}:\n{self._log(self.router_log)}")
+            time.sleep(0.05)
+        with contextlib.closing(sqlite3.connect(flat)) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS kept (x)")
+            conn.execute("INSERT INTO kept VALUES ('written before the move')")
+            conn.commit()
+        self._stop_router(router)
+        self.configure(LCHAT_ISOLATION="on", LCHAT_SPACE_COMMAND=PROBE)
+        self.start_router()
+        moved = hosts.db_path(self.data_dir, A)
+        self.assertEqual(moved, os.path.join(self.data_dir, "spaces", A, f"{A}.db"))
+        self.assertFalse(os.path.exists(flat), "the flat database is gone")
+        self.assertIn("relayout:", self._log(self.router_log))
+        own = self.wait_for(A, "own.json")  # the probe, from its own directory
+        uid = self.assertItself(A, own, [])
+        self.assertEqual(os.stat(moved).st_uid, uid)
+        with contextlib.closing(sqlite3.connect(f"file:{moved}?mode=ro", uri=True)) as conn:
+            self.assertEqual(
+                conn.execute("SELECT x FROM kept").fetchall(), [("written before the move",)]
+            )
+        response = admin_client.request(self.http_socket, "GET", "/api/version", host=A, timeout=30)
+        self.assertEqual(response.status, 200)
