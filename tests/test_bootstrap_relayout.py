@@ -171,6 +171,19 @@ class BootstrapRelayoutTests(Box):
         self.assertTrue(os.path.exists(os.path.join(self.data, A + ".db")))
         self.assertEqual(self.tree()[self.data], before[self.data])
 
+    def test_isolation_off_given_on_the_same_run_wins(self) -> None:
+        request = self.request()
+        request = Request(
+            data_dir=request.data_dir,
+            user=request.user,
+            root="",
+            values={**request.values, "LCHAT_ISOLATION": "off"},
+            given=("LCHAT_ISOLATION",),
+            no_systemctl=request.no_systemctl,
+        )
+        step = self.relayout_step(bootstrap.plan(request))
+        self.assertIn("LCHAT_ISOLATION=off", step.skipped or "")
+
     def test_a_router_it_cannot_stop_is_not_moved_under(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.addCleanup(listener.close)

@@ -673,7 +673,10 @@ def _relayout_steps(request: Request) -> tuple[list[Step], bool]:
         return [], hosts.isolated(request.data_dir)
     try:
         cfg = config.load(
-            env_file=env_path, environ={}, systemd_present=request.no_systemctl is None
+            env_file=env_path,
+            # The values this run writes into router.env win (--set LCHAT_ISOLATION=off).
+            environ={k: v for k, v in request.values.items() if k.startswith("LCHAT_")},
+            systemd_present=request.no_systemctl is None,
         )
     except ConfigError as e:
         isolated = hosts.isolated(request.data_dir)
