@@ -120,8 +120,40 @@ def unreachable(path: str) -> str | None:
         path = parent
 
 
+def unrunnable(command: str) -> str | None:
+    """Why a space's user could not run ``command`` (a program, or a script and its ``#!``
+    interpreter, links resolved): the first path on the way others cannot traverse or execute;
+    None when it can, or when there is nothing yet to check (``{host}`` in it, not installed)."""
+    if "{host}" in command:
+        command = os.path.dirname(command)
+    paths = [os.path.realpath(command)]
+    try:
+        with open(paths[0], "rb") as f:
+            head = f.readline(256)
+    except OSError:
+        head = b""
+    if head.startswith(b"#!") and head[2:].split():
+        paths.append(os.path.realpath(head[2:].split()[0].decode(errors="replace")))
+    for path in paths:
+        blocked = unreachable(path)
+        if blocked is not None:
+            return blocked
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if not mode & stat.S_IXOTH:
+            return path
+    return None
+
+
 def decide(
-    setting: str, data_dir: str, run_dir: str, *, missing: list[str] | None = None
+    setting: str,
+    data_dir: str,
+    run_dir: str,
+    *,
+    commands: tuple[str, ...] = (),
+    missing: list[str] | None = None,
 ) -> Decision:
     """``LCHAT_ISOLATION`` (auto, on, off) against what this process can do. Raises
     :class:`IsolationError` when isolation is required (``on``, or the box's layout already
@@ -144,6 +176,13 @@ def decide(
         blocked = unreachable(data_dir) or unreachable(run_dir)
         if blocked is not None:
             why_not = f"{blocked} is not traversable by other users (chmod o+x, or move the data)"
+        for command in commands:
+            blocked = blocked or unrunnable(command)
+            if blocked is not None and why_not is None:
+                why_not = (
+                    f"{blocked} cannot be reached or run by other users, so a space's user could"
+                    f" not run {command} (chmod o+x, or install it where others can)"
+                )
     if why_not is None:
         return Decision(True, f"every space runs as its own user (uids from {data_dir})")
     if setting == "on" or laid_out:

@@ -247,7 +247,12 @@ def _isolate(cfg: BoxConfig, registry: Registry) -> None:
     box's flat files move into the spaces' own directories first (lchat/relayout.py: what no
     space runs from; a unit's, bootstrap moves with the units stopped)."""
     try:
-        decision = isolation.decide(cfg.isolation, cfg.data_dir, cfg.run_dir)
+        decision = isolation.decide(
+            cfg.isolation,
+            cfg.data_dir,
+            cfg.run_dir,
+            commands=(cfg.space_command[0], cfg.sidecar_command[0]),
+        )
     except isolation.IsolationError as e:
         raise ConfigError(str(e)) from e
     isolation.ISOLATED.set(1 if decision.on else 0)

@@ -72,6 +72,31 @@ class DecideTests(Box):
         with self.assertRaises(isolation.IsolationError):
             isolation.decide("on", self.data, self.rundir, missing=[])
 
+    def test_a_space_command_others_cannot_run_turns_auto_off(self) -> None:
+        """As with a venv whose interpreter lives under /root (0700): a space's user could not
+        start it, so isolation would only break every space."""
+        hidden = os.path.join(self.top, "hidden")
+        os.mkdir(hidden, 0o700)
+        interpreter = os.path.join(hidden, "python")
+        with open(interpreter, "w") as f:
+            f.write("#!/bin/sh\n")
+        os.chmod(interpreter, 0o755)
+        script = os.path.join(self.top, "space")
+        with open(script, "w") as f:
+            f.write(f"#!{interpreter}\n")
+        os.chmod(script, 0o755)
+        d = isolation.decide("auto", self.data, self.rundir, commands=(script,), missing=[])
+        self.assertFalse(d.on)
+        self.assertIn(f"{hidden} cannot be reached or run by other users", d.why)
+        os.chmod(hidden, 0o711)
+        self.assertTrue(
+            isolation.decide("auto", self.data, self.rundir, commands=(script,), missing=[]).on
+        )
+        template = "/opt/lchat/live/{host}"  # nothing installed yet: nothing to check
+        self.assertTrue(
+            isolation.decide("auto", self.data, self.rundir, commands=(template,), missing=[]).on
+        )
+
 
 class LayoutTests(Box):
     def test_paths_follow_the_layout_on_disk(self) -> None:
