@@ -22,7 +22,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, isolation, malloc, objstore, relayout, tls, uvloop_reactor
+from lchat import config, hosts, isolation, malloc, objstore, relayout, tls, uvloop_reactor
 from lchat.acme.cache import CacheSync, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount
 from lchat.acme.dns01 import make_provider
@@ -255,6 +255,21 @@ def _isolate(cfg: BoxConfig, registry: Registry) -> None:
         )
     except isolation.IsolationError as e:
         raise ConfigError(str(e)) from e
+    if decision.on and cfg.units == "systemd" and not hosts.isolated(cfg.data_dir):
+        running = [
+            r.host
+            for r in registry.load()
+            if r.kind == "instance" and not r.hibernate and not r.elsewhere
+        ]
+        if running:
+            # Their units run from the flat files now; laying the box out under them would stop
+            # each at its next restart (the template refuses an isolated box without a drop-in).
+            decision = isolation.Decision(
+                False,
+                f"isolation: OFF until `lchat bootstrap` moves the {len(running)} always-on"
+                " spaces' files into their own directories (it stops their units meanwhile):"
+                " every space runs as the router's user and can read its files (docs/secrets.md)",
+            )
     isolation.ISOLATED.set(1 if decision.on else 0)
     if not decision.on:
         isolation.clear_ambient()

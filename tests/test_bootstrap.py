@@ -38,7 +38,9 @@ SERVICE_USER = "daemon"
 # systemd-analyze security --offline=yes, "Overall exposure level" (0 safest .. 10), as measured
 # with systemd 252 (Debian 12); a change that loosens a unit fails the test. 0-1.9 is "OK".
 SCORES = {
-    "lchat-router.service": 1.6,
+    # 1.6 before issue 30: starting each space as its own user takes CAP_CHOWN, DAC_OVERRIDE,
+    # FOWNER, KILL, SETUID, SETGID and the setuid/chown calls (docs/operations.md).
+    "lchat-router.service": 2.5,
     "lchat-home.service": 1.2,
     "lchat@.service": 1.2,
     "lchat-bot@.service": 1.2,

@@ -120,6 +120,35 @@ class LayoutTests(Box):
         self.assertEqual(os.stat(os.path.join(self.data, "spaces")).st_mode & 0o777, 0o711)
 
 
+class RouterStartTests(Box):
+    def test_a_systemd_box_with_units_running_flat_waits_for_bootstrap(self) -> None:
+        """Laying the box out under running units would stop each at its next restart (the
+        template refuses an isolated box without a drop-in): the router leaves that to
+        bootstrap, and says so; with no always-on space it lays the box out itself."""
+        _need_root(self)
+        from lchat.registry import Registry, Route
+        from lchat.tap import _isolate
+
+        env = os.path.join(self.top, "router.env")
+        with open(env, "w") as f:
+            f.write(
+                f"LCHAT_DATA_DIR={self.data}\nLCHAT_RUN_DIR={self.rundir}\n"
+                "LCHAT_UNITS=systemd\nLCHAT_ISOLATION=auto\nLCHAT_SPACE_COMMAND=/bin/true\n"
+                "LCHAT_SIDECAR_COMMAND=/bin/true\n"
+            )
+        cfg = load(env_file=env, environ={}, systemd_present=True)
+        registry = Registry(cfg.registry, lambda: 0.0)
+        registry.migrate()
+        registry.insert(Route(host=HOST, kind="instance", socket="/run/x.sock", status="ready"))
+        _isolate(cfg, registry)
+        self.assertFalse(hosts.isolated(self.data))
+        self.assertEqual(isolation.ISOLATED._value.get(), 0)
+        registry.update(HOST, hibernate=True)
+        _isolate(cfg, registry)
+        self.assertTrue(hosts.isolated(self.data))
+        self.assertEqual(isolation.ISOLATED._value.get(), 1)
+
+
 class PrepareTests(Box):
     def setUp(self) -> None:
         super().setUp()
