@@ -61,6 +61,29 @@ HEADING = "### A real box"
 ALWAYS_ON = "chat.example.com"  # the space README's step 5 adds
 SLEEPY = "sleepy.example.com"  # a hibernating one, added by the scenarios
 BOX = Path(__file__).resolve().parent
+# Test 12: the box back as an lchat from before isolation left it (run as root, everything stopped).
+FLATTEN = """#!/opt/lchat/venv/bin/python3
+import glob, os, pwd, shutil, sqlite3
+lchat = pwd.getpwnam("lchat")
+conn = sqlite3.connect("/data/registry.db")
+rows = conn.execute("SELECT host FROM routes WHERE kind = 'instance'").fetchall()
+for (host,) in rows:
+    for path in glob.glob(f"/data/spaces/{host}/*"):
+        flat = os.path.join("/data", os.path.basename(path))
+        os.rename(path, flat)
+        os.chown(flat, lchat.pw_uid, lchat.pw_gid)
+        print(flat)
+    for unit in ("lchat", "lchat-bot"):
+        shutil.rmtree(f"/etc/systemd/system/{unit}@{host}.service.d", ignore_errors=True)
+    conn.execute(
+        "UPDATE routes SET socket = ?, db_path = ? WHERE host = ?",
+        (f"/run/lchat/{host}.sock", f"/data/{host}.db", host),
+    )
+conn.commit()
+shutil.rmtree("/data/spaces")
+shutil.rmtree("/run/lchat/spaces", ignore_errors=True)
+os.chmod("/data", 0o750)
+"""
 # Spaces that try to escape (test 11): two units, then one the router wakes.
 ESCAPERS = ("escape-a.example.com", "escape-b.example.com", "escape-c.example.com")
 NAP = "nap.example.com"  # another, for the drain
@@ -615,3 +638,51 @@ class SystemdBoxTests(SynchronousTestCase):
                 self.assertTrue(str(result).startswith("refused"), f"{host}: {name}: {result}")
             self.assertEqual(self.active(f"lchat@{previous}"), "active", previous)
             previous = host
+
+    # --- 12: an older box, its spaces in flat files, moved by bootstrap --------------------------
+    def test_12_bootstrap_gives_an_older_box_isolated_spaces(self) -> None:
+        """The box as an lchat from before isolation left it (every space's database at
+        /data/<host>.db, its unit the template's, run as the service user): its router leaves it
+        so and says bootstrap must move it; `lchat bootstrap --dry-run` lists the moves and changes
+        nothing; `lchat bootstrap` stops the units, moves the files, writes the drop-ins and starts
+        them again: the space runs as its own user with every message it had."""
+        self.need_readme()
+        b = self.box
+        posted = self.post(ALWAYS_ON, "/api/rooms/lobby/messages", {"body": "before the move"})
+        self.assertEqual(posted["status"], 201, posted)
+        b.run(["systemctl", "stop", "lchat-router", "lchat-spaces.target"], timeout=200)
+        b.write("/usr/local/sbin/lchat-flatten", FLATTEN, 0o755)
+        flattened = b.run(["/usr/local/sbin/lchat-flatten"]).stdout
+        self.assertIn(f"{ALWAYS_ON}.db", flattened)
+        b.run(["systemctl", "daemon-reload"])
+        b.run(["systemctl", "start", f"lchat@{ALWAYS_ON}"])
+        lchat_uid = b.run(["id", "-u", "lchat"]).stdout.strip()
+        status = b.run(["cat", f"/proc/{self.main_pid(f'lchat@{ALWAYS_ON}')}/status"]).stdout
+        self.assertIn(f"Uid:\t{lchat_uid}\t", status)  # the older box: as the service user
+        since = b.now()
+        b.run(["systemctl", "start", "lchat-router"], timeout=200)
+        b.wait_for(
+            "the router waits for bootstrap",
+            f"journalctl -u lchat-router --since '{since}' -o cat | grep -F 'until `lchat bootstrap`'",
+        )
+        dry = b.run(["lchat", "bootstrap", "--dry-run"]).stdout
+        flat_db = f"/data/{ALWAYS_ON}.db"
+        self.assertIn(f"move {flat_db} -> /data/spaces/{ALWAYS_ON}/{ALWAYS_ON}.db", dry)
+        b.run(["test", "-f", flat_db])  # nothing moved
+        b.run(["test", "!", "-e", "/data/spaces"])
+        since = b.now()
+        done = b.run(["lchat", "bootstrap"], timeout=300).stdout
+        self.assertIn(f"{ALWAYS_ON}: its units run as {isolation.user_name(ALWAYS_ON)}", done)
+        b.run(["test", "!", "-e", flat_db])
+        space_uid = b.run(["id", "-u", isolation.user_name(ALWAYS_ON)]).stdout.strip()
+        self.assertEqual(self.active(f"lchat@{ALWAYS_ON}"), "active")
+        status = b.run(["cat", f"/proc/{self.main_pid(f'lchat@{ALWAYS_ON}')}/status"]).stdout
+        self.assertIn(f"Uid:\t{space_uid}\t", status)
+        b.wait_for(
+            "the router isolates the spaces",
+            f"journalctl -u lchat-router --since '{since}' -o cat | grep -F 'isolation: on'",
+        )
+        messages = self.assert_200(ALWAYS_ON, "/api/rooms/lobby/messages")
+        self.assertIn("before the move", json.dumps(messages))
+        again = b.run(["lchat", "bootstrap"]).stdout
+        self.assertIn("every space's files are in a directory of its own", again)
