@@ -28,7 +28,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.interfaces import IConsumer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
-from twisted.internet.threads import deferToThreadPool
+from twisted.internet.threads import deferToThread, deferToThreadPool
 from twisted.python.failure import Failure
 from twisted.python.filepath import FilePath
 from twisted.trial.unittest import TestCase
@@ -1272,3 +1272,56 @@ def _md5_file(path: str) -> str:
         while chunk := f.read(1024 * 1024):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+OWN_REACTOR_COMMAND = """
+import sys, time
+import botocore.credentials
+from lchat.cli.mesh import run_on_own_reactor
+from lchat.objstore.s3 import S3Store
+from lchat.threads import thread_runner
+
+endpoint, region, bucket, key, secret = sys.argv[1:6]
+
+async def main(own):
+    store = S3Store(
+        own, bucket, endpoint=endpoint, region=region,
+        credentials=botocore.credentials.Credentials(key, secret),
+        timeout=5.0, retries=0, run_in_thread=thread_runner(own), monotonic=time.monotonic,
+    )
+    try:
+        await store.put("own-reactor", b"written by a command")
+        got = await store.get("own-reactor")
+        await store.delete("own-reactor")
+        return got.body
+    finally:
+        await store.close()
+
+print(run_on_own_reactor(main, 30).decode())
+"""
+
+
+class OwnReactorTests(_RealServer, TestCase):
+    kind = "moto"
+
+    async def test_a_command_on_a_reactor_of_its_own_puts_and_deletes(self) -> None:
+        """A CLI command runs the store on a fresh reactor, never the global one
+        (lchat.cli.mesh.run_on_own_reactor): a request body written by the global reactor's
+        cooperator would never be sent there (each PUT and DELETE hung until its timeout)."""
+        import subprocess
+        import sys
+
+        c = self.server.credentials
+        argv = [self.server.endpoint, self.server.region, self.bucket, c.access_key, c.secret_key]
+        done = await deferToThread(
+            lambda: subprocess.run(
+                [sys.executable, "-c", OWN_REACTOR_COMMAND, *argv],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            ),
+        )
+        self.assertEqual(
+            (done.returncode, done.stdout.strip()), (0, "written by a command"), done.stderr
+        )

@@ -48,7 +48,6 @@ import secrets
 import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Container, Mapping, Sequence
-from io import BytesIO
 from typing import IO, Any, Literal
 from urllib.parse import quote, unquote_plus, urlsplit
 
@@ -80,7 +79,6 @@ from twisted.web.client import (
     URI,
     Agent,
     BrowserLikePolicyForHTTPS,
-    FileBodyProducer,
     HTTPConnectionPool,
     RequestGenerationFailed,
     RequestTransmissionFailed,
@@ -108,6 +106,7 @@ from lchat.objstore import (
 )
 from lchat.threads import RunInThread
 from lchat.twisted_internals import RequestNotSent, WrongBodyLength, quiet_pool
+from lchat.webutil import BytesProducer
 
 log = Logger()
 
@@ -818,7 +817,9 @@ class S3Store:
         if body is None:
             return None
         if isinstance(body, bytes):
-            return FileBodyProducer(BytesIO(body))  # in memory already: reading it is not I/O
+            # Written at once, by whichever reactor this store runs on: a cooperator would be the
+            # global reactor's, which a CLI command's own reactor never runs (the body never went).
+            return BytesProducer(body)
         assert file_body is not None
         file_body.progress = progress
         return file_body
@@ -1001,7 +1002,7 @@ class S3Store:
             # An explicit empty body: Twisted silently re-sends body-less DELETEs that fail on a
             # reused connection, which would hide a lost response from the conditional-delete
             # check below. With a producer it leaves retrying to us.
-            producer = FileBodyProducer(BytesIO(b""))
+            producer = BytesProducer(b"")
         response: IResponse = await self._http.request(
             method,
             url,
