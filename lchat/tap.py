@@ -44,7 +44,12 @@ from lchat.mesh.fleet import SpacesView
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
-from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
+from lchat.objstore.aws import (
+    NoCredentials,
+    ResolvedCredentials,
+    box_credentials,
+    resolve_credentials,
+)
 from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
@@ -297,7 +302,7 @@ def aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
     if not (s3 or backup or route53):
         return None
     try:
-        return resolve_credentials({**cfg.aws_env, **os.environ})  # the process env wins
+        return box_credentials(cfg)
     except NoCredentials as e:
         if s3:
             assert cfg.hibernate is not None
@@ -365,7 +370,7 @@ def _open_region_store(
         env = bucket_key_env(cfg, where)
         if env is not None or aws is None:
             try:
-                credentials = resolve_credentials(env or {**cfg.aws_env, **os.environ})
+                credentials = resolve_credentials(env) if env else box_credentials(cfg)
             except NoCredentials as e:
                 raise ConfigError(f"LCHAT_MESH_BUCKET={where.bucket}: {e}") from e
         else:

@@ -26,7 +26,12 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from lchat.objstore import UTC, open_store
-from lchat.objstore.aws import NoCredentials, ResolvedCredentials, resolve_credentials
+from lchat.objstore.aws import (
+    NoCredentials,
+    ResolvedCredentials,
+    box_credentials,
+    resolve_credentials,
+)
 from lchat.objstore.s3 import S3Store
 from lchat.threads import thread_runner
 from tests import s3servers
@@ -205,3 +210,24 @@ def _process_env(**values: str | None) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class _Box:
+    """What box_credentials reads of a configuration: its env file's AWS_* values."""
+
+    def __init__(self, **aws_env: str) -> None:
+        self.aws_env = aws_env
+
+
+class BoxCredentialsTests(TestCase):
+    def test_the_env_file_answers_and_the_process_environment_wins(self) -> None:
+        """Every bucket opener's one rule (lchat.objstore.aws.box_credentials)."""
+        box = _Box(AWS_ACCESS_KEY_ID="AKIAFROMTHEFILE00000", AWS_SECRET_ACCESS_KEY="file-secret")
+        unset = {n: None for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")}
+        with _process_env(**unset):
+            self.assertEqual(box_credentials(box).credentials.access_key, "AKIAFROMTHEFILE00000")
+        process = {"AWS_ACCESS_KEY_ID": "AKIAFROMTHEPROCESS00", "AWS_SECRET_ACCESS_KEY": "p-secret"}
+        with _process_env(**{**unset, **process}):
+            resolved = box_credentials(box)
+        self.assertEqual(resolved.credentials.access_key, "AKIAFROMTHEPROCESS00")
+        self.assertEqual(resolved.credentials.secret_key, "p-secret")

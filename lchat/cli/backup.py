@@ -57,7 +57,7 @@ from lchat.objstore import (
     needs_credentials,
     open_store,
 )
-from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
+from lchat.objstore.aws import ResolvedCredentials, box_credentials
 from lchat.objstore.file import FileStore
 from lchat.registry import Registry, RegistryError, Route
 from lchat.replica import restore as restore_mod
@@ -348,7 +348,7 @@ async def _open(reactor: Any, cfg: BoxConfig) -> _Bucket:
     run = thread_runner(reactor)
     if not needs_credentials(conf.bucket):
         return _Bucket(FileStore(reactor, conf.bucket[len("file:") :], run, create=False), None)
-    credentials: ResolvedCredentials = await run(resolve_credentials, {**cfg.aws_env, **os.environ})
+    credentials: ResolvedCredentials = await run(box_credentials, cfg)
     store = open_store(
         reactor,
         conf.bucket,

@@ -8,7 +8,7 @@ from typing import Any
 
 from lchat.config import BoxConfig, RegionBucket, bucket_key_env
 from lchat.objstore import ObjectStore, needs_credentials, open_store
-from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
+from lchat.objstore.aws import ResolvedCredentials, box_credentials, resolve_credentials
 from lchat.threads import thread_runner
 
 
@@ -25,8 +25,7 @@ async def open_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
     run = thread_runner(reactor)
     credentials: ResolvedCredentials | None = None
     if needs_credentials(hib.bucket):
-        env = {**cfg.aws_env, **os.environ}
-        credentials = await run(resolve_credentials, env)
+        credentials = await run(box_credentials, cfg)
     return open_store(
         reactor,
         hib.bucket,
@@ -48,8 +47,9 @@ async def open_region_bucket(reactor: Any, cfg: BoxConfig, where: RegionBucket) 
     if needs_credentials(where.bucket):
         env = bucket_key_env(cfg, where)
         if env is None:
-            env = {**cfg.aws_env, **os.environ}
-        credentials = await run(resolve_credentials, env)
+            credentials = await run(box_credentials, cfg)
+        else:
+            credentials = await run(resolve_credentials, env)
     else:
         await run(os.makedirs, where.bucket[len("file:") :], 0o700, True)
     return open_store(

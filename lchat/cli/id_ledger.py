@@ -202,13 +202,13 @@ async def _open(reactor: Any, cfg: BoxConfig, url: LedgerURL) -> tuple[Any, IdLe
     from twisted.internet.task import deferLater
 
     from lchat.objstore import needs_credentials, open_store
-    from lchat.objstore.aws import ResolvedCredentials, resolve_credentials
+    from lchat.objstore.aws import ResolvedCredentials, box_credentials
     from lchat.threads import thread_runner
 
     run_in_thread = thread_runner(reactor)
     credentials: ResolvedCredentials | None = None
     if needs_credentials(url.bucket):
-        credentials = await run_in_thread(resolve_credentials, {**cfg.aws_env, **os.environ})
+        credentials = await run_in_thread(box_credentials, cfg)
     else:
         # A file: ledger's directory is made on first use (a read of a missing root fails).
         await run_in_thread(os.makedirs, url.bucket[len("file:") :], 0o700, True)

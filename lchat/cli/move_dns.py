@@ -20,7 +20,6 @@ written when one is raised before the Route53 change.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from lchat.acme.dns01 import (
     make_provider,
 )
 from lchat.config import BoxConfig
-from lchat.objstore.aws import NoCredentials, resolve_credentials
+from lchat.objstore.aws import NoCredentials, box_credentials
 
 DEFAULT_TTL = 60  # seconds: short, so a later move (or a move back) is seen soon
 
@@ -159,7 +158,7 @@ def route53_from_config(cfg: BoxConfig) -> Route53:
     acme = cfg.acme
     assert acme is not None and acme.dns_provider == "route53"
     try:
-        aws = resolve_credentials({**cfg.aws_env, **os.environ})  # the process env wins
+        aws = box_credentials(cfg)
     except NoCredentials as e:
         raise MoveDNSError(f"--move-dns: LCHAT_DNS_PROVIDER=route53: {e}") from None
     provider = make_provider(

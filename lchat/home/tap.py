@@ -37,7 +37,7 @@ from lchat.home.passkeys import Passkeys
 from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
 from lchat.home.store import VaultStore
-from lchat.objstore.aws import NoCredentials, resolve_credentials
+from lchat.objstore.aws import NoCredentials, box_credentials
 from lchat.threads import thread_runner
 from lchat.webutil import QuietSite
 
@@ -251,7 +251,7 @@ async def open_store(reactor: Any, cfg: home_config.HomeConfig, run: Any) -> Vau
     s3 = cfg.s3
     assert s3 is not None
     try:
-        credentials = await run(resolve_credentials, {**cfg.aws_env, **os.environ})
+        credentials = await run(box_credentials, cfg)
     except NoCredentials as e:
         raise ConfigError(f"LCHAT_HOME_S3_BUCKET={s3.bucket}: {e}") from e
     objects = objstore.open_store(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from attrs import frozen
 
@@ -57,6 +57,20 @@ class ResolvedCredentials:
         """Which provider found them, for the log: ``env``, ``shared-credentials-file``,
         ``container-role``, ``iam-role``, ..."""
         return str(getattr(self.credentials, "method", "") or "unknown")
+
+
+class HasAwsEnv(Protocol):
+    """A box's or home's configuration: the ``AWS_*`` values of its env file."""
+
+    @property
+    def aws_env(self) -> Mapping[str, str]: ...
+
+
+def box_credentials(cfg: HasAwsEnv) -> ResolvedCredentials:
+    """The credentials every bucket opener of a box or of home uses: the standard chain over
+    the env file's ``AWS_*`` values, the process environment winning. Blocking; raises
+    :class:`NoCredentials` as :func:`resolve_credentials` does."""
+    return resolve_credentials({**cfg.aws_env, **os.environ})
 
 
 def resolve_credentials(env: Mapping[str, str]) -> ResolvedCredentials:
