@@ -114,9 +114,11 @@ class HibernateTestCase(CliTestCase):
 
     # -- a real router -----------------------------------------------------------------------
 
+    router_prefix: tuple[str, ...] = ()  # what the router is started through (setpriv ...)
+
     def start_router(self) -> subprocess.Popen[bytes]:
         log_path = os.path.join(self.root, "router.log")
-        router = spawn_router(self.env_file, log_path)
+        router = spawn_router(self.env_file, log_path, self.router_prefix)
         self.addCleanup(self._stop_router, router)
         deadline = time.monotonic() + 30
         while True:

@@ -20,7 +20,6 @@ import pwd
 import shutil
 import sqlite3
 import stat
-import subprocess
 import sys
 import time
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 from lchat import hosts
 from lchat.acme.cache import LocalCache
 from lchat.cli import admin_client
-from tests.routerproc import spawn_router
 from tests.test_cli_hibernate import HibernateTestCase
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation_probe.py")
@@ -79,26 +77,6 @@ class IsolatedBoxTestCase(HibernateTestCase):
             f.write(
                 f"# the mesh token, the bucket's keys, the cert-cache key live here: {SECRET}\n"
             )
-
-    router_prefix: tuple[str, ...] = ()  # how the router is started: as root, as is
-
-    def start_router(self) -> subprocess.Popen[bytes]:
-        router = spawn_router(self.env_file, self.router_log, self.router_prefix)
-        self.addCleanup(self._stop_router, router)
-        deadline = time.monotonic() + 30
-        while True:
-            if router.poll() is not None:
-                self.fail(
-                    f"the router exited with {router.returncode}:\n{self._log(self.router_log)}"
-                )
-            try:
-                if admin_client.status(self.admin_socket, timeout=2).status == 200:
-                    return router
-            except (admin_client.Unreachable, admin_client.ProtocolError):
-                pass
-            if time.monotonic() > deadline:
-                self.fail(f"the router did not come up:\n{self._log(self.router_log)}")
-            time.sleep(0.1)
 
     # -- what the probes left in their own directories -----------------------------------------
 
