@@ -153,7 +153,8 @@ def _run(argv: list[str]) -> None:
         )
 
 
-def _systemctl(*args: str) -> None:
+def _systemctl(*args: str) -> str:
+    """Run ``systemctl *args``; its output. Raises :class:`UnitError` (one line) when it fails."""
     command = "systemctl " + " ".join(args)
     binary = shutil.which("systemctl")
     if binary is None:
@@ -176,6 +177,7 @@ def _systemctl(*args: str) -> None:
         lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         detail = lines[-1] if lines else "no output"
         raise UnitError(f"{command} failed (exit {done.returncode}): {detail}")
+    return done.stdout
 
 
 # --- whole-box stops and starts (bootstrap's relayout: lchat/relayout.py) ---------------------------
@@ -183,27 +185,10 @@ def _systemctl(*args: str) -> None:
 
 def active_units(*patterns: str) -> list[str]:
     """The units matching ``patterns`` (``lchat@*``) that are active now, by name."""
-    binary = shutil.which("systemctl")
-    if binary is None:
-        raise UnitError("systemctl not found on PATH")
-    argv = [binary, "list-units", "--all", "--state=active", "--plain", "--no-legend", *patterns]
-    try:
-        done = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=SYSTEMCTL_TIMEOUT,
-            check=False,
-        )
-    except (subprocess.TimeoutExpired, OSError) as e:
-        raise UnitError(f"systemctl list-units: {e}") from None
-    if done.returncode != 0:
-        raise UnitError(
-            f"systemctl list-units failed (exit {done.returncode}): {done.stderr.strip()}"
-        )
-    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+    listed = _systemctl(
+        "list-units", "--all", "--state=active", "--plain", "--no-legend", *patterns
+    )
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
 
 
 def stop_units(*names: str) -> None:
