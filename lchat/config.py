@@ -23,7 +23,7 @@ from attrs import field, frozen
 from twisted.internet.endpoints import serverFromString
 
 from lchat import hosts
-from lchat.ledger import LedgerURL, parse_ledger_url
+from lchat.objstore.where import Where, file_bucket, parse_where
 from lchat.release.layout import fall_back_to_default
 
 DEFAULT_ENV_FILE = "/data/router.env"
@@ -51,13 +51,13 @@ class HibernateConfig:
     due_sweep: float = 30.0  # the due-wake sweep's period (worst-case lateness of a due wake)
 
     @property
-    def is_file(self) -> bool:
-        """``file:PATH``: a local directory as the bucket (one box, or ``make run``)."""
-        return self.bucket.startswith("file:")
+    def where(self) -> Where:
+        """The bucket as one value (``region`` is its S3 signing region)."""
+        return Where(self.bucket, self.prefix, self.region, self.endpoint)
 
     def key(self, *parts: str) -> str:
         """An object key under the configured prefix."""
-        return "/".join(p for p in (self.prefix, *parts) if p)
+        return self.where.key(*parts)
 
 
 @frozen
@@ -74,9 +74,14 @@ class BackupConfig:
     # AES-256 key for the spaces' env files (their secrets) in the backup; b"": not backed up.
     env_key: bytes = field(default=b"", repr=False)
 
+    @property
+    def where(self) -> Where:
+        """The bucket as one value (``region`` is its S3 signing region)."""
+        return Where(self.bucket, self.prefix, self.region, self.endpoint)
+
     def key(self, *parts: str) -> str:
         """An object key under the configured prefix."""
-        return "/".join(p for p in (self.prefix, *parts) if p)
+        return self.where.key(*parts)
 
 
 MIN_MESH_TOKEN = 32  # characters of LCHAT_MESH_TOKEN (and _ACCEPT): `openssl rand -hex 32` has 64
@@ -93,7 +98,7 @@ class MeshConfig:
     ca_file: str = ""  # extra CA bundle trusted for peers' certificates ("" = system trust)
     # LCHAT_MESH_BUCKET: where the heartbeats live when it is not the hibernation bucket (a fleet
     # whose regions keep their replicas in different buckets still needs one membership).
-    bucket: RegionBucket | None = None
+    bucket: Where | None = None
     # LCHAT_MESH_TOKEN_ACCEPT: one more token this box accepts (bearer and forwarded marker) but
     # never sends, for a rotation without refusals (lchat.mesh.tokens, docs/secrets.md); "": none.
     accept_token: str = field(default="", repr=False)
@@ -105,37 +110,6 @@ class MeshConfig:
     def self_host(self) -> str:
         """The hostname of ``self_url``: requests addressed to it are for this box's mesh API."""
         return (urlsplit(self.self_url).hostname or "").lower()
-
-
-@frozen
-class RegionBucket:
-    """One region's hibernation bucket (``LCHAT_REGION_BUCKETS``): where that region's boxes keep
-    their spaces' replicas and leases, ``<prefix>/<host>/``. ``lchat relocate`` copies a replica
-    between two of these (docs/mesh.md, "Relocating a space").
-
-    ``bucket`` is an S3 bucket name or ``file:<absolute path>``; ``s3_region`` signs requests;
-    ``access_key_env``/``secret_key_env`` name the variables holding this region's key pair
-    ("": the box's standard AWS credential chain)."""
-
-    region: str  # the mesh region label (LCHAT_MESH_REGION of that region's boxes)
-    bucket: str
-    prefix: str = ""
-    s3_region: str = ""
-    endpoint: str = ""
-    access_key_env: str = ""
-    secret_key_env: str = ""
-
-    def key(self, *parts: str) -> str:
-        """An object key under this region's prefix."""
-        return "/".join(p for p in (self.prefix, *parts) if p)
-
-    def same_place(self, other: RegionBucket) -> bool:
-        """Whether both name the same objects (bucket, prefix and endpoint): a shared bucket."""
-        return (self.bucket, self.prefix, self.endpoint) == (
-            other.bucket,
-            other.prefix,
-            other.endpoint,
-        )
 
 
 LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
@@ -231,9 +205,10 @@ class BoxConfig:
     # LCHAT_CLOUD_REGION: add-instance's default --home-region; LCHAT_CLOUD_ID_LEDGER: the shared
     # id counter add-instance --mint draws from (None: this box's own count). docs/mesh.md.
     cloud_region: str = ""
-    id_ledger: LedgerURL | None = None
-    # LCHAT_REGION_BUCKETS: each region's hibernation bucket (lchat relocate); () = one shared.
-    region_buckets: tuple[RegionBucket, ...] = ()
+    id_ledger: Where | None = None
+    # LCHAT_REGION_BUCKETS: each mesh region's hibernation bucket by its label, sorted (lchat
+    # relocate); empty: one shared.
+    region_buckets: Mapping[str, Where] = field(factory=dict)
     # LCHAT_ISOLATION: every space its own user (lchat/isolation.py, docs/secrets.md); auto: when
     # the router has the privilege for it. LCHAT_SPACE_UIDS: the uids spaces are given.
     isolation: Isolation = "auto"
@@ -759,7 +734,7 @@ def _capacity(get: _Getter) -> tuple[int, int]:
     return instances, registered
 
 
-def _cloud(get: _Getter) -> tuple[str, LedgerURL | None]:
+def _cloud(get: _Getter) -> tuple[str, Where | None]:
     """LCHAT_CLOUD_REGION (validated as LCHAT_MESH_REGION is) and LCHAT_CLOUD_ID_LEDGER."""
     region = get("LCHAT_CLOUD_REGION")
     if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
@@ -768,77 +743,43 @@ def _cloud(get: _Getter) -> tuple[str, LedgerURL | None]:
         )
     text = get("LCHAT_CLOUD_ID_LEDGER")
     try:
-        ledger = parse_ledger_url(text) if text else None
+        ledger = parse_where(text, keys=False) if text else None
     except ValueError as e:
         raise ConfigError(f"LCHAT_CLOUD_ID_LEDGER={e}") from e
     return region, ledger
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-
-
-def parse_bucket_url(what: str, region: str, url: str) -> RegionBucket:
-    """``s3://BUCKET[/PREFIX][?region=R&endpoint=URL&access_key_env=NAME&secret_key_env=NAME]``
-    or ``file:PATH`` (``LCHAT_CLOUD_ID_LEDGER``'s form plus the names of the variables holding
-    the bucket's own key pair); ``what`` begins every refusal."""
-    from urllib.parse import parse_qsl, urlencode
-
-    base, _, query = url.partition("?")
-    names = {"access_key_env": "", "secret_key_env": ""}
-    rest = []
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name in names:
-            if not _ENV_NAME.fullmatch(value):
-                raise ConfigError(f"{what}: {name}={value!r} is not a variable name")
-            names[name] = value
-        else:
-            rest.append((name, value))
-    if bool(names["access_key_env"]) != bool(names["secret_key_env"]):
-        raise ConfigError(
-            f"{what}: give both access_key_env and secret_key_env, "
-            f"or neither (the box's AWS credential chain)"
-        )
+def parse_bucket_url(what: str, url: str) -> Where:
+    """:func:`lchat.objstore.where.parse_where`, a refusal a :class:`ConfigError` beginning
+    with ``what``."""
     try:
-        where = parse_ledger_url(base + ("?" + urlencode(rest) if rest else ""))
+        return parse_where(url)
     except ValueError as e:
         raise ConfigError(f"{what}: {e}") from e
-    if where.bucket.startswith("file:") and names["access_key_env"]:
-        raise ConfigError(f"{what}: a file: bucket takes no keys")
-    return RegionBucket(
-        region=region,
-        bucket=where.bucket,
-        prefix=where.prefix,
-        s3_region=where.region,
-        endpoint=where.endpoint,
-        **names,
-    )
 
 
-def mesh_bucket(cfg: BoxConfig) -> RegionBucket:
+def mesh_bucket(cfg: BoxConfig) -> Where:
     """Where the mesh's heartbeats live (``<prefix>/mesh/members/``): ``LCHAT_MESH_BUCKET``, else
     the hibernation bucket. Only for a box with a mesh (which always has a hibernation bucket)."""
     assert cfg.mesh is not None and cfg.hibernate is not None
-    if cfg.mesh.bucket is not None:
-        return cfg.mesh.bucket
-    hib = cfg.hibernate
-    return RegionBucket(
-        region="", bucket=hib.bucket, prefix=hib.prefix, s3_region=hib.region, endpoint=hib.endpoint
-    )
+    return cfg.mesh.bucket or cfg.hibernate.where
 
 
-def bucket_key_env(cfg: BoxConfig, where: RegionBucket) -> dict[str, str] | None:
+def bucket_key_env(
+    cfg: BoxConfig, where: Where, what: str = "LCHAT_MESH_BUCKET"
+) -> dict[str, str] | None:
     """The environment the standard AWS chain resolves ``where``'s credentials from, when the
     entry names its own key pair (``access_key_env``/``secret_key_env``, read from the env file
     or the process environment, which wins as it does for ``AWS_*``); ``None`` when the box's
-    own credentials serve it. A named variable that is unset is a :class:`ConfigError`."""
+    own credentials serve it. A named variable that is unset is a :class:`ConfigError` naming
+    ``what`` (``region fi``, ``LCHAT_MESH_BUCKET``)."""
     if not where.access_key_env:
         return None
     env = {**cfg.file_env, **os.environ}
     missing = [n for n in (where.access_key_env, where.secret_key_env) if not env.get(n)]
     if missing:
-        label = f"region {where.region}" if where.region else "LCHAT_MESH_BUCKET"
         raise ConfigError(
-            f"{label}'s keys are in {' and '.join(missing)}, which "
+            f"{what}'s keys are in {' and '.join(missing)}, which "
             f"{'is' if len(missing) == 1 else 'are'} unset"
         )
     keep = {k: v for k, v in env.items() if k in ("AWS_REGION", "AWS_DEFAULT_REGION")}
@@ -851,7 +792,7 @@ def bucket_key_env(cfg: BoxConfig, where: RegionBucket) -> dict[str, str] | None
 
 def _region_buckets(
     get: _Getter, hibernate: HibernateConfig | None, mesh: MeshConfig | None
-) -> tuple[RegionBucket, ...]:
+) -> dict[str, Where]:
     """``LCHAT_REGION_BUCKETS=REGION=URL,REGION=URL``: each URL in ``LCHAT_CLOUD_ID_LEDGER``'s form
     (``s3://BUCKET[/PREFIX][?region=R&endpoint=URL]`` or ``file:PATH``), plus optional
     ``access_key_env=NAME&secret_key_env=NAME`` naming the variables with that region's keys.
@@ -861,13 +802,13 @@ def _region_buckets(
     and endpoint, since a second spelling of "here" could only disagree with the one in use."""
     text = get("LCHAT_REGION_BUCKETS").strip()
     if not text:
-        return ()
+        return {}
     if hibernate is None:
         raise ConfigError(
             "LCHAT_REGION_BUCKETS names other regions' hibernation buckets: set this box's own "
             "LCHAT_HIBERNATE_BUCKET too"
         )
-    found: dict[str, RegionBucket] = {}
+    found: dict[str, Where] = {}
     for item in (part.strip() for part in text.split(",")):
         region, equals, url = item.partition("=")
         region, url = region.strip(), url.strip()
@@ -882,16 +823,10 @@ def _region_buckets(
             )
         if region in found:
             raise ConfigError(f"LCHAT_REGION_BUCKETS names region {region!r} twice")
-        found[region] = parse_bucket_url(f"LCHAT_REGION_BUCKETS: {region}", region, url)
+        found[region] = parse_bucket_url(f"LCHAT_REGION_BUCKETS: {region}", url)
     own_region = mesh.region if mesh is not None else ""
     if own_region:
-        own = RegionBucket(
-            region=own_region,
-            bucket=hibernate.bucket,
-            prefix=hibernate.prefix,
-            s3_region=hibernate.region,
-            endpoint=hibernate.endpoint,
-        )
+        own = hibernate.where
         given = found.get(own_region)
         if given is None:
             found[own_region] = own
@@ -904,7 +839,7 @@ def _region_buckets(
                 f"not its LCHAT_HIBERNATE_* bucket ({own.bucket}, prefix {own.prefix!r}, endpoint "
                 f"{own.endpoint or '-'}): make them the same, or leave this region out"
             )
-    return tuple(found[r] for r in sorted(found))
+    return {r: found[r] for r in sorted(found)}
 
 
 # LCHAT_LEASE_TTL's defaults. Off a mesh the TTL is the only way a dead holder's lease frees up
@@ -954,10 +889,10 @@ def _bucket(get: _Getter, stem: str) -> tuple[str, str, str] | None:
     if not bucket:
         return None
     if bucket.startswith("file:"):
-        path = bucket[len("file:") :]
-        if not path or "\x00" in path:
-            raise ConfigError(f"{stem}_BUCKET={bucket!r}: file: needs a directory path")
-        bucket = "file:" + os.path.abspath(path)
+        try:
+            bucket = file_bucket(bucket)
+        except ValueError as e:
+            raise ConfigError(f"{stem}_BUCKET={e}") from e
     elif not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
         raise ConfigError(f"{stem}_BUCKET={bucket!r} is neither an S3 bucket name nor file:PATH")
     endpoint = get(f"{stem}_ENDPOINT")
@@ -1227,7 +1162,7 @@ def _mesh(get: _Getter) -> MeshConfig | None:
     if ca_file and not os.path.isfile(ca_file):
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
     bucket_url = get("LCHAT_MESH_BUCKET").strip()
-    bucket = parse_bucket_url("LCHAT_MESH_BUCKET", "", bucket_url) if bucket_url else None
+    bucket = parse_bucket_url("LCHAT_MESH_BUCKET", bucket_url) if bucket_url else None
     accept_token = get("LCHAT_MESH_TOKEN_ACCEPT")
     return MeshConfig(
         self_url=self_url.rstrip("/"),

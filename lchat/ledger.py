@@ -36,7 +36,6 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, urlsplit
 
 from attrs import frozen
 
@@ -54,8 +53,6 @@ DEFAULT_BACKOFF = 0.05  # seconds: the first retry waits up to this, doubling ea
 MAX_BACKOFF = 2.0
 
 _MINTED_LABEL = re.compile(r"[1-9][0-9]{0,17}")
-_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
-_REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class LedgerError(Exception):
@@ -96,76 +93,6 @@ def minted_ids(hostnames: Iterable[str], domain: str) -> list[int]:
             if n is not None:
                 found.append(n)
     return found
-
-
-# --- where the ledger lives ---------------------------------------------------------------------
-
-
-@frozen
-class LedgerURL:
-    """A parsed ``LCHAT_CLOUD_ID_LEDGER``.
-
-    ``s3://BUCKET[/PREFIX][?region=R&endpoint=URL]``: an S3 bucket (AWS, or any S3-compatible
-    store at ``endpoint``, path-style), signed by the standard AWS credential chain;
-    ``file:PATH``: a local directory (one box, tests). The counter is ``<prefix>/id-ledger/
-    next.json`` (:attr:`key`).
-    """
-
-    bucket: str  # an S3 bucket name, or "file:<absolute path>" (lchat.objstore.open_store's form)
-    prefix: str = ""
-    region: str = ""
-    endpoint: str = ""
-
-    @property
-    def key(self) -> str:
-        return f"{self.prefix}/{LEDGER_KEY}" if self.prefix else LEDGER_KEY
-
-    def __str__(self) -> str:
-        """The canonical URL (no secrets: credentials never ride in it)."""
-        if self.bucket.startswith("file:"):
-            return self.bucket
-        text = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        query = [f"{k}={v}" for k, v in (("region", self.region), ("endpoint", self.endpoint)) if v]
-        return text + ("?" + "&".join(query) if query else "")
-
-
-def parse_ledger_url(text: str) -> LedgerURL:
-    """Parse ``LCHAT_CLOUD_ID_LEDGER``; :class:`ValueError` says what is wrong with it."""
-    import os.path
-
-    text = text.strip()
-    if text.startswith("file:"):
-        path = text[len("file:") :]
-        if not path or "\x00" in path:
-            raise ValueError(f"{text!r}: file: needs a directory path")
-        return LedgerURL(bucket="file:" + os.path.abspath(path))
-    parts = urlsplit(text)
-    if parts.scheme != "s3" or not parts.netloc:
-        raise ValueError(
-            f"{text!r} is neither s3://BUCKET[/PREFIX][?region=R&endpoint=URL] nor file:PATH"
-        )
-    bucket = parts.netloc
-    if not _BUCKET_NAME.fullmatch(bucket):
-        raise ValueError(f"{text!r}: {bucket!r} is not an S3 bucket name")
-    prefix = parts.path.strip("/")
-    if "\x00" in prefix or ".." in prefix.split("/") or "//" in prefix:
-        raise ValueError(f"{text!r}: {prefix!r} is not a safe key prefix")
-    if parts.fragment:
-        raise ValueError(f"{text!r} must not have a fragment")
-    region = endpoint = ""
-    for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
-        if name == "region":
-            if not _REGION.fullmatch(value):
-                raise ValueError(f"{text!r}: region={value!r} is not a region name")
-            region = value
-        elif name == "endpoint":
-            where = urlsplit(value)
-            if where.scheme not in ("http", "https") or not where.netloc:
-                raise ValueError(f"{text!r}: endpoint={value!r} must be an http(s) URL")
-            endpoint = value.rstrip("/")
-        else:
-            raise ValueError(f"{text!r}: unknown parameter {name!r} (only region and endpoint)")
-    return LedgerURL(bucket=bucket, prefix=prefix, region=region, endpoint=endpoint)
 
 
 # --- the counter --------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
-from lchat.config import BoxConfig, ConfigError, RegionBucket, bucket_key_env, mesh_bucket
+from lchat.config import BoxConfig, ConfigError, bucket_key_env, mesh_bucket
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
@@ -50,6 +50,7 @@ from lchat.objstore.aws import (
     box_credentials,
     resolve_credentials,
 )
+from lchat.objstore.where import Where
 from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
@@ -359,7 +360,7 @@ def _membership(
 def _open_region_store(
     reactor: Any,
     cfg: BoxConfig,
-    where: RegionBucket,
+    where: Where,
     run: RunInThread,
     aws: ResolvedCredentials | None,
 ) -> objstore.ObjectStore:

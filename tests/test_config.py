@@ -815,7 +815,7 @@ class Bucket(Base):
     def test_file_bucket_and_s3_names(self) -> None:
         cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "file:rel/dir", "LCHAT_HIBERNATE_PREFIX": "p"})
         assert cfg.hibernate is not None
-        self.assertTrue(cfg.hibernate.is_file)
+        self.assertTrue(cfg.hibernate.where.is_file)
         self.assertEqual(cfg.hibernate.bucket, "file:" + os.path.abspath("rel/dir"))
         self.assertEqual(
             cfg.hibernate.key("a.example.com", "lock.json"), "p/a.example.com/lock.json"
@@ -823,7 +823,7 @@ class Bucket(Base):
         self.assertEqual(cfg.hibernate.lease_ttl, 900.0)
         cfg = self.load({"LCHAT_HIBERNATE_BUCKET": "my.bucket-1", "LCHAT_LEASE_TTL": "30s"})
         assert cfg.hibernate is not None
-        self.assertFalse(cfg.hibernate.is_file)
+        self.assertFalse(cfg.hibernate.where.is_file)
         self.assertEqual(cfg.hibernate.key("x"), "x")
         self.assertEqual(cfg.hibernate.lease_ttl, 30.0)
 

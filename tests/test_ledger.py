@@ -36,15 +36,14 @@ from lchat.ledger import (
     IdLedger,
     LedgerContention,
     LedgerError,
-    LedgerURL,
     Minter,
     minted_host,
     minted_ids,
     parse_id,
-    parse_ledger_url,
 )
 from lchat.objstore import ObjectStore, PreconditionFailed, PutResult, StoredObject
 from lchat.objstore.file import FileStore
+from lchat.objstore.where import Where, parse_where
 from lchat.registry import Registry
 from lchat.threads import thread_runner
 from tests import s3servers
@@ -78,16 +77,14 @@ class IdsAndUrlsTests(unittest.SynchronousTestCase):
         self.assertEqual(sorted(minted_ids(names, "example.com")), [3, 12])
 
     def test_urls(self) -> None:
-        url = parse_ledger_url(
-            "s3://ids-bucket/fleet/ids?region=eu-west-1&endpoint=http://127.0.0.1:9/"
+        url = parse_where(
+            "s3://ids-bucket/fleet/ids?region=eu-west-1&endpoint=http://127.0.0.1:9/", keys=False
         )
-        self.assertEqual(
-            url, LedgerURL("ids-bucket", "fleet/ids", "eu-west-1", "http://127.0.0.1:9")
-        )
-        self.assertEqual(url.key, "fleet/ids/" + LEDGER_KEY)
-        self.assertEqual(str(parse_ledger_url(str(url))), str(url))
-        self.assertEqual(parse_ledger_url("s3://ids-bucket").key, LEDGER_KEY)
-        self.assertEqual(parse_ledger_url("file:/tmp/x").bucket, "file:/tmp/x")
+        self.assertEqual(url, Where("ids-bucket", "fleet/ids", "eu-west-1", "http://127.0.0.1:9"))
+        self.assertEqual(url.key(LEDGER_KEY), "fleet/ids/" + LEDGER_KEY)
+        self.assertEqual(str(parse_where(str(url), keys=False)), str(url))
+        self.assertEqual(parse_where("s3://ids-bucket", keys=False).key(LEDGER_KEY), LEDGER_KEY)
+        self.assertEqual(parse_where("file:/tmp/x", keys=False).bucket, "file:/tmp/x")
         for bad in (
             "ids-bucket",
             "s3://Bad_Bucket",
@@ -97,9 +94,10 @@ class IdsAndUrlsTests(unittest.SynchronousTestCase):
             "s3://ids-bucket?region=a%20b",
             "file:",
             "https://ids-bucket",
+            "s3://ids-bucket?access_key_env=K&secret_key_env=S",  # the ledger names no keys
         ):
             with self.assertRaises(ValueError, msg=bad):
-                parse_ledger_url(bad)
+                parse_where(bad, keys=False)
 
     def test_config(self) -> None:
         def load(**env: str) -> config.BoxConfig:
@@ -119,7 +117,7 @@ class IdsAndUrlsTests(unittest.SynchronousTestCase):
             environ={"LCHAT_CLOUD_REGION": "ie", "LCHAT_CLOUD_ID_LEDGER": "s3://ids-bucket/p"},
         )
         self.assertEqual(cfg.cloud_region, "ie")
-        self.assertEqual(cfg.id_ledger, LedgerURL("ids-bucket", "p"))
+        self.assertEqual(cfg.id_ledger, Where("ids-bucket", "p"))
         self.assertEqual(cfg.warnings, ())
         for env in ({"LCHAT_CLOUD_REGION": "i e"}, {"LCHAT_CLOUD_ID_LEDGER": "ids-bucket"}):
             with self.assertRaises(config.ConfigError):

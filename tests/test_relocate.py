@@ -27,10 +27,11 @@ from lchat.cli import main as cli_main
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import relocate
 from lchat.cli.bucket import open_region_bucket
-from lchat.config import BoxConfig, ConfigError, RegionBucket
+from lchat.config import BoxConfig, ConfigError
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, member_key
 from lchat.objstore.file import FileBucket
+from lchat.objstore.where import Where
 from lchat.registry import Registry, Route
 from lchat.replica import ltx
 from tests import replicas
@@ -57,7 +58,7 @@ class RegionBucketsConfigTests(TestCase):
             self.assertIn(word, str(e.exception))
 
     def test_unset_means_one_shared_bucket(self) -> None:
-        self.assertEqual(_load(self.HIB).region_buckets, ())
+        self.assertEqual(_load(self.HIB).region_buckets, {})
 
     def test_entries_parse_with_region_endpoint_and_key_names(self) -> None:
         cfg = _load(
@@ -68,11 +69,9 @@ class RegionBucketsConfigTests(TestCase):
                 "&access_key_env=FI_KEY&secret_key_env=FI_SECRET",
             }
         )
-        fi, ie = cfg.region_buckets  # sorted by region
-        self.assertEqual(
-            (ie.region, ie.bucket, ie.prefix, ie.s3_region),
-            ("ie", "bucket-ie", "prod", "eu-west-1"),
-        )
+        self.assertEqual(list(cfg.region_buckets), ["fi", "ie"])  # sorted by region
+        fi, ie = cfg.region_buckets["fi"], cfg.region_buckets["ie"]
+        self.assertEqual(ie, Where("bucket-ie", "prod", "eu-west-1"))
         self.assertEqual(
             (fi.bucket, fi.prefix, fi.endpoint, fi.s3_region, fi.access_key_env, fi.secret_key_env),
             ("bucket-fi", "p/q", "https://s3.fi.example", "eu-north-1", "FI_KEY", "FI_SECRET"),
@@ -104,7 +103,7 @@ class RegionBucketsConfigTests(TestCase):
         # Left out: implied from LCHAT_HIBERNATE_*.
         cfg = _load({**self.HIB, **mesh, "LCHAT_REGION_BUCKETS": "fi=s3://bucket-fi/prod"})
         self.assertEqual(
-            [(b.region, b.bucket, b.prefix) for b in cfg.region_buckets],
+            [(r, b.bucket, b.prefix) for r, b in cfg.region_buckets.items()],
             [("fi", "bucket-fi", "prod"), ("ie", "bucket-ie", "prod")],
         )
         # Given and the same: accepted.
@@ -333,9 +332,9 @@ class RelocateTests(TestCase):
         from twisted.internet import reactor
 
         regions = {"ie": "eu-west-1", "fi": "eu-north-1"}
-        self.assertEqual(sorted(b.region for b in cfg.region_buckets), ["fi", "ie"])
-        for where in cfg.region_buckets:
-            region = regions[where.region]
+        self.assertEqual(sorted(cfg.region_buckets), ["fi", "ie"])
+        for label, where in cfg.region_buckets.items():
+            region = regions[label]
             store = await open_region_bucket(reactor, cfg, where)
             try:
                 self.assertTrue(store.describe().endswith(f"(region {region})"), store.describe())
@@ -346,12 +345,12 @@ class RelocateTests(TestCase):
     def test_one_account_is_judged_from_the_configuration(self) -> None:
         m = self.moto
         cfg = self.config(True)
-        ie = RegionBucket("ie", "b1", "prod", m.region, m.endpoint)
-        same = RegionBucket("fi", "b2", "prod", m.region, m.endpoint)
+        ie = Where("b1", "prod", m.region, m.endpoint)
+        same = Where("b2", "prod", m.region, m.endpoint)
         own_key = attrs.evolve(same, access_key_env="FI_KEY", secret_key_env="FI_SECRET")
         elsewhere = attrs.evolve(same, endpoint=self.weed.endpoint)
-        aws_ie = RegionBucket("ie", "b1", "", "eu-west-1")
-        aws_fi = RegionBucket("fi", "b2", "", "eu-north-1")
+        aws_ie = Where("b1", "", "eu-west-1")
+        aws_fi = Where("b2", "", "eu-north-1")
         self.assertTrue(relocate._one_account(cfg, ie, same))
         self.assertFalse(relocate._one_account(cfg, ie, own_key))  # FI_KEY is weed's key
         self.assertFalse(relocate._one_account(cfg, ie, elsewhere))
@@ -359,7 +358,7 @@ class RelocateTests(TestCase):
         self.assertTrue(
             relocate._one_account(cfg, aws_ie, attrs.evolve(aws_fi, s3_region="eu-west-1"))
         )
-        self.assertFalse(relocate._one_account(cfg, ie, RegionBucket("fi", f"file:{self.dir}/b")))
+        self.assertFalse(relocate._one_account(cfg, ie, Where(f"file:{self.dir}/b")))
 
     async def test_json_prints_the_steps(self) -> None:
         code, out, err = await self.relocate(as_json=True)

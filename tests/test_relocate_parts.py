@@ -40,11 +40,12 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config
 from lchat.admin import AdminAPI
-from lchat.config import BoxConfig, ConfigError, RegionBucket, bucket_key_env, mesh_bucket
+from lchat.config import BoxConfig, ConfigError, bucket_key_env, mesh_bucket
 from lchat.hibernation.activator import HOLD_RETRY_AFTER
 from lchat.mesh import forward, placement, routing
 from lchat.mesh.membership import member_key, members_prefix
 from lchat.objstore.file import FileBucket
+from lchat.objstore.where import Where, parse_where
 from lchat.registry import Route
 from lchat.router import DRAIN_REFUSALS, LocalResponse, LocalSocket, unavailable
 from lchat.tap import build_service
@@ -365,7 +366,7 @@ class AdminHoldTests(_Machine):
 # -- the mesh: a space homed in a region whose replicas live elsewhere -----------------------------
 
 
-FI_BUCKET = RegionBucket(region="fi", bucket="bucket-fi", prefix="prod", s3_region="eu-north-1")
+FI_BUCKET = Where("bucket-fi", "prod", "eu-north-1")
 
 
 class ForeignRegionTests(_RoutingBase):
@@ -376,17 +377,17 @@ class ForeignRegionTests(_RoutingBase):
     def setUp(self) -> None:
         super().setUp()
         hib = self.hib
-        ours = RegionBucket(region="ie", bucket=hib.bucket, prefix=hib.prefix)
+        ours = Where(hib.bucket, hib.prefix)
         assert self.cfg.mesh is not None
         self.cfg = attrs.evolve(
             self.cfg,
             mesh=attrs.evolve(self.cfg.mesh, region="ie"),
-            region_buckets=(
-                FI_BUCKET,
-                ours,
-                attrs.evolve(ours, region="lv", prefix="other"),
-                attrs.evolve(ours, region="se"),
-            ),
+            region_buckets={
+                "fi": FI_BUCKET,
+                "ie": ours,
+                "lv": attrs.evolve(ours, prefix="other"),
+                "se": ours,
+            },
         )
         self.lines: list[dict[str, Any]] = []
         observer: Any = self.lines.append
@@ -465,7 +466,7 @@ class ForeignRegionTests(_RoutingBase):
         self.assertEqual(self.served, [host] * 4)
 
     def test_without_region_buckets_nothing_is_foreign(self) -> None:
-        self.cfg = attrs.evolve(self.cfg, region_buckets=())
+        self.cfg = attrs.evolve(self.cfg, region_buckets={})
         mesh = self.mesh(View(Peer(SELF, "ie")))
         host = host_owned_by(SELF, SELF, B)
         self.assertIs(self.routed(mesh, host, home_region="fi"), SERVED_HERE)
@@ -551,7 +552,7 @@ class MeshBucketConfigTests(SynchronousTestCase):
         self.assertIsNone(cfg.mesh.bucket)
         self.assertEqual(
             mesh_bucket(cfg),
-            RegionBucket(region="", bucket="bucket-ie", prefix="prod", s3_region="eu-west-1"),
+            Where("bucket-ie", "prod", "eu-west-1"),
         )
         # The same keys as before LCHAT_MESH_BUCKET existed.
         self.assertEqual(members_prefix(mesh_bucket(cfg)), members_prefix(cfg.hibernate))
@@ -568,8 +569,7 @@ class MeshBucketConfigTests(SynchronousTestCase):
             }
         )
         assert cfg.mesh is not None
-        expected = RegionBucket(
-            region="",
+        expected = Where(
             bucket="mesh-fleet",
             prefix="fleet/one",
             s3_region="eu-north-1",
@@ -579,6 +579,7 @@ class MeshBucketConfigTests(SynchronousTestCase):
         )
         self.assertEqual(cfg.mesh.bucket, expected)
         self.assertEqual(mesh_bucket(cfg), expected)
+        self.assertEqual(parse_where(str(expected)), expected)  # the URL form reads back
         self.assertEqual(members_prefix(mesh_bucket(cfg)), "fleet/one/mesh/members/")
         beat = member_key(mesh_bucket(cfg), "https://box1.example.net")
         self.assertEqual(beat.rpartition("/")[0], "fleet/one/mesh/members")
@@ -586,7 +587,7 @@ class MeshBucketConfigTests(SynchronousTestCase):
     def test_a_file_bucket_and_one_without_keys(self) -> None:
         cfg = _load({**MESH, "LCHAT_MESH_BUCKET": "file:/srv/mesh"})
         assert cfg.mesh is not None
-        self.assertEqual(cfg.mesh.bucket, RegionBucket(region="", bucket="file:/srv/mesh"))
+        self.assertEqual(cfg.mesh.bucket, Where("file:/srv/mesh"))
         cfg = _load({**MESH, "LCHAT_MESH_BUCKET": "s3://mesh-fleet"})
         assert cfg.mesh is not None and cfg.mesh.bucket is not None
         self.assertEqual((cfg.mesh.bucket.bucket, cfg.mesh.bucket.prefix), ("mesh-fleet", ""))
@@ -629,7 +630,7 @@ class BucketKeyEnvTests(SynchronousTestCase):
         patcher.start()
         self.addCleanup(patcher.stop)
 
-    def load(self, file_lines: str, url: str) -> tuple[BoxConfig, RegionBucket]:
+    def load(self, file_lines: str, url: str) -> tuple[BoxConfig, Where]:
         env_file = os.path.join(self.dir, "router.env")
         with open(env_file, "w") as f:
             f.write(file_lines)
@@ -676,9 +677,8 @@ class BucketKeyEnvTests(SynchronousTestCase):
         self.assertEqual(
             str(caught.exception), "LCHAT_MESH_BUCKET's keys are in MS, which is unset"
         )
-        fi = attrs.evolve(where, region="fi")
         with self.assertRaises(ConfigError) as caught:
-            bucket_key_env(cfg, fi)
+            bucket_key_env(cfg, where, "region fi")
         self.assertIn("region fi's keys are in MS", str(caught.exception))
 
 

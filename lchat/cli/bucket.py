@@ -6,9 +6,10 @@ import os
 import time
 from typing import Any
 
-from lchat.config import BoxConfig, RegionBucket, bucket_key_env
+from lchat.config import BoxConfig, bucket_key_env
 from lchat.objstore import ObjectStore, needs_credentials, open_store
 from lchat.objstore.aws import ResolvedCredentials, box_credentials, resolve_credentials
+from lchat.objstore.where import Where
 from lchat.threads import thread_runner
 
 
@@ -37,7 +38,9 @@ async def open_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
     )
 
 
-async def open_region_bucket(reactor: Any, cfg: BoxConfig, where: RegionBucket) -> ObjectStore:
+async def open_region_bucket(
+    reactor: Any, cfg: BoxConfig, where: Where, what: str = "LCHAT_MESH_BUCKET"
+) -> ObjectStore:
     """``where``'s store (an ``LCHAT_REGION_BUCKETS`` entry or ``LCHAT_MESH_BUCKET``), signed for
     its own region, with its own key pair when it names one (:func:`lchat.config.bucket_key_env`;
     an unset variable is a ``ConfigError``), else the box's standard chain. A ``file:`` bucket's
@@ -45,7 +48,7 @@ async def open_region_bucket(reactor: Any, cfg: BoxConfig, where: RegionBucket) 
     run = thread_runner(reactor)
     credentials: ResolvedCredentials | None = None
     if needs_credentials(where.bucket):
-        env = bucket_key_env(cfg, where)
+        env = bucket_key_env(cfg, where, what)
         if env is None:
             credentials = await run(box_credentials, cfg)
         else:

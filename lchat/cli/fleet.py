@@ -33,12 +33,13 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.python.failure import Failure
 
 from lchat.cli.bucket import open_mesh_bucket, open_region_bucket
-from lchat.config import BoxConfig, ConfigError, RegionBucket, mesh_bucket, parse_bucket_url
+from lchat.config import BoxConfig, ConfigError, mesh_bucket, parse_bucket_url
 from lchat.mesh import client, fleet
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import ObjectStoreError
+from lchat.objstore.where import Where
 from lchat.registry import Registry, Route
 
 SUMMARY = "every mesh box's spaces in one table: state, version, awake-since, next-due, lag"
@@ -220,22 +221,18 @@ def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -
 
 @frozen
 class _Target:
-    where: RegionBucket
+    where: Where
     key: str
 
 
 def _publish_target(url: str) -> tuple[_Target, str]:
     """The ``--publish`` URL: where, and its text for messages."""
     try:
-        where = parse_bucket_url("--publish", "", url)
+        where = parse_bucket_url("--publish", url)
     except ConfigError as e:
         raise FleetCliError(str(e)) from None
     key = where.key(PUBLISH_KEY)
-    shown = (
-        f"{where.bucket}/{key}"
-        if where.bucket.startswith("file:")
-        else f"s3://{where.bucket}/{key}"
-    )
+    shown = f"{where.bucket}/{key}" if where.is_file else f"s3://{where.bucket}/{key}"
     return _Target(where, key), shown
 
 

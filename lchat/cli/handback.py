@@ -25,8 +25,9 @@ from typing import Any
 from attrs import frozen
 
 from lchat.cli.bucket import open_bucket
-from lchat.config import BoxConfig, RegionBucket
+from lchat.config import BoxConfig
 from lchat.hibernation.localdb import BucketView, local_state
+from lchat.objstore.where import Where
 
 LIST_BUDGET = 60.0  # seconds for the bucket's credentials and one LIST of the space's prefix
 
@@ -58,18 +59,15 @@ class Freshness:
         return f"{here}; the bucket has {self.bucket.describe()}"
 
 
-def foreign_bucket(cfg: BoxConfig, home_region: str) -> RegionBucket | None:
+def foreign_bucket(cfg: BoxConfig, home_region: str) -> Where | None:
     """The bucket of ``home_region`` when it is not this box's (``LCHAT_REGION_BUCKETS``): such a
     space's replica and lease live there, and this box's activator never wakes it (the router's
     ``region_down``), so ``--off`` cannot fetch it here."""
     hib = cfg.hibernate
     if hib is None or not home_region:
         return None
-    here = (hib.bucket, hib.prefix, hib.endpoint)
-    for where in cfg.region_buckets:
-        if where.region == home_region and (where.bucket, where.prefix, where.endpoint) != here:
-            return where
-    return None
+    where = cfg.region_buckets.get(home_region)
+    return None if where is None or where.same_place(hib.where) else where
 
 
 def read_freshness(cfg: BoxConfig, host: str, db: str) -> Freshness:

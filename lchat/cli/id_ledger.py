@@ -29,14 +29,15 @@ from lchat import hosts
 from lchat.config import BoxConfig
 from lchat.ledger import (
     FIRST_ID,
+    LEDGER_KEY,
     MAX_ID,
     Block,
     Counter,
     IdLedger,
     LedgerError,
-    LedgerURL,
     minted_ids,
 )
+from lchat.objstore.where import Where
 
 SUMMARY = "show the shared id ledger (LCHAT_CLOUD_ID_LEDGER), or seed it above a namespace's ids"
 STATE_FILE = "id-ledger.json"
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
     return code
 
 
-def _ledger_url(cfg: BoxConfig) -> LedgerURL:
+def _ledger_url(cfg: BoxConfig) -> Where:
     if cfg.id_ledger is None:
         raise LedgerError(
             f"no id ledger: set LCHAT_CLOUD_ID_LEDGER (s3://BUCKET[/PREFIX][?region=R&endpoint=URL]"
@@ -149,7 +150,7 @@ def mint(cfg: BoxConfig, existing_hosts: list[str], domain: str, note: Out) -> s
 
 
 def _draw(
-    cfg: BoxConfig, url: LedgerURL, state: dict[str, Any], highest: int, domain: str
+    cfg: BoxConfig, url: Where, state: dict[str, Any], highest: int, domain: str
 ) -> tuple[int, str]:
     """One id off the box block, or off a fresh block; ``state`` is updated (the caller saves it
     before the id is used, so a crash skips the id rather than reissuing it)."""
@@ -196,7 +197,7 @@ def _check_namespace(counter: Counter, highest: int, domain: str) -> None:
         )
 
 
-async def _open(reactor: Any, cfg: BoxConfig, url: LedgerURL) -> tuple[Any, IdLedger]:
+async def _open(reactor: Any, cfg: BoxConfig, url: Where) -> tuple[Any, IdLedger]:
     """The ledger's store (the caller closes it) and the ledger on it. An S3 ledger's
     credentials come from the standard AWS chain, as :func:`lchat.cli.bucket.open_bucket`'s do."""
     from twisted.internet.task import deferLater
@@ -217,11 +218,13 @@ async def _open(reactor: Any, cfg: BoxConfig, url: LedgerURL) -> tuple[Any, IdLe
         url.bucket,
         run_in_thread,
         monotonic=time.monotonic,
-        region=url.region,
+        region=url.s3_region,
         endpoint=url.endpoint,
         credentials=credentials,
     )
-    ledger = IdLedger(store, url.key, sleep=lambda s: deferLater(reactor, s, lambda: None))
+    ledger = IdLedger(
+        store, url.key(LEDGER_KEY), sleep=lambda s: deferLater(reactor, s, lambda: None)
+    )
     return store, ledger
 
 

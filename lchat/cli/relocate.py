@@ -41,10 +41,11 @@ from lchat.cli import admin_client
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
 from lchat.cli.bucket import open_region_bucket
-from lchat.config import BoxConfig, ConfigError, RegionBucket, bucket_key_env
+from lchat.config import BoxConfig, ConfigError, bucket_key_env
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.objstore.s3 import S3Store
+from lchat.objstore.where import Where
 from lchat.registry import Registry
 from lchat.replica.restore import replica_files
 from lchat.threads import RunInThread, thread_runner
@@ -180,7 +181,15 @@ def run(
             placed = _placement(cfg, host, dest, shared, members, note)
 
         steps["store"] = _copy_and_flip(
-            cfg, host, src_bucket, dst_bucket, args.timeout, flip, note, check_placement
+            cfg,
+            host,
+            (source, dest),
+            src_bucket,
+            dst_bucket,
+            args.timeout,
+            flip,
+            note,
+            check_placement,
         )
         store = steps["store"]
         lines.append(
@@ -293,19 +302,13 @@ def _report(args: argparse.Namespace, steps: dict[str, Any], lines: list[str], o
             out(line)
 
 
-def _buckets(
-    cfg: BoxConfig, source: str, dest: str
-) -> tuple[RegionBucket | None, RegionBucket | None]:
+def _buckets(cfg: BoxConfig, source: str, dest: str) -> tuple[Where | None, Where | None]:
     """Each side's bucket; (None, None) when every region shares this box's bucket."""
     if not cfg.region_buckets:
         return None, None
-    by_region = {b.region: b for b in cfg.region_buckets}
-    hib = cfg.hibernate
-    assert hib is not None
-    # A space without a home region lives wherever this box keeps its replicas.
-    here = RegionBucket(
-        region="", bucket=hib.bucket, prefix=hib.prefix, s3_region=hib.region, endpoint=hib.endpoint
-    )
+    by_region = cfg.region_buckets
+    assert cfg.hibernate is not None
+    here = cfg.hibernate.where  # a space without a home region lives where this box keeps its own
     for region in (source, dest):
         if region and region not in by_region:
             raise RelocateError(
@@ -321,8 +324,9 @@ def _buckets(
 def _copy_and_flip(
     cfg: BoxConfig,
     host: str,
-    src: RegionBucket,
-    dst: RegionBucket,
+    labels: tuple[str, str],  # the source's and the destination's mesh region ("": here)
+    src: Where,
+    dst: Where,
     timeout: float,
     flip: Callable[[], None],
     note: Say,
@@ -335,7 +339,7 @@ def _copy_and_flip(
 
     try:
         return _fenced_copy_and_flip(
-            cfg, host, src, dst, timeout, flip, check_placement, sleep_and_hold
+            cfg, host, labels, src, dst, timeout, flip, check_placement, sleep_and_hold
         )
     finally:
         # After the flip (and the router's reload): a request now goes to the destination.
@@ -346,8 +350,9 @@ def _copy_and_flip(
 def _fenced_copy_and_flip(
     cfg: BoxConfig,
     host: str,
-    src: RegionBucket,
-    dst: RegionBucket,
+    labels: tuple[str, str],
+    src: Where,
+    dst: Where,
     timeout: float,
     flip: Callable[[], None],
     check_placement: Callable[[list[Member] | Exception], None],
@@ -363,11 +368,11 @@ def _fenced_copy_and_flip(
             # Before anything moves: a destination region without a live box is a refusal.
             check_placement(await _read_members(reactor, cfg))
         await run_in_thread(sleep_and_hold)
-        src_store = await open_region_bucket(reactor, cfg, src)
-        dst_store = await open_region_bucket(reactor, cfg, dst)
+        src_store = await open_region_bucket(reactor, cfg, src, f"region {labels[0]}")
+        dst_store = await open_region_bucket(reactor, cfg, dst, f"region {labels[1]}")
         fences: list[tuple[ObjectStore, lease.HeldLease]] = []
         try:
-            for store, where in ((src_store, src), (dst_store, dst)):
+            for store, where, label in zip((src_store, dst_store), (src, dst), labels, strict=True):
                 try:
                     held = await lease.acquire(
                         store,
@@ -379,7 +384,7 @@ def _fenced_copy_and_flip(
                     )
                 except lease.LeaseHeld as e:
                     raise RelocateError(
-                        f"{host}: its lease in region {where.region or 'here'} ({_url(where)}) is "
+                        f"{host}: its lease in region {label or 'here'} ({_url(where)}) is "
                         f"held by {e.owner} until {lease.rfc3339(e.expires_at)}: it is awake "
                         f"there (or a relocation is running). Let it sleep on that box (`lchat "
                         f"hibernate {host} --off` sleeps it, or wait for its idle timeout), then "
@@ -395,6 +400,7 @@ def _fenced_copy_and_flip(
                 src_store,
                 dst_store,
                 run_in_thread,
+                dest=labels[1],
                 one_account=_one_account(cfg, src, dst),
             )
             if time.monotonic() - started > hib.lease_ttl * 0.9:
@@ -507,12 +513,13 @@ def _release_hold(cfg: BoxConfig, host: str, note: Say) -> None:
 async def _copy(
     reactor: Any,
     host: str,
-    src: RegionBucket,
-    dst: RegionBucket,
+    src: Where,
+    dst: Where,
     src_store: ObjectStore,
     dst_store: ObjectStore,
     run_in_thread: RunInThread,
     *,
+    dest: str,
     one_account: bool = False,
 ) -> dict[str, Any]:
     src_dir, dst_dir = src.key(host) + "/", dst.key(host) + "/"
@@ -526,9 +533,9 @@ async def _copy(
     if dst_txid > src_txid:
         raise RelocateError(
             f"{host}: the destination {_url(dst)}/{host}/ is ahead of the source (newest txid "
-            f"{dst_txid:016x} > {src_txid:016x}): it was written in {dst.region} after an earlier "
+            f"{dst_txid:016x} > {src_txid:016x}): it was written in {dest} after an earlier "
             f"move, and copying would put stale bytes over newer ones. Nothing was copied or "
-            f"flipped; if {dst.region} is where it lives, flip only its home_region"
+            f"flipped; if {dest} is where it lives, flip only its home_region"
         )
     same_store = (src.bucket, src.endpoint) == (dst.bucket, dst.endpoint)
     # Two buckets of one account on one endpoint: CopyObject into the destination, named from
@@ -596,12 +603,12 @@ async def _stream(
             pass
 
 
-def _one_account(cfg: BoxConfig, src: RegionBucket, dst: RegionBucket) -> bool:
+def _one_account(cfg: BoxConfig, src: Where, dst: Where) -> bool:
     """Whether ``dst``'s store may copy ``src``'s objects on the server: two S3 buckets on one
     endpoint (the same explicit endpoint, or AWS in the same region) reached with the same access
     key (both the box's own credentials, or the same named key). Read from the configuration
     only: resolving a role's credentials could block."""
-    if src.bucket.startswith("file:") or dst.bucket.startswith("file:"):
+    if src.is_file or dst.is_file:
         return False
     if src.endpoint.rstrip("/") != dst.endpoint.rstrip("/"):
         return False
@@ -620,10 +627,9 @@ def _newest_txid(infos: list[ObjectInfo]) -> int:
     return max((f.max_txid for f in files), default=0)
 
 
-def _url(where: RegionBucket) -> str:
-    if where.bucket.startswith("file:"):
-        return where.bucket + (f"/{where.prefix}" if where.prefix else "")
-    return f"s3://{where.bucket}" + (f"/{where.prefix}" if where.prefix else "")
+def _url(where: Where) -> str:
+    """The bucket and prefix, without how it is reached (``str(where)`` has that)."""
+    return str(Where(where.bucket, where.prefix))
 
 
 def run_cli(

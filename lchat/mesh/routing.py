@@ -112,9 +112,9 @@ class MeshRouter:
         # LCHAT_REGION_BUCKETS: regions whose replicas live in a bucket other than ours. A space
         # homed in one of them is never woken here (our bucket's copy of it is stale or absent).
         # (config.load made our own region's entry, if any, name our hibernation bucket.)
-        here = (cfg.hibernate.bucket, cfg.hibernate.prefix, cfg.hibernate.endpoint)
+        here = cfg.hibernate.where
         self._foreign_regions = frozenset(
-            b.region for b in cfg.region_buckets if (b.bucket, b.prefix, b.endpoint) != here
+            label for label, b in cfg.region_buckets.items() if not b.same_place(here)
         )
         self._region_down_logged: dict[str, float] = {}  # host -> last "not woken here" line
         subscribe = getattr(membership, "subscribe", None)

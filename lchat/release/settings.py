@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 from attrs import frozen
 
-from lchat.config import ConfigError, RegionBucket, parse_bucket_url, parse_duration
+from lchat.config import ConfigError, parse_bucket_url, parse_duration
+from lchat.objstore.where import Where
 from lchat.release.feed import DEFAULT_VALIDITY
 from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
@@ -47,7 +48,7 @@ class SettingsError(ValueError):
 class ReleaseSettings:
     opt_dir: str
     url: str  # "" when unset
-    mirror: RegionBucket | None
+    mirror: Where | None
     mirror_url: str  # as given, for messages
     pubkey: str  # "" when unset
     feed_validity: datetime.timedelta = DEFAULT_VALIDITY  # what publish/refresh sign
@@ -85,7 +86,7 @@ def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) 
     mirror = None
     if mirror_url:
         try:
-            mirror = parse_bucket_url("LCHAT_RELEASE_MIRROR_URL", "", mirror_url)
+            mirror = parse_bucket_url("LCHAT_RELEASE_MIRROR_URL", mirror_url)
         except ConfigError as e:
             raise SettingsError(str(e)) from None
     validity = DEFAULT_VALIDITY
