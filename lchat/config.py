@@ -765,31 +765,6 @@ def mesh_bucket(cfg: BoxConfig) -> Where:
     return cfg.mesh.bucket or cfg.hibernate.where
 
 
-def bucket_key_env(
-    cfg: BoxConfig, where: Where, what: str = "LCHAT_MESH_BUCKET"
-) -> dict[str, str] | None:
-    """The environment the standard AWS chain resolves ``where``'s credentials from, when the
-    entry names its own key pair (``access_key_env``/``secret_key_env``, read from the env file
-    or the process environment, which wins as it does for ``AWS_*``); ``None`` when the box's
-    own credentials serve it. A named variable that is unset is a :class:`ConfigError` naming
-    ``what`` (``region fi``, ``LCHAT_MESH_BUCKET``)."""
-    if not where.access_key_env:
-        return None
-    env = {**cfg.file_env, **os.environ}
-    missing = [n for n in (where.access_key_env, where.secret_key_env) if not env.get(n)]
-    if missing:
-        raise ConfigError(
-            f"{what}'s keys are in {' and '.join(missing)}, which "
-            f"{'is' if len(missing) == 1 else 'are'} unset"
-        )
-    keep = {k: v for k, v in env.items() if k in ("AWS_REGION", "AWS_DEFAULT_REGION")}
-    return {
-        **keep,
-        "AWS_ACCESS_KEY_ID": env[where.access_key_env],
-        "AWS_SECRET_ACCESS_KEY": env[where.secret_key_env],
-    }
-
-
 def _region_buckets(
     get: _Getter, hibernate: HibernateConfig | None, mesh: MeshConfig | None
 ) -> dict[str, Where]:

@@ -30,7 +30,8 @@ from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
-from lchat.config import BoxConfig, ConfigError, bucket_key_env, mesh_bucket
+from lchat.buckets import prepare, store_at
+from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
@@ -44,13 +45,7 @@ from lchat.mesh.fleet import SpacesView
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
-from lchat.objstore.aws import (
-    NoCredentials,
-    ResolvedCredentials,
-    box_credentials,
-    resolve_credentials,
-)
-from lchat.objstore.where import Where
+from lchat.objstore.aws import NoCredentials, ResolvedCredentials, box_credentials
 from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
@@ -293,8 +288,8 @@ def aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
     """The AWS credentials, resolved once at boot by the standard chain (the process
     environment over the env file's ``AWS_*``, then profiles, then container and instance
     roles), when an S3 bucket or Route53 needs them."""
-    s3 = cfg.hibernate is not None and objstore.needs_credentials(cfg.hibernate.bucket)
-    backup = cfg.backup is not None and objstore.needs_credentials(cfg.backup.bucket)
+    s3 = cfg.hibernate is not None and not cfg.hibernate.where.is_file
+    backup = cfg.backup is not None and not cfg.backup.where.is_file
     route53 = (
         cfg.acme is not None
         and bool(cfg.wildcard_domains)
@@ -338,7 +333,11 @@ def _membership(
     if cfg.mesh.bucket is not None:
         # LCHAT_MESH_BUCKET: the heartbeats have a bucket of their own (a fleet whose regions
         # keep replicas apart); probed at start like the hibernation bucket.
-        members_store = mesh_store = _open_region_store(reactor, cfg, beats, run, aws)
+        try:
+            credentials = prepare(cfg, beats, what="LCHAT_MESH_BUCKET", box=aws, make_dir=True)
+        except NoCredentials as e:
+            raise ConfigError(f"LCHAT_MESH_BUCKET={beats.bucket}: {e}") from e
+        members_store = mesh_store = store_at(reactor, beats, run, credentials)
         mesh_check = _BucketCheck(
             reactor,
             mesh_store,
@@ -357,38 +356,6 @@ def _membership(
     return _MembershipParts(membership, fence, mesh_store, mesh_check)
 
 
-def _open_region_store(
-    reactor: Any,
-    cfg: BoxConfig,
-    where: Where,
-    run: RunInThread,
-    aws: ResolvedCredentials | None,
-) -> objstore.ObjectStore:
-    """A store for an ``LCHAT_REGION_BUCKETS``-form entry (``LCHAT_MESH_BUCKET``): its own key
-    pair when it names one, else the box's credentials, resolved here at boot."""
-    credentials = None
-    if objstore.needs_credentials(where.bucket):
-        env = bucket_key_env(cfg, where)
-        if env is not None or aws is None:
-            try:
-                credentials = resolve_credentials(env) if env else box_credentials(cfg)
-            except NoCredentials as e:
-                raise ConfigError(f"LCHAT_MESH_BUCKET={where.bucket}: {e}") from e
-        else:
-            credentials = aws
-    else:
-        os.makedirs(where.bucket[len("file:") :], 0o700, exist_ok=True)
-    return objstore.open_store(
-        reactor,
-        where.bucket,
-        run,
-        monotonic=time.monotonic,
-        region=where.s3_region,
-        endpoint=where.endpoint,
-        credentials=credentials,
-    )
-
-
 def _backup(
     reactor: Any,
     cfg: BoxConfig,
@@ -400,15 +367,7 @@ def _backup(
     """The fleet backup: its bucket (probed at start) and one replicator per database."""
     conf = cfg.backup
     assert conf is not None
-    store = objstore.open_store(
-        reactor,
-        conf.bucket,
-        run,
-        monotonic=time.monotonic,
-        region=conf.region,
-        endpoint=conf.endpoint,
-        credentials=aws,
-    )
+    store = store_at(reactor, conf.where, run, aws)
     backup = Backup(
         reactor,
         store,
@@ -491,15 +450,7 @@ def _hibernation(
     backup on, a wake first takes the database from it (``Backup.release``)."""
     hib = cfg.hibernate
     assert hib is not None
-    store = objstore.open_store(
-        reactor,
-        hib.bucket,
-        run,
-        monotonic=time.monotonic,
-        region=hib.region,
-        endpoint=hib.endpoint,
-        credentials=aws,
-    )
+    store = store_at(reactor, hib.where, run, aws)
     # The mesh's membership first: on a mesh box its heartbeat fences every lease the lifecycle
     # takes (lchat.mesh.fence, docs/lease.md).
     membership_parts = _membership(reactor, cfg, store, run, aws) if cfg.mesh is not None else None

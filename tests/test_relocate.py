@@ -23,10 +23,10 @@ from twisted.trial.unittest import TestCase
 
 import lchat
 from lchat import config, lease
+from lchat.buckets import open_bucket
 from lchat.cli import main as cli_main
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import relocate
-from lchat.cli.bucket import open_region_bucket
 from lchat.config import BoxConfig, ConfigError
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, member_key
@@ -335,7 +335,7 @@ class RelocateTests(TestCase):
         self.assertEqual(sorted(cfg.region_buckets), ["fi", "ie"])
         for label, where in cfg.region_buckets.items():
             region = regions[label]
-            store = await open_region_bucket(reactor, cfg, where)
+            store = await open_bucket(reactor, cfg, where, make_dir=True)
             try:
                 self.assertTrue(store.describe().endswith(f"(region {region})"), store.describe())
                 await store.list("prod/")

@@ -40,7 +40,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config
 from lchat.admin import AdminAPI
-from lchat.config import BoxConfig, ConfigError, bucket_key_env, mesh_bucket
+from lchat.buckets import bucket_key_env
+from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import HOLD_RETRY_AFTER
 from lchat.mesh import forward, placement, routing
 from lchat.mesh.membership import member_key, members_prefix
@@ -557,7 +558,7 @@ class MeshBucketConfigTests(SynchronousTestCase):
         # The same keys as before LCHAT_MESH_BUCKET existed.
         self.assertEqual(members_prefix(mesh_bucket(cfg)), members_prefix(cfg.hibernate))
         self.assertEqual(members_prefix(mesh_bucket(cfg)), "prod/mesh/members/")
-        self.assertIsNone(bucket_key_env(cfg, mesh_bucket(cfg)))
+        self.assertIsNone(bucket_key_env(cfg, mesh_bucket(cfg), "LCHAT_MESH_BUCKET"))
 
     def test_an_s3_url_with_its_own_key_names(self) -> None:
         cfg = _load(
@@ -591,7 +592,9 @@ class MeshBucketConfigTests(SynchronousTestCase):
         cfg = _load({**MESH, "LCHAT_MESH_BUCKET": "s3://mesh-fleet"})
         assert cfg.mesh is not None and cfg.mesh.bucket is not None
         self.assertEqual((cfg.mesh.bucket.bucket, cfg.mesh.bucket.prefix), ("mesh-fleet", ""))
-        self.assertIsNone(bucket_key_env(cfg, cfg.mesh.bucket))  # the box's own credentials
+        self.assertIsNone(
+            bucket_key_env(cfg, cfg.mesh.bucket, "LCHAT_MESH_BUCKET")
+        )  # the box's own credentials
 
     def test_refusals_name_the_variable(self) -> None:
         self.refused("s3://mesh-fleet?access_key_env=K", "give both")
@@ -644,7 +647,7 @@ class BucketKeyEnvTests(SynchronousTestCase):
             "s3://mesh-fleet?access_key_env=MESH_KEY&secret_key_env=MESH_SECRET",
         )
         self.assertEqual(
-            bucket_key_env(cfg, where),
+            bucket_key_env(cfg, where, "LCHAT_MESH_BUCKET"),
             {
                 "AWS_ACCESS_KEY_ID": "AKFILE",  # not the box's own pair
                 "AWS_SECRET_ACCESS_KEY": "from-file",
@@ -659,21 +662,21 @@ class BucketKeyEnvTests(SynchronousTestCase):
         )
         os.environ.update(MESH_SECRET="from-process", AWS_SESSION_TOKEN="the-box's")
         self.assertEqual(
-            bucket_key_env(cfg, where),
+            bucket_key_env(cfg, where, "LCHAT_MESH_BUCKET"),
             {"AWS_ACCESS_KEY_ID": "AKFILE", "AWS_SECRET_ACCESS_KEY": "from-process"},
         )
 
     def test_unset_variables_are_named(self) -> None:
         cfg, where = self.load("", "s3://mesh-fleet?access_key_env=MK&secret_key_env=MS")
         with self.assertRaises(ConfigError) as caught:
-            bucket_key_env(cfg, where)
+            bucket_key_env(cfg, where, "LCHAT_MESH_BUCKET")
         self.assertEqual(
             str(caught.exception), "LCHAT_MESH_BUCKET's keys are in MK and MS, which are unset"
         )
         os.environ["MK"] = "AK"
         os.environ["MS"] = ""  # empty is unset
         with self.assertRaises(ConfigError) as caught:
-            bucket_key_env(cfg, where)
+            bucket_key_env(cfg, where, "LCHAT_MESH_BUCKET")
         self.assertEqual(
             str(caught.exception), "LCHAT_MESH_BUCKET's keys are in MS, which is unset"
         )

@@ -46,6 +46,7 @@ from attrs import field, frozen
 from lchat import files, hosts
 from lchat.backup import envfiles, selection
 from lchat.backup.layout import REGISTRY_NAME, BadName, Layout, Stored, catalogue, check_name
+from lchat.buckets import prepare, store_at
 from lchat.cli import admin_client
 from lchat.cli import replica as replica_cli
 from lchat.config import BackupConfig, BoxConfig
@@ -54,11 +55,8 @@ from lchat.objstore import (
     NotFound,
     ObjectStore,
     ObjectStoreError,
-    needs_credentials,
-    open_store,
 )
-from lchat.objstore.aws import ResolvedCredentials, box_credentials
-from lchat.objstore.file import FileStore
+from lchat.objstore.aws import ResolvedCredentials
 from lchat.registry import Registry, RegistryError, Route
 from lchat.replica import restore as restore_mod
 from lchat.threads import RunInThread, thread_runner
@@ -332,33 +330,14 @@ class _Bucket:
     credentials: ResolvedCredentials | None  # an S3 bucket's, for GetBucketVersioning
 
 
-async def open_backup_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
-    """The bucket of ``LCHAT_BACKUP_*`` on ``reactor``, to read (the caller closes it).
-
-    An S3 bucket's credentials are resolved once, as :func:`lchat.cli.bucket.open_bucket` does
-    for the hibernation bucket (the process environment over the env file's ``AWS_*``). A
-    ``file:`` bucket must exist: a backup that is not there is an error, never an empty bucket.
-    """
-    return (await _open(reactor, cfg)).store
-
-
 async def _open(reactor: Any, cfg: BoxConfig) -> _Bucket:
+    """The bucket of ``LCHAT_BACKUP_*``, to read: a ``file:`` bucket must exist (a backup that
+    is not there is an error, never an empty bucket)."""
     conf = cfg.backup
     assert conf is not None, "the caller checks that the backup is configured"
     run = thread_runner(reactor)
-    if not needs_credentials(conf.bucket):
-        return _Bucket(FileStore(reactor, conf.bucket[len("file:") :], run, create=False), None)
-    credentials: ResolvedCredentials = await run(box_credentials, cfg)
-    store = open_store(
-        reactor,
-        conf.bucket,
-        run,
-        monotonic=time.monotonic,
-        region=conf.region,
-        endpoint=conf.endpoint,
-        credentials=credentials,
-    )
-    return _Bucket(store, credentials)
+    credentials = await run(prepare, cfg, conf.where)
+    return _Bucket(store_at(reactor, conf.where, run, credentials, must_exist=True), credentials)
 
 
 @contextlib.asynccontextmanager
@@ -1304,7 +1283,7 @@ def litestream_config(cfg: BoxConfig, conf: BackupConfig) -> str:
         warning,
         "Credentials: Litestream's own (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or its chain).",
     ]
-    if not needs_credentials(conf.bucket):
+    if conf.where.is_file:
         notes.append(
             "A file: bucket: Litestream writes plain files there, which `litestream restore` "
             "reads (`lchat backup restore` reads only the router's own file-store layout)."
@@ -1327,7 +1306,7 @@ def litestream_config(cfg: BoxConfig, conf: BackupConfig) -> str:
         replica = layout.replica_path(c.name)
         entries.append(f"  - path: {_yaml(c.path)}  # {c.why}{f' {c.host}' if c.host else ''}")
         entries.append("    replica:")
-        if needs_credentials(conf.bucket):
+        if not conf.where.is_file:
             entries += [
                 "      type: s3",
                 f"      bucket: {_yaml(conf.bucket)}",
@@ -1339,7 +1318,7 @@ def litestream_config(cfg: BoxConfig, conf: BackupConfig) -> str:
                 entries.append(f"      endpoint: {_yaml(conf.endpoint)}")
                 entries.append("      force-path-style: true")
         else:
-            directory = conf.bucket[len("file:") :]
+            directory = conf.where.directory
             entries += [
                 "      type: file",
                 f"      path: {_yaml(os.path.join(directory, replica))}",

@@ -1081,26 +1081,16 @@ class _Bucket:
 
 def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
     """The buckets the router probes at start, with the keys it probes."""
-    import time
-
-    from lchat import objstore
     from lchat.backup.layout import Layout
-    from lchat.cli.bucket import open_mesh_bucket
+    from lchat.buckets import open_mesh_bucket, store_at
     from lchat.config import mesh_bucket
+    from lchat.objstore.where import Where
     from lchat.tap import probe_name
     from lchat.threads import thread_runner
 
-    def opener(bucket: str, region: str, endpoint: str) -> Callable[[Any], Any]:
+    def opener(where: Where) -> Callable[[Any], Any]:
         async def open_it(reactor: Any) -> Any:
-            return objstore.open_store(
-                reactor,
-                bucket,
-                thread_runner(reactor),
-                monotonic=time.monotonic,
-                region=region,
-                endpoint=endpoint,
-                credentials=aws,
-            )
+            return store_at(reactor, where, thread_runner(reactor), aws)
 
         return open_it
 
@@ -1112,7 +1102,7 @@ def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
             _Bucket(
                 "LCHAT_HIBERNATE",
                 hib.bucket,
-                opener(hib.bucket, hib.region, hib.endpoint),
+                opener(hib.where),
                 hib.key(".lchat", "probe", probe_key),
             )
         )
@@ -1133,7 +1123,7 @@ def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
             _Bucket(
                 "LCHAT_BACKUP",
                 backup.bucket,
-                opener(backup.bucket, backup.region, backup.endpoint),
+                opener(backup.where),
                 Layout(backup.prefix, backup.box).probe_key(),
             )
         )

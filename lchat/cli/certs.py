@@ -22,8 +22,8 @@ from cryptography import x509
 
 from lchat import tls
 from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name, key_id
+from lchat.buckets import open_bucket
 from lchat.cli import admin_client
-from lchat.cli.bucket import open_bucket
 from lchat.cli.replica import run_on_reactor
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         hib = cfg.hibernate
 
         async def main(reactor: Any) -> list[Row]:
-            store = await open_bucket(reactor, cfg)
+            store = await open_bucket(reactor, cfg, hib.where)
             try:
                 return await _shared_rows(store, hib.key("certs") + "/", *_key_ids(cfg))
             finally:

@@ -32,7 +32,7 @@ from twisted.internet import defer
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.python.failure import Failure
 
-from lchat.cli.bucket import open_mesh_bucket, open_region_bucket
+from lchat.buckets import open_bucket, open_mesh_bucket
 from lchat.config import BoxConfig, ConfigError, mesh_bucket, parse_bucket_url
 from lchat.mesh import client, fleet
 from lchat.mesh.heartbeat import HeartbeatKeys
@@ -324,7 +324,7 @@ def _fleet(
 
 async def _publish(reactor: Any, cfg: BoxConfig, where: _Target, result: fleet.Fleet) -> None:
     body = json.dumps(fleet.publishable(result), indent=2, sort_keys=True).encode() + b"\n"
-    store = await open_region_bucket(reactor, cfg, where.where)
+    store = await open_bucket(reactor, cfg, where.where, what="--publish", make_dir=True)
     try:
         put: Deferred[Any] = Deferred.fromCoroutine(
             store.put(where.key, body, content_type="application/json")

@@ -24,7 +24,7 @@ from typing import Any
 
 from attrs import frozen
 
-from lchat.cli.bucket import open_bucket
+from lchat.buckets import open_bucket
 from lchat.config import BoxConfig
 from lchat.hibernation.localdb import BucketView, local_state
 from lchat.objstore.where import Where
@@ -79,7 +79,7 @@ def read_freshness(cfg: BoxConfig, host: str, db: str) -> Freshness:
     assert hib is not None, "the caller checks that hibernation is configured"
 
     async def main(reactor: Any) -> BucketView:
-        store = await open_bucket(reactor, cfg)
+        store = await open_bucket(reactor, cfg, hib.where)
         try:
             return BucketView.of(await store.list(hib.key(host) + "/"))
         finally:

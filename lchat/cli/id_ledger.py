@@ -198,30 +198,13 @@ def _check_namespace(counter: Counter, highest: int, domain: str) -> None:
 
 
 async def _open(reactor: Any, cfg: BoxConfig, url: Where) -> tuple[Any, IdLedger]:
-    """The ledger's store (the caller closes it) and the ledger on it. An S3 ledger's
-    credentials come from the standard AWS chain, as :func:`lchat.cli.bucket.open_bucket`'s do."""
+    """The ledger's store (the caller closes it) and the ledger on it (a ``file:`` ledger's
+    directory is made on first use)."""
     from twisted.internet.task import deferLater
 
-    from lchat.objstore import needs_credentials, open_store
-    from lchat.objstore.aws import ResolvedCredentials, box_credentials
-    from lchat.threads import thread_runner
+    from lchat.buckets import open_bucket
 
-    run_in_thread = thread_runner(reactor)
-    credentials: ResolvedCredentials | None = None
-    if needs_credentials(url.bucket):
-        credentials = await run_in_thread(box_credentials, cfg)
-    else:
-        # A file: ledger's directory is made on first use (a read of a missing root fails).
-        await run_in_thread(os.makedirs, url.bucket[len("file:") :], 0o700, True)
-    store = open_store(
-        reactor,
-        url.bucket,
-        run_in_thread,
-        monotonic=time.monotonic,
-        region=url.s3_region,
-        endpoint=url.endpoint,
-        credentials=credentials,
-    )
+    store = await open_bucket(reactor, cfg, url, what="LCHAT_CLOUD_ID_LEDGER", make_dir=True)
     ledger = IdLedger(
         store, url.key(LEDGER_KEY), sleep=lambda s: deferLater(reactor, s, lambda: None)
     )

@@ -24,7 +24,7 @@ from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
 from twisted.python.failure import Failure
 
 from lchat import hosts
-from lchat.cli.bucket import open_mesh_bucket
+from lchat.buckets import open_mesh_bucket
 from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
 from lchat.mesh.heartbeat import HeartbeatKeys

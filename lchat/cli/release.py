@@ -183,10 +183,11 @@ def _pubkey(cfg: BoxConfig, settings: ReleaseSettings) -> Any:
 
 
 async def _mirror_store(reactor: Any, cfg: BoxConfig, settings: ReleaseSettings) -> ObjectStore:
-    from lchat.cli.bucket import open_region_bucket
+    from lchat.buckets import open_bucket
 
     assert settings.mirror is not None
-    return await open_region_bucket(reactor, cfg, settings.mirror)
+    where, what = settings.mirror, "LCHAT_RELEASE_MIRROR_URL"
+    return await open_bucket(reactor, cfg, where, what=what, make_dir=True)
 
 
 async def _fetcher(

@@ -37,11 +37,11 @@ from twisted.internet import defer
 from twisted.internet.defer import Deferred
 
 from lchat import hosts, lease
+from lchat.buckets import bucket_key_env, open_bucket
 from lchat.cli import admin_client
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
-from lchat.cli.bucket import open_region_bucket
-from lchat.config import BoxConfig, ConfigError, bucket_key_env
+from lchat.config import BoxConfig, ConfigError
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.objstore.s3 import S3Store
@@ -368,8 +368,10 @@ def _fenced_copy_and_flip(
             # Before anything moves: a destination region without a live box is a refusal.
             check_placement(await _read_members(reactor, cfg))
         await run_in_thread(sleep_and_hold)
-        src_store = await open_region_bucket(reactor, cfg, src, f"region {labels[0]}")
-        dst_store = await open_region_bucket(reactor, cfg, dst, f"region {labels[1]}")
+        src_store, dst_store = [
+            await open_bucket(reactor, cfg, where, what=f"region {label}", make_dir=True)
+            for where, label in zip((src, dst), labels, strict=True)
+        ]
         fences: list[tuple[ObjectStore, lease.HeldLease]] = []
         try:
             for store, where, label in zip((src_store, dst_store), (src, dst), labels, strict=True):
@@ -614,7 +616,7 @@ def _one_account(cfg: BoxConfig, src: Where, dst: Where) -> bool:
         return False
     if not src.endpoint and (src.s3_region or "us-east-1") != (dst.s3_region or "us-east-1"):
         return False
-    keys = [(bucket_key_env(cfg, where) or {}).get("AWS_ACCESS_KEY_ID") for where in (src, dst)]
+    keys = [(bucket_key_env(cfg, w, "") or {}).get("AWS_ACCESS_KEY_ID") for w in (src, dst)]
     return keys[0] == keys[1]
 
 

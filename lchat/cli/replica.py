@@ -18,7 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from lchat import hosts
-from lchat.cli.bucket import open_bucket
+from lchat.buckets import open_bucket
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.replica import restore as restore_mod
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
             return _fail(f"{args.output} already exists (use --force to replace it)")
 
     async def main(reactor: Any) -> int:
-        store = await open_bucket(reactor, cfg)
+        store = await open_bucket(reactor, cfg, hib.where)
         try:
             if args.replica_command == "ls":
                 return await _ls(store, path, out)

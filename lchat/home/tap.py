@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,8 +26,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 import lchat
-from lchat import objstore
 from lchat.admin import clear_stale_socket
+from lchat.buckets import prepare, store_at
 from lchat.config import ConfigError
 from lchat.home import config as home_config
 from lchat.home.api import CappedRequest, HomeAPI, HomeResource
@@ -37,7 +36,8 @@ from lchat.home.passkeys import Passkeys
 from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
 from lchat.home.store import VaultStore
-from lchat.objstore.aws import NoCredentials, box_credentials
+from lchat.objstore.aws import NoCredentials
+from lchat.objstore.where import Where
 from lchat.threads import thread_runner
 from lchat.webutil import QuietSite
 
@@ -250,19 +250,12 @@ async def open_store(reactor: Any, cfg: home_config.HomeConfig, run: Any) -> Vau
 
     s3 = cfg.s3
     assert s3 is not None
+    where = Where(s3.bucket, s3.prefix, s3.region, s3.endpoint)  # never file: (config refuses it)
     try:
-        credentials = await run(box_credentials, cfg)
+        credentials = await run(prepare, cfg, where)
     except NoCredentials as e:
         raise ConfigError(f"LCHAT_HOME_S3_BUCKET={s3.bucket}: {e}") from e
-    objects = objstore.open_store(
-        reactor,
-        s3.bucket,
-        run,
-        monotonic=time.monotonic,
-        region=s3.region,
-        endpoint=s3.endpoint,
-        credentials=credentials,
-    )
+    objects = store_at(reactor, where, run, credentials)
     return S3VaultStore(objects, reactor, s3.prefix, random.SystemRandom())  # type: ignore[arg-type]  # (open_store gives an S3Store, which is versioned)
 
 

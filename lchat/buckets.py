@@ -1,0 +1,124 @@
+"""Opening a bucket (:class:`lchat.objstore.where.Where`): its credentials, then its store.
+
+One rule for the router and every command: a bucket that names its own key pair
+(``access_key_env``/``secret_key_env``) is signed with it (:func:`bucket_key_env`); any other S3
+bucket with the box's standard chain (:func:`lchat.objstore.aws.box_credentials`); a ``file:``
+bucket needs none. Core, not ``lchat.cli``: the router opens ``LCHAT_MESH_BUCKET`` with it too.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from lchat.config import BoxConfig, ConfigError, mesh_bucket
+from lchat.objstore import ObjectStore, open_store
+from lchat.objstore.aws import ResolvedCredentials, box_credentials, resolve_credentials
+from lchat.objstore.file import FileStore
+from lchat.objstore.where import Where
+from lchat.threads import RunInThread, thread_runner
+
+
+class HasEnvFile(Protocol):
+    """A box's or home's configuration: its env file's values."""
+
+    @property
+    def file_env(self) -> Mapping[str, str]: ...
+
+    @property
+    def aws_env(self) -> Mapping[str, str]: ...
+
+
+def bucket_key_env(cfg: HasEnvFile, where: Where, what: str) -> dict[str, str] | None:
+    """The environment the standard AWS chain resolves ``where``'s credentials from, when it
+    names its own key pair (``access_key_env``/``secret_key_env``, read from the env file or the
+    process environment, which wins as it does for ``AWS_*``); ``None`` when the box's own
+    credentials serve it. A named variable that is unset is a :class:`ConfigError` naming
+    ``what`` (``region fi``, ``LCHAT_MESH_BUCKET``)."""
+    if not where.access_key_env:
+        return None
+    env = {**cfg.file_env, **os.environ}
+    missing = [n for n in (where.access_key_env, where.secret_key_env) if not env.get(n)]
+    if missing:
+        raise ConfigError(
+            f"{what}'s keys are in {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} unset"
+        )
+    keep = {k: v for k, v in env.items() if k in ("AWS_REGION", "AWS_DEFAULT_REGION")}
+    return {
+        **keep,
+        "AWS_ACCESS_KEY_ID": env[where.access_key_env],
+        "AWS_SECRET_ACCESS_KEY": env[where.secret_key_env],
+    }
+
+
+def prepare(
+    cfg: HasEnvFile,
+    where: Where,
+    *,
+    what: str = "the bucket",
+    box: ResolvedCredentials | None = None,
+    make_dir: bool = False,
+) -> ResolvedCredentials | None:
+    """What opening ``where`` needs, made ready. Blocking (the chain may read files or ask the
+    instance metadata service): at boot, or in a thread. A ``file:`` bucket: None, its directory
+    made first with ``make_dir`` (a read of a missing root fails). An S3 bucket: its own key pair,
+    else ``box`` (the box's credentials, already resolved), else the box's chain resolved now.
+    Raises ``NoCredentials`` or, for an unset key variable, ``ConfigError``."""
+    if where.is_file:
+        if make_dir:
+            os.makedirs(where.directory, 0o700, exist_ok=True)
+        return None
+    env = bucket_key_env(cfg, where, what)
+    if env is not None:
+        return resolve_credentials(env)
+    return box if box is not None else box_credentials(cfg)
+
+
+def store_at(
+    reactor: Any,
+    where: Where,
+    run: RunInThread,
+    credentials: ResolvedCredentials | None,
+    *,
+    must_exist: bool = False,
+) -> ObjectStore:
+    """``where``'s store on ``reactor`` (the caller closes it). ``must_exist``: a ``file:``
+    bucket that is not there is an error, never an empty bucket (a backup to read)."""
+    if where.is_file and must_exist:
+        return FileStore(reactor, where.directory, run, create=False)
+    return open_store(
+        reactor,
+        where.bucket,
+        run,
+        monotonic=time.monotonic,
+        region=where.s3_region,
+        endpoint=where.endpoint,
+        credentials=credentials,
+    )
+
+
+async def open_bucket(
+    reactor: Any,
+    cfg: HasEnvFile,
+    where: Where,
+    *,
+    what: str = "the bucket",
+    make_dir: bool = False,
+    must_exist: bool = False,
+) -> ObjectStore:
+    """``where``'s store on ``reactor`` (the caller closes it), :func:`prepare` run in the
+    reactor's thread pool; ``what`` names the bucket in a refusal."""
+    run = thread_runner(reactor)
+    credentials = await run(lambda: prepare(cfg, where, what=what, make_dir=make_dir))
+    return store_at(reactor, where, run, credentials, must_exist=must_exist)
+
+
+async def open_mesh_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
+    """The bucket the mesh's heartbeats live in (:func:`lchat.config.mesh_bucket`); an
+    ``LCHAT_MESH_BUCKET`` of ``file:`` is made on first use, the hibernation bucket is not."""
+    assert cfg.mesh is not None
+    own = cfg.mesh.bucket is not None
+    return await open_bucket(reactor, cfg, mesh_bucket(cfg), what="LCHAT_MESH_BUCKET", make_dir=own)
