@@ -39,8 +39,8 @@ from lchat.objstore.file import (
     KeyRefused,
     decode_segment,
     encode_segment,
-    parse_file_bucket,
 )
+from lchat.objstore.where import file_bucket
 from lchat.threads import thread_runner
 
 reactor: Any = _reactor
@@ -201,14 +201,12 @@ class ListingPropertyTests(unittest.TestCase):
 
 class ParseBucketTests(unittest.TestCase):
     def test_parse(self) -> None:
-        assert parse_file_bucket("my-bucket") is None
-        assert parse_file_bucket("s3://x") is None
-        assert parse_file_bucket("file:/var/lib/lchat/bucket") == "/var/lib/lchat/bucket"
-        assert parse_file_bucket("file:/a/b/../c/") == "/a/c"
-        assert parse_file_bucket("file:var/bucket") == os.path.join(os.getcwd(), "var/bucket")
+        assert file_bucket("file:/var/lib/lchat/bucket") == "file:/var/lib/lchat/bucket"
+        assert file_bucket("file:/a/b/../c/") == "file:/a/c"
+        assert file_bucket("file:var/bucket") == "file:" + os.path.join(os.getcwd(), "var/bucket")
         for bad in ("file:", "file:/a\x00b"):
             with self.assertRaises(ValueError):
-                parse_file_bucket(bad)
+                file_bucket(bad)
 
 
 class EscapeTests(Base):

@@ -96,20 +96,6 @@ class KeyRefused(ObjectStoreError):
     """A key this store cannot hold (empty, over 1,024 bytes, not unicode, a segment too long)."""
 
 
-def parse_file_bucket(value: str) -> str | None:
-    """``file:PATH`` -> the absolute directory path; ``None`` for anything else (an S3 bucket name).
-
-    Mirrors ``lchat.config``: a relative PATH is made absolute against the current directory.
-    Raises ``ValueError`` for ``file:`` with no path or with a NUL in it.
-    """
-    if not value.startswith("file:"):
-        return None
-    path = value[len("file:") :]
-    if not path or "\x00" in path:
-        raise ValueError(f"{value!r}: file: needs a directory path")
-    return os.path.abspath(path)
-
-
 # --- key <-> path -----------------------------------------------------------------------------
 
 
