@@ -51,7 +51,7 @@ class HomeConfigTests(SynchronousTestCase):
         )
         assert cfg.s3 is not None
         self.assertEqual(
-            (cfg.store, cfg.s3.bucket, cfg.s3.region, cfg.s3.prefix, cfg.s3.endpoint),
+            (cfg.store, cfg.s3.bucket, cfg.s3.s3_region, cfg.s3.prefix, cfg.s3.endpoint),
             ("s3", "home-bucket", "eu-west-1", "prod/home", "http://127.0.0.1:9000"),
         )
 

@@ -16,6 +16,7 @@ from attrs import field, frozen
 
 from lchat.config import ConfigError, read_env_file
 from lchat.home.limits import DEFAULT_MAX_KEYS, NAMES, IPNetwork, Rate, parse_trusted
+from lchat.objstore.where import Where
 
 DEFAULT_ENV_FILE = "/data/home.env"
 
@@ -67,14 +68,6 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 @frozen
-class S3Settings:
-    bucket: str
-    region: str
-    prefix: str
-    endpoint: str
-
-
-@frozen
 class HomeConfig:
     env_file: str
     data_dir: str
@@ -84,7 +77,7 @@ class HomeConfig:
     tcp: tuple[str, int] | None
     store: Literal["sqlite", "s3"]
     db: str
-    s3: S3Settings | None
+    s3: Where | None  # LCHAT_HOME_S3_*: an S3 bucket, never file:
     session_key: str = field(repr=False)
     origins: tuple[str, ...]
     rp_id: str
@@ -235,7 +228,7 @@ def _tcp(text: str) -> tuple[str, int] | None:
     return ((match.group(1) or "127.0.0.1").strip("[]"), port)
 
 
-def _s3(get: Callable[[str], str]) -> S3Settings:
+def _s3(get: Callable[[str], str]) -> Where:
     bucket, region = get("LCHAT_HOME_S3_BUCKET"), get("LCHAT_HOME_S3_REGION")
     if not bucket or not region:
         raise ConfigError(
@@ -248,7 +241,7 @@ def _s3(get: Callable[[str], str]) -> S3Settings:
     if endpoint and urlsplit(endpoint).scheme not in ("http", "https"):
         raise ConfigError(f"LCHAT_HOME_S3_ENDPOINT={endpoint!r} must be an http(s) URL")
     prefix = get("LCHAT_HOME_S3_PREFIX").strip("/")
-    return S3Settings(bucket=bucket, region=region, prefix=prefix, endpoint=endpoint)
+    return Where(bucket, prefix, s3_region=region, endpoint=endpoint)
 
 
 def _origins(text: str) -> tuple[str, ...]:

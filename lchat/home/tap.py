@@ -37,7 +37,6 @@ from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
 from lchat.home.store import VaultStore
 from lchat.objstore.aws import NoCredentials
-from lchat.objstore.where import Where
 from lchat.threads import thread_runner
 from lchat.webutil import QuietSite
 
@@ -248,15 +247,14 @@ async def open_store(reactor: Any, cfg: home_config.HomeConfig, run: Any) -> Vau
         return await SQLiteVaultStore.open(cfg.db, run, reactor)
     from lchat.home.s3_store import S3VaultStore
 
-    s3 = cfg.s3
-    assert s3 is not None
-    where = Where(s3.bucket, s3.prefix, s3.region, s3.endpoint)  # never file: (config refuses it)
+    where = cfg.s3
+    assert where is not None
     try:
         credentials = await run(prepare, cfg, where)
     except NoCredentials as e:
-        raise ConfigError(f"LCHAT_HOME_S3_BUCKET={s3.bucket}: {e}") from e
+        raise ConfigError(f"LCHAT_HOME_S3_BUCKET={where.bucket}: {e}") from e
     objects = store_at(reactor, where, run, credentials)
-    return S3VaultStore(objects, reactor, s3.prefix, random.SystemRandom())  # type: ignore[arg-type]  # (open_store gives an S3Store, which is versioned)
+    return S3VaultStore(objects, reactor, where.prefix, random.SystemRandom())  # type: ignore[arg-type]  # (open_store gives an S3Store, which is versioned)
 
 
 class _Admin(Resource):
