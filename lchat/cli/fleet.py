@@ -232,8 +232,7 @@ def _publish_target(url: str) -> tuple[_Target, str]:
     except ConfigError as e:
         raise FleetCliError(str(e)) from None
     key = where.key(PUBLISH_KEY)
-    shown = f"{where.bucket}/{key}" if where.is_file else f"s3://{where.bucket}/{key}"
-    return _Target(where, key), shown
+    return _Target(where, key), str(Where(where.bucket, key))
 
 
 async def _members(reactor: Any, cfg: BoxConfig) -> list[Member]:
