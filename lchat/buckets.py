@@ -16,9 +16,8 @@ from typing import Any, Protocol
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.objstore import ObjectStore, open_store
 from lchat.objstore.aws import ResolvedCredentials, box_credentials, resolve_credentials
-from lchat.objstore.file import FileStore
 from lchat.objstore.where import Where
-from lchat.threads import RunInThread, thread_runner
+from lchat.threads import thread_runner
 
 
 class HasEnvFile(Protocol):
@@ -77,29 +76,6 @@ def prepare(
     return box if box is not None else box_credentials(cfg)
 
 
-def store_at(
-    reactor: Any,
-    where: Where,
-    run: RunInThread,
-    credentials: ResolvedCredentials | None,
-    *,
-    must_exist: bool = False,
-) -> ObjectStore:
-    """``where``'s store on ``reactor`` (the caller closes it). ``must_exist``: a ``file:``
-    bucket that is not there is an error, never an empty bucket (a backup to read)."""
-    if where.is_file and must_exist:
-        return FileStore(reactor, where.directory, run, create=False)
-    return open_store(
-        reactor,
-        where.bucket,
-        run,
-        monotonic=time.monotonic,
-        region=where.s3_region,
-        endpoint=where.endpoint,
-        credentials=credentials,
-    )
-
-
 async def open_bucket(
     reactor: Any,
     cfg: HasEnvFile,
@@ -109,11 +85,13 @@ async def open_bucket(
     make_dir: bool = False,
     must_exist: bool = False,
 ) -> ObjectStore:
-    """``where``'s store on ``reactor`` (the caller closes it), :func:`prepare` run in the
-    reactor's thread pool; ``what`` names the bucket in a refusal."""
+    """``where``'s store on ``reactor`` (the caller closes it; :func:`lchat.objstore.open_store`),
+    :func:`prepare` run in the reactor's thread pool; ``what`` names the bucket in a refusal."""
     run = thread_runner(reactor)
     credentials = await run(lambda: prepare(cfg, where, what=what, make_dir=make_dir))
-    return store_at(reactor, where, run, credentials, must_exist=must_exist)
+    return open_store(
+        reactor, where, run, credentials, monotonic=time.monotonic, must_exist=must_exist
+    )
 
 
 async def open_mesh_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:

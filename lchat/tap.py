@@ -30,7 +30,7 @@ from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
-from lchat.buckets import prepare, store_at
+from lchat.buckets import prepare
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
@@ -337,7 +337,9 @@ def _membership(
             credentials = prepare(cfg, beats, what="LCHAT_MESH_BUCKET", box=aws, make_dir=True)
         except NoCredentials as e:
             raise ConfigError(f"LCHAT_MESH_BUCKET={beats.bucket}: {e}") from e
-        members_store = mesh_store = store_at(reactor, beats, run, credentials)
+        members_store = mesh_store = objstore.open_store(
+            reactor, beats, run, credentials, monotonic=time.monotonic
+        )
         mesh_check = _BucketCheck(
             reactor,
             mesh_store,
@@ -367,7 +369,7 @@ def _backup(
     """The fleet backup: its bucket (probed at start) and one replicator per database."""
     conf = cfg.backup
     assert conf is not None
-    store = store_at(reactor, conf.where, run, aws)
+    store = objstore.open_store(reactor, conf.where, run, aws, monotonic=time.monotonic)
     backup = Backup(
         reactor,
         store,
@@ -450,7 +452,7 @@ def _hibernation(
     backup on, a wake first takes the database from it (``Backup.release``)."""
     hib = cfg.hibernate
     assert hib is not None
-    store = store_at(reactor, hib.where, run, aws)
+    store = objstore.open_store(reactor, hib.where, run, aws, monotonic=time.monotonic)
     # The mesh's membership first: on a mesh box its heartbeat fences every lease the lifecycle
     # takes (lchat.mesh.fence, docs/lease.md).
     membership_parts = _membership(reactor, cfg, store, run, aws) if cfg.mesh is not None else None

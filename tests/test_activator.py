@@ -31,6 +31,7 @@ from lchat.hibernation import lifecycle as lifecycle_module
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.hibernation.space import Budgets
 from lchat.objstore import open_store
+from lchat.objstore.where import Where
 from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
 from lchat.supervise import listener_pid
@@ -371,10 +372,7 @@ class HibernationTests(_Harness):
             [k for k in _bucket_keys(self.bucket, "warm.example") if "/0009@d/" in k], snapshots
         )
         store = open_store(
-            reactor,
-            f"file:{self.bucket}",
-            run_in_thread=thread_runner(reactor),
-            monotonic=time.monotonic,
+            reactor, Where(f"file:{self.bucket}"), thread_runner(reactor), monotonic=time.monotonic
         )
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         out = os.path.join(self.dir, "warm.restored")
@@ -674,10 +672,7 @@ class TwistdDrainTests(_Harness):
         self.assertIn(code, (0, -signal.SIGTERM), open(log_path).read())
         text = open(log_path).read()
         store = open_store(
-            reactor,
-            f"file:{self.bucket}",
-            run_in_thread=thread_runner(reactor),
-            monotonic=time.monotonic,
+            reactor, Where(f"file:{self.bucket}"), thread_runner(reactor), monotonic=time.monotonic
         )
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         for host in hosts:

@@ -33,6 +33,7 @@ from lchat.objstore.aws import (
     resolve_credentials,
 )
 from lchat.objstore.s3 import S3Store
+from lchat.objstore.where import Where
 from lchat.threads import thread_runner
 from tests import s3servers
 
@@ -87,14 +88,9 @@ class ResolveCredentialsTests(TestCase):
 
     async def round_trip(self, resolved: ResolvedCredentials, region: str = "") -> S3Store:
         """The credentials sign a PUT and a GET the server accepts."""
+        where = Where(self.bucket, s3_region=region, endpoint=self.server.endpoint)
         store = open_store(
-            reactor,
-            self.bucket,
-            region=region,
-            endpoint=self.server.endpoint,
-            credentials=resolved,
-            run_in_thread=thread_runner(reactor),
-            monotonic=time.monotonic,
+            reactor, where, thread_runner(reactor), resolved, monotonic=time.monotonic
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)

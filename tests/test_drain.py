@@ -195,10 +195,7 @@ class DrainRoutingTests(TestCase):
         self.cfg = config.load(env_file=env_file, environ={})
         assert self.cfg.hibernate is not None
         self.store = open_store(
-            reactor,
-            self.cfg.hibernate.bucket,
-            run_in_thread=thread_runner(reactor),
-            monotonic=time.monotonic,
+            reactor, self.cfg.hibernate.where, thread_runner(reactor), monotonic=time.monotonic
         )
         self.addCleanup(lambda: Deferred.fromCoroutine(self.store.close()))
         self.host = "s.mesh.example"

@@ -44,11 +44,11 @@ from lchat.objstore import (
     ObjectStoreError,
     PreconditionFailed,
     StoreUnavailable,
-    needs_credentials,
     open_store,
 )
 from lchat.objstore.aws import ResolvedCredentials
 from lchat.objstore.s3 import S3Store, quote_key
+from lchat.objstore.where import Where
 from lchat.threads import thread_runner
 from tests import s3servers
 
@@ -987,13 +987,7 @@ class AddressingTests(TestCase):
         creds = Credentials("a", "b")
         resolved = ResolvedCredentials(credentials=creds, region="eu-central-1", session=None)
         store = open_store(
-            reactor,
-            hib.bucket,
-            region=hib.region,
-            endpoint=hib.endpoint,
-            credentials=resolved,
-            run_in_thread=thread_runner(reactor),
-            monotonic=time.monotonic,
+            reactor, hib.where, thread_runner(reactor), resolved, monotonic=time.monotonic
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)
@@ -1003,22 +997,17 @@ class AddressingTests(TestCase):
         self.assertIn("fleet", store.describe())
         store = open_store(
             reactor,
-            "fleet",
-            region="us-west-2",
-            credentials=resolved,
-            run_in_thread=thread_runner(reactor),
+            Where("fleet", s3_region="us-west-2"),
+            thread_runner(reactor),
+            resolved,
             monotonic=time.monotonic,
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)
         self.assertEqual(store._region, "us-west-2")  # LCHAT_HIBERNATE_REGION wins
         with self.assertRaises(ValueError) as caught:
-            open_store(
-                reactor, "fleet", run_in_thread=thread_runner(reactor), monotonic=time.monotonic
-            )
+            open_store(reactor, Where("fleet"), thread_runner(reactor), monotonic=time.monotonic)
         self.assertIn("needs credentials", str(caught.exception))
-        self.assertFalse(needs_credentials("file:/var/lib/lchat/bucket"))
-        self.assertTrue(needs_credentials("fleet"))
 
     def test_bad_arguments_are_refused(self) -> None:
         creds = Credentials("a", "b")

@@ -29,6 +29,7 @@ from lchat.cli import admin_client
 from lchat.cli.main import main as cli_main
 from lchat.hibernation.localdb import MARKER_SUFFIX, local_state
 from lchat.objstore import open_store
+from lchat.objstore.where import Where
 from lchat.registry import Registry, Route
 from lchat.replica.db import ReplicaDB
 from lchat.replica.restore import restore
@@ -433,10 +434,7 @@ class RouterStatsTests(_Harness):
 
     async def _restore(self, host: str, out: str) -> None:
         store = open_store(
-            reactor,
-            f"file:{self.bucket}",
-            run_in_thread=thread_runner(reactor),
-            monotonic=time.monotonic,
+            reactor, Where(f"file:{self.bucket}"), thread_runner(reactor), monotonic=time.monotonic
         )
         try:
             await restore(store, host, out, run_in_thread=thread_runner(reactor))

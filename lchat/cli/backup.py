@@ -46,7 +46,7 @@ from attrs import field, frozen
 from lchat import files, hosts
 from lchat.backup import envfiles, selection
 from lchat.backup.layout import REGISTRY_NAME, BadName, Layout, Stored, catalogue, check_name
-from lchat.buckets import prepare, store_at
+from lchat.buckets import prepare
 from lchat.cli import admin_client
 from lchat.cli import replica as replica_cli
 from lchat.config import BackupConfig, BoxConfig
@@ -55,6 +55,7 @@ from lchat.objstore import (
     NotFound,
     ObjectStore,
     ObjectStoreError,
+    open_store,
 )
 from lchat.objstore.aws import ResolvedCredentials
 from lchat.registry import Registry, RegistryError, Route
@@ -337,7 +338,10 @@ async def _open(reactor: Any, cfg: BoxConfig) -> _Bucket:
     assert conf is not None, "the caller checks that the backup is configured"
     run = thread_runner(reactor)
     credentials = await run(prepare, cfg, conf.where)
-    return _Bucket(store_at(reactor, conf.where, run, credentials, must_exist=True), credentials)
+    store = open_store(
+        reactor, conf.where, run, credentials, monotonic=time.monotonic, must_exist=True
+    )
+    return _Bucket(store, credentials)
 
 
 @contextlib.asynccontextmanager

@@ -1082,15 +1082,16 @@ class _Bucket:
 def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
     """The buckets the router probes at start, with the keys it probes."""
     from lchat.backup.layout import Layout
-    from lchat.buckets import open_mesh_bucket, store_at
+    from lchat.buckets import open_mesh_bucket
     from lchat.config import mesh_bucket
+    from lchat.objstore import open_store
     from lchat.objstore.where import Where
     from lchat.tap import probe_name
     from lchat.threads import thread_runner
 
     def opener(where: Where) -> Callable[[Any], Any]:
         async def open_it(reactor: Any) -> Any:
-            return store_at(reactor, where, thread_runner(reactor), aws)
+            return open_store(reactor, where, thread_runner(reactor), aws, monotonic=time.monotonic)
 
         return open_it
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,8 +27,9 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 import lchat
+from lchat import objstore
 from lchat.admin import clear_stale_socket
-from lchat.buckets import prepare, store_at
+from lchat.buckets import prepare
 from lchat.config import ConfigError
 from lchat.home import config as home_config
 from lchat.home.api import CappedRequest, HomeAPI, HomeResource
@@ -253,7 +255,7 @@ async def open_store(reactor: Any, cfg: home_config.HomeConfig, run: Any) -> Vau
         credentials = await run(prepare, cfg, where)
     except NoCredentials as e:
         raise ConfigError(f"LCHAT_HOME_S3_BUCKET={where.bucket}: {e}") from e
-    objects = store_at(reactor, where, run, credentials)
+    objects = objstore.open_store(reactor, where, run, credentials, monotonic=time.monotonic)
     return S3VaultStore(objects, reactor, where.prefix, random.SystemRandom())  # type: ignore[arg-type]  # (open_store gives an S3Store, which is versioned)
 
 

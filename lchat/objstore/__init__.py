@@ -30,6 +30,7 @@ from lchat.threads import RunInThread
 
 if TYPE_CHECKING:
     from lchat.objstore.aws import ResolvedCredentials
+    from lchat.objstore.where import Where
 
 UTC = datetime.UTC
 
@@ -189,48 +190,42 @@ class VersionedObjectStore(ObjectStore, Protocol):
         ...
 
 
-def needs_credentials(bucket: str) -> bool:
-    """Whether ``bucket`` (``LCHAT_HIBERNATE_BUCKET``) is an S3 bucket, which needs AWS
-    credentials (:func:`lchat.objstore.aws.resolve_credentials`); a ``file:`` bucket needs none."""
-    return not bucket.startswith("file:")
-
-
 def open_store(
     reactor: Any,
-    bucket: str,
+    where: Where,
     run_in_thread: RunInThread,
+    credentials: ResolvedCredentials | None = None,
     *,
     monotonic: Callable[[], float],
-    region: str = "",
-    endpoint: str = "",
-    credentials: ResolvedCredentials | None = None,
+    must_exist: bool = False,
 ) -> ObjectStore:
-    """The store for ``LCHAT_HIBERNATE_BUCKET``: ``file:PATH`` or an S3 bucket name.
+    """``where``'s store on ``reactor`` (the caller closes it).
 
-    An S3 bucket needs ``credentials``, resolved once by the caller
-    (:func:`lchat.objstore.aws.resolve_credentials`); its ``region`` is ``region`` when given,
-    else the one the credential chain names, else ``us-east-1``. A ``file:`` bucket ignores all
-    three. ``run_in_thread`` runs the store's blocking work (disk, credential refreshes);
+    An S3 bucket needs ``credentials``, resolved once by the caller (:mod:`lchat.buckets`); its
+    region is ``where.s3_region`` when given, else the one the credential chain names, else
+    ``us-east-1``. A ``file:`` bucket needs none; its directory is made on the first write,
+    unless ``must_exist`` (a backup to read: one that is not there is an error, never an empty
+    bucket). ``run_in_thread`` runs the store's blocking work (disk, credential refreshes);
     ``monotonic`` is the local monotonic clock an S3 bucket dates its answers by.
     """
-    if not needs_credentials(bucket):
+    if where.is_file:
         from lchat.objstore.file import FileStore
 
-        return FileStore(reactor, bucket[len("file:") :], run_in_thread, create=True)
+        return FileStore(reactor, where.directory, run_in_thread, create=not must_exist)
     if credentials is None:
         raise ValueError(
-            f"the S3 bucket {bucket!r} needs credentials: resolve them once (at start) with "
-            "lchat.objstore.aws.resolve_credentials and pass them in"
+            f"the S3 bucket {where.bucket!r} needs credentials: resolve them once (at start) "
+            "with lchat.objstore.aws.resolve_credentials and pass them in"
         )
     from lchat.objstore.s3 import S3Store
 
     return S3Store(
         reactor,
-        bucket,
+        where.bucket,
         run_in_thread=run_in_thread,
         monotonic=monotonic,
-        region=region or credentials.region,
-        endpoint=endpoint,
+        region=where.s3_region or credentials.region,
+        endpoint=where.endpoint,
         credentials=credentials.credentials,
     )
 

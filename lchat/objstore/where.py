@@ -5,8 +5,8 @@
 ``LCHAT_RELEASE_MIRROR_URL``, ``lchat fleet --publish``); the ``LCHAT_{HIBERNATE,BACKUP}_*``
 variables spell the same thing in parts (:attr:`lchat.config.HibernateConfig.where`).
 
-Invariants: ``bucket`` is an S3 bucket name or ``file:<absolute path>`` (the form
-:func:`lchat.objstore.open_store` takes); ``prefix`` has no leading or trailing ``/``, no ``..``
+Invariants: ``bucket`` is an S3 bucket name or ``file:<absolute path>`` (what
+:func:`lchat.objstore.open_store` opens); ``prefix`` has no leading or trailing ``/``, no ``..``
 segment and no NUL; ``region`` here is only ever the S3 signing region (``s3_region``), never the
 mesh label a bucket may be filed under; the key pair is named, never held.
 """
