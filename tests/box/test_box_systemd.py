@@ -280,6 +280,15 @@ class SystemdBoxTests(SynchronousTestCase):
     def active(self, unit: str) -> str:
         return self.box.run(["systemctl", "is-active", unit], check=False).stdout.strip()
 
+    def wait_runs_as(self, unit: str, uid: str) -> None:
+        """``unit``'s main process runs as ``uid`` (right after a start its pid may still be
+        systemd's fork, root, setting it up)."""
+        self.box.wait_for(
+            f"{unit} running as uid {uid}",
+            f"awk '/^Uid:/ {{ exit !($2 == \"{uid}\") }}'"
+            f" /proc/$(systemctl show -p MainPID --value {unit})/status",
+        )
+
     def main_pid(self, unit: str) -> int:
         return int(self.box.run(["systemctl", "show", "-p", "MainPID", "--value", unit]).stdout)
 
@@ -657,8 +666,7 @@ class SystemdBoxTests(SynchronousTestCase):
         b.run(["systemctl", "daemon-reload"])
         b.run(["systemctl", "start", f"lchat@{ALWAYS_ON}"])
         lchat_uid = b.run(["id", "-u", "lchat"]).stdout.strip()
-        status = b.run(["cat", f"/proc/{self.main_pid(f'lchat@{ALWAYS_ON}')}/status"]).stdout
-        self.assertIn(f"Uid:\t{lchat_uid}\t", status)  # the older box: as the service user
+        self.wait_runs_as(f"lchat@{ALWAYS_ON}", lchat_uid)  # the older box: as the service user
         since = b.now()
         b.run(["systemctl", "start", "lchat-router"], timeout=200)
         b.wait_for(
@@ -676,8 +684,7 @@ class SystemdBoxTests(SynchronousTestCase):
         b.run(["test", "!", "-e", flat_db])
         space_uid = b.run(["id", "-u", isolation.user_name(ALWAYS_ON)]).stdout.strip()
         self.assertEqual(self.active(f"lchat@{ALWAYS_ON}"), "active")
-        status = b.run(["cat", f"/proc/{self.main_pid(f'lchat@{ALWAYS_ON}')}/status"]).stdout
-        self.assertIn(f"Uid:\t{space_uid}\t", status)
+        self.wait_runs_as(f"lchat@{ALWAYS_ON}", space_uid)
         b.wait_for(
             "the router isolates the spaces",
             f"journalctl -u lchat-router --since '{since}' -o cat | grep -F 'isolation: on'",
