@@ -32,9 +32,8 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.trial.unittest import SkipTest, TestCase
 
-from lchat import hosts
+from lchat import admin_client, hosts
 from lchat.backup.layout import Layout
-from lchat.cli import admin_client
 from lchat.cli import backup as backup_cli
 from lchat.cli.main import build_parser, load_config, main
 from lchat.objstore import ObjectStore

@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Any
 
-from lchat import envfile, hosts
-from lchat.cli import admin_client, litestream_yml
+from lchat import admin_client, envfile, hosts
+from lchat.cli import litestream_yml
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.registry import Route
 from tests.routerproc import kill_spaces_under, spawn_router

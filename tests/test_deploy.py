@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from lchat.cli import admin_client
+from lchat import admin_client
 from lchat.release import deploy, wakes
 from lchat.release.layout import BuildLayout
 from tests.test_cli import REPO

@@ -19,8 +19,7 @@ import subprocess
 import time
 from typing import Any
 
-from lchat import envfile, hosts
-from lchat.cli import admin_client
+from lchat import admin_client, envfile, hosts
 from lchat.hibernation.localdb import MARKER_SUFFIX, local_state, moved_aside
 from lchat.registry import Registry, Route
 from tests import s3servers

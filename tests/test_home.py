@@ -34,7 +34,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-from lchat.cli.admin_client import UnixHTTPConnection, Unreachable
+from lchat.admin_client import UnixHTTPConnection, Unreachable
 from lchat.home.stateless import Ceremonies, load_session_keys
 from tests import s3servers
 from tests.authenticator import SoftwareAuthenticator

@@ -68,7 +68,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError
 
-from lchat.cli.admin_client import UnixHTTPConnection, Unreachable
+from lchat.admin_client import UnixHTTPConnection, Unreachable
 from lchat.cli.dev_cert import make_dev_certs
 from tests.routerproc import spawn_router
 from tests.test_home import Home

@@ -24,9 +24,8 @@ import sys
 import time
 from typing import Any
 
-from lchat import hosts
+from lchat import admin_client, hosts
 from lchat.acme.cache import LocalCache
-from lchat.cli import admin_client
 from tests.test_cli_hibernate import HibernateTestCase
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolation_probe.py")

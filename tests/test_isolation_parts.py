@@ -11,8 +11,7 @@ import tempfile
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from lchat import hosts, isolation
-from lchat.cli import units
+from lchat import hosts, isolation, systemd_units
 from lchat.config import load
 from lchat.space import server
 
@@ -226,7 +225,7 @@ class DropinTests(Box):
         cfg = load(env_file=env, environ={}, systemd_present=False)
         user = isolation.SpaceUser(45123, 45123, isolation.user_name(HOST))
         socket = hosts.socket_path("/run/lchat", HOST, isolated=True)
-        text = units.space_dropin(cfg, HOST, user, socket)
+        text = systemd_units.space_dropin(cfg, HOST, user, socket)
         lines = text.splitlines()
         for line in (
             "AssertPathExists=",
@@ -241,7 +240,7 @@ class DropinTests(Box):
             f"BindPaths={self.data}/spaces/{HOST} /run/lchat/spaces/{HOST}",
         ):
             self.assertIn(line, lines)
-        bot = units.space_dropin(cfg, HOST, user, socket, sidecar=True).splitlines()
+        bot = systemd_units.space_dropin(cfg, HOST, user, socket, sidecar=True).splitlines()
         self.assertIn(f"User={user.name}", bot)
         self.assertNotIn("EnvironmentFile=", bot)  # the bot keeps its own env file
 

@@ -24,8 +24,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-from lchat import spacestats
-from lchat.cli import admin_client
+from lchat import admin_client, spacestats
 from lchat.cli.main import main as cli_main
 from lchat.hibernation.localdb import MARKER_SUFFIX, local_state
 from lchat.objstore import open_store

@@ -43,11 +43,10 @@ from urllib.parse import quote
 
 from attrs import field, frozen
 
-from lchat import files, hosts
+from lchat import admin_client, files, hosts
 from lchat.backup import envfiles, selection
 from lchat.backup.layout import REGISTRY_NAME, BadName, Layout, Stored, catalogue, check_name
 from lchat.buckets import prepare
-from lchat.cli import admin_client
 from lchat.cli import replica as replica_cli
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import (

@@ -655,10 +655,9 @@ def _relayout_steps(request: Request) -> tuple[list[Step], bool]:
     their flat files moved into their own directories and their rows rewritten
     (:mod:`lchat.relayout`); under systemd, with the router and every space stopped meanwhile
     and started again after (those that ran), and each always-on space's unit drop-in written
-    (its own user: :func:`lchat.cli.units.install_space`). Returns the steps and whether the
+    (its own user: :func:`lchat.systemd_units.install_space`). Returns the steps and whether the
     box isolates its spaces once they are done. Reads the box; changes nothing."""
-    from lchat import hosts, relayout
-    from lchat.cli import units
+    from lchat import hosts, relayout, systemd_units
     from lchat.registry import Registry, RegistryError
 
     env_path = request.path(request.env_file)
@@ -733,8 +732,8 @@ def _relayout_steps(request: Request) -> tuple[list[Step], bool]:
         if systemctl:
 
             def stop() -> str:
-                was_active[:] = units.active_units(ROUTER_UNIT, *SPACE_UNITS)
-                units.stop_units(ROUTER_UNIT, SPACES_TARGET)
+                was_active[:] = systemd_units.active_units(ROUTER_UNIT, *SPACE_UNITS)
+                systemd_units.stop_units(ROUTER_UNIT, SPACES_TARGET)
                 return f"stopped {ROUTER_UNIT} and {SPACES_TARGET} ({len(was_active)} units ran)"
 
             out.append(
@@ -761,7 +760,7 @@ def _relayout_steps(request: Request) -> tuple[list[Step], bool]:
         def start() -> str:
             if not was_active:
                 return "nothing to start again (no unit ran before)"
-            units.start_units(*was_active)
+            systemd_units.start_units(*was_active)
             return f"started again: {' '.join(was_active)}"
 
         out.append(Step("start again the units that ran", run=_unit_errors(start)))
@@ -771,13 +770,14 @@ def _relayout_steps(request: Request) -> tuple[list[Step], bool]:
 def _dropin_steps(cfg: BoxConfig, registry: Any, rows: Sequence[Any]) -> list[Step]:
     """Each always-on space's units run as its own user only with their drop-ins (the template
     refuses an isolated box without one): written where missing."""
-    from lchat import hosts, isolation
-    from lchat.cli import units
+    from lchat import hosts, isolation, systemd_units
 
     missing = [
         r.host
         for r in rows
-        if not r.hibernate and not r.elsewhere and not os.path.exists(units.dropin_path(r.host))
+        if not r.hibernate
+        and not r.elsewhere
+        and not os.path.exists(systemd_units.dropin_path(r.host))
     ]
     if not missing:
         return []
@@ -795,7 +795,7 @@ def _dropin_steps(cfg: BoxConfig, registry: Any, rows: Sequence[Any]) -> list[St
                 # paths would serve an empty database beside the real one.
                 done.append(f"{host}: no drop-in: its row still names {route.socket}")
                 continue
-            user = units.install_space(cfg, host, socket)
+            user = systemd_units.install_space(cfg, host, socket)
             uid = f"uid {user.uid}" if user is not None else "no user of its own"
             done.append(f"{host}: its units run as {isolation.user_name(host)} ({uid})")
         return done
@@ -804,7 +804,7 @@ def _dropin_steps(cfg: BoxConfig, registry: Any, rows: Sequence[Any]) -> list[St
         Step(
             "write each always-on space's unit drop-ins (its own user, its own directories)",
             run=_unit_errors(write),
-            detail=tuple(units.dropin_path(h) for h in missing),
+            detail=tuple(systemd_units.dropin_path(h) for h in missing),
         )
     ]
 
@@ -812,12 +812,12 @@ def _dropin_steps(cfg: BoxConfig, registry: Any, rows: Sequence[Any]) -> list[St
 def _unit_errors(
     run: Callable[[], str | list[str]],
 ) -> Callable[[], str | list[str]]:
-    from lchat.cli import units
+    from lchat import systemd_units
 
     def checked() -> str | list[str]:
         try:
             return run()
-        except units.UnitError as e:
+        except systemd_units.UnitError as e:
             raise BootstrapError(str(e)) from e
 
     return checked

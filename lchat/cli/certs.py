@@ -20,10 +20,9 @@ from typing import Any
 from attrs import asdict, define
 from cryptography import x509
 
-from lchat import tls
+from lchat import admin_client, tls
 from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name, key_id
 from lchat.buckets import open_bucket
-from lchat.cli import admin_client
 from lchat.cli.replica import run_on_reactor
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError

@@ -23,9 +23,9 @@ from typing import Any
 import attrs
 
 import lchat
-from lchat import config, envfile, hosts
-from lchat.cli import admin_client, certs, dev_cert, handback, litestream_yml, units
+from lchat import admin_client, config, envfile, hosts, systemd_units
 from lchat.cli import backup as backup_cli
+from lchat.cli import certs, dev_cert, handback, litestream_yml
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ConfigError,
         RegistryError,
         hosts.InvalidHost,
-        units.UnitError,
+        systemd_units.UnitError,
         litestream_yml.BackupConfigError,
         mesh_cli.MeshCliError,
     ) as e:
@@ -644,10 +644,10 @@ def cmd_remove(args: argparse.Namespace) -> int:
         _note(f"{host} is a service, not a process lchat runs: nothing to stop")
     elif cfg.units == "systemd":
         try:
-            units.disable_now(host)
-        except units.UnitError as e:
+            systemd_units.disable_now(host)
+        except systemd_units.UnitError as e:
             raise CliError(f"{host} was removed, but {e}") from e
-        _out(f"stopped and disabled {units.unit_name(host)}")
+        _out(f"stopped and disabled {systemd_units.unit_name(host)}")
     else:
         _note(f"the router stops {host}'s process now that its row is gone")
     return 0
@@ -760,10 +760,10 @@ def _hibernate_on(cfg: BoxConfig, registry: Registry, route: Route, timeout: flo
     # 4. The units: the sidecar first (an orphaned bot would knock on a dead socket), then the space.
     if cfg.units == "systemd":
         for sidecar in _sidecar_first(cfg, host):
-            unit = units.unit_name(host, sidecar=sidecar)
+            unit = systemd_units.unit_name(host, sidecar=sidecar)
             try:
-                units.disable_now(host, sidecar=sidecar)
-            except units.UnitError as e:
+                systemd_units.disable_now(host, sidecar=sidecar)
+            except systemd_units.UnitError as e:
                 raise CliError(
                     f"{e}; {host} is flagged hibernating: fix the unit and re-run "
                     f"`lchat hibernate {host} --on` (or `--off` to hand it back)"
@@ -840,17 +840,17 @@ def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: fl
         _wait_released(socket, host, timeout)
     # 3. systemd: the unit, its health, then the sidecar unit.
     try:
-        units.install_space(cfg, host, socket)
-        units.enable_now(host)
-    except units.UnitError as e:
+        systemd_units.install_space(cfg, host, socket)
+        systemd_units.enable_now(host)
+    except systemd_units.UnitError as e:
         registry.set_status(host, "failed", str(e))
         notify_router(cfg)
         raise CliError(f"{host} failed: {e}") from e
-    _out(f"{host}: enabled and started {units.unit_name(host)}")
+    _out(f"{host}: enabled and started {systemd_units.unit_name(host)}")
     code = _health_check(cfg, registry, host, socket, timeout, record=True)
     if os.path.exists(hosts.bot_env_path(cfg.data_dir, host)):
-        units.enable_now(host, sidecar=True)
-        _out(f"{host}: enabled and started {units.unit_name(host, sidecar=True)}")
+        systemd_units.enable_now(host, sidecar=True)
+        _out(f"{host}: enabled and started {systemd_units.unit_name(host, sidecar=True)}")
     return code
 
 
@@ -1209,9 +1209,9 @@ def _start_with_systemd(
     cfg: BoxConfig, registry: Registry, host: str, socket: str, args: argparse.Namespace
 ) -> int:
     try:
-        units.install_space(cfg, host, socket)
-        units.enable_now(host)
-    except units.UnitError as e:
+        systemd_units.install_space(cfg, host, socket)
+        systemd_units.enable_now(host)
+    except systemd_units.UnitError as e:
         registry.set_status(host, "failed", str(e))
         notify_router(cfg)
         raise CliError(f"{host} failed: {e}") from e
@@ -1221,7 +1221,8 @@ def _start_with_systemd(
         # seconds. So it is routed now, unchecked (without --no-wait it is checked first).
         registry.set_status(host, "ready")
         notify_router(cfg)
-        _out(f"{host}: started {units.unit_name(host)}; routed without a health check (--no-wait)")
+        unit = systemd_units.unit_name(host)
+        _out(f"{host}: started {unit}; routed without a health check (--no-wait)")
         return 0
     if not admin_client.wait_for_version(socket, host, args.timeout, POLL_INTERVAL):
         error = f"not answering on {socket} after {args.timeout:g}s"

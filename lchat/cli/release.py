@@ -376,7 +376,7 @@ def _deployer(
 
 def _activator_state(cfg: BoxConfig, host: str) -> str | None:
     """The running router's activator state of ``host`` (None: not known)."""
-    from lchat.cli import admin_client
+    from lchat import admin_client
 
     try:
         entry = admin_client.status(cfg.admin_socket, timeout=3.0).json()["hosts"][host]

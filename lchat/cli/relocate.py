@@ -36,9 +36,8 @@ from typing import Any, TypeVar, cast
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 
-from lchat import hosts, lease
+from lchat import admin_client, hosts, lease
 from lchat.buckets import bucket_key_env, open_bucket
-from lchat.cli import admin_client
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
 from lchat.config import BoxConfig, ConfigError

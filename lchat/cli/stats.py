@@ -17,8 +17,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from lchat import hosts, spacestats
-from lchat.cli import admin_client
+from lchat import admin_client, hosts, spacestats
 from lchat.config import BoxConfig
 from lchat.registry import Registry
 

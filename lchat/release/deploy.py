@@ -36,8 +36,7 @@ from typing import Any, Protocol
 
 from attrs import define, field, frozen
 
-from lchat.cli import admin_client
-from lchat.cli import units as systemd_units
+from lchat import admin_client, systemd_units
 from lchat.files import fsync_directory, write_atomic
 from lchat.registry import Route
 from lchat.release import wakes

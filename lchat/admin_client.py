@@ -1,4 +1,5 @@
-"""Blocking HTTP/1.1 over a unix socket: the CLI's road to the router's admin API and to spaces.
+"""Blocking HTTP/1.1 over a unix socket: the CLI's (and ``lchat.release.deploy``'s)
+road to the router's admin API and to spaces.
 
 ``http.client`` does the HTTP; only ``connect()`` changes, to dial ``AF_UNIX``. Connection failures
 (no socket file, nobody listening, no permission) surface as :class:`Unreachable` so callers can tell

@@ -1,5 +1,6 @@
 """systemd units for spaces: ``lchat@<host>`` (the template lives in ops/), and a staged bot
-sidecar's ``lchat-bot@<host>``."""
+sidecar's ``lchat-bot@<host>``. Core, not ``lchat.cli``: the CLI and ``lchat.release.deploy`` both
+drive them."""
 
 from __future__ import annotations
 
