@@ -9,13 +9,19 @@ bucket needs none. Core, not ``lchat.cli``: the router opens ``LCHAT_MESH_BUCKET
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.objstore import ObjectStore, open_store
-from lchat.objstore.aws import ResolvedCredentials, box_credentials, resolve_credentials
+from lchat.objstore.aws import (
+    NoCredentials,
+    ResolvedCredentials,
+    box_credentials,
+    resolve_credentials,
+)
 from lchat.objstore.where import Where
 from lchat.threads import thread_runner
 
@@ -100,3 +106,34 @@ async def open_mesh_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
     assert cfg.mesh is not None
     own = cfg.mesh.bucket is not None
     return await open_bucket(reactor, cfg, mesh_bucket(cfg), what="LCHAT_MESH_BUCKET", make_dir=own)
+
+
+def boot_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
+    """The AWS credentials, resolved once at boot by the standard chain (the process
+    environment over the env file's ``AWS_*``, then profiles, then container and instance
+    roles), when an S3 bucket or Route53 needs them."""
+    s3 = cfg.hibernate is not None and not cfg.hibernate.where.is_file
+    backup = cfg.backup is not None and not cfg.backup.where.is_file
+    route53 = (
+        cfg.acme is not None
+        and bool(cfg.wildcard_domains)
+        and cfg.acme.dns_provider.strip().lower() == "route53"
+    )
+    if not (s3 or backup or route53):
+        return None
+    try:
+        return box_credentials(cfg)
+    except NoCredentials as e:
+        if s3:
+            assert cfg.hibernate is not None
+            raise ConfigError(f"LCHAT_HIBERNATE_BUCKET={cfg.hibernate.bucket}: {e}") from e
+        if backup:
+            assert cfg.backup is not None
+            raise ConfigError(f"LCHAT_BACKUP_BUCKET={cfg.backup.bucket}: {e}") from e
+        raise ConfigError(f"LCHAT_DNS_PROVIDER=route53: {e}") from e
+
+
+def probe_name(box: str) -> str:
+    """The name of ``box``'s write-probe object (``<prefix>/.lchat/probe/<name>``): the router's
+    boot check and bootstrap's write there."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", box)[:200] or "box"

@@ -30,7 +30,7 @@ from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
-from lchat.buckets import prepare
+from lchat.buckets import boot_credentials, prepare, probe_name
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
@@ -45,7 +45,7 @@ from lchat.mesh.fleet import SpacesView
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
-from lchat.objstore.aws import NoCredentials, ResolvedCredentials, box_credentials
+from lchat.objstore.aws import NoCredentials, ResolvedCredentials
 from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
@@ -160,7 +160,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     reactor's pool (:func:`lchat.threads.thread_runner`); leases, whose deadlines must not jump
     with the wall clock, are kept on ``time.monotonic``."""
     _prepare_box(cfg)
-    aws = aws_credentials(cfg)
+    aws = boot_credentials(cfg)
     run = thread_runner(reactor)
     registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
@@ -282,31 +282,6 @@ def _isolate(cfg: BoxConfig, registry: Registry) -> None:
     isolation.enable(cfg.data_dir, cfg.run_dir)
     relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry)  # logs each step
     _log.info("isolation: on: {why}", why=decision.why)
-
-
-def aws_credentials(cfg: BoxConfig) -> ResolvedCredentials | None:
-    """The AWS credentials, resolved once at boot by the standard chain (the process
-    environment over the env file's ``AWS_*``, then profiles, then container and instance
-    roles), when an S3 bucket or Route53 needs them."""
-    s3 = cfg.hibernate is not None and not cfg.hibernate.where.is_file
-    backup = cfg.backup is not None and not cfg.backup.where.is_file
-    route53 = (
-        cfg.acme is not None
-        and bool(cfg.wildcard_domains)
-        and cfg.acme.dns_provider.strip().lower() == "route53"
-    )
-    if not (s3 or backup or route53):
-        return None
-    try:
-        return box_credentials(cfg)
-    except NoCredentials as e:
-        if s3:
-            assert cfg.hibernate is not None
-            raise ConfigError(f"LCHAT_HIBERNATE_BUCKET={cfg.hibernate.bucket}: {e}") from e
-        if backup:
-            assert cfg.backup is not None
-            raise ConfigError(f"LCHAT_BACKUP_BUCKET={cfg.backup.bucket}: {e}") from e
-        raise ConfigError(f"LCHAT_DNS_PROVIDER=route53: {e}") from e
 
 
 @frozen
@@ -1070,10 +1045,6 @@ def _fleet_view(
 
 def _anywhere(route: Route) -> bool:
     return True
-
-
-def probe_name(box: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", box)[:200] or "box"
 
 
 class _FrontDoor(MultiService):

@@ -14,7 +14,7 @@ What a box needs before ``systemctl start lchat-router`` (docs/operations.md, "B
 
 then the router's own boot checks of the settings, run as the service user on the written file:
 the configuration (``config.load``), the AWS credentials the buckets and Route53 need, and each
-bucket's write probe (the ``_BucketCheck`` of ``lchat.tap``). What fails there is printed as
+bucket's write probe (as the router's ``_BucketCheck``, ``lchat.buckets.probe_name``). What fails there is printed as
 left to do, with everything else left (secrets to fill in, no build yet...).
 
 Invariants: :func:`plan` changes nothing (it reads the box and says, step by step, what it would
@@ -1011,12 +1011,12 @@ def _probe_here(
 
 def probe(env_path: str, *, file_buckets: bool = True) -> tuple[list[str], list[str]]:
     """The router's boot checks on ``env_path``, reusing its own code: ``config.load`` (every
-    setting, the ACME ones among them), the AWS credential resolution (``lchat.tap``), and a
+    setting, the ACME ones among them), the AWS credential resolution (``lchat.buckets``), and a
     write probe of each bucket (hibernation, mesh, backup). Returns (fine, left to do).
 
     ``file_buckets=False`` (not running as the service user): a ``file:`` bucket is not probed,
     since the probe would leave directories in it the router could not write."""
-    from lchat import tap
+    from lchat.buckets import boot_credentials
 
     ok: list[str] = []
     if not os.access(env_path, os.R_OK):
@@ -1029,7 +1029,7 @@ def probe(env_path: str, *, file_buckets: bool = True) -> tuple[list[str], list[
     ok.append(f"{env_path}: the router accepts its settings")
     ok.append(_certificates_line(cfg))
     try:
-        aws = tap.aws_credentials(cfg)
+        aws = boot_credentials(cfg)
     except ConfigError as e:
         return ok, [*left, f"AWS credentials (in {env_path}, or an instance role): {e}"]
     if cfg.hibernate is None:
@@ -1082,11 +1082,10 @@ class _Bucket:
 def _buckets(cfg: BoxConfig, aws: Any) -> list[_Bucket]:
     """The buckets the router probes at start, with the keys it probes."""
     from lchat.backup.layout import Layout
-    from lchat.buckets import open_mesh_bucket
+    from lchat.buckets import open_mesh_bucket, probe_name
     from lchat.config import mesh_bucket
     from lchat.objstore import open_store
     from lchat.objstore.where import Where
-    from lchat.tap import probe_name
     from lchat.threads import thread_runner
 
     def opener(where: Where) -> Callable[[Any], Any]:
