@@ -432,7 +432,7 @@ class BackoffTests(_Machine):
         self.hold_elsewhere("held.example")
         d = self.activator.route(route)
         assert isinstance(d, Deferred)
-        self.assertFalse(d.called)  # asked again for ~0.7 s: a draining holder lets go
+        self.assertFalse(d.called)  # asked again for ~0.3 s: a draining holder lets go
         self.run_until(d)
         answer = self.refused(d, "lease_held")
         self.assertIn(b"served elsewhere", answer.body)
