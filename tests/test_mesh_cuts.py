@@ -429,7 +429,9 @@ class TwoBoxes(_Cuts):
                 f"held until after the rejoin, then acknowledged; {len(other)} failed otherwise), "
                 "e.g. " + "; ".join(result.describe(a) for a in (held + other)[:3])
             )
-        reads = result.select("read", since=late, until=rejoin, boxes=[isolated], hosts=mine)
+        # (As for writes: a read sent in the last second before the rejoin may be answered after
+        # it, which says nothing about the isolated box: seen once, a 10 ms answer 5 ms late.)
+        reads = result.select("read", since=late, until=rejoin - 1.0, boxes=[isolated], hosts=mine)
         within = ANSWERED_WITHIN or CLIENT_TIMEOUT
         unread = [a for a in reads if not (a.ok and a.end < rejoin and a.latency <= within)]
         if unread or not reads:
