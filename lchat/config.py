@@ -22,9 +22,8 @@ from urllib.parse import urlsplit
 from attrs import field, frozen
 from twisted.internet.endpoints import serverFromString
 
-from lchat import hosts
+from lchat import builds, hosts
 from lchat.objstore.where import Where, file_bucket, parse_where
-from lchat.release.layout import fall_back_to_default
 
 DEFAULT_ENV_FILE = "/data/router.env"
 
@@ -235,17 +234,13 @@ class BoxConfig:
         """The admin API's unix socket (mode 0600): how the CLI reaches the running router."""
         return os.path.join(self.run_dir, "router.sock")
 
+    # moved to lchat.builds.space_argv: importers outside configuration still use this (the
+    # settings hold the command; which build runs it is the build tree's, read from the disk)
     def space_argv(self, host: str) -> list[str]:
-        """The command that runs ``host``'s space: ``LCHAT_SPACE_COMMAND`` with ``{host}`` filled in."""
-        host = hosts.normalise(host)
-        argv = [part.replace("{host}", host) for part in self.space_command]
-        return fall_back_to_default(argv, host)  # no live/<host>: the box's default build
+        return builds.space_argv(self.space_command, host)
 
     def sidecar_argv(self, host: str) -> list[str]:
-        """The command that runs ``host``'s staged bot sidecar (``LCHAT_SIDECAR_COMMAND``)."""
-        host = hosts.normalise(host)
-        argv = [part.replace("{host}", host) for part in self.sidecar_command]
-        return fall_back_to_default(argv, host, sidecar=True)
+        return builds.space_argv(self.sidecar_command, host, sidecar=True)
 
 
 # Every variable we read, with its default. Names not listed here but starting LCHAT_ get a warning.
@@ -645,7 +640,7 @@ def _uid_range(text: str) -> tuple[int, int]:
 
 def _under_opt(merged: Mapping[str, str], name: str) -> str:
     """``name``'s value; unset, its default under ``LCHAT_OPT_DIR`` when that is set (the build
-    tree ``lchat deploy`` repoints: ``<opt>/live/{host}``, lchat/release/layout.py)."""
+    tree ``lchat deploy`` repoints: ``<opt>/live/{host}``, lchat/builds.py)."""
     if name in merged:
         return merged[name].strip()
     opt = merged.get("LCHAT_OPT_DIR", "").strip().rstrip("/")

@@ -1,120 +1,13 @@
-"""Where space builds live on a box, and which build each host runs.
+"""Moved to :mod:`lchat.builds` (the base layer: the box's settings need it)."""
 
-::
-
-    <opt>/versions/<version>/space       a build's space server (executable)
-    <opt>/versions/<version>/space-bot   its bot sidecar, when the build has one
-    <opt>/live/<host>                    -> ../versions/<version>/space
-    <opt>/live/<host>-bot                -> ../versions/<version>/space-bot
-
-    <opt>/live/_default                 -> the box's default build (``lchat deploy <v> --all``)
-
-``<opt>`` is ``LCHAT_OPT_DIR`` (default ``/opt/lchat``). A host without a link of its own runs the
-default build (:func:`fall_back_to_default`): a space created on another mesh box, or replicated
-here, wakes on this box's default build without a deploy naming it. The router runs ``LCHAT_SPACE_COMMAND``
-(default ``/opt/lchat/live/{host}``), so repointing a host's link is what changes its build: an
-always-on space picks it up when restarted, a hibernating one at its next wake.
-
-Invariants: a version name is a safe path segment (:func:`check_version`); live links are
-relative, so a tree copied or mounted elsewhere keeps working; a host whose link is missing or
-points outside ``versions/`` has no version (``None``), never a guessed one.
-"""
-
-from __future__ import annotations
-
-import os
-import re
-
-from attrs import frozen
-
-DEFAULT_OPT_DIR = "/opt/lchat"
-DEFAULT_LINK = "_default"  # never a host name (no underscore in one)
-SPACE_BINARY = "space"
-SIDECAR_BINARY = "space-bot"
-
-_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,63}")
-
-
-class BadVersion(ValueError):
-    """A version name that is not a safe path segment."""
-
-
-def check_version(version: str) -> str:
-    """``version`` if it is a valid version name (1-64 of ``[0-9A-Za-z._+-]``, starting with a
-    letter or digit; so never ``.``, ``..`` or a path), else :class:`BadVersion`."""
-    if not _VERSION.fullmatch(version):
-        raise BadVersion(
-            f"{version!r} is not a version name (1-64 letters, digits, '.', '_', '+' or '-', "
-            "starting with a letter or digit)"
-        )
-    return version
-
-
-@frozen
-class BuildLayout:
-    """The build tree under ``root`` (``LCHAT_OPT_DIR``)."""
-
-    root: str = DEFAULT_OPT_DIR
-
-    @property
-    def versions_dir(self) -> str:
-        return os.path.join(self.root, "versions")
-
-    @property
-    def live_dir(self) -> str:
-        return os.path.join(self.root, "live")
-
-    def build_dir(self, version: str) -> str:
-        return os.path.join(self.versions_dir, check_version(version))
-
-    def binary(self, version: str, *, sidecar: bool = False) -> str:
-        return os.path.join(self.build_dir(version), SIDECAR_BINARY if sidecar else SPACE_BINARY)
-
-    def live_link(self, host: str, *, sidecar: bool = False) -> str:
-        return os.path.join(self.live_dir, f"{host}-bot" if sidecar else host)
-
-    def installed(self) -> list[str]:
-        """The versions present under ``versions/`` (sorted by name), valid names only."""
-        try:
-            names = os.listdir(self.versions_dir)
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if _VERSION.fullmatch(n))
-
-    def version_of(self, host: str) -> str | None:
-        """The version ``host`` runs here: its live link's, else the default build's when it has
-        no link of its own; ``None`` when neither is a link into ``versions/``."""
-        link = self.live_link(host)
-        if not os.path.lexists(link):
-            link = self.live_link(DEFAULT_LINK)
-        try:
-            target = os.readlink(link)
-        except OSError:
-            return None
-        resolved = os.path.normpath(os.path.join(self.live_dir, target))
-        relative = os.path.relpath(resolved, self.versions_dir)
-        parts = relative.split(os.sep)
-        if (
-            len(parts) != 2
-            or parts[0] in (os.curdir, os.pardir)
-            or not _VERSION.fullmatch(parts[0])
-        ):
-            return None
-        return parts[0]
-
-
-def fall_back_to_default(argv: list[str], host: str, *, sidecar: bool = False) -> list[str]:
-    """``argv`` with its program replaced by the default build's link when the program is a live
-    link ``.../live/<host>`` (``-bot`` for a sidecar) that does not exist and
-    ``.../live/_default`` does; else ``argv`` unchanged (any other command, or no default)."""
-    if not argv:
-        return argv
-    program = argv[0]
-    suffix = "-bot" if sidecar else ""
-    directory = os.path.dirname(program)
-    if os.path.basename(program) != host + suffix or os.path.basename(directory) != "live":
-        return argv
-    if os.path.lexists(program):
-        return argv
-    default = os.path.join(directory, DEFAULT_LINK + suffix)
-    return [default, *argv[1:]] if os.path.lexists(default) else argv
+# moved to lchat.builds: importers outside configuration still use this
+from lchat.builds import (  # noqa: F401
+    DEFAULT_LINK,
+    DEFAULT_OPT_DIR,
+    SIDECAR_BINARY,
+    SPACE_BINARY,
+    BadVersion,
+    BuildLayout,
+    check_version,
+    fall_back_to_default,
+)

@@ -1,0 +1,214 @@
+"""Where space builds live on a box, which build each host runs, and which it last woke on.
+
+::
+
+    <opt>/versions/<version>/space       a build's space server (executable)
+    <opt>/versions/<version>/space-bot   its bot sidecar, when the build has one
+    <opt>/live/<host>                    -> ../versions/<version>/space
+    <opt>/live/<host>-bot                -> ../versions/<version>/space-bot
+
+    <opt>/live/_default                 -> the box's default build (``lchat deploy <v> --all``)
+
+    <data>/woke/<host>.json              the build the host's space last woke on
+
+``<opt>`` is ``LCHAT_OPT_DIR`` (default ``/opt/lchat``). A host without a link of its own runs the
+default build (:func:`fall_back_to_default`): a space created on another mesh box, or replicated
+here, wakes on this box's default build without a deploy naming it. The router runs ``LCHAT_SPACE_COMMAND``
+(default ``/opt/lchat/live/{host}``), so repointing a host's link is what changes its build: an
+always-on space picks it up when restarted, a hibernating one at its next wake.
+
+Invariants: a version name is a safe path segment (:func:`check_version`); live links are
+relative, so a tree copied or mounted elsewhere keeps working; a host whose link is missing or
+points outside ``versions/`` has no version (``None``), never a guessed one.
+
+The activator records each wake (:func:`record`, called from ``lchat.hibernation.lifecycle``),
+resolving the space command's first word to the file it really is (``live/<host>`` ->
+``versions/<v>/space``) just before the exec. ``lchat rollback`` reads it (:func:`read_wake`): a
+space that woke on the build being rolled back from may have run that build's (additive)
+migrations on its database, so going back is refused (docs/operations.md, "Deploys and
+rollbacks"). One small file per host, written atomically: wakes of different hosts never
+contend, and a reader sees the previous record or the new one. Recording never fails a wake: an
+error is logged and the wake goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from attrs import frozen
+from twisted.logger import Logger
+
+from lchat import hosts
+from lchat.files import write_atomic
+
+DEFAULT_OPT_DIR = "/opt/lchat"
+DEFAULT_LINK = "_default"  # never a host name (no underscore in one)
+SPACE_BINARY = "space"
+SIDECAR_BINARY = "space-bot"
+WAKES_DIRECTORY = "woke"
+
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,63}")
+_log = Logger(namespace="lchat.activator")
+
+
+class BadVersion(ValueError):
+    """A version name that is not a safe path segment."""
+
+
+def check_version(version: str) -> str:
+    """``version`` if it is a valid version name (1-64 of ``[0-9A-Za-z._+-]``, starting with a
+    letter or digit; so never ``.``, ``..`` or a path), else :class:`BadVersion`."""
+    if not _VERSION.fullmatch(version):
+        raise BadVersion(
+            f"{version!r} is not a version name (1-64 letters, digits, '.', '_', '+' or '-', "
+            "starting with a letter or digit)"
+        )
+    return version
+
+
+@frozen
+class BuildLayout:
+    """The build tree under ``root`` (``LCHAT_OPT_DIR``)."""
+
+    root: str = DEFAULT_OPT_DIR
+
+    @property
+    def versions_dir(self) -> str:
+        return os.path.join(self.root, "versions")
+
+    @property
+    def live_dir(self) -> str:
+        return os.path.join(self.root, "live")
+
+    def build_dir(self, version: str) -> str:
+        return os.path.join(self.versions_dir, check_version(version))
+
+    def binary(self, version: str, *, sidecar: bool = False) -> str:
+        return os.path.join(self.build_dir(version), SIDECAR_BINARY if sidecar else SPACE_BINARY)
+
+    def live_link(self, host: str, *, sidecar: bool = False) -> str:
+        return os.path.join(self.live_dir, f"{host}-bot" if sidecar else host)
+
+    def installed(self) -> list[str]:
+        """The versions present under ``versions/`` (sorted by name), valid names only."""
+        try:
+            names = os.listdir(self.versions_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if _VERSION.fullmatch(n))
+
+    def version_of(self, host: str) -> str | None:
+        """The version ``host`` runs here: its live link's, else the default build's when it has
+        no link of its own; ``None`` when neither is a link into ``versions/``."""
+        link = self.live_link(host)
+        if not os.path.lexists(link):
+            link = self.live_link(DEFAULT_LINK)
+        try:
+            target = os.readlink(link)
+        except OSError:
+            return None
+        resolved = os.path.normpath(os.path.join(self.live_dir, target))
+        relative = os.path.relpath(resolved, self.versions_dir)
+        parts = relative.split(os.sep)
+        if (
+            len(parts) != 2
+            or parts[0] in (os.curdir, os.pardir)
+            or not _VERSION.fullmatch(parts[0])
+        ):
+            return None
+        return parts[0]
+
+
+def space_argv(command: Sequence[str], host: str, *, sidecar: bool = False) -> list[str]:
+    """The command that runs ``host``'s space (``sidecar``: its bot sidecar): ``command``
+    (``LCHAT_SPACE_COMMAND``, ``LCHAT_SIDECAR_COMMAND``) with ``{host}`` filled in, the default
+    build's link run when ``host`` has no live link of its own (:func:`fall_back_to_default`)."""
+    host = hosts.normalise(host)
+    argv = [part.replace("{host}", host) for part in command]
+    return fall_back_to_default(argv, host, sidecar=sidecar)
+
+
+def fall_back_to_default(argv: list[str], host: str, *, sidecar: bool = False) -> list[str]:
+    """``argv`` with its program replaced by the default build's link when the program is a live
+    link ``.../live/<host>`` (``-bot`` for a sidecar) that does not exist and
+    ``.../live/_default`` does; else ``argv`` unchanged (any other command, or no default)."""
+    if not argv:
+        return argv
+    program = argv[0]
+    suffix = "-bot" if sidecar else ""
+    directory = os.path.dirname(program)
+    if os.path.basename(program) != host + suffix or os.path.basename(directory) != "live":
+        return argv
+    if os.path.lexists(program):
+        return argv
+    default = os.path.join(directory, DEFAULT_LINK + suffix)
+    return [default, *argv[1:]] if os.path.lexists(default) else argv
+
+
+@frozen
+class Wake:
+    host: str
+    build: str  # the real path of the program that was started
+    version: str | None  # versions/<v>/... when the build lies in a version tree
+    at: float  # unix seconds of the spawn
+
+
+def wake_path(data_dir: str, host: str) -> str:
+    return os.path.join(data_dir, WAKES_DIRECTORY, f"{host}.json")
+
+
+def version_in(build: str) -> str | None:
+    """``<v>`` when ``build`` is ``.../versions/<v>/<file>``, else None."""
+    parent = os.path.dirname(build)
+    if os.path.basename(os.path.dirname(parent)) != "versions":
+        return None
+    try:
+        return check_version(os.path.basename(parent))
+    except BadVersion:
+        return None
+
+
+def record_quietly(data_dir: str, host: str, program: str) -> None:
+    """:func:`record`, logging (never raising) when it cannot be written: a wake must go on."""
+    try:
+        record(data_dir, host, program)
+    except OSError as e:
+        _log.warn(
+            "activator: {host}: could not record the build it wakes on ({error}); "
+            "`lchat rollback` of it will not know",
+            host=host,
+            error=e,
+        )
+
+
+def record(data_dir: str, host: str, program: str, clock: Any = time.time) -> Wake:
+    """Record that ``host`` is being started from ``program`` (resolved through its links; a
+    bare command name found on PATH is recorded as it is, with no version)."""
+    build = os.path.realpath(program) if os.path.isabs(program) else program
+    wake = Wake(host=host, build=build, version=version_in(build), at=clock())
+    doc = {"host": host, "build": build, "version": wake.version, "at": wake.at}
+    os.makedirs(os.path.join(data_dir, WAKES_DIRECTORY), 0o750, exist_ok=True)
+    write_atomic(
+        wake_path(data_dir, host), json.dumps(doc).encode() + b"\n", 0o640, fsync_dir=False
+    )
+    return wake
+
+
+def read_wake(data_dir: str, host: str) -> Wake | None:
+    """The last recorded wake of ``host`` on this box, or None (never woken, or unreadable)."""
+    try:
+        with open(wake_path(data_dir, host), encoding="utf-8") as f:
+            doc = json.load(f)
+        return Wake(
+            host=str(doc["host"]),
+            build=str(doc["build"]),
+            version=doc["version"] if isinstance(doc.get("version"), str) else None,
+            at=float(doc["at"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
