@@ -112,7 +112,9 @@ class ResolveCredentialsTests(TestCase):
         self.assertEqual(resolved.method, "env")
         self.assertEqual(resolved.region, "eu-central-1")
         store = await self.round_trip(resolved)
-        self.assertEqual(store._region, "eu-central-1")  # no LCHAT_HIBERNATE_REGION: the chain's
+        self.assertEqual(
+            store.signer.region, "eu-central-1"
+        )  # no LCHAT_HIBERNATE_REGION: the chain's
 
     async def test_the_process_environment_is_not_read_behind_our_back(self) -> None:
         process = {"AWS_ACCESS_KEY_ID": "AKIDPROCESS", "AWS_SECRET_ACCESS_KEY": "process-secret"}

@@ -35,7 +35,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import HTTPConnectionPool
 from zope.interface import implementer
 
-import lchat.objstore.s3 as s3_module
+import lchat.objstore.s3.bodies as bodies_module
 from lchat.config import HibernateConfig
 from lchat.objstore import (
     UTC,
@@ -594,7 +594,7 @@ class RealServerTests(_RealServer):
     async def test_put_file_reads_the_file_in_threads_never_on_the_reactor(self) -> None:
         reactor_thread = threading.current_thread()
         calls: list[tuple[str, threading.Thread, int]] = []  # (what, thread, bytes)
-        real_open, real_read = s3_module._open_for_upload, s3_module._read_chunk
+        real_open, real_read = bodies_module._open_for_upload, bodies_module._read_chunk
 
         def open_for_upload(path: str, size: int) -> int:
             calls.append(("open", threading.current_thread(), 0))
@@ -605,8 +605,8 @@ class RealServerTests(_RealServer):
             calls.append(("read", threading.current_thread(), len(data)))
             return data
 
-        self.patch(s3_module, "_open_for_upload", open_for_upload)
-        self.patch(s3_module, "_read_chunk", read_chunk)
+        self.patch(bodies_module, "_open_for_upload", open_for_upload)
+        self.patch(bodies_module, "_read_chunk", read_chunk)
         size = 3 * 1024 * 1024 + 1
         data = os.urandom(size)
         path = self.mktemp()
@@ -617,8 +617,8 @@ class RealServerTests(_RealServer):
         reads = [n for what, _, n in calls if what == "read"]
         # Every byte of the body came through a threaded read, a chunk at a time.
         self.assertEqual(sum(reads), size)
-        self.assertEqual(len(reads), -(-size // s3_module._READ_CHUNK))
-        self.assertLessEqual(max(reads), s3_module._READ_CHUNK)
+        self.assertEqual(len(reads), -(-size // bodies_module._READ_CHUNK))
+        self.assertLessEqual(max(reads), bodies_module._READ_CHUNK)
         self.assertNotIn(reactor_thread, {thread for _, thread, _ in calls})
         self.assertEqual((await self.store.get("blob")).body, data)
 
@@ -630,14 +630,14 @@ class RealServerTests(_RealServer):
             canned(500, "InternalError"), "drop", "hang", timeout=1.0, retries=3
         )
         starts: list[int] = []
-        real_read = s3_module._read_chunk
+        real_read = bodies_module._read_chunk
 
         def read_chunk(fd: int, offset: int, size: int) -> bytes:
             if offset == 0:
                 starts.append(offset)
             return real_read(fd, offset, size)
 
-        self.patch(s3_module, "_read_chunk", read_chunk)
+        self.patch(bodies_module, "_read_chunk", read_chunk)
         data = os.urandom(3 * 1024 * 1024 + 7)
         path = self.mktemp()
         await in_thread(FilePath(path).setContent, data)
@@ -653,14 +653,14 @@ class RealServerTests(_RealServer):
     ) -> None:
         path = self.mktemp()
         await in_thread(FilePath(path).setContent, os.urandom(2 * 1024 * 1024))
-        real_read = s3_module._read_chunk
+        real_read = bodies_module._read_chunk
 
         def shrinking(fd: int, offset: int, size: int) -> bytes:
             if offset == 0:
                 os.truncate(path, 1024 * 1024)  # after put_file's stat and open: mid-upload
             return real_read(fd, offset, size)
 
-        self.patch(s3_module, "_read_chunk", shrinking)
+        self.patch(bodies_module, "_read_chunk", shrinking)
         before = (requests_count("PutObject", "retry"), requests_count("PutObject", "error"))
         with self.assertRaises(ObjectStoreError) as caught:
             await self.store.put_file("shrinking", path)
@@ -933,7 +933,7 @@ class AddressingTests(TestCase):
             **kwargs,
         )
         self.addCleanup(store.close)
-        return store._address()
+        return store.address.base_url, store.address.host
 
     def test_aws_virtual_hosted_unless_the_name_is_not_dns_safe(self) -> None:
         self.assertEqual(
@@ -991,9 +991,11 @@ class AddressingTests(TestCase):
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)
-        self.assertEqual(store._address()[0], "http://127.0.0.1:9000/fleet")
-        self.assertIs(store._credentials, creds)
-        self.assertEqual(store._region, "eu-central-1")  # LCHAT_HIBERNATE_REGION unset: the chain's
+        self.assertEqual(store.address.base_url, "http://127.0.0.1:9000/fleet")
+        self.assertIs(store.signer.credentials, creds)
+        self.assertEqual(
+            store.signer.region, "eu-central-1"
+        )  # LCHAT_HIBERNATE_REGION unset: the chain's
         self.assertIn("fleet", store.describe())
         store = open_store(
             reactor,
@@ -1004,7 +1006,7 @@ class AddressingTests(TestCase):
         )
         assert isinstance(store, S3Store)
         self.addCleanup(store.close)
-        self.assertEqual(store._region, "us-west-2")  # LCHAT_HIBERNATE_REGION wins
+        self.assertEqual(store.signer.region, "us-west-2")  # LCHAT_HIBERNATE_REGION wins
         with self.assertRaises(ValueError) as caught:
             open_store(reactor, Where("fleet"), thread_runner(reactor), monotonic=time.monotonic)
         self.assertIn("needs credentials", str(caught.exception))
@@ -1047,7 +1049,7 @@ class _Consumer:
     """Collects what a producer writes. With ``pause`` it pauses the producer after every write,
     as a transport does when its buffer is full."""
 
-    def __init__(self, producer: s3_module._FileProducer, pause: bool = False) -> None:
+    def __init__(self, producer: bodies_module.FileProducer, pause: bool = False) -> None:
         self.producer = producer
         self.pause = pause
         self.chunks: list[bytes] = []
@@ -1071,13 +1073,13 @@ class _Consumer:
 class FileProducerTests(TestCase):
     """IBodyProducer semantics of put_file's body, its bounded read-ahead and its restarts."""
 
-    CHUNK = s3_module._READ_CHUNK
+    CHUNK = bodies_module._READ_CHUNK
 
     def setUp(self) -> None:
         self.reads: list[tuple[int, int]] = []  # (offset, bytes asked), in the order started
         self.threads: set[threading.Thread] = set()
         self.held: dict[int, threading.Event] = {}
-        real = s3_module._read_chunk
+        real = bodies_module._read_chunk
 
         def read_chunk(fd: int, offset: int, size: int) -> bytes:
             self.reads.append((offset, size))
@@ -1087,13 +1089,13 @@ class FileProducerTests(TestCase):
                 gate.wait(10)
             return real(fd, offset, size)
 
-        self.patch(s3_module, "_read_chunk", read_chunk)
+        self.patch(bodies_module, "_read_chunk", read_chunk)
 
-    def producer(self, data: bytes) -> tuple[s3_module._FileProducer, str]:
+    def producer(self, data: bytes) -> tuple[bodies_module.FileProducer, str]:
         path = self.mktemp()
         FilePath(path).setContent(data)
-        fd = s3_module._open_for_upload(path, len(data))
-        producer = s3_module._FileProducer(thread_runner(reactor), fd, path, len(data))
+        fd = bodies_module._open_for_upload(path, len(data))
+        producer = bodies_module.FileProducer(thread_runner(reactor), fd, path, len(data))
         self.addCleanup(producer.close)
         return producer, path
 
@@ -1107,7 +1109,7 @@ class FileProducerTests(TestCase):
         while len(self.reads) < n:
             await deferLater(reactor, 0.005)
 
-    async def settle(self, producer: s3_module._FileProducer) -> None:
+    async def settle(self, producer: bodies_module.FileProducer) -> None:
         """Let the reads in flight land and be handled (a landed read may start the next)."""
         await deferLater(reactor, 0.02)
         while producer._reading:
@@ -1230,7 +1232,7 @@ class FileProducerTests(TestCase):
         with self.assertRaises(ObjectStoreError):
             await grown.startProducing(_Consumer(grown))
         with self.assertRaises(ObjectStoreError):  # and when it is opened
-            s3_module._open_for_upload(path, self.CHUNK + 10)
+            bodies_module._open_for_upload(path, self.CHUNK + 10)
 
     async def test_an_empty_file_is_done_at_once(self) -> None:
         producer, _ = self.producer(b"")
