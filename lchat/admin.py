@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from attrs import frozen
@@ -24,9 +24,10 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 import lchat
 from lchat import hosts
 from lchat.registry import RouteSource, RouteTable
+from lchat.supervise import ChildStatus
 from lchat.webutil import QuietSite, answerable
 
-StatusProvider = Callable[[], dict[str, dict[str, Any]]]
+ChildrenStatus = Callable[[], Mapping[str, ChildStatus]]  # builtin units' supervisor.status
 # host (normalised) -> (HTTP status, JSON body), never waking the space (docs/hibernation.md)
 StatsProvider = Callable[[str], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -113,7 +114,7 @@ class AdminAPI:
         reactor: IReactorTime,  # its clock: uptime, and how long a wake or sleep took
         routes: RouteSource,
         units: str,
-        children: StatusProvider | None = None,
+        children: ChildrenStatus | None = None,  # builtin units' children
         activator: Any = None,  # lchat.activator.Activator, when hibernation is on
         mesh: Callable[[], dict[str, Any]] | None = None,  # the mesh's view, when it is on
         acme: Callable[[], dict[str, Any]] | None = None,  # the issuer's view, when ACME is on
@@ -143,7 +144,15 @@ class AdminAPI:
 
     def status(self) -> dict[str, Any]:
         table: RouteTable = self.routes.table
-        children = self._children()
+        children = {
+            host: {
+                "state": child.state,
+                "pid": child.pid,
+                "restarts": child.restarts,
+                "last_error": child.last_error,
+            }
+            for host, child in self._children().items()
+        }
         awake = self.activator.status() if self.activator is not None else {}
         holds = self.activator.held_asleep() if self.activator is not None else {}
         per_host = {}

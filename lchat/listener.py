@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.application.service import Service
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
 from twisted.logger import Logger
@@ -76,6 +76,16 @@ class Listener(Service):
             return None
         accept_backlog(port)
         return port.stopListening()
+
+
+def listen(
+    parent: MultiService, endpoint: IStreamServerEndpoint, factory: IProtocolFactory
+) -> Listener:
+    """A listener under ``parent``: it fails the boot (rather than logging) when it cannot
+    listen, and answers the connections already queued when it stops."""
+    service = Listener(endpoint, factory)
+    service.setServiceParent(parent)
+    return service
 
 
 def accept_backlog(port: object) -> None:

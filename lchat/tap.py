@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import resource
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,30 +12,26 @@ from urllib.parse import urlsplit
 
 from attrs import frozen
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
-from twisted.internet.interfaces import IListeningPort
-from twisted.internet.task import deferLater
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IReactorTime,
+)
 from twisted.logger import Logger
 from twisted.python import usage
-from twisted.python.failure import Failure
 
 import lchat
-from lchat import config, hosts, isolation, malloc, objstore, relayout, tls, uvloop_reactor
-from lchat.acme.cache import CacheSync, LocalCache, SharedCache
-from lchat.acme.client import AcmeAccount
-from lchat.acme.dns01 import make_provider
-from lchat.acme.http01 import ChallengeResponder
-from lchat.acme.issuer import Issuer
+from lchat import config, hosts, isolation, malloc, objstore, relayout, uvloop_reactor
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
 from lchat.buckets import boot_credentials, prepare, probe_name
+from lchat.certificates import Certificates, certificates
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
-from lchat.listener import Listener
+from lchat.listener import Listener, listen
 from lchat.mesh.api import mesh_site
 from lchat.mesh.client import PeerBeats
 from lchat.mesh.due import DuePush
@@ -53,6 +48,15 @@ from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, Route, RouteSource
 from lchat.router import Router
+from lchat.shutdown import (
+    BackupService,
+    BucketCheck,
+    FrontDoor,
+    HibernationService,
+    InOrder,
+    SayOnce,
+    SignalReload,
+)
 from lchat.spacestats import SpaceStats
 from lchat.supervise import Supervisor
 from lchat.threads import RunInThread, thread_runner
@@ -60,6 +64,11 @@ from lchat.units import BuiltinUnits, Claims
 from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
+
+# The builders hand the one reactor to features that need several of its interfaces at once
+# (IReactorTime, IReactorCore, IReactorThreads, IReactorUNIX, IReactorTCP, IReactorProcess):
+# no single Twisted interface names them; the shared reactor Protocol of issue 31 step 5 does.
+Reactor = Any
 
 # option name -> the variable it overrides
 FLAG_VARIABLES = {
@@ -150,7 +159,7 @@ def makeService(options: Options) -> IService:
         raise SystemExit(f"lchat: cannot start: {e}") from None
 
 
-def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> MultiService:
+def build_service(cfg: BoxConfig, reactor: Reactor, poll_interval: float = 2.0) -> MultiService:
     """Everything the box runs, wired feature by feature; the logic lives in the features' own
     modules. Fails loudly on anything unusable. Services stop in reverse order: the admin API,
     the front door (listeners, then idle connections), certificates, hibernation's drain, units,
@@ -170,11 +179,11 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
     )
     top = MultiService()
     routes.setServiceParent(top)
-    _SignalReload(reactor, routes).setServiceParent(top)
+    SignalReload(reactor, routes).setServiceParent(top)
     claims = Claims()  # hosts the activator runs: builtin units leave them alone
     # The spaces the router runs and their backup, stopped in that order (top's children stop
     # all at once): the backup's last sync sees the spaces' last writes.
-    spaces = _InOrder("spaces")
+    spaces = InOrder("spaces")
     spaces.setServiceParent(top)
     backup = None
     if cfg.backup is not None:
@@ -204,7 +213,7 @@ def build_service(cfg: BoxConfig, reactor: Any, poll_interval: float = 2.0) -> M
             always_on=_always_on(units, routes),
         )
         hibernation.setServiceParent(top)
-    certs = _certificates(top, reactor, cfg, routes, hibernation, run, aws)
+    certs = certificates(top, reactor, cfg, routes, hibernation, run, aws)
     fleet = _fleet_view(reactor, cfg, routes, hibernation, units, backup)
     _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run, spaces=fleet)
     _admin(top, reactor, cfg, routes, units, hibernation, certs, backup)
@@ -289,11 +298,11 @@ class _MembershipParts:
     membership: Membership
     fence: BoxFence
     store: objstore.ObjectStore | None  # LCHAT_MESH_BUCKET's own store (None: the hibernation one)
-    check: _BucketCheck | None  # its boot probe
+    check: BucketCheck | None  # its boot probe
 
 
 def _membership(
-    reactor: Any,
+    reactor: Reactor,
     cfg: BoxConfig,
     store: objstore.ObjectStore,
     run: RunInThread,
@@ -315,7 +324,7 @@ def _membership(
         members_store = mesh_store = objstore.open_store(
             reactor, beats, run, credentials, monotonic=time.monotonic
         )
-        mesh_check = _BucketCheck(
+        mesh_check = BucketCheck(
             reactor,
             mesh_store,
             beats.key(".lchat", "probe", probe_name(cfg.box_id)),
@@ -334,13 +343,13 @@ def _membership(
 
 
 def _backup(
-    reactor: Any,
+    reactor: Reactor,
     cfg: BoxConfig,
     routes: RouteSource,
     claims: Claims,
     run: RunInThread,
     aws: ResolvedCredentials | None,
-) -> _BackupService:
+) -> BackupService:
     """The fleet backup: its bucket (probed at start) and one replicator per database."""
     conf = cfg.backup
     assert conf is not None
@@ -355,64 +364,12 @@ def _backup(
         data_dir=cfg.data_dir,
         run_in_thread=run,
     )
-    check = _BucketCheck(reactor, store, backup.layout.probe_key(), "LCHAT_BACKUP", conf.bucket)
-    return _BackupService(check, backup)
-
-
-class _SayOnce(Service):
-    """Says something once, at start."""
-
-    def __init__(self, say: Callable[[], None]) -> None:
-        self._say = say
-
-    def startService(self) -> None:
-        super().startService()
-        self._say()
-
-
-class _InOrder(MultiService):
-    """Children stopped one after the other, last added first, each waited for."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.setName(name)
-
-    def stopService(self) -> Deferred[None]:
-        Service.stopService(self)
-        return Deferred.fromCoroutine(self._stop_each())
-
-    async def _stop_each(self) -> None:
-        for child in reversed(list(self)):
-            try:
-                await maybeDeferred(child.stopService)
-            except Exception:
-                _log.failure("{name} did not stop cleanly", name=getattr(child, "name", child))
-
-
-class _BackupService(MultiService):
-    """The backup bucket's probe, then the backup (which closes the bucket when it stops)."""
-
-    def __init__(self, check: _BucketCheck, backup: Backup) -> None:
-        super().__init__()
-        self.setName("backup")
-        self.check = check
-        self.backup = backup
-        check.setServiceParent(self)
-        backup.setServiceParent(self)
-
-    def stopService(self) -> Deferred[None]:
-        Service.stopService(self)
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self) -> None:
-        # A boot probe still in flight finishes before the backup closes its bucket (bounded).
-        await _probe_done(self.check, self.check._reactor)
-        self.check.stopService()
-        await self.backup.stopService()
+    check = BucketCheck(reactor, store, backup.layout.probe_key(), "LCHAT_BACKUP", conf.bucket)
+    return BackupService(check, backup, reactor)
 
 
 def _hibernation(
-    reactor: Any,
+    reactor: Reactor,
     cfg: BoxConfig,
     routes: RouteSource,
     pool: UpstreamPool,
@@ -422,7 +379,7 @@ def _hibernation(
     backup: Backup | None,
     *,
     always_on: Callable[[], int],
-) -> _Hibernation:
+) -> HibernationService:
     """The bucket, the activator, its sweeps and (with LCHAT_MESH_SELF) the mesh. With the fleet
     backup on, a wake first takes the database from it (``Backup.release``)."""
     hib = cfg.hibernate
@@ -480,7 +437,7 @@ def _hibernation(
         )
         posture: Service = Posture(reactor, cfg, membership)
     else:
-        posture = _SayOnce(lambda: say_off(cfg))
+        posture = SayOnce(lambda: say_off(cfg))
     sweeper = Sweeper(
         reactor,
         activator,
@@ -490,14 +447,14 @@ def _hibernation(
         due_sweep=hib.due_sweep,
         may_wake=may_wake,
     )
-    check = _BucketCheck(
+    check = BucketCheck(
         reactor,
         store,
         hib.key(".lchat", "probe", probe_name(cfg.box_id)),
         "LCHAT_HIBERNATE",
         hib.bucket,
     )
-    hibernation = _Hibernation(
+    hibernation = HibernationService(
         reactor,
         store,
         check,
@@ -513,91 +470,14 @@ def _hibernation(
     return hibernation
 
 
-@frozen
-class _Certificates:
-    store: tls.CertStore | None = None  # the TLS listener's certificates (HTTPS on)
-    issuer: Issuer | None = None  # ACME (LCHAT_ACME_DIRECTORY not off)
-    responder: ChallengeResponder | None = None  # HTTP-01, on the HTTP listener
-    challenge_socket: str | None = None  # the responder's socket, when HTTP proxies
-
-
-def _certificates(
-    top: MultiService,
-    reactor: Any,
-    cfg: BoxConfig,
-    routes: RouteSource,
-    hibernation: _Hibernation | None,
-    run: RunInThread,
-    aws: ResolvedCredentials | None,
-) -> _Certificates:
-    """The TLS certificate store, the ACME issuer and its HTTP-01 responder, and the shared
-    certificate cache (LCHAT_CERT_CACHE=s3) in the hibernation bucket."""
-    if cfg.https_addr is None:
-        return _Certificates()
-    own = (cfg.mesh.self_host,) if cfg.mesh is not None else ()
-    wanted = tls.CertificateWanted()  # the store's cue to the issuer (which connects itself)
-    store = tls.CertStore(reactor, cfg.acme_cache, tls.known_hosts(routes, own), run, wanted=wanted)
-    shared = None
-    if cfg.cert_cache == "s3":
-        assert cfg.hibernate is not None and hibernation is not None  # config refuses s3 without
-        shared = SharedCache(
-            hibernation.store,
-            cfg.cert_cache_key,
-            monotonic=time.monotonic,
-            prefix=cfg.hibernate.prefix,
-            box_id=cfg.box_id,
-            previous_key=cfg.cert_cache_previous_key,
-        )
-    if cfg.acme is not None or shared is not None:
-        LocalCache(cfg.acme_cache).ensure_directory()
-    store.load_initial()
-    store.setServiceParent(top)
-    issuer = responder = challenge_socket = None
-    if cfg.acme is not None:
-        if cfg.http_addr is not None:
-            responder = ChallengeResponder(
-                lookup=shared.get_challenge if shared is not None else None,
-                may_lookup=tls.known_hosts(routes, own),
-                pending=shared.challenge_tokens if shared is not None else None,
-                clock=reactor,
-            )
-        issuer = _issuer(reactor, cfg, routes, store, wanted, responder, shared, own, aws)
-        issuer.setName("acme")
-        if hibernation is not None and shared is not None:
-            hibernation.add_bucket_user(issuer)
-        else:
-            issuer.setServiceParent(top)
-    if shared is not None:
-        assert hibernation is not None
-        sync = CacheSync(
-            reactor,
-            shared,
-            LocalCache(cfg.acme_cache),
-            store.certificates,
-            store.rescan,
-            run,
-            interval=cfg.cert_cache_sync,
-            directory=cfg.acme.directory if cfg.acme is not None else "",
-        )
-        sync.setName("cert-cache")
-        hibernation.add_bucket_user(sync)
-    if responder is not None and not cfg.http_redirect:
-        # Plain HTTP proxies: the proxy hands challenge paths to the responder's own socket.
-        challenge_socket = os.path.join(cfg.run_dir, "acme.sock")
-        clear_stale_socket(challenge_socket)
-        site = QuietSite(responder.site_root())
-        _listen(top, UNIXServerEndpoint(reactor, challenge_socket, mode=0o600), site)
-    return _Certificates(store, issuer, responder, challenge_socket)
-
-
 def _front_door(
     top: MultiService,
-    reactor: Any,
+    reactor: Reactor,
     cfg: BoxConfig,
     routes: RouteSource,
     pool: UpstreamPool,
-    hibernation: _Hibernation | None,
-    certs: _Certificates,
+    hibernation: HibernationService | None,
+    certs: Certificates,
     run: RunInThread,
     spaces: Callable[[], Callable[[], dict[str, Any]]] | None = None,
 ) -> None:
@@ -621,7 +501,7 @@ def _front_door(
             members=membership.known if membership is not None else None,
             clock=reactor.seconds,
         )
-        _listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
+        listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
     router = Router(
         routes,
@@ -632,7 +512,7 @@ def _front_door(
         acme_challenge=certs.challenge_socket,
     )
     factories: list[ProxyFactory] = []
-    door = _FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace)
+    door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace)
     loop = uvloop_reactor.loop_of(reactor)
     if cfg.https_addr is not None:
         assert certs.store is not None
@@ -654,7 +534,7 @@ def _front_door(
                 https_port=None if port == 443 else port,
                 acme_challenge=responder.resource() if responder is not None else None,
             )
-            _listen(top, serverFromString(reactor, cfg.http_addr), QuietSite(redirect))
+            listen(top, serverFromString(reactor, cfg.http_addr), QuietSite(redirect))
         else:
             proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
             factories.append(proxy)
@@ -664,13 +544,13 @@ def _front_door(
 
 def _admin(
     top: MultiService,
-    reactor: Any,
+    reactor: Reactor,
     cfg: BoxConfig,
     routes: RouteSource,
     units: BuiltinUnits | None,
-    hibernation: _Hibernation | None,
-    certs: _Certificates,
-    backup: _BackupService | None,
+    hibernation: HibernationService | None,
+    certs: Certificates,
+    backup: BackupService | None,
 ) -> None:
     """The local admin API (router.sock) and the Prometheus endpoint."""
     clear_stale_socket(cfg.admin_socket)
@@ -679,7 +559,7 @@ def _admin(
         reactor,
         routes,
         cfg.units,
-        _children_status(units) if units is not None else None,
+        units.supervisor.status if units is not None else None,
         activator=hibernation.activator if hibernation is not None else None,
         mesh=_mesh_status(membership, cfg.env_file) if membership is not None else None,
         acme=certs.issuer.status if certs.issuer is not None else None,
@@ -692,76 +572,9 @@ def _admin(
         ).answer,
         restart=units.supervisor.restart if units is not None else None,  # lchat deploy
     )
-    _listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
+    listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
-        _listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
-
-
-def _issuer(
-    reactor: Any,
-    cfg: BoxConfig,
-    routes: RouteSource,
-    store: tls.CertStore,
-    wanted: tls.CertificateWanted,
-    responder: ChallengeResponder | None,
-    shared: SharedCache | None,
-    own: tuple[str, ...],
-    aws: ResolvedCredentials | None,
-) -> Issuer:
-    """The ACME issuer, with the host policy: registered and ready hosts, and this box's own name."""
-    acme = cfg.acme
-    assert acme is not None
-    dns = None
-    if cfg.wildcard_domains:
-        dns = make_provider(
-            acme.dns_provider,
-            dnsimple_token=acme.dnsimple_token,
-            dnsimple_url=acme.dnsimple_url,
-            dnsimple_account=acme.dnsimple_account,
-            route53_zone_id=acme.route53_zone_id,
-            route53_endpoint=acme.route53_endpoint,
-            route53_session=aws.session if aws is not None else None,
-            sleep=time.sleep,  # the providers block in the issuer's worker threads
-            clock=time.monotonic,
-            now=reactor.seconds,
-        )
-
-    def may_issue(host: str) -> bool:
-        if host in own:
-            return True
-        route = routes.table.get(host)
-        return route is not None and route.serveable
-
-    issuer = Issuer(
-        reactor,
-        store=store,
-        local=LocalCache(cfg.acme_cache),
-        account=AcmeAccount(acme.directory, cfg.acme_cache, email=acme.email, ca_file=acme.ca_file),
-        may_issue=may_issue,
-        http01=responder,
-        dns=dns,
-        wildcard_domains=cfg.wildcard_domains,
-        dns_resolvers=acme.dns_resolvers,
-        dns_timeout=acme.dns_timeout,
-        shared=shared,
-        own_hosts=own,
-        monotonic=time.monotonic,
-        wanted=wanted,
-    )
-    if responder is None:
-        _log.warn(
-            "acme: LCHAT_HTTP_ADDR is off, so per-host certificates cannot be issued (HTTP-01 "
-            "needs port 80); only wildcards (DNS-01) are"
-        )
-    _log.info(
-        "acme: issuing certificates from {directory} (per-host: {per_host}, wildcards: "
-        "{wildcards}, cache: {cache})",
-        directory=acme.directory,
-        per_host="HTTP-01" if responder is not None else "off",
-        wildcards=", ".join("*." + d for d in cfg.wildcard_domains) or "none",
-        cache=cfg.cert_cache,
-    )
-    return issuer
+        listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
 
 
 def _raise_open_files_limit() -> None:
@@ -795,196 +608,6 @@ def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], 
         for r in routes.table
         if r.kind == "instance" and not r.hibernate and not r.elsewhere and r.status != "failed"
     )
-
-
-def _children_status(units: BuiltinUnits) -> Any:
-    def status() -> dict[str, dict[str, Any]]:
-        return {
-            host: {
-                "state": child.state,
-                "pid": child.pid,
-                "restarts": child.restarts,
-                "last_error": child.last_error,
-            }
-            for host, child in units.supervisor.status().items()
-        }
-
-    return status
-
-
-class _SignalReload(Service):
-    """SIGHUP re-reads the registry (the operator's `systemctl reload`)."""
-
-    def __init__(self, reactor: Any, routes: RouteSource) -> None:
-        self._reactor = reactor
-        self._routes = routes
-        self._previous: Any = None
-
-    def startService(self) -> None:
-        super().startService()
-
-        def handler(signum: int, frame: object) -> None:
-            # Signal handlers interrupt arbitrary code; hand the work to the reactor loop.
-            self._reactor.callFromThread(self._routes.reload, "SIGHUP")
-
-        self._previous = signal.signal(signal.SIGHUP, handler)
-
-    def stopService(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGHUP, self._previous)
-        super().stopService()
-
-
-class _Hibernation(MultiService):
-    """The bucket, the activator, its sweeps and the mesh's membership, stopped in order: sweeps,
-    then a "draining" heartbeat (peers drop us from placement and take our spaces over as we
-    release them), the bucket's other users, the activator's drain (flush and release every awake
-    space), the heartbeat's deletion, and only then the bucket clients."""
-
-    def __init__(
-        self,
-        reactor: Any,
-        store: objstore.ObjectStore,
-        check: _BucketCheck,
-        activator: Activator,
-        sweeper: Sweeper,
-        membership: Membership | None,
-        mesh: MeshRouter | None,
-        due_push: DuePush | None = None,
-        *,
-        mesh_store: objstore.ObjectStore | None = None,  # LCHAT_MESH_BUCKET's, when set
-        mesh_check: _BucketCheck | None = None,
-    ) -> None:
-        super().__init__()
-        self.setName("hibernation")
-        self._reactor = reactor
-        self.store = store
-        self.check = check
-        self.activator = activator
-        self.sweeper = sweeper
-        self.membership = membership
-        self.mesh = mesh
-        self.due_push = due_push
-        self.mesh_store = mesh_store
-        self.mesh_check = mesh_check
-        self._bucket_users: list[Service] = []
-        for service in (check, mesh_check, membership, activator, sweeper, due_push):
-            if service is not None:
-                service.setServiceParent(self)
-
-    def add_bucket_user(self, service: Service) -> None:
-        """A service that uses the bucket (the shared certificate cache): started with the rest,
-        stopped before the bucket client closes."""
-        self._bucket_users.append(service)
-        service.setServiceParent(self)
-
-    def stopService(self) -> Deferred[None]:
-        Service.stopService(self)
-        self.sweeper.stopService()
-        self.check.stopService()
-        if self.mesh_check is not None:
-            self.mesh_check.stopService()
-        return Deferred.fromCoroutine(self._drain())
-
-    async def _drain(self) -> None:
-        # The bucket's other users stop alongside (each within a few seconds of its own)...
-        users = [maybeDeferred(u.stopService) for u in reversed(self._bucket_users)]
-        if self.membership is not None:
-            # ...but our heartbeat says "draining" first: peers drop us from placement and take
-            # our spaces over as we release them, while our leases stay fenced by a heartbeat
-            # that goes on beating until the drain is over (docs/lease.md).
-            await self.membership.begin_drain()
-        for stopping in users:
-            await stopping
-        await self.activator.stopService()
-        if self.due_push is not None:
-            # The due times of the spaces the drain just slept reach the peers (bounded).
-            await self.due_push.stopService()
-        if self.membership is not None:
-            # Every lease released (or given up): the heartbeat goes, and with it this box.
-            await self.membership.stopService()
-        await _probe_done(self.check, self._reactor)
-        await self.store.close()
-        if self.mesh_store is not None:
-            assert self.mesh_check is not None
-            await _probe_done(self.mesh_check, self._reactor)
-            await self.mesh_store.close()
-
-
-async def _probe_done(check: _BucketCheck, reactor: Any) -> None:
-    """A boot probe still in flight must finish before its store closes (it is bounded by the
-    store's own timeouts; this wait is bounded again, to keep shutdown bounded)."""
-    probe: Deferred[None] = Deferred()
-
-    def probed(result: object) -> object:
-        if not probe.called:
-            probe.callback(None)
-        return result
-
-    check.checked.addBoth(probed)
-    probe.addTimeout(10, reactor)
-    try:
-        await probe
-    except Exception:
-        _log.warn("the bucket probe was still running at shutdown")
-
-
-class _BucketCheck(Service):
-    """At start, prove a bucket is reachable and writable; if not, stop the router.
-
-    twistd builds services before its reactor runs, so the probe runs at start; a failure logs
-    one line naming the variables (``<stem>_BUCKET``...) and ends the process with status 1
-    (systemd shows it and retries).
-    """
-
-    def __init__(
-        self,
-        reactor: Any,
-        store: objstore.ObjectStore,
-        key: str,
-        stem: str,
-        bucket: str,
-    ) -> None:
-        self._reactor = reactor
-        self.store = store
-        self._key = key
-        self._stem = stem  # LCHAT_HIBERNATE or LCHAT_BACKUP
-        self._bucket = bucket
-        self.checked: Deferred[None] = Deferred()
-
-    def startService(self) -> None:
-        super().startService()
-        d = Deferred.fromCoroutine(objstore.probe_writable(self.store, self._key))
-        d.addCallbacks(self._ok, self._failed)
-        d.addBoth(lambda _: self.checked.callback(None) if not self.checked.called else None)
-
-    def _ok(self, _: object) -> None:
-        _log.info(
-            "bucket {bucket} ({stem}_BUCKET) is reachable and writable",
-            bucket=self.store.describe(),
-            stem=self._stem,
-        )
-
-    def _failed(self, failure: Failure) -> None:
-        stem = self._stem
-        check = (
-            # One URL carries the bucket, prefix, endpoint, region and the key pair's names.
-            f"{stem}_BUCKET's URL and its credentials"
-            if stem == "LCHAT_MESH"
-            else f"{stem}_BUCKET, {stem}_ENDPOINT, {stem}_REGION, {stem}_PREFIX and the AWS "
-            "credentials"
-        )
-        _log.critical(
-            "{stem}_BUCKET={bucket}: the bucket is not usable: {error} (check {check})",
-            stem=stem,
-            check=check,
-            bucket=self._bucket,
-            error=failure.getErrorMessage(),
-        )
-        self.failed = failure
-        if self._reactor.running:
-            self._reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
-            self._reactor.stop()
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -1022,18 +645,18 @@ def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str
 
 
 def _fleet_view(
-    reactor: Any,
+    clock: IReactorTime,
     cfg: BoxConfig,
     routes: RouteSource,
-    hibernation: _Hibernation | None,
+    hibernation: HibernationService | None,
     units: BuiltinUnits | None,
-    backup: _BackupService | None,
+    backup: BackupService | None,
 ) -> Callable[[], Callable[[], dict[str, Any]]] | None:
     """``GET /api/mesh/spaces`` for ``lchat fleet`` (lchat.mesh.fleet), on a mesh box only."""
     if hibernation is None or hibernation.membership is None:
         return None
     return SpacesView(
-        reactor.seconds,
+        clock.seconds,
         cfg,
         lambda: routes.table,
         hibernation.activator,
@@ -1047,73 +670,7 @@ def _anywhere(route: Route) -> bool:
     return True
 
 
-class _FrontDoor(MultiService):
-    """The proxy's listeners (its children) and their connections. Stopping is the front door's
-    drain, in this order, so that no request is lost to a race with the stop:
-
-    1. every listener accepts what the kernel already queued and closes its socket (a peer that
-       dials now is refused, and routes around this box);
-    2. from now on every answer closes its connection; connections idle between requests close
-       now, upgraded ones too (their spaces are stopping); a connection that has not sent its
-       first request yet is answered (ProxyFactory.close);
-    3. the rest, requests in flight (a hibernating space's are let finish before it stops), may
-       take up to ``cfg.drain_grace`` seconds; then they are aborted and idle upstream
-       connections closed. TLS handshakes still in progress (connections accepted from the
-       queue in step 1 among them) are waited for too, within the same grace: such a client
-       becomes a connection, sends its request and gets its answer (and a mesh peer that was
-       refused one routes it elsewhere).
-    """
-
-    def __init__(
-        self, clock: Any, pool: UpstreamPool, factories: list[ProxyFactory], grace: float
-    ) -> None:
-        super().__init__()
-        self.setName("front-door")
-        self._clock = clock
-        self._pool = pool
-        self._factories = factories
-        self._grace = grace
-
-    def stopService(self) -> Deferred[None]:
-        ports = [s.port for s in self if isinstance(s, FrontListener) and s.port is not None]
-        listeners = [maybeDeferred(s.stopService) for s in reversed(list(self))]
-        Service.stopService(self)
-        return Deferred.fromCoroutine(self._drain(listeners, ports))
-
-    async def _drain(self, listeners: list[Deferred[Any]], ports: list[FrontPort]) -> None:
-        for stopped in listeners:
-            try:
-                await stopped
-            except Exception:
-                _log.failure("a listener did not stop cleanly")
-        deadline = self._clock.seconds() + self._grace
-        for factory in self._factories:
-            factory.close()
-        while True:
-            for factory in self._factories:
-                await factory.quiesced(max(0.0, deadline - self._clock.seconds()))
-            if self._clock.seconds() >= deadline:
-                break
-            # Quiet only when no handshake is left *and* no factory gained a connection while
-            # another was being waited for (a TLS handshake that finished meanwhile: its
-            # request would otherwise meet the process's exit, unanswered).
-            if not any(p.handshaking for p in ports) and not any(
-                f.connections for f in self._factories
-            ):
-                break
-            await deferLater(self._clock, 0.05, lambda: None)
-        await self._pool.close()
-
-
 def _public_port(address: str) -> int | None:
     """The TCP port of an endpoint string, for redirect Locations (None when not TCP)."""
     match = re.search(r"^(?:tcp6?|ssl):(\d+)", address)
     return int(match.group(1)) if match and int(match.group(1)) else None
-
-
-def _listen(parent: MultiService, endpoint: Any, factory: Any) -> Listener:
-    """A listener that fails the boot (rather than logging) when it cannot listen, and answers
-    the connections already queued when it stops (lchat.listener)."""
-    service = Listener(endpoint, factory)
-    service.setServiceParent(parent)
-    return service

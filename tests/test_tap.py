@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import SkipTest, TestCase
 from twisted.web.client import Agent, readBody
@@ -467,64 +467,3 @@ class TwistdTests(TestCase):
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("LCHAT_HIBERNATE_IDLE", result.stderr)
         self.assertNotIn("Traceback", result.stderr)
-
-
-class _Factory:
-    """A ProxyFactory as the front door's drain sees it: its connections, ``close``, and
-    ``quiesced`` (fired by the test when its connections are gone)."""
-
-    def __init__(self) -> None:
-        self.connections: set[object] = set()
-        self.waits: list[Deferred[None]] = []
-
-    def close(self) -> None:
-        pass
-
-    def quiesced(self, grace: float) -> Deferred[None]:
-        if not self.connections:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self.waits.append(d)
-        return d
-
-    def quiet(self) -> None:
-        self.connections.clear()
-        for d in self.waits:
-            d.callback(None)
-        self.waits.clear()
-
-
-class _Pool:
-    closed = False
-
-    async def close(self) -> None:
-        self.closed = True
-
-
-class FrontDoorDrainTests(TestCase):
-    def test_a_connection_that_appears_in_another_factory_is_waited_for(self) -> None:
-        """While the drain waits for one factory, another gains a connection (a TLS handshake
-        that finished): the drain waits for that one too before closing the pool (the process
-        would otherwise exit under its request, unanswered)."""
-        from twisted.internet import task
-
-        from lchat.tap import _FrontDoor
-
-        clock = task.Clock()
-        first, second = _Factory(), _Factory()
-        second.connections.add("in flight")
-        pool = _Pool()
-        door = _FrontDoor(clock, pool, [first, second], grace=10.0)  # type: ignore[arg-type,list-item]
-        door.startService()
-        stopped = door.stopService()
-        self.assertEqual(len(second.waits), 1)  # the first was quiet: waiting on the second
-        first.connections.add("handshake done meanwhile")
-        second.quiet()
-        clock.advance(0.05)
-        self.assertFalse(pool.closed)
-        self.assertNoResult(stopped)
-        self.assertEqual(len(first.waits), 1)  # now waiting for the newcomer
-        first.quiet()
-        clock.advance(0.05)
-        self.successResultOf(stopped)
-        self.assertTrue(pool.closed)
