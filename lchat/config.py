@@ -214,6 +214,9 @@ class BoxConfig:
     space_uids: tuple[int, int] = (40000, 59999)
     warnings: tuple[str, ...] = ()
     file_env: Mapping[str, str] = field(factory=dict, repr=False)
+    # The environment the box's tools and bucket openers read: the env file's values, then the
+    # process environment (load's ``environ``, as it was at load) winning. Merged once, here.
+    env: Mapping[str, str] = field(factory=dict, repr=False)
 
     @property
     def aws_env(self) -> dict[str, str]:
@@ -448,6 +451,7 @@ def load(
         http_redirect=_switch("LCHAT_HTTP_REDIRECT", get("LCHAT_HTTP_REDIRECT")),
         warnings=warnings,
         file_env=file_env,
+        env={**file_env, **environ},
         max_instances=max_instances,
         max_registered=max_registered,
         cloud_region=cloud_region,

@@ -462,6 +462,11 @@ class Precedence(Base):
         self.assertEqual(cfg.data_dir, "/d")
         # The whole file is kept for the children's environment.
         self.assertEqual(cfg.file_env["PATH"], "/nowhere")
+        # The environment merged once: the file's values, the process environment winning.
+        self.assertEqual(
+            cfg.env, {"PATH": "/usr/bin", "HOME": "/x", "LCHAT_DATA_DIR": "/d", "SHELL": "/bin/sh"}
+        )
+        self.assertNotIn("/x", repr(cfg))
 
     def test_values_are_stripped(self) -> None:
         cfg = self.load({"LCHAT_UNITS": "  systemd \n", "LCHAT_HTTP_ADDR": " off "})
