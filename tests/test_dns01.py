@@ -34,18 +34,9 @@ from botocore.credentials import CredentialResolver  # type: ignore[import-untyp
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from lchat.acme.dns01 import (
-    DNSimple,
-    DNSProviderError,
-    PropagationTimeout,
-    Route53,
-    TXTRecord,
-    make_provider,
-    normalise_fqdn,
-    quote_txt,
-    unquote_txt,
-    wait_for_txt,
-)
+from lchat.acme.dns01 import PropagationTimeout, wait_for_txt
+from lchat.dns import DNSimple, DNSProviderError, Route53, TXTRecord, make_provider
+from lchat.dns.records import normalise_fqdn, quote_txt, unquote_txt
 from tests.dnsimple_double import DNSimpleDouble
 from tests.s3servers import S3Server
 

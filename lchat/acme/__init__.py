@@ -3,7 +3,7 @@
 - ``client.py``: the ACME account and one order, on certbot's ``acme`` library. Blocking: it runs
   only in worker threads, never on the reactor.
 - ``http01.py``: the HTTP-01 responder behind ``/.well-known/acme-challenge/`` on port 80.
-- ``dns01.py``: DNS-01 providers (DNSimple, Route53) and the propagation check, for wildcards.
+- ``dns01.py``: DNS-01 for wildcards: the TXT through :mod:`lchat.dns`, the propagation check.
 - ``cache.py``: writing certificates into ``LCHAT_ACME_CACHE`` (what :mod:`lchat.tls` serves) and
   the shared cache in the bucket (``LCHAT_CERT_CACHE=s3``, private keys encrypted).
 - ``issuer.py``: the service that decides what to issue and when: the host policy, one order per
