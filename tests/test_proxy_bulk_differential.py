@@ -26,7 +26,7 @@ The transports (:class:`UvTransport`) do what the bulk path relies on in uvloop'
   of the moment (a BulkReader passes them on). ``close`` waits for the queue, ``abort`` drops it;
   ``connection_lost`` comes a moment later.
 
-So a buffer of ``lchat.proxy.bulk.BUFFERS`` read into again while a transport still holds a view
+So a buffer of the front door's ``Buffers`` (lchat.proxy.state) read into again while a transport still holds a view
 of it changes what the other side receives later, and the comparison fails
 (test_a_buffer_read_into_before_its_bytes_are_sent_is_caught proves it).
 """
@@ -51,8 +51,10 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from lchat.config import ProxyConfig
 from lchat.proxy import bulk, downstream, upstream
-from lchat.proxy.bulk import BUFFERS, MIN_BULK, READ_SIZE, Buffers, BulkReader
-from lchat.proxy.downstream import REPLAY_LIMIT, STATS, Downstream, ProxyFactory
+from lchat.proxy.bulk import MIN_BULK, READ_SIZE, Buffers, BulkReader
+from lchat.proxy.downstream import Downstream, ProxyFactory
+from lchat.proxy.exchange import REPLAY_LIMIT
+from lchat.proxy.state import shared
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target
 from tests.test_proxy_bulk import pattern
@@ -685,14 +687,14 @@ class Rig:
 class Outcome:
     observed: dict[str, Any]
     bulk_readers: int  # BulkReaders installed, on any transport
-    lent: int  # buffers lent (BUFFERS.lent_count's increase)
+    lent: int  # buffers lent (the shared Buffers.lent_count's increase)
     client_bytes: bytes  # what the client received
     space_bytes: list[bytes]  # what each space connection received
 
 
 def stats() -> dict[str, Any]:
     """test_proxy_oneread's counters, and the connections count."""
-    return {**oneread_stats(), "connections": STATS.connections}
+    return {**oneread_stats(), "connections": shared().stats.connections}
 
 
 @contextmanager
@@ -725,6 +727,9 @@ def log_lines() -> Iterator[list[str]]:
         yield lines
     finally:
         globalLogPublisher.removeObserver(observer)
+
+
+BUFFERS = shared().buffers  # the buffers of every factory and pool made here
 
 
 @contextmanager

@@ -23,8 +23,9 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from lchat.config import ProxyConfig
-from lchat.proxy import downstream, oneread
-from lchat.proxy.downstream import STATS, Downstream, ProxyFactory
+from lchat.proxy import downstream, http, oneread
+from lchat.proxy.downstream import Downstream, ProxyFactory
+from lchat.proxy.state import shared
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RequestHead, Target, plain
 
@@ -239,6 +240,8 @@ def counted() -> Iterator[dict[str, int]]:
 
 
 def stats() -> dict[str, Any]:
+    """The front door's figures (every factory here shares the process's state)."""
+    STATS = shared().stats
     return {
         "requests": dict(STATS.requests),
         "in_flight": STATS.in_flight,
@@ -668,3 +671,48 @@ class CompiledRecognisersTests(SynchronousTestCase):
 
 # (The module's Downstream is the one the tests drive: keep the import's purpose explicit.)
 assert downstream.Downstream is Downstream
+
+
+class DeclinedNamesTests(SynchronousTestCase):
+    """The recognisers' declined-name lists are made from the header policy's shared sets
+    (lchat.proxy.http), and both recognisers, patterns and C, decline every name in them."""
+
+    def test_the_lists_are_the_shared_sets(self) -> None:
+        for declined, special in (
+            (oneread.REQUEST_DECLINED, http.REQUEST_SPECIAL),
+            (oneread.RESPONSE_DECLINED, http.RESPONSE_SPECIAL),
+        ):
+            covered = {name for name in special if name.startswith(http.SPECIAL_PREFIXES)}
+            self.assertEqual(set(declined), special - covered)
+        # What the general path acts on is in the sets (their sources, by name).
+        self.assertLessEqual(
+            http.HOP_BY_HOP | http.FORWARDING | http.INTERNAL, http.REQUEST_SPECIAL
+        )
+        self.assertLessEqual(http.HOP_BY_HOP | http.INTERNAL, http.RESPONSE_SPECIAL)
+
+    def recognisers(self) -> list[tuple[Callable[..., Any], Callable[[bytes], Any]]]:
+        both: list[tuple[Callable[..., Any], Callable[[bytes], Any]]] = [
+            (oneread.request_py, oneread.response_py)
+        ]
+        if oneread.COMPILED:
+            both.append((oneread.request, oneread.response))
+        return both
+
+    def test_every_special_name_is_declined(self) -> None:
+        extra = [b"x-lchat-anything", b"proxy-anything", b"a_b"]
+        for request, response in self.recognisers():
+            self.assertIsNotNone(request(WRK, 8192, 100))
+            self.assertIsNotNone(response(OK))
+            for name in sorted(http.REQUEST_SPECIAL) + extra:
+                line = name.title() + b": 1\r\n"
+                self.assertIsNone(request(WRK[:-2] + line + b"\r\n", 8192, 100), name)
+            for name in sorted(http.RESPONSE_SPECIAL) + extra:
+                line = name.title() + b": 1\r\n"
+                self.assertIsNone(response(OK.replace(b"\r\n\r\n", b"\r\n" + line + b"\r\n")), name)
+
+    def test_other_names_are_not(self) -> None:
+        for request, response in self.recognisers():
+            for name in (b"Accept", b"X-Lchat", b"Proxy", b"Ted", b"Expected", b"Forwarded-By"):
+                line = name + b": 1\r\n"
+                self.assertIsNotNone(request(WRK[:-2] + line + b"\r\n", 8192, 100), name)
+                self.assertIsNotNone(response(OK.replace(b"\r\n\r\n", b"\r\n" + line + b"\r\n")))

@@ -5,6 +5,12 @@ from lchat.proxy.oneread import WholeRequest as _WholeRequest
 
 WholeRequest: Any
 
+def configure(
+    whole_request: Any,
+    request_names: tuple[bytes, ...],
+    response_names: tuple[bytes, ...],
+    prefixes: tuple[bytes, ...],
+) -> None: ...
 def request(
     data: bytes, max_bytes: int, max_headers: int, previous: _WholeRequest | None = None
 ) -> _WholeRequest | None: ...

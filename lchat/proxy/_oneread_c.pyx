@@ -1,15 +1,60 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """lchat.proxy.oneread's recognisers as byte scanners in C (optional; oneread.py is the reference).
 
-``request`` and ``response`` accept exactly what oneread.py's ``_request_py`` and ``_response_py``
+``request`` and ``response`` accept exactly what oneread.py's ``request_py`` and ``response_py``
 accept and return the same values (tests/test_proxy_oneread.py compares them on generated inputs):
 one pass over the head instead of the patterns, the lowered copy and the findall list.
+
+The names they decline are not written here: oneread.py hands them over (``configure``), made from
+the header policy's shared sets (lchat.proxy.http). Until then both decline everything.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.string cimport memcmp
 
-WholeRequest = None  # set by oneread.py (its NamedTuple)
+WholeRequest = None  # set by configure (oneread.py's NamedTuple)
+
+cdef enum:
+    MAX_NAMES = 32
+
+
+cdef struct Names:
+    Py_ssize_t count
+    const char* name[MAX_NAMES]  # lower case
+    Py_ssize_t size[MAX_NAMES]
+
+
+# Declined by name (request, response), or by any of these prefixes; each name a pointer into a
+# bytes object kept alive in _configured.
+cdef Names REQUEST_NAMES, RESPONSE_NAMES, PREFIXES
+cdef bint CONFIGURED = False
+cdef list _configured = []
+
+
+cdef void _fill(Names* names, tuple values) except *:
+    if len(values) > MAX_NAMES:
+        raise ValueError(f"more than {MAX_NAMES} declined names")
+    names.count = len(values)
+    for k, value in enumerate(values):
+        names.name[k] = PyBytes_AS_STRING(value)
+        names.size[k] = PyBytes_GET_SIZE(value)
+
+
+def configure(whole_request, tuple request_names, tuple response_names, tuple prefixes):
+    """The NamedTuple ``request`` returns, the header names each recogniser declines (lower
+    case), and the name prefixes both decline."""
+    global WholeRequest, CONFIGURED
+    values = (request_names, response_names, prefixes)
+    for group in values:
+        for value in group:
+            if type(value) is not bytes or value != value.lower():
+                raise ValueError(f"not a lower-case bytes name: {value!r}")
+    _configured[:] = values
+    _fill(&REQUEST_NAMES, request_names)
+    _fill(&RESPONSE_NAMES, response_names)
+    _fill(&PREFIXES, prefixes)
+    WholeRequest = whole_request
+    CONFIGURED = True
 
 # RFC 9110 token characters.
 cdef unsigned char TOKEN[256]
@@ -73,19 +118,18 @@ cdef inline bint has_underscore(const unsigned char* p, Py_ssize_t n) noexcept n
     return False
 
 
-cdef inline bint hop_or_internal(const unsigned char* p, Py_ssize_t n) noexcept nogil:
-    """A name both recognisers decline, request or response: underscored, hop-by-hop or
-    framing (keep-alive, te, trailer, transfer-encoding, upgrade), proxy-* or x-lchat-*."""
-    return (
-        has_underscore(p, n)
-        or name_is(p, n, b"keep-alive", 10)
-        or name_is(p, n, b"te", 2)
-        or name_is(p, n, b"trailer", 7)
-        or name_is(p, n, b"transfer-encoding", 17)
-        or name_is(p, n, b"upgrade", 7)
-        or name_starts(p, n, b"proxy-", 6)
-        or name_starts(p, n, b"x-lchat-", 8)
-    )
+cdef inline bint declined(const unsigned char* p, Py_ssize_t n, const Names* names) noexcept nogil:
+    """The name p[:n] is declined: underscored, one of ``names``, or with one of PREFIXES."""
+    cdef Py_ssize_t k
+    if has_underscore(p, n):
+        return True
+    for k in range(names.count):
+        if name_is(p, n, names.name[k], names.size[k]):
+            return True
+    for k in range(PREFIXES.count):
+        if name_starts(p, n, PREFIXES.name[k], PREFIXES.size[k]):
+            return True
+    return False
 
 
 def response(bytes data not None):
@@ -96,7 +140,7 @@ def response(bytes data not None):
     cdef int status
     cdef long long size = -1
     cdef int found = 0
-    if n < 13 or memcmp(p, b"HTTP/1.1 ", 9) != 0:
+    if not CONFIGURED or n < 13 or memcmp(p, b"HTTP/1.1 ", 9) != 0:
         return None
     if not (50 <= p[9] <= 53 and 48 <= p[10] <= 57 and 48 <= p[11] <= 57 and p[12] == 32):
         return None
@@ -133,7 +177,7 @@ def response(bytes data not None):
             size = 0
             for v in range(d0, d1):
                 size = size * 10 + (p[v] - 48)
-        elif name_is(p + line, nlen, b"connection", 10) or hop_or_internal(p + line, nlen):
+        elif declined(p + line, nlen, &RESPONSE_NAMES):
             return None
     if found != 1 or size < 0:
         return None
@@ -163,7 +207,7 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
     cdef Py_ssize_t i, m, t0, t1, head_start, line, colon = 0, nlen
     cdef Py_ssize_t lines = 0, drop0 = -1, drop1 = -1, host0 = -1, host1 = -1
     cdef bytes block, prev_block
-    if n > max_bytes:
+    if not CONFIGURED or n > max_bytes:
         return None
     if n >= 4 and memcmp(p, b"GET ", 4) == 0:
         m = 3
@@ -211,14 +255,7 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
             if drop0 >= 0 or not keep_alive_line(p, colon, i):
                 return None
             drop0, drop1 = line, i
-        elif (
-            hop_or_internal(p + line, nlen)
-            or name_is(p + line, nlen, b"content-length", 14)
-            or name_is(p + line, nlen, b"expect", 6)
-            or name_is(p + line, nlen, b"forwarded", 9)
-            or name_is(p + line, nlen, b"x-forwarded-for", 15)
-            or name_is(p + line, nlen, b"x-forwarded-proto", 17)
-        ):
+        elif declined(p + line, nlen, &REQUEST_NAMES):
             return None
     if i != n or lines > max_headers or host0 < 0:
         return None

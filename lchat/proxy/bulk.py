@@ -4,9 +4,9 @@ uvloop hands a plain Protocol each read (up to 256 KiB) as a new ``bytes``: a he
 copy out of its own read buffer, per read. While a ``Content-Length`` body with at least
 :data:`MIN_BULK` bytes still to come streams from one side to the other, the reading side's
 transport gets a :class:`BulkReader` instead: uvloop reads (``recv_into``) straight into
-:data:`BUFFERS`' current buffer, and the owner writes a slice of it to the other transport.
+:class:`Buffers`' current buffer, and the owner writes a slice of it to the other transport.
 
-One set of buffers serves every connection of the process: uvloop calls ``get_buffer``, reads, and
+One set of buffers (the front door's, lchat.proxy.state) serves every connection of the process: uvloop calls ``get_buffer``, reads, and
 calls ``buffer_updated`` in one go, and what a read brought is written on before
 ``buffer_updated`` returns. Only one thing keeps a reference past that: **uvloop's ``write`` does
 not copy what it could not send at once**: it keeps a memoryview of it (``UVStream._buffer_write``
@@ -79,9 +79,6 @@ class Buffers:
         self.view = memoryview(array)
 
 
-BUFFERS = Buffers()
-
-
 class BulkOwner(TypingProtocol):
     def bulk_received(self, nbytes: int) -> None: ...
     def connection_lost(self, exc: Exception | None) -> None: ...
@@ -91,16 +88,17 @@ class BulkOwner(TypingProtocol):
 
 
 class BulkReader(asyncio.BufferedProtocol):
-    """The transport's protocol while a bulk body streams: reads go into :data:`BUFFERS`; every
-    other callback goes to the owner, as if it were the protocol."""
+    """The transport's protocol while a bulk body streams: reads go into ``buffers``' current
+    one; every other callback goes to the owner, as if it were the protocol."""
 
-    __slots__ = ("owner",)
+    __slots__ = ("buffers", "owner")
 
-    def __init__(self, owner: BulkOwner) -> None:
+    def __init__(self, owner: BulkOwner, buffers: Buffers) -> None:
         self.owner = owner
+        self.buffers = buffers
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return BUFFERS.view
+        return self.buffers.view
 
     def buffer_updated(self, nbytes: int) -> None:
         self.owner.bulk_received(nbytes)

@@ -32,6 +32,15 @@ FORWARDING = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"})
 # and gunicorn do, we drop them rather than let a client forge a marker that way).
 _GUARDED = INTERNAL | FORWARDING
 
+# The header policy's names, in one place. The general path reads, checks, drops or sets each of
+# these itself (request: lchat.proxy.exchange.validate; response: UpstreamConnection's head
+# check). The one-read recognisers (lchat.proxy.oneread and its C twin) decline a message with
+# any of them, with any name starting with one of SPECIAL_PREFIXES, or any underscored name: their
+# declined-name lists are made from these sets (tests/test_proxy_oneread.py holds them to it).
+REQUEST_SPECIAL = HOP_BY_HOP | FORWARDING | INTERNAL | {b"content-length", b"expect"}
+RESPONSE_SPECIAL = HOP_BY_HOP | INTERNAL | {b"content-length"}
+SPECIAL_PREFIXES = (b"proxy-", b"x-lchat-")
+
 
 def lookalike(name: bytes) -> bool:
     """An underscore spelling of a header we guard, e.g. ``X_Lchat_Sidecar``."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from lchat.proxy.http import REQUEST_SPECIAL, RESPONSE_SPECIAL, SPECIAL_PREFIXES
+
 # RFC 9110 §5.6.2 token characters: a header name.
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]++"
 # A field line as the recognisers take it: a token, a colon, then visible ASCII and spaces only
@@ -33,14 +35,44 @@ _REQUEST_LINE = re.compile(rb"(GET|HEAD) (/[!-~]*+) HTTP/1\.1\r\n")
 # The rest of the read: field lines and the empty line, nothing after it (one message).
 _HEADERS = re.compile(rb"(?:" + _LINE + rb")*+\r\n")
 
+
+def declined_names(special: frozenset[bytes]) -> tuple[bytes, ...]:
+    """The names of a shared set (lchat.proxy.http) the recognisers look for one by one: those
+    that no prefix of ``SPECIAL_PREFIXES`` covers (the prefixes are looked for as such)."""
+    return tuple(sorted(n for n in special if not n.startswith(SPECIAL_PREFIXES)))
+
+
+REQUEST_DECLINED = declined_names(REQUEST_SPECIAL)
+RESPONSE_DECLINED = declined_names(RESPONSE_SPECIAL)
+
+
+def _alternation(alternatives: list[bytes]) -> bytes:
+    """Regex fragments (each starting with a literal letter) as one alternation, those with the
+    same first letter grouped behind it, in their order: the scan then tries one byte per line
+    where the alternatives do not start, not each literal."""
+    groups: dict[bytes, list[bytes]] = {}
+    for alternative in alternatives:
+        groups.setdefault(alternative[:1], []).append(alternative)
+    return b"|".join(
+        group[0] if len(group) == 1 else first + b"(?:" + b"|".join(a[1:] for a in group) + b")"
+        for first, group in groups.items()
+    )
+
+
+_PREFIXES = [re.escape(prefix) for prefix in SPECIAL_PREFIXES]
+# A name with an underscore (lowercased: the token characters without "_", then one).
+_UNDERSCORED = rb"[!#$%&'*+.^`|~0-9a-z-]*_"
+
 # Request header names (lowercased, after a newline) that the general path drops, rewrites, reads
 # for framing, or refuses: declined here. ``Connection: keep-alive`` alone is taken out first
 # (browsers send it on every HTTP/1.1 request; it changes nothing). The pattern starts with a
 # literal newline so that it is tried at line starts only.
 _REQUEST_DECLINED = re.compile(
-    rb"\n(?:[!#$%&'*+.^`|~0-9a-z-]*_|c(?:onnection|ontent-length):|keep-alive:|te:|trailer:"
-    rb"|transfer-encoding:|upgrade:|expect:|forwarded:|x-forwarded-for:|x-forwarded-proto:"
-    rb"|proxy-|x-lchat-)"
+    rb"\n(?:"
+    + _UNDERSCORED
+    + b"|"
+    + _alternation([re.escape(name) + b":" for name in REQUEST_DECLINED] + _PREFIXES)
+    + b")"
 )
 _KEEP_ALIVE_LINE = re.compile(rb"^connection: *keep-alive *\r\n", re.M | re.I)
 
@@ -50,17 +82,15 @@ _RESPONSE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) [ -~]*+(\r\n(?:" + _LINE +
 # that makes the general path decline to forward the head byte for byte (a hop-by-hop, internal
 # or underscored header; another framing; a Content-Length with anything but digits). Nothing
 # after a value is consumed (a lookahead): the next line's newline starts the next match.
-_RESPONSE_NAMES = re.compile(
-    rb"\n(?:content-length: *([0-9]{1,18}) *(?=\r\n)|content-length:|[!#$%&'*+.^`|~0-9a-z-]*_"
-    rb"|connection:|keep-alive:|te:|trailer:|transfer-encoding:|upgrade:|proxy-|x-lchat-)"
+_RESPONSE_ALTERNATIVES = _alternation(
+    [rb"content-length: *([0-9]{1,18}) *(?=\r\n)"]
+    + [re.escape(name) + b":" for name in RESPONSE_DECLINED]
+    + _PREFIXES
 )
+_RESPONSE_NAMES = re.compile(rb"\n(?:" + _RESPONSE_ALTERNATIVES + b"|" + _UNDERSCORED + b")")
 # The same for a head with no underscore anywhere (the usual one), which cannot match the
-# underscored-name branch: without it, and its alternatives grouped by their first byte, the scan
-# tries a few literals per line instead of a token loop.
-_RESPONSE_NAMES_PLAIN = re.compile(
-    rb"\n(?:c(?:ontent-length: *([0-9]{1,18}) *(?=\r\n)|ontent-length:|onnection:)|keep-alive:"
-    rb"|t(?:e:|railer:|ransfer-encoding:)|upgrade:|proxy-|x-lchat-)"
-)
+# underscored-name branch: without it the scan tries a few literals per line, not a token loop.
+_RESPONSE_NAMES_PLAIN = re.compile(rb"\n(?:" + _RESPONSE_ALTERNATIVES + b")")
 
 
 class WholeRequest(NamedTuple):
@@ -145,7 +175,7 @@ try:
 except ImportError:  # (no compiler where it was installed: the patterns above do the work)
     pass
 else:
-    _oneread_c.WholeRequest = WholeRequest
+    _oneread_c.configure(WholeRequest, REQUEST_DECLINED, RESPONSE_DECLINED, SPECIAL_PREFIXES)
     request, response = _oneread_c.request, _oneread_c.response
     COMPILED = True
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 from typing import Protocol as TypingProtocol
 
 import httptools
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -28,8 +28,9 @@ from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
 from lchat.proxy import oneread
-from lchat.proxy.bulk import BUFFERS, MIN_BULK, BulkReader
-from lchat.proxy.http import HOP_BY_HOP, INTERNAL, Header, Valve
+from lchat.proxy.bulk import MIN_BULK, BulkReader
+from lchat.proxy.http import RESPONSE_SPECIAL, Header, Valve
+from lchat.proxy.state import FrontDoorState, shared
 from lchat.router import LocalSocket, RemotePeer
 
 _log = Logger(namespace="lchat.proxy")
@@ -40,15 +41,7 @@ _dial_retries = Counter(
 _dial_failures = Counter(
     "lchat_upstream_dial_failures_total", "Upstream dials given up after the retry window"
 )
-# Kept as a plain number (a gauge's lock per request is measurable) and read at scrape time.
-_IDLE = [0]
-_idle = Gauge("lchat_upstream_idle_connections", "Idle pooled upstream connections")
-_idle.set_function(lambda: _IDLE[0])
-
 Key = str | tuple[Any, ...]  # a unix socket's path, or (scheme, address, port, server name)
-
-# Response headers that make a head unfit to forward byte for byte (we must drop or rewrite them).
-_REWRITE = HOP_BY_HOP | INTERNAL | {b"proxy-authenticate", b"proxy-authorization"}
 
 
 class ResponseHandler(TypingProtocol):
@@ -114,7 +107,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._body_left = 0
         self._past_parser = False
         self._bulk: BulkReader | None = None  # the transport's protocol while a body streams
-        self.bulk_written = 0  # bytes written to the space from BUFFERS (lchat.proxy.bulk)
+        self.bulk_written = 0  # bytes written to the space from our buffers (lchat.proxy.bulk)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -261,14 +254,14 @@ class UpstreamConnection(asyncio.Protocol):
             self.data_received(rest)  # (nobody asked for it: the stream is out of step)
         elif self._body_left >= MIN_BULK and self._bulk is None and self.transport is not None:
             # The middle of a big body: read it into our own buffers (lchat.proxy.bulk).
-            self._bulk = BulkReader(self)
+            self._bulk = BulkReader(self, self.pool.state.buffers)
             self.transport.set_protocol(self._bulk)
 
     def bulk_received(self, nbytes: int) -> None:
-        """A read into ``BUFFERS.view`` while a big response body streams (BulkReader): the middle
+        """A read into the pool's buffers (``view``) while a big response body streams (BulkReader): the middle
         of the body goes to the handler as a slice of the buffer; anything else goes the general
         way, as ``bytes``, with this object the protocol again."""
-        view = BUFFERS.view
+        view = self.pool.state.buffers.view
         handler = self.handler
         if (
             nbytes < self._body_left
@@ -326,7 +319,7 @@ class UpstreamConnection(asyncio.Protocol):
             elif lower == b"transfer-encoding":
                 chunked = value.strip().lower().endswith(b"chunked")
                 plain = False
-            elif lower in _REWRITE or lower.startswith(b"proxy-") or b"_" in lower:
+            elif lower in RESPONSE_SPECIAL or lower.startswith(b"proxy-") or b"_" in lower:
                 plain = False
         no_body = self._method == b"HEAD" or status in (204, 304)
         self._close_delimited = not no_body and length is None and not chunked
@@ -453,7 +446,8 @@ class UpstreamPool:
     """Keep-alive connections per upstream, and dialing with the dial-retry window.
 
     ``reactor`` is the clock (``seconds``, ``callLater``) and must be the asyncio reactor whose
-    loop is ``loop`` (the connections are asyncio ones)."""
+    loop is ``loop`` (the connections are asyncio ones). ``state``: the front door's
+    (lchat.proxy.state), where the idle connections are counted and big bodies read into."""
 
     def __init__(
         self,
@@ -464,8 +458,11 @@ class UpstreamPool:
         connect_timeout: float = 5.0,
         tls_context: ssl.SSLContext | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        state: FrontDoorState | None = None,
     ) -> None:
         self._reactor = reactor
+        self.state = state or shared()
+        self._stats = self.state.stats
         self._loop = loop
         self._dial_retry = dial_retry
         self._max_idle = max_idle_per_key
@@ -498,7 +495,7 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()
             self._idle_count -= 1
-            _IDLE[0] -= 1
+            self._stats.idle_upstream -= 1
             if conn.connected and conn.reusable:
                 conn.reused += 1
                 return conn
@@ -523,7 +520,7 @@ class UpstreamPool:
             conn.valve.open_all()  # an idle pooled connection must read (to see it close)
         idle.append(conn)
         self._idle_count += 1
-        _IDLE[0] += 1
+        self._stats.idle_upstream += 1
         conn.idle_since = self._reactor.seconds()
         if self._sweep is None:
             self._sweep = LoopingCall(self._expire)
@@ -546,7 +543,7 @@ class UpstreamPool:
         if idle and conn in idle:
             idle.remove(conn)
             self._idle_count -= 1
-            _IDLE[0] -= 1
+            self._stats.idle_upstream -= 1
 
     def idle_connections(self) -> list[UpstreamConnection]:
         """Every idle pooled connection (diagnostics and tests)."""
@@ -558,7 +555,7 @@ class UpstreamPool:
         idle = self._idle.pop(socket_path, [])
         for conn in idle:
             self._idle_count -= 1
-            _IDLE[0] -= 1
+            self._stats.idle_upstream -= 1
             conn.close()
         return len(idle)
 

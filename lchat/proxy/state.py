@@ -1,0 +1,108 @@
+"""What every connection of the front door shares: its hot figures and its bulk read buffers.
+
+One :class:`FrontDoorState` per process serves both listeners (HTTP and HTTPS) and the upstream
+pool; each :class:`~lchat.proxy.downstream.ProxyFactory` and
+:class:`~lchat.proxy.upstream.UpstreamPool` is given it (or, made without one, takes
+:func:`shared`, registered with Prometheus's default registry on first use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lchat.proxy.bulk import Buffers
+
+
+class HotStats:
+    """The figures every request changes, kept as plain numbers and read at scrape time: a
+    Prometheus counter takes a lock per change, a few of which per request would cost more than
+    the rest of a small request's path (docs/performance.md)."""
+
+    __slots__ = (
+        "bytes_down",
+        "bytes_up",
+        "connections",
+        "idle_upstream",
+        "in_flight",
+        "requests",
+        "upgraded",
+    )
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.in_flight = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.connections = 0
+        self.upgraded = 0
+        self.idle_upstream = 0  # idle pooled upstream connections
+
+    def count(self, host_class: str, status: int) -> None:
+        key = (host_class, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+class _Collector(Collector):
+    def __init__(self, stats: HotStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats
+        requests = CounterMetricFamily(
+            "lchat_http_requests",
+            "Requests answered, by host class and status",
+            labels=["host_class", "code"],
+        )
+        for (host_class, status), count in sorted(stats.requests.items()):
+            requests.add_metric([host_class, str(status)], count)
+        yield requests
+        yield GaugeMetricFamily(
+            "lchat_http_in_flight", "Requests being served right now", value=stats.in_flight
+        )
+        relayed = CounterMetricFamily(
+            "lchat_proxy_bytes", "Body bytes relayed", labels=["direction"]
+        )
+        relayed.add_metric(["up"], stats.bytes_up)
+        relayed.add_metric(["down"], stats.bytes_down)
+        yield relayed
+        yield GaugeMetricFamily(
+            "lchat_upgraded_connections",
+            "Open upgraded (WebSocket) connections",
+            value=stats.upgraded,
+        )
+        yield GaugeMetricFamily(
+            "lchat_http_connections", "Open client connections", value=stats.connections
+        )
+        yield GaugeMetricFamily(
+            "lchat_upstream_idle_connections",
+            "Idle pooled upstream connections",
+            value=stats.idle_upstream,
+        )
+
+
+class FrontDoorState:
+    """The front door's shared figures (``stats``, reported by a collector registered with
+    ``registry`` when one is given) and read buffers (``buffers``, lchat.proxy.bulk)."""
+
+    __slots__ = ("buffers", "stats")
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.stats = HotStats()
+        self.buffers = Buffers()
+        if registry is not None:
+            registry.register(_Collector(self.stats))
+
+
+_shared: list[FrontDoorState] = []
+
+
+def shared() -> FrontDoorState:
+    """The process's state for factories and pools made without one, registered with
+    Prometheus's default registry (once: its metric names are the process's)."""
+    if not _shared:
+        _shared.append(FrontDoorState(REGISTRY))
+    return _shared[0]
