@@ -93,6 +93,7 @@ class AcceptorHarness(TestCase):
             sock,
             lambda: HelloApp(self.app_connections),
             store,
+            clock=reactor,
             **kw,
         )
         self.acceptor.start()
@@ -397,7 +398,7 @@ class BacklogTests(AcceptorHarness):
         port = sock.getsockname()[1]
         self.app_connections = set()
         acceptor = self.acceptor = TLSAcceptor(
-            loop, sock, lambda: HelloApp(self.app_connections), store
+            loop, sock, lambda: HelloApp(self.app_connections), store, clock=reactor
         )
         self.addCleanup(self.drain)
         self.addCleanup(acceptor.close)

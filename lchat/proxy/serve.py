@@ -148,6 +148,7 @@ class FrontPort:
                 sock,
                 factory,
                 store,
+                clock=factory.reactor,  # (ProxyFactory's: the front door's one clock)
                 hold=first_contact_wait,
                 handshake_timeout=handshake_timeout,
                 peek_timeout=handshake_timeout,

@@ -39,6 +39,7 @@ from typing import Any
 from attrs import define, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -195,6 +196,9 @@ class TLSAcceptor:
 
     The factory is called when uvloop takes the connection, before the handshake: a protocol whose
     handshake fails is dropped without any call.
+
+    ``clock`` (``seconds``, ``callLater``): the front door's one clock, the reactor whose loop is
+    ``loop`` (the proxy's deadlines run on it too), or a fake one in tests of the timing logic.
     """
 
     def __init__(
@@ -204,6 +208,7 @@ class TLSAcceptor:
         protocol_factory: ProtocolFactory,
         store: tls.CertStore,
         *,
+        clock: IReactorTime,
         hold: float = 10.0,
         handshake_timeout: float = 10.0,
         peek_timeout: float = 10.0,
@@ -212,6 +217,7 @@ class TLSAcceptor:
         accept_batch: int = ACCEPT_BATCH,
     ) -> None:
         self._loop = loop
+        self._clock = clock
         self._sock = sock
         self._factory = protocol_factory
         self._store = store
@@ -223,12 +229,12 @@ class TLSAcceptor:
         self._batch = accept_batch
         self._listening = False
         self._closed = False
-        self._resume: asyncio.TimerHandle | None = None
+        self._resume: IDelayedCall | None = None
         self._peeks: set[_Peek] = set()
         self._holds: dict[str, _Hold] = {}  # host -> the connections waiting for its certificate
         self._held = 0  # connections in self._holds
         self._full_logged = False
-        self._gave_up: dict[str, float] = {}  # host -> loop time its last hold timed out
+        self._gave_up: dict[str, float] = {}  # host -> when its last hold timed out
         self._handshakes: set[asyncio.Task[None]] = set()
         self._buffer = bytearray(PEEK_CAP)  # peeks land here (one loop, one peek at a time)
 
@@ -264,7 +270,8 @@ class TLSAcceptor:
 
     def _stop_listening(self) -> None:
         if self._resume is not None:
-            self._resume.cancel()
+            if self._resume.active():
+                self._resume.cancel()
             self._resume = None
         if self._listening:
             self._listening = False
@@ -299,7 +306,7 @@ class TLSAcceptor:
         )
         if self._listening:
             self._stop_listening()
-            self._resume = self._loop.call_later(ACCEPT_PAUSE, self._resume_accepting)
+            self._resume = self._clock.callLater(ACCEPT_PAUSE, self._resume_accepting)
 
     def _resume_accepting(self) -> None:
         self._resume = None
@@ -352,7 +359,7 @@ class TLSAcceptor:
             if not self._store.want(host):
                 self._hand_over(conn, peer, notes)  # the issuer will not get one
                 return
-            hold = _Hold(host, self._loop.time())
+            hold = _Hold(host, self._clock.seconds())
             self._holds[host] = hold
             _log.info(
                 "tls: holding the first handshake for {host} while its certificate is issued "
@@ -375,7 +382,7 @@ class TLSAcceptor:
         gave_up = self._gave_up.get(host)
         if gave_up is None:
             return True
-        if self._loop.time() - gave_up < self.retry_hold_after:
+        if self._clock.seconds() - gave_up < self.retry_hold_after:
             return False
         del self._gave_up[host]
         return True
@@ -394,7 +401,7 @@ class TLSAcceptor:
                 "tls: certificate for {host} arrived after {seconds:.1f}s; completing {count} "
                 "held handshake(s)",
                 host=hold.host,
-                seconds=self._loop.time() - hold.started,
+                seconds=self._clock.seconds() - hold.started,
                 count=count,
             )
         else:
@@ -421,7 +428,7 @@ class TLSAcceptor:
             _log.failure("tls: a held handshake for {host} failed", failure, host=hold.host)
 
     def _remember_gave_up(self, host: str) -> None:
-        now = self._loop.time()
+        now = self._clock.seconds()
         if len(self._gave_up) >= _GAVE_UP_PRUNE:
             self._gave_up = {
                 h: t for h, t in self._gave_up.items() if now - t < self.retry_hold_after
@@ -457,7 +464,7 @@ class TLSAcceptor:
 @define(eq=False)
 class _Hold:
     host: str
-    started: float  # loop time
+    started: float  # clock.seconds()
     connections: list[tuple[socket.socket, str, tls.HandshakeNotes]] = field(factory=list)
     wait: Deferred[bool] | None = None
 
@@ -478,19 +485,19 @@ class _Peek:
         self._fd = conn.fileno()
         self._lowat = 1
         self._seen = 0  # bytes the last peek found
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: IDelayedCall | None = None
 
     def start(self) -> None:
         loop = self._acceptor._loop
         loop.add_reader(self._fd, self._readable)
         # Only once watching it: a failed add_reader leaves nothing behind.
-        self._timer = loop.call_later(self._acceptor.peek_timeout, self._timed_out)
+        self._timer = self._acceptor._clock.callLater(self._acceptor.peek_timeout, self._timed_out)
 
     def _stop(self) -> None:
         acceptor = self._acceptor
         acceptor._peeks.discard(self)
         acceptor._loop.remove_reader(self._fd)
-        if self._timer is not None:
+        if self._timer is not None and self._timer.active():
             self._timer.cancel()
         if self._lowat > 1:
             try:
