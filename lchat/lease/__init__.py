@@ -1,0 +1,78 @@
+"""The per-space single-writer lease: ``<prefix>/<host>/lock.json`` in the bucket (docs/design.md §5).
+``lock``: the object, its expiry rule, acquire and release; ``keeper``: keeping it while held.
+
+Whoever holds a space's lease is its one writer (docs/design.md §10, invariant 1); everyone else fails
+loudly with :class:`LeaseHeld`. The bucket's conditional writes are the only arbiter:
+
+- :func:`acquire` creates the object with ``If-None-Match: *``; if it exists and has expired it
+  takes it over with ``If-Match: <etag>`` and ``generation + 1``; a lease that is still live raises
+  :class:`LeaseHeld`; losing a 412 race re-reads and reports the winner.
+- :class:`LeaseKeeper` renews with ``If-Match`` every TTL/3 and calls ``lost`` exactly once, at the
+  latest when the lease could expire as measured on the *local monotonic clock* since the last
+  successful renewal was sent, minus a safety margin. After that it never writes again.
+- :func:`release` deletes with ``If-Match`` under its own time budget and never deletes anybody
+  else's lease.
+- A keeper given ``verify_retake`` that finds its lock *gone* (deleted rather than replaced: the
+  bucket forgot it, or someone deleted it by hand) does not give up: nobody has taken the lease
+  over (a takeover replaces the object, it never deletes it), so it re-creates the lock with
+  ``If-None-Match: *`` and ``generation + 1`` (writes on its behalf wait meanwhile:
+  :class:`LeaseSuspended`), then asks ``verify_retake`` whether the bucket still shows only its own
+  writes. Someone else creating the lock first, or a "no", is a takeover: the keeper releases what
+  it re-took (if anything) and reports the loss.
+
+Expiry rule (:func:`lease_expiry`): a version of ``lock.json`` may be taken over once the bucket's
+clock (``store.now()``, its ``Date``) reaches ``floor(Last-Modified) + 1 s + ceil(TTL)``, where TTL
+is the larger of the record's ``ttl_seconds`` and the judging box's own TTL. Both clocks are the
+bucket's, so a box whose clock is wrong can neither steal nor keep a lease. Stores report
+``Last-Modified`` truncated to whole seconds, so the real write happened before ``floor + 1 s``:
+judging from there is never early (a truncated ``Date`` only makes "now" earlier: later still).
+The larger TTL wins because the holder stands down by its *own* TTL (written in the record); a
+record without ``ttl_seconds`` (a Litestream leaser wrote it, or it is corrupt) is judged by ours.
+``expires_at`` in the body is informational (for humans and tools): it is computed from the
+bucket's clock, never ours, but judgement never reads it. A live lock naming our own ``owner`` is
+held too: a wedged earlier process of this box may still be writing.
+
+The holder's side is safe by construction: its deadline counts from the local monotonic time *before*
+the successful write was sent, which precedes the real write, which precedes ``Last-Modified``'s
+upper bound above. So the holder stops believing before anyone else may start.
+
+Each acquisition writes a random ``lease_id``. Only its holder ever writes a record carrying it,
+so when a conditional write fails because a store-level retry already applied our own write (the
+response was lost), re-reading and finding our ``lease_id`` proves the write was ours.
+"""
+
+from lchat.lease.keeper import LeaseKeeper
+from lchat.lease.lock import (
+    BOX_NOT_ALIVE,
+    LOCK_NAME,
+    HeldLease,
+    HolderCheck,
+    LeaseHeld,
+    LeaseLost,
+    LeaseRecord,
+    LeaseSuspended,
+    NotAlive,
+    acquire,
+    lease_expiry,
+    lease_key,
+    release,
+    rfc3339,
+)
+
+__all__ = [
+    "BOX_NOT_ALIVE",
+    "LOCK_NAME",
+    "HeldLease",
+    "HolderCheck",
+    "LeaseHeld",
+    "LeaseKeeper",
+    "LeaseLost",
+    "LeaseRecord",
+    "LeaseSuspended",
+    "NotAlive",
+    "acquire",
+    "lease_expiry",
+    "lease_key",
+    "release",
+    "rfc3339",
+]
