@@ -174,7 +174,7 @@ class Refusals(Base):
         # a wildcard needs DNS-01, and DNSimple (the default) needs its token
         message = self.refuses("LCHAT_DNSIMPLE_TOKEN", {"LCHAT_WILDCARD_DOMAINS": "example.com"})
         self.assertIn("LCHAT_WILDCARD_DOMAINS", message)
-        for value in ("1.2.3.4:99999", "dns.example.com", "1.2.3", "[::1]:0"):
+        for value in ("1.2.3.4:99999", "dns.example.com", "1.2.3", "[::1]:0", "::1", ":53"):
             self.refuses("LCHAT_DNS_RESOLVERS", {"LCHAT_DNS_RESOLVERS": value})
         self.refuses("LCHAT_DNS_PROPAGATION_TIMEOUT", {"LCHAT_DNS_PROPAGATION_TIMEOUT": "0s"})
         self.refuses("LCHAT_ROUTE53_ZONE_ID", {"LCHAT_ROUTE53_ZONE_ID": "zone; rm -rf"})
