@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import hosts
+from lchat.deferutil import fire
 from lchat.threads import RunInThread
 
 Kind = Literal["instance", "service"]
@@ -644,11 +645,7 @@ class RouteSource(Service):
         if self._again:
             again, self._again = self._again, []
             self._start(again)
-        for _, waiter in batch:
-            if isinstance(result, Failure):
-                waiter.errback(result)
-            else:
-                waiter.callback(result)
+        fire([waiter for _, waiter in batch], result)
 
     def _swap(self, new: RouteTable, reason: str) -> RouteTable:
         self._broken = None

@@ -13,14 +13,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import Logger
 
 from lchat import hosts, isolation
+from lchat.child import ChildSpec
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.isolation import IsolationError, SpaceUser
 from lchat.registry import Registry, Route, RouteSource, RouteTable
-from lchat.supervise import ChildSpec, Supervisor
+from lchat.supervise import Supervisor
 from lchat.threads import RunInThread
 
 _log = Logger(namespace="lchat.units")
@@ -79,19 +80,38 @@ def space_user(cfg: BoxConfig, host: str, socket: str) -> SpaceUser | None:
 
 
 class Claims:
-    """The hosts another part of the router runs right now (the activator, from the start of a
-    wake to the end of its stand-down), which builtin units must leave alone: after a row's
-    hibernate flag is cleared, two children on one socket would fight. Reactor thread only."""
+    """Who runs a space and its database right now: the router's one ownership registry.
+
+    The activator claims a host from the start of a wake to the end of its stand-down; while it
+    does, builtin units leave the host alone (after a row's hibernate flag is cleared, two
+    children on one socket would fight) and the fleet backup runs no replicator on its database.
+    A party that may run a database registers how it lets go (:meth:`on_hand_over`): a wake
+    awaits :meth:`hand_over` before it touches the database, so one database never has two
+    replicators. :meth:`release` gives the host back to every listener. Reactor thread only."""
 
     def __init__(self) -> None:
         self._hosts: set[str] = set()
         self._released: list[Callable[[str], object]] = []
+        self._let_go: list[Callable[[str, str], Deferred[None]]] = []
 
     def __contains__(self, host: object) -> bool:
         return host in self._hosts
 
     def claim(self, host: str) -> None:
         self._hosts.add(host)
+
+    def on_hand_over(self, let_go: Callable[[str, str], Deferred[None]]) -> None:
+        """``let_go(host, database path)`` fires once the registering party runs nothing on
+        that path, and keeps off it until the host's claim is released."""
+        self._let_go.append(let_go)
+
+    def hand_over(self, host: str, db_path: str) -> Deferred[None]:
+        """Fires once no other party runs ``db_path`` (``host`` claimed): every registered
+        :meth:`on_hand_over` has let go."""
+        if len(self._let_go) == 1:
+            return self._let_go[0](host, db_path)
+        waits: Deferred[Any] = gatherResults([let_go(host, db_path) for let_go in self._let_go])
+        return waits.addCallback(lambda _: None)
 
     def release(self, host: str) -> None:
         """``host`` is no longer run elsewhere: tell every listener."""

@@ -26,6 +26,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.http_headers import Headers
 
 from lchat import config
+from lchat.child import listener_pid
 from lchat.config import BoxConfig
 from lchat.hibernation import lifecycle as lifecycle_module
 from lchat.hibernation.localdb import MARKER_SUFFIX
@@ -34,7 +35,6 @@ from lchat.objstore import open_store
 from lchat.objstore.where import Where
 from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
-from lchat.supervise import listener_pid
 from lchat.tap import build_service, listening_ports
 from lchat.threads import thread_runner
 from tests import s3servers

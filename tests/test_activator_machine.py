@@ -850,6 +850,42 @@ class DueWakeTests(_Machine):
         self.assertEqual(self.next_due("req.example"), int(EPOCH) + 60)
 
 
+# -- the states and who owns the database ----------------------------------------------------------
+
+
+class TransitionTests(_Machine):
+    def test_a_space_moves_only_as_the_table_says(self) -> None:
+        space = self.lifecycle.new_space("t.example", self.add_space("t.example"), "request")
+        with self.assertRaises(AssertionError):
+            space.move("asleep")  # a waking space stands down first
+        space.move("waking")  # staying is no move
+        space.move("awake")
+        with self.assertRaises(AssertionError):
+            space.move("waking")
+        space.move("stopping")
+        space.move("asleep")
+        self.assertEqual(space.state, "stopping")  # asleep: the activator forgets it
+
+    def test_a_wake_waits_for_every_other_owner_to_let_go_of_the_database(self) -> None:
+        route = self.add_space("owned.example")
+        let_go: Deferred[None] = Deferred()
+        asked: list[tuple[str, str]] = []
+
+        def backup(host: str, db: str) -> Deferred[None]:
+            asked.append((host, db))
+            return let_go
+
+        self.claims.on_hand_over(backup)
+        d = self.activator.wake(route, "request")
+        self.assertEqual(asked, [("owned.example", self.db("owned.example"))])
+        self.assertIn("owned.example", self.claims)  # claimed before the hand-over
+        self.assertIsNone(self.lock_owner("owned.example"))  # no lease, no spawn yet
+        self.assertEqual(self.spawner.of("owned.example"), [])
+        let_go.callback(None)
+        self.successResultOf(d)
+        self.assertEqual(self.lock_owner("owned.example"), self.cfg.box_id)
+
+
 # -- the wake's database step ------------------------------------------------------------------------
 
 

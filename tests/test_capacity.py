@@ -23,7 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from lchat import config, unixhttp
 from lchat.admin import AdminAPI, Capacity
 from lchat.config import ConfigError
-from lchat.hibernation import activator as activator_module
+from lchat.hibernation import capacity as capacity_module
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.space import Budgets
 from lchat.registry import Route
@@ -297,7 +297,7 @@ class StatusTests(_AtCapacity):
 
 class LogTests(SynchronousTestCase):
     def test_idle_spans_read_as_an_operator_reads_them(self) -> None:
-        spans = [activator_module._span(s) for s in (0.4, 42, 59.4, 60, 720, 3599, 3600, 11_100)]
+        spans = [capacity_module._span(s) for s in (0.4, 42, 59.4, 60, 720, 3599, 3600, 11_100)]
         self.assertEqual(spans, ["0s", "42s", "59s", "1m", "12m", "59m", "1h00m", "3h05m"])
 
 

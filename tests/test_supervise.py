@@ -1,4 +1,4 @@
-"""lchat.supervise: fake-time unit tests (a process-recording MemoryReactorClock) and real-process
+"""lchat.supervise and lchat.child: fake-time unit tests (a process-recording MemoryReactorClock) and real-process
 integration tests on the real reactor."""
 
 from __future__ import annotations
@@ -21,16 +21,8 @@ from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 
-from lchat import supervise
-from lchat.supervise import (
-    ChildExited,
-    ChildSpec,
-    ExitInfo,
-    ReadyTimeout,
-    SpawnError,
-    Supervisor,
-    spawn,
-)
+from lchat.child import MAX_LINE, ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError, spawn
+from lchat.supervise import Supervisor
 
 reactor: Any = _reactor
 PY = sys.executable
@@ -457,14 +449,14 @@ class FakeTimeTests(unittest.TestCase):
         spawn(self.r, spec("h.example.com"), new_session=False)
         proto = self.r.processes[0].proto
         proto.outReceived(b"hello\r\nwor")
-        proto.outReceived(b"ld\n" + b"z" * (supervise.MAX_LINE + 50))
+        proto.outReceived(b"ld\n" + b"z" * (MAX_LINE + 50))
         proto.outReceived(b"tail-of-long-line\nnext\n")
         proto.errReceived(b"\xffbad utf8\n")
         lines = [
             (e["stream"], e["line"]) for e in events if e.get("log_namespace") == "lchat.space"
         ]
         self.assertEqual(lines[:2], [("stdout", "hello"), ("stdout", "world")])
-        self.assertEqual(lines[2][1], "z" * supervise.MAX_LINE + "…")  # capped; rest dropped
+        self.assertEqual(lines[2][1], "z" * MAX_LINE + "…")  # capped; rest dropped
         self.assertEqual(lines[3:], [("stdout", "next"), ("stderr", "\ufffdbad utf8")])
         self.assertTrue(all(e["host"] == "h.example.com" for e in events if "stream" in e))
 

@@ -18,8 +18,9 @@ from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import config, envfile, hosts
+from lchat.child import ChildSpec
 from lchat.registry import Registry, Route, RouteSource
-from lchat.supervise import ChildSpec, Supervisor
+from lchat.supervise import Supervisor
 from lchat.units import BuiltinUnits, Claims
 
 T = TypeVar("T")
@@ -110,3 +111,28 @@ class DesiredSetTests(SynchronousTestCase):
         self.claims.release(HOST)
         self.finish(0)
         self.assertEqual(self.supervisor.wanted, [[HOST], [HOST]])
+
+
+class ClaimsTests(SynchronousTestCase):
+    def test_a_hand_over_waits_for_every_party_that_may_run_the_database(self) -> None:
+        claims = Claims()
+        self.successResultOf(claims.hand_over("a.example", "/data/a.db"))  # nobody: at once
+        first: Deferred[None] = Deferred()
+        second: Deferred[None] = Deferred()
+        asked: list[tuple[str, str]] = []
+
+        def party(let_go: Deferred[None]) -> Callable[[str, str], Deferred[None]]:
+            def release(host: str, db: str) -> Deferred[None]:
+                asked.append((host, db))
+                return let_go
+
+            return release
+
+        claims.on_hand_over(party(first))
+        claims.on_hand_over(party(second))
+        d = claims.hand_over("a.example", "/data/a.db")
+        self.assertEqual(asked, [("a.example", "/data/a.db")] * 2)
+        first.callback(None)
+        self.assertNoResult(d)
+        second.callback(None)
+        self.assertIsNone(self.successResultOf(d))

@@ -11,7 +11,8 @@ Invariants:
 
 - **One replicator per database.** A database's replicator here starts only while its row is not
   hibernating and the activator does not hold its host (:class:`~lchat.units.Claims`); the
-  activator's wake awaits :meth:`Backup.release` of the database before it touches it (a final
+  activator's wake awaits the claims' hand-over, :meth:`Backup.release` of the database here,
+  before it touches it (a final
   sync, then the replicator is stopped). Going back, the activator's stand-down ends before it
   releases the claim that lets a replicator here start. Operations on one database are
   serialised (a per-database lock), so a release waits for a start in progress and stops it.
@@ -143,6 +144,7 @@ class Backup(Service):
         self._env_unreadable: set[str] = set()  # logged once each
         routes.subscribe(self._table_changed)
         claims.on_release(self._released)
+        claims.on_hand_over(self.release)
 
     def _replicator(self, store: ObjectStore, db: str, replica: str) -> Replicator:
         # One stat of the WAL per interval; what it finds ships at once.

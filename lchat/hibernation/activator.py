@@ -17,35 +17,36 @@ Invariants:
   idle sweep never sleeps a space with anything in flight, and a graceful sleep waits for them.
 - Once stopping (the router's drain), no wake starts: requests get 503 ``shutdown``, marked for a
   mesh peer that forwarded them (lchat.router.unavailable).
-- Capacity (``LCHAT_MAX_INSTANCES``, docs/hibernation.md "Capacity"): the always-on space
-  processes (``resident``) plus the slots the hibernating spaces hold never exceed the limit
-  because of a wake. Every space waking, awake or stopping holds a slot; a stopping one whose slot
-  was handed to a waiting wake is counted once, for that wake. A wake at the limit takes the slot
-  of a space already stopping, else sleeps the awake space idle longest with nothing in flight
-  (never an always-on one), and spawns only once that stand-down is done; with neither, it is
-  refused at once: 503 ``capacity`` with ``Retry-After``. A slot is handed on at most once.
+- The states move only as :data:`~lchat.hibernation.space.TRANSITIONS` says (:meth:`Space.move`).
+- Capacity (``LCHAT_MAX_INSTANCES``) and the operator's holds: lchat.hibernation.capacity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
+from lchat.child import RunningChild
 from lchat.deferutil import relay, settled
+from lchat.hibernation.capacity import (
+    HOLD_RETRY_AFTER as HOLD_RETRY_AFTER,  # moved to capacity: tests/test_relocate_parts uses it
+)
+from lchat.hibernation.capacity import Capacity, Holds
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
+from lchat.hibernation.outage import OutageWrites, WriteWitness, stale
 from lchat.hibernation.recovery import LocalCopies
 from lchat.hibernation.space import STATES, Budgets, Space, WakeFailed
 from lchat.lease import BOX_NOT_ALIVE
 from lchat.registry import Route, RouteSource, RouteTable
 from lchat.router import Header, LocalResponse, LocalSocket, Target, unavailable
-from lchat.supervise import RunningChild
 from lchat.units import Claims
 
 _log = Logger(namespace="lchat.activator")
@@ -64,62 +65,11 @@ _awake = Gauge(
     "lchat_awake_spaces", "Hibernating spaces awake (or waking, or stopping) by state", ["state"]
 )
 
-_capacity = Gauge(
-    "lchat_capacity_instances",
-    "Resident space processes against LCHAT_MAX_INSTANCES by kind: always_on, hibernating (the "
-    "slots hibernating spaces hold), max (the limit; 0 = none)",
-    ["kind"],
-)
-_holds_total = Counter(
-    "lchat_holds_total",
-    "Operator holds on a space's wakes (lchat relocate) by event: held, released, expired",
-    ["event"],
-)
-for _event in ("held", "released", "expired"):
-    _holds_total.labels(_event)
-_evictions = Counter(
-    "lchat_capacity_evictions_total",
-    "Awake hibernating spaces slept to make room for another's wake (LCHAT_MAX_INSTANCES)",
-)
-
 # After a failed wake, the next attempt waits 1 s, 2 s, 4 s ... up to 60 s: a broken space must
 # not cost a lease write, a LIST and an upload on every request.
 WAKE_BACKOFF = Backoff(1.0, 60.0)
 LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without asking the bucket
-# A wake refused at capacity (everything resident busy): the client asks again this much later;
-# requests usually end within seconds, and then the longest-idle space can be slept.
-CAPACITY_RETRY = 5.0
-HOLD_RETRY_AFTER = 5.0  # a held space's Retry-After (a relocation usually ends within seconds)
-CAPACITY_LOG_EVERY = 10.0  # seconds between "503: nothing can be slept" lines (a storm is one)
-# A write to a space whose backlog is older than its class promises waits at most this long for
-# the peers to know of it (docs/lease.md, "Writes during an outage"), then gets a 503.
-WITNESS_WAIT = 0.75
-REFUSED_LOG_EVERY = 10.0  # seconds between "writes refused" lines for one host
 BUCKET_RETRY = 5.0  # a wake refused because the bucket is out of reach: Retry-After
-
-_fenced = Counter(
-    "lchat_spaces_read_only_total",
-    "Spaces kept answering reads (writes refused, nothing shipped) because this mesh box was "
-    "cut off from the bucket and its peers (its liveness lapsed)",
-)
-_refused_writes = Counter(
-    "lchat_writes_refused_total",
-    "Writes answered 503 because their space's backlog is older than its replication class "
-    "promises and this box's peers could not be told (it is isolated from bucket and peers)",
-)
-
-
-class WriteWitness(Protocol):
-    """What the activator asks a mesh box's membership before acknowledging a write that cannot
-    ship now (lchat.mesh.membership.Membership)."""
-
-    def writes_safe(self) -> bool: ...
-
-    def writes_known(self, timeout: float) -> Deferred[bool]: ...
-
-
-def _no_resident() -> int:
-    return 0
 
 
 class Activator(Service):
@@ -129,12 +79,12 @@ class Activator(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         routes: RouteSource,
         lifecycle: Lifecycle,
         claims: Claims,
         *,
-        resident: Callable[[], int] = _no_resident,
+        resident: Callable[[], int] | None = None,
         max_instances: int = 0,
         lapsed: Callable[[], bool] | None = None,
         witness: WriteWitness | None = None,
@@ -150,9 +100,8 @@ class Activator(Service):
         it: refused at once while not)."""
         self._reactor = reactor
         self._lapsed = lapsed
-        self._witness = witness
+        self._outage = OutageWrites(reactor, witness, self._unavailable)
         self._bucket_reachable = bucket_reachable
-        self._refusals_logged: dict[str, float] = {}  # host -> last "writes refused" line
         # Local copies that may hold writes the bucket lacks (lchat.hibernation.recovery).
         self.copies = LocalCopies(
             routes,
@@ -168,16 +117,13 @@ class Activator(Service):
         self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
         # host -> (answer from memory until, Retry-After, why): a lease seen held elsewhere
         self._held: dict[str, tuple[float, float, str]] = {}
-        # host -> (no wake until, why): an operator's hold (`lchat relocate` sleeps a space and
-        # keeps it asleep while it copies the replica elsewhere).
-        self._holds: dict[str, tuple[float, str]] = {}
+        # An operator's holds (`lchat relocate` sleeps a space and keeps it asleep while it
+        # copies the replica elsewhere).
+        self._holds = Holds(reactor)
+        self._capacity = Capacity(
+            reactor, self._spaces, self.sleep, resident=resident, max_instances=max_instances
+        )
         self._stopping = False
-        self._resident = resident
-        self._max_instances = max_instances
-        # A stopping space -> the waiting wake its slot was handed to (LCHAT_MAX_INSTANCES).
-        self._handed_on: dict[Space, Space] = {}
-        self._refused_since_log = 0  # capacity refusals not logged yet (one line per storm)
-        self._refusal_logged = float("-inf")
         routes.subscribe(self._table_changed)
 
     @property
@@ -207,8 +153,7 @@ class Activator(Service):
 
     def held_asleep(self) -> dict[str, float]:
         """The hosts held asleep (:meth:`hold`) and the seconds each hold has left."""
-        now = self._reactor.seconds()
-        return {h: round(until - now, 1) for h, (until, _) in self._holds.items() if until > now}
+        return self._holds.held_asleep()
 
     def hold(self, host: str, seconds: float, why: str) -> None:
         """No wake of ``host`` on this box for ``seconds`` (at most an hour), whoever asks: a
@@ -216,28 +161,12 @@ class Activator(Service):
         awake space is not touched (the caller sleeps it: :meth:`sleep`); requests that queued on
         it while it stops are refused rather than waking it again. Ends at the deadline or at
         :meth:`release_hold`, so a crashed caller cannot keep a space down for long."""
-        seconds = max(0.0, min(seconds, 3600.0))
-        self._holds[host] = (self._reactor.seconds() + seconds, why)
-        _holds_total.labels("held").inc()
-        _log.info(
-            "activator: {host} held asleep for up to {seconds:g}s ({why})",
-            host=host,
-            seconds=seconds,
-            why=why,
-        )
+        self._holds.hold(host, seconds, why)
 
     def release_hold(self, host: str) -> bool:
         """End ``host``'s hold (the next request wakes it); whether there was one (a hold past
         its deadline had already ended: counted ``expired``, not released)."""
-        held = self._holds.pop(host, None)
-        if held is None:
-            return False
-        if held[0] <= self._reactor.seconds():
-            _holds_total.labels("expired").inc()
-            return False
-        _holds_total.labels("released").inc()
-        _log.info("activator: {host} hold released ({why})", host=host, why=held[1])
-        return True
+        return self._holds.release(host)
 
     def idle_hosts(self, idle: float) -> list[str]:
         """Awake spaces with nothing in flight for ``idle`` seconds (O(awake))."""
@@ -247,9 +176,8 @@ class Activator(Service):
         ]
 
     def slots_held(self) -> int:
-        """The LCHAT_MAX_INSTANCES slots hibernating spaces hold: every one waking, awake or
-        stopping, a stopping one whose slot was handed to a waiting wake counted once."""
-        return len(self._spaces) - len(self._handed_on)
+        """The LCHAT_MAX_INSTANCES slots hibernating spaces hold (lchat.hibernation.capacity)."""
+        return self._capacity.slots_held()
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Every space this activator holds, as ``GET /status`` shows it."""
@@ -270,7 +198,7 @@ class Activator(Service):
         space's in-flight ticket, unless the request is its sidecar's own), after a wake
         otherwise, or a 503 with ``Retry-After``. ``write``: the request may change the space
         (its method is not a safe one): on a mesh box that cannot ship it now, it waits for the
-        peers' word, or is refused (:meth:`_write_target`)."""
+        peers' word, or is refused (lchat.hibernation.outage)."""
         host = route.host
         space = self._spaces.get(host)
         if self._lapsed is not None and self._lapsed():
@@ -281,10 +209,10 @@ class Activator(Service):
             if space is None or not space.fenced or space.state != "awake":
                 return self._unavailable(host, "not_alive")
         if space is not None and space.state == "awake" and space.fenced:
-            return self._read_only(space, sidecar, write)
+            return self._outage.read_only(space, sidecar, write)
         if space is not None and space.state == "awake":
-            if write and self._witness is not None and self._stale(space):
-                return self._write_target(space, sidecar)
+            if self._outage.must_wait(space, write):
+                return self._outage.write_target(space, sidecar, self._awake)
             # Sidecar traffic earns no idle credit: an orphaned bot would keep it awake forever.
             return LocalSocket(host=host, path=space.socket, inflight=None if sidecar else space)
         if sidecar:
@@ -304,38 +232,12 @@ class Activator(Service):
         d.addBoth(done)
         return result
 
-    # -- writes that cannot ship now (docs/lease.md, "Writes during an outage") ------------------
-
-    def _read_only(self, space: Space, sidecar: bool, write: bool) -> Target:
-        """A fenced space (its box is isolated): reads from its copy, marked; writes refused."""
-        host = space.host
-        if write or sidecar:
-            _refused_writes.inc()
-            now = self._reactor.seconds()
-            if now - self._refusals_logged.get(host, float("-inf")) >= REFUSED_LOG_EVERY:
-                self._refusals_logged[host] = now
-                _log.warn(
-                    "activator: {host}: writes refused (503): this box is cut off from the "
-                    "bucket and its peers; reads are answered from its copy, which may be "
-                    "behind (X-Lchat-Read-Only: isolated)",
-                    host=host,
-                )
-            return self._unavailable(host, "not_witnessed", 1.0)
-        marked: Header = (b"x-lchat-read-only", b"isolated")
-        return LocalSocket(host=host, path=space.socket, response_headers=(marked,), inflight=space)
-
-    @staticmethod
-    def _stale(space: Space) -> bool:
-        """Is ``space``'s oldest commit not in the bucket older than its class promises?"""
-        replicator = space.replicator
-        return replicator is not None and replicator.lag() > replicator.interval
-
     def backlog(self) -> bool:
         """Does this box hold writes the bucket lacks beyond what the class promises allow: a
         space here whose oldest unshipped commit is older than its class promises, a read-only
         space (its replication stopped), or a local copy not cleanly slept
         (lchat.hibernation.recovery)? What its beats tell its peers (lchat.mesh.witness)."""
-        return bool(self.copies) or any(s.fenced or self._stale(s) for s in self._spaces.values())
+        return bool(self.copies) or any(s.fenced or stale(s) for s in self._spaces.values())
 
     @property
     def stopping(self) -> bool:
@@ -364,40 +266,6 @@ class Activator(Service):
     def awake_hosts(self) -> list[str]:
         """The hosts awake here (a routing hint for the peers)."""
         return [h for h, s in self._spaces.items() if s.state == "awake"]
-
-    def _write_target(self, space: Space, sidecar: bool) -> Target | Deferred[Target]:
-        """A write to ``space``, whose backlog cannot ship now: passed on once every peer that
-        could take this box's spaces over knows it holds such writes (then none will, and the
-        write ships when the bucket is back); else, after at most :data:`WITNESS_WAIT`, a 503:
-        this box is isolated, and a write acknowledged now could be lost to a takeover."""
-        assert self._witness is not None
-        host = space.host
-
-        def target(safe: bool) -> Target:
-            current = self._spaces.get(host)
-            if current is not space or space.state != "awake":
-                return self._unavailable(host, "stood_down")
-            if safe:
-                return LocalSocket(
-                    host=host, path=space.socket, inflight=None if sidecar else space
-                )
-            _refused_writes.inc()
-            now = self._reactor.seconds()
-            if now - self._refusals_logged.get(host, float("-inf")) >= REFUSED_LOG_EVERY:
-                self._refusals_logged[host] = now
-                replicator = space.replicator
-                _log.warn(
-                    "activator: {host}: writes refused (503): {lag:.1f}s of its writes are not "
-                    "in the bucket yet, and no peer could be told so: this box cannot reach the "
-                    "bucket or its peers; reads are still served",
-                    host=host,
-                    lag=replicator.lag() if replicator is not None else 0.0,
-                )
-            return self._unavailable(host, "not_witnessed", 1.0)
-
-        if self._witness.writes_safe():
-            return target(True)
-        return self._witness.writes_known(WITNESS_WAIT).addCallback(target)
 
     def _routed(self, host: str, outcome: object, started: float) -> Target:
         if isinstance(outcome, Failure):
@@ -429,13 +297,10 @@ class Activator(Service):
         if space is None and self._stopping:
             # (route() refuses first; this is for the other callers: /wake, the due sweep.)
             return fail(WakeFailed(host, "shutdown", "the router is stopping"))
-        if space is None and host in self._holds:
-            until, why = self._holds[host]
-            if now < until:
-                # Checked before the capacity and lease paths: a held space costs no bucket call.
-                return fail(WakeFailed(host, "held", why, min(until - now, HOLD_RETRY_AFTER)))
-            del self._holds[host]
-            _holds_total.labels("expired").inc()
+        # Checked before the capacity and lease paths: a held space costs no bucket call.
+        held = self._holds.refusal(host) if space is None else None
+        if held is not None:
+            return fail(held)
         if space is None and host in self._failures:
             left = self._failures[host][1] - now
             if left > 0:
@@ -457,31 +322,27 @@ class Activator(Service):
                 return fail(WakeFailed(host, "lease_held", why, retry_after))
             del self._held[host]
         victim = None
-        if space is None and self._at_capacity():
-            victim = self._victim()
+        if space is None and self._capacity.full():
+            victim = self._capacity.victim()
             if victim is None:
-                return self._refuse_at_capacity(host, reason)
+                _wakes.labels(reason, "capacity").inc()
+                return fail(self._capacity.refusal(host))
         waiter: Deferred[None] = Deferred(lambda d: self._drop_waiter(host, d))
         if space is None:
             space = self._life.new_space(host, route, reason)
-            if reason == "due":
-                space.due_woken = route.next_due
             self._spaces[host] = space
             self._claims.claim(host)
-            freed = None
-            if victim is not None:
-                # Handed on before the sleep starts: a stand-down that ends at once must find it.
-                self._handed_on[victim] = space
-                freed = self._make_room(victim, host)
+            freed = None if victim is None else self._capacity.hand_on(victim, space)
             self._update_gauge()
             space.waiters.append(waiter)
             steps = self._life.wake(
                 space,
+                self._claims,
                 on_lost=lambda why: self._lease_lost(space, why),
                 on_exit=lambda child, info: self._child_ended(space, child, info),
             )
             space.task = Deferred.fromCoroutine(
-                steps if freed is None else self._wake_when_freed(freed, steps)
+                steps if freed is None else self._capacity.when_freed(freed, steps)
             )
             space.task.addTimeout(self.budgets.wake, self._reactor)
             space.task.addBoth(self._wake_done, space)
@@ -491,107 +352,6 @@ class Activator(Service):
             if space.state == "stopping":
                 space.wake_again = True
         return waiter
-
-    # -- capacity (LCHAT_MAX_INSTANCES) -----------------------------------------------------------
-
-    def _at_capacity(self) -> bool:
-        """Would one more space process exceed the limit?"""
-        if self._max_instances <= 0:
-            return False
-        held = self.slots_held()
-        return held >= self._max_instances or held + self._resident() >= self._max_instances
-
-    def _victim(self) -> Space | None:
-        """Whose slot a wake at capacity takes: a space already stopping (free soon and at no
-        cost; not one whose own queued requests will wake it again), the one stopping longest;
-        else the awake space idle longest with nothing in flight. Never a slot already handed
-        on, never an always-on space (the activator does not run those)."""
-        stopping = [
-            s
-            for s in self._spaces.values()
-            if s.state == "stopping" and s not in self._handed_on and not s.wake_again
-        ]
-        if stopping:
-            return min(stopping, key=lambda s: s.since)
-        idle = [s for s in self._spaces.values() if s.state == "awake" and s.inflight == 0]
-        return min(idle, key=lambda s: s.last_active, default=None)
-
-    def _make_room(self, victim: Space, host: str) -> Deferred[None]:
-        """Sleep ``victim`` (unless it is stopping already) for ``host``'s wake; fires once its
-        stand-down is done and its process gone."""
-        resident = self._resident() + self.slots_held()
-        if victim.state == "stopping":
-            _log.info(
-                "activator: at capacity ({resident} resident, LCHAT_MAX_INSTANCES={limit}): "
-                "{host} waits for {victim} to finish sleeping",
-                resident=resident,
-                limit=self._max_instances,
-                host=host,
-                victim=victim.host,
-            )
-            return settled(victim.task) if victim.task is not None else succeed(None)
-        idle = self._reactor.seconds() - victim.last_active
-        _evictions.inc()
-        _log.info(
-            "activator: at capacity ({resident} resident, LCHAT_MAX_INSTANCES={limit}): "
-            "sleeping {victim} (idle {idle}) to wake {host}",
-            resident=resident,
-            limit=self._max_instances,
-            victim=victim.host,
-            idle=_span(idle),
-            host=host,
-        )
-        return self.sleep(victim.host, "capacity")
-
-    async def _wake_when_freed(
-        self, freed: Deferred[None], steps: Coroutine[Any, Any, dict[str, float]]
-    ) -> dict[str, float]:
-        """The wake's steps, once the slot it was handed is free (within the wake budget: the
-        task's timeout covers the wait)."""
-        started = self._reactor.seconds()
-        try:
-            await freed
-        except BaseException:
-            steps.close()  # never started: no "coroutine was never awaited" warning
-            raise
-        waited = self._reactor.seconds() - started
-        timings: dict[str, float] = await steps
-        timings["capacity"] = waited
-        return timings
-
-    def _refuse_at_capacity(self, host: str, reason: str) -> Deferred[None]:
-        """Nothing can be slept: 503 ``capacity`` with ``Retry-After``; logged once per
-        CAPACITY_LOG_EVERY with how many were refused meanwhile."""
-        _wakes.labels(reason, "capacity").inc()
-        now = self._reactor.seconds()
-        self._refused_since_log += 1
-        if now - self._refusal_logged >= CAPACITY_LOG_EVERY:
-            states = [s.state for s in self._spaces.values()]
-            _log.warn(
-                "activator: at capacity ({resident} resident, LCHAT_MAX_INSTANCES={limit}: "
-                "{always_on} always-on, {awake} awake and busy, {waking} waking, {stopping} "
-                "stopping): {host} answered 503: nothing can be slept ({refused} refused since "
-                "the last such line); raise LCHAT_MAX_INSTANCES if this box has room",
-                resident=self._resident() + self.slots_held(),
-                limit=self._max_instances,
-                always_on=self._resident(),
-                awake=states.count("awake"),
-                waking=states.count("waking"),
-                stopping=states.count("stopping"),
-                host=host,
-                refused=self._refused_since_log,
-            )
-            self._refusal_logged = now
-            self._refused_since_log = 0
-        return fail(
-            WakeFailed(
-                host,
-                "capacity",
-                f"this box is at capacity (LCHAT_MAX_INSTANCES={self._max_instances}) and "
-                f"every resident space is busy",
-                CAPACITY_RETRY,
-            )
-        )
 
     def _drop_waiter(self, host: str, d: Deferred[None]) -> None:
         space = self._spaces.get(host)
@@ -617,7 +377,7 @@ class Activator(Service):
         timings["total"] = now - space.since
         for phase, seconds in timings.items():
             _wake_seconds.labels(phase).observe(seconds)
-        space.state = "awake"
+        space.move("awake")
         space.last_active = now
         self.copies.awake(host)
         self._failures.pop(host, None)
@@ -630,8 +390,7 @@ class Activator(Service):
             total=timings["total"],
             timings={k: round(v, 4) for k, v in timings.items()},
         )
-        if space.due_woken:
-            self._routes.record_next_due(host, 0, only_if=space.due_woken)
+        self._life.due_honoured(space)
         self._life.sidecars.start(space, lambda: self._awake(space))
         for d in waiters:
             if not d.called:
@@ -689,7 +448,7 @@ class Activator(Service):
         host = space.host
         if space.state == "stopping" and not graceful:
             return
-        space.state = "stopping"
+        space.move("stopping")
         space.since = self._reactor.seconds()
         self._update_gauge()
         if graceful:
@@ -698,12 +457,9 @@ class Activator(Service):
             await self._life.stand_down(space, reason, graceful=graceful)
         finally:
             if self._spaces.get(host) is space:
+                space.move("asleep")
                 del self._spaces[host]
-            # Its slot is free now (or the wake it was handed to holds it); and a waiting wake
-            # that ends before the space it waits for gives that space its slot back.
-            self._handed_on.pop(space, None)
-            for victim in [v for v, taker in self._handed_on.items() if taker is space]:
-                del self._handed_on[victim]
+            self._capacity.stood_down(space)
             self._update_gauge()
             self._claims.release(host)
             self.copies.stood_down(host, space.db, self.holds)
@@ -749,7 +505,7 @@ class Activator(Service):
             and self._lapsed is not None
             and self._spaces.get(space.host) is space
         ):
-            self._fence(space)
+            self._outage.fence(space)
             return
         space.lost = why
         _log.error(
@@ -766,22 +522,6 @@ class Activator(Service):
             )
         elif space.state == "waking" and space.task is not None:
             space.task.cancel()
-
-    def _fence(self, space: Space) -> None:
-        """The box is not alive: ``space`` writes nothing more (its lease is lost, its
-        replicator stopped) but keeps answering reads from its copy, until the box is alive
-        again (:meth:`recover` stands it down) or it is slept."""
-        space.lost = BOX_NOT_ALIVE
-        space.fenced = True
-        _fenced.inc()
-        if space.replicator is not None:
-            Deferred.fromCoroutine(space.replicator.stop())
-        _log.error(
-            "activator: {host}: this box is cut off from the bucket and its peers: read-only "
-            "now (reads answered from its copy, writes refused, nothing shipped) until it is "
-            "alive again",
-            host=space.host,
-        )
 
     def box_not_alive(self) -> None:
         """The mesh's liveness deadline passed (no heartbeat landed in ``dead_after - margin``):
@@ -811,10 +551,7 @@ class Activator(Service):
     def startService(self) -> None:
         super().startService()
         self._life.sidecars.startService()
-        # Read at each scrape: the always-on count changes without telling the activator.
-        _capacity.labels("always_on").set_function(lambda: self._resident())
-        _capacity.labels("hibernating").set_function(self.slots_held)
-        _capacity.labels("max").set(self._max_instances)
+        self._capacity.start()
         self._update_gauge()
         # Recovered once scanned (a mesh box's recovery wake waits for its first landed
         # heartbeat; it recovers again each time it is alive again: Membership.on_alive).
@@ -837,12 +574,3 @@ class Activator(Service):
     def _update_gauge(self) -> None:
         for state in STATES:
             _awake.labels(state).set(sum(1 for s in self._spaces.values() if s.state == state))
-
-
-def _span(seconds: float) -> str:
-    """``42s``, ``12m``, ``3h05m``: an idle time as an operator reads it."""
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m"
-    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"

@@ -1,6 +1,6 @@
 """The space contract, as the activator speaks it (docs/design.md §8): what it asks a running space.
 
-Readiness (``GET /api/version`` answering 200) is the supervisor's (lchat.supervise, ``wait_ready``).
+Readiness (``GET /api/version`` answering 200) is the child's (lchat.child, ``wait_ready``).
 Here: ``GET /api/next-due`` with the space's admin token, asked at every graceful sleep so that a
 scheduled delivery wakes the space again (docs/hibernation.md, "Scheduled deliveries").
 """

@@ -27,6 +27,7 @@ from twisted.logger import Logger
 
 from lchat import hosts
 from lchat.backoff import Backoff
+from lchat.child import ChildSpec, NotReady, RunningChild, SpawnError, evict_listener, spawn
 from lchat.config import BoxConfig
 from lchat.hibernation import localdb
 from lchat.hibernation.contract import Contract, SpaceContract
@@ -47,16 +48,8 @@ from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, StoreUnavail
 from lchat.registry import RouteSource
 from lchat.release import wakes
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
-from lchat.supervise import (
-    ChildSpec,
-    NotReady,
-    RunningChild,
-    SpawnError,
-    evict_listener,
-    spawn,
-)
 from lchat.threads import RunInThread
-from lchat.units import EnvFileError, space_env, space_user
+from lchat.units import Claims, EnvFileError, space_env, space_user
 
 _log = Logger(namespace="lchat.activator")
 
@@ -73,7 +66,7 @@ FLUSH_RETRY = Backoff(0.5, 10.0)  # a failed flush before sleep, retried within 
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
 HANDED_BACK = ("hibernate off", "removed")
 
-Spawner = Callable[[Any, ChildSpec], RunningChild]  # (reactor, spec): lchat.supervise.spawn
+Spawner = Callable[[Any, ChildSpec], RunningChild]  # (reactor, spec): lchat.child.spawn
 
 
 class Fence(Protocol):
@@ -119,15 +112,15 @@ class Lifecycle:
     reactor: Any
     cfg: BoxConfig
     store: ObjectStore
-    routes: RouteSource  # next due times are recorded in the registry
+    routes: RouteSource  # next due times are recorded in the registry (only here)
     run_in_thread: RunInThread
     sidecars: Sidecars
     budgets: Budgets = field(factory=Budgets)
-    spawner: Spawner | None = None  # None: lchat.supervise.spawn (looked up at each spawn)
+    spawner: Spawner | None = None  # None: lchat.child.spawn
     drop_idle: Callable[[str], object] = lambda socket: None  # the proxy's kept-alive connections
-    # Fires once no other replicator (the fleet backup's) runs on a database path: awaited before
-    # a wake touches the database, so that one database never has two replicators.
-    handover: Callable[[str, str], Deferred[None]] | None = None  # (host, database path)
+    # moved to Claims.hand_over (the fleet backup registers itself there): lchat/tap.py outside
+    # hibernation still passes the backup's release here; unused.
+    handover: object = None
     renew_every: float | None = None  # the lease keeper's period (default: TTL / 3)
     # The clock the lease's deadline is kept on (``acquire`` and ``LeaseKeeper`` share it): the
     # router passes ``time.monotonic``, which also arms lchat.lease's watchdog thread; a test on
@@ -168,6 +161,7 @@ class Lifecycle:
             reason=reason,
             clock=self.reactor.seconds,
             last_active=now,
+            due_woken=route.next_due if reason == "due" else 0,
         )
 
     def replica_path(self, host: str) -> str:
@@ -197,17 +191,19 @@ class Lifecycle:
     async def wake(
         self,
         space: Space,
+        claims: Claims,
         on_lost: Callable[[str], None],
         on_exit: Callable[[RunningChild, Any], None],
     ) -> dict[str, float]:
-        """Bring ``space`` up; returns the seconds each phase took. Raises :class:`WakeFailed`;
-        whatever it started stays on ``space`` for the stand-down to undo."""
+        """Bring ``space`` up (its host claimed in ``claims``); returns the seconds each phase
+        took. Raises :class:`WakeFailed`; whatever it started stays on ``space`` for the
+        stand-down to undo. First whoever else runs the database lets go of it (the claims'
+        hand-over: the fleet backup), so one database never has two replicators."""
         host = space.host
         timings: dict[str, float] = {}
         clock = self.reactor.seconds
         t = clock()
-        if self.handover is not None:
-            await self.handover(host, space.db)
+        await claims.hand_over(host, space.db)
         lease = await self._acquire(host)
         space.lease = lease
         space.keeper = LeaseKeeper(
@@ -368,6 +364,21 @@ class Lifecycle:
             return True  # nothing shipped under this lease yet: replication's start LISTs itself
         return await replicator.recheck("lease")
 
+    # -- the next due time: the one writer of a hibernating row's ``next_due`` -------------------
+
+    def due_honoured(self, space: Space) -> None:
+        """``space`` is awake: clear the due time its wake honoured, only that one (a newer time
+        recorded meanwhile stays)."""
+        if space.due_woken:
+            self.routes.record_next_due(space.host, 0, only_if=space.due_woken)
+
+    def _due_reported(self, space: Space, due: int) -> None:
+        """At a graceful sleep: the space's earliest pending delivery. One its wake honoured
+        already is recorded as none: a past due time wakes once, not in a loop."""
+        if due and space.due_woken and due <= space.due_woken:
+            due = 0
+        self.routes.record_next_due(space.host, due)
+
     # -- standing down ---------------------------------------------------------------------------
 
     async def stand_down(self, space: Space, reason: str, *, graceful: bool) -> None:
@@ -390,9 +401,7 @@ class Lifecycle:
                     self.budgets.next_due,
                 )
                 if isinstance(due, int):
-                    if due and space.due_woken and due <= space.due_woken:
-                        due = 0  # honoured already: a past due time wakes once, not in a loop
-                    self.routes.record_next_due(host, due)
+                    self._due_reported(space, due)
             if graceful and space.requests > 0 and space.child is not None:
                 # New requests queue (state "stopping"); those already sent to the space are
                 # let finish first. SIGTERM now would race them: the space closes the kept-alive

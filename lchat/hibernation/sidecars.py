@@ -16,9 +16,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import hosts
+from lchat.child import ChildSpec
 from lchat.config import BoxConfig
 from lchat.hibernation.space import Space, sidecar_name
-from lchat.supervise import ChildSpec, Supervisor
+from lchat.supervise import Supervisor
 from lchat.threads import RunInThread
 from lchat.units import space_env, space_user
 

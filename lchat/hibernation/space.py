@@ -8,7 +8,7 @@ requests among them, not upgraded connections) what a graceful sleep waits for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from attrs import Factory, define, field, frozen
@@ -16,15 +16,24 @@ from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from lchat.child import RunningChild
 from lchat.lease import HeldLease, LeaseKeeper
 from lchat.registry import Route
 from lchat.replica.replicator import Replicator
-from lchat.supervise import RunningChild
 
 _log = Logger(namespace="lchat.activator")
 
 State = Literal["waking", "awake", "stopping"]
 STATES: tuple[State, ...] = ("waking", "awake", "stopping")
+# The activator's states and the only moves between them ("asleep" is the absence of a Space):
+# a wake that fails or is called off stands down from "waking"; a request queued while stopping
+# wakes a new Space once the old one is asleep. Staying in a state is no move.
+TRANSITIONS: Mapping[str, frozenset[str]] = {
+    "asleep": frozenset({"waking"}),
+    "waking": frozenset({"awake", "stopping"}),
+    "awake": frozenset({"stopping"}),
+    "stopping": frozenset({"asleep"}),
+}
 
 
 @frozen
@@ -99,6 +108,14 @@ class Space:
     # bucket and peers; the space keeps answering reads, writes are refused, nothing is shipped,
     # until the box is alive again (then it stands down: docs/lease.md, "An isolated box").
     fenced: bool = False
+
+    def move(self, to: State | Literal["asleep"]) -> None:
+        """Enter ``to``; a move :data:`TRANSITIONS` does not list is a bug (AssertionError).
+        "asleep" is the activator forgetting this Space: its state stays "stopping"."""
+        if to != self.state and to not in TRANSITIONS[self.state]:
+            raise AssertionError(f"{self.host}: no move from {self.state} to {to}")
+        if to != "asleep":
+            self.state = to
 
     # -- the proxy's ticket (lchat.router.InFlight) ----------------------------------------------
 
