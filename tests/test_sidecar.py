@@ -26,21 +26,15 @@ from twisted.web import resource, server
 
 from lchat import unixhttp
 from lchat.space import sidecar
-from lchat.space.sidecar import (
+from lchat.space.sidecar import STOP_GRACE, Sidecar, StateFile, initial_due, next_slot, retry_after
+from lchat.space.sidecar_client import (
     SIDECAR_HEADER,
-    STOP_GRACE,
-    BaseURL,
-    ConfigError,
     RequestFailed,
-    Sidecar,
-    SidecarConfig,
-    StateFile,
     UnixClient,
     URLClient,
-    initial_due,
-    next_slot,
-    retry_after,
+    marked,
 )
+from lchat.space.sidecar_config import BaseURL, ConfigError, SidecarConfig
 from lchat.unixhttp import Response
 from tests.test_space import ADMIN, BOT, REPO, SpaceProcess
 
@@ -439,7 +433,7 @@ class PureTests(SynchronousTestCase):
 
     def test_marked(self) -> None:
         self.assertEqual(
-            sidecar.marked({"x-lchat-SIDECAR": "0", "A": "b"}), {"A": "b", SIDECAR_HEADER: "1"}
+            marked({"x-lchat-SIDECAR": "0", "A": "b"}), {"A": "b", SIDECAR_HEADER: "1"}
         )
 
     def test_config(self) -> None:
