@@ -34,7 +34,8 @@ def write_token(path: str, token: str) -> None:
             kept = [line for line in f.read().splitlines() if not _TOKEN_LINE.match(line)]
     except FileNotFoundError:
         kept = []
-    _write_private(path, "".join(f"{line}\n" for line in [*kept, f"{TOKEN_VAR}={token}"]))
+    text = "".join(f"{line}\n" for line in [*kept, f"{TOKEN_VAR}={token}"])
+    write_atomic(path, text.encode("utf-8"), MODE)
 
 
 def env_line(name: str, value: str) -> str:
@@ -63,7 +64,7 @@ def write_env(path: str, values: Mapping[str, str]) -> None:
     """Write exactly ``values`` to ``path`` (sorted by name), atomically, mode 0600 from the
     first byte. ValueError (before anything is written) when a value cannot be carried."""
     text = "".join(f"{env_line(name, values[name])}\n" for name in sorted(values))
-    _write_private(path, text)
+    write_atomic(path, text.encode("utf-8"), MODE)
 
 
 def _breaks_line(c: str) -> bool:
@@ -139,7 +140,3 @@ def _user(uid: int) -> str:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
-
-
-def _write_private(path: str, text: str) -> None:
-    write_atomic(path, text.encode("utf-8"), MODE)
