@@ -1,4 +1,4 @@
-"""The heartbeat janitor (``Membership._sweep`` in ``lchat/mesh/membership.py``).
+"""The heartbeat janitor (``lchat/mesh/janitor.py``, a step of each ``Membership`` beat).
 
 Long-dead members' heartbeat keys are deleted by the live box with the lowest URL, one per beat,
 each DELETE conditional on the ETag it listed. Time is the point here, so the boxes run on a
@@ -28,16 +28,10 @@ from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublish
 from twisted.trial.unittest import TestCase
 
 from lchat.config import MeshConfig
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import (
-    JANITOR_DEAD_AFTERS,
-    Heartbeat,
-    Membership,
-    encode_member_name,
-    member_key,
-    members_prefix,
-    stale_keys,
-)
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.janitor import JANITOR_DEAD_AFTERS, stale_keys
+from lchat.mesh.members import encode_member_name, member_key, members_prefix
+from lchat.mesh.membership import Membership
 from lchat.objstore import NotFound, ObjectInfo, ObjectStore, StoreUnavailable
 from lchat.objstore.file import FileStore
 from lchat.threads import thread_runner

@@ -31,13 +31,9 @@ from twisted.logger import Logger
 
 from lchat.hosts import normalise_member_url
 from lchat.lease import LeaseRecord, NotAlive
-from lchat.mesh.membership import (
-    Heartbeat,
-    KeyPrefix,
-    Membership,
-    judged_dead,
-    member_key,
-)
+from lchat.mesh.heartbeat import Heartbeat
+from lchat.mesh.members import KeyPrefix, judged_dead, member_key
+from lchat.mesh.membership import Membership
 from lchat.mesh.witness import Witnesses
 from lchat.objstore import NotFound, ObjectStore
 

@@ -1,79 +1,59 @@
-"""Membership (docs/design.md §9): heartbeats in the bucket, one LIST gives the fleet.
+"""Membership (docs/design.md §9): this box's heartbeat in the bucket, its peers' witness, and
+its view of the mesh (:class:`Membership`).
 
-Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s)::
-
-    <prefix>/mesh/members/<base64url(normalised LCHAT_MESH_SELF), no padding>
-
-in the hibernation bucket, or in ``LCHAT_MESH_BUCKET`` when the fleet's regions keep their replicas
-in different buckets (every member of one mesh must name the same place). The key is the record: it names the box, so one LIST of the prefix is the whole membership, and
-the ``Last-Modified`` of each object is that box's last beat. The body is small JSON that stays the
-same across beats (so its ETag does not change and peers read it once per process of the box)::
-
-    {"mac": "…", "region": "ie", "started_at": 1789000000.123, "url": "https://box-1.example.net", "version": "0.1.0"}
-
-**Only authenticated heartbeats make members** (issue 29): ``mac`` is an HMAC of the rest of the
-body under a key derived from ``LCHAT_MESH_TOKEN`` (:class:`lchat.mesh.heartbeat.HeartbeatKeys`;
-``LCHAT_MESH_TOKEN_ACCEPT``'s verifies too, during a rotation). A body without a MAC that
-verifies — planted by someone who can write to the bucket but holds no token, or written by an
-lchat older than this check — is no member: it is in no view, so no beat, route push, forward,
-placement share, janitor or publisher election, probe or fleet call ever goes to its URL. It is
-logged once per key and version and counted in
-``lchat_mesh_unauthenticated_heartbeats_total``. Every path that contacts peers picks them from
-:func:`read_members` or the :class:`Membership` view, so that one check covers them all.
-
-Liveness is judged on the *bucket's* clock only: a member is live while ``store.now() -
-Last-Modified <= dead_after`` (45 s, three missed beats). No box's own clock takes part, so a box
-with a wrong clock cannot poison anyone's view. Stores that truncate ``Last-Modified`` and ``Date``
-to whole seconds (S3, moto) make an age wrong by up to a second either way; ``dead_after`` is
-meant to be several beats long, so that does not matter.
-
-:func:`read_members` is one read of the view (one LIST, ``now()``, and a GET only for bodies whose
-ETag is not cached); the router's :class:`Membership` service beats and refreshes its view once
-per beat, and the CLI calls :func:`read_members` directly. Garbage under the prefix (a key that is
-not canonical base64url of a normalised member URL, a body that is not the JSON above, a body whose
-URL is not the key's) is skipped with a log line, never fatal.
+Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s); one LIST of the
+members prefix is the whole membership (:mod:`lchat.mesh.members`: the keys, the bodies, who is
+live, and the one read of them). Beats also go to the peers over the mesh API, which witness this
+box while the bucket is out of reach (:mod:`lchat.mesh.witness`); what keeps it alive is kept by
+:mod:`lchat.mesh.liveness`; what crashed boxes leave behind, the janitor deletes
+(:mod:`lchat.mesh.janitor`).
 
 Failures are soft (they are logged and counted in ``lchat_mesh_heartbeat_failures_total{op}``): a
 failed PUT leaves our beat to age (peers take over our hosts after ``dead_after``, the lease
 arbitrates any overlap), a failed read keeps the last view. Draining deletes our heartbeat first
 (:meth:`Membership.stopService`), so peers drop this box at their next read instead of after
 ``dead_after``.
-
-The heartbeat janitor (:meth:`Membership._sweep`) deletes what crashed boxes leave behind, so the
-LIST stays small: a member key whose beat is older than ``janitor_after`` (10 x ``dead_after``,
-bucket clock) is deleted by the *janitor*, the live box with the lowest URL in its own view, at
-most one key per beat, oldest first, conditional on the ETag it listed (a box that beat again in
-between changed the ETag or, when it came back with the same body, at worst loses that one beat).
-Never our own key; never a key under the prefix that is not a well-formed member key (left, and
-logged once). Outcomes count in ``lchat_mesh_janitor_deletes_total{outcome}``; a failure is soft
-and the key is tried again at the next beat.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime
 import math
-import re
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from attrs import evolve, field, frozen
+from attrs import evolve
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 import lchat
 from lchat.config import MeshConfig
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.janitor import JANITOR_DEAD_AFTERS, Janitor
+from lchat.mesh.liveness import LIVENESS_MARGIN, Liveness
+from lchat.mesh.members import (
+    FAILURES,
+    BodyCache,
+    KeyPrefix,
+    Member,
+    decode_member_name,
+    describe_failure,
+    log,
+    member_key,
+    members_prefix,
+    read_view,
+)
+
+# moved to lchat.mesh.members: importers outside lchat/mesh (the CLI, bench) still use these
+from lchat.mesh.members import encode_member_name as encode_member_name
+from lchat.mesh.members import read_members as read_members
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.witness import (
     BeatMessage,
@@ -94,21 +74,9 @@ from lchat.objstore import (
     PreconditionFailed,
 )
 
-log = Logger(namespace="lchat.mesh.membership")
-
 _T = TypeVar("_T")
 
-MAX_BODY = 4096  # a heartbeat body is ~100 bytes; anything much larger is not one (not read)
 STOP_TIMEOUT = 5.0  # stopService's delete of our heartbeat gives up after this (seconds)
-# This box stops writing on its leases at dead_after * (1 - LIVENESS_MARGIN) after its last
-# successful beat was sent: a tenth of dead_after covers a monotonic clock running up to ~10 %
-# slower than the bucket's (docs/lease.md, "The timing argument").
-LIVENESS_MARGIN = 0.1
-STAND_DOWNS = Counter(
-    "lchat_mesh_stand_downs_total",
-    "Times this box stood every space down because no heartbeat landed within dead_after - margin",
-)
-_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 # The witness (lchat.mesh.witness, docs/lease.md): seconds a beat to a peer may take (at most;
 # never more than the heartbeat, at least 1 s), a peer's relay of our heartbeat inside it, a
@@ -124,14 +92,6 @@ _BUCKET = Gauge(
     "1 while this box's last heartbeat PUT succeeded, 0 after one failed (the bucket is out of "
     "reach: wakes are refused at once, the peers are asked to relay the heartbeat)",
 )
-_LIVENESS = Counter(
-    "lchat_mesh_liveness_changes_total",
-    "What keeps this box alive, each time it changes: bucket (its own landed heartbeat), peers "
-    "(its peers' word alone: the bucket is out of reach), none (it stood every space down)",
-    ["via"],
-)
-for _via in ("bucket", "peers", "none"):
-    _LIVENESS.labels(_via)
 _PEER_BEATS = Counter(
     "lchat_mesh_peer_beats_total",
     "Beats this box sent its peers, by outcome: ok (answered), failed (no usable answer), "
@@ -160,349 +120,10 @@ for _outcome in ("ok", "failed"):
 MEMBERS_LIVE = Gauge(
     "lchat_mesh_members_live", "Live mesh members in this box's view (self included)"
 )
-FAILURES = Counter(
-    "lchat_mesh_heartbeat_failures_total",
-    "Failed bucket operations of mesh membership (heartbeat PUT, LIST, body GET, drain DELETE)",
-    ["op"],
-)
-for _op in ("put", "list", "get", "delete"):
-    FAILURES.labels(_op)  # exported as 0 before the first failure
-UNAUTHENTICATED = Counter(
-    "lchat_mesh_unauthenticated_heartbeats_total",
-    "Heartbeats under the members prefix whose MAC does not verify under the mesh token (planted "
-    "by a bucket writer, or written by an older lchat): no member's. Once per key and version",
-)
 CHANGES = Counter(
     "lchat_mesh_membership_changes_total",
     "Changes of the set of live mesh members (URL and region) seen by this box",
 )
-
-# The heartbeat janitor: a member key older than this many ``dead_after`` is deleted.
-JANITOR_DEAD_AFTERS = 10.0
-JANITOR_DELETES = Counter(
-    "lchat_mesh_janitor_deletes_total",
-    "Conditional DELETEs of long-dead members' heartbeats by this box's janitor: deleted, "
-    "changed (the key changed or vanished since the LIST: left alone), failed (tried again)",
-    ["outcome"],
-)
-for _outcome in ("deleted", "changed", "failed"):
-    JANITOR_DELETES.labels(_outcome)  # exported as 0 before the first delete
-
-
-def judged_dead(
-    last_modified: datetime.datetime, now: datetime.datetime, dead_after: float
-) -> bool:
-    """A heartbeat whose ``Last-Modified`` is ``last_modified`` is dead at the bucket time ``now``
-    once ``now >= floor(last_modified) + 1 s + dead_after``. Stores truncate ``Last-Modified`` to
-    whole seconds, so ``floor + 1 s`` bounds the real write from above: never early
-    (docs/lease.md, "The timing argument"). The membership's view and a taker of leases
-    (lchat.mesh.fence) use this one rule, so a box drops out of the view exactly when its leases
-    may be taken over."""
-    written_by = last_modified.replace(microsecond=0) + datetime.timedelta(seconds=1)
-    return now >= written_by + datetime.timedelta(seconds=dead_after)
-
-
-# --- keys and bodies ----------------------------------------------------------------------------
-
-
-class KeyPrefix(Protocol):
-    """Where the heartbeats live: the hibernation bucket's config or ``LCHAT_MESH_BUCKET``'s entry
-    (:func:`lchat.config.mesh_bucket`); only its key prefix matters here."""
-
-    def key(self, *parts: str) -> str: ...
-
-
-def members_prefix(hib: KeyPrefix) -> str:
-    """``<prefix>/mesh/members/``: what one LIST reads."""
-    return hib.key("mesh", "members") + "/"
-
-
-def encode_member_name(url: str) -> str:
-    """The key's last segment for a *normalised* member URL: base64url, no padding."""
-    return base64.urlsafe_b64encode(url.encode("utf-8")).rstrip(b"=").decode("ascii")
-
-
-def decode_member_name(name: str) -> str | None:
-    """The member URL a key segment names, or None unless it is exactly what we would write:
-    canonical unpadded base64url of a normalised ``http(s)://host[:port]`` URL."""
-    if not _NAME.fullmatch(name) or len(name) % 4 == 1:
-        return None
-    try:
-        url = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode("utf-8")
-    except (binascii.Error, ValueError):
-        return None
-    if encode_member_name(url) != name:
-        return None  # non-canonical encoding (stray low bits): not a name any box wrote
-    try:
-        if normalise_member_url(url) != url:
-            return None
-    except ValueError:
-        return None
-    return url
-
-
-def member_key(hib: KeyPrefix, url: str) -> str:
-    """The heartbeat key of the member ``url`` (normalised here; ValueError if it is no URL)."""
-    return hib.key("mesh", "members", encode_member_name(normalise_member_url(url)))
-
-
-@frozen
-class Member:
-    """A mesh member as seen in one read of the bucket.
-
-    Satisfies :class:`lchat.mesh.placement.Candidate` (``url``, ``region``).
-    """
-
-    url: str  # normalised LCHAT_MESH_SELF (what the key encodes)
-    region: str
-    version: str
-    started_at: float  # unix seconds, the member's own clock (informational)
-    last_modified: datetime.datetime  # its last beat, bucket clock
-    age: float  # seconds since its last beat, bucket clock, at the read
-    key: str
-    # ``self`` cannot be an __init__ parameter name: construct with ``is_self=``.
-    self: bool = field(default=False, alias="is_self")
-    epoch: str = ""  # the beating process's epoch (Heartbeat.epoch)
-    process: str = ""  # its process (Heartbeat.process; "": an older lchat)
-
-
-# Per key: the ETag of the version we parsed and what it held (None: garbage, already logged).
-BodyCache = dict[str, tuple[str, Heartbeat | None]]
-
-
-# --- reading the view ---------------------------------------------------------------------------
-
-
-async def read_members(
-    store: ObjectStore,
-    hib: KeyPrefix,
-    *,
-    dead_after: float = 45.0,
-    bodies: BodyCache | None = None,
-    self_url: str = "",
-    include_dead: bool = False,
-    keys: HeartbeatKeys,
-) -> list[Member]:
-    """The live members (sorted by URL): one LIST of the members prefix and ``store.now()``.
-
-    A member is live until :func:`judged_dead` on the bucket's clock (``now >= floor(last_modified)
-    + 1 s + dead_after``: the rule a taker of its leases applies, lchat.mesh.fence). Bodies are
-    fetched (GET) only for live keys whose ETag is not already in ``bodies`` (``key -> (etag,
-    parsed)``, a cache the caller may keep across reads; entries for keys no longer listed are
-    dropped). Garbage is skipped with one log line per version (with a cache; each read without).
-    ``self_url`` marks this box's own entry (``Member.self``); ``include_dead`` also returns the
-    members whose beat is too old (the caller can tell them by ``age``). ``keys``: the mesh's
-    heartbeat keys; a body whose MAC does not verify under them is no member (logged once per
-    version, counted in ``lchat_mesh_unauthenticated_heartbeats_total``).
-
-    Store errors propagate (typed :class:`~lchat.objstore.ObjectStoreError`) after being counted
-    in ``lchat_mesh_heartbeat_failures_total``, except a body GET that fails while an older body
-    of the same key is cached: that one is used (bodies change only when a box restarts).
-    """
-    phase = ["list"]
-    try:
-        _, members = await _read(
-            store, hib, dead_after, bodies, self_url, include_dead, phase, keys=keys
-        )
-    except (ObjectStoreError, CancelledError):
-        FAILURES.labels(phase[0]).inc()
-        raise
-    return members
-
-
-async def _read(
-    store: ObjectStore,
-    hib: KeyPrefix,
-    dead_after: float,
-    bodies: BodyCache | None,
-    self_url: str,
-    include_dead: bool,
-    phase: list[str],
-    listing: list[ObjectInfo] | None = None,
-    draining: set[str] | None = None,
-    *,
-    keys: HeartbeatKeys,
-    read_within: float = 0.0,
-) -> tuple[datetime.datetime, list[Member]]:
-    """The read itself; ``phase[0]`` says which operation is under way ("list", "get"), so
-    that the caller can count a failure or a timeout against it. ``listing``, when given, receives
-    the raw LIST (for the janitor, which needs the dead keys and their ETags). ``read_within``:
-    the bodies of dead keys younger than this many seconds are read (and authenticated, cached
-    in ``bodies``) too, though they are not members: the witness's roster knows only the URLs
-    whose heartbeat authenticates."""
-    prefix = members_prefix(hib)
-    cache: BodyCache = {} if bodies is None else bodies
-    me = normalise_member_url(self_url) if self_url else ""
-    phase[0] = "list"
-    listed = await store.list(prefix)
-    if listing is not None:
-        listing.extend(listed)
-    now = await store.now()  # after the LIST: no listed beat is younger than it looks
-    phase[0] = "get"
-    for gone in set(cache) - {info.key for info in listed}:
-        del cache[gone]
-    members: list[Member] = []
-    for info in listed:
-        age = (now - info.last_modified).total_seconds()
-        if judged_dead(info.last_modified, now, dead_after) and not include_dead:
-            if age < read_within:
-                try:
-                    await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
-                except ObjectStoreError:
-                    pass  # only what the roster knows of a dead key: tried at the next read
-            continue  # dead: no member
-        heartbeat = await _heartbeat(store, cache, prefix, info.key, info.etag, info.size, keys)
-        if heartbeat is None:
-            continue
-        if heartbeat.draining and not include_dead:
-            # Leaving: out of placement now (its leases stay fenced until it is gone).
-            if draining is not None:
-                draining.add(heartbeat.url)
-            continue
-        members.append(
-            Member(
-                url=heartbeat.url,
-                region=heartbeat.region,
-                version=heartbeat.version,
-                started_at=heartbeat.started_at,
-                last_modified=info.last_modified,
-                age=age,
-                key=info.key,
-                is_self=heartbeat.url == me,
-                epoch=heartbeat.epoch,
-                process=heartbeat.process,
-            )
-        )
-    members.sort(key=lambda m: m.url)
-    return now, members
-
-
-async def _heartbeat(
-    store: ObjectStore,
-    cache: BodyCache,
-    prefix: str,
-    key: str,
-    etag: str,
-    size: int,
-    keys: HeartbeatKeys,
-) -> Heartbeat | None:
-    """The parsed, authenticated body of ``key`` at ``etag`` (cached), or None for garbage or a
-    body whose MAC does not verify (logged once per version)."""
-    cached = cache.get(key)
-    if cached is not None and cached[0] == etag:
-        return cached[1]
-    name = key[len(prefix) :]
-    url = decode_member_name(name) if "/" not in name else None
-    if url is None:
-        _garbage(cache, key, etag, "the key does not name a member URL")
-        return None
-    if size > MAX_BODY:
-        _garbage(cache, key, etag, f"the body is {size} bytes, not a heartbeat")
-        return None
-    try:
-        obj = await store.get(key)
-    except NotFound:
-        return None  # deleted since the LIST: that box has just drained
-    except ObjectStoreError as e:
-        if cached is None or cached[1] is None:
-            raise
-        FAILURES.labels("get").inc()
-        log.warn(
-            "mesh: could not read the heartbeat of {url} ({error}); using the one read before",
-            url=url,
-            key=key,
-            error=f"{type(e).__name__}: {e}",
-        )
-        return cached[1]
-    etag = obj.info.etag  # it may have changed since the LIST: cache what we parsed
-    try:
-        heartbeat = Heartbeat.parse(obj.body)
-    except ValueError as e:
-        _garbage(cache, key, etag, str(e))
-        return None
-    try:
-        body_url = normalise_member_url(heartbeat.url)
-    except ValueError:
-        body_url = ""
-    if body_url != url:
-        _garbage(cache, key, etag, f"the body names {heartbeat.url!r}, the key {url!r}")
-        return None
-    if keys.check(heartbeat) is None:
-        if cache.get(key) != (etag, None):
-            UNAUTHENTICATED.inc()
-            log.warn(
-                "mesh: ignoring the heartbeat of {url} ({key!r}): {why}; it is no member (no "
-                "token, route, forward or share of the spaces goes to it)",
-                url=url,
-                key=key,
-                why="it carries no MAC (written by an lchat older than heartbeat MACs, or planted)"
-                if not heartbeat.mac
-                else "its MAC does not verify under LCHAT_MESH_TOKEN (planted, or another "
-                "mesh's token)",
-            )
-            cache[key] = (etag, None)
-        return None
-    heartbeat = evolve(heartbeat, url=url)
-    cache[key] = (etag, heartbeat)
-    return heartbeat
-
-
-def _garbage(cache: BodyCache, key: str, etag: str, why: str) -> None:
-    if cache.get(key) != (etag, None):
-        log.warn("mesh: skipping {key!r} under the members prefix: {why}", key=key, why=why)
-        cache[key] = (etag, None)
-
-
-# --- the heartbeat janitor ----------------------------------------------------------------------
-
-
-@frozen
-class StaleKey:
-    """A key under the members prefix whose last write is older than the janitor's threshold."""
-
-    key: str
-    etag: str  # as listed: the janitor's DELETE is conditional on it
-    age: float  # seconds since its Last-Modified, bucket clock, at the read
-    url: str | None  # the member the key names; None: not a well-formed member key (garbage)
-
-
-def stale_keys(
-    listed: Sequence[ObjectInfo], now: datetime.datetime, prefix: str, *, older_than: float
-) -> list[StaleKey]:
-    """The listed keys whose ``now - last_modified > older_than`` (bucket clock), oldest first.
-
-    Judged on the key's name and age only: a dead member's body is never read. A key is a
-    well-formed member key when its name (below ``prefix``, no ``/``) is what
-    :func:`encode_member_name` writes for a normalised URL; anything else has ``url=None``.
-    """
-    stale: list[StaleKey] = []
-    for info in listed:
-        age = (now - info.last_modified).total_seconds()
-        if age <= older_than or not info.key.startswith(prefix):
-            continue
-        name = info.key[len(prefix) :]
-        url = decode_member_name(name) if "/" not in name else None
-        stale.append(StaleKey(key=info.key, etag=info.etag, age=age, url=url))
-    stale.sort(key=lambda k: (-k.age, k.key))
-    return stale
-
-
-def _ago(seconds: float) -> str:
-    """``2d 5h``, ``3h 2m``, ``12m 5s``, ``48s``: a dead box's age for a log line."""
-    whole = int(seconds)
-    days, rest = divmod(whole, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    if minutes:
-        return f"{minutes}m {secs}s"
-    return f"{secs}s"
-
-
-# --- the service --------------------------------------------------------------------------------
 
 
 def _urls(members: Sequence[Member]) -> frozenset[tuple[str, str]]:
@@ -593,13 +214,17 @@ class Membership(Service):
             mesh.heartbeat,
             started=monotonic(),
         )
-        self._landed: float | None = None  # when the last landed beat of this epoch was sent
-        self._alive_until: float | None = None  # None: no beat has landed yet (or we left)
-        self._alive_timer: Any = None
-        self._not_alive = False  # the deadline passed (logged, subscribers told) until a beat lands
-        self._first_beat: Deferred[None] = Deferred()
-        self._on_not_alive: list[Callable[[], object]] = []
-        self._on_alive: list[Callable[[], object]] = []
+        self.liveness = Liveness(
+            reactor,
+            monotonic,
+            self.url,
+            mesh.dead_after,
+            self.margin,
+            self.witnesses,
+            witnessed=peers is not None,
+            epoch=lambda: self.body.epoch,
+            renew=self._renew,
+        )
         self._on_unreachable: list[Callable[[str], object]] = []
         self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
@@ -618,7 +243,6 @@ class Membership(Service):
         self._putting: Deferred[Any] | None = None
         self._put_failed = False  # our last heartbeat PUT failed: the bucket is out of reach
         self._stopping = False
-        self._leaving = False
         self._etag = ""  # of our last landed PUT: the drain deletes only that version
         self._left: Deferred[None] | None = None
         self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
@@ -634,7 +258,9 @@ class Membership(Service):
                 self.janitor_after, self.witnesses.slow_after() + mesh.dead_after
             )
         self.janitor_beats = 0  # beats whose janitor step is over (whatever it did), for tests
-        self._garbage_left: set[str] = set()  # garbage keys the janitor has logged about
+        self._janitor = Janitor(
+            store, members_prefix(hib), self.key, self.janitor_after, self._bounded, self.timeout
+        )
         # What the activator tells the witness: whether this box holds writes older than their
         # class promises, not in the bucket yet; which hosts are awake here.
         self._backlog: Callable[[], bool] = _no_backlog
@@ -642,7 +268,6 @@ class Membership(Service):
         self._backlog_seen: float | None = None  # when _backlog() last said yes (monotonic)
         self._witness_waiters: list[Deferred[bool]] = []
         self._relayed_by: str | None = None  # the peer whose relay landed our last beat (logged)
-        self._witnessed_by_peers = False  # alive on W2 alone (logged when it changes)
 
     # -- the view ------------------------------------------------------------------------------
 
@@ -672,7 +297,7 @@ class Membership(Service):
         """May this box write on its leases now? True from the first landed beat until its
         deadline (W1 or W2, monotonic clock), while the heartbeat exists. Peers cannot judge this
         box dead before that (docs/lease.md)."""
-        return self._alive_until is not None and self._monotonic() < self._alive_until
+        return self.liveness.alive()
 
     def bucket_reachable(self) -> bool:
         """Did our last heartbeat PUT succeed? (False: the bucket is out of reach: a wake, which
@@ -687,16 +312,16 @@ class Membership(Service):
     def lapsed(self) -> bool:
         """A beat landed once, and this box is not alive now: it serves and writes nothing until
         it is again (before the first beat a wake waits for it instead)."""
-        return self._first_beat.called and not self.alive()
+        return self.liveness.lapsed()
 
     def first_beat(self) -> Deferred[None]:
         """Fires once a beat has landed (at once if one has): a mesh box takes no lease before."""
-        return _observe(self._first_beat)
+        return _observe(self.liveness.first_beat)
 
     def on_alive(self, fn: Callable[[], object]) -> None:
         """``fn()`` each time this box becomes alive: its first landed heartbeat, and every time
         it is alive again after a lapse (the activator recovers its local copies then)."""
-        self._on_alive.append(fn)
+        self.liveness.on_alive(fn)
 
     def on_unreachable(self, fn: Callable[[str], object]) -> None:
         """``fn(url)`` when a peer that answered this box's last beat does not answer the next
@@ -706,7 +331,7 @@ class Membership(Service):
     def on_not_alive(self, fn: Callable[[], object]) -> None:
         """``fn()`` when this box's liveness deadline passes: every space it runs must stand down
         now (the activator's hook)."""
-        self._on_not_alive.append(fn)
+        self.liveness.on_not_alive(fn)
 
     def peers(self) -> list[Member]:
         """The live members other than this box."""
@@ -745,7 +370,7 @@ class Membership(Service):
         """What ``GET /status`` shows of the witness: what keeps this box alive, and each peer's
         part (seconds are ages on this box's monotonic clock)."""
         now = self._monotonic()
-        w1 = self._landed is not None and now < self._landed + self.dead_after - self.margin
+        w1 = self.liveness.on_own_beat(now)
         alive = self.alive()
         peers = []
         for peer in sorted(self.witnesses.peers.values(), key=lambda p: p.url):
@@ -828,7 +453,7 @@ class Membership(Service):
         if not self.alive():
             return False
         if not self.witnesses.required():
-            return not self._put_failed and self._landed is not None
+            return not self._put_failed and self.liveness.landed is not None
         return self.witnesses.all_know_backlog(self._monotonic())
 
     def want_witness(self, seconds: float = FAST_WANTED) -> None:
@@ -868,10 +493,10 @@ class Membership(Service):
             self._backlog_seen = now
             return True
         seen = self._backlog_seen
-        if seen is None or (self._landed is not None and self._landed > seen):
+        landed = self.liveness.landed
+        if seen is None or (landed is not None and landed > seen):
             return False
-        w1 = self._landed is not None and now < self._landed + self.dead_after - self.margin
-        return not w1
+        return not self.liveness.on_own_beat(now)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -917,10 +542,7 @@ class Membership(Service):
         return _observe(self._left)
 
     async def _leave(self) -> None:
-        self._leaving = True
-        self._alive_until = None  # nothing is written on our leases once the heartbeat goes
-        if self._alive_timer is not None and self._alive_timer.active():
-            self._alive_timer.cancel()
+        self.liveness.leave()  # nothing is written on our leases once the heartbeat goes
         putting = self._putting
         if putting is not None:
             # A PUT landing after our DELETE would bring the beat back: let it finish first.
@@ -980,7 +602,7 @@ class Membership(Service):
             FAILURES.labels("delete").inc()
             error = f"no answer within {self.stop_timeout:g}s"
         else:
-            error = _describe(failure.value, self.stop_timeout)
+            error = describe_failure(failure.value, self.stop_timeout)
         log.warn(
             "mesh: could not delete heartbeat {key} ({error}); peers drop {url} after "
             "{dead_after:g}s",
@@ -1015,7 +637,7 @@ class Membership(Service):
         draining: set[str] = set()
         try:
             now, view = await self._bounded(
-                _read(
+                read_view(
                     self._store,
                     self._hib,
                     self.dead_after,
@@ -1037,7 +659,7 @@ class Membership(Service):
             log.warn(
                 "mesh: could not read the membership ({error}); keeping the last view of "
                 "{count} member(s)",
-                error=_describe(e, self.timeout),
+                error=describe_failure(e, self.timeout),
                 count=len(self._members),
             )
             self._update(self._view(None), None)
@@ -1053,7 +675,7 @@ class Membership(Service):
             members = sorted([*members, self._self_member(now)], key=lambda m: m.url)
         self._update(members, now)
         if put_ok and not self._stopping:
-            await self._sweep(listing, now)
+            await self._janitor.sweep(self._members, listing, now)
         self.janitor_beats += 1
 
     def _listed(
@@ -1098,7 +720,7 @@ class Membership(Service):
                 url=self.url,
                 dead_after=self.dead_after,
             )
-        self._recheck()  # (a retired peer, or an older lchat among the live ones, moves it)
+        self.liveness.recheck()  # (a retired peer, or an older lchat among the live ones, moves it)
         self.witnesses.forget(
             u for u, p in list(self.witnesses.peers.items()) if u not in ages and not p.required
         )
@@ -1127,83 +749,6 @@ class Membership(Service):
                 )
         return sorted(members.values(), key=lambda m: m.url)
 
-    async def _sweep(self, listing: Sequence[ObjectInfo], now: datetime.datetime) -> None:
-        """The heartbeat janitor's step of one beat. Never raises (but a drain's cancel).
-
-        Only the *janitor* acts: the live member with the lowest URL in our view, when that is
-        us. Views can differ for a beat, so two boxes may both act: harmless, because every
-        DELETE is conditional on the listed ETag, and the loser gets PreconditionFailed. One
-        janitor (rather than every box) saves the fleet N-1 doomed DELETEs per dead key and keeps
-        the log on one box. If the janitor dies, its own key goes stale and the next-lowest URL
-        takes over within ``dead_after``.
-
-        At most one DELETE per beat (bounded work, oldest key first); a key that fails stays in
-        the LIST and is tried again next beat. Our own key is never deleted, even when it is old
-        (our PUTs failing for long: then we are not the janitor anyway, see the caller). A key that
-        is not a well-formed member key is never deleted: it may be an operator's or a future
-        format's, and garbage does not accumulate with crashes, so it is logged once and left.
-        """
-        if not self._members or not self._members[0].self:
-            return
-        prefix = members_prefix(self._hib)
-        stale = stale_keys(listing, now, prefix, older_than=self.janitor_after)
-        listed = {info.key for info in listing}
-        self._garbage_left &= listed  # forget garbage that someone removed
-        victim: StaleKey | None = None
-        for candidate in stale:
-            if candidate.key == self.key:
-                continue
-            if candidate.url is None:
-                if candidate.key not in self._garbage_left:
-                    self._garbage_left.add(candidate.key)
-                    log.warn(
-                        "mesh: janitor leaves {key!r} under the members prefix (last written "
-                        "{ago} ago): it is not a member key; delete it by hand if nobody "
-                        "needs it",
-                        key=candidate.key,
-                        ago=_ago(candidate.age),
-                        age=candidate.age,
-                    )
-                continue
-            if victim is None:
-                victim = candidate
-        if victim is None:
-            return
-        try:
-            await self._bounded(self._store.delete(victim.key, if_match=victim.etag))
-        except CancelledError:
-            raise  # the drain: not a failure
-        except PreconditionFailed:
-            JANITOR_DELETES.labels("changed").inc()
-            log.info(
-                "mesh: janitor left the heartbeat of {url}: it changed since the listing (the "
-                "box beat again, or a peer deleted it first)",
-                url=victim.url,
-                key=victim.key,
-                age=victim.age,
-            )
-            return
-        except Exception as e:
-            JANITOR_DELETES.labels("failed").inc()
-            log.warn(
-                "mesh: janitor could not delete the heartbeat of {url}, dead for {ago} "
-                "({error}); trying again at the next beat",
-                url=victim.url,
-                ago=_ago(victim.age),
-                age=victim.age,
-                key=victim.key,
-                error=_describe(e, self.timeout),
-            )
-            return
-        JANITOR_DELETES.labels("deleted").inc()
-        log.info(
-            "mesh: janitor deleted the heartbeat of {url}, dead for {ago} (key {key})",
-            url=victim.url,
-            ago=_ago(victim.age),
-            age=victim.age,
-            key=victim.key,
-        )
-
     async def _put(self) -> bool:
         sent = self._monotonic()
         epoch = self.body.epoch  # the body this PUT carries
@@ -1222,7 +767,7 @@ class Membership(Service):
             if not self._put_failed:
                 log.warn(
                     "mesh: heartbeat PUT failed ({error}); {fallback}",
-                    error=_describe(e, self.timeout),
+                    error=describe_failure(e, self.timeout),
                     fallback=(
                         "asking the peers to relay it, and to witness this box meanwhile"
                         if self._peers is not None
@@ -1241,116 +786,13 @@ class Membership(Service):
             log.info("mesh: heartbeat {url} lands in the bucket again", url=self.url)
         self._put_failed = False
         _BUCKET.set(1)
-        if self._leaving:
+        if self.liveness.leaving:
             return True  # the heartbeat is being deleted: no liveness from a late PUT
-        self._beat_landed(sent, epoch)
+        self.liveness.beat_landed(sent, epoch)
         return True
 
-    # -- liveness ------------------------------------------------------------------------------
-
-    def _beat_landed(self, sent: float, epoch: str) -> None:
-        """A heartbeat sent at ``sent`` (monotonic) with the body of ``epoch`` landed in the
-        bucket (our PUT, or a peer's relay of it): W1 runs until ``sent + dead_after - margin``,
-        if that epoch is still ours and had not lapsed when this answer is handled."""
-        if epoch != self.body.epoch or self._leaving:
-            return  # a beat of an epoch that lapsed since it was sent: it counts for nothing
-        if self._missed():
-            return
-        if self._landed is None or sent > self._landed:
-            self._landed = sent
-        self._recheck()
-
-    def _deadline(self) -> float | None:
-        """W1 or W2, whichever is later (None: no beat of this epoch has landed yet)."""
-        if self._landed is None:
-            return None
-        w1 = self._landed + self.dead_after - self.margin  # lchat.mesh.fence.holder_deadline
-        if self._peers is None:
-            return w1
-        return max(w1, self.witnesses.holder_deadline(self._landed))
-
-    def _missed(self) -> bool:
-        """Has our deadline passed unnoticed (a freeze, a stalled loop: its timer has not run
-        yet)? Then whatever is being handled now counts for nothing: peers may have judged us
-        dead meanwhile. Lapses now, and says so."""
-        if self._alive_until is not None and self._monotonic() >= self._alive_until:
-            self._lapse()
-            return True
-        return False
-
-    def _recheck(self) -> None:
-        """Our deadline may have moved (a beat landed, a peer answered or was retired, a peer
-        became required, our beats' word changed): re-arm its timer, or lapse if it is past."""
-        now = self._monotonic()
-        until = self._deadline()
-        if until is None:
-            return
-        if until <= now:
-            if self._alive_until is not None:
-                self._lapse()
-            return
-        previous = self._alive_until
-        self._alive_until = until
-        if previous != until:
-            if self._alive_timer is not None and self._alive_timer.active():
-                self._alive_timer.cancel()
-            self._alive_timer = self._reactor.callLater(until - now, self._deadline_passed)
-        w1 = self._landed is not None and now < self._landed + self.dead_after - self.margin
-        if self._peers is not None and w1 == self._witnessed_by_peers:
-            self._witnessed_by_peers = not w1
-            if not w1:
-                _LIVENESS.labels("peers").inc()
-                log.warn(
-                    "mesh: no heartbeat of {url} has landed for {seconds:.1f}s: alive on its "
-                    "peers' word ({peers}) for up to {left:.0f}s more; its spaces keep serving",
-                    url=self.url,
-                    seconds=now - (self._landed or now),
-                    peers=", ".join(p.url for p in self.witnesses.required()) or "none",
-                    left=until - now,
-                )
-            else:
-                _LIVENESS.labels("bucket").inc()
-                log.info("mesh: {url} is alive on its own heartbeat again", url=self.url)
-        became = self._not_alive or not self._first_beat.called
-        if self._not_alive:
-            self._not_alive = False
-            log.info(
-                "mesh: heartbeat {url} landed again: this box takes leases again", url=self.url
-            )
-        if not self._first_beat.called:
-            self._first_beat.callback(None)
-        if became:
-            for fn in list(self._on_alive):
-                try:
-                    fn()
-                except Exception:
-                    log.failure("mesh: alive hook {fn!r} failed", fn=fn)
-
-    def _deadline_passed(self) -> None:
-        self._alive_timer = None
-        if self._alive_until is None:
-            return
-        left = self._alive_until - self._monotonic()
-        if left > 0:
-            # (A timer that fired early by the reactor's clock: look again at the deadline. A
-            # deadline that moved was re-armed by _recheck, which cancelled this timer.)
-            self._alive_timer = self._reactor.callLater(max(0.01, left), self._deadline_passed)
-            return
-        self._lapse()  # the new epoch at once: every beat sent from now on carries its body
-
-    def _lapse(self) -> None:
-        """Our liveness lapsed: the stand-down (once), then a new epoch, alive from its own
-        first landed beat: every lease of the old one stays lost (their keepers compare epochs),
-        no beat of the old body counts again, a janitor's delete listed with the old body's ETag
-        cannot remove a beat that counts, and every permission to judge a peer by its silence
-        that this box held is void (the peer may have stopped counting on it)."""
-        if self._alive_timer is not None and self._alive_timer.active():
-            self._alive_timer.cancel()
-        self._alive_timer = None
-        self._alive_until = None
-        self._landed = None
-        if not self._not_alive:
-            self._declare_not_alive()
+    def _renew(self) -> None:
+        """After a lapse (:class:`~lchat.mesh.liveness.Liveness`): beat under a new epoch."""
         old = self.body.epoch
         self.body = self.keys.sign(
             evolve(
@@ -1366,43 +808,6 @@ class Membership(Service):
             epoch=self.body.epoch[:8],
             old=old[:8],
         )
-
-    def _declare_not_alive(self) -> None:
-        self._not_alive = True
-        STAND_DOWNS.inc()
-        _LIVENESS.labels("none").inc()
-        silent = [p.url for p in self.witnesses.required() if not self.witnesses.knows_backlog(p)]
-        if self._peers is None:
-            why = (
-                f"no heartbeat of {self.url} has landed for "
-                f"{self.dead_after - self.margin:.1f}s (dead after {self.dead_after:g}s on the "
-                "bucket's clock)"
-            )
-        elif (
-            self._landed is not None
-            and self._monotonic() >= self._landed + self.witnesses.tolerance
-        ):
-            why = (
-                f"no heartbeat of {self.url} has landed for "
-                f"{self.witnesses.tolerance:g}s (LCHAT_MESH_OUTAGE_TOLERANCE)"
-            )
-        else:
-            why = (
-                f"isolated: no heartbeat of {self.url} lands in the bucket, and its peers "
-                f"{', '.join(silent) or '(none)'} have not answered in time"
-            )
-        log.critical(
-            "mesh: standing down: {why}: standing every space down now, before peers may "
-            "judge this box dead and take them over; no lease is taken until a beat lands again",
-            why=why,
-            url=self.url,
-            dead_after=self.dead_after,
-        )
-        for fn in list(self._on_not_alive):
-            try:
-                fn()
-            except Exception:
-                log.failure("mesh: stand-down hook {fn!r} failed", fn=fn)
 
     async def begin_drain(self) -> None:
         """The drain's first step: beat once with ``draining`` set, so peers drop this box from
@@ -1431,7 +836,7 @@ class Membership(Service):
         return BeatMessage(
             heartbeat=self.body,
             seq=self.witnesses.next_seq(),
-            relay=self._put_failed and not leaving and not self._leaving,
+            relay=self._put_failed and not leaving and not self.liveness.leaving,
             backlog=self._backlog_flag(),
             holds=normal_holds(self._holds()),
             leaving=leaving,
@@ -1480,7 +885,7 @@ class Membership(Service):
         sent = self._monotonic()
         # (What it is told may let it judge this box sooner: our deadline may move now.)
         self.witnesses.sent(peer, message.seq, message.backlog)
-        self._recheck()
+        self.liveness.recheck()
         if track:
             peer.in_flight = True
         try:
@@ -1511,7 +916,7 @@ class Membership(Service):
                 log.warn(
                     "mesh: {peer} does not answer this box's beats ({error})",
                     peer=peer.url,
-                    error=e if isinstance(e, MessageError) else _describe(e, timeout),
+                    error=e if isinstance(e, MessageError) else describe_failure(e, timeout),
                 )
             return False, status
         finally:
@@ -1519,7 +924,7 @@ class Membership(Service):
                 peer.in_flight = False
         _PEER_BEATS.labels("ok").inc()
         was_failing = peer.failed >= 2
-        if self._missed():
+        if self.liveness.missed():
             return True, None
         self.witnesses.confirmed(
             peer, reply, sent, message.seq, message.backlog, self._monotonic(), self.body.epoch
@@ -1536,9 +941,9 @@ class Membership(Service):
                     url=self.url,
                     peer=peer.url,
                 )
-            self._beat_landed(sent, epoch)
+            self.liveness.beat_landed(sent, epoch)
         else:
-            self._recheck()
+            self.liveness.recheck()
         self._wake_witness_waiters()
         return True, None
 
@@ -1557,14 +962,14 @@ class Membership(Service):
         if not message.heartbeat.process:
             raise MessageError("the heartbeat names no process")
         message = evolve(message, heartbeat=evolve(message.heartbeat, url=url))
-        if self._missed():
+        if self.liveness.missed():
             pass  # (lapsed now; the answer still goes out)
         seq = self.witnesses.next_seq()
         backlog = self._backlog_flag()
         self.witnesses.answered(message, self._monotonic(), seq, backlog)
         if message.leaving:
             log.info("mesh: {peer} has drained: it writes nothing more", peer=url)
-        self._recheck()
+        self.liveness.recheck()
         relayed = False
         if message.relay and not self._put_failed and not self._stopping:
             if self.keys.check(message.heartbeat) is None:
@@ -1605,7 +1010,7 @@ class Membership(Service):
             log.warn(
                 "mesh: could not relay the heartbeat of {peer} ({error})",
                 peer=heartbeat.url,
-                error=_describe(e, self.relay_timeout),
+                error=describe_failure(e, self.relay_timeout),
             )
             return False
         _RELAYS.labels("ok").inc()
@@ -1708,12 +1113,6 @@ class Membership(Service):
 
 def _no_backlog() -> bool:
     return False
-
-
-def _describe(e: BaseException | None, timeout: float) -> str:
-    if isinstance(e, defer.TimeoutError):
-        return f"no answer within {timeout:g}s"
-    return f"{type(e).__name__}: {e}"
 
 
 def _observe(d: Deferred[Any]) -> Deferred[Any]:
