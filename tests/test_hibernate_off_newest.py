@@ -7,7 +7,8 @@ restores it under the space's lease), or refuse with what to do and change nothi
 
 Real parts: a moto S3 server (tests/s3servers.py), two real ``twistd lchat`` routers ("box A",
 where the CLI runs in-process, and "box B", with its own data directory and registry over the same
-bucket), real reference spaces under builtin units.
+bucket), real reference spaces under builtin units. Its refusals and every other branch are
+tested on in-memory seams in test_handover (NewestCopyTests).
 """
 
 from __future__ import annotations
@@ -159,50 +160,9 @@ class OffFetchesTheNewestCopyTests(HibernateTestCase):
         self.post(HOST, "three")  # and the unit owns it from here
         self.assertEqual(self.messages(HOST), ["one", "two", "three"])
 
-    def test_off_without_a_router_refuses_and_changes_nothing(self) -> None:
-        self.newest_written_on_box_b()
-        off = self.lchat("hibernate", HOST, "--off", "--timeout", "30")
-        self.assertFailed(
-            off,
-            "the newest copy is in the bucket",
-            "no router answers",
-            f"start the router, then re-run `lchat hibernate {HOST} --off`",
-        )
-        self.assertIn("the bucket has txid", off.err)
-        route = self.row(HOST)
-        assert route is not None
-        self.assertTrue(route.hibernate)  # still the activator's
-        self.assertEqual(self.fingerprint(), self.a_before)  # the old file and its marker kept
-        self.assertFalse(os.path.exists(hosts.socket_path(self.run_dir, HOST)))  # no unit ran
-
-    def test_a_current_local_copy_is_handed_over_without_a_wake(self) -> None:
-        self.add_row(HOST, hibernate=True)
-        self.start_router()
-        self.post(HOST, "here")
-        off = self.lchat("hibernate", HOST, "--off", "--timeout", "60")
-        self.assertEqual(off.code, 0, off)
-        self.assertIn(f"{HOST}: {self.db} is the newest copy (txid", off.out)
-        self.assertNotIn("fetching the newest copy", off.out)
-        self.assertEqual(self.messages(HOST), ["here"])
-
 
 class OffRefusalsTests(HibernateTestCase):
     """Refusals that need no S3 server: nothing changes, and the line says what to do."""
-
-    def test_a_space_homed_where_another_bucket_keeps_it_is_refused(self) -> None:
-        fi = os.path.join(self.root, "fi")
-        self.configure(LCHAT_REGION_BUCKETS=f"fi=file:{fi}")
-        self.add_row(HOST, hibernate=True, home_region="fi")
-        off = self.lchat("hibernate", HOST, "--off", "--timeout", "5")
-        self.assertFailed(
-            off,
-            f"{HOST} is homed in region fi, whose replicas live in file:{fi}",
-            f"`lchat relocate {HOST} --to <this box's region>`",
-            "nothing changed",
-        )
-        route = self.row(HOST)
-        assert route is not None
-        self.assertTrue(route.hibernate)
 
     def test_a_bucket_that_cannot_be_read_is_refused(self) -> None:
         # A file: bucket whose directory is a regular file: every LIST fails.
@@ -218,10 +178,3 @@ class OffRefusalsTests(HibernateTestCase):
         route = self.row(HOST)
         assert route is not None
         self.assertTrue(route.hibernate)
-
-    def test_a_never_woken_space_needs_no_router(self) -> None:
-        # No replica anywhere and no local file: nothing can be lost; the unit starts empty.
-        self.add_row(HOST, hibernate=True)
-        off = self.lchat("hibernate", HOST, "--off", "--timeout", "5")
-        self.assertEqual(off.code, 0, off)
-        self.assertIn(f"{HOST}: hibernate flag cleared", off.out)

@@ -24,15 +24,26 @@ import attrs
 
 import lchat
 from lchat import admin_client, config, envfile, hosts, systemd_units
+from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
-from lchat.cli import certs, dev_cert, handback, litestream_yml
+from lchat.cli import certs, dev_cert, litestream_yml
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.cli import stats as stats_cli
 from lchat.config import BoxConfig, ConfigError
+from lchat.handover import HandoverError
+from lchat.handover.hibernate import (
+    POLL_INTERVAL,
+    Hibernation,
+    forget_clean_sleep,
+    hand_env_files_to_router,
+    refuse_if_backed_up,
+)
+from lchat.handover.router import Router, Say
+from lchat.handover.seams import BoxUnits, FanOut, SocketAdmin, StoreBucket
+from lchat.handover.start import Start
 from lchat.ledger import LedgerError
-from lchat.objstore import ObjectStoreError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
 PROG = "lchat"
@@ -45,11 +56,7 @@ COMMON_FLAGS = {
 COMMON_OPTIONS = ("--env-file", *COMMON_FLAGS)
 DEFAULT_TIMEOUT = 30.0
 HIBERNATE_TIMEOUT = 60.0
-# POST /sleep answers once the activator has stopped the sidecar, asked next-due, stopped the space,
-# flushed and released the lease: each step has its own budget (activator.Budgets), summed here.
-SLEEP_TIMEOUT = 150.0
 STATUS_TIMEOUT = 3.0
-POLL_INTERVAL = 0.2
 SERVICE_PROBE_TIMEOUT = 5.0
 TABLE_COLUMNS = (
     "HOST",
@@ -62,8 +69,6 @@ TABLE_COLUMNS = (
     "NEXT-DUE",
     "SOCKET",
 )
-# The activator's states of a hibernating space (docs/design.md §7); "asleep" is the absence of one.
-ACTIVATOR_BUSY = ("waking", "awake", "stopping")
 
 
 class CliError(Exception):
@@ -117,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except (
         CliError,
+        HandoverError,
         ConfigError,
         RegistryError,
         hosts.InvalidHost,
@@ -435,7 +441,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_instances(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     routes = sorted(open_registry(cfg).load(), key=lambda r: r.host)
-    status = _router_status(cfg) if routes else {}
+    status = _router(cfg).status() if routes else {}
     live = _hosts_of(status) if routes else {}
     from lchat.cli.release import live_versions  # the live/<host> links (lchat deploy)
 
@@ -463,26 +469,6 @@ def cmd_instances(args: argparse.Namespace) -> int:
         _note("VERSION*: a canary (lchat deploy --canary); `lchat deploy <v> --all` clears it")
     _note(_capacity_summary(cfg, routes, status))
     return 0
-
-
-def _router_status(cfg: BoxConfig) -> dict[str, Any] | None:
-    """The running router's ``GET /status``, or None when it cannot be asked."""
-    try:
-        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
-        doc = response.json() if response.status == 200 else None
-    except admin_client.Unreachable as e:
-        if not _router_absent(e):
-            _note(f"cannot reach the router ({e}): STATE unknown")
-        return None
-    except (admin_client.ProtocolError, ValueError, AttributeError) as e:
-        _note(f"the router did not answer GET /status usefully ({e}): STATE unknown")
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _router_hosts(cfg: BoxConfig) -> dict[str, dict[str, Any]] | None:
-    """The running router's per-host view (``GET /status``), or None when it cannot be asked."""
-    return _hosts_of(_router_status(cfg))
 
 
 def _hosts_of(status: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
@@ -557,12 +543,12 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         )
     db = hosts.db_path(cfg.data_dir, host)
     if args.hibernate:
-        _refuse_if_backed_up(cfg, host, db, "nothing was registered")
+        refuse_if_backed_up(_backup_listing(cfg, db), host, db, "nothing was registered")
     token = _stage_env_file(hosts.env_path(cfg.data_dir, host), token)
     # The activator and builtin units read it as the router's user (only systemd reads as root).
-    _hand_env_files_to_router(cfg, host, quiet=True)
+    hand_env_files_to_router(cfg, host, SAY, quiet=True)
     if args.hibernate:
-        _forget_clean_sleep(db)  # a database left by an earlier life is not vouched for
+        forget_clean_sleep(db)  # a database left by an earlier life is not vouched for
     route = registry.insert(
         Route(
             host=host,
@@ -589,9 +575,8 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
             f"it wakes on its first request"
         )
         return 0
-    if cfg.units == "systemd":
-        return _start_with_systemd(cfg, registry, host, socket, args)
-    return _start_with_router(cfg, registry, host, args)
+    start = Start(cfg, registry, _router(cfg), BoxUnits(cfg, POLL_INTERVAL))
+    return start(host, socket, args.timeout, wait=not args.no_wait)
 
 
 def _refuse_beyond_registered(cfg: BoxConfig, registry: Registry) -> None:
@@ -702,9 +687,8 @@ def cmd_hibernate(args: argparse.Namespace) -> int:
             f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box): "
             f"run `lchat hibernate {host}` there"
         )
-    if args.on:
-        return _hibernate_on(cfg, registry, route, args.timeout)
-    return _hibernate_off(cfg, registry, route, args.timeout)
+    hibernation = _hibernation(cfg, registry)
+    return (hibernation.on if args.on else hibernation.off)(route, args.timeout)
 
 
 def _instance_row(registry: Registry, host: str, what: str) -> Route:
@@ -716,297 +700,45 @@ def _instance_row(registry: Registry, host: str, what: str) -> Route:
     return route
 
 
-# --- hibernate --on / --off ---------------------------------------------------------------------
+# --- wiring the hand-over commands -------------------------------------------------------------
 
 
-def _hibernate_on(cfg: BoxConfig, registry: Registry, route: Route, timeout: float) -> int:
-    """The seed's order: env file ownership; the flag; refuse while the backup replicator tracks
-    the database; stop and disable the units; reload; one warm request. The host stays serveable
-    throughout: a request in the socket-dead gap rides the router's dial retry."""
-    host = route.host
-    if cfg.hibernate is None:
-        raise CliError(
-            f"hibernating {host} needs a hibernation bucket: set LCHAT_HIBERNATE_BUCKET in the "
-            f"router's env file and restart the router, then retry"
+SAY = Say(out=lambda line: _out(line), note=lambda m: _note(m), warn=lambda m: _warn(m))
+
+
+def _router(cfg: BoxConfig) -> Router:
+    return Router(SocketAdmin(cfg.admin_socket), SAY)
+
+
+def _hibernation(cfg: BoxConfig, registry: Registry) -> Hibernation:
+    hib = cfg.hibernate
+    bucket = None
+    if hib is not None:
+        where = hib.where
+        bucket = StoreBucket(
+            lambda reactor: open_bucket(reactor, cfg, where), mesh_cli.run_on_own_reactor
         )
-    db = route.db_path or hosts.db_path(cfg.data_dir, host)
-    # 1. The activator reads the env file as the router's user; systemd read it as root.
-    _hand_env_files_to_router(cfg, host)
-    # Looked at before anything changes, so that the usual refusal leaves the row untouched.
-    _refuse_if_backed_up(cfg, host, db, "the hibernate flag is unchanged")
-    # 2. The flag.
-    if route.hibernate:
-        _out(f"{host}: already hibernating (flag on); checking the remaining steps")
-    else:
-        # The unit may have written since any earlier sleep: the activator must not trust a marker.
-        _forget_clean_sleep(db)
-        registry.update(host, hibernate=True, status="ready", last_error="")
-        _out(f"{host}: hibernate flag set")
-    # 3. Checked again with the flag set: a backup config regenerated from now on skips this host.
-    try:
-        _refuse_if_backed_up(
-            cfg,
-            host,
-            db,
-            "the hibernate flag is unchanged"
-            if route.hibernate
-            else "the hibernate flag is back as it was",
-        )
-    except CliError:
-        if not route.hibernate:
-            registry.update(host, hibernate=False, status=route.status, last_error=route.last_error)
-            _note(f"{host}: the hibernate flag was set and is off again")
-        raise
-    # 4. The units: the sidecar first (an orphaned bot would knock on a dead socket), then the space.
-    if cfg.units == "systemd":
-        for sidecar in _sidecar_first(cfg, host):
-            unit = systemd_units.unit_name(host, sidecar=sidecar)
-            try:
-                systemd_units.disable_now(host, sidecar=sidecar)
-            except systemd_units.UnitError as e:
-                raise CliError(
-                    f"{e}; {host} is flagged hibernating: fix the unit and re-run "
-                    f"`lchat hibernate {host} --on` (or `--off` to hand it back)"
-                ) from e
-            _out(f"{host}: stopped and disabled {unit}")
-    else:
-        _out(f"{host}: the router stops running it as a builtin unit on reload")
-    # 5. Reload.
-    if not _reload_router(cfg):
-        _warn(f"the router is not running: {host} wakes on its first request once it runs")
-        return 0
-    _out(f"{host}: router reloaded")
-    # A builtin child is stopped by the reload, asynchronously: the activator's space would refuse
-    # to start over its socket. systemd's `disable --now` has already waited for its stop.
-    _wait_for_handover(cfg, host, route.socket, timeout)
-    # 6. One warm request: the activator wakes it now rather than on a member's first request.
-    code = _warm(cfg, host, timeout)
-    # 7. The peers (mesh): the hibernating row replaces whatever they hold (a lives-elsewhere row,
-    # or nothing). Only once it is awake here, under its lease, with its replica in the bucket: a
-    # peer that owns it by hash forwards to the lease holder, and never wakes it from a bucket
-    # this box has not written yet. Until then the peers' lives-elsewhere rows forward here.
-    _fan_out_flip(cfg, registry, host)
-    return code
-
-
-def _hibernate_off(cfg: BoxConfig, registry: Registry, route: Route, timeout: float) -> int:
-    """The mirror image: the activator checkpoints the space to the bucket, releases its lease and
-    stops it; the flag is cleared; once the socket has no listener the unit starts again, is
-    health-checked, and then its sidecar unit starts."""
-    host = route.host
-    socket = route.socket
-    systemd = cfg.units == "systemd"
-    expected = hosts.socket_path(cfg.run_dir, host, isolated=hosts.isolated(cfg.data_dir))
-    if systemd and (socket != expected or not expected.endswith(f"/{host}.sock")):
-        raise CliError(
-            f"{host}: its socket {socket} is not {expected}, the path "
-            f"lchat@.service uses; systemd units cannot run it (LCHAT_UNITS=builtin can)"
-        )
-    db = route.db_path or hosts.db_path(cfg.data_dir, host)
-    if route.hibernate:
-        # Before anything changes: a refusal here (the bucket cannot be read, the newest copy
-        # is in the bucket but no router runs to fetch it) leaves the peers and the row as
-        # they were.
-        _precheck_newest_copy(cfg, route, db)
-    # 0. The peers (mesh) first: they swap their hibernating row for the lives-elsewhere shape,
-    # forward its requests here from now on, and put it to sleep (flushed, lease released) where
-    # it was awake. After this step a peer can no longer wake it while the unit runs here.
-    mesh_cli.fan_out_upsert(cfg, attrs.evolve(route, hibernate=False, next_due=0), _note)
-    if route.hibernate:
-        # 1. Asleep now, while the flag is still on: /sleep answers once flushed and released.
-        _sleep_now(cfg, host)
-        # An instance refuses to start over a socket that still has a listener.
-        _wait_released(socket, host, timeout)
-        # 1b. The unit serves whatever file it finds: the newest copy must be here first (the
-        # space may last have run on another box, and the peers have just flushed it).
-        _newest_copy_here(cfg, route, db, timeout)
-        # The unit writes the database from now on: the marker of a clean sleep stops being true.
-        _forget_clean_sleep(db)
-        registry.update(host, hibernate=False, next_due=0)
-        _out(f"{host}: hibernate flag cleared")
-    else:
-        _out(f"{host}: not hibernating (flag already off); checking the remaining steps")
-    # 2. Reload: the activator lets go of it (had a request woken it again, the reload sleeps it).
-    router_up = _reload_router(cfg)
-    if router_up:
-        _out(f"{host}: router reloaded")
-    if not systemd:
-        if not router_up:
-            _warn(f"the router is not running: it starts {host} when it starts")
-            return 0
-        # 3. Builtin: the router starts it on the reload and records its health in the row.
-        return _health_check(cfg, registry, host, socket, timeout, record=False)
-    if route.hibernate:
-        _wait_released(socket, host, timeout)
-    # 3. systemd: the unit, its health, then the sidecar unit.
-    try:
-        systemd_units.install_space(cfg, host, socket)
-        systemd_units.enable_now(host)
-    except systemd_units.UnitError as e:
-        registry.set_status(host, "failed", str(e))
-        notify_router(cfg)
-        raise CliError(f"{host} failed: {e}") from e
-    _out(f"{host}: enabled and started {systemd_units.unit_name(host)}")
-    code = _health_check(cfg, registry, host, socket, timeout, record=True)
-    if os.path.exists(hosts.bot_env_path(cfg.data_dir, host)):
-        systemd_units.enable_now(host, sidecar=True)
-        _out(f"{host}: enabled and started {systemd_units.unit_name(host, sidecar=True)}")
-    return code
-
-
-def _freshness(cfg: BoxConfig, host: str, db: str) -> handback.Freshness:
-    """The local database against the bucket (one LIST); a bucket that does not answer is a
-    refusal: without it nobody can tell whether another box wrote the space since."""
-    try:
-        return handback.read_freshness(cfg, host, db)
-    except (ObjectStoreError, TimeoutError) as e:
-        raise CliError(
-            f"{host}: cannot read the bucket to check that {db} is the newest copy of the space "
-            f"({_one_line(str(e))[:300]}); it stays hibernating (nothing was handed to its unit): "
-            f"retry `lchat hibernate {host} --off` once the bucket answers"
-        ) from e
-
-
-def _precheck_newest_copy(cfg: BoxConfig, route: Route, db: str) -> None:
-    """``--off``'s refusals that must come before the peers are told: a space whose replica
-    lives in another region's bucket, and a stale local file with no router here to fetch the
-    newest copy (the activator restores only under the space's lease; the CLI never does)."""
-    host = route.host
-    if cfg.hibernate is None:
-        return  # no bucket: no activator ever ran it, so it ran nowhere but in its unit
-    foreign = handback.foreign_bucket(cfg, route.home_region)
-    if foreign is not None:
-        raise CliError(
-            f"{host} is homed in region {route.home_region}, whose replicas live in "
-            f"{foreign.bucket} (LCHAT_REGION_BUCKETS), not in this box's bucket: this box cannot "
-            f"fetch its newest copy. Run `lchat hibernate {host} --off` on a box of region "
-            f"{route.home_region}, or first `lchat relocate {host} --to <this box's region>`; "
-            f"nothing changed"
-        )
-    fresh = _freshness(cfg, host, db)
-    if fresh.current or _router_status(cfg) is not None:
-        return
-    raise CliError(
-        f"{host}: {fresh.describe()}: the newest copy is in the bucket (the space last ran on "
-        f"another box, or was not slept cleanly here), and only the router's activator fetches "
-        f"it, under the space's lease, but no router answers on {cfg.admin_socket}. Nothing "
-        f"changed (still hibernating): start the router, then re-run `lchat hibernate {host} "
-        f"--off`"
+    peers = FanOut(
+        active=cfg.mesh is not None,
+        push=lambda route: mesh_cli.fan_out_upsert(cfg, route, _note),
+        replicates=lambda route: cfg.mesh is not None and mesh_cli.replicates(cfg.mesh, route),
+    )
+    return Hibernation(
+        cfg,
+        registry,
+        SocketAdmin(cfg.admin_socket),
+        BoxUnits(cfg, POLL_INTERVAL),
+        peers,
+        bucket,
+        SAY,
+        backed_up=lambda db: _backup_listing(cfg, db),
     )
 
 
-def _newest_copy_here(cfg: BoxConfig, route: Route, db: str, timeout: float) -> None:
-    """Make ``db`` the bucket's newest copy before the unit owns it, or refuse (the flag stays
-    on). When it is not already (see :func:`_stale_copy`), the activator wakes it here once,
-    under its lease (it moves a stale local file aside and restores; it refuses a bucket behind a
-    local copy), and sleeps it (flushed, a marker at the newest txid); then it is checked again.
-    Peers already forward the space here, so no other box wakes it meanwhile."""
-    host = route.host
-    if cfg.hibernate is None:
-        return
-    stale = _stale_copy(cfg, host, db, timeout)
-    if stale is None:
-        return
-    _out(
-        f"{host}: {stale.describe()}: fetching the newest copy from the bucket under the "
-        f"space's lease (one wake here, then a sleep)"
-    )
-    _restore_by_wake(cfg, host, timeout)
-    _sleep_now(cfg, host)
-    stale = _stale_copy(cfg, host, db, timeout, fetched=True)
-    if stale is not None:
-        raise CliError(
-            f"{host}: after the wake and sleep here, {stale.describe()}: it stays hibernating "
-            f"(nothing was handed to its unit). See the router's log (`activator: {host}`), then "
-            f"re-run `lchat hibernate {host} --off`"
-        )
-
-
-def _stale_copy(
-    cfg: BoxConfig, host: str, db: str, timeout: float, *, fetched: bool = False
-) -> handback.Freshness | None:
-    """None when the unit may take the local database as it is, else what the check saw.
-
-    It may when the file is the bucket's newest copy (:attr:`handback.Freshness.current`), or
-    when a request has woken the space here again since the sleep (the flag is still on): the
-    activator wakes only under the space's lease and from its newest copy, and the reload that
-    hands the space to its unit sleeps it with a full flush first. A wake in progress here is
-    waited out (its outcome decides); the state is read after the file, and a space that went
-    back to sleep in between is read once more."""
-    deadline = time.monotonic() + timeout
-    reread = False
-    while True:
-        fresh = _freshness(cfg, host, db)
-        if fresh.current:
-            if fresh.bucket.newest:
-                now = "now " if fetched else ""
-                _out(f"{host}: {db} is {now}the newest copy (txid {fresh.bucket.newest})")
-            return None
-        state = (_router_entry(cfg, host) or {}).get("state")
-        if state in ("awake", "stopping"):
-            _out(
-                f"{host}: {state} here again (a request woke it under its lease, from the newest "
-                f"copy): the router flushes it to this box's file before the unit starts"
-            )
-            return None
-        if state == "waking" and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
-            continue
-        if state in (None, "asleep") and not reread:
-            reread = True  # asleep now: it may have slept (marker written) since the read
-            continue
-        return fresh
-
-
-def _restore_by_wake(cfg: BoxConfig, host: str, timeout: float) -> None:
-    """``POST /wake`` until it answers 200; a lease a peer is still releasing (its sleep, on the
-    lives-elsewhere push) is waited out until ``timeout``. Anything else is a refusal."""
-    deadline = time.monotonic() + timeout
-    then = (
-        f"it stays hibernating here (nothing was handed to its unit), and the peers forward it "
-        f"here: fix that and re-run `lchat hibernate {host} --off`, or run `lchat hibernate "
-        f"{host} --on` to give the peers its hibernating row back"
-    )
-    while True:
-        try:
-            response = admin_client.wake_space(cfg.admin_socket, host, timeout)
-        except (admin_client.Unreachable, admin_client.ProtocolError) as e:
-            raise CliError(
-                f"{host}: the wake that fetches its newest copy failed ({e}); {then}"
-            ) from e
-        body = _json_body(response)
-        if response.status == 200:
-            _out(f"{host}: woken here from the newest copy ({body.get('seconds', '?')}s)")
-            return
-        if response.status == 409:
-            raise CliError(
-                f"{host}: the running router has no activator (LCHAT_HIBERNATE_BUCKET is unset in "
-                f"its environment), so it cannot fetch the newest copy; {then}"
-            )
-        error = body.get("error") or f"the router answered {response.status}"
-        if body.get("reason") == "lease_held" and time.monotonic() < deadline:
-            time.sleep(1.0)  # the CLI is synchronous: no reactor here to block
-            continue
-        raise CliError(f"{host}: the wake that fetches its newest copy failed: {error}; {then}")
-
-
-def _fan_out_flip(cfg: BoxConfig, registry: Registry, host: str) -> None:
-    """``hibernate --on``'s fan-out: the row as it is now, to the live peers, once the running
-    router says the space is awake here (see step 7); otherwise say how the peers catch up."""
-    if cfg.mesh is None:
-        return
-    route = registry.get(host)
-    if route is None or not route.hibernate:
-        return
-    entry = (_router_hosts(cfg) or {}).get(host)
-    if isinstance(entry, dict) and entry.get("state") == "awake":
-        mesh_cli.fan_out_upsert(cfg, route, _note)
-    elif mesh_cli.replicates(cfg.mesh, route):
-        _note(
-            f"mesh: {host} is not awake here yet, so its peers were not told: they keep forwarding "
-            f"it here; once it has woken here, run `lchat hibernate {host} --on` again or "
-            f"`lchat mesh-seed <peer>`"
-        )
+def _backup_listing(cfg: BoxConfig, db: str) -> str | None:
+    """The box-wide backup replicator's config when it lists ``db``."""
+    config_file = litestream_yml.config_path(cfg)
+    return config_file if litestream_yml.tracks(config_file, db) else None
 
 
 def _warn_if_born_dark(cfg: BoxConfig, host: str) -> None:
@@ -1030,249 +762,6 @@ def _warn_if_born_dark(cfg: BoxConfig, host: str) -> None:
     )
 
 
-def _sidecar_first(cfg: BoxConfig, host: str) -> tuple[bool, ...]:
-    """The units to stop, in order: a sidecar unit exists where its env file is staged."""
-    has_bot = os.path.exists(hosts.bot_env_path(cfg.data_dir, host))
-    return (True, False) if has_bot else (False,)
-
-
-def _refuse_if_backed_up(cfg: BoxConfig, host: str, db: str, unchanged: str) -> None:
-    """Two replicators on one database corrupt each other's state (the seed's sharpest edge)."""
-    config_file = litestream_yml.config_path(cfg)
-    if litestream_yml.tracks(config_file, db):
-        raise CliError(
-            f"refusing: the box-wide backup replicator still tracks {db} ({config_file} lists "
-            f"it), and two replicators on one database corrupt each other: regenerate the backup "
-            f"config without {host} (re-run the fleet backup script), then retry ({unchanged})"
-        )
-
-
-def _hand_env_files_to_router(cfg: BoxConfig, host: str, *, quiet: bool = False) -> None:
-    """chown ``<host>.env`` (and a staged ``<host>-bot.env``) to the router's user, mode private.
-    ``quiet``: say nothing when nothing needed doing."""
-    uid, gid = envfile.owner_of_router(cfg.admin_socket, cfg.registry, cfg.data_dir)
-    env = hosts.env_path(cfg.data_dir, host)
-    for path in (env, hosts.bot_env_path(cfg.data_dir, host)):
-        if not os.path.exists(path):
-            if path == env:
-                _warn(f"{path} is missing: the space cannot start without it")
-            continue
-        right, what = envfile.hand_to(path, uid, gid)
-        if not (right and quiet):
-            _out(f"{host}: {os.path.basename(path)}: {what}")
-
-
-def _forget_clean_sleep(db: str) -> None:
-    """Remove the activator's clean-sleep marker: it vouches that the local database is exactly
-    the bucket's newest state (the activator then resumes the replica without a snapshot), which
-    stops being true as soon as anything else writes the database."""
-    from lchat.hibernation.localdb import MARKER_SUFFIX  # the local database owns the name
-
-    try:
-        os.unlink(db + MARKER_SUFFIX)
-    except FileNotFoundError:
-        pass
-
-
-def _reload_router(cfg: BoxConfig) -> bool:
-    """POST /reload; False when the router is not running (its poll catches up when it does)."""
-    try:
-        _reload(cfg)
-    except admin_client.Unreachable as e:
-        if not _router_absent(e):
-            _note(f"cannot reach the router ({e}); it will pick this up within seconds")
-        return False
-    return True
-
-
-def _router_entry(cfg: BoxConfig, host: str) -> dict[str, Any] | None:
-    """The running router's view of one host, or None when it has none or cannot be asked."""
-    try:
-        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
-        entry = response.json().get("hosts", {}).get(host) if response.status == 200 else None
-    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, AttributeError):
-        return None
-    return entry if isinstance(entry, dict) else None
-
-
-def _wait_for_handover(cfg: BoxConfig, host: str, socket: str, timeout: float) -> None:
-    """Until the old process has let go of the socket, or the activator already has the space."""
-    deadline = time.monotonic() + timeout
-    while admin_client.has_listener(socket):
-        entry = _router_entry(cfg, host) or {}
-        if entry.get("state") in ACTIVATOR_BUSY:
-            return
-        if time.monotonic() >= deadline:
-            _warn(f"something still listens on {socket} after {timeout:g}s: the wake may fail")
-            return
-        time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
-
-
-def _wait_released(socket: str, host: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while admin_client.has_listener(socket):
-        if time.monotonic() >= deadline:
-            raise CliError(
-                f"{host}: something still listens on {socket} after {timeout:g}s, and the space "
-                f"would refuse to start over it: stop that process, then retry"
-            )
-        time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
-
-
-def _warm(cfg: BoxConfig, host: str, timeout: float) -> int:
-    try:
-        response = admin_client.wake_space(cfg.admin_socket, host, timeout)
-    except admin_client.Unreachable as e:
-        _warn(f"cannot reach the router for the warm request ({e}): {host} wakes on its first one")
-        return 0
-    except admin_client.ProtocolError as e:
-        raise CliError(
-            f"{host}: no answer to the warm request within {timeout:g}s ({e}); the router goes on "
-            f"waking it (see `lchat instances`)"
-        ) from e
-    body = _json_body(response)
-    if response.status == 200:
-        _out(f"{host}: awake after the warm request ({body.get('seconds', '?')}s); hibernating")
-        return 0
-    if response.status == 409:
-        _warn(
-            f"the running router has no activator (LCHAT_HIBERNATE_BUCKET is unset in its "
-            f"environment): {host} answers 503 until the router is restarted with it"
-        )
-        return 0
-    if response.status == 404:
-        _warn(
-            f"the router does not see {host} as hibernating yet ({body.get('error', 'not found')});"
-            f" it picks the change up within seconds and wakes it on its first request"
-        )
-        return 0
-    error = body.get("error") or f"the router answered {response.status}"
-    raise CliError(f"{host}: the warm request failed: {error}")
-
-
-def _sleep_now(cfg: BoxConfig, host: str) -> None:
-    try:
-        response = admin_client.sleep_space(cfg.admin_socket, host, SLEEP_TIMEOUT)
-    except admin_client.Unreachable as e:
-        if not _router_absent(e):
-            _note(f"cannot reach the router ({e}) to put {host} to sleep first")
-        return
-    except admin_client.ProtocolError as e:
-        raise CliError(
-            f"{host}: the router did not finish putting it to sleep within {SLEEP_TIMEOUT:g}s "
-            f"({e}); nothing changed here: retry"
-        ) from e
-    body = _json_body(response)
-    if response.status == 200:
-        _out(f"{host}: asleep (flushed to the bucket, lease released)")
-    elif response.status == 409:
-        _note(f"the running router has no activator: {host} was not running under it")
-    else:
-        _note(f"the router answered {response.status} to /sleep: {body.get('error', '')}")
-
-
-def _health_check(
-    cfg: BoxConfig, registry: Registry, host: str, socket: str, timeout: float, *, record: bool
-) -> int:
-    """GET /api/version on its socket until it answers. ``record``: write the verdict to the row
-    (systemd; with builtin units the router's supervisor does that itself)."""
-    if admin_client.wait_for_version(socket, host, timeout, POLL_INTERVAL):
-        if record:
-            route = registry.get(host)
-            if route is not None and (route.status != "ready" or route.last_error):
-                registry.set_status(host, "ready")
-                notify_router(cfg)
-        _out(f"{host} is ready")
-        return 0
-    route = registry.get(host)
-    if not record and route is not None and route.status == "failed":
-        raise CliError(f"{host} failed: {_one_line(route.last_error) or 'no error recorded'}")
-    error = f"not answering on {socket} after {timeout:g}s"
-    if record:
-        registry.set_status(host, "failed", error)
-        notify_router(cfg)
-    raise CliError(f"{host} failed: {error}")
-
-
-def _json_body(response: admin_client.Response) -> dict[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-# --- starting an instance -----------------------------------------------------------------------
-
-
-def _start_with_systemd(
-    cfg: BoxConfig, registry: Registry, host: str, socket: str, args: argparse.Namespace
-) -> int:
-    try:
-        systemd_units.install_space(cfg, host, socket)
-        systemd_units.enable_now(host)
-    except systemd_units.UnitError as e:
-        registry.set_status(host, "failed", str(e))
-        notify_router(cfg)
-        raise CliError(f"{host} failed: {e}") from e
-    if args.no_wait:
-        # Nobody else would ever mark it ready: under systemd the router only routes, it does not
-        # watch units. systemd keeps the unit running; the router's dial retry covers its first
-        # seconds. So it is routed now, unchecked (without --no-wait it is checked first).
-        registry.set_status(host, "ready")
-        notify_router(cfg)
-        unit = systemd_units.unit_name(host)
-        _out(f"{host}: started {unit}; routed without a health check (--no-wait)")
-        return 0
-    if not admin_client.wait_for_version(socket, host, args.timeout, POLL_INTERVAL):
-        error = f"not answering on {socket} after {args.timeout:g}s"
-        registry.set_status(host, "failed", error)
-        notify_router(cfg)
-        raise CliError(f"{host} failed: {error}")
-    registry.set_status(host, "ready")
-    notify_router(cfg)
-    _out(f"{host} is ready")
-    return 0
-
-
-def _start_with_router(
-    cfg: BoxConfig, registry: Registry, host: str, args: argparse.Namespace
-) -> int:
-    """Builtin units: the router's supervisor runs the child and records its health in the row."""
-    try:
-        _reload(cfg)
-    except admin_client.Unreachable as e:
-        if _router_absent(e):
-            _warn(f"router is not running ({cfg.admin_socket}): {host} will start when it does")
-            return 0
-        _note(f"cannot reach the router ({e}); its registry poll will start {host}")
-    if args.no_wait:
-        _out(f"{host} is registered; the router is starting it")
-        return 0
-    route = _wait_for_verdict(registry, host, args.timeout)
-    if route.status == "ready":
-        # The supervisor wrote "ready" and then asked its own table to reload: a request sent
-        # the moment we saw the row could still meet the old table (a 503). A reload asked for
-        # now answers once a table read after the row was ready is in force.
-        notify_router(cfg)
-        _out(f"{host} is ready")
-        return 0
-    if route.status == "failed":
-        raise CliError(f"{host} failed: {_one_line(route.last_error) or 'no error recorded'}")
-    raise CliError(f"{host} is still {route.status} after {args.timeout:g}s")
-
-
-def _wait_for_verdict(registry: Registry, host: str, timeout: float) -> Route:
-    deadline = time.monotonic() + timeout
-    while True:
-        route = registry.get(host)
-        if route is None:
-            raise CliError(f"{host} was removed while it was starting")
-        if route.status != "creating" or time.monotonic() >= deadline:
-            return route
-        time.sleep(POLL_INTERVAL)  # the CLI is synchronous: no reactor here to block
-
-
 def _stage_env_file(path: str, token: str | None) -> str:
     """Write (or reuse) ``<data>/<host>.env`` and return the admin token it holds."""
     existing = envfile.read_token(path)
@@ -1286,33 +775,9 @@ def _stage_env_file(path: str, token: str | None) -> str:
     return token
 
 
-# --- the router ---------------------------------------------------------------------------------
-
-
 def notify_router(cfg: BoxConfig) -> None:
     """Ask the running router to reload now; its 2 s poll is the fallback, so never an error."""
-    try:
-        _reload(cfg)
-    except admin_client.Unreachable as e:
-        if _router_absent(e):
-            _note("router not running; it will pick this up when it starts")
-        else:
-            _note(f"cannot reach the router ({e}); it will pick this up within seconds")
-
-
-def _reload(cfg: BoxConfig) -> None:
-    """POST /reload; raises Unreachable when nothing listens. A bad answer is only a note."""
-    try:
-        response = admin_client.reload(cfg.admin_socket)
-    except admin_client.ProtocolError as e:
-        _note(f"the router did not answer the reload ({e}); it will pick this up within seconds")
-        return
-    if response.status != 200:
-        _note(f"the router answered {response.status} to the reload; it polls the registry anyway")
-
-
-def _router_absent(e: admin_client.Unreachable) -> bool:
-    return isinstance(e.__cause__, FileNotFoundError | ConnectionRefusedError)
+    _router(cfg).notify()
 
 
 # --- settings and validation --------------------------------------------------------------------

@@ -13,23 +13,19 @@ the flag is cleared, :func:`read_freshness` compares the local file with the buc
 - otherwise the newest copy is in the bucket, and only the router's activator may fetch it: it
   restores under the space's lease (so no other box writes meanwhile), moves a stale local copy
   aside, and refuses a bucket that is behind a local copy (``diverged``). ``--off`` asks it for
-  one wake and one sleep, then checks again (see ``lchat.cli.main._newest_copy_here``).
+  one wake and one sleep, then checks again (see ``lchat.handover.hibernate``).
 
 Invariant: nothing here writes a byte, locally or in the bucket.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from attrs import frozen
 
-from lchat.buckets import open_bucket
 from lchat.config import BoxConfig
+from lchat.handover.seams import Bucket
 from lchat.hibernation.localdb import BucketView, local_state
 from lchat.objstore.where import Where
-
-LIST_BUDGET = 60.0  # seconds for the bucket's credentials and one LIST of the space's prefix
 
 
 @frozen
@@ -70,22 +66,10 @@ def foreign_bucket(cfg: BoxConfig, home_region: str) -> Where | None:
     return None if where is None or where.same_place(hib.where) else where
 
 
-def read_freshness(cfg: BoxConfig, host: str, db: str) -> Freshness:
-    """Blocking: one LIST of ``<prefix>/<host>/`` in the hibernation bucket and a stat of the
+def read_freshness(bucket: Bucket, prefix: str, db: str) -> Freshness:
+    """One LIST of ``prefix`` (``<prefix>/<host>/``) in the hibernation bucket and a stat of the
     local files. Raises ``ObjectStoreError`` (the bucket did not answer) or ``TimeoutError``."""
-    from lchat.cli.mesh import run_on_own_reactor  # a fresh reactor per call, as the fan-out's
-
-    hib = cfg.hibernate
-    assert hib is not None, "the caller checks that hibernation is configured"
-
-    async def main(reactor: Any) -> BucketView:
-        store = await open_bucket(reactor, cfg, hib.where)
-        try:
-            return BucketView.of(await store.list(hib.key(host) + "/"))
-        finally:
-            await store.close()
-
-    view = run_on_own_reactor(main, LIST_BUDGET)
+    view = BucketView.of(bucket.list(prefix))
     # The stat after the LIST: a sleep that lands in between makes the file look newer than the
     # bucket we saw (never current by mistake: its marker names a txid the LIST did not have).
     local = local_state(db)

@@ -1,0 +1,151 @@
+"""The four seams a hand-over command works through, each a Protocol with its thin real adapter.
+
+- :class:`RouterAdmin`: the running router's admin socket (:mod:`lchat.admin`), one call each;
+  raises :class:`lchat.admin_client.Unreachable` (nothing listens) or ``ProtocolError``.
+- :class:`Units`: how this box runs a space outside the activator (builtin: the router's
+  supervisor; systemd: ``lchat@<host>``), and its socket (listened on? answering?).
+- :class:`Peers`: the mesh's fan-out of a row to the live peers (never raises).
+- :class:`Bucket`: one LIST of the hibernation bucket (an :class:`lchat.objstore.ObjectStore`).
+
+Tests pass in-memory fakes for the first three and a real ``FileStore`` for the bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from attrs import frozen
+
+from lchat import admin_client, systemd_units
+from lchat.admin_client import Response
+from lchat.config import BoxConfig
+from lchat.objstore import ObjectInfo, ObjectStore
+from lchat.registry import Route
+
+_T = TypeVar("_T")
+Runner = Callable[[Callable[[Any], Coroutine[Any, Any, Any]], float], Any]
+
+
+class RouterAdmin(Protocol):
+    def status(self, timeout: float) -> Response: ...
+    def reload(self) -> Response: ...
+    def wake(self, host: str, timeout: float) -> Response: ...
+    def sleep(self, host: str, timeout: float) -> Response: ...
+
+
+class Units(Protocol):
+    @property
+    def systemd(self) -> bool: ...  # LCHAT_UNITS=systemd: the CLI drives them, else the router
+
+    def name(self, host: str, *, sidecar: bool = False) -> str: ...
+    def stop(self, host: str, *, sidecar: bool = False) -> None: ...  # raises UnitError
+    def start(self, host: str, socket: str) -> None: ...  # its user and drop-ins, then the unit
+    def start_sidecar(self, host: str) -> None: ...
+    def restart(self, host: str) -> None: ...
+    def listening(self, socket: str) -> bool: ...
+    def answers(self, socket: str, host: str, timeout: float) -> bool: ...
+
+
+class Peers(Protocol):
+    @property
+    def active(self) -> bool: ...  # the mesh is on (LCHAT_MESH_SELF)
+
+    def push(self, route: Route) -> None: ...
+    def replicates(self, route: Route) -> bool: ...
+
+
+class Bucket(Protocol):
+    def list(self, prefix: str) -> list[ObjectInfo]: ...  # ObjectStoreError, TimeoutError
+
+
+@frozen
+class Clock:
+    """Blocking time for a synchronous command: the real one, or a test's that sleeps at once."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+
+@frozen
+class SocketAdmin:
+    """:class:`RouterAdmin` over the router's admin socket."""
+
+    path: str
+
+    def status(self, timeout: float) -> Response:
+        return admin_client.status(self.path, timeout=timeout)
+
+    def reload(self) -> Response:
+        return admin_client.reload(self.path)
+
+    def wake(self, host: str, timeout: float) -> Response:
+        return admin_client.wake_space(self.path, host, timeout)
+
+    def sleep(self, host: str, timeout: float) -> Response:
+        return admin_client.sleep_space(self.path, host, timeout)
+
+
+@frozen
+class BoxUnits:
+    """:class:`Units` of this box: ``systemctl`` and the spaces' unix sockets."""
+
+    cfg: BoxConfig
+    poll: float = 0.2
+
+    @property
+    def systemd(self) -> bool:
+        return self.cfg.units == "systemd"
+
+    def name(self, host: str, *, sidecar: bool = False) -> str:
+        return systemd_units.unit_name(host, sidecar=sidecar)
+
+    def stop(self, host: str, *, sidecar: bool = False) -> None:
+        systemd_units.disable_now(host, sidecar=sidecar)
+
+    def start(self, host: str, socket: str) -> None:
+        systemd_units.install_space(self.cfg, host, socket)
+        systemd_units.enable_now(host)
+
+    def start_sidecar(self, host: str) -> None:
+        systemd_units.enable_now(host, sidecar=True)
+
+    def restart(self, host: str) -> None:
+        systemd_units.restart(host)
+
+    def listening(self, socket: str) -> bool:
+        return admin_client.has_listener(socket)
+
+    def answers(self, socket: str, host: str, timeout: float) -> bool:
+        return admin_client.wait_for_version(socket, host, timeout, self.poll)
+
+
+@frozen
+class FanOut:
+    """:class:`Peers` as the CLI's mesh fan-out (``lchat.cli.mesh``) wired in by the CLI."""
+
+    active: bool
+    push: Callable[[Route], None]
+    replicates: Callable[[Route], bool]
+
+
+@frozen
+class StoreBucket:
+    """:class:`Bucket` over an ObjectStore opened for each LIST on a reactor of its own
+    (``run``: ``lchat.cli.mesh.run_on_own_reactor``; tests: one that runs it inline)."""
+
+    open: Callable[[Any], Awaitable[ObjectStore]]
+    run: Runner
+    budget: float = 60.0  # the bucket's credentials and one LIST
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        async def main(reactor: Any) -> list[ObjectInfo]:
+            store = await self.open(reactor)
+            try:
+                return await store.list(prefix)
+            finally:
+                await store.close()
+
+        listing: list[ObjectInfo] = self.run(main, self.budget)
+        return listing
