@@ -3,7 +3,8 @@ a ``file:`` bucket) running spaces from ``<opt>/live/<host>``.
 
 A "build" is a small executable in ``<opt>/versions/<v>/space`` that execs the reference space
 with ``LCHAT_BUILD=<v>`` (so ``GET /api/version`` says which build answers); the broken build
-exits at once.
+exits at once. Every branch of the deployer is tested on in-memory seams in
+test_handover_deploy; here, the promises end to end.
 """
 
 from __future__ import annotations
@@ -157,23 +158,6 @@ class AlwaysOnTests(DeployTestCase):
         self.assertFailed(missing, "version v2 is not installed")
         self.assertEqual(self.layout.version_of("_default"), "v1")
 
-    def test_a_deploy_fixes_a_space_that_was_failing(self) -> None:
-        self.install("bad", broken=True)
-        self.install("v1")
-        host = "f.example.com"
-        deploy.point(self.layout, host, "bad")
-        self.start_router()
-        added = self.lchat("add-instance", host, "--timeout", "60")
-        self.assertFailed(added, "cannot open the database")
-        fixed = self.lchat("deploy", "v1", "--canary", host)
-        self.assertEqual(fixed.code, 0, fixed)
-        self.assertIn(f"{host}: bad -> v1: restarted, healthy", fixed.out)
-        # The router routes it again once its supervisor has written "ready" to the row.
-        deadline = time.monotonic() + 30
-        while self.row(host).status != "ready" and time.monotonic() < deadline:  # type: ignore[union-attr]
-            time.sleep(0.1)
-        self.assertEqual(self.build_of(host), "v1")
-
 
 class HibernatingTests(DeployTestCase):
     def test_repointed_wakes_on_the_new_build_and_then_cannot_roll_back(self) -> None:
@@ -222,99 +206,3 @@ class HibernatingTests(DeployTestCase):
         self.assertEqual(allowed.code, 0, allowed)
         self.assertIn(f"{sleeper}: v2 -> v1: repointed (hibernating)", allowed.out)
         self.assertEqual(self.build_of(sleeper), "v1")
-
-
-# systemctl as far as `lchat deploy` can tell (LCHAT_UNITS=systemd): records its argv; `restart
-# lchat@H` stops the unit's process and starts <opt>/live/H as lchat@.service would.
-SYSTEMCTL = """#!{python}
-import json, os, signal, subprocess, sys, time
-sys.path.insert(0, {repo!r})
-with open({log!r}, "a") as f:
-    f.write(json.dumps(sys.argv[1:]) + "\\n")
-args = sys.argv[1:]
-host = args[-1].split("@", 1)[1]
-pidfile = os.path.join({pids!r}, host + ".pid")
-if args[0] == "restart":
-    if os.path.exists(pidfile):
-        with open(pidfile) as f:
-            pid = int(f.read())
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{{pid}}") and time.monotonic() < deadline:
-            with open(f"/proc/{{pid}}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-            time.sleep(0.05)
-    from lchat import config
-    env = dict(os.environ)
-    env.update(config.read_env_file(os.path.join({data!r}, host + ".env"), must_exist=True))
-    env.update(LCHAT_HOST=host, LCHAT_SOCKET=os.path.join({run!r}, host + ".sock"),
-               LCHAT_DB=os.path.join({data!r}, host + ".db"))
-    with open({space_log!r}, "ab") as out:
-        child = subprocess.Popen([os.path.join({opt!r}, "live", host)], env=env,
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                 start_new_session=True)
-    with open(pidfile, "w") as f:
-        f.write(str(child.pid))
-"""
-
-
-class SystemdTests(DeployTestCase):
-    def deploy_systemctl(self) -> str:
-        bin_dir = os.path.join(self.root, "bin")
-        pids = os.path.join(self.root, "units")
-        os.makedirs(bin_dir, exist_ok=True)
-        os.makedirs(pids, exist_ok=True)
-        log = os.path.join(self.root, "systemctl.log")
-        script = os.path.join(bin_dir, "systemctl")
-        with open(script, "w") as f:
-            f.write(
-                SYSTEMCTL.format(
-                    python=sys.executable,
-                    repo=REPO,
-                    log=log,
-                    pids=pids,
-                    data=self.data_dir,
-                    run=self.run_dir,
-                    opt=self.opt,
-                    space_log=os.path.join(self.root, "space.log"),
-                )
-            )
-        os.chmod(script, 0o755)
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        self.addCleanup(self._stop_units, pids)
-        return log
-
-    def version_on_socket(self, host: str) -> str:
-        response = admin_client.request(
-            os.path.join(self.run_dir, f"{host}.sock"), "GET", "/api/version", host=host
-        )
-        self.assertEqual(response.status, 200)
-        build: str = json.loads(response.body)["build"]
-        return build
-
-    def test_restarts_the_unit_and_restores_it_when_the_build_fails(self) -> None:
-        self.configure(units="systemd")
-        log = self.deploy_systemctl()
-        for version in ("v1", "v2"):
-            self.install(version)
-        self.install("bad", broken=True)
-        host = "u.example.com"
-        deploy.point(self.layout, host, "v1")
-        self.add_row(host)
-        good = self.lchat("deploy", "v2", "--canary", host)
-        self.assertEqual(good.code, 0, good)
-        self.assertIn(f"{host}: v1 -> v2: restarted, healthy", good.out)
-        self.assertEqual(self.version_on_socket(host), "v2")
-
-        bad = self.lchat("deploy", "bad", "--canary", host, "--timeout", "3")
-        self.assertEqual(bad.code, 1, bad)
-        self.assertIn(f"{host}: v2 -> bad FAILED (not answering on", bad.out)
-        self.assertIn("rolled back to v2, healthy", bad.out)
-        self.assertEqual(self.version_on_socket(host), "v2")
-        with open(log) as f:
-            calls = [json.loads(line) for line in f]
-        self.assertEqual(calls, [["restart", f"lchat@{host}"]] * 3)

@@ -181,19 +181,41 @@ class Restarter(Protocol):
         ...
 
 
+class RouterCalls(Protocol):
+    """What a deploy asks of the router's admin API (:class:`lchat.handover.seams.RouterAdmin`
+    has them: the admin socket's, or tests' in-memory one)."""
+
+    def restart(self, host: str, timeout: float) -> admin_client.Response: ...
+    def status(self, timeout: float) -> admin_client.Response: ...
+
+
+@frozen
+class _AdminSocket:
+    path: str
+
+    def restart(self, host: str, timeout: float) -> admin_client.Response:
+        path = "/restart?" + urllib.parse.urlencode({"host": host})
+        return admin_client.request(self.path, "POST", path, body=b"{}", timeout=timeout)
+
+    def status(self, timeout: float) -> admin_client.Response:
+        return admin_client.status(self.path, timeout=timeout)
+
+
+def _admin(admin: RouterCalls | str) -> RouterCalls:
+    return _AdminSocket(admin) if isinstance(admin, str) else admin
+
+
 @frozen
 class RouterRestarter:
-    """Builtin units: the router runs always-on spaces itself; ask it over its admin socket."""
+    """Builtin units: the router runs always-on spaces itself; ask it over its admin API (the
+    admin socket's path, or any :class:`RouterCalls`)."""
 
-    admin_socket: str
+    admin: RouterCalls = field(converter=_admin)
     _pids: dict[str, int | None] = field(factory=dict)  # host -> the pid its restart started
 
     def restart(self, host: str) -> None:
-        path = "/restart?" + urllib.parse.urlencode({"host": host})
         try:
-            response = admin_client.request(
-                self.admin_socket, "POST", path, body=b"{}", timeout=RESTART_TIMEOUT
-            )
+            response = self.admin.restart(host, RESTART_TIMEOUT)
         except (admin_client.Unreachable, admin_client.ProtocolError) as e:
             raise DeployError(f"{host}: could not ask the router to restart it: {e}") from e
         if response.status != 200:
@@ -212,8 +234,7 @@ class RouterRestarter:
 
     def failed(self, host: str) -> str | None:
         try:
-            response = admin_client.status(self.admin_socket, timeout=3.0)
-            process = response.json()["hosts"][host]["process"]
+            process = self.admin.status(3.0).json()["hosts"][host]["process"]
         except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, KeyError):
             return None
         except TypeError:
@@ -229,18 +250,21 @@ class RouterRestarter:
 
     def reachable(self) -> bool:
         try:
-            return admin_client.status(self.admin_socket, timeout=3.0).status == 200
+            return self.admin.status(3.0).status == 200
         except (admin_client.Unreachable, admin_client.ProtocolError):
             return False
 
 
 @frozen
 class SystemdRestarter:
-    """``LCHAT_UNITS=systemd``: ``systemctl restart lchat@<host>`` (and its sidecar's unit)."""
+    """``LCHAT_UNITS=systemd``: ``systemctl restart lchat@<host>`` (``restart_unit``: the units
+    seam's, :meth:`lchat.handover.seams.Units.restart`)."""
+
+    restart_unit: Callable[[str], None] = systemd_units.restart
 
     def restart(self, host: str) -> None:
         try:
-            systemd_units.restart(host)
+            self.restart_unit(host)
         except systemd_units.UnitError as e:
             raise DeployError(f"{host}: {e}") from e
 
@@ -269,9 +293,12 @@ class Deployer:
     out: Callable[[str], None]
     timeout: float = 30.0
     awake: Callable[[str], bool] = lambda host: False  # a hibernating space running right now
+    # (socket, host, timeout) -> it answered GET /api/version within timeout (the health gate)
+    answers: Callable[[str, str, float], bool] = lambda socket, host, timeout: (
+        admin_client.wait_for_version(socket, host, timeout, POLL_INTERVAL)
+    )
     _clock: Callable[[], float] = time.time
     _monotonic: Callable[[], float] = time.monotonic
-    _sleep: Callable[[float], None] = time.sleep
 
     def route(self, host: str) -> Route:
         route = self.routes.get(host)
@@ -383,9 +410,7 @@ class Deployer:
             remaining = deadline - self._monotonic()
             if remaining <= 0:
                 return f"not answering on {route.socket} after {self.timeout:g}s"
-            if admin_client.wait_for_version(
-                route.socket, route.host, min(1.0, remaining), POLL_INTERVAL
-            ):
+            if self.answers(route.socket, route.host, min(1.0, remaining)):
                 return None
             failed = self.restarter.failed(route.host)
             if failed is not None:
