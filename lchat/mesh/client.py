@@ -12,7 +12,9 @@ box derives locally — plus, optionally, ``next_due`` (:data:`OPTIONAL_FIELDS`)
 scheduled wake, so that a due wake fires on whichever box owns the space at the due time
 (:mod:`lchat.mesh.due`). :func:`elsewhere_payload` builds the "lives elsewhere" shape of a space
 flipped to always-on (``hibernate`` false, ``lives_at`` the box that runs it). :func:`fan_out_targets` says which live peers must hold a route; the
-CLI's fan-out and the router's due pushes share it.
+CLI's fan-out and the router's due pushes share it. Each call takes the HTTP client to send
+with (``http``: treq's ``HTTPClient``, or ``treq.testing.StubTreq`` over a peer's real
+:class:`lchat.mesh.api.MeshAPI` in tests); by default one of its own, verified as above.
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ async def push_route(
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
     reactor: Any,  # the caller's: the router's, or the CLI's own
+    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> dict[str, Any]:
     """``POST /api/mesh/route``: create or update the route on the peer. Returns its answer
     (``{"host": ..., "result": "created" | "updated"}``); raises :class:`MeshCallError`."""
@@ -200,6 +203,7 @@ async def push_route(
         ca_file=ca_file,
         timeout=timeout,
         reactor=reactor,
+        http=http,
     )
     return _object(peer_url, reply)
 
@@ -212,13 +216,21 @@ async def delete_route(
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
     reactor: Any,  # the caller's: the router's, or the CLI's own
+    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> bool:
     """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer. True when the peer had
     a row to delete, False when it had none; raises :class:`MeshCallError`."""
     host = hosts.normalise(host)
     path = f"{ROUTE_PATH}/{host}"
     reply = await _call(
-        "DELETE", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor
+        "DELETE",
+        peer_url,
+        path,
+        token,
+        ca_file=ca_file,
+        timeout=timeout,
+        reactor=reactor,
+        http=http,
     )
     deleted = _object(peer_url, reply).get("deleted")
     if not isinstance(deleted, bool):
@@ -233,10 +245,18 @@ async def list_routes(
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
     reactor: Any,  # the caller's: the router's, or the CLI's own
+    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> list[dict[str, Any]]:
     """``GET /api/mesh/routes``: the peer's in-scope hibernating routes, as payloads."""
     reply = await _call(
-        "GET", peer_url, ROUTES_PATH, token, ca_file=ca_file, timeout=timeout, reactor=reactor
+        "GET",
+        peer_url,
+        ROUTES_PATH,
+        token,
+        ca_file=ca_file,
+        timeout=timeout,
+        reactor=reactor,
+        http=http,
     )
     routes = _object(peer_url, reply).get("routes")
     if not isinstance(routes, list) or not all(
@@ -254,12 +274,13 @@ async def get_json(
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
     reactor: Any,  # the caller's: the router's, or the CLI's own
+    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> dict[str, Any]:
     """``GET path`` on the peer's mesh API (``lchat fleet``'s ``/api/mesh/spaces``): its answer,
     a JSON object; raises :class:`MeshCallError` (no answer in time, not 2xx, not an object).
     ``MeshCallError.status`` is None exactly when no HTTP answer came at all."""
     reply = await _call(
-        "GET", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor
+        "GET", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor, http=http
     )
     return _object(peer_url, reply)
 
@@ -388,6 +409,7 @@ async def _call(
     ca_file: str,
     timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
     reactor: Any,
+    http: HTTPClient | None = None,
 ) -> _Reply:
     try:
         url = check_peer_url(peer_url) + path
@@ -401,7 +423,9 @@ async def _call(
         headers["Content-Type"] = "application/json"
     # Bodies are written at once, not through treq's default producer: that one is paced by the
     # global cooperator, which the CLI's own reactor never runs.
-    client = HTTPClient(_agent(reactor, ca_file, timeout), data_to_body_producer=BytesProducer)
+    client = http or HTTPClient(
+        _agent(reactor, ca_file, timeout), data_to_body_producer=BytesProducer
+    )
 
     code, raw = await _exchange(
         client,

@@ -1,0 +1,88 @@
+"""The mesh client (lchat.mesh.client) with its HTTP client injected: ``treq.testing.StubTreq``
+over a peer's real route-replication API (lchat.mesh.api), in memory, on a fake clock. The same
+calls over real sockets and TLS are in test_mesh_api (ClientTests)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Any
+
+from treq.testing import StubTreq
+from twisted.internet import task
+from twisted.internet.defer import Deferred
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from lchat import threads
+from lchat.mesh import api, client
+from tests.test_mesh_api import HOST, TOKEN, Box, payload
+
+PEER = "http://box-1.example.net"
+
+
+class StubClientTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        root = tempfile.mkdtemp(prefix="ms", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        self.box = Box(root, "box-1")
+        self.reloads: list[str] = []
+        site = api.mesh_site(
+            self.box.registry, self.box.cfg(), self.reloads.append, run_in_thread=threads.inline
+        )
+        self.resource: Resource = site.resource
+        self.http: Any = StubTreq(self.resource)
+        self.reactor = task.Clock()
+
+    def call(self, coroutine: Any) -> Any:
+        d = Deferred.fromCoroutine(coroutine)
+        self.http.flush()
+        return self.successResultOf(d)
+
+    def failure(self, coroutine: Any) -> client.MeshCallError:
+        d = Deferred.fromCoroutine(coroutine)
+        self.http.flush()
+        return self.failureResultOf(d, client.MeshCallError).value
+
+    def kw(self) -> dict[str, Any]:
+        return {"reactor": self.reactor, "http": self.http}
+
+    def test_push_list_and_delete_a_route(self) -> None:
+        answer = self.call(client.push_route(PEER, TOKEN, payload(), **self.kw()))
+        self.assertEqual(answer, {"host": HOST, "result": "created"})
+        route = self.box.registry.get(HOST)
+        assert route is not None
+        self.assertEqual((route.hibernate, route.replication), (True, "batched"))
+        listed = self.call(client.list_routes(PEER, TOKEN, **self.kw()))
+        self.assertEqual([r["host"] for r in listed], [HOST])
+        self.assertTrue(self.call(client.delete_route(PEER, TOKEN, HOST, **self.kw())))
+        self.assertFalse(self.call(client.delete_route(PEER, TOKEN, HOST, **self.kw())))
+        self.assertIsNone(self.box.registry.get(HOST))
+        self.assertTrue(self.reloads)
+
+    def test_a_refusal_is_a_mesh_call_error_with_its_status(self) -> None:
+        error = self.failure(client.push_route(PEER, "wrong-" + TOKEN, payload(), **self.kw()))
+        self.assertEqual(error.status, 401)
+        self.assertIn(f"{PEER}: answered 401", str(error))
+        bad = self.failure(client.push_route(PEER, TOKEN, payload(kind="bogus"), **self.kw()))
+        self.assertEqual(bad.status, 400)
+        self.assertIsNone(self.box.registry.get(HOST))
+
+    def test_an_answer_never_given_times_out_on_the_callers_clock(self) -> None:
+        silent: Any = StubTreq(_Silent())
+        d = Deferred.fromCoroutine(
+            client.get_json(PEER, TOKEN, "/x", timeout=2.0, reactor=self.reactor, http=silent)
+        )
+        silent.flush()
+        self.assertNoResult(d)
+        self.reactor.advance(2.0)
+        error = self.failureResultOf(d, client.MeshCallError).value
+        self.assertIn("no answer within 2s", str(error))
+
+
+class _Silent(Resource):
+    isLeaf = True
+
+    def render(self, request: Any) -> Any:
+        return NOT_DONE_YET
