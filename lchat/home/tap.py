@@ -1,6 +1,6 @@
 """``twistd lchat-home``: the home service (docs/home.md). ``makeService`` only wires; the routes
-are lchat.home.api, the stores lchat.home.sqlite_store / lchat.home.s3_store, the ceremonies
-lchat.home.stateless.
+are lchat.home.api (over HTTP: lchat.home.resource), the stores lchat.home.sqlite_store /
+lchat.home.s3_store, the ceremonies lchat.home.stateless.
 
 At start the store is opened and checked; a store that cannot be used stops the process with
 status 1 and one line naming the settings (misconfiguration fails at boot, never limps). Then the
@@ -32,9 +32,10 @@ from lchat.admin import clear_stale_socket
 from lchat.buckets import prepare
 from lchat.config import ConfigError
 from lchat.home import config as home_config
-from lchat.home.api import CappedRequest, HomeAPI, HomeResource
+from lchat.home.api import HomeAPI
 from lchat.home.limits import Limits
 from lchat.home.passkeys import Passkeys
+from lchat.home.resource import CappedRequest, HomeResource
 from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
 from lchat.home.store import VaultStore
