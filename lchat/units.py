@@ -17,7 +17,7 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import Logger
 
 from lchat import hosts, isolation
-from lchat.child import ChildSpec
+from lchat.child import ChildSpec, Reactor
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.isolation import IsolationError, SpaceUser
 from lchat.registry import Registry, Route, RouteSource, RouteTable
@@ -133,7 +133,7 @@ class BuiltinUnits(MultiService):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: Reactor,
         cfg: BoxConfig,
         routes: RouteSource,
         claims: Claims,
@@ -141,7 +141,6 @@ class BuiltinUnits(MultiService):
         supervisor: Supervisor | None = None,
     ) -> None:
         super().__init__()
-        self._reactor = reactor
         self._cfg = cfg
         self._routes = routes
         self._registry: Registry = routes.registry

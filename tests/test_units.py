@@ -71,8 +71,9 @@ class DesiredSetTests(SynchronousTestCase):
         )
         self.claims = Claims()
         self.supervisor = RecordingSupervisor(self.clock)
+        reactor: Any = self.clock  # only the supervisor, given here, would spawn
         self.units = BuiltinUnits(
-            self.clock, self.cfg, self.routes, self.claims, self.in_thread, self.supervisor
+            reactor, self.cfg, self.routes, self.claims, self.in_thread, self.supervisor
         )
 
     def in_thread(self, f: Callable[[], T]) -> Deferred[T]:

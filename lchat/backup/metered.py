@@ -10,9 +10,10 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Awaitable, Mapping
-from typing import IO, Any, TypeVar
+from typing import IO, TypeVar
 
 from prometheus_client import Counter
+from twisted.internet.interfaces import IReactorTime
 
 from lchat.objstore import ObjectInfo, ObjectStore, PutResult, StoredObject
 
@@ -32,10 +33,10 @@ _T = TypeVar("_T")
 class MeteredStore:
     """``store`` as seen by database ``db``'s replicator (:class:`~lchat.objstore.ObjectStore`)."""
 
-    def __init__(self, store: ObjectStore, db: str, clock: Any) -> None:
+    def __init__(self, store: ObjectStore, db: str, clock: IReactorTime) -> None:
         self._store = store
         self.db = db
-        self._clock = clock  # IReactorTime: when the last error happened
+        self._clock = clock  # when the last error happened
         self.requests = 0
         self.bytes_up = 0
         self.bytes_down = 0

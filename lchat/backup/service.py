@@ -36,7 +36,7 @@ from attrs import define, field
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, DeferredLock, succeed
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from lchat import hosts
@@ -101,7 +101,7 @@ class Backup(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         store: ObjectStore,
         cfg: BackupConfig,
         routes: RouteSource,

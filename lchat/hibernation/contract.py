@@ -8,7 +8,7 @@ scheduled delivery wakes the space again (docs/hibernation.md, "Scheduled delive
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Protocol
 
 from attrs import frozen
 from twisted.logger import Logger
@@ -30,7 +30,7 @@ class Contract(Protocol):
 class SpaceContract:
     """Asks a space what the activator needs to know. ``run_in_thread`` reads its env file."""
 
-    reactor: Any
+    reactor: unixhttp.Reactor
     run_in_thread: RunInThread
     data_dir: str
 

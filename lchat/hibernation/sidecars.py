@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import Counter
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -35,7 +36,7 @@ class Sidecars(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         cfg: BoxConfig,
         run_in_thread: RunInThread,
         supervisor: Supervisor,

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -67,7 +68,7 @@ def check_time(value: object, name: str) -> int:
 class Space:
     """The chat logic, independent of HTTP."""
 
-    reactor: Any
+    reactor: IReactorTime
     store: Store
     hub: Hub
     config: Config
@@ -144,7 +145,7 @@ class SpaceRequest(Request):
 class SpaceSite(Site):
     noisy = False
 
-    def __init__(self, resource: Resource, reactor: Any) -> None:
+    def __init__(self, resource: Resource, reactor: IReactorTime) -> None:
         super().__init__(
             resource,
             requestFactory=SpaceRequest,

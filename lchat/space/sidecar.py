@@ -41,7 +41,7 @@ from typing import Any
 from attrs import define, field, frozen
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -165,7 +165,7 @@ class StateFile:
 class Sidecar:
     """The charter, the reports and the optional listener, on an injected clock."""
 
-    clock: Any  # IReactorTime (a task.Clock in tests)
+    clock: IReactorTime  # a task.Clock in tests
     config: SidecarConfig
     client: Client
     state: StateFile

@@ -95,7 +95,7 @@ class Client(Protocol):
 class UnixClient:
     """Straight to the space's unix socket (the default)."""
 
-    reactor: Any
+    reactor: unixhttp.Reactor
     socket: str
     host: str
 
@@ -327,7 +327,7 @@ class _One(Factory):
 
 
 async def ws_connect(
-    reactor: Any, client: Client, path: str, on_text: Callable[[str], None]
+    reactor: IReactorTime, client: Client, path: str, on_text: Callable[[str], None]
 ) -> WSHandle:
     """Open a WebSocket to ``path`` on the space (marker header included); RequestFailed if not."""
     proto = _WSClient(client.host, client.target(path), on_text)
