@@ -199,14 +199,13 @@ class IdLedger:
             assert new > counter.next, "the ledger only moves forward"
             body = json.dumps({"next": new}).encode() + b"\n"
             try:
-                if counter.etag is None:
-                    await self._store.put(
-                        self.key, body, if_none_match=True, content_type="application/json"
-                    )
-                else:
-                    await self._store.put(
-                        self.key, body, if_match=counter.etag, content_type="application/json"
-                    )
+                await self._store.put(
+                    self.key,
+                    body,
+                    if_match=counter.etag,  # None: none there yet, so create only
+                    if_none_match=counter.etag is None,
+                    content_type="application/json",
+                )
             except PreconditionFailed:
                 if attempt == self._attempts:
                     break
