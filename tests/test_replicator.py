@@ -22,7 +22,8 @@ from twisted.trial.unittest import TestCase
 
 from lchat import lease
 from lchat.objstore.file import FileStore
-from lchat.replica.replicator import Replicator, ReplicatorStopped, rfc3339_nano
+from lchat.replica.encode import make_tmp, rfc3339_nano
+from lchat.replica.replicator import Replicator, ReplicatorStopped
 from lchat.replica.restore import restore
 from lchat.threads import thread_runner
 from tests import s3servers
@@ -479,7 +480,6 @@ def _inline_restore(store: Any, out: str) -> Any:
 
 class ScratchDirTests(TestCase):
     def test_dead_processes_scratch_dirs_are_swept(self) -> None:
-        from lchat.replica.replicator import _make_tmp
 
         root = tempfile.mkdtemp(prefix="lchat-scratch-")
         self.addCleanup(shutil.rmtree, root, True)
@@ -494,7 +494,7 @@ class ScratchDirTests(TestCase):
         other = os.path.join(root, "unrelated")
         for d in (stale, live, other):
             os.makedirs(d)
-        mine = _make_tmp(root)
+        mine = make_tmp(root)
         self.assertTrue(os.path.basename(mine).startswith(f".lchat-replica-{os.getpid()}-"))
         self.assertEqual(
             sorted(os.listdir(root)), sorted(os.path.basename(p) for p in (live, other, mine))

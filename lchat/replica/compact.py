@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from attrs import frozen
 
 from lchat.replica import ltx
+from lchat.replica.restore import SNAPSHOT_LEVEL
 
 # Litestream 0.5's defaults: level -> seconds between compactions into it.
 DEFAULT_LEVELS: dict[int, float] = {1: 30.0, 2: 300.0, 3: 3600.0}
@@ -32,6 +33,56 @@ class Entry:
     max_txid: int
     key: str
     timestamp: str  # the litestream-timestamp metadata (RFC 3339)
+
+
+class Inventory:
+    """What a replicator knows is in the bucket, per level: the start LIST plus what it wrote
+    since (``levels``); its local copies of the level-0 files it uploaded, kept until compacted
+    (``local``: key -> path); compacted inputs waiting out their retention (``retired``: (delete
+    after, key)); keys whose delete failed, retried at the next pass (``garbage``); and the
+    newest snapshot's txid (``snap_txid``)."""
+
+    def __init__(self) -> None:
+        self.levels: dict[int, dict[str, Entry]] = {}
+        self.local: dict[str, str] = {}
+        self.retired: list[tuple[float, str]] = []
+        self.garbage: list[str] = []
+        self.snap_txid = 0
+
+    def remember(self, entry: Entry) -> None:
+        self.levels.setdefault(entry.level, {})[entry.key] = entry
+        if entry.level == SNAPSHOT_LEVEL:
+            self.snap_txid = max(self.snap_txid, entry.max_txid)
+
+    def forget(self, key: str) -> str | None:
+        """``key`` is gone (or going): drop it; returns its local copy, for the caller to delete."""
+        for entries in self.levels.values():
+            entries.pop(key, None)
+        return self.local.pop(key, None)
+
+    def files(self, level: int) -> list[Entry]:
+        return sorted(self.levels.get(level, {}).values(), key=lambda e: (e.min_txid, e.max_txid))
+
+    def entries(self) -> list[Entry]:
+        return [e for entries in self.levels.values() for e in entries.values()]
+
+    def known(self) -> set[str]:
+        """Every key we wrote and have not deleted yet, in the bucket or on its way out."""
+        return {e.key for e in self.entries()} | {key for _, key in self.retired} | {*self.garbage}
+
+    def due(self, now: float) -> list[str]:
+        """The retired keys whose retention has run out by ``now``, taken off the list."""
+        due = [key for when, key in self.retired if when <= now]
+        self.retired = [(when, key) for when, key in self.retired if when > now]
+        return due
+
+    def older_than(self, txid: int) -> list[str]:
+        """Every key wholly below ``txid``, and every retired one (older than any new snapshot
+        too), taken off the retired list."""
+        old = [e.key for e in self.entries() if e.max_txid < txid]
+        old += [key for _, key in self.retired]
+        self.retired = []
+        return old
 
 
 def contiguous_runs(entries: Iterable[Entry]) -> list[list[Entry]]:

@@ -43,14 +43,12 @@ every upload and every delete.
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attrs import define
 from prometheus_client import Counter, Gauge
 from twisted.internet.defer import CancelledError, Deferred, DeferredLock
 from twisted.internet.interfaces import IDelayedCall
@@ -59,20 +57,19 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from lchat.lease import LeaseKeeper, LeaseLost, LeaseSuspended
-from lchat.objstore import UTC, ObjectInfo, ObjectStore, ObjectStoreError
+from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.replica import compact as _compact
-from lchat.replica import ltx, wal
+from lchat.replica import ltx
 from lchat.replica.db import PageFds, ReplicaDB
+from lchat.replica.encode import Encoder, Prepared, make_tmp, rfc3339_nano, unlink_quietly
 from lchat.replica.restore import (
     SNAPSHOT_LEVEL,
     TIMESTAMP_METADATA,
-    ReplicaFile,
-    RestoreError,
     parse_timestamp,
-    plan_files,
     replica_files,
+    restores_to,
 )
-from lchat.replica.wal import Segment, WALPosition, WALReset, WALRewritten
+from lchat.replica.wal import WALPosition, WALReset, WALRewritten
 from lchat.threads import RunInThread
 
 _log = Logger()
@@ -118,27 +115,6 @@ class ReplicatorStopped(Exception):
 class ReplicaPaused(ObjectStoreError):
     """The lease's lock vanished and is being re-taken: nothing is written until it is. Handled
     like a store outage (what is queued stays queued and is retried)."""
-
-
-@define
-class _Prepared:
-    """One encoded LTX file waiting to be uploaded."""
-
-    key: str
-    tmp_path: str
-    level: int
-    txid: int
-    pages: int
-    size: int
-    timestamp: str  # the litestream-timestamp metadata
-
-
-def rfc3339_nano(when: datetime.datetime) -> str:
-    """Go's ``time.RFC3339Nano`` in UTC: fraction with trailing zeros trimmed, none if zero."""
-    when = when.astimezone(UTC)
-    base = when.strftime("%Y-%m-%dT%H:%M:%S")
-    frac = f"{when.microsecond:06d}".rstrip("0")
-    return f"{base}.{frac}Z" if frac else f"{base}Z"
 
 
 class Replicator:
@@ -191,7 +167,7 @@ class Replicator:
         self._tmp: str | None = None
         self._lock = DeferredLock()
         self._call: IDelayedCall | None = None
-        self._queue: list[_Prepared] = []
+        self._queue: list[Prepared] = []
         self._pos: WALPosition | None = None  # end of what is prepared (shipped once queue empty)
         self._txid = 0  # the last txid prepared
         self._need_snapshot = True
@@ -213,20 +189,15 @@ class Replicator:
             raise ValueError(f"compaction levels must be 1..{SNAPSHOT_LEVEL - 1}: {levels}")
         self._levels = dict(sorted(levels.items()))
         self.snapshot_interval = snapshot_interval
-        # What we know is in the bucket, per level: the start LIST plus what we wrote since.
-        self._files: dict[int, dict[str, _compact.Entry]] = {}
+        self._known = _compact.Inventory()  # what we know is in the bucket
         self._last_compaction: dict[int, float] = {}
         self._last_snapshot = 0.0
-        self._snap_txid = 0  # the newest snapshot we uploaded
-        self._garbage: list[str] = []  # keys whose delete failed: retried at the next pass
         self._writing: Deferred[Any] | None = None  # the store write in flight
-        self._local: dict[str, str] = {}  # key -> our local copy of a level-0 file we uploaded
         # Compacted inputs are deleted this long after their replacement is durable (as
         # Litestream keeps level 0 a while): readers mid-restore still find them, and the
         # deletes of a busy minute go out together instead of after every compaction.
         self.compacted_retention = compacted_retention
-        self._retired: list[tuple[float, str]] = []  # (delete after, key)
-        self._listed = False  # the start LIST is in _files: a check can compare with it
+        self._listed = False  # the start LIST is in _known: a check can compare with it
         # Why the replica must be checked (one LIST) before anything more is written; None: no
         # reason to doubt the bucket. See the module docstring.
         self._check: str | None = None
@@ -286,7 +257,8 @@ class Replicator:
         self._started = True
         if self._pool is not None:
             self._pool.start()
-        self._tmp = await self._run(_make_tmp, self._tmp_root)
+        self._tmp = await self._run(make_tmp, self._tmp_root)
+        self._encoder = Encoder(self._db, self.path, self._tmp, self._reactor.seconds)
         await self._run(self._db.open)
         # Under the lock from the LIST on: a recheck() meanwhile compares with this LIST.
         async with self._lock:
@@ -299,17 +271,14 @@ class Replicator:
                 resume_txid = None
                 self._txid += TAKEOVER_TXID_GAP
             for f in files:
-                self._remember(
+                self._known.remember(
                     _compact.Entry(
                         f.level, f.min_txid, f.max_txid, f.info.key, rfc3339_nano(f.created_at)
                     )
                 )
-            self._snap_txid = max(
-                (f.max_txid for f in files if f.level == SNAPSHOT_LEVEL), default=0
-            )
             self._listed = True
             resumed = resume_txid is not None and 0 < resume_txid == self._txid
-            if resumed and _restores_to(files) != resume_txid:
+            if resumed and restores_to(files) != resume_txid:
                 resumed = False
                 RESEEDS.labels("start").inc()
                 _log.error(
@@ -405,9 +374,8 @@ class Replicator:
         listing = await self._store.list(self.path + "/")
         files = replica_files(list(listing))
         present = {f.info.key for f in files}
-        ours = [e for entries in self._files.values() for e in entries.values()]
-        known = {e.key for e in ours} | {key for _, key in self._retired}
-        known |= set(self._garbage) | {p.key for p in self._queue}
+        ours = self._known.entries()
+        known = self._known.known() | {p.key for p in self._queue}
         ours_max = max((e.max_txid for e in ours), default=0)
         # Another writer continues after the highest txid it saw, and its first file is a
         # snapshot. A key of ours we lost track of (a write whose answer was lost) is neither.
@@ -417,7 +385,7 @@ class Replicator:
             if f.info.key not in known and (f.level == SNAPSHOT_LEVEL or f.max_txid > ours_max)
         ]
         # (A key whose delete is pending is no loss if it is gone.)
-        missing = [e for e in ours if e.key not in present and e.key not in self._garbage]
+        missing = [e for e in ours if e.key not in present and e.key not in self._known.garbage]
         self._check = None
         if foreign and foreign_is_takeover:
             _log.error(
@@ -441,16 +409,14 @@ class Replicator:
         """Forget what the bucket lost, drop the queue (the snapshot covers it) and make the next
         upload a snapshot above every txid seen; retention tidies up once it is durable."""
         for e in missing:
-            for entries in self._files.values():
-                entries.pop(e.key, None)
-            local = self._local.pop(e.key, None)
+            local = self._known.forget(e.key)
             if local is not None:
-                await self._run(_unlink_quietly, local)
+                await self._run(unlink_quietly, local)
         dropped, self._queue = self._queue, []
         for p in dropped:
-            await self._run(_unlink_quietly, p.tmp_path)
+            await self._run(unlink_quietly, p.tmp_path)
         self._txid = max([self._txid, *foreign])
-        self._snap_txid = max((e.max_txid for e in self.files(SNAPSHOT_LEVEL)), default=0)
+        self._known.snap_txid = max((e.max_txid for e in self.files(SNAPSHOT_LEVEL)), default=0)
         self._need_snapshot = True
         self._retain_after_snapshot = True
         RESEEDS.labels(trigger).inc()
@@ -536,7 +502,7 @@ class Replicator:
         if self._need_snapshot:
             await self._prepare_snapshot()
         else:
-            got = await self._run(self._read_and_encode, self._pos, self._txid + 1)
+            got = await self._run(self._encoder.read_and_encode, self._pos, self._txid + 1)
             if isinstance(got, WALReset | WALRewritten):
                 _log.warn(
                     "replica {path}: WAL reset ({why}); snapshotting",
@@ -581,21 +547,22 @@ class Replicator:
             return 0.0
         return max(0.0, self._reactor.seconds() - self._pending_since)
 
-    def _enqueue(self, prepared: _Prepared, end: WALPosition | None) -> None:
+    def _enqueue(self, prepared: Prepared, end: WALPosition | None) -> None:
         self._queue.append(prepared)
         self._pos = end
         self._txid = prepared.txid
 
     async def _prepare_snapshot(self) -> None:
-        prepared, end = await self._run(self._encode_snapshot, self._txid + 1)
+        prepared, end = await self._run(self._encoder.snapshot, self._txid + 1)
+        self.snapshots += 1
         self._need_snapshot = False
         self._enqueue(prepared, end)
 
     async def _maybe_checkpoint(self) -> None:
         if self._stopped or self._queue:
             return
-        captured: list[_Prepared] = []
-        result = await self._run(self._checkpoint_thread, self._pos, self._txid, captured)
+        captured: list[Prepared] = []
+        result = await self._run(self._encoder.checkpoint, self._pos, self._txid, captured)
         if result is None:
             return
         self.checkpoints += 1
@@ -639,12 +606,12 @@ class Replicator:
                 self._update_lag()
                 return False
             self._queue.pop(0)
-            self._uploaded(p)
+            self._known.remember(_compact.Entry(p.level, p.min_txid, p.txid, p.key, p.timestamp))
             _uploads.labels(str(p.level), "ok").inc()
             _bytes.inc(p.size)
             if p.level == 0 and 1 in self._levels:
                 # Kept until compacted: compaction then reads it here instead of a GET.
-                self._local[p.key] = p.tmp_path
+                self._known.local[p.key] = p.tmp_path
             else:
                 await self._run(os.unlink, p.tmp_path)
             what = "snapshot" if p.level == SNAPSHOT_LEVEL else "shipped"
@@ -689,25 +656,16 @@ class Replicator:
             self._stopped = True
             raise ReplicatorStopped(self.lost) from e
 
-    def _remember(self, entry: _compact.Entry) -> None:
-        self._files.setdefault(entry.level, {})[entry.key] = entry
-
-    def _uploaded(self, p: _Prepared) -> None:
-        min_txid = 1 if p.level == SNAPSHOT_LEVEL else _min_txid(p.key)
-        self._remember(_compact.Entry(p.level, min_txid, p.txid, p.key, p.timestamp))
-        if p.level == SNAPSHOT_LEVEL:
-            self._snap_txid = max(self._snap_txid, p.txid)
-
     def files(self, level: int) -> list[_compact.Entry]:
         """The files this replicator believes are at ``level`` (no request)."""
-        return sorted(self._files.get(level, {}).values(), key=lambda e: (e.min_txid, e.max_txid))
+        return self._known.files(level)
 
     # -- compaction, periodic snapshots, retention -------------------------------------------
 
     def _maintenance_due(self, now: float) -> bool:
         return (
-            bool(self._garbage)
-            or bool(self._retired and self._retired[0][0] <= now)
+            bool(self._known.garbage)
+            or bool(self._known.retired and self._known.retired[0][0] <= now)
             or any(
                 now - self._last_compaction.get(lvl, now) >= t for lvl, t in self._levels.items()
             )
@@ -719,12 +677,10 @@ class Replicator:
         an idle space issues no request here (not even a LIST)."""
         if self._stopped:
             return
-        if self._garbage:
-            await self._delete_keys(list(self._garbage))
-        if self._retired and self._retired[0][0] <= now:
-            due = [key for when, key in self._retired if when <= now]
-            self._retired = [(when, key) for when, key in self._retired if when > now]
-            await self._delete_keys(due)
+        if self._known.garbage:
+            await self._delete_keys(list(self._known.garbage))
+        if self._known.retired and self._known.retired[0][0] <= now:
+            await self._delete_keys(self._known.due(now))
         for level, every in self._levels.items():
             if now - self._last_compaction.get(level, now) >= every:
                 self._last_compaction[level] = now
@@ -770,7 +726,7 @@ class Replicator:
         try:
             inputs = []
             for i, e in enumerate(run):
-                local = self._local.get(e.key)
+                local = self._known.local.get(e.key)
                 if local is not None:
                     inputs.append(local)  # we uploaded it: no need to download it back
                     continue
@@ -790,7 +746,7 @@ class Replicator:
         finally:
             await self._run(shutil.rmtree, work, True)
         # Durable: only now may the files it replaces go.
-        self._remember(_compact.Entry(level, h.min_txid, h.max_txid, key, stamp))
+        self._known.remember(_compact.Entry(level, h.min_txid, h.max_txid, key, stamp))
         self.compactions += 1
         _log.info(
             "replica {path}: compacted {n} files into level {lvl} {lo}-{hi} ({pages} pages)",
@@ -805,15 +761,13 @@ class Replicator:
         for e in run:
             if e.key == key:
                 continue
-            for entries in self._files.values():
-                entries.pop(e.key, None)  # replaced: no longer an input to anything
-            local = self._local.pop(e.key, None)
+            local = self._known.forget(e.key)  # replaced: no longer an input to anything
             if local is not None:
-                await self._run(_unlink_quietly, local)
-            self._retired.append((now + self.compacted_retention, e.key))
+                await self._run(unlink_quietly, local)
+            self._known.retired.append((now + self.compacted_retention, e.key))
 
     async def _snapshot_locked(self) -> None:
-        if self._stopped or self._txid <= self._snap_txid:
+        if self._stopped or self._txid <= self._known.snap_txid:
             return  # nothing new since the last snapshot: no request
         self._need_snapshot = True
         await self._sync_locked()
@@ -823,17 +777,7 @@ class Replicator:
 
     async def _retain_locked(self) -> None:
         """Delete every file wholly older than the newest durable snapshot."""
-        snap = self._snap_txid
-        old = [
-            e.key
-            for level, entries in self._files.items()
-            for e in entries.values()
-            if e.max_txid < snap
-        ]
-        # Compacted inputs waiting out their retention are older than any new snapshot too.
-        old += [key for _, key in self._retired]
-        self._retired = []
-        await self._delete_keys(old)
+        await self._delete_keys(self._known.older_than(self._known.snap_txid))
 
     async def _delete_keys(self, keys: list[str]) -> None:
         for i, key in enumerate(keys):
@@ -841,162 +785,20 @@ class Replicator:
                 self._ensure_held()
             except ReplicaPaused:
                 # The lock is being re-taken: these deletes wait for the next pass.
-                self._garbage.extend(k for k in keys[i:] if k not in self._garbage)
+                garbage = self._known.garbage
+                garbage.extend(k for k in keys[i:] if k not in garbage)
                 raise
-            local = self._local.pop(key, None)
+            local = self._known.forget(key)
             if local is not None:
-                await self._run(_unlink_quietly, local)
-            for entries in self._files.values():
-                entries.pop(key, None)
+                await self._run(unlink_quietly, local)
             try:
                 await self._write(self._store.delete(key))
             except ObjectStoreError as e:
                 self._check = self._check or "write_error"
                 _log.warn("replica {path}: delete {key} failed: {e}", path=self.path, key=key, e=e)
-                if key not in self._garbage:
-                    self._garbage.append(key)
+                if key not in self._known.garbage:
+                    self._known.garbage.append(key)
                 continue
-            if key in self._garbage:
-                self._garbage.remove(key)
+            if key in self._known.garbage:
+                self._known.garbage.remove(key)
             self.deleted += 1
-
-    # -- preparing files (worker thread) -----------------------------------------------------
-
-    def _new_file(
-        self,
-        level: int,
-        header: ltx.LTXHeader,
-        pages: Any,
-        stamp: datetime.datetime,
-    ) -> _Prepared:
-        assert self._tmp is not None
-        fd, tmp_path = tempfile.mkstemp(suffix=".ltx", dir=self._tmp)
-        n = 0
-        try:
-            with os.fdopen(fd, "wb") as f:
-                writer = ltx.LTXWriter(f, header)
-                for pgno, data in pages:
-                    writer.write_page(pgno, data)
-                    n += 1
-                writer.finish()
-                size = f.tell()
-        except BaseException:
-            os.unlink(tmp_path)
-            raise
-        key = ltx.object_key(self.path, level, header.min_txid, header.max_txid)
-        return _Prepared(key, tmp_path, level, header.max_txid, n, size, rfc3339_nano(stamp))
-
-    def _wall_clock(self) -> datetime.datetime:
-        """Now, by the reactor's clock (the LTX header's timestamp). Called in the worker thread:
-        ``seconds()`` is a plain read of the clock."""
-        return datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC)
-
-    def _encode_snapshot(self, txid: int) -> tuple[_Prepared, WALPosition | None]:
-        snap, pages = self._db.snapshot()
-        now = self._wall_clock()
-        pos = snap.position
-        header = ltx.LTXHeader(
-            page_size=snap.page_size,
-            commit=snap.page_count,
-            min_txid=1,
-            max_txid=txid,
-            timestamp=int(now.timestamp() * 1000),
-            wal_offset=pos.offset if pos is not None else 0,
-            wal_salt1=pos.salt1 if pos is not None else 0,
-            wal_salt2=pos.salt2 if pos is not None else 0,
-        )
-        self.snapshots += 1
-        return self._new_file(SNAPSHOT_LEVEL, header, pages, now), pos
-
-    def _encode_segment(self, seg: Segment, txid: int) -> _Prepared:
-        now = self._wall_clock()
-        header = ltx.LTXHeader(
-            page_size=seg.header.page_size,
-            commit=seg.commit,
-            min_txid=txid,
-            max_txid=txid,
-            timestamp=int(now.timestamp() * 1000),
-            wal_offset=seg.start.offset,
-            wal_size=seg.size,
-            wal_salt1=seg.header.salt1,
-            wal_salt2=seg.header.salt2,
-        )
-        return self._new_file(0, header, wal.iter_segment_pages(self._db.wal_path, seg), now)
-
-    def _read_and_encode(
-        self, pos: WALPosition | None, txid: int
-    ) -> tuple[_Prepared, WALPosition] | WALReset | WALRewritten | None:
-        got = self._db.read_committed(pos)
-        if got is None or isinstance(got, WALReset | WALRewritten):
-            return got
-        if got.empty:
-            return None
-        return self._encode_segment(got, txid), got.end
-
-    def _checkpoint_thread(
-        self, shipped: WALPosition | None, txid: int, captured: list[_Prepared]
-    ) -> Any:
-        mode = self._db.wanted_checkpoint(shipped)
-        if mode is None:
-            return None
-
-        def capture(seg: Segment) -> None:
-            # Called with the space's writers held off: copy the tail's pages now, ship after.
-            captured.append(self._encode_segment(seg, txid + 1 + len(captured)))
-
-        result = self._db.checkpoint(mode, shipped, capture)
-        _log.debug(
-            "replica {path}: checkpoint {mode}: {result}", path=self.path, mode=mode, result=result
-        )
-        return result
-
-
-_TMP_PREFIX = ".lchat-replica-"
-
-
-def _make_tmp(root: str | None) -> str:
-    """Our scratch directory, named after this process; first sweep away those of dead ones (a
-    SIGKILLed replicator cannot clean up after itself)."""
-    root = root or tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        names = []
-    for name in names:
-        pid_text = name[len(_TMP_PREFIX) :].split("-", 1)[0]
-        if not name.startswith(_TMP_PREFIX) or not pid_text.isdigit():
-            continue
-        if int(pid_text) != os.getpid() and not _alive(int(pid_text)):
-            _log.info("replica: removing {dir} left by a dead process", dir=name)
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=root)
-
-
-def _restores_to(files: list[ReplicaFile]) -> int:
-    """The txid a restore of ``files`` reaches; 0 if it cannot (no snapshot, a gap)."""
-    try:
-        chosen = plan_files(files)
-    except RestoreError:
-        return 0
-    return chosen[-1].max_txid
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def _min_txid(key: str) -> int:
-    return int(key.rsplit("/", 1)[1].split("-", 1)[0], 16)

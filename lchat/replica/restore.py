@@ -158,6 +158,15 @@ def plan_files(
     return chosen
 
 
+def restores_to(files: list[ReplicaFile]) -> int:
+    """The txid a restore of ``files`` reaches; 0 if it cannot (no snapshot, a gap)."""
+    try:
+        chosen = plan_files(files)
+    except RestoreError:
+        return 0
+    return chosen[-1].max_txid
+
+
 def _better(current: ReplicaFile, candidate: ReplicaFile) -> bool:
     # Litestream's restoreCandidateBetter: reach further, then start earlier, then the higher
     # (compacted) level, then the older file.
