@@ -116,11 +116,12 @@ class InMemoryAdmin:
         units: str = "builtin",
         children: Any = None,  # the supervisor's view of its children (lchat.admin)
         restart: Callable[[str], Deferred[int | None]] | None = None,
+        mesh: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.reactor = reactor
         self.routes = RouteSource(reactor, registry, run_in_thread=threads.inline)
         self.api = AdminAPI(
-            reactor, self.routes, units, children, activator=activator, restart=restart
+            reactor, self.routes, units, children, activator=activator, mesh=mesh, restart=restart
         )
         self.down: BaseException | None = None  # FileNotFoundError: no router runs
         self.calls: list[str] = []

@@ -16,7 +16,7 @@ from lchat import config, envfile, hosts, threads
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import Hibernation
 from lchat.handover.router import Router, Say
-from lchat.handover.start import Start
+from lchat.handover.start import Start, warn_if_born_dark
 from lchat.hibernation.localdb import MARKER_SUFFIX, local_state, write_marker
 from lchat.hibernation.space import WakeFailed
 from lchat.objstore.file import FileStore
@@ -567,3 +567,14 @@ class StartTests(HandoverCase):
         self.admin.down = FileNotFoundError(2, "No such file or directory")
         self.assertEqual(self.start(), 0)
         self.assertTrue(self.said("warning: router is not running"))
+
+    def test_a_create_without_the_mesh_on_a_mesh_router_warns(self) -> None:
+        member = InMemoryAdmin(
+            self.reactor, self.registry, None, mesh=lambda: {"env_file": "/data/router.env"}
+        )
+        warn_if_born_dark(self.cfg, member, HOST, self.say)
+        self.assertTrue(self.said("is a mesh member, but"))
+        self.assertTrue(self.said("`lchat mesh-seed <peer URL> --env-file /data/router.env`"))
+        self.lines.clear()
+        warn_if_born_dark(self.cfg, self.admin, HOST, self.say)  # not a mesh member
+        self.assertEqual(self.lines, [])

@@ -8,7 +8,6 @@ its admin socket; when that fails, the router's 2 s registry poll picks the chan
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import secrets
@@ -20,14 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
-
 import lchat
 from lchat import admin_client, config, envfile, hosts, systemd_units
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
 from lchat.cli import certs, dev_cert, litestream_yml
 from lchat.cli import id_ledger as id_ledger_cli
+from lchat.cli import instances as instances_cli
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.cli import stats as stats_cli
@@ -38,11 +36,12 @@ from lchat.handover.hibernate import (
     Hibernation,
     forget_clean_sleep,
     hand_env_files_to_router,
+    one_line,
     refuse_if_backed_up,
 )
 from lchat.handover.router import Router, Say
 from lchat.handover.seams import BoxUnits, FanOut, SocketAdmin, StoreBucket
-from lchat.handover.start import Start
+from lchat.handover.start import Start, warn_if_born_dark
 from lchat.ledger import LedgerError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
@@ -56,19 +55,7 @@ COMMON_FLAGS = {
 COMMON_OPTIONS = ("--env-file", *COMMON_FLAGS)
 DEFAULT_TIMEOUT = 30.0
 HIBERNATE_TIMEOUT = 60.0
-STATUS_TIMEOUT = 3.0
 SERVICE_PROBE_TIMEOUT = 5.0
-TABLE_COLUMNS = (
-    "HOST",
-    "KIND",
-    "STATUS",
-    "STATE",
-    "VERSION",
-    "HIBERNATE",
-    "REPLICATION",
-    "NEXT-DUE",
-    "SOCKET",
-)
 
 
 class CliError(Exception):
@@ -442,63 +429,7 @@ def cmd_instances(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     routes = sorted(open_registry(cfg).load(), key=lambda r: r.host)
     status = _router(cfg).status() if routes else {}
-    live = _hosts_of(status) if routes else {}
-    from lchat.cli.release import live_versions  # the live/<host> links (lchat deploy)
-
-    builds = live_versions(cfg, [r.host for r in routes])
-    if args.json:
-        # Every column of the table: the registry row, and STATE (null where the table says
-        # "?" or "-": no router to ask, or it has not loaded the row yet); live_version and
-        # canary: the build live/<host> points at here, and whether `deploy --canary` put it.
-        objects = [
-            attrs.asdict(r)
-            | {"state": _json_state(_state(r, live))}
-            | dict(zip(("live_version", "canary"), builds.get(r.host, (None, False)), strict=True))
-            for r in routes
-        ]
-        _out(json.dumps(objects, indent=2))
-        return 0
-    rows = [TABLE_COLUMNS, *(_table_row(r, live, builds.get(r.host)) for r in routes)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
-    for row, route in zip(rows, [None, *routes], strict=True):
-        _out("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-        if route is not None and route.status == "failed":
-            _out(f"  last error: {_one_line(route.last_error) or '(none recorded)'}")
-    # On stderr: stdout stays the table that scripts parse.
-    if any(canary for _, canary in builds.values()):
-        _note("VERSION*: a canary (lchat deploy --canary); `lchat deploy <v> --all` clears it")
-    _note(_capacity_summary(cfg, routes, status))
-    return 0
-
-
-def _hosts_of(status: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
-    """The router's per-host view in its status, or None."""
-    hosts_now = status.get("hosts") if status is not None else None
-    return hosts_now if isinstance(hosts_now, dict) else None
-
-
-def _capacity_summary(cfg: BoxConfig, routes: list[Route], status: dict[str, Any] | None) -> str:
-    """``capacity: 3 of 40 resident (1 always-on, 2 hibernating), 12 of 400 registered``: the
-    router's counts against LCHAT_MAX_INSTANCES (its own limit when it says), the registry's
-    instance rows against LCHAT_MAX_REGISTERED (0: "12 registered (no limit)")."""
-
-    def of(count: object, limit: int, what: str) -> str:
-        return f"{count} of {limit} {what}" if limit > 0 else f"{count} {what} (no limit)"
-
-    registered = sum(1 for r in routes if r.kind == "instance")
-    now = status.get("capacity") if status else None
-    if isinstance(now, dict) and isinstance(now.get("resident"), int):
-        limit = now.get("max_instances")
-        resident = of(
-            now["resident"], limit if isinstance(limit, int) else cfg.max_instances, "resident"
-        )
-        resident += f" ({now.get('always_on')} always-on, {now.get('hibernating')} hibernating)"
-    elif not routes:
-        resident = of(0, cfg.max_instances, "resident")
-    else:
-        why = "the router did not say" if status else "the router cannot be asked"
-        resident = of("?", cfg.max_instances, "resident") + f" ({why})"
-    return f"capacity: {resident}, {of(registered, cfg.max_registered, 'registered')}"
+    return instances_cli.show(cfg, routes, status, args.json, _out, _note)
 
 
 def cmd_id_ledger(args: argparse.Namespace) -> int:
@@ -567,7 +498,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         # Nothing to start and nothing to wait for: no process and no database until its first
         # request (or `lchat hibernate --on`'s warm request) wakes it.
         notify_router(cfg)
-        _warn_if_born_dark(cfg, host)
+        warn_if_born_dark(cfg, SocketAdmin(cfg.admin_socket), host, SAY)
         # With the mesh on, every live peer covering the host learns the route (best-effort).
         mesh_cli.fan_out_upsert(cfg, route, _note)
         _out(
@@ -741,27 +672,6 @@ def _backup_listing(cfg: BoxConfig, db: str) -> str | None:
     return config_file if litestream_yml.tracks(config_file, db) else None
 
 
-def _warn_if_born_dark(cfg: BoxConfig, host: str) -> None:
-    """The seed's incident: a create whose settings lack the mesh, on a box whose router is a
-    mesh member, does not fan out, and the space is born dark on its peers (404 there)."""
-    if cfg.mesh is not None:
-        return
-    try:
-        response = admin_client.status(cfg.admin_socket, timeout=STATUS_TIMEOUT)
-        mesh = response.json().get("mesh") if response.status == 200 else None
-    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, AttributeError):
-        return
-    if not isinstance(mesh, dict):
-        return
-    right = mesh.get("env_file") or "the router's env file"
-    _warn(
-        f"the running router is a mesh member, but {cfg.env_file} has no LCHAT_MESH_SELF: "
-        f"{host} was not replicated to its peers, which answer 404 for it whenever they own it. "
-        f"Use `--env-file {right}` for creates on this box; catch each peer up now with "
-        f"`lchat mesh-seed <peer URL> --env-file {right}`"
-    )
-
-
 def _stage_env_file(path: str, token: str | None) -> str:
     """Write (or reuse) ``<data>/<host>.env`` and return the admin token it holds."""
     existing = envfile.read_token(path)
@@ -866,73 +776,18 @@ def _check_socket_arg(path: str) -> str:
 # --- output -------------------------------------------------------------------------------------
 
 
-def _table_row(
-    route: Route,
-    live: dict[str, dict[str, Any]] | None,
-    build: tuple[str | None, bool] | None = None,
-) -> tuple[str, ...]:
-    version, canary = build or (None, False)
-    return (
-        route.host,
-        route.kind,
-        route.status,
-        _state(route, live),
-        f"{version}{'*' if canary else ''}" if version else route.version or "-",
-        "on" if route.hibernate else "off",
-        route.replication,
-        _utc(route.next_due),
-        route.socket,
-    )
-
-
-def _state(route: Route, live: dict[str, dict[str, Any]] | None) -> str:
-    """What the running router says: a hibernating space's activator state (awake, waking,
-    stopping, asleep); else the process it supervises (builtin units), else the row's status as
-    it serves it. ``?``: the router cannot be asked; ``-``: it has not loaded this row yet."""
-    if route.elsewhere:
-        return f"elsewhere {route.lives_at}"  # a peer's always-on space: never runs here
-    if live is None:
-        return "?"
-    entry = live.get(route.host)
-    if not isinstance(entry, dict):
-        return "-"
-    if route.hibernate and entry.get("hibernate"):
-        return str(entry.get("state") or "asleep")
-    process = entry.get("process")
-    if isinstance(process, dict) and process.get("state"):
-        return str(process["state"])
-    return str(entry.get("status") or "-")
-
-
-def _json_state(state: str) -> str | None:
-    return None if state in ("?", "-") else state
-
-
-def _utc(seconds: int) -> str:
-    if seconds <= 0:
-        return "-"
-    try:
-        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-    except (OverflowError, OSError, ValueError):
-        return str(seconds)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _out(line: str) -> None:
     print(line, file=sys.stdout)
 
 
 def _note(message: str) -> None:
-    print(f"{PROG}: {_one_line(message)}", file=sys.stderr)
+    print(f"{PROG}: {one_line(message)}", file=sys.stderr)
 
 
 def _warn(message: str) -> None:
-    print(f"{PROG}: warning: {_one_line(message)}", file=sys.stderr)
+    print(f"{PROG}: warning: {one_line(message)}", file=sys.stderr)
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
+    print(f"{PROG}: error: {one_line(message)}", file=sys.stderr)
     return 1

@@ -9,8 +9,8 @@ from lchat import admin_client
 from lchat.config import BoxConfig
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import POLL_INTERVAL, one_line
-from lchat.handover.router import Router, absent
-from lchat.handover.seams import Clock, Units
+from lchat.handover.router import STATUS_TIMEOUT, Router, Say, absent
+from lchat.handover.seams import Clock, RouterAdmin, Units
 from lchat.registry import Registry, Route
 from lchat.systemd_units import UnitError
 
@@ -94,3 +94,24 @@ class Start:
             if route.status != "creating" or self.clock.monotonic() >= deadline:
                 return route
             self.clock.sleep(POLL_INTERVAL)
+
+
+def warn_if_born_dark(cfg: BoxConfig, admin: RouterAdmin, host: str, say: Say) -> None:
+    """The seed's incident: a create whose settings lack the mesh, on a box whose router is a
+    mesh member, does not fan out, and the space is born dark on its peers (404 there)."""
+    if cfg.mesh is not None:
+        return
+    try:
+        response = admin.status(STATUS_TIMEOUT)
+        mesh = response.json().get("mesh") if response.status == 200 else None
+    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, AttributeError):
+        return
+    if not isinstance(mesh, dict):
+        return
+    right = mesh.get("env_file") or "the router's env file"
+    say.warn(
+        f"the running router is a mesh member, but {cfg.env_file} has no LCHAT_MESH_SELF: "
+        f"{host} was not replicated to its peers, which answer 404 for it whenever they own it. "
+        f"Use `--env-file {right}` for creates on this box; catch each peer up now with "
+        f"`lchat mesh-seed <peer URL> --env-file {right}`"
+    )
