@@ -57,10 +57,11 @@ import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any, TypeVar
+from typing import IO, TypeVar
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, TimeoutError
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from lchat.files import fsync_directory
@@ -676,7 +677,7 @@ class FileStore:
     ``get_to_file``, ``put_file`` and ``copy`` are not bounded: their time grows with the object.
     """
 
-    _reactor: Any
+    _reactor: IReactorTime
     root: str = field(converter=_absolute)
     _run_in_thread: RunInThread
     create: bool = False

@@ -13,7 +13,6 @@ from typing import IO, Any
 
 import treq.client
 from prometheus_client import Counter, Histogram
-from treq._types import _ITreqReactor
 from twisted.internet import error
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import CancelledError, Deferred
@@ -25,6 +24,7 @@ from twisted.internet.endpoints import (
 )
 from twisted.internet.interfaces import (
     IDelayedCall,
+    IReactorTCP,
     IReactorTime,
     IStreamClientEndpoint,
 )
@@ -92,9 +92,6 @@ _NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (
     error.ConnectingCancelledError,
     RequestNotSent,
 )
-# What a store needs of its reactor: to resolve and connect, and to time attempts and backoffs;
-# treq's own name for that (private to treq, so named once here).
-S3Reactor = _ITreqReactor
 # Twisted's errors that carry their causes in ``reasons`` (a list of Failures): the public
 # subclasses of the private twisted.web._newclient._WrapperException.
 WRAPPERS = (RequestGenerationFailed, RequestTransmissionFailed, ResponseFailed)
@@ -109,7 +106,7 @@ class _Endpoints:
     TLS is verified exactly as Agent does by default (``BrowserLikePolicyForHTTPS``).
     """
 
-    def __init__(self, reactor: S3Reactor, timeout: float) -> None:
+    def __init__(self, reactor: IReactorTCP, timeout: float) -> None:
         self._reactor = reactor
         self._timeout = timeout
         self._tls = BrowserLikePolicyForHTTPS()
@@ -187,7 +184,7 @@ class Exchange:
 
     def __init__(
         self,
-        reactor: S3Reactor,
+        reactor: Any,
         address: BucketAddress,
         signer: Signer,
         dates: BucketDates,

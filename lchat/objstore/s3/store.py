@@ -8,7 +8,7 @@ import builtins
 import datetime
 import os
 from collections.abc import Callable, Mapping
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 from botocore.credentials import Credentials  # type: ignore[import-untyped]
 from twisted.logger import Logger
@@ -25,7 +25,7 @@ from lchat.objstore import (
 )
 from lchat.objstore.s3.bodies import FileBody, commit, discard, mkstemp_beside
 from lchat.objstore.s3.dates import BucketDates
-from lchat.objstore.s3.exchange import Exchange, S3Reactor
+from lchat.objstore.s3.exchange import Exchange
 from lchat.objstore.s3.signing import BucketAddress, Signer
 from lchat.objstore.s3.wire import (
     ListingPage,
@@ -67,7 +67,7 @@ class S3Store:
 
     def __init__(
         self,
-        reactor: S3Reactor,
+        reactor: Any,
         bucket: str,
         *,
         run_in_thread: RunInThread,
