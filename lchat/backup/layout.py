@@ -102,10 +102,6 @@ class Stored:
     def last_snapshot(self) -> datetime.datetime | None:
         return max((f.created_at for f in self.files if f.level == SNAPSHOT_LEVEL), default=None)
 
-    @property
-    def first_snapshot(self) -> datetime.datetime | None:
-        return min((f.created_at for f in self.files if f.level == SNAPSHOT_LEVEL), default=None)
-
 
 def catalogue(prefix: str, listing: Iterable[ObjectInfo]) -> list[Stored]:
     """Every database replica in a LIST of ``Layout(prefix, *).root()``, by (name, box). Keys that

@@ -17,7 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import stat
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable
 
 from attrs import frozen
 
@@ -160,7 +160,3 @@ def choose(
             continue
         add(Chosen(name, path, "extra"))
     return chosen, problems
-
-
-def by_path(chosen: Mapping[str, Chosen]) -> dict[str, Chosen]:
-    return {c.path: c for c in chosen.values()}
