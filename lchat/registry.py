@@ -133,6 +133,11 @@ class Route:
         return self.status == "ready"
 
     @property
+    def hibernating(self) -> bool:
+        """A space this box's activator wakes and sleeps (lchat.hibernation)."""
+        return self.kind == "instance" and self.hibernate
+
+    @property
     def elsewhere(self) -> bool:
         """A replicated "lives elsewhere" row: not this box's space in any way (no process, no
         wake, no sweep, no backup); its requests go to :attr:`lives_at`."""

@@ -35,7 +35,7 @@ from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
 from lchat.child import RunningChild
-from lchat.deferutil import relay, settled
+from lchat.deferutil import fire, relay, settled
 from lchat.hibernation.capacity import (
     HOLD_RETRY_AFTER as HOLD_RETRY_AFTER,  # moved to capacity: tests/test_relocate_parts uses it
 )
@@ -257,7 +257,7 @@ class Activator(Service):
                 "(it is shipped from here, or was taken over meanwhile)",
                 host=space.host,
             )
-            space.task = Deferred.fromCoroutine(self._stand_down(space, "fenced", graceful=False))
+            self._stand_down_now(space, "fenced")
         waits = [settled(s.task) for s in fenced if s.task is not None]
         if waits:
             await DeferredList(waits, consumeErrors=True)
@@ -367,10 +367,8 @@ class Activator(Service):
         if isinstance(outcome, Failure):
             failure = self._wake_failed(space, outcome)
             reason = failure.value.reason  # type: ignore[union-attr]  # always a WakeFailed
-            space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=False))
-            for d in waiters:
-                if not d.called:
-                    d.errback(failure)
+            self._stand_down_now(space, reason)
+            fire(waiters, failure)
             return
         timings: dict[str, float] = outcome  # type: ignore[assignment]
         now = self._reactor.seconds()
@@ -392,9 +390,7 @@ class Activator(Service):
         )
         self._life.due_honoured(space)
         self._life.sidecars.start(space, lambda: self._awake(space))
-        for d in waiters:
-            if not d.called:
-                d.callback(None)
+        fire(waiters, None)
 
     def _awake(self, space: Space) -> bool:
         return self._spaces.get(space.host) is space and space.state == "awake"
@@ -436,10 +432,20 @@ class Activator(Service):
         if space.state == "stopping" and space.task is not None:
             return settled(space.task)
         if space.state == "waking" and space.task is not None:
-            space.task.cancel()  # _wake_done stands it down (synchronously sets the new task)
+            self._call_off(space)  # _wake_done stands it down (synchronously sets the new task)
             return settled(space.task) if space.task is not None else succeed(None)
         space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=True))
         return settled(space.task)
+
+    def _stand_down_now(self, space: Space, reason: str) -> None:
+        """Stand ``space`` down at once (not a sleep: a failed wake, a dead child, a lost
+        lease); its task is the stand-down."""
+        space.task = Deferred.fromCoroutine(self._stand_down(space, reason, graceful=False))
+
+    def _call_off(self, space: Space) -> None:
+        """A wake under way is cancelled: :meth:`_wake_done` stands it down."""
+        if space.state == "waking" and space.task is not None:
+            space.task.cancel()
 
     async def _stand_down(self, space: Space, reason: str, *, graceful: bool) -> None:
         """Stop everything ``space`` runs, flush, release, forget; then serve whoever queued
@@ -469,19 +475,11 @@ class Activator(Service):
         waiters = [d for d in space.waiters if not d.called]
         space.waiters = []
         route = self._routes.table.get(host)
-        if (
-            waiters
-            and not self._stopping
-            and space.wake_again
-            and route is not None
-            and route.hibernate
-            and route.kind == "instance"
-        ):
+        if waiters and not self._stopping and space.wake_again and route and route.hibernating:
             for d in waiters:
                 self.wake(route, "request").addBoth(relay, d)
             return
-        for d in waiters:
-            d.errback(WakeFailed(host, "stood_down", f"{host} stood down; try again"))
+        fire(waiters, Failure(WakeFailed(host, "stood_down", f"{host} stood down; try again")))
 
     def _child_ended(self, space: Space, child: RunningChild, info: Any) -> None:
         if self._spaces.get(space.host) is not space or space.child is not child:
@@ -493,9 +491,7 @@ class Activator(Service):
                 info=info.describe(),
             )
             _sleeps.labels("child_exited").inc()
-            space.task = Deferred.fromCoroutine(
-                self._stand_down(space, "child_exited", graceful=False)
-            )
+            self._stand_down_now(space, "child_exited")
         # While waking, wait_ready reports it.
 
     def _lease_lost(self, space: Space, why: str) -> None:
@@ -517,11 +513,9 @@ class Activator(Service):
             Deferred.fromCoroutine(space.replicator.stop())
         if space.state == "awake":
             _sleeps.labels("lease_lost").inc()
-            space.task = Deferred.fromCoroutine(
-                self._stand_down(space, "lease_lost", graceful=False)
-            )
-        elif space.state == "waking" and space.task is not None:
-            space.task.cancel()
+            self._stand_down_now(space, "lease_lost")
+        else:
+            self._call_off(space)
 
     def box_not_alive(self) -> None:
         """The mesh's liveness deadline passed (no heartbeat landed in ``dead_after - margin``):
@@ -531,18 +525,18 @@ class Activator(Service):
         for space in list(self._spaces.values()):
             if space.keeper is not None:
                 space.keeper.holds()  # lost now: on_lost -> _lease_lost
-            elif space.state == "waking" and space.task is not None:
-                space.task.cancel()
+            else:
+                self._call_off(space)
 
     def _table_changed(self, old: RouteTable, new: RouteTable) -> None:
         for host, space in list(self._spaces.items()):
             route = new.get(host)
-            if route is None or not route.hibernate or route.kind != "instance":
+            if route is None or not route.hibernating:
                 why = "removed" if route is None else "hibernate off"
                 if space.state == "awake":
                     self.sleep(host, why)
-                elif space.state == "waking" and space.task is not None:
-                    space.task.cancel()
+                else:
+                    self._call_off(space)
             elif space.state != "stopping":
                 space.route = route
 

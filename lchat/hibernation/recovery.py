@@ -165,7 +165,7 @@ class LocalCopies:
 
     async def _recover_one(self, waker: Waker, host: str) -> None:
         route = self._routes.table.get(host)
-        if route is None or not route.hibernate or route.kind != "instance":
+        if route is None or not route.hibernating:
             self._set(host, False)  # not a hibernating space any more: not ours to ship
             return
         try:

@@ -75,11 +75,7 @@ class Sweeper(Service):
         _log.failure("the {which} sweep stopped", failure, which=which)
 
     def _index(self, table: RouteTable) -> None:
-        self._due = sorted(
-            (r.next_due, r.host)
-            for r in table
-            if r.hibernate and r.kind == "instance" and r.next_due > 0
-        )
+        self._due = sorted((r.next_due, r.host) for r in table if r.hibernating and r.next_due > 0)
 
     def sweep_idle(self) -> list[str]:
         """Put to sleep every space idle for the whole window; returns their names. One space
