@@ -11,7 +11,10 @@ from twisted.trial import unittest
 
 from lchat import config
 from lchat.config import BoxConfig, ConfigError
+from lchat.config.acme import LETS_ENCRYPT
+from lchat.config.values import parse_size
 
+STAGING = "https://acme-staging-v02.api.letsencrypt.org/directory"
 MESH_OK = {
     "LCHAT_HIBERNATE_BUCKET": "my-hibernation-bucket",
     "LCHAT_MESH_SELF": "https://box-1.example.net",
@@ -189,7 +192,7 @@ class Refusals(Base):
     def test_acme_settings(self) -> None:
         cfg = self.load()
         assert cfg.acme is not None
-        self.assertEqual(cfg.acme.directory, config.LETS_ENCRYPT)
+        self.assertEqual(cfg.acme.directory, LETS_ENCRYPT)
         self.assertEqual(cfg.acme.dns_provider, "dnsimple")
         self.assertEqual(cfg.acme.dns_resolvers, ())
         self.assertIsNone(self.load({"LCHAT_ACME_DIRECTORY": "off"}).acme)
@@ -199,7 +202,7 @@ class Refusals(Base):
         )
         cfg = self.load(
             {
-                "LCHAT_ACME_DIRECTORY": config.LETS_ENCRYPT_STAGING,
+                "LCHAT_ACME_DIRECTORY": STAGING,
                 "LCHAT_ACME_EMAIL": "ops@example.com",
                 "LCHAT_WILDCARD_DOMAINS": "example.com",
                 "LCHAT_DNS_PROVIDER": "route53",
@@ -209,7 +212,7 @@ class Refusals(Base):
             }
         )
         assert cfg.acme is not None
-        self.assertEqual(cfg.acme.directory, config.LETS_ENCRYPT_STAGING)
+        self.assertEqual(cfg.acme.directory, STAGING)
         self.assertEqual(cfg.acme.email, "ops@example.com")
         self.assertEqual(cfg.acme.dns_provider, "route53")
         self.assertEqual(cfg.acme.route53_zone_id, "Z123ABC")
@@ -812,7 +815,7 @@ class Sizes(unittest.TestCase):
     def test_refusals_name_the_variable(self) -> None:
         for text in ("", "k", "1KB", "1 k", "0x10", "1e6", "\u0661\u0660", "-5", "5.0"):
             with self.assertRaises(ConfigError, msg=text) as e:
-                config.parse_size("LCHAT_X", text)
+                parse_size("LCHAT_X", text)
             self.assertIn("LCHAT_X", str(e.exception))
 
 

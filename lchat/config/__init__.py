@@ -4,16 +4,8 @@ and ``box``: the front door's limits, and the reading of them all. Everything im
 
 # ruff: noqa: F401 -- the imports are this package's public names
 
-from lchat.config.acme import LETS_ENCRYPT, LETS_ENCRYPT_STAGING, AcmeConfig
 from lchat.config.box import DEFAULT_ENV_FILE, DEFAULTS, BoxConfig, ProxyConfig, load, mesh_bucket
 from lchat.config.hibernate import MESH_LEASE_TTL, BackupConfig, HibernateConfig
 from lchat.config.listen import parse_address
-from lchat.config.mesh import MIN_MESH_TOKEN, MeshConfig
-from lchat.config.values import (
-    ConfigError,
-    aes_key,
-    parse_bucket_url,
-    parse_duration,
-    parse_size,
-    read_env_file,
-)
+from lchat.config.mesh import MeshConfig
+from lchat.config.values import ConfigError, parse_bucket_url, parse_duration, read_env_file

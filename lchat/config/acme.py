@@ -15,7 +15,6 @@ from lchat.config.listen import parse_resolvers
 from lchat.config.values import ConfigError, Getter, aes_key, one_of, parse_duration
 
 LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
-LETS_ENCRYPT_STAGING = "https://acme-staging-v02.api.letsencrypt.org/directory"
 DNSIMPLE_URL = "https://api.dnsimple.com"
 DNSProvider = Literal["dnsimple", "route53"]
 MAX_DNS_TIMEOUT = 300.0
@@ -131,14 +130,10 @@ def read_cert_cache(get: Getter) -> tuple[CertCache, bytes, bytes, tuple[str, ..
     if not previous_text:
         return "s3", key, b"", ()
     previous = aes_key("LCHAT_CERT_CACHE_KEY_PREVIOUS", previous_text)
-    if previous == key:
-        return (
-            "s3",
-            key,
-            b"",
-            (
-                "LCHAT_CERT_CACHE_KEY_PREVIOUS equals LCHAT_CERT_CACHE_KEY: ignored (mid-rotation it "
-                "holds the old key; after it, remove the line)",
-            ),
-        )
-    return "s3", key, previous, ()
+    if previous != key:
+        return "s3", key, previous, ()
+    warning = (
+        "LCHAT_CERT_CACHE_KEY_PREVIOUS equals LCHAT_CERT_CACHE_KEY: ignored (mid-rotation it holds "
+        "the old key; after it, remove the line)"
+    )
+    return "s3", key, b"", (warning,)

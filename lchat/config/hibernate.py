@@ -8,7 +8,7 @@ import socket
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from attrs import field, frozen
+from attrs import asdict, field, frozen
 
 from lchat.config.values import ConfigError, Getter, aes_key, parse_duration, positive_duration
 from lchat.objstore.where import Where, file_bucket
@@ -78,10 +78,7 @@ def read_hibernate(get: Getter) -> HibernateConfig | None:
     if at is None:
         return None
     return HibernateConfig(
-        at.bucket,
-        at.region,
-        at.prefix,
-        at.endpoint,
+        **asdict(at),
         idle=idle,
         lease_ttl=lease_ttl,
         sweep=sweep,
@@ -147,10 +144,7 @@ def read_backup(
             )
     key_text = get("LCHAT_BACKUP_KEY")
     return BackupConfig(
-        at.bucket,
-        at.region,
-        at.prefix,
-        at.endpoint,
+        **asdict(at),
         box=box,
         interval=interval,
         extra=extra,
