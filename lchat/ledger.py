@@ -66,21 +66,17 @@ class LedgerContention(LedgerError):
 # --- ids ----------------------------------------------------------------------------------------
 
 
-def format_id(n: int) -> str:
-    """The hostname label of minted id ``n``: decimal, no leading zeros."""
-    if not FIRST_ID <= n < MAX_ID:
-        raise ValueError(f"id {n} is out of range")
-    return str(n)
-
-
 def parse_id(label: str) -> int | None:
     """The minted id a first label spells, or None when it is not one (``chat``, ``007``)."""
     return int(label) if _MINTED_LABEL.fullmatch(label) else None
 
 
 def minted_host(n: int, domain: str) -> str:
-    """``<id>.<domain>``, normalised (:class:`lchat.hosts.InvalidHost` when it cannot be a host)."""
-    return hosts.normalise(f"{format_id(n)}.{domain}")
+    """``<id>.<domain>`` (the id in decimal, no leading zeros), normalised
+    (:class:`lchat.hosts.InvalidHost` when it cannot be a host)."""
+    if not FIRST_ID <= n < MAX_ID:
+        raise ValueError(f"id {n} is out of range")
+    return hosts.normalise(f"{n}.{domain}")
 
 
 def minted_ids(hostnames: Iterable[str], domain: str) -> list[int]:
@@ -232,23 +228,3 @@ class IdLedger:
                 f"fix or remove the object by hand"
             )
         return value
-
-
-class Minter:
-    """Hands out ids one at a time from blocks taken off ``ledger``: strictly increasing for one
-    minter, unique across all of them. A minter's unused ids die with it (never reissued)."""
-
-    def __init__(self, ledger: IdLedger) -> None:
-        self._ledger = ledger
-        self._block: Block | None = None
-        self._next = 0
-        self.blocks_taken = 0
-
-    async def mint(self) -> int:
-        if self._block is None or self._next >= self._block.end:
-            self._block = await self._ledger.take_block()
-            self._next = self._block.start
-            self.blocks_taken += 1
-        n = self._next
-        self._next += 1
-        return n

@@ -36,7 +36,6 @@ from lchat.ledger import (
     IdLedger,
     LedgerContention,
     LedgerError,
-    Minter,
     minted_host,
     minted_ids,
     parse_id,
@@ -191,15 +190,14 @@ class CasMixin(_Mixin):
         self.assertEqual(await ledger.seed_above(1000), (158, 1001))
         self.assertEqual((await ledger.read()).next, 1001)
 
-    async def test_crashed_minter_block_is_skipped_never_reissued(self) -> None:
+    async def test_an_abandoned_block_is_never_reissued(self) -> None:
         store = await self.store()
-        crashed = Minter(ledger_on(store, block=10))
-        self.assertEqual([await crashed.mint() for _ in range(3)], [1, 2, 3])
-        del crashed  # dies holding 4..10
-        survivor = Minter(ledger_on(store, block=10))
-        ids = [await survivor.mint() for _ in range(15)]
-        self.assertEqual(ids, list(range(11, 26)))
-        self.assertEqual(survivor.blocks_taken, 2)
+        # Its taker dies having handed out 1..3: 4..10 are simply never used.
+        self.assertEqual(await ledger_on(store, block=10).take_block(), Block(1, 11))
+        survivor = ledger_on(store, block=10)
+        self.assertEqual(
+            [await survivor.take_block() for _ in range(2)], [Block(11, 21), Block(21, 31)]
+        )
 
     async def test_contention_is_retried_then_refused(self) -> None:
         store = await self.store()
@@ -223,39 +221,39 @@ class CasMixin(_Mixin):
                 await attempt
         self.assertEqual((await store.get("fleet/" + LEDGER_KEY)).body, b'{"next": "lots"}')
 
-    async def test_property_concurrent_minters_on_two_boxes_never_collide(self) -> None:
-        """8 minters x 50 ids, small blocks so they race on nearly every one, split over two
-        separate store clients: every id distinct, each minter's ids strictly increasing."""
+    async def test_property_concurrent_takers_on_two_boxes_never_collide(self) -> None:
+        """8 takers x 8 blocks, small blocks so they race on nearly every one, split over two
+        separate store clients: every id in one block only, each taker's blocks increasing."""
         boxes = [await self.store(), await self.store()]
-        minters = [
-            Minter(
-                IdLedger(
-                    boxes[i % 2],
-                    "fleet/" + LEDGER_KEY,
-                    sleep=_sleep,
-                    block=7,
-                    attempts=200,
-                    backoff=0.005,
-                    rng=random.Random(i),
-                )
+        ledgers = [
+            IdLedger(
+                boxes[i % 2],
+                "fleet/" + LEDGER_KEY,
+                sleep=_sleep,
+                block=7,
+                attempts=200,
+                backoff=0.005,
+                rng=random.Random(i),
             )
             for i in range(8)
         ]
 
-        async def run(m: Minter) -> list[int]:
-            return [await m.mint() for _ in range(50)]
+        async def run(ledger: IdLedger) -> list[int]:
+            ids: list[int] = []
+            for _ in range(8):
+                block = await ledger.take_block()
+                ids.extend(range(block.start, block.end))
+            return ids
 
         results: list[list[int]] = await gatherResults(
-            [Deferred.fromCoroutine(run(m)) for m in minters]
+            [Deferred.fromCoroutine(run(ledger)) for ledger in ledgers]
         )
         everything = [n for ids in results for n in ids]
-        self.assertEqual(len(everything), 400)
-        self.assertEqual(len(set(everything)), 400, "an id was minted twice")
+        self.assertEqual(len(set(everything)), 8 * 8 * 7, "an id was taken twice")
         for ids in results:
-            self.assertEqual(ids, sorted(set(ids)), "a minter's ids must strictly increase")
+            self.assertEqual(ids, sorted(ids), "a taker's blocks must increase")
         # Blocks are disjoint and whole: the counter ends exactly at the blocks taken.
-        taken = sum(m.blocks_taken for m in minters)
-        self.assertEqual((await ledger_on(boxes[0]).read()).next, 1 + 7 * taken)
+        self.assertEqual((await ledger_on(boxes[0]).read()).next, 1 + 8 * 8 * 7)
 
 
 class FileStoreCasTests(CasMixin, unittest.TestCase):
