@@ -561,7 +561,10 @@ def _admin(
         cfg.units,
         units.supervisor.status if units is not None else None,
         activator=hibernation.activator if hibernation is not None else None,
-        mesh=_mesh_status(membership, cfg.env_file) if membership is not None else None,
+        # (with the settings a create must read to fan out: lchat add-instance warns otherwise)
+        mesh=(lambda: {"env_file": cfg.env_file, **membership.status()})
+        if membership is not None
+        else None,
         acme=certs.issuer.status if certs.issuer is not None else None,
         backup=backup.backup.status if backup is not None else None,
         capacity=Capacity(cfg.max_instances, cfg.max_registered, _always_on(units, routes)),
@@ -614,34 +617,6 @@ def _address(url: str) -> tuple[str, int]:
     """A member URL's address and port, as a forward to it connects (lchat.mesh.forward)."""
     parts = urlsplit(url)
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def _mesh_status(membership: Membership, env_file: str) -> Callable[[], dict[str, Any]]:
-    def status() -> dict[str, Any]:
-        live = membership.live()
-        return {
-            # The settings a create must read to fan out (lchat add-instance warns otherwise).
-            "env_file": env_file,
-            # May this box write on its leases (docs/lease.md)? False before the first beat and
-            # once none has landed for dead_after - margin.
-            "alive": membership.alive(),
-            "epoch": membership.epoch,
-            "live": len(live),
-            "members": [
-                {
-                    "url": m.url,
-                    "region": m.region,
-                    "version": m.version,
-                    "age": round(m.age, 1),
-                    "self": m.self,
-                }
-                for m in live
-            ],
-            # What keeps it alive, and each peer's part (docs/lease.md, "Witnesses").
-            "witness": membership.witness_status(),
-        }
-
-    return status
 
 
 def _fleet_view(

@@ -22,7 +22,7 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat.mesh import api, client
+from lchat.mesh import client, route_payload
 from lchat.mesh.due import DuePush
 from lchat.mesh.membership import Member
 from lchat.registry import Route, RouteSource
@@ -64,18 +64,20 @@ def pushes(outcome: str) -> float:
 
 class PayloadTests(SynchronousTestCase):
     def test_a_payload_without_next_due_is_accepted_and_keeps_the_local_value(self) -> None:
-        parsed = api.parse_payload(payload())
+        parsed = route_payload.parse_payload(payload())
         self.assertIsNone(parsed.next_due)
 
     def test_next_due_is_read(self) -> None:
-        self.assertEqual(api.parse_payload(payload(next_due=DUE)).next_due, DUE)
-        self.assertEqual(api.parse_payload(payload(next_due=0)).next_due, 0)
-        self.assertEqual(api.parse_payload(payload(next_due=2**53 - 1)).next_due, 2**53 - 1)
+        self.assertEqual(route_payload.parse_payload(payload(next_due=DUE)).next_due, DUE)
+        self.assertEqual(route_payload.parse_payload(payload(next_due=0)).next_due, 0)
+        self.assertEqual(
+            route_payload.parse_payload(payload(next_due=2**53 - 1)).next_due, 2**53 - 1
+        )
 
     def test_bad_next_due_values_are_refused(self) -> None:
         for bad in (-1, 2**53, 1.5, float(DUE), "1900000000", True, None, [DUE]):
-            with self.assertRaises(api.PayloadError, msg=repr(bad)) as caught:
-                api.parse_payload(payload(next_due=bad))
+            with self.assertRaises(route_payload.PayloadError, msg=repr(bad)) as caught:
+                route_payload.parse_payload(payload(next_due=bad))
             self.assertIn("next_due", str(caught.exception))
 
     def test_route_payload_carries_a_due_time_and_a_forced_zero(self) -> None:

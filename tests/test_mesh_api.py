@@ -34,7 +34,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from lchat import config, envfile, hosts
 from lchat.cli import mesh as mesh_cli
 from lchat.config import BoxConfig
-from lchat.mesh import api, client, tokens
+from lchat.mesh import api, client, route_payload, tokens
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, Member, member_key
 from lchat.mesh.placement import normalise_member_url, owner
@@ -335,7 +335,7 @@ class UpsertTests(APITestCase):
             "LCHAT_B": "it's",
             "LCHAT_C": 'say "hi" # not a comment',
             "LCHAT_D": "",
-            "LCHAT_E": "x" * api.MAX_ENV_VALUE,
+            "LCHAT_E": "x" * route_payload.MAX_ENV_VALUE,
             "LCHAT_F": "ünïcödé",
         }
         yield self.push(payload(env=env))
@@ -405,10 +405,10 @@ class RefusalTests(APITestCase):
             ({"LCHAT_A": "nul\x00"}, "control character"),
             ({"LCHAT_A": "cr\r"}, "line break"),
             ({"LCHAT_A": "sep\u2028"}, "line break"),
-            ({"LCHAT_A": "x" * (api.MAX_ENV_VALUE + 1)}, "longer than"),
-            ({"LCHAT_A": "é" * (api.MAX_ENV_VALUE // 2 + 1)}, "longer than"),
+            ({"LCHAT_A": "x" * (route_payload.MAX_ENV_VALUE + 1)}, "longer than"),
+            ({"LCHAT_A": "é" * (route_payload.MAX_ENV_VALUE // 2 + 1)}, "longer than"),
             ({"LCHAT_A": " 'both\" "}, "both quote"),
-            ({f"LCHAT_K{i}": "v" for i in range(api.MAX_ENV_KEYS + 1)}, "more than"),
+            ({f"LCHAT_K{i}": "v" for i in range(route_payload.MAX_ENV_KEYS + 1)}, "more than"),
             (["LCHAT_A"], "env must be an object"),
         ]:
             yield self.assertRefused(self.post(payload(env=env)), 400, fragment)
@@ -718,7 +718,7 @@ class ListTests(APITestCase):
         )
         # Every entry is a payload the API itself accepts.
         for route in routes:
-            api.parse_payload(route)
+            route_payload.parse_payload(route)
         self.assertEqual(self.box.changes(), before)
         self.assertEqual(
             self.served.reloads,

@@ -16,9 +16,9 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     that runs the space always-on (``lchat hibernate --off`` there), never this box's own. That
     shape writes only the row (not hibernating, ``lives_at`` normalised, no due time), over no row
     or a replicated one (:attr:`lchat.registry.Route.replicated`); the router forwards its
-    requests to that box and never wakes it (:meth:`lchat.mesh.routing.MeshRouter.forward_elsewhere`). ``env`` holds at most :data:`MAX_ENV_KEYS` entries named
+    requests to that box and never wakes it (:meth:`lchat.mesh.routing.MeshRouter.forward_elsewhere`). ``env`` holds at most :data:`~lchat.mesh.route_payload.MAX_ENV_KEYS` entries named
     ``LCHAT_[A-Z0-9_]{1,64}`` (not ``LCHAT_HOST``, ``LCHAT_SOCKET`` or ``LCHAT_DB``), each value a
-    string of at most :data:`MAX_ENV_VALUE` bytes without line breaks or control characters. The
+    string of at most :data:`~lchat.mesh.route_payload.MAX_ENV_VALUE` bytes without line breaks or control characters. The
     host must be in this box's scope: equal to or directly under one of its ``LCHAT_MESH_DOMAINS``,
     or with a ``home_region`` equal to its ``LCHAT_MESH_REGION``. Any unknown field is refused.
     One field is optional: ``next_due``, the space's next scheduled wake (an integer of unix
@@ -71,7 +71,7 @@ through it, or on its unix socket: "local").
 with the mesh token (``members``: :meth:`lchat.mesh.membership.Membership.known`), and ``https``
 (``http`` only on a mesh whose own ``LCHAT_MESH_SELF`` is plain HTTP, which chose cleartext):
 never an arbitrary address of the box's network, never a cleartext diversion of a space's
-traffic. A host is in scope only under the mesh's domains (see :func:`in_scope`): a token
+traffic. A host is in scope only under the mesh's domains (see :func:`lchat.mesh.route_payload.in_scope`): a token
 holder cannot make a box order certificates for names outside them. Writes run in a thread, serialised, and the router's
 route table is reloaded (the ``reload`` callback) before the answer goes out.
 """
@@ -81,16 +81,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from io import BytesIO
 from typing import Any
 
-from attrs import frozen
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
@@ -99,34 +97,34 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from lchat import envfile, hosts
-from lchat.config import BoxConfig, ConfigError, MeshConfig, read_env_file
+from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import tokens
 from lchat.mesh.client import (
-    ENV_KEY,
-    MAX_NEXT_DUE,
-    PAYLOAD_FIELDS,
-    REQUIRED_FIELDS,
-    RESERVED_ENV,
     ROUTE_PATH,
     ROUTES_PATH,
-    check_peer_url,
     replicable_env,
     route_payload,
 )
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
+from lchat.mesh.route_payload import (
+    PayloadError,
+    RoutePayload,
+    decode_payload,
+    in_scope,
+)
+
+# moved to lchat.mesh.route_payload: importers outside lchat/mesh (tests) still use this
+from lchat.mesh.route_payload import (
+    parse_payload as parse_payload,
+)
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
-from lchat.registry import REPLICATIONS, Conflict, Registry, Route
+from lchat.registry import Conflict, Registry, Route
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
 
 MAX_BODY = 64 * 1024
-MAX_ENV_KEYS = 64
-MAX_ENV_VALUE = 4096
-MAX_VERSION = 256
-_REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
 Reload = Callable[[str], object]
 # Called on the reactor: a snapshot of the fleet view, finished in a worker thread.
 Spaces = Callable[[], Callable[[], dict[str, Any]]]
@@ -152,132 +150,6 @@ _calls = Counter(
     ["op", "outcome"],
 )
 _log = Logger(namespace="lchat.mesh.api")
-
-
-class PayloadError(ValueError):
-    """A payload that is not acceptable; the message says which field and why."""
-
-
-@frozen
-class RoutePayload:
-    """A validated ``POST /api/mesh/route`` body (kind ``instance`` and hibernate true, always)."""
-
-    host: str
-    version: str
-    replication: str
-    home_region: str
-    env: Mapping[str, str]
-    next_due: int | None = None  # None: absent, keep this box's value
-    # Non-empty: the "lives elsewhere" shape (hibernate false): the normalised URL of the box
-    # that runs the space always-on; this box forwards to it and never wakes the space.
-    lives_at: str = ""
-
-
-def parse_payload(data: object) -> RoutePayload:
-    """Check a decoded JSON body field by field; :class:`PayloadError` names the first problem."""
-    if not isinstance(data, dict):
-        raise PayloadError("the body must be a JSON object")
-    unknown = sorted(set(data) - set(PAYLOAD_FIELDS))
-    if unknown:
-        raise PayloadError(f"unknown fields: {', '.join(unknown)[:200]}")
-    missing = [f for f in REQUIRED_FIELDS if f not in data]
-    if missing:
-        raise PayloadError(f"missing fields: {', '.join(missing)}")
-    host = data["host"]
-    if not isinstance(host, str):
-        raise PayloadError("host must be a string")
-    try:
-        host = hosts.normalise(host)
-    except hosts.InvalidHost as e:
-        raise PayloadError(f"host: {e}") from None
-    if data["kind"] != "instance":
-        raise PayloadError("kind must be 'instance': services do not replicate")
-    hibernate = data["hibernate"]
-    if not isinstance(hibernate, bool):
-        raise PayloadError("hibernate must be true or false")
-    lives_at = data.get("lives_at", "")
-    if hibernate and lives_at != "":
-        raise PayloadError("lives_at must be absent or empty on a hibernating route")
-    if not hibernate:
-        lives_at = _check_lives_at(lives_at)
-        if "next_due" in data:
-            raise PayloadError("next_due: a lives-elsewhere route never wakes here")
-    version = data["version"]
-    if not _text(version) or len(version) > MAX_VERSION or not _printable(version):
-        raise PayloadError(f"version must be printable text of at most {MAX_VERSION} characters")
-    replication = data["replication"]
-    if not isinstance(replication, str) or replication not in REPLICATIONS:
-        raise PayloadError(f"replication must be one of {', '.join(REPLICATIONS)}")
-    home_region = data["home_region"]
-    if not isinstance(home_region, str) or (home_region and not _REGION.fullmatch(home_region)):
-        raise PayloadError("home_region must be empty or letters, digits, '.', '_' or '-'")
-    next_due = data.get("next_due")  # absent: None (keep this box's value); null is refused
-    if "next_due" in data and (
-        not isinstance(next_due, int)
-        or isinstance(next_due, bool)
-        or not 0 <= next_due < MAX_NEXT_DUE
-    ):
-        raise PayloadError("next_due must be an integer of unix seconds, 0 (none) up to 2**53")
-    return RoutePayload(
-        host=host,
-        version=version,
-        replication=replication,
-        home_region=home_region,
-        env=_check_env(data["env"]),
-        next_due=next_due,
-        lives_at=lives_at,
-    )
-
-
-def _check_lives_at(value: object) -> str:
-    """A route with ``hibernate`` false must say where it lives: a box's ``LCHAT_MESH_SELF``
-    (``http(s)://host[:port]``, no path), returned normalised."""
-    if not isinstance(value, str) or not value:
-        raise PayloadError(
-            "hibernate must be true, or false with lives_at (the URL of the box that runs the "
-            "space always-on): only hibernating spaces and lives-elsewhere routes replicate"
-        )
-    try:
-        return normalise_member_url(check_peer_url(value))
-    except ValueError as e:
-        raise PayloadError(f"lives_at: {e}"[:300]) from None
-
-
-def _check_env(env: object) -> dict[str, str]:
-    if not isinstance(env, dict):
-        raise PayloadError("env must be an object of names to strings")
-    if len(env) > MAX_ENV_KEYS:
-        raise PayloadError(f"env has more than {MAX_ENV_KEYS} entries")
-    checked: dict[str, str] = {}
-    for name, value in env.items():
-        if not ENV_KEY.fullmatch(name) or name in RESERVED_ENV:
-            raise PayloadError(
-                f"env: {name[:80]!r} is not a replicable name (LCHAT_[A-Z0-9_]{{1,64}}, not "
-                f"{', '.join(sorted(RESERVED_ENV))})"
-            )
-        if not _text(value):
-            raise PayloadError(f"env: {name} must be a string (of UTF-8 text)")
-        if len(value.encode("utf-8")) > MAX_ENV_VALUE:
-            raise PayloadError(f"env: {name} is longer than {MAX_ENV_VALUE} bytes")
-        try:
-            envfile.env_line(name, value)
-        except ValueError as e:
-            raise PayloadError(f"env: {name}: {e}") from None
-        checked[name] = value
-    return checked
-
-
-def in_scope(mesh: MeshConfig, host: str, home_region: str) -> bool:
-    """Is ``host`` one of the mesh's: equal to or directly under a mesh domain, or homed in this
-    box's region *and* under a mesh domain at any depth? Never a name outside the mesh's
-    domains: a replicated route makes this box serve, and order a certificate for, its host."""
-    if any(hosts.covers(domain, host) for domain in mesh.domains):
-        return True
-    return (
-        bool(home_region)
-        and home_region == mesh.region
-        and any(host.endswith("." + domain) for domain in mesh.domains)
-    )
 
 
 class AuthLimiter:
@@ -523,15 +395,7 @@ class MeshAPI(Resource):
         body = request.content.read(MAX_BODY + 1) if request.content is not None else b""
         if len(body) > MAX_BODY:
             raise PayloadError(f"the body is larger than {MAX_BODY} bytes")
-        try:
-            data = json.loads(
-                body.decode("utf-8"),
-                object_pairs_hook=_no_duplicates,
-                parse_constant=_no_constants,
-            )
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise PayloadError(f"the body is not JSON: {e}"[:300]) from None
-        payload = parse_payload(data)
+        payload = decode_payload(body)
         if payload.lives_at and payload.lives_at == normalise_member_url(self._mesh.self_url):
             raise PayloadError(
                 f"lives_at {payload.lives_at} is this box: a space that runs here always-on is "
@@ -852,34 +716,6 @@ def _client(request: Request) -> str:
         return "local"
     last = values[-1].rsplit(b",", 1)[-1].strip()
     return last.decode("ascii", "replace")[:64] or "local"
-
-
-def _text(value: object) -> bool:
-    """A string that is valid unicode all through (JSON can smuggle in lone surrogates)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _printable(text: str) -> bool:
-    return not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key[:80]!r}")
-        result[key] = value
-    return result
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _read_private(path: str) -> bytes | None:

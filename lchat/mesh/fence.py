@@ -22,11 +22,12 @@ Two sides of one rule:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from attrs import frozen
 from prometheus_client import Counter
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from lchat.hosts import normalise_member_url
@@ -201,7 +202,7 @@ class BoxFence:
     async def holder_check(self, record: LeaseRecord) -> str | None:
         return await self.judge(record)
 
-    async def ready(self, reactor: Any, budget: float) -> None:
+    async def ready(self, reactor: IReactorTime, budget: float) -> None:
         """Return once this box may take a lease: at once while alive; after the first beat
         lands at boot (at most ``budget`` seconds); :class:`NotAlive` when a beat that landed
         before is too old now (the box is cut off from its bucket)."""
