@@ -16,7 +16,6 @@ import os
 import sys
 from typing import Any
 
-NAME = "uvloop"
 FIX = "run it as `twistd lchat ...` (or `twistd --reactor=uvloop lchat ...`)"
 
 
