@@ -54,7 +54,7 @@ from twisted.web.server import Request
 from lchat.home import passkeys as pk
 from lchat.home.limits import Limits
 from lchat.home.revocation import RevocationFeed, TokenCache, utc_day
-from lchat.home.stateless import Ceremonies, CeremonyRejected
+from lchat.home.stateless import Ceremonies, CeremonyRejected, b64url
 from lchat.home.store import (
     NO_VERSION,
     BadVersion,
@@ -106,10 +106,6 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.extra = extra
-
-
-def b64url(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
 def unb64url(text: str) -> bytes:

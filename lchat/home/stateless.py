@@ -280,7 +280,8 @@ def _main_keys(
     return SessionKeys.derive(parse_session_key(text)), None
 
 
-def _b64url(data: bytes) -> str:
+def b64url(data: bytes) -> str:
+    """Base64url without padding (WebAuthn's encoding, and every token home hands out)."""
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
@@ -293,7 +294,7 @@ def _b64url_decode(text: str) -> bytes | None:
         data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
         return None
-    return data if _b64url(data) == text else None
+    return data if b64url(data) == text else None
 
 
 def _is_time(value: Any) -> bool:
@@ -347,8 +348,8 @@ class CeremonyProofs:
         for name, value in (("c", credential), ("a", action), ("d", device)):
             if value:
                 payload[name] = value
-        segment = _b64url(json.dumps(payload, separators=(",", ":"), sort_keys=True).encode())
-        return f"{segment}.{_b64url(self._tag(segment))}"
+        segment = b64url(json.dumps(payload, separators=(",", ":"), sort_keys=True).encode())
+        return f"{segment}.{b64url(self._tag(segment))}"
 
     def verify(self, token: str, purpose: str) -> CeremonyProof:
         """The proof in ``token`` if it is authentic, for ``purpose``, and unexpired; otherwise
@@ -469,7 +470,7 @@ class SessionSealer:
             {
                 "v": _SEAL_VERSION,
                 "u": uid,
-                "c": _b64url(challenge),
+                "c": b64url(challenge),
                 "r": rp_id,
                 "uv": user_verification,
                 "e": self.clock() + self.ttl,
@@ -480,7 +481,7 @@ class SessionSealer:
         ).encode()
         nonce = self.random_bytes(_NONCE_BYTES)
         sealed = AESGCM(self.key).encrypt(nonce, plaintext, _SEAL_AD_PREFIX + purpose.encode())
-        return _b64url(bytes([_SEAL_VERSION]) + nonce + sealed)
+        return b64url(bytes([_SEAL_VERSION]) + nonce + sealed)
 
     def _open_under_accept(self, nonce: bytes, sealed: bytes, associated: bytes) -> bytes | None:
         if not self.accept_key:
