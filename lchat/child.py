@@ -35,7 +35,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import unixhttp
-from lchat.deferutil import fire
+from lchat.deferutil import fire, relay
 from lchat.isolation import IsolationError, SpaceUser, argv_as
 
 MAX_LINE = 4096  # longest child output line we log; the rest of the line is dropped
@@ -260,11 +260,7 @@ class RunningChild:
 
         def probe_done(outcome: object) -> None:
             exited.cancel()
-            if not result.called:
-                if isinstance(outcome, Failure):
-                    result.errback(outcome)
-                else:
-                    result.callback(None)
+            relay(outcome, result)
 
         def child_ended(info: ExitInfo) -> None:
             if not result.called:

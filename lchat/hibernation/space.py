@@ -17,6 +17,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.child import RunningChild
+from lchat.deferutil import fire
 from lchat.lease import HeldLease, LeaseKeeper
 from lchat.registry import Route
 from lchat.replica.replicator import Replicator
@@ -131,9 +132,7 @@ class Space:
             self.requests -= 1
             if self.requests <= 0:
                 done, self.requests_done = self.requests_done, []
-                for d in done:
-                    if not d.called:  # (a wait whose budget ran out was cancelled)
-                        d.callback(None)
+                fire(done, None)  # (a wait whose budget ran out was cancelled: skipped)
         self.last_active = self.clock()
 
     async def requests_finished(self) -> None:

@@ -23,6 +23,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from twisted.web.websocket import WebSocketResource
 
 import lchat
+from lchat.deferutil import fire
 from lchat.space.config import Config
 from lchat.space.store import Message, Store
 from lchat.space.ws import Hub, RoomSocketFactory
@@ -111,8 +112,7 @@ class Tracker(Generic[_T]):
         self._items.discard(item)
         if not self._items:
             waiters, self._waiters = self._waiters, []
-            for d in waiters:
-                d.callback(None)  # a timed-out (cancelled) waiter ignores this
+            fire(waiters, None)  # a timed-out (cancelled) waiter is skipped
 
     def __iter__(self) -> Iterator[_T]:
         return iter(list(self._items))  # a copy: callers discard while iterating
