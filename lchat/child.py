@@ -46,17 +46,12 @@ log = Logger(namespace="lchat.supervise")
 child_log = Logger(namespace="lchat.space")
 
 
-class Reactor(TypingProtocol):
-    """The reactor surface we use: ``IReactorProcess`` + ``IReactorTime`` (+ UNIX for probes)."""
+class Reactor(unixhttp.Reactor, TypingProtocol):
+    """The reactor surface we use: ``IReactorTime`` (and a unix socket for the readiness probe,
+    :class:`lchat.unixhttp.Reactor`) + ``IReactorProcess``."""
 
-    def callLater(
-        self, delay: float, callable: Callable[..., Any], *args: object, **kw: object
-    ) -> IDelayedCall: ...
-
-    def seconds(self) -> float: ...
-
-    # A read-only attribute, not a method: zope interfaces declare methods without ``self``,
-    # which a method protocol member cannot match (no mypy-zope here).
+    # A read-only attribute, not a method: a zope interface declares methods without ``self``,
+    # which a method protocol member cannot match.
     @property
     def spawnProcess(self) -> Callable[..., IProcessTransport]: ...
 
