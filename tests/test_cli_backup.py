@@ -157,8 +157,8 @@ class BackupCliCase(TestCase):
         return Result(code, "\n".join(out) + "\n" if out else "", "\n".join(err))
 
     def lchat_sync(self, *argv: str) -> Result:
-        """``main()`` itself: only for what fails or ends before a bucket is opened (it would
-        run the global reactor otherwise)."""
+        """``main()`` itself, in this process (a command's async work runs on a reactor of its
+        own: :mod:`lchat.cli.runner`)."""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main([*argv, "--env-file", self.env_file])

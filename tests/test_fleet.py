@@ -528,7 +528,7 @@ class ParserTests(SynchronousTestCase):
 
 class RefusalTests(SynchronousTestCase):
     """Bad input: one ``lchat: error:`` line, status 1, nothing asked or written (the real CLI,
-    as a process: it runs the global reactor)."""
+    as a process)."""
 
     def setUp(self) -> None:
         self.root = tempfile.mkdtemp(prefix="fleet")

@@ -18,8 +18,8 @@ Invariants: nothing is ever written to the bucket. A restore writes its output o
 whole database is rebuilt and checked (:func:`lchat.replica.restore.restore`), never over a
 database something uses right now, and then removes the ``-wal``/``-shm``/``-journal`` left
 beside the output by the file it replaced (SQLite would replay a stale WAL into the restored
-database). The commands are synchronous: :func:`run` runs the async work on the global reactor,
-once per process; :func:`execute` is the same on a reactor that is already running (tests).
+database). The commands are synchronous: :func:`run` runs the async work on a reactor of its own
+(:func:`lchat.cli.runner.run`); :func:`execute` is the same on a reactor that is already running.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from lchat.backup import envfiles, selection
 from lchat.backup.layout import REGISTRY_NAME, BadName, Layout, Stored, catalogue, check_name
 from lchat.buckets import prepare
 from lchat.cli import replica as replica_cli
+from lchat.cli import runner
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import (
     UTC,
@@ -121,7 +122,6 @@ _ERRORS = (
     restore_mod.RestoreError,
     ObjectStoreError,
     RegistryError,
-    replica_cli.ReplicaCliError,
 )
 
 
@@ -157,11 +157,11 @@ def add_arguments(
     rs.add_argument("-o", "--output", metavar="PATH", help="where to write it (default ./DB-NAME)")
     target = rs.add_mutually_exclusive_group()
     target.add_argument(
-        "--txid", type=replica_cli._txid, metavar="N", help="restore up to this txid"
+        "--txid", type=replica_cli.txid_type, metavar="N", help="restore up to this txid"
     )
     target.add_argument(
         "--timestamp",
-        type=replica_cli._timestamp,
+        type=replica_cli.timestamp_type,
         metavar="RFC3339",
         help="restore the last state committed before this time",
     )
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
         if args.backup_command == "litestream-config":
             out(litestream_config(cfg, conf))
             return 0
-        return replica_cli.run_on_reactor(lambda r: _execute(r, args, cfg, conf, out, _stderr))
+        return runner.run(lambda r: _execute(r, args, cfg, conf, out, _stderr))
     except _ERRORS as e:
         _stderr(_error(str(e)))
         return 1

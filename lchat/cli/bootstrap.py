@@ -1041,9 +1041,9 @@ def probe(env_path: str, *, file_buckets: bool = True) -> tuple[list[str], list[
                 ok.append(f"{b.stem}_BUCKET={b.bucket}: not probed (not as the service user)")
         buckets = [b for b in buckets if not b.bucket.startswith("file:")]
     if buckets:
-        from lchat.cli.replica import run_on_reactor
+        from lchat.cli import runner
 
-        for stem, bucket, error in run_on_reactor(lambda reactor: _probe_buckets(reactor, buckets)):
+        for stem, bucket, error in runner.run(lambda reactor: _probe_buckets(reactor, buckets)):
             if error is None:
                 ok.append(f"{stem}_BUCKET={bucket}: reachable and writable")
             else:

@@ -23,7 +23,7 @@ from cryptography import x509
 from lchat import admin_client, tls
 from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name, key_id
 from lchat.buckets import open_bucket
-from lchat.cli.replica import run_on_reactor
+from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
                 await store.close()
 
         try:
-            rows = _merge(rows, run_on_reactor(main))
+            rows = _merge(rows, runner.run(main))
         except ObjectStoreError as e:
             raise CertsError(f"cannot read the shared certificate cache: {e}") from e
     rows.sort(key=lambda r: (r.kind != "default", r.name.lstrip("*."), r.source))

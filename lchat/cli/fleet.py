@@ -24,19 +24,18 @@ import argparse
 import contextlib
 import json
 import time
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from attrs import frozen
-from twisted.internet import defer
 from twisted.internet.defer import Deferred, gatherResults
-from twisted.python.failure import Failure
 
-from lchat.buckets import open_bucket, open_mesh_bucket
-from lchat.config import BoxConfig, ConfigError, mesh_bucket, parse_bucket_url
+from lchat.buckets import open_bucket
+from lchat.cli import mesh as mesh_cli
+from lchat.cli import runner
+from lchat.config import BoxConfig, ConfigError, parse_bucket_url
 from lchat.mesh import client, fleet
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import Member, read_members
+from lchat.mesh.membership import Member
 from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import ObjectStoreError
 from lchat.objstore.where import Where
@@ -51,7 +50,6 @@ EXIT_PARTIAL = 3
 COLUMNS = ("BOX", "HOST", "STATE", "VERSION", "AWAKE-SINCE", "NEXT-DUE", "LAG")
 
 Say = Callable[[str], None]
-_T = TypeVar("_T")
 
 
 class FleetCliError(Exception):
@@ -139,7 +137,7 @@ def run(
     # Each step is bounded; this is a backstop well past their sum.
     budget = MEMBERS_TIMEOUT + timeout + PUBLISH_TIMEOUT + 10.0
     try:
-        members, result = _on_reactor(main, budget)
+        members, result = runner.run(main, budget)
     except TimeoutError as e:
         raise FleetCliError(f"gave up: {e}") from e
     if result is None:
@@ -170,55 +168,6 @@ def run(
     return 0 if result.complete else EXIT_PARTIAL
 
 
-def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -> _T:
-    """Run ``main(reactor)`` on the global reactor, at most ``budget`` seconds (then
-    :class:`TimeoutError`), from a synchronous caller: started and stopped here, or, when it
-    already runs in another thread (a test), called into. Not on a reactor of its own as ``lchat
-    mesh`` does: an S3 upload's body is paced by Twisted's global cooperator, which only the
-    global reactor runs."""
-    from twisted.internet import reactor
-    from twisted.internet.threads import blockingCallFromThread
-    from twisted.python.threadable import isInIOThread
-
-    r: Any = reactor
-
-    def start() -> Deferred[Any]:
-        d: Deferred[Any] = Deferred.fromCoroutine(main(r))
-        d.addTimeout(budget, r)
-        return d
-
-    try:
-        if r.running:
-            if isInIOThread():
-                raise RuntimeError("lchat fleet would block the reactor's own thread")
-            result: _T = cast(_T, blockingCallFromThread(r, start))
-            return result
-        outcome: list[Any] = []
-
-        def run() -> None:
-            d = start()
-
-            def done(value: object) -> None:
-                outcome.append(value)
-                r.stop()
-
-            d.addBoth(done)
-
-        r.callWhenRunning(run)
-        r.run()
-    except defer.TimeoutError as e:
-        raise TimeoutError(f"not finished within {budget:g}s") from e
-    if not outcome:
-        raise KeyboardInterrupt  # the reactor stopped on a signal
-    value = outcome[0]
-    if isinstance(value, Failure):
-        if value.check(defer.TimeoutError):
-            raise TimeoutError(f"not finished within {budget:g}s")
-        value.raiseException()
-    done_value: _T = value
-    return done_value
-
-
 @frozen
 class _Target:
     where: Where
@@ -236,28 +185,12 @@ def _publish_target(url: str) -> tuple[_Target, str]:
 
 
 async def _members(reactor: Any, cfg: BoxConfig) -> list[Member]:
-    mesh = cfg.mesh
-    assert mesh is not None
-    store = await open_mesh_bucket(reactor, cfg)
+    read: Deferred[list[Member]] = Deferred.fromCoroutine(mesh_cli.read_mesh_members(reactor, cfg))
+    read.addTimeout(MEMBERS_TIMEOUT, reactor)
     try:
-        read: Deferred[list[Member]] = Deferred.fromCoroutine(
-            read_members(
-                store,
-                mesh_bucket(cfg),
-                dead_after=mesh.dead_after,
-                self_url=mesh.self_url,
-                # Only authenticated members are asked (with the mesh token): a heartbeat
-                # planted in the bucket is no member.
-                keys=HeartbeatKeys.of(mesh.token, mesh.accept_token),
-            )
-        )
-        read.addTimeout(MEMBERS_TIMEOUT, reactor)
-        try:
-            return await read
-        except TimeoutError as e:
-            raise ObjectStoreError(f"no answer within {MEMBERS_TIMEOUT:g}s") from e
-    finally:
-        await store.close()
+        return await read
+    except TimeoutError as e:
+        raise ObjectStoreError(f"no answer within {MEMBERS_TIMEOUT:g}s") from e
 
 
 async def _ask(reactor: Any, cfg: BoxConfig, member: Member, timeout: float) -> fleet.BoxReport:  # noqa: ASYNC109 -- bounded by the mesh client's addTimeout

@@ -8,9 +8,8 @@ the same id; a run that dies after taking its id leaves the id unused, never rei
 the larger of it and the highest minted id under the domain + 1, so an id whose space was removed
 (its files stay) is not minted again on this box.
 
-The commands are synchronous. Their bucket work runs on the global reactor: started for the
-call (once per process) when it is not running, or, when it is already running in another thread
-(tests drive the CLI in-process from a worker thread), handed to it.
+The commands are synchronous: their bucket work runs on a reactor of its own per call
+(:func:`lchat.cli.runner.run`).
 """
 
 from __future__ import annotations
@@ -23,9 +22,10 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from lchat import hosts
+from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.ledger import (
     FIRST_ID,
@@ -37,6 +37,7 @@ from lchat.ledger import (
     LedgerError,
     minted_ids,
 )
+from lchat.objstore import ObjectStoreError
 from lchat.objstore.where import Where
 
 SUMMARY = "show the shared id ledger (LCHAT_CLOUD_ID_LEDGER), or seed it above a namespace's ids"
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
         finally:
             await store.close()
 
-    code = on_reactor(work)
+    code = _run(work)
     if args.ledger_action == "show":
         block = _load_state(cfg.data_dir).get("ledger")
         if isinstance(block, dict) and block.get("url") == str(url):
@@ -178,7 +179,7 @@ def _draw(
         finally:
             await store.close()
 
-    _counter, block = on_reactor(work)
+    _counter, block = _run(work)
     if block is None:
         assert cached is not None
         start, end, how = int(cached["next"]), int(cached["end"]), "this box's block"
@@ -211,29 +212,10 @@ async def _open(reactor: Any, cfg: BoxConfig, url: Where) -> tuple[Any, IdLedger
     return store, ledger
 
 
-def on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
-    """Run ``main(reactor)`` to completion on the global reactor, from a synchronous caller."""
-    from twisted.internet import reactor
-    from twisted.internet.defer import Deferred
-    from twisted.internet.threads import blockingCallFromThread
-
-    from lchat.cli.replica import run_on_reactor
-    from lchat.objstore import ObjectStoreError
-
-    r: Any = reactor
+def _run(work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+    """``work(reactor)`` on the CLI's runner; a failure of the bucket is a :class:`LedgerError`."""
     try:
-        if not r.running:
-            return run_on_reactor(main)
-        from twisted.python.threadable import isInIOThread
-
-        if isInIOThread():
-            raise RuntimeError("on_reactor would block the reactor's own thread")
-
-        def start() -> Deferred[Any]:
-            return Deferred.fromCoroutine(main(r))
-
-        result: _T = cast(_T, blockingCallFromThread(r, start))
-        return result
+        return runner.run(work)
     except ObjectStoreError as e:
         # The bucket is down, or the credentials may not read or write the counter.
         raise LedgerError(f"the id ledger's bucket failed: {e}; nothing was taken") from e

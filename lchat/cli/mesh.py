@@ -7,24 +7,20 @@ all), every result on stderr, and never a failure of the command itself. A peer 
 push catches up with ``lchat mesh-seed``, which also prunes (``--prune``) what a missed tombstone
 left behind.
 
-The network calls run on a reactor of their own, started and stopped per command, so the CLI
-stays a plain synchronous program (and can be called in-process more than once).
+The network calls run on a reactor of their own per command (:func:`lchat.cli.runner.run`).
 """
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from twisted.internet import defer
 from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
-from twisted.python.failure import Failure
 
 from lchat import hosts
 from lchat.buckets import open_mesh_bucket
+from lchat.cli import runner
 from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
 from lchat.mesh.heartbeat import HeartbeatKeys
@@ -39,7 +35,6 @@ SEED_LIST_TIMEOUT = 60.0  # the peer's listing (--prune): it may hold many thous
 SEED_CONCURRENCY = 8
 MEMBERS_TIMEOUT = 15.0  # `lchat mesh`: reading the membership
 
-_T = TypeVar("_T")
 Say = Callable[[str], None]
 
 
@@ -47,49 +42,16 @@ class MeshCliError(Exception):
     """A refusal or failure of a mesh command; one ``lchat: error:`` line."""
 
 
-# --- running async work from the synchronous CLI ------------------------------------------------
+# moved to lchat.cli.runner.run: importers outside the CLI runners (cli/main.py,
+# handover/seams.py, tests/test_s3.py, tests/test_mesh_api.py, tests/handover_fakes.py) use it
+run_on_own_reactor = runner.run
 
 
-def run_on_own_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -> _T:
-    """Run ``main(reactor)`` on a fresh reactor and return its result; at most ``budget`` seconds
-    (then it is cancelled: :class:`TimeoutError`). Ctrl-C stops it (KeyboardInterrupt)."""
-    from twisted.internet.pollreactor import PollReactor
-
-    reactor: Any = PollReactor()
-    outcome: list[Any] = []
-
-    def start() -> None:
-        d = Deferred.fromCoroutine(main(reactor))
-        d.addTimeout(budget, reactor)
-
-        def done(value: object) -> None:
-            outcome.append(value)
-            reactor.callLater(0, reactor.stop)
-
-        d.addBoth(done)
-
-    reactor.callWhenRunning(start)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous: Any = None
-    if main_thread:
-        previous = signal.signal(signal.SIGINT, lambda *_: reactor.callFromThread(reactor.stop))
-    try:
-        reactor.run(installSignalHandlers=False)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
-    if not outcome:
-        raise KeyboardInterrupt
-    value = outcome[0]
-    if isinstance(value, Failure):
-        if value.check(TimeoutError, defer.TimeoutError):
-            raise TimeoutError(f"not finished within {budget:g}s")
-        value.raiseException()
-    result: _T = value
-    return result
-
-
-async def _members(reactor: Any, cfg: BoxConfig, *, include_dead: bool = False) -> list[Member]:
+async def read_mesh_members(
+    reactor: Any, cfg: BoxConfig, *, include_dead: bool = False
+) -> list[Member]:
+    """The mesh's members by their heartbeats in the mesh bucket (live ones unless
+    ``include_dead``); only authenticated ones (the mesh token): a planted beat is no member."""
     mesh, hib = cfg.mesh, cfg.hibernate
     assert mesh is not None and hib is not None  # config.load refuses a mesh without a bucket
     store = await open_mesh_bucket(reactor, cfg)
@@ -197,7 +159,7 @@ def _fan_out(
     results: dict[str, str] = {}
 
     async def main(reactor: Any) -> list[Member]:
-        members = await _members(reactor, cfg)
+        members = await read_mesh_members(reactor, cfg)
         targets = fan_out_targets(mesh, host, route.home_region, members)
         # Each call ends a little before the budget, so that every peer's outcome is reported.
         left = max(0.5, budget - (time.monotonic() - started) - 0.5)
@@ -212,7 +174,7 @@ def _fan_out(
         return targets
 
     try:
-        targets = run_on_own_reactor(main, budget)
+        targets = runner.run(main, budget)
     except TimeoutError:
         done = ", ".join(f"{url}: {r}" for url, r in sorted(results.items())) or "none"
         say(
@@ -325,16 +287,19 @@ def mesh_seed(
     async def main(reactor: Any) -> None:
         gate = DeferredSemaphore(SEED_CONCURRENCY)
 
+        async def send(payload: dict[str, Any]) -> dict[str, Any]:
+            return await client.push_route(
+                peer,
+                mesh.token,
+                payload,
+                ca_file=mesh.ca_file,
+                timeout=SEED_CALL_TIMEOUT,
+                reactor=reactor,
+            )
+
         async def push(payload: dict[str, Any]) -> None:
             try:
-                answer = await client.push_route(
-                    peer,
-                    mesh.token,
-                    payload,
-                    ca_file=mesh.ca_file,
-                    timeout=SEED_CALL_TIMEOUT,
-                    reactor=reactor,
-                )
+                answer = await send(payload)
             except client.MeshCallError as e:
                 failures.append(f"{payload['host']}: {e}")
                 return
@@ -387,16 +352,8 @@ def mesh_seed(
         )
 
         async def elsewhere(host: str) -> None:
-            payload = client.elsewhere_payload(always_on[host], mesh.self_url)
             try:
-                await client.push_route(
-                    peer,
-                    mesh.token,
-                    payload,
-                    ca_file=mesh.ca_file,
-                    timeout=SEED_CALL_TIMEOUT,
-                    reactor=reactor,
-                )
+                await send(client.elsewhere_payload(always_on[host], mesh.self_url))
             except client.MeshCallError as e:
                 failures.append(f"--prune {host} (lives here): {e}")
                 return
@@ -406,7 +363,7 @@ def mesh_seed(
 
     budget = 3600.0 + len(payloads) * SEED_CALL_TIMEOUT  # each call is bounded; this is a backstop
     try:
-        run_on_own_reactor(main, budget)
+        runner.run(main, budget)
     except TimeoutError as e:
         failures.append(f"gave up: {e}")
     scope = ", ".join(mesh.domains) + (f" + home region {region}" if region else "")
@@ -441,10 +398,10 @@ def show_mesh(cfg: BoxConfig, registry: Registry, out: Say) -> int:
         raise MeshCliError("the mesh is off here: LCHAT_MESH_SELF is not set")
 
     async def main(reactor: Any) -> list[Member]:
-        return await _members(reactor, cfg, include_dead=True)
+        return await read_mesh_members(reactor, cfg, include_dead=True)
 
     try:
-        members = run_on_own_reactor(main, MEMBERS_TIMEOUT)
+        members = runner.run(main, MEMBERS_TIMEOUT)
     except (TimeoutError, ObjectStoreError) as e:
         raise MeshCliError(f"could not read the membership from the bucket: {e}") from e
     live = [m for m in members if m.age <= mesh.dead_after]

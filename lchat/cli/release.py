@@ -13,6 +13,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from lchat import hosts as hostnames
+from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.registry import Registry
@@ -214,7 +215,6 @@ async def _fetcher(
 
 
 def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
-    from lchat.cli.replica import run_on_reactor
     from lchat.release.layout import check_version
 
     check_version(version)
@@ -229,7 +229,7 @@ def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) ->
                 await store.close()
         return what, source, settings.layout.build_dir(release.version)
 
-    what, source, where = run_on_reactor(main)
+    what, source, where = runner.run(main)
     out(f"{version}: {what} in {where} (feed from the {source})")
     return 0
 
@@ -241,8 +241,6 @@ def _list(
     open_registry: OpenRegistry,
     out: Out,
 ) -> int:
-    from lchat.cli.replica import run_on_reactor
-
     layout = settings.layout
     feed_versions: dict[str, str] = {}
     feed_line = "feed: not read (--offline)"
@@ -257,7 +255,7 @@ def _list(
                     await store.close()
             return feed, source
 
-        feed, source = run_on_reactor(main)
+        feed, source = runner.run(main)
         feed_versions = {v: r.released_at for v, r in feed.versions.items()}
         feed_line = (
             f"feed: feed_version {feed.feed_version} from the {source}, expires {feed.expires_at}"
@@ -288,8 +286,6 @@ def _list(
 
 
 def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
-    from lchat.cli.replica import run_on_reactor
-
     if not args.to and not args.mirror:
         raise FeedError("give --to DIR and/or --mirror: nowhere to publish to")
     if args.mirror and settings.mirror is None:
@@ -325,7 +321,7 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
             for store in stores:
                 await store.close()
 
-    feed = run_on_reactor(main)
+    feed = runner.run(main)
     where = " and ".join(filter(None, [args.to, settings.mirror_url if args.mirror else ""]))
     if refreshing:
         out(

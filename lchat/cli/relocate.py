@@ -30,8 +30,8 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar, cast
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -40,6 +40,7 @@ from lchat import admin_client, hosts, lease
 from lchat.buckets import bucket_key_env, open_bucket
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
+from lchat.cli import runner
 from lchat.config import BoxConfig, ConfigError
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
@@ -58,7 +59,6 @@ MEMBERS_BUDGET = 30.0  # one read of the mesh's heartbeats (a LIST and a few GET
 _REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Say = Callable[[str], None]
-_T = TypeVar("_T")
 
 
 class RelocateError(Exception):
@@ -133,9 +133,7 @@ def run(
         steps["result"] = "nothing to do"
         done = [f"{host}: already in {dest}: nothing to do"]
         if move_dns:
-            members = mesh_cli.run_on_own_reactor(
-                lambda reactor: _read_members(reactor, cfg), MEMBERS_BUDGET + 5
-            )
+            members = runner.run(lambda reactor: _read_members(reactor, cfg), MEMBERS_BUDGET + 5)
             if isinstance(members, Exception):
                 raise RelocateError(
                     f"{host}: could not read the mesh's members ({members}) to move its record"
@@ -159,9 +157,7 @@ def run(
     placed: dict[str, Any] | None = None
     if shared:
         if cfg.mesh is not None:
-            members = mesh_cli.run_on_own_reactor(
-                lambda reactor: _read_members(reactor, cfg), MEMBERS_BUDGET + 5
-            )
+            members = runner.run(lambda reactor: _read_members(reactor, cfg), MEMBERS_BUDGET + 5)
             placed = _placement(cfg, host, dest, shared, members, note)
         steps["store"] = {"copied": False, "why": "shared bucket"}
         lines.append(
@@ -286,7 +282,7 @@ def _placement(
 async def _read_members(reactor: Any, cfg: BoxConfig) -> list[Member] | Exception:
     """The mesh's live members, or the error that kept us from reading them."""
     try:
-        d = Deferred.fromCoroutine(mesh_cli._members(reactor, cfg))
+        d = Deferred.fromCoroutine(mesh_cli.read_mesh_members(reactor, cfg))
         d.addTimeout(MEMBERS_BUDGET, reactor)
         return await d
     except (ObjectStoreError, ConfigError, defer.TimeoutError) as e:
@@ -421,47 +417,13 @@ def _fenced_copy_and_flip(
             await dst_store.close()
 
     try:
-        result: dict[str, Any] = _on_reactor(main, timeout)
+        result: dict[str, Any] = runner.run(main, timeout)
     except ObjectStoreError as e:
         raise RelocateError(f"{host}: the bucket failed ({e}); nothing was flipped: retry") from e
     except ConfigError as e:
         raise RelocateError(f"LCHAT_REGION_BUCKETS: {e}") from e
     except TimeoutError as e:
         raise RelocateError(f"{host}: the relocation did not finish ({e}); retry") from e
-    return result
-
-
-def _on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float) -> _T:
-    """Run ``main(reactor)`` on the *global* reactor within ``budget`` seconds (then
-    :class:`TimeoutError`). Not a reactor of our own, as the mesh fan-out uses: an upload's body
-    producer is driven by the global reactor's cooperator, so a PUT on another reactor never
-    finishes. Started here (once per process) when it is not running; handed to it when it runs
-    in another thread (tests call the command from a worker thread)."""
-    from twisted.internet import reactor
-    from twisted.internet.threads import blockingCallFromThread
-    from twisted.python.threadable import isInIOThread
-
-    from lchat.cli.replica import run_on_reactor
-
-    r: Any = reactor
-
-    async def bounded(r: Any) -> _T:
-        d = Deferred.fromCoroutine(main(r))
-        d.addTimeout(budget, r)
-        try:
-            return await d
-        except defer.TimeoutError as e:
-            raise TimeoutError(f"not finished within {budget:g}s") from e
-
-    if not r.running:
-        return run_on_reactor(bounded)
-    if isInIOThread():
-        raise RuntimeError("relocate would block the reactor's own thread")
-
-    def start() -> Deferred[Any]:
-        return Deferred.fromCoroutine(bounded(r))
-
-    result: _T = cast(_T, blockingCallFromThread(r, start))
     return result
 
 

@@ -2,7 +2,8 @@
 
 Reads the bucket from the router's settings (``LCHAT_HIBERNATE_*``). ``ls`` costs one LIST;
 ``restore`` also downloads the files its plan needs and never touches the output path on failure.
-The commands are synchronous: each runs its async work on the (global) reactor, once per process.
+The commands are synchronous: each runs its async work on a reactor of its own
+(:func:`lchat.cli.runner.run`).
 """
 
 from __future__ import annotations
@@ -11,21 +12,18 @@ import argparse
 import datetime
 import os
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
-
-from twisted.internet.defer import Deferred
-from twisted.python.failure import Failure
+from collections.abc import Callable
+from typing import Any
 
 from lchat import hosts
 from lchat.buckets import open_bucket
+from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.replica import restore as restore_mod
 from lchat.threads import RunInThread, thread_runner
 
 SUMMARY = "list or restore a space's replica in the hibernation bucket"
-_T = TypeVar("_T")
 
 
 class ReplicaCliError(Exception):
@@ -48,14 +46,17 @@ def add_arguments(
         "-o", "--output", metavar="PATH", help="where to write it (default ./<host>.db)"
     )
     target = rs.add_mutually_exclusive_group()
-    target.add_argument("--txid", type=_txid, metavar="N", help="restore up to this txid")
+    target.add_argument("--txid", type=txid_type, metavar="N", help="restore up to this txid")
     target.add_argument(
-        "--timestamp", type=_timestamp, metavar="RFC3339", help="restore the last state before this"
+        "--timestamp",
+        type=timestamp_type,
+        metavar="RFC3339",
+        help="restore the last state before this",
     )
     rs.add_argument("--force", action="store_true", help="replace an existing output file")
 
 
-def _txid(text: str) -> int:
+def txid_type(text: str) -> int:
     try:
         value = int(text, 16) if len(text) == 16 else int(text, 0)
     except ValueError:
@@ -65,7 +66,7 @@ def _txid(text: str) -> int:
     return value
 
 
-def _timestamp(text: str) -> datetime.datetime:
+def timestamp_type(text: str) -> datetime.datetime:
     try:
         return restore_mod.parse_timestamp(text)
     except ValueError as e:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
             await store.close()
 
     try:
-        return run_on_reactor(main)
+        return runner.run(main)
     except (ReplicaCliError, restore_mod.RestoreError, ObjectStoreError) as e:
         return _fail(str(e))
 
@@ -140,32 +141,6 @@ async def _restore(
         f"{result.page_size} bytes, {result.files} files, {result.bytes_downloaded} bytes downloaded"
     )
     return 0
-
-
-def run_on_reactor(main: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
-    from twisted.internet import reactor
-
-    r: Any = reactor
-    outcome: list[Any] = []
-
-    def start() -> None:
-        d = Deferred.fromCoroutine(main(r))
-
-        def done(value: object) -> None:
-            outcome.append(value)
-            r.stop()
-
-        d.addBoth(done)
-
-    r.callWhenRunning(start)
-    r.run()
-    if not outcome:
-        raise ReplicaCliError("interrupted")
-    value = outcome[0]
-    if isinstance(value, Failure):
-        value.raiseException()
-    result: _T = value
-    return result
 
 
 def _fail(message: str) -> int:

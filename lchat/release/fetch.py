@@ -124,7 +124,8 @@ class HttpSource:
     async def _get(self, path: str) -> Any:
         url = self._url(path)
         try:
-            response = await self._treq.get(url, timeout=self.timeout)
+            # The header timeout on our reactor (treq would use the global one).
+            response = await self._treq.get(url, timeout=self.timeout, reactor=self._reactor)
         except (
             ConnectError,
             ConnectingCancelledError,
