@@ -257,8 +257,7 @@ class Registry:
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise RegistryError(f"registry {self.path}: cannot enable WAL (got {mode})")
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _immediate(conn):
                 found = int(conn.execute("PRAGMA user_version").fetchone()[0])
                 if found > SCHEMA_VERSION:
                     raise RegistryError(
@@ -269,10 +268,6 @@ class Registry:
                     for statement in MIGRATIONS[version]:
                         conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             return found
 
     def load(self) -> RouteTable:
@@ -296,23 +291,15 @@ class Registry:
 
     def get(self, host: str) -> Route | None:
         with self.connect() as conn:
-            row = conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,)
-            ).fetchone()
-        return _route_from_row(row) if row else None
+            return _select(conn, host)
 
     def insert(self, route: Route) -> Route:
         route = validate(route)
         now = int(self._clock())
         route = evolve(route, created_at=route.created_at or now, updated_at=now)
-        values = [_to_sql(getattr(route, c)) for c in _COLUMNS]
         with self.connect() as conn:
             try:
-                conn.execute(
-                    f"INSERT INTO routes ({', '.join(_COLUMNS)}) "
-                    f"VALUES ({', '.join('?' for _ in _COLUMNS)})",
-                    values,
-                )
+                _insert(conn, route)
             except sqlite3.IntegrityError as e:
                 if "UNIQUE" in str(e) or "PRIMARY KEY" in str(e):
                     raise DuplicateHost(f"{route.host} is already registered") from e
@@ -326,26 +313,12 @@ class Registry:
             raise RegistryError(
                 f"cannot update columns {sorted(unknown | {'host'} & set(changes))}"
             )
-        with self.connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = conn.execute(
-                    f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,)
-                ).fetchone()
-                if row is None:
-                    raise UnknownHost(f"{host} is not registered")
-                route = validate(
-                    evolve(_route_from_row(row), **changes, updated_at=int(self._clock()))
-                )
-                names = [*changes, "updated_at"]
-                conn.execute(
-                    f"UPDATE routes SET {', '.join(f'{n} = ?' for n in names)} WHERE host = ?",
-                    [*(_to_sql(getattr(route, n)) for n in names), host],
-                )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        with self.connect() as conn, _immediate(conn):
+            existing = _select(conn, host)
+            if existing is None:
+                raise UnknownHost(f"{host} is not registered")
+            route = validate(evolve(existing, **changes, updated_at=int(self._clock())))
+            _update(conn, route, [*changes, "updated_at"])
         return route
 
     def set_status(self, host: str, status: Status, last_error: str = "") -> Route | None:
@@ -383,84 +356,42 @@ class Registry:
                 f"{route.host}: only hibernating instances and lives-elsewhere rows replicate"
             )
         now = int(self._clock())
-        with self.connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = conn.execute(
-                    f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (route.host,)
-                ).fetchone()
-                if row is None:
-                    result = evolve(route, created_at=route.created_at or now, updated_at=now)
-                    conn.execute(
-                        f"INSERT INTO routes ({', '.join(_COLUMNS)}) "
-                        f"VALUES ({', '.join('?' for _ in _COLUMNS)})",
-                        [_to_sql(getattr(result, c)) for c in _COLUMNS],
-                    )
-                    created = True
-                else:
-                    existing = _route_from_row(row)
-                    _refuse_replicated(existing)
-                    due = route.next_due if next_due else existing.next_due
-                    result = validate(
-                        evolve(
-                            existing,
-                            version=route.version,
-                            replication=route.replication,
-                            home_region=route.home_region,
-                            hibernate=route.hibernate,
-                            lives_at=route.lives_at,
-                            next_due=0 if route.elsewhere else due,
-                            status="ready"
-                            if existing.elsewhere != route.elsewhere
-                            else existing.status,
-                            updated_at=now,
-                        )
-                    )
-                    if result != evolve(existing, updated_at=now):
-                        conn.execute(
-                            "UPDATE routes SET version = ?, replication = ?, home_region = ?, "
-                            "hibernate = ?, lives_at = ?, next_due = ?, status = ?, "
-                            "updated_at = ? WHERE host = ?",
-                            (
-                                result.version,
-                                result.replication,
-                                result.home_region,
-                                int(result.hibernate),
-                                result.lives_at,
-                                result.next_due,
-                                result.status,
-                                now,
-                                route.host,
-                            ),
-                        )
-                    else:
-                        result = existing  # nothing changed: no write, no reload churn
-                    created = False
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        return result, created
+        with self.connect() as conn, _immediate(conn):
+            existing = _select(conn, route.host)
+            if existing is None:
+                result = evolve(route, created_at=route.created_at or now, updated_at=now)
+                _insert(conn, result)
+                return result, True
+            _refuse_replicated(existing)
+            due = route.next_due if next_due else existing.next_due
+            result = validate(
+                evolve(
+                    existing,
+                    version=route.version,
+                    replication=route.replication,
+                    home_region=route.home_region,
+                    hibernate=route.hibernate,
+                    lives_at=route.lives_at,
+                    next_due=0 if route.elsewhere else due,
+                    status="ready" if existing.elsewhere != route.elsewhere else existing.status,
+                    updated_at=now,
+                )
+            )
+            if result == evolve(existing, updated_at=now):
+                return existing, False  # nothing changed: no write, no reload churn
+            _update(conn, result, _REPLICATED_COLUMNS)
+        return result, False
 
     def delete_replicated(self, host: str) -> Route | None:
         """Delete ``host``'s row when it is replicated (a hibernating instance or a lives-elsewhere
         row: :attr:`Route.replicated`) (a peer's tombstone), in one
         transaction. Returns the row deleted, or None when there was none. Raises
         :class:`Conflict` for a service or a space that does not hibernate."""
-        with self.connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = conn.execute(
-                    f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,)
-                ).fetchone()
-                existing = _route_from_row(row) if row is not None else None
-                if existing is not None:
-                    _refuse_replicated(existing)
-                    conn.execute("DELETE FROM routes WHERE host = ?", (host,))
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        with self.connect() as conn, _immediate(conn):
+            existing = _select(conn, host)
+            if existing is not None:
+                _refuse_replicated(existing)
+                conn.execute("DELETE FROM routes WHERE host = ?", (host,))
         return existing
 
     def fingerprint(self) -> tuple[Any, ...]:
@@ -502,6 +433,54 @@ def _route_from_row(row: sqlite3.Row) -> Route:
 
 def _to_sql(value: object) -> object:
     return int(value) if isinstance(value, bool) else value
+
+
+# What a peer's copy of a replicated row may change in ours (Registry.upsert_replicated).
+_REPLICATED_COLUMNS = (
+    "version",
+    "replication",
+    "home_region",
+    "hibernate",
+    "lives_at",
+    "next_due",
+    "status",
+    "updated_at",
+)
+
+
+@contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (``BEGIN IMMEDIATE``: writers queue for the lock, never upgrade a
+    read), committed when the block ends, rolled back when it raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _select(conn: sqlite3.Connection, host: str) -> Route | None:
+    row = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,))
+    found = row.fetchone()
+    return _route_from_row(found) if found is not None else None
+
+
+def _update(conn: sqlite3.Connection, route: Route, names: Iterable[str]) -> None:
+    """Write ``route``'s ``names`` columns into its row."""
+    names = list(names)
+    conn.execute(
+        f"UPDATE routes SET {', '.join(f'{n} = ?' for n in names)} WHERE host = ?",
+        [*(_to_sql(getattr(route, n)) for n in names), route.host],
+    )
+
+
+def _insert(conn: sqlite3.Connection, route: Route) -> None:
+    conn.execute(
+        f"INSERT INTO routes ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})",
+        [_to_sql(getattr(route, c)) for c in _COLUMNS],
+    )
 
 
 def changed_hosts(old: RouteTable, new: RouteTable) -> Iterable[str]:
