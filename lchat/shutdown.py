@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 
 from lchat import objstore
 from lchat.backup.service import Backup
+from lchat.deferutil import settled
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.sweeper import Sweeper
 from lchat.mesh.due import DuePush
@@ -165,14 +166,7 @@ class HibernationService(MultiService):
 async def probe_done(check: BucketCheck, clock: IReactorTime) -> None:
     """A boot probe still in flight must finish before its store closes (it is bounded by the
     store's own timeouts; this wait is bounded again, to keep shutdown bounded)."""
-    probe: Deferred[None] = Deferred()
-
-    def probed(result: object) -> object:
-        if not probe.called:
-            probe.callback(None)
-        return result
-
-    check.checked.addBoth(probed)
+    probe = settled(check.checked)
     probe.addTimeout(10, clock)
     try:
         await probe

@@ -35,6 +35,7 @@ from twisted.python.failure import Failure
 
 import lchat
 from lchat.config import MeshConfig
+from lchat.deferutil import observe
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
 from lchat.mesh.janitor import JANITOR_DEAD_AFTERS, Janitor
 from lchat.mesh.liveness import LIVENESS_MARGIN, Liveness
@@ -283,7 +284,7 @@ class Membership(PeerBeating, Service):
 
     def first_beat(self) -> Deferred[None]:
         """Fires once a beat has landed (at once if one has): a mesh box takes no lease before."""
-        return _observe(self.liveness.first_beat)
+        return observe(self.liveness.first_beat)
 
     def on_alive(self, fn: Callable[[], object]) -> None:
         """``fn()`` each time this box becomes alive: its first landed heartbeat, and every time
@@ -399,14 +400,14 @@ class Membership(PeerBeating, Service):
             left.addErrback(self._leave_failed)
             left.addCallback(lambda _: Deferred.fromCoroutine(self._goodbye()))
             self._left = left
-        return _observe(self._left)
+        return observe(self._left)
 
     async def _leave(self) -> None:
         self.liveness.leave()  # nothing is written on our leases once the heartbeat goes
         putting = self._putting
         if putting is not None:
             # A PUT landing after our DELETE would bring the beat back: let it finish first.
-            wait = _observe(putting)
+            wait = observe(putting)
             wait.addTimeout(self.stop_timeout / 2, self._reactor)
             try:
                 await wait
@@ -468,7 +469,7 @@ class Membership(PeerBeating, Service):
             return None
 
         beat.addBoth(done)
-        return _observe(beat)
+        return observe(beat)
 
     async def _beat_once(self) -> None:
         put_ok = await self._put()
@@ -600,7 +601,7 @@ class Membership(PeerBeating, Service):
         putting.addTimeout(self.timeout, self._reactor)
         self._putting = putting
         try:
-            put = await _observe(putting)
+            put = await observe(putting)
             self._etag = getattr(put, "etag", "") or ""
         except CancelledError:
             raise
@@ -663,7 +664,7 @@ class Membership(PeerBeating, Service):
         putting = self._putting
         if putting is not None:
             try:
-                await _observe(putting)
+                await observe(putting)
             except Exception:  # noqa: S110 -- logged by the beat
                 pass
         try:
@@ -734,20 +735,3 @@ class Membership(PeerBeating, Service):
                 fn(list(old), list(members))
             except Exception:
                 log.failure("mesh: membership subscriber {fn!r} failed", fn=fn)
-
-
-def _observe(d: Deferred[Any]) -> Deferred[Any]:
-    """A new Deferred with ``d``'s result, leaving the result on ``d`` for its other waiters.
-    Cancelling the new one does not cancel ``d``."""
-    waiter: Deferred[Any] = Deferred()
-
-    def passthrough(result: Any) -> Any:
-        if not waiter.called:
-            if isinstance(result, Failure):
-                waiter.errback(result)
-                return None  # handed on: not left unhandled on ``d``
-            waiter.callback(result)
-        return result
-
-    d.addBoth(passthrough)
-    return waiter

@@ -38,6 +38,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from lchat.config import BoxConfig
+from lchat.deferutil import observe
 from lchat.lease import LeaseRecord, lease_key
 from lchat.mesh import forward, placement
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
@@ -486,14 +487,7 @@ class MeshRouter:
                 return result
 
             reading.addBoth(done)
-        waiter: Deferred[str | None] = Deferred()
-
-        def share(result: str | None) -> str | None:
-            waiter.callback(result)
-            return result
-
-        reading.addCallback(share)  # _read_holder never fails: errors mean "nobody"
-        return await waiter
+        return await observe(reading)  # _read_holder never fails: errors mean "nobody"
 
     async def _read_holder(self, host: str) -> str | None:
         owner: str | None = None
