@@ -6,7 +6,7 @@ runs in milliseconds and none waits on the wall clock. What decides is real: the
 lifecycle, the lease and its keeper, replication (lchat.replica.replicator), the registry and its
 RouteSource, a ``file:`` bucket in a temp dir, the box's config. The space's process and the
 question put to it at sleep are the fakes of tests/fakes.py (:class:`~tests.fakes.FakeChild`
-keeps :class:`lchat.supervise.RunningChild`'s contract and writes a real WAL database).
+keeps :class:`lchat.child.RunningChild`'s contract and writes a real WAL database).
 
 Times below are binary fractions (0.25, 2.5 ...): added to the clock's unix time they stay exact,
 so "not at 4.75, at 5" means just that.
