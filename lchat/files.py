@@ -20,6 +20,7 @@ swapped for a symlink mid-way cannot redirect the later steps either (:func:`ope
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
@@ -42,43 +43,73 @@ def write_atomic(
     gid: int = -1,
     dir_fd: int | None = None,
 ) -> None:
-    """Replace ``path`` with ``data``, mode exactly ``mode``, owned by this process's user (or by
-    ``uid``/``gid`` when given: set on the descriptor before the rename, so the new owner never
-    holds a name root is still writing through, and nothing is chowned by path).
-
-    The temp file is ``.<name>.<random>.tmp`` in the same directory (same filesystem, so the
-    rename is atomic; hidden and ``*.tmp``, so directory scanners such as the certificate store
-    skip it) and is removed if anything fails before the rename. ``fsync_dir=False`` skips the
-    directory fsync, for a file whose loss in a crash (the old version back) costs nothing.
-    ``dir_fd``: ``path`` is a plain name in that directory (see the module docstring)."""
-    if dir_fd is not None:
-        _check_plain_name(path)
-        directory, name = "", path
-    else:
-        directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-    fd = _create_exclusive(tmp, mode, dir_fd)
+    """Replace ``path`` with ``data`` (:class:`Replacement`, whose arguments these are)."""
+    staged = Replacement(path, mode, fsync_dir=fsync_dir, uid=uid, gid=gid, dir_fd=dir_fd)
     try:
+        view, fd = memoryview(data), staged.file.fileno()
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        staged.discard()
+        raise
+    staged.commit()
+
+
+class Replacement:
+    """The next version of ``path``, written to :attr:`file` (a temp file beside it, for a body
+    streamed in pieces) and put in place by :meth:`commit` (fsync, rename, fsync the directory
+    unless ``fsync_dir=False``: for a file whose loss in a crash, the old version back, costs
+    nothing); :meth:`discard`, or a failed commit, removes it and leaves ``path`` as it was.
+
+    The temp file is ``.<name>.<random>.tmp`` (same filesystem, so the rename is atomic; hidden
+    and ``*.tmp``, so directory scanners skip it), has exactly ``mode`` before its first byte and
+    is owned by ``uid``/``gid`` when given (set on the descriptor: nothing is chowned by path).
+    ``dir_fd``: ``path`` is a plain name in that directory (the module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        mode: int = 0o600,
+        *,
+        fsync_dir: bool = True,
+        uid: int = -1,
+        gid: int = -1,
+        dir_fd: int | None = None,
+    ) -> None:
+        if dir_fd is not None:
+            _check_plain_name(path)
+        self._directory, name = ("", path) if dir_fd is not None else os.path.split(path)
+        self._path, self._dir_fd, self._fsync_dir = path, dir_fd, fsync_dir
+        self._tmp = os.path.join(self._directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        fd = _create_exclusive(self._tmp, mode, dir_fd)
+        self.file = os.fdopen(fd, "wb")
         try:
             os.fchmod(fd, mode)  # the umask can only have removed bits: make the mode exact
             if uid >= 0 or gid >= 0:
                 os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode)  # a chown may clear set-id bits: the mode stays exact
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        _unlink_quietly(tmp, dir_fd)
-        raise
-    if fsync_dir:
-        if dir_fd is not None:
-            os.fsync(dir_fd)
-        else:
-            fsync_directory(directory)
+        except BaseException:
+            self.discard()
+            raise
+
+    def commit(self) -> None:
+        try:
+            with self.file:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            os.replace(self._tmp, self._path, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException:
+            self.discard()
+            raise
+        if self._fsync_dir and self._dir_fd is not None:
+            os.fsync(self._dir_fd)
+        elif self._fsync_dir:
+            fsync_directory(self._directory)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):  # a flush that failed before fails again: closed anyway
+            self.file.close()
+        _unlink_quietly(self._tmp, self._dir_fd)
 
 
 def install_file(

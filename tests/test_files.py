@@ -1,6 +1,7 @@
-"""lchat.files.write_atomic: the one atomic writer (env files, certificates, the clean-sleep
-marker, a sidecar's schedule). Real files in a temp directory; faults are injected at the
-os-call level, and one real crash (SIGKILL before the rename) runs in a child process."""
+"""lchat.files: the one atomic writer (write_atomic; Replacement for a body written in pieces),
+used for env files, certificates, the clean-sleep marker, a sidecar's schedule. Real files in a
+temp directory; faults are injected at the os-call level, and one real crash (SIGKILL before the
+rename) runs in a child process."""
 
 from __future__ import annotations
 
@@ -137,3 +138,19 @@ class WriteAtomicTests(SynchronousTestCase):
         self.assertFalse(os.path.islink(self.path))
         with open(elsewhere, "rb") as f:
             self.assertEqual(f.read(), b"not yours\n")
+
+    def test_a_replacement_is_written_in_pieces_then_committed_or_discarded(self) -> None:
+        write_atomic(self.path, b"old\n", 0o600)
+        staged = files.Replacement(self.path, 0o640)
+        staged.file.write(b"new ")
+        staged.file.write(b"bytes\n")
+        with open(self.path, "rb") as f:
+            self.assertEqual(f.read(), b"old\n")  # nothing shows before the commit
+        staged.commit()
+        dropped = files.Replacement(self.path)
+        dropped.file.write(b"never\n")
+        dropped.discard()
+        with open(self.path, "rb") as f:
+            self.assertEqual(f.read(), b"new bytes\n")
+        self.assertEqual(self.mode(self.path), 0o640)
+        self.assertEqual(self.leftovers(), [])
