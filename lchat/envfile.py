@@ -19,7 +19,6 @@ from lchat.files import write_atomic
 
 TOKEN_VAR = "LCHAT_ADMIN_TOKEN"  # noqa: S105 -- a variable name, not a secret
 MODE = 0o600
-_TOKEN_LINE = re.compile(rf"^\s*(?:export\s+)?{TOKEN_VAR}\s*=")
 
 
 def read_token(path: str) -> str | None:
@@ -28,14 +27,31 @@ def read_token(path: str) -> str | None:
 
 
 def write_token(path: str, token: str) -> None:
-    """Set ``LCHAT_ADMIN_TOKEN`` in ``path``, keeping any other lines, mode exactly 0600."""
+    """Set ``LCHAT_ADMIN_TOKEN`` in ``path`` (:func:`assign`), keeping any other lines, mode
+    exactly 0600."""
     try:
         with open(path, encoding="utf-8") as f:
-            kept = [line for line in f.read().splitlines() if not _TOKEN_LINE.match(line)]
+            lines = f.read().splitlines()
     except FileNotFoundError:
-        kept = []
-    text = "".join(f"{line}\n" for line in [*kept, f"{TOKEN_VAR}={token}"])
-    write_atomic(path, text.encode("utf-8"), MODE)
+        lines = []
+    assign(lines, TOKEN_VAR, token)
+    write_atomic(path, "".join(f"{line}\n" for line in lines).encode("utf-8"), MODE)
+
+
+def assign(lines: list[str], name: str, value: str) -> bool:
+    """Set ``name`` to ``value`` in ``lines`` (an env file's), every other line kept: its last
+    assignment (the one that wins) is rewritten, else its first commented-out one (as the
+    example has them) becomes it, else the line is appended. True when an assignment was
+    rewritten; ValueError as :func:`env_line`."""
+    line = env_line(name, value)
+    assignment = rf"\s*(?:export\s+)?{name}\s*="
+    assigned = [i for i, x in enumerate(lines) if re.match(assignment, x)]
+    commented = [i for i, x in enumerate(lines) if re.match(rf"\s*#{assignment}", x)]
+    if assigned or commented:
+        lines[assigned[-1] if assigned else commented[0]] = line
+    else:
+        lines.append(line)
+    return bool(assigned)
 
 
 def env_line(name: str, value: str) -> str:
