@@ -6,29 +6,24 @@
     <opt>/versions/<version>/space-bot   its bot sidecar, when the build has one
     <opt>/live/<host>                    -> ../versions/<version>/space
     <opt>/live/<host>-bot                -> ../versions/<version>/space-bot
+    <opt>/live/_default                  -> the box's default build (``lchat deploy <v> --all``)
+    <data>/woke/<host>.json              the build <host> last woke on (:func:`record`)
 
-    <opt>/live/_default                 -> the box's default build (``lchat deploy <v> --all``)
-
-    <data>/woke/<host>.json              the build the host's space last woke on
-
-``<opt>`` is ``LCHAT_OPT_DIR`` (default ``/opt/lchat``). A host without a link of its own runs the
-default build (:func:`fall_back_to_default`): a space created on another mesh box, or replicated
-here, wakes on this box's default build without a deploy naming it. The router runs ``LCHAT_SPACE_COMMAND``
-(default ``/opt/lchat/live/{host}``), so repointing a host's link is what changes its build: an
-always-on space picks it up when restarted, a hibernating one at its next wake.
+``<opt>`` is ``LCHAT_OPT_DIR`` (default ``/opt/lchat``). The router runs ``LCHAT_SPACE_COMMAND``
+(default ``/opt/lchat/live/{host}``), so repointing a host's link changes its build: an always-on
+space picks it up when restarted, a hibernating one at its next wake. A host without a link of
+its own runs the default build (:func:`fall_back_to_default`): a space created on another mesh
+box, or replicated here, wakes on this box's default build without a deploy naming it.
 
 Invariants: a version name is a safe path segment (:func:`check_version`); live links are
 relative, so a tree copied or mounted elsewhere keeps working; a host whose link is missing or
 points outside ``versions/`` has no version (``None``), never a guessed one.
 
-The activator records each wake (:func:`record`, called from ``lchat.hibernation.lifecycle``),
-resolving the space command's first word to the file it really is (``live/<host>`` ->
-``versions/<v>/space``) just before the exec. ``lchat rollback`` reads it (:func:`read_wake`): a
-space that woke on the build being rolled back from may have run that build's (additive)
-migrations on its database, so going back is refused (docs/operations.md, "Deploys and
-rollbacks"). One small file per host, written atomically: wakes of different hosts never
-contend, and a reader sees the previous record or the new one. Recording never fails a wake: an
-error is logged and the wake goes on.
+The activator records each wake just before the exec (``lchat.hibernation.lifecycle``), the
+command's first word resolved to the file it really is; ``lchat rollback`` reads it
+(:func:`read_wake`): a space that woke on the build being rolled back from may have run its
+(additive) migrations, so going back is refused (docs/operations.md, "Deploys and rollbacks").
+One small file per host, written atomically; recording never fails a wake (an error is logged).
 """
 
 from __future__ import annotations
