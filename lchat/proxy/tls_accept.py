@@ -44,6 +44,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import tls
+from lchat.proxy.handshakes import HandshakeNotes, classify_ssl_failure, handshake_notes
 
 ACCEPT_BATCH = 64  # connections accepted per wake-up (then the loop serves others)
 ACCEPT_PAUSE = 1.0  # seconds without accepting after running out of file descriptors
@@ -322,7 +323,7 @@ class TLSAcceptor:
             return
         if self.hold <= 0 or not self._store.on_demand:
             # Nothing is ever held: no need to know the name before TLS does.
-            self._hand_over(conn, peer, tls.HandshakeNotes())
+            self._hand_over(conn, peer, HandshakeNotes())
             return
         peek = _Peek(self, conn, peer)
         self._peeks.add(peek)
@@ -333,12 +334,12 @@ class TLSAcceptor:
             _log.warn(
                 "tls: cannot read the ClientHello from {peer} first: {error}", peer=peer, error=e
             )
-            self._hand_over(conn, peer, tls.HandshakeNotes())
+            self._hand_over(conn, peer, HandshakeNotes())
 
     def _peeked(self, conn: socket.socket, peer: str, name: str | None) -> None:
         """``conn``'s ClientHello is in (``name``: its SNI name), or will never be: hold it, or
         hand it to TLS."""
-        notes = tls.HandshakeNotes(server_name=name or "", peeked=True)
+        notes = HandshakeNotes(server_name=name or "", peeked=True)
         host = tls.sni_host(name.encode("latin-1")) if name is not None else None
         if host is None or not self._may_hold(host):
             self._hand_over(conn, peer, notes)
@@ -435,15 +436,15 @@ class TLSAcceptor:
             }
         self._gave_up[host] = now
 
-    def _hand_over(self, conn: socket.socket, peer: str, notes: tls.HandshakeNotes) -> None:
+    def _hand_over(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
         task = self._loop.create_task(self._handshake(conn, peer, notes))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
-    async def _handshake(self, conn: socket.socket, peer: str, notes: tls.HandshakeNotes) -> None:
+    async def _handshake(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
         # Seen by the SNI callback and every handshake step: uvloop runs the connection's
         # callbacks in a copy of this task's context.
-        tls.handshake_notes.set(notes)
+        handshake_notes.set(notes)
         try:
             await self._loop.connect_accepted_socket(
                 self._factory,
@@ -454,7 +455,7 @@ class TLSAcceptor:
         except OSError as e:  # ssl.SSLError included
             conn.close()  # a no-op once uvloop has taken it (it detaches the socket object)
             if notes.received:
-                kind, detail = tls.classify_ssl_failure(e, notes)
+                kind, detail = classify_ssl_failure(e, notes)
                 self._store.handshake_failed(kind, notes.server_name, peer, detail)
         except Exception:
             conn.close()
@@ -465,7 +466,7 @@ class TLSAcceptor:
 class _Hold:
     host: str
     started: float  # clock.seconds()
-    connections: list[tuple[socket.socket, str, tls.HandshakeNotes]] = field(factory=list)
+    connections: list[tuple[socket.socket, str, HandshakeNotes]] = field(factory=list)
     wait: Deferred[bool] | None = None
 
 
