@@ -131,6 +131,13 @@ def body_done(ex: Exchange) -> bool:
     return ex.body_complete or (not ex.chunked and not ex.length)
 
 
+def closes_after(ex: Exchange, draining: bool) -> bool:
+    """The connection closes after ``ex``'s answer: asked to, marked so (a bad request pipelined
+    behind it: nothing more is read), an upgrade's, the router ``draining``, or a body the client
+    has not finished sending (it cannot be skipped in step)."""
+    return ex.close_after or not ex.keep_alive or not body_done(ex) or ex.upgrade or draining
+
+
 def validate(
     ex: Exchange,
     parse_host: Callable[[bytes], str],

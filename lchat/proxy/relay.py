@@ -17,8 +17,8 @@ from lchat.proxy.exchange import (
     REPLAY_LIMIT,
     SAFE_METHODS,
     Exchange,
-    body_done,
     client_head,
+    closes_after,
     upstream_head,
 )
 from lchat.proxy.http import (
@@ -221,14 +221,7 @@ class Relay(ClientConnection):
         self._disarm()
         ex.status = status
         ex.response_started = True
-        # A body the client has not finished sending cannot be skipped in step: close afterwards.
-        ex.close_after = (
-            ex.close_after  # a bad request pipelined behind this one: nothing more is read
-            or not ex.keep_alive
-            or not body_done(ex)
-            or ex.upgrade
-            or self.proxy.draining
-        )
+        ex.close_after = closes_after(ex, self.proxy.draining)
         target = ex.target
         extra = target.response_headers if isinstance(target, LocalSocket) else ()
         if raw_head is not None and not ex.close_after and ex.version == "1.1" and not extra:
@@ -500,14 +493,7 @@ class Relay(ClientConnection):
         if ex.upstream is not None:
             ex.upstream.abort()
             ex.upstream = None
-        # Unless the request is complete we cannot find where the next one starts in step.
-        ex.close_after = (
-            ex.close_after  # a bad request pipelined behind this one: nothing more is read
-            or not ex.keep_alive
-            or not body_done(ex)
-            or ex.upgrade
-            or self.proxy.draining
-        )
+        ex.close_after = closes_after(ex, self.proxy.draining)
         body = b"" if ex.method == b"HEAD" else response.body
         raw = simple_response(response.status, body, response.headers, close=ex.close_after)
         ex.bytes_out = len(body)
