@@ -8,7 +8,6 @@ import resource
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from attrs import frozen
 from twisted.application.service import IService, MultiService, Service
@@ -37,6 +36,7 @@ from lchat.mesh.client import PeerBeats
 from lchat.mesh.due import DuePush
 from lchat.mesh.fence import BoxFence, HolderJudge
 from lchat.mesh.fleet import SpacesView
+from lchat.mesh.forward import peer_address
 from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
@@ -70,16 +70,16 @@ _log = Logger(namespace="lchat.tap")
 # no single Twisted interface names them; the shared reactor Protocol of issue 31 step 5 does.
 Reactor = Any
 
-# option name -> the variable it overrides
-FLAG_VARIABLES = {
-    "registry": "LCHAT_REGISTRY",
-    "data-dir": "LCHAT_DATA_DIR",
-    "run-dir": "LCHAT_RUN_DIR",
-    "http": "LCHAT_HTTP_ADDR",
-    "https": "LCHAT_HTTPS_ADDR",
-    "fallback-url": "LCHAT_FALLBACK_URL",
-    "units": "LCHAT_UNITS",
-    "space-command": "LCHAT_SPACE_COMMAND",
+# option name -> the variable it overrides, and what it is
+FLAGS = {
+    "registry": ("LCHAT_REGISTRY", "the registry database (default <data>/registry.db)."),
+    "data-dir": ("LCHAT_DATA_DIR", "space databases and env files (default /data)."),
+    "run-dir": ("LCHAT_RUN_DIR", "space sockets and router.sock (default /run/lchat)."),
+    "http": ("LCHAT_HTTP_ADDR", "plain HTTP listener, HOST:PORT or endpoint (default :80)."),
+    "https": ("LCHAT_HTTPS_ADDR", "TLS listener (default :443), or off."),
+    "fallback-url": ("LCHAT_FALLBACK_URL", "302 target for unknown hosts (default: 404)."),
+    "units": ("LCHAT_UNITS", "auto, systemd or builtin (default auto)."),
+    "space-command": ("LCHAT_SPACE_COMMAND", "how to run a space; {host} is filled in."),
 }
 
 
@@ -97,39 +97,7 @@ class Options(usage.Options):
             None,
             f"Router env file (default {config.DEFAULT_ENV_FILE}; absent is fine).",
         ],
-        [
-            "registry",
-            None,
-            None,
-            "LCHAT_REGISTRY: the registry database (default <data>/registry.db).",
-        ],
-        ["data-dir", None, None, "LCHAT_DATA_DIR: space databases and env files (default /data)."],
-        [
-            "run-dir",
-            None,
-            None,
-            "LCHAT_RUN_DIR: space sockets and router.sock (default /run/lchat).",
-        ],
-        [
-            "http",
-            None,
-            None,
-            "LCHAT_HTTP_ADDR: plain HTTP listener, HOST:PORT or endpoint (default :80).",
-        ],
-        ["https", None, None, "LCHAT_HTTPS_ADDR: TLS listener (default :443), or off."],
-        [
-            "fallback-url",
-            None,
-            None,
-            "LCHAT_FALLBACK_URL: 302 target for unknown hosts (default: 404).",
-        ],
-        ["units", None, None, "LCHAT_UNITS: auto, systemd or builtin (default auto)."],
-        [
-            "space-command",
-            None,
-            None,
-            "LCHAT_SPACE_COMMAND: how to run a space; {host} is filled in.",
-        ],
+        *([name, None, None, f"{var}: {what}"] for name, (var, what) in FLAGS.items()),
     ]
 
     def opt_version(self) -> None:
@@ -148,7 +116,7 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    flags = {var: options[name] for name, var in FLAG_VARIABLES.items()}
+    flags = {var: options[name] for name, (var, _) in FLAGS.items()}
     try:
         cfg = config.load(env_file=options["env-file"], flags=flags)
     except ConfigError as e:
@@ -387,7 +355,8 @@ def _hibernation(
     store = objstore.open_store(reactor, hib.where, run, aws, monotonic=time.monotonic)
     # The mesh's membership first: on a mesh box its heartbeat fences every lease the lifecycle
     # takes (lchat.mesh.fence, docs/lease.md).
-    membership_parts = _membership(reactor, cfg, store, run, aws) if cfg.mesh is not None else None
+    parts = _membership(reactor, cfg, store, run, aws) if cfg.mesh is not None else None
+    membership = parts.membership if parts is not None else None
     sidecars = Sidecars(reactor, cfg, run, Supervisor(reactor, max_restart_delay=60.0))
     lifecycle = Lifecycle(
         reactor,
@@ -399,7 +368,7 @@ def _hibernation(
         drop_idle=pool.drop_idle,
         monotonic=time.monotonic,
         handover=backup.release if backup is not None else None,
-        fence=membership_parts.fence if membership_parts is not None else None,
+        fence=parts.fence if parts is not None else None,
     )
     activator = Activator(
         reactor,
@@ -408,18 +377,15 @@ def _hibernation(
         claims,
         resident=always_on,  # counts against LCHAT_MAX_INSTANCES, never slept
         max_instances=cfg.max_instances,
-        lapsed=membership_parts.membership.lapsed if membership_parts is not None else None,
-        witness=membership_parts.membership if membership_parts is not None else None,
-        bucket_reachable=(
-            membership_parts.membership.bucket_reachable if membership_parts is not None else None
-        ),
+        lapsed=membership.lapsed if membership is not None else None,
+        witness=membership,
+        bucket_reachable=membership.bucket_reachable if membership is not None else None,
     )
-    membership = mesh = None
+    mesh = None
     due_push: DuePush | None = None
     may_wake: Callable[[Route], bool] = _anywhere
-    if membership_parts is not None:
+    if membership is not None:
         assert cfg.mesh is not None
-        membership = membership_parts.membership
         # Neither a landed heartbeat nor the peers' word covers this box any more: every space
         # stands down before peers may judge it dead.
         membership.on_not_alive(activator.box_not_alive)
@@ -428,7 +394,7 @@ def _hibernation(
         # Alive (at start, and back from a lapse): ship the local copies the bucket lacks.
         membership.on_alive(activator.recover)
         # A peer out of reach: the requests forwarded to it fail now, not when TCP gives up.
-        membership.on_unreachable(lambda url: pool.abort_peer(*_address(url)))
+        membership.on_unreachable(lambda url: pool.abort_peer(*peer_address(url)))
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
         may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
@@ -463,8 +429,8 @@ def _hibernation(
         membership,
         mesh,
         due_push,
-        mesh_store=membership_parts.store if membership_parts is not None else None,
-        mesh_check=membership_parts.check if membership_parts is not None else None,
+        mesh_store=parts.store if parts is not None else None,
+        mesh_check=parts.check if parts is not None else None,
     )
     hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
     return hibernation
@@ -611,12 +577,6 @@ def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], 
         for r in routes.table
         if r.kind == "instance" and not r.hibernate and not r.elsewhere and r.status != "failed"
     )
-
-
-def _address(url: str) -> tuple[str, int]:
-    """A member URL's address and port, as a forward to it connects (lchat.mesh.forward)."""
-    parts = urlsplit(url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _fleet_view(

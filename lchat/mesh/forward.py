@@ -106,15 +106,20 @@ def peer_target(
     """Where to send ``host``'s request (``method`` ``target``) on the box ``peer_url``: connect
     to the peer's address, verify the certificate against the *space's* name (the shared
     wildcard), mark it forwarded (the marker bound to that request and that peer)."""
-    parts = urlsplit(peer_url)
-    tls = parts.scheme == "https"
     bound = Bound(method=method, target=target, peer=normalise_member_url(peer_url))
     header: Header = (HEADER, marker(token, host, now, bound))
+    address, port = peer_address(peer_url)
     return RemotePeer(
         host=host,
-        address=parts.hostname or "",
-        port=parts.port or (443 if tls else 80),
+        address=address,
+        port=port,
         server_name=host,
         add_headers=(header,),
-        tls=tls,
+        tls=urlsplit(peer_url).scheme == "https",
     )
+
+
+def peer_address(peer_url: str) -> tuple[str, int]:
+    """The address and port a forward to the box ``peer_url`` connects to."""
+    parts = urlsplit(peer_url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
