@@ -15,7 +15,8 @@ The private names touched, all of them:
 - ``twisted.web.client.HTTPConnectionPool._factory`` and
   ``twisted.web.client._HTTP11ClientFactory``: :func:`quiet_pool`;
 - ``twisted.internet._sslverify.IOpenSSLTrustRoot`` and its ``_addCACertsToContext``:
-  :func:`platform_trust_plus` (the mesh's client TLS, lchat.mesh.client).
+  :func:`platform_trust_plus` (the mesh's client TLS, lchat.mesh.client);
+- ``treq._types._ITreqReactor``: :func:`treq_reactor`.
 
 ``tests/test_twisted_internals.py`` drives each of these against the installed Twisted over real
 loopback TCP and TLS connections, and fails naming the internal if one has changed. ``setup.cfg``
@@ -24,9 +25,11 @@ pins Twisted to the releases those tests passed on: run them before widening the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+from treq._types import _ITreqReactor
 from twisted.internet._sslverify import IOpenSSLTrustRoot
+from twisted.internet.interfaces import IReactorTime
 from twisted.web._newclient import RequestNotSent, WrongBodyLength
 from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 from zope.interface import implementer
@@ -37,6 +40,7 @@ __all__ = [
     "WrongBodyLength",
     "platform_trust_plus",
     "quiet_pool",
+    "treq_reactor",
 ]
 
 # --- HTTP client errors defined only in twisted.web._newclient ---------------------------------
@@ -60,7 +64,7 @@ class _QuietClientFactory(_HTTP11ClientFactory):
     noisy = False  # one per connection: "Starting factory" lines would drown the log
 
 
-def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
+def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:
     """An HTTP client connection pool whose per-connection factories do not log.
 
     Private names touched: ``HTTPConnectionPool._factory`` (the factory class the pool builds for
@@ -73,6 +77,21 @@ def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
     pool = HTTPConnectionPool(reactor, persistent=persistent)
     pool._factory = _QuietClientFactory
     return pool
+
+
+# --- the reactor treq times a request out on ---------------------------------------------------
+
+
+def treq_reactor(reactor: IReactorTime) -> _ITreqReactor:
+    """``reactor`` as treq's ``request(reactor=...)`` types it.
+
+    Private name touched: ``treq._types._ITreqReactor``, the interface treq's signatures name: an
+    intersection (TCP, time, name resolver) that no reactor declares, so no reactor is one to mypy
+    (lchat.reactors). treq calls only ``callLater`` on it, for its ``timeout=``; given none, it
+    imports the global reactor, which a CLI command's own reactor never runs. Pinned by
+    ``tests/test_twisted_internals.py``: a request's timeout runs on the given clock.
+    """
+    return cast(_ITreqReactor, reactor)
 
 
 # --- the platform's CAs plus a private one -----------------------------------------------------

@@ -14,32 +14,33 @@ from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
-from twisted.internet import reactor as _reactor
-from twisted.internet.defer import Deferred
+from treq.client import HTTPClient
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, serverFromString
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IHandshakeListener, IListeningPort
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import PrivateCertificate, optionsForClientTLS, platformTrust
-from twisted.internet.task import deferLater
+from twisted.internet.task import Clock, deferLater
 from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web import _newclient
 from twisted.web.client import Agent, HTTPConnectionPool, RequestGenerationFailed, readBody
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer
+from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 from zope.interface import implementer
 
 from lchat import twisted_internals
 from lchat.objstore import s3
-from lchat.twisted_internals import platform_trust_plus, quiet_pool
+from lchat.reactors import installed
+from lchat.twisted_internals import platform_trust_plus, quiet_pool, treq_reactor
 from tests.test_tls import TestCA
 
-reactor: Any = _reactor
+reactor = installed()
 NAME = "internals.lchat.test"
 
 
@@ -349,6 +350,40 @@ class HTTPClientErrorTests(_Base):
                 f"a body shorter than its length failed with {failure!r}",
             ),
         )
+
+
+# --- treq_reactor ---------------------------------------------------------------------------------
+
+
+@implementer(IAgent)
+class _Silent:
+    """An agent whose requests are never answered."""
+
+    def request(
+        self,
+        method: bytes,
+        uri: bytes,
+        headers: Headers | None = None,
+        bodyProducer: IBodyProducer | None = None,
+    ) -> Deferred[IResponse]:
+        return Deferred()
+
+
+class TreqReactorTests(SynchronousTestCase):
+    """treq._types._ITreqReactor: all treq asks of the reactor it is given is callLater."""
+
+    def test_a_request_times_out_on_the_reactor_it_is_given(self) -> None:
+        clock = Clock()
+        d = HTTPClient(_Silent()).request(
+            "GET", "http://x.invalid/", reactor=treq_reactor(clock), timeout=5
+        )
+        self.assertEqual(
+            len(clock.getDelayedCalls()),
+            1,
+            moved("treq's reactor= argument", "treq no longer times a request out on it"),
+        )
+        clock.advance(5)
+        self.failureResultOf(d, CancelledError)
 
 
 def _all_subclasses(cls: type) -> list[type]:
