@@ -19,7 +19,12 @@ from attrs import frozen
 from twisted.internet import defer, error
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IReactorTime,
+    IReactorUNIX,
+    IStreamClientEndpoint,
+)
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -40,7 +45,8 @@ MAX_BODY = 1 << 20  # probes and next-due answers are tiny; anything bigger is a
 
 
 class Reactor(TypingProtocol):
-    """What we need from the reactor: time (timeouts) and ``IReactorUNIX`` (connecting)."""
+    """What we need from the reactor: time (timeouts) and ``IReactorUNIX`` (connecting), which
+    the global reactor's static type lacks (Twisted: adapt to it), hence not in the Protocol."""
 
     def callLater(
         self, delay: float, callable: Callable[..., Any], *args: object, **kw: object
@@ -93,7 +99,7 @@ async def request(
     )
     # Cancelling the coroutine's Deferred cancels whatever it awaits (connect, response, body),
     # which aborts the connection; addTimeout turns that cancellation into TimeoutError.
-    attempt.addTimeout(timeout, cast(IReactorTime, reactor))
+    attempt.addTimeout(timeout, IReactorTime(reactor))
     try:
         return await attempt
     except defer.TimeoutError:
@@ -114,7 +120,7 @@ async def _exchange(
     agent = Agent.usingEndpointFactory(
         reactor,
         _UnixEndpointFactory(reactor, socket_path, connect_timeout),
-        pool=quiet_pool(reactor, persistent=False),
+        pool=quiet_pool(IReactorTime(reactor), persistent=False),
     )
     hdrs = Headers({k: [v] for k, v in headers.items()})
     producer = BytesProducer(body) if body or method.upper() in ("POST", "PUT", "PATCH") else None
@@ -204,7 +210,7 @@ class _UnixEndpointFactory:
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
         return UNIXClientEndpoint(
-            cast(Any, self._reactor), self._path, timeout=max(1, int(self._timeout + 0.999))
+            IReactorUNIX(self._reactor), self._path, timeout=max(1, int(self._timeout + 0.999))
         )
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from attrs import field, frozen
+from twisted.internet.interfaces import IReactorTime
 
+from lchat.reactors import TCPReactor
 from lchat.threads import RunInThread
 
 if TYPE_CHECKING:
@@ -191,7 +193,7 @@ class VersionedObjectStore(ObjectStore, Protocol):
 
 
 def open_store(
-    reactor: Any,
+    reactor: TCPReactor,
     where: Where,
     run_in_thread: RunInThread,
     credentials: ResolvedCredentials | None = None,
@@ -211,7 +213,9 @@ def open_store(
     if where.is_file:
         from lchat.objstore.file import FileStore
 
-        return FileStore(reactor, where.directory, run_in_thread, create=not must_exist)
+        return FileStore(
+            IReactorTime(reactor), where.directory, run_in_thread, create=not must_exist
+        )
     if credentials is None:
         raise ValueError(
             f"the S3 bucket {where.bucket!r} needs credentials: resolve them once (at start) "

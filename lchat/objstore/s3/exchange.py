@@ -50,8 +50,9 @@ from lchat.objstore.s3.bodies import BodyReader, FileBody, FileProducer, rewind
 from lchat.objstore.s3.dates import BucketDates
 from lchat.objstore.s3.signing import BucketAddress, Signer, payload_hash
 from lchat.objstore.s3.wire import TRANSIENT_CODES, Reply, header, header_text
+from lchat.reactors import TCPReactor
 from lchat.threads import RunInThread
-from lchat.twisted_internals import RequestNotSent, WrongBodyLength, quiet_pool
+from lchat.twisted_internals import RequestNotSent, WrongBodyLength, quiet_pool, treq_reactor
 from lchat.webutil import BytesProducer
 
 log = Logger(namespace="lchat.objstore.s3")
@@ -106,8 +107,9 @@ class _Endpoints:
     TLS is verified exactly as Agent does by default (``BrowserLikePolicyForHTTPS``).
     """
 
-    def __init__(self, reactor: IReactorTCP, timeout: float) -> None:
-        self._reactor = reactor
+    def __init__(self, reactor: TCPReactor, timeout: float) -> None:
+        self._reactor = reactor  # HostnameEndpoint's: it connects, and races its attempts in time
+        self._tcp = IReactorTCP(reactor)
         self._timeout = timeout
         self._tls = BrowserLikePolicyForHTTPS()
 
@@ -115,10 +117,10 @@ class _Endpoints:
         host = uri.host.decode("ascii")
         endpoint: IStreamClientEndpoint
         if isIPAddress(host):
-            endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+            endpoint = TCP4ClientEndpoint(self._tcp, host, uri.port, timeout=self._timeout)
         elif isIPv6Address(host.strip("[]")):
             endpoint = TCP6ClientEndpoint(
-                self._reactor, host.strip("[]"), uri.port, timeout=self._timeout
+                self._tcp, host.strip("[]"), uri.port, timeout=self._timeout
             )
         else:
             endpoint = HostnameEndpoint(self._reactor, uri.host, uri.port, timeout=self._timeout)
@@ -184,7 +186,7 @@ class Exchange:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: TCPReactor,
         address: BucketAddress,
         signer: Signer,
         dates: BucketDates,
@@ -196,7 +198,7 @@ class Exchange:
         pool: HTTPConnectionPool | None,
         bucket: str,
     ) -> None:
-        self._reactor = reactor
+        self._clock = IReactorTime(reactor)
         self.address = address
         self.signer = signer
         self.dates = dates
@@ -207,7 +209,7 @@ class Exchange:
         self._bucket = bucket
         self._own_pool = pool is None
         if pool is None:
-            pool = quiet_pool(reactor, persistent=True)
+            pool = quiet_pool(self._clock, persistent=True)
             pool.maxPersistentPerHost = 8
             # AWS drops idle keep-alive connections after ~20 s; don't reuse one older than that.
             pool.cachedConnectionTimeout = 15
@@ -293,7 +295,7 @@ class Exchange:
                 reason=reason,
                 delay=delay,
             )
-            await deferLater(self._reactor, delay)
+            await deferLater(self._clock, delay)
         raise AssertionError("unreachable")
 
     async def _attempt(
@@ -321,9 +323,9 @@ class Exchange:
             )
         )
         if streaming:
-            watchdog = _Watchdog(self._reactor, self.timeout, d)
+            watchdog = _Watchdog(self._clock, self.timeout, d)
         else:
-            d.addTimeout(self.timeout, self._reactor, onTimeoutCancel=_timed_out)
+            d.addTimeout(self.timeout, self._clock, onTimeoutCancel=_timed_out)
         try:
             return await d
         except _Timeout:
@@ -390,7 +392,7 @@ class Exchange:
             data=producer,
             allow_redirects=False,
             unbuffered=True,
-            reactor=self._reactor,
+            reactor=treq_reactor(self._clock),
         )
         progress()
         status = response.code

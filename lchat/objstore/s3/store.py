@@ -8,7 +8,7 @@ import builtins
 import datetime
 import os
 from collections.abc import Callable, Mapping
-from typing import IO, Any, Literal
+from typing import IO, Literal
 
 from botocore.credentials import Credentials  # type: ignore[import-untyped]
 from twisted.logger import Logger
@@ -43,6 +43,7 @@ from lchat.objstore.s3.wire import (
     unquote_etag,
     xml,
 )
+from lchat.reactors import TCPReactor
 from lchat.threads import RunInThread
 
 log = Logger(namespace="lchat.objstore.s3")
@@ -67,7 +68,7 @@ class S3Store:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: TCPReactor,
         bucket: str,
         *,
         run_in_thread: RunInThread,
