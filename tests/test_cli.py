@@ -601,8 +601,8 @@ class AddInstanceTests(CliTestCase):
         self.assertEqual(self.lchat("remove", "r.example.com").code, 0)
         result = self.lchat("add-instance", "r.example.com", "--admin-token", TOKEN)
         self.assertEqual((result.code, token_from(result.out)), (0, TOKEN), result)
-        with open(path) as f:
-            self.assertEqual(f.read(), f"SPACE_SETTING=kept\nLCHAT_ADMIN_TOKEN={TOKEN}\n")
+        with open(path) as f:  # the token rewritten where it was (envfile.assign)
+            self.assertEqual(f.read(), f"LCHAT_ADMIN_TOKEN={TOKEN}\nSPACE_SETTING=kept\n")
 
 
 class BuiltinUnitsTests(CliTestCase):

@@ -15,16 +15,8 @@ from lchat.handover.hibernate import one_line
 from lchat.registry import Route
 
 Say = Callable[[str], None]
-TABLE_COLUMNS = (
-    "HOST",
-    "KIND",
-    "STATUS",
-    "STATE",
-    "VERSION",
-    "HIBERNATE",
-    "REPLICATION",
-    "NEXT-DUE",
-    "SOCKET",
+TABLE_COLUMNS = tuple(
+    "HOST KIND STATUS STATE VERSION HIBERNATE REPLICATION NEXT-DUE SOCKET".split()
 )
 
 

@@ -570,9 +570,7 @@ def cmd_remove(args: argparse.Namespace) -> int:
 
 
 def cmd_mesh_seed(args: argparse.Namespace) -> int:
-    region = args.region
-    if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
-        raise CliError(f"--region {region!r} must be letters, digits, '.', '_' or '-'")
+    region = _check_region(args.region, "--region")
     cfg = load_config(args)
     registry = open_registry(cfg)
     return mesh_cli.mesh_seed(
@@ -752,9 +750,9 @@ def _check_token(token: str) -> str:
     return token
 
 
-def _check_region(region: str) -> str:
+def _check_region(region: str, option: str = "--home-region") -> str:
     if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
-        raise CliError(f"--home-region {region!r} must be letters, digits, '.', '_' or '-'")
+        raise CliError(f"{option} {region!r} must be letters, digits, '.', '_' or '-'")
     return region
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from attrs import frozen
 
@@ -24,7 +24,6 @@ from lchat.config import BoxConfig
 from lchat.objstore import ObjectInfo, ObjectStore
 from lchat.registry import Route
 
-_T = TypeVar("_T")
 Runner = Callable[[Callable[[Any], Coroutine[Any, Any, Any]], float], Any]
 
 
@@ -43,7 +42,6 @@ class Units(Protocol):
     def stop(self, host: str, *, sidecar: bool = False) -> None: ...  # raises UnitError
     def start(self, host: str, socket: str) -> None: ...  # its user and drop-ins, then the unit
     def start_sidecar(self, host: str) -> None: ...
-    def restart(self, host: str) -> None: ...
     def listening(self, socket: str) -> bool: ...
     def answers(self, socket: str, host: str, timeout: float) -> bool: ...
 
@@ -110,9 +108,6 @@ class BoxUnits:
 
     def start_sidecar(self, host: str) -> None:
         systemd_units.enable_now(host, sidecar=True)
-
-    def restart(self, host: str) -> None:
-        systemd_units.restart(host)
 
     def listening(self, socket: str) -> bool:
         return admin_client.has_listener(socket)

@@ -8,7 +8,7 @@ from attrs import field, frozen
 from lchat import admin_client
 from lchat.config import BoxConfig
 from lchat.handover import HandoverError
-from lchat.handover.hibernate import POLL_INTERVAL, one_line
+from lchat.handover.hibernate import POLL_INTERVAL, health_check, one_line
 from lchat.handover.router import STATUS_TIMEOUT, Router, Say, absent
 from lchat.handover.seams import Clock, RouterAdmin, Units
 from lchat.registry import Registry, Route
@@ -46,15 +46,8 @@ class Start:
                 f"{host}: started {self.units.name(host)}; routed without a health check (--no-wait)"
             )
             return 0
-        if not self.units.answers(socket, host, timeout):
-            error = f"not answering on {socket} after {timeout:g}s"
-            registry.set_status(host, "failed", error)
-            router.notify()
-            raise HandoverError(f"{host} failed: {error}")
-        registry.set_status(host, "ready")
-        router.notify()
-        say.out(f"{host} is ready")
-        return 0
+        # A row still "creating": a verdict either way is written and the router told.
+        return health_check(self.units, router, registry, host, socket, timeout, record=True)
 
     def _with_router(self, host: str, timeout: float, wait: bool) -> int:
         """Builtin units: the router's supervisor runs the child and records its health."""
