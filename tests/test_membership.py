@@ -30,18 +30,17 @@ from zope.interface import implementer
 
 import lchat
 from lchat.config import HibernateConfig, MeshConfig
-from lchat.mesh import membership
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import (
-    Heartbeat,
+from lchat.mesh import members
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.members import (
     Member,
-    Membership,
     decode_member_name,
     encode_member_name,
     member_key,
     members_prefix,
     read_members,
 )
+from lchat.mesh.membership import Membership
 from lchat.objstore import NotFound, ObjectInfo, ObjectStore, StoredObject
 from lchat.objstore.file import FileStore
 from lchat.threads import thread_runner
@@ -568,7 +567,7 @@ class Scenarios(_Mixin):
 
         # The same cache, kept by a caller of read_members.
         reader = Counting(await self.make_store())
-        bodies: membership.BodyCache = {}
+        bodies: members.BodyCache = {}
         first = await read_members(
             reader, HIB, dead_after=self.dead_after, keys=KEYS, bodies=bodies
         )

@@ -19,7 +19,7 @@ from attrs import define, field, frozen
 from prometheus_client import Counter
 from twisted.internet.defer import CancelledError
 
-from lchat.mesh.members import Member, decode_member_name, describe_failure, log
+from lchat.mesh.members import Member, describe_failure, log, member_of_key
 from lchat.objstore import ObjectInfo, ObjectStore, PreconditionFailed
 
 # The heartbeat janitor: a member key older than this many ``dead_after`` is deleted.
@@ -58,8 +58,7 @@ def stale_keys(
         age = (now - info.last_modified).total_seconds()
         if age <= older_than or not info.key.startswith(prefix):
             continue
-        name = info.key[len(prefix) :]
-        url = decode_member_name(name) if "/" not in name else None
+        url = member_of_key(info.key, prefix)
         stale.append(StaleKey(key=info.key, etag=info.etag, age=age, url=url))
     stale.sort(key=lambda k: (-k.age, k.key))
     return stale

@@ -123,6 +123,12 @@ def decode_member_name(name: str) -> str | None:
     return url
 
 
+def member_of_key(key: str, prefix: str) -> str | None:
+    """The member a key under the members ``prefix`` names, or None (not a member key)."""
+    name = key[len(prefix) :] if key.startswith(prefix) else "/"
+    return decode_member_name(name) if "/" not in name else None
+
+
 def member_key(hib: KeyPrefix, url: str) -> str:
     """The heartbeat key of the member ``url`` (normalised here; ValueError if it is no URL)."""
     return hib.key("mesh", "members", encode_member_name(normalise_member_url(url)))
@@ -273,8 +279,7 @@ async def _heartbeat(
     cached = cache.get(key)
     if cached is not None and cached[0] == etag:
         return cached[1]
-    name = key[len(prefix) :]
-    url = decode_member_name(name) if "/" not in name else None
+    url = member_of_key(key, prefix)
     if url is None:
         _garbage(cache, key, etag, "the key does not name a member URL")
         return None

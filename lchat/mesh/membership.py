@@ -44,10 +44,10 @@ from lchat.mesh.members import (
     BodyCache,
     KeyPrefix,
     Member,
-    decode_member_name,
     describe_failure,
     log,
     member_key,
+    member_of_key,
     members_prefix,
     read_view,
 )
@@ -533,8 +533,7 @@ class Membership(PeerBeating, Service):
         ages: dict[str, float | None] = {}
         authentic: set[str] = set()
         for info in listing:
-            name = info.key[len(prefix) :] if info.key.startswith(prefix) else "/"
-            url = decode_member_name(name) if "/" not in name else None
+            url = member_of_key(info.key, prefix)
             if url is not None and url != self.url:
                 ages[url] = (now - info.last_modified).total_seconds()
                 cached = self._bodies.get(info.key)

@@ -416,7 +416,7 @@ class Witnesses:
             and any(p.accepted > fresh for p in required)
         )
 
-    def retire(self, ages: Mapping[str, float | None], now: float, log: Any = None) -> list[Peer]:
+    def retire(self, ages: Mapping[str, float | None], now: float) -> list[Peer]:
         """A listing of the bucket, read at ``now``: ``ages`` maps each listed member's URL to
         the age of its heartbeat (bucket clock; None: garbage). A required peer whose heartbeat
         is gone or at least ``dead_after`` old, and from which nothing has been heard for
