@@ -46,13 +46,7 @@ class Router:
 
     def notify(self) -> None:
         """Ask the running router to reload now; its 2 s poll is the fallback, so never an error."""
-        try:
-            self.try_reload()
-        except admin_client.Unreachable as e:
-            if absent(e):
-                self.say.note("router not running; it will pick this up when it starts")
-            else:
-                self.say.note(f"cannot reach the router ({e}); it will pick this up within seconds")
+        self.reload(absent_note="router not running; it will pick this up when it starts")
 
     def try_reload(self) -> None:
         """POST /reload; raises Unreachable when nothing listens. A bad answer is only a note."""
@@ -68,13 +62,16 @@ class Router:
                 f"the router answered {response.status} to the reload; it polls the registry anyway"
             )
 
-    def reload(self) -> bool:
-        """POST /reload; False when the router is not running (its poll catches up when it does)."""
+    def reload(self, absent_note: str = "") -> bool:
+        """POST /reload; False when the router is not running (``absent_note`` then, if any: its
+        poll catches up when it does)."""
         try:
             self.try_reload()
         except admin_client.Unreachable as e:
             if not absent(e):
                 self.say.note(f"cannot reach the router ({e}); it will pick this up within seconds")
+            elif absent_note:
+                self.say.note(absent_note)
             return False
         return True
 

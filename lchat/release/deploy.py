@@ -351,25 +351,20 @@ class Deployer:
             states[host] = HostState(version, previous, canary, old.at if old else self._clock())
             self.out(f"{host}: already on {version}{' (canary)' if canary else ''}")
             return Outcome(host, True, "")
-        sidecar = has_sidecar(self.layout, version)
         if route.hibernate:
-            self._repoint(host, version, sidecar)
+            self._repoint(host, version)
             states[host] = HostState(version, current, canary, self._clock())
             line = f"{host}: {current or '-'} -> {version}: repointed (hibernating: its next wake runs {version})"
             if self.awake(host):
                 line += f"; awake now, it runs {current or 'its build'} until it sleeps"
             self.out(line)
             return Outcome(host, True, line)
-        self._repoint(host, version, sidecar)
-        problem = self._restart_and_check(route)
+        problem, back = self._switch(route, version, current)
         if problem is None:
             states[host] = HostState(version, current, canary, self._clock())
             line = f"{host}: {current or '-'} -> {version}: restarted, healthy"
             self.out(line)
             return Outcome(host, True, line)
-        # Automatic rollback: the link back, the space restarted onto the build it had.
-        self._repoint(host, current, current is not None and has_sidecar(self.layout, current))
-        back = self._restart_and_check(route)
         verdict = (
             f"rolled back to {current or 'no build'}, healthy"
             if back is None
@@ -388,16 +383,30 @@ class Deployer:
             if before == version:
                 self.out(f"default build: already {version}")
                 return
-            self._repoint(DEFAULT_LINK, version, has_sidecar(self.layout, version))
+            self._repoint(DEFAULT_LINK, version)
             self.out(
                 f"default build: {before or '-'} -> {version} (what a space without a link of "
                 f"its own runs here: one added since, or replicated from a peer)"
             )
 
-    def _repoint(self, host: str, version: str | None, sidecar: bool) -> None:
+    def _repoint(self, host: str, version: str | None) -> None:
+        """``live/<host>`` at ``version``; its ``-bot`` link too when that build has a sidecar
+        (else the link goes, when there was one)."""
+        sidecar = version is not None and has_sidecar(self.layout, version)
         point(self.layout, host, version)
         if sidecar or os.path.lexists(self.layout.live_link(host, sidecar=True)):
             point(self.layout, host, version if sidecar else None, sidecar=True)
+
+    def _switch(self, route: Route, to: str, back_to: str | None) -> tuple[str | None, str | None]:
+        """Repoint an always-on space to ``to`` and restart it; when it does not answer, repoint
+        it to ``back_to`` and restart it again. (Why ``to`` failed, why ``back_to`` does not
+        answer either), each None when it did not."""
+        self._repoint(route.host, to)
+        problem = self._restart_and_check(route)
+        if problem is None:
+            return None, None
+        self._repoint(route.host, back_to)
+        return problem, self._restart_and_check(route)
 
     def _restart_and_check(self, route: Route) -> str | None:
         """Restart the space and wait for it to answer; None when healthy, else why not."""
@@ -451,24 +460,21 @@ class Deployer:
             if woke is not None:
                 self.out(woke)
                 return False
-            self._repoint(host, previous, has_sidecar(self.layout, previous))
+            self._repoint(host, previous)
             # A wake may have spawned between the check and the repoint: look again.
             woke = self._woke_on(host, state.version)
             if woke is not None:
-                self._repoint(host, state.version, has_sidecar(self.layout, state.version))
+                self._repoint(host, state.version)
                 self.out(woke)
                 return False
             states[host] = HostState(previous, None, False, self._clock())
             self.out(f"{host}: {state.version} -> {previous}: repointed (hibernating)")
             return True
-        self._repoint(host, previous, has_sidecar(self.layout, previous))
-        problem = self._restart_and_check(route)
+        problem, back = self._switch(route, previous, state.version)
         if problem is None:
             states[host] = HostState(previous, None, False, self._clock())
             self.out(f"{host}: {state.version} -> {previous}: restarted, healthy")
             return True
-        self._repoint(host, state.version, has_sidecar(self.layout, state.version))
-        back = self._restart_and_check(route)
         self.out(
             f"{host}: rollback to {previous} FAILED ({problem}); back on {state.version}"
             + (", healthy" if back is None else f", which does not answer either: {back}")
