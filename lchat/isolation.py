@@ -260,7 +260,6 @@ def prepare(data_dir: str, uids: tuple[int, int], host: str, socket: str) -> Spa
         st = os.lstat(directory)
     except FileNotFoundError:
         uid = allocate(data_dir, host, uids)
-        _own_dir(directory, uid)
     else:
         if not stat.S_ISDIR(st.st_mode):
             raise IsolationError(f"{directory} is not a directory: refusing to start {host}")
@@ -270,7 +269,7 @@ def prepare(data_dir: str, uids: tuple[int, int], host: str, socket: str) -> Spa
                 f"{directory} belongs to uid {uid}, outside LCHAT_SPACE_UIDS"
                 f" {uids[0]}-{uids[1]}: refusing to start {host} as it"
             )
-        _own_dir(directory, uid)
+    _own_dir(directory, uid)
     db = hosts.db_path(data_dir, host)
     for suffix in JOURNALS:
         give_to_space(db + suffix, uid)

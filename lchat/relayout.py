@@ -41,7 +41,7 @@ import errno
 import os
 import socket as socketlib
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 from attrs import field, frozen
@@ -238,7 +238,8 @@ def _host_steps(
     both = [old for old, new, _ in present if os.path.lexists(new)]
     both.sort(key=lambda old: old != flat_db)  # the database first: the one worth naming
     if both:
-        return [_refusal(host, f"{both[0]} and {_new_of(pairs, both[0])} both exist")]
+        twin = next(new for old, new, _ in pairs if old == both[0])
+        return [_refusal(host, f"{both[0]} and {twin} both exist")]
     if present and os.path.lexists(new_db):
         return [
             _refusal(
@@ -291,10 +292,6 @@ def _refusal(host: str, why: str) -> Step:
         f"{host}: refused: {why}; nothing of {host} is moved (never overwritten: settle it by hand)",
         host=host,
     )
-
-
-def _new_of(pairs: Iterable[tuple[str, str, bool]], old: str) -> str:
-    return next(new for o, new, _ in pairs if o == old)
 
 
 def _uid_line(data_dir: str, host: str, uids: tuple[int, int] | None) -> str:

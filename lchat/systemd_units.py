@@ -19,6 +19,10 @@ from lchat.isolation import SpaceUser
 SYSTEMCTL_TIMEOUT = 120.0
 SYSTEMD_DIR = "/etc/systemd/system"
 DROPIN = "10-space.conf"
+# useradd for a user that only runs a service: no home, no login.
+NO_LOGIN_USER = (
+    "useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin"
+)
 
 
 class UnitError(Exception):
@@ -128,22 +132,8 @@ def _ensure_system_user(user: SpaceUser) -> None:
         grp.getgrnam(user.name)
     except KeyError:
         _run(["groupadd", "--system", "--gid", str(user.gid), user.name])
-    _run(
-        [
-            "useradd",
-            "--system",
-            "--uid",
-            str(user.uid),
-            "--gid",
-            str(user.gid),
-            "--no-create-home",
-            "--home-dir",
-            "/nonexistent",
-            "--shell",
-            "/usr/sbin/nologin",
-            user.name,
-        ]
-    )
+    ids = ["--uid", str(user.uid), "--gid", str(user.gid)]
+    _run([*NO_LOGIN_USER.split(), *ids, user.name])
 
 
 def _run(argv: list[str]) -> None:
