@@ -29,6 +29,8 @@ from twisted.trial.unittest import SkipTest, TestCase
 from lchat import config, ops
 from lchat.cli import bootstrap
 from lchat.cli.bootstrap import BootstrapError, Request, merge_env, plan, render_unit
+from lchat.cli.bootstrap.probe import probe_as
+from lchat.cli.bootstrap.request import owner_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = os.path.join(ROOT, "ops", "systemd")
@@ -293,7 +295,7 @@ class RealRunTests(_Root):
             path = os.path.join(self.root, "opt", "lchat", sub)
             self.assertEqual((_mode(path), _owner(path)), (0o755, (0, 0)), path)
         units_dir = os.path.join(self.root, "etc", "systemd", "system")
-        group = bootstrap._owner(SERVICE_USER).group
+        group = owner_of(SERVICE_USER).group
         for name in bootstrap.shipped_units():
             path = os.path.join(units_dir, name)
             self.assertEqual((_mode(path), _owner(path)), (0o644, (0, 0)), path)
@@ -400,10 +402,10 @@ class RealRunTests(_Root):
         first = self.bootstrap(self.root, "--set", "LCHAT_ACME_DIRECTORY=off")
         self.assertEqual(first.returncode, 0, first.stderr)
         env_file = os.path.join(self.root, "data", "router.env")
-        found_ok, found_left = bootstrap._probe_as(SERVICE_USER, env_file)
+        found_ok, found_left = probe_as(SERVICE_USER, env_file)
         self.assertIn(f"{env_file}: the router accepts its settings", found_ok)
         os.chown(env_file, 0, 0)
-        found_ok, found_left = bootstrap._probe_as(SERVICE_USER, env_file)
+        found_ok, found_left = probe_as(SERVICE_USER, env_file)
         self.assertTrue(any("cannot read it" in line for line in found_left), found_left)
 
 
