@@ -54,6 +54,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from prometheus_client import Counter
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -551,7 +552,7 @@ class SharedCache:
             monotonic=self._monotonic,
         )
 
-    async def unlock(self, reactor: Any, held: lease.HeldLease) -> None:
+    async def unlock(self, reactor: IReactorTime, held: lease.HeldLease) -> None:
         await lease.release(reactor, self.store, held, 10.0)
 
     # -- HTTP-01 tokens
@@ -598,7 +599,7 @@ class CacheSync(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         shared: SharedCache,
         local: LocalCache,
         certificates: Callable[[], dict[str, tls.Loaded]],

@@ -30,11 +30,10 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any
 
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
@@ -93,7 +92,9 @@ class PendingIndex:
     wait: the bucket's cost of any number of unknown tokens is bounded by time, not by requests.
     """
 
-    def __init__(self, clock: Any, list_tokens: ListPending, interval: float = LIST_INTERVAL):
+    def __init__(
+        self, clock: IReactorTime, list_tokens: ListPending, interval: float = LIST_INTERVAL
+    ):
         self._clock = clock
         self._list = list_tokens
         self.interval = interval
@@ -157,7 +158,7 @@ class ChallengeResponder:
         may_lookup: MayLookup | None = None,
         *,
         pending: ListPending | None = None,
-        clock: Any = None,
+        clock: IReactorTime | None = None,
         list_interval: float = LIST_INTERVAL,
     ) -> None:
         self._lock = threading.Lock()
@@ -166,9 +167,11 @@ class ChallengeResponder:
         # Which Host headers may cost a bucket lookup: names some box could be ordering for (the
         # registry's), not whatever a scanner sends.
         self.may_lookup = may_lookup or (lambda host: True)
-        if pending is not None and clock is None:
-            raise ValueError("a pending-token index needs a clock (the reactor)")
-        self.index = PendingIndex(clock, pending, list_interval) if pending is not None else None
+        self.index: PendingIndex | None = None
+        if pending is not None:
+            if clock is None:
+                raise ValueError("a pending-token index needs a clock (the reactor)")
+            self.index = PendingIndex(clock, pending, list_interval)
         self._clock = clock
         self.lookups = 0  # bucket GETs in flight
         self.waiting = 0  # lookups not yet answered (index wait and GET)

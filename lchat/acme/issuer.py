@@ -33,6 +33,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -92,7 +93,7 @@ class Issuer(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,  # and, once an order runs, IReactorFromThreads (adapted to it then)
         *,
         store: tls.CertStore,
         local: LocalCache,
@@ -398,6 +399,7 @@ class Issuer(Service):
 
     async def _order(self, name: CertName, reason: str) -> Certificate:
         self._check_guard(name)
+        back = IReactorFromThreads(self._reactor)  # the order's worker thread reports through it
         _log.info(
             "acme: ordering a certificate for {name} ({reason})", name=name.label, reason=reason
         )
@@ -407,7 +409,7 @@ class Issuer(Service):
                 raise IssuanceError(
                     "challenge", "HTTP-01 needs the port-80 listener (LCHAT_HTTP_ADDR)"
                 )
-            solver = HTTP01Solver(self._reactor, self._http01, self._shared)
+            solver = HTTP01Solver(back, self._http01, self._shared)
         else:
             if self._dns is None:
                 raise IssuanceError("dns", "no DNS provider for DNS-01")
@@ -420,7 +422,7 @@ class Issuer(Service):
             )
 
         def placed() -> None:
-            self._reactor.callFromThread(self._count_order, name.kind)
+            back.callFromThread(self._count_order, name.kind)
 
         issued = await self._run(
             lambda: self._account.issue(
@@ -509,7 +511,7 @@ class Issuer(Service):
         return parent if parent in self._wildcards else None
 
     def _run(self, f: Callable[[], Any]) -> Deferred[Any]:
-        return deferToThreadPool(self._reactor, self._pool, f)
+        return deferToThreadPool(IReactorFromThreads(self._reactor), self._pool, f)
 
     def status(self) -> dict[str, Any]:
         """What the admin API's ``/status`` shows under ``acme``."""
@@ -667,7 +669,10 @@ class HTTP01Solver:
     kind = "http-01"
 
     def __init__(
-        self, reactor: Any, responder: ChallengeResponder, shared: SharedCache | None
+        self,
+        reactor: IReactorFromThreads,
+        responder: ChallengeResponder,
+        shared: SharedCache | None,
     ) -> None:
         self._reactor = reactor
         self._responder = responder
@@ -758,7 +763,9 @@ class DNS01Solver:
         self._provider.remove_txt(handle)
 
 
-def on_reactor(reactor: Any, work: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
+def on_reactor(
+    reactor: IReactorFromThreads, work: Callable[[], Awaitable[Any]], timeout: float = 15.0
+) -> Any:
     """From a worker thread: run the coroutine ``work()`` on the reactor and wait for it, at most
     ``timeout`` seconds (a stopped reactor must not strand the thread, as blockingCallFromThread
     would)."""

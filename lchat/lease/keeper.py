@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 from attrs import evolve
 from twisted.internet import defer
@@ -470,8 +470,9 @@ class LeaseKeeper:
             max(0.0, deadline - self._monotonic()), self._deadline_due
         )
         if self._watchdog:
-            threads = cast(IReactorFromThreads, self._reactor)
-            self._alarm = _WATCHDOG.arm(threads, deadline, self._alarm_due)
+            self._alarm = _WATCHDOG.arm(
+                IReactorFromThreads(self._reactor), deadline, self._alarm_due
+            )
 
     def _deadline_due(self) -> None:
         self._deadline_call = None

@@ -51,7 +51,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 from twisted.internet.defer import CancelledError, Deferred, DeferredLock
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorFromThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
@@ -120,7 +120,7 @@ class ReplicaPaused(ObjectStoreError):
 class Replicator:
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,  # and IReactorFromThreads without a run_in_thread
         store: ObjectStore,
         db_path: str,
         replica_path: str,  # "<prefix>/<host>"
@@ -159,8 +159,8 @@ class Replicator:
             # One thread: ReplicaDB takes one call at a time, and a slow disk here must not
             # starve the reactor's shared pool.
             self._pool = ThreadPool(minthreads=0, maxthreads=1, name=f"replica {self.path}")
-            pool = self._pool
-            run_in_thread = lambda f, *a: deferToThreadPool(reactor, pool, f, *a)  # noqa: E731
+            pool, back = self._pool, IReactorFromThreads(reactor)
+            run_in_thread = lambda f, *a: deferToThreadPool(back, pool, f, *a)  # noqa: E731
         self._run = run_in_thread
         self._db = ReplicaDB(db_path, **dict(db_options or {}), page_fds=page_fds)
         self._tmp_root = tmp_dir
