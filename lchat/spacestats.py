@@ -202,13 +202,9 @@ def _file_id(path: str) -> _FileId:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _files(db: str) -> tuple[_FileId, _FileId, _FileId, _FileId]:
-    return (
-        _file_id(db),
-        _file_id(db + "-wal"),
-        _file_id(db + "-shm"),
-        _file_id(db + "-journal"),
-    )
+def _files(db: str) -> tuple[_FileId, ...]:
+    """The database, its -wal, its -shm and its -journal."""
+    return tuple(_file_id(db + suffix) for suffix in ("", "-wal", "-shm", "-journal"))
 
 
 def read_database(
@@ -224,7 +220,7 @@ def read_database(
         if journal is not None:
             # A rollback journal: a writer outside WAL mode is mid-transaction (or crashed there,
             # and only a read-write open may roll it back). Nothing read now is trustworthy.
-            _pause()
+            time.sleep(0.05)  # blocking on purpose: this runs in a worker thread or the CLI
             continue
         if wal is not None and shm is not None:
             # A WAL reader's usual protocol; the -shm is opened read-only (never written), and
@@ -250,10 +246,6 @@ def read_database(
         f"{db} was being written through {ATTEMPTS} attempts (a writer starting, or a rollback "
         f"journal {db}-journal): ask again in a moment",
     )
-
-
-def _pause() -> None:
-    time.sleep(0.05)  # blocking on purpose: this runs in a worker thread or the CLI
 
 
 def _query(db: str, params: str, clock: Callable[[], float], budget: float) -> Counts:
