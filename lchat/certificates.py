@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 from attrs import frozen
 from twisted.application.service import MultiService
@@ -24,17 +23,13 @@ from lchat.admin import clear_stale_socket
 from lchat.config import BoxConfig
 from lchat.listener import listen
 from lchat.objstore.aws import ResolvedCredentials
+from lchat.reactors import Reactor
 from lchat.registry import RouteSource
 from lchat.shutdown import HibernationService
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
-
-# The builders hand the one reactor to features that need several of its interfaces at once
-# (IReactorTime, IReactorFromThreads, IReactorUNIX): the shared reactor Protocol of issue 31
-# step 5 names them.
-Reactor = Any
 
 
 @frozen

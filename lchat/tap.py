@@ -12,10 +12,7 @@ from typing import Any
 from attrs import frozen
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
-from twisted.internet.interfaces import (
-    IListeningPort,
-    IReactorTime,
-)
+from twisted.internet.interfaces import IListeningPort, IReactorCore, IReactorTime
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -45,6 +42,7 @@ from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
+from lchat.reactors import Reactor, installed, whole
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, Route, RouteSource
 from lchat.router import Router
@@ -64,11 +62,6 @@ from lchat.units import BuiltinUnits, Claims
 from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
-
-# The builders hand the one reactor to features that need several of its interfaces at once
-# (IReactorTime, IReactorCore, IReactorThreads, IReactorUNIX, IReactorTCP, IReactorProcess):
-# no single Twisted interface names them; the shared reactor Protocol of issue 31 step 5 does.
-Reactor = Any
 
 # option name -> the variable it overrides, and what it is
 FLAGS = {
@@ -114,20 +107,20 @@ class Options(usage.Options):
 
 
 def makeService(options: Options) -> IService:
-    from twisted.internet import reactor
-
     flags = {var: options[name] for name, (var, _) in FLAGS.items()}
     try:
         cfg = config.load(env_file=options["env-file"], flags=flags)
     except ConfigError as e:
         raise SystemExit(f"lchat: configuration error: {e}") from None
     try:
-        return build_service(cfg, reactor)
+        return build_service(cfg, installed())
     except (RegistryError, AlreadyRunning, ConfigError, OSError) as e:
         raise SystemExit(f"lchat: cannot start: {e}") from None
 
 
-def build_service(cfg: BoxConfig, reactor: Reactor, poll_interval: float = 2.0) -> MultiService:
+def build_service(
+    cfg: BoxConfig, any_reactor: IReactorCore, poll_interval: float = 2.0
+) -> MultiService:
     """Everything the box runs, wired feature by feature; the logic lives in the features' own
     modules. Fails loudly on anything unusable. Services stop in reverse order: the admin API,
     the front door (listeners, then idle connections), certificates, hibernation's drain, units,
@@ -135,7 +128,9 @@ def build_service(cfg: BoxConfig, reactor: Reactor, poll_interval: float = 2.0) 
 
     The one clock is ``reactor`` (``seconds()``, unix time); the one thread runner is the
     reactor's pool (:func:`lchat.threads.thread_runner`); leases, whose deadlines must not jump
-    with the wall clock, are kept on ``time.monotonic``."""
+    with the wall clock, are kept on ``time.monotonic``. ``any_reactor``: the installed one (or a
+    test's), checked here to be whole (:func:`lchat.reactors.whole`)."""
+    reactor = whole(any_reactor)
     _prepare_box(cfg)
     aws = boot_credentials(cfg)
     run = thread_runner(reactor)
