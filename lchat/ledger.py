@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from attrs import frozen
 
 from lchat import hosts
+from lchat.backoff import Backoff
 
 if TYPE_CHECKING:
     from lchat.objstore import ObjectStore
@@ -142,7 +143,7 @@ class IdLedger:
         self.block = block
         self._sleep = sleep
         self._attempts = attempts
-        self._backoff = backoff
+        self._retries = Backoff(backoff, MAX_BACKOFF, jitter=(0.0, 1.0))  # full jitter
         self._rng = rng or random.Random()  # noqa: S311 -- jitter, not a secret
 
     def describe(self) -> str:
@@ -186,7 +187,6 @@ class IdLedger:
         read; on a lost race, wait (jittered, doubling) and start over from a fresh read."""
         from lchat.objstore import PreconditionFailed
 
-        wait = self._backoff
         for attempt in range(1, self._attempts + 1):
             counter = await self.read()
             new = step(counter.next)
@@ -205,9 +205,8 @@ class IdLedger:
             except PreconditionFailed:
                 if attempt == self._attempts:
                     break
-                # Full jitter: anywhere in [0, wait), so racing minters spread out.
-                await self._sleep(self._rng.uniform(0, wait))
-                wait = min(wait * 2, MAX_BACKOFF)
+                # Full jitter: anywhere below the step, so racing minters spread out.
+                await self._sleep(self._retries.jittered(self._retries.delay(attempt), self._rng))
                 continue
             return counter.next, new
         raise LedgerContention(
