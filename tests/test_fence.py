@@ -971,7 +971,7 @@ class FencedActivatorTests(_Machine):
     def _stop_all(self) -> None:
         if os.path.exists(self.mesh_dir + ".away"):
             self.heal()
-        self._drain()  # (the activator first, as lchat/tap.py drains; then the heartbeat)
+        self._drain()  # (the activator first, as lchat/shutdown.py drains; then the heartbeat)
         if self.membership.running:
             self.successResultOf(self.membership.stopService())
 
