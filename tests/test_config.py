@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from twisted.trial import unittest
 
 from lchat import config
+from lchat.builds import space_argv
 from lchat.config import BoxConfig, ConfigError
 from lchat.config.acme import LETS_ENCRYPT
 from lchat.config.values import parse_size
@@ -364,13 +365,14 @@ class Defaults(Base):
         os.makedirs(os.path.join(opt, "live"))
         cfg = self.load({"LCHAT_OPT_DIR": opt})
         own = os.path.join(opt, "live", "a.example.com")
-        self.assertEqual(cfg.space_argv("a.example.com"), [own])  # neither: as configured
+        self.assertEqual(space_argv(cfg.space_command, "a.example.com"), [own])  # as configured
         os.symlink("../versions/1/space", os.path.join(opt, "live", "_default"))
         default = os.path.join(opt, "live", "_default")
-        self.assertEqual(cfg.space_argv("a.example.com"), [default])
-        self.assertEqual(cfg.sidecar_argv("a.example.com"), [own + "-bot"])  # no default bot
+        self.assertEqual(space_argv(cfg.space_command, "a.example.com"), [default])
+        bot = space_argv(cfg.sidecar_command, "a.example.com", sidecar=True)
+        self.assertEqual(bot, [own + "-bot"])  # no default bot
         os.symlink("../versions/2/space", own)
-        self.assertEqual(cfg.space_argv("a.example.com"), [own])
+        self.assertEqual(space_argv(cfg.space_command, "a.example.com"), [own])
 
     def test_defaults(self) -> None:
         cfg = self.load()
@@ -690,17 +692,18 @@ class SpaceArgv(Base):
     def test_substitutes_host(self) -> None:
         cfg = self.load({"LCHAT_SPACE_COMMAND": "/opt/space --host={host} --db '/data/{host}.db'"})
         self.assertEqual(
-            cfg.space_argv("Chat.Example.com"),
+            space_argv(cfg.space_command, "Chat.Example.com"),
             ["/opt/space", "--host=chat.example.com", "--db", "/data/chat.example.com.db"],
         )
-        self.assertEqual(self.load().space_argv("a.example.com"), ["/opt/lchat/live/a.example.com"])
+        default = space_argv(self.load().space_command, "a.example.com")
+        self.assertEqual(default, ["/opt/lchat/live/a.example.com"])
 
     def test_refuses_hostile_host(self) -> None:
         cfg = self.load()
         from lchat.hosts import InvalidHost
 
         for bad in ("../x", "a/b", "a\x00b.com", "x" * 300 + ".com"):
-            self.assertRaises(InvalidHost, cfg.space_argv, bad)
+            self.assertRaises(InvalidHost, space_argv, cfg.space_command, bad)
 
     def test_config_is_immutable(self) -> None:
         cfg = self.load()
