@@ -44,10 +44,9 @@ from typing import Any, Literal
 import boto3  # type: ignore[import-untyped]
 import botocore.config  # type: ignore[import-untyped]
 import botocore.credentials  # type: ignore[import-untyped]
-from twisted.internet import reactor as _reactor
-from twisted.internet.threads import deferToThreadPool
 
 from lchat.objstore.s3 import S3Store
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 
 Kind = Literal["moto", "seaweedfs"]
@@ -93,8 +92,7 @@ def port_answers(port: int) -> bool:
 
 
 async def _in_thread(f: Any, *args: Any) -> Any:
-    reactor: Any = _reactor
-    return await deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
+    return await thread_runner(installed())(f, *args)
 
 
 class ServerLifecycle:
@@ -406,17 +404,18 @@ def store_for(server: S3Server, bucket: str | None = None, **kwargs: Any) -> S3S
     """An :class:`S3Store` on ``server`` (its default bucket unless told), path-style, signed with
     the server's credentials. Keyword arguments go to ``S3Store`` (``timeout``, ``retries``, ...).
     The caller closes it (``addCleanup(store.close)``)."""
+    reactor = installed()
     options: dict[str, Any] = {
         "endpoint": server.endpoint,
         "region": server.region,
         "credentials": server.credentials,
         "timeout": 10.0,
         "retries": 2,
-        "run_in_thread": thread_runner(_reactor),
+        "run_in_thread": thread_runner(reactor),
         "monotonic": time.monotonic,
         **kwargs,
     }
-    return S3Store(_reactor, bucket or server.bucket, **options)
+    return S3Store(reactor, bucket or server.bucket, **options)
 
 
 async def start_server(kind: Kind) -> S3Server:

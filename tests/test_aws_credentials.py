@@ -15,10 +15,8 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from botocore.credentials import RefreshableCredentials  # type: ignore[import-untyped]
-from twisted.internet import reactor as _reactor
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
@@ -34,10 +32,11 @@ from lchat.objstore.aws import (
 )
 from lchat.objstore.s3 import S3Store
 from lchat.objstore.where import Where
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 from tests import s3servers
 
-reactor: Any = _reactor
+reactor = installed()
 
 # Nothing from this machine: no shared files, no instance metadata service.
 ISOLATED = {

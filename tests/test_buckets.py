@@ -8,7 +8,6 @@ import shutil
 import tempfile
 from unittest import mock
 
-from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
 from lchat import config
@@ -17,7 +16,10 @@ from lchat.cli import release as release_cli
 from lchat.config import ConfigError
 from lchat.objstore import ObjectStoreError
 from lchat.objstore.where import Where
+from lchat.reactors import installed
 from lchat.release import settings as release_settings
+
+reactor = installed()
 
 
 def _exists(path: str) -> bool:

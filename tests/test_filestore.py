@@ -21,7 +21,6 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial import unittest
@@ -41,9 +40,10 @@ from lchat.objstore.file import (
     encode_segment,
 )
 from lchat.objstore.where import file_bucket
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 
-reactor: Any = _reactor
+reactor = installed()
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(lchat.__file__)))
 
 # A child process using the store through its blocking API.

@@ -32,7 +32,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from prometheus_client import REGISTRY
-from twisted.internet import reactor as _reactor
 from twisted.internet import task
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorFromThreads, IReactorTime
@@ -54,10 +53,11 @@ from lchat.objstore import (
     StoreUnavailable,
 )
 from lchat.objstore.file import FileStore
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 from tests import s3servers
 
-reactor: Any = _reactor
+reactor = installed()
 T = TypeVar("T")
 HOST = "chat-a.example.com"
 # With TTLs of a second or two, the default 10% margin is a few reactor ticks on a busy CI box;
@@ -578,7 +578,8 @@ class _Relay:
         factory = portforward.ProxyFactory("127.0.0.1", self.target)
         factory.protocol = Server
         factory.noisy = False
-        self.listening = reactor.listenTCP(self.port_number, factory, interface="127.0.0.1")
+        # (typed for a ServerFactory; portforward's is a plain Factory, which listenTCP takes)
+        self.listening = reactor.listenTCP(self.port_number, factory, interface="127.0.0.1")  # type: ignore[arg-type]
         self.port_number = self.listening.getHost().port
 
     async def cut(self) -> None:

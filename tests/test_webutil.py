@@ -5,18 +5,17 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from lchat.reactors import installed
 from lchat.webutil import answerable
 
-reactor: Any = _reactor
+reactor = installed()
 
 
 class _Held(Resource):
