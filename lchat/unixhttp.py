@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
-from typing import Protocol as TypingProtocol
 
 from attrs import frozen
 from twisted.internet import defer, error
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXClientEndpoint
 from twisted.internet.interfaces import (
-    IDelayedCall,
     IReactorTime,
     IReactorUNIX,
     IStreamClientEndpoint,
@@ -38,21 +36,14 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgentEndpointFactory, IResponse
 from zope.interface import implementer
 
+from lchat.reactors import TimeReactor
 from lchat.twisted_internals import quiet_pool
 from lchat.webutil import BytesProducer
 
 MAX_BODY = 1 << 20  # probes and next-due answers are tiny; anything bigger is a misbehaving peer
 
 
-class Reactor(TypingProtocol):
-    """What we need from the reactor: time (timeouts) and ``IReactorUNIX`` (connecting), which
-    the global reactor's static type lacks (Twisted: adapt to it), hence not in the Protocol."""
-
-    def callLater(
-        self, delay: float, callable: Callable[..., Any], *args: object, **kw: object
-    ) -> IDelayedCall: ...
-
-    def seconds(self) -> float: ...
+Reactor = TimeReactor  # moved to lchat.reactors: importers outside storage still use this
 
 
 class UnixHTTPError(Exception):
@@ -76,7 +67,7 @@ class Response:
 
 
 async def request(
-    reactor: Reactor,
+    reactor: TimeReactor,  # and IReactorUNIX, adapted to where it connects
     socket_path: str,
     method: str,
     path: str,
@@ -107,7 +98,7 @@ async def request(
 
 
 async def _exchange(
-    reactor: Reactor,
+    reactor: TimeReactor,
     socket_path: str,
     method: str,
     path: str,
@@ -203,7 +194,7 @@ def _abort(resp: IResponse) -> None:
 
 @implementer(IAgentEndpointFactory)
 class _UnixEndpointFactory:
-    def __init__(self, reactor: Reactor, socket_path: str, timeout: float) -> None:
+    def __init__(self, reactor: TimeReactor, socket_path: str, timeout: float) -> None:
         self._reactor = reactor
         self._path = socket_path
         self._timeout = timeout
