@@ -151,6 +151,17 @@ class HibernateTestCase(CliTestCase):
         entry: dict[str, Any] = admin_client.status(self.admin_socket).json()["hosts"][host]
         return entry
 
+    def process_state(self, host: str, expected: str, within: float = 10.0) -> str:
+        """The supervisor's state of ``host``'s process once it is ``expected`` (or the last seen
+        after ``within`` s): it marks a child ready on its own probe, a moment after the child
+        first answers on its socket (all that the CLI's health check waits for)."""
+        deadline = time.monotonic() + within
+        while True:
+            state = str(self.router_entry(host).get("process", {}).get("state"))
+            if state == expected or time.monotonic() > deadline:
+                return state
+            time.sleep(0.05)
+
     # -- talking to a space through the router ----------------------------------------------
 
     def call(self, host: str, method: str, path: str, body: object = None) -> tuple[int, Any]:
@@ -328,7 +339,7 @@ class RoundTripTests(HibernateTestCase):
         self.assertEqual(self.messages(host), ["before", "while hibernating"])
         row = self.instances()[host]
         self.assertEqual((row["HIBERNATE"], row["STATE"]), ("off", "ready"))
-        self.assertEqual(self.router_entry(host)["process"]["state"], "ready")
+        self.assertEqual(self.process_state(host, "ready"), "ready")
 
         # Both directions are idempotent: already in place, the remaining steps are harmless.
         again = self.lchat("hibernate", host, "--off")

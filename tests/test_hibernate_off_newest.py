@@ -152,7 +152,7 @@ class OffFetchesTheNewestCopyTests(HibernateTestCase):
         route = self.row(HOST)
         assert route is not None
         self.assertFalse(route.hibernate)
-        self.assertEqual(self.router_entry(HOST)["process"]["state"], "ready")
+        self.assertEqual(self.process_state(HOST, "ready"), "ready")
         self.assertFalse(self.lock_exists())  # the lease was released before the unit started
         # The stale file was moved aside by the activator, never deleted.
         self.assertEqual(len(moved_aside(self.db)), 1)
