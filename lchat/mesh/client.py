@@ -301,14 +301,9 @@ class PeerBeats:
     def _agent(self, timeout: float) -> Agent:
         agent = self._agents.get(timeout)
         if agent is None:
-            trust = platform_trust_plus(self._ca_file) if self._ca_file else None
             pool = quiet_pool(self._reactor, persistent=True)
             self._pools.append(pool)
-            agent = self._agents[timeout] = Agent.usingEndpointFactory(
-                self._reactor,
-                _Endpoints(self._reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),
-                pool=pool,
-            )
+            agent = self._agents[timeout] = _agent(self._reactor, self._ca_file, timeout, pool)
         return agent
 
     def close(self) -> Deferred[Any]:
@@ -390,12 +385,14 @@ class _Endpoints:
         return _TLSEndpoint(self._reactor, creator, tcp)
 
 
-def _agent(reactor: Any, ca_file: str, timeout: float) -> Agent:
+def _agent(reactor: Any, ca_file: str, timeout: float, pool: Any = None) -> Agent:
+    """Verified HTTPS (the system's trust store, plus ``ca_file``), connecting within
+    ``timeout``; a connection per call unless given a ``pool``."""
     trust = platform_trust_plus(ca_file) if ca_file else None
     return Agent.usingEndpointFactory(
         reactor,
         _Endpoints(reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),
-        pool=quiet_pool(reactor, persistent=False),
+        pool=pool if pool is not None else quiet_pool(reactor, persistent=False),
     )
 
 
