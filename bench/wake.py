@@ -151,7 +151,7 @@ def activator_poll() -> float:
     import ast
     import inspect
 
-    from lchat import supervise
+    from lchat import child
     from lchat.hibernation import lifecycle
 
     for node in ast.walk(ast.parse(inspect.getsource(lifecycle))):
@@ -161,7 +161,7 @@ def activator_poll() -> float:
                     if isinstance(kw.value, ast.Constant):
                         return float(kw.value.value)
                     log("the activator's wait_ready interval is not a constant: using the default")
-    default = inspect.signature(supervise.RunningChild.wait_ready).parameters["interval"].default
+    default = inspect.signature(child.RunningChild.wait_ready).parameters["interval"].default
     return float(default)
 
 
@@ -1018,15 +1018,15 @@ def child_router(argv: list[str]) -> None:
     lchat's files are untouched): what the wake would cost with a finer readiness poll."""
     # The router's reactor first: nothing imported below may install twistd's default.
     benchlib.install_router_reactor()
-    from lchat import supervise
+    from lchat import child
 
     interval = float(argv[0])
-    original = supervise.RunningChild.wait_ready
+    original = child.RunningChild.wait_ready
 
     def wait_ready(self: Any, timeout: float = 30.0, **_: Any) -> Any:
         return original(self, timeout, interval)
 
-    supervise.RunningChild.wait_ready = wait_ready  # type: ignore[method-assign]
+    child.RunningChild.wait_ready = wait_ready  # type: ignore[method-assign]
     from twisted.scripts.twistd import run
 
     sys.argv = ["twistd", *argv[1:]]

@@ -16,11 +16,11 @@ from twisted.logger import Logger
 from lchat import tls
 from lchat.acme.cache import CacheSync, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount
-from lchat.acme.dns01 import make_provider
 from lchat.acme.http01 import ChallengeResponder
 from lchat.acme.issuer import Issuer
 from lchat.admin import clear_stale_socket
 from lchat.config import BoxConfig
+from lchat.dns import make_provider
 from lchat.listener import listen
 from lchat.objstore.aws import ResolvedCredentials
 from lchat.reactors import Reactor

@@ -37,6 +37,7 @@ from twisted.python.failure import Failure
 from lchat import unixhttp
 from lchat.deferutil import fire, relay
 from lchat.isolation import IsolationError, SpaceUser, argv_as
+from lchat.reactors import TimeReactor
 
 MAX_LINE = 4096  # longest child output line we log; the rest of the line is dropped
 STDERR_TAIL = 10  # stderr lines kept for ExitInfo / failure details
@@ -46,9 +47,9 @@ log = Logger(namespace="lchat.supervise")
 child_log = Logger(namespace="lchat.space")
 
 
-class Reactor(unixhttp.Reactor, TypingProtocol):
+class Reactor(TimeReactor, TypingProtocol):
     """The reactor surface we use: ``IReactorTime`` (and a unix socket for the readiness probe,
-    :class:`lchat.unixhttp.Reactor`) + ``IReactorProcess``."""
+    :class:`lchat.reactors.TimeReactor`) + ``IReactorProcess``."""
 
     # A read-only attribute, not a method: a zope interface declares methods without ``self``,
     # which a method protocol member cannot match.

@@ -19,9 +19,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
-from lchat.child import ChildExited as ChildExited  # moved to lchat.child: tests/fakes.py uses it
-from lchat.child import ChildSpec, ExitInfo, Reactor, RunningChild, SpawnError, spawn
-from lchat.child import ReadyTimeout as ReadyTimeout  # moved to lchat.child: tests/fakes.py uses it
+from lchat.child import ChildExited, ChildSpec, ExitInfo, Reactor, RunningChild, SpawnError, spawn
 
 State = Literal["starting", "ready", "backoff", "failed", "stopped"]
 STATES: tuple[State, ...] = ("starting", "ready", "backoff", "failed", "stopped")

@@ -43,9 +43,6 @@ from lchat.webutil import BytesProducer
 MAX_BODY = 1 << 20  # probes and next-due answers are tiny; anything bigger is a misbehaving peer
 
 
-Reactor = TimeReactor  # moved to lchat.reactors: importers outside storage still use this
-
-
 class UnixHTTPError(Exception):
     """A request over a unix socket got no usable response. ``reason`` is for humans."""
 

@@ -1,6 +1,6 @@
 """A stand-in for DNSimple's API *server*: real HTTP on a loopback port, enough of API v2 for DNS-01.
 
-Our client (``lchat.acme.dns01.DNSimple``) is never mocked: tests point it at this server, which
+Our client (``lchat.dns.dnsimple.DNSimple``) is never mocked: tests point it at this server, which
 speaks the wire format of https://developer.dnsimple.com/v2/ (shapes checked against the fixtures
 of DNSimple's official clients):
 

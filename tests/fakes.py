@@ -6,7 +6,7 @@ child process and the HTTP questions put to it are replaced, each keeping the re
 - :class:`Spawner` is a ``Lifecycle(spawner=...)`` (``(reactor, spec) -> child``) that makes
   :class:`FakeChild` objects and remembers them;
 - :class:`FakeChild` is what the lifecycle and the activator use of
-  :class:`lchat.supervise.RunningChild`: ``pid``, ``exit_info``, ``ended`` (a new Deferred per
+  :class:`lchat.child.RunningChild`: ``pid``, ``exit_info``, ``ended`` (a new Deferred per
   access, never failing), ``wait_ready`` (fails with ``ChildExited`` if it ends first and
   ``ReadyTimeout`` after its timeout, on the fake clock), ``terminate`` (SIGTERM, SIGKILL after the
   grace). Like a space, it creates its SQLite database in WAL mode at ``LCHAT_DB`` and keeps a
@@ -30,7 +30,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 
-from lchat.supervise import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
+from lchat.child import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
 
 # The thread runner for a fake clock (lchat.threads.inline): the work runs at once, since there is
 # no reactor thread to hop back to, and the disk work these tests do takes microseconds.

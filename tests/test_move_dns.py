@@ -21,7 +21,6 @@ import botocore.session  # type: ignore[import-untyped]
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import config
-from lchat.acme.dns01 import AddressChange, DNSProviderError, Route53, canonical_addresses
 from lchat.cli.move_dns import (
     MoveDNSError,
     destination_addresses,
@@ -31,6 +30,7 @@ from lchat.cli.move_dns import (
     system_resolve,
 )
 from lchat.config import BoxConfig
+from lchat.dns import AddressChange, DNSProviderError, Route53, canonical_addresses
 from tests.s3servers import S3Server
 from tests.test_dns01 import _moto_server
 

@@ -42,7 +42,7 @@ from lchat import config
 from lchat.admin import AdminAPI
 from lchat.buckets import bucket_key_env
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
-from lchat.hibernation.activator import HOLD_RETRY_AFTER
+from lchat.hibernation.capacity import HOLD_RETRY_AFTER
 from lchat.mesh import forward, placement, routing
 from lchat.mesh.membership import member_key, members_prefix
 from lchat.objstore.file import FileBucket

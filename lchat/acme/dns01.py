@@ -17,8 +17,6 @@ import dns.rdatatype
 import dns.resolver
 from attrs import field, frozen
 
-# moved to lchat.dns: importers outside lchat/acme still use these (tap, cli.move_dns, test_move_dns)
-from lchat.dns import AddressChange, Route53, canonical_addresses, make_provider  # noqa: F401
 from lchat.dns.records import DNSProviderError, log, normalise_fqdn
 
 

@@ -11,7 +11,7 @@ Two parts, both blocking (the relocate command is synchronous, and Route53 is bo
 - :func:`move_dns`: through the box's DNS-01 provider, which must be Route53
   (``LCHAT_DNS_PROVIDER=route53``, built from the same settings and AWS credential chain the
   router's ACME issuer uses), make the host's own ``A``/``AAAA`` records exactly those addresses
-  (:meth:`lchat.acme.dns01.Route53.point_address`). A zone's wildcard record is never touched.
+  (:meth:`lchat.dns.route53.Route53.point_address`). A zone's wildcard record is never touched.
 
 Every refusal and failure is a :class:`MoveDNSError` whose message says what to fix; nothing is
 written when one is raised before the Route53 change.
@@ -29,14 +29,14 @@ from urllib.parse import urlsplit
 from attrs import frozen
 
 from lchat import hosts
-from lchat.acme.dns01 import (
+from lchat.config import BoxConfig
+from lchat.dns import (
     AddressChange,
     DNSProviderError,
     Route53,
     canonical_addresses,
     make_provider,
 )
-from lchat.config import BoxConfig
 from lchat.objstore.aws import NoCredentials, box_credentials
 
 DEFAULT_TTL = 60  # seconds: short, so a later move (or a move back) is seen soon

@@ -36,9 +36,6 @@ from twisted.python.failure import Failure
 from lchat.backoff import Backoff
 from lchat.child import RunningChild
 from lchat.deferutil import fire, relay, settled
-from lchat.hibernation.capacity import (
-    HOLD_RETRY_AFTER as HOLD_RETRY_AFTER,  # moved to capacity: tests/test_relocate_parts uses it
-)
 from lchat.hibernation.capacity import Capacity, Holds
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
 from lchat.hibernation.outage import OutageWrites, WriteWitness, stale

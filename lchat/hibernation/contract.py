@@ -15,6 +15,7 @@ from twisted.logger import Logger
 
 from lchat import hosts, unixhttp
 from lchat.config import read_env_file
+from lchat.reactors import TimeReactor
 from lchat.threads import RunInThread
 
 _log = Logger(namespace="lchat.activator")
@@ -30,7 +31,7 @@ class Contract(Protocol):
 class SpaceContract:
     """Asks a space what the activator needs to know. ``run_in_thread`` reads its env file."""
 
-    reactor: unixhttp.Reactor
+    reactor: TimeReactor
     run_in_thread: RunInThread
     data_dir: str
 

@@ -41,6 +41,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from zope.interface import implementer
 
 from lchat import unixhttp
+from lchat.reactors import TimeReactor
 from lchat.space.sidecar_config import BaseURL, SidecarConfig
 from lchat.twisted_internals import quiet_pool
 from lchat.unixhttp import Response
@@ -95,7 +96,7 @@ class Client(Protocol):
 class UnixClient:
     """Straight to the space's unix socket (the default)."""
 
-    reactor: unixhttp.Reactor
+    reactor: TimeReactor
     socket: str
     host: str
 
