@@ -13,7 +13,7 @@ import subprocess
 from lchat import hosts, isolation
 from lchat.config import BoxConfig
 from lchat.files import write_atomic
-from lchat.isolation import SpaceUser
+from lchat.isolation import IsolationError, SpaceUser
 
 # `enable --now` waits for the start job; a unit that hangs must not hang the CLI forever.
 SYSTEMCTL_TIMEOUT = 120.0
@@ -124,35 +124,33 @@ def _ensure_system_user(user: SpaceUser) -> None:
         known = None
     if known is not None:
         if (known.pw_uid, known.pw_gid) != (user.uid, user.gid):
-            raise isolation.IsolationError(
+            raise IsolationError(
                 f"user {user.name} exists with uid {known.pw_uid}, its directory is uid {user.uid}"
             )
         return
     try:
         grp.getgrnam(user.name)
     except KeyError:
-        _run(["groupadd", "--system", "--gid", str(user.gid), user.name])
+        run_command(["groupadd", "--system", "--gid", str(user.gid), user.name], IsolationError)
     ids = ["--uid", str(user.uid), "--gid", str(user.gid)]
-    _run([*NO_LOGIN_USER.split(), *ids, user.name])
-
-
-def _run(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, errors="replace", check=False)
-    if done.returncode != 0:
-        raise isolation.IsolationError(
-            f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()}"
-        )
+    run_command([*NO_LOGIN_USER.split(), *ids, user.name], IsolationError)
 
 
 def _systemctl(*args: str) -> str:
-    """Run ``systemctl *args``; its output. Raises :class:`UnitError` (one line) when it fails."""
-    command = "systemctl " + " ".join(args)
-    binary = shutil.which("systemctl")
+    return run_command(["systemctl", *args], missing=" (LCHAT_UNITS=systemd)")
+
+
+def run_command(argv: list[str], error: type[Exception] = UnitError, *, missing: str = "") -> str:
+    """Run ``argv`` (its program found on PATH; ``missing`` says more when it is not); its
+    output. Raises ``error`` in one line (the command, and the last line it said) when it cannot
+    run, gives no answer in :data:`SYSTEMCTL_TIMEOUT` or fails."""
+    command = " ".join(argv)
+    binary = shutil.which(argv[0])
     if binary is None:
-        raise UnitError(f"{command}: systemctl not found on PATH (LCHAT_UNITS=systemd)")
+        raise error(f"{command}: {argv[0]} not found on PATH{missing}")
     try:
         done = subprocess.run(
-            [binary, *args],
+            [binary, *argv[1:]],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -161,13 +159,13 @@ def _systemctl(*args: str) -> str:
             check=False,
         )
     except subprocess.TimeoutExpired:
-        raise UnitError(f"{command}: no answer after {SYSTEMCTL_TIMEOUT:g}s") from None
+        raise error(f"{command}: no answer after {SYSTEMCTL_TIMEOUT:g}s") from None
     except OSError as e:
-        raise UnitError(f"{command}: {e.strerror or e}") from e
+        raise error(f"{command}: {e.strerror or e}") from e
     if done.returncode != 0:
         lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         detail = lines[-1] if lines else "no output"
-        raise UnitError(f"{command} failed (exit {done.returncode}): {detail}")
+        raise error(f"{command} failed (exit {done.returncode}): {detail}")
     return done.stdout
 
 
