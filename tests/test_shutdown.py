@@ -3,12 +3,24 @@ and collaborators stand for the real ones only by what the drain calls, and reco
 
 from __future__ import annotations
 
+import os
+
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 
-from lchat.shutdown import BackupService, FrontDoor, HibernationService, InOrder, probe_done
+from lchat.objstore.file import FileStore
+from lchat.shutdown import (
+    BackupService,
+    BucketCheck,
+    FrontDoor,
+    HibernationService,
+    InOrder,
+    probe_done,
+)
+from lchat.threads import inline
 
 
 class _Stops(Service):
@@ -272,3 +284,33 @@ class FrontDoorDrainTests(TestCase):
         clock.advance(0.1)
         self.successResultOf(stopped)
         self.assertTrue(pool.closed)
+
+
+class BucketCheckTests(TestCase):
+    """The boot probe, on a real file store: a bucket that is usable lets the router run; one that
+    is not stops the reactor, and the process then exits with status 1."""
+
+    def check(self, root: str) -> tuple[MemoryReactorClock, BucketCheck]:
+        reactor = MemoryReactorClock()
+        reactor.running = True
+        store = FileStore(reactor, root, run_in_thread=inline)
+        check = BucketCheck(reactor, store, "p/.lchat/probe/x", "LCHAT_HIBERNATE", "bucket")
+        check.startService()
+        return reactor, check
+
+    def test_a_writable_bucket_is_checked_and_left_running(self) -> None:
+        bucket = self.mktemp()
+        os.makedirs(bucket)
+        reactor, check = self.check(bucket)
+        self.successResultOf(check.checked)
+        self.assertFalse(reactor.hasStopped)
+
+    def test_an_unusable_bucket_stops_the_router_with_status_1(self) -> None:
+        blocked = self.mktemp()
+        with open(blocked, "w") as f:
+            f.write("a file where the bucket's directory should be\n")
+        reactor, check = self.check(blocked)
+        self.successResultOf(check.checked)
+        self.assertTrue(reactor.hasStopped)
+        after = reactor.triggers["after"]["shutdown"]
+        self.assertEqual(after, [(os._exit, (1,), {})])
