@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from lchat import admin_client
-from lchat.release import deploy, wakes
-from lchat.release.layout import BuildLayout
+from lchat import admin_client, builds
+from lchat.builds import BuildLayout
+from lchat.release import deploy
 from tests.test_cli import REPO
 from tests.test_cli_hibernate import HibernateTestCase
 
@@ -170,7 +170,7 @@ class HibernatingTests(DeployTestCase):
         self.add_row(newcomer, hibernate=True)  # no build of its own, and no default yet
         self.start_router()
         self.assertEqual(self.build_of(woken), "v1")  # a wake on v1
-        record = wakes.read(self.data_dir, woken)
+        record = builds.read_wake(self.data_dir, woken)
         assert record is not None
         self.assertEqual(record.version, "v1")
         self.assertEqual(record.build, os.path.realpath(self.layout.binary("v1")))
@@ -194,7 +194,7 @@ class HibernatingTests(DeployTestCase):
 
         self.assertEqual(admin_client.sleep_space(self.admin_socket, woken, 60).status, 200)
         self.assertEqual(self.build_of(woken), "v2")  # the next wake runs the new build
-        self.assertEqual(wakes.read(self.data_dir, woken).version, "v2")  # type: ignore[union-attr]
+        self.assertEqual(builds.read_wake(self.data_dir, woken).version, "v2")  # type: ignore[union-attr]
 
         refused = self.lchat("rollback", woken)
         self.assertEqual(refused.code, 1, refused)

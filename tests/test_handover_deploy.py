@@ -15,10 +15,10 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import builds, hosts
+from lchat.builds import BuildLayout
 from lchat.registry import Registry, Route
 from lchat.release import deploy
 from lchat.release.deploy import Deployer, DeployError, RouterRestarter, SystemdRestarter
-from lchat.release.layout import BuildLayout
 from lchat.supervise import ChildStatus
 from lchat.systemd_units import UnitError
 from tests.handover_fakes import InMemoryAdmin, RecordingUnits

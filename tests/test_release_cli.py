@@ -14,9 +14,9 @@ import time
 
 from twisted.trial.unittest import TestCase
 
+from lchat.builds import BuildLayout
 from lchat.registry import Registry, Route
 from lchat.release import feed as feedlib
-from lchat.release.layout import BuildLayout
 from tests.s3servers import shared_server
 from tests.test_release_feed import closed_port_url, serve_directory
 

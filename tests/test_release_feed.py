@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
+from lchat.builds import BuildLayout
 from lchat.objstore.s3 import S3Store
 from lchat.release import feed as feedlib
 from lchat.release.fetch import (
@@ -30,7 +31,6 @@ from lchat.release.fetch import (
     http_client,
     read_state,
 )
-from lchat.release.layout import BuildLayout
 from lchat.release.publish import BucketTarget, DirectoryTarget, publish, refresh
 from tests.s3servers import shared_server, store_for
 

@@ -11,11 +11,12 @@ import tempfile
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from twisted.trial.unittest import SynchronousTestCase
 
-from lchat.release import deploy, wakes
+from lchat import builds
+from lchat.builds import BuildLayout, fall_back_to_default
+from lchat.release import deploy
 from lchat.release import feed as feedlib
 from lchat.release import settings as settings_mod
 from lchat.release.fetch import Accepted, read_state, staleness, write_state
-from lchat.release.layout import BuildLayout, fall_back_to_default
 
 
 class SettingsTests(SynchronousTestCase):
@@ -169,10 +170,10 @@ class WakeAndLinkTests(SynchronousTestCase):
     def test_a_wake_records_the_build_behind_the_link(self) -> None:
         data = os.path.join(self.dir, "data")
         deploy.point(self.layout, "a.example", "2.0")
-        wake = wakes.record(data, "a.example", self.layout.live_link("a.example"), lambda: 9.0)
+        wake = builds.record(data, "a.example", self.layout.live_link("a.example"), lambda: 9.0)
         self.assertEqual((wake.version, wake.at), ("2.0", 9.0))
-        self.assertEqual(wakes.read(data, "a.example"), wake)
-        self.assertIsNone(wakes.read(data, "b.example"))
-        self.assertIsNone(wakes.record(data, "c.example", "python3").version)
-        wakes.record_quietly("/proc/no/such/dir", "d.example", "/bin/sh")  # logged, never raised
+        self.assertEqual(builds.read_wake(data, "a.example"), wake)
+        self.assertIsNone(builds.read_wake(data, "b.example"))
+        self.assertIsNone(builds.record(data, "c.example", "python3").version)
+        builds.record_quietly("/proc/no/such/dir", "d.example", "/bin/sh")  # logged, never raised
         self.flushLoggedErrors()

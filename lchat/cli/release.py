@@ -13,6 +13,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from lchat import hosts as hostnames
+from lchat.builds import BadVersion
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
@@ -23,7 +24,6 @@ from lchat.release import settings as settings_mod
 from lchat.release.deploy import Deployer, DeployError, RouterRestarter, SystemdRestarter
 from lchat.release.feed import FeedError
 from lchat.release.fetch import BucketSource, FeedSource, Fetcher, HttpSource, http_client
-from lchat.release.layout import BadVersion
 from lchat.release.publish import BucketTarget, DirectoryTarget, PublishTarget, publish, refresh
 from lchat.release.settings import ReleaseSettings, SettingsError
 
@@ -215,7 +215,7 @@ async def _fetcher(
 
 
 def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
-    from lchat.release.layout import check_version
+    from lchat.builds import check_version
 
     check_version(version)
     _pubkey(cfg, settings)  # refuse before any network

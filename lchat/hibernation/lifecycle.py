@@ -27,6 +27,7 @@ from twisted.logger import Logger
 
 from lchat import hosts
 from lchat.backoff import Backoff
+from lchat.builds import record_quietly
 from lchat.child import ChildSpec, NotReady, RunningChild, SpawnError, evict_listener, spawn
 from lchat.config import BoxConfig
 from lchat.hibernation import localdb
@@ -46,7 +47,6 @@ from lchat.lease import (
 )
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, StoreUnavailable
 from lchat.registry import RouteSource
-from lchat.release import wakes
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
 from lchat.threads import RunInThread
 from lchat.units import Claims, EnvFileError, space_env, space_user
@@ -317,7 +317,7 @@ class Lifecycle:
                 user=user,
             )
             # Which build this wake runs (live/<host> resolved now): `lchat rollback` reads it.
-            await self.run_in_thread(wakes.record_quietly, self.cfg.data_dir, host, spec.argv[0])
+            await self.run_in_thread(record_quietly, self.cfg.data_dir, host, spec.argv[0])
             space.child = (self.spawner or spawn)(self.reactor, spec)
         except (EnvFileError, SpawnError, hosts.InvalidHost, IsolationError, OSError) as e:
             _log.error("activator: {host} cannot start: {error}", host=host, error=e)

@@ -35,7 +35,7 @@ Answer of ``GET /api/mesh/spaces`` (200, JSON)::
 space and ``always-on`` for the others (``process``: their supervisor's state when the router
 runs them itself, ``ready``, ``starting``, ``backoff``, ``failed``...; null under systemd).
 ``version``: the build ``<LCHAT_OPT_DIR>/live/<host>`` points into
-(:meth:`lchat.release.layout.BuildLayout.version_of`), null when it has none. ``awake_since``:
+(:meth:`lchat.builds.BuildLayout.version_of`), null when it has none. ``awake_since``:
 unix seconds, null unless awake (always-on: ready). ``next_due``: unix seconds, null when none.
 ``lag``: seconds since the oldest commit not yet in the bucket (the hibernation replica of an
 awake space, the fleet backup's of an always-on one), null when nothing replicates it here (an
@@ -56,10 +56,10 @@ from attrs import frozen
 
 import lchat
 from lchat import hosts
+from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.config import BoxConfig
 from lchat.mesh import placement
 from lchat.registry import Route
-from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
 SPACES_PATH = "/api/mesh/spaces"
 SCHEMA = 1  # of the published document (publishable)

@@ -18,7 +18,7 @@ rollback`` returns to), whether it was a canary (``--canary``; an ``--all`` depl
 when. One deploy or rollback at a time per box (``live/.lock``).
 
 A rollback of a hibernating space is refused when its last wake on this box ran the build being
-rolled back from (``lchat.release.wakes``): that build may have run additive migrations on its
+rolled back from (``lchat.builds.read_wake``): that build may have run additive migrations on its
 database which the older build does not know.
 """
 
@@ -37,16 +37,16 @@ from typing import Any, Protocol
 from attrs import define, field, frozen
 
 from lchat import admin_client, systemd_units
-from lchat.files import fsync_directory, write_atomic
-from lchat.registry import Route
-from lchat.release import wakes
-from lchat.release.layout import (
+from lchat.builds import (
     DEFAULT_LINK,
     SIDECAR_BINARY,
     SPACE_BINARY,
     BuildLayout,
     check_version,
+    read_wake,
 )
+from lchat.files import fsync_directory, write_atomic
+from lchat.registry import Route
 
 POLL_INTERVAL = 0.2
 RESTART_TIMEOUT = 60.0  # the router answers /restart once the old run has ended (SIGKILL at 20 s)
@@ -482,7 +482,7 @@ class Deployer:
         return False
 
     def _woke_on(self, host: str, version: str) -> str | None:
-        wake = wakes.read(self.data_dir, host)
+        wake = read_wake(self.data_dir, host)
         if wake is None or wake.version != version:
             return None
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wake.at))

@@ -44,7 +44,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from lchat.release.layout import SIDECAR_BINARY, SPACE_BINARY, BadVersion, check_version
+from lchat.builds import SIDECAR_BINARY, SPACE_BINARY, BadVersion, check_version
 
 FEED_NAME = "feed.json"
 SIGNATURE_NAME = "feed.json.sig"

@@ -46,11 +46,11 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
 
+from lchat.builds import BuildLayout
 from lchat.files import fsync_directory, write_atomic
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.release import feed as feedlib
 from lchat.release.feed import Artefact, Feed, FeedError, Release
-from lchat.release.layout import BuildLayout
 
 FETCHES = Counter(
     "lchat_release_fetches_total",

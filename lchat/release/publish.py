@@ -28,11 +28,11 @@ from typing import Protocol
 from attrs import frozen
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from lchat.builds import SPACE_BINARY, check_version
 from lchat.files import write_atomic
 from lchat.objstore import NotFound, ObjectStore
 from lchat.release import feed as feedlib
 from lchat.release.feed import ARTEFACT_NAMES, Artefact, Feed, FeedError, Release
-from lchat.release.layout import SPACE_BINARY, check_version
 
 
 class PublishTarget(Protocol):

@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 
 from attrs import frozen
 
+from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.config import ConfigError, parse_bucket_url, parse_duration
 from lchat.objstore.where import Where
 from lchat.release.feed import DEFAULT_VALIDITY
-from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
 VARIABLES = (
     "LCHAT_OPT_DIR",

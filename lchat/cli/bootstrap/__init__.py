@@ -7,7 +7,7 @@ What a box needs before ``systemctl start lchat-router`` (docs/operations.md, "B
 3. ``<data>/router.env``, from the shipped example (:data:`lchat.ops.ENV_EXAMPLE`) with the given
    values filled in, mode 0600, owned by the service user: the router reads it, and env-file
    ownership follows the reader (a root-owned file the service user cannot read kills a wake);
-4. ``/opt/lchat/versions`` and ``/opt/lchat/live`` (:class:`lchat.release.layout.BuildLayout`);
+4. ``/opt/lchat/versions`` and ``/opt/lchat/live`` (:class:`lchat.builds.BuildLayout`);
 5. the systemd units shipped with the package (:data:`lchat.ops.UNITS_DIR`, the checkout's
    ``ops/systemd``) in ``/etc/systemd/system``, with the data directory and the user filled in;
    ``systemctl daemon-reload`` and ``systemctl enable lchat-router.service``;

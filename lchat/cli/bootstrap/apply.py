@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from attrs import frozen
 
 from lchat import config
+from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.cli.bootstrap.probe import probe_as
 from lchat.cli.bootstrap.relayout import relayout_steps
 from lchat.cli.bootstrap.request import (
@@ -29,7 +30,6 @@ from lchat.cli.bootstrap.steps import (
     user_step,
 )
 from lchat.config import ConfigError
-from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
 
 def plan(request: Request) -> list[Step]:

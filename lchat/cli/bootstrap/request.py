@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 from attrs import frozen
 
 from lchat import config, envfile
+from lchat.builds import DEFAULT_OPT_DIR
 from lchat.release import settings as release_settings
-from lchat.release.layout import DEFAULT_OPT_DIR
 
 DEFAULT_USER = "lchat"
 DEFAULT_DATA_DIR = os.path.dirname(config.DEFAULT_ENV_FILE)  # /data

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from attrs import field, frozen
 
 from lchat import config, envfile, files, ops
+from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.cli.bootstrap.request import (
     DEFAULT_DATA_DIR,
     NOLOGIN,
@@ -28,7 +29,6 @@ from lchat.cli.bootstrap.request import (
 )
 from lchat.config import ConfigError
 from lchat.files import write_atomic
-from lchat.release.layout import DEFAULT_OPT_DIR, BuildLayout
 
 OPT_MODE = 0o755
 UNIT_MODE = 0o644
