@@ -35,7 +35,7 @@ def clock_of(reactor: task.Clock) -> Clock:
 
 
 def run_inline(reactor: task.Clock) -> Callable[..., Any]:
-    """A runner (as ``run_on_own_reactor``) for coroutines that finish without waiting."""
+    """A runner (as ``lchat.cli.runner.run``) for coroutines that finish without waiting."""
 
     def run(main: Callable[[Any], Coroutine[Any, Any, Any]], budget: float) -> Any:
         out: list[Any] = []

@@ -1275,7 +1275,7 @@ def _md5_file(path: str) -> str:
 OWN_REACTOR_COMMAND = """
 import sys, time
 import botocore.credentials
-from lchat.cli.mesh import run_on_own_reactor
+from lchat.cli.runner import run
 from lchat.objstore.s3 import S3Store
 from lchat.threads import thread_runner
 
@@ -1295,7 +1295,7 @@ async def main(own):
     finally:
         await store.close()
 
-print(run_on_own_reactor(main, 30).decode())
+print(run(main, 30).decode())
 """
 
 
@@ -1304,7 +1304,7 @@ class OwnReactorTests(_RealServer, TestCase):
 
     async def test_a_command_on_a_reactor_of_its_own_puts_and_deletes(self) -> None:
         """A CLI command runs the store on a fresh reactor, never the global one
-        (lchat.cli.mesh.run_on_own_reactor): a request body written by the global reactor's
+        (lchat.cli.runner.run): a request body written by the global reactor's
         cooperator would never be sent there (each PUT and DELETE hung until its timeout)."""
         import subprocess
         import sys

@@ -23,7 +23,7 @@ import lchat
 from lchat import admin_client, config, envfile, hosts, systemd_units
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
-from lchat.cli import certs, dev_cert, litestream_yml
+from lchat.cli import certs, dev_cert, litestream_yml, runner
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import instances as instances_cli
 from lchat.cli import mesh as mesh_cli
@@ -644,9 +644,7 @@ def _hibernation(cfg: BoxConfig, registry: Registry) -> Hibernation:
     bucket = None
     if hib is not None:
         where = hib.where
-        bucket = StoreBucket(
-            lambda reactor: open_bucket(reactor, cfg, where), mesh_cli.run_on_own_reactor
-        )
+        bucket = StoreBucket(lambda reactor: open_bucket(reactor, cfg, where), runner.run)
     peers = FanOut(
         active=cfg.mesh is not None,
         push=lambda route: mesh_cli.fan_out_upsert(cfg, route, _note),

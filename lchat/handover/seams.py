@@ -128,7 +128,7 @@ class FanOut:
 @frozen
 class StoreBucket:
     """:class:`Bucket` over an ObjectStore opened for each LIST on a reactor of its own
-    (``run``: ``lchat.cli.mesh.run_on_own_reactor``; tests: one that runs it inline)."""
+    (``run``: ``lchat.cli.runner.run``; tests: one that runs it inline)."""
 
     open: Callable[[Any], Awaitable[ObjectStore]]
     run: Runner
