@@ -16,7 +16,7 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import Logger
 
-from lchat import hosts, isolation
+from lchat import builds, hosts, isolation
 from lchat.child import ChildSpec, Reactor
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.isolation import IsolationError, SpaceUser
@@ -228,7 +228,7 @@ def _specs(cfg: BoxConfig, rows: list[Route]) -> tuple[dict[str, ChildSpec], dic
     for route in rows:
         try:
             env = space_env(cfg, route.host, route.socket)
-            argv = tuple(cfg.space_argv(route.host))
+            argv = tuple(builds.space_argv(cfg.space_command, route.host))
             user = space_user(cfg, route.host, route.socket)
         except (EnvFileError, hosts.InvalidHost, IsolationError, OSError) as e:
             errors[route.host] = str(e)

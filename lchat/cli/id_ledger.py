@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 from lchat import hosts
 from lchat.cli import runner
 from lchat.config import BoxConfig
+from lchat.files import write_atomic
 from lchat.ledger import (
     FIRST_ID,
     LEDGER_KEY,
@@ -261,15 +261,5 @@ def _load_state(data_dir: str) -> dict[str, Any]:
 
 
 def _save_state(data_dir: str, state: dict[str, Any]) -> None:
-    """Atomically (temp file, fsync, rename): a crash leaves the old state or the new."""
-    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=".id-ledger.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(data_dir, STATE_FILE))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Atomically: a crash leaves the old state or the new."""
+    write_atomic(os.path.join(data_dir, STATE_FILE), json.dumps(state).encode("utf-8"))

@@ -25,7 +25,7 @@ from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from lchat import hosts
+from lchat import builds, hosts
 from lchat.backoff import Backoff
 from lchat.builds import record_quietly
 from lchat.child import ChildSpec, NotReady, RunningChild, SpawnError, evict_listener, spawn
@@ -311,7 +311,7 @@ class Lifecycle:
             user = await self.run_in_thread(lambda: space_user(self.cfg, host, space.socket))
             spec = ChildSpec(
                 name=host,
-                argv=tuple(self.cfg.space_argv(host)),
+                argv=tuple(builds.space_argv(self.cfg.space_command, host)),
                 env=env,
                 ready_socket=space.socket,
                 user=user,

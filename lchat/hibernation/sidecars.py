@@ -16,7 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from lchat import hosts
+from lchat import builds, hosts
 from lchat.child import ChildSpec
 from lchat.config import BoxConfig
 from lchat.hibernation.space import Space, sidecar_name
@@ -72,7 +72,7 @@ class Sidecars(Service):
             env["LCHAT_DB"] = space.db
             return ChildSpec(
                 name=sidecar_name(host),
-                argv=tuple(self._cfg.sidecar_argv(host)),
+                argv=tuple(builds.space_argv(self._cfg.sidecar_command, host, sidecar=True)),
                 env=env,
                 user=space_user(self._cfg, host, space.socket),  # the space's own user
             )

@@ -64,7 +64,7 @@ from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from lchat.files import fsync_directory
+from lchat.files import Replacement, fsync_directory
 from lchat.objstore import (
     UTC,
     AccessDenied,
@@ -303,22 +303,15 @@ class FileBucket:
 
         A destination that cannot be created is the caller's raw ``OSError``.
         """
-        directory = os.path.dirname(os.path.abspath(path))
-        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
-        out = open(tmp, "xb")  # outside the error mapping: a bad destination is the caller's
+        out = Replacement(path)  # outside the error mapping: a bad destination is the caller's
         try:
-            with out, self._guard(key), self._open(key) as (f, v):
-                etag = _copy_body(f, v.size, out)
-                out.flush()
-                os.fsync(out.fileno())
-                if etag != v.etag:
+            with self._guard(key), self._open(key) as (f, v):
+                if _copy_body(f, v.size, out.file) != v.etag:
                     raise _Corrupt("body does not match its ETag")
-            os.replace(tmp, path)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            out.discard()
             raise
-        fsync_directory(directory)
+        out.commit()
         return v.info()
 
     def get_into(self, key: str, sink: IO[bytes]) -> int:

@@ -6,7 +6,6 @@ reactor thread."""
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from typing import IO
 
@@ -21,7 +20,6 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
-from lchat.files import fsync_directory
 from lchat.objstore import ObjectStoreError
 from lchat.threads import RunInThread
 
@@ -338,29 +336,6 @@ def _read_chunk(fd: int, offset: int, size: int) -> bytes:
     return b"".join(parts)
 
 
-def mkstemp_beside(path: str) -> tuple[IO[bytes], str, str]:
-    path = os.path.abspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    return os.fdopen(fd, "wb"), tmp, path
-
-
 def rewind(f: IO[bytes]) -> None:
     f.seek(0)
     f.truncate()
-
-
-def commit(f: IO[bytes], tmp: str, path: str) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(tmp, path)
-    fsync_directory(os.path.dirname(path))
-
-
-def discard(f: IO[bytes], tmp: str) -> None:
-    if not f.closed:
-        f.close()
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass

@@ -14,6 +14,7 @@ from botocore.credentials import Credentials  # type: ignore[import-untyped]
 from twisted.logger import Logger
 from twisted.web.client import HTTPConnectionPool
 
+from lchat.files import Replacement
 from lchat.objstore import (
     UTC,
     NotFound,
@@ -23,7 +24,7 @@ from lchat.objstore import (
     StoredObject,
     StoreUnavailable,
 )
-from lchat.objstore.s3.bodies import FileBody, commit, discard, mkstemp_beside
+from lchat.objstore.s3.bodies import FileBody
 from lchat.objstore.s3.dates import BucketDates
 from lchat.objstore.s3.exchange import Exchange
 from lchat.objstore.s3.signing import BucketAddress, Signer
@@ -147,14 +148,14 @@ class S3Store:
 
     async def get_to_file(self, key: str, path: str) -> ObjectInfo:
         check_key(key)
-        sink, tmp, path = await self._run_in_thread(mkstemp_beside, path)
+        sink = await self._run_in_thread(Replacement, path)
         try:
-            reply = await self._get_streamed(key, sink)
+            reply = await self._get_streamed(key, sink.file)
             info = self._info(key, reply, size=reply.streamed)
-            await self._run_in_thread(commit, sink, tmp, path)
+            await self._run_in_thread(sink.commit)
             return info
         except BaseException:
-            await self._run_in_thread(discard, sink, tmp)
+            await self._run_in_thread(sink.discard)
             raise
 
     async def get_into(self, key: str, sink: IO[bytes]) -> int:
