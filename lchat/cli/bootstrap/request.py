@@ -8,8 +8,6 @@ import grp
 import os
 import pwd
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -249,29 +247,6 @@ def owner_of(user: str) -> Account:
     if account is None:
         raise BootstrapError(f"the service user {user!r} does not exist")
     return account
-
-
-def run_command(argv: list[str]) -> None:
-    binary = shutil.which(argv[0])
-    if binary is None:
-        raise BootstrapError(f"{argv[0]}: not found on PATH")
-    try:
-        done = subprocess.run(
-            [binary, *argv[1:]],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=120,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise BootstrapError(f"{' '.join(argv)}: no answer after 120 s") from None
-    if done.returncode != 0:
-        lines = [x.strip() for x in (done.stderr or done.stdout).splitlines() if x.strip()]
-        raise BootstrapError(
-            f"{' '.join(argv)} failed (exit {done.returncode}): {lines[-1] if lines else 'no output'}"
-        )
 
 
 def ids_of(account: Account) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from attrs import field, frozen
 
-from lchat import config, envfile, files, ops
+from lchat import config, envfile, files, ops, systemd_units
 from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.cli.bootstrap.request import (
     DEFAULT_DATA_DIR,
@@ -25,7 +25,6 @@ from lchat.cli.bootstrap.request import (
     ids_of,
     name_of,
     owner_of,
-    run_command,
 )
 from lchat.config import ConfigError
 from lchat.files import write_atomic
@@ -86,7 +85,7 @@ def user_step(request: Request, account: Account | None) -> Step:
     ]
 
     def run() -> str:
-        run_command(argv)
+        systemd_units.run_command(argv, BootstrapError)
         made = owner_of(name)
         return f"created the service user {name} (uid {made.uid}, group {made.group})"
 
@@ -241,17 +240,12 @@ def _refuse_bad_values(request: Request, merged: Mapping[str, str]) -> None:
                 raise BootstrapError(message) from None
 
 
-_ASSIGNMENT = r"^\s*(?:export\s+)?{name}\s*="
-_COMMENTED = r"^\s*#\s*(?:export\s+)?{name}\s*="
-
-
 def merge_env(
     text: str, current: Mapping[str, str], values: Mapping[str, str]
 ) -> tuple[str, list[str]]:
-    """``text`` (an env file) with each of ``values`` set, every other line kept: the value's
-    last assignment is rewritten (the one that wins), else its commented-out line in the example
-    becomes it, else it is appended. Returns the text and what changed, in words (a secret's
-    value is never in them)."""
+    """``text`` (an env file) with each of ``values`` set by :func:`lchat.envfile.assign`, every
+    other line kept. Returns the text and what changed, in words (a secret's value is never in
+    them)."""
     lines = text.splitlines()
     changes = []
     for name, value in values.items():
@@ -259,17 +253,7 @@ def merge_env(
             continue
         line = envfile.env_line(name, value)
         shown = f"{name} (value not shown)" if _SECRET_NAME.search(name) else line
-        assigned = [i for i, x in enumerate(lines) if re.match(_ASSIGNMENT.format(name=name), x)]
-        commented = [i for i, x in enumerate(lines) if re.match(_COMMENTED.format(name=name), x)]
-        if assigned:
-            lines[assigned[-1]] = line
-            changes.append(f"changed {shown}")
-        elif commented:
-            lines[commented[0]] = line
-            changes.append(f"set {shown}")
-        else:
-            lines.append(line)
-            changes.append(f"set {shown}")
+        changes.append(f"{'changed' if envfile.assign(lines, name, value) else 'set'} {shown}")
     return "".join(f"{x}\n" for x in lines), changes
 
 
@@ -367,7 +351,7 @@ def systemctl_steps(request: Request, units_change: bool) -> list[Step]:
         else:
 
             def run(argv: list[str] = argv) -> str:
-                run_command(argv)
+                systemd_units.run_command(argv, BootstrapError)
                 return " ".join(argv)
 
             steps.append(Step(step.what, run=run))
