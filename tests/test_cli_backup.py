@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.trial.unittest import SkipTest, TestCase
@@ -38,6 +37,7 @@ from lchat.cli import backup as backup_cli
 from lchat.cli.main import build_parser, load_config, main
 from lchat.objstore import ObjectStore
 from lchat.objstore.file import FileBucket, FileStore
+from lchat.reactors import installed
 from lchat.registry import Registry, Route
 from lchat.replica import ltx
 from lchat.replica.replicator import Replicator
@@ -46,6 +46,8 @@ from tests import s3servers
 from tests.replicas import HAVE_LITESTREAM, LITESTREAM, dump
 from tests.routerproc import kill_spaces_under, spawn_router
 from tests.test_cli import REPO, Result, serve_http
+
+reactor = installed()
 
 PREFIX = "bk"
 BOX = "boxa"  # this box (LCHAT_BACKUP_BOX)
@@ -90,12 +92,11 @@ def integrity(path: str) -> str:
 
 
 async def in_thread(f: Any, *args: Any) -> Any:
-    r: Any = _reactor
-    return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+    return await deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
 
 
 async def sleep(seconds: float) -> None:
-    await deferLater(_reactor, seconds, lambda: None)
+    await deferLater(reactor, seconds, lambda: None)
 
 
 class BackupCliCase(TestCase):
@@ -115,7 +116,7 @@ class BackupCliCase(TestCase):
         self.settings: dict[str, str] = {}
         self.configure()
         self._isolate_environ()
-        self.store: ObjectStore = FileStore(_reactor, self.bucket, thread_runner(_reactor))
+        self.store: ObjectStore = FileStore(reactor, self.bucket, thread_runner(reactor))
 
     def _isolate_environ(self) -> None:
         saved = dict(os.environ)
@@ -153,7 +154,7 @@ class BackupCliCase(TestCase):
         cfg = load_config(args)
         out: list[str] = []
         err: list[str] = []
-        code = await backup_cli.execute(_reactor, args, cfg, out.append, err.append)
+        code = await backup_cli.execute(reactor, args, cfg, out.append, err.append)
         return Result(code, "\n".join(out) + "\n" if out else "", "\n".join(err))
 
     def lchat_sync(self, *argv: str) -> Result:
@@ -214,7 +215,7 @@ class BackupCliCase(TestCase):
         """Back ``path`` up as the router does (started: the caller writes, flushes; stopped at
         cleanup)."""
         replica = Layout(PREFIX, box).replica_path(name or os.path.basename(path))
-        rep = Replicator(_reactor, store or self.store, path, replica, interval=0.05)
+        rep = Replicator(reactor, store or self.store, path, replica, interval=0.05)
         self.addCleanup(rep.stop)
         await rep.start()
         return rep

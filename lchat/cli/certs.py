@@ -26,6 +26,7 @@ from lchat.buckets import open_bucket
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError
+from lchat.reactors import Reactor
 
 SUMMARY = "list the certificate cache: name, kind, issuer, not-after, source (dir or s3)"
 STATUS_TIMEOUT = 3.0
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         assert cfg.hibernate is not None
         hib = cfg.hibernate
 
-        async def main(reactor: Any) -> list[Row]:
+        async def main(reactor: Reactor) -> list[Row]:
             store = await open_bucket(reactor, cfg, hib.where)
             try:
                 return await _shared_rows(store, hib.key("certs") + "/", *_key_ids(cfg))

@@ -39,6 +39,7 @@ from lchat.mesh.membership import Member
 from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import ObjectStoreError
 from lchat.objstore.where import Where
+from lchat.reactors import Reactor, TCPReactor
 from lchat.registry import Registry, Route
 
 SUMMARY = "every mesh box's spaces in one table: state, version, awake-since, next-due, lag"
@@ -116,7 +117,7 @@ def run(
     me = normalise_member_url(mesh.self_url)
     timeout: float = args.timeout
 
-    async def main(reactor: Any) -> tuple[list[Member], fleet.Fleet | None]:
+    async def main(reactor: Reactor) -> tuple[list[Member], fleet.Fleet | None]:
         try:
             members = await _members(reactor, cfg)
         except ObjectStoreError as e:
@@ -184,7 +185,7 @@ def _publish_target(url: str) -> tuple[_Target, str]:
     return _Target(where, key), str(Where(where.bucket, key))
 
 
-async def _members(reactor: Any, cfg: BoxConfig) -> list[Member]:
+async def _members(reactor: Reactor, cfg: BoxConfig) -> list[Member]:
     read: Deferred[list[Member]] = Deferred.fromCoroutine(mesh_cli.read_mesh_members(reactor, cfg))
     read.addTimeout(MEMBERS_TIMEOUT, reactor)
     try:
@@ -193,7 +194,12 @@ async def _members(reactor: Any, cfg: BoxConfig) -> list[Member]:
         raise ObjectStoreError(f"no answer within {MEMBERS_TIMEOUT:g}s") from e
 
 
-async def _ask(reactor: Any, cfg: BoxConfig, member: Member, timeout: float) -> fleet.BoxReport:  # noqa: ASYNC109 -- bounded by the mesh client's addTimeout
+async def _ask(
+    reactor: TCPReactor,
+    cfg: BoxConfig,
+    member: Member,
+    timeout: float,  # noqa: ASYNC109 -- bounded by the mesh client's addTimeout
+) -> fleet.BoxReport:
     """One member's answer, or why there is none; never raises."""
     mesh = cfg.mesh
     assert mesh is not None
@@ -254,7 +260,7 @@ def _fleet(
     return fleet.aggregate(reports, time.time(), unreported)
 
 
-async def _publish(reactor: Any, cfg: BoxConfig, where: _Target, result: fleet.Fleet) -> None:
+async def _publish(reactor: Reactor, cfg: BoxConfig, where: _Target, result: fleet.Fleet) -> None:
     body = json.dumps(fleet.publishable(result), indent=2, sort_keys=True).encode() + b"\n"
     store = await open_bucket(reactor, cfg, where.where, what="--publish", make_dir=True)
     try:

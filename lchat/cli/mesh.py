@@ -27,6 +27,7 @@ from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Member, read_members
 from lchat.mesh.placement import normalise_member_url, owner
 from lchat.objstore import ObjectStoreError
+from lchat.reactors import Reactor, TCPReactor
 from lchat.registry import Registry, Route
 
 FANOUT_BUDGET = 5.0  # seconds for the whole fan-out of one create or remove: membership + pushes
@@ -48,7 +49,7 @@ run_on_own_reactor = runner.run
 
 
 async def read_mesh_members(
-    reactor: Any, cfg: BoxConfig, *, include_dead: bool = False
+    reactor: Reactor, cfg: BoxConfig, *, include_dead: bool = False
 ) -> list[Member]:
     """The mesh's members by their heartbeats in the mesh bucket (live ones unless
     ``include_dead``); only authenticated ones (the mesh token): a planted beat is no member."""
@@ -96,7 +97,7 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
     else:
         payload = client.elsewhere_payload(route, mesh.self_url)
 
-    def call(member: Member, reactor: Any, timeout: float) -> Awaitable[str]:
+    def call(member: Member, reactor: TCPReactor, timeout: float) -> Awaitable[str]:
         async def push() -> str:
             answer = await client.push_route(
                 member.url,
@@ -119,7 +120,7 @@ def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
     if mesh is None or route.kind != "instance":
         return  # services do not replicate, so there is nothing of theirs to remove
 
-    def call(member: Member, reactor: Any, timeout: float) -> Awaitable[str]:
+    def call(member: Member, reactor: TCPReactor, timeout: float) -> Awaitable[str]:
         async def delete() -> str:
             deleted = await client.delete_route(
                 member.url,
@@ -146,7 +147,7 @@ def _fan_out(
     cfg: BoxConfig,
     route: Route,
     what: str,
-    call: Callable[[Member, Any, float], Awaitable[str]],
+    call: Callable[[Member, TCPReactor, float], Awaitable[str]],
     say: Say,
     budget: float,
 ) -> None:
@@ -158,7 +159,7 @@ def _fan_out(
     started = time.monotonic()
     results: dict[str, str] = {}
 
-    async def main(reactor: Any) -> list[Member]:
+    async def main(reactor: Reactor) -> list[Member]:
         members = await read_mesh_members(reactor, cfg)
         targets = fan_out_targets(mesh, host, route.home_region, members)
         # Each call ends a little before the budget, so that every peer's outcome is reported.
@@ -284,7 +285,7 @@ def mesh_seed(
     pruned: list[str] = []
     flipped: list[str] = []
 
-    async def main(reactor: Any) -> None:
+    async def main(reactor: Reactor) -> None:
         gate = DeferredSemaphore(SEED_CONCURRENCY)
 
         async def send(payload: dict[str, Any]) -> dict[str, Any]:
@@ -397,7 +398,7 @@ def show_mesh(cfg: BoxConfig, registry: Registry, out: Say) -> int:
     if mesh is None:
         raise MeshCliError("the mesh is off here: LCHAT_MESH_SELF is not set")
 
-    async def main(reactor: Any) -> list[Member]:
+    async def main(reactor: Reactor) -> list[Member]:
         return await read_mesh_members(reactor, cfg, include_dead=True)
 
     try:

@@ -17,6 +17,7 @@ from lchat.builds import BadVersion
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
+from lchat.reactors import Reactor
 from lchat.registry import Registry
 from lchat.release import deploy as deploy_mod
 from lchat.release import feed as feedlib
@@ -183,7 +184,7 @@ def _pubkey(cfg: BoxConfig, settings: ReleaseSettings) -> Any:
     return feedlib.public_key_from_text(settings.pubkey)
 
 
-async def _mirror_store(reactor: Any, cfg: BoxConfig, settings: ReleaseSettings) -> ObjectStore:
+async def _mirror_store(reactor: Reactor, cfg: BoxConfig, settings: ReleaseSettings) -> ObjectStore:
     from lchat.buckets import open_bucket
 
     assert settings.mirror is not None
@@ -192,7 +193,7 @@ async def _mirror_store(reactor: Any, cfg: BoxConfig, settings: ReleaseSettings)
 
 
 async def _fetcher(
-    reactor: Any, cfg: BoxConfig, settings: ReleaseSettings
+    reactor: Reactor, cfg: BoxConfig, settings: ReleaseSettings
 ) -> tuple[Fetcher, list[ObjectStore]]:
     pubkey = _pubkey(cfg, settings)
     primary: FeedSource | None = (
@@ -220,7 +221,7 @@ def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) ->
     check_version(version)
     _pubkey(cfg, settings)  # refuse before any network
 
-    async def main(reactor: Any) -> tuple[str, str, str]:
+    async def main(reactor: Reactor) -> tuple[str, str, str]:
         fetcher, stores = await _fetcher(reactor, cfg, settings)
         try:
             what, release, source = await fetcher.fetch(version)
@@ -246,7 +247,7 @@ def _list(
     feed_line = "feed: not read (--offline)"
     if not args.offline:
 
-        async def main(reactor: Any) -> tuple[feedlib.Feed, str]:
+        async def main(reactor: Reactor) -> tuple[feedlib.Feed, str]:
             fetcher, stores = await _fetcher(reactor, cfg, settings)
             try:
                 feed, source, _ = await fetcher.feed()
@@ -300,7 +301,7 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
         raise FeedError(f"{args.directory} is not a directory")
     to = os.path.abspath(args.to) if args.to else None
 
-    async def main(reactor: Any) -> feedlib.Feed:
+    async def main(reactor: Reactor) -> feedlib.Feed:
         targets: list[PublishTarget] = []
         stores = []
         if to is not None:

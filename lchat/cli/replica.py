@@ -13,13 +13,13 @@ import datetime
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from lchat import hosts
 from lchat.buckets import open_bucket
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
+from lchat.reactors import Reactor
 from lchat.replica import restore as restore_mod
 from lchat.threads import RunInThread, thread_runner
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
         if os.path.lexists(args.output) and not args.force:
             return _fail(f"{args.output} already exists (use --force to replace it)")
 
-    async def main(reactor: Any) -> int:
+    async def main(reactor: Reactor) -> int:
         store = await open_bucket(reactor, cfg, hib.where)
         try:
             if args.replica_command == "ls":

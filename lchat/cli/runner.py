@@ -19,13 +19,15 @@ from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
+from lchat.reactors import Reactor, whole
+
 _T = TypeVar("_T")
 
 # What stops a command from outside, as Twisted's own handlers would on the global reactor.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def run(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float | None = None) -> _T:
+def run(main: Callable[[Reactor], Coroutine[Any, Any, _T]], budget: float | None = None) -> _T:
     """Run ``main(reactor)`` on a fresh reactor; its result, or its exception raised here.
 
     At most ``budget`` seconds (None: no bound): then ``main`` is cancelled (its ``finally``
@@ -35,7 +37,8 @@ def run(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float | None = N
     """
     from twisted.internet.pollreactor import PollReactor
 
-    reactor: Any = PollReactor()
+    poll = PollReactor()
+    reactor = whole(poll)
     outcome: list[Any] = []
 
     def start() -> None:
@@ -58,7 +61,7 @@ def run(main: Callable[[Any], Coroutine[Any, Any, _T]], budget: float | None = N
                 number, lambda *_: reactor.callFromThread(reactor.stop)
             )
     try:
-        reactor.run(installSignalHandlers=False)
+        poll.run(installSignalHandlers=False)  # IReactorCore.run takes no arguments
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)

@@ -22,9 +22,10 @@ from lchat import admin_client, systemd_units
 from lchat.admin_client import Response
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectInfo, ObjectStore
+from lchat.reactors import Reactor
 from lchat.registry import Route
 
-Runner = Callable[[Callable[[Any], Coroutine[Any, Any, Any]], float], Any]
+Runner = Callable[[Callable[[Reactor], Coroutine[Any, Any, Any]], float], Any]
 
 
 class RouterAdmin(Protocol):
@@ -130,12 +131,12 @@ class StoreBucket:
     """:class:`Bucket` over an ObjectStore opened for each LIST on a reactor of its own
     (``run``: ``lchat.cli.runner.run``; tests: one that runs it inline)."""
 
-    open: Callable[[Any], Awaitable[ObjectStore]]
+    open: Callable[[Reactor], Awaitable[ObjectStore]]
     run: Runner
     budget: float = 60.0  # the bucket's credentials and one LIST
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        async def main(reactor: Any) -> list[ObjectInfo]:
+        async def main(reactor: Reactor) -> list[ObjectInfo]:
             store = await self.open(reactor)
             try:
                 return await store.list(prefix)

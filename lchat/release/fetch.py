@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import Counter
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.error import ConnectError, ConnectingCancelledError, DNSLookupError
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol as TwistedProtocol
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -49,8 +50,10 @@ from twisted.web.http import PotentialDataLoss
 from lchat.builds import BuildLayout
 from lchat.files import fsync_directory, write_atomic
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.reactors import TCPReactor
 from lchat.release import feed as feedlib
 from lchat.release.feed import Artefact, Feed, FeedError, Release
+from lchat.twisted_internals import treq_reactor
 
 FETCHES = Counter(
     "lchat_release_fetches_total",
@@ -99,7 +102,7 @@ class FeedSource(Protocol):
         ...
 
 
-def http_client(reactor: Any) -> Any:
+def http_client(reactor: TCPReactor) -> treq.client.HTTPClient:
     """A treq client whose connections close after each response: a CLI run leaves nothing open."""
     pool = HTTPConnectionPool(reactor, persistent=False)
     return treq.client.HTTPClient(Agent(reactor, connectTimeout=HTTP_TIMEOUT, pool=pool))
@@ -110,8 +113,8 @@ class HttpSource:
     """The primary: ``<base>/<path>`` over HTTP(S), via ``_treq`` (:func:`http_client`)."""
 
     base: str
-    _treq: Any
-    _reactor: Any
+    _treq: treq.client.HTTPClient
+    _reactor: TCPReactor
     timeout: float = HTTP_TIMEOUT  # until the response's headers
     body_timeout: float = BODY_TIMEOUT  # the whole body: a trickling server is given up on
 
@@ -125,7 +128,9 @@ class HttpSource:
         url = self._url(path)
         try:
             # The header timeout on our reactor (treq would use the global one).
-            response = await self._treq.get(url, timeout=self.timeout, reactor=self._reactor)
+            response = await self._treq.get(
+                url, timeout=self.timeout, reactor=treq_reactor(IReactorTime(self._reactor))
+            )
         except (
             ConnectError,
             ConnectingCancelledError,
@@ -152,7 +157,7 @@ class HttpSource:
 
     async def _collect(self, response: Any, write: Any, url: str) -> None:
         collecting = _collect_body(response, write)
-        collecting.addTimeout(self.body_timeout, self._reactor)
+        collecting.addTimeout(self.body_timeout, IReactorTime(self._reactor))
         try:
             await collecting
         except TimeoutError:
@@ -397,7 +402,7 @@ class Fetcher:
     state_file: str
     primary: FeedSource | None
     mirror: FeedSource | None
-    _clock: Any = time.time
+    _clock: Callable[[], float] = time.time
 
     def _sources(self) -> list[tuple[str, FeedSource]]:
         named = [("primary", self.primary), ("mirror", self.mirror)]

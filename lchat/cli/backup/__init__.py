@@ -30,7 +30,6 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from lchat.backup.layout import check_name
 from lchat.cli import replica as replica_cli
@@ -42,6 +41,7 @@ from lchat.cli.backup.output import ERRORS, BackupCliError, Out, error_line, iso
 from lchat.cli.backup.restore import restore_all, restore_one
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import UTC
+from lchat.reactors import Reactor
 from lchat.threads import thread_runner
 
 SUMMARY = "list, restore or drill the fleet backup (LCHAT_BACKUP_BUCKET)"
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
 
 
 async def execute(
-    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, out: Out, err: Out
+    reactor: Reactor, args: argparse.Namespace, cfg: BoxConfig, out: Out, err: Out
 ) -> int:
     """The command on a running ``reactor``; ``out`` gets stdout's lines, ``err`` stderr's."""
     try:
@@ -194,7 +194,12 @@ async def execute(
 
 
 async def _execute(
-    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+    reactor: Reactor,
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    conf: BackupConfig,
+    out: Out,
+    err: Out,
 ) -> int:
     try:
         action = args.backup_command

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import cast
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 
 from lchat.backup.layout import Layout, Stored, catalogue
 from lchat.buckets import open_bucket
 from lchat.cli.backup.output import BackupCliError, one_line
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import ObjectStore, VersionedObjectStore
+from lchat.reactors import Reactor
 
 VERSIONING_TIMEOUT = 5.0  # the one GetBucketVersioning of `ls`
 
 
 @contextlib.asynccontextmanager
-async def opened(reactor: Any, cfg: BoxConfig) -> AsyncIterator[ObjectStore]:
+async def opened(reactor: Reactor, cfg: BoxConfig) -> AsyncIterator[ObjectStore]:
     """The bucket of ``LCHAT_BACKUP_*``, to read (closed after): a ``file:`` bucket must exist (a
     backup that is not there is an error, never an empty bucket)."""
     conf = cfg.backup
@@ -72,7 +74,9 @@ def pick(
     )
 
 
-async def versioning_note(reactor: Any, store: ObjectStore, conf: BackupConfig) -> str | None:
+async def versioning_note(
+    reactor: IReactorTime, store: ObjectStore, conf: BackupConfig
+) -> str | None:
     """The line ``ls`` ends with when the bucket's versioning is not known to be on (the
     ransomware backstop, docs/backup.md), else None. Never raises."""
     if conf.where.is_file:

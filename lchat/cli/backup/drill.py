@@ -21,6 +21,7 @@ from lchat.cli.backup.output import BackupCliError, Out, error_line, one_line, t
 from lchat.cli.backup.restore import remove_quietly
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import ObjectStore, ObjectStoreError
+from lchat.reactors import Reactor
 from lchat.replica import restore as restore_mod
 from lchat.threads import RunInThread, thread_runner
 
@@ -28,7 +29,12 @@ DRILL_COLUMNS = ("NAME", "TXID", "LIVE TXID", "INTEGRITY", "SECONDS", "RESULT")
 
 
 async def drill(
-    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+    reactor: Reactor,
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    conf: BackupConfig,
+    out: Out,
+    err: Out,
 ) -> int:
     run = thread_runner(reactor)
     box = args.box or conf.box

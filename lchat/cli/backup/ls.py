@@ -13,13 +13,19 @@ from lchat.cli.backup.bucket import describe, opened, stored_in, versioning_note
 from lchat.cli.backup.live import ask_router, lag
 from lchat.cli.backup.output import Out, iso, one_line, size, table
 from lchat.config import BackupConfig, BoxConfig
+from lchat.reactors import Reactor
 from lchat.threads import thread_runner
 
 LS_COLUMNS = ("NAME", "BOX", "TXID", "SIZE", "NEWEST", "LAST SNAPSHOT", "LAG")
 
 
 async def ls(
-    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+    reactor: Reactor,
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    conf: BackupConfig,
+    out: Out,
+    err: Out,
 ) -> int:
     run = thread_runner(reactor)
     router = await ask_router(cfg, run, err)

@@ -18,7 +18,6 @@ import stat
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from attrs import frozen
 
@@ -30,6 +29,7 @@ from lchat.cli.backup.live import ask_router, dbs_of, in_use, refusal, router_us
 from lchat.cli.backup.output import ERRORS, BackupCliError, Out, error_line, iso, one_line
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import NotFound, ObjectStore
+from lchat.reactors import Reactor
 from lchat.registry import Registry, RegistryError, Route
 from lchat.replica import restore as restore_mod
 from lchat.threads import RunInThread, thread_runner
@@ -38,7 +38,12 @@ SIDECARS = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a database f
 
 
 async def restore_one(
-    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+    reactor: Reactor,
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    conf: BackupConfig,
+    out: Out,
+    err: Out,
 ) -> int:
     run = thread_runner(reactor)
     router = await ask_router(cfg, run, err)
@@ -194,7 +199,12 @@ EXTRA_SUFFIX = ".db"  # what `restore --all` restores by listing, beside the reg
 
 
 async def restore_all(
-    reactor: Any, args: argparse.Namespace, cfg: BoxConfig, conf: BackupConfig, out: Out, err: Out
+    reactor: Reactor,
+    args: argparse.Namespace,
+    cfg: BoxConfig,
+    conf: BackupConfig,
+    out: Out,
+    err: Out,
 ) -> int:
     run = thread_runner(reactor)
     into: str = args.into

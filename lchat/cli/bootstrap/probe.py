@@ -11,7 +11,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
 
@@ -19,6 +19,9 @@ from lchat import config
 from lchat.cli.bootstrap.request import Account, name_of, owner_of
 from lchat.config import BoxConfig, ConfigError
 from lchat.objstore.where import Where
+
+if TYPE_CHECKING:
+    from lchat.reactors import Reactor
 
 PROBE_TIMEOUT = 60.0  # one bucket's write probe (a PUT and a DELETE, with botocore's retries)
 PROBES_TIMEOUT = 300.0  # the whole probe process, as the service user
@@ -200,7 +203,7 @@ def _buckets(cfg: BoxConfig) -> list[_Bucket]:
 
 
 async def _probe_buckets(
-    reactor: Any, cfg: BoxConfig, buckets: list[_Bucket]
+    reactor: Reactor, cfg: BoxConfig, buckets: list[_Bucket]
 ) -> list[tuple[_Bucket, str | None]]:
     """Each bucket opened by the one opener (:func:`lchat.buckets.open_bucket`) and probed: why
     it is not usable, or None."""
