@@ -12,7 +12,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.objstore import ObjectStore, open_store
@@ -23,6 +23,7 @@ from lchat.objstore.aws import (
     resolve_credentials,
 )
 from lchat.objstore.where import Where
+from lchat.reactors import Reactor
 from lchat.threads import thread_runner
 
 
@@ -83,7 +84,7 @@ def prepare(
 
 
 async def open_bucket(
-    reactor: Any,
+    reactor: Reactor,
     cfg: HasEnvFile,
     where: Where,
     *,
@@ -100,7 +101,7 @@ async def open_bucket(
     )
 
 
-async def open_mesh_bucket(reactor: Any, cfg: BoxConfig) -> ObjectStore:
+async def open_mesh_bucket(reactor: Reactor, cfg: BoxConfig) -> ObjectStore:
     """The bucket the mesh's heartbeats live in (:func:`lchat.config.mesh_bucket`); an
     ``LCHAT_MESH_BUCKET`` of ``file:`` is made on first use, the hibernation bucket is not."""
     assert cfg.mesh is not None

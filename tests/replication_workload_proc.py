@@ -165,12 +165,15 @@ def run_torn(db: str) -> None:
 
 
 def run_replicator(db: str, bucket: str, path: str, opts: dict[str, Any]) -> None:
-    from twisted.internet import reactor, stdio
+    from twisted.internet import stdio
     from twisted.internet.defer import Deferred
     from twisted.protocols.basic import LineReceiver
 
     from lchat.objstore.file import FileStore
+    from lchat.reactors import installed
     from lchat.replica.replicator import Replicator
+
+    reactor = installed()
 
     rep = Replicator(
         reactor,

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from prometheus_client import REGISTRY
-from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
@@ -33,6 +32,7 @@ from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.hibernation.space import Budgets
 from lchat.objstore import open_store
 from lchat.objstore.where import Where
+from lchat.reactors import installed
 from lchat.registry import Registry, Route, RouteSource
 from lchat.replica.restore import restore
 from lchat.tap import build_service, listening_ports
@@ -40,6 +40,7 @@ from lchat.threads import thread_runner
 from tests import s3servers
 from tests.routerproc import kill_spaces_under, spawn_router
 
+reactor = installed()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
 SIDECAR = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space.sidecar"

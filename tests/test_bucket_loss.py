@@ -27,7 +27,6 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from prometheus_client import REGISTRY
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
@@ -37,6 +36,7 @@ from twisted.trial.unittest import TestCase
 from lchat import lease
 from lchat.lease import LeaseKeeper, LeaseRecord
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.reactors import installed
 from lchat.replica.replicator import Replicator, ReplicatorStopped
 from lchat.replica.restore import replica_files, restore
 from lchat.threads import thread_runner
@@ -44,7 +44,7 @@ from tests import s3servers
 from tests.replicas import dump, litestream_restore
 from tests.test_activator import _Harness, _messages
 
-reactor: Any = _reactor
+reactor = installed()
 PATH = "pre/h.example"
 LOCK = f"{PATH}/lock.json"
 
@@ -217,7 +217,7 @@ class ReplicaLoss(_Mixin):
         """Ours and stock Litestream both rebuild exactly the source database."""
         want = await _thread(dump, self.src)
         ours = os.path.join(self.dir, f"ours-{self.rows}.db")
-        await restore(store or self.raw, PATH, ours, run_in_thread=thread_runner(_reactor))
+        await restore(store or self.raw, PATH, ours, run_in_thread=thread_runner(reactor))
         self.assertEqual(await _thread(dump, ours), want)
         theirs = os.path.join(self.dir, f"litestream-{self.rows}.db")
         await litestream_restore(server or self.server, bucket or self.bucket, PATH, theirs)
@@ -492,7 +492,7 @@ class SpaceLoss(_SpaceMixin):
     async def _parked(self, host: str) -> list[str]:
         """The messages the bucket's copy holds, restored by us and by stock Litestream alike."""
         ours = os.path.join(self.dir, f"{host}.ours-{len(self.logged)}")
-        await restore(self.s3, host, ours, run_in_thread=thread_runner(_reactor))
+        await restore(self.s3, host, ours, run_in_thread=thread_runner(reactor))
         theirs = ours.replace(".ours-", ".litestream-")
         await litestream_restore(self.server, self.s3bucket, host, theirs)
         bodies = [m[1] for m in _messages(ours)]

@@ -347,10 +347,11 @@ class SQLiteAbuseTests(AbuseTests):
         return [home] * n
 
     def own_store(self, home: Home) -> Deferred[Any]:
-        from twisted.internet import reactor
-
         from lchat.home.sqlite_store import SQLiteVaultStore
+        from lchat.reactors import installed
         from lchat.threads import thread_runner
+
+        reactor = installed()
 
         # The process's own file (WAL: both may write), through the real store code.
         path = os.path.join(home.settings["LCHAT_DATA_DIR"], "home.db")

@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
@@ -43,13 +42,16 @@ from lchat.ledger import (
 from lchat.objstore import ObjectStore, PreconditionFailed, PutResult, StoredObject
 from lchat.objstore.file import FileStore
 from lchat.objstore.where import Where, parse_where
+from lchat.reactors import installed
 from lchat.registry import Registry
 from lchat.threads import thread_runner
 from tests import s3servers
 
+reactor = installed()
+
 
 def _sleep(seconds: float) -> Deferred[None]:
-    return deferLater(_reactor, seconds, lambda: None)
+    return deferLater(reactor, seconds, lambda: None)
 
 
 def ledger_on(store: ObjectStore, **kwargs: Any) -> IdLedger:
@@ -263,7 +265,7 @@ class FileStoreCasTests(CasMixin, unittest.TestCase):
         if not hasattr(self, "_root"):
             self._root = root
         # Two "boxes" on a file: bucket are two FileStores on one directory.
-        return FileStore(_reactor, self._root, run_in_thread=thread_runner(_reactor), create=True)
+        return FileStore(reactor, self._root, run_in_thread=thread_runner(reactor), create=True)
 
 
 class MotoCasTests(CasMixin, unittest.TestCase):

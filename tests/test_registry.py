@@ -11,11 +11,12 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 from twisted.internet.defer import Deferred
 from twisted.trial import unittest
 
 from lchat import registry
+from lchat.reactors import installed
 from lchat.registry import (
     SCHEMA_VERSION,
     DuplicateHost,
@@ -28,6 +29,8 @@ from lchat.registry import (
 )
 from lchat.router import LocalSocket, RequestHead, Router
 from lchat.threads import thread_runner
+
+reactor = installed()
 
 HOST = "chat-a.example.com"
 SOCK = "/run/lchat/chat-a.example.com.sock"

@@ -32,6 +32,7 @@ from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.membership import Heartbeat, member_key
 from lchat.objstore.file import FileBucket
 from lchat.objstore.where import Where
+from lchat.reactors import installed
 from lchat.registry import Registry, Route
 from lchat.replica import ltx
 from tests import replicas
@@ -329,8 +330,7 @@ class RelocateTests(TestCase):
             f"&access_key_env=FI_KEY&secret_key_env=FI_SECRET"
         )
         cfg = self.config(True)
-        from twisted.internet import reactor
-
+        reactor = installed()
         regions = {"ie": "eu-west-1", "fi": "eu-north-1"}
         self.assertEqual(sorted(cfg.region_buckets), ["fi", "ie"])
         for label, where in cfg.region_buckets.items():

@@ -34,7 +34,6 @@ from typing import Any
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.internet.threads import blockingCallFromThread, deferToThreadPool
@@ -42,11 +41,14 @@ from twisted.trial.unittest import TestCase
 
 from lchat import lease
 from lchat.objstore.file import FileStore
+from lchat.reactors import installed
 from lchat.replica.replicator import Replicator
 from lchat.replica.restore import SNAPSHOT_LEVEL, plan, plan_files, replica_files, restore
 from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replication_workload_proc import mono_value
+
+reactor = installed()
 
 PROC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replication_workload_proc.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,8 +69,7 @@ def _dump(path: str) -> str:
 
 
 async def _thread(f: Any, *args: Any) -> Any:
-    r: Any = _reactor
-    return await deferToThreadPool(r, r.getThreadPool(), f, *args)
+    return await deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -78,12 +79,11 @@ def _write_json(path: str, value: Any) -> None:
 
 def _block(coro: Any) -> Any:
     """From a non-reactor thread: run the coroutine function ``coro`` on the reactor, wait."""
-    r: Any = _reactor
-    return blockingCallFromThread(r, lambda: Deferred.fromCoroutine(coro()))
+    return blockingCallFromThread(reactor, lambda: Deferred.fromCoroutine(coro()))
 
 
 async def _sleep(seconds: float) -> None:
-    await deferLater(_reactor, seconds, lambda: None)
+    await deferLater(reactor, seconds, lambda: None)
 
 
 def _new_db(path: str, sql: str) -> None:
@@ -160,11 +160,11 @@ class WorkloadTests(TestCase):
             )
             bucket = os.path.join(d, "bucket")
             os.makedirs(bucket)
-            store = FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor))
+            store = FileStore(reactor, bucket, run_in_thread=thread_runner(reactor))
             prog = os.path.join(d, "program.json")
             await _thread(_write_json, prog, program)
             rep = Replicator(
-                _reactor, store, src, PATH, interval=0.03, db_options=DB_OPTIONS, tmp_dir=d
+                reactor, store, src, PATH, interval=0.03, db_options=DB_OPTIONS, tmp_dir=d
             )
             try:
                 await rep.start()
@@ -180,7 +180,7 @@ class WorkloadTests(TestCase):
                 self.assertEqual(ran.returncode, 0, ran.stderr)
                 await rep.flush()
                 out = os.path.join(d, "out.db")
-                await restore(store, PATH, out, run_in_thread=thread_runner(_reactor))
+                await restore(store, PATH, out, run_in_thread=thread_runner(reactor))
                 self.assertEqual(
                     await _thread(_dump, out), await _thread(_dump, src), f"program: {program}"
                 )
@@ -290,7 +290,7 @@ class _Child:
 
 
 def _list(bucket: str) -> list[Any]:
-    store = FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor))
+    store = FileStore(reactor, bucket, run_in_thread=thread_runner(reactor))
     got: list[Any] = _block(lambda: store.list(PATH + "/"))
     return got
 
@@ -350,10 +350,10 @@ class CrashTests(TestCase):
             out = os.path.join(d, "after-kill.db")
             _block(
                 lambda: restore(
-                    FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor)),
+                    FileStore(reactor, bucket, run_in_thread=thread_runner(reactor)),
                     PATH,
                     out,
-                    run_in_thread=thread_runner(_reactor),
+                    run_in_thread=thread_runner(reactor),
                 )
             )
             k = _prefix_of(out)
@@ -376,10 +376,10 @@ class CrashTests(TestCase):
             out2 = os.path.join(d, "after-restart.db")
             _block(
                 lambda: restore(
-                    FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor)),
+                    FileStore(reactor, bucket, run_in_thread=thread_runner(reactor)),
                     PATH,
                     out2,
-                    run_in_thread=thread_runner(_reactor),
+                    run_in_thread=thread_runner(reactor),
                 )
             )
             assert _prefix_of(out2) == total
@@ -421,10 +421,8 @@ class TornWriterTests(TestCase):
         await _thread(_new_db, src, MONO_SQL)
         bucket = os.path.join(d, "bucket")
         os.makedirs(bucket)
-        store = FileStore(_reactor, bucket, run_in_thread=thread_runner(_reactor))
-        rep = Replicator(
-            _reactor, store, src, PATH, interval=0.03, db_options=DB_OPTIONS, tmp_dir=d
-        )
+        store = FileStore(reactor, bucket, run_in_thread=thread_runner(reactor))
+        rep = Replicator(reactor, store, src, PATH, interval=0.03, db_options=DB_OPTIONS, tmp_dir=d)
         self.addCleanup(rep.stop)
         await rep.start()
         torn: subprocess.Popen[bytes] = await _thread(
@@ -442,7 +440,7 @@ class TornWriterTests(TestCase):
         torn.stdout.close()
         out = os.path.join(d, "mid.db")
         await rep.flush()
-        await restore(store, PATH, out, run_in_thread=thread_runner(_reactor))
+        await restore(store, PATH, out, run_in_thread=thread_runner(reactor))
         self.assertEqual(await _thread(_dump, out), await _thread(_dump, src))
         self.assertGreater(wal_size, 400 * 4096 // 4)  # it really spilled into the log
         ran = await _thread(
@@ -457,7 +455,7 @@ class TornWriterTests(TestCase):
         self.assertEqual(ran.returncode, 0, ran.stderr)
         await rep.flush()
         out2 = os.path.join(d, "end.db")
-        await restore(store, PATH, out2, run_in_thread=thread_runner(_reactor))
+        await restore(store, PATH, out2, run_in_thread=thread_runner(reactor))
         self.assertEqual(await _thread(_dump, out2), await _thread(_dump, src))
 
 
@@ -598,7 +596,7 @@ class LeaseTests(TestCase):
         )
         lost_at: list[float] = []
         keeper = lease.LeaseKeeper(
-            _reactor,
+            reactor,
             calls,
             held,
             lambda why: lost_at.append(time.monotonic()),
@@ -609,7 +607,7 @@ class LeaseTests(TestCase):
             keeper.start()
         # else: never renewed, so lost at its deadline (~1.08 s), mid-stream
         self.addCleanup(keeper.stop)
-        rep = Replicator(_reactor, calls, src, PATH, interval=0.05, keeper=keeper, tmp_dir=d)
+        rep = Replicator(reactor, calls, src, PATH, interval=0.05, keeper=keeper, tmp_dir=d)
         self.addCleanup(rep.stop)
         await rep.start()
         writer: subprocess.Popen[bytes] = await _thread(
