@@ -4,14 +4,19 @@
   a real RouteSource of a real Registry; only the activator behind it is scripted
   (:class:`ScriptedActivator`). A call that is not answered within its timeout is the
   ``ProtocolError`` the real client raises; a router that is down is ``Unreachable``.
-- :class:`RecordingUnits` and :class:`RecordingPeers`: record every call.
-- the bucket is a real FileStore in a temp directory (:func:`file_bucket`).
+- :class:`RecordingUnits` and :class:`RecordingPeers`: record every call (the peers' live
+  members and answers scripted for ``lchat relocate``); :class:`RecordingRecords`: DNS.
+- the bucket is a real FileStore in a temp directory (:func:`file_bucket`); so are the region
+  buckets ``lchat relocate`` copies between (:func:`region_stores`).
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 from attrs import define, field
 from twisted.internet import task
@@ -22,11 +27,17 @@ from twisted.web.test.requesthelper import DummyRequest
 from lchat import admin_client, systemd_units, threads
 from lchat.admin import AdminAPI, _Json
 from lchat.admin_client import Response
-from lchat.handover.seams import Clock, StoreBucket
+from lchat.cli.move_dns import MovedDNS
+from lchat.dns import AddressChange
+from lchat.handover import HandoverError
+from lchat.handover.seams import Clock, RegionStores, StoreBucket
 from lchat.hibernation.space import WakeFailed
+from lchat.mesh.membership import Member
 from lchat.objstore.file import FileStore
+from lchat.objstore.where import Where
 from lchat.registry import Registry, Route, RouteSource
 from lchat.systemd_units import UnitError
+from lchat.threads import RunInThread
 
 
 def clock_of(reactor: task.Clock) -> Clock:
@@ -68,12 +79,22 @@ class ScriptedActivator:
     calls: list[tuple[str, str]] = field(factory=list)
     after_sleep: Callable[[str], None] = lambda host: None  # once an awake space has slept
     sleep_hangs: bool = False
+    holds: dict[str, float] = field(factory=dict)  # host -> seconds (lchat relocate's hold)
+    sleep_fails: Exception | None = None  # what a sleep fails with
 
     def status(self) -> dict[str, dict[str, Any]]:
         return {h: {"state": s} for h, s in self.states.items() if s != "asleep"}
 
     def held_asleep(self) -> dict[str, float]:
-        return {}
+        return dict(self.holds)
+
+    def hold(self, host: str, seconds: float, why: str) -> None:
+        self.calls.append(("hold", host))
+        self.holds[host] = seconds
+
+    def release_hold(self, host: str) -> bool:
+        self.calls.append(("release", host))
+        return self.holds.pop(host, None) is not None
 
     def slots_held(self) -> int:
         return len(self.status())
@@ -99,6 +120,8 @@ class ScriptedActivator:
         self.calls.append(("sleep", host))
         if self.sleep_hangs:
             return Deferred()
+        if self.sleep_fails is not None:
+            return fail(self.sleep_fails)
         if self.states.pop(host, "asleep") != "asleep":
             self.after_sleep(host)
         return succeed(None)
@@ -160,6 +183,12 @@ class InMemoryAdmin:
     def restart(self, host: str, timeout: float) -> Response:
         return self.call("POST", "/restart", timeout, host=host)
 
+    def sleep_held(self, host: str, hold: float, timeout: float) -> Response:
+        return self.call("POST", "/sleep", timeout, host=host, hold=f"{hold:g}")
+
+    def release(self, host: str) -> Response:
+        return self.call("POST", "/release", 5.0, host=host)
+
 
 @define
 class RecordingUnits:
@@ -215,3 +244,64 @@ class RecordingPeers:
 
     def replicates(self, route: Route) -> bool:
         return self.active and self.covers
+
+    # lchat relocate's (lchat.handover.seams.Mesh)
+    live: list[Member] | Exception = field(factory=list)  # the members' read, or its failure
+    answers: dict[str, str] = field(factory=dict)  # a peer's URL -> its answer ("updated")
+
+    def members(self) -> list[Member]:
+        if isinstance(self.live, Exception):
+            raise self.live
+        return self.live
+
+    def push_reporting(self, route: Route, report: Callable[[str], None]) -> None:
+        """As lchat.cli.mesh.fan_out_upsert reports: one line per live peer."""
+        self.push(route)
+        if not self.active:
+            return
+        if isinstance(self.live, Exception):
+            report(f"mesh: {route.host}: not replicated to peers ({self.live})")
+            return
+        for peer in self.live:
+            answer = self.answers.get(peer.url, "updated")
+            report(f"mesh: {route.host}: pushed to {peer.url}: {answer}")
+
+
+def member(url: str, region: str) -> Member:
+    """A live mesh member as a read of the heartbeats gives it."""
+    when = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    return Member(url, region, "1", 0.0, when, 0.0, f"mesh/members/{url}")
+
+
+def region_stores(reactor: task.Clock, disk: RunInThread = threads.inline) -> RegionStores:
+    """The region buckets as real FileStores (a ``file:`` Where's directory, made on first use as
+    the CLI's opener does); ``disk``: the stores' thread runner (a test's slow or failing disk)."""
+
+    async def open_store(_: Any, where: Where, what: str) -> FileStore:
+        os.makedirs(where.directory, exist_ok=True)
+        return FileStore(reactor, where.directory, disk)
+
+    return RegionStores(open_store, run_inline(reactor), threads=lambda _: threads.inline)
+
+
+@define
+class RecordingRecords:
+    """:class:`lchat.handover.seams.AddressRecords`: ``refusal``/``failure``, when set, are what
+    its check / its move raise."""
+
+    refusal: str = ""
+    failure: str = ""
+    pointed: list[tuple[str, list[str]]] = field(factory=list)
+
+    def check(self, host: str) -> None:
+        if self.refusal:
+            raise HandoverError(self.refusal)
+
+    def point(self, host: str, member_urls: list[str]) -> tuple[str, dict[str, Any]]:
+        """As Route53 answers a first move: no records before, the boxes' addresses after."""
+        self.pointed.append((host, member_urls))
+        if self.failure:
+            raise HandoverError(self.failure)
+        after = tuple(sorted(urlsplit(u).hostname or "" for u in member_urls))
+        moved = MovedDNS(AddressChange(host, "Z1", (), after, 60, "C1"))
+        return moved.line, moved.as_json()

@@ -9,11 +9,8 @@ import json
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
@@ -21,23 +18,18 @@ import attrs
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-import lchat
-from lchat import config, lease
+from lchat import config
 from lchat.buckets import open_bucket
 from lchat.cli import main as cli_main
-from lchat.cli import mesh as mesh_cli
 from lchat.cli import relocate
 from lchat.config import BoxConfig, ConfigError
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import Heartbeat, member_key
-from lchat.objstore.file import FileBucket
+from lchat.handover.relocate import one_account
 from lchat.objstore.where import Where
 from lchat.reactors import installed
 from lchat.registry import Registry, Route
 from lchat.replica import ltx
 from tests import replicas
 from tests.s3servers import S3Server, shared_server, store_for
-from tests.test_mesh_api import TOKEN, Box, Served, write_private
 from tests.test_replica_cli import snapshot_pages
 
 HOST = "chat.example.com"
@@ -172,17 +164,8 @@ class RelocateTests(TestCase):
             )
         )
         self.extra: dict[str, str] = {}  # more settings for the relocating box
-        self.fanned: list[Route] = []
-        original = mesh_cli.fan_out_upsert
 
-        def record(cfg: BoxConfig, route: Route, say: Callable[[str], None], *a: Any) -> None:
-            self.fanned.append(route)
-            original(cfg, route, say, *a)
-
-        mesh_cli.fan_out_upsert = record  # type: ignore[assignment]
-        self.addCleanup(setattr, mesh_cli, "fan_out_upsert", original)
-
-    def env(self, buckets: bool = True) -> dict[str, str]:
+    def env(self) -> dict[str, str]:
         m, w = self.moto, self.weed
         env = {
             "LCHAT_DATA_DIR": self.dir,
@@ -196,28 +179,25 @@ class RelocateTests(TestCase):
             "FI_KEY": w.credentials.access_key,
             "FI_SECRET": w.credentials.secret_key,
         }
-        if buckets:
-            env["LCHAT_REGION_BUCKETS"] = (
-                f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region={m.region},"
-                f"fi=s3://{self.fi_bucket}/prod?endpoint={w.endpoint}&region={w.region}"
-                f"&access_key_env=FI_KEY&secret_key_env=FI_SECRET"
-            )
+        env["LCHAT_REGION_BUCKETS"] = (
+            f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region={m.region},"
+            f"fi=s3://{self.fi_bucket}/prod?endpoint={w.endpoint}&region={w.region}"
+            f"&access_key_env=FI_KEY&secret_key_env=FI_SECRET"
+        )
         return env
 
-    def config(self, buckets: bool) -> BoxConfig:
+    def config(self) -> BoxConfig:
         path = os.path.join(self.dir, "router.env")
         with open(path, "w") as f:
-            f.writelines(f"{k}={v}\n" for k, v in {**self.env(buckets), **self.extra}.items())
+            f.writelines(f"{k}={v}\n" for k, v in {**self.env(), **self.extra}.items())
         return config.load(env_file=path, environ={}, systemd_present=False)
 
-    async def relocate(
-        self, to: str = "fi", *, buckets: bool = True, as_json: bool = False
-    ) -> tuple[int, str, str]:
+    async def relocate(self, to: str = "fi", *, as_json: bool = False) -> tuple[int, str, str]:
         """Run the command as ``lchat relocate`` does, in a thread (it runs a reactor of its own).
         The keys are given in an env file: the process environment must not carry moto's."""
-        cfg = self.config(buckets)
+        cfg = self.config()
         out, err = io.StringIO(), io.StringIO()
-        args = argparse.Namespace(host=HOST, to=to, json=as_json, timeout=60.0)
+        args = argparse.Namespace(host=HOST, to=to, json=as_json, timeout=60.0, move_dns=False)
 
         def call() -> int:
             with redirect_stdout(out), redirect_stderr(err):
@@ -250,7 +230,6 @@ class RelocateTests(TestCase):
         route = self.registry.get(HOST)
         assert route is not None
         self.assertEqual(route.home_region, "fi")
-        self.assertEqual([r.home_region for r in self.fanned], ["fi"])
         # The destination holds the replica and no lease (a destination box takes a fresh one);
         # the source is as it was, its lock included (absent: released by the sleep).
         dest_keys = await self.keys(self.fi)
@@ -329,7 +308,7 @@ class RelocateTests(TestCase):
             f"fi=s3://{self.fi_bucket}/prod?endpoint={w.endpoint}&region=eu-north-1"
             f"&access_key_env=FI_KEY&secret_key_env=FI_SECRET"
         )
-        cfg = self.config(True)
+        cfg = self.config()
         reactor = installed()
         regions = {"ie": "eu-west-1", "fi": "eu-north-1"}
         self.assertEqual(sorted(cfg.region_buckets), ["fi", "ie"])
@@ -344,154 +323,16 @@ class RelocateTests(TestCase):
 
     def test_one_account_is_judged_from_the_configuration(self) -> None:
         m = self.moto
-        cfg = self.config(True)
+        cfg = self.config()
         ie = Where("b1", "prod", m.region, m.endpoint)
         same = Where("b2", "prod", m.region, m.endpoint)
         own_key = attrs.evolve(same, access_key_env="FI_KEY", secret_key_env="FI_SECRET")
         elsewhere = attrs.evolve(same, endpoint=self.weed.endpoint)
         aws_ie = Where("b1", "", "eu-west-1")
         aws_fi = Where("b2", "", "eu-north-1")
-        self.assertTrue(relocate._one_account(cfg, ie, same))
-        self.assertFalse(relocate._one_account(cfg, ie, own_key))  # FI_KEY is weed's key
-        self.assertFalse(relocate._one_account(cfg, ie, elsewhere))
-        self.assertFalse(relocate._one_account(cfg, aws_ie, aws_fi))  # two AWS regions
-        self.assertTrue(
-            relocate._one_account(cfg, aws_ie, attrs.evolve(aws_fi, s3_region="eu-west-1"))
-        )
-        self.assertFalse(relocate._one_account(cfg, ie, Where(f"file:{self.dir}/b")))
-
-    async def test_json_prints_the_steps(self) -> None:
-        code, out, err = await self.relocate(as_json=True)
-        self.assertEqual(code, 0, err)
-        steps = json.loads(out)
-        self.assertEqual((steps["from"], steps["to"], steps["result"]), ("ie", "fi", "relocated"))
-        self.assertEqual((steps["store"]["objects"], steps["store"]["txid"]), (1, f"{5:016x}"))
-
-    async def test_a_destination_ahead_is_never_overwritten(self) -> None:
-        name, body = _snapshot(self.db, 9)
-        await self.fi.put(f"prod/{HOST}/{name}", body)
-        before = await self.keys(self.fi)
-        code, _out, err = await self.relocate()
-        self.assertEqual(code, 1)
-        self.assertIn("ahead of the source", err)
-        self.assertEqual(await self.keys(self.fi), before)
-        route = self.registry.get(HOST)
-        assert route is not None
-        self.assertEqual(route.home_region, "ie")
-        self.assertEqual(self.fanned, [])
-
-    async def test_a_lease_held_by_another_box_is_refused_and_left_alone(self) -> None:
-        held = await lease.acquire(
-            self.ie,
-            lease.lease_key("prod", HOST),
-            "https://box2.example.net",
-            900.0,
-            host=HOST,
-            monotonic=time.monotonic,
-        )
-        info = await self.ie.head(held.key)
-        code, _out, err = await self.relocate()
-        self.assertEqual(code, 1)
-        self.assertIn("held by https://box2.example.net", err)
-        self.assertEqual((await self.ie.head(held.key)).etag, info.etag)
-        self.assertEqual(await self.keys(self.fi), [])
-        route = self.registry.get(HOST)
-        assert route is not None
-        self.assertEqual(route.home_region, "ie")
-
-    async def test_a_live_instance_is_refused_with_how_to_convert_it(self) -> None:
-        self.registry.update(HOST, hibernate=False)
-        code, _out, err = await self.relocate()
-        self.assertEqual(code, 1)
-        self.assertIn(f"lchat hibernate {HOST} --on", err)
-        self.assertEqual(await self.keys(self.fi), [])
-
-    async def test_a_shared_bucket_is_not_copied(self) -> None:
-        code, out, err = await self.relocate(buckets=False)
-        self.assertEqual(code, 0, err)
-        self.assertIn("store: no copy — source and destination share the same bucket", out)
-        self.assertEqual(await self.keys(self.fi), [])
-        route = self.registry.get(HOST)
-        assert route is not None
-        self.assertEqual(route.home_region, "fi")
-        self.assertEqual([r.home_region for r in self.fanned], ["fi"])
-
-    async def test_a_region_without_a_bucket_is_refused(self) -> None:
-        code, _out, err = await self.relocate(to="de")
-        self.assertEqual(code, 1)
-        self.assertIn("no bucket for region 'de'", err)
-
-    async def test_the_flip_reaches_a_live_peer_in_the_destination_region(self) -> None:
-        """A real fan-out: this box is a mesh member in ie; a peer in fi serves its mesh API on
-        loopback and beats in the shared membership; the relocated route arrives there with its
-        new home region."""
-        peer = Box(self.dir, "peer", LCHAT_MESH_REGION="fi")
-        served = Served(self, peer)
-        self.extra = {
-            "LCHAT_MESH_SELF": "http://box-1.example.net",
-            "LCHAT_MESH_DOMAINS": "elsewhere.example.org",  # not covering HOST: region-scoped only
-            "LCHAT_MESH_TOKEN": TOKEN,
-            "LCHAT_MESH_REGION": "ie",
-            "LCHAT_HTTP_REDIRECT": "off",
-        }
-        write_private(os.path.join(self.dir, f"{HOST}.env"), "LCHAT_ADMIN_TOKEN=tok-relocated\n")
-        cfg = self.config(True)
-        assert cfg.hibernate is not None
-        beat = Heartbeat(
-            url=served.url, region="fi", version=lchat.__version__, started_at=time.time()
-        )
-        beat = HeartbeatKeys.of(TOKEN).sign(beat)  # as the peer's router writes it
-        await self.ie.put(member_key(cfg.hibernate, served.url), beat.to_json())
-        code, out, err = await self.relocate()
-        self.assertEqual(code, 0, err)
-        self.assertIn("home_region flipped + route re-fanned-out to peers", out)
-        self.assertIn(served.url, err)  # the fan-out's per-peer report
-        there = peer.registry.get(HOST)
-        assert there is not None
-        self.assertEqual((there.home_region, there.hibernate), ("fi", True))
-
-
-class RelocateProcessTests(TestCase):
-    """The command as an operator runs it: a real ``lchat`` process (its own reactor), file
-    buckets per region."""
-
-    def test_a_real_process_copies_between_file_buckets(self) -> None:
-        root = tempfile.mkdtemp(prefix="relocp", dir="/tmp")
-        self.addCleanup(shutil.rmtree, root, True)
-        ie, fi = os.path.join(root, "ie"), os.path.join(root, "fi")
-        db = os.path.join(root, "source.db")
-        conn = sqlite3.connect(db)
-        conn.execute("CREATE TABLE m (id INTEGER PRIMARY KEY, body TEXT)")
-        conn.executemany("INSERT INTO m (body) VALUES (?)", [("x" * 100,) for _ in range(50)])
-        conn.commit()
-        conn.close()
-        name, body = _snapshot(db, 3)
-        # A file: region bucket is a directory with no prefix (the URL form has none for it).
-        FileBucket(ie, create=True).put(f"{HOST}/{name}", body)
-        FileBucket(ie).put(f"other.example.com/{name}", body)  # another space: not copied
-        env = os.path.join(root, "router.env")
-        with open(env, "w") as f:
-            f.write(
-                f"LCHAT_DATA_DIR={root}\nLCHAT_RUN_DIR={root}\nLCHAT_HIBERNATE_BUCKET=file:{ie}\n"
-                f"LCHAT_REGION_BUCKETS=ie=file:{ie},fi=file:{fi}\n"
-            )
-        registry = Registry(os.path.join(root, "registry.db"), time.time)
-        registry.migrate()
-        registry.insert(
-            Route(
-                HOST, "instance", f"{root}/x.sock", status="ready", hibernate=True, home_region="ie"
-            )
-        )
-        ran = subprocess.run(
-            [sys.executable, "-m", "lchat.cli", "relocate", HOST, "--to", "fi", "--env-file", env],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        self.assertEqual(ran.returncode, 0, ran.stderr)
-        self.assertEqual(ran.stdout.splitlines()[0], f"relocated {HOST}: ie → fi")
-        route = registry.get(HOST)
-        assert route is not None
-        self.assertEqual(route.home_region, "fi")
-        self.assertEqual([i.key for i in FileBucket(fi).list("")], [f"{HOST}/{name}"])
-        self.assertEqual(FileBucket(fi).get(f"{HOST}/{name}").body, body)
+        self.assertTrue(one_account(cfg, ie, same))
+        self.assertFalse(one_account(cfg, ie, own_key))  # FI_KEY is weed's key
+        self.assertFalse(one_account(cfg, ie, elsewhere))
+        self.assertFalse(one_account(cfg, aws_ie, aws_fi))  # two AWS regions
+        self.assertTrue(one_account(cfg, aws_ie, attrs.evolve(aws_fi, s3_region="eu-west-1")))
+        self.assertFalse(one_account(cfg, ie, Where(f"file:{self.dir}/b")))

@@ -7,6 +7,9 @@
 - :class:`Peers`: the mesh's fan-out of a row to the live peers (never raises).
 - :class:`Bucket`: one LIST of the hibernation bucket (an :class:`lchat.objstore.ObjectStore`).
 
+``lchat relocate`` asks more of the mesh (:class:`Mesh`: the live members) and of the buckets
+(:class:`RegionStores`: the two it copies between), and has a fifth, :class:`AddressRecords` (DNS).
+
 Tests pass in-memory fakes for the first three and a real ``FileStore`` for the bucket.
 """
 
@@ -21,9 +24,12 @@ from attrs import frozen
 from lchat import admin_client, systemd_units
 from lchat.admin_client import Response
 from lchat.config import BoxConfig
+from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore
+from lchat.objstore.where import Where
 from lchat.reactors import Reactor
 from lchat.registry import Route
+from lchat.threads import RunInThread, thread_runner
 
 Runner = Callable[[Callable[[Reactor], Coroutine[Any, Any, Any]], float], Any]
 
@@ -33,6 +39,9 @@ class RouterAdmin(Protocol):
     def reload(self) -> Response: ...
     def wake(self, host: str, timeout: float) -> Response: ...
     def sleep(self, host: str, timeout: float) -> Response: ...
+    # lchat relocate's hold on a space's wakes on this box while it moves (POST /sleep?hold=S)
+    def sleep_held(self, host: str, hold: float, timeout: float) -> Response: ...
+    def release(self, host: str) -> Response: ...
 
 
 class Units(Protocol):
@@ -84,6 +93,12 @@ class SocketAdmin:
 
     def sleep(self, host: str, timeout: float) -> Response:
         return admin_client.sleep_space(self.path, host, timeout)
+
+    def sleep_held(self, host: str, hold: float, timeout: float) -> Response:
+        return admin_client.sleep_space(self.path, host, timeout, hold=hold)
+
+    def release(self, host: str) -> Response:
+        return admin_client.release(self.path, host)
 
 
 @frozen
@@ -145,3 +160,43 @@ class StoreBucket:
 
         listing: list[ObjectInfo] = self.run(main, self.budget)
         return listing
+
+
+# --- lchat relocate -----------------------------------------------------------------------------
+
+
+class Mesh(Peers, Protocol):
+    """:class:`Peers` with what ``lchat relocate`` asks too: the live members (each box's
+    region), and a push whose per-peer outcomes are reported, one line each."""
+
+    def members(self) -> list[Member]: ...  # ObjectStoreError, ConfigError, TimeoutError
+    def push_reporting(self, route: Route, report: Callable[[str], None]) -> None: ...
+
+
+@frozen
+class MeshFanOut(FanOut):
+    """:class:`Mesh` as the CLI's mesh reads and fan-out (``lchat.cli.mesh``)."""
+
+    members: Callable[[], list[Member]]
+    push_reporting: Callable[[Route, Callable[[str], None]], None]
+
+
+@frozen
+class RegionStores:
+    """The region buckets ``lchat relocate`` copies between: ``open(reactor, where, what)`` on
+    the reactor ``run`` gives the copy (``lchat.cli.runner.run``; tests: one that runs it
+    inline), and the thread runner a copied file streams through (tests: ``threads.inline``)."""
+
+    open: Callable[[Reactor, Where, str], Awaitable[ObjectStore]]
+    run: Runner
+    threads: Callable[[Reactor], RunInThread] = thread_runner
+
+
+class AddressRecords(Protocol):
+    """A host's own address records (``relocate --move-dns``); each call raises
+    ``HandoverError`` saying what to fix."""
+
+    def check(self, host: str) -> None: ...  # before anything moves; no I/O
+    def point(
+        self, host: str, member_urls: list[str]
+    ) -> tuple[str, dict[str, Any]]: ...  # line, JSON
