@@ -245,7 +245,7 @@ def message(line: str) -> str:
 def wait_beat(world: MeshWorld, box: NsBox, timeout: float) -> float:
     """Block until moto logs the next heartbeat PUT of ``box`` (its access log, followed every
     5 ms); the wall time it was seen (within ~10 ms of the heartbeat's Last-Modified)."""
-    from lchat.mesh.membership import encode_member_name
+    from lchat.mesh.members import encode_member_name
 
     assert world.server is not None
     suffix = "/mesh/members/" + encode_member_name(box_url(box))
@@ -277,7 +277,7 @@ def wait_beat(world: MeshWorld, box: NsBox, timeout: float) -> float:
 
 def heartbeat_lm(world: MeshWorld, box: NsBox) -> datetime.datetime | None:
     """The ``Last-Modified`` of ``box``'s heartbeat in the bucket (read from the root namespace)."""
-    from lchat.mesh.membership import encode_member_name
+    from lchat.mesh.members import encode_member_name
 
     assert world.server is not None
     suffix = "/mesh/members/" + encode_member_name(box_url(box))

@@ -24,7 +24,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat.mesh import client, route_payload
 from lchat.mesh.due import DuePush
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.registry import Route, RouteSource
 from lchat.threads import thread_runner
 from tests import test_mesh

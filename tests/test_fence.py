@@ -44,14 +44,10 @@ from lchat.lease import (
     NotAlive,
 )
 from lchat.mesh.fence import BoxFence, HolderJudge, holder_deadline, judged_dead
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import (
-    LIVENESS_MARGIN,
-    Heartbeat,
-    Membership,
-    member_key,
-    read_members,
-)
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.liveness import LIVENESS_MARGIN
+from lchat.mesh.members import member_key, read_members
+from lchat.mesh.membership import Membership
 from lchat.objstore import UTC, NotFound, ObjectStore, ObjectStoreError
 from lchat.objstore.file import FileStore
 from lchat.replica.replicator import TAKEOVER_TXID_GAP, Replicator

@@ -35,8 +35,8 @@ from lchat import config, envfile, hosts
 from lchat.cli import mesh as mesh_cli
 from lchat.config import BoxConfig
 from lchat.mesh import api, client, route_payload, tokens
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import Heartbeat, Member, member_key
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.members import Member, member_key
 from lchat.mesh.placement import normalise_member_url, owner
 from lchat.objstore.file import FileBucket
 from lchat.registry import Conflict, Registry, RegistryError, Route

@@ -26,7 +26,8 @@ from twisted.web.server import Site
 
 from lchat.config import ProxyConfig
 from lchat.mesh import forward
-from lchat.proxy.downstream import REPLAY_LIMIT, ProxyFactory
+from lchat.proxy.downstream import ProxyFactory
+from lchat.proxy.exchange import REPLAY_LIMIT
 from lchat.proxy.http import REFUSED, Header
 from lchat.proxy.serve import listen_now
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target

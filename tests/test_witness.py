@@ -21,7 +21,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from lchat.mesh import api
 from lchat.mesh.client import PeerBeats
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
-from lchat.mesh.membership import Membership, member_key, read_members
+from lchat.mesh.members import member_key, read_members
+from lchat.mesh.membership import Membership
 from lchat.mesh.witness import (
     MAX_HOLDS,
     BeatMessage,

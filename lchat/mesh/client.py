@@ -38,7 +38,7 @@ from twisted.web.iweb import IAgentEndpointFactory, IResponse
 from zope.interface import implementer
 
 from lchat import config, hosts
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.witness import BEAT_PATH, MAX_MESSAGE, PeerCallError
 from lchat.registry import Route

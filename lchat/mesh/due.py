@@ -38,7 +38,7 @@ from twisted.logger import Logger
 from lchat import hosts
 from lchat.config import ConfigError, MeshConfig
 from lchat.mesh import client
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.registry import Route, RouteSource
 from lchat.threads import RunInThread
 

@@ -52,8 +52,7 @@ from lchat.mesh.members import (
     read_view,
 )
 
-# moved to lchat.mesh.members: importers outside lchat/mesh (the CLI, bench) still use these
-from lchat.mesh.members import encode_member_name as encode_member_name
+# moved to lchat.mesh.members: importers outside lchat/mesh (the CLI) still use this
 from lchat.mesh.members import read_members as read_members
 from lchat.mesh.peering import (
     PEER_TIMEOUT,

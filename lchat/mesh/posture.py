@@ -26,7 +26,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 
 from lchat.config import BoxConfig
-from lchat.mesh.membership import Member, Membership
+from lchat.mesh.members import Member
+from lchat.mesh.membership import Membership
 
 _log = Logger(namespace="lchat.mesh.posture")
 
