@@ -25,7 +25,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import hosts
-from lchat.mesh import api, client, forward
+from lchat.mesh import client, forward, route_payload
 from lchat.mesh.routing import MeshRouter
 from lchat.registry import MIGRATIONS, SCHEMA_VERSION, Conflict, Registry, RegistryError, Route
 from lchat.router import LocalResponse, RemotePeer, RequestHead, Router
@@ -139,11 +139,11 @@ class RegistryTests(SynchronousTestCase):
 
 class PayloadTests(SynchronousTestCase):
     def test_lives_elsewhere_shape_is_accepted_and_normalised(self) -> None:
-        parsed = api.parse_payload(elsewhere(lives_at="HTTPS://Box-2.Example.NET:443/"))
+        parsed = route_payload.parse_payload(elsewhere(lives_at="HTTPS://Box-2.Example.NET:443/"))
         self.assertEqual(parsed.lives_at, PEER)
         self.assertIsNone(parsed.next_due)
-        self.assertEqual(api.parse_payload(payload()).lives_at, "")
-        self.assertEqual(api.parse_payload(payload(lives_at="")).lives_at, "")
+        self.assertEqual(route_payload.parse_payload(payload()).lives_at, "")
+        self.assertEqual(route_payload.parse_payload(payload(lives_at="")).lives_at, "")
 
     def test_bad_shapes(self) -> None:
         cases: list[tuple[dict[str, Any], str]] = [
@@ -158,8 +158,8 @@ class PayloadTests(SynchronousTestCase):
             (elsewhere(next_due=0), "never wakes here"),
         ]
         for body, fragment in cases:
-            with self.assertRaises(api.PayloadError, msg=repr(body)) as e:
-                api.parse_payload(body)
+            with self.assertRaises(route_payload.PayloadError, msg=repr(body)) as e:
+                route_payload.parse_payload(body)
             self.assertIn(fragment, str(e.exception))
 
     def test_payloads_built_from_rows(self) -> None:
@@ -168,10 +168,10 @@ class PayloadTests(SynchronousTestCase):
         self.assertEqual(shape["lives_at"], PEER)
         self.assertEqual((shape["hibernate"], shape["env"]), (False, {}))
         self.assertNotIn("next_due", shape)
-        self.assertEqual(api.parse_payload(shape).lives_at, PEER)
+        self.assertEqual(route_payload.parse_payload(shape).lives_at, PEER)
         # A peer's listing of its lives-elsewhere row round-trips.
         row = Route(HOST, "instance", "/run/x.sock", status="ready", lives_at=PEER)
-        self.assertEqual(api.parse_payload(client.route_payload(row, {})).lives_at, PEER)
+        self.assertEqual(route_payload.parse_payload(client.route_payload(row, {})).lives_at, PEER)
         for not_always_on in (
             Route(HOST, "instance", "/run/x.sock", hibernate=True),
             row,
@@ -303,6 +303,9 @@ class _Membership:
 
 class _Activator:
     def holds(self, host: str) -> bool:
+        raise AssertionError("a lives-elsewhere row never reaches the activator")
+
+    def lease_lost(self, host: str) -> bool:
         raise AssertionError("a lives-elsewhere row never reaches the activator")
 
     def route(self, route: Route, sidecar: bool = False, write: bool = False) -> Any:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from attrs import field, frozen
 
-from lchat import builds, hosts
+from lchat import hosts
 from lchat.config.acme import (
     DNSIMPLE_URL,
     LETS_ENCRYPT,
@@ -174,14 +174,6 @@ class BoxConfig:
     def admin_socket(self) -> str:
         """The admin API's unix socket (mode 0600): how the CLI reaches the running router."""
         return os.path.join(self.run_dir, "router.sock")
-
-    # moved to lchat.builds.space_argv: importers outside configuration still use this (the
-    # settings hold the command; which build runs it is the build tree's, read from the disk)
-    def space_argv(self, host: str) -> list[str]:
-        return builds.space_argv(self.space_command, host)
-
-    def sidecar_argv(self, host: str) -> list[str]:
-        return builds.space_argv(self.sidecar_command, host, sidecar=True)
 
 
 # Every variable we read, with its default. Names not listed here but starting LCHAT_ get a warning.

@@ -96,7 +96,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from lchat import envfile, hosts
+from lchat import builds, envfile, hosts
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import tokens
@@ -113,11 +113,6 @@ from lchat.mesh.route_payload import (
     RoutePayload,
     decode_payload,
     in_scope,
-)
-
-# moved to lchat.mesh.route_payload: importers outside lchat/mesh (tests) still use this
-from lchat.mesh.route_payload import (
-    parse_payload as parse_payload,
 )
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
 from lchat.registry import Conflict, Registry, Route
@@ -239,7 +234,7 @@ class MeshAPI(Resource):
             raise ValueError("the mesh API needs LCHAT_MESH_SELF (and its domains and token)")
         self._registry = registry
         self._mesh = cfg.mesh
-        self._space_argv = cfg.space_argv
+        self._space_command = cfg.space_command
         self._data_dir = cfg.data_dir
         self._run_dir = cfg.run_dir
         self._token = cfg.mesh.token.encode("utf-8")
@@ -428,26 +423,33 @@ class MeshAPI(Resource):
 
     # --- the work, in a thread ----------------------------------------------------------------
 
-    def _upsert(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
-        if payload.lives_at:
-            return self._upsert_elsewhere(payload)
+    def _route(self, payload: RoutePayload) -> Route:
+        """The replicated row ``payload`` describes: hibernating here, or (``lives_at``) run
+        always-on elsewhere (such a payload never carries ``next_due``: parse_payload)."""
         host = payload.host
-        env_file = hosts.env_path(self._data_dir, host)
-        route = Route(
+        return Route(
             host=host,
             kind="instance",
             socket=hosts.socket_path(self._run_dir, host, isolated=hosts.isolated(self._data_dir)),
             db_path=hosts.db_path(self._data_dir, host),
             status="ready",
-            hibernate=True,
+            hibernate=not payload.lives_at,
             version=payload.version,
             replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
             home_region=payload.home_region,
             next_due=payload.next_due or 0,
+            lives_at=payload.lives_at,
         )
+
+    def _upsert(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
+        if payload.lives_at:
+            return self._upsert_elsewhere(payload)
+        host = payload.host
+        env_file = hosts.env_path(self._data_dir, host)
+        route = self._route(payload)
         # A row this box could not wake is worse than none: its first wake here would fail
         # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
-        unrunnable = _unrunnable(self._space_argv(host))
+        unrunnable = _unrunnable(builds.space_argv(self._space_command, host))
         if unrunnable is not None:
             _log.error(
                 "mesh: route {host} refused: this box cannot run it ({why}); give it a default "
@@ -495,18 +497,7 @@ class MeshAPI(Resource):
         over no row or a replicated one (a space this box runs itself is never hijacked); the
         env file is left as it is (this box never runs the space; a tombstone removes it)."""
         host = payload.host
-        route = Route(
-            host=host,
-            kind="instance",
-            socket=hosts.socket_path(self._run_dir, host, isolated=hosts.isolated(self._data_dir)),
-            db_path=hosts.db_path(self._data_dir, host),
-            status="ready",
-            hibernate=False,
-            version=payload.version,
-            replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
-            home_region=payload.home_region,
-            lives_at=payload.lives_at,
-        )
+        route = self._route(payload)
         with self._lock:
             existing = self._registry.get(host)
             if existing is not None and not existing.replicated:

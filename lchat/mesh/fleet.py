@@ -64,7 +64,6 @@ from lchat.registry import Route
 SPACES_PATH = "/api/mesh/spaces"
 SCHEMA = 1  # of the published document (publishable)
 ALWAYS_ON = "always-on"
-HIBERNATING_STATES = ("asleep", "waking", "awake", "stopping")
 MAX_STATE = 32  # a peer's state or process label longer than this is not one
 MAX_VERSION = 64  # BuildLayout's version names are at most 64 characters
 REGION_UNSET = "default"  # the published key of members without LCHAT_MESH_REGION
