@@ -201,9 +201,8 @@ class Mesh(Protocol):
 
     def in_scope(self, host: str) -> bool: ...
 
-    def route(
-        self, route: Route, head: RequestHead, local: Callable[[], Target | Deferred[Target]]
-    ) -> Target | Deferred[Target]: ...
+    def route(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
+        """Served here (by the activator the mesh holds) or forwarded to a peer."""
 
     def forward_elsewhere(self, route: Route, head: RequestHead) -> Target: ...
 
@@ -264,14 +263,9 @@ class Router:
                 )
             return self._mesh.forward_elsewhere(route, head)
         if route.hibernate and self._activator is not None and route.serveable:
-            activator = self._activator
-
-            def local() -> Target | Deferred[Target]:
-                return activator.route(route, head.sidecar, head.method not in SAFE_METHODS)
-
             if self._mesh is not None and self._mesh.in_scope(host):
-                return self._mesh.route(route, head, local)
-            return local()
+                return self._mesh.route(route, head)
+            return self._activator.route(route, head.sidecar, head.method not in SAFE_METHODS)
         if route.hibernate and self._activator is None:
             # Hibernating rows belong to the activator, which exists only with
             # LCHAT_HIBERNATE_BUCKET: without it they are honestly unavailable, not misrouted.

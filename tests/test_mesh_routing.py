@@ -49,7 +49,7 @@ SERVED_HERE = LocalResponse(200, b"served here\n")
 
 @frozen
 class Peer:
-    """A member as the membership's view holds it (lchat.mesh.membership.Member, reduced)."""
+    """A member as the membership's view holds it (lchat.mesh.members.Member, reduced)."""
 
     url: str
     region: str = ""
@@ -92,11 +92,23 @@ class View:
 
 
 class Running:
-    """The activator as MeshRouter sees it: ``holds(host)`` while it runs anything for it."""
+    """The activator as MeshRouter sees it: ``holds(host)`` while it runs anything for it; what
+    it was asked to serve "here" is recorded in ``served`` (answered SERVED_HERE), unless
+    ``answer`` is set (then that answers, unrecorded)."""
 
     def __init__(self) -> None:
         self.hosts: set[str] = set()
         self.lost: set[str] = set()  # standing down here because the lease was taken
+        self.served: list[str] = []  # hosts the activator was asked to serve ("here")
+        self.answer: Callable[[], Target | Deferred[Target]] | None = None
+
+    def route(
+        self, route: Route, sidecar: bool = False, write: bool = False
+    ) -> Target | Deferred[Target]:
+        if self.answer is not None:
+            return self.answer()
+        self.served.append(route.host)
+        return SERVED_HERE
 
     def holds(self, host: str) -> bool:
         return host in self.hosts
@@ -211,7 +223,7 @@ class _Base(SynchronousTestCase):
         assert self.cfg.hibernate is not None
         self.hib = self.cfg.hibernate
         self.running = Running()
-        self.served: list[str] = []  # hosts the activator was asked to serve ("here")
+        self.served = self.running.served
 
     def mesh(self, view: View, holder_ttl: float = 2.0) -> MeshRouter:
         return MeshRouter(
@@ -246,14 +258,11 @@ class _Base(SynchronousTestCase):
         local: Callable[[], Target | Deferred[Target]] | None = None,
         home_region: str = "",
     ) -> Deferred[Target]:
-        """``mesh.route`` for a POST to ``host``, always as a Deferred (fired or not)."""
+        """``mesh.route`` for a POST to ``host``, always as a Deferred (fired or not); ``local``:
+        what the activator answers instead of SERVED_HERE."""
         head = RequestHead(method=b"POST", target=b"/", host=host, forwarded=forwarded)
-
-        def here() -> Target | Deferred[Target]:
-            self.served.append(host)
-            return SERVED_HERE
-
-        target = mesh.route(hibernating(host, home_region), head, local or here)
+        self.running.answer = local
+        target = mesh.route(hibernating(host, home_region), head)
         return target if isinstance(target, Deferred) else succeed(target)
 
     def routed(self, mesh: MeshRouter, host: str, **kw: Any) -> Target:

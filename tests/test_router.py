@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any
 
 from attrs import define, evolve, field
 from twisted.trial.unittest import TestCase
@@ -119,18 +117,23 @@ class _Activator:
 
 @define
 class _Mesh:
-    """The mesh as the router sees it: in scope for ``domain``; forwards, or serves locally."""
+    """The mesh as the router sees it: in scope for ``domain``; forwards, or serves here (by
+    the activator it holds, as lchat.mesh.routing.MeshRouter does)."""
 
     domain: str
-    forward_to: Target | None = None  # None: "here", call local()
+    activator: _Activator | None = None
+    forward_to: Target | None = None  # None: "here", the activator's answer
     routed: list[str] = field(factory=list)
 
     def in_scope(self, host: str) -> bool:
         return host.endswith("." + self.domain)
 
-    def route(self, route: Route, head: RequestHead, local: Callable[[], Any]) -> Any:
+    def route(self, route: Route, head: RequestHead) -> Target:
         self.routed.append(route.host)
-        return self.forward_to if self.forward_to is not None else local()
+        if self.forward_to is not None:
+            return self.forward_to
+        assert self.activator is not None
+        return self.activator.route(route, head.sidecar)
 
     def forward_elsewhere(self, route: Route, head: RequestHead) -> Target:
         self.routed.append(route.host)
@@ -163,7 +166,7 @@ class BranchTests(TestCase):
 
     def test_a_mesh_host_is_the_meshs_to_place_and_here_means_the_activator(self) -> None:
         activator = _Activator(AWAKE)
-        mesh = _Mesh("mesh.example")
+        mesh = _Mesh("mesh.example", activator)
         router = Router(table_of(HIBERNATING), activator=activator, mesh=mesh)
         self.assertIs(router.route(head("h.mesh.example")), AWAKE)  # placed here
         self.assertEqual(

@@ -28,7 +28,7 @@ is dead or cut off, and its leases last until they expire).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from prometheus_client import Counter
@@ -44,7 +44,15 @@ from lchat.mesh import forward, placement
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
 from lchat.proxy.http import REFUSED
 from lchat.registry import Route
-from lchat.router import RETRY_AFTER_SECONDS, LocalResponse, RequestHead, Target, plain
+from lchat.router import (
+    RETRY_AFTER_SECONDS,
+    SAFE_METHODS,
+    Hibernation,
+    LocalResponse,
+    RequestHead,
+    Target,
+    plain,
+)
 
 _log = Logger(namespace="lchat.mesh")
 
@@ -76,7 +84,16 @@ RELEASE_POLL = 0.1  # seconds between reads of lock.json while waiting (shared b
 # requests up: the routing then goes by what it knows without it).
 HOLDER_READ_TIMEOUT = 2.0
 
-Local = Callable[[], "Target | Deferred[Target]"]
+
+class Activator(Hibernation, Protocol):
+    """The activator as the mesh sees it (lchat.hibernation.activator.Activator): "here" always
+    means it, which takes the lease or answers 503."""
+
+    def holds(self, host: str) -> bool:
+        """Is it running (or waking, or stopping) anything for ``host`` on this box?"""
+
+    def lease_lost(self, host: str) -> bool:
+        """Is ``host`` standing down on this box because its lease was taken?"""
 
 
 class MeshRouter:
@@ -85,7 +102,7 @@ class MeshRouter:
         cfg: BoxConfig,
         store: ObjectStore,
         membership: Any,  # lchat.mesh.membership.Membership: .live() -> members with .url, .self
-        activator: Any,  # lchat.activator.Activator: .holds(host)
+        activator: Activator,
         *,
         reactor: IReactorTime,  # its clock: caches, waits, forwarded-marker stamps (unix time)
         holder_ttl: float = 2.0,
@@ -172,30 +189,28 @@ class MeshRouter:
                 host=host,
                 region=route.home_region,
             )
-        return plain(
-            503,
-            f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
-            f"{RETRY_AFTER_SECONDS}s",
-            (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
-            label="region_down",
-        )
+        return _unavailable(host, "region_down")
 
-    def route(self, route: Route, head: RequestHead, local: Local) -> Target | Deferred[Target]:
+    def route(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
         host = route.host
         if head.forwarded is not None:
             if self._authentic(head, host):
                 if self._foreign(route) and not self._activator.holds(host):
                     return self._region_down(route)
                 _forwards.labels("local_forwarded").inc()
-                target = local()
+                target = self._here(route, head)
                 if isinstance(target, Deferred):
                     return target.addCallback(_refusal_for_peer)
                 return _refusal_for_peer(target)
             _forwards.labels("bad_marker").inc()  # stripped already; routed like any request
-        if self._activator.holds(host) and not _lost_here(self._activator, host):
+        if self._activator.holds(host) and not self._activator.lease_lost(host):
             _forwards.labels("local_running").inc()
-            return local()
-        return Deferred.fromCoroutine(self._route_remote(route, local, head))
+            return self._here(route, head)
+        return Deferred.fromCoroutine(self._route_remote(route, head))
+
+    def _here(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
+        """Served on this box: the activator's, which wakes the space or answers 503."""
+        return self._activator.route(route, head.sidecar, head.method not in SAFE_METHODS)
 
     def _authentic(self, head: RequestHead, host: str) -> bool:
         """Does ``head`` carry a forwarded marker to honour here: authentic, fresh, and bound to
@@ -217,7 +232,6 @@ class MeshRouter:
         that cannot take it, gets a 503, not a wake of a stale copy."""
         host = route.host
         peer = route.lives_at
-        retry = (b"retry-after", str(RETRY_AFTER_SECONDS).encode())
         forwarded = self._authentic(head, host)
         if forwarded or placement.normalise_member_url(peer) == self._self_url:
             _forwards.labels("elsewhere_loop").inc()
@@ -231,13 +245,7 @@ class MeshRouter:
                 if forwarded
                 else "that is this box, which has no always-on row for it",
             )
-            return plain(
-                503,
-                f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
-                f"{RETRY_AFTER_SECONDS}s",
-                retry,
-                label="elsewhere_loop",
-            )
+            return _unavailable(host, "elsewhere_loop")
         if not peer.startswith("https://") and self._self_url.startswith("https://"):
             # (The mesh API refuses such a row; one from elsewhere is never followed in clear.)
             _forwards.labels("elsewhere_unreachable").inc()
@@ -247,13 +255,7 @@ class MeshRouter:
                 host=host,
                 peer=peer,
             )
-            return plain(
-                503,
-                f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
-                f"{RETRY_AFTER_SECONDS}s",
-                retry,
-                label="elsewhere_unreachable",
-            )
+            return _unavailable(host, "elsewhere_unreachable")
         _forwards.labels("to_elsewhere").inc()
         target = forward.peer_target(
             peer, host, self._mesh.token, now=self._clock, method=head.method, target=head.target
@@ -268,17 +270,11 @@ class MeshRouter:
                 peer=peer,
                 why=why,
             )
-            return plain(
-                503,
-                f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
-                f"{RETRY_AFTER_SECONDS}s",
-                retry,
-                label="elsewhere_unreachable",
-            )
+            return _unavailable(host, "elsewhere_unreachable")
 
         return attrs.evolve(target, fallback=unreachable)
 
-    async def _route_remote(self, route: Route, local: Local, head: RequestHead) -> Target:
+    async def _route_remote(self, route: Route, head: RequestHead) -> Target:
         host = route.host
         holding = getattr(self._membership, "holding", None)
         told = holding(host) if holding is not None else None
@@ -294,26 +290,26 @@ class MeshRouter:
             return self._holder_unreachable(host, holder)
         if holder is not None and holder != self._self_url and holder in live:
             _forwards.labels("to_holder").inc()
-            return self._to(holder, route, local, head)
+            return self._to(holder, route, head)
         owner = self.owner_url(route)
         if (
             holder is not None
             and holder != self._self_url
             and holder not in self._unreachable
             and self._known(holder)
-            and _lost_here(self._activator, host)
+            and self._activator.lease_lost(host)
         ):
             # Our copy stands down because the lease was taken: the taker serves it (once it is
             # back in our view), never a wake here.
             _forwards.labels("to_holder").inc()
-            return self._to(holder, route, local, head)
+            return self._to(holder, route, head)
         if owner == self._self_url and self._foreign(route) and not self._activator.holds(host):
             return self._region_down(route)
         if owner == self._self_url or self._activator.holds(host):
             _forwards.labels("local_owner").inc()
-            return await _resolve(local())
+            return await _resolve(self._here(route, head))
         _forwards.labels("to_owner").inc()
-        return self._to(owner, route, local, head)
+        return self._to(owner, route, head)
 
     def _known(self, url: str) -> bool:
         """Is ``url`` a mesh box's (its heartbeat authenticated, or it beat this box with the
@@ -353,13 +349,7 @@ class MeshRouter:
                 host=host,
                 holder=holder,
             )
-        return plain(
-            503,
-            f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
-            f"{RETRY_AFTER_SECONDS}s",
-            (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
-            label="holder_unreachable",
-        )
+        return _unavailable(host, "holder_unreachable")
 
     def _live(self) -> list[Any]:
         """The membership's live view minus peers that just refused a forwarded request."""
@@ -376,7 +366,7 @@ class MeshRouter:
             m for m in members if placement.normalise_member_url(m.url) not in self._unreachable
         ]
 
-    def _to(self, peer: str, route: Route, local: Local, head: RequestHead) -> Target:
+    def _to(self, peer: str, route: Route, head: RequestHead) -> Target:
         target = forward.peer_target(
             peer,
             route.host,
@@ -405,7 +395,7 @@ class MeshRouter:
                 self._refused.discard(peer)
             self._unreachable[peer] = (now + self._mesh.dead_after, self._mono())
             self._holders.pop(route.host, None)
-            return Deferred.fromCoroutine(self._route_remote(route, local, head))
+            return Deferred.fromCoroutine(self._route_remote(route, head))
 
         return attrs.evolve(target, fallback=unreachable)
 
@@ -526,11 +516,16 @@ class MeshRouter:
         return owner
 
 
-def _lost_here(activator: Any, host: str) -> bool:
-    """Is ``host`` standing down on this box because its lease was lost? (An activator without
-    the question, a test's, says no.)"""
-    lost = getattr(activator, "lease_lost", None)
-    return bool(lost is not None and lost(host))
+def _unavailable(host: str, label: str) -> Target:
+    """The mesh's own 503 (``label`` names why, in metrics only): a client is told no more than
+    that ``host`` is temporarily unavailable, and when to try again."""
+    return plain(
+        503,
+        f"503 Service Unavailable: {host} is temporarily unavailable; try again in "
+        f"{RETRY_AFTER_SECONDS}s",
+        (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+        label=label,
+    )
 
 
 def _refusal_for_peer(target: Target) -> Target:
