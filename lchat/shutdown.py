@@ -22,6 +22,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IReactorCore, IReactorFromThreads, IReactorTime
@@ -247,10 +248,18 @@ class FrontDoor(MultiService):
        queue in step 1 among them) are waited for too, within the same grace: such a client
        becomes a connection, sends its request and gets its answer (and a mesh peer that was
        refused one routes it elsewhere).
+
+    While it runs, the figures of the pool's state (lchat.proxy.state) are reported to ``metrics``
+    (Prometheus's registry: one front door runs at a time in a process).
     """
 
     def __init__(
-        self, clock: IReactorTime, pool: UpstreamPool, factories: list[ProxyFactory], grace: float
+        self,
+        clock: IReactorTime,
+        pool: UpstreamPool,
+        factories: list[ProxyFactory],
+        grace: float,
+        metrics: CollectorRegistry | None = None,
     ) -> None:
         super().__init__()
         self.setName("front-door")
@@ -258,6 +267,12 @@ class FrontDoor(MultiService):
         self._pool = pool
         self._factories = factories
         self._grace = grace
+        self._metrics = metrics
+
+    def startService(self) -> None:
+        if self._metrics is not None:
+            self._metrics.register(self._pool.state.collector)
+        super().startService()
 
     def stopService(self) -> Deferred[None]:
         ports = [s.port for s in self if isinstance(s, FrontListener) and s.port is not None]
@@ -288,6 +303,8 @@ class FrontDoor(MultiService):
                 break
             await deferLater(self._clock, 0.05, lambda: None)
         await self._pool.close()
+        if self._metrics is not None:
+            self._metrics.unregister(self._pool.state.collector)
 
 
 class SignalReload(Service):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
+from prometheus_client import REGISTRY
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorCore, IReactorTime
@@ -41,6 +42,7 @@ from lchat.objstore.aws import NoCredentials, ResolvedCredentials
 from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
+from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.reactors import Reactor, installed, whole
 from lchat.redirect import RedirectToHTTPS
@@ -161,6 +163,7 @@ def build_service(
         dial_retry=cfg.proxy.dial_retry,
         tls_context=client_tls_context(cfg.mesh.ca_file) if cfg.mesh is not None else None,
         loop=uvloop_reactor.loop_of(reactor),
+        state=FrontDoorState(),  # the front door's figures and buffers, one per process
     )
     hibernation = None
     if cfg.hibernate is not None:
@@ -172,7 +175,6 @@ def build_service(
             claims,
             run,
             aws,
-            backup.backup if backup else None,
             always_on=_always_on(units, routes),
         )
         hibernation.setServiceParent(top)
@@ -339,12 +341,11 @@ def _hibernation(
     claims: Claims,
     run: RunInThread,
     aws: ResolvedCredentials | None,
-    backup: Backup | None,
     *,
     always_on: Callable[[], int],
 ) -> HibernationService:
     """The bucket, the activator, its sweeps and (with LCHAT_MESH_SELF) the mesh. With the fleet
-    backup on, a wake first takes the database from it (``Backup.release``)."""
+    backup on, a wake first takes the database from it (through ``claims``: lchat.units.Claims)."""
     hib = cfg.hibernate
     assert hib is not None
     store = objstore.open_store(reactor, hib.where, run, aws, monotonic=time.monotonic)
@@ -362,7 +363,6 @@ def _hibernation(
         sidecars,
         drop_idle=pool.drop_idle,
         monotonic=time.monotonic,
-        handover=backup.release if backup is not None else None,
         fence=parts.fence if parts is not None else None,
     )
     activator = Activator(
@@ -473,11 +473,11 @@ def _front_door(
         acme_challenge=certs.challenge_socket,
     )
     factories: list[ProxyFactory] = []
-    door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace)
+    door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace, metrics=REGISTRY)
     loop = uvloop_reactor.loop_of(reactor)
     if cfg.https_addr is not None:
         assert certs.store is not None
-        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True)
+        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True, state=pool.state)
         factories.append(secure)
         FrontListener(
             loop,
@@ -497,7 +497,7 @@ def _front_door(
             )
             listen(top, serverFromString(reactor, cfg.http_addr), QuietSite(redirect))
         else:
-            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool)
+            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, state=pool.state)
             factories.append(proxy)
             FrontListener(loop, cfg.http_addr, proxy).setServiceParent(door)
     door.setServiceParent(top)

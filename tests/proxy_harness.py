@@ -490,13 +490,11 @@ def route_table(rows: Iterable[tuple[str, str]]) -> _Table:
 
 
 def proxy_stats(factory: Any) -> dict[str, float]:
-    from prometheus_client import REGISTRY
-
     pool = factory.pool
     idle = sum(len(v) for v in pool._idle.values())
     return {
-        "in_flight": REGISTRY.get_sample_value("lchat_http_in_flight") or 0.0,
-        "connections": REGISTRY.get_sample_value("lchat_http_connections") or 0.0,
+        "in_flight": float(factory.state.stats.in_flight),
+        "connections": float(factory.state.stats.connections),
         "upstream_total": float(len(pool._connections)),
         "upstream_idle": float(idle),
     }

@@ -85,7 +85,7 @@ CFG = ProxyConfig(
     max_headers=20,
 )
 SLACK = 0.4  # scheduling slack on a loaded machine
-GAUGES = ("lchat_http_in_flight", "lchat_http_connections", "lchat_upgraded_connections")
+GAUGES = ("in_flight", "connections", "upgraded")  # the front door's (lchat.proxy.state)
 REFUSALS = frozenset({400, 405, 408, 413, 414, 417, 431, 501, 505})
 
 
@@ -102,8 +102,8 @@ async def until(predicate: Callable[[], bool], within: float, step: float = 0.01
     return True
 
 
-def gauges() -> dict[str, float]:
-    return {name: REGISTRY.get_sample_value(name) or 0.0 for name in GAUGES}
+def gauges(factory: ProxyFactory) -> dict[str, int]:
+    return {name: getattr(factory.state.stats, name) for name in GAUGES}
 
 
 def request(*headers: bytes, line: bytes = b"GET / HTTP/1.1", body: bytes = b"") -> bytes:
@@ -185,7 +185,7 @@ class ProxyCase(TestCase):
         self.proxy_port = await listen(self.factory, store=store)
         self.port: int = self.proxy_port.getHost().port
         self.clients: list[RawClient] = []
-        self.baseline = gauges()
+        self.baseline = gauges(self.factory)
 
     async def _tear_down(self) -> None:
         for client in self.clients:
@@ -288,8 +288,8 @@ class ProxyCase(TestCase):
                 client.transport.loseConnection()
         await until(lambda: self._all_client_sides_gone() and self.busy_upstream() == 0, 3.0)
         self.assertEqual(self.busy_upstream(), 0, "an upstream connection leaked")
-        await until(lambda: gauges() == self.baseline, 1.0)
-        self.assertEqual(gauges(), self.baseline)
+        await until(lambda: gauges(self.factory) == self.baseline, 1.0)
+        self.assertEqual(gauges(self.factory), self.baseline)
         idle = {id(c) for c in self.factory.pool.idle_connections()}
         live = [c for c in self.all_backend_connections() if not c.is_lost]
         self.assertLessEqual(len(live), len(idle), "backend connections held outside the pool")

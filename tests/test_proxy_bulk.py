@@ -11,7 +11,6 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 
-from lchat.proxy.state import shared
 from tests.test_proxy import HOST, BackendFactory, ProxyTestCase, sleep
 
 PATTERN = random.Random(55).randbytes(1_000_003)  # a prime length: no read lines up with it
@@ -93,7 +92,7 @@ class BulkTests(ProxyTestCase):
         yield self.backend(backend)
         yield self.proxy()
         client = yield self.connect()
-        BUFFERS = shared().buffers
+        BUFFERS = self.factory.state.buffers
         lent, allocated = BUFFERS.lent_count, BUFFERS.allocated
         client.transport.write(b"GET /big HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
         yield self.until(lambda: b"\r\n\r\n" in client.received, timeout=10)
@@ -136,7 +135,7 @@ class BulkTests(ProxyTestCase):
         yield self.backend(backend)
         yield self.proxy()
         client = yield self.connect()
-        BUFFERS = shared().buffers
+        BUFFERS = self.factory.state.buffers
         lent, allocated = BUFFERS.lent_count, BUFFERS.allocated
         client.transport.write(
             b"POST /up HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n" % (HOST.encode(), TOTAL)

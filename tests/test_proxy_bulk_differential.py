@@ -54,7 +54,7 @@ from lchat.proxy import bulk, downstream, upstream
 from lchat.proxy.bulk import MIN_BULK, READ_SIZE, Buffers, BulkReader
 from lchat.proxy.downstream import Downstream, ProxyFactory
 from lchat.proxy.exchange import REPLAY_LIMIT
-from lchat.proxy.state import shared
+from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target
 from tests.test_proxy_bulk import pattern
@@ -687,14 +687,14 @@ class Rig:
 class Outcome:
     observed: dict[str, Any]
     bulk_readers: int  # BulkReaders installed, on any transport
-    lent: int  # buffers lent (the shared Buffers.lent_count's increase)
+    lent: int  # buffers lent (the rig's Buffers.lent_count)
     client_bytes: bytes  # what the client received
     space_bytes: list[bytes]  # what each space connection received
 
 
-def stats() -> dict[str, Any]:
+def stats(state: FrontDoorState) -> dict[str, Any]:
     """test_proxy_oneread's counters, and the connections count."""
-    return {**oneread_stats(), "connections": shared().stats.connections}
+    return {**oneread_stats(state), "connections": state.stats.connections}
 
 
 @contextmanager
@@ -729,43 +729,25 @@ def log_lines() -> Iterator[list[str]]:
         globalLogPublisher.removeObserver(observer)
 
 
-BUFFERS = shared().buffers  # the buffers of every factory and pool made here
-
-
-@contextmanager
-def fresh_buffers() -> Iterator[None]:
-    """BUFFERS as in a new process while inside (a run does not depend on what ran before it:
-    a failure reproduces), and as it was afterwards."""
-    saved = BUFFERS._array, BUFFERS.view, BUFFERS._lent
-    BUFFERS._array = bytearray(READ_SIZE)
-    BUFFERS.view = memoryview(BUFFERS._array)
-    BUFFERS._lent = []
-    try:
-        yield
-    finally:
-        BUFFERS._array, BUFFERS.view, BUFFERS._lent = saved
-
-
 def run(scenario: Scenario, bulk_path: bool) -> Outcome:
-    lent_before = BUFFERS.lent_count
-    before = stats()
-    rig = Rig(scenario)
+    before = stats(FrontDoorState())  # a rig's, before it connects: figures from zero
+    rig = Rig(scenario)  # (a state of its own: fresh buffers)
     try:
-        with log_lines() as lines, fresh_buffers():
+        with log_lines() as lines:
             if bulk_path:
                 rig.run()
             else:
                 with bulk_path_off():
                     rig.run()
         seen = rig.observed()
-        seen["stats"] = stats_delta(before, stats())
+        seen["stats"] = stats_delta(before, stats(rig.factory.state))
         seen["log"] = lines
         readers = sum(t.bulk_readers for t in rig.transports())
         client_bytes = bytes(rig.client_transport.out)
         space_bytes = [bytes(t.out) for _, t, _ in rig.upstreams]
     finally:
         rig.close()
-    return Outcome(seen, readers, BUFFERS.lent_count - lent_before, client_bytes, space_bytes)
+    return Outcome(seen, readers, rig.factory.state.buffers.lent_count, client_bytes, space_bytes)
 
 
 # --- what should have happened ------------------------------------------------------------------------
@@ -924,8 +906,8 @@ def download(size: int, *marks: str, **kwargs: Any) -> Step:
 
 class BulkPathTests(Checks):
     def test_big_bodies_take_the_bulk_path_with_buffers_lent(self) -> None:
-        """The comparisons are not vacuous: big bodies each way are read into BUFFERS, buffers
-        are lent (writes left partly unsent), and the outcome is the general path's."""
+        """The comparisons are not vacuous: big bodies each way are read into the rig's buffers,
+        buffers are lent (writes left partly unsent), and the outcome is the general path's."""
         for step in [upload(BIG), download(BIG), Step(BIG, False, BIG, False)]:
             with self.subTest(step=step):
                 shipped, _ = self.assertSameEitherWay(exchange(step))

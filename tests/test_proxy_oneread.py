@@ -25,7 +25,7 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from lchat.config import ProxyConfig
 from lchat.proxy import downstream, http, oneread
 from lchat.proxy.downstream import Downstream, ProxyFactory
-from lchat.proxy.state import shared
+from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RequestHead, Target, plain
 
@@ -239,9 +239,9 @@ def counted() -> Iterator[dict[str, int]]:
         oneread.request, oneread.response = saved
 
 
-def stats() -> dict[str, Any]:
-    """The front door's figures (every factory here shares the process's state)."""
-    STATS = shared().stats
+def stats(state: FrontDoorState) -> dict[str, Any]:
+    """The front door's figures."""
+    STATS = state.stats
     return {
         "requests": dict(STATS.requests),
         "in_flight": STATS.in_flight,
@@ -262,7 +262,7 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 def run(reads: Sequence[tuple[bytes, bytes | None]], general: bool) -> dict[str, Any]:
     """A fresh rig through which each (request, response) pair goes in turn."""
     rig = Rig()
-    before = stats()
+    before = stats(rig.factory.state)
     if general:
         with general_path_only():
             for request, response in reads:
@@ -271,7 +271,7 @@ def run(reads: Sequence[tuple[bytes, bytes | None]], general: bool) -> dict[str,
         for request, response in reads:
             rig.request(request, response)
     seen = rig.observed()
-    seen["stats"] = stats_delta(before, stats())
+    seen["stats"] = stats_delta(before, stats(rig.factory.state))
     rig.close()
     return seen
 

@@ -39,7 +39,7 @@ from lchat.proxy.exchange import (
 )
 from lchat.proxy.http import LAST_CHUNK, Valve, chunk
 from lchat.proxy.relay import Relay
-from lchat.proxy.state import FrontDoorState, shared
+from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool
 from lchat.router import LocalSocket, RequestHead, Routes
 
@@ -444,7 +444,7 @@ class ProxyFactory:
     ) -> None:
         self.reactor = reactor
         # What every connection shares (lchat.proxy.state): the pool's, unless given.
-        self.state = state or (pool.state if pool is not None else shared())
+        self.state = state or (pool.state if pool is not None else FrontDoorState())
         self.router = router
         self.cfg = cfg or ProxyConfig()
         self.pool = pool or UpstreamPool(reactor, dial_retry=self.cfg.dial_retry, state=self.state)

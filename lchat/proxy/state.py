@@ -1,16 +1,14 @@
 """What every connection of the front door shares: its hot figures and its bulk read buffers.
 
 One :class:`FrontDoorState` per process serves both listeners (HTTP and HTTPS) and the upstream
-pool; each :class:`~lchat.proxy.downstream.ProxyFactory` and
-:class:`~lchat.proxy.upstream.UpstreamPool` is given it (or, made without one, takes
-:func:`shared`, registered with Prometheus's default registry on first use).
+pool: the router (lchat/tap.py) makes it and gives it to each :class:`~lchat.proxy.downstream.ProxyFactory` and :class:`~lchat.proxy.upstream.UpstreamPool`
+(one made without it has its own, unregistered: a test's). Nothing here is module-level.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -85,24 +83,13 @@ class _Collector(Collector):
 
 
 class FrontDoorState:
-    """The front door's shared figures (``stats``, reported by a collector registered with
-    ``registry`` when one is given) and read buffers (``buffers``, lchat.proxy.bulk)."""
+    """The front door's shared figures (``stats``, which ``collector`` reports to a Prometheus
+    registry: the router's front door registers it while it runs, lchat.shutdown.FrontDoor) and
+    read buffers (``buffers``, lchat.proxy.bulk)."""
 
-    __slots__ = ("buffers", "stats")
+    __slots__ = ("buffers", "collector", "stats")
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self) -> None:
         self.stats = HotStats()
         self.buffers = Buffers()
-        if registry is not None:
-            registry.register(_Collector(self.stats))
-
-
-_shared: list[FrontDoorState] = []
-
-
-def shared() -> FrontDoorState:
-    """The process's state for factories and pools made without one, registered with
-    Prometheus's default registry (once: its metric names are the process's)."""
-    if not _shared:
-        _shared.append(FrontDoorState(REGISTRY))
-    return _shared[0]
+        self.collector: Collector = _Collector(self.stats)

@@ -30,7 +30,7 @@ from lchat.backoff import Backoff
 from lchat.proxy import oneread
 from lchat.proxy.bulk import MIN_BULK, BulkReader
 from lchat.proxy.http import RESPONSE_SPECIAL, Header, Valve
-from lchat.proxy.state import FrontDoorState, shared
+from lchat.proxy.state import FrontDoorState
 from lchat.router import LocalSocket, RemotePeer
 
 _log = Logger(namespace="lchat.proxy")
@@ -447,7 +447,8 @@ class UpstreamPool:
 
     ``reactor`` is the clock (``seconds``, ``callLater``) and must be the asyncio reactor whose
     loop is ``loop`` (the connections are asyncio ones). ``state``: the front door's
-    (lchat.proxy.state), where the idle connections are counted and big bodies read into."""
+    (lchat.proxy.state), where the idle connections are counted and big bodies read into (none
+    given: a state of the pool's own, unregistered)."""
 
     def __init__(
         self,
@@ -461,7 +462,7 @@ class UpstreamPool:
         state: FrontDoorState | None = None,
     ) -> None:
         self._reactor = reactor
-        self.state = state or shared()
+        self.state = state if state is not None else FrontDoorState()
         self._stats = self.state.stats
         self._loop = loop
         self._dial_retry = dial_retry
