@@ -22,13 +22,17 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, cast
-from typing import Protocol as TypingProtocol
+from typing import Any, Literal
 
 from attrs import field, frozen
 from twisted.internet import defer, error
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IDelayedCall, IProcessTransport, IReactorTime
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IProcessTransport,
+    IReactorProcess,
+    IReactorTime,
+)
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -37,7 +41,6 @@ from twisted.python.failure import Failure
 from lchat import unixhttp
 from lchat.deferutil import fire, relay
 from lchat.isolation import IsolationError, SpaceUser, argv_as
-from lchat.reactors import TimeReactor
 
 MAX_LINE = 4096  # longest child output line we log; the rest of the line is dropped
 STDERR_TAIL = 10  # stderr lines kept for ExitInfo / failure details
@@ -45,16 +48,6 @@ _PIPE_GRACE = 2.0  # after the child exits, how long orphans may hold its pipes 
 
 log = Logger(namespace="lchat.supervise")
 child_log = Logger(namespace="lchat.space")
-
-
-class Reactor(TimeReactor, TypingProtocol):
-    """The reactor surface we use: ``IReactorTime`` (and a unix socket for the readiness probe,
-    :class:`lchat.reactors.TimeReactor`) + ``IReactorProcess``."""
-
-    # A read-only attribute, not a method: a zope interface declares methods without ``self``,
-    # which a method protocol member cannot match.
-    @property
-    def spawnProcess(self) -> Callable[..., IProcessTransport]: ...
 
 
 # --- values and errors --------------------------------------------------------------------------
@@ -186,7 +179,7 @@ class _ChildProtocol(ProcessProtocol):
 class RunningChild:
     """One spawned child. Build with :func:`spawn`."""
 
-    def __init__(self, reactor: Reactor, spec: ChildSpec, own_group: bool) -> None:
+    def __init__(self, reactor: IReactorTime, spec: ChildSpec, own_group: bool) -> None:
         self.spec = spec
         self.pid: int | None = None
         self.started_at = reactor.seconds()
@@ -296,7 +289,7 @@ class RunningChild:
                     if resp.status == 200:
                         return
                     last = f"GET /api/version answered {resp.status}"
-            await deferLater(cast(IReactorTime, self._reactor), min(interval, max(remaining, 0)))
+            await deferLater(self._reactor, min(interval, max(remaining, 0)))
 
     # -- signals ---------------------------------------------------------------------------------
 
@@ -415,8 +408,10 @@ def _resolve(spec: ChildSpec) -> str:
     return os.path.abspath(path)
 
 
-def spawn(reactor: Reactor, spec: ChildSpec, *, new_session: bool = True) -> RunningChild:
-    """Start ``spec`` now. Raises :class:`SpawnError` if it cannot even be started.
+def spawn(reactor: IReactorTime, spec: ChildSpec, *, new_session: bool = True) -> RunningChild:
+    """Start ``spec`` now, on ``reactor`` (which also provides ``IReactorProcess``, adapted to
+    here: a supervisor on a fake clock that never spawns needs no more). Raises
+    :class:`SpawnError` if it cannot even be started.
 
     ``new_session``: run the child in its own session/process group (see module docstring).
     """
@@ -435,7 +430,7 @@ def spawn(reactor: Reactor, spec: ChildSpec, *, new_session: bool = True) -> Run
     child = RunningChild(reactor, spec, own_group=setsid is not None)
     proto = _ChildProtocol(child)
     try:
-        transport = reactor.spawnProcess(
+        transport = IReactorProcess(reactor).spawnProcess(
             proto,
             argv[0],
             argv,

@@ -14,12 +14,12 @@ from prometheus_client import Counter, Gauge
 from twisted.application import service
 from twisted.internet import defer
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
-from lchat.child import ChildExited, ChildSpec, ExitInfo, Reactor, RunningChild, SpawnError, spawn
+from lchat.child import ChildExited, ChildSpec, ExitInfo, RunningChild, SpawnError, spawn
 
 State = Literal["starting", "ready", "backoff", "failed", "stopped"]
 STATES: tuple[State, ...] = ("starting", "ready", "backoff", "failed", "stopped")
@@ -65,7 +65,7 @@ class Supervisor(service.Service):
 
     def __init__(
         self,
-        reactor: Reactor,
+        reactor: IReactorTime,
         on_state: Callable[[str, str, str], None] | None = None,
         min_restart_delay: float = 1.0,
         max_restart_delay: float = 60.0,

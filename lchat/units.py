@@ -14,10 +14,11 @@ from typing import Any
 
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from lchat import builds, hosts, isolation
-from lchat.child import ChildSpec, Reactor
+from lchat.child import ChildSpec
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.isolation import IsolationError, SpaceUser
 from lchat.registry import Registry, Route, RouteSource, RouteTable
@@ -133,7 +134,7 @@ class BuiltinUnits(MultiService):
 
     def __init__(
         self,
-        reactor: Reactor,
+        reactor: IReactorTime,
         cfg: BoxConfig,
         routes: RouteSource,
         claims: Claims,

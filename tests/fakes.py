@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import Clock
 
 from lchat.child import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
@@ -89,7 +89,7 @@ class FakeChild:
     """One space "process". See the module docstring for the contract it keeps."""
 
     def __init__(
-        self, clock: Clock, spec: ChildSpec, pid: int, journal: Journal, *, ready: bool
+        self, clock: IReactorTime, spec: ChildSpec, pid: int, journal: Journal, *, ready: bool
     ) -> None:
         self.spec = spec
         self.host = spec.name
@@ -220,7 +220,7 @@ class Spawner:
         self.refuse: str | None = None
         self._pids = itertools.count(40_000)
 
-    def __call__(self, reactor: Any, spec: ChildSpec) -> FakeChild:
+    def __call__(self, reactor: IReactorTime, spec: ChildSpec) -> FakeChild:
         self.journal.add("spawn", spec.name)
         if self.refuse is not None:
             raise SpawnError(spec.name, self.refuse)

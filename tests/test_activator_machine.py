@@ -105,8 +105,7 @@ class _Machine(SynchronousTestCase):
         self.spawner = Spawner(self.journal)
         self.addCleanup(self.spawner.close)
         self.contract = FakeContract(self.journal)
-        supervisor_clock: Any = self.clock  # Supervisor's annotation names a full reactor
-        self.sidecars = Sidecars(self.clock, self.cfg, inline, Supervisor(supervisor_clock))
+        self.sidecars = Sidecars(self.clock, self.cfg, inline, Supervisor(self.clock))
         self.lifecycle = Lifecycle(
             self.clock,
             self.cfg,

@@ -15,11 +15,13 @@ from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
+from twisted.internet.interfaces import IReactorProcess
 from twisted.internet.task import deferLater
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial import unittest
+from zope.interface import implementer
 
 from lchat.child import MAX_LINE, ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError, spawn
 from lchat.supervise import Supervisor
@@ -64,6 +66,7 @@ class FakeProcess:
         self.proto.processEnded(f)
 
 
+@implementer(IReactorProcess)
 class FakeReactor(MemoryReactorClock):
     def __init__(self):
         super().__init__()

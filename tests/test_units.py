@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from twisted.internet import task
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import config, envfile, hosts
@@ -30,7 +31,7 @@ HOST = "f.example.com"
 class RecordingSupervisor(Supervisor):
     """A real supervisor that records each desired set instead of spawning anything."""
 
-    def __init__(self, reactor: Any) -> None:
+    def __init__(self, reactor: IReactorTime) -> None:
         super().__init__(reactor)
         self.wanted: list[list[str]] = []
 
@@ -71,9 +72,8 @@ class DesiredSetTests(SynchronousTestCase):
         )
         self.claims = Claims()
         self.supervisor = RecordingSupervisor(self.clock)
-        reactor: Any = self.clock  # only the supervisor, given here, would spawn
         self.units = BuiltinUnits(
-            reactor, self.cfg, self.routes, self.claims, self.in_thread, self.supervisor
+            self.clock, self.cfg, self.routes, self.claims, self.in_thread, self.supervisor
         )
 
     def in_thread(self, f: Callable[[], T]) -> Deferred[T]:

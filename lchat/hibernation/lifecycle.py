@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from attrs import define, field
 from prometheus_client import Counter
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
@@ -66,7 +67,7 @@ FLUSH_RETRY = Backoff(0.5, 10.0)  # a failed flush before sleep, retried within 
 # Sleeps after which someone else runs the database: no marker (it could not stay true).
 HANDED_BACK = ("hibernate off", "removed")
 
-Spawner = Callable[[Any, ChildSpec], RunningChild]  # (reactor, spec): lchat.child.spawn
+Spawner = Callable[[IReactorTime, ChildSpec], RunningChild]  # (reactor, spec): lchat.child.spawn
 
 
 class Fence(Protocol):
@@ -85,7 +86,7 @@ class Fence(Protocol):
 
     async def holder_check(self, record: LeaseRecord) -> str | None: ...
 
-    async def ready(self, reactor: Any, budget: float) -> None: ...
+    async def ready(self, reactor: IReactorTime, budget: float) -> None: ...
 
 
 def _alive_in(fence: Fence, epoch: str) -> Callable[[], bool]:
@@ -109,7 +110,7 @@ def taken(why: str) -> bool:
 class Lifecycle:
     """The steps of one box's wakes and stand-downs. Every collaborator is given here."""
 
-    reactor: Any
+    reactor: IReactorTime  # spawning and asking a space adapt it: IReactorProcess, IReactorUNIX
     cfg: BoxConfig
     store: ObjectStore
     routes: RouteSource  # next due times are recorded in the registry (only here)
