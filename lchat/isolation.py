@@ -34,11 +34,17 @@ import os
 import pwd
 import shutil
 import stat
+from collections.abc import Callable
 
 from attrs import frozen
 from prometheus_client import Gauge
+from twisted.logger import Logger
 
 from lchat import hosts
+from lchat.config import BoxConfig, ConfigError
+from lchat.registry import Registry
+
+_log = Logger(namespace="lchat.tap")  # (what the router's start says, as it always did)
 
 ISOLATED = Gauge(
     "lchat_space_isolation",
@@ -220,6 +226,49 @@ def enable(data_dir: str, run_dir: str) -> None:
         spaces = os.path.join(base, hosts.SPACES)
         os.makedirs(spaces, 0o711, exist_ok=True)
         os.chmod(spaces, 0o711)  # noqa: S103 -- as above
+
+
+def at_start(cfg: BoxConfig, registry: Registry, lay_out: Callable[[], object]) -> None:
+    """The router's start: every space its own user where this router can, said either way;
+    refuses to start (ConfigError) where the box requires it and the router cannot. Turning it
+    on calls ``lay_out`` first thing after :func:`enable` (the router's: an older box's flat files
+    moved into the spaces' own directories, lchat/relayout.py: what no space runs from; a
+    unit's, bootstrap moves with the units stopped)."""
+    try:
+        decision = decide(
+            cfg.isolation,
+            cfg.data_dir,
+            cfg.run_dir,
+            commands=(cfg.space_command[0], cfg.sidecar_command[0]),
+        )
+    except IsolationError as e:
+        raise ConfigError(str(e)) from e
+    if decision.on and cfg.units == "systemd" and not hosts.isolated(cfg.data_dir):
+        running = [
+            r.host
+            for r in registry.load()
+            if r.kind == "instance" and not r.hibernate and not r.elsewhere
+        ]
+        if running:
+            # Their units run from the flat files now; laying the box out under them would stop
+            # each at its next restart (the template refuses an isolated box without a drop-in).
+            decision = Decision(
+                False,
+                f"isolation: OFF until `lchat bootstrap` moves the {len(running)} always-on"
+                " spaces' files into their own directories (it stops their units meanwhile):"
+                " every space runs as the router's user and can read its files (docs/secrets.md)",
+            )
+    ISOLATED.set(1 if decision.on else 0)
+    if not decision.on:
+        clear_ambient()
+        if cfg.isolation == "off":
+            _log.info("isolation: off ({why})", why=decision.why)
+        else:
+            _log.warn("{why}", why=decision.why)
+        return
+    enable(cfg.data_dir, cfg.run_dir)
+    lay_out()  # logs each step
+    _log.info("isolation: on: {why}", why=decision.why)
 
 
 def user_of(data_dir: str, host: str) -> SpaceUser | None:

@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 import lchat
-from lchat import config, hosts, isolation, malloc, objstore, relayout, uvloop_reactor
+from lchat import config, isolation, malloc, objstore, relayout, uvloop_reactor
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup.service import Backup
 from lchat.buckets import boot_credentials, prepare, probe_name
@@ -138,7 +138,11 @@ def build_service(
     run = thread_runner(reactor)
     registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
-    _isolate(cfg, registry)
+    isolation.at_start(  # an older box's flat files move first (lchat/relayout.py)
+        cfg,
+        registry,
+        lay_out=lambda: relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry),
+    )
     routes = RouteSource(
         reactor, registry, registry.load(), run_in_thread=run, poll_interval=poll_interval
     )
@@ -214,48 +218,6 @@ def _prepare_box(cfg: BoxConfig) -> None:
     if not os.path.isdir(cfg.data_dir):
         raise ConfigError(f"LCHAT_DATA_DIR {cfg.data_dir} does not exist")
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
-
-
-def _isolate(cfg: BoxConfig, registry: Registry) -> None:
-    """Every space its own user where this router can (lchat/isolation.py), said at start
-    either way; refuses to start where the box requires it and the router cannot. An older
-    box's flat files move into the spaces' own directories first (lchat/relayout.py: what no
-    space runs from; a unit's, bootstrap moves with the units stopped)."""
-    try:
-        decision = isolation.decide(
-            cfg.isolation,
-            cfg.data_dir,
-            cfg.run_dir,
-            commands=(cfg.space_command[0], cfg.sidecar_command[0]),
-        )
-    except isolation.IsolationError as e:
-        raise ConfigError(str(e)) from e
-    if decision.on and cfg.units == "systemd" and not hosts.isolated(cfg.data_dir):
-        running = [
-            r.host
-            for r in registry.load()
-            if r.kind == "instance" and not r.hibernate and not r.elsewhere
-        ]
-        if running:
-            # Their units run from the flat files now; laying the box out under them would stop
-            # each at its next restart (the template refuses an isolated box without a drop-in).
-            decision = isolation.Decision(
-                False,
-                f"isolation: OFF until `lchat bootstrap` moves the {len(running)} always-on"
-                " spaces' files into their own directories (it stops their units meanwhile):"
-                " every space runs as the router's user and can read its files (docs/secrets.md)",
-            )
-    isolation.ISOLATED.set(1 if decision.on else 0)
-    if not decision.on:
-        isolation.clear_ambient()
-        if cfg.isolation == "off":
-            _log.info("isolation: off ({why})", why=decision.why)
-        else:
-            _log.warn("{why}", why=decision.why)
-        return
-    isolation.enable(cfg.data_dir, cfg.run_dir)
-    relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry)  # logs each step
-    _log.info("isolation: on: {why}", why=decision.why)
 
 
 @frozen

@@ -125,8 +125,8 @@ class RouterStartTests(Box):
         template refuses an isolated box without a drop-in): the router leaves that to
         bootstrap, and says so; with no always-on space it lays the box out itself."""
         _need_root(self)
+        from lchat import relayout
         from lchat.registry import Registry, Route
-        from lchat.tap import _isolate
 
         env = os.path.join(self.top, "router.env")
         with open(env, "w") as f:
@@ -139,11 +139,19 @@ class RouterStartTests(Box):
         registry = Registry(cfg.registry, lambda: 0.0)
         registry.migrate()
         registry.insert(Route(host=HOST, kind="instance", socket="/run/x.sock", status="ready"))
-        _isolate(cfg, registry)
+
+        def start() -> None:
+            isolation.at_start(
+                cfg,
+                registry,
+                lambda: relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry),
+            )
+
+        start()
         self.assertFalse(hosts.isolated(self.data))
         self.assertEqual(isolation.ISOLATED._value.get(), 0)
         registry.update(HOST, hibernate=True)
-        _isolate(cfg, registry)
+        start()
         self.assertTrue(hosts.isolated(self.data))
         self.assertEqual(isolation.ISOLATED._value.get(), 1)
 
