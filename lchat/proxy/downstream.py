@@ -30,7 +30,6 @@ from lchat.proxy import oneread
 from lchat.proxy.bulk import MIN_BULK, BulkReader
 from lchat.proxy.client import HIGH_WATER
 from lchat.proxy.exchange import (
-    REPLAY_LIMIT,  # moved to lchat.proxy.exchange: importers outside the data plane use it here
     Exchange,
     Reject,
     StopReading,
@@ -44,7 +43,6 @@ from lchat.proxy.upstream import UpstreamPool
 from lchat.router import LocalSocket, RequestHead, Routes
 
 _log = Logger(namespace="lchat.proxy")
-__all__ = ["REPLAY_LIMIT", "Downstream", "ProxyFactory"]
 
 _pipeline_limited = Counter(
     "lchat_http_pipeline_limit_total",
