@@ -12,7 +12,6 @@ import os
 from typing import Any, cast
 
 from prometheus_client import REGISTRY
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
 from twisted.logger import globalLogPublisher
@@ -20,9 +19,10 @@ from twisted.trial import unittest
 
 from lchat.home.revocation import STALE_PERIODS, RevocationFeed, TokenCache
 from lchat.home.sqlite_store import SQLiteVaultStore
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 
-reactor: Any = _reactor
+reactor = installed()
 
 # 2026-12-02 23:59:00 UTC: a minute before a UTC day ends.
 LATE = datetime.datetime(2026, 12, 2, 23, 59, tzinfo=datetime.UTC).timestamp()

@@ -31,12 +31,15 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from prometheus_client import REGISTRY
-from twisted.internet import reactor as _reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, TimeoutError, gatherResults
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.trial import unittest
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
+from zope.interface import implementer
 
 from lchat.home import sqlite_store
 from lchat.home.s3_store import S3VaultStore, normalise_prefix
@@ -58,10 +61,11 @@ from lchat.home.store import (
 )
 from lchat.objstore import UTC, NotFound, ObjectStore
 from lchat.objstore.s3 import S3Store
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 from tests import s3servers
 
-reactor: Any = _reactor
+reactor = installed()
 T = TypeVar("T")
 
 # Version strings no store issued: the S3 backend answers Conflict, SQLite BadVersion.
@@ -141,6 +145,7 @@ WRITES = (
 )
 
 
+@implementer(IReactorTime)
 class ShiftedClock:
     """The reactor's clock, ``shift`` seconds ahead (a store that lives two days later)."""
 
@@ -150,8 +155,10 @@ class ShiftedClock:
     def seconds(self) -> float:
         return float(reactor.seconds()) + self.shift
 
-    def callLater(self, delay: float, f: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-        return reactor.callLater(delay, f, *a, **kw)
+    def callLater(
+        self, delay: float, callable: Callable[..., Any], *args: object, **kwargs: object
+    ) -> IDelayedCall:
+        return reactor.callLater(delay, callable, *args, **kwargs)
 
     def getDelayedCalls(self) -> Any:
         return reactor.getDelayedCalls()
@@ -181,7 +188,7 @@ class Conformance(_Mixin):
         """What the backend still holds of ``uid``'s blob and document (rows, object versions)."""
         raise NotImplementedError
 
-    async def on_clock(self, clock: Any) -> VaultStore:
+    async def on_clock(self, clock: IReactorTime) -> VaultStore:
         """Another store over the same storage as ``self.store``, on ``clock``."""
         raise NotImplementedError
 
@@ -745,7 +752,7 @@ class SQLiteTest(Conformance, unittest.TestCase):
         self.path = self.db_path()
         return await self.open(self.path)
 
-    async def on_clock(self, clock: Any) -> VaultStore:
+    async def on_clock(self, clock: IReactorTime) -> VaultStore:
         store = await SQLiteVaultStore.open(self.path, thread_runner(reactor), clock)
         self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
         return store
@@ -948,7 +955,7 @@ class _S3Conformance(Conformance):
         self.objects = self.s3_objects(self.server, self.bucket)
         return S3VaultStore(self.objects, reactor, prefix=self.prefix)
 
-    async def on_clock(self, clock: Any) -> VaultStore:
+    async def on_clock(self, clock: IReactorTime) -> VaultStore:
         return S3VaultStore(self.objects, clock, prefix=self.prefix)
 
     async def revocation_rows(self) -> list[str]:
@@ -991,15 +998,19 @@ class _S3Conformance(Conformance):
     ) -> AsyncIterator[tuple[str, VaultStore, tuple[str, ...]]]:
         fast: dict[str, Any] = {"timeout": 2.0, "retries": 1}
         # A bucket that answers 500 to everything.
-        port = reactor.listenTCP(0, Site(_Answers500()), interface="127.0.0.1")
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
+            Site(_Answers500())
+        )
         self.addCleanup(port.stopListening)
+        address = port.getHost()
+        assert isinstance(address, IPv4Address)
         failing = S3Store(
             reactor,
             "home",
             run_in_thread=thread_runner(reactor),
             monotonic=time.monotonic,
             credentials=self.server.credentials,
-            endpoint=f"http://127.0.0.1:{port.getHost().port}",
+            endpoint=f"http://127.0.0.1:{address.port}",
             region=s3servers.REGION,
             **fast,
         )

@@ -14,10 +14,10 @@ from email.utils import formatdate
 from typing import Any
 
 from attrs import define, field
-from twisted.internet import reactor as _reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXClientEndpoint, UNIXServerEndpoint
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import Clock, deferLater
 from twisted.python.failure import Failure
@@ -25,6 +25,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web import resource, server
 
 from lchat import unixhttp
+from lchat.reactors import installed
 from lchat.space import sidecar
 from lchat.space.sidecar import STOP_GRACE, Sidecar, StateFile, initial_due, next_slot, retry_after
 from lchat.space.sidecar_client import (
@@ -38,7 +39,20 @@ from lchat.space.sidecar_config import BaseURL, ConfigError, SidecarConfig
 from lchat.unixhttp import Response
 from tests.test_space import ADMIN, BOT, REPO, SpaceProcess
 
-reactor: Any = _reactor
+reactor = installed()
+
+
+def listen_tcp(factory: IProtocolFactory) -> Deferred[IListeningPort]:
+    """``factory`` on a free loopback port."""
+    return TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
+
+
+def port_of(listening: IListeningPort) -> int:
+    """The port a loopback listener took."""
+    address = listening.getHost()
+    assert isinstance(address, IPv4Address)
+    return address.port
+
 
 T0 = 1_700_000_000.25  # "now" for the clock tests (not a whole second on purpose)
 HOST = "t.example"
@@ -517,7 +531,7 @@ class ClientTests(TestCase):
 
     async def test_unix_client(self) -> None:
         path = os.path.join(self.dir, "s.sock")
-        port = reactor.listenUNIX(path, self.site)
+        port = await UNIXServerEndpoint(reactor, path).listen(self.site)
         self.addCleanup(port.stopListening)
         client = UnixClient(reactor, path, HOST)
         resp = await client.request(
@@ -533,9 +547,9 @@ class ClientTests(TestCase):
             await missing.request("GET", "/", headers={})
 
     async def test_url_client(self) -> None:
-        port = reactor.listenTCP(0, self.site, interface="127.0.0.1")
+        port = await listen_tcp(self.site)
         self.addCleanup(port.stopListening)
-        base = BaseURL.parse(f"http://127.0.0.1:{port.getHost().port}/pre")
+        base = BaseURL.parse(f"http://127.0.0.1:{port_of(port)}/pre")
         client = URLClient(reactor, base, HOST)
         resp = await client.request(
             "POST",
@@ -545,7 +559,7 @@ class ClientTests(TestCase):
         )
         self.assertEqual((resp.status, resp.body), (201, b'{"ok": true}'))
         self.check(b"/pre/api/x")
-        await port.stopListening()
+        await maybeDeferred(port.stopListening)
         with self.assertRaises(RequestFailed):
             await client.request("GET", "/", headers={})
 
@@ -855,10 +869,10 @@ class SidecarProcessTests(TestCase):
 
     async def test_through_a_url_with_host_header(self) -> None:
         await self.start_space()
-        tcp = reactor.listenTCP(0, self.recorder.factory(), interface="127.0.0.1")
+        tcp = await listen_tcp(self.recorder.factory())
         self.addCleanup(tcp.stopListening)
         proc = self.start_sidecar(
-            LCHAT_SIDECAR_URL=f"http://127.0.0.1:{tcp.getHost().port}",
+            LCHAT_SIDECAR_URL=f"http://127.0.0.1:{port_of(tcp)}",
             LCHAT_SOCKET=os.path.join(self.dir, "unused.sock"),
             LCHAT_BOT_EVERY="1",
             LCHAT_BOT_ROOM="r1",

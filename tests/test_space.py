@@ -17,7 +17,6 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, DeferredQueue
 from twisted.internet.endpoints import UNIXClientEndpoint
 from twisted.internet.error import ConnectError
@@ -35,9 +34,10 @@ from websockets.sync.client import unix_connect
 from zope.interface import implementer
 
 import lchat
+from lchat.reactors import installed
 from lchat.space import store
 
-reactor: Any = _reactor  # the global reactor provides far more than its stub type says
+reactor = installed()
 
 REPO = Path(__file__).resolve().parents[1]
 ADMIN = "admin-secret"

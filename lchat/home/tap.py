@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from twisted.application.service import IService, MultiService
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -40,7 +41,8 @@ from lchat.home.revocation import RevocationFeed, TokenCache
 from lchat.home.stateless import Ceremonies, load_session_keys
 from lchat.home.store import VaultStore
 from lchat.objstore.aws import NoCredentials
-from lchat.threads import thread_runner
+from lchat.reactors import Reactor, TCPReactor, installed
+from lchat.threads import RunInThread, thread_runner
 from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.home")
@@ -91,13 +93,11 @@ def makeService(options: Options) -> IService:
         keys, warning = load_session_keys(cfg.session_key, accept=cfg.session_key_accept)
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"lchat-home: {e}") from e
-    from twisted.internet import reactor
-
-    return build_service(reactor, cfg, keys, warning)
+    return build_service(installed(), cfg, keys, warning)
 
 
 def build_service(
-    reactor: Any, cfg: home_config.HomeConfig, keys: Any, warning: str | None
+    reactor: Reactor, cfg: home_config.HomeConfig, keys: Any, warning: str | None
 ) -> IService:
     """Everything, wired; nothing runs until the service starts."""
     ceremonies = Ceremonies.from_keys(keys, reactor.seconds)
@@ -110,7 +110,7 @@ class HomeService(MultiService):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: Reactor,
         cfg: home_config.HomeConfig,
         ceremonies: Ceremonies,
         passkeys: Passkeys,
@@ -241,13 +241,15 @@ def _prepare_socket(path: str) -> None:
     clear_stale_socket(path)
 
 
-async def open_store(reactor: Any, cfg: home_config.HomeConfig, run: Any) -> VaultStore:
+async def open_store(
+    reactor: TCPReactor, cfg: home_config.HomeConfig, run: RunInThread
+) -> VaultStore:
     """The configured store: SQLite (``LCHAT_HOME_DB``) or S3 (``LCHAT_HOME_S3_*``)."""
     if cfg.store == "sqlite":
         from lchat.home.sqlite_store import SQLiteVaultStore
 
         os.makedirs(os.path.dirname(cfg.db), exist_ok=True)
-        return await SQLiteVaultStore.open(cfg.db, run, reactor)
+        return await SQLiteVaultStore.open(cfg.db, run, IReactorTime(reactor))
     from lchat.home.s3_store import S3VaultStore
 
     where = cfg.s3
@@ -257,7 +259,7 @@ async def open_store(reactor: Any, cfg: home_config.HomeConfig, run: Any) -> Vau
     except NoCredentials as e:
         raise ConfigError(f"LCHAT_HOME_S3_BUCKET={where.bucket}: {e}") from e
     objects = objstore.open_store(reactor, where, run, credentials, monotonic=time.monotonic)
-    return S3VaultStore(objects, reactor, where.prefix, random.SystemRandom())  # type: ignore[arg-type]  # (open_store gives an S3Store, which is versioned)
+    return S3VaultStore(objects, IReactorTime(reactor), where.prefix, random.SystemRandom())  # type: ignore[arg-type]  # (open_store gives an S3Store, which is versioned)
 
 
 class _Admin(Resource):

@@ -11,7 +11,6 @@ import os
 import socket
 import stat
 import sys
-from typing import Any
 
 from attrs import define
 from twisted.internet.defer import Deferred, TimeoutError
@@ -30,6 +29,7 @@ from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
 from twisted.web.server import Site
 
+from lchat.reactors import Reactor, installed
 from lchat.space.api import Api, Space, SpaceSite, Tracker
 from lchat.space.config import ENV_HELP, Config, ConfigError
 from lchat.space.store import Store
@@ -64,7 +64,7 @@ class Connections(WrappingFactory):
 class SpaceServer:
     """Lifecycle: open the store, listen, tick; on shutdown, drain and close in order."""
 
-    reactor: Any
+    reactor: Reactor
     config: Config
     failed: bool = False
     _space: Space | None = None
@@ -201,7 +201,7 @@ def start_logging() -> None:
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
 
 
-def run(reactor: Any, config: Config) -> int:
+def run(reactor: Reactor, config: Config) -> int:
     """Run the space on `reactor` until it stops (SIGTERM/SIGINT); return the exit code."""
     server = SpaceServer(reactor, config)
     startup_failed = False
@@ -287,6 +287,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lchat space: refusing to start: {problem}", file=sys.stderr)
         return 1
     start_logging()
-    from twisted.internet import reactor
-
-    return run(reactor, config)
+    return run(installed(), config)

@@ -36,7 +36,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
 
 from attrs import define, field, frozen
 from twisted.internet import defer
@@ -48,6 +47,7 @@ from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
 from lchat.files import write_atomic
+from lchat.reactors import Reactor, installed
 from lchat.space.sidecar_client import (
     Client,
     Connector,
@@ -490,7 +490,7 @@ def _field(body: bytes, name: str) -> str:
 # -- the process -------------------------------------------------------------------------------
 
 
-def run(reactor: Any, config: SidecarConfig) -> int:
+def run(reactor: Reactor, config: SidecarConfig) -> int:
     """Run the sidecar on ``reactor`` until SIGTERM/SIGINT; return the exit code."""
     client = client_for(reactor, config)
 
@@ -525,9 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     from lchat.space.server import start_logging
 
     start_logging()
-    from twisted.internet import reactor
-
-    return run(reactor, config)
+    return run(installed(), config)
 
 
 if __name__ == "__main__":

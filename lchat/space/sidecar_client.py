@@ -41,7 +41,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from zope.interface import implementer
 
 from lchat import unixhttp
-from lchat.reactors import TimeReactor
+from lchat.reactors import Reactor, TCPReactor, TimeReactor
 from lchat.space.sidecar_config import BaseURL, SidecarConfig
 from lchat.twisted_internals import quiet_pool
 from lchat.unixhttp import Response
@@ -164,7 +164,7 @@ class URLClient:
     certificate by SNI), while the connection goes to the URL's address.
     """
 
-    reactor: Any
+    reactor: TCPReactor
     base: BaseURL
     host: str
     _agent: Agent = field(init=False)
@@ -173,7 +173,7 @@ class URLClient:
         self._agent = Agent.usingEndpointFactory(
             self.reactor,
             _Fixed(self.endpoint()),
-            pool=quiet_pool(self.reactor, persistent=False),
+            pool=quiet_pool(IReactorTime(self.reactor), persistent=False),
         )
 
     def endpoint(self) -> IStreamClientEndpoint:
@@ -197,7 +197,7 @@ class URLClient:
         timeout: float = REQUEST_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced via addTimeout
     ) -> Response:
         attempt = Deferred.fromCoroutine(self._exchange(method, path, headers, body))
-        attempt.addTimeout(timeout, cast(IReactorTime, self.reactor))
+        attempt.addTimeout(timeout, IReactorTime(self.reactor))
         try:
             return await attempt
         except defer.TimeoutError:
@@ -228,7 +228,7 @@ class URLClient:
         return Response(status=resp.code, headers=out, body=data)
 
 
-def client_for(reactor: Any, config: SidecarConfig) -> Client:
+def client_for(reactor: Reactor, config: SidecarConfig) -> Client:
     if config.url is not None:
         return URLClient(reactor, config.url, config.host)
     assert config.socket is not None
