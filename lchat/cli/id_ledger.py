@@ -37,8 +37,9 @@ from lchat.ledger import (
     LedgerError,
     minted_ids,
 )
-from lchat.objstore import ObjectStoreError
+from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.objstore.where import Where
+from lchat.reactors import Reactor
 
 SUMMARY = "show the shared id ledger (LCHAT_CLOUD_ID_LEDGER), or seed it above a namespace's ids"
 STATE_FILE = "id-ledger.json"
@@ -79,7 +80,7 @@ def _id_floor(text: str) -> int:
 def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
     url = _ledger_url(cfg)
 
-    async def work(reactor: Any) -> int:
+    async def work(reactor: Reactor) -> int:
         store, ledger = await _open(reactor, cfg, url)
         try:
             if args.ledger_action == "seed":
@@ -159,7 +160,7 @@ def _draw(
     if not (isinstance(cached, dict) and cached.get("url") == str(url)):
         cached = None
 
-    async def work(reactor: Any) -> tuple[Counter, Block | None]:
+    async def work(reactor: Reactor) -> tuple[Counter, Block | None]:
         store, ledger = await _open(reactor, cfg, url)
         try:
             counter = await ledger.read()
@@ -198,7 +199,7 @@ def _check_namespace(counter: Counter, highest: int, domain: str) -> None:
         )
 
 
-async def _open(reactor: Any, cfg: BoxConfig, url: Where) -> tuple[Any, IdLedger]:
+async def _open(reactor: Reactor, cfg: BoxConfig, url: Where) -> tuple[ObjectStore, IdLedger]:
     """The ledger's store (the caller closes it) and the ledger on it (a ``file:`` ledger's
     directory is made on first use)."""
     from twisted.internet.task import deferLater
@@ -212,7 +213,7 @@ async def _open(reactor: Any, cfg: BoxConfig, url: Where) -> tuple[Any, IdLedger
     return store, ledger
 
 
-def _run(work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+def _run(work: Callable[[Reactor], Coroutine[Any, Any, _T]]) -> _T:
     """``work(reactor)`` on the CLI's runner; a failure of the bucket is a :class:`LedgerError`."""
     try:
         return runner.run(work)
