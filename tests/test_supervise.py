@@ -12,7 +12,6 @@ import tempfile
 from typing import Any
 
 from prometheus_client import REGISTRY
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
@@ -24,9 +23,10 @@ from twisted.trial import unittest
 from zope.interface import implementer
 
 from lchat.child import MAX_LINE, ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError, spawn
+from lchat.reactors import installed
 from lchat.supervise import Supervisor
 
-reactor: Any = _reactor
+reactor = installed()
 PY = sys.executable
 
 
