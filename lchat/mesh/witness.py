@@ -136,10 +136,16 @@ def _encode(heartbeat: Heartbeat, seq: int, holds: tuple[str, ...], **flags: boo
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def _decode(body: bytes) -> tuple[dict[str, Any], Heartbeat, int, tuple[str, ...]]:
-    """What a message and a reply share, checked: (the object, heartbeat, seq, holds)."""
+def _decode(body: bytes, *flags: str) -> dict[str, Any]:
+    """A message's or a reply's fields, checked: the heartbeat, ``seq``, ``holds`` and the
+    ``flags`` named (absent: false)."""
     data = _object(body)
-    return data, _heartbeat_of(data.get("heartbeat")), _seq(data), _holds_of(data.get("holds", []))
+    fields = {
+        "heartbeat": _heartbeat_of(data.get("heartbeat")),
+        "seq": _seq(data),
+        "holds": _holds_of(data.get("holds", [])),
+    }
+    return fields | {name: _flag(data, name) for name in flags}
 
 
 @frozen
@@ -168,15 +174,7 @@ class BeatMessage:
 
     @classmethod
     def parse(cls, body: bytes) -> BeatMessage:
-        data, heartbeat, seq, holds = _decode(body)
-        return cls(
-            heartbeat=heartbeat,
-            seq=seq,
-            relay=_flag(data, "relay"),
-            backlog=_flag(data, "backlog"),
-            holds=holds,
-            leaving=_flag(data, "leaving"),
-        )
+        return cls(**_decode(body, "relay", "backlog", "leaving"))
 
 
 @frozen
@@ -197,14 +195,7 @@ class BeatReply:
 
     @classmethod
     def parse(cls, body: bytes) -> BeatReply:
-        data, heartbeat, seq, holds = _decode(body)
-        return cls(
-            heartbeat=heartbeat,
-            seq=seq,
-            backlog=_flag(data, "backlog"),
-            relayed=_flag(data, "relayed"),
-            holds=holds,
-        )
+        return cls(**_decode(body, "backlog", "relayed"))
 
 
 def normal_holds(names: Iterable[str]) -> tuple[str, ...]:
