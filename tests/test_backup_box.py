@@ -29,19 +29,19 @@ import threading
 import time
 from typing import Any
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SkipTest, TestCase
 
 from lchat import hosts
+from lchat.reactors import installed
 from lchat.registry import Registry, Route
 from tests import s3servers
 from tests.replicas import HAVE_LITESTREAM, dump, litestream_restore
 from tests.routerproc import ROOT, kill_spaces_under, spawn_router
 
-reactor: Any = _reactor
+reactor = installed()
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
 INTERVAL = 1.0  # LCHAT_BACKUP_INTERVAL in these tests
 # A write acknowledged this long before a kill is in the backup: the interval (the WAL is looked

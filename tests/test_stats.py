@@ -19,7 +19,6 @@ import tempfile
 import time
 from typing import Any
 
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
@@ -29,6 +28,7 @@ from lchat.cli.main import main as cli_main
 from lchat.hibernation.localdb import MARKER_SUFFIX, local_state
 from lchat.objstore import open_store
 from lchat.objstore.where import Where
+from lchat.reactors import installed
 from lchat.registry import Registry, Route
 from lchat.replica.db import ReplicaDB
 from lchat.replica.restore import restore
@@ -38,7 +38,7 @@ from lchat.spacestats import Counts, StatsError, read_database, stats_of
 from lchat.threads import thread_runner
 from tests.test_activator import ROOT, _bucket_keys, _Harness, metric
 
-reactor: Any = _reactor  # the global reactor provides far more than its stub type says
+reactor = installed()
 
 
 def files_of(directory: str) -> dict[str, tuple[int, int, str]]:
