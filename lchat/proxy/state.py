@@ -48,6 +48,11 @@ class _Collector(Collector):
     def __init__(self, stats: HotStats) -> None:
         self._stats = stats
 
+    def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        # Undescribed: the registry does not check its names against others'. One router runs
+        # per process; a test running two in one (tests/test_acme.py) registers both.
+        return []
+
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self._stats
         requests = CounterMetricFamily(
