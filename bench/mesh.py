@@ -763,8 +763,8 @@ def rel(e: dict[str, Any] | None, t0: float) -> float | None:
 
 class Mesh:
     def __init__(self, tmp: Path, procs: Processes, args: argparse.Namespace) -> None:
+        from lchat.certfiles import wildcard_cert_path
         from lchat.cli.dev_cert import make_dev_certs
-        from lchat.tls import wildcard_cert_path
         from tests.s3servers import S3Server
         from tests.test_mesh import ip_default_cert
 

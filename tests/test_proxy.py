@@ -51,7 +51,7 @@ from twisted.web.server import Site
 from twisted.web.websocket import WebSocketResource, WebSocketTransport
 from zope.interface import implementer
 
-from lchat import tls
+from lchat import certfiles, tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import listen
@@ -290,7 +290,7 @@ class ProxyTestCase(TestCase):
             self.ca = TestCA()
             certs = os.path.join(self.dir, "certs")
             os.makedirs(certs, mode=0o700)
-            self.ca.write(tls.cert_path(certs, HOST), HOST)
+            self.ca.write(certfiles.cert_path(certs, HOST), HOST)
             store = tls.CertStore(
                 reactor, certs, {HOST}.__contains__, run_in_thread=thread_runner(reactor)
             )

@@ -38,7 +38,7 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.trial.unittest import TestCase
 
-from lchat import tls
+from lchat import certfiles, tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import Downstream, ProxyFactory
 from lchat.proxy.serve import listen
@@ -173,8 +173,8 @@ class ProxyCase(TestCase):
             self.ca = TestCA()
             certs = os.path.join(self.dir, "certs")
             os.makedirs(certs, mode=0o700)
-            self.ca.write(tls.cert_path(certs, KNOWN), KNOWN)
-            self.ca.write(tls.default_cert_path(certs), "default.invalid")
+            self.ca.write(certfiles.cert_path(certs, KNOWN), KNOWN)
+            self.ca.write(certfiles.default_cert_path(certs), "default.invalid")
             store = tls.CertStore(
                 reactor,
                 certs,

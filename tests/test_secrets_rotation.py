@@ -25,7 +25,7 @@ from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import config, tls
+from lchat import certfiles, config
 from lchat.acme import cache
 from lchat.acme.cache import (
     CacheEntryError,
@@ -371,12 +371,12 @@ class CertCacheRotationTests(TestCase):
         local = LocalCache(os.path.join(self.root, name))
         local.ensure_directory()
 
-        def certificates() -> dict[str, tls.Loaded]:
+        def certificates() -> dict[str, certfiles.Loaded]:
             path = self.NAME.path(local.directory)
             if not os.path.exists(path):
                 return {}
-            loaded = tls.load_file(path, "host", self.NAME.name, time.time())
-            assert isinstance(loaded, tls.Loaded), loaded
+            loaded = certfiles.load_file(path, "host", self.NAME.name, time.time())
+            assert isinstance(loaded, certfiles.Loaded), loaded
             return {self.NAME.name: loaded}
 
         sync = CacheSync(

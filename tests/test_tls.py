@@ -36,7 +36,7 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import hosts, tls
+from lchat import certfiles, hosts, tls
 from lchat.cli.main import main
 from lchat.threads import thread_runner
 
@@ -243,16 +243,16 @@ class FrontDoorCases(_Case):
         self.ca = TestCA()
         self.known = {"a.example.com", "b.example.com", "x.wild.example.com"}
         self.serial = {
-            "a": self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com"),
-            "b": self.ca.write(tls.cert_path(self.dir, "b.example.com"), "b.example.com"),
+            "a": self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com"),
+            "b": self.ca.write(certfiles.cert_path(self.dir, "b.example.com"), "b.example.com"),
             "wild": self.ca.write(
-                tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
+                certfiles.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
             ),
             # On disk, but the host is not in the registry.
             "stranger": self.ca.write(
-                tls.cert_path(self.dir, "stranger.example.com"), "stranger.example.com"
+                certfiles.cert_path(self.dir, "stranger.example.com"), "stranger.example.com"
             ),
-            "default": self.ca.write(tls.default_cert_path(self.dir), "fallback.invalid"),
+            "default": self.ca.write(certfiles.default_cert_path(self.dir), "fallback.invalid"),
         }
         self.logs = captured_logs(self)
 
@@ -296,7 +296,9 @@ class FrontDoorCases(_Case):
 
     @inlineCallbacks
     def test_host_certificate_beats_the_wildcard(self) -> Any:
-        own = self.ca.write(tls.cert_path(self.dir, "x.wild.example.com"), "x.wild.example.com")
+        own = self.ca.write(
+            certfiles.cert_path(self.dir, "x.wild.example.com"), "x.wild.example.com"
+        )
         port = yield self.serve(self.make_store())
         got = yield self.hello(port, "x.wild.example.com")
         self.assertEqual(got.serial, own)
@@ -320,7 +322,7 @@ class FrontDoorCases(_Case):
 
     @inlineCallbacks
     def test_without_default_an_unmatched_handshake_fails_and_is_counted(self) -> Any:
-        os.unlink(tls.default_cert_path(self.dir))
+        os.unlink(certfiles.default_cert_path(self.dir))
         store = self.make_store()
         port = yield self.serve(store)
         before = sample("lchat_tls_handshake_failures_total", reason="no_certificate")
@@ -403,7 +405,7 @@ class FrontDoorCases(_Case):
         port = yield self.serve(store)
         got = yield self.hello(port, "a.example.com")
         self.assertEqual(got.serial, self.serial["a"])
-        renewed = self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
+        renewed = self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
         yield store.rescan()
         got = yield self.hello(port, "a.example.com")
         self.assertEqual(got.serial, renewed)
@@ -411,7 +413,7 @@ class FrontDoorCases(_Case):
 
     @inlineCallbacks
     def test_world_readable_key_is_refused_loudly_until_fixed(self) -> Any:
-        path = tls.cert_path(self.dir, "c.example.com")
+        path = certfiles.cert_path(self.dir, "c.example.com")
         serial = self.ca.write(path, "c.example.com", mode=0o644)
         self.known.add("c.example.com")
         store = self.make_store()
@@ -429,15 +431,15 @@ class FrontDoorCases(_Case):
 
     @inlineCallbacks
     def test_garbage_file_is_refused_without_breaking_the_others(self) -> Any:
-        path = tls.cert_path(self.dir, "d.example.com")
+        path = certfiles.cert_path(self.dir, "d.example.com")
         write_bytes(path, b"-----BEGIN CERTIFICATE-----\nnonsense\n-----END CERTIFICATE-----\n")
-        write_bytes(tls.cert_path(self.dir, "e.example.com"), os.urandom(300))
+        write_bytes(certfiles.cert_path(self.dir, "e.example.com"), os.urandom(300))
         self.known.update({"d.example.com", "e.example.com"})
         store = self.make_store()
         port = yield self.serve(store)
         self.assertEqual(
             sorted(store.refused()),
-            sorted([path, tls.cert_path(self.dir, "e.example.com")]),
+            sorted([path, certfiles.cert_path(self.dir, "e.example.com")]),
         )
         got = yield self.hello(port, "d.example.com")
         self.assertEqual(got.serial, self.serial["default"])
@@ -448,17 +450,17 @@ class FrontDoorCases(_Case):
     def test_a_refused_replacement_keeps_the_certificate_loaded_before(self) -> Any:
         store = self.make_store()
         port = yield self.serve(store)
-        write_bytes(tls.cert_path(self.dir, "a.example.com"), b"half-written")
+        write_bytes(certfiles.cert_path(self.dir, "a.example.com"), b"half-written")
         yield store.rescan()
         got = yield self.hello(port, "a.example.com")
         self.assertEqual(got.serial, self.serial["a"])
-        self.assertIn(tls.cert_path(self.dir, "a.example.com"), store.refused())
+        self.assertIn(certfiles.cert_path(self.dir, "a.example.com"), store.refused())
 
     @inlineCallbacks
     def test_removed_certificate_is_no_longer_served(self) -> Any:
         store = self.make_store()
         port = yield self.serve(store)
-        os.unlink(tls.cert_path(self.dir, "b.example.com"))
+        os.unlink(certfiles.cert_path(self.dir, "b.example.com"))
         yield store.rescan()
         got = yield self.hello(port, "b.example.com")
         self.assertEqual(got.serial, self.serial["default"])
@@ -480,17 +482,19 @@ class StoreTests(SynchronousTestCase):
         self.logs = captured_logs(self)
 
     def test_file_names_come_from_validated_hostnames(self) -> None:
-        self.assertEqual(tls.cert_path("/c", "a.example.com"), "/c/a.example.com.pem")
-        self.assertEqual(tls.wildcard_cert_path("/c", "example.com"), "/c/wildcard-example.com.pem")
-        self.assertEqual(tls.default_cert_path("/c"), "/c/default.pem")
+        self.assertEqual(certfiles.cert_path("/c", "a.example.com"), "/c/a.example.com.pem")
+        self.assertEqual(
+            certfiles.wildcard_cert_path("/c", "example.com"), "/c/wildcard-example.com.pem"
+        )
+        self.assertEqual(certfiles.default_cert_path("/c"), "/c/default.pem")
         for bad in ("A.example.com", "../x.example.com", "x", "wildcard-x.example.com", ""):
-            self.assertRaises(hosts.InvalidHost, tls.cert_path, "/c", bad)
-        self.assertRaises(hosts.InvalidHost, tls.wildcard_cert_path, "/c", "com")
+            self.assertRaises(hosts.InvalidHost, certfiles.cert_path, "/c", bad)
+        self.assertRaises(hosts.InvalidHost, certfiles.wildcard_cert_path, "/c", "com")
 
     def test_what_counts_as_a_certificate_file(self) -> None:
-        self.assertEqual(tls.role_of("a.example.com.pem"), ("host", "a.example.com"))
-        self.assertEqual(tls.role_of("wildcard-example.com.pem"), ("wildcard", "example.com"))
-        self.assertEqual(tls.role_of("default.pem"), ("default", "default"))
+        self.assertEqual(certfiles.role_of("a.example.com.pem"), ("host", "a.example.com"))
+        self.assertEqual(certfiles.role_of("wildcard-example.com.pem"), ("wildcard", "example.com"))
+        self.assertEqual(certfiles.role_of("default.pem"), ("default", "default"))
         for ignored in (
             "dev-ca.pem",
             "dev-ca.key",
@@ -500,7 +504,7 @@ class StoreTests(SynchronousTestCase):
             "wildcard-com.pem",
             "notes.txt",
         ):
-            self.assertIsNone(tls.role_of(ignored), ignored)
+            self.assertIsNone(certfiles.role_of(ignored), ignored)
 
     def test_misnamed_file_is_ignored_with_a_hint(self) -> None:
         self.ca.write(os.path.join(self.dir, "A.Example.com.pem"), "a.example.com")
@@ -514,49 +518,55 @@ class StoreTests(SynchronousTestCase):
     def test_checks_on_load(self) -> None:
         now = NOW.timestamp()
 
-        def load(name: str, kind: tls.Kind = "host") -> tls.Loaded | tls.Refused:
-            path = tls.cert_path(self.dir, name) if kind == "host" else os.path.join(self.dir, "w")
-            return tls.load_file(path, kind, name, now)
+        def load(name: str, kind: certfiles.Kind = "host") -> certfiles.Loaded | certfiles.Refused:
+            path = (
+                certfiles.cert_path(self.dir, name)
+                if kind == "host"
+                else os.path.join(self.dir, "w")
+            )
+            return certfiles.load_file(path, kind, name, now)
 
-        self.ca.write(tls.cert_path(self.dir, "ok.example.com"), "ok.example.com")
-        self.assertIsInstance(load("ok.example.com"), tls.Loaded)
+        self.ca.write(certfiles.cert_path(self.dir, "ok.example.com"), "ok.example.com")
+        self.assertIsInstance(load("ok.example.com"), certfiles.Loaded)
 
         _, cert = self.ca.issue("mismatch.example.com")
         other = ec.generate_private_key(ec.SECP256R1())
-        write_pem(tls.cert_path(self.dir, "mismatch.example.com"), other, [cert], 0o600)
+        write_pem(certfiles.cert_path(self.dir, "mismatch.example.com"), other, [cert], 0o600)
         self.assertIn("does not match", self.why(load("mismatch.example.com")))
 
-        self.ca.write(tls.cert_path(self.dir, "wrong.example.com"), "other.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "wrong.example.com"), "other.example.com")
         self.assertIn("not wrong.example.com", self.why(load("wrong.example.com")))
 
         self.ca.write(
-            tls.cert_path(self.dir, "old.example.com"),
+            certfiles.cert_path(self.dir, "old.example.com"),
             "old.example.com",
             not_after=NOW - datetime.timedelta(hours=1),
         )
         self.assertIn("expired", self.why(load("old.example.com")))
 
         # A host file may hold a wildcard that covers it; a wildcard file must be the wildcard.
-        self.ca.write(tls.cert_path(self.dir, "w1.example.com"), "*.example.com")
-        self.assertIsInstance(load("w1.example.com"), tls.Loaded)
+        self.ca.write(certfiles.cert_path(self.dir, "w1.example.com"), "*.example.com")
+        self.assertIsInstance(load("w1.example.com"), certfiles.Loaded)
         self.ca.write(os.path.join(self.dir, "w"), "x.example.com")
         self.assertIn("not *.example.com", self.why(load("example.com", "wildcard")))
 
-        self.ca.write(tls.cert_path(self.dir, "loose.example.com"), "loose.example.com", mode=0o640)
+        self.ca.write(
+            certfiles.cert_path(self.dir, "loose.example.com"), "loose.example.com", mode=0o640
+        )
         self.assertIn("mode 0640", self.why(load("loose.example.com")))
 
-        data = open(tls.cert_path(self.dir, "ok.example.com"), "rb").read()
-        write_bytes(tls.cert_path(self.dir, "two.example.com"), data + data)
+        data = open(certfiles.cert_path(self.dir, "ok.example.com"), "rb").read()
+        write_bytes(certfiles.cert_path(self.dir, "two.example.com"), data + data)
         self.assertIn("2 private keys", self.why(load("two.example.com")))
 
-    def why(self, outcome: tls.Loaded | tls.Refused) -> str:
-        assert isinstance(outcome, tls.Refused), outcome
+    def why(self, outcome: certfiles.Loaded | certfiles.Refused) -> str:
+        assert isinstance(outcome, certfiles.Refused), outcome
         return outcome.why
 
     def test_certificate_that_expires_while_loaded_stops_being_served(self) -> None:
         clock = task.Clock()
         clock.advance(NOW.timestamp())
-        path = tls.cert_path(self.dir, "soon.example.com")
+        path = certfiles.cert_path(self.dir, "soon.example.com")
         self.ca.write(path, "soon.example.com", not_after=NOW + datetime.timedelta(hours=1))
         store = tls.CertStore(clock, self.dir, lambda h: True, run_in_thread=synchronous)
         store.load_initial()
@@ -620,7 +630,7 @@ class StoreTests(SynchronousTestCase):
         self.successResultOf(store.rescan())
         self.assertEqual(sum("does not exist" in e for e in self.logs), 1)
         os.makedirs(directory)
-        self.ca.write(tls.cert_path(directory, "a.example.com"), "a.example.com")
+        self.ca.write(certfiles.cert_path(directory, "a.example.com"), "a.example.com")
         self.successResultOf(store.rescan())
         self.assertEqual(list(store.certificates()), ["a.example.com"])
 
@@ -632,8 +642,8 @@ class StoreTests(SynchronousTestCase):
         store.startService()
         self.addCleanup(store.stopService)
         self.assertEqual(store.certificates(), {})
-        self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
-        self.ca.write(tls.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.ca.write(certfiles.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
         clock.advance(9)
         self.assertEqual(store.certificates(), {})
         clock.advance(1)
@@ -647,26 +657,26 @@ class StoreTests(SynchronousTestCase):
 
     def test_unchanged_files_are_not_reread(self) -> None:
         loads: list[str] = []
-        real = tls.load_file
+        real = certfiles.load_file
 
         def counting(path: str, *args: Any) -> Any:
             loads.append(os.path.basename(path))
             return real(path, *args)
 
-        self.patch(tls, "load_file", counting)
-        self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
-        self.ca.write(tls.cert_path(self.dir, "b.example.com"), "b.example.com")
+        self.patch(certfiles, "load_file", counting)
+        self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "b.example.com"), "b.example.com")
         store = tls.CertStore(task.Clock(), self.dir, lambda h: True, run_in_thread=synchronous)
         store.load_initial()
-        self.ca.write(tls.cert_path(self.dir, "b.example.com"), "b.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "b.example.com"), "b.example.com")
         self.successResultOf(store.rescan())
         self.successResultOf(store.rescan())
         self.assertEqual(loads, ["a.example.com.pem", "b.example.com.pem", "b.example.com.pem"])
 
     def test_sni_lookup_order(self) -> None:
         for name in ("a.example.com", "x.example.com"):
-            self.ca.write(tls.cert_path(self.dir, name), name)
-        self.ca.write(tls.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
+            self.ca.write(certfiles.cert_path(self.dir, name), name)
+        self.ca.write(certfiles.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
         known = {"a.example.com"}
         store = tls.CertStore(
             task.Clock(), self.dir, known.__contains__, run_in_thread=thread_runner(task.Clock())
@@ -695,7 +705,7 @@ class OnDemandStoreTests(SynchronousTestCase):
         self.clock = task.Clock()
         self.clock.advance(NOW.timestamp())
         self.known = {"a.example.com", "new.example.com", "x.wild.example.com"}
-        self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
         self.wanted = tls.CertificateWanted()
         self.store = tls.CertStore(
             self.clock,
@@ -717,7 +727,9 @@ class OnDemandStoreTests(SynchronousTestCase):
         self.assertTrue(store.holds_for("x.wild.example.com"))
         self.assertFalse(store.holds_for("a.example.com"))  # has its own
         self.assertFalse(store.holds_for("unknown.example.com"))  # not in the registry
-        self.ca.write(tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com")
+        self.ca.write(
+            certfiles.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
+        )
         self.successResultOf(store.rescan())
         self.assertFalse(store.holds_for("x.wild.example.com"))  # the wildcard serves it
         self.assertEqual(asked, [])  # asking is want()'s job
@@ -738,7 +750,7 @@ class OnDemandStoreTests(SynchronousTestCase):
         self.successResultOf(self.store.rescan())  # nothing new
         for d in (*waits, other):
             self.assertNoResult(d)
-        self.ca.write(tls.cert_path(self.dir, "new.example.com"), "new.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "new.example.com"), "new.example.com")
         self.successResultOf(self.store.rescan())
         for d in waits:
             self.assertIs(self.successResultOf(d), True)
@@ -749,7 +761,9 @@ class OnDemandStoreTests(SynchronousTestCase):
 
     def test_wait_for_a_host_a_new_wildcard_covers(self) -> None:
         d = self.store.wait_for("x.wild.example.com", 10)
-        self.ca.write(tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com")
+        self.ca.write(
+            certfiles.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
+        )
         self.successResultOf(self.store.rescan())
         self.assertIs(self.successResultOf(d), True)
         self.assertEqual(self.clock.getDelayedCalls(), [])
@@ -761,7 +775,7 @@ class OnDemandStoreTests(SynchronousTestCase):
         self.clock.advance(0.1)
         self.assertIs(self.successResultOf(d), False)
         # A certificate arriving later fires nothing twice.
-        self.ca.write(tls.cert_path(self.dir, "new.example.com"), "new.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "new.example.com"), "new.example.com")
         self.successResultOf(self.store.rescan())
 
     def test_a_cancelled_wait_is_forgotten(self) -> None:
@@ -769,7 +783,7 @@ class OnDemandStoreTests(SynchronousTestCase):
         d.cancel()
         self.failureResultOf(d, defer.CancelledError)
         self.assertEqual(self.clock.getDelayedCalls(), [])
-        self.ca.write(tls.cert_path(self.dir, "new.example.com"), "new.example.com")
+        self.ca.write(certfiles.cert_path(self.dir, "new.example.com"), "new.example.com")
         self.successResultOf(self.store.rescan())  # does not fire the cancelled one again
 
 
@@ -791,10 +805,10 @@ class StdlibContextTests(SynchronousTestCase):
             real(context, certfile, *args, **kw)
 
         self.patch(ssl.SSLContext, "load_cert_chain", spy)
-        path = tls.cert_path(self.dir, "a.example.com")
+        path = certfiles.cert_path(self.dir, "a.example.com")
         serial = self.ca.write(path, "a.example.com")
-        loaded = tls.load_file(path, "host", "a.example.com", NOW.timestamp())
-        assert isinstance(loaded, tls.Loaded)
+        loaded = certfiles.load_file(path, "host", "a.example.com", NOW.timestamp())
+        assert isinstance(loaded, certfiles.Loaded)
         self.assertEqual(len(paths), 1)
         self.assertRegex(paths[0], r"^/proc/self/fd/\d+$")
         # Replaced on disk afterwards: the context still serves what was checked.
@@ -808,10 +822,10 @@ class StdlibContextTests(SynchronousTestCase):
             raise ssl.SSLError(1, "[SSL] nope")
 
         self.patch(ssl.SSLContext, "load_cert_chain", refuse)
-        path = tls.cert_path(self.dir, "a.example.com")
+        path = certfiles.cert_path(self.dir, "a.example.com")
         self.ca.write(path, "a.example.com")
-        outcome = tls.load_file(path, "host", "a.example.com", NOW.timestamp())
-        assert isinstance(outcome, tls.Refused)
+        outcome = certfiles.load_file(path, "host", "a.example.com", NOW.timestamp())
+        assert isinstance(outcome, certfiles.Refused)
         self.assertIn("OpenSSL will not use it", outcome.why)
 
 
@@ -891,7 +905,7 @@ class DevCertTests(SynchronousTestCase):
 
     def test_never_overwrites_a_certificate_it_did_not_issue(self) -> None:
         os.makedirs(self.dir)
-        path = tls.cert_path(self.dir, "real.example.com")
+        path = certfiles.cert_path(self.dir, "real.example.com")
         TestCA("someone else").write(path, "real.example.com")
         before = open(path, "rb").read()
         code, _, err = run_cli("dev-cert", "--out", self.dir, "real.example.com")

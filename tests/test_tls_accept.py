@@ -29,7 +29,7 @@ from twisted.internet import task, threads
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import tls, uvloop_reactor
+from lchat import certfiles, tls, uvloop_reactor
 from lchat.proxy import tls_accept
 from lchat.proxy.tls_accept import Incomplete, TLSAcceptor, client_hello_server_name
 from tests.test_tls import (
@@ -160,11 +160,11 @@ class FirstContactTests(AcceptorHarness):
         self.ca = TestCA()
         self.known = {"a.example.com", "x.wild.example.com", NEW, OTHER}
         self.serial = {
-            "a": self.ca.write(tls.cert_path(self.dir, "a.example.com"), "a.example.com"),
+            "a": self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com"),
             "wild": self.ca.write(
-                tls.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
+                certfiles.wildcard_cert_path(self.dir, "wild.example.com"), "*.wild.example.com"
             ),
-            "default": self.ca.write(tls.default_cert_path(self.dir), "fallback.invalid"),
+            "default": self.ca.write(certfiles.default_cert_path(self.dir), "fallback.invalid"),
         }
         self.logs = captured_logs(self)
         self.asked: list[str] = []
@@ -193,7 +193,7 @@ class FirstContactTests(AcceptorHarness):
 
         def issue(host: str) -> None:
             self.held_when_issued.append(sample("lchat_tls_held_handshakes"))
-            self.issued[host] = self.ca.write(tls.cert_path(self.dir, host), host)
+            self.issued[host] = self.ca.write(certfiles.cert_path(self.dir, host), host)
             self.store.rescan()
 
         self.wanted.connect(want)
@@ -257,7 +257,7 @@ class FirstContactTests(AcceptorHarness):
 
     @inlineCallbacks
     def test_without_a_default_the_held_handshake_fails_after_the_hold(self) -> Any:
-        os.unlink(tls.default_cert_path(self.dir))
+        os.unlink(certfiles.default_cert_path(self.dir))
         self.store.load_initial()
         self.issue_after(0.1)
         port = yield self.serve(self.store, hold=1.0)
@@ -388,7 +388,7 @@ class BacklogTests(AcceptorHarness):
         directory = os.path.abspath(self.mktemp())
         os.makedirs(directory)
         ca = TestCA()
-        serial = ca.write(tls.cert_path(directory, "a.example.com"), "a.example.com")
+        serial = ca.write(certfiles.cert_path(directory, "a.example.com"), "a.example.com")
         store = tls.CertStore(
             reactor, directory, {"a.example.com"}.__contains__, run_in_thread=threads.deferToThread
         )

@@ -58,7 +58,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from lchat import hosts, lease, tls
+from lchat import certfiles, hosts, lease
 from lchat.deferutil import settled
 from lchat.files import write_atomic
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, PreconditionFailed
@@ -115,7 +115,7 @@ class CertName:
     @classmethod
     def from_stem(cls, stem: str) -> CertName | None:
         """The name a file stem (``chat.example.com``, ``wildcard-example.com``) stands for."""
-        role = tls.role_of(stem + tls.SUFFIX)
+        role = certfiles.role_of(stem + certfiles.SUFFIX)
         if role is None or role[0] == "default":
             return None
         return cls("wildcard" if role[0] == "wildcard" else "host", role[1])
@@ -127,12 +127,12 @@ class CertName:
 
     @property
     def stem(self) -> str:
-        return tls.WILDCARD_PREFIX + self.name if self.kind == "wildcard" else self.name
+        return certfiles.WILDCARD_PREFIX + self.name if self.kind == "wildcard" else self.name
 
     def path(self, directory: str) -> str:
         if self.kind == "wildcard":
-            return tls.wildcard_cert_path(directory, self.name)
-        return tls.cert_path(directory, self.name)
+            return certfiles.wildcard_cert_path(directory, self.name)
+        return certfiles.cert_path(directory, self.name)
 
 
 @frozen
@@ -208,7 +208,9 @@ class LocalCache:
         key = cert.key_pem if cert.key_pem.endswith(b"\n") else cert.key_pem + b"\n"
         path = name.path(self.directory)
         # The first line says which CA issued it (what the sync and renewal go by).
-        marker = tls.ORIGIN_MARKER + cert.origin.encode("ascii") + b"\n" if cert.origin else b""
+        marker = (
+            certfiles.ORIGIN_MARKER + cert.origin.encode("ascii") + b"\n" if cert.origin else b""
+        )
         write_atomic(path, marker + key + cert.chain_pem, 0o600)
         return path
 
@@ -222,7 +224,7 @@ class LocalCache:
         if not key or not chain:
             return None
         try:
-            return Certificate.parse(key, chain, tls.origin_of(data))
+            return Certificate.parse(key, chain, certfiles.origin_of(data))
         except ValueError:
             return None
 
@@ -602,7 +604,7 @@ class CacheSync(Service):
         reactor: IReactorTime,
         shared: SharedCache,
         local: LocalCache,
-        certificates: Callable[[], dict[str, tls.Loaded]],
+        certificates: Callable[[], dict[str, certfiles.Loaded]],
         installed: Callable[[], Deferred[None]],
         run_in_thread: RunInThread,
         interval: float = 60.0,

@@ -39,7 +39,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
-from lchat import hosts, tls
+from lchat import certfiles, hosts, tls
 from lchat.acme.cache import CacheEntryError, Certificate, CertName, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount, IssuanceError
 from lchat.acme.http01 import ChallengeResponder
@@ -545,7 +545,7 @@ class Issuer(Service):
         window = min(DAY, before / 10)
         return not_after - before - window * ((serial % 10007) / 10007)
 
-    def _due_loaded(self, loaded: tls.Loaded) -> float:
+    def _due_loaded(self, loaded: certfiles.Loaded) -> float:
         """When a served certificate is due. One issued by another ACME directory than ours (we
         switched from staging, or to another CA) is due now; a file placed by hand (no marker)
         follows the schedule like any other."""
