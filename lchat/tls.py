@@ -51,6 +51,7 @@ from lchat.certfiles import (
 from lchat.certfiles import load_file as load_file
 from lchat.certfiles import role_of as role_of
 from lchat.certfiles import wildcard_cert_path as wildcard_cert_path
+from lchat.deferutil import fire, settled
 from lchat.proxy.handshakes import NotedSSLObject, handshake_notes
 from lchat.registry import RouteSource
 from lchat.threads import RunInThread
@@ -352,8 +353,7 @@ class CertStore(Service):
             if self._waiting:
                 again, self._waiting = self._waiting, []
                 self._start(again)
-            for waiter in waiters:
-                waiter.callback(None)
+            fire(waiters, None)
 
         done.addBoth(finished)
 
@@ -505,10 +505,7 @@ class CertStore(Service):
         super().stopService()
         if self._running is None:
             return None
-        # Let a scan in its thread land before the reactor stops.
-        idle: Deferred[None] = Deferred()
-        self._running.addBoth(lambda _: idle.callback(None))
-        return idle
+        return settled(self._running)  # a scan in its thread lands before the reactor stops
 
     def _poll(self) -> Deferred[None]:
         return succeed(None) if self._running is not None else self.rescan()

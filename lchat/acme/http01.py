@@ -41,6 +41,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from lchat import hosts
 from lchat.acme.cache import ChallengeRefused
+from lchat.deferutil import fire
 from lchat.webutil import answerable
 
 _log = Logger(namespace="lchat.acme")
@@ -129,11 +130,7 @@ class PendingIndex:
 
         def done(result: frozenset[str] | Failure) -> None:
             self._listing = False
-            for waiter in waiters:
-                if isinstance(result, Failure):
-                    waiter.errback(result)
-                else:
-                    waiter.callback(result)
+            fire(waiters, result)
             self._schedule()  # lookups that arrived while this listing ran
 
         d.addBoth(done)

@@ -20,6 +20,7 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
+from lchat.deferutil import fire
 from lchat.objstore import ObjectStoreError
 from lchat.threads import RunInThread
 
@@ -186,8 +187,7 @@ class FileProducer:
         self._pump()
         if not self._reading:
             waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
+            fire(waiters, None)
 
     def _fail(self, failure: Failure) -> None:
         done = self._done
@@ -284,15 +284,10 @@ class BodyReader(Protocol):
     def _notify_idle(self) -> None:
         if not self._writing:
             waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
+            fire(waiters, None)
 
     def _finish(self, result: bytes | Failure) -> None:
-        if not self.done.called:
-            if isinstance(result, Failure):
-                self.done.errback(result)
-            else:
-                self.done.callback(result)
+        fire([self.done], result)
 
     def _abort(self) -> None:
         self._aborted = True
