@@ -168,7 +168,6 @@ def response(data: bytes) -> tuple[int, int] | None:
 
 # The same recognisers as byte scanners in C (lchat/proxy/_oneread_c.pyx), when built: the
 # functions above stay the reference (tests/test_proxy_oneread.py holds the two to each other).
-request_py, response_py = request, response
 COMPILED = False  # whether request/response are the C scanners (the router logs it at start)
 try:
     from lchat.proxy import _oneread_c

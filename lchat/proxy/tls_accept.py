@@ -75,7 +75,6 @@ _silent = Counter(
 
 # --- reading the SNI name from a ClientHello ------------------------------------------------------
 
-HANDSHAKE_RECORD = 0x16
 CLIENT_HELLO = 1
 SERVER_NAME_EXTENSION = 0
 HOST_NAME = 0
