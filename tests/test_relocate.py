@@ -207,7 +207,6 @@ class RelocateTests(TestCase):
                     lambda _cfg: self.registry,
                     cli_main._out,
                     cli_main._note,
-                    lambda _cfg: None,
                     cli_main._fail,
                 )
 

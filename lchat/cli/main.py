@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import secrets
 import select
 import signal
@@ -30,6 +29,7 @@ from lchat.cli import mesh as mesh_cli
 from lchat.cli import replica as replica_cli
 from lchat.cli import stats as stats_cli
 from lchat.config import BoxConfig, ConfigError
+from lchat.config.mesh import REGION_LABEL
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import (
     POLL_INTERVAL,
@@ -294,9 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         command(
             "relocate",
             relocate_cli.SUMMARY,
-            lambda a: relocate_cli.run_cli(
-                a, load_config(a), open_registry, _out, _note, notify_router, _fail
-            ),
+            lambda a: relocate_cli.run_cli(a, load_config(a), open_registry, _out, _note, _fail),
         )
     )
     from lchat.cli import fleet as fleet_cli  # lchat fleet (docs/operations.md, Fleet status)
@@ -749,7 +747,7 @@ def _check_token(token: str) -> str:
 
 
 def _check_region(region: str, option: str = "--home-region") -> str:
-    if region and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", region):
+    if region and not REGION_LABEL.fullmatch(region):
         raise CliError(f"{option} {region!r} must be letters, digits, '.', '_' or '-'")
     return region
 

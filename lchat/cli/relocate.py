@@ -64,7 +64,6 @@ def run_cli(
     open_registry: Callable[[BoxConfig], Registry],
     out: Callable[[str], None],
     note: Callable[[str], None],
-    _notify_router: Callable[[BoxConfig], None],  # the relocation tells the router itself
     fail: Callable[[str], int],
 ) -> int:
     """``lchat relocate``'s handler: a refusal is one ``lchat: error:`` line, exit status 1."""
