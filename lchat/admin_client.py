@@ -13,7 +13,7 @@ import json
 import socket
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Protocol
 
 from attrs import frozen
 
@@ -117,6 +117,48 @@ def release(admin_socket: str, host: str, timeout: float = DEFAULT_TIMEOUT) -> R
 
 def _with_host(path: str, host: str, **extra: str) -> str:
     return f"{path}?{urllib.parse.urlencode({'host': host, **extra})}"
+
+
+class RouterAdmin(Protocol):
+    """The router's admin API, one call each (:class:`SocketAdmin`; tests: an in-memory one)."""
+
+    def status(self, timeout: float) -> Response: ...
+    def reload(self) -> Response: ...
+    def wake(self, host: str, timeout: float) -> Response: ...
+    def sleep(self, host: str, timeout: float) -> Response: ...
+    # lchat relocate's hold on a space's wakes on this box while it moves (POST /sleep?hold=S)
+    def sleep_held(self, host: str, hold: float, timeout: float) -> Response: ...
+    def release(self, host: str) -> Response: ...
+    def restart(self, host: str, timeout: float) -> Response: ...
+
+
+@frozen
+class SocketAdmin:
+    """:class:`RouterAdmin` over the router's admin socket."""
+
+    path: str
+
+    def status(self, timeout: float) -> Response:
+        return status(self.path, timeout=timeout)
+
+    def reload(self) -> Response:
+        return reload(self.path)
+
+    def wake(self, host: str, timeout: float) -> Response:
+        return wake_space(self.path, host, timeout)
+
+    def sleep(self, host: str, timeout: float) -> Response:
+        return sleep_space(self.path, host, timeout)
+
+    def sleep_held(self, host: str, hold: float, timeout: float) -> Response:
+        return sleep_space(self.path, host, timeout, hold=hold)
+
+    def release(self, host: str) -> Response:
+        return release(self.path, host)
+
+    def restart(self, host: str, timeout: float) -> Response:
+        path = _with_host("/restart", host)
+        return request(self.path, "POST", path, body=b"{}", timeout=timeout)
 
 
 def has_listener(socket_path: str, timeout: float = 2.0) -> bool:

@@ -128,7 +128,7 @@ class ScriptedActivator:
 
 
 class InMemoryAdmin:
-    """:class:`lchat.handover.seams.RouterAdmin` answered by lchat.admin's real resource."""
+    """:class:`lchat.admin_client.RouterAdmin` answered by lchat.admin's real resource."""
 
     def __init__(
         self,

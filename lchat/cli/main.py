@@ -20,6 +20,7 @@ from typing import Any
 
 import lchat
 from lchat import admin_client, config, envfile, hosts, systemd_units
+from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
 from lchat.cli import certs, dev_cert, litestream_yml, runner
@@ -40,7 +41,7 @@ from lchat.handover.hibernate import (
     refuse_if_backed_up,
 )
 from lchat.handover.router import Router, Say
-from lchat.handover.seams import BoxUnits, FanOut, SocketAdmin, StoreBucket
+from lchat.handover.seams import BoxUnits, FanOut, StoreBucket
 from lchat.handover.start import Start, warn_if_born_dark
 from lchat.ledger import LedgerError
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route

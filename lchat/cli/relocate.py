@@ -12,6 +12,7 @@ from attrs import frozen
 from twisted.internet.defer import Deferred
 
 from lchat import hosts
+from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
 from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
@@ -20,7 +21,7 @@ from lchat.config import BoxConfig
 from lchat.handover import HandoverError
 from lchat.handover.relocate import Relocation
 from lchat.handover.router import Say
-from lchat.handover.seams import MeshFanOut, RegionStores, SocketAdmin
+from lchat.handover.seams import MeshFanOut, RegionStores
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectStore
 from lchat.objstore.where import Where

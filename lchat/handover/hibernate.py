@@ -15,11 +15,12 @@ import attrs
 from attrs import field, frozen
 
 from lchat import admin_client, envfile, hosts
+from lchat.admin_client import RouterAdmin
 from lchat.config import BoxConfig
 from lchat.handover import HandoverError
 from lchat.handover.freshness import Freshness, foreign_bucket, read_freshness
 from lchat.handover.router import Router, Say, absent, json_body
-from lchat.handover.seams import Bucket, Clock, Peers, RouterAdmin, Units
+from lchat.handover.seams import Bucket, Clock, Peers, Units
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.objstore import ObjectStoreError
 from lchat.registry import Registry, Route

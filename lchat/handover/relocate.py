@@ -37,13 +37,14 @@ from attrs import field, frozen
 from twisted.internet import defer
 
 from lchat import admin_client, lease
+from lchat.admin_client import RouterAdmin
 from lchat.buckets import bucket_key_env
 from lchat.config import BoxConfig, ConfigError
 from lchat.config.mesh import REGION_LABEL
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import SLEEP_TIMEOUT
 from lchat.handover.router import Router, Say
-from lchat.handover.seams import AddressRecords, Clock, Mesh, RegionStores, RouterAdmin
+from lchat.handover.seams import AddressRecords, Clock, Mesh, RegionStores
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.objstore.s3 import S3Store

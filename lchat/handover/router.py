@@ -11,8 +11,7 @@ from typing import Any
 from attrs import frozen
 
 from lchat import admin_client
-from lchat.admin_client import Response
-from lchat.handover.seams import RouterAdmin
+from lchat.admin_client import Response, RouterAdmin
 
 STATUS_TIMEOUT = 3.0
 

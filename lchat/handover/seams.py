@@ -1,7 +1,7 @@
 """The four seams a hand-over command works through, each a Protocol with its thin real adapter.
 
-- :class:`RouterAdmin`: the running router's admin socket (:mod:`lchat.admin`), one call each;
-  raises :class:`lchat.admin_client.Unreachable` (nothing listens) or ``ProtocolError``.
+- :class:`lchat.admin_client.RouterAdmin`: the running router's admin socket (:mod:`lchat.admin`),
+  one call each; raises :class:`lchat.admin_client.Unreachable` (nothing listens) or ``ProtocolError``.
 - :class:`Units`: how this box runs a space outside the activator (builtin: the router's
   supervisor; systemd: ``lchat@<host>``), and its socket (listened on? answering?).
 - :class:`Peers`: the mesh's fan-out of a row to the live peers (never raises).
@@ -22,7 +22,6 @@ from typing import Any, Protocol
 from attrs import frozen
 
 from lchat import admin_client, systemd_units
-from lchat.admin_client import Response
 from lchat.config import BoxConfig
 from lchat.mesh.membership import Member
 from lchat.objstore import ObjectInfo, ObjectStore
@@ -32,16 +31,6 @@ from lchat.registry import Route
 from lchat.threads import RunInThread, thread_runner
 
 Runner = Callable[[Callable[[Reactor], Coroutine[Any, Any, Any]], float], Any]
-
-
-class RouterAdmin(Protocol):
-    def status(self, timeout: float) -> Response: ...
-    def reload(self) -> Response: ...
-    def wake(self, host: str, timeout: float) -> Response: ...
-    def sleep(self, host: str, timeout: float) -> Response: ...
-    # lchat relocate's hold on a space's wakes on this box while it moves (POST /sleep?hold=S)
-    def sleep_held(self, host: str, hold: float, timeout: float) -> Response: ...
-    def release(self, host: str) -> Response: ...
 
 
 class Units(Protocol):
@@ -74,31 +63,6 @@ class Clock:
 
     monotonic: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
-
-
-@frozen
-class SocketAdmin:
-    """:class:`RouterAdmin` over the router's admin socket."""
-
-    path: str
-
-    def status(self, timeout: float) -> Response:
-        return admin_client.status(self.path, timeout=timeout)
-
-    def reload(self) -> Response:
-        return admin_client.reload(self.path)
-
-    def wake(self, host: str, timeout: float) -> Response:
-        return admin_client.wake_space(self.path, host, timeout)
-
-    def sleep(self, host: str, timeout: float) -> Response:
-        return admin_client.sleep_space(self.path, host, timeout)
-
-    def sleep_held(self, host: str, hold: float, timeout: float) -> Response:
-        return admin_client.sleep_space(self.path, host, timeout, hold=hold)
-
-    def release(self, host: str) -> Response:
-        return admin_client.release(self.path, host)
 
 
 @frozen

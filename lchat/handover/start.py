@@ -6,11 +6,12 @@ from __future__ import annotations
 from attrs import field, frozen
 
 from lchat import admin_client
+from lchat.admin_client import RouterAdmin
 from lchat.config import BoxConfig
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import POLL_INTERVAL, health_check, one_line
 from lchat.handover.router import STATUS_TIMEOUT, Router, Say, absent
-from lchat.handover.seams import Clock, RouterAdmin, Units
+from lchat.handover.seams import Clock, Units
 from lchat.registry import Registry, Route
 from lchat.systemd_units import UnitError
 

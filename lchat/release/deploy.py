@@ -29,7 +29,6 @@ import json
 import os
 import secrets
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -181,36 +180,16 @@ class Restarter(Protocol):
         ...
 
 
-class RouterCalls(Protocol):
-    """What a deploy asks of the router's admin API (:class:`lchat.handover.seams.RouterAdmin`
-    has them: the admin socket's, or tests' in-memory one)."""
-
-    def restart(self, host: str, timeout: float) -> admin_client.Response: ...
-    def status(self, timeout: float) -> admin_client.Response: ...
-
-
-@frozen
-class _AdminSocket:
-    path: str
-
-    def restart(self, host: str, timeout: float) -> admin_client.Response:
-        path = "/restart?" + urllib.parse.urlencode({"host": host})
-        return admin_client.request(self.path, "POST", path, body=b"{}", timeout=timeout)
-
-    def status(self, timeout: float) -> admin_client.Response:
-        return admin_client.status(self.path, timeout=timeout)
-
-
-def _admin(admin: RouterCalls | str) -> RouterCalls:
-    return _AdminSocket(admin) if isinstance(admin, str) else admin
+def _admin(admin: admin_client.RouterAdmin | str) -> admin_client.RouterAdmin:
+    return admin_client.SocketAdmin(admin) if isinstance(admin, str) else admin
 
 
 @frozen
 class RouterRestarter:
     """Builtin units: the router runs always-on spaces itself; ask it over its admin API (the
-    admin socket's path, or any :class:`RouterCalls`)."""
+    admin socket's path, or any :class:`lchat.admin_client.RouterAdmin`)."""
 
-    admin: RouterCalls = field(converter=_admin)
+    admin: admin_client.RouterAdmin = field(converter=_admin)
     _pids: dict[str, int | None] = field(factory=dict)  # host -> the pid its restart started
 
     def restart(self, host: str) -> None:
