@@ -268,10 +268,12 @@ class FrontDoor(MultiService):
         self._factories = factories
         self._grace = grace
         self._metrics = metrics
+        self._reporting = False  # the collector is registered with metrics
 
     def startService(self) -> None:
-        if self._metrics is not None:
+        if self._metrics is not None and not self._reporting:
             self._metrics.register(self._pool.state.collector)
+            self._reporting = True
         super().startService()
 
     def stopService(self) -> Deferred[None]:
@@ -303,8 +305,9 @@ class FrontDoor(MultiService):
                 break
             await deferLater(self._clock, 0.05, lambda: None)
         await self._pool.close()
-        if self._metrics is not None:
+        if self._metrics is not None and self._reporting:  # (once, were it stopped twice)
             self._metrics.unregister(self._pool.state.collector)
+            self._reporting = False
 
 
 class SignalReload(Service):
