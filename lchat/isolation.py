@@ -45,6 +45,7 @@ from lchat.config import BoxConfig, ConfigError
 from lchat.registry import Registry
 
 _log = Logger(namespace="lchat.tap")  # (what the router's start says, as it always did)
+LayOut = Callable[[str, str, tuple[int, int], Registry], object]  # data, run, uids, registry
 
 ISOLATED = Gauge(
     "lchat_space_isolation",
@@ -228,12 +229,11 @@ def enable(data_dir: str, run_dir: str) -> None:
         os.chmod(spaces, 0o711)  # noqa: S103 -- as above
 
 
-def at_start(cfg: BoxConfig, registry: Registry, lay_out: Callable[[], object]) -> None:
+def at_start(cfg: BoxConfig, registry: Registry, lay_out: LayOut) -> None:
     """The router's start: every space its own user where this router can, said either way;
     refuses to start (ConfigError) where the box requires it and the router cannot. Turning it
-    on calls ``lay_out`` first thing after :func:`enable` (the router's: an older box's flat files
-    moved into the spaces' own directories, lchat/relayout.py: what no space runs from; a
-    unit's, bootstrap moves with the units stopped)."""
+    on lays the box out right after :func:`enable` (lchat.relayout.relayout: an older box's flat
+    files moved into the spaces' own directories, what no space runs from)."""
     try:
         decision = decide(
             cfg.isolation,
@@ -267,7 +267,7 @@ def at_start(cfg: BoxConfig, registry: Registry, lay_out: Callable[[], object]) 
             _log.warn("{why}", why=decision.why)
         return
     enable(cfg.data_dir, cfg.run_dir)
-    lay_out()  # logs each step
+    lay_out(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry)  # logs each step
     _log.info("isolation: on: {why}", why=decision.why)
 
 

@@ -138,11 +138,7 @@ def build_service(
     run = thread_runner(reactor)
     registry = Registry(cfg.registry, reactor.seconds)
     registry.migrate()
-    isolation.at_start(  # an older box's flat files move first (lchat/relayout.py)
-        cfg,
-        registry,
-        lay_out=lambda: relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry),
-    )
+    isolation.at_start(cfg, registry, relayout.relayout)  # (an older box's files move first)
     routes = RouteSource(
         reactor, registry, registry.load(), run_in_thread=run, poll_interval=poll_interval
     )

@@ -140,18 +140,11 @@ class RouterStartTests(Box):
         registry.migrate()
         registry.insert(Route(host=HOST, kind="instance", socket="/run/x.sock", status="ready"))
 
-        def start() -> None:
-            isolation.at_start(
-                cfg,
-                registry,
-                lambda: relayout.relayout(cfg.data_dir, cfg.run_dir, cfg.space_uids, registry),
-            )
-
-        start()
+        isolation.at_start(cfg, registry, relayout.relayout)
         self.assertFalse(hosts.isolated(self.data))
         self.assertEqual(isolation.ISOLATED._value.get(), 0)
         registry.update(HOST, hibernate=True)
-        start()
+        isolation.at_start(cfg, registry, relayout.relayout)
         self.assertTrue(hosts.isolated(self.data))
         self.assertEqual(isolation.ISOLATED._value.get(), 1)
 
