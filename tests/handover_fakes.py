@@ -32,7 +32,7 @@ from lchat.dns import AddressChange
 from lchat.handover import HandoverError
 from lchat.handover.seams import Clock, RegionStores, StoreBucket
 from lchat.hibernation.space import WakeFailed
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.objstore.file import FileStore
 from lchat.objstore.where import Where
 from lchat.registry import Registry, Route, RouteSource

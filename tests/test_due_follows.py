@@ -87,11 +87,6 @@ class PayloadTests(SynchronousTestCase):
         self.assertEqual(client.route_payload(due_row, {})["next_due"], DUE)
         self.assertEqual(client.route_payload(row, {}, next_due=0)["next_due"], 0)
 
-    def test_the_cli_still_exports_the_target_function(self) -> None:
-        from lchat.cli import mesh as mesh_cli
-
-        self.assertIs(mesh_cli.fan_out_targets, client.fan_out_targets)
-
 
 def _fields(route: Route) -> dict[str, Any]:
     return {a.name: getattr(route, a.name) for a in Route.__attrs_attrs__}

@@ -34,8 +34,8 @@ from lchat import config
 from lchat.cli.main import build_parser
 from lchat.config import BoxConfig
 from lchat.mesh import api, client, fleet, placement
-from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import Heartbeat, member_key
+from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
+from lchat.mesh.members import member_key
 from lchat.registry import Registry, Route
 from lchat.threads import thread_runner
 from tests import test_mesh

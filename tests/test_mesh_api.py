@@ -920,32 +920,6 @@ class RegistryHelperTests(SynchronousTestCase):
         self.assertIsNone(self.registry.delete_replicated(HOST))
 
 
-class OwnReactorTests(SynchronousTestCase):
-    def test_runs_again_and_again_in_one_process(self) -> None:
-        async def main(r: Any) -> float:
-            await deferLater(r, 0.01, lambda: None)
-            return float(r.seconds())
-
-        for _ in range(3):
-            self.assertGreater(mesh_cli.run_on_own_reactor(main, 5.0), 0)
-
-    def test_budget(self) -> None:
-        async def forever(r: Any) -> None:
-            await Deferred()
-
-        started = time.monotonic()
-        with self.assertRaises(TimeoutError):
-            mesh_cli.run_on_own_reactor(forever, 0.2)
-        self.assertLess(time.monotonic() - started, 2.0)
-
-    def test_errors_come_through(self) -> None:
-        async def broken(r: Any) -> None:
-            raise ValueError("boom")
-
-        with self.assertRaises(ValueError):
-            mesh_cli.run_on_own_reactor(broken, 5.0)
-
-
 class EnvLineTests(SynchronousTestCase):
     @given(st.text(max_size=60))
     def test_written_values_read_back_exactly(self, value: str) -> None:
@@ -1235,15 +1209,15 @@ class TargetTests(SynchronousTestCase):
         ]
         urls = lambda targets: [m.url for m in targets]  # noqa: E731
         self.assertEqual(
-            urls(mesh_cli.fan_out_targets(mesh, HOST, "", members)),
+            urls(client.fan_out_targets(mesh, HOST, "", members)),
             ["http://box-b.example.net", "http://box-c.example.net"],
         )
         self.assertEqual(
-            urls(mesh_cli.fan_out_targets(mesh, "x.elsewhere.org", "fi", members)),
+            urls(client.fan_out_targets(mesh, "x.elsewhere.org", "fi", members)),
             ["http://box-c.example.net"],
         )
-        self.assertEqual(mesh_cli.fan_out_targets(mesh, "x.elsewhere.org", "", members), [])
-        self.assertEqual(mesh_cli.fan_out_targets(mesh, "x.elsewhere.org", "ie", members[:1]), [])
+        self.assertEqual(client.fan_out_targets(mesh, "x.elsewhere.org", "", members), [])
+        self.assertEqual(client.fan_out_targets(mesh, "x.elsewhere.org", "ie", members[:1]), [])
 
 
 class MeshListingTests(CliTestCase):

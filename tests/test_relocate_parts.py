@@ -44,7 +44,7 @@ from lchat.buckets import bucket_key_env
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.capacity import HOLD_RETRY_AFTER
 from lchat.mesh import forward, placement, routing
-from lchat.mesh.membership import member_key, members_prefix
+from lchat.mesh.members import member_key, members_prefix
 from lchat.objstore.file import FileBucket
 from lchat.objstore.where import Where, parse_where
 from lchat.registry import Route

@@ -35,7 +35,7 @@ from lchat.cli import mesh as mesh_cli
 from lchat.cli import runner
 from lchat.config import BoxConfig, ConfigError, parse_bucket_url
 from lchat.mesh import client, fleet
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import ObjectStoreError
 from lchat.objstore.where import Where

@@ -24,7 +24,7 @@ from lchat.cli import runner
 from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
 from lchat.mesh.heartbeat import HeartbeatKeys
-from lchat.mesh.membership import Member, read_members
+from lchat.mesh.members import Member, read_members
 from lchat.mesh.placement import normalise_member_url, owner
 from lchat.objstore import ObjectStoreError
 from lchat.reactors import Reactor, TCPReactor
@@ -41,11 +41,6 @@ Say = Callable[[str], None]
 
 class MeshCliError(Exception):
     """A refusal or failure of a mesh command; one ``lchat: error:`` line."""
-
-
-# moved to lchat.cli.runner.run: importers outside the CLI runners (cli/main.py,
-# handover/seams.py, tests/test_s3.py, tests/test_mesh_api.py, tests/handover_fakes.py) use it
-run_on_own_reactor = runner.run
 
 
 async def read_mesh_members(
@@ -67,11 +62,6 @@ async def read_mesh_members(
         )
     finally:
         await store.close()
-
-
-# Which live peers must hold a route: shared with the router's due pushes (lchat.mesh.due), so it
-# lives in lchat.mesh.client, which the router may import; kept here under its old name.
-fan_out_targets = client.fan_out_targets
 
 
 # --- fan-out on create and remove ---------------------------------------------------------------
@@ -161,7 +151,7 @@ def _fan_out(
 
     async def main(reactor: Reactor) -> list[Member]:
         members = await read_mesh_members(reactor, cfg)
-        targets = fan_out_targets(mesh, host, route.home_region, members)
+        targets = client.fan_out_targets(mesh, host, route.home_region, members)
         # Each call ends a little before the budget, so that every peer's outcome is reported.
         left = max(0.5, budget - (time.monotonic() - started) - 0.5)
 

@@ -22,7 +22,7 @@ from lchat.handover import HandoverError
 from lchat.handover.relocate import Relocation
 from lchat.handover.router import Say
 from lchat.handover.seams import MeshFanOut, RegionStores
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.objstore import ObjectStore
 from lchat.objstore.where import Where
 from lchat.reactors import Reactor

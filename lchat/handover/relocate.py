@@ -45,7 +45,7 @@ from lchat.handover import HandoverError
 from lchat.handover.hibernate import SLEEP_TIMEOUT
 from lchat.handover.router import Router, Say
 from lchat.handover.seams import AddressRecords, Clock, Mesh, RegionStores
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.objstore.s3 import S3Store
 from lchat.objstore.where import Where

@@ -23,7 +23,7 @@ from attrs import frozen
 
 from lchat import admin_client, systemd_units
 from lchat.config import BoxConfig
-from lchat.mesh.membership import Member
+from lchat.mesh.members import Member
 from lchat.objstore import ObjectInfo, ObjectStore
 from lchat.objstore.where import Where
 from lchat.reactors import Reactor

@@ -51,9 +51,6 @@ from lchat.mesh.members import (
     members_prefix,
     read_view,
 )
-
-# moved to lchat.mesh.members: importers outside lchat/mesh (the CLI) still use this
-from lchat.mesh.members import read_members as read_members
 from lchat.mesh.peering import (
     PEER_TIMEOUT,
     PROBE_TIMEOUT,
