@@ -25,11 +25,11 @@ import os
 import ssl
 from collections.abc import Callable, Iterable
 
-from attrs import define, frozen
+from attrs import frozen
 from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -140,13 +140,6 @@ class CertificateWanted:
         return self._listener(host) is not False
 
 
-@define(eq=False)
-class _Waiter:
-    host: str
-    deferred: Deferred[bool]
-    timer: IDelayedCall | None = None
-
-
 class CertStore(Service):
     """The certificates in ``directory``, kept current, and the SNI callback that picks one.
 
@@ -173,7 +166,7 @@ class CertStore(Service):
         self._hosts: dict[str, Loaded] = {}
         self._wildcards: dict[str, Loaded] = {}
         self._default: Loaded | None = None
-        self._waiters: dict[str, list[_Waiter]] = {}  # host -> wait_for()s not yet fired
+        self._waiters: dict[str, list[Deferred[bool]]] = {}  # host -> wait_for()s not yet fired
         self._scanned = False
         self._running: Deferred[None] | None = None
         self._waiting: list[Deferred[None]] = []
@@ -285,32 +278,21 @@ class CertStore(Service):
         store's clock. Cancelling it forgets the wait. Waiting cues nobody: see :meth:`want`."""
         if self._certificate_for(host) is not None:
             return succeed(True)
-        d: Deferred[bool] = Deferred(canceller=lambda _: self._forget(waiter))
-        waiter = _Waiter(host, d)
-        waiter.timer = self._reactor.callLater(timeout, self._timed_out, waiter)
-        self._waiters.setdefault(host, []).append(waiter)
-        return d
+        d: Deferred[bool] = Deferred(canceller=lambda d: self._forget(host, d))
+        self._waiters.setdefault(host, []).append(d)
+        return d.addTimeout(timeout, self._reactor, onTimeoutCancel=lambda _, __: False)
 
-    def _timed_out(self, waiter: _Waiter) -> None:
-        self._forget(waiter)
-        waiter.deferred.callback(False)
-
-    def _forget(self, waiter: _Waiter) -> None:
-        waiters = self._waiters.get(waiter.host, [])
+    def _forget(self, host: str, waiter: Deferred[bool]) -> None:
+        waiters = self._waiters.get(host, [])
         if waiter in waiters:
             waiters.remove(waiter)
             if not waiters:
-                del self._waiters[waiter.host]
-        if waiter.timer is not None and waiter.timer.active():
-            waiter.timer.cancel()
+                del self._waiters[host]
 
     def _release_waiters(self) -> None:
         ready = [host for host in self._waiters if self._certificate_for(host) is not None]
         for host in ready:
-            for waiter in self._waiters.pop(host):
-                if waiter.timer is not None and waiter.timer.active():
-                    waiter.timer.cancel()
-                waiter.deferred.callback(True)
+            fire(self._waiters.pop(host), True)
 
     # -- what operators and tests look at
 
