@@ -235,21 +235,12 @@ def listen_now(
     factory: Any,
     address: str = "tcp:0:interface=127.0.0.1",
     store: tls.CertStore | None = None,
-    *,
-    loop: asyncio.AbstractEventLoop | None = None,
-    first_contact_wait: float = 10.0,
-    handshake_timeout: float = 10.0,
+    **options: Any,
 ) -> FrontPort:
-    """Bind ``address`` and serve ``factory`` on it (TLS with ``store``). The socket listens on
-    return; connections are accepted from the loop's next turn on."""
-    port = FrontPort(
-        loop or asyncio.get_event_loop(),
-        bind(address),
-        factory,
-        store,
-        first_contact_wait=first_contact_wait,
-        handshake_timeout=handshake_timeout,
-    )
+    """Bind ``address`` and serve ``factory`` on it (TLS with ``store``; ``options``: ``loop``,
+    and :class:`FrontPort`'s). The socket listens on return; connections are accepted from the
+    loop's next turn on."""
+    port = _bound(factory, address, store, options)
     port.start().addErrback(lambda f: _log.failure("serving {address} failed", f, address=address))
     return port
 
@@ -261,14 +252,15 @@ def listen(
     **options: Any,
 ) -> Deferred[FrontPort]:
     """:func:`listen_now`, firing once the port serves."""
-    port = FrontPort(
-        options.pop("loop", None) or asyncio.get_event_loop(),
-        bind(address),
-        factory,
-        store,
-        **options,
-    )
+    port = _bound(factory, address, store, options)
     return port.start().addCallback(lambda _: port)
+
+
+def _bound(
+    factory: Any, address: str, store: tls.CertStore | None, options: dict[str, Any]
+) -> FrontPort:
+    loop = options.pop("loop", None) or asyncio.get_event_loop()
+    return FrontPort(loop, bind(address), factory, store, **options)
 
 
 class FrontListener(Service):
