@@ -151,7 +151,7 @@ class _Refuse(Exception):
     pass
 
 
-_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL)
+PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL)
 
 
 def load_file(path: str, kind: Kind, name: str, now: float) -> Loaded | Refused:
@@ -181,7 +181,7 @@ def load_file(path: str, kind: Kind, name: str, now: float) -> Loaded | Refused:
 def _build(
     path: str, kind: Kind, name: str, fingerprint: Fingerprint, data: bytes, now: float
 ) -> Loaded:
-    blocks = [(m.group(1), m.group(0)) for m in _PEM_BLOCK.finditer(data)]
+    blocks = [(m.group(1), m.group(0)) for m in PEM_BLOCK.finditer(data)]
     keys = [pem for label, pem in blocks if label.endswith(b"PRIVATE KEY")]
     certs = [pem for label, pem in blocks if label == b"CERTIFICATE"]
     if len(keys) != 1:
@@ -214,8 +214,6 @@ def _build(
         raise _Refuse(f"OpenSSL will not use it: {e}") from None
     except OSError as e:
         raise _Refuse(f"cannot hand it to OpenSSL: {e.strerror or e}") from None
-    names = leaf.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
-    issuer = str(names[0].value) if names else leaf.issuer.rfc4514_string()
     return Loaded(
         kind,
         name,
@@ -225,9 +223,16 @@ def _build(
         leaf.serial_number,
         ssl_context,
         not_before=leaf.not_valid_before_utc.timestamp(),
-        issuer=issuer,
+        issuer=issuer_name(leaf),
         origin=origin_of(data),
     )
+
+
+def issuer_name(leaf: x509.Certificate) -> str:
+    """The issuing CA's common name (else its whole distinguished name)."""
+    names = leaf.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    value = names[0].value if names else leaf.issuer.rfc4514_string()
+    return value if isinstance(value, str) else value.decode("utf-8", "replace")
 
 
 ORIGIN_MARKER = b"# lchat acme: "

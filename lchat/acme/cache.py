@@ -59,6 +59,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from lchat import certfiles, hosts, lease
+from lchat.certfiles import issuer_name
 from lchat.deferutil import settled
 from lchat.files import write_atomic
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, PreconditionFailed
@@ -161,20 +162,11 @@ class Certificate:
         )
 
 
-def issuer_name(leaf: x509.Certificate) -> str:
-    names = leaf.issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
-    value = names[0].value if names else leaf.issuer.rfc4514_string()
-    return value if isinstance(value, str) else value.decode("utf-8", "replace")
-
-
-_PEM = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.DOTALL)
-
-
 def split_pem(data: bytes) -> tuple[bytes, bytes]:
     """A ``.pem`` file's (private key, chain) blocks."""
     key = b""
     chain = []
-    for match in _PEM.finditer(data):
+    for match in certfiles.PEM_BLOCK.finditer(data):
         if match.group(1).endswith(b"PRIVATE KEY"):
             key = match.group(0)
         elif match.group(1) == b"CERTIFICATE":
