@@ -71,9 +71,6 @@ class _Json(Resource):
         super().__init__()
         self._admin = admin
 
-    def _hibernation(self, request: Request, what: str) -> bytes | int:
-        return _wake_or_sleep(self._admin, request, what)
-
     def render(self, request: Request) -> bytes | int:
         path = request.path
         if path == b"/status" and request.method in (b"GET", b"HEAD"):
@@ -88,24 +85,19 @@ class _Json(Resource):
             request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
             return generate_latest()
         if path in (b"/wake", b"/sleep") and request.method == b"POST":
-            return self._hibernation(request, path.decode()[1:])
+            return _wake_or_sleep(self._admin, request, path.decode()[1:])
         if path == b"/release" and request.method == b"POST":
             return _release(self._admin, request)
         if path == b"/restart" and request.method == b"POST":
             return _restart(self._admin, request)
         if path.startswith(b"/stats/"):
             return _stats(self._admin, request)
-        if path in (
-            b"/status",
-            b"/reload",
-            b"/metrics",
-            b"/wake",
-            b"/sleep",
-            b"/release",
-            b"/restart",
-        ):
+        if path in _PATHS:
             return _json(request, 405, {"error": "method not allowed"})
         return _json(request, 404, {"error": "not found"})
+
+
+_PATHS = frozenset(b"/status /reload /metrics /wake /sleep /release /restart".split())  # (405)
 
 
 class AdminAPI:
