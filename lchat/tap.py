@@ -46,7 +46,7 @@ from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.reactors import Reactor, installed, whole
 from lchat.redirect import RedirectToHTTPS
-from lchat.registry import Registry, RegistryError, Route, RouteSource
+from lchat.registry import Registry, RegistryError, RouteSource
 from lchat.router import Router
 from lchat.shutdown import (
     BackupService,
@@ -336,7 +336,6 @@ def _hibernation(
     )
     mesh = None
     due_push: DuePush | None = None
-    may_wake: Callable[[Route], bool] = _anywhere
     if membership is not None:
         assert cfg.mesh is not None
         # Neither a landed heartbeat nor the peers' word covers this box any more: every space
@@ -348,8 +347,8 @@ def _hibernation(
         membership.on_alive(activator.recover)
         # A peer out of reach: the requests forwarded to it fail now, not when TCP gives up.
         membership.on_unreachable(lambda url: pool.abort_peer(*peer_address(url)))
+        # Due wakes fire only on the owner (the sweeper asks it)...
         mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
-        may_wake = mesh.is_owner  # due wakes fire only on the owner...
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
         due_push = DuePush(
             reactor, cfg.mesh, cfg.data_dir, routes, membership.live, run_in_thread=run
@@ -364,7 +363,7 @@ def _hibernation(
         idle=hib.idle,
         sweep=hib.sweep,
         due_sweep=hib.due_sweep,
-        may_wake=may_wake,
+        may_wake=mesh.is_owner if mesh is not None else lambda route: True,
     )
     check = BucketCheck(
         reactor,
@@ -552,10 +551,6 @@ def _fleet_view(
         children=units.supervisor.status if units is not None else None,
         backup=backup.backup.status if backup is not None else None,
     ).snapshot
-
-
-def _anywhere(route: Route) -> bool:
-    return True
 
 
 def _public_port(address: str) -> int | None:
