@@ -1,8 +1,7 @@
 """What every connection of the front door shares: its hot figures and its bulk read buffers.
 
-One :class:`FrontDoorState` per process serves both listeners (HTTP and HTTPS) and the upstream
-pool: the router (lchat/tap.py) makes it and gives it to each :class:`~lchat.proxy.downstream.ProxyFactory` and :class:`~lchat.proxy.upstream.UpstreamPool`
-(one made without it has its own, unregistered: a test's). Nothing here is module-level.
+One :class:`FrontDoorState` per router serves both listeners (HTTP and HTTPS) and the upstream
+pool: lchat/tap.py gives it to each (a factory or pool made without one has its own: a test's).
 """
 
 from __future__ import annotations
