@@ -12,11 +12,8 @@ mode 0600 or stricter:
 
 Every other file (ACME account keys, ``*.tmp``, ``dev-ca.pem``) is ignored. A host whose first
 label starts with ``wildcard-`` cannot have a file of its own. File names are only ever built by
-:func:`cert_path` and :func:`wildcard_cert_path`.
-
-Each certificate gets a stdlib :class:`ssl.SSLContext` built from the very bytes that were
-checked (handed to OpenSSL through an anonymous memory file, never read from the path again).
-Every context speaks TLS 1.2+ and ALPN ``http/1.1`` only (:func:`server_context`).
+:func:`cert_path` and :func:`wildcard_cert_path`. Each certificate's context is built from the
+very bytes that were checked (:func:`load_file`), with :func:`server_context`'s settings.
 """
 
 from __future__ import annotations
