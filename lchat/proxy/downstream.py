@@ -86,7 +86,7 @@ class Downstream(Relay):
             if ex.upstream is not None:
                 ex.upstream.abort()
                 ex.upstream = None
-            self._end_observed(ex)
+            self._observe(ex, started=False)
             if ex is self._active and not ex.response_complete:
                 self._stats.in_flight -= 1
         if self._spliced:

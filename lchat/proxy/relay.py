@@ -132,7 +132,7 @@ class Relay(ClientConnection):
             why=detail,
         )
         self._disarm()  # an upstream deadline armed for the peer is not this routing's
-        self._end_observed(ex)
+        self._observe(ex, started=False)
         try:
             again = target.fallback(why)
         except Exception:
@@ -514,7 +514,7 @@ class Relay(ClientConnection):
         else:
             self._log_access(ex)
         if ex.observed:
-            self._end_observed(ex)
+            self._observe(ex, started=False)
         assert self.transport is not None and self.valve is not None
         if ex.close_after:
             self._closing()
@@ -575,25 +575,18 @@ class Relay(ClientConnection):
         if self._spliced or (self._active is None and self._parsing is None and self._served):
             self._closing()
 
-    def _observe(self, ex: Exchange) -> None:
+    def _observe(self, ex: Exchange, started: bool = True) -> None:
         """The request is routed to its target: take the target's in-flight ticket, if it has
-        one (an awake hibernating space), until :meth:`_end_observed`."""
+        one (an awake hibernating space); ``started`` False hands it back (once, either way)."""
         target = ex.target
-        if type(target) is LocalSocket and target.inflight is not None and not ex.observed:
-            ex.observed = True
-            try:
-                target.inflight.request_started(ex.upgrade)
-            except Exception:
-                _log.failure("in-flight ticket of {host} failed", host=target.host)
-
-    def _end_observed(self, ex: Exchange) -> None:
-        target = ex.target
-        if ex.observed and isinstance(target, LocalSocket) and target.inflight is not None:
-            ex.observed = False
-            try:
-                target.inflight.request_ended(ex.upgrade)
-            except Exception:
-                _log.failure("in-flight ticket of {host} failed", host=target.host)
+        if ex.observed is started or type(target) is not LocalSocket or target.inflight is None:
+            return
+        ex.observed = started
+        ticket = target.inflight
+        try:
+            (ticket.request_started if started else ticket.request_ended)(ex.upgrade)
+        except Exception:
+            _log.failure("in-flight ticket of {host} failed", host=target.host)
 
     def _log_access(self, ex: Exchange) -> None:
         target = ex.target
