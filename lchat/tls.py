@@ -46,11 +46,6 @@ from lchat.certfiles import (
     server_context,
     utc_date,
 )
-
-# moved to lchat.certfiles: importers outside the data plane (lchat/cli/) still use these here
-from lchat.certfiles import load_file as load_file
-from lchat.certfiles import role_of as role_of
-from lchat.certfiles import wildcard_cert_path as wildcard_cert_path
 from lchat.deferutil import fire, settled
 from lchat.proxy.handshakes import NotedSSLObject, handshake_notes
 from lchat.registry import RouteSource

@@ -20,9 +20,10 @@ from typing import Any
 from attrs import asdict, define
 from cryptography import x509
 
-from lchat import admin_client, tls
-from lchat.acme.cache import CacheEntryError, CertName, describe, issuer_name, key_id
+from lchat import admin_client, certfiles
+from lchat.acme.cache import CacheEntryError, CertName, describe, key_id
 from lchat.buckets import open_bucket
+from lchat.certfiles import issuer_name
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.objstore import ObjectStoreError
@@ -134,14 +135,14 @@ def _local_rows(directory: str) -> list[Row]:
     now = datetime.datetime.now(datetime.UTC).timestamp()
     rows = []
     for filename in filenames:
-        role = tls.role_of(filename)
+        role = certfiles.role_of(filename)
         if role is None:
             continue
         kind, name = role
         label = "*." + name if kind == "wildcard" else name
         path = os.path.join(directory, filename)
-        loaded = tls.load_file(path, kind, name, now)
-        if isinstance(loaded, tls.Refused):
+        loaded = certfiles.load_file(path, kind, name, now)
+        if isinstance(loaded, certfiles.Refused):
             rows.append(Row(label, kind, "?", "?", "", "dir", f"refused: {_printable(loaded.why)}"))
             continue
         rows.append(

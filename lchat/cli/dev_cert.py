@@ -2,7 +2,7 @@
 
 The CA (``dev-ca.pem``, key ``dev-ca.key``) is made once in the output directory and reused, so it
 only has to be trusted once. Each name gets ``<host>.pem`` (or ``wildcard-<domain>.pem`` for
-``*.<domain>``) in the router's certificate layout (see ``lchat/tls.py``), mode 0600. A certificate
+``*.<domain>``) in the router's certificate layout (see ``lchat/certfiles.py``), mode 0600. A certificate
 this CA issued that is still good for a while is kept; a file it did not issue is never overwritten.
 """
 
@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from lchat import hosts, tls
+from lchat import certfiles, hosts
 from lchat.config import BoxConfig
 from lchat.files import write_atomic
 
@@ -106,9 +106,9 @@ def _target(directory: str, raw: str) -> tuple[str, str]:
     try:
         if raw.startswith("*."):
             domain = hosts.normalise(raw[2:])
-            return "*." + domain, tls.wildcard_cert_path(directory, domain)
+            return "*." + domain, certfiles.wildcard_cert_path(directory, domain)
         host = hosts.normalise(raw)
-        return host, tls.cert_path(directory, host)
+        return host, certfiles.cert_path(directory, host)
     except hosts.InvalidHost as e:
         raise DevCertError(str(e)) from e
 
@@ -232,9 +232,9 @@ def _keepable(
             f"{path} exists and was not issued by the dev CA ({e.__class__.__name__}); "
             f"not overwriting it (remove it first if it is yours to replace)"
         ) from e
-    kind: tls.Kind = "wildcard" if name.startswith("*.") else "host"
-    loaded = tls.load_file(path, kind, name.removeprefix("*."), now.timestamp())
-    if isinstance(loaded, tls.Refused):
+    kind: certfiles.Kind = "wildcard" if name.startswith("*.") else "host"
+    loaded = certfiles.load_file(path, kind, name.removeprefix("*."), now.timestamp())
+    if isinstance(loaded, certfiles.Refused):
         return None
     not_after = leaf.not_valid_after_utc
     if not_after - now < datetime.timedelta(days=RENEW_WITHIN_DAYS):

@@ -119,9 +119,6 @@ class Lifecycle:
     budgets: Budgets = field(factory=Budgets)
     spawner: Spawner | None = None  # None: lchat.child.spawn
     drop_idle: Callable[[str], object] = lambda socket: None  # the proxy's kept-alive connections
-    # moved to Claims.hand_over (the fleet backup registers itself there): lchat/tap.py outside
-    # hibernation still passes the backup's release here; unused.
-    handover: object = None
     renew_every: float | None = None  # the lease keeper's period (default: TTL / 3)
     # The clock the lease's deadline is kept on (``acquire`` and ``LeaseKeeper`` share it): the
     # router passes ``time.monotonic``, which also arms lchat.lease's watchdog thread; a test on

@@ -1,9 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """lchat.proxy.oneread's recognisers as byte scanners in C (optional; oneread.py is the reference).
 
-``request`` and ``response`` accept exactly what oneread.py's ``request_py`` and ``response_py``
-accept and return the same values (tests/test_proxy_oneread.py compares them on generated inputs):
-one pass over the head instead of the patterns, the lowered copy and the findall list.
+``request`` and ``response`` accept exactly what oneread.py's patterns accept (its ``request`` and
+``response`` when this module is not built) and return the same values (tests/test_proxy_oneread.py
+compares them on generated inputs): one pass over the head instead of the patterns, the lowered
+copy and the findall list.
 
 The names they decline are not written here: oneread.py hands them over (``configure``), made from
 the header policy's shared sets (lchat.proxy.http). Until then both decline everything.
