@@ -31,7 +31,7 @@ from treq.client import HTTPClient
 from twisted.internet import error
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import HostnameEndpoint
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS
 from twisted.web.iweb import IAgentEndpointFactory, IResponse
@@ -41,8 +41,9 @@ from lchat import config, hosts
 from lchat.mesh.members import Member
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.witness import BEAT_PATH, MAX_MESSAGE, PeerCallError
+from lchat.reactors import TCPReactor
 from lchat.registry import Route
-from lchat.twisted_internals import platform_trust_plus, quiet_pool
+from lchat.twisted_internals import platform_trust_plus, quiet_pool, treq_reactor
 from lchat.webutil import BytesProducer
 
 ROUTE_PATH = "/api/mesh/route"
@@ -188,7 +189,7 @@ async def push_route(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any,  # the caller's: the router's, or the CLI's own
+    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
     http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> dict[str, Any]:
     """``POST /api/mesh/route``: create or update the route on the peer. Returns its answer
@@ -215,7 +216,7 @@ async def delete_route(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any,  # the caller's: the router's, or the CLI's own
+    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
     http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> bool:
     """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer. True when the peer had
@@ -244,7 +245,7 @@ async def list_routes(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any,  # the caller's: the router's, or the CLI's own
+    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
     http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> list[dict[str, Any]]:
     """``GET /api/mesh/routes``: the peer's in-scope hibernating routes, as payloads."""
@@ -273,7 +274,7 @@ async def get_json(
     *,
     ca_file: str = "",
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any,  # the caller's: the router's, or the CLI's own
+    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
     http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
 ) -> dict[str, Any]:
     """``GET path`` on the peer's mesh API (``lchat fleet``'s ``/api/mesh/spaces``): its answer,
@@ -291,7 +292,7 @@ class PeerBeats:
     box beats each peer every heartbeat, and several times a second while a write waits for the
     peers to know of a backlog)."""
 
-    def __init__(self, reactor: Any, token: str, ca_file: str = "") -> None:
+    def __init__(self, reactor: TCPReactor, token: str, ca_file: str = "") -> None:
         self._reactor = reactor
         self._token = token
         self._ca_file = ca_file
@@ -301,7 +302,7 @@ class PeerBeats:
     def _agent(self, timeout: float) -> Agent:
         agent = self._agents.get(timeout)
         if agent is None:
-            pool = quiet_pool(self._reactor, persistent=True)
+            pool = quiet_pool(IReactorTime(self._reactor), persistent=True)
             self._pools.append(pool)
             agent = self._agents[timeout] = _agent(self._reactor, self._ca_file, timeout, pool)
         return agent
@@ -354,13 +355,13 @@ class _TLSEndpoint:
     """``wrapClientTLS`` with the TLS layer's timers on *our* reactor: by default they use the
     global one, which the CLI's own reactor never runs (the handshake would never be written)."""
 
-    def __init__(self, reactor: Any, creator: Any, tcp: IStreamClientEndpoint) -> None:
-        self._reactor = reactor
+    def __init__(self, clock: IReactorTime, creator: Any, tcp: IStreamClientEndpoint) -> None:
+        self._clock = clock
         self._creator = creator
         self._tcp = tcp
 
     def connect(self, factory: Any) -> Deferred[Any]:
-        tls = TLSMemoryBIOFactory(self._creator, True, factory, clock=self._reactor)
+        tls = TLSMemoryBIOFactory(self._creator, True, factory, clock=self._clock)
         d: Deferred[Any] = self._tcp.connect(tls)
         return d.addCallback(_wrapped)
 
@@ -371,7 +372,9 @@ def _wrapped(protocol: Any) -> Any:
 
 @implementer(IAgentEndpointFactory)
 class _Endpoints:
-    def __init__(self, reactor: Any, policy: BrowserLikePolicyForHTTPS, timeout: float) -> None:
+    def __init__(
+        self, reactor: TCPReactor, policy: BrowserLikePolicyForHTTPS, timeout: float
+    ) -> None:
         self._reactor = reactor
         self._policy = policy
         self._timeout = timeout
@@ -382,17 +385,17 @@ class _Endpoints:
         if uri.scheme != b"https":
             return tcp
         creator = self._policy.creatorForNetloc(uri.host, uri.port)
-        return _TLSEndpoint(self._reactor, creator, tcp)
+        return _TLSEndpoint(IReactorTime(self._reactor), creator, tcp)
 
 
-def _agent(reactor: Any, ca_file: str, timeout: float, pool: Any = None) -> Agent:
+def _agent(reactor: TCPReactor, ca_file: str, timeout: float, pool: Any = None) -> Agent:
     """Verified HTTPS (the system's trust store, plus ``ca_file``), connecting within
     ``timeout``; a connection per call unless given a ``pool``."""
     trust = platform_trust_plus(ca_file) if ca_file else None
     return Agent.usingEndpointFactory(
         reactor,
         _Endpoints(reactor, BrowserLikePolicyForHTTPS(trustRoot=trust), timeout),
-        pool=pool if pool is not None else quiet_pool(reactor, persistent=False),
+        pool=pool if pool is not None else quiet_pool(IReactorTime(reactor), persistent=False),
     )
 
 
@@ -405,7 +408,7 @@ async def _call(
     body: bytes | None = None,
     ca_file: str,
     timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: Any,
+    reactor: TCPReactor,
     http: HTTPClient | None = None,
 ) -> _Reply:
     try:
@@ -449,7 +452,7 @@ async def _exchange(
     headers: dict[bytes | str, bytes | str],
     body: bytes | None,
     *,
-    reactor: Any,
+    reactor: TCPReactor,
     timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
     limit: int,
     fail: Callable[[str], Exception],
@@ -457,10 +460,16 @@ async def _exchange(
     """One request and its whole answer (status, body): no redirect followed (it would carry
     the bearer token elsewhere), at most ``limit`` bytes, within ``timeout``; any failure is
     ``fail(what happened)``."""
+    clock = IReactorTime(reactor)
 
     async def exchange() -> tuple[int, bytes]:
         response: IResponse = await client.request(
-            method, url, headers=headers, data=body, allow_redirects=False, reactor=reactor
+            method,
+            url,
+            headers=headers,
+            data=body,
+            allow_redirects=False,
+            reactor=treq_reactor(clock),
         )
         chunks: list[bytes] = []
         size = 0
@@ -481,7 +490,7 @@ async def _exchange(
         # Whatever the cancellation turned into on its way out (ResponseNeverReceived, ...).
         raise fail(f"no answer within {seconds:g}s")
 
-    d.addTimeout(timeout, reactor, onTimeoutCancel=timed_out)
+    d.addTimeout(timeout, clock, onTimeoutCancel=timed_out)
     try:
         return await d
     except (MeshCallError, PeerCallError):

@@ -39,6 +39,7 @@ from lchat import hosts
 from lchat.config import ConfigError, MeshConfig
 from lchat.mesh import client
 from lchat.mesh.members import Member
+from lchat.reactors import TCPReactor
 from lchat.registry import Route, RouteSource
 from lchat.threads import RunInThread
 
@@ -62,7 +63,7 @@ class DuePush(Service):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: TCPReactor,
         mesh: MeshConfig,
         data_dir: str,
         routes: RouteSource,

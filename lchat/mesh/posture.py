@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from lchat.config import BoxConfig
 from lchat.mesh.members import Member
 from lchat.mesh.membership import Membership
+from lchat.reactors import TCPReactor
 
 _log = Logger(namespace="lchat.mesh.posture")
 
@@ -48,7 +49,7 @@ class Posture(Service):
 
     name = "mesh-posture"
 
-    def __init__(self, reactor: Any, cfg: BoxConfig, membership: Membership) -> None:
+    def __init__(self, reactor: TCPReactor, cfg: BoxConfig, membership: Membership) -> None:
         assert cfg.mesh is not None
         self._reactor = reactor
         self._cfg = cfg
