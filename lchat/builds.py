@@ -32,8 +32,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from attrs import frozen
 from twisted.logger import Logger
@@ -181,7 +180,7 @@ def record_quietly(data_dir: str, host: str, program: str) -> None:
         )
 
 
-def record(data_dir: str, host: str, program: str, clock: Any = time.time) -> Wake:
+def record(data_dir: str, host: str, program: str, clock: Callable[[], float] = time.time) -> Wake:
     """Record that ``host`` is being started from ``program`` (resolved through its links; a
     bare command name found on PATH is recorded as it is, with no version)."""
     build = os.path.realpath(program) if os.path.isabs(program) else program

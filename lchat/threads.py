@@ -11,14 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 
 RunInThread = Callable[..., Deferred[Any]]  # (f, *args) -> Deferred of f(*args)
 
 
-# Any, not IReactorThreads, until the last tests passing the global reactor under its stub type
-# (which lacks threads) hold it as lchat.reactors.installed() instead.
-def thread_runner(reactor: Any) -> RunInThread:
+def thread_runner(reactor: IReactorThreads) -> RunInThread:
     """Run in ``reactor``'s thread pool."""
 
     def run(f: Callable[..., Any], *args: Any) -> Deferred[Any]:

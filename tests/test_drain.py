@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 
-from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
@@ -33,12 +32,15 @@ from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
 from lchat.objstore import open_store
+from lchat.reactors import installed
 from lchat.registry import Registry, Route, RouteSource
 from lchat.router import LocalResponse
 from lchat.supervise import Supervisor
 from lchat.threads import thread_runner
 from lchat.units import Claims
 from tests.test_mesh import DOMAIN, Box, MeshTestCase, request
+
+reactor = installed()
 
 WRITERS = 4  # concurrent kept-alive client connections to the forwarding box
 

@@ -14,13 +14,13 @@ import shutil
 import socket
 import tempfile
 
-from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
 from lchat.mesh.client import PeerBeats
 from lchat.mesh.membership import Membership
 from lchat.mesh.witness import PeerCallError
 from lchat.objstore.file import FileStore
+from lchat.reactors import installed
 from lchat.router import LocalResponse
 from lchat.threads import thread_runner
 from tests.test_mesh_api import TOKEN, Box
@@ -34,6 +34,8 @@ from tests.test_mesh_routing import (
     _deferred,
     host_owned_by,
 )
+
+reactor = installed()
 
 PEER = "https://box-b.example.net"
 

@@ -20,7 +20,6 @@ import threading
 import time
 from typing import Any
 
-from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
@@ -29,9 +28,12 @@ from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
 from lchat.mesh.membership import Membership
 from lchat.mesh.witness import PeerCallError
 from lchat.objstore.file import FileStore
+from lchat.reactors import installed
 from lchat.threads import thread_runner
 from tests.test_mesh import DOMAIN, TOKEN, MeshTestCase, _lchat, ip_default_cert, sleep
 from tests.test_mesh_api import Box as ApiBox
+
+reactor = installed()
 
 ATTACKER = "127.0.0.9"
 

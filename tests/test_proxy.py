@@ -25,7 +25,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.endpoints import (
     TCP4ClientEndpoint,
@@ -56,10 +55,12 @@ from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import listen
 from lchat.proxy.upstream import client_tls_context
+from lchat.reactors import installed
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
 from lchat.threads import thread_runner
 from tests.test_tls import TestCA
 
+reactor = installed()
 HOST = "chat.example.com"
 _log = Logger(namespace="tests.test_proxy")
 
@@ -847,7 +848,7 @@ class TunnelCloseTests(ProxyTestCase):
             ) as ws:
                 ws.send("one")
                 assert ws.recv(timeout=5) == "echo:one"
-                cast(Any, reactor).callFromThread(close_space)
+                reactor.callFromThread(close_space)
                 try:
                     ws.recv(timeout=5)
                 except ConnectionClosed:

@@ -27,7 +27,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from prometheus_client import REGISTRY
 from twisted.internet import defer, task, threads
-from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, wrapClientTLS
 from twisted.internet.protocol import Protocol
@@ -38,9 +37,10 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import certfiles, hosts, tls
 from lchat.cli.main import main
-from lchat.threads import thread_runner
+from lchat.reactors import installed
+from lchat.threads import inline, thread_runner
 
-reactor: Any = _reactor
+reactor = installed()
 NOW = datetime.datetime.now(datetime.UTC)
 
 
@@ -678,9 +678,7 @@ class StoreTests(SynchronousTestCase):
             self.ca.write(certfiles.cert_path(self.dir, name), name)
         self.ca.write(certfiles.wildcard_cert_path(self.dir, "example.com"), "*.example.com")
         known = {"a.example.com"}
-        store = tls.CertStore(
-            task.Clock(), self.dir, known.__contains__, run_in_thread=thread_runner(task.Clock())
-        )
+        store = tls.CertStore(task.Clock(), self.dir, known.__contains__, run_in_thread=inline)
         store.load_initial()
         contexts = {c.label: c.ssl_context for c in store.certificates().values()}
         lookup = store.context_for_server_name

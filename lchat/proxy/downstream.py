@@ -20,6 +20,7 @@ from typing import Any, cast
 import httptools
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -433,7 +434,7 @@ class ProxyFactory:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         router: Routes,
         cfg: ProxyConfig | None = None,
         pool: UpstreamPool | None = None,

@@ -22,6 +22,7 @@ from typing import Protocol as TypingProtocol
 import httptools
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -452,7 +453,7 @@ class UpstreamPool:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         dial_retry: float = 13.0,
         max_idle_per_key: int = 256,
         idle_timeout: float = 55.0,
