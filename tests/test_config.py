@@ -461,7 +461,9 @@ class Precedence(Base):
         )
 
     def test_only_lchat_names_are_settings(self) -> None:
-        env_file = self.write_env("PATH=/nowhere\nHOME=/x\nLCHAT_DATA_DIR=/d\n", "o.env")
+        env_file = self.write_env(
+            "PATH=/nowhere\nHOME=/home-only-in-env\nLCHAT_DATA_DIR=/d\n", "o.env"
+        )
         cfg = self.load({"PATH": "/usr/bin", "SHELL": "/bin/sh"}, env_file=env_file)
         self.assertEqual(cfg.warnings, ())
         self.assertEqual(cfg.data_dir, "/d")
@@ -469,9 +471,15 @@ class Precedence(Base):
         self.assertEqual(cfg.file_env["PATH"], "/nowhere")
         # The environment merged once: the file's values, the process environment winning.
         self.assertEqual(
-            cfg.env, {"PATH": "/usr/bin", "HOME": "/x", "LCHAT_DATA_DIR": "/d", "SHELL": "/bin/sh"}
+            cfg.env,
+            {
+                "PATH": "/usr/bin",
+                "HOME": "/home-only-in-env",
+                "LCHAT_DATA_DIR": "/d",
+                "SHELL": "/bin/sh",
+            },
         )
-        self.assertNotIn("/x", repr(cfg))
+        self.assertNotIn("/home-only-in-env", repr(cfg))  # (the temp path may hold "/x")
 
     def test_values_are_stripped(self) -> None:
         cfg = self.load({"LCHAT_UNITS": "  systemd \n", "LCHAT_HTTP_ADDR": " off "})
