@@ -7,22 +7,32 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from lchat import hosts as hostnames
+from lchat.admin_client import SocketAdmin
 from lchat.builds import BadVersion
 from lchat.cli import runner
 from lchat.config import BoxConfig
+from lchat.handover.hibernate import ACTIVATOR_BUSY
+from lchat.handover.router import Router, Say
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.reactors import Reactor
 from lchat.registry import Registry
 from lchat.release import deploy as deploy_mod
 from lchat.release import feed as feedlib
 from lchat.release import settings as settings_mod
-from lchat.release.deploy import Deployer, DeployError, RouterRestarter, SystemdRestarter
+from lchat.release.deploy import (
+    Deployer,
+    DeployError,
+    Restarter,
+    RouterRestarter,
+    SystemdRestarter,
+)
 from lchat.release.feed import FeedError
 from lchat.release.fetch import BucketSource, FeedSource, Fetcher, HttpSource, http_client
 from lchat.release.publish import BucketTarget, DirectoryTarget, PublishTarget, publish, refresh
@@ -192,9 +202,11 @@ async def _mirror_store(reactor: Reactor, cfg: BoxConfig, settings: ReleaseSetti
     return await open_bucket(reactor, cfg, where, what=what, make_dir=True)
 
 
+@asynccontextmanager
 async def _fetcher(
     reactor: Reactor, cfg: BoxConfig, settings: ReleaseSettings
-) -> tuple[Fetcher, list[ObjectStore]]:
+) -> AsyncIterator[Fetcher]:
+    """The feed's fetcher; the mirror's store is closed on leaving."""
     pubkey = _pubkey(cfg, settings)
     primary: FeedSource | None = (
         HttpSource(settings.url, http_client(reactor), reactor) if settings.url else None
@@ -205,14 +217,17 @@ async def _fetcher(
         store = await _mirror_store(reactor, cfg, settings)
         stores.append(store)
         mirror = BucketSource(store, settings.mirror.prefix, settings.mirror_url)
-    fetcher = Fetcher(
-        layout=settings.layout,
-        pubkey=pubkey,
-        state_file=settings.state_file,
-        primary=primary,
-        mirror=mirror,
-    )
-    return fetcher, stores
+    try:
+        yield Fetcher(
+            layout=settings.layout,
+            pubkey=pubkey,
+            state_file=settings.state_file,
+            primary=primary,
+            mirror=mirror,
+        )
+    finally:
+        for store in stores:
+            await store.close()
 
 
 def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
@@ -222,12 +237,8 @@ def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) ->
     _pubkey(cfg, settings)  # refuse before any network
 
     async def main(reactor: Reactor) -> tuple[str, str, str]:
-        fetcher, stores = await _fetcher(reactor, cfg, settings)
-        try:
+        async with _fetcher(reactor, cfg, settings) as fetcher:
             what, release, source = await fetcher.fetch(version)
-        finally:
-            for store in stores:
-                await store.close()
         return what, source, settings.layout.build_dir(release.version)
 
     what, source, where = runner.run(main)
@@ -248,12 +259,8 @@ def _list(
     if not args.offline:
 
         async def main(reactor: Reactor) -> tuple[feedlib.Feed, str]:
-            fetcher, stores = await _fetcher(reactor, cfg, settings)
-            try:
+            async with _fetcher(reactor, cfg, settings) as fetcher:
                 feed, source, _ = await fetcher.feed()
-            finally:
-                for store in stores:
-                    await store.close()
             return feed, source
 
         feed, source = runner.run(main)
@@ -324,14 +331,9 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
 
     feed = runner.run(main)
     where = " and ".join(filter(None, [args.to, settings.mirror_url if args.mirror else ""]))
-    if refreshing:
-        out(
-            f"refreshed the feed as feed_version {feed.feed_version} on {where} "
-            f"({len(feed.versions)} versions listed), expires {feed.expires_at}"
-        )
-        return 0
+    what = "refreshed the feed" if refreshing else f"published {args.version}"
     out(
-        f"published {args.version} as feed_version {feed.feed_version} to {where} "
+        f"{what} as feed_version {feed.feed_version} {'on' if refreshing else 'to'} {where} "
         f"({len(feed.versions)} versions listed), expires {feed.expires_at}"
     )
     return 0
@@ -352,11 +354,9 @@ def _deployer(
             "change nothing this router runs (set LCHAT_SPACE_COMMAND, or LCHAT_OPT_DIR)"
         )
     routes = {r.host: r for r in registry.load() if r.kind == "instance" and not r.elsewhere}
-    restarter: Any
-    if cfg.units == "systemd":
-        restarter = SystemdRestarter()
-    else:
-        restarter = RouterRestarter(cfg.admin_socket)
+    admin = SocketAdmin(cfg.admin_socket)
+    restarter: Restarter = SystemdRestarter() if cfg.units == "systemd" else RouterRestarter(admin)
+    router = Router(admin, Say(out, out, out))  # only its entry(): it says nothing
     if not 0 < args.timeout < 86400:
         raise DeployError("--timeout must be between 0 and 86400 seconds")
     deployer = Deployer(
@@ -366,21 +366,9 @@ def _deployer(
         restarter=restarter,
         out=out,
         timeout=args.timeout,
-        awake=lambda host: _activator_state(cfg, host) in ("waking", "awake", "stopping"),
+        awake=lambda host: (router.entry(host) or {}).get("state") in ACTIVATOR_BUSY,
     )
     return deployer, sorted(routes)
-
-
-def _activator_state(cfg: BoxConfig, host: str) -> str | None:
-    """The running router's activator state of ``host`` (None: not known)."""
-    from lchat import admin_client
-
-    try:
-        entry = admin_client.status(cfg.admin_socket, timeout=3.0).json()["hosts"][host]
-    except (admin_client.Unreachable, admin_client.ProtocolError, ValueError, KeyError, TypeError):
-        return None
-    state = entry.get("state") if isinstance(entry, dict) else None
-    return state if isinstance(state, str) else None
 
 
 def _need_router(cfg: BoxConfig, deployer: Deployer, hosts: list[str]) -> None:

@@ -31,9 +31,9 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
-from attrs import define, field, frozen
+from attrs import asdict, define, field, frozen
 
 from lchat import admin_client, systemd_units
 from lchat.builds import (
@@ -110,14 +110,6 @@ class HostState:
     canary: bool
     at: float
 
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "previous": self.previous,
-            "canary": self.canary,
-            "at": self.at,
-        }
-
 
 def state_path(layout: BuildLayout) -> str:
     return os.path.join(layout.live_dir, STATE_NAME)
@@ -142,7 +134,7 @@ def read_states(layout: BuildLayout) -> dict[str, HostState]:
 
 
 def write_states(layout: BuildLayout, states: dict[str, HostState]) -> None:
-    doc = {"hosts": {h: s.as_json() for h, s in sorted(states.items())}}
+    doc = {"hosts": {h: asdict(s) for h, s in sorted(states.items())}}
     os.makedirs(layout.live_dir, 0o755, exist_ok=True)
     write_atomic(state_path(layout), json.dumps(doc, indent=2).encode() + b"\n", 0o644)
 
@@ -180,16 +172,11 @@ class Restarter(Protocol):
         ...
 
 
-def _admin(admin: admin_client.RouterAdmin | str) -> admin_client.RouterAdmin:
-    return admin_client.SocketAdmin(admin) if isinstance(admin, str) else admin
-
-
 @frozen
 class RouterRestarter:
-    """Builtin units: the router runs always-on spaces itself; ask it over its admin API (the
-    admin socket's path, or any :class:`lchat.admin_client.RouterAdmin`)."""
+    """Builtin units: the router runs always-on spaces itself; ask it over its admin API."""
 
-    admin: admin_client.RouterAdmin = field(converter=_admin)
+    admin: admin_client.RouterAdmin
     _pids: dict[str, int | None] = field(factory=dict)  # host -> the pid its restart started
 
     def restart(self, host: str) -> None:
@@ -197,18 +184,17 @@ class RouterRestarter:
             response = self.admin.restart(host, RESTART_TIMEOUT)
         except (admin_client.Unreachable, admin_client.ProtocolError) as e:
             raise DeployError(f"{host}: could not ask the router to restart it: {e}") from e
-        if response.status != 200:
-            try:
-                error = response.json().get("error", "")
-            except (ValueError, AttributeError):
-                error = ""
-            raise DeployError(
-                f"{host}: the router answered {response.status} to the restart: {error}"
-            )
         try:
-            pid = response.json().get("pid")
-        except (ValueError, AttributeError):
-            pid = None
+            body = response.json()
+        except ValueError:
+            body = None
+        body = body if isinstance(body, dict) else {}
+        if response.status != 200:
+            raise DeployError(
+                f"{host}: the router answered {response.status} to the restart: "
+                f"{body.get('error', '')}"
+            )
+        pid = body.get("pid")
         self._pids[host] = pid if isinstance(pid, int) else None
 
     def failed(self, host: str) -> str | None:

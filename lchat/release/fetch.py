@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any, Protocol
 
+import attrs
 import treq
 import treq.client
 from attrs import frozen
@@ -82,10 +83,6 @@ class ArtefactRefused(FeedError):
 
 
 # --- sources ---------------------------------------------------------------------------------------
-
-
-class Sink(Protocol):
-    def write(self, data: bytes) -> Any: ...
 
 
 class FeedSource(Protocol):
@@ -205,15 +202,27 @@ def _collect_body(response: Any, write: Callable[[bytes], object]) -> Deferred[N
 
 
 class _Limited:
+    """A body held in memory, refused past ``limit`` bytes; a rewind (an object store's retry)
+    starts it afresh."""
+
     def __init__(self, limit: int, where: str) -> None:
         self.data = bytearray()
         self._limit = limit
         self._where = where
 
-    def write(self, chunk: bytes) -> None:
+    def write(self, chunk: bytes) -> int:
         self.data += chunk
         if len(self.data) > self._limit:
             raise SourceUnavailable(f"{self._where}: larger than {self._limit} bytes")
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.data.clear()
+        return 0
+
+    def truncate(self, size: int | None = None) -> int:
+        self.data.clear()
+        return 0
 
 
 @frozen
@@ -231,9 +240,9 @@ class BucketSource:
         return f"{self.prefix}/{path}" if self.prefix else path
 
     async def read(self, path: str, limit: int) -> bytes:
-        sink = _Rewindable(_Limited(limit, self._key(path)))
+        sink = _Limited(limit, self._key(path))
         await self._into(path, sink)
-        return bytes(sink.target.data)
+        return bytes(sink.data)
 
     async def download(self, path: str, sink: HashingFile) -> None:
         await self._into(path, sink)
@@ -246,25 +255,6 @@ class BucketSource:
             raise SourceUnavailable(f"{self.url}: no object {key}") from None
         except ObjectStoreError as e:
             raise SourceUnavailable(f"{self.url}: {e}") from None
-
-
-class _Rewindable:
-    """A :class:`_Limited` an object store can rewind before a retried GET."""
-
-    def __init__(self, target: _Limited) -> None:
-        self.target = target
-
-    def write(self, data: bytes) -> int:
-        self.target.write(data)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.target.data.clear()
-        return 0
-
-    def truncate(self, size: int | None = None) -> int:
-        self.target.data.clear()
-        return 0
 
 
 class HashingFile:
@@ -333,12 +323,7 @@ def read_state(path: str) -> Accepted | None:
 
 
 def write_state(path: str, accepted: Accepted) -> None:
-    doc = {
-        "feed_version": accepted.feed_version,
-        "digest": accepted.digest,
-        "accepted_at": accepted.accepted_at,
-        "source": accepted.source,
-    }
+    doc = attrs.asdict(accepted)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_atomic(path, json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n", 0o644)
 
@@ -489,41 +474,20 @@ async def install(layout: BuildLayout, release: Release, sources: Sequence[FeedS
     target = layout.build_dir(release.version)
     if _already_there(target, release):
         return "already installed"
-    tmp = _temp_beside(layout, release.version)
+    # Hidden (``versions/.<v>.<random>.tmp/``): never taken for an installed build.
+    os.makedirs(layout.versions_dir, 0o755, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{release.version}.", suffix=".tmp", dir=layout.versions_dir)
     try:
         for artefact in release.artefacts.values():
             await _download(tmp, artefact, sources)
-        _move_into_place(tmp, target, layout.versions_dir)
+        os.chmod(tmp, 0o755)  # noqa: S103 -- a build is world-readable and -executable by design
+        fsync_directory(tmp)
+        os.rename(tmp, target)  # fails if a concurrent fetch won: tmp is removed below
+        fsync_directory(layout.versions_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return "installed"
-
-
-def _already_there(target: str, release: Release) -> bool:
-    """Whether ``target`` is exactly ``release`` already; FeedError when it is something else."""
-    if not os.path.lexists(target):
-        return False
-    differs = _differs(target, release)
-    if differs:
-        raise FeedError(
-            f"{target} exists but is not the feed's {release.version} ({differs}): "
-            "remove it (no host may point at it) and fetch again"
-        )
-    return True
-
-
-def _temp_beside(layout: BuildLayout, version: str) -> str:
-    """A fresh ``versions/.<v>.<random>.tmp/`` (hidden: never taken for an installed build)."""
-    os.makedirs(layout.versions_dir, 0o755, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{version}.", suffix=".tmp", dir=layout.versions_dir)
-
-
-def _move_into_place(tmp: str, target: str, versions_dir: str) -> None:
-    os.chmod(tmp, 0o755)  # noqa: S103 -- a build is world-readable and -executable by design
-    fsync_directory(tmp)
-    os.rename(tmp, target)  # fails if a concurrent fetch won: the caller removes tmp
-    fsync_directory(versions_dir)
 
 
 async def _download(directory: str, artefact: Artefact, sources: Sequence[FeedSource]) -> None:
@@ -535,10 +499,7 @@ async def _download(directory: str, artefact: Artefact, sources: Sequence[FeedSo
             sink = HashingFile(f, artefact.size, f"{artefact.path} from {source.describe()}")
             try:
                 await source.download(artefact.path, sink)
-            except SourceUnavailable as e:
-                problems.append(str(e))
-                continue
-            except ArtefactRefused as e:
+            except (SourceUnavailable, ArtefactRefused) as e:
                 problems.append(str(e))
                 continue
             if (sink.size, sink.hexdigest()) != (artefact.size, artefact.sha256):
@@ -555,6 +516,19 @@ async def _download(directory: str, artefact: Artefact, sources: Sequence[FeedSo
     raise ArtefactRefused(
         f"refused {artefact.name} of the feed's build (nothing installed): " + "; ".join(problems)
     )
+
+
+def _already_there(target: str, release: Release) -> bool:
+    """Whether ``target`` is exactly ``release`` already; FeedError when it is something else."""
+    if not os.path.lexists(target):
+        return False
+    differs = _differs(target, release)
+    if differs:
+        raise FeedError(
+            f"{target} exists but is not the feed's {release.version} ({differs}): "
+            "remove it (no host may point at it) and fetch again"
+        )
+    return True
 
 
 def _differs(directory: str, release: Release) -> str:
