@@ -8,7 +8,6 @@ add the mesh (forward to the owner) and the activator (wake a hibernating space)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal, NamedTuple, Protocol
 
 from attrs import evolve, field, frozen
@@ -77,13 +76,11 @@ class RemotePeer:
     server_name: str
     add_headers: tuple[Header, ...] = ()
     tls: bool = True
-    # Where to go instead when the peer could not take the request and nothing of it was acted
-    # on; called once, with why: "unreachable" (the dial failed), "closed" (a safe request
-    # closed unanswered) or "stopping" (the peer refused it unprocessed: it is draining). The
-    # mesh routes the request again without that peer.
-    fallback: Callable[[str], Target | Deferred[Target]] | None = field(
-        default=None, eq=False, repr=False
-    )
+    # The mesh box it forwards to (its normalised URL), or "" for an upstream outside the mesh.
+    # A mesh forward the peer could not take, nothing of it acted on, is routed again once
+    # (Routes.reroute), told why: "unreachable" or "refused" (the dial failed), "closed" (a safe
+    # request closed unanswered) or "stopping" (refused unprocessed: the peer is draining).
+    member: str = ""
 
 
 @frozen
@@ -116,6 +113,9 @@ class Routes(Protocol):
     """What the proxy needs from a router."""
 
     def route(self, head: RequestHead) -> Target | Deferred[Target]: ...
+
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target | Deferred[Target]:
+        """Route ``head`` again: the mesh box ``peer.member`` could not take it (``why``)."""
 
 
 def plain(status: int, text: str, *extra: Header, label: str = "local") -> LocalResponse:
@@ -206,6 +206,11 @@ class Mesh(Protocol):
 
     def forward_elsewhere(self, route: Route, head: RequestHead) -> Target: ...
 
+    def reroute(
+        self, route: Route, head: RequestHead, peer: RemotePeer, why: str
+    ) -> Target | Deferred[Target]:
+        """Routed again without ``peer``, or answered here (a lives-elsewhere row)."""
+
 
 class Router:
     """Maps a request to a :data:`Target` using the current route table."""
@@ -285,3 +290,12 @@ class Router:
             self._sockets.clear()  # rows removed since: forget them
         self._sockets[host] = (route, target)
         return target
+
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target | Deferred[Target]:
+        """Route ``head`` again: the mesh box ``peer.member`` could not take it (``why``, as
+        :class:`RemotePeer` says) and nothing of it was acted on. The proxy asks once per
+        request. The mesh leaves the peer out a while; a row gone meanwhile is routed as such."""
+        route = self._table.table.routes.get(head.host)
+        if route is None or self._mesh is None:
+            return self.route(head)
+        return self._mesh.reroute(route, head, peer, why)

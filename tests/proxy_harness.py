@@ -33,7 +33,7 @@ from zope.interface import implementer
 
 from lchat.config import ProxyConfig
 from lchat.registry import Route, RouteTable
-from lchat.router import LocalResponse, RequestHead, Router, Target
+from lchat.router import LocalResponse, RemotePeer, RequestHead, Router, Target
 
 Header = tuple[bytes, bytes]
 
@@ -477,6 +477,9 @@ class FuzzRouter:
         if head.host == "stats.example.com":
             return LocalResponse(200, json.dumps(proxy_stats(self.factory)).encode())
         return self.router.route(head)
+
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        raise AssertionError("no mesh peer is routed to here")
 
 
 @define

@@ -326,7 +326,8 @@ class RoutingTests(SynchronousTestCase):
         return Router(_Table(self.row), activator=_Activator(), mesh=mesh)
 
     def test_forwarded_to_the_box_that_runs_it(self) -> None:
-        target = self.router(self.mesh).route(RequestHead(b"GET", b"/", HOST))
+        router = self.router(self.mesh)
+        target = router.route(RequestHead(b"GET", b"/", HOST))
         assert isinstance(target, RemotePeer), target
         self.assertEqual(
             (target.address, target.port, target.tls), ("box-2.example.net", 443, True)
@@ -337,8 +338,7 @@ class RoutingTests(SynchronousTestCase):
         to = forward.Bound(b"GET", b"/", "https://box-2.example.net")
         self.assertTrue(forward.authentic(value, TOKEN, HOST, self.clock.seconds, bound=to))
         # A peer that cannot take it: a 503, never a wake here.
-        assert target.fallback is not None
-        answer = target.fallback("unreachable")
+        answer = router.reroute(RequestHead(b"GET", b"/", HOST), target, "unreachable")
         assert isinstance(answer, LocalResponse)
         self.assertEqual((answer.status, answer.label), (503, "elsewhere_unreachable"))
 

@@ -136,25 +136,25 @@ class _StoppingPeer(Factory):
 
 
 class _ToPeer:
-    """Routes every request to one peer, with the mesh's fallback (answer here instead)."""
+    """Routes every request to one mesh peer; routed again, it answers here."""
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.fallbacks = 0
+        self.reroutes = 0
 
     def route(self, head: RequestHead) -> Target:
-        def fallback(why: str) -> Target:
-            self.fallbacks += 1
-            return LocalResponse(200, b"served elsewhere\n")
-
         return RemotePeer(
             host=head.host,
             address="127.0.0.1",
             port=self.port,
             server_name=head.host,
             tls=False,
-            fallback=fallback,
+            member=f"http://127.0.0.1:{self.port}",
         )
+
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        self.reroutes += 1
+        return LocalResponse(200, b"served elsewhere\n")
 
 
 class RerouteTests(TestCase):
@@ -193,7 +193,7 @@ class RerouteTests(TestCase):
         closed.close()  # nothing listens there now
         port, router = self._proxy(dead_port)
         code, body = yield self._request(port, b"GET")
-        self.assertEqual((code, body, router.fallbacks), (200, b"served elsewhere\n", 1))
+        self.assertEqual((code, body, router.reroutes), (200, b"served elsewhere\n", 1))
 
     @inlineCallbacks
     def test_a_safe_request_closed_unanswered_is_routed_again(self):
@@ -201,7 +201,7 @@ class RerouteTests(TestCase):
         port, router = self._proxy(peer_port)
         code, body = yield self._request(port, b"GET")
         self.assertEqual((code, body), (200, b"served elsewhere\n"))
-        self.assertEqual(router.fallbacks, 1)
+        self.assertEqual(router.reroutes, 1)
         self.assertGreaterEqual(peer.heads, 1)  # it did reach the peer first
 
     @inlineCallbacks
@@ -210,7 +210,7 @@ class RerouteTests(TestCase):
         port, router = self._proxy(peer_port)
         code, _ = yield self._request(port, b"POST")
         self.assertEqual(code, 502)  # it may have been acted on: never resent elsewhere
-        self.assertEqual(router.fallbacks, 0)
+        self.assertEqual(router.reroutes, 0)
 
 
 class _Answer(Resource):
@@ -299,32 +299,28 @@ class _ClosesSecondRequest(Protocol):
 
 
 class _ToPeers:
-    """Routes every request to the peer on ``first``; its fallback (recorded) routes to the one
-    on ``then``, whose own fallback is recorded too (it must never be called: one re-route).
-    ``then=None``: no fallback at all."""
+    """Routes every request to the mesh peer on ``first``; routed again (``why`` recorded), to
+    the one on ``then``, and from there (it must never happen: one re-route) to a 500.
+    ``then=None``: ``first`` is outside the mesh, never routed again."""
 
     def __init__(self, first: int, then: int | None) -> None:
         self.first, self.then = first, then
         self.whys: list[str] = []
 
-    def _peer(self, host: str, port: int, then: int | None, fallback: bool = True) -> RemotePeer:
-        def rerouted(why: str) -> Target:
-            self.whys.append(why)
-            if then is None:
-                return LocalResponse(500, b"routed a second time\n")
-            return self._peer(host, then, None)
-
+    def _peer(self, host: str, port: int, mesh: bool = True) -> RemotePeer:
+        member = f"http://127.0.0.1:{port}" if mesh else ""
         return RemotePeer(
-            host=host,
-            address="127.0.0.1",
-            port=port,
-            server_name=host,
-            tls=False,
-            fallback=rerouted if fallback else None,
+            host=host, address="127.0.0.1", port=port, server_name=host, tls=False, member=member
         )
 
     def route(self, head: RequestHead) -> Target:
-        return self._peer(head.host, self.first, self.then, fallback=self.then is not None)
+        return self._peer(head.host, self.first, mesh=self.then is not None)
+
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        self.whys.append(why)
+        if peer.port != self.first or self.then is None:
+            return LocalResponse(500, b"routed a second time\n")
+        return self._peer(head.host, self.then)
 
 
 class _ToSpace:
@@ -404,7 +400,7 @@ class DrainRerouteTests(TestCase):
         router = _ToPeers(self._site(owner), self._site(other))
         code, headers, data = yield self._post(self._proxy(router), b'{"body": "hi"}')
         self.assertEqual((code, data), (503, b"503 the other one is stopping too\n"))
-        self.assertEqual(router.whys, ["stopping"])  # the second target's fallback: never
+        self.assertEqual(router.whys, ["stopping"])  # the second target's reroute: never
         self.assertEqual((len(owner.requests), len(other.requests)), (1, 1))
         self.assertNotIn(REFUSED, headers)
         self.assertEqual(headers[b"retry-after"], [b"5"])

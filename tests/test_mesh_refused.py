@@ -31,7 +31,6 @@ from tests.test_mesh_routing import (
     Peer,
     View,
     _Base,
-    _deferred,
     host_owned_by,
 )
 
@@ -63,8 +62,7 @@ class RefusedHolderTests(_Base):
         host = host_owned_by(SELF, SELF, C)
         self.hold_lease(host, C)
         target = self.assertForwardedTo(self.routed(mesh, host), C, host)
-        assert target.fallback is not None
-        rerouted = self.successResultOf(_deferred(target.fallback(why)))
+        rerouted = self.successResultOf(self.reroute(mesh, target, why))
         return host, rerouted, self.routed(mesh, host)
 
     def test_a_silent_holder_alive_in_the_bucket_is_refused_at_once(self) -> None:

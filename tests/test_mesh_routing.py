@@ -269,6 +269,12 @@ class _Base(SynchronousTestCase):
         """Where a request for ``host`` goes, decided without waiting (the clock does not move)."""
         return self.successResultOf(self.route(mesh, host, **kw))
 
+    def reroute(self, mesh: MeshRouter, target: RemotePeer, why: str) -> Deferred[Target]:
+        """What the proxy asks when the forward of :meth:`route`'s POST to ``target`` failed
+        (``why``): ``mesh.reroute``, as ``Router.reroute`` calls it, always as a Deferred."""
+        head = RequestHead(method=b"POST", target=b"/", host=target.host)
+        return _deferred(mesh.reroute(hibernating(target.host), head, target, why))
+
     def assertForwardedTo(self, target: Target, peer: str, host: str) -> RemotePeer:
         assert isinstance(target, RemotePeer), target
         parts = placement.normalise_member_url(peer).split("://", 1)[1].split(":")
@@ -281,7 +287,7 @@ class _Base(SynchronousTestCase):
         self.assertEqual(name, forward.HEADER)
         to = forward.Bound(b"POST", b"/", placement.normalise_member_url(peer))
         self.assertTrue(forward.authentic(value, TOKEN, host, now=self.clock.seconds, bound=to))
-        self.assertIsNotNone(target.fallback)
+        self.assertEqual(target.member, placement.normalise_member_url(peer))
         return target
 
     def advance(self, seconds: float, step: float = 0.05) -> None:
@@ -587,9 +593,8 @@ class UnreachablePeerTests(_Base):
             second = host_owned_by(B, SELF, B, but_not=(first,))
             counted = forwards("peer_unreachable")
             target = self.assertForwardedTo(self.routed(mesh, first), B, first)
-            assert target.fallback is not None
             # Routed again at once without B: here is the owner now.
-            self.assertIs(self.successResultOf(_deferred(target.fallback(why))), SERVED_HERE)
+            self.assertIs(self.successResultOf(self.reroute(mesh, target, why)), SERVED_HERE)
             self.assertEqual(forwards("peer_unreachable"), counted + 1)
             self.assertEqual(self.clock.getDelayedCalls(), [])  # nothing to wait for
             # Every host B owns stays here while B is left out...
@@ -609,9 +614,8 @@ class UnreachablePeerTests(_Base):
         host = host_owned_by(SELF, SELF, C)
         self.hold_lease(host, C)
         target = self.assertForwardedTo(self.routed(mesh, host), C, host)
-        assert target.fallback is not None
         reads = self.disk.calls
-        self.assertIs(self.successResultOf(_deferred(target.fallback("unreachable"))), SERVED_HERE)
+        self.assertIs(self.successResultOf(self.reroute(mesh, target, "unreachable")), SERVED_HERE)
         self.assertEqual(self.disk.calls, reads + 1)  # the cached holder was dropped: re-read
         self.assertEqual(self.clock.getDelayedCalls(), [])
         # A fresh request does not try C again while it is left out.
@@ -625,8 +629,7 @@ class DrainTests(_Base):
 
     def refused_by_stopping_peer(self, mesh: MeshRouter, host: str) -> Deferred[Target]:
         target = self.assertForwardedTo(self.routed(mesh, host), B, host)
-        assert target.fallback is not None
-        return _deferred(target.fallback("stopping"))
+        return self.reroute(mesh, target, "stopping")
 
     def test_a_refused_request_waits_for_the_stopping_peers_release(self) -> None:
         mesh = self.mesh_of(SELF, B)

@@ -113,6 +113,9 @@ class StaticRouter:
             target = evolve(target, inflight=self.observer.ticket(head.target.decode()))
         return target
 
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        raise AssertionError("no mesh peer is routed to here")
+
 
 class RawClient(Protocol):
     """A client that sends exactly the bytes we say and keeps everything it receives."""

@@ -514,6 +514,9 @@ class Rig:
     def route(self, head: RequestHead) -> Target:
         return self.target
 
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        raise AssertionError("no mesh peer is routed to here")
+
     def dial(self) -> UpstreamConnection:
         transport = UvTransport(self.soon, self.scenario.space_sends, self.scenario.space_drains)
         conn = UpstreamConnection(self.pool, target_key(self.target))

@@ -31,7 +31,7 @@ from lchat.proxy import downstream, http, oneread
 from lchat.proxy.downstream import Downstream, ProxyFactory
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
-from lchat.router import LocalSocket, RequestHead, Target, plain
+from lchat.router import LocalSocket, RemotePeer, RequestHead, Target, plain
 
 KNOWN = "chat.example.com"
 SOCKET = "/nonexistent/rig.sock"
@@ -103,6 +103,9 @@ class Routes:
         if head.host == KNOWN:
             return self.target
         return plain(404, "404 Not Found: unknown host", label="unknown")
+
+    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        raise AssertionError("no mesh peer is routed to here")
 
 
 class Rig:

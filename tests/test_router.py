@@ -124,6 +124,7 @@ class _Mesh:
     activator: _Activator | None = None
     forward_to: Target | None = None  # None: "here", the activator's answer
     routed: list[str] = field(factory=list)
+    rerouted: list[tuple[str, str, str]] = field(factory=list)
 
     def in_scope(self, host: str) -> bool:
         return host.endswith("." + self.domain)
@@ -140,9 +141,16 @@ class _Mesh:
         assert self.forward_to is not None
         return self.forward_to
 
+    def reroute(self, route: Route, head: RequestHead, peer: RemotePeer, why: str) -> Target:
+        self.rerouted.append((route.host, peer.member, why))
+        assert self.activator is not None
+        return self.activator.route(route, head.sidecar)
+
 
 HIBERNATING = Route("h.mesh.example", "instance", "/run/h.sock", status="ready", hibernate=True)
-ELSEWHERE = RemotePeer("h.mesh.example", "10.0.0.2", 443, "h.mesh.example")
+ELSEWHERE = RemotePeer(
+    "h.mesh.example", "10.0.0.2", 443, "h.mesh.example", member="https://box-2.example.net"
+)
 AWAKE = LocalSocket("h.mesh.example", "/run/h.sock")
 
 
@@ -175,6 +183,22 @@ class BranchTests(TestCase):
         mesh.forward_to = ELSEWHERE
         self.assertIs(router.route(head("h.mesh.example")), ELSEWHERE)  # placed on a peer
         self.assertEqual(len(activator.calls), 1, "a forwarded request never wakes it here")
+
+    def test_a_peer_that_could_not_take_it_is_the_meshs_to_route_around(self) -> None:
+        """Router.reroute: the proxy's ask, with the row as it is now; a row removed since is
+        routed like any unknown host."""
+        activator = _Activator(AWAKE)
+        mesh = _Mesh("mesh.example", activator, forward_to=ELSEWHERE)
+        table = table_of(HIBERNATING)
+        router = Router(table, activator=activator, mesh=mesh)
+        peer = router.route(head("h.mesh.example"))
+        assert isinstance(peer, RemotePeer)
+        self.assertIs(router.reroute(head("h.mesh.example"), peer, "stopping"), AWAKE)
+        self.assertEqual(mesh.rerouted, [("h.mesh.example", ELSEWHERE.member, "stopping")])
+        table.table = RouteTable(routes=MappingProxyType({}))
+        gone = router.reroute(head("h.mesh.example"), peer, "unreachable")
+        assert isinstance(gone, LocalResponse)
+        self.assertEqual((gone.status, len(mesh.rerouted)), (404, 1))
 
     def test_a_host_out_of_the_meshs_scope_goes_straight_to_the_activator(self) -> None:
         activator = _Activator(AWAKE)

@@ -116,6 +116,7 @@ def peer_target(
         server_name=host,
         add_headers=(header,),
         tls=urlsplit(peer_url).scheme == "https",
+        member=bound.peer,
     )
 
 

@@ -49,6 +49,7 @@ from lchat.router import (
     SAFE_METHODS,
     Hibernation,
     LocalResponse,
+    RemotePeer,
     RequestHead,
     Target,
     plain,
@@ -257,22 +258,46 @@ class MeshRouter:
             )
             return _unavailable(host, "elsewhere_unreachable")
         _forwards.labels("to_elsewhere").inc()
-        target = forward.peer_target(
+        return forward.peer_target(
             peer, host, self._mesh.token, now=self._clock, method=head.method, target=head.target
         )
 
-        def unreachable(why: str) -> Target:
+    def reroute(
+        self, route: Route, head: RequestHead, peer: RemotePeer, why: str
+    ) -> Target | Deferred[Target]:
+        """``peer`` could not take ``head`` (``why``: :class:`~lchat.router.RemotePeer`) and
+        nothing of it was acted on. A lives-elsewhere row runs only there: 503. Otherwise the peer
+        is left out a while and the request routed again without it: until its heartbeat ages
+        out of everyone's view, a stopping or dead peer would keep its spaces dark."""
+        host = route.host
+        if route.elsewhere:
             _forwards.labels("elsewhere_unreachable").inc()
             _log.warn(
                 "mesh: {host} lives at {peer}, which could not take the request ({why}): "
                 "answering 503 (it runs only there)",
                 host=host,
-                peer=peer,
+                peer=route.lives_at,
                 why=why,
             )
             return _unavailable(host, "elsewhere_unreachable")
-
-        return attrs.evolve(target, fallback=unreachable)
+        member = peer.member
+        now = self._clock()
+        if why == "stopping":
+            # It refused the request unprocessed because it is draining: its leases are
+            # released within moments, worth waiting for (_released).
+            _forwards.labels("peer_stopping").inc()
+            self._draining[member] = max(self._draining.get(member, 0.0), now + RELEASE_WAIT)
+        else:
+            _forwards.labels("peer_unreachable").inc()
+        if why == "refused":
+            # Its port refused the connection: the box is up and its router is not (stopping,
+            # or killed). Unlike a silent cut, nothing of it can be serving the space.
+            self._refused.add(member)
+        else:
+            self._refused.discard(member)
+        self._unreachable[member] = (now + self._mesh.dead_after, self._mono())
+        self._holders.pop(host, None)
+        return Deferred.fromCoroutine(self._route_remote(route, head))
 
     async def _route_remote(self, route: Route, head: RequestHead) -> Target:
         host = route.host
@@ -367,7 +392,7 @@ class MeshRouter:
         ]
 
     def _to(self, peer: str, route: Route, head: RequestHead) -> Target:
-        target = forward.peer_target(
+        return forward.peer_target(
             peer,
             route.host,
             self._mesh.token,
@@ -375,29 +400,6 @@ class MeshRouter:
             method=head.method,
             target=head.target,
         )
-
-        def unreachable(why: str) -> Target | Deferred[Target]:
-            # Until its heartbeat ages out of everyone's view, a stopping or dead peer would
-            # otherwise keep its spaces dark: leave it out, route again.
-            now = self._clock()
-            if why == "stopping":
-                # It refused the request unprocessed because it is draining: its leases are
-                # released within moments, worth waiting for (_released).
-                _forwards.labels("peer_stopping").inc()
-                self._draining[peer] = max(self._draining.get(peer, 0.0), now + RELEASE_WAIT)
-            else:
-                _forwards.labels("peer_unreachable").inc()
-            if why == "refused":
-                # Its port refused the connection: the box is up and its router is not (stopping,
-                # or killed). Unlike a silent cut, nothing of it can be serving the space.
-                self._refused.add(peer)
-            else:
-                self._refused.discard(peer)
-            self._unreachable[peer] = (now + self._mesh.dead_after, self._mono())
-            self._holders.pop(route.host, None)
-            return Deferred.fromCoroutine(self._route_remote(route, head))
-
-        return attrs.evolve(target, fallback=unreachable)
 
     def _members_changed(self, old: list[Any], new: list[Any]) -> None:
         """A member that left the view because its heartbeat says "draining" (Membership.

@@ -103,7 +103,7 @@ class Relay(ClientConnection):
             return
         why = failure.value.why if isinstance(failure.value, DialFailed) else str(failure.value)
         target = ex.target
-        if isinstance(target, RemotePeer) and target.fallback is not None:
+        if isinstance(target, RemotePeer) and target.member:
             # A mesh peer that does not answer (stopping, or gone before its heartbeat aged
             # out): route again without it. Nothing was sent, so this is safe.
             refused = isinstance(failure.value, DialFailed) and failure.value.refused
@@ -119,9 +119,9 @@ class Relay(ClientConnection):
         )
 
     def _reroute(self, ex: Exchange, target: RemotePeer, why: str, detail: str) -> None:
-        """Route ``ex`` again without the peer ``target`` (the mesh leaves it out a while).
-        ``why`` (unreachable, closed, stopping) is what the fallback is told."""
-        assert target.fallback is not None
+        """Route ``ex`` again without the mesh peer ``target`` (the router's ``reroute``: the
+        mesh leaves it out a while), told ``why`` (unreachable, refused, closed, stopping)."""
+        assert ex.head is not None and target.member
         _reroutes.labels(why).inc()
         # A drain's refusals are expected (a few per peer connection): not a warning.
         emit = _log.info if why == "stopping" else _log.warn
@@ -134,7 +134,7 @@ class Relay(ClientConnection):
         self._disarm()  # an upstream deadline armed for the peer is not this routing's
         self._observe(ex, started=False)
         try:
-            again = target.fallback(why)
+            again = self.proxy.router.reroute(ex.head, target, why)
         except Exception:
             self._route_failed(Failure(), ex)
             return
@@ -240,7 +240,7 @@ class Relay(ClientConnection):
         sending it, will be: then once it is), and return True. Otherwise the 503 is relayed
         like any other (its marker dropped with every internal header)."""
         target = ex.target
-        if not isinstance(target, RemotePeer) or target.fallback is None or ex.rerouted:
+        if not isinstance(target, RemotePeer) or not target.member or ex.rerouted:
             return False
         if not any(n.lower() == REFUSED and v.strip() == b"stopping" for n, v in headers):
             return False  # a 503 of the space itself: the client's to see
@@ -447,7 +447,7 @@ class Relay(ClientConnection):
             if (
                 why in ("closed before responding", PEER_UNREACHABLE)
                 and isinstance(target, RemotePeer)
-                and target.fallback is not None
+                and target.member
                 and not ex.rerouted
                 and resendable
                 and ex.method in SAFE_METHODS
