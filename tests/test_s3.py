@@ -349,15 +349,13 @@ class RealServerTests(_RealServer):
         self.assertEqual(after, before + 1)
         await self.store.delete("nothing-here")  # unconditional: deleting nothing succeeds
 
-    async def test_unquoted_etags_in_if_match_work_too(self) -> None:
-        bare = self.make_store(quote_etags=False)
-        first = await bare.put("k", b"1", if_none_match=True)
-        second = await bare.put("k", b"2", if_match=first.etag)
+    async def test_quoted_etags_in_if_match_work_too(self) -> None:
+        first = await self.store.put("k", b"1", if_none_match=True)
+        # Callers may hand back a quoted ETag; it is normalised.
+        second = await self.store.put("k", b"2", if_match=f'"{first.etag}"')
         with self.assertRaises(PreconditionFailed):
-            await bare.put("k", b"3", if_match=first.etag)
-        # Callers may hand back a quoted ETag; it is normalised either way.
-        third = await self.store.put("k", b"3", if_match=f'"{second.etag}"')
-        await bare.delete("k", if_match=third.etag)
+            await self.store.put("k", b"3", if_match=f'"{first.etag}"')
+        await self.store.delete("k", if_match=f'"{second.etag}"')
 
     async def test_awkward_keys_roundtrip(self) -> None:
         for key in AWKWARD_KEYS:
@@ -955,18 +953,17 @@ class AddressingTests(TestCase):
             "https://s3.eu-west-1.amazonaws.com/my.dotted.bucket",
         )
         self.assertEqual(
-            self.address("b", region="cn-north-1", prefix_style="path")[0],
-            "https://s3.cn-north-1.amazonaws.com.cn/b",
+            self.address("b", region="cn-north-1")[0], "https://b.s3.cn-north-1.amazonaws.com.cn"
         )
 
-    def test_custom_endpoints_are_path_style_unless_asked(self) -> None:
+    def test_custom_endpoints_are_path_style(self) -> None:
         self.assertEqual(
             self.address("b", endpoint="http://127.0.0.1:9000/", region="x"),
             ("http://127.0.0.1:9000/b", "127.0.0.1:9000"),
         )
         self.assertEqual(
-            self.address("b", endpoint="minio.example:9000", region="x", prefix_style="virtual"),
-            ("https://b.minio.example:9000", "b.minio.example:9000"),
+            self.address("b", endpoint="minio.example:9000", region="x"),
+            ("https://minio.example:9000/b", "minio.example:9000"),
         )
 
     async def test_keys_that_differ_between_stores_are_refused(self) -> None:
@@ -1034,15 +1031,6 @@ class AddressingTests(TestCase):
                 "b",
                 credentials=creds,
                 list_page_size=1001,
-                run_in_thread=thread_runner(reactor),
-                monotonic=time.monotonic,
-            )
-        with self.assertRaises(ValueError):
-            S3Store(
-                reactor,
-                "b",
-                credentials=creds,
-                prefix_style="sideways",  # type: ignore[arg-type]
                 run_in_thread=thread_runner(reactor),
                 monotonic=time.monotonic,
             )

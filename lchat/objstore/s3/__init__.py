@@ -11,10 +11,8 @@ Refreshing a role's credentials can do blocking I/O (STS, the instance metadata 
 always runs in a thread, never on the reactor, and so does file I/O (``put_file``'s reads,
 ``get_to_file``'s writes). The transport is treq over one persistent connection pool.
 
-Every request has a known ``Content-Length`` (S3 refuses chunked uploads), a per-attempt timeout
-and up to ``retries`` retries with jittered exponential backoff on 5xx, throttling, timeouts and
-connection errors. Each attempt is counted in ``lchat_s3_requests_total{operation,outcome}``:
-S3 requests are the bill.
+Every request has a known ``Content-Length`` (S3 refuses chunked uploads); retries, timeouts and
+the request metrics are ``exchange``'s.
 
 Store quirks we normalise (each is handled, and commented, where it bites):
 
@@ -23,9 +21,8 @@ Store quirks we normalise (each is handled, and commented, where it bites):
 - ``Last-Modified``: HTTP dates have whole seconds, moto's listing has whole seconds (``.000Z``),
   AWS's listing has milliseconds. We truncate every timestamp to whole seconds so ``head`` and
   ``list`` agree with each other and with the ``Date`` clock they are compared against.
-- ETags in ``If-Match``: RFC 7232 and AWS want them quoted; some S3-compatible stores compare the
-  header literally against an unquoted ETag. Both moto and SeaweedFS accept either form; we send
-  quoted, and ``quote_etags=False`` sends them bare for a store that needs it.
+- ETags in ``If-Match``: RFC 7232 and AWS want them quoted; moto and SeaweedFS accept either
+  form. We send them quoted.
 - ``CopyObject`` can answer 200 with an ``<Error>`` body (AWS documents this): treated as that error.
 - Listing order: S3 lists in UTF-8 byte order (= code point order); SeaweedFS walks directories,
   so we sort each listing rather than trust the store's order.
@@ -44,7 +41,7 @@ Store quirks we normalise (each is handled, and commented, where it bites):
 
 from lchat.objstore.s3.exchange import REQUESTS
 from lchat.objstore.s3.exchange import WRAPPERS as _WRAPPERS  # tests.test_twisted_internals
-from lchat.objstore.s3.store import AddressingStyle, S3Store
+from lchat.objstore.s3.store import S3Store
 from lchat.objstore.s3.wire import quote_key
 
-__all__ = ["REQUESTS", "_WRAPPERS", "AddressingStyle", "S3Store", "quote_key"]
+__all__ = ["REQUESTS", "_WRAPPERS", "S3Store", "quote_key"]

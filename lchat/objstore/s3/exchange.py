@@ -179,10 +179,8 @@ def _describe(e: BaseException) -> str:
 
 
 class Exchange:
-    """Sends a bucket's requests (see the module docstring) and notes each answer's Date in
-    ``dates``. ``timeout`` bounds each attempt (for a streamed body it is an idle timeout: no
-    byte moved for that long); ``retries`` is the number of extra attempts after a transient
-    failure."""
+    """Sends a bucket's requests (see the module docstring; ``timeout`` and ``retries`` as
+    :class:`~lchat.objstore.s3.S3Store` takes them) and notes each answer's Date in ``dates``."""
 
     def __init__(
         self,
@@ -328,12 +326,11 @@ class Exchange:
             d.addTimeout(self.timeout, self._clock, onTimeoutCancel=_timed_out)
         try:
             return await d
-        except _Timeout:
-            self.dates.forget()
-            raise
         except BaseException as e:
             # The store just failed us: a remembered Date must not make now() look healthy.
             self.dates.forget()
+            if isinstance(e, _Timeout):
+                raise
             if watchdog is not None and watchdog.fired:
                 raise _Timeout() from e
             if _is_cancellation(e):

@@ -30,34 +30,25 @@ _SIGN_BODY_MAX = 64 * 1024  # bodies up to this are SHA-256 signed; larger ones 
 @frozen
 class BucketAddress:
     """``base_url`` (``scheme://host[:port][/bucket]``) and ``host`` (the signed Host header) of
-    ``bucket``: ``endpoint`` selects an S3-compatible store (path-style unless ``style`` says
-    virtual); without it, AWS's endpoint in ``region``, virtual-hosted unless the name is not
-    DNS-safe."""
+    ``bucket``: ``endpoint`` selects an S3-compatible store (path-style); without it, AWS's
+    endpoint in ``region``, virtual-hosted unless the name is not DNS-safe."""
 
     base_url: str
     host: str
 
     @classmethod
-    def of(cls, bucket: str, endpoint: str, region: str, style: str) -> BucketAddress:
+    def of(cls, bucket: str, endpoint: str, region: str) -> BucketAddress:
         if endpoint:
+            # S3-compatible stores (MinIO, SeaweedFS, ...) speak path-style.
             scheme, netloc, path, _, _ = urlsplit(endpoint)
-            if style == "auto":
-                style = "path"  # S3-compatible stores (MinIO, SeaweedFS, ...) speak path-style
-        else:
-            scheme, path = "https", ""
-            suffix = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
-            netloc = f"s3.{region}.{suffix}"
-            if style == "auto":
-                # Dots break TLS name checks on the wildcard certificate; upper case and
-                # underscores are not valid host names.
-                dns_safe = bucket == bucket.lower() and all(c.isalnum() or c == "-" for c in bucket)
-                style = "virtual" if dns_safe else "path"
-        path = path.rstrip("/")
-        if style == "virtual":
-            netloc = f"{bucket}.{netloc}"
-        else:
-            path = f"{path}/{quote_key(bucket)}"
-        return cls(f"{scheme}://{netloc}{path}", netloc)
+            return cls(f"{scheme}://{netloc}{path.rstrip('/')}/{quote_key(bucket)}", netloc)
+        suffix = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+        netloc = f"s3.{region}.{suffix}"
+        # Dots break TLS name checks on the wildcard certificate; upper case and underscores are
+        # not valid host names.
+        if bucket == bucket.lower() and all(c.isalnum() or c == "-" for c in bucket):
+            return cls(f"https://{bucket}.{netloc}", f"{bucket}.{netloc}")
+        return cls(f"https://{netloc}/{quote_key(bucket)}", netloc)
 
     def url(self, key: str | None, query: Sequence[tuple[str, str]]) -> str:
         url = self.base_url

@@ -7,8 +7,8 @@ from __future__ import annotations
 import builtins
 import datetime
 import os
-from collections.abc import Callable, Mapping
-from typing import IO, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
 
 from botocore.credentials import Credentials  # type: ignore[import-untyped]
 from twisted.logger import Logger
@@ -49,16 +49,14 @@ from lchat.threads import RunInThread
 
 log = Logger(namespace="lchat.objstore.s3")
 
-AddressingStyle = Literal["auto", "path", "virtual"]
-
 _HASH_IN_THREAD = 1024 * 1024  # hashing more than this would stall the reactor: do it in a thread
 
 
 class S3Store:
     """:class:`lchat.objstore.ObjectStore` over S3 (see :mod:`lchat.objstore.s3`).
 
-    Keys are relative to the bucket. ``endpoint`` selects an S3-compatible store (then path-style
-    addressing by default); without it, AWS's regional endpoint with virtual-hosted addressing
+    Keys are relative to the bucket. ``endpoint`` selects an S3-compatible store (path-style
+    addressing); without it, AWS's regional endpoint with virtual-hosted addressing
     (path-style for bucket names that are not DNS-safe), in ``region`` (``us-east-1`` when empty).
     ``credentials`` is a botocore ``Credentials``, already resolved
     (:func:`lchat.objstore.aws.resolve_credentials`); ``RefreshableCredentials`` (a role's) are
@@ -77,17 +75,13 @@ class S3Store:
         credentials: Credentials,
         region: str = "",
         endpoint: str = "",
-        prefix_style: AddressingStyle = "auto",
         timeout: float = 30.0,
         retries: int = 4,
         pool: HTTPConnectionPool | None = None,
-        quote_etags: bool = True,
         list_page_size: int = 1000,
     ) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"bad bucket name {bucket!r}")
-        if prefix_style not in ("auto", "path", "virtual"):
-            raise ValueError(f"prefix_style must be auto, path or virtual, not {prefix_style!r}")
         if not 1 <= list_page_size <= 1000:
             raise ValueError("list_page_size must be within 1..1000 (S3's max-keys)")
         if timeout <= 0 or retries < 0:
@@ -99,9 +93,8 @@ class S3Store:
         self._endpoint = endpoint.rstrip("/")
         if self._endpoint and "://" not in self._endpoint:
             self._endpoint = "https://" + self._endpoint
-        self._quote_etags = quote_etags
         self._page_size = list_page_size
-        self.address = BucketAddress.of(bucket, self._endpoint, region, prefix_style)
+        self.address = BucketAddress.of(bucket, self._endpoint, region)
         # The local monotonic clock: the bucket's time is estimated from its last Date plus the
         # time since, which a step of the wall clock must not skew (leases expire by it).
         self._dates = BucketDates(monotonic)
@@ -132,18 +125,18 @@ class S3Store:
         return object_info(key, reply.headers, size, now)
 
     def _if_match(self, etag: str) -> str:
-        etag = unquote_etag(etag)
         # Quirk: quoted per RFC 7232 (AWS, moto, SeaweedFS accept it; the last two also accept
-        # it bare). A store that compares the raw header to a bare ETag needs quote_etags=False.
-        return f'"{etag}"' if self._quote_etags else etag
+        # it bare).
+        return f'"{unquote_etag(etag)}"'
 
     # -- the interface ---------------------------------------------------------------------------
 
     async def get(self, key: str) -> StoredObject:
+        return await self._get(key)
+
+    async def _get(self, key: str, query: Sequence[tuple[str, str]] = ()) -> StoredObject:
         check_key(key)
-        reply = await self._send("GetObject", "GET", key)
-        if reply.status != 200:
-            raise error_for(reply, key)
+        reply = _ok(await self._send("GetObject", "GET", key, query=query), key)
         return StoredObject(self._info(key, reply, size=len(reply.body)), reply.body)
 
     async def get_to_file(self, key: str, path: str) -> ObjectInfo:
@@ -159,20 +152,12 @@ class S3Store:
             raise
 
     async def get_into(self, key: str, sink: IO[bytes]) -> int:
-        """GET ``key`` streaming its body into ``sink`` (its ``write`` is called from the store's
-        worker threads, a megabyte or more at a time); returns the bytes received.
-
-        A retried attempt first rewinds the sink (``seek(0)``, ``truncate()``); an exception from
-        ``write`` fails the GET without a retry. A body shorter than its Content-Length raises
-        :class:`StoreUnavailable`.
-        """
         return (await self._get_streamed(key, sink)).streamed
 
     async def _get_streamed(self, key: str, sink: IO[bytes]) -> Reply:
+        """A body shorter than its Content-Length raises :class:`StoreUnavailable`."""
         check_key(key)
-        reply = await self._send("GetObject", "GET", key, sink=sink)
-        if reply.status != 200:
-            raise error_for(reply, key)
+        reply = _ok(await self._send("GetObject", "GET", key, sink=sink), key)
         expected = reply.short_body()
         if expected is not None:
             raise StoreUnavailable(f"short body: {reply.streamed} of {expected} bytes", key=key)
@@ -180,10 +165,7 @@ class S3Store:
 
     async def head(self, key: str) -> ObjectInfo:
         check_key(key)
-        reply = await self._send("HeadObject", "HEAD", key)
-        if reply.status != 200:
-            raise error_for(reply, key)
-        return self._info(key, reply)
+        return self._info(key, _ok(await self._send("HeadObject", "HEAD", key), key))
 
     async def put(
         self,
@@ -240,11 +222,8 @@ class S3Store:
         check_key(key)
         size = (await self._run_in_thread(os.stat, path)).st_size
         headers = {"Content-Type": "application/octet-stream", **check_metadata(metadata or {})}
-        reply = await self._send(
-            "PutObject", "PUT", key, headers=headers, body=FileBody(path, size)
-        )
-        if reply.status != 200:
-            raise error_for(reply, key)
+        body = FileBody(path, size)
+        reply = _ok(await self._send("PutObject", "PUT", key, headers=headers, body=body), key)
         return PutResult(key, unquote_etag(header_text(reply.headers, "etag")))
 
     async def delete(self, key: str, *, if_match: str | None = None) -> None:
@@ -279,9 +258,7 @@ class S3Store:
     ) -> ListingPage:
         # Keys come back URL-encoded: XML 1.0 cannot carry every character a key may have.
         query += [("prefix", prefix), ("encoding-type", "url")]
-        reply = await self._send(op, "GET", None, query=query)
-        if reply.status != 200:
-            raise error_for(reply, prefix)
+        reply = _ok(await self._send(op, "GET", None, query=query), prefix)
         page = listing_page(reply.body, root)
         if page is None:
             what = "version listing" if op == "ListObjectVersions" else "listing"
@@ -331,9 +308,7 @@ class S3Store:
 
     async def versioning(self) -> str:
         reply = await self._send("GetBucketVersioning", "GET", None, query=[("versioning", "")])
-        if reply.status != 200:
-            raise error_for(reply, "")
-        root = xml(reply.body)
+        root = xml(_ok(reply, "").body)
         # Quirk: AWS and SeaweedFS answer <VersioningConfiguration>, moto
         # <GetBucketVersioningResponse>; both hold an optional <Status>.
         names = ("VersioningConfiguration", "GetBucketVersioningResponse")
@@ -375,10 +350,7 @@ class S3Store:
         check_key(key)
         if not version_id:
             raise ValueError("a version id cannot be empty")
-        reply = await self._send("GetObject", "GET", key, query=[("versionId", version_id)])
-        if reply.status != 200:
-            raise error_for(reply, key)
-        return StoredObject(self._info(key, reply, size=len(reply.body)), reply.body)
+        return await self._get(key, [("versionId", version_id)])
 
     async def delete_version(self, key: str, version_id: str) -> None:
         check_key(key)
@@ -405,3 +377,10 @@ class S3Store:
 
     async def close(self) -> None:
         await self._exchange.close()
+
+
+def _ok(reply: Reply, key: str) -> Reply:
+    """``reply`` if it is a 200, else its typed error raised."""
+    if reply.status != 200:
+        raise error_for(reply, key)
+    return reply
