@@ -7,6 +7,7 @@ status page can say what failed last. Behaviour is the wrapped store's, unchange
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Awaitable, Mapping
@@ -39,7 +40,6 @@ class MeteredStore:
         self._clock = clock  # when the last error happened
         self.requests = 0
         self.bytes_up = 0
-        self.bytes_down = 0
         self.last_error = ""
         self.last_error_at = 0.0
 
@@ -48,15 +48,9 @@ class MeteredStore:
         for labels in list(REQUESTS._metrics):
             if labels[0] == self.db:
                 REQUESTS.remove(*labels)
-        for direction in ("up", "down"):
-            try:
-                BYTES.remove(self.db, direction)
-            except KeyError:
-                pass
-        try:
-            ERRORS.remove(self.db)
-        except KeyError:
-            pass
+        for counter, labels in ((BYTES, ("up",)), (BYTES, ("down",)), (ERRORS, ())):
+            with contextlib.suppress(KeyError):
+                counter.remove(self.db, *labels)
 
     async def _count(self, op: str, work: Awaitable[_T]) -> _T:
         self.requests += 1
@@ -73,26 +67,22 @@ class MeteredStore:
         self.bytes_up += n
         BYTES.labels(self.db, "up").inc(n)
 
-    def _down(self, n: int) -> None:
-        self.bytes_down += n
-        BYTES.labels(self.db, "down").inc(n)
-
     def describe(self) -> str:
         return self._store.describe()
 
     async def get(self, key: str) -> StoredObject:
         got = await self._count("get", self._store.get(key))
-        self._down(len(got.body))
+        BYTES.labels(self.db, "down").inc(len(got.body))
         return got
 
     async def get_to_file(self, key: str, path: str) -> ObjectInfo:
         info = await self._count("get", self._store.get_to_file(key, path))
-        self._down(info.size)
+        BYTES.labels(self.db, "down").inc(info.size)
         return info
 
     async def get_into(self, key: str, sink: IO[bytes]) -> int:
         n = await self._count("get", self._store.get_into(key, sink))
-        self._down(n)
+        BYTES.labels(self.db, "down").inc(n)
         return n
 
     async def head(self, key: str) -> ObjectInfo:

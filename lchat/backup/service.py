@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -230,6 +231,7 @@ class Backup(Service):
             return
         if self._env_manifest is None and not await self._load_env_manifest(key):
             return
+        assert self._env_manifest is not None
         # Every instance's, hibernating ones too: a box rebuilt from the backup wakes those
         # from the hibernation bucket, and cannot start them without their env files either.
         paths = []
@@ -257,8 +259,8 @@ class Backup(Service):
                 continue
             content, digest = found
             name = os.path.basename(path)
-            files = self._env_manifest.files if self._env_manifest is not None else {}
-            generation = envfiles.next_generation(self._now_ns(), files.get(name, 0))
+            last = self._env_manifest.files.get(name, 0)
+            generation = envfiles.next_generation(self._now_ns(), last)
             try:
                 await self._store.put(
                     envfiles.key_for(self.layout.box_path(), name),
@@ -270,7 +272,6 @@ class Backup(Service):
                 continue
             ENV_UPLOADS.labels("ok").inc()
             self._env_sent[path] = digest
-            assert self._env_manifest is not None
             self._env_manifest = envfiles.Manifest(
                 self._env_manifest.generation, {**self._env_manifest.files, name: generation}
             )
@@ -382,11 +383,9 @@ class Backup(Service):
                 self._schedule(delay)
                 self._update_gauge()
                 return
-            if db.state != "starting":
-                # Stopped while it started (a hand-over): the stop waits on our lock.
-                db.replicator = replicator
-                return
             db.replicator = replicator
+            if db.state != "starting":
+                return  # stopped while it started (a hand-over): the stop waits on our lock
             db.state = "running"
             db.failures = 0
             db.since = self._reactor.seconds()
@@ -434,10 +433,8 @@ class Backup(Service):
             db.gone = True
             if self._dbs.get(name) is db:
                 del self._dbs[name]
-                try:
+                with contextlib.suppress(KeyError):
                     _lag.remove(name)
-                except KeyError:
-                    pass
                 db.store.forget()
             self._update_gauge()
 

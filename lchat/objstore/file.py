@@ -161,13 +161,13 @@ class _Version:
     metadata: dict[str, str]
     content_type: str
 
-    def info(self) -> ObjectInfo:
+    def info(self, *, metadata: bool = True) -> ObjectInfo:
         return ObjectInfo(
             key=self.key,
             size=self.size,
             etag=self.etag,
             last_modified=datetime.datetime.fromtimestamp(self.last_modified, UTC),
-            metadata=dict(self.metadata),
+            metadata=dict(self.metadata) if metadata else {},
         )
 
 
@@ -425,10 +425,8 @@ class FileBucket:
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         with self._guard(key):
-            segments = _segments(key)
+            directory, path = self._object_path(key)
             try:
-                directory = self._dir_path(segments[:-1], key)
-                path = os.path.join(directory, _stem(segments[-1], key) + _OBJ)
                 with self._locked(key):
                     if if_match is not None:
                         current = self._current(path)
@@ -534,21 +532,16 @@ class FileBucket:
 
     def _list_entry(self, path: str, key: str) -> ObjectInfo | None:
         try:
-            with open(path, "rb") as f:
-                v = _read_version(f)
-        except FileNotFoundError:
-            return None  # deleted while we walked
+            v = self._current(path)  # None: deleted while we walked
         except _Corrupt as e:
             _log.error(
                 "file store {root}: skipping corrupt {path}: {e}", root=self.root, path=path, e=e
             )
             return None
-        return ObjectInfo(
-            key=key,
-            size=v.size,
-            etag=v.etag,
-            last_modified=datetime.datetime.fromtimestamp(v.last_modified, UTC),
-        )
+        if v is None:
+            return None
+        v.key = key  # the path is the truth
+        return v.info(metadata=False)
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
