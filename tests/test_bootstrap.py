@@ -27,10 +27,10 @@ import attrs
 from twisted.trial.unittest import SkipTest, TestCase
 
 from lchat import config, ops
-from lchat.cli import bootstrap
-from lchat.cli.bootstrap import BootstrapError, Request, merge_env, plan, render_unit
+from lchat.cli.bootstrap.apply import plan
 from lchat.cli.bootstrap.probe import probe_as
-from lchat.cli.bootstrap.request import owner_of
+from lchat.cli.bootstrap.request import BootstrapError, Request, owner_of, request_from_args
+from lchat.cli.bootstrap.steps import merge_env, render_unit, shipped_units
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = os.path.join(ROOT, "ops", "systemd")
@@ -228,22 +228,22 @@ class PlanTests(TestCase):
         with open(ops.ENV_EXAMPLE) as f, open(os.path.join(ROOT, "etc", "router.env.example")) as g:
             self.assertEqual(f.read(), g.read())
         self.assertEqual(
-            set(bootstrap.shipped_units()),
+            set(shipped_units()),
             {n for n in os.listdir(UNITS) if n.endswith((".service", ".target", ".timer"))},
         )
-        self.assertIn("lchat-spaces.target", bootstrap.shipped_units())
+        self.assertIn("lchat-spaces.target", shipped_units())
 
     def test_not_root_is_refused_before_planning(self) -> None:
         args = argparse.Namespace(
             user="lchat", mesh_self=None, set=None, root=None, dry_run=False, no_systemctl=False
         )
         with self.assertRaises(BootstrapError) as e:
-            bootstrap.request_from_args(
+            request_from_args(
                 args, is_root=False, systemctl="/usr/bin/systemctl", systemd_running=True
             )
         self.assertIn("run it as root", str(e.exception))
         args.dry_run = True  # the plan may be read by anyone
-        request = bootstrap.request_from_args(
+        request = request_from_args(
             args, is_root=False, systemctl="/usr/bin/systemctl", systemd_running=True
         )
         self.assertIsNone(request.no_systemctl)
@@ -296,7 +296,7 @@ class RealRunTests(_Root):
             self.assertEqual((_mode(path), _owner(path)), (0o755, (0, 0)), path)
         units_dir = os.path.join(self.root, "etc", "systemd", "system")
         group = owner_of(SERVICE_USER).group
-        for name in bootstrap.shipped_units():
+        for name in shipped_units():
             path = os.path.join(units_dir, name)
             self.assertEqual((_mode(path), _owner(path)), (0o644, (0, 0)), path)
             with open(path) as f:

@@ -23,7 +23,10 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from lchat import hosts, isolation
 from lchat.cli import bootstrap
-from lchat.cli.bootstrap import RELAYOUT, Request
+from lchat.cli.bootstrap.apply import apply, plan
+from lchat.cli.bootstrap.relayout import RELAYOUT
+from lchat.cli.bootstrap.request import Request
+from lchat.cli.bootstrap.steps import Step
 from lchat.registry import Registry, Route
 
 SERVICE_USER = "daemon"
@@ -89,7 +92,7 @@ class Box(SynchronousTestCase):
             no_systemctl="systemd is not running here",
         )
 
-    def relayout_step(self, steps: list[bootstrap.Step]) -> bootstrap.Step:
+    def relayout_step(self, steps: list[Step]) -> Step:
         found = [s for s in steps if s.what == RELAYOUT]
         self.assertEqual(len(found), 1, [s.what for s in steps])
         return found[0]
@@ -135,9 +138,9 @@ class BootstrapRelayoutTests(Box):
         self.assertIn(f"to do    {self.data}: make it mode 0711 (is 0750)", text)
 
     def test_the_run_moves_them_and_a_second_plan_finds_it_done(self) -> None:
-        steps = bootstrap.plan(self.request())
+        steps = plan(self.request())
         self.assertTrue(self.relayout_step(steps).to_do)
-        outcome = bootstrap.apply(self.request(), steps, probe=False)
+        outcome = apply(self.request(), steps, probe=False)
         new_db = os.path.join(self.data, "spaces", A, A + ".db")
         self.assertIn(
             f"row {A}: socket {hosts.socket_path(self.rundir, A)} -> "
@@ -147,7 +150,7 @@ class BootstrapRelayoutTests(Box):
         )
         self.assertTrue(os.path.exists(new_db))
         self.assertEqual(stat.S_IMODE(os.stat(self.data).st_mode), 0o711)
-        again = bootstrap.plan(self.request())
+        again = plan(self.request())
         self.assertFalse(any(s.to_do for s in again), [s.what for s in again if s.to_do])
         self.assertEqual(
             self.relayout_step(again).already, "every space's files are in a directory of its own"
@@ -157,16 +160,16 @@ class BootstrapRelayoutTests(Box):
         # Bootstrap's own 0750 would lock every space out of <data>/spaces/<host>: the router
         # then refuses to start (isolation.decide).
         isolation.enable(self.data, self.rundir)
-        step = bootstrap.plan(self.request())[1]
+        step = plan(self.request())[1]
         self.assertEqual(step.already, f"{self.data}: mode 0711, owner {SERVICE_USER}")
 
     def test_isolation_off_leaves_the_files_with_a_line(self) -> None:
         self.write_env("LCHAT_ISOLATION=off")
         before = self.tree()
-        steps = bootstrap.plan(self.request())
+        steps = plan(self.request())
         step = self.relayout_step(steps)
         self.assertIn("LCHAT_ISOLATION=off", step.skipped or "")
-        bootstrap.apply(self.request(), steps, probe=False)
+        apply(self.request(), steps, probe=False)
         self.assertFalse(hosts.isolated(self.data))
         self.assertTrue(os.path.exists(os.path.join(self.data, A + ".db")))
         self.assertEqual(self.tree()[self.data], before[self.data])
@@ -181,7 +184,7 @@ class BootstrapRelayoutTests(Box):
             given=("LCHAT_ISOLATION",),
             no_systemctl=request.no_systemctl,
         )
-        step = self.relayout_step(bootstrap.plan(request))
+        step = self.relayout_step(plan(request))
         self.assertIn("LCHAT_ISOLATION=off", step.skipped or "")
 
     def test_a_router_it_cannot_stop_is_not_moved_under(self) -> None:
@@ -189,6 +192,6 @@ class BootstrapRelayoutTests(Box):
         self.addCleanup(listener.close)
         listener.bind(os.path.join(self.rundir, "router.sock"))
         listener.listen(1)
-        step = self.relayout_step(bootstrap.plan(self.request()))
+        step = self.relayout_step(plan(self.request()))
         self.assertIn("the router runs", step.skipped or "")
         self.assertTrue(step.detail)  # what it would do, said

@@ -17,7 +17,7 @@ the configuration (``config.load``), the AWS credentials the buckets and Route53
 bucket's write probe (as the router's ``_BucketCheck``, ``lchat.buckets.probe_name``). What fails there is printed as
 left to do, with everything else left (secrets to fill in, no build yet...).
 
-Invariants: :func:`plan` changes nothing (it reads the box and says, step by step, what it would
+Invariants: :func:`~lchat.cli.bootstrap.apply.plan` changes nothing (it reads the box and says, step by step, what it would
 do and what is already so); bad input is refused before anything changes; a second run changes
 nothing; an operator's existing ``router.env`` keeps every line except the values given (each
 change is named; a secret's value is never printed); ``--root DIR`` prefixes every path (tests,
@@ -31,29 +31,8 @@ import os
 import shutil
 from collections.abc import Callable
 
-from lchat.cli.bootstrap.apply import Outcome, apply, plan
-from lchat.cli.bootstrap.probe import probe
-from lchat.cli.bootstrap.relayout import RELAYOUT
-from lchat.cli.bootstrap.request import DEFAULT_USER, BootstrapError, Request, request_from_args
-from lchat.cli.bootstrap.steps import Step, merge_env, render_unit, shipped_units
-
-__all__ = [
-    "RELAYOUT",
-    "SUMMARY",
-    "BootstrapError",
-    "Outcome",
-    "Request",
-    "Step",
-    "add_arguments",
-    "apply",
-    "merge_env",
-    "plan",
-    "probe",
-    "render_unit",
-    "request_from_args",
-    "run",
-    "shipped_units",
-]
+from lchat.cli.bootstrap.apply import apply, plan
+from lchat.cli.bootstrap.request import DEFAULT_USER, BootstrapError, request_from_args
 
 SUMMARY = (
     "prepare this box for the router: service user, data directory, router.env, /opt/lchat, "

@@ -30,15 +30,15 @@ def relayout_steps(request: Request) -> tuple[list[Step], bool]:
     from lchat.registry import Registry, RegistryError
 
     env_path = request.path(request.env_file)
+    data_dir = request.path(request.data_dir)
+    isolated = hosts.isolated(data_dir)
+    has_rows = os.path.exists(os.path.join(data_dir, "registry.db"))
     if request.root:
         # The rows name box paths (/data/<host>.db), not paths under --root.
-        registry_file = request.path(os.path.join(request.data_dir, "registry.db"))
-        if not os.path.exists(registry_file):
-            return [], hosts.isolated(request.path(request.data_dir))
         skip = f"--root {request.root} given: run bootstrap on the box itself"
-        return [Step(RELAYOUT, skipped=skip)], hosts.isolated(request.path(request.data_dir))
+        return ([Step(RELAYOUT, skipped=skip)] if has_rows else []), isolated
     if not os.path.isfile(env_path):
-        return [], hosts.isolated(request.data_dir)
+        return [], isolated
     try:
         cfg = config.load(
             env_file=env_path,
@@ -47,12 +47,8 @@ def relayout_steps(request: Request) -> tuple[list[Step], bool]:
             systemd_present=request.no_systemctl is None,
         )
     except ConfigError as e:
-        isolated = hosts.isolated(request.data_dir)
-        if not os.path.exists(os.path.join(request.data_dir, "registry.db")):
-            return [], isolated
-        return [Step(RELAYOUT, skipped=f"{env_path} does not load ({e}): fix it, run again")], (
-            isolated
-        )
+        skip = f"{env_path} does not load ({e}): fix it, run again"
+        return ([Step(RELAYOUT, skipped=skip)] if has_rows else []), isolated
     isolated = hosts.isolated(cfg.data_dir)
     if not os.path.exists(cfg.registry):
         return [], isolated  # no spaces yet: the router lays the box out at its start

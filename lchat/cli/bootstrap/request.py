@@ -97,7 +97,8 @@ def request_from_args(
                 f"bootstrap does not take --{option.replace('_', '-')}: the units use "
                 f"<data-dir> and /run/lchat (set other paths with --set NAME=VALUE)"
             )
-    data_dir = _data_dir(getattr(args, "data_dir", None))
+    asked_dir = getattr(args, "data_dir", None)
+    data_dir = _data_dir(asked_dir)
     user = args.user
     if not _USER_NAME.fullmatch(user):
         raise BootstrapError(
@@ -112,12 +113,8 @@ def request_from_args(
         if root == "/":
             root = ""
     values: dict[str, str] = {"LCHAT_DATA_DIR": data_dir}
-    given: list[str] = []
-    if getattr(args, "data_dir", None) is not None:
-        given.append("LCHAT_DATA_DIR")
     if args.mesh_self is not None:
         values["LCHAT_MESH_SELF"] = _mesh_self(args.mesh_self)
-        given.append("LCHAT_MESH_SELF")
     known = set(config.DEFAULTS) | set(AWS_NAMES) | set(release_settings.VARIABLES)
     for item in args.set or ():
         name, sep, value = item.partition("=")
@@ -143,11 +140,9 @@ def request_from_args(
             envfile.env_line(name, value)
         except ValueError as e:
             raise BootstrapError(f"--set {e}") from None
-        if name in given and values[name] != value:
+        if values.get(name, value) != value:
             raise BootstrapError(f"--set {name} given twice, differently")
         values[name] = value
-        if name not in given:
-            given.append(name)
     no_systemctl = None
     if args.no_systemctl:
         no_systemctl = "--no-systemctl given"
@@ -167,7 +162,8 @@ def request_from_args(
         user=user,
         root=root,
         values=values,
-        given=tuple(given),
+        # In the order given; LCHAT_DATA_DIR only when --data-dir was.
+        given=tuple(n for n in values if n != "LCHAT_DATA_DIR" or asked_dir is not None),
         dry_run=args.dry_run,
         no_systemctl=no_systemctl,
     )

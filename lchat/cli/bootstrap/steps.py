@@ -93,7 +93,7 @@ def user_step(request: Request, account: Account | None) -> Step:
 
 
 def data_dir_step(request: Request, account: Account | None, want: int) -> Step:
-    """``want``: :data:`want`, or :data:`ISOLATED_want` on a box that isolates its
+    """``want``: ``DATA_MODE``, or ``ISOLATED_DATA_MODE`` on a box that isolates its
     spaces (or is about to): 0750 there would lock every space out of its own directory."""
     path = request.path(request.data_dir)
     user = request.user
