@@ -31,6 +31,22 @@ from tests.replicas import dump, litestream_restore
 reactor = installed()
 
 
+async def compact(rep: Replicator, level: int) -> int:
+    """Compact level ``level - 1`` into ``level`` now, as its timer would; the files written."""
+    rep._ensure_running()
+    async with rep._lock:
+        return await rep._compact_locked(level)
+
+
+async def snapshot(rep: Replicator) -> None:
+    """Ship a snapshot now (if anything changed since the last one), then apply retention."""
+    rep._ensure_running()
+    async with rep._lock:
+        await rep._sync_locked()
+        assert not rep._queue, "files not uploaded"
+        await rep._snapshot_locked()
+
+
 PATH = "pre/h.example"
 
 # ~2 s of inserts, updates, deletes and a large blob, each round its own transaction.
@@ -222,27 +238,27 @@ class ReplicatorTests(TestCase):
         l0 = await self._keys(0)
         self.assertGreater(l0, 3)
         await self._assert_restores(name="s0.db")
-        self.assertEqual(await rep.compact(1), 1)
+        self.assertEqual(await compact(rep, 1), 1)
         # The inputs stay a while (compacted_retention) for restores already under way.
         self.assertEqual((await self._keys(0), await self._keys(1)), (l0, 1))
         await self._assert_restores(name="s1.db")
         await self._write()
         await rep.flush()
-        await rep.compact(1)
+        await compact(rep, 1)
         self.assertEqual(await self._keys(1), 2)
         await self._assert_restores(name="s2.db")
-        await rep.compact(2)
+        await compact(rep, 2)
         self.assertEqual(await self._keys(2), 1)
         await self._assert_restores(name="s3.db")
-        await rep.compact(3)
+        await compact(rep, 3)
         self.assertEqual(await self._keys(3), 1)
         await self._assert_restores(name="s4.db")
         before = self.store.count()
-        self.assertEqual(await rep.compact(3), 0)  # nothing below: no request at all
+        self.assertEqual(await compact(rep, 3), 0)  # nothing below: no request at all
         self.assertEqual(self.store.count(), before)
         await self._write()
         await rep.flush()
-        await rep.snapshot()  # retention: only the new snapshot is left
+        await snapshot(rep)  # retention: only the new snapshot is left
         keys = await self._all_keys()
         self.assertEqual(len(keys), 1, keys)
         self.assertIn("/0009/", keys[0])
@@ -301,7 +317,7 @@ class ReplicatorTests(TestCase):
         writes = [t for n, t in self.store.calls if n in ("put_file", "delete")]
         self.assertLess(max(writes), keeper.deadline)
         with self.assertRaises(ReplicatorStopped):
-            await rep.compact(1)
+            await compact(rep, 1)
 
     def test_timestamp_format(self) -> None:
         import datetime

@@ -344,7 +344,8 @@ class ResetAndRewrite(Base):
         for _ in range(10):
             w.sql("INSERT INTO t (v) VALUES (randomblob(1000))")
         ref = next(iter(seg.pages.values()))
-        self.assertRaises(wal.WALError, wal.read_page, self.wal_path, seg.header, ref)
+        with wal.WALReader(self.wal_path) as reader:
+            self.assertRaises(wal.WALError, reader.read_page, seg.header, ref)
 
 
 class Consistency(Base):

@@ -51,11 +51,11 @@ from typing import Literal
 from attrs import frozen
 
 from lchat.replica import wal
+from lchat.replica.ltx import lock_pgno
 from lchat.replica.wal import Segment, WALPosition, WALReset, WALRewritten
 
 SEQ_TABLE = "_lchat_replica_seq"
 LOCK_TABLE = "_lchat_replica_lock"
-PENDING_BYTE = 0x40000000
 
 CheckpointMode = Literal["PASSIVE", "TRUNCATE"]
 
@@ -126,11 +126,6 @@ class Snapshot:
     position: WALPosition | None
     page_size: int
     page_count: int
-
-
-def lock_pgno(page_size: int) -> int:
-    """The page holding SQLite's lock byte: never written, never shipped."""
-    return PENDING_BYTE // page_size + 1
 
 
 class ReplicaDB:
@@ -259,10 +254,6 @@ class ReplicaDB:
         """Where our read transaction was taken: the caller must have shipped at least this far."""
         return self._anchor
 
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
     def _conns(self) -> tuple[sqlite3.Connection, sqlite3.Connection]:
         if self._reader is None or self._locker is None:
             raise ReplicaDBError("ReplicaDB is not open")
@@ -298,12 +289,6 @@ class ReplicaDB:
             return wal.read_committed(
                 self.wal_path, since, follow_restart=follow, max_bytes=max_bytes
             )
-
-    def page_count(self) -> int:
-        """The database size in pages as our read transaction sees it (at the anchor)."""
-        with self._mu:
-            rd, _ = self._conns()
-            return int(rd.execute("PRAGMA page_count").fetchone()[0])
 
     def snapshot(self) -> tuple[Snapshot, Iterator[tuple[int, bytes]]]:
         """A consistent image at the log's current committed end, as ``(pgno, page)`` ascending.

@@ -169,14 +169,14 @@ class Replicator:
         self._call: IDelayedCall | None = None
         self._queue: list[Prepared] = []
         self._pos: WALPosition | None = None  # end of what is prepared (shipped once queue empty)
-        self._txid = 0  # the last txid prepared
+        self.txid = 0  # the last txid prepared (uploaded too, when nothing is queued)
         self._need_snapshot = True
         # When the oldest commit not yet in the bucket was noticed (None: everything is there).
         # The gauge is computed from it at scrape time: an upload hanging on a frozen store
         # produces no event at all, and the lag must still be seen to grow.
         self._pending_since: float | None = None
         self._started = False
-        self._stopped = False  # no more writes
+        self.stopped = False  # no more writes (for good)
         self._wrote = False  # a write was sent: it may land, whatever its answer said
         self._closed = False  # stop() ran
         self.lost: str | None = None  # why the lease was lost, if it was
@@ -204,19 +204,10 @@ class Replicator:
         self._retain_after_snapshot = False  # a re-seed: once its snapshot is durable, tidy up
 
     @property
-    def txid(self) -> int:
-        """The last txid prepared (uploaded too, when nothing is queued)."""
-        return self._txid
-
-    @property
     def wrote(self) -> bool:
         """Has this replicator sent any write (upload or delete)? One whose answer was an error
         or never came may still land, at any time (docs/lease.md, "Late writes")."""
         return self._wrote
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -266,10 +257,10 @@ class Replicator:
             if listing is None:
                 listing = await self._store.list(self.path + "/")
             files = replica_files(list(listing))
-            self._txid = max(max((f.max_txid for f in files), default=0), txid_floor)
+            self.txid = max(max((f.max_txid for f in files), default=0), txid_floor)
             if after_takeover:
                 resume_txid = None
-                self._txid += TAKEOVER_TXID_GAP
+                self.txid += TAKEOVER_TXID_GAP
             for f in files:
                 self._known.remember(
                     _compact.Entry(
@@ -277,7 +268,7 @@ class Replicator:
                     )
                 )
             self._listed = True
-            resumed = resume_txid is not None and 0 < resume_txid == self._txid
+            resumed = resume_txid is not None and 0 < resume_txid == self.txid
             if resumed and restores_to(files) != resume_txid:
                 resumed = False
                 RESEEDS.labels("start").inc()
@@ -294,7 +285,7 @@ class Replicator:
                 _log.info(
                     "replica {path}: resuming after txid {txid} (the local database matches it)",
                     path=self.path,
-                    txid=f"{self._txid:016x}",
+                    txid=f"{self.txid:016x}",
                 )
             now = self._reactor.seconds()
             self._last_compaction = dict.fromkeys(self._levels, now)
@@ -312,7 +303,7 @@ class Replicator:
         """Stop syncing and close the database; nothing is written after this returns."""
         if self._closed:
             return
-        self._closed = self._stopped = True
+        self._closed = self.stopped = True
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
@@ -337,18 +328,15 @@ class Replicator:
         ``check``: first compare the replica with what we wrote (one LIST) and re-seed it if the
         bucket lost any of it — for the last flush before a space sleeps, after which the
         bucket's copy is all that exists off this box."""
-        if self._stopped:
-            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        self._ensure_running()
         async with self._lock:
-            if self._stopped:
-                # Stopped while we waited for the lock (a tick that held it found the lease
-                # lost): nothing more goes up, and what was written is not in the bucket.
-                raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+            # Stopped while we waited for the lock (a tick that held it found the lease lost):
+            # nothing more goes up, and what was written is not in the bucket.
+            self._ensure_running()
             if check and self._check is None:
                 self._check = "flush"
             await self._sync_locked()
-            if self._stopped:
-                raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+            self._ensure_running()
             if self._queue:
                 raise ObjectStoreError(
                     f"replica {self.path}: {len(self._queue)} files not uploaded"
@@ -363,10 +351,9 @@ class Replicator:
         lock vanished, this means another writer held the space meanwhile. True otherwise.
         Raises :class:`ObjectStoreError` when the LIST fails.
         """
-        if self._stopped:
-            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        self._ensure_running()
         async with self._lock:
-            if not self._listed or self._stopped:
+            if not self._listed or self.stopped:
                 return True  # start() has not listed yet: its own LIST will see the truth
             return await self._check_locked(trigger, foreign_is_takeover=True)
 
@@ -409,13 +396,11 @@ class Replicator:
         """Forget what the bucket lost, drop the queue (the snapshot covers it) and make the next
         upload a snapshot above every txid seen; retention tidies up once it is durable."""
         for e in missing:
-            local = self._known.forget(e.key)
-            if local is not None:
-                await self._run(unlink_quietly, local)
+            await self._forget(e.key)
         dropped, self._queue = self._queue, []
         for p in dropped:
             await self._run(unlink_quietly, p.tmp_path)
-        self._txid = max([self._txid, *foreign])
+        self.txid = max([self.txid, *foreign])
         self._known.snap_txid = max((e.max_txid for e in self.files(SNAPSHOT_LEVEL)), default=0)
         self._need_snapshot = True
         self._retain_after_snapshot = True
@@ -435,20 +420,20 @@ class Replicator:
             "{txid}, then incrementals as usual (noticed: {trigger})",
             path=self.path,
             what=what,
-            txid=f"{self._txid + 1:016x}",
+            txid=f"{self.txid + 1:016x}",
             trigger=trigger,
         )
 
     # -- the loop ----------------------------------------------------------------------------
 
     def _schedule(self, delay: float | None = None) -> None:
-        if not self._stopped:
+        if not self.stopped:
             wait = self.watch_interval if delay is None else max(delay, 0.0)
             self._call = self._reactor.callLater(wait, self._tick)
 
     def _tick(self) -> None:
         self._call = None
-        if self._stopped:
+        if self.stopped:
             return
         now = self._reactor.seconds()
         changed = self._wal_stat() != self._seen
@@ -486,11 +471,11 @@ class Replicator:
         except Exception as e:
             if isinstance(e, ObjectStoreError) and not isinstance(e, ReplicaPaused):
                 self._check = self._check or "write_error"  # the store may be back empty
-            if not self._stopped:
+            if not self.stopped:
                 _log.warn("replica {path}: sync failed, retrying: {e!r}", path=self.path, e=e)
 
     async def _sync_locked(self) -> None:
-        if self._stopped:
+        if self.stopped:
             return
         self._last_sync = self._reactor.seconds()
         seen = self._wal_stat()  # before the read: a commit after it shows as a change
@@ -502,7 +487,7 @@ class Replicator:
         if self._need_snapshot:
             await self._prepare_snapshot()
         else:
-            got = await self._run(self._encoder.read_and_encode, self._pos, self._txid + 1)
+            got = await self._run(self._encoder.read_and_encode, self._pos, self.txid + 1)
             if isinstance(got, WALReset | WALRewritten):
                 _log.warn(
                     "replica {path}: WAL reset ({why}); snapshotting",
@@ -543,32 +528,32 @@ class Replicator:
     def lag(self) -> float:
         """Seconds since the oldest commit not yet in the bucket was noticed (0: none); the
         gauge's value at scrape time."""
-        if self._pending_since is None or self._stopped:
+        if self._pending_since is None or self.stopped:
             return 0.0
         return max(0.0, self._reactor.seconds() - self._pending_since)
 
     def _enqueue(self, prepared: Prepared, end: WALPosition | None) -> None:
         self._queue.append(prepared)
         self._pos = end
-        self._txid = prepared.txid
+        self.txid = prepared.txid
 
     async def _prepare_snapshot(self) -> None:
-        prepared, end = await self._run(self._encoder.snapshot, self._txid + 1)
+        prepared, end = await self._run(self._encoder.snapshot, self.txid + 1)
         self.snapshots += 1
         self._need_snapshot = False
         self._enqueue(prepared, end)
 
     async def _maybe_checkpoint(self) -> None:
-        if self._stopped or self._queue:
+        if self.stopped or self._queue:
             return
         captured: list[Prepared] = []
-        result = await self._run(self._encoder.checkpoint, self._pos, self._txid, captured)
+        result = await self._run(self._encoder.checkpoint, self._pos, self.txid, captured)
         if result is None:
             return
         self.checkpoints += 1
         for p in captured:
             self._queue.append(p)
-            self._txid = p.txid
+            self.txid = p.txid
         if result.reset is not None:
             self._need_snapshot = True
         elif result.done:
@@ -582,18 +567,12 @@ class Replicator:
         self._update_lag()
         while self._queue:
             p = self._queue[0]
-            if self._stopped:
+            if self.stopped:
                 return False
             try:
-                self._ensure_held(p.level)
+                await self._put(p.level, p.key, p.tmp_path, p.timestamp, p.size)
             except ReplicaPaused:
                 return False  # the lock is being re-taken: stays queued, like an outage
-            try:
-                await self._write(
-                    self._store.put_file(
-                        p.key, p.tmp_path, metadata={TIMESTAMP_METADATA: p.timestamp}
-                    )
-                )
             except ObjectStoreError as e:
                 self._check = self._check or "write_error"  # the store may come back empty
                 _uploads.labels(str(p.level), "error").inc()
@@ -607,8 +586,6 @@ class Replicator:
                 return False
             self._queue.pop(0)
             self._known.remember(_compact.Entry(p.level, p.min_txid, p.txid, p.key, p.timestamp))
-            _uploads.labels(str(p.level), "ok").inc()
-            _bytes.inc(p.size)
             if p.level == 0 and 1 in self._levels:
                 # Kept until compacted: compaction then reads it here instead of a GET.
                 self._known.local[p.key] = p.tmp_path
@@ -623,6 +600,13 @@ class Replicator:
             )
         self._update_lag()
         return True
+
+    async def _put(self, level: int, key: str, path: str, stamp: str, size: int) -> None:
+        """Upload one LTX file, the lease checked first."""
+        self._ensure_held(level)
+        await self._write(self._store.put_file(key, path, metadata={TIMESTAMP_METADATA: stamp}))
+        _uploads.labels(str(level), "ok").inc()
+        _bytes.inc(size)
 
     async def _write(self, request: Any) -> Any:
         """Run one store write so that :meth:`stop` can abandon it (a lost lease must not wait
@@ -640,8 +624,7 @@ class Replicator:
     def _ensure_held(self, level: int | None = None) -> None:
         """Before every write or delete: raise :class:`ReplicatorStopped` (for good) unless we
         still hold the lease."""
-        if self._stopped:
-            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
+        self._ensure_running()
         try:
             if self._keeper is not None:
                 self._keeper.ensure_held()
@@ -653,8 +636,12 @@ class Replicator:
             _uploads.labels("delete" if level is None else str(level), "lease_lost").inc()
             # Mark stopped now (synchronously) so nothing else can write; tidy up later.
             self._reactor.callLater(0, lambda: Deferred.fromCoroutine(self.stop()))
-            self._stopped = True
+            self.stopped = True
             raise ReplicatorStopped(self.lost) from e
+
+    def _ensure_running(self) -> None:
+        if self.stopped:
+            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
 
     def files(self, level: int) -> list[_compact.Entry]:
         """The files this replicator believes are at ``level`` (no request)."""
@@ -675,7 +662,7 @@ class Replicator:
     async def _maintain_locked(self, now: float) -> None:
         """The timed work of a tick. Each step acts only on files uploaded since it last ran, so
         an idle space issues no request here (not even a LIST)."""
-        if self._stopped:
+        if self.stopped:
             return
         if self._known.garbage:
             await self._delete_keys(list(self._known.garbage))
@@ -689,32 +676,15 @@ class Replicator:
             self._last_snapshot = now
             await self._snapshot_locked()
 
-    async def compact(self, level: int) -> int:
-        """Compact level ``level - 1`` into ``level`` now; returns the files written."""
-        if self._stopped:
-            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
-        async with self._lock:
-            return await self._compact_locked(level)
-
-    async def snapshot(self) -> None:
-        """Ship a snapshot now (if anything changed since the last one), then apply retention."""
-        if self._stopped:
-            raise ReplicatorStopped(self.lost or f"replica {self.path}: stopped")
-        async with self._lock:
-            await self._sync_locked()
-            if self._queue:
-                raise ObjectStoreError(f"replica {self.path}: files not uploaded")
-            await self._snapshot_locked()
-
     async def _compact_locked(self, level: int) -> int:
         if not 1 <= level < SNAPSHOT_LEVEL:
             raise ValueError(f"cannot compact into level {level}")
         below = self.files(level - 1)
-        if not below or self._stopped or self._need_snapshot:
+        if not below or self.stopped or self._need_snapshot:
             return 0  # (a snapshot is due first: nothing incremental goes up before it)
         written = 0
         for run in _compact.contiguous_runs(below):
-            if self._stopped:
+            if self.stopped:
                 break
             await self._compact_run(level, run)
             written += 1
@@ -739,10 +709,7 @@ class Replicator:
             key = ltx.object_key(self.path, level, h.min_txid, h.max_txid)
             # Litestream keeps the oldest source's time, so point-in-time restore still sees it.
             stamp = min(run, key=lambda e: parse_timestamp(e.timestamp)).timestamp
-            self._ensure_held(level)
-            await self._write(self._store.put_file(key, out, metadata={TIMESTAMP_METADATA: stamp}))
-            _uploads.labels(str(level), "ok").inc()
-            _bytes.inc(merged.size)
+            await self._put(level, key, out, stamp, merged.size)
         finally:
             await self._run(shutil.rmtree, work, True)
         # Durable: only now may the files it replaces go.
@@ -761,13 +728,11 @@ class Replicator:
         for e in run:
             if e.key == key:
                 continue
-            local = self._known.forget(e.key)  # replaced: no longer an input to anything
-            if local is not None:
-                await self._run(unlink_quietly, local)
+            await self._forget(e.key)  # replaced: no longer an input to anything
             self._known.retired.append((now + self.compacted_retention, e.key))
 
     async def _snapshot_locked(self) -> None:
-        if self._stopped or self._txid <= self._known.snap_txid:
+        if self.stopped or self.txid <= self._known.snap_txid:
             return  # nothing new since the last snapshot: no request
         self._need_snapshot = True
         await self._sync_locked()
@@ -779,6 +744,12 @@ class Replicator:
         """Delete every file wholly older than the newest durable snapshot."""
         await self._delete_keys(self._known.older_than(self._known.snap_txid))
 
+    async def _forget(self, key: str) -> None:
+        """``key`` is gone (or going): drop it, and our local copy of it."""
+        local = self._known.forget(key)
+        if local is not None:
+            await self._run(unlink_quietly, local)
+
     async def _delete_keys(self, keys: list[str]) -> None:
         for i, key in enumerate(keys):
             try:
@@ -788,9 +759,7 @@ class Replicator:
                 garbage = self._known.garbage
                 garbage.extend(k for k in keys[i:] if k not in garbage)
                 raise
-            local = self._known.forget(key)
-            if local is not None:
-                await self._run(unlink_quietly, local)
+            await self._forget(key)
             try:
                 await self._write(self._store.delete(key))
             except ObjectStoreError as e:

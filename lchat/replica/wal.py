@@ -37,7 +37,7 @@ import struct
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from attrs import frozen
+from attrs import evolve, frozen
 
 WAL_HEADER_SIZE = 32
 FRAME_HEADER_SIZE = 24
@@ -66,6 +66,14 @@ def wal_checksum(
         s0 = (s0 + a + s1) & _MASK
         s1 = (s1 + b + s0) & _MASK
     return s0, s1
+
+
+def _frame_checksum(frame: bytes, prev: tuple[int, int], big_endian: bool) -> tuple[int, int]:
+    """The cumulative checksum after ``frame``, continued from ``prev``: over its first 8 bytes,
+    then its page."""
+    view = memoryview(frame)
+    s0, s1 = wal_checksum(view[:8], *prev, big_endian=big_endian)
+    return wal_checksum(view[FRAME_HEADER_SIZE:], s0, s1, big_endian=big_endian)
 
 
 @frozen
@@ -263,9 +271,7 @@ class WALReader:
             pgno, commit, salt1, salt2, c1, c2 = _FRAME_HEADER.unpack_from(buf)
             if (salt1, salt2) != header.salts:
                 return
-            view = memoryview(buf)
-            new = wal_checksum(view[:8], *cksum, big_endian=be)
-            new = wal_checksum(view[FRAME_HEADER_SIZE:], *new, big_endian=be)
+            new = _frame_checksum(buf, cksum, be)
             if new != (c1, c2):
                 return
             yield Frame(pgno, commit, offset, cksum, new, buf[FRAME_HEADER_SIZE:])
@@ -278,9 +284,7 @@ class WALReader:
         if len(buf) < header.frame_size:
             raise WALError(f"frame at {ref.offset} is gone (WAL truncated)")
         pgno, _, salt1, salt2, c1, c2 = _FRAME_HEADER.unpack_from(buf)
-        view = memoryview(buf)
-        cksum = wal_checksum(view[:8], *ref.prev_checksum, big_endian=header.big_endian)
-        cksum = wal_checksum(view[FRAME_HEADER_SIZE:], *cksum, big_endian=header.big_endian)
+        cksum = _frame_checksum(buf, ref.prev_checksum, header.big_endian)
         if (
             pgno != ref.pgno
             or (salt1, salt2) != header.salts
@@ -289,6 +293,15 @@ class WALReader:
         ):
             raise WALError(f"frame at {ref.offset} was overwritten since it was read")
         return buf[FRAME_HEADER_SIZE:]
+
+    def _stored_checksum(self, header: WALHeader, offset: int) -> tuple[int, int]:
+        """The cumulative checksum stored for ``offset``: the header's, or the frame's before it."""
+        if offset == WAL_HEADER_SIZE:
+            return header.checksum
+        c1, c2 = _FRAME_HEADER.unpack(self._pread(offset - header.frame_size, FRAME_HEADER_SIZE))[
+            4:6
+        ]
+        return (c1, c2)
 
     def _check_continues(self, header: WALHeader, pos: WALPosition) -> str | None:
         """Why the log does not continue from ``pos`` (same generation assumed), else ``None``."""
@@ -304,18 +317,11 @@ class WALReader:
         # Re-verify the last frame we read: its checksum recomputed from its predecessor's stored
         # one must equal both its own stored checksum and the one we recorded.
         last = pos.offset - fs
-        if last == WAL_HEADER_SIZE:
-            prev = header.checksum
-        else:
-            prev_hdr = self._pread(last - fs, FRAME_HEADER_SIZE)
-            prev = _FRAME_HEADER.unpack(prev_hdr)[4:6]
         buf = self._pread(last, fs)
         _, _, s1, s2, c1, c2 = _FRAME_HEADER.unpack_from(buf)
         if (s1, s2) != pos.salts:
             return "the frame before our position has other salts"
-        view = memoryview(buf)
-        ck = wal_checksum(view[:8], *prev, big_endian=header.big_endian)
-        ck = wal_checksum(view[FRAME_HEADER_SIZE:], *ck, big_endian=header.big_endian)
+        ck = _frame_checksum(buf, self._stored_checksum(header, last), header.big_endian)
         if ck != (c1, c2):
             return "the frame before our position fails its checksum"
         if pos.checksum is not None and ck != pos.checksum:
@@ -403,26 +409,10 @@ def read_committed(
             if why.startswith("WAL shrank"):
                 return WALReset(why, header)
             return WALRewritten(why)
-        pos = start if start.checksum is not None else _with_stored_checksum(reader, header, start)
-        return _collect(reader, header, pos, max_bytes, False)
-
-
-def _with_stored_checksum(reader: WALReader, header: WALHeader, pos: WALPosition) -> WALPosition:
-    """Fill in a missing checksum from the (already verified) frame before ``pos``."""
-    if pos.offset == WAL_HEADER_SIZE:
-        ck: tuple[int, int] = header.checksum
-    else:
-        c1, c2 = _FRAME_HEADER.unpack(
-            reader._pread(pos.offset - header.frame_size, FRAME_HEADER_SIZE)
-        )[4:6]
-        ck = (c1, c2)
-    return WALPosition(pos.offset, pos.page_size, pos.salt1, pos.salt2, ck)
-
-
-def read_page(path: str | os.PathLike[str], header: WALHeader, ref: PageRef) -> bytes:
-    """Convenience: open, read and re-verify one page of a segment."""
-    with WALReader(path) as r:
-        return r.read_page(header, ref)
+        if start.checksum is None:
+            # A missing checksum, from the frame before ``start`` (verified just now).
+            start = evolve(start, checksum=reader._stored_checksum(header, start.offset))
+        return _collect(reader, header, start, max_bytes, False)
 
 
 def iter_segment_pages(
