@@ -73,10 +73,6 @@ class Manifest:
     generation: int
     files: Mapping[str, int]  # file name -> the newest generation sealed
 
-    @property
-    def sealed_at(self) -> str:
-        return when(self.generation)
-
 
 def when(generation: int) -> str:
     """A generation as the time it was sealed (RFC 3339, UTC)."""
@@ -111,13 +107,25 @@ def _seal(magic: bytes, ad: bytes, generation: int, content: bytes, key: bytes) 
     return magic + _GEN.pack(generation) + nonce + AESGCM(key).encrypt(nonce, content, ad)
 
 
-def _frame(magic: bytes, blob: bytes) -> tuple[int, bytes, bytes] | None:
+def _open(
+    magic: bytes, kind: bytes, place: Layout, name: str, blob: bytes, key: bytes, where: str
+) -> tuple[int, bytes]:
+    """The generation and content of a ``magic`` seal of ``name`` (:class:`SealError` naming
+    ``where`` when it is no such seal, or does not open)."""
+    what = "env file" if kind == b"file" else "env manifest"
     if not blob.startswith(magic) or len(blob) < len(magic) + _GEN.size + _NONCE + _TAG:
-        return None
-    at = len(magic)
-    (generation,) = _GEN.unpack_from(blob, at)
-    at += _GEN.size
-    return generation, blob[at : at + _NONCE], blob[at + _NONCE :]
+        raise SealError(f"{where}: not a sealed {what}")
+    (generation,) = _GEN.unpack_from(blob, len(magic))
+    at = len(magic) + _GEN.size
+    try:
+        ad = _ad(kind, place, name, generation)
+        return generation, AESGCM(key).decrypt(blob[at : at + _NONCE], blob[at + _NONCE :], ad)
+    except InvalidTag:
+        moved = "file, box or prefix" if kind == b"file" else "box or prefix"
+        raise SealError(
+            f"{where}: cannot open it with LCHAT_BACKUP_KEY: another key sealed it, or it was "
+            f"sealed for another {moved} and moved here, or it was altered"
+        ) from None
 
 
 def seal(place: Layout, file_name: str, content: bytes, key: bytes, generation: int) -> bytes:
@@ -147,17 +155,7 @@ def unseal(
                 f"anyway, re-run with --accept-unpinned-env (docs/backup.md)"
             )
         return Opened(_unseal_v1(where, file_name, blob, key), 0, legacy=True)
-    frame = _frame(MAGIC, blob)
-    if frame is None:
-        raise SealError(f"{where}: not a sealed env file")
-    generation, nonce, body = frame
-    try:
-        content = AESGCM(key).decrypt(nonce, body, _ad(b"file", place, file_name, generation))
-    except InvalidTag:
-        raise SealError(
-            f"{where}: cannot open it with LCHAT_BACKUP_KEY: another key sealed it, or it was "
-            f"sealed for another file, box or prefix and moved here, or it was altered"
-        ) from None
+    generation, content = _open(MAGIC, b"file", place, file_name, blob, key, where)
     if not_before is not None and generation < not_before:
         raise SealError(
             f"{where}: rolled back: this copy was sealed at {when(generation)}, but the box's "
@@ -188,17 +186,7 @@ def seal_manifest(place: Layout, manifest: Manifest, key: bytes) -> bytes:
 
 def unseal_manifest(place: Layout, blob: bytes, key: bytes) -> Manifest:
     where = f"the env manifest of box {place.box} (prefix {place.prefix or '(none)'})"
-    frame = _frame(MANIFEST_MAGIC, blob)
-    if frame is None:
-        raise SealError(f"{where}: not a sealed env manifest")
-    generation, nonce, body = frame
-    try:
-        plain = AESGCM(key).decrypt(nonce, body, _ad(b"manifest", place, MANIFEST_NAME, generation))
-    except InvalidTag:
-        raise SealError(
-            f"{where}: cannot open it with LCHAT_BACKUP_KEY: another key sealed it, or it was "
-            f"sealed for another box or prefix and moved here, or it was altered"
-        ) from None
+    generation, plain = _open(MANIFEST_MAGIC, b"manifest", place, MANIFEST_NAME, blob, key, where)
     try:
         files = json.loads(plain)["files"]
         if not isinstance(files, dict) or not all(

@@ -11,12 +11,12 @@ import contextlib
 import datetime
 import os
 from collections.abc import Awaitable, Mapping
-from typing import IO, TypeVar
+from typing import IO, TypeVar, Unpack
 
 from prometheus_client import Counter
 from twisted.internet.interfaces import IReactorTime
 
-from lchat.objstore import ObjectInfo, ObjectStore, PutResult, StoredObject
+from lchat.objstore import ObjectInfo, ObjectStore, PutOptions, PutResult, StoredObject
 
 REQUESTS = Counter(
     "lchat_backup_requests_total", "Backup bucket requests by database and operation", ["db", "op"]
@@ -88,25 +88,8 @@ class MeteredStore:
     async def head(self, key: str) -> ObjectInfo:
         return await self._count("head", self._store.head(key))
 
-    async def put(
-        self,
-        key: str,
-        body: bytes,
-        *,
-        if_match: str | None = None,
-        if_none_match: bool = False,
-        metadata: Mapping[str, str] | None = None,
-        content_type: str = "application/octet-stream",
-    ) -> PutResult:
-        put = self._store.put(
-            key,
-            body,
-            if_match=if_match,
-            if_none_match=if_none_match,
-            metadata=metadata,
-            content_type=content_type,
-        )
-        result = await self._count("put", put)
+    async def put(self, key: str, body: bytes, **options: Unpack[PutOptions]) -> PutResult:
+        result = await self._count("put", self._store.put(key, body, **options))
         self._up(len(body))
         return result
 

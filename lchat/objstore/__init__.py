@@ -1,9 +1,9 @@
 """The bucket seam: one object-store interface, typed errors, and the stores behind it.
 
 Everything durable that boxes share lives in a bucket: parked databases, leases, heartbeats. The
-activator, the replicator and the mesh speak only this interface; ``s3.py`` implements it over
-S3's HTTP API (AWS, or any S3-compatible store), ``file.py`` over a local directory (a single box,
-and ``make run``). Methods are coroutines (``async def``); wrap them with
+activator, the replicator and the mesh speak only this interface; ``s3`` implements it over S3's
+HTTP API (AWS, or any S3-compatible store), ``file`` over a local directory (a single box, and
+``make run``). Methods are coroutines (``async def``); wrap them with
 ``Deferred.fromCoroutine`` at a Deferred-speaking edge.
 
 Semantics every implementation keeps (the conformance suite in ``tests/test_objstore.py`` checks
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol, TypedDict
 
 from attrs import field, frozen
 from twisted.internet.interfaces import IReactorTime
@@ -43,9 +43,8 @@ class ObjectInfo:
     size: int
     etag: str  # unquoted
     last_modified: datetime.datetime  # timezone-aware UTC, on the bucket's clock
-    metadata: Mapping[str, str] = field(
-        factory=dict
-    )  # user metadata (x-amz-meta-*), names lowercase
+    # User metadata (x-amz-meta-*), names lowercase.
+    metadata: Mapping[str, str] = field(factory=dict)
 
 
 @frozen
@@ -72,6 +71,15 @@ class ObjectVersion:
     last_modified: datetime.datetime  # timezone-aware UTC, whole seconds, on the bucket's clock
     is_latest: bool
     delete_marker: bool = False
+
+
+class PutOptions(TypedDict, total=False):
+    """:meth:`ObjectStore.put`'s keyword arguments, for a store that hands them on."""
+
+    if_match: str | None
+    if_none_match: bool
+    metadata: Mapping[str, str] | None
+    content_type: str
 
 
 class ObjectStoreError(Exception):

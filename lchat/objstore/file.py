@@ -57,7 +57,7 @@ import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, TypeVar
+from typing import IO, TypeVar, Unpack
 
 from attrs import define, field
 from twisted.internet.defer import Deferred, TimeoutError
@@ -72,6 +72,7 @@ from lchat.objstore import (
     ObjectInfo,
     ObjectStoreError,
     PreconditionFailed,
+    PutOptions,
     PutResult,
     StoredObject,
     StoreUnavailable,
@@ -299,10 +300,7 @@ class FileBucket:
             return StoredObject(info=v.info(), body=body)
 
     def get_to_file(self, key: str, path: str) -> ObjectInfo:
-        """Stream into ``path`` via a temp file beside it, fsync, rename, fsync its directory.
-
-        A destination that cannot be created is the caller's raw ``OSError``.
-        """
+        """A destination that cannot be created is the caller's raw ``OSError``."""
         out = Replacement(path)  # outside the error mapping: a bad destination is the caller's
         try:
             with self._guard(key), self._open(key) as (f, v):
@@ -315,10 +313,6 @@ class FileBucket:
         return v.info()
 
     def get_into(self, key: str, sink: IO[bytes]) -> int:
-        """Copy the body into ``sink`` (rewound first: ``seek(0)``, ``truncate()``) a chunk at a
-        time, then check it against its ETag; returns its size. An exception from ``sink`` is
-        raised as it is, not turned into a store error.
-        """
         out = _Sink(sink)
         try:
             with self._guard(key), self._open(key) as (f, v):
@@ -330,7 +324,6 @@ class FileBucket:
             raise e.error from None
 
     def list(self, prefix: str) -> builtins.list[ObjectInfo]:
-        """Every key starting with ``prefix``, in key (UTF-8 byte) order, without metadata."""
         *dirs, last = prefix.split("/")
         with self._guard(prefix):
             try:
@@ -368,29 +361,13 @@ class FileBucket:
 
     # writes
 
-    def put(
-        self,
-        key: str,
-        body: bytes,
-        *,
-        if_match: str | None = None,
-        if_none_match: bool = False,
-        metadata: Mapping[str, str] | None = None,
-        content_type: str = "application/octet-stream",
-    ) -> PutResult:
+    def put(self, key: str, body: bytes, **options: Unpack[PutOptions]) -> PutResult:
         def fill(out: IO[bytes]) -> tuple[int, str]:
             out.write(body)
             return len(body), hashlib.md5(body, usedforsecurity=False).hexdigest()
 
         with self._guard(key):
-            return self._write(
-                key,
-                fill,
-                metadata=metadata or {},
-                content_type=content_type,
-                if_match=if_match,
-                if_none_match=if_none_match,
-            )
+            return self._write(key, fill, **options)
 
     def put_file(
         self, key: str, path: str, *, metadata: Mapping[str, str] | None = None
@@ -408,7 +385,7 @@ class FileBucket:
                     size += len(chunk)
                 return size, md5.hexdigest()
 
-            return self._write(key, fill, metadata=metadata or {})
+            return self._write(key, fill, metadata=metadata)
 
     def copy(self, source: str, destination: str) -> PutResult:
         """A new version of ``destination`` with ``source``'s body, metadata and content type."""
@@ -594,13 +571,13 @@ class FileBucket:
         key: str,
         fill: Callable[[IO[bytes]], tuple[int, str]],
         *,
-        metadata: Mapping[str, str],
+        metadata: Mapping[str, str] | None = None,
         content_type: str = "application/octet-stream",
         if_match: str | None = None,
         if_none_match: bool = False,
     ) -> PutResult:
         directory, path = self._object_path(key)
-        meta = {str(k).lower(): str(v) for k, v in metadata.items()}
+        meta = {str(k).lower(): str(v) for k, v in (metadata or {}).items()}
         tmp, out = self._temp(directory)
         try:
             with out:
@@ -700,26 +677,8 @@ class FileStore:
     async def head(self, key: str) -> ObjectInfo:
         return await self._run(lambda: self.bucket.head(key))
 
-    async def put(
-        self,
-        key: str,
-        body: bytes,
-        *,
-        if_match: str | None = None,
-        if_none_match: bool = False,
-        metadata: Mapping[str, str] | None = None,
-        content_type: str = "application/octet-stream",
-    ) -> PutResult:
-        return await self._run(
-            lambda: self.bucket.put(
-                key,
-                body,
-                if_match=if_match,
-                if_none_match=if_none_match,
-                metadata=metadata,
-                content_type=content_type,
-            )
-        )
+    async def put(self, key: str, body: bytes, **options: Unpack[PutOptions]) -> PutResult:
+        return await self._run(lambda: self.bucket.put(key, body, **options))
 
     async def put_file(
         self, key: str, path: str, *, metadata: Mapping[str, str] | None = None
