@@ -40,9 +40,6 @@ Decisions, and why:
 - **A version string that was never ours is a conflict** (409): S3 cannot tell it from a stale
   ETag. One that could not be an ETag at all (empty, ``*``, a list, quotes or spaces: it would
   change the meaning of ``If-Match``) is not sent; it is a conflict too, answered with a ``HEAD``.
-- **delete_user purges**: it lists every version and delete marker of ``blobs/<uid>`` and
-  ``users/<uid>`` and deletes each one by version id (a plain DELETE would only add a delete
-  marker and leave the ciphertext in the bucket's history), then lists again to confirm.
 - **Errors**: a bucket that answers 5xx, times out or is unreachable (after the client's own
   retries), refuses our credentials, or does not exist raises
   :class:`~lchat.home.store.StoreError`. One blind spot: ``GET`` of a missing *bucket* and of a
@@ -52,19 +49,19 @@ Decisions, and why:
 Requests per operation: ``get_blob`` 1 GET; ``put_blob``/``put_user`` 1 PUT (+1 HEAD on a
 conflict); ``get_user`` 1 GET; ``update_user`` 1 GET + 1 PUT per attempt; ``put_pointer`` 1 PUT
 (+1 GET if it exists); ``resolve_pointer`` 1 GET; ``list_blob_versions`` 1 LIST;
-``get_blob_version`` 1 LIST + 1 GET; ``delete_user`` 2 LISTs + 1 DELETE per version + 2 LISTs;
-``mark_revoked`` 1 PUT; ``use_once`` 1 conditional PUT; ``revoked_since`` 1 LIST (ListObjectsV2 of ``revoked/``, a page of 1000
-markers: 25 hours of revocations) + 1 conditional DELETE per marker past its 25 hours.
+``get_blob_version`` 1 LIST + 1 GET; ``mark_revoked`` 1 PUT; ``use_once`` 1 conditional PUT;
+``revoked_since`` 1 LIST (ListObjectsV2 of ``revoked/``, a page of 1000 markers: 25 hours of
+revocations) + 1 conditional DELETE per marker past its 25 hours.
 
 The revocation feed lists every live marker each time (the keys are digests: their order says
 nothing about age, and markers are few), so its cursor is unused; ``LastModified`` (the bucket's
 clock) dates a marker, our clock decides when it is old (store.MARKER_LIFETIME: a day and an hour for skew).
 
 The IAM policy needs, on the bucket: ``s3:GetObject``, ``s3:GetObjectVersion``, ``s3:PutObject``,
-``s3:DeleteObject`` (expired revocation markers), ``s3:DeleteObjectVersion``, ``s3:ListBucket``,
-``s3:ListBucketVersions``, ``s3:GetBucketVersioning``. On the versioned bucket, deleting a marker
-leaves a delete marker and a noncurrent version: the lifecycle rule reclaims both (noncurrent
-expiry plus ``ExpiredObjectDeleteMarker``).
+``s3:DeleteObject`` (expired revocation markers), ``s3:ListBucket``, ``s3:ListBucketVersions``,
+``s3:GetBucketVersioning``. On the versioned bucket, deleting a marker leaves a delete marker and
+a noncurrent version: the lifecycle rule reclaims both (noncurrent expiry plus
+``ExpiredObjectDeleteMarker``).
 """
 
 from __future__ import annotations
@@ -123,7 +120,6 @@ _SENDABLE_VERSION = re.compile(r"[A-Za-z0-9_.:+=-]{1,200}")
 # A ListObjectVersions page for one key's newest history: the kept versions plus room for a few
 # delete markers (we never make any; a bucket someone else wrote to may have them).
 _LISTING_LIMIT = KEEP_VERSIONS + 5
-_PURGE_ROUNDS = 3
 
 
 def normalise_prefix(prefix: str) -> str:
@@ -238,27 +234,24 @@ class S3VaultStore:
         except NotFound:
             return NO_VERSION
 
-    async def _history(self, key: str, limit: int | None) -> list[ObjectVersion]:
-        """``key``'s own versions and delete markers, newest first, at most ``limit``.
+    async def _kept_versions(self, key: str) -> list[ObjectVersion]:
+        """The kept versions of the blob at ``key``, newest first.
 
         A listing by prefix also lists longer keys (``blobs/ab`` lists ``blobs/ab-c``), which
-        are filtered out. If they filled a limited page, the whole history is listed instead:
-        the page may have been spent on them, and SeaweedFS's truncated version listings can
-        even drop entries of the shorter key (see ``S3Store.list_versions``). uids are random,
-        so one being a prefix of another is rare: the common case stays one request.
+        are filtered out. If they filled the page, the whole history is listed instead: the page
+        may have been spent on them, and SeaweedFS's truncated version listings can even drop
+        entries of the shorter key (see ``S3Store.list_versions``). uids are random, so one being
+        a prefix of another is rare: the common case stays one request.
         """
-        listed = await self._objects.list_versions(key, limit=limit)
-        own = [v for v in listed if v.key == key]
-        if limit is not None and len(listed) >= limit and len(own) < len(listed):
-            own = [v for v in await self._objects.list_versions(key) if v.key == key]
-        return own if limit is None else own[:limit]
-
-    async def _kept_versions(self, key: str) -> list[ObjectVersion]:
+        listed = await self._objects.list_versions(key, limit=_LISTING_LIMIT)
+        history = [v for v in listed if v.key == key]
+        if len(listed) >= _LISTING_LIMIT and len(history) < len(listed):
+            history = [v for v in await self._objects.list_versions(key) if v.key == key]
+        history = history[:_LISTING_LIMIT]
         # We never write a delete marker; a plain DELETE from outside home does. One on top means
         # the user has no blob (get_blob says so too), so no versions either. Markers further
         # down are skipped: the versions around them are the same user's, and stores disagree
         # on where within a second a marker sits among versions (see S3Store.list_versions).
-        history = await self._history(key, _LISTING_LIMIT)
         if history and history[0].delete_marker:
             return []
         return [version for version in history if not version.delete_marker][:KEEP_VERSIONS]
@@ -348,24 +341,6 @@ class S3VaultStore:
             except PreconditionFailed:
                 return False
         return True
-
-    async def delete_user(self, uid: str) -> None:
-        keys = (self._blob_key(uid), self._user_key(uid))
-        with measured(BACKEND, "delete_user", self._clock), self._failures("delete_user"):
-            for _ in range(_PURGE_ROUNDS):
-                left = 0
-                for key in keys:
-                    for version in await self._history(key, None):
-                        await self._objects.delete_version(key, version.version_id)
-                        left += 1
-                if left == 0:
-                    return
-            # Something keeps writing to a user being deleted (the API revokes first).
-            for key in keys:
-                if await self._history(key, 1):
-                    raise StoreError(
-                        f"{key}: new versions keep appearing while the user is deleted"
-                    )
 
     def _revoked_prefix(self) -> str:
         return f"{self._prefix}revoked/"

@@ -8,18 +8,16 @@
   (``BEGIN IMMEDIATE``), so a compare-and-swap is one transaction and ``busy_timeout`` covers it.
 - **Versions** are decimal strings from one store-wide counter: every write (a blob or a user
   document, any user) takes the next number, and that number is also at least the clock in
-  microseconds. So a version is never issued twice, not across users, not after
-  :meth:`~SQLiteVaultStore.delete_user`, and not after the file is restored from a replica that
-  lost the last writes (as long as the restoring box's clock is not behind the one that crashed by
-  more than the restore took: NTP keeps boxes within milliseconds). That matters: a client holding
+  microseconds. So a version is never issued twice, not across users, not after a user's rows
+  are deleted, and not after the file is restored from a replica that lost the last writes (as
+  long as the restoring box's clock is not behind the one that crashed by more than the restore
+  took: NTP keeps boxes within milliseconds). That matters: a client holding
   a version must never see its compare-and-swap succeed against other content that happens to
   carry the same number. ``"0"`` is "nothing yet". A version is *ours* if it is a canonical
   decimal between the first and the last version issued; anything else (``"abc"``, an S3 ETag,
   ``"07"``, ``"12"``, a number not issued yet) is :class:`~lchat.home.store.BadVersion`.
 - **Keep-last-5** is the table itself: each blob write deletes the user's rows older than the 5
   newest in the same transaction, so the file holds at most 5 versions per user.
-- **Pointers** are rows of their own; :meth:`~SQLiteVaultStore.delete_user` leaves them, like the
-  S3 store (they deny by construction, see :func:`lchat.home.store.resolve_checked`).
 - **Revocation markers** (the feed, :meth:`~SQLiteVaultStore.mark_revoked` and
   :meth:`~SQLiteVaultStore.revoked_since`) are rows numbered by an ``AUTOINCREMENT`` sequence
   (never reused, committed in order: SQLite has one writer), so the cursor is the last number
@@ -364,11 +362,6 @@ class SQLiteVaultStore:
         with measured(BACKEND, "use_once", self._clock):
             return await self._run("use_once", _use_once, name, expires_at, self._clock.seconds())
 
-    async def delete_user(self, uid: str) -> None:
-        check_uid(uid)
-        with measured(BACKEND, "delete_user", self._clock):
-            await self._run("delete_user", _delete_user, uid)
-
     async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
         check_digest(digest)
         check_uid(uid)
@@ -568,12 +561,6 @@ def _use_once(conn: sqlite3.Connection, name: str, expires_at: float, now: float
             (name, int(expires_at * 1000)),
         ).rowcount
     return bool(inserted == 1)
-
-
-def _delete_user(conn: sqlite3.Connection, uid: str) -> None:
-    with _write_transaction(conn):
-        conn.execute("DELETE FROM blobs WHERE uid = ?", (uid,))
-        conn.execute("DELETE FROM users WHERE uid = ?", (uid,))
 
 
 def _mark_revoked(conn: sqlite3.Connection, digest: str, uid: str, device: str, now: float) -> None:

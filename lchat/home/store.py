@@ -13,8 +13,6 @@ Home keeps three kinds of data, all per user and never queried across users
   to the uid that registered it (:meth:`~VaultStore.put_pointer`,
   :meth:`~VaultStore.resolve_pointer`).
 
-:meth:`~VaultStore.delete_user` removes a user's blob (every version) and document: a prefix delete.
-
 Beside them, the **revocation feed** (``revoked/<sha256 of a link token>``): a short-lived
 marker per revoked link token (:meth:`~VaultStore.mark_revoked`) that every home process polls
 (:meth:`~VaultStore.revoked_since`, one request) to drop the token from its day-long cache
@@ -42,8 +40,7 @@ The contract:
   :meth:`~VaultStore.get_blob_version` reads only those. The S3 bucket may hold older versions
   until its lifecycle rule prunes them; nothing here ever shows them.
 - **Pointers are never authoritative.** A pointer is written once and never rewritten or deleted
-  (revoking a credential or token removes it from the user document only; deleting a user leaves
-  its pointers). Whoever resolves a pointer must re-load the user document and check that the
+  (revoking a credential or token removes it from the user document only). Whoever resolves a pointer must re-load the user document and check that the
   credential or token is still listed there (:func:`resolve_checked` does exactly that), so a
   revoked credential's leftover pointer denies by construction.
 - **Errors:** :class:`Conflict`, :class:`BadVersion`, :class:`PointerTaken` are answers about the
@@ -291,11 +288,6 @@ class VaultStore(Protocol):
         (unix seconds) is when the thing stops being accepted anyway: the record may be dropped
         after it (SQLite deletes expired rows as it writes; S3 leaves it to the bucket's
         lifecycle rule on ``used/``), never before."""
-        ...
-
-    async def delete_user(self, uid: str) -> None:
-        """Remove the user's blob (every version) and document. Pointers stay (they deny by
-        construction). Idempotent. A write racing the delete may survive it: revoke first."""
         ...
 
     async def close(self) -> None:
