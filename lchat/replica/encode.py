@@ -57,13 +57,10 @@ class Encoder:
     _tmp: str
     _seconds: Callable[[], float]
 
-    def _file(
-        self,
-        level: int,
-        header: ltx.LTXHeader,
-        pages: Any,
-        stamp: datetime.datetime,
-    ) -> Prepared:
+    def _file(self, level: int, pages: Any, **fields: int) -> Prepared:
+        """The LTX file of ``pages``, its header ``fields`` stamped now."""
+        stamp = datetime.datetime.fromtimestamp(self._seconds(), UTC)
+        header = ltx.LTXHeader(timestamp=int(stamp.timestamp() * 1000), **fields)
         fd, tmp_path = tempfile.mkstemp(suffix=".ltx", dir=self._tmp)
         n = 0
         try:
@@ -82,41 +79,35 @@ class Encoder:
             key, tmp_path, level, header.min_txid, header.max_txid, n, size, rfc3339_nano(stamp)
         )
 
-    def _wall_clock(self) -> datetime.datetime:
-        """Now, by the reactor's clock (the LTX header's timestamp). Called in the worker thread:
-        ``seconds()`` is a plain read of the clock."""
-        return datetime.datetime.fromtimestamp(self._seconds(), UTC)
-
     def snapshot(self, txid: int) -> tuple[Prepared, WALPosition | None]:
         snap, pages = self._db.snapshot()
-        now = self._wall_clock()
         pos = snap.position
-        header = ltx.LTXHeader(
+        prepared = self._file(
+            SNAPSHOT_LEVEL,
+            pages,
             page_size=snap.page_size,
             commit=snap.page_count,
             min_txid=1,
             max_txid=txid,
-            timestamp=int(now.timestamp() * 1000),
             wal_offset=pos.offset if pos is not None else 0,
             wal_salt1=pos.salt1 if pos is not None else 0,
             wal_salt2=pos.salt2 if pos is not None else 0,
         )
-        return self._file(SNAPSHOT_LEVEL, header, pages, now), pos
+        return prepared, pos
 
     def segment(self, seg: Segment, txid: int) -> Prepared:
-        now = self._wall_clock()
-        header = ltx.LTXHeader(
+        return self._file(
+            0,
+            wal.iter_segment_pages(self._db.wal_path, seg),
             page_size=seg.header.page_size,
             commit=seg.commit,
             min_txid=txid,
             max_txid=txid,
-            timestamp=int(now.timestamp() * 1000),
             wal_offset=seg.start.offset,
             wal_size=seg.size,
             wal_salt1=seg.header.salt1,
             wal_salt2=seg.header.salt2,
         )
-        return self._file(0, header, wal.iter_segment_pages(self._db.wal_path, seg), now)
 
     def read_and_encode(
         self, pos: WALPosition | None, txid: int

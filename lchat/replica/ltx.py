@@ -44,7 +44,11 @@ CHECKSUM_FLAG = 1 << 63
 PENDING_BYTE = 0x40000000
 MAX_PAGE_SIZE = 65536
 
-_HEADER = struct.Struct(">4sIIIQQQQQQIIQ20s")
+_HEADER = struct.Struct(">4sIIIQQQQQQIIQ20s")  # magic, the _WIRE fields, 20 reserved bytes
+_WIRE = (
+    "flags page_size commit min_txid max_txid timestamp pre_apply_checksum wal_offset wal_size "
+    "wal_salt1 wal_salt2 node_id"
+).split()
 _PAGE_HEADER = struct.Struct(">IH")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -117,22 +121,7 @@ class LTXHeader:
 
     def pack(self) -> bytes:
         self.validate()
-        return _HEADER.pack(
-            MAGIC,
-            self.flags,
-            self.page_size,
-            self.commit,
-            self.min_txid,
-            self.max_txid,
-            self.timestamp,
-            self.pre_apply_checksum,
-            self.wal_offset,
-            self.wal_size,
-            self.wal_salt1,
-            self.wal_salt2,
-            self.node_id,
-            b"\x00" * 20,
-        )
+        return _HEADER.pack(MAGIC, *(getattr(self, name) for name in _WIRE), b"\x00" * 20)
 
     @classmethod
     def unpack(cls, data: bytes) -> LTXHeader:
@@ -141,20 +130,7 @@ class LTXHeader:
         fields = _HEADER.unpack_from(data)
         if fields[0] != MAGIC:
             raise LTXError(f"not an LTX file: magic {fields[0]!r}")
-        header = cls(
-            flags=fields[1],
-            page_size=fields[2],
-            commit=fields[3],
-            min_txid=fields[4],
-            max_txid=fields[5],
-            timestamp=fields[6],
-            pre_apply_checksum=fields[7],
-            wal_offset=fields[8],
-            wal_size=fields[9],
-            wal_salt1=fields[10],
-            wal_salt2=fields[11],
-            node_id=fields[12],
-        )
+        header = cls(**dict(zip(_WIRE, fields[1:-1], strict=True)))
         header.validate()
         return header
 
@@ -243,14 +219,7 @@ class LTXWriter:
             raise LTXError("writer already finished")
         if len(data) != h.page_size:
             raise LTXError(f"page {pgno} is {len(data)} bytes, not {h.page_size}")
-        if not 1 <= pgno <= h.commit:
-            raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
-        if pgno == self._lock:
-            raise LTXError(f"page {pgno} is the lock page")
-        if pgno <= self._prev:
-            raise LTXError(f"page {pgno} after page {self._prev}: pages must ascend")
-        if h.is_snapshot and pgno != _next_snapshot_pgno(self._prev, self._lock):
-            raise LTXError(f"snapshot skips from page {self._prev} to {pgno}")
+        _check_pgno(h, pgno, self._prev, self._lock)
         block = lz4.block.compress(data, store_size=False)
         offset = self._n
         head = _PAGE_HEADER.pack(pgno, PAGE_FLAG_SIZE) + _U32.pack(len(block))
@@ -282,6 +251,18 @@ class LTXWriter:
         self._f.write(_U64.pack(file_checksum))
         self._finished = True
         return LTXTrailer(post_apply_checksum, file_checksum)
+
+
+def _check_pgno(h: LTXHeader, pgno: int, prev: int, lock: int) -> None:
+    """Raise unless page ``pgno`` may follow page ``prev`` in a file with header ``h``."""
+    if not 1 <= pgno <= h.commit:
+        raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
+    if pgno <= prev:
+        raise LTXError(f"page {pgno} after page {prev}: pages must ascend")
+    if pgno == lock:
+        raise LTXError(f"page {pgno} is the lock page")
+    if h.is_snapshot and pgno != _next_snapshot_pgno(prev, lock):
+        raise LTXError(f"snapshot skips from page {prev} to {pgno}")
 
 
 def _next_snapshot_pgno(prev: int, lock: int) -> int:
@@ -552,20 +533,12 @@ class LTXDecoder:
 
 def _bad_page(h: LTXHeader, pgno: int, flags: int, size: int, prev: int) -> None:
     """Raise the error for a page header the decoder's fast check refused."""
-    lock = lock_pgno(h.page_size)
     if pgno == 0:
         raise LTXError(f"page header with page 0 and flags 0x{flags:04x}")
     if flags != PAGE_FLAG_SIZE:
         # 0 would be ltx's pre-0.5 LZ4-frame pages, which Litestream 0.5 never writes.
         raise LTXError(f"page {pgno}: unsupported page flags 0x{flags:04x}")
-    if pgno <= prev:
-        raise LTXError(f"page {pgno} after page {prev}: pages must ascend")
-    if pgno > h.commit:
-        raise LTXError(f"page {pgno} outside the database's {h.commit} pages")
-    if pgno == lock:
-        raise LTXError(f"page {pgno} is the lock page")
-    if h.is_snapshot and pgno != _next_snapshot_pgno(prev, lock):
-        raise LTXError(f"snapshot skips from page {prev} to {pgno}")
+    _check_pgno(h, pgno, prev, lock_pgno(h.page_size))
     raise LTXError(f"page {pgno}: implausible compressed size {size}")
 
 

@@ -523,15 +523,7 @@ class _FileApply:
         if self._header is None:
             self._state.check_header(h, self._file)
             if not h.no_checksum and not h.is_snapshot:
-                try:
-                    have = ltx.database_checksum(db, h.page_size)
-                except ltx.LTXError as e:
-                    raise RestoreError(f"{key}: {e}") from None
-                if have != h.pre_apply_checksum:
-                    raise RestoreError(
-                        f"{key}: database checksum {have:016x} before it is applied, "
-                        f"the file expects {h.pre_apply_checksum:016x}"
-                    )
+                self._verify(h, h.pre_apply_checksum, "before it is applied, the file expects")
             self._header = h
         elif h != self._header:
             raise RestoreError(f"{key}: changed while it was being downloaded")
@@ -585,16 +577,20 @@ class _FileApply:
                 if any(p not in rewritten for p in range(first, min(first + n, h.commit + 1))):
                     raise RestoreError(f"{key}: changed between two attempts to download it")
         if not h.no_checksum:
-            try:
-                have = ltx.database_checksum(db, h.page_size)
-            except ltx.LTXError as e:
-                raise RestoreError(f"{key}: {e}") from None
-            if have != trailer.post_apply_checksum:
-                raise RestoreError(
-                    f"{key}: database checksum {have:016x} after it is applied, "
-                    f"the file promises {trailer.post_apply_checksum:016x}"
-                )
+            want = trailer.post_apply_checksum
+            self._verify(h, want, "after it is applied, the file promises")
         self._state.header = h
+
+    def _verify(self, h: ltx.LTXHeader, want: int, when: str) -> None:
+        """The database's checksum must be ``want`` (``when``: at which step, and who says so)."""
+        assert self._state.db is not None
+        key = self._file.info.key
+        try:
+            have = ltx.database_checksum(self._state.db, h.page_size)
+        except ltx.LTXError as e:
+            raise RestoreError(f"{key}: {e}") from None
+        if have != want:
+            raise RestoreError(f"{key}: database checksum {have:016x} {when} {want:016x}")
 
 
 def _pwrite(fd: int, pages: list[bytes], offset: int) -> int:

@@ -37,7 +37,7 @@ import struct
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from attrs import evolve, frozen
+from attrs import astuple, evolve, frozen
 
 WAL_HEADER_SIZE = 32
 FRAME_HEADER_SIZE = 24
@@ -123,16 +123,7 @@ class WALHeader:
         return hdr
 
     def pack(self) -> bytes:
-        return _HEADER.pack(
-            self.magic,
-            self.version,
-            self.page_size,
-            self.checkpoint_seq,
-            self.salt1,
-            self.salt2,
-            self.checksum1,
-            self.checksum2,
-        )
+        return _HEADER.pack(*astuple(self))
 
 
 @frozen
