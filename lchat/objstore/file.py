@@ -59,6 +59,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, TypeVar, Unpack
 
+import attrs
 from attrs import define, field
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
@@ -204,18 +205,7 @@ def _read_version(f: IO[bytes]) -> _Version:
 
 
 def _trailer(v: _Version) -> bytes:
-    t = json.dumps(
-        {
-            "key": v.key,
-            "size": v.size,
-            "etag": v.etag,
-            "last_modified": v.last_modified,
-            "metadata": v.metadata,
-            "content_type": v.content_type,
-        },
-        ensure_ascii=True,
-        sort_keys=True,
-    ).encode("ascii")
+    t = json.dumps(attrs.asdict(v), ensure_ascii=True, sort_keys=True).encode("ascii")
     return t + _FOOTER.pack(_MAGIC, len(t))
 
 

@@ -36,7 +36,7 @@ Store quirks we normalise (each is handled, and commented, where it bites):
   are pages over keys without that shape; callers that page over such keys must not trust a
   limited listing on SeaweedFS (``lchat.home.s3_store`` lists in full when siblings show up).
 - A failed DELETE on a reused keep-alive connection is silently re-sent by Twisted's pool when it
-  has no body; we give DELETEs an explicit empty body so every retry is ours (see ``Exchange._exchange``).
+  has no body; DELETEs get an explicit empty body so every retry is ours (``Exchange._attempt``).
 """
 
 from lchat.objstore.s3.exchange import REQUESTS

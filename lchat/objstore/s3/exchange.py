@@ -243,7 +243,6 @@ class Exchange:
         url = self.address.url(key, query)
         body_hash = payload_hash(body)
         headers = dict(headers or {})
-        streaming = sink is not None or isinstance(body, FileBody)
         ambiguous = False
         attempts = self._retries + 1
         for attempt in range(1, attempts + 1):
@@ -252,7 +251,7 @@ class Exchange:
             reason = ""
             sent_nothing = False
             try:
-                reply = await self._attempt(method, url, signed, body, sink, ok, streaming)
+                reply = await self._attempt(method, url, signed, body, sink, ok)
             except _Timeout:
                 reason = f"no answer within {self.timeout:g}s"
             except _TRANSPORT_ERRORS as e:
@@ -304,23 +303,36 @@ class Exchange:
         body: bytes | FileBody | None,
         sink: IO[bytes] | None,
         ok: Container[int],
-        streaming: bool,
     ) -> Reply:
         if sink is not None:
             await self._run_in_thread(rewind, sink)
+        watchdog: _Watchdog | None = None
+
+        def progress() -> None:
+            if watchdog is not None:
+                watchdog.touch()
+
         file_body: FileProducer | None = None
+        producer: IBodyProducer | None = None
         if isinstance(body, FileBody):
             # A fresh producer per attempt: each has its own consumer, watchdog and lifetime, so
             # a late pause or stop from a dead attempt's transport cannot touch the next one.
-            file_body = await FileProducer.open(self._run_in_thread, body)
+            producer = file_body = await FileProducer.open(self._run_in_thread, body)
+            file_body.progress = progress
+        elif isinstance(body, bytes):
+            # Written at once, by whichever reactor this store runs on: a cooperator would be the
+            # global reactor's, which a CLI command's own reactor never runs (the body never went).
+            producer = BytesProducer(body)
+        elif method == "DELETE":
+            # An explicit empty body: Twisted silently re-sends body-less DELETEs that fail on a
+            # reused connection, which would hide a lost response from a conditional DELETE's
+            # check (S3Store.delete). With a producer it leaves retrying to us.
+            producer = BytesProducer(b"")
         readers: list[BodyReader] = []
-        watchdog: _Watchdog | None = None
         d = Deferred.fromCoroutine(
-            self._exchange(
-                method, url, headers, body, file_body, sink, ok, readers, lambda: watchdog
-            )
+            self._exchange(method, url, headers, producer, sink, ok, readers, progress)
         )
-        if streaming:
+        if sink is not None or file_body is not None:  # streaming: an idle timeout
             watchdog = _Watchdog(self._clock, self.timeout, d)
         else:
             d.addTimeout(self.timeout, self._clock, onTimeoutCancel=_timed_out)
@@ -355,33 +367,12 @@ class Exchange:
         method: str,
         url: str,
         headers: Headers,
-        body: bytes | FileBody | None,
-        file_body: FileProducer | None,
+        producer: IBodyProducer | None,
         sink: IO[bytes] | None,
         ok: Container[int],
         readers: list[BodyReader],
-        watchdog: Callable[[], _Watchdog | None],
+        progress: Callable[[], None],
     ) -> Reply:
-        def progress() -> None:
-            w = watchdog()
-            if w is not None:
-                w.touch()
-
-        producer: IBodyProducer | None
-        if file_body is not None:
-            file_body.progress = progress
-            producer = file_body
-        elif isinstance(body, bytes):
-            # Written at once, by whichever reactor this store runs on: a cooperator would be the
-            # global reactor's, which a CLI command's own reactor never runs (the body never went).
-            producer = BytesProducer(body)
-        elif method == "DELETE":
-            # An explicit empty body: Twisted silently re-sends body-less DELETEs that fail on a
-            # reused connection, which would hide a lost response from a conditional DELETE's
-            # check (S3Store.delete). With a producer it leaves retrying to us.
-            producer = BytesProducer(b"")
-        else:
-            producer = None
         response: IResponse = await self._http.request(
             method,
             url,
