@@ -108,6 +108,7 @@ from lchat.objstore import (
     ObjectStoreError,
     ObjectVersion,
     PreconditionFailed,
+    StoredObject,
     VersionedObjectStore,
 )
 
@@ -161,24 +162,32 @@ class S3VaultStore:
         return f"{self._prefix}{kind}/{name}"
 
     @contextmanager
-    def _failures(self, operation: str) -> Iterator[None]:
-        """The object store's failures as :class:`StoreError` (logged once, here)."""
+    def _measured(self, operation: str) -> Iterator[None]:
+        """Count and time ``operation``; the object store's failures become :class:`StoreError`
+        (logged once, here)."""
+        with measured(BACKEND, operation, self._clock):
+            try:
+                yield
+            except ObjectStoreError as e:
+                log.error(
+                    "home store: S3 {operation} on {where} failed: {error} (check that the "
+                    "bucket exists, answers and that the credentials may use it)",
+                    operation=operation,
+                    where=self.describe(),
+                    error=f"{type(e).__name__}: {e}",
+                )
+                raise StoreError(f"S3 {operation} failed: {e}") from e
+
+    async def _get(self, key: str) -> StoredObject | None:
         try:
-            yield
-        except ObjectStoreError as e:
-            log.error(
-                "home store: S3 {operation} on {where} failed: {error} (check that the bucket "
-                "exists, answers and that the credentials may use it)",
-                operation=operation,
-                where=self.describe(),
-                error=f"{type(e).__name__}: {e}",
-            )
-            raise StoreError(f"S3 {operation} failed: {e}") from e
+            return await self._objects.get(key)
+        except NotFound:
+            return None
 
     # -- the interface ---------------------------------------------------------------------------
 
     async def check(self) -> None:
-        with measured(BACKEND, "check", self._clock), self._failures("check"):
+        with self._measured("check"):
             status = await self._objects.versioning()
         if status != "Enabled":
             raise StoreError(
@@ -190,25 +199,19 @@ class S3VaultStore:
 
     async def get_blob(self, uid: str) -> Blob | None:
         key = self._blob_key(uid)
-        with measured(BACKEND, "get_blob", self._clock), self._failures("get_blob"):
-            try:
-                stored = await self._objects.get(key)
-            except NotFound:
-                return None
-        return Blob(stored.body, stored.info.etag)
+        with self._measured("get_blob"):
+            stored = await self._get(key)
+        return None if stored is None else Blob(stored.body, stored.info.etag)
 
     async def put_blob(self, uid: str, data: bytes, expected_version: str) -> str:
         key = self._blob_key(uid)
         if not isinstance(data, bytes):
             raise ValueError("a vault blob is bytes")
-        with measured(BACKEND, "put_blob", self._clock):
-            return await self._cas_put(key, data, expected_version, "blob", "put_blob")
+        return await self._cas_put(key, data, expected_version, "blob")
 
-    async def _cas_put(
-        self, key: str, body: bytes, expected_version: str, kind: str, operation: str
-    ) -> str:
+    async def _cas_put(self, key: str, body: bytes, expected_version: str, kind: str) -> str:
         content_type = "application/json" if kind == "user" else "application/octet-stream"
-        with self._failures(operation):
+        with self._measured(f"put_{kind}"):
             try:
                 if expected_version == NO_VERSION:
                     put = await self._objects.put(
@@ -258,19 +261,13 @@ class S3VaultStore:
 
     async def list_blob_versions(self, uid: str) -> list[BlobVersion]:
         key = self._blob_key(uid)
-        with (
-            measured(BACKEND, "list_blob_versions", self._clock),
-            self._failures("list_blob_versions"),
-        ):
+        with self._measured("list_blob_versions"):
             kept = await self._kept_versions(key)
         return [BlobVersion(v.etag, v.last_modified, v.size) for v in kept]
 
     async def get_blob_version(self, uid: str, version: str) -> bytes | None:
         key = self._blob_key(uid)
-        with (
-            measured(BACKEND, "get_blob_version", self._clock),
-            self._failures("get_blob_version"),
-        ):
+        with self._measured("get_blob_version"):
             for kept in await self._kept_versions(key):
                 if kept.etag == version:
                     try:
@@ -281,28 +278,23 @@ class S3VaultStore:
 
     async def get_user(self, uid: str) -> UserDoc | None:
         key = self._user_key(uid)
-        with measured(BACKEND, "get_user", self._clock), self._failures("get_user"):
-            try:
-                stored = await self._objects.get(key)
-            except NotFound:
-                return None
-            return UserDoc(decode_user(stored.body, key), stored.info.etag)
+        with self._measured("get_user"):
+            stored = await self._get(key)
+            return (
+                None if stored is None else UserDoc(decode_user(stored.body, key), stored.info.etag)
+            )
 
     async def put_user(self, uid: str, doc: Mapping[str, Any], expected_version: str) -> str:
         key = self._user_key(uid)
-        body = encode_user(doc)
-        with measured(BACKEND, "put_user", self._clock):
-            return await self._cas_put(key, body, expected_version, "user", "put_user")
+        return await self._cas_put(key, encode_user(doc), expected_version, "user")
 
     async def update_user(self, uid: str, fn: UserUpdate) -> UserDoc | None:
-        check_uid(uid)
-        with measured(BACKEND, "update_user", self._clock):
-            return await update_user_cas(self, BACKEND, uid, fn, clock=self._clock, rng=self._rng)
+        return await update_user_cas(self, BACKEND, uid, fn, clock=self._clock, rng=self._rng)
 
     async def put_pointer(self, kind: PointerKind, name: str, uid: str) -> None:
         key = self._pointer_key(kind, name)
         check_uid(uid)
-        with measured(BACKEND, "put_pointer", self._clock), self._failures("put_pointer"):
+        with self._measured("put_pointer"):
             try:
                 await self._objects.put(
                     key, uid.encode(), if_none_match=True, content_type="text/plain"
@@ -315,25 +307,23 @@ class S3VaultStore:
                 raise PointerTaken(f"the {kind} pointer {name!r} already names another user")
 
     async def _read_pointer(self, key: str) -> str | None:
-        try:
-            body = (await self._objects.get(key)).body
-        except NotFound:
+        stored = await self._get(key)
+        if stored is None:
             return None
-        uid = body.decode("ascii", "replace")
         try:
-            return check_uid(uid)
+            return check_uid(stored.body.decode("ascii", "replace"))
         except ValueError:
             raise StoreError(f"{key}: the pointer does not hold a uid") from None
 
     async def resolve_pointer(self, kind: PointerKind, name: str) -> str | None:
         key = self._pointer_key(kind, name)
-        with measured(BACKEND, "resolve_pointer", self._clock), self._failures("resolve_pointer"):
+        with self._measured("resolve_pointer"):
             return await self._read_pointer(key)
 
     async def use_once(self, name: str, expires_at: float) -> bool:
         key = f"{self._prefix}used/{check_used_name(name)}"
         body = json.dumps({"expires": round(expires_at)}).encode()
-        with measured(BACKEND, "use_once", self._clock), self._failures("use_once"):
+        with self._measured("use_once"):
             try:
                 await self._objects.put(
                     key, body, if_none_match=True, content_type="application/json"
@@ -353,13 +343,13 @@ class S3VaultStore:
             {"uid": uid, "device": device, "time": now.isoformat(timespec="seconds")},
             sort_keys=True,
         ).encode()
-        with measured(BACKEND, "mark_revoked", self._clock), self._failures("mark_revoked"):
+        with self._measured("mark_revoked"):
             # A plain PUT: marking twice only moves the marker's date (its 25 hours restart).
             await self._objects.put(key, body, content_type="application/json")
 
     async def revoked_since(self, cursor: str) -> Revocations:
         prefix = self._revoked_prefix()
-        with measured(BACKEND, "revoked_since", self._clock), self._failures("revoked_since"):
+        with self._measured("revoked_since"):
             listed = await self._objects.list(prefix)
         now = self._clock.seconds()
         live: list[Revocation] = []

@@ -261,51 +261,49 @@ class SQLiteVaultStore:
         return f"sqlite:{self._connections.path}"
 
     async def _run(self, operation: str, fn: Callable[..., _T], *args: Any) -> _T:
-        try:
-            result: _T = await self._run_in_thread(self._connections.run, fn, *args)
-        except _Closed:
-            raise StoreError(f"{self.describe()}: the store is closed") from None
-        except sqlite3.Error as e:
-            log.error(
-                "home store: SQLite {operation} on {path} failed: {error} (a locked database "
-                "means another process holds its write lock; 'disk I/O error', 'malformed' or "
-                "'not a database' need the file checked)",
-                operation=operation,
-                path=self._connections.path,
-                error=f"{type(e).__name__}: {e}",
-            )
-            raise StoreError(f"{self.describe()}: {operation} failed: {e}") from e
+        """``fn(conn, *args)`` in a worker thread, measured as ``operation``."""
+        with measured(BACKEND, operation, self._clock):
+            try:
+                result: _T = await self._run_in_thread(self._connections.run, fn, *args)
+            except _Closed:
+                raise StoreError(f"{self.describe()}: the store is closed") from None
+            except sqlite3.Error as e:
+                log.error(
+                    "home store: SQLite {operation} on {path} failed: {error} (a locked database "
+                    "means another process holds its write lock; 'disk I/O error', 'malformed' or "
+                    "'not a database' need the file checked)",
+                    operation=operation,
+                    path=self._connections.path,
+                    error=f"{type(e).__name__}: {e}",
+                )
+                raise StoreError(f"{self.describe()}: {operation} failed: {e}") from e
         return result
 
+    async def _cas(self, kind: str, fn: Callable[..., int], uid: str, *args: Any) -> str:
+        """A compare-and-swap write of ``kind`` (blob, user): the new version."""
+        try:
+            version = await self._run(f"put_{kind}", fn, uid, *args, self._clock.seconds())
+        except Conflict:
+            CAS_CONFLICTS.labels(BACKEND, kind).inc()
+            raise
+        return str(version)
+
     async def check(self) -> None:
-        with measured(BACKEND, "check", self._clock):
-            await self._run("check", _check)
+        await self._run("check", _check)
 
     async def get_blob(self, uid: str) -> Blob | None:
-        check_uid(uid)
-        with measured(BACKEND, "get_blob", self._clock):
-            return await self._run("get_blob", _get_blob, uid)
+        return await self._run("get_blob", _get_blob, check_uid(uid))
 
     async def put_blob(self, uid: str, data: bytes, expected_version: str) -> str:
         check_uid(uid)
         if not isinstance(data, bytes):
             raise ValueError("a vault blob is bytes")
-        with measured(BACKEND, "put_blob", self._clock):
-            try:
-                version: int = await self._run(
-                    "put_blob", _put_blob, uid, data, expected_version, self._clock.seconds()
-                )
-            except Conflict:
-                CAS_CONFLICTS.labels(BACKEND, "blob").inc()
-                raise
-            return str(version)
+        return await self._cas("blob", _put_blob, uid, data, expected_version)
 
     async def list_blob_versions(self, uid: str) -> list[BlobVersion]:
-        check_uid(uid)
-        with measured(BACKEND, "list_blob_versions", self._clock):
-            rows: list[tuple[int, int, int]] = await self._run(
-                "list_blob_versions", _list_blob_versions, uid
-            )
+        rows: list[tuple[int, int, int]] = await self._run(
+            "list_blob_versions", _list_blob_versions, check_uid(uid)
+        )
         return [
             BlobVersion(str(version), datetime.fromtimestamp(ms / 1000, UTC), size)
             for version, ms, size in rows
@@ -315,69 +313,50 @@ class SQLiteVaultStore:
         check_uid(uid)
         if not _CANONICAL_VERSION.fullmatch(version) or version == NO_VERSION:
             return None
-        with measured(BACKEND, "get_blob_version", self._clock):
-            return await self._run("get_blob_version", _get_blob_version, uid, int(version))
+        return await self._run("get_blob_version", _get_blob_version, uid, int(version))
 
     async def get_user(self, uid: str) -> UserDoc | None:
-        check_uid(uid)
-        with measured(BACKEND, "get_user", self._clock):
-            # Decoded in the worker thread: the reactor never parses a document.
-            return await self._run("get_user", _get_user, uid, f"{self.describe()} user {uid}")
+        # Decoded in the worker thread: the reactor never parses a document.
+        where = f"{self.describe()} user {check_uid(uid)}"
+        return await self._run("get_user", _get_user, uid, where)
 
     async def put_user(self, uid: str, doc: Mapping[str, Any], expected_version: str) -> str:
         check_uid(uid)
         if not isinstance(doc, Mapping):
             raise ValueError(f"a user document is a JSON object, not {type(doc).__name__}")
-        with measured(BACKEND, "put_user", self._clock):
-            try:
-                # Encoded in the worker thread (ValueError/DocumentTooLarge come back from it).
-                version: int = await self._run(
-                    "put_user", _put_user, uid, doc, expected_version, self._clock.seconds()
-                )
-            except Conflict:
-                CAS_CONFLICTS.labels(BACKEND, "user").inc()
-                raise
-            return str(version)
+        # Encoded in the worker thread (ValueError/DocumentTooLarge come back from it).
+        return await self._cas("user", _put_user, uid, doc, expected_version)
 
     async def update_user(self, uid: str, fn: UserUpdate) -> UserDoc | None:
-        check_uid(uid)
-        with measured(BACKEND, "update_user", self._clock):
-            return await update_user_cas(self, BACKEND, uid, fn, clock=self._clock, rng=self._rng)
+        return await update_user_cas(self, BACKEND, uid, fn, clock=self._clock, rng=self._rng)
 
     async def put_pointer(self, kind: PointerKind, name: str, uid: str) -> None:
         check_pointer(kind, name)
-        check_uid(uid)
-        with measured(BACKEND, "put_pointer", self._clock):
-            owner: str = await self._run("put_pointer", _put_pointer, kind, name, uid)
-            if owner != uid:
-                raise PointerTaken(f"the {kind} pointer {name!r} already names another user")
+        owner: str = await self._run("put_pointer", _put_pointer, kind, name, check_uid(uid))
+        if owner != uid:
+            raise PointerTaken(f"the {kind} pointer {name!r} already names another user")
 
     async def resolve_pointer(self, kind: PointerKind, name: str) -> str | None:
         check_pointer(kind, name)
-        with measured(BACKEND, "resolve_pointer", self._clock):
-            return await self._run("resolve_pointer", _resolve_pointer, kind, name)
+        return await self._run("resolve_pointer", _resolve_pointer, kind, name)
 
     async def use_once(self, name: str, expires_at: float) -> bool:
-        check_used_name(name)
-        with measured(BACKEND, "use_once", self._clock):
-            return await self._run("use_once", _use_once, name, expires_at, self._clock.seconds())
+        now = self._clock.seconds()
+        return await self._run("use_once", _use_once, check_used_name(name), expires_at, now)
 
     async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
         check_digest(digest)
         check_uid(uid)
-        with measured(BACKEND, "mark_revoked", self._clock):
-            await self._run(
-                "mark_revoked", _mark_revoked, digest, uid, device, self._clock.seconds()
-            )
+        now = self._clock.seconds()
+        await self._run("mark_revoked", _mark_revoked, digest, uid, device, now)
 
     async def revoked_since(self, cursor: str) -> Revocations:
         if cursor and not _CANONICAL_VERSION.fullmatch(cursor):
             raise ValueError(f"not a revocation cursor of this store: {cursor!r}")
         after = int(cursor or 0)
-        with measured(BACKEND, "revoked_since", self._clock):
-            rows: list[tuple[int, str, int]] = await self._run(
-                "revoked_since", _revoked_since, after, self._clock.seconds()
-            )
+        rows: list[tuple[int, str, int]] = await self._run(
+            "revoked_since", _revoked_since, after, self._clock.seconds()
+        )
         markers = [
             Revocation(digest, datetime.fromtimestamp(ms / 1000, UTC)) for _, digest, ms in rows
         ]

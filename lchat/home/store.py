@@ -329,32 +329,34 @@ async def update_user_cas(
     """:meth:`VaultStore.update_user` on top of ``get_user`` and ``put_user``, for every backend
     (see that method for the contract). Between lost races it sleeps a jittered backoff on
     ``clock``, so racing writers spread out rather than collide again in lockstep."""
-    current_version = NO_VERSION
-    for attempt in range(1, attempts + 1):
-        current = await store.get_user(uid)
-        working = copy.deepcopy(current.doc) if current is not None else None
-        new = fn(working)
-        if new is None:
-            return current
-        expected = current.version if current is not None else NO_VERSION
-        doc = dict(new)
-        try:
-            version = await store.put_user(uid, doc, expected)
-        except Conflict as e:
-            current_version = e.current_version
-            if attempt < attempts:
-                delay = UPDATE_BACKOFF.jittered(UPDATE_BACKOFF.delay(attempt), rng)
-                await deferLater(clock, delay)
-            continue
-        return UserDoc(doc, version)
-    log.warn(
-        "home store ({backend}): a user document update lost {attempts} races in a row and gave "
-        "up (the client gets a conflict); many clients of one user writing at once, or a "
-        "store answering slowly, cause this",
-        backend=backend,
-        attempts=attempts,
-    )
-    raise Conflict(current_version, f"user document still contended after {attempts} attempts")
+    check_uid(uid)
+    with measured(backend, "update_user", clock):
+        current_version = NO_VERSION
+        for attempt in range(1, attempts + 1):
+            current = await store.get_user(uid)
+            working = copy.deepcopy(current.doc) if current is not None else None
+            new = fn(working)
+            if new is None:
+                return current
+            expected = current.version if current is not None else NO_VERSION
+            doc = dict(new)
+            try:
+                version = await store.put_user(uid, doc, expected)
+            except Conflict as e:
+                current_version = e.current_version
+                if attempt < attempts:
+                    delay = UPDATE_BACKOFF.jittered(UPDATE_BACKOFF.delay(attempt), rng)
+                    await deferLater(clock, delay)
+                continue
+            return UserDoc(doc, version)
+        log.warn(
+            "home store ({backend}): a user document update lost {attempts} races in a row and "
+            "gave up (the client gets a conflict); many clients of one user writing at once, or a "
+            "store answering slowly, cause this",
+            backend=backend,
+            attempts=attempts,
+        )
+        raise Conflict(current_version, f"user document still contended after {attempts} attempts")
 
 
 # -- helpers for the implementations -------------------------------------------------------------
