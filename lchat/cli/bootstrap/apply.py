@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from attrs import frozen
 
-from lchat import config
+from lchat import config, systemd_units
 from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.cli.bootstrap.probe import probe_as
 from lchat.cli.bootstrap.relayout import relayout_steps
@@ -17,6 +17,7 @@ from lchat.cli.bootstrap.request import (
     ISOLATED_DATA_MODE,
     ROUTER_UNIT,
     VENV_TWISTD,
+    BootstrapError,
     Request,
     account_of,
 )
@@ -68,7 +69,10 @@ def apply(request: Request, steps: Sequence[Step], probe: bool = True) -> Outcom
             skipped.append(f"{step.what}: {step.skipped}")
         else:
             assert step.run is not None
-            result = step.run()
+            try:
+                result = step.run()
+            except systemd_units.UnitError as e:  # stopping and starting units, their drop-ins
+                raise BootstrapError(str(e)) from e
             done.extend([result] if isinstance(result, str) else result)
     ok, left = [], []
     for step in steps:

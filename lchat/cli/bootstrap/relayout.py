@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lchat import config
-from lchat.cli.bootstrap.request import ROUTER_UNIT, BootstrapError, Request
+from lchat.cli.bootstrap.request import ROUTER_UNIT, Request
 from lchat.cli.bootstrap.steps import Step
 from lchat.config import BoxConfig, ConfigError
 
@@ -104,7 +104,7 @@ def relayout_steps(request: Request) -> tuple[list[Step], bool]:
             out.append(
                 Step(
                     f"stop {ROUTER_UNIT} and {SPACES_TARGET}: no space runs while its files move",
-                    run=_unit_errors(stop),
+                    run=stop,
                 )
             )
         left: list[str] = []
@@ -128,7 +128,7 @@ def relayout_steps(request: Request) -> tuple[list[Step], bool]:
             systemd_units.start_units(*was_active)
             return f"started again: {' '.join(was_active)}"
 
-        out.append(Step("start again the units that ran", run=_unit_errors(start)))
+        out.append(Step("start again the units that ran", run=start))
     return out, isolated
 
 
@@ -168,21 +168,7 @@ def _dropin_steps(cfg: BoxConfig, registry: Any, rows: Sequence[Any]) -> list[St
     return [
         Step(
             "write each always-on space's unit drop-ins (its own user, its own directories)",
-            run=_unit_errors(write),
+            run=write,
             detail=tuple(systemd_units.dropin_path(h) for h in missing),
         )
     ]
-
-
-def _unit_errors(
-    run: Callable[[], str | list[str]],
-) -> Callable[[], str | list[str]]:
-    from lchat import systemd_units
-
-    def checked() -> str | list[str]:
-        try:
-            return run()
-        except systemd_units.UnitError as e:
-            raise BootstrapError(str(e)) from e
-
-    return checked

@@ -184,11 +184,10 @@ def env_step(request: Request, account: Account | None) -> Step:
         if changes or not exists:
             # The reader owns it: handed over on the descriptor, before the rename.
             write_atomic(path, new_text.encode("utf-8"), envfile.MODE, uid=owner.uid, gid=owner.gid)
+            said.append(f"mode {envfile.MODE:04o}, owner {user}")
         elif not private:
             _, handed = envfile.hand_to(path, owner.uid, owner.gid)  # the reader owns it
             said.append(handed)
-        if not exists or changes:
-            said.append(f"mode {envfile.MODE:04o}, owner {user}")
         return f"{path}: {'; '.join(said)}"
 
     if not exists:
@@ -329,30 +328,25 @@ def unit_steps(request: Request, group: str) -> list[Step]:
 def systemctl_steps(request: Request, units_change: bool) -> list[Step]:
     wants = request.path(os.path.join(UNITS_TARGET, "multi-user.target.wants", ROUTER_UNIT))
     enabled = os.path.lexists(wants)
-    enable_step = Step(
-        f"systemctl enable {ROUTER_UNIT}",
-        already=f"{ROUTER_UNIT} is enabled" if enabled else None,
-    )
-    # Also before a first enable: units installed by an earlier --no-systemctl run are new to
-    # systemd.
-    reload_step = Step(
-        "systemctl daemon-reload",
-        already=None if units_change or not enabled else "no unit changed: no daemon-reload needed",
-    )
     steps = []
-    for step, argv in (
-        (reload_step, ["systemctl", "daemon-reload"]),
-        (enable_step, ["systemctl", "enable", ROUTER_UNIT]),
+    for argv, already in (
+        # Also before a first enable: units installed by an earlier --no-systemctl run are new to
+        # systemd.
+        (
+            ["systemctl", "daemon-reload"],
+            "no unit changed: no daemon-reload needed" if enabled and not units_change else None,
+        ),
+        (["systemctl", "enable", ROUTER_UNIT], f"{ROUTER_UNIT} is enabled" if enabled else None),
     ):
-        if step.already is not None:
-            steps.append(step)
+
+        def run(argv: list[str] = argv) -> str:
+            systemd_units.run_command(argv, BootstrapError)
+            return " ".join(argv)
+
+        if already is not None:
+            steps.append(Step(" ".join(argv), already=already))
         elif request.no_systemctl is not None:
-            steps.append(Step(step.what, skipped=request.no_systemctl))
+            steps.append(Step(" ".join(argv), skipped=request.no_systemctl))
         else:
-
-            def run(argv: list[str] = argv) -> str:
-                systemd_units.run_command(argv, BootstrapError)
-                return " ".join(argv)
-
-            steps.append(Step(step.what, run=run))
+            steps.append(Step(" ".join(argv), run=run))
     return steps
