@@ -48,6 +48,11 @@ def _make_db(path: str, rows: int = 1) -> None:
     conn.close()
 
 
+def replicating(service: Backup) -> dict[str, str]:
+    """name -> path of every database with a replicator in ``service``."""
+    return {n: db.chosen.path for n, db in service._dbs.items() if db.replicator is not None}
+
+
 def _text(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -418,8 +423,8 @@ class BackupServiceTests(TestCase):
         _make_db(os.path.join(self.data, "home.db"))
         await self.routes.reload("test")
         service = self.backup()
-        await self.until(lambda: len(service.replicating()) == 3)
-        self.assertEqual(set(service.replicating()), {REGISTRY_NAME, "on.example.db", "home.db"})
+        await self.until(lambda: len(replicating(service)) == 3)
+        self.assertEqual(set(replicating(service)), {REGISTRY_NAME, "on.example.db", "home.db"})
         self.assertEqual(await self.keys("hib.example.db"), [], "a hibernating host is not ours")
         _write(on, "after start")
         await self.until(
@@ -440,7 +445,7 @@ class BackupServiceTests(TestCase):
         on = self.add("on.example")
         await self.routes.reload("test")
         service = self.backup()
-        await self.until(lambda: "on.example.db" in service.replicating())
+        await self.until(lambda: "on.example.db" in replicating(service))
         _write(on, "the last write before the flip")
         self.registry.update("on.example", hibernate=True)
         await self.routes.reload("flip")
@@ -476,7 +481,7 @@ class BackupServiceTests(TestCase):
         self.assertFalse(released.called, "the release waits for the start in progress")
         gate.callback(None)
         await released
-        self.assertNotIn("on.example.db", service.replicating())
+        self.assertNotIn("on.example.db", replicating(service))
         before = await self.keys("on.example.db")
         _write(on, "the activator's")
         await service.rescan()
@@ -485,7 +490,7 @@ class BackupServiceTests(TestCase):
         self.assertEqual(await self.keys("on.example.db"), before)
         # The activator lets go (its stand-down ended, the flag is off): ours again.
         self.claims.release("on.example")
-        await self.until(lambda: "on.example.db" in service.replicating())
+        await self.until(lambda: "on.example.db" in replicating(service))
         self.assertEqual(await self.restored("on.example.db"), dump(on))
 
     async def test_a_cancelled_hand_over_still_stops_the_start_in_progress(self) -> None:
@@ -512,7 +517,7 @@ class BackupServiceTests(TestCase):
         self.failureResultOf(waiting, CancelledError)
         gate.callback(None)
         await self.until(lambda: "on.example.db" not in service.status()["databases"])
-        self.assertNotIn("on.example.db", service.replicating())
+        self.assertNotIn("on.example.db", replicating(service))
         await service.release("on.example", on)  # the next wake's: nothing left to stop
 
     async def test_a_database_the_activator_took_is_never_ours_even_when_its_row_goes(
@@ -531,7 +536,7 @@ class BackupServiceTests(TestCase):
         await service.rescan()
         self.assertNotIn("hib.example.db", service.status()["databases"])
         self.claims.release("hib.example")  # its stand-down ended: an extra like any other now
-        await self.until(lambda: "hib.example.db" in service.replicating())
+        await self.until(lambda: "hib.example.db" in replicating(service))
         self.assertEqual(service.status()["databases"]["hib.example.db"]["why"], "extra")
 
     async def test_a_bucket_that_fails_at_start_is_retried_until_it_works(self) -> None:
@@ -546,7 +551,7 @@ class BackupServiceTests(TestCase):
         entry = service.status()["databases"][REGISTRY_NAME]
         self.assertIn("last_error", entry)
         await server.new_bucket(bucket)
-        await self.until(lambda: REGISTRY_NAME in service.replicating(), within=20)
+        await self.until(lambda: REGISTRY_NAME in replicating(service), within=20)
         self.assertNotIn("retry_in", service.status()["databases"][REGISTRY_NAME])
 
     async def test_env_files_go_sealed_once_per_change_only_with_a_key(self) -> None:
@@ -558,14 +563,14 @@ class BackupServiceTests(TestCase):
         await self.routes.reload("test")
         key = f"bk/box1/.env/{os.path.basename(env)}"
         service = self.backup()  # no LCHAT_BACKUP_KEY: not backed up
-        await self.until(lambda: "on.example.db" in service.replicating())
+        await self.until(lambda: "on.example.db" in replicating(service))
         await service.rescan()
         self.assertEqual([i.key for i in await self.store.list("bk/box1/.env/")], [])
         await service.stopService()
         self.store = FileStore(reactor, os.path.join(self.root, "bucket"), self.in_thread)
         self.cfg = attrs.evolve(self.cfg, env_key=b"k" * 32)
         service = self.backup()
-        await self.until(lambda: "on.example.db" in service.replicating())
+        await self.until(lambda: "on.example.db" in replicating(service))
         await service.rescan()
         asleep = await self.store.get("bk/box1/.env/hib.example.env")
         self.assertEqual(
@@ -602,7 +607,7 @@ class BackupServiceTests(TestCase):
         self.assertEqual(dict(manifest.files), gens)
         await service.stopService()
         service = self.backup()
-        await self.until(lambda: "on.example.db" in service.replicating())
+        await self.until(lambda: "on.example.db" in replicating(service))
         await service.rescan()
         again = envfiles.unseal_manifest(
             service.layout, (await self.store.get(manifest_key)).body, b"k" * 32
@@ -615,7 +620,7 @@ class BackupServiceTests(TestCase):
         on = self.add("on.example")
         await self.routes.reload("test")
         service = self.backup()
-        await self.until(lambda: len(service.replicating()) == 2)
+        await self.until(lambda: len(replicating(service)) == 2)
         _write(on, "at shutdown")
         await service.stopService()
         self.assertEqual(service.status()["databases"], {})

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from attrs import define, field
@@ -545,10 +545,6 @@ class Backup(Service):
             "databases": databases,
             **({"problems": list(self._problems)} if self._problems else {}),
         }
-
-    def replicating(self) -> Mapping[str, str]:
-        """name -> path of every database with a replicator here (tests and the drill)."""
-        return {n: db.chosen.path for n, db in self._dbs.items() if db.replicator is not None}
 
     def _update_gauge(self) -> None:
         for state in STATES:
