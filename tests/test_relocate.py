@@ -23,6 +23,7 @@ from lchat.buckets import open_bucket
 from lchat.cli import main as cli_main
 from lchat.cli import relocate
 from lchat.config import BoxConfig, ConfigError
+from lchat.handover import HandoverError
 from lchat.handover.relocate import one_account
 from lchat.objstore.where import Where
 from lchat.reactors import installed
@@ -201,14 +202,12 @@ class RelocateTests(TestCase):
 
         def call() -> int:
             with redirect_stdout(out), redirect_stderr(err):
-                return relocate.run_cli(
-                    args,
-                    cfg,
-                    lambda _cfg: self.registry,
-                    cli_main._out,
-                    cli_main._note,
-                    cli_main._fail,
-                )
+                try:
+                    return relocate.run(
+                        args, cfg, lambda _cfg: self.registry, cli_main._out, cli_main._note
+                    )
+                except HandoverError as e:  # as lchat's main() reports it
+                    return cli_main._fail(str(e))
 
         code = await deferToThread(call)
         return code, out.getvalue(), err.getvalue()

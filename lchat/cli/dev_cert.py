@@ -20,6 +20,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from lchat import certfiles, hosts
@@ -127,7 +128,9 @@ def _ensure_ca(
                 key = serialization.load_pem_private_key(f.read(), password=None)
         except (ValueError, TypeError) as e:
             raise DevCertError(f"{cert_path} / {key_path} do not load ({e}); remove both") from e
-        if not isinstance(key, ec.EllipticCurvePrivateKey) or _spki(key) != _spki_of(cert):
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or _spki(key.public_key()) != _spki(
+            cert.public_key()
+        ):
             raise DevCertError(f"{key_path} is not the key of {cert_path}; remove both")
         if cert.not_valid_after_utc <= now + datetime.timedelta(days=LEAF_DAYS):
             raise DevCertError(
@@ -249,14 +252,8 @@ def _ca_public_key(cert: x509.Certificate) -> ec.EllipticCurvePublicKey:
     return key
 
 
-def _spki(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-
-
-def _spki_of(cert: x509.Certificate) -> bytes:
-    return cert.public_key().public_bytes(
+def _spki(key: CertificatePublicKeyTypes) -> bytes:
+    return key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
 

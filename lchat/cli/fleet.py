@@ -85,21 +85,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def run_cli(
-    args: argparse.Namespace,
-    cfg: BoxConfig,
-    open_registry: Callable[[BoxConfig], Registry],
-    out: Say,
-    note: Say,
-    fail: Callable[[str], int],
-) -> int:
-    """``lchat fleet``'s handler: a refusal is one ``lchat: error:`` line, exit status 1."""
-    try:
-        return run(args, cfg, open_registry, out, note)
-    except FleetCliError as e:
-        return fail(str(e))
-
-
 def run(
     args: argparse.Namespace,
     cfg: BoxConfig,

@@ -24,6 +24,7 @@ from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
 from lchat.cli import certs, dev_cert, litestream_yml, runner
+from lchat.cli import fleet as fleet_cli
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import instances as instances_cli
 from lchat.cli import mesh as mesh_cli
@@ -117,6 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         systemd_units.UnitError,
         litestream_yml.BackupConfigError,
         mesh_cli.MeshCliError,
+        fleet_cli.FleetCliError,
+        replica_cli.ReplicaCliError,
+        certs.CertsError,
+        dev_cert.DevCertError,
+        LedgerError,
     ) as e:
         return _fail(str(e))
     except BrokenPipeError as e:
@@ -272,7 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     id_ledger_cli.add_arguments(
-        command("id-ledger", id_ledger_cli.SUMMARY, cmd_id_ledger),
+        command(
+            "id-ledger",
+            id_ledger_cli.SUMMARY,
+            lambda a: id_ledger_cli.run(a, load_config(a), _out),
+        ),
         lambda p: _add_common(p, argparse.SUPPRESS),
     )
 
@@ -295,16 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
         command(
             "relocate",
             relocate_cli.SUMMARY,
-            lambda a: relocate_cli.run_cli(a, load_config(a), open_registry, _out, _note, _fail),
+            lambda a: relocate_cli.run(a, load_config(a), open_registry, _out, _note),
         )
     )
-    from lchat.cli import fleet as fleet_cli  # lchat fleet (docs/operations.md, Fleet status)
-
     fleet_cli.add_arguments(
         command(
             "fleet",
             fleet_cli.SUMMARY,
-            lambda a: fleet_cli.run_cli(a, load_config(a), open_registry, _out, _note, _fail),
+            lambda a: fleet_cli.run(a, load_config(a), open_registry, _out, _note),
         )
     )
     from lchat.cli import release as release_cli  # lchat release|deploy|rollback (operations.md)
@@ -331,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command("version", "print lchat's version", cmd_version)
     dev_cert.add_arguments(command("dev-cert", dev_cert.SUMMARY, cmd_dev_cert))
-    certs.add_arguments(command("certs", certs.SUMMARY, cmd_certs))
+    certs.add_arguments(
+        command("certs", certs.SUMMARY, lambda a: certs.run(a, load_config(a), _out))
+    )
     replica_cli.add_arguments(
         command("replica", replica_cli.SUMMARY, lambda a: replica_cli.run(a, load_config(a), _out)),
         lambda p: _add_common(p, argparse.SUPPRESS),
@@ -410,18 +420,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 def cmd_dev_cert(args: argparse.Namespace) -> int:
     # With --out no settings are needed: it must work on a box whose router.env is broken.
-    cfg = None if args.out else load_config(args)
-    try:
-        return dev_cert.run(args, cfg, _out)
-    except dev_cert.DevCertError as e:
-        raise CliError(str(e)) from e
-
-
-def cmd_certs(args: argparse.Namespace) -> int:
-    try:
-        return certs.run(args, load_config(args), _out)
-    except certs.CertsError as e:
-        return _fail(str(e))
+    return dev_cert.run(args, None if args.out else load_config(args), _out)
 
 
 def cmd_instances(args: argparse.Namespace) -> int:
@@ -429,13 +428,6 @@ def cmd_instances(args: argparse.Namespace) -> int:
     routes = sorted(open_registry(cfg).load(), key=lambda r: r.host)
     status = _router(cfg).status() if routes else {}
     return instances_cli.show(cfg, routes, status, args.json, _out, _note)
-
-
-def cmd_id_ledger(args: argparse.Namespace) -> int:
-    try:
-        return id_ledger_cli.run(args, load_config(args), _out)
-    except LedgerError as e:
-        raise CliError(str(e)) from e
 
 
 def cmd_add_instance(args: argparse.Namespace) -> int:
@@ -496,7 +488,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     if args.hibernate:
         # Nothing to start and nothing to wait for: no process and no database until its first
         # request (or `lchat hibernate --on`'s warm request) wakes it.
-        notify_router(cfg)
+        _router(cfg).notify()
         warn_if_born_dark(cfg, SocketAdmin(cfg.admin_socket), host, SAY)
         # With the mesh on, every live peer covering the host learns the route (best-effort).
         mesh_cli.fan_out_upsert(cfg, route, _note)
@@ -536,7 +528,7 @@ def cmd_add_service(args: argparse.Namespace) -> int:
     if why is not None:
         raise CliError(f"--socket {path} does not answer HTTP: {why}")
     registry.insert(Route(host=host, kind="service", socket=path, status="ready"))
-    notify_router(cfg)
+    _router(cfg).notify()
     _out(f"{host} -> {path} (service, ready)")
     return 0
 
@@ -549,7 +541,7 @@ def cmd_remove(args: argparse.Namespace) -> int:
     if route is None or not registry.delete(host):
         raise CliError(f"{host} is not registered")
     # Stop routing first, then stop the process: no request is sent to a socket going away.
-    notify_router(cfg)
+    _router(cfg).notify()
     _out(f"removed {host}; no files were deleted")
     # With the mesh on, peers holding a replicated row get a tombstone (best-effort).
     mesh_cli.fan_out_delete(cfg, route, _note)
@@ -595,7 +587,7 @@ def cmd_replication(args: argparse.Namespace) -> int:
         _out(f"{host}: replication is already {new}; nothing changed")
         return 0
     registry.update(host, replication=new)
-    notify_router(cfg)
+    _router(cfg).notify()
     _out(f"{host}: replication {old} -> {new}")
     if route.hibernate:
         # The activator reads the class at wake: an awake space keeps its cadence until it sleeps.
@@ -678,11 +670,6 @@ def _stage_env_file(path: str, token: str | None) -> str:
     token = token or secrets.token_urlsafe(32)
     envfile.write_token(path, token)
     return token
-
-
-def notify_router(cfg: BoxConfig) -> None:
-    """Ask the running router to reload now; its 2 s poll is the fallback, so never an error."""
-    _router(cfg).notify()
 
 
 # --- settings and validation --------------------------------------------------------------------

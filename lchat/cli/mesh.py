@@ -87,19 +87,11 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
     else:
         payload = client.elsewhere_payload(route, mesh.self_url)
 
-    def call(member: Member, reactor: TCPReactor, timeout: float) -> Awaitable[str]:
-        async def push() -> str:
-            answer = await client.push_route(
-                member.url,
-                mesh.token,
-                payload,
-                ca_file=mesh.ca_file,
-                timeout=timeout,
-                reactor=reactor,
-            )
-            return str(answer.get("result", "done"))
-
-        return push()
+    async def call(member: Member, reactor: TCPReactor, seconds: float) -> str:
+        answer = await client.push_route(
+            member.url, mesh.token, payload, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
+        )
+        return str(answer.get("result", "done"))
 
     _fan_out(cfg, route, "pushed", call, say, budget)
 
@@ -110,19 +102,16 @@ def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
     if mesh is None or route.kind != "instance":
         return  # services do not replicate, so there is nothing of theirs to remove
 
-    def call(member: Member, reactor: TCPReactor, timeout: float) -> Awaitable[str]:
-        async def delete() -> str:
-            deleted = await client.delete_route(
-                member.url,
-                mesh.token,
-                route.host,
-                ca_file=mesh.ca_file,
-                timeout=timeout,
-                reactor=reactor,
-            )
-            return "deleted" if deleted else "had no row"
-
-        return delete()
+    async def call(member: Member, reactor: TCPReactor, seconds: float) -> str:
+        deleted = await client.delete_route(
+            member.url,
+            mesh.token,
+            route.host,
+            ca_file=mesh.ca_file,
+            timeout=seconds,
+            reactor=reactor,
+        )
+        return "deleted" if deleted else "had no row"
 
     _fan_out(cfg, route, "tombstoned", call, say, budget)
 

@@ -228,15 +228,3 @@ def move_dns(
         if not ipaddress.ip_address(address).is_global
     )
     return MovedDNS(change, warnings)
-
-
-__all__ = [
-    "DEFAULT_TTL",
-    "MoveDNSError",
-    "MovedDNS",
-    "destination_addresses",
-    "move_dns",
-    "require_route53",
-    "route53_from_config",
-    "system_resolve",
-]

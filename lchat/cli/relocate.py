@@ -59,15 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_cli(
+def run(
     args: argparse.Namespace,
     cfg: BoxConfig,
     open_registry: Callable[[BoxConfig], Registry],
     out: Callable[[str], None],
     note: Callable[[str], None],
-    fail: Callable[[str], int],
 ) -> int:
-    """``lchat relocate``'s handler: a refusal is one ``lchat: error:`` line, exit status 1."""
+    """``lchat relocate``: a refusal or failure raises :class:`HandoverError`."""
 
     def report(steps: dict[str, Any], lines: list[str]) -> None:
         for line in [json.dumps(steps, ensure_ascii=False, sort_keys=True)] if args.json else lines:
@@ -84,21 +83,17 @@ def run_cli(
         push_reporting=lambda route, said: mesh_cli.fan_out_upsert(cfg, route, said),
     )
     host = hosts.normalise(args.host)
-    try:
-        registry = open_registry(cfg)
-        relocation = Relocation(
-            cfg,
-            registry,
-            SocketAdmin(cfg.admin_socket),
-            peers,
-            RegionStores(open_region, runner.run),
-            Route53Records(cfg),
-            Say(out=out, note=note, warn=note),
-            report,
-        )
-        return relocation(host, args.to, move_dns=args.move_dns, timeout=args.timeout)
-    except HandoverError as e:
-        return fail(str(e))
+    relocation = Relocation(
+        cfg,
+        open_registry(cfg),
+        SocketAdmin(cfg.admin_socket),
+        peers,
+        RegionStores(open_region, runner.run),
+        Route53Records(cfg),
+        Say(out=out, note=note, warn=note),
+        report,
+    )
+    return relocation(host, args.to, move_dns=args.move_dns, timeout=args.timeout)
 
 
 def live_members(cfg: BoxConfig) -> list[Member]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 from collections.abc import Callable
 
 from lchat import hosts
@@ -27,7 +26,7 @@ SUMMARY = "list or restore a space's replica in the hibernation bucket"
 
 
 class ReplicaCliError(Exception):
-    pass
+    """A refusal or failure: one ``lchat: error:`` line, exit status 1."""
 
 
 def add_arguments(
@@ -76,13 +75,13 @@ def timestamp_type(text: str) -> datetime.datetime:
 def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) -> int:
     host = hosts.normalise(args.host)
     if cfg.hibernate is None:
-        return _fail("no hibernation bucket: set LCHAT_HIBERNATE_BUCKET")
+        raise ReplicaCliError("no hibernation bucket: set LCHAT_HIBERNATE_BUCKET")
     hib = cfg.hibernate
     path = hib.key(host)
     if args.replica_command == "restore":
         args.output = os.path.abspath(args.output or f"{host}.db")
         if os.path.lexists(args.output) and not args.force:
-            return _fail(f"{args.output} already exists (use --force to replace it)")
+            raise ReplicaCliError(f"{args.output} already exists (use --force to replace it)")
 
     async def main(reactor: Reactor) -> int:
         store = await open_bucket(reactor, cfg, hib.where)
@@ -95,8 +94,8 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Callable[[str], None]) ->
 
     try:
         return runner.run(main)
-    except (ReplicaCliError, restore_mod.RestoreError, ObjectStoreError) as e:
-        return _fail(str(e))
+    except (restore_mod.RestoreError, ObjectStoreError) as e:
+        raise ReplicaCliError(str(e)) from e
 
 
 async def _ls(store: ObjectStore, path: str, out: Callable[[str], None]) -> int:
@@ -141,8 +140,3 @@ async def _restore(
         f"{result.page_size} bytes, {result.files} files, {result.bytes_downloaded} bytes downloaded"
     )
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"lchat: error: {' '.join(message.split())}", file=sys.stderr)
-    return 1

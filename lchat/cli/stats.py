@@ -19,6 +19,7 @@ from typing import Any
 
 from lchat import admin_client, hosts, spacestats
 from lchat.config import BoxConfig
+from lchat.handover.router import absent
 from lchat.registry import Registry
 
 SUMMARY = "a space's setup, member count and content, read without waking it"
@@ -48,7 +49,7 @@ def run(
         code, body = _ask_router(cfg, host)
     except admin_client.Unreachable as e:
         say(f"lchat: no router answers on {cfg.admin_socket} ({e}): reading the files here")
-        code, body = _read_here(cfg, host, open_registry, _no_router(e))
+        code, body = _read_here(cfg, host, open_registry, absent(e))
     except admin_client.ProtocolError as e:
         say(f"lchat: error: the router did not answer GET /stats: {e}")
         return 1
@@ -73,11 +74,6 @@ def _ask_router(cfg: BoxConfig, host: str) -> tuple[int, dict[str, Any]]:
     if not isinstance(body, dict):
         body = {"host": host, "error": f"the router answered {response.status} without JSON"}
     return response.status, body
-
-
-def _no_router(e: admin_client.Unreachable) -> bool:
-    """No socket, or nobody listening on it: no router runs (not merely one we may not ask)."""
-    return isinstance(e.__cause__, FileNotFoundError | ConnectionRefusedError)
 
 
 def _read_here(
