@@ -54,7 +54,7 @@ from twisted.web.server import Request
 from lchat.home import passkeys as pk
 from lchat.home.limits import Limits
 from lchat.home.revocation import RevocationFeed, TokenCache, utc_day
-from lchat.home.stateless import Ceremonies, CeremonyRejected, b64url
+from lchat.home.stateless import Ceremonies, CeremonyRejected, SessionPurpose, b64url
 from lchat.home.store import (
     NO_VERSION,
     BadVersion,
@@ -169,12 +169,19 @@ class HomeAPI:
         uid = b64url(self.random_bytes(16))
         label = _label(body.get("label"), "lchat")
         start = self.passkeys.begin_registration(rp_id=self.rp_id, uid=uid, user_name=label)
+        return self._begun("register", uid, start)
+
+    def _begun(
+        self, purpose: SessionPurpose, uid: str | None, start: pk.CeremonyStart, bound: str = ""
+    ) -> dict[str, Any]:
+        """The options for the browser's passkey call, and the ceremony sealed as its session."""
         session = self.ceremonies.sessions.seal(
-            "register",
+            purpose,
             uid=uid,
             challenge=start.challenge,
             rp_id=self.rp_id,
             user_verification=start.user_verification,
+            bound=bound,
         )
         return {"options": json.loads(start.options_json), "session": session}
 
@@ -228,15 +235,7 @@ class HomeAPI:
 
     async def login_begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Discoverable credentials: no user name is asked for, none is sent."""
-        start = self.passkeys.begin_login(rp_id=self.rp_id)
-        session = self.ceremonies.sessions.seal(
-            "login",
-            uid=None,
-            challenge=start.challenge,
-            rp_id=self.rp_id,
-            user_verification=start.user_verification,
-        )
-        return {"options": json.loads(start.options_json), "session": session}
+        return self._begun("login", None, self.passkeys.begin_login(rp_id=self.rp_id))
 
     async def login_finish(self, session: str, body: Mapping[str, Any]) -> dict[str, Any]:
         opened = self.ceremonies.sessions.open(session, "login")
@@ -419,15 +418,7 @@ class HomeAPI:
             credentials=_stored_credentials(user.doc),
             user_verification="required",
         )
-        session = self.ceremonies.sessions.seal(
-            "stepup",
-            uid=uid,
-            challenge=start.challenge,
-            rp_id=self.rp_id,
-            user_verification=start.user_verification,
-            bound=f"{device} {action}",
-        )
-        return {"options": json.loads(start.options_json), "session": session}
+        return self._begun("stepup", uid, start, bound=f"{device} {action}")
 
     async def step_up_finish(
         self, uid: str, device: str, session: str, body: Mapping[str, Any]

@@ -59,9 +59,7 @@ DEFAULTS: dict[str, str] = {
 }
 REVOCATION_POLL_MAX = 300.0
 MAX_DEVICES_CEILING = 200  # a user document stays small (lchat.home.store.MAX_USER_DOC)
-VAULT_MAX_CEILING = (
-    60 * 1024
-)  # the vault and its request must fit the 64 KiB body cap  # a longer window would let a revoked token live too long
+VAULT_MAX_CEILING = 60 * 1024  # the vault and its request must fit the 64 KiB body cap
 
 _ADDR = re.compile(r"(?:(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|localhost)?:)?(\d{1,5})")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")

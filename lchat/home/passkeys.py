@@ -168,14 +168,6 @@ class NewCredential:
     user_verified: bool
     backed_up: bool  # a synced (multi-device) passkey that is currently backed up
 
-    def stored(self) -> StoredCredential:
-        return StoredCredential(
-            credential_id=self.credential_id,
-            public_key=self.public_key,
-            sign_count=self.sign_count,
-            transports=self.transports,
-        )
-
 
 @frozen
 class VerifiedLogin:

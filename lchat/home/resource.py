@@ -21,7 +21,7 @@ from lchat.home import passkeys as pk
 from lchat.home.api import DEVICE_ID, QUOTA_REFUSALS, ApiError, HomeAPI, credential_key
 from lchat.home.limits import IPNetwork, Limits, RateLimited, client_address
 from lchat.home.stateless import CeremonyRejected
-from lchat.home.store import NO_VERSION, DocumentTooLarge, HomeStoreError, StoreError
+from lchat.home.store import NO_VERSION, DocumentTooLarge, HomeStoreError
 from lchat.webutil import answerable
 
 _log = Logger(namespace="lchat.home")
@@ -32,6 +32,9 @@ MAX_BODY = 64 * 1024  # any JSON request body
 LISTENER_MAX_BODY = MAX_BODY
 _VERSION = re.compile(r'(?:W/)?"([^"\\]{1,256})"|([^\s",]{1,256})')
 STEP_UP_HEADER = "step-up"
+# What a route answers: the status, the body (JSON-able, the vault's bytes, or None) and headers.
+Answer = tuple[int, Any, dict[str, str]]
+Handler = Callable[[Request], Awaitable[Answer]]
 REQUESTS = Counter(
     "lchat_home_requests_total",
     "Home API requests by route and outcome (the HTTP status, or 'error' for a bug)",
@@ -116,9 +119,7 @@ class HomeResource(Resource):
         d.addErrback(failed)
         return NOT_DONE_YET
 
-    def _route(
-        self, method: str, path: str
-    ) -> tuple[str, Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]]:
+    def _route(self, method: str, path: str) -> tuple[str, Handler]:
         api = self._api
         parts = path.rstrip("/").split("/")
         table: dict[tuple[str, str], tuple[str, Any]] = {
@@ -153,41 +154,37 @@ class HomeResource(Resource):
             return "method", _refuse(405, "method not allowed")
         return "unknown", _refuse(404, "not found")
 
-    async def _version(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _version(self, request: Request) -> Answer:
         return 200, {"version": lchat.__version__, "service": "home"}, {}
 
-    def _json(
-        self, fn: Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]
-    ) -> Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]:
-        async def handle(request: Request) -> tuple[int, Any, dict[str, str]]:
+    def _json(self, fn: Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]) -> Handler:
+        async def handle(request: Request) -> Answer:
             return 200, await fn(_body(request)), {}
 
         return handle
 
     def _session(
         self, fn: Callable[[str, Mapping[str, Any]], Awaitable[dict[str, Any]]]
-    ) -> Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]]:
-        async def handle(request: Request) -> tuple[int, Any, dict[str, str]]:
+    ) -> Handler:
+        async def handle(request: Request) -> Answer:
             return 200, await fn(_session_arg(request), _body(request)), {}
 
         return handle
 
-    async def _devices(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _devices(self, request: Request) -> Answer:
         uid, device = await self._api.authenticate(request)
         return 200, await self._api.devices(uid, device), {}
 
-    async def _step_up_begin(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _step_up_begin(self, request: Request) -> Answer:
         uid, device = await self._api.authenticate(request)
         return 200, await self._api.step_up_begin(uid, device, _body(request)), {}
 
-    async def _step_up_finish(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _step_up_finish(self, request: Request) -> Answer:
         uid, device = await self._api.authenticate(request)
         session = _session_arg(request)
         return 200, await self._api.step_up_finish(uid, device, session, _body(request)), {}
 
-    async def _revoke(
-        self, request: Request, ident: str, *, device: bool
-    ) -> tuple[int, Any, dict[str, str]]:
+    async def _revoke(self, request: Request, ident: str, *, device: bool) -> Answer:
         uid, own = await self._api.authenticate(request)
         presented = (request.getHeader(STEP_UP_HEADER) or "").strip()
         if device:
@@ -202,7 +199,7 @@ class HomeResource(Resource):
             await self._api.revoke_credential(uid, ident)
         return 204, None, {}
 
-    async def _vault_get(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _vault_get(self, request: Request) -> Answer:
         uid, _ = await self._api.authenticate(request)
         got = await self._api.vault_get(uid)
         if got is None:
@@ -210,7 +207,7 @@ class HomeResource(Resource):
         data, version = got
         return 200, data, {"etag": _etag(version)}
 
-    async def _vault_put(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _vault_put(self, request: Request) -> Answer:
         uid, _ = await self._api.authenticate(request)
         kind = (request.getHeader("content-type") or "").split(";")[0].strip().lower()
         if kind != "application/octet-stream":
@@ -221,13 +218,11 @@ class HomeResource(Resource):
         version = await self._api.vault_put(uid, data, expected)
         return 200, {"version": version}, {"etag": _etag(version)}
 
-    async def _vault_versions(self, request: Request) -> tuple[int, Any, dict[str, str]]:
+    async def _vault_versions(self, request: Request) -> Answer:
         uid, _ = await self._api.authenticate(request)
         return 200, await self._api.vault_versions(uid), {}
 
-    async def _vault_version(
-        self, request: Request, version: str
-    ) -> tuple[int, Any, dict[str, str]]:
+    async def _vault_version(self, request: Request, version: str) -> Answer:
         uid, _ = await self._api.authenticate(request)
         return 200, await self._api.vault_version(uid, version), {"etag": _etag(version)}
 
@@ -292,7 +287,7 @@ _ROUTE_LIMITS: dict[str, tuple[str, ...]] = {"register_begin": ("register_ip", "
 async def _answer(
     request: Request,
     route: str,
-    handler: Callable[[Request], Awaitable[tuple[int, Any, dict[str, str]]]],
+    handler: Handler,
     limits: Limits,
     client: str,
 ) -> None:
@@ -320,11 +315,9 @@ async def _answer(
         status, body, headers = e.status, {"error": e.message, **e.extra}, {}
         if e.status == 409 and "current" in e.extra:
             headers = {"etag": _etag(e.extra["current"])}
-    except CeremonyRejected as e:
+    except (CeremonyRejected, pk.PasskeyError) as e:
         status, body, headers = 401, {"error": str(e), "reason": e.reason}, {}
-    except pk.PasskeyError as e:
-        status, body, headers = 401, {"error": str(e), "reason": e.reason}, {}
-    except (StoreError, HomeStoreError) as e:
+    except HomeStoreError as e:
         _log.warn("home: {route}: the store failed: {error}", route=route, error=e)
         status, body, headers = 503, {"error": "storage is unavailable; try again"}, {}
         headers["retry-after"] = "2"

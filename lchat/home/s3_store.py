@@ -97,7 +97,6 @@ from lchat.home.store import (
     check_digest,
     check_pointer,
     check_uid,
-    check_used_name,
     decode_user,
     encode_user,
     measured,
@@ -321,7 +320,7 @@ class S3VaultStore:
             return await self._read_pointer(key)
 
     async def use_once(self, name: str, expires_at: float) -> bool:
-        key = f"{self._prefix}used/{check_used_name(name)}"
+        key = f"{self._prefix}used/{check_digest(name, 'single-use record name')}"
         body = json.dumps({"expires": round(expires_at)}).encode()
         with self._measured("use_once"):
             try:

@@ -68,7 +68,6 @@ from lchat.home.store import (
     check_digest,
     check_pointer,
     check_uid,
-    check_used_name,
     decode_user,
     encode_user,
     measured,
@@ -342,7 +341,8 @@ class SQLiteVaultStore:
 
     async def use_once(self, name: str, expires_at: float) -> bool:
         now = self._clock.seconds()
-        return await self._run("use_once", _use_once, check_used_name(name), expires_at, now)
+        name = check_digest(name, "single-use record name")
+        return await self._run("use_once", _use_once, name, expires_at, now)
 
     async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
         check_digest(digest)

@@ -59,7 +59,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from attrs import evolve, field, frozen
 from cryptography.exceptions import InvalidTag
@@ -113,6 +113,7 @@ for _token in ("proof", "session"):
     ACCEPT_KEY_USES.labels(_token)
 
 _log = Logger(namespace="lchat.home.stateless")
+_T = TypeVar("_T")
 
 
 class SessionKeyError(ValueError):
@@ -301,8 +302,15 @@ def _is_time(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _count(token: str, outcome: str) -> None:
-    TOKENS.labels(token=token, outcome=outcome).inc()
+def _counted(token: str, judge: Callable[[], _T]) -> _T:
+    """``judge()``, its outcome counted in ``lchat_home_ceremony_tokens_total``."""
+    try:
+        judged = judge()
+    except CeremonyRejected as e:
+        TOKENS.labels(token=token, outcome=e.reason).inc()
+        raise
+    TOKENS.labels(token=token, outcome="accepted").inc()
+    return judged
 
 
 @frozen
@@ -354,13 +362,7 @@ class CeremonyProofs:
     def verify(self, token: str, purpose: str) -> CeremonyProof:
         """The proof in ``token`` if it is authentic, for ``purpose``, and unexpired; otherwise
         :class:`ProofNotAuthentic`, :class:`ProofWrongPurpose` or :class:`ProofExpired`."""
-        try:
-            proof = self._verify(token, purpose)
-        except BadProof as e:
-            _count("proof", e.reason)
-            raise
-        _count("proof", "accepted")
-        return proof
+        return _counted("proof", lambda: self._verify(token, purpose))
 
     def _tag(self, segment: str, key: bytes | None = None) -> bytes:
         key = self.key if key is None else key
@@ -497,13 +499,7 @@ class SessionSealer:
         """The session in ``token`` if it opens for ``purpose`` and is unexpired; otherwise
         :class:`SessionNotAuthentic` or :class:`SessionExpired`."""
         _check_purpose(purpose)
-        try:
-            session = self._open(token, purpose)
-        except BadSession as e:
-            _count("session", e.reason)
-            raise
-        _count("session", "accepted")
-        return session
+        return _counted("session", lambda: self._open(token, purpose))
 
     def _open(self, token: str, purpose: SessionPurpose) -> WebAuthnSession:
         blob = (

@@ -82,14 +82,14 @@ KEEP_VERSIONS = 5  # blob versions the interface keeps reachable (the current on
 # decode, copy and encode. A larger write is refused (DocumentTooLarge), a larger stored one is
 # never parsed (StoreError: that account only gets 503s).
 MAX_USER_DOC = 64 * 1024
-_USED_NAME = re.compile(r"[0-9a-f]{64}")  # a single-use record's name: a SHA-256, hex
+# A link token's digest, a single-use record's name: a SHA-256, lowercase hex.
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 # Seconds a revocation marker lives: longer than any cache entry, and no longer (the feed every
 # replica lists stays as short as it can be). A token is trusted from the cache only on the UTC
 # day it was checked (lchat.home.revocation), so an entry that may still hold a token revoked at
 # t ends by the end of t's day, under 24 hours later; the extra hour covers replicas' clocks.
 MARKER_LIFETIME = 25 * 3600.0
-_DIGEST = re.compile(r"[0-9a-f]{64}")  # a link token's SHA-256, lowercase hex
 
 PointerKind = Literal["creds", "tokens"]
 POINTER_KINDS: frozenset[str] = frozenset(get_args(PointerKind))
@@ -375,16 +375,10 @@ def check_pointer(kind: str, name: str) -> None:
         raise ValueError(f"not a pointer name (1-512 of A-Z a-z 0-9 _ -): {name!r}")
 
 
-def check_digest(digest: str) -> str:
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise ValueError(f"not a SHA-256 digest (64 lowercase hex): {digest!r}")
+def check_digest(digest: str, what: str = "SHA-256 digest") -> str:
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+        raise ValueError(f"not a {what} (64 lowercase hex): {digest!r}")
     return digest
-
-
-def check_used_name(name: str) -> str:
-    if not isinstance(name, str) or not _USED_NAME.fullmatch(name):
-        raise ValueError(f"not a single-use record name (64 lowercase hex): {name!r}")
-    return name
 
 
 def encode_user(doc: Mapping[str, Any]) -> bytes:

@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 import lchat
 from lchat import objstore
@@ -280,4 +280,4 @@ class _Admin(Resource):
         return b'{"error": "not found"}\n'
 
 
-__all__ = ["HomeService", "Options", "Site", "build_service", "makeService"]
+__all__ = ["HomeService", "Options", "build_service", "makeService"]
