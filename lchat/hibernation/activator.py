@@ -156,13 +156,11 @@ class Activator(Service):
         """No wake of ``host`` on this box for ``seconds`` (at most an hour), whoever asks: a
         request gets 503 ``held`` with a short Retry-After, the due sweep and ``/wake`` fail. An
         awake space is not touched (the caller sleeps it: :meth:`sleep`); requests that queued on
-        it while it stops are refused rather than waking it again. Ends at the deadline or at
-        :meth:`release_hold`, so a crashed caller cannot keep a space down for long."""
+        it while it stops are refused rather than waking it again."""
         self._holds.hold(host, seconds, why)
 
     def release_hold(self, host: str) -> bool:
-        """End ``host``'s hold (the next request wakes it); whether there was one (a hold past
-        its deadline had already ended: counted ``expired``, not released)."""
+        """End ``host``'s hold (the next request wakes it); whether there was one (Holds.release)."""
         return self._holds.release(host)
 
     def idle_hosts(self, idle: float) -> list[str]:

@@ -22,7 +22,6 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from attrs import define, frozen
 from twisted.internet.interfaces import IReactorTime
@@ -33,6 +32,7 @@ from lchat.files import write_atomic
 from lchat.hibernation.space import WakeFailed
 from lchat.lease import HeldLease
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
+from lchat.replica.encode import unlink_quietly
 from lchat.replica.replicator import RESEEDS
 from lchat.replica.restore import RestoreError, plan_files, replica_files, restore
 from lchat.threads import RunInThread
@@ -143,14 +143,7 @@ def write_marker(db: str, txid: int, now: float) -> None:
 
 def forget_marker(db: str) -> None:
     """The database is about to move on past its marker (replication started): void it."""
-    remove(db + MARKER_SUFFIX)
-
-
-def remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    unlink_quietly(db + MARKER_SUFFIX)
 
 
 def move_aside(db: str, why: str, now: float, txid: int | None = None) -> str | None:
@@ -192,8 +185,8 @@ def move_back(aside: str, db: str) -> None:
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(aside + suffix):
             os.replace(aside + suffix, db + suffix)
-    remove(aside + MARKER_SUFFIX)
-    remove(db + MARKER_SUFFIX)
+    unlink_quietly(aside + MARKER_SUFFIX)
+    unlink_quietly(db + MARKER_SUFFIX)
 
 
 # -- the wake's database step ----------------------------------------------------------------------
@@ -294,7 +287,10 @@ class Restorer:
             _log.error("activator: {host} restore failed: {error}", host=host, error=e)
             raise WakeFailed(host, "restore", f"restore failed: {e}") from e
         _log.info(
-            "activator: {host} restored: {result}", host=host, result=_describe_restore(result)
+            "activator: {host} restored: {result}",
+            host=host,
+            result=f"txid={result.txid}, files={result.files}, pages={result.pages}, "
+            f"bytes_downloaded={result.bytes_downloaded}",
         )
         return DBPlan(listing, resume=result.txid)
 
@@ -344,12 +340,3 @@ def _bucket_forgot(
         moved=" (moved back into place)" if moved_back else "",
         next=txid + 1,
     )
-
-
-def _describe_restore(result: Any) -> str:
-    parts = []
-    for name in ("txid", "files", "pages", "bytes_downloaded"):
-        value = getattr(result, name, None)
-        if value is not None:
-            parts.append(f"{name}={value}")
-    return ", ".join(parts) or "done"

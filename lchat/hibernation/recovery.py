@@ -85,7 +85,6 @@ class LocalCopies:
         self.dirty: set[str] = set()
         self._sweeping = False
         self._again = False
-        self._scanned = False
 
     def __bool__(self) -> bool:
         return bool(self.dirty)
@@ -112,7 +111,6 @@ class LocalCopies:
         for host in found:
             if not running(host):
                 self._set(host, True)
-        self._scanned = True
         if found:
             _log.warn(
                 "activator: {n} local copies may hold writes the bucket lacks (not cleanly slept: "
@@ -137,9 +135,6 @@ class LocalCopies:
             lambda f: _log.failure("activator: checking {host}'s copy failed", f, host=host)
         )
         return d
-
-    def forget(self, host: str) -> None:
-        self._set(host, False)
 
     async def recover(self, waker: Waker) -> None:
         """Ship every dirty copy whose lease is still this box's (see the module docstring).
