@@ -18,9 +18,8 @@ space is healthy and stops it first at sleep, so it lives exactly while its spac
 - stops cleanly and quickly on SIGTERM (exit 0), giving an in-flight run and the report of the next
   run at most ``STOP_GRACE`` seconds.
 
-It talks to the space's unix socket ``LCHAT_SOCKET`` directly, or, if ``LCHAT_SIDECAR_URL`` is set,
-to that http(s) base URL (e.g. the router) with ``Host: $LCHAT_HOST``; over https the certificate is
-verified against ``LCHAT_HOST`` (the name the router serves the space under).
+How it reaches its space (its socket, or a base URL such as the router's):
+lchat.space.sidecar_client.
 
 Delivery is at least once: the schedule advances only after a run finished, so a run interrupted
 by SIGTERM is repeated on the next start (rarely posting twice if the post had already landed).
@@ -57,6 +56,7 @@ from lchat.space.sidecar_client import (
     ws_connect,
 )
 from lchat.space.sidecar_config import ENV_HELP, ConfigError, SidecarConfig
+from lchat.unixhttp import Response
 
 log = Logger(namespace="lchat.space.sidecar")
 MAX_TIME = 2**53  # as lchat.space.api: larger "unix seconds" are nonsense
@@ -283,30 +283,19 @@ class Sidecar:
         body = json.dumps({"body": text}).encode()
         backoff = BACKOFF.delays()
         while True:
-            wait: float | None = None
-            try:
-                resp = await self.client.request(
-                    "POST",
-                    f"/api/rooms/{room}/messages",
-                    headers={"Content-Type": "application/json"},
-                    body=body,
+            headers = {"Content-Type": "application/json"}
+            resp, problem, wait = await self._ask(f"/api/rooms/{room}/messages", headers, body)
+            if resp is not None and resp.status == 201:
+                return f"posted message {_field(resp.body, 'id')} to {room}"
+            if resp is not None:
+                log.error(
+                    "sidecar {host}: posting to {room} refused: HTTP {status} {detail}",
+                    host=self.host,
+                    room=room,
+                    status=resp.status,
+                    detail=_field(resp.body, "error"),
                 )
-            except RequestFailed as e:
-                problem = e.reason
-            else:
-                if resp.status == 201:
-                    return f"posted message {_field(resp.body, 'id')} to {room}"
-                if not retryable(resp.status):
-                    log.error(
-                        "sidecar {host}: posting to {room} refused: HTTP {status} {detail}",
-                        host=self.host,
-                        room=room,
-                        status=resp.status,
-                        detail=_field(resp.body, "error"),
-                    )
-                    return f"post refused (HTTP {resp.status})"
-                problem = f"HTTP {resp.status}"
-                wait = retry_after(resp.headers.get("retry-after"), self.now())
+                return f"post refused (HTTP {resp.status})"
             if self.stopping:
                 raise _Stopping()
             delay = backoff.next(wait)
@@ -344,44 +333,34 @@ class Sidecar:
         backoff = BACKOFF.delays()
         while self.reported != self.next_run:
             due = self.next_run
-            wait: float | None = None
-            try:
-                resp = await self.client.request(
-                    "POST",
-                    "/api/charter-next-due",
-                    headers={
-                        "Authorization": f"Bearer {self.config.token}",
-                        "Content-Type": "application/json",
-                    },
-                    body=json.dumps({"due": due}).encode(),
+            headers = {
+                "Authorization": f"Bearer {self.config.token}",
+                "Content-Type": "application/json",
+            }
+            body = json.dumps({"due": due}).encode()
+            resp, problem, wait = await self._ask("/api/charter-next-due", headers, body)
+            if resp is not None and 200 <= resp.status < 300:
+                self.reported = due
+                backoff.reset()
+                log.info(
+                    "sidecar {host}: reported next run {due} ({at})",
+                    host=self.host,
+                    due=due,
+                    at=when(due),
                 )
-            except RequestFailed as e:
-                problem = e.reason
-            else:
-                if 200 <= resp.status < 300:
-                    self.reported = due
-                    backoff.reset()
-                    log.info(
-                        "sidecar {host}: reported next run {due} ({at})",
-                        host=self.host,
-                        due=due,
-                        at=when(due),
-                    )
-                    continue
-                if not retryable(resp.status):
-                    self.reported = due  # asking again will not help; a later run tries anew
-                    log.error(
-                        "sidecar {host}: report of next run {due} refused: HTTP {status} {detail}"
-                        "{hint}",
-                        host=self.host,
-                        due=due,
-                        status=resp.status,
-                        detail=_field(resp.body, "error"),
-                        hint=" (check LCHAT_BOT_TOKEN)" if resp.status in (401, 403) else "",
-                    )
-                    continue
-                problem = f"HTTP {resp.status}"
-                wait = retry_after(resp.headers.get("retry-after"), self.now())
+                continue
+            if resp is not None:
+                self.reported = due  # asking again will not help; a later run tries anew
+                log.error(
+                    "sidecar {host}: report of next run {due} refused: HTTP {status} {detail}"
+                    "{hint}",
+                    host=self.host,
+                    due=due,
+                    status=resp.status,
+                    detail=_field(resp.body, "error"),
+                    hint=" (check LCHAT_BOT_TOKEN)" if resp.status in (401, 403) else "",
+                )
+                continue
             if self.stopping:
                 log.warn(
                     "sidecar {host}: could not report next run {due} before stopping ({problem})",
@@ -451,6 +430,19 @@ class Sidecar:
             )
 
     # helpers
+
+    async def _ask(
+        self, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[Response | None, str, float | None]:
+        """POST once: the response when it is final (2xx, or a refusal that asking again will
+        not change); else None, the problem and the Retry-After asked for."""
+        try:
+            resp = await self.client.request("POST", path, headers=headers, body=body)
+        except RequestFailed as e:
+            return None, e.reason, None
+        if 200 <= resp.status < 300 or not retryable(resp.status):
+            return resp, "", None
+        return None, f"HTTP {resp.status}", retry_after(resp.headers.get("retry-after"), self.now())
 
     async def _sleep(self, delay: float) -> None:
         if self.stopping:

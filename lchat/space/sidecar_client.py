@@ -14,12 +14,13 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     UNIXClientEndpoint,
+    connectProtocol,
     wrapClientTLS,
 )
 from twisted.internet.error import ConnectingCancelledError
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
-from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.protocol import Protocol as TwistedProtocol
+from twisted.internet.protocol import connectionDone
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -319,20 +320,12 @@ class _WSClient(TwistedProtocol):
             self.transport.loseConnection()
 
 
-class _One(Factory):
-    def __init__(self, protocol: _WSClient) -> None:
-        self._protocol = protocol
-
-    def buildProtocol(self, addr: Any) -> _WSClient:
-        return self._protocol
-
-
 async def ws_connect(
     reactor: IReactorTime, client: Client, path: str, on_text: Callable[[str], None]
 ) -> WSHandle:
     """Open a WebSocket to ``path`` on the space (marker header included); RequestFailed if not."""
     proto = _WSClient(client.host, client.target(path), on_text)
-    connecting = client.endpoint().connect(_One(proto))
+    connecting = connectProtocol(client.endpoint(), proto)
     connecting.addTimeout(REQUEST_TIMEOUT, reactor)
     try:
         await connecting

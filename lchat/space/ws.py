@@ -108,9 +108,6 @@ class Hub:
             if sock.transport is not None:
                 sock.transport.sendTextMessage(text)
 
-    def count(self) -> int:
-        return sum(len(members) for members in self._rooms.values())
-
     def close_all(self) -> None:
         """Close every socket with 1000 (normal closure); the server waits for the disconnects."""
         for members in list(self._rooms.values()):
