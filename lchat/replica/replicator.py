@@ -222,12 +222,10 @@ class Replicator:
         """Begin replicating. ``listing``: a LIST of ``<path>/`` the caller just made under the
         same lease (saves ours).
 
-        Normally the first upload is a snapshot: we cannot know whether the database continues
-        whatever wrote the files already there. ``resume_txid``: the caller vouches that the
-        database is exactly the state at that txid (restored just now, or slept here cleanly
-        after shipping it) and that nothing else writes it before we are started. If it is the
-        bucket's newest txid *and* the files there restore to it (a snapshot, then no gap), we
-        continue without a snapshot: everything in the WAL (including our own open) goes out as
+        ``resume_txid``: the caller vouches that the database is exactly the state at that txid
+        (restored just now, or slept here cleanly after shipping it) and that nothing else writes
+        it before we are started. If it is the bucket's newest txid *and* the files there restore
+        to it (a snapshot, then no gap), we continue without the first snapshot: everything in the WAL (including our own open) goes out as
         the next level-0 file — pages already shipped are harmless. Files that no longer restore
         to it mean the bucket lost some: that start is a re-seed (snapshot, counted, logged).
 

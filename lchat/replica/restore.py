@@ -432,9 +432,7 @@ class _ApplyState:
 
 
 class _Attempt:
-    """One download of one file. The first error its pieces meet is kept here rather than
-    raised: the attempt that completes raises it (:meth:`_FileApply.finish_queued`), an attempt
-    the store abandons takes it away with it (:meth:`_FileApply.seek`)."""
+    """One download of one file, and the first error its pieces met (see :class:`_FileApply`)."""
 
     __slots__ = ("error",)
 

@@ -289,10 +289,8 @@ class WALReader:
         """The cumulative checksum stored for ``offset``: the header's, or the frame's before it."""
         if offset == WAL_HEADER_SIZE:
             return header.checksum
-        c1, c2 = _FRAME_HEADER.unpack(self._pread(offset - header.frame_size, FRAME_HEADER_SIZE))[
-            4:6
-        ]
-        return (c1, c2)
+        fields = _FRAME_HEADER.unpack(self._pread(offset - header.frame_size, FRAME_HEADER_SIZE))
+        return (fields[4], fields[5])
 
     def _check_continues(self, header: WALHeader, pos: WALPosition) -> str | None:
         """Why the log does not continue from ``pos`` (same generation assumed), else ``None``."""
