@@ -41,6 +41,8 @@ so when a conditional write fails because a store-level retry already applied ou
 response was lost), re-reading and finding our ``lease_id`` proves the write was ours.
 """
 
+# ruff: noqa: F401 -- the imports are this package's public names
+
 from lchat.lease.keeper import LeaseKeeper
 from lchat.lease.lock import (
     BOX_NOT_ALIVE,
@@ -58,21 +60,3 @@ from lchat.lease.lock import (
     release,
     rfc3339,
 )
-
-__all__ = [
-    "BOX_NOT_ALIVE",
-    "LOCK_NAME",
-    "HeldLease",
-    "HolderCheck",
-    "LeaseHeld",
-    "LeaseKeeper",
-    "LeaseLost",
-    "LeaseRecord",
-    "LeaseSuspended",
-    "NotAlive",
-    "acquire",
-    "lease_expiry",
-    "lease_key",
-    "release",
-    "rfc3339",
-]

@@ -28,6 +28,7 @@ from lchat.lease.lock import (
     LeaseLost,
     LeaseRecord,
     LeaseSuspended,
+    put_lock,
     read_lock,
     release,
 )
@@ -227,16 +228,8 @@ class LeaseKeeper:
         sent = self._monotonic()
         if self._first_unconfirmed is None:
             self._first_unconfirmed = sent
-        # The bucket's clock now, estimated from the last reading: expires_at is informational.
-        now = lease.bucket_time + datetime.timedelta(seconds=max(0.0, sent - lease.written_at))
-        attempt = Deferred.fromCoroutine(
-            self._store.put(
-                lease.key,
-                lease.record(now).to_json(),
-                if_match=lease.etag,
-                content_type="application/json",
-            )
-        )
+        now = lease.bucket_now(sent)
+        attempt = Deferred.fromCoroutine(put_lock(self._store, lease, now, if_match=lease.etag))
         # A hung request must not hold up the retries; the deadline fires regardless.
         attempt.addTimeout(self.renew_every / 2, self._reactor)
         try:
@@ -251,12 +244,7 @@ class LeaseKeeper:
             return self._retry_later(lease, f"{type(e).__name__}: {e}")
         except CancelledError:
             return False  # stopped
-        if self._lease is not lease or not self.holds():
-            return False  # lost meanwhile: we do not get to believe this write
-        self._renewed(evolve(lease, etag=put.etag, bucket_time=now, written_at=sent))
-        if self._unverified:
-            return await self._verify(self._lease)
-        return True
+        return await self._renewed(lease, put.etag, now, sent)
 
     async def _after_precondition_failed(self, lease: HeldLease, now: datetime.datetime) -> bool:
         try:
@@ -273,17 +261,23 @@ class LeaseKeeper:
             return self._fail_for_good(lease, f"taken over by {record.owner}")
         # One of our own writes landed unseen (a retry, or an attempt we gave up on): ours.
         sent = self._first_unconfirmed
-        if self._lease is not lease or sent is None or not self.holds():
+        if sent is None:
             return False
-        self._renewed(evolve(lease, etag=current.info.etag, bucket_time=now, written_at=sent))
+        return await self._renewed(lease, current.info.etag, now, sent)
+
+    async def _renewed(
+        self, lease: HeldLease, etag: str, now: datetime.datetime, sent: float
+    ) -> bool:
+        """A renewal of ``lease`` landed (``etag``, sent at ``sent``): adopt it, unless the
+        lease was lost meanwhile (we do not get to believe this write)."""
+        if self._lease is not lease or not self.holds():
+            return False
+        log.debug("lease {host}: renewed", host=lease.host)
+        OPERATIONS.labels("renew", "ok").inc()
+        self._adopt(evolve(lease, etag=etag, bucket_time=now, written_at=sent))
         if self._unverified:
             return await self._verify(self._lease)
         return True
-
-    def _renewed(self, lease: HeldLease) -> None:
-        log.debug("lease {host}: renewed", host=lease.host)
-        OPERATIONS.labels("renew", "ok").inc()
-        self._adopt(lease)
 
     def _adopt(self, lease: HeldLease) -> None:
         """``lease`` is what we hold now, as of a confirmed write: the deadline counts from it."""
@@ -304,7 +298,7 @@ class LeaseKeeper:
         if self._lease is not lease or not self.holds():
             return False
         sent = self._monotonic()
-        now = lease.bucket_time + datetime.timedelta(seconds=max(0.0, sent - lease.written_at))
+        now = lease.bucket_now(sent)
         # One lease_id for every attempt: a create whose answer was lost is recognised as ours.
         # Dated from this first attempt: whichever attempt lands, none was sent before it.
         self._retaking = evolve(
@@ -331,17 +325,8 @@ class LeaseKeeper:
         assert new is not None
         if not self.holds():
             return False
-        now = new.bucket_time + datetime.timedelta(
-            seconds=max(0.0, self._monotonic() - new.written_at)
-        )
-        attempt = Deferred.fromCoroutine(
-            self._store.put(
-                new.key,
-                new.record(now).to_json(),
-                if_none_match=True,
-                content_type="application/json",
-            )
-        )
+        now = new.bucket_now(self._monotonic())
+        attempt = Deferred.fromCoroutine(put_lock(self._store, new, now, if_match=None))
         attempt.addTimeout(self.renew_every / 2, self._reactor)
         try:
             etag = (await attempt).etag

@@ -25,6 +25,7 @@ from lchat.objstore import (
     ObjectStore,
     ObjectStoreError,
     PreconditionFailed,
+    PutResult,
     StoredObject,
 )
 
@@ -145,14 +146,12 @@ class LeaseRecord:
             data = None
         if not isinstance(data, dict):
             return cls(owner="?", generation=0, expires_at="")
-        owner, generation, ttl = data.get("owner"), data.get("generation"), data.get("ttl_seconds")
+        owner, generation = data.get("owner"), data.get("generation")
         return cls(
             owner=owner if isinstance(owner, str) and owner else "?",
             generation=generation if type(generation) is int and generation >= 0 else 0,
             expires_at=_text(data.get("expires_at")),
-            ttl_seconds=float(ttl)
-            if isinstance(ttl, int | float) and not isinstance(ttl, bool) and math.isfinite(ttl)
-            else None,
+            ttl_seconds=_number(data.get("ttl_seconds")),
             host=_text(data.get("host")),
             acquired_at=_text(data.get("acquired_at")),
             version=_text(data.get("version")),
@@ -192,6 +191,11 @@ class HeldLease:
     box: str = ""  # the holder box and its epoch, written in the record (mesh boxes)
     epoch: str = ""
     epoch_started: float | None = None
+
+    def bucket_now(self, at: float) -> datetime.datetime:
+        """The bucket's clock at local monotonic ``at``, estimated from the last reading (for
+        the informational ``expires_at``)."""
+        return self.bucket_time + datetime.timedelta(seconds=max(0.0, at - self.written_at))
 
     def record(self, now: datetime.datetime) -> LeaseRecord:
         """The body to write at bucket time ``now`` (an estimate is fine: informational)."""
@@ -290,6 +294,24 @@ async def acquire(
         raise ValueError("lease ttl must be positive")
     host = host or _host_of(key)
     lease_id = uuid.uuid4().hex
+
+    def new_lease(bucket_now: datetime.datetime, sent: float) -> HeldLease:
+        return HeldLease(
+            key=key,
+            host=host,
+            owner=owner,
+            generation=1,
+            ttl=ttl,
+            lease_id=lease_id,
+            etag="",
+            acquired_at=bucket_now,
+            bucket_time=bucket_now,
+            written_at=sent,
+            box=box,
+            epoch=epoch,
+            epoch_started=epoch_started,
+        )
+
     create = True  # False after losing a takeover race: read the winner, do not PUT again
     raced = False
     # Any of our writes may land unseen (lost answer): none was sent before this instant.
@@ -299,19 +321,9 @@ async def acquire(
             if create:
                 # The bucket's clock, for the informational expires_at/acquired_at only.
                 bucket_now = await store.now()
-                lease = evolve(
-                    _new_lease(key, host, owner, ttl, lease_id, bucket_now, monotonic()),
-                    box=box,
-                    epoch=epoch,
-                    epoch_started=epoch_started,
-                )
+                lease = new_lease(bucket_now, monotonic())
                 try:
-                    put = await store.put(
-                        key,
-                        lease.record(bucket_now).to_json(),
-                        if_none_match=True,
-                        content_type="application/json",
-                    )
+                    put = await put_lock(store, lease, bucket_now, if_match=None)
                 except PreconditionFailed:
                     pass
                 else:
@@ -331,11 +343,18 @@ async def acquire(
             bucket_now = await store.now()  # read after the version: judged at or after it
             if record.lease_id == lease_id:
                 # Our own write landed but its answer was lost (a store-level retry got 412).
+                # Which of our attempts landed is unknown: date it from the first one (never
+                # too late).
+                log.info(
+                    "lease {host}: acquired (generation {generation}; confirmed by re-reading)",
+                    host=host,
+                    generation=record.generation,
+                )
+                OPERATIONS.labels("acquire", "ok").inc()
                 return evolve(
-                    _ours(key, host, owner, ttl, current, record, bucket_now, first_sent),
-                    box=box,
-                    epoch=epoch,
-                    epoch_started=epoch_started,
+                    new_lease(bucket_now, first_sent),
+                    etag=current.info.etag,
+                    generation=record.generation,
                 )
             expiry = _expiry_of(current.info, record, ttl)
             why = "expired"
@@ -359,21 +378,13 @@ async def acquire(
 
             # Expired on the bucket's clock: replace exactly the version we judged.
             lease = evolve(
-                _new_lease(key, host, owner, ttl, lease_id, bucket_now, monotonic()),
+                new_lease(bucket_now, monotonic()),
                 generation=record.generation + 1,
                 took_over_from=record.owner,
                 took_over_because=why,
-                box=box,
-                epoch=epoch,
-                epoch_started=epoch_started,
             )
             try:
-                put = await store.put(
-                    key,
-                    lease.record(bucket_now).to_json(),
-                    if_match=current.info.etag,
-                    content_type="application/json",
-                )
+                put = await put_lock(store, lease, bucket_now, if_match=current.info.etag)
             except PreconditionFailed:
                 create, raced = False, True  # someone else wrote first: read the winner
                 continue
@@ -411,26 +422,18 @@ _TAKEOVER_WORDS = {
 }
 
 
-def _new_lease(
-    key: str,
-    host: str,
-    owner: str,
-    ttl: float,
-    lease_id: str,
-    bucket_now: datetime.datetime,
-    sent: float,
-) -> HeldLease:
-    return HeldLease(
-        key=key,
-        host=host,
-        owner=owner,
-        generation=1,
-        ttl=ttl,
-        lease_id=lease_id,
-        etag="",
-        acquired_at=bucket_now,
-        bucket_time=bucket_now,
-        written_at=sent,
+def put_lock(
+    store: ObjectStore, lease: HeldLease, now: datetime.datetime, *, if_match: str | None
+) -> Coroutine[Any, Any, PutResult]:
+    """Write ``lease``'s record (bucket time ``now``): created (``If-None-Match: *``) when
+    ``if_match`` is None, else replacing exactly that version. A failed condition raises
+    ``PreconditionFailed``."""
+    return store.put(
+        lease.key,
+        lease.record(now).to_json(),
+        if_match=if_match,
+        if_none_match=if_match is None,
+        content_type="application/json",
     )
 
 
@@ -439,31 +442,6 @@ async def read_lock(store: ObjectStore, key: str) -> StoredObject | None:
         return await store.get(key)
     except NotFound:
         return None
-
-
-def _ours(
-    key: str,
-    host: str,
-    owner: str,
-    ttl: float,
-    current: StoredObject,
-    record: LeaseRecord,
-    bucket_now: datetime.datetime,
-    first_sent: float,
-) -> HeldLease:
-    # Which of our attempts landed is unknown: date it from the first one (never too late).
-    lease = evolve(
-        _new_lease(key, host, owner, ttl, record.lease_id, bucket_now, first_sent),
-        etag=current.info.etag,
-        generation=record.generation,
-    )
-    log.info(
-        "lease {host}: acquired (generation {generation}; confirmed by re-reading)",
-        host=host,
-        generation=lease.generation,
-    )
-    OPERATIONS.labels("acquire", "ok").inc()
-    return lease
 
 
 # --- release ------------------------------------------------------------------------------------
