@@ -276,6 +276,3 @@ def _query_txt(resolver: dns.resolver.Resolver, fqdn: str) -> tuple[set[str], st
         strings: Sequence[bytes] = getattr(rdata, "strings", ())
         got.add(b"".join(strings).decode("utf-8", "replace"))
     return got, "" if got else "no TXT records"
-
-
-# -- configuration -------------------------------------------------------------------------------

@@ -156,23 +156,16 @@ class DNSimple:
             if unquote_txt(str(other.get("content", ""))) == record.value:
                 if not self._delete(records_path, str(other.get("id")), fqdn):
                     removed += 1
-        if removed:
-            log.info(
-                "acme: dns {provider}: TXT {fqdn} removed (zone {zone}, record {record_id})",
-                provider=self.name,
-                fqdn=fqdn,
-                zone=zone,
-                record_id=record_id,
-                records=removed,
-            )
-        else:
-            log.info(
-                "acme: dns {provider}: TXT {fqdn} was already gone (zone {zone}, record {record_id})",
-                provider=self.name,
-                fqdn=fqdn,
-                zone=zone,
-                record_id=record_id,
-            )
+        log.info(
+            "acme: dns {provider}: TXT {fqdn} "
+            + ("removed" if removed else "was already gone")
+            + " (zone {zone}, record {record_id})",
+            provider=self.name,
+            fqdn=fqdn,
+            zone=zone,
+            record_id=record_id,
+            records=removed,
+        )
 
     # -- lookups ---------------------------------------------------------------------------------
 

@@ -126,6 +126,3 @@ def log_added(provider: str, fqdn: str, value: str, where: str) -> None:
     log.debug(
         "acme: dns {provider}: TXT {fqdn} value {value}", provider=provider, fqdn=fqdn, value=value
     )
-
-
-# -- DNSimple ------------------------------------------------------------------------------------

@@ -355,19 +355,8 @@ class Route53:
         update: Callable[[list[str]], list[str] | None],
         adding: bool,
     ) -> str | None:
-        """Apply ``update`` to the values at ``fqdn`` (None: nothing to do); the change's id."""
-        with self._write_lock:
-            return self._swap_locked(zone_id, fqdn, what=what, update=update, adding=adding)
+        """Apply ``update`` to the TXT values at ``fqdn`` (None: nothing to do); the change's id."""
 
-    def _swap_locked(
-        self,
-        zone_id: str,
-        fqdn: str,
-        *,
-        what: str,
-        update: Callable[[list[str]], list[str] | None],
-        adding: bool,
-    ) -> str | None:
         def plan() -> list[dict[str, Any]] | None:
             current = self._read(zone_id, fqdn, what)
             old_values = current.values() if current else []
@@ -387,7 +376,8 @@ class Route53:
             assert current is not None  # update() only empties a set that exists
             return [self._change("DELETE", fqdn, current.ttl, list(current.raw))]
 
-        return self._apply_locked(zone_id, what, plan, comment=f"lchat acme dns-01: {what}")
+        with self._write_lock:
+            return self._apply_locked(zone_id, what, plan, comment=f"lchat acme dns-01: {what}")
 
     def _apply_locked(
         self,
@@ -579,6 +569,3 @@ class _Conflict(Exception):
 def _bare_zone_id(zone_id: str) -> str:
     """``/hostedzone/Z123`` (as AWS lists it) and ``Z123`` (as people write it) are one zone."""
     return zone_id.strip().rsplit("/", 1)[-1]
-
-
-# -- propagation ---------------------------------------------------------------------------------
