@@ -1,25 +1,15 @@
-"""``lchat backup ls|restore|drill|litestream-config``: the operator's side of the fleet backup.
+"""``lchat backup ls|restore|drill|litestream-config``: the operator's side of the fleet backup
+(one submodule per action, each saying what it does).
 
 The bucket is the router's backup bucket (``LCHAT_BACKUP_*``, read from its env file like every
 command; docs/backup.md), laid out as :mod:`lchat.backup.layout` says. The running router is asked
 ``GET /status`` on its admin socket for what it backs up right now (its ``backup`` section); it
 may be down, and then every command still works, without the live columns.
 
-- ``ls``: one LIST of the layout's root: every box's databases, their newest txid, size and
-  times; LAG from this box's router.
-- ``restore NAME``: one database into a file nothing uses (:func:`lchat.cli.backup.live.in_use`), as of now, a txid or
-  a time. ``restore --all --into DIR``: a box rebuilt from nothing: the registry first, then every
-  database its rows run without hibernating, then the other databases of the box (extras).
-- ``drill``: every database of a box restored into a temp dir, checked, and compared with the
-  live txid: the one-command proof an operator runs after a change.
-- ``litestream-config``: what the router backs up now, as a stock Litestream config.
-
-Invariants: nothing is ever written to the bucket. A restore writes its output only once the
-whole database is rebuilt and checked (:func:`lchat.replica.restore.restore`), never over a
-database something uses right now, and then removes the ``-wal``/``-shm``/``-journal`` left
-beside the output by the file it replaced (SQLite would replay a stale WAL into the restored
-database). The commands are synchronous: :func:`run` runs the async work on a reactor of its own
-(:func:`lchat.cli.runner.run`); :func:`execute` is the same on a reactor that is already running.
+Invariants: nothing is ever written to the bucket; a restore installs nothing over a database
+something uses (:mod:`lchat.cli.backup.restore`). The commands are synchronous: :func:`run` runs
+the async work on a reactor of its own (:func:`lchat.cli.runner.run`); :func:`execute` is the
+same on a reactor that is already running.
 """
 
 from __future__ import annotations
@@ -36,6 +26,7 @@ from lchat.cli import replica as replica_cli
 from lchat.cli import runner
 from lchat.cli.backup.drill import drill
 from lchat.cli.backup.litestream import litestream_config
+from lchat.cli.backup.live import Command, ask_router
 from lchat.cli.backup.ls import ls
 from lchat.cli.backup.output import ERRORS, BackupCliError, Out, error_line, iso
 from lchat.cli.backup.restore import restore_all, restore_one
@@ -203,16 +194,16 @@ async def _execute(
 ) -> int:
     try:
         action = args.backup_command
+        run = thread_runner(reactor)
         if action == "litestream-config":
-            out(await thread_runner(reactor)(litestream_config, cfg, conf))
+            out(await run(litestream_config, cfg, conf))
             return 0
+        command = Command(reactor, args, cfg, conf, out, err, run, await ask_router(cfg, run, err))
         if action == "ls":
-            return await ls(reactor, args, cfg, conf, out, err)
+            return await ls(command)
         if action == "drill":
-            return await drill(reactor, args, cfg, conf, out, err)
-        if args.all:
-            return await restore_all(reactor, args, cfg, conf, out, err)
-        return await restore_one(reactor, args, cfg, conf, out, err)
+            return await drill(command)
+        return await (restore_all if args.all else restore_one)(command)
     except ERRORS as e:
         err(error_line(str(e)))
         return 1

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from attrs import field, frozen
 
 from lchat import admin_client
 from lchat.backup import selection
 from lchat.cli.backup.output import Out
-from lchat.config import BoxConfig
+from lchat.config import BackupConfig, BoxConfig
+from lchat.reactors import Reactor
 from lchat.registry import Registry, Route
 from lchat.threads import RunInThread
 
@@ -33,6 +35,19 @@ class Router:
     def entry(self, box: str, name: str) -> Mapping[str, Any] | None:
         """Its view of database ``name`` of ``box``, when it backs that one up."""
         return self.databases.get(name) if box == self.box else None
+
+
+class Command(NamedTuple):
+    """What a backup action works with; ``router`` was asked before anything else was done."""
+
+    reactor: Reactor
+    args: argparse.Namespace
+    cfg: BoxConfig
+    conf: BackupConfig
+    out: Out
+    err: Out
+    run: RunInThread
+    router: Router
 
 
 async def ask_router(cfg: BoxConfig, run: RunInThread, err: Out) -> Router:

@@ -3,32 +3,20 @@ size and times; LAG from this box's router."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from lchat.backup.layout import Stored
 from lchat.cli.backup.bucket import describe, opened, stored_in, versioning_note
-from lchat.cli.backup.live import ask_router, lag
-from lchat.cli.backup.output import Out, iso, one_line, size, table
-from lchat.config import BackupConfig, BoxConfig
-from lchat.reactors import Reactor
-from lchat.threads import thread_runner
+from lchat.cli.backup.live import Command, lag
+from lchat.cli.backup.output import iso, one_line, size, table
 
 LS_COLUMNS = ("NAME", "BOX", "TXID", "SIZE", "NEWEST", "LAST SNAPSHOT", "LAG")
 
 
-async def ls(
-    reactor: Reactor,
-    args: argparse.Namespace,
-    cfg: BoxConfig,
-    conf: BackupConfig,
-    out: Out,
-    err: Out,
-) -> int:
-    run = thread_runner(reactor)
-    router = await ask_router(cfg, run, err)
+async def ls(command: Command) -> int:
+    reactor, args, cfg, conf, out, err, _, router = command
     async with opened(reactor, cfg) as store:
         stored = await stored_in(store, conf)
         where = describe(store, conf)

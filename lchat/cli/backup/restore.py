@@ -9,7 +9,6 @@ left beside the file it replaced are removed (SQLite would replay a stale WAL in
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import os
@@ -19,34 +18,25 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 
-from attrs import frozen
+from attrs import define, field, frozen
 
 from lchat import files, hosts
 from lchat.backup import envfiles
 from lchat.backup.layout import REGISTRY_NAME, Layout, Stored
 from lchat.cli.backup.bucket import describe, opened, pick, stored_in
-from lchat.cli.backup.live import ask_router, dbs_of, in_use, refusal, router_uses, rows_of
+from lchat.cli.backup.live import Command, dbs_of, in_use, refusal, router_uses, rows_of
 from lchat.cli.backup.output import ERRORS, BackupCliError, Out, error_line, iso, one_line
-from lchat.config import BackupConfig, BoxConfig
+from lchat.config import BackupConfig
 from lchat.objstore import NotFound, ObjectStore
-from lchat.reactors import Reactor
 from lchat.registry import Registry, RegistryError, Route
 from lchat.replica import restore as restore_mod
-from lchat.threads import RunInThread, thread_runner
+from lchat.threads import RunInThread
 
 SIDECARS = ("-wal", "-shm", "-journal")  # what SQLite keeps beside a database file
 
 
-async def restore_one(
-    reactor: Reactor,
-    args: argparse.Namespace,
-    cfg: BoxConfig,
-    conf: BackupConfig,
-    out: Out,
-    err: Out,
-) -> int:
-    run = thread_runner(reactor)
-    router = await ask_router(cfg, run, err)
+async def restore_one(command: Command) -> int:
+    reactor, args, cfg, conf, out, _, run, router = command
     rows = await run(rows_of, cfg.registry)
     why = await run(in_use, args.output, cfg, router, dbs_of(rows, cfg.data_dir))
     if why is not None:
@@ -198,17 +188,9 @@ def _remove_sidecars(where: _Where, name: str) -> list[str]:
 EXTRA_SUFFIX = ".db"  # what `restore --all` restores by listing, beside the registry's rows
 
 
-async def restore_all(
-    reactor: Reactor,
-    args: argparse.Namespace,
-    cfg: BoxConfig,
-    conf: BackupConfig,
-    out: Out,
-    err: Out,
-) -> int:
-    run = thread_runner(reactor)
+async def restore_all(command: Command) -> int:
+    reactor, args, cfg, conf, out, err, run, router = command
     into: str = args.into
-    router = await ask_router(cfg, run, err)
     if router.running and await run(router_uses, cfg, router, into):
         raise BackupCliError(
             f"refusing: a router is running on {into} ({cfg.admin_socket} answers), and a "
@@ -225,7 +207,8 @@ async def restore_all(
         mine = {s.name: s for s in stored if s.box == box}
         owner = await run(_owner_to_hand_to, where.fd)
         out(f"restoring box {box} from {describe(store, conf)} into {into}")
-        env = _EnvRestore(store, conf, Layout(conf.prefix, box), where, owner, run, args)
+        accept = bool(getattr(args, "accept_unpinned_env", False))
+        env = _EnvRestore(store, conf, Layout(conf.prefix, box), where, owner, run, accept)
 
         async def one(
             found: Stored,
@@ -280,14 +263,10 @@ async def restore_all(
             if route.hibernate:
                 tally.skipped += 1
                 out(f"{route.host}: hibernating, it wakes from the hibernation bucket")
-                for line in await env.restore(route.host):
-                    out(line)
-                continue
-            found = mine.get(name)
-            if found is None:
+            elif (found := mine.get(name)) is None:
                 tally.failed(out, name, f"{route.host} has no backup under {box}/ (never ran?)")
                 continue
-            if not await one(found, name, checks):
+            elif not await one(found, name, checks):
                 continue
             for line in await env.restore(route.host):
                 out(line)
@@ -314,29 +293,20 @@ async def restore_all(
     return 0
 
 
+@define
 class _EnvRestore:
     """Bringing back the spaces' env files of one box (sealed with LCHAT_BACKUP_KEY, pinned by
     the box's manifest: lchat.backup.envfiles)."""
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        conf: BackupConfig,
-        place: Layout,
-        where: _Where,
-        owner: tuple[int, int] | None,
-        run: RunInThread,
-        args: argparse.Namespace,
-    ) -> None:
-        self._store = store
-        self._conf = conf
-        self._place = place
-        self._where = where
-        self._owner = owner
-        self._run = run
-        self._accept_unpinned = bool(getattr(args, "accept_unpinned_env", False))
-        self._manifest: envfiles.Manifest | None = None
-        self._manifest_read = False
+    _store: ObjectStore
+    _conf: BackupConfig
+    _place: Layout
+    _where: _Where
+    _owner: tuple[int, int] | None
+    _run: RunInThread
+    _accept_unpinned: bool
+    _manifest: envfiles.Manifest | None = field(init=False, default=None)
+    _manifest_read: bool = field(init=False, default=False)
 
     async def _read_manifest(self) -> list[str]:
         """The box's manifest, read once; the lines to print about it."""
@@ -344,32 +314,24 @@ class _EnvRestore:
             return []
         self._manifest_read = True
         key = envfiles.manifest_key(self._place.box_path())
+        refused = "" if self._accept_unpinned else " not restored without --accept-unpinned-env"
         try:
             blob = (await self._store.get(key)).body
         except NotFound:
             return [
                 f"  note: box {self._place.box} has no env manifest in the backup: its sealed env "
-                f"files are not pinned to their newest versions"
-                + (
-                    ""
-                    if self._accept_unpinned
-                    else " and are not restored without --accept-unpinned-env"
-                )
+                f"files are not pinned to their newest versions{refused and ' and are' + refused}"
             ]
         try:
             self._manifest = envfiles.unseal_manifest(self._place, blob, self._conf.env_key)
         except envfiles.SealError as e:
             return [
-                f"  note: {e}: the box's env files are not pinned"
-                + (
-                    ""
-                    if self._accept_unpinned
-                    else " and not restored without --accept-unpinned-env"
-                )
+                f"  note: {e}: the box's env files are not pinned{refused and ' and' + refused}"
             ]
+        sealed = envfiles.when(self._manifest.generation)
         return [
-            f"  env files: the box's manifest was sealed at {self._manifest.sealed_at} (a file "
-            f"older than it names is refused as rolled back)"
+            f"  env files: the box's manifest was sealed at {sealed} (a file older than it names "
+            f"is refused as rolled back)"
         ]
 
     async def restore(self, host: str) -> list[str]:
@@ -486,11 +448,11 @@ def _sanitise_registry(path: str, data_dir: str, run_dir: str) -> list[str]:
     return notes
 
 
+@define
 class _Tally:
-    def __init__(self) -> None:
-        self.restored = 0
-        self.skipped = 0
-        self.errors: list[str] = []
+    restored: int = 0
+    skipped: int = 0
+    errors: list[str] = field(factory=list)
 
     def failed(self, out: Out, name: str, why: str) -> bool:
         self.errors.append(why)
