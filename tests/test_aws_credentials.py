@@ -108,7 +108,7 @@ class ResolveCredentialsTests(TestCase):
         with _process_env(AWS_ACCESS_KEY_ID="AKIDPROCESSONLY", AWS_DEFAULT_REGION=None):
             resolved = await self.resolve(env)
         self.assertEqual(resolved.credentials.access_key, keys.access_key)
-        self.assertEqual(resolved.method, "env")
+        self.assertEqual(resolved.credentials.method, "env")
         self.assertEqual(resolved.region, "eu-central-1")
         store = await self.round_trip(resolved)
         self.assertEqual(
@@ -131,7 +131,7 @@ class ResolveCredentialsTests(TestCase):
         )
         env = {**ISOLATED, "AWS_SHARED_CREDENTIALS_FILE": path, "AWS_PROFILE": "lchat"}
         resolved = await self.resolve(env)
-        self.assertEqual(resolved.method, "shared-credentials-file")
+        self.assertEqual(resolved.credentials.method, "shared-credentials-file")
         self.assertEqual(resolved.region, "")
         await self.round_trip(resolved, region=self.server.region)
 
@@ -147,7 +147,7 @@ class ResolveCredentialsTests(TestCase):
             "AWS_CONTAINER_AUTHORIZATION_TOKEN": "task-token",
         }
         resolved = await self.resolve(env)
-        self.assertEqual(resolved.method, "container-role")
+        self.assertEqual(resolved.credentials.method, "container-role")
         self.assertIsInstance(resolved.credentials, RefreshableCredentials)
         self.assertEqual(agent.calls, [b"task-token"])  # the token came from env too
         # A refresh is a blocking HTTP call to the agent, which this reactor serves: made on the

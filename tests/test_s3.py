@@ -53,7 +53,8 @@ from lchat.objstore import (
     open_store,
 )
 from lchat.objstore.aws import ResolvedCredentials
-from lchat.objstore.s3 import S3Store, quote_key
+from lchat.objstore.s3 import S3Store
+from lchat.objstore.s3.wire import quote_key
 from lchat.objstore.where import Where
 from lchat.reactors import installed
 from lchat.threads import thread_runner

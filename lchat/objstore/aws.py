@@ -52,12 +52,6 @@ class ResolvedCredentials:
     region: str
     session: Any
 
-    @property
-    def method(self) -> str:
-        """Which provider found them, for the log: ``env``, ``shared-credentials-file``,
-        ``container-role``, ``iam-role``, ..."""
-        return str(getattr(self.credentials, "method", "") or "unknown")
-
 
 class HasAwsEnv(Protocol):
     """A box's or home's configuration: the ``AWS_*`` values of its env file."""

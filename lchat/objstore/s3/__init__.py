@@ -39,9 +39,7 @@ Store quirks we normalise (each is handled, and commented, where it bites):
   has no body; DELETEs get an explicit empty body so every retry is ours (``Exchange._attempt``).
 """
 
-from lchat.objstore.s3.exchange import REQUESTS
 from lchat.objstore.s3.exchange import WRAPPERS as _WRAPPERS  # tests.test_twisted_internals
 from lchat.objstore.s3.store import S3Store
-from lchat.objstore.s3.wire import quote_key
 
-__all__ = ["REQUESTS", "_WRAPPERS", "S3Store", "quote_key"]
+__all__ = ["_WRAPPERS", "S3Store"]

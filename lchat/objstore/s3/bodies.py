@@ -245,7 +245,7 @@ class BodyReader(Protocol):
             self._chunks = []
             self._pending = 0
         if self._sink is None:
-            self._finish(self._failure or b"".join(self._chunks))
+            fire([self.done], self._failure or b"".join(self._chunks))
             self._chunks = []
             return
         self._flush()
@@ -259,11 +259,11 @@ class BodyReader(Protocol):
             self._pending = 0
             assert self._sink is not None
             self._writing = True
-            d = self._run_in_thread(_write, self._sink, data)
+            d = self._run_in_thread(self._sink.write, data)
             d.addCallbacks(self._written, self._write_failed)
             return
         if not self._open or self._aborted:
-            self._finish(self._failure or b"")
+            fire([self.done], self._failure or b"")
 
     def _written(self, _: object) -> None:
         self._writing = False
@@ -278,16 +278,13 @@ class BodyReader(Protocol):
         self._writing = False
         self._chunks = []
         self._abort()
-        self._finish(failure)
+        fire([self.done], failure)
         self._notify_idle()
 
     def _notify_idle(self) -> None:
         if not self._writing:
             waiters, self._idle_waiters = self._idle_waiters, []
             fire(waiters, None)
-
-    def _finish(self, result: bytes | Failure) -> None:
-        fire([self.done], result)
 
     def _abort(self) -> None:
         self._aborted = True
@@ -300,10 +297,6 @@ class BodyReader(Protocol):
             waiter = Deferred[None]()
             self._idle_waiters.append(waiter)
             await waiter
-
-
-def _write(f: IO[bytes], data: bytes) -> None:
-    f.write(data)
 
 
 def _open_for_upload(path: str, size: int) -> int:

@@ -158,9 +158,11 @@ class S3Store:
         """A body shorter than its Content-Length raises :class:`StoreUnavailable`."""
         check_key(key)
         reply = _ok(await self._send("GetObject", "GET", key, sink=sink), key)
-        expected = reply.short_body()
-        if expected is not None:
-            raise StoreUnavailable(f"short body: {reply.streamed} of {expected} bytes", key=key)
+        expected = header_text(reply.headers, "content-length")
+        if expected and int(expected) != reply.streamed:
+            raise StoreUnavailable(
+                f"short body: {reply.streamed} of {int(expected)} bytes", key=key
+            )
         return reply
 
     async def head(self, key: str) -> ObjectInfo:

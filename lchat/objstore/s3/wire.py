@@ -112,13 +112,6 @@ class Reply:
         """A 404 for the key, not the bucket: what a DELETE counts as done."""
         return self.status == 404 and self.code != "NoSuchBucket"
 
-    def short_body(self) -> int | None:
-        """The Content-Length a streamed body fell short of, or None when it arrived whole."""
-        expected = header_text(self.headers, "content-length")
-        if expected and int(expected) != self.streamed:
-            return int(expected)
-        return None
-
 
 def error_for(reply: Reply, key: str) -> ObjectStoreError:
     """The typed error for a non-transient error reply."""
