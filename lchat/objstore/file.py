@@ -58,6 +58,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, TypeVar, Unpack
+from urllib.parse import unquote_to_bytes
 
 import attrs
 from attrs import define, field
@@ -110,19 +111,9 @@ def encode_segment(segment: str) -> str:
 
 def decode_segment(stem: str) -> str | None:
     """The inverse of :func:`encode_segment`; ``None`` for a stem this store did not write."""
-    out = bytearray()
-    i = 0
     try:
-        while i < len(stem):
-            c = stem[i]
-            if c == "%":
-                out.append(int(stem[i + 1 : i + 3], 16))
-                i += 3
-            else:
-                out.append(ord(c))
-                i += 1
-        segment = out.decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
+        segment = unquote_to_bytes(stem).decode("utf-8")
+    except ValueError:  # not UTF-8 (or, from a file name, not even unicode)
         return None
     return segment if encode_segment(segment) == stem else None  # canonical names only
 

@@ -10,6 +10,7 @@ import re
 import shlex
 import stat
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from attrs import field, frozen
 
@@ -156,7 +157,7 @@ def env_step(request: Request, account: Account | None) -> Step:
     source = path if exists else ops.ENV_EXAMPLE
     try:
         current = config.read_env_file(source, must_exist=True)
-        text = _read_own_file(source) if exists else _read_text(source)
+        text = _read_own_file(source) if exists else Path(source).read_text(encoding="utf-8")
     except ConfigError as e:
         raise BootstrapError(f"{e} (fix it by hand first; bootstrap edits only valid files)") from e
     values = dict(request.values)
@@ -199,11 +200,6 @@ def env_step(request: Request, account: Account | None) -> Step:
     if exists and not private:
         what += f"; make it mode 0600, owner {user}"
     return Step(what, run=run)
-
-
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
 
 
 def _read_own_file(path: str) -> str:
