@@ -17,11 +17,11 @@ the configuration (``config.load``), the AWS credentials the buckets and Route53
 bucket's write probe (as the router's ``_BucketCheck``, ``lchat.buckets.probe_name``). What fails there is printed as
 left to do, with everything else left (secrets to fill in, no build yet...).
 
-Invariants: :func:`~lchat.cli.bootstrap.apply.plan` changes nothing (it reads the box and says, step by step, what it would
-do and what is already so); bad input is refused before anything changes; a second run changes
-nothing; an operator's existing ``router.env`` keeps every line except the values given (each
-change is named; a secret's value is never printed); ``--root DIR`` prefixes every path (tests,
-or preparing an image) and then never creates users nor runs ``systemctl``.
+Invariants: :func:`.apply.plan` changes nothing (it reads the box and says, step by step, what it
+would do and what is already so); bad input is refused before anything changes; a second run
+changes nothing; an operator's existing ``router.env`` keeps every line except the values given
+(each change is named; a secret's value is never printed); ``--root DIR`` prefixes every path
+(tests, or preparing an image) and then never creates users nor runs ``systemctl``.
 """
 
 from __future__ import annotations
