@@ -27,7 +27,7 @@ from lchat.objstore.s3 import S3Store
 from lchat.reactors import installed
 from lchat.replica import ltx
 from lchat.replica import restore as restore_mod
-from lchat.replica.restore import RestoreError, plan, restore
+from lchat.replica.restore import RestoreError, plan_files, replica_files, restore
 from lchat.threads import thread_runner
 from tests import s3servers
 from tests.replicas import LITESTREAM, dump
@@ -42,6 +42,11 @@ reactor = installed()
 def _info(level: int, lo: int, hi: int, minute: int = 0) -> ObjectInfo:
     key = ltx.object_key("p/h.example", level, lo, hi)
     return ObjectInfo(key, 100, "e", T0 + datetime.timedelta(minutes=minute))
+
+
+def plan(infos: list[ObjectInfo], **target: Any) -> list[ObjectInfo]:
+    """The objects a restore of ``infos`` applies, in order (``target``: plan_files's)."""
+    return [f.info for f in plan_files(replica_files(infos), **target)]
 
 
 def _names(infos: list[ObjectInfo]) -> list[str]:

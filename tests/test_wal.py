@@ -361,7 +361,7 @@ class Consistency(Base):
         rdb = self._open()
         names = {r[0] for r in w.sql("SELECT name FROM sqlite_master")}
         self.assertTrue({"_lchat_replica_seq", "_lchat_replica_lock"} <= names)
-        anchor = rdb.anchor
+        anchor = rdb._anchor
         assert anchor is not None
         for _ in range(10):
             w.sql("INSERT INTO t (v) VALUES (randomblob(2000))")
@@ -441,10 +441,10 @@ class Consistency(Base):
         w.sql("CREATE TABLE t (id INTEGER PRIMARY KEY, v BLOB)")
         rdb = self._open()
         w.sql("INSERT INTO t (v) VALUES (x'01')")
-        res = rdb.checkpoint("PASSIVE", rdb.anchor)
+        res = rdb.checkpoint("PASSIVE", rdb._anchor)
         self.assertFalse(res.done)
         self.assertEqual(res.reason, "unshipped committed frames")
-        seg = rdb.read_committed(rdb.anchor)
+        seg = rdb.read_committed(rdb._anchor)
         assert isinstance(seg, Segment)
         res = rdb.checkpoint("TRUNCATE", seg.end)
         self.assertTrue(res.done, res)

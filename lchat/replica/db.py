@@ -154,6 +154,7 @@ class ReplicaDB:
         self.truncate_pages = truncate_pages
         self._reader: sqlite3.Connection | None = None  # A: holds the read transaction
         self._locker: sqlite3.Connection | None = None  # L: write lock, our writes, checkpoints
+        # Where our read transaction was taken: the caller must have shipped at least this far.
         self._anchor: WALPosition | None = None
         self._dbfd: int | None = None  # see open(): never closed before close()
         self._page_size = 0
@@ -248,11 +249,6 @@ class ReplicaDB:
         if self._dbfd is None:
             raise ReplicaDBError(f"{self.path}: not open")
         return self._dbfd
-
-    @property
-    def anchor(self) -> WALPosition | None:
-        """Where our read transaction was taken: the caller must have shipped at least this far."""
-        return self._anchor
 
     def _conns(self) -> tuple[sqlite3.Connection, sqlite3.Connection]:
         if self._reader is None or self._locker is None:

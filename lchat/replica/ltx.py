@@ -320,10 +320,6 @@ class LTXDecoder:
         self._index = bytearray()  # the page index the pages seen so far call for
         self._snapshot_sum = 0
 
-    @property
-    def received(self) -> int:
-        return self._offset + len(self._rest)
-
     def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[int, bytes]]:
         if self._state == _FAILED:
             raise LTXError("the file was already found corrupt")
@@ -343,7 +339,8 @@ class LTXDecoder:
         if state == _AT_HEADER:
             raise LTXError(f"truncated file: header ends after {have} of {HEADER_SIZE} bytes")
         if state == _AT_PAGES:
-            raise LTXError(f"truncated file: it ends inside its pages, after {self.received} bytes")
+            received = self._offset + have
+            raise LTXError(f"truncated file: it ends inside its pages, after {received} bytes")
         raise LTXError(
             f"truncated file: page index and trailer end after {have} of {self._tail_size()} bytes"
         )

@@ -177,7 +177,9 @@ class Replicator:
         self._pending_since: float | None = None
         self._started = False
         self.stopped = False  # no more writes (for good)
-        self._wrote = False  # a write was sent: it may land, whatever its answer said
+        # A write (upload or delete) was sent: one whose answer was an error or never came may
+        # still land, at any time (docs/lease.md, "Late writes").
+        self.wrote = False
         self._closed = False  # stop() ran
         self.lost: str | None = None  # why the lease was lost, if it was
         self.snapshots = 0
@@ -202,12 +204,6 @@ class Replicator:
         # reason to doubt the bucket. See the module docstring.
         self._check: str | None = None
         self._retain_after_snapshot = False  # a re-seed: once its snapshot is durable, tidy up
-
-    @property
-    def wrote(self) -> bool:
-        """Has this replicator sent any write (upload or delete)? One whose answer was an error
-        or never came may still land, at any time (docs/lease.md, "Late writes")."""
-        return self._wrote
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -609,7 +605,7 @@ class Replicator:
     async def _write(self, request: Any) -> Any:
         """Run one store write so that :meth:`stop` can abandon it (a lost lease must not wait
         for a hung upload, and should not let it land later if the connection can still be cut)."""
-        self._wrote = True
+        self.wrote = True
         d = Deferred.fromCoroutine(request)
         self._writing = d
         try:

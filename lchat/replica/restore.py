@@ -100,23 +100,14 @@ def replica_files(infos: list[ObjectInfo]) -> list[ReplicaFile]:
     return files
 
 
-def plan(
-    infos: list[ObjectInfo],
-    *,
-    txid: int | None = None,
-    timestamp: datetime.datetime | None = None,
-) -> list[ObjectInfo]:
-    """The files to apply, in order, to reach ``txid``, the last state before ``timestamp``, or
-    the newest state. Raises :class:`RestoreError` when there is nothing to restore or a gap."""
-    return [f.info for f in plan_files(replica_files(infos), txid=txid, timestamp=timestamp)]
-
-
 def plan_files(
     files: list[ReplicaFile],
     *,
     txid: int | None = None,
     timestamp: datetime.datetime | None = None,
 ) -> list[ReplicaFile]:
+    """The files to apply, in order, to reach ``txid``, the last state before ``timestamp``, or
+    the newest state. Raises :class:`RestoreError` when there is nothing to restore or a gap."""
     if txid is not None and timestamp is not None:
         raise RestoreError("give a txid or a timestamp, not both")
     if txid is not None and txid < 1:

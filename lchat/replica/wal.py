@@ -17,14 +17,12 @@ and are never reported.
 
 Restarts: when the log has been fully checkpointed, the next writer (or a RESTART/TRUNCATE
 checkpoint) starts the log over with new salts (salt-1 + 1 and a random salt-2 when the restarting
-connection writes the header itself; both random otherwise), overwriting frames from the start. A reader therefore keeps a
-:class:`WALPosition` (offset, salts, cumulative checksum at that offset) and on each read proves the
-log still continues from it; if it cannot, it reports :class:`WALReset` (the salts changed, the
-file shrank or vanished) or :class:`WALRewritten` (same salts, but the frames at our position are
-no longer the ones we read), and the caller takes a fresh snapshot instead of shipping garbage.
-:func:`read_committed` may *follow* a restart (``follow_restart=True``) — only the caller knows
-whether that is safe (``db.py``: a read transaction held since everything was shipped, under which
-at most one restart can happen, and only when nothing unshipped was in the old log).
+connection writes the header itself; both random otherwise), overwriting frames from the start. A
+reader therefore keeps a :class:`WALPosition` (offset, salts, cumulative checksum at that offset)
+and on each read proves the log still continues from it; if it cannot, it reports
+:class:`WALReset` (the salts changed, the file shrank or vanished) or :class:`WALRewritten`, and
+the caller takes a fresh snapshot instead of shipping garbage (or follows the restart, when it
+knows that is safe: :func:`read_committed`).
 
 Pure and synchronous: runs in a worker thread, never on the reactor. Page bytes are read per frame,
 never the whole log.
@@ -363,8 +361,9 @@ def read_committed(
     """The committed frames after ``start`` (from the log's beginning if ``None``).
 
     Returns ``None`` when there is no valid log at all and ``start`` is ``None`` or
-    ``follow_restart`` is set (nothing to read: the database file alone is the state). ``max_bytes`` stops at the first commit boundary past that many
-    bytes, so a huge backlog can be shipped in pieces.
+    ``follow_restart`` is set (nothing to read: the database file alone is the state).
+    ``max_bytes`` stops at the first commit boundary past that many bytes, so a huge backlog can
+    be shipped in pieces.
 
     With ``follow_restart``, a log that restarted since ``start`` (new salts) is followed from its
     new beginning, and one truncated and not yet rewritten reads as ``None``, instead of either
