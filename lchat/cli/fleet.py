@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from attrs import frozen
 from twisted.internet.defer import Deferred, gatherResults
 
 from lchat.buckets import open_bucket
@@ -99,6 +98,7 @@ def run(
             "LCHAT_MESH_TOKEN): pass --env-file /data/router.env"
         )
     target = _publish_target(args.publish) if args.publish else None
+    shown = str(Where(target.bucket, target.key(PUBLISH_KEY))) if target is not None else ""
     me = normalise_member_url(mesh.self_url)
     timeout: float = args.timeout
 
@@ -115,9 +115,9 @@ def run(
         result = _fleet(cfg, open_registry, members, reports)
         if target is not None:
             try:
-                await _publish(reactor, cfg, target[0], result)
+                await _publish(reactor, cfg, target, result)
             except ObjectStoreError as e:
-                raise FleetCliError(f"could not write {target[1]}: {e}") from e
+                raise FleetCliError(f"could not write {shown}: {e}") from e
         return members, result
 
     # Each step is bounded; this is a backstop well past their sum.
@@ -142,7 +142,7 @@ def run(
     if target is not None:
         counts = fleet.publishable(result)
         out(
-            f"published {target[1]}: {counts['boxes']['live']} live box(es), "
+            f"published {shown}: {counts['boxes']['live']} live box(es), "
             f"{counts['boxes']['answered']} answered, {counts['spaces']['total']} space(s)"
         )
     elif args.json:
@@ -154,20 +154,11 @@ def run(
     return 0 if result.complete else EXIT_PARTIAL
 
 
-@frozen
-class _Target:
-    where: Where
-    key: str
-
-
-def _publish_target(url: str) -> tuple[_Target, str]:
-    """The ``--publish`` URL: where, and its text for messages."""
+def _publish_target(url: str) -> Where:
     try:
-        where = parse_bucket_url("--publish", url)
+        return parse_bucket_url("--publish", url)
     except ConfigError as e:
         raise FleetCliError(str(e)) from None
-    key = where.key(PUBLISH_KEY)
-    return _Target(where, key), str(Where(where.bucket, key))
 
 
 async def _members(reactor: Reactor, cfg: BoxConfig) -> list[Member]:
@@ -245,18 +236,19 @@ def _fleet(
     return fleet.aggregate(reports, time.time(), unreported)
 
 
-async def _publish(reactor: Reactor, cfg: BoxConfig, where: _Target, result: fleet.Fleet) -> None:
+async def _publish(reactor: Reactor, cfg: BoxConfig, where: Where, result: fleet.Fleet) -> None:
     body = json.dumps(fleet.publishable(result), indent=2, sort_keys=True).encode() + b"\n"
-    store = await open_bucket(reactor, cfg, where.where, what="--publish", make_dir=True)
+    key = where.key(PUBLISH_KEY)
+    store = await open_bucket(reactor, cfg, where, what="--publish", make_dir=True)
     try:
         put: Deferred[Any] = Deferred.fromCoroutine(
-            store.put(where.key, body, content_type="application/json")
+            store.put(key, body, content_type="application/json")
         )
         put.addTimeout(PUBLISH_TIMEOUT, reactor)
         try:
             await put
         except TimeoutError as e:
-            raise ObjectStoreError(f"no answer within {PUBLISH_TIMEOUT:g}s", where.key) from e
+            raise ObjectStoreError(f"no answer within {PUBLISH_TIMEOUT:g}s", key) from e
     finally:
         await store.close()
 

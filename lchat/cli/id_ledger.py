@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from twisted.internet.task import deferLater
+
 from lchat import hosts
+from lchat.buckets import open_bucket
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.files import write_atomic
@@ -35,6 +38,7 @@ from lchat.ledger import (
     Counter,
     IdLedger,
     LedgerError,
+    minted_host,
     minted_ids,
 )
 from lchat.objstore import ObjectStore, ObjectStoreError
@@ -78,7 +82,12 @@ def _id_floor(text: str) -> int:
 
 
 def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
-    url = _ledger_url(cfg)
+    url = cfg.id_ledger
+    if url is None:
+        raise LedgerError(
+            f"no id ledger: set LCHAT_CLOUD_ID_LEDGER (s3://BUCKET[/PREFIX][?region=R&endpoint=URL]"
+            f" or file:PATH) in {cfg.env_file}"
+        )
 
     async def work(reactor: Reactor) -> int:
         store, ledger = await _open(reactor, cfg, url)
@@ -109,15 +118,6 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
     return code
 
 
-def _ledger_url(cfg: BoxConfig) -> Where:
-    if cfg.id_ledger is None:
-        raise LedgerError(
-            f"no id ledger: set LCHAT_CLOUD_ID_LEDGER (s3://BUCKET[/PREFIX][?region=R&endpoint=URL]"
-            f" or file:PATH) in {cfg.env_file}"
-        )
-    return cfg.id_ledger
-
-
 def mint(cfg: BoxConfig, existing_hosts: list[str], domain: str, note: Out) -> str:
     """Draw the next id for ``domain`` and return ``<id>.<domain>`` (not yet registered).
 
@@ -146,8 +146,6 @@ def mint(cfg: BoxConfig, existing_hosts: list[str], domain: str, note: Out) -> s
             n, how = _draw(cfg, cfg.id_ledger, state, highest, domain)
             _save_state(cfg.data_dir, state)
             note(f"id {n} from the id ledger {cfg.id_ledger} ({how})")
-    from lchat.ledger import minted_host
-
     return minted_host(n, domain)
 
 
@@ -202,10 +200,6 @@ def _check_namespace(counter: Counter, highest: int, domain: str) -> None:
 async def _open(reactor: Reactor, cfg: BoxConfig, url: Where) -> tuple[ObjectStore, IdLedger]:
     """The ledger's store (the caller closes it) and the ledger on it (a ``file:`` ledger's
     directory is made on first use)."""
-    from twisted.internet.task import deferLater
-
-    from lchat.buckets import open_bucket
-
     store = await open_bucket(reactor, cfg, url, what="LCHAT_CLOUD_ID_LEDGER", make_dir=True)
     ledger = IdLedger(
         store, url.key(LEDGER_KEY), sleep=lambda s: deferLater(reactor, s, lambda: None)

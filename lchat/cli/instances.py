@@ -30,7 +30,8 @@ def show(
 ) -> int:
     """The table (or ``--json``) of ``routes``, sorted by host, with what the running router's
     ``status`` says (None: it cannot be asked), then the capacity summary on stderr."""
-    live = _hosts_of(status) if routes else {}
+    hosts_now = status.get("hosts") if status is not None else None  # the router's view of each
+    live = (hosts_now if isinstance(hosts_now, dict) else None) if routes else {}
     from lchat.cli.release import live_versions  # the live/<host> links (lchat deploy)
 
     builds = live_versions(cfg, [r.host for r in routes])
@@ -57,12 +58,6 @@ def show(
         note("VERSION*: a canary (lchat deploy --canary); `lchat deploy <v> --all` clears it")
     note(_capacity_summary(cfg, routes, status))
     return 0
-
-
-def _hosts_of(status: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
-    """The router's per-host view in its status, or None."""
-    hosts_now = status.get("hosts") if status is not None else None
-    return hosts_now if isinstance(hosts_now, dict) else None
 
 
 def _capacity_summary(cfg: BoxConfig, routes: list[Route], status: dict[str, Any] | None) -> str:

@@ -23,11 +23,14 @@ from lchat import admin_client, config, envfile, hosts, systemd_units
 from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
+from lchat.cli import bootstrap as bootstrap_cli
 from lchat.cli import certs, dev_cert, litestream_yml, runner
 from lchat.cli import fleet as fleet_cli
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import instances as instances_cli
 from lchat.cli import mesh as mesh_cli
+from lchat.cli import release as release_cli
+from lchat.cli import relocate as relocate_cli
 from lchat.cli import replica as replica_cli
 from lchat.cli import stats as stats_cli
 from lchat.config import BoxConfig, ConfigError
@@ -299,8 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
             lambda a: stats_cli.run(a, load_config(a), _out, open_registry),
         )
     )
-    from lchat.cli import relocate as relocate_cli  # lchat relocate (docs/mesh.md)
-
     relocate_cli.add_arguments(
         command(
             "relocate",
@@ -315,7 +316,6 @@ def build_parser() -> argparse.ArgumentParser:
             lambda a: fleet_cli.run(a, load_config(a), open_registry, _out, _note),
         )
     )
-    from lchat.cli import release as release_cli  # lchat release|deploy|rollback (operations.md)
 
     def _release_handler(run: release_cli.Run) -> Callable[[argparse.Namespace], int]:
         return release_cli.handler(run, load_config, open_registry, _out, _fail)
@@ -332,8 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
             "rollback", release_cli.ROLLBACK_SUMMARY, _release_handler(release_cli.run_rollback)
         )
     )
-    from lchat.cli import bootstrap as bootstrap_cli  # lchat bootstrap (docs/operations.md)
-
     bootstrap_cli.add_arguments(
         command("bootstrap", bootstrap_cli.SUMMARY, lambda a: bootstrap_cli.run(a, _out, _fail))
     )

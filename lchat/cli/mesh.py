@@ -296,14 +296,12 @@ def mesh_seed(
         except client.MeshCallError as e:
             failures.append(f"--prune: cannot list the peer's routes ({e}); nothing was pruned")
             return
-        stale = sorted(
-            {
-                str(r["host"])
-                for r in listing
-                if r["host"] not in have
-                and _seed_scope(mesh, region, str(r["host"]), str(r.get("home_region") or ""))
-            }
-        )
+        in_scope = [
+            r
+            for r in listing
+            if _seed_scope(mesh, region, str(r["host"]), str(r.get("home_region") or ""))
+        ]
+        stale = sorted({str(r["host"]) for r in in_scope if r["host"] not in have})
 
         async def tombstone(host: str) -> None:
             try:
@@ -324,9 +322,8 @@ def mesh_seed(
         to_flip = sorted(
             {
                 str(r["host"])
-                for r in listing
+                for r in in_scope
                 if r["host"] in always_on
-                and _seed_scope(mesh, region, str(r["host"]), str(r.get("home_region") or ""))
                 and not (r.get("hibernate") is False and r.get("lives_at") == me)
             }
         )

@@ -83,7 +83,6 @@ def add_release_arguments(
     add_common(sub)
     sub.add_argument("version", help="the new version's name")
     sub.add_argument("directory", help="the build: a directory with 'space' (and 'space-bot')")
-    sub.add_argument("--key", required=True, metavar="FILE", help="the Ed25519 private key (PEM)")
     _publish_targets(sub)
     sub = actions.add_parser(
         "refresh",
@@ -91,7 +90,6 @@ def add_release_arguments(
         "same builds: run it daily",
     )
     add_common(sub)
-    sub.add_argument("--key", required=True, metavar="FILE", help="the Ed25519 private key (PEM)")
     _publish_targets(sub)
     sub = actions.add_parser("keygen", help="(release host) make a signing key pair")
     add_common(sub)
@@ -99,6 +97,8 @@ def add_release_arguments(
 
 
 def _publish_targets(sub: argparse.ArgumentParser) -> None:
+    """The signing key, and where the feed goes."""
+    sub.add_argument("--key", required=True, metavar="FILE", help="the Ed25519 private key (PEM)")
     sub.add_argument("--to", metavar="DIR", help="write into DIR (served as LCHAT_RELEASE_URL)")
     sub.add_argument(
         "--mirror",

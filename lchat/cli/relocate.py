@@ -76,9 +76,6 @@ def run(
         return open_bucket(reactor, cfg, where, what=what, make_dir=True)
 
     peers = MeshFanOut(
-        active=cfg.mesh is not None,
-        push=lambda route: mesh_cli.fan_out_upsert(cfg, route, note),
-        replicates=lambda route: cfg.mesh is not None and mesh_cli.replicates(cfg.mesh, route),
         members=lambda: live_members(cfg),
         push_reporting=lambda route, said: mesh_cli.fan_out_upsert(cfg, route, said),
     )

@@ -129,16 +129,16 @@ class StoreBucket:
 # --- lchat relocate -----------------------------------------------------------------------------
 
 
-class Mesh(Peers, Protocol):
-    """:class:`Peers` with what ``lchat relocate`` asks too: the live members (each box's
-    region), and a push whose per-peer outcomes are reported, one line each."""
+class Mesh(Protocol):
+    """What ``lchat relocate`` asks of the mesh: the live members (each box's region), and a
+    push whose per-peer outcomes are reported, one line each."""
 
     def members(self) -> list[Member]: ...  # ObjectStoreError, ConfigError, TimeoutError
     def push_reporting(self, route: Route, report: Callable[[str], None]) -> None: ...
 
 
 @frozen
-class MeshFanOut(FanOut):
+class MeshFanOut:
     """:class:`Mesh` as the CLI's mesh reads and fan-out (``lchat.cli.mesh``)."""
 
     members: Callable[[], list[Member]]

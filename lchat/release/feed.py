@@ -52,9 +52,8 @@ SIGNING_CONTEXT = b"lchat release feed v1\n"
 MAX_FEED_BYTES = 4 * 1024 * 1024
 MAX_ARTEFACT_BYTES = 2 * 1024 * 1024 * 1024
 ARTEFACT_NAMES = (SPACE_BINARY, SIDECAR_BINARY)
-DEFAULT_VALIDITY = datetime.timedelta(
-    days=7
-)  # a published feed's life (LCHAT_RELEASE_FEED_VALIDITY)
+# A published feed's life (LCHAT_RELEASE_FEED_VALIDITY).
+DEFAULT_VALIDITY = datetime.timedelta(days=7)
 _STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

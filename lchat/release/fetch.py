@@ -153,7 +153,9 @@ class HttpSource:
         await self._collect(response, sink.write, self._url(path))
 
     async def _collect(self, response: Any, write: Any, url: str) -> None:
-        collecting = _collect_body(response, write)
+        body = _Body(write)
+        response.deliverBody(body)
+        collecting = body.done
         collecting.addTimeout(self.body_timeout, IReactorTime(self._reactor))
         try:
             await collecting
@@ -193,12 +195,6 @@ class _Body(TwistedProtocol):
             self.done.callback(None)
         else:
             self.done.errback(reason)
-
-
-def _collect_body(response: Any, write: Callable[[bytes], object]) -> Deferred[None]:
-    body = _Body(write)
-    response.deliverBody(body)
-    return body.done
 
 
 class _Limited:
@@ -426,10 +422,7 @@ class Fetcher:
                 problems.append(f"{name} {source.describe()}: {refusal}")
                 continue
             FETCHES.labels(name, "ok").inc()
-            if accepted is None or (accepted.feed_version, accepted.digest) != (
-                feed.feed_version,
-                feed.digest,
-            ):
+            if accepted is None or accepted.digest != feed.digest:  # not stale: newer, or the same
                 write_state(
                     self.state_file, Accepted(feed.feed_version, feed.digest, self._clock(), name)
                 )

@@ -22,7 +22,7 @@ import datetime
 import hashlib
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from attrs import frozen
@@ -171,16 +171,11 @@ async def publish(
             f"version {version} is already in the feed (feed_version {base.feed_version if base else 0}): "
             "a published version never changes; publish a new version name"
         )
-    stamp = feedlib.stamp(now)
-    versions[version] = Release(version, stamp, {n: a for n, (a, _) in files.items()})
-    new = Feed(
-        feed_version=(base.feed_version if base is not None else 0) + 1,
-        released_at=stamp,
-        versions=versions,
-        digest="",
-        expires_at=feedlib.stamp(now + valid_for),
+    versions[version] = Release(version, feedlib.stamp(now), {n: a for n, (a, _) in files.items()})
+    feed_version = (base.feed_version if base is not None else 0) + 1
+    return await _sign_and_write(
+        feed_version, versions, now, valid_for, key, targets, files.values()
     )
-    return await _sign_and_write(new, key, targets, files.values())
 
 
 async def refresh(
@@ -201,24 +196,25 @@ async def refresh(
             + ", ".join(t.describe() for t in targets)
             + ": publish a build first"
         )
-    new = Feed(
-        feed_version=base.feed_version + 1,
-        released_at=feedlib.stamp(now),
-        versions=base.versions,
-        digest="",
-        expires_at=feedlib.stamp(now + valid_for),
+    return await _sign_and_write(
+        base.feed_version + 1, base.versions, now, valid_for, key, targets, ()
     )
-    return await _sign_and_write(new, key, targets, ())
 
 
 async def _sign_and_write(
-    new: Feed,
+    feed_version: int,
+    versions: Mapping[str, Release],
+    now: datetime.datetime,
+    valid_for: datetime.timedelta,
     key: Ed25519PrivateKey,
     targets: list[PublishTarget],
     files: Iterable[tuple[Artefact, str]],
 ) -> Feed:
-    """Artefacts first, then ``feed.json``, then its signature, on every target."""
-    data = new.to_bytes()
+    """The feed of ``versions``, released ``now`` and expiring ``valid_for`` later, written to
+    every target: artefacts first, then ``feed.json``, then its signature."""
+    released_at = feedlib.stamp(now)
+    expires_at = feedlib.stamp(now + valid_for)
+    data = Feed(feed_version, released_at, versions, digest="", expires_at=expires_at).to_bytes()
     signature = feedlib.sign(key, data)
     files = list(files)
     for target in targets:

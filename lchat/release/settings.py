@@ -89,19 +89,18 @@ def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) 
             mirror = parse_bucket_url("LCHAT_RELEASE_MIRROR_URL", mirror_url)
         except ConfigError as e:
             raise SettingsError(str(e)) from None
-    validity = DEFAULT_VALIDITY
-    if get("LCHAT_RELEASE_FEED_VALIDITY"):
+    validity, given = DEFAULT_VALIDITY, get("LCHAT_RELEASE_FEED_VALIDITY")
+    if given:
         try:
-            seconds = parse_duration(
-                "LCHAT_RELEASE_FEED_VALIDITY", get("LCHAT_RELEASE_FEED_VALIDITY")
+            validity = datetime.timedelta(
+                seconds=parse_duration("LCHAT_RELEASE_FEED_VALIDITY", given)
             )
         except ConfigError as e:
             raise SettingsError(str(e)) from None
-        validity = datetime.timedelta(seconds=seconds)
         if not MIN_VALIDITY <= validity <= MAX_VALIDITY:
             raise SettingsError(
-                f"LCHAT_RELEASE_FEED_VALIDITY={get('LCHAT_RELEASE_FEED_VALIDITY')} must be "
-                f"between 1h and 365d (a feed's life after it is signed)"
+                f"LCHAT_RELEASE_FEED_VALIDITY={given} must be between 1h and 365d (a feed's life "
+                "after it is signed)"
             )
     return ReleaseSettings(
         opt_dir=os.path.normpath(opt_dir),
