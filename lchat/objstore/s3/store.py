@@ -172,7 +172,7 @@ class S3Store:
     async def put(
         self,
         key: str,
-        body: bytes,
+        body: bytes | FileBody,  # a FileBody: put_file's, streamed
         *,
         if_match: str | None = None,
         if_none_match: bool = False,
@@ -192,7 +192,7 @@ class S3Store:
             return PutResult(key, unquote_etag(header_text(reply.headers, "etag")))
         conditional = if_match is not None or if_none_match
         if conditional and reply.condition_failed:
-            if reply.ambiguous:
+            if reply.ambiguous and isinstance(body, bytes):
                 # The lost-response rule: an earlier attempt may have landed and this retry is
                 # failing against our own write. The store's ETag for a single PUT is the MD5 of
                 # the body; if the key holds exactly our bytes, that write was ours.
@@ -223,10 +223,7 @@ class S3Store:
     ) -> PutResult:
         check_key(key)
         size = (await self._run_in_thread(os.stat, path)).st_size
-        headers = {"Content-Type": "application/octet-stream", **check_metadata(metadata or {})}
-        body = FileBody(path, size)
-        reply = _ok(await self._send("PutObject", "PUT", key, headers=headers, body=body), key)
-        return PutResult(key, unquote_etag(header_text(reply.headers, "etag")))
+        return await self.put(key, FileBody(path, size), metadata=metadata)
 
     async def delete(self, key: str, *, if_match: str | None = None) -> None:
         check_key(key)
