@@ -212,8 +212,7 @@ class Restorer:
             # Not cleanly slept here (a crash, or created before hibernation): it is the newest
             # copy — on one box nobody else can have written since, and in a mesh the lease we
             # just took back was still our own (nobody held it in between).
-            _log.info("activator: {host} restored: local db present, skipping restore", host=host)
-            return DBPlan(None)
+            return _local(host, DBPlan(None))
         try:
             listing = await self._store.list(replica + "/")
         except ObjectStoreError as e:
@@ -224,15 +223,11 @@ class Restorer:
         newest = bucket.newest
         if local.present and local.marker_txid is None and newest == 0:
             # A mesh box's unvouched copy, but the bucket has nothing: it is all there is.
-            _log.info("activator: {host} restored: local db present, skipping restore", host=host)
-            return DBPlan(listing)
+            return _local(host, DBPlan(listing))
         if local.present and local.marker_txid is not None:
             mine = local.marker_txid
             if mine == newest:
-                _log.info(
-                    "activator: {host} restored: local db present, skipping restore", host=host
-                )
-                return DBPlan(listing, resume=newest or None)
+                return _local(host, DBPlan(listing, resume=newest or None))
             if bucket.lost_everything_up_to(mine):
                 # Slept here cleanly at txid `mine`, and the bucket has none of it (or only files
                 # that restore to nothing): the bucket forgot. The local file is the space.
@@ -323,6 +318,12 @@ class Restorer:
         return WakeFailed(
             host, "diverged", f"{copy} ({dated}) and the bucket ({bucket.describe()})"
         )
+
+
+def _local(host: str, plan: DBPlan) -> DBPlan:
+    """The wake uses the local database as it is."""
+    _log.info("activator: {host} restored: local db present, skipping restore", host=host)
+    return plan
 
 
 def _bucket_forgot(

@@ -203,10 +203,9 @@ class LTXWriter:
         self._prev = 0
         self._index = bytearray()
         self._finished = False
-        data = header.pack()
         self._n = 0
         self._crc = 0
-        self._write(data)
+        self._write(header.pack())
 
     def _write(self, data: bytes, hashed: bytes | None = None) -> None:
         self._f.write(data)
@@ -222,12 +221,9 @@ class LTXWriter:
         _check_pgno(h, pgno, self._prev, self._lock)
         block = lz4.block.compress(data, store_size=False)
         offset = self._n
-        head = _PAGE_HEADER.pack(pgno, PAGE_FLAG_SIZE) + _U32.pack(len(block))
-        self._write(head)
+        self._write(_PAGE_HEADER.pack(pgno, PAGE_FLAG_SIZE) + _U32.pack(len(block)))
         # The checksum covers the page as stored in the database, not its compressed form.
-        self._f.write(block)
-        self._n += len(block)
-        self._crc = crc64_iso(data, self._crc)
+        self._write(block, hashed=data)
         self._index += _uvarint(pgno) + _uvarint(offset) + _uvarint(self._n - offset)
         self._prev = pgno
 
@@ -245,8 +241,7 @@ class LTXWriter:
         self._write(_END)
         index = bytes(self._index) + _uvarint(0)
         self._write(index + _U64.pack(len(index)))
-        post = _U64.pack(post_apply_checksum)
-        self._write(post)
+        self._write(_U64.pack(post_apply_checksum))
         file_checksum = CHECKSUM_FLAG | self._crc
         self._f.write(_U64.pack(file_checksum))
         self._finished = True
