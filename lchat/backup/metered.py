@@ -63,10 +63,6 @@ class MeteredStore:
             self.last_error_at = self._clock.seconds()
             raise
 
-    def _up(self, n: int) -> None:
-        self.bytes_up += n
-        BYTES.labels(self.db, "up").inc(n)
-
     def describe(self) -> str:
         return self._store.describe()
 
@@ -90,7 +86,8 @@ class MeteredStore:
 
     async def put(self, key: str, body: bytes, **options: Unpack[PutOptions]) -> PutResult:
         result = await self._count("put", self._store.put(key, body, **options))
-        self._up(len(body))
+        self.bytes_up += len(body)
+        BYTES.labels(self.db, "up").inc(len(body))
         return result
 
     async def put_file(
@@ -99,7 +96,8 @@ class MeteredStore:
         # A temp file the replicator just wrote: a stat from the page cache, not a blocking read.
         size = os.path.getsize(path)  # noqa: ASYNC240
         result = await self._count("put", self._store.put_file(key, path, metadata=metadata))
-        self._up(size)
+        self.bytes_up += size
+        BYTES.labels(self.db, "up").inc(size)
         return result
 
     async def delete(self, key: str, *, if_match: str | None = None) -> None:

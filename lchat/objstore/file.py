@@ -215,11 +215,8 @@ def _copy_body(src: IO[bytes], size: int, dst: IO[bytes] | _Sink) -> str:
 
 
 class _SinkFailed(Exception):
-    """An exception from a caller's sink, carried through the store's error mapping unchanged."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
+    """An exception from a caller's sink (the one argument), carried through the store's error
+    mapping unchanged."""
 
 
 class _Sink:
@@ -302,7 +299,7 @@ class FileBucket:
                     raise _Corrupt("body does not match its ETag")
                 return v.size
         except _SinkFailed as e:
-            raise e.error from None
+            raise e.args[0] from None
 
     def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         *dirs, last = prefix.split("/")
