@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from attrs import frozen
@@ -29,7 +29,7 @@ from lchat.webutil import QuietSite, answerable
 
 ChildrenStatus = Callable[[], Mapping[str, ChildStatus]]  # builtin units' supervisor.status
 # host (normalised) -> (HTTP status, JSON body), never waking the space (docs/hibernation.md)
-StatsProvider = Callable[[str], Awaitable[tuple[int, dict[str, Any]]]]
+StatsProvider = Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
 
 
 class AlreadyRunning(Exception):
@@ -125,11 +125,8 @@ class AdminAPI:
         self._capacity = capacity
         self.stats = stats
         self.restart = restart
-        self._clock = reactor.seconds
-        self._started = self._clock()
-
-    def clock(self) -> float:
-        return self._clock()
+        self.clock = reactor.seconds
+        self._started = self.clock()
 
     def site(self) -> Site:
         return QuietSite(_Json(self))
@@ -172,7 +169,7 @@ class AdminAPI:
             per_host[route.host] = entry
         return {
             "version": lchat.__version__,
-            "uptime": round(self._clock() - self._started, 3),
+            "uptime": round(self.clock() - self._started, 3),
             "units": self._units,
             "routes": len(table),
             "by_status": table.count_by_status(),
@@ -221,15 +218,22 @@ def _hibernating_host(admin: AdminAPI, request: Request) -> tuple[str, Any] | by
     """The ``host`` argument as a hibernating instance's route, or the error answer."""
     if admin.activator is None:
         return _json(request, 409, {"error": "hibernation is off (LCHAT_HIBERNATE_BUCKET)"})
-    raw = (request.args or {}).get(b"host", [b""])[0]
-    try:
-        host = hosts.normalise(raw.decode("utf-8", "strict"))
-    except (UnicodeDecodeError, hosts.InvalidHost) as e:
-        return _json(request, 400, {"error": f"bad host: {e}"})
+    host = _host_arg(request)
+    if isinstance(host, bytes):
+        return host
     route = admin.routes.table.get(host)
     if route is None or not route.hibernate or route.kind != "instance":
         return _json(request, 404, {"error": f"{host} is not a hibernating instance"})
     return host, route
+
+
+def _host_arg(request: Request) -> str | bytes:
+    """The ``host`` argument, normalised, or the 400 answer."""
+    raw = (request.args or {}).get(b"host", [b""])[0]
+    try:
+        return hosts.normalise(raw.decode("utf-8", "strict"))
+    except (UnicodeDecodeError, hosts.InvalidHost) as e:
+        return _json(request, 400, {"error": f"bad host: {e}"})
 
 
 def _release(admin: AdminAPI, request: Request) -> bytes:
@@ -248,11 +252,9 @@ def _restart(admin: AdminAPI, request: Request) -> bytes | int:
     once the new run has started, with its pid, before it is ready (the caller health-checks)."""
     if admin.restart is None:
         return _json(request, 409, {"error": "this router does not run always-on spaces itself"})
-    raw = (request.args or {}).get(b"host", [b""])[0]
-    try:
-        host = hosts.normalise(raw.decode("utf-8", "strict"))
-    except (UnicodeDecodeError, hosts.InvalidHost) as e:
-        return _json(request, 400, {"error": f"bad host: {e}"})
+    host = _host_arg(request)
+    if isinstance(host, bytes):
+        return host
     try:
         d = admin.restart(host)
     except KeyError:
@@ -326,14 +328,10 @@ def _stats(admin: AdminAPI, request: Request) -> bytes | int:
     except (UnicodeDecodeError, hosts.InvalidHost) as e:
         return _json(request, 400, {"error": f"bad host: {e}", "reason": "bad_host"})
     still = answerable(request)
-    d = Deferred.fromCoroutine(_call(admin.stats, host))
+    d = Deferred.fromCoroutine(admin.stats(host))
     d.addCallback(lambda answer: _finish(request, still, *answer))
     d.addErrback(lambda f: _finish(request, still, 500, {"host": host, "error": str(f.value)}))
     return NOT_DONE_YET
-
-
-async def _call(stats: StatsProvider, host: str) -> tuple[int, dict[str, Any]]:
-    return await stats(host)
 
 
 def _json(request: Request, code: int, body: object) -> bytes:

@@ -84,35 +84,19 @@ def request(
         conn.close()
 
 
-def reload(admin_socket: str, timeout: float = DEFAULT_TIMEOUT) -> Response:
-    """Ask the running router to re-read the registry now (``POST /reload``)."""
-    return request(admin_socket, "POST", "/reload", body=b"{}", timeout=timeout)
-
-
 def status(admin_socket: str, timeout: float = DEFAULT_TIMEOUT) -> Response:
     """The running router's ``GET /status`` (per-host row, process and activator state)."""
     return request(admin_socket, "GET", "/status", timeout=timeout)
-
-
-def wake_space(admin_socket: str, host: str, timeout: float) -> Response:
-    """``POST /wake?host=H``: answers once the hibernating space is awake (200), or 503 with
-    why not, or 409 when the router has no activator."""
-    return request(admin_socket, "POST", _with_host("/wake", host), body=b"{}", timeout=timeout)
 
 
 def sleep_space(
     admin_socket: str, host: str, timeout: float, hold: float | None = None
 ) -> Response:
     """``POST /sleep?host=H``: answers once the space is asleep (flushed, lease released).
-    ``hold``: and no wake of it on this box for that many seconds, or until :func:`release`."""
+    ``hold``: and no wake of it on this box for that many seconds, or until ``POST /release``."""
     extra = {} if hold is None else {"hold": f"{hold:g}"}
     path = _with_host("/sleep", host, **extra)
     return request(admin_socket, "POST", path, body=b"{}", timeout=timeout)
-
-
-def release(admin_socket: str, host: str, timeout: float = DEFAULT_TIMEOUT) -> Response:
-    """``POST /release?host=H``: end a hold :func:`sleep_space` put on the space."""
-    return request(admin_socket, "POST", _with_host("/release", host), body=b"{}", timeout=timeout)
 
 
 def _with_host(path: str, host: str, **extra: str) -> str:
@@ -142,10 +126,13 @@ class SocketAdmin:
         return status(self.path, timeout=timeout)
 
     def reload(self) -> Response:
-        return reload(self.path)
+        """Re-read the registry now."""
+        return request(self.path, "POST", "/reload", body=b"{}")
 
     def wake(self, host: str, timeout: float) -> Response:
-        return wake_space(self.path, host, timeout)
+        """Answers once the hibernating space is awake (200), or 503 with why not, or 409 when
+        the router has no activator."""
+        return self._post("/wake", host, timeout)
 
     def sleep(self, host: str, timeout: float) -> Response:
         return sleep_space(self.path, host, timeout)
@@ -154,11 +141,14 @@ class SocketAdmin:
         return sleep_space(self.path, host, timeout, hold=hold)
 
     def release(self, host: str) -> Response:
-        return release(self.path, host)
+        """End a hold :meth:`sleep_held` put on the space."""
+        return self._post("/release", host, DEFAULT_TIMEOUT)
 
     def restart(self, host: str, timeout: float) -> Response:
-        path = _with_host("/restart", host)
-        return request(self.path, "POST", path, body=b"{}", timeout=timeout)
+        return self._post("/restart", host, timeout)
+
+    def _post(self, path: str, host: str, timeout: float) -> Response:
+        return request(self.path, "POST", _with_host(path, host), body=b"{}", timeout=timeout)
 
 
 def has_listener(socket_path: str, timeout: float = 2.0) -> bool:
