@@ -244,11 +244,7 @@ def at_start(cfg: BoxConfig, registry: Registry, lay_out: LayOut) -> None:
     except IsolationError as e:
         raise ConfigError(str(e)) from e
     if decision.on and cfg.units == "systemd" and not hosts.isolated(cfg.data_dir):
-        running = [
-            r.host
-            for r in registry.load()
-            if r.kind == "instance" and not r.hibernate and not r.elsewhere
-        ]
+        running = [r.host for r in registry.load() if r.always_on_here]
         if running:
             # Their units run from the flat files now; laying the box out under them would stop
             # each at its next restart (the template refuses an isolated box without a drop-in).

@@ -144,6 +144,11 @@ class Route:
         return bool(self.lives_at)
 
     @property
+    def always_on_here(self) -> bool:
+        """An instance this box runs always-on (not hibernating, not a lives-elsewhere row)."""
+        return self.kind == "instance" and not self.hibernate and not self.elsewhere
+
+    @property
     def replicated(self) -> bool:
         """A row a mesh peer may write or delete: a hibernating instance, or a lives-elsewhere
         row. Services and spaces running here always-on are this box's alone."""
@@ -151,6 +156,7 @@ class Route:
 
 
 _COLUMNS = tuple(Route.__attrs_attrs__[i].name for i in range(len(Route.__attrs_attrs__)))
+_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM routes"
 
 
 @frozen
@@ -280,9 +286,7 @@ class Registry:
                     f"registry {self.path} is at schema version {version}, expected "
                     f"{SCHEMA_VERSION}: run the router or `lchat instances` once to migrate"
                 )
-            rows = conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM routes ORDER BY host"
-            ).fetchall()
+            rows = conn.execute(f"{_SELECT} ORDER BY host").fetchall()
         routes = {}
         for row in rows:
             route = _route_from_row(row)
@@ -462,8 +466,7 @@ def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
 
 
 def _select(conn: sqlite3.Connection, host: str) -> Route | None:
-    row = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM routes WHERE host = ?", (host,))
-    found = row.fetchone()
+    found = conn.execute(f"{_SELECT} WHERE host = ?", (host,)).fetchone()
     return _route_from_row(found) if found is not None else None
 
 

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from attrs import frozen
 from prometheus_client import REGISTRY
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
@@ -39,6 +38,7 @@ from lchat.mesh.membership import Membership
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials
+from lchat.objstore.where import Where
 from lchat.proxy import oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
@@ -216,23 +216,16 @@ def _prepare_box(cfg: BoxConfig) -> None:
     os.makedirs(cfg.run_dir, mode=0o755, exist_ok=True)
 
 
-@frozen
-class _MembershipParts:
-    membership: Membership
-    fence: BoxFence
-    store: objstore.ObjectStore | None  # LCHAT_MESH_BUCKET's own store (None: the hibernation one)
-    check: BucketCheck | None  # its boot probe
-
-
 def _membership(
     reactor: Reactor,
     cfg: BoxConfig,
     store: objstore.ObjectStore,
     run: RunInThread,
     aws: ResolvedCredentials | None,
-) -> _MembershipParts:
-    """The heartbeat (in LCHAT_MESH_BUCKET, else the hibernation bucket) and the fence it makes
-    of this box's liveness."""
+) -> tuple[Membership, BoxFence, objstore.ObjectStore | None, BucketCheck | None]:
+    """The heartbeat (in LCHAT_MESH_BUCKET, else the hibernation bucket), the fence it makes of
+    this box's liveness, and LCHAT_MESH_BUCKET's own store and boot probe (None, None: the
+    heartbeats live in the hibernation bucket)."""
     assert cfg.mesh is not None
     beats = mesh_bucket(cfg)
     members_store = store
@@ -247,13 +240,7 @@ def _membership(
         members_store = mesh_store = objstore.open_store(
             reactor, beats, run, credentials, monotonic=time.monotonic
         )
-        mesh_check = BucketCheck(
-            reactor,
-            mesh_store,
-            beats.key(".lchat", "probe", probe_name(cfg.box_id)),
-            "LCHAT_MESH",
-            beats.bucket,
-        )
+        mesh_check = _bucket_check(reactor, cfg, mesh_store, beats, "LCHAT_MESH")
     # Beats reach the peers over the mesh API (verified HTTPS, the mesh token): their word keeps
     # this box alive while the bucket is out of reach (lchat.mesh.witness, docs/lease.md).
     peers = PeerBeats(reactor, cfg.mesh.token, cfg.mesh.ca_file)
@@ -261,8 +248,15 @@ def _membership(
         reactor, members_store, beats, cfg.mesh, monotonic=time.monotonic, peers=peers
     )
     judge = HolderJudge(members_store, beats, cfg.mesh.dead_after, witness=membership)
-    fence = BoxFence(membership, judge)
-    return _MembershipParts(membership, fence, mesh_store, mesh_check)
+    return membership, BoxFence(membership, judge), mesh_store, mesh_check
+
+
+def _bucket_check(
+    reactor: Reactor, cfg: BoxConfig, store: objstore.ObjectStore, where: Where, stem: str
+) -> BucketCheck:
+    """``where``'s boot probe, writing ``<prefix>/.lchat/probe/<this box>``."""
+    key = where.key(".lchat", "probe", probe_name(cfg.box_id))
+    return BucketCheck(reactor, store, key, stem, where.bucket)
 
 
 def _backup(
@@ -309,8 +303,9 @@ def _hibernation(
     store = objstore.open_store(reactor, hib.where, run, aws, monotonic=time.monotonic)
     # The mesh's membership first: on a mesh box its heartbeat fences every lease the lifecycle
     # takes (lchat.mesh.fence, docs/lease.md).
-    parts = _membership(reactor, cfg, store, run, aws) if cfg.mesh is not None else None
-    membership = parts.membership if parts is not None else None
+    membership = fence = mesh_store = mesh_check = None
+    if cfg.mesh is not None:
+        membership, fence, mesh_store, mesh_check = _membership(reactor, cfg, store, run, aws)
     sidecars = Sidecars(reactor, cfg, run, Supervisor(reactor, max_restart_delay=60.0))
     lifecycle = Lifecycle(
         reactor,
@@ -321,7 +316,7 @@ def _hibernation(
         sidecars,
         drop_idle=pool.drop_idle,
         monotonic=time.monotonic,
-        fence=parts.fence if parts is not None else None,
+        fence=fence,
     )
     activator = Activator(
         reactor,
@@ -365,13 +360,7 @@ def _hibernation(
         due_sweep=hib.due_sweep,
         may_wake=mesh.is_owner if mesh is not None else lambda route: True,
     )
-    check = BucketCheck(
-        reactor,
-        store,
-        hib.key(".lchat", "probe", probe_name(cfg.box_id)),
-        "LCHAT_HIBERNATE",
-        hib.bucket,
-    )
+    check = _bucket_check(reactor, cfg, store, hib.where, "LCHAT_HIBERNATE")
     hibernation = HibernationService(
         reactor,
         store,
@@ -381,8 +370,8 @@ def _hibernation(
         membership,
         mesh,
         due_push,
-        mesh_store=parts.store if parts is not None else None,
-        mesh_check=parts.check if parts is not None else None,
+        mesh_store=mesh_store,
+        mesh_check=mesh_check,
     )
     hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
     return hibernation
@@ -524,11 +513,7 @@ def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], 
     if units is not None:
         supervisor = units.supervisor
         return lambda: sum(1 for child in supervisor.status().values() if child.pid is not None)
-    return lambda: sum(
-        1
-        for r in routes.table
-        if r.kind == "instance" and not r.hibernate and not r.elsewhere and r.status != "failed"
-    )
+    return lambda: sum(1 for r in routes.table if r.always_on_here and r.status != "failed")
 
 
 def _fleet_view(

@@ -172,14 +172,7 @@ class BuiltinUnits(MultiService):
     def _apply(self, table: RouteTable) -> Deferred[None]:
         # Which rows is decided here, on the reactor thread (the claims are the activator's
         # state); only reading their env files happens in a thread.
-        rows = [
-            r
-            for r in table
-            if r.kind == "instance"
-            and not r.hibernate
-            and not r.elsewhere  # a peer's lives-elsewhere row: it runs on that box
-            and r.host not in self._claims
-        ]
+        rows = [r for r in table if r.always_on_here and r.host not in self._claims]
         cfg = self._cfg
         self._applying += 1
         d = self._run(lambda: _specs(cfg, rows))
