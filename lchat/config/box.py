@@ -292,12 +292,10 @@ def load(
         if name not in DEFAULTS and name not in _NOT_OURS
     )
 
-    data_dir = _directory("LCHAT_DATA_DIR", get("LCHAT_DATA_DIR"))
-    run_dir = _directory("LCHAT_RUN_DIR", get("LCHAT_RUN_DIR"))
-    registry = get("LCHAT_REGISTRY") or os.path.join(data_dir, "registry.db")
-    acme_cache = get("LCHAT_ACME_CACHE") or os.path.join(data_dir, "acme")
-    registry = _directory("LCHAT_REGISTRY", registry)
-    acme_cache = _directory("LCHAT_ACME_CACHE", acme_cache)
+    data_dir = _directory(get, "LCHAT_DATA_DIR")
+    run_dir = _directory(get, "LCHAT_RUN_DIR")
+    registry = _directory(get, "LCHAT_REGISTRY", os.path.join(data_dir, "registry.db"))
+    acme_cache = _directory(get, "LCHAT_ACME_CACHE", os.path.join(data_dir, "acme"))
 
     cert_cache, cert_cache_key, cert_cache_previous_key, previous_warning = read_cert_cache(get)
     warnings += previous_warning
@@ -329,8 +327,8 @@ def load(
         env_file=path,
         data_dir=data_dir,
         run_dir=run_dir,
-        registry=os.path.abspath(registry),
-        acme_cache=os.path.abspath(acme_cache),
+        registry=registry,
+        acme_cache=acme_cache,
         cert_cache=cert_cache,
         cert_cache_key=cert_cache_key,
         cert_cache_previous_key=cert_cache_previous_key,
@@ -378,7 +376,8 @@ def load(
     return cfg
 
 
-def _directory(name: str, text: str) -> str:
+def _directory(get: Getter, name: str, default: str = "") -> str:
+    text = get(name) or default
     if not text:
         raise ConfigError(f"{name} is empty")
     if "\x00" in text:

@@ -89,9 +89,7 @@ def read_mesh(get: Getter) -> MeshConfig | None:
         raise ConfigError(
             "LCHAT_MESH_SELF needs LCHAT_HIBERNATE_BUCKET: the mesh rides on the bucket"
         )
-    region = get("LCHAT_MESH_REGION")
-    if region and not REGION_LABEL.fullmatch(region):
-        raise ConfigError(f"LCHAT_MESH_REGION={region!r}: {_LABEL_CHARACTERS} (at most 64)")
+    region = _region(get, "LCHAT_MESH_REGION")
     heartbeat = parse_duration("LCHAT_MESH_HEARTBEAT", get("LCHAT_MESH_HEARTBEAT"))
     dead_after = parse_duration("LCHAT_MESH_DEAD_AFTER", get("LCHAT_MESH_DEAD_AFTER"))
     if heartbeat <= 0 or dead_after < 2 * heartbeat:
@@ -127,16 +125,22 @@ def read_mesh(get: Getter) -> MeshConfig | None:
 
 
 def read_cloud(get: Getter) -> tuple[str, Where | None]:
-    """LCHAT_CLOUD_REGION (validated as LCHAT_MESH_REGION is) and LCHAT_CLOUD_ID_LEDGER."""
-    region = get("LCHAT_CLOUD_REGION")
-    if region and not REGION_LABEL.fullmatch(region):
-        raise ConfigError(f"LCHAT_CLOUD_REGION={region!r}: {_LABEL_CHARACTERS} (at most 64)")
+    """LCHAT_CLOUD_REGION and LCHAT_CLOUD_ID_LEDGER."""
+    region = _region(get, "LCHAT_CLOUD_REGION")
     text = get("LCHAT_CLOUD_ID_LEDGER")
     try:
         ledger = parse_where(text, keys=False) if text else None
     except ValueError as e:
         raise ConfigError(f"LCHAT_CLOUD_ID_LEDGER={e}") from e
     return region, ledger
+
+
+def _region(get: Getter, name: str) -> str:
+    """``name``'s region label, or ""."""
+    region = get(name)
+    if region and not REGION_LABEL.fullmatch(region):
+        raise ConfigError(f"{name}={region!r}: {_LABEL_CHARACTERS} (at most 64)")
+    return region
 
 
 def read_region_buckets(
