@@ -89,20 +89,18 @@ class ExitInfo:
         return self.stderr_tail[-1] if self.stderr_tail else None
 
 
-class SpawnError(Exception):
+class _ChildError(Exception):
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class SpawnError(_ChildError):
     """The child could not be started at all (missing binary, not executable, bad cwd)."""
 
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
 
-
-class NotReady(Exception):
+class NotReady(_ChildError):
     """``wait_ready`` gave up. ``str()`` is a human detail for operators."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
 
 
 class ChildExited(NotReady):

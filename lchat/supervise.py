@@ -239,9 +239,7 @@ class Supervisor(service.Service):
         if entry.child is not child:
             return
         entry.child = None
-        if entry.healthy_call is not None and entry.healthy_call.active():
-            entry.healthy_call.cancel()
-        entry.healthy_call = None
+        self._cancel(entry)  # (its healthy call: no restart is due while a run lives)
         if self._entries.get(name) is not entry:
             return
         if entry.stopping:
