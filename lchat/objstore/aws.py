@@ -68,10 +68,9 @@ def box_credentials(cfg: HasAwsEnv) -> ResolvedCredentials:
 
 
 def resolve_credentials(env: Mapping[str, str]) -> ResolvedCredentials:
-    """Resolve the standard AWS credential chain once, reading AWS_* settings from ``env``.
+    """Resolve the standard AWS credential chain once, reading AWS_* settings from ``env``, the
+    whole environment the chain should see (:func:`box_credentials`'s, for a box or home).
 
-    ``env`` is the whole environment the chain should see: for the router and the CLI, the
-    process environment over the env file's ``AWS_*`` values (``{**cfg.aws_env, **os.environ}``).
     Blocking. Raises :class:`NoCredentials`, naming every place it looked, when nothing in the
     chain gives credentials, or when a source it found is broken (a profile that does not exist,
     half a key pair, a role that cannot be assumed).

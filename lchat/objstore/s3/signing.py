@@ -87,9 +87,8 @@ class _Auth(S3SigV4Auth):
 
 
 class Signer:
-    """Signs requests to ``host`` in ``region`` with ``credentials`` (a botocore ``Credentials``,
-    already resolved; ``RefreshableCredentials`` are refreshed in a thread when botocore says they
-    are about to expire, one refresh at a time)."""
+    """Signs requests to ``host`` in ``region`` with ``credentials`` (as
+    :class:`~lchat.objstore.s3.S3Store` takes them; one refresh at a time)."""
 
     def __init__(
         self, credentials: Credentials, region: str, host: str, run_in_thread: RunInThread
