@@ -11,7 +11,7 @@ The private names touched, all of them:
 - ``twisted.web._newclient.RequestNotSent`` and ``.WrongBodyLength``: error types the S3 client
   tells apart (re-exported here); the S3 client also relies on the subclasses of
   ``twisted.web._newclient._WrapperException`` being the three public ones it lists
-  (``lchat.objstore.s3._WRAPPERS``; checked by the tests, not touched);
+  (``lchat.objstore.s3.exchange.WRAPPERS``; checked by the tests, not touched);
 - ``twisted.web.client.HTTPConnectionPool._factory`` and
   ``twisted.web.client._HTTP11ClientFactory``: :func:`quiet_pool`;
 - ``twisted.internet._sslverify.IOpenSSLTrustRoot`` and its ``_addCACertsToContext``:

@@ -35,7 +35,7 @@ from twisted.web.server import Site
 from zope.interface import implementer
 
 from lchat import twisted_internals
-from lchat.objstore import s3
+from lchat.objstore.s3 import exchange
 from lchat.reactors import installed
 from lchat.twisted_internals import platform_trust_plus, quiet_pool, treq_reactor
 from tests.test_tls import TestCA
@@ -297,14 +297,14 @@ class HTTPClientErrorTests(_Base):
         self.assertIsNotNone(wrapper, moved("twisted.web._newclient._WrapperException", "gone"))
         assert wrapper is not None
         unknown = [
-            cls.__name__ for cls in _all_subclasses(wrapper) if not issubclass(cls, s3._WRAPPERS)
+            cls.__name__ for cls in _all_subclasses(wrapper) if not issubclass(cls, exchange.WRAPPERS)
         ]
         self.assertEqual(
             unknown,
             [],
             moved(
                 "twisted.web._newclient._WrapperException",
-                "it has new subclasses lchat.objstore.s3._WRAPPERS does not list, whose "
+                "it has new subclasses lchat.objstore.s3.exchange.WRAPPERS does not list, whose "
                 "causes the S3 client would neither describe nor check for cancellation",
             ),
         )

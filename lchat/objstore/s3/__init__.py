@@ -39,7 +39,6 @@ Store quirks we normalise (each is handled, and commented, where it bites):
   has no body; DELETEs get an explicit empty body so every retry is ours (``Exchange._attempt``).
 """
 
-from lchat.objstore.s3.exchange import WRAPPERS as _WRAPPERS  # tests.test_twisted_internals
 from lchat.objstore.s3.store import S3Store
 
-__all__ = ["_WRAPPERS", "S3Store"]
+__all__ = ["S3Store"]
