@@ -10,8 +10,7 @@ expires); a loaded certificate that expires stops being served.
 
 The front door (:mod:`lchat.proxy.tls_accept`, on uvloop's SSL transport) serves with
 :attr:`CertStore.server_ssl_context`, which holds no certificate: its SNI callback switches each
-connection to the context of its host, its wildcard or the default
-(:meth:`CertStore.context_for_server_name`).
+connection to the context of its host, its wildcard or the default (:meth:`CertStore.select`).
 
 On-demand issuance: when the ACME issuer listens on the store's :class:`CertificateWanted` cue, a
 known host without a certificate is *held* (:meth:`CertStore.holds_for`): the front door waits
@@ -185,20 +184,15 @@ class CertStore(Service):
     @property
     def server_ssl_context(self) -> ssl.SSLContext:
         """The context to serve TLS with (the front door): it holds no certificate and switches
-        each connection, in its SNI callback, to the one :meth:`context_for_server_name` would
-        pick. Handshakes through it note what they saw in :data:`handshake_notes`, when the
+        each connection, in its SNI callback, to the context of the certificate :meth:`select`
+        picks. Handshakes through it note what they saw in :data:`handshake_notes`, when the
         caller set one."""
         return self._ssl_dispatch
 
-    def context_for_server_name(self, server_name: bytes | None) -> ssl.SSLContext | None:
-        """The most specific context for an SNI name (the raw bytes, None for no SNI): host (if
-        registered), wildcard, default; None when nothing matches (the handshake then fails).
+    def select(self, server_name: bytes | None) -> Loaded | None:
+        """The most specific certificate for an SNI name (the raw bytes, None for no SNI): host
+        (if registered), wildcard, default; None when nothing matches (the handshake then fails).
         Cues the issuer, as a handshake does, for a known host that has no certificate."""
-        loaded = self._select(server_name)
-        return loaded.ssl_context if loaded is not None else None
-
-    def _select(self, server_name: bytes | None) -> Loaded | None:
-        # What the SNI callback and context_for_server_name share: the choice, and the cue.
         host = sni_host(server_name)
         if host is not None:
             loaded = self._certificate_for(host)
@@ -232,7 +226,7 @@ class CertStore(Service):
         try:
             # The stdlib hands the name over as the A-label decoded as latin-1: undo that.
             name = server_name.encode("latin-1") if server_name is not None else None
-            loaded = self._select(name)
+            loaded = self.select(name)
             notes = handshake_notes.get()
             if notes is not None:
                 notes.server_name = server_name or ""

@@ -373,7 +373,7 @@ class _IssuingAccount(_Account):
         cert = certificate(names[0].removeprefix("*."))
         from lchat.acme.client import Issued
 
-        return Issued(cert.key_pem, cert.chain_pem, cert.not_after)
+        return Issued(cert.key_pem, cert.chain_pem)
 
 
 def running_issuer(test: TestCase, account: _Account, store: Any, **kwargs: Any) -> Issuer:

@@ -570,14 +570,14 @@ class StoreTests(SynchronousTestCase):
         self.ca.write(path, "soon.example.com", not_after=NOW + datetime.timedelta(hours=1))
         store = tls.CertStore(clock, self.dir, lambda h: True, run_in_thread=synchronous)
         store.load_initial()
-        self.assertIsNotNone(store.context_for_server_name(b"soon.example.com"))
+        self.assertIsNotNone(store.select(b"soon.example.com"))
         self.assertGreater(
             sample("lchat_tls_certificate_expiry_seconds", name="soon.example.com"),
             clock.seconds(),
         )
         clock.advance(7200)
         self.successResultOf(store.rescan())
-        self.assertIsNone(store.context_for_server_name(b"soon.example.com"))
+        self.assertIsNone(store.select(b"soon.example.com"))
         self.assertTrue(any("expired" in e and "no longer served" in e for e in self.logs))
         self.assertIn("expired", store.refused()[path])
         self.assertIsNone(
@@ -592,8 +592,8 @@ class StoreTests(SynchronousTestCase):
         )
         store.load_initial()
         for _ in range(3):
-            self.assertIsNone(store.context_for_server_name(b"a.example.com"))
-            self.assertIsNone(store.context_for_server_name(b"unregistered.example.com"))
+            self.assertIsNone(store.select(b"a.example.com"))
+            self.assertIsNone(store.select(b"unregistered.example.com"))
             self.successResultOf(store.rescan())
         self.assertEqual(
             [e for e in self.logs if "no certificate" in e],
@@ -614,13 +614,13 @@ class StoreTests(SynchronousTestCase):
             wanted=wanted,
         )
         store.load_initial()
-        self.assertIsNone(store.context_for_server_name(b"a.example.com"))  # not connected yet
+        self.assertIsNone(store.select(b"a.example.com"))  # not connected yet
         asked: list[str] = []
         wanted.connect(asked.append)
         with self.assertRaises(RuntimeError):
             wanted.connect(asked.append)
-        self.assertIsNone(store.context_for_server_name(b"a.example.com"))
-        self.assertIsNone(store.context_for_server_name(b"unregistered.example.com"))
+        self.assertIsNone(store.select(b"a.example.com"))
+        self.assertIsNone(store.select(b"unregistered.example.com"))
         self.assertEqual(asked, ["a.example.com"])
 
     def test_missing_directory_is_logged_once_and_picked_up_when_it_appears(self) -> None:
@@ -681,7 +681,11 @@ class StoreTests(SynchronousTestCase):
         store = tls.CertStore(task.Clock(), self.dir, known.__contains__, run_in_thread=inline)
         store.load_initial()
         contexts = {c.label: c.ssl_context for c in store.certificates().values()}
-        lookup = store.context_for_server_name
+
+        def lookup(server_name: bytes | None) -> ssl.SSLContext | None:
+            loaded = store.select(server_name)
+            return loaded.ssl_context if loaded is not None else None
+
         self.assertIs(lookup(b"a.example.com"), contexts["a.example.com"])
         self.assertIs(lookup(b"x.example.com"), contexts["*.example.com"])  # not registered
         self.assertIs(lookup(b"new.example.com"), contexts["*.example.com"])

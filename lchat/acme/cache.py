@@ -28,9 +28,8 @@ key its ``key_id`` names, the current key or the previous one; it is only ever s
 current key. An entry read under the previous key is re-sealed under the current key at once, by the
 sync that read it (every entry is read in a box's first round after its restart), with ``If-Match``
 on the ETag it read: a newer upload made meanwhile (by a box still on the old key, say) is never
-overwritten, it is simply read — and re-sealed — in the next round. Publishing replaces an entry
-sealed with either key, and refuses one sealed with any other (a misconfigured box never destroys
-what the fleet can read). Each such read counts in ``lchat_cert_cache_previous_key_total``.
+overwritten, it is simply read — and re-sealed — in the next round. Each such read counts in
+``lchat_cert_cache_previous_key_total``.
 """
 
 from __future__ import annotations
@@ -428,9 +427,9 @@ class SharedCache:
 
     # -- entries
 
-    async def fetch(self, name: CertName) -> tuple[Certificate, str] | None:
-        """The bucket's copy of ``name`` and its ETag; None if there is none (or it is unusable,
-        which is logged)."""
+    async def fetch(self, name: CertName) -> Certificate | None:
+        """The bucket's copy of ``name``; None if there is none (or it is unusable, which is
+        logged)."""
         try:
             got = await self.store.get(self.entry_key(name))
         except NotFound:
@@ -442,12 +441,12 @@ class SharedCache:
             return None
         if under_previous:
             _previous_key.labels("read").inc()  # the sync re-seals it; this read only uses it
-        return cert, got.info.etag
+        return cert
 
     async def publish(self, name: CertName, cert: Certificate) -> None:
-        """Upload ``cert`` as the bucket's copy of ``name``. An entry sealed under another cache
-        key is left alone (:class:`CacheEntryError`): a misconfigured box must not replace the
-        fleet's certificates with ones the fleet cannot read."""
+        """Upload ``cert`` as the bucket's copy of ``name``, replacing an entry sealed with either
+        key. One sealed under another cache key is left alone (:class:`CacheEntryError`): a
+        misconfigured box must not replace the fleet's certificates with ones it cannot read."""
         key = self.entry_key(name)
         try:
             current = await self.store.get(key)
@@ -479,9 +478,6 @@ class SharedCache:
         if self._previous_key:
             return (key_id(self._key), key_id(self._previous_key))
         return (key_id(self._key),)
-
-    def unseal(self, name: CertName, body: bytes) -> Certificate:
-        return self.open(name, body)[0]
 
     def open(self, name: CertName, body: bytes) -> tuple[Certificate, bool]:
         """The certificate in an entry, and whether it was sealed with the previous key."""

@@ -57,7 +57,6 @@ class IssuanceError(Exception):
 class Issued:
     key_pem: bytes
     chain_pem: bytes  # leaf first
-    not_after: float  # unix time
 
 
 class Solver(Protocol):
@@ -163,12 +162,7 @@ class AcmeAccount:
                 raise IssuanceError("account", f"{path} is not an RSA key")
             return loaded
         created = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        pem = created.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-        write_atomic(path, pem, 0o600)
+        write_atomic(path, _pem(created), 0o600)
         _log.info("acme: created the account key {path}", path=path)
         # Another process may have won the race: whoever is on disk now is the account.
         with open(path, "rb") as f:
@@ -190,12 +184,7 @@ class AcmeAccount:
         ``solver``, and return it. Blocking; raises :class:`IssuanceError`."""
         acme, key = self.connect()
         self._check_stopping()
-        cert_key = ec.generate_private_key(ec.SECP256R1())
-        key_pem = cert_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        key_pem = _pem(ec.generate_private_key(ec.SECP256R1()))
         csr = crypto_util.make_csr(key_pem, list(names))
         try:
             order = acme.new_order(csr)
@@ -250,8 +239,8 @@ class AcmeAccount:
                         error=e,
                     )
         chain = order.fullchain_pem.encode("ascii")
-        leaf = x509.load_pem_x509_certificate(chain)
-        return Issued(key_pem, chain, leaf.not_valid_after_utc.timestamp())
+        x509.load_pem_x509_certificate(chain)  # a chain that does not parse fails the order here
+        return Issued(key_pem, chain)
 
     def _wait_validated(
         self, acme: client.ClientV2, order: messages.OrderResource, until: datetime.datetime
@@ -312,6 +301,13 @@ class AcmeAccount:
     def _check_stopping(self) -> None:
         if self.stopping.is_set():
             raise IssuanceError("stopped", "the router is stopping")
+
+
+def _pem(key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey) -> bytes:
+    """A private key as unencrypted PKCS#8 PEM."""
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _pick(

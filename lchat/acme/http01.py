@@ -68,15 +68,7 @@ _lookups = Counter(
     "already had MAX_PER_CLIENT waiting), busy (too many waiting in all), error (the bucket failed)",
     ["outcome"],
 )
-for _o in (
-    "answered",
-    "unlisted",
-    "missing",
-    "unauthenticated",
-    "busy_client",
-    "busy",
-    "error",
-):
+for _o in ("answered", "unlisted", "missing", "unauthenticated", "busy_client", "busy", "error"):
     _lookups.labels(_o)
 
 
@@ -85,13 +77,9 @@ def valid_token(token: str) -> bool:
 
 
 class PendingIndex:
-    """The tokens under ``certs/challenges/``, from listings shared by every waiting lookup.
-
-    :meth:`holds` answers from a listing that began after it was called (or from the last one,
-    when that already holds the token: the GET that follows says whether it is still there).
-    Listings begin at most once per ``interval`` seconds and one at a time, however many lookups
-    wait: the bucket's cost of any number of unknown tokens is bounded by time, not by requests.
-    """
+    """The tokens under ``certs/challenges/``, from listings shared by every waiting lookup (see
+    the module docstring). :meth:`holds` may also answer from the last listing when that already
+    holds the token: the GET that follows says whether it is still there."""
 
     def __init__(
         self, clock: IReactorTime, list_tokens: ListPending, interval: float = LIST_INTERVAL

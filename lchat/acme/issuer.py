@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -37,6 +37,7 @@ from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from lchat import certfiles, hosts, tls
@@ -361,15 +362,14 @@ class Issuer(Service):
         """Install the bucket's copy when it is good for a while yet. True if we may stop."""
         assert self._shared is not None
         try:
-            found = await self._shared.fetch(name)
+            cert = await self._shared.fetch(name)
         except ObjectStoreError as e:
             _log.warn(
                 "acme: cannot read the shared cache for {name}: {error}", name=name.label, error=e
             )
             return False
-        if found is None:
+        if cert is None:
             return False
-        cert, _ = found
         if cert.origin != self._account.directory_url:
             return False  # another CA's (staging, a file placed by hand): get our own
         if self._reactor.seconds() >= self._due(cert):
@@ -764,7 +764,9 @@ class DNS01Solver:
 
 
 def on_reactor(
-    reactor: IReactorFromThreads, work: Callable[[], Awaitable[Any]], timeout: float = 15.0
+    reactor: IReactorFromThreads,
+    work: Callable[[], Coroutine[Any, Any, Any]],
+    timeout: float = 15.0,
 ) -> Any:
     """From a worker thread: run the coroutine ``work()`` on the reactor and wait for it, at most
     ``timeout`` seconds (a stopped reactor must not strand the thread, as blockingCallFromThread
@@ -773,10 +775,7 @@ def on_reactor(
     outcome: list[Any] = []
 
     def begin() -> None:
-        async def run() -> Any:
-            return await work()
-
-        d = Deferred.fromCoroutine(run())
+        d: Deferred[Any] = Deferred.fromCoroutine(work())
 
         def finish(result: Any) -> None:
             outcome.append(result)
@@ -788,8 +787,6 @@ def on_reactor(
     if not done.wait(timeout):
         raise TimeoutError(f"the reactor did not answer within {timeout:.0f}s")
     result = outcome[0]
-    from twisted.python.failure import Failure
-
     if isinstance(result, Failure):
         result.raiseException()
     return result

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import botocore.session  # type: ignore[import-untyped]
 
 from lchat.dns.dnsimple import DEFAULT_DNSIMPLE_URL, DNSimple
-from lchat.dns.records import DNSProvider, DNSProviderError, TXTRecord, normalise_fqdn
+from lchat.dns.records import DNSProvider, DNSProviderError, TXTRecord
 from lchat.dns.route53 import AddressChange, Route53, canonical_addresses
 
 
@@ -82,7 +82,6 @@ def make_provider(
 
 
 __all__ = [
-    "DEFAULT_DNSIMPLE_URL",
     "AddressChange",
     "DNSProvider",
     "DNSProviderError",
@@ -91,5 +90,4 @@ __all__ = [
     "TXTRecord",
     "canonical_addresses",
     "make_provider",
-    "normalise_fqdn",
 ]
