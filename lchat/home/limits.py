@@ -201,9 +201,6 @@ class Limits:
             self._refuse(worst[1])
             raise RateLimited(worst[1], worst[0])
 
-    def spend(self, name: str, key: str, cost: float = 1.0) -> None:
-        self.buckets[name].spend(key, cost)
-
     def _refuse(self, name: str) -> None:
         LIMITED.labels(name).inc()
         self._refused[name] = self._refused.get(name, 0) + 1

@@ -323,7 +323,7 @@ async def _answer(
         headers["retry-after"] = "2"
     REQUESTS.labels(route, str(status)).inc()
     if status == 401:
-        limits.spend("failures_ip", client)
+        limits.buckets["failures_ip"].spend(client)
     if not still():
         return
     for name, value in headers.items():

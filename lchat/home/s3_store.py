@@ -33,10 +33,8 @@ Decisions, and why:
   replaces, at no extra request. :meth:`~S3VaultStore.list_blob_versions` is one
   ``ListObjectVersions`` capped at the 5 newest; :meth:`~S3VaultStore.get_blob_version` reads only
   those (that listing, then one ``GET ?versionId=``). Older versions stay in the bucket, unseen,
-  until its lifecycle rule prunes noncurrent versions (a backstop; set one, e.g. 7 days). Both
-  test stores support all of it: moto 5.2 and SeaweedFS 4.48 (``weed mini``) answer
-  ``PutBucketVersioning``, ``ListObjectVersions`` (with ``key-marker`` paging), ``GET`` and
-  ``DELETE`` by ``versionId``, and conditional PUTs on a versioned bucket; no degraded mode.
+  until its lifecycle rule prunes noncurrent versions (a backstop; set one, e.g. 7 days). There
+  is no degraded mode: moto and SeaweedFS (the test stores) support all of it.
 - **A version string that was never ours is a conflict** (409): S3 cannot tell it from a stale
   ETag. One that could not be an ETag at all (empty, ``*``, a list, quotes or spaces: it would
   change the meaning of ``If-Match``) is not sent; it is a conflict too, answered with a ``HEAD``.

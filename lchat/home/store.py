@@ -40,9 +40,10 @@ The contract:
   :meth:`~VaultStore.get_blob_version` reads only those. The S3 bucket may hold older versions
   until its lifecycle rule prunes them; nothing here ever shows them.
 - **Pointers are never authoritative.** A pointer is written once and never rewritten or deleted
-  (revoking a credential or token removes it from the user document only). Whoever resolves a pointer must re-load the user document and check that the
-  credential or token is still listed there (:func:`resolve_checked` does exactly that), so a
-  revoked credential's leftover pointer denies by construction.
+  (revoking a credential or token removes it from the user document only). Whoever resolves a
+  pointer must re-load the user document and check that the credential or token is still listed
+  there (:func:`resolve_checked` does exactly that), so a revoked credential's leftover pointer
+  denies by construction.
 - **Errors:** :class:`Conflict`, :class:`BadVersion`, :class:`PointerTaken` are answers about the
   data; :class:`StoreError` is the infrastructure failing (a bucket answering 5xx or not at all,
   a disk error, a locked or corrupt database): the API answers 503 and the client retries. All
@@ -264,30 +265,24 @@ class VaultStore(Protocol):
         ...
 
     async def mark_revoked(self, digest: str, uid: str, device: str) -> None:
-        """Publish that the link token whose SHA-256 is ``digest`` (64 lowercase hex) was revoked
-        (S3: a plain PUT of ``revoked/<digest>``, body uid, device and time; SQLite: a row).
+        """Publish that the link token whose SHA-256 is ``digest`` (64 lowercase hex) was revoked.
         Idempotent. Call it after the user document no longer lists the token: the marker makes
         other processes forget it, the document is what denies it."""
         ...
 
     async def revoked_since(self, cursor: str) -> Revocations:
         """The markers written after ``cursor`` (``""``: every live one) and the cursor for the
-        next call, in ONE store request (S3: one LIST of ``revoked/`` while fewer than 1000
-        markers live, a page; SQLite: one SELECT). At least once: a marker may come back again
-        (S3 lists every live marker each time; its cursor is unused), so callers apply them
-        idempotently. Markers older than :data:`MARKER_LIFETIME` are not returned, and the call
-        deletes them (S3: conditionally and softly, a failed delete is logged and left to the
-        next listing)."""
+        next call, in ONE store request. At least once: a marker may come back again, so callers
+        apply them idempotently. Markers older than :data:`MARKER_LIFETIME` are not returned, and
+        the call deletes them."""
         ...
 
     async def use_once(self, name: str, expires_at: float) -> bool:
         """Record that the single-use thing ``name`` (a SHA-256, 64 lowercase hex: of a WebAuthn
         challenge, a ceremony proof) was used: True the first time, False every later time, on
-        every process sharing the store (one conditional write: SQLite an ``INSERT`` that
-        conflicts, S3 a ``PUT`` of ``used/<name>`` with ``If-None-Match: *``). ``expires_at``
-        (unix seconds) is when the thing stops being accepted anyway: the record may be dropped
-        after it (SQLite deletes expired rows as it writes; S3 leaves it to the bucket's
-        lifecycle rule on ``used/``), never before."""
+        every process sharing the store (one conditional write). ``expires_at`` (unix seconds) is
+        when the thing stops being accepted anyway: the record may be dropped after it, never
+        before."""
         ...
 
     async def close(self) -> None:
@@ -415,6 +410,15 @@ def decode_user(data: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
+# What a failed operation counts as (the first class it is an instance of); anything else: error.
+_OUTCOMES: tuple[tuple[type[HomeStoreError], Outcome], ...] = (
+    (Conflict, "conflict"),
+    (BadVersion, "bad_version"),
+    (PointerTaken, "pointer_taken"),
+    (DocumentTooLarge, "too_large"),
+)
+
+
 @contextlib.contextmanager
 def measured(backend: str, operation: str, clock: IReactorTime) -> Iterator[None]:
     """Count one operation by outcome and time it (wraps awaits: it is entered on the reactor)."""
@@ -422,20 +426,8 @@ def measured(backend: str, operation: str, clock: IReactorTime) -> Iterator[None
     outcome: Outcome = "ok"
     try:
         yield
-    except Conflict:
-        outcome = "conflict"
-        raise
-    except BadVersion:
-        outcome = "bad_version"
-        raise
-    except PointerTaken:
-        outcome = "pointer_taken"
-        raise
-    except DocumentTooLarge:
-        outcome = "too_large"
-        raise
-    except BaseException:
-        outcome = "error"
+    except BaseException as e:
+        outcome = next((o for kind, o in _OUTCOMES if isinstance(e, kind)), "error")
         raise
     finally:
         OPERATIONS.labels(backend, operation, outcome).inc()
