@@ -300,13 +300,7 @@ class SQLiteVaultStore:
         return await self._cas("blob", _put_blob, uid, data, expected_version)
 
     async def list_blob_versions(self, uid: str) -> list[BlobVersion]:
-        rows: list[tuple[int, int, int]] = await self._run(
-            "list_blob_versions", _list_blob_versions, check_uid(uid)
-        )
-        return [
-            BlobVersion(str(version), datetime.fromtimestamp(ms / 1000, UTC), size)
-            for version, ms, size in rows
-        ]
+        return await self._run("list_blob_versions", _list_blob_versions, check_uid(uid))
 
     async def get_blob_version(self, uid: str, version: str) -> bytes | None:
         check_uid(uid)
@@ -353,14 +347,8 @@ class SQLiteVaultStore:
     async def revoked_since(self, cursor: str) -> Revocations:
         if cursor and not _CANONICAL_VERSION.fullmatch(cursor):
             raise ValueError(f"not a revocation cursor of this store: {cursor!r}")
-        after = int(cursor or 0)
-        rows: list[tuple[int, str, int]] = await self._run(
-            "revoked_since", _revoked_since, after, self._clock.seconds()
-        )
-        markers = [
-            Revocation(digest, datetime.fromtimestamp(ms / 1000, UTC)) for _, digest, ms in rows
-        ]
-        return Revocations(markers, str(max([after, *(seq for seq, _, _ in rows)])))
+        now = self._clock.seconds()
+        return await self._run("revoked_since", _revoked_since, int(cursor or 0), now)
 
     async def close(self) -> None:
         await self._run_in_thread(self._connections.close)
@@ -463,9 +451,9 @@ def _put_blob(
     return new
 
 
-def _list_blob_versions(conn: sqlite3.Connection, uid: str) -> list[tuple[int, int, int]]:
+def _list_blob_versions(conn: sqlite3.Connection, uid: str) -> list[BlobVersion]:
     return [
-        (int(v), int(ms), int(size))
+        BlobVersion(str(v), _utc(ms), int(size))
         for v, ms, size in conn.execute(
             "SELECT version, modified_ms, length(data) FROM blobs WHERE uid = ?"
             " ORDER BY version DESC LIMIT ?",
@@ -552,20 +540,22 @@ def _mark_revoked(conn: sqlite3.Connection, digest: str, uid: str, device: str, 
         )
 
 
-def _revoked_since(conn: sqlite3.Connection, after: int, now: float) -> list[tuple[int, str, int]]:
+def _revoked_since(conn: sqlite3.Connection, after: int, now: float) -> Revocations:
     oldest = int((now - MARKER_LIFETIME) * 1000)
     # Expired markers are deleted by whoever lists them: a write only when there are some (the
     # oldest row is the lowest-numbered one), so a poll is one read otherwise.
     if conn.execute("SELECT 1 FROM revocations WHERE marked_ms < ? LIMIT 1", (oldest,)).fetchone():
         with _write_transaction(conn):
             conn.execute("DELETE FROM revocations WHERE marked_ms < ?", (oldest,))
-    return [
-        (int(seq), str(digest), int(ms))
-        for seq, digest, ms in conn.execute(
-            "SELECT seq, digest, marked_ms FROM revocations WHERE seq > ? ORDER BY seq",
-            (after,),
-        )
-    ]
+    rows = conn.execute(
+        "SELECT seq, digest, marked_ms FROM revocations WHERE seq > ? ORDER BY seq", (after,)
+    ).fetchall()
+    markers = [Revocation(str(digest), _utc(ms)) for _, digest, ms in rows]
+    return Revocations(markers, str(max([after, *(int(seq) for seq, _, _ in rows)])))
+
+
+def _utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
 
 
 __all__ = ["BUSY_TIMEOUT_MS", "SCHEMA_VERSION", "SQLiteVaultStore"]
