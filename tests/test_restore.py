@@ -486,10 +486,15 @@ class ApplyTests(SynchronousTestCase):
             sink.truncate()
             for n in range(0, len(body), 5000):
                 sink.write(body[n : n + 5000])
-            sink.finish()
+            self._finish(sink)
         self.state.sync()
         self.state.check()
         self.assertEqual(dump(self.state.db_path), want)
+
+    def _finish(self, sink: restore_mod._FileApply) -> None:
+        """After the last piece: wait for the decoder, then complete the file."""
+        self.state.decoded()
+        sink.finish_queued()
 
     def _decoder_idle(self) -> None:
         """Return once the decoder thread has run every piece queued so far (it runs in order)."""
@@ -523,7 +528,7 @@ class ApplyTests(SynchronousTestCase):
             sink.truncate()
             for n in range(0, len(body), 5000):
                 sink.write(body[n : n + 5000])
-            sink.finish()
+            self._finish(sink)
         self.state.sync()
         self.state.check()
         self.assertEqual(dump(self.state.db_path), want)
@@ -537,14 +542,14 @@ class ApplyTests(SynchronousTestCase):
         self._decoder_idle()
         sink.write(bad[len(bad) // 2 + 2000 :])  # the rest of the body is taken, and skipped
         with self.assertRaisesRegex(RestoreError, f"{key}: .*unsupported page flags 0x7074"):
-            sink.finish()
+            self._finish(sink)
 
     def test_an_object_that_changed_between_attempts_is_refused(self) -> None:
         files, _ = _replica(self.dir, steps=1)
         key, body = files[0]
         sink = restore_mod._FileApply(self.state, self._file(key, body))
         sink.write(body)
-        sink.finish()
+        self._finish(sink)
         h = ltx.decode(io.BytesIO(body)).header
         delta = ltx.LTXHeader(
             page_size=h.page_size, commit=h.commit, min_txid=2, max_txid=2, timestamp=1
@@ -558,7 +563,7 @@ class ApplyTests(SynchronousTestCase):
         sink.seek(0)
         sink.write(second)
         with self.assertRaisesRegex(RestoreError, "changed between two attempts"):
-            sink.finish()
+            self._finish(sink)
         sink = restore_mod._FileApply(self.state, self._file(key2, first))
         sink.write(first[:200])
         sink.seek(0)
@@ -567,7 +572,7 @@ class ApplyTests(SynchronousTestCase):
         )
         with self.assertRaisesRegex(RestoreError, "changed while it was being downloaded"):
             sink.write(grown)
-            sink.finish()
+            self._finish(sink)
 
 
 class _RestoreChecks:

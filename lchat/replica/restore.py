@@ -435,7 +435,7 @@ class _FileApply:
     """Applies one LTX file to the database while its bytes arrive, then verifies the whole.
 
     ``write`` takes the file in pieces (worker thread, one call at a time) and queues each for
-    the state's decoder thread; ``finish`` after the last, or ``finish_queued`` queued after it.
+    the state's decoder thread; ``finish_queued``, queued after the last, completes the file.
     ``seek(0)`` + ``truncate()`` — what a store does before retrying a download — start the file
     over: the pages an abandoned attempt wrote must all be rewritten by the attempt that
     completes (or lie past its commit), else the object changed under us and the restore fails.
@@ -538,11 +538,6 @@ class _FileApply:
         runs.append(((first - 1) * page_size, batch))
         self._runs.append((first, len(batch)))
         self._state.write(runs)
-
-    def finish(self) -> None:
-        """After the last piece: wait for the decoder, then :meth:`finish_queued`."""
-        self._state.decoded()
-        self.finish_queued()
 
     def finish_queued(self) -> None:
         """Verify the whole file and cut the database to its size (as a decoder job, after the

@@ -149,23 +149,13 @@ class WALPosition:
 
 
 @frozen
-class Frame:
+class PageRef:
+    """Where a version of a page is, and how to re-verify it when read."""
+
     pgno: int
-    commit: int  # database size in pages after this commit frame; 0 if not a commit frame
     offset: int  # of the frame header
     prev_checksum: tuple[int, int]  # cumulative checksum before this frame (to re-verify it)
     checksum: tuple[int, int]  # cumulative checksum after it
-    data: bytes
-
-
-@frozen
-class PageRef:
-    """Where the latest committed version of a page is, and how to re-verify it when read."""
-
-    pgno: int
-    offset: int
-    prev_checksum: tuple[int, int]
-    checksum: tuple[int, int]
 
 
 @frozen
@@ -241,8 +231,10 @@ class WALReader:
         except WALError:
             return None
 
-    def frames(self, header: WALHeader, start: WALPosition) -> Iterator[Frame]:
-        """Valid frames from ``start`` on (committed or not), verifying salts and the checksum chain.
+    def frames(self, header: WALHeader, start: WALPosition) -> Iterator[tuple[PageRef, int]]:
+        """Valid frames from ``start`` on (committed or not), verifying salts and the checksum chain:
+        each as its page and its commit field (the database size in pages after a commit frame,
+        0 for any other).
 
         ``start.checksum`` must be the cumulative checksum at ``start.offset``. Stops at the first
         short, foreign-salted or checksum-failing frame: that is where the valid log ends.
@@ -263,7 +255,7 @@ class WALReader:
             new = _frame_checksum(buf, cksum, be)
             if new != (c1, c2):
                 return
-            yield Frame(pgno, commit, offset, cksum, new, buf[FRAME_HEADER_SIZE:])
+            yield PageRef(pgno, offset, cksum, new), commit
             offset += fs
             cksum = new
 
@@ -326,23 +318,18 @@ def _collect(
     pages: dict[int, PageRef] = {}
     pending: dict[int, PageRef] = {}
     end, commit, count, pending_count = start, 0, 0, 0
-    for fr in reader.frames(header, start):
-        pending[fr.pgno] = PageRef(fr.pgno, fr.offset, fr.prev_checksum, fr.checksum)
+    generation = WALPosition.start_of(header)  # its positions differ in offset and checksum
+    for ref, size in reader.frames(header, start):
+        pending[ref.pgno] = ref
         pending_count += 1
-        if fr.commit:
+        if size:
             # Only a commit frame makes the transaction's pages real.
             pages.update(pending)
             pending.clear()
             count += pending_count
             pending_count = 0
-            commit = fr.commit
-            end = WALPosition(
-                fr.offset + header.frame_size,
-                header.page_size,
-                header.salt1,
-                header.salt2,
-                fr.checksum,
-            )
+            commit = size
+            end = evolve(generation, offset=ref.offset + header.frame_size, checksum=ref.checksum)
             if max_bytes is not None and end.offset - start.offset >= max_bytes:
                 break
     if commit:
