@@ -66,7 +66,7 @@ class SpaceServer:
 
     reactor: Reactor
     config: Config
-    failed: bool = False
+    failed: bool = False  # starting, or closing the database, failed: exit 1
     _space: Space | None = None
     _site: SpaceSite | None = None
     _connections: Connections | None = None
@@ -204,11 +204,9 @@ def start_logging() -> None:
 def run(reactor: Reactor, config: Config) -> int:
     """Run the space on `reactor` until it stops (SIGTERM/SIGINT); return the exit code."""
     server = SpaceServer(reactor, config)
-    startup_failed = False
 
     def failed(failure: Failure) -> None:
-        nonlocal startup_failed
-        startup_failed = True
+        server.failed = True
         log.error(
             "space {host} failed to start: {error}",
             host=config.host,
@@ -222,7 +220,7 @@ def run(reactor: Reactor, config: Config) -> int:
     reactor.callWhenRunning(lambda: server.start().addErrback(failed))
     reactor.run()
     server.abandon()
-    return 1 if startup_failed or server.failed else 0
+    return 1 if server.failed else 0
 
 
 def parse_no_options(
