@@ -255,14 +255,10 @@ def _check_names(leaf: x509.Certificate, kind: Kind, name: str) -> None:
     else:
         wanted = name
         ok = name in names or any(
-            n.startswith("*.") and _directly_under(n[2:], name) for n in names
+            n.startswith("*.") and n[2:] != name and hosts.covers(n[2:], name) for n in names
         )
     if not ok:
         raise _Refuse(f"its certificate is for {', '.join(names) or 'no DNS name'}, not {wanted}")
-
-
-def _directly_under(domain: str, host: str) -> bool:
-    return host != domain and hosts.covers(domain, host)
 
 
 def server_context() -> ssl.SSLContext:

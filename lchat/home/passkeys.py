@@ -190,10 +190,6 @@ class PresentedCredential:
     user_handle: bytes | None
 
 
-def _uv_requirement(user_verification: UserVerification) -> UserVerificationRequirement:
-    return UserVerificationRequirement(user_verification)
-
-
 def _descriptors(credentials: Sequence[StoredCredential]) -> list[PublicKeyCredentialDescriptor]:
     descriptors = []
     for credential in credentials:
@@ -252,7 +248,7 @@ class Passkeys:
             attestation=AttestationConveyancePreference.NONE,
             authenticator_selection=AuthenticatorSelectionCriteria(
                 resident_key=ResidentKeyRequirement.REQUIRED,
-                user_verification=_uv_requirement(user_verification),
+                user_verification=UserVerificationRequirement(user_verification),
             ),
             exclude_credentials=_descriptors(existing),
             supported_pub_key_algs=ALGORITHMS,
@@ -272,7 +268,7 @@ class Passkeys:
         not. The caller must still refuse a credential ID that is already registered anywhere."""
         try:
             credential: RegistrationCredential = parse_registration_credential_json(
-                _as_json(response)
+                response if isinstance(response, str) else dict(response)
             )
             verified = verify_registration_response(
                 credential=credential,
@@ -315,7 +311,7 @@ class Passkeys:
             challenge=challenge,
             timeout=self.timeout_ms,
             allow_credentials=_descriptors(credentials),
-            user_verification=_uv_requirement(user_verification),
+            user_verification=UserVerificationRequirement(user_verification),
         )
         return CeremonyStart(options_to_json(options), challenge, user_verification)
 
@@ -411,10 +407,6 @@ def check_public_key(public_key: bytes) -> None:
             )
         if not (3 <= exponent <= RSA_MAX_EXPONENT and exponent % 2 == 1):
             raise CeremonyFailed("an RSA passkey's public exponent must be odd, 3 to 2**32-1")
-
-
-def _as_json(response: Response) -> str | dict[str, Any]:
-    return response if isinstance(response, str) else dict(response)
 
 
 def _origins(origin: str | Sequence[str]) -> str | list[str]:
