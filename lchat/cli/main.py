@@ -699,10 +699,9 @@ def open_registry(cfg: BoxConfig) -> Registry:
 def _create_registry_for_router(path: str) -> None:
     """As root, a registry that does not exist yet is created empty (an empty file is an empty
     SQLite database) owned by its directory's owner, the router's user: created by SQLite it
-    would be root's, and the router could never write it (``lchat deploy --all`` before the
-    router's first start did this: "attempt to write a readonly database"; and every env file
-    handed "to the router's user" after it went to root, who owned the registry). Its ``-wal``
-    and ``-shm`` follow: SQLite run as root gives them the database file's owner."""
+    would be root's, the router could never write it ("attempt to write a readonly database"),
+    and env files handed "to the router's user" would go to root. Its ``-wal`` and ``-shm``
+    follow: SQLite run as root gives them the database file's owner."""
     if os.geteuid() != 0 or os.path.lexists(path):
         return
     st = os.stat(os.path.dirname(path) or ".")

@@ -67,7 +67,7 @@ async def read_mesh_members(
 # --- fan-out on create and remove ---------------------------------------------------------------
 
 
-def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOUT_BUDGET) -> None:
+def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> None:
     """Push ``route`` to the live peers; never raises. A hibernating instance (just registered,
     or flipped on by ``lchat hibernate --on``) goes as itself; an always-on instance of this box
     (flipped off by ``lchat hibernate --off``) goes in its "lives elsewhere" shape, so that the
@@ -93,10 +93,10 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
         )
         return str(answer.get("result", "done"))
 
-    _fan_out(cfg, route, "pushed", call, say, budget)
+    _fan_out(cfg, route, "pushed", call, say)
 
 
-def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOUT_BUDGET) -> None:
+def fan_out_delete(cfg: BoxConfig, route: Route, say: Say) -> None:
     """Send ``route``'s tombstone to the live peers (it was just removed here); never raises."""
     mesh = cfg.mesh
     if mesh is None or route.kind != "instance":
@@ -113,7 +113,7 @@ def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, budget: float = FANOU
         )
         return "deleted" if deleted else "had no row"
 
-    _fan_out(cfg, route, "tombstoned", call, say, budget)
+    _fan_out(cfg, route, "tombstoned", call, say)
 
 
 def replicates(mesh: MeshConfig, route: Route) -> bool:
@@ -128,8 +128,8 @@ def _fan_out(
     what: str,
     call: Callable[[Member, TCPReactor, float], Awaitable[str]],
     say: Say,
-    budget: float,
 ) -> None:
+    budget = FANOUT_BUDGET
     mesh = cfg.mesh
     assert mesh is not None
     host = route.host
@@ -184,19 +184,8 @@ def _fan_out(
 # --- mesh-seed ----------------------------------------------------------------------------------
 
 
-def seed_routes(registry: Registry, mesh: MeshConfig, region: str) -> list[Route]:
-    """What ``mesh-seed`` pushes: hibernating instances under the mesh domains, plus those whose
-    ``home_region`` is ``region`` (when given)."""
-    return [
-        route
-        for route in registry.load()
-        if route.kind == "instance"
-        and route.hibernate
-        and _seed_scope(mesh, region, route.host, route.home_region)
-    ]
-
-
 def _seed_scope(mesh: MeshConfig, region: str, host: str, home_region: str) -> bool:
+    """Under the mesh domains, or homed in ``region`` (when given)."""
     if any(hosts.covers(domain, host) for domain in mesh.domains):
         return True
     return bool(region) and home_region == region
@@ -226,8 +215,12 @@ def mesh_seed(
         raise MeshCliError(f"peer URL: {e}") from e
     if normalise_member_url(peer) == normalise_member_url(mesh.self_url):
         raise MeshCliError(f"{peer} is this box (LCHAT_MESH_SELF): name a peer")
-    routes = seed_routes(registry, mesh, region)
     table = registry.load()
+    routes = [  # what it pushes
+        r
+        for r in table
+        if r.kind == "instance" and r.hibernate and _seed_scope(mesh, region, r.host, r.home_region)
+    ]
     # Spaces this box runs always-on: a peer's replicated row for one of them (a hibernating row
     # left by a missed `hibernate --off` fan-out) becomes the lives-elsewhere shape (--prune).
     always_on = {

@@ -37,6 +37,7 @@ from lchat.dns import (
     canonical_addresses,
     make_provider,
 )
+from lchat.handover import HandoverError
 from lchat.objstore.aws import NoCredentials, box_credentials
 
 DEFAULT_TTL = 60  # seconds: short, so a later move (or a move back) is seen soon
@@ -44,7 +45,7 @@ DEFAULT_TTL = 60  # seconds: short, so a later move (or a move back) is seen soo
 Resolve = Callable[[str], list[str]]
 
 
-class MoveDNSError(Exception):
+class MoveDNSError(HandoverError):
     """``--move-dns`` refused or failed; the message names what to fix."""
 
 

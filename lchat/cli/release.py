@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -269,11 +270,7 @@ def _list(
             f"feed: feed_version {feed.feed_version} from the {source}, expires {feed.expires_at}"
         )
     routes = [r for r in open_registry(cfg).load() if r.kind == "instance" and not r.elsewhere]
-    on: dict[str, list[str]] = {}
-    for route in routes:
-        version = layout.version_of(route.host)
-        if version is not None:
-            on.setdefault(version, []).append(route.host)
+    on = Counter(v for r in routes if (v := layout.version_of(r.host)) is not None)  # hosts on each
     installed = set(layout.installed())
     rows = [("VERSION", "INSTALLED", "HOSTS", "IN-FEED", "RELEASED")]
     for version in sorted(installed | set(feed_versions) | set(on)):
@@ -281,7 +278,7 @@ def _list(
             (
                 version,
                 "yes" if version in installed else "no",
-                str(len(on.get(version, []))),
+                str(on[version]),
                 "yes" if version in feed_versions else ("?" if args.offline else "no"),
                 feed_versions.get(version) or "-",
             )

@@ -18,7 +18,6 @@ from lchat.cli import mesh as mesh_cli
 from lchat.cli import move_dns as move_dns_cli
 from lchat.cli import runner
 from lchat.config import BoxConfig
-from lchat.handover import HandoverError
 from lchat.handover.relocate import Relocation
 from lchat.handover.router import Say
 from lchat.handover.seams import MeshFanOut, RegionStores
@@ -108,20 +107,14 @@ def live_members(cfg: BoxConfig) -> list[Member]:
 @frozen
 class Route53Records:
     """:class:`lchat.handover.seams.AddressRecords` through the box's Route53 DNS-01 provider
-    (:mod:`lchat.cli.move_dns`)."""
+    (:mod:`lchat.cli.move_dns`, whose MoveDNSError is a HandoverError)."""
 
     cfg: BoxConfig
 
     def check(self, host: str) -> None:
-        try:
-            move_dns_cli.require_route53(self.cfg, host)
-        except move_dns_cli.MoveDNSError as e:
-            raise HandoverError(str(e)) from e
+        move_dns_cli.require_route53(self.cfg, host)
 
     def point(self, host: str, member_urls: list[str]) -> tuple[str, dict[str, Any]]:
-        try:
-            addresses = move_dns_cli.destination_addresses(member_urls)
-            moved = move_dns_cli.move_dns(self.cfg, host, addresses)
-        except move_dns_cli.MoveDNSError as e:
-            raise HandoverError(str(e)) from e
+        addresses = move_dns_cli.destination_addresses(member_urls)
+        moved = move_dns_cli.move_dns(self.cfg, host, addresses)
         return moved.line, moved.as_json()

@@ -40,23 +40,21 @@ def run(
     cfg: BoxConfig,
     out: Out,
     open_registry: Callable[[BoxConfig], Registry],
-    err: Out | None = None,
 ) -> int:
     """Print the stats of ``args.host``; 0, or 1 with why (``--json``: the error object too)."""
-    say = err or _stderr
     host = hosts.normalise(args.host)
     try:
         code, body = _ask_router(cfg, host)
     except admin_client.Unreachable as e:
-        say(f"lchat: no router answers on {cfg.admin_socket} ({e}): reading the files here")
+        _stderr(f"lchat: no router answers on {cfg.admin_socket} ({e}): reading the files here")
         code, body = _read_here(cfg, host, open_registry, absent(e))
     except admin_client.ProtocolError as e:
-        say(f"lchat: error: the router did not answer GET /stats: {e}")
+        _stderr(f"lchat: error: the router did not answer GET /stats: {e}")
         return 1
     if args.json:
         out(json.dumps(body, indent=2, sort_keys=True))
     if code != 200:
-        say(f"lchat: error: {body.get('error') or f'the router answered {code}'}")
+        _stderr(f"lchat: error: {body.get('error') or f'the router answered {code}'}")
         return 1
     if not args.json:
         for line in describe(body):

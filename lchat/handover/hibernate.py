@@ -8,6 +8,7 @@ as they were; ``--off`` never hands the unit a database older than the bucket's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -68,10 +69,8 @@ def forget_clean_sleep(db: str) -> None:
     """Remove the activator's clean-sleep marker: it vouches that the local database is exactly
     the bucket's newest state (the activator then resumes the replica without a snapshot), which
     stops being true as soon as anything else writes the database."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(db + MARKER_SUFFIX)
-    except FileNotFoundError:
-        pass
 
 
 def health_check(
@@ -265,8 +264,8 @@ class Hibernation:
         """The mirror image: the activator checkpoints the space to the bucket, releases its lease
         and stops it; the flag is cleared; once the socket has no listener the unit starts again,
         is health-checked, and then its sidecar unit starts."""
-        cfg, host, socket, say = self.cfg, route.host, route.socket, self.say
-        systemd = self.units.systemd
+        cfg, host, socket, say, units = self.cfg, route.host, route.socket, self.say, self.units
+        systemd = units.systemd
         expected = hosts.socket_path(cfg.run_dir, host, isolated=hosts.isolated(cfg.data_dir))
         if systemd and (socket != expected or not expected.endswith(f"/{host}.sock")):
             raise HandoverError(
@@ -309,7 +308,9 @@ class Hibernation:
                 say.warn(f"the router is not running: it starts {host} when it starts")
                 return 0
             # 3. Builtin: the router starts it on the reload and records its health in the row.
-            return self._health_check(host, socket, timeout, record=False)
+            return health_check(
+                units, self.router, self.registry, host, socket, timeout, record=False
+            )
         if route.hibernate:
             self._wait_released(socket, host, timeout)
         # 3. systemd: the unit, its health, then the sidecar unit.
@@ -320,16 +321,11 @@ class Hibernation:
             self.router.notify()
             raise HandoverError(f"{host} failed: {e}") from e
         say.out(f"{host}: enabled and started {self.units.name(host)}")
-        code = self._health_check(host, socket, timeout, record=True)
+        code = health_check(units, self.router, self.registry, host, socket, timeout, record=True)
         if os.path.exists(hosts.bot_env_path(cfg.data_dir, host)):
             self.units.start_sidecar(host)
             say.out(f"{host}: enabled and started {self.units.name(host, sidecar=True)}")
         return code
-
-    def _health_check(self, host: str, socket: str, timeout: float, *, record: bool) -> int:
-        return health_check(
-            self.units, self.router, self.registry, host, socket, timeout, record=record
-        )
 
     def _freshness(self, host: str, db: str) -> Freshness:
         """The local database against the bucket (one LIST); a bucket that does not answer is a

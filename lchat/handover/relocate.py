@@ -7,14 +7,11 @@ Three steps, in this order (docs/mesh.md, "Relocating a space"):
 1. **Store copy.** A destination box wakes the space by restoring it from *its* region's bucket,
    so the replica must be there first. Regions that share one bucket (no ``LCHAT_REGION_BUCKETS``,
    or both regions' entries naming the same bucket, prefix and endpoint): no copy. Per-region
-   buckets: the running router is asked to sleep the space (flushed, lease released) and hold it
-   asleep, then the space's lease is taken in *both* buckets as a fence (a wake anywhere fails
-   while it copies, so no writer can change the replica mid-copy, and no destination box can wake
-   a half-copied one), ``<prefix>/<host>/`` is copied to the destination prefix **without**
-   ``lock.json`` (a server-side CopyObject within one bucket and endpoint, or between two buckets
-   of one account on one endpoint; a streamed download + re-upload otherwise), the destination's
-   newest txid is checked to be the source's, and both fences and the hold are released after
-   step 2, whatever happened.
+   buckets: with the space held asleep here and its lease taken in *both* buckets as a fence (a
+   wake anywhere fails while it copies, so no writer can change the replica mid-copy, and no
+   destination box can wake a half-copied one), ``<prefix>/<host>/`` is copied without
+   ``lock.json`` (:func:`copy_replica`); fences and hold are released after step 2, whatever
+   happened.
 2. **Flip + fan-out.** ``home_region`` is set in the registry, the router told, and the route
    pushed to every live in-scope peer, so the mesh places the space on a destination-region box.
 3. **DNS** (``--move-dns``): the host's own records pointed at the destination's live boxes.
@@ -28,6 +25,7 @@ DNS move that fails leaves the relocation standing and says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -492,10 +490,8 @@ async def _stream(
         await src_store.get_to_file(key, path)
         await dst_store.put_file(target, path)
     finally:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             await run_in_thread(os.unlink, path)
-        except FileNotFoundError:
-            pass
 
 
 def one_account(cfg: BoxConfig, src: Where, dst: Where) -> bool:

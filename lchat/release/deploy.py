@@ -24,6 +24,7 @@ database which the older build does not know.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -66,10 +67,8 @@ def point(layout: BuildLayout, host: str, version: str | None, *, sidecar: bool 
     link = layout.live_link(host, sidecar=sidecar)
     os.makedirs(layout.live_dir, 0o755, exist_ok=True)
     if version is None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(link)
-        except FileNotFoundError:
-            pass
         fsync_directory(layout.live_dir)
         return
     name = SIDECAR_BINARY if sidecar else SPACE_BINARY
@@ -240,13 +239,6 @@ class SystemdRestarter:
 # --- the deployer ------------------------------------------------------------------------------
 
 
-@frozen
-class Outcome:
-    host: str
-    ok: bool
-    line: str
-
-
 @define
 class Deployer:
     """Switches hosts between installed builds. ``routes``: this box's instance rows by host."""
@@ -283,18 +275,17 @@ class Deployer:
             done = 0
             for start in range(0, len(routes), batch):
                 chunk = routes[start : start + batch]
-                outcomes = []
+                failed = 0
                 for route in chunk:
                     try:
-                        outcomes.append(self._deploy_one(route, version, canary, states))
+                        failed += not self._deploy_one(route, version, canary, states)
                     finally:
                         write_states(self.layout, states)  # each host's record as it happens
                 done += len(chunk)
-                failed = [o for o in outcomes if not o.ok]
                 if failed:
                     left = [r.host for r in routes[done:]]
                     self.out(
-                        f"rollout stopped: {len(failed)} of {len(chunk)} in this batch failed; "
+                        f"rollout stopped: {failed} of {len(chunk)} in this batch failed; "
                         + (
                             f"{len(left)} host(s) not touched: {', '.join(left)}"
                             if left
@@ -306,7 +297,8 @@ class Deployer:
 
     def _deploy_one(
         self, route: Route, version: str, canary: bool, states: dict[str, HostState]
-    ) -> Outcome:
+    ) -> bool:
+        """Whether ``route`` is on ``version`` now."""
         host = route.host
         current = self.layout.version_of(host)
         old = states.get(host)
@@ -315,7 +307,7 @@ class Deployer:
             previous = old.previous if old is not None and old.version == version else None
             states[host] = HostState(version, previous, canary, old.at if old else self._clock())
             self.out(f"{host}: already on {version}{' (canary)' if canary else ''}")
-            return Outcome(host, True, "")
+            return True
         if route.hibernate:
             self._repoint(host, version)
             states[host] = HostState(version, current, canary, self._clock())
@@ -323,21 +315,19 @@ class Deployer:
             if self.awake(host):
                 line += f"; awake now, it runs {current or 'its build'} until it sleeps"
             self.out(line)
-            return Outcome(host, True, line)
+            return True
         problem, back = self._switch(route, version, current)
         if problem is None:
             states[host] = HostState(version, current, canary, self._clock())
-            line = f"{host}: {current or '-'} -> {version}: restarted, healthy"
-            self.out(line)
-            return Outcome(host, True, line)
+            self.out(f"{host}: {current or '-'} -> {version}: restarted, healthy")
+            return True
         verdict = (
             f"rolled back to {current or 'no build'}, healthy"
             if back is None
             else f"rolled back to {current or 'no build'}, which does not answer either: {back}"
         )
-        line = f"{host}: {current or '-'} -> {version} FAILED ({problem}); {verdict}"
-        self.out(line)
-        return Outcome(host, False, line)
+        self.out(f"{host}: {current or '-'} -> {version} FAILED ({problem}); {verdict}")
+        return False
 
     def set_default(self, version: str) -> None:
         """Point ``live/_default`` (and ``-bot``) at ``version``: the build a host without a link

@@ -144,11 +144,10 @@ class HttpSource:
 
     async def read(self, path: str, limit: int) -> bytes:
         sink = _Limited(limit, self._url(path))
-        response = await self._get(path)
-        await self._collect(response, sink.write, self._url(path))
+        await self.download(path, sink)
         return bytes(sink.data)
 
-    async def download(self, path: str, sink: HashingFile) -> None:
+    async def download(self, path: str, sink: HashingFile | _Limited) -> None:
         response = await self._get(path)
         await self._collect(response, sink.write, self._url(path))
 
@@ -237,13 +236,10 @@ class BucketSource:
 
     async def read(self, path: str, limit: int) -> bytes:
         sink = _Limited(limit, self._key(path))
-        await self._into(path, sink)
+        await self.download(path, sink)
         return bytes(sink.data)
 
-    async def download(self, path: str, sink: HashingFile) -> None:
-        await self._into(path, sink)
-
-    async def _into(self, path: str, sink: Any) -> None:
+    async def download(self, path: str, sink: Any) -> None:  # HashingFile or _Limited: IO-like
         key = self._key(path)
         try:
             await self.store.get_into(key, sink)
