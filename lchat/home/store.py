@@ -4,14 +4,11 @@ Home keeps three kinds of data, all per user and never queried across users
 (``/work/shared/seeds/planet-scale.txt``, "Home: the store is a seam"):
 
 - the **vault blob** of a user: client-encrypted ciphertext the server never parses, with its
-  last :data:`KEEP_VERSIONS` versions (:meth:`VaultStore.get_blob`, :meth:`~VaultStore.put_blob`,
-  :meth:`~VaultStore.list_blob_versions`, :meth:`~VaultStore.get_blob_version`);
+  last :data:`KEEP_VERSIONS` versions;
 - the **user document** ``users/<uid>``: one JSON object holding the user's credentials, devices
-  and link tokens' metadata (:meth:`~VaultStore.get_user`, :meth:`~VaultStore.put_user`, and the
-  compare-and-swap loop :meth:`~VaultStore.update_user`);
+  and link tokens' metadata;
 - **write-once pointers** from a credential id (``creds``) or a link token's SHA-256 (``tokens``)
-  to the uid that registered it (:meth:`~VaultStore.put_pointer`,
-  :meth:`~VaultStore.resolve_pointer`).
+  to the uid that registered it.
 
 Beside them, the **revocation feed** (``revoked/<sha256 of a link token>``): a short-lived
 marker per revoked link token (:meth:`~VaultStore.mark_revoked`) that every home process polls
