@@ -12,14 +12,12 @@ untouched. Pages are written as they were stored, so the database keeps its head
 Restore time is download time plus whatever is not overlapped with it, so everything is:
 
 - Each body is decoded while it arrives (``_stream_all``, through the store's ``get_into``): no
-  LTX file is written or read back.
-- Decoded pages go to the file from a writer thread in ``pwritev`` batches, and a flusher thread
-  ``fdatasync``s every 32 MiB, so the final fsync has little left to do.
+  LTX file is written or read back. Decoding, writing and flushing overlap, each in a thread of
+  the restore's own (:class:`_ApplyState`), so the final fsync has little left to do.
 - That fsync and ``integrity_check`` (memory-mapped) run side by side; both must pass.
 
-Nothing runs on the reactor thread: file and CPU work goes through ``run_in_thread`` (the
-caller's thread runner), S3 bodies are decoded in the pool ``S3Store`` writes its sinks from,
-and writes and flushes run in two threads owned by the restore.
+Nothing runs on the reactor thread: the rest goes through ``run_in_thread`` (the caller's thread
+runner).
 """
 
 from __future__ import annotations

@@ -60,9 +60,7 @@ from lchat.unixhttp import Response
 
 log = Logger(namespace="lchat.space.sidecar")
 MAX_TIME = 2**53  # as lchat.space.api: larger "unix seconds" are nonsense
-BACKOFF_INITIAL = 1.0
-BACKOFF_CAP = 60.0  # seconds; also the cap on an honoured Retry-After
-BACKOFF = Backoff(BACKOFF_INITIAL, BACKOFF_CAP)  # every retry: posting, reporting, listening
+BACKOFF = Backoff(1.0, 60.0)  # every retry: 1 s doubling to 60 s, also the cap on a Retry-After
 STOP_GRACE = 3.0  # on SIGTERM: an in-flight run and the final report get this long together
 
 
