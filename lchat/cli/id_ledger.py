@@ -162,7 +162,12 @@ def _draw(
         store, ledger = await _open(reactor, cfg, url)
         try:
             counter = await ledger.read()
-            _check_namespace(counter, highest, domain)
+            if highest >= counter.next:
+                raise LedgerError(
+                    f"{domain} already holds minted id {highest}, at or above the id ledger's next "
+                    f"({counter.next}): fresh ids would re-mint live hostnames. Seed the ledger "
+                    f"above it first (once, from any box): lchat id-ledger seed --above {highest}"
+                )
             # A box block whose next id is not above the namespace's highest would re-mint a
             # live hostname further on: skip the rest of it (never reissued) for a fresh one.
             usable = cached is not None and highest < int(cached["next"]) < int(cached["end"])
@@ -186,15 +191,6 @@ def _draw(
         start, end, how = block.start, block.end, f"a new block of {len(block)}"
     state["ledger"] = {"url": str(url), "next": start + 1, "end": end}
     return start, f"{how}: {end - start - 1} ids left on this box"
-
-
-def _check_namespace(counter: Counter, highest: int, domain: str) -> None:
-    if highest >= counter.next:
-        raise LedgerError(
-            f"{domain} already holds minted id {highest}, at or above the id ledger's next "
-            f"({counter.next}): fresh ids would re-mint live hostnames. Seed the ledger above it "
-            f"first (once, from any box): lchat id-ledger seed --above {highest}"
-        )
 
 
 async def _open(reactor: Reactor, cfg: BoxConfig, url: Where) -> tuple[ObjectStore, IdLedger]:

@@ -100,7 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     space_argv = _space_argv(args_list)
     if space_argv is not None:
-        return _run_space(space_argv)
+        # Imported lazily: the space server is a separate program that merely ships in this package.
+        from lchat.space import main as space_main
+
+        return space_main(space_argv)
     parser = build_parser()
     try:
         args = parser.parse_args(args_list)
@@ -398,13 +401,6 @@ def _space_argv(argv: list[str]) -> list[str] | None:
         else:
             return argv[i + 1 :] if word == "space" else None
     return None
-
-
-def _run_space(argv: list[str]) -> int:
-    # Imported lazily: the space server is a separate program that merely ships in this package.
-    from lchat.space import main as space_main
-
-    return space_main(argv)
 
 
 # --- commands -----------------------------------------------------------------------------------

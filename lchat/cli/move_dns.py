@@ -5,13 +5,9 @@ already route a relocated space through the DNS-TTL window; a record of the host
 the destination region's boxes only saves the forwarding hop (docs/mesh.md, "Relocating a space").
 
 Two parts, both blocking (the relocate command is synchronous, and Route53 is botocore):
-
-- :func:`destination_addresses`: the addresses of the destination region's live boxes, from their
-  ``LCHAT_MESH_SELF`` URLs (an IP literal as it is, a name through a resolver).
-- :func:`move_dns`: through the box's DNS-01 provider, which must be Route53
-  (``LCHAT_DNS_PROVIDER=route53``, built from the same settings and AWS credential chain the
-  router's ACME issuer uses), make the host's own ``A``/``AAAA`` records exactly those addresses
-  (:meth:`lchat.dns.route53.Route53.point_address`). A zone's wildcard record is never touched.
+:func:`destination_addresses` (the destination region's live boxes' addresses), then
+:func:`move_dns` (the host's own ``A``/``AAAA`` records made exactly those, through the box's
+Route53 DNS-01 provider). A zone's wildcard record is never touched.
 
 Every refusal and failure is a :class:`MoveDNSError` whose message says what to fix; nothing is
 written when one is raised before the Route53 change.

@@ -3,12 +3,9 @@
 The order (docs/operations.md, "Releases"):
 
 1. The primary (``LCHAT_RELEASE_URL``): ``feed.json`` and ``feed.json.sig``. It is used when its
-   signature verifies, it parses, it has not expired (its signed ``expires_at`` is later than
-   this box's clock: a source cannot freeze a box on an old feed for longer than the feed's
-   validity, and a fresh box never takes an old one; a feed without ``expires_at`` is refused),
-   and it is not older than the newest feed this box ever accepted
-   (``<opt>/release-state.json``: an older ``feed_version``, or the same one with other bytes,
-   is a stale or frozen feed, never installed from).
+   signature verifies, it parses, it has not expired (:func:`freshness`: a source cannot freeze a
+   box on an old feed for longer than the feed's validity), and it is not older than the newest
+   feed this box ever accepted (``<opt>/release-state.json``, :func:`staleness`).
 2. Otherwise the mirror (``LCHAT_RELEASE_MIRROR_URL``), under exactly the same checks: the mirror
    adds availability, never trust.
 3. Neither usable: :class:`NoUsableFeed`, naming what was wrong with each; nothing changed.

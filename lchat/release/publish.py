@@ -8,9 +8,8 @@ every older version listed, and writes the artefacts first, then ``feed.json``, 
 reader between the last two writes reads again: lchat.release.fetch).
 
 Every feed written carries a signed ``expires_at``, ``valid_for`` after it was written (default 7
-days, ``LCHAT_RELEASE_FEED_VALIDITY``): boxes refuse it afterwards. ``refresh`` re-signs the
-current feed (same builds, ``feed_version`` + 1, a new ``expires_at``) without publishing a build:
-run it on the release host well within the validity (a daily timer), or boxes cannot fetch.
+days, ``LCHAT_RELEASE_FEED_VALIDITY``): boxes refuse it afterwards, so :func:`refresh` runs on the
+release host well within the validity (a daily timer), or boxes cannot fetch.
 
 Targets: a directory a static HTTP server serves (``LCHAT_RELEASE_URL``'s), and/or the S3 mirror.
 Both get the same bytes.
