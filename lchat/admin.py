@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from attrs import frozen
+from attrs import asdict, frozen
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -134,12 +134,7 @@ class AdminAPI:
     def status(self) -> dict[str, Any]:
         table: RouteTable = self.routes.table
         children = {
-            host: {
-                "state": child.state,
-                "pid": child.pid,
-                "restarts": child.restarts,
-                "last_error": child.last_error,
-            }
+            host: asdict(child, filter=lambda field, _: field.name != "since")
             for host, child in self._children().items()
         }
         awake = self.activator.status() if self.activator is not None else {}

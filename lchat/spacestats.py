@@ -53,7 +53,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, Literal
 
-from attrs import frozen
+from attrs import asdict, frozen
 
 from lchat import hosts
 from lchat.hibernation.localdb import MARKER_SUFFIX, moved_aside
@@ -113,9 +113,7 @@ class Stats:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "host": self.host,
-            "setup_complete": self.counts.setup_complete,
-            "members": self.counts.members,
-            "has_content": self.counts.has_content,
+            **asdict(self.counts),
             "source": self.source,
             "db": self.db,
             "hibernate": self.hibernate,

@@ -12,13 +12,8 @@ loudly with :class:`LeaseHeld`. The bucket's conditional writes are the only arb
   successful renewal was sent, minus a safety margin. After that it never writes again.
 - :func:`release` deletes with ``If-Match`` under its own time budget and never deletes anybody
   else's lease.
-- A keeper given ``verify_retake`` that finds its lock *gone* (deleted rather than replaced: the
-  bucket forgot it, or someone deleted it by hand) does not give up: nobody has taken the lease
-  over (a takeover replaces the object, it never deletes it), so it re-creates the lock with
-  ``If-None-Match: *`` and ``generation + 1`` (writes on its behalf wait meanwhile:
-  :class:`LeaseSuspended`), then asks ``verify_retake`` whether the bucket still shows only its own
-  writes. Someone else creating the lock first, or a "no", is a takeover: the keeper releases what
-  it re-took (if anything) and reports the loss.
+- A keeper given ``verify_retake`` re-takes a lock found *gone* (deleted, never replaced)
+  instead of giving up (:class:`LeaseKeeper`).
 
 Expiry rule (:func:`lease_expiry`): a version of ``lock.json`` may be taken over once the bucket's
 clock (``store.now()``, its ``Date``) reaches ``floor(Last-Modified) + 1 s + ceil(TTL)``, where TTL

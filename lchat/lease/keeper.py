@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from attrs import evolve
 from twisted.internet import defer
@@ -40,6 +40,7 @@ from lchat.objstore import (
 )
 
 log = Logger(namespace="lchat.lease")
+_T = TypeVar("_T")
 
 
 class LeaseKeeper:
@@ -229,11 +230,8 @@ class LeaseKeeper:
         if self._first_unconfirmed is None:
             self._first_unconfirmed = sent
         now = lease.bucket_now(sent)
-        attempt = Deferred.fromCoroutine(put_lock(self._store, lease, now, if_match=lease.etag))
-        # A hung request must not hold up the retries; the deadline fires regardless.
-        attempt.addTimeout(self.renew_every / 2, self._reactor)
         try:
-            put = await attempt
+            put = await self._bounded(put_lock(self._store, lease, now, if_match=lease.etag))
         except PreconditionFailed:
             return await self._after_precondition_failed(lease, now)
         except NotFound:
@@ -326,10 +324,8 @@ class LeaseKeeper:
         if not self.holds():
             return False
         now = new.bucket_now(self._monotonic())
-        attempt = Deferred.fromCoroutine(put_lock(self._store, new, now, if_match=None))
-        attempt.addTimeout(self.renew_every / 2, self._reactor)
         try:
-            etag = (await attempt).etag
+            etag = (await self._bounded(put_lock(self._store, new, now, if_match=None))).etag
         except PreconditionFailed:
             try:
                 current = await read_lock(self._store, new.key)
@@ -370,10 +366,8 @@ class LeaseKeeper:
     async def _verify(self, lease: HeldLease) -> bool:
         """Ask ``verify_retake`` about the lease we re-took; see the class docstring."""
         assert self._verify_retake is not None
-        check: Deferred[bool] = Deferred.fromCoroutine(self._verify_retake(lease))
-        check.addTimeout(self.renew_every / 2, self._reactor)
         try:
-            ok = await check
+            ok = await self._bounded(self._verify_retake(lease))
         except Exception as e:
             if self._stopped or self.lost_reason is not None:
                 return False
@@ -403,6 +397,13 @@ class LeaseKeeper:
         return self._fail_for_good(
             lease, "taken over (another writer wrote the replica while the lock was missing)"
         )
+
+    def _bounded(self, work: Coroutine[Any, Any, _T]) -> Deferred[_T]:
+        """``work``, given up after half a renewal period: a hung request must not hold up the
+        retries (the deadline fires regardless)."""
+        attempt = Deferred.fromCoroutine(work)
+        attempt.addTimeout(self.renew_every / 2, self._reactor)
+        return attempt
 
     def _fail_for_good(self, lease: HeldLease, why: str) -> bool:
         if self._lease is lease:
