@@ -110,11 +110,9 @@ def merge(inputs: list[str], out_path: str) -> Merged:
     a scratch file beside ``out_path`` so memory stays at a few bytes per page."""
     if not inputs:
         raise ValueError("nothing to merge")
-    first: ltx.LTXHeader | None = None
-    last: ltx.LTXHeader | None = None
-    last_trailer: ltx.LTXTrailer | None = None
+    headers: list[ltx.LTXHeader] = []
     index: dict[int, int] = {}  # pgno -> offset in scratch
-    low: int | None = None  # the smallest commit seen: pages above it not rewritten are zeros
+    post_apply = 0  # the last input's post-apply checksum
     with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out_path))) as scratch:
         for path in inputs:
             with open(path, "rb") as f:
@@ -122,8 +120,8 @@ def merge(inputs: list[str], out_path: str) -> Merged:
                 h = reader.header
                 if h.is_snapshot:
                     raise ltx.LTXError(f"{path}: a snapshot cannot be compacted")
-                if last is not None:
-                    assert first is not None
+                if headers:
+                    first, last = headers[0], headers[-1]
                     if h.page_size != first.page_size:
                         raise ltx.LTXError(f"{path}: page size {h.page_size} != {first.page_size}")
                     if h.flags != first.flags:
@@ -132,20 +130,17 @@ def merge(inputs: list[str], out_path: str) -> Merged:
                         raise ltx.LTXError(
                             f"{path}: txid {h.min_txid:016x} does not follow {last.max_txid:016x}"
                         )
-                else:
-                    first = h
                 for pgno, data in reader:
                     scratch.seek(0, os.SEEK_END)
                     index[pgno] = scratch.tell()
                     scratch.write(data)
                 assert reader.trailer is not None
-                last, last_trailer = h, reader.trailer
+                headers.append(h)
+                post_apply = reader.trailer.post_apply_checksum
                 for pgno in [p for p in index if p > h.commit]:
                     del index[pgno]
-                low = h.commit if low is None else min(low, h.commit)
-        assert (
-            first is not None and last is not None and last_trailer is not None and low is not None
-        )
+        first, last = headers[0], headers[-1]
+        low = min(h.commit for h in headers)  # pages above it not rewritten since are zeros
         header = ltx.LTXHeader(
             page_size=first.page_size,
             commit=last.commit,
@@ -162,7 +157,6 @@ def merge(inputs: list[str], out_path: str) -> Merged:
         for pgno in range(low + 1, header.commit + 1):
             if pgno not in index and pgno != lock:
                 index[pgno] = -1
-        n = 0
         with open(out_path, "wb") as out:
             writer = ltx.LTXWriter(out, header)
             for pgno in sorted(index):
@@ -173,9 +167,8 @@ def merge(inputs: list[str], out_path: str) -> Merged:
                     scratch.seek(off)
                     data = scratch.read(header.page_size)
                 writer.write_page(pgno, data)
-                n += 1
-            writer.finish(last_trailer.post_apply_checksum)
+            writer.finish(post_apply)
             size = out.tell()
             out.flush()
             os.fsync(out.fileno())
-    return Merged(header, n, size)
+    return Merged(header, len(index), size)

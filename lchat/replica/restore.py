@@ -40,6 +40,7 @@ from attrs import frozen
 from twisted.internet.defer import ensureDeferred
 from twisted.logger import Logger
 
+from lchat.files import fsync_directory
 from lchat.objstore import UTC, ObjectInfo, ObjectStore
 from lchat.replica import ltx
 from lchat.threads import RunInThread
@@ -595,8 +596,4 @@ def _publish(db_path: str, out_path: str, overwrite: bool) -> None:
             os.link(db_path, out_path)  # never clobbers a file created meanwhile
         except FileExistsError:
             raise RestoreError(f"{out_path} already exists") from None
-    directory = os.open(os.path.dirname(os.path.abspath(out_path)), os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(os.path.dirname(os.path.abspath(out_path)))
