@@ -223,11 +223,7 @@ def mesh_seed(
     ]
     # Spaces this box runs always-on: a peer's replicated row for one of them (a hibernating row
     # left by a missed `hibernate --off` fan-out) becomes the lives-elsewhere shape (--prune).
-    always_on = {
-        route.host: route
-        for route in table
-        if route.kind == "instance" and not route.hibernate and not route.elsewhere
-    }
+    always_on = {route.host: route for route in table if route.always_on_here}
     # The zero-source guard: --prune deletes every in-scope peer row this registry lacks, so a
     # registry that publishes nothing in scope (empty, misread, or the wrong --env-file) would
     # wipe the peer. It counts every row this source publishes in scope: its hibernating routes

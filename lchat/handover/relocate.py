@@ -74,10 +74,6 @@ class Relocation:
     report: Report
     clock: Clock = field(factory=Clock)
 
-    @property
-    def router(self) -> Router:
-        return Router(self.admin, self.say)
-
     def __call__(self, host: str, dest: str, *, move_dns: bool, timeout: float) -> int:
         cfg, say = self.cfg, self.say
         if not REGION_LABEL.fullmatch(dest):
@@ -230,7 +226,7 @@ class Relocation:
         """Step 2: the registry column, the router, the peers (a push never raises; each peer's
         outcome is a line in ``fanned``)."""
         updated = self.registry.update(host, home_region=dest)
-        self.router.notify()
+        Router(self.admin, self.say).notify()
         self.peers.push_reporting(updated, fanned.append)
 
     def _dns_step(
