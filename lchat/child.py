@@ -157,25 +157,8 @@ class _Lines:
         self._emit(text)
 
 
-class _ChildProtocol(ProcessProtocol):
-    def __init__(self, child: RunningChild) -> None:
-        self._child = child
-
-    def outReceived(self, data: bytes) -> None:
-        self._child._out.feed(data)
-
-    def errReceived(self, data: bytes) -> None:
-        self._child._err.feed(data)
-
-    def processExited(self, reason: Failure) -> None:
-        self._child._on_exited(reason)
-
-    def processEnded(self, reason: Failure) -> None:
-        self._child._on_ended(reason)
-
-
-class RunningChild:
-    """One spawned child. Build with :func:`spawn`."""
+class RunningChild(ProcessProtocol):
+    """One spawned child, and the protocol of its process. Build with :func:`spawn`."""
 
     def __init__(self, reactor: IReactorTime, spec: ChildSpec, own_group: bool) -> None:
         self.spec = spec
@@ -327,12 +310,18 @@ class RunningChild:
 
     # -- process events --------------------------------------------------------------------------
 
+    def outReceived(self, data: bytes) -> None:
+        self._out.feed(data)
+
+    def errReceived(self, data: bytes) -> None:
+        self._err.feed(data)
+
     def _log_line(self, stream: str, line: str) -> None:
         if stream == "stderr":
             self._tail.append(line)
         child_log.info("{host} {stream}: {line}", host=self.spec.name, stream=stream, line=line)
 
-    def _on_exited(self, reason: Failure) -> None:
+    def processExited(self, reason: Failure) -> None:
         if self._status is not None:
             return
         if self._own_group and self.pid is not None:
@@ -351,7 +340,7 @@ class RunningChild:
         if self._transport is not None and self.exit_info is None:
             self._transport.loseConnection()
 
-    def _on_ended(self, reason: Failure) -> None:
+    def processEnded(self, reason: Failure) -> None:
         if self.exit_info is not None:
             return
         status = self._status or reason
@@ -426,10 +415,9 @@ def spawn(reactor: IReactorTime, spec: ChildSpec, *, new_session: bool = True) -
     if setsid is not None:
         argv = [setsid, *argv]
     child = RunningChild(reactor, spec, own_group=setsid is not None)
-    proto = _ChildProtocol(child)
     try:
         transport = IReactorProcess(reactor).spawnProcess(
-            proto,
+            child,
             argv[0],
             argv,
             env=dict(spec.env),
