@@ -179,7 +179,7 @@ class Hibernation:
         say.out(f"{host}: router reloaded")
         # A builtin child is stopped by the reload, asynchronously: the activator's space would
         # refuse to start over its socket. systemd's `disable --now` has already waited for it.
-        self._wait_for_handover(host, route.socket, timeout)
+        self._wait_released(route.socket, host, timeout, handover=True)
         # 6. One warm request: the activator wakes it now rather than on a member's first one.
         code = self._warm(host, timeout)
         # 7. The peers (mesh): the hibernating row replaces whatever they hold (a lives-elsewhere
@@ -189,19 +189,6 @@ class Hibernation:
         # forward here.
         self._fan_out_flip(host)
         return code
-
-    def _wait_for_handover(self, host: str, socket: str, timeout: float) -> None:
-        """Until the old process has let go of the socket, or the activator already has it."""
-        deadline = self.clock.monotonic() + timeout
-        while self.units.listening(socket):
-            if (self.router.entry(host) or {}).get("state") in ACTIVATOR_BUSY:
-                return
-            if self.clock.monotonic() >= deadline:
-                self.say.warn(
-                    f"something still listens on {socket} after {timeout:g}s: the wake may fail"
-                )
-                return
-            self.clock.sleep(POLL_INTERVAL)
 
     def _warm(self, host: str, timeout: float) -> int:
         say = self.say
@@ -466,10 +453,21 @@ class Hibernation:
                 f"{host}: the wake that fetches its newest copy failed: {error}; {then}"
             )
 
-    def _wait_released(self, socket: str, host: str, timeout: float) -> None:
+    def _wait_released(
+        self, socket: str, host: str, timeout: float, *, handover: bool = False
+    ) -> None:
+        """Until the old process has let go of the socket. ``handover`` (``--on``): or the
+        activator already has it, and a socket still held at ``timeout`` is only a warning."""
         deadline = self.clock.monotonic() + timeout
         while self.units.listening(socket):
+            if handover and (self.router.entry(host) or {}).get("state") in ACTIVATOR_BUSY:
+                return
             if self.clock.monotonic() >= deadline:
+                if handover:
+                    self.say.warn(
+                        f"something still listens on {socket} after {timeout:g}s: the wake may fail"
+                    )
+                    return
                 raise HandoverError(
                     f"{host}: something still listens on {socket} after {timeout:g}s, and the "
                     f"space would refuse to start over it: stop that process, then retry"
