@@ -16,12 +16,14 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     that runs the space always-on (``lchat hibernate --off`` there), never this box's own. That
     shape writes only the row (not hibernating, ``lives_at`` normalised, no due time), over no row
     or a replicated one (:attr:`lchat.registry.Route.replicated`); the router forwards its
-    requests to that box and never wakes it (:meth:`lchat.mesh.routing.MeshRouter.forward_elsewhere`). ``env`` holds at most :data:`~lchat.mesh.route_payload.MAX_ENV_KEYS` entries named
-    ``LCHAT_[A-Z0-9_]{1,64}`` (not ``LCHAT_HOST``, ``LCHAT_SOCKET`` or ``LCHAT_DB``), each value a
-    string of at most :data:`~lchat.mesh.route_payload.MAX_ENV_VALUE` bytes without line breaks or control characters. The
-    host must be in this box's scope: equal to or directly under one of its ``LCHAT_MESH_DOMAINS``,
-    or with a ``home_region`` equal to its ``LCHAT_MESH_REGION``. Any unknown field is refused.
-    One field is optional: ``next_due``, the space's next scheduled wake (an integer of unix
+    requests to that box and never wakes it
+    (:meth:`lchat.mesh.routing.MeshRouter.forward_elsewhere`). ``env`` holds at most
+    :data:`~lchat.mesh.route_payload.MAX_ENV_KEYS` entries named ``LCHAT_[A-Z0-9_]{1,64}`` (not
+    ``LCHAT_HOST``, ``LCHAT_SOCKET`` or ``LCHAT_DB``), each value a string of at most
+    :data:`~lchat.mesh.route_payload.MAX_ENV_VALUE` bytes without line breaks or control
+    characters. The host must be in this box's scope (:func:`lchat.mesh.route_payload.in_scope`:
+    never a name outside the mesh's domains, so a token holder cannot make a box order
+    certificates for names outside them). Any unknown field is refused. One field is optional: ``next_due``, the space's next scheduled wake (an integer of unix
     seconds, ``0 <= next_due < 2**53``; 0: none). Present, it replaces this box's value (the sender
     is the box that slept or due-woke the space, or a seed from one); absent (an older peer, or a
     row with no due time), this box's value is kept.
@@ -71,9 +73,8 @@ through it, or on its unix socket: "local").
 with the mesh token (``members``: :meth:`lchat.mesh.membership.Membership.known`), and ``https``
 (``http`` only on a mesh whose own ``LCHAT_MESH_SELF`` is plain HTTP, which chose cleartext):
 never an arbitrary address of the box's network, never a cleartext diversion of a space's
-traffic. A host is in scope only under the mesh's domains (see :func:`lchat.mesh.route_payload.in_scope`): a token
-holder cannot make a box order certificates for names outside them. Writes run in a thread, serialised, and the router's
-route table is reloaded (the ``reload`` callback) before the answer goes out.
+traffic. Writes run in a thread, serialised, and the router's route table is reloaded (the
+``reload`` callback) before the answer goes out.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from io import BytesIO
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -120,13 +121,25 @@ from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
 
 MAX_BODY = 64 * 1024
+# Called after every write with the reason (the router passes ``RouteSource.reload``); a Deferred
+# it returns is waited for before the answer.
 Reload = Callable[[str], object]
-# Called on the reactor: a snapshot of the fleet view, finished in a worker thread.
-Spaces = Callable[[], Callable[[], dict[str, Any]]]
-# A peer's beat, to this box's membership (lchat.mesh.membership.Membership.receive_beat).
-Beats = Callable[[BeatMessage], Coroutine[Any, Any, BeatReply]]
-# Is this URL a mesh member's (an authenticated heartbeat; Membership.known)?
-Members = Callable[[str], bool]
+
+
+class Options(TypedDict, total=False):
+    """What :func:`mesh_site` takes besides the registry, the config and ``reload``."""
+
+    run_in_thread: Required[RunInThread]  # the registry and file work (the router's threads)
+    # GET /api/mesh/spaces: the fleet view's snapshot (lchat.mesh.fleet.SpacesView.snapshot),
+    # called on the reactor, finished in a worker thread.
+    spaces: Callable[[], Callable[[], dict[str, Any]]] | None
+    # POST /api/mesh/beat: a peer's beat, to this box's membership (Membership.receive_beat).
+    beats: Callable[[BeatMessage], Coroutine[Any, Any, BeatReply]] | None
+    # Is this URL a member's (Membership.known)? ``lives_at`` must be; None: no membership
+    # here, so no ``lives_at`` is accepted.
+    members: Callable[[str], bool] | None
+    clock: Callable[[], float]  # the failed-authentication limiter's (time.monotonic)
+
 
 # Failed authentication, per client address: a burst of this many 401s, then one more every
 # AUTH_FAILURE_EVERY seconds (a peer with a stale token during a botched rotation retries far
@@ -179,8 +192,7 @@ class AuthLimiter:
         """Seconds until ``client`` may try again (at least 1), or None: it may now."""
         tokens = self._tokens(client)
         if tokens >= 1.0:
-            if client in self._limited:
-                self._limited.discard(client)
+            self._limited.discard(client)
             return None
         return max(1, math.ceil((1.0 - tokens) * self.every))
 
@@ -212,23 +224,13 @@ class _Refused(Exception):
 
 
 class MeshAPI(Resource):
-    """``/api/mesh/route`` and ``/api/mesh/routes``; see the module docstring."""
+    """The mesh API (the module docstring), built by :func:`mesh_site`."""
 
     isLeaf = True
 
     def __init__(
-        self,
-        registry: Registry,
-        cfg: BoxConfig,
-        reload: Reload,
-        run_in_thread: RunInThread,
-        spaces: Spaces | None = None,
-        beats: Beats | None = None,
-        members: Members | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        self, registry: Registry, cfg: BoxConfig, reload: Reload, **options: Unpack[Options]
     ) -> None:
-        """``members``: is a URL a member's (``lives_at`` must be; None: no membership here, so
-        no ``lives_at`` is accepted). ``clock``: the failed-authentication limiter's."""
         super().__init__()
         if cfg.mesh is None:
             raise ValueError("the mesh API needs LCHAT_MESH_SELF (and its domains and token)")
@@ -240,11 +242,11 @@ class MeshAPI(Resource):
         self._token = cfg.mesh.token.encode("utf-8")
         self._accept_token = cfg.mesh.accept_token.encode("utf-8")  # b"": none (lchat.mesh.tokens)
         self._reload = reload
-        self._run = run_in_thread
-        self._spaces = spaces  # GET /api/mesh/spaces (lchat.mesh.fleet.SpacesView.snapshot)
-        self._beats = beats  # POST /api/mesh/beat
-        self._members = members
-        self._limiter = AuthLimiter(clock)
+        self._run = options["run_in_thread"]
+        self._spaces = options.get("spaces")
+        self._beats = options.get("beats")
+        self._members = options.get("members")
+        self._limiter = AuthLimiter(options.get("clock", time.monotonic))
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
@@ -342,16 +344,8 @@ class MeshAPI(Resource):
         d = Deferred.fromCoroutine(self._beats(message))
 
         def done(reply: BeatReply) -> None:
-            if not still():
-                return
-            data = reply.to_json()
-            _calls.labels(op, "ok").inc()
-            request.setResponseCode(200)
-            request.setHeader(b"content-type", b"application/json")
-            request.setHeader(b"cache-control", b"no-store")
-            request.setHeader(b"content-length", str(len(data)).encode())
-            request.write(data)
-            request.finish()
+            if still():
+                self._finish(request, still, op, "ok", 200, reply.to_json())
 
         def failed(failure: Failure) -> None:
             if failure.check(MessageError, ValueError):
@@ -606,12 +600,15 @@ class MeshAPI(Resource):
         return NOT_DONE_YET
 
     def _answer(
-        self, request: Request, op: str, outcome: str, code: int, body: dict[str, Any]
+        self, request: Request, op: str, outcome: str, code: int, body: dict[str, Any] | bytes
     ) -> bytes:
+        """Counts the call, sets the status and headers; the body's bytes (JSON as given)."""
         _calls.labels(op, outcome).inc()
         request.setResponseCode(code)
         request.setHeader(b"content-type", b"application/json")
         request.setHeader(b"cache-control", b"no-store")
+        if isinstance(body, bytes):
+            return body
         return json.dumps(body, sort_keys=True).encode() + b"\n"
 
     def _finish(
@@ -621,7 +618,7 @@ class MeshAPI(Resource):
         op: str,
         outcome: str,
         code: int,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
     ) -> None:
         data = self._answer(request, op, outcome, code, body)
         if not still():  # the caller went away
@@ -673,24 +670,10 @@ class _CappedRequest(Request):
 
 
 def mesh_site(
-    registry: Registry,
-    cfg: BoxConfig,
-    reload: Reload,
-    *,
-    run_in_thread: RunInThread,
-    spaces: Spaces | None = None,
-    beats: Beats | None = None,
-    members: Members | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    registry: Registry, cfg: BoxConfig, reload: Reload, **options: Unpack[Options]
 ) -> Site:
-    """The route-replication API as a Site, for the router to serve on its internal socket.
-
-    ``reload(reason)`` is called after every write (the router passes ``RouteSource.reload``); a
-    Deferred it returns is waited for before the answer. ``run_in_thread`` runs the registry and
-    file work (the router's thread runner). ``spaces``: the fleet view (``GET /api/mesh/spaces``);
-    ``beats``: the membership's ``receive_beat`` (``POST /api/mesh/beat``); ``members``: its
-    ``known`` (which ``lives_at`` URLs are accepted); ``clock``: the auth limiter's."""
-    site = QuietSite(MeshAPI(registry, cfg, reload, run_in_thread, spaces, beats, members, clock))
+    """The mesh API as a Site, for the router to serve on its internal socket."""
+    site = QuietSite(MeshAPI(registry, cfg, reload, **options))
     site.requestFactory = _CappedRequest
     return site
 

@@ -5,16 +5,13 @@ the shared bearer ``LCHAT_MESH_TOKEN``. Every call here is bounded by ``timeout`
 and body together) and verifies HTTPS the way a browser does — the system's trust store, plus
 ``ca_file`` (``LCHAT_MESH_CA_FILE``) when given; there is no way to turn verification off.
 
-:func:`route_payload` builds the narrow payload that crosses the wire, for the CLI's fan-out and
-``mesh-seed`` as for the API's own listing: host, kind, version, hibernate, replication class,
-home region and the space's ``LCHAT_*`` env values — never a socket or database path, which each
-box derives locally — plus, optionally, ``next_due`` (:data:`OPTIONAL_FIELDS`): the space's next
-scheduled wake, so that a due wake fires on whichever box owns the space at the due time
-(:mod:`lchat.mesh.due`). :func:`elsewhere_payload` builds the "lives elsewhere" shape of a space
-flipped to always-on (``hibernate`` false, ``lives_at`` the box that runs it). :func:`fan_out_targets` says which live peers must hold a route; the
-CLI's fan-out and the router's due pushes share it. Each call takes the HTTP client to send
-with (``http``: treq's ``HTTPClient``, or ``treq.testing.StubTreq`` over a peer's real
-:class:`lchat.mesh.api.MeshAPI` in tests); by default one of its own, verified as above.
+:func:`route_payload` and :func:`elsewhere_payload` build the narrow payload that crosses the
+wire (never a socket or database path: each box derives those locally), for the CLI's fan-out
+and ``mesh-seed`` as for the API's own listing and the router's due pushes
+(:mod:`lchat.mesh.due`); :func:`fan_out_targets` says which live peers must hold a route.
+Each call takes the HTTP client to send with (``http``: treq's ``HTTPClient``, or
+``treq.testing.StubTreq`` over a peer's real :class:`lchat.mesh.api.MeshAPI` in tests); by
+default one of its own, verified as above.
 """
 
 from __future__ import annotations
@@ -22,11 +19,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 import treq
-from attrs import frozen
+from attrs import evolve
 from treq.client import HTTPClient
 from twisted.internet import error
 from twisted.internet.defer import Deferred, DeferredList
@@ -73,19 +70,8 @@ DEFAULT_TIMEOUT = 5.0
 MAX_RESPONSE = 64 << 20  # a listing of many thousands of routes; anything bigger is not a peer
 
 
-class MeshCallError(Exception):
+class MeshCallError(PeerCallError):
     """A call to a peer failed: unreachable, timed out, refused, or answered nonsense."""
-
-    def __init__(self, peer: str, what: str, status: int | None = None) -> None:
-        super().__init__(f"{peer}: {what}")
-        self.peer = peer
-        self.status = status
-
-
-@frozen
-class _Reply:
-    status: int
-    body: Any
 
 
 def replicable_env(values: Mapping[str, str]) -> dict[str, str]:
@@ -139,16 +125,7 @@ def elsewhere_payload(route: Route, self_url: str) -> dict[str, Any]:
     for the host to that box and never wakes it (docs/mesh.md, Hibernate flips)."""
     if route.kind != "instance" or route.hibernate or route.elsewhere:
         raise ValueError(f"{route.host}: only an always-on instance of this box lives elsewhere")
-    return {
-        "host": route.host,
-        "kind": route.kind,
-        "version": route.version,
-        "hibernate": False,
-        "replication": route.replication,
-        "home_region": route.home_region,
-        "env": {},
-        "lives_at": normalise_member_url(self_url),
-    }
+    return route_payload(evolve(route, lives_at=normalise_member_url(self_url)), {})
 
 
 def fan_out_targets(
@@ -182,108 +159,59 @@ def check_peer_url(peer_url: str) -> str:
     return peer_url.rstrip("/")
 
 
+class CallOptions(TypedDict, total=False):
+    """The keyword arguments of every call to a peer's route-replication API."""
+
+    ca_file: str  # LCHAT_MESH_CA_FILE, trusted besides the system's store ("": none)
+    timeout: float  # seconds for connect, request and body together (DEFAULT_TIMEOUT)
+    reactor: Required[TCPReactor]  # the caller's: the router's, or the CLI's own
+    http: HTTPClient | None  # the client to send with (tests: treq.testing.StubTreq)
+
+
 async def push_route(
-    peer_url: str,
-    token: str,
-    payload: Mapping[str, Any],
-    *,
-    ca_file: str = "",
-    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
-    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
+    peer_url: str, token: str, payload: Mapping[str, Any], **options: Unpack[CallOptions]
 ) -> dict[str, Any]:
     """``POST /api/mesh/route``: create or update the route on the peer. Returns its answer
     (``{"host": ..., "result": "created" | "updated"}``); raises :class:`MeshCallError`."""
     body = json.dumps(dict(payload), sort_keys=True).encode()
-    reply = await _call(
-        "POST",
-        peer_url,
-        ROUTE_PATH,
-        token,
-        body=body,
-        ca_file=ca_file,
-        timeout=timeout,
-        reactor=reactor,
-        http=http,
-    )
-    return _object(peer_url, reply)
+    _, answer = await _call("POST", peer_url, ROUTE_PATH, token, options, body)
+    return answer
 
 
 async def delete_route(
-    peer_url: str,
-    token: str,
-    host: str,
-    *,
-    ca_file: str = "",
-    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
-    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
+    peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
 ) -> bool:
     """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer. True when the peer had
     a row to delete, False when it had none; raises :class:`MeshCallError`."""
-    host = hosts.normalise(host)
-    path = f"{ROUTE_PATH}/{host}"
-    reply = await _call(
-        "DELETE",
-        peer_url,
-        path,
-        token,
-        ca_file=ca_file,
-        timeout=timeout,
-        reactor=reactor,
-        http=http,
-    )
-    deleted = _object(peer_url, reply).get("deleted")
+    path = f"{ROUTE_PATH}/{hosts.normalise(host)}"
+    status, answer = await _call("DELETE", peer_url, path, token, options)
+    deleted = answer.get("deleted")
     if not isinstance(deleted, bool):
-        raise MeshCallError(peer_url, "the answer to DELETE has no 'deleted' flag", reply.status)
+        raise MeshCallError(peer_url, "the answer to DELETE has no 'deleted' flag", status)
     return deleted
 
 
 async def list_routes(
-    peer_url: str,
-    token: str,
-    *,
-    ca_file: str = "",
-    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
-    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
+    peer_url: str, token: str, **options: Unpack[CallOptions]
 ) -> list[dict[str, Any]]:
     """``GET /api/mesh/routes``: the peer's in-scope hibernating routes, as payloads."""
-    reply = await _call(
-        "GET",
-        peer_url,
-        ROUTES_PATH,
-        token,
-        ca_file=ca_file,
-        timeout=timeout,
-        reactor=reactor,
-        http=http,
-    )
-    routes = _object(peer_url, reply).get("routes")
+    status, answer = await _call("GET", peer_url, ROUTES_PATH, token, options)
+    routes = answer.get("routes")
     if not isinstance(routes, list) or not all(
         isinstance(r, dict) and isinstance(r.get("host"), str) for r in routes
     ):
-        raise MeshCallError(peer_url, "the listing is not a list of routes", reply.status)
+        raise MeshCallError(peer_url, "the listing is not a list of routes", status)
     return routes
 
 
 async def get_json(
-    peer_url: str,
-    token: str,
-    path: str,
-    *,
-    ca_file: str = "",
-    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: TCPReactor,  # the caller's: the router's, or the CLI's own
-    http: HTTPClient | None = None,  # the client to send with (tests: treq.testing.StubTreq)
+    peer_url: str, token: str, path: str, **options: Unpack[CallOptions]
 ) -> dict[str, Any]:
     """``GET path`` on the peer's mesh API (``lchat fleet``'s ``/api/mesh/spaces``): its answer,
     a JSON object; raises :class:`MeshCallError` (no answer in time, not 2xx, not an object).
     ``MeshCallError.status`` is None exactly when no HTTP answer came at all."""
-    reply = await _call(
-        "GET", peer_url, path, token, ca_file=ca_file, timeout=timeout, reactor=reactor, http=http
-    )
-    return _object(peer_url, reply)
+    _, answer = await _call("GET", peer_url, path, token, options)
+    return answer
 
 
 class PeerBeats:
@@ -363,11 +291,7 @@ class _TLSEndpoint:
     def connect(self, factory: Any) -> Deferred[Any]:
         tls = TLSMemoryBIOFactory(self._creator, True, factory, clock=self._clock)
         d: Deferred[Any] = self._tcp.connect(tls)
-        return d.addCallback(_wrapped)
-
-
-def _wrapped(protocol: Any) -> Any:
-    return protocol.wrappedProtocol
+        return d.addCallback(lambda protocol: protocol.wrappedProtocol)
 
 
 @implementer(IAgentEndpointFactory)
@@ -404,13 +328,13 @@ async def _call(
     peer_url: str,
     path: str,
     token: str,
-    *,
+    options: CallOptions,
     body: bytes | None = None,
-    ca_file: str,
-    timeout: float,  # noqa: ASYNC109 -- Twisted: enforced with addTimeout
-    reactor: TCPReactor,
-    http: HTTPClient | None = None,
-) -> _Reply:
+) -> tuple[int, dict[str, Any]]:
+    """One call to a peer's mesh API: its status and its answer, a JSON object (anything else,
+    and any status but 2xx, is :class:`MeshCallError`)."""
+    reactor = options["reactor"]
+    timeout = options.get("timeout", DEFAULT_TIMEOUT)
     try:
         url = check_peer_url(peer_url) + path
     except ValueError as e:
@@ -423,8 +347,8 @@ async def _call(
         headers["Content-Type"] = "application/json"
     # Bodies are written at once, not through treq's default producer: that one is paced by the
     # global cooperator, which the CLI's own reactor never runs.
-    client = http or HTTPClient(
-        _agent(reactor, ca_file, timeout), data_to_body_producer=BytesProducer
+    client = options.get("http") or HTTPClient(
+        _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
     )
 
     code, raw = await _exchange(
@@ -442,7 +366,13 @@ async def _call(
         parsed = json.loads(raw) if raw else None
     except (ValueError, RecursionError):
         parsed = None
-    return _Reply(code, parsed)
+    answer = parsed if isinstance(parsed, dict) else {}
+    if not 200 <= code < 300:
+        error = answer.get("error") if isinstance(answer.get("error"), str) else ""
+        raise MeshCallError(peer_url, f"answered {code}{': ' + error if error else ''}", code)
+    if not isinstance(parsed, dict):
+        raise MeshCallError(peer_url, "the answer is not a JSON object", code)
+    return code, answer
 
 
 async def _exchange(
@@ -493,7 +423,7 @@ async def _exchange(
     d.addTimeout(timeout, clock, onTimeoutCancel=timed_out)
     try:
         return await d
-    except (MeshCallError, PeerCallError):
+    except PeerCallError:  # MeshCallError too
         raise
     except Exception as e:
         raise fail(_describe(e)) from e
@@ -504,15 +434,3 @@ def _describe(e: BaseException) -> str:
     if reasons:
         return "; ".join(f.getErrorMessage() for f in reasons)
     return str(e) or type(e).__name__
-
-
-def _object(peer_url: str, reply: _Reply) -> dict[str, Any]:
-    body = reply.body if isinstance(reply.body, dict) else {}
-    if not 200 <= reply.status < 300:
-        error = body.get("error") if isinstance(body.get("error"), str) else ""
-        raise MeshCallError(
-            peer_url, f"answered {reply.status}{': ' + error if error else ''}", reply.status
-        )
-    if not isinstance(reply.body, dict):
-        raise MeshCallError(peer_url, "the answer is not a JSON object", reply.status)
-    return body
