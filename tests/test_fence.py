@@ -43,7 +43,7 @@ from lchat.lease import (
     LeaseRecord,
     NotAlive,
 )
-from lchat.mesh.fence import BoxFence, HolderJudge, holder_deadline, judged_dead
+from lchat.mesh.fence import BoxFence, HolderJudge, judged_dead
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
 from lchat.mesh.liveness import LIVENESS_MARGIN
 from lchat.mesh.members import member_key, read_members
@@ -61,6 +61,15 @@ from tests.replicas import HAVE_LITESTREAM, dump, litestream_restore
 from tests.test_activator_machine import _Machine
 from tests.test_lease import Lost, outcomes
 from tests.test_membership import Counting
+
+
+def holder_deadline(sent: float, dead_after: float, margin_fraction: float) -> float:
+    """The holder's rule, stated on its own (what lchat.mesh.liveness.Liveness keeps): a box whose
+    last successful heartbeat PUT was sent at ``sent`` (its monotonic clock) writes nothing on its
+    leases from ``sent + dead_after * (1 - margin_fraction)`` on, unless its peers' word keeps it
+    alive longer (lchat.mesh.witness)."""
+    return sent + dead_after - dead_after * margin_fraction
+
 
 reactor: Any = _reactor
 T = TypeVar("T")

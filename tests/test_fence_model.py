@@ -132,7 +132,7 @@ from lchat.lease import (
     lease_key,
 )
 from lchat.lease import acquire as acquire_lease
-from lchat.mesh.fence import BoxFence, HolderJudge, holder_deadline, judged_dead
+from lchat.mesh.fence import BoxFence, HolderJudge, judged_dead
 from lchat.mesh.janitor import JANITOR_DEAD_AFTERS
 from lchat.mesh.liveness import LIVENESS_MARGIN
 from lchat.mesh.members import member_key, members_prefix
@@ -157,6 +157,15 @@ from lchat.replica.restore import (
     plan_files,
     replica_files,
 )
+
+
+def holder_deadline(sent: float, dead_after: float, margin_fraction: float) -> float:
+    """The holder's rule, stated on its own (what lchat.mesh.liveness.Liveness keeps): a box whose
+    last successful heartbeat PUT was sent at ``sent`` (its monotonic clock) writes nothing on its
+    leases from ``sent + dead_after * (1 - margin_fraction)`` on, unless its peers' word keeps it
+    alive longer (lchat.mesh.witness)."""
+    return sent + dead_after - dead_after * margin_fraction
+
 
 # --- the world's constants ----------------------------------------------------------------------
 

@@ -1,19 +1,11 @@
-"""A mesh box's liveness fences its spaces' leases (docs/lease.md).
+"""A mesh box's liveness fences its spaces' leases (docs/lease.md): two sides of one rule.
 
-Two sides of one rule:
-
-- **The holder** (this box) may write on its leases only while :meth:`Membership.alive` says so:
-  from its first landed heartbeat until its deadline — ``dead_after - margin`` after the last
-  heartbeat that landed in the bucket was *sent* (W1), or for as long as its peers' word covers it
-  (W2, lchat.mesh.witness), on its monotonic clock. Past that, every space stands down (the
-  membership's ``on_not_alive`` hook) and no lease is taken until a beat lands again.
+- **The holder** (this box) writes on its leases only while :meth:`Membership.alive` says so (the
+  deadline :class:`lchat.mesh.liveness.Liveness` keeps); past it, every space stands down and no
+  lease is taken until a beat lands again.
 - **A taker** (a peer waking one of its spaces) may take over a lease that is still live by its
-  TTL when the record names a holder box that is dead: its heartbeat in the bucket is gone or too
-  old on the *bucket's* clock, **and** its silence is witnessed — this box holds an answer of the
-  holder's process, has not heard from it for ``dead_after`` and was not told it holds writes the
-  bucket lacks (or the heartbeat is older than any holder can live on its peers' word) — **and** a
-  direct probe of it fails. :class:`HolderJudge` reads the heartbeat afresh, right before
-  :func:`lchat.lease.acquire` writes its conditional (``If-Match``) takeover. A holder that
+  TTL only when :class:`HolderJudge` finds the holder box dead, reading its heartbeat afresh right
+  before :func:`lchat.lease.acquire` writes its conditional (``If-Match``) takeover. A holder that
   restarted or came back from a lapse is alive: it takes its own leases back itself, from its own
   copy, which may be newer than the bucket's (the newest copy wins).
 
@@ -21,8 +13,6 @@ Two sides of one rule:
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 from attrs import frozen
 from prometheus_client import Counter
@@ -35,7 +25,6 @@ from lchat.lease import LeaseRecord, NotAlive
 from lchat.mesh.heartbeat import Heartbeat
 from lchat.mesh.members import KeyPrefix, judged_dead, member_key
 from lchat.mesh.membership import Membership
-from lchat.mesh.witness import Witnesses
 from lchat.objstore import NotFound, ObjectStore
 
 log = Logger(namespace="lchat.mesh.fence")
@@ -51,46 +40,23 @@ for _outcome in ("alive", "witnessed", "answers", "dead"):
     JUDGEMENTS.labels(_outcome)
 
 
-def holder_deadline(sent: float, dead_after: float, margin_fraction: float) -> float:
-    """The holder's rule: a box whose last successful heartbeat PUT was sent at ``sent`` (its
-    monotonic clock) writes nothing on its leases from ``sent + dead_after * (1 -
-    margin_fraction)`` on (lchat.mesh.membership.Membership.alive), unless its peers' word
-    keeps it alive longer (lchat.mesh.witness)."""
-    return sent + dead_after - dead_after * margin_fraction
-
-
-class Witness(Protocol):
-    """What a taker needs of this box's own membership (lchat.mesh.membership.Membership)."""
-
-    url: str
-    witnesses: Witnesses
-
-    @property
-    def epoch(self) -> str: ...
-
-    def now(self) -> float: ...
-
-    async def probe(self, url: str) -> bool: ...
-
-
 @frozen
 class HolderJudge:
     """Judges a live lease's holder box by its heartbeat in the mesh's bucket and, with a
     ``witness`` (this box's membership), by what the peers told this box.
 
     ``__call__(record)``: ``"holder dead"`` when the heartbeat named by ``record.box`` is gone or
-    its ``Last-Modified`` is at least ``dead_after`` old on the bucket's clock (judged from
-    ``floor(Last-Modified) + 1 s``, since stores truncate it to whole seconds: never early), and —
-    with a witness, and a holder running an lchat that takes part — its silence is witnessed here
-    (:meth:`Witnesses.silent`) or its heartbeat is older than any holder lives on its peers' word
-    (:meth:`Witnesses.slow_after`), and a probe of it fails. None otherwise (not knowing is not
-    dead; a record naming this box is its own to take back). Store errors propagate.
+    :func:`judged_dead` on the bucket's clock, and — with a witness, and a holder running an
+    lchat that takes part — its silence is witnessed here (:meth:`Witnesses.silent`) or its
+    heartbeat is older than any holder lives on its peers' word (:meth:`Witnesses.slow_after`),
+    and a probe of it fails. None otherwise (not knowing is not dead; a record naming this box
+    is its own to take back). Store errors propagate.
     """
 
     store: ObjectStore  # the mesh's bucket (LCHAT_MESH_BUCKET, or the hibernation bucket)
     where: KeyPrefix
     dead_after: float
-    witness: Witness | None = None
+    witness: Membership | None = None
 
     async def __call__(self, record: LeaseRecord) -> str | None:
         try:
@@ -195,8 +161,6 @@ class BoxFence:
         return self.membership.alive()
 
     def bucket_reachable(self) -> bool:
-        """Did this box's last heartbeat PUT succeed? A wake needs the bucket: while not, it is
-        refused at once (a 503 within a second, not after the store's timeouts)."""
         return self.membership.bucket_reachable()
 
     async def holder_check(self, record: LeaseRecord) -> str | None:
