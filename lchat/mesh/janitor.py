@@ -1,12 +1,7 @@
 """The heartbeat janitor: it deletes what crashed boxes leave behind, so the members LIST stays
 small. A member key whose beat is older than ``janitor_after`` (10 x ``dead_after``, bucket
-clock) is deleted by the *janitor*, the live box with the lowest URL in its own view, at most one
-key per beat (:meth:`Janitor.sweep`, a step of the membership's beat), oldest first, conditional
-on the ETag it listed (a box that beat again in between changed the ETag or, when it came back
-with the same body, at worst loses that one beat). Never our own key; never a key under the
-prefix that is not a well-formed member key (left, and logged once). Outcomes count in
-``lchat_mesh_janitor_deletes_total{outcome}``; a failure is soft and the key is tried again at
-the next beat.
+clock) is deleted by the rule of :meth:`Janitor.sweep`, a step of the membership's beat.
+Outcomes count in ``lchat_mesh_janitor_deletes_total{outcome}``.
 """
 
 from __future__ import annotations
@@ -99,7 +94,9 @@ class Janitor:
 
         Only the *janitor* acts: the live member with the lowest URL in our ``view``, when that
         is us. Views can differ for a beat, so two boxes may both act: harmless, because every
-        DELETE is conditional on the listed ETag, and the loser gets PreconditionFailed. One
+        DELETE is conditional on the listed ETag, and the loser gets PreconditionFailed (a box
+        that beat again in between changed the ETag or, when it came back with the same body,
+        at worst loses that one beat). One
         janitor (rather than every box) saves the fleet N-1 doomed DELETEs per dead key and keeps
         the log on one box. If the janitor dies, its own key goes stale and the next-lowest URL
         takes over within ``dead_after``.

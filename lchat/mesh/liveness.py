@@ -1,13 +1,8 @@
 """This box's liveness on the mesh (docs/lease.md): may it write on its leases now?
 
-It may from the first landed heartbeat until its *deadline*, the later of
-
-- ``W1``: the monotonic time its last landed heartbeat was *sent* + ``dead_after`` - margin (the
-  heartbeat landed by its own PUT, or relayed into the bucket by a peer), and
-- ``W2``: its required peers' word (:meth:`lchat.mesh.witness.Witnesses.holder_deadline`, at most
-  ``LCHAT_MESH_OUTAGE_TOLERANCE`` after the last landed heartbeat), with a peer channel only.
-
-Peers may judge this box dead only after that. When the deadline passes, every space stands down
+It may from the first landed heartbeat until its *deadline*, the later of ``W1`` (its own landed
+heartbeat) and, with a peer channel only, ``W2`` (its required peers' word), as
+:mod:`lchat.mesh.witness` defines them. Peers may judge this box dead only after that. When the deadline passes, every space stands down
 (the ``on_not_alive`` hooks), and the membership beats under a new epoch (``renew``): nothing of
 the old one counts again. A timer keeps the deadline; a deadline found passed by whatever is
 handled next (a freeze, a stalled loop) lapses too (:meth:`Liveness.missed`).
@@ -21,7 +16,7 @@ from prometheus_client import Counter
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from lchat.mesh.members import log
+from lchat.mesh.members import call_hooks, log
 from lchat.mesh.witness import Witnesses
 
 # This box stops writing on its leases at dead_after * (1 - LIVENESS_MARGIN) after its last
@@ -119,7 +114,7 @@ class Liveness:
         """W1 or W2, whichever is later (None: no beat of this epoch has landed yet)."""
         if self.landed is None:
             return None
-        w1 = self.landed + self._dead_after - self.margin  # lchat.mesh.fence.holder_deadline
+        w1 = self.landed + self._dead_after - self.margin
         if not self._witnessed:
             return w1
         return max(w1, self._witnesses.holder_deadline(self.landed))
@@ -175,11 +170,7 @@ class Liveness:
         if not self.first_beat.called:
             self.first_beat.callback(None)
         if became:
-            for fn in list(self._on_alive):
-                try:
-                    fn()
-                except Exception:
-                    log.failure("mesh: alive hook {fn!r} failed", fn=fn)
+            call_hooks(self._on_alive, "alive hook")
 
     def _deadline_passed(self) -> None:
         self._timer = None
@@ -237,8 +228,4 @@ class Liveness:
             url=self._url,
             dead_after=self._dead_after,
         )
-        for fn in list(self._on_not_alive):
-            try:
-                fn()
-            except Exception:
-                log.failure("mesh: stand-down hook {fn!r} failed", fn=fn)
+        call_hooks(self._on_not_alive, "stand-down hook")

@@ -5,33 +5,29 @@ Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s)::
     <prefix>/mesh/members/<base64url(normalised LCHAT_MESH_SELF), no padding>
 
 in the hibernation bucket, or in ``LCHAT_MESH_BUCKET`` when the fleet's regions keep their replicas
-in different buckets (every member of one mesh must name the same place). The key is the record: it names the box, so one LIST of the prefix is the whole membership, and
-the ``Last-Modified`` of each object is that box's last beat. The body is small JSON that stays the
-same across beats (so its ETag does not change and peers read it once per process of the box)::
+in different buckets (every member of one mesh must name the same place). The key is the record:
+it names the box, so one LIST of the prefix is the whole membership, and the ``Last-Modified`` of
+each object is that box's last beat. The body is small JSON that stays the same across beats (so
+its ETag does not change and peers read it once per process of the box)::
 
     {"mac": "…", "region": "ie", "started_at": 1789000000.123, "url": "https://box-1.example.net", "version": "0.1.0"}
 
-**Only authenticated heartbeats make members** (issue 29): ``mac`` is an HMAC of the rest of the
-body under a key derived from ``LCHAT_MESH_TOKEN`` (:class:`lchat.mesh.heartbeat.HeartbeatKeys`;
-``LCHAT_MESH_TOKEN_ACCEPT``'s verifies too, during a rotation). A body without a MAC that
-verifies — planted by someone who can write to the bucket but holds no token, or written by an
-lchat older than this check — is no member: it is in no view, so no beat, route push, forward,
-placement share, janitor or publisher election, probe or fleet call ever goes to its URL. It is
-logged once per key and version and counted in
-``lchat_mesh_unauthenticated_heartbeats_total``. Every path that contacts peers picks them from
-:func:`read_members` or the :class:`Membership` view, so that one check covers them all.
+**Only authenticated heartbeats make members**: a body whose ``mac`` does not verify
+(:mod:`lchat.mesh.heartbeat`) — planted by someone who can write to the bucket but holds no token,
+or written by an lchat older than this check — is no member: it is in no view, so no beat, route
+push, forward, placement share, janitor or publisher election, probe or fleet call ever goes to
+its URL. Every path that contacts peers picks them from :func:`read_members` or the
+:class:`Membership` view, so that one check covers them all.
 
-Liveness is judged on the *bucket's* clock only: a member is live while ``store.now() -
-Last-Modified <= dead_after`` (45 s, three missed beats). No box's own clock takes part, so a box
-with a wrong clock cannot poison anyone's view. Stores that truncate ``Last-Modified`` and ``Date``
-to whole seconds (S3, moto) make an age wrong by up to a second either way; ``dead_after`` is
-meant to be several beats long, so that does not matter.
+Liveness is judged on the *bucket's* clock only (:func:`judged_dead`, ``dead_after`` 45 s, three
+missed beats): no box's own clock takes part, so a box with a wrong clock cannot poison anyone's
+view.
 
-:func:`read_members` is one read of the view (one LIST, ``now()``, and a GET only for bodies whose
-ETag is not cached); the router's :class:`~lchat.mesh.membership.Membership` service beats and refreshes its view once
-per beat, and the CLI calls :func:`read_members` directly. Garbage under the prefix (a key that is
-not canonical base64url of a normalised member URL, a body that is not the JSON above, a body whose
-URL is not the key's) is skipped with a log line, never fatal.
+:func:`read_members` is one read of the view; the router's
+:class:`~lchat.mesh.membership.Membership` refreshes its view once per beat, and the CLI calls
+:func:`read_members` directly. Garbage under the prefix (a key that is not canonical base64url of
+a normalised member URL, a body that is not the JSON above, a body whose URL is not the key's) is
+skipped with a log line, never fatal.
 """
 
 from __future__ import annotations
@@ -40,6 +36,7 @@ import base64
 import binascii
 import datetime
 import re
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from attrs import evolve, field, frozen
@@ -150,7 +147,6 @@ class Member:
     key: str
     # ``self`` cannot be an __init__ parameter name: construct with ``is_self=``.
     self: bool = field(default=False, alias="is_self")
-    epoch: str = ""  # the beating process's epoch (Heartbeat.epoch)
     process: str = ""  # its process (Heartbeat.process; "": an older lchat)
 
 
@@ -173,11 +169,10 @@ async def read_members(
 ) -> list[Member]:
     """The live members (sorted by URL): one LIST of the members prefix and ``store.now()``.
 
-    A member is live until :func:`judged_dead` on the bucket's clock (``now >= floor(last_modified)
-    + 1 s + dead_after``: the rule a taker of its leases applies, lchat.mesh.fence). Bodies are
-    fetched (GET) only for live keys whose ETag is not already in ``bodies`` (``key -> (etag,
-    parsed)``, a cache the caller may keep across reads; entries for keys no longer listed are
-    dropped). Garbage is skipped with one log line per version (with a cache; each read without).
+    A member is live until :func:`judged_dead` on the bucket's clock. Bodies are fetched (GET)
+    only for live keys whose ETag is not already in ``bodies`` (``key -> (etag, parsed)``, a
+    cache the caller may keep across reads; entries for keys no longer listed are dropped).
+    Garbage is skipped with one log line per version (with a cache; each read without).
     ``self_url`` marks this box's own entry (``Member.self``); ``include_dead`` also returns the
     members whose beat is too old (the caller can tell them by ``age``). ``keys``: the mesh's
     heartbeat keys; a body whose MAC does not verify under them is no member (logged once per
@@ -257,7 +252,6 @@ async def read_view(
                 age=age,
                 key=info.key,
                 is_self=heartbeat.url == me,
-                epoch=heartbeat.epoch,
                 process=heartbeat.process,
             )
         )
@@ -345,3 +339,13 @@ def describe_failure(e: BaseException | None, timeout: float) -> str:
     if isinstance(e, defer.TimeoutError):
         return f"no answer within {timeout:g}s"
     return f"{type(e).__name__}: {e}"
+
+
+def call_hooks(hooks: Iterable[Callable[..., object]], what: str, *args: object) -> None:
+    """``fn(*args)`` for each of ``hooks`` (a copy of the list: a hook may unsubscribe); one that
+    raises is logged as ``mesh: <what> <fn> failed`` and the others still run."""
+    for fn in list(hooks):
+        try:
+            fn(*args)
+        except Exception:
+            log.failure(f"mesh: {what} {{fn!r}} failed", fn=fn)

@@ -1,12 +1,9 @@
 """Membership (docs/design.md §9): this box's heartbeat in the bucket, its peers' witness, and
 its view of the mesh (:class:`Membership`).
 
-Every mesh box PUTs one object every ``LCHAT_MESH_HEARTBEAT`` seconds (15 s); one LIST of the
-members prefix is the whole membership (:mod:`lchat.mesh.members`: the keys, the bodies, who is
-live, and the one read of them). Beats also go to the peers over the mesh API, which witness this
-box while the bucket is out of reach (:mod:`lchat.mesh.witness`); what keeps it alive is kept by
-:mod:`lchat.mesh.liveness`; what crashed boxes leave behind, the janitor deletes
-(:mod:`lchat.mesh.janitor`).
+The keys, the bodies and who is live: :mod:`lchat.mesh.members`; the peers' witness:
+:mod:`lchat.mesh.witness` and :mod:`lchat.mesh.peering`; this box's deadline:
+:mod:`lchat.mesh.liveness`; what crashed boxes leave behind: :mod:`lchat.mesh.janitor`.
 
 Failures are soft (they are logged and counted in ``lchat_mesh_heartbeat_failures_total{op}``): a
 failed PUT leaves our beat to age (peers take over our hosts after ``dead_after``, the lease
@@ -18,10 +15,9 @@ arbitrates any overlap), a failed read keeps the last view. Draining deletes our
 from __future__ import annotations
 
 import datetime
-import math
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from attrs import evolve
@@ -44,6 +40,7 @@ from lchat.mesh.members import (
     BodyCache,
     KeyPrefix,
     Member,
+    call_hooks,
     describe_failure,
     log,
     member_key,
@@ -51,18 +48,9 @@ from lchat.mesh.members import (
     members_prefix,
     read_view,
 )
-from lchat.mesh.peering import (
-    PEER_TIMEOUT,
-    PROBE_TIMEOUT,
-    RELAY_TIMEOUT,
-    PeerBeating,
-    no_backlog,
-)
+from lchat.mesh.peering import PeerBeating
 from lchat.mesh.placement import normalise_member_url
-from lchat.mesh.witness import (
-    PeerChannel,
-    Witnesses,
-)
+from lchat.mesh.witness import PeerChannel, Witnesses
 from lchat.objstore import (
     UTC,
     NotFound,
@@ -97,28 +85,19 @@ def _urls(members: Sequence[Member]) -> frozenset[tuple[str, str]]:
 class Membership(PeerBeating, Service):
     """This box's heartbeat, its peers' witness, and its view of the mesh (docs/mesh.md).
 
-    On start it beats at once, then every ``mesh.heartbeat`` seconds: PUT our heartbeat, then one
-    :func:`read_members` (bodies cached by ETag). Each operation is bounded by
+    On start it beats at once, then every ``mesh.heartbeat`` seconds: PUT our heartbeat, one
+    :func:`~lchat.mesh.members.read_view` (bodies cached by ETag), then the janitor's step
+    (:meth:`~lchat.mesh.janitor.Janitor.sweep`). Each operation is bounded by
     ``max(mesh.heartbeat, 1 s)``. :attr:`members` is the last view: live members, this box
-    included. It is never empty: until a read shows anybody, and whenever our latest PUT succeeded
-    but the listing does not show it yet, this box is in it (so placement always has a fleet).
+    included. It is never empty: until a read shows anybody, and whenever our latest PUT
+    succeeded but the listing does not show it yet, this box is in it (so placement always has a
+    fleet).
 
-    With a peer channel (``peers``; the router always has one), it also sends its heartbeat to
-    every peer it knows once per beat, on a loop of its own that no bucket operation holds up, and
-    answers theirs (:meth:`receive_beat`): the witness (lchat.mesh.witness, docs/lease.md). A peer
-    heard within ``dead_after`` is in the view even when its heartbeat in the bucket is too old,
-    and this box's liveness is ``W1`` (its last landed heartbeat, written by itself or relayed
-    into the bucket by a peer) or ``W2`` (its required peers' word, at most
-    ``LCHAT_MESH_OUTAGE_TOLERANCE`` after the last landed heartbeat). Without one, liveness is the
-    bucket's alone (``W1``).
-
-    ``subscribe(fn)``: ``fn(old, new)`` (lists of :class:`Member`) whenever the set of live
-    (URL, region) pairs changes. ``stopService`` (the drain) deletes our heartbeat *first* and
-    returns a Deferred that fires when the delete is done or failed, within :attr:`stop_timeout`.
-
-    After the view is updated, a beat runs the heartbeat janitor (lchat.mesh.janitor): when our
-    PUT landed and we are the lowest URL of the new view, at most one conditional DELETE of the
-    oldest member key older than :attr:`janitor_after`, never our own key, never a garbage key.
+    With a peer channel (``peers``; the router always has one) it also beats the peers and
+    answers theirs (:class:`~lchat.mesh.peering.PeerBeating`): a peer heard within
+    ``dead_after`` is in the view even when its heartbeat in the bucket is too old, and this
+    box's liveness (:class:`~lchat.mesh.liveness.Liveness`) counts its required peers' word.
+    Without one, liveness is the bucket's alone (``W1``).
     """
 
     def __init__(
@@ -150,25 +129,18 @@ class Membership(PeerBeating, Service):
         self.dead_after = mesh.dead_after
         self.timeout = max(mesh.heartbeat, 1.0)  # per store operation of a beat
         self.stop_timeout = STOP_TIMEOUT
-        # A beat to a peer: long enough for its relay (RELAY_TIMEOUT) and a round trip.
-        self.peer_timeout = min(max(mesh.heartbeat, 1.0), PEER_TIMEOUT)
-        self.relay_timeout = min(RELAY_TIMEOUT, self.peer_timeout / 2)
-        self.probe_timeout = min(PROBE_TIMEOUT, mesh.dead_after / 4)
         self.keys = HeartbeatKeys.of(mesh.token, mesh.accept_token)
-        self.body = Heartbeat(
-            url=self.url,
-            region=mesh.region,
-            version=lchat.__version__,
-            # Informational: when this router started (it builds its membership at start).
-            started_at=round(reactor.seconds() if started_at is None else started_at, 3),
-            epoch=uuid.uuid4().hex if epoch is None else epoch,
-            process=(uuid.uuid4().hex if process is None else process) if peers else "",
+        self.body = self.keys.sign(
+            Heartbeat(
+                url=self.url,
+                region=mesh.region,
+                version=lchat.__version__,
+                # Informational: when this router started (it builds its membership at start).
+                started_at=round(reactor.seconds() if started_at is None else started_at, 3),
+                epoch=uuid.uuid4().hex if epoch is None else epoch,
+                process=(uuid.uuid4().hex if process is None else process) if peers else "",
+            )
         )
-        self.body = self.keys.sign(self.body)
-        self._payload = self.body.to_json()
-        # Liveness (docs/lease.md): this box may write on its leases until ``_alive_until``: the
-        # later of W1 (the monotonic time the last landed beat was *sent* + dead_after - margin)
-        # and W2 (its required peers' word); peers may judge it dead only after that.
         self.margin = mesh.dead_after * LIVENESS_MARGIN
         self.witnesses = Witnesses(
             self.url,
@@ -189,7 +161,6 @@ class Membership(PeerBeating, Service):
             epoch=lambda: self.body.epoch,
             renew=self._renew,
         )
-        self._on_unreachable: list[Callable[[str], object]] = []
         self._draining: frozenset[str] = frozenset()  # peers whose heartbeat says "draining"
         self._bodies: BodyCache = {}
         self._bucket_members: list[Member] = []  # the last listing's live members
@@ -198,11 +169,6 @@ class Membership(PeerBeating, Service):
         self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
         self._loop = LoopingCall(self._tick)
         self._loop.clock = reactor
-        self._peer_loop = LoopingCall(self._peer_round)
-        self._peer_loop.clock = reactor
-        self._fast_loop = LoopingCall(self._fast_round)
-        self._fast_loop.clock = reactor
-        self._fast_until = -math.inf  # fast witness rounds wanted until then (monotonic)
         self._beat: Deferred[None] | None = None
         self._putting: Deferred[Any] | None = None
         self._put_failed = False  # our last heartbeat PUT failed: the bucket is out of reach
@@ -210,7 +176,6 @@ class Membership(PeerBeating, Service):
         self._etag = ""  # of our last landed PUT: the drain deletes only that version
         self._left: Deferred[None] | None = None
         self.beats = 0  # completed beats (PUT and read attempted), for tests and the admin API
-        self.rounds = 0  # completed rounds of beats to the peers
         # The janitor deletes member keys older than this (bucket clock). Ten dead_afters, and
         # never before a holder could have lived on its peers' word (the slow path's age,
         # lchat.mesh.witness): a box that is only cut off or frozen for a while keeps its key
@@ -225,13 +190,7 @@ class Membership(PeerBeating, Service):
         self._janitor = Janitor(
             store, members_prefix(hib), self.key, self.janitor_after, self._bounded, self.timeout
         )
-        # What the activator tells the witness: whether this box holds writes older than their
-        # class promises, not in the bucket yet; which hosts are awake here.
-        self._backlog: Callable[[], bool] = no_backlog
-        self._holds: Callable[[], Iterable[str]] = tuple
-        self._backlog_seen: float | None = None  # when _backlog() last said yes (monotonic)
-        self._witness_waiters: list[Deferred[bool]] = []
-        self._relayed_by: str | None = None  # the peer whose relay landed our last beat (logged)
+        self._init_peering(reactor, mesh.heartbeat, mesh.dead_after)
 
     # -- the view ------------------------------------------------------------------------------
 
@@ -248,10 +207,6 @@ class Membership(PeerBeating, Service):
     def epoch(self) -> str:
         """This liveness period's heartbeat epoch (written into the leases it takes)."""
         return self.body.epoch
-
-    @property
-    def process(self) -> str:
-        return self.body.process
 
     def now(self) -> float:
         """This box's monotonic clock (the one its deadline and its witness records are on)."""
@@ -297,7 +252,8 @@ class Membership(PeerBeating, Service):
         return [m for m in self._members if not m.self]
 
     def subscribe(self, fn: Callable[[list[Member], list[Member]], object]) -> Callable[[], None]:
-        """Call ``fn(old, new)`` on every change of the live set; returns an unsubscribe."""
+        """Call ``fn(old, new)`` (lists of :class:`Member`) whenever the set of live (URL,
+        region) pairs changes; returns an unsubscribe."""
         self._subscribers.append(fn)
 
         def unsubscribe() -> None:
@@ -306,19 +262,10 @@ class Membership(PeerBeating, Service):
 
         return unsubscribe
 
-    def report(self, backlog: Callable[[], bool], holds: Callable[[], Iterable[str]]) -> None:
-        """What this box's beats tell its peers: ``backlog()``, whether it holds writes older
-        than their class promises that are not in the bucket yet; ``holds()``, the hosts awake
-        here."""
-        self._backlog = backlog
-        self._holds = holds
-
     def status(self) -> dict[str, Any]:
         """What ``GET /status`` shows of the mesh (the admin API's ``mesh``)."""
         live = self.live()
         return {
-            # May this box write on its leases (docs/lease.md)? False before the first beat and
-            # once none has landed for dead_after - margin.
             "alive": self.alive(),
             "epoch": self.epoch,
             "live": len(live),
@@ -332,7 +279,6 @@ class Membership(PeerBeating, Service):
                 }
                 for m in live
             ],
-            # What keeps it alive, and each peer's part (docs/lease.md, "Witnesses").
             "witness": self.witness_status(),
         }
 
@@ -407,11 +353,9 @@ class Membership(PeerBeating, Service):
             wait.addTimeout(self.stop_timeout / 2, self._reactor)
             try:
                 await wait
-            except defer.TimeoutError:
-                pass  # cut it short below
             except CancelledError:
                 raise  # our own budget is spent
-            except Exception:  # noqa: S110 -- its own failure was logged by the beat
+            except Exception:  # noqa: S110 -- timed out (cut short below), or logged by the beat
                 pass
             if not putting.called:
                 putting.cancel()
@@ -582,7 +526,6 @@ class Membership(PeerBeating, Service):
                     last_modified=datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC),
                     age=now - (peer.heard or now),
                     key=member_key(self._hib, peer.url),
-                    epoch="",
                     process=peer.process,
                 )
         return sorted(members.values(), key=lambda m: m.url)
@@ -591,7 +534,7 @@ class Membership(PeerBeating, Service):
         sent = self._monotonic()
         epoch = self.body.epoch  # the body this PUT carries
         putting = Deferred.fromCoroutine(
-            self._store.put(self.key, self._payload, content_type="application/json")
+            self._store.put(self.key, self.body.to_json(), content_type="application/json")
         )
         putting.addTimeout(self.timeout, self._reactor)
         self._putting = putting
@@ -639,7 +582,6 @@ class Membership(PeerBeating, Service):
                 started_at=round(max(self._reactor.seconds(), self.body.started_at + 0.001), 3),
             )
         )
-        self._payload = self.body.to_json()
         log.info(
             "mesh: {url} beats under a new epoch {epoch} (was {old}): nothing of the old one counts",
             url=self.url,
@@ -655,7 +597,6 @@ class Membership(PeerBeating, Service):
         if self.body.draining:
             return
         self.body = self.keys.sign(evolve(self.body, draining=True))
-        self._payload = self.body.to_json()
         putting = self._putting
         if putting is not None:
             try:
@@ -725,8 +666,4 @@ class Membership(PeerBeating, Service):
                     region=was.region or "-",
                     ago=ago,
                 )
-        for fn in list(self._subscribers):
-            try:
-                fn(list(old), list(members))
-            except Exception:
-                log.failure("mesh: membership subscriber {fn!r} failed", fn=fn)
+        call_hooks(self._subscribers, "membership subscriber", list(old), list(members))

@@ -8,7 +8,7 @@ last beat of a drain (``leaving``). What the answers say is kept by
 :class:`lchat.mesh.liveness.Liveness`.
 
 :class:`PeerBeating` is mixed into :class:`lchat.mesh.membership.Membership` alone, which owns the
-state declared on it (the heartbeat body, the bucket's reachability, the loops).
+state declared on it (the heartbeat body, the bucket's reachability).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from twisted.internet.task import LoopingCall
 
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
 from lchat.mesh.liveness import Liveness
-from lchat.mesh.members import KeyPrefix, describe_failure, log, member_key
+from lchat.mesh.members import KeyPrefix, call_hooks, describe_failure, log, member_key
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.witness import (
     BeatMessage,
@@ -75,26 +75,16 @@ for _outcome in ("ok", "failed"):
     _RELAYS.labels(_outcome)
 
 
-def no_backlog() -> bool:
-    return False
-
-
 class PeerBeating:
     """Beats to the peers and the answers to theirs (the module docstring)."""
 
-    # The membership's, read (and the few marked, written) here:
+    # The membership's, read here (this half's own state is set by _init_peering):
     url: str
     heartbeat: float
-    dead_after: float
-    margin: float
     body: Heartbeat  # this process's heartbeat, as it beats now
     keys: HeartbeatKeys
     witnesses: Witnesses
     liveness: Liveness
-    peer_timeout: float
-    relay_timeout: float
-    probe_timeout: float
-    rounds: int  # completed rounds of beats to the peers (written here)
     _reactor: IReactorTime
     _monotonic: Callable[[], float]
     _peers: PeerChannel | None
@@ -102,15 +92,33 @@ class PeerBeating:
     _hib: KeyPrefix
     _put_failed: bool
     _stopping: bool
-    _peer_loop: LoopingCall
-    _fast_loop: LoopingCall
-    _fast_until: float  # fast rounds wanted until then (monotonic; written here)
-    _witness_waiters: list[Deferred[bool]]
-    _on_unreachable: list[Callable[[str], object]]
-    _backlog: Callable[[], bool]
-    _holds: Callable[[], Iterable[str]]
-    _backlog_seen: float | None  # written here
-    _relayed_by: str | None  # written here
+
+    def _init_peering(self, reactor: IReactorTime, heartbeat: float, dead_after: float) -> None:
+        """The state of this half (the membership's constructor calls this once)."""
+        # A beat to a peer: long enough for its relay (RELAY_TIMEOUT) and a round trip.
+        self.peer_timeout = min(max(heartbeat, 1.0), PEER_TIMEOUT)
+        self.relay_timeout = min(RELAY_TIMEOUT, self.peer_timeout / 2)
+        self.probe_timeout = min(PROBE_TIMEOUT, dead_after / 4)
+        self.rounds = 0  # completed rounds of beats to the peers
+        self._on_unreachable: list[Callable[[str], object]] = []
+        self._peer_loop = LoopingCall(self._peer_round)
+        self._peer_loop.clock = reactor
+        self._fast_loop = LoopingCall(self._fast_round)
+        self._fast_loop.clock = reactor
+        self._fast_until = -math.inf  # fast witness rounds wanted until then (monotonic)
+        # What the activator tells the witness (:meth:`report`).
+        self._backlog: Callable[[], bool] = lambda: False
+        self._holds: Callable[[], Iterable[str]] = tuple
+        self._backlog_seen: float | None = None  # when _backlog() last said yes (monotonic)
+        self._witness_waiters: list[Deferred[bool]] = []
+        self._relayed_by: str | None = None  # the peer whose relay landed our last beat (logged)
+
+    def report(self, backlog: Callable[[], bool], holds: Callable[[], Iterable[str]]) -> None:
+        """What this box's beats tell its peers: ``backlog()``, whether it holds writes older
+        than their class promises that are not in the bucket yet; ``holds()``, the hosts awake
+        here."""
+        self._backlog = backlog
+        self._holds = holds
 
     def on_unreachable(self, fn: Callable[[str], object]) -> None:
         """``fn(url)`` when a peer that answered this box's last beat does not answer the next
@@ -135,22 +143,19 @@ class PeerBeating:
         now = self._monotonic()
         w1 = self.liveness.on_own_beat(now)
         alive = self.liveness.alive()
-        peers = []
-        for peer in sorted(self.witnesses.peers.values(), key=lambda p: p.url):
-            peers.append(
-                {
-                    "url": peer.url,
-                    "required": peer.required,
-                    "heard": None if peer.heard is None else round(now - peer.heard, 1),
-                    "accepted": None
-                    if math.isinf(peer.accepted)
-                    else round(now - peer.accepted, 1),
-                    "knows_backlog": self.witnesses.knows_backlog(peer),
-                    "says_backlog": peer.backlog,
-                    "unanswered": peer.failed,
-                    "older_lchat": peer.legacy,
-                }
-            )
+        peers = [
+            {
+                "url": peer.url,
+                "required": peer.required,
+                "heard": None if peer.heard is None else round(now - peer.heard, 1),
+                "accepted": None if math.isinf(peer.accepted) else round(now - peer.accepted, 1),
+                "knows_backlog": self.witnesses.knows_backlog(peer),
+                "says_backlog": peer.backlog,
+                "unanswered": peer.failed,
+                "older_lchat": peer.legacy,
+            }
+            for peer in sorted(self.witnesses.peers.values(), key=lambda p: p.url)
+        ]
         return {
             "alive_by": ("bucket" if w1 else "peers") if alive else None,
             "bucket_reachable": not self._put_failed,
@@ -333,11 +338,7 @@ class PeerBeating:
             # Refused: a draining router closes its port and still answers the requests it has
             # (aborting them would fail answers on their way); a dead one's kernel resets them.
             if was == 0 and status is None and not refused:
-                for fn in list(self._on_unreachable):
-                    try:
-                        fn(peer.url)
-                    except Exception:
-                        log.failure("mesh: unreachable hook {fn!r} failed", fn=fn)
+                call_hooks(self._on_unreachable, "unreachable hook", peer.url)
             if was == 1 and not message.leaving:
                 log.warn(
                     "mesh: {peer} does not answer this box's beats ({error})",
@@ -388,8 +389,7 @@ class PeerBeating:
         if not message.heartbeat.process:
             raise MessageError("the heartbeat names no process")
         message = evolve(message, heartbeat=evolve(message.heartbeat, url=url))
-        if self.liveness.missed():
-            pass  # (lapsed now; the answer still goes out)
+        self.liveness.missed()  # (lapses now if past its deadline: the answer still goes out)
         seq = self.witnesses.next_seq()
         backlog = self._backlog_flag()
         self.witnesses.answered(message, self._monotonic(), seq, backlog)

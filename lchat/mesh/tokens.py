@@ -3,18 +3,13 @@
 (docs/secrets.md, "Mesh token").
 
 A box always *sends* ``LCHAT_MESH_TOKEN`` (the bearer on route-replication calls, the key of the
-forwarded marker's HMAC) and *accepts* either value. Rotation is three rolling restarts, so that no
-box ever sends a token some other box does not yet accept:
-
-1. every box: ``LCHAT_MESH_TOKEN_ACCEPT=<new>`` (still sending the old one);
-2. every box: ``LCHAT_MESH_TOKEN=<new>``, ``LCHAT_MESH_TOKEN_ACCEPT=<old>``;
-3. once ``lchat_mesh_accept_token_total`` has stopped growing on every box: drop
-   ``LCHAT_MESH_TOKEN_ACCEPT``.
+forwarded marker's HMAC) and *accepts* either value, so that a rotation (three rolling restarts)
+never has a box send a token some other box does not yet accept.
 
 Invariants: both values are compared on every check, each in constant time (how long a check takes
 says nothing about which value matched, or whether one did); a use of the accepted value is counted
-in :data:`ACCEPT_TOKEN_USES` (by ``use``: ``api``, ``forwarded``) and logged the first time per
-process and use, naming the metric an operator watches before step 3.
+in :data:`ACCEPT_TOKEN_USES` (by ``use``) and logged the first time per process and use, naming
+the metric an operator watches before dropping ``LCHAT_MESH_TOKEN_ACCEPT``.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class MessageError(ValueError):
 
 
 class PeerCallError(Exception):
-    """A beat to a peer got no usable answer. ``status``: the HTTP status it answered with, None
+    """A call to a peer's mesh API (a beat: lchat.mesh.client.MeshCallError for the others) got no
+    usable answer. ``status``: the HTTP status it answered with, None
     when no answer came at all (unreachable, timed out). ``refused``: its port refused the
     connection (the host is up and nothing listens: its router is stopping or dead)."""
 
@@ -280,11 +281,7 @@ class Witnesses:
     def know(self, urls: Iterable[str]) -> list[Peer]:
         """Peers seen in a listing of the bucket: beaten from now on (not required by that).
         Returns those that were not known before."""
-        new = []
-        for url in urls:
-            if url != self.self_url and url not in self.peers:
-                new.append(self.peer(url))
-        return new
+        return [self.peer(u) for u in urls if u != self.self_url and u not in self.peers]
 
     def roster(self) -> list[Peer]:
         """The peers to send beats to: every one known, but those that drained and are not
@@ -434,10 +431,6 @@ class Witnesses:
             peer = self.peers.get(url)
             if peer is not None and not peer.required:
                 del self.peers[url]
-
-    def witnessed(self) -> bool:
-        """Has any required peer been heard at all (the peers take part)?"""
-        return any(p.required for p in self.peers.values())
 
     # -- the taker's side ----------------------------------------------------------------------
 
