@@ -45,6 +45,7 @@ from, so that the caller can tell when boxes disagree.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import os
@@ -158,7 +159,7 @@ class SpacesView:
         live = list(self._live())
         held: dict[str, _Held] = {}
         for host, entry in self._activator.status().items():
-            since = now - _number(entry.get("for"), 0.0)
+            since = now - (_optional_number(entry.get("for")) or 0.0)
             held[host] = _Held(
                 state=str(entry.get("state") or "awake"),
                 since=since,
@@ -172,41 +173,30 @@ class SpacesView:
         backup_lag = _backup_lags(self._backup() if self._backup is not None else {})
 
         def finish() -> dict[str, Any]:
-            return self._answer(now, routes, live, held, running, backup_lag)
+            spaces: list[dict[str, Any]] = []
+            visiting: list[dict[str, Any]] = []
+            for route in sorted(routes, key=lambda r: r.host):
+                owner = reporter(route, self._me, live, self._domains)
+                if owner is None:
+                    continue
+                here = held.get(route.host)
+                if owner == self._me:
+                    spaces.append(self._entry(route, now, here, running, backup_lag))
+                elif route.hibernate and here is not None and not here.lost:
+                    visiting.append(
+                        self._entry(route, now, here, running, backup_lag) | {"owner": owner}
+                    )
+            return {
+                "box": self._me,
+                "region": self._region,
+                "lchat": lchat.__version__,
+                "generated_at": round(now, 3),
+                "members": sorted(placement.normalise_member_url(m.url) for m in live),
+                "spaces": spaces,
+                "visiting": visiting,
+            }
 
         return finish
-
-    def _answer(
-        self,
-        now: float,
-        routes: list[Route],
-        live: list[Any],
-        held: Mapping[str, _Held],
-        running: Mapping[str, _Running],
-        backup_lag: Mapping[str, float],
-    ) -> dict[str, Any]:
-        spaces: list[dict[str, Any]] = []
-        visiting: list[dict[str, Any]] = []
-        for route in sorted(routes, key=lambda r: r.host):
-            owner = reporter(route, self._me, live, self._domains)
-            if owner is None:
-                continue
-            here = held.get(route.host)
-            if owner == self._me:
-                spaces.append(self._entry(route, now, here, running, backup_lag))
-            elif route.hibernate and here is not None and not here.lost:
-                visiting.append(
-                    self._entry(route, now, here, running, backup_lag) | {"owner": owner}
-                )
-        return {
-            "box": self._me,
-            "region": self._region,
-            "lchat": lchat.__version__,
-            "generated_at": round(now, 3),
-            "members": sorted(placement.normalise_member_url(m.url) for m in live),
-            "spaces": spaces,
-            "visiting": visiting,
-        }
 
     def _entry(
         self,
@@ -258,11 +248,6 @@ def _backup_lags(status: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(host, str) and lag is not None:
             lags[host] = max(lag, lags.get(host, 0.0))
     return lags
-
-
-def _number(value: object, default: float) -> float:
-    found = _optional_number(value)
-    return default if found is None else found
 
 
 def _optional_number(value: object) -> float | None:
@@ -552,10 +537,7 @@ def registry_counts(
 
 
 def _count(states: Iterable[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for state in states:
-        counts[state] = counts.get(state, 0) + 1
-    return dict(sorted(counts.items()))
+    return dict(sorted(collections.Counter(states).items()))
 
 
 def elected(members: Sequence[placement.Candidate], me: str) -> bool:

@@ -82,10 +82,7 @@ class Heartbeat:
         if not isinstance(data, dict):
             raise ValueError("body is not a JSON object")
         url, region, version, started = (
-            data.get("url"),
-            data.get("region"),
-            data.get("version"),
-            data.get("started_at"),
+            data.get(k) for k in ("url", "region", "version", "started_at")
         )
         if not (isinstance(url, str) and isinstance(region, str) and isinstance(version, str)):
             raise ValueError("url, region and version must be strings")

@@ -66,10 +66,7 @@ C = TypeVar("C", bound=Candidate)
 
 
 def in_scope(host: str, domains: Sequence[str]) -> bool:
-    """True when the (normalised) ``host`` is equal to or directly under one of ``domains``.
-
-    Hosts out of scope never take part in placement: they are always served locally.
-    """
+    """True when the (normalised) ``host`` is equal to or directly under one of ``domains``."""
     return any(hosts.covers(domain, host) for domain in domains)
 
 
@@ -82,15 +79,6 @@ def score(member_url: str, host: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def eligible(members: Sequence[C], home_region: str = "") -> list[C]:
-    """The members placement chooses among: those in ``home_region`` if any, else all of them."""
-    if home_region:
-        local = [m for m in members if m.region == home_region]
-        if local:
-            return local
-    return list(members)
-
-
 def ranked(host: str, members: Sequence[C], home_region: str = "") -> list[C]:
     """The eligible ``members`` ordered best first for ``host`` (the owner, then its failovers).
 
@@ -100,8 +88,10 @@ def ranked(host: str, members: Sequence[C], home_region: str = "") -> list[C]:
     disagree with its peers. The order does not depend on the order of ``members``.
     """
     name = hosts.normalise(host)
+    # Those in ``home_region`` if any, else all of them.
+    eligible = [m for m in members if m.region == home_region] if home_region else []
     keyed = []
-    for member in eligible(members, home_region):
+    for member in eligible or members:
         url = normalise_member_url(member.url)
         # Region only orders exact duplicates of one URL, which membership never produces.
         keyed.append(((score(url, name), url, member.region), member))

@@ -4,7 +4,6 @@ make this box write (the API's docstring says what each field may hold). Pure: n
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +11,7 @@ from attrs import frozen
 
 from lchat import envfile, hosts
 from lchat.config import MeshConfig
+from lchat.config.mesh import REGION_LABEL
 from lchat.mesh.client import (
     ENV_KEY,
     MAX_NEXT_DUE,
@@ -26,7 +26,6 @@ from lchat.registry import REPLICATIONS
 MAX_ENV_KEYS = 64
 MAX_ENV_VALUE = 4096
 MAX_VERSION = 256
-_REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class PayloadError(ValueError):
@@ -84,7 +83,9 @@ def parse_payload(data: object) -> RoutePayload:
     if not isinstance(replication, str) or replication not in REPLICATIONS:
         raise PayloadError(f"replication must be one of {', '.join(REPLICATIONS)}")
     home_region = data["home_region"]
-    if not isinstance(home_region, str) or (home_region and not _REGION.fullmatch(home_region)):
+    if not isinstance(home_region, str) or (
+        home_region and not REGION_LABEL.fullmatch(home_region)
+    ):
         raise PayloadError("home_region must be empty or letters, digits, '.', '_' or '-'")
     next_due = data.get("next_due")  # absent: None (keep this box's value); null is refused
     if "next_due" in data and (
