@@ -213,10 +213,9 @@ async def _fetcher(
         HttpSource(settings.url, http_client(reactor), reactor) if settings.url else None
     )
     mirror: FeedSource | None = None
-    stores = []
+    store = None
     if settings.mirror is not None:
         store = await _mirror_store(reactor, cfg, settings)
-        stores.append(store)
         mirror = BucketSource(store, settings.mirror.prefix, settings.mirror_url)
     try:
         yield Fetcher(
@@ -227,7 +226,7 @@ async def _fetcher(
             mirror=mirror,
         )
     finally:
-        for store in stores:
+        if store is not None:
             await store.close()
 
 
@@ -306,14 +305,10 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
     to = os.path.abspath(args.to) if args.to else None
 
     async def main(reactor: Reactor) -> feedlib.Feed:
-        targets: list[PublishTarget] = []
-        stores = []
-        if to is not None:
-            targets.append(DirectoryTarget(to))
-        if args.mirror:
+        targets: list[PublishTarget] = [DirectoryTarget(to)] if to is not None else []
+        store = await _mirror_store(reactor, cfg, settings) if args.mirror else None
+        if store is not None:
             assert settings.mirror is not None
-            store = await _mirror_store(reactor, cfg, settings)
-            stores.append(store)
             targets.append(BucketTarget(store, settings.mirror.prefix, settings.mirror_url))
         now = datetime.datetime.now(datetime.UTC)
         try:
@@ -323,7 +318,7 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
                 args.version, args.directory, key, targets, now, settings.feed_validity
             )
         finally:
-            for store in stores:
+            if store is not None:
                 await store.close()
 
     feed = runner.run(main)

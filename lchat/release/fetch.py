@@ -395,9 +395,7 @@ class Fetcher:
             try:
                 feed = await self._verified(source)
             except FeedError as e:
-                FETCHES.labels(
-                    name, "bad" if not isinstance(e, SourceUnavailable) else "down"
-                ).inc()
+                FETCHES.labels(name, "down" if isinstance(e, SourceUnavailable) else "bad").inc()
                 problems.append(f"{name} {source.describe()}: {e}")
                 continue
             refusal = freshness(feed, self._clock())
