@@ -221,8 +221,7 @@ def read_database(
             time.sleep(0.05)  # blocking on purpose: this runs in a worker thread or the CLI
             continue
         if wal is not None and shm is not None:
-            # A WAL reader's usual protocol; the -shm is opened read-only (never written), and
-            # with nobody else holding it SQLite rebuilds the WAL index in its own memory.
+            # With nobody else holding the -shm, SQLite rebuilds the WAL index in its own memory.
             return _query(db, "mode=ro&readonly_shm=1", clock, budget)
         if wal is not None and wal[2] > 0:
             raise StatsError(
@@ -231,13 +230,10 @@ def read_database(
                 f"{db}-wal holds commits but {db}-shm is missing: reading them would create it. "
                 "Wake the space once (its own open folds the WAL in), then ask again",
             )
-        # No -wal (or an empty one and no -shm): every commit is in the main file, and no
-        # WAL-mode connection has the database open. immutable=1 reads just that file, without
-        # locks and without the -wal/-shm a WAL-mode open would create even when read-only.
+        # No -wal, or an empty one and no -shm (the module docstring): immutable=1, then checked.
         counts = _query(db, "mode=ro&immutable=1", clock, budget)
         if _files(db) == before:
             return counts
-        # A writer opened it meanwhile: the next attempt sees its -wal and reads under locks.
     raise StatsError(
         503,
         "busy",

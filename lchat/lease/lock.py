@@ -21,7 +21,6 @@ import lchat
 from lchat import hosts
 from lchat.objstore import (
     NotFound,
-    ObjectInfo,
     ObjectStore,
     ObjectStoreError,
     PreconditionFailed,
@@ -241,15 +240,6 @@ def lease_expiry(
     return written_by + datetime.timedelta(seconds=math.ceil(effective))
 
 
-def _expiry_of(info: ObjectInfo, record: LeaseRecord, ttl: float) -> datetime.datetime:
-    return lease_expiry(info.last_modified, record.ttl_seconds, ttl)
-
-
-def _host_of(key: str) -> str:
-    parts = key.split("/")
-    return parts[-2] if len(parts) >= 2 else key
-
-
 # --- acquire ------------------------------------------------------------------------------------
 
 
@@ -284,7 +274,8 @@ async def acquire(
     """
     if ttl <= 0:
         raise ValueError("lease ttl must be positive")
-    host = host or _host_of(key)
+    segments = key.split("/")
+    host = host or (segments[-2] if len(segments) >= 2 else key)
     lease_id = uuid.uuid4().hex
 
     def new_lease(bucket_now: datetime.datetime, sent: float) -> HeldLease:
@@ -348,7 +339,7 @@ async def acquire(
                     etag=current.info.etag,
                     generation=record.generation,
                 )
-            expiry = _expiry_of(current.info, record, ttl)
+            expiry = lease_expiry(current.info.last_modified, record.ttl_seconds, ttl)
             why = "expired"
             if bucket_now < expiry and reclaim_own and record.owner == owner:
                 why = "own"
@@ -402,9 +393,8 @@ async def acquire(
     if current is None:
         raise LeaseHeld("?", await store.now(), 1.0)
     record = LeaseRecord.parse(current.body)
-    raise LeaseHeld(
-        record.owner, _expiry_of(current.info, record, ttl), float(ttl), record.generation
-    )
+    expiry = lease_expiry(current.info.last_modified, record.ttl_seconds, ttl)
+    raise LeaseHeld(record.owner, expiry, float(ttl), record.generation)
 
 
 _TAKEOVER_WORDS = {
