@@ -97,7 +97,12 @@ def run(
             "lchat fleet needs the mesh settings (LCHAT_MESH_SELF, LCHAT_MESH_DOMAINS, "
             "LCHAT_MESH_TOKEN): pass --env-file /data/router.env"
         )
-    target = _publish_target(args.publish) if args.publish else None
+    target = None
+    if args.publish:
+        try:
+            target = parse_bucket_url("--publish", args.publish)
+        except ConfigError as e:
+            raise FleetCliError(str(e)) from None
     shown = str(Where(target.bucket, target.key(PUBLISH_KEY))) if target is not None else ""
     me = normalise_member_url(mesh.self_url)
     timeout: float = args.timeout
@@ -152,13 +157,6 @@ def run(
     for warning in result.warnings:
         note(f"warning: {warning}")
     return 0 if result.complete else EXIT_PARTIAL
-
-
-def _publish_target(url: str) -> Where:
-    try:
-        return parse_bucket_url("--publish", url)
-    except ConfigError as e:
-        raise FleetCliError(str(e)) from None
 
 
 async def _members(reactor: Reactor, cfg: BoxConfig) -> list[Member]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
@@ -22,8 +22,6 @@ from lchat.handover.relocate import Relocation
 from lchat.handover.router import Say
 from lchat.handover.seams import MeshFanOut, RegionStores
 from lchat.mesh.members import Member
-from lchat.objstore import ObjectStore
-from lchat.objstore.where import Where
 from lchat.reactors import Reactor
 from lchat.registry import Registry
 
@@ -71,9 +69,6 @@ def run(
         for line in [json.dumps(steps, ensure_ascii=False, sort_keys=True)] if args.json else lines:
             out(line)
 
-    def open_region(reactor: Reactor, where: Where, what: str) -> Awaitable[ObjectStore]:
-        return open_bucket(reactor, cfg, where, what=what, make_dir=True)
-
     peers = MeshFanOut(
         members=lambda: live_members(cfg),
         push_reporting=lambda route, said: mesh_cli.fan_out_upsert(cfg, route, said),
@@ -84,7 +79,10 @@ def run(
         open_registry(cfg),
         SocketAdmin(cfg.admin_socket),
         peers,
-        RegionStores(open_region, runner.run),
+        RegionStores(
+            lambda reactor, where, what: open_bucket(reactor, cfg, where, what=what, make_dir=True),
+            runner.run,
+        ),
         Route53Records(cfg),
         Say(out=out, note=note, warn=note),
         report,
