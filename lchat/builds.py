@@ -108,14 +108,8 @@ class BuildLayout:
             return None
         resolved = os.path.normpath(os.path.join(self.live_dir, target))
         relative = os.path.relpath(resolved, self.versions_dir)
-        parts = relative.split(os.sep)
-        if (
-            len(parts) != 2
-            or parts[0] in (os.curdir, os.pardir)
-            or not _VERSION.fullmatch(parts[0])
-        ):
-            return None
-        return parts[0]
+        parts = relative.split(os.sep)  # a version name is never "." or ".."
+        return parts[0] if len(parts) == 2 and _VERSION.fullmatch(parts[0]) else None
 
 
 def space_argv(command: Sequence[str], host: str, *, sidecar: bool = False) -> list[str]:

@@ -1,14 +1,9 @@
 """The order the router stops in: the services ``lchat.tap`` wires whose only job is to stop
 their children in an order that loses nothing.
 
-``twistd`` stops a MultiService's children all at once; each service here waits instead:
-
-- :class:`InOrder`: the spaces, then their backup (its last sync sees their last writes);
-- :class:`BackupService`: the backup bucket's boot probe, then the backup (which closes it);
-- :class:`HibernationService`: sweeps, the "draining" heartbeat, the bucket's other users, the
-  activator's drain, the due-time push, the heartbeat's deletion, and only then the bucket clients;
-- :class:`FrontDoor`: the listeners, then idle connections, then requests in flight (bounded by
-  the drain grace), then the upstream pool.
+``twistd`` stops a MultiService's children all at once; each service here (:class:`InOrder`,
+:class:`BackupService`, :class:`HibernationService`, :class:`FrontDoor`) waits instead, in the
+order its docstring gives.
 
 Beside them, the small services of the composition root: a bucket's boot probe
 (:class:`BucketCheck`), SIGHUP's reload (:class:`SignalReload`), a line said at start

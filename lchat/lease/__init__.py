@@ -7,13 +7,9 @@ loudly with :class:`LeaseHeld`. The bucket's conditional writes are the only arb
 - :func:`acquire` creates the object with ``If-None-Match: *``; if it exists and has expired it
   takes it over with ``If-Match: <etag>`` and ``generation + 1``; a lease that is still live raises
   :class:`LeaseHeld`; losing a 412 race re-reads and reports the winner.
-- :class:`LeaseKeeper` renews with ``If-Match`` every TTL/3 and calls ``lost`` exactly once, at the
-  latest when the lease could expire as measured on the *local monotonic clock* since the last
-  successful renewal was sent, minus a safety margin. After that it never writes again.
-- :func:`release` deletes with ``If-Match`` under its own time budget and never deletes anybody
-  else's lease.
-- A keeper given ``verify_retake`` re-takes a lock found *gone* (deleted, never replaced)
-  instead of giving up (:class:`LeaseKeeper`).
+- :class:`LeaseKeeper` renews with ``If-Match`` every TTL/3 and reports the loss once, before the
+  lease could expire; given ``verify_retake``, it re-takes a lock found *gone*;
+- :func:`release` deletes with ``If-Match``, never anybody else's lease.
 
 Expiry rule (:func:`lease_expiry`): a version of ``lock.json`` may be taken over once the bucket's
 clock (``store.now()``, its ``Date``) reaches ``floor(Last-Modified) + 1 s + ceil(TTL)``, where TTL
