@@ -179,17 +179,16 @@ def decide(
     why_not = None
     if missing:
         why_not = f"the router runs as {user} without {', '.join(missing)}"
+    elif (blocked := unreachable(data_dir) or unreachable(run_dir)) is not None:
+        why_not = f"{blocked} is not traversable by other users (chmod o+x, or move the data)"
     else:
-        blocked = unreachable(data_dir) or unreachable(run_dir)
-        if blocked is not None:
-            why_not = f"{blocked} is not traversable by other users (chmod o+x, or move the data)"
         for command in commands:
-            blocked = blocked or unrunnable(command)
-            if blocked is not None and why_not is None:
+            if (blocked := unrunnable(command)) is not None:
                 why_not = (
                     f"{blocked} cannot be reached or run by other users, so a space's user could"
                     f" not run {command} (chmod o+x, or install it where others can)"
                 )
+                break
     if why_not is None:
         return Decision(True, f"every space runs as its own user (uids from {data_dir})")
     if setting == "on" or laid_out:

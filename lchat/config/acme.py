@@ -76,13 +76,13 @@ def read_acme(get: Getter, wildcard_domains: tuple[str, ...]) -> AcmeConfig | No
     ):
         if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
             raise ConfigError(f"{name}={url!r} must be an http(s) URL")
-    if dnsimple_url and urlsplit(dnsimple_url).scheme == "http":
-        # The token rides in every request: only over TLS (plain http only to this machine).
-        if not hosts.is_loopback(urlsplit(dnsimple_url).hostname or ""):
-            raise ConfigError(
-                f"LCHAT_DNSIMPLE_URL={dnsimple_url!r} must be https (the API token rides in "
-                f"every request)"
-            )
+    # The token rides in every request: only over TLS (plain http only to this machine).
+    dnsimple = urlsplit(dnsimple_url)
+    if dnsimple.scheme == "http" and not hosts.is_loopback(dnsimple.hostname or ""):
+        raise ConfigError(
+            f"LCHAT_DNSIMPLE_URL={dnsimple_url!r} must be https (the API token rides in every "
+            "request)"
+        )
     account = get("LCHAT_DNSIMPLE_ACCOUNT")
     if account and not account.isdigit():
         raise ConfigError(f"LCHAT_DNSIMPLE_ACCOUNT={account!r} must be a numeric account id")
