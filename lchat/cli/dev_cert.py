@@ -209,7 +209,8 @@ def _ensure_leaf(
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(_ca_public_key(ca_cert)),
+            # The CA certificate's own key: _ensure_ca refuses a key pair that does not match.
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,
         )
         .sign(ca_key, hashes.SHA256())
@@ -243,13 +244,6 @@ def _keepable(
     if not_after - now < datetime.timedelta(days=RENEW_WITHIN_DAYS):
         return None
     return not_after
-
-
-def _ca_public_key(cert: x509.Certificate) -> ec.EllipticCurvePublicKey:
-    key = cert.public_key()
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise DevCertError("the dev CA's key is not an EC key; remove dev-ca.pem and dev-ca.key")
-    return key
 
 
 def _spki(key: CertificatePublicKeyTypes) -> bytes:

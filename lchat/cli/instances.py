@@ -41,7 +41,7 @@ def show(
         # canary: the build live/<host> points at here, and whether `deploy --canary` put it.
         objects = [
             attrs.asdict(r)
-            | {"state": _json_state(_state(r, live))}
+            | {"state": None if (state := _state(r, live)) in ("?", "-") else state}
             | dict(zip(("live_version", "canary"), builds.get(r.host, (None, False)), strict=True))
             for r in routes
         ]
@@ -120,10 +120,6 @@ def _state(route: Route, live: dict[str, dict[str, Any]] | None) -> str:
     if isinstance(process, dict) and process.get("state"):
         return str(process["state"])
     return str(entry.get("status") or "-")
-
-
-def _json_state(state: str) -> str | None:
-    return None if state in ("?", "-") else state
 
 
 def _utc(seconds: int) -> str:
