@@ -287,10 +287,7 @@ class Registry:
                     f"{SCHEMA_VERSION}: run the router or `lchat instances` once to migrate"
                 )
             rows = conn.execute(f"{_SELECT} ORDER BY host").fetchall()
-        routes = {}
-        for row in rows:
-            route = _route_from_row(row)
-            routes[route.host] = route
+        routes = {route.host: route for route in map(_route_from_row, rows)}
         return RouteTable(routes=MappingProxyType(routes), fingerprint=fingerprint)
 
     def get(self, host: str) -> Route | None:

@@ -9,7 +9,7 @@ import re
 
 from twisted.internet.endpoints import serverFromString
 
-from lchat.config.values import ConfigError
+from lchat.config.values import ConfigError, comma_list
 
 _NO_REACTOR = object()  # what an endpoint string is parsed with, to check it (never used)
 # HOST is an IPv6 address in brackets, else names and IPv4 addresses; the port may be left out.
@@ -53,10 +53,7 @@ def parse_address(name: str, text: str) -> str | None:
 def parse_resolvers(text: str) -> tuple[tuple[str, int], ...]:
     """``LCHAT_DNS_RESOLVERS``: comma-separated ``IP``, ``IP:PORT`` or ``[IPv6]:PORT``."""
     result = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in comma_list(text):
         parsed = host_port(item)
         try:
             if parsed is None:

@@ -141,17 +141,16 @@ def switch(name: str, text: str) -> bool:
     return one_of(name, text, "on", "off") == "on"
 
 
+def comma_list(text: str) -> list[str]:
+    """The items of a comma-separated list, stripped; empty ones left out."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def domains(name: str, text: str) -> tuple[str, ...]:
-    result = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            result.append(hosts.normalise(item))
-        except hosts.InvalidHost as e:
-            raise ConfigError(f"{name}: {e}") from e
-    return tuple(result)
+    try:
+        return tuple(hosts.normalise(item) for item in comma_list(text))
+    except hosts.InvalidHost as e:
+        raise ConfigError(f"{name}: {e}") from e
 
 
 def parse_bucket_url(what: str, url: str) -> Where:
