@@ -342,10 +342,8 @@ def load(
             Isolation, one_of("LCHAT_ISOLATION", get("LCHAT_ISOLATION"), "auto", "on", "off")
         ),
         space_uids=_uid_range(get("LCHAT_SPACE_UIDS")),
-        space_command=_space_command(_under_opt(merged, "LCHAT_SPACE_COMMAND")),
-        sidecar_command=_space_command(
-            _under_opt(merged, "LCHAT_SIDECAR_COMMAND"), "LCHAT_SIDECAR_COMMAND"
-        ),
+        space_command=_command(merged, "LCHAT_SPACE_COMMAND"),
+        sidecar_command=_command(merged, "LCHAT_SIDECAR_COMMAND"),
         hibernate=hibernate,
         mesh=mesh,
         backup=read_backup(get, hibernate, mesh),
@@ -419,19 +417,13 @@ def _uid_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def _under_opt(merged: Mapping[str, str], name: str) -> str:
-    """``name``'s value; unset, its default under ``LCHAT_OPT_DIR`` when that is set (the build
-    tree ``lchat deploy`` repoints: ``<opt>/live/{host}``, lchat/builds.py)."""
-    if name in merged:
-        return merged[name].strip()
+def _command(merged: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """``name``'s command line; unset, its default under ``LCHAT_OPT_DIR`` when that is set (the
+    build tree ``lchat deploy`` repoints: ``<opt>/live/{host}``, lchat/builds.py)."""
+    text = merged[name].strip() if name in merged else DEFAULTS[name]
     opt = merged.get("LCHAT_OPT_DIR", "").strip().rstrip("/")
-    default = DEFAULTS[name]
-    if opt and default.startswith("/opt/lchat/"):
-        return shlex.quote(opt + default[len("/opt/lchat") :])
-    return default
-
-
-def _space_command(text: str, name: str = "LCHAT_SPACE_COMMAND") -> tuple[str, ...]:
+    if name not in merged and opt and text.startswith("/opt/lchat/"):
+        text = shlex.quote(opt + text[len("/opt/lchat") :])
     if "\x00" in text:
         raise ConfigError(f"{name} contains a NUL byte")
     try:
