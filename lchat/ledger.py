@@ -83,13 +83,8 @@ def minted_host(n: int, domain: str) -> str:
 def minted_ids(hostnames: Iterable[str], domain: str) -> list[int]:
     """The ids already minted under ``domain``: hosts directly under it whose first label is a
     minted id (:func:`parse_id`). Other hosts (``chat.example.com``) are not in the id space."""
-    found = []
-    for host in hostnames:
-        if host != domain and hosts.covers(domain, host):
-            n = parse_id(host.split(".", 1)[0])
-            if n is not None:
-                found.append(n)
-    return found
+    under = (h for h in hostnames if h != domain and hosts.covers(domain, h))
+    return [n for n in (parse_id(h.split(".", 1)[0]) for h in under) if n is not None]
 
 
 # --- the counter --------------------------------------------------------------------------------
