@@ -492,7 +492,7 @@ def changed_hosts(old: RouteTable, new: RouteTable) -> Iterable[str]:
 
 # --- the router's live view -------------------------------------------------------------------
 
-Listener = Callable[[RouteTable, RouteTable], None]
+Listener = Callable[[RouteTable, RouteTable], object]  # its result is ignored
 _R = TypeVar("_R")
 
 _reloads = Counter("lchat_registry_reloads_total", "Registry reloads by outcome", ["outcome"])

@@ -154,7 +154,7 @@ class BuiltinUnits(MultiService):
         # order. Only the newest is handed to the supervisor (an older one landing last would
         # stop a space a newer table wants: seen when `hibernate --off` raced a cancelled wake).
         self._applying = 0
-        routes.subscribe(self._changed)
+        routes.subscribe(lambda old, new: self._apply(new))
         claims.on_release(self._released)
 
     def _released(self, host: str) -> None:
@@ -165,9 +165,6 @@ class BuiltinUnits(MultiService):
     def startService(self) -> None:
         super().startService()
         self._apply(self._routes.table)
-
-    def _changed(self, old: RouteTable, new: RouteTable) -> None:
-        self._apply(new)
 
     def _apply(self, table: RouteTable) -> Deferred[None]:
         # Which rows is decided here, on the reactor thread (the claims are the activator's
