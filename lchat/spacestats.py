@@ -123,11 +123,6 @@ class Stats:
         return out
 
 
-def db_of(route: Route, data_dir: str) -> str:
-    """The space's database, as the fleet backup and the activator find it."""
-    return route.db_path or hosts.db_path(data_dir, route.host)
-
-
 def stats_of(route: Route | None, host: str, data_dir: str, state: str | None = None) -> Stats:
     """Blocking. The stats of ``host`` whose registry row is ``route`` (None: not registered);
     ``state`` is the activator's state of a hibernating space (None: unknown or no activator).
@@ -150,7 +145,7 @@ def stats_of(route: Route | None, host: str, data_dir: str, state: str | None = 
             f"not here: ask there (`lchat stats {host}` on that box)",
             lives_at=route.lives_at,
         )
-    db = db_of(route, data_dir)
+    db = route.db_path or hosts.db_path(data_dir, route.host)  # as the activator finds it
     if not os.path.exists(db):  # a stat, never an open (see the module docstring)
         return Stats(host, _without_database(route, db, state), "registry", db, True, state)
     return Stats(host, read_database(db), "database", db, route.hibernate, state)
