@@ -363,11 +363,10 @@ def show_mesh(cfg: BoxConfig, registry: Registry, out: Say) -> int:
     if mesh is None:
         raise MeshCliError("the mesh is off here: LCHAT_MESH_SELF is not set")
 
-    async def main(reactor: Reactor) -> list[Member]:
-        return await read_mesh_members(reactor, cfg, include_dead=True)
-
     try:
-        members = runner.run(main, MEMBERS_TIMEOUT)
+        members = runner.run(
+            lambda reactor: read_mesh_members(reactor, cfg, include_dead=True), MEMBERS_TIMEOUT
+        )
     except (TimeoutError, ObjectStoreError) as e:
         raise MeshCliError(f"could not read the membership from the bucket: {e}") from e
     live = [m for m in members if m.age <= mesh.dead_after]

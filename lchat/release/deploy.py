@@ -83,10 +83,6 @@ def point(layout: BuildLayout, host: str, version: str | None, *, sidecar: bool 
     fsync_directory(layout.live_dir)
 
 
-def has_sidecar(layout: BuildLayout, version: str) -> bool:
-    return os.path.exists(layout.binary(version, sidecar=True))
-
-
 def check_installed(layout: BuildLayout, version: str) -> None:
     binary = layout.binary(version)
     if not os.path.isfile(binary):
@@ -347,7 +343,7 @@ class Deployer:
     def _repoint(self, host: str, version: str | None) -> None:
         """``live/<host>`` at ``version``; its ``-bot`` link too when that build has a sidecar
         (else the link goes, when there was one)."""
-        sidecar = version is not None and has_sidecar(self.layout, version)
+        sidecar = version is not None and os.path.exists(self.layout.binary(version, sidecar=True))
         point(self.layout, host, version)
         if sidecar or os.path.lexists(self.layout.live_link(host, sidecar=True)):
             point(self.layout, host, version if sidecar else None, sidecar=True)
