@@ -524,19 +524,16 @@ class _FileApply:
         # Runs of consecutive pages go down in one pwritev each.
         assert self._header is not None
         page_size = self._header.page_size
-        runs: list[tuple[int, list[bytes]]] = []
-        first = pages[0][0]
+        runs: list[tuple[int, list[bytes]]] = []  # (first pgno, its pages)
+        first = 0  # (no page 0: the first page starts a run)
         batch: list[bytes] = []
         for pgno, data in pages:
-            if batch and (pgno != first + len(batch) or len(batch) == _IOV_MAX):
-                runs.append(((first - 1) * page_size, batch))
-                self._runs.append((first, len(batch)))
-                batch = []
-                first = pgno
+            if pgno != first + len(batch) or len(batch) == _IOV_MAX:
+                first, batch = pgno, []
+                runs.append((first, batch))
             batch.append(data)
-        runs.append(((first - 1) * page_size, batch))
-        self._runs.append((first, len(batch)))
-        self._state.write(runs)
+        self._runs += [(first, len(batch)) for first, batch in runs]
+        self._state.write([((first - 1) * page_size, batch) for first, batch in runs])
 
     def finish_queued(self) -> None:
         """Verify the whole file and cut the database to its size (as a decoder job, after the
