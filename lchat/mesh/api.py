@@ -101,20 +101,10 @@ from lchat import builds, envfile, hosts
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import tokens
-from lchat.mesh.client import (
-    ROUTE_PATH,
-    ROUTES_PATH,
-    replicable_env,
-    route_payload,
-)
+from lchat.mesh.client import ROUTE_PATH, ROUTES_PATH, replicable_env, route_payload
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
-from lchat.mesh.route_payload import (
-    PayloadError,
-    RoutePayload,
-    decode_payload,
-    in_scope,
-)
+from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
 from lchat.registry import Conflict, Registry, Route
 from lchat.threads import RunInThread
@@ -141,9 +131,8 @@ class Options(TypedDict, total=False):
     clock: Callable[[], float]  # the failed-authentication limiter's (time.monotonic)
 
 
-# Failed authentication, per client address: a burst of this many 401s, then one more every
-# AUTH_FAILURE_EVERY seconds (a peer with a stale token during a botched rotation retries far
-# less often than that; a guesser gets 10 guesses a minute at most).
+# (A peer with a stale token during a botched rotation retries far less often than one 401 every
+# AUTH_FAILURE_EVERY seconds; a guesser gets 10 guesses a minute at most.)
 AUTH_FAILURES_BURST = 10
 AUTH_FAILURE_EVERY = 6.0
 AUTH_CLIENTS = 10_000  # client buckets kept (least recently failed dropped first)
@@ -158,6 +147,7 @@ _calls = Counter(
     ["op", "outcome"],
 )
 _log = Logger(namespace="lchat.mesh.api")
+_INTERNAL = {"error": "internal error: see the router's log"}  # a 500's body (the log says why)
 
 
 class AuthLimiter:
@@ -322,8 +312,7 @@ class MeshAPI(Resource):
                 finish = self._spaces()  # a snapshot, here on the reactor; the rest in a thread
             except Exception:
                 _log.failure("mesh: the fleet view failed")
-                error = {"error": "internal error: see the router's log"}
-                return self._answer(request, op, "error", 500, error)
+                return self._answer(request, op, "error", 500, _INTERNAL)
             return self._start(request, op, lambda: (200, finish(), "listed"), "")
         return self._start(request, op, self._list, "")
 
@@ -353,8 +342,7 @@ class MeshAPI(Resource):
                 self._finish(request, still, op, "invalid", 400, error)
                 return
             _log.failure("mesh: a peer's beat failed", failure)
-            error = {"error": "internal error: see the router's log"}
-            self._finish(request, still, op, "error", 500, error)
+            self._finish(request, still, op, "error", 500, _INTERNAL)
 
         d.addCallbacks(done, failed)
         return NOT_DONE_YET
@@ -535,9 +523,7 @@ class MeshAPI(Resource):
     def _list(self) -> tuple[int, dict[str, Any], str]:
         routes = []
         for route in self._registry.load():
-            if not route.replicated:
-                continue
-            if not in_scope(self._mesh, route.host, route.home_region):
+            if not route.replicated or not in_scope(self._mesh, route.host, route.home_region):
                 continue
             if route.elsewhere:
                 routes.append(route_payload(route, {}))  # never run here: no env values
@@ -592,8 +578,7 @@ class MeshAPI(Resource):
                 )
                 return
             _log.failure("mesh: {op} {host} failed", failure, op=op, host=host or "-")
-            error = {"error": "internal error: see the router's log"}
-            self._finish(request, still, op, "error", 500, error)
+            self._finish(request, still, op, "error", 500, _INTERNAL)
 
         d.addCallback(reload_then)
         d.addCallbacks(done, failed)

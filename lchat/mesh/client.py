@@ -45,23 +45,13 @@ from lchat.webutil import BytesProducer
 
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
-# Every field a payload may carry; all but OPTIONAL_FIELDS must be present. An optional field is
-# absent in the payloads of older peers, and means "keep this box's value" (lchat.mesh.api).
-PAYLOAD_FIELDS = (
-    "host",
-    "kind",
-    "version",
-    "hibernate",
-    "replication",
-    "home_region",
-    "env",
-    "next_due",
-    "lives_at",
-)
-# lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with hibernate false: the
-# space was flipped to always-on on the box at that URL, and peers forward to it (lchat.mesh.api).
-OPTIONAL_FIELDS = frozenset({"next_due", "lives_at"})
-REQUIRED_FIELDS = tuple(f for f in PAYLOAD_FIELDS if f not in OPTIONAL_FIELDS)
+REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
+# Absent in the payloads of older peers, an optional field means "keep this box's value"
+# (lchat.mesh.api). lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with
+# hibernate false: the space was flipped to always-on on the box at that URL, and peers forward
+# to it.
+OPTIONAL_FIELDS = ("next_due", "lives_at")
+PAYLOAD_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS  # every field a payload may carry
 MAX_NEXT_DUE = 2**53  # exclusive: unix seconds a JSON number carries exactly everywhere
 # The env values a space needs to boot; the contract's own three are set by whichever box runs it.
 ENV_KEY = re.compile(r"LCHAT_[A-Z0-9_]{1,64}")

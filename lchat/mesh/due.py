@@ -27,7 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import Counter
@@ -53,8 +53,6 @@ _pushes = Counter(
 )
 _log = Logger(namespace="lchat.mesh.due")
 
-Push = Callable[..., Coroutine[Any, Any, Mapping[str, Any]]]  # client.push_route's signature
-
 
 class DuePush(Service):
     """Pushes every change of a mesh space's ``next_due`` to the live peers; see the module."""
@@ -70,18 +68,16 @@ class DuePush(Service):
         members: Callable[[], Sequence[Member]],
         *,
         run_in_thread: RunInThread,
-        push: Push = client.push_route,
         timeout: float = DUE_PUSH_TIMEOUT,
     ) -> None:
         """``members``: the router's live membership view (``Membership.live``), this box
-        included. ``push``: :func:`lchat.mesh.client.push_route` (a test may count calls)."""
+        included."""
         self._reactor = reactor
         self._mesh = mesh
         self._data_dir = data_dir
         self._routes = routes
         self._members = members
         self._run = run_in_thread
-        self._push = push
         self.timeout = timeout
         self._rounds: dict[str, Deferred[None]] = {}  # host -> its push round under way
         self._again: set[str] = set()  # hosts changed during their round: one more round
@@ -167,7 +163,7 @@ class DuePush(Service):
     async def _one(self, peer: str, payload: Mapping[str, Any], due: int) -> bool:
         host = payload["host"]
         try:
-            answer = await self._push(
+            answer = await client.push_route(
                 peer,
                 self._mesh.token,
                 payload,
