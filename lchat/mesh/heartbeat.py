@@ -22,14 +22,14 @@ import hashlib
 import hmac
 import json
 import math
-from typing import Any
 
-from attrs import evolve, field, frozen
+from attrs import asdict, evolve, field, frozen
 
 from lchat.mesh import tokens
 
 MAC_LABEL = b"lchat mesh heartbeat v1"
 _MAC_HEX = 64
+REQUIRED = ("url", "region", "version", "started_at")  # in every body; the others when set
 
 
 @frozen
@@ -55,21 +55,9 @@ class Heartbeat:
     mac: str = ""
 
     def to_json(self) -> bytes:
-        """Deterministic: the same heartbeat always gives the same bytes (and ETag)."""
-        data: dict[str, Any] = {
-            "url": self.url,
-            "region": self.region,
-            "version": self.version,
-            "started_at": self.started_at,
-        }
-        if self.epoch:
-            data["epoch"] = self.epoch
-        if self.draining:
-            data["draining"] = True
-        if self.process:
-            data["process"] = self.process
-        if self.mac:
-            data["mac"] = self.mac
+        """Deterministic: the same heartbeat always gives the same bytes (and ETag). Only the
+        :data:`REQUIRED` fields are written when empty."""
+        data = {k: v for k, v in asdict(self).items() if v or k in REQUIRED}
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -81,9 +69,7 @@ class Heartbeat:
             raise ValueError("body is not JSON") from None
         if not isinstance(data, dict):
             raise ValueError("body is not a JSON object")
-        url, region, version, started = (
-            data.get(k) for k in ("url", "region", "version", "started_at")
-        )
+        url, region, version, started = (data.get(k) for k in REQUIRED)
         if not (isinstance(url, str) and isinstance(region, str) and isinstance(version, str)):
             raise ValueError("url, region and version must be strings")
         if (
@@ -101,16 +87,7 @@ class Heartbeat:
         mac = data.get("mac", "")
         if not isinstance(mac, str) or len(mac) > 2 * _MAC_HEX:
             raise ValueError("mac must be a string")
-        return cls(
-            url=url,
-            region=region,
-            version=version,
-            started_at=float(started),
-            epoch=epoch,
-            draining=draining,
-            process=process,
-            mac=mac,
-        )
+        return cls(url, region, version, float(started), epoch, draining, process, mac)
 
 
 def heartbeat_key(token: str) -> bytes:

@@ -110,25 +110,6 @@ def _flag(data: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _seq(data: Mapping[str, Any]) -> int:
-    value = data.get("seq")
-    if type(value) is not int or not 0 <= value < 2**53:
-        raise MessageError("seq must be a non-negative integer")
-    return value
-
-
-def _object(body: bytes) -> dict[str, Any]:
-    if len(body) > MAX_MESSAGE:
-        raise MessageError(f"larger than {MAX_MESSAGE} bytes")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise MessageError("not JSON") from None
-    if not isinstance(data, dict):
-        raise MessageError("not a JSON object")
-    return data
-
-
 def _encode(heartbeat: Heartbeat, seq: int, holds: tuple[str, ...], **flags: bool) -> bytes:
     """A message's or a reply's JSON: the heartbeat body, ``seq``, ``holds`` and the flags."""
     data: dict[str, Any] = {"heartbeat": json.loads(heartbeat.to_json()), "seq": seq}
@@ -140,12 +121,19 @@ def _encode(heartbeat: Heartbeat, seq: int, holds: tuple[str, ...], **flags: boo
 def _decode(body: bytes, *flags: str) -> dict[str, Any]:
     """A message's or a reply's fields, checked: the heartbeat, ``seq``, ``holds`` and the
     ``flags`` named (absent: false)."""
-    data = _object(body)
-    fields = {
-        "heartbeat": _heartbeat_of(data.get("heartbeat")),
-        "seq": _seq(data),
-        "holds": _holds_of(data.get("holds", [])),
-    }
+    if len(body) > MAX_MESSAGE:
+        raise MessageError(f"larger than {MAX_MESSAGE} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise MessageError("not JSON") from None
+    if not isinstance(data, dict):
+        raise MessageError("not a JSON object")
+    heartbeat = _heartbeat_of(data.get("heartbeat"))
+    seq = data.get("seq")
+    if type(seq) is not int or not 0 <= seq < 2**53:
+        raise MessageError("seq must be a non-negative integer")
+    fields = {"heartbeat": heartbeat, "seq": seq, "holds": _holds_of(data.get("holds", []))}
     return fields | {name: _flag(data, name) for name in flags}
 
 
@@ -273,10 +261,7 @@ class Witnesses:
     # -- the roster ----------------------------------------------------------------------------
 
     def peer(self, url: str) -> Peer:
-        got = self.peers.get(url)
-        if got is None:
-            got = self.peers[url] = Peer(url)
-        return got
+        return self.peers.setdefault(url, Peer(url))
 
     def know(self, urls: Iterable[str]) -> list[Peer]:
         """Peers seen in a listing of the bucket: beaten from now on (not required by that).
