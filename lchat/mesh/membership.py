@@ -40,7 +40,6 @@ from lchat.mesh.members import (
     BodyCache,
     KeyPrefix,
     Member,
-    call_hooks,
     describe_failure,
     log,
     member_key,
@@ -406,7 +405,6 @@ class Membership(PeerBeating, Service):
                 self._beat = None
             if isinstance(result, Failure) and not result.check(CancelledError):
                 log.failure("mesh: heartbeat crashed", result)
-            return None
 
         beat.addBoth(done)
         return observe(beat)
@@ -666,4 +664,8 @@ class Membership(PeerBeating, Service):
                     region=was.region or "-",
                     ago=ago,
                 )
-        call_hooks(self._subscribers, "membership subscriber", list(old), list(members))
+        for fn in list(self._subscribers):
+            try:
+                fn(list(old), list(members))  # copies of their own for each
+            except Exception:
+                log.failure("mesh: membership subscriber {fn!r} failed", fn=fn)
