@@ -16,23 +16,23 @@ The activator (lchat.hibernation.activator) decides *when* and keeps the states;
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from attrs import define, field
+from attrs import define, field, frozen
 from prometheus_client import Counter
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from lchat import builds, hosts
+from lchat import builds, hosts, unixhttp
 from lchat.backoff import Backoff
 from lchat.builds import record_quietly
 from lchat.child import ChildSpec, NotReady, RunningChild, SpawnError, evict_listener, spawn
-from lchat.config import BoxConfig
+from lchat.config import BoxConfig, read_env_file
 from lchat.hibernation import localdb
-from lchat.hibernation.contract import Contract, SpaceContract
 from lchat.hibernation.localdb import DBPlan, Restorer
 from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
 from lchat.hibernation.space import Budgets, Space, WakeFailed
@@ -47,6 +47,7 @@ from lchat.lease import (
     lease_key,
 )
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, StoreUnavailable
+from lchat.reactors import TimeReactor
 from lchat.registry import RouteSource
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
 from lchat.threads import RunInThread
@@ -68,6 +69,45 @@ FLUSH_RETRY = Backoff(0.5, 10.0)  # a failed flush before sleep, retried within 
 HANDED_BACK = ("hibernate off", "removed")
 
 Spawner = Callable[[IReactorTime, ChildSpec], RunningChild]  # (reactor, spec): lchat.child.spawn
+
+
+class Contract(Protocol):
+    """What a stand-down asks a space (:class:`SpaceContract` over its socket)."""
+
+    async def next_due(self, host: str, socket: str, timeout: float) -> int: ...  # noqa: ASYNC109
+
+
+@frozen
+class SpaceContract:
+    """Asks a space what the activator needs to know (docs/design.md §8): ``GET /api/next-due``
+    with its admin token, at every graceful sleep, so that a scheduled delivery wakes it again
+    (docs/hibernation.md, "Scheduled deliveries"). ``run_in_thread`` reads its env file."""
+
+    reactor: TimeReactor
+    run_in_thread: RunInThread
+    data_dir: str
+
+    async def next_due(self, host: str, socket: str, timeout: float) -> int:  # noqa: ASYNC109 (a Twisted timeout, not asyncio)
+        """The space's earliest pending delivery (unix seconds, 0: none). Raises ValueError for
+        an answer that is not one, and the transport's errors as they are."""
+        env = await self.run_in_thread(lambda: read_env_file(hosts.env_path(self.data_dir, host)))
+        token = env.get("LCHAT_ADMIN_TOKEN", "")
+        resp = await unixhttp.request(
+            self.reactor,
+            socket,
+            "GET",
+            "/api/next-due",
+            host=host,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            timeout=timeout,
+        )
+        if resp.status != 200:
+            raise ValueError(f"GET /api/next-due answered {resp.status}")
+        due = json.loads(resp.body).get("due")
+        if not isinstance(due, int) or isinstance(due, bool) or due < 0:
+            raise ValueError(f"GET /api/next-due: not a due time: {due!r}")
+        _log.info("activator: {host} next due {due}", host=host, due=due or "none")
+        return due
 
 
 class Fence(Protocol):
