@@ -148,6 +148,11 @@ class Route:
         """An instance this box runs always-on (not hibernating, not a lives-elsewhere row)."""
         return self.kind == "instance" and not self.hibernate and not self.elsewhere
 
+    def database(self, data_dir: str) -> str:
+        """The space's SQLite file: its row's ``db_path``, else where ``data_dir``'s layout puts
+        it (:func:`lchat.hosts.db_path`). Every reader of a space's database finds it here."""
+        return self.db_path or hosts.db_path(data_dir, self.host)
+
     @property
     def replicated(self) -> bool:
         """A row a mesh peer may write or delete: a hibernating instance, or a lives-elsewhere

@@ -55,7 +55,6 @@ from typing import Any, Literal
 
 from attrs import asdict, frozen
 
-from lchat import hosts
 from lchat.hibernation.localdb import MARKER_SUFFIX, moved_aside
 from lchat.registry import Route, RouteSource
 
@@ -145,7 +144,7 @@ def stats_of(route: Route | None, host: str, data_dir: str, state: str | None = 
             f"not here: ask there (`lchat stats {host}` on that box)",
             lives_at=route.lives_at,
         )
-    db = route.db_path or hosts.db_path(data_dir, route.host)  # as the activator finds it
+    db = route.database(data_dir)
     if not os.path.exists(db):  # a stat, never an open (see the module docstring)
         return Stats(host, _without_database(route, db, state), "registry", db, True, state)
     return Stats(host, read_database(db), "database", db, route.hibernate, state)

@@ -21,7 +21,6 @@ from collections.abc import Container, Iterable
 
 from attrs import frozen
 
-from lchat import hosts
 from lchat.backup.layout import REGISTRY_NAME, is_name
 from lchat.registry import Route
 
@@ -40,7 +39,7 @@ class Chosen:
 
 def instance_db(route: Route, data_dir: str) -> str:
     """The database file of an instance row (the activator's and the units' rule)."""
-    return os.path.abspath(route.db_path or hosts.db_path(data_dir, route.host))
+    return os.path.abspath(route.database(data_dir))
 
 
 def candidates(routes: Iterable[Route], registry: str, data_dir: str) -> list[str]:

@@ -133,7 +133,7 @@ class Hibernation:
                 f"hibernating {host} needs a hibernation bucket: set LCHAT_HIBERNATE_BUCKET in the "
                 f"router's env file and restart the router, then retry"
             )
-        db = route.db_path or hosts.db_path(self.cfg.data_dir, host)
+        db = route.database(self.cfg.data_dir)
         # 1. The activator reads the env file as the router's user; systemd read it as root.
         hand_env_files_to_router(self.cfg, host, say)
         # Looked at before anything changes, so that the usual refusal leaves the row untouched.
@@ -259,7 +259,7 @@ class Hibernation:
                 f"{host}: its socket {socket} is not {expected}, the path "
                 f"lchat@.service uses; systemd units cannot run it (LCHAT_UNITS=builtin can)"
             )
-        db = route.db_path or hosts.db_path(cfg.data_dir, host)
+        db = route.database(cfg.data_dir)
         if route.hibernate:
             # Before anything changes: a refusal here (the bucket cannot be read, the newest copy
             # is in the bucket but no router runs to fetch it) leaves the peers and the row as

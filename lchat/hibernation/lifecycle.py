@@ -195,7 +195,7 @@ class Lifecycle:
             or hosts.socket_path(
                 self.cfg.run_dir, host, isolated=hosts.isolated(self.cfg.data_dir)
             ),
-            db=route.db_path or hosts.db_path(self.cfg.data_dir, host),
+            db=route.database(self.cfg.data_dir),
             reason=reason,
             clock=self.reactor.seconds,
             last_active=now,

@@ -28,7 +28,6 @@ from prometheus_client import Counter, Gauge
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from lchat import hosts
 from lchat.hibernation import localdb
 from lchat.hibernation.space import WakeFailed
 from lchat.objstore import ObjectStoreError
@@ -97,7 +96,7 @@ class LocalCopies:
         DIRTY.set(len(self.dirty))
 
     def _db(self, route: Route) -> str:
-        return route.db_path or hosts.db_path(self._data_dir, route.host)
+        return route.database(self._data_dir)
 
     async def scan(self, running: Callable[[str], bool]) -> None:
         """At start: every hibernating space's copy here, checked (one stat each, in a thread)."""
