@@ -79,6 +79,7 @@ traffic. Writes run in a thread, serialised, and the router's route table is rel
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -508,15 +509,12 @@ class MeshAPI(Resource):
             if deleted is None:
                 return 200, {"host": host, "deleted": False}, "absent"
             # The replicated files only: the member data (<host>.db, -wal, -shm) is never touched.
-            replicated = (
+            for path in (
                 hosts.env_path(self._data_dir, host),
                 hosts.bot_env_path(self._data_dir, host),
-            )
-            for path in replicated:
-                try:
+            ):
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                except FileNotFoundError:
-                    pass
         _log.info("mesh: route {host} deleted by a peer's tombstone (member data kept)", host=host)
         return 200, {"host": host, "deleted": True}, "deleted"
 

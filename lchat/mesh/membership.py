@@ -468,7 +468,7 @@ class Membership(PeerBeating, Service):
         if self._peers is None:
             return
         prefix = members_prefix(self._hib)
-        ages: dict[str, float | None] = {}
+        ages: dict[str, float] = {}
         authentic: set[str] = set()
         for info in listing:
             url = member_of_key(info.key, prefix)
@@ -480,9 +480,7 @@ class Membership(PeerBeating, Service):
         # Only a URL whose heartbeat authenticates is beaten (with the mesh token): a key planted
         # by a bucket writer, whatever its name, is never contacted.
         new = self.witnesses.know(
-            u
-            for u, age in ages.items()
-            if u in authentic and age is not None and age < self.janitor_after
+            u for u, age in ages.items() if u in authentic and age < self.janitor_after
         )
         if new and not self._stopping and self._peer_loop.running:
             # Beat them now rather than at the next round: until a peer has answered a beat of
