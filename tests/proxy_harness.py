@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -28,10 +29,13 @@ from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from lchat import tls
 from lchat.config import ProxyConfig
+from lchat.proxy.serve import FrontPort, bind
 from lchat.registry import Route, RouteTable
 from lchat.router import LocalResponse, RemotePeer, RequestHead, Router, Target
 
@@ -513,6 +517,38 @@ FUZZ_CONFIG = ProxyConfig(
 )
 
 
+def listen_now(
+    factory: Any,
+    address: str = "tcp:0:interface=127.0.0.1",
+    store: tls.CertStore | None = None,
+    **options: Any,
+) -> FrontPort:
+    """Bind ``address`` and serve ``factory`` on it (TLS with ``store``; ``options``: ``loop``,
+    and :class:`FrontPort`'s). The socket listens on return; connections are accepted from the
+    loop's next turn on."""
+    port = _bound(factory, address, store, options)
+    port.start().addErrback(lambda f: Logger().failure("serving {a} failed", f, a=address))
+    return port
+
+
+def listen(
+    factory: Any,
+    address: str = "tcp:0:interface=127.0.0.1",
+    store: tls.CertStore | None = None,
+    **options: Any,
+) -> Deferred[FrontPort]:
+    """:func:`listen_now`, firing once the port serves."""
+    port = _bound(factory, address, store, options)
+    return port.start().addCallback(lambda _: port)
+
+
+def _bound(
+    factory: Any, address: str, store: tls.CertStore | None, options: dict[str, Any]
+) -> FrontPort:
+    loop = options.pop("loop", None) or asyncio.get_event_loop()
+    return FrontPort(loop, bind(address), factory, store, **options)
+
+
 def main(argv: Sequence[str]) -> None:
     """``python -m tests.proxy_harness DIR``: serve the proxy on 127.0.0.1 with a recording backend
     (answering on head) for ``chat.example.com``; print ``{"port": N}``; record each backend
@@ -526,7 +562,6 @@ def main(argv: Sequence[str]) -> None:
     from twisted.logger import ILogObserver, globalLogBeginner
 
     from lchat.proxy.downstream import ProxyFactory
-    from lchat.proxy.serve import listen
 
     reactor: Any = _reactor
     directory = argv[0]

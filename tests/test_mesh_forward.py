@@ -29,8 +29,8 @@ from lchat.mesh import forward
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.exchange import REPLAY_LIMIT
 from lchat.proxy.http import REFUSED, Header
-from lchat.proxy.serve import listen_now
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
+from tests.proxy_harness import listen_now
 
 _tcp: Any = reactor  # listenTCP's stub wants a ServerFactory; ours are plain Factories
 

@@ -53,11 +53,11 @@ from zope.interface import implementer
 from lchat import certfiles, tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
-from lchat.proxy.serve import listen
 from lchat.proxy.upstream import client_tls_context
 from lchat.reactors import installed
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
 from lchat.threads import thread_runner
+from tests.proxy_harness import listen
 from tests.test_tls import TestCA
 
 reactor = installed()

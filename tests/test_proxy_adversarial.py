@@ -41,7 +41,6 @@ from twisted.trial.unittest import TestCase
 from lchat import certfiles, tls
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import Downstream, ProxyFactory
-from lchat.proxy.serve import listen
 from lchat.router import Router
 from lchat.threads import thread_runner
 from tests.proxy_harness import (
@@ -56,6 +55,7 @@ from tests.proxy_harness import (
     backend_problems,
     blocking_exchange,
     complete_responses,
+    listen,
     parse_requests,
     response_statuses,
     route_table,

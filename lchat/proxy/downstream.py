@@ -508,9 +508,6 @@ class ProxyFactory:
             self.host_names[raw] = host
         return host
 
-    def count(self, host_class: str, status: int) -> None:
-        self.state.stats.count(host_class, status)
-
     def buildProtocol(self, addr: Any) -> Downstream:
         return Downstream(self)
 

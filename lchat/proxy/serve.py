@@ -231,38 +231,6 @@ def _address(sock: socket.socket) -> IPv4Address | IPv6Address | UNIXAddress:
     return UNIXAddress(name)
 
 
-def listen_now(
-    factory: Any,
-    address: str = "tcp:0:interface=127.0.0.1",
-    store: tls.CertStore | None = None,
-    **options: Any,
-) -> FrontPort:
-    """Bind ``address`` and serve ``factory`` on it (TLS with ``store``; ``options``: ``loop``,
-    and :class:`FrontPort`'s). The socket listens on return; connections are accepted from the
-    loop's next turn on."""
-    port = _bound(factory, address, store, options)
-    port.start().addErrback(lambda f: _log.failure("serving {address} failed", f, address=address))
-    return port
-
-
-def listen(
-    factory: Any,
-    address: str = "tcp:0:interface=127.0.0.1",
-    store: tls.CertStore | None = None,
-    **options: Any,
-) -> Deferred[FrontPort]:
-    """:func:`listen_now`, firing once the port serves."""
-    port = _bound(factory, address, store, options)
-    return port.start().addCallback(lambda _: port)
-
-
-def _bound(
-    factory: Any, address: str, store: tls.CertStore | None, options: dict[str, Any]
-) -> FrontPort:
-    loop = options.pop("loop", None) or asyncio.get_event_loop()
-    return FrontPort(loop, bind(address), factory, store, **options)
-
-
 class FrontListener(Service):
     """A :class:`FrontPort` as a service: bound at privileged start (a failure fails the boot),
     serving at start, drained (queued connections accepted) and closed at stop."""
@@ -274,16 +242,14 @@ class FrontListener(Service):
         factory: Any,
         store: tls.CertStore | None = None,
         *,
-        first_contact_wait: float = 10.0,
-        handshake_timeout: float = 10.0,
         reuse_port: bool = False,
+        **timeouts: float,  # FrontPort's first_contact_wait and handshake_timeout
     ) -> None:
         self._loop = loop
         self.address = address
         self.factory = factory
         self._store = store
-        self._first_contact_wait = first_contact_wait
-        self._handshake_timeout = handshake_timeout
+        self._timeouts = timeouts
         self._reuse_port = reuse_port
         self.port: FrontPort | None = None
 
@@ -302,14 +268,8 @@ class FrontListener(Service):
     def _bind(self) -> None:
         if self.port is not None:
             return
-        self.port = FrontPort(
-            self._loop,
-            bind(self.address, reuse_port=self._reuse_port),
-            self.factory,
-            self._store,
-            first_contact_wait=self._first_contact_wait,
-            handshake_timeout=self._handshake_timeout,
-        )
+        sock = bind(self.address, reuse_port=self._reuse_port)
+        self.port = FrontPort(self._loop, sock, self.factory, self._store, **self._timeouts)
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
