@@ -57,8 +57,7 @@ class Peer:
 
 
 class View:
-    """The membership (lchat.mesh.membership.Membership) as MeshRouter uses it: ``live()`` and
-    ``subscribe(fn)``; ``read()`` replaces the view as a heartbeat read would, telling the
+    """The membership (lchat.mesh.membership.Membership) as MeshRouter uses it; ``read()`` replaces the view as a heartbeat read would, telling the
     subscribers (old, new) when the set of (URL, region) pairs changed."""
 
     def __init__(self, *members: Peer) -> None:
@@ -80,6 +79,29 @@ class View:
     def subscribe(self, fn: Callable[[list[Peer], list[Peer]], object]) -> Callable[[], None]:
         self._subscribers.append(fn)
         return lambda: self._subscribers.remove(fn)
+
+    # The witness's answers, as for a box whose peers' beats it has not heard (a holder it may
+    # not judge: never cut off) and whose bucket is in reach.
+    def holding(self, host: str) -> str | None:
+        return None
+
+    def peer_unreachable(self, url: str) -> bool:
+        return False
+
+    def silent_for(self, url: str) -> float:
+        return float("inf")
+
+    def fresh_in_bucket(self, url: str) -> bool:
+        return False
+
+    def kick(self, url: str) -> None:
+        pass
+
+    def answered_since(self, url: str, since: float) -> bool:
+        return False
+
+    def bucket_reachable(self) -> bool:
+        return True
 
     def read(self, *members: Peer, draining: tuple[str, ...] = ()) -> None:
         """``draining``: peers whose heartbeat said "draining" at this read."""

@@ -258,9 +258,7 @@ class MeshRouter:
             )
             return _unavailable(host, "elsewhere_unreachable")
         _forwards.labels("to_elsewhere").inc()
-        return forward.peer_target(
-            peer, host, self._mesh.token, now=self._clock, method=head.method, target=head.target
-        )
+        return self._to(peer, route, head)
 
     def reroute(
         self, route: Route, head: RequestHead, peer: RemotePeer, why: str
@@ -301,8 +299,7 @@ class MeshRouter:
 
     async def _route_remote(self, route: Route, head: RequestHead) -> Target:
         host = route.host
-        holding = getattr(self._membership, "holding", None)
-        told = holding(host) if holding is not None else None
+        told = self._membership.holding(host)
         # A peer said it has the space awake (its beats: no bucket read), else the lease says.
         holder = told if told is not None else await self._holder(host)
         if holder is not None and holder in self._draining_peers():
@@ -321,7 +318,9 @@ class MeshRouter:
             holder is not None
             and holder != self._self_url
             and holder not in self._unreachable
-            and self._known(holder)
+            # (A lease may name anything: forwarded only to a box that proved it holds the
+            # mesh token, its heartbeat authenticated or its beat to us: Membership.known.)
+            and self._membership.known(holder)
             and self._activator.lease_lost(host)
         ):
             # Our copy stands down because the lease was taken: the taker serves it (once it is
@@ -336,35 +335,21 @@ class MeshRouter:
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, head)
 
-    def _known(self, url: str) -> bool:
-        """Is ``url`` a mesh box's (its heartbeat authenticated, or it beat this box with the
-        token: Membership.known)? A lease in the bucket may name anything; a request is
-        forwarded only to a box that proved it holds the mesh token."""
-        known = getattr(self._membership, "known", None)
-        if known is None:
-            return any(placement.normalise_member_url(m.url) == url for m in self._live())
-        return bool(known(url))
-
     def _cut_off(self, peer: str) -> bool:
         """Is ``peer`` alive — its heartbeat fresh in the bucket, or heard lately — but out of
         this box's reach now? (Neither fresh nor heard for ``dead_after``, it may be dead: a wake
         then judges it, and takes its lease over if it is.)"""
         membership = self._membership
-        unreachable = getattr(membership, "peer_unreachable", None)
-        silent_for = getattr(membership, "silent_for", None)
-        fresh = getattr(membership, "fresh_in_bucket", None)
-        if unreachable is None or silent_for is None or fresh is None:
-            return False  # (a membership without the witness: route as before)
-        if silent_for(peer) >= self._mesh.dead_after and not fresh(peer):
+        silent = membership.silent_for(peer) >= self._mesh.dead_after
+        if silent and not membership.fresh_in_bucket(peer):
             return False
         self._live()  # (forgets the marks of peers that answer again)
-        return (peer in self._unreachable and peer not in self._refused) or unreachable(peer)
+        unreachable = peer in self._unreachable and peer not in self._refused
+        return unreachable or bool(membership.peer_unreachable(peer))
 
     def _holder_unreachable(self, host: str, holder: str) -> Target:
         _forwards.labels("holder_unreachable").inc()
-        kick = getattr(self._membership, "kick", None)
-        if kick is not None:
-            kick(holder)  # a beat now: back in reach as soon as it answers
+        self._membership.kick(holder)  # a beat now: back in reach as soon as it answers
         now = self._clock()
         if now - self._region_down_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
             self._region_down_logged[host] = now
@@ -379,9 +364,8 @@ class MeshRouter:
     def _live(self) -> list[Any]:
         """The membership's live view minus peers that just refused a forwarded request."""
         now = self._clock()
-        answered = getattr(self._membership, "answered_since", None)
         for url, (until, failed) in list(self._unreachable.items()):
-            if until <= now or (answered is not None and answered(url, failed)):
+            if until <= now or self._membership.answered_since(url, failed):
                 del self._unreachable[url]  # (it answers this box's beats again: back)
                 self._refused.discard(url)
         members = self._membership.live()
@@ -409,8 +393,7 @@ class MeshRouter:
         still = {placement.normalise_member_url(m.url) for m in new}
         for url in still - {placement.normalise_member_url(m.url) for m in old}:
             self._draining.pop(url, None)
-        draining = getattr(self._membership, "draining", None)
-        leaving = {placement.normalise_member_url(u) for u in draining()} if draining else set()
+        leaving = {placement.normalise_member_url(u) for u in self._membership.draining()}
         now = self._clock()
         for member in old:
             url = placement.normalise_member_url(member.url)
@@ -483,8 +466,7 @@ class MeshRouter:
 
     async def _read_holder(self, host: str) -> str | None:
         owner: str | None = None
-        reachable = getattr(self._membership, "bucket_reachable", None)
-        if reachable is not None and not reachable():
+        if not self._membership.bucket_reachable():
             # The bucket is out of reach (this box's heartbeat does not land): what was read
             # before, however old, rather than a read that hangs.
             cached = self._holders.get(host)
