@@ -130,22 +130,15 @@ def _server_name(body: bytes) -> str | None:
     at = _skip(body, at, 1)  # legacy_session_id
     at = _skip(body, at, 2)  # cipher_suites
     at = _skip(body, at, 1)  # legacy_compression_methods
-    if at is None or at + 2 > len(body):
-        return None  # no extensions at all
-    end = at + 2 + int.from_bytes(body[at : at + 2], "big")
-    if end > len(body):
+    end = _skip(body, at, 2)  # extensions: (extension_type(2), extension_data<0..2^16-1>)
+    if at is None or end is None:
         return None
-    at += 2
-    while at + 4 <= end:
-        kind = int.from_bytes(body[at : at + 2], "big")
-        size = int.from_bytes(body[at + 2 : at + 4], "big")
-        at += 4
-        if at + size > end:
-            return None
-        if kind == SERVER_NAME_EXTENSION:
-            return _host_name(body[at : at + size])
-        at += size
-    return None
+    extension = _entry(body, at + 2, end, 2, SERVER_NAME_EXTENSION) or b""
+    # ServerNameList (RFC 6066 section 3): server_name_list<1..2^16-1> of
+    # (name_type(1), opaque HostName<1..2^16-1>)
+    names = _skip(extension, 0, 2)
+    name = _entry(extension, 2, names, 1, HOST_NAME) if names is not None else None
+    return name.decode("latin-1") if name else None
 
 
 def _skip(body: bytes, at: int | None, width: int) -> int | None:
@@ -156,23 +149,17 @@ def _skip(body: bytes, at: int | None, width: int) -> int | None:
     return after if after <= len(body) else None
 
 
-def _host_name(extension: bytes) -> str | None:
-    # ServerNameList (RFC 6066 section 3): server_name_list<1..2^16-1> of
-    # (name_type(1), opaque HostName<1..2^16-1>)
-    if len(extension) < 2:
-        return None
-    end = 2 + int.from_bytes(extension[:2], "big")
-    if end > len(extension):
-        return None
-    at = 2
-    while at + 3 <= end:
-        kind = extension[at]
-        size = int.from_bytes(extension[at + 1 : at + 3], "big")
-        at += 3
+def _entry(data: bytes, at: int, end: int, width: int, wanted: int) -> bytes | None:
+    """The value of the first entry of kind ``wanted`` in ``data[at:end]``, a list of (kind
+    (``width`` bytes), value<0..2^16-1>); None if there is none, or the list overruns first."""
+    while at + width + 2 <= end:
+        kind = int.from_bytes(data[at : at + width], "big")
+        size = int.from_bytes(data[at + width : at + width + 2], "big")
+        at += width + 2
         if at + size > end:
             return None
-        if kind == HOST_NAME:
-            return extension[at : at + size].decode("latin-1") or None
+        if kind == wanted:
+            return data[at : at + size]
         at += size
     return None
 
