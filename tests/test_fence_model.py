@@ -148,7 +148,7 @@ from lchat.objstore import (
     StoredObject,
     StoreUnavailable,
 )
-from lchat.replica.replicator import TAKEOVER_TXID_GAP, Replicator
+from lchat.replica.replicator import TAKEOVER_TXID_GAP
 from lchat.replica.restore import (
     SNAPSHOT_LEVEL,
     ReplicaFile,
@@ -208,11 +208,6 @@ MEMBERS = members_prefix(WHERE)
 _ALIVE_IN: Callable[[Any, str], Callable[[], bool]] = getattr(
     lifecycle, "_alive_in", lambda fence, epoch: fence.alive
 )
-
-
-# Does the lifecycle keep (not release) a lease whose replication never started but sent an
-# upload, which may still land? It can tell once the replicator says whether it ``wrote``.
-_RELEASE_ASKS_WROTE = hasattr(Replicator, "wrote")
 
 
 def _EPOCH_STARTED(fence: BoxFence) -> dict[str, Any]:
@@ -1523,7 +1518,7 @@ class Sim:
         assert keeper is not None
         if tenure.lost is not None:
             pass
-        elif flushed or not (tenure.replicating or (_RELEASE_ASKS_WROTE and tenure.rep.wrote)):
+        elif flushed or not (tenure.replicating or tenure.rep.wrote):
             released = await keeper.release(RELEASE_BUDGET)
             self.log(f"{tenure.name}: released: {released}")
         else:
