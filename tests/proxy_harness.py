@@ -36,6 +36,7 @@ from zope.interface import implementer
 from lchat import tls
 from lchat.config import ProxyConfig
 from lchat.proxy.serve import FrontPort, bind
+from lchat.proxy.upstream import UpstreamConnection, UpstreamPool
 from lchat.registry import Route, RouteTable
 from lchat.router import LocalResponse, RemotePeer, RequestHead, Router, Target
 
@@ -515,6 +516,11 @@ FUZZ_CONFIG = ProxyConfig(
     max_header_bytes=4096,
     max_headers=24,
 )
+
+
+def idle_connections(pool: UpstreamPool) -> list[UpstreamConnection]:
+    """Every idle connection ``pool`` keeps."""
+    return [conn for idle in pool._idle.values() for conn in idle]
 
 
 def listen_now(

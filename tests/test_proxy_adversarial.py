@@ -55,6 +55,7 @@ from tests.proxy_harness import (
     backend_problems,
     blocking_exchange,
     complete_responses,
+    idle_connections,
     listen,
     parse_requests,
     response_statuses,
@@ -279,7 +280,7 @@ class ProxyCase(TestCase):
 
     def busy_upstream(self) -> int:
         pool = self.factory.pool
-        return len(pool._connections) - len(pool.idle_connections())
+        return len(pool._connections) - len(idle_connections(pool))
 
     async def assert_clean(self) -> None:
         """No upstream connection out of the pool, and every gauge back where it started."""
@@ -290,7 +291,7 @@ class ProxyCase(TestCase):
         self.assertEqual(self.busy_upstream(), 0, "an upstream connection leaked")
         await until(lambda: gauges(self.factory) == self.baseline, 1.0)
         self.assertEqual(gauges(self.factory), self.baseline)
-        idle = {id(c) for c in self.factory.pool.idle_connections()}
+        idle = {id(c) for c in idle_connections(self.factory.pool)}
         live = [c for c in self.all_backend_connections() if not c.is_lost]
         self.assertLessEqual(len(live), len(idle), "backend connections held outside the pool")
 

@@ -57,6 +57,7 @@ from lchat.proxy.exchange import REPLAY_LIMIT
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target
+from tests.proxy_harness import idle_connections
 from tests.test_proxy_bulk import pattern
 from tests.test_proxy_oneread import stats as oneread_stats
 from tests.test_proxy_oneread import stats_delta
@@ -622,7 +623,7 @@ class Rig:
 
     def observed(self) -> dict[str, Any]:
         client, transport = self.client, self.client_transport
-        idle = self.pool.idle_connections()
+        idle = idle_connections(self.pool)
         return {
             "space bytes": [digest(t.out) for _, t, _ in self.upstreams],
             "space requests": [s.reader.messages for _, _, s in self.upstreams],

@@ -32,6 +32,7 @@ from lchat.proxy.downstream import Downstream, ProxyFactory
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target, plain
+from tests.proxy_harness import idle_connections
 
 KNOWN = "chat.example.com"
 SOCKET = "/nonexistent/rig.sock"
@@ -125,7 +126,7 @@ class Rig:
         self.client.connection_made(self.client_transport)
 
     def pool_one(self) -> None:
-        if not any(upstream.reusable for upstream in self.pool.idle_connections()):
+        if not any(upstream.reusable for upstream in idle_connections(self.pool)):
             transport = RecordingTransport()
             upstream = UpstreamConnection(self.pool, target_key(self.routes.target))
             upstream.connection_made(transport)
@@ -154,7 +155,7 @@ class Rig:
             "client closing": self.client_transport.closing,
             # (A closed one stays listed here: the recording transport never reports the loss.)
             "upstreams pooled": [
-                upstream.reusable and upstream in self.pool.idle_connections()
+                upstream.reusable and upstream in idle_connections(self.pool)
                 for upstream, _ in self.upstreams
             ],
             "deadline": client._deadline,

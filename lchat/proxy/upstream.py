@@ -503,9 +503,6 @@ class UpstreamPool:
                 return conn
         return None
 
-    def dial(self, target: LocalSocket | RemotePeer) -> Deferred[UpstreamConnection]:
-        return self._dial(target, target_key(target))
-
     def release(self, conn: UpstreamConnection) -> None:
         """Hand back a connection whose exchange completed cleanly."""
         conn.handler = None
@@ -546,10 +543,6 @@ class UpstreamPool:
             idle.remove(conn)
             self._idle_count -= 1
             self._stats.idle_upstream -= 1
-
-    def idle_connections(self) -> list[UpstreamConnection]:
-        """Every idle pooled connection (diagnostics and tests)."""
-        return [conn for idle in self._idle.values() for conn in idle]
 
     def drop_idle(self, socket_path: str) -> int:
         """Close the idle connections to one unix socket (its space is stopping: a kept-alive
@@ -624,7 +617,9 @@ class UpstreamPool:
             return self._connect_timeout
         return min(self._connect_timeout, PEER_CONNECT_TIMEOUT)
 
-    def _dial(self, target: LocalSocket | RemotePeer, key: Key) -> Deferred[UpstreamConnection]:
+    def dial(self, target: LocalSocket | RemotePeer) -> Deferred[UpstreamConnection]:
+        """A new connection to ``target``, dialled again on a refusal within the retry window."""
+        key = target_key(target)
         result: Deferred[UpstreamConnection] = Deferred(lambda d: state.update(cancelled=True))
         # A space restarting on this box is worth waiting for; a peer box that refuses is
         # stopping or gone, and the mesh routes around it: retry it only briefly.
