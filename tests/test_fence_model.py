@@ -204,15 +204,12 @@ REPLICA = WHERE.key(HOST)
 MEMBERS = members_prefix(WHERE)
 
 # The lifecycle's keeper liveness and acquire's arguments, as lchat/hibernation/lifecycle.py has
-# them (whichever version of it this runs with).
-_ALIVE_IN: Callable[[Any, str], Callable[[], bool]] = getattr(
-    lifecycle, "_alive_in", lambda fence, epoch: fence.alive
-)
+# them (named, not looked up: a rename must fail here, not leave the model on an older rule).
+_ALIVE_IN: Callable[[Any, str], Callable[[], bool]] = lifecycle._alive_in
 
 
 def _EPOCH_STARTED(fence: BoxFence) -> dict[str, Any]:
-    started = getattr(fence, "epoch_started", None)
-    return {} if started is None else {"epoch_started": started}
+    return {"epoch_started": fence.epoch_started}
 
 
 # What the model saw across all examples of a run (for the coverage test).
