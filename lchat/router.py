@@ -2,8 +2,7 @@
 
 The router knows hostnames and registry rows; it knows nothing of HTTP parsing (the proxy's job) or of
 processes (the supervisor's). The proxy hands it a parsed :class:`RequestHead` and gets back a
-:data:`Target`, now or later (a Deferred: the activator may have to wake a space first). Later issues
-add the mesh (forward to the owner) and the activator (wake a hibernating space) as further branches.
+:data:`Target`, now or later (a Deferred: the activator may have to wake a space first).
 """
 
 from __future__ import annotations
@@ -114,8 +113,9 @@ class Routes(Protocol):
 
     def route(self, head: RequestHead) -> Target | Deferred[Target]: ...
 
-    def reroute(self, head: RequestHead, peer: RemotePeer, why: str) -> Target | Deferred[Target]:
-        """Route ``head`` again: the mesh box ``peer.member`` could not take it (``why``)."""
+    def reroute(
+        self, head: RequestHead, peer: RemotePeer, why: str
+    ) -> Target | Deferred[Target]: ...
 
 
 def plain(status: int, text: str, *extra: Header, label: str = "local") -> LocalResponse:

@@ -331,7 +331,8 @@ class MeshRouter:
             return self._region_down(route)
         if owner == self._self_url or self._activator.holds(host):
             _forwards.labels("local_owner").inc()
-            return await _resolve(self._here(route, head))
+            here = self._here(route, head)
+            return await here if isinstance(here, Deferred) else here
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, head)
 
@@ -531,9 +532,3 @@ def _member_url(owner: str) -> str | None:
         return placement.normalise_member_url(owner)
     except ValueError:
         return None
-
-
-async def _resolve(target: Target | Deferred[Target]) -> Target:
-    if isinstance(target, Deferred):
-        return await target
-    return target

@@ -200,7 +200,6 @@ class ClientConnection(asyncio.Protocol):
             status=status,
             reason=reason,
         )
-        assert self.transport is not None
         if ex is not None and ex is self._active and ex.response_started:
             self._abort()
             return
@@ -264,7 +263,6 @@ class ClientConnection(asyncio.Protocol):
         _rejected.labels("408").inc()
         _log.info("request body from {client} stalled: closing", client=self._client)
         ex = self._active
-        assert self.transport is not None
         if ex is not None and ex.upstream is not None:
             ex.upstream.abort()
             ex.upstream = None
@@ -298,7 +296,6 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._parsing is not None:
             _rejected.labels("408").inc()
-            assert self.transport is not None
             self._send(simple_response(408, b"408 Request Timeout\n", close=True))
         self._closing()
 
@@ -372,7 +369,6 @@ class ClientConnection(asyncio.Protocol):
             seconds=now - self._send_moved_at,
         )
         self._send_moved_at = now  # the abort completes in a moment; not twice meanwhile
-        assert self.transport is not None
         self._abort()
 
 

@@ -1,10 +1,4 @@
-"""What the stdlib TLS layer saw of one front-door handshake, and a failed one's kind.
-
-The front door (:mod:`lchat.proxy.tls_accept`) puts a fresh :class:`HandshakeNotes` in
-:data:`handshake_notes` before handing a socket to TLS; the certificate store's SNI callback and
-:class:`NotedSSLObject` note what they see in it; :func:`classify_ssl_failure` reads it when the
-handshake fails.
-"""
+"""What the stdlib TLS layer saw of one front-door handshake, and a failed one's kind."""
 
 from __future__ import annotations
 
@@ -19,9 +13,11 @@ from attrs import define
 class HandshakeNotes:
     """What the stdlib TLS layer saw of one server handshake, for telling a failure's kind.
 
-    The front door puts a fresh one in :data:`handshake_notes` (a context variable) before handing
-    an accepted socket to TLS; uvloop runs the connection's callbacks, and so the SNI callback and
-    every ``do_handshake``, in a copy of that context, where they note what they see.
+    The front door (:mod:`lchat.proxy.tls_accept`) puts a fresh one in :data:`handshake_notes` (a
+    context variable) before handing an accepted socket to TLS; uvloop runs the connection's
+    callbacks, and so the certificate store's SNI callback and every ``do_handshake``
+    (:class:`NotedSSLObject`), in a copy of that context, where they note what they see;
+    :func:`classify_ssl_failure` reads it when the handshake fails.
     """
 
     server_name: str = ""  # the SNI name as the client sent it ("" for none)
@@ -74,7 +70,7 @@ def classify_ssl_failure(error: BaseException, notes: HandshakeNotes) -> tuple[s
     if "http request" in text:
         return "plain_http", detail
     if "alert" in text:
-        return "peer_alert", detail  # the client refused us, usually our certificate
+        return "peer_alert", detail
     if notes.sni and not notes.certificate:
         return "no_certificate", detail
     return "protocol", detail

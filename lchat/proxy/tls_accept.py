@@ -428,9 +428,7 @@ class TLSAcceptor:
         task.add_done_callback(self._handshakes.discard)
 
     async def _handshake(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
-        # Seen by the SNI callback and every handshake step: uvloop runs the connection's
-        # callbacks in a copy of this task's context.
-        handshake_notes.set(notes)
+        handshake_notes.set(notes)  # (seen in a copy of this task's context: HandshakeNotes)
         try:
             await self._loop.connect_accepted_socket(
                 self._factory,
