@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 
 from lchat import hosts
 from lchat.deferutil import fire
+from lchat.sqlite import migrate, write_transaction
 from lchat.threads import RunInThread
 
 Kind = Literal["instance", "service"]
@@ -268,18 +269,14 @@ class Registry:
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise RegistryError(f"registry {self.path}: cannot enable WAL (got {mode})")
-            with _immediate(conn):
-                found = int(conn.execute("PRAGMA user_version").fetchone()[0])
-                if found > SCHEMA_VERSION:
-                    raise RegistryError(
-                        f"registry {self.path} has schema version {found}, newer than this "
-                        f"lchat understands ({SCHEMA_VERSION}): upgrade lchat"
-                    )
-                for version in range(found, SCHEMA_VERSION):
-                    for statement in MIGRATIONS[version]:
-                        conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            return found
+            return migrate(
+                conn,
+                MIGRATIONS,
+                lambda found: RegistryError(
+                    f"registry {self.path} has schema version {found}, newer than this lchat "
+                    f"understands ({SCHEMA_VERSION}): upgrade lchat"
+                ),
+            )
 
     def load(self) -> RouteTable:
         """Read every row into a fresh immutable table."""
@@ -319,7 +316,7 @@ class Registry:
             raise RegistryError(
                 f"cannot update columns {sorted(unknown | {'host'} & set(changes))}"
             )
-        with self.connect() as conn, _immediate(conn):
+        with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, host)
             if existing is None:
                 raise UnknownHost(f"{host} is not registered")
@@ -362,7 +359,7 @@ class Registry:
                 f"{route.host}: only hibernating instances and lives-elsewhere rows replicate"
             )
         now = int(self._clock())
-        with self.connect() as conn, _immediate(conn):
+        with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, route.host)
             if existing is None:
                 result = evolve(route, created_at=route.created_at or now, updated_at=now)
@@ -393,7 +390,7 @@ class Registry:
         row: :attr:`Route.replicated`) (a peer's tombstone), in one
         transaction. Returns the row deleted, or None when there was none. Raises
         :class:`Conflict` for a service or a space that does not hibernate."""
-        with self.connect() as conn, _immediate(conn):
+        with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, host)
             if existing is not None:
                 _refuse_replicated(existing)
@@ -452,19 +449,6 @@ _REPLICATED_COLUMNS = (
     "status",
     "updated_at",
 )
-
-
-@contextmanager
-def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction (``BEGIN IMMEDIATE``: writers queue for the lock, never upgrade a
-    read), committed when the block ends, rolled back when it raises."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 def _select(conn: sqlite3.Connection, host: str) -> Route | None:

@@ -36,6 +36,7 @@ from zope.interface import implementer
 import lchat
 from lchat.reactors import installed
 from lchat.space import store
+from lchat.sqlite import migrate, write_transaction
 
 reactor = installed()
 
@@ -547,10 +548,10 @@ class IdTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.conn = sqlite3.connect(":memory:", isolation_level=None)
         self.addCleanup(self.conn.close)
-        store._migrate(self.conn)
+        migrate(self.conn, store.MIGRATIONS, ValueError)
 
     def insert(self, floor: int) -> int:
-        with store._transaction(self.conn):
+        with write_transaction(self.conn):
             return store._insert_message(self.conn, "r", "b", 0, floor).id
 
     def test_the_clock_is_the_floor(self) -> None:

@@ -39,8 +39,7 @@ import random
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -73,6 +72,7 @@ from lchat.home.store import (
     measured,
     update_user_cas,
 )
+from lchat.sqlite import migrate, open_wal, write_transaction
 from lchat.threads import RunInThread
 
 log = Logger()
@@ -175,17 +175,7 @@ class _Connections:
         self._checkin(conn)
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-            (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
-            if mode != "wal":
-                raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
-            conn.execute("PRAGMA synchronous = NORMAL")
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        return open_wal(self.path, self._busy_timeout_ms)
 
     def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """In a worker thread: ``fn(conn, *args)`` on a checked-out connection."""
@@ -357,31 +347,15 @@ class SQLiteVaultStore:
 # -- in the worker thread ------------------------------------------------------------------------
 
 
-@contextmanager
-def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    # IMMEDIATE takes the write lock up front: the read that a compare-and-swap checks and the
-    # write it makes are one atomic step, and busy_timeout covers the whole transaction.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
 def _migrate(conn: sqlite3.Connection) -> None:
-    with _write_transaction(conn):
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(
-                f"database schema version {version} is newer than this server knows "
-                f"({SCHEMA_VERSION}): run the newer lchat-home, or restore a backup"
-            )
-        for statements in MIGRATIONS[version:]:
-            for statement in statements:
-                conn.execute(statement)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    migrate(
+        conn,
+        MIGRATIONS,
+        lambda found: sqlite3.DatabaseError(
+            f"database schema version {found} is newer than this server knows "
+            f"({SCHEMA_VERSION}): run the newer lchat-home, or restore a backup"
+        ),
+    )
 
 
 def _check(conn: sqlite3.Connection) -> None:
@@ -433,7 +407,7 @@ def _get_blob(conn: sqlite3.Connection, uid: str) -> Blob | None:
 def _put_blob(
     conn: sqlite3.Connection, uid: str, data: bytes, expected_version: str, now: float
 ) -> int:
-    with _write_transaction(conn):
+    with write_transaction(conn):
         (current,) = conn.execute(
             "SELECT coalesce(max(version), 0) FROM blobs WHERE uid = ?", (uid,)
         ).fetchone()
@@ -487,7 +461,7 @@ def _put_user(
     now: float,
 ) -> int:
     text = encode_user(doc).decode()
-    with _write_transaction(conn):
+    with write_transaction(conn):
         row = conn.execute("SELECT version FROM users WHERE uid = ?", (uid,)).fetchone()
         current = 0 if row is None else int(row[0])
         _check_expected(conn, expected_version, current, "user document")
@@ -502,7 +476,7 @@ def _put_user(
 
 def _put_pointer(conn: sqlite3.Connection, kind: str, name: str, uid: str) -> str:
     """Create the pointer if it is absent; return the uid it names afterwards."""
-    with _write_transaction(conn):
+    with write_transaction(conn):
         conn.execute(
             "INSERT INTO pointers (kind, name, uid) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
             (kind, name, uid),
@@ -521,7 +495,7 @@ def _resolve_pointer(conn: sqlite3.Connection, kind: str, name: str) -> str | No
 
 
 def _use_once(conn: sqlite3.Connection, name: str, expires_at: float, now: float) -> bool:
-    with _write_transaction(conn):
+    with write_transaction(conn):
         conn.execute("DELETE FROM used WHERE expires_ms < ?", (int(now * 1000),))
         inserted = conn.execute(
             "INSERT INTO used (name, expires_ms) VALUES (?, ?) ON CONFLICT DO NOTHING",
@@ -531,7 +505,7 @@ def _use_once(conn: sqlite3.Connection, name: str, expires_at: float, now: float
 
 
 def _mark_revoked(conn: sqlite3.Connection, digest: str, uid: str, device: str, now: float) -> None:
-    with _write_transaction(conn):
+    with write_transaction(conn):
         # Marked again (a retried revoke): a new number and date, so every cursor sees it again.
         conn.execute("DELETE FROM revocations WHERE digest = ?", (digest,))
         conn.execute(
@@ -545,7 +519,7 @@ def _revoked_since(conn: sqlite3.Connection, after: int, now: float) -> Revocati
     # Expired markers are deleted by whoever lists them: a write only when there are some (the
     # oldest row is the lowest-numbered one), so a poll is one read otherwise.
     if conn.execute("SELECT 1 FROM revocations WHERE marked_ms < ? LIMIT 1", (oldest,)).fetchone():
-        with _write_transaction(conn):
+        with write_transaction(conn):
             conn.execute("DELETE FROM revocations WHERE marked_ms < ?", (oldest,))
     rows = conn.execute(
         "SELECT seq, digest, marked_ms FROM revocations WHERE seq > ? ORDER BY seq", (after,)

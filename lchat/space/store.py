@@ -16,8 +16,7 @@ and fit a JavaScript number (2**53 microseconds is the year 2255); they are not 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from attrs import define, frozen
@@ -25,6 +24,8 @@ from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
+
+from lchat.sqlite import migrate, open_wal, write_transaction
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -143,45 +144,21 @@ class Store:
             self._pool.stop()
 
 
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    # IMMEDIATE takes the write lock up front, so busy_timeout covers the whole transaction.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
 def _connect(path: str) -> sqlite3.Connection:
     # The pool has exactly one thread, but it may be replaced; access is serialised either way.
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn = open_wal(path, BUSY_TIMEOUT_MS)
     try:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
-        if mode != "wal":
-            raise sqlite3.OperationalError(f"cannot enable WAL on {path} (journal_mode={mode})")
-        conn.execute("PRAGMA synchronous = NORMAL")
-        _migrate(conn)
+        migrate(
+            conn,
+            MIGRATIONS,
+            lambda found: sqlite3.DatabaseError(
+                f"database schema version {found} is newer than this server knows"
+            ),
+        )
     except BaseException:
         conn.close()
         raise
     return conn
-
-
-def _migrate(conn: sqlite3.Connection) -> None:
-    with _transaction(conn):
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        if version > len(MIGRATIONS):
-            raise sqlite3.DatabaseError(
-                f"database schema version {version} is newer than this server knows"
-            )
-        for statements in MIGRATIONS[version:]:
-            for statement in statements:
-                conn.execute(statement)
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
 
 
 def _close(conn: sqlite3.Connection) -> None:
@@ -215,12 +192,12 @@ def _insert_message(
 
 
 def _post(conn: sqlite3.Connection, room: str, body: str, now: int, floor: int) -> Message:
-    with _transaction(conn):
+    with write_transaction(conn):
         return _insert_message(conn, room, body, now, floor)
 
 
 def _schedule(conn: sqlite3.Connection, room: str, body: str, deliver_at: int, floor: int) -> int:
-    with _transaction(conn):
+    with write_transaction(conn):
         scheduled_id = next_id(conn, "scheduled", floor)
         conn.execute(
             "INSERT INTO scheduled (id, room, body, deliver_at) VALUES (?, ?, ?, ?)",
@@ -249,7 +226,7 @@ def _deliver_due(conn: sqlite3.Connection, now: int, floor: int) -> list[Message
     if conn.execute(_PENDING, (now, 1)).fetchone() is None:
         return []
     delivered = []
-    with _transaction(conn):
+    with write_transaction(conn):
         for scheduled_id, room, body in conn.execute(_PENDING, (now, DELIVER_BATCH)).fetchall():
             message = _insert_message(conn, room, body, now, floor)
             conn.execute(
@@ -272,7 +249,7 @@ def _next_due(conn: sqlite3.Connection, now: int) -> int:
 
 
 def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
-    with _transaction(conn):
+    with write_transaction(conn):
         conn.execute(
             "INSERT INTO meta (key, value) VALUES (?, ?)"
             " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
