@@ -20,7 +20,7 @@ Invariants:
 - only a host :meth:`CertStore.holds_for` calls eligible ever waits, for ``hold`` seconds at most;
   every other connection goes to TLS as soon as its ClientHello is in (or at once, with nothing
   obtaining certificates on demand);
-- a host whose hold ended without a certificate is not held again for ``retry_hold_after``
+- a host whose hold ended without a certificate is not held again for :data:`RETRY_HOLD_AFTER`
   seconds (its issuance is failing: visitors would wait for nothing), nor is one the issuer
   declines;
 - at most ``max_held`` connections are held at once; beyond that they are served at once;
@@ -178,8 +178,7 @@ class TLSAcceptor:
     ``handshake_timeout``: the TLS handshake's bound, once uvloop has the connection;
     ``peek_timeout``: how long a connection may take to send its ClientHello while names are read
     (a client that connects and sends nothing is closed then); ``max_held``: connections held at
-    once at most; ``retry_hold_after``: after a hold ended without a certificate, how long that
-    host's handshakes are served without waiting.
+    once at most.
 
     The factory is called when uvloop takes the connection, before the handshake: a protocol whose
     handshake fails is dropped without any call.
@@ -200,8 +199,6 @@ class TLSAcceptor:
         handshake_timeout: float = 10.0,
         peek_timeout: float = 10.0,
         max_held: int = DEFAULT_MAX_HELD,
-        retry_hold_after: float = RETRY_HOLD_AFTER,
-        accept_batch: int = ACCEPT_BATCH,
     ) -> None:
         self._loop = loop
         self._clock = clock
@@ -212,8 +209,6 @@ class TLSAcceptor:
         self.handshake_timeout = handshake_timeout
         self.peek_timeout = peek_timeout
         self.max_held = max_held
-        self.retry_hold_after = retry_hold_after
-        self._batch = accept_batch
         self._listening = False
         self._closed = False
         self._resume: IDelayedCall | None = None
@@ -232,7 +227,7 @@ class TLSAcceptor:
         if self._listening or self._closed:
             return
         self._listening = True
-        self._loop.add_reader(self._sock.fileno(), self._accept, self._batch)
+        self._loop.add_reader(self._sock.fileno(), self._accept, ACCEPT_BATCH)
 
     def accept_backlog(self) -> None:
         """Accept, now, every connection the kernel has queued (a drain calls it just before
@@ -369,7 +364,7 @@ class TLSAcceptor:
         gave_up = self._gave_up.get(host)
         if gave_up is None:
             return True
-        if self._clock.seconds() - gave_up < self.retry_hold_after:
+        if self._clock.seconds() - gave_up < RETRY_HOLD_AFTER:
             return False
         del self._gave_up[host]
         return True
@@ -405,7 +400,7 @@ class TLSAcceptor:
                     else "no certificate (no default.pem: the handshake fails)"
                 ),
                 count=count,
-                retry=self.retry_hold_after,
+                retry=RETRY_HOLD_AFTER,
             )
         for conn, peer, notes in hold.connections:
             self._hand_over(conn, peer, notes)
@@ -417,9 +412,7 @@ class TLSAcceptor:
     def _remember_gave_up(self, host: str) -> None:
         now = self._clock.seconds()
         if len(self._gave_up) >= _GAVE_UP_PRUNE:
-            self._gave_up = {
-                h: t for h, t in self._gave_up.items() if now - t < self.retry_hold_after
-            }
+            self._gave_up = {h: t for h, t in self._gave_up.items() if now - t < RETRY_HOLD_AFTER}
         self._gave_up[host] = now
 
     def _hand_over(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:

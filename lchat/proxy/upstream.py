@@ -1,10 +1,10 @@
 """The upstream side: connections to spaces (unix sockets) and peers (TLS), pooled, with dial retry.
 
 asyncio Protocols on the reactor's own (uvloop) loop. A connection carries one exchange at a time
-(no pipelining upstream). It parses the response with httptools and reports to its
-:class:`ResponseHandler`: informational heads, the final head, body bytes, completion, a switch to
-raw bytes after ``101``, or failure; and, at the end of every read, ``flush`` (the handler may batch
-what one read makes into one write to its client).
+(no pipelining upstream). It parses the response with httptools and reports to its handler (the
+client's :class:`~lchat.proxy.relay.Relay`): informational heads, the final head, body bytes,
+completion, a switch to raw bytes after ``101``, or failure; and, at the end of every read,
+``flush`` (the handler may batch what one read makes into one write to its client).
 
 A response head that needs no rewriting (no hop-by-hop or internal header, ``Content-Length``
 framing, HTTP/1.1, the whole head in the exchange's first read) is also handed over byte for byte
@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ssl
-from typing import Any, cast
-from typing import Protocol as TypingProtocol
+from typing import TYPE_CHECKING, Any, cast
 
 import httptools
 from prometheus_client import Counter
@@ -34,6 +33,9 @@ from lchat.proxy.http import RESPONSE_SPECIAL, Header, Valve
 from lchat.proxy.state import FrontDoorState
 from lchat.router import LocalSocket, RemotePeer
 
+if TYPE_CHECKING:
+    from lchat.proxy.relay import Relay
+
 _log = Logger(namespace="lchat.proxy")
 
 _dial_retries = Counter(
@@ -43,29 +45,6 @@ _dial_failures = Counter(
     "lchat_upstream_dial_failures_total", "Upstream dials given up after the retry window"
 )
 Key = str | tuple[Any, ...]  # a unix socket's path, or (scheme, address, port, server name)
-
-
-class ResponseHandler(TypingProtocol):
-    def informational(self, status: int, reason: bytes, headers: list[Header]) -> None: ...
-    def response_head(
-        self,
-        status: int,
-        reason: bytes,
-        headers: list[Header],
-        length: int | None,
-        chunked: bool,
-        raw_head: bytes | None,
-    ) -> None: ...
-    def response_whole(self, status: int, data: bytes, length: int) -> bool: ...
-    def response_body(self, data: bytes) -> None: ...
-    def response_view(self, view: memoryview, nbytes: int) -> bool: ...
-    def response_complete(self) -> None: ...
-    def switched(self, status_reason: bytes, headers: list[Header], tail: bytes) -> None: ...
-    def upstream_data(self, data: bytes) -> None: ...
-    def upstream_failed(self, why: str, started: bool) -> None: ...
-    def begin_batch(self) -> None: ...
-    def flush(self) -> None: ...
-    def upstream_full(self, full: bool) -> None: ...
 
 
 class _HeadDone(Exception):
@@ -79,7 +58,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.handler: ResponseHandler | None = None
+        self.handler: Relay | None = None
         self.valve: Valve | None = None
         self.reused = 0
         self.connected = False
@@ -101,7 +80,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         # The client's side wants to hear when our output is over the high-water mark (its
         # request body, or tunnel bytes, must then wait): Downstream.upstream_full.
-        self.backpressure: ResponseHandler | None = None
+        self.backpressure: Relay | None = None
         self.write_paused = False
         # Bytes of a Content-Length response body still to come (counted from the head on); once
         # the read that brought the head is parsed, the rest of the body goes past the parser.
@@ -122,7 +101,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.connected = True
         self.valve = Valve(transport)
 
-    def begin(self, handler: ResponseHandler, method: bytes) -> None:
+    def begin(self, handler: Relay, method: bytes) -> None:
         """Start an exchange: the caller writes the request next."""
         self.handler = handler
         self._method = method
@@ -485,11 +464,6 @@ class UpstreamPool:
         return self._loop
 
     # -- public ---------------------------------------------------------------------------------
-
-    def acquire(self, target: LocalSocket | RemotePeer) -> Deferred[UpstreamConnection]:
-        """A pooled connection if one is idle, else a new one (with the dial-retry window)."""
-        conn = self.take_idle(target)
-        return succeed(conn) if conn is not None else self.dial(target)
 
     def take_idle(self, target: LocalSocket | RemotePeer) -> UpstreamConnection | None:
         # (target_key, inline: every request's path)
