@@ -133,9 +133,8 @@ from lchat.lease import (
 )
 from lchat.lease import acquire as acquire_lease
 from lchat.mesh.fence import BoxFence, HolderJudge, judged_dead
-from lchat.mesh.janitor import JANITOR_DEAD_AFTERS
 from lchat.mesh.liveness import LIVENESS_MARGIN
-from lchat.mesh.members import member_key, members_prefix
+from lchat.mesh.members import JANITOR_DEAD_AFTERS, member_key, members_prefix
 from lchat.mesh.membership import Membership
 from lchat.mesh.witness import BeatMessage, PeerCallError
 from lchat.objstore import (

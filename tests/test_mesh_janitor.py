@@ -1,4 +1,4 @@
-"""The heartbeat janitor (``lchat/mesh/janitor.py``, a step of each ``Membership`` beat).
+"""The heartbeat janitor (``lchat/mesh/members.py`` ``Janitor``, a step of each ``Membership`` beat).
 
 Long-dead members' heartbeat keys are deleted by the live box with the lowest URL, one per beat,
 each DELETE conditional on the ETag it listed. Time is the point here, so the boxes run on a
@@ -29,8 +29,13 @@ from twisted.trial.unittest import TestCase
 
 from lchat.config import MeshConfig
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
-from lchat.mesh.janitor import JANITOR_DEAD_AFTERS, stale_keys
-from lchat.mesh.members import encode_member_name, member_key, members_prefix
+from lchat.mesh.members import (
+    JANITOR_DEAD_AFTERS,
+    encode_member_name,
+    member_key,
+    members_prefix,
+    stale_keys,
+)
 from lchat.mesh.membership import Membership
 from lchat.objstore import NotFound, ObjectInfo, ObjectStore, StoreUnavailable
 from lchat.objstore.file import FileStore

@@ -542,7 +542,7 @@ def _count(states: Iterable[str]) -> dict[str, int]:
 
 def elected(members: Sequence[placement.Candidate], me: str) -> bool:
     """Is ``me`` the publisher: the live member with the lowest URL (the heartbeat janitor's
-    rule, :meth:`lchat.mesh.janitor.Janitor.sweep`)? Never when ``me`` is not live."""
+    rule, :meth:`lchat.mesh.members.Janitor.sweep`)? Never when ``me`` is not live."""
     urls = sorted(placement.normalise_member_url(m.url) for m in members)
     return bool(urls) and urls[0] == placement.normalise_member_url(me)
 

@@ -3,7 +3,7 @@ its view of the mesh (:class:`Membership`).
 
 The keys, the bodies and who is live: :mod:`lchat.mesh.members`; the peers' witness:
 :mod:`lchat.mesh.witness` and :mod:`lchat.mesh.peering`; this box's deadline:
-:mod:`lchat.mesh.liveness`; what crashed boxes leave behind: :mod:`lchat.mesh.janitor`.
+:mod:`lchat.mesh.liveness`; what crashed boxes leave behind: :class:`~lchat.mesh.members.Janitor`.
 
 Failures are soft (they are logged and counted in ``lchat_mesh_heartbeat_failures_total{op}``): a
 failed PUT leaves our beat to age (peers take over our hosts after ``dead_after``, the lease
@@ -33,11 +33,12 @@ import lchat
 from lchat.config import MeshConfig
 from lchat.deferutil import observe
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
-from lchat.mesh.janitor import JANITOR_DEAD_AFTERS, Janitor
 from lchat.mesh.liveness import LIVENESS_MARGIN, Liveness
 from lchat.mesh.members import (
     FAILURES,
+    JANITOR_DEAD_AFTERS,
     BodyCache,
+    Janitor,
     KeyPrefix,
     Member,
     describe_failure,
@@ -86,7 +87,7 @@ class Membership(PeerBeating, Service):
 
     On start it beats at once, then every ``mesh.heartbeat`` seconds: PUT our heartbeat, one
     :func:`~lchat.mesh.members.read_view` (bodies cached by ETag), then the janitor's step
-    (:meth:`~lchat.mesh.janitor.Janitor.sweep`). Each operation is bounded by
+    (:meth:`~lchat.mesh.members.Janitor.sweep`). Each operation is bounded by
     ``max(mesh.heartbeat, 1 s)``. :attr:`members` is the last view: live members, this box
     included. It is never empty: until a read shows anybody, and whenever our latest PUT
     succeeded but the listing does not show it yet, this box is in it (so placement always has a
