@@ -87,9 +87,8 @@ class LocalResponse:
     """Answer here, without any upstream. ``label`` names the outcome in metrics.
 
     ``refusal`` is set (to ``"stopping"``) only on an answer made *instead of* processing the
-    request because this box is stopping: nothing of it was acted on and another box may serve it.
-    It never reaches a client as such: the mesh turns it into ``X-Lchat-Refused`` for a request
-    a peer forwarded (that peer then sends the request elsewhere), and only then."""
+    request because this box is stopping: nothing of it was acted on and another box may serve it
+    (lchat.mesh.routing tells the peer that forwarded it, and only that peer)."""
 
     status: int
     body: bytes

@@ -60,12 +60,7 @@ _log = Logger(namespace="lchat.mesh")
 _forwards = Counter(
     "lchat_mesh_forwards_total",
     "Mesh routing decisions for in-scope hibernating spaces",
-    # local_owner, local_running, local_forwarded, to_owner, to_holder, bad_marker,
-    # peer_unreachable, peer_stopping, holder_unreachable (awake on a peer whose beats go
-    # unanswered: 503 at once); for lives-elsewhere rows: to_elsewhere,
-    # elsewhere_unreachable, elsewhere_loop; region_down (its home region keeps its replica in
-    # another bucket and has no live box: not woken here)
-    ["outcome"],
+    ["outcome"],  # docs/mesh.md ("Metrics") says what each one means
 )
 _ownership_changes = Counter(
     "lchat_mesh_ownership_changes_total", "In-scope hosts whose computed owner changed"

@@ -1,9 +1,7 @@
 """One client connection's own ground: its output (batched writes, backpressure, the send
-timeout), its deadlines, and how it closes; the state every layer of the connection shares.
-
-:class:`ClientConnection` is the base of the client's protocol: :class:`~lchat.proxy.relay.Relay`
-adds serving a request and relaying its response, :class:`~lchat.proxy.downstream.Downstream`
-reading requests. Nothing here knows HTTP beyond answering a refusal and closing.
+timeout), its deadlines, and how it closes; the state every layer of the connection shares
+(lchat.proxy.downstream names the layers). Nothing here knows HTTP beyond answering a refusal and
+closing.
 """
 
 from __future__ import annotations
