@@ -2,7 +2,7 @@
 runner*, ``run(f, *args) -> Deferred`` firing on the reactor thread with ``f(*args)``'s result.
 
 Every service that blocks takes one in its constructor; :mod:`lchat.tap` builds the real one on
-the reactor's thread pool, and tests pass :func:`inline` to run on a fake clock with no threads.
+the reactor's thread pool, and tests pass one that runs at once, on a fake clock with no threads.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 
@@ -24,8 +24,3 @@ def thread_runner(reactor: IReactorThreads) -> RunInThread:
         return deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
 
     return run
-
-
-def inline(f: Callable[..., Any], *args: Any) -> Deferred[Any]:
-    """Run at once, on the calling thread (tests on a fake clock: there is no pool to hop to)."""
-    return maybeDeferred(f, *args)

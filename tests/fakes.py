@@ -26,15 +26,18 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import Clock
 
 from lchat.child import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
 
-# The thread runner for a fake clock (lchat.threads.inline): the work runs at once, since there is
-# no reactor thread to hop back to, and the disk work these tests do takes microseconds.
-from lchat.threads import inline as inline
+
+def inline(f: Callable[..., Any], *args: Any) -> Deferred[Any]:
+    """The thread runner for a fake clock (lchat.threads.RunInThread): the work runs at once, on
+    the calling thread, since there is no pool to hop to, and the disk work these tests do takes
+    microseconds."""
+    return maybeDeferred(f, *args)
 
 
 class Journal:

@@ -24,7 +24,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from lchat import admin_client, systemd_units, threads
+from lchat import admin_client, systemd_units
 from lchat.admin import AdminAPI, _Json
 from lchat.admin_client import Response
 from lchat.cli.move_dns import MovedDNS
@@ -38,6 +38,7 @@ from lchat.objstore.where import Where
 from lchat.registry import Registry, Route, RouteSource
 from lchat.systemd_units import UnitError
 from lchat.threads import RunInThread
+from tests.fakes import inline
 
 
 def clock_of(reactor: task.Clock) -> Clock:
@@ -63,7 +64,7 @@ def file_bucket(reactor: task.Clock, root: str) -> StoreBucket:
     """The hibernation bucket as a real FileStore (must exist, as the router opens it)."""
 
     async def open_store(_: Any) -> FileStore:
-        return FileStore(reactor, root, threads.inline)
+        return FileStore(reactor, root, inline)
 
     return StoreBucket(open_store, run_inline(reactor))
 
@@ -142,7 +143,7 @@ class InMemoryAdmin:
         mesh: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.reactor = reactor
-        self.routes = RouteSource(reactor, registry, run_in_thread=threads.inline)
+        self.routes = RouteSource(reactor, registry, run_in_thread=inline)
         self.api = AdminAPI(
             reactor, self.routes, units, children, activator=activator, mesh=mesh, restart=restart
         )
@@ -273,7 +274,7 @@ def member(url: str, region: str) -> Member:
     return Member(url, region, "1", 0.0, when, 0.0, f"mesh/members/{url}")
 
 
-def region_stores(reactor: task.Clock, disk: RunInThread = threads.inline) -> RegionStores:
+def region_stores(reactor: task.Clock, disk: RunInThread = inline) -> RegionStores:
     """The region buckets as real FileStores (a ``file:`` Where's directory, made on first use as
     the CLI's opener does); ``disk``: the stores' thread runner (a test's slow or failing disk)."""
 
@@ -281,7 +282,7 @@ def region_stores(reactor: task.Clock, disk: RunInThread = threads.inline) -> Re
         os.makedirs(where.directory, exist_ok=True)
         return FileStore(reactor, where.directory, disk)
 
-    return RegionStores(open_store, run_inline(reactor), threads=lambda _: threads.inline)
+    return RegionStores(open_store, run_inline(reactor), threads=lambda _: inline)
 
 
 @define

@@ -12,7 +12,7 @@ import attrs
 from twisted.internet import task
 from twisted.internet.defer import Deferred, succeed
 
-from lchat import config, envfile, hosts, threads
+from lchat import config, envfile, hosts
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import Hibernation
 from lchat.handover.router import Router, Say
@@ -22,6 +22,7 @@ from lchat.hibernation.space import WakeFailed
 from lchat.objstore.file import FileStore
 from lchat.registry import Route
 from lchat.systemd_units import UnitError
+from tests.fakes import inline
 from tests.handover_fakes import (
     InMemoryAdmin,
     RecordingPeers,
@@ -129,7 +130,7 @@ class HandoverCase(CliTestCase):
 
     def replica_up_to(self, txid: int) -> None:
         """The bucket holds a snapshot of the space up to ``txid`` (as another box wrote it)."""
-        store = FileStore(self.reactor, self.bucket_dir, threads.inline)
+        store = FileStore(self.reactor, self.bucket_dir, inline)
         key = self.cfg.hibernate.key(HOST, f"0009/{1:016x}-{txid:016x}.ltx")  # type: ignore[union-attr]
         self.successResultOf(Deferred.fromCoroutine(store.put(key, b"snapshot")))
 

@@ -15,8 +15,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from lchat import threads
 from lchat.mesh import api, client
+from tests.fakes import inline
 from tests.test_mesh_api import HOST, TOKEN, Box, payload
 
 PEER = "http://box-1.example.net"
@@ -29,7 +29,7 @@ class StubClientTests(SynchronousTestCase):
         self.box = Box(root, "box-1")
         self.reloads: list[str] = []
         site = api.mesh_site(
-            self.box.registry, self.box.cfg(), self.reloads.append, run_in_thread=threads.inline
+            self.box.registry, self.box.cfg(), self.reloads.append, run_in_thread=inline
         )
         self.resource: Resource = site.resource
         self.http: Any = StubTreq(self.resource)

@@ -14,13 +14,15 @@ from typing import Any
 import attrs
 from twisted.internet.defer import Deferred, fail
 
-from lchat import admin_client, config, lease, threads
+from lchat import admin_client, config, lease
 from lchat.handover.relocate import Relocation
 from lchat.objstore import StoreUnavailable
 from lchat.objstore.file import FileBucket, FileStore
 from lchat.objstore.where import Where
 from lchat.registry import Route
 from lchat.replica import ltx
+from lchat.threads import RunInThread
+from tests.fakes import inline
 from tests.handover_fakes import (
     InMemoryAdmin,
     RecordingRecords,
@@ -61,7 +63,7 @@ class RelocateCase(HandoverCase):
         self.put(self.ie, snapshot(5), b"snapshot up to 5")
         self.peers.active = False  # no mesh unless a test configures one
         self.records = RecordingRecords()
-        self.disk: threads.RunInThread = threads.inline  # the region buckets' thread runner
+        self.disk: RunInThread = inline  # the region buckets' thread runner
         self.steps: dict[str, Any] = {}
         self.printed: list[str] = []
 
@@ -224,7 +226,7 @@ class CopyRefusalTests(RelocateCase):
         self.assertUnmoved()
 
     def test_a_lease_held_by_another_box_is_refused_and_left_alone(self) -> None:
-        ie = FileStore(self.reactor, self.ie, threads.inline)
+        ie = FileStore(self.reactor, self.ie, inline)
         key = lease.lease_key("", HOST)
         other = lease.acquire(ie, key, "https://box2.example.net", 900.0, monotonic=time.monotonic)
         self.successResultOf(Deferred.fromCoroutine(other))
@@ -247,7 +249,7 @@ class CopyRefusalTests(RelocateCase):
                 puts.append("put_file")
                 if len(puts) == 2:
                     return fail(StoreUnavailable("the disk went away"))
-            return threads.inline(f, *args)
+            return inline(f, *args)
 
         self.disk = disk
         self.refused_move(
@@ -261,7 +263,7 @@ class CopyRefusalTests(RelocateCase):
         def slow(f: Callable[..., Any], *args: Any) -> Deferred[Any]:
             if _calls(f, "put_file"):
                 self.reactor.advance(850.0)  # of the 900 s lease TTL
-            return threads.inline(f, *args)
+            return inline(f, *args)
 
         self.disk = slow
         self.refused_move(
@@ -274,7 +276,7 @@ class CopyRefusalTests(RelocateCase):
         def interrupted(f: Callable[..., Any], *args: Any) -> Deferred[Any]:
             if _calls(f, "put_file"):
                 raise KeyboardInterrupt
-            return threads.inline(f, *args)
+            return inline(f, *args)
 
         self.disk = interrupted
         self.assertRaises(KeyboardInterrupt, self.relocate)

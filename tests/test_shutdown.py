@@ -20,7 +20,7 @@ from lchat.shutdown import (
     InOrder,
     probe_done,
 )
-from lchat.threads import inline
+from tests.fakes import inline
 
 
 class _Stops(Service):

@@ -38,7 +38,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from lchat import certfiles, hosts, tls
 from lchat.cli.main import main
 from lchat.reactors import installed
-from lchat.threads import inline, thread_runner
+from lchat.threads import thread_runner
+from tests.fakes import inline
 
 reactor = installed()
 NOW = datetime.datetime.now(datetime.UTC)

@@ -149,7 +149,7 @@ class MeshFanOut:
 class RegionStores:
     """The region buckets ``lchat relocate`` copies between: ``open(reactor, where, what)`` on
     the reactor ``run`` gives the copy (``lchat.cli.runner.run``; tests: one that runs it
-    inline), and the thread runner a copied file streams through (tests: ``threads.inline``)."""
+    inline), and the thread runner a copied file streams through (tests: one that runs at once)."""
 
     open: Callable[[Reactor, Where, str], Awaitable[ObjectStore]]
     run: Runner
