@@ -465,8 +465,7 @@ class MeshRouter:
         if not self._membership.bucket_reachable():
             # The bucket is out of reach (this box's heartbeat does not land): what was read
             # before, however old, rather than a read that hangs.
-            cached = self._holders.get(host)
-            return cached[1] if cached is not None else None
+            return self._holders.get(host, (0.0, None))[1]
         try:
             reading = Deferred.fromCoroutine(self._store.get(lease_key(self._hib.prefix, host)))
             reading.addTimeout(HOLDER_READ_TIMEOUT, self._reactor)
@@ -480,8 +479,7 @@ class MeshRouter:
                 host=host,
                 timeout=HOLDER_READ_TIMEOUT,
             )
-            cached = self._holders.get(host)
-            return cached[1] if cached is not None else None
+            return self._holders.get(host, (0.0, None))[1]  # (what was read before, if anything)
         except ObjectStoreError as e:
             # Not known, rather than "nobody": not remembered, so the next request asks again
             # (a box just reconnected to its bucket must not route by a failed read for 2 s).
