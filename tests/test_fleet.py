@@ -85,6 +85,28 @@ def host_owned_by(url: str, members: list[Member], prefix: str = "h") -> str:
 # --- the ownership rule -------------------------------------------------------------------------
 
 
+class MembersReadTests(SynchronousTestCase):
+    """``lchat fleet``'s read of the members: a bucket that never answers is an error after
+    MEMBERS_TIMEOUT (the refusal the command prints), not an escaping Twisted TimeoutError."""
+
+    def test_a_read_that_never_answers_is_a_store_error(self) -> None:
+        from twisted.internet.task import Clock
+
+        from lchat.cli import fleet as fleet_cli
+        from lchat.objstore import ObjectStoreError
+
+        async def never(reactor: object, cfg: object) -> list[Any]:
+            await Deferred()
+            return []
+
+        self.patch(fleet_cli.mesh_cli, "read_mesh_members", never)
+        clock = Clock()
+        read = Deferred.fromCoroutine(fleet_cli._members(clock, None))  # type: ignore[arg-type]
+        clock.advance(fleet_cli.MEMBERS_TIMEOUT)
+        error = self.failureResultOf(read, ObjectStoreError)
+        self.assertIn(f"no answer within {fleet_cli.MEMBERS_TIMEOUT:g}s", str(error.value))
+
+
 class ReporterTests(SynchronousTestCase):
     members = [Member(ME), Member(PEER), Member(THIRD)]
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from twisted.internet import defer
 from twisted.internet.defer import Deferred, gatherResults
 
 from lchat.buckets import open_bucket
@@ -164,7 +165,7 @@ async def _members(reactor: Reactor, cfg: BoxConfig) -> list[Member]:
     read.addTimeout(MEMBERS_TIMEOUT, reactor)
     try:
         return await read
-    except TimeoutError as e:
+    except defer.TimeoutError as e:  # (addTimeout's: not the builtin TimeoutError)
         raise ObjectStoreError(f"no answer within {MEMBERS_TIMEOUT:g}s") from e
 
 
@@ -245,7 +246,7 @@ async def _publish(reactor: Reactor, cfg: BoxConfig, where: Where, result: fleet
         put.addTimeout(PUBLISH_TIMEOUT, reactor)
         try:
             await put
-        except TimeoutError as e:
+        except defer.TimeoutError as e:
             raise ObjectStoreError(f"no answer within {PUBLISH_TIMEOUT:g}s", key) from e
     finally:
         await store.close()
