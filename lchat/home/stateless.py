@@ -128,40 +128,32 @@ class CeremonyRejected(Exception):
     reason: ClassVar[str] = "rejected"
 
 
-class BadProof(CeremonyRejected):
-    """A ceremony proof was rejected."""
-
-
-class ProofNotAuthentic(BadProof):
+class ProofNotAuthentic(CeremonyRejected):
     """Not a proof this key made: tampered, truncated, garbage, or signed under another key."""
 
     reason = "not_authentic"
 
 
-class ProofExpired(BadProof):
+class ProofExpired(CeremonyRejected):
     """An authentic proof whose 5-minute window has passed."""
 
     reason = "expired"
 
 
-class ProofWrongPurpose(BadProof):
+class ProofWrongPurpose(CeremonyRejected):
     """An authentic proof made for another purpose than the one it was presented for."""
 
     reason = "wrong_purpose"
 
 
-class BadSession(CeremonyRejected):
-    """A sealed WebAuthn session was rejected."""
-
-
-class SessionNotAuthentic(BadSession):
+class SessionNotAuthentic(CeremonyRejected):
     """Does not open: tampered, truncated, garbage, sealed for another purpose, or sealed under
     another key. AES-GCM cannot tell these apart, and need not: none of them may proceed."""
 
     reason = "not_authentic"
 
 
-class SessionExpired(BadSession):
+class SessionExpired(CeremonyRejected):
     """An authentic session whose ceremony took longer than its window."""
 
     reason = "expired"
@@ -182,11 +174,6 @@ class SessionKeys:
     # From LCHAT_HOME_SESSION_KEY_ACCEPT: they open proofs and sessions, never make them (b"": none).
     accept_proof_key: bytes = field(default=b"", repr=_hide)
     accept_seal_key: bytes = field(default=b"", repr=_hide)
-
-    def accepting(self, secret: bytes) -> SessionKeys:
-        """These keys, also opening what ``secret``'s derived keys made (a rotation window)."""
-        other = SessionKeys.derive(secret)
-        return evolve(self, accept_proof_key=other.proof_key, accept_seal_key=other.seal_key)
 
     @classmethod
     def derive(cls, secret: bytes, *, ephemeral: bool = False) -> SessionKeys:
@@ -244,10 +231,21 @@ def load_session_keys(
     ``accept``: ``LCHAT_HOME_SESSION_KEY_ACCEPT``'s value, checked the same way; its keys open
     (never make) proofs and sessions. Equal to the main secret, or beside an unset one, it is
     ignored with a warning logged here (the returned warning stays about the ephemeral key)."""
-    keys, warning = _main_keys(text, random_bytes)
+    warning = None
+    if text is None or not text.strip():
+        keys = SessionKeys.derive(random_bytes(MIN_SECRET_BYTES), ephemeral=True)
+        warning = (
+            f"{SESSION_KEY_ENV} is not set: using a random key for this process only. Passkey "
+            f"ceremonies and ceremony proofs in flight will fail after a restart, and replicas will "
+            f"reject each other's (a ceremony begun on one fails on another). Fine for a single "
+            f"self-hosted process; for replicas set {SESSION_KEY_ENV} to the same "
+            f"`openssl rand -base64 32` on every one"
+        )
+    else:
+        keys = SessionKeys.derive(parse_session_key(text))
     if accept is None or not accept.strip():
         return keys, warning
-    secret = parse_session_key(accept, ACCEPT_KEY_ENV)
+    other = SessionKeys.derive(parse_session_key(accept, ACCEPT_KEY_ENV))
     if keys.ephemeral:
         _log.warn(
             "{accept} is set but {main} is not: ignored (set both during a rotation)",
@@ -255,7 +253,7 @@ def load_session_keys(
             main=SESSION_KEY_ENV,
         )
         return keys, warning
-    if SessionKeys.derive(secret) == keys:
+    if other == keys:
         _log.warn(
             "{accept} equals {main}: ignored (mid-rotation it holds the other secret; after it, "
             "remove the line)",
@@ -263,22 +261,8 @@ def load_session_keys(
             main=SESSION_KEY_ENV,
         )
         return keys, warning
-    return keys.accepting(secret), warning
-
-
-def _main_keys(
-    text: str | None, random_bytes: Callable[[int], bytes]
-) -> tuple[SessionKeys, str | None]:
-    if text is None or not text.strip():
-        keys = SessionKeys.derive(random_bytes(MIN_SECRET_BYTES), ephemeral=True)
-        return keys, (
-            f"{SESSION_KEY_ENV} is not set: using a random key for this process only. Passkey "
-            f"ceremonies and ceremony proofs in flight will fail after a restart, and replicas will "
-            f"reject each other's (a ceremony begun on one fails on another). Fine for a single "
-            f"self-hosted process; for replicas set {SESSION_KEY_ENV} to the same "
-            f"`openssl rand -base64 32` on every one"
-        )
-    return SessionKeys.derive(parse_session_key(text)), None
+    # A rotation window: these keys, also opening what the accepted secret's keys made.
+    return evolve(keys, accept_proof_key=other.proof_key, accept_seal_key=other.seal_key), warning
 
 
 def b64url(data: bytes) -> str:
