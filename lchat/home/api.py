@@ -53,7 +53,7 @@ from twisted.web.server import Request
 
 from lchat.home import passkeys as pk
 from lchat.home.limits import Limits
-from lchat.home.revocation import RevocationFeed, TokenCache, utc_day
+from lchat.home.revocation import RevocationFeed, utc_day
 from lchat.home.stateless import Ceremonies, CeremonyRejected, SessionPurpose, b64url
 from lchat.home.store import (
     NO_VERSION,
@@ -153,10 +153,6 @@ class HomeAPI:
     vault_max: int = VAULT_MAX
     step_up_window: float = STEP_UP_WINDOW
 
-    @property
-    def tokens(self) -> TokenCache:
-        return self.feed.cache
-
     def today(self) -> str:
         # The same UTC day as the token cache's: a token's first check of a day writes
         # last_seen, every later request that day is served from the cache.
@@ -240,10 +236,7 @@ class HomeAPI:
     async def login_finish(self, session: str, body: Mapping[str, Any]) -> dict[str, Any]:
         opened = self.ceremonies.sessions.open(session, "login")
         uid, cred_key = await self._assert(opened, _credential(body), "login")
-        return {
-            "uid": uid,
-            "proof": self.ceremonies.proofs.issue(uid, "link", credential=cred_key),
-        }
+        return {"uid": uid, "proof": self.ceremonies.proofs.issue(uid, "link", credential=cred_key)}
 
     async def _assert(
         self, opened: Any, response: Mapping[str, Any], kind: str, uid_must_be: str = ""
@@ -251,8 +244,7 @@ class HomeAPI:
         """Verify a passkey assertion for the sealed ceremony ``opened``, use its challenge up
         (a replay, on any replica, is refused) and store a sign count that moved: the uid and
         the credential's key."""
-        presented = self.passkeys.presented_credential(response)
-        cred_key = sha256_hex(presented.credential_id)
+        cred_key = sha256_hex(self.passkeys.presented_credential_id(response))
         found = await resolve_checked(
             self.store, "creds", cred_key, lambda doc: cred_key in doc.get("credentials", {})
         )
@@ -327,7 +319,7 @@ class HomeAPI:
             return doc
 
         await self.store.update_user(uid, add)
-        self.tokens.put(digest, uid, device)
+        self.feed.cache.put(digest, uid, device)
         _log.info("home: a device was linked")
         return {"token": token, "device": device, "uid": uid}
 
@@ -347,7 +339,7 @@ class HomeAPI:
         if scheme.lower() != "bearer" or not token.strip():
             raise ApiError(401, "a link token is needed: Authorization: Bearer <token>")
         digest = sha256_hex(token.strip())
-        cached = self.tokens.get(digest)
+        cached = self.feed.cache.get(digest)
         if cached is not None:
             self.limits.take([("account", cached[0])])
             return cached
@@ -375,7 +367,7 @@ class HomeAPI:
                 return doc
 
             await self.store.update_user(uid, seen)
-        self.tokens.put(digest, uid, device[0])
+        self.feed.cache.put(digest, uid, device[0])
         self.limits.take([("account", uid)])
         return uid, device[0]
 

@@ -235,11 +235,9 @@ NAMES = (
 def parse_trusted(text: str) -> tuple[IPNetwork, ...]:
     """``LCHAT_HOME_TRUSTED_PROXIES``: comma-separated addresses or CIDR networks. ValueError
     naming the bad entry."""
-    nets: list[IPNetwork] = []
-    for part in (p.strip() for p in text.split(",")):
-        if part:
-            nets.append(ipaddress.ip_network(part, strict=False))
-    return tuple(nets)
+    return tuple(
+        ipaddress.ip_network(p.strip(), strict=False) for p in text.split(",") if p.strip()
+    )
 
 
 def address_key(text: str) -> str:

@@ -181,15 +181,6 @@ class VerifiedLogin:
     backed_up: bool
 
 
-@frozen
-class PresentedCredential:
-    """What a login response claims, unverified: which credential, and (discoverable logins) whose
-    user handle. For finding the account to verify against, never for trusting."""
-
-    credential_id: bytes
-    user_handle: bytes | None
-
-
 def _descriptors(credentials: Sequence[StoredCredential]) -> list[PublicKeyCredentialDescriptor]:
     descriptors = []
     for credential in credentials:
@@ -366,11 +357,10 @@ class Passkeys:
             backed_up=verified.credential_backed_up,
         )
 
-    def presented_credential(self, response: Response) -> PresentedCredential:
-        """The credential ID and user handle a login response claims (not verified), to find the
-        account (``creds/<id>`` → uid → its credentials) before :meth:`finish_login`."""
-        presented = self._parse_assertion(response)
-        return PresentedCredential(presented.raw_id, presented.response.user_handle or None)
+    def presented_credential_id(self, response: Response) -> bytes:
+        """The credential ID a login response claims (not verified: for finding the account,
+        ``creds/<id>`` → uid → its credentials, before :meth:`finish_login`, never for trusting)."""
+        return self._parse_assertion(response).raw_id
 
     def _parse_assertion(self, response: Response) -> AuthenticationCredential:
         try:
