@@ -179,7 +179,7 @@ class SealedEntryTests(TestCase):
     KEY = bytes(range(32))
 
     def test_round_trip(self) -> None:
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         cert = certificate(name.name)
         body = cache.seal(name, cert, self.KEY, "box-1")
         self.assertNotIn(b"PRIVATE KEY", body)
@@ -187,19 +187,19 @@ class SealedEntryTests(TestCase):
         self.assertEqual(cache.describe(body)["issued_by"], "box-1")
 
     def test_another_key_or_name_or_chain_does_not_decrypt(self) -> None:
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         body = cache.seal(name, certificate(name.name), self.KEY, "box-1")
         with self.assertRaisesRegex(CacheEntryError, "LCHAT_CERT_CACHE_KEY"):
             cache.unseal(name, body, b"x" * 32)
         with self.assertRaisesRegex(CacheEntryError, "does not decrypt"):
-            cache.unseal(CertName.host("other.example.com"), body, self.KEY)
+            cache.unseal(CertName("host", "other.example.com"), body, self.KEY)
         data = json.loads(body)
         data["chain"] = certificate("chat.example.com").chain_pem.decode()
         with self.assertRaisesRegex(CacheEntryError, "does not decrypt"):
             cache.unseal(name, json.dumps(data).encode(), self.KEY)
 
     def test_the_issuing_directory_cannot_be_changed_without_the_key(self) -> None:
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         cert = evolve(certificate(name.name), origin="https://ca.example/directory")
         data = json.loads(cache.seal(name, cert, self.KEY, "box-1"))
         self.assertEqual(
@@ -219,7 +219,9 @@ class SealedEntryTests(TestCase):
         self.assertEqual(
             CertName.from_stem("wildcard-example.com"), CertName.wildcard("example.com")
         )
-        self.assertEqual(CertName.from_stem("chat.example.com"), CertName.host("chat.example.com"))
+        self.assertEqual(
+            CertName.from_stem("chat.example.com"), CertName("host", "chat.example.com")
+        )
         for stem in ("default", "../x", "acme-account", "Chat.Example.com"):
             self.assertIsNone(CertName.from_stem(stem))
         self.assertEqual(CertName.wildcard("example.com").label, "*.example.com")
@@ -277,7 +279,7 @@ class ScheduleTests(TestCase):
     def test_failures_back_off_doubling_to_the_cap(self) -> None:
         clock = Clock()
         issuer = self.issuer(clock, backoff=(60.0, 600.0))
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         delays = []
         for _ in range(6):
             issuer._failed(name, IssuanceError("validation", "no"))
@@ -316,7 +318,7 @@ class ScheduleTests(TestCase):
         self.assertTrue(issuer.want("chat.example.com"))
         self.assertTrue(issuer.want("chat.example.com"), "joined: still coming")
         issuer._inflight.clear()
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         issuer._failed(name, IssuanceError("validation", "no"))
         self.assertFalse(issuer.want("chat.example.com"), "backing off: nothing is coming")
         self.flushLoggedErrors()
@@ -404,7 +406,7 @@ class InstallFailureTests(TestCase):
     async def test_a_certificate_the_store_never_serves_is_not_ordered_again(self) -> None:
         account = _IssuingAccount()
         issuer = self.issuer(account, _Store())  # its certificates() never shows the file
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         for _ in range(4):
             await issuer.start(name, "test")
         self.assertEqual(account.orders, 1)
@@ -415,7 +417,7 @@ class InstallFailureTests(TestCase):
     async def test_a_loop_is_stopped_below_the_cas_duplicate_limit(self) -> None:
         account = _IssuingAccount()
         issuer = self.issuer(account, _Store())
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         for _ in range(6):
             issuer._unserved.clear()  # as if each one had been lost some other way
             await issuer.start(name, "test")
@@ -440,7 +442,7 @@ class SharedLockTests(TestCase):
         server = await shared_server("moto")
         store = store_for(server, await server.new_bucket())
         self.addCleanup(store.close)
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         failing = _IssuingAccount(fail=IssuanceError("validation", "unauthorized: 404"))
         box_a = running_issuer(
             self,
@@ -482,7 +484,7 @@ class SharedLockTests(TestCase):
         server = await shared_server("moto")
         store = store_for(server, await server.new_bucket())
         self.addCleanup(store.close)
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         account = _IssuingAccount(fail=IssuanceError("network", "cannot reach the CA"))
         box = running_issuer(
             self,

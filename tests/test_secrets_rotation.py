@@ -327,7 +327,7 @@ _NO_STORE: Any = object()  # never called: only the keys are under test
 
 class SealedUnderPreviousTests(SynchronousTestCase):
     def test_an_entry_opens_with_the_key_it_names(self) -> None:
-        name = CertName.host("chat.example.com")
+        name = CertName("host", "chat.example.com")
         cert = certificate(name.name)
         old = cache.seal(name, cert, OLD_KEY, "box-1")
         self.assertEqual(cache.unseal(name, old, NEW_KEY, previous=OLD_KEY), cert)
@@ -349,7 +349,7 @@ class SealedUnderPreviousTests(SynchronousTestCase):
 class CertCacheRotationTests(TestCase):
     """Boxes sharing one certificate cache on a real S3 server (moto) while the key rotates."""
 
-    NAME = CertName.host("chat.example.com")
+    NAME = CertName("host", "chat.example.com")
 
     async def setUp(self) -> None:  # type: ignore[override]
         server = await shared_server("moto")
@@ -502,7 +502,7 @@ class CertCacheRotationTests(TestCase):
         sealed_with = {"new.example.com": NEW_KEY, "old.example.com": OLD_KEY}
         sealed_with["other.example.com"] = OTHER_KEY
         for host, key in sealed_with.items():
-            name = CertName.host(host)
+            name = CertName("host", host)
             body = cache.seal(name, certificate(host), key, "box-0")
             await self.store.put(f"p/certs/{name.stem}.json", body)
         rows = await certs_cli._shared_rows(

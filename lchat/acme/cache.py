@@ -105,10 +105,6 @@ class CertName:
     name: str  # the host, or the domain of a wildcard (normalised)
 
     @classmethod
-    def host(cls, host: str) -> CertName:
-        return cls("host", hosts.normalise(host))
-
-    @classmethod
     def wildcard(cls, domain: str) -> CertName:
         return cls("wildcard", hosts.normalise(domain))
 
@@ -541,9 +537,6 @@ class SharedCache:
             host=name.label,
             monotonic=self._monotonic,
         )
-
-    async def unlock(self, reactor: IReactorTime, held: lease.HeldLease) -> None:
-        await lease.release(reactor, self.store, held, 10.0)
 
     # -- HTTP-01 tokens
 

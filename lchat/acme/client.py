@@ -183,7 +183,7 @@ class AcmeAccount:
         """Order a certificate for ``names`` (``*.domain`` for a wildcard), prove control with
         ``solver``, and return it. Blocking; raises :class:`IssuanceError`."""
         acme, key = self.connect()
-        self._check_stopping()
+        self.sleep(0)
         key_pem = _pem(ec.generate_private_key(ec.SECP256R1()))
         csr = crypto_util.make_csr(key_pem, list(names))
         try:
@@ -208,9 +208,9 @@ class AcmeAccount:
                     proof = challb.chall.response_and_validation(key)[1]
                 handles.append(solver.present(domain, challb.chall.encode("token"), proof))
                 answers.append(challb)
-            self._check_stopping()
+            self.sleep(0)
             solver.ready(handles)
-            self._check_stopping()
+            self.sleep(0)
             for challb in answers:
                 acme.answer_challenge(challb, challb.chall.response(key))
             until = datetime.datetime.now() + datetime.timedelta(seconds=deadline)
@@ -245,20 +245,17 @@ class AcmeAccount:
     def _wait_validated(
         self, acme: client.ClientV2, order: messages.OrderResource, until: datetime.datetime
     ) -> None:
-        # The library polls once a second; a CA usually validates in well under that.
         for authz in order.authorizations:
             delays = VALIDATION_POLL.delays()
             while acme.poll(authz)[0].body.status == messages.STATUS_PENDING:
                 if datetime.datetime.now() >= until:
                     return  # poll_and_finalize reports the timeout
-                if self.stopping.wait(delays.next()):
-                    raise IssuanceError("stopped", "the router is stopping")
+                self.sleep(delays.next())
 
     def _finalize(
         self, acme: client.ClientV2, order: messages.OrderResource, until: datetime.datetime
     ) -> messages.OrderResource:
-        """Finalize and fetch the chain, polling the order at once and then with a short,
-        growing delay: the library's own poll waits a whole second before its first look."""
+        """Finalize and fetch the chain, polling the order by FINALIZE_POLL."""
         order = acme.begin_finalization(order)
         post_as_get = getattr(acme, "_post_as_get", None)  # the library's POST-as-GET
         delays = FINALIZE_POLL.delays()
@@ -275,8 +272,7 @@ class AcmeAccount:
                 )
             if body.status != messages.STATUS_PROCESSING:
                 break  # anything unusual: the library's own loop knows every case
-            if self.stopping.wait(delays.next()):
-                raise IssuanceError("stopped", "the router is stopping")
+            self.sleep(delays.next())
             response = post_as_get(order.uri)
             order = order.update(body=messages.Order.from_json(response.json()))
         try:
@@ -298,8 +294,10 @@ class AcmeAccount:
                 key=self.key_path,
             )
 
-    def _check_stopping(self) -> None:
-        if self.stopping.is_set():
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (0: only look); :class:`IssuanceError` ``stopped`` once the router is
+        stopping. Blocking: the order's waits, the DNS-01 propagation wait's too."""
+        if self.stopping.wait(seconds):
             raise IssuanceError("stopped", "the router is stopping")
 
 

@@ -57,7 +57,6 @@ LIST_INTERVAL = 0.5  # seconds between the starts of two listings of certs/chall
 BUSY_LOG_EVERY = 60.0  # at most one "refused, busy" line per this many seconds (a flood is loud)
 
 Lookup = Callable[[str], Awaitable[str | None]]
-MayLookup = Callable[[str], bool]
 ListPending = Callable[[], Awaitable[Collection[str]]]
 
 _lookups = Counter(
@@ -70,10 +69,6 @@ _lookups = Counter(
 )
 for _o in ("answered", "unlisted", "missing", "unauthenticated", "busy_client", "busy", "error"):
     _lookups.labels(_o)
-
-
-def valid_token(token: str) -> bool:
-    return TOKEN.fullmatch(token) is not None
 
 
 class PendingIndex:
@@ -140,7 +135,7 @@ class ChallengeResponder:
     def __init__(
         self,
         lookup: Lookup | None = None,
-        may_lookup: MayLookup | None = None,
+        may_lookup: Callable[[str], bool] | None = None,
         *,
         pending: ListPending | None = None,
         clock: IReactorTime | None = None,
@@ -165,7 +160,7 @@ class ChallengeResponder:
         self._busy_since_log = 0
 
     def publish(self, token: str, key_authorization: str) -> None:
-        if not valid_token(token):
+        if not TOKEN.fullmatch(token):
             raise ValueError(f"not an ACME token: {token!r}")
         with self._lock:
             self._tokens[token] = key_authorization
@@ -283,7 +278,7 @@ class _Challenge(Resource):
         request.setHeader(b"cache-control", b"no-store")
         segments = request.postpath or []
         token = segments[0].decode("ascii", "replace") if len(segments) == 1 else ""
-        if not valid_token(token):
+        if not TOKEN.fullmatch(token):
             return _not_found(request)
         answer = self._responder.get(token)
         if answer is not None:

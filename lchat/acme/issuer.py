@@ -40,13 +40,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from lchat import certfiles, hosts, tls
+from lchat import certfiles, hosts, lease, tls
 from lchat.acme.cache import CacheEntryError, Certificate, CertName, LocalCache, SharedCache
 from lchat.acme.client import AcmeAccount, IssuanceError
 from lchat.acme.http01 import ChallengeResponder
 from lchat.backoff import Backoff
 from lchat.deferutil import settled
-from lchat.lease import LeaseHeld
 from lchat.objstore import ObjectStoreError
 
 DAY = 86400.0
@@ -56,9 +55,8 @@ WILDCARD_CHECK = 12 * 3600.0
 BACKOFF = (60.0, 3600.0)  # after a failed issuance: the first delay, the cap (then +-10% jitter)
 SHARED_POLL_CAP = 15.0  # waiting on another box's order: it takes seconds; a lost holder, minutes
 ORDER_THREADS = 4
-WEEK = 7 * 86400.0
+WEEK = 7 * DAY  # also: a renewal this close to expiry no longer waits for the bucket's lock
 ISSUED_PER_WEEK = 3  # certificates per name this box obtains in 7 days at most (a loop guard)
-LAST_WEEK = 7 * 86400.0  # a renewal this close to expiry no longer waits for the bucket's lock
 CA_STAGES = ("order", "validation", "finalize")  # failures the CA reported
 STOP_BUDGET = 5.0  # seconds an order in flight gets to end at shutdown
 
@@ -86,8 +84,6 @@ for _kind in ("host", "wildcard"):
     for _outcome in ("issued", "shared", "failed"):
         ISSUANCES.labels(_kind, _outcome)
 
-MayIssue = Callable[[str], bool]
-
 
 class Issuer(Service):
     """Obtains and renews the box's certificates into ``local``; serves nothing itself."""
@@ -99,7 +95,7 @@ class Issuer(Service):
         store: tls.CertStore,
         local: LocalCache,
         account: AcmeAccount,
-        may_issue: MayIssue,
+        may_issue: Callable[[str], bool],
         http01: ChallengeResponder | None,
         monotonic: Callable[[], float],  # DNS-01: the propagation wait's deadline (a worker thread)
         dns: Any = None,  # lchat.acme.dns01.DNSProvider
@@ -292,7 +288,7 @@ class Issuer(Service):
             try:
                 held = await shared.lock(name)
                 break
-            except LeaseHeld as e:
+            except lease.LeaseHeld as e:
                 if e.owner == shared.lock_owner:
                     # Our own failed order keeps it: the fleet's next try comes when it expires.
                     raise IssuanceError(
@@ -310,7 +306,7 @@ class Issuer(Service):
                     )
             except ObjectStoreError as e:
                 served = self._store.certificates().get(name.label)
-                if served is not None and served.not_after - self._reactor.seconds() > LAST_WEEK:
+                if served is not None and served.not_after - self._reactor.seconds() > WEEK:
                     # A renewal can wait for the bucket; every box renewing alone cannot.
                     raise IssuanceError(
                         "shared",
@@ -356,7 +352,7 @@ class Issuer(Service):
             raise
         finally:
             if held is not None and not keep_lock:
-                await shared.unlock(self._reactor, held)
+                await lease.release(self._reactor, shared.store, held, 10.0)
 
     async def _from_shared(self, name: CertName) -> bool:
         """Install the bucket's copy when it is good for a while yet. True if we may stop."""
@@ -379,9 +375,6 @@ class Issuer(Service):
             return True
         await self._install(name, cert)
         return True
-
-    def _due(self, cert: Certificate) -> float:
-        return self.renew_time(cert.not_after, cert.serial, cert.not_before)
 
     def _check_guard(self, name: CertName) -> None:
         now = self._reactor.seconds()
@@ -417,7 +410,7 @@ class Issuer(Service):
                 self._dns,
                 self._dns_resolvers,
                 self._dns_timeout,
-                self._account.stopping,
+                self._account.sleep,
                 self._monotonic,
             )
 
@@ -545,13 +538,13 @@ class Issuer(Service):
         window = min(DAY, before / 10)
         return not_after - before - window * ((serial % 10007) / 10007)
 
-    def _due_loaded(self, loaded: certfiles.Loaded) -> float:
-        """When a served certificate is due. One issued by another ACME directory than ours (we
+    def _due(self, cert: Certificate | certfiles.Loaded) -> float:
+        """When a certificate is due. One issued by another ACME directory than ours (we
         switched from staging, or to another CA) is due now; a file placed by hand (no marker)
         follows the schedule like any other."""
-        if loaded.origin and loaded.origin != self._account.directory_url:
+        if cert.origin and cert.origin != self._account.directory_url:
             return 0.0
-        return self.renew_time(loaded.not_after, loaded.serial, loaded.not_before)
+        return self.renew_time(cert.not_after, cert.serial, cert.not_before)
 
     def check_renewals(self) -> None:
         """Start every renewal that is due (the periodic check; also callable by tests)."""
@@ -562,7 +555,7 @@ class Issuer(Service):
             if loaded.kind == "default":
                 continue
             name = CertName("wildcard" if loaded.kind == "wildcard" else "host", loaded.name)
-            due = self._due_loaded(loaded)
+            due = self._due(loaded)
             if now < due:
                 continue
             scheduled = self.renew_time(loaded.not_after, loaded.serial, loaded.not_before)
@@ -570,7 +563,7 @@ class Issuer(Service):
                 if not self._may_issue(loaded.name) or self._http01 is None:
                     continue  # not ours to renew (removed, or no HTTP-01): it lapses
                 wildcard = served.get("*." + loaded.name.partition(".")[2])
-                if wildcard is not None and now < self._due_loaded(wildcard):
+                if wildcard is not None and now < self._due(wildcard):
                     continue  # a good wildcard covers it: no need for its own
             elif loaded.name not in self._wildcards:
                 continue  # a wildcard placed by hand, for a domain we do not issue
@@ -591,7 +584,7 @@ class Issuer(Service):
         for domain in self.wildcard_domains:
             loaded = served.get("*." + domain)
             name = CertName.wildcard(domain)
-            if loaded is not None and now < self._due_loaded(loaded):
+            if loaded is not None and now < self._due(loaded):
                 self._wildcards[domain] = "ok"
                 continue
             if name not in self._inflight and self._may_try(name):
@@ -680,8 +673,7 @@ class HTTP01Solver:
 
     def present(self, domain: str, token: str, validation: str) -> object:
         self._responder.publish(token, validation)
-        if self._shared is not None:
-            shared = self._shared
+        if (shared := self._shared) is not None:
             try:
                 on_reactor(self._reactor, lambda: shared.put_challenge(token, validation))
             except Exception as e:
@@ -699,8 +691,7 @@ class HTTP01Solver:
     def cleanup(self, handle: object) -> None:
         token = str(handle)
         self._responder.withdraw(token)
-        if self._shared is not None:
-            shared = self._shared
+        if (shared := self._shared) is not None:
             try:
                 on_reactor(self._reactor, lambda: shared.delete_challenge(token))
             except Exception as e:
@@ -717,13 +708,13 @@ class DNS01Solver:
         provider: Any,
         resolvers: Sequence[tuple[str, int]],
         timeout: float,
-        stopping: threading.Event,
+        sleep: Callable[[float], None],  # raises IssuanceError "stopped" when the router stops
         clock: Callable[[], float],
     ) -> None:
         self._provider = provider
         self._resolvers = resolvers
         self._timeout = timeout
-        self._stopping = stopping
+        self._sleep = sleep
         self._clock = clock
 
     def present(self, domain: str, token: str, validation: str) -> object:
@@ -741,11 +732,6 @@ class DNS01Solver:
         wanted: dict[str, list[str]] = {}
         for record in handles:
             wanted.setdefault(record.fqdn, []).append(record.value)  # type: ignore[attr-defined]
-
-        def sleep(seconds: float) -> None:
-            if self._stopping.wait(seconds):
-                raise IssuanceError("stopped", "the router is stopping")
-
         for fqdn, values in wanted.items():
             try:
                 dns01.wait_for_txt(
@@ -753,7 +739,7 @@ class DNS01Solver:
                     values,
                     resolvers=self._resolvers,
                     timeout=self._timeout,
-                    sleep=sleep,
+                    sleep=self._sleep,
                     clock=self._clock,
                 )
             except dns01.DNSProviderError as e:
