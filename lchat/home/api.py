@@ -22,9 +22,8 @@ once a day per device, so an authenticated read never costs a write.
 
 Abuse (docs/home.md, "Limits" and "Step-up"):
 
-- every request passes the rate limits of lchat.home.limits first (per client address; per
-  account once a link token named it); a refusal is ``429`` with ``Retry-After`` and writes
-  nothing; quotas bound what one account holds (devices, the vault's size);
+- every request passes the rate limits of lchat.home.limits first; quotas bound what one
+  account holds (devices, the vault's size);
 - **every WebAuthn challenge and every ceremony proof is single-use across replicas**: after it
   verifies, its SHA-256 is recorded once in the store (``VaultStore.use_once``); a second
   presentation, on any process sharing the store, is refused;

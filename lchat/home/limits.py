@@ -278,16 +278,3 @@ def client_address(request: _Request, trusted: Sequence[IPNetwork] = ()) -> str:
     values = request.requestHeaders.getRawHeaders(b"x-forwarded-for") or []
     last = values[-1].split(b",")[-1].decode("latin-1").strip() if values else ""
     return address_key(last) if last else "local"
-
-
-__all__ = [
-    "NAMES",
-    "IPNetwork",
-    "Limits",
-    "Rate",
-    "RateLimited",
-    "TokenBuckets",
-    "address_key",
-    "client_address",
-    "parse_trusted",
-]

@@ -252,7 +252,7 @@ class Passkeys:
         *,
         challenge: bytes,
         rp_id: str,
-        origin: str | Sequence[str],
+        origin: str | list[str],
         user_verification: UserVerification = "preferred",
     ) -> NewCredential:
         """Verify a ``navigator.credentials.create`` response; :class:`CeremonyFailed` if it does
@@ -265,7 +265,7 @@ class Passkeys:
                 credential=credential,
                 expected_challenge=challenge,
                 expected_rp_id=rp_id,
-                expected_origin=_origins(origin),
+                expected_origin=origin,
                 require_user_verification=user_verification == "required",
                 supported_pub_key_algs=ALGORITHMS,
             )
@@ -312,7 +312,7 @@ class Passkeys:
         *,
         challenge: bytes,
         rp_id: str,
-        origin: str | Sequence[str],
+        origin: str | list[str],
         uid: str,
         credentials: Sequence[StoredCredential],
         user_verification: UserVerification = "preferred",
@@ -337,7 +337,7 @@ class Passkeys:
                 credential=presented,
                 expected_challenge=challenge,
                 expected_rp_id=rp_id,
-                expected_origin=_origins(origin),
+                expected_origin=origin,
                 credential_public_key=stored.public_key,
                 # 0 switches the library's own counter check off: it runs before the signature
                 # is verified (and raises the same error as a forgery); ours runs after.
@@ -397,7 +397,3 @@ def check_public_key(public_key: bytes) -> None:
             )
         if not (3 <= exponent <= RSA_MAX_EXPONENT and exponent % 2 == 1):
             raise CeremonyFailed("an RSA passkey's public exponent must be odd, 3 to 2**32-1")
-
-
-def _origins(origin: str | Sequence[str]) -> str | list[str]:
-    return origin if isinstance(origin, str) else list(origin)
