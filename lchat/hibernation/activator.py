@@ -114,9 +114,7 @@ class Activator(Service):
         self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
         # host -> (answer from memory until, Retry-After, why): a lease seen held elsewhere
         self._held: dict[str, tuple[float, float, str]] = {}
-        # An operator's holds (`lchat relocate` sleeps a space and keeps it asleep while it
-        # copies the replica elsewhere).
-        self._holds = Holds(reactor)
+        self._holds = Holds(reactor)  # the operator's (lchat relocate)
         self._capacity = Capacity(
             reactor, self._spaces, self.sleep, resident=resident, max_instances=max_instances
         )
@@ -149,7 +147,6 @@ class Activator(Service):
         return "asleep" if space is None else space.state
 
     def held_asleep(self) -> dict[str, float]:
-        """The hosts held asleep (:meth:`hold`) and the seconds each hold has left."""
         return self._holds.held_asleep()
 
     def hold(self, host: str, seconds: float, why: str) -> None:
