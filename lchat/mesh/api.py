@@ -87,7 +87,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from io import BytesIO
 from typing import Any, Required, TypedDict, Unpack
 
@@ -148,6 +148,12 @@ _calls = Counter(
     ["op", "outcome"],
 )
 _log = Logger(namespace="lchat.mesh.api")
+_OPS = {  # path -> (operation, its one method); DELETE <ROUTE_PATH>/<host> besides
+    ROUTE_PATH.encode(): ("upsert", b"POST"),
+    ROUTES_PATH.encode(): ("list", b"GET"),
+    SPACES_PATH.encode(): ("spaces", b"GET"),
+    BEAT_PATH.encode(): ("beat", b"POST"),
+}
 _INTERNAL = {"error": "internal error: see the router's log"}  # a 500's body (the log says why)
 
 
@@ -243,20 +249,14 @@ class MeshAPI(Resource):
 
     def render(self, request: Request) -> bytes | int:
         path = request.path or b""
-        method = request.method
-        if path == ROUTE_PATH.encode():
-            op, allowed, host_segment = "upsert", b"POST", b""
-        elif path == ROUTES_PATH.encode():
-            op, allowed, host_segment = "list", b"GET", b""
-        elif path == SPACES_PATH.encode():
-            op, allowed, host_segment = "spaces", b"GET", b""
-        elif path == BEAT_PATH.encode():
-            op, allowed, host_segment = "beat", b"POST", b""
+        host_segment = b""
+        if path in _OPS:
+            op, allowed = _OPS[path]
         elif path.startswith(ROUTE_PATH.encode() + b"/") and path.count(b"/") == 4:
             op, allowed, host_segment = "delete", b"DELETE", path.rsplit(b"/", 1)[1]
         else:
             return self._answer(request, "unknown", "not_found", 404, {"error": "not found"})
-        if method != allowed:
+        if request.method != allowed:
             request.setHeader(b"allow", allowed)
             return self._answer(
                 request, op, "bad_method", 405, {"error": f"use {allowed.decode()} here"}
@@ -425,14 +425,14 @@ class MeshAPI(Resource):
         )
 
     def _upsert(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
-        if payload.lives_at:
-            return self._upsert_elsewhere(payload)
+        """Only over no row or a replicated one (a space this box runs itself is never
+        hijacked). The "lives elsewhere" shape (``lives_at``) leaves the env file as it is: this
+        box never runs the space, and a tombstone removes it."""
         host = payload.host
-        env_file = hosts.env_path(self._data_dir, host)
         route = self._route(payload)
         # A row this box could not wake is worse than none: its first wake here would fail
         # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
-        unrunnable = _unrunnable(builds.space_argv(self._space_command, host))
+        unrunnable = None if payload.lives_at else _unrunnable(self._space_command, host)
         if unrunnable is not None:
             _log.error(
                 "mesh: route {host} refused: this box cannot run it ({why}); give it a default "
@@ -452,48 +452,40 @@ class MeshAPI(Resource):
             existing = self._registry.get(host)
             if existing is not None and not existing.replicated:
                 raise _conflict(host, existing)
-            previous = _read_private(env_file)
-            envfile.write_env(env_file, payload.env)
-            try:
-                _, created = self._registry.upsert_replicated(
-                    route, next_due=payload.next_due is not None
-                )
-            except BaseException:
-                _put_back(env_file, previous)
-                raise
+            if payload.lives_at:
+                _, created = self._registry.upsert_replicated(route)
+            else:
+                env_file = hosts.env_path(self._data_dir, host)
+                previous = _read_private(env_file)
+                envfile.write_env(env_file, payload.env)
+                try:
+                    _, created = self._registry.upsert_replicated(
+                        route, next_due=payload.next_due is not None
+                    )
+                except BaseException:
+                    _put_back(env_file, previous)
+                    raise
         result = "created" if created else "updated"
-        _log.info(
-            "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
-            "{n} env values{due})",
-            host=host,
-            result=result,
-            replication=payload.replication,
-            region=payload.home_region or "-",
-            n=len(payload.env),
-            due="" if payload.next_due is None else f", next due {payload.next_due or 'none'}",
-            next_due=payload.next_due,
-        )
-        return (201 if created else 200), {"host": host, "result": result}, result
-
-    def _upsert_elsewhere(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
-        """The "lives elsewhere" shape: the space runs always-on on ``payload.lives_at``. Only
-        over no row or a replicated one (a space this box runs itself is never hijacked); the
-        env file is left as it is (this box never runs the space; a tombstone removes it)."""
-        host = payload.host
-        route = self._route(payload)
-        with self._lock:
-            existing = self._registry.get(host)
-            if existing is not None and not existing.replicated:
-                raise _conflict(host, existing)
-            _, created = self._registry.upsert_replicated(route)
-        result = "created" if created else "updated"
-        _log.info(
-            "mesh: route {host} {result} by a peer: it lives at {lives_at} (always-on there); "
-            "this box forwards its requests there and never wakes it",
-            host=host,
-            result=result,
-            lives_at=payload.lives_at,
-        )
+        if payload.lives_at:
+            _log.info(
+                "mesh: route {host} {result} by a peer: it lives at {lives_at} (always-on there); "
+                "this box forwards its requests there and never wakes it",
+                host=host,
+                result=result,
+                lives_at=payload.lives_at,
+            )
+        else:
+            _log.info(
+                "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
+                "{n} env values{due})",
+                host=host,
+                result=result,
+                replication=payload.replication,
+                region=payload.home_region or "-",
+                n=len(payload.env),
+                due="" if payload.next_due is None else f", next due {payload.next_due or 'none'}",
+                next_due=payload.next_due,
+            )
         return (201 if created else 200), {"host": host, "result": result}, result
 
     def _delete(self, host: str) -> tuple[int, dict[str, Any], str]:
@@ -611,9 +603,10 @@ class MeshAPI(Resource):
         request.finish()
 
 
-def _unrunnable(argv: list[str]) -> str | None:
-    """Why ``argv`` (a space command, ``{host}`` filled in) cannot run here, or None. Blocking
-    (a stat or a PATH search): called in the API's worker thread."""
+def _unrunnable(space_command: Sequence[str], host: str) -> str | None:
+    """Why the space command, ``{host}`` filled in, cannot run here, or None. Blocking (a stat
+    or a PATH search): called in the API's worker thread."""
+    argv = builds.space_argv(space_command, host)
     program = argv[0] if argv else ""
     if not program:
         return "LCHAT_SPACE_COMMAND is empty"
