@@ -65,7 +65,7 @@ class ResponderTests(TestCase):
             self.lookups.append(token)
             return self.shared.get(token)
 
-        self.responder = ChallengeResponder(lookup=lookup)
+        self.responder = ChallengeResponder(lookup=lookup, clock=reactor)
         site = Site(RedirectToHTTPS(acme_challenge=self.responder.resource()))
         r: Any = reactor
         self.port = r.listenTCP(0, site, interface="127.0.0.1")
@@ -262,7 +262,7 @@ class ScheduleTests(TestCase):
             local=cache.LocalCache(directory),
             account=_Account(),  # type: ignore[arg-type]
             may_issue=lambda host: True,
-            http01=ChallengeResponder(),
+            http01=ChallengeResponder(clock=clock),
             monotonic=time.monotonic,
             **kwargs,
         )
@@ -388,7 +388,7 @@ def running_issuer(test: TestCase, account: _Account, store: Any, **kwargs: Any)
         local=cache.LocalCache(directory),
         account=account,  # type: ignore[arg-type]
         may_issue=lambda host: True,
-        http01=ChallengeResponder(),
+        http01=ChallengeResponder(clock=reactor),
         monotonic=time.monotonic,
         **kwargs,
     )

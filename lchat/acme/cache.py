@@ -471,9 +471,7 @@ class SharedCache:
     @property
     def key_ids(self) -> tuple[str, ...]:
         """The ids of the keys this box opens entries with: current first, then previous."""
-        if self._previous_key:
-            return (key_id(self._key), key_id(self._previous_key))
-        return (key_id(self._key),)
+        return tuple(key_id(k) for k in (self._key, self._previous_key) if k)
 
     def open(self, name: CertName, body: bytes) -> tuple[Certificate, bool]:
         """The certificate in an entry, and whether it was sealed with the previous key."""

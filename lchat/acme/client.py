@@ -33,7 +33,6 @@ from lchat.files import write_atomic
 
 ACCOUNT_KEY_FILE = "acme-account.key"
 USER_AGENT = f"lchat/{lchat.__version__}"
-DEFAULT_DEADLINE = 120.0  # seconds for validation and finalisation of one order
 # How often we look at a pending authorization, and at an order being finalized: at once, then
 # a short, growing delay (the library's own poll waits a whole second before its first look).
 VALIDATION_POLL = Backoff(0.02, 2.0)
@@ -177,8 +176,8 @@ class AcmeAccount:
         names: Sequence[str],
         solver: Solver,
         *,
-        deadline: float = DEFAULT_DEADLINE,
-        on_order: Callable[[], None] = lambda: None,
+        deadline: float,  # seconds for validation and finalisation
+        on_order: Callable[[], None],  # called once the CA has the order
     ) -> Issued:
         """Order a certificate for ``names`` (``*.domain`` for a wildcard), prove control with
         ``solver``, and return it. Blocking; raises :class:`IssuanceError`."""

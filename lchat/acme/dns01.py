@@ -128,13 +128,9 @@ def _authoritative_targets(
     try:
         zone, servers, skipped = _discover(fqdn, finder, query_timeout, clock, deadline)
     except _NoServers as exc:
-        if discovery is None:
-            fallback, label = finder, _where(None)
-        else:
-            fallback = copy.copy(discovery)  # the caller's resolver, with our timeouts
-            fallback.timeout = query_timeout
-            fallback.lifetime = query_timeout
-            label = "the discovery resolver"
+        fallback = copy.copy(finder)  # the caller's resolver (or the system's), with our timeouts
+        fallback.timeout = fallback.lifetime = query_timeout
+        label = "the system resolver" if discovery is None else "the discovery resolver"
         log.warn(
             "acme: dns TXT {fqdn}: cannot find the authoritative name servers of its zone "
             "({why}); polling {where} instead, whose cached NXDOMAIN can outlast the wait: "
@@ -219,9 +215,7 @@ def _discover(
     return zone, servers, skipped
 
 
-def _where(target: tuple[str, int] | None) -> str:
-    if target is None:
-        return "the system resolver"
+def _where(target: tuple[str, int]) -> str:
     host, port = target
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -129,8 +129,8 @@ class ChallengeResponder:
 
     ``lookup``: the bucket's answer for a token (:meth:`lchat.acme.cache.SharedCache.get_challenge`,
     which raises :class:`~lchat.acme.cache.ChallengeRefused` for an object no box of the fleet
-    wrote). ``pending`` and ``clock``: the listing of tokens in the bucket and the reactor that
-    paces it (:class:`PendingIndex`); without them every well-formed token costs a GET."""
+    wrote). ``pending``: the listing of tokens in the bucket, paced by ``clock``
+    (:class:`PendingIndex`); without it every well-formed token costs a GET."""
 
     def __init__(
         self,
@@ -138,7 +138,7 @@ class ChallengeResponder:
         may_lookup: Callable[[str], bool] | None = None,
         *,
         pending: ListPending | None = None,
-        clock: IReactorTime | None = None,
+        clock: IReactorTime,
         list_interval: float = LIST_INTERVAL,
     ) -> None:
         self._lock = threading.Lock()
@@ -147,11 +147,7 @@ class ChallengeResponder:
         # Which Host headers may cost a bucket lookup: names some box could be ordering for (the
         # registry's), not whatever a scanner sends.
         self.may_lookup = may_lookup or (lambda host: True)
-        self.index: PendingIndex | None = None
-        if pending is not None:
-            if clock is None:
-                raise ValueError("a pending-token index needs a clock (the reactor)")
-            self.index = PendingIndex(clock, pending, list_interval)
+        self.index = None if pending is None else PendingIndex(clock, pending, list_interval)
         self._clock = clock
         self.lookups = 0  # bucket GETs in flight
         self.waiting = 0  # lookups not yet answered (index wait and GET)
@@ -239,8 +235,8 @@ class ChallengeResponder:
     def refused_busy(self, outcome: str, client: str) -> None:
         _lookups.labels(outcome).inc()
         self._busy_since_log += 1
-        now = self._clock.seconds() if self._clock is not None else None
-        if now is None or now - self._busy_logged >= BUSY_LOG_EVERY:  # (no clock: every time)
+        now = self._clock.seconds()
+        if now - self._busy_logged >= BUSY_LOG_EVERY:
             _log.warn(
                 "acme: refused {count} HTTP-01 lookups (404 without a lookup): too many waiting "
                 "({why}; the latest from {client})",
@@ -248,7 +244,7 @@ class ChallengeResponder:
                 why=f"{MAX_PER_CLIENT} from one client" if outcome == "busy_client" else "in all",
                 client=client,
             )
-            self._busy_logged = now if now is not None else self._busy_logged
+            self._busy_logged = now
             self._busy_since_log = 0
 
 

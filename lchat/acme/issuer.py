@@ -25,6 +25,7 @@ Orders run in a small thread pool of their own, so a slow CA never starves the r
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -594,7 +595,11 @@ class Issuer(Service):
 
     @staticmethod
     def _new_pool() -> ThreadPool:
-        return _DaemonThreadPool(minthreads=0, maxthreads=ORDER_THREADS, name="lchat-acme")
+        pool = ThreadPool(minthreads=0, maxthreads=ORDER_THREADS, name="lchat-acme")
+        # Order threads never hold the process up at exit: one stuck in a CA request that the
+        # router no longer waits for just ends with it.
+        pool.threadFactory = functools.partial(threading.Thread, daemon=True)  # type: ignore[assignment]
+        return pool
 
     def startService(self) -> None:
         super().startService()
@@ -642,14 +647,6 @@ class Issuer(Service):
             threading.Thread(target=self._pool.stop, name="lchat-acme-stop", daemon=True).start()
 
         return Deferred.fromCoroutine(drain())
-
-
-class _DaemonThreadPool(ThreadPool):
-    """Order threads never hold the process up at exit: one stuck in a CA request that the router
-    no longer waits for just ends with it."""
-
-    def threadFactory(self, *args: Any, **kwargs: Any) -> threading.Thread:  # type: ignore[override]
-        return threading.Thread(*args, daemon=True, **kwargs)
 
 
 # --- solvers (called in the order's worker thread) ------------------------------------------------
@@ -760,16 +757,11 @@ def on_reactor(
     done = threading.Event()
     outcome: list[Any] = []
 
-    def begin() -> None:
-        d: Deferred[Any] = Deferred.fromCoroutine(work())
+    def finish(result: Any) -> None:
+        outcome.append(result)
+        done.set()
 
-        def finish(result: Any) -> None:
-            outcome.append(result)
-            done.set()
-
-        d.addBoth(finish)
-
-    reactor.callFromThread(begin)
+    reactor.callFromThread(lambda: Deferred.fromCoroutine(work()).addBoth(finish))
     if not done.wait(timeout):
         raise TimeoutError(f"the reactor did not answer within {timeout:.0f}s")
     result = outcome[0]
