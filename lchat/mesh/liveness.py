@@ -211,11 +211,6 @@ class Liveness:
                 f"{self._dead_after - self.margin:.1f}s (dead after {self._dead_after:g}s on "
                 "the bucket's clock)"
             )
-        elif self.landed is not None and self._monotonic() >= self.landed + witnesses.tolerance:
-            why = (
-                f"no heartbeat of {self._url} has landed for "
-                f"{witnesses.tolerance:g}s (LCHAT_MESH_OUTAGE_TOLERANCE)"
-            )
         else:
             why = (
                 f"isolated: no heartbeat of {self._url} lands in the bucket, and its peers "
