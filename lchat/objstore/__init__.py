@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
-from typing import IO, TYPE_CHECKING, Protocol, TypedDict
+from typing import IO, TYPE_CHECKING, Protocol, TypedDict, Unpack
 
 from attrs import field, frozen
 from twisted.internet.interfaces import IReactorTime
@@ -74,7 +74,8 @@ class ObjectVersion:
 
 
 class PutOptions(TypedDict, total=False):
-    """:meth:`ObjectStore.put`'s keyword arguments, for a store that hands them on."""
+    """:meth:`ObjectStore.put`'s keyword arguments (defaults: no condition, no metadata,
+    ``application/octet-stream``)."""
 
     if_match: str | None
     if_none_match: bool
@@ -137,16 +138,7 @@ class ObjectStore(Protocol):
 
     async def head(self, key: str) -> ObjectInfo: ...
 
-    async def put(
-        self,
-        key: str,
-        body: bytes,
-        *,
-        if_match: str | None = None,
-        if_none_match: bool = False,
-        metadata: Mapping[str, str] | None = None,
-        content_type: str = "application/octet-stream",
-    ) -> PutResult: ...
+    async def put(self, key: str, body: bytes, **options: Unpack[PutOptions]) -> PutResult: ...
 
     async def put_file(
         self, key: str, path: str, *, metadata: Mapping[str, str] | None = None

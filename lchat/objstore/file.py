@@ -49,6 +49,7 @@ import datetime
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -200,18 +201,20 @@ def _trailer(v: _Version) -> bytes:
     return t + _FOOTER.pack(_MAGIC, len(t))
 
 
-def _copy_body(src: IO[bytes], size: int, dst: IO[bytes] | _Sink) -> str:
-    """Copy ``size`` bytes in chunks, returning their hex MD5."""
+def _copy_body(src: IO[bytes], size: int | None, dst: IO[bytes] | _Sink) -> tuple[int, str]:
+    """Copy ``size`` bytes (``None``: to the end) in chunks; how many there were, and their hex MD5."""
     md5 = hashlib.md5(usedforsecurity=False)
-    left = size
-    while left > 0:
-        chunk = src.read(min(CHUNK, left))
+    copied = 0
+    while size is None or copied < size:
+        chunk = src.read(CHUNK if size is None else min(CHUNK, size - copied))
+        if not chunk and size is None:
+            break
         if not chunk:
             raise _Corrupt("body is shorter than its trailer says")
         md5.update(chunk)
         dst.write(chunk)
-        left -= len(chunk)
-    return md5.hexdigest()
+        copied += len(chunk)
+    return copied, md5.hexdigest()
 
 
 class _SinkFailed(Exception):
@@ -282,7 +285,7 @@ class FileBucket:
         out = Replacement(path)  # outside the error mapping: a bad destination is the caller's
         try:
             with self._guard(key), self._open(key) as (f, v):
-                if _copy_body(f, v.size, out.file) != v.etag:
+                if _copy_body(f, v.size, out.file)[1] != v.etag:
                     raise _Corrupt("body does not match its ETag")
         except BaseException:
             out.discard()
@@ -295,7 +298,7 @@ class FileBucket:
         try:
             with self._guard(key), self._open(key) as (f, v):
                 out.rewind()
-                if _copy_body(f, v.size, out) != v.etag:
+                if _copy_body(f, v.size, out)[1] != v.etag:
                     raise _Corrupt("body does not match its ETag")
                 return v.size
         except _SinkFailed as e:
@@ -340,12 +343,8 @@ class FileBucket:
     # writes
 
     def put(self, key: str, body: bytes, **options: Unpack[PutOptions]) -> PutResult:
-        def fill(out: IO[bytes]) -> tuple[int, str]:
-            out.write(body)
-            return len(body), hashlib.md5(body, usedforsecurity=False).hexdigest()
-
         with self._guard(key):
-            return self._write(key, fill, **options)
+            return self._write(key, lambda out: _copy_body(io.BytesIO(body), None, out), **options)
 
     def put_file(
         self, key: str, path: str, *, metadata: Mapping[str, str] | None = None
@@ -353,17 +352,7 @@ class FileBucket:
         """Stream ``path`` in (any readable file, read to its end). Source errors are raw OSError."""
         src = open(path, "rb")  # outside the error mapping: a bad source is the caller's
         with src, self._guard(key):
-
-            def fill(out: IO[bytes]) -> tuple[int, str]:
-                md5 = hashlib.md5(usedforsecurity=False)
-                size = 0
-                while chunk := src.read(CHUNK):
-                    md5.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
-                return size, md5.hexdigest()
-
-            return self._write(key, fill, metadata=metadata)
+            return self._write(key, lambda out: _copy_body(src, None, out), metadata=metadata)
 
     def copy(self, source: str, destination: str) -> PutResult:
         """A new version of ``destination`` with ``source``'s body, metadata and content type."""
@@ -371,10 +360,10 @@ class FileBucket:
             _segments(destination)
 
             def fill(out: IO[bytes]) -> tuple[int, str]:
-                etag = _copy_body(f, v.size, out)
+                size, etag = _copy_body(f, v.size, out)
                 if etag != v.etag:
                     raise _Corrupt(f"{source!r}: body does not match its ETag")
-                return v.size, etag
+                return size, etag
 
             return self._write(destination, fill, metadata=v.metadata, content_type=v.content_type)
 
@@ -623,11 +612,10 @@ class FileStore:
     _run_in_thread: RunInThread
     create: bool = False
     timeout: float | None = 60.0
-    lock_timeout: float = 10.0
     bucket: FileBucket = field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.bucket = FileBucket(self.root, create=self.create, lock_timeout=self.lock_timeout)
+        self.bucket = FileBucket(self.root, create=self.create)
 
     def describe(self) -> str:
         return f"file:{self.root}"
