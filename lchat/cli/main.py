@@ -200,13 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the space's home region (default: LCHAT_CLOUD_REGION, else none)",
     )
-    sub.add_argument(
-        "--timeout",
-        type=_positive_seconds,
-        default=DEFAULT_TIMEOUT,
-        metavar="SECONDS",
-        help=f"how long to wait for it to answer (default {DEFAULT_TIMEOUT:g})",
-    )
+    _add_timeout(sub, DEFAULT_TIMEOUT, "how long to wait for it to answer")
     sub.add_argument("--no-wait", action="store_true", help="start it but do not health-check it")
 
     sub = command(
@@ -228,13 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="put it to sleep, then run it as an ordinary unit again",
     )
-    sub.add_argument(
-        "--timeout",
-        type=_positive_seconds,
-        default=HIBERNATE_TIMEOUT,
-        metavar="SECONDS",
-        help=f"bound of each wait: socket release, health check, warm wake "
-        f"(default {HIBERNATE_TIMEOUT:g})",
+    _add_timeout(
+        sub, HIBERNATE_TIMEOUT, "bound of each wait: socket release, health check, warm wake"
     )
 
     sub = command(
@@ -369,6 +358,16 @@ def _add_common(parser: argparse.ArgumentParser, default: str | None) -> None:
     )
     for option, variable in COMMON_FLAGS.items():
         group.add_argument(option, metavar="PATH", default=default, help=f"overrides {variable}")
+
+
+def _add_timeout(parser: argparse.ArgumentParser, default: float, meaning: str) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=default,
+        metavar="SECONDS",
+        help=f"{meaning} (default {default:g})",
+    )
 
 
 def _positive_seconds(text: str) -> float:
@@ -557,9 +556,8 @@ def cmd_remove(args: argparse.Namespace) -> int:
 def cmd_mesh_seed(args: argparse.Namespace) -> int:
     region = _check_region(args.region, "--region")
     cfg = load_config(args)
-    registry = open_registry(cfg)
     return mesh_cli.mesh_seed(
-        cfg, registry, args.peer, region=region, prune=args.prune, out=_out, note=_note
+        cfg, open_registry(cfg), args.peer, region=region, prune=args.prune, out=_out, note=_note
     )
 
 
@@ -628,8 +626,7 @@ def _hibernation(cfg: BoxConfig, registry: Registry) -> Hibernation:
     hib = cfg.hibernate
     bucket = None
     if hib is not None:
-        where = hib.where
-        bucket = StoreBucket(lambda reactor: open_bucket(reactor, cfg, where), runner.run)
+        bucket = StoreBucket(lambda reactor: open_bucket(reactor, cfg, hib.where), runner.run)
     peers = FanOut(
         active=cfg.mesh is not None,
         push=lambda route: mesh_cli.fan_out_upsert(cfg, route, _note),

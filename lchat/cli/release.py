@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from lchat import hosts as hostnames
 from lchat.admin_client import SocketAdmin
-from lchat.builds import BadVersion
+from lchat.buckets import open_bucket
+from lchat.builds import BadVersion, check_version
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.handover.hibernate import ACTIVATOR_BUSY
@@ -196,11 +197,9 @@ def _pubkey(cfg: BoxConfig, settings: ReleaseSettings) -> Any:
 
 
 async def _mirror_store(reactor: Reactor, cfg: BoxConfig, settings: ReleaseSettings) -> ObjectStore:
-    from lchat.buckets import open_bucket
-
     assert settings.mirror is not None
-    where, what = settings.mirror, "LCHAT_RELEASE_MIRROR_URL"
-    return await open_bucket(reactor, cfg, where, what=what, make_dir=True)
+    what = "LCHAT_RELEASE_MIRROR_URL"
+    return await open_bucket(reactor, cfg, settings.mirror, what=what, make_dir=True)
 
 
 @asynccontextmanager
@@ -231,8 +230,6 @@ async def _fetcher(
 
 
 def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
-    from lchat.builds import check_version
-
     check_version(version)
     _pubkey(cfg, settings)  # refuse before any network
 
@@ -365,9 +362,8 @@ def _deployer(
 
 def _need_router(cfg: BoxConfig, deployer: Deployer, hosts: list[str]) -> None:
     restarter = deployer.restarter
-    if not isinstance(restarter, RouterRestarter):
-        return
-    if any(not deployer.route(h).hibernate for h in hosts) and not restarter.reachable():
+    always_on = any(not deployer.route(h).hibernate for h in hosts)
+    if always_on and isinstance(restarter, RouterRestarter) and not restarter.reachable():
         raise DeployError(
             f"the router does not answer on {cfg.admin_socket}, and always-on spaces are "
             "restarted by it (LCHAT_UNITS=builtin): start it, then deploy; nothing changed"
@@ -428,6 +424,5 @@ def live_versions(cfg: BoxConfig, hosts: list[str]) -> dict[str, tuple[str | Non
     for host in hosts:
         version = layout.version_of(host)
         state = states.get(host)
-        canary = state is not None and state.canary and state.version == version
-        result[host] = (version, canary)
+        result[host] = (version, state is not None and state.canary and state.version == version)
     return result
