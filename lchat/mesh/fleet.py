@@ -91,9 +91,7 @@ def reporter(
     None when the row is no space to report (a service, or a peer's always-on space)."""
     if route.kind != "instance" or route.elsewhere:
         return None
-    if not route.hibernate:
-        return me
-    if not (route.home_region or placement.in_scope(route.host, domains)):
+    if not route.hibernate or not (route.home_region or placement.in_scope(route.host, domains)):
         return me
     chosen = placement.owner(route.host, live, route.home_region)
     return placement.normalise_member_url(chosen.url) if chosen is not None else me
@@ -110,14 +108,6 @@ class _Held:
     since: float  # unix seconds it entered ``state``
     lag: float | None
     lost: bool  # standing down: its lease went to another box
-
-
-@frozen
-class _Running:
-    """An always-on space's process, as the builtin supervisor sees it."""
-
-    state: str
-    since: float  # reactor (unix) seconds of its last state change
 
 
 class SpacesView:
@@ -166,10 +156,9 @@ class SpacesView:
                 lag=_optional_number(entry.get("lag")),
                 lost=bool(self._activator.lease_lost(host)),
             )
-        running: dict[str, _Running] = {}
-        if self._children is not None:
-            for host, child in self._children().items():
-                running[host] = _Running(state=str(child.state), since=float(child.since))
+        children = self._children() if self._children is not None else {}
+        # host -> its always-on process's state, and since when (reactor seconds)
+        running = {host: (str(c.state), float(c.since)) for host, c in children.items()}
         backup_lag = _backup_lags(self._backup() if self._backup is not None else {})
 
         def finish() -> dict[str, Any]:
@@ -203,7 +192,7 @@ class SpacesView:
         route: Route,
         now: float,
         here: _Held | None,
-        running: Mapping[str, _Running],
+        running: Mapping[str, tuple[str, float]],
         backup_lag: Mapping[str, float],
     ) -> dict[str, Any]:
         process: str | None = None
@@ -217,11 +206,10 @@ class SpacesView:
                     awake_since = here.since
         else:
             state = ALWAYS_ON
-            child = running.get(route.host)
-            if child is not None:
-                process = child.state
-                if child.state == "ready":
-                    awake_since = child.since
+            if route.host in running:
+                process, since = running[route.host]
+                if process == "ready":
+                    awake_since = since
             lag = backup_lag.get(route.host)
         return {
             "host": route.host,
@@ -579,17 +567,9 @@ def as_json(fleet: Fleet) -> dict[str, Any]:
             for b in fleet.boxes
         ],
         "spaces": [
-            {
-                "box": row.box,
-                "host": row.space.host,
-                "state": row.space.state,
-                "version": row.space.version,
-                "awake_since": row.space.awake_since,
-                "next_due": row.space.next_due,
-                "lag": row.space.lag,
-                "process": row.space.process,
-                "running_on": row.running_on or None,
-            }
+            {"box": row.box}
+            | attrs.asdict(row.space, filter=lambda a, _: a.name not in ("home_region", "owner"))
+            | {"running_on": row.running_on or None}
             for row in fleet.rows
         ],
         "conflicts": {host: list(boxes) for host, boxes in sorted(fleet.conflicts.items())},
@@ -604,16 +584,14 @@ def publishable(fleet: Fleet) -> dict[str, Any]:
     for box in fleet.boxes:
         region = regions.setdefault(
             box.region or REGION_UNSET,
-            {"boxes": 0, "answered": 0, "spaces": 0, "by_state": {}},
+            {"boxes": 0, "answered": 0, "spaces": 0, "by_state": collections.Counter()},
         )
         region["boxes"] += 1
         region["answered"] += box.outcome == "ok"
         region["spaces"] += box.spaces
-        for state, n in box.by_state.items():
-            region["by_state"][state] = region["by_state"].get(state, 0) + n
+        region["by_state"].update(box.by_state)
     for region in regions.values():
         region["by_state"] = dict(sorted(region["by_state"].items()))
-    versions = _count(row.space.version or "unknown" for row in fleet.rows)
     return {
         "schema": SCHEMA,
         "generated_at": utc(fleet.generated_at),
@@ -629,5 +607,5 @@ def publishable(fleet: Fleet) -> dict[str, Any]:
             "by_state": _count(row.space.state for row in fleet.rows),
         },
         "regions": dict(sorted(regions.items())),
-        "versions": versions,
+        "versions": _count(row.space.version or "unknown" for row in fleet.rows),
     }
