@@ -475,11 +475,9 @@ class SharedCache:
 
     def open(self, name: CertName, body: bytes) -> tuple[Certificate, bool]:
         """The certificate in an entry, and whether it was sealed with the previous key."""
-        cert = unseal(name, body, self._key, self._previous_key)
-        under_previous = bool(self._previous_key) and sealed_key_id(body) == key_id(
-            self._previous_key
-        )
-        return cert, under_previous
+        previous = self._previous_key
+        cert = unseal(name, body, self._key, previous)
+        return cert, bool(previous) and sealed_key_id(body) == key_id(previous)
 
     async def reseal(self, name: CertName, cert: Certificate, body: bytes, etag: str) -> str | None:
         """Replace the entry read as ``body``/``etag`` (sealed with the previous key) by the same

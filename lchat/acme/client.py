@@ -151,23 +151,16 @@ class AcmeAccount:
 
     def _load_or_create_key(self) -> rsa.RSAPrivateKey:
         path = self.key_path
-        try:
-            with open(path, "rb") as f:
-                loaded = serialization.load_pem_private_key(f.read(), password=None)
-        except FileNotFoundError:
-            pass
-        else:
-            if not isinstance(loaded, rsa.RSAPrivateKey):
-                raise IssuanceError("account", f"{path} is not an RSA key")
-            return loaded
-        created = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        write_atomic(path, _pem(created), 0o600)
-        _log.info("acme: created the account key {path}", path=path)
-        # Another process may have won the race: whoever is on disk now is the account.
+        if not os.path.exists(path):
+            created = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+            write_atomic(path, _pem(created), 0o600)
+            _log.info("acme: created the account key {path}", path=path)
+        # Another process may have won the race to create it: whoever is on disk is the account.
         with open(path, "rb") as f:
-            final = serialization.load_pem_private_key(f.read(), password=None)
-        assert isinstance(final, rsa.RSAPrivateKey)
-        return final
+            loaded = serialization.load_pem_private_key(f.read(), password=None)
+        if not isinstance(loaded, rsa.RSAPrivateKey):
+            raise IssuanceError("account", f"{path} is not an RSA key")
+        return loaded
 
     # -- one order --------------------------------------------------------------------------
 

@@ -295,30 +295,23 @@ class _Challenge(Resource):
             return _not_found(request)
 
         still = answerable(request)
-        d = Deferred.fromCoroutine(responder.find(token, host))
 
-        def found(value: str | None) -> None:
+        def done(value: str | Failure | None) -> None:
             responder.release(client)
-            if not still():
-                return
-            if value is None:
-                request.write(_not_found(request))
-            else:
-                request.write(self._answer(request, token, value))
-            request.finish()
-
-        def failed(failure: Failure) -> None:
-            responder.release(client)
-            _lookups.labels("error").inc()
-            _log.warn(
-                "acme: looking up challenge token in the shared cache failed: {error}",
-                error=failure.getErrorMessage(),
-            )
+            if isinstance(value, Failure):
+                _lookups.labels("error").inc()
+                _log.warn(
+                    "acme: looking up challenge token in the shared cache failed: {error}",
+                    error=value.getErrorMessage(),
+                )
+                value = None
             if still():
-                request.write(_not_found(request))
+                request.write(
+                    _not_found(request) if value is None else self._answer(request, token, value)
+                )
                 request.finish()
 
-        d.addCallbacks(found, failed)
+        Deferred.fromCoroutine(responder.find(token, host)).addBoth(done)
         return NOT_DONE_YET
 
     def _answer(self, request: Request, token: str, answer: str) -> bytes:
