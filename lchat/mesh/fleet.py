@@ -438,18 +438,17 @@ def aggregate(
     """
     warnings: list[str] = []
     claims: dict[str, list[Row]] = {}
-    views = {}
-    for report in sorted(reports, key=lambda r: r.url):
-        if report.answer is None:
-            continue
-        views[report.url] = report.answer.members
-        if report.answer.box != report.url:
+    answered = [
+        (r.url, r.answer) for r in sorted(reports, key=lambda r: r.url) if r.answer is not None
+    ]
+    for url, answer in answered:
+        if answer.box != url:
             warnings.append(
-                f"{report.url} answered as {report.answer.box}: its LCHAT_MESH_SELF differs "
-                "from its heartbeat's URL"
+                f"{url} answered as {answer.box}: its LCHAT_MESH_SELF differs from its "
+                "heartbeat's URL"
             )
-        for space in report.answer.spaces:
-            claims.setdefault(space.host, []).append(Row(report.url, space))
+        for space in answer.spaces:
+            claims.setdefault(space.host, []).append(Row(url, space))
     rows: dict[str, Row] = {}
     conflicts: dict[str, tuple[str, ...]] = {}
     for host, claimed in claims.items():
@@ -457,18 +456,16 @@ def aggregate(
             conflicts[host] = tuple(r.box for r in claimed)
             claimed = sorted(claimed, key=lambda r: (r.space.state == "asleep", r.box))
         rows[host] = claimed[0]
-    for report in sorted(reports, key=lambda r: r.url):
-        if report.answer is None:
-            continue
-        for visit in report.answer.visiting:
+    for url, answer in answered:
+        for visit in answer.visiting:
             row = rows.get(visit.host)
             space = attrs.evolve(visit, owner="")
             if row is None:
-                rows[visit.host] = Row(visit.owner, space, running_on=report.url)
-            elif row.box != report.url:
-                rows[visit.host] = Row(row.box, space, running_on=report.url)
+                rows[visit.host] = Row(visit.owner, space, running_on=url)
+            elif row.box != url:
+                rows[visit.host] = Row(row.box, space, running_on=url)
     expected = sorted(r.url for r in reports)
-    for url, view in views.items():
+    for url, view in {url: answer.members for url, answer in answered}.items():
         if sorted(view) != expected:
             warnings.append(
                 f"{url} sees the live members {', '.join(view) or 'none'}, this box sees "
