@@ -274,13 +274,8 @@ class MeshAPI(Resource):
                     every=self._limiter.every,
                 )
             request.setHeader(b"retry-after", str(retry).encode())
-            return self._answer(
-                request,
-                op,
-                "limited",
-                429,
-                {"error": f"too many failed authentications: try again in {retry}s"},
-            )
+            error = f"too many failed authentications: try again in {retry}s"
+            return self._answer(request, op, "limited", 429, {"error": error})
         if not self._authorised(request):
             self._limiter.failed(client)
             request.setHeader(b"www-authenticate", b'Bearer realm="lchat-mesh"')
@@ -658,9 +653,7 @@ def mesh_site(
 
 
 def _client(request: Request) -> str:
-    """The client's address: the last X-Forwarded-For entry (this box's proxy appends the
-    address it accepted the connection from, after any the client sent), else "local" (a caller
-    on the unix socket itself)."""
+    """The client's address (the module docstring): the last X-Forwarded-For entry, else "local"."""
     values = request.requestHeaders.getRawHeaders(b"x-forwarded-for") or []
     if not values:
         return "local"
