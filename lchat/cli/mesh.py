@@ -25,7 +25,7 @@ from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.members import Member, read_members
-from lchat.mesh.placement import normalise_member_url, owner
+from lchat.mesh.placement import in_scope, normalise_member_url, owner
 from lchat.objstore import ObjectStoreError
 from lchat.reactors import Reactor, TCPReactor
 from lchat.registry import Registry, Route
@@ -73,9 +73,7 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> None:
     (flipped off by ``lchat hibernate --off``) goes in its "lives elsewhere" shape, so that the
     peers forward its requests here instead of waking a stale copy."""
     mesh = cfg.mesh
-    if mesh is None:
-        return
-    if route.kind != "instance" or route.elsewhere:
+    if mesh is None or route.kind != "instance" or route.elsewhere:
         return  # services do not replicate; a peer's lives-elsewhere row is not ours to push
     if route.hibernate:
         try:
@@ -87,13 +85,7 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> None:
     else:
         payload = client.elsewhere_payload(route, mesh.self_url)
 
-    async def call(member: Member, reactor: TCPReactor, seconds: float) -> str:
-        answer = await client.push_route(
-            member.url, mesh.token, payload, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
-        )
-        return str(answer.get("result", "done"))
-
-    _fan_out(cfg, route, "pushed", call, say)
+    _fan_out(cfg, route, "pushed", lambda m, r, s: _push(mesh, m.url, payload, s, r), say)
 
 
 def fan_out_delete(cfg: BoxConfig, route: Route, say: Say) -> None:
@@ -103,23 +95,35 @@ def fan_out_delete(cfg: BoxConfig, route: Route, say: Say) -> None:
         return  # services do not replicate, so there is nothing of theirs to remove
 
     async def call(member: Member, reactor: TCPReactor, seconds: float) -> str:
-        deleted = await client.delete_route(
-            member.url,
-            mesh.token,
-            route.host,
-            ca_file=mesh.ca_file,
-            timeout=seconds,
-            reactor=reactor,
-        )
+        deleted = await _delete(mesh, member.url, route.host, seconds, reactor)
         return "deleted" if deleted else "had no row"
 
     _fan_out(cfg, route, "tombstoned", call, say)
 
 
+async def _push(
+    mesh: MeshConfig, url: str, payload: dict[str, Any], seconds: float, reactor: TCPReactor
+) -> str:
+    """Push ``payload`` to the peer at ``url``; the peer's result ("created", "updated")."""
+    answer = await client.push_route(
+        url, mesh.token, payload, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
+    )
+    return str(answer.get("result", "done"))
+
+
+async def _delete(
+    mesh: MeshConfig, url: str, host: str, seconds: float, reactor: TCPReactor
+) -> bool:
+    """Tombstone ``host`` on the peer at ``url``; whether it had a row."""
+    return await client.delete_route(
+        url, mesh.token, host, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
+    )
+
+
 def replicates(mesh: MeshConfig, route: Route) -> bool:
     """Is ``route`` a mesh host, whose rows the fan-out pushes: under the mesh domains, or
     placed by a home region?"""
-    return bool(route.home_region) or any(hosts.covers(d, route.host) for d in mesh.domains)
+    return bool(route.home_region) or in_scope(route.host, mesh.domains)
 
 
 def _fan_out(
@@ -186,9 +190,7 @@ def _fan_out(
 
 def _seed_scope(mesh: MeshConfig, region: str, host: str, home_region: str) -> bool:
     """Under the mesh domains, or homed in ``region`` (when given)."""
-    if any(hosts.covers(domain, host) for domain in mesh.domains):
-        return True
-    return bool(region) and home_region == region
+    return in_scope(host, mesh.domains) or (bool(region) and home_region == region)
 
 
 def mesh_seed(
@@ -256,23 +258,12 @@ def mesh_seed(
     async def main(reactor: Reactor) -> None:
         gate = DeferredSemaphore(SEED_CONCURRENCY)
 
-        async def send(payload: dict[str, Any]) -> dict[str, Any]:
-            return await client.push_route(
-                peer,
-                mesh.token,
-                payload,
-                ca_file=mesh.ca_file,
-                timeout=SEED_CALL_TIMEOUT,
-                reactor=reactor,
-            )
-
         async def push(payload: dict[str, Any]) -> None:
             try:
-                answer = await send(payload)
+                result = await _push(mesh, peer, payload, SEED_CALL_TIMEOUT, reactor)
             except client.MeshCallError as e:
                 failures.append(f"{payload['host']}: {e}")
                 return
-            result = str(answer.get("result", "done"))
             counts[result] = counts.get(result, 0) + 1
 
         await gatherResults([gate.run(push, p) for p in payloads])
@@ -294,14 +285,7 @@ def mesh_seed(
 
         async def tombstone(host: str) -> None:
             try:
-                if await client.delete_route(
-                    peer,
-                    mesh.token,
-                    host,
-                    ca_file=mesh.ca_file,
-                    timeout=SEED_CALL_TIMEOUT,
-                    reactor=reactor,
-                ):
+                if await _delete(mesh, peer, host, SEED_CALL_TIMEOUT, reactor):
                     pruned.append(host)
             except (client.MeshCallError, hosts.InvalidHost) as e:
                 failures.append(f"--prune {host}: {e}")
@@ -319,7 +303,8 @@ def mesh_seed(
 
         async def elsewhere(host: str) -> None:
             try:
-                await send(client.elsewhere_payload(always_on[host], mesh.self_url))
+                payload = client.elsewhere_payload(always_on[host], mesh.self_url)
+                await _push(mesh, peer, payload, SEED_CALL_TIMEOUT, reactor)
             except client.MeshCallError as e:
                 failures.append(f"--prune {host} (lives here): {e}")
                 return
@@ -375,7 +360,7 @@ def show_mesh(cfg: BoxConfig, registry: Registry, out: Say) -> int:
     for route in registry.load():
         if route.kind != "instance" or not route.hibernate:
             continue
-        if not any(hosts.covers(domain, route.host) for domain in mesh.domains):
+        if not in_scope(route.host, mesh.domains):
             continue
         best = owner(route.host, live, route.home_region)
         if best is None:
