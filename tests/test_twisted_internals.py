@@ -297,7 +297,9 @@ class HTTPClientErrorTests(_Base):
         self.assertIsNotNone(wrapper, moved("twisted.web._newclient._WrapperException", "gone"))
         assert wrapper is not None
         unknown = [
-            cls.__name__ for cls in _all_subclasses(wrapper) if not issubclass(cls, exchange.WRAPPERS)
+            cls.__name__
+            for cls in _all_subclasses(wrapper)
+            if not issubclass(cls, exchange.WRAPPERS)
         ]
         self.assertEqual(
             unknown,
