@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -298,6 +299,66 @@ class _ClosesSecondRequest(Protocol):
             )
 
 
+class _ClosesSecondHead(Protocol):
+    """A peer that answers the first request on a connection (kept alive) and closes the
+    connection as soon as the second one's head is in, before its body: an idle close crossing a
+    request whose body the client had not sent yet. ``seen`` is set at that close."""
+
+    def __init__(self, seen: threading.Event) -> None:
+        self.buffer = b""
+        self.heads = 0
+        self.seen = seen
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        while b"\r\n\r\n" in self.buffer and self.transport is not None:
+            head, rest = self.buffer.split(b"\r\n\r\n", 1)
+            self.heads += 1
+            if self.heads == 2:
+                self.transport.loseConnection()
+                self.seen.set()
+                return
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                self.heads -= 1  # (counted again once the body is in)
+                return
+            body, self.buffer = rest[:length], rest[length:]
+            self.transport.write(
+                b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+
+def _post_in_two_parts(port: int, seen: threading.Event) -> list[tuple[int, bytes]]:
+    """Two POSTs on one client connection; the second's body is sent only after the peer has
+    closed the proxy's pooled connection under its head (``seen``), and a moment more, so the
+    proxy has met the close before the body arrives."""
+    answers = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        reader = sock.makefile("rb")
+        for body, wait in ((b'{"body": "one"}', False), (b'{"body": "two"}', True)):
+            sock.sendall(
+                b"POST /api/rooms/r/messages HTTP/1.1\r\nHost: %s\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (HOST.encode(), len(body))
+            )
+            if wait:
+                seen.wait(10)
+                time.sleep(0.3)  # (ordering: the proxy reads the close first)
+            sock.sendall(body)
+            status = int(reader.readline().split()[1])
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            answers.append((status, reader.read(length)))
+    return answers
+
+
 class _ToPeers:
     """Routes every request to the mesh peer on ``first``; routed again (``why`` recorded), to
     the one on ``then``, and from there (it must never happen: one re-route) to a 500.
@@ -469,6 +530,17 @@ class DrainRerouteTests(TestCase):
         self.assertEqual((router.whys, survivor.requests), ([], []))
         self.assertNotIn(REFUSED, headers)
         self.assertEqual(len(space.requests), 1)
+
+    @inlineCallbacks
+    def test_a_post_whose_body_is_still_coming_is_sent_again_when_its_connection_closed(self):
+        """The peer closes the pooled connection under the second POST's head, before the
+        client sent its body (a drain's idle close crossing it): nothing of the body was lost,
+        so one fresh connection gets the request, and the body follows it there."""
+        seen = threading.Event()
+        peer = self._listen(Factory.forProtocol(lambda: _ClosesSecondHead(seen)))
+        port = self._proxy(_ToPeers(peer, None))
+        answers = yield deferToThread(_post_in_two_parts, port, seen)
+        self.assertEqual(answers, [(201, b'{"body": "one"}'), (201, b'{"body": "two"}')])
 
     @inlineCallbacks
     def test_a_post_on_a_kept_alive_connection_closed_unanswered_is_sent_again(self):

@@ -427,17 +427,23 @@ class Relay(ClientConnection):
             resendable = not ex.upgrade and ex.at_hand()
             # A reused keep-alive connection the space (or peer) had just closed: the close
             # crossed our request, which was never read. One try on a *new* connection (another
-            # idle one may have been closed in the same breath).
+            # idle one may have been closed in the same breath). What went upstream must all be
+            # kept; a body still arriving follows it there (the client's side waits meanwhile).
             if (
                 why == "closed before responding"
                 and upstream is not None
                 and upstream.reused
                 and not ex.retried
-                and resendable
+                and not ex.upgrade
+                and ex.replay is not None
                 and isinstance(ex.target, LocalSocket | RemotePeer)
             ):
                 ex.retried = True
                 ex.rewind()
+                assert self.valve is not None
+                self.valve.open(Valve.PEER_FULL)  # (the closed connection's fullness is over)
+                if not ex.body_complete:
+                    self.valve.close("routing")  # _connected opens it
                 d = self.proxy.pool.dial(ex.target)
                 d.addCallbacks(
                     self._connected, self._dial_failed, callbackArgs=(ex,), errbackArgs=(ex,)
