@@ -270,6 +270,15 @@ class _DrainingPeer(Factory):
         return _RefusesAtHead(self)
 
 
+def _content_length(head: bytes) -> int:
+    """A request or response head's ``Content-Length`` (0 without one)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
 class _ClosesSecondRequest(Protocol):
     """A peer that answers the first request on a connection (kept alive) and closes the
     connection on the second one unanswered: a kept-alive connection closed under a request."""
@@ -282,11 +291,7 @@ class _ClosesSecondRequest(Protocol):
         self.buffer += data
         while b"\r\n\r\n" in self.buffer and self.transport is not None:
             head, rest = self.buffer.split(b"\r\n\r\n", 1)
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
+            length = _content_length(head)
             if len(rest) < length:
                 return
             body, self.buffer = rest[:length], rest[length:]
@@ -318,11 +323,7 @@ class _ClosesSecondHead(Protocol):
                 self.transport.loseConnection()
                 self.seen.set()
                 return
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
+            length = _content_length(head)
             if len(rest) < length:
                 self.heads -= 1  # (counted again once the body is in)
                 return
@@ -349,13 +350,12 @@ def _post_in_two_parts(port: int, seen: threading.Event) -> list[tuple[int, byte
                 seen.wait(10)
                 time.sleep(0.3)  # (ordering: the proxy reads the close first)
             sock.sendall(body)
-            status = int(reader.readline().split()[1])
-            length = 0
+            lines = []
             while (line := reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            answers.append((status, reader.read(length)))
+                lines.append(line)
+            head = b"".join(lines)
+            status = int(head.split()[1])
+            answers.append((status, reader.read(_content_length(head))))
     return answers
 
 
