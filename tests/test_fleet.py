@@ -85,26 +85,48 @@ def host_owned_by(url: str, members: list[Member], prefix: str = "h") -> str:
 # --- the ownership rule -------------------------------------------------------------------------
 
 
-class MembersReadTests(SynchronousTestCase):
-    """``lchat fleet``'s read of the members: a bucket that never answers is an error after
-    MEMBERS_TIMEOUT (the refusal the command prints), not an escaping Twisted TimeoutError."""
+class MembersReadTests(TestCase):
+    """``lchat fleet``'s read of the members from a bucket that swallows every byte (moto behind
+    a blackholed TCP proxy): after MEMBERS_TIMEOUT it is the store error the command prints, not
+    an escaping Twisted TimeoutError."""
 
-    def test_a_read_that_never_answers_is_a_store_error(self) -> None:
-        from twisted.internet.task import Clock
+    timeout = 30
 
+    def box_config(self, server: Any, bucket: str, endpoint: str) -> BoxConfig:
+        """A mesh box's settings, from an env file as `lchat fleet` reads them."""
+        settings = {
+            "LCHAT_DATA_DIR": os.path.abspath(self.mktemp()),
+            "LCHAT_HIBERNATE_BUCKET": bucket,
+            "LCHAT_HIBERNATE_ENDPOINT": endpoint,
+            "LCHAT_HIBERNATE_REGION": server.region,
+            "LCHAT_MESH_SELF": "https://box-1.example.net",
+            "LCHAT_MESH_DOMAINS": DOMAIN,
+            "LCHAT_MESH_TOKEN": TOKEN,
+            "AWS_ACCESS_KEY_ID": server.credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": server.credentials.secret_key,
+        }
+        env_file = os.path.abspath(self.mktemp())
+        with open(env_file, "w") as f:
+            f.writelines(f"{k}={v}\n" for k, v in settings.items())
+        return config.load(env_file=env_file, environ={}, systemd_present=False)
+
+    async def test_a_bucket_that_never_answers_is_a_store_error(self) -> None:
         from lchat.cli import fleet as fleet_cli
         from lchat.objstore import ObjectStoreError
+        from lchat.reactors import installed
+        from tests.s3servers import shared_server
+        from tests.tcpproxy import BucketProxy
 
-        async def never(reactor: object, cfg: object) -> list[Any]:
-            await Deferred()
-            return []
-
-        self.patch(fleet_cli.mesh_cli, "read_mesh_members", never)
-        clock = Clock()
-        read = Deferred.fromCoroutine(fleet_cli._members(clock, None))  # type: ignore[arg-type]
-        clock.advance(fleet_cli.MEMBERS_TIMEOUT)
-        error = self.failureResultOf(read, ObjectStoreError)
-        self.assertIn(f"no answer within {fleet_cli.MEMBERS_TIMEOUT:g}s", str(error.value))
+        server = await shared_server("moto")
+        bucket = await server.new_bucket()
+        proxy = BucketProxy("127.0.0.1", server.port).start()
+        self.addCleanup(proxy.close)
+        proxy.blackhole()
+        cfg = self.box_config(server, bucket, proxy.endpoint)
+        self.patch(fleet_cli, "MEMBERS_TIMEOUT", 1.0)  # (15 s in the command)
+        with self.assertRaises(ObjectStoreError) as raised:
+            await fleet_cli._members(installed(), cfg)
+        self.assertIn("no answer within 1s", str(raised.exception))
 
 
 class ReporterTests(SynchronousTestCase):
