@@ -24,6 +24,15 @@ command's first word resolved to the file it really is; ``lchat rollback`` reads
 (:func:`read_wake`): a space that woke on the build being rolled back from may have run its
 (additive) migrations, so going back is refused (docs/operations.md, "Deploys and rollbacks").
 One small file per host, written atomically; recording never fails a wake (an error is logged).
+
+The *build floor* travels with the space, in the bucket: ``<prefix>/<host>/build.json``
+(:class:`BuildRecord`: the newest build the space has run, on any box, when and where it first
+ran it). A wake never runs a build older than it (``lchat.hibernation.floor``), and ``lchat
+rollback`` reads it before the local record. Which of two builds is newer is
+:func:`compare_versions`: the feed's order (each version's ``released_at``, as this box last
+accepted the feed: :func:`lchat.release.fetch.read_state`) when both are in it, else the numbers
+of dotted-numeric names (``1.4.0``, ``v2``; ``1.4`` == ``1.4.0``), else no order at all (names
+such as commit hashes): then the floor cannot be enforced (docs/operations.md, "The build floor").
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from attrs import frozen
 from twisted.logger import Logger
@@ -45,8 +54,10 @@ DEFAULT_LINK = "_default"  # never a host name (no underscore in one)
 SPACE_BINARY = "space"
 SIDECAR_BINARY = "space-bot"
 WAKES_DIRECTORY = "woke"
+BUILD_RECORD = "build.json"  # <prefix>/<host>/build.json in the bucket: the space's build floor
 
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,63}")
+_NUMBERED = re.compile(r"[vV]?([0-9]{1,9}(?:\.[0-9]{1,9})*)")  # 1.4.0, v2: a release number
 _log = Logger(namespace="lchat.activator")
 
 
@@ -78,6 +89,19 @@ class BuildLayout:
     @property
     def live_dir(self) -> str:
         return os.path.join(self.root, "live")
+
+    @property
+    def release_state(self) -> str:
+        """``<opt>/release-state.json``: the newest feed this box accepted (lchat.release.fetch)."""
+        return os.path.join(self.root, "release-state.json")
+
+    @classmethod
+    def holding(cls, build: str) -> BuildLayout | None:
+        """The tree whose ``versions/`` holds ``build`` (a real path, ``.../versions/<v>/<file>``),
+        or None when it lies in no version tree."""
+        if version_in(build) is None:
+            return None
+        return cls(os.path.dirname(os.path.dirname(os.path.dirname(build))))
 
     def build_dir(self, version: str) -> str:
         return os.path.join(self.versions_dir, check_version(version))
@@ -200,3 +224,79 @@ def read_wake(data_dir: str, host: str) -> Wake | None:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# --- the build floor: the newest build a space has run, kept in the bucket ---------------------
+
+
+class BadRecord(ValueError):
+    """A ``build.json`` that is not a build record."""
+
+
+@frozen
+class BuildRecord:
+    """The newest build a space has run (its floor): ``version``, when (unix seconds, the waking
+    box's clock) and on which ``box`` (``LCHAT_BOX_ID``) it first ran it."""
+
+    version: str
+    at: float
+    box: str
+
+    def to_bytes(self) -> bytes:
+        doc = {"version": self.version, "at": self.at, "box": self.box}
+        return json.dumps(doc, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, body: bytes) -> BuildRecord:
+        """The record in ``body``, or :class:`BadRecord` naming what is wrong with it."""
+        try:
+            doc = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BadRecord(f"not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise BadRecord("not a JSON object")
+        version, at, box = doc.get("version"), doc.get("at"), doc.get("box", "")
+        if not isinstance(version, str):
+            raise BadRecord(f"version {version!r} is not a version name")
+        try:
+            check_version(version)
+        except BadVersion as e:
+            raise BadRecord(str(e)) from None
+        if not isinstance(at, int | float) or isinstance(at, bool):
+            raise BadRecord(f"at {at!r} is not a time")
+        return cls(version=version, at=float(at), box=str(box))
+
+
+def record_key(prefix: str, host: str) -> str:
+    """``<prefix>/<host>/build.json`` (beside the space's ``lock.json`` and replica; the host is
+    normalised, raising ``hosts.InvalidHost``)."""
+    return "/".join(p for p in (prefix.strip("/"), hosts.normalise(host), BUILD_RECORD) if p)
+
+
+def release_number(version: str) -> tuple[int, ...] | None:
+    """``version``'s release number (``1.4.0`` -> (1, 4), trailing zeros dropped so that ``1.4``
+    and ``1.4.0`` are one release; a leading ``v`` allowed, as PEP 440 does), or None for a name
+    that is not dotted numbers (a pre-release, a hash): those have no order of their own."""
+    m = _NUMBERED.fullmatch(version)
+    if m is None:
+        return None
+    parts = [int(p) for p in m[1].split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def compare_versions(a: str, b: str, released: Mapping[str, str]) -> int | None:
+    """-1, 0 or 1 as ``a`` is older than, as new as, or newer than ``b``; None when they have no
+    known order. ``released`` maps versions to their feed ``released_at`` (``2026-12-02T03:00:00Z``,
+    which sorts as text): the feed's order decides when both are in it with different times;
+    else their release numbers (:func:`release_number`) when both have one."""
+    if a == b:
+        return 0
+    ra, rb = released.get(a, ""), released.get(b, "")
+    if ra and rb and ra != rb:
+        return -1 if ra < rb else 1
+    na, nb = release_number(a), release_number(b)
+    if na is None or nb is None:
+        return None
+    return (na > nb) - (na < nb)

@@ -145,6 +145,7 @@ _PUBLIC = {
     "capacity": "{host} cannot wake right now: this server is at capacity",
     "held": "{host} is being moved",
     "not_alive": "{host} cannot wake on this server right now",
+    "build_behind": "{host} cannot wake on this server until it is updated",
     "not_witnessed": "{host} cannot save changes right now (its storage is out of reach); "
     "reads still work",
 }

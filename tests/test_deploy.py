@@ -198,7 +198,9 @@ class HibernatingTests(DeployTestCase):
 
         refused = self.lchat("rollback", woken)
         self.assertEqual(refused.code, 1, refused)
-        self.assertIn(f"{woken}: refused: it woke on v2 at", refused.out)
+        # Its build floor in the bucket says so first (a wake on any box of a mesh counts).
+        self.assertIn(f"{woken}: refused: it ran v2 on ", refused.out)
+        self.assertIn("its build floor in the bucket", refused.out)
         self.assertIn("additive) migrations", refused.out)
         self.assertEqual(self.layout.version_of(woken), "v2")
 
@@ -206,3 +208,39 @@ class HibernatingTests(DeployTestCase):
         self.assertEqual(allowed.code, 0, allowed)
         self.assertIn(f"{sleeper}: v2 -> v1: repointed (hibernating)", allowed.out)
         self.assertEqual(self.build_of(sleeper), "v1")
+
+    def test_a_wake_below_the_floor_runs_the_floor_build_or_is_a_503(self) -> None:
+        """The space ran v2; its link goes back to v1 behind the deployer's back (as on a box
+        the release has not reached): the next wake runs v2 while it is installed, and is a 503
+        ``build_behind`` naming the fix once it is not. Its floor is in the bucket."""
+        for version in ("v1", "v2"):
+            self.install(version)
+        host = "f.example.com"
+        deploy.point(self.layout, host, "v2")
+        self.add_row(host, hibernate=True)
+        self.start_router()
+        self.assertEqual(self.build_of(host), "v2")
+        self.assertIn("build.json@o", self.bucket_files(host))  # its floor, in the bucket
+        with open(os.path.join(self.bucket, "objects", f"{host}@d", "build.json@o"), "rb") as f:
+            self.assertIn(b'"version": "v2"', f.read())
+
+        self.assertEqual(admin_client.sleep_space(self.admin_socket, host, 60).status, 200)
+        deploy.point(self.layout, host, "v1")
+        self.assertEqual(self.build_of(host), "v2")  # lifted onto the floor's build
+        self.assertEqual(builds.read_wake(self.data_dir, host).version, "v2")  # type: ignore[union-attr]
+
+        self.assertEqual(admin_client.sleep_space(self.admin_socket, host, 60).status, 200)
+        os.rename(self.layout.build_dir("v2"), os.path.join(self.opt, "v2-aside"))
+        response = admin_client.request(self.http_socket, "GET", "/api/version", host=host)
+        self.assertEqual(response.status, 503, response.body)
+        self.assertIn(
+            b"cannot wake on this server until it is updated; try again in 30s", response.body
+        )
+        with open(os.path.join(self.root, "router.log"), errors="replace") as f:
+            log = f.read()
+        self.assertIn(f"activator: {host}: live link is v1, but it ran v2: waking on v2", log)
+        self.assertIn("fetch it: `lchat release fetch v2`", log)
+        metrics = admin_client.request(self.admin_socket, "GET", "/metrics").body.decode()
+        self.assertRegex(metrics, r'lchat_wakes_total\{[^}]*outcome="build_behind"[^}]*\} 1\.0')
+        self.assertRegex(metrics, r'lchat_build_floor_writes_total\{why="first"\} 1\.0')
+        self.assertIn("lchat_build_floor_lifts_total 1.0", metrics)

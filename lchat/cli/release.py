@@ -17,11 +17,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from lchat import hosts as hostnames
 from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
-from lchat.builds import BadVersion, check_version
+from lchat.builds import BadRecord, BadVersion, BuildRecord, check_version
 from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.handover.hibernate import ACTIVATOR_BUSY
 from lchat.handover.router import Router, Say
+from lchat.hibernation import floor as floor_mod
 from lchat.objstore import ObjectStore, ObjectStoreError
 from lchat.reactors import Reactor
 from lchat.registry import Registry
@@ -50,6 +51,7 @@ Fail = Callable[[str], int]
 LoadConfig = Callable[[argparse.Namespace], BoxConfig]
 OpenRegistry = Callable[[BoxConfig], Registry]
 
+FLOOR_READ_BUDGET = 30.0  # seconds for one read of a space's build floor in the bucket
 ERRORS = (FeedError, DeployError, SettingsError, ObjectStoreError, BadVersion)
 Run = Callable[[argparse.Namespace, LoadConfig, OpenRegistry, Out], int]
 
@@ -356,8 +358,35 @@ def _deployer(
         out=out,
         timeout=args.timeout,
         awake=lambda host: (router.entry(host) or {}).get("state") in ACTIVATOR_BUSY,
+        floor=_floor_reader(cfg),
     )
     return deployer, sorted(routes)
+
+
+def _floor_reader(cfg: BoxConfig) -> Callable[[str], BuildRecord | None] | None:
+    """A host's build floor read from the bucket (lchat.hibernation.floor), for the rollback
+    guard; None on a box without hibernation (no bucket: the local wake record only)."""
+    hib = cfg.hibernate
+    if hib is None:
+        return None
+
+    def read(host: str) -> BuildRecord | None:
+        async def main(reactor: Reactor) -> BuildRecord | None:
+            store = await open_bucket(reactor, cfg, hib.where)
+            try:
+                return await floor_mod.read(store, hib.prefix, host)
+            finally:
+                await store.close()
+
+        try:
+            return runner.run(main, FLOOR_READ_BUDGET)
+        except (ObjectStoreError, TimeoutError, BadRecord) as e:
+            raise DeployError(
+                f"its build floor in the bucket ({hib.where}) could not be read "
+                f"({e}): a wake on another box would not be seen; try again once it can"
+            ) from None
+
+    return read
 
 
 def _need_router(cfg: BoxConfig, deployer: Deployer, hosts: list[str]) -> None:

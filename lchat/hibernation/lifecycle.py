@@ -5,7 +5,8 @@ The activator (lchat.hibernation.activator) decides *when* and keeps the states;
 :class:`Lifecycle` does the work on a :class:`~lchat.hibernation.space.Space` it is handed:
 
 - wake: take the lease (asking a held one again for ~0.7 s: a draining holder releases it within
-  moments) and keep it renewed; the database step (lchat.hibernation.localdb); replication, first
+  moments) and keep it renewed; hold the build to the space's floor (lchat.hibernation.floor: the
+  build the live link resolves to, never older than the newest the space ran); the database step (lchat.hibernation.localdb); replication, first
   when the local file is exactly the bucket's newest state, else once the space is ready; spawn
   the space (after evicting a leftover on its socket) and wait for ``GET /api/version``;
 - stand-down: stop the sidecar; ask the next due time (graceful only); let the requests already
@@ -33,6 +34,7 @@ from lchat.builds import record_quietly
 from lchat.child import ChildSpec, NotReady, RunningChild, SpawnError, evict_listener, spawn
 from lchat.config import BoxConfig, read_env_file
 from lchat.hibernation import localdb
+from lchat.hibernation.floor import BuildFloor
 from lchat.hibernation.localdb import DBPlan, Restorer
 from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
 from lchat.hibernation.space import Budgets, Space, WakeFailed
@@ -171,8 +173,17 @@ class Lifecycle:
     # dead (its heartbeat stale and its silence witnessed) is taken over before its expiry.
     fence: Fence | None = None
     restorer: Restorer = field(init=False)
+    floor: BuildFloor = field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        hib = self.cfg.hibernate
+        self.floor = BuildFloor(
+            self.store,
+            hib.prefix if hib is not None else "",
+            self.cfg.box_id,
+            self.run_in_thread,
+            clock=self.reactor.seconds,
+        )
         self.restorer = Restorer(
             self.store,
             self.run_in_thread,
@@ -258,6 +269,15 @@ class Lifecycle:
         timings["lease"] = clock() - t
         _log.info("activator: {host} waking (lease acquired)", host=host, reason=space.reason)
 
+        # Which build, before anything else runs: a refusal costs no restore.
+        t = clock()
+        try:
+            argv = builds.space_argv(self.cfg.space_command, host)
+        except hosts.InvalidHost as e:
+            raise WakeFailed(host, "spawn", f"{host} cannot start: {e}") from e
+        argv = await self.floor.hold(host, argv)
+        timings["floor"] = clock() - t
+
         t = clock()
         plan = await self.restorer.prepare(host, space.db, self.replica_path(host), space.lease)
         timings["restore"] = clock() - t
@@ -269,7 +289,7 @@ class Lifecycle:
             timings["replicate"] = clock() - t
 
         t = clock()
-        child = await self._spawn(space)
+        child = await self._spawn(space, argv)
         child.ended.addCallback(lambda info: on_exit(child, info))
         timings["spawn"] = clock() - t
 
@@ -334,7 +354,7 @@ class Lifecycle:
             await deferLater(self.reactor, delay, lambda: None)
         raise AssertionError("unreachable")
 
-    async def _spawn(self, space: Space) -> RunningChild:
+    async def _spawn(self, space: Space, argv: list[str]) -> RunningChild:
         host = space.host
         await evict_listener(
             self.reactor,
@@ -349,12 +369,13 @@ class Lifecycle:
             user = await self.run_in_thread(lambda: space_user(self.cfg, host, space.socket))
             spec = ChildSpec(
                 name=host,
-                argv=tuple(builds.space_argv(self.cfg.space_command, host)),
+                argv=tuple(argv),
                 env=env,
                 ready_socket=space.socket,
                 user=user,
             )
-            # Which build this wake runs (live/<host> resolved now): `lchat rollback` reads it.
+            # Which build this wake runs (live/<host> resolved, or the floor's): `lchat rollback`
+            # reads it, after the bucket's record.
             await self.run_in_thread(record_quietly, self.cfg.data_dir, host, spec.argv[0])
             space.child = (self.spawner or spawn)(self.reactor, spec)
         except (EnvFileError, SpawnError, hosts.InvalidHost, IsolationError, OSError) as e:

@@ -17,9 +17,11 @@ Per host, ``live/.state.json`` keeps the version deployed, the one before it (wh
 rollback`` returns to), whether it was a canary (``--canary``; an ``--all`` deploy clears it) and
 when. One deploy or rollback at a time per box (``live/.lock``).
 
-A rollback of a hibernating space is refused when its last wake on this box ran the build being
-rolled back from (``lchat.builds.read_wake``): that build may have run additive migrations on its
-database which the older build does not know.
+A rollback of a hibernating space is refused when it ran the build being rolled back from, or
+one newer than the build it would return to: that build may have run additive migrations on its
+database which the older build does not know. What it ran is read from its build floor in the
+bucket first (``floor``: ``<prefix>/<host>/build.json``, written by a wake on any box of the
+mesh), then from its last wake on this box (``lchat.builds.read_wake``).
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ from lchat.builds import (
     SIDECAR_BINARY,
     SPACE_BINARY,
     BuildLayout,
+    BuildRecord,
     check_version,
+    compare_versions,
     read_wake,
 )
 from lchat.files import fsync_directory, write_atomic
 from lchat.registry import Route
+from lchat.release.feed import FeedError
+from lchat.release.fetch import read_state
 
 POLL_INTERVAL = 0.2
 RESTART_TIMEOUT = 60.0  # the router answers /restart once the old run has ended (SIGKILL at 20 s)
@@ -250,6 +256,9 @@ class Deployer:
     answers: Callable[[str, str, float], bool] = lambda socket, host, timeout: (
         admin_client.wait_for_version(socket, host, timeout, POLL_INTERVAL)
     )
+    # host -> its build floor in the bucket (None: no record); raises DeployError when it cannot
+    # be read. None: no bucket (a box without hibernation): the local record only.
+    floor: Callable[[str], BuildRecord | None] | None = None
     _clock: Callable[[], float] = time.time
     _monotonic: Callable[[], float] = time.monotonic
 
@@ -407,13 +416,20 @@ class Deployer:
             self.out(f"{host}: refused: {e}")
             return False
         if route.hibernate:
-            woke = self._woke_on(host, state.version)
+            try:
+                woke = self._woke_on(host, state.version, previous)
+            except DeployError as e:
+                self.out(f"{host}: refused: {e}")
+                return False
             if woke is not None:
                 self.out(woke)
                 return False
             self._repoint(host, previous)
             # A wake may have spawned between the check and the repoint: look again.
-            woke = self._woke_on(host, state.version)
+            try:
+                woke = self._woke_on(host, state.version, previous)
+            except DeployError as e:
+                woke = f"{host}: refused: {e}"
             if woke is not None:
                 self._repoint(host, state.version)
                 self.out(woke)
@@ -432,7 +448,23 @@ class Deployer:
         )
         return False
 
-    def _woke_on(self, host: str, version: str) -> str | None:
+    def _woke_on(self, host: str, version: str, previous: str) -> str | None:
+        """Why going back from ``version`` to ``previous`` is refused, or None: the space ran
+        ``version``, or a build newer than ``previous``, on any box (its floor in the bucket) or
+        on this one (its last wake here). Raises DeployError when the floor cannot be read."""
+        floor = self.floor(host) if self.floor is not None else None
+        if floor is not None:
+            released = self._released()
+            newer = compare_versions(floor.version, previous, released)
+            if floor.version == version or (newer is not None and newer > 0):
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(floor.at))
+                where = f" on {floor.box}" if floor.box else ""
+                return (
+                    f"{host}: refused: it ran {floor.version}{where} (first at {when}, its build "
+                    f"floor in the bucket), so its database may carry {floor.version}'s "
+                    f"(additive) migrations, which {previous} does not know; roll forward "
+                    f"instead (deploy a fixed version)"
+                )
         wake = read_wake(self.data_dir, host)
         if wake is None or wake.version != version:
             return None
@@ -442,3 +474,11 @@ class Deployer:
             f"{version}'s (additive) migrations, which the older build does not know; "
             f"roll forward instead (deploy a fixed version)"
         )
+
+    def _released(self) -> dict[str, str]:
+        """The feed's order of builds as this box last accepted it (empty when unknown)."""
+        try:
+            state = read_state(self.layout.release_state)
+        except FeedError:
+            return {}
+        return dict(state.released) if state is not None else {}

@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, Protocol
 
 import attrs
@@ -288,6 +288,21 @@ class Accepted:
     digest: str
     accepted_at: float
     source: str
+    # Each version the feed listed, and its ``released_at``: the feed's order of builds, which
+    # the build floor reads (lchat.builds.compare_versions). Empty in a state written before.
+    released: Mapping[str, str] = attrs.field(factory=dict)
+
+
+def released_order(feed: Feed) -> dict[str, str]:
+    """``feed``'s versions and their ``released_at``, those with a well-formed time only."""
+    order = {}
+    for version, release in feed.versions.items():
+        try:
+            feedlib.parse_stamp(release.released_at)
+        except FeedError:
+            continue
+        order[version] = release.released_at
+    return order
 
 
 def read_state(path: str) -> Accepted | None:
@@ -301,10 +316,15 @@ def read_state(path: str) -> Accepted | None:
             digest=str(doc["digest"]),
             accepted_at=float(doc.get("accepted_at", 0)),
             source=str(doc.get("source", "")),
+            released={
+                str(v): str(at)
+                for v, at in (doc.get("released") or {}).items()
+                if isinstance(at, str)
+            },
         )
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise FeedError(
             f"{path} is unreadable ({e}): it records the newest feed this box accepted; "
             "restore it, or remove it to trust the next feed that verifies"
@@ -413,9 +433,12 @@ class Fetcher:
                 problems.append(f"{name} {source.describe()}: {refusal}")
                 continue
             FETCHES.labels(name, "ok").inc()
-            if accepted is None or accepted.digest != feed.digest:  # not stale: newer, or the same
+            order = released_order(feed)
+            # Not stale: newer, or the same (then rewritten only to add the order it lacked).
+            if accepted is None or accepted.digest != feed.digest or accepted.released != order:
                 write_state(
-                    self.state_file, Accepted(feed.feed_version, feed.digest, self._clock(), name)
+                    self.state_file,
+                    Accepted(feed.feed_version, feed.digest, self._clock(), name, order),
                 )
             return feed, name, source
         raise NoUsableFeed("no usable release feed, nothing changed: " + "; ".join(problems))

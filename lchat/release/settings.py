@@ -60,7 +60,7 @@ class ReleaseSettings:
     @property
     def state_file(self) -> str:
         """The newest feed this box accepted (anti-rollback): ``<opt>/release-state.json``."""
-        return os.path.join(self.opt_dir, "release-state.json")
+        return self.layout.release_state
 
 
 def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) -> ReleaseSettings:
