@@ -1,0 +1,141 @@
+"""Releases across a mesh, on real routers: the build floor (docs/operations.md, "The build
+floor"). Two boxes share one bucket; each has its own build tree (``LCHAT_OPT_DIR``) whose builds
+``1.0`` and ``2.0`` are small wrappers running the reference space with ``LCHAT_BUILD=<v>``, so
+``GET /api/version`` says which build answers. One box is ahead (its default build is 2.0), the
+other behind (1.0), as during a rolling release.
+
+Run on moto (:class:`BuildFloorTests`) and SeaweedFS (:class:`BuildFloorSeaweedTests`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+
+from lchat.builds import DEFAULT_LINK, BuildLayout
+from lchat.hosts import normalise_member_url
+from lchat.mesh import placement
+from lchat.release import deploy
+from tests import s3servers, test_deploy
+from tests.test_cli import REPO
+from tests.test_mesh import DOMAIN, Box, MeshTestCase, _lchat, request
+
+HOST = f"floor.{DOMAIN}"
+
+
+class BuildFloorTests(MeshTestCase):
+    def build_tree(self, box: Box, default: str, installed: tuple[str, ...]) -> BuildLayout:
+        """``box``'s own build tree: ``installed`` builds, ``_default`` at ``default``; the router
+        runs ``<opt>/live/{host}``. A build not installed is staged beside, in ``<opt>/staged``."""
+        layout = BuildLayout(os.path.join(box.dir, "opt"))
+        for version in ("1.0", "2.0"):
+            where = layout.build_dir(version)
+            if version not in installed:
+                where = os.path.join(layout.root, "staged", version)
+            os.makedirs(where)
+            binary = os.path.join(where, "space")
+            with open(binary, "w") as f:
+                f.write(
+                    test_deploy.GOOD_BUILD.format(version=version, repo=REPO, python=sys.executable)
+                )
+            os.chmod(binary, 0o755)
+        deploy.point(layout, DEFAULT_LINK, default)
+        box.settings = {  # type: ignore[attr-defined]
+            **box.settings,  # type: ignore[attr-defined]
+            "LCHAT_OPT_DIR": layout.root,
+            "LCHAT_SPACE_COMMAND": layout.live_link("{host}"),
+        }
+        return layout
+
+    def ahead_and_behind(self) -> tuple[Box, Box, BuildLayout]:
+        """Two boxes knowing ``HOST``: the one that owns it runs 2.0 by default, the other 1.0
+        (2.0 staged, not installed). Returns (ahead, behind, the behind box's build tree)."""
+        boxes = self.boxes(2)
+        ahead = max(boxes, key=lambda b: placement.score(normalise_member_url(b.url), HOST))
+        behind = next(b for b in boxes if b is not ahead)
+        self.build_tree(ahead, "2.0", ("1.0", "2.0"))
+        layout = self.build_tree(behind, "1.0", ("1.0",))
+        for box in boxes:
+            box.add_space(HOST)
+        return ahead, behind, layout
+
+    @inlineCallbacks
+    def build_through(self, box: Box) -> Any:
+        """(status, the build that answered or the body) of ``GET /api/version`` through ``box``."""
+        status, body, _ = yield self.req(box, HOST, "/api/version")
+        return status, json.loads(body)["build"] if status == 200 else body
+
+    @inlineCallbacks
+    def test_a_space_never_wakes_on_a_build_older_than_it_ran(self):
+        ahead, behind, layout = self.ahead_and_behind()
+        yield self.start(ahead, behind)
+        started = time.monotonic()
+        answer = yield self.build_through(behind)  # forwarded to its owner: woken there on 2.0
+        self.assertEqual(answer, (200, "2.0"))
+        self.assertTrue(ahead.awake(HOST))
+
+        # The owner leaves (drained: the space sleeps, flushed, its lease released); the box
+        # behind is all that is left, and its link says 1.0. Before the floor: 200 from 1.0,
+        # over a database 2.0 may have migrated.
+        code = yield deferToThread(ahead.stop, signal.SIGTERM)
+        self.assertIn(code, (0, -signal.SIGTERM), ahead.log())
+        status, body = yield self.build_through(behind)
+        self.assertEqual(status, 503, body)
+        self.assertIn(b"cannot wake on this server until it is updated", body)
+        log = behind.log()
+        self.assertIn(f"activator: {HOST}: live link is 1.0, but it ran 2.0 (on ", log)
+        self.assertIn("fetch it: `lchat release fetch 2.0`", log)
+
+        # 2.0 arrives on the box behind (`lchat release fetch 2.0`): the next wake runs it,
+        # though the link still says 1.0.
+        os.rename(os.path.join(layout.root, "staged", "2.0"), layout.build_dir("2.0"))
+        answer = yield self.wait_for(lambda: _built(behind, self.ca), timeout=40)
+        self.assertEqual(answer, "2.0")
+        self.assertIn(
+            f"activator: {HOST}: live link is 1.0, but it ran 2.0: waking on 2.0", behind.log()
+        )
+        self.assertLess(time.monotonic() - started, 60)
+
+    @inlineCallbacks
+    def test_rollback_is_refused_on_every_box_after_a_wake_anywhere(self):
+        ahead, behind, layout = self.ahead_and_behind()
+        # The box behind deployed 2.0 to the space (from 1.0) and would roll it back: it never
+        # woke the space itself, so its own wake record says nothing.
+        os.rename(os.path.join(layout.root, "staged", "2.0"), layout.build_dir("2.0"))
+        deploy.point(layout, HOST, "2.0")
+        deploy.write_states(layout, {HOST: deploy.HostState("2.0", "1.0", False, time.time())})
+        yield self.start(ahead, behind)
+        answer = yield self.build_through(behind)  # woken on its owner, the other box
+        self.assertEqual(answer, (200, "2.0"))
+
+        ran = yield deferToThread(_lchat, "rollback", HOST, "--env-file", behind.env_file)
+        self.assertEqual(ran.returncode, 1, ran)
+        owner = normalise_member_url(ahead.url)
+        self.assertIn(f"{HOST}: refused: it ran 2.0 on {owner}", ran.stdout)
+        self.assertIn("its build floor in the bucket", ran.stdout)
+        self.assertEqual(layout.version_of(HOST), "2.0")  # the link untouched
+
+
+class BuildFloorSeaweedTests(BuildFloorTests):
+    """The same on SeaweedFS: its conditional writes are the floor's only guard against a
+    second writer."""
+
+    async def _bucket(self) -> None:
+        self.server = await s3servers.shared_server("seaweedfs")
+        self.bucket = await self.server.new_bucket()
+
+
+def _built(box: Box, ca: str) -> str | None:
+    """The build answering ``HOST`` through ``box``, or None (not 200 yet)."""
+    try:
+        status, body, _ = request(box, HOST, "/api/version", ca=ca)
+    except OSError:
+        return None
+    return json.loads(body)["build"] if status == 200 else None
