@@ -50,7 +50,7 @@ _log = Logger(namespace="lchat.activator")
 
 _wake_seconds = Histogram(
     "lchat_wake_seconds",
-    "Wake latency by phase (total = lease + restore + spawn + ready + replicate, + capacity: "
+    "Wake latency by phase (total = lease + floor + restore + spawn + ready + replicate, + capacity: "
     "waiting for a slot at LCHAT_MAX_INSTANCES)",
     ["phase"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
