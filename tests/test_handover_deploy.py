@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import task
@@ -15,7 +16,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import builds, hosts
-from lchat.builds import BuildLayout
+from lchat.builds import BuildLayout, BuildRecord
 from lchat.registry import Registry, Route
 from lchat.release import deploy
 from lchat.release.deploy import Deployer, DeployError, RouterRestarter, SystemdRestarter
@@ -95,7 +96,12 @@ class DeployCase(SynchronousTestCase):
     def routes(self) -> dict[str, Route]:
         return {r.host: r for r in self.registry.load()}
 
-    def deployer(self, restarter: Any = None, timeout: float = 30.0) -> Deployer:
+    def deployer(
+        self,
+        restarter: Any = None,
+        timeout: float = 30.0,
+        floor: Callable[[str], BuildRecord | None] | None = None,
+    ) -> Deployer:
         return Deployer(
             layout=self.layout,
             data_dir=self.data_dir,
@@ -105,6 +111,7 @@ class DeployCase(SynchronousTestCase):
             timeout=timeout,
             awake=lambda host: host in self.awake,
             answers=self.answers,
+            floor=floor,
             clock=self.reactor.seconds,
             monotonic=self.reactor.seconds,
         )
@@ -287,6 +294,46 @@ class HibernatingTests(DeployCase):
         self.assertTrue(self.said(f"{A}: refused: it woke on v2 at"))
         self.assertTrue(self.said(f"{B}: v2 -> v1: repointed (hibernating)"))
         self.assertEqual((self.layout.version_of(A), self.layout.version_of(B)), ("v2", "v1"))
+
+    def test_the_build_floor_in_the_bucket_refuses_what_this_box_never_saw(self) -> None:
+        """A wake on another box is on record in the bucket only (its floor): a rollback below
+        it is refused, one to the floor's own build or above it is allowed, and an unreadable
+        bucket refuses rather than guess. Read before the repoint and again after."""
+        self.install("v1", "v2")
+        for host in (A, B):
+            self.add(host, "v1", hibernate=True)
+        self.assertEqual(self.deployer().deploy("v2", [A, B], canary=False, batch=5), 0)
+        self.lines.clear()
+        floors = {
+            A: BuildRecord("v3", self.reactor.seconds(), "https://box-b.example.net"),
+            B: BuildRecord("v1", self.reactor.seconds(), "https://box-b.example.net"),
+        }
+        self.assertEqual(self.deployer(floor=floors.get).rollback([A, B]), 1)
+        self.assertTrue(self.said(f"{A}: refused: it ran v3 on https://box-b.example.net (first"))
+        self.assertTrue(self.said("which v1 does not know"))
+        self.assertTrue(self.said(f"{B}: v2 -> v1: repointed (hibernating)"))
+        self.assertEqual((self.layout.version_of(A), self.layout.version_of(B)), ("v2", "v1"))
+
+        def unreadable(host: str) -> BuildRecord | None:
+            raise DeployError("its build floor in the bucket could not be read (down)")
+
+        self.lines.clear()
+        self.assertEqual(self.deployer(floor=unreadable).rollback([A]), 1)
+        self.assertTrue(self.said(f"{A}: refused: its build floor in the bucket could not be read"))
+        self.assertEqual(self.layout.version_of(A), "v2")
+
+        # A wake elsewhere lands between the check and the repoint: the link goes forward again.
+        reads: list[str] = []
+
+        def racing(host: str) -> BuildRecord | None:
+            reads.append(host)
+            return None if len(reads) == 1 else BuildRecord("v2", 0.0, "https://box-b.example.net")
+
+        self.lines.clear()
+        self.assertEqual(self.deployer(floor=racing).rollback([A]), 1)
+        self.assertEqual(reads, [A, A])
+        self.assertTrue(self.said(f"{A}: refused: it ran v2 on https://box-b.example.net"))
+        self.assertEqual(self.layout.version_of(A), "v2")
 
     def test_a_rollback_after_a_hand_change_is_refused(self) -> None:
         self.install("v1", "v2", "v3")

@@ -20,6 +20,7 @@ from twisted.trial.unittest import TestCase
 
 from lchat import config
 from lchat.buckets import open_bucket
+from lchat.builds import BuildRecord
 from lchat.cli import main as cli_main
 from lchat.cli import relocate
 from lchat.config import BoxConfig, ConfigError
@@ -271,6 +272,22 @@ class RelocateTests(TestCase):
         restored = os.path.join(self.dir, "restored.db")
         await replicas.litestream_restore(self.moto, self.ie_bucket, f"prod-fi/{HOST}", restored)
         self.assertEqual(replicas.dump(restored), replicas.dump(self.db))
+
+    async def test_the_build_floor_travels_over_an_older_one_of_the_same_size(self) -> None:
+        # The space's build floor (build.json) is not immutable like a replica file: the
+        # destination's older record of the same size is replaced, never kept.
+        m = self.moto
+        self.extra["LCHAT_REGION_BUCKETS"] = (
+            f"ie=s3://{self.ie_bucket}/prod?endpoint={m.endpoint}&region={m.region},"
+            f"fi=s3://{self.ie_bucket}/prod-fi?endpoint={m.endpoint}&region={m.region}"
+        )
+        ran, stale = BuildRecord("1.4", 1.0, "box-a"), BuildRecord("1.3", 1.0, "box-a")
+        await self.ie.put(f"prod/{HOST}/build.json", ran.to_bytes())
+        await self.ie.put(f"prod-fi/{HOST}/build.json", stale.to_bytes())
+        code, _out, err = await self.relocate()
+        self.assertEqual(code, 0, err)
+        got = await self.ie.get(f"prod-fi/{HOST}/build.json")
+        self.assertEqual(BuildRecord.parse(got.body), ran)
 
     async def test_two_buckets_of_one_account_on_one_endpoint_copy_on_the_server(self) -> None:
         # fi keeps its replicas in another moto bucket, same endpoint, same keys: CopyObject into

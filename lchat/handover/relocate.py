@@ -34,7 +34,7 @@ from typing import Any
 from attrs import field, frozen
 from twisted.internet import defer
 
-from lchat import admin_client, lease
+from lchat import admin_client, builds, lease
 from lchat.admin_client import RouterAdmin
 from lchat.buckets import bucket_key_env
 from lchat.config import BoxConfig, ConfigError
@@ -436,8 +436,10 @@ async def copy_replica(
         rel = info.key[len(src_dir) :]
         target = dst_dir + rel
         existing = there.get(rel)
-        # Replica files are immutable under their name (level and txid range): same size, same file.
-        if existing is not None and existing.size == info.size:
+        # Replica files are immutable under their name (level and txid range): same size, same
+        # file. The build floor is not ("1.3" and "1.4" are one size): always copied, so the
+        # destination never keeps an older floor.
+        if existing is not None and existing.size == info.size and rel != builds.BUILD_RECORD:
             skipped += 1
             continue
         if same_store:
