@@ -20,7 +20,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import builds
 from lchat.builds import BadRecord, BuildLayout, BuildRecord, compare_versions, release_number
-from lchat.hibernation.floor import BEHIND_RETRY, LIFTS, WRITES, BuildFloor
+from lchat.hibernation.floor import BEHIND_RETRY, LIFTS, WRITES, BuildFloor, sidecar_argv
 from lchat.hibernation.space import WakeFailed
 from lchat.objstore import NotFound
 from lchat.objstore.file import FileStore
@@ -233,6 +233,29 @@ class FloorTests(SynchronousTestCase):
         self.install("1.4")
         self.assertEqual(self.hold(argv), [self.layout.binary("1.4"), "--flag"])
         self.assertEqual(floor.record(), BuildRecord("1.4", EPOCH, "box-a"))
+
+    def test_a_lifted_wake_runs_the_floor_builds_sidecar_or_none(self) -> None:
+        self.install("1.3")
+        deploy.point(self.layout, HOST, "1.3")
+        bot_link = self.layout.live_link(HOST, sidecar=True)
+        os.makedirs(self.layout.build_dir("1.3"), exist_ok=True)
+        with open(self.layout.binary("1.3", sidecar=True), "w") as f:
+            f.write("#!/bin/sh\n")
+        os.chmod(self.layout.binary("1.3", sidecar=True), 0o755)
+        deploy.point(self.layout, HOST, "1.3", sidecar=True)
+        argv = [bot_link, "--bot"]
+        self.assertEqual(sidecar_argv(argv, None), argv)  # not lifted: the link's
+        floor_dir = self.layout.build_dir("1.4")
+        self.install("1.4")
+        self.assertIsNone(sidecar_argv(argv, floor_dir))  # 1.4 has no sidecar: none runs
+        with open(self.layout.binary("1.4", sidecar=True), "w") as f:
+            f.write("#!/bin/sh\n")
+        os.chmod(self.layout.binary("1.4", sidecar=True), 0o755)
+        self.assertEqual(
+            sidecar_argv(argv, floor_dir), [self.layout.binary("1.4", sidecar=True), "--bot"]
+        )
+        other = ["env", "bot"]  # a sidecar command in no version tree is left alone
+        self.assertEqual(sidecar_argv(other, floor_dir), other)
 
     def test_the_release_state_keeps_the_feed_order(self) -> None:
         released = {"1.4": "2026-12-02T03:00:00Z"}

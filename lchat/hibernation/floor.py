@@ -68,6 +68,20 @@ async def read(store: ObjectStore, prefix: str, host: str) -> BuildRecord | None
     return BuildRecord.parse(got.body)
 
 
+def sidecar_argv(argv: list[str], lifted_to: str | None) -> list[str] | None:
+    """The bot sidecar's ``argv`` for a wake whose space ran ``lifted_to`` (the floor's build
+    directory) instead of its live link's: that build's sidecar, when ``argv`` runs a build of a
+    version tree; None when that build has none (the link's older bot must not run beside it).
+    ``argv`` as it is when the wake was not lifted, or its program lies in no version tree."""
+    if lifted_to is None or not argv:
+        return argv
+    program = os.path.realpath(argv[0]) if os.path.isabs(argv[0]) else argv[0]
+    if builds.version_in(program) is None:
+        return argv
+    bot = os.path.join(lifted_to, builds.SIDECAR_BINARY)
+    return [bot, *argv[1:]] if _runnable(bot) else None
+
+
 @frozen
 class _Looked:
     """What the filesystem says about a wake's build (read in a thread)."""

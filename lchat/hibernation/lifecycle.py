@@ -18,6 +18,7 @@ The activator (lchat.hibernation.activator) decides *when* and keeps the states;
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -275,7 +276,10 @@ class Lifecycle:
             argv = builds.space_argv(self.cfg.space_command, host)
         except hosts.InvalidHost as e:
             raise WakeFailed(host, "spawn", f"{host} cannot start: {e}") from e
-        argv = await self.floor.hold(host, argv)
+        held = await self.floor.hold(host, argv)
+        if held[:1] != argv[:1]:
+            space.lifted_to = os.path.dirname(held[0])
+        argv = held
         timings["floor"] = clock() - t
 
         t = clock()

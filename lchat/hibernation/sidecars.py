@@ -19,6 +19,7 @@ from twisted.python.failure import Failure
 from lchat import builds, hosts
 from lchat.child import ChildSpec
 from lchat.config import BoxConfig
+from lchat.hibernation.floor import sidecar_argv
 from lchat.hibernation.space import Space, sidecar_name
 from lchat.supervise import Supervisor
 from lchat.threads import RunInThread
@@ -68,11 +69,22 @@ class Sidecars(Service):
         def build() -> ChildSpec | None:
             if not os.path.exists(bot_env):
                 return None
+            argv = sidecar_argv(
+                builds.space_argv(self._cfg.sidecar_command, host, sidecar=True), space.lifted_to
+            )
+            if argv is None:
+                _log.warn(
+                    "activator: {host}: woke on its floor's build {build}, which has no bot "
+                    "sidecar: its sidecar is not started (the link's is older)",
+                    host=host,
+                    build=space.lifted_to,
+                )
+                return None
             env = space_env(self._cfg, host, space.socket, env_file=bot_env)
             env["LCHAT_DB"] = space.db
             return ChildSpec(
                 name=sidecar_name(host),
-                argv=tuple(builds.space_argv(self._cfg.sidecar_command, host, sidecar=True)),
+                argv=tuple(argv),
                 env=env,
                 user=space_user(self._cfg, host, space.socket),  # the space's own user
             )

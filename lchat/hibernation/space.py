@@ -109,6 +109,9 @@ class Space:
     # bucket and peers; the space keeps answering reads, writes are refused, nothing is shipped,
     # until the box is alive again (then it stands down: docs/lease.md, "An isolated box").
     fenced: bool = False
+    # The build directory the wake ran instead of the live link's, the space's build floor being
+    # newer (lchat.hibernation.floor); its bot sidecar runs from there too. None: the link's.
+    lifted_to: str | None = None
 
     def move(self, to: State | Literal["asleep"]) -> None:
         """Enter ``to``; a move :data:`TRANSITIONS` does not list is a bug (AssertionError).
