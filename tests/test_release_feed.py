@@ -171,6 +171,8 @@ class GoodFetchTests(FeedTestCase):
         state = read_state(self.state)
         assert state is not None
         self.assertEqual((state.feed_version, state.digest), (1, published.digest))
+        # The feed's order of builds, for the build floor (lchat.builds.compare_versions).
+        self.assertEqual(dict(state.released), {"1.0.0": published.versions["1.0.0"].released_at})
         # Nothing but the build and the state: no temp directory left beside it.
         self.assertEqual(
             self.opt_listing(),
