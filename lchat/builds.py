@@ -29,10 +29,11 @@ The *build floor* travels with the space, in the bucket: ``<prefix>/<host>/build
 (:class:`BuildRecord`: the newest build the space has run, on any box, when and where it first
 ran it). A wake never runs a build older than it (``lchat.hibernation.floor``), and ``lchat
 rollback`` reads it before the local record. Which of two builds is newer is
-:func:`compare_versions`: the feed's order (each version's ``released_at``, as this box last
-accepted the feed: :func:`lchat.release.fetch.read_state`) when both are in it, else the numbers
-of dotted-numeric names (``1.4.0``, ``v2``; ``1.4`` == ``1.4.0``), else no order at all (names
-such as commit hashes): then the floor cannot be enforced (docs/operations.md, "The build floor").
+:func:`compare_versions`: the numbers of dotted-numeric names (``1.4.0``, ``v2``; ``1.4`` ==
+``1.4.0``) when both have them, else the feed's order (each version's ``released_at``, as this box
+last accepted the feed: :func:`lchat.release.fetch.read_state`) when both are in it, else no order
+at all (names such as commit hashes): then the floor cannot be enforced (docs/operations.md, "The
+build floor").
 """
 
 from __future__ import annotations
@@ -288,15 +289,17 @@ def release_number(version: str) -> tuple[int, ...] | None:
 
 def compare_versions(a: str, b: str, released: Mapping[str, str]) -> int | None:
     """-1, 0 or 1 as ``a`` is older than, as new as, or newer than ``b``; None when they have no
-    known order. ``released`` maps versions to their feed ``released_at`` (``2026-12-02T03:00:00Z``,
-    which sorts as text): the feed's order decides when both are in it with different times;
-    else their release numbers (:func:`release_number`) when both have one."""
+    known order. Release numbers (:func:`release_number`) decide when both have one: a hotfix on
+    an older line (1.3.5, published after 1.4.0) is older than 1.4.0 whatever its date, since it
+    does not know 1.4's migrations. Otherwise ``released`` (versions to their feed
+    ``released_at``, ``2026-12-02T03:00:00Z``, which sorts as text) decides when both are in it
+    with different times."""
     if a == b:
         return 0
+    na, nb = release_number(a), release_number(b)
+    if na is not None and nb is not None:
+        return (na > nb) - (na < nb)
     ra, rb = released.get(a, ""), released.get(b, "")
     if ra and rb and ra != rb:
         return -1 if ra < rb else 1
-    na, nb = release_number(a), release_number(b)
-    if na is None or nb is None:
-        return None
-    return (na > nb) - (na < nb)
+    return None

@@ -40,7 +40,7 @@ class OrderTests(SynchronousTestCase):
         for unordered in ("abc123", "1.4.0rc1", "1.4-hotfix", "1..4"):
             self.assertIsNone(release_number(unordered), unordered)
 
-    def test_the_feed_decides_when_both_are_in_it_else_the_numbers(self) -> None:
+    def test_the_numbers_decide_when_both_have_them_else_the_feed(self) -> None:
         self.assertEqual(compare_versions("1.3", "1.4", {}), -1)
         self.assertEqual(compare_versions("1.10", "1.9", {}), 1)  # numbers, not text
         self.assertEqual(compare_versions("1.4", "1.4.0", {}), 0)
@@ -49,11 +49,14 @@ class OrderTests(SynchronousTestCase):
         self.assertIsNone(compare_versions("1.4", "abc123", {}))
         feed = {"abc123": "2026-12-01T00:00:00Z", "def456": "2026-12-02T00:00:00Z"}
         self.assertEqual(compare_versions("def456", "abc123", feed), 1)
-        # The feed's order wins over the numbers when it has both (a republished old line).
-        both = {"2.0": "2026-12-01T00:00:00Z", "1.9": "2026-12-02T00:00:00Z"}
-        self.assertEqual(compare_versions("1.9", "2.0", both), 1)
-        # One of them missing from the feed, or the same time: the numbers.
-        self.assertEqual(compare_versions("1.9", "2.0", {"1.9": "2026-12-02T00:00:00Z"}), -1)
+        # A hotfix on an older line published after the newer one is still older: it does not
+        # know the newer line's migrations, so the numbers win over the feed's dates.
+        both = {"2.0": "2026-12-01T00:00:00Z", "1.9.1": "2026-12-02T00:00:00Z"}
+        self.assertEqual(compare_versions("1.9.1", "2.0", both), -1)
+        # A name without numbers: the feed's order, when both are in it.
+        mixed = {"2.0": "2026-12-01T00:00:00Z", "abc123": "2026-12-02T00:00:00Z"}
+        self.assertEqual(compare_versions("abc123", "2.0", mixed), 1)
+        self.assertIsNone(compare_versions("abc123", "2.0", {"2.0": "2026-12-01T00:00:00Z"}))
 
     def test_a_record_round_trips_and_a_bad_one_is_named(self) -> None:
         record = BuildRecord("1.4", EPOCH, "box-a")
@@ -166,14 +169,23 @@ class FloorTests(SynchronousTestCase):
         self.assertIn("fetch it: `lchat release fetch 1.4`", line)
         self.assertEqual(self.record(), BuildRecord("1.4", EPOCH - 3600, "box-a"))
 
-    def test_the_feed_order_decides_before_the_numbers(self) -> None:
-        # The feed says 1.9 came out after 2.0 (say, a line continued): 1.9 is the newer.
-        released = {"2.0": "2026-12-01T00:00:00Z", "1.9": "2026-12-02T00:00:00Z"}
+    def test_numbers_decide_before_the_feed_which_orders_names_without_numbers(self) -> None:
+        # 1.9.1 came out after 2.0 (a hotfix on the older line): still older, it does not know
+        # 2.0's migrations. Two hashes are ordered by the feed alone.
+        released = {
+            "2.0": "2026-12-01T00:00:00Z",
+            "1.9.1": "2026-12-02T00:00:00Z",
+            "abc123": "2026-12-03T00:00:00Z",
+            "def456": "2026-12-04T00:00:00Z",
+        }
         write_state(self.layout.release_state, Accepted(7, "d" * 64, EPOCH, "primary", released))
         self.put(BuildRecord("2.0", EPOCH - 3600, "box-a").to_bytes())
-        argv = self.link("1.9")
+        refusal = self.refused(self.link("1.9.1"))
+        self.assertEqual(refusal.reason, "build_behind")
+        self.put(BuildRecord("abc123", EPOCH - 3600, "box-a").to_bytes())
+        argv = self.link("def456")
         self.assertEqual(self.hold(argv), argv)
-        self.assertEqual(self.record(), BuildRecord("1.9", EPOCH, "box-b"))
+        self.assertEqual(self.record(), BuildRecord("def456", EPOCH, "box-b"))
 
     def test_a_damaged_feed_state_leaves_the_numbers_and_says_so_once(self) -> None:
         os.makedirs(self.layout.root, exist_ok=True)
