@@ -19,6 +19,7 @@ from twisted.python import usage
 import lchat
 from lchat import config, isolation, malloc, objstore, relayout, uvloop_reactor
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
+from lchat.backup import envfiles
 from lchat.backup.service import Backup
 from lchat.buckets import boot_credentials, prepare, probe_name
 from lchat.certificates import Certificates, certificates
@@ -270,6 +271,8 @@ def _backup(
     """The fleet backup: its bucket (probed at start) and one replicator per database."""
     conf = cfg.backup
     assert conf is not None
+    # Before anything starts: no key, env files, and no explicit opt-out is a refusal.
+    envfiles.refuse_unprotected(cfg.data_dir, key=conf.env_key, unprotected_ok=conf.env_unprotected)
     store = objstore.open_store(reactor, conf.where, run, aws, monotonic=time.monotonic)
     backup = Backup(
         reactor,

@@ -21,6 +21,8 @@ from lchat.backup import envfiles, layout, selection
 from lchat.backup.layout import REGISTRY_NAME, Layout, catalogue
 from lchat.backup.service import Backup
 from lchat.config import BackupConfig
+from lchat.config.hibernate import EVERY_DB
+from lchat.hibernation import localdb
 from lchat.objstore import UTC, ObjectInfo
 from lchat.objstore.file import FileStore
 from lchat.registry import Registry, Route, RouteSource
@@ -127,7 +129,9 @@ class SelectionTests(TestCase):
     def route(self, host: str, **kw: Any) -> Route:
         return Route(host=host, kind=kw.pop("kind", "instance"), socket=f"/run/{host}.sock", **kw)
 
-    def choose(self, routes: list[Route], patterns: tuple[str, ...] = (), claimed: Any = ()) -> Any:
+    def choice(
+        self, routes: list[Route], patterns: tuple[str, ...] = (), claimed: Any = ()
+    ) -> selection.Choice:
         paths = selection.candidates(routes, self.registry, self.data)
         present, extra = selection.scan(self.data, patterns, paths)
         return selection.choose(
@@ -138,6 +142,71 @@ class SelectionTests(TestCase):
             extra=extra,
             claimed=claimed,
         )
+
+    def choose(self, routes: list[Route], patterns: tuple[str, ...] = (), claimed: Any = ()) -> Any:
+        choice = self.choice(routes, patterns, claimed)
+        return choice.chosen, choice.problems
+
+    def test_the_default_is_every_top_level_database_but_never_a_stale_copy(self) -> None:
+        """LCHAT_BACKUP_EXTRA's default (*.db): the box's own databases (home, push, cloud, a
+        service's), never an instance's (the instance rule's, or the activator's), a removed
+        space's leftover, a copy its row no longer names, or a copy moved aside."""
+        stamp = "20260101T000000"
+        names = [
+            "on.example.db",  # an always-on instance: the instance rule's
+            "hib.example.db",  # a hibernating instance: the activator's
+            "gone.example.db",  # no row: a removed space's leftover cache
+            "moved.example.db",  # its row's database is now in spaces/ (a relayout's leftover)
+            "svc.example.db",  # a service row's own database: current
+            "home.db",
+            "push.db",
+            "cloud.db",
+            f"on.example.db.stale-{stamp}",
+            f"hib.example.db.lease-lost-{stamp}",
+        ]
+        for name in names:
+            _make_db(os.path.join(self.data, name))
+        # (Not under spaces/: that directory would make the box an isolating one.)
+        elsewhere = os.path.join(self.data, "moved", "moved.example.db")
+        os.makedirs(os.path.dirname(elsewhere))
+        _make_db(elsewhere)
+        routes = [
+            self.route("on.example"),
+            self.route("hib.example", hibernate=True),
+            self.route("moved.example", db_path=elsewhere),
+            self.route("svc.example", kind="service"),
+        ]
+        for patterns in ((EVERY_DB,), (EVERY_DB, "*")):  # "*": the moved-aside copies too
+            choice = self.choice(routes, patterns)
+            self.assertEqual(choice.problems, [])
+            self.assertEqual(
+                {n: (c.why, c.host) for n, c in choice.chosen.items()},
+                {
+                    REGISTRY_NAME: ("registry", ""),
+                    "on.example.db": ("instance", "on.example"),
+                    "moved.example.db": ("instance", "moved.example"),
+                    "svc.example.db": ("extra", ""),
+                    "home.db": ("extra", ""),
+                    "push.db": ("extra", ""),
+                    "cloud.db": ("extra", ""),
+                },
+            )
+            self.assertEqual(choice.chosen["moved.example.db"].path, elsewhere)
+            skipped = {os.path.basename(p): why for p, why in choice.skipped.items()}
+            self.assertIn("gone.example has no row here", skipped.pop("gone.example.db"))
+            self.assertIn(f"its row's database is {elsewhere}", skipped.pop("moved.example.db"))
+            for name in names[-2:] if "*" in patterns else ():
+                self.assertIn("moved aside", skipped.pop(name))
+            self.assertEqual(skipped, {}, patterns)
+
+    def test_a_space_database_name_has_two_labels(self) -> None:
+        self.assertEqual(selection.space_named("a.example.db"), "a.example")
+        for name in ("home.db", "push.db", "registry.db", "a.example.db-wal", "A.example.db"):
+            self.assertIsNone(selection.space_named(name), name)
+        self.assertTrue(localdb.is_moved_aside("a.example.db.stale-20260101T000000-wal"))
+        self.assertTrue(localdb.is_moved_aside("a.example.db.lease-lost-20260101T000000"))
+        for name in ("a.example.db", ".stale-20260101T000000", "x.stale-2026.db"):
+            self.assertFalse(localdb.is_moved_aside(name), name)
 
     def test_registry_always_on_instances_and_extras_never_a_hibernating_host(self) -> None:
         for name in ("on.example.db", "hib.example.db", "home.db", "notes.txt"):
@@ -173,13 +242,13 @@ class SelectionTests(TestCase):
 
     def test_two_databases_with_one_name_keep_the_first_and_say_so(self) -> None:
         os.mkdir(os.path.join(self.data, "sub"))
-        _make_db(os.path.join(self.data, "on.example.db"))
-        _make_db(os.path.join(self.data, "sub", "on.example.db"))
+        _make_db(os.path.join(self.data, "home.db"))
+        _make_db(os.path.join(self.data, "sub", "home.db"))
         _make_db(os.path.join(self.data, "sub", "registry.db"))
-        chosen, problems = self.choose([self.route("on.example")], ("sub/*.db",))
-        self.assertEqual(chosen["on.example.db"].why, "instance")
+        chosen, problems = self.choose([], (EVERY_DB, "sub/*.db"))
+        self.assertEqual(chosen["home.db"].path, os.path.join(self.data, "home.db"))
         self.assertEqual(len(problems), 2, problems)
-        self.assertIn("has the same name on.example.db", problems[0])
+        self.assertIn("has the same name home.db", problems[0])
         self.assertIn("cannot be named", problems[1])
 
 
@@ -535,9 +604,12 @@ class BackupServiceTests(TestCase):
         await self.routes.reload("removed")
         await service.rescan()
         self.assertNotIn("hib.example.db", service.status()["databases"])
-        self.claims.release("hib.example")  # its stand-down ended: an extra like any other now
-        await self.until(lambda: "hib.example.db" in replicating(service))
-        self.assertEqual(service.status()["databases"]["hib.example.db"]["why"], "extra")
+        # Its stand-down ended: a removed space's leftover now, stale, never backed up either.
+        self.claims.release("hib.example")
+        await service.rescan()
+        await service.rescan()
+        self.assertNotIn("hib.example.db", service.status()["databases"])
+        self.assertIn("has no row here", service.status()["skipped"][hib])
 
     async def test_a_bucket_that_fails_at_start_is_retried_until_it_works(self) -> None:
         server = await s3servers.shared_server("moto")

@@ -8,7 +8,12 @@ the ``lchat backup`` CLI and the stock ``litestream restore``.
   two replicators (the router's own log, in order, and its status), and both of its replicas
   restore with the stock ``litestream``;
 - a backup bucket that stops answering for 30 s costs the spaces nothing, and the backup
-  catches up once it answers again.
+  catches up once it answers again;
+- by default every top-level database of the data dir is backed up (home.db, push.db), never a
+  hibernating space's local copy nor a removed space's leftover;
+- without LCHAT_BACKUP_KEY a box with env files refuses to start, unless
+  LCHAT_BACKUP_ENV=unprotected, and then it says how many are not protected (log, status,
+  metric, ``lchat backup ls``).
 """
 
 from __future__ import annotations
@@ -136,6 +141,13 @@ class Box:
         kill_spaces_under(self.dir)
 
     def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(self.admin("/status"))
+        return result
+
+    def metrics(self) -> str:
+        return self.admin("/metrics").decode()
+
+    def admin(self, path: str) -> bytes:
         conn = http.client.HTTPConnection("localhost", timeout=10)
         import socket as socket_mod
 
@@ -143,11 +155,10 @@ class Box:
         sock.settimeout(10)
         sock.connect(os.path.join(self.run, "router.sock"))
         conn.sock = sock
-        conn.request("GET", "/status")
+        conn.request("GET", path)
         body = conn.getresponse().read()
         conn.close()
-        result: dict[str, Any] = json.loads(body)
-        return result
+        return body
 
     def get(self, host: str, path: str) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
@@ -242,6 +253,7 @@ class _BoxHarness(TestCase):
                 "LCHAT_BACKUP_ENDPOINT": server.endpoint,
                 "LCHAT_BACKUP_REGION": server.region,
                 "LCHAT_BACKUP_PREFIX": "fleet",
+                "LCHAT_BACKUP_KEY": BACKUP_KEY,
                 "AWS_ACCESS_KEY_ID": creds.access_key,
                 "AWS_SECRET_ACCESS_KEY": creds.secret_key,
             }
@@ -402,6 +414,85 @@ class BackupBoxTests(_BoxHarness):
         self.assertEqual(lost, [], "the backup did not catch up")
 
 
+class ScopeBoxTests(_BoxHarness):
+    async def test_every_db_in_the_data_dir_is_backed_up_by_default_never_a_stale_one(
+        self,
+    ) -> None:
+        """No LCHAT_BACKUP_EXTRA: the box's own databases (home, push) are backed up beside the
+        registry and the always-on space; a hibernating space's local copy (the activator's)
+        and a removed space's leftover cache never are."""
+        box = self.box("scope")
+        box.add_space("a.example")
+        box.add_space("h.example", hibernate=True)
+        leftover = os.path.join(box.data, "gone.example.db")
+        for name in ("home.db", "push.db", "h.example.db", "gone.example.db"):
+            _make_db(os.path.join(box.data, name), name)
+        box.start()
+        wanted = {"registry.db", "a.example.db", "home.db", "push.db"}
+        await self.until(lambda: self.backed_up(box, wanted), why="every top-level database")
+        backup = box.status()["backup"]
+        self.assertEqual(set(backup["databases"]), wanted)
+        self.assertIn("gone.example has no row here", backup["skipped"][leftover])
+        self.assertEqual(backup["env_files"], {"sealed": True, "unprotected": 0})
+
+        def listed() -> set[str]:
+            ran = lchat_cli("backup", "ls", "--box", "scope", "--json", env_file=box.env_file)
+            assert ran.returncode == 0, ran.stdout + ran.stderr
+            names = {o["name"] for o in json.loads(ran.stdout)}
+            return names if wanted <= names else set()
+
+        names = await self.until(listed, why="in the bucket")
+        self.assertEqual(names, wanted, "a stale or hibernating copy reached the bucket")
+        self.assertIn("gone.example.db is not backed up: named as gone.example's", box.log())
+
+
+class KeyPolicyBoxTests(_BoxHarness):
+    """Without LCHAT_BACKUP_KEY the spaces' env files (their secrets) are not in the backup: a
+    box that has some refuses to start unless the operator opts out, and then says what."""
+
+    async def test_refuses_to_start_without_key_when_env_files_exist(self) -> None:
+        box = self.box("nokey", LCHAT_BACKUP_KEY="")
+        box.add_space("a.example")
+        box.start()
+        assert box.proc is not None
+        code = await deferToThread(box.proc.wait, 60)
+        self.assertEqual(code, 1, box.log()[-3000:])
+        refusal = [ln for ln in box.log().splitlines() if "LCHAT_BACKUP_KEY" in ln]
+        self.assertEqual(len(refusal), 1, box.log()[-3000:])
+        self.assertIn("lchat: cannot start: LCHAT_BACKUP_BUCKET is set but", refusal[0])
+        self.assertIn("1 env file (space secrets, such as a.example.env)", refusal[0])
+        self.assertIn("LCHAT_BACKUP_ENV=unprotected", refusal[0])
+
+    async def test_unprotected_opt_out_starts_and_says_what(self) -> None:
+        box = self.box("optout", LCHAT_BACKUP_KEY="", LCHAT_BACKUP_ENV="unprotected")
+        box.add_space("a.example")
+        box.add_space("b.example")
+        box.start()
+        wanted = {"registry.db", "a.example.db", "b.example.db"}
+        await self.until(lambda: self.backed_up(box, wanted), why="backed up")
+        await self.until(
+            lambda: box.status()["backup"]["env_files"]["unprotected"] == 2, why="counted"
+        )
+        self.assertEqual(box.status()["backup"]["env_files"]["sealed"], False)
+        self.assertIn(
+            "backup: 2 env files (space secrets) are NOT backed up: LCHAT_BACKUP_KEY is not set "
+            "(LCHAT_BACKUP_ENV=unprotected)",
+            box.log(),
+        )
+        self.assertIn("a.example.env, b.example.env", box.log())
+        self.assertIn("lchat_backup_unprotected_env_files 2.0", box.metrics())
+        ran = await deferToThread(
+            lchat_cli, "backup", "ls", "--box", "optout", env_file=box.env_file
+        )
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        self.assertIn("2 env file(s) of this box", ran.stderr)
+        self.assertIn("are NOT in the backup: LCHAT_BACKUP_KEY is not set", ran.stderr)
+
+
+class SeaweedFSKeyPolicyBoxTests(KeyPolicyBoxTests):
+    kind = "seaweedfs"
+
+
 class KilledBoxTests(_BoxHarness):
     async def test_a_killed_box_is_rebuilt_from_the_backup_alone(self) -> None:
         old = self.box("old")
@@ -499,6 +590,16 @@ class KilledBoxTests(_BoxHarness):
 
 class SeaweedFSKilledBoxTests(KilledBoxTests):
     kind = "seaweedfs"
+
+
+def _make_db(path: str, body: str) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE m (body TEXT)")
+        conn.execute("INSERT INTO m (body) VALUES (?)", (body,))
+    finally:
+        conn.close()
 
 
 def _bodies(path: str) -> set[str]:

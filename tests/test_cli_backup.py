@@ -695,10 +695,14 @@ class LitestreamConfigTests(BackupCliCase):
         text = self.lchat_sync("backup", "litestream-config").out
         self.assertIn("      type: file", text)
         self.assertIn(f'      path: "{self.bucket}/{PREFIX}/{BOX}/registry.db"', text)
-        self.assertNotIn("home.db", text)  # not in LCHAT_BACKUP_EXTRA
+        home = os.path.join(self.data_dir, "home.db")
+        self.assertIn(f'  - path: "{home}"  # extra', text)  # every top-level *.db by default
         self.assertStockLitestreamReads(
-            text, [self.registry.path, hosts.db_path(self.data_dir, HOST)]
+            text, [self.registry.path, hosts.db_path(self.data_dir, HOST), home]
         )
+        self.configure(LCHAT_BACKUP_EXTRA="none")
+        text = self.lchat_sync("backup", "litestream-config").out
+        self.assertNotIn("home.db", text)
 
     def assertStockLitestreamReads(self, text: str, paths: list[str]) -> None:
         if not HAVE_LITESTREAM:

@@ -934,9 +934,31 @@ class Backup(Base):
             ("fleet-backup", "boxes", "eu-west-1", "https://s3.example.net"),
         )
         self.assertEqual(backup.interval, 10.0)
-        self.assertEqual(backup.extra, ("home.db", "services/*.db"))
+        self.assertEqual(backup.extra, ("*.db", "home.db", "services/*.db"))
         self.assertEqual(backup.box, socket.gethostname())
         self.assertEqual(backup.key("b", "x.db"), "boxes/b/x.db")
+
+    def test_every_top_level_database_unless_none(self) -> None:
+        for given, extra in (
+            ("", ("*.db",)),
+            ("none", ()),
+            ("none, services/*.db", ("services/*.db",)),
+            ("*.db services/*.db", ("*.db", "services/*.db")),
+        ):
+            backup = self.load({"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_EXTRA": given}).backup
+            assert backup is not None
+            self.assertEqual(backup.extra, extra, given)
+
+    def test_the_env_policy_has_one_value(self) -> None:
+        backup = self.load({"LCHAT_BACKUP_BUCKET": "b-1"}).backup
+        assert backup is not None
+        self.assertFalse(backup.env_unprotected)
+        backup = self.load({"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_ENV": "unprotected"}).backup
+        assert backup is not None
+        self.assertTrue(backup.env_unprotected)
+        with self.assertRaises(ConfigError) as e:
+            self.load({"LCHAT_BACKUP_BUCKET": "b-1", "LCHAT_BACKUP_ENV": "off"})
+        self.assertIn("LCHAT_BACKUP_ENV='off'", str(e.exception))
 
     def test_the_box_is_the_mesh_host_or_named(self) -> None:
         mesh = {

@@ -275,13 +275,14 @@ class NotOursTests(SynchronousTestCase):
         db = f"/data/{HOST}.db"
         row = Route(HOST, "instance", "/run/x.sock", status="ready", db_path=db, lives_at=PEER)
         always_on = Route("b.chat.example.com", "instance", "/run/b.sock", db_path="/data/b.db")
-        chosen, problems = selection.choose(
+        choice = selection.choose(
             [row, always_on],
             registry="/data/registry.db",
             data_dir="/data",
             present={db, "/data/b.db"},
             extra=(),
         )
+        chosen, problems = choice.chosen, choice.problems
         self.assertEqual([c.path for c in chosen.values()], ["/data/b.db"])
         self.assertEqual(problems, [])
 

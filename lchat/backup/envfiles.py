@@ -3,7 +3,9 @@
 A space cannot start without ``<host>.env`` (it holds the space's admin token), and a staged bot
 without ``<host>-bot.env``. They are secrets, so they reach the bucket only sealed with
 ``LCHAT_BACKUP_KEY`` (AES-256-GCM), under ``<prefix>/<box>/.env/<file name>``. Without the key
-they are not backed up at all, and the router says so once at start.
+they are not backed up at all: the router refuses to start while any exists (:func:`on_disk`)
+unless ``LCHAT_BACKUP_ENV=unprotected`` says the operator accepts it, and then it says how many
+are not protected at every start, daily and whenever the count changes.
 
 Whoever can write the bucket but holds no key must not be able to make a restore bring back a
 secret other than the newest this box sealed for that file (docs/backup.md, "Sealed env files").
@@ -35,6 +37,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import secrets
 import struct
 from collections.abc import Mapping
@@ -43,7 +46,9 @@ from attrs import frozen
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from lchat import hosts
 from lchat.backup.layout import Layout
+from lchat.config import ConfigError
 from lchat.files import write_atomic
 
 MAGIC_V1 = b"lchat-env-1\n"  # the file name alone bound (before generations and the manifest)
@@ -196,6 +201,40 @@ def unseal_manifest(place: Layout, blob: bytes, key: bytes) -> Manifest:
     except (ValueError, KeyError, TypeError) as e:
         raise SealError(f"{where}: sealed, but not a manifest ({e})") from None
     return Manifest(generation, files)
+
+
+def on_disk(data_dir: str) -> list[str]:
+    """Blocking: the spaces' env files in ``data_dir`` (``<host>.env``, ``<host>-bot.env``; a
+    file named so whether or not its row exists: a secret all the same), sorted file names. The
+    router's own ``router.env`` is not one (``router`` is no space name)."""
+    try:
+        names = os.listdir(data_dir)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        stem = name.removesuffix(".env")
+        if stem != name and hosts.is_normal(stem.removesuffix("-bot")):
+            found.append(name)
+    return sorted(found)
+
+
+def refuse_unprotected(data_dir: str, *, key: bytes, unprotected_ok: bool) -> list[str]:
+    """Blocking, at the router's start: the env files the backup will not hold (none with a
+    key). Raises :class:`ConfigError`, one line naming both ways out, when there are some and
+    the operator has not accepted that (``LCHAT_BACKUP_ENV=unprotected``)."""
+    if key:
+        return []
+    files = on_disk(data_dir)
+    if files and not unprotected_ok:
+        raise ConfigError(
+            f"LCHAT_BACKUP_BUCKET is set but LCHAT_BACKUP_KEY is not, and {len(files)} env "
+            f"file{'s' if len(files) != 1 else ''} (space secrets, such as {files[0]}) would "
+            f"not be in the backup: a box rebuilt from it could not start those spaces. Set "
+            f"LCHAT_BACKUP_KEY (32 bytes in base64: openssl rand -base64 32; keep a copy off "
+            f"the box), or LCHAT_BACKUP_ENV=unprotected to run without (docs/backup.md)"
+        )
+    return files
 
 
 def read(path: str) -> tuple[bytes, str] | None:

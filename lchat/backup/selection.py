@@ -4,8 +4,22 @@
 - every *instance* row that is not hibernating (systemd or builtin), its ``<host>.db`` (or the
   row's ``db_path``) — unless the activator holds the host right now (it replicates it itself,
   from the start of a wake to the end of its stand-down);
-- every file matching ``LCHAT_BACKUP_EXTRA`` under the data dir that is an SQLite database and
-  is not any instance's database (a hibernating host's database is the activator's, never ours).
+- every file matching ``LCHAT_BACKUP_EXTRA``'s globs under the data dir that is an SQLite
+  database (the default ``*.db``: every top-level database of the box, ``home.db``, ``push.db``,
+  ``cloud.db`` …; ``none`` drops it), except:
+
+  - any instance's database (a hibernating host's is the activator's, never ours);
+  - a file named as a space's database (``<host>.db``, ``<host>`` a space name: two labels at
+    least, so no box file such as ``home.db`` is one) that is not its row's database: a removed
+    space's leftover cache (no row), or a copy its row no longer names (a relayout's or a
+    re-pointed ``db_path``'s leftover). It is stale: the space's data is its row's file (or the
+    hibernation bucket's), and a backup of the leftover under the space's name would be mistaken
+    for it at a restore;
+  - a copy the activator moved aside (``<db>.stale-<stamp>``, ``<db>.lease-lost-<stamp>``): a
+    diverged or outdated copy kept for an operator, stale by definition.
+
+  Those are :attr:`Choice.skipped`, each with why (``GET /status``, ``lchat backup
+  litestream-config``).
 
 A database that does not exist yet (a space that never started) is picked up by a later scan.
 The invariant this module keeps for :mod:`lchat.backup.service`: a hibernating host's database is
@@ -21,7 +35,9 @@ from collections.abc import Container, Iterable
 
 from attrs import frozen
 
+from lchat import hosts
 from lchat.backup.layout import REGISTRY_NAME, is_name
+from lchat.hibernation.localdb import is_moved_aside
 from lchat.registry import Route
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -35,6 +51,25 @@ class Chosen:
     path: str  # absolute
     why: str  # "registry", "instance" or "extra"
     host: str = ""  # the instance's host ("" otherwise)
+
+
+@frozen
+class Choice:
+    """What :func:`choose` decided."""
+
+    chosen: dict[str, Chosen]  # by name in the layout
+    problems: list[str]  # worth an error line: a name two databases share, a file not nameable
+    skipped: dict[str, str]  # path -> why a database a glob matched is not backed up (stale)
+
+
+def space_named(file_name: str) -> str | None:
+    """The host whose database ``file_name`` is named as (``<host>.db``, ``<host>`` a space
+    name), else None. Space names have two labels at least (lchat.hosts), so ``home.db``,
+    ``push.db`` or ``registry.db`` are never one."""
+    if not file_name.endswith(".db"):
+        return None
+    host = file_name[: -len(".db")]
+    return host if hosts.is_normal(host) else None
 
 
 def instance_db(route: Route, data_dir: str) -> str:
@@ -114,16 +149,19 @@ def choose(
     extra: Iterable[str],
     claimed: Container[str] = (),
     excluded: Container[str] = (),
-) -> tuple[dict[str, Chosen], list[str]]:
-    """The databases to back up now, by name, and the problems worth a log line (a name two
-    databases would share, a file that cannot be named). ``present``: the paths that exist;
-    ``claimed``: the hosts the activator holds; ``excluded``: the database paths it took (never
-    chosen, whichever rule would choose them: its row may be gone or re-pointed by now)."""
+) -> Choice:
+    """The databases to back up now, by name, the problems worth a log line (a name two
+    databases would share, a file that cannot be named), and the glob matches left out as stale
+    (the module docstring). ``present``: the paths that exist; ``claimed``: the hosts the
+    activator holds; ``excluded``: the database paths it took (never chosen, whichever rule would
+    choose them: its row may be gone or re-pointed by now)."""
     chosen: dict[str, Chosen] = {}
     problems: list[str] = []
+    skipped: dict[str, str] = {}
     registry = os.path.abspath(registry)
-    rows = [r for r in routes if r.kind == "instance"]
-    owned = {instance_db(r, data_dir) for r in rows} | {registry}
+    every = {r.host: r for r in routes}
+    rows = {h: r for h, r in every.items() if r.kind == "instance"}
+    owned = {instance_db(r, data_dir) for r in rows.values()} | {registry}
 
     def add(item: Chosen) -> None:
         if item.path in excluded:
@@ -139,7 +177,7 @@ def choose(
 
     if registry in present:
         add(Chosen(REGISTRY_NAME, registry, "registry"))
-    for route in sorted(rows, key=lambda r: r.host):
+    for route in sorted(rows.values(), key=lambda r: r.host):
         path = instance_db(route, data_dir)
         # A lives-elsewhere row is a peer's always-on space: a file at its path is not its data.
         if route.hibernate or route.elsewhere or route.host in claimed or path not in present:
@@ -154,8 +192,31 @@ def choose(
         if path in owned:
             continue  # an instance's (ours above, or the activator's) or the registry
         name = os.path.basename(path)
+        why = _stale(name, every, data_dir)
+        if why:
+            skipped[path] = why
+            continue
         if not is_name(name) or name == REGISTRY_NAME:
             problems.append(f"LCHAT_BACKUP_EXTRA: {path} cannot be named in the backup")
             continue
         add(Chosen(name, path, "extra"))
-    return chosen, problems
+    return Choice(chosen, problems, skipped)
+
+
+def _stale(name: str, rows: dict[str, Route], data_dir: str) -> str:
+    """Why a glob's match named ``name`` (not any row's database) is stale, or "". A service
+    row's host names no space: a database named after it is the service's, and current."""
+    if is_moved_aside(name):
+        return "a copy the activator moved aside (outdated or diverged): never backed up"
+    host = space_named(name)
+    if host is None:
+        return ""
+    route = rows.get(host)
+    if route is not None and route.kind != "instance":
+        return ""
+    if route is None:
+        return f"named as {host}'s database, but {host} has no row here: a removed space's leftover"
+    return (
+        f"named as {host}'s database, but its row's database is {instance_db(route, data_dir)}: "
+        f"a leftover copy"
+    )

@@ -67,6 +67,10 @@ HANDOVERS = Counter(
     "lchat_backup_handovers_total",
     "Databases handed from the backup to the activator (a wake after hibernate --on)",
 )
+UNPROTECTED = Gauge(
+    "lchat_backup_unprotected_env_files",
+    "Spaces' env files (secrets) not in the backup: LCHAT_BACKUP_KEY is unset",
+)
 ENV_UPLOADS = Counter(
     "lchat_backup_env_uploads_total",
     "Env files uploaded to the backup (sealed), by outcome",
@@ -75,6 +79,7 @@ ENV_UPLOADS = Counter(
 START_BACKOFF = Backoff(1.0, 300.0)
 RESCAN = 30.0  # seconds between scans for new databases (and retries of failed starts)
 RELEASE_BUDGET = 30.0  # the longest a hand-over's final sync may take
+UNPROTECTED_REMINDER = 86400.0  # without the key, the unprotected env files are said this often
 
 ReplicatorFactory = Callable[[ObjectStore, str, str], Replicator]  # (store, db path, replica path)
 
@@ -129,6 +134,7 @@ class Backup(Service):
         self._release_budget = release_budget
         self._dbs: dict[str, _Database] = {}  # by name
         self._problems: tuple[str, ...] = ()
+        self._skipped: dict[str, str] = {}  # path -> why: stale databases a glob matched
         self._scanning: Deferred[None] | None = None
         self._again = False  # a change arrived during a scan: scan once more after it
         self._tick: IDelayedCall | None = None
@@ -143,6 +149,10 @@ class Backup(Service):
         self._env_manifest: envfiles.Manifest | None = None
         self._env_manifest_due = False  # an upload since the manifest was last written
         self._env_unreadable: set[str] = set()  # logged once each
+        # Without the key: the env files not in the backup (None until the first scan), and
+        # when they were last said.
+        self._unprotected: list[str] | None = None
+        self._unprotected_said = 0.0
         routes.subscribe(self._table_changed)
         claims.on_release(self._released)
         claims.on_hand_over(self.release)
@@ -185,6 +195,8 @@ class Backup(Service):
                 self._apply(present, extra)
                 if self._cfg.env_key:
                     await self._sync_env_files()
+                else:
+                    await self._count_unprotected()
                 if not self._again or self._stopping:
                     return
         finally:
@@ -194,7 +206,7 @@ class Backup(Service):
         """On the reactor thread, with the table and the claims as they are *now*."""
         if self._stopping:
             return
-        chosen, problems = selection.choose(
+        choice = selection.choose(
             self._routes.table,
             registry=self._registry,
             data_dir=self._data_dir,
@@ -203,10 +215,15 @@ class Backup(Service):
             claimed=self._claims,
             excluded=set(self._handed.values()),
         )
+        chosen, problems = choice.chosen, choice.problems
         if tuple(problems) != self._problems:
             for problem in problems:
                 _log.error("backup: {problem}", problem=problem)
             self._problems = tuple(problems)
+        for path, why in sorted(choice.skipped.items()):
+            if self._skipped.get(path) != why:
+                _log.info("backup: {path} is not backed up: {why}", path=path, why=why)
+        self._skipped = choice.skipped
         now = self._reactor.seconds()
         for name, db in list(self._dbs.items()):
             wanted = chosen.get(name)
@@ -279,6 +296,34 @@ class Backup(Service):
             _log.info("backup: {name} (sealed) is in the backup", name=name)
         if self._env_manifest_due:
             await self._put_env_manifest(key)
+
+    async def _count_unprotected(self) -> None:
+        """Without the key: count the env files the backup does not hold (the gauge), and say
+        so at the first scan (every start), whenever the count changes, and daily."""
+        try:
+            files = await self._run(envfiles.on_disk, self._data_dir)
+        except OSError as e:
+            _log.warn("backup: cannot list the env files: {error}", error=e)
+            return
+        UNPROTECTED.set(len(files))
+        now = self._reactor.seconds()
+        due = now - self._unprotected_said >= UNPROTECTED_REMINDER
+        if files == self._unprotected and not due:
+            return
+        self._unprotected, self._unprotected_said = files, now
+        if not files:
+            _log.info("backup: no env files to protect (LCHAT_BACKUP_KEY is not set)")
+            return
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        _log.warn(
+            "backup: {count} env file{s} (space secrets) {are} NOT backed up: LCHAT_BACKUP_KEY "
+            "is not set (LCHAT_BACKUP_ENV=unprotected). A box rebuilt from the backup cannot "
+            "start those spaces without them: {files}",
+            count=len(files),
+            s="s" if len(files) != 1 else "",
+            are="are" if len(files) != 1 else "is",
+            files=shown,
+        )
 
     def _now_ns(self) -> int:
         return int(self._reactor.seconds() * 1e9)
@@ -491,11 +536,8 @@ class Backup(Service):
             root=self.layout.box_path(),
             interval=self._cfg.interval,
         )
-        if not self._cfg.env_key:
-            _log.warn(
-                "backup: LCHAT_BACKUP_KEY is not set, so the spaces' env files (their secrets) "
-                "are not in the backup: a box rebuilt from it needs them from elsewhere"
-            )
+        # (Without LCHAT_BACKUP_KEY, the first scan says how many env files are unprotected.)
+        UNPROTECTED.set(0)
         self.rescan()
         self._schedule(self._rescan)
 
@@ -544,6 +586,11 @@ class Backup(Service):
             "interval": self._cfg.interval,
             "databases": databases,
             **({"problems": list(self._problems)} if self._problems else {}),
+            **({"skipped": dict(sorted(self._skipped.items()))} if self._skipped else {}),
+            "env_files": {
+                "sealed": bool(self._cfg.env_key),
+                "unprotected": len(self._unprotected or ()),
+            },
         }
 
     def _update_gauge(self) -> None:

@@ -223,8 +223,9 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_BACKUP_ENDPOINT": "",
     "LCHAT_BACKUP_BOX": "",  # this box's segment of the layout (default: its host name)
     "LCHAT_BACKUP_INTERVAL": "10s",
-    "LCHAT_BACKUP_EXTRA": "",
+    "LCHAT_BACKUP_EXTRA": "",  # more globs beside the default *.db; `none`: not *.db
     "LCHAT_BACKUP_KEY": "",  # AES-256 (base64) for the spaces' env files; unset: not backed up
+    "LCHAT_BACKUP_ENV": "",  # `unprotected`: start without LCHAT_BACKUP_KEY though env files exist
     "LCHAT_MESH_SELF": "",
     "LCHAT_MESH_DOMAINS": "",
     "LCHAT_MESH_TOKEN": "",

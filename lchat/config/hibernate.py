@@ -50,9 +50,19 @@ class BackupConfig(BucketSettings):
 
     box: str  # this box's segment: <prefix>/<box>/<database name>/
     interval: float = 10.0  # the longest a commit waits before it is in the backup
-    extra: tuple[str, ...] = ()  # globs under the data dir: more databases to back up
+    # Globs under the data dir: the databases backed up beside the registry and the instances
+    # (LCHAT_BACKUP_EXTRA; EVERY_DB unless it says `none`).
+    extra: tuple[str, ...] = ()
     # AES-256 key for the spaces' env files (their secrets) in the backup; b"": not backed up.
     env_key: bytes = field(default=b"", repr=False)
+    # LCHAT_BACKUP_ENV=unprotected: the operator accepts running without env_key while env files
+    # exist (else the router refuses to start; lchat.backup.envfiles.unprotected).
+    env_unprotected: bool = False
+
+
+EVERY_DB = "*.db"  # LCHAT_BACKUP_EXTRA's default: every top-level database of the data dir
+NO_DEFAULT = "none"  # in LCHAT_BACKUP_EXTRA: not EVERY_DB (only the globs given beside it)
+UNPROTECTED = "unprotected"  # LCHAT_BACKUP_ENV's one value
 
 
 # LCHAT_LEASE_TTL's defaults. Off a mesh the TTL is the only way a dead holder's lease frees up
@@ -117,7 +127,11 @@ def read_backup(
     get: Getter, hibernate: HibernateConfig | None, mesh: MeshConfig | None
 ) -> BackupConfig | None:
     interval = positive_duration(get, "LCHAT_BACKUP_INTERVAL")
-    extra = tuple(p for p in re.split(r"[\s,]+", get("LCHAT_BACKUP_EXTRA")) if p)
+    given = [p for p in re.split(r"[\s,]+", get("LCHAT_BACKUP_EXTRA")) if p]
+    # Every top-level database by default (the seeds' "every /data/*.db"); `none` drops the
+    # default, and any other glob adds to what remains.
+    default = [] if NO_DEFAULT in given else [EVERY_DB]
+    extra = tuple(dict.fromkeys(default + [p for p in given if p != NO_DEFAULT]))
     for pattern in extra:
         if "\x00" in pattern or pattern.startswith("/") or ".." in pattern.split("/"):
             raise ConfigError(
@@ -143,10 +157,18 @@ def read_backup(
                 f"{inside!r} (such as backup)"
             )
     key_text = get("LCHAT_BACKUP_KEY")
+    env_policy = get("LCHAT_BACKUP_ENV")
+    if env_policy not in ("", UNPROTECTED):
+        raise ConfigError(
+            f"LCHAT_BACKUP_ENV={env_policy!r}: the only value is {UNPROTECTED} (run without "
+            f"LCHAT_BACKUP_KEY, the spaces' env files not in the backup); unset: the key is "
+            f"required once any env file exists"
+        )
     return BackupConfig(
         **asdict(at),
         box=box,
         interval=interval,
         extra=extra,
         env_key=aes_key("LCHAT_BACKUP_KEY", key_text) if key_text else b"",
+        env_unprotected=env_policy == UNPROTECTED,
     )

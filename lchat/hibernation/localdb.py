@@ -41,6 +41,7 @@ _log = Logger(namespace="lchat.activator")
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
 _ASIDE_NAME = re.compile(r"\.(?:stale|lease-lost)-\d{8}T\d{6}")
+_ASIDE_AT_END = re.compile(_ASIDE_NAME.pattern + r"\Z")
 
 
 @frozen
@@ -162,6 +163,16 @@ def move_aside(db: str, why: str, now: float, txid: int | None = None) -> str | 
     if txid is not None:
         write_marker(target, txid, now)
     return target
+
+
+def is_moved_aside(name: str) -> bool:
+    """Is the file name ``name`` a copy :func:`move_aside` made (``<db>.stale-<stamp>``,
+    ``<db>.lease-lost-<stamp>``), or one of its ``-wal``/``-shm``/record? Such a copy is stale by
+    definition: the space's database is the file at ``<db>``."""
+    for suffix in ("-wal", "-shm", MARKER_SUFFIX):
+        name = name.removesuffix(suffix)
+    found = _ASIDE_AT_END.search(name)
+    return found is not None and found.start() > 0
 
 
 def moved_aside(db: str) -> list[MovedAside]:

@@ -72,7 +72,8 @@ every database is ok or behind.
 
 LITESTREAM_HELP = """\
 Print a litestream.yml for the stock Litestream (0.5) listing exactly what the router backs up
-now: the registry, every instance that does not hibernate, and LCHAT_BACKUP_EXTRA, each to its
+now: the registry, every instance that does not hibernate, and LCHAT_BACKUP_EXTRA (default:
+every top-level *.db but a space's stale copies; `none`: only the globs given), each to its
 replica path in the backup layout. Never run it beside the router's own backup: two replicators
 on one database corrupt each other. With the router's backup off, give the bucket to this
 command alone: LCHAT_BACKUP_BUCKET=my-bucket lchat backup litestream-config.
@@ -93,7 +94,8 @@ def add_arguments(
         "ls",
         help="every backed-up database of every box: txid, size, times, lag (one LIST)",
         description="Every database in the backup bucket, across boxes (one LIST), with LAG "
-        "from this box's running router; warns when the bucket's versioning is off.",
+        "from this box's running router; warns when the bucket's versioning is off, and when "
+        "this box's env files are not in the backup (LCHAT_BACKUP_KEY unset).",
     )
     common(ls)
     ls.add_argument("--json", action="store_true", help="print a JSON list (null where unknown)")

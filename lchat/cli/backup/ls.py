@@ -1,5 +1,6 @@
 """``lchat backup ls``: one LIST of the layout's root; every box's databases, their newest txid,
-size and times; LAG from this box's router."""
+size and times; LAG from this box's router; a warning when this box's env files are not in the
+backup (no ``LCHAT_BACKUP_KEY``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from lchat.backup import envfiles
 from lchat.backup.layout import Stored
 from lchat.cli.backup.bucket import describe, opened, stored_in, versioning_note
 from lchat.cli.backup.live import Command, lag
@@ -16,7 +18,7 @@ LS_COLUMNS = ("NAME", "BOX", "TXID", "SIZE", "NEWEST", "LAST SNAPSHOT", "LAG")
 
 
 async def ls(command: Command) -> int:
-    reactor, args, cfg, conf, out, err, _, router = command
+    reactor, args, cfg, conf, out, err, run, router = command
     async with opened(reactor, cfg) as store:
         stored = await stored_in(store, conf)
         where = describe(store, conf)
@@ -45,6 +47,13 @@ async def ls(command: Command) -> int:
                 )
     if versioning:
         err(versioning)
+    if not conf.env_key:
+        unprotected = await run(envfiles.on_disk, cfg.data_dir)
+        if unprotected:
+            err(
+                f"lchat: warning: {len(unprotected)} env file(s) of this box (space secrets, such "
+                f"as {unprotected[0]}) are NOT in the backup: LCHAT_BACKUP_KEY is not set"
+            )
     return 0
 
 
