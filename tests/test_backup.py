@@ -8,7 +8,7 @@ import datetime
 import os
 import sqlite3
 import time
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from twisted.internet import reactor as _reactor
@@ -20,7 +20,7 @@ from lchat import hosts
 from lchat.backup import envfiles, layout, selection
 from lchat.backup.layout import REGISTRY_NAME, Layout, catalogue
 from lchat.backup.service import Backup
-from lchat.config import BackupConfig
+from lchat.config import BackupConfig, ConfigError
 from lchat.config.hibernate import EVERY_DB
 from lchat.hibernation import localdb
 from lchat.objstore import UTC, ObjectInfo
@@ -250,6 +250,128 @@ class SelectionTests(TestCase):
         self.assertEqual(len(problems), 2, problems)
         self.assertIn("has the same name home.db", problems[0])
         self.assertIn("cannot be named", problems[1])
+
+
+class KeyPolicyTests(TestCase):
+    """No LCHAT_BACKUP_KEY while space env files exist: refused unless LCHAT_BACKUP_ENV says
+    unprotected (the router at start, lchat bootstrap's checks)."""
+
+    def setUp(self) -> None:
+        self.data = os.path.abspath(self.mktemp())
+        os.makedirs(self.data)
+        for name in ("router.env", "home.env", "notes.txt"):
+            _text(os.path.join(self.data, name), "LCHAT_X=1\n")
+
+    def test_only_space_env_files_count(self) -> None:
+        self.assertEqual(envfiles.on_disk(self.data), [])
+        self.assertEqual(envfiles.refuse_unprotected(self.data, key=b"", unprotected_ok=False), [])
+        for host in ("a.example", "b.example"):
+            _text(hosts.env_path(self.data, host), "LCHAT_ADMIN_TOKEN=x\n")
+        _text(hosts.bot_env_path(self.data, "a.example"), "LCHAT_BOT_TOKEN=x\n")
+        files = ["a.example-bot.env", "a.example.env", "b.example.env"]
+        self.assertEqual(envfiles.on_disk(self.data), files)
+        with self.assertRaises(ConfigError) as e:
+            envfiles.refuse_unprotected(self.data, key=b"", unprotected_ok=False)
+        for said in ("LCHAT_BACKUP_KEY", "LCHAT_BACKUP_ENV=unprotected", "3 env files"):
+            self.assertIn(said, str(e.exception))
+        self.assertEqual(
+            envfiles.refuse_unprotected(self.data, key=b"", unprotected_ok=True), files
+        )
+        self.assertEqual(
+            envfiles.refuse_unprotected(self.data, key=b"k" * 32, unprotected_ok=False), []
+        )
+
+    def test_bootstrap_says_it_as_the_router_would(self) -> None:
+        from lchat.cli.bootstrap.probe import probe
+
+        env_file = os.path.join(self.data, "router.env")
+        settings = {
+            "LCHAT_DATA_DIR": self.data,
+            "LCHAT_RUN_DIR": self.data,
+            "LCHAT_ACME_DIRECTORY": "off",
+            "LCHAT_BACKUP_BUCKET": "file:" + os.path.join(self.data, "bucket"),
+        }
+        _text(env_file, "".join(f"{k}={v}\n" for k, v in settings.items()))
+        self.assertEqual(probe(env_file, file_buckets=False)[1], [])
+        _text(hosts.env_path(self.data, "a.example"), "LCHAT_ADMIN_TOKEN=x\n")
+        _, left = probe(env_file, file_buckets=False)
+        self.assertEqual(len(left), 1, left)
+        self.assertIn("LCHAT_BACKUP_ENV=unprotected", left[0])
+        with open(env_file, "a") as f:
+            f.write("LCHAT_BACKUP_ENV=unprotected\n")
+        ok, left = probe(env_file, file_buckets=False)
+        self.assertEqual(left, [])
+        self.assertIn(
+            "LCHAT_BACKUP_ENV=unprotected: 1 env file(s) (space secrets) are NOT in the backup "
+            "(no LCHAT_BACKUP_KEY)",
+            ok,
+        )
+
+
+class UnprotectedReminderTests(TestCase):
+    """Without the key (LCHAT_BACKUP_ENV=unprotected) the service says how many env files the
+    backup does not hold: at its first scan, whenever the count changes, and daily (a Clock)."""
+
+    def test_said_at_start_on_change_and_daily(self) -> None:
+        from prometheus_client import REGISTRY
+        from twisted.internet.task import Clock
+        from twisted.logger import ILogObserver, globalLogPublisher
+
+        from lchat.backup import service as service_module
+        from tests.fakes import inline
+
+        data = os.path.abspath(self.mktemp())
+        os.makedirs(data)
+        registry = Registry(os.path.join(data, "registry.db"), time.time)
+        registry.migrate()
+        clock = Clock()
+        routes = RouteSource(clock, registry, registry.load(), run_in_thread=inline)
+        cfg = BackupConfig(
+            bucket="file:" + data,
+            region="",
+            prefix="bk",
+            endpoint="",
+            box="b",
+            env_unprotected=True,
+        )
+        backup = Backup(
+            clock,
+            FileStore(clock, data, inline),
+            cfg,
+            routes,
+            Claims(),
+            registry=registry.path,
+            data_dir=data,
+            run_in_thread=inline,
+        )
+        said: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if "NOT backed up" in event.get("log_format", ""):
+                said.append(f"{event['count']}: {event['files']}")
+
+        observer = cast(ILogObserver, observe)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+        def count() -> None:
+            self.successResultOf(Deferred.fromCoroutine(backup._count_unprotected()))
+
+        _text(hosts.env_path(data, "a.example"), "x")
+        count()
+        self.assertEqual(said, ["1: a.example.env"])
+        self.assertEqual(REGISTRY.get_sample_value("lchat_backup_unprotected_env_files"), 1.0)
+        clock.advance(3600)
+        count()
+        self.assertEqual(len(said), 1, "unchanged within the day: said once")
+        _text(hosts.env_path(data, "b.example"), "x")
+        count()
+        self.assertEqual(said[-1], "2: a.example.env, b.example.env")
+        self.assertEqual(REGISTRY.get_sample_value("lchat_backup_unprotected_env_files"), 2.0)
+        clock.advance(service_module.UNPROTECTED_REMINDER)
+        count()
+        self.assertEqual(len(said), 3, "a day later: said again")
+        self.assertEqual(backup.status()["env_files"], {"sealed": False, "unprotected": 2})
 
 
 class ScanKeepsLocksTests(TestCase):

@@ -1,5 +1,6 @@
 """The router's boot checks on the written ``router.env``, as the service user: ``config.load``,
-the AWS credentials, each bucket's write probe (``python -m lchat.cli.bootstrap --probe ENV``)."""
+the backup's key policy (no ``LCHAT_BACKUP_KEY`` while env files exist), the AWS credentials,
+each bucket's write probe (``python -m lchat.cli.bootstrap --probe ENV``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from attrs import frozen
 
 from lchat import config
+from lchat.backup import envfiles
 from lchat.cli.bootstrap.request import Account, name_of, owner_of
 from lchat.config import BoxConfig, ConfigError
 from lchat.objstore.where import Where
@@ -118,6 +120,18 @@ def probe(env_path: str, *, file_buckets: bool = True) -> tuple[list[str], list[
         return ok, [f"fix {env_path}: {e}"]
     left = [f"{env_path}: {warning}" for warning in cfg.warnings]
     ok.append(f"{env_path}: the router accepts its settings")
+    if cfg.backup is not None:
+        try:  # the router's refusal at start, said as it says it
+            unprotected = envfiles.refuse_unprotected(
+                cfg.data_dir, key=cfg.backup.env_key, unprotected_ok=cfg.backup.env_unprotected
+            )
+        except ConfigError as e:
+            return ok, [*left, f"fix {env_path}: {e}"]
+        if unprotected:
+            ok.append(
+                f"LCHAT_BACKUP_ENV=unprotected: {len(unprotected)} env file(s) (space secrets) "
+                f"are NOT in the backup (no LCHAT_BACKUP_KEY)"
+            )
     ok.append(_certificates_line(cfg))
     try:
         boot_credentials(cfg)  # the router's refusal, said as it says it
