@@ -41,7 +41,9 @@ class Capacity:
     """The box's limits (0 = none) and how to count its always-on space processes, for ``GET
     /status``'s ``capacity`` (docs/hibernation.md "Capacity")."""
 
-    max_instances: int  # LCHAT_MAX_INSTANCES: resident space processes
+    max_instances: (
+        int  # LCHAT_MAX_INSTANCES: always-on space processes (add-instance refuses beyond)
+    )
     max_registered: int  # LCHAT_MAX_REGISTERED: instance rows (add-instance refuses beyond)
     always_on: Callable[[], int]  # always-on space processes running now
 
@@ -177,9 +179,11 @@ class AdminAPI:
         }
 
     def _capacity_now(self, table: RouteTable) -> dict[str, int]:
-        """The limits and what counts against them: ``resident`` = ``always_on`` +
-        ``hibernating`` (the slots hibernating spaces hold: waking, awake or stopping);
-        ``registered``: instance rows in this box's registry (on a mesh, replicated ones too)."""
+        """The limits and what counts against them: ``resident`` = ``always_on`` (against
+        ``max_instances``) + ``hibernating`` (the slots hibernating spaces hold: waking, awake or
+        stopping); ``registered``: instance rows in this box's registry (on a mesh, replicated
+        ones too); with hibernation, the activator's figures (``max_awake``, and the memory ones:
+        lchat.hibernation.capacity.Capacity.status)."""
         assert self._capacity is not None
         always_on = self._capacity.always_on()
         hibernating = self.activator.slots_held() if self.activator is not None else 0
@@ -190,6 +194,7 @@ class AdminAPI:
             "hibernating": hibernating,
             "max_registered": self._capacity.max_registered,
             "registered": sum(1 for r in table if r.kind == "instance"),
+            **(self.activator.capacity() if self.activator is not None else {}),
         }
 
 

@@ -25,6 +25,7 @@ from lchat.buckets import boot_credentials, prepare, probe_name
 from lchat.certificates import Certificates, certificates
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import Activator
+from lchat.hibernation.capacity import Memory, proc_readers
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
@@ -47,7 +48,7 @@ from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.reactors import Reactor, installed, whole
 from lchat.redirect import RedirectToHTTPS
-from lchat.registry import Registry, RegistryError, RouteSource
+from lchat.registry import Registry, RegistryError, RouteSource, RouteTable
 from lchat.router import Router
 from lchat.shutdown import (
     BackupService,
@@ -196,7 +197,39 @@ def build_service(
         + (" (redirect)" if cfg.https_addr and cfg.http_addr and cfg.http_redirect else ""),
         admin=cfg.admin_socket,
     )
+    _log_capacity(cfg, routes.table, hibernation is not None)
     return top
+
+
+def _log_capacity(cfg: BoxConfig, table: RouteTable, hibernation: bool) -> None:
+    """The capacity limits at start, and an always-on count over LCHAT_MAX_INSTANCES (rows
+    added before the cap was lowered, or by hand: add-instance refuses more)."""
+    always_on = sum(1 for r in table if r.always_on_here)
+    limit = cfg.max_instances
+    if limit and always_on > limit:
+        _log.warn(
+            "capacity: {n} always-on spaces are registered here, over LCHAT_MAX_INSTANCES={limit} "
+            "(add-instance and hibernate --off refuse more): raise it in {env}, or hibernate "
+            "some (lchat hibernate HOST --on)",
+            n=always_on,
+            limit=limit,
+            env=cfg.env_file,
+        )
+    if hibernation:
+        _log.info(
+            "capacity: hibernating wakes are admitted by memory (LCHAT_SPACE_MEMORY={floor} MiB "
+            "a space at least, reserve {reserve}); LCHAT_MAX_AWAKE={awake} (0: no fixed cap; a "
+            "box upgraded from a release where LCHAT_MAX_INSTANCES also capped awake spaces "
+            "sets it to keep that number); LCHAT_MAX_INSTANCES={limit} caps always-on spaces "
+            "({n} here)",
+            floor=cfg.space_memory >> 20,
+            reserve="max(512 MiB, 5% of memory)"
+            if cfg.memory_reserve is None
+            else f"{cfg.memory_reserve >> 20} MiB",
+            awake=cfg.max_awake,
+            limit=limit,
+            n=always_on,
+        )
 
 
 def listening_ports(service: IService) -> list[IListeningPort | FrontPort]:
@@ -326,8 +359,10 @@ def _hibernation(
         routes,
         lifecycle,
         claims,
-        resident=always_on,  # counts against LCHAT_MAX_INSTANCES, never slept
+        resident=always_on,  # shown against LCHAT_MAX_INSTANCES; never slept, never blocks a wake
         max_instances=cfg.max_instances,
+        max_awake=cfg.max_awake,
+        memory=Memory(proc_readers(), floor=cfg.space_memory, reserve=cfg.memory_reserve),
         lapsed=membership.lapsed if membership is not None else None,
         witness=membership,
         bucket_reachable=membership.bucket_reachable if membership is not None else None,
@@ -510,8 +545,8 @@ def _raise_open_files_limit() -> None:
 
 
 def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], int]:
-    """How many always-on space processes run on this box now (LCHAT_MAX_INSTANCES counts them,
-    and never sleeps them): builtin units' running children; under systemd, the always-on
+    """How many always-on space processes run on this box now (shown against
+    LCHAT_MAX_INSTANCES): builtin units' running children; under systemd, the always-on
     instance rows not failed (the CLI starts one unit per row)."""
     if units is not None:
         supervisor = units.supervisor

@@ -1,6 +1,6 @@
-"""Capacity limits (docs/hibernation.md "Capacity"): LCHAT_MAX_INSTANCES in the activator's wake
-decision, LCHAT_MAX_REGISTERED in ``lchat add-instance``, both in ``GET /status`` and ``lchat
-instances``.
+"""Capacity limits (docs/hibernation.md "Capacity"): memory and LCHAT_MAX_AWAKE in the activator's
+wake decision, LCHAT_MAX_INSTANCES (always-on) and LCHAT_MAX_REGISTERED in ``lchat add-instance``,
+all in ``GET /status`` and ``lchat instances``.
 
 The activator's part runs on the fake clock of tests/test_activator_machine.py (its harness,
 imported: a real activator, lifecycle, lease, replication and ``file:`` bucket; fake children),
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThread
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import config, unixhttp
@@ -25,6 +26,15 @@ from lchat.admin import AdminAPI, Capacity
 from lchat.config import ConfigError
 from lchat.hibernation import capacity as capacity_module
 from lchat.hibernation.activator import Activator
+from lchat.hibernation.capacity import (
+    MIB,
+    RESERVE_FLOOR,
+    Memory,
+    MemoryReaders,
+    proc_readers,
+    read_meminfo,
+    read_pss,
+)
 from lchat.hibernation.space import Budgets
 from lchat.registry import Route
 from lchat.router import LocalSocket
@@ -36,21 +46,24 @@ LIMIT = 3
 
 
 class _AtCapacity(_Machine):
-    """The machine's box with LCHAT_MAX_INSTANCES=3 and ``self.always_on`` always-on processes."""
+    """The machine's box with LCHAT_MAX_AWAKE=3 and ``self.always_on`` always-on processes."""
 
     def setUp(self) -> None:
         super().setUp()
         self.always_on = 0
         # The harness's own activator (no limit) stays idle: this one replaces it for the test.
-        self.activator = Activator(
+        self.activator = self.build()
+        self.activator.startService()
+
+    def build(self) -> Activator:
+        return Activator(
             self.clock,
             self.routes,
             self.lifecycle,
             self.claims,
             resident=lambda: self.always_on,
-            max_instances=LIMIT,
+            max_awake=LIMIT,
         )
-        self.activator.startService()
 
     def awake_at(self, host: str, at: float) -> None:
         """Wake ``host`` (a new space) at ``at`` seconds into the test: it is idle from then."""
@@ -70,13 +83,14 @@ class EvictionTests(_AtCapacity):
     def test_a_wake_at_the_limit_sleeps_the_space_idle_longest_and_spawns_once_it_is_gone(
         self,
     ) -> None:
-        self.always_on = 1
+        self.always_on = 1  # never counted
         self.awake_at("a.example", 0.0)
         self.awake_at("b.example", 10.0)
+        self.awake_at("x.example", 15.0)
         route = self.add_space("c.example")
-        self.advance(10.0)
+        self.advance(5.0)
         self.spawner.children[0].stop_delay = 2.5  # a's SIGTERM takes 2.5 s
-        evictions = metric("lchat_capacity_evictions_total")
+        evictions = metric("lchat_capacity_evictions_total", reason="max_awake")
         slept = metric("lchat_sleeps_total", reason="capacity")
         mark = self.journal.mark()
         routed = self.activator.route(route)
@@ -84,7 +98,7 @@ class EvictionTests(_AtCapacity):
         self.assertEqual(self.activator.state("b.example"), "awake")
         self.assertEqual(self.activator.state("c.example"), "waking")
         self.assertEqual(self.spawner.of("c.example"), [])  # a still runs: c waits for it
-        self.assertEqual(self.activator.slots_held(), 2)  # a's slot is c's now
+        self.assertEqual(self.activator.slots_held(), 3)  # a's slot is c's now
         self.advance(2.5)
         target = self.target(routed)
         assert isinstance(target, LocalSocket), target
@@ -103,13 +117,15 @@ class EvictionTests(_AtCapacity):
                 ("spawn", "c.example"),
             ],
         )
-        self.assertEqual(self.running(), ["b.example", "c.example"])
+        self.assertEqual(self.running(), ["b.example", "c.example", "x.example"])
         self.assertEqual(self.activator.state("a.example"), "asleep")
-        self.assertEqual(metric("lchat_capacity_evictions_total"), evictions + 1)
+        self.assertEqual(
+            metric("lchat_capacity_evictions_total", reason="max_awake"), evictions + 1
+        )
         self.assertEqual(metric("lchat_sleeps_total", reason="capacity"), slept + 1)
-        self.assertEqual(metric("lchat_capacity_instances", kind="hibernating"), 2)
+        self.assertEqual(metric("lchat_capacity_instances", kind="hibernating"), 3)
         self.assertEqual(metric("lchat_capacity_instances", kind="always_on"), 1)
-        self.assertEqual(metric("lchat_capacity_instances", kind="max"), LIMIT)
+        self.assertEqual(metric("lchat_capacity_instances", kind="max_awake"), LIMIT)
 
     def test_a_space_with_anything_in_flight_is_never_slept(self) -> None:
         self.awake_at("a.example", 0.0)  # idle longest, but serving a request
@@ -154,20 +170,18 @@ class EvictionTests(_AtCapacity):
         self.assertEqual(self.activator.state("b.example"), "asleep")
         self.assertEqual(self.activator.state("d.example"), "awake")
 
-    def test_always_on_processes_count_against_the_limit_and_are_never_slept(self) -> None:
-        self.always_on = LIMIT
-        route = self.add_space("a.example")
-        self.refused(self.activator.route(route), "capacity")
-        failure = self.wake_failure(self.activator.wake(route, "due"))  # a due wake too
-        self.assertEqual(failure.reason, "capacity")
-        self.always_on = LIMIT - 1
-        self.target(self.activator.route(route))
-        self.assertEqual(self.activator.state("a.example"), "awake")
+    def test_always_on_processes_never_count_against_max_awake_and_are_never_slept(
+        self,
+    ) -> None:
+        self.always_on = 100
+        for i, host in enumerate(("a.example", "b.example", "c.example")):
+            self.awake_at(host, 10.0 * i)
+        self.assertEqual(self.running(), ["a.example", "b.example", "c.example"])
         self.advance(60.0)
-        # The only hibernating space is the one to sleep for the next: always-on ones never are.
-        self.target(self.activator.route(self.add_space("b.example")))
+        # The hibernating space idle longest is the one slept for the next.
+        self.target(self.activator.route(self.add_space("d.example")))
         self.assertEqual(self.activator.state("a.example"), "asleep")
-        self.assertEqual(self.running(), ["b.example"])
+        self.assertEqual(self.running(), ["b.example", "c.example", "d.example"])
 
     def test_no_limit_never_sleeps_for_room(self) -> None:
         self.activator = Activator(
@@ -220,11 +234,11 @@ class ConcurrencyTests(_AtCapacity):
         self.spawner.last("c.example").stop_delay = 2.5
         self.advance(60.0)
         self.activator.sleep("c.example", "idle")  # the idle sweep's, under way
-        evictions = metric("lchat_capacity_evictions_total")
+        evictions = metric("lchat_capacity_evictions_total", reason="max_awake")
         routed = self.activator.route(self.add_space("d.example"))
         # No second sleep: c's slot is handed on; a (idle longest) stays awake.
         self.assertEqual(self.activator.state("a.example"), "awake")
-        self.assertEqual(metric("lchat_capacity_evictions_total"), evictions)
+        self.assertEqual(metric("lchat_capacity_evictions_total", reason="max_awake"), evictions)
         self.assertEqual(self.spawner.of("d.example"), [])
         self.advance(2.5)
         self.assertIsInstance(self.target(routed), LocalSocket)
@@ -266,6 +280,217 @@ class ConcurrencyTests(_AtCapacity):
         self.assertEqual(self.activator.slots_held(), 2)
 
 
+PSS = 100 * MIB  # each fake space's measured memory (and LCHAT_SPACE_MEMORY here)
+TOTAL = 8 << 30  # the fake box's MemTotal: the reserve is the 512 MiB floor (5 % is less)
+CGROUP_LIMIT = 2 << 30
+
+
+class _ByMemory(_AtCapacity):
+    """The machine's box admitting wakes by memory, on fake kernel figures: ``room`` spaces of
+    PSS fit above the reserve; each running fake child takes PSS; LCHAT_MAX_INSTANCES=3 (for
+    always-on processes only) and no LCHAT_MAX_AWAKE."""
+
+    room = 4
+
+    def build(self) -> Activator:
+        self.cgroup_others: int | None = (
+            None  # what else the router's cgroup holds (None: no limit)
+        )
+        readers = MemoryReaders(self.meminfo, self.cgroup, self.pss)
+        self.memory = Memory(readers, floor=PSS)
+        self.logged: list[str] = []
+
+        def observe(event: Any) -> None:
+            self.logged.append(formatEvent(event) or "")
+
+        globalLogPublisher.addObserver(cast(Any, observe))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(Any, observe))
+        return Activator(
+            self.clock,
+            self.routes,
+            self.lifecycle,
+            self.claims,
+            resident=lambda: self.always_on,
+            max_instances=LIMIT,
+            memory=self.memory,
+        )
+
+    def meminfo(self) -> dict[str, int]:
+        free = RESERVE_FLOOR + self.room * PSS + PSS // 2 - PSS * len(self.running())
+        return {"MemTotal": TOTAL, "MemAvailable": free}
+
+    def cgroup(self) -> tuple[int, int] | None:
+        if self.cgroup_others is None:
+            return None
+        return CGROUP_LIMIT, self.cgroup_others + PSS * len(self.running())
+
+    def pss(self, pid: int) -> int | None:
+        alive = [c for c in self.spawner.children if c.pid == pid and c.exit_info is None]
+        return PSS if alive else None
+
+    def busy(self, host: str) -> None:
+        """An open WebSocket on ``host``'s awake space: never slept while it lasts."""
+        routed = self.target(self.activator.route(self.route(host)))
+        assert isinstance(routed, LocalSocket) and routed.inflight is not None
+        routed.inflight.request_started(upgrade=True)
+
+
+class MemoryTests(_ByMemory):
+    room = 8
+
+    def test_hibernating_wakes_are_not_capped_by_max_instances(self) -> None:
+        evictions = metric("lchat_capacity_evictions_total", reason="memory")
+        for i in range(2 * LIMIT):
+            self.awake_at(f"s{i}.example", float(i))
+        self.assertEqual(len(self.running()), 2 * LIMIT)
+        self.assertEqual(metric("lchat_capacity_evictions_total", reason="memory"), evictions)
+
+    def test_always_on_rows_at_max_instances_do_not_block_wakes(self) -> None:
+        self.always_on = LIMIT + 2
+        self.awake_at("a.example", 0.0)
+        self.successResultOf(self.activator.wake(self.add_space("b.example"), "due"))
+        self.assertEqual(self.running(), ["a.example", "b.example"])
+
+    def test_the_cgroup_limit_wins_when_it_is_tighter(self) -> None:
+        self.awake_at("a.example", 0.0)
+        # The router's cgroup: room for one more space above the reserve, no more.
+        self.cgroup_others = CGROUP_LIMIT - RESERVE_FLOOR - 2 * PSS - PSS // 2
+        self.assertEqual(self.memory.available(), RESERVE_FLOOR + PSS + PSS // 2)
+        self.assertEqual(self.memory.total(), CGROUP_LIMIT)
+        self.awake_at("b.example", 10.0)
+        self.target(self.activator.route(self.add_space("c.example")))
+        self.assertEqual(self.activator.state("a.example"), "asleep")  # slept for c
+        self.assertEqual(self.running(), ["b.example", "c.example"])
+
+
+class MemoryLimitTests(_ByMemory):
+    room = 3
+
+    def test_low_memory_sleeps_the_idle_longest_then_admits(self) -> None:
+        for i, host in enumerate(("a.example", "b.example", "c.example")):
+            self.awake_at(host, 10.0 * i)
+        self.spawner.children[0].stop_delay = 2.5
+        self.advance(10.0)
+        evictions = metric("lchat_capacity_evictions_total", reason="memory")
+        mark = self.journal.mark()
+        routed = self.activator.route(self.add_space("d.example"))
+        self.assertEqual(self.activator.state("a.example"), "stopping")  # idle longest
+        self.assertEqual(self.spawner.of("d.example"), [])  # waits for a's memory
+        self.advance(2.5)
+        self.assertIsInstance(self.target(routed), LocalSocket)
+        spawned = [d for _, e, d in self.journal.entries[mark:] if e in ("exit", "spawn")]
+        self.assertEqual(spawned, ["a.example", "d.example"])
+        self.assertEqual(self.running(), ["b.example", "c.example", "d.example"])
+        self.assertEqual(metric("lchat_capacity_evictions_total", reason="memory"), evictions + 1)
+        self.assertIn(
+            "activator: memory (available 562 MiB, reserve 512 MiB, ~100 MiB a space, 0 MiB "
+            "reserved): sleeping a.example (idle 30s) to wake d.example",
+            self.logged,
+        )
+
+    def test_concurrent_wakes_reserve_memory_and_never_overshoot(self) -> None:
+        self.room = 4
+        for i, host in enumerate(("a.example", "b.example")):
+            self.awake_at(host, 10.0 * i)
+        self.spawner.ready = False  # the wakes below stay waking until their spaces answer
+        self.advance(10.0)
+        mark = self.journal.mark()
+        routes = [self.add_space(h) for h in ("c.example", "d.example", "e.example", "f.example")]
+        answers = [self.activator.route(r) for r in routes]
+        answers.append(self.activator.route(self.add_space("g.example")))
+        # c and d fit (each reserved as it was admitted); e and f take a's and b's memory; g
+        # finds nothing to sleep: a 503 naming memory.
+        self.assertEqual(
+            [self.activator.state(h) for h in ("a.example", "b.example")], ["asleep"] * 2
+        )
+        self.refused(answers[4], "capacity")
+        self.assertTrue(
+            [line for line in self.logged if "g.example answered 503" in line], self.logged
+        )
+        events = [(e, d) for _, e, d in self.journal.entries[mark:] if e in ("spawn", "terminate")]
+        self.assertEqual(
+            events[:3], [("spawn", "c.example"), ("spawn", "d.example"), ("terminate", "a.example")]
+        )
+        peak = 0
+        for _ in range(20):
+            for child in self.spawner.children:
+                if not child.is_ready and child.exit_info is None:
+                    child.become_ready()
+            self.advance(0.25)
+            peak = max(peak, len(self.running()))
+        self.assertLessEqual(peak, 4)
+        for answer in answers[:4]:
+            self.assertIsInstance(self.target(answer), LocalSocket)
+        self.assertEqual(self.running(), ["c.example", "d.example", "e.example", "f.example"])
+
+    def test_only_connected_spaces_and_no_memory_is_a_503_memory(self) -> None:
+        for i, host in enumerate(("a.example", "b.example", "c.example")):
+            self.awake_at(host, 5.0 * i)
+            self.busy(host)
+        refused = metric("lchat_wakes_total", reason="request", outcome="capacity")
+        answer = self.refused(self.activator.route(self.add_space("d.example")), "capacity")
+        self.assertEqual(dict(answer.headers)[b"retry-after"], b"5")
+        self.assertEqual(
+            metric("lchat_wakes_total", reason="request", outcome="capacity"), refused + 1
+        )
+        self.assertEqual(self.spawner.of("d.example"), [])
+        self.assertEqual(self.running(), ["a.example", "b.example", "c.example"])
+        self.assertTrue(
+            [line for line in self.logged if "answered 503" in line and "memory (" in line]
+        )
+
+    def test_status_and_metrics_show_memory(self) -> None:
+        self.awake_at("a.example", 0.0)
+        admin = AdminAPI(
+            self.clock,
+            self.routes,
+            "builtin",
+            activator=self.activator,
+            capacity=Capacity(LIMIT, 30, lambda: self.always_on),
+        )
+        available = RESERVE_FLOOR + 2 * PSS + PSS // 2
+        self.assertEqual(
+            admin.status()["capacity"],
+            {
+                "max_instances": LIMIT,
+                "resident": 1,
+                "always_on": 0,
+                "hibernating": 1,
+                "max_registered": 30,
+                "registered": 1,
+                "max_awake": 0,
+                "mem_available": available,
+                "mem_reserve": RESERVE_FLOOR,
+                "per_space": PSS,
+                "awake_estimate": 3,  # a, and two more
+            },
+        )
+        self.assertEqual(metric("lchat_capacity_memory_bytes", kind="available"), available)
+        self.assertEqual(metric("lchat_capacity_memory_bytes", kind="reserve"), RESERVE_FLOOR)
+        self.assertEqual(metric("lchat_capacity_memory_bytes", kind="per_space"), PSS)
+        self.assertEqual(metric("lchat_capacity_instances", kind="max"), LIMIT)
+
+    def test_the_sweep_measures_spaces_and_the_average_follows(self) -> None:
+        self.awake_at("a.example", 0.0)
+        self.assertEqual(self.memory.average, PSS)  # read as it turned awake
+        doubled = Memory(MemoryReaders(self.meminfo, lambda: None, lambda pid: 2 * PSS), floor=MIB)
+        doubled.average = PSS
+        self.activator._capacity.memory = doubled
+        self.assertEqual(self.activator.measure_memory(), 1)
+        self.assertEqual(doubled.per_space(), round(PSS + 0.2 * PSS))
+
+
+class KernelReaderTests(SynchronousTestCase):
+    def test_this_process_figures_from_proc(self) -> None:
+        info = read_meminfo()
+        self.assertGreater(info["MemTotal"], info["MemAvailable"])
+        self.assertGreater(info["MemAvailable"], 0)
+        pss = read_pss(os.getpid())
+        assert pss is not None
+        self.assertGreater(pss, MIB)
+        self.assertIsNone(read_pss(2**22 + 1))  # beyond pid_max: no such process
+
+
 class StatusTests(_AtCapacity):
     def test_get_status_shows_the_limits_and_what_counts_against_them(self) -> None:
         self.always_on = 1
@@ -289,6 +514,7 @@ class StatusTests(_AtCapacity):
                 "hibernating": 1,
                 "max_registered": 30,
                 "registered": 2,  # instance rows; the service is not one
+                "max_awake": LIMIT,  # (this activator measures no memory)
             },
         )
         without = AdminAPI(self.clock, self.routes, "builtin", capacity=Capacity(0, 0, lambda: 4))
@@ -395,17 +621,48 @@ class CliTests(CliTestCase):
 
 
 class WakeStormTests(_Harness):
-    """The router as twistd builds it with LCHAT_MAX_INSTANCES=3, six hibernating reference
-    spaces and concurrent requests to all of them."""
+    """The router as twistd builds it, six hibernating reference spaces and concurrent requests
+    to all of them: room for three by LCHAT_MAX_AWAKE, or by memory (LCHAT_SPACE_MEMORY so large
+    that three fit in this machine's memory, whatever it is), and none capped by
+    LCHAT_MAX_INSTANCES."""
 
     timeout = 90
 
+    def test_a_wake_storm_beyond_max_awake(self) -> Any:
+        return self.storm(LCHAT_MAX_AWAKE="3")
+
     @inlineCallbacks
-    def test_a_wake_storm_beyond_the_limit(self) -> Any:
+    def test_a_wake_storm_beyond_memory(self) -> Any:
+        # Room for 3.5 spaces of this figure above the reserve: a reference space's own few
+        # tens of MiB, and the other users of this machine, move that by far less than half.
+        here = Memory(proc_readers())
+        figure = int((here.available() - here.reserve()) / 3.5)
+        status = yield self.storm(LCHAT_SPACE_MEMORY=str(figure))
+        self.assertEqual(status["capacity"]["per_space"], figure)
+        self.assertEqual(status["capacity"]["max_awake"], 0)
+
+    @inlineCallbacks
+    def test_max_instances_caps_no_wake(self) -> Any:
         hosts = [f"s{i}.example" for i in range(6)]
         for host in hosts:
             self.add_space(host)
         self.start(self.config(LCHAT_MAX_INSTANCES="3", LCHAT_HIBERNATE_IDLE="10m"))
+        results = yield DeferredList([self.post(h) for h in hosts], consumeErrors=True)
+        self.assertEqual([value[0].code for _, value in results], [201] * 6)
+        self.assertEqual([self.state(h) for h in hosts], ["awake"] * 6)
+
+    def post(self, host: str) -> Any:
+        return self.request(
+            host, "/api/rooms/r/messages", b"POST", json.dumps({"body": host}).encode()
+        )
+
+    @inlineCallbacks
+    def storm(self, **settings: str) -> Any:
+        """The storm with ``settings`` that leave room for three; returns ``GET /status``."""
+        hosts = [f"s{i}.example" for i in range(6)]
+        for host in hosts:
+            self.add_space(host)
+        self.start(self.config(LCHAT_HIBERNATE_IDLE="10m", **settings))
         activator = self.activator
         peak = [0]
 
@@ -426,11 +683,7 @@ class WakeStormTests(_Harness):
                 sampler.stop()
 
         self.addCleanup(stop_sampling)
-
-        def post(host: str) -> Any:
-            return self.request(
-                host, "/api/rooms/r/messages", b"POST", json.dumps({"body": host}).encode()
-            )
+        post = self.post
 
         # Three awake, s0 idle longest.
         for host in hosts[:3]:
@@ -482,9 +735,10 @@ class WakeStormTests(_Harness):
         self.assertLessEqual(peak[0], 3)
         status = yield self.admin_status()
         self.assertEqual(
-            {k: status["capacity"][k] for k in ("max_instances", "resident", "registered")},
-            {"max_instances": 3, "resident": 3, "registered": 6},
+            {k: status["capacity"][k] for k in ("hibernating", "registered")},
+            {"hibernating": 3, "registered": 6},
         )
+        return status
 
     @inlineCallbacks
     def admin_status(self) -> Any:

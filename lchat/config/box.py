@@ -135,10 +135,16 @@ class BoxConfig:
     # still read, and re-sealed with cert_cache_key (lchat.acme.cache); b"": none.
     cert_cache_previous_key: bytes = field(default=b"", repr=False)
     cert_cache_sync: float = 60.0  # how often the shared cache is listed for new certificates
-    # LCHAT_MAX_INSTANCES: resident space processes (always-on and awake hibernating together);
-    # LCHAT_MAX_REGISTERED: instance rows add-instance accepts. 0 = no limit (docs/hibernation.md).
+    # LCHAT_MAX_INSTANCES: always-on space processes (add-instance, hibernate --off);
+    # LCHAT_MAX_REGISTERED: instance rows add-instance accepts (on a mesh: per owner);
+    # LCHAT_MAX_AWAKE: hibernating spaces awake at once. 0 = no limit (docs/hibernation.md).
     max_instances: int = 40
     max_registered: int = 400
+    max_awake: int = 0
+    # LCHAT_SPACE_MEMORY: the least a wake needs (bytes; more once spaces are measured);
+    # LCHAT_MEMORY_RESERVE: memory wakes leave free (None: max(512 MiB, 5 % of the total)).
+    space_memory: int = 32 << 20
+    memory_reserve: int | None = None
     # LCHAT_CLOUD_REGION: add-instance's default --home-region; LCHAT_CLOUD_ID_LEDGER: the shared
     # id counter add-instance --mint draws from (None: this box's own count). docs/mesh.md.
     cloud_region: str = ""
@@ -213,8 +219,11 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_LEASE_TTL": "",
     "LCHAT_HIBERNATE_SWEEP": "5s",
     "LCHAT_DUE_SWEEP": "30s",
-    "LCHAT_MAX_INSTANCES": "40",  # resident space processes (0 = no limit)
+    "LCHAT_MAX_INSTANCES": "40",  # always-on space processes (0 = no limit)
     "LCHAT_MAX_REGISTERED": "",  # instance rows add-instance accepts (default: 10 x the above)
+    "LCHAT_MAX_AWAKE": "0",  # hibernating spaces awake at once (0 = no cap: memory decides)
+    "LCHAT_SPACE_MEMORY": "32MiB",  # the least one awake space is counted as
+    "LCHAT_MEMORY_RESERVE": "",  # memory wakes leave free (default: max(512MiB, 5% of total))
     "LCHAT_SIDECAR_COMMAND": "/opt/lchat/live/{host}-bot",
     "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # an external Litestream's (CLI; absent = none)
     "LCHAT_BACKUP_BUCKET": "",  # the router's own fleet backup (absent = none)
@@ -321,7 +330,15 @@ def load(
             "bucket, a space's lease can expire before the tolerance is over, and its box stands "
             "it down then (docs/lease.md, Settings)",
         )
-    max_instances, max_registered = _capacity(get)
+    max_instances, max_registered, max_awake = _capacity(get)
+    space_memory = parse_size("LCHAT_SPACE_MEMORY", get("LCHAT_SPACE_MEMORY"))
+    if space_memory < 1 << 20:
+        raise ConfigError(
+            f"LCHAT_SPACE_MEMORY={get('LCHAT_SPACE_MEMORY')!r} is below 1MiB: no space runs in "
+            "that (examples: 32MiB, 64M)"
+        )
+    reserve_text = get("LCHAT_MEMORY_RESERVE")
+    memory_reserve = parse_size("LCHAT_MEMORY_RESERVE", reserve_text) if reserve_text else None
     cloud_region, id_ledger = read_cloud(get)
 
     cfg = BoxConfig(
@@ -357,6 +374,9 @@ def load(
         env={**file_env, **environ},
         max_instances=max_instances,
         max_registered=max_registered,
+        max_awake=max_awake,
+        space_memory=space_memory,
+        memory_reserve=memory_reserve,
         cloud_region=cloud_region,
         id_ledger=id_ledger,
         region_buckets=read_region_buckets(get, hibernate, mesh),
@@ -436,9 +456,9 @@ def _command(merged: Mapping[str, str], name: str) -> tuple[str, ...]:
     return tuple(argv)
 
 
-def _capacity(get: Getter) -> tuple[int, int]:
-    """(LCHAT_MAX_INSTANCES, LCHAT_MAX_REGISTERED): whole numbers, 0 = no limit; the second
-    defaults to ten times the first."""
+def _capacity(get: Getter) -> tuple[int, int, int]:
+    """(LCHAT_MAX_INSTANCES, LCHAT_MAX_REGISTERED, LCHAT_MAX_AWAKE): whole numbers, 0 = no
+    limit; the second defaults to ten times the first."""
 
     def limit(name: str, text: str) -> int:
         if not re.fullmatch(r"[0-9]{1,9}", text):
@@ -450,7 +470,7 @@ def _capacity(get: Getter) -> tuple[int, int]:
     registered = (
         limit("LCHAT_MAX_REGISTERED", registered_text) if registered_text else 10 * instances
     )
-    return instances, registered
+    return instances, registered, limit("LCHAT_MAX_AWAKE", get("LCHAT_MAX_AWAKE"))
 
 
 def mesh_bucket(cfg: BoxConfig) -> Where:

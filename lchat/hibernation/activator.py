@@ -18,7 +18,7 @@ Invariants:
 - Once stopping (the router's drain), no wake starts: requests get 503 ``shutdown``, marked for a
   mesh peer that forwarded them (lchat.router.unavailable).
 - The states move only as :data:`~lchat.hibernation.space.TRANSITIONS` says (:meth:`Space.move`).
-- Capacity (``LCHAT_MAX_INSTANCES``) and the operator's holds: lchat.hibernation.capacity.
+- Capacity (memory, ``LCHAT_MAX_AWAKE``) and the operator's holds: lchat.hibernation.capacity.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from twisted.python.failure import Failure
 from lchat.backoff import Backoff
 from lchat.child import RunningChild
 from lchat.deferutil import fire, relay, settled
-from lchat.hibernation.capacity import Capacity, Holds
+from lchat.hibernation.capacity import Capacity, Holds, Memory
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
 from lchat.hibernation.outage import OutageWrites, WriteWitness, stale
 from lchat.hibernation.recovery import LocalCopies
@@ -51,7 +51,7 @@ _log = Logger(namespace="lchat.activator")
 _wake_seconds = Histogram(
     "lchat_wake_seconds",
     "Wake latency by phase (total = lease + floor + restore + spawn + ready + replicate, + capacity: "
-    "waiting for a slot at LCHAT_MAX_INSTANCES)",
+    "waiting for room: a victim's sleep, at the memory limit or LCHAT_MAX_AWAKE)",
     ["phase"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
@@ -83,13 +83,17 @@ class Activator(Service):
         *,
         resident: Callable[[], int] | None = None,
         max_instances: int = 0,
+        max_awake: int = 0,
+        memory: Memory | None = None,
         lapsed: Callable[[], bool] | None = None,
         witness: WriteWitness | None = None,
         bucket_reachable: Callable[[], bool] | None = None,
     ) -> None:
         """``resident``: how many always-on space processes run on this box now (builtin units'
-        children), which count against ``max_instances`` (LCHAT_MAX_INSTANCES; 0: no limit) but
-        are never slept. ``lapsed``: on a mesh box, whether its liveness has lapsed (neither its
+        children), shown against ``max_instances`` (LCHAT_MAX_INSTANCES, the always-on cap that
+        add-instance enforces); neither blocks a wake, and always-on spaces are never slept.
+        ``memory``: admits a wake by the box's memory; ``max_awake`` (LCHAT_MAX_AWAKE; 0: none)
+        caps the hibernating spaces awake (lchat.hibernation.capacity). ``lapsed``: on a mesh box, whether its liveness has lapsed (neither its
         heartbeat nor its peers' word covers it: lchat.mesh.membership): no request is served
         meanwhile (docs/lease.md). ``witness``: on a mesh box, asked before a write is passed to
         a space whose backlog is older than its replication class promises.
@@ -116,7 +120,13 @@ class Activator(Service):
         self._held: dict[str, tuple[float, float, str]] = {}
         self._holds = Holds(reactor)  # the operator's (lchat relocate)
         self._capacity = Capacity(
-            reactor, self._spaces, self.sleep, resident=resident, max_instances=max_instances
+            reactor,
+            self._spaces,
+            self.sleep,
+            resident=resident,
+            max_instances=max_instances,
+            max_awake=max_awake,
+            memory=memory,
         )
         self._stopping = False
         routes.subscribe(self._table_changed)
@@ -168,8 +178,16 @@ class Activator(Service):
         ]
 
     def slots_held(self) -> int:
-        """The LCHAT_MAX_INSTANCES slots hibernating spaces hold (lchat.hibernation.capacity)."""
+        """The slots hibernating spaces hold (lchat.hibernation.capacity)."""
         return self._capacity.slots_held()
+
+    def capacity(self) -> dict[str, int]:
+        """The capacity figures for ``GET /status`` (Capacity.status)."""
+        return self._capacity.status()
+
+    def measure_memory(self) -> int:
+        """Read awake spaces' memory now (Capacity.measure; also done every few seconds)."""
+        return self._capacity.measure()
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Every space this activator holds, as ``GET /status`` shows it."""
@@ -314,17 +332,21 @@ class Activator(Service):
                 return fail(WakeFailed(host, "lease_held", why, retry_after))
             del self._held[host]
         victim = None
-        if space is None and self._capacity.full():
+        short = self._capacity.short() if space is None else None
+        if short is not None:
             victim = self._capacity.victim()
             if victim is None:
                 _wakes.labels(reason, "capacity").inc()
-                return fail(self._capacity.refusal(host))
+                return fail(self._capacity.refusal(host, short))
         waiter: Deferred[None] = Deferred(lambda d: self._drop_waiter(host, d))
         if space is None:
             space = self._life.new_space(host, route, reason)
             self._spaces[host] = space
             self._claims.claim(host)
-            freed = None if victim is None else self._capacity.hand_on(victim, space)
+            freed = None
+            if victim is not None:
+                assert short is not None
+                freed = self._capacity.hand_on(victim, space, short)
             self._update_gauge()
             space.waiters.append(waiter)
             steps = self._life.wake(
@@ -334,7 +356,7 @@ class Activator(Service):
                 on_exit=lambda child, info: self._child_ended(space, child, info),
             )
             space.task = Deferred.fromCoroutine(
-                steps if freed is None else self._capacity.when_freed(freed, steps)
+                steps if freed is None else self._capacity.when_freed(freed, space, steps)
             )
             space.task.addTimeout(self.budgets.wake, self._reactor)
             space.task.addBoth(self._wake_done, space)
@@ -369,6 +391,7 @@ class Activator(Service):
             _wake_seconds.labels(phase).observe(seconds)
         space.move("awake")
         space.last_active = now
+        self._capacity.awake(space)  # its memory measured: counted once from now on
         self.copies.awake(host)
         self._failures.pop(host, None)
         self._held.pop(host, None)
@@ -402,7 +425,7 @@ class Activator(Service):
             until = now + min(why.retry_after, LEASE_HELD_CACHE)
             self._held[host] = (until, why.retry_after, why.message)
         delay = 0.0
-        if reason not in ("lease_held", "cancelled"):
+        if reason not in ("lease_held", "cancelled", "capacity"):  # capacity: not the space's fault
             count = self._failures.get(host, (0, 0.0))[0] + 1
             delay = WAKE_BACKOFF.delay(count)
             self._failures[host] = (count, now + delay)
@@ -549,6 +572,7 @@ class Activator(Service):
         """Drain: every awake space flushed and released, in parallel, in bounded time."""
         super().stopService()
         self._stopping = True
+        self._capacity.stop()
         hosts_now = list(self._spaces)
         if hosts_now:
             _log.info("activator: draining {n} spaces", n=len(hosts_now))
