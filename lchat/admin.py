@@ -46,6 +46,8 @@ class Capacity:
     )
     max_registered: int  # LCHAT_MAX_REGISTERED: instance rows (add-instance refuses beyond)
     always_on: Callable[[], int]  # always-on space processes running now
+    # On a mesh box: instance rows per box URL they count for (LCHAT_MAX_REGISTERED is per owner).
+    owned: Callable[[], dict[str, int]] | None = None
 
 
 def clear_stale_socket(path: str) -> None:
@@ -178,12 +180,13 @@ class AdminAPI:
             **({"capacity": self._capacity_now(table)} if self._capacity is not None else {}),
         }
 
-    def _capacity_now(self, table: RouteTable) -> dict[str, int]:
+    def _capacity_now(self, table: RouteTable) -> dict[str, Any]:
         """The limits and what counts against them: ``resident`` = ``always_on`` (against
         ``max_instances``) + ``hibernating`` (the slots hibernating spaces hold: waking, awake or
         stopping); ``registered``: instance rows in this box's registry (on a mesh, replicated
         ones too); with hibernation, the activator's figures (``max_awake``, and the memory ones:
-        lchat.hibernation.capacity.Capacity.status)."""
+        lchat.hibernation.capacity.Capacity.status); on a mesh box, ``registered_owned``: the
+        rows per owner (the ceiling's count)."""
         assert self._capacity is not None
         always_on = self._capacity.always_on()
         hibernating = self.activator.slots_held() if self.activator is not None else 0
@@ -195,6 +198,7 @@ class AdminAPI:
             "max_registered": self._capacity.max_registered,
             "registered": sum(1 for r in table if r.kind == "instance"),
             **(self.activator.capacity() if self.activator is not None else {}),
+            **({"registered_owned": self._capacity.owned()} if self._capacity.owned else {}),
         }
 
 

@@ -37,6 +37,7 @@ from lchat.mesh.fence import BoxFence, HolderJudge
 from lchat.mesh.fleet import SpacesView
 from lchat.mesh.forward import peer_address
 from lchat.mesh.membership import Membership
+from lchat.mesh.placement import registered_by_owner
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials
@@ -512,7 +513,12 @@ def _admin(
         else None,
         acme=certs.issuer.status if certs.issuer is not None else None,
         backup=backup.backup.status if backup is not None else None,
-        capacity=Capacity(cfg.max_instances, cfg.max_registered, _always_on(units, routes)),
+        capacity=Capacity(
+            cfg.max_instances,
+            cfg.max_registered,
+            _always_on(units, routes),
+            owned=_registered_owned(cfg, routes, membership),
+        ),
         stats=SpaceStats(
             routes,
             cfg.data_dir,
@@ -552,6 +558,18 @@ def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], 
         supervisor = units.supervisor
         return lambda: sum(1 for child in supervisor.status().values() if child.pid is not None)
     return lambda: sum(1 for r in routes.table if r.always_on_here and r.status != "failed")
+
+
+def _registered_owned(
+    cfg: BoxConfig, routes: RouteSource, membership: Membership | None
+) -> Callable[[], dict[str, int]] | None:
+    """On a mesh box, the instance rows per box they count for (LCHAT_MAX_REGISTERED's count
+    there: lchat.mesh.placement.registered_by_owner), by this box's live view."""
+    mesh = cfg.mesh
+    if membership is None or mesh is None:
+        return None
+    live = membership.live
+    return lambda: registered_by_owner(routes.table, live(), mesh.self_url, mesh.domains)
 
 
 def _fleet_view(

@@ -582,6 +582,26 @@ class CliTests(CliTestCase):
         self.assertEqual(self.lchat("add-instance", "more.example.com").code, 0)
         self.assertIn("4 registered (no limit)", self.lchat("instances").err)
 
+    def test_max_instances_caps_always_on_spaces_at_add_instance_and_hibernate_off(
+        self,
+    ) -> None:
+        self.write_router_env(LCHAT_MAX_INSTANCES="2")
+        self.add_rows(2)  # always-on, both
+        self.registry.insert(
+            Route("sleepy.example.com", kind="instance", socket="/run/z.sock", hibernate=True)
+        )
+        result = self.lchat("add-instance", "new.example.com")
+        self.assertFailed(
+            result, "2 always-on instances run on this box", "LCHAT_MAX_INSTANCES=2", "--hibernate"
+        )
+        self.assertIsNone(self.row("new.example.com"))
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "new.example.com.env")))
+        off = self.lchat("hibernate", "sleepy.example.com", "--off")
+        self.assertFailed(off, "LCHAT_MAX_INSTANCES=2", "nothing was changed")
+        route = self.row("sleepy.example.com")
+        assert route is not None
+        self.assertTrue(route.hibernate)
+
     def test_instances_prints_a_capacity_summary_on_stderr_and_json_is_unchanged(self) -> None:
         self.write_router_env(LCHAT_MAX_INSTANCES="5")
         self.add_rows(2)
@@ -589,7 +609,7 @@ class CliTests(CliTestCase):
         self.assertEqual(result.code, 0, result)
         self.assertEqual(len(result.out.splitlines()), 4)  # the table alone: header + 3 rows
         self.assertIn(
-            "lchat: capacity: ? of 5 resident (the router cannot be asked), 2 of 50 registered",
+            "lchat: capacity: ? of 5 always-on (the router cannot be asked), 2 of 50 registered",
             result.err,
         )
         listing = self.lchat("instances", "--json")
@@ -605,6 +625,8 @@ class CliTests(CliTestCase):
                 "hibernating": 2,
                 "max_registered": 50,
                 "registered": 2,
+                "max_awake": 0,
+                "awake_estimate": 690,
             },
         }
         server = serve_http(self.admin_socket, lambda method, path: (200, status))
@@ -612,7 +634,8 @@ class CliTests(CliTestCase):
         self.addCleanup(server.shutdown)
         result = self.lchat("instances")
         self.assertIn(
-            "lchat: capacity: 3 of 6 resident (1 always-on, 2 hibernating), 2 of 50 registered",
+            "lchat: capacity: 1 of 6 always-on, 2 hibernating awake (~690 by memory), 2 of 50 "
+            "registered",
             result.err,
         )
 
@@ -623,13 +646,14 @@ class CliTests(CliTestCase):
 class WakeStormTests(_Harness):
     """The router as twistd builds it, six hibernating reference spaces and concurrent requests
     to all of them: room for three by LCHAT_MAX_AWAKE, or by memory (LCHAT_SPACE_MEMORY so large
-    that three fit in this machine's memory, whatever it is), and none capped by
-    LCHAT_MAX_INSTANCES."""
+    that three fit in this machine's memory, whatever it is); LCHAT_MAX_INSTANCES=1 caps none
+    of them."""
 
     timeout = 90
 
     def test_a_wake_storm_beyond_max_awake(self) -> Any:
-        return self.storm(LCHAT_MAX_AWAKE="3")
+        # (LCHAT_MAX_INSTANCES=1: it caps always-on spaces only, never these wakes.)
+        return self.storm(LCHAT_MAX_AWAKE="3", LCHAT_MAX_INSTANCES="1")
 
     @inlineCallbacks
     def test_a_wake_storm_beyond_memory(self) -> Any:
@@ -637,19 +661,9 @@ class WakeStormTests(_Harness):
         # tens of MiB, and the other users of this machine, move that by far less than half.
         here = Memory(proc_readers())
         figure = int((here.available() - here.reserve()) / 3.5)
-        status = yield self.storm(LCHAT_SPACE_MEMORY=str(figure))
+        status = yield self.storm(LCHAT_SPACE_MEMORY=str(figure), LCHAT_MAX_INSTANCES="1")
         self.assertEqual(status["capacity"]["per_space"], figure)
         self.assertEqual(status["capacity"]["max_awake"], 0)
-
-    @inlineCallbacks
-    def test_max_instances_caps_no_wake(self) -> Any:
-        hosts = [f"s{i}.example" for i in range(6)]
-        for host in hosts:
-            self.add_space(host)
-        self.start(self.config(LCHAT_MAX_INSTANCES="3", LCHAT_HIBERNATE_IDLE="10m"))
-        results = yield DeferredList([self.post(h) for h in hosts], consumeErrors=True)
-        self.assertEqual([value[0].code for _, value in results], [201] * 6)
-        self.assertEqual([self.state(h) for h in hosts], ["awake"] * 6)
 
     def post(self, host: str) -> Any:
         return self.request(

@@ -61,26 +61,36 @@ def show(
 
 
 def _capacity_summary(cfg: BoxConfig, routes: list[Route], status: dict[str, Any] | None) -> str:
-    """``capacity: 3 of 40 resident (1 always-on, 2 hibernating), 12 of 400 registered``: the
-    router's counts against LCHAT_MAX_INSTANCES (its own limit when it says), the registry's
-    instance rows against LCHAT_MAX_REGISTERED (0: "12 registered (no limit)")."""
+    """``capacity: 1 of 40 always-on, 2 hibernating awake (~690 by memory), 12 of 400
+    registered``: the router's always-on processes against LCHAT_MAX_INSTANCES (its own limit
+    when it says), the hibernating spaces it holds (against LCHAT_MAX_AWAKE when set; with the
+    memory estimate of how many fit when it gives one), the registry's instance rows against
+    LCHAT_MAX_REGISTERED (0: "12 registered (no limit)"; on a mesh the ceiling is per owner)."""
 
     def of(count: object, limit: int, what: str) -> str:
         return f"{count} of {limit} {what}" if limit > 0 else f"{count} {what} (no limit)"
 
     registered = sum(1 for r in routes if r.kind == "instance")
     now = status.get("capacity") if status else None
-    if isinstance(now, dict) and isinstance(now.get("resident"), int):
+    if isinstance(now, dict) and isinstance(now.get("always_on"), int):
         limit = now.get("max_instances")
         resident = of(
-            now["resident"], limit if isinstance(limit, int) else cfg.max_instances, "resident"
+            now["always_on"], limit if isinstance(limit, int) else cfg.max_instances, "always-on"
         )
-        resident += f" ({now.get('always_on')} always-on, {now.get('hibernating')} hibernating)"
+        awake = now.get("max_awake")
+        hibernating = (
+            f"{now.get('hibernating')} of {awake} hibernating awake"
+            if isinstance(awake, int) and awake > 0
+            else f"{now.get('hibernating')} hibernating awake"
+        )
+        if isinstance(now.get("awake_estimate"), int):
+            hibernating += f" (~{now['awake_estimate']} by memory)"
+        resident += f", {hibernating}"
     elif not routes:
-        resident = of(0, cfg.max_instances, "resident")
+        resident = of(0, cfg.max_instances, "always-on")
     else:
         why = "the router did not say" if status else "the router cannot be asked"
-        resident = of("?", cfg.max_instances, "resident") + f" ({why})"
+        resident = of("?", cfg.max_instances, "always-on") + f" ({why})"
     return f"capacity: {resident}, {of(registered, cfg.max_registered, 'registered')}"
 
 

@@ -440,7 +440,12 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     registry = open_registry(cfg)
     if host and registry.get(host) is not None:
         raise CliError(f"{host} is already registered")
-    _refuse_beyond_registered(cfg, registry)
+    if not args.hibernate:
+        _refuse_beyond_always_on(cfg, registry, host)
+    if host:
+        _refuse_beyond_registered(cfg, registry, host, home_region)
+    elif cfg.mesh is None:
+        _refuse_beyond_registered(cfg, registry, "", home_region)
     if domain:
         # After every refusal that needs no id: a refused create wastes none.
         try:
@@ -449,6 +454,10 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
             raise CliError(f"{e}; nothing was registered") from e
         if registry.get(host) is not None:
             raise CliError(f"{host} (just minted) is already registered: nothing was registered")
+        if cfg.mesh is not None:
+            # On a mesh the ceiling is the new host's owner's: known once the host is named (a
+            # refusal here leaves the minted id unused).
+            _refuse_beyond_registered(cfg, registry, host, home_region)
     socket = hosts.socket_path(cfg.run_dir, host, isolated=hosts.isolated(cfg.data_dir))
     if cfg.units == "systemd" and not args.hibernate and not socket.endswith(f"/{host}.sock"):
         # lchat@.service spells its socket <run>/%i.sock; a hashed name would not match it.
@@ -494,19 +503,58 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     return start(host, socket, args.timeout, wait=not args.no_wait)
 
 
-def _refuse_beyond_registered(cfg: BoxConfig, registry: Registry) -> None:
+def _refuse_beyond_registered(
+    cfg: BoxConfig, registry: Registry, host: str, home_region: str
+) -> None:
     """LCHAT_MAX_REGISTERED (0 = no limit): the most instance rows this box takes, hibernating
-    or not (on a mesh, replicated rows count: every box holds them). Checked before anything is
-    written; two add-instance runs at once may both pass (a ceiling, not a lock)."""
+    or not. On a mesh, for a mesh host, it is per owner: the rows the new host's owner (HRW
+    among the live boxes) holds, always-on rows counting for the box they run on, so a mesh
+    takes the ceiling times its boxes; when the membership cannot be read, this box's whole
+    registry counts (as off a mesh). Checked before anything is written; two add-instance runs
+    at once may both pass (a ceiling, not a lock)."""
     limit = cfg.max_registered
     if limit <= 0:
         return
-    registered = sum(1 for r in registry.load() if r.kind == "instance")
+    rows = registry.load()
+    probe = Route(host=host or "x.invalid", kind="instance", socket="", home_region=home_region)
+    if cfg.mesh is not None and host and mesh_cli.replicates(cfg.mesh, probe):
+        try:
+            owner_url, owned = mesh_cli.owned_rows(cfg, rows, host, home_region)
+        except mesh_cli.MeshCliError as e:
+            _note(f"LCHAT_MAX_REGISTERED counts this box's whole registry: {e}")
+        else:
+            if owned >= limit:
+                raise CliError(
+                    f"{owned} instances are registered to {owner_url}, which owns {host} on the "
+                    f"mesh: the most one box takes (LCHAT_MAX_REGISTERED={limit}); nothing was "
+                    f"registered. Remove one of its spaces, add a box, or raise "
+                    f"LCHAT_MAX_REGISTERED on every box"
+                )
+            return
+    registered = sum(1 for r in rows if r.kind == "instance")
     if registered >= limit:
         raise CliError(
             f"{registered} instances are registered, the most this box takes "
             f"(LCHAT_MAX_REGISTERED={limit}); nothing was registered. Remove one (lchat remove "
             f"HOST) or raise LCHAT_MAX_REGISTERED in {cfg.env_file}"
+        )
+
+
+def _refuse_beyond_always_on(cfg: BoxConfig, registry: Registry, host: str) -> None:
+    """LCHAT_MAX_INSTANCES (0 = no limit): the most always-on spaces this box runs (each is a
+    process that never sleeps; hibernating spaces are admitted by memory instead). Checked
+    before anything is written by ``add-instance`` without ``--hibernate`` and by ``hibernate
+    --off``."""
+    limit = cfg.max_instances
+    if limit <= 0:
+        return
+    always_on = sum(1 for r in registry.load() if r.always_on_here and r.host != host)
+    if always_on >= limit:
+        raise CliError(
+            f"{always_on} always-on instances run on this box, the most it takes "
+            f"(LCHAT_MAX_INSTANCES={limit}); nothing was changed. Hibernate it (--hibernate, "
+            f"or lchat hibernate HOST --on for another), or raise LCHAT_MAX_INSTANCES in "
+            f"{cfg.env_file}"
         )
 
 
@@ -599,6 +647,8 @@ def cmd_hibernate(args: argparse.Namespace) -> int:
             f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box): "
             f"run `lchat hibernate {host}` there"
         )
+    if not args.on and route.hibernate:
+        _refuse_beyond_always_on(cfg, registry, host)
     hibernation = _hibernation(cfg, registry)
     return (hibernation.on if args.on else hibernation.off)(route, args.timeout)
 

@@ -13,7 +13,7 @@ The network calls run on a reactor of their own per command (:func:`lchat.cli.ru
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
@@ -25,7 +25,7 @@ from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
 from lchat.mesh import client
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.members import Member, read_members
-from lchat.mesh.placement import in_scope, normalise_member_url, owner
+from lchat.mesh.placement import in_scope, normalise_member_url, owner, registered_by_owner
 from lchat.objstore import ObjectStoreError
 from lchat.reactors import Reactor, TCPReactor
 from lchat.registry import Registry, Route
@@ -62,6 +62,35 @@ async def read_mesh_members(
         )
     finally:
         await store.close()
+
+
+# --- the registered-row ceiling, per owner ------------------------------------------------------
+
+
+def owned_rows(
+    cfg: BoxConfig, rows: Iterable[Route], host: str, home_region: str
+) -> tuple[str, int]:
+    """The live member that owns ``host`` (its URL) and how many instance ``rows`` count for it
+    (lchat.mesh.placement.registered_by_owner). Reads the membership (one bounded bucket read);
+    raises :class:`MeshCliError` when it cannot, or when no box is live."""
+    mesh = cfg.mesh
+    assert mesh is not None
+
+    async def main(reactor: Reactor) -> list[Member]:
+        return await read_mesh_members(reactor, cfg)
+
+    try:
+        members = runner.run(main, FANOUT_BUDGET)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        raise MeshCliError(f"the mesh's members could not be read ({type(e).__name__}: {e})") from e
+    taker = owner(host, members, home_region)
+    if taker is None:
+        raise MeshCliError("no box of the mesh is live")
+    url = normalise_member_url(taker.url)
+    counts = registered_by_owner(rows, members, mesh.self_url, mesh.domains)
+    return url, counts.get(url, 0)
 
 
 # --- fan-out on create and remove ---------------------------------------------------------------

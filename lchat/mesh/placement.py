@@ -41,7 +41,7 @@ Because each (member, host) score never changes, adding a member moves only the 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
 from lchat import hosts
@@ -103,3 +103,55 @@ def owner(host: str, members: Sequence[C], home_region: str = "") -> C | None:
     """The member that owns ``host`` among the live ``members`` (self included); None if none."""
     best = ranked(host, members, home_region)
     return best[0] if best else None
+
+
+class Row(Protocol):
+    """A registry row as the per-owner count sees it (lchat.registry.Route)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def home_region(self) -> str: ...
+
+    @property
+    def always_on_here(self) -> bool: ...
+
+    @property
+    def lives_at(self) -> str: ...
+
+
+def owner_of(row: Row, members: Sequence[Candidate], self_url: str) -> str | None:
+    """The normalised URL of the box a row's space counts for: an always-on row the box it runs
+    on (this one, or its ``lives_at`` peer), a hibernating one its owner among ``members``
+    (None: no member is live, or a malformed ``lives_at``)."""
+    if row.always_on_here:
+        return normalise_member_url(self_url)
+    if row.lives_at:
+        try:
+            return normalise_member_url(row.lives_at)
+        except ValueError:
+            return None
+    placed = owner(row.host, members, row.home_region)
+    return normalise_member_url(placed.url) if placed is not None else None
+
+
+def registered_by_owner(
+    rows: Iterable[Row], members: Sequence[Candidate], self_url: str, domains: Sequence[str]
+) -> dict[str, int]:
+    """Instance rows per box (normalised URL) they count for (:func:`owner_of`): the
+    ``LCHAT_MAX_REGISTERED`` ceiling on a mesh is per owner. A row neither in the mesh
+    ``domains`` nor placed by a home region lives on this box alone: it counts for this box."""
+    counts: dict[str, int] = {}
+    me = normalise_member_url(self_url)
+    for row in rows:
+        if row.kind != "instance":
+            continue
+        placed = bool(row.home_region) or in_scope(row.host, domains)
+        url = owner_of(row, members, self_url) if placed else me
+        if url is not None:
+            counts[url] = counts.get(url, 0) + 1
+    return counts
