@@ -363,7 +363,7 @@ def _hibernation(
         resident=always_on,  # shown against LCHAT_MAX_INSTANCES; never slept, never blocks a wake
         max_instances=cfg.max_instances,
         max_awake=cfg.max_awake,
-        memory=Memory(proc_readers(), floor=cfg.space_memory, reserve=cfg.memory_reserve),
+        memory=_memory(cfg),
         lapsed=membership.lapsed if membership is not None else None,
         witness=membership,
         bucket_reachable=membership.bucket_reachable if membership is not None else None,
@@ -558,6 +558,15 @@ def _always_on(units: BuiltinUnits | None, routes: RouteSource) -> Callable[[], 
         supervisor = units.supervisor
         return lambda: sum(1 for child in supervisor.status().values() if child.pid is not None)
     return lambda: sum(1 for r in routes.table if r.always_on_here and r.status != "failed")
+
+
+def _memory(cfg: BoxConfig) -> Memory | None:
+    """What admits a wake: the kernel's memory figures (lchat.hibernation.capacity); None, said
+    so, where there is no /proc/meminfo to read (then only LCHAT_MAX_AWAKE limits wakes)."""
+    if not os.path.exists("/proc/meminfo"):
+        _log.warn("capacity: no /proc/meminfo: wakes are not admitted by memory")
+        return None
+    return Memory(proc_readers(), floor=cfg.space_memory, reserve=cfg.memory_reserve)
 
 
 def _registered_owned(

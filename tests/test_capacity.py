@@ -543,6 +543,23 @@ class ConfigTests(SynchronousTestCase):
         cfg = self.load(LCHAT_MAX_INSTANCES="8", LCHAT_MAX_REGISTERED="1000")
         self.assertEqual((cfg.max_instances, cfg.max_registered), (8, 1000))
 
+    def test_memory_settings_and_max_awake(self) -> None:
+        cfg = self.load()
+        self.assertEqual((cfg.space_memory, cfg.memory_reserve, cfg.max_awake), (32 * MIB, None, 0))
+        cfg = self.load(LCHAT_SPACE_MEMORY="48MiB", LCHAT_MEMORY_RESERVE="1G", LCHAT_MAX_AWAKE="40")
+        self.assertEqual(
+            (cfg.space_memory, cfg.memory_reserve, cfg.max_awake), (48 * MIB, 1 << 30, 40)
+        )
+        for name, bad in (
+            ("LCHAT_SPACE_MEMORY", "512k"),  # below 1MiB: no space runs in that
+            ("LCHAT_SPACE_MEMORY", "32MB"),
+            ("LCHAT_MEMORY_RESERVE", "lots"),
+            ("LCHAT_MAX_AWAKE", "-1"),
+        ):
+            with self.assertRaises(ConfigError) as caught:
+                self.load(**{name: bad})
+            self.assertIn(name, str(caught.exception))
+
     def test_zero_is_no_limit(self) -> None:
         cfg = self.load(LCHAT_MAX_INSTANCES="0")
         self.assertEqual((cfg.max_instances, cfg.max_registered), (0, 0))
