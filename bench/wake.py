@@ -4,6 +4,7 @@ start measured in the same run, and how many awake spaces one box holds.
     /tmp/venv/bin/python bench/wake.py [--rounds 20] [--cold-rounds 8] [--sizes 10,100]
         [--buckets file,moto] [--capacity 20,50,100] [--fine-poll 0.005] [--alt-poll 0.2]
         [--keep]
+    /tmp/venv/bin/python bench/wake.py --limit N [--limit-wakes 20]
 
 (~3.5 min with the defaults on 2 cores. The moto bucket needs the test extras — boto3, moto — as
 tests/s3servers.py does; /tmp/venv/bin/python has them. Without them it is skipped, and said so.)
@@ -837,7 +838,20 @@ def main() -> None:
         "(default: 0.2, the interval before 4ddcb88, or 0.01 if the activator polls slower; 0 skips)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir and logs")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="run only the memory-limit phase: 0 = the defaults (the box's real limit: heavy), "
+        "N = LCHAT_SPACE_MEMORY set so that about N spaces fit (bounded)",
+    )
+    parser.add_argument(
+        "--limit-wakes", type=int, default=20, help="wakes on demand at the limit (--limit)"
+    )
     args = parser.parse_args()
+    if args.limit is not None:
+        limit_main(args)
+        return
     args.size_list = [int(s) for s in args.sizes.split(",") if s]
     args.poll = activator_poll()
     if args.alt_poll is None:
@@ -1011,6 +1025,149 @@ def main() -> None:
     print(text)
     Path("/tmp/wake-section.md").write_text(text)
     log("wrote /tmp/wake-section.md")
+
+
+# ---------------------------------------------------------------- at the memory limit
+
+
+def evictions(sock: Path) -> float:
+    """``lchat_capacity_evictions_total{reason="memory"}`` from the router's /metrics."""
+    status, body = admin(sock, "GET", "/metrics")
+    assert status == 200, status
+    found = re.search(
+        r'lchat_capacity_evictions_total\{reason="memory"\} ([0-9.e+]+)', body.decode()
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def awake_count(router: Router) -> int:
+    return sum(1 for h in router.status()["hosts"].values() if h.get("state") == "awake")
+
+
+def limit_run(router: Router, names: Sequence[str], at_limit: int) -> dict[str, Any]:
+    """Wake ``names`` 8 at a time with ``POST /wake`` until a wake first sleeps another for memory
+    (the box is full: the count awake then is what it holds), then ``at_limit`` more one at a time
+    (each sleeps the idle-longest space, then wakes): their latency is a wake on demand at the
+    limit. No cap is set but what the run's settings say (the defaults: none)."""
+    ev0 = evictions(router.sock)
+    fill: list[float] = []
+    woken = 0
+    t = time.perf_counter()
+    while woken < len(names) - at_limit:
+        batch = names[woken : woken + 8]
+        with ThreadPoolExecutor(8) as pool:
+            fill += pool.map(router.wake_admin, batch)
+        woken += len(batch)
+        if evictions(router.sock) > ev0:
+            break
+    fill_wall = time.perf_counter() - t
+    if evictions(router.sock) == ev0:
+        raise RuntimeError(f"{woken} woken and no wake needed room: register more names")
+    held = awake_count(router)
+    log(f"limit: {held} awake when memory first needed room ({woken} woken)")
+    lat = []
+    for host in names[woken : woken + at_limit]:
+        lat.append(router.wake_admin(host))
+    capacity = router.status()["capacity"]
+    return {
+        "held": held,
+        "woken": woken,
+        "fill": fill,
+        "fill_wall": fill_wall,
+        "lat": lat,
+        "held_after": awake_count(router),
+        "evicted": evictions(router.sock) - ev0,
+        "capacity": capacity,
+    }
+
+
+def limit_report(res: dict[str, Any], settings: dict[str, str], mem_start: int) -> list[str]:
+    cap = res["capacity"]
+    lat = res["lat"]
+    shown = ", ".join(f"`{k}={v}`" for k, v in settings.items()) or "none (the defaults)"
+    return [
+        "### Awake spaces held, and a wake on demand at the memory limit",
+        "",
+        f"Capacity settings: {shown}. Available memory at start {benchlib.mib(mem_start)}. Idle "
+        f"reference spaces woken 8 at a time (`POST /wake`) until a wake first slept another for "
+        f"memory; then {len(lat)} wakes one at a time, each sleeping the idle-longest space first.",
+        "",
+        benchlib.table(
+            [
+                "held awake",
+                "woken to get there",
+                "fill wakes/s",
+                "wake at the limit p50 / p99",
+                "awake after",
+                "evicted (memory)",
+                "per-space figure",
+                "reserve",
+                "router's estimate",
+            ],
+            [
+                [
+                    str(res["held"]),
+                    str(res["woken"]),
+                    f"{len(res['fill']) / res['fill_wall']:.1f}",
+                    f"{ms(statistics.median(lat))} / {ms(pct(lat, 0.99))}",
+                    str(res["held_after"]),
+                    f"{res['evicted']:g}",
+                    benchlib.mib(cap.get("per_space", 0) // 1024),
+                    benchlib.mib(cap.get("mem_reserve", 0) // 1024),
+                    str(cap.get("awake_estimate", "-")),
+                ]
+            ],
+        ),
+        "",
+    ]
+
+
+def limit_main(args: argparse.Namespace) -> None:
+    """``--limit N``: the memory-limit run alone, on a ``file:`` bucket. N = 0: the defaults
+    (no figure: the box's real limit, ~700 reference spaces on 24 GB: a heavy run); N > 0:
+    ``LCHAT_SPACE_MEMORY`` set so that about N fit in the memory available now (bounded)."""
+    from lchat.hibernation.capacity import Memory, proc_readers
+
+    benchlib.raise_nofile()
+    mem_start = mem_available_kib()
+    here = Memory(proc_readers())
+    settings: dict[str, str] = {}
+    if args.limit > 0:
+        figure = int((here.available() - here.reserve()) / (args.limit + 0.5))
+        settings["LCHAT_SPACE_MEMORY"] = str(figure)
+        count = args.limit + args.limit_wakes + 24
+    else:
+        count = int((here.available() - here.reserve()) / (30 << 20)) + args.limit_wakes + 64
+    info = benchlib.machine()
+    with benchlib.workspace(keep=args.keep) as (tmp, procs):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("LCHAT_", "AWS_")) and k != "PYTHONSTARTUP"
+        }
+        bucket = {"LCHAT_HIBERNATE_BUCKET": f"file:{tmp / 'bucket'}", **settings}
+        # A row ceiling, not a process cap: lifted so this many can be registered on one box.
+        router = Router(procs, tmp, "limit", {**bucket, "LCHAT_MAX_REGISTERED": "0"}, env)
+        names = [f"lim{i:04d}.{DOMAIN}" for i in range(count)]
+        add_instances(router.env_file, names)
+        log(f"limit run: {count} registered, settings {settings or 'defaults'}")
+        router.start()
+        try:
+            res = limit_run(router, names, args.limit_wakes)
+        finally:
+            router.stop()
+    text = "\n".join(
+        [
+            benchlib.machine_markdown(
+                {k: info[k] for k in ("date", "commit", "cpus", "memory", "python", "twisted")}
+            ),
+            "",
+            *limit_report(res, settings, mem_start),
+        ]
+    )
+    print(text)
+    Path("/tmp/wake-limit-section.md").write_text(text)
+    log("wrote /tmp/wake-limit-section.md")
 
 
 def child_router(argv: list[str]) -> None:
