@@ -21,7 +21,7 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from lchat import config, unixhttp
+from lchat import config, tap, unixhttp
 from lchat.admin import AdminAPI, Capacity
 from lchat.config import ConfigError
 from lchat.hibernation import capacity as capacity_module
@@ -36,7 +36,7 @@ from lchat.hibernation.capacity import (
     read_pss,
 )
 from lchat.hibernation.space import Budgets
-from lchat.registry import Route
+from lchat.registry import Route, RouteTable
 from lchat.router import LocalSocket
 from tests.test_activator import _Harness, _open_websocket, sleep
 from tests.test_activator_machine import _Machine, metric
@@ -522,6 +522,35 @@ class StatusTests(_AtCapacity):
 
 
 class LogTests(SynchronousTestCase):
+    def test_a_box_over_max_instances_says_so_at_start_with_the_upgrade_note(self) -> None:
+        cfg = config.load(
+            environ={
+                "LCHAT_DATA_DIR": "/tmp",
+                "LCHAT_RUN_DIR": "/tmp",
+                "LCHAT_UNITS": "builtin",
+                "LCHAT_MAX_INSTANCES": "2",
+            }
+        )
+        rows = [Route(f"s{i}.example", kind="instance", socket=f"/run/s{i}.sock") for i in range(3)]
+        rows.append(Route("z.example", kind="instance", socket="/run/z.sock", hibernate=True))
+        logged: list[str] = []
+
+        def observe(event: Any) -> None:
+            logged.append(formatEvent(event) or "")
+
+        globalLogPublisher.addObserver(cast(Any, observe))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(Any, observe))
+        tap._log_capacity(cfg, RouteTable({r.host: r for r in rows}), hibernation=True)
+        self.assertTrue(
+            [
+                line
+                for line in logged
+                if "3 always-on spaces are registered here, over LCHAT_MAX_INSTANCES=2" in line
+            ],
+            logged,
+        )
+        self.assertTrue([line for line in logged if "LCHAT_MAX_AWAKE=0" in line], logged)
+
     def test_idle_spans_read_as_an_operator_reads_them(self) -> None:
         spans = [capacity_module._span(s) for s in (0.4, 42, 59.4, 60, 720, 3599, 3600, 11_100)]
         self.assertEqual(spans, ["0s", "42s", "59s", "1m", "12m", "59m", "1h00m", "3h05m"])
