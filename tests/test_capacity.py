@@ -326,7 +326,7 @@ class _ByMemory(_AtCapacity):
 
     def pss(self, pid: int) -> int | None:
         alive = [c for c in self.spawner.children if c.pid == pid and c.exit_info is None]
-        return PSS if alive else None
+        return PSS if alive and not getattr(self, "closed", False) else None
 
     def busy(self, host: str) -> None:
         """An open WebSocket on ``host``'s awake space: never slept while it lasts."""
@@ -361,6 +361,15 @@ class MemoryTests(_ByMemory):
         self.target(self.activator.route(self.add_space("c.example")))
         self.assertEqual(self.activator.state("a.example"), "asleep")  # slept for c
         self.assertEqual(self.running(), ["b.example", "c.example"])
+
+    def test_unreadable_pss_counts_the_whole_figure_and_is_said_once(self) -> None:
+        self.closed = True  # smaps_rollup closed to the router (another uid)
+        self.awake_at("a.example", 0.0)
+        self.awake_at("b.example", 1.0)
+        said = [line for line in self.logged if "smaps_rollup cannot be read" in line]
+        self.assertEqual(len(said), 1, said)
+        # Each counts its figure on top of the memory it uses: 8 - 2 - 2 = 4 more fit.
+        self.assertEqual(self.activator.capacity()["awake_estimate"], 2 + 4)
 
 
 class MemoryLimitTests(_ByMemory):

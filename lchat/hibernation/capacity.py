@@ -291,6 +291,7 @@ class Capacity:
         self._measured: dict[Space, tuple[float, int]] = {}
         self._refused_since_log = 0  # capacity refusals not logged yet (one line per storm)
         self._refusal_logged = float("-inf")
+        self._unreadable_said = False  # a space's PSS could not be read (said once)
         self._sampler = LoopingCall(self.measure)
         self._sampler.clock = clock
 
@@ -424,6 +425,18 @@ class Capacity:
             pss = memory.measure(child.pid)
             if pss is not None:
                 self._measured[space] = (self._clock.seconds(), pss)
+            elif not self._unreadable_said:
+                # Its process runs (it just answered): /proc/<pid>/smaps_rollup is closed to the
+                # router (another uid, without CAP_SYS_PTRACE). Each such space then counts its
+                # whole figure on top of the memory it uses: the box holds fewer than it could.
+                self._unreadable_said = True
+                _log.warn(
+                    "activator: {host}: /proc/{pid}/smaps_rollup cannot be read: awake spaces "
+                    "count LCHAT_SPACE_MEMORY on top of what they use (run the router as root, "
+                    "or give it CAP_SYS_PTRACE, for their measured memory)",
+                    host=space.host,
+                    pid=child.pid,
+                )
 
     def measure(self) -> int:
         """Read the PSS of awake spaces (never measured first, then the longest unmeasured; at
