@@ -5,13 +5,13 @@ Invariants:
 
 - Memory is the limit: a wake is admitted while the box's available memory (``MemAvailable``, or
   less when the router's cgroup sets a limit) minus the reserve (``LCHAT_MEMORY_RESERVE``) minus
-  the reservations still holds one per-space figure. Every hibernating space waking, awake or
-  stopping (until its process is gone) reserves what it may still grow into: the per-space figure less its PSS (the last sample; for
-  one waking, or awake and never sampled, read now), so its memory is counted once, and at
-  least the per-space figure in all. The per-space figure is the
-  larger of ``LCHAT_SPACE_MEMORY`` and the running average of the awake spaces' measured PSS. So
-  wakes arriving together never count the same free memory twice. A wake waiting for its
-  victim's exit reserves nothing meanwhile: the victim's memory is its room.
+  the reservations still holds one per-space figure. The per-space figure is the larger of
+  ``LCHAT_SPACE_MEMORY`` and the running average of the awake spaces' measured PSS.
+- Every hibernating space waking, awake or stopping (until its process is gone) reserves what it
+  may still grow into: the figure less its PSS (the last sample; for one waking, or awake and
+  never sampled, read now). So its memory is counted once, it counts for at least the figure in
+  all, and wakes arriving together never count the same free memory twice. A wake waiting for
+  its victim's exit reserves nothing meanwhile: the victim's memory is its room.
 - ``LCHAT_MAX_AWAKE`` (0: none) caps the slots hibernating spaces hold: every space waking, awake
   or stopping holds a slot; a stopping one whose slot was handed to a waiting wake is counted
   once, for that wake. Always-on processes (``LCHAT_MAX_INSTANCES``) never count against either.
