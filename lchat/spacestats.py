@@ -16,6 +16,24 @@ ever runs :data:`QUERY` against it. Where the answer comes from:
   whatever file this box may still hold from when the space hibernated on it (that copy is stale
   by definition): the error names the box to ask (``reason`` ``elsewhere``, ``lives_at``).
 
+On a mesh box (:class:`MeshStats`), a hibernating space under ``LCHAT_MESH_DOMAINS`` may have been
+woken and written on any box since this one last saw it, so its local file and its row are not
+the truth ("the warm cache is the newest truth *on one box*"). :meth:`SpaceStats.answer` then:
+
+1. awake (or waking, or stopping) here: the local read above;
+2. otherwise held awake by a live peer (its word, else ``lock.json``), else owned by a peer by the
+   hash: that box's own answer (``GET /api/mesh/stats/<host>``, :data:`OWNER_TIMEOUT`), with
+   ``source`` ``owner`` and ``box`` its URL; no answer is 503 ``owner_unreachable``, a peer
+   without the endpoint 503 ``peer_too_old`` — errors, never "never woken";
+3. this box answers and the space sleeps: one LIST of the space's prefix in the bucket decides
+   (:func:`judge`): the local file when it is the copy a wake here would use (its clean-sleep
+   marker equals the bucket's newest txid, or the bucket has nothing newer), "never woken"
+   (``source`` ``bucket``) when the prefix is empty and nothing of it is on this box, and 409
+   ``not_local`` otherwise; a bucket out of reach is 503 ``bucket_unreachable``.
+
+**Invariant (skip-never-reap):** on a mesh, :data:`NEVER_WOKEN` is answered only from an empty
+bucket prefix read just now; whatever cannot be known is an error, never a guess.
+
 Invariants of the read (:func:`read_database`):
 
 - **Nothing is created or modified.** Every connection is ``mode=ro`` with ``PRAGMA query_only``.
@@ -50,12 +68,19 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal
 
 from attrs import asdict, frozen
+from prometheus_client import Counter
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 
-from lchat.hibernation.localdb import MARKER_SUFFIX, moved_aside
+from lchat.hibernation.localdb import MARKER_SUFFIX, BucketView, local_state, moved_aside
+from lchat.lease.lock import LOCK_NAME
+from lchat.mesh.witness import PeerCallError
+from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.registry import Route, RouteSource
 
 VIEW = "lchat_stats"
@@ -65,13 +90,28 @@ QUERY_BUDGET = 2.0  # seconds the query may run before it is interrupted
 ATTEMPTS = 3  # immutable reads raced by a writer, before answering "busy"
 _PROGRESS_EVERY = 1000  # SQLite VM instructions between deadline checks
 
-Source = Literal["database", "registry"]
+# Where an answer came from: the local file, the registry row (never woken on a box alone), the
+# bucket's empty prefix (never woken anywhere, on a mesh), the box that holds or owns the space.
+Source = Literal["database", "registry", "bucket", "owner"]
+OWNER_TIMEOUT = 5.0  # seconds the owner has to answer GET /api/mesh/stats/<host>
+LIST_TIMEOUT = 5.0  # seconds the LIST of a space's prefix may take
+WARN_EVERY = 60.0  # seconds between warnings about one peer (or the bucket)
+
+_log = Logger(namespace="lchat.stats")
+_answers = Counter(
+    "lchat_stats_answers_total",
+    "Wake-free stats answers, by where they came from and how they ended",
+    # source: database, registry, bucket, owner; outcome: ok or the error's reason
+    ["source", "outcome"],
+)
 
 
 class StatsError(Exception):
     """Why there are no stats; ``code`` is the admin API's HTTP status, ``reason`` a stable word
     (``unknown_host``, ``service``, ``elsewhere``, ``no_database``, ``not_local``, ``waking``,
-    ``no_contract``, ``bad_contract``, ``wal_without_shm``, ``busy``, ``unreadable``).
+    ``no_contract``, ``bad_contract``, ``wal_without_shm``, ``busy``, ``unreadable``; on a mesh
+    ``owner_unreachable``, ``peer_too_old``, ``bucket_unreachable``; the CLI's
+    ``no_router_mesh``).
     ``lives_at``: with ``elsewhere``, the URL of the box that runs the space."""
 
     def __init__(self, code: int, reason: str, message: str, *, lives_at: str = "") -> None:
@@ -104,7 +144,7 @@ NEVER_WOKEN = Counts(setup_complete=False, members=0, has_content=False)
 class Stats:
     host: str
     counts: Counts
-    source: Source  # "registry": a hibernating space that never woke on this box
+    source: Source  # "registry": never woke on this box; "bucket": never woke anywhere
     db: str
     hibernate: bool
     state: str | None = None  # the activator's state of a hibernating space, when known
@@ -298,28 +338,244 @@ def _flag(value: object) -> bool:
     return type(value) is int and value in (0, 1)
 
 
-# -- the router's side ---------------------------------------------------------------------------
+# -- on a mesh: which copy is the truth -----------------------------------------------------------
+
+Verdict = Literal["database", "never_woken", "not_local"]
 
 
 @frozen
-class SpaceStats:
-    """``GET /stats/<host>`` of the admin API: the row from the router's current table, the
-    activator's state, the read in a worker thread. Never wakes anything."""
+class LocalView:
+    """What this box holds of a space, for :func:`judge` (:func:`local_view` reads it)."""
 
-    routes: RouteSource
-    data_dir: str
-    state: Callable[[str], str] | None = None  # the activator's ``state(host)``, when it exists
+    present: bool  # the database file exists
+    marker_txid: int | None  # its clean-sleep marker, still valid (lchat.hibernation.localdb)
+    traces: tuple[str, ...] = ()  # with no database: a marker or copies moved aside
+
+
+def local_view(db: str) -> LocalView:
+    """Blocking (stats only, never an open of the database: the module docstring)."""
+    state = local_state(db)
+    if state.present:
+        return LocalView(True, state.marker_txid)
+    traces = [a.path for a in moved_aside(db)]
+    if os.path.exists(db + MARKER_SUFFIX):
+        traces.insert(0, db + MARKER_SUFFIX)
+    return LocalView(False, None, tuple(traces))
+
+
+def judge(local: LocalView, listing: Sequence[ObjectInfo]) -> tuple[Verdict, str]:
+    """Pure. Which answer a mesh box that answers for a sleeping space may give, from what it
+    holds and one LIST of the space's prefix (``<prefix>/<host>/``): ``database`` exactly when a
+    wake here would use the local file as it is (the rule of
+    :meth:`lchat.hibernation.localdb.Restorer.prepare`), ``never_woken`` only for an empty prefix
+    and nothing of the space on this box, ``not_local`` otherwise; with why, for the error."""
+    bucket = BucketView.of(listing)
+    locked = any(o.key.rsplit("/", 1)[-1] == LOCK_NAME for o in listing)
+    mine = local.marker_txid
+    if local.present:
+        if mine is not None and (mine == bucket.newest or bucket.lost_everything_up_to(mine)):
+            return "database", ""
+        if mine is None and not listing:
+            return "database", ""  # nothing in the bucket at all: the local file is all there is
+        ours = f"txid {mine}" if mine is not None else "a txid it cannot vouch for"
+        return "not_local", (
+            f"this box's copy holds {ours}, the bucket has {bucket.describe()}"
+            + (" and a lease" if locked else "")
+            + ": another box wrote it since"
+        )
+    if local.traces:
+        names = ", ".join(os.path.basename(t) for t in local.traces)
+        return "not_local", f"it ran on this box before ({names}) and its database is not here"
+    if not listing:
+        return "never_woken", ""
+    held = " and a lease (a wake under way)" if locked else ""
+    return "not_local", f"the bucket has {bucket.describe()}{held} and this box has no copy"
+
+
+Ask = Callable[[str, str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
+
+
+@frozen
+class MeshStats:
+    """What :class:`SpaceStats` needs on a mesh box (built in lchat.tap)."""
+
+    self_url: str  # this box's LCHAT_MESH_SELF, normalised
+    in_scope: Callable[[str], bool]  # under LCHAT_MESH_DOMAINS (MeshRouter.in_scope)
+    # the box that answers for a row: its holder, else its owner (MeshRouter.answering_box)
+    answering_box: Callable[[Route], Coroutine[Any, Any, str]]
+    # GET /api/mesh/stats/<host> on a peer: (status, body) whatever the status; raises
+    # PeerCallError when no answer came (lchat.mesh.client.ask_stats)
+    ask: Ask
+    store: ObjectStore  # the hibernation bucket
+    replica: Callable[[str], str]  # a host's replica prefix (HibernateConfig.key)
+    clock: IReactorTime  # the timeouts, the warnings' pacing
+
+    def meshed(self, route: Route | None) -> bool:
+        """Is ``route`` a space any box of the mesh may run (so no box alone knows it)?"""
+        return (
+            route is not None
+            and route.kind == "instance"
+            and route.hibernate
+            and not route.elsewhere
+            and self.in_scope(route.host)
+        )
+
+
+# -- the router's side ---------------------------------------------------------------------------
+
+
+class SpaceStats:
+    """``GET /stats/<host>`` of the admin API (:meth:`answer`) and ``GET /api/mesh/stats/<host>``
+    of the mesh API (:meth:`answer_here`): the row from the router's current table, the
+    activator's state, the read in a worker thread; on a mesh, the owner's answer or the
+    bucket's (the module docstring). Never wakes anything."""
+
+    def __init__(
+        self,
+        routes: RouteSource,
+        data_dir: str,
+        state: Callable[[str], str] | None = None,  # the activator's ``state(host)``, if any
+        mesh: MeshStats | None = None,
+    ) -> None:
+        self.routes = routes
+        self.data_dir = data_dir
+        self.state = state
+        self.mesh = mesh
+        self._warned: dict[str, float] = {}  # peer url (or "bucket") -> last warning
 
     async def answer(self, host: str) -> tuple[int, dict[str, Any]]:
-        """The HTTP status and JSON body for ``host`` (normalised)."""
+        """The HTTP status and JSON body for ``host`` (normalised), from whichever box has it."""
+        return await self._answer(host, forward=True)
+
+    async def answer_here(self, host: str) -> tuple[int, dict[str, Any]]:
+        """This box's own answer, never another box's (what a peer asks of it)."""
+        return await self._answer(host, forward=False)
+
+    async def _answer(self, host: str, *, forward: bool) -> tuple[int, dict[str, Any]]:
         route = self.routes.table.get(host)
         state = None
         if route is not None and route.hibernate and self.state is not None:
             state = self.state(host)
+        mesh = self.mesh
+        if mesh is None or route is None or not mesh.meshed(route) or state != "asleep":
+            # Off the mesh, or running (waking, stopping) here: this box's file is the truth.
+            return await self._local(route, host, state)
+        if forward:
+            box = await mesh.answering_box(route)
+            if box != mesh.self_url:
+                return await self._ask(mesh, box, host)
+        return await self._sleeping_here(mesh, route, host, state)
+
+    async def _local(
+        self, route: Route | None, host: str, state: str | None
+    ) -> tuple[int, dict[str, Any]]:
         try:
             stats: Stats = await self.routes.run_in_thread(
                 stats_of, route, host, self.data_dir, state
             )
         except StatsError as e:
+            _answers.labels("registry" if e.code == 404 else "database", e.reason).inc()
             return e.code, e.to_json(host)
+        _answers.labels(stats.source, "ok").inc()
         return 200, stats.to_json()
+
+    async def _sleeping_here(
+        self, mesh: MeshStats, route: Route, host: str, state: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        """This box answers for ``route``, asleep here: one LIST decides (:func:`judge`)."""
+        db = route.database(self.data_dir)
+        local = await self.routes.run_in_thread(local_view, db)
+        prefix = mesh.replica(host) + "/"
+        listing_d = Deferred.fromCoroutine(mesh.store.list(prefix))
+        listing_d.addTimeout(LIST_TIMEOUT, mesh.clock)
+        try:
+            listing = await listing_d
+        except (ObjectStoreError, TimeoutError, CancelledError) as e:
+            why = str(e) or f"no answer within {LIST_TIMEOUT:g}s"
+            self._warn("bucket", "stats: {host}: the bucket could not be listed ({why})", host, why)
+            _answers.labels("bucket", "bucket_unreachable").inc()
+            return 503, StatsError(
+                503,
+                "bucket_unreachable",
+                f"{host} sleeps here and only the bucket can tell whether another box wrote it "
+                f"since, but listing {prefix} failed ({why}): ask again once the bucket answers",
+            ).to_json(host)
+        verdict, why = judge(local, listing)
+        if verdict == "never_woken":
+            _answers.labels("bucket", "ok").inc()
+            return 200, Stats(host, NEVER_WOKEN, "bucket", db, True, state).to_json()
+        if verdict == "not_local":
+            _answers.labels("bucket", "not_local").inc()
+            return 409, StatsError(
+                409,
+                "not_local",
+                f"{host} sleeps and this box answers for it, but {why}: its stats are unknown "
+                "until it wakes (`lchat wake`, then ask again)",
+            ).to_json(host)
+        try:
+            counts = await self.routes.run_in_thread(read_database, db)
+        except StatsError as e:
+            _answers.labels("database", e.reason).inc()
+            return e.code, e.to_json(host)
+        _answers.labels("database", "ok").inc()
+        return 200, Stats(host, counts, "database", db, True, state).to_json()
+
+    async def _ask(self, mesh: MeshStats, box: str, host: str) -> tuple[int, dict[str, Any]]:
+        """The answer of ``box``, which holds or owns ``host``: passed on with ``box`` (and
+        ``source`` ``owner`` on a 200, the owner's own in ``owner_source``); no answer is an
+        error (skip-never-reap), never "never woken"."""
+        asking = Deferred.fromCoroutine(mesh.ask(box, host))
+        asking.addTimeout(OWNER_TIMEOUT, mesh.clock)
+        try:
+            code, body = await asking
+        except (PeerCallError, TimeoutError, CancelledError) as e:
+            why = str(e) or f"no answer within {OWNER_TIMEOUT:g}s"
+            return self._owner_error(box, host, "owner_unreachable", f"it did not answer: {why}")
+        if code == 404 and "reason" not in body:
+            return self._owner_error(
+                box,
+                host,
+                "peer_too_old",
+                "it has no stats endpoint (GET /api/mesh/stats): it runs an older lchat; "
+                "upgrade it, or ask `lchat stats` on that box",
+            )
+        if not isinstance(body.get("host"), str):
+            error = body.get("error") if isinstance(body.get("error"), str) else "no stats"
+            return self._owner_error(
+                box, host, "owner_unreachable", f"it answered {code} without stats ({error})"
+            )
+        answer = {**body, "box": box}
+        if code == 200:
+            answer["owner_source"], answer["source"] = body.get("source"), "owner"
+        outcome = "ok" if code == 200 else str(body.get("reason") or "error")
+        _answers.labels("owner", outcome).inc()
+        _log.debug(
+            "stats: {host} asked of its owner {box}: {outcome}",
+            host=host,
+            box=box,
+            outcome=outcome,
+        )
+        return code, answer
+
+    def _owner_error(
+        self, box: str, host: str, reason: str, why: str
+    ) -> tuple[int, dict[str, Any]]:
+        _answers.labels("owner", reason).inc()
+        self._warn(box, "stats: {host} asked of its owner {box}: " + reason + ": {why}", host, why)
+        error = StatsError(
+            503,
+            reason,
+            f"{host} is held or owned by {box}, which must answer for it, but {why}: no answer "
+            "(not 'never woken': a reaper must skip it)",
+        )
+        return 503, {**error.to_json(host), "box": box}
+
+    def _warn(self, about: str, text: str, host: str, why: str) -> None:
+        """A warning, at most once per :data:`WARN_EVERY` per peer (or the bucket); debug else."""
+        now = self.mesh.clock.seconds() if self.mesh is not None else 0.0
+        last = self._warned.get(about)
+        if last is not None and now - last < WARN_EVERY:
+            _log.debug(text, host=host, box=about, why=why)
+            return
+        self._warned[about] = now
+        _log.warn(text, host=host, box=about, why=why)

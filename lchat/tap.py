@@ -31,7 +31,7 @@ from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener, listen
 from lchat.mesh.api import mesh_site
-from lchat.mesh.client import PeerBeats
+from lchat.mesh.client import PeerBeats, ask_stats
 from lchat.mesh.due import DuePush
 from lchat.mesh.fence import BoxFence, HolderJudge
 from lchat.mesh.fleet import SpacesView
@@ -60,7 +60,7 @@ from lchat.shutdown import (
     SayOnce,
     SignalReload,
 )
-from lchat.spacestats import SpaceStats
+from lchat.spacestats import OWNER_TIMEOUT, MeshStats, SpaceStats
 from lchat.supervise import Supervisor
 from lchat.threads import RunInThread, thread_runner
 from lchat.units import BuiltinUnits, Claims
@@ -183,8 +183,9 @@ def build_service(
         hibernation.setServiceParent(top)
     certs = certificates(top, reactor, cfg, routes, hibernation, run, aws)
     fleet = _fleet_view(reactor, cfg, routes, hibernation, units, backup)
-    _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run, spaces=fleet)
-    _admin(top, reactor, cfg, routes, units, hibernation, certs, backup)
+    stats = _space_stats(reactor, cfg, routes, hibernation)
+    _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run, spaces=fleet, stats=stats)
+    _admin(top, reactor, cfg, routes, units, hibernation, certs, backup, stats)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
         "https={https}, http={http}, admin={admin}, one-read recognisers {oneread}",
@@ -426,6 +427,7 @@ def _front_door(
     certs: Certificates,
     run: RunInThread,
     spaces: Callable[[], Callable[[], dict[str, Any]]] | None = None,
+    stats: SpaceStats | None = None,
 ) -> None:
     """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
     mesh's route-replication API addressed to this box's own name (with ``spaces``, the fleet
@@ -446,6 +448,7 @@ def _front_door(
             beats=membership.receive_beat if membership is not None else None,
             members=membership.known if membership is not None else None,
             clock=reactor.seconds,
+            stats=stats.answer_here if stats is not None else None,
         )
         listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
@@ -497,6 +500,7 @@ def _admin(
     hibernation: HibernationService | None,
     certs: Certificates,
     backup: BackupService | None,
+    stats: SpaceStats,
 ) -> None:
     """The local admin API (router.sock) and the Prometheus endpoint."""
     clear_stale_socket(cfg.admin_socket)
@@ -519,16 +523,42 @@ def _admin(
             _always_on(units, routes),
             owned=_registered_owned(cfg, routes, membership),
         ),
-        stats=SpaceStats(
-            routes,
-            cfg.data_dir,
-            hibernation.activator.state if hibernation is not None else None,
-        ).answer,
+        stats=stats.answer,
         restart=units.supervisor.restart if units is not None else None,  # lchat deploy
     )
     listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
         listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
+
+
+def _space_stats(
+    reactor: Reactor, cfg: BoxConfig, routes: RouteSource, hibernation: HibernationService | None
+) -> SpaceStats:
+    """Wake-free stats (lchat.spacestats): on a mesh box, asked of the box that holds or owns a
+    space, or decided by the bucket, never answered from an empty local view."""
+    if hibernation is None:
+        return SpaceStats(routes, cfg.data_dir)
+    state = hibernation.activator.state
+    mesh, hib = hibernation.mesh, cfg.hibernate
+    if mesh is None or cfg.mesh is None or hib is None:
+        return SpaceStats(routes, cfg.data_dir, state)
+    token, ca_file = cfg.mesh.token, cfg.mesh.ca_file
+
+    async def ask(peer: str, host: str) -> tuple[int, dict[str, Any]]:
+        return await ask_stats(
+            peer, token, host, reactor=reactor, ca_file=ca_file, timeout=OWNER_TIMEOUT
+        )
+
+    seam = MeshStats(
+        self_url=mesh.self_url,
+        in_scope=mesh.in_scope,
+        answering_box=mesh.answering_box,
+        ask=ask,
+        store=hibernation.store,
+        replica=hib.key,
+        clock=reactor,
+    )
+    return SpaceStats(routes, cfg.data_dir, state, seam)
 
 
 def _raise_open_files_limit() -> None:

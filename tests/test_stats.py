@@ -1,5 +1,9 @@
 """Wake-free stats (lchat.spacestats, ``GET /stats/<host>``, ``lchat stats``).
 
+On a mesh (``MeshStats*``): the answer of the box that holds or owns a space, or the bucket's,
+never an empty local view — on three real routers and a moto bucket (the key promise on SeaweedFS
+too), with the decision's logic on a real moto bucket and a fake clock (``MeshAnswerTests``).
+
 Databases are written by the reference space's own store (:class:`lchat.space.store.Store`), or
 by real ``lchat space`` processes under a real router (built as twistd builds it, in this
 process, on a ``file:`` bucket), asked over its admin socket. Each read is checked to create and
@@ -9,34 +13,53 @@ under a router, to wake nothing (the activator's state, no lease in the bucket, 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from types import MappingProxyType
 from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import admin_client, spacestats
 from lchat.cli.main import main as cli_main
+from lchat.cli.stats import describe
 from lchat.hibernation.localdb import MARKER_SUFFIX, local_state
-from lchat.objstore import open_store
+from lchat.mesh.client import MeshCallError
+from lchat.mesh.placement import in_scope, normalise_member_url
+from lchat.objstore import ObjectInfo, open_store
 from lchat.objstore.where import Where
 from lchat.reactors import installed
-from lchat.registry import Registry, Route
+from lchat.registry import Registry, Route, RouteSource, RouteTable
 from lchat.replica.db import ReplicaDB
 from lchat.replica.restore import restore
 from lchat.space import store as store_module
 from lchat.space.store import Store
-from lchat.spacestats import Counts, StatsError, read_database, stats_of
+from lchat.spacestats import (
+    Counts,
+    LocalView,
+    MeshStats,
+    SpaceStats,
+    StatsError,
+    judge,
+    read_database,
+    stats_of,
+)
 from lchat.threads import thread_runner
+from tests import meshnet, s3servers
+from tests.fakes import inline
 from tests.test_activator import ROOT, _bucket_keys, _Harness, metric
+from tests.test_mesh import DOMAIN, Box, MeshTestCase, _members
 
 reactor = installed()
 
@@ -508,6 +531,336 @@ class RouterStatsTests(_Harness):
         self.assertIn("nobody.example is not registered", got.stderr)
 
 
+# -- on a mesh ------------------------------------------------------------------------------------
+
+
+def _obj(key: str) -> ObjectInfo:
+    return ObjectInfo(key, 1, "e", datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC))
+
+
+def _ltx(host: str, lo: int, hi: int, level: int = 0) -> ObjectInfo:
+    return _obj(f"p/{host}/ltx/{level:04x}/{lo:016x}-{hi:016x}.ltx")
+
+
+class JudgeTests(SynchronousTestCase):
+    """:func:`judge`: which copy a mesh box answering for a sleeping space may trust."""
+
+    H = "h.mesh.test"
+
+    def test_an_empty_prefix_and_nothing_here_is_never_woken(self) -> None:
+        self.assertEqual(judge(LocalView(False, None), []), ("never_woken", ""))
+
+    def test_anything_under_the_prefix_is_not_never_woken(self) -> None:
+        for listing in ([_ltx(self.H, 1, 1, 9)], [_obj(f"p/{self.H}/lock.json")]):
+            verdict, why = judge(LocalView(False, None), listing)
+            self.assertEqual(verdict, "not_local", listing)
+        self.assertIn("a lease", why)
+
+    def test_traces_of_an_earlier_run_here_are_not_never_woken(self) -> None:
+        verdict, why = judge(LocalView(False, None, ("/d/h.db-lchat.json",)), [])
+        self.assertEqual(verdict, "not_local")
+        self.assertIn("h.db-lchat.json", why)
+
+    def test_a_local_copy_is_read_only_when_a_wake_here_would_use_it(self) -> None:
+        listing = [_ltx(self.H, 1, 5, 9), _ltx(self.H, 6, 7)]
+        self.assertEqual(judge(LocalView(True, 7), listing)[0], "database")  # marker = newest
+        self.assertEqual(judge(LocalView(True, 3), [])[0], "database")  # the bucket forgot
+        self.assertEqual(judge(LocalView(True, None), [])[0], "database")  # all there is
+        # Another box wrote it since; or a copy nobody vouches for beside a replica.
+        verdict, why = judge(LocalView(True, 5), listing)
+        self.assertEqual(verdict, "not_local")
+        self.assertIn("txid 5", why)
+        self.assertIn("txid 7", why)
+        self.assertEqual(judge(LocalView(True, None), listing)[0], "not_local")
+        self.assertEqual(
+            judge(LocalView(True, None), [_obj(f"p/{self.H}/lock.json")])[0], "not_local"
+        )
+
+
+SELF = "https://a.example:8443"
+PEER = "https://b.example:8443"
+
+
+class MeshAnswerTests(TestCase):
+    """:class:`SpaceStats` on a mesh box: a real moto bucket for the LIST, the peer's answer as
+    the seam gives it (status and body, or an error), the timeouts on a fake clock."""
+
+    H = f"h.{DOMAIN}"
+
+    async def setUp(self) -> None:  # type: ignore[override]
+        self.data = tempfile.mkdtemp(prefix="stats", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.data, True)
+        self.server = await s3servers.shared_server("moto")
+        self.store = s3servers.store_for(self.server, await self.server.new_bucket(), retries=0)
+        self.addCleanup(self.store.close)
+        self.asked: list[tuple[str, str]] = []
+        self.answers: dict[str, Any] = {}  # peer -> (status, body), an exception, or a Deferred
+        self.box = SELF  # what answering_box says
+        self.clock = Clock()
+        self.states: dict[str, str] = {}
+
+    def stats(self, *rows: Route, store: Any = None) -> SpaceStats:
+        registry = Registry(os.path.join(self.data, "registry.db"), clock=time.time)
+        table = RouteTable(routes=MappingProxyType({r.host: r for r in rows}))
+        routes = RouteSource(reactor, registry, table, run_in_thread=inline)
+
+        async def answering_box(route: Route) -> str:
+            return self.box
+
+        async def ask(peer: str, host: str) -> tuple[int, dict[str, Any]]:
+            self.asked.append((peer, host))
+            answer = self.answers[peer]
+            if isinstance(answer, Exception):
+                raise answer
+            if isinstance(answer, Deferred):
+                return await answer
+            return answer
+
+        seam = MeshStats(
+            self_url=SELF,
+            in_scope=lambda host: in_scope(host, (DOMAIN,)),
+            answering_box=answering_box,
+            ask=ask,
+            store=store or self.store,
+            replica=lambda host: f"p/{host}",
+            clock=self.clock,
+        )
+        return SpaceStats(routes, self.data, lambda h: self.states.get(h, "asleep"), seam)
+
+    def row(self, host: str = H, **fields: Any) -> Route:
+        return route(host, hibernate=True, status="ready", **fields)
+
+    async def test_awake_here_is_read_here_asking_nobody(self) -> None:
+        await write_space(os.path.join(self.data, f"{self.H}.db"), posts=1)
+        self.states[self.H] = "awake"
+        self.box = PEER
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["source"], body["has_content"]), (200, "database", True))
+        self.assertEqual(self.asked, [])
+
+    async def test_a_peer_that_holds_or_owns_it_answers(self) -> None:
+        self.box = PEER
+        theirs = {
+            "host": self.H,
+            "setup_complete": True,
+            "members": 2,
+            "has_content": True,
+            "source": "database",
+            "db": "/elsewhere.db",
+            "hibernate": True,
+            "state": "awake",
+            "box": PEER,
+        }
+        self.answers[PEER] = (200, theirs)
+        before = metric("lchat_stats_answers_total", source="owner", outcome="ok")
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual(code, 200)
+        self.assertEqual(body, {**theirs, "source": "owner", "owner_source": "database"})
+        self.assertEqual(self.asked, [(PEER, self.H)])
+        self.assertEqual(
+            metric("lchat_stats_answers_total", source="owner", outcome="ok"), before + 1
+        )
+        # Its errors are passed on as they are, naming the box.
+        self.answers[PEER] = (409, {"host": self.H, "error": "x", "reason": "not_local"})
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"], body["box"]), (409, "not_local", PEER))
+
+    async def test_no_answer_from_the_owner_is_an_error_never_never_woken(self) -> None:
+        self.box = PEER
+        self.answers[PEER] = MeshCallError(PEER, "connection refused")
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"], body["box"]), (503, "owner_unreachable", PEER))
+        self.assertNotIn("has_content", body)
+        # A peer that never answers: the 5 s timeout, on the clock.
+        self.answers[PEER] = Deferred()
+        d = Deferred.fromCoroutine(self.stats(self.row()).answer(self.H))
+        self.assertNoResult(d)
+        self.clock.advance(spacestats.OWNER_TIMEOUT)
+        code, body = self.successResultOf(d)
+        self.assertEqual((code, body["reason"]), (503, "owner_unreachable"))
+        # An older lchat: 404 without a reason.
+        self.answers[PEER] = (404, {"error": "not found"})
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"]), (503, "peer_too_old"))
+        # ...but a 404 of the stats endpoint itself (the row is not on that box) is its answer.
+        self.answers[PEER] = (404, {"host": self.H, "error": "x", "reason": "unknown_host"})
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"], body["box"]), (404, "unknown_host", PEER))
+
+    async def test_answer_here_never_asks_a_peer(self) -> None:
+        self.box = PEER
+        code, body = await self.stats(self.row()).answer_here(self.H)
+        self.assertEqual((code, body["source"], body["has_content"]), (200, "bucket", False))
+        self.assertEqual(self.asked, [])
+
+    async def test_this_box_answers_from_the_bucket_or_refuses(self) -> None:
+        stats = self.stats(self.row())
+        code, body = await stats.answer(self.H)
+        self.assertEqual(code, 200, body)
+        self.assertEqual(
+            (body["source"], body["setup_complete"], body["members"], body["has_content"]),
+            ("bucket", False, 0, False),
+        )
+        self.assertEqual(os.listdir(self.data), [])  # nothing written here
+        # A replica in the bucket and no copy here: never a guess.
+        await self.store.put(f"p/{self.H}/ltx/0009/{1:016x}-{3:016x}.ltx", b"x")
+        code, body = await stats.answer(self.H)
+        self.assertEqual((code, body["reason"]), (409, "not_local"), body)
+        self.assertIn("txid 3", body["error"])
+        # A local copy nobody vouches for, beside that replica: the same.
+        await write_space(os.path.join(self.data, f"{self.H}.db"), posts=1)
+        code, body = await stats.answer(self.H)
+        self.assertEqual((code, body["reason"]), (409, "not_local"), body)
+
+    async def test_a_local_copy_and_an_empty_bucket_is_read(self) -> None:
+        await write_space(os.path.join(self.data, f"{self.H}.db"), posts=1)
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["source"], body["has_content"]), (200, "database", True))
+
+    async def test_a_bucket_out_of_reach_is_an_error(self) -> None:
+        port = s3servers.free_ports(1)[0]
+        # (A real S3 client, at a port nothing listens on.)
+        nowhere = s3servers.store_for(
+            self.server, "b", endpoint=f"http://127.0.0.1:{port}", retries=0, timeout=2.0
+        )
+        self.addCleanup(nowhere.close)
+        code, body = await self.stats(self.row(), store=nowhere).answer(self.H)
+        self.assertEqual((code, body["reason"]), (503, "bucket_unreachable"), body)
+
+    async def test_rows_outside_the_mesh_answer_as_on_one_box(self) -> None:
+        self.box = PEER
+        code, body = await self.stats(self.row("h.elsewhere.example")).answer("h.elsewhere.example")
+        self.assertEqual((code, body["source"]), (200, "registry"))
+        self.assertEqual(self.asked, [])
+
+
+def _stats_of(box: Box, host: str) -> tuple[int, dict[str, Any]]:
+    """``GET /stats/<host>`` on ``box``'s admin socket."""
+    code, body = box.admin_call("GET", f"/stats/{host}", timeout=30)
+    answer: dict[str, Any] = json.loads(body)
+    return code, answer
+
+
+class MeshStatsTests(MeshTestCase):
+    """The issue's report (issue 32, item 4), on three real routers: a non-owner said "not set
+    up, no content, asleep" of a space awake and written on its owner."""
+
+    @inlineCallbacks
+    def test_a_non_owner_answers_the_owners_truth(self):
+        """...and a space never woken anywhere is "never woken" on every box, from the bucket
+        (the one answer a reaper may act on)."""
+        host, never = f"s.{DOMAIN}", f"n.{DOMAIN}"
+        boxes = self.boxes(3)
+        for box in boxes:
+            box.add_space(host)
+            box.add_space(never)
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(
+            boxes[0], host, "/api/rooms/r/messages", "POST", b'{"body": "hi"}'
+        )
+        self.assertEqual(status, 201, body)
+        owner = next(b for b in boxes if b.awake(host))
+        owner_url = normalise_member_url(owner.url)
+        for box in boxes:
+            if box is owner:
+                code, answer = yield deferToThread(_stats_of, owner, host)
+                self.assertEqual((code, answer["source"]), (200, "database"), answer)
+                self.assertNotIn("box", answer)
+            else:
+                got = yield deferToThread(
+                    _lchat, "stats", host, "--json", "--env-file", box.env_file
+                )
+                self.assertEqual(got.returncode, 0, got.stderr + box.log()[-3000:])
+                answer = json.loads(got.stdout)
+                self.assertEqual((answer["box"], answer["source"]), (owner_url, "owner"))
+            self.assertEqual(
+                (answer["has_content"], answer["setup_complete"], answer["state"]),
+                (True, True, "awake"),
+                answer,
+            )
+        for box in boxes:
+            code, answer = yield deferToThread(_stats_of, box, never)
+            self.assertEqual(code, 200, answer)
+            self.assertEqual(
+                (answer["setup_complete"], answer["members"], answer["has_content"]),
+                (False, 0, False),
+            )
+            # Answered by the box that owns it, from the bucket (asked by the others).
+            self.assertEqual(answer.get("owner_source", answer["source"]), "bucket", answer)
+        self.assertFalse(any(b.awake(never) for b in boxes))  # nothing woken
+
+
+class SeaweedFSMeshStatsTests(MeshStatsTests):
+    """The same on SeaweedFS."""
+
+    skip = None if meshnet.weed_available() else "SeaweedFS's weed is not installed"
+
+    async def _bucket(self) -> None:
+        self.server = await s3servers.shared_server("seaweedfs")
+        self.bucket = await self.server.new_bucket()
+
+
+class MeshStatsErrorsTests(MeshTestCase):
+    """What a mesh box answers when the owner cannot, and when its own copy is stale (moto)."""
+
+    @inlineCallbacks
+    def test_an_unreachable_owner_is_an_error_never_never_woken(self):
+        host = f"u.{DOMAIN}"
+        _boxes, owner, others = yield self.one_space(host, message="hi")
+        assert owner.proc is not None
+        owner.proc.send_signal(signal.SIGSTOP)
+        try:
+            code, answer = yield deferToThread(_stats_of, others[0], host)
+            self.assertEqual((code, answer["reason"]), (503, "owner_unreachable"), answer)
+            self.assertEqual(answer["box"], normalise_member_url(owner.url))
+            self.assertNotIn("has_content", answer)
+            # Once it has left the view, the box that now answers for it knows only that the
+            # bucket holds it: still an error, never "never woken".
+            yield self.wait_for(lambda: _members(others[1]) == 2, timeout=20)
+            for box in others:
+                code, answer = yield deferToThread(_stats_of, box, host)
+                self.assertNotEqual(code, 200, answer)
+                self.assertNotIn("has_content", answer)
+        finally:
+            owner.proc.send_signal(signal.SIGCONT)
+
+    @inlineCallbacks
+    def test_a_stale_local_copy_is_not_answered(self):
+        """A box holds a cleanly slept copy (read, no content); the space is written elsewhere
+        while it is away. Back, it answers what the other box wrote, never its own copy."""
+        host = f"st.{DOMAIN}"
+        boxes = self.boxes(2)
+        for box in boxes:
+            box.add_space(host)
+        yield self.start(*boxes)
+        status, body, _ = yield self.req(boxes[0], host)  # a GET: woken on its owner, no content
+        self.assertEqual(status, 200, body)
+        a = next(b for b in boxes if b.awake(host))
+        b = next(b for b in boxes if b is not a)
+        yield deferToThread(a.admin_call, "POST", f"/sleep?host={host}", 30)
+        yield deferToThread(a.stop, signal.SIGTERM)
+        self.assertTrue(os.path.exists(os.path.join(a.data, f"{host}.db")))
+        status, body, _ = yield self.req(b, host, "/api/rooms/r/messages", "POST", b'{"body":"x"}')
+        self.assertEqual(status, 201, body)
+        a.start(a.settings)  # type: ignore[attr-defined]
+        yield self.wait_for(lambda: _members(a) == 2 and _members(b) == 2, timeout=20)
+        code, answer = yield deferToThread(_stats_of, a, host)
+        self.assertEqual((code, answer["has_content"], answer["source"]), (200, True, "owner"))
+        self.assertEqual(answer["box"], normalise_member_url(b.url))
+        # Slept there too. While b's beats still say it holds the space, b may answer (from its
+        # copy, the newest); then a, which owns it by the hash, answers: its own copy is older
+        # than the bucket's, so it says it does not know. Never the stale copy's numbers.
+        yield deferToThread(b.admin_call, "POST", f"/sleep?host={host}", 30)
+
+        def settled() -> bool:
+            answers = [_stats_of(box, host) for box in (a, b)]
+            for code, answer in answers:
+                assert code == 409 or answer["has_content"] is True, answer
+            return all(code == 409 and answer["reason"] == "not_local" for code, answer in answers)
+
+        yield self.wait_for(settled, timeout=10)
+
+
 class CliWithoutRouterTests(TestCase):
     """``lchat stats`` on a box whose router is not running reads the files itself."""
 
@@ -561,6 +914,35 @@ class CliWithoutRouterTests(TestCase):
 
     def test_help_lists_the_command(self) -> None:
         self.assertEqual(cli_main(["stats", "--help"]), 0)
+
+    def test_the_lines_say_where_a_mesh_answer_came_from(self) -> None:
+        base = {"host": "h", "hibernate": True, "setup_complete": True, "members": 1}
+        owner = describe({**base, "source": "owner", "box": PEER, "owner_source": "database"})
+        self.assertIn(f"from {PEER}, which holds or owns it (database)", owner[0])
+        bucket = describe({**base, "source": "bucket"})
+        self.assertIn("from the bucket: it has never woken on any box of the mesh", bucket[0])
+
+    async def test_mesh_box_without_router_refuses(self) -> None:
+        _data, env, registry = self.box()
+        _append(
+            env,
+            "LCHAT_HIBERNATE_BUCKET=file:/tmp/nowhere\nLCHAT_MESH_SELF=https://a.example:8443\n"
+            f"LCHAT_MESH_DOMAINS={DOMAIN}\nLCHAT_MESH_TOKEN={'t' * 32}\n",
+        )
+        registry.insert(route(f"h.{DOMAIN}", hibernate=True, status="ready"))
+        registry.insert(route("b.example", hibernate=True, status="ready"))
+        got = await deferToThread(_lchat, "stats", f"h.{DOMAIN}", "--json", "--env-file", env)
+        self.assertEqual(got.returncode, 1, got.stdout)
+        self.assertEqual(json.loads(got.stdout)["reason"], "no_router_mesh")
+        self.assertIn("is a mesh space and no router answers here", got.stderr)
+        # Outside the mesh's domains, the files here are still the truth.
+        got = await deferToThread(_lchat, "stats", "b.example", "--json", "--env-file", env)
+        self.assertEqual((got.returncode, json.loads(got.stdout)["source"]), (0, "registry"))
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
 
 
 def _clean_env() -> dict[str, str]:

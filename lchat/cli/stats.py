@@ -4,7 +4,10 @@ waking it (docs/hibernation.md, "Wake-free stats").
 The running router is asked (``GET /stats/<host>`` on its admin socket): it knows whether the
 space is awake and reads in its own process, where SQLite shares the locks of the connections
 its replicators hold. When no router answers, the command reads the registry and the database
-itself, with the same read-only code (:mod:`lchat.spacestats`), and says so.
+itself, with the same read-only code (:mod:`lchat.spacestats`), and says so — except for a mesh
+space on a mesh box (``LCHAT_MESH_SELF``): another box may have woken and written it since, and
+only a running router asks that box or the bucket, so the command refuses (``no_router_mesh``)
+rather than answer from this box's files.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from lchat import admin_client, hosts, spacestats
 from lchat.config import BoxConfig
 from lchat.handover.router import absent
+from lchat.mesh.placement import in_scope
 from lchat.registry import Registry
 
 SUMMARY = "a space's setup, member count and content, read without waking it"
@@ -89,6 +93,23 @@ def _read_here(
             "reason": "no_registry",
         }
     route = open_registry(cfg).get(host)
+    if (
+        cfg.mesh is not None
+        and route is not None
+        and route.kind == "instance"
+        and route.hibernate
+        and not route.elsewhere
+        and in_scope(host, cfg.mesh.domains)
+    ):
+        # Never from this box's files alone: the space may have woken and been written on any
+        # box since (an empty local view is not "never woken"; a reaper must skip, not reap).
+        return 503, {
+            "host": host,
+            "error": f"{host} is a mesh space and no router answers here: only a running router "
+            "asks the box that holds or owns it (or the bucket). Start the router, or run "
+            "`lchat stats` on another box of the mesh",
+            "reason": "no_router_mesh",
+        }
     state = "asleep" if no_router and route is not None and route.hibernate else None
     try:
         stats = spacestats.stats_of(route, host, cfg.data_dir, state)
@@ -100,8 +121,13 @@ def _read_here(
 def describe(body: dict[str, Any]) -> list[str]:
     """The human lines for a 200 body."""
     host = body.get("host", "?")
-    if body.get("source") == "registry":
+    source = body.get("source")
+    if source == "registry":
         where = "from its registry row: it has never woken on this box"
+    elif source == "bucket":
+        where = "from the bucket: it has never woken on any box of the mesh"
+    elif source == "owner":
+        where = f"from {body.get('box')}, which holds or owns it ({body.get('owner_source')})"
     else:
         where = f"from {body.get('db')}, read-only"
     kind = "hibernating" if body.get("hibernate") else "always-on"

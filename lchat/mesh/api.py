@@ -58,6 +58,13 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     :mod:`lchat.mesh.fleet` (state, version, awake-since, next-due, replication lag); 404 when
     the router serves no such view. Reads only.
 
+``GET /api/mesh/stats/{host}``
+    This box's own wake-free stats of ``host`` (:meth:`lchat.spacestats.SpaceStats.answer_here`:
+    never forwarded again, never a wake), with its status (200, or the error's: 404
+    ``unknown_host``, 409 ``not_local``, 503 ...), the body carrying ``box``: this box's
+    ``LCHAT_MESH_SELF``. A peer asks it of the box that holds or owns a space (docs/mesh.md,
+    "Wake-free stats on a mesh"). 404 without a ``reason`` when the router serves no stats.
+
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
 is 401, a wrong method 405, any other path 404.
 
@@ -102,7 +109,13 @@ from lchat import builds, envfile, hosts
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import tokens
-from lchat.mesh.client import ROUTE_PATH, ROUTES_PATH, replicable_env, route_payload
+from lchat.mesh.client import (
+    ROUTE_PATH,
+    ROUTES_PATH,
+    STATS_PATH,
+    replicable_env,
+    route_payload,
+)
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
@@ -130,6 +143,8 @@ class Options(TypedDict, total=False):
     # here, so no ``lives_at`` is accepted.
     members: Callable[[str], bool] | None
     clock: Callable[[], float]  # the failed-authentication limiter's (time.monotonic)
+    # GET /api/mesh/stats/<host>: this box's own answer (lchat.spacestats.SpaceStats.answer_here)
+    stats: Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]] | None
 
 
 # (A peer with a stale token during a botched rotation retries far less often than one 401 every
@@ -243,6 +258,7 @@ class MeshAPI(Resource):
         self._spaces = options.get("spaces")
         self._beats = options.get("beats")
         self._members = options.get("members")
+        self._stats = options.get("stats")
         self._limiter = AuthLimiter(options.get("clock", time.monotonic))
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
@@ -254,6 +270,8 @@ class MeshAPI(Resource):
             op, allowed = _OPS[path]
         elif path.startswith(ROUTE_PATH.encode() + b"/") and path.count(b"/") == 4:
             op, allowed, host_segment = "delete", b"DELETE", path.rsplit(b"/", 1)[1]
+        elif path.startswith(STATS_PATH.encode() + b"/") and path.count(b"/") == 4:
+            op, allowed, host_segment = "stats", b"GET", path.rsplit(b"/", 1)[1]
         else:
             return self._answer(request, "unknown", "not_found", 404, {"error": "not found"})
         if request.method != allowed:
@@ -301,6 +319,8 @@ class MeshAPI(Resource):
             return self._start(request, op, lambda: self._delete(host), host)
         if op == "beat":
             return self._beat(request)
+        if op == "stats":
+            return self._space_stats(request, host_segment)
         if op == "spaces":
             if self._spaces is None:
                 return self._answer(request, op, "not_found", 404, {"error": "not served here"})
@@ -341,6 +361,31 @@ class MeshAPI(Resource):
             self._finish(request, still, op, "error", 500, _INTERNAL)
 
         d.addCallbacks(done, failed)
+        return NOT_DONE_YET
+
+    def _space_stats(self, request: Request, segment: bytes) -> bytes | int:
+        """``GET /api/mesh/stats/{host}`` (the module docstring): answered on the reactor; the
+        read itself runs in the router's threads (SpaceStats)."""
+        op = "stats"
+        if self._stats is None:
+            return self._answer(request, op, "not_found", 404, {"error": "not served here"})
+        try:
+            host = hosts.normalise(segment.decode("ascii"))
+        except (UnicodeDecodeError, hosts.InvalidHost) as e:
+            return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
+        still = answerable(request)
+        box = normalise_member_url(self._mesh.self_url)
+
+        def done(result: tuple[int, dict[str, Any]]) -> None:
+            code, body = result
+            outcome = "ok" if code == 200 else str(body.get("reason") or "error")
+            self._finish(request, still, op, outcome, code, {**body, "box": box})
+
+        def failed(failure: Failure) -> None:
+            _log.failure("mesh: the stats of {host} failed", failure, host=host)
+            self._finish(request, still, op, "error", 500, _INTERNAL)
+
+        Deferred.fromCoroutine(self._stats(host)).addCallbacks(done, failed)
         return NOT_DONE_YET
 
     # --- checks, on the reactor (cheap) -------------------------------------------------------

@@ -45,6 +45,7 @@ from lchat.webutil import BytesProducer
 
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
+STATS_PATH = "/api/mesh/stats"  # GET <STATS_PATH>/<host>: a space's wake-free stats, local only
 REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
 # Absent in the payloads of older peers, an optional field means "keep this box's value"
 # (lchat.mesh.api). lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with
@@ -202,6 +203,45 @@ async def get_json(
     ``MeshCallError.status`` is None exactly when no HTTP answer came at all."""
     _, answer = await _call("GET", peer_url, path, token, options)
     return answer
+
+
+async def ask_stats(
+    peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
+) -> tuple[int, dict[str, Any]]:
+    """``GET /api/mesh/stats/{host}``: the peer's own wake-free stats of ``host``
+    (lchat.spacestats), whatever its status: (status, its JSON object; ``{}`` when the answer
+    was not one). A 404 without a ``reason`` is a peer that has no such endpoint (an older
+    lchat). Raises :class:`MeshCallError` only when no HTTP answer came in time."""
+    reactor = options["reactor"]
+    timeout = options.get("timeout", DEFAULT_TIMEOUT)
+    path = f"{STATS_PATH}/{hosts.normalise(host)}"
+    try:
+        url = check_peer_url(peer_url) + path
+    except ValueError as e:
+        raise MeshCallError(peer_url, str(e)) from e
+    headers: dict[bytes | str, bytes | str] = {
+        "Authorization": f"Bearer {token}",
+        "Accept": "application/json",
+    }
+    client = options.get("http") or HTTPClient(
+        _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
+    )
+    code, raw = await _exchange(
+        client,
+        "GET",
+        url,
+        headers,
+        None,
+        reactor=reactor,
+        timeout=timeout,
+        limit=MAX_MESSAGE,
+        fail=lambda what: MeshCallError(peer_url, f"GET {path}: {what}"),
+    )
+    try:
+        parsed = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        parsed = None
+    return code, parsed if isinstance(parsed, dict) else {}
 
 
 class PeerBeats:

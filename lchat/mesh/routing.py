@@ -156,6 +156,27 @@ class MeshRouter:
             self._owners[route.host] = url
         return url
 
+    @property
+    def self_url(self) -> str:
+        """This box's ``LCHAT_MESH_SELF``, normalised as member URLs are."""
+        return self._self_url
+
+    async def answering_box(self, route: Route) -> str:
+        """The member URL that answers for ``route`` now (wake-free stats, lchat.spacestats):
+        the live box holding it awake (a peer's word, else its lease), else the owner by the
+        hash; :attr:`self_url` when that is this box. Never forwards and never wakes anything;
+        at most one GET of ``lock.json`` (the cache :meth:`route` shares). A lease naming a box
+        that is not live names nobody to ask (its spaces fail over to the owner)."""
+        host = route.host
+        told = self._membership.holding(host)
+        holder = told if told is not None else await self._holder(host)
+        if holder is not None and (
+            holder == self._self_url
+            or holder in {placement.normalise_member_url(m.url) for m in self._live()}
+        ):
+            return holder
+        return self.owner_url(route)
+
     def is_owner(self, route: Route) -> bool:
         """Due wakes fire only on the owner of an in-scope space (anywhere for the rest), and
         never here for a space whose replica is in another region's bucket."""
