@@ -81,6 +81,58 @@ class StubClientTests(SynchronousTestCase):
         self.assertIn("no answer within 2s", str(error))
 
 
+class StatsCallTests(SynchronousTestCase):
+    """``GET /api/mesh/stats/<host>`` (lchat.mesh.api, client.ask_stats): the peer's own answer
+    with its status and ``box``, whatever the status; a peer without the endpoint is a 404
+    without a ``reason`` (what lchat.spacestats calls ``peer_too_old``)."""
+
+    def setUp(self) -> None:
+        root = tempfile.mkdtemp(prefix="ms", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        self.box = Box(root, "box-1")
+        self.asked: list[str] = []
+        self.reactor = MemoryReactorClock()
+
+    def peer(self, stats: Any) -> Any:
+        site = api.mesh_site(
+            self.box.registry, self.box.cfg(), lambda _: None, run_in_thread=inline, stats=stats
+        )
+        return StubTreq(site.resource)
+
+    def ask(self, http: Any, token: str = TOKEN, host: str = HOST) -> tuple[int, dict[str, Any]]:
+        d = Deferred.fromCoroutine(
+            client.ask_stats(PEER, token, host, reactor=self.reactor, http=http)
+        )
+        http.flush()
+        result: tuple[int, dict[str, Any]] = self.successResultOf(d)
+        return result
+
+    def test_the_peers_answer_and_its_box(self) -> None:
+        async def stats(host: str) -> tuple[int, dict[str, Any]]:
+            self.asked.append(host)
+            if host == HOST:
+                return 200, {"host": host, "has_content": True, "source": "database"}
+            return 409, {"host": host, "error": "x", "reason": "not_local"}
+
+        http = self.peer(stats)
+        box = self.box.cfg().mesh.self_url  # type: ignore[union-attr]
+        code, body = self.ask(http)
+        self.assertEqual(code, 200)
+        self.assertEqual(
+            body, {"host": HOST, "has_content": True, "source": "database", "box": box}
+        )
+        code, body = self.ask(http, host="Other." + HOST)  # (normalised by the caller)
+        self.assertEqual((code, body["reason"], body["box"]), (409, "not_local", box))
+        self.assertEqual(self.asked, [HOST, "other." + HOST])
+        code, body = self.ask(http, token="wrong-" + TOKEN)
+        self.assertEqual((code, "reason" in body), (401, False))
+
+    def test_a_peer_without_stats_answers_404_without_a_reason(self) -> None:
+        code, body = self.ask(self.peer(None))
+        self.assertEqual(code, 404)
+        self.assertNotIn("reason", body)
+
+
 class _Silent(Resource):
     isLeaf = True
 

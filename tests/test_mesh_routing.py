@@ -770,3 +770,41 @@ class DrainTests(_Base):
 
 def _deferred(target: Target | Deferred[Target]) -> Deferred[Target]:
     return target if isinstance(target, Deferred) else succeed(target)
+
+
+class AnsweringBoxTests(_Base):
+    """``answering_box`` (lchat.spacestats asks it which box answers a space's stats): the live
+    holder (a peer's word, else the lease), else the owner by the hash; never a wake."""
+
+    def box(self, mesh: MeshRouter, host: str) -> str:
+        d = Deferred.fromCoroutine(mesh.answering_box(hibernating(host)))
+        result: str = self.successResultOf(d)
+        return result
+
+    def test_the_holder_while_it_is_live_else_the_owner(self) -> None:
+        view = View(Peer(SELF), Peer(B), Peer(C))
+        mesh = self.mesh(view)
+        mine, bs = host_owned_by(SELF, SELF, B, C), host_owned_by(B, SELF, B, C)
+        self.assertEqual((self.box(mesh, mine), self.box(mesh, bs)), (SELF, B))
+        self.assertEqual(mesh.self_url, SELF)
+        for host in (mine, bs):
+            self.hold_lease(host, placement.normalise_member_url(C))
+        self.clock.advance(2.0)  # (past the holder cache)
+        self.assertEqual(self.box(mesh, mine), placement.normalise_member_url(C))
+        # A holder that left the view names nobody to ask: the owner by the hash answers.
+        view.read(Peer(SELF), Peer(B))
+        self.clock.advance(2.0)
+        self.assertEqual((self.box(mesh, mine), self.box(mesh, bs)), (SELF, B))
+        self.assertEqual(self.served, [])  # nothing woken, nothing served
+
+    def test_a_peers_word_needs_no_bucket_read(self) -> None:
+        host = host_owned_by(SELF, SELF, B)
+
+        class Told(View):
+            def holding(self, asked: str) -> str | None:
+                return B if asked == host else None
+
+        mesh = self.mesh(Told(Peer(SELF), Peer(B)))
+        reads = self.disk.calls
+        self.assertEqual(self.box(mesh, host), B)
+        self.assertEqual(self.disk.calls, reads)
