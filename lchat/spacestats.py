@@ -97,6 +97,10 @@ OWNER_TIMEOUT = 5.0  # seconds the owner has to answer GET /api/mesh/stats/<host
 LIST_TIMEOUT = 5.0  # seconds the LIST of a space's prefix may take
 WARN_EVERY = 60.0  # seconds between warnings about one peer (or the bucket)
 
+# Errors decided by the registry row and the files beside the database, before any read of it.
+_ROW_REASONS = frozenset(
+    {"unknown_host", "service", "elsewhere", "no_database", "not_local", "waking"}
+)
 _log = Logger(namespace="lchat.stats")
 _answers = Counter(
     "lchat_stats_answers_total",
@@ -474,7 +478,7 @@ class SpaceStats:
                 stats_of, route, host, self.data_dir, state
             )
         except StatsError as e:
-            _answers.labels("registry" if e.code == 404 else "database", e.reason).inc()
+            _answers.labels("registry" if e.reason in _ROW_REASONS else "database", e.reason).inc()
             return e.code, e.to_json(host)
         _answers.labels(stats.source, "ok").inc()
         return 200, stats.to_json()
@@ -510,7 +514,8 @@ class SpaceStats:
                 409,
                 "not_local",
                 f"{host} sleeps and this box answers for it, but {why}: its stats are unknown "
-                "until it wakes (`lchat wake`, then ask again)",
+                "until it next wakes (a request, or the admin socket's POST /wake?host=), then "
+                "ask again",
             ).to_json(host)
         try:
             counts = await self.routes.run_in_thread(read_database, db)

@@ -24,11 +24,12 @@ import sys
 import tempfile
 import time
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
+from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import admin_client, spacestats
@@ -686,6 +687,32 @@ class MeshAnswerTests(TestCase):
         self.answers[PEER] = (404, {"host": self.H, "error": "x", "reason": "unknown_host"})
         code, body = await self.stats(self.row()).answer(self.H)
         self.assertEqual((code, body["reason"], body["box"]), (404, "unknown_host", PEER))
+
+    async def test_an_unreachable_owner_is_warned_of_once_a_minute(self) -> None:
+        events: list[LogEvent] = []
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+        def warnings() -> list[str]:
+            return [
+                formatEvent(e)
+                for e in events
+                if e.get("log_namespace") == "lchat.stats" and e["log_level"] == LogLevel.warn
+            ]
+
+        self.box = PEER
+        self.answers[PEER] = MeshCallError(PEER, "connection refused")
+        stats = self.stats(self.row())
+        for _ in range(3):
+            await stats.answer(self.H)
+        self.assertEqual(len(warnings()), 1, warnings())
+        self.assertIn(
+            f"stats: {self.H} asked of its owner {PEER}: owner_unreachable", warnings()[0]
+        )
+        self.clock.advance(spacestats.WARN_EVERY)
+        await stats.answer(self.H)
+        self.assertEqual(len(warnings()), 2)
 
     async def test_answer_here_never_asks_a_peer(self) -> None:
         self.box = PEER
