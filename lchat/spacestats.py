@@ -31,8 +31,9 @@ the truth ("the warm cache is the newest truth *on one box*"). :meth:`SpaceStats
    (``source`` ``bucket``) when the prefix is empty and nothing of it is on this box, and 409
    ``not_local`` otherwise; a bucket out of reach is 503 ``bucket_unreachable``.
 
-**Invariant (skip-never-reap):** on a mesh, :data:`NEVER_WOKEN` is answered only from an empty
-bucket prefix read just now; whatever cannot be known is an error, never a guess.
+**Invariant (skip-never-reap):** for a mesh space, :data:`NEVER_WOKEN` is answered only from an
+empty bucket prefix read just now (by the box that answers for it); whatever cannot be known is an
+error, never a guess.
 
 Invariants of the read (:func:`read_database`):
 
@@ -357,7 +358,8 @@ class LocalView:
 
 
 def local_view(db: str) -> LocalView:
-    """Blocking (stats only, never an open of the database: the module docstring)."""
+    """Blocking: ``stat`` calls and a read of the clean-sleep marker, never an open of the
+    database or its ``-wal``/``-shm`` (the module docstring)."""
     state = local_state(db)
     if state.present:
         return LocalView(True, state.marker_txid)
