@@ -415,6 +415,10 @@ class MeshStats:
     store: ObjectStore  # the hibernation bucket
     replica: Callable[[str], str]  # a host's replica prefix (HibernateConfig.key)
     clock: IReactorTime  # the timeouts, the warnings' pacing
+    # Did this box's last beat to that peer go unanswered (Membership.peer_unreachable)? Then
+    # the answer is owner_unreachable at once, not after OWNER_TIMEOUT: a reaper walking the
+    # spaces of a frozen box must not wait 5 s on each.
+    unreachable: Callable[[str], bool] = lambda url: False
 
     def meshed(self, route: Route | None) -> bool:
         """Is ``route`` a space any box of the mesh may run (so no box alone knows it)?"""
@@ -531,6 +535,10 @@ class SpaceStats:
         """The answer of ``box``, which holds or owns ``host``: passed on with ``box`` (and
         ``source`` ``owner`` on a 200, the owner's own in ``owner_source``); no answer is an
         error (skip-never-reap), never "never woken"."""
+        if mesh.unreachable(box):
+            return self._owner_error(
+                box, host, "owner_unreachable", "its beats go unanswered (it is out of reach)"
+            )
         asking = Deferred.fromCoroutine(mesh.ask(box, host))
         asking.addTimeout(OWNER_TIMEOUT, mesh.clock)
         try:

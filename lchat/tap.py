@@ -557,6 +557,9 @@ def _space_stats(
         store=hibernation.store,
         replica=hib.key,
         clock=reactor,
+        unreachable=hibernation.membership.peer_unreachable
+        if hibernation.membership is not None
+        else lambda url: False,
     )
     return SpaceStats(routes, cfg.data_dir, state, seam)
 

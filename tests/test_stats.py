@@ -599,6 +599,7 @@ class MeshAnswerTests(TestCase):
         self.box = SELF  # what answering_box says
         self.clock = Clock()
         self.states: dict[str, str] = {}
+        self.out_of_reach: set[str] = set()  # peers whose beats go unanswered
 
     def stats(self, *rows: Route, store: Any = None) -> SpaceStats:
         registry = Registry(os.path.join(self.data, "registry.db"), clock=time.time)
@@ -625,6 +626,7 @@ class MeshAnswerTests(TestCase):
             store=store or self.store,
             replica=lambda host: f"p/{host}",
             clock=self.clock,
+            unreachable=lambda url: url in self.out_of_reach,
         )
         return SpaceStats(routes, self.data, lambda h: self.states.get(h, "asleep"), seam)
 
@@ -679,6 +681,14 @@ class MeshAnswerTests(TestCase):
         self.clock.advance(spacestats.OWNER_TIMEOUT)
         code, body = self.successResultOf(d)
         self.assertEqual((code, body["reason"]), (503, "owner_unreachable"))
+        # A peer whose beats go unanswered: at once, without asking it.
+        self.out_of_reach.add(PEER)
+        asked = len(self.asked)
+        code, body = await self.stats(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"]), (503, "owner_unreachable"))
+        self.assertIn("its beats go unanswered", body["error"])
+        self.assertEqual(len(self.asked), asked)
+        self.out_of_reach.clear()
         # An older lchat: 404 without a reason.
         self.answers[PEER] = (404, {"error": "not found"})
         code, body = await self.stats(self.row()).answer(self.H)
