@@ -449,6 +449,7 @@ def _front_door(
             members=membership.known if membership is not None else None,
             clock=reactor.seconds,
             stats=stats.answer_here if stats is not None else None,
+            holds=hibernation.activator if hibernation is not None else None,
         )
         listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)

@@ -8,6 +8,8 @@
   members and answers scripted for ``lchat relocate``); :class:`RecordingRecords`: DNS.
 - the bucket is a real FileStore in a temp directory (:func:`file_bucket`); so are the region
   buckets ``lchat relocate`` copies between (:func:`region_stores`).
+- :class:`StubPeerHolds`: ``lchat relocate``'s calls to peers, the real mesh client to peers'
+  real mesh APIs in memory, each over a :class:`PeerActivator` (the real operator holds).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from attrs import define, field
+from treq.testing import StubTreq
 from twisted.internet import task
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.web.server import NOT_DONE_YET
@@ -31,7 +34,9 @@ from lchat.cli.move_dns import MovedDNS
 from lchat.dns import AddressChange
 from lchat.handover import HandoverError
 from lchat.handover.seams import Clock, RegionStores, StoreBucket
+from lchat.hibernation.capacity import Holds
 from lchat.hibernation.space import WakeFailed
+from lchat.mesh import client as mesh_client
 from lchat.mesh.members import Member
 from lchat.objstore.file import FileStore
 from lchat.objstore.where import Where
@@ -306,3 +311,100 @@ class RecordingRecords:
         after = tuple(sorted(urlsplit(u).hostname or "" for u in member_urls))
         moved = MovedDNS(AddressChange(host, "Z1", (), after, 60, "C1"))
         return moved.line, moved.as_json()
+
+
+class PeerActivator:
+    """A peer router's activator as ``POST /api/mesh/hold`` drives it: the real operator holds
+    (:class:`lchat.hibernation.capacity.Holds`) on the fake clock; sleeping an awake space runs
+    ``on_sleep`` (its stand-down: the flush and the lease's release); ``sleep_hangs``: a sleep
+    that never ends."""
+
+    def __init__(self, reactor: task.Clock) -> None:
+        self.held = Holds(reactor)
+        self.awake: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.on_sleep: Callable[[str], None] = lambda host: None
+        self.sleep_hangs = False
+
+    def hold(self, host: str, seconds: float, why: str) -> None:
+        self.calls.append(("hold", host))
+        self.held.hold(host, seconds, why)
+
+    def release_hold(self, host: str) -> bool:
+        self.calls.append(("release", host))
+        return self.held.release(host)
+
+    def sleep(self, host: str, reason: str) -> Deferred[None]:
+        self.calls.append(("sleep", host))
+        if self.sleep_hangs:
+            return Deferred()
+        if host in self.awake:
+            self.awake.discard(host)
+            self.on_sleep(host)
+        return succeed(None)
+
+    def state(self, host: str) -> str:
+        return "awake" if host in self.awake else "asleep"
+
+
+class StubPeerHolds:
+    """:class:`lchat.handover.seams.PeerHolds` through the real mesh client
+    (:mod:`lchat.mesh.client`) to peers' real mesh APIs (:mod:`lchat.mesh.api`) in memory
+    (``treq.testing.StubTreq``), on the fake clock: a peer whose answer does not come at once
+    makes the call's whole timeout pass; one in ``down`` is refused at once, as a closed port."""
+
+    def __init__(self, reactor: task.Clock, token: str) -> None:
+        self.reactor: Any = reactor  # the calls' clock (the stub does their I/O)
+        self.token = token
+        self.apis: dict[str, Any] = {}  # peer URL -> StubTreq over its MeshAPI
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    def add(self, url: str, resource: Any) -> None:
+        self.apis[url] = StubTreq(resource)
+
+    async def hold(
+        self,
+        reactor: Any,
+        peer_url: str,
+        host: str,
+        seconds: float,
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]:
+        self.calls.append(("hold", peer_url))
+        http = self._http(peer_url)
+        call = mesh_client.hold_space(
+            peer_url, self.token, host, seconds, reactor=self.reactor, http=http, timeout=timeout
+        )
+        return await self._answer(http, call, timeout)
+
+    async def release(
+        self,
+        reactor: Any,
+        peer_url: str,
+        host: str,
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]:
+        self.calls.append(("release", peer_url))
+        http = self._http(peer_url)
+        call = mesh_client.release_space(
+            peer_url, self.token, host, reactor=self.reactor, http=http, timeout=timeout
+        )
+        return await self._answer(http, call, timeout)
+
+    def _http(self, peer_url: str) -> Any:
+        if peer_url in self.down:
+            raise mesh_client.MeshCallError(peer_url, "POST: Connection refused")
+        return self.apis[peer_url]
+
+    async def _answer(
+        self,
+        http: Any,
+        call: Coroutine[Any, Any, tuple[int, dict[str, Any]]],
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]:
+        d = Deferred.fromCoroutine(call)
+        http.flush()
+        if not d.called:
+            self.reactor.advance(timeout)  # the peer never answers: the client's timeout passes
+        return await d

@@ -17,6 +17,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from lchat.mesh import api, client
 from tests.fakes import inline
+from tests.handover_fakes import PeerActivator
 from tests.test_mesh_api import HOST, TOKEN, Box, payload
 
 PEER = "http://box-1.example.net"
@@ -131,6 +132,81 @@ class StatsCallTests(SynchronousTestCase):
         code, body = self.ask(self.peer(None))
         self.assertEqual(code, 404)
         self.assertNotIn("reason", body)
+
+
+class HoldCallTests(SynchronousTestCase):
+    """``POST /api/mesh/hold`` and ``/release`` (lchat.mesh.api, client.hold_space and
+    release_space) over the real operator holds (lchat.hibernation.capacity.Holds, in
+    tests.handover_fakes.PeerActivator) on a fake clock: what a malformed call gets, and that
+    nothing is held then."""
+
+    def setUp(self) -> None:
+        root = tempfile.mkdtemp(prefix="ms", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        self.box = Box(root, "box-1")
+        self.box.add(HOST, hibernate=True)
+        self.reactor = MemoryReactorClock()
+        self.activator = PeerActivator(self.reactor)
+        site = api.mesh_site(
+            self.box.registry,
+            self.box.cfg(),
+            lambda _: None,
+            run_in_thread=inline,
+            holds=self.activator,
+        )
+        self.http: Any = StubTreq(site.resource)
+
+    def answer(self, call: Any) -> tuple[int, dict[str, Any]]:
+        d = Deferred.fromCoroutine(call)
+        self.http.flush()
+        result: tuple[int, dict[str, Any]] = self.successResultOf(d)
+        return result
+
+    def post(self, path: str, body: bytes, token: str = TOKEN) -> int:
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        d = self.http.post(PEER + path, data=body, headers=headers)
+        self.http.flush()
+        code: int = self.successResultOf(d).code
+        return code
+
+    def test_held_asleep_until_released(self) -> None:
+        self.activator.awake.add(HOST)
+        kw = {"reactor": self.reactor, "http": self.http}
+        code, body = self.answer(client.hold_space(PEER, TOKEN, HOST.upper(), 90, **kw))
+        box = self.box.cfg().mesh.self_url  # type: ignore[union-attr]
+        self.assertEqual(
+            (code, body), (200, {"host": HOST, "held": 90.0, "state": "asleep", "box": box})
+        )
+        self.assertEqual(self.activator.calls, [("hold", HOST), ("sleep", HOST)])
+        self.assertEqual(self.activator.held.held_asleep(), {HOST: 90.0})
+        self.assertEqual(
+            self.answer(client.release_space(PEER, TOKEN, HOST, **kw)),
+            (200, {"host": HOST, "released": True}),
+        )
+        self.assertEqual(
+            self.answer(client.release_space(PEER, TOKEN, HOST, **kw)),
+            (200, {"host": HOST, "released": False}),
+        )
+        code, body = self.answer(client.hold_space(PEER, TOKEN, "other." + HOST, 90, **kw))
+        self.assertEqual((code, body["reason"]), (404, "unknown_host"))
+
+    def test_malformed_or_unauthorised_calls_hold_nothing(self) -> None:
+        for body in (
+            b'{"host": "a.chat.example.com", "seconds": 0}',
+            b'{"host": "a.chat.example.com", "seconds": 3601}',
+            b'{"host": "a.chat.example.com", "seconds": true}',
+            b'{"host": "a.chat.example.com", "seconds": "60"}',
+            b'{"host": "a.chat.example.com"}',
+            b'{"host": "a.chat.example.com", "seconds": 60, "why": "x"}',
+            b'{"host": "not a host", "seconds": 60}',
+            b"[1]",
+            b"{",
+        ):
+            self.assertEqual(self.post("/api/mesh/hold", body), 400, body)
+        self.assertEqual(self.post("/api/mesh/release", b'{"host": 1}'), 400)
+        ok = b'{"host": "a.chat.example.com", "seconds": 60}'
+        self.assertEqual(self.post("/api/mesh/hold", ok, token="wrong-" + TOKEN), 401)
+        self.assertEqual(self.activator.calls, [])
 
 
 class _Silent(Resource):

@@ -199,7 +199,9 @@ class RelocateTests(TestCase):
         The keys are given in an env file: the process environment must not carry moto's."""
         cfg = self.config()
         out, err = io.StringIO(), io.StringIO()
-        args = argparse.Namespace(host=HOST, to=to, json=as_json, timeout=60.0, move_dns=False)
+        args = argparse.Namespace(
+            host=HOST, to=to, json=as_json, timeout=60.0, move_dns=False, source=""
+        )
 
         def call() -> int:
             with redirect_stdout(out), redirect_stderr(err):

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+from prometheus_client import REGISTRY
 from twisted.internet.defer import Deferred, fail
 
 from lchat import admin_client, config, lease
 from lchat.handover.relocate import Relocation
+from lchat.mesh import api
 from lchat.objstore import StoreUnavailable
 from lchat.objstore.file import FileBucket, FileStore
 from lchat.objstore.where import Where
@@ -25,12 +27,15 @@ from lchat.threads import RunInThread
 from tests.fakes import inline
 from tests.handover_fakes import (
     InMemoryAdmin,
+    PeerActivator,
     RecordingRecords,
+    StubPeerHolds,
     clock_of,
     member,
     region_stores,
 )
 from tests.test_handover import HandoverCase
+from tests.test_mesh_api import Box as MeshBox
 
 HOST = "h.example.com"
 FI_BOX = "https://203.0.113.9"
@@ -66,6 +71,7 @@ class RelocateCase(HandoverCase):
         self.disk: RunInThread = inline  # the region buckets' thread runner
         self.steps: dict[str, Any] = {}
         self.printed: list[str] = []
+        self.peer_holds = StubPeerHolds(self.reactor, MESH["LCHAT_MESH_TOKEN"])
 
     def mesh(self, **extra: str) -> None:
         self.configure(**{**self.settings, **MESH, **extra})
@@ -95,15 +101,23 @@ class RelocateCase(HandoverCase):
             self.say,
             report,
             clock=clock_of(self.reactor),
+            peer_holds=self.peer_holds,
         )
 
     def relocate(
-        self, to: str = "fi", *, move_dns: bool = False, cfg: config.BoxConfig | None = None
+        self,
+        to: str = "fi",
+        *,
+        move_dns: bool = False,
+        cfg: config.BoxConfig | None = None,
+        source: str = "",
     ) -> int:
-        return self.relocation(cfg)(HOST, to, move_dns=move_dns, timeout=600.0)
+        return self.relocation(cfg)(HOST, to, move_dns=move_dns, timeout=600.0, source=source)
 
-    def refused_move(self, *fragments: str, to: str = "fi", move_dns: bool = False) -> str:
-        return self.refused(lambda: self.relocate(to, move_dns=move_dns), *fragments)
+    def refused_move(
+        self, *fragments: str, to: str = "fi", move_dns: bool = False, source: str = ""
+    ) -> str:
+        return self.refused(lambda: self.relocate(to, move_dns=move_dns, source=source), *fragments)
 
     def home(self) -> str:
         route = self.row(HOST)
@@ -201,11 +215,34 @@ class CopyTests(RelocateCase):
         copied = [i.key for i in FileBucket(self.ie).list(f"prod-fi/{HOST}/")]
         self.assertEqual(copied, [f"prod-fi/{HOST}/{snapshot(5)}"])
 
-    def test_a_space_without_a_home_region_moves_from_this_boxs_bucket(self) -> None:
+    def test_a_space_without_a_home_region_needs_from_under_per_region_buckets(self) -> None:
+        self.registry.update(HOST, home_region="")
+        self.refused_move(
+            f"{HOST} has no home_region, and the regions keep their replicas in different "
+            f"buckets (LCHAT_REGION_BUCKETS: fi, ie): say which region's bucket holds it with "
+            f"--from REGION; nothing was copied or flipped"
+        )
+        self.assertEqual(self.admin.calls, [])
+        self.assertEqual(self.keys(self.fi), [])
+        self.assertEqual(self.relocate(source="ie"), 0)
+        self.assertEqual(self.printed[0], f"relocated {HOST}: ie → fi")
+        self.assertEqual(self.keys(self.fi), [snapshot(5)])
+
+    def test_from_must_agree_with_the_home_region(self) -> None:
+        self.refused_move(
+            f"--from fi: {HOST}'s home_region is ie, so it moves from there: drop --from",
+            to="de",
+            source="fi",
+        )
+        self.refused_move("--from 'i e' must be letters, digits", source="i e")
+        self.assertEqual(self.relocate(source="ie"), 0)  # the same region: fine
+        self.assertEqual(self.home(), "fi")
+
+    def test_a_shared_bucket_needs_no_from(self) -> None:
+        self.configure(LCHAT_HIBERNATE_BUCKET=f"file:{self.ie}")
         self.registry.update(HOST, home_region="")
         self.assertEqual(self.relocate(), 0)
         self.assertEqual(self.printed[0], f"relocated {HOST}: (no region) → fi")
-        self.assertEqual(self.keys(self.fi), [snapshot(5)])
 
 
 class CopyRefusalTests(RelocateCase):
@@ -313,6 +350,7 @@ class RouterTests(RelocateCase):
         self.assertTrue(
             self.said(f"note: the router answered 503 to /sleep for {HOST}; checking the lease")
         )
+        self.assertEqual(self.activator.holds, {})  # placed before the sleep failed: lifted
 
     def test_a_sleep_that_takes_too_long_lifts_the_hold_and_copies_nothing(self) -> None:
         self.activator.states[HOST] = "awake"
@@ -514,3 +552,147 @@ class RefusalTests(RelocateCase):
 def _calls(f: Callable[..., Any], name: str) -> bool:
     """Whether the FileStore's thread call ``f`` (a lambda over its FileBucket) is ``name``."""
     return name in f.__code__.co_names
+
+
+PEER = "http://ie1.example.net"  # a box of region ie (tests.test_mesh_api.Box's URL form)
+
+
+class FromAnyBoxTests(RelocateCase):
+    """Run on ie0 while the space is awake on the peer ie1 (its lease in ie's bucket): ie1's
+    router, reached through its real mesh API, sleeps it and holds it asleep for the move."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.mesh()
+        self.peers.live = [
+            member(u, r) for u, r in [(MESH["LCHAT_MESH_SELF"], "ie"), (FI_BOX, "fi"), (PEER, "ie")]
+        ]
+        box = MeshBox(self.root, "ie1", LCHAT_MESH_TOKEN=MESH["LCHAT_MESH_TOKEN"])
+        box.add(HOST, hibernate=True, home_region="ie")
+        self.peer = PeerActivator(self.reactor)
+        self.peer.awake.add(HOST)
+        self.peer.on_sleep = lambda host: FileBucket(self.ie).delete(self.lock)  # its release
+        self.peer_api = api.MeshAPI(
+            box.registry, box.cfg(), lambda why: None, run_in_thread=inline, holds=self.peer
+        )
+        self.peer_holds.add(PEER, self.peer_api)
+        self.lock = lease.lease_key("", HOST)
+        ie = FileStore(self.reactor, self.ie, inline)
+        taken = lease.acquire(ie, self.lock, PEER, 900.0, monotonic=self.reactor.seconds)
+        self.successResultOf(Deferred.fromCoroutine(taken))
+
+    def calls(self, op: str, outcome: str) -> float:
+        labels = {"op": op, "outcome": outcome}
+        return REGISTRY.get_sample_value("lchat_mesh_route_calls_total", labels) or 0.0
+
+    def test_the_peer_sleeps_and_holds_it_the_move_goes_on_then_both_holds_lift(self) -> None:
+        held, released = self.calls("hold", "held"), self.calls("release", "released")
+        self.assertEqual(self.relocate(), 0)
+        self.assertEqual(self.home(), "fi")
+        self.assertEqual(self.keys(self.fi), [snapshot(5)])  # no lock copied
+        self.assertNotIn(lease.LOCK_NAME, self.keys(self.ie))
+        # Held here first, then asleep and held on the peer (after the fence met its lease);
+        # both lifted after the flip.
+        self.assertEqual(self.peer_holds.calls, [("hold", PEER), ("release", PEER)])
+        self.assertEqual(self.peer.calls, [("hold", HOST), ("sleep", HOST), ("release", HOST)])
+        self.assertEqual(self.activator.calls, [("hold", HOST), ("sleep", HOST), ("release", HOST)])
+        self.assertIsNone(self.peer.held.refusal(HOST))
+        self.assertEqual(self.activator.holds, {})
+        self.assertTrue(self.said(f"note: {HOST}: awake on {PEER}: asking it to sleep it"))
+        self.assertTrue(self.said(f"note: {HOST}: asleep on {PEER} and held asleep there"))
+        self.assertEqual(self.calls("hold", "held"), held + 1)
+        self.assertEqual(self.calls("release", "released"), released + 1)
+
+    def test_a_lease_still_held_after_the_peers_sleep_is_refused_and_its_hold_lifted(self) -> None:
+        self.peer.on_sleep = lambda host: None  # its lease stays: refused after the hold
+        self.refused_move(f"its lease in region ie (file:{self.ie}) is held by {PEER}")
+        self.assertEqual(self.peer_holds.calls, [("hold", PEER), ("release", PEER)])
+        self.assertIsNone(self.peer.held.refusal(HOST))
+        self.assertUnmovedButTheLock()
+
+    def test_an_older_peer_without_the_call_is_todays_refusal(self) -> None:
+        self.peer_api._holds = None  # as an lchat without POST /api/mesh/hold: 404, no reason
+        self.refused_move(
+            f"{HOST}: its lease in region ie (file:{self.ie}) is held by {PEER} until",
+            "Let it sleep on that box (`lchat hibernate",
+            "nothing was copied or flipped",
+        )
+        self.assertEqual(self.peer.calls, [])
+        self.assertUnmovedButTheLock()
+        self.assertEqual(self.activator.calls[-1], ("release", HOST))
+
+    def test_a_peer_that_does_not_answer_in_time_is_refused_and_its_hold_lifted(self) -> None:
+        self.peer.sleep_hangs = True
+        started = self.reactor.seconds()
+        self.refused_move(
+            f"{HOST}: it is awake on {PEER} (its lease in region ie), which did not answer the "
+            f"request to sleep it and hold it asleep",
+            "no answer within 160s",
+            "nothing was copied or flipped: retry, or run the command on that box",
+        )
+        self.assertEqual(self.reactor.seconds() - started, 160.0)
+        # Its hold was placed before the sleep hung: lifted on the way out.
+        self.assertEqual(self.peer.calls, [("hold", HOST), ("sleep", HOST), ("release", HOST)])
+        self.assertIsNone(self.peer.held.refusal(HOST))
+        self.assertUnmovedButTheLock()
+
+    def test_an_unreachable_peer_is_refused(self) -> None:
+        self.peer_holds.down.add(PEER)
+        self.refused_move(
+            f"{HOST}: it is awake on {PEER} (its lease in region ie), which did not answer",
+            "Connection refused",
+        )
+        self.assertUnmovedButTheLock()
+        self.assertTrue(self.said(f"could not lift the hold on {PEER}"))
+
+    def test_a_hold_that_cannot_be_lifted_expires_by_itself(self) -> None:
+        def sleep_then_go_away(host: str) -> None:
+            FileBucket(self.ie).delete(self.lock)
+            self.peer_holds.down.add(PEER)  # gone before the release
+
+        self.peer.on_sleep = sleep_then_go_away
+        expired = REGISTRY.get_sample_value("lchat_holds_total", {"event": "expired"}) or 0.0
+        self.assertEqual(self.relocate(), 0)
+        self.assertTrue(
+            self.said(
+                f"note: {HOST}: could not lift the hold on {PEER} ({PEER}: POST: Connection "
+                f"refused); it ends by itself within 660s"
+            )
+        )
+        # Still held there, with the local hold's deadline: the timeout (600 s) plus a minute.
+        self.assertEqual(self.peer.held.held_asleep(), {HOST: 660.0})
+        self.reactor.advance(660.0)
+        self.assertIsNone(self.peer.held.refusal(HOST))  # the deadline ended it
+        self.assertEqual(
+            REGISTRY.get_sample_value("lchat_holds_total", {"event": "expired"}), expired + 1
+        )
+
+    def test_a_peer_without_the_space_says_so(self) -> None:
+        self.peer_api._registry.delete(HOST)
+        self.refused_move(
+            f"{HOST}: {PEER} answered 404 to the request to sleep it and hold it asleep: {HOST} "
+            f"is not a hibernating instance on this box; nothing was copied or flipped"
+        )
+        self.assertUnmovedButTheLock()
+
+    def test_a_lease_of_a_box_that_is_not_live_is_refused_without_asking(self) -> None:
+        self.peers.live = [member(MESH["LCHAT_MESH_SELF"], "ie"), member(FI_BOX, "fi")]
+        self.refused_move(f"is held by {PEER} until")
+        self.assertEqual(self.peer_holds.calls, [])
+        self.assertUnmovedButTheLock()
+
+    def test_another_relocation_running_is_refused_without_asking(self) -> None:
+        FileBucket(self.ie).delete(self.lock)
+        ie = FileStore(self.reactor, self.ie, inline)
+        other = f"{PEER} (lchat relocate)"
+        taken = lease.acquire(ie, self.lock, other, 900.0, monotonic=self.reactor.seconds)
+        self.successResultOf(Deferred.fromCoroutine(taken))
+        self.refused_move(f"is held by {other} until")
+        self.assertEqual(self.peer_holds.calls, [])
+
+    def assertUnmovedButTheLock(self) -> None:
+        """Nothing flipped or copied; the fi bucket has no fence; no hold left here."""
+        self.assertEqual(self.home(), "ie")
+        self.assertEqual(self.peers.pushed, [])
+        self.assertEqual(self.keys(self.fi), [])
+        self.assertEqual(self.activator.holds, {})

@@ -20,7 +20,7 @@ from lchat.cli import runner
 from lchat.config import BoxConfig
 from lchat.handover.relocate import Relocation
 from lchat.handover.router import Say
-from lchat.handover.seams import MeshFanOut, RegionStores
+from lchat.handover.seams import MeshFanOut, MeshHolds, RegionStores
 from lchat.mesh.members import Member
 from lchat.reactors import Reactor
 from lchat.registry import Registry
@@ -38,6 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="REGION",
         help="the destination region (a LCHAT_MESH_REGION; its bucket from LCHAT_REGION_BUCKETS)",
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        default="",
+        metavar="REGION",
+        help="the region whose bucket holds the space, for one with no home_region when the "
+        "regions keep their replicas in different buckets (LCHAT_REGION_BUCKETS); otherwise its "
+        "home_region is where it moves from",
     )
     parser.add_argument(
         "--move-dns",
@@ -86,8 +95,11 @@ def run(
         Route53Records(cfg),
         Say(out=out, note=note, warn=note),
         report,
+        peer_holds=MeshHolds(cfg),
     )
-    return relocation(host, args.to, move_dns=args.move_dns, timeout=args.timeout)
+    return relocation(
+        host, args.to, move_dns=args.move_dns, timeout=args.timeout, source=args.source
+    )
 
 
 def live_members(cfg: BoxConfig) -> list[Member]:

@@ -10,17 +10,27 @@ Three steps, in this order (docs/mesh.md, "Relocating a space"):
    buckets: with the space held asleep here and its lease taken in *both* buckets as a fence (a
    wake anywhere fails while it copies, so no writer can change the replica mid-copy, and no
    destination box can wake a half-copied one), ``<prefix>/<host>/`` is copied without
-   ``lock.json`` (:func:`copy_replica`); fences and hold are released after step 2, whatever
-   happened.
+   ``lock.json`` (:func:`copy_replica`); fences and holds are released after step 2, whatever
+   happened. A fence met held by a live peer (the space is awake there) is not a refusal: that
+   peer's router is asked through the mesh API (:class:`lchat.handover.seams.PeerHolds`) to sleep
+   the space (final replica flushed, lease released) and hold it asleep, and the fence is taken
+   again; so the command works from any box of the mesh.
 2. **Flip + fan-out.** ``home_region`` is set in the registry, the router told, and the route
    pushed to every live in-scope peer, so the mesh places the space on a destination-region box.
 3. **DNS** (``--move-dns``): the host's own records pointed at the destination's live boxes.
 
 Invariants: only hibernating spaces move (a live instance's database is on this box's disk); a
 re-run of a finished relocation changes nothing; stale source bytes never overwrite newer
-destination bytes (the destination's newest txid ahead of the source's is a refusal); a lease
-held by another box is a refusal naming it; nothing is flipped unless the copy is complete; a
-DNS move that fails leaves the relocation standing and says so.
+destination bytes (the destination's newest txid ahead of the source's is a refusal); nothing is
+flipped unless the copy is complete; a DNS move that fails leaves the relocation standing and
+says so. Never a second writer: the copy runs only under both fences, which no box holds while
+it runs the space, and the destination box takes a fresh lease at its first wake (``lock.json``
+is never copied). A lease held by a box that is not a live member, by another relocation, by a
+peer that does not answer the hold in time, or by an older peer without the call (404) is a
+refusal naming it. Every hold (here and on each peer asked) has a deadline (the relocation's
+timeout plus a minute, at most an hour), so a crashed relocation never strands a space, and is
+lifted on every way out, an interruption included. A space with no ``home_region`` under
+per-region buckets moves only with ``--from REGION``: which bucket holds it is never guessed.
 """
 
 from __future__ import annotations
@@ -42,8 +52,10 @@ from lchat.config.mesh import REGION_LABEL
 from lchat.handover import HandoverError
 from lchat.handover.hibernate import SLEEP_TIMEOUT
 from lchat.handover.router import Router, Say
-from lchat.handover.seams import AddressRecords, Clock, Mesh, RegionStores
+from lchat.handover.seams import AddressRecords, Clock, Mesh, MeshHolds, PeerHolds, RegionStores
+from lchat.mesh.client import MeshCallError
 from lchat.mesh.members import Member
+from lchat.mesh.placement import normalise_member_url
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.objstore.s3 import S3Store
 from lchat.objstore.where import Where
@@ -54,6 +66,9 @@ from lchat.threads import RunInThread
 
 MAX_HOLD = 3600.0  # the router's bound on a hold (POST /sleep?hold=S)
 FENCE_RELEASE_BUDGET = 15.0
+# A peer asked to hold a space answers once it is asleep (as this box's router does for /sleep).
+PEER_HOLD_TIMEOUT = SLEEP_TIMEOUT + 10.0
+PEER_RELEASE_TIMEOUT = 10.0  # each peer's POST /api/mesh/release (best effort: holds expire)
 
 Report = Callable[[dict[str, Any], list[str]], None]  # the steps (--json) and their lines
 Members = list[Member] | Exception  # the mesh's live members, or why they could not be read
@@ -73,11 +88,18 @@ class Relocation:
     say: Say
     report: Report
     clock: Clock = field(factory=Clock)
+    peer_holds: PeerHolds | None = None  # None: the mesh API's (MeshHolds)
 
-    def __call__(self, host: str, dest: str, *, move_dns: bool, timeout: float) -> int:
+    def __call__(
+        self, host: str, dest: str, *, move_dns: bool, timeout: float, source: str = ""
+    ) -> int:
+        """``source``: ``--from REGION``, needed exactly when the space has no ``home_region``
+        and the regions keep their replicas in different buckets."""
         cfg, say = self.cfg, self.say
         if not REGION_LABEL.fullmatch(dest):
             raise HandoverError(f"--to {dest!r} must be letters, digits, '.', '_' or '-'")
+        if source and not REGION_LABEL.fullmatch(source):
+            raise HandoverError(f"--from {source!r} must be letters, digits, '.', '_' or '-'")
         route = self.registry.get(host)
         if route is None:
             raise HandoverError(f"{host} is not registered")
@@ -105,7 +127,7 @@ class Relocation:
                 self.dns.check(host)
             except HandoverError as e:
                 raise HandoverError(f"{e}; nothing was copied or flipped") from e
-        source = route.home_region or (cfg.mesh.region if cfg.mesh is not None else "")
+        source = self._source(host, route.home_region, source)
         steps: dict[str, Any] = {"host": host, "from": source, "to": dest}
         if route.home_region == dest:
             steps["result"] = "nothing to do"
@@ -122,8 +144,9 @@ class Relocation:
             return 0
         src, dst = self._buckets(source, dest)
         shared = src is None or dst is None or src.same_place(dst)
+        members = self._members() if cfg.mesh is not None else []
         # Before anything moves: with per-region buckets, no live box in ``dest`` is a refusal.
-        placed = self._placement(host, dest, shared)
+        placed = self._placement(host, dest, shared, members)
         lines: list[str] = []
         fanned: list[str] = []
         if shared:
@@ -139,8 +162,16 @@ class Relocation:
                 say.note(f"{host}: slept on this box; its next request wakes it in {dest}")
         else:
             assert src is not None and dst is not None
+            peers = frozenset(
+                normalise_member_url(m.url) for m in (members if isinstance(members, list) else [])
+            )
             steps["store"] = self._copy_and_flip(
-                host, (source, dest), (src, dst), timeout, lambda: self._flip(host, dest, fanned)
+                host,
+                (source, dest),
+                (src, dst),
+                timeout,
+                lambda: self._flip(host, dest, fanned),
+                peers,
             )
             store = steps["store"]
             lines.append(
@@ -192,7 +223,30 @@ class Relocation:
         except (ObjectStoreError, ConfigError, defer.TimeoutError, TimeoutError) as e:
             return e
 
-    def _placement(self, host: str, dest: str, shared: bool) -> dict[str, Any] | None:
+    def _source(self, host: str, home_region: str, given: str) -> str:
+        """The region the space moves from: its ``home_region``; without one, ``--from``, which
+        per-region buckets require (which bucket holds it is never guessed), else this box's."""
+        if home_region:
+            if given and given != home_region:
+                raise HandoverError(
+                    f"--from {given}: {host}'s home_region is {home_region}, so it moves from "
+                    f"there: drop --from (nothing was copied or flipped)"
+                )
+            return home_region
+        if given:
+            return given
+        if self.cfg.region_buckets:
+            raise HandoverError(
+                f"{host} has no home_region, and the regions keep their replicas in different "
+                f"buckets (LCHAT_REGION_BUCKETS: {', '.join(sorted(self.cfg.region_buckets))}): "
+                f"say which region's bucket holds it with --from REGION; nothing was copied or "
+                f"flipped"
+            )
+        return self.cfg.mesh.region if self.cfg.mesh is not None else ""
+
+    def _placement(
+        self, host: str, dest: str, shared: bool, members: Members
+    ) -> dict[str, Any] | None:
         """The destination region's live boxes, from the mesh's heartbeats as read before
         anything moves (None without a mesh). With per-region buckets and none of them live, the
         move is refused: placement would fall back to a box of another region, whose bucket holds
@@ -200,7 +254,6 @@ class Relocation:
         ``dest`` box joins). With a shared bucket any box can wake it, so the move goes ahead."""
         if self.cfg.mesh is None:
             return None
-        members = self._members()
         if isinstance(members, Exception):
             if shared:
                 self.say.note(
@@ -265,6 +318,8 @@ class Relocation:
             self.say.note(f"{host}: asleep on this box and held asleep while it moves")
             return True
         if response.status not in (404, 409):
+            # The hold was placed before the sleep failed: lift it (the lease decides).
+            self._release_hold(host)
             self.say.note(
                 f"the router answered {response.status} to /sleep for {host}; checking the lease"
             )
@@ -316,20 +371,44 @@ class Relocation:
         wheres: tuple[Where, Where],
         timeout: float,
         flip: Callable[[], None],
+        live: frozenset[str],  # the live members' URLs (normalised), as read before anything
     ) -> dict[str, Any]:
         """The copy and the flip under both fences, with this box's router holding the space
-        asleep throughout; the hold is lifted after the flip (a request then goes to the
-        destination) or the failure, an interruption included."""
+        asleep throughout, and every live peer found holding its lease asked to sleep and hold
+        it too; the holds are lifted after the flip (a request then goes to the destination) or
+        the failure, an interruption included."""
         hib = self.cfg.hibernate
         assert hib is not None
         owner = f"{self.cfg.box_id} (lchat relocate)"
         monotonic = self.clock.monotonic
         held = False  # once this box's router holds the space asleep
+        asked: list[str] = []  # the peers asked to hold it (lifted last, whatever happened)
+        hold = min(timeout + 60.0, MAX_HOLD)
+
+        async def fence(reactor: Reactor, store: ObjectStore, where: Where, label: str) -> Any:
+            """The lease at ``where`` for the relocation. Met held by a live peer not asked
+            yet, that peer is asked to sleep and hold the space, and the lease taken again:
+            at most once per peer, so this ends."""
+            while True:
+                try:
+                    return await lease.acquire(
+                        store,
+                        lease.lease_key(where.prefix, host),
+                        owner,
+                        hib.lease_ttl,
+                        host=host,
+                        monotonic=monotonic,
+                    )
+                except lease.LeaseHeld as e:
+                    peer = normalise_member_url(e.owner) if e.owner.startswith("http") else ""
+                    if not peer or peer not in live or peer in asked or peer == self._me():
+                        raise _lease_held(host, label, where, e) from e
+                    asked.append(peer)  # before the call: an unanswered one may have held it
+                    await self._hold_on_peer(reactor, host, peer, hold, (label, where, e))
 
         async def main(reactor: Reactor) -> dict[str, Any]:
             nonlocal held
             run_in_thread = self.buckets.threads(reactor)
-            hold = min(timeout + 60.0, MAX_HOLD)
             held = await run_in_thread(self._sleep_and_hold, host, hold)
             stores = [
                 await self.buckets.open(reactor, where, f"region {label}")
@@ -338,24 +417,7 @@ class Relocation:
             fences: list[tuple[ObjectStore, lease.HeldLease]] = []
             try:
                 for store, where, label in zip(stores, wheres, labels, strict=True):
-                    try:
-                        fence = await lease.acquire(
-                            store,
-                            lease.lease_key(where.prefix, host),
-                            owner,
-                            hib.lease_ttl,
-                            host=host,
-                            monotonic=monotonic,
-                        )
-                    except lease.LeaseHeld as e:
-                        raise HandoverError(
-                            f"{host}: its lease in region {label or 'here'} ({url(where)}) is "
-                            f"held by {e.owner} until {lease.rfc3339(e.expires_at)}: it is awake "
-                            f"there (or a relocation is running). Let it sleep on that box "
-                            f"(`lchat hibernate {host} --off` sleeps it, or wait for its idle "
-                            f"timeout), then retry; nothing was copied or flipped"
-                        ) from e
-                    fences.append((store, fence))
+                    fences.append((store, await fence(reactor, store, where, label)))
                 started = monotonic()
                 result = await copy_replica(
                     host,
@@ -376,8 +438,8 @@ class Relocation:
                 await run_in_thread(flip)
                 return result
             finally:
-                for store, fence in fences:
-                    await lease.release(reactor, store, fence, FENCE_RELEASE_BUDGET)
+                for store, fence_held in fences:
+                    await lease.release(reactor, store, fence_held, FENCE_RELEASE_BUDGET)
                 for store in stores:
                     await store.close()
 
@@ -392,9 +454,73 @@ class Relocation:
         except TimeoutError as e:
             raise HandoverError(f"{host}: the relocation did not finish ({e}); retry") from e
         finally:
+            if asked:
+                self._release_peers(host, asked, hold)
             if held:
                 self._release_hold(host)
         return result
+
+    def _me(self) -> str:
+        return normalise_member_url(self.cfg.mesh.self_url) if self.cfg.mesh is not None else ""
+
+    async def _hold_on_peer(
+        self,
+        reactor: Reactor,
+        host: str,
+        peer: str,
+        hold: float,
+        met: tuple[str, Where, lease.LeaseHeld],  # the fence's region, bucket, and its holder
+    ) -> None:
+        """Ask ``peer`` (a live member holding the space's lease) to sleep it and hold it asleep
+        for ``hold`` seconds; returns once it is asleep there. Raises :class:`HandoverError`:
+        no answer in time, an older peer without the call (404: today's refusal), a refusal."""
+        label, where, held = met
+        holds = self.peer_holds if self.peer_holds is not None else MeshHolds(self.cfg)
+        self.say.note(f"{host}: awake on {peer}: asking it to sleep it and hold it asleep")
+        try:
+            status, answer = await holds.hold(reactor, peer, host, hold, PEER_HOLD_TIMEOUT)
+        except MeshCallError as e:
+            raise HandoverError(
+                f"{host}: it is awake on {peer} (its lease in region {label or 'here'}), which "
+                f"did not answer the request to sleep it and hold it asleep ({e}); nothing was "
+                f"copied or flipped: retry, or run the command on that box"
+            ) from e
+        if status == 200:
+            self.say.note(f"{host}: asleep on {peer} and held asleep there while it moves")
+            return
+        if status == 404 and not answer.get("reason"):  # an lchat without POST /api/mesh/hold
+            raise _lease_held(host, label, where, held)
+        error = answer.get("error") if isinstance(answer.get("error"), str) else ""
+        raise HandoverError(
+            f"{host}: {peer} answered {status} to the request to sleep it and hold it asleep"
+            f"{': ' + error if error else ''}; nothing was copied or flipped: retry"
+        )
+
+    def _release_peers(self, host: str, peers: list[str], hold: float) -> None:
+        """Lift the holds the peers placed (best effort: each also ends by itself at its
+        deadline, ``hold`` seconds after it began). Never raises: it runs on every way out."""
+        holds = self.peer_holds if self.peer_holds is not None else MeshHolds(self.cfg)
+        failed: dict[str, str] = {}
+
+        async def main(reactor: Reactor) -> None:
+            for peer in peers:
+                try:
+                    status, _ = await holds.release(reactor, peer, host, PEER_RELEASE_TIMEOUT)
+                except MeshCallError as e:
+                    failed[peer] = str(e)
+                    continue
+                if status != 200:
+                    failed[peer] = f"it answered {status}"
+
+        try:
+            self.buckets.run(main, PEER_RELEASE_TIMEOUT * len(peers) + 5.0)
+        except (TimeoutError, defer.TimeoutError) as e:
+            failed.update({p: str(e) for p in peers if p not in failed})
+        for peer, why in failed.items():
+            self.say.note(
+                f"{host}: could not lift the hold on {peer} ({why}); it ends by itself within "
+                f"{hold:g}s"
+            )
 
 
 async def copy_replica(
@@ -505,6 +631,16 @@ def one_account(cfg: BoxConfig, src: Where, dst: Where) -> bool:
         return False
     keys = [(bucket_key_env(cfg, w, "") or {}).get("AWS_ACCESS_KEY_ID") for w in (src, dst)]
     return keys[0] == keys[1]
+
+
+def _lease_held(host: str, label: str, where: Where, e: lease.LeaseHeld) -> HandoverError:
+    """The refusal for a lease another box holds, naming it."""
+    return HandoverError(
+        f"{host}: its lease in region {label or 'here'} ({url(where)}) is held by {e.owner} "
+        f"until {lease.rfc3339(e.expires_at)}: it is awake there (or a relocation is running). "
+        f"Let it sleep on that box (`lchat hibernate {host} --off` sleeps it, or wait for its "
+        f"idle timeout), then retry; nothing was copied or flipped"
+    )
 
 
 def is_lock(info: ObjectInfo, directory: str) -> bool:

@@ -7,7 +7,8 @@
 - :class:`Peers`: the mesh's fan-out of a row to the live peers (never raises).
 - :class:`Bucket`: one LIST of the hibernation bucket (an :class:`lchat.objstore.ObjectStore`).
 
-``lchat relocate`` asks more of the mesh (:class:`Mesh`: the live members) and of the buckets
+``lchat relocate`` asks more of the mesh (:class:`Mesh`: the live members; :class:`PeerHolds`: a
+peer's router asked to sleep a space it holds and keep it asleep) and of the buckets
 (:class:`RegionStores`: the two it copies between), and has a fifth, :class:`AddressRecords` (DNS).
 
 Tests pass in-memory fakes for the first three and a real ``FileStore`` for the bucket.
@@ -23,6 +24,7 @@ from attrs import frozen
 
 from lchat import admin_client, systemd_units
 from lchat.config import BoxConfig
+from lchat.mesh import client as mesh_client
 from lchat.mesh.members import Member
 from lchat.objstore import ObjectInfo, ObjectStore
 from lchat.objstore.where import Where
@@ -154,6 +156,70 @@ class RegionStores:
     open: Callable[[Reactor, Where, str], Awaitable[ObjectStore]]
     run: Runner
     threads: Callable[[Reactor], RunInThread] = thread_runner
+
+
+class PeerHolds(Protocol):
+    """A peer's router, asked through its mesh API to sleep a space and hold it asleep
+    (``POST /api/mesh/hold``), then to lift the hold (``POST /api/mesh/release``): each call's
+    (status, JSON answer), any status; :class:`lchat.mesh.client.MeshCallError` when no answer
+    came within ``timeout``."""
+
+    async def hold(
+        self,
+        reactor: Reactor,
+        peer_url: str,
+        host: str,
+        seconds: float,
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]: ...
+
+    async def release(
+        self,
+        reactor: Reactor,
+        peer_url: str,
+        host: str,
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]: ...
+
+
+@frozen
+class MeshHolds:
+    """:class:`PeerHolds` over :mod:`lchat.mesh.client` with the box's mesh token and CA."""
+
+    cfg: BoxConfig
+
+    async def hold(
+        self,
+        reactor: Reactor,
+        peer_url: str,
+        host: str,
+        seconds: float,
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]:
+        mesh = self.cfg.mesh
+        assert mesh is not None
+        return await mesh_client.hold_space(
+            peer_url,
+            mesh.token,
+            host,
+            seconds,
+            ca_file=mesh.ca_file,
+            timeout=timeout,
+            reactor=reactor,
+        )
+
+    async def release(
+        self,
+        reactor: Reactor,
+        peer_url: str,
+        host: str,
+        timeout: float,  # noqa: ASYNC109
+    ) -> tuple[int, dict[str, Any]]:
+        mesh = self.cfg.mesh
+        assert mesh is not None
+        return await mesh_client.release_space(
+            peer_url, mesh.token, host, ca_file=mesh.ca_file, timeout=timeout, reactor=reactor
+        )
 
 
 class AddressRecords(Protocol):

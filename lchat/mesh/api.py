@@ -65,6 +65,16 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     ``LCHAT_MESH_SELF``. A peer asks it of the box that holds or owns a space (docs/mesh.md,
     "Wake-free stats on a mesh"). 404 without a ``reason`` when the router serves no stats.
 
+``POST /api/mesh/hold`` ``{"host": H, "seconds": S}`` and ``POST /api/mesh/release`` ``{"host": H}``
+    ``lchat relocate`` run on another box (docs/mesh.md, "Relocating a space"): the router's
+    operator hold (:class:`lchat.hibernation.capacity.Holds`, as the admin's ``POST
+    /sleep?hold=S``) placed first, then the space slept (final replica flushed, lease released);
+    200 ``{"host", "held": S, "state", "box"}`` once it is asleep. Until the hold's deadline
+    (``0 < S <= 3600``: a crashed caller never strands the space) or the release (200 ``{"host",
+    "released": bool}``), no wake of it on this box: requests get 503 with a short Retry-After.
+    404 with ``reason: unknown_host`` when H is not a hibernating instance here; 404 without a
+    ``reason`` when this router has no activator (as an older lchat, which lacks the calls).
+
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
 is 401, a wrong method 405, any other path 404.
 
@@ -96,7 +106,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from io import BytesIO
-from typing import Any, Required, TypedDict, Unpack
+from typing import Any, Protocol, Required, TypedDict, Unpack
 
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -110,6 +120,8 @@ from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import tokens
 from lchat.mesh.client import (
+    HOLD_PATH,
+    RELEASE_PATH,
     ROUTE_PATH,
     ROUTES_PATH,
     STATS_PATH,
@@ -128,6 +140,17 @@ MAX_BODY = 64 * 1024
 # Called after every write with the reason (the router passes ``RouteSource.reload``); a Deferred
 # it returns is waited for before the answer.
 Reload = Callable[[str], object]
+MAX_HOLD = 3600.0  # the router's bound on an operator hold (lchat.hibernation.capacity.Holds)
+
+
+class SpaceHolds(Protocol):
+    """What ``POST /api/mesh/hold`` and ``/release`` drive: the activator's operator holds and
+    its sleep (lchat.hibernation.activator.Activator)."""
+
+    def hold(self, host: str, seconds: float, why: str) -> None: ...
+    def release_hold(self, host: str) -> bool: ...
+    def sleep(self, host: str, reason: str) -> Deferred[None]: ...
+    def state(self, host: str) -> str: ...
 
 
 class Options(TypedDict, total=False):
@@ -145,6 +168,8 @@ class Options(TypedDict, total=False):
     clock: Callable[[], float]  # the failed-authentication limiter's (time.monotonic)
     # GET /api/mesh/stats/<host>: this box's own answer (lchat.spacestats.SpaceStats.answer_here)
     stats: Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]] | None
+    # POST /api/mesh/hold and /release: this box's activator (None: no hibernation here)
+    holds: SpaceHolds | None
 
 
 # (A peer with a stale token during a botched rotation retries far less often than one 401 every
@@ -168,6 +193,8 @@ _OPS = {  # path -> (operation, its one method); DELETE <ROUTE_PATH>/<host> besi
     ROUTES_PATH.encode(): ("list", b"GET"),
     SPACES_PATH.encode(): ("spaces", b"GET"),
     BEAT_PATH.encode(): ("beat", b"POST"),
+    HOLD_PATH.encode(): ("hold", b"POST"),
+    RELEASE_PATH.encode(): ("release", b"POST"),
 }
 _INTERNAL = {"error": "internal error: see the router's log"}  # a 500's body (the log says why)
 
@@ -259,6 +286,7 @@ class MeshAPI(Resource):
         self._beats = options.get("beats")
         self._members = options.get("members")
         self._stats = options.get("stats")
+        self._holds = options.get("holds")
         self._limiter = AuthLimiter(options.get("clock", time.monotonic))
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
@@ -321,6 +349,8 @@ class MeshAPI(Resource):
             return self._beat(request)
         if op == "stats":
             return self._space_stats(request, host_segment)
+        if op in ("hold", "release"):
+            return self._hold_or_release(request, op)
         if op == "spaces":
             if self._spaces is None:
                 return self._answer(request, op, "not_found", 404, {"error": "not served here"})
@@ -386,6 +416,57 @@ class MeshAPI(Resource):
             self._finish(request, still, op, "error", 500, _INTERNAL)
 
         Deferred.fromCoroutine(self._stats(host)).addCallbacks(done, failed)
+        return NOT_DONE_YET
+
+    def _hold_or_release(self, request: Request, op: str) -> bytes | int:
+        """``POST /api/mesh/hold`` / ``/release`` (the module docstring): the row is read in a
+        thread; the hold, the sleep and the release run on the reactor."""
+        holds = self._holds
+        if holds is None:
+            return self._answer(request, op, "not_found", 404, {"error": "not served here"})
+        try:
+            host, seconds = _read_hold(request, with_seconds=op == "hold")
+        except PayloadError as e:
+            return self._answer(request, op, "invalid", 400, {"error": str(e)})
+        still = answerable(request)
+        box = normalise_member_url(self._mesh.self_url)
+        if op == "release":
+            released = holds.release_hold(host)
+            _log.info(
+                "mesh: {host}: a peer lifted its hold here ({what}); it may wake again",
+                host=host,
+                what="released" if released else "there was none left",
+            )
+            outcome = "released" if released else "not_held"
+            return self._answer(request, op, outcome, 200, {"host": host, "released": released})
+
+        def held(route: Route | None) -> Deferred[None] | None:
+            if route is None or route.kind != "instance" or not route.hibernate:
+                error = f"{host} is not a hibernating instance on this box"
+                body = {"error": error, "reason": "unknown_host", "host": host, "box": box}
+                self._finish(request, still, op, "unknown_host", 404, body)
+                return None
+            # The hold first: a request queued meanwhile cannot wake it again once it is asleep.
+            holds.hold(host, seconds, "lchat relocate, asked by a peer")
+            _log.info(
+                "mesh: {host}: a peer's lchat relocate asked this box to sleep it and hold it "
+                "asleep for up to {seconds:g}s (until it releases the hold)",
+                host=host,
+                seconds=seconds,
+            )
+            answer = {"host": host, "held": seconds, "box": box}
+            return holds.sleep(host, "relocate").addCallback(
+                lambda _: self._finish(
+                    request, still, op, "held", 200, {**answer, "state": holds.state(host)}
+                )
+            )
+
+        def failed(failure: Failure) -> None:
+            _log.failure("mesh: holding {host} for a peer failed", failure, host=host)
+            self._finish(request, still, op, "error", 500, _INTERNAL)
+
+        d: Deferred[Route | None] = self._run(lambda: self._registry.get(host))
+        d.addCallback(held).addErrback(failed)
         return NOT_DONE_YET
 
     # --- checks, on the reactor (cheap) -------------------------------------------------------
@@ -641,6 +722,41 @@ class MeshAPI(Resource):
         request.setHeader(b"content-length", str(len(data)).encode())
         request.write(data)
         request.finish()
+
+
+def _read_hold(request: Request, *, with_seconds: bool) -> tuple[str, float]:
+    """The body of ``POST /api/mesh/hold`` (``{"host", "seconds"}``) or ``/release``
+    (``{"host"}``): exactly those fields, the host normalised, the seconds in (0, 3600]."""
+    content_type = (request.getHeader(b"content-type") or b"").decode("latin-1")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise PayloadError("Content-Type must be application/json")
+    if getattr(request, "too_large", False):
+        raise PayloadError(f"the body is larger than {MAX_BODY} bytes")
+    raw = request.content.read(MAX_BODY + 1) if request.content is not None else b""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise PayloadError(f"the body is not JSON: {e}") from e
+    fields = {"host", "seconds"} if with_seconds else {"host"}
+    if not isinstance(body, dict) or set(body) != fields:
+        raise PayloadError(f"the body must be an object with exactly {', '.join(sorted(fields))}")
+    if not isinstance(body["host"], str):
+        raise PayloadError("host must be a string")
+    try:
+        host = hosts.normalise(body["host"])
+    except hosts.InvalidHost as e:
+        raise PayloadError(f"host: {e}") from e
+    if not with_seconds:
+        return host, 0.0
+    seconds = body["seconds"]
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or not 0 < seconds <= MAX_HOLD
+    ):
+        raise PayloadError(f"seconds must be a number more than 0, at most {MAX_HOLD:g}")
+    return host, float(seconds)
 
 
 def _unrunnable(space_command: Sequence[str], host: str) -> str | None:

@@ -46,6 +46,9 @@ from lchat.webutil import BytesProducer
 ROUTE_PATH = "/api/mesh/route"
 ROUTES_PATH = "/api/mesh/routes"
 STATS_PATH = "/api/mesh/stats"  # GET <STATS_PATH>/<host>: a space's wake-free stats, local only
+# lchat relocate run on another box: sleep a space here and hold it asleep, then lift the hold
+HOLD_PATH = "/api/mesh/hold"
+RELEASE_PATH = "/api/mesh/release"
 REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
 # Absent in the payloads of older peers, an optional field means "keep this box's value"
 # (lchat.mesh.api). lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with
@@ -236,6 +239,66 @@ async def ask_stats(
         timeout=timeout,
         limit=MAX_MESSAGE,
         fail=lambda what: MeshCallError(peer_url, f"GET {path}: {what}"),
+    )
+    try:
+        parsed = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        parsed = None
+    return code, parsed if isinstance(parsed, dict) else {}
+
+
+async def hold_space(
+    peer_url: str, token: str, host: str, seconds: float, **options: Unpack[CallOptions]
+) -> tuple[int, dict[str, Any]]:
+    """``POST /api/mesh/hold`` ``{"host", "seconds"}``: the peer sleeps ``host`` (its final
+    replica flushed, its lease released) and keeps it from waking there for ``seconds`` or until
+    :func:`release_space`. Answered once it is asleep, so ``timeout`` must outlast a sleep.
+    (status, its JSON object; ``{}`` when the answer was not one), whatever the status: a 404
+    without a ``reason`` is a peer without the call (an older lchat). Raises
+    :class:`MeshCallError` only when no HTTP answer came in time (the hold may still have been
+    placed: it ends by itself)."""
+    body = json.dumps({"host": hosts.normalise(host), "seconds": seconds}).encode()
+    return await _ask(peer_url, HOLD_PATH, token, body, options)
+
+
+async def release_space(
+    peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
+) -> tuple[int, dict[str, Any]]:
+    """``POST /api/mesh/release`` ``{"host"}``: lift the hold :func:`hold_space` put on the
+    peer (200 ``{"host", "released": bool}``); as :func:`hold_space` for the rest."""
+    body = json.dumps({"host": hosts.normalise(host)}).encode()
+    return await _ask(peer_url, RELEASE_PATH, token, body, options)
+
+
+async def _ask(
+    peer_url: str, path: str, token: str, body: bytes, options: CallOptions
+) -> tuple[int, dict[str, Any]]:
+    """One ``POST path`` with a JSON body: (status, the answer's JSON object or ``{}``), any
+    status; :class:`MeshCallError` when no answer came in time."""
+    reactor = options["reactor"]
+    timeout = options.get("timeout", DEFAULT_TIMEOUT)
+    try:
+        url = check_peer_url(peer_url) + path
+    except ValueError as e:
+        raise MeshCallError(peer_url, str(e)) from e
+    headers: dict[bytes | str, bytes | str] = {
+        "Authorization": f"Bearer {token}",
+        "Accept": "application/json",
+        "Content-Type": "application/json",
+    }
+    client = options.get("http") or HTTPClient(
+        _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
+    )
+    code, raw = await _exchange(
+        client,
+        "POST",
+        url,
+        headers,
+        body,
+        reactor=reactor,
+        timeout=timeout,
+        limit=MAX_MESSAGE,
+        fail=lambda what: MeshCallError(peer_url, f"POST {path}: {what}"),
     )
     try:
         parsed = json.loads(raw) if raw else None
