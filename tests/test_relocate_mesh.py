@@ -7,8 +7,10 @@ regions are one mesh. A space homed in ``ie`` is moved to ``fi`` while a client 
 through the ``ie`` boxes: every acknowledged write survives, the space ends up awake on an ``fi``
 box, the ``ie`` boxes forward to it, the ``fi`` bucket holds a replica the stock ``litestream
 restore`` reads, and the ``ie`` bucket keeps no lock; with the ``fi`` boxes gone, the ``ie`` boxes
-answer 503 rather than wake their stale copy. With one shared bucket, the space is served in its
-new region and its DNS record follows (Route53 on moto). Every other branch of the command is in
+answer 503 rather than wake their stale copy. Run on a box that does not run the space, the
+command has the box holding its lease sleep it and hold it asleep (POST /api/mesh/hold), with
+either implementation as the source. With one shared bucket, the space is served in its new
+region and its DNS record follows (Route53 on moto). Every other branch of the command is in
 test_relocate_handover, on fakes.
 """
 
@@ -22,12 +24,14 @@ import sqlite3
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
 
 from lchat import lease
+from lchat.lease.lock import read_lock
+from lchat.mesh.placement import normalise_member_url
 from tests import replicas, s3servers, test_mesh
 from tests.test_mesh import DOMAIN, TOKEN, Box, MeshTestCase, request
 from tests.test_mesh import _lchat as lchat
@@ -80,30 +84,39 @@ class _Writer:
         return len(self.acked) - mark
 
 
-class RelocateAcrossRegionsTests(MeshTestCase):
-    timeout = 420
+class TwoRegionsCase(MeshTestCase):
+    """Region ``ie``'s replicas on ``IE_ON``, region ``fi``'s on the other S3 implementation,
+    the heartbeats of every box on a third bucket (moto): two regions, one mesh."""
+
+    IE_ON: Literal["moto", "seaweedfs"] = "moto"  # fi's bucket is on the other one
 
     async def _bucket(self) -> None:
         self.server = await s3servers.shared_server("moto")
-        self.bucket = await self.server.new_bucket()  # region ie's replicas
         self.mesh_bucket = await self.server.new_bucket()  # every box's heartbeat
-        self.weed = await s3servers.shared_server("seaweedfs")
-        self.fi_bucket = await self.weed.new_bucket()  # region fi's replicas
+        other: Literal["moto", "seaweedfs"] = "seaweedfs" if self.IE_ON == "moto" else "moto"
+        self.ie_server = await s3servers.shared_server(self.IE_ON)
+        self.bucket = await self.ie_server.new_bucket()  # region ie's replicas
+        self.fi_server = await s3servers.shared_server(
+            other
+        )  # region fi's S3 (SeaweedFS unless IE_ON is)
+        self.fi_bucket = await self.fi_server.new_bucket()  # region fi's replicas
         # Each router takes its keys from its env file alone (the process environment would win).
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
             saved = os.environ.pop(name, None)
             if saved is not None:
                 self.addCleanup(os.environ.__setitem__, name, saved)
 
-    def region_boxes(self) -> tuple[list[Box], list[Box]]:
-        moto, weed = self.server, self.weed
-        ports = s3servers.free_ports(4)
-        names = ["ie0", "ie1", "fi0", "fi1"]
+    def region_boxes(
+        self, names: tuple[str, ...] = ("ie0", "ie1", "fi0", "fi1")
+    ) -> tuple[list[Box], list[Box]]:
+        ie_s3, fi_s3 = self.ie_server, self.fi_server
+        ports = s3servers.free_ports(len(names))
         boxes = [Box(self.root, name, f"127.0.0.{i + 2}", ports[i]) for i, name in enumerate(names)]
         ie_keys = "access_key_env=IE_KEY&secret_key_env=IE_SECRET"
         fi_keys = "access_key_env=FI_KEY&secret_key_env=FI_SECRET"
-        ie = f"s3://{self.bucket}/prod?endpoint={moto.endpoint}&region={moto.region}&{ie_keys}"
-        fi = f"s3://{self.fi_bucket}/prod?endpoint={weed.endpoint}&region={weed.region}&{fi_keys}"
+        heart_keys = "access_key_env=MESH_KEY&secret_key_env=MESH_SECRET"
+        ie = f"s3://{self.bucket}/prod?endpoint={ie_s3.endpoint}&region={ie_s3.region}&{ie_keys}"
+        fi = f"s3://{self.fi_bucket}/prod?endpoint={fi_s3.endpoint}&region={fi_s3.region}&{fi_keys}"
         common = {
             "LCHAT_HIBERNATE_IDLE": "120s",
             "LCHAT_HIBERNATE_PREFIX": "prod",
@@ -113,20 +126,22 @@ class RelocateAcrossRegionsTests(MeshTestCase):
             "LCHAT_MESH_HEARTBEAT": "300ms",
             "LCHAT_MESH_DEAD_AFTER": "1500ms",
             "LCHAT_MESH_CA_FILE": self.ca,
-            "LCHAT_MESH_BUCKET": f"s3://{self.mesh_bucket}/fleet?endpoint={moto.endpoint}"
-            f"&region={moto.region}&{ie_keys}",
+            "LCHAT_MESH_BUCKET": f"s3://{self.mesh_bucket}/fleet?endpoint={self.server.endpoint}"
+            f"&region={self.server.region}&{heart_keys}",
             "LCHAT_REGION_BUCKETS": f"ie={ie},fi={fi}",
             "LCHAT_ACCESS_LOG": "on",
-            "IE_KEY": moto.credentials.access_key,
-            "IE_SECRET": moto.credentials.secret_key,
-            "FI_KEY": weed.credentials.access_key,
-            "FI_SECRET": weed.credentials.secret_key,
+            "IE_KEY": ie_s3.credentials.access_key,
+            "IE_SECRET": ie_s3.credentials.secret_key,
+            "FI_KEY": fi_s3.credentials.access_key,
+            "FI_SECRET": fi_s3.credentials.secret_key,
+            "MESH_KEY": self.server.credentials.access_key,
+            "MESH_SECRET": self.server.credentials.secret_key,
         }
         for box in boxes:
             server, bucket, region = (
-                (moto, self.bucket, "ie")
+                (ie_s3, self.bucket, "ie")
                 if box.name.startswith("ie")
-                else (weed, self.fi_bucket, "fi")
+                else (fi_s3, self.fi_bucket, "fi")
             )
             os.makedirs(box.acme, mode=0o700)
             shutil.copy(self.wildcard, box.acme)
@@ -144,7 +159,10 @@ class RelocateAcrossRegionsTests(MeshTestCase):
             box.add_space(HOST, home_region="ie")
             self.addCleanup(box.kill_spaces)
             self.addCleanup(box.stop, signal.SIGKILL)
-        return boxes[:2], boxes[2:]
+        return (
+            [b for b in boxes if b.name.startswith("ie")],
+            [b for b in boxes if b.name.startswith("fi")],
+        )
 
     def messages(self, box: Box) -> list[str]:
         status, body, _ = request(box, HOST, "/api/rooms/r/messages?limit=1000", ca=self.ca)
@@ -153,6 +171,10 @@ class RelocateAcrossRegionsTests(MeshTestCase):
 
     def logs(self, *boxes: Box) -> str:
         return "\n".join(f"--- {b.name}\n{b.log()[-4000:]}" for b in boxes)
+
+
+class RelocateAcrossRegionsTests(TwoRegionsCase):
+    timeout = 420
 
     @inlineCallbacks
     def test_a_space_moves_from_moto_to_seaweedfs_while_clients_write(self) -> Any:
@@ -210,13 +232,13 @@ class RelocateAcrossRegionsTests(MeshTestCase):
         self.assertEqual(slept[0], 200, slept)
         restored = os.path.join(tempfile.mkdtemp(dir=self.root), "restored.db")
         yield Deferred.fromCoroutine(
-            replicas.litestream_restore(self.weed, self.fi_bucket, f"prod/{HOST}", restored)
+            replicas.litestream_restore(self.fi_server, self.fi_bucket, f"prod/{HOST}", restored)
         )
         with sqlite3.connect(restored) as conn:
             bodies = [r[0] for r in conn.execute("SELECT body FROM messages ORDER BY id")]
         self.assertEqual(bodies, expected)
         # No lock was copied or left behind in ie; fi's lock is its own box's (released now).
-        ie_store = s3servers.store_for(self.server, self.bucket)
+        ie_store = s3servers.store_for(self.ie_server, self.bucket)
         self.addCleanup(lambda: Deferred.fromCoroutine(ie_store.close()))
         listed = yield Deferred.fromCoroutine(ie_store.list(f"prod/{HOST}/"))
         ie_keys = [i.key for i in listed]
@@ -235,6 +257,79 @@ class RelocateAcrossRegionsTests(MeshTestCase):
             any("has no live box, and keeps its replica in another bucket" in b.log() for b in ie),
             self.logs(*ie),
         )
+
+
+class RelocateFromAnyBoxTests(TwoRegionsCase):
+    """``lchat relocate`` run on a box that does not run the space: the box holding its lease
+    is asked (POST /api/mesh/hold) to sleep it and hold it asleep, the move goes on, and both
+    holds are lifted. ``ie`` on moto, ``fi`` on SeaweedFS (the subclass swaps them). The
+    command runs on the other ``ie`` box, or, without one, on the destination box."""
+
+    timeout = 240
+    BOXES: tuple[str, ...] = ("ie0", "ie1", "fi0")
+
+    @inlineCallbacks
+    def test_relocate_from_a_box_that_does_not_run_it(self) -> Any:
+        ie, fi = self.region_boxes(self.BOXES)
+        everyone = [*ie, *fi]
+        yield self.start(*everyone)
+        status, body, _ = yield self.req(
+            ie[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "before"}'
+        )
+        self.assertEqual(status, 201, body)
+        holder = next(b for b in everyone if b.awake(HOST))
+        self.assertIn(holder, ie)
+        here = next((b for b in ie if b is not holder), fi[0])  # where the command runs
+
+        writer = _Writer(ie, self.ca)
+        running = deferToThread(writer.run)
+        try:
+            yield self.wait_for(lambda: len(writer.acked) >= 5, timeout=60)
+            ran = yield deferToThread(
+                lchat, "relocate", HOST, "--to", "fi", "--env-file", here.env_file
+            )
+            self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr + self.logs(*everyone))
+            self.assertIn(f"{HOST}: asleep on {holder.url} and held asleep there", ran.stderr)
+            self.assertEqual(ran.stdout.splitlines()[0], f"relocated {HOST}: ie → fi")
+            mark = len(writer.acked)
+            yield self.wait_for(lambda: writer.acked_since(mark) >= 5, timeout=60)
+        finally:
+            writer.stop.set()
+            yield running
+        self.assertEqual(writer.errors, [], self.logs(*everyone))
+
+        # Answered from its new home: awake on the fi box only, every acknowledged write there.
+        self.assertEqual([b.name for b in everyone if b.awake(HOST)], ["fi0"])
+        expected = ["before", *writer.acked]
+        for box in everyone:
+            got = yield deferToThread(self.messages, box)
+            self.assertEqual(got, expected, box.name)
+        # One writer: fi's lease is the fi box's own (fresh, not copied); ie keeps no lock.
+        fi_store = s3servers.store_for(self.fi_server, self.fi_bucket)
+        ie_store = s3servers.store_for(self.ie_server, self.bucket)
+        self.addCleanup(lambda: Deferred.fromCoroutine(fi_store.close()))
+        self.addCleanup(lambda: Deferred.fromCoroutine(ie_store.close()))
+        record = yield Deferred.fromCoroutine(read_lock(fi_store, lease.lease_key("prod", HOST)))
+        assert record is not None
+        self.assertEqual(
+            lease.LeaseRecord.parse(record.body).owner, normalise_member_url(fi[0].url)
+        )
+        gone = yield Deferred.fromCoroutine(read_lock(ie_store, lease.lease_key("prod", HOST)))
+        self.assertIsNone(gone)
+        # The holder's hold was lifted (and logged there).
+        code, status_body = yield deferToThread(holder.admin_call, "GET", "/status")
+        self.assertEqual(code, 200)
+        self.assertNotIn("held_for", json.loads(status_body)["hosts"].get(HOST, {}))
+        self.assertIn("a peer's lchat relocate asked this box to sleep it", holder.log())
+        self.assertIn("a peer lifted its hold here (released)", holder.log())
+
+
+class RelocateFromAnyBoxSeaweedSourceTests(RelocateFromAnyBoxTests):
+    """The same with ``ie`` (the source: the hold, the released lease, the fence) on
+    SeaweedFS and ``fi`` on moto, run on the destination box (two boxes: the suite's time)."""
+
+    IE_ON = "seaweedfs"
+    BOXES = ("ie0", "fi0")
 
 
 class RelocateSharedBucketTests(MeshTestCase):
