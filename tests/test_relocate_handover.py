@@ -618,6 +618,8 @@ class FromAnyBoxTests(RelocateCase):
             "nothing was copied or flipped",
         )
         self.assertEqual(self.peer.calls, [])
+        self.assertEqual(self.peer_holds.calls, [("hold", PEER)])  # no hold there to lift
+        self.assertFalse(self.said("could not lift"))
         self.assertUnmovedButTheLock()
         self.assertEqual(self.activator.calls[-1], ("release", HOST))
 
@@ -673,6 +675,7 @@ class FromAnyBoxTests(RelocateCase):
             f"{HOST}: {PEER} answered 404 to the request to sleep it and hold it asleep: {HOST} "
             f"is not a hibernating instance on this box; nothing was copied or flipped"
         )
+        self.assertEqual(self.peer_holds.calls, [("hold", PEER)])
         self.assertUnmovedButTheLock()
 
     def test_a_lease_of_a_box_that_is_not_live_is_refused_without_asking(self) -> None:

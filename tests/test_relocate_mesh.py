@@ -320,7 +320,7 @@ class RelocateFromAnyBoxTests(TwoRegionsCase):
         code, status_body = yield deferToThread(holder.admin_call, "GET", "/status")
         self.assertEqual(code, 200)
         self.assertNotIn("held_for", json.loads(status_body)["hosts"].get(HOST, {}))
-        self.assertIn("a peer's lchat relocate asked this box to sleep it", holder.log())
+        self.assertIn("asked this box to sleep it and hold it asleep", holder.log())
         self.assertIn("a peer lifted its hold here (released)", holder.log())
 
 

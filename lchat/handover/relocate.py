@@ -404,7 +404,11 @@ class Relocation:
                     if not peer or peer not in live or peer in asked or peer == self._me():
                         raise _lease_held(host, label, where, e) from e
                     asked.append(peer)  # before the call: an unanswered one may have held it
-                    await self._hold_on_peer(reactor, host, peer, hold, (label, where, e))
+                    try:
+                        await self._hold_on_peer(reactor, host, peer, hold, (label, where, e))
+                    except _HoldRefused:
+                        asked.remove(peer)  # it answered no: there is no hold there to lift
+                        raise
 
         async def main(reactor: Reactor) -> dict[str, Any]:
             nonlocal held
@@ -489,9 +493,11 @@ class Relocation:
             self.say.note(f"{host}: asleep on {peer} and held asleep there while it moves")
             return
         if status == 404 and not answer.get("reason"):  # an lchat without POST /api/mesh/hold
-            raise _lease_held(host, label, where, held)
+            raise _HoldRefused(str(_lease_held(host, label, where, held)))
         error = answer.get("error") if isinstance(answer.get("error"), str) else ""
-        raise HandoverError(
+        # A 5xx may come after the hold was placed (it is lifted); a 4xx placed none.
+        refusal = _HoldRefused if 400 <= status < 500 else HandoverError
+        raise refusal(
             f"{host}: {peer} answered {status} to the request to sleep it and hold it asleep"
             f"{': ' + error if error else ''}; nothing was copied or flipped: retry"
         )
@@ -631,6 +637,10 @@ def one_account(cfg: BoxConfig, src: Where, dst: Where) -> bool:
         return False
     keys = [(bucket_key_env(cfg, w, "") or {}).get("AWS_ACCESS_KEY_ID") for w in (src, dst)]
     return keys[0] == keys[1]
+
+
+class _HoldRefused(HandoverError):
+    """A peer answered the request to hold a space with a refusal: it placed no hold."""
 
 
 def _lease_held(host: str, label: str, where: Where, e: lease.LeaseHeld) -> HandoverError:

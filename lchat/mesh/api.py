@@ -449,10 +449,11 @@ class MeshAPI(Resource):
             # The hold first: a request queued meanwhile cannot wake it again once it is asleep.
             holds.hold(host, seconds, "lchat relocate, asked by a peer")
             _log.info(
-                "mesh: {host}: a peer's lchat relocate asked this box to sleep it and hold it "
-                "asleep for up to {seconds:g}s (until it releases the hold)",
+                "mesh: {host}: a peer's lchat relocate ({client}) asked this box to sleep it and "
+                "hold it asleep for up to {seconds:g}s (until it releases the hold)",
                 host=host,
                 seconds=seconds,
+                client=_client(request),
             )
             answer = {"host": host, "held": seconds, "box": box}
             return holds.sleep(host, "relocate").addCallback(
