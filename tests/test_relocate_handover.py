@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred, fail
 from lchat import admin_client, config, lease
 from lchat.handover.relocate import Relocation
 from lchat.mesh import api
+from lchat.mesh.members import Member
 from lchat.objstore import StoreUnavailable
 from lchat.objstore.file import FileBucket, FileStore
 from lchat.objstore.where import Where
@@ -564,9 +565,7 @@ class FromAnyBoxTests(RelocateCase):
     def setUp(self) -> None:
         super().setUp()
         self.mesh()
-        self.peers.live = [
-            member(u, r) for u, r in [(MESH["LCHAT_MESH_SELF"], "ie"), (FI_BOX, "fi"), (PEER, "ie")]
-        ]
+        self.peers.live = [*self.live(), member(PEER, "ie")]
         box = MeshBox(self.root, "ie1", LCHAT_MESH_TOKEN=MESH["LCHAT_MESH_TOKEN"])
         box.add(HOST, hibernate=True, home_region="ie")
         self.peer = PeerActivator(self.reactor)
@@ -580,6 +579,10 @@ class FromAnyBoxTests(RelocateCase):
         ie = FileStore(self.reactor, self.ie, inline)
         taken = lease.acquire(ie, self.lock, PEER, 900.0, monotonic=self.reactor.seconds)
         self.successResultOf(Deferred.fromCoroutine(taken))
+
+    def live(self) -> list[Member]:
+        """This box and the fi box (not the peer)."""
+        return [member(MESH["LCHAT_MESH_SELF"], "ie"), member(FI_BOX, "fi")]
 
     def calls(self, op: str, outcome: str) -> float:
         labels = {"op": op, "outcome": outcome}
@@ -609,6 +612,37 @@ class FromAnyBoxTests(RelocateCase):
         self.assertEqual(self.peer_holds.calls, [("hold", PEER), ("release", PEER)])
         self.assertIsNone(self.peer.held.refusal(HOST))
         self.assertUnmovedButTheLock()
+
+    def test_a_box_that_woke_it_in_between_is_asked_too(self) -> None:
+        other = "http://ie2.example.net"
+        box = MeshBox(self.root, "ie2", LCHAT_MESH_TOKEN=MESH["LCHAT_MESH_TOKEN"])
+        box.add(HOST, hibernate=True, home_region="ie")
+        second = PeerActivator(self.reactor)
+        second.awake.add(HOST)
+        second.on_sleep = lambda host: FileBucket(self.ie).delete(self.lock)
+        self.peer_holds.add(
+            other,
+            api.MeshAPI(
+                box.registry, box.cfg(), lambda why: None, run_in_thread=inline, holds=second
+            ),
+        )
+        self.peers.live = [*self.live(), member(PEER, "ie"), member(other, "ie")]
+        ie = FileStore(self.reactor, self.ie, inline)
+
+        def woken_on_the_other(host: str) -> None:  # a request woke it on ie2 meanwhile
+            FileBucket(self.ie).delete(self.lock)
+            taken = lease.acquire(ie, self.lock, other, 900.0, monotonic=self.reactor.seconds)
+            self.successResultOf(Deferred.fromCoroutine(taken))
+
+        self.peer.on_sleep = woken_on_the_other
+        self.assertEqual(self.relocate(), 0)
+        self.assertEqual(
+            self.peer_holds.calls,
+            [("hold", PEER), ("hold", other), ("release", PEER), ("release", other)],
+        )
+        for activator in (self.peer, second):
+            self.assertIsNone(activator.held.refusal(HOST))
+        self.assertEqual(self.home(), "fi")
 
     def test_an_older_peer_without_the_call_is_todays_refusal(self) -> None:
         self.peer_api._holds = None  # as an lchat without POST /api/mesh/hold: 404, no reason
@@ -679,7 +713,7 @@ class FromAnyBoxTests(RelocateCase):
         self.assertUnmovedButTheLock()
 
     def test_a_lease_of_a_box_that_is_not_live_is_refused_without_asking(self) -> None:
-        self.peers.live = [member(MESH["LCHAT_MESH_SELF"], "ie"), member(FI_BOX, "fi")]
+        self.peers.live = self.live()
         self.refused_move(f"is held by {PEER} until")
         self.assertEqual(self.peer_holds.calls, [])
         self.assertUnmovedButTheLock()
