@@ -504,7 +504,8 @@ class Relocation:
 
     def _release_peers(self, host: str, peers: list[str], hold: float) -> None:
         """Lift the holds the peers placed (best effort: each also ends by itself at its
-        deadline, ``hold`` seconds after it began). Never raises: it runs on every way out."""
+        deadline, ``hold`` seconds after it began). A peer's failure, or the whole call timing
+        out, is a note, never an exception: it runs on every way out, after the real outcome."""
         holds = self.peer_holds if self.peer_holds is not None else MeshHolds(self.cfg)
         failed: dict[str, str] = {}
 
