@@ -324,14 +324,6 @@ class RelocateFromAnyBoxTests(TwoRegionsCase):
         self.assertIn("a peer lifted its hold here (released)", holder.log())
 
 
-class RelocateFromAnyBoxSeaweedSourceTests(RelocateFromAnyBoxTests):
-    """The same with ``ie`` (the source: the hold, the released lease, the fence) on
-    SeaweedFS and ``fi`` on moto, run on the destination box (two boxes: the suite's time)."""
-
-    IE_ON = "seaweedfs"
-    BOXES = ("ie0", "fi0")
-
-
 class RelocateSharedBucketTests(MeshTestCase):
     timeout = 240
 
