@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
@@ -447,6 +448,50 @@ class SpaceTests(TestCase):
 
         code, elsewhere = await self.http("POST", "/api/rooms/r2/messages", {"body": "r2 only"})
         self.assertEqual(await other.next(), elsewhere, "r1 traffic never reached r2")
+
+    async def test_setup_invite_claims_once(self) -> None:
+        invite = "an-invite-of-the-operator"
+        digest = hashlib.sha256(invite.encode()).hexdigest()
+        await self.start(LCHAT_SETUP_INVITE_SHA256=digest.upper())  # hex in any case
+        self.assertEqual(self.stats_row(), (0, 0, 0), "not set up before the claim")
+        code, reply = await self.http("POST", "/api/setup", {"invite": "wrong"})
+        self.assertEqual((code, reply), (403, {"error": "wrong setup invite"}))
+        for bad in (b"{}", b'{"invite": 5}', b"[]", b"{"):
+            self.assertEqual((await self.http("POST", "/api/setup", raw=bad))[0], 400, bad)
+        self.assertEqual(self.stats_row()[0], 0, "a refused claim writes nothing")
+        code, reply = await self.http("POST", "/api/setup", {"invite": invite})
+        self.assertEqual((code, reply), (200, {"setup_complete": True}))
+        self.assertEqual(self.stats_row(), (1, 0, 0), "set up, still no content")
+        code, reply = await self.http("POST", "/api/setup", {"invite": invite})
+        self.assertEqual(
+            (code, reply), (403, {"error": "setup is already complete: the invite was used"})
+        )
+        self.assertEqual((await self.http("GET", "/api/setup"))[0], 405)
+
+    async def test_no_setup_endpoint_without_an_invite(self) -> None:
+        await self.start()
+        for method in ("POST", "GET"):
+            code, reply = await self.http(
+                method, "/api/setup", {"invite": "x"} if method == "POST" else None
+            )
+            self.assertEqual((code, reply), (404, {"error": "not found"}))
+
+    async def test_a_malformed_invite_hash_refuses_the_start(self) -> None:
+        proc = self.spawn(LCHAT_SETUP_INVITE_SHA256="not-hex")
+        await proc.ended
+        self.assertNotEqual(proc.code, 0)
+        self.assertIn(b"LCHAT_SETUP_INVITE_SHA256 must be 64 hex digits", proc.stderr)
+
+    def stats_row(self) -> tuple[int, int, int]:
+        """The lchat_stats view the router reads (read-only, as lchat.spacestats does)."""
+        conn = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+        try:
+            row = conn.execute(
+                "SELECT setup_complete, members, has_content FROM lchat_stats"
+            ).fetchone()
+        finally:
+            conn.close()
+        return tuple(int(v) for v in row)  # type: ignore[return-value]
 
     async def test_refuses_when_socket_is_live(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
@@ -169,6 +170,7 @@ ALLOWED: dict[str, tuple[bytes, ...]] = {
     "next-due": (b"GET",),
     "charter-next-due": (b"POST",),
     "messages": (b"GET", b"POST"),
+    "setup": (b"POST",),
     "ws": (b"GET",),
 }
 
@@ -179,7 +181,7 @@ def route(path: bytes) -> tuple[str, str | None] | None:
     if parts[:2] != [b"", b"api"]:
         return None
     rest = parts[2:]
-    if len(rest) == 1 and rest[0] in (b"version", b"next-due", b"charter-next-due"):
+    if len(rest) == 1 and rest[0] in (b"version", b"next-due", b"charter-next-due", b"setup"):
         return rest[0].decode(), None
     if len(rest) == 3 and rest[0] == b"rooms" and rest[2] in (b"messages", b"ws"):
         return rest[2].decode(), rest[1].decode("latin-1")
@@ -241,6 +243,7 @@ class Api(Resource):
             ("charter-next-due", b"POST"): self._charter_next_due,
             ("messages", b"GET"): self._list_messages,
             ("messages", b"POST"): self._post_message,
+            ("setup", b"POST"): self._setup,
         }
 
     def render(self, request: Request) -> bytes | int:
@@ -248,6 +251,8 @@ class Api(Resource):
         if found is None:
             return _json(request, 404, {"error": "not found"})
         name, room = found
+        if name == "setup" and self._space.config.setup_invite_sha256 is None:
+            return _json(request, 404, {"error": "not found"})  # no setup step: as before
         if request.method not in ALLOWED[name]:
             request.setHeader(b"allow", b", ".join(ALLOWED[name]))
             return _json(request, 405, {"error": "method not allowed"})
@@ -308,6 +313,29 @@ class Api(Resource):
             raise HTTPError(400, str(e)) from None
         await self._space.store.set_charter_due(due)
         return 204, None
+
+    async def _setup(self, request: Request, room: str) -> Reply:
+        """``POST /api/setup {"invite": "..."}`` (docs/hibernation.md, "the contract for a
+        space"): accepted once, by the invite whose SHA-256 the env holds; 404 without one (no
+        setup step), 403 for a wrong invite or a second claim, nothing written either way."""
+        expected = self._space.config.setup_invite_sha256
+        if expected is None:
+            raise HTTPError(404, "not found")
+        invite = _json_object(request).get("invite")
+        if not isinstance(invite, str) or not invite:
+            raise HTTPError(400, "invite must be a non-empty string")
+        presented = hashlib.sha256(invite.encode("utf-8", "surrogatepass")).hexdigest()
+        if not hmac.compare_digest(presented, expected):
+            log.warn("setup: a wrong invite was presented for {host}", host=self._space.config.host)
+            raise HTTPError(403, "wrong setup invite")
+        if not await self._space.store.claim_setup(self._space.now()):
+            log.warn(
+                "setup: {host} is already set up; a second claim was refused",
+                host=self._space.config.host,
+            )
+            raise HTTPError(403, "setup is already complete: the invite was used")
+        log.info("setup: {host} claimed with its setup invite", host=self._space.config.host)
+        return 200, {"setup_complete": True}
 
     async def _list_messages(self, request: Request, room: str) -> Reply:
         after = _query_int(request, "after", 0, 0, MAX_TIME)

@@ -52,6 +52,18 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         " 0 AS members,"
         " (EXISTS (SELECT 1 FROM messages) OR EXISTS (SELECT 1 FROM scheduled)) AS has_content",
     ),
+    (
+        # The setup invite (docs/hibernation.md, "the contract for a space"): at most one row,
+        # written by the one POST /api/setup that presented the invite; a claimed space is set
+        # up whatever else it holds.
+        "CREATE TABLE setup (id INTEGER PRIMARY KEY CHECK (id = 1), claimed_at INTEGER NOT NULL)",
+        "DROP VIEW lchat_stats",
+        "CREATE VIEW lchat_stats AS SELECT"
+        " (EXISTS (SELECT 1 FROM setup) OR EXISTS (SELECT 1 FROM messages)"
+        " OR EXISTS (SELECT 1 FROM scheduled)) AS setup_complete,"
+        " 0 AS members,"
+        " (EXISTS (SELECT 1 FROM messages) OR EXISTS (SELECT 1 FROM scheduled)) AS has_content",
+    ),
 )
 BUSY_TIMEOUT_MS = 5000
 DELIVER_BATCH = 500
@@ -126,6 +138,11 @@ class Store:
 
     def set_charter_due(self, due: int) -> Deferred[None]:
         return self._run(_set_meta, "charter_due", due)
+
+    def claim_setup(self, now: int) -> Deferred[bool]:
+        """Record the setup as claimed at ``now``: True for the one call that claims it, False
+        for every later one (the row exists; it is never rewritten)."""
+        return self._run(_claim_setup, now)
 
     async def close(self) -> None:
         """Checkpoint what it can of the WAL, close the connection, stop the thread."""
@@ -255,3 +272,11 @@ def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
             " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             (key, value),
         )
+
+
+def _claim_setup(conn: sqlite3.Connection, now: int) -> bool:
+    with write_transaction(conn):
+        cursor = conn.execute(
+            "INSERT INTO setup (id, claimed_at) VALUES (1, ?) ON CONFLICT (id) DO NOTHING", (now,)
+        )
+        return cursor.rowcount == 1
