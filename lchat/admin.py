@@ -96,12 +96,16 @@ class _Json(Resource):
             return _restart(self._admin, request)
         if path.startswith(b"/stats/"):
             return _stats(self._admin, request)
+        if path == b"/probe" and request.method == b"POST":
+            return _probe(self._admin, request)
         if path in _PATHS:
             return _json(request, 405, {"error": "method not allowed"})
         return _json(request, 404, {"error": "not found"})
 
 
-_PATHS = frozenset(b"/status /reload /metrics /wake /sleep /release /restart".split())  # (405)
+_PATHS = frozenset(
+    b"/status /reload /metrics /wake /sleep /release /restart /probe".split()
+)  # (405)
 
 
 class AdminAPI:
@@ -118,6 +122,7 @@ class AdminAPI:
         capacity: Capacity | None = None,  # the limits, for "capacity"
         stats: StatsProvider | None = None,  # GET /stats/<host> (lchat.spacestats.SpaceStats)
         restart: Callable[[str], Deferred[int | None]] | None = None,  # builtin units' restart
+        probe: StatsProvider | None = None,  # POST /probe?host= (lchat.readiness.Readiness)
     ) -> None:
         self.routes = routes
         self._units = units
@@ -129,6 +134,7 @@ class AdminAPI:
         self._capacity = capacity
         self.stats = stats
         self.restart = restart
+        self.probe = probe
         self.clock = reactor.seconds
         self._started = self.clock()
 
@@ -333,6 +339,21 @@ def _stats(admin: AdminAPI, request: Request) -> bytes | int:
         return _json(request, 400, {"error": f"bad host: {e}", "reason": "bad_host"})
     still = answerable(request)
     d = Deferred.fromCoroutine(admin.stats(host))
+    d.addCallback(lambda answer: _finish(request, still, *answer))
+    d.addErrback(lambda f: _finish(request, still, 500, {"host": host, "error": str(f.value)}))
+    return NOT_DONE_YET
+
+
+def _probe(admin: AdminAPI, request: Request) -> bytes | int:
+    """``POST /probe?host=H``: wake the space on the box that would run it, read its version,
+    sleep it (lchat.readiness); answers once done, whatever the outcome."""
+    if admin.probe is None:
+        return _json(request, 409, {"error": "hibernation is off (LCHAT_HIBERNATE_BUCKET)"})
+    host = _host_arg(request)
+    if isinstance(host, bytes):
+        return host
+    still = answerable(request)
+    d = Deferred.fromCoroutine(admin.probe(host))
     d.addCallback(lambda answer: _finish(request, still, *answer))
     d.addErrback(lambda f: _finish(request, still, 500, {"host": host, "error": str(f.value)}))
     return NOT_DONE_YET

@@ -35,6 +35,12 @@ def write_token(path: str, token: str) -> None:
     except FileNotFoundError:
         lines = []
     assign(lines, TOKEN_VAR, token)
+    write_lines(path, lines)
+
+
+def write_lines(path: str, lines: list[str]) -> None:
+    """Write ``lines`` (an env file's, as :func:`assign` leaves them) to ``path``, atomically,
+    mode 0600 from the first byte."""
     write_atomic(path, "".join(f"{line}\n" for line in lines).encode("utf-8"), MODE)
 
 

@@ -31,7 +31,7 @@ from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener, listen
 from lchat.mesh.api import mesh_site
-from lchat.mesh.client import PeerBeats, ask_stats
+from lchat.mesh.client import PeerBeats, ask_stats, ask_wake
 from lchat.mesh.due import DuePush
 from lchat.mesh.fence import BoxFence, HolderJudge
 from lchat.mesh.fleet import SpacesView
@@ -48,6 +48,7 @@ from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.reactors import Reactor, installed, whole
+from lchat.readiness import PEER_TIMEOUT, VERSION_TIMEOUT, MeshProbe, Readiness
 from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, RegistryError, RouteSource, RouteTable
 from lchat.router import Router
@@ -64,6 +65,7 @@ from lchat.spacestats import OWNER_TIMEOUT, MeshStats, SpaceStats
 from lchat.supervise import Supervisor
 from lchat.threads import RunInThread, thread_runner
 from lchat.units import BuiltinUnits, Claims
+from lchat.unixhttp import request as unix_request
 from lchat.webutil import QuietSite
 
 _log = Logger(namespace="lchat.tap")
@@ -184,8 +186,21 @@ def build_service(
     certs = certificates(top, reactor, cfg, routes, hibernation, run, aws)
     fleet = _fleet_view(reactor, cfg, routes, hibernation, units, backup)
     stats = _space_stats(reactor, cfg, routes, hibernation)
-    _front_door(top, reactor, cfg, routes, pool, hibernation, certs, run, spaces=fleet, stats=stats)
-    _admin(top, reactor, cfg, routes, units, hibernation, certs, backup, stats)
+    probe = _readiness(reactor, cfg, routes, hibernation)
+    _front_door(
+        top,
+        reactor,
+        cfg,
+        routes,
+        pool,
+        hibernation,
+        certs,
+        run,
+        spaces=fleet,
+        stats=stats,
+        probe=probe,
+    )
+    _admin(top, reactor, cfg, routes, units, hibernation, certs, backup, stats, probe)
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
         "https={https}, http={http}, admin={admin}, one-read recognisers {oneread}",
@@ -428,6 +443,7 @@ def _front_door(
     run: RunInThread,
     spaces: Callable[[], Callable[[], dict[str, Any]]] | None = None,
     stats: SpaceStats | None = None,
+    probe: Readiness | None = None,
 ) -> None:
     """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
     mesh's route-replication API addressed to this box's own name (with ``spaces``, the fleet
@@ -450,6 +466,7 @@ def _front_door(
             clock=reactor.seconds,
             stats=stats.answer_here if stats is not None else None,
             holds=hibernation.activator if hibernation is not None else None,
+            probe=probe.answer_here if probe is not None else None,
         )
         listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
@@ -502,6 +519,7 @@ def _admin(
     certs: Certificates,
     backup: BackupService | None,
     stats: SpaceStats,
+    probe: Readiness | None,
 ) -> None:
     """The local admin API (router.sock) and the Prometheus endpoint."""
     clear_stale_socket(cfg.admin_socket)
@@ -525,6 +543,7 @@ def _admin(
             owned=_registered_owned(cfg, routes, membership),
         ),
         stats=stats.answer,
+        probe=probe.answer if probe is not None else None,
         restart=units.supervisor.restart if units is not None else None,  # lchat deploy
     )
     listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
@@ -563,6 +582,40 @@ def _space_stats(
         else lambda url: False,
     )
     return SpaceStats(routes, cfg.data_dir, state, seam)
+
+
+def _readiness(
+    reactor: Reactor, cfg: BoxConfig, routes: RouteSource, hibernation: HibernationService | None
+) -> Readiness | None:
+    """The readiness probe (lchat.readiness), with hibernation only; on a mesh box it probes on
+    the box that holds or owns a space (POST /api/mesh/wake/<host> there)."""
+    if hibernation is None:
+        return None
+
+    async def read_version(socket: str, host: str) -> tuple[int, bytes]:
+        answer = await unix_request(
+            reactor, socket, "GET", "/api/version", host=host, timeout=VERSION_TIMEOUT
+        )
+        return answer.status, answer.body
+
+    mesh, probe_mesh = hibernation.mesh, None
+    if mesh is not None and cfg.mesh is not None:
+        token, ca_file = cfg.mesh.token, cfg.mesh.ca_file
+
+        async def ask(peer: str, host: str) -> tuple[int, dict[str, Any]]:
+            return await ask_wake(
+                peer, token, host, reactor=reactor, ca_file=ca_file, timeout=PEER_TIMEOUT
+            )
+
+        probe_mesh = MeshProbe(mesh.self_url, mesh.in_scope, mesh.answering_box, ask)
+    return Readiness(
+        routes,
+        hibernation.activator,
+        read_version,
+        reactor,
+        self_url=mesh.self_url if mesh is not None else "",
+        mesh=probe_mesh,
+    )
 
 
 def _raise_open_files_limit() -> None:

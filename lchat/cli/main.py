@@ -24,7 +24,7 @@ from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
 from lchat.cli import bootstrap as bootstrap_cli
-from lchat.cli import certs, dev_cert, litestream_yml, runner
+from lchat.cli import certs, dev_cert, litestream_yml, provision, runner
 from lchat.cli import fleet as fleet_cli
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import instances as instances_cli
@@ -124,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         systemd_units.UnitError,
         litestream_yml.BackupConfigError,
         mesh_cli.MeshCliError,
+        provision.ProvisionError,
         fleet_cli.FleetCliError,
         replica_cli.ReplicaCliError,
         certs.CertsError,
@@ -199,6 +200,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         default=None,
         help="the space's home region (default: LCHAT_CLOUD_REGION, else none)",
+    )
+    sub.add_argument(
+        "--probe",
+        nargs="?",
+        const=provision.DEFAULT_PROBE_TIMEOUT,
+        default=None,
+        type=_positive_seconds,
+        metavar="TIMEOUT",
+        help="with --hibernate: then wake it where it would run, read its version and sleep it "
+        f"again (lchat probe), within TIMEOUT seconds (default "
+        f"{provision.DEFAULT_PROBE_TIMEOUT:g}); exit 1 naming why it did not boot (the row stays)",
+    )
+    sub.add_argument(
+        "--invite",
+        action="store_true",
+        help="mint a setup invite: print https://HOST/setup#INVITE, keep only its hash in the "
+        "space's env file (lchat invite)",
     )
     _add_timeout(sub, DEFAULT_TIMEOUT, "how long to wait for it to answer")
     sub.add_argument("--no-wait", action="store_true", help="start it but do not health-check it")
@@ -280,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         lambda p: _add_common(p, argparse.SUPPRESS),
     )
+
+    provision.add_probe_arguments(command("probe", provision.PROBE_SUMMARY, cmd_probe))
+    provision.add_invite_arguments(command("invite", provision.INVITE_SUMMARY, cmd_invite))
 
     command(
         "mesh",
@@ -436,6 +457,11 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     )
     if args.hibernate and cfg.hibernate is None:
         raise CliError("--hibernate needs a hibernation bucket: set LCHAT_HIBERNATE_BUCKET")
+    if args.probe is not None and not args.hibernate:
+        raise CliError(
+            "--probe needs --hibernate (an always-on space is health-checked by its start); "
+            "nothing was registered"
+        )
     _require_dir(cfg.data_dir, "LCHAT_DATA_DIR / --data-dir")
     registry = open_registry(cfg)
     if host and registry.get(host) is not None:
@@ -469,6 +495,8 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     if args.hibernate:
         refuse_if_backed_up(_backup_listing(cfg, db), host, db, "nothing was registered")
     token = _stage_env_file(hosts.env_path(cfg.data_dir, host), token)
+    # Before the row and the fan-out: the invite's hash travels with the env file.
+    invite = provision.mint_invite(hosts.env_path(cfg.data_dir, host)) if args.invite else None
     # The activator and builtin units read it as the router's user (only systemd reads as root).
     hand_env_files_to_router(cfg, host, SAY, quiet=True)
     if args.hibernate:
@@ -487,20 +515,72 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         )
     )
     _out(f"admin token: {token}")
+    if invite is not None:
+        _out(f"setup invite: {provision.invite_url(host, invite)}")
     if args.hibernate:
         # Nothing to start and nothing to wait for: no process and no database until its first
         # request (or `lchat hibernate --on`'s warm request) wakes it.
         _router(cfg).notify()
         warn_if_born_dark(cfg, SocketAdmin(cfg.admin_socket), host, SAY)
         # With the mesh on, every live peer covering the host learns the route (best-effort).
-        mesh_cli.fan_out_upsert(cfg, route, _note)
+        _say_reach(mesh_cli.fan_out_upsert(cfg, route, _note))
         _out(
             f"{host} is registered, asleep ({args.replication} replication): "
             f"it wakes on its first request"
         )
+        if args.probe is not None:
+            return provision.probe(cfg, host, args.probe, _out, created=True)
         return 0
     start = Start(cfg, registry, _router(cfg), BoxUnits(cfg, POLL_INTERVAL))
     return start(host, socket, args.timeout, wait=not args.no_wait)
+
+
+def _say_reach(reach: mesh_cli.Reach | None) -> None:
+    """``registered on 2/3 boxes (https://b: converges when it is back)``: how many boxes of the
+    mesh hold the row now (None: not a mesh host, nothing to say)."""
+    if reach is not None:
+        _out(reach.describe())
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    host = hosts.normalise(args.host)
+    if not 0 < args.timeout < 86400:
+        raise CliError("--timeout must be between 0 and 86400 seconds")
+    cfg = load_config(args)
+    return provision.probe(cfg, host, args.timeout, _out, as_json=args.json, created=False)
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    host = hosts.normalise(args.host)
+    cfg = load_config(args)
+    registry = open_registry(cfg)
+    route = _instance_row(registry, host, "have a setup invite")
+    if route.elsewhere:
+        raise CliError(
+            f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box): "
+            f"run `lchat invite {host}` there"
+        )
+    env = hosts.env_path(cfg.data_dir, host)
+    if not os.path.exists(env):
+        raise CliError(f"{host} has no env file at {env}: nothing was changed")
+    if provision.has_invite(env) and not args.rotate:
+        raise CliError(
+            f"{host} already has a setup invite, and only its hash is kept, so it cannot be "
+            "shown again: --rotate mints a new one (the old one stops working); nothing was "
+            "changed"
+        )
+    invite = provision.mint_invite(env)
+    hand_env_files_to_router(cfg, host, SAY, quiet=True)
+    _out(f"setup invite: {provision.invite_url(host, invite)}")
+    if route.hibernate:
+        _say_reach(mesh_cli.fan_out_upsert(cfg, route, _note))
+        _note(f"{host} takes the new invite at its next wake (a space already set up takes none)")
+    else:
+        _note(
+            f"{host} takes the new invite when its unit restarts (a space already set up takes "
+            "none)"
+        )
+    return 0
 
 
 def _refuse_beyond_registered(
@@ -679,7 +759,7 @@ def _hibernation(cfg: BoxConfig, registry: Registry) -> Hibernation:
         bucket = StoreBucket(lambda reactor: open_bucket(reactor, cfg, hib.where), runner.run)
     peers = FanOut(
         active=cfg.mesh is not None,
-        push=lambda route: mesh_cli.fan_out_upsert(cfg, route, _note),
+        push=lambda route: mesh_cli.fan_out_push(cfg, route, _note),
         replicates=lambda route: cfg.mesh is not None and mesh_cli.replicates(cfg.mesh, route),
     )
     return Hibernation(

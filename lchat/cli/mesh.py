@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from attrs import frozen
 from twisted.internet.defer import Deferred, DeferredSemaphore, gatherResults
 
 from lchat import hosts
@@ -37,6 +38,23 @@ SEED_CONCURRENCY = 8
 MEMBERS_TIMEOUT = 15.0  # `lchat mesh`: reading the membership
 
 Say = Callable[[str], None]
+
+
+@frozen
+class Reach:
+    """How many boxes of the mesh hold a route after a fan-out: this box and every peer that
+    took it (``took``), of every member that must hold it (``of``, the dead ones too); the
+    ones that did not, each with why."""
+
+    took: int
+    of: int
+    missed: tuple[tuple[str, str], ...]  # (member url, why)
+
+    def describe(self) -> str:
+        line = f"registered on {self.took}/{self.of} boxes"
+        if self.missed:
+            line += " (" + "; ".join(f"{url}: {why}" for url, why in self.missed) + ")"
+        return line
 
 
 class MeshCliError(Exception):
@@ -96,25 +114,31 @@ def owned_rows(
 # --- fan-out on create and remove ---------------------------------------------------------------
 
 
-def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> None:
+def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> Reach | None:
     """Push ``route`` to the live peers; never raises. A hibernating instance (just registered,
     or flipped on by ``lchat hibernate --on``) goes as itself; an always-on instance of this box
     (flipped off by ``lchat hibernate --off``) goes in its "lives elsewhere" shape, so that the
-    peers forward its requests here instead of waking a stale copy."""
+    peers forward its requests here instead of waking a stale copy. Returns how many boxes hold
+    it now (None: not a mesh route, or the membership could not be read)."""
     mesh = cfg.mesh
     if mesh is None or route.kind != "instance" or route.elsewhere:
-        return  # services do not replicate; a peer's lives-elsewhere row is not ours to push
+        return None  # services do not replicate; a peer's lives-elsewhere row is not ours
     if route.hibernate:
         try:
             env = client.read_route_env(cfg.data_dir, route.host)
         except ConfigError as e:
             say(f"mesh: not replicating {route.host}: its env file cannot be read ({e})")
-            return
+            return None
         payload = client.route_payload(route, env)
     else:
         payload = client.elsewhere_payload(route, mesh.self_url)
 
-    _fan_out(cfg, route, "pushed", lambda m, r, s: _push(mesh, m.url, payload, s, r), say)
+    return _fan_out(cfg, route, "pushed", lambda m, r, s: _push(mesh, m.url, payload, s, r), say)
+
+
+def fan_out_push(cfg: BoxConfig, route: Route, say: Say) -> None:
+    """:func:`fan_out_upsert` for the hand-over's seams, which report per peer and count none."""
+    fan_out_upsert(cfg, route, say)
 
 
 def fan_out_delete(cfg: BoxConfig, route: Route, say: Say) -> None:
@@ -161,19 +185,27 @@ def _fan_out(
     what: str,
     call: Callable[[Member, TCPReactor, float], Awaitable[str]],
     say: Say,
-) -> None:
+) -> Reach | None:
     budget = FANOUT_BUDGET
     mesh = cfg.mesh
     assert mesh is not None
     host = route.host
     if not replicates(mesh, route):
-        return  # not a mesh host: it lives on this box alone
+        return None  # not a mesh host: it lives on this box alone
     started = time.monotonic()
     results: dict[str, str] = {}
+    down: list[str] = []  # members that must hold it but are not live (their beats stopped)
 
     async def main(reactor: Reactor) -> list[Member]:
+        everyone = await read_mesh_members(reactor, cfg, include_dead=True)
         members = await read_mesh_members(reactor, cfg)
         targets = client.fan_out_targets(mesh, host, route.home_region, members)
+        live = {m.url for m in targets}
+        down.extend(
+            m.url
+            for m in client.fan_out_targets(mesh, host, route.home_region, everyone)
+            if m.url not in live
+        )
         # Each call ends a little before the budget, so that every peer's outcome is reported.
         left = max(0.5, budget - (time.monotonic() - started) - 0.5)
 
@@ -194,7 +226,7 @@ def _fan_out(
             f"mesh: {host}: replication to peers did not finish within {budget:g}s (finished: "
             f"{done}); peers that missed it catch up with `lchat mesh-seed`"
         )
-        return
+        return None
     except KeyboardInterrupt:
         raise
     except Exception as e:
@@ -202,16 +234,20 @@ def _fan_out(
             f"mesh: {host}: not replicated to peers ({type(e).__name__}: {e}); they catch up "
             f"with `lchat mesh-seed`"
         )
-        return
+        return None
+    missed = [(url, "down: converges when it is back") for url in sorted(down)]
     if not targets:
         say(f"mesh: {host}: no live peer to replicate to")
-        return
     for member in targets:
         result = results.get(member.url, "no answer")
         say(f"mesh: {host}: {what} to {member.url}: {result}")
+        if result == "no answer" or result.startswith("failed"):
+            missed.append((member.url, "missed it: converges (or `lchat mesh-seed` it)"))
     failed = [url for url, r in results.items() if r.startswith("failed")]
     if failed:
         say(f"mesh: {len(failed)} peer(s) missed {host}; they catch up with `lchat mesh-seed`")
+    took = 1 + sum(1 for m in targets if m.url not in dict(missed))
+    return Reach(took=took, of=1 + len(targets) + len(down), missed=tuple(missed))
 
 
 # --- mesh-seed ----------------------------------------------------------------------------------

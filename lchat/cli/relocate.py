@@ -80,7 +80,7 @@ def run(
 
     peers = MeshFanOut(
         members=lambda: live_members(cfg),
-        push_reporting=lambda route, said: mesh_cli.fan_out_upsert(cfg, route, said),
+        push_reporting=lambda route, said: mesh_cli.fan_out_push(cfg, route, said),
     )
     host = hosts.normalise(args.host)
     relocation = Relocation(

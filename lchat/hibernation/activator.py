@@ -152,6 +152,13 @@ class Activator(Service):
         space = self._spaces.get(host)
         return space is not None and space.lost is not None
 
+    def socket_of(self, host: str) -> str | None:
+        """The socket of ``host``'s space while it is awake here (the readiness probe reads its
+        version there), else None. Takes no in-flight ticket: the caller's read is not a
+        member's request and earns the space no idle credit."""
+        space = self._spaces.get(host)
+        return space.socket if space is not None and space.state == "awake" else None
+
     def state(self, host: str) -> str:
         space = self._spaces.get(host)
         return "asleep" if space is None else space.state

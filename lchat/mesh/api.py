@@ -75,6 +75,14 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     404 with ``reason: unknown_host`` when H is not a hibernating instance here; 404 without a
     ``reason`` when this router has no activator (as an older lchat, which lacks the calls).
 
+``POST /api/mesh/wake/{host}``
+    This box's own readiness probe of ``host`` (:meth:`lchat.readiness.Readiness.answer_here`:
+    never forwarded again): the activator's wake, ``GET /api/version`` on the space's socket,
+    its sleep; answered when done (200 with ``seconds``, ``version``, ``build``; 503 with the
+    wake's ``reason``; 404 ``unknown_host``), the body carrying ``box``. A peer's ``lchat probe``
+    asks it of the space's owner (docs/operations.md, "Creating spaces"). 404 without a
+    ``reason`` when the router serves no probe (no hibernation); an older lchat answers 404 too.
+
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
 is 401, a wrong method 405, any other path 404.
 
@@ -125,6 +133,7 @@ from lchat.mesh.client import (
     ROUTE_PATH,
     ROUTES_PATH,
     STATS_PATH,
+    WAKE_PATH,
     replicable_env,
     route_payload,
 )
@@ -153,6 +162,10 @@ class SpaceHolds(Protocol):
     def state(self, host: str) -> str: ...
 
 
+# One host's answer of this box: (status, JSON body); the mesh API adds ``box``.
+HostAnswer = Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
+
+
 class Options(TypedDict, total=False):
     """What :func:`mesh_site` takes besides the registry, the config and ``reload``."""
 
@@ -167,9 +180,11 @@ class Options(TypedDict, total=False):
     members: Callable[[str], bool] | None
     clock: Callable[[], float]  # the failed-authentication limiter's (time.monotonic)
     # GET /api/mesh/stats/<host>: this box's own answer (lchat.spacestats.SpaceStats.answer_here)
-    stats: Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]] | None
+    stats: HostAnswer | None
     # POST /api/mesh/hold and /release: this box's activator (None: no hibernation here)
     holds: SpaceHolds | None
+    # POST /api/mesh/wake/<host>: this box's own probe (lchat.readiness.Readiness.answer_here)
+    probe: HostAnswer | None
 
 
 # (A peer with a stale token during a botched rotation retries far less often than one 401 every
@@ -287,6 +302,7 @@ class MeshAPI(Resource):
         self._members = options.get("members")
         self._stats = options.get("stats")
         self._holds = options.get("holds")
+        self._probe = options.get("probe")
         self._limiter = AuthLimiter(options.get("clock", time.monotonic))
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
@@ -300,6 +316,8 @@ class MeshAPI(Resource):
             op, allowed, host_segment = "delete", b"DELETE", path.rsplit(b"/", 1)[1]
         elif path.startswith(STATS_PATH.encode() + b"/") and path.count(b"/") == 4:
             op, allowed, host_segment = "stats", b"GET", path.rsplit(b"/", 1)[1]
+        elif path.startswith(WAKE_PATH.encode() + b"/") and path.count(b"/") == 4:
+            op, allowed, host_segment = "wake", b"POST", path.rsplit(b"/", 1)[1]
         else:
             return self._answer(request, "unknown", "not_found", 404, {"error": "not found"})
         if request.method != allowed:
@@ -348,7 +366,9 @@ class MeshAPI(Resource):
         if op == "beat":
             return self._beat(request)
         if op == "stats":
-            return self._space_stats(request, host_segment)
+            return self._host_answer(request, op, host_segment, self._stats)
+        if op == "wake":
+            return self._host_answer(request, op, host_segment, self._probe)
         if op in ("hold", "release"):
             return self._hold_or_release(request, op)
         if op == "spaces":
@@ -393,11 +413,13 @@ class MeshAPI(Resource):
         d.addCallbacks(done, failed)
         return NOT_DONE_YET
 
-    def _space_stats(self, request: Request, segment: bytes) -> bytes | int:
-        """``GET /api/mesh/stats/{host}`` (the module docstring): answered on the reactor; the
-        read itself runs in the router's threads (SpaceStats)."""
-        op = "stats"
-        if self._stats is None:
+    def _host_answer(
+        self, request: Request, op: str, segment: bytes, provider: HostAnswer | None
+    ) -> bytes | int:
+        """``GET /api/mesh/stats/{host}`` and ``POST /api/mesh/wake/{host}`` (the module
+        docstring): this box's own answer about one host, with ``box``; answered on the reactor
+        (a stats read runs in the router's threads, a probe waits on the activator)."""
+        if provider is None:
             return self._answer(request, op, "not_found", 404, {"error": "not served here"})
         try:
             host = hosts.normalise(segment.decode("ascii"))
@@ -412,10 +434,10 @@ class MeshAPI(Resource):
             self._finish(request, still, op, outcome, code, {**body, "box": box})
 
         def failed(failure: Failure) -> None:
-            _log.failure("mesh: the stats of {host} failed", failure, host=host)
+            _log.failure("mesh: {op} of {host} failed", failure, op=op, host=host)
             self._finish(request, still, op, "error", 500, _INTERNAL)
 
-        Deferred.fromCoroutine(self._stats(host)).addCallbacks(done, failed)
+        Deferred.fromCoroutine(provider(host)).addCallbacks(done, failed)
         return NOT_DONE_YET
 
     def _hold_or_release(self, request: Request, op: str) -> bytes | int:

@@ -49,6 +49,7 @@ STATS_PATH = "/api/mesh/stats"  # GET <STATS_PATH>/<host>: a space's wake-free s
 # lchat relocate run on another box: sleep a space here and hold it asleep, then lift the hold
 HOLD_PATH = "/api/mesh/hold"
 RELEASE_PATH = "/api/mesh/release"
+WAKE_PATH = "/api/mesh/wake"  # POST <WAKE_PATH>/<host>: the readiness probe on that box
 REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
 # Absent in the payloads of older peers, an optional field means "keep this box's value"
 # (lchat.mesh.api). lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with
@@ -215,9 +216,24 @@ async def ask_stats(
     (lchat.spacestats), whatever its status: (status, its JSON object; ``{}`` when the answer
     was not one). A 404 without a ``reason`` is a peer that has no such endpoint (an older
     lchat). Raises :class:`MeshCallError` only when no HTTP answer came in time."""
+    return await _ask_host("GET", STATS_PATH, peer_url, token, host, **options)
+
+
+async def ask_wake(
+    peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
+) -> tuple[int, dict[str, Any]]:
+    """``POST /api/mesh/wake/{host}``: the peer's own readiness probe of ``host``
+    (lchat.readiness), as :func:`ask_stats` answers (a 404 without ``reason``: an older lchat).
+    The timeout must cover a cold wake."""
+    return await _ask_host("POST", WAKE_PATH, peer_url, token, host, **options)
+
+
+async def _ask_host(
+    method: str, base: str, peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
+) -> tuple[int, dict[str, Any]]:
     reactor = options["reactor"]
     timeout = options.get("timeout", DEFAULT_TIMEOUT)
-    path = f"{STATS_PATH}/{hosts.normalise(host)}"
+    path = f"{base}/{hosts.normalise(host)}"
     try:
         url = check_peer_url(peer_url) + path
     except ValueError as e:
@@ -231,10 +247,10 @@ async def ask_stats(
     )
     code, raw = await _exchange(
         client,
-        "GET",
+        method,
         url,
         headers,
-        None,
+        b"" if method == "POST" else None,
         reactor=reactor,
         timeout=timeout,
         limit=MAX_MESSAGE,
