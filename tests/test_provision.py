@@ -13,22 +13,198 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
+import time
+from types import MappingProxyType
 from typing import Any
 
 from attrs import frozen
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config, hosts
 from lchat.cli import provision
+from lchat.cli.mesh import Reach
+from lchat.hibernation.space import WakeFailed
 from lchat.mesh import placement
+from lchat.mesh.placement import in_scope
+from lchat.mesh.witness import PeerCallError
+from lchat.readiness import MeshProbe, Readiness
+from lchat.registry import Registry, Route, RouteSource, RouteTable
 from tests import meshnet, s3servers
+from tests.fakes import inline
 from tests.test_cli import CliTestCase
 from tests.test_mesh import DOMAIN, Box, MeshTestCase, _lchat
 
 HOST = "p.example.com"
+SELF = "https://box0.example:443"
+PEER = "https://box1.example:443"
+
+
+class _Activator:
+    """The activator as the probe sees it (lchat.readiness.ProbeActivator): the wake, the sleep
+    and the state of one space, recorded; a wake takes ``wake_takes`` seconds on the clock."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.states: dict[str, str] = {}
+        self.calls: list[str] = []
+        self.wake_fails: WakeFailed | None = None
+        self.sleep_fails: Exception | None = None
+        self.wake_takes = 0.41
+
+    def wake(self, route: Route, reason: str) -> Deferred[None]:
+        self.calls.append(f"wake {route.host} {reason}")
+        if self.wake_fails is not None:
+            return fail(self.wake_fails)
+        self.clock.advance(self.wake_takes)
+        self.states[route.host] = "awake"
+        return succeed(None)
+
+    def sleep(self, host: str, reason: str) -> Deferred[None]:
+        self.calls.append(f"sleep {host} {reason}")
+        if self.sleep_fails is not None:
+            return fail(self.sleep_fails)
+        self.states[host] = "asleep"
+        return succeed(None)
+
+    def state(self, host: str) -> str:
+        return self.states.get(host, "asleep")
+
+    def socket_of(self, host: str) -> str | None:
+        return f"/run/{host}.sock" if self.state(host) == "awake" else None
+
+
+class ReadinessTests(TestCase):
+    """:class:`lchat.readiness.Readiness`'s decisions on a fake clock: where it probes, what it
+    answers, that it sleeps only what it woke; the peer's answer as the seam gives it."""
+
+    H = f"h.{DOMAIN}"
+
+    def setUp(self) -> None:
+        self.data = tempfile.mkdtemp(prefix="probe", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.data, True)
+        self.clock = Clock()
+        self.activator = _Activator(self.clock)
+        self.box = SELF  # what answering_box says
+        self.asked: list[str] = []
+        self.peer: tuple[int, dict[str, Any]] | Exception = (200, {"host": self.H})
+        self.version: tuple[int, bytes] = (200, b'{"version": "9.9", "build": "b-1"}')
+
+    def readiness(self, *rows: Route, mesh: bool = True) -> Readiness:
+        registry = Registry(os.path.join(self.data, "registry.db"), clock=time.time)
+        table = RouteTable(routes=MappingProxyType({r.host: r for r in rows}))
+        routes = RouteSource(reactor, registry, table, run_in_thread=inline)
+
+        async def answering_box(route: Route) -> str:
+            return self.box
+
+        async def ask(peer: str, host: str) -> tuple[int, dict[str, Any]]:
+            self.asked.append(f"{peer} {host}")
+            if isinstance(self.peer, Exception):
+                raise self.peer
+            return self.peer
+
+        async def read_version(socket: str, host: str) -> tuple[int, bytes]:
+            self.asked.append(f"version {socket}")
+            return self.version
+
+        seam = MeshProbe(SELF, lambda host: in_scope(host, (DOMAIN,)), answering_box, ask)
+        return Readiness(
+            routes, self.activator, read_version, self.clock, SELF, seam if mesh else None
+        )
+
+    def row(self, host: str = "", **fields: Any) -> Route:
+        return Route(
+            host or self.H,
+            kind="instance",
+            socket="/run/x.sock",
+            status="ready",
+            hibernate=fields.pop("hibernate", True),
+            **fields,
+        )
+
+    async def test_here_it_wakes_reads_and_sleeps(self) -> None:
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual(code, 200, body)
+        self.assertEqual(
+            (body["seconds"], body["version"], body["build"], body["box"], body["state"]),
+            (0.41, "9.9", "b-1", SELF, "asleep"),
+        )
+        self.assertEqual(self.activator.calls, [f"wake {self.H} probe", f"sleep {self.H} probe"])
+        self.assertEqual(self.asked, [f"version /run/{self.H}.sock"])
+
+    async def test_an_awake_space_is_read_and_left_awake(self) -> None:
+        self.activator.states[self.H] = "awake"
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["was_awake"], body["state"]), (200, True, "awake"))
+        self.assertNotIn(f"sleep {self.H} probe", self.activator.calls)
+        self.assertEqual(self.asked, [f"version /run/{self.H}.sock"], "no peer is asked")
+
+    async def test_a_failed_wake_names_its_reason_and_sleeps_nothing(self) -> None:
+        self.activator.wake_fails = WakeFailed(self.H, "spawn", "exec format error")
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"], body["error"]), (503, "spawn", "exec format error"))
+        self.assertEqual(self.activator.calls, [f"wake {self.H} probe"])
+
+    async def test_no_version_is_a_failure_and_the_space_sleeps_again(self) -> None:
+        self.version = (502, b"")
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"]), (503, "no_version"), body)
+        self.assertEqual(self.activator.state(self.H), "asleep")
+
+    async def test_a_failed_sleep_is_an_error_saying_it_stays_awake(self) -> None:
+        self.activator.sleep_fails = RuntimeError("flush failed")
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"]), (500, "sleep_failed"), body)
+        self.assertIn("flush failed", body["error"])
+
+    async def test_the_owner_probes_when_it_is_a_peer(self) -> None:
+        self.box = PEER
+        self.peer = (200, {"host": self.H, "seconds": 1.5, "build": "b"})
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["box"], body["seconds"]), (200, PEER, 1.5))
+        self.assertEqual(self.asked, [f"{PEER} {self.H}"])
+        self.assertEqual(self.activator.calls, [], "nothing woken here")
+
+    async def test_a_peer_without_the_endpoint_or_no_answer(self) -> None:
+        self.box = PEER
+        self.peer = (404, {"error": "not found"})
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"], body["box"]), (503, "peer_too_old", PEER))
+        self.peer = PeerCallError(PEER, "connection refused")
+        code, body = await self.readiness(self.row()).answer(self.H)
+        self.assertEqual((code, body["reason"]), (503, "owner_unreachable"))
+        self.assertIn("connection refused", body["error"])
+
+    async def test_answer_here_never_asks_a_peer(self) -> None:
+        self.box = PEER
+        code, _ = await self.readiness(self.row()).answer_here(self.H)
+        self.assertEqual(code, 200)
+        self.assertNotIn(f"{PEER} {self.H}", self.asked)
+
+    async def test_rows_it_does_not_probe(self) -> None:
+        probe = self.readiness(self.row(), self.row("svc.example.com", hibernate=False), mesh=False)
+        code, body = await probe.answer("nope.example.com")
+        self.assertEqual((code, body["reason"]), (404, "unknown_host"))
+        code, body = await probe.answer("svc.example.com")
+        self.assertEqual((code, body["reason"]), (409, "not_hibernating"))
+
+
+class ReachTests(SynchronousTestCase):
+    def test_the_line_a_mesh_create_prints(self) -> None:
+        self.assertEqual(Reach(3, 3, ()).describe(), "registered on 3/3 boxes")
+        missed = (("https://b3", "down: converges when it is back"),)
+        self.assertEqual(
+            Reach(2, 3, missed).describe(),
+            "registered on 2/3 boxes (https://b3: down: converges when it is back)",
+        )
 
 
 class InviteCliTests(CliTestCase):
@@ -185,7 +361,7 @@ def _host_owned_by(owner: Box, boxes: list[Box], prefix: str) -> str:
 
 
 class ProvisionMeshTests(MeshTestCase):
-    """Two real routers, one bucket (moto)."""
+    """The readiness probe on two real routers, one bucket (moto)."""
 
     @inlineCallbacks
     def test_probe_wakes_on_the_owner_and_sleeps_it(self):
@@ -226,6 +402,24 @@ class ProvisionMeshTests(MeshTestCase):
         self.assertIsNotNone(boxes[0].registry().get(broken))
         self.assertFalse(any(b.awake(broken) for b in boxes))
 
+    def _keys(self, prefix: str) -> list[str]:
+        listed = self.server.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        return [item["Key"] for item in listed.get("Contents", [])]
+
+
+class SeaweedFSProvisionMeshTests(ProvisionMeshTests):
+    """The probe on SeaweedFS (its sleep's replica lands in a second S3 implementation)."""
+
+    skip = None if meshnet.weed_available() else "SeaweedFS's weed is not installed"
+
+    async def _bucket(self) -> None:
+        self.server = await s3servers.shared_server("seaweedfs")
+        self.bucket = await self.server.new_bucket()
+
+
+class InviteMeshTests(MeshTestCase):
+    """The setup invite on two real routers (moto): it needs no bucket feature of its own."""
+
     @inlineCallbacks
     def test_invite_claimed_through_a_non_origin_box(self):
         """Minted on box0 (no space runs for it), claimed once through box1's front door; then
@@ -253,17 +447,3 @@ class ProvisionMeshTests(MeshTestCase):
             got = yield deferToThread(_lchat, "stats", host, "--json", "--env-file", box.env_file)
             self.assertEqual(got.returncode, 0, got.stderr + box.log()[-3000:])
             self.assertIs(json.loads(got.stdout)["setup_complete"], True, got.stdout)
-
-    def _keys(self, prefix: str) -> list[str]:
-        listed = self.server.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
-        return [item["Key"] for item in listed.get("Contents", [])]
-
-
-class SeaweedFSProvisionMeshTests(ProvisionMeshTests):
-    """The same on SeaweedFS."""
-
-    skip = None if meshnet.weed_available() else "SeaweedFS's weed is not installed"
-
-    async def _bucket(self) -> None:
-        self.server = await s3servers.shared_server("seaweedfs")
-        self.bucket = await self.server.new_bucket()
