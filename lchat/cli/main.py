@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         metavar="TIMEOUT",
         help="with --hibernate: then wake it where it would run, read its version and sleep it "
-        f"again (lchat probe), within TIMEOUT seconds (default "
+        f"again (lchat probe), within TIMEOUT seconds (--probe=TIMEOUT; default "
         f"{provision.DEFAULT_PROBE_TIMEOUT:g}); exit 1 naming why it did not boot (the row stays)",
     )
     sub.add_argument(

@@ -29,7 +29,7 @@ from lchat.config import BoxConfig
 
 PROBE_SUMMARY = "wake a hibernating space where it would run, read its version, sleep it again"
 INVITE_SUMMARY = "mint a space's setup invite (only its hash is kept, in the space's env file)"
-DEFAULT_PROBE_TIMEOUT = 120.0  # seconds: a cold wake restores a replica and boots the space
+DEFAULT_PROBE_TIMEOUT = 150.0  # seconds: above the router's wait on a peer (readiness.PEER_TIMEOUT)
 INVITE_VAR = "LCHAT_SETUP_INVITE_SHA256"  # the contract's name (lchat.space.config)
 INVITE_BYTES = 32
 
