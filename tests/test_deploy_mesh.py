@@ -12,16 +12,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Any
 
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import gatherResults, inlineCallbacks
 from twisted.internet.threads import deferToThread
 
+from lchat import admin_client
 from lchat.builds import DEFAULT_LINK, BuildLayout
 from lchat.hosts import normalise_member_url
 from lchat.mesh import placement
+from lchat.registry import Route
 from lchat.release import deploy
 from tests import s3servers, test_deploy
 from tests.test_cli import REPO
@@ -30,7 +33,9 @@ from tests.test_mesh import DOMAIN, Box, MeshTestCase, _lchat, request
 HOST = f"floor.{DOMAIN}"
 
 
-class BuildFloorTests(MeshTestCase):
+class BuildsTestCase(MeshTestCase):
+    """Boxes with build trees of their own."""
+
     def build_tree(self, box: Box, default: str, installed: tuple[str, ...]) -> BuildLayout:
         """``box``'s own build tree: ``installed`` builds, ``_default`` at ``default``; the router
         runs ``<opt>/live/{host}``. A build not installed is staged beside, in ``<opt>/staged``."""
@@ -54,6 +59,8 @@ class BuildFloorTests(MeshTestCase):
         }
         return layout
 
+
+class BuildFloorTests(BuildsTestCase):
     def ahead_and_behind(self) -> tuple[Box, Box, BuildLayout]:
         """Two boxes knowing ``HOST``: the one that owns it runs 2.0 by default, the other 1.0
         (2.0 staged, not installed). Returns (ahead, behind, the behind box's build tree)."""
@@ -130,6 +137,154 @@ class BuildFloorSeaweedTests(BuildFloorTests):
     async def _bucket(self) -> None:
         self.server = await s3servers.shared_server("seaweedfs")
         self.bucket = await self.server.new_bucket()
+
+
+STEADY = "steady{}." + DOMAIN  # each box's own always-on space
+
+
+class FleetRolloutTests(BuildsTestCase):
+    """``lchat deploy <v> --fleet`` across two real routers, each box's part done by its own
+    ``lchat release agent --once`` (run here in turns, as each box's timer would). Each box has a
+    hibernating space (``HOST``) and an always-on one of its own (the health gate); build 3.0
+    exits at once (test_deploy.BROKEN_BUILD)."""
+
+    def fleet(self) -> tuple[list[Box], list[BuildLayout]]:
+        boxes = self.boxes(2)
+        layouts = []
+        for number, box in enumerate(boxes):
+            layout = self.build_tree(box, "1.0", ("1.0", "2.0"))
+            os.makedirs(layout.build_dir("3.0"))
+            with open(layout.binary("3.0"), "w") as f:
+                f.write(test_deploy.BROKEN_BUILD.format(version="3.0"))
+            os.chmod(layout.binary("3.0"), 0o755)
+            box.add_space(HOST)
+            steady = STEADY.format(number)
+            _add_always_on(box, steady)
+            deploy.point(layout, steady, "1.0")
+            layouts.append(layout)
+        return boxes, layouts
+
+    @inlineCallbacks
+    def rollout(self, version: str, first: Box, boxes: list[Box]) -> Any:
+        """Start ``lchat deploy <version> --fleet`` on ``first``, run every box's agent in turns
+        until it ends, and return (its exit code, its output, the refusal of a second rollout
+        started while it ran)."""
+        errors = open(os.path.join(self.root, f"deploy-{version}.err"), "w+")
+        self.addCleanup(errors.close)
+        orchestrator = subprocess.Popen(
+            [
+                *_cli(),
+                "deploy",
+                version,
+                "--fleet",
+                "--poll",
+                "0.2",
+                "--batch-timeout",
+                "60",
+                "--env-file",
+                first.env_file,
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        self.addCleanup(_kill, orchestrator)
+        assert orchestrator.stdout is not None
+        said = yield deferToThread(orchestrator.stdout.readline)
+        self.assertIn(f"of {version} started", said)
+        second = yield deferToThread(
+            _lchat, "deploy", "9.0", "--fleet", "--env-file", boxes[-1].env_file
+        )
+        deadline = time.monotonic() + 90
+        while orchestrator.poll() is None and time.monotonic() < deadline:
+            # Every box's agent at once, as their timers would run them.
+            runs = yield gatherResults(
+                [
+                    deferToThread(_lchat, "release", "agent", "--once", "--env-file", b.env_file)
+                    for b in boxes
+                ]
+            )
+            for ran in runs:
+                self.assertIn(ran.returncode, (0, 1), ran)
+        output, _ = yield deferToThread(orchestrator.communicate, timeout=30)
+        errors.seek(0)
+        return orchestrator.returncode, said + output + errors.read(), second
+
+    @inlineCallbacks
+    def test_fleet_deploy_rolls_box_by_box_and_stops_on_a_broken_build(self):
+        boxes, layouts = self.fleet()
+        yield self.start(*boxes)
+        started = time.monotonic()
+        code, output, second = yield self.rollout("2.0", boxes[0], boxes)
+        self.assertEqual(code, 0, output)
+        for number, (box, layout) in enumerate(zip(boxes, layouts, strict=True)):
+            self.assertIn(f"batch {number + 1}: {normalise_member_url(box.url)}: done", output)
+            self.assertEqual(layout.version_of(DEFAULT_LINK), "2.0")
+            self.assertEqual(layout.version_of(HOST), "2.0")
+            self.assertEqual(layout.version_of(STEADY.format(number)), "2.0")
+        self.assertEqual(second.returncode, 1, second)
+        self.assertIn("of 2.0 is running", second.stderr)
+        self.assertIn("--resume", second.stderr)
+
+        # 3.0 does not start: box0's always-on space fails its health check; box0 puts back
+        # every host it moved, box1 is never reached, and the rollout ends failed, exit 1.
+        code, output, _ = yield self.rollout("3.0", boxes[0], boxes)
+        self.assertEqual(code, 1, output)
+        first, last = (normalise_member_url(b.url) for b in boxes)
+        self.assertIn(f"failed on {first}: {STEADY.format(0)}", output)
+        self.assertIn(f"batch 1: {first}: failed (failed: {STEADY.format(0)})", output)
+        self.assertIn(f"batch 2: {last}: not reached", output)
+        for number, layout in enumerate(layouts):
+            self.assertEqual(layout.version_of(DEFAULT_LINK), "2.0")
+            self.assertEqual(layout.version_of(HOST), "2.0")
+            self.assertEqual(layout.version_of(STEADY.format(number)), "2.0")
+        answered = admin_client.wait_for_version(
+            os.path.join(boxes[0].run, f"{STEADY.format(0)}.sock"), STEADY.format(0), 10
+        )
+        self.assertTrue(answered, boxes[0].log())
+        self.assertLess(time.monotonic() - started, 90)
+
+
+class FleetRolloutSeaweedTests(FleetRolloutTests):
+    """The same on SeaweedFS: the rollout's one-at-a-time rule is its conditional writes."""
+
+    async def _bucket(self) -> None:
+        self.server = await s3servers.shared_server("seaweedfs")
+        self.bucket = await self.server.new_bucket()
+
+
+def _add_always_on(box: Box, host: str) -> None:
+    """An always-on space of ``box`` alone (the router runs it from its start)."""
+    env_file = os.path.join(box.data, f"{host}.env")
+    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, b"LCHAT_ADMIN_TOKEN=" + b"t" * 32 + b"\n")
+    os.close(fd)
+    box.registry().insert(
+        Route(
+            host=host,
+            kind="instance",
+            socket=os.path.join(box.run, f"{host}.sock"),
+            status="ready",
+            hibernate=False,
+        )
+    )
+
+
+def _kill(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "lchat.cli"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+    env["PYTHONPATH"] = REPO
+    return env
 
 
 def _built(box: Box, ca: str) -> str | None:

@@ -39,6 +39,7 @@ from lchat.release.deploy import (
 from lchat.release.feed import FeedError
 from lchat.release.fetch import BucketSource, FeedSource, Fetcher, HttpSource, http_client
 from lchat.release.publish import BucketTarget, DirectoryTarget, PublishTarget, publish, refresh
+from lchat.release.rollout import RolloutError
 from lchat.release.settings import ReleaseSettings, SettingsError
 
 RELEASE_SUMMARY = "fetch, list and publish space builds from the signed release feed"
@@ -52,7 +53,7 @@ LoadConfig = Callable[[argparse.Namespace], BoxConfig]
 OpenRegistry = Callable[[BoxConfig], Registry]
 
 FLOOR_READ_BUDGET = 30.0  # seconds for one read of a space's build floor in the bucket
-ERRORS = (FeedError, DeployError, SettingsError, ObjectStoreError, BadVersion)
+ERRORS = (FeedError, DeployError, SettingsError, ObjectStoreError, BadVersion, RolloutError)
 Run = Callable[[argparse.Namespace, LoadConfig, OpenRegistry, Out], int]
 
 
@@ -95,6 +96,21 @@ def add_release_arguments(
     )
     add_common(sub)
     _publish_targets(sub)
+    sub = actions.add_parser(
+        "agent",
+        help="(root, lchat-release.timer) do this box's part of a fleet rollout "
+        "(`lchat deploy --fleet`), and follow LCHAT_RELEASE_CHANNEL inside its window",
+    )
+    add_common(sub)
+    sub.add_argument("--once", action="store_true", help="one round, then exit (the timer's way)")
+    sub.add_argument(
+        "--interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="without --once: the pause between rounds (default 60)",
+    )
+    _timeout(sub)
     sub = actions.add_parser("keygen", help="(release host) make a signing key pair")
     add_common(sub)
     sub.add_argument("--out", required=True, metavar="FILE", help="where to write the private key")
@@ -112,13 +128,57 @@ def _publish_targets(sub: argparse.ArgumentParser) -> None:
 
 
 def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("version", help="an installed version (lchat release fetch)")
+    parser.add_argument(
+        "version",
+        nargs="?",
+        help="an installed version (lchat release fetch); with --fleet, one in the feed",
+    )
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--canary", metavar="HOST", help="deploy to this one space first")
     which.add_argument(
         "--all",
         action="store_true",
         help="every space registered on this box, then the box's default build (live/_default)",
+    )
+    which.add_argument(
+        "--fleet",
+        action="store_true",
+        help="every box of the mesh, --batch-boxes at a time, through the bucket: each box's "
+        'release agent deploys it to all its spaces (docs/operations.md, "Deploys on a mesh")',
+    )
+    parser.add_argument(
+        "--batch-boxes",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="with --fleet: boxes deploying together (default 1); a failed box rolls the rollout "
+        "back",
+    )
+    parser.add_argument(
+        "--batch-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="with --fleet: how long a batch of boxes has to report before the rollout rolls "
+        "back (default 1800; agents run every minute)",
+    )
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="with --fleet: how often the rollout is read while watching it (default 5)",
+    )
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --fleet: watch the running rollout again (its orchestrator died)",
+    )
+    resume.add_argument(
+        "--abort",
+        action="store_true",
+        help="with --fleet: roll the running rollout back (finished boxes return), and watch it",
     )
     parser.add_argument(
         "--batch",
@@ -172,7 +232,11 @@ def run_release(
         return _publish(args, cfg, settings, out)
     if args.release_action == "list":
         return _list(args, cfg, settings, open_registry, out)
-    return _fetch(args.version, cfg, settings, out)
+    if args.release_action == "agent":
+        from lchat.cli import rollout as rollout_cli  # it builds on this module's deployer
+
+        return rollout_cli.run_agent(args, cfg, open_registry, out)
+    return fetch_build(args.version, cfg, settings, out)
 
 
 def _keygen(path: str, out: Out) -> int:
@@ -231,7 +295,7 @@ async def _fetcher(
             await store.close()
 
 
-def _fetch(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
+def fetch_build(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Out) -> int:
     check_version(version)
     _pubkey(cfg, settings)  # refuse before any network
 
@@ -333,7 +397,7 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
 # --- deploy and rollback -------------------------------------------------------------------------
 
 
-def _deployer(
+def make_deployer(
     args: argparse.Namespace, cfg: BoxConfig, registry: Registry, out: Out
 ) -> tuple[Deployer, list[str]]:
     settings = settings_mod.read(cfg.file_env)
@@ -389,7 +453,7 @@ def _floor_reader(cfg: BoxConfig) -> Callable[[str], BuildRecord | None] | None:
     return read
 
 
-def _need_router(cfg: BoxConfig, deployer: Deployer, hosts: list[str]) -> None:
+def need_router(cfg: BoxConfig, deployer: Deployer, hosts: list[str]) -> None:
     restarter = deployer.restarter
     always_on = any(not deployer.route(h).hibernate for h in hosts)
     if always_on and isinstance(restarter, RouterRestarter) and not restarter.reachable():
@@ -403,7 +467,15 @@ def run_deploy(
     args: argparse.Namespace, load_config: LoadConfig, open_registry: OpenRegistry, out: Out
 ) -> int:
     cfg = load_config(args)
-    deployer, every = _deployer(args, cfg, open_registry(cfg), out)
+    if args.fleet:
+        from lchat.cli import rollout as rollout_cli  # it builds on this module's deployer
+
+        return rollout_cli.run_fleet(args, cfg, out)
+    if args.resume or args.abort:
+        raise DeployError("--resume and --abort are for a fleet rollout: add --fleet")
+    if not args.version:
+        raise DeployError("which version? `lchat deploy <version> --canary HOST|--all|--fleet`")
+    deployer, every = make_deployer(args, cfg, open_registry(cfg), out)
     hosts = [hostnames.normalise(args.canary)] if args.canary else every
     for host in hosts:
         deployer.route(host)
@@ -412,7 +484,7 @@ def run_deploy(
         out("no spaces are registered on this box yet")
         deployer.set_default(args.version)
         return 0
-    _need_router(cfg, deployer, hosts)
+    need_router(cfg, deployer, hosts)
     code = deployer.deploy(
         args.version, hosts, canary=bool(args.canary), batch=1 if args.canary else args.batch
     )
@@ -425,7 +497,7 @@ def run_rollback(
     args: argparse.Namespace, load_config: LoadConfig, open_registry: OpenRegistry, out: Out
 ) -> int:
     cfg = load_config(args)
-    deployer, every = _deployer(args, cfg, open_registry(cfg), out)
+    deployer, every = make_deployer(args, cfg, open_registry(cfg), out)
     if args.all:
         states = deploy_mod.read_states(deployer.layout)
         hosts = [h for h in every if h in states and states[h].previous is not None]
@@ -434,7 +506,7 @@ def run_rollback(
     else:
         hosts = [hostnames.normalise(args.host)]
         deployer.route(hosts[0])
-    _need_router(cfg, deployer, hosts)
+    need_router(cfg, deployer, hosts)
     return deployer.rollback(hosts)
 
 

@@ -261,6 +261,8 @@ class Deployer:
     floor: Callable[[str], BuildRecord | None] | None = None
     _clock: Callable[[], float] = time.time
     _monotonic: Callable[[], float] = time.monotonic
+    # The hosts the last deploy() could not bring up on its version (each put back where it was).
+    failed_hosts: list[str] = field(factory=list, init=False)
 
     def route(self, host: str) -> Route:
         route = self.routes.get(host)
@@ -275,6 +277,7 @@ class Deployer:
         failure. Returns 0 when every host is on ``version``, else 1."""
         check_installed(self.layout, version)
         routes = [self.route(h) for h in hosts]
+        self.failed_hosts = []
         with deploy_lock(self.layout):
             states = read_states(self.layout)
             done = 0
@@ -283,7 +286,10 @@ class Deployer:
                 failed = 0
                 for route in chunk:
                     try:
-                        failed += not self._deploy_one(route, version, canary, states)
+                        ok = self._deploy_one(route, version, canary, states)
+                        failed += not ok
+                        if not ok:
+                            self.failed_hosts.append(route.host)
                     finally:
                         write_states(self.layout, states)  # each host's record as it happens
                 done += len(chunk)
