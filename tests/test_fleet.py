@@ -277,6 +277,9 @@ class SpacesViewTests(SynchronousTestCase):
         )
         self.assertEqual(answer["box"], ME)
         self.assertEqual(answer["members"], sorted([ME, PEER, THIRD]))
+        self.assertIsNone(
+            answer["default_version"]
+        )  # no live/_default here (a fleet rollout sets it)
         spaces = {s["host"]: s for s in answer["spaces"]}
         self.assertEqual(set(spaces), {mine, awake, f"on.{DOMAIN}"})
         self.assertEqual(
@@ -308,6 +311,11 @@ class SpacesViewTests(SynchronousTestCase):
         # What the CLI reads back is what was served.
         parsed = fleet.parse_answer(json.loads(json.dumps(answer)))
         self.assertEqual({s.host for s in parsed.spaces}, set(spaces))
+        self.assertIsNone(parsed.default_version)
+        parsed = fleet.parse_answer(json.loads(json.dumps(answer | {"default_version": "1.0"})))
+        self.assertEqual(parsed.default_version, "1.0")
+        total = fleet.aggregate([fleet.BoxReport(ME, "", "ok", answer=parsed)], now=0.0)
+        self.assertEqual(total.boxes[0].default_version, "1.0")
 
     def test_opt_dir_environment_wins_over_the_env_file(self) -> None:
         self.assertEqual(fleet.opt_dir({}, {}), "/opt/lchat")

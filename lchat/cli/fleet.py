@@ -283,7 +283,11 @@ def _table(result: fleet.Fleet, me: str, out: Say) -> None:
         name = box.url + (" (this box)" if box.is_self else "")
         if box.outcome == "ok":
             states = ", ".join(f"{n} {state}" for state, n in box.by_state.items())
-            out(f"{name}: {box.spaces} space(s)" + (f": {states}" if states else ""))
+            out(
+                f"{name}: {box.spaces} space(s)"
+                + (f": {states}" if states else "")
+                + f"; default build {box.default_version or '-'}"
+            )
             continue
         what = "unreachable" if box.outcome == "unreachable" else "error"
         line = f"{name}: {what}: {box.error}"

@@ -26,6 +26,7 @@ Answer of ``GET /api/mesh/spaces`` (200, JSON)::
 
     {"box": "https://box-1.example.net", "region": "ie", "lchat": "0.1.0",
      "generated_at": 1789000000.0, "members": ["https://box-1.example.net", ...],
+     "default_version": "1.4.0",
      "spaces": [{"host": "a.chat.example.com", "state": "awake", "version": "1.4.0",
                  "awake_since": 1788990000, "next_due": null, "lag": 0.2, "process": null,
                  "home_region": ""}, ...],
@@ -35,7 +36,8 @@ Answer of ``GET /api/mesh/spaces`` (200, JSON)::
 space and ``always-on`` for the others (``process``: their supervisor's state when the router
 runs them itself, ``ready``, ``starting``, ``backoff``, ``failed``...; null under systemd).
 ``version``: the build ``<LCHAT_OPT_DIR>/live/<host>`` points into
-(:meth:`lchat.builds.BuildLayout.version_of`), null when it has none. ``awake_since``:
+(:meth:`lchat.builds.BuildLayout.version_of`), null when it has none; ``default_version``, the
+box's own ``live/_default`` (what a fleet rollout sets), the same. ``awake_since``:
 unix seconds, null unless awake (always-on: ready). ``next_due``: unix seconds, null when none.
 ``lag``: seconds since the oldest commit not yet in the bucket (the hibernation replica of an
 awake space, the fleet backup's of an always-on one), null when nothing replicates it here (an
@@ -57,7 +59,7 @@ from attrs import frozen
 
 import lchat
 from lchat import hosts
-from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
+from lchat.builds import DEFAULT_LINK, DEFAULT_OPT_DIR, BuildLayout
 from lchat.config import BoxConfig
 from lchat.mesh import placement
 from lchat.registry import Route
@@ -181,6 +183,7 @@ class SpacesView:
                 "lchat": lchat.__version__,
                 "generated_at": round(now, 3),
                 "members": sorted(placement.normalise_member_url(m.url) for m in live),
+                "default_version": self._layout.version_of(DEFAULT_LINK),
                 "spaces": spaces,
                 "visiting": visiting,
             }
@@ -275,6 +278,7 @@ class BoxAnswer:
     members: tuple[str, ...]
     spaces: tuple[Space, ...]
     visiting: tuple[Space, ...]
+    default_version: str | None = None  # its live/_default build (absent from an older lchat)
 
 
 def parse_answer(body: object) -> BoxAnswer:
@@ -298,6 +302,7 @@ def parse_answer(body: object) -> BoxAnswer:
         members=tuple(_member(m, "members") for m in members),
         spaces=tuple(_space(s, visiting=False) for s in spaces),
         visiting=tuple(_space(s, visiting=True) for s in visiting),
+        default_version=_label(body.get("default_version"), "default_version", MAX_VERSION),
     )
 
 
@@ -407,6 +412,7 @@ class BoxTotal:
     spaces: int
     by_state: Mapping[str, int]
     unreported: int | None = None  # unanswered: what this box's registry says it owns
+    default_version: str | None = None  # the build a space without a link of its own runs there
 
 
 @frozen
@@ -490,6 +496,7 @@ def aggregate(
                 spaces=len(mine),
                 by_state=_count(row.space.state for row in mine),
                 unreported=(unreported or {}).get(report.url) if report.outcome != "ok" else None,
+                default_version=report.answer.default_version if report.answer else None,
             )
         )
     ordered = tuple(sorted(rows.values(), key=lambda r: (r.box, r.space.host)))
