@@ -433,3 +433,51 @@ class FreshnessTests(FeedTestCase):
         self.assertEqual(
             (published.feed_version, published.expires_at), (3, "2026-12-08T15:00:00Z")
         )
+
+
+class ChannelTests(FeedTestCase):
+    async def test_channels_are_signed_and_old_parsers_ignore_them(self) -> None:
+        build = self.build("1.3.2")
+        targets = [self.primary_target, self.mirror_target]
+        await publish("1.3.2", build, self.key, targets, NOW, channel="stable")  # type: ignore[arg-type]
+        published = await publish(
+            "1.4.0",
+            self.build("1.4.0"),
+            self.key,
+            targets,  # type: ignore[arg-type]
+            NOW,
+            channel="canary",
+        )
+        self.assertEqual(dict(published.channels), {"stable": "1.3.2", "canary": "1.4.0"})
+        feed, _, _ = await self.fetcher().feed()
+        self.assertEqual(dict(feed.channels), {"stable": "1.3.2", "canary": "1.4.0"})
+        refreshed = await refresh(self.key, targets, NOW)  # type: ignore[arg-type]
+        self.assertEqual(dict(refreshed.channels), dict(feed.channels))  # a refresh keeps them
+
+        # Old parsers read only the keys they know: a feed with a top-level key they never heard
+        # of parses (the channels' case for a box older than channels).
+        doc = json.loads(refreshed.to_bytes())
+        self.assertIn("channels", doc)
+        doc["a_future_key"] = {"anything": 1}
+        self.assertEqual(feedlib.parse(json.dumps(doc).encode()).feed_version, 3)
+
+        # The channels are inside the signed bytes: moving one breaks the signature.
+        doc = json.loads((await self.store.get("releases/feed.json")).body)
+        doc["channels"]["stable"] = "1.4.0"
+        edited = json.dumps(doc).encode()
+        await self.store.put("releases/feed.json", edited)
+        write_bytes(os.path.join(self.primary_dir, "feed.json"), edited)
+        with self.assertRaises(NoUsableFeed) as e:
+            await self.fetcher().feed()
+        self.assertIn("does not verify against LCHAT_RELEASE_PUBKEY", str(e.exception))
+
+    def test_a_channel_names_a_listed_version_of_a_known_channel(self) -> None:
+        base = {"feed_version": 1, "versions": {}, "expires_at": "2026-12-09T03:00:00Z"}
+        for channels, why in (
+            ({"stable": "9.9"}, "channel stable names '9.9', which the feed does not list"),
+            ({"nightly": "9.9"}, "'nightly' is not a release channel (stable or canary)"),
+            (["stable"], "channels is not an object"),
+        ):
+            with self.assertRaises(feedlib.FeedError) as e:
+                feedlib.parse(json.dumps(base | {"channels": channels}).encode())
+            self.assertIn(why, str(e.exception))

@@ -7,11 +7,12 @@ The promise across real routers and agents is in test_deploy_mesh (FleetRolloutT
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import tempfile
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from attrs import evolve
 from twisted.internet.defer import Deferred
@@ -19,18 +20,22 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat.objstore.file import FileStore
-from lchat.release import rollout
+from lchat.release import rollout, settings
 from lchat.release.rollout import (
+    PRESENCE_FRESH,
     BadRollout,
     Board,
+    Presence,
     Report,
     Rollout,
     RolloutError,
     RolloutRunning,
     advance,
     batches_of,
+    channel_target,
     duty,
 )
+from lchat.release.settings import SettingsError, parse_window
 from tests.fakes import inline
 
 A, B, C = "https://a.example.net", "https://b.example.net", "https://c.example.net"
@@ -191,3 +196,81 @@ class RecordTests(BoardTestCase):
         self.assertEqual(Report.parse(report.to_bytes(), "k"), report)
         with self.assertRaises(BadRollout):
             Report.parse(b'{"id": "i", "version": "2", "box": "b", "outcome": "meh"}', "k")
+
+
+class ChannelTests(BoardTestCase):
+    """Following a release channel: what to roll out, when, and over which boxes."""
+
+    CHANNELS: ClassVar[dict[str, str]] = {"stable": "1.3.2", "canary": "1.4.0"}
+
+    def test_only_a_newer_build_is_rolled_out(self) -> None:
+        self.assertEqual(channel_target("canary", self.CHANNELS, "1.3.2", {}), "1.4.0")
+        self.assertEqual(channel_target("canary", self.CHANNELS, None, {}), "1.4.0")
+        self.assertIsNone(channel_target("canary", self.CHANNELS, "1.4.0", {}))  # there
+        self.assertIsNone(channel_target("stable", self.CHANNELS, "1.4.0", {}))  # never down
+        self.assertIsNone(channel_target("stable", {}, "1.0", {}))  # the channel names nothing
+        self.assertIsNone(channel_target("stable", {"stable": "abc"}, "def", {}))  # no order
+        released = {"abc": "2026-12-01T00:00:00Z", "def": "2026-11-01T00:00:00Z"}
+        self.assertEqual(channel_target("stable", {"stable": "abc"}, "def", released), "abc")
+
+    def test_the_window_is_utc_and_may_span_midnight(self) -> None:
+        def at(hour: int, minute: int = 0) -> datetime.datetime:
+            return datetime.datetime(2026, 12, 5, hour, minute, tzinfo=datetime.UTC)
+
+        night = parse_window("03:00-05:00")
+        self.assertEqual([night.holds(at(h)) for h in (2, 3, 4, 5)], [False, True, True, False])
+        self.assertTrue(night.holds(at(4, 59)))
+        paris = datetime.timezone(datetime.timedelta(hours=1))
+        self.assertTrue(night.holds(datetime.datetime(2026, 12, 5, 4, 30, tzinfo=paris)))  # 03:30Z
+        late = parse_window("23:30-00:30")
+        self.assertEqual([late.holds(at(h, 0)) for h in (23, 0, 1)], [False, True, False])
+        self.assertTrue(late.holds(at(23, 45)))
+        for bad in ("3:00-5:00", "03:00-03:00", "24:00-01:00", "03:00"):
+            with self.assertRaises(SettingsError) as e:
+                parse_window(bad)
+            self.assertIn("LCHAT_RELEASE_WINDOW", str(e.exception))
+
+    def test_settings_read_the_channel_and_window(self) -> None:
+        s = settings.read(
+            {"LCHAT_RELEASE_CHANNEL": "canary", "LCHAT_RELEASE_WINDOW": "03:00-05:00"}, {}
+        )
+        self.assertEqual((s.channel, str(s.window)), ("canary", "03:00-05:00"))
+        self.assertFalse(s.in_window(datetime.datetime(2026, 12, 5, 12, 0, tzinfo=datetime.UTC)))
+        self.assertTrue(settings.read({}, {}).in_window(datetime.datetime.now(datetime.UTC)))
+        self.assertEqual(settings.read({}, {}).channel, "")  # manual: today's behaviour
+        with self.assertRaises(SettingsError) as e:
+            settings.read({"LCHAT_RELEASE_CHANNEL": "beta"}, {})
+        self.assertIn("LCHAT_RELEASE_CHANNEL='beta' must be stable or canary", str(e.exception))
+
+    def announce(self, box: str, channel: str, default: str | None = "1.3.2") -> None:
+        self.done_(self.board.announce(Presence(box, channel, default, self.clock.seconds())))
+
+    def test_a_channel_rollout_takes_the_boxes_on_it_canaries_first(self) -> None:
+        both = {"stable": "1.4.0", "canary": "1.4.0"}
+        self.announce(A, "stable")
+        self.announce(C, "canary")
+        self.announce(B, "stable")
+        self.clock.advance(PRESENCE_FRESH + 1)
+        self.announce(A, "stable")
+        self.announce(C, "canary")  # B has been silent too long: not counted in
+        said = self.done_(self.board.follow(A, "stable", "1.4.0", both))
+        self.assertIn("started rollout", said)
+        r = self.step()
+        self.assertEqual(
+            (r.version, r.batches, r.by), ("1.4.0", ((C,), (A,)), f"channel stable ({A})")
+        )
+        # B comes back and joins the running rollout, as its last batch.
+        said = self.done_(self.board.follow(B, "stable", "1.4.0", both))
+        self.assertIn(f"joined rollout {r.id} of 1.4.0", said)
+        self.assertEqual(self.step().batches, ((C,), (A,), (B,)))
+        self.assertIn("in rollout", self.done_(self.board.follow(B, "stable", "1.4.0", both)))
+
+    def test_a_canary_only_version_leaves_the_stable_boxes_alone(self) -> None:
+        self.announce(A, "stable")
+        self.announce(C, "canary")
+        self.done_(self.board.follow(C, "canary", "1.4.0", self.CHANNELS))
+        self.assertEqual(self.step().batches, ((C,),))
+        # Another version runs: a follower of a channel naming something else waits.
+        said = self.done_(self.board.follow(A, "stable", "1.3.3", {"stable": "1.3.3"}))
+        self.assertIn("waiting: rollout", said)
+        self.assertEqual(self.step().batches, ((C,),))

@@ -88,6 +88,12 @@ def add_release_arguments(
     add_common(sub)
     sub.add_argument("version", help="the new version's name")
     sub.add_argument("directory", help="the build: a directory with 'space' (and 'space-bot')")
+    sub.add_argument(
+        "--channel",
+        choices=feedlib.CHANNELS,
+        help="this release channel now names the new version: boxes following it "
+        "(LCHAT_RELEASE_CHANNEL) roll it out inside their LCHAT_RELEASE_WINDOW",
+    )
     _publish_targets(sub)
     sub = actions.add_parser(
         "refresh",
@@ -269,7 +275,7 @@ async def _mirror_store(reactor: Reactor, cfg: BoxConfig, settings: ReleaseSetti
 
 
 @asynccontextmanager
-async def _fetcher(
+async def feed_fetcher(
     reactor: Reactor, cfg: BoxConfig, settings: ReleaseSettings
 ) -> AsyncIterator[Fetcher]:
     """The feed's fetcher; the mirror's store is closed on leaving."""
@@ -300,7 +306,7 @@ def fetch_build(version: str, cfg: BoxConfig, settings: ReleaseSettings, out: Ou
     _pubkey(cfg, settings)  # refuse before any network
 
     async def main(reactor: Reactor) -> tuple[str, str, str]:
-        async with _fetcher(reactor, cfg, settings) as fetcher:
+        async with feed_fetcher(reactor, cfg, settings) as fetcher:
             what, release, source = await fetcher.fetch(version)
         return what, source, settings.layout.build_dir(release.version)
 
@@ -322,7 +328,7 @@ def _list(
     if not args.offline:
 
         async def main(reactor: Reactor) -> tuple[feedlib.Feed, str]:
-            async with _fetcher(reactor, cfg, settings) as fetcher:
+            async with feed_fetcher(reactor, cfg, settings) as fetcher:
                 feed, source, _ = await fetcher.feed()
             return feed, source
 
@@ -378,7 +384,13 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
             if refreshing:
                 return await refresh(key, targets, now, settings.feed_validity)
             return await publish(
-                args.version, args.directory, key, targets, now, settings.feed_validity
+                args.version,
+                args.directory,
+                key,
+                targets,
+                now,
+                settings.feed_validity,
+                channel=args.channel or "",
             )
         finally:
             if store is not None:
@@ -387,6 +399,8 @@ def _publish(args: argparse.Namespace, cfg: BoxConfig, settings: ReleaseSettings
     feed = runner.run(main)
     where = " and ".join(filter(None, [args.to, settings.mirror_url if args.mirror else ""]))
     what = "refreshed the feed" if refreshing else f"published {args.version}"
+    if not refreshing and args.channel:
+        what += f" on channel {args.channel}"
     out(
         f"{what} as feed_version {feed.feed_version} {'on' if refreshing else 'to'} {where} "
         f"({len(feed.versions)} versions listed), expires {feed.expires_at}"

@@ -22,6 +22,7 @@ itself is the synchronous deployer's, between those calls.
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ from lchat.cli.release import (
     ERRORS,
     OpenRegistry,
     Out,
+    feed_fetcher,
     fetch_build,
     make_deployer,
     need_router,
@@ -41,10 +43,12 @@ from lchat.cli.release import (
 from lchat.config import BoxConfig, mesh_bucket
 from lchat.reactors import Reactor
 from lchat.release import deploy as deploy_mod
+from lchat.release import feed as feedlib
 from lchat.release import rollout as rollout_mod
 from lchat.release import settings as settings_mod
 from lchat.release.deploy import Deployer
-from lchat.release.rollout import Board, Report, Rollout, RolloutError
+from lchat.release.rollout import Board, Presence, Report, Rollout, RolloutError
+from lchat.release.settings import ReleaseSettings
 
 BUCKET_BUDGET = 60.0  # seconds for one round of bucket work (a few GETs and a PUT)
 CLOCK_SKEW = (
@@ -153,6 +157,9 @@ def agent_round(
     args: argparse.Namespace, cfg: BoxConfig, open_registry: OpenRegistry, out: Out
 ) -> int:
     box = cfg.box_id
+    settings = settings_mod.read(cfg.file_env)
+    if settings.channel:
+        follow_channel(cfg, settings, box, out)
 
     async def look(board: Board) -> tuple[Rollout | None, Report | None]:
         rollout, _ = await board.step()
@@ -180,6 +187,50 @@ def agent_round(
     _on_board(cfg, tell)
     out(f"release agent: reported {report.outcome}")
     return 0 if report.outcome in ("done", "rolled_back") else 1
+
+
+def follow_channel(cfg: BoxConfig, settings: ReleaseSettings, box: str, out: Out) -> None:
+    """Read the feed (verified, never older than the newest this box accepted), say which
+    channel this box follows, and start or join the rollout of the channel's version when it is
+    newer than the box's default build and the window is open. A feed that cannot be read is
+    said and skipped: a rollout already running still goes on."""
+    channel = settings.channel
+    default = settings.layout.version_of(DEFAULT_LINK)
+
+    async def read_feed(reactor: Reactor) -> feedlib.Feed:
+        async with feed_fetcher(reactor, cfg, settings) as fetcher:
+            feed, _, _ = await fetcher.feed()
+        return feed
+
+    try:
+        feed = runner.run(read_feed, BUCKET_BUDGET)
+    except (*ERRORS, TimeoutError) as e:
+        out(f"release agent: channel {channel}: the feed could not be read: {e}")
+        return
+    released = {v: r.released_at for v, r in feed.versions.items()}
+    target = rollout_mod.channel_target(channel, feed.channels, default, released)
+    presence = Presence(box, channel, default, time.time())
+    if target is None:
+        _on_board(cfg, lambda b: b.announce(presence))
+        out(
+            f"release agent: channel {channel} names {feed.channels.get(channel) or 'nothing'}; "
+            f"this box's default build is {default or '-'}: nothing to roll out"
+        )
+        return
+    now = datetime.datetime.now(datetime.UTC)
+    if not settings.in_window(now):
+        _on_board(cfg, lambda b: b.announce(presence))
+        out(
+            f"release agent: channel {channel} names {target}, newer than {default or '-'}: "
+            f"waiting for LCHAT_RELEASE_WINDOW={settings.window} (UTC)"
+        )
+        return
+
+    async def follow(board: Board) -> str:
+        await board.announce(presence)
+        return await board.follow(box, channel, target, feed.channels)
+
+    out(f"release agent: channel {channel}: {_on_board(cfg, follow)}")
 
 
 def _deploy_box(

@@ -273,6 +273,7 @@ _NOT_OURS = frozenset(
     # `release`, `deploy`, `rollback`, `fleet`), and LCHAT_OPT_DIR below for the commands'
     # defaults.
     + "LCHAT_OPT_DIR LCHAT_RELEASE_URL LCHAT_RELEASE_MIRROR_URL LCHAT_RELEASE_PUBKEY".split()
+    + "LCHAT_RELEASE_CHANNEL LCHAT_RELEASE_WINDOW".split()  # the release agent's
 )
 
 

@@ -15,7 +15,12 @@ The manifest::
                             "artefacts": {"space": {"path": "versions/1.4.0/space",
                                                     "sha256": "<64 hex>", "size": 123,
                                                     "mode": "0755"},
-                                          "space-bot": {...}}}}}
+                                          "space-bot": {...}}}},
+     "channels": {"stable": "1.3.2", "canary": "1.4.0"}}   # optional: what each channel runs
+
+``channels`` (``lchat release publish --channel NAME``) names, per release channel, a version the
+feed lists; boxes with ``LCHAT_RELEASE_CHANNEL`` follow it (lchat.cli.rollout). It is signed like
+the rest; a parser that predates it ignores it (unknown top-level keys are ignored).
 
 Invariants: a feed is trusted only when its signature verifies against the box's
 ``LCHAT_RELEASE_PUBKEY`` over the exact bytes fetched (no re-serialisation); the signature covers
@@ -39,7 +44,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from attrs import frozen
+from attrs import field, frozen
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -52,6 +57,7 @@ SIGNING_CONTEXT = b"lchat release feed v1\n"
 MAX_FEED_BYTES = 4 * 1024 * 1024
 MAX_ARTEFACT_BYTES = 2 * 1024 * 1024 * 1024
 ARTEFACT_NAMES = (SPACE_BINARY, SIDECAR_BINARY)
+CHANNELS = ("stable", "canary")  # canary boxes take a channel's new build first
 # A published feed's life (LCHAT_RELEASE_FEED_VALIDITY).
 DEFAULT_VALIDITY = datetime.timedelta(days=7)
 _STAMP = "%Y-%m-%dT%H:%M:%SZ"
@@ -171,6 +177,7 @@ class Feed:
     versions: Mapping[str, Release]
     digest: str  # sha256 hex of feed.json's bytes
     expires_at: str = ""  # RFC 3339 UTC; "" for a feed signed before feeds expired (refused)
+    channels: Mapping[str, str] = field(factory=dict)  # channel -> a version in ``versions``
 
     def to_bytes(self) -> bytes:
         doc: dict[str, Any] = {
@@ -180,6 +187,8 @@ class Feed:
         }
         if self.expires_at:
             doc["expires_at"] = self.expires_at
+        if self.channels:
+            doc["channels"] = dict(sorted(self.channels.items()))
         return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
 
     @property
@@ -244,7 +253,27 @@ def parse(feed_bytes: bytes) -> Feed:
         versions=releases,
         digest=digest(feed_bytes),
         expires_at=expires_at,
+        channels=_channels(doc.get("channels", {}), releases),
     )
+
+
+def check_channel(name: str) -> str:
+    """``name`` if it is a release channel's name (``stable``, ``canary``), else FeedError."""
+    if name not in CHANNELS:
+        raise FeedError(f"{name!r} is not a release channel ({' or '.join(CHANNELS)})")
+    return name
+
+
+def _channels(value: object, releases: Mapping[str, Release]) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise FeedError("channels is not an object of channel names to versions")
+    channels = {}
+    for name, version in value.items():
+        check_channel(name)
+        if not isinstance(version, str) or version not in releases:
+            raise FeedError(f"channel {name} names {version!r}, which the feed does not list")
+        channels[name] = version
+    return channels
 
 
 def _release(version: str, entry: object) -> Release:

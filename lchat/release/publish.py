@@ -156,11 +156,15 @@ async def publish(
     targets: list[PublishTarget],
     now: datetime.datetime,
     valid_for: datetime.timedelta = feedlib.DEFAULT_VALIDITY,
+    channel: str = "",
 ) -> Feed:
     """Publish ``version`` from ``directory`` to every target; returns the new feed. The new
     ``feed_version`` is one more than the highest among the targets' current feeds; it expires
-    ``valid_for`` after ``now``."""
+    ``valid_for`` after ``now``. ``channel``: that release channel now names ``version`` (the
+    others keep theirs)."""
     check_version(version)
+    if channel:
+        feedlib.check_channel(channel)
     _check_validity(valid_for)
     files = artefacts_of(version, directory)
     base = await _newest(targets, key)
@@ -172,8 +176,11 @@ async def publish(
         )
     versions[version] = Release(version, feedlib.stamp(now), {n: a for n, (a, _) in files.items()})
     feed_version = (base.feed_version if base is not None else 0) + 1
+    channels = dict(base.channels) if base is not None else {}
+    if channel:
+        channels[channel] = version
     return await _sign_and_write(
-        feed_version, versions, now, valid_for, key, targets, files.values()
+        feed_version, versions, now, valid_for, key, targets, files.values(), channels
     )
 
 
@@ -196,7 +203,7 @@ async def refresh(
             + ": publish a build first"
         )
     return await _sign_and_write(
-        base.feed_version + 1, base.versions, now, valid_for, key, targets, ()
+        base.feed_version + 1, base.versions, now, valid_for, key, targets, (), base.channels
     )
 
 
@@ -208,12 +215,15 @@ async def _sign_and_write(
     key: Ed25519PrivateKey,
     targets: list[PublishTarget],
     files: Iterable[tuple[Artefact, str]],
+    channels: Mapping[str, str],
 ) -> Feed:
     """The feed of ``versions``, released ``now`` and expiring ``valid_for`` later, written to
     every target: artefacts first, then ``feed.json``, then its signature."""
     released_at = feedlib.stamp(now)
     expires_at = feedlib.stamp(now + valid_for)
-    data = Feed(feed_version, released_at, versions, digest="", expires_at=expires_at).to_bytes()
+    data = Feed(
+        feed_version, released_at, versions, digest="", expires_at=expires_at, channels=channels
+    ).to_bytes()
     signature = feedlib.sign(key, data)
     files = list(files)
     for target in targets:

@@ -7,6 +7,7 @@ The router cannot write the build tree (``lchat-router.service``: ``ReadWritePat
 
     <prefix>/release/rollout.json                 the rollout (:class:`Rollout`): one at a time
     <prefix>/release/boxes/<base64url(box)>.json  each box's report on it (:class:`Report`)
+    <prefix>/release/agents/<base64url(box)>.json the channel each agent follows (:class:`Presence`)
 
 ``<prefix>`` is the mesh bucket's (``LCHAT_MESH_BUCKET``, else the hibernation bucket's); a box is
 its normalised ``LCHAT_MESH_SELF``.
@@ -31,6 +32,11 @@ number of agents and watchers may advance it at once and only one change of each
 box acts only on its own report's absence (deploy) or on its own ``done`` (revert), so a repeated
 agent run does nothing twice. A crashed ``lchat deploy --fleet`` does not stall the rollout: the
 agents advance it; ``--resume`` watches it again, ``--abort`` turns it to ``rollback``.
+
+Release channels (``LCHAT_RELEASE_CHANNEL``, the feed's signed ``channels``): an agent whose
+channel names a version newer than its box's default build (:func:`channel_target`), inside its
+``LCHAT_RELEASE_WINDOW``, starts a rollout of it over the boxes following a channel that names it,
+canary-channel boxes first, or joins the one running (:meth:`Board.follow`), as a last batch.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from attrs import evolve, frozen
 from prometheus_client import Counter
 from twisted.logger import Logger
 
-from lchat.builds import BadVersion, check_version
+from lchat.builds import BadVersion, check_version, compare_versions
 from lchat.objstore import NotFound, ObjectStore, PreconditionFailed
 
 _log = Logger(namespace="lchat.release")
@@ -56,6 +62,7 @@ STATES: tuple[State, ...] = ("running", "rollback", "done", "failed")
 FINAL: tuple[State, ...] = ("done", "failed")
 OUTCOMES: tuple[Outcome, ...] = ("done", "failed", "rolled_back", "rollback_failed")
 DEFAULT_BATCH_TIMEOUT = 1800.0  # an agent runs every minute; a box's deploy restarts its spaces
+PRESENCE_FRESH = 600.0  # an agent silent longer than this is not counted into a channel rollout
 
 TRANSITIONS = Counter(
     "lchat_release_rollout_transitions_total",
@@ -91,8 +98,12 @@ def rollout_key(prefix: str) -> str:
 
 
 def report_key(prefix: str, box: str) -> str:
-    name = base64.urlsafe_b64encode(box.encode("utf-8")).rstrip(b"=").decode("ascii")
-    return _join(prefix, "release", "boxes", f"{name}.json")
+    return _join(prefix, "release", "boxes", f"{_box_name(box)}.json")
+
+
+def _box_name(box: str) -> str:
+    """A box (its mesh URL) as a key segment: base64url, unpadded, as the heartbeats' keys."""
+    return base64.urlsafe_b64encode(box.encode("utf-8")).rstrip(b"=").decode("ascii")
 
 
 def _join(prefix: str, *parts: str) -> str:
@@ -445,6 +456,60 @@ class Board:
             )
         return nxt
 
+    async def announce(self, presence: Presence) -> None:
+        await self.store.put(agent_key(self.prefix, presence.box), presence.to_bytes())
+
+    async def followers(self, fresh: float) -> list[Presence]:
+        """The agents that said which channel they follow within ``fresh`` seconds."""
+        prefix = _join(self.prefix, "release", "agents") + "/"
+        now = self.clock()
+        found = []
+        for info in await self.store.list(prefix):
+            try:
+                got = await self.store.get(info.key)
+                presence = Presence.parse(got.body, info.key)
+            except NotFound:
+                continue
+            except BadRollout as e:
+                _log.error("release: {error}; skipped", error=e)
+                continue
+            if now - presence.at <= fresh:
+                found.append(presence)
+        return found
+
+    async def follow(
+        self,
+        box: str,
+        channel: str,
+        target: str,
+        channels: Mapping[str, str],
+        batch_timeout: float = DEFAULT_BATCH_TIMEOUT,
+    ) -> str:
+        """``box`` follows ``channel``, which names ``target``, newer than its default build, and
+        its window is open: start a rollout of ``target`` over the boxes whose channel names it
+        (canary-channel boxes first), or join the one running. What happened, for the log."""
+        rollout, etag = await self.read()
+        if rollout is not None and rollout.state not in FINAL:
+            if rollout.version != target:
+                return f"waiting: {running_line(rollout)}"
+            if box in rollout.boxes or etag is None:
+                return f"in rollout {rollout.id} of {target}"
+            joined = evolve(rollout, batches=(*rollout.batches, (box,)))
+            landed = await self._replace(rollout, joined, etag)
+            if box in landed.boxes:
+                return f"joined rollout {rollout.id} of {target} (its last batch)"
+            return f"could not join rollout {rollout.id} yet (it changed): next round"
+        present = await self.followers(fresh=PRESENCE_FRESH)
+        on = {p.box: p.channel for p in present if channels.get(p.channel) == target}
+        on[box] = channel
+        canaries = [b for b, c in on.items() if c == "canary"]
+        batches = batches_of(sorted(on), 1, first=sorted(canaries))
+        try:
+            started = await self.start(target, batches, f"channel {channel} ({box})", batch_timeout)
+        except RolloutRunning as e:
+            return f"waiting: {e}"
+        return f"started rollout {started.id} of {target} on channel {channel}"
+
     async def report(self, report: Report) -> None:
         await self.store.put(report_key(self.prefix, report.box), report.to_bytes())
         REPORTS.labels(report.outcome).inc()
@@ -456,6 +521,57 @@ class Board:
             outcome=report.outcome,
             failed=f" (failed: {', '.join(report.failed)})" if report.failed else "",
         )
+
+
+# --- release channels ----------------------------------------------------------------------------
+
+
+@frozen
+class Presence:
+    """A channel-following agent's last word: ``release/agents/<box>.json``, rewritten each
+    round, so a box starting a channel's rollout knows who else follows which channel."""
+
+    box: str
+    channel: str
+    default: str | None  # its default build then
+    at: float
+
+    def to_bytes(self) -> bytes:
+        doc = {"box": self.box, "channel": self.channel, "default": self.default, "at": self.at}
+        return json.dumps(doc, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, body: bytes, key: str) -> Presence:
+        try:
+            doc = json.loads(body)
+            default = doc.get("default")
+            return cls(
+                str(doc["box"]),
+                str(doc["channel"]),
+                default if isinstance(default, str) else None,
+                float(doc["at"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise BadRollout(f"{key} is not an agent's presence record ({e})") from None
+
+
+def agent_key(prefix: str, box: str) -> str:
+    return _join(prefix, "release", "agents", f"{_box_name(box)}.json")
+
+
+def channel_target(
+    channel: str, channels: Mapping[str, str], default: str | None, released: Mapping[str, str]
+) -> str | None:
+    """The version ``channel`` names when it is newer than the box's ``default`` build (or the box
+    has none), else None: nothing to roll out. Never older (no channel downgrades a box: its
+    spaces' build floors would refuse it), never a version without a known order."""
+    target = channels.get(channel)
+    if target is None or target == default:
+        return None
+    if default is None:
+        return target
+    order = compare_versions(target, default, released)
+    return target if order is not None and order > 0 else None
 
 
 def running_line(rollout: Rollout) -> str:

@@ -10,6 +10,11 @@ box's settings (:func:`lchat.config.load` keeps the file's values in ``BoxConfig
 ``LCHAT_RELEASE_FEED_VALIDITY`` (release host) how long a feed it signs stays valid: its signed
                                ``expires_at`` is this long after ``publish``/``refresh`` (default
                                ``7d``; at least ``1h``, at most ``365d``)
+``LCHAT_RELEASE_CHANNEL``      ``stable`` or ``canary``: the release agent rolls out the version the
+                               feed's channel names when it is newer than the box's default build;
+                               empty (the default): manual deploys only
+``LCHAT_RELEASE_WINDOW``       ``HH:MM-HH:MM`` (UTC; may span midnight): when a channel's rollout
+                               may start; empty: any time
 =============================  =====================================================================
 
 The process environment wins over the file, as for every other setting.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -27,7 +33,7 @@ from attrs import frozen
 from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
 from lchat.config import ConfigError, parse_bucket_url, parse_duration
 from lchat.objstore.where import Where
-from lchat.release.feed import DEFAULT_VALIDITY
+from lchat.release.feed import CHANNELS, DEFAULT_VALIDITY
 
 VARIABLES = (
     "LCHAT_OPT_DIR",
@@ -35,6 +41,8 @@ VARIABLES = (
     "LCHAT_RELEASE_MIRROR_URL",
     "LCHAT_RELEASE_PUBKEY",
     "LCHAT_RELEASE_FEED_VALIDITY",
+    "LCHAT_RELEASE_CHANNEL",
+    "LCHAT_RELEASE_WINDOW",
 )
 MIN_VALIDITY = datetime.timedelta(hours=1)  # shorter: a refresh timer's hiccup stops every fetch
 MAX_VALIDITY = datetime.timedelta(days=365)  # longer: a frozen source keeps boxes back that long
@@ -52,6 +60,12 @@ class ReleaseSettings:
     mirror_url: str  # as given, for messages
     pubkey: str  # "" when unset
     feed_validity: datetime.timedelta = DEFAULT_VALIDITY  # what publish/refresh sign
+    channel: str = ""  # "" (manual), "stable" or "canary"
+    window: Window | None = None  # None: any time
+
+    def in_window(self, now: datetime.datetime) -> bool:
+        """Whether a channel's rollout may start at ``now`` (aware, any zone)."""
+        return self.window is None or self.window.holds(now)
 
     @property
     def layout(self) -> BuildLayout:
@@ -61,6 +75,40 @@ class ReleaseSettings:
     def state_file(self) -> str:
         """The newest feed this box accepted (anti-rollback): ``<opt>/release-state.json``."""
         return self.layout.release_state
+
+
+@frozen
+class Window:
+    """A daily span of UTC time, ``start`` inclusive, ``end`` exclusive, in minutes after
+    midnight; ``start > end`` spans midnight."""
+
+    start: int
+    end: int
+
+    def holds(self, now: datetime.datetime) -> bool:
+        utc = now.astimezone(datetime.UTC)
+        minute = utc.hour * 60 + utc.minute
+        if self.start <= self.end:
+            return self.start <= minute < self.end
+        return minute >= self.start or minute < self.end
+
+    def __str__(self) -> str:
+        return (
+            f"{self.start // 60:02d}:{self.start % 60:02d}-{self.end // 60:02d}:{self.end % 60:02d}"
+        )
+
+
+def parse_window(text: str) -> Window:
+    """``HH:MM-HH:MM`` (UTC) as a :class:`Window`; SettingsError naming the variable."""
+    match = re.fullmatch(r"([0-9]{2}):([0-9]{2})-([0-9]{2}):([0-9]{2})", text)
+    if match is not None:
+        h1, m1, h2, m2 = (int(g) for g in match.groups())
+        if h1 < 24 and h2 < 24 and m1 < 60 and m2 < 60 and (h1, m1) != (h2, m2):
+            return Window(h1 * 60 + m1, h2 * 60 + m2)
+    raise SettingsError(
+        f"LCHAT_RELEASE_WINDOW={text!r} must be HH:MM-HH:MM in UTC (e.g. 03:00-05:00), start "
+        "and end different"
+    )
 
 
 def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) -> ReleaseSettings:
@@ -102,6 +150,13 @@ def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) 
                 f"LCHAT_RELEASE_FEED_VALIDITY={given} must be between 1h and 365d (a feed's life "
                 "after it is signed)"
             )
+    channel = get("LCHAT_RELEASE_CHANNEL")
+    if channel and channel not in CHANNELS:
+        raise SettingsError(
+            f"LCHAT_RELEASE_CHANNEL={channel!r} must be {' or '.join(CHANNELS)}, or empty "
+            "(manual deploys only)"
+        )
+    window_text = get("LCHAT_RELEASE_WINDOW")
     return ReleaseSettings(
         opt_dir=os.path.normpath(opt_dir),
         url=url,
@@ -109,4 +164,6 @@ def read(file_env: Mapping[str, str], environ: Mapping[str, str] | None = None) 
         mirror_url=mirror_url,
         pubkey=get("LCHAT_RELEASE_PUBKEY"),
         feed_validity=validity,
+        channel=channel,
+        window=parse_window(window_text) if window_text else None,
     )
