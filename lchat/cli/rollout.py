@@ -3,7 +3,9 @@ agent`` (a box's part in it), over the rollout's objects in the mesh bucket
 (lchat.release.rollout; docs/operations.md, "Deploys on a mesh").
 
 The agent runs as root (``lchat-release.service``: it writes ``/opt/lchat``), every minute. One
-round: advance the rollout if its reports say so, then do this box's duty, if any:
+round: with ``LCHAT_RELEASE_CHANNEL`` set, read the feed and start or join the rollout of the
+channel's newer build inside ``LCHAT_RELEASE_WINDOW`` (:func:`follow_channel`); advance the rollout
+if its reports say so; then do this box's duty, if any:
 
 - *deploy*: fetch the build when it is not installed, deploy it to every space of the box
   (:meth:`lchat.release.deploy.Deployer.deploy`, health-gated per always-on host), then set the
