@@ -256,20 +256,29 @@ def _deploy_box(
         if version not in settings.layout.installed():
             fetch_build(version, cfg, settings, out)
         deployer, hosts = make_deployer(args, cfg, open_registry(cfg), out)
+    except ERRORS as e:
+        out(f"release agent: {e}")
+        return report("failed", [], str(e))
+    try:
         if hosts:
             need_router(cfg, deployer, hosts)
             code = deployer.deploy(version, hosts, canary=False, batch=1)
         else:
             code = 0
+        if code == 0:
+            deployer.set_default(version)
+            return report("done", [])
     except ERRORS as e:
         out(f"release agent: {e}")
-        return report("failed", [], str(e))
-    if code == 0:
-        deployer.set_default(version)
-        return report("done", [])
-    failed = list(deployer.failed_hosts)
-    _undo(deployer, hosts, rollout, out)
-    return report("failed", failed)
+        failed, detail = list(deployer.failed_hosts), str(e)
+    else:
+        failed, detail = list(deployer.failed_hosts), ""
+    try:
+        _undo(deployer, hosts, rollout, out)  # the hosts it moved before the failure go back
+    except ERRORS as e:
+        out(f"release agent: {e}")
+        detail = f"{detail}; putting the moved hosts back: {e}".lstrip("; ")
+    return report("failed", failed, detail)
 
 
 def _revert_box(
