@@ -3,6 +3,7 @@ directory served over HTTP on 127.0.0.1, an S3 mirror on moto's server."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -12,12 +13,20 @@ import sys
 import tempfile
 import time
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from lchat.builds import BuildLayout
+from lchat.cli import runner
+from lchat.objstore.file import FileStore
 from lchat.registry import Registry, Route
 from lchat.release import feed as feedlib
+from lchat.release.publish import DirectoryTarget, publish
+from tests.fakes import inline
 from tests.s3servers import shared_server
+from tests.test_mesh import DOMAIN, TOKEN
 from tests.test_release_feed import closed_port_url, serve_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,3 +212,81 @@ class ReleaseCliTests(TestCase):
         self.assertIn("must be 32 bytes", refused.stderr)
         refused = lchat("release", "fetch", "../etc", "--env-file", down)
         self.assertIn("is not a version name", refused.stderr)
+
+
+class ChannelAgentTests(TestCase):
+    """``lchat release agent --once`` on a mesh box following the canary channel: outside its
+    window it waits; inside, it starts the channel's rollout, fetches the build from the signed
+    feed and takes it (a box with no space yet: its default build), and the rollout is done. The
+    mesh bucket is a ``file:`` one; no router runs (the fleet's real-router test is
+    test_deploy_mesh.FleetRolloutTests)."""
+
+    timeout = 120
+
+    def test_canary_channel_self_updates_inside_its_window(self) -> None:
+        tmp = tempfile.mkdtemp(prefix="ch")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        www = os.path.join(tmp, "www")
+        os.makedirs(os.path.join(www, "feed"))
+        server, url = serve_directory(www)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        key = Ed25519PrivateKey.generate()
+        build = os.path.join(tmp, "build")
+        os.makedirs(build)
+        with open(os.path.join(build, "space"), "w") as f:
+            f.write("#!/bin/sh\necho 1.1.0\n")
+        os.chmod(os.path.join(build, "space"), 0o755)
+        now = datetime.datetime.now(datetime.UTC)
+        target = DirectoryTarget(os.path.join(www, "feed"))
+        runner.run(lambda _: publish("1.1.0", build, key, [target], now, channel="canary"))
+
+        opt, data, bucket = (os.path.join(tmp, d) for d in ("opt", "data", "bucket"))
+        os.makedirs(data)
+        os.makedirs(bucket)
+
+        def box_env(window: str) -> str:
+            path = os.path.join(tmp, "router.env")
+            settings = {
+                "LCHAT_DATA_DIR": data,
+                "LCHAT_RUN_DIR": tmp,
+                "LCHAT_OPT_DIR": opt,
+                "LCHAT_SPACE_COMMAND": os.path.join(opt, "live", "{host}"),
+                "LCHAT_HIBERNATE_BUCKET": f"file:{bucket}",
+                "LCHAT_MESH_SELF": "https://box-1.example.net",
+                "LCHAT_MESH_DOMAINS": DOMAIN,
+                "LCHAT_MESH_TOKEN": TOKEN,
+                "LCHAT_RELEASE_URL": url,
+                "LCHAT_RELEASE_PUBKEY": feedlib.public_key_text(key.public_key()),
+                "LCHAT_RELEASE_CHANNEL": "canary",
+                "LCHAT_RELEASE_WINDOW": window,
+            }
+            with open(path, "w") as f:
+                f.write("".join(f"{k}={v}\n" for k, v in settings.items()))
+            return path
+
+        def hhmm(hours: float) -> str:
+            return (now + datetime.timedelta(hours=hours)).strftime("%H:%M")
+
+        waited = lchat("release", "agent", "--once", "--env-file", box_env(f"{hhmm(2)}-{hhmm(3)}"))
+        self.assertEqual(waited.returncode, 0, waited)
+        self.assertIn("channel canary names 1.1.0, newer than -: waiting for", waited.stdout)
+        store = FileStore(Clock(), bucket, run_in_thread=inline)
+        self.assertEqual(
+            self.successResultOf(Deferred.fromCoroutine(store.list("release/rollout"))), []
+        )
+
+        took = lchat("release", "agent", "--once", "--env-file", box_env(f"{hhmm(-1)}-{hhmm(1)}"))
+        self.assertEqual(took.returncode, 0, took)
+        self.assertIn("started rollout", took.stdout)
+        self.assertIn("1.1.0: installed in", took.stdout)
+        self.assertIn("default build: - -> 1.1.0", took.stdout)
+        self.assertIn("release agent: reported done", took.stdout)
+        self.assertEqual(BuildLayout(opt).version_of("_default"), "1.1.0")
+        store = FileStore(Clock(), bucket, run_in_thread=inline)
+        stored = self.successResultOf(Deferred.fromCoroutine(store.get("release/rollout.json")))
+        record = json.loads(stored.body)
+        self.assertEqual(
+            (record["version"], record["state"], record["by"]),
+            ("1.1.0", "done", "channel canary (https://box-1.example.net)"),
+        )
