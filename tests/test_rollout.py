@@ -274,3 +274,19 @@ class ChannelTests(BoardTestCase):
         said = self.done_(self.board.follow(A, "stable", "1.3.3", {"stable": "1.3.3"}))
         self.assertIn("waiting: rollout", said)
         self.assertEqual(self.step().batches, ((C,),))
+
+    def test_a_failed_version_is_not_retried_by_the_channel(self) -> None:
+        self.announce(C, "canary")
+        self.done_(self.board.follow(C, "canary", "1.4.0", self.CHANNELS))
+        r = self.step()
+        self.report(r, C, "failed", "x.example.com")
+        self.assertEqual(self.step().state, "rollback")
+        self.assertEqual(self.step().state, "failed")
+        said = self.done_(self.board.follow(C, "canary", "1.4.0", self.CHANNELS))
+        self.assertIn(f"rollout {r.id} of 1.4.0 failed", said)
+        self.assertIn("not retried by the channel", said)
+        current, _ = self.done_(self.board.read())
+        self.assertEqual((current.id, current.state), (r.id, "failed"))  # type: ignore[union-attr]
+        # A newer version on the channel goes ahead.
+        said = self.done_(self.board.follow(C, "canary", "1.4.1", {"canary": "1.4.1"}))
+        self.assertIn("started rollout", said)

@@ -36,7 +36,8 @@ agents advance it; ``--resume`` watches it again, ``--abort`` turns it to ``roll
 Release channels (``LCHAT_RELEASE_CHANNEL``, the feed's signed ``channels``): an agent whose
 channel names a version newer than its box's default build (:func:`channel_target`), inside its
 ``LCHAT_RELEASE_WINDOW``, starts a rollout of it over the boxes following a channel that names it,
-canary-channel boxes first, or joins the one running (:meth:`Board.follow`), as a last batch.
+canary-channel boxes first, or joins the one running (:meth:`Board.follow`), as a last batch. A
+channel never retries a version whose last rollout failed.
 """
 
 from __future__ import annotations
@@ -499,6 +500,13 @@ class Board:
             if box in landed.boxes:
                 return f"joined rollout {rollout.id} of {target} (its last batch)"
             return f"could not join rollout {rollout.id} yet (it changed): next round"
+        if rollout is not None and rollout.state == "failed" and rollout.version == target:
+            # Retried every minute, a broken build would restart the canaries' spaces forever:
+            # a failed version waits for a person (or a newer version on the channel).
+            return (
+                f"rollout {rollout.id} of {target} failed ({rollout.reason}): not retried by the "
+                f"channel; publish a fixed version, or `lchat deploy {target} --fleet` by hand"
+            )
         present = await self.followers(fresh=PRESENCE_FRESH)
         on = {p.box: p.channel for p in present if channels.get(p.channel) == target}
         on[box] = channel
