@@ -290,3 +290,17 @@ class ChannelAgentTests(TestCase):
             (record["version"], record["state"], record["by"]),
             ("1.1.0", "done", "channel canary (https://box-1.example.net)"),
         )
+
+    def test_off_a_mesh_the_fleet_commands_say_so(self) -> None:
+        tmp = tempfile.mkdtemp(prefix="ch")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        env_file = os.path.join(tmp, "router.env")
+        with open(env_file, "w") as f:
+            f.write(f"LCHAT_DATA_DIR={tmp}\nLCHAT_RUN_DIR={tmp}\n")
+        for args in (("deploy", "2.0", "--fleet"), ("release", "agent", "--once")):
+            ran = lchat(*args, "--env-file", env_file)
+            self.assertEqual(ran.returncode, 1, ran)
+            self.assertIn("this box is not on a mesh (LCHAT_MESH_SELF is not set)", ran.stderr)
+        ran = lchat("deploy", "--all", "--env-file", env_file)
+        self.assertEqual(ran.returncode, 1, ran)
+        self.assertIn("which version?", ran.stderr)

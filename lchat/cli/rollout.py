@@ -60,13 +60,17 @@ CLOCK_SKEW = (
 _T = TypeVar("_T")
 
 
-def _on_board(cfg: BoxConfig, work: Callable[[Board], Coroutine[Any, Any, _T]]) -> _T:
-    """``work(board)`` on the mesh bucket, on a reactor of its own."""
+def _need_mesh(cfg: BoxConfig) -> None:
     if cfg.mesh is None:
         raise RolloutError(
             "this box is not on a mesh (LCHAT_MESH_SELF is not set): a fleet rollout goes "
             "through the mesh bucket; on a single box use `lchat deploy <v> --all`"
         )
+
+
+def _on_board(cfg: BoxConfig, work: Callable[[Board], Coroutine[Any, Any, _T]]) -> _T:
+    """``work(board)`` on the mesh bucket, on a reactor of its own."""
+    _need_mesh(cfg)
 
     async def main(reactor: Reactor) -> _T:
         store = await open_mesh_bucket(reactor, cfg)
@@ -84,6 +88,7 @@ def _on_board(cfg: BoxConfig, work: Callable[[Board], Coroutine[Any, Any, _T]]) 
 def run_fleet(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
     """Start (or ``--resume``/``--abort``) the fleet rollout and watch it to its end: 0 when every
     box is on the version, 1 when it failed (every box's outcome printed)."""
+    _need_mesh(cfg)
     if not 0 < args.poll <= 3600 or not 0 < args.batch_timeout <= 86400:
         raise RolloutError("--poll must be in (0, 3600] and --batch-timeout in (0, 86400] seconds")
     if args.abort:
@@ -146,6 +151,7 @@ def run_agent(
     args: argparse.Namespace, cfg: BoxConfig, open_registry: OpenRegistry, out: Out
 ) -> int:
     """One round (``--once``), or rounds every ``--interval`` seconds until stopped."""
+    _need_mesh(cfg)
     if not 0 < args.interval <= 86400:
         raise RolloutError("--interval must be between 0 and 86400 seconds")
     while True:
