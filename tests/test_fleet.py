@@ -316,6 +316,7 @@ class SpacesViewTests(SynchronousTestCase):
         self.assertEqual(parsed.default_version, "1.0")
         total = fleet.aggregate([fleet.BoxReport(ME, "", "ok", answer=parsed)], now=0.0)
         self.assertEqual(total.boxes[0].default_version, "1.0")
+        self.assertEqual(fleet.as_json(total)["boxes"][0]["default_version"], "1.0")
 
     def test_opt_dir_environment_wins_over_the_env_file(self) -> None:
         self.assertEqual(fleet.opt_dir({}, {}), "/opt/lchat")
@@ -737,6 +738,7 @@ class FleetMeshTests(MeshTestCase):
             {b["url"]: b["outcome"] for b in doc["boxes"]}, {b.url: "ok" for b in boxes}
         )
         self.assertEqual(sum(b["spaces"] for b in doc["boxes"]), 7)
+        self.assertEqual([b["default_version"] for b in doc["boxes"]], [None] * 3)  # no _default
 
         # The table: a header, a row per space, a line per box.
         ran = yield deferToThread(self.fleet, boxes[0])
@@ -748,6 +750,9 @@ class FleetMeshTests(MeshTestCase):
         for host in [*self.hibernating, self.always_on]:
             self.assertEqual(sum(1 for ln in lines if f" {host} " in ln), 1, ran.stdout)
         self.assertIn(f"{boxes[0].url} (this box): ", ran.stdout)
+        for box in boxes:
+            line = next(ln for ln in lines if ln.startswith(box.url) and "space(s)" in ln)
+            self.assertTrue(line.endswith("; default build -"), line)
         self.assertIn("total: 7 space(s) on 3 live box(es), 3 answered", ran.stdout)
 
         # A wrong token: no heartbeat authenticates with it (issue 29), so no box is a member,

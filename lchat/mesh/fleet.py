@@ -567,6 +567,7 @@ def as_json(fleet: Fleet) -> dict[str, Any]:
                 "spaces": b.spaces,
                 "by_state": dict(b.by_state),
                 "unreported": b.unreported,
+                "default_version": b.default_version,
             }
             for b in fleet.boxes
         ],
