@@ -43,6 +43,8 @@ from lchat.cli.release import (
     need_router,
 )
 from lchat.config import BoxConfig, mesh_bucket
+from lchat.mesh.placement import normalise_member_url
+from lchat.objstore import ObjectStoreError
 from lchat.reactors import Reactor
 from lchat.release import deploy as deploy_mod
 from lchat.release import feed as feedlib
@@ -104,7 +106,7 @@ def run_fleet(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
             raise RolloutError("which version? `lchat deploy <version> --fleet`")
         version = check_version(args.version)
         members = runner.run(lambda r: read_mesh_members(r, cfg), BUCKET_BUDGET)
-        boxes = sorted(m.url for m in members)
+        boxes = sorted(normalise_member_url(m.url) for m in members)  # as each agent's box_id
         if not boxes:
             raise RolloutError("no live member in the mesh bucket: nothing to deploy to")
         batches = rollout_mod.batches_of(boxes, args.batch_boxes)
@@ -122,7 +124,14 @@ def watch(cfg: BoxConfig, rollout: Rollout, out: Out, poll: float) -> int:
     """Advance and print the rollout until it is done (0) or failed (1)."""
     seen = (rollout.state, rollout.due)
     while True:
-        current, reports = _on_board(cfg, lambda b: b.step())
+        try:
+            current, reports = _on_board(cfg, lambda b: b.step())
+        except (ObjectStoreError, TimeoutError) as e:
+            # The rollout goes on without its watcher (the agents advance it): a bucket that
+            # does not answer for a moment must not end the watch.
+            out(f"the bucket did not answer ({e}); trying again in {poll:g}s")
+            time.sleep(poll)
+            continue
         if current is None or current.id != rollout.id:
             raise RolloutError(f"rollout {rollout.id} is gone from the bucket (replaced?)")
         if (current.state, current.due) != seen:
@@ -167,7 +176,12 @@ def agent_round(
     box = cfg.box_id
     settings = settings_mod.read(cfg.file_env)
     if settings.channel:
-        follow_channel(cfg, settings, box, out)
+        try:
+            follow_channel(cfg, settings, box, out)
+        except (ObjectStoreError, TimeoutError, RolloutError) as e:
+            # Following the channel waits for the next round; this box's part in a running
+            # rollout does not.
+            out(f"release agent: channel {settings.channel}: {e}; next round")
 
     async def look(board: Board) -> tuple[Rollout | None, Report | None]:
         rollout, _ = await board.step()
