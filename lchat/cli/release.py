@@ -43,7 +43,9 @@ from lchat.release.rollout import RolloutError
 from lchat.release.settings import ReleaseSettings, SettingsError
 
 RELEASE_SUMMARY = "fetch, list and publish space builds from the signed release feed"
-DEPLOY_SUMMARY = "switch spaces on this box to an installed build (canary, then all)"
+DEPLOY_SUMMARY = (
+    "switch spaces to a build: one space (canary), this box (all), or every mesh box (fleet)"
+)
 ROLLBACK_SUMMARY = "return spaces to the build they ran before their last deploy"
 DEFAULT_TIMEOUT = 30.0
 
