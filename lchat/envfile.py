@@ -12,7 +12,7 @@ import os
 import pwd
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from lchat import config
 from lchat.files import write_atomic
@@ -87,6 +87,22 @@ def write_env(path: str, values: Mapping[str, str]) -> None:
     first byte. ValueError (before anything is written) when a value cannot be carried."""
     text = "".join(f"{env_line(name, values[name])}\n" for name in sorted(values))
     write_atomic(path, text.encode("utf-8"), MODE)
+
+
+def edit(path: str, assign_values: Mapping[str, str], unset: Iterable[str] = ()) -> None:
+    """Set ``assign_values`` (:func:`assign`) and remove every assignment of the names in
+    ``unset`` in the env file ``path``, every other line kept, atomically and mode 0600
+    (``lchat env``). ValueError (before anything is written) when a value cannot be carried;
+    FileNotFoundError when the file is absent (a space's env file is made by its create)."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for name in unset:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"{name!r} is not a variable name")
+        lines = [x for x in lines if not re.match(rf"\s*(?:export\s+)?{name}\s*=", x)]
+    for name, value in assign_values.items():
+        assign(lines, name, value)
+    write_atomic(path, "".join(f"{line}\n" for line in lines).encode("utf-8"), MODE)
 
 
 def _breaks_line(c: str) -> bool:

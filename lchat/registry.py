@@ -86,6 +86,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # of the box that runs the space always-on; '' for every other row.
         "ALTER TABLE routes ADD COLUMN lives_at TEXT NOT NULL DEFAULT ''",
     ),
+    (
+        # A replicated space's settings version (lchat.mesh.settings, docs/mesh.md, "What
+        # travels"): a Lamport-style generation (0: never versioned, a row from before them) and
+        # the digest of the settings it versions ('' with generation 0).
+        "ALTER TABLE routes ADD COLUMN settings_gen INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE routes ADD COLUMN settings_hash TEXT NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -100,6 +107,18 @@ class UnknownHost(RegistryError):
 
 class DuplicateHost(RegistryError):
     pass
+
+
+class Stale(RegistryError):
+    """A replicated write older than the row it would replace (lchat.mesh.settings): nothing was
+    written. ``existing`` is the row kept."""
+
+    def __init__(self, existing: Route) -> None:
+        super().__init__(
+            f"{existing.host}: this box holds settings generation "
+            f"{existing.settings_gen}, newer than the write"
+        )
+        self.existing = existing
 
 
 class Conflict(RegistryError):
@@ -128,6 +147,12 @@ class Route:
     # at this URL (a normalised LCHAT_MESH_SELF), which this box forwards every request to. Such
     # a row never hibernates, never runs here and has no database here (:attr:`elsewhere`).
     lives_at: str = ""
+    # The version of the space's mesh-wide settings (lchat.mesh.settings): the generation, a
+    # Lamport-style counter of unix milliseconds that every change raises (0: never versioned),
+    # and the digest of the settings as this box holds them (the row's replicated fields and the
+    # env file's replicable values). The highest generation wins across the mesh.
+    settings_gen: int = 0
+    settings_hash: str = ""
 
     @property
     def serveable(self) -> bool:
@@ -223,6 +248,8 @@ def validate(route: Route) -> Route:
             "lives_at must be empty, or a peer's http(s) URL on an instance row that does not "
             f"hibernate, not {route.lives_at[:200]!r}"
         )
+    if not 0 <= route.settings_gen < 2**63 or len(route.settings_hash) > 128:
+        raise RegistryError("settings_gen and settings_hash are not acceptable")
     for name in ("version", "prev_version", "home_region", "provider", "last_error", "lives_at"):
         value = getattr(route, name)
         if "\x00" in value or len(value) > 4096:
@@ -338,7 +365,31 @@ class Registry:
 
     # --- route replication (lchat.mesh.api) ---------------------------------------------------
 
-    def upsert_replicated(self, route: Route, *, next_due: bool = False) -> tuple[Route, bool]:
+    def bump_settings(self, host: str, settings_hash: str, now_ms: int) -> Route:
+        """Give ``host``'s row a new settings generation, ``max(now_ms, gen + 1)`` (so that a
+        clock behind the last writer's never rolls a change back), and ``settings_hash``, in one
+        transaction: a local change of the space's settings, to be pushed to the peers. Raises
+        :class:`UnknownHost`."""
+        with self.connect() as conn, write_transaction(conn):
+            existing = _select(conn, host)
+            if existing is None:
+                raise UnknownHost(f"{host} is not registered")
+            route = evolve(
+                existing,
+                settings_gen=max(int(now_ms), existing.settings_gen + 1),
+                settings_hash=settings_hash,
+                updated_at=int(self._clock()),
+            )
+            _update(conn, validate(route), ("settings_gen", "settings_hash", "updated_at"))
+        return route
+
+    def upsert_replicated(
+        self,
+        route: Route,
+        *,
+        next_due: bool = False,
+        accept: Callable[[Route], bool] | None = None,
+    ) -> tuple[Route, bool]:
         """Write a row replicated from a mesh peer, in one transaction: a hibernating instance,
         or a "lives elsewhere" row (``hibernate`` false, ``lives_at`` the URL of the box that
         runs the space always-on).
@@ -352,6 +403,11 @@ class Registry:
         time: it knows best); without it the local value stays. A lives-elsewhere row never keeps
         a due time (it never wakes here). Returns ``(row, created)``. Raises :class:`Conflict`
         when the existing row is a service or a space this box runs always-on.
+
+        ``accept``: asked, inside the transaction, whether ``route`` may replace the existing row
+        (the settings generations' order: lchat.mesh.settings.newer); when it says no, nothing is
+        written and :class:`Stale` is raised. The settings generation and hash are written with
+        the replicated fields.
         """
         route = validate(route)
         if not route.replicated:
@@ -366,6 +422,8 @@ class Registry:
                 _insert(conn, result)
                 return result, True
             _refuse_replicated(existing)
+            if accept is not None and not accept(existing):
+                raise Stale(existing)
             due = route.next_due if next_due else existing.next_due
             result = validate(
                 evolve(
@@ -375,6 +433,8 @@ class Registry:
                     home_region=route.home_region,
                     hibernate=route.hibernate,
                     lives_at=route.lives_at,
+                    settings_gen=route.settings_gen,
+                    settings_hash=route.settings_hash,
                     next_due=0 if route.elsewhere else due,
                     status="ready" if existing.elsewhere != route.elsewhere else existing.status,
                     updated_at=now,
@@ -445,6 +505,8 @@ _REPLICATED_COLUMNS = (
     "home_region",
     "hibernate",
     "lives_at",
+    "settings_gen",
+    "settings_hash",
     "next_due",
     "status",
     "updated_at",

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,6 +29,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config, envfile, hosts
@@ -201,6 +202,7 @@ class Served:
         *,
         members: Callable[[str], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        owner: Callable[[Route], str] | None = None,
     ) -> None:
         """``members``: which URLs are members (``lives_at`` may name them); ``clock``: the
         failed-authentication limiter's."""
@@ -218,6 +220,7 @@ class Served:
             run_in_thread=thread_runner(reactor),
             members=members,
             clock=clock,
+            owner=owner,
         )
         self.port = reactor.listenTCP(0, self.site, interface="127.0.0.1")
         case.addCleanup(self.port.stopListening)
@@ -366,6 +369,92 @@ class UpsertTests(APITestCase):
         )
         self.assertEqual(answer["result"], "created")
         self.flushLoggedErrors()
+
+
+class SettingsGenTests(APITestCase):
+    """Settings generations order the upserts (issue 32, item 2: lchat.mesh.settings)."""
+
+    OWNER = "https://owner.example.net"
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.served = Served(self, self.box, owner=lambda route: self.OWNER)
+        self.url = self.served.url
+
+    def send(self, body: dict[str, Any], sender: str = "") -> Deferred[dict[str, Any]]:
+        return Deferred.fromCoroutine(
+            client.push_route(self.url, TOKEN, body, sender=sender, reactor=reactor)
+        )
+
+    def row(self) -> Route:
+        route = self.box.registry.get(HOST)
+        assert route is not None
+        return route
+
+    @inlineCallbacks
+    def test_gen_orders_updates(self) -> Any:
+        stale = calls("upsert", "stale")
+        answer = yield self.send(payload(gen=100))
+        self.assertEqual(answer["result"], "created")
+        self.assertEqual(self.row().settings_gen, 100)
+        answer = yield self.send(payload(gen=200, replication="daily"))
+        self.assertEqual(answer["result"], "updated")
+        first = self.row()
+        self.assertEqual((first.replication, first.settings_gen), ("daily", 200))
+        self.assertEqual(len(first.settings_hash), 64)
+        before = (self.box.changes(), self.box.files())
+        answer = yield self.send(payload(gen=150, env={"LCHAT_ADMIN_TOKEN": "older-token"}))
+        self.assertEqual(answer, {"host": HOST, "result": "stale", "gen": 200})
+        self.assertEqual((self.box.changes(), self.box.files()), before, "a stale push wrote")
+        self.assertEqual(self.row(), first)
+        self.assertEqual(calls("upsert", "stale"), stale + 1)
+        # The same generation and settings again (a due time riding on them) is taken...
+        answer = yield self.send(payload(gen=200, replication="daily", next_due=77))
+        self.assertEqual((answer["result"], self.row().next_due), ("updated", 77))
+        # ...other settings at the same generation only from the host's owner by the hash.
+        answer = yield self.send(payload(gen=200, replication="stream"), sender="https://b.net")
+        self.assertEqual((answer["result"], self.row().replication), ("stale", "daily"))
+        answer = yield self.send(payload(gen=200, replication="stream"), sender=self.OWNER)
+        self.assertEqual((answer["result"], self.row().replication), ("updated", "stream"))
+
+    @inlineCallbacks
+    def test_payload_without_gen_never_overwrites_a_gend_row(self) -> Any:
+        yield self.send(payload())  # an older peer's create: no generation
+        self.assertEqual(self.row().settings_gen, 0)
+        answer = yield self.send(payload(replication="daily"))  # over a row with none: taken
+        self.assertEqual((answer["result"], self.row().replication), ("updated", "daily"))
+        yield self.send(payload(gen=5, replication="batched"))
+        before = self.box.files()
+        answer = yield self.send(payload(replication="stream", next_due=99))
+        self.assertEqual(answer, {"host": HOST, "result": "stale", "gen": 5})
+        row = self.row()
+        self.assertEqual((row.replication, row.settings_gen), ("batched", 5))
+        self.assertEqual(self.box.files(), before)
+        # Its due time is no setting: taken (the box that slept the space knows it best).
+        self.assertEqual(row.next_due, 99)
+
+    @inlineCallbacks
+    def test_an_older_peer_takes_the_push_without_gen(self) -> Any:
+        """A peer from before generations refuses the field (400 ``unknown fields: gen``): the
+        push is retried once without it, and logged."""
+        older = tuple(f for f in client.PAYLOAD_FIELDS if f != "gen")
+        self.patch(route_payload, "PAYLOAD_FIELDS", older)  # the older lchat's parse_payload
+        logged: list[dict[str, Any]] = []
+        observer = cast(Any, logged.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        answer = yield self.send(payload(gen=9))
+        self.assertEqual(answer["result"], "created")
+        self.assertEqual(self.row().settings_gen, 0)
+        said = [formatEvent(e) for e in logged if e.get("log_namespace") == "lchat.mesh.client"]
+        self.assertTrue(any("refuses settings generations" in m for m in said), said)
+
+    def test_gen_field_is_checked(self) -> None:
+        for bad in (0, -1, 2**53, True, "5", 1.5):
+            with self.assertRaises(route_payload.PayloadError):
+                route_payload.parse_payload(payload(gen=bad))
+        self.assertEqual(route_payload.parse_payload(payload(gen=3)).gen, 3)
+        self.assertIsNone(route_payload.parse_payload(payload()).gen)
 
 
 class RefusalTests(APITestCase):
@@ -833,6 +922,8 @@ class ClientTests(TestCase):
             replication="daily",
             home_region="fi",
             next_due=99,
+            settings_gen=1_700_000_000_123,
+            settings_hash="f" * 64,
         )
         body = client.route_payload(
             route,
@@ -849,6 +940,7 @@ class ClientTests(TestCase):
                 "home_region": "fi",
                 "env": {"LCHAT_ADMIN_TOKEN": "t"},
                 "next_due": 99,  # the due time travels (issue 17: due wakes follow the owner)
+                "gen": 1_700_000_000_123,  # the settings generation (issue 32), never the hash
             },
         )
         self.assertNotIn("secret", json.dumps(body))

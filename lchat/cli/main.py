@@ -48,6 +48,8 @@ from lchat.handover.router import Router, Say
 from lchat.handover.seams import BoxUnits, FanOut, StoreBucket
 from lchat.handover.start import Start, warn_if_born_dark
 from lchat.ledger import LedgerError
+from lchat.mesh.client import ENV_KEY, RESERVED_ENV
+from lchat.mesh.route_payload import MAX_ENV_VALUE
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
 PROG = "lchat"
@@ -256,6 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=_replication_class,
         metavar="CLASS",
         help="the new class: stream, batched or daily (omit to print the current one)",
+    )
+
+    sub = command(
+        "env",
+        "list a space's env key names, or set/unset values (every mesh peer takes the change)",
+        cmd_env,
+    )
+    sub.add_argument("host", help="the space's hostname")
+    sub.add_argument(
+        "action",
+        nargs="?",
+        choices=("set", "unset"),
+        help="set NAME=VALUE ... or unset NAME ... (omit to list the names; values never shown)",
+    )
+    sub.add_argument(
+        "items", nargs="*", metavar="ITEM", help="NAME=VALUE to set, NAME to unset (LCHAT_*)"
     )
 
     sub = command(
@@ -523,7 +541,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         _router(cfg).notify()
         warn_if_born_dark(cfg, SocketAdmin(cfg.admin_socket), host, SAY)
         # With the mesh on, every live peer covering the host learns the route (best-effort).
-        _say_reach(mesh_cli.fan_out_upsert(cfg, route, _note))
+        _say_reach(mesh_cli.publish_change(cfg, registry, route, _note))
         _out(
             f"{host} is registered, asleep ({args.replication} replication): "
             f"it wakes on its first request"
@@ -573,7 +591,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
     hand_env_files_to_router(cfg, host, SAY, quiet=True)
     _out(f"setup invite: {provision.invite_url(host, invite)}")
     if route.hibernate:
-        _say_reach(mesh_cli.fan_out_upsert(cfg, route, _note))
+        _say_reach(mesh_cli.publish_change(cfg, registry, route, _note))
         _note(f"{host} takes the new invite at its next wake (a space already set up takes none)")
     else:
         _note(
@@ -706,14 +724,69 @@ def cmd_replication(args: argparse.Namespace) -> int:
     if old == new:
         _out(f"{host}: replication is already {new}; nothing changed")
         return 0
-    registry.update(host, replication=new)
+    route = registry.update(host, replication=new)
     _router(cfg).notify()
     _out(f"{host}: replication {old} -> {new}")
+    # A setting of the space: its peers take it (a new settings generation, then the fan-out).
+    mesh_cli.publish_change(cfg, registry, route, _note)
     if route.hibernate:
         # The activator reads the class at wake: an awake space keeps its cadence until it sleeps.
         _note(f"{host} runs at the new cadence from its next wake; every sleep flushes in full")
     else:
         _note(f"{host} is not hibernating: the class applies once it is (lchat hibernate --on)")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """``lchat env``: one atomic edit of ``<data>/<host>.env``, then a new settings generation
+    and the fan-out to the peers (:func:`lchat.cli.mesh.publish_change`). Values are never
+    printed: they hold the space's secrets."""
+    host = hosts.normalise(args.host)
+    cfg = load_config(args)
+    registry = open_registry(cfg)
+    route = _instance_row(registry, host, "have an env file")
+    if route.elsewhere:
+        raise CliError(f"{host} runs always-on on {route.lives_at}: run `lchat env` there")
+    path = hosts.env_path(cfg.data_dir, host)
+    if args.action is None:
+        if args.items:
+            raise CliError("name an action: set NAME=VALUE ... or unset NAME ...")
+        try:
+            names = sorted(config.read_env_file(path, must_exist=True))
+        except ConfigError as e:
+            raise CliError(str(e)) from e
+        for name in names:
+            _out(name)
+        return 0
+    if not args.items:
+        raise CliError(f"{args.action}: name at least one variable")
+    values: dict[str, str] = {}
+    unset: list[str] = []
+    for item in args.items:
+        name, equals, value = item.partition("=")
+        if (args.action == "set") != bool(equals):
+            wanted = "NAME=VALUE" if args.action == "set" else "NAME (no value)"
+            raise CliError(f"{args.action}: {item.split('=', 1)[0]!r} is not {wanted}")
+        if not ENV_KEY.fullmatch(name) or name in RESERVED_ENV:
+            raise CliError(
+                f"{name!r} is not a space setting: LCHAT_[A-Z0-9_]{{1,64}}, not "
+                f"{', '.join(sorted(RESERVED_ENV))} (set per box from the row)"
+            )
+        if equals:
+            if len(value.encode("utf-8")) > MAX_ENV_VALUE:
+                raise CliError(f"{name}: the value is longer than {MAX_ENV_VALUE} bytes")
+            values[name] = value
+        else:
+            unset.append(name)
+    try:
+        envfile.edit(path, values, unset)
+    except FileNotFoundError:
+        raise CliError(f"{host} has no env file ({path}): nothing was changed") from None
+    except ValueError as e:
+        raise CliError(f"{e}; nothing was changed") from e
+    changed = ", ".join([*values, *unset])
+    _out(f"{host}: {'set' if values else 'unset'} {changed} (the space takes it at its next wake)")
+    mesh_cli.publish_change(cfg, registry, route, _note)
     return 0
 
 
@@ -759,7 +832,7 @@ def _hibernation(cfg: BoxConfig, registry: Registry) -> Hibernation:
         bucket = StoreBucket(lambda reactor: open_bucket(reactor, cfg, hib.where), runner.run)
     peers = FanOut(
         active=cfg.mesh is not None,
-        push=lambda route: mesh_cli.fan_out_push(cfg, route, _note),
+        push=lambda route: mesh_cli.publish_change(cfg, registry, route, _note),
         replicates=lambda route: cfg.mesh is not None and mesh_cli.replicates(cfg.mesh, route),
     )
     return Hibernation(

@@ -23,13 +23,13 @@ from lchat import hosts
 from lchat.buckets import open_mesh_bucket
 from lchat.cli import runner
 from lchat.config import BoxConfig, ConfigError, MeshConfig, mesh_bucket
-from lchat.mesh import client
+from lchat.mesh import client, settings
 from lchat.mesh.heartbeat import HeartbeatKeys
 from lchat.mesh.members import Member, read_members
 from lchat.mesh.placement import in_scope, normalise_member_url, owner, registered_by_owner
 from lchat.objstore import ObjectStoreError
 from lchat.reactors import Reactor, TCPReactor
-from lchat.registry import Registry, Route
+from lchat.registry import Registry, RegistryError, Route
 
 FANOUT_BUDGET = 5.0  # seconds for the whole fan-out of one create or remove: membership + pushes
 SEED_CALL_TIMEOUT = 15.0  # one push or delete of mesh-seed
@@ -136,9 +136,21 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> Reach | None:
     return _fan_out(cfg, route, "pushed", lambda m, r, s: _push(mesh, m.url, payload, s, r), say)
 
 
-def fan_out_push(cfg: BoxConfig, route: Route, say: Say) -> None:
-    """:func:`fan_out_upsert` for the hand-over's seams, which report per peer and count none."""
-    fan_out_upsert(cfg, route, say)
+def publish_change(cfg: BoxConfig, registry: Registry, route: Route, say: Say) -> Reach | None:
+    """A local change of ``route``'s settings (a create, ``lchat replication``, ``lchat env``,
+    ``hibernate --on/--off``, ``relocate``, ``invite --rotate``): a new settings generation for
+    its row (:func:`lchat.mesh.settings.bump`), then the fan-out of the row as it is now. Never
+    raises; returns how many boxes hold it now (:func:`fan_out_upsert`); off a mesh, or for a row
+    that does not replicate, nothing (None)."""
+    mesh = cfg.mesh
+    if mesh is None or route.kind != "instance" or route.elsewhere or not replicates(mesh, route):
+        return None
+    try:
+        route = settings.bump(registry, cfg.data_dir, mesh.self_url, route, int(time.time() * 1000))
+    except (ConfigError, RegistryError) as e:
+        say(f"mesh: not replicating {route.host}: {e}")
+        return None
+    return fan_out_upsert(cfg, route, say)
 
 
 def fan_out_delete(cfg: BoxConfig, route: Route, say: Say) -> None:
@@ -159,8 +171,15 @@ async def _push(
 ) -> str:
     """Push ``payload`` to the peer at ``url``; the peer's result ("created", "updated")."""
     answer = await client.push_route(
-        url, mesh.token, payload, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
+        url,
+        mesh.token,
+        payload,
+        sender=mesh.self_url,
+        ca_file=mesh.ca_file,
+        timeout=seconds,
+        reactor=reactor,
     )
+    # "stale": the peer holds newer settings and kept them (its log says which generation).
     return str(answer.get("result", "done"))
 
 

@@ -78,14 +78,16 @@ def run(
         for line in [json.dumps(steps, ensure_ascii=False, sort_keys=True)] if args.json else lines:
             out(line)
 
+    registry = open_registry(cfg)
     peers = MeshFanOut(
         members=lambda: live_members(cfg),
-        push_reporting=lambda route, said: mesh_cli.fan_out_push(cfg, route, said),
+        # A new home region is a setting: a new settings generation, then the fan-out.
+        push_reporting=lambda route, said: mesh_cli.publish_change(cfg, registry, route, said),
     )
     host = hosts.normalise(args.host)
     relocation = Relocation(
         cfg,
-        open_registry(cfg),
+        registry,
         SocketAdmin(cfg.admin_socket),
         peers,
         RegionStores(

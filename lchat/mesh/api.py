@@ -116,6 +116,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from io import BytesIO
 from typing import Any, Protocol, Required, TypedDict, Unpack
 
+from attrs import evolve
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.logger import Logger
@@ -126,12 +127,13 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from lchat import builds, envfile, hosts
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
-from lchat.mesh import tokens
+from lchat.mesh import settings, tokens
 from lchat.mesh.client import (
     HOLD_PATH,
     RELEASE_PATH,
     ROUTE_PATH,
     ROUTES_PATH,
+    SENDER_HEADER,
     STATS_PATH,
     WAKE_PATH,
     replicable_env,
@@ -141,7 +143,7 @@ from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
-from lchat.registry import Conflict, Registry, Route
+from lchat.registry import Conflict, Registry, Route, Stale
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
 
@@ -185,6 +187,9 @@ class Options(TypedDict, total=False):
     holds: SpaceHolds | None
     # POST /api/mesh/wake/<host>: this box's own probe (lchat.readiness.Readiness.answer_here)
     probe: HostAnswer | None
+    # The URL of a route's owner by the hash (MeshRouter.owner_url), called on the reactor: an
+    # equal settings generation with other settings is taken only from it. None: from no one.
+    owner: Callable[[Route], str] | None
 
 
 # (A peer with a stale token during a botched rotation retries far less often than one 401 every
@@ -303,6 +308,7 @@ class MeshAPI(Resource):
         self._stats = options.get("stats")
         self._holds = options.get("holds")
         self._probe = options.get("probe")
+        self._owner = options.get("owner")
         self._limiter = AuthLimiter(options.get("clock", time.monotonic))
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
@@ -356,7 +362,8 @@ class MeshAPI(Resource):
                 payload = self._read_payload(request)
             except PayloadError as e:
                 return self._answer(request, op, "invalid", 400, {"error": str(e)})
-            return self._start(request, op, lambda: self._upsert(payload), payload.host)
+            from_owner = self._from_owner(request, payload)
+            return self._start(request, op, lambda: self._upsert(payload, from_owner), payload.host)
         if op == "delete":
             try:
                 host = hosts.normalise(host_segment.decode("ascii"))
@@ -532,6 +539,18 @@ class MeshAPI(Resource):
             )
         return payload
 
+    def _from_owner(self, request: Request, payload: RoutePayload) -> bool:
+        """Is the sender (its :data:`~lchat.mesh.client.SENDER_HEADER`) the host's owner by the
+        hash, as this box sees the membership? (lchat.mesh.settings.newer: the owner's word
+        settles an equal generation.)"""
+        sender = (request.getHeader(SENDER_HEADER) or "").strip()
+        if not sender or self._owner is None:
+            return False
+        try:
+            return normalise_member_url(sender) == self._owner(self._route(payload))
+        except ValueError:
+            return False
+
     def _check_member(self, url: str) -> None:
         """``lives_at`` must be a member's URL, over HTTPS (the module docstring)."""
         cleartext_mesh = self._mesh.self_url.lower().startswith("http://")
@@ -568,12 +587,26 @@ class MeshAPI(Resource):
             lives_at=payload.lives_at,
         )
 
-    def _upsert(self, payload: RoutePayload) -> tuple[int, dict[str, Any], str]:
+    def _upsert(
+        self, payload: RoutePayload, from_owner: bool = False
+    ) -> tuple[int, dict[str, Any], str]:
         """Only over no row or a replicated one (a space this box runs itself is never
-        hijacked). The "lives elsewhere" shape (``lives_at``) leaves the env file as it is: this
-        box never runs the space, and a tombstone removes it."""
+        hijacked), and only newer settings (lchat.mesh.settings.newer; else :meth:`_stale`). The
+        "lives elsewhere" shape (``lives_at``) leaves the env file as it is: this box never runs
+        the space, and a tombstone removes it."""
         host = payload.host
-        route = self._route(payload)
+        digest = settings.settings_hash(
+            replication=payload.replication,
+            home_region=payload.home_region,
+            version=payload.version,
+            lives_at=payload.lives_at,
+            env={} if payload.lives_at else payload.env,
+        )
+        route = evolve(self._route(payload), settings_gen=payload.gen or 0, settings_hash=digest)
+
+        def accept(existing: Route) -> bool:
+            return settings.newer(existing, payload.gen, digest, from_owner=from_owner)
+
         # A row this box could not wake is worse than none: its first wake here would fail
         # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
         unrunnable = None if payload.lives_at else _unrunnable(self._space_command, host)
@@ -596,19 +629,24 @@ class MeshAPI(Resource):
             existing = self._registry.get(host)
             if existing is not None and not existing.replicated:
                 raise _conflict(host, existing)
-            if payload.lives_at:
-                _, created = self._registry.upsert_replicated(route)
-            else:
-                env_file = hosts.env_path(self._data_dir, host)
-                previous = _read_private(env_file)
-                envfile.write_env(env_file, payload.env)
-                try:
-                    _, created = self._registry.upsert_replicated(
-                        route, next_due=payload.next_due is not None
-                    )
-                except BaseException:
-                    _put_back(env_file, previous)
-                    raise
+            if existing is not None and not accept(existing):
+                return self._stale(payload, existing)
+            try:
+                if payload.lives_at:
+                    _, created = self._registry.upsert_replicated(route, accept=accept)
+                else:
+                    env_file = hosts.env_path(self._data_dir, host)
+                    previous = _read_private(env_file)
+                    envfile.write_env(env_file, payload.env)
+                    try:
+                        _, created = self._registry.upsert_replicated(
+                            route, next_due=payload.next_due is not None, accept=accept
+                        )
+                    except BaseException:
+                        _put_back(env_file, previous)
+                        raise
+            except Stale as e:  # a local change landed between the check and the write
+                return self._stale(payload, e.existing)
         result = "created" if created else "updated"
         if payload.lives_at:
             _log.info(
@@ -621,9 +659,10 @@ class MeshAPI(Resource):
         else:
             _log.info(
                 "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
-                "{n} env values{due})",
+                "{n} env values{due}, settings gen {gen})",
                 host=host,
                 result=result,
+                gen=payload.gen or "none",
                 replication=payload.replication,
                 region=payload.home_region or "-",
                 n=len(payload.env),
@@ -631,6 +670,24 @@ class MeshAPI(Resource):
                 next_due=payload.next_due,
             )
         return (201 if created else 200), {"host": host, "result": result}, result
+
+    def _stale(self, payload: RoutePayload, existing: Route) -> tuple[int, dict[str, Any], str]:
+        """A payload older than this box's row (lchat.mesh.settings.newer): its settings are not
+        written. Its ``next_due`` still is: a due time is no setting, and the box that slept the
+        space knows it best (lchat.mesh.due). Called under the write lock."""
+        host = payload.host
+        due = payload.next_due
+        if due is not None and existing.hibernate and existing.next_due != due:
+            self._registry.update(host, next_due=due)
+        _log.info(
+            "mesh: route {host} from a peer is stale (settings gen {theirs}, this box holds "
+            "{mine}): kept this box's settings{due}",
+            host=host,
+            theirs=payload.gen or "none",
+            mine=existing.settings_gen,
+            due="" if due is None else f" (its next due {due or 'none'} taken)",
+        )
+        return 200, {"host": host, "result": "stale", "gen": existing.settings_gen}, "stale"
 
     def _delete(self, host: str) -> tuple[int, dict[str, Any], str]:
         with self._lock:

@@ -29,6 +29,7 @@ from twisted.internet import error
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
+from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS
 from twisted.web.iweb import IAgentEndpointFactory, IResponse
@@ -55,14 +56,23 @@ REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_
 # (lchat.mesh.api). lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with
 # hibernate false: the space was flipped to always-on on the box at that URL, and peers forward
 # to it.
-OPTIONAL_FIELDS = ("next_due", "lives_at")
+# gen: the sender's settings generation (lchat.mesh.settings): absent from an older peer's
+# payloads, and from a row that has none.
+OPTIONAL_FIELDS = ("next_due", "lives_at", "gen")
 PAYLOAD_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS  # every field a payload may carry
 MAX_NEXT_DUE = 2**53  # exclusive: unix seconds a JSON number carries exactly everywhere
+MAX_GEN = 2**53  # exclusive: a settings generation (unix ms, Lamport-raised) a JSON number carries
+# Who pushes (its LCHAT_MESH_SELF): the receiver takes an equal generation with other settings only
+# from the host's owner by the hash (lchat.mesh.settings.newer). Authenticated by the bearer token.
+SENDER_HEADER = "X-Lchat-Mesh-Sender"
 # The env values a space needs to boot; the contract's own three are set by whichever box runs it.
 ENV_KEY = re.compile(r"LCHAT_[A-Z0-9_]{1,64}")
 RESERVED_ENV = frozenset({"LCHAT_HOST", "LCHAT_SOCKET", "LCHAT_DB"})
 DEFAULT_TIMEOUT = 5.0
 MAX_RESPONSE = 64 << 20  # a listing of many thousands of routes; anything bigger is not a peer
+
+
+_log = Logger(namespace="lchat.mesh.client")
 
 
 class MeshCallError(PeerCallError):
@@ -106,10 +116,12 @@ def route_payload(
     }
     if route.elsewhere:
         payload["lives_at"] = route.lives_at  # a peer's listing of its lives-elsewhere rows
-        return payload
-    due = route.next_due if next_due is None else next_due
-    if next_due is not None or due > 0:
-        payload["next_due"] = due
+    else:
+        due = route.next_due if next_due is None else next_due
+        if next_due is not None or due > 0:
+            payload["next_due"] = due
+    if route.settings_gen > 0:  # a row from before settings generations has none to send
+        payload["gen"] = route.settings_gen
     return payload
 
 
@@ -164,12 +176,36 @@ class CallOptions(TypedDict, total=False):
 
 
 async def push_route(
-    peer_url: str, token: str, payload: Mapping[str, Any], **options: Unpack[CallOptions]
+    peer_url: str,
+    token: str,
+    payload: Mapping[str, Any],
+    *,
+    sender: str = "",
+    **options: Unpack[CallOptions],
 ) -> dict[str, Any]:
     """``POST /api/mesh/route``: create or update the route on the peer. Returns its answer
-    (``{"host": ..., "result": "created" | "updated"}``); raises :class:`MeshCallError`."""
+    (``{"host": ..., "result": "created" | "updated" | "stale"}``: stale, with the peer's
+    ``gen``, when the peer holds newer settings and wrote nothing); raises
+    :class:`MeshCallError`. ``sender``: this box's ``LCHAT_MESH_SELF`` (:data:`SENDER_HEADER`).
+
+    A peer running an lchat from before settings generations refuses the ``gen`` field (400
+    ``unknown fields: gen``): the push is retried once without it, and logged."""
     body = json.dumps(dict(payload), sort_keys=True).encode()
-    _, answer = await _call("POST", peer_url, ROUTE_PATH, token, options, body)
+    extra = {SENDER_HEADER: sender} if sender else {}
+    try:
+        _, answer = await _call("POST", peer_url, ROUTE_PATH, token, options, body, extra)
+    except MeshCallError as e:
+        if e.status != 400 or "unknown fields: gen" not in str(e) or "gen" not in payload:
+            raise
+        _log.warn(
+            "mesh: {peer} refuses settings generations (an older lchat): pushing {host} to it "
+            "without one (upgrade it: until then it may keep older settings)",
+            peer=peer_url,
+            host=payload.get("host", "-"),
+        )
+        older = {k: v for k, v in payload.items() if k != "gen"}
+        body = json.dumps(older, sort_keys=True).encode()
+        _, answer = await _call("POST", peer_url, ROUTE_PATH, token, options, body, extra)
     return answer
 
 
@@ -439,6 +475,7 @@ async def _call(
     token: str,
     options: CallOptions,
     body: bytes | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """One call to a peer's mesh API: its status and its answer, a JSON object (anything else,
     and any status but 2xx, is :class:`MeshCallError`)."""
@@ -454,6 +491,7 @@ async def _call(
     }
     if body is not None:
         headers["Content-Type"] = "application/json"
+    headers.update(extra or {})
     # Bodies are written at once, not through treq's default producer: that one is paced by the
     # global cooperator, which the CLI's own reactor never runs.
     client = options.get("http") or HTTPClient(

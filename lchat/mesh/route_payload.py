@@ -14,6 +14,7 @@ from lchat.config import MeshConfig
 from lchat.config.mesh import REGION_LABEL
 from lchat.mesh.client import (
     ENV_KEY,
+    MAX_GEN,
     MAX_NEXT_DUE,
     PAYLOAD_FIELDS,
     REQUIRED_FIELDS,
@@ -45,6 +46,8 @@ class RoutePayload:
     # Non-empty: the "lives elsewhere" shape (hibernate false): the normalised URL of the box
     # that runs the space always-on; this box forwards to it and never wakes the space.
     lives_at: str = ""
+    # The sender's settings generation (lchat.mesh.settings); None: an older peer's payload.
+    gen: int | None = None
 
 
 def parse_payload(data: object) -> RoutePayload:
@@ -94,6 +97,11 @@ def parse_payload(data: object) -> RoutePayload:
         or not 0 <= next_due < MAX_NEXT_DUE
     ):
         raise PayloadError("next_due must be an integer of unix seconds, 0 (none) up to 2**53")
+    gen = data.get("gen")
+    if "gen" in data and (
+        not isinstance(gen, int) or isinstance(gen, bool) or not 0 < gen < MAX_GEN
+    ):
+        raise PayloadError("gen must be a positive integer (a settings generation) below 2**53")
     return RoutePayload(
         host=host,
         version=version,
@@ -102,6 +110,7 @@ def parse_payload(data: object) -> RoutePayload:
         env=_check_env(data["env"]),
         next_due=next_due,
         lives_at=lives_at,
+        gen=gen,
     )
 
 

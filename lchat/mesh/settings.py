@@ -1,0 +1,108 @@
+"""A replicated space's settings, versioned across the mesh (docs/mesh.md, "What travels").
+
+A space's *settings* are what a peer needs to run it as its creator meant: the row's replicated
+fields (replication class, home region, version, hibernating or living elsewhere) and the
+replicable values of ``<data>/<host>.env`` (:func:`lchat.mesh.client.replicable_env`). Each row
+carries a *generation* and the *hash* of those settings (``settings_gen``/``settings_hash``).
+
+Invariants:
+
+- A local change raises the generation to ``max(now in unix ms, gen + 1)``
+  (:meth:`lchat.registry.Registry.bump_settings`): a Lamport-style counter, so a box whose clock
+  is behind the last writer's still moves it forward, and a later change wins.
+- A peer's write is applied only when :func:`newer` says so: a higher generation; or the same
+  generation with the same hash (the same settings again: a due time riding on it); or the same
+  generation with a different hash from the host's owner by the hash ("the owner's word last").
+  A payload without a generation (an older peer) is applied only over a row that has none.
+- The hash covers exactly what travels, never a per-box value (socket, database path, the
+  ``live/<host>`` link, certificates), so two boxes holding the same settings hold the same hash.
+- Env *values* never leave this module's callers in a log line or a fleet view: only key names,
+  generations and hashes do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from attrs import evolve
+
+from lchat.mesh.client import read_route_env
+from lchat.mesh.placement import normalise_member_url
+from lchat.registry import Registry, Route
+
+SHORT = 8  # hex digits of a hash shown to an operator (lchat fleet, log lines)
+
+
+def settings_hash(
+    *,
+    replication: str,
+    home_region: str,
+    version: str,
+    lives_at: str,
+    env: Mapping[str, str],
+) -> str:
+    """The sha256 (hex) of the canonical JSON of a space's settings. ``env``: the replicable
+    values only (the caller filters them: :func:`lchat.mesh.client.replicable_env`)."""
+    canonical = json.dumps(
+        {
+            "env": dict(sorted(env.items())),
+            "home_region": home_region,
+            "lives_at": lives_at,
+            "replication": replication,
+            "version": version,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def route_hash(route: Route, env: Mapping[str, str]) -> str:
+    """:func:`settings_hash` of a row and its env file's replicable values (none for a
+    lives-elsewhere row: it never runs here, and its payload carries none)."""
+    return settings_hash(
+        replication=route.replication,
+        home_region=route.home_region,
+        version=route.version,
+        lives_at=route.lives_at,
+        env={} if route.elsewhere else env,
+    )
+
+
+def newer(existing: Route, gen: int | None, digest: str, *, from_owner: bool) -> bool:
+    """May a peer's settings (generation ``gen``, None when its payload had none; hash
+    ``digest``) replace ``existing``'s? The order of the module docstring; ``from_owner``: the
+    sender is the host's owner by the hash."""
+    if gen is None:
+        return existing.settings_gen == 0
+    if gen != existing.settings_gen:
+        return gen > existing.settings_gen
+    return digest == existing.settings_hash or from_owner
+
+
+def short(digest: str) -> str:
+    """The first :data:`SHORT` hex digits of a hash ('-' for none)."""
+    return digest[:SHORT] or "-"
+
+
+def local_hash(route: Route, env: Mapping[str, str], self_url: str) -> str:
+    """The hash of ``route``'s settings as its peers will hold them: a space this box runs
+    always-on travels in its lives-elsewhere shape (``lives_at`` this box, no env values)."""
+    if route.always_on_here:
+        return route_hash(evolve(route, lives_at=normalise_member_url(self_url)), {})
+    return route_hash(route, env)
+
+
+def bump(registry: Registry, data_dir: str, self_url: str, route: Route, now_ms: int) -> Route:
+    """A local change of ``route``'s settings: its row gets a new generation and the hash of
+    ``route`` as given (the row as it is, or as it is about to be: ``hibernate --off`` pushes its
+    lives-elsewhere shape before the row flips) and its env file's replicable values
+    (:meth:`lchat.registry.Registry.bump_settings`). Returns ``route`` with them. Blocking.
+    Raises :class:`lchat.config.ConfigError` when the env file cannot be read, and
+    :class:`lchat.registry.UnknownHost`."""
+    env = {} if route.always_on_here or route.elsewhere else read_route_env(data_dir, route.host)
+    bumped = registry.bump_settings(route.host, local_hash(route, env, self_url), now_ms)
+    return evolve(route, settings_gen=bumped.settings_gen, settings_hash=bumped.settings_hash)
