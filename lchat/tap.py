@@ -15,6 +15,7 @@ from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorCore, IReactorTime
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.web.server import Site
 
 import lchat
 from lchat import config, isolation, malloc, objstore, relayout, uvloop_reactor
@@ -30,7 +31,7 @@ from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.sweeper import Sweeper
 from lchat.listener import Listener, listen
-from lchat.mesh.api import mesh_site
+from lchat.mesh.api import MeshAPI, mesh_site
 from lchat.mesh.client import PeerBeats, ask_stats, ask_wake
 from lchat.mesh.due import DuePush
 from lchat.mesh.fence import BoxFence, HolderJudge
@@ -40,6 +41,7 @@ from lchat.mesh.membership import Membership
 from lchat.mesh.placement import registered_by_owner
 from lchat.mesh.posture import Posture, say_off
 from lchat.mesh.routing import MeshRouter
+from lchat.mesh.sync import SettingsSync
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials
 from lchat.objstore.where import Where
 from lchat.proxy import oneread
@@ -432,6 +434,33 @@ def _hibernation(
     return hibernation
 
 
+def _settings_sync(
+    reactor: Reactor,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    mesh: MeshRouter,
+    membership: Membership,
+    site: Site,
+    run: RunInThread,
+) -> SettingsSync:
+    """The spaces' settings' anti-entropy (lchat.mesh.sync), applying through the mesh API's
+    own upsert."""
+    assert cfg.mesh is not None
+    api = site.resource
+    assert isinstance(api, MeshAPI)
+    return SettingsSync(
+        reactor,
+        reactor,
+        cfg.mesh,
+        cfg.data_dir,
+        routes.registry,
+        membership.live,
+        mesh.owner_url,
+        api.apply,
+        run_in_thread=run,
+    )
+
+
 def _front_door(
     top: MultiService,
     reactor: Reactor,
@@ -467,8 +496,15 @@ def _front_door(
             stats=stats.answer_here if stats is not None else None,
             holds=hibernation.activator if hibernation is not None else None,
             probe=probe.answer_here if probe is not None else None,
+            owner=hibernation.mesh.owner_url
+            if hibernation is not None and hibernation.mesh is not None
+            else None,
         )
         listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
+        if hibernation is not None and membership is not None and hibernation.mesh is not None:
+            _settings_sync(
+                reactor, cfg, routes, hibernation.mesh, membership, site, run
+            ).setServiceParent(top)
         mesh_api = (cfg.mesh.self_host, mesh_socket)
     router = Router(
         routes,

@@ -449,6 +449,34 @@ class SettingsGenTests(APITestCase):
         said = [formatEvent(e) for e in logged if e.get("log_namespace") == "lchat.mesh.client"]
         self.assertTrue(any("refuses settings generations" in m for m in said), said)
 
+    @inlineCallbacks
+    def test_digest_endpoint_needs_the_token(self) -> Any:
+        """``GET /api/mesh/digest``: {host: [gen, hash]} of the replicated rows, with the token
+        only; ``GET /api/mesh/routes?host=`` lists that one row."""
+        yield self.send(payload(gen=42))
+        yield self.send(payload(f"b.{DOMAIN}"))
+        self.box.add(f"local.{DOMAIN}", hibernate=False)  # always-on here: not replicated
+        code, body = yield self.raw(request_bytes("GET", "/api/mesh/digest", token=None))
+        self.assertEqual(code, 401, body)
+        code, body = yield self.raw(request_bytes("GET", "/api/mesh/digest", token="x" * 40))
+        self.assertEqual(code, 401, body)
+        digest = yield Deferred.fromCoroutine(
+            client.settings_digest(self.url, TOKEN, reactor=reactor)
+        )
+        self.assertEqual(
+            digest,
+            {HOST: (42, self.row().settings_hash), f"b.{DOMAIN}": (0, digest[f"b.{DOMAIN}"][1])},
+        )
+        self.assertEqual(len(digest[f"b.{DOMAIN}"][1]), 64)
+        one = yield Deferred.fromCoroutine(
+            client.fetch_route(self.url, TOKEN, HOST, reactor=reactor)
+        )
+        self.assertEqual((one["host"], one["gen"]), (HOST, 42))
+        none = yield Deferred.fromCoroutine(
+            client.fetch_route(self.url, TOKEN, f"local.{DOMAIN}", reactor=reactor)
+        )
+        self.assertIsNone(none)
+
     def test_gen_field_is_checked(self) -> None:
         for bad in (0, -1, 2**53, True, "5", 1.5):
             with self.assertRaises(route_payload.PayloadError):

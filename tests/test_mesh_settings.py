@@ -8,16 +8,28 @@ never reverts a newer setting; a box that was down during a change converges by 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
+from attrs import evolve
+from prometheus_client import REGISTRY
+from twisted.internet import reactor as _reactor
 from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
 
 from lchat import hosts
+from lchat.mesh import api, client, settings
+from lchat.mesh.sync import SettingsSync
+from lchat.threads import thread_runner
 from tests import s3servers
+from tests import test_mesh_api as api_tests
 from tests.meshnet import weed_available as test_mesh_weed_available
 from tests.test_mesh import DOMAIN, Box, MeshTestCase, _lchat
 
+reactor: Any = _reactor
 HOST = f"set.{DOMAIN}"
 
 
@@ -60,14 +72,6 @@ class SettingsTests(MeshTestCase):
         )
         self.assertIn(f"pushed to {b.url}: updated", ran.stderr)
 
-        # box1 with an older row (as a box that missed the change holds it) seeds box0.
-        b.registry().update(HOST, replication="stream", settings_gen=gen - 1)
-        ran = yield deferToThread(_lchat, "mesh-seed", a.url, "--env-file", b.env_file)
-        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
-        self.assertIn("1 stale", ran.stdout)
-        self.assertEqual((_row(a).replication, _row(a).settings_gen), ("daily", gen))
-        self.assertIn(f"mesh: route {HOST} from a peer is stale", a.log())
-
         # `lchat env h set LCHAT_BUILD=x` on box0: box1's env file has it (values never
         # printed); `unset` takes it away again on both.
         ran = yield deferToThread(
@@ -87,6 +91,47 @@ class SettingsTests(MeshTestCase):
         self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
         yield self.wait_for(lambda: "LCHAT_BUILD" not in _env(b), timeout=3)
 
+        # box1 with an older row (as a box that missed the change holds it) seeds box0. Its
+        # router is stopped first: running, its anti-entropy would take box0's newer row back.
+        yield deferToThread(b.stop)
+        gen = _row(a).settings_gen
+        # (Row and hash agree, so box1's own sweep sees no edit by hand to push.)
+        older = evolve(_row(b), replication="stream")
+        env = client.read_route_env(b.data, HOST)
+        b.registry().update(
+            HOST,
+            replication="stream",
+            settings_gen=gen - 1,
+            settings_hash=settings.route_hash(older, env),
+        )
+        ran = yield deferToThread(_lchat, "mesh-seed", a.url, "--env-file", b.env_file)
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        self.assertIn("1 stale", ran.stdout)
+        self.assertEqual((_row(a).replication, _row(a).settings_gen), ("daily", gen))
+        self.assertIn(f"mesh: route {HOST} from a peer is stale", a.log())
+
+    @inlineCallbacks
+    def test_a_peer_down_during_the_change_converges_and_hand_edits_travel(self) -> Any:
+        """box1 is stopped during a change on box0; started again, it takes the change by
+        anti-entropy within the sync interval, with no ``mesh-seed``. A hand edit of box0's
+        ``<host>.env`` then reaches box1 by box0's sweep."""
+        a, b = yield self.two()
+        yield self.wait_for(lambda: _row(a).settings_hash != "", timeout=5)  # the first sweep
+        yield deferToThread(b.stop)
+        ran = yield deferToThread(_lchat, "replication", HOST, "daily", "--env-file", a.env_file)
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        self.assertEqual(_row(b).replication, "stream")
+        yield self.start(b)
+        yield self.wait_for(lambda: _row(b).replication == "daily", timeout=5)
+        self.assertEqual(_row(b).settings_gen, _row(a).settings_gen)
+        self.assertIn(f"mesh: {HOST} settings gen {_row(a).settings_gen} from {a.url}", b.log())
+
+        with open(hosts.env_path(a.data, HOST), "a") as f:
+            f.write("LCHAT_BUILD=by-hand\n")
+        yield self.wait_for(lambda: "LCHAT_BUILD=by-hand" in _env(b), timeout=5)
+        self.assertIn(f"mesh: {HOST} settings changed on this box", a.log())
+        self.assertNotIn("by-hand", a.log() + b.log())  # values are never logged
+
 
 class SettingsSeaweedTests(SettingsTests):
     """The same on SeaweedFS."""
@@ -96,3 +141,121 @@ class SettingsSeaweedTests(SettingsTests):
     async def _bucket(self) -> None:
         self.server = await s3servers.shared_server("seaweedfs")
         self.bucket = await self.server.new_bucket()
+
+
+# --- the anti-entropy's logic, on a fake clock, against a real mesh API -------------------------
+
+
+def _sample(metric: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(metric, labels) or 0.0
+
+
+class SyncTests(TestCase):
+    """:class:`lchat.mesh.sync.SettingsSync` of box-2, its rounds on a ``task.Clock``, pulling
+    over real HTTP from box-1's real mesh API (tests.test_mesh_api.Served)."""
+
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="msync", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.root, True)
+        self.peer = api_tests.Box(self.root, "box-1")
+        self.served = api_tests.Served(self, self.peer)
+        self.here = api_tests.Box(self.root, "box-2", LCHAT_MESH_SYNC="10s")
+        cfg = self.here.cfg()
+        assert cfg.mesh is not None
+        self.mesh = cfg.mesh
+        self.api = api.MeshAPI(
+            self.here.registry, cfg, lambda reason: None, run_in_thread=thread_runner(reactor)
+        )
+        self.clock = Clock()
+        self.jitter = 0.5
+        self.members = [api_tests.member(self.served.url)]
+
+    def sync(self) -> SettingsSync:
+        sync = SettingsSync(
+            reactor,
+            self.clock,
+            self.mesh,
+            self.here.data,
+            self.here.registry,
+            lambda: self.members,
+            lambda route: "https://nobody.example.net",
+            self.api.apply,
+            run_in_thread=thread_runner(reactor),
+            jitter=lambda: self.jitter,
+            now_ms=lambda: 1_000,
+        )
+        sync.startService()
+        self.addCleanup(sync.stopService)
+        return sync
+
+    def both(self, gen: int, replication: str = "daily") -> None:
+        """box-2 holds the row at generation 1; box-1 at ``gen`` with ``replication``."""
+        for box in (self.here, self.peer):
+            route = box.add(api_tests.HOST)
+            settings.bump(box.registry, box.data, "http://x.example.net", route, 1)
+        route = self.peer.registry.update(api_tests.HOST, replication=replication)
+        self.peer.registry.update(api_tests.HOST, settings_gen=gen - 1)
+        settings.bump(self.peer.registry, self.peer.data, "http://x", route, gen)
+
+    @inlineCallbacks
+    def round_done(self, sync: SettingsSync) -> Any:
+        while sync._round is not None:
+            yield deferLater(reactor, 0.01, lambda: None)
+
+    def test_rounds_are_jittered_around_the_interval(self) -> None:
+        for jitter, delay in ((0.0, 7.5), (0.5, 10.0), (0.999, 12.495)):
+            self.jitter = jitter
+            sync = self.sync()
+            (call,) = self.clock.getDelayedCalls()
+            self.assertAlmostEqual(call.getTime() - self.clock.seconds(), delay, places=2)
+            sync.stopService()
+            self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    @inlineCallbacks
+    def test_a_newer_generation_is_pulled_and_applied(self) -> Any:
+        self.both(gen=500)
+        applied = _sample("lchat_mesh_sync_applied_total")
+        sync = self.sync()
+        self.clock.advance(9.9)
+        self.assertIsNone(sync._round)
+        self.clock.advance(0.2)
+        yield self.round_done(sync)
+        row = self.here.registry.get(api_tests.HOST)
+        assert row is not None
+        self.assertEqual((row.replication, row.settings_gen), ("daily", 500))
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total"), applied + 1)
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)  # the next round, scheduled
+        # Nothing newer there: the next round takes nothing.
+        self.clock.advance(10.0)
+        yield self.round_done(sync)
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total"), applied + 1)
+
+    @inlineCallbacks
+    def test_an_older_peer_copy_is_left_and_a_host_not_held_is_not_created(self) -> Any:
+        for box in (self.here, self.peer):
+            route = box.add(api_tests.HOST)
+            settings.bump(box.registry, box.data, "http://x", route, 900 if box is self.here else 5)
+        self.peer.add(f"other.{api_tests.DOMAIN}")
+        settings.bump(
+            self.peer.registry,
+            self.peer.data,
+            "http://x",
+            self.peer.registry.get(f"other.{api_tests.DOMAIN}"),  # type: ignore[arg-type]
+            7,
+        )
+        sync = self.sync()
+        yield sync.sync_once()
+        row = self.here.registry.get(api_tests.HOST)
+        assert row is not None
+        self.assertEqual(row.settings_gen, 900)
+        self.assertIsNone(self.here.registry.get(f"other.{api_tests.DOMAIN}"))
+
+    @inlineCallbacks
+    def test_an_unreachable_peer_is_counted(self) -> Any:
+        self.members = [api_tests.member("http://127.0.0.1:1")]
+        failed = _sample("lchat_mesh_sync_failures_total", peer="http://127.0.0.1:1")
+        sync = self.sync()
+        yield sync.sync_once()
+        self.assertEqual(
+            _sample("lchat_mesh_sync_failures_total", peer="http://127.0.0.1:1"), failed + 1
+        )

@@ -244,6 +244,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MESH_DEAD_AFTER": "45s",
     "LCHAT_MESH_OUTAGE_TOLERANCE": "15m",
     "LCHAT_MESH_CA_FILE": "",
+    "LCHAT_MESH_SYNC": "5m",  # anti-entropy of the spaces' settings (lchat.mesh.sync)
     "LCHAT_MESH_BUCKET": "",  # s3://BUCKET[/PREFIX][?...]: the heartbeats' own bucket
     "LCHAT_CLOUD_REGION": "",  # add-instance's default --home-region
     "LCHAT_CLOUD_ID_LEDGER": "",  # s3://BUCKET[/PREFIX][?region=&endpoint=] or file:PATH

@@ -40,6 +40,9 @@ class MeshConfig:
     # LCHAT_MESH_OUTAGE_TOLERANCE: the longest this box keeps its spaces on its peers' word alone,
     # no heartbeat of it landing in the bucket (a bucket outage: docs/lease.md, "Witnesses").
     outage_tolerance: float = 900.0
+    # LCHAT_MESH_SYNC: how often this box compares its spaces' settings generations with every
+    # live peer's and takes the newer (lchat.mesh.sync, docs/mesh.md, "Anti-entropy").
+    sync: float = 300.0
 
     @property
     def self_host(self) -> str:
@@ -103,6 +106,9 @@ def read_mesh(get: Getter) -> MeshConfig | None:
             "LCHAT_MESH_OUTAGE_TOLERANCE must be at least LCHAT_MESH_DEAD_AFTER (how long spaces "
             "keep serving on the peers' word while the bucket is out of reach)"
         )
+    sync = parse_duration("LCHAT_MESH_SYNC", get("LCHAT_MESH_SYNC"))
+    if sync < 1:
+        raise ConfigError("LCHAT_MESH_SYNC must be at least 1s (the settings' anti-entropy)")
     ca_file = get("LCHAT_MESH_CA_FILE")
     if ca_file and not os.path.isfile(ca_file):
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
@@ -117,6 +123,7 @@ def read_mesh(get: Getter) -> MeshConfig | None:
         heartbeat=heartbeat,
         dead_after=dead_after,
         outage_tolerance=tolerance,
+        sync=sync,
         ca_file=ca_file,
         bucket=bucket,
         # Equal to the token it accepts nothing more: dropped here, and load() warns.

@@ -53,6 +53,11 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     this router has no membership to give it to. Answered on the reactor, never in a thread: it
     is what keeps a box alive while the bucket is out of reach.
 
+``GET /api/mesh/digest``
+    200 ``{host: [settings_gen, settings_hash]}`` of every in-scope replicated row: what a peer's
+    anti-entropy (:mod:`lchat.mesh.sync`) compares with its own. ``GET /api/mesh/routes?host=``
+    lists that one host's row (none: an empty list), for the peer to fetch the newer one.
+
 ``GET /api/mesh/spaces``
     200: the spaces this box reports for ``lchat fleet``, by the ownership rule of
     :mod:`lchat.mesh.fleet` (state, version, awake-since, next-due, replication lag); 404 when
@@ -131,6 +136,7 @@ from lchat.mesh import settings, tokens
 from lchat.mesh.client import (
     HOLD_PATH,
     RELEASE_PATH,
+    DIGEST_PATH,
     ROUTE_PATH,
     ROUTES_PATH,
     SENDER_HEADER,
@@ -215,6 +221,7 @@ _OPS = {  # path -> (operation, its one method); DELETE <ROUTE_PATH>/<host> besi
     BEAT_PATH.encode(): ("beat", b"POST"),
     HOLD_PATH.encode(): ("hold", b"POST"),
     RELEASE_PATH.encode(): ("release", b"POST"),
+    DIGEST_PATH.encode(): ("digest", b"GET"),
 }
 _INTERNAL = {"error": "internal error: see the router's log"}  # a 500's body (the log says why)
 
@@ -378,6 +385,14 @@ class MeshAPI(Resource):
             return self._host_answer(request, op, host_segment, self._probe)
         if op in ("hold", "release"):
             return self._hold_or_release(request, op)
+        if op == "digest":
+            return self._start(request, op, self._digest, "")
+        if op == "list" and request.args.get(b"host"):
+            try:
+                one = hosts.normalise(request.args[b"host"][0].decode("ascii"))
+            except (UnicodeDecodeError, hosts.InvalidHost) as e:
+                return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
+            return self._start(request, op, lambda: self._list(one), "")
         if op == "spaces":
             if self._spaces is None:
                 return self._answer(request, op, "not_found", 404, {"error": "not served here"})
@@ -711,9 +726,37 @@ class MeshAPI(Resource):
         _log.info("mesh: route {host} deleted by a peer's tombstone (member data kept)", host=host)
         return 200, {"host": host, "deleted": True}, "deleted"
 
-    def _list(self) -> tuple[int, dict[str, Any], str]:
+    def _digest(self) -> tuple[int, dict[str, Any], str]:
+        """``GET /api/mesh/digest``: ``{host: [settings gen, settings hash]}`` of every in-scope
+        replicated row (lchat.mesh.sync compares it with its own)."""
+        digest = {
+            route.host: [route.settings_gen, route.settings_hash]
+            for route in self._registry.load()
+            if route.replicated and in_scope(self._mesh, route.host, route.home_region)
+        }
+        return 200, digest, "listed"
+
+    def apply(self, payload: RoutePayload, from_owner: bool) -> Deferred[str]:
+        """Apply a peer's route that this box fetched itself (lchat.mesh.sync's anti-entropy)
+        through the same upsert as ``POST /api/mesh/route``, then reload the route table; fires
+        with the result (created, updated, stale). Fails as the upsert does (:class:`_Refused`
+        for a row this box cannot take, :class:`Conflict`)."""
+        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(
+            lambda: self._upsert(payload, from_owner)
+        )
+
+        def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
+            reloaded = maybeDeferred(self._reload, f"mesh sync {result[2]}: {payload.host}")
+            return reloaded.addBoth(lambda _: result[2])
+
+        return d.addCallback(reload)
+
+    def _list(self, only: str = "") -> tuple[int, dict[str, Any], str]:
+        """Every in-scope replicated row as a payload; ``only``: that host's alone (``GET
+        /api/mesh/routes?host=``: an empty list when this box holds none)."""
         routes = []
-        for route in self._registry.load():
+        table = self._registry.load()
+        for route in table if not only else [r for r in [table.get(only)] if r is not None]:
             if not route.replicated or not in_scope(self._mesh, route.host, route.home_region):
                 continue
             if route.elsewhere:
@@ -740,7 +783,7 @@ class MeshAPI(Resource):
         d: Deferred[tuple[int, dict[str, Any], str]] = self._run(work)
 
         def reload_then(result: tuple[int, dict[str, Any], str]) -> Deferred[Any] | Any:
-            if op in ("list", "spaces") or result[2] == "absent":
+            if op in ("list", "spaces", "digest") or result[2] == "absent":
                 return result
             reloaded = maybeDeferred(self._reload, f"mesh route {result[2]}: {host}")
             reloaded.addErrback(

@@ -51,6 +51,7 @@ STATS_PATH = "/api/mesh/stats"  # GET <STATS_PATH>/<host>: a space's wake-free s
 HOLD_PATH = "/api/mesh/hold"
 RELEASE_PATH = "/api/mesh/release"
 WAKE_PATH = "/api/mesh/wake"  # POST <WAKE_PATH>/<host>: the readiness probe on that box
+DIGEST_PATH = "/api/mesh/digest"  # {host: [settings gen, settings hash]} (lchat.mesh.sync)
 REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_region", "env")
 # Absent in the payloads of older peers, an optional field means "keep this box's value"
 # (lchat.mesh.api). lives_at: present (non-empty) exactly on the "lives elsewhere" shape, with
@@ -357,6 +358,40 @@ async def _ask(
     except (ValueError, RecursionError):
         parsed = None
     return code, parsed if isinstance(parsed, dict) else {}
+async def settings_digest(
+    peer_url: str, token: str, **options: Unpack[CallOptions]
+) -> dict[str, tuple[int, str]]:
+    """``GET /api/mesh/digest``: the peer's ``{host: (settings gen, settings hash)}``; raises
+    :class:`MeshCallError` (an answer of any other shape too)."""
+    status, answer = await _call("GET", peer_url, DIGEST_PATH, token, options)
+    digest: dict[str, tuple[int, str]] = {}
+    for host, value in answer.items():
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not isinstance(value[0], int)
+            or isinstance(value[0], bool)
+            or not isinstance(value[1], str)
+        ):
+            raise MeshCallError(
+                peer_url, f"the digest's entry for {host[:80]!r} is malformed", status
+            )
+        digest[host] = (value[0], value[1])
+    return digest
+
+
+async def fetch_route(
+    peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
+) -> dict[str, Any] | None:
+    """``GET /api/mesh/routes?host=``: the peer's row of ``host`` as a payload, or None when it
+    holds none; raises :class:`MeshCallError`."""
+    path = f"{ROUTES_PATH}?host={hosts.normalise(host)}"
+    status, answer = await _call("GET", peer_url, path, token, options)
+    routes = answer.get("routes")
+    if not isinstance(routes, list) or not all(isinstance(r, dict) for r in routes):
+        raise MeshCallError(peer_url, "the listing is not a list of routes", status)
+    found = [r for r in routes if r.get("host") == host]
+    return found[0] if found else None
 
 
 class PeerBeats:

@@ -1,0 +1,288 @@
+"""Anti-entropy of the spaces' settings: every box ends with the newest (docs/mesh.md, "What
+travels").
+
+Pushes (the CLI's fan-out, :mod:`lchat.mesh.due`) are best-effort: a peer that was down, frozen
+or cut off misses them. So every ``LCHAT_MESH_SYNC`` (jittered by ±25 %, so that boxes started
+together do not poll together), the router:
+
+1. **Notices hand edits.** For every in-scope hibernating row it recomputes the settings hash
+   from the row and ``<data>/<host>.env`` (:func:`lchat.mesh.settings.route_hash`). A row with no
+   hash yet (from before settings generations) gets one, at generation 0, and nothing is pushed;
+   a hash that differs from the stored one is a change made on this box outside ``lchat``: the
+   row gets a new generation (:func:`lchat.mesh.settings.bump`) and is pushed to the live peers
+   that hold it, logged ``mesh: <host> settings changed on this box (gen N): pushing to K
+   peer(s)``.
+2. **Pulls what is newer.** It asks every live peer for its digest (``GET /api/mesh/digest``:
+   one call per peer), and for each host this box also holds where the peer's generation is
+   higher (or equal, with other settings, and the peer is the host's owner by the hash) it
+   fetches that row (``GET /api/mesh/routes?host=``) and applies it through the mesh API's own
+   upsert (:meth:`lchat.mesh.api.MeshAPI.apply`: the same checks and order as a push), logged
+   ``mesh: <host> settings gen N from <peer> (was M)`` and counted in
+   ``lchat_mesh_sync_applied_total``. A peer that cannot be asked is logged and counted in
+   ``lchat_mesh_sync_failures_total{peer}``; the next round asks again.
+
+Invariants: a host this box does not hold is never created here, and one it holds is never
+removed (creates and tombstones travel by push and ``lchat mesh-seed --prune``: a missed
+tombstone must not be undone by a peer's copy); env values are never logged; one round at a
+time, and ``stopService`` waits for the round under way (each call bounded by ``timeout``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import Counter
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from lchat import hosts
+from lchat.config import ConfigError, MeshConfig
+from lchat.mesh import client, settings
+from lchat.mesh.members import Member
+from lchat.mesh.placement import normalise_member_url
+from lchat.mesh.route_payload import PayloadError, RoutePayload, in_scope, parse_payload
+from lchat.reactors import TCPReactor
+from lchat.registry import Registry, RegistryError, Route
+from lchat.threads import RunInThread
+
+SYNC_CALL_TIMEOUT = 10.0  # seconds per call to one peer
+JITTER = 0.25  # each interval is LCHAT_MESH_SYNC times 1 ± this
+
+_applied = Counter(
+    "lchat_mesh_sync_applied_total",
+    "Spaces' settings this box took from a peer's newer copy by anti-entropy (lchat.mesh.sync)",
+)
+_failures = Counter(
+    "lchat_mesh_sync_failures_total",
+    "Anti-entropy calls to a peer that failed (its digest or a row), by peer",
+    ["peer"],
+)
+_hand_edits = Counter(
+    "lchat_mesh_sync_local_changes_total",
+    "Settings changed on this box outside lchat (an env file edited by hand), given a new "
+    "generation and pushed to the peers",
+)
+_log = Logger(namespace="lchat.mesh.sync")
+
+Apply = Callable[[RoutePayload, bool], Deferred[str]]
+
+
+class SettingsSync(Service):
+    """The anti-entropy rounds of the module docstring."""
+
+    name = "settings-sync"
+
+    def __init__(
+        self,
+        reactor: TCPReactor,
+        clock: IReactorTime,
+        mesh: MeshConfig,
+        data_dir: str,
+        registry: Registry,
+        members: Callable[[], Sequence[Member]],
+        owner: Callable[[Route], str],
+        apply: Apply,
+        *,
+        run_in_thread: RunInThread,
+        jitter: Callable[[], float] = random.random,
+        now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        timeout: float = SYNC_CALL_TIMEOUT,
+    ) -> None:
+        """``reactor``: the calls' (the router's); ``clock``: the rounds' timer; ``members``:
+        the live membership view (this box included); ``owner``: a row's owner by the hash
+        (MeshRouter.owner_url); ``apply``: the mesh API's upsert; ``jitter``: uniform in
+        [0, 1); ``now_ms``: the wall clock for a new generation."""
+        self._reactor = reactor
+        self._clock = clock
+        self._mesh = mesh
+        self._data_dir = data_dir
+        self._registry = registry
+        self._members = members
+        self._owner = owner
+        self._apply = apply
+        self._run = run_in_thread
+        self._jitter = jitter
+        self._now_ms = now_ms
+        self.timeout = timeout
+        self._me = normalise_member_url(mesh.self_url)
+        self._call: IDelayedCall | None = None
+        self._round: Deferred[None] | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        self._schedule()
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+        return self._round
+
+    def _schedule(self) -> None:
+        delay = self._mesh.sync * (1 - JITTER + 2 * JITTER * self._jitter())
+        self._call = self._clock.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._call = None
+        d = Deferred.fromCoroutine(self.sync_once())
+        self._round = d
+        d.addErrback(lambda f: _log.failure("mesh: a settings sync round failed", f))
+
+        def over(_: object) -> None:
+            self._round = None
+            if self.running:
+                self._schedule()
+
+        d.addBoth(over)
+
+    async def sync_once(self) -> None:
+        """One round: hand edits first (pushed), then every live peer's newer settings."""
+        changed: list[tuple[Route, dict[str, str]]] = await self._run(self._local_changes)
+        for route, env in changed:
+            await self._push(route, env)
+        for member in self._members():
+            if member.self or member.url == self._me:
+                continue
+            await self._pull(member.url)
+
+    # -- 1. hand edits, in a thread ------------------------------------------------------------
+
+    def _local_changes(self) -> list[tuple[Route, dict[str, str]]]:
+        bumped = []
+        for route in self._registry.load():
+            if not route.hibernating or route.elsewhere:
+                continue
+            if not in_scope(self._mesh, route.host, route.home_region):
+                continue
+            try:
+                found = self._changed(route.host)
+            except (ConfigError, RegistryError, hosts.InvalidHost) as e:
+                _log.warn("mesh: cannot check the settings of {host}: {e}", host=route.host, e=e)
+                continue
+            if found is not None:
+                bumped.append(found)
+        return bumped
+
+    def _changed(self, host: str) -> tuple[Route, dict[str, str]] | None:
+        """The row bumped when its settings changed outside lchat, with its env values; None
+        when they did not. A difference is read twice: a peer's write lands in the env file
+        just before the row (lchat.mesh.api), and that is no change of this box's."""
+        for _ in range(2):
+            route = self._registry.get(host)
+            if route is None or not route.hibernating or route.elsewhere:
+                return None
+            env = client.read_route_env(self._data_dir, host)
+            digest = settings.route_hash(route, env)
+            if digest == route.settings_hash:
+                return None
+            if not route.settings_hash:  # a row from before generations: its first hash
+                self._registry.update(host, settings_hash=digest)
+                return None
+        assert route is not None  # (the loop returns on None)
+        bumped = settings.bump(
+            self._registry, self._data_dir, self._mesh.self_url, route, self._now_ms()
+        )
+        _hand_edits.inc()
+        return bumped, env
+
+    async def _push(self, route: Route, env: dict[str, str]) -> None:
+        targets = client.fan_out_targets(self._mesh, route.host, route.home_region, self._members())
+        _log.info(
+            "mesh: {host} settings changed on this box (gen {gen}): pushing to {n} peer(s)",
+            host=route.host,
+            gen=route.settings_gen,
+            n=len(targets),
+        )
+        payload = client.route_payload(route, env)
+        for member in targets:
+            try:
+                answer = await client.push_route(
+                    member.url,
+                    self._mesh.token,
+                    payload,
+                    sender=self._mesh.self_url,
+                    ca_file=self._mesh.ca_file,
+                    timeout=self.timeout,
+                    reactor=self._reactor,
+                )
+            except client.MeshCallError as e:
+                _failures.labels(member.url).inc()
+                _log.warn(
+                    "mesh: {host} settings not pushed to {peer} ({e}): its next sync takes them",
+                    host=route.host,
+                    peer=member.url,
+                    e=e,
+                )
+                continue
+            _log.info(
+                "mesh: {host} settings pushed to {peer}: {result}",
+                host=route.host,
+                peer=member.url,
+                result=answer.get("result", "done"),
+            )
+
+    # -- 2. pulls ------------------------------------------------------------------------------
+
+    async def _pull(self, peer: str) -> None:
+        options: dict[str, Any] = {
+            "ca_file": self._mesh.ca_file,
+            "timeout": self.timeout,
+            "reactor": self._reactor,
+        }
+        try:
+            digest = await client.settings_digest(peer, self._mesh.token, **options)
+        except client.MeshCallError as e:
+            _failures.labels(peer).inc()
+            _log.warn("mesh: settings sync: cannot read {peer}'s digest: {e}", peer=peer, e=e)
+            return
+        table = await self._run(self._registry.load)
+        for host, (gen, digest_hash) in sorted(digest.items()):
+            mine = table.get(host)
+            if mine is None or not mine.replicated:
+                continue  # never created here by a sync; a space of this box's own is its own
+            from_owner = self._owner(mine) == peer
+            if not (
+                gen > mine.settings_gen
+                or (gen == mine.settings_gen and digest_hash != mine.settings_hash and from_owner)
+            ):
+                continue
+            await self._take(peer, mine, from_owner, options)
+
+    async def _take(self, peer: str, mine: Route, from_owner: bool, options: Any) -> None:
+        host = mine.host
+        try:
+            body = await client.fetch_route(peer, self._mesh.token, host, **options)
+            if body is None:
+                return  # gone there since its digest
+            payload = parse_payload(body)
+            if payload.host != host or not in_scope(self._mesh, host, payload.home_region):
+                raise PayloadError(f"{host}: the row fetched is not this host's, or out of scope")
+            result = await self._apply(payload, from_owner)
+        except (client.MeshCallError, PayloadError, hosts.InvalidHost) as e:
+            _failures.labels(peer).inc()
+            _log.warn(
+                "mesh: settings sync: {host} from {peer} failed: {e}", host=host, peer=peer, e=e
+            )
+            return
+        except Exception as e:  # refused by the upsert (a row this box cannot take): next round
+            _failures.labels(peer).inc()
+            _log.warn(
+                "mesh: settings sync: {host} from {peer} refused: {e}", host=host, peer=peer, e=e
+            )
+            return
+        if result == "stale":
+            return  # changed here meanwhile
+        _applied.inc()
+        _log.info(
+            "mesh: {host} settings gen {gen} from {peer} (was {was})",
+            host=host,
+            gen=payload.gen or 0,
+            peer=peer,
+            was=mine.settings_gen,
+        )
