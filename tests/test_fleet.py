@@ -31,6 +31,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config
+from lchat.cli import fleet as fleet_cli
 from lchat.cli.main import build_parser
 from lchat.config import BoxConfig
 from lchat.mesh import api, client, fleet, placement
@@ -569,6 +570,93 @@ class AggregateTests(SynchronousTestCase):
         self.assertEqual(counts, {PEER: 2})
 
 
+class SettingsDivergenceTests(SynchronousTestCase):
+    """Issue 32, item 2: every box's copy of a space's settings, and who diverged."""
+
+    def test_the_view_lists_every_held_spaces_settings_with_key_names_only(self) -> None:
+        root = tempfile.mkdtemp(prefix="fleet")
+        self.addCleanup(shutil.rmtree, root, True)
+        theirs = host_owned_by(PEER, SpacesViewTests.members, "theirs")
+        with open(os.path.join(root, f"{theirs}.env"), "w") as f:
+            f.write("LCHAT_ADMIN_TOKEN=secret-value\nLCHAT_BUILD=x\nPATH=/bin\n")
+        routes = [
+            route(theirs, settings_gen=7, settings_hash="ab" * 32, replication="daily"),
+            route("svc.test", kind="service", hibernate=False),
+        ]
+        view = fleet.SpacesView(
+            lambda: 1.0,
+            box_config(root),
+            lambda: routes,
+            FakeActivator({}),
+            lambda: SpacesViewTests.members,
+            environ={},
+        )
+        doc = view.snapshot()()
+        self.assertEqual(
+            doc["settings"],
+            {
+                theirs: {
+                    "gen": 7,
+                    "hash": "abababab",
+                    "replication": "daily",
+                    "home_region": "",
+                    "env_keys": ["LCHAT_ADMIN_TOKEN", "LCHAT_BUILD"],
+                }
+            },
+        )
+        self.assertNotIn("secret-value", json.dumps(doc))
+        parsed = fleet.parse_answer(doc | {"box": ME})
+        self.assertEqual(parsed.settings[theirs].env_keys, ("LCHAT_ADMIN_TOKEN", "LCHAT_BUILD"))
+
+    def test_hostile_settings_are_refused(self) -> None:
+        good: dict[str, Any] = {"gen": 1, "hash": "abcd0123", "env_keys": []}
+        bads: list[object] = [
+            [],
+            {"not a host!": good},
+            {f"a.{DOMAIN}": good | {"gen": -1}},
+            {f"a.{DOMAIN}": good | {"gen": True}},
+            {f"a.{DOMAIN}": good | {"hash": "XYZ"}},
+            {f"a.{DOMAIN}": good | {"hash": "a" * 64}},
+            {f"a.{DOMAIN}": good | {"env_keys": ["PATH"]}},
+            {f"a.{DOMAIN}": good | {"env_keys": "LCHAT_X"}},
+        ]
+        for bad in bads:
+            with self.assertRaises(fleet.BadAnswer, msg=repr(bad)):
+                fleet.parse_answer(answer(settings=bad))
+        self.assertEqual(fleet.parse_answer(answer()).settings, {})  # an older box: none
+
+    def test_divergence_names_the_boxes_behind_the_newest(self) -> None:
+        def held(gen: int, digest: str) -> fleet.HeldSettings:
+            return fleet.HeldSettings(gen, digest, "stream", "", ("LCHAT_ADMIN_TOKEN",))
+
+        a, b = f"a.{DOMAIN}", f"b.{DOMAIN}"
+        reports = []
+        for url, settings in (
+            (ME, {a: held(2000, "aaaa"), b: held(5, "bbbb")}),
+            (PEER, {a: held(1000, "1111"), b: held(5, "bbbb")}),
+            (THIRD, {a: held(2000, "aaaa")}),
+        ):
+            reports.append(
+                fleet.BoxReport(
+                    url,
+                    "",
+                    "ok",
+                    answer=fleet.BoxAnswer(url, "", (ME, PEER, THIRD), (), (), settings),
+                )
+            )
+        result = fleet.aggregate(reports, 10.0)
+        self.assertEqual(result.divergence, {a: (PEER,)})
+        self.assertEqual(result.diverged_since(a), 2.0)
+        self.assertIsNone(result.diverged_since(b))
+        doc = fleet.as_json(result)
+        self.assertEqual(doc["divergence"], {a: [PEER]})
+        self.assertEqual(doc["settings"][a][PEER]["gen"], 1000)
+        self.assertIn("settings that differ between boxes", " ".join(doc["warnings"]))
+        # lchat fleet's exit status 4: diverged for longer than twice LCHAT_MESH_SYNC.
+        self.assertEqual(fleet_cli._stuck(result, sync=5.0), [])  # 8 s, not more than 10
+        self.assertEqual(fleet_cli._stuck(result, sync=3.0), [a])
+
+
 class ParserTests(SynchronousTestCase):
     def test_the_command_is_registered(self) -> None:
         args = build_parser().parse_args(["fleet", "--json", "--timeout", "2"])
@@ -745,7 +833,18 @@ class FleetMeshTests(MeshTestCase):
         self.assertEqual(ran.returncode, 0, ran.stderr)
         lines = ran.stdout.splitlines()
         self.assertEqual(
-            lines[0].split(), ["BOX", "HOST", "STATE", "VERSION", "AWAKE-SINCE", "NEXT-DUE", "LAG"]
+            lines[0].split(),
+            [
+                "BOX",
+                "HOST",
+                "STATE",
+                "VERSION",
+                "AWAKE-SINCE",
+                "NEXT-DUE",
+                "LAG",
+                "GEN",  # the settings generation (issue 32)
+                "DIVERGED",
+            ],
         )
         for host in [*self.hibernating, self.always_on]:
             self.assertEqual(sum(1 for ln in lines if f" {host} " in ln), 1, ran.stdout)

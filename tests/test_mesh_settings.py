@@ -8,8 +8,10 @@ never reverts a newer setting; a box that was down during a change converges by 
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from attrs import evolve
@@ -24,7 +26,7 @@ from lchat import hosts
 from lchat.mesh import api, client, settings
 from lchat.mesh.sync import SettingsSync
 from lchat.threads import thread_runner
-from tests import s3servers
+from tests import s3servers, test_mesh
 from tests import test_mesh_api as api_tests
 from tests.meshnet import weed_available as test_mesh_weed_available
 from tests.test_mesh import DOMAIN, Box, MeshTestCase, _lchat
@@ -132,9 +134,60 @@ class SettingsTests(MeshTestCase):
         self.assertIn(f"mesh: {HOST} settings changed on this box", a.log())
         self.assertNotIn("by-hand", a.log() + b.log())  # values are never logged
 
+    @inlineCallbacks
+    def test_fleet_shows_divergence_then_convergence(self) -> Any:
+        """box1 (whose own sync is an hour away) holds older settings than box0: ``lchat fleet``
+        names it under ``divergence`` (JSON and the DIVERGED column), exits 4 once that has
+        lasted twice box0's LCHAT_MESH_SYNC; after a ``mesh-seed`` to box1, none."""
+        a, b = self.boxes(2, LCHAT_MESH_SYNC="1s")
+        b.settings = {**b.settings, "LCHAT_MESH_SYNC": "1h"}  # type: ignore[attr-defined]
+        for box in (a, b):
+            box.add_space(HOST)
+        yield self.start(a, b)
+        ran = yield deferToThread(_lchat, "replication", HOST, "daily", "--env-file", a.env_file)
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        yield self.wait_for(lambda: _row(b).replication == "daily", timeout=3)
+        # As box1 would be had it missed the change (row and hash agree: no edit by hand).
+        gen = _row(a).settings_gen
+        older = evolve(_row(b), replication="stream")
+        b.registry().update(
+            HOST,
+            replication="stream",
+            settings_gen=gen - 1,
+            settings_hash=settings.route_hash(older, client.read_route_env(b.data, HOST)),
+        )
+        yield test_mesh.sleep(max(0.0, gen / 1000 + 2.5 - time.time()))  # past 2 x 1 s
+        ran = yield deferToThread(_lchat, "fleet", "--json", "--env-file", a.env_file)
+        self.assertEqual(ran.returncode, 4, ran.stdout + ran.stderr)
+        doc = json.loads(ran.stdout)
+        self.assertEqual(doc["divergence"], {HOST: [b.url]})
+        self.assertEqual(doc["settings"][HOST][a.url]["replication"], "daily")
+        self.assertEqual(doc["settings"][HOST][b.url]["gen"], gen - 1)
+        self.assertEqual(doc["settings"][HOST][a.url]["env_keys"], ["LCHAT_ADMIN_TOKEN"])
+        self.assertNotIn("ttt", ran.stdout)  # key names, never values
+        table = yield deferToThread(_lchat, "fleet", "--env-file", a.env_file)
+        self.assertIn(b.url, next(ln for ln in table.stdout.splitlines() if HOST in ln))
+
+        ran = yield deferToThread(_lchat, "mesh-seed", b.url, "--env-file", a.env_file)
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        ran = yield deferToThread(_lchat, "fleet", "--json", "--env-file", a.env_file)
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        self.assertEqual(json.loads(ran.stdout)["divergence"], {})
+
 
 class SettingsSeaweedTests(SettingsTests):
-    """The same on SeaweedFS."""
+    """The pushes and the stale seed on SeaweedFS. The anti-entropy and the fleet view talk to
+    no bucket (peer to peer over the mesh API), so they run on moto only: the suite's budget of
+    real-router time."""
+
+    def test_a_peer_down_during_the_change_converges_and_hand_edits_travel(self) -> Any:
+        raise AssertionError("skipped")
+
+    def test_fleet_shows_divergence_then_convergence(self) -> Any:
+        raise AssertionError("skipped")
+
+    test_a_peer_down_during_the_change_converges_and_hand_edits_travel.skip = "moto only"  # type: ignore[attr-defined]
+    test_fleet_shows_divergence_then_convergence.skip = "moto only"  # type: ignore[attr-defined]
 
     skip = None if test_mesh_weed_available() else "SeaweedFS's weed is not installed"
 

@@ -6,8 +6,16 @@ mesh call, each call bounded by ``--timeout``, all at once), and print the union
 reported by the box that owns it (:mod:`lchat.mesh.fleet`). A member that does not answer is a
 line saying so and why, never dropped; this box's registry says roughly how many spaces it owns.
 
+Each space's settings generation as its reporter holds it (``GEN``: generation/short hash) and the
+boxes whose settings differ from the newest (``DIVERGED``; JSON ``divergence``); ``--settings``
+prints every box's copy of every space's settings (generation, hash, replication class, home
+region, env key *names*: never a value).
+
 Exit status: 0 every live member answered; 3 the view is partial (a member unreachable, or its
-answer refused: bad token, not lchat, garbage), printed all the same; 1 nothing could be shown
+answer refused: bad token, not lchat, garbage), printed all the same; 4 every member answered
+and a space's settings have differed between boxes for longer than twice ``LCHAT_MESH_SYNC``
+(its anti-entropy should have caught them up: look at the diverged box's log for ``mesh:
+settings sync``); 1 nothing could be shown
 (no mesh settings, membership unreadable or without a live member, or the publish failed); 2 a
 usage error.
 
@@ -48,7 +56,9 @@ MEMBERS_TIMEOUT = 15.0  # reading the membership from the bucket
 PUBLISH_TIMEOUT = 30.0  # writing status/fleet.json
 PUBLISH_KEY = "status/fleet.json"
 EXIT_PARTIAL = 3
-COLUMNS = ("BOX", "HOST", "STATE", "VERSION", "AWAKE-SINCE", "NEXT-DUE", "LAG")
+EXIT_DIVERGED = 4
+COLUMNS = ("BOX", "HOST", "STATE", "VERSION", "AWAKE-SINCE", "NEXT-DUE", "LAG", "GEN", "DIVERGED")
+SETTINGS_COLUMNS = ("HOST", "BOX", "GEN", "HASH", "REPLICATION", "REGION", "ENV-KEYS")
 
 Say = Callable[[str], None]
 
@@ -65,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on the elected box only (the live member with the lowest URL), write the counts "
         "(no hostnames) to status/fleet.json under s3://BUCKET[/PREFIX][?region=R&endpoint=URL] "
         "or file:PATH",
+    )
+    parser.add_argument(
+        "--settings",
+        action="store_true",
+        help="print every box's copy of every space's settings (generation, hash, replication, "
+        "region, env key names; never values)",
     )
     parser.add_argument(
         "--timeout",
@@ -153,11 +169,32 @@ def run(
         )
     elif args.json:
         out(json.dumps(fleet.as_json(result), indent=2))
+    elif getattr(args, "settings", False):
+        _settings_table(result, out)
     else:
         _table(result, me, out)
     for warning in result.warnings:
         note(f"warning: {warning}")
-    return 0 if result.complete else EXIT_PARTIAL
+    if not result.complete:
+        return EXIT_PARTIAL
+    stuck = _stuck(result, mesh.sync)
+    if stuck:
+        note(
+            f"error: {len(stuck)} space(s) diverged for longer than twice LCHAT_MESH_SYNC "
+            f"({2 * mesh.sync:g}s): {', '.join(stuck[:10])}; the diverged boxes' logs say why "
+            "(`mesh: settings sync`)"
+        )
+        return EXIT_DIVERGED
+    return 0
+
+
+def _stuck(result: fleet.Fleet, sync: float) -> list[str]:
+    """The diverged hosts whose newest settings are older than twice the sync interval."""
+    return [
+        host
+        for host in sorted(result.divergence)
+        if result.generated_at - (result.diverged_since(host) or result.generated_at) > 2 * sync
+    ]
 
 
 async def _members(reactor: Reactor, cfg: BoxConfig) -> list[Member]:
@@ -255,6 +292,34 @@ async def _publish(reactor: Reactor, cfg: BoxConfig, where: Where, result: fleet
 # --- the table ----------------------------------------------------------------------------------
 
 
+def _gen(held: fleet.HeldSettings | None) -> str:
+    if held is None:
+        return "-"
+    return f"{held.gen}/{held.hash or '-'}"
+
+
+def _settings_table(result: fleet.Fleet, out: Say) -> None:
+    """``--settings``: one line per space and box holding it, diverged boxes marked."""
+    rows = [SETTINGS_COLUMNS]
+    for host, by_box in result.settings.items():
+        behind = result.divergence.get(host, ())
+        for url, held in by_box.items():
+            rows.append(
+                (
+                    host,
+                    url + (" (diverged)" if url in behind else ""),
+                    str(held.gen),
+                    held.hash or "-",
+                    held.replication or "-",
+                    held.home_region or "-",
+                    ",".join(held.env_keys) or "-",
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(SETTINGS_COLUMNS))]
+    for r in rows:
+        out("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
 def _table(result: fleet.Fleet, me: str, out: Say) -> None:
     rows = [COLUMNS]
     for row in result.rows:
@@ -273,6 +338,8 @@ def _table(result: fleet.Fleet, me: str, out: Say) -> None:
                 fleet.utc(space.awake_since) or "-",
                 fleet.utc(space.next_due) or "-",
                 "-" if space.lag is None else f"{space.lag:.1f}s",
+                _gen(result.settings.get(space.host, {}).get(row.box)),
+                ",".join(result.divergence.get(space.host, ())) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]

@@ -32,6 +32,13 @@ Answer of ``GET /api/mesh/spaces`` (200, JSON)::
                  "home_region": ""}, ...],
      "visiting": [{... the same fields ..., "owner": "https://box-2.example.net"}, ...]}
 
+``settings`` (issue 32; absent from an older box's answer): for *every* in-scope space this box
+holds a row of (not only those it reports), ``{host: {"gen", "hash", "replication",
+"home_region", "env_keys"}}``: its settings generation and the first 8 hex digits of its hash
+(:mod:`lchat.mesh.settings`), and the *names* of the replicable env values (never a value).
+``lchat fleet`` compares the boxes' entries: a box whose generation or hash differs from the
+newest is *diverged* (:attr:`Fleet.divergence`).
+
 ``state`` is the activator's (``asleep``, ``waking``, ``awake``, ``stopping``) for a hibernating
 space and ``always-on`` for the others (``process``: their supervisor's state when the router
 runs them itself, ``ready``, ``starting``, ``backoff``, ``failed``...; null under systemd).
@@ -51,6 +58,7 @@ import collections
 import datetime
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -60,8 +68,10 @@ from attrs import frozen
 import lchat
 from lchat import hosts
 from lchat.builds import DEFAULT_LINK, DEFAULT_OPT_DIR, BuildLayout
-from lchat.config import BoxConfig
+from lchat.config import BoxConfig, ConfigError
 from lchat.mesh import placement
+from lchat.mesh.client import ENV_KEY, read_route_env
+from lchat.mesh.route_payload import MAX_ENV_KEYS
 from lchat.registry import Route
 
 SPACES_PATH = "/api/mesh/spaces"
@@ -70,6 +80,8 @@ ALWAYS_ON = "always-on"
 MAX_STATE = 32  # a peer's state or process label longer than this is not one
 MAX_VERSION = 64  # BuildLayout's version names are at most 64 characters
 REGION_UNSET = "default"  # the published key of members without LCHAT_MESH_REGION
+SETTINGS_HASH = 8  # hex digits of a settings hash an answer carries (lchat.mesh.settings.SHORT)
+_HEX = re.compile(r"[0-9a-f]{0,8}")
 
 Outcome = Literal["ok", "unreachable", "error"]
 
@@ -143,6 +155,7 @@ class SpacesView:
         self._children = children
         self._backup = backup
         self._layout = BuildLayout(opt_dir(cfg.file_env, environ))
+        self._data_dir = cfg.data_dir
 
     def snapshot(self) -> Callable[[], dict[str, Any]]:
         """On the reactor: copy the state; returns the (blocking) rest, for a worker thread."""
@@ -186,9 +199,33 @@ class SpacesView:
                 "default_version": self._layout.version_of(DEFAULT_LINK),
                 "spaces": spaces,
                 "visiting": visiting,
+                "settings": self._settings(routes),
             }
 
         return finish
+
+    def _settings(self, routes: Iterable[Route]) -> dict[str, dict[str, Any]]:
+        """The ``settings`` map of the module docstring, in the worker thread (env files)."""
+        held: dict[str, dict[str, Any]] = {}
+        for route in sorted(routes, key=lambda r: r.host):
+            if route.kind != "instance" or not (
+                route.home_region or placement.in_scope(route.host, self._domains)
+            ):
+                continue
+            keys: list[str] = []
+            if route.hibernate and not route.elsewhere:
+                try:
+                    keys = sorted(read_route_env(self._data_dir, route.host))
+                except (ConfigError, hosts.InvalidHost):
+                    keys = []  # unreadable here: its hash still tells whether it diverged
+            held[route.host] = {
+                "gen": route.settings_gen,
+                "hash": route.settings_hash[:SETTINGS_HASH],
+                "replication": route.replication,
+                "home_region": route.home_region,
+                "env_keys": keys,
+            }
+        return held
 
     def _entry(
         self,
@@ -270,6 +307,17 @@ class Space:
 
 
 @frozen
+class HeldSettings:
+    """A space's settings as one box holds them (the ``settings`` map of the answer)."""
+
+    gen: int
+    hash: str  # the first SETTINGS_HASH hex digits ('' when the row has none yet)
+    replication: str = ""
+    home_region: str = ""
+    env_keys: tuple[str, ...] = ()  # names only, never values
+
+
+@frozen
 class BoxAnswer:
     """A member's answer, checked."""
 
@@ -279,6 +327,7 @@ class BoxAnswer:
     spaces: tuple[Space, ...]
     visiting: tuple[Space, ...]
     default_version: str | None = None  # its live/_default build (absent from an older lchat)
+    settings: Mapping[str, HeldSettings] = attrs.field(factory=dict)
 
 
 def parse_answer(body: object) -> BoxAnswer:
@@ -303,7 +352,40 @@ def parse_answer(body: object) -> BoxAnswer:
         spaces=tuple(_space(s, visiting=False) for s in spaces),
         visiting=tuple(_space(s, visiting=True) for s in visiting),
         default_version=_label(body.get("default_version"), "default_version", MAX_VERSION),
+        settings=_held_settings(body.get("settings", {})),
     )
+
+
+def _held_settings(value: object) -> dict[str, HeldSettings]:
+    """The answer's ``settings`` map, checked (an older box sends none)."""
+    if not isinstance(value, dict):
+        raise BadAnswer("settings is not an object")
+    held: dict[str, HeldSettings] = {}
+    for host, entry in value.items():
+        try:
+            host = hosts.normalise(host)
+        except hosts.InvalidHost as e:
+            raise BadAnswer(f"settings host: {e}"[:200]) from None
+        if not isinstance(entry, dict):
+            raise BadAnswer(f"{host}: settings is not an object")
+        gen, digest = entry.get("gen"), entry.get("hash", "")
+        if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen < 2**63:
+            raise BadAnswer(f"{host}: settings gen is not a generation")
+        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+            raise BadAnswer(f"{host}: settings hash is not a short hex digest")
+        keys = entry.get("env_keys", [])
+        if (
+            not isinstance(keys, list)
+            or len(keys) > MAX_ENV_KEYS
+            or not all(isinstance(k, str) and ENV_KEY.fullmatch(k) for k in keys)
+        ):
+            raise BadAnswer(f"{host}: env_keys is not a list of LCHAT_* names")
+        replication = _label(entry.get("replication") or None, f"{host}: replication", MAX_STATE)
+        region = entry.get("home_region", "")
+        if not isinstance(region, str) or len(region) > 64:
+            raise BadAnswer(f"{host}: home_region is not a short string")
+        held[host] = HeldSettings(gen, digest, replication or "", region, tuple(keys))
+    return held
 
 
 def _member(value: object, field: str) -> str:
@@ -422,6 +504,19 @@ class Fleet:
     boxes: tuple[BoxTotal, ...]
     conflicts: Mapping[str, tuple[str, ...]]  # host -> every box that reported it
     warnings: tuple[str, ...]
+    # host -> box -> its settings, for every host some answering box holds (issue 32)
+    settings: Mapping[str, Mapping[str, HeldSettings]] = attrs.field(factory=dict)
+    # host -> the boxes whose settings differ from the newest (the highest generation; at equal
+    # generations the highest hash): they have not taken the newest change yet
+    divergence: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+
+    def diverged_since(self, host: str) -> float | None:
+        """Unix seconds of the newest settings of a diverged ``host`` (its generation is the
+        unix milliseconds of the change, or a little after on a box whose clock was behind);
+        None when the host has not diverged."""
+        if host not in self.divergence:
+            return None
+        return max(s.gen for s in self.settings[host].values()) / 1000.0
 
     @property
     def complete(self) -> bool:
@@ -500,7 +595,31 @@ def aggregate(
             )
         )
     ordered = tuple(sorted(rows.values(), key=lambda r: (r.box, r.space.host)))
-    return Fleet(now, ordered, tuple(totals), conflicts, tuple(warnings))
+    held, divergence = _divergence(answered)
+    if divergence:
+        warnings.append(
+            f"{len(divergence)} space(s) with settings that differ between boxes (the boxes "
+            f"named have not taken the newest yet; anti-entropy catches them up within "
+            f"LCHAT_MESH_SYNC): {', '.join(sorted(divergence)[:10])}"
+        )
+    return Fleet(now, ordered, tuple(totals), conflicts, tuple(warnings), held, divergence)
+
+
+def _divergence(
+    answered: Sequence[tuple[str, BoxAnswer]],
+) -> tuple[dict[str, dict[str, HeldSettings]], dict[str, tuple[str, ...]]]:
+    """Every host's settings by box, and the boxes diverged from the newest (:class:`Fleet`)."""
+    held: dict[str, dict[str, HeldSettings]] = {}
+    for url, answer in answered:
+        for host, settings in answer.settings.items():
+            held.setdefault(host, {})[url] = settings
+    divergence: dict[str, tuple[str, ...]] = {}
+    for host, by_box in sorted(held.items()):
+        newest = max((s.gen, s.hash) for s in by_box.values())
+        behind = tuple(sorted(url for url, s in by_box.items() if (s.gen, s.hash) != newest))
+        if behind:
+            divergence[host] = behind
+    return dict(sorted(held.items())), divergence
 
 
 def registry_counts(
@@ -578,6 +697,11 @@ def as_json(fleet: Fleet) -> dict[str, Any]:
             for row in fleet.rows
         ],
         "conflicts": {host: list(boxes) for host, boxes in sorted(fleet.conflicts.items())},
+        "settings": {
+            host: {url: attrs.asdict(s) for url, s in sorted(by_box.items())}
+            for host, by_box in fleet.settings.items()
+        },
+        "divergence": {host: list(boxes) for host, boxes in sorted(fleet.divergence.items())},
         "warnings": list(fleet.warnings),
     }
 
