@@ -9,7 +9,9 @@ never reverts a newer setting; a box that was down during a change converges by 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sqlite3
 import tempfile
 import time
 from typing import Any
@@ -20,11 +22,12 @@ from twisted.internet import reactor as _reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock, deferLater
 from twisted.internet.threads import deferToThread
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import hosts
+from lchat import config, hosts
 from lchat.mesh import api, client, settings
 from lchat.mesh.sync import SettingsSync
+from lchat.registry import MIGRATIONS, SCHEMA_VERSION, Registry, UnknownHost
 from lchat.threads import thread_runner
 from tests import s3servers, test_mesh
 from tests import test_mesh_api as api_tests
@@ -312,3 +315,110 @@ class SyncTests(TestCase):
         self.assertEqual(
             _sample("lchat_mesh_sync_failures_total", peer="http://127.0.0.1:1"), failed + 1
         )
+
+
+# --- lchat env, and the registry's generations (no router) -------------------------------------
+
+
+class EnvCommandTests(api_tests.CliTestCase):
+    """``lchat env`` against a peer's real mesh API (tests.test_mesh_api.CliTestCase)."""
+
+    @inlineCallbacks
+    def test_set_and_unset_push_a_new_generation_and_never_print_values(self) -> Any:
+        api_tests.beat(self.a, self.peer.url, "fi")
+        host = api_tests.HOST
+        self.a.add(host)
+        done = yield self.lchat("env", host, "set", "LCHAT_BUILD=secret-build", "LCHAT_X=1")
+        self.assertEqual(done.returncode, 0, done)
+        self.assertIn(f"mesh: {host}: pushed to {self.peer.url}: created", done.stderr)
+        self.assertNotIn("secret-build", done.stdout + done.stderr)
+        here = self.a.registry.get(host)
+        there = self.b.registry.get(host)
+        assert here is not None and there is not None
+        self.assertGreater(here.settings_gen, 0)
+        self.assertEqual(
+            (there.settings_gen, there.settings_hash), (here.settings_gen, here.settings_hash)
+        )
+        self.assertEqual(
+            config.read_env_file(self.b.env_path(host)),
+            {"LCHAT_ADMIN_TOKEN": f"tok-{host}", "LCHAT_BUILD": "secret-build", "LCHAT_X": "1"},
+        )
+        # The operator's other lines stay on this box, untouched.
+        self.assertEqual(config.read_env_file(self.a.env_path(host))["OTHER"], "kept-here")
+        done = yield self.lchat("env", host, "unset", "LCHAT_X")
+        self.assertEqual(done.returncode, 0, done)
+        self.assertNotIn("LCHAT_X", config.read_env_file(self.b.env_path(host)))
+        listed = yield self.lchat("env", host)
+        self.assertEqual(listed.stdout.split(), ["LCHAT_ADMIN_TOKEN", "LCHAT_BUILD", "OTHER"])
+
+    @inlineCallbacks
+    def test_refusals_change_nothing(self) -> Any:
+        host = api_tests.HOST
+        self.a.add(host)
+        before = self.a.files()
+        for argv, fragment in (
+            (("set", "PATH=/x"), "is not a space setting"),
+            (("set", "LCHAT_DB=/x"), "is not a space setting"),
+            (("set", "LCHAT_X"), "is not NAME=VALUE"),
+            (("unset", "LCHAT_X=1"), "is not NAME (no value)"),
+            (("set",), "name at least one variable"),
+            (("set", "LCHAT_X=a\u2028b"), "line break"),
+        ):
+            done = yield self.lchat("env", host, *argv)
+            self.assertEqual(done.returncode, 1, done)
+            self.assertIn(fragment, done.stderr)
+            self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+        done = yield self.lchat("env", f"nothere.{api_tests.DOMAIN}", "set", "LCHAT_X=1")
+        self.assertIn("is not registered", done.stderr)
+        self.assertEqual(self.a.files(), before)
+        self.assertEqual(self.a.registry.get(host).settings_gen, 0)  # type: ignore[union-attr]
+
+
+class RegistryGenerationTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="mgen", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.root, True)
+        self.box = api_tests.Box(self.root, "box-1")
+
+    def test_a_bump_is_lamport(self) -> None:
+        self.box.add(api_tests.HOST)
+        registry = self.box.registry
+        self.assertEqual(registry.bump_settings(api_tests.HOST, "h1", 1_000).settings_gen, 1_000)
+        # A clock behind the last writer's still moves the generation forward.
+        self.assertEqual(registry.bump_settings(api_tests.HOST, "h2", 500).settings_gen, 1_001)
+        row = registry.bump_settings(api_tests.HOST, "h3", 5_000)
+        self.assertEqual((row.settings_gen, row.settings_hash), (5_000, "h3"))
+        with self.assertRaises(UnknownHost):
+            registry.bump_settings(f"none.{api_tests.DOMAIN}", "h", 1)
+
+    def test_the_migration_gives_old_rows_no_generation(self) -> None:
+        path = os.path.join(self.root, "old.db")
+        conn = sqlite3.connect(path, isolation_level=None)
+        for version in range(SCHEMA_VERSION - 1):
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+        conn.execute(
+            "INSERT INTO routes (host, kind, socket, status, hibernate) "
+            "VALUES ('a.chat.example.com', 'instance', '/run/x.sock', 'ready', 1)"
+        )
+        conn.close()
+        registry = Registry(path, clock=time.time)
+        self.assertEqual(registry.migrate(), SCHEMA_VERSION - 1)
+        row = registry.get("a.chat.example.com")
+        assert row is not None
+        self.assertEqual((row.settings_gen, row.settings_hash), (0, ""))
+
+    def test_hashes_cover_what_travels_only(self) -> None:
+        row = self.box.add(api_tests.HOST)
+        env = {"LCHAT_ADMIN_TOKEN": "t"}
+        base = settings.route_hash(row, env)
+        self.assertEqual(base, settings.route_hash(evolve(row, socket="/elsewhere.sock"), env))
+        self.assertEqual(base, settings.route_hash(evolve(row, next_due=7, status="failed"), env))
+        for changed in (
+            settings.route_hash(evolve(row, replication="daily"), env),
+            settings.route_hash(evolve(row, home_region="fi"), env),
+            settings.route_hash(evolve(row, version="2"), env),
+            settings.route_hash(row, {"LCHAT_ADMIN_TOKEN": "u"}),
+        ):
+            self.assertNotEqual(changed, base)
