@@ -365,18 +365,33 @@ class Registry:
 
     # --- route replication (lchat.mesh.api) ---------------------------------------------------
 
-    def bump_settings(self, host: str, settings_hash: str, now_ms: int) -> Route:
+    def bump_settings(
+        self,
+        host: str,
+        settings_hash: str,
+        now_ms: int,
+        *,
+        expect: tuple[int, str] | None = None,
+        keep_gen: bool = False,
+    ) -> Route | None:
         """Give ``host``'s row a new settings generation, ``max(now_ms, gen + 1)`` (so that a
         clock behind the last writer's never rolls a change back), and ``settings_hash``, in one
         transaction: a local change of the space's settings, to be pushed to the peers. Raises
-        :class:`UnknownHost`."""
+        :class:`UnknownHost`.
+
+        ``expect``: only while the row still holds this (generation, hash); otherwise nothing is
+        written and None is returned (a compare-and-swap: lchat.mesh.sync's sweep). ``keep_gen``:
+        record the hash only (a row from before generations gets its first one, at 0)."""
         with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, host)
             if existing is None:
                 raise UnknownHost(f"{host} is not registered")
+            if expect is not None and (existing.settings_gen, existing.settings_hash) != expect:
+                return None
+            gen = existing.settings_gen if keep_gen else max(int(now_ms), existing.settings_gen + 1)
             route = evolve(
                 existing,
-                settings_gen=max(int(now_ms), existing.settings_gen + 1),
+                settings_gen=gen,
                 settings_hash=settings_hash,
                 updated_at=int(self._clock()),
             )

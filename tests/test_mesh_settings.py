@@ -42,6 +42,15 @@ def _row(box: Box, host: str = HOST) -> Any:
     return box.registry().get(host)
 
 
+def _converged(a: Box, b: Box, host: str = HOST) -> bool:
+    """Both boxes hold the same settings generation (a versioned one) and hash of ``host``."""
+    mine, theirs = _row(a, host), _row(b, host)
+    return bool(mine.settings_gen) and (mine.settings_gen, mine.settings_hash) == (
+        theirs.settings_gen,
+        theirs.settings_hash,
+    )
+
+
 def _env(box: Box, host: str = HOST) -> str:
     try:
         with open(hosts.env_path(box.data, host)) as f:
@@ -62,6 +71,16 @@ class SettingsTests(MeshTestCase):
         return a, b
 
     @inlineCallbacks
+    def settles(self, predicate: Any, ran: Any, a: Box, b: Box, timeout: float = 5.0) -> Any:
+        """``predicate`` within ``timeout`` (a push, or box1's next sync round: 1 s); else a
+        failure that shows the command's output and both logs' mesh lines."""
+        try:
+            yield self.wait_for(predicate, timeout=timeout)
+        except self.failureException:
+            lines = [ln for box in (a, b) for ln in box.log().splitlines() if "mesh" in ln]
+            self.fail(ran.stdout + ran.stderr + "\n".join(lines[-60:]))
+
+    @inlineCallbacks
     def test_replication_class_and_env_changes_reach_every_peer(self) -> Any:
         """``lchat replication h daily`` on box0: box1's row says ``daily`` within 3 s, at box0's
         settings generation; a ``mesh-seed`` from box1 holding an older row is answered
@@ -70,11 +89,9 @@ class SettingsTests(MeshTestCase):
         ran = yield deferToThread(_lchat, "replication", HOST, "daily", "--env-file", a.env_file)
         self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
         yield self.wait_for(lambda: _row(b).replication == "daily", timeout=3)
-        gen = _row(a).settings_gen
-        self.assertGreater(gen, 0)
-        self.assertEqual(
-            (_row(b).settings_gen, _row(b).settings_hash), (gen, _row(a).settings_hash)
-        )
+        # Both hold the same generation and hash (box0's router may have taken the change for
+        # an edit by hand between the command's two writes, and pushed a generation too).
+        yield self.wait_for(lambda: _converged(a, b), timeout=3)
         self.assertIn(f"pushed to {b.url}: updated", ran.stderr)
 
         # `lchat env h set LCHAT_BUILD=x` on box0: box1's env file has it (values never
@@ -84,9 +101,9 @@ class SettingsTests(MeshTestCase):
         )
         self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
         self.assertIn("LCHAT_BUILD=x", _env(a))
-        yield self.wait_for(lambda: "LCHAT_BUILD=x" in _env(b), timeout=3)
+        yield self.settles(lambda: "LCHAT_BUILD=x" in _env(b), ran, a, b)
         self.assertIn("LCHAT_ADMIN_TOKEN=", _env(b))
-        self.assertEqual(_row(b).settings_gen, _row(a).settings_gen)
+        yield self.wait_for(lambda: _converged(a, b), timeout=3)
         listed = yield deferToThread(_lchat, "env", HOST, "--env-file", a.env_file)
         self.assertEqual(listed.stdout.split(), ["LCHAT_ADMIN_TOKEN", "LCHAT_BUILD"])
         self.assertNotIn("ttt", listed.stdout + ran.stdout + ran.stderr)  # never a value
@@ -112,7 +129,12 @@ class SettingsTests(MeshTestCase):
         ran = yield deferToThread(_lchat, "mesh-seed", a.url, "--env-file", b.env_file)
         self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
         self.assertIn("1 stale", ran.stdout)
-        self.assertEqual((_row(a).replication, _row(a).settings_gen), ("daily", gen))
+        lines = [ln for box in (a, b) for ln in box.log().splitlines() if "mesh" in ln]
+        self.assertEqual(
+            (_row(a).replication, _row(a).settings_gen),
+            ("daily", gen),
+            ran.stdout + ran.stderr + "\n".join(lines[-80:]),
+        )
         self.assertIn(f"mesh: route {HOST} from a peer is stale", a.log())
 
     @inlineCallbacks
@@ -128,8 +150,8 @@ class SettingsTests(MeshTestCase):
         self.assertEqual(_row(b).replication, "stream")
         yield self.start(b)
         yield self.wait_for(lambda: _row(b).replication == "daily", timeout=5)
-        self.assertEqual(_row(b).settings_gen, _row(a).settings_gen)
-        self.assertIn(f"mesh: {HOST} settings gen {_row(a).settings_gen} from {a.url}", b.log())
+        yield self.wait_for(lambda: _converged(a, b), timeout=3)
+        self.assertRegex(b.log(), rf"mesh: {HOST} settings gen \d+ from {a.url} \(was \d+\)")
 
         with open(hosts.env_path(a.data, HOST), "a") as f:
             f.write("LCHAT_BUILD=by-hand\n")
@@ -150,6 +172,7 @@ class SettingsTests(MeshTestCase):
         ran = yield deferToThread(_lchat, "replication", HOST, "daily", "--env-file", a.env_file)
         self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
         yield self.wait_for(lambda: _row(b).replication == "daily", timeout=3)
+        yield self.wait_for(lambda: _converged(a, b), timeout=3)
         # As box1 would be had it missed the change (row and hash agree: no edit by hand).
         gen = _row(a).settings_gen
         older = evolve(_row(b), replication="stream")
@@ -383,11 +406,19 @@ class RegistryGenerationTests(SynchronousTestCase):
     def test_a_bump_is_lamport(self) -> None:
         self.box.add(api_tests.HOST)
         registry = self.box.registry
-        self.assertEqual(registry.bump_settings(api_tests.HOST, "h1", 1_000).settings_gen, 1_000)
+
+        def bump(digest: str, now_ms: int, **kw: Any) -> tuple[int, str] | None:
+            row = registry.bump_settings(api_tests.HOST, digest, now_ms, **kw)
+            return None if row is None else (row.settings_gen, row.settings_hash)
+
+        self.assertEqual(bump("h1", 1_000), (1_000, "h1"))
         # A clock behind the last writer's still moves the generation forward.
-        self.assertEqual(registry.bump_settings(api_tests.HOST, "h2", 500).settings_gen, 1_001)
-        row = registry.bump_settings(api_tests.HOST, "h3", 5_000)
-        self.assertEqual((row.settings_gen, row.settings_hash), (5_000, "h3"))
+        self.assertEqual(bump("h2", 500), (1_001, "h2"))
+        self.assertEqual(bump("h3", 5_000), (5_000, "h3"))
+        # The sweep's compare-and-swap: only over what it read.
+        self.assertIsNone(bump("h4", 6_000, expect=(1_001, "h2")))
+        self.assertEqual(bump("h4", 6_000, expect=(5_000, "h3")), (6_000, "h4"))
+        self.assertEqual(bump("h5", 9_000, expect=(6_000, "h4"), keep_gen=True), (6_000, "h5"))
         with self.assertRaises(UnknownHost):
             registry.bump_settings(f"none.{api_tests.DOMAIN}", "h", 1)
 

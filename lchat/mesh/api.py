@@ -320,6 +320,12 @@ class MeshAPI(Resource):
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
+    @property
+    def write_lock(self) -> threading.Lock:
+        """Held by every write of this API (the env file, then the row): the settings sweep
+        (lchat.mesh.sync) holds it too, so that it never reads a peer's write half done."""
+        return self._lock
+
     def render(self, request: Request) -> bytes | int:
         path = request.path or b""
         host_segment = b""

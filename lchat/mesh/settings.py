@@ -105,4 +105,5 @@ def bump(registry: Registry, data_dir: str, self_url: str, route: Route, now_ms:
     :class:`lchat.registry.UnknownHost`."""
     env = {} if route.always_on_here or route.elsewhere else read_route_env(data_dir, route.host)
     bumped = registry.bump_settings(route.host, local_hash(route, env, self_url), now_ms)
+    assert bumped is not None  # (no compare-and-swap asked)
     return evolve(route, settings_gen=bumped.settings_gen, settings_hash=bumped.settings_hash)

@@ -29,11 +29,14 @@ time, and ``stopService`` waits for the round under way (each call bounded by ``
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
+from attrs import evolve
 from prometheus_client import Counter
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -89,6 +92,7 @@ class SettingsSync(Service):
         apply: Apply,
         *,
         run_in_thread: RunInThread,
+        lock: AbstractContextManager[Any] | None = None,
         jitter: Callable[[], float] = random.random,
         now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         timeout: float = SYNC_CALL_TIMEOUT,
@@ -96,7 +100,8 @@ class SettingsSync(Service):
         """``reactor``: the calls' (the router's); ``clock``: the rounds' timer; ``members``:
         the live membership view (this box included); ``owner``: a row's owner by the hash
         (MeshRouter.owner_url); ``apply``: the mesh API's upsert; ``jitter``: uniform in
-        [0, 1); ``now_ms``: the wall clock for a new generation."""
+        [0, 1); ``now_ms``: the wall clock for a new generation; ``lock``: the mesh API's write
+        lock (MeshAPI.write_lock), held while a row and its env file are compared and bumped."""
         self._reactor = reactor
         self._clock = clock
         self._mesh = mesh
@@ -108,6 +113,7 @@ class SettingsSync(Service):
         self._run = run_in_thread
         self._jitter = jitter
         self._now_ms = now_ms
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self.timeout = timeout
         self._me = normalise_member_url(mesh.self_url)
         self._call: IDelayedCall | None = None
@@ -161,7 +167,8 @@ class SettingsSync(Service):
             if not in_scope(self._mesh, route.host, route.home_region):
                 continue
             try:
-                found = self._changed(route.host)
+                with self._lock:  # never between a peer's env file write and its row's
+                    found = self._changed(route.host)
             except (ConfigError, RegistryError, hosts.InvalidHost) as e:
                 _log.warn("mesh: cannot check the settings of {host}: {e}", host=route.host, e=e)
                 continue
@@ -171,25 +178,26 @@ class SettingsSync(Service):
 
     def _changed(self, host: str) -> tuple[Route, dict[str, str]] | None:
         """The row bumped when its settings changed outside lchat, with its env values; None
-        when they did not. A difference is read twice: a peer's write lands in the env file
-        just before the row (lchat.mesh.api), and that is no change of this box's."""
-        for _ in range(2):
-            route = self._registry.get(host)
-            if route is None or not route.hibernating or route.elsewhere:
-                return None
-            env = client.read_route_env(self._data_dir, host)
-            digest = settings.route_hash(route, env)
-            if digest == route.settings_hash:
-                return None
-            if not route.settings_hash:  # a row from before generations: its first hash
-                self._registry.update(host, settings_hash=digest)
-                return None
-        assert route is not None  # (the loop returns on None)
-        bumped = settings.bump(
-            self._registry, self._data_dir, self._mesh.self_url, route, self._now_ms()
-        )
+        when they did not. Called under the mesh API's write lock (a peer's write lands in the
+        env file just before the row). The write is a compare-and-swap on the generation and hash
+        read (:meth:`lchat.registry.Registry.bump_settings`'s ``expect``): a command's write in
+        between (another process) wins, and the next round looks again."""
+        route = self._registry.get(host)
+        if route is None or not route.hibernating or route.elsewhere:
+            return None
+        env = client.read_route_env(self._data_dir, host)
+        digest = settings.route_hash(route, env)
+        if digest == route.settings_hash:
+            return None
+        expect = (route.settings_gen, route.settings_hash)
+        if not route.settings_hash:  # a row from before generations: its first hash, gen 0
+            self._registry.bump_settings(host, digest, 0, expect=expect, keep_gen=True)
+            return None
+        bumped = self._registry.bump_settings(host, digest, self._now_ms(), expect=expect)
+        if bumped is None:
+            return None
         _hand_edits.inc()
-        return bumped, env
+        return evolve(route, settings_gen=bumped.settings_gen, settings_hash=digest), env
 
     async def _push(self, route: Route, env: dict[str, str]) -> None:
         targets = client.fan_out_targets(self._mesh, route.host, route.home_region, self._members())
