@@ -26,7 +26,12 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     certificates for names outside them). Any unknown field is refused. One field is optional: ``next_due``, the space's next scheduled wake (an integer of unix
     seconds, ``0 <= next_due < 2**53``; 0: none). Present, it replaces this box's value (the sender
     is the box that slept or due-woke the space, or a seed from one); absent (an older peer, or a
-    row with no due time), this box's value is kept.
+    row with no due time), this box's value is kept. Another is ``gen``, the sender's settings
+    generation (a positive integer below 2**53): the settings are written only when they are newer
+    than this box's (:func:`lchat.mesh.settings.newer`; an equal generation with other settings
+    only from the host's owner, the sender naming itself in ``X-Lchat-Mesh-Sender``); otherwise
+    the answer is 200 ``{"host", "result": "stale", "gen": <this box's>}`` and nothing but a
+    ``next_due`` is written. A payload without ``gen`` never replaces a row that has one.
 
     Upsert: a new row is inserted ``ready`` and hibernating, its socket and database paths derived
     here (``hosts.py``), never taken from the payload; an existing hibernating instance row has its
