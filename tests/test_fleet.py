@@ -641,7 +641,7 @@ class SettingsDivergenceTests(SynchronousTestCase):
                     url,
                     "",
                     "ok",
-                    answer=fleet.BoxAnswer(url, "", (ME, PEER, THIRD), (), (), settings),
+                    answer=fleet.BoxAnswer(url, "", (ME, PEER, THIRD), (), (), settings=settings),
                 )
             )
         result = fleet.aggregate(reports, 10.0)

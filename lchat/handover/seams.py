@@ -51,7 +51,7 @@ class Peers(Protocol):
     @property
     def active(self) -> bool: ...  # the mesh is on (LCHAT_MESH_SELF)
 
-    def push(self, route: Route) -> None: ...
+    def push(self, route: Route) -> object: ...
     def replicates(self, route: Route) -> bool: ...
 
 
@@ -103,7 +103,7 @@ class FanOut:
     """:class:`Peers` as the CLI's mesh fan-out (``lchat.cli.mesh``) wired in by the CLI."""
 
     active: bool
-    push: Callable[[Route], None]
+    push: Callable[[Route], object]  # what it returns is not used
     replicates: Callable[[Route], bool]
 
 
@@ -136,7 +136,7 @@ class Mesh(Protocol):
     push whose per-peer outcomes are reported, one line each."""
 
     def members(self) -> list[Member]: ...  # ObjectStoreError, ConfigError, TimeoutError
-    def push_reporting(self, route: Route, report: Callable[[str], None]) -> None: ...
+    def push_reporting(self, route: Route, report: Callable[[str], None]) -> object: ...
 
 
 @frozen
@@ -144,7 +144,7 @@ class MeshFanOut:
     """:class:`Mesh` as the CLI's mesh reads and fan-out (``lchat.cli.mesh``)."""
 
     members: Callable[[], list[Member]]
-    push_reporting: Callable[[Route, Callable[[str], None]], None]
+    push_reporting: Callable[[Route, Callable[[str], None]], object]
 
 
 @frozen

@@ -139,9 +139,9 @@ from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import settings, tokens
 from lchat.mesh.client import (
+    DIGEST_PATH,
     HOLD_PATH,
     RELEASE_PATH,
-    DIGEST_PATH,
     ROUTE_PATH,
     ROUTES_PATH,
     SENDER_HEADER,

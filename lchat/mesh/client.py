@@ -358,6 +358,8 @@ async def _ask(
     except (ValueError, RecursionError):
         parsed = None
     return code, parsed if isinstance(parsed, dict) else {}
+
+
 async def settings_digest(
     peer_url: str, token: str, **options: Unpack[CallOptions]
 ) -> dict[str, tuple[int, str]]:
