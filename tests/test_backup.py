@@ -19,7 +19,9 @@ from twisted.trial.unittest import TestCase
 from lchat import hosts
 from lchat.backup import envfiles, layout, selection
 from lchat.backup.layout import REGISTRY_NAME, Layout, catalogue
-from lchat.backup.service import Backup
+from lchat.backup.lock import ReplicaLock, lock_path
+from lchat.backup.service import HELD_ELSEWHERE, Backup
+from lchat.backup.unit import ROLE, UnitReplicator
 from lchat.config import BackupConfig, ConfigError
 from lchat.config.hibernate import EVERY_DB
 from lchat.hibernation import localdb
@@ -532,8 +534,8 @@ class EnvFileSealTests(TestCase):
             )
 
 
-class BackupServiceTests(TestCase):
-    """The service on the real reactor: real files, a real registry, a FileStore bucket."""
+class _BackupFixture(TestCase):
+    """Real files, a real registry, a FileStore bucket, the real reactor (no tests of its own)."""
 
     timeout = 60
 
@@ -607,6 +609,10 @@ class BackupServiceTests(TestCase):
             self.store, f"bk/box1/{name}", out, overwrite=True, run_in_thread=self.in_thread
         )
         return dump(out)
+
+
+class BackupServiceTests(_BackupFixture):
+    """The service on the real reactor: real files, a real registry, a FileStore bucket."""
 
     async def test_backs_up_the_registry_instances_and_extras_and_ships_commits(self) -> None:
         on = self.add("on.example")
@@ -821,3 +827,141 @@ class BackupServiceTests(TestCase):
         store = FileStore(reactor, os.path.join(self.root, "bucket"), self.in_thread)
         self.store = store
         self.assertEqual(await self.restored("on.example.db"), dump(on))
+
+
+class ReplicaLockTests(_BackupFixture):
+    """One replicator per database, enforced by ``<data>/.backup/<name>.lock`` (lchat/backup/lock.py):
+    the router's backup and ``lchat backup replicate`` (lchat/backup/unit.py) on real files, a real
+    registry and a FileStore bucket."""
+
+    def new_store(self) -> Any:
+        """Another client of the same bucket (each process has its own; a service closes its)."""
+        return FileStore(reactor, os.path.join(self.root, "bucket"), self.in_thread)
+
+    def unit(self, db: str, **kw: Any) -> UnitReplicator:
+        store = self.new_store()
+        self.addCleanup(lambda: Deferred.fromCoroutine(store.close()))
+        return UnitReplicator(
+            reactor,
+            store,
+            self.cfg,
+            data_dir=self.data,
+            db_path=db,
+            name=os.path.basename(db),
+            run_in_thread=self.in_thread,
+            **kw,
+        )
+
+    def run_unit(self, unit: UnitReplicator) -> Deferred[bool]:
+        running = Deferred.fromCoroutine(unit.run())
+
+        def stop() -> Deferred[bool]:
+            unit.stop()
+            return running
+
+        self.addCleanup(stop)
+        return running
+
+    async def test_lock_held_elsewhere_is_skipped(self) -> None:
+        on = self.add("on.example")
+        await self.routes.reload("test")
+        elsewhere = ReplicaLock(lock_path(self.data, "on.example.db"), "a unit")
+        self.assertTrue(elsewhere.acquire())
+        self.addCleanup(elsewhere.release)
+        service = self.backup()
+        await self.until(
+            lambda: (
+                service.status()["databases"].get("on.example.db", {}).get("state")
+                == HELD_ELSEWHERE
+            )
+        )
+        entry = service.status()["databases"]["on.example.db"]
+        self.assertEqual(entry["held_by"], f"{os.getpid()} a unit")
+        self.assertNotIn("retry_in", entry, "held elsewhere is not a failure")
+        await self.until(lambda: REGISTRY_NAME in replicating(service))  # the others start
+        await service.rescan()
+        self.assertEqual(await self.keys("on.example.db"), [], "never opened here")
+        # Its holder lets go: the next rescan takes it.
+        elsewhere.release()
+        await service.rescan()
+        await self.until(lambda: "on.example.db" in replicating(service))
+        _write(on, "the router's again")
+        await Deferred.fromCoroutine(service._dbs["on.example.db"].replicator.flush())  # type: ignore[union-attr]
+        self.assertEqual(await self.restored("on.example.db"), dump(on))
+        # The router holds it now: a second holder is refused.
+        self.assertFalse(ReplicaLock(lock_path(self.data, "on.example.db"), "x").acquire())
+        await service.stopService()
+        self.assertTrue(elsewhere.acquire(), "released at the router's stop")
+
+    async def test_the_unit_waits_for_the_router_and_takes_over_when_it_stops(self) -> None:
+        on = self.add("on.example")
+        await self.routes.reload("test")
+        service = self.backup()
+        await self.until(lambda: "on.example.db" in replicating(service))
+        unit = self.unit(on)
+        running = self.run_unit(unit)
+        await deferLater(reactor, 0.6, lambda: None)
+        self.assertEqual(unit.state, "waiting", "the router holds it")
+        self.assertIsNone(unit.replicator)
+        # The router stops (systemctl stop lchat-router): its final sync, then the lock is free.
+        _write(on, "before the router stops")
+        await service.stopService()
+        await self.until(lambda: unit.state == "running", within=10)
+        _write(on, "while the router is down")
+        # A router that starts now finds the database held and leaves it alone.
+        self.store = self.new_store()
+        again = self.backup()
+        await self.until(
+            lambda: (
+                again.status()["databases"].get("on.example.db", {}).get("state") == HELD_ELSEWHERE
+            )
+        )
+        self.assertIn(ROLE, again.status()["databases"]["on.example.db"]["held_by"])
+        # The unit stops (SIGTERM): a final sync, the lock released, the router's rescan takes it.
+        _write(on, "the unit's last")
+        unit.stop()
+        self.assertTrue(await running)
+        self.assertFalse(unit.lock.held)
+        self.assertEqual(await self.restored("on.example.db"), dump(on))
+        await again.rescan()
+        await self.until(lambda: "on.example.db" in replicating(again))
+
+    async def test_stop_while_waiting_ends_at_once_and_a_missing_database_is_waited_for(
+        self,
+    ) -> None:
+        unit = self.unit(os.path.join(self.data, "home.db"))
+        running = self.run_unit(unit)
+        await deferLater(reactor, 0.3, lambda: None)
+        self.assertEqual(unit.state, "waiting")
+        self.assertFalse(unit.lock.held, "no lock taken for a database that is not there")
+        _make_db(os.path.join(self.data, "home.db"))
+        await self.until(lambda: unit.state == "running", within=10)
+        self.assertTrue(await self.keys("home.db"))
+        unit.stop()
+        self.assertTrue(await running)
+        waiting = ReplicaLock(lock_path(self.data, "home.db"), "x")
+        self.assertTrue(waiting.acquire())
+        second = self.unit(os.path.join(self.data, "home.db"))
+        ended = self.run_unit(second)
+        await deferLater(reactor, 0.3, lambda: None)
+        second.stop()
+        self.assertTrue(await ended, "nothing started: nothing left unsynced")
+        self.assertTrue(waiting.held)
+        waiting.release()
+
+
+class ReplicaLockOnS3Tests(ReplicaLockTests):
+    """The same hand-overs on a real S3 over HTTP (moto)."""
+
+    async def _setup_s3(self) -> None:
+        self.s3_server = await s3servers.shared_server("moto")
+        self.s3_bucket = "bk-lock-" + os.urandom(4).hex()
+        await self.s3_server.new_bucket(self.s3_bucket)
+        self.store = self.new_store()
+
+    def setUp(self) -> Deferred[None]:  # type: ignore[override]
+        super().setUp()
+        return Deferred.fromCoroutine(self._setup_s3())
+
+    def new_store(self) -> Any:
+        return s3servers.store_for(self.s3_server, self.s3_bucket)

@@ -33,6 +33,7 @@ from twisted.trial.unittest import SkipTest, TestCase
 
 from lchat import admin_client, hosts
 from lchat.backup.layout import Layout
+from lchat.backup.lock import ReplicaLock, lock_path
 from lchat.cli import backup as backup_cli
 from lchat.cli.main import build_parser, load_config, main
 from lchat.objstore import ObjectStore
@@ -844,3 +845,70 @@ class LiveRouterTests(BackupCliCase):
         self.assertEqual(results["home.db"]["live_txid"], backup["databases"]["home.db"]["txid"])
         self.assertIn(results["home.db"]["result"], ("ok", "behind"))
         self.assertEqual(results["home.db"]["integrity"], "ok")
+
+
+class ReplicateTests(BackupCliCase):
+    """``lchat backup replicate``: the real command in its own process, SIGTERM and all."""
+
+    def test_what_to_replicate_is_one_clear_choice(self) -> None:
+        for argv, fragment in (
+            (["replicate"], "one of DB (a path), --space HOST or --home"),
+            (["replicate", "x.db", "--home"], "one of DB (a path), --space HOST or --home"),
+            (["replicate", "--space", "not a host"], "--space not a host"),
+            (["replicate", self.data_dir], "is a directory"),
+        ):
+            self.assertFailed(self.lchat_sync("backup", *argv), fragment)
+
+    def spawn(self, *argv: str) -> tuple[subprocess.Popen[bytes], str]:
+        """``lchat backup replicate ARGV`` in a process of its own; (process, its log's path)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+        env["PYTHONPATH"] = REPO
+        log_path = os.path.join(self.root, "replicate.log")
+        command = [sys.executable, "-m", "lchat.cli", "backup", "replicate", *argv]
+        with open(log_path, "wb") as log:
+            unit = subprocess.Popen(
+                [*command, "--env-file", self.env_file],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        self.addCleanup(lambda: None if unit.poll() is not None else unit.kill())
+        return unit, log_path
+
+    async def test_sigterm_ships_the_last_commits_then_exits_0(self) -> None:
+        # An interval far longer than the test: only the final sync can ship the last write.
+        self.configure(LCHAT_BACKUP_INTERVAL="1h")
+        home = os.path.join(self.data_dir, "home.db")
+        conn = sqlite3.connect(home, isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("CREATE TABLE t (v TEXT)")
+        conn.execute("INSERT INTO t VALUES ('first')")
+        unit, log_path = self.spawn("--home")
+        deadline = time.monotonic() + 30
+        while "replicating to" not in _read(log_path):
+            self.assertIsNone(unit.poll(), _read(log_path))
+            self.assertLess(time.monotonic(), deadline, _read(log_path))
+            await sleep(0.1)
+        # The router would find it held: the lock says who holds it.
+        held = ReplicaLock(lock_path(self.data_dir, "home.db"), "router")
+        self.assertFalse(held.acquire())
+        self.assertEqual(held.holder(), f"{unit.pid} lchat backup replicate")
+        conn.execute("INSERT INTO t VALUES ('the last, shipped by the final sync')")
+        conn.close()
+        unit.send_signal(signal.SIGTERM)
+        code = await in_thread(lambda: unit.wait(60))
+        log = _read(log_path)
+        self.assertEqual(code, 0, log)
+        self.assertIn("home.db stopped; in the backup up to txid", log)
+        self.assertTrue(held.acquire(), "released at exit")
+        held.release()
+        out = os.path.join(self.root, "restored.db")
+        result = await self.lchat("backup", "restore", "home.db", "-o", out)
+        self.assertEqual(result.code, 0, result)
+        rows = sqlite3.connect(out).execute("SELECT v FROM t").fetchall()
+        self.assertEqual(rows, [("first",), ("the last, shipped by the final sync",)])
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()

@@ -19,6 +19,11 @@ Invariants:
 - **Bounded hand-over.** The final sync of a release may take ``release_budget`` seconds; a
   backup bucket that is down then costs the hand-over that long, never the wake's correctness
   (the activator snapshots the database to its own bucket at its first wake).
+- **Exclusive, enforced.** A replicator here runs only while this process holds its database's
+  :class:`~lchat.backup.lock.ReplicaLock` (``<data>/.backup/<name>.lock``), taken before the
+  replicator opens the database and let go after it closed it. Held elsewhere (``lchat backup
+  replicate``: a unit that kept shipping while the router was down), the database is ``held
+  elsewhere``: said once, counted in the gauge, tried again at every rescan, never a failure.
 - **A start that fails is retried** (backoff 1 s doubling to 5 min); a bucket that fails while
   running is the replicator's to ride out (uploads stay queued, nothing is lost locally).
 - Every state change is a log line and a metric (``lchat_backup_databases{state}``,
@@ -44,6 +49,7 @@ from lchat import hosts
 from lchat.backoff import Backoff
 from lchat.backup import envfiles, selection
 from lchat.backup.layout import Layout
+from lchat.backup.lock import ReplicaLock, lock_path
 from lchat.backup.metered import MeteredStore
 from lchat.config import BackupConfig
 from lchat.deferutil import settled
@@ -56,7 +62,8 @@ from lchat.units import Claims
 
 _log = Logger(namespace="lchat.backup")
 
-STATES = ("starting", "running", "failed", "stopping")
+HELD_ELSEWHERE = "held elsewhere"  # another process replicates it (lchat backup replicate)
+STATES = ("starting", "running", "failed", "stopping", HELD_ELSEWHERE)
 _databases = Gauge("lchat_backup_databases", "Databases in the backup by state", ["state"])
 _lag = Gauge(
     "lchat_backup_lag_seconds",
@@ -88,7 +95,9 @@ ReplicatorFactory = Callable[[ObjectStore, str, str], Replicator]  # (store, db 
 class _Database:
     chosen: selection.Chosen
     store: MeteredStore
+    flock: ReplicaLock  # held from before the replicator opens the database to after it closed
     lock: DeferredLock = field(factory=DeferredLock)
+    holder: str = ""  # while held elsewhere: what the lock file says of its holder
     replicator: Replicator | None = None
     state: str = "starting"
     since: float = 0.0
@@ -235,6 +244,9 @@ class Backup(Service):
                 self._start(wanted)
             elif known.state == "failed" and now >= known.retry_at:
                 known.state = "starting"
+                Deferred.fromCoroutine(self._run_start(known))
+            elif known.state == HELD_ELSEWHERE:
+                # Its holder may have let go (the unit stopped): take it if so, quietly if not.
                 Deferred.fromCoroutine(self._run_start(known))
         self._update_gauge()
 
@@ -395,21 +407,46 @@ class Backup(Service):
 
     def _start(self, chosen: selection.Chosen) -> None:
         store = MeteredStore(self._store, chosen.name, self._reactor)
-        db = _Database(chosen, store, since=self._reactor.seconds())
+        flock = ReplicaLock(lock_path(self._data_dir, chosen.name), "router")
+        db = _Database(chosen, store, flock, since=self._reactor.seconds())
         self._dbs[chosen.name] = db
         Deferred.fromCoroutine(self._run_start(db))
 
     async def _run_start(self, db: _Database) -> None:
         async with db.lock:
-            if db.state != "starting":
-                return  # stopped before it could start
+            if db.state not in ("starting", HELD_ELSEWHERE):
+                return  # stopped before it could start, or started by an earlier call
             name, path = db.chosen.name, db.chosen.path
             replica = self.layout.replica_path(name)
-            replicator = self._make(db.store, path, replica)
+            error: OSError | None = None
             try:
+                mine: bool = await self._run(db.flock.acquire)
+            except OSError as e:
+                mine, error = False, e
+            if db.state not in ("starting", HELD_ELSEWHERE):
+                await self._run(db.flock.release)
+                return  # stopped meanwhile: the stop waits on our lock
+            if error is None and not mine:
+                await self._held_elsewhere(db)
+                return
+            if mine and db.holder:
+                _log.info(
+                    "backup: {name}: its other replicator ({holder}) let go; the router takes it",
+                    name=name,
+                    holder=db.holder,
+                )
+                db.holder = ""
+            db.state = "starting"
+            replicator: Replicator | None = None
+            try:
+                if error is not None:
+                    raise error
+                replicator = self._make(db.store, path, replica)
                 await replicator.start()
             except Exception as e:
-                await replicator.stop()
+                if replicator is not None:
+                    await replicator.stop()
+                await self._run(db.flock.release)
                 if db.state != "starting":
                     return
                 db.failures += 1
@@ -446,6 +483,24 @@ class Backup(Service):
             )
             self._update_gauge()
 
+    async def _held_elsewhere(self, db: _Database) -> None:
+        """Another process holds ``db``'s lock: not ours until it lets go (a rescan retries)."""
+        holder = await self._run(db.flock.holder) or "another process"
+        if db.state not in ("starting", HELD_ELSEWHERE):
+            return  # stopped meanwhile
+        if db.state == HELD_ELSEWHERE and db.holder == holder:
+            return
+        db.state, db.holder = HELD_ELSEWHERE, holder
+        db.since = self._reactor.seconds()
+        _log.info(
+            "backup: {name} is replicated by another process ({holder}: lock {lock}): not "
+            "started here; the router takes it over once that one stops",
+            name=db.chosen.name,
+            holder=holder,
+            lock=db.flock.path,
+        )
+        self._update_gauge()
+
     def _stop(self, db: _Database, why: str) -> Deferred[None]:
         """Stop ``db`` (once; a second call watches the first): fires when no replicator here
         runs on it. The returned Deferred may be cancelled without cancelling the stop."""
@@ -475,6 +530,8 @@ class Backup(Service):
                     if synced
                     else "its last commits may not be in the backup",
                 )
+            # After the replicator closed the database: only then may another one open it.
+            await self._run(db.flock.release)
             db.gone = True
             if self._dbs.get(name) is db:
                 del self._dbs[name]
@@ -578,6 +635,9 @@ class Backup(Service):
                 entry["last_error_ago"] = round(now - db.store.last_error_at, 1)
             if db.state == "failed":
                 entry["retry_in"] = round(max(0.0, db.retry_at - now), 1)
+            if db.state == HELD_ELSEWHERE:
+                entry["held_by"] = db.holder
+                entry["lock"] = db.flock.path
             databases[name] = entry
         return {
             "bucket": self._store.describe(),

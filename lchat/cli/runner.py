@@ -27,13 +27,21 @@ _T = TypeVar("_T")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def run(main: Callable[[Reactor], Coroutine[Any, Any, _T]], budget: float | None = None) -> _T:
+def run(
+    main: Callable[[Reactor], Coroutine[Any, Any, _T]],
+    budget: float | None = None,
+    *,
+    on_signal: Callable[[], None] | None = None,
+) -> _T:
     """Run ``main(reactor)`` on a fresh reactor; its result, or its exception raised here.
 
     At most ``budget`` seconds (None: no bound): then ``main`` is cancelled (its ``finally``
     blocks run) and this raises :class:`TimeoutError`. On the main thread, SIGINT or SIGTERM stops
     the reactor and this raises :class:`KeyboardInterrupt` (``lchat`` says "interrupted"); ``main``
-    is then abandoned where it was. Callers map the other errors to their own.
+    is then abandoned where it was. With ``on_signal`` (a long-running command that winds down by
+    itself: ``lchat backup replicate``'s final sync), the first such signal calls it on the
+    reactor's thread instead, and only a second one stops the reactor. Callers map the other
+    errors to their own.
     """
     from twisted.internet.pollreactor import PollReactor
 
@@ -55,11 +63,18 @@ def run(main: Callable[[Reactor], Coroutine[Any, Any, _T]], budget: float | None
     reactor.callWhenRunning(start)
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous: dict[signal.Signals, Any] = {}
+    signalled: list[int] = []
+
+    def stop_signal(number: int, frame: object) -> None:
+        signalled.append(number)
+        if on_signal is not None and len(signalled) == 1:
+            reactor.callFromThread(on_signal)
+        else:
+            reactor.callFromThread(reactor.stop)
+
     if on_main_thread:
         for number in STOP_SIGNALS:
-            previous[number] = signal.signal(
-                number, lambda *_: reactor.callFromThread(reactor.stop)
-            )
+            previous[number] = signal.signal(number, stop_signal)
     try:
         poll.run(installSignalHandlers=False)  # IReactorCore.run takes no arguments
     finally:

@@ -1,5 +1,5 @@
-"""``lchat backup ls|restore|drill|litestream-config``: the operator's side of the fleet backup
-(one submodule per action, each saying what it does).
+"""``lchat backup ls|restore|drill|replicate|litestream-config``: the operator's side of the
+fleet backup (one submodule per action, each saying what it does).
 
 The bucket is the router's backup bucket (``LCHAT_BACKUP_*``, read from its env file like every
 command; docs/backup.md), laid out as :mod:`lchat.backup.layout` says. The running router is asked
@@ -29,6 +29,7 @@ from lchat.cli.backup.litestream import litestream_config
 from lchat.cli.backup.live import Command, ask_router
 from lchat.cli.backup.ls import ls
 from lchat.cli.backup.output import ERRORS, BackupCliError, Out, error_line, iso
+from lchat.cli.backup.replicate import replicate, target
 from lchat.cli.backup.restore import restore_all, restore_one
 from lchat.config import BackupConfig, BoxConfig
 from lchat.objstore import UTC
@@ -77,6 +78,18 @@ every top-level *.db but a space's stale copies; `none`: only the globs given), 
 replica path in the backup layout. Never run it beside the router's own backup: two replicators
 on one database corrupt each other. With the router's backup off, give the bucket to this
 command alone: LCHAT_BACKUP_BUCKET=my-bucket lchat backup litestream-config.
+"""
+
+REPLICATE_HELP = """\
+Replicate one database to the backup bucket in the foreground, until SIGTERM: the router's
+replicator (same replica path, same LCHAT_BACKUP_INTERVAL), in a process of its own, so that a
+database another unit writes keeps shipping while the router is down. The units
+lchat-backup@<host> (beside lchat@<host>) and lchat-backup-home (beside lchat-home) run it.
+
+Only one replicator ever runs per database: each holds <data>/.backup/<name>.lock. While the
+router holds it this waits, and takes over once the router stops; a router started later leaves
+the database to this one, and takes it back once this one stops. SIGTERM: a final sync (at most
+30 s), then exit 0, or 1 when the last commits may not be in the backup.
 """
 
 # --- arguments ------------------------------------------------------------------------------------
@@ -141,6 +154,19 @@ def add_arguments(
     dr.add_argument("--json", action="store_true", help="print a JSON list")
     dr.add_argument("--box", type=_box, metavar="BOX", help="the box to drill (default: this one)")
 
+    rp = sub.add_parser(
+        "replicate",
+        help="replicate one database until SIGTERM (the lchat-backup@ units run it)",
+        description=REPLICATE_HELP,
+        formatter_class=raw,
+    )
+    common(rp)
+    rp.add_argument("db", nargs="?", metavar="DB", help="the database file")
+    rp.add_argument(
+        "--space", metavar="HOST", help="the space's database (as add-instance puts it)"
+    )
+    rp.add_argument("--home", action="store_true", help="lchat-home's database (<data>/home.db)")
+
     lc = sub.add_parser(
         "litestream-config",
         help="print a litestream.yml listing what the router backs up now",
@@ -168,6 +194,8 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
         if args.backup_command == "litestream-config":
             out(litestream_config(cfg, conf))
             return 0
+        if args.backup_command == "replicate":
+            return replicate(cfg, *target(cfg, args.db, args.space, args.home))
         return runner.run(lambda r: _execute(r, args, cfg, conf, out, _stderr))
     except ERRORS as e:
         _stderr(error_line(str(e)))
@@ -200,6 +228,10 @@ async def _execute(
         if action == "litestream-config":
             out(await run(litestream_config, cfg, conf))
             return 0
+        if action == "replicate":
+            raise BackupCliError(
+                "replicate runs in a process of its own (`lchat backup replicate`)"
+            )
         command = Command(reactor, args, cfg, conf, out, err, run, await ask_router(cfg, run, err))
         if action == "ls":
             return await ls(command)
