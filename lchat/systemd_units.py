@@ -1,6 +1,6 @@
-"""systemd units for spaces: ``lchat@<host>`` (the template lives in ops/), and a staged bot
-sidecar's ``lchat-bot@<host>``. Core, not ``lchat.cli``: the CLI and ``lchat.release.deploy`` both
-drive them."""
+"""systemd units for spaces: ``lchat@<host>`` (the template lives in ops/), a staged bot
+sidecar's ``lchat-bot@<host>``, and the backup of its database ``lchat-backup@<host>``. Core,
+not ``lchat.cli``: the CLI and ``lchat.release.deploy`` both drive them."""
 
 from __future__ import annotations
 
@@ -32,6 +32,19 @@ class UnitError(Exception):
 def unit_name(host: str, *, sidecar: bool = False) -> str:
     """``lchat@<host>``, or the bot sidecar's ``lchat-bot@<host>``."""
     return f"{'lchat-bot' if sidecar else 'lchat'}@{hosts.normalise(host)}"
+
+
+def backup_unit_name(host: str) -> str:
+    """``lchat-backup@<host>``: the fleet backup of the space's database while the router is
+    down (``lchat backup replicate --space``; ops/systemd/lchat-backup@.service)."""
+    return f"lchat-backup@{hosts.normalise(host)}"
+
+
+def enable_backup(host: str) -> None:
+    """``systemctl enable lchat-backup@<host>``, not started here: it is wanted by
+    ``lchat@<host>`` (its ``WantedBy=``), so it starts whenever the space's unit does and stops
+    with it (``BindsTo=``)."""
+    _systemctl("enable", backup_unit_name(host))
 
 
 def enable_now(host: str, *, sidecar: bool = False) -> None:

@@ -139,7 +139,11 @@ class PlanTests(TestCase):
         skipped = [s for s in steps if s.skipped]
         self.assertEqual(
             [s.what for s in skipped],
-            ["systemctl daemon-reload", "systemctl enable lchat-router.service"],
+            [
+                "systemctl daemon-reload",
+                "systemctl enable lchat-router.service",
+                "systemctl enable lchat-backup-home.service",
+            ],
         )
         self.assertEqual({s.skipped for s in skipped}, {"--no-systemctl given"})
 
@@ -157,6 +161,18 @@ class PlanTests(TestCase):
         self.assertEqual(
             steps["systemctl enable lchat-router.service"].already,
             "lchat-router.service is enabled",
+        )
+        # home.db's backup unit, wanted by lchat-home (docs/backup.md).
+        self.assertTrue(steps["systemctl enable lchat-backup-home.service"].to_do)
+        home_wants = os.path.join(root, "etc/systemd/system/lchat-home.service.wants")
+        os.makedirs(home_wants)
+        os.symlink(
+            "../lchat-backup-home.service", os.path.join(home_wants, "lchat-backup-home.service")
+        )
+        steps = {s.what: s for s in plan(request)}
+        self.assertEqual(
+            steps["systemctl enable lchat-backup-home.service"].already,
+            "lchat-backup-home.service is enabled",
         )
 
     def test_the_user_step_makes_a_system_user_without_login(self) -> None:

@@ -652,6 +652,21 @@ class SystemdUnitsTests(CliTestCase):
         self.assertEqual(route.status, "ready")
         self.assertIn(("POST", "/reload"), server.seen)
 
+    def test_with_the_fleet_backup_its_replicator_unit_is_enabled_with_the_space(self) -> None:
+        # lchat-backup@<host> is wanted by lchat@<host>: enabled first, the space's start pulls it.
+        self.write_router_env(units="systemd", LCHAT_BACKUP_BUCKET="file:/tmp/x")
+        log = self.fake_systemctl("stub")
+        self.admin_server(None)
+        result = self.lchat("add-instance", "bk.example.com", "--timeout", "10")
+        self.assertEqual(result.code, 0, result)
+        self.assertEqual(
+            self.systemctl_calls(log),
+            [
+                ["enable", "lchat-backup@bk.example.com"],
+                ["enable", "--now", "lchat@bk.example.com"],
+            ],
+        )
+
     def test_reference_space(self) -> None:
         log = self.fake_systemctl("space")
         result = self.lchat("add-instance", "ref.example.com", "--timeout", "20")

@@ -86,6 +86,10 @@ class BoxUnits:
 
     def start(self, host: str, socket: str) -> None:
         systemd_units.install_space(self.cfg, host, socket)
+        if self.cfg.backup is not None:
+            # Wanted by lchat@<host>: it starts with the space, and its writes keep shipping
+            # while the router is down (docs/backup.md).
+            systemd_units.enable_backup(host)
         systemd_units.enable_now(host)
 
     def start_sidecar(self, host: str) -> None:

@@ -22,6 +22,7 @@ from lchat.cli.bootstrap.request import (
     account_of,
 )
 from lchat.cli.bootstrap.steps import (
+    HOME_BACKUP_UNIT,
     Step,
     data_dir_step,
     env_step,
@@ -79,7 +80,9 @@ def apply(request: Request, steps: Sequence[Step], probe: bool = True) -> Outcom
         left.extend(step.left)
     if any(s.skipped and s.what.startswith("systemctl") for s in steps):
         where = "on the box" if request.root else "run them yourself"
-        left.append(f"{where}: systemctl daemon-reload && systemctl enable {ROUTER_UNIT}")
+        left.append(
+            f"{where}: systemctl daemon-reload && systemctl enable {ROUTER_UNIT} {HOME_BACKUP_UNIT}"
+        )
     twistd = request.path(VENV_TWISTD)
     if not os.access(twistd, os.X_OK):
         left.append(

@@ -33,6 +33,8 @@ from lchat.files import write_atomic
 OPT_MODE = 0o755
 UNIT_MODE = 0o644
 UNITS_TARGET = "/etc/systemd/system"
+HOME_UNIT = "lchat-home.service"
+HOME_BACKUP_UNIT = "lchat-backup-home.service"
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD")
 
 
@@ -324,6 +326,10 @@ def unit_steps(request: Request, group: str) -> list[Step]:
 def systemctl_steps(request: Request, units_change: bool) -> list[Step]:
     wants = request.path(os.path.join(UNITS_TARGET, "multi-user.target.wants", ROUTER_UNIT))
     enabled = os.path.lexists(wants)
+    # home.db's backup while the router is down: wanted by lchat-home (it starts and stops with
+    # home, and is skipped on a box without LCHAT_BACKUP_BUCKET).
+    home_wants = request.path(os.path.join(UNITS_TARGET, f"{HOME_UNIT}.wants", HOME_BACKUP_UNIT))
+    home_enabled = os.path.lexists(home_wants)
     steps = []
     for argv, already in (
         # Also before a first enable: units installed by an earlier --no-systemctl run are new to
@@ -333,6 +339,10 @@ def systemctl_steps(request: Request, units_change: bool) -> list[Step]:
             "no unit changed: no daemon-reload needed" if enabled and not units_change else None,
         ),
         (["systemctl", "enable", ROUTER_UNIT], f"{ROUTER_UNIT} is enabled" if enabled else None),
+        (
+            ["systemctl", "enable", HOME_BACKUP_UNIT],
+            f"{HOME_BACKUP_UNIT} is enabled" if home_enabled else None,
+        ),
     ):
 
         def run(argv: list[str] = argv) -> str:
