@@ -965,3 +965,31 @@ class ReplicaLockOnS3Tests(ReplicaLockTests):
 
     def new_store(self) -> Any:
         return s3servers.store_for(self.s3_server, self.s3_bucket)
+
+
+class UnitBesideTheActivatorTests(_BackupFixture):
+    """The activator replicates a hibernating space without the lock: the unit's own check."""
+
+    async def test_a_hibernating_space_is_never_opened_by_the_unit(self) -> None:
+        on = self.add("on.example")
+        flag = [True]
+        store = FileStore(reactor, os.path.join(self.root, "bucket"), self.in_thread)
+        unit = UnitReplicator(
+            reactor,
+            store,
+            self.cfg,
+            data_dir=self.data,
+            db_path=on,
+            name="on.example.db",
+            run_in_thread=self.in_thread,
+            hibernating=lambda: flag[0],
+        )
+        running = Deferred.fromCoroutine(unit.run())
+        await deferLater(reactor, 0.6, lambda: None)
+        self.assertEqual((unit.state, unit.lock.held), ("waiting", False))
+        self.assertEqual(await self.keys("on.example.db"), [])
+        flag[0] = False  # `hibernate --off`: the space is the unit's again
+        await self.until(lambda: unit.state == "running", within=10)
+        unit.stop()
+        self.assertTrue(await running)
+        await store.close()

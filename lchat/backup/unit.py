@@ -18,6 +18,11 @@ Invariants:
 - **A bounded final sync at stop.** :meth:`UnitReplicator.stop` (SIGTERM: ``systemctl stop``, a
   ``BindsTo=`` writer stopping) ends the wait, or ships what is committed (at most
   ``release_budget`` seconds), closes the database, then releases the lock.
+- **Never beside the activator.** The activator replicates a hibernating space's database (to the
+  hibernation bucket) without this lock; ``hibernate --on`` stops this unit (bound to the space's
+  unit) before the activator takes it. In case something starts it anyway, ``hibernating`` (the
+  space's row says so) is checked before the lock is taken and again once it is held: a
+  hibernating space's database is never opened here.
 - **A start that fails is retried** (backoff 1 s doubling to 5 min) with the lock kept: the
   bucket being down is not a reason to hand the database to another replicator.
 """
@@ -67,6 +72,7 @@ class UnitReplicator:
         run_in_thread: RunInThread,
         replicator: ReplicatorFactory | None = None,
         release_budget: float = RELEASE_BUDGET,
+        hibernating: Callable[[], bool] | None = None,  # blocking: run in a thread
     ) -> None:
         self._reactor = reactor
         self._store = store
@@ -78,6 +84,7 @@ class UnitReplicator:
         self._run = run_in_thread
         self._make = replicator or self._replicator
         self._release_budget = release_budget
+        self._hibernating = hibernating
         self.replicator: Replicator | None = None
         self.state = "waiting"  # waiting, starting, running, stopping, stopped
         self._stop_asked = False
@@ -128,9 +135,14 @@ class UnitReplicator:
         said = ""
         attempt = 0
         while not self._stop_asked:
-            if not await self._run(os.path.isfile, self.db_path):
+            if await self._hibernates():
+                why = "its space hibernates: the activator replicates it"
+            elif not await self._run(os.path.isfile, self.db_path):
                 why = f"{self.db_path} does not exist yet"
             elif await self._run(self.lock.acquire):
+                if await self._hibernates():  # flipped meanwhile: never opened here
+                    await self._run(self.lock.release)
+                    continue
                 if said:
                     _log.info(
                         "backup: {name}: {why} no longer: taking it over",
@@ -152,6 +164,9 @@ class UnitReplicator:
             attempt += 1
             await self._pause(WAIT.delay(attempt))
         return False
+
+    async def _hibernates(self) -> bool:
+        return self._hibernating is not None and bool(await self._run(self._hibernating))
 
     async def _start(self) -> bool:
         """Start the replicator (retried while the bucket fails); False: stopped first."""

@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -114,6 +115,74 @@ try:
                       "body": body}))
 except Exception as e:
     print(json.dumps({"status": 0, "error": repr(e)}))
+"""
+
+SHIP = "ship.example.com"  # test 13: an lchat@ space whose writes ship while the router is down
+# A write to a space straight through its own socket (the router may be down): POST a message.
+BOX_SPACE_POST = """\
+import http.client, json, socket, sys
+path, host, body = sys.argv[1], sys.argv[2], sys.argv[3]
+class Unix(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(20)
+        self.sock.connect(path)
+conn = Unix(host)
+conn.request("POST", "/api/rooms/lobby/messages", body=json.dumps({"body": body}),
+             headers={"content-type": "application/json", "host": host})
+print(conn.getresponse().status)
+"""
+# Every 20 ms until /tmp/watch.stop exists: which processes have the database argv[1] open, and
+# who holds its backup lock argv[2] (/proc/locks); a line whenever that changes, then "overlap"
+# lines for any moment both a `lchat backup replicate` and the router had it open.
+BOX_WATCH = """\
+import os, sys, time
+db, lock = sys.argv[1], sys.argv[2]
+def kind(pid):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        return "?"
+    line = b" ".join(argv).decode(errors="replace")
+    return "unit" if "backup replicate" in line else "router" if "twistd" in line else "other"
+def holders():
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == db:
+                    found.add((kind(pid), int(pid)))
+                    break
+            except OSError:
+                pass
+    return found
+def lockers():
+    try:
+        ino = os.stat(lock).st_ino
+    except OSError:
+        return 0
+    return sum(1 for line in open("/proc/locks") if "FLOCK" in line and "->" not in line
+               and line.split()[5].endswith(f":{ino}"))
+last = None
+deadline = time.monotonic() + 120
+while not os.path.exists("/tmp/watch.stop") and time.monotonic() < deadline:
+    seen = holders()
+    kinds = sorted({k for k, _ in seen})
+    state = (tuple(kinds), lockers())
+    if state != last:
+        print("state", ",".join(kinds) or "-", "lockers", state[1], flush=True)
+        last = state
+    if "unit" in kinds and "router" in kinds:
+        print("overlap", sorted(seen), flush=True)
+    if state[1] > 1:
+        print("overlap lockers", state[1], flush=True)
+    time.sleep(0.02)
 """
 
 # The builds published (RELEASE, NEXT): the reference space and sidecar from the installed wheel,
@@ -187,6 +256,8 @@ def _box() -> Box:
         0o755,
     )
     box.write("/usr/local/bin/box-https", "#!/usr/bin/python3\n" + BOX_HTTPS, 0o755)
+    box.write("/usr/local/bin/box-space-post", "#!/usr/bin/python3\n" + BOX_SPACE_POST, 0o755)
+    box.write("/usr/local/bin/box-watch", "#!/usr/bin/python3\n" + BOX_WATCH, 0o755)
     return box
 
 
@@ -693,3 +764,95 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertIn("before the move", json.dumps(messages))
         again = b.run(["lchat", "bootstrap"]).stdout
         self.assertIn("every space's files are in a directory of its own", again)
+
+    # --- 13: a systemd space's writes ship while the router is stopped ------------------------
+    def test_13_systemd_space_writes_ship_while_the_router_is_stopped(self) -> None:
+        """With the fleet backup on (test 9), add-instance gives an lchat@ space its
+        lchat-backup@ unit: a write made while lchat-router is stopped is in the backup (the
+        unit takes the database over from the router, its lock is free once the router's final
+        sync is done); a router started again leaves it to the unit. Then `hibernate --on` hands
+        it to the activator: at no moment do the unit's replicator and the router both have the
+        database open, and its lock never has two holders."""
+        self.need_readme()
+        b = self.box
+        if "LCHAT_BACKUP_BUCKET=" not in b.run(["cat", "/data/router.env"]).stdout:
+            raise SkipTest("the fleet backup is not configured (see test_09)")
+        b.run(["lchat", "add-instance", SHIP], timeout=120)
+        self.certificate(SHIP)
+        t0 = time.monotonic()
+        backup_unit = f"lchat-backup@{SHIP}"
+        b.wait_for(f"{backup_unit} started with the space", f"systemctl is-active {backup_unit}")
+        socket = b.run(
+            [
+                "/opt/lchat/venv/bin/python3",
+                "-c",
+                f"from lchat import hosts; print(hosts.socket_path('/run/lchat', '{SHIP}', "
+                f"isolated=hosts.isolated('/data')))",
+            ]
+        ).stdout.strip()
+
+        def write(body: str) -> None:
+            b.wait_for(
+                f"{SHIP} takes {body!r}", f"box-space-post {socket} {SHIP} '{body}' | grep -x 201"
+            )
+
+        write("before the router stops")
+        since = b.now()
+        b.run(["systemctl", "stop", "lchat-router"], timeout=200)
+        b.wait_for(
+            f"{backup_unit} took the database over",
+            f"journalctl -u {backup_unit} --since '{since}' -o cat | grep -F 'replicating to'",
+            timeout=20,
+        )
+        write("while the router is down")
+        db = f"/root/restored/{SHIP}.db"
+        dump = f"/opt/lchat/venv/bin/python3 -c 'import sqlite3,sys; print(*sqlite3.connect(sys.argv[1]).iterdump())' {db}"
+        restored = b.wait_for(
+            "both writes in the backup",
+            f"rm -rf /root/restored && mkdir /root/restored && lchat backup restore {SHIP}.db "
+            f"-o {db} >/dev/null && {dump} | grep -F 'while the router is down'",
+            timeout=20,
+            interval=1,
+        )
+        self.assertIn("before the router stops", restored)
+        since = b.now()
+        b.run(["systemctl", "start", "lchat-router"], timeout=200)
+        b.wait_for(
+            "the router leaves it to the unit",
+            f"journalctl -u lchat-router --since '{since}' -o cat"
+            f" | grep -F 'backup: {SHIP}.db is replicated by another process'",
+            timeout=30,
+        )
+        # The hand-over to the activator, watched: the unit's replicator stops with the space.
+        b.run(["rm", "-f", "/tmp/watch.stop"])
+        real_db = b.run(
+            [
+                "/opt/lchat/venv/bin/python3",
+                "-c",
+                f"from lchat import hosts; print(hosts.db_path('/data', '{SHIP}'))",
+            ]
+        ).stdout.strip()
+        watched: list[str] = []
+        watcher = threading.Thread(
+            target=lambda: watched.append(
+                b.run(["box-watch", real_db, f"/data/.backup/{SHIP}.db.lock"], timeout=150).stdout
+            )
+        )
+        watcher.start()
+        try:
+            time.sleep(0.5)
+            b.run(["lchat", "hibernate", SHIP, "--on"], timeout=180)
+            self.assertNotEqual(self.active(backup_unit), "active")
+            self.assert_200(SHIP)  # awake under the activator
+            time.sleep(1)
+        finally:
+            b.run(["touch", "/tmp/watch.stop"])
+            watcher.join(60)
+        (log,) = watched
+        self.assertNotIn("overlap", log)
+        self.assertIn("unit", log.split("state", 2)[1], log)  # the unit held it at first ...
+        self.assertIn("router", log.rsplit("state", 1)[1], log)  # ... the activator at the end
+        self.assertIn(
+            f"backup: {SHIP}.db stopped; in the backup up to txid", b.journal(backup_unit)
+        )
+        systembox.say(f"test 13 took {time.monotonic() - t0:.0f} s")

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace, cfg: BoxConfig, out: Out) -> int:
             out(litestream_config(cfg, conf))
             return 0
         if args.backup_command == "replicate":
-            return replicate(cfg, *target(cfg, args.db, args.space, args.home))
+            return replicate(cfg, *target(cfg, args.db, args.space, args.home), args.space)
         return runner.run(lambda r: _execute(r, args, cfg, conf, out, _stderr))
     except ERRORS as e:
         _stderr(error_line(str(e)))

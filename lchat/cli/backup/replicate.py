@@ -11,7 +11,9 @@ it, so the replica path and the lock are the router's for that database.
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
+import time
 
 from twisted.logger import (
     FilteringLogObserver,
@@ -29,9 +31,22 @@ from lchat.cli import runner
 from lchat.cli.backup.output import BackupCliError
 from lchat.config import BoxConfig
 from lchat.reactors import Reactor
+from lchat.registry import Registry, RegistryError
 from lchat.threads import thread_runner
 
 HOME_DB = "home.db"  # lchat-home's database (docs/home.md)
+
+
+def hibernates(registry: str, host: str) -> bool:
+    """Blocking: does ``host``'s row say it hibernates? (No registry, no row: no.) An unreadable
+    registry says no: the unit's ordering (bound to the space's unit) still holds."""
+    if not os.path.isfile(registry):
+        return False
+    try:
+        route = Registry(registry, time.time).get(host)
+    except (RegistryError, sqlite3.Error):
+        return False
+    return route is not None and route.hibernate
 
 
 def target(cfg: BoxConfig, db: str | None, space: str | None, home: bool) -> tuple[str, str]:
@@ -57,7 +72,7 @@ def target(cfg: BoxConfig, db: str | None, space: str | None, home: bool) -> tup
     return path, check_name(os.path.basename(path))
 
 
-def replicate(cfg: BoxConfig, path: str, name: str) -> int:
+def replicate(cfg: BoxConfig, path: str, name: str, space: str | None = None) -> int:
     """Run until SIGTERM/SIGINT (then the final sync; a second signal cuts it short). Exit
     status 0 when everything committed is in the backup at the end, 1 when not."""
     conf = cfg.backup
@@ -82,6 +97,9 @@ def replicate(cfg: BoxConfig, path: str, name: str) -> int:
                 db_path=path,
                 name=name,
                 run_in_thread=thread_runner(reactor),
+                hibernating=(
+                    (lambda: hibernates(cfg.registry, hosts.normalise(space))) if space else None
+                ),
             )
             holder.append(unit)
             if stop_asked:
