@@ -10,6 +10,7 @@ from attrs import frozen
 
 from lchat import config, systemd_units
 from lchat.builds import DEFAULT_OPT_DIR, BuildLayout
+from lchat.cli.bootstrap.backup_units import backup_unit_steps
 from lchat.cli.bootstrap.probe import probe_as
 from lchat.cli.bootstrap.relayout import relayout_steps
 from lchat.cli.bootstrap.request import (
@@ -48,6 +49,7 @@ def plan(request: Request) -> list[Step]:
         *units,
         *systemctl_steps(request, any(u.to_do for u in units)),
         *spaces,
+        *backup_unit_steps(request),
     ]
 
 

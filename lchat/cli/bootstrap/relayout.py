@@ -98,7 +98,11 @@ def relayout_steps(request: Request) -> tuple[list[Step], bool]:
 
             def stop() -> str:
                 was_active[:] = systemd_units.active_units(ROUTER_UNIT, *SPACE_UNITS)
-                systemd_units.stop_units(ROUTER_UNIT, SPACES_TARGET)
+                # Each running space named too: `systemctl stop` waits only for the jobs it was
+                # asked for, and the target's stop reaches a space through PartOf= as a job of
+                # its own (one started by hand, its target inactive, may still run when the
+                # target's job is done; a space's stop waits for its lchat-backup@ final sync).
+                systemd_units.stop_units(ROUTER_UNIT, SPACES_TARGET, *was_active)
                 return f"stopped {ROUTER_UNIT} and {SPACES_TARGET} ({len(was_active)} units ran)"
 
             out.append(
