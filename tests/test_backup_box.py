@@ -13,7 +13,10 @@ the ``lchat backup`` CLI and the stock ``litestream restore``.
   hibernating space's local copy nor a removed space's leftover;
 - without LCHAT_BACKUP_KEY a box with env files refuses to start, unless
   LCHAT_BACKUP_ENV=unprotected, and then it says how many are not protected (log, status,
-  metric, ``lchat backup ls``).
+  metric, ``lchat backup ls``);
+- ``lchat backup replicate`` (the lchat-backup units) waits while the router holds a database,
+  ships what is written while the router is stopped, and a router started again leaves it to
+  the unit ("held elsewhere").
 """
 
 from __future__ import annotations
@@ -590,6 +593,92 @@ class KilledBoxTests(_BoxHarness):
 
 class SeaweedFSKilledBoxTests(KilledBoxTests):
     kind = "seaweedfs"
+
+
+class UnitReplicatorBoxTests(_BoxHarness):
+    """``lchat backup replicate`` (the lchat-backup-home unit's command) beside a real router:
+    one replicator per database throughout (docs/backup.md, "While the router is down")."""
+
+    def spawn_unit(self, box: Box, *argv: str) -> tuple[subprocess.Popen[bytes], str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
+        env["PYTHONPATH"] = ROOT
+        log = os.path.join(box.dir, "unit.log")
+        command = [sys.executable, "-m", "lchat.cli", "backup", "replicate", *argv]
+        with open(log, "wb") as out:
+            unit = subprocess.Popen(
+                [*command, "--env-file", box.env_file],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+        self.addCleanup(lambda: None if unit.poll() is not None else unit.kill())
+        return unit, log
+
+    async def test_home_writes_ship_while_the_router_is_stopped(self) -> None:
+        box = self.box("unit")
+        home = os.path.join(box.data, "home.db")
+        _make_db(home, "before the router stops")
+        box.start()
+        await self.until(lambda: self.backed_up(box, {"home.db"}), why="the router has home.db")
+        unit, log = self.spawn_unit(box, "--home")
+        await self.until(lambda: "replicated by" in _read(log), why="the unit waits for the router")
+        self.assertNotIn("replicating to", _read(log))
+        box.stop()  # its final sync, then the lock is free: the unit takes over
+        await self.until(lambda: "replicating to" in _read(log), why="the unit takes home.db over")
+        _add(home, "while the router is down")
+        out = os.path.join(self.root, "restored-home.db")
+
+        def restored() -> set[str]:
+            if os.path.exists(out):
+                os.unlink(out)
+            ran = lchat_cli(
+                "backup", "restore", "home.db", "--box", "unit", "-o", out, env_file=box.env_file
+            )
+            assert ran.returncode == 0, ran.stdout + ran.stderr
+            bodies = _m_bodies(out)
+            return bodies if "while the router is down" in bodies else set()
+
+        bodies = await self.until(restored, why="the write made while the router was down")
+        self.assertEqual(bodies, {"before the router stops", "while the router is down"})
+        # A router started again leaves home.db to the unit: said, counted, never a failure.
+        box.start()
+        await self.until(
+            lambda: box.status()["backup"]["databases"]["home.db"]["state"] == "held elsewhere",
+            why="the restarted router finds home.db held",
+        )
+        entry = box.status()["backup"]["databases"]["home.db"]
+        self.assertEqual(entry["held_by"], f"{unit.pid} lchat backup replicate")
+        self.assertIn('lchat_backup_databases{state="held elsewhere"} 1.0', box.metrics())
+        self.assertIn("backup: home.db is replicated by another process", box.log())
+        unit.send_signal(signal.SIGTERM)
+        self.assertEqual(await deferToThread(unit.wait, 60), 0, _read(log))
+        self.assertIn("backup: home.db stopped; in the backup up to txid", _read(log))
+
+
+class SeaweedFSUnitReplicatorBoxTests(UnitReplicatorBoxTests):
+    kind = "seaweedfs"
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _add(path: str, body: str) -> None:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+    try:
+        conn.execute("INSERT INTO m (body) VALUES (?)", (body,))
+    finally:
+        conn.close()
+
+
+def _m_bodies(path: str) -> set[str]:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return {row[0] for row in conn.execute("SELECT body FROM m")}
+    finally:
+        conn.close()
 
 
 def _make_db(path: str, body: str) -> None:
