@@ -1,5 +1,6 @@
 """``lchat instances``: every registered host, its state as the running router sees it, and the
-box's capacity."""
+box's capacity; and the capacity checks ``add-instance`` and ``hibernate --off`` make before
+writing anything (docs/operations.md, "Capacity")."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ from typing import Any
 
 import attrs
 
+from lchat.cli import mesh as mesh_cli
 from lchat.config import BoxConfig
 from lchat.handover.hibernate import one_line
-from lchat.registry import Route
+from lchat.registry import Registry, Route
 
 Say = Callable[[str], None]
+
+
+class CapacityRefused(Exception):
+    """A create or flip beyond ``LCHAT_MAX_REGISTERED`` or ``LCHAT_MAX_INSTANCES``; nothing was
+    written."""
+
+
 TABLE_COLUMNS = tuple(
     "HOST KIND STATUS STATE VERSION HIBERNATE REPLICATION NEXT-DUE SOCKET".split()
 )
@@ -139,3 +148,58 @@ def _utc(seconds: int) -> str:
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
     except (OverflowError, OSError, ValueError):
         return str(seconds)
+
+
+def refuse_beyond_registered(
+    cfg: BoxConfig, registry: Registry, note: Say, host: str, home_region: str
+) -> None:
+    """LCHAT_MAX_REGISTERED (0 = no limit): the most instance rows this box takes, hibernating
+    or not. On a mesh, for a mesh host, it is per owner: the rows the new host's owner (HRW
+    among the live boxes) holds, always-on rows counting for the box they run on, so a mesh
+    takes the ceiling times its boxes; when the membership cannot be read, this box's whole
+    registry counts (as off a mesh). Checked before anything is written; two add-instance runs
+    at once may both pass (a ceiling, not a lock)."""
+    limit = cfg.max_registered
+    if limit <= 0:
+        return
+    rows = registry.load()
+    probe = Route(host=host or "x.invalid", kind="instance", socket="", home_region=home_region)
+    if cfg.mesh is not None and host and mesh_cli.replicates(cfg.mesh, probe):
+        try:
+            owner_url, owned = mesh_cli.owned_rows(cfg, rows, host, home_region)
+        except mesh_cli.MeshCliError as e:
+            note(f"LCHAT_MAX_REGISTERED counts this box's whole registry: {e}")
+        else:
+            if owned >= limit:
+                raise CapacityRefused(
+                    f"{owned} instances are registered to {owner_url}, which owns {host} on the "
+                    f"mesh: the most one box takes (LCHAT_MAX_REGISTERED={limit}); nothing was "
+                    f"registered. Remove one of its spaces, add a box, or raise "
+                    f"LCHAT_MAX_REGISTERED on every box"
+                )
+            return
+    registered = sum(1 for r in rows if r.kind == "instance")
+    if registered >= limit:
+        raise CapacityRefused(
+            f"{registered} instances are registered, the most this box takes "
+            f"(LCHAT_MAX_REGISTERED={limit}); nothing was registered. Remove one (lchat remove "
+            f"HOST) or raise LCHAT_MAX_REGISTERED in {cfg.env_file}"
+        )
+
+
+def refuse_beyond_always_on(cfg: BoxConfig, registry: Registry, host: str) -> None:
+    """LCHAT_MAX_INSTANCES (0 = no limit): the most always-on spaces this box runs (each is a
+    process that never sleeps; hibernating spaces are admitted by memory instead). Checked
+    before anything is written by ``add-instance`` without ``--hibernate`` and by ``hibernate
+    --off``."""
+    limit = cfg.max_instances
+    if limit <= 0:
+        return
+    always_on = sum(1 for r in registry.load() if r.always_on_here and r.host != host)
+    if always_on >= limit:
+        raise CapacityRefused(
+            f"{always_on} always-on instances run on this box, the most it takes "
+            f"(LCHAT_MAX_INSTANCES={limit}); nothing was changed. Hibernate it (--hibernate, "
+            f"or lchat hibernate HOST --on for another), or raise LCHAT_MAX_INSTANCES in "
+            f"{cfg.env_file}"
+        )

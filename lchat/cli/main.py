@@ -24,7 +24,7 @@ from lchat.admin_client import SocketAdmin
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
 from lchat.cli import bootstrap as bootstrap_cli
-from lchat.cli import certs, dev_cert, litestream_yml, provision, runner
+from lchat.cli import certs, dev_cert, litestream_yml, provision, runner, space_settings
 from lchat.cli import fleet as fleet_cli
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import instances as instances_cli
@@ -48,8 +48,6 @@ from lchat.handover.router import Router, Say
 from lchat.handover.seams import BoxUnits, FanOut, StoreBucket
 from lchat.handover.start import Start, warn_if_born_dark
 from lchat.ledger import LedgerError
-from lchat.mesh.client import ENV_KEY, RESERVED_ENV
-from lchat.mesh.route_payload import MAX_ENV_VALUE
 from lchat.registry import REPLICATIONS, Registry, RegistryError, Route
 
 PROG = "lchat"
@@ -127,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         litestream_yml.BackupConfigError,
         mesh_cli.MeshCliError,
         provision.ProvisionError,
+        space_settings.SettingsError,
+        instances_cli.CapacityRefused,
         fleet_cli.FleetCliError,
         replica_cli.ReplicaCliError,
         certs.CertsError,
@@ -247,36 +247,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sub = command(
-        "replication",
-        "print or set a space's replication class (stream, batched, daily)",
-        cmd_replication,
-    )
-    sub.add_argument("host", help="the space's hostname")
-    sub.add_argument(
-        "replication",
-        nargs="?",
-        type=_replication_class,
-        metavar="CLASS",
-        help="the new class: stream, batched or daily (omit to print the current one)",
-    )
-
-    sub = command(
-        "env",
-        "list a space's env key names, or set/unset values (every mesh peer takes the change)",
-        cmd_env,
-    )
-    sub.add_argument("host", help="the space's hostname")
-    sub.add_argument(
-        "action",
-        nargs="?",
-        choices=("set", "unset"),
-        help="set NAME=VALUE ... or unset NAME ... (omit to list the names; values never shown)",
-    )
-    sub.add_argument(
-        "items", nargs="*", metavar="ITEM", help="NAME=VALUE to set, NAME to unset (LCHAT_*)"
-    )
-
-    sub = command(
         "add-service",
         "route a host to a server already listening on a unix socket",
         cmd_add_service,
@@ -318,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     provision.add_probe_arguments(command("probe", provision.PROBE_SUMMARY, cmd_probe))
-    provision.add_invite_arguments(command("invite", provision.INVITE_SUMMARY, cmd_invite))
+    space_settings.add_commands(
+        command,
+        space_settings.Context(load_config, open_registry, lambda cfg: _router(cfg).notify(), SAY),
+    )
 
     command(
         "mesh",
@@ -419,14 +392,6 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _replication_class(text: str) -> str:
-    if text not in REPLICATIONS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a replication class (choose from {', '.join(REPLICATIONS)})"
-        )
-    return text
-
-
 def _space_argv(argv: list[str]) -> list[str] | None:
     """The arguments after ``space`` when that is the command, skipping common options before it."""
     i = 0
@@ -485,11 +450,11 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
     if host and registry.get(host) is not None:
         raise CliError(f"{host} is already registered")
     if not args.hibernate:
-        _refuse_beyond_always_on(cfg, registry, host)
+        instances_cli.refuse_beyond_always_on(cfg, registry, host)
     if host:
-        _refuse_beyond_registered(cfg, registry, host, home_region)
+        instances_cli.refuse_beyond_registered(cfg, registry, _note, host, home_region)
     elif cfg.mesh is None:
-        _refuse_beyond_registered(cfg, registry, "", home_region)
+        instances_cli.refuse_beyond_registered(cfg, registry, _note, "", home_region)
     if domain:
         # After every refusal that needs no id: a refused create wastes none.
         try:
@@ -501,7 +466,7 @@ def cmd_add_instance(args: argparse.Namespace) -> int:
         if cfg.mesh is not None:
             # On a mesh the ceiling is the new host's owner's: known once the host is named (a
             # refusal here leaves the minted id unused).
-            _refuse_beyond_registered(cfg, registry, host, home_region)
+            instances_cli.refuse_beyond_registered(cfg, registry, _note, host, home_region)
     socket = hosts.socket_path(cfg.run_dir, host, isolated=hosts.isolated(cfg.data_dir))
     if cfg.units == "systemd" and not args.hibernate and not socket.endswith(f"/{host}.sock"):
         # lchat@.service spells its socket <run>/%i.sock; a hashed name would not match it.
@@ -568,94 +533,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return provision.probe(cfg, host, args.timeout, _out, as_json=args.json, created=False)
 
 
-def cmd_invite(args: argparse.Namespace) -> int:
-    host = hosts.normalise(args.host)
-    cfg = load_config(args)
-    registry = open_registry(cfg)
-    route = _instance_row(registry, host, "have a setup invite")
-    if route.elsewhere:
-        raise CliError(
-            f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box): "
-            f"run `lchat invite {host}` there"
-        )
-    env = hosts.env_path(cfg.data_dir, host)
-    if not os.path.exists(env):
-        raise CliError(f"{host} has no env file at {env}: nothing was changed")
-    if provision.has_invite(env) and not args.rotate:
-        raise CliError(
-            f"{host} already has a setup invite, and only its hash is kept, so it cannot be "
-            "shown again: --rotate mints a new one (the old one stops working); nothing was "
-            "changed"
-        )
-    invite = provision.mint_invite(env)
-    hand_env_files_to_router(cfg, host, SAY, quiet=True)
-    _out(f"setup invite: {provision.invite_url(host, invite)}")
-    if route.hibernate:
-        _say_reach(mesh_cli.publish_change(cfg, registry, route, _note))
-        _note(f"{host} takes the new invite at its next wake (a space already set up takes none)")
-    else:
-        _note(
-            f"{host} takes the new invite when its unit restarts (a space already set up takes "
-            "none)"
-        )
-    return 0
-
-
-def _refuse_beyond_registered(
-    cfg: BoxConfig, registry: Registry, host: str, home_region: str
-) -> None:
-    """LCHAT_MAX_REGISTERED (0 = no limit): the most instance rows this box takes, hibernating
-    or not. On a mesh, for a mesh host, it is per owner: the rows the new host's owner (HRW
-    among the live boxes) holds, always-on rows counting for the box they run on, so a mesh
-    takes the ceiling times its boxes; when the membership cannot be read, this box's whole
-    registry counts (as off a mesh). Checked before anything is written; two add-instance runs
-    at once may both pass (a ceiling, not a lock)."""
-    limit = cfg.max_registered
-    if limit <= 0:
-        return
-    rows = registry.load()
-    probe = Route(host=host or "x.invalid", kind="instance", socket="", home_region=home_region)
-    if cfg.mesh is not None and host and mesh_cli.replicates(cfg.mesh, probe):
-        try:
-            owner_url, owned = mesh_cli.owned_rows(cfg, rows, host, home_region)
-        except mesh_cli.MeshCliError as e:
-            _note(f"LCHAT_MAX_REGISTERED counts this box's whole registry: {e}")
-        else:
-            if owned >= limit:
-                raise CliError(
-                    f"{owned} instances are registered to {owner_url}, which owns {host} on the "
-                    f"mesh: the most one box takes (LCHAT_MAX_REGISTERED={limit}); nothing was "
-                    f"registered. Remove one of its spaces, add a box, or raise "
-                    f"LCHAT_MAX_REGISTERED on every box"
-                )
-            return
-    registered = sum(1 for r in rows if r.kind == "instance")
-    if registered >= limit:
-        raise CliError(
-            f"{registered} instances are registered, the most this box takes "
-            f"(LCHAT_MAX_REGISTERED={limit}); nothing was registered. Remove one (lchat remove "
-            f"HOST) or raise LCHAT_MAX_REGISTERED in {cfg.env_file}"
-        )
-
-
-def _refuse_beyond_always_on(cfg: BoxConfig, registry: Registry, host: str) -> None:
-    """LCHAT_MAX_INSTANCES (0 = no limit): the most always-on spaces this box runs (each is a
-    process that never sleeps; hibernating spaces are admitted by memory instead). Checked
-    before anything is written by ``add-instance`` without ``--hibernate`` and by ``hibernate
-    --off``."""
-    limit = cfg.max_instances
-    if limit <= 0:
-        return
-    always_on = sum(1 for r in registry.load() if r.always_on_here and r.host != host)
-    if always_on >= limit:
-        raise CliError(
-            f"{always_on} always-on instances run on this box, the most it takes "
-            f"(LCHAT_MAX_INSTANCES={limit}); nothing was changed. Hibernate it (--hibernate, "
-            f"or lchat hibernate HOST --on for another), or raise LCHAT_MAX_INSTANCES in "
-            f"{cfg.env_file}"
-        )
-
-
 def cmd_add_service(args: argparse.Namespace) -> int:
     host = hosts.normalise(args.host)
     path = _check_socket_arg(args.socket)
@@ -712,107 +589,20 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     return mesh_cli.show_mesh(cfg, open_registry(cfg), _out)
 
 
-def cmd_replication(args: argparse.Namespace) -> int:
-    host = hosts.normalise(args.host)
-    cfg = load_config(args)
-    registry = open_registry(cfg)
-    route = _instance_row(registry, host, "have a replication class")
-    if args.replication is None:
-        _out(route.replication)
-        return 0
-    old, new = route.replication, args.replication
-    if old == new:
-        _out(f"{host}: replication is already {new}; nothing changed")
-        return 0
-    route = registry.update(host, replication=new)
-    _router(cfg).notify()
-    _out(f"{host}: replication {old} -> {new}")
-    # A setting of the space: its peers take it (a new settings generation, then the fan-out).
-    mesh_cli.publish_change(cfg, registry, route, _note)
-    if route.hibernate:
-        # The activator reads the class at wake: an awake space keeps its cadence until it sleeps.
-        _note(f"{host} runs at the new cadence from its next wake; every sleep flushes in full")
-    else:
-        _note(f"{host} is not hibernating: the class applies once it is (lchat hibernate --on)")
-    return 0
-
-
-def cmd_env(args: argparse.Namespace) -> int:
-    """``lchat env``: one atomic edit of ``<data>/<host>.env``, then a new settings generation
-    and the fan-out to the peers (:func:`lchat.cli.mesh.publish_change`). Values are never
-    printed: they hold the space's secrets."""
-    host = hosts.normalise(args.host)
-    cfg = load_config(args)
-    registry = open_registry(cfg)
-    route = _instance_row(registry, host, "have an env file")
-    if route.elsewhere:
-        raise CliError(f"{host} runs always-on on {route.lives_at}: run `lchat env` there")
-    path = hosts.env_path(cfg.data_dir, host)
-    if args.action is None:
-        if args.items:
-            raise CliError("name an action: set NAME=VALUE ... or unset NAME ...")
-        try:
-            names = sorted(config.read_env_file(path, must_exist=True))
-        except ConfigError as e:
-            raise CliError(str(e)) from e
-        for name in names:
-            _out(name)
-        return 0
-    if not args.items:
-        raise CliError(f"{args.action}: name at least one variable")
-    values: dict[str, str] = {}
-    unset: list[str] = []
-    for item in args.items:
-        name, equals, value = item.partition("=")
-        if (args.action == "set") != bool(equals):
-            wanted = "NAME=VALUE" if args.action == "set" else "NAME (no value)"
-            raise CliError(f"{args.action}: {item.split('=', 1)[0]!r} is not {wanted}")
-        if not ENV_KEY.fullmatch(name) or name in RESERVED_ENV:
-            raise CliError(
-                f"{name!r} is not a space setting: LCHAT_[A-Z0-9_]{{1,64}}, not "
-                f"{', '.join(sorted(RESERVED_ENV))} (set per box from the row)"
-            )
-        if equals:
-            if len(value.encode("utf-8")) > MAX_ENV_VALUE:
-                raise CliError(f"{name}: the value is longer than {MAX_ENV_VALUE} bytes")
-            values[name] = value
-        else:
-            unset.append(name)
-    try:
-        envfile.edit(path, values, unset)
-    except FileNotFoundError:
-        raise CliError(f"{host} has no env file ({path}): nothing was changed") from None
-    except ValueError as e:
-        raise CliError(f"{e}; nothing was changed") from e
-    changed = ", ".join([*values, *unset])
-    _out(f"{host}: {'set' if values else 'unset'} {changed} (the space takes it at its next wake)")
-    mesh_cli.publish_change(cfg, registry, route, _note)
-    return 0
-
-
 def cmd_hibernate(args: argparse.Namespace) -> int:
     host = hosts.normalise(args.host)
     cfg = load_config(args)
     registry = open_registry(cfg)
-    route = _instance_row(registry, host, "hibernate")
+    route = space_settings.instance_row(registry, host, "hibernate")
     if route.elsewhere:
         raise CliError(
             f"{host} runs always-on on {route.lives_at} (a lives-elsewhere row from that box): "
             f"run `lchat hibernate {host}` there"
         )
     if not args.on and route.hibernate:
-        _refuse_beyond_always_on(cfg, registry, host)
+        instances_cli.refuse_beyond_always_on(cfg, registry, host)
     hibernation = _hibernation(cfg, registry)
     return (hibernation.on if args.on else hibernation.off)(route, args.timeout)
-
-
-def _instance_row(registry: Registry, host: str, what: str) -> Route:
-    route = registry.get(host)
-    if route is None:
-        raise CliError(f"{host} is not registered")
-    if route.kind != "instance":
-        raise CliError(f"{host} is a service (a server lchat does not run): only instances {what}")
-    return route
 
 
 # --- wiring the hand-over commands -------------------------------------------------------------
