@@ -18,7 +18,7 @@ from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
 
 from lchat.config import ConfigError
-from lchat.mesh import api, client
+from lchat.mesh import client, tokens
 from tests.test_config import MESH_OK, Base
 from tests.test_mesh_api import (
     HOST,
@@ -122,7 +122,7 @@ class AuthLimitTests(APITestCase):
     @inlineCallbacks
     def test_failures_are_limited_per_client(self) -> Any:
         before = limited()
-        for _ in range(api.AUTH_FAILURES_BURST):
+        for _ in range(tokens.AUTH_FAILURES_BURST):
             code, _ = yield self.call("wrong-" + "w" * 30, "203.0.113.5")
             self.assertEqual(code, 401)
         code, body = yield self.call("wrong-" + "w" * 30, "203.0.113.5")
@@ -136,13 +136,13 @@ class AuthLimitTests(APITestCase):
         code, _ = yield self.call(TOKEN, "203.0.113.6")
         self.assertEqual(code, 200)
         # One more try every AUTH_FAILURE_EVERY seconds.
-        self.clock.advance(api.AUTH_FAILURE_EVERY)
+        self.clock.advance(tokens.AUTH_FAILURE_EVERY)
         code, _ = yield self.call(TOKEN, "203.0.113.5")
         self.assertEqual(code, 200)
 
     @inlineCallbacks
     def test_the_answer_carries_retry_after(self) -> Any:
-        for _ in range(api.AUTH_FAILURES_BURST):
+        for _ in range(tokens.AUTH_FAILURES_BURST):
             yield self.call("", "203.0.113.7")
         status, headers = yield self.head_of(
             request_bytes("GET", client.ROUTES_PATH, extra=("X-Forwarded-For: 203.0.113.7",))
@@ -165,7 +165,7 @@ class AuthLimitTests(APITestCase):
 
     def test_the_limiter_forgets_the_least_recent_client_first(self) -> None:
         clock = Clock()
-        limiter = api.AuthLimiter(clock.seconds, burst=1, every=10.0, clients=2)
+        limiter = tokens.AuthLimiter(clock.seconds, burst=1, every=10.0, clients=2)
         for ip in ("a", "b", "c"):
             limiter.failed(ip)
         self.assertIsNone(limiter.retry_after("a"))  # forgotten: a full bucket again

@@ -645,7 +645,9 @@ class FromAnyBoxTests(RelocateCase):
         self.assertEqual(self.home(), "fi")
 
     def test_an_older_peer_without_the_call_is_todays_refusal(self) -> None:
-        self.peer_api._holds = None  # as an lchat without POST /api/mesh/hold: 404, no reason
+        self.peer_api._space_calls._holds = (
+            None  # as an lchat without POST /api/mesh/hold: 404, no reason
+        )
         self.refused_move(
             f"{HOST}: its lease in region ie (file:{self.ie}) is held by {PEER} until",
             "Let it sleep on that box (`lchat hibernate",

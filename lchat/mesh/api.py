@@ -94,15 +94,10 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     ``reason`` when the router serves no probe (no hibernation); an older lchat answers 404 too.
 
 Anything malformed is 400 with ``{"error": ...}`` and nothing is written; a missing or wrong token
-is 401, a wrong method 405, any other path 404.
-
-**Failed authentication is rate-limited per client address** (:class:`AuthLimiter`): each 401
-takes a token from the client's bucket (:data:`AUTH_FAILURES_BURST`, refilled one per
-:data:`AUTH_FAILURE_EVERY` seconds); with none left, every request of that client — whatever
-token it carries, so that guessing gains nothing — is answered 429 with ``Retry-After`` until one
-is back, counted in ``lchat_mesh_auth_limited_total`` and logged once per episode. The client is
-the last ``X-Forwarded-For`` entry, which this box's proxy appends (the API is reached only
-through it, or on its unix socket: "local").
+is 401, a wrong method 405, any other path 404. Failed authentication is rate-limited per client
+address (:class:`lchat.mesh.tokens.AuthLimiter`): with its bucket empty, every request of that
+client is answered 429 with ``Retry-After``, counted in ``lchat_mesh_auth_limited_total`` and
+logged once per episode.
 
 **``lives_at`` names a member** (issue 29): the URL must be one whose heartbeat authenticated
 with the mesh token (``members``: :meth:`lchat.mesh.membership.Membership.known`), and ``https``
@@ -116,15 +111,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from io import BytesIO
-from typing import Any, Protocol, Required, TypedDict, Unpack
+from typing import Any, Required, TypedDict, Unpack
 
 from attrs import evolve
 from prometheus_client import Counter
@@ -153,6 +146,7 @@ from lchat.mesh.client import (
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
+from lchat.mesh.space_calls import HostAnswer, SpaceCalls, SpaceHolds
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
 from lchat.registry import Conflict, Registry, Route, Stale
 from lchat.threads import RunInThread
@@ -162,21 +156,6 @@ MAX_BODY = 64 * 1024
 # Called after every write with the reason (the router passes ``RouteSource.reload``); a Deferred
 # it returns is waited for before the answer.
 Reload = Callable[[str], object]
-MAX_HOLD = 3600.0  # the router's bound on an operator hold (lchat.hibernation.capacity.Holds)
-
-
-class SpaceHolds(Protocol):
-    """What ``POST /api/mesh/hold`` and ``/release`` drive: the activator's operator holds and
-    its sleep (lchat.hibernation.activator.Activator)."""
-
-    def hold(self, host: str, seconds: float, why: str) -> None: ...
-    def release_hold(self, host: str) -> bool: ...
-    def sleep(self, host: str, reason: str) -> Deferred[None]: ...
-    def state(self, host: str) -> str: ...
-
-
-# One host's answer of this box: (status, JSON body); the mesh API adds ``box``.
-HostAnswer = Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
 
 
 class Options(TypedDict, total=False):
@@ -203,11 +182,6 @@ class Options(TypedDict, total=False):
     owner: Callable[[Route], str] | None
 
 
-# (A peer with a stale token during a botched rotation retries far less often than one 401 every
-# AUTH_FAILURE_EVERY seconds; a guesser gets 10 guesses a minute at most.)
-AUTH_FAILURES_BURST = 10
-AUTH_FAILURE_EVERY = 6.0
-AUTH_CLIENTS = 10_000  # client buckets kept (least recently failed dropped first)
 _limited = Counter(
     "lchat_mesh_auth_limited_total",
     "Mesh API requests answered 429 because their client failed authentication too often",
@@ -229,59 +203,6 @@ _OPS = {  # path -> (operation, its one method); DELETE <ROUTE_PATH>/<host> besi
     DIGEST_PATH.encode(): ("digest", b"GET"),
 }
 _INTERNAL = {"error": "internal error: see the router's log"}  # a 500's body (the log says why)
-
-
-class AuthLimiter:
-    """A token bucket per client address for failed mesh-API authentication (the module
-    docstring). Invariants: a client with an empty bucket is refused before its token is
-    looked at; at most :data:`AUTH_CLIENTS` buckets are kept (the least recently failing client
-    is forgotten first: it starts again with a full bucket, which costs a guesser nothing it
-    did not have)."""
-
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        burst: int = AUTH_FAILURES_BURST,
-        every: float = AUTH_FAILURE_EVERY,
-        clients: int = AUTH_CLIENTS,
-    ) -> None:
-        self._clock = clock
-        self.burst = burst
-        self.every = every
-        self._clients = clients
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
-        self._limited: set[str] = set()  # clients refused since their last refill (logged)
-
-    def _tokens(self, client: str) -> float:
-        got = self._buckets.get(client)
-        if got is None:
-            return float(self.burst)
-        tokens, at = got
-        return min(float(self.burst), tokens + (self._clock() - at) / self.every)
-
-    def retry_after(self, client: str) -> int | None:
-        """Seconds until ``client`` may try again (at least 1), or None: it may now."""
-        tokens = self._tokens(client)
-        if tokens >= 1.0:
-            self._limited.discard(client)
-            return None
-        return max(1, math.ceil((1.0 - tokens) * self.every))
-
-    def failed(self, client: str) -> None:
-        """``client`` failed to authenticate: one token less."""
-        tokens = max(0.0, self._tokens(client) - 1.0)
-        self._buckets[client] = (tokens, self._clock())
-        self._buckets.move_to_end(client)
-        while len(self._buckets) > self._clients:
-            gone, _ = self._buckets.popitem(last=False)
-            self._limited.discard(gone)
-
-    def first_refusal(self, client: str) -> bool:
-        """True once per episode of refusals of ``client`` (for one log line)."""
-        if client in self._limited:
-            return False
-        self._limited.add(client)
-        return True
 
 
 # --- the resource -------------------------------------------------------------------------------
@@ -317,11 +238,18 @@ class MeshAPI(Resource):
         self._spaces = options.get("spaces")
         self._beats = options.get("beats")
         self._members = options.get("members")
-        self._stats = options.get("stats")
-        self._holds = options.get("holds")
-        self._probe = options.get("probe")
+        self._space_calls = SpaceCalls(
+            normalise_member_url(cfg.mesh.self_url),
+            registry,
+            self._run,
+            self._answer,
+            self._finish,
+            stats=options.get("stats"),
+            probe=options.get("probe"),
+            holds=options.get("holds"),
+        )
         self._owner = options.get("owner")
-        self._limiter = AuthLimiter(options.get("clock", time.monotonic))
+        self._limiter = tokens.AuthLimiter(options.get("clock", time.monotonic))
         # Writes are serialised: each one checks, writes the env file, then the row.
         self._lock = threading.Lock()
 
@@ -349,7 +277,7 @@ class MeshAPI(Resource):
             return self._answer(
                 request, op, "bad_method", 405, {"error": f"use {allowed.decode()} here"}
             )
-        client = _client(request)
+        client = tokens.client_of(request)
         retry = self._limiter.retry_after(client)
         if retry is not None:
             _limited.inc()
@@ -391,11 +319,11 @@ class MeshAPI(Resource):
         if op == "beat":
             return self._beat(request)
         if op == "stats":
-            return self._host_answer(request, op, host_segment, self._stats)
+            return self._space_calls.host_answer(request, op, host_segment)
         if op == "wake":
-            return self._host_answer(request, op, host_segment, self._probe)
+            return self._space_calls.host_answer(request, op, host_segment)
         if op in ("hold", "release"):
-            return self._hold_or_release(request, op)
+            return self._space_calls.hold_or_release(request, op)
         if op == "digest":
             return self._start(request, op, self._digest, "")
         if op == "list" and request.args.get(b"host"):
@@ -444,85 +372,6 @@ class MeshAPI(Resource):
             self._finish(request, still, op, "error", 500, _INTERNAL)
 
         d.addCallbacks(done, failed)
-        return NOT_DONE_YET
-
-    def _host_answer(
-        self, request: Request, op: str, segment: bytes, provider: HostAnswer | None
-    ) -> bytes | int:
-        """``GET /api/mesh/stats/{host}`` and ``POST /api/mesh/wake/{host}`` (the module
-        docstring): this box's own answer about one host, with ``box``; answered on the reactor
-        (a stats read runs in the router's threads, a probe waits on the activator)."""
-        if provider is None:
-            return self._answer(request, op, "not_found", 404, {"error": "not served here"})
-        try:
-            host = hosts.normalise(segment.decode("ascii"))
-        except (UnicodeDecodeError, hosts.InvalidHost) as e:
-            return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
-        still = answerable(request)
-        box = normalise_member_url(self._mesh.self_url)
-
-        def done(result: tuple[int, dict[str, Any]]) -> None:
-            code, body = result
-            outcome = "ok" if code == 200 else str(body.get("reason") or "error")
-            self._finish(request, still, op, outcome, code, {**body, "box": box})
-
-        def failed(failure: Failure) -> None:
-            _log.failure("mesh: {op} of {host} failed", failure, op=op, host=host)
-            self._finish(request, still, op, "error", 500, _INTERNAL)
-
-        Deferred.fromCoroutine(provider(host)).addCallbacks(done, failed)
-        return NOT_DONE_YET
-
-    def _hold_or_release(self, request: Request, op: str) -> bytes | int:
-        """``POST /api/mesh/hold`` / ``/release`` (the module docstring): the row is read in a
-        thread; the hold, the sleep and the release run on the reactor."""
-        holds = self._holds
-        if holds is None:
-            return self._answer(request, op, "not_found", 404, {"error": "not served here"})
-        try:
-            host, seconds = _read_hold(request, with_seconds=op == "hold")
-        except PayloadError as e:
-            return self._answer(request, op, "invalid", 400, {"error": str(e)})
-        still = answerable(request)
-        box = normalise_member_url(self._mesh.self_url)
-        if op == "release":
-            released = holds.release_hold(host)
-            _log.info(
-                "mesh: {host}: a peer lifted its hold here ({what}); it may wake again",
-                host=host,
-                what="released" if released else "there was none left",
-            )
-            outcome = "released" if released else "not_held"
-            return self._answer(request, op, outcome, 200, {"host": host, "released": released})
-
-        def held(route: Route | None) -> Deferred[None] | None:
-            if route is None or route.kind != "instance" or not route.hibernate:
-                error = f"{host} is not a hibernating instance on this box"
-                body = {"error": error, "reason": "unknown_host", "host": host, "box": box}
-                self._finish(request, still, op, "unknown_host", 404, body)
-                return None
-            # The hold first: a request queued meanwhile cannot wake it again once it is asleep.
-            holds.hold(host, seconds, "lchat relocate, asked by a peer")
-            _log.info(
-                "mesh: {host}: a peer's lchat relocate ({client}) asked this box to sleep it and "
-                "hold it asleep for up to {seconds:g}s (until it releases the hold)",
-                host=host,
-                seconds=seconds,
-                client=_client(request),
-            )
-            answer = {"host": host, "held": seconds, "box": box}
-            return holds.sleep(host, "relocate").addCallback(
-                lambda _: self._finish(
-                    request, still, op, "held", 200, {**answer, "state": holds.state(host)}
-                )
-            )
-
-        def failed(failure: Failure) -> None:
-            _log.failure("mesh: holding {host} for a peer failed", failure, host=host)
-            self._finish(request, still, op, "error", 500, _INTERNAL)
-
-        d: Deferred[Route | None] = self._run(lambda: self._registry.get(host))
-        d.addCallback(held).addErrback(failed)
         return NOT_DONE_YET
 
     # --- checks, on the reactor (cheap) -------------------------------------------------------
@@ -858,41 +707,6 @@ class MeshAPI(Resource):
         request.finish()
 
 
-def _read_hold(request: Request, *, with_seconds: bool) -> tuple[str, float]:
-    """The body of ``POST /api/mesh/hold`` (``{"host", "seconds"}``) or ``/release``
-    (``{"host"}``): exactly those fields, the host normalised, the seconds in (0, 3600]."""
-    content_type = (request.getHeader(b"content-type") or b"").decode("latin-1")
-    if content_type.partition(";")[0].strip().lower() != "application/json":
-        raise PayloadError("Content-Type must be application/json")
-    if getattr(request, "too_large", False):
-        raise PayloadError(f"the body is larger than {MAX_BODY} bytes")
-    raw = request.content.read(MAX_BODY + 1) if request.content is not None else b""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise PayloadError(f"the body is not JSON: {e}") from e
-    fields = {"host", "seconds"} if with_seconds else {"host"}
-    if not isinstance(body, dict) or set(body) != fields:
-        raise PayloadError(f"the body must be an object with exactly {', '.join(sorted(fields))}")
-    if not isinstance(body["host"], str):
-        raise PayloadError("host must be a string")
-    try:
-        host = hosts.normalise(body["host"])
-    except hosts.InvalidHost as e:
-        raise PayloadError(f"host: {e}") from e
-    if not with_seconds:
-        return host, 0.0
-    seconds = body["seconds"]
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not math.isfinite(seconds)
-        or not 0 < seconds <= MAX_HOLD
-    ):
-        raise PayloadError(f"seconds must be a number more than 0, at most {MAX_HOLD:g}")
-    return host, float(seconds)
-
-
 def _unrunnable(space_command: Sequence[str], host: str) -> str | None:
     """Why the space command, ``{host}`` filled in, cannot run here, or None. Blocking (a stat
     or a PATH search): called in the API's worker thread."""
@@ -945,15 +759,6 @@ def mesh_site(
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def _client(request: Request) -> str:
-    """The client's address (the module docstring): the last X-Forwarded-For entry, else "local"."""
-    values = request.requestHeaders.getRawHeaders(b"x-forwarded-for") or []
-    if not values:
-        return "local"
-    last = values[-1].rsplit(b",", 1)[-1].strip()
-    return last.decode("ascii", "replace")[:64] or "local"
 
 
 def _read_private(path: str) -> bytes | None:

@@ -10,17 +10,34 @@ Invariants: both values are compared on every check, each in constant time (how 
 says nothing about which value matched, or whether one did); a use of the accepted value is counted
 in :data:`ACCEPT_TOKEN_USES` (by ``use``) and logged the first time per process and use, naming
 the metric an operator watches before dropping ``LCHAT_MESH_TOKEN_ACCEPT``.
+
+Failed authentication on the mesh API is rate-limited per client address (:class:`AuthLimiter`): each 401
+takes a token from the client's bucket (:data:`AUTH_FAILURES_BURST`, refilled one per
+:data:`AUTH_FAILURE_EVERY` seconds); with none left, every request of that client — whatever
+token it carries, so that guessing gains nothing — is answered 429 with ``Retry-After`` until one
+is back, counted in ``lchat_mesh_auth_limited_total`` and logged once per episode. The client is
+the last ``X-Forwarded-For`` entry, which this box's proxy appends (the API is reached only
+through it, or on its unix socket: "local").
 """
 
 from __future__ import annotations
 
 import hmac
+import math
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Literal
 
 from prometheus_client import Counter
 from twisted.logger import Logger
+from twisted.web.server import Request
 
 ACCEPT_ENV = "LCHAT_MESH_TOKEN_ACCEPT"
+# (A peer with a stale token during a botched rotation retries far less often than one 401 every
+# AUTH_FAILURE_EVERY seconds; a guesser gets 10 guesses a minute at most.)
+AUTH_FAILURES_BURST = 10
+AUTH_FAILURE_EVERY = 6.0
+AUTH_CLIENTS = 10_000  # client buckets kept (least recently failed dropped first)
 
 Match = Literal["current", "accept"]
 Use = Literal["api", "forwarded", "heartbeat"]
@@ -65,3 +82,65 @@ def note_accept_use(use: Use) -> None:
         env=ACCEPT_ENV,
         use=use,
     )
+
+
+class AuthLimiter:
+    """A token bucket per client address for failed mesh-API authentication (the module
+    docstring). Invariants: a client with an empty bucket is refused before its token is
+    looked at; at most :data:`AUTH_CLIENTS` buckets are kept (the least recently failing client
+    is forgotten first: it starts again with a full bucket, which costs a guesser nothing it
+    did not have)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        burst: int = AUTH_FAILURES_BURST,
+        every: float = AUTH_FAILURE_EVERY,
+        clients: int = AUTH_CLIENTS,
+    ) -> None:
+        self._clock = clock
+        self.burst = burst
+        self.every = every
+        self._clients = clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
+        self._limited: set[str] = set()  # clients refused since their last refill (logged)
+
+    def _tokens(self, client: str) -> float:
+        got = self._buckets.get(client)
+        if got is None:
+            return float(self.burst)
+        tokens, at = got
+        return min(float(self.burst), tokens + (self._clock() - at) / self.every)
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds until ``client`` may try again (at least 1), or None: it may now."""
+        tokens = self._tokens(client)
+        if tokens >= 1.0:
+            self._limited.discard(client)
+            return None
+        return max(1, math.ceil((1.0 - tokens) * self.every))
+
+    def failed(self, client: str) -> None:
+        """``client`` failed to authenticate: one token less."""
+        tokens = max(0.0, self._tokens(client) - 1.0)
+        self._buckets[client] = (tokens, self._clock())
+        self._buckets.move_to_end(client)
+        while len(self._buckets) > self._clients:
+            gone, _ = self._buckets.popitem(last=False)
+            self._limited.discard(gone)
+
+    def first_refusal(self, client: str) -> bool:
+        """True once per episode of refusals of ``client`` (for one log line)."""
+        if client in self._limited:
+            return False
+        self._limited.add(client)
+        return True
+
+
+def client_of(request: Request) -> str:
+    """A mesh API client's address (the module docstring): the last X-Forwarded-For entry, else "local"."""
+    values = request.requestHeaders.getRawHeaders(b"x-forwarded-for") or []
+    if not values:
+        return "local"
+    last = values[-1].rsplit(b",", 1)[-1].strip()
+    return last.decode("ascii", "replace")[:64] or "local"
