@@ -93,8 +93,38 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE routes ADD COLUMN settings_gen INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE routes ADD COLUMN settings_hash TEXT NOT NULL DEFAULT ''",
     ),
+    (
+        # A removed replicated row's tombstone (lchat.mesh.sync, docs/mesh.md "What travels"):
+        # its generation (above the row's last one) beats every older copy a peer may still
+        # hold, so anti-entropy never brings the row back; purged once that generation is older
+        # than TOMBSTONE_RETENTION_MS. No trigger: a tombstone does not route anything.
+        """CREATE TABLE tombstones (
+            host        TEXT PRIMARY KEY,
+            gen         INTEGER NOT NULL,
+            home_region TEXT NOT NULL DEFAULT '',
+            deleted_at  INTEGER NOT NULL DEFAULT 0
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+# How long a tombstone is kept, by its generation (unix ms of the delete, Lamport-raised): a row
+# whose generation is older than this is never created by anti-entropy (lchat.mesh.sync), so a
+# purged tombstone can never be undone by a copy it would have beaten.
+TOMBSTONE_RETENTION_MS = 30 * 24 * 3600 * 1000
+
+
+@frozen
+class Tombstone:
+    """A replicated row removed here: ``gen`` above every generation the row had (so a peer's
+    older copy loses to it), ``home_region`` the row's (the mesh scope of the host), ``deleted_at``
+    unix seconds of this box's record."""
+
+    host: str
+    gen: int
+    home_region: str = ""
+    deleted_at: int = 0
 
 
 class RegistryError(Exception):
@@ -119,6 +149,18 @@ class Stale(RegistryError):
             f"{existing.settings_gen}, newer than the write"
         )
         self.existing = existing
+
+
+class Tombstoned(RegistryError):
+    """A replicated write of a host removed here with a newer generation than the write's: the
+    delete wins (nothing was written). ``tombstone`` is the one kept."""
+
+    def __init__(self, tombstone: Tombstone) -> None:
+        super().__init__(
+            f"{tombstone.host}: removed on this box at settings generation {tombstone.gen}, "
+            f"newer than the write"
+        )
+        self.tombstone = tombstone
 
 
 class Conflict(RegistryError):
@@ -363,6 +405,62 @@ class Registry:
             cursor = conn.execute("DELETE FROM routes WHERE host = ?", (host,))
             return cursor.rowcount > 0
 
+    def delete_with_tombstone(self, host: str, now_ms: int) -> tuple[Route, Tombstone] | None:
+        """``lchat remove-instance`` of a row that replicates on a mesh: delete it and keep its
+        tombstone, in one transaction, at generation ``max(now_ms, row's gen + 1, an older
+        tombstone's + 1)``, so that no peer's copy brings it back. None when there was no row."""
+        with self.connect() as conn, write_transaction(conn):
+            existing = _select(conn, host)
+            if existing is None:
+                return None
+            conn.execute("DELETE FROM routes WHERE host = ?", (host,))
+            tomb = self._bury(conn, existing, now_ms)
+        return existing, tomb
+
+    # --- tombstones (lchat.mesh.sync) ---------------------------------------------------------
+
+    def tombstones(self) -> dict[str, Tombstone]:
+        """Every tombstone kept here, by host."""
+        with self.connect() as conn:
+            rows = conn.execute(
+                "SELECT host, gen, home_region, deleted_at FROM tombstones ORDER BY host"
+            ).fetchall()
+        return {row["host"]: Tombstone(*row) for row in rows}
+
+    def tombstone(self, host: str) -> Tombstone | None:
+        with self.connect() as conn:
+            return _tombstone(conn, host)
+
+    def record_tombstone(self, host: str, gen: int, home_region: str) -> Tombstone:
+        """A peer's tombstone of a host this box holds no row of: kept (the higher generation
+        wins), so that no third box's older copy creates it here either."""
+        with self.connect() as conn, write_transaction(conn):
+            found = _tombstone(conn, host)
+            if found is not None and found.gen >= gen:
+                return found
+            tomb = Tombstone(host, gen, home_region, int(self._clock()))
+            _write_tombstone(conn, tomb)
+        return tomb
+
+    def purge_tombstones(self, older_than_ms: int) -> list[str]:
+        """Forget the tombstones whose generation is below ``older_than_ms``; their hosts."""
+        with self.connect() as conn, write_transaction(conn):
+            hosts_ = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT host FROM tombstones WHERE gen < ? ORDER BY host", (older_than_ms,)
+                )
+            ]
+            conn.execute("DELETE FROM tombstones WHERE gen < ?", (older_than_ms,))
+        return hosts_
+
+    def _bury(self, conn: sqlite3.Connection, route: Route, now_ms: int) -> Tombstone:
+        older = _tombstone(conn, route.host)
+        gen = max(int(now_ms), route.settings_gen + 1, (older.gen + 1) if older else 0)
+        tomb = Tombstone(route.host, gen, route.home_region, int(self._clock()))
+        _write_tombstone(conn, tomb)
+        return tomb
+
     # --- route replication (lchat.mesh.api) ---------------------------------------------------
 
     def bump_settings(
@@ -376,8 +474,9 @@ class Registry:
     ) -> Route | None:
         """Give ``host``'s row a new settings generation, ``max(now_ms, gen + 1)`` (so that a
         clock behind the last writer's never rolls a change back), and ``settings_hash``, in one
-        transaction: a local change of the space's settings, to be pushed to the peers. Raises
-        :class:`UnknownHost`.
+        transaction: a local change of the space's settings, to be pushed to the peers. A
+        tombstone of the host (it was removed, and is added again) is forgotten, the generation
+        raised above it. Raises :class:`UnknownHost`.
 
         ``expect``: only while the row still holds this (generation, hash); otherwise nothing is
         written and None is returned (a compare-and-swap: lchat.mesh.sync's sweep). ``keep_gen``:
@@ -389,6 +488,11 @@ class Registry:
             if expect is not None and (existing.settings_gen, existing.settings_hash) != expect:
                 return None
             gen = existing.settings_gen if keep_gen else max(int(now_ms), existing.settings_gen + 1)
+            buried = _tombstone(conn, host)
+            if buried is not None and not keep_gen:
+                # The same host re-added after a remove: above its tombstone, which goes.
+                gen = max(gen, buried.gen + 1)
+                conn.execute("DELETE FROM tombstones WHERE host = ?", (host,))
             route = evolve(
                 existing,
                 settings_gen=gen,
@@ -422,7 +526,8 @@ class Registry:
         ``accept``: asked, inside the transaction, whether ``route`` may replace the existing row
         (the settings generations' order: lchat.mesh.settings.newer); when it says no, nothing is
         written and :class:`Stale` is raised. The settings generation and hash are written with
-        the replicated fields.
+        the replicated fields. Over no row but a tombstone, ``route`` is inserted only when its
+        generation is above the tombstone's (which goes); otherwise :class:`Tombstoned`.
         """
         route = validate(route)
         if not route.replicated:
@@ -433,6 +538,11 @@ class Registry:
         with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, route.host)
             if existing is None:
+                buried = _tombstone(conn, route.host)
+                if buried is not None:
+                    if buried.gen >= route.settings_gen:  # (a write without a gen: 0)
+                        raise Tombstoned(buried)
+                    conn.execute("DELETE FROM tombstones WHERE host = ?", (route.host,))
                 result = evolve(route, created_at=route.created_at or now, updated_at=now)
                 _insert(conn, result)
                 return result, True
@@ -460,16 +570,26 @@ class Registry:
             _update(conn, result, _REPLICATED_COLUMNS)
         return result, False
 
-    def delete_replicated(self, host: str) -> Route | None:
+    def delete_replicated(
+        self, host: str, gen: int | None = None, now_ms: int | None = None
+    ) -> Route | None:
         """Delete ``host``'s row when it is replicated (a hibernating instance or a lives-elsewhere
-        row: :attr:`Route.replicated`) (a peer's tombstone), in one
-        transaction. Returns the row deleted, or None when there was none. Raises
-        :class:`Conflict` for a service or a space that does not hibernate."""
+        row: :attr:`Route.replicated`) (a peer's tombstone), in one transaction, keeping this
+        box's tombstone of it at generation ``max(gen or now_ms, row's gen + 1)`` (``now_ms``:
+        the registry's clock by default). ``gen``: the peer's tombstone's; a row newer than it
+        (added again since) is kept (:class:`Stale`). Returns the row deleted, or None when
+        there was none. Raises :class:`Conflict` for a service or a space that does not
+        hibernate."""
+        if now_ms is None:
+            now_ms = int(self._clock() * 1000)
         with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, host)
             if existing is not None:
                 _refuse_replicated(existing)
+                if gen is not None and gen <= existing.settings_gen:
+                    raise Stale(existing)
                 conn.execute("DELETE FROM routes WHERE host = ?", (host,))
+                self._bury(conn, existing, gen if gen is not None else now_ms)
         return existing
 
     def fingerprint(self) -> tuple[Any, ...]:
@@ -531,6 +651,21 @@ _REPLICATED_COLUMNS = (
 def _select(conn: sqlite3.Connection, host: str) -> Route | None:
     found = conn.execute(f"{_SELECT} WHERE host = ?", (host,)).fetchone()
     return _route_from_row(found) if found is not None else None
+
+
+def _tombstone(conn: sqlite3.Connection, host: str) -> Tombstone | None:
+    found = conn.execute(
+        "SELECT host, gen, home_region, deleted_at FROM tombstones WHERE host = ?", (host,)
+    ).fetchone()
+    return Tombstone(*found) if found is not None else None
+
+
+def _write_tombstone(conn: sqlite3.Connection, tomb: Tombstone) -> None:
+    conn.execute(
+        "INSERT OR REPLACE INTO tombstones (host, gen, home_region, deleted_at) "
+        "VALUES (?, ?, ?, ?)",
+        (tomb.host, tomb.gen, tomb.home_region, tomb.deleted_at),
+    )
 
 
 def _update(conn: sqlite3.Connection, route: Route, names: Iterable[str]) -> None:

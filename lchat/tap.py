@@ -458,6 +458,7 @@ def _settings_sync(
         mesh.owner_url,
         api.apply,
         run_in_thread=run,
+        apply_delete=api.apply_delete,
         lock=api.write_lock,
     )
 

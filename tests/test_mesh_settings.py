@@ -19,15 +19,22 @@ from typing import Any
 from attrs import evolve
 from prometheus_client import REGISTRY
 from twisted.internet import reactor as _reactor
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.task import Clock, deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config, hosts
 from lchat.mesh import api, client, settings
+from lchat.mesh.route_payload import parse_payload
 from lchat.mesh.sync import SettingsSync
-from lchat.registry import MIGRATIONS, SCHEMA_VERSION, Registry, UnknownHost
+from lchat.registry import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    TOMBSTONE_RETENTION_MS,
+    Registry,
+    UnknownHost,
+)
 from lchat.threads import thread_runner
 from tests import s3servers, test_mesh
 from tests import test_mesh_api as api_tests
@@ -247,6 +254,7 @@ class SyncTests(TestCase):
         )
         self.clock = Clock()
         self.jitter = 0.5
+        self.now_ms = 1_000
         self.members = [api_tests.member(self.served.url)]
 
     def sync(self) -> SettingsSync:
@@ -260,8 +268,9 @@ class SyncTests(TestCase):
             lambda route: "https://nobody.example.net",
             self.api.apply,
             run_in_thread=thread_runner(reactor),
+            apply_delete=self.api.apply_delete,
             jitter=lambda: self.jitter,
-            now_ms=lambda: 1_000,
+            now_ms=lambda: self.now_ms,
         )
         sync.startService()
         self.addCleanup(sync.stopService)
@@ -293,7 +302,7 @@ class SyncTests(TestCase):
     @inlineCallbacks
     def test_a_newer_generation_is_pulled_and_applied(self) -> Any:
         self.both(gen=500)
-        applied = _sample("lchat_mesh_sync_applied_total")
+        applied = _sample("lchat_mesh_sync_applied_total", kind="settings")
         sync = self.sync()
         self.clock.advance(9.9)
         self.assertIsNone(sync._round)
@@ -302,32 +311,143 @@ class SyncTests(TestCase):
         row = self.here.registry.get(api_tests.HOST)
         assert row is not None
         self.assertEqual((row.replication, row.settings_gen), ("daily", 500))
-        self.assertEqual(_sample("lchat_mesh_sync_applied_total"), applied + 1)
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total", kind="settings"), applied + 1)
         self.assertEqual(len(self.clock.getDelayedCalls()), 1)  # the next round, scheduled
         # Nothing newer there: the next round takes nothing.
         self.clock.advance(10.0)
         yield self.round_done(sync)
-        self.assertEqual(_sample("lchat_mesh_sync_applied_total"), applied + 1)
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total", kind="settings"), applied + 1)
 
     @inlineCallbacks
-    def test_an_older_peer_copy_is_left_and_a_host_not_held_is_not_created(self) -> Any:
+    def test_an_older_peer_copy_is_left_and_a_host_missed_is_created(self) -> Any:
         for box in (self.here, self.peer):
             route = box.add(api_tests.HOST)
             settings.bump(box.registry, box.data, "http://x", route, 900 if box is self.here else 5)
-        self.peer.add(f"other.{api_tests.DOMAIN}")
+        other = f"other.{api_tests.DOMAIN}"
+        self.peer.add(other)
         settings.bump(
             self.peer.registry,
             self.peer.data,
             "http://x",
-            self.peer.registry.get(f"other.{api_tests.DOMAIN}"),  # type: ignore[arg-type]
+            self.peer.registry.get(other),  # type: ignore[arg-type]
             7,
         )
+        created = _sample("lchat_mesh_sync_applied_total", kind="created")
         sync = self.sync()
         yield sync.sync_once()
         row = self.here.registry.get(api_tests.HOST)
         assert row is not None
         self.assertEqual(row.settings_gen, 900)
-        self.assertIsNone(self.here.registry.get(f"other.{api_tests.DOMAIN}"))
+        # The host this box missed at its creation: created here, row and env file, as a push.
+        made = self.here.registry.get(other)
+        assert made is not None
+        self.assertEqual((made.settings_gen, made.hibernate, made.status), (7, True, "ready"))
+        with open(self.here.env_path(other)) as f:
+            self.assertEqual(f.read(), f"LCHAT_ADMIN_TOKEN=tok-{other}\n")
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total", kind="created"), created + 1)
+        yield sync.sync_once()  # held now: nothing more to take
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total", kind="created"), created + 1)
+
+    @inlineCallbacks
+    def test_a_peer_tombstone_removes_the_row_and_keeps_member_data(self) -> Any:
+        for box in (self.here, self.peer):
+            settings.bump(box.registry, box.data, "http://x", box.add(api_tests.HOST), 5)
+        with open(hosts.db_path(self.here.data, api_tests.HOST), "wb") as f:
+            f.write(b"members")
+        removed = self.peer.registry.delete_with_tombstone(api_tests.HOST, 50)
+        assert removed is not None
+        self.assertEqual(removed[1].gen, 50)
+        deleted = _sample("lchat_mesh_sync_applied_total", kind="deleted")
+        sync = self.sync()
+        yield sync.sync_once()
+        self.assertIsNone(self.here.registry.get(api_tests.HOST))
+        self.assertFalse(os.path.exists(self.here.env_path(api_tests.HOST)))
+        self.assertTrue(os.path.exists(hosts.db_path(self.here.data, api_tests.HOST)))
+        tomb = self.here.registry.tombstone(api_tests.HOST)
+        assert tomb is not None
+        self.assertEqual(tomb.gen, 50)  # the peer's: both boxes hold the same tombstone
+        self.assertEqual(_sample("lchat_mesh_sync_applied_total", kind="deleted"), deleted + 1)
+
+    @inlineCallbacks
+    def test_a_stale_copy_never_brings_a_removed_row_back_and_a_re_add_does(self) -> Any:
+        for box in (self.here, self.peer):
+            settings.bump(box.registry, box.data, "http://x", box.add(api_tests.HOST), 5)
+        self.here.registry.delete_with_tombstone(api_tests.HOST, 50)  # the peer missed it
+        sync = self.sync()
+        yield sync.sync_once()
+        self.assertIsNone(self.here.registry.get(api_tests.HOST))
+        # Nor does a push of the old copy (the same upsert path): answered stale.
+        payload = client.route_payload(self.peer.registry.get(api_tests.HOST), {})  # type: ignore[arg-type]
+        answer = yield deferToThread(lambda: self.api._upsert(parse_payload(payload)))
+        self.assertEqual(answer[1], {"host": api_tests.HOST, "result": "stale", "gen": 50})
+        self.assertIsNone(self.here.registry.get(api_tests.HOST))
+        # The peer takes the tombstone from this box's digest (its own sync), member data kept.
+        peer_api = api.MeshAPI(
+            self.peer.registry,
+            self.peer.cfg(),
+            lambda r: None,
+            run_in_thread=thread_runner(reactor),
+        )
+        here_served = api_tests.Served(self, self.here)
+        peer_sync = SettingsSync(
+            reactor,
+            Clock(),
+            self.peer.cfg().mesh,  # type: ignore[arg-type]
+            self.peer.data,
+            self.peer.registry,
+            lambda: [api_tests.member(here_served.url)],
+            lambda route: "https://nobody.example.net",
+            peer_api.apply,
+            run_in_thread=thread_runner(reactor),
+            apply_delete=peer_api.apply_delete,
+            now_ms=lambda: 1_000,
+        )
+        yield peer_sync.sync_once()
+        self.assertIsNone(self.peer.registry.get(api_tests.HOST))
+        # Added again on the peer: above the tombstone it holds now, so it comes back here.
+        route = self.peer.add(api_tests.HOST)
+        again = settings.bump(self.peer.registry, self.peer.data, "http://x", route, 20)
+        self.assertEqual(again.settings_gen, 51)
+        self.assertIsNone(self.peer.registry.tombstone(api_tests.HOST))
+        yield sync.sync_once()
+        row = self.here.registry.get(api_tests.HOST)
+        assert row is not None
+        self.assertEqual(row.settings_gen, 51)
+        self.assertIsNone(self.here.registry.tombstone(api_tests.HOST))
+
+    @inlineCallbacks
+    def test_a_row_older_than_the_retention_is_not_created_and_old_tombstones_go(self) -> Any:
+        settings.bump(self.peer.registry, self.peer.data, "x", self.peer.add(api_tests.HOST), 5)
+        self.here.registry.record_tombstone(f"gone.{api_tests.DOMAIN}", 6, "")
+        self.now_ms = 7 + TOMBSTONE_RETENTION_MS
+        purged = _sample("lchat_mesh_tombstones_purged_total")
+        sync = self.sync()
+        yield sync.sync_once()
+        self.assertIsNone(self.here.registry.get(api_tests.HOST))  # `lchat mesh-seed` takes it
+        self.assertEqual(self.here.registry.tombstones(), {})
+        self.assertEqual(_sample("lchat_mesh_tombstones_purged_total"), purged + 1)
+
+    @inlineCallbacks
+    def test_an_older_peer_digest_without_tombstones(self) -> Any:
+        """A peer from before tombstones answers ``?tombstones=1`` with its rows alone: this box
+        creates what it missed, and a row it removed stays removed (its own tombstone)."""
+        # The peer's API as an older lchat serves it: the query ignored, the rows' shape.
+        resource: api.MeshAPI = self.served.site.resource
+        older = api.MeshAPI._digest
+        resource._digest = lambda with_tombstones=False: older(resource)  # type: ignore[method-assign]
+        for host, gen in ((api_tests.HOST, 5), (f"other.{api_tests.DOMAIN}", 8)):
+            settings.bump(self.peer.registry, self.peer.data, "x", self.peer.add(host), gen)
+        self.peer.registry.record_tombstone(f"gone.{api_tests.DOMAIN}", 9, "")  # never sent
+        self.here.registry.record_tombstone(api_tests.HOST, 50, "")
+        rows, buried = yield Deferred.fromCoroutine(
+            client.settings_digest_and_tombstones(self.served.url, api_tests.TOKEN, reactor=reactor)
+        )
+        self.assertEqual(set(rows), {api_tests.HOST, f"other.{api_tests.DOMAIN}"})
+        self.assertEqual(buried, {})
+        sync = self.sync()
+        yield sync.sync_once()
+        self.assertIsNone(self.here.registry.get(api_tests.HOST))
+        self.assertIsNotNone(self.here.registry.get(f"other.{api_tests.DOMAIN}"))
 
     @inlineCallbacks
     def test_an_unreachable_peer_is_counted(self) -> Any:

@@ -554,13 +554,21 @@ def cmd_remove(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     registry = open_registry(cfg)
     route = registry.get(host)
-    if route is None or not registry.delete(host):
+    tomb_gen: int | None = None
+    if route is not None and mesh_cli.tombstoned(cfg, route):
+        # A mesh row: its tombstone stays here, so no peer's older copy brings it back.
+        removed = registry.delete_with_tombstone(host, int(time.time() * 1000))
+        route, tomb_gen = (removed[0], removed[1].gen) if removed else (None, None)
+    elif route is not None and not registry.delete(host):
+        route = None
+    if route is None:
         raise CliError(f"{host} is not registered")
     # Stop routing first, then stop the process: no request is sent to a socket going away.
     _router(cfg).notify()
     _out(f"removed {host}; no files were deleted")
-    # With the mesh on, peers holding a replicated row get a tombstone (best-effort).
-    mesh_cli.fan_out_delete(cfg, route, _note)
+    # With the mesh on, peers holding a replicated row get a tombstone (best-effort; a peer
+    # missed takes it from this box's digest: docs/mesh.md, "What travels").
+    mesh_cli.fan_out_delete(cfg, route, _note, tomb_gen)
     if not args.stop:
         return 0
     if route.kind == "service":

@@ -153,14 +153,21 @@ def publish_change(cfg: BoxConfig, registry: Registry, route: Route, say: Say) -
     return fan_out_upsert(cfg, route, say)
 
 
-def fan_out_delete(cfg: BoxConfig, route: Route, say: Say) -> None:
-    """Send ``route``'s tombstone to the live peers (it was just removed here); never raises."""
+def tombstoned(cfg: BoxConfig, route: Route) -> bool:
+    """Does removing ``route`` here leave a tombstone (lchat.registry.Tombstone): an instance of
+    a mesh host, whose copies the peers hold."""
+    return cfg.mesh is not None and route.kind == "instance" and replicates(cfg.mesh, route)
+
+
+def fan_out_delete(cfg: BoxConfig, route: Route, say: Say, gen: int | None = None) -> None:
+    """Send ``route``'s tombstone (generation ``gen``, kept here) to the live peers (it was just
+    removed here); never raises."""
     mesh = cfg.mesh
     if mesh is None or route.kind != "instance":
         return  # services do not replicate, so there is nothing of theirs to remove
 
     async def call(member: Member, reactor: TCPReactor, seconds: float) -> str:
-        deleted = await _delete(mesh, member.url, route.host, seconds, reactor)
+        deleted = await _delete(mesh, member.url, route.host, seconds, reactor, gen)
         return "deleted" if deleted else "had no row"
 
     _fan_out(cfg, route, "tombstoned", call, say)
@@ -184,11 +191,16 @@ async def _push(
 
 
 async def _delete(
-    mesh: MeshConfig, url: str, host: str, seconds: float, reactor: TCPReactor
+    mesh: MeshConfig,
+    url: str,
+    host: str,
+    seconds: float,
+    reactor: TCPReactor,
+    gen: int | None = None,
 ) -> bool:
-    """Tombstone ``host`` on the peer at ``url``; whether it had a row."""
+    """Tombstone ``host`` on the peer at ``url`` (at generation ``gen``); whether it had a row."""
     return await client.delete_route(
-        url, mesh.token, host, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
+        url, mesh.token, host, gen, ca_file=mesh.ca_file, timeout=seconds, reactor=reactor
     )
 
 

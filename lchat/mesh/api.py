@@ -39,13 +39,18 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
     replaced, atomically and mode 0600, by exactly the ``env`` given: this *materialises* the route,
     so its first wake on this box needs nothing else. 201 ``{"host", "result": "created"}`` or 200
     ``{"host", "result": "updated"}``; 409 when the host is a service or a non-hibernating space on
-    this box (a local space is never hijacked).
+    this box (a local space is never hijacked). Over no row but a tombstone of the host (removed
+    here: :class:`lchat.registry.Tombstone`), only a payload whose ``gen`` is above the tombstone's
+    creates it; otherwise 200 ``{"result": "stale", "gen": <the tombstone's>}``.
 
 ``DELETE /api/mesh/route/{host}``
     A tombstone, idempotent: removes the row, ``<data>/<host>.env`` and ``<data>/<host>-bot.env``;
     never member data (``<host>.db`` and its ``-wal``/``-shm`` stay). 200 ``{"host", "deleted":
     true|false}`` (an absent row is not an error, and its files are left alone); 409 as above; 400
-    for a row out of scope.
+    for a row out of scope. Optional ``?gen=N``: the sender's tombstone generation. This box keeps
+    a tombstone of the host at ``max(N, the row's gen + 1)`` (without ``N``, an older peer's:
+    ``max(now in ms, the row's gen + 1)``), over no row too when ``N`` is given; a row whose
+    generation is ``N`` or more (added again since) stays, answered ``"result": "stale"``.
 
 ``GET /api/mesh/routes``
     200 ``{"routes": [payload, ...]}``: every in-scope hibernating instance row, with its env values
@@ -60,7 +65,8 @@ addressed to its own ``LCHAT_MESH_SELF`` host. Bearer ``LCHAT_MESH_TOKEN`` (or, 
 
 ``GET /api/mesh/digest``
     200 ``{host: [settings_gen, settings_hash]}`` of every in-scope replicated row: what a peer's
-    anti-entropy (:mod:`lchat.mesh.sync`) compares with its own. ``GET /api/mesh/routes?host=``
+    anti-entropy (:mod:`lchat.mesh.sync`) compares with its own. ``?tombstones=1``: ``{"rows":
+    that, "tombstones": {host: gen}}`` (an older box ignores the query: the first shape). ``GET /api/mesh/routes?host=``
     lists that one host's row (none: an empty list), for the peer to fetch the newer one.
 
 ``GET /api/mesh/spaces``
@@ -121,7 +127,7 @@ from typing import Any, Required, TypedDict, Unpack
 
 from attrs import evolve
 from prometheus_client import Counter
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred, fail, maybeDeferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -148,7 +154,7 @@ from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
 from lchat.mesh.space_calls import HostAnswer, SpaceCalls, SpaceHolds
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
-from lchat.registry import Conflict, Registry, Route, Stale
+from lchat.registry import Conflict, Registry, Route, Stale, Tombstoned
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
 
@@ -315,7 +321,11 @@ class MeshAPI(Resource):
                 host = hosts.normalise(host_segment.decode("ascii"))
             except (UnicodeDecodeError, hosts.InvalidHost) as e:
                 return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
-            return self._start(request, op, lambda: self._delete(host), host)
+            try:
+                gen = _read_gen(request)
+            except PayloadError as e:
+                return self._answer(request, op, "invalid", 400, {"error": str(e)})
+            return self._start(request, op, lambda: self._delete(host, gen), host)
         if op == "beat":
             return self._beat(request)
         if op == "stats":
@@ -325,7 +335,8 @@ class MeshAPI(Resource):
         if op in ("hold", "release"):
             return self._space_calls.hold_or_release(request, op)
         if op == "digest":
-            return self._start(request, op, self._digest, "")
+            with_tombstones = request.args.get(b"tombstones") == [b"1"]
+            return self._start(request, op, lambda: self._digest(with_tombstones), "")
         if op == "list" and request.args.get(b"host"):
             try:
                 one = hosts.normalise(request.args[b"host"][0].decode("ascii"))
@@ -400,6 +411,13 @@ class MeshAPI(Resource):
         if len(body) > MAX_BODY:
             raise PayloadError(f"the body is larger than {MAX_BODY} bytes")
         payload = decode_payload(body)
+        self.check_payload(payload)
+        return payload
+
+    def check_payload(self, payload: RoutePayload) -> None:
+        """The checks of a peer's route beyond its shape (a push's, or one anti-entropy fetched):
+        ``lives_at`` a member and not this box, the host in this box's scope. Raises
+        :class:`PayloadError`."""
         if payload.lives_at and payload.lives_at == normalise_member_url(self._mesh.self_url):
             raise PayloadError(
                 f"lives_at {payload.lives_at} is this box: a space that runs here always-on is "
@@ -412,7 +430,6 @@ class MeshAPI(Resource):
                 f"{payload.host} is not in this box's mesh scope (not under "
                 f"{', '.join(self._mesh.domains)}, and its home region is not this box's)"
             )
-        return payload
 
     def _from_owner(self, request: Request, payload: RoutePayload) -> bool:
         """Is the sender (its :data:`~lchat.mesh.client.SENDER_HEADER`) the host's owner by the
@@ -522,6 +539,15 @@ class MeshAPI(Resource):
                         raise
             except Stale as e:  # a local change landed between the check and the write
                 return self._stale(payload, e.existing)
+            except Tombstoned as e:  # removed here after the settings it carries (env put back)
+                _log.info(
+                    "mesh: route {host} from a peer not created: it was removed (settings gen "
+                    "{mine}, the payload's {theirs})",
+                    host=host,
+                    mine=e.tombstone.gen,
+                    theirs=payload.gen or "none",
+                )
+                return 200, {"host": host, "result": "stale", "gen": e.tombstone.gen}, "stale"
         result = "created" if created else "updated"
         if payload.lives_at:
             _log.info(
@@ -564,16 +590,34 @@ class MeshAPI(Resource):
         )
         return 200, {"host": host, "result": "stale", "gen": existing.settings_gen}, "stale"
 
-    def _delete(self, host: str) -> tuple[int, dict[str, Any], str]:
+    def _delete(self, host: str, gen: int | None = None) -> tuple[int, dict[str, Any], str]:
+        """A peer's tombstone of ``host`` (``gen``: its generation; None from an older peer):
+        the row and its replicated files go, this box keeps a tombstone (lchat.registry). A row
+        newer than ``gen`` (added again since) stays: ``"result": "stale"``. Over no row, a
+        tombstone with a generation is kept all the same (a third box's older copy must not
+        create the host here)."""
         with self._lock:
             existing = self._registry.get(host)
             if existing is None:
+                if gen is not None and in_scope(self._mesh, host, ""):
+                    self._registry.record_tombstone(host, gen, "")
                 return 200, {"host": host, "deleted": False}, "absent"
             if not existing.replicated:
                 raise _conflict(host, existing)
             if not in_scope(self._mesh, host, existing.home_region):
                 raise _Refused(400, f"{host} is not in this box's mesh scope", "invalid")
-            deleted = self._registry.delete_replicated(host)
+            try:
+                deleted = self._registry.delete_replicated(host, gen)
+            except Stale as e:
+                _log.info(
+                    "mesh: route {host}: a peer's tombstone (gen {theirs}) is older than this "
+                    "box's row (gen {mine}): kept",
+                    host=host,
+                    theirs=gen,
+                    mine=e.existing.settings_gen,
+                )
+                body = {"host": host, "deleted": False, "result": "stale"}
+                return 200, {**body, "gen": e.existing.settings_gen}, "stale"
             if deleted is None:
                 return 200, {"host": host, "deleted": False}, "absent"
             # The replicated files only: the member data (<host>.db, -wal, -shm) is never touched.
@@ -586,27 +630,55 @@ class MeshAPI(Resource):
         _log.info("mesh: route {host} deleted by a peer's tombstone (member data kept)", host=host)
         return 200, {"host": host, "deleted": True}, "deleted"
 
-    def _digest(self) -> tuple[int, dict[str, Any], str]:
+    def _digest(self, with_tombstones: bool = False) -> tuple[int, dict[str, Any], str]:
         """``GET /api/mesh/digest``: ``{host: [settings gen, settings hash]}`` of every in-scope
-        replicated row (lchat.mesh.sync compares it with its own)."""
+        replicated row (lchat.mesh.sync compares it with its own); ``?tombstones=1``: ``{"rows":
+        that, "tombstones": {host: gen}}`` (in scope, of hosts with no row here). An older box
+        ignores the query and answers the first shape, which the caller tells apart: no host is
+        named ``rows`` (a host has two labels at least)."""
+        table = self._registry.load()
         digest = {
             route.host: [route.settings_gen, route.settings_hash]
-            for route in self._registry.load()
+            for route in table
             if route.replicated and in_scope(self._mesh, route.host, route.home_region)
         }
-        return 200, digest, "listed"
+        if not with_tombstones:
+            return 200, digest, "listed"
+        buried = {
+            host: tomb.gen
+            for host, tomb in self._registry.tombstones().items()
+            if table.get(host) is None and in_scope(self._mesh, host, tomb.home_region)
+        }
+        return 200, {"rows": digest, "tombstones": buried}, "listed"
 
     def apply(self, payload: RoutePayload, from_owner: bool) -> Deferred[str]:
         """Apply a peer's route that this box fetched itself (lchat.mesh.sync's anti-entropy)
         through the same upsert as ``POST /api/mesh/route``, then reload the route table; fires
         with the result (created, updated, stale). Fails as the upsert does (:class:`_Refused`
-        for a row this box cannot take, :class:`Conflict`)."""
+        for a row this box cannot take, :class:`Conflict`), or as a push's checks
+        (:class:`PayloadError`: :meth:`check_payload`)."""
+        try:
+            self.check_payload(payload)
+        except PayloadError:
+            return fail()
         d: Deferred[tuple[int, dict[str, Any], str]] = self._run(
             lambda: self._upsert(payload, from_owner)
         )
 
         def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
             reloaded = maybeDeferred(self._reload, f"mesh sync {result[2]}: {payload.host}")
+            return reloaded.addBoth(lambda _: result[2])
+
+        return d.addCallback(reload)
+
+    def apply_delete(self, host: str, gen: int) -> Deferred[str]:
+        """Apply a peer's tombstone that this box read in its digest (lchat.mesh.sync) through
+        the same path as ``DELETE /api/mesh/route/{host}?gen=`` (member data kept), then reload
+        the route table; fires with the result (deleted, stale, absent)."""
+        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(lambda: self._delete(host, gen))
+
+        def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
+            reloaded = maybeDeferred(self._reload, f"mesh sync {result[2]}: {host}")
             return reloaded.addBoth(lambda _: result[2])
 
         return d.addCallback(reload)
@@ -705,6 +777,17 @@ class MeshAPI(Resource):
         request.setHeader(b"content-length", str(len(data)).encode())
         request.write(data)
         request.finish()
+
+
+def _read_gen(request: Request) -> int | None:
+    """A DELETE's ``?gen=``: the sender's tombstone generation (absent: an older peer)."""
+    values = request.args.get(b"gen")
+    if not values:
+        return None
+    raw = values[0].decode("ascii", "replace")
+    if not raw.isdigit() or not 0 < int(raw) < 2**53:
+        raise PayloadError("gen must be a positive integer below 2**53")
+    return int(raw)
 
 
 def _unrunnable(space_command: Sequence[str], host: str) -> str | None:

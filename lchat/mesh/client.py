@@ -211,11 +211,12 @@ async def push_route(
 
 
 async def delete_route(
-    peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
+    peer_url: str, token: str, host: str, gen: int | None = None, **options: Unpack[CallOptions]
 ) -> bool:
-    """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer. True when the peer had
-    a row to delete, False when it had none; raises :class:`MeshCallError`."""
-    path = f"{ROUTE_PATH}/{hosts.normalise(host)}"
+    """``DELETE /api/mesh/route/{host}``: tombstone the route on the peer (``gen``: the
+    tombstone's generation, which the peer keeps). True when the peer had a row to delete, False
+    when it had none (or a newer one); raises :class:`MeshCallError`."""
+    path = f"{ROUTE_PATH}/{hosts.normalise(host)}" + ("" if gen is None else f"?gen={gen}")
     status, answer = await _call("DELETE", peer_url, path, token, options)
     deleted = answer.get("deleted")
     if not isinstance(deleted, bool):
@@ -366,6 +367,30 @@ async def settings_digest(
     """``GET /api/mesh/digest``: the peer's ``{host: (settings gen, settings hash)}``; raises
     :class:`MeshCallError` (an answer of any other shape too)."""
     status, answer = await _call("GET", peer_url, DIGEST_PATH, token, options)
+    return _digest_rows(peer_url, status, answer)
+
+
+async def settings_digest_and_tombstones(
+    peer_url: str, token: str, **options: Unpack[CallOptions]
+) -> tuple[dict[str, tuple[int, str]], dict[str, int]]:
+    """``GET /api/mesh/digest?tombstones=1``: the peer's rows (as :func:`settings_digest`) and
+    its tombstones ``{host: gen}``; an older peer, which ignores the query and answers the rows
+    alone, has none. Raises :class:`MeshCallError` (an answer of any other shape too)."""
+    status, answer = await _call("GET", peer_url, DIGEST_PATH + "?tombstones=1", token, options)
+    rows, buried = answer.get("rows"), answer.get("tombstones")
+    if not isinstance(rows, dict) or not isinstance(buried, dict):
+        return _digest_rows(peer_url, status, answer), {}  # an older peer: no host is "rows"
+    tombstones: dict[str, int] = {}
+    for host, gen in buried.items():
+        if not isinstance(gen, int) or isinstance(gen, bool) or not 0 < gen < 2**63:
+            raise MeshCallError(
+                peer_url, f"the digest's tombstone of {host[:80]!r} is malformed", status
+            )
+        tombstones[host] = gen
+    return _digest_rows(peer_url, status, rows), tombstones
+
+
+def _digest_rows(peer_url: str, status: int, answer: dict[str, Any]) -> dict[str, tuple[int, str]]:
     digest: dict[str, tuple[int, str]] = {}
     for host, value in answer.items():
         if (

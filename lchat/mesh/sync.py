@@ -18,13 +18,31 @@ together do not poll together), the router:
    fetches that row (``GET /api/mesh/routes?host=``) and applies it through the mesh API's own
    upsert (:meth:`lchat.mesh.api.MeshAPI.apply`: the same checks and order as a push), logged
    ``mesh: <host> settings gen N from <peer> (was M)`` and counted in
-   ``lchat_mesh_sync_applied_total``. A peer that cannot be asked is logged and counted in
-   ``lchat_mesh_sync_failures_total{peer}``; the next round asks again.
+   ``lchat_mesh_sync_applied_total{kind="settings"}``. A peer that cannot be asked is logged and
+   counted in ``lchat_mesh_sync_failures_total{peer}``; the next round asks again.
+3. **Creates what it missed.** A host the peer holds and this box does not (it was down or cut
+   off at the create) is fetched and created through the same upsert, unless this box keeps a
+   tombstone of it at the peer's generation or above (it was removed here after those
+   settings), or the peer's generation is older than the tombstones' retention
+   (:data:`lchat.registry.TOMBSTONE_RETENTION_MS`: a tombstone that would have beaten it may be
+   gone); logged ``mesh: <host> created from <peer> (missed at its creation)``,
+   ``kind="created"``.
+4. **Removes what was removed.** A peer's tombstone (the digest's ``tombstones``, asked with
+   ``?tombstones=1``; an older peer answers without them) with a generation above this box's row
+   deletes the row through the path of a peer's ``DELETE`` (:meth:`lchat.mesh.api.MeshAPI.
+   apply_delete`: the row, its env files; member data kept), which keeps the tombstone here too;
+   logged ``mesh: <host> removed: <peer> deleted it (gen N)``, ``kind="deleted"``. A tombstone
+   of a host this box holds no row of is kept here as well (a third box's older copy must not
+   create it).
+5. **Forgets old tombstones**: those whose generation is older than the retention, logged.
 
-Invariants: a host this box does not hold is never created here, and one it holds is never
-removed (creates and tombstones travel by push and ``lchat mesh-seed --prune``: a missed
-tombstone must not be undone by a peer's copy); env values are never logged; one round at a
-time, and ``stopService`` waits for the round under way (each call bounded by ``timeout``).
+Invariants: a tombstone beats every copy of its host whose generation is not above it, so a
+missed delete is never undone by a peer's older copy, and a host added again after a delete
+(whose generation is above the tombstone: :meth:`lchat.registry.Registry.bump_settings`) comes
+back everywhere; no row is created from a generation older than the retention, so a purged
+tombstone cannot be undone either; a space this box runs itself (not replicated) is never
+touched; env values are never logged; one round at a time, and ``stopService`` waits for the
+round under way (each call bounded by ``timeout``).
 """
 
 from __future__ import annotations
@@ -50,7 +68,7 @@ from lchat.mesh.members import Member
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, in_scope, parse_payload
 from lchat.reactors import TCPReactor
-from lchat.registry import Registry, RegistryError, Route
+from lchat.registry import TOMBSTONE_RETENTION_MS, Registry, RegistryError, Route, Tombstone
 from lchat.threads import RunInThread
 
 SYNC_CALL_TIMEOUT = 10.0  # seconds per call to one peer
@@ -58,7 +76,13 @@ JITTER = 0.25  # each interval is LCHAT_MESH_SYNC times 1 ± this
 
 _applied = Counter(
     "lchat_mesh_sync_applied_total",
-    "Spaces' settings this box took from a peer's newer copy by anti-entropy (lchat.mesh.sync)",
+    "Rows this box changed by anti-entropy (lchat.mesh.sync), by kind: settings (a peer's newer "
+    "copy), created (a row it missed), deleted (a peer's tombstone)",
+    ["kind"],
+)
+_purged = Counter(
+    "lchat_mesh_tombstones_purged_total",
+    "Tombstones of removed rows forgotten after their retention (lchat.registry)",
 )
 _failures = Counter(
     "lchat_mesh_sync_failures_total",
@@ -73,6 +97,7 @@ _hand_edits = Counter(
 _log = Logger(namespace="lchat.mesh.sync")
 
 Apply = Callable[[RoutePayload, bool], Deferred[str]]
+ApplyDelete = Callable[[str, int], Deferred[str]]
 
 
 class SettingsSync(Service):
@@ -92,6 +117,7 @@ class SettingsSync(Service):
         apply: Apply,
         *,
         run_in_thread: RunInThread,
+        apply_delete: ApplyDelete | None = None,
         lock: AbstractContextManager[Any] | None = None,
         jitter: Callable[[], float] = random.random,
         now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
@@ -99,7 +125,8 @@ class SettingsSync(Service):
     ) -> None:
         """``reactor``: the calls' (the router's); ``clock``: the rounds' timer; ``members``:
         the live membership view (this box included); ``owner``: a row's owner by the hash
-        (MeshRouter.owner_url); ``apply``: the mesh API's upsert; ``jitter``: uniform in
+        (MeshRouter.owner_url); ``apply``: the mesh API's upsert; ``apply_delete``: its
+        peer's-tombstone path (MeshAPI.apply_delete; None: tombstones are not applied); ``jitter``: uniform in
         [0, 1); ``now_ms``: the wall clock for a new generation; ``lock``: the mesh API's write
         lock (MeshAPI.write_lock), held while a row and its env file are compared and bumped."""
         self._reactor = reactor
@@ -110,6 +137,7 @@ class SettingsSync(Service):
         self._members = members
         self._owner = owner
         self._apply = apply
+        self._apply_delete = apply_delete
         self._run = run_in_thread
         self._jitter = jitter
         self._now_ms = now_ms
@@ -148,7 +176,19 @@ class SettingsSync(Service):
         d.addBoth(over)
 
     async def sync_once(self) -> None:
-        """One round: hand edits first (pushed), then every live peer's newer settings."""
+        """One round: hand edits first (pushed), then every live peer's newer settings, missed
+        rows and tombstones; old tombstones forgotten."""
+        purged = await self._run(
+            lambda: self._registry.purge_tombstones(self._now_ms() - TOMBSTONE_RETENTION_MS)
+        )
+        if purged:
+            _purged.inc(len(purged))
+            _log.info(
+                "mesh: forgot {n} tombstone(s) older than {days} days: {hosts}",
+                n=len(purged),
+                days=TOMBSTONE_RETENTION_MS // 86_400_000,
+                hosts=", ".join(purged),
+            )
         changed: list[tuple[Route, dict[str, str]]] = await self._run(self._local_changes)
         for route, env in changed:
             await self._push(route, env)
@@ -244,26 +284,39 @@ class SettingsSync(Service):
             "reactor": self._reactor,
         }
         try:
-            digest = await client.settings_digest(peer, self._mesh.token, **options)
+            digest, buried = await client.settings_digest_and_tombstones(
+                peer, self._mesh.token, **options
+            )
         except client.MeshCallError as e:
             _failures.labels(peer).inc()
             _log.warn("mesh: settings sync: cannot read {peer}'s digest: {e}", peer=peer, e=e)
             return
         table = await self._run(self._registry.load)
+        mine_buried = await self._run(self._registry.tombstones)
+        oldest = self._now_ms() - TOMBSTONE_RETENTION_MS
         for host, (gen, digest_hash) in sorted(digest.items()):
             mine = table.get(host)
-            if mine is None or not mine.replicated:
-                continue  # never created here by a sync; a space of this box's own is its own
+            if mine is None:
+                tomb = mine_buried.get(host)
+                if (tomb is None or gen > tomb.gen) and gen >= oldest and host not in buried:
+                    await self._take(peer, host, None, False, options)
+                continue
+            if not mine.replicated:
+                continue  # a space of this box's own is its own
             from_owner = self._owner(mine) == peer
             if not (
                 gen > mine.settings_gen
                 or (gen == mine.settings_gen and digest_hash != mine.settings_hash and from_owner)
             ):
                 continue
-            await self._take(peer, mine, from_owner, options)
+            await self._take(peer, host, mine, from_owner, options)
+        for host, gen in sorted(buried.items()):
+            await self._bury(peer, host, gen, table.get(host), mine_buried.get(host))
 
-    async def _take(self, peer: str, mine: Route, from_owner: bool, options: Any) -> None:
-        host = mine.host
+    async def _take(
+        self, peer: str, host: str, mine: Route | None, from_owner: bool, options: Any
+    ) -> None:
+        """Fetch ``host``'s row from ``peer`` and apply it: ``mine`` this box's (None: a create)."""
         try:
             body = await client.fetch_route(peer, self._mesh.token, host, **options)
             if body is None:
@@ -285,12 +338,51 @@ class SettingsSync(Service):
             )
             return
         if result == "stale":
-            return  # changed here meanwhile
-        _applied.inc()
+            return  # changed (or removed) here meanwhile
+        if mine is None or result == "created":
+            _applied.labels("created").inc()
+            _log.info(
+                "mesh: {host} created from {peer} (missed at its creation; settings gen {gen})",
+                host=host,
+                peer=peer,
+                gen=payload.gen or 0,
+            )
+            return
+        _applied.labels("settings").inc()
         _log.info(
             "mesh: {host} settings gen {gen} from {peer} (was {was})",
             host=host,
             gen=payload.gen or 0,
             peer=peer,
             was=mine.settings_gen,
+        )
+
+    async def _bury(
+        self, peer: str, host: str, gen: int, mine: Route | None, tomb: Tombstone | None
+    ) -> None:
+        """``peer``'s tombstone of ``host`` at ``gen``: this box's row goes when it is older."""
+        if self._apply_delete is None or (tomb is not None and tomb.gen >= gen):
+            return
+        if mine is not None and (not mine.replicated or mine.settings_gen >= gen):
+            return  # its own space, or added again since: the peer takes it from this digest
+        try:
+            hosts.normalise(host)
+            result = await self._apply_delete(host, gen)
+        except Exception as e:  # a conflict or a bad name: next round
+            _failures.labels(peer).inc()
+            _log.warn(
+                "mesh: settings sync: {peer}'s tombstone of {host} refused: {e}",
+                host=host[:253],
+                peer=peer,
+                e=e,
+            )
+            return
+        if result != "deleted":
+            return  # absent (the tombstone kept) or stale
+        _applied.labels("deleted").inc()
+        _log.info(
+            "mesh: {host} removed: {peer} deleted it (gen {gen}; member data kept)",
+            host=host,
+            peer=peer,
+            gen=gen,
         )
