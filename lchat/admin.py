@@ -23,7 +23,8 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 import lchat
 from lchat import hosts
-from lchat.registry import RouteSource, RouteTable
+from lchat.registry import RouteTable
+from lchat.routesource import RouteSource
 from lchat.supervise import ChildStatus
 from lchat.webutil import QuietSite, answerable
 

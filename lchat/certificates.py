@@ -24,7 +24,7 @@ from lchat.dns import make_provider
 from lchat.listener import listen
 from lchat.objstore.aws import ResolvedCredentials
 from lchat.reactors import Reactor
-from lchat.registry import RouteSource
+from lchat.routesource import RouteSource
 from lchat.shutdown import HibernationService
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite

@@ -36,7 +36,8 @@ from twisted.logger import Logger
 
 from lchat.hibernation.space import WakeFailed
 from lchat.mesh.witness import PeerCallError
-from lchat.registry import Route, RouteSource
+from lchat.registry import Route
+from lchat.routesource import RouteSource
 
 PEER_TIMEOUT = 120.0  # seconds a peer has for its whole probe (a cold wake restores a replica)
 VERSION_TIMEOUT = 5.0  # seconds the awake space has to answer GET /api/version

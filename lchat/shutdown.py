@@ -36,7 +36,7 @@ from lchat.mesh.routing import MeshRouter
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.upstream import UpstreamPool
-from lchat.registry import RouteSource
+from lchat.routesource import RouteSource
 
 _log = Logger(namespace="lchat.tap")
 

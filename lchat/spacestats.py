@@ -82,7 +82,8 @@ from lchat.hibernation.localdb import MARKER_SUFFIX, BucketView, local_state, mo
 from lchat.lease.lock import LOCK_NAME
 from lchat.mesh.witness import PeerCallError
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
-from lchat.registry import Route, RouteSource
+from lchat.registry import Route
+from lchat.routesource import RouteSource
 
 VIEW = "lchat_stats"
 QUERY = "SELECT setup_complete, members, has_content FROM lchat_stats"  # the contract: VIEW

@@ -52,8 +52,9 @@ from lchat.proxy.upstream import UpstreamPool, client_tls_context
 from lchat.reactors import Reactor, installed, whole
 from lchat.readiness import PEER_TIMEOUT, VERSION_TIMEOUT, MeshProbe, Readiness
 from lchat.redirect import RedirectToHTTPS
-from lchat.registry import Registry, RegistryError, RouteSource, RouteTable
+from lchat.registry import Registry, RegistryError, RouteTable
 from lchat.router import Router
+from lchat.routesource import RouteSource
 from lchat.shutdown import (
     BackupService,
     BucketCheck,

@@ -47,7 +47,7 @@ from lchat.certfiles import (
 )
 from lchat.deferutil import fire, settled
 from lchat.proxy.handshakes import NotedSSLObject, handshake_notes
-from lchat.registry import RouteSource
+from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
 
 DEFAULT_SCAN_INTERVAL = 10.0

@@ -21,7 +21,8 @@ from lchat import builds, hosts, isolation
 from lchat.child import ChildSpec
 from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.isolation import IsolationError, SpaceUser
-from lchat.registry import Registry, Route, RouteSource, RouteTable
+from lchat.registry import Registry, Route, RouteTable
+from lchat.routesource import RouteSource
 from lchat.supervise import Supervisor
 from lchat.threads import RunInThread
 

@@ -40,7 +40,8 @@ from lchat.mesh import client as mesh_client
 from lchat.mesh.members import Member
 from lchat.objstore.file import FileStore
 from lchat.objstore.where import Where
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
+from lchat.routesource import RouteSource
 from lchat.systemd_units import UnitError
 from lchat.threads import RunInThread
 from tests.fakes import inline

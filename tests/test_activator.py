@@ -33,8 +33,9 @@ from lchat.hibernation.space import Budgets
 from lchat.objstore import open_store
 from lchat.objstore.where import Where
 from lchat.reactors import installed
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
 from lchat.replica.restore import restore
+from lchat.routesource import RouteSource
 from lchat.tap import build_service, listening_ports
 from lchat.threads import thread_runner
 from tests import s3servers

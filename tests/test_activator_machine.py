@@ -39,9 +39,10 @@ from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.space import Budgets, WakeFailed
 from lchat.lease import LeaseRecord
 from lchat.objstore.file import FileStore
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
 from lchat.replica.restore import SNAPSHOT_LEVEL, replica_files, restore
 from lchat.router import LocalResponse, LocalSocket, Target
+from lchat.routesource import RouteSource
 from lchat.supervise import Supervisor
 from lchat.units import Claims
 from tests.fakes import FakeChild, FakeContract, Journal, RecordingStore, Spawner, inline

@@ -27,10 +27,11 @@ from lchat.config.hibernate import EVERY_DB
 from lchat.hibernation import localdb
 from lchat.objstore import UTC, ObjectInfo
 from lchat.objstore.file import FileStore
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
 from lchat.replica.db import PageFds, ReplicaDB
 from lchat.replica.replicator import Replicator
 from lchat.replica.restore import restore
+from lchat.routesource import RouteSource
 from lchat.threads import thread_runner
 from lchat.units import Claims
 from tests import s3servers

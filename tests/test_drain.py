@@ -33,8 +33,9 @@ from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.sidecars import Sidecars
 from lchat.objstore import open_store
 from lchat.reactors import installed
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
 from lchat.router import LocalResponse
+from lchat.routesource import RouteSource
 from lchat.supervise import Supervisor
 from lchat.threads import thread_runner
 from lchat.units import Claims

@@ -25,7 +25,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from lchat.mesh import client, route_payload
 from lchat.mesh.due import DuePush
 from lchat.mesh.members import Member
-from lchat.registry import Route, RouteSource
+from lchat.registry import Route
+from lchat.routesource import RouteSource
 from lchat.threads import thread_runner
 from tests import test_mesh
 from tests.test_mesh import DOMAIN as MESH_DOMAIN

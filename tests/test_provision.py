@@ -36,7 +36,8 @@ from lchat.mesh import placement
 from lchat.mesh.placement import in_scope
 from lchat.mesh.witness import PeerCallError
 from lchat.readiness import MeshProbe, Readiness
-from lchat.registry import Registry, Route, RouteSource, RouteTable
+from lchat.registry import Registry, Route, RouteTable
+from lchat.routesource import RouteSource
 from tests import meshnet, s3servers
 from tests.fakes import inline
 from tests.test_cli import CliTestCase

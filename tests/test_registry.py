@@ -23,11 +23,11 @@ from lchat.registry import (
     Registry,
     RegistryError,
     Route,
-    RouteSource,
     RouteTable,
     UnknownHost,
 )
 from lchat.router import LocalSocket, RequestHead, Router
+from lchat.routesource import RouteSource
 from lchat.threads import thread_runner
 
 reactor = installed()

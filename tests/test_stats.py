@@ -41,9 +41,10 @@ from lchat.mesh.placement import in_scope, normalise_member_url
 from lchat.objstore import ObjectInfo, open_store
 from lchat.objstore.where import Where
 from lchat.reactors import installed
-from lchat.registry import Registry, Route, RouteSource, RouteTable
+from lchat.registry import Registry, Route, RouteTable
 from lchat.replica.db import ReplicaDB
 from lchat.replica.restore import restore
+from lchat.routesource import RouteSource
 from lchat.space import store as store_module
 from lchat.space.store import Store
 from lchat.spacestats import (

@@ -27,7 +27,8 @@ from lchat.hibernation import sweeper as sweeper_module
 from lchat.hibernation.sweeper import Sweeper
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.file import FileStore
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
+from lchat.routesource import RouteSource
 from tests.test_mesh_routing import DOMAIN, SELF, B, Peer, Running, View, box_config, host_owned_by
 
 EPOCH = 1_800_000_000  # unix seconds when the sweeper starts (the tests' time 0)

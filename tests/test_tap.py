@@ -27,7 +27,8 @@ from twisted.web.http_headers import Headers
 from lchat import config, unixhttp
 from lchat.admin import AlreadyRunning
 from lchat.config import BoxConfig
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
+from lchat.routesource import RouteSource
 from lchat.tap import build_service, listening_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,7 +20,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import config, envfile, hosts
 from lchat.child import ChildSpec
-from lchat.registry import Registry, Route, RouteSource
+from lchat.registry import Registry, Route
+from lchat.routesource import RouteSource
 from lchat.supervise import Supervisor
 from lchat.units import BuiltinUnits, Claims
 

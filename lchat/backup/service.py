@@ -54,9 +54,10 @@ from lchat.backup.metered import MeteredStore
 from lchat.config import BackupConfig
 from lchat.deferutil import settled
 from lchat.objstore import NotFound, ObjectStore
-from lchat.registry import RouteSource, RouteTable
+from lchat.registry import RouteTable
 from lchat.replica.db import PageFds
 from lchat.replica.replicator import Replicator
+from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
 from lchat.units import Claims
 

@@ -42,8 +42,9 @@ from lchat.hibernation.outage import OutageWrites, WriteWitness, stale
 from lchat.hibernation.recovery import LocalCopies
 from lchat.hibernation.space import STATES, Budgets, Space, WakeFailed
 from lchat.lease import BOX_NOT_ALIVE
-from lchat.registry import Route, RouteSource, RouteTable
+from lchat.registry import Route, RouteTable
 from lchat.router import Header, LocalResponse, LocalSocket, Target, unavailable
+from lchat.routesource import RouteSource
 from lchat.units import Claims
 
 _log = Logger(namespace="lchat.activator")

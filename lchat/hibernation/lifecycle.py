@@ -51,8 +51,8 @@ from lchat.lease import (
 )
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, StoreUnavailable
 from lchat.reactors import TimeReactor
-from lchat.registry import RouteSource
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
+from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
 from lchat.units import Claims, EnvFileError, space_env, space_user
 

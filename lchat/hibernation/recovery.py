@@ -31,7 +31,8 @@ from twisted.logger import Logger
 from lchat.hibernation import localdb
 from lchat.hibernation.space import WakeFailed
 from lchat.objstore import ObjectStoreError
-from lchat.registry import Route, RouteSource
+from lchat.registry import Route
+from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
 
 _log = Logger(namespace="lchat.activator")

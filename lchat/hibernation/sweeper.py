@@ -23,7 +23,8 @@ from twisted.python.failure import Failure
 
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.space import WakeFailed
-from lchat.registry import Route, RouteSource, RouteTable
+from lchat.registry import Route, RouteTable
+from lchat.routesource import RouteSource
 
 _log = Logger(namespace="lchat.sweeper")
 

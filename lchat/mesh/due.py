@@ -40,7 +40,8 @@ from lchat.config import ConfigError, MeshConfig
 from lchat.mesh import client
 from lchat.mesh.members import Member
 from lchat.reactors import TCPReactor
-from lchat.registry import Route, RouteSource
+from lchat.registry import Route
+from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
 
 DUE_PUSH_TIMEOUT = 5.0  # seconds per call to one peer
