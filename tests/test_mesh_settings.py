@@ -28,6 +28,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from lchat import config, hosts
 from lchat.mesh import api, client, settings
 from lchat.mesh.route_payload import parse_payload
+from lchat.mesh.route_store import RouteStore
 from lchat.mesh.sync import SettingsSync
 from lchat.registry import (
     MIGRATIONS,
@@ -418,7 +419,7 @@ class SyncTests(TestCase):
         self.assertIsNone(self.here.registry.get(api_tests.HOST))
         # Nor does a push of the old copy (the same upsert path): answered stale.
         payload = client.route_payload(self.peer.registry.get(api_tests.HOST), {})  # type: ignore[arg-type]
-        answer = yield deferToThread(lambda: self.api._upsert(parse_payload(payload)))
+        answer = yield deferToThread(lambda: self.api._store.upsert(parse_payload(payload)))
         self.assertEqual(answer[1], {"host": api_tests.HOST, "result": "stale", "gen": 50})
         self.assertIsNone(self.here.registry.get(api_tests.HOST))
         # The peer takes the tombstone from this box's digest (its own sync), member data kept.
@@ -473,8 +474,9 @@ class SyncTests(TestCase):
         creates what it missed, and a row it removed stays removed (its own tombstone)."""
         # The peer's API as an older lchat serves it: the query ignored, the rows' shape.
         resource: api.MeshAPI = self.served.site.resource
-        older = api.MeshAPI._digest
-        resource._digest = lambda with_tombstones=False: older(resource)  # type: ignore[method-assign]
+        store = resource._store
+        older = RouteStore.digest
+        store.digest = lambda with_tombstones=False: older(store)  # type: ignore[method-assign]
         for host, gen in ((api_tests.HOST, 5), (f"other.{api_tests.DOMAIN}", 8)):
             settings.bump(self.peer.registry, self.peer.data, "x", self.peer.add(host), gen)
         self.peer.registry.record_tombstone(f"gone.{api_tests.DOMAIN}", 9, "")  # never sent

@@ -115,17 +115,13 @@ traffic. Writes run in a thread, serialised, and the router's route table is rel
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from io import BytesIO
 from typing import Any, Required, TypedDict, Unpack
 
-from attrs import evolve
 from prometheus_client import Counter
 from twisted.internet.defer import Deferred, fail, maybeDeferred
 from twisted.logger import Logger
@@ -133,10 +129,9 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from lchat import builds, envfile, hosts
-from lchat.config import BoxConfig, ConfigError, read_env_file
-from lchat.files import write_atomic
-from lchat.mesh import settings, tokens
+from lchat import hosts
+from lchat.config import BoxConfig
+from lchat.mesh import tokens
 from lchat.mesh.client import (
     DIGEST_PATH,
     HOLD_PATH,
@@ -146,15 +141,14 @@ from lchat.mesh.client import (
     SENDER_HEADER,
     STATS_PATH,
     WAKE_PATH,
-    replicable_env,
-    route_payload,
 )
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
+from lchat.mesh.route_store import Refused, RouteStore
 from lchat.mesh.space_calls import HostAnswer, SpaceCalls, SpaceHolds
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
-from lchat.registry import Conflict, Registry, Route, Stale, Tombstoned
+from lchat.registry import Conflict, Registry, Route
 from lchat.threads import RunInThread
 from lchat.webutil import QuietSite, answerable
 
@@ -214,13 +208,6 @@ _INTERNAL = {"error": "internal error: see the router's log"}  # a 500's body (t
 # --- the resource -------------------------------------------------------------------------------
 
 
-class _Refused(Exception):
-    def __init__(self, code: int, message: str, outcome: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.outcome = outcome
-
-
 class MeshAPI(Resource):
     """The mesh API (the module docstring), built by :func:`mesh_site`."""
 
@@ -234,9 +221,7 @@ class MeshAPI(Resource):
             raise ValueError("the mesh API needs LCHAT_MESH_SELF (and its domains and token)")
         self._registry = registry
         self._mesh = cfg.mesh
-        self._space_command = cfg.space_command
-        self._data_dir = cfg.data_dir
-        self._run_dir = cfg.run_dir
+        self._store = RouteStore(registry, cfg.mesh, cfg.data_dir, cfg.run_dir, cfg.space_command)
         self._token = cfg.mesh.token.encode("utf-8")
         self._accept_token = cfg.mesh.accept_token.encode("utf-8")  # b"": none (lchat.mesh.tokens)
         self._reload = reload
@@ -256,14 +241,12 @@ class MeshAPI(Resource):
         )
         self._owner = options.get("owner")
         self._limiter = tokens.AuthLimiter(options.get("clock", time.monotonic))
-        # Writes are serialised: each one checks, writes the env file, then the row.
-        self._lock = threading.Lock()
 
     @property
     def write_lock(self) -> threading.Lock:
         """Held by every write of this API (the env file, then the row): the settings sweep
         (lchat.mesh.sync) holds it too, so that it never reads a peer's write half done."""
-        return self._lock
+        return self._store.lock
 
     def render(self, request: Request) -> bytes | int:
         path = request.path or b""
@@ -315,7 +298,9 @@ class MeshAPI(Resource):
             except PayloadError as e:
                 return self._answer(request, op, "invalid", 400, {"error": str(e)})
             from_owner = self._from_owner(request, payload)
-            return self._start(request, op, lambda: self._upsert(payload, from_owner), payload.host)
+            return self._start(
+                request, op, lambda: self._store.upsert(payload, from_owner), payload.host
+            )
         if op == "delete":
             try:
                 host = hosts.normalise(host_segment.decode("ascii"))
@@ -325,7 +310,7 @@ class MeshAPI(Resource):
                 gen = _read_gen(request)
             except PayloadError as e:
                 return self._answer(request, op, "invalid", 400, {"error": str(e)})
-            return self._start(request, op, lambda: self._delete(host, gen), host)
+            return self._start(request, op, lambda: self._store.delete(host, gen), host)
         if op == "beat":
             return self._beat(request)
         if op == "stats":
@@ -336,13 +321,13 @@ class MeshAPI(Resource):
             return self._space_calls.hold_or_release(request, op)
         if op == "digest":
             with_tombstones = request.args.get(b"tombstones") == [b"1"]
-            return self._start(request, op, lambda: self._digest(with_tombstones), "")
+            return self._start(request, op, lambda: self._store.digest(with_tombstones), "")
         if op == "list" and request.args.get(b"host"):
             try:
                 one = hosts.normalise(request.args[b"host"][0].decode("ascii"))
             except (UnicodeDecodeError, hosts.InvalidHost) as e:
                 return self._answer(request, op, "invalid", 400, {"error": f"host: {e}"})
-            return self._start(request, op, lambda: self._list(one), "")
+            return self._start(request, op, lambda: self._store.listing(one), "")
         if op == "spaces":
             if self._spaces is None:
                 return self._answer(request, op, "not_found", 404, {"error": "not served here"})
@@ -352,7 +337,7 @@ class MeshAPI(Resource):
                 _log.failure("mesh: the fleet view failed")
                 return self._answer(request, op, "error", 500, _INTERNAL)
             return self._start(request, op, lambda: (200, finish(), "listed"), "")
-        return self._start(request, op, self._list, "")
+        return self._start(request, op, self._store.listing, "")
 
     def _beat(self, request: Request) -> bytes | int:
         """``POST /api/mesh/beat``, on the reactor (see the module docstring)."""
@@ -439,7 +424,7 @@ class MeshAPI(Resource):
         if not sender or self._owner is None:
             return False
         try:
-            return normalise_member_url(sender) == self._owner(self._route(payload))
+            return normalise_member_url(sender) == self._owner(self._store.route(payload))
         except ValueError:
             return False
 
@@ -459,202 +444,10 @@ class MeshAPI(Resource):
                 "with the mesh token is known here): requests are forwarded only to members"
             )
 
-    # --- the work, in a thread ----------------------------------------------------------------
-
-    def _route(self, payload: RoutePayload) -> Route:
-        """The replicated row ``payload`` describes: hibernating here, or (``lives_at``) run
-        always-on elsewhere (such a payload never carries ``next_due``: parse_payload)."""
-        host = payload.host
-        return Route(
-            host=host,
-            kind="instance",
-            socket=hosts.socket_path(self._run_dir, host, isolated=hosts.isolated(self._data_dir)),
-            db_path=hosts.db_path(self._data_dir, host),
-            status="ready",
-            hibernate=not payload.lives_at,
-            version=payload.version,
-            replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
-            home_region=payload.home_region,
-            next_due=payload.next_due or 0,
-            lives_at=payload.lives_at,
-        )
-
-    def _upsert(
-        self, payload: RoutePayload, from_owner: bool = False
-    ) -> tuple[int, dict[str, Any], str]:
-        """Only over no row or a replicated one (a space this box runs itself is never
-        hijacked), and only newer settings (lchat.mesh.settings.newer; else :meth:`_stale`). The
-        "lives elsewhere" shape (``lives_at``) leaves the env file as it is: this box never runs
-        the space, and a tombstone removes it."""
-        host = payload.host
-        digest = settings.settings_hash(
-            replication=payload.replication,
-            home_region=payload.home_region,
-            version=payload.version,
-            lives_at=payload.lives_at,
-            env={} if payload.lives_at else payload.env,
-        )
-        route = evolve(self._route(payload), settings_gen=payload.gen or 0, settings_hash=digest)
-
-        def accept(existing: Route) -> bool:
-            return settings.newer(existing, payload.gen, digest, from_owner=from_owner)
-
-        # A row this box could not wake is worse than none: its first wake here would fail
-        # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
-        unrunnable = None if payload.lives_at else _unrunnable(self._space_command, host)
-        if unrunnable is not None:
-            _log.error(
-                "mesh: route {host} refused: this box cannot run it ({why}); give it a default "
-                "build (`lchat deploy <version> --all`) or set LCHAT_SPACE_COMMAND to a command "
-                "that runs any host (docs/mesh.md, The space command), then catch up with "
-                "`lchat mesh-seed`",
-                host=host,
-                why=unrunnable,
-            )
-            raise _Refused(
-                422,
-                f"this box cannot run {host}: {unrunnable} (its LCHAT_SPACE_COMMAND must run any "
-                f"mesh host: docs/mesh.md, The space command)",
-                "unrunnable",
-            )
-        with self._lock:
-            existing = self._registry.get(host)
-            if existing is not None and not existing.replicated:
-                raise _conflict(host, existing)
-            if existing is not None and not accept(existing):
-                return self._stale(payload, existing)
-            try:
-                if payload.lives_at:
-                    _, created = self._registry.upsert_replicated(route, accept=accept)
-                else:
-                    env_file = hosts.env_path(self._data_dir, host)
-                    previous = _read_private(env_file)
-                    envfile.write_env(env_file, payload.env)
-                    try:
-                        _, created = self._registry.upsert_replicated(
-                            route, next_due=payload.next_due is not None, accept=accept
-                        )
-                    except BaseException:
-                        _put_back(env_file, previous)
-                        raise
-            except Stale as e:  # a local change landed between the check and the write
-                return self._stale(payload, e.existing)
-            except Tombstoned as e:  # removed here after the settings it carries (env put back)
-                _log.info(
-                    "mesh: route {host} from a peer not created: it was removed (settings gen "
-                    "{mine}, the payload's {theirs})",
-                    host=host,
-                    mine=e.tombstone.gen,
-                    theirs=payload.gen or "none",
-                )
-                return 200, {"host": host, "result": "stale", "gen": e.tombstone.gen}, "stale"
-        result = "created" if created else "updated"
-        if payload.lives_at:
-            _log.info(
-                "mesh: route {host} {result} by a peer: it lives at {lives_at} (always-on there); "
-                "this box forwards its requests there and never wakes it",
-                host=host,
-                result=result,
-                lives_at=payload.lives_at,
-            )
-        else:
-            _log.info(
-                "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
-                "{n} env values{due}, settings gen {gen})",
-                host=host,
-                result=result,
-                gen=payload.gen or "none",
-                replication=payload.replication,
-                region=payload.home_region or "-",
-                n=len(payload.env),
-                due="" if payload.next_due is None else f", next due {payload.next_due or 'none'}",
-                next_due=payload.next_due,
-            )
-        return (201 if created else 200), {"host": host, "result": result}, result
-
-    def _stale(self, payload: RoutePayload, existing: Route) -> tuple[int, dict[str, Any], str]:
-        """A payload older than this box's row (lchat.mesh.settings.newer): its settings are not
-        written. Its ``next_due`` still is: a due time is no setting, and the box that slept the
-        space knows it best (lchat.mesh.due). Called under the write lock."""
-        host = payload.host
-        due = payload.next_due
-        if due is not None and existing.hibernate and existing.next_due != due:
-            self._registry.update(host, next_due=due)
-        _log.info(
-            "mesh: route {host} from a peer is stale (settings gen {theirs}, this box holds "
-            "{mine}): kept this box's settings{due}",
-            host=host,
-            theirs=payload.gen or "none",
-            mine=existing.settings_gen,
-            due="" if due is None else f" (its next due {due or 'none'} taken)",
-        )
-        return 200, {"host": host, "result": "stale", "gen": existing.settings_gen}, "stale"
-
-    def _delete(self, host: str, gen: int | None = None) -> tuple[int, dict[str, Any], str]:
-        """A peer's tombstone of ``host`` (``gen``: its generation; None from an older peer):
-        the row and its replicated files go, this box keeps a tombstone (lchat.registry). A row
-        newer than ``gen`` (added again since) stays: ``"result": "stale"``. Over no row, a
-        tombstone with a generation is kept all the same (a third box's older copy must not
-        create the host here)."""
-        with self._lock:
-            existing = self._registry.get(host)
-            if existing is None:
-                if gen is not None and in_scope(self._mesh, host, ""):
-                    self._registry.record_tombstone(host, gen, "")
-                return 200, {"host": host, "deleted": False}, "absent"
-            if not existing.replicated:
-                raise _conflict(host, existing)
-            if not in_scope(self._mesh, host, existing.home_region):
-                raise _Refused(400, f"{host} is not in this box's mesh scope", "invalid")
-            try:
-                deleted = self._registry.delete_replicated(host, gen)
-            except Stale as e:
-                _log.info(
-                    "mesh: route {host}: a peer's tombstone (gen {theirs}) is older than this "
-                    "box's row (gen {mine}): kept",
-                    host=host,
-                    theirs=gen,
-                    mine=e.existing.settings_gen,
-                )
-                body = {"host": host, "deleted": False, "result": "stale"}
-                return 200, {**body, "gen": e.existing.settings_gen}, "stale"
-            if deleted is None:
-                return 200, {"host": host, "deleted": False}, "absent"
-            # The replicated files only: the member data (<host>.db, -wal, -shm) is never touched.
-            for path in (
-                hosts.env_path(self._data_dir, host),
-                hosts.bot_env_path(self._data_dir, host),
-            ):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        _log.info("mesh: route {host} deleted by a peer's tombstone (member data kept)", host=host)
-        return 200, {"host": host, "deleted": True}, "deleted"
-
-    def _digest(self, with_tombstones: bool = False) -> tuple[int, dict[str, Any], str]:
-        """``GET /api/mesh/digest``: ``{host: [settings gen, settings hash]}`` of every in-scope
-        replicated row (lchat.mesh.sync compares it with its own); ``?tombstones=1``: ``{"rows":
-        that, "tombstones": {host: gen}}`` (in scope, of hosts with no row here). An older box
-        ignores the query and answers the first shape, which the caller tells apart: no host is
-        named ``rows`` (a host has two labels at least)."""
-        table = self._registry.load()
-        digest = {
-            route.host: [route.settings_gen, route.settings_hash]
-            for route in table
-            if route.replicated and in_scope(self._mesh, route.host, route.home_region)
-        }
-        if not with_tombstones:
-            return 200, digest, "listed"
-        buried = {
-            host: tomb.gen
-            for host, tomb in self._registry.tombstones().items()
-            if table.get(host) is None and in_scope(self._mesh, host, tomb.home_region)
-        }
-        return 200, {"rows": digest, "tombstones": buried}, "listed"
-
     def apply(self, payload: RoutePayload, from_owner: bool) -> Deferred[str]:
         """Apply a peer's route that this box fetched itself (lchat.mesh.sync's anti-entropy)
         through the same upsert as ``POST /api/mesh/route``, then reload the route table; fires
-        with the result (created, updated, stale). Fails as the upsert does (:class:`_Refused`
+        with the result (created, updated, stale). Fails as the upsert does (:class:`lchat.mesh.route_store.Refused`
         for a row this box cannot take, :class:`Conflict`), or as a push's checks
         (:class:`PayloadError`: :meth:`check_payload`)."""
         try:
@@ -662,7 +455,7 @@ class MeshAPI(Resource):
         except PayloadError:
             return fail()
         d: Deferred[tuple[int, dict[str, Any], str]] = self._run(
-            lambda: self._upsert(payload, from_owner)
+            lambda: self._store.upsert(payload, from_owner)
         )
 
         def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
@@ -675,32 +468,15 @@ class MeshAPI(Resource):
         """Apply a peer's tombstone that this box read in its digest (lchat.mesh.sync) through
         the same path as ``DELETE /api/mesh/route/{host}?gen=`` (member data kept), then reload
         the route table; fires with the result (deleted, stale, absent)."""
-        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(lambda: self._delete(host, gen))
+        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(
+            lambda: self._store.delete(host, gen)
+        )
 
         def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
             reloaded = maybeDeferred(self._reload, f"mesh sync {result[2]}: {host}")
             return reloaded.addBoth(lambda _: result[2])
 
         return d.addCallback(reload)
-
-    def _list(self, only: str = "") -> tuple[int, dict[str, Any], str]:
-        """Every in-scope replicated row as a payload; ``only``: that host's alone (``GET
-        /api/mesh/routes?host=``: an empty list when this box holds none)."""
-        routes = []
-        table = self._registry.load()
-        for route in table if not only else [r for r in [table.get(only)] if r is not None]:
-            if not route.replicated or not in_scope(self._mesh, route.host, route.home_region):
-                continue
-            if route.elsewhere:
-                routes.append(route_payload(route, {}))  # never run here: no env values
-                continue
-            try:
-                env = replicable_env(read_env_file(hosts.env_path(self._data_dir, route.host)))
-            except (ConfigError, hosts.InvalidHost) as e:
-                _log.warn("mesh: listing {host} without env values: {e}", host=route.host, e=e)
-                env = {}
-            routes.append(route_payload(route, env))
-        return 200, {"routes": routes}, "listed"
 
     # --- answering ----------------------------------------------------------------------------
 
@@ -732,8 +508,8 @@ class MeshAPI(Resource):
             self._finish(request, still, op, outcome, code, body)
 
         def failed(failure: Failure) -> None:
-            if failure.check(_Refused):
-                refused: _Refused = failure.value  # type: ignore[assignment]
+            if failure.check(Refused):
+                refused: Refused = failure.value  # type: ignore[assignment]
                 self._finish(
                     request, still, op, refused.outcome, refused.code, {"error": str(refused)}
                 )
@@ -790,29 +566,6 @@ def _read_gen(request: Request) -> int | None:
     return int(raw)
 
 
-def _unrunnable(space_command: Sequence[str], host: str) -> str | None:
-    """Why the space command, ``{host}`` filled in, cannot run here, or None. Blocking (a stat
-    or a PATH search): called in the API's worker thread."""
-    argv = builds.space_argv(space_command, host)
-    program = argv[0] if argv else ""
-    if not program:
-        return "LCHAT_SPACE_COMMAND is empty"
-    if "/" in program:
-        if not os.path.isfile(program):
-            return f"{program} does not exist"
-        if not os.access(program, os.X_OK):
-            return f"{program} is not executable"
-        return None
-    if shutil.which(program) is None:
-        return f"{program} is not on the router's PATH"
-    return None
-
-
-def _conflict(host: str, existing: Route) -> _Refused:
-    what = "a service" if existing.kind != "instance" else "a space that does not hibernate"
-    return _Refused(409, f"{host} is {what} on this box: a peer may not change it", "conflict")
-
-
 class _CappedRequest(Request):
     """Keeps at most :data:`MAX_BODY` bytes of a body (the rest is read and dropped) and says so."""
 
@@ -839,26 +592,3 @@ def mesh_site(
     site = QuietSite(MeshAPI(registry, cfg, reload, **options))
     site.requestFactory = _CappedRequest
     return site
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def _read_private(path: str) -> bytes | None:
-    """The current bytes of ``path`` (to put back if the row write fails); None when absent."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
-
-
-def _put_back(path: str, previous: bytes | None) -> None:
-    try:
-        if previous is None:
-            os.unlink(path)
-        else:
-            write_atomic(path, previous, envfile.MODE)
-    except OSError as e:
-        _log.error("mesh: could not put {path} back after a failed write: {e}", path=path, e=e)

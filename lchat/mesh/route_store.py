@@ -1,0 +1,315 @@
+"""The mesh's route writes on this box, in a worker thread: a peer's route upserted (its env file,
+then its row), a peer's tombstone applied, and the digest and listing peers read
+(docs/mesh.md, "What travels"). :class:`lchat.mesh.api.MeshAPI` serves them over HTTP and
+:class:`lchat.mesh.sync.SettingsSync` applies what it fetched through the same methods.
+
+Invariants: every write holds :attr:`RouteStore.lock` from its check to its row, so a write and
+the settings sweep never see each other half done; only a replicated row (or none) is written, a
+space this box runs itself never (409 ``conflict``); settings are written only when newer
+(:func:`lchat.mesh.settings.newer`), else the answer is ``stale`` and only a ``next_due`` lands;
+a payload this box could not wake is refused (422 ``unrunnable``); an env file written before a
+row write that fails is put back; a tombstone deletes the replicated files only, never member
+data (``<host>.db`` and its ``-wal``/``-shm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from attrs import evolve
+from twisted.logger import Logger
+
+from lchat import builds, envfile, hosts
+from lchat.config import ConfigError, MeshConfig, read_env_file
+from lchat.files import write_atomic
+from lchat.mesh import settings
+from lchat.mesh.client import replicable_env, route_payload
+from lchat.mesh.route_payload import RoutePayload, in_scope
+from lchat.registry import Registry, Route, Stale, Tombstoned
+
+_log = Logger(namespace="lchat.mesh.api")
+
+Result = tuple[int, dict[str, Any], str]  # status, JSON body, the outcome counted
+
+
+class Refused(Exception):
+    """A write this box refuses: the status, the message and the outcome counted."""
+
+    def __init__(self, code: int, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.outcome = outcome
+
+
+class RouteStore:
+    """The writes and reads (the module docstring); every method blocks (call it in a thread)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        mesh: MeshConfig,
+        data_dir: str,
+        run_dir: str,
+        space_command: Sequence[str],
+    ) -> None:
+        self._registry = registry
+        self._mesh = mesh
+        self._data_dir = data_dir
+        self._run_dir = run_dir
+        self._space_command = space_command
+        self.lock = threading.Lock()  # held by every write: the env file, then the row
+
+    def route(self, payload: RoutePayload) -> Route:
+        """The replicated row ``payload`` describes: hibernating here, or (``lives_at``) run
+        always-on elsewhere (such a payload never carries ``next_due``: parse_payload)."""
+        host = payload.host
+        return Route(
+            host=host,
+            kind="instance",
+            socket=hosts.socket_path(self._run_dir, host, isolated=hosts.isolated(self._data_dir)),
+            db_path=hosts.db_path(self._data_dir, host),
+            status="ready",
+            hibernate=not payload.lives_at,
+            version=payload.version,
+            replication=payload.replication,  # type: ignore[arg-type]  # checked in parse_payload
+            home_region=payload.home_region,
+            next_due=payload.next_due or 0,
+            lives_at=payload.lives_at,
+        )
+
+    def upsert(self, payload: RoutePayload, from_owner: bool = False) -> Result:
+        """Only over no row or a replicated one (a space this box runs itself is never
+        hijacked), and only newer settings (lchat.mesh.settings.newer; else :meth:`_stale`). The
+        "lives elsewhere" shape (``lives_at``) leaves the env file as it is: this box never runs
+        the space, and a tombstone removes it."""
+        host = payload.host
+        digest = settings.settings_hash(
+            replication=payload.replication,
+            home_region=payload.home_region,
+            version=payload.version,
+            lives_at=payload.lives_at,
+            env={} if payload.lives_at else payload.env,
+        )
+        route = evolve(self.route(payload), settings_gen=payload.gen or 0, settings_hash=digest)
+
+        def accept(existing: Route) -> bool:
+            return settings.newer(existing, payload.gen, digest, from_owner=from_owner)
+
+        # A row this box could not wake is worse than none: its first wake here would fail
+        # (503 spawn) long after the create that sent it looked fine. Refused loudly instead.
+        unrunnable = None if payload.lives_at else _unrunnable(self._space_command, host)
+        if unrunnable is not None:
+            _log.error(
+                "mesh: route {host} refused: this box cannot run it ({why}); give it a default "
+                "build (`lchat deploy <version> --all`) or set LCHAT_SPACE_COMMAND to a command "
+                "that runs any host (docs/mesh.md, The space command), then catch up with "
+                "`lchat mesh-seed`",
+                host=host,
+                why=unrunnable,
+            )
+            raise Refused(
+                422,
+                f"this box cannot run {host}: {unrunnable} (its LCHAT_SPACE_COMMAND must run any "
+                f"mesh host: docs/mesh.md, The space command)",
+                "unrunnable",
+            )
+        with self.lock:
+            existing = self._registry.get(host)
+            if existing is not None and not existing.replicated:
+                raise conflict(host, existing)
+            if existing is not None and not accept(existing):
+                return self._stale(payload, existing)
+            try:
+                if payload.lives_at:
+                    _, created = self._registry.upsert_replicated(route, accept=accept)
+                else:
+                    env_file = hosts.env_path(self._data_dir, host)
+                    previous = _read_private(env_file)
+                    envfile.write_env(env_file, payload.env)
+                    try:
+                        _, created = self._registry.upsert_replicated(
+                            route, next_due=payload.next_due is not None, accept=accept
+                        )
+                    except BaseException:
+                        _put_back(env_file, previous)
+                        raise
+            except Stale as e:  # a local change landed between the check and the write
+                return self._stale(payload, e.existing)
+            except Tombstoned as e:  # removed here after the settings it carries (env put back)
+                _log.info(
+                    "mesh: route {host} from a peer not created: it was removed (settings gen "
+                    "{mine}, the payload's {theirs})",
+                    host=host,
+                    mine=e.tombstone.gen,
+                    theirs=payload.gen or "none",
+                )
+                return 200, {"host": host, "result": "stale", "gen": e.tombstone.gen}, "stale"
+        result = "created" if created else "updated"
+        if payload.lives_at:
+            _log.info(
+                "mesh: route {host} {result} by a peer: it lives at {lives_at} (always-on there); "
+                "this box forwards its requests there and never wakes it",
+                host=host,
+                result=result,
+                lives_at=payload.lives_at,
+            )
+        else:
+            _log.info(
+                "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
+                "{n} env values{due}, settings gen {gen})",
+                host=host,
+                result=result,
+                gen=payload.gen or "none",
+                replication=payload.replication,
+                region=payload.home_region or "-",
+                n=len(payload.env),
+                due="" if payload.next_due is None else f", next due {payload.next_due or 'none'}",
+                next_due=payload.next_due,
+            )
+        return (201 if created else 200), {"host": host, "result": result}, result
+
+    def _stale(self, payload: RoutePayload, existing: Route) -> Result:
+        """A payload older than this box's row (lchat.mesh.settings.newer): its settings are not
+        written. Its ``next_due`` still is: a due time is no setting, and the box that slept the
+        space knows it best (lchat.mesh.due). Called under the write lock."""
+        host = payload.host
+        due = payload.next_due
+        if due is not None and existing.hibernate and existing.next_due != due:
+            self._registry.update(host, next_due=due)
+        _log.info(
+            "mesh: route {host} from a peer is stale (settings gen {theirs}, this box holds "
+            "{mine}): kept this box's settings{due}",
+            host=host,
+            theirs=payload.gen or "none",
+            mine=existing.settings_gen,
+            due="" if due is None else f" (its next due {due or 'none'} taken)",
+        )
+        return 200, {"host": host, "result": "stale", "gen": existing.settings_gen}, "stale"
+
+    def delete(self, host: str, gen: int | None = None) -> Result:
+        """A peer's tombstone of ``host`` (``gen``: its generation; None from an older peer):
+        the row and its replicated files go, this box keeps a tombstone (lchat.registry). A row
+        newer than ``gen`` (added again since) stays: ``"result": "stale"``. Over no row, a
+        tombstone with a generation is kept all the same (a third box's older copy must not
+        create the host here)."""
+        with self.lock:
+            existing = self._registry.get(host)
+            if existing is None:
+                if gen is not None and in_scope(self._mesh, host, ""):
+                    self._registry.record_tombstone(host, gen, "")
+                return 200, {"host": host, "deleted": False}, "absent"
+            if not existing.replicated:
+                raise conflict(host, existing)
+            if not in_scope(self._mesh, host, existing.home_region):
+                raise Refused(400, f"{host} is not in this box's mesh scope", "invalid")
+            try:
+                deleted = self._registry.delete_replicated(host, gen)
+            except Stale as e:
+                _log.info(
+                    "mesh: route {host}: a peer's tombstone (gen {theirs}) is older than this "
+                    "box's row (gen {mine}): kept",
+                    host=host,
+                    theirs=gen,
+                    mine=e.existing.settings_gen,
+                )
+                body = {"host": host, "deleted": False, "result": "stale"}
+                return 200, {**body, "gen": e.existing.settings_gen}, "stale"
+            if deleted is None:
+                return 200, {"host": host, "deleted": False}, "absent"
+            # The replicated files only: the member data (<host>.db, -wal, -shm) is never touched.
+            for path in (
+                hosts.env_path(self._data_dir, host),
+                hosts.bot_env_path(self._data_dir, host),
+            ):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        _log.info("mesh: route {host} deleted by a peer's tombstone (member data kept)", host=host)
+        return 200, {"host": host, "deleted": True}, "deleted"
+
+    def digest(self, with_tombstones: bool = False) -> Result:
+        """``GET /api/mesh/digest``: ``{host: [settings gen, settings hash]}`` of every in-scope
+        replicated row (lchat.mesh.sync compares it with its own); ``?tombstones=1``: ``{"rows":
+        that, "tombstones": {host: gen}}`` (in scope, of hosts with no row here). An older box
+        ignores the query and answers the first shape, which the caller tells apart: no host is
+        named ``rows`` (a host has two labels at least)."""
+        table = self._registry.load()
+        digest = {
+            route.host: [route.settings_gen, route.settings_hash]
+            for route in table
+            if route.replicated and in_scope(self._mesh, route.host, route.home_region)
+        }
+        if not with_tombstones:
+            return 200, digest, "listed"
+        buried = {
+            host: tomb.gen
+            for host, tomb in self._registry.tombstones().items()
+            if table.get(host) is None and in_scope(self._mesh, host, tomb.home_region)
+        }
+        return 200, {"rows": digest, "tombstones": buried}, "listed"
+
+    def listing(self, only: str = "") -> Result:
+        """Every in-scope replicated row as a payload; ``only``: that host's alone (``GET
+        /api/mesh/routes?host=``: an empty list when this box holds none)."""
+        routes = []
+        table = self._registry.load()
+        for route in table if not only else [r for r in [table.get(only)] if r is not None]:
+            if not route.replicated or not in_scope(self._mesh, route.host, route.home_region):
+                continue
+            if route.elsewhere:
+                routes.append(route_payload(route, {}))  # never run here: no env values
+                continue
+            try:
+                env = replicable_env(read_env_file(hosts.env_path(self._data_dir, route.host)))
+            except (ConfigError, hosts.InvalidHost) as e:
+                _log.warn("mesh: listing {host} without env values: {e}", host=route.host, e=e)
+                env = {}
+            routes.append(route_payload(route, env))
+        return 200, {"routes": routes}, "listed"
+
+
+def _unrunnable(space_command: Sequence[str], host: str) -> str | None:
+    """Why the space command, ``{host}`` filled in, cannot run here, or None. Blocking (a stat
+    or a PATH search): called in a worker thread."""
+    argv = builds.space_argv(space_command, host)
+    program = argv[0] if argv else ""
+    if not program:
+        return "LCHAT_SPACE_COMMAND is empty"
+    if "/" in program:
+        if not os.path.isfile(program):
+            return f"{program} does not exist"
+        if not os.access(program, os.X_OK):
+            return f"{program} is not executable"
+        return None
+    if shutil.which(program) is None:
+        return f"{program} is not on the router's PATH"
+    return None
+
+
+def conflict(host: str, existing: Route) -> Refused:
+    what = "a service" if existing.kind != "instance" else "a space that does not hibernate"
+    return Refused(409, f"{host} is {what} on this box: a peer may not change it", "conflict")
+
+
+def _read_private(path: str) -> bytes | None:
+    """The current bytes of ``path`` (to put back if the row write fails); None when absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _put_back(path: str, previous: bytes | None) -> None:
+    try:
+        if previous is None:
+            os.unlink(path)
+        else:
+            write_atomic(path, previous, envfile.MODE)
+    except OSError as e:
+        _log.error("mesh: could not put {path} back after a failed write: {e}", path=path, e=e)
