@@ -492,10 +492,6 @@ class KeyPolicyBoxTests(_BoxHarness):
         self.assertIn("are NOT in the backup: LCHAT_BACKUP_KEY is not set", ran.stderr)
 
 
-class SeaweedFSKeyPolicyBoxTests(KeyPolicyBoxTests):
-    kind = "seaweedfs"
-
-
 class KilledBoxTests(_BoxHarness):
     async def test_a_killed_box_is_rebuilt_from_the_backup_alone(self) -> None:
         old = self.box("old")

@@ -138,6 +138,13 @@ class BuildFloorSeaweedTests(BuildFloorTests):
         self.server = await s3servers.shared_server("seaweedfs")
         self.bucket = await self.server.new_bucket()
 
+    def test_rollback_is_refused_on_every_box_after_a_wake_anywhere(self) -> Any:
+        raise AssertionError("skipped")
+
+    # The guard reads the record the first test writes through the same conditional PUTs: moto
+    # alone (the suite's time).
+    test_rollback_is_refused_on_every_box_after_a_wake_anywhere.skip = "moto only"  # type: ignore[attr-defined]
+
 
 STEADY = "steady{}." + DOMAIN  # each box's own always-on space
 
