@@ -35,7 +35,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from lchat import config, envfile, hosts
 from lchat.cli import mesh as mesh_cli
 from lchat.config import BoxConfig
-from lchat.mesh import api, client, route_payload, tokens
+from lchat.mesh import api, client, route_payload, settings, tokens
 from lchat.mesh.heartbeat import Heartbeat, HeartbeatKeys
 from lchat.mesh.members import Member, member_key
 from lchat.mesh.placement import normalise_member_url, owner
@@ -283,6 +283,33 @@ class UpsertTests(APITestCase):
         self.assertEqual(self.served.reloads, [f"mesh route created: {HOST}"])
 
     @inlineCallbacks
+    def test_a_bot_env_travels_and_its_absence_removes_it(self) -> Any:
+        """``bot_env`` is written to ``<host>-bot.env`` (private) and in the row's hash; a later
+        payload without it (the sender's space has no sidecar now) removes the file."""
+        bot = hosts.bot_env_path(self.box.data, HOST)
+        answer = yield self.push(payload(gen=10, bot_env={"LCHAT_BOT_TOKEN": "b" * 32}))
+        self.assertEqual(answer["result"], "created")
+        self.assertEqual(mode(bot), 0o600)
+        self.assertEqual(config.read_env_file(bot), {"LCHAT_BOT_TOKEN": "b" * 32})
+        route = self.box.registry.get(HOST)
+        assert route is not None
+        env = client.read_route_env(self.box.data, HOST)
+        with_bot = settings.route_hash(route, env, {"LCHAT_BOT_TOKEN": "b" * 32})
+        self.assertEqual(route.settings_hash, with_bot)
+        self.assertNotEqual(with_bot, settings.route_hash(route, env))
+
+        answer = yield self.push(payload(gen=11))
+        self.assertEqual(answer["result"], "updated")
+        self.assertFalse(os.path.exists(bot))
+        route = self.box.registry.get(HOST)
+        assert route is not None
+        self.assertEqual(route.settings_hash, settings.route_hash(route, env))
+        # A listing carries the bot env of a space that has one, and none otherwise.
+        write_private(bot, "LCHAT_BOT_TOKEN=c\nOTHER=stays-here\n")
+        listed = yield Deferred.fromCoroutine(client.list_routes(self.url, TOKEN, reactor=reactor))
+        self.assertEqual(listed[0]["bot_env"], {"LCHAT_BOT_TOKEN": "c"})
+
+    @inlineCallbacks
     def test_post_answers_201_then_200(self) -> Any:
         code, body = yield self.raw(
             request_bytes("POST", "/api/mesh/route", json.dumps(payload()).encode())
@@ -502,6 +529,20 @@ class RefusalTests(APITestCase):
         body = payload()
         del body["replication"]
         return self.assertRefused(self.post(body), 400, "missing fields: replication")
+
+    @inlineCallbacks
+    def test_bad_bot_env(self) -> Any:
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"bot_env": {"PATH": "/bin"}}, "bot_env: 'PATH' is not a replicable name"),
+            ({"bot_env": ["LCHAT_A"]}, "bot_env must be an object"),
+            ({"bot_env": {"LCHAT_A": "line\nbreak"}}, "bot_env: LCHAT_A"),
+            (
+                {"hibernate": False, "lives_at": "https://b.example.net", "bot_env": {}},
+                "never runs a sidecar here",
+            ),
+        ]
+        for changes, fragment in cases:
+            yield self.assertRefused(self.post(payload(**changes)), 400, fragment)
 
     @inlineCallbacks
     def test_contract_paths_in_env(self) -> Any:
@@ -972,8 +1013,11 @@ class ClientTests(TestCase):
             },
         )
         self.assertNotIn("secret", json.dumps(body))
-        # Every field but lives_at, which only the lives-elsewhere shape carries.
-        self.assertEqual(tuple(body), tuple(f for f in client.PAYLOAD_FIELDS if f != "lives_at"))
+        # Every field but lives_at, which only the lives-elsewhere shape carries, and bot_env,
+        # which only a space with a bot sidecar does.
+        self.assertEqual(
+            tuple(body), tuple(f for f in client.PAYLOAD_FIELDS if f not in ("lives_at", "bot_env"))
+        )
 
 
 class RegistryHelperTests(SynchronousTestCase):

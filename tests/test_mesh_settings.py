@@ -169,6 +169,39 @@ class SettingsTests(MeshTestCase):
         self.assertNotIn("by-hand", a.log() + b.log())  # values are never logged
 
     @inlineCallbacks
+    def test_hand_edits_and_the_bot_env_run_on_the_other_box_after_a_drain(self) -> Any:
+        """A hand edit of ``LCHAT_BUILD`` in box0's ``<host>.env`` and a ``<host>-bot.env``
+        staged there by hand reach box1 by box0's sweep; box0 drained, a request through box1
+        wakes the space there, and it answers with the edited build."""
+        a, b = yield self.two()
+        yield self.wait_for(lambda: _row(a).settings_hash != "", timeout=5)  # the first sweep
+        with open(hosts.env_path(a.data, HOST), "a") as f:
+            f.write("LCHAT_BUILD=edited-by-hand\n")
+        fd = os.open(hosts.bot_env_path(a.data, HOST), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, b"LCHAT_BOT_TOKEN=" + b"b" * 32 + b"\n")
+        os.close(fd)
+        yield self.wait_for(
+            lambda: "LCHAT_BUILD=edited-by-hand" in _env(b) and _converged(a, b), timeout=8
+        )
+        with open(hosts.bot_env_path(b.data, HOST)) as f:
+            self.assertEqual(f.read().split(), ["LCHAT_BOT_TOKEN=" + "b" * 32])
+        self.assertEqual(os.stat(hosts.bot_env_path(b.data, HOST)).st_mode & 0o777, 0o600)
+        self.assertNotIn("bbbbbbbb", a.log() + b.log())  # values are never logged
+
+        yield deferToThread(a.stop)  # a graceful drain: box1 owns every host now
+
+        def answers() -> bytes | None:
+            try:
+                status, body, _ = test_mesh.request(b, HOST, ca=self.ca)
+            except OSError:
+                return None
+            return body if status == 200 else None
+
+        body = yield self.wait_for(answers, timeout=8)
+        self.assertEqual(json.loads(body)["build"], "edited-by-hand")
+        self.assertTrue(b.awake(HOST))
+
+    @inlineCallbacks
     def test_fleet_shows_divergence_then_convergence(self) -> Any:
         """box1 (whose own sync is an hour away) holds older settings than box0: ``lchat fleet``
         names it under ``divergence`` (JSON and the DIVERGED column), exits 4 once that has
@@ -613,5 +646,8 @@ class RegistryGenerationTests(SynchronousTestCase):
             settings.route_hash(evolve(row, home_region="fi"), env),
             settings.route_hash(evolve(row, version="2"), env),
             settings.route_hash(row, {"LCHAT_ADMIN_TOKEN": "u"}),
+            settings.route_hash(row, env, {"LCHAT_BOT_TOKEN": "b"}),
         ):
             self.assertNotEqual(changed, base)
+        # No bot sidecar hashes as before bot envs travelled: an upgrade bumps no such row.
+        self.assertEqual(base, settings.route_hash(row, env, {}))

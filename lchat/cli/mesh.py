@@ -126,10 +126,11 @@ def fan_out_upsert(cfg: BoxConfig, route: Route, say: Say) -> Reach | None:
     if route.hibernate:
         try:
             env = client.read_route_env(cfg.data_dir, route.host)
+            bot_env = client.read_bot_env(cfg.data_dir, route.host)
         except ConfigError as e:
             say(f"mesh: not replicating {route.host}: its env file cannot be read ({e})")
             return None
-        payload = client.route_payload(route, env)
+        payload = client.route_payload(route, env, bot_env=bot_env)
     else:
         payload = client.elsewhere_payload(route, mesh.self_url)
 
@@ -341,9 +342,9 @@ def mesh_seed(
     failures: list[str] = []
     for route in routes:
         try:
-            payloads.append(
-                client.route_payload(route, client.read_route_env(cfg.data_dir, route.host))
-            )
+            env = client.read_route_env(cfg.data_dir, route.host)
+            bot_env = client.read_bot_env(cfg.data_dir, route.host)
+            payloads.append(client.route_payload(route, env, bot_env=bot_env))
         except ConfigError as e:
             failures.append(f"{route.host}: its env file cannot be read ({e})")
     have = {route.host for route in table}

@@ -59,7 +59,10 @@ REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_
 # to it.
 # gen: the sender's settings generation (lchat.mesh.settings): absent from an older peer's
 # payloads, and from a row that has none.
-OPTIONAL_FIELDS = ("next_due", "lives_at", "gen")
+# bot_env: the replicable values of the space's ``<host>-bot.env`` (its bot sidecar's), present
+# only when it has one: a payload without it means "no bot sidecar", so a peer removes its copy;
+# an older peer refuses the field, and so a push of a space with a bot (never of one without).
+OPTIONAL_FIELDS = ("next_due", "lives_at", "gen", "bot_env")
 PAYLOAD_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS  # every field a payload may carry
 MAX_NEXT_DUE = 2**53  # exclusive: unix seconds a JSON number carries exactly everywhere
 MAX_GEN = 2**53  # exclusive: a settings generation (unix ms, Lamport-raised) a JSON number carries
@@ -95,10 +98,21 @@ def read_route_env(data_dir: str, host: str) -> dict[str, str]:
     return replicable_env(config.read_env_file(hosts.env_path(data_dir, host)))
 
 
+def read_bot_env(data_dir: str, host: str) -> dict[str, str]:
+    """The replicable values of ``<data>/<host>-bot.env`` (a staged bot sidecar's); ``{}`` when
+    the space has none. Raises :class:`lchat.config.ConfigError` as :func:`read_route_env`."""
+    return replicable_env(config.read_env_file(hosts.bot_env_path(data_dir, host)))
+
+
 def route_payload(
-    route: Route, env: Mapping[str, str], *, next_due: int | None = None
+    route: Route,
+    env: Mapping[str, str],
+    *,
+    next_due: int | None = None,
+    bot_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The narrow payload of ``POST /api/mesh/route`` for ``route`` with its env values.
+    """The narrow payload of ``POST /api/mesh/route`` for ``route`` with its env values (and
+    ``bot_env``, its bot sidecar's, carried only when not empty: never on a lives-elsewhere row).
 
     ``next_due`` (unix seconds, 0: none) is carried when given — the router's due pushes give it,
     0 included, to clear a due time a wake honoured — and otherwise only when the row has one: a
@@ -121,6 +135,8 @@ def route_payload(
         due = route.next_due if next_due is None else next_due
         if next_due is not None or due > 0:
             payload["next_due"] = due
+        if bot_env:
+            payload["bot_env"] = replicable_env(bot_env)
     if route.settings_gen > 0:  # a row from before settings generations has none to send
         payload["gen"] = route.settings_gen
     return payload

@@ -118,14 +118,18 @@ class DuePush(Service):
         d.addBoth(over)
 
     async def _round(self, host: str) -> None:
-        found: tuple[Route, dict[str, str]] | None = await self._run(self._read, host)
+        found: tuple[Route, dict[str, str], dict[str, str]] | None = await self._run(
+            self._read, host
+        )
         if found is None:
             return
-        route, env = found
+        route, env, bot_env = found
         targets = client.fan_out_targets(self._mesh, host, route.home_region, self._members())
         if not targets:
             return  # not a mesh host (fan_out_targets decides: domains, or the home region)
-        payload = client.route_payload(route, env, next_due=route.next_due)
+        # The whole settings ride along (the bot's too): a payload without them would read as
+        # other settings at the same generation on the peer.
+        payload = client.route_payload(route, env, next_due=route.next_due, bot_env=bot_env)
         due = route.next_due
         results = await DeferredList(
             [Deferred.fromCoroutine(self._one(m.url, payload, due)) for m in targets],
@@ -142,14 +146,15 @@ class DuePush(Service):
                 missed=", ".join(missed),
             )
 
-    def _read(self, host: str) -> tuple[Route, dict[str, str]] | None:
-        """The row and its replicable env values, in a thread; None when there is nothing to
+    def _read(self, host: str) -> tuple[Route, dict[str, str], dict[str, str]] | None:
+        """The row and its replicable env values (its bot sidecar's too), in a thread; None when there is nothing to
         push (no row any more, not a hibernating instance, or an env file that cannot be read)."""
         route = self._routes.registry.get(host)
         if route is None or route.kind != "instance" or not route.hibernate:
             return None
         try:
             env = client.read_route_env(self._data_dir, host)
+            bot_env = client.read_bot_env(self._data_dir, host)
         except (ConfigError, hosts.InvalidHost) as e:
             _pushes.labels("unreadable").inc()
             _log.error(
@@ -159,7 +164,7 @@ class DuePush(Service):
                 e=e,
             )
             return None
-        return route, env
+        return route, env, bot_env
 
     async def _one(self, peer: str, payload: Mapping[str, Any], due: int) -> bool:
         host = payload["host"]

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from attrs import frozen
+from attrs import Factory, frozen
 
 from lchat import envfile, hosts
 from lchat.config import MeshConfig
@@ -48,6 +48,8 @@ class RoutePayload:
     lives_at: str = ""
     # The sender's settings generation (lchat.mesh.settings); None: an older peer's payload.
     gen: int | None = None
+    # The bot sidecar's replicable env values (``<host>-bot.env``); empty: the space has none.
+    bot_env: Mapping[str, str] = Factory(dict)
 
 
 def parse_payload(data: object) -> RoutePayload:
@@ -79,6 +81,8 @@ def parse_payload(data: object) -> RoutePayload:
         lives_at = _check_lives_at(lives_at)
         if "next_due" in data:
             raise PayloadError("next_due: a lives-elsewhere route never wakes here")
+        if "bot_env" in data:
+            raise PayloadError("bot_env: a lives-elsewhere route never runs a sidecar here")
     version = data["version"]
     if not _text(version) or len(version) > MAX_VERSION or not _printable(version):
         raise PayloadError(f"version must be printable text of at most {MAX_VERSION} characters")
@@ -111,6 +115,7 @@ def parse_payload(data: object) -> RoutePayload:
         next_due=next_due,
         lives_at=lives_at,
         gen=gen,
+        bot_env=_check_env(data["bot_env"], "bot_env") if "bot_env" in data else {},
     )
 
 
@@ -128,26 +133,26 @@ def _check_lives_at(value: object) -> str:
         raise PayloadError(f"lives_at: {e}"[:300]) from None
 
 
-def _check_env(env: object) -> dict[str, str]:
+def _check_env(env: object, field: str = "env") -> dict[str, str]:
     if not isinstance(env, dict):
-        raise PayloadError("env must be an object of names to strings")
+        raise PayloadError(f"{field} must be an object of names to strings")
     if len(env) > MAX_ENV_KEYS:
-        raise PayloadError(f"env has more than {MAX_ENV_KEYS} entries")
+        raise PayloadError(f"{field} has more than {MAX_ENV_KEYS} entries")
     checked: dict[str, str] = {}
     for name, value in env.items():
         if not ENV_KEY.fullmatch(name) or name in RESERVED_ENV:
             raise PayloadError(
-                f"env: {name[:80]!r} is not a replicable name (LCHAT_[A-Z0-9_]{{1,64}}, not "
+                f"{field}: {name[:80]!r} is not a replicable name (LCHAT_[A-Z0-9_]{{1,64}}, not "
                 f"{', '.join(sorted(RESERVED_ENV))})"
             )
         if not _text(value):
-            raise PayloadError(f"env: {name} must be a string (of UTF-8 text)")
+            raise PayloadError(f"{field}: {name} must be a string (of UTF-8 text)")
         if len(value.encode("utf-8")) > MAX_ENV_VALUE:
-            raise PayloadError(f"env: {name} is longer than {MAX_ENV_VALUE} bytes")
+            raise PayloadError(f"{field}: {name} is longer than {MAX_ENV_VALUE} bytes")
         try:
             envfile.env_line(name, value)
         except ValueError as e:
-            raise PayloadError(f"env: {name}: {e}") from None
+            raise PayloadError(f"{field}: {name}: {e}") from None
         checked[name] = value
     return checked
 

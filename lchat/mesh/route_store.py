@@ -8,7 +8,8 @@ the settings sweep never see each other half done; only a replicated row (or non
 space this box runs itself never (409 ``conflict``); settings are written only when newer
 (:func:`lchat.mesh.settings.newer`), else the answer is ``stale`` and only a ``next_due`` lands;
 a payload this box could not wake is refused (422 ``unrunnable``); an env file written before a
-row write that fails is put back; a tombstone deletes the replicated files only, never member
+row write that fails is put back (and ``<host>-bot.env``, written or removed with it: a payload
+without ``bot_env`` says the space has no bot sidecar); a tombstone deletes the replicated files only, never member
 data (``<host>.db`` and its ``-wal``/``-shm``).
 """
 
@@ -28,7 +29,7 @@ from lchat import builds, envfile, hosts
 from lchat.config import ConfigError, MeshConfig, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import settings
-from lchat.mesh.client import replicable_env, route_payload
+from lchat.mesh.client import read_bot_env, replicable_env, route_payload
 from lchat.mesh.route_payload import RoutePayload, in_scope
 from lchat.registry import Registry, Route, Stale, Tombstoned
 
@@ -94,6 +95,7 @@ class RouteStore:
             version=payload.version,
             lives_at=payload.lives_at,
             env={} if payload.lives_at else payload.env,
+            bot_env=None if payload.lives_at else payload.bot_env,
         )
         route = evolve(self.route(payload), settings_gen=payload.gen or 0, settings_hash=digest)
 
@@ -129,14 +131,21 @@ class RouteStore:
                     _, created = self._registry.upsert_replicated(route, accept=accept)
                 else:
                     env_file = hosts.env_path(self._data_dir, host)
+                    bot_file = hosts.bot_env_path(self._data_dir, host)
                     previous = _read_private(env_file)
-                    envfile.write_env(env_file, payload.env)
+                    previous_bot = _read_private(bot_file)
                     try:
+                        envfile.write_env(env_file, payload.env)
+                        if payload.bot_env:
+                            envfile.write_env(bot_file, payload.bot_env)
+                        elif previous_bot is not None:
+                            os.unlink(bot_file)  # the sender's space has no bot sidecar now
                         _, created = self._registry.upsert_replicated(
                             route, next_due=payload.next_due is not None, accept=accept
                         )
                     except BaseException:
                         _put_back(env_file, previous)
+                        _put_back(bot_file, previous_bot)
                         raise
             except Stale as e:  # a local change landed between the check and the write
                 return self._stale(payload, e.existing)
@@ -161,13 +170,14 @@ class RouteStore:
         else:
             _log.info(
                 "mesh: route {host} {result} by a peer ({replication}, home region {region}, "
-                "{n} env values{due}, settings gen {gen})",
+                "{n} env values{bot}{due}, settings gen {gen})",
                 host=host,
                 result=result,
                 gen=payload.gen or "none",
                 replication=payload.replication,
                 region=payload.home_region or "-",
                 n=len(payload.env),
+                bot=f", {len(payload.bot_env)} bot sidecar env values" if payload.bot_env else "",
                 due="" if payload.next_due is None else f", next due {payload.next_due or 'none'}",
                 next_due=payload.next_due,
             )
@@ -265,10 +275,11 @@ class RouteStore:
                 continue
             try:
                 env = replicable_env(read_env_file(hosts.env_path(self._data_dir, route.host)))
+                bot_env = read_bot_env(self._data_dir, route.host)
             except (ConfigError, hosts.InvalidHost) as e:
                 _log.warn("mesh: listing {host} without env values: {e}", host=route.host, e=e)
-                env = {}
-            routes.append(route_payload(route, env))
+                env, bot_env = {}, {}
+            routes.append(route_payload(route, env, bot_env=bot_env))
         return 200, {"routes": routes}, "listed"
 
 
@@ -308,7 +319,8 @@ def _read_private(path: str) -> bytes | None:
 def _put_back(path: str, previous: bytes | None) -> None:
     try:
         if previous is None:
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # (a bot env neither had nor written)
+                os.unlink(path)
         else:
             write_atomic(path, previous, envfile.MODE)
     except OSError as e:

@@ -1,8 +1,9 @@
 """A replicated space's settings, versioned across the mesh (docs/mesh.md, "What travels").
 
 A space's *settings* are what a peer needs to run it as its creator meant: the row's replicated
-fields (replication class, home region, version, hibernating or living elsewhere) and the
-replicable values of ``<data>/<host>.env`` (:func:`lchat.mesh.client.replicable_env`). Each row
+fields (replication class, home region, version, hibernating or living elsewhere), the
+replicable values of ``<data>/<host>.env`` (:func:`lchat.mesh.client.replicable_env`) and those
+of its bot sidecar's ``<data>/<host>-bot.env`` when it has one. Each row
 carries a *generation* and the *hash* of those settings (``settings_gen``/``settings_hash``).
 
 Invariants:
@@ -14,6 +15,8 @@ Invariants:
   generation with the same hash (the same settings again: a due time riding on it); or the same
   generation with a different hash from the host's owner by the hash ("the owner's word last").
   A payload without a generation (an older peer) is applied only over a row that has none.
+- A space without a bot sidecar hashes as it did before bot envs travelled (the key is left
+  out, not empty), so an upgrade bumps no row of such a space.
 - The hash covers exactly what travels, never a per-box value (socket, database path, the
   ``live/<host>`` link, certificates), so two boxes holding the same settings hold the same hash.
 - Env *values* never leave this module's callers in a log line or a fleet view: only key names,
@@ -28,7 +31,7 @@ from collections.abc import Mapping
 
 from attrs import evolve
 
-from lchat.mesh.client import read_route_env
+from lchat.mesh.client import read_bot_env, read_route_env
 from lchat.mesh.placement import normalise_member_url
 from lchat.registry import Registry, Route
 
@@ -42,17 +45,22 @@ def settings_hash(
     version: str,
     lives_at: str,
     env: Mapping[str, str],
+    bot_env: Mapping[str, str] | None = None,
 ) -> str:
-    """The sha256 (hex) of the canonical JSON of a space's settings. ``env``: the replicable
-    values only (the caller filters them: :func:`lchat.mesh.client.replicable_env`)."""
+    """The sha256 (hex) of the canonical JSON of a space's settings. ``env`` and ``bot_env``
+    (its bot sidecar's; none or empty: it has none): the replicable values only (the caller
+    filters them: :func:`lchat.mesh.client.replicable_env`)."""
+    fields: dict[str, object] = {
+        "env": dict(sorted(env.items())),
+        "home_region": home_region,
+        "lives_at": lives_at,
+        "replication": replication,
+        "version": version,
+    }
+    if bot_env:  # left out when empty: the hash of a space without a bot is unchanged
+        fields["bot_env"] = dict(sorted(bot_env.items()))
     canonical = json.dumps(
-        {
-            "env": dict(sorted(env.items())),
-            "home_region": home_region,
-            "lives_at": lives_at,
-            "replication": replication,
-            "version": version,
-        },
+        fields,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=True,
@@ -60,8 +68,10 @@ def settings_hash(
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
-def route_hash(route: Route, env: Mapping[str, str]) -> str:
-    """:func:`settings_hash` of a row and its env file's replicable values (none for a
+def route_hash(
+    route: Route, env: Mapping[str, str], bot_env: Mapping[str, str] | None = None
+) -> str:
+    """:func:`settings_hash` of a row and its env files' replicable values (none for a
     lives-elsewhere row: it never runs here, and its payload carries none)."""
     return settings_hash(
         replication=route.replication,
@@ -69,6 +79,7 @@ def route_hash(route: Route, env: Mapping[str, str]) -> str:
         version=route.version,
         lives_at=route.lives_at,
         env={} if route.elsewhere else env,
+        bot_env=None if route.elsewhere else bot_env,
     )
 
 
@@ -88,22 +99,29 @@ def short(digest: str) -> str:
     return digest[:SHORT] or "-"
 
 
-def local_hash(route: Route, env: Mapping[str, str], self_url: str) -> str:
+def local_hash(
+    route: Route,
+    env: Mapping[str, str],
+    self_url: str,
+    bot_env: Mapping[str, str] | None = None,
+) -> str:
     """The hash of ``route``'s settings as its peers will hold them: a space this box runs
     always-on travels in its lives-elsewhere shape (``lives_at`` this box, no env values)."""
     if route.always_on_here:
         return route_hash(evolve(route, lives_at=normalise_member_url(self_url)), {})
-    return route_hash(route, env)
+    return route_hash(route, env, bot_env)
 
 
 def bump(registry: Registry, data_dir: str, self_url: str, route: Route, now_ms: int) -> Route:
     """A local change of ``route``'s settings: its row gets a new generation and the hash of
     ``route`` as given (the row as it is, or as it is about to be: ``hibernate --off`` pushes its
-    lives-elsewhere shape before the row flips) and its env file's replicable values
+    lives-elsewhere shape before the row flips) and its env files' replicable values
     (:meth:`lchat.registry.Registry.bump_settings`). Returns ``route`` with them. Blocking.
     Raises :class:`lchat.config.ConfigError` when the env file cannot be read, and
     :class:`lchat.registry.UnknownHost`."""
-    env = {} if route.always_on_here or route.elsewhere else read_route_env(data_dir, route.host)
-    bumped = registry.bump_settings(route.host, local_hash(route, env, self_url), now_ms)
+    runs_here = not (route.always_on_here or route.elsewhere)
+    env = read_route_env(data_dir, route.host) if runs_here else {}
+    bot_env = read_bot_env(data_dir, route.host) if runs_here else {}
+    bumped = registry.bump_settings(route.host, local_hash(route, env, self_url, bot_env), now_ms)
     assert bumped is not None  # (no compare-and-swap asked)
     return evolve(route, settings_gen=bumped.settings_gen, settings_hash=bumped.settings_hash)

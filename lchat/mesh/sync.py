@@ -6,7 +6,7 @@ or cut off misses them. So every ``LCHAT_MESH_SYNC`` (jittered by ±25 %, so tha
 together do not poll together), the router:
 
 1. **Notices hand edits.** For every in-scope hibernating row it recomputes the settings hash
-   from the row and ``<data>/<host>.env`` (:func:`lchat.mesh.settings.route_hash`). A row with no
+   from the row, ``<data>/<host>.env`` and ``<host>-bot.env`` (:func:`lchat.mesh.settings.route_hash`). A row with no
    hash yet (from before settings generations) gets one, at generation 0, and nothing is pushed;
    a hash that differs from the stored one is a change made on this box outside ``lchat``: the
    row gets a new generation (:func:`lchat.mesh.settings.bump`) and is pushed to the live peers
@@ -189,9 +189,9 @@ class SettingsSync(Service):
                 days=TOMBSTONE_RETENTION_MS // 86_400_000,
                 hosts=", ".join(purged),
             )
-        changed: list[tuple[Route, dict[str, str]]] = await self._run(self._local_changes)
-        for route, env in changed:
-            await self._push(route, env)
+        changed: list[tuple[Route, dict[str, Any]]] = await self._run(self._local_changes)
+        for route, payload in changed:
+            await self._push(route, payload)
         for member in self._members():
             if member.self or member.url == self._me:
                 continue
@@ -199,7 +199,7 @@ class SettingsSync(Service):
 
     # -- 1. hand edits, in a thread ------------------------------------------------------------
 
-    def _local_changes(self) -> list[tuple[Route, dict[str, str]]]:
+    def _local_changes(self) -> list[tuple[Route, dict[str, Any]]]:
         bumped = []
         for route in self._registry.load():
             if not route.hibernating or route.elsewhere:
@@ -216,8 +216,8 @@ class SettingsSync(Service):
                 bumped.append(found)
         return bumped
 
-    def _changed(self, host: str) -> tuple[Route, dict[str, str]] | None:
-        """The row bumped when its settings changed outside lchat, with its env values; None
+    def _changed(self, host: str) -> tuple[Route, dict[str, Any]] | None:
+        """The row bumped when its settings changed outside lchat, with its payload; None
         when they did not. Called under the mesh API's write lock (a peer's write lands in the
         env file just before the row). The write is a compare-and-swap on the generation and hash
         read (:meth:`lchat.registry.Registry.bump_settings`'s ``expect``): a command's write in
@@ -226,7 +226,8 @@ class SettingsSync(Service):
         if route is None or not route.hibernating or route.elsewhere:
             return None
         env = client.read_route_env(self._data_dir, host)
-        digest = settings.route_hash(route, env)
+        bot_env = client.read_bot_env(self._data_dir, host)
+        digest = settings.route_hash(route, env, bot_env)
         if digest == route.settings_hash:
             return None
         expect = (route.settings_gen, route.settings_hash)
@@ -237,9 +238,10 @@ class SettingsSync(Service):
         if bumped is None:
             return None
         _hand_edits.inc()
-        return evolve(route, settings_gen=bumped.settings_gen, settings_hash=digest), env
+        route = evolve(route, settings_gen=bumped.settings_gen, settings_hash=digest)
+        return route, client.route_payload(route, env, bot_env=bot_env)
 
-    async def _push(self, route: Route, env: dict[str, str]) -> None:
+    async def _push(self, route: Route, payload: dict[str, Any]) -> None:
         targets = client.fan_out_targets(self._mesh, route.host, route.home_region, self._members())
         _log.info(
             "mesh: {host} settings changed on this box (gen {gen}): pushing to {n} peer(s)",
@@ -247,7 +249,6 @@ class SettingsSync(Service):
             gen=route.settings_gen,
             n=len(targets),
         )
-        payload = client.route_payload(route, env)
         for member in targets:
             try:
                 answer = await client.push_route(
