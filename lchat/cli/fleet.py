@@ -57,7 +57,18 @@ PUBLISH_TIMEOUT = 30.0  # writing status/fleet.json
 PUBLISH_KEY = "status/fleet.json"
 EXIT_PARTIAL = 3
 EXIT_DIVERGED = 4
-COLUMNS = ("BOX", "HOST", "STATE", "VERSION", "AWAKE-SINCE", "NEXT-DUE", "LAG", "GEN", "DIVERGED")
+COLUMNS = (
+    "BOX",
+    "HOST",
+    "STATE",
+    "VERSION",
+    "FLOOR",
+    "AWAKE-SINCE",
+    "NEXT-DUE",
+    "LAG",
+    "GEN",
+    "DIVERGED",
+)
 SETTINGS_COLUMNS = ("HOST", "BOX", "GEN", "HASH", "REPLICATION", "REGION", "ENV-KEYS")
 
 Say = Callable[[str], None]
@@ -335,6 +346,7 @@ def _table(result: fleet.Fleet, me: str, out: Say) -> None:
                 space.host,
                 state,
                 space.version or "-",
+                space.floor or "-",
                 fleet.utc(space.awake_since) or "-",
                 fleet.utc(space.next_due) or "-",
                 "-" if space.lag is None else f"{space.lag:.1f}s",

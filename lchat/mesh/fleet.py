@@ -29,7 +29,7 @@ Answer of ``GET /api/mesh/spaces`` (200, JSON)::
      "default_version": "1.4.0",
      "spaces": [{"host": "a.chat.example.com", "state": "awake", "version": "1.4.0",
                  "awake_since": 1788990000, "next_due": null, "lag": 0.2, "process": null,
-                 "home_region": ""}, ...],
+                 "home_region": "", "floor": "1.4.0"}, ...],
      "visiting": [{... the same fields ..., "owner": "https://box-2.example.net"}, ...]}
 
 ``settings`` (issue 32; absent from an older box's answer): for *every* in-scope space this box
@@ -46,6 +46,11 @@ runs them itself, ``ready``, ``starting``, ``backoff``, ``failed``...; null unde
 (:meth:`lchat.builds.BuildLayout.version_of`), null when it has none; ``default_version``, the
 box's own ``live/_default`` (what a fleet rollout sets), the same. ``awake_since``:
 unix seconds, null unless awake (always-on: ready). ``next_due``: unix seconds, null when none.
+``floor``: the space's build floor as this box last held it to at a wake (the version of its
+``<data>/woke/<host>.json``, :func:`lchat.builds.read_wake`: a wake runs the floor's build or
+raises the floor to its own, so the two agree after every wake here), null when it never woke here
+on a versioned build, or for an always-on space. Never a GET of the bucket's ``build.json``: one
+per space is too many for a fleet of thousands; a visiting entry carries its holder's, the fresher.
 ``lag``: seconds since the oldest commit not yet in the bucket (the hibernation replica of an
 awake space, the fleet backup's of an always-on one), null when nothing replicates it here (an
 asleep space was flushed when it slept). ``members``: the live view the ownership was computed
@@ -67,7 +72,7 @@ from attrs import frozen
 
 import lchat
 from lchat import hosts
-from lchat.builds import DEFAULT_LINK, DEFAULT_OPT_DIR, BuildLayout
+from lchat.builds import DEFAULT_LINK, DEFAULT_OPT_DIR, BuildLayout, read_wake
 from lchat.config import BoxConfig, ConfigError
 from lchat.mesh import placement
 from lchat.mesh.client import ENV_KEY, read_route_env
@@ -260,7 +265,15 @@ class SpacesView:
             "lag": round(lag, 3) if lag is not None else None,
             "process": process,
             "home_region": route.home_region,
+            "floor": self._floor(route),
         }
+
+    def _floor(self, route: Route) -> str | None:
+        """The ``floor`` of the module docstring (a small local file, in the worker thread)."""
+        if not route.hibernate:
+            return None
+        wake = read_wake(self._data_dir, route.host)
+        return wake.version if wake is not None else None
 
 
 def _backup_lags(status: Mapping[str, Any]) -> dict[str, float]:
@@ -304,6 +317,7 @@ class Space:
     process: str | None = None
     home_region: str = ""
     owner: str = ""
+    floor: str | None = None  # its build floor as the reporting box last woke it (absent: older)
 
 
 @frozen
@@ -423,6 +437,7 @@ def _space(value: object, *, visiting: bool) -> Space:
         process=_label(value.get("process"), f"{host}: process", MAX_STATE),
         home_region=home_region,
         owner=_member(value.get("owner"), f"{host}: owner") if visiting else "",
+        floor=_label(value.get("floor"), f"{host}: floor", MAX_VERSION),
     )
 
 
