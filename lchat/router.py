@@ -146,6 +146,7 @@ _PUBLIC = {
     "held": "{host} is being moved",
     "not_alive": "{host} cannot wake on this server right now",
     "build_behind": "{host} cannot wake on this server until it is updated",
+    "moved": "{host} has moved to another region; retry in a moment",
     "not_witnessed": "{host} cannot save changes right now (its storage is out of reach); "
     "reads still work",
 }

@@ -505,9 +505,10 @@ def _front_door(
         )
         listen(top, UNIXServerEndpoint(reactor, mesh_socket, mode=0o600), site)
         if hibernation is not None and membership is not None and hibernation.mesh is not None:
-            _settings_sync(
-                reactor, cfg, routes, hibernation.mesh, membership, site, run
-            ).setServiceParent(top)
+            sync = _settings_sync(reactor, cfg, routes, hibernation.mesh, membership, site, run)
+            sync.setServiceParent(top)
+            # A wake that finds its space relocated since this box's row asks the peers at once.
+            hibernation.activator.moved.on_moved = sync.repair
         mesh_api = (cfg.mesh.self_host, mesh_socket)
     router = Router(
         routes,

@@ -525,6 +525,39 @@ class SyncTests(TestCase):
         self.assertIsNotNone(self.here.registry.get(f"other.{api_tests.DOMAIN}"))
 
     @inlineCallbacks
+    def test_a_repair_takes_one_hosts_newer_row_at_once_and_joins_a_second_call(self) -> Any:
+        self.both(gen=500)
+        updated = _sample("lchat_mesh_sync_repairs_total", result="updated")
+        sync = self.sync()
+        first = sync.repair(api_tests.HOST)
+        self.assertIs(sync.repair(api_tests.HOST), first)  # one repair per host at a time
+        yield first
+        row = self.here.registry.get(api_tests.HOST)
+        assert row is not None
+        self.assertEqual((row.replication, row.settings_gen), ("daily", 500))
+        self.assertEqual(_sample("lchat_mesh_sync_repairs_total", result="updated"), updated + 1)
+        self.assertIsNone(sync._round)  # no round was run for it
+        # Nothing newer there now: unchanged, and nothing applied.
+        unchanged = _sample("lchat_mesh_sync_repairs_total", result="unchanged")
+        yield sync.repair(api_tests.HOST)
+        self.assertEqual(
+            _sample("lchat_mesh_sync_repairs_total", result="unchanged"), unchanged + 1
+        )
+
+    @inlineCallbacks
+    def test_a_repair_from_an_unreachable_peer_fails_quietly(self) -> Any:
+        self.both(gen=500)
+        self.members = [api_tests.member("http://127.0.0.1:1")]
+        failed = _sample("lchat_mesh_sync_repairs_total", result="failed")
+        sync = self.sync()
+        sync.timeout = 2.0
+        yield sync.repair(api_tests.HOST)
+        self.assertEqual(_sample("lchat_mesh_sync_repairs_total", result="failed"), failed + 1)
+        row = self.here.registry.get(api_tests.HOST)
+        assert row is not None
+        self.assertEqual(row.settings_gen, 1)
+
+    @inlineCallbacks
     def test_an_unreachable_peer_is_counted(self) -> Any:
         self.members = [api_tests.member("http://127.0.0.1:1")]
         failed = _sample("lchat_mesh_sync_failures_total", peer="http://127.0.0.1:1")

@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred, fail
 
 from lchat import admin_client, config, lease
 from lchat.handover.relocate import Relocation
+from lchat.hibernation import moved
 from lchat.mesh import api
 from lchat.mesh.members import Member
 from lchat.objstore import StoreUnavailable
@@ -157,7 +158,54 @@ class CopyTests(RelocateCase):
         self.assertEqual(self.home(), "fi")
         self.assertEqual([r.home_region for r in self.peers.pushed], [])  # no mesh
         self.assertEqual(sorted(self.keys(self.fi)), sorted([snapshot(3), snapshot(5)]))
-        self.assertEqual(sorted(self.keys(self.ie)), sorted([snapshot(3), snapshot(5)]))
+        # The source keeps its replica, and a marker of where the space went.
+        self.assertEqual(
+            sorted(self.keys(self.ie)), sorted([snapshot(3), snapshot(5), moved.MOVED_NAME])
+        )
+
+    def marker(self, directory: str) -> moved.MovedRecord | None:
+        bucket = FileBucket(directory)
+        if f"{HOST}/{moved.MOVED_NAME}" not in {i.key for i in bucket.list(f"{HOST}/")}:
+            return None
+        return moved.MovedRecord.parse(bucket.get(f"{HOST}/{moved.MOVED_NAME}").body)
+
+    def test_the_source_keeps_a_moved_marker_and_a_move_back_clears_it(self) -> None:
+        self.mesh()
+        # (The CLI's fan-out gives the flipped row its generation; these peers record only.)
+        self.registry.bump_settings(HOST, "a" * 64, 1_000)
+        self.assertEqual(self.relocate(), 0)
+        row = self.row(HOST)
+        assert row is not None
+        marker = self.marker(self.ie)
+        assert marker is not None
+        self.assertEqual(
+            (marker.to, marker.gen, marker.by), ("fi", row.settings_gen, self.cfg.box_id)
+        )
+        self.assertIsNone(self.marker(self.fi))  # a marker is never copied
+        # Back to ie: fi now says where it went, and ie's marker of the first move is gone.
+        self.registry.bump_settings(HOST, "b" * 64, 2_000)
+        self.assertEqual(self.relocate("ie"), 0)
+        back = self.marker(self.fi)
+        row = self.row(HOST)
+        assert back is not None and row is not None
+        self.assertEqual((back.to, back.gen), ("ie", row.settings_gen))
+        self.assertGreater(back.gen, marker.gen)
+        self.assertIsNone(self.marker(self.ie))
+        self.assertNotIn(moved.MOVED_NAME, self.keys(self.ie))
+
+    def test_a_marker_that_cannot_be_written_is_a_note_and_the_move_stands(self) -> None:
+        async def refuse(*args: Any) -> None:
+            raise StoreUnavailable("the bucket is away")
+
+        self.patch(moved, "write", refuse)
+        self.assertEqual(self.relocate(), 0)
+        self.assertEqual(self.home(), "fi")
+        self.assertTrue(
+            self.said(
+                f"note: {HOST}: could not leave the moved marker in file:{self.ie}/{HOST}/ "
+                f"(the bucket is away): the move stands"
+            )
+        )
 
     def test_the_hold_outlasts_the_timeout_by_a_minute_at_most_an_hour(self) -> None:
         sleeps: list[dict[bytes, list[bytes]]] = []

@@ -53,6 +53,7 @@ from lchat.handover import HandoverError
 from lchat.handover.hibernate import SLEEP_TIMEOUT
 from lchat.handover.router import Router, Say
 from lchat.handover.seams import AddressRecords, Clock, Mesh, MeshHolds, PeerHolds, RegionStores
+from lchat.hibernation import moved
 from lchat.mesh.client import MeshCallError
 from lchat.mesh.members import Member
 from lchat.mesh.placement import normalise_member_url
@@ -440,6 +441,7 @@ class Relocation:
                 # Flipped while both fences hold: no box can write the source after the copy
                 # and before the peers forward to the destination region.
                 await run_in_thread(flip)
+                await self._mark_moved(host, labels[1], wheres, (stores[0], stores[1]))
                 return result
             finally:
                 for store, fence_held in fences:
@@ -463,6 +465,31 @@ class Relocation:
             if held:
                 self._release_hold(host)
         return result
+
+    async def _mark_moved(
+        self,
+        host: str,
+        dest: str,
+        wheres: tuple[Where, Where],
+        stores: tuple[ObjectStore, ObjectStore],
+    ) -> None:
+        """After the flip, still under both fences: the source bucket's marker says where the
+        space went (a box that missed the fan-out refuses to wake the old copy there:
+        :mod:`lchat.hibernation.moved`), and the destination's marker of an earlier move away
+        from it goes. A failure is a note: the move stands, and such a box is then repaired by
+        its anti-entropy alone."""
+        route = self.registry.get(host)
+        gen = route.settings_gen if route is not None else 0
+        record = moved.MovedRecord(to=dest, gen=gen, at=self.clock.wall(), by=self.cfg.box_id)
+        try:
+            await moved.clear(stores[1], wheres[1].prefix, host)
+            await moved.write(stores[0], wheres[0].prefix, host, record)
+        except ObjectStoreError as e:
+            self.say.note(
+                f"{host}: could not leave the moved marker in {url(wheres[0])}/{host}/ ({e}): "
+                f"the move stands, but a box that missed the fan-out may wake the old copy "
+                f"until its settings sync runs (or `lchat mesh-seed` on it)"
+            )
 
     def _me(self) -> str:
         return normalise_member_url(self.cfg.mesh.self_url) if self.cfg.mesh is not None else ""
@@ -545,9 +572,12 @@ async def copy_replica(
     src, dst = wheres
     src_store, dst_store = stores
     src_dir, dst_dir = src.key(host) + "/", dst.key(host) + "/"
-    source = [i for i in await src_store.list(src_dir) if not is_lock(i, src_dir)]
+    source = [
+        i for i in await src_store.list(src_dir) if not is_lock(i, src_dir) and not is_marker(i)
+    ]
     there = {i.key[len(dst_dir) :]: i for i in await dst_store.list(dst_dir)}
     there.pop(lease.LOCK_NAME, None)  # our own fence
+    there.pop(moved.MOVED_NAME, None)  # an earlier move's marker: cleared after the flip
     src_txid = newest_txid(source)
     dst_txid = newest_txid(list(there.values()))
     if not source:
@@ -656,6 +686,11 @@ def _lease_held(host: str, label: str, where: Where, e: lease.LeaseHeld) -> Hand
 
 def is_lock(info: ObjectInfo, directory: str) -> bool:
     return info.key == directory + lease.LOCK_NAME
+
+
+def is_marker(info: ObjectInfo) -> bool:
+    """A moved marker (never copied: it describes the bucket it is in)."""
+    return info.key.rsplit("/", 1)[-1] == moved.MOVED_NAME
 
 
 def newest_txid(infos: list[ObjectInfo]) -> int:

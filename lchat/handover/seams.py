@@ -65,6 +65,7 @@ class Clock:
 
     monotonic: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    wall: Callable[[], float] = time.time  # unix seconds, for records people read
 
 
 @frozen

@@ -38,6 +38,7 @@ from lchat.child import RunningChild
 from lchat.deferutil import fire, relay, settled
 from lchat.hibernation.capacity import Capacity, Holds, Memory
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
+from lchat.hibernation.moved import MovedCheck
 from lchat.hibernation.outage import OutageWrites, WriteWitness, stale
 from lchat.hibernation.recovery import LocalCopies
 from lchat.hibernation.space import STATES, Budgets, Space, WakeFailed
@@ -139,6 +140,11 @@ class Activator(Service):
     @budgets.setter
     def budgets(self, budgets: Budgets) -> None:
         self._life.budgets = budgets
+
+    @property
+    def moved(self) -> MovedCheck:
+        """The wake's check of a relocated copy (its ``on_moved`` is wired by the router)."""
+        return self._life.moved
 
     # -- status ----------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ The activator (lchat.hibernation.activator) decides *when* and keeps the states;
 :class:`Lifecycle` does the work on a :class:`~lchat.hibernation.space.Space` it is handed:
 
 - wake: take the lease (asking a held one again for ~0.7 s: a draining holder releases it within
-  moments) and keep it renewed; hold the build to the space's floor (lchat.hibernation.floor: the
+  moments) and keep it renewed; refuse a copy the space was relocated away from
+  (lchat.hibernation.moved: a box that missed the fan-out); hold the build to the space's floor (lchat.hibernation.floor: the
   build the live link resolves to, never older than the newest the space ran); the database step (lchat.hibernation.localdb); replication, first
   when the local file is exactly the bucket's newest state, else once the space is ready; spawn
   the space (after evicting a leftover on its socket) and wait for ``GET /api/version``;
@@ -37,6 +38,7 @@ from lchat.config import BoxConfig, read_env_file
 from lchat.hibernation import localdb
 from lchat.hibernation.floor import BuildFloor
 from lchat.hibernation.localdb import DBPlan, Restorer
+from lchat.hibernation.moved import MovedCheck
 from lchat.hibernation.sidecars import STEP_FAILURES, Sidecars
 from lchat.hibernation.space import Budgets, Space, WakeFailed
 from lchat.isolation import IsolationError
@@ -175,9 +177,19 @@ class Lifecycle:
     fence: Fence | None = None
     restorer: Restorer = field(init=False)
     floor: BuildFloor = field(init=False)
+    moved: MovedCheck = field(init=False)
 
     def __attrs_post_init__(self) -> None:
         hib = self.cfg.hibernate
+        # Only with per-region buckets can a space's copy here be one it was moved away from.
+        here = hib.where if hib is not None else None
+        self.moved = MovedCheck(
+            self.store,
+            hib.prefix if hib is not None else "",
+            here is not None
+            and any(not b.same_place(here) for b in self.cfg.region_buckets.values()),
+            clock=self.reactor.seconds,
+        )
         self.floor = BuildFloor(
             self.store,
             hib.prefix if hib is not None else "",
@@ -270,8 +282,11 @@ class Lifecycle:
         timings["lease"] = clock() - t
         _log.info("activator: {host} waking (lease acquired)", host=host, reason=space.reason)
 
-        # Which build, before anything else runs: a refusal costs no restore.
+        # Which build, before anything else runs: a refusal costs no restore. First, whether
+        # this bucket's copy is still the space's (lchat.hibernation.moved: one GET, only with
+        # per-region buckets); a copy it was relocated away from is never restored.
         t = clock()
+        await self.moved.check(host, space.route.home_region, space.route.settings_gen)
         try:
             argv = builds.space_argv(self.cfg.space_command, host)
         except hosts.InvalidHost as e:

@@ -94,6 +94,12 @@ _hand_edits = Counter(
     "Settings changed on this box outside lchat (an env file edited by hand), given a new "
     "generation and pushed to the peers",
 )
+_repairs = Counter(
+    "lchat_mesh_sync_repairs_total",
+    "One host's row asked of the peers at once, outside the rounds (a wake here found the space "
+    "moved to another region: lchat.hibernation.moved), by result: updated, unchanged, failed",
+    ["result"],
+)
 _log = Logger(namespace="lchat.mesh.sync")
 
 Apply = Callable[[RoutePayload, bool], Deferred[str]]
@@ -146,6 +152,7 @@ class SettingsSync(Service):
         self._me = normalise_member_url(mesh.self_url)
         self._call: IDelayedCall | None = None
         self._round: Deferred[None] | None = None
+        self._repairing: dict[str, Deferred[None]] = {}  # host -> its repair under way
 
     def startService(self) -> None:
         super().startService()
@@ -196,6 +203,81 @@ class SettingsSync(Service):
             if member.self or member.url == self._me:
                 continue
             await self._pull(member.url)
+
+    def repair(self, host: str) -> Deferred[None]:
+        """Ask every live peer for ``host``'s row now and take a newer one, as a round would
+        (the mesh API's upsert): a wake here found the space relocated after this box's row
+        (lchat.hibernation.moved), so its next request must go where the peers say. One repair
+        per host at a time (a second call joins it); never fails (logged, counted)."""
+        running = self._repairing.get(host)
+        if running is not None:
+            return running
+        d = Deferred.fromCoroutine(self._repair(host))
+        d.addErrback(lambda f: _log.failure("mesh: the repair of {host} failed", f, host=host))
+        if d.called:
+            return d  # over already (no peer to ask)
+
+        def over(result: object) -> None:
+            self._repairing.pop(host, None)  # (never return it: a Deferred chained to itself)
+
+        self._repairing[host] = d
+        d.addBoth(over)
+        return d
+
+    async def _repair(self, host: str) -> None:
+        options: dict[str, Any] = {
+            "ca_file": self._mesh.ca_file,
+            "timeout": self.timeout,
+            "reactor": self._reactor,
+        }
+        result = "unchanged"
+        for member in self._members():
+            if member.self or member.url == self._me:
+                continue
+            mine = await self._run(self._registry.get, host)
+            if mine is None or not mine.replicated:
+                break  # removed here meanwhile, or a space of this box's own
+            peer = member.url
+            try:
+                body = await client.fetch_route(peer, self._mesh.token, host, **options)
+                if body is None:
+                    continue
+                payload = parse_payload(body)
+                if payload.host != host or not in_scope(self._mesh, host, payload.home_region):
+                    raise PayloadError(
+                        f"{host}: the row fetched is not this host's, or out of scope"
+                    )
+                if (payload.gen or 0) <= mine.settings_gen:
+                    continue
+                applied = await self._apply(payload, self._owner(mine) == peer)
+            except Exception as e:  # a peer's failure or refusal: the next peer, then the rounds
+                _failures.labels(peer).inc()
+                result = "failed" if result == "unchanged" else result
+                _log.warn(
+                    "mesh: {host}: asking {peer} for its row failed: {e}", host=host, peer=peer, e=e
+                )
+                continue
+            if applied == "stale":
+                continue
+            result = "updated"
+            _applied.labels("settings").inc()
+            _log.info(
+                "mesh: {host} settings gen {gen} from {peer} (was {was}; asked at once: a wake "
+                "here found it moved to region {region})",
+                host=host,
+                gen=payload.gen or 0,
+                peer=peer,
+                was=mine.settings_gen,
+                region=payload.home_region or "(none)",
+            )
+        _repairs.labels(result).inc()
+        if result != "updated":
+            _log.warn(
+                "mesh: {host}: no peer had a newer row ({result}); its settings sync tries again "
+                "within LCHAT_MESH_SYNC (or run `lchat mesh-seed`)",
+                host=host,
+                result=result,
+            )
 
     # -- 1. hand edits, in a thread ------------------------------------------------------------
 
