@@ -7,9 +7,10 @@ regions are one mesh. A space homed in ``ie`` is moved to ``fi`` while a client 
 through the ``ie`` boxes: every acknowledged write survives, the space ends up awake on an ``fi``
 box, the ``ie`` boxes forward to it, the ``fi`` bucket holds a replica the stock ``litestream
 restore`` reads, and the ``ie`` bucket keeps no lock; with the ``fi`` boxes gone, the ``ie`` boxes
-answer 503 rather than wake their stale copy. Run on a box that does not run the space, the
-command has the box holding its lease sleep it and hold it asleep (POST /api/mesh/hold), with
-either implementation as the source. With one shared bucket, the space is served in its new
+answer 503 rather than wake their stale copy; a box that was down at the move's fan-out answers
+503 moved (the source bucket's marker), never its stale copy, then follows the move. Run on a box
+that does not run the space, the command has the box holding its lease sleep it and hold it
+asleep (POST /api/mesh/hold), with either implementation as the source. With one shared bucket, the space is served in its new
 region and its DNS record follows (Route53 on moto). Every other branch of the command is in
 test_relocate_handover, on fakes.
 """
@@ -322,6 +323,67 @@ class RelocateFromAnyBoxTests(TwoRegionsCase):
         self.assertNotIn("held_for", json.loads(status_body)["hosts"].get(HOST, {}))
         self.assertIn("asked this box to sleep it and hold it asleep", holder.log())
         self.assertIn("a peer lifted its hold here (released)", holder.log())
+
+
+class MissedFanOutTests(TwoRegionsCase):
+    """A box that was down during a relocation (it missed the flip's fan-out) and comes back
+    before its anti-entropy runs (``LCHAT_MESH_SYNC`` an hour) still places the space in its old
+    region, and is its owner there: its wake finds the source bucket's moved marker and answers
+    ``503 moved`` (never the old copy), asks the peers for the row at once, and then serves the
+    space from its new region. ``ie`` on moto, ``fi`` on SeaweedFS (the subclass swaps them)."""
+
+    timeout = 180
+
+    @inlineCallbacks
+    def test_a_box_that_missed_the_fan_out_never_wakes_the_old_copy(self) -> Any:
+        ie, fi = self.region_boxes(("ie0", "ie1", "fi0"))
+        everyone = [*ie, *fi]
+        for box in everyone:
+            box.settings["LCHAT_MESH_SYNC"] = "1h"  # type: ignore[attr-defined]
+        late = ie[1]
+        yield self.start(ie[0], fi[0])
+        status, body, _ = yield self.req(
+            ie[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "before"}'
+        )
+        self.assertEqual(status, 201, body)
+        ran = yield deferToThread(
+            lchat, "relocate", HOST, "--to", "fi", "--env-file", ie[0].env_file
+        )
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr + self.logs(ie[0], fi[0]))
+        status, body, _ = yield self.req(
+            fi[0], HOST, "/api/rooms/r/messages", "POST", b'{"body": "after"}'
+        )
+        self.assertEqual(status, 201, body)
+        # Asleep in fi (awake, its holder's heartbeat would draw the requests there), and the
+        # only ie box left is the one that missed it: it owns the space by its stale row.
+        slept = yield deferToThread(_admin, fi[0], f"/sleep?host={HOST}")
+        self.assertEqual(slept[0], 200, slept)
+        yield deferToThread(ie[0].stop, signal.SIGTERM)
+        stale = late.registry().get(HOST)
+        assert stale is not None
+        self.assertEqual(stale.home_region, "ie")
+        yield self.start(late)
+        yield self.wait_for(lambda: test_mesh._members(late) == 2, timeout=10)
+
+        status, body, headers = yield self.req(late, HOST, "/api/rooms/r/messages?limit=10")
+        self.assertEqual(status, 503, body)
+        self.assertIn(b"has moved to another region", body)
+        self.assertLessEqual(int(headers["retry-after"]), 2)
+        self.assertFalse(late.awake(HOST))
+        self.assertIn("it missed the relocation's fan-out", late.log())
+        # Asked at once, not at its next round: the row follows, and the space is served from
+        # fi with every write.
+        yield self.wait_for(lambda: late.registry().get(HOST).home_region == "fi", timeout=10)
+        got = yield deferToThread(self.messages, late)
+        self.assertEqual(got, ["before", "after"])
+        self.assertFalse(late.awake(HOST))
+        self.assertIn(f"mesh: {HOST} settings gen", late.log())
+
+
+class MissedFanOutSeaweedTests(MissedFanOutTests):
+    """The same, the moved marker in SeaweedFS (``ie`` there, ``fi`` on moto)."""
+
+    IE_ON = "seaweedfs"
 
 
 class RelocateSharedBucketTests(MeshTestCase):
