@@ -232,13 +232,16 @@ class RelocateTests(TestCase):
         assert route is not None
         self.assertEqual(route.home_region, "fi")
         # The destination holds the replica and no lease (a destination box takes a fresh one);
-        # the source is as it was, its lock included (absent: released by the sleep).
+        # the source is as it was, its lock included (absent: released by the sleep), plus the
+        # marker of where the space went (lchat.hibernation.moved), which is never copied.
         dest_keys = await self.keys(self.fi)
         self.assertEqual(
             [k.rsplit("/", 1)[1] for k in dest_keys], [k.rsplit("/", 1)[1] for k in source_keys]
         )
         self.assertNotIn(f"prod/{HOST}/lock.json", dest_keys)
-        self.assertEqual(await self.keys(self.ie), source_keys)
+        self.assertEqual(
+            await self.keys(self.ie), sorted([*source_keys, f"prod/{HOST}/moved.json"])
+        )
         # The stock litestream reads the destination replica back to the same database.
         restored = os.path.join(self.dir, "restored.db")
         await replicas.litestream_restore(self.weed, self.fi_bucket, f"prod/{HOST}", restored)

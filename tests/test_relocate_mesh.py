@@ -373,7 +373,7 @@ class MissedFanOutTests(TwoRegionsCase):
         self.assertIn("it missed the relocation's fan-out", late.log())
         # Asked at once, not at its next round: the row follows, and the space is served from
         # fi with every write.
-        yield self.wait_for(lambda: late.registry().get(HOST).home_region == "fi", timeout=10)
+        yield self.wait_for(lambda: _home(late) == "fi", timeout=10)
         got = yield deferToThread(self.messages, late)
         self.assertEqual(got, ["before", "after"])
         self.assertFalse(late.awake(HOST))
@@ -441,6 +441,11 @@ class RelocateSharedBucketTests(MeshTestCase):
             if status != 200 or [m["body"] for m in json.loads(body)["messages"]] != ["kept"]:
                 return False
         return True
+
+
+def _home(box: Box) -> str | None:
+    row = box.registry().get(HOST)
+    return row.home_region if row is not None else None
 
 
 def _admin(box: Box, path: str) -> tuple[int, bytes]:
