@@ -292,6 +292,10 @@ class SettingsSeaweedTests(SettingsTests):
     def test_a_box_down_at_a_create_and_a_remove_converges_without_mesh_seed(self) -> Any:
         raise AssertionError("skipped")
 
+    def test_hand_edits_and_the_bot_env_run_on_the_other_box_after_a_drain(self) -> Any:
+        raise AssertionError("skipped")
+
+    test_hand_edits_and_the_bot_env_run_on_the_other_box_after_a_drain.skip = "moto only"  # type: ignore[attr-defined]
     test_a_box_down_at_a_create_and_a_remove_converges_without_mesh_seed.skip = "moto only"  # type: ignore[attr-defined]
     test_a_peer_down_during_the_change_converges_and_hand_edits_travel.skip = "moto only"  # type: ignore[attr-defined]
     test_fleet_shows_divergence_then_convergence.skip = "moto only"  # type: ignore[attr-defined]

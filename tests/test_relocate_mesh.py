@@ -380,12 +380,6 @@ class MissedFanOutTests(TwoRegionsCase):
         self.assertIn(f"mesh: {HOST} settings gen", late.log())
 
 
-class MissedFanOutSeaweedTests(MissedFanOutTests):
-    """The same, the moved marker in SeaweedFS (``ie`` there, ``fi`` on moto)."""
-
-    IE_ON = "seaweedfs"
-
-
 class RelocateSharedBucketTests(MeshTestCase):
     timeout = 240
 

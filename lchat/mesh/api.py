@@ -145,7 +145,7 @@ from lchat.mesh.client import (
 from lchat.mesh.fleet import SPACES_PATH
 from lchat.mesh.placement import normalise_member_url
 from lchat.mesh.route_payload import PayloadError, RoutePayload, decode_payload, in_scope
-from lchat.mesh.route_store import Refused, RouteStore
+from lchat.mesh.route_store import Refused, Result, RouteStore
 from lchat.mesh.space_calls import HostAnswer, SpaceCalls, SpaceHolds
 from lchat.mesh.witness import BEAT_PATH, BeatMessage, BeatReply, MessageError
 from lchat.registry import Conflict, Registry, Route
@@ -447,32 +447,26 @@ class MeshAPI(Resource):
     def apply(self, payload: RoutePayload, from_owner: bool) -> Deferred[str]:
         """Apply a peer's route that this box fetched itself (lchat.mesh.sync's anti-entropy)
         through the same upsert as ``POST /api/mesh/route``, then reload the route table; fires
-        with the result (created, updated, stale). Fails as the upsert does (:class:`lchat.mesh.route_store.Refused`
-        for a row this box cannot take, :class:`Conflict`), or as a push's checks
-        (:class:`PayloadError`: :meth:`check_payload`)."""
+        with the result (created, updated, stale). Fails as the upsert does
+        (:class:`lchat.mesh.route_store.Refused` for a row this box cannot take,
+        :class:`Conflict`), or as a push's checks (:class:`PayloadError`: :meth:`check_payload`)."""
         try:
             self.check_payload(payload)
         except PayloadError:
             return fail()
-        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(
-            lambda: self._store.upsert(payload, from_owner)
-        )
-
-        def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
-            reloaded = maybeDeferred(self._reload, f"mesh sync {result[2]}: {payload.host}")
-            return reloaded.addBoth(lambda _: result[2])
-
-        return d.addCallback(reload)
+        return self._synced(payload.host, lambda: self._store.upsert(payload, from_owner))
 
     def apply_delete(self, host: str, gen: int) -> Deferred[str]:
         """Apply a peer's tombstone that this box read in its digest (lchat.mesh.sync) through
         the same path as ``DELETE /api/mesh/route/{host}?gen=`` (member data kept), then reload
         the route table; fires with the result (deleted, stale, absent)."""
-        d: Deferred[tuple[int, dict[str, Any], str]] = self._run(
-            lambda: self._store.delete(host, gen)
-        )
+        return self._synced(host, lambda: self._store.delete(host, gen))
 
-        def reload(result: tuple[int, dict[str, Any], str]) -> Deferred[Any]:
+    def _synced(self, host: str, write: Callable[[], Result]) -> Deferred[str]:
+        """``write`` in a thread, then the route table reloaded whatever came of it; its outcome."""
+        d: Deferred[Result] = self._run(write)
+
+        def reload(result: Result) -> Deferred[Any]:
             reloaded = maybeDeferred(self._reload, f"mesh sync {result[2]}: {host}")
             return reloaded.addBoth(lambda _: result[2])
 

@@ -285,36 +285,8 @@ async def ask_wake(
 async def _ask_host(
     method: str, base: str, peer_url: str, token: str, host: str, **options: Unpack[CallOptions]
 ) -> tuple[int, dict[str, Any]]:
-    reactor = options["reactor"]
-    timeout = options.get("timeout", DEFAULT_TIMEOUT)
-    path = f"{base}/{hosts.normalise(host)}"
-    try:
-        url = check_peer_url(peer_url) + path
-    except ValueError as e:
-        raise MeshCallError(peer_url, str(e)) from e
-    headers: dict[bytes | str, bytes | str] = {
-        "Authorization": f"Bearer {token}",
-        "Accept": "application/json",
-    }
-    client = options.get("http") or HTTPClient(
-        _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
-    )
-    code, raw = await _exchange(
-        client,
-        method,
-        url,
-        headers,
-        b"" if method == "POST" else None,
-        reactor=reactor,
-        timeout=timeout,
-        limit=MAX_MESSAGE,
-        fail=lambda what: MeshCallError(peer_url, f"GET {path}: {what}"),
-    )
-    try:
-        parsed = json.loads(raw) if raw else None
-    except (ValueError, RecursionError):
-        parsed = None
-    return code, parsed if isinstance(parsed, dict) else {}
+    body = b"" if method == "POST" else None
+    return await _ask(method, peer_url, f"{base}/{hosts.normalise(host)}", token, body, options)
 
 
 async def hold_space(
@@ -328,7 +300,7 @@ async def hold_space(
     :class:`MeshCallError` only when no HTTP answer came in time (the hold may still have been
     placed: it ends by itself)."""
     body = json.dumps({"host": hosts.normalise(host), "seconds": seconds}).encode()
-    return await _ask(peer_url, HOLD_PATH, token, body, options)
+    return await _ask("POST", peer_url, HOLD_PATH, token, body, options)
 
 
 async def release_space(
@@ -337,14 +309,14 @@ async def release_space(
     """``POST /api/mesh/release`` ``{"host"}``: lift the hold :func:`hold_space` put on the
     peer (200 ``{"host", "released": bool}``); as :func:`hold_space` for the rest."""
     body = json.dumps({"host": hosts.normalise(host)}).encode()
-    return await _ask(peer_url, RELEASE_PATH, token, body, options)
+    return await _ask("POST", peer_url, RELEASE_PATH, token, body, options)
 
 
 async def _ask(
-    peer_url: str, path: str, token: str, body: bytes, options: CallOptions
+    method: str, peer_url: str, path: str, token: str, body: bytes | None, options: CallOptions
 ) -> tuple[int, dict[str, Any]]:
-    """One ``POST path`` with a JSON body: (status, the answer's JSON object or ``{}``), any
-    status; :class:`MeshCallError` when no answer came in time."""
+    """One call whose every status is an answer: (status, the answer's JSON object or ``{}``);
+    :class:`MeshCallError` only when no answer came in time. A non-empty ``body`` is JSON."""
     reactor = options["reactor"]
     timeout = options.get("timeout", DEFAULT_TIMEOUT)
     try:
@@ -354,21 +326,22 @@ async def _ask(
     headers: dict[bytes | str, bytes | str] = {
         "Authorization": f"Bearer {token}",
         "Accept": "application/json",
-        "Content-Type": "application/json",
     }
+    if body:
+        headers["Content-Type"] = "application/json"
     client = options.get("http") or HTTPClient(
         _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
     )
     code, raw = await _exchange(
         client,
-        "POST",
+        method,
         url,
         headers,
         body,
         reactor=reactor,
         timeout=timeout,
         limit=MAX_MESSAGE,
-        fail=lambda what: MeshCallError(peer_url, f"POST {path}: {what}"),
+        fail=lambda what: MeshCallError(peer_url, f"{method} {path}: {what}"),
     )
     try:
         parsed = json.loads(raw) if raw else None
