@@ -68,7 +68,9 @@ def _env(box: Box, host: str = HOST) -> str:
         return ""
 
 
-class SettingsTests(MeshTestCase):
+class SettingsCase(MeshTestCase):
+    """Two real routers syncing every second (no tests of its own)."""
+
     timeout = 120
 
     @inlineCallbacks
@@ -89,6 +91,8 @@ class SettingsTests(MeshTestCase):
             lines = [ln for box in (a, b) for ln in box.log().splitlines() if "mesh" in ln]
             self.fail(ran.stdout + ran.stderr + "\n".join(lines[-60:]))
 
+
+class SettingsTests(SettingsCase):
     @inlineCallbacks
     def test_replication_class_and_env_changes_reach_every_peer(self) -> Any:
         """``lchat replication h daily`` on box0: box1's row says ``daily`` within 3 s, at box0's
@@ -278,27 +282,14 @@ class SettingsTests(MeshTestCase):
         self.assertIsNone(a.registry().get(new))
 
 
-class SettingsSeaweedTests(SettingsTests):
-    """The pushes and the stale seed on SeaweedFS. The anti-entropy and the fleet view talk to
-    no bucket (peer to peer over the mesh API), so they run on moto only: the suite's budget of
-    real-router time."""
+class SettingsSeaweedTests(SettingsCase):
+    """The pushes and the stale seed on SeaweedFS. The anti-entropy, the hand edits and the fleet
+    view talk to no bucket (peer to peer over the mesh API), so they run on moto only: the suite's
+    budget of real-router time."""
 
-    def test_a_peer_down_during_the_change_converges_and_hand_edits_travel(self) -> Any:
-        raise AssertionError("skipped")
-
-    def test_fleet_shows_divergence_then_convergence(self) -> Any:
-        raise AssertionError("skipped")
-
-    def test_a_box_down_at_a_create_and_a_remove_converges_without_mesh_seed(self) -> Any:
-        raise AssertionError("skipped")
-
-    def test_hand_edits_and_the_bot_env_run_on_the_other_box_after_a_drain(self) -> Any:
-        raise AssertionError("skipped")
-
-    test_hand_edits_and_the_bot_env_run_on_the_other_box_after_a_drain.skip = "moto only"  # type: ignore[attr-defined]
-    test_a_box_down_at_a_create_and_a_remove_converges_without_mesh_seed.skip = "moto only"  # type: ignore[attr-defined]
-    test_a_peer_down_during_the_change_converges_and_hand_edits_travel.skip = "moto only"  # type: ignore[attr-defined]
-    test_fleet_shows_divergence_then_convergence.skip = "moto only"  # type: ignore[attr-defined]
+    test_replication_class_and_env_changes_reach_every_peer = (
+        SettingsTests.test_replication_class_and_env_changes_reach_every_peer
+    )
 
     skip = None if test_mesh_weed_available() else "SeaweedFS's weed is not installed"
 

@@ -130,7 +130,7 @@ def watch(cfg: BoxConfig, rollout: Rollout, out: Out, poll: float) -> int:
             # The rollout goes on without its watcher (the agents advance it): a bucket that
             # does not answer for a moment must not end the watch.
             out(f"the bucket did not answer ({e}); trying again in {poll:g}s")
-            time.sleep(poll)
+            time.sleep(poll)  # a synchronous CLI: no reactor runs between two reads
             continue
         if current is None or current.id != rollout.id:
             raise RolloutError(f"rollout {rollout.id} is gone from the bucket (replaced?)")
@@ -150,7 +150,7 @@ def watch(cfg: BoxConfig, rollout: Rollout, out: Out, poll: float) -> int:
             for line in rollout_mod.describe(current, reports):
                 out(line)
             return 0 if current.state == "done" else 1
-        time.sleep(poll)
+        time.sleep(poll)  # a synchronous CLI: each read runs a reactor of its own (runner.run)
 
 
 # --- lchat release agent --------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def run_agent(
         code = agent_round(args, cfg, open_registry, out)
         if args.once:
             return code
-        time.sleep(args.interval)
+        time.sleep(args.interval)  # a synchronous CLI between rounds (the timer runs --once)
 
 
 def agent_round(

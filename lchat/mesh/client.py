@@ -316,37 +316,8 @@ async def _ask(
     method: str, peer_url: str, path: str, token: str, body: bytes | None, options: CallOptions
 ) -> tuple[int, dict[str, Any]]:
     """One call whose every status is an answer: (status, the answer's JSON object or ``{}``);
-    :class:`MeshCallError` only when no answer came in time. A non-empty ``body`` is JSON."""
-    reactor = options["reactor"]
-    timeout = options.get("timeout", DEFAULT_TIMEOUT)
-    try:
-        url = check_peer_url(peer_url) + path
-    except ValueError as e:
-        raise MeshCallError(peer_url, str(e)) from e
-    headers: dict[bytes | str, bytes | str] = {
-        "Authorization": f"Bearer {token}",
-        "Accept": "application/json",
-    }
-    if body:
-        headers["Content-Type"] = "application/json"
-    client = options.get("http") or HTTPClient(
-        _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
-    )
-    code, raw = await _exchange(
-        client,
-        method,
-        url,
-        headers,
-        body,
-        reactor=reactor,
-        timeout=timeout,
-        limit=MAX_MESSAGE,
-        fail=lambda what: MeshCallError(peer_url, f"{method} {path}: {what}"),
-    )
-    try:
-        parsed = json.loads(raw) if raw else None
-    except (ValueError, RecursionError):
-        parsed = None
+    :class:`MeshCallError` only when no answer came in time."""
+    code, parsed = await _request(method, peer_url, path, token, options, body, None, MAX_MESSAGE)
     return code, parsed if isinstance(parsed, dict) else {}
 
 
@@ -530,6 +501,29 @@ async def _call(
 ) -> tuple[int, dict[str, Any]]:
     """One call to a peer's mesh API: its status and its answer, a JSON object (anything else,
     and any status but 2xx, is :class:`MeshCallError`)."""
+    code, parsed = await _request(method, peer_url, path, token, options, body, extra, MAX_RESPONSE)
+    answer = parsed if isinstance(parsed, dict) else {}
+    if not 200 <= code < 300:
+        error = answer.get("error") if isinstance(answer.get("error"), str) else ""
+        raise MeshCallError(peer_url, f"answered {code}{': ' + error if error else ''}", code)
+    if not isinstance(parsed, dict):
+        raise MeshCallError(peer_url, "the answer is not a JSON object", code)
+    return code, answer
+
+
+async def _request(
+    method: str,
+    peer_url: str,
+    path: str,
+    token: str,
+    options: CallOptions,
+    body: bytes | None,
+    extra: Mapping[str, str] | None,
+    limit: int,
+) -> tuple[int, object]:
+    """One request with the mesh token: its status and its decoded JSON (None when the answer
+    was not JSON); :class:`MeshCallError` when no answer came in time. A non-empty ``body`` is
+    JSON."""
     reactor = options["reactor"]
     timeout = options.get("timeout", DEFAULT_TIMEOUT)
     try:
@@ -540,7 +534,7 @@ async def _call(
         "Authorization": f"Bearer {token}",
         "Accept": "application/json",
     }
-    if body is not None:
+    if body:
         headers["Content-Type"] = "application/json"
     headers.update(extra or {})
     # Bodies are written at once, not through treq's default producer: that one is paced by the
@@ -548,7 +542,6 @@ async def _call(
     client = options.get("http") or HTTPClient(
         _agent(reactor, options.get("ca_file", ""), timeout), data_to_body_producer=BytesProducer
     )
-
     code, raw = await _exchange(
         client,
         method,
@@ -557,20 +550,13 @@ async def _call(
         body,
         reactor=reactor,
         timeout=timeout,
-        limit=MAX_RESPONSE,
+        limit=limit,
         fail=lambda what: MeshCallError(peer_url, f"{method} {path}: {what}"),
     )
     try:
-        parsed = json.loads(raw) if raw else None
+        return code, json.loads(raw) if raw else None
     except (ValueError, RecursionError):
-        parsed = None
-    answer = parsed if isinstance(parsed, dict) else {}
-    if not 200 <= code < 300:
-        error = answer.get("error") if isinstance(answer.get("error"), str) else ""
-        raise MeshCallError(peer_url, f"answered {code}{': ' + error if error else ''}", code)
-    if not isinstance(parsed, dict):
-        raise MeshCallError(peer_url, "the answer is not a JSON object", code)
-    return code, answer
+        return code, None
 
 
 async def _exchange(
