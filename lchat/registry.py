@@ -461,6 +461,7 @@ class Registry:
         *,
         expect: tuple[int, str] | None = None,
         keep_gen: bool = False,
+        changed: Route | None = None,
     ) -> Route | None:
         """Give ``host``'s row a new settings generation, ``max(now_ms, gen + 1)`` (so that a
         clock behind the last writer's never rolls a change back), and ``settings_hash``, in one
@@ -470,7 +471,10 @@ class Registry:
 
         ``expect``: only while the row still holds this (generation, hash); otherwise nothing is
         written and None is returned (a compare-and-swap: lchat.mesh.sync's sweep). ``keep_gen``:
-        record the hash only (a row from before generations gets its first one, at 0)."""
+        record the hash only (a row from before generations gets its first one, at 0).
+        ``changed``: the local change itself (its replication class, home region and version),
+        written in the same transaction, so that a peer's older copy landing between the
+        change and its generation can never end under the change's generation and hash."""
         with self.connect() as conn, write_transaction(conn):
             existing = _select(conn, host)
             if existing is None:
@@ -483,13 +487,22 @@ class Registry:
                 # The same host re-added after a remove: above its tombstone, which goes.
                 gen = max(gen, buried.gen + 1)
                 conn.execute("DELETE FROM tombstones WHERE host = ?", (host,))
+            names: tuple[str, ...] = ("settings_gen", "settings_hash", "updated_at")
+            if changed is not None:
+                existing = evolve(
+                    existing,
+                    replication=changed.replication,
+                    home_region=changed.home_region,
+                    version=changed.version,
+                )
+                names += ("replication", "home_region", "version")
             route = evolve(
                 existing,
                 settings_gen=gen,
                 settings_hash=settings_hash,
                 updated_at=int(self._clock()),
             )
-            _update(conn, validate(route), ("settings_gen", "settings_hash", "updated_at"))
+            _update(conn, validate(route), names)
         return route
 
     def upsert_replicated(

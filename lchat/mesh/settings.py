@@ -116,12 +116,14 @@ def bump(registry: Registry, data_dir: str, self_url: str, route: Route, now_ms:
     """A local change of ``route``'s settings: its row gets a new generation and the hash of
     ``route`` as given (the row as it is, or as it is about to be: ``hibernate --off`` pushes its
     lives-elsewhere shape before the row flips) and its env files' replicable values
-    (:meth:`lchat.registry.Registry.bump_settings`). Returns ``route`` with them. Blocking.
+    (:meth:`lchat.registry.Registry.bump_settings`), ``route``'s class, region and version
+    written with them in one transaction. Returns ``route`` with them. Blocking.
     Raises :class:`lchat.config.ConfigError` when the env file cannot be read, and
     :class:`lchat.registry.UnknownHost`."""
     runs_here = not (route.always_on_here or route.elsewhere)
     env = read_route_env(data_dir, route.host) if runs_here else {}
     bot_env = read_bot_env(data_dir, route.host) if runs_here else {}
-    bumped = registry.bump_settings(route.host, local_hash(route, env, self_url, bot_env), now_ms)
+    digest = local_hash(route, env, self_url, bot_env)
+    bumped = registry.bump_settings(route.host, digest, now_ms, changed=route)
     assert bumped is not None  # (no compare-and-swap asked)
     return evolve(route, settings_gen=bumped.settings_gen, settings_hash=bumped.settings_hash)
