@@ -291,7 +291,11 @@ class PeerBeating:
         message = self._message()
         calls = []
         for peer in self.witnesses.roster():
-            if peer.in_flight:
+            # At most one beat on its way to a peer, except that a beat saying "backlog" does
+            # not wait behind one saying "none": a write waits for the peer to know, and the
+            # answer to the older beat cannot tell it (fc28: under load, that wait behind a slow
+            # regular beat outlasted WITNESS_WAIT and a write was refused, bucket and peer up).
+            if peer.in_flight and (peer.in_flight_backlog or not message.backlog):
                 continue
             calls.append(Deferred.fromCoroutine(self._send(peer, message, self.peer_timeout)))
         if not fast:
@@ -318,7 +322,8 @@ class PeerBeating:
         self.witnesses.sent(peer, message.seq, message.backlog)
         self.liveness.recheck()
         if track:
-            peer.in_flight = True
+            peer.in_flight += 1
+            peer.in_flight_backlog = message.backlog
         try:
             raw = await self._peers.call(peer.url, message.to_json(), timeout)
             reply = BeatReply.parse(raw)
@@ -348,7 +353,7 @@ class PeerBeating:
             return False, status
         finally:
             if track:
-                peer.in_flight = False
+                peer.in_flight -= 1
         _PEER_BEATS.labels("ok").inc()
         was_failing = peer.failed >= 2
         if self.liveness.missed():

@@ -236,7 +236,8 @@ class Peer:
     failed: int = 0  # our beats to it that failed in a row (0: the last one was answered)
     failed_at: float | None = None  # when (our clock) the last of them gave up
     refused: bool = False  # the last of them was refused (its router stopping or dead), not silent
-    in_flight: bool = False  # a beat to it is on its way
+    in_flight: int = 0  # beats of our rounds on their way to it (at most two)...
+    in_flight_backlog: bool = False  # ...and whether the latest says we hold a backlog
     kicked: bool = False  # an extra beat (a request found it out of reach) is on its way
 
 
