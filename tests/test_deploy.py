@@ -140,6 +140,10 @@ class AlwaysOnTests(DeployTestCase):
         elsewhere = self.lchat("deploy", "v2", "--canary", "a.example.com")
         self.assertFailed(elsewhere, "LCHAT_SPACE_COMMAND runs '/usr/bin/space-{host}', not")
         self.assertEqual(self.layout.version_of("a.example.com"), "v1")
+        # A fleet rollout's flags without --fleet would do nothing: refused, not ignored.
+        alone = self.lchat("deploy", "v2", "--all", "--batch-boxes", "2", "--poll", "1")
+        self.assertFailed(alone, "--batch-boxes, --poll: for a fleet rollout only: add --fleet")
+        self.assertEqual(self.layout.version_of("a.example.com"), "v1")
 
     def test_a_box_with_no_space_yet_gets_its_default_build(self) -> None:
         """A fresh box (README, "A real box"): `deploy --all` with nothing registered sets the

@@ -487,8 +487,19 @@ def run_deploy(
         from lchat.cli import rollout as rollout_cli  # it builds on this module's deployer
 
         return rollout_cli.run_fleet(args, cfg, out)
-    if args.resume or args.abort:
-        raise DeployError("--resume and --abort are for a fleet rollout: add --fleet")
+    fleet_only = [
+        flag
+        for flag, given in (
+            ("--resume", args.resume),
+            ("--abort", args.abort),
+            ("--batch-boxes", args.batch_boxes != 1),
+            ("--batch-timeout", args.batch_timeout != 1800.0),
+            ("--poll", args.poll != 5.0),
+        )
+        if given
+    ]
+    if fleet_only:  # (a flag that would silently do nothing here is refused: nothing changed)
+        raise DeployError(f"{', '.join(fleet_only)}: for a fleet rollout only: add --fleet")
     if not args.version:
         raise DeployError("which version? `lchat deploy <version> --canary HOST|--all|--fleet`")
     deployer, every = make_deployer(args, cfg, open_registry(cfg), out)
