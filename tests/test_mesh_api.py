@@ -474,7 +474,27 @@ class SettingsGenTests(APITestCase):
         self.assertEqual(answer["result"], "created")
         self.assertEqual(self.row().settings_gen, 0)
         said = [formatEvent(e) for e in logged if e.get("log_namespace") == "lchat.mesh.client"]
-        self.assertTrue(any("refuses settings generations" in m for m in said), said)
+        self.assertTrue(any("does not know gen (an older lchat)" in m for m in said), said)
+
+    @inlineCallbacks
+    def test_an_older_peer_takes_the_push_without_the_fields_it_does_not_know(self) -> Any:
+        """A peer from before the bot's env travelled (and before generations) names both fields
+        in its 400: the push is retried once without them; a field that is not optional is no
+        reason to retry (the 400 stands)."""
+        older = tuple(f for f in client.PAYLOAD_FIELDS if f not in ("gen", "bot_env"))
+        self.patch(route_payload, "PAYLOAD_FIELDS", older)
+        logged: list[dict[str, Any]] = []
+        observer = cast(Any, logged.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        sent = dict(payload(gen=9), bot_env={"LCHAT_BOT_NAME": "helper"})
+        answer = yield self.send(sent)
+        self.assertEqual(answer["result"], "created")
+        said = [formatEvent(e) for e in logged if e.get("log_namespace") == "lchat.mesh.client"]
+        self.assertTrue(any("does not know bot_env, gen" in m for m in said), said)
+        bogus = dict(payload(f"b.{DOMAIN}"), colour="red")
+        failure = yield self.assertFailure(self.send(bogus), client.MeshCallError)
+        self.assertIn("unknown fields: colour", str(failure))
 
     @inlineCallbacks
     def test_digest_endpoint_needs_the_token(self) -> Any:

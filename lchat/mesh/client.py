@@ -205,25 +205,44 @@ async def push_route(
     ``gen``, when the peer holds newer settings and wrote nothing); raises
     :class:`MeshCallError`. ``sender``: this box's ``LCHAT_MESH_SELF`` (:data:`SENDER_HEADER`).
 
-    A peer running an lchat from before settings generations refuses the ``gen`` field (400
-    ``unknown fields: gen``): the push is retried once without it, and logged."""
+    A peer running an older lchat refuses the optional fields it does not know (400 ``unknown
+    fields: gen, bot_env``: from before settings generations, or before the bot's env
+    travelled): the push is retried once without those it names, and logged; any other field
+    it refuses is an error."""
     body = json.dumps(dict(payload), sort_keys=True).encode()
     extra = {SENDER_HEADER: sender} if sender else {}
     try:
         _, answer = await _call("POST", peer_url, ROUTE_PATH, token, options, body, extra)
     except MeshCallError as e:
-        if e.status != 400 or "unknown fields: gen" not in str(e) or "gen" not in payload:
+        unknown = _refused_optional_fields(e, payload)
+        if not unknown:
             raise
         _log.warn(
-            "mesh: {peer} refuses settings generations (an older lchat): pushing {host} to it "
-            "without one (upgrade it: until then it may keep older settings)",
+            "mesh: {peer} does not know {fields} (an older lchat): pushing {host} to it "
+            "without {them} (upgrade it: until then it may keep older settings)",
             peer=peer_url,
+            fields=", ".join(unknown),
+            them="them" if len(unknown) > 1 else "it",
             host=payload.get("host", "-"),
         )
-        older = {k: v for k, v in payload.items() if k != "gen"}
+        older = {k: v for k, v in payload.items() if k not in unknown}
         body = json.dumps(older, sort_keys=True).encode()
         _, answer = await _call("POST", peer_url, ROUTE_PATH, token, options, body, extra)
     return answer
+
+
+def _refused_optional_fields(error: MeshCallError, payload: Mapping[str, Any]) -> list[str]:
+    """The optional fields of ``payload`` a peer's 400 ``unknown fields: a, b`` names (an older
+    lchat's parse: lchat.mesh.route_payload); [] when it names anything else, or is no such
+    refusal (then there is nothing to retry without)."""
+    said = str(error)
+    if error.status != 400 or "unknown fields: " not in said:
+        return []
+    named = said.split("unknown fields: ", 1)[1].split(")", 1)[0]
+    names = [n.strip().strip("'\"") for n in named.split(",")]
+    if not names or any(n not in OPTIONAL_FIELDS or n not in payload for n in names):
+        return []
+    return names
 
 
 async def delete_route(
