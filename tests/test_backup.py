@@ -122,6 +122,11 @@ class LayoutTests(TestCase):
         self.assertIsNotNone(found[1].last_snapshot)
 
 
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 class SelectionTests(TestCase):
     def setUp(self) -> None:
         self.data = os.path.abspath(self.mktemp())
@@ -568,6 +573,7 @@ class _BackupFixture(TestCase):
             box="box1",
             interval=0.2,
             extra=("home.db",),
+            external_config=os.path.join(self.root, "litestream.yml"),  # absent: lists nothing
         )
 
     def backup(self, store: Any = None, **kw: Any) -> Backup:
@@ -638,6 +644,38 @@ class BackupServiceTests(_BackupFixture):
         )
         self.assertGreater(entry["requests"], 0)
         self.assertGreater(entry["bytes_up"], 0)
+
+    async def test_a_database_an_external_litestream_lists_is_left_to_it(self) -> None:
+        """LCHAT_BACKUP_CONFIG: an operator who runs Litestream for some databases (its config
+        lists them) must not get a second replicator on them from the router: two on one
+        database corrupt each other. Listed while backed up here: stopped; unlisted: taken up
+        again; unreadable: the last list read stands."""
+        on = self.add("on.example")
+        home = os.path.join(self.data, "home.db")
+        _make_db(home)
+        await self.routes.reload("test")
+        external = self.cfg.external_config
+        _write_text(external, f"dbs:\n  - path: {home}\n    replicas:\n      - url: s3://x/h\n")
+        service = self.backup()
+        await self.until(lambda: len(replicating(service)) == 2)
+        self.assertEqual(set(replicating(service)), {REGISTRY_NAME, "on.example.db"})
+        self.assertEqual(await self.keys("home.db"), [])
+        # Listed later (`{path: ...}` flow style): its replicator here stops.
+        _write_text(external, f"dbs: [{{path: '{home}'}}, {{path: {on}}}]\n")
+        await service.rescan()
+        await self.until(lambda: set(replicating(service)) == {REGISTRY_NAME})
+        # Unreadable (a directory in its place): what it listed last stays out.
+        os.remove(external)
+        os.mkdir(external)
+        await service.rescan()
+        await deferLater(reactor, 0.3, lambda: None)
+        self.assertEqual(set(replicating(service)), {REGISTRY_NAME})
+        # Gone (the operator stopped running it): the router backs them up again.
+        os.rmdir(external)
+        await service.rescan()
+        await self.until(
+            lambda: set(replicating(service)) == {REGISTRY_NAME, "on.example.db", "home.db"}
+        )
 
     async def test_a_flip_to_hibernate_stops_the_replicator_after_a_final_sync(self) -> None:
         on = self.add("on.example")

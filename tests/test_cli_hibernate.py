@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from lchat import admin_client, envfile, hosts
-from lchat.cli import litestream_yml
+from lchat.backup import litestream_yml
 from lchat.hibernation.localdb import MARKER_SUFFIX
 from lchat.registry import Route
 from tests.routerproc import kill_spaces_under, spawn_router

@@ -18,8 +18,10 @@
   - a copy the activator moved aside (``<db>.stale-<stamp>``, ``<db>.lease-lost-<stamp>``): a
     diverged or outdated copy kept for an operator, stale by definition.
 
-  Those are :attr:`Choice.skipped`, each with why (``GET /status``, ``lchat backup
-  litestream-config``).
+Whatever the rule above, no database an external Litestream's config lists
+(``LCHAT_BACKUP_CONFIG``): its replicator backs it up, and two replicators on one database
+corrupt each other. The left-out matches and those are :attr:`Choice.skipped`, each with why
+(``GET /status``, ``lchat backup litestream-config``).
 
 A database that does not exist yet (a space that never started) is picked up by a later scan.
 The invariant this module keeps for :mod:`lchat.backup.service`: a hibernating host's database is
@@ -149,12 +151,15 @@ def choose(
     extra: Iterable[str],
     claimed: Container[str] = (),
     excluded: Container[str] = (),
+    external: Container[str] = (),
 ) -> Choice:
     """The databases to back up now, by name, the problems worth a log line (a name two
     databases would share, a file that cannot be named), and the glob matches left out as stale
     (the module docstring). ``present``: the paths that exist; ``claimed``: the hosts the
     activator holds; ``excluded``: the database paths it took (never chosen, whichever rule would
-    choose them: its row may be gone or re-pointed by now)."""
+    choose them: its row may be gone or re-pointed by now); ``external``: the paths an external
+    Litestream's config lists (``LCHAT_BACKUP_CONFIG``: skipped, whichever rule would choose
+    them: that replicator backs them up, and two on one database corrupt each other)."""
     chosen: dict[str, Chosen] = {}
     problems: list[str] = []
     skipped: dict[str, str] = {}
@@ -165,6 +170,12 @@ def choose(
 
     def add(item: Chosen) -> None:
         if item.path in excluded:
+            return
+        if os.path.normpath(item.path) in external:
+            skipped[item.path] = (
+                "LCHAT_BACKUP_CONFIG lists it: an external Litestream backs it up (two "
+                "replicators on one database corrupt each other)"
+            )
             return
         other = chosen.get(item.name)
         if other is not None:

@@ -47,7 +47,7 @@ from twisted.logger import Logger
 
 from lchat import hosts
 from lchat.backoff import Backoff
-from lchat.backup import envfiles, selection
+from lchat.backup import envfiles, litestream_yml, selection
 from lchat.backup.layout import Layout
 from lchat.backup.lock import ReplicaLock, lock_path
 from lchat.backup.metered import MeteredStore
@@ -138,6 +138,8 @@ class Backup(Service):
         self._claims = claims
         self._registry = registry
         self._data_dir = data_dir
+        self._external: frozenset[str] = frozenset()  # what LCHAT_BACKUP_CONFIG lists
+        self._external_error = ""  # why it could not be read last time ("": it could)
         self._run = run_in_thread
         self._make = replicator or self._replicator
         self._rescan = rescan
@@ -202,6 +204,7 @@ class Backup(Service):
                 except Exception:
                     _log.failure("backup: could not scan the data dir")
                     return
+                await self._read_external()
                 self._apply(present, extra)
                 if self._cfg.env_key:
                     await self._sync_env_files()
@@ -211,6 +214,26 @@ class Backup(Service):
                     return
         finally:
             self._scanning = None
+
+    async def _read_external(self) -> None:
+        """What an external Litestream's config (``LCHAT_BACKUP_CONFIG``) lists now: left out of
+        this backup. Unreadable, the last list read stays (said once per distinct error)."""
+        config_file = self._cfg.external_config
+        try:
+            self._external = await self._run(litestream_yml.listed, config_file)
+        except litestream_yml.BackupConfigError as e:
+            if str(e) != self._external_error:
+                _log.error(
+                    "backup: {error}: the databases it listed when last read stay out of the "
+                    "backup ({count}); make it readable by the router's user",
+                    error=e,
+                    count=len(self._external),
+                )
+            self._external_error = str(e)
+            return
+        if self._external_error:
+            _log.info("backup: {file} read again", file=config_file)
+        self._external_error = ""
 
     def _apply(self, present: set[str], extra: list[str]) -> None:
         """On the reactor thread, with the table and the claims as they are *now*."""
@@ -224,6 +247,7 @@ class Backup(Service):
             extra=extra,
             claimed=self._claims,
             excluded=set(self._handed.values()),
+            external=self._external,
         )
         chosen, problems = choice.chosen, choice.problems
         if tuple(problems) != self._problems:

@@ -21,10 +21,11 @@ from typing import Any
 import lchat
 from lchat import admin_client, config, envfile, hosts, systemd_units
 from lchat.admin_client import SocketAdmin
+from lchat.backup import litestream_yml
 from lchat.buckets import open_bucket
 from lchat.cli import backup as backup_cli
 from lchat.cli import bootstrap as bootstrap_cli
-from lchat.cli import certs, dev_cert, litestream_yml, provision, runner, space_settings
+from lchat.cli import certs, dev_cert, provision, runner, space_settings
 from lchat.cli import fleet as fleet_cli
 from lchat.cli import id_ledger as id_ledger_cli
 from lchat.cli import instances as instances_cli

@@ -225,7 +225,7 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_SPACE_MEMORY": "32MiB",  # the least one awake space is counted as
     "LCHAT_MEMORY_RESERVE": "",  # memory wakes leave free (default: max(512MiB, 5% of total))
     "LCHAT_SIDECAR_COMMAND": "/opt/lchat/live/{host}-bot",
-    "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # an external Litestream's (CLI; absent = none)
+    "LCHAT_BACKUP_CONFIG": "/etc/litestream.yml",  # an external Litestream's (absent = none)
     "LCHAT_BACKUP_BUCKET": "",  # the router's own fleet backup (absent = none)
     "LCHAT_BACKUP_REGION": "",
     "LCHAT_BACKUP_PREFIX": "",

@@ -58,6 +58,9 @@ class BackupConfig(BucketSettings):
     # LCHAT_BACKUP_ENV=unprotected: the operator accepts running without env_key while env files
     # exist (else the router refuses to start; lchat.backup.envfiles.unprotected).
     env_unprotected: bool = False
+    # LCHAT_BACKUP_CONFIG: an external Litestream's config; the databases it lists are left out
+    # (two replicators on one database corrupt each other). An absent file lists nothing.
+    external_config: str = "/etc/litestream.yml"
 
 
 EVERY_DB = "*.db"  # LCHAT_BACKUP_EXTRA's default: every top-level database of the data dir
@@ -171,4 +174,5 @@ def read_backup(
         extra=extra,
         env_key=aes_key("LCHAT_BACKUP_KEY", key_text) if key_text else b"",
         env_unprotected=env_policy == UNPROTECTED,
+        external_config=get("LCHAT_BACKUP_CONFIG").strip() or "/etc/litestream.yml",
     )

@@ -1,7 +1,8 @@
 """An external Litestream's config (``LCHAT_BACKUP_CONFIG``, default ``/etc/litestream.yml``).
 
 Two replicators on one database corrupt each other's state, so a space handed to the activator
-(which replicates it itself) must not be listed there any more. Litestream names each database in a
+(which replicates it itself) must not be listed there any more, and the router's own backup
+(lchat.backup.service) leaves out every database it lists. Litestream names each database in a
 ``path:`` entry of its ``dbs:`` list; a line scan for ``path:`` values equal to the database's path
 is enough for that question (block or flow style, quoted or not) and needs no YAML library.
 """
@@ -33,18 +34,24 @@ def config_path(cfg: config.BoxConfig) -> str:
 
 def tracks(config_file: str, db_path: str) -> bool:
     """True when ``config_file`` lists ``db_path``; an absent file tracks nothing."""
+    return bool(listed(config_file) & _same_file_keys(db_path))
+
+
+def listed(config_file: str) -> frozenset[str]:
+    """Blocking: every spelling (as written, symlinks resolved) of the databases ``config_file``
+    lists; empty when the file is absent. Raises :class:`BackupConfigError` when it exists but
+    cannot be read."""
     try:
         with open(config_file, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except FileNotFoundError:
-        return False
+        return frozenset()
     except OSError as e:
         raise BackupConfigError(
             f"cannot read the backup config {config_file} ({e.strerror or e}), so cannot tell "
-            f"whether it still tracks {db_path} (set {VARIABLE} if it lives elsewhere)"
+            f"which databases it tracks (set {VARIABLE} if it lives elsewhere)"
         ) from e
-    wanted = _same_file_keys(db_path)
-    return any(_same_file_keys(value) & wanted for value in db_paths(text))
+    return frozenset(key for value in db_paths(text) for key in _same_file_keys(value))
 
 
 def db_paths(text: str) -> list[str]:
