@@ -858,6 +858,16 @@ class ReplicateTests(BackupCliCase):
             (["replicate", self.data_dir], "is a directory"),
         ):
             self.assertFailed(self.lchat_sync("backup", *argv), fragment)
+        # A database an external Litestream replicates (LCHAT_BACKUP_CONFIG lists it): refused.
+        external = os.path.join(self.root, "litestream.yml")
+        home = os.path.join(self.data_dir, "home.db")
+        with open(external, "w") as f:
+            f.write(f"dbs:\n  - path: {home}\n")
+        self.configure(LCHAT_BACKUP_CONFIG=external)
+        self.assertFailed(
+            self.lchat_sync("backup", "replicate", "--home"),
+            f"{external} (LCHAT_BACKUP_CONFIG) lists {home}: an external Litestream backs it up",
+        )
 
     def spawn(self, *argv: str) -> tuple[subprocess.Popen[bytes], str]:
         """``lchat backup replicate ARGV`` in a process of its own; (process, its log's path)."""

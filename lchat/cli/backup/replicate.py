@@ -24,6 +24,7 @@ from twisted.logger import (
 )
 
 from lchat import hosts
+from lchat.backup import litestream_yml
 from lchat.backup.layout import REGISTRY_NAME, check_name
 from lchat.backup.unit import UnitReplicator
 from lchat.buckets import open_bucket
@@ -67,6 +68,16 @@ def target(cfg: BoxConfig, db: str | None, space: str | None, home: bool) -> tup
     path = os.path.abspath(path)
     if os.path.isdir(path):
         raise BackupCliError(f"{path} is a directory, not a database")
+    external = cfg.backup.external_config if cfg.backup is not None else ""
+    try:
+        listed = bool(external) and litestream_yml.tracks(external, path)
+    except litestream_yml.BackupConfigError as e:
+        raise BackupCliError(str(e)) from e
+    if listed:
+        raise BackupCliError(
+            f"{external} (LCHAT_BACKUP_CONFIG) lists {path}: an external Litestream backs it "
+            f"up, and two replicators on one database corrupt each other (drop it there first)"
+        )
     if path == os.path.abspath(cfg.registry):
         return path, REGISTRY_NAME
     return path, check_name(os.path.basename(path))
