@@ -542,6 +542,34 @@ class ForwardingTests(_Base):
             self.assertEqual(got.headers, stopping.headers)
         self.assertEqual(self.routed(mesh, host, forwarded=authentic, local=lambda: busy), busy)
 
+    def test_a_forward_for_a_space_a_peer_in_reach_holds_is_refused_not_woken(self) -> None:
+        """A 3-box pair cut: A cannot reach the holder B, so A's reroute forwards to C; C hears
+        B, whose beats say the space is awake there. A wake on C would only meet B's lease, and
+        C's own clients' requests for the space would join it meanwhile (a 503 through C, which
+        the cut does not concern): C answers the forward 503 ``lease_held`` at once. A holder
+        that stopped answering C too (dead) is not that: the wake goes on and judges it."""
+        host = host_owned_by(SELF, SELF, B)
+        answering = {B}
+
+        class Told(View):
+            def holding(self, asked: str) -> str | None:
+                return B if asked == host else None
+
+            def answered_since(self, url: str, since: float) -> bool:
+                return url in answering
+
+        mesh = self.mesh(Told(Peer(SELF), Peer(B)))
+        marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
+        before = forwards("forwarded_held_elsewhere")
+        got = self.routed(mesh, host, forwarded=marker)
+        assert isinstance(got, LocalResponse)
+        self.assertEqual((got.status, got.label), (503, "lease_held"))
+        self.assertEqual(self.served, [])
+        self.assertEqual(forwards("forwarded_held_elsewhere"), before + 1)
+        answering.clear()  # B stopped answering: the wake here judges it
+        self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
+        self.assertEqual(self.served, [host])
+
 
 class HolderCacheTests(_Base):
     """lock.json is read at most once per host per ``holder_ttl``, by one GET shared by every

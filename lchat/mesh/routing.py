@@ -214,6 +214,8 @@ class MeshRouter:
             if self._authentic(head, host):
                 if self._foreign(route) and not self._activator.holds(host):
                     return self._region_down(route)
+                if self._held_by_a_peer_in_reach(host):
+                    return _unavailable(host, "lease_held")
                 _forwards.labels("local_forwarded").inc()
                 target = self._here(route, head)
                 if isinstance(target, Deferred):
@@ -224,6 +226,23 @@ class MeshRouter:
             _forwards.labels("local_running").inc()
             return self._here(route, head)
         return Deferred.fromCoroutine(self._route_remote(route, head))
+
+    def _held_by_a_peer_in_reach(self, host: str) -> bool:
+        """A request forwarded here for ``host``, which a peer's beats say is awake on it, a peer
+        that answered this box's last beat: the sender could not reach that peer (a cut between
+        the two), but a wake here would only meet its lease — and every request of this box's
+        own clients for ``host`` would join that doomed wake meanwhile, instead of going to the
+        holder (fc: a 3-box pair cut, a client of the third box refused). Answered 503 at once.
+        A holder that stopped answering (dead, or cut from here too) is not this case: the wake
+        goes on and judges it."""
+        told = self._membership.holding(host)
+        if told is None or told == self._self_url or self._activator.holds(host):
+            return False
+        since = self._mono() - self._mesh.dead_after
+        if not self._membership.answered_since(told, since):
+            return False
+        _forwards.labels("forwarded_held_elsewhere").inc()
+        return True
 
     def _here(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
         """Served on this box: the activator's, which wakes the space or answers 503."""
