@@ -888,6 +888,27 @@ class MeshTiming(Base):
         )
         self.refuses("LCHAT_MESH_CA_FILE", {**base, "LCHAT_MESH_CA_FILE": "/nonexistent.pem"})
 
+    def test_region_failover_is_off_unless_consented_and_never_before_dead_after(self) -> None:
+        base = {
+            "LCHAT_HIBERNATE_BUCKET": "b-1",
+            "LCHAT_MESH_SELF": "https://box-1.example.net",
+            "LCHAT_MESH_DOMAINS": "example.com",
+            "LCHAT_MESH_TOKEN": "t" * 32,
+        }
+        for given, after in (("", None), ("off", None), ("OFF", None), ("5m", 300.0)):
+            env = {**base, "LCHAT_REGION_FAILOVER_AFTER": given} if given else base
+            cfg = self.load(env)
+            assert cfg.mesh is not None
+            self.assertEqual(cfg.mesh.region_failover_after, after, given)
+        cfg = self.load({**base, "LCHAT_REGION_FAILOVER_AFTER": "45s"})  # equal: allowed
+        assert cfg.mesh is not None
+        self.assertEqual(cfg.mesh.region_failover_after, 45.0)
+        with self.assertRaises(ConfigError) as e:
+            self.load({**base, "LCHAT_REGION_FAILOVER_AFTER": "30s"})
+        self.assertIn("LCHAT_REGION_FAILOVER_AFTER=30s", str(e.exception))
+        self.assertIn("LCHAT_MESH_DEAD_AFTER=45s", str(e.exception))
+        self.refuses("LCHAT_REGION_FAILOVER_AFTER", {**base, "LCHAT_REGION_FAILOVER_AFTER": "soon"})
+
 
 class MeshChecks(Base):
     base = {

@@ -40,11 +40,11 @@ from lchat.mesh.members import (
     members_prefix,
     read_members,
 )
-from lchat.mesh.membership import Membership
+from lchat.mesh.membership import Membership, RegionsSeen
 from lchat.objstore import NotFound, ObjectInfo, ObjectStore, StoredObject
 from lchat.objstore.file import FileStore
 from lchat.threads import thread_runner
-from tests import s3servers
+from tests import fakes, s3servers
 
 reactor: Any = _reactor
 T = TypeVar("T")
@@ -181,6 +181,67 @@ class Changes:
 
 
 # --- names and bodies, no store -----------------------------------------------------------------
+
+
+class RegionsSeenTests(SynchronousTestCase):
+    """Since when a region has had no live member (the regional failover's grace), on a plain
+    clock: a region in the view has none; one that left counts from the first view without it;
+    one never seen counts from this box's start."""
+
+    @staticmethod
+    def view(*members: tuple[str, str]) -> list[Member]:
+        when = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+        return [
+            Member(
+                url=url,
+                region=region,
+                version="v",
+                started_at=0.0,
+                last_modified=when,
+                age=0.0,
+                key=url,
+            )
+            for url, region in members
+        ]
+
+    def test_a_region_is_empty_from_the_first_view_without_it(self) -> None:
+        seen = RegionsSeen(started=100.0)
+        self.assertEqual(seen.empty_since("fi"), 100.0)  # never seen: since this box started
+        seen.saw(self.view((A, "ie"), (B, "fi")), 110.0)
+        self.assertIsNone(seen.empty_since("fi"))
+        self.assertIsNone(seen.empty_since("ie"))
+        seen.saw(self.view((A, "ie"), (B, "fi")), 120.0)
+        seen.saw(self.view((A, "ie")), 130.0)  # fi's last box left this view
+        self.assertEqual(seen.empty_since("fi"), 130.0)
+        seen.saw(self.view((A, "ie")), 140.0)  # still empty: the time does not move
+        self.assertEqual(seen.empty_since("fi"), 130.0)
+        seen.saw(self.view((A, "ie"), (C, "fi")), 150.0)  # back
+        self.assertIsNone(seen.empty_since("fi"))
+        seen.saw(self.view((A, "ie")), 160.0)  # gone again: a fresh grace
+        self.assertEqual(seen.empty_since("fi"), 160.0)
+        self.assertEqual(seen.empty_since("us"), 100.0)
+        self.assertEqual(seen.empty_since(""), 100.0)  # (no region is never "live")
+
+    def test_the_membership_reports_on_its_own_clock(self) -> None:
+        clock = task.Clock()
+        clock.advance(500.0)
+        mesh = MeshConfig(
+            self_url=A,
+            domains=("example.com",),
+            token="t",
+            region="ie",
+            heartbeat=1.0,
+            dead_after=3.0,
+        )
+        m = Membership(
+            clock,
+            FileStore(clock, self.mktemp(), run_in_thread=fakes.inline),
+            HIB,
+            mesh,
+            monotonic=clock.seconds,
+        )
+        self.assertIsNone(m.region_empty_since("ie"))  # this box is in its own first view
+        self.assertEqual(m.region_empty_since("fi"), 500.0)
 
 
 class NameTests(SynchronousTestCase):

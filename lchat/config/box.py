@@ -249,6 +249,9 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_CLOUD_REGION": "",  # add-instance's default --home-region
     "LCHAT_CLOUD_ID_LEDGER": "",  # s3://BUCKET[/PREFIX][?region=&endpoint=] or file:PATH
     "LCHAT_REGION_BUCKETS": "",  # REGION=s3://BUCKET[/PREFIX][?...],... (lchat relocate)
+    # A duration or `off`: serve a space whose home region has had no live box that long, from
+    # that region's bucket (docs/mesh.md, "Regional failover")
+    "LCHAT_REGION_FAILOVER_AFTER": "off",
     "LCHAT_WILDCARD_DOMAINS": "",
     "LCHAT_METRICS_ADDR": "off",
     "LCHAT_HTTP_REDIRECT": "on",

@@ -43,6 +43,11 @@ class MeshConfig:
     # LCHAT_MESH_SYNC: how often this box compares its spaces' settings generations with every
     # live peer's and takes the newer (lchat.mesh.sync, docs/mesh.md, "Anti-entropy").
     sync: float = 300.0
+    # LCHAT_REGION_FAILOVER_AFTER: the operator's consent to serve, on this box and from its home
+    # region's own bucket, a space whose home region has had no live box for this long (docs/
+    # mesh.md, "Regional failover"). None ("off", the default): such a space gets 503
+    # region_down until a box of its region is back. Never below ``dead_after``.
+    region_failover_after: float | None = None
 
     @property
     def self_host(self) -> str:
@@ -109,6 +114,7 @@ def read_mesh(get: Getter) -> MeshConfig | None:
     sync = parse_duration("LCHAT_MESH_SYNC", get("LCHAT_MESH_SYNC"))
     if sync < 1:
         raise ConfigError("LCHAT_MESH_SYNC must be at least 1s (the settings' anti-entropy)")
+    failover = _failover_after(get, dead_after)
     ca_file = get("LCHAT_MESH_CA_FILE")
     if ca_file and not os.path.isfile(ca_file):
         raise ConfigError(f"LCHAT_MESH_CA_FILE={ca_file!r} is not a file")
@@ -124,11 +130,29 @@ def read_mesh(get: Getter) -> MeshConfig | None:
         dead_after=dead_after,
         outage_tolerance=tolerance,
         sync=sync,
+        region_failover_after=failover,
         ca_file=ca_file,
         bucket=bucket,
         # Equal to the token it accepts nothing more: dropped here, and load() warns.
         accept_token="" if accept_token == token else accept_token,
     )
+
+
+def _failover_after(get: Getter, dead_after: float) -> float | None:
+    """``LCHAT_REGION_FAILOVER_AFTER``: ``off`` (None), or a duration of at least
+    ``LCHAT_MESH_DEAD_AFTER`` (a region is not known to be empty before its last box could be
+    judged gone: a shorter grace would only ever equal that)."""
+    text = get("LCHAT_REGION_FAILOVER_AFTER").strip()
+    if text.lower() == "off":
+        return None
+    after = parse_duration("LCHAT_REGION_FAILOVER_AFTER", text)
+    if after < dead_after:
+        raise ConfigError(
+            f"LCHAT_REGION_FAILOVER_AFTER={text} is shorter than LCHAT_MESH_DEAD_AFTER="
+            f"{get('LCHAT_MESH_DEAD_AFTER')}: a region counts as empty only once its last box is "
+            f"judged gone; set it to at least that, or to off"
+        )
+    return after
 
 
 def read_cloud(get: Getter) -> tuple[str, Where | None]:

@@ -82,6 +82,38 @@ def _urls(members: Sequence[Member]) -> frozenset[tuple[str, str]]:
     return frozenset((m.url, m.region) for m in members)
 
 
+class RegionsSeen:
+    """Since when each region has had no live member, on one clock (the membership's monotonic
+    one, which its liveness is judged on): the regional failover's grace (lchat.mesh.routing,
+    docs/mesh.md, "Regional failover") counts from here.
+
+    Invariant: a region with a live member in the last view has no "empty since"; one that left
+    the view is empty since the view that first lacked it (not since its last beat: a later
+    time, so a grace is never shortened); one never seen is empty since ``started`` (this box's
+    start), never "forever": a box that boots into a fleet without that region waits the whole
+    grace like everyone else."""
+
+    def __init__(self, started: float) -> None:
+        self._started = started
+        self._live: frozenset[str] = frozenset()
+        self._empty_from: dict[str, float] = {}  # region -> when it left the view
+
+    def saw(self, members: Sequence[Member], now: float) -> None:
+        """A new view (every read of the membership, changed or not)."""
+        live = frozenset(m.region for m in members if m.region)
+        for region in self._live - live:
+            self._empty_from[region] = now
+        for region in live:
+            self._empty_from.pop(region, None)
+        self._live = live
+
+    def empty_since(self, region: str) -> float | None:
+        """None while ``region`` has a live member; else since when it has had none."""
+        if region in self._live:
+            return None
+        return self._empty_from.get(region, self._started)
+
+
 class Membership(PeerBeating, Service):
     """This box's heartbeat, its peers' witness, and its view of the mesh (docs/mesh.md).
 
@@ -166,6 +198,8 @@ class Membership(PeerBeating, Service):
         self._bucket_members: list[Member] = []  # the last listing's live members
         self._listed_at: float | None = None  # when that listing was read (monotonic)
         self._members: list[Member] = [self._self_member(None)]
+        self._regions = RegionsSeen(monotonic())
+        self._regions.saw(self._members, monotonic())
         self._subscribers: list[Callable[[list[Member], list[Member]], object]] = []
         self._loop = LoopingCall(self._tick)
         self._loop.clock = reactor
@@ -292,6 +326,11 @@ class Membership(PeerBeating, Service):
             or url in self.witnesses.peers
             or any(m.url == url for m in self._members)
         )
+
+    def region_empty_since(self, region: str) -> float | None:
+        """Since when (:meth:`now`'s clock) ``region`` has had no live member in this box's
+        view; None while it has one (:class:`RegionsSeen`)."""
+        return self._regions.empty_since(region)
 
     def fresh_in_bucket(self, url: str) -> bool:
         """Is ``url``'s heartbeat younger than ``dead_after`` in the bucket, as the last listing
@@ -631,6 +670,7 @@ class Membership(PeerBeating, Service):
             now = datetime.datetime.fromtimestamp(self._reactor.seconds(), UTC)
         old = self._members
         self._members = members
+        self._regions.saw(members, self._monotonic())
         MEMBERS_LIVE.set(len(members))
         if _urls(old) == _urls(members):
             return
