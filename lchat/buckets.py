@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
+from twisted.internet.defer import Deferred
+
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
+from lchat.deferutil import observe
 from lchat.objstore import ObjectStore, open_store
 from lchat.objstore.aws import (
     NoCredentials,
@@ -138,3 +141,67 @@ def probe_name(box: str) -> str:
     """The name of ``box``'s write-probe object (``<prefix>/.lchat/probe/<name>``): the router's
     boot check and bootstrap's write there."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", box)[:200] or "box"
+
+
+Opener = Callable[[Reactor, HasEnvFile, Where, str], Awaitable[ObjectStore]]
+
+
+def _open(reactor: Reactor, cfg: HasEnvFile, where: Where, what: str) -> Awaitable[ObjectStore]:
+    return open_bucket(reactor, cfg, where, what=what)
+
+
+class RegionBuckets:
+    """The other regions' hibernation buckets (``LCHAT_REGION_BUCKETS``) as the router uses them:
+    each opened on first use with :func:`open_bucket` (so signed as ``lchat relocate`` signs
+    it), then kept until :meth:`close`. Only a region whose bucket is not this box's own (another
+    bucket, prefix or endpoint) is *foreign*: every other route wakes from this box's bucket.
+
+    Invariant: one store per region at a time; callers that ask together share one opening; a
+    failed opening is not remembered (the next call tries again) and is raised as it came
+    (:class:`~lchat.config.ConfigError` for an unset key variable, ``NoCredentials``)."""
+
+    def __init__(self, reactor: Reactor, cfg: BoxConfig, opener: Opener = _open) -> None:
+        self._reactor = reactor
+        self._cfg = cfg
+        self._opener = opener
+        here = cfg.hibernate.where if cfg.hibernate is not None else None
+        self._foreign = {
+            region: where
+            for region, where in cfg.region_buckets.items()
+            if here is None or not where.same_place(here)
+        }
+        self._stores: dict[str, ObjectStore] = {}
+        self._opening: dict[str, Deferred[ObjectStore]] = {}
+
+    def foreign(self, region: str) -> Where | None:
+        """``region``'s bucket when it is not this box's own; None otherwise (no region, this
+        box's region, a region sharing its bucket, or one ``LCHAT_REGION_BUCKETS`` does not
+        name: such a space lives where this box does)."""
+        return self._foreign.get(region) if region else None
+
+    async def store(self, region: str) -> ObjectStore:
+        """The open store of foreign ``region``'s bucket (KeyError for a region that is not)."""
+        where = self._foreign[region]
+        have = self._stores.get(region)
+        if have is not None:
+            return have
+        opening = self._opening.get(region)
+        if opening is None:
+            opening = Deferred.fromCoroutine(self._open(region, where))
+            if not opening.called:  # (an opener that answered at once has nothing to share)
+                self._opening[region] = opening
+        return await observe(opening)
+
+    async def _open(self, region: str, where: Where) -> ObjectStore:
+        try:
+            store = await self._opener(self._reactor, self._cfg, where, f"region {region}")
+        finally:
+            self._opening.pop(region, None)
+        self._stores[region] = store
+        return store
+
+    async def close(self) -> None:
+        """Close every store opened (at the router's stop, after the last space slept)."""
+        stores, self._stores = self._stores, {}
+        for store in stores.values():
+            await store.close()

@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 
 from lchat import objstore
 from lchat.backup.service import Backup
+from lchat.buckets import RegionBuckets
 from lchat.deferutil import settled
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.sweeper import Sweeper
@@ -102,6 +103,7 @@ class HibernationService(MultiService):
         *,
         mesh_store: objstore.ObjectStore | None = None,  # LCHAT_MESH_BUCKET's, when set
         mesh_check: BucketCheck | None = None,
+        regions: RegionBuckets | None = None,  # the other regions' buckets (a failover's)
     ) -> None:
         super().__init__()
         self.setName("hibernation")
@@ -115,6 +117,7 @@ class HibernationService(MultiService):
         self.due_push = due_push
         self.mesh_store = mesh_store
         self.mesh_check = mesh_check
+        self.regions = regions
         self._bucket_users: list[Service] = []
         for service in (check, mesh_check, membership, activator, sweeper, due_push):
             if service is not None:
@@ -153,6 +156,8 @@ class HibernationService(MultiService):
             await self.membership.stopService()
         await probe_done(self.check, self._clock)
         await self.store.close()
+        if self.regions is not None:
+            await self.regions.close()  # (after the drain: a space's final flush may go there)
         if self.mesh_store is not None:
             assert self.mesh_check is not None
             await probe_done(self.mesh_check, self._clock)

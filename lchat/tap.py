@@ -22,7 +22,7 @@ from lchat import config, isolation, malloc, objstore, relayout, uvloop_reactor
 from lchat.admin import AdminAPI, AlreadyRunning, Capacity, clear_stale_socket, metrics_site
 from lchat.backup import envfiles
 from lchat.backup.service import Backup
-from lchat.buckets import boot_credentials, prepare, probe_name
+from lchat.buckets import RegionBuckets, boot_credentials, prepare, probe_name
 from lchat.certificates import Certificates, certificates
 from lchat.config import BoxConfig, ConfigError, mesh_bucket
 from lchat.hibernation.activator import Activator
@@ -363,6 +363,9 @@ def _hibernation(
     if cfg.mesh is not None:
         membership, fence, mesh_store, mesh_check = _membership(reactor, cfg, store, run, aws)
     sidecars = Sidecars(reactor, cfg, run, Supervisor(reactor, max_restart_delay=60.0))
+    # The other regions' buckets: a space homed in one wakes from it, never from ours (the mesh
+    # routes one here only under LCHAT_REGION_FAILOVER_AFTER). Opened on first use.
+    regions = RegionBuckets(reactor, cfg) if cfg.region_buckets else None
     lifecycle = Lifecycle(
         reactor,
         cfg,
@@ -373,6 +376,7 @@ def _hibernation(
         drop_idle=pool.drop_idle,
         monotonic=time.monotonic,
         fence=fence,
+        regions=regions,
     )
     activator = Activator(
         reactor,
@@ -430,6 +434,7 @@ def _hibernation(
         due_push,
         mesh_store=mesh_store,
         mesh_check=mesh_check,
+        regions=regions,
     )
     hibernation.add_bucket_user(posture)  # (no bucket: stopped with them, its timer too)
     return hibernation

@@ -32,6 +32,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import config, hosts, lease
+from lchat.buckets import RegionBuckets
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.localdb import MARKER_SUFFIX
@@ -86,6 +87,7 @@ class _Machine(SynchronousTestCase):
             "LCHAT_UNITS": "builtin",
             "LCHAT_HIBERNATE_BUCKET": f"file:{self.bucket}",
             "LCHAT_LEASE_TTL": f"{TTL:g}s",
+            **self.more_settings(),
         }
         with open(env_file, "w") as f:
             f.writelines(f"{k}={v}\n" for k, v in settings.items())
@@ -122,6 +124,7 @@ class _Machine(SynchronousTestCase):
             replicator_options={"run_in_thread": inline, "watch_interval": 1.0},
             contract=self.contract,
             monotonic=self.clock.seconds,
+            regions=self.region_buckets(),
         )
         self.claims = Claims()
         self.released: list[str] = []
@@ -129,6 +132,14 @@ class _Machine(SynchronousTestCase):
         self.activator = Activator(self.clock, self.routes, self.lifecycle, self.claims)
         self.activator.startService()
         self.addCleanup(self._drain)
+
+    def more_settings(self) -> dict[str, str]:
+        """More of the box's settings (a subclass's)."""
+        return {}
+
+    def region_buckets(self) -> RegionBuckets | None:
+        """The lifecycle's other regions' buckets (a subclass's; None: none)."""
+        return None
 
     def _reactor_guard(self) -> None:
         """Nothing here may touch the global reactor: no timer, no thread pool."""
@@ -956,6 +967,96 @@ class DatabaseStepTests(_Machine):
         target = self.target(self.activator.route(route))  # no wait on the clock
         assert isinstance(target, LocalSocket), target
         self.assertEqual(self.lock_owner("crash.example"), self.cfg.box_id)
+
+
+class HomeBucketTests(_Machine):
+    """A space homed in a region whose replicas live in another bucket (``LCHAT_REGION_BUCKETS``
+    ``fi``, a ``file:`` bucket of its own) wakes from that bucket and sleeps into it, its lease
+    there: never this box's own copy (the regional failover's lifecycle, docs/mesh.md)."""
+
+    def more_settings(self) -> dict[str, str]:
+        self.fi_dir = os.path.join(self.dir, "fi-bucket")
+        os.makedirs(self.fi_dir)
+        return {"LCHAT_REGION_BUCKETS": f"fi=file:{self.fi_dir}"}
+
+    def region_buckets(self) -> RegionBuckets | None:
+        self.opened: list[str] = []
+        self.open_error: Exception | None = None
+
+        async def opener(reactor: Any, cfg: Any, where: Any, what: str) -> FileStore:
+            self.opened.append(what)
+            if self.open_error is not None:
+                raise self.open_error
+            return FileStore(self.clock, where.directory, run_in_thread=inline)
+
+        return RegionBuckets(self.clock, self.cfg, opener)  # type: ignore[arg-type]
+
+    def fi_keys(self, host: str) -> list[str]:
+        return [i.key for i in self.fi.bucket.list(f"{host}/")]
+
+    def fi_restored(self, host: str) -> list[str]:
+        out = os.path.join(self.dir, f"{host}.fi-restored")
+        self.successResultOf(
+            Deferred.fromCoroutine(restore(self.fi, host, out, run_in_thread=inline))
+        )
+        return messages(out)
+
+    def forget_local(self, host: str) -> None:
+        for name in os.listdir(self.data):
+            if name.startswith(f"{host}.db"):
+                os.unlink(os.path.join(self.data, name))
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.fi = FileStore(self.clock, self.fi_dir, run_in_thread=inline)
+
+    def test_a_space_homed_in_another_buckets_region_lives_in_that_bucket_only(self) -> None:
+        host = "h.example"
+        # An older copy in this box's own bucket (the space lived here once).
+        self.add_space(host)
+        self.awake(host).write("stale")
+        self.successResultOf(self.activator.sleep(host, "admin"))
+        self.forget_local(host)
+        ours = sorted(i.key for i in self.raw.bucket.list(f"{host}/"))
+
+        self.update_row(host, home_region="fi")
+        child = self.awake(host)
+        self.assertEqual(messages(child.db_path), [])  # fi's (empty), never our older copy
+        record = LeaseRecord.parse(self.fi.bucket.get(f"{host}/lock.json").body)
+        self.assertEqual(record.owner, self.cfg.box_id)
+        self.assertIsNone(self.lock_owner(host))
+        child.write("in fi")
+        # Its route says "here" meanwhile: it sleeps into the bucket it woke from all the same.
+        self.update_row(host, home_region="")
+        self.successResultOf(self.activator.sleep(host, "admin"))
+        self.assertNotIn(f"{host}/lock.json", self.fi_keys(host))  # released there
+        self.assertEqual(self.fi_restored(host), ["in fi"])
+        self.assertEqual(sorted(i.key for i in self.raw.bucket.list(f"{host}/")), ours)
+        self.assertEqual(self.restored(host), ["stale"])
+        self.assertEqual(self.opened, ["region fi"])  # opened once, kept
+
+        # Homed in fi again, on another box (no local copy): fi's newest, every write.
+        self.update_row(host, home_region="fi")
+        self.forget_local(host)
+        child = self.awake(host)
+        self.assertEqual(messages(child.db_path), ["in fi"])
+        self.assertEqual(self.opened, ["region fi"])
+
+    def test_a_home_bucket_that_cannot_be_opened_is_a_503_and_our_copy_stays_asleep(
+        self,
+    ) -> None:
+        route = self.add_space("h.example", home_region="fi")
+        self.open_error = config.ConfigError("region fi's keys are in FI_KEY, which is unset")
+        self.refused(self.activator.route(route), "bucket")
+        self.assertEqual(self.activator.state("h.example"), "asleep")
+        self.assertEqual(self.raw.bucket.list("h.example/"), [])
+        self.assertEqual(self.fi_keys("h.example"), [])
+        # Not remembered: the next wake (after the backoff) opens it again, and wakes.
+        self.open_error = None
+        self.advance(60.0)
+        self.awake("h.example")
+        self.assertEqual(self.opened, ["region fi", "region fi"])
+        self.assertIn("h.example/lock.json", self.fi_keys("h.example"))
 
 
 def _move(src: str, dst: str, suffixes: tuple[str, ...]) -> None:

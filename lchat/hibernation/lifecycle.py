@@ -4,6 +4,10 @@ each under its budget (docs/hibernation.md, "Waking", "Sleeping", "Budgets").
 The activator (lchat.hibernation.activator) decides *when* and keeps the states; a
 :class:`Lifecycle` does the work on a :class:`~lchat.hibernation.space.Space` it is handed:
 
+- which bucket: this box's own, or, for a space homed in a region that keeps its replicas in
+  another bucket (``LCHAT_REGION_BUCKETS``; the mesh routes one here only under the operator's
+  regional failover: lchat.mesh.routing), that region's bucket (:class:`WakeBucket`): every step
+  below then reads and writes there, never this box's older copy;
 - wake: take the lease (asking a held one again for ~0.7 s: a draining holder releases it within
   moments) and keep it renewed; refuse a copy the space was relocated away from
   (lchat.hibernation.moved: a box that missed the fan-out); hold the build to the space's floor (lchat.hibernation.floor: the
@@ -32,9 +36,10 @@ from twisted.logger import Logger
 
 from lchat import builds, hosts, unixhttp
 from lchat.backoff import Backoff
+from lchat.buckets import RegionBuckets
 from lchat.builds import record_quietly
 from lchat.child import ChildSpec, NotReady, RunningChild, SpawnError, evict_listener, spawn
-from lchat.config import BoxConfig, read_env_file
+from lchat.config import BoxConfig, ConfigError, read_env_file
 from lchat.hibernation import localdb
 from lchat.hibernation.floor import BuildFloor
 from lchat.hibernation.localdb import DBPlan, Restorer
@@ -52,7 +57,10 @@ from lchat.lease import (
     lease_key,
 )
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError, StoreUnavailable
+from lchat.objstore.aws import NoCredentials
+from lchat.objstore.where import Where
 from lchat.reactors import TimeReactor
+from lchat.registry import Route
 from lchat.replica.replicator import INTERVALS, Replicator, ReplicatorStopped
 from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
@@ -151,6 +159,27 @@ def taken(why: str) -> bool:
     return why.startswith(("taken over", "gone", "replaced"))
 
 
+@frozen
+class WakeBucket:
+    """The bucket a space wakes from and sleeps into, with the wake's bucket steps bound to it:
+    the lease (``lock.json``), the moved marker, the build floor's record, the replica. Chosen
+    once per wake (:meth:`Lifecycle.bucket_for`) and kept on the :class:`Space`: its keeper and
+    replicator write nowhere else until it is asleep, whatever its route says meanwhile."""
+
+    region: str  # "": this box's own (LCHAT_HIBERNATE_*); else the home region it belongs to
+    store: ObjectStore
+    where: Where
+    moved: MovedCheck
+    floor: BuildFloor
+    restorer: Restorer
+
+    def lease_key(self, host: str) -> str:
+        return lease_key(self.where.prefix, host)
+
+    def replica_path(self, host: str) -> str:
+        return self.where.key(host)
+
+
 @define
 class Lifecycle:
     """The steps of one box's wakes and stand-downs. Every collaborator is given here."""
@@ -175,38 +204,79 @@ class Lifecycle:
     # box is not alive; the leases it takes name it and its epoch; a peer's lease whose box is
     # dead (its heartbeat stale and its silence witnessed) is taken over before its expiry.
     fence: Fence | None = None
-    restorer: Restorer = field(init=False)
+    # The other regions' buckets (LCHAT_REGION_BUCKETS): a space homed in one that is not this
+    # box's wakes from its own region's bucket (bucket_for). None: every space wakes from ours.
+    regions: RegionBuckets | None = None
+    own: WakeBucket = field(init=False)  # this box's bucket (LCHAT_HIBERNATE_*)
+    restorer: Restorer = field(init=False)  # own's (the steps every space homed here takes)
     floor: BuildFloor = field(init=False)
     moved: MovedCheck = field(init=False)
+    _foreign: dict[str, WakeBucket] = field(init=False, factory=dict)  # region -> its bucket
 
     def __attrs_post_init__(self) -> None:
         hib = self.cfg.hibernate
+        here = hib.where if hib is not None else Where("", "")
         # Only with per-region buckets can a space's copy here be one it was moved away from.
-        here = hib.where if hib is not None else None
-        self.moved = MovedCheck(
-            self.store,
-            hib.prefix if hib is not None else "",
-            here is not None
-            and any(not b.same_place(here) for b in self.cfg.region_buckets.values()),
-            clock=self.reactor.seconds,
+        per_region = hib is not None and any(
+            not b.same_place(here) for b in self.cfg.region_buckets.values()
         )
-        self.floor = BuildFloor(
-            self.store,
-            hib.prefix if hib is not None else "",
-            self.cfg.box_id,
-            self.run_in_thread,
-            clock=self.reactor.seconds,
-        )
-        self.restorer = Restorer(
-            self.store,
-            self.run_in_thread,
-            self.cfg.box_id,
-            self.cfg.mesh is not None,
-            self.cfg.data_dir,
-            self.reactor,
-        )
+        self.own = self._bucket("", self.store, here, per_region)
+        self.moved, self.floor, self.restorer = self.own.moved, self.own.floor, self.own.restorer
         if self.contract is None:
             self.contract = SpaceContract(self.reactor, self.run_in_thread, self.cfg.data_dir)
+
+    def _bucket(self, region: str, store: ObjectStore, where: Where, moves: bool) -> WakeBucket:
+        """The wake's bucket steps on ``store`` (``where``); ``moves``: read its moved markers."""
+        return WakeBucket(
+            region,
+            store,
+            where,
+            MovedCheck(
+                store,
+                where.prefix,
+                moves,
+                # (The router wires the repair on this box's own check: every bucket's calls it.)
+                on_moved=self._moved_repair if region else None,
+                clock=self.reactor.seconds,
+            ),
+            BuildFloor(
+                store, where.prefix, self.cfg.box_id, self.run_in_thread, clock=self.reactor.seconds
+            ),
+            Restorer(
+                store,
+                self.run_in_thread,
+                self.cfg.box_id,
+                self.cfg.mesh is not None,
+                self.cfg.data_dir,
+                self.reactor,
+            ),
+        )
+
+    def _moved_repair(self, host: str) -> object:
+        repair = self.moved.on_moved
+        return repair(host) if repair is not None else None
+
+    async def bucket_for(self, route: Route) -> WakeBucket:
+        """The bucket ``route``'s space wakes from and sleeps into: this box's own, unless its
+        home region keeps its replicas in another bucket (``LCHAT_REGION_BUCKETS``); then that
+        region's, opened once and kept. Never this box's copy of such a space (older, or none).
+        Raises :class:`WakeFailed` (``bucket``) when that bucket cannot be opened."""
+        region = route.home_region
+        regions = self.regions
+        where = regions.foreign(region) if regions is not None else None
+        if regions is None or where is None:
+            return self.own
+        have = self._foreign.get(region)
+        if have is not None:
+            return have
+        try:
+            store = await regions.store(region)
+        except (ConfigError, NoCredentials, ObjectStoreError, OSError) as e:
+            raise WakeFailed(
+                route.host, "bucket", f"region {region}'s bucket cannot be opened: {e}"
+            ) from e
+        have = self._foreign.setdefault(region, self._bucket(region, store, where, True))
+        return have
 
     def new_space(self, host: str, route: Any, reason: str) -> Space:
         now = self.reactor.seconds()
@@ -266,11 +336,20 @@ class Lifecycle:
         clock = self.reactor.seconds
         t = clock()
         await claims.hand_over(host, space.db)
-        lease = await self._acquire(host)
+        bucket = space.bucket = await self.bucket_for(space.route)
+        if bucket.region:
+            _log.info(
+                "activator: {host} wakes from region {region}'s bucket {bucket} (its home; "
+                "this box's own copy is never used for it)",
+                host=host,
+                region=bucket.region,
+                bucket=bucket.where.bucket,
+            )
+        lease = await self._acquire(host, bucket)
         space.lease = lease
         space.keeper = LeaseKeeper(
             self.reactor,
-            self.store,
+            bucket.store,
             lease,
             on_lost,
             renew_every=self.renew_every,
@@ -286,19 +365,19 @@ class Lifecycle:
         # this bucket's copy is still the space's (lchat.hibernation.moved: one GET, only with
         # per-region buckets); a copy it was relocated away from is never restored.
         t = clock()
-        await self.moved.check(host, space.route.home_region, space.route.settings_gen)
+        await bucket.moved.check(host, space.route.home_region, space.route.settings_gen)
         try:
             argv = builds.space_argv(self.cfg.space_command, host)
         except hosts.InvalidHost as e:
             raise WakeFailed(host, "spawn", f"{host} cannot start: {e}") from e
-        held = await self.floor.hold(host, argv)
+        held = await bucket.floor.hold(host, argv)
         if held[:1] != argv[:1]:
             space.lifted_to = os.path.dirname(held[0])
         argv = held
         timings["floor"] = clock() - t
 
         t = clock()
-        plan = await self.restorer.prepare(host, space.db, self.replica_path(host), space.lease)
+        plan = await bucket.restorer.prepare(host, space.db, bucket.replica_path(host), lease)
         timings["restore"] = clock() - t
         if plan.resume is not None:
             # The local database is exactly the bucket's newest state and nobody writes it yet:
@@ -329,7 +408,7 @@ class Lifecycle:
             timings["replicate"] = clock() - t
         return timings
 
-    async def _acquire(self, host: str) -> HeldLease:
+    async def _acquire(self, host: str, bucket: WakeBucket) -> HeldLease:
         assert self.cfg.hibernate is not None
         fence = self.fence
         if fence is not None:
@@ -340,8 +419,8 @@ class Lifecycle:
         for delay in (*LEASE_HELD_RETRIES, None):
             try:
                 return await acquire(
-                    self.store,
-                    lease_key(self.cfg.hibernate.prefix, host),
+                    bucket.store,
+                    bucket.lease_key(host),
                     self.cfg.box_id,
                     self.cfg.hibernate.lease_ttl,
                     host=host,
@@ -403,11 +482,12 @@ class Lifecycle:
         return space.child
 
     async def _start_replication(self, space: Space, plan: DBPlan) -> None:
+        bucket = space.bucket or self.own
         space.replicator = Replicator(
             self.reactor,
-            self.store,
+            bucket.store,
             space.db,
-            self.replica_path(space.host),
+            bucket.replica_path(space.host),
             interval=INTERVALS.get(space.route.replication, INTERVALS["stream"]),
             keeper=space.keeper,
             **self.replicator_options,

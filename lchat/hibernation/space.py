@@ -112,6 +112,9 @@ class Space:
     # The build directory the wake ran instead of the live link's, the space's build floor being
     # newer (lchat.hibernation.floor); its bot sidecar runs from there too. None: the link's.
     lifted_to: str | None = None
+    # The bucket it woke from (lchat.hibernation.lifecycle.WakeBucket: this box's, or its home
+    # region's); its lease, replica and final flush stay there until it is asleep. None: not yet.
+    bucket: Any = None
 
     def move(self, to: State | Literal["asleep"]) -> None:
         """Enter ``to``; a move :data:`TRANSITIONS` does not list is a bug (AssertionError).
