@@ -405,7 +405,7 @@ def _hibernation(
         # A peer out of reach: the requests forwarded to it fail now, not when TCP gives up.
         membership.on_unreachable(lambda url: pool.abort_peer(*peer_address(url)))
         # Due wakes fire only on the owner (the sweeper asks it)...
-        mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor)
+        mesh = MeshRouter(cfg, store, membership, activator, reactor=reactor, regions=regions)
         # ...so every change of a space's next_due here reaches the peers (whoever owns it then).
         due_push = DuePush(
             reactor, cfg.mesh, cfg.data_dir, routes, membership.live, run_in_thread=run

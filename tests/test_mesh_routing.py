@@ -20,17 +20,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from attrs import frozen
+from attrs import evolve, frozen
 from prometheus_client import REGISTRY
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from lchat.config import BoxConfig, HibernateConfig, MeshConfig
+from lchat.buckets import RegionBuckets
+from lchat.config import BoxConfig, ConfigError, HibernateConfig, MeshConfig, parse_bucket_url
 from lchat.lease import acquire
 from lchat.mesh import forward, placement, routing
 from lchat.mesh.routing import MeshRouter
 from lchat.objstore.file import FileStore
+from lchat.objstore.where import Where
 from lchat.proxy.http import REFUSED
 from lchat.registry import Route
 from lchat.router import LocalResponse, RemotePeer, RequestHead, Target
@@ -836,3 +838,159 @@ class AnsweringBoxTests(_Base):
         reads = self.disk.calls
         self.assertEqual(self.box(mesh, host), B)
         self.assertEqual(self.disk.calls, reads)
+
+
+class RegionView(View):
+    """A view that also says since when each region has had no live member (the membership's
+    ``region_empty_since``, on the router's clock here): ``empty[region]``."""
+
+    def __init__(self, *members: Peer) -> None:
+        super().__init__(*members)
+        self.empty: dict[str, float] = {}
+
+    def region_empty_since(self, region: str) -> float | None:
+        return self.empty.get(region)
+
+
+class RegionFailoverTests(_Base):
+    """A space homed in ``fi``, whose replicas live in a bucket of their own (a ``file:``
+    bucket), placed on this ``ie`` box because ``fi`` has no live box: 503 ``region_down``
+    without the operator's consent, and within the grace; after it, served here (the activator
+    wakes it from fi's bucket: lchat.hibernation.lifecycle) once one read of its lease there
+    answered; a bucket that does not answer is still a 503."""
+
+    AFTER = 300.0
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.fi = os.path.join(self.dir, "fi-bucket")
+        os.makedirs(self.fi)
+        self.fi_disk = Disk()
+        self.opened: list[str] = []
+        self.open_error: Exception | None = None
+        self.cfg = self.with_failover(self.AFTER)
+
+    def with_failover(self, after: float | None) -> BoxConfig:
+        assert self.cfg.mesh is not None
+        return evolve(
+            self.cfg,
+            mesh=evolve(self.cfg.mesh, region="ie", region_failover_after=after),
+            region_buckets={"fi": parse_bucket_url("fi", f"file:{self.fi}"), "ie": self.hib.where},
+        )
+
+    def failover_mesh(self, view: View) -> MeshRouter:
+        async def opener(reactor: Any, cfg: Any, where: Where, what: str) -> FileStore:
+            self.opened.append(what)
+            if self.open_error is not None:
+                raise self.open_error
+            return FileStore(self.clock, where.directory, run_in_thread=self.fi_disk)
+
+        regions = RegionBuckets(self.clock, self.cfg, opener)  # type: ignore[arg-type]
+        return MeshRouter(
+            self.cfg, self.store, view, self.running, reactor=self.clock, regions=regions
+        )
+
+    def fi_lease(self, host: str, owner: str) -> None:
+        store = FileStore(self.clock, self.fi, run_in_thread=maybeDeferred)
+        self.successResultOf(
+            Deferred.fromCoroutine(
+                acquire(
+                    store,
+                    f"{host}/lock.json",
+                    owner,
+                    900.0,
+                    host=host,
+                    monotonic=self.clock.seconds,
+                )
+            )
+        )
+
+    def region_down(self, target: Target) -> None:
+        assert isinstance(target, LocalResponse), target
+        self.assertEqual((target.status, target.label), (503, "region_down"))
+
+    def test_without_consent_a_region_without_a_box_is_region_down_for_ever(self) -> None:
+        self.cfg = self.with_failover(None)
+        view = RegionView(Peer(SELF, "ie"))
+        view.empty["fi"] = EPOCH - 86400.0
+        mesh = self.failover_mesh(view)
+        host = f"h.{DOMAIN}"
+        self.region_down(self.routed(mesh, host, home_region="fi"))
+        self.assertEqual((self.served, self.opened, self.fi_disk.calls), ([], [], 0))
+
+    def test_after_the_grace_the_owner_serves_it_from_its_home_bucket(self) -> None:
+        view = RegionView(Peer(SELF, "ie"))
+        view.empty["fi"] = self.clock.seconds()  # fi's last box just left the view
+        mesh = self.failover_mesh(view)
+        host = f"h.{DOMAIN}"
+        self.region_down(self.routed(mesh, host, home_region="fi"))  # within the grace
+        self.clock.advance(self.AFTER - 1)
+        self.region_down(self.routed(mesh, host, home_region="fi"))
+        self.assertEqual((self.served, self.fi_disk.calls), ([], 0))
+        self.clock.advance(1)
+        counted = forwards("region_failover")
+        self.assertIs(self.routed(mesh, host, home_region="fi"), SERVED_HERE)
+        self.assertEqual(self.served, [host])
+        self.assertEqual(forwards("region_failover"), counted + 1)
+        self.assertEqual(self.opened, ["region fi"])  # its lease read there: the bucket answers
+        self.assertGreater(self.fi_disk.calls, 0)
+        # Its region back: placement is scoped to it again (forwarded there, no failover).
+        view.read(Peer(SELF, "ie"), Peer(B, "fi"))
+        view.empty.pop("fi")
+        self.assertForwardedTo(self.routed(mesh, host, home_region="fi"), B, host)
+        # Never a due wake here, failover or not.
+        view.read(Peer(SELF, "ie"))
+        view.empty["fi"] = EPOCH - 86400.0
+        self.assertFalse(mesh.is_owner(hibernating(host, "fi")))
+
+    def test_a_home_bucket_that_does_not_answer_is_region_down(self) -> None:
+        view = RegionView(Peer(SELF, "ie"))
+        view.empty["fi"] = EPOCH - 86400.0
+        mesh = self.failover_mesh(view)
+        host, other = f"h.{DOMAIN}", f"o.{DOMAIN}"
+        # It hangs: the read gives up after HOLDER_READ_TIMEOUT.
+        self.fi_disk.hold()
+        d = self.route(mesh, host, home_region="fi")
+        self.assertNoResult(d)
+        self.clock.advance(routing.HOLDER_READ_TIMEOUT)
+        self.region_down(self.successResultOf(d))
+        self.fi_disk.release()
+        # It fails (the directory is gone: StoreUnavailable).
+        os.rename(self.fi, self.fi + ".away")
+        self.region_down(self.routed(mesh, other, home_region="fi"))
+        self.assertEqual(self.served, [])
+        # Its store cannot be opened (a key variable unset).
+        mesh = self.failover_mesh(view)
+        self.open_error = ConfigError("region fi's keys are in FI_KEY, which is unset")
+        self.region_down(self.routed(mesh, host, home_region="fi"))
+        self.assertEqual(self.served, [])
+        # Back: served after the cached answer (holder_ttl) ages.
+        os.rename(self.fi + ".away", self.fi)
+        self.open_error = None
+        self.clock.advance(2.0)
+        self.assertIs(self.routed(mesh, host, home_region="fi"), SERVED_HERE)
+
+    def test_a_home_lease_held_by_a_live_box_is_forwarded_there(self) -> None:
+        view = RegionView(Peer(SELF, "ie"), Peer(B, "ie"))
+        view.empty["fi"] = EPOCH - 86400.0
+        mesh = self.failover_mesh(view)
+        host = host_owned_by(SELF, SELF, B)
+        self.fi_lease(host, B)  # B failed it over first (it owned it by a view of its own)
+        self.assertForwardedTo(self.routed(mesh, host, home_region="fi"), B, host)
+        self.assertEqual(self.served, [])
+
+    def test_a_request_forwarded_here_fails_over_only_after_the_grace(self) -> None:
+        view = RegionView(Peer(SELF, "ie"), Peer(B, "ie"))
+        view.empty["fi"] = self.clock.seconds()
+        mesh = self.failover_mesh(view)
+        host = f"h.{DOMAIN}"
+
+        def forwarded() -> Target:
+            marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
+            return self.routed(mesh, host, forwarded=marker, home_region="fi")
+
+        self.region_down(forwarded())
+        self.clock.advance(self.AFTER)
+        self.fi_lease(host, B)  # (one hop only: served here, the activator meets the lease)
+        self.assertIs(forwarded(), SERVED_HERE)
+        self.assertEqual(self.served, [host])

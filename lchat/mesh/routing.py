@@ -14,6 +14,15 @@ A box that wins the lease serves, whatever the hash said: "here" always means th
 which takes the lease or answers 503. The lease holder is read from ``lock.json`` at most once
 per ``holder_ttl`` seconds per host (one GET), and only for spaces not running here.
 
+A space homed in a region that keeps its replicas in another bucket (``LCHAT_REGION_BUCKETS``) is
+never woken from this box's bucket. When placement falls back to this box because that region has
+no live box, it answers 503 ``region_down``, unless the operator consented to a regional
+failover (``LCHAT_REGION_FAILOVER_AFTER``) and the region has had no live box for that long: then
+this box, the whole fleet's owner, serves it from the home region's own bucket, under a lease in
+that bucket (lchat.hibernation.lifecycle.WakeBucket), after one read of that lease proves the
+bucket answers (an unreadable one is 503 ``region_down``: never a wake of an older copy). Due
+wakes never fail over (:meth:`MeshRouter.is_owner`): only a request does.
+
 A drain: a box that is stopping refuses the forwarded requests it has not processed with a 503
 marked ``X-Lchat-Refused: stopping`` (only on a request whose forwarded marker authenticated; the
 activator says which refusals qualify), and the forwarding box routes such a request again, once,
@@ -37,11 +46,13 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
-from lchat.config import BoxConfig
+from lchat.buckets import RegionBuckets
+from lchat.config import BoxConfig, ConfigError
 from lchat.deferutil import observe
 from lchat.lease import LeaseRecord, lease_key
 from lchat.mesh import forward, placement
 from lchat.objstore import NotFound, ObjectStore, ObjectStoreError
+from lchat.objstore.aws import NoCredentials
 from lchat.proxy.http import REFUSED
 from lchat.registry import Route
 from lchat.router import (
@@ -102,6 +113,7 @@ class MeshRouter:
         *,
         reactor: IReactorTime,  # its clock: caches, waits, forwarded-marker stamps (unix time)
         holder_ttl: float = 2.0,
+        regions: RegionBuckets | None = None,  # the other regions' buckets (regional failover)
     ) -> None:
         assert cfg.mesh is not None and cfg.hibernate is not None
         self._mesh = cfg.mesh
@@ -131,6 +143,13 @@ class MeshRouter:
             label for label, b in cfg.region_buckets.items() if not b.same_place(here)
         )
         self._region_down_logged: dict[str, float] = {}  # host -> last "not woken here" line
+        # LCHAT_REGION_FAILOVER_AFTER (None: off): the operator's consent to serve such a space
+        # here, from its home bucket, once its region has had no live box for that long.
+        self._failover_after = cfg.mesh.region_failover_after
+        self._regions = regions
+        self._failover_logged: dict[str, float] = {}  # host -> last "serving from" line
+        # host -> (read at, the home bucket answered, the holder its lease names)
+        self._home_holders: dict[str, tuple[float, bool, str | None]] = {}
         subscribe = getattr(membership, "subscribe", None)
         if subscribe is not None:
             subscribe(self._members_changed)
@@ -179,7 +198,9 @@ class MeshRouter:
 
     def is_owner(self, route: Route) -> bool:
         """Due wakes fire only on the owner of an in-scope space (anywhere for the rest), and
-        never here for a space whose replica is in another region's bucket."""
+        never here for a space whose replica is in another region's bucket: not even under a
+        regional failover, which serves requests only (a scheduled delivery waits for a
+        request, or for its region's return)."""
         if not self.in_scope(route.host):
             return True
         return self.owner_url(route) == self._self_url and not self._foreign(route)
@@ -190,30 +211,140 @@ class MeshRouter:
         our bucket holds at most the copy it had before it moved."""
         return bool(route.home_region) and route.home_region in self._foreign_regions
 
-    def _region_down(self, route: Route) -> Target:
+    def _region_down(self, route: Route, why: str = "") -> Target:
         """The 503 for a space whose home region has no live box and whose replica this box
-        cannot reach (placement fell back to us): never a wake of a stale copy."""
+        does not serve (placement fell back to us): never a wake of a stale copy. ``why``: the
+        failover was due but could not happen."""
         host = route.host
         _forwards.labels("region_down").inc()
         now = self._clock()
         if now - self._region_down_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
             self._region_down_logged[host] = now
+            after = self._failover_after
             _log.warn(
                 "mesh: {host} is homed in region {region}, which has no live box, and keeps its "
                 "replica in another bucket (LCHAT_REGION_BUCKETS): answering 503 instead of "
-                "waking this box's older copy (start a {region} box, or `lchat relocate {host} "
-                "--to` a region that has one)",
+                "waking this box's older copy ({failover}; start a {region} box, or `lchat "
+                "relocate {host} --to` a region that has one)",
                 host=host,
                 region=route.home_region,
+                failover=f"failing over is due, but {why}"
+                if why
+                else "LCHAT_REGION_FAILOVER_AFTER is off"
+                if after is None
+                else f"it fails over once {route.home_region} has had no live box for "
+                f"{_span(after)}, LCHAT_REGION_FAILOVER_AFTER",
             )
         return _unavailable(host, "region_down")
+
+    def _failover_due(self, route: Route) -> float | None:
+        """How long ``route``'s home region has had no live box, when the operator consented to
+        a failover (``LCHAT_REGION_FAILOVER_AFTER``) and that is at least the grace; else None.
+        (On the membership's clock, the one it judges liveness on.)"""
+        after = self._failover_after
+        if after is None or self._regions is None:
+            return None
+        since = getattr(self._membership, "region_empty_since", lambda region: None)(
+            route.home_region
+        )
+        if since is None:
+            return None
+        empty_for = self._mono() - since
+        return empty_for if empty_for >= after else None
+
+    async def _failover(self, route: Route, head: RequestHead, *, forwarded: bool) -> Target:
+        """A space homed in a region with another bucket, placed on this box (or forwarded here
+        by a peer that placed it so): 503 ``region_down``, or, under a due failover, served here
+        from its home bucket, unless that bucket's lease names another live box (forwarded
+        there, one hop only)."""
+        empty_for = self._failover_due(route)
+        if empty_for is None:
+            return self._region_down(route)
+        host = route.host
+        answered, holder = await self._home_holder(route)
+        if not answered:
+            return self._region_down(route, why="its home bucket did not answer")
+        if (
+            not forwarded
+            and holder is not None
+            and holder != self._self_url
+            and holder in {placement.normalise_member_url(m.url) for m in self._live()}
+        ):
+            _forwards.labels("to_holder").inc()
+            return self._to(holder, route, head)
+        _forwards.labels("region_failover").inc()
+        now = self._clock()
+        if now - self._failover_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
+            if len(self._failover_logged) > 100_000:
+                self._failover_logged.clear()
+            self._failover_logged[host] = now
+            assert self._failover_after is not None
+            _log.warn(
+                "mesh: {host} homed in {region} (no live box for {empty}): serving from "
+                "{region}'s bucket on this box (LCHAT_REGION_FAILOVER_AFTER={after}); it goes "
+                "home at its first sleep after a {region} box is back",
+                host=host,
+                region=route.home_region,
+                empty=_span(empty_for),
+                after=_span(self._failover_after),
+            )
+        here = self._here(route, head)
+        return await here if isinstance(here, Deferred) else here
+
+    async def _home_holder(self, route: Route) -> tuple[bool, str | None]:
+        """(did ``route``'s home bucket answer, the member its lease names): one GET of
+        ``lock.json`` there within :data:`HOLDER_READ_TIMEOUT`, remembered ``holder_ttl``
+        seconds (a bucket that does not answer, too: requests then get their 503 at once)."""
+        host = route.host
+        now = self._clock()
+        cached = self._home_holders.get(host)
+        if cached is not None and now - cached[0] < self._holder_ttl - 1e-6:
+            return cached[1], cached[2]
+        assert self._regions is not None
+        region = route.home_region
+        where = self._regions.foreign(region)
+        assert where is not None  # (_foreign: the same LCHAT_REGION_BUCKETS entries)
+        answered, owner = False, None
+        try:
+            store = await self._regions.store(region)
+            reading = Deferred.fromCoroutine(store.get(lease_key(where.prefix, host)))
+            reading.addTimeout(HOLDER_READ_TIMEOUT, self._reactor)
+            got = await reading
+            answered, owner = True, _member_url(LeaseRecord.parse(got.body).owner)
+        except NotFound:
+            answered = True
+        except TimeoutError:
+            _log.warn(
+                "mesh: region {region}'s bucket did not answer within {timeout:g}s (the lease of "
+                "{host})",
+                region=region,
+                host=host,
+                timeout=HOLDER_READ_TIMEOUT,
+            )
+        except (ObjectStoreError, ConfigError, NoCredentials, OSError) as e:
+            _log.warn(
+                "mesh: region {region}'s bucket failed (the lease of {host}): {e}",
+                region=region,
+                host=host,
+                e=e,
+            )
+        except Exception as e:  # a lock.json we cannot parse names nobody we can forward to
+            _log.warn(
+                "mesh: unreadable lease of {host} in {region}: {e}", host=host, region=region, e=e
+            )
+            answered = True
+        if len(self._home_holders) > 100_000:
+            self._home_holders.clear()
+        self._home_holders[host] = (self._clock(), answered, owner)
+        return answered, owner
 
     def route(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
         host = route.host
         if head.forwarded is not None:
             if self._authentic(head, host):
                 if self._foreign(route) and not self._activator.holds(host):
-                    return self._region_down(route)
+                    failover = Deferred.fromCoroutine(self._failover(route, head, forwarded=True))
+                    return failover.addCallback(_refusal_for_peer)
                 if self._held_by_a_peer_in_reach(host):
                     return _unavailable(host, "lease_held")
                 _forwards.labels("local_forwarded").inc()
@@ -363,7 +494,7 @@ class MeshRouter:
             _forwards.labels("to_holder").inc()
             return self._to(holder, route, head)
         if owner == self._self_url and self._foreign(route) and not self._activator.holds(host):
-            return self._region_down(route)
+            return await self._failover(route, head, forwarded=False)
         if owner == self._self_url or self._activator.holds(host):
             _forwards.labels("local_owner").inc()
             here = self._here(route, head)
@@ -544,6 +675,17 @@ def _unavailable(host: str, label: str) -> Target:
         (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
         label=label,
     )
+
+
+def _span(seconds: float) -> str:
+    """A duration as the settings spell it: ``5m``, ``1h30m``, ``3s``, ``1.5s``."""
+    whole = int(seconds)
+    if whole != seconds or whole < 60:
+        return f"{seconds:g}s" if seconds < 60 else f"{whole // 60}m{whole % 60}s"
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "")
+    return text + (f"{secs}s" if secs else "")
 
 
 def _refusal_for_peer(target: Target) -> Target:
