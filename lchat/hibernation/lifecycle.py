@@ -301,14 +301,19 @@ class Lifecycle:
         return self.cfg.hibernate.key(host)
 
     def lease_owner(self, host: str) -> Deferred[str | None]:
-        """Who ``host``'s lease names now (None: no lease), read from the bucket within
-        :data:`LEASE_READ_TIMEOUT` (a store error or a timeout fails it)."""
+        """Who ``host``'s lease names now (None: no lease), read from the bucket its route
+        wakes from (:meth:`bucket_for`) within :data:`LEASE_READ_TIMEOUT` (a store error or a
+        timeout fails it)."""
         assert self.cfg.hibernate is not None
-        key = lease_key(self.cfg.hibernate.prefix, host)
+        route = self.routes.table.get(host)
 
         async def read() -> str | None:
             try:
-                got = await self.store.get(key)
+                bucket = self.own if route is None else await self.bucket_for(route)
+            except WakeFailed as e:  # (its region's bucket cannot be opened: not read)
+                raise StoreUnavailable(str(e)) from e
+            try:
+                got = await bucket.store.get(bucket.lease_key(host))
             except NotFound:
                 return None
             return LeaseRecord.parse(got.body).owner
