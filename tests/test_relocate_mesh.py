@@ -380,6 +380,131 @@ class MissedFanOutTests(TwoRegionsCase):
         self.assertIn(f"mesh: {HOST} settings gen", late.log())
 
 
+class _FailoverCase(TwoRegionsCase):
+    """One ``ie`` box and one ``fi`` box, both consenting to a regional failover after
+    :attr:`GRACE` (``LCHAT_REGION_FAILOVER_AFTER``); the space is homed in ``ie``."""
+
+    timeout = 180
+    GRACE = 3.0
+
+    def failover_boxes(self) -> tuple[Box, Box]:
+        (ie,), (fi,) = self.region_boxes(("ie0", "fi0"))
+        for box in (ie, fi):
+            box.settings["LCHAT_REGION_FAILOVER_AFTER"] = f"{self.GRACE:g}s"  # type: ignore[attr-defined]
+        return ie, fi
+
+    @inlineCallbacks
+    def home_region_gone(self, ie: Box, fi: Box) -> Any:
+        """Both started, a write through the ie box (the space awake there, then asleep: in
+        ie's bucket), then the ie box killed (its heartbeat ages out). Returns when it died."""
+        yield self.start(ie, fi)
+        status, body, _ = yield self.req(
+            ie, HOST, "/api/rooms/r/messages", "POST", b'{"body": "before"}'
+        )
+        self.assertEqual(status, 201, body)
+        self.assertTrue(ie.awake(HOST), self.logs(ie, fi))
+        slept = yield deferToThread(_admin, ie, f"/sleep?host={HOST}")
+        self.assertEqual(slept[0], 200, slept)
+        yield deferToThread(ie.stop, signal.SIGKILL)
+        return time.monotonic()
+
+    @inlineCallbacks
+    def answers_until_served(self, box: Box, limit: float) -> Any:
+        """GET the messages through ``box`` every 0.2 s until a 200: (the statuses before it,
+        the messages then)."""
+        seen: list[int] = []
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            status, body, _ = yield self.req(box, HOST, "/api/rooms/r/messages?limit=100")
+            if status == 200:
+                return seen, [m["body"] for m in json.loads(body)["messages"]]
+            self.assertEqual(status, 503, body)
+            seen.append(status)
+            yield test_mesh.sleep(0.2)
+        self.fail(f"not served within {limit:g}s: {self.logs(box)}")
+
+
+class RegionFailoverTests(_FailoverCase):
+    """The space's home region ``ie`` (its bucket on moto) loses its only box; the ``fi`` box
+    (its own bucket on SeaweedFS) answers 503 ``region_down`` through the grace, then serves the
+    space from ie's bucket under a lease there (nothing of it in fi's bucket); when the ie box
+    is back it forwards to the fi box while the space is awake there, and the space goes home
+    at its next sleep."""
+
+    @inlineCallbacks
+    def test_failover_after_grace_with_consent_serves_the_home_buckets_data(self) -> Any:
+        ie, fi = self.failover_boxes()
+        died = yield self.home_region_gone(ie, fi)
+        refused, got = yield self.answers_until_served(fi, 20)
+        served_after = time.monotonic() - died
+        self.assertTrue(refused, "served before the grace")
+        self.assertGreaterEqual(served_after, self.GRACE)
+        self.assertEqual(got, ["before"])
+        self.assertTrue(fi.awake(HOST))
+        status, body, _ = yield self.req(
+            fi, HOST, "/api/rooms/r/messages", "POST", b'{"body": "during"}'
+        )
+        self.assertEqual(status, 201, body)
+        self.assertIn(f"mesh: {HOST} homed in ie (no live box for", fi.log())
+        self.assertIn(
+            f"serving from ie's bucket on this box (LCHAT_REGION_FAILOVER_AFTER={self.GRACE:g}s)",
+            fi.log(),
+        )
+        # Its lease is in ie's bucket, naming the fi box; fi's bucket has nothing of it.
+        ie_store = s3servers.store_for(self.ie_server, self.bucket)
+        fi_store = s3servers.store_for(self.fi_server, self.fi_bucket)
+        self.addCleanup(lambda: Deferred.fromCoroutine(ie_store.close()))
+        self.addCleanup(lambda: Deferred.fromCoroutine(fi_store.close()))
+        record = yield Deferred.fromCoroutine(read_lock(ie_store, lease.lease_key("prod", HOST)))
+        assert record is not None
+        self.assertEqual(lease.LeaseRecord.parse(record.body).owner, normalise_member_url(fi.url))
+        listed = yield Deferred.fromCoroutine(fi_store.list(f"prod/{HOST}/"))
+        self.assertEqual([i.key for i in listed], [])
+
+        # The ie box is back: it forwards to the fi box while the space is awake there...
+        yield self.start(ie)
+        yield self.wait_for(lambda: test_mesh._members(ie) == 2, timeout=10)
+        got = yield deferToThread(self.messages, ie)
+        self.assertEqual(got, ["before", "during"])
+        self.assertFalse(ie.awake(HOST))
+        # ...and the space goes home at its next sleep (the lease released in ie's bucket).
+        slept = yield deferToThread(_admin, fi, f"/sleep?host={HOST}")
+        self.assertEqual(slept[0], 200, slept)
+        got = yield deferToThread(self.messages, ie)
+        self.assertEqual(got, ["before", "during"])
+        self.assertTrue(ie.awake(HOST), self.logs(ie, fi))
+        self.assertFalse(fi.awake(HOST))
+
+
+class HomeBucketDownTests(_FailoverCase):
+    """The space's home region ``ie`` on SeaweedFS (fi on moto), its box gone and its bucket
+    paused (SIGSTOP: nothing answers): the fi box answers 503 throughout, past the grace, never
+    a wake of another copy; once the bucket answers again, the failover serves it."""
+
+    IE_ON = "seaweedfs"
+
+    @inlineCallbacks
+    def test_home_bucket_down_never_fails_over(self) -> Any:
+        ie, fi = self.failover_boxes()
+        died = yield self.home_region_gone(ie, fi)
+        yield deferToThread(self.ie_server.pause)
+        due = "failing over is due, but its home bucket did not answer"
+        try:
+            # 503 throughout: through the grace, and past it until the fi box says why.
+            while due not in fi.log():
+                self.assertLess(time.monotonic() - died, 30, self.logs(fi))
+                status, body, _ = yield self.req(fi, HOST, "/api/rooms/r/messages?limit=100")
+                self.assertEqual(status, 503, body)
+                yield test_mesh.sleep(0.2)
+            self.assertGreaterEqual(time.monotonic() - died, self.GRACE)
+        finally:
+            yield deferToThread(self.ie_server.resume)
+        self.assertFalse(fi.awake(HOST))
+        # Back: served from it (the consent was there all along).
+        _, got = yield self.answers_until_served(fi, 20)
+        self.assertEqual(got, ["before"])
+
+
 class RelocateSharedBucketTests(MeshTestCase):
     timeout = 240
 

@@ -218,8 +218,11 @@ class MeshRouter:
         host = route.host
         _forwards.labels("region_down").inc()
         now = self._clock()
-        if now - self._region_down_logged.get(host, float("-inf")) >= REGION_DOWN_LOG_EVERY:
-            self._region_down_logged[host] = now
+        said = f"{host} {why}" if why else host  # (a failover that cannot happen: said at once)
+        if now - self._region_down_logged.get(said, float("-inf")) >= REGION_DOWN_LOG_EVERY:
+            if len(self._region_down_logged) > 100_000:
+                self._region_down_logged.clear()
+            self._region_down_logged[said] = now
             after = self._failover_after
             _log.warn(
                 "mesh: {host} is homed in region {region}, which has no live box, and keeps its "
