@@ -908,6 +908,23 @@ class MeshTiming(Base):
         self.assertIn("LCHAT_REGION_FAILOVER_AFTER=30s", str(e.exception))
         self.assertIn("LCHAT_MESH_DEAD_AFTER=45s", str(e.exception))
         self.refuses("LCHAT_REGION_FAILOVER_AFTER", {**base, "LCHAT_REGION_FAILOVER_AFTER": "soon"})
+        # Consent where it can do nothing is said at start: no foreign-bucket region, no mesh.
+        (warning,) = self.load({**base, "LCHAT_REGION_FAILOVER_AFTER": "5m"}).warnings
+        self.assertIn("LCHAT_REGION_FAILOVER_AFTER=5m has no effect: LCHAT_REGION_BUCKETS", warning)
+        (warning,) = self.load(
+            {"LCHAT_HIBERNATE_BUCKET": "b-1", "LCHAT_REGION_FAILOVER_AFTER": "5m"}
+        ).warnings
+        self.assertIn("without the mesh", warning)
+        cfg = self.load(
+            {
+                **base,
+                "LCHAT_MESH_REGION": "ie",
+                "LCHAT_REGION_BUCKETS": "fi=s3://fi-bucket/prod",
+                "LCHAT_REGION_FAILOVER_AFTER": "5m",
+            }
+        )
+        self.assertEqual(cfg.warnings, ())
+        self.assertEqual(self.load(base).warnings, ())
 
 
 class MeshChecks(Base):

@@ -445,6 +445,11 @@ class RegionFailoverTests(_FailoverCase):
             fi, HOST, "/api/rooms/r/messages", "POST", b'{"body": "during"}'
         )
         self.assertEqual(status, 201, body)
+        self.assertIn(
+            "mesh: regional failover consented (LCHAT_REGION_FAILOVER_AFTER=3s): a space homed "
+            "in ie whose",
+            fi.log(),
+        )
         self.assertIn(f"mesh: {HOST} homed in ie (no live box for", fi.log())
         self.assertIn(
             f"serving from ie's bucket on this box (LCHAT_REGION_FAILOVER_AFTER={self.GRACE:g}s)",

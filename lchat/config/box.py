@@ -345,6 +345,8 @@ def load(
     reserve_text = get("LCHAT_MEMORY_RESERVE")
     memory_reserve = parse_size("LCHAT_MEMORY_RESERVE", reserve_text) if reserve_text else None
     cloud_region, id_ledger = read_cloud(get)
+    region_buckets = read_region_buckets(get, hibernate, mesh)
+    warnings += _failover_warnings(get, hibernate, mesh, region_buckets)
 
     cfg = BoxConfig(
         env_file=path,
@@ -384,7 +386,7 @@ def load(
         memory_reserve=memory_reserve,
         cloud_region=cloud_region,
         id_ledger=id_ledger,
-        region_buckets=read_region_buckets(get, hibernate, mesh),
+        region_buckets=region_buckets,
     )
     if (
         cfg.mesh is not None
@@ -407,6 +409,31 @@ def _directory(get: Getter, name: str, default: str = "") -> str:
     if "\x00" in text:
         raise ConfigError(f"{name} contains a NUL byte")
     return os.path.abspath(text)
+
+
+def _failover_warnings(
+    get: Getter,
+    hibernate: HibernateConfig | None,
+    mesh: MeshConfig | None,
+    region_buckets: Mapping[str, Where],
+) -> tuple[str, ...]:
+    """A regional failover consented to where it can do nothing: said at start, not refused (a
+    fleet-wide env file may carry it to boxes without a mesh or per-region buckets)."""
+    text = get("LCHAT_REGION_FAILOVER_AFTER")
+    if text.lower() == "off":
+        return ()
+    if mesh is None:
+        return (
+            f"LCHAT_REGION_FAILOVER_AFTER={text} has no effect without the mesh (LCHAT_MESH_SELF)",
+        )
+    here = hibernate.where if hibernate is not None else None
+    if here is None or all(where.same_place(here) for where in region_buckets.values()):
+        return (
+            f"LCHAT_REGION_FAILOVER_AFTER={text} has no effect: LCHAT_REGION_BUCKETS names no "
+            "region whose bucket is not this box's (a space in a shared bucket is served by any "
+            "box already)",
+        )
+    return ()
 
 
 def _fallback_url(text: str) -> str:

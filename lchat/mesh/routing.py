@@ -150,6 +150,14 @@ class MeshRouter:
         self._failover_logged: dict[str, float] = {}  # host -> last "serving from" line
         # host -> (read at, the home bucket answered, the holder its lease names)
         self._home_holders: dict[str, tuple[float, bool, str | None]] = {}
+        if self._failover_after is not None and self._foreign_regions:
+            _log.info(
+                "mesh: regional failover consented (LCHAT_REGION_FAILOVER_AFTER={after}): a space "
+                "homed in {regions} whose region has had no live box that long is served, when "
+                "this box owns it, from its region's bucket",
+                after=_span(self._failover_after),
+                regions=", ".join(sorted(self._foreign_regions)),
+            )
         subscribe = getattr(membership, "subscribe", None)
         if subscribe is not None:
             subscribe(self._members_changed)
