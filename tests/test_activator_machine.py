@@ -1025,6 +1025,7 @@ class HomeBucketTests(_Machine):
         record = LeaseRecord.parse(self.fi.bucket.get(f"{host}/lock.json").body)
         self.assertEqual(record.owner, self.cfg.box_id)
         self.assertIsNone(self.lock_owner(host))
+        self.assertEqual(self.activator.status()[host]["bucket_region"], "fi")
         child.write("in fi")
         # Its route says "here" meanwhile: it sleeps into the bucket it woke from all the same.
         self.update_row(host, home_region="")

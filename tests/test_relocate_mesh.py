@@ -441,6 +441,7 @@ class RegionFailoverTests(_FailoverCase):
         self.assertGreaterEqual(served_after, self.GRACE)
         self.assertEqual(got, ["before"])
         self.assertTrue(fi.awake(HOST))
+        self.assertEqual(fi.status()["hosts"][HOST]["activator"]["bucket_region"], "ie")
         status, body, _ = yield self.req(
             fi, HOST, "/api/rooms/r/messages", "POST", b'{"body": "during"}'
         )

@@ -161,6 +161,8 @@ class Space:
         }
         if self.fenced:
             entry["read_only"] = "isolated"
+        if self.bucket is not None and self.bucket.region:
+            entry["bucket_region"] = self.bucket.region  # served from its home region's bucket
         if self.replicator is not None:
             entry["txid"] = self.replicator.txid
             # Seconds since the oldest commit not yet in the bucket (lchat fleet's LAG).
