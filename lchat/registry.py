@@ -370,18 +370,33 @@ class Registry:
 
     def update(self, host: str, **changes: Any) -> Route:
         """Change some columns of one row; validation applies to the result."""
+        with self.connect() as conn, write_transaction(conn):
+            return self._update_row(conn, host, changes)
+
+    def _update_row(self, conn: sqlite3.Connection, host: str, changes: dict[str, Any]) -> Route:
         unknown = set(changes) - set(_COLUMNS) - {"host"}
         if unknown or "host" in changes:
             raise RegistryError(
                 f"cannot update columns {sorted(unknown | {'host'} & set(changes))}"
             )
-        with self.connect() as conn, write_transaction(conn):
-            existing = _select(conn, host)
-            if existing is None:
-                raise UnknownHost(f"{host} is not registered")
-            route = validate(evolve(existing, **changes, updated_at=int(self._clock())))
-            _update(conn, route, [*changes, "updated_at"])
+        existing = _select(conn, host)
+        if existing is None:
+            raise UnknownHost(f"{host} is not registered")
+        route = validate(evolve(existing, **changes, updated_at=int(self._clock())))
+        _update(conn, route, [*changes, "updated_at"])
         return route
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """One write transaction (``BEGIN IMMEDIATE``: the registry's write lock, which every
+        process writing this file queues for) over the block, committed when it ends, rolled
+        back when it raises. A replicated row and its env files change inside one
+        (:class:`lchat.mesh.route_store.RouteStore`'s writes, ``lchat env``), so that no other
+        writer, in this process or another, lands between a file and its row. Inside the block,
+        write only through the :class:`Transaction` (another connection's write would wait for
+        this one: ``busy_timeout``, then fail)."""
+        with self.connect() as conn, write_transaction(conn):
+            yield Transaction(self, conn)
 
     def set_status(self, host: str, status: Status, last_error: str = "") -> Route | None:
         """Record a health change; a row removed meanwhile is not an error (returns None)."""
@@ -476,33 +491,48 @@ class Registry:
         written in the same transaction, so that a peer's older copy landing between the
         change and its generation can never end under the change's generation and hash."""
         with self.connect() as conn, write_transaction(conn):
-            existing = _select(conn, host)
-            if existing is None:
-                raise UnknownHost(f"{host} is not registered")
-            if expect is not None and (existing.settings_gen, existing.settings_hash) != expect:
-                return None
-            gen = existing.settings_gen if keep_gen else max(int(now_ms), existing.settings_gen + 1)
-            buried = _tombstone(conn, host)
-            if buried is not None and not keep_gen:
-                # The same host re-added after a remove: above its tombstone, which goes.
-                gen = max(gen, buried.gen + 1)
-                conn.execute("DELETE FROM tombstones WHERE host = ?", (host,))
-            names: tuple[str, ...] = ("settings_gen", "settings_hash", "updated_at")
-            if changed is not None:
-                existing = evolve(
-                    existing,
-                    replication=changed.replication,
-                    home_region=changed.home_region,
-                    version=changed.version,
-                )
-                names += ("replication", "home_region", "version")
-            route = evolve(
-                existing,
-                settings_gen=gen,
-                settings_hash=settings_hash,
-                updated_at=int(self._clock()),
+            return self._bump_settings(
+                conn, host, settings_hash, now_ms, expect=expect, keep_gen=keep_gen, changed=changed
             )
-            _update(conn, validate(route), names)
+
+    def _bump_settings(
+        self,
+        conn: sqlite3.Connection,
+        host: str,
+        settings_hash: str,
+        now_ms: int,
+        *,
+        expect: tuple[int, str] | None,
+        keep_gen: bool,
+        changed: Route | None,
+    ) -> Route | None:
+        existing = _select(conn, host)
+        if existing is None:
+            raise UnknownHost(f"{host} is not registered")
+        if expect is not None and (existing.settings_gen, existing.settings_hash) != expect:
+            return None
+        gen = existing.settings_gen if keep_gen else max(int(now_ms), existing.settings_gen + 1)
+        buried = _tombstone(conn, host)
+        if buried is not None and not keep_gen:
+            # The same host re-added after a remove: above its tombstone, which goes.
+            gen = max(gen, buried.gen + 1)
+            conn.execute("DELETE FROM tombstones WHERE host = ?", (host,))
+        names: tuple[str, ...] = ("settings_gen", "settings_hash", "updated_at")
+        if changed is not None:
+            existing = evolve(
+                existing,
+                replication=changed.replication,
+                home_region=changed.home_region,
+                version=changed.version,
+            )
+            names += ("replication", "home_region", "version")
+        route = evolve(
+            existing,
+            settings_gen=gen,
+            settings_hash=settings_hash,
+            updated_at=int(self._clock()),
+        )
+        _update(conn, validate(route), names)
         return route
 
     def upsert_replicated(
@@ -532,45 +562,55 @@ class Registry:
         the replicated fields. Over no row but a tombstone, ``route`` is inserted only when its
         generation is above the tombstone's (which goes); otherwise :class:`Tombstoned`.
         """
+        with self.connect() as conn, write_transaction(conn):
+            return self._upsert_replicated(conn, route, next_due=next_due, accept=accept)
+
+    def _upsert_replicated(
+        self,
+        conn: sqlite3.Connection,
+        route: Route,
+        *,
+        next_due: bool,
+        accept: Callable[[Route], bool] | None,
+    ) -> tuple[Route, bool]:
         route = validate(route)
         if not route.replicated:
             raise RegistryError(
                 f"{route.host}: only hibernating instances and lives-elsewhere rows replicate"
             )
         now = int(self._clock())
-        with self.connect() as conn, write_transaction(conn):
-            existing = _select(conn, route.host)
-            if existing is None:
-                buried = _tombstone(conn, route.host)
-                if buried is not None:
-                    if buried.gen >= route.settings_gen:  # (a write without a gen: 0)
-                        raise Tombstoned(buried)
-                    conn.execute("DELETE FROM tombstones WHERE host = ?", (route.host,))
-                result = evolve(route, created_at=route.created_at or now, updated_at=now)
-                _insert(conn, result)
-                return result, True
-            _refuse_replicated(existing)
-            if accept is not None and not accept(existing):
-                raise Stale(existing)
-            due = route.next_due if next_due else existing.next_due
-            result = validate(
-                evolve(
-                    existing,
-                    version=route.version,
-                    replication=route.replication,
-                    home_region=route.home_region,
-                    hibernate=route.hibernate,
-                    lives_at=route.lives_at,
-                    settings_gen=route.settings_gen,
-                    settings_hash=route.settings_hash,
-                    next_due=0 if route.elsewhere else due,
-                    status="ready" if existing.elsewhere != route.elsewhere else existing.status,
-                    updated_at=now,
-                )
+        existing = _select(conn, route.host)
+        if existing is None:
+            buried = _tombstone(conn, route.host)
+            if buried is not None:
+                if buried.gen >= route.settings_gen:  # (a write without a gen: 0)
+                    raise Tombstoned(buried)
+                conn.execute("DELETE FROM tombstones WHERE host = ?", (route.host,))
+            result = evolve(route, created_at=route.created_at or now, updated_at=now)
+            _insert(conn, result)
+            return result, True
+        _refuse_replicated(existing)
+        if accept is not None and not accept(existing):
+            raise Stale(existing)
+        due = route.next_due if next_due else existing.next_due
+        result = validate(
+            evolve(
+                existing,
+                version=route.version,
+                replication=route.replication,
+                home_region=route.home_region,
+                hibernate=route.hibernate,
+                lives_at=route.lives_at,
+                settings_gen=route.settings_gen,
+                settings_hash=route.settings_hash,
+                next_due=0 if route.elsewhere else due,
+                status="ready" if existing.elsewhere != route.elsewhere else existing.status,
+                updated_at=now,
             )
-            if result == evolve(existing, updated_at=now):
-                return existing, False  # nothing changed: no write, no reload churn
-            _update(conn, result, _REPLICATED_COLUMNS)
+        )
+        if result == evolve(existing, updated_at=now):
+            return existing, False  # nothing changed: no write, no reload churn
+        _update(conn, result, _REPLICATED_COLUMNS)
         return result, False
 
     def delete_replicated(
@@ -615,6 +655,54 @@ class Registry:
         except RegistryError:
             parts.append(None)  # unreadable: the stats above still change when it is fixed
         return tuple(parts)
+
+
+class Transaction:
+    """One write transaction on the registry (:meth:`Registry.transaction`): the writes a
+    replicated row takes with its env files, on the transaction's connection. Each method is its
+    :class:`Registry` namesake's, inside the transaction (nothing commits before the block
+    ends)."""
+
+    def __init__(self, registry: Registry, conn: sqlite3.Connection) -> None:
+        self._registry = registry
+        self._conn = conn
+
+    def get(self, host: str) -> Route | None:
+        return _select(self._conn, host)
+
+    def update(self, host: str, **changes: Any) -> Route:
+        return self._registry._update_row(self._conn, host, changes)
+
+    def bump_settings(
+        self,
+        host: str,
+        settings_hash: str,
+        now_ms: int,
+        *,
+        expect: tuple[int, str] | None = None,
+        keep_gen: bool = False,
+        changed: Route | None = None,
+    ) -> Route | None:
+        return self._registry._bump_settings(
+            self._conn,
+            host,
+            settings_hash,
+            now_ms,
+            expect=expect,
+            keep_gen=keep_gen,
+            changed=changed,
+        )
+
+    def upsert_replicated(
+        self,
+        route: Route,
+        *,
+        next_due: bool = False,
+        accept: Callable[[Route], bool] | None = None,
+    ) -> tuple[Route, bool]:
+        return self._registry._upsert_replicated(
+            self._conn, route, next_due=next_due, accept=accept
+        )
 
 
 def _refuse_replicated(existing: Route) -> None:

@@ -8,12 +8,14 @@ never reverts a newer setting; a box that was down during a change converges by 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import signal
 import sqlite3
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -25,7 +27,9 @@ from twisted.internet.task import Clock, deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import config, hosts
+from lchat import config, envfile, hosts
+from lchat.cli import space_settings
+from lchat.handover.router import Say
 from lchat.mesh import api, client, settings
 from lchat.mesh.route_payload import parse_payload
 from lchat.mesh.route_store import RouteStore
@@ -618,6 +622,89 @@ class EnvCommandTests(api_tests.CliTestCase):
         self.assertIn("is not registered", done.stderr)
         self.assertEqual(self.a.files(), before)
         self.assertEqual(self.a.registry.get(host).settings_gen, 0)  # type: ignore[union-attr]
+
+
+class _SignallingRegistry(Registry):
+    """The real registry, which says when a write asks for its transaction (before it waits for
+    one under way): the race test's proof that a peer's copy reached the registry's lock."""
+
+    def __init__(self, path: str, clock: Any, asked: threading.Event) -> None:
+        super().__init__(path, clock)
+        self._asked = asked
+
+    def transaction(self) -> Any:
+        self._asked.set()
+        return super().transaction()
+
+
+class EnvRaceTests(SynchronousTestCase):
+    """``lchat env`` while the owner's older copy of the space lands (a push or an anti-entropy
+    pull through the route store): real files, a real registry, fake clocks, and the landing
+    forced between the env file's edit and its generation (the command's edit seam)."""
+
+    def test_an_older_copy_landing_mid_edit_neither_loses_the_edit_nor_takes_its_gen(self) -> None:
+        root = tempfile.mkdtemp(prefix="mrace", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        box = api_tests.Box(root, "box-1")
+        os.makedirs(os.path.join(root, "bucket"))  # the router would have made it (no peers)
+        cfg = box.cfg()
+        assert cfg.mesh is not None
+        host = api_tests.HOST
+        here = settings.bump(box.registry, box.data, cfg.mesh.self_url, box.add(host), 1_000)
+        # The owner's copy: an older change (gen 3000, before the edit) of the replication class.
+        owner_row = evolve(here, replication="daily", settings_gen=3_000)
+        older = parse_payload(client.route_payload(owner_row, {"LCHAT_ADMIN_TOKEN": f"tok-{host}"}))
+        # Set once the copy landed (before the fix) or asked for the registry's lock (which the
+        # edit holds: it waits for the edit's transaction).
+        reached = threading.Event()
+        store = RouteStore(
+            _SignallingRegistry(box.registry.path, lambda: 7.0, reached),
+            cfg.mesh,
+            box.data,
+            box.run,
+            cfg.space_command,
+        )
+        landed: list[Any] = []
+
+        def land() -> None:
+            try:
+                landed.append(store.upsert(older, from_owner=True))
+            finally:
+                reached.set()
+
+        def edit_then_land(path: str, values: Any, unset: Any) -> None:
+            envfile.edit(path, values, unset)
+            worker = threading.Thread(target=land)
+            worker.start()
+            landed.append(worker)
+            self.assertTrue(reached.wait(10))
+
+        out: list[str] = []
+        ctx = space_settings.Context(
+            lambda args: cfg,
+            lambda cfg: Registry(box.registry.path, clock=lambda: 7.0),
+            lambda cfg: None,
+            Say(out=out.append, note=out.append, warn=out.append),
+            edit_env=edit_then_land,
+            now_ms=lambda: 5_000,
+        )
+        args = argparse.Namespace(host=host, action="set", items=["LCHAT_BUILD=edited"])
+        self.assertEqual(space_settings.env(args, ctx), 0)
+        worker, *_ = landed
+        worker.join(10)
+        row = box.registry.get(host)
+        assert row is not None
+        on_disk = config.read_env_file(box.env_path(host))
+        # The edit is kept, under a generation above the older copy's, hashed as it is held.
+        self.assertEqual(on_disk.get("LCHAT_BUILD"), "edited", out)
+        self.assertGreater(row.settings_gen, 3_000)
+        self.assertEqual(
+            row.settings_hash,
+            settings.route_hash(row, client.replicable_env(on_disk)),
+        )
+        # The older copy waited for the edit's transaction and was answered stale.
+        self.assertEqual(landed[1][1]["result"], "stale", landed)
+        self.assertEqual(row.replication, "stream")
 
 
 class RegistryGenerationTests(SynchronousTestCase):

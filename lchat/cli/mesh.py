@@ -29,7 +29,7 @@ from lchat.mesh.members import Member, read_members
 from lchat.mesh.placement import in_scope, normalise_member_url, owner, registered_by_owner
 from lchat.objstore import ObjectStoreError
 from lchat.reactors import Reactor, TCPReactor
-from lchat.registry import Registry, RegistryError, Route
+from lchat.registry import Registry, RegistryError, Route, Transaction
 
 FANOUT_BUDGET = 5.0  # seconds for the whole fan-out of one create or remove: membership + pushes
 SEED_CALL_TIMEOUT = 15.0  # one push or delete of mesh-seed
@@ -143,15 +143,25 @@ def publish_change(cfg: BoxConfig, registry: Registry, route: Route, say: Say) -
     its row (:func:`lchat.mesh.settings.bump`), then the fan-out of the row as it is now. Never
     raises; returns how many boxes hold it now (:func:`fan_out_upsert`); off a mesh, or for a row
     that does not replicate, nothing (None)."""
+    bumped = bump_change(cfg, registry, route, say, int(time.time() * 1000))
+    return None if bumped is None else fan_out_upsert(cfg, bumped, say)
+
+
+def bump_change(
+    cfg: BoxConfig, registry: Registry | Transaction, route: Route, say: Say, now_ms: int
+) -> Route | None:
+    """:func:`publish_change`'s first step alone: ``route`` with its new settings generation, or
+    None (off a mesh, a row that does not replicate, or a failure, said). ``registry`` a
+    :class:`lchat.registry.Transaction`: the generation is written in it, with the edit it
+    versions (``lchat env``); the caller fans out once it committed. Never raises."""
     mesh = cfg.mesh
     if mesh is None or route.kind != "instance" or route.elsewhere or not replicates(mesh, route):
         return None
     try:
-        route = settings.bump(registry, cfg.data_dir, mesh.self_url, route, int(time.time() * 1000))
+        return settings.bump(registry, cfg.data_dir, mesh.self_url, route, now_ms)
     except (ConfigError, RegistryError) as e:
         say(f"mesh: not replicating {route.host}: {e}")
         return None
-    return fan_out_upsert(cfg, route, say)
 
 
 def tombstoned(cfg: BoxConfig, route: Route) -> bool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from attrs import frozen
@@ -24,7 +25,7 @@ from lchat.handover.hibernate import hand_env_files_to_router
 from lchat.handover.router import Say
 from lchat.mesh.client import ENV_KEY, RESERVED_ENV
 from lchat.mesh.route_payload import MAX_ENV_VALUE
-from lchat.registry import REPLICATIONS, Registry, Route
+from lchat.registry import REPLICATIONS, Registry, Route, Transaction
 
 Handler = Callable[[argparse.Namespace], int]
 Command = Callable[[str, str, Handler], Any]  # main's: a subcommand's parser, its handler set
@@ -43,6 +44,10 @@ class Context:
     open_registry: Callable[[BoxConfig], Registry]
     notify: Callable[[BoxConfig], None]  # ask the running router to reload its table
     say: Say  # out (stdout), note and warn (stderr)
+    # The edit of an env file (``lchat env``): envfile.edit; a test's seam wraps it to land a
+    # peer's copy between the edit and its generation.
+    edit_env: Callable[[str, Mapping[str, str], Iterable[str]], None] = envfile.edit
+    now_ms: Callable[[], int] = lambda: int(time.time() * 1000)  # a new generation's clock
 
 
 def add_commands(command: Command, ctx: Context) -> None:
@@ -82,7 +87,7 @@ def add_commands(command: Command, ctx: Context) -> None:
     )
 
 
-def instance_row(registry: Registry, host: str, what: str) -> Route:
+def instance_row(registry: Registry | Transaction, host: str, what: str) -> Route:
     """``host``'s row, which must be an instance's (``what`` it may do, for the refusal)."""
     route = registry.get(host)
     if route is None:
@@ -123,7 +128,8 @@ def replication(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def env(args: argparse.Namespace, ctx: Context) -> int:
-    """``lchat env``: one atomic edit of ``<data>/<host>.env``, then the push."""
+    """``lchat env``: one atomic edit of ``<data>/<host>.env`` and its new settings generation,
+    in one registry transaction, then the push."""
     host = hosts.normalise(args.host)
     cfg = ctx.load_config(args)
     registry = ctx.open_registry(cfg)
@@ -142,16 +148,26 @@ def env(args: argparse.Namespace, ctx: Context) -> int:
             ctx.say.out(name)
         return 0
     values, unset = _edits(args.action, args.items)
-    try:
-        envfile.edit(path, values, unset)
-    except FileNotFoundError:
-        raise SettingsError(f"{host} has no env file ({path}): nothing was changed") from None
-    except ValueError as e:
-        raise SettingsError(f"{e}; nothing was changed") from e
+    # The edit and its generation are one step: the router's route store writes a peer's copy
+    # (env file, then row) in the same registry transaction, so an owner's older copy landing
+    # between them can neither overwrite the edit nor leave it under the older generation. The
+    # row is read again inside: what the edit versions is the row as it is now.
+    with registry.transaction() as txn:
+        route = instance_row(txn, host, "have an env file")
+        if route.elsewhere:
+            raise SettingsError(f"{host} runs always-on on {route.lives_at}: run `lchat env` there")
+        try:
+            ctx.edit_env(path, values, unset)
+        except FileNotFoundError:
+            raise SettingsError(f"{host} has no env file ({path}): nothing was changed") from None
+        except ValueError as e:
+            raise SettingsError(f"{e}; nothing was changed") from e
+        bumped = mesh_cli.bump_change(cfg, txn, route, ctx.say.note, ctx.now_ms())
     changed = ", ".join([*values, *unset])
     verb = "set" if values else "unset"
     ctx.say.out(f"{host}: {verb} {changed} (the space takes it at its next wake)")
-    mesh_cli.publish_change(cfg, registry, route, ctx.say.note)
+    if bumped is not None:
+        mesh_cli.fan_out_upsert(cfg, bumped, ctx.say.note)
     return 0
 
 

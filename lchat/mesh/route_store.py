@@ -3,8 +3,9 @@ then its row), a peer's tombstone applied, and the digest and listing peers read
 (docs/mesh.md, "What travels"). :class:`lchat.mesh.api.MeshAPI` serves them over HTTP and
 :class:`lchat.mesh.sync.SettingsSync` applies what it fetched through the same methods.
 
-Invariants: every write holds :attr:`RouteStore.lock` from its check to its row, so a write and
-the settings sweep never see each other half done; only a replicated row (or none) is written, a
+Invariants: every write holds :attr:`RouteStore.lock` and (an upsert) one registry transaction
+(:meth:`lchat.registry.Registry.transaction`) from its check to its row, so a write, the settings
+sweep and a local change by another process (``lchat env``) never see each other half done; only a replicated row (or none) is written, a
 space this box runs itself never (409 ``conflict``); settings are written only when newer
 (:func:`lchat.mesh.settings.newer`), else the answer is ``stale`` and only a ``next_due`` lands;
 a payload this box could not wake is refused (422 ``unrunnable``); an env file written before a
@@ -31,7 +32,7 @@ from lchat.files import write_atomic
 from lchat.mesh import settings
 from lchat.mesh.client import read_bot_env, replicable_env, route_payload
 from lchat.mesh.route_payload import RoutePayload, in_scope
-from lchat.registry import Registry, Route, Stale, Tombstoned
+from lchat.registry import Registry, Route, Stale, Tombstoned, Transaction
 
 _log = Logger(namespace="lchat.mesh.api")
 
@@ -120,15 +121,19 @@ class RouteStore:
                 f"mesh host: docs/mesh.md, The space command)",
                 "unrunnable",
             )
-        with self.lock:
-            existing = self._registry.get(host)
+        # The row's check, its env files and the row itself in one registry transaction: a local
+        # change (``lchat env``, another process) takes the same one, so neither lands between
+        # the other's file and row (an owner's older env over the edit, or the edit under the
+        # older copy's generation).
+        with self.lock, self._registry.transaction() as txn:
+            existing = txn.get(host)
             if existing is not None and not existing.replicated:
                 raise conflict(host, existing)
             if existing is not None and not accept(existing):
-                return self._stale(payload, existing)
+                return self._stale(txn, payload, existing)
             try:
                 if payload.lives_at:
-                    _, created = self._registry.upsert_replicated(route, accept=accept)
+                    _, created = txn.upsert_replicated(route, accept=accept)
                 else:
                     env_file = hosts.env_path(self._data_dir, host)
                     bot_file = hosts.bot_env_path(self._data_dir, host)
@@ -140,15 +145,13 @@ class RouteStore:
                             envfile.write_env(bot_file, payload.bot_env)
                         elif previous_bot is not None:
                             os.unlink(bot_file)  # the sender's space has no bot sidecar now
-                        _, created = self._registry.upsert_replicated(
+                        _, created = txn.upsert_replicated(
                             route, next_due=payload.next_due is not None, accept=accept
                         )
                     except BaseException:
                         _put_back(env_file, previous)
                         _put_back(bot_file, previous_bot)
                         raise
-            except Stale as e:  # a local change landed between the check and the write
-                return self._stale(payload, e.existing)
             except Tombstoned as e:  # removed here after the settings it carries (env put back)
                 _log.info(
                     "mesh: route {host} from a peer not created: it was removed (settings gen "
@@ -183,14 +186,14 @@ class RouteStore:
             )
         return (201 if created else 200), {"host": host, "result": result}, result
 
-    def _stale(self, payload: RoutePayload, existing: Route) -> Result:
+    def _stale(self, txn: Transaction, payload: RoutePayload, existing: Route) -> Result:
         """A payload older than this box's row (lchat.mesh.settings.newer): its settings are not
         written. Its ``next_due`` still is: a due time is no setting, and the box that slept the
-        space knows it best (lchat.mesh.due). Called under the write lock."""
+        space knows it best (lchat.mesh.due). Called inside the write's transaction ``txn``."""
         host = payload.host
         due = payload.next_due
         if due is not None and existing.hibernate and existing.next_due != due:
-            self._registry.update(host, next_due=due)
+            txn.update(host, next_due=due)
         _log.info(
             "mesh: route {host} from a peer is stale (settings gen {theirs}, this box holds "
             "{mine}): kept this box's settings{due}",

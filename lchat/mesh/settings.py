@@ -33,7 +33,7 @@ from attrs import evolve
 
 from lchat.mesh.client import read_bot_env, read_route_env
 from lchat.mesh.placement import normalise_member_url
-from lchat.registry import Registry, Route
+from lchat.registry import Registry, Route, Transaction
 
 SHORT = 8  # hex digits of a hash shown to an operator (lchat fleet, log lines)
 
@@ -112,12 +112,15 @@ def local_hash(
     return route_hash(route, env, bot_env)
 
 
-def bump(registry: Registry, data_dir: str, self_url: str, route: Route, now_ms: int) -> Route:
+def bump(
+    registry: Registry | Transaction, data_dir: str, self_url: str, route: Route, now_ms: int
+) -> Route:
     """A local change of ``route``'s settings: its row gets a new generation and the hash of
     ``route`` as given (the row as it is, or as it is about to be: ``hibernate --off`` pushes its
     lives-elsewhere shape before the row flips) and its env files' replicable values
     (:meth:`lchat.registry.Registry.bump_settings`), ``route``'s class, region and version
-    written with them in one transaction. Returns ``route`` with them. Blocking.
+    written with them in one transaction (``registry`` a :class:`lchat.registry.Transaction`:
+    in that one, with the edit it versions). Returns ``route`` with them. Blocking.
     Raises :class:`lchat.config.ConfigError` when the env file cannot be read, and
     :class:`lchat.registry.UnknownHost`."""
     runs_here = not (route.always_on_here or route.elsewhere)
