@@ -95,6 +95,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             deleted_at  INTEGER NOT NULL DEFAULT 0
         )""",
     ),
+    (
+        # The settings generation at which the row's home_region last changed (lchat.mesh.settings
+        # .region_newer): a relocate's region is never rolled back by a later, unrelated change
+        # made on a box that missed it. 0: unchanged since generations (a row from before this).
+        "ALTER TABLE routes ADD COLUMN region_gen INTEGER NOT NULL DEFAULT 0",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -185,6 +191,10 @@ class Route:
     # env file's replicable values). The highest generation wins across the mesh.
     settings_gen: int = 0
     settings_hash: str = ""
+    # The generation of the last change of ``home_region`` (0: none since generations), never
+    # above ``settings_gen`` once bumped: the home region merges on its own generation, so an
+    # unrelated newer change from a box that missed a relocate never rolls the region back.
+    region_gen: int = 0
 
     @property
     def serveable(self) -> bool:
@@ -280,8 +290,12 @@ def validate(route: Route) -> Route:
             "lives_at must be empty, or a peer's http(s) URL on an instance row that does not "
             f"hibernate, not {route.lives_at[:200]!r}"
         )
-    if not 0 <= route.settings_gen < 2**63 or len(route.settings_hash) > 128:
-        raise RegistryError("settings_gen and settings_hash are not acceptable")
+    if (
+        not 0 <= route.settings_gen < 2**63
+        or not 0 <= route.region_gen < 2**63
+        or len(route.settings_hash) > 128
+    ):
+        raise RegistryError("settings_gen, region_gen and settings_hash are not acceptable")
     for name in ("version", "prev_version", "home_region", "provider", "last_error", "lives_at"):
         value = getattr(route, name)
         if "\x00" in value or len(value) > 4096:
@@ -382,6 +396,13 @@ class Registry:
         existing = _select(conn, host)
         if existing is None:
             raise UnknownHost(f"{host} is not registered")
+        moved = changes.get("home_region", existing.home_region) != existing.home_region
+        if moved and "region_gen" not in changes:
+            # A region changed outside a bump (lchat relocate's flip): its generation now, above
+            # every one the row has seen; the bump that follows raises settings_gen to it.
+            changes["region_gen"] = max(
+                int(self._clock() * 1000), existing.settings_gen + 1, existing.region_gen + 1
+            )
         route = validate(evolve(existing, **changes, updated_at=int(self._clock())))
         _update(conn, route, [*changes, "updated_at"])
         return route
@@ -511,7 +532,11 @@ class Registry:
             raise UnknownHost(f"{host} is not registered")
         if expect is not None and (existing.settings_gen, existing.settings_hash) != expect:
             return None
-        gen = existing.settings_gen if keep_gen else max(int(now_ms), existing.settings_gen + 1)
+        gen = (
+            existing.settings_gen
+            if keep_gen
+            else max(int(now_ms), existing.settings_gen + 1, existing.region_gen)
+        )
         buried = _tombstone(conn, host)
         if buried is not None and not keep_gen:
             # The same host re-added after a remove: above its tombstone, which goes.
@@ -519,6 +544,9 @@ class Registry:
             conn.execute("DELETE FROM tombstones WHERE host = ?", (host,))
         names: tuple[str, ...] = ("settings_gen", "settings_hash", "updated_at")
         if changed is not None:
+            if changed.home_region != existing.home_region:
+                existing = evolve(existing, region_gen=gen)  # the region's own generation
+                names += ("region_gen",)
             existing = evolve(
                 existing,
                 replication=changed.replication,
@@ -603,6 +631,7 @@ class Registry:
                 lives_at=route.lives_at,
                 settings_gen=route.settings_gen,
                 settings_hash=route.settings_hash,
+                region_gen=route.region_gen,
                 next_due=0 if route.elsewhere else due,
                 status="ready" if existing.elsewhere != route.elsewhere else existing.status,
                 updated_at=now,
@@ -733,6 +762,7 @@ _REPLICATED_COLUMNS = (
     "lives_at",
     "settings_gen",
     "settings_hash",
+    "region_gen",
     "next_due",
     "status",
     "updated_at",

@@ -497,6 +497,16 @@ class SettingsGenTests(APITestCase):
         self.assertIn("unknown fields: colour", str(failure))
 
     @inlineCallbacks
+    def test_a_peer_from_before_region_generations_takes_the_push_with_gen(self) -> Any:
+        """A peer that knows settings generations but not the home region's (400 ``unknown
+        fields: region_gen``): the push is retried once without that field alone."""
+        older = tuple(f for f in client.PAYLOAD_FIELDS if f != "region_gen")
+        self.patch(route_payload, "PAYLOAD_FIELDS", older)  # that lchat's parse_payload
+        answer = yield self.send(payload(gen=9, region_gen=4))
+        self.assertEqual(answer["result"], "created")
+        self.assertEqual((self.row().settings_gen, self.row().region_gen), (9, 0))
+
+    @inlineCallbacks
     def test_digest_endpoint_needs_the_token(self) -> Any:
         """``GET /api/mesh/digest``: {host: [gen, hash]} of the replicated rows, with the token
         only; ``GET /api/mesh/routes?host=`` lists that one row."""
@@ -1013,6 +1023,7 @@ class ClientTests(TestCase):
             next_due=99,
             settings_gen=1_700_000_000_123,
             settings_hash="f" * 64,
+            region_gen=1_600_000_000_000,
         )
         body = client.route_payload(
             route,
@@ -1030,6 +1041,7 @@ class ClientTests(TestCase):
                 "env": {"LCHAT_ADMIN_TOKEN": "t"},
                 "next_due": 99,  # the due time travels (issue 17: due wakes follow the owner)
                 "gen": 1_700_000_000_123,  # the settings generation (issue 32), never the hash
+                "region_gen": 1_600_000_000_000,  # its home region's own (sent with gen)
             },
         )
         self.assertNotIn("secret", json.dumps(body))

@@ -39,6 +39,7 @@ from lchat.registry import (
     SCHEMA_VERSION,
     TOMBSTONE_RETENTION_MS,
     Registry,
+    Route,
     UnknownHost,
 )
 from lchat.threads import thread_runner
@@ -286,6 +287,42 @@ class SettingsTests(SettingsCase):
         self.assertIsNone(a.registry().get(new))
 
 
+class RegionGenerationTests(SettingsCase):
+    @inlineCallbacks
+    def test_an_env_edit_on_a_box_that_missed_a_relocate_keeps_the_new_region(self) -> Any:
+        """box1 is down while box0's row moves to home region ``fi`` (a relocate's flip of the
+        column; box0's sweep gives it a generation and pushes: box1 misses it). ``lchat env`` on
+        box1 then makes a newer change from the old region: box0 takes the env edit and keeps
+        ``fi`` (the region's own generation is newer); box1, started, takes ``fi`` from box0's
+        digest. Both end with ``fi`` and the edit, at one generation and hash."""
+        a, b = yield self.two()
+        yield self.wait_for(lambda: _row(a).settings_hash != "", timeout=5)  # the first sweep
+        yield deferToThread(b.stop)
+        moved = a.registry().update(HOST, home_region="fi")  # as relocate's flip writes it
+        self.assertGreater(moved.region_gen, 0)
+        yield self.wait_for(lambda: _row(a).settings_gen >= moved.region_gen, timeout=5)
+        self.assertEqual(_row(b).home_region, "")  # missed
+        ran = yield deferToThread(
+            _lchat, "env", HOST, "set", "LCHAT_BUILD=from-b", "--env-file", b.env_file
+        )
+        self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
+        self.assertIn(f"pushed to {a.url}: updated", ran.stderr)
+        self.assertGreater(_row(b).settings_gen, _row(a).region_gen)  # the newer change
+        yield self.start(b)
+
+        def converged() -> bool:
+            return (
+                _converged(a, b)
+                and (_row(a).home_region, _row(b).home_region) == ("fi", "fi")
+                and "LCHAT_BUILD=from-b" in _env(a)
+                and "LCHAT_BUILD=from-b" in _env(b)
+            )
+
+        yield self.settles(converged, ran, a, b)
+        self.assertEqual(_row(b).region_gen, _row(a).region_gen)
+        self.assertIn(f"mesh: route {HOST}: home region fi from a peer", b.log())
+
+
 class SettingsSeaweedTests(SettingsCase):
     """The pushes and the stale seed on SeaweedFS. The anti-entropy, the hand edits and the fleet
     view talk to no bucket (peer to peer over the mesh API), so they run on moto only: the suite's
@@ -513,7 +550,7 @@ class SyncTests(TestCase):
             settings.bump(self.peer.registry, self.peer.data, "x", self.peer.add(host), gen)
         self.peer.registry.record_tombstone(f"gone.{api_tests.DOMAIN}", 9, "")  # never sent
         self.here.registry.record_tombstone(api_tests.HOST, 50, "")
-        rows, buried = yield Deferred.fromCoroutine(
+        rows, buried, _ = yield Deferred.fromCoroutine(
             client.settings_digest_and_tombstones(self.served.url, api_tests.TOKEN, reactor=reactor)
         )
         self.assertEqual(set(rows), {api_tests.HOST, f"other.{api_tests.DOMAIN}"})
@@ -705,6 +742,86 @@ class EnvRaceTests(SynchronousTestCase):
         # The older copy waited for the edit's transaction and was answered stale.
         self.assertEqual(landed[1][1]["result"], "stale", landed)
         self.assertEqual(row.replication, "stream")
+
+
+class RegionMergeTests(SynchronousTestCase):
+    """The home region's own generation (lchat.mesh.settings.region_newer) through two boxes'
+    real route stores and registries: the merge each box makes is the same, so they converge."""
+
+    def test_the_region_rule(self) -> None:
+        row = Route(host=api_tests.HOST, kind="instance", socket="/s", region_gen=50)
+        for region_gen, whole, taken in (
+            (60, False, True),  # a newer region, whatever the rest
+            (40, True, False),  # an older region under newer other settings: kept
+            (50, True, True),  # the same region change: the whole row's order
+            (50, False, False),
+            (None, True, True),  # an older peer's payload: the whole row's order, as before
+            (None, False, False),
+        ):
+            self.assertEqual(settings.region_newer(row, region_gen, whole), taken, region_gen)
+
+    def test_a_relocate_and_a_newer_unrelated_change_merge_field_wise(self) -> None:
+        root = tempfile.mkdtemp(prefix="mregion", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        host = api_tests.HOST
+        boxes = [api_tests.Box(root, name) for name in ("box-1", "box-2")]
+        for box in boxes:
+            settings.bump(box.registry, box.data, "http://x", box.add(host), 1_000)
+        moved, edited = boxes
+        # box-1 relocates (a change of the region, bumped); box-2 missed it, edits its env later.
+        flipped = evolve(_get(moved), home_region="fi")
+        relocated = settings.bump(moved.registry, moved.data, "http://x", flipped, 2_000)
+        self.assertEqual((relocated.region_gen, relocated.settings_gen), (2_000, 2_000))
+        with open(edited.env_path(host), "a") as f:
+            f.write("LCHAT_BUILD=edited\n")
+        change = settings.bump(edited.registry, edited.data, "http://x", _get(edited), 3_000)
+        self.assertEqual((change.home_region, change.region_gen), ("", 0))
+
+        def push(sender: Any, to: Any) -> Any:
+            cfg = to.cfg()
+            store = RouteStore(to.registry, cfg.mesh, to.data, to.run, cfg.space_command)
+            row = _get(sender)
+            env = client.read_route_env(sender.data, host)
+            return store.upsert(parse_payload(client.route_payload(row, env)))
+
+        kept = _sample("lchat_mesh_home_region_merges_total", result="kept")
+        taken = _sample("lchat_mesh_home_region_merges_total", result="taken")
+        # box-2's newer change reaches box-1: its env taken, box-1's newer region kept.
+        self.assertEqual(push(edited, moved)[1]["result"], "updated")
+        row = _get(moved)
+        self.assertEqual((row.home_region, row.region_gen, row.settings_gen), ("fi", 2_000, 3_000))
+        self.assertEqual(config.read_env_file(moved.env_path(host))["LCHAT_BUILD"], "edited")
+        self.assertEqual(_sample("lchat_mesh_home_region_merges_total", result="kept"), kept + 1)
+        # box-1's merged row reaches box-2 (an equal generation, not from the owner): the region
+        # alone is taken, and both hold the same settings under the same generation and hash.
+        self.assertEqual(push(moved, edited)[1]["result"], "updated")
+        there = _get(edited)
+        self.assertEqual(
+            (there.home_region, there.region_gen, there.settings_gen), ("fi", 2_000, 3_000)
+        )
+        self.assertEqual(there.settings_hash, _get(moved).settings_hash)
+        self.assertEqual(
+            there.settings_hash,
+            settings.route_hash(there, client.read_route_env(edited.data, host)),
+        )
+        self.assertEqual(_sample("lchat_mesh_home_region_merges_total", result="taken"), taken + 1)
+        # Converged: each box's copy changes nothing on the other (the same settings again).
+        held = (_get(moved), _get(edited))
+        push(moved, edited)
+        push(edited, moved)
+        self.assertEqual(
+            [(r.home_region, r.region_gen, r.settings_gen, r.settings_hash) for r in held],
+            [
+                (r.home_region, r.region_gen, r.settings_gen, r.settings_hash)
+                for r in map(_get, (moved, edited))
+            ],
+        )
+
+
+def _get(box: Any, host: str = api_tests.HOST) -> Route:
+    row = box.registry.get(host)
+    assert row is not None
+    return row
 
 
 class RegistryGenerationTests(SynchronousTestCase):

@@ -62,7 +62,10 @@ REQUIRED_FIELDS = ("host", "kind", "version", "hibernate", "replication", "home_
 # bot_env: the replicable values of the space's ``<host>-bot.env`` (its bot sidecar's), present
 # only when it has one: a payload without it means "no bot sidecar", so a peer removes its copy;
 # an older peer refuses the field, and so a push of a space with a bot (never of one without).
-OPTIONAL_FIELDS = ("next_due", "lives_at", "gen", "bot_env")
+# region_gen: the generation of the row's last home_region change (lchat.mesh.settings.region_newer),
+# sent with gen (0: none since generations); absent from an older peer's payloads, whose home
+# region then follows the whole row's order, as before.
+OPTIONAL_FIELDS = ("next_due", "lives_at", "gen", "bot_env", "region_gen")
 PAYLOAD_FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS  # every field a payload may carry
 MAX_NEXT_DUE = 2**53  # exclusive: unix seconds a JSON number carries exactly everywhere
 MAX_GEN = 2**53  # exclusive: a settings generation (unix ms, Lamport-raised) a JSON number carries
@@ -139,6 +142,7 @@ def route_payload(
             payload["bot_env"] = replicable_env(bot_env)
     if route.settings_gen > 0:  # a row from before settings generations has none to send
         payload["gen"] = route.settings_gen
+        payload["region_gen"] = route.region_gen
     return payload
 
 
@@ -351,22 +355,36 @@ async def settings_digest(
 
 async def settings_digest_and_tombstones(
     peer_url: str, token: str, **options: Unpack[CallOptions]
-) -> tuple[dict[str, tuple[int, str]], dict[str, int]]:
-    """``GET /api/mesh/digest?tombstones=1``: the peer's rows (as :func:`settings_digest`) and
-    its tombstones ``{host: gen}``; an older peer, which ignores the query and answers the rows
-    alone, has none. Raises :class:`MeshCallError` (an answer of any other shape too)."""
+) -> tuple[dict[str, tuple[int, str]], dict[str, int], dict[str, int]]:
+    """``GET /api/mesh/digest?tombstones=1``: the peer's rows (as :func:`settings_digest`), its
+    tombstones ``{host: gen}`` and its rows' home-region generations ``{host: region_gen}`` (the
+    rows whose region changed since generations; lchat.mesh.settings.region_newer); an older
+    peer, which ignores the query and answers the rows alone, has neither (one from before
+    home-region generations: no regions). Raises :class:`MeshCallError` (an answer of any other
+    shape too)."""
     status, answer = await _call("GET", peer_url, DIGEST_PATH + "?tombstones=1", token, options)
     rows, buried = answer.get("rows"), answer.get("tombstones")
     if not isinstance(rows, dict) or not isinstance(buried, dict):
-        return _digest_rows(peer_url, status, answer), {}  # an older peer: no host is "rows"
-    tombstones: dict[str, int] = {}
-    for host, gen in buried.items():
-        if not isinstance(gen, int) or isinstance(gen, bool) or not 0 < gen < 2**63:
+        return _digest_rows(peer_url, status, answer), {}, {}  # an older peer: no host is "rows"
+    tombstones = _digest_gens(peer_url, status, buried, "tombstone", 1)
+    regions = _digest_gens(peer_url, status, answer.get("regions", {}), "region generation", 0)
+    return _digest_rows(peer_url, status, rows), tombstones, regions
+
+
+def _digest_gens(
+    peer_url: str, status: int, found: object, what: str, least: int
+) -> dict[str, int]:
+    """A digest's ``{host: generation}`` map (each at least ``least``)."""
+    if not isinstance(found, dict):
+        raise MeshCallError(peer_url, f"the digest's {what}s are malformed", status)
+    gens: dict[str, int] = {}
+    for host, gen in found.items():
+        if not isinstance(gen, int) or isinstance(gen, bool) or not least <= gen < 2**63:
             raise MeshCallError(
-                peer_url, f"the digest's tombstone of {host[:80]!r} is malformed", status
+                peer_url, f"the digest's {what} of {host[:80]!r} is malformed", status
             )
-        tombstones[host] = gen
-    return _digest_rows(peer_url, status, rows), tombstones
+        gens[host] = gen
+    return gens
 
 
 def _digest_rows(peer_url: str, status: int, answer: dict[str, Any]) -> dict[str, tuple[int, str]]:

@@ -50,6 +50,9 @@ class RoutePayload:
     gen: int | None = None
     # The bot sidecar's replicable env values (``<host>-bot.env``); empty: the space has none.
     bot_env: Mapping[str, str] = Factory(dict)
+    # The generation of the sender's last home_region change (lchat.mesh.settings.region_newer);
+    # None: an older peer's payload (its home region follows the whole row's order).
+    region_gen: int | None = None
 
 
 def parse_payload(data: object) -> RoutePayload:
@@ -106,6 +109,16 @@ def parse_payload(data: object) -> RoutePayload:
         not isinstance(gen, int) or isinstance(gen, bool) or not 0 < gen < MAX_GEN
     ):
         raise PayloadError("gen must be a positive integer (a settings generation) below 2**53")
+    region_gen = data.get("region_gen")
+    if "region_gen" in data and (
+        not isinstance(region_gen, int)
+        or isinstance(region_gen, bool)
+        or not 0 <= region_gen < MAX_GEN
+    ):
+        raise PayloadError(
+            "region_gen must be an integer from 0 below 2**53 (the generation of the home "
+            "region's last change)"
+        )
     return RoutePayload(
         host=host,
         version=version,
@@ -115,6 +128,7 @@ def parse_payload(data: object) -> RoutePayload:
         next_due=next_due,
         lives_at=lives_at,
         gen=gen,
+        region_gen=region_gen,
         bot_env=_check_env(data["bot_env"], "bot_env") if "bot_env" in data else {},
     )
 

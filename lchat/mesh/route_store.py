@@ -24,17 +24,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from attrs import evolve
+from prometheus_client import Counter
 from twisted.logger import Logger
 
 from lchat import builds, envfile, hosts
 from lchat.config import ConfigError, MeshConfig, read_env_file
 from lchat.files import write_atomic
 from lchat.mesh import settings
-from lchat.mesh.client import read_bot_env, replicable_env, route_payload
+from lchat.mesh.client import read_bot_env, read_route_env, replicable_env, route_payload
 from lchat.mesh.route_payload import RoutePayload, in_scope
 from lchat.registry import Registry, Route, Stale, Tombstoned, Transaction
 
 _log = Logger(namespace="lchat.mesh.api")
+_region_merges = Counter(
+    "lchat_mesh_home_region_merges_total",
+    "A peer's copy whose home region and other settings were merged apart (lchat.mesh.settings."
+    "region_newer), by result: taken (its region alone, newer than this box's), kept (this box's "
+    "region, newer than the copy's other settings carried)",
+    ["result"],
+)
 
 Result = tuple[int, dict[str, Any], str]  # status, JSON body, the outcome counted
 
@@ -98,7 +106,12 @@ class RouteStore:
             env={} if payload.lives_at else payload.env,
             bot_env=None if payload.lives_at else payload.bot_env,
         )
-        route = evolve(self.route(payload), settings_gen=payload.gen or 0, settings_hash=digest)
+        route = evolve(
+            self.route(payload),
+            settings_gen=payload.gen or 0,
+            settings_hash=digest,
+            region_gen=payload.region_gen or 0,
+        )
 
         def accept(existing: Route) -> bool:
             return settings.newer(existing, payload.gen, digest, from_owner=from_owner)
@@ -129,8 +142,15 @@ class RouteStore:
             existing = txn.get(host)
             if existing is not None and not existing.replicated:
                 raise conflict(host, existing)
-            if existing is not None and not accept(existing):
-                return self._stale(txn, payload, existing)
+            if existing is not None:
+                whole = accept(existing)
+                region = settings.region_newer(existing, payload.region_gen, whole)
+                if not whole:
+                    if region:
+                        return self._region_only(txn, payload, existing)
+                    return self._stale(txn, payload, existing)
+                if not region:
+                    route = self._keep_region(payload, route, existing)
             try:
                 if payload.lives_at:
                     _, created = txn.upsert_replicated(route, accept=accept)
@@ -185,6 +205,69 @@ class RouteStore:
                 next_due=payload.next_due,
             )
         return (201 if created else 200), {"host": host, "result": result}, result
+
+    def _keep_region(self, payload: RoutePayload, route: Route, existing: Route) -> Route:
+        """``route`` (the payload's newer settings) with this box's home region and its
+        generation, which is newer than the payload's (lchat.mesh.settings.region_newer: the
+        sender missed a relocate), hashed as merged."""
+        _region_merges.labels("kept").inc()
+        _log.info(
+            "mesh: route {host} from a peer: its settings (gen {gen}) taken, but not its home "
+            "region {theirs} (region gen {theirs_gen}): this box's {mine} is newer (region gen "
+            "{mine_gen}); the sender takes it from this box's digest",
+            host=payload.host,
+            gen=payload.gen or "none",
+            theirs=payload.home_region or "-",
+            theirs_gen=payload.region_gen,
+            mine=existing.home_region or "-",
+            mine_gen=existing.region_gen,
+        )
+        merged = evolve(route, home_region=existing.home_region, region_gen=existing.region_gen)
+        return evolve(
+            merged, settings_hash=settings.route_hash(merged, payload.env, payload.bot_env)
+        )
+
+    def _region_only(self, txn: Transaction, payload: RoutePayload, existing: Route) -> Result:
+        """A payload older than this box's row but for its home region, whose generation is
+        newer (lchat.mesh.settings.region_newer: this box missed a relocate, then changed
+        something else): the region alone is written, and the row's hash becomes the merged
+        settings'. A hand edit of the env files not yet swept keeps the row's old hash, so the
+        sweep still sees the change (and pushes it with the region). Its ``next_due`` lands as
+        :meth:`_stale` takes it. Called inside the write's transaction ``txn``."""
+        host = payload.host
+        assert payload.region_gen is not None  # (region_newer: a payload without one follows gen)
+        merged = evolve(existing, home_region=payload.home_region, region_gen=payload.region_gen)
+        if existing.elsewhere:
+            env: dict[str, str] = {}
+            bot_env: dict[str, str] = {}
+        else:
+            env = read_route_env(self._data_dir, host)
+            bot_env = read_bot_env(self._data_dir, host)
+        swept = settings.route_hash(existing, env, bot_env) == existing.settings_hash
+        digest = settings.route_hash(merged, env, bot_env) if swept else existing.settings_hash
+        changes: dict[str, Any] = {
+            "home_region": merged.home_region,
+            "region_gen": merged.region_gen,
+            "settings_hash": digest,
+        }
+        due = payload.next_due
+        if due is not None and existing.hibernate and existing.next_due != due:
+            changes["next_due"] = due
+        txn.update(host, **changes)
+        _region_merges.labels("taken").inc()
+        _log.info(
+            "mesh: route {host}: home region {region} from a peer (region gen {theirs}, this box "
+            "held {was} at {mine}); the rest of its settings is older (gen {gen}, this box holds "
+            "{held}): kept",
+            host=host,
+            region=payload.home_region or "-",
+            theirs=payload.region_gen,
+            was=existing.home_region or "-",
+            mine=existing.region_gen,
+            gen=payload.gen or "none",
+            held=existing.settings_gen,
+        )
+        return 200, {"host": host, "result": "updated"}, "region"
 
     def _stale(self, txn: Transaction, payload: RoutePayload, existing: Route) -> Result:
         """A payload older than this box's row (lchat.mesh.settings.newer): its settings are not
@@ -247,7 +330,9 @@ class RouteStore:
     def digest(self, with_tombstones: bool = False) -> Result:
         """``GET /api/mesh/digest``: ``{host: [settings gen, settings hash]}`` of every in-scope
         replicated row (lchat.mesh.sync compares it with its own); ``?tombstones=1``: ``{"rows":
-        that, "tombstones": {host: gen}}`` (in scope, of hosts with no row here). An older box
+        that, "tombstones": {host: gen}, "regions": {host: region_gen}}`` (tombstones in scope,
+        of hosts with no row here; the home-region generations of the rows that have one: an
+        older box reads the first two keys only). An older box
         ignores the query and answers the first shape, which the caller tells apart: no host is
         named ``rows`` (a host has two labels at least)."""
         table = self._registry.load()
@@ -263,7 +348,12 @@ class RouteStore:
             for host, tomb in self._registry.tombstones().items()
             if table.get(host) is None and in_scope(self._mesh, host, tomb.home_region)
         }
-        return 200, {"rows": digest, "tombstones": buried}, "listed"
+        regions = {
+            route.host: route.region_gen
+            for route in table
+            if route.host in digest and route.region_gen > 0
+        }
+        return 200, {"rows": digest, "tombstones": buried, "regions": regions}, "listed"
 
     def listing(self, only: str = "") -> Result:
         """Every in-scope replicated row as a payload; ``only``: that host's alone (``GET

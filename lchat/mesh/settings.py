@@ -15,6 +15,9 @@ Invariants:
   generation with the same hash (the same settings again: a due time riding on it); or the same
   generation with a different hash from the host's owner by the hash ("the owner's word last").
   A payload without a generation (an older peer) is applied only over a row that has none.
+- The home region merges on a generation of its own (``region_gen``, the generation of its last
+  change: :func:`region_newer`), the rest of the settings on the row's; the hash covers the row
+  as merged, so two boxes holding the same fields hold the same hash.
 - A space without a bot sidecar hashes as it did before bot envs travelled (the key is left
   out, not empty), so an upgrade bumps no row of such a space.
 - The hash covers exactly what travels, never a per-box value (socket, database path, the
@@ -94,6 +97,22 @@ def newer(existing: Route, gen: int | None, digest: str, *, from_owner: bool) ->
     return digest == existing.settings_hash or from_owner
 
 
+def region_newer(existing: Route, region_gen: int | None, whole: bool) -> bool:
+    """May a peer's home region (changed at ``region_gen``; None: an older peer's payload, which
+    carries none) replace ``existing``'s? ``whole``: :func:`newer` took the rest of the payload.
+
+    The home region is a field with its own generation (a last-writer-wins register beside the
+    row's): the higher ``region_gen`` wins whatever the row's generations say, so a change of
+    something else made on a box that missed a relocate (its region older) never rolls the
+    region back, and a relocate reaches a box that has since made a newer change of its own.
+    Equal region generations (the same region change, or none on either side), and an older
+    peer's payload, follow the whole row. Both orders are total and every box applies the same
+    rule to the same pair, so the boxes converge on the field-wise maximum."""
+    if region_gen is None or region_gen == existing.region_gen:
+        return whole
+    return region_gen > existing.region_gen
+
+
 def short(digest: str) -> str:
     """The first :data:`SHORT` hex digits of a hash ('-' for none)."""
     return digest[:SHORT] or "-"
@@ -129,4 +148,9 @@ def bump(
     digest = local_hash(route, env, self_url, bot_env)
     bumped = registry.bump_settings(route.host, digest, now_ms, changed=route)
     assert bumped is not None  # (no compare-and-swap asked)
-    return evolve(route, settings_gen=bumped.settings_gen, settings_hash=bumped.settings_hash)
+    return evolve(
+        route,
+        settings_gen=bumped.settings_gen,
+        settings_hash=bumped.settings_hash,
+        region_gen=bumped.region_gen,  # (raised with it when the change moved the region)
+    )

@@ -16,7 +16,10 @@ together do not poll together), the router:
    one call per peer), and for each host this box also holds where the peer's generation is
    higher (or equal, with other settings, and the peer is the host's owner by the hash) it
    fetches that row (``GET /api/mesh/routes?host=``) and applies it through the mesh API's own
-   upsert (:meth:`lchat.mesh.api.MeshAPI.apply`: the same checks and order as a push), logged
+   upsert (:meth:`lchat.mesh.api.MeshAPI.apply`: the same checks and order as a push); likewise
+   a row whose home region alone is newer there (the digest's ``regions``: the home region's own
+   generation, :func:`lchat.mesh.settings.region_newer`, so a relocate this box missed reaches it
+   even after a newer change of its own), logged
    ``mesh: <host> settings gen N from <peer> (was M)`` and counted in
    ``lchat_mesh_sync_applied_total{kind="settings"}``. A peer that cannot be asked is logged and
    counted in ``lchat_mesh_sync_failures_total{peer}``; the next round asks again.
@@ -247,8 +250,10 @@ class SettingsSync(Service):
                     raise PayloadError(
                         f"{host}: the row fetched is not this host's, or out of scope"
                     )
-                if (payload.gen or 0) <= mine.settings_gen:
-                    continue
+                if (payload.gen or 0) <= mine.settings_gen and (
+                    payload.region_gen or 0
+                ) <= mine.region_gen:
+                    continue  # nothing newer there (its home region included)
                 applied = await self._apply(payload, self._owner(mine) == peer)
             except Exception as e:  # a peer's failure or refusal: the next peer, then the rounds
                 _failures.labels(peer).inc()
@@ -367,7 +372,7 @@ class SettingsSync(Service):
             "reactor": self._reactor,
         }
         try:
-            digest, buried = await client.settings_digest_and_tombstones(
+            digest, buried, regions = await client.settings_digest_and_tombstones(
                 peer, self._mesh.token, **options
             )
         except client.MeshCallError as e:
@@ -390,6 +395,7 @@ class SettingsSync(Service):
             if not (
                 gen > mine.settings_gen
                 or (gen == mine.settings_gen and digest_hash != mine.settings_hash and from_owner)
+                or regions.get(host, 0) > mine.region_gen  # its home region alone is newer
             ):
                 continue
             await self._take(peer, host, mine, from_owner, options)
