@@ -598,6 +598,25 @@ class SyncTests(TestCase):
         self.assertEqual(row.settings_gen, 1)
 
     @inlineCallbacks
+    def test_a_peers_newer_region_alone_is_pulled_under_an_older_generation(self) -> Any:
+        """The peer relocated the space (region gen 500); this box missed it and made a newer
+        change of its own (gen 900): the peer's digest names the newer region (``regions``), so
+        a round fetches the row and takes the region alone, keeping this box's generation."""
+        for box in (self.here, self.peer):
+            settings.bump(box.registry, box.data, "http://x", box.add(api_tests.HOST), 1)
+        moved = evolve(_get(self.peer), home_region="fi")
+        settings.bump(self.peer.registry, self.peer.data, "http://x", moved, 500)
+        settings.bump(self.here.registry, self.here.data, "http://x", _get(self.here), 900)
+        _, body, _ = self.served.site.resource._store.digest(with_tombstones=True)
+        self.assertEqual(body["regions"], {api_tests.HOST: 500})
+        taken = _sample("lchat_mesh_home_region_merges_total", result="taken")
+        sync = self.sync()
+        yield sync.sync_once()
+        row = _get(self.here)
+        self.assertEqual((row.home_region, row.region_gen, row.settings_gen), ("fi", 500, 900))
+        self.assertEqual(_sample("lchat_mesh_home_region_merges_total", result="taken"), taken + 1)
+
+    @inlineCallbacks
     def test_an_unreachable_peer_is_counted(self) -> Any:
         self.members = [api_tests.member("http://127.0.0.1:1")]
         failed = _sample("lchat_mesh_sync_failures_total", peer="http://127.0.0.1:1")
