@@ -137,50 +137,51 @@ class RouteStore:
         # The row's check, its env files and the row itself in one registry transaction: a local
         # change (``lchat env``, another process) takes the same one, so neither lands between
         # the other's file and row (an owner's older env over the edit, or the edit under the
-        # older copy's generation).
-        with self.lock, self._registry.transaction() as txn:
-            existing = txn.get(host)
-            if existing is not None and not existing.replicated:
-                raise conflict(host, existing)
-            if existing is not None:
-                whole = accept(existing)
-                region = settings.region_newer(existing, payload.region_gen, whole)
-                if not whole:
-                    if region:
-                        return self._region_only(txn, payload, existing)
-                    return self._stale(txn, payload, existing)
-                if not region:
-                    route = self._keep_region(payload, route, existing)
-            try:
+        # older copy's generation). Env files written are put back when the transaction does not
+        # commit (a refusal, a failed write, or the commit itself).
+        written: list[tuple[str, bytes | None]] = []  # (path, its bytes before): to put back
+        try:
+            with self.lock, self._registry.transaction() as txn:
+                existing = txn.get(host)
+                if existing is not None and not existing.replicated:
+                    raise conflict(host, existing)
+                if existing is not None:
+                    whole = accept(existing)
+                    region = settings.region_newer(existing, payload.region_gen, whole)
+                    if not whole:
+                        if region:
+                            return self._region_only(txn, payload, existing)
+                        return self._stale(txn, payload, existing)
+                    if not region:
+                        route = self._keep_region(payload, route, existing)
                 if payload.lives_at:
                     _, created = txn.upsert_replicated(route, accept=accept)
                 else:
                     env_file = hosts.env_path(self._data_dir, host)
                     bot_file = hosts.bot_env_path(self._data_dir, host)
-                    previous = _read_private(env_file)
-                    previous_bot = _read_private(bot_file)
-                    try:
-                        envfile.write_env(env_file, payload.env)
-                        if payload.bot_env:
-                            envfile.write_env(bot_file, payload.bot_env)
-                        elif previous_bot is not None:
-                            os.unlink(bot_file)  # the sender's space has no bot sidecar now
-                        _, created = txn.upsert_replicated(
-                            route, next_due=payload.next_due is not None, accept=accept
-                        )
-                    except BaseException:
-                        _put_back(env_file, previous)
-                        _put_back(bot_file, previous_bot)
-                        raise
-            except Tombstoned as e:  # removed here after the settings it carries (env put back)
-                _log.info(
-                    "mesh: route {host} from a peer not created: it was removed (settings gen "
-                    "{mine}, the payload's {theirs})",
-                    host=host,
-                    mine=e.tombstone.gen,
-                    theirs=payload.gen or "none",
-                )
-                return 200, {"host": host, "result": "stale", "gen": e.tombstone.gen}, "stale"
+                    written = [(env_file, _read_private(env_file))]
+                    written.append((bot_file, _read_private(bot_file)))
+                    envfile.write_env(env_file, payload.env)
+                    if payload.bot_env:
+                        envfile.write_env(bot_file, payload.bot_env)
+                    elif written[1][1] is not None:
+                        os.unlink(bot_file)  # the sender's space has no bot sidecar now
+                    _, created = txn.upsert_replicated(
+                        route, next_due=payload.next_due is not None, accept=accept
+                    )
+        except Tombstoned as e:  # removed here after the settings it carries (env put back)
+            _put_back_all(written)
+            _log.info(
+                "mesh: route {host} from a peer not created: it was removed (settings gen "
+                "{mine}, the payload's {theirs})",
+                host=host,
+                mine=e.tombstone.gen,
+                theirs=payload.gen or "none",
+            )
+            return 200, {"host": host, "result": "stale", "gen": e.tombstone.gen}, "stale"
+        except BaseException:
+            _put_back_all(written)
+            raise
         result = "created" if created else "updated"
         if payload.lives_at:
             _log.info(
@@ -407,6 +408,11 @@ def _read_private(path: str) -> bytes | None:
         return None
     with os.fdopen(fd, "rb") as f:
         return f.read()
+
+
+def _put_back_all(written: list[tuple[str, bytes | None]]) -> None:
+    for path, previous in written:
+        _put_back(path, previous)
 
 
 def _put_back(path: str, previous: bytes | None) -> None:
