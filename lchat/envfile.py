@@ -92,17 +92,24 @@ def write_env(path: str, values: Mapping[str, str]) -> None:
 def edit(path: str, assign_values: Mapping[str, str], unset: Iterable[str] = ()) -> None:
     """Set ``assign_values`` (:func:`assign`) and remove every assignment of the names in
     ``unset`` in the env file ``path``, every other line kept, atomically and mode 0600
-    (``lchat env``). ValueError (before anything is written) when a value cannot be carried;
-    FileNotFoundError when the file is absent (a space's env file is made by its create)."""
+    (``lchat env``). The file keeps its owner and group: run as root, the edit must not leave
+    a hibernating space's file, which the router's user reads at each wake, owned by root (a
+    wake that cannot read it fails). ValueError (before anything is written) when a value
+    cannot be carried; FileNotFoundError when the file is absent (a space's env file is made by
+    its create)."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
+        st = os.fstat(f.fileno())
+    # (Only root may give a file away; anyone else writes it as its own, as before.)
+    uid, gid = (st.st_uid, st.st_gid) if os.geteuid() == 0 else (-1, -1)
     for name in unset:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"{name!r} is not a variable name")
         lines = [x for x in lines if not re.match(rf"\s*(?:export\s+)?{name}\s*=", x)]
     for name, value in assign_values.items():
         assign(lines, name, value)
-    write_atomic(path, "".join(f"{line}\n" for line in lines).encode("utf-8"), MODE)
+    text = "".join(f"{line}\n" for line in lines).encode("utf-8")
+    write_atomic(path, text, MODE, uid=uid, gid=gid)
 
 
 def _breaks_line(c: str) -> bool:

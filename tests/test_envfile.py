@@ -36,3 +36,23 @@ class AssignTests(SynchronousTestCase):
             self.assertEqual(f.read(), "LCHAT_ADMIN_TOKEN=second\nLCHAT_BOT_EVERY=5m\n")
         self.assertEqual(envfile.read_token(path), "second")
         self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o600)
+
+    def test_an_edit_keeps_the_files_owner(self) -> None:
+        """``lchat env`` run as root over a hibernating space's env file, which the router's
+        user owns and reads at each wake: the file stays that user's (before: root's, mode
+        0600, and the space's next wake could not read it)."""
+        if os.geteuid() != 0:
+            # (Only root can give a file away: as anyone else the edit writes it as its own.)
+            raise self.skipTest("needs root to make a file another user owns")
+        directory = tempfile.mkdtemp(prefix="envfile-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "a.example.com.env")
+        with open(path, "w") as f:
+            f.write("LCHAT_ADMIN_TOKEN=t\n")
+        os.chown(path, 4321, 4322)
+        envfile.edit(path, {"LCHAT_SPACE_NAME": "Team"}, ())
+        st = os.stat(path)
+        self.assertEqual((st.st_uid, st.st_gid), (4321, 4322))
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o600)
+        with open(path) as f:
+            self.assertEqual(f.read(), "LCHAT_ADMIN_TOKEN=t\nLCHAT_SPACE_NAME=Team\n")

@@ -28,7 +28,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from lchat import config, envfile, hosts
-from lchat.cli import space_settings
+from lchat.cli import provision, space_settings
 from lchat.handover.router import Say
 from lchat.mesh import api, client, settings
 from lchat.mesh.route_payload import parse_payload
@@ -698,11 +698,18 @@ class _SignallingRegistry(Registry):
 
 
 class EnvRaceTests(SynchronousTestCase):
-    """``lchat env`` while the owner's older copy of the space lands (a push or an anti-entropy
-    pull through the route store): real files, a real registry, fake clocks, and the landing
-    forced between the env file's edit and its generation (the command's edit seam)."""
+    """``lchat env`` and ``lchat invite`` while the owner's older copy of the space lands (a push
+    or an anti-entropy pull through the route store): real files, a real registry, fake clocks,
+    and the landing forced between the env file's change and its generation (the commands'
+    seams)."""
 
-    def test_an_older_copy_landing_mid_edit_neither_loses_the_edit_nor_takes_its_gen(self) -> None:
+    def race(self, **seam: Any) -> tuple[Any, Any, list[Any], list[str]]:
+        """A box whose space's owner has an older copy (gen 3000, the replication class changed)
+        ready to land; ``seam``: the Context seam to wrap (``edit_env`` or ``mint_invite``),
+        given as the real function. Returns (box, ctx, landed, out): the command, run with
+        ctx, lands the copy from another thread right after its change and waits until the copy
+        landed (before the fix) or asked for the registry's lock (after it)."""
+        ((name, real),) = seam.items()
         root = tempfile.mkdtemp(prefix="mrace", dir="/tmp")
         self.addCleanup(shutil.rmtree, root, True)
         box = api_tests.Box(root, "box-1")
@@ -711,11 +718,8 @@ class EnvRaceTests(SynchronousTestCase):
         assert cfg.mesh is not None
         host = api_tests.HOST
         here = settings.bump(box.registry, box.data, cfg.mesh.self_url, box.add(host), 1_000)
-        # The owner's copy: an older change (gen 3000, before the edit) of the replication class.
         owner_row = evolve(here, replication="daily", settings_gen=3_000)
         older = parse_payload(client.route_payload(owner_row, {"LCHAT_ADMIN_TOKEN": f"tok-{host}"}))
-        # Set once the copy landed (before the fix) or asked for the registry's lock (which the
-        # edit holds: it waits for the edit's transaction).
         reached = threading.Event()
         store = RouteStore(
             _SignallingRegistry(box.registry.path, lambda: 7.0, reached),
@@ -732,12 +736,13 @@ class EnvRaceTests(SynchronousTestCase):
             finally:
                 reached.set()
 
-        def edit_then_land(path: str, values: Any, unset: Any) -> None:
-            envfile.edit(path, values, unset)
+        def change_then_land(*args: Any) -> Any:
+            result = real(*args)
             worker = threading.Thread(target=land)
             worker.start()
             landed.append(worker)
             self.assertTrue(reached.wait(10))
+            return result
 
         out: list[str] = []
         ctx = space_settings.Context(
@@ -745,26 +750,45 @@ class EnvRaceTests(SynchronousTestCase):
             lambda cfg: Registry(box.registry.path, clock=lambda: 7.0),
             lambda cfg: None,
             Say(out=out.append, note=out.append, warn=out.append),
-            edit_env=edit_then_land,
             now_ms=lambda: 5_000,
+            **{name: change_then_land},
         )
-        args = argparse.Namespace(host=host, action="set", items=["LCHAT_BUILD=edited"])
-        self.assertEqual(space_settings.env(args, ctx), 0)
+        return box, ctx, landed, out
+
+    def settled(self, box: Any, landed: list[Any], out: list[str]) -> tuple[Any, dict[str, str]]:
+        """The row and env file once the copy's landing ended; its generation is above the
+        copy's, its hash the env as held, and the copy was answered stale."""
         worker, *_ = landed
         worker.join(10)
-        row = box.registry.get(host)
+        row = box.registry.get(api_tests.HOST)
         assert row is not None
-        on_disk = config.read_env_file(box.env_path(host))
-        # The edit is kept, under a generation above the older copy's, hashed as it is held.
-        self.assertEqual(on_disk.get("LCHAT_BUILD"), "edited", out)
-        self.assertGreater(row.settings_gen, 3_000)
+        on_disk = config.read_env_file(box.env_path(api_tests.HOST))
+        self.assertGreater(row.settings_gen, 3_000, out)
         self.assertEqual(
             row.settings_hash,
             settings.route_hash(row, client.replicable_env(on_disk)),
         )
-        # The older copy waited for the edit's transaction and was answered stale.
         self.assertEqual(landed[1][1]["result"], "stale", landed)
         self.assertEqual(row.replication, "stream")
+        return row, on_disk
+
+    def test_an_older_copy_landing_mid_edit_neither_loses_the_edit_nor_takes_its_gen(self) -> None:
+        box, ctx, landed, out = self.race(edit_env=envfile.edit)
+        args = argparse.Namespace(host=api_tests.HOST, action="set", items=["LCHAT_BUILD=edited"])
+        self.assertEqual(space_settings.env(args, ctx), 0)
+        _, on_disk = self.settled(box, landed, out)
+        self.assertEqual(on_disk.get("LCHAT_BUILD"), "edited", out)
+
+    def test_an_older_copy_landing_mid_invite_keeps_the_new_invites_hash(self) -> None:
+        """Before: the copy put the env back without the invite's hash, so the link printed
+        did not work (or, with --rotate, the old one's hash came back)."""
+        box, ctx, landed, out = self.race(mint_invite=provision.mint_invite)
+        args = argparse.Namespace(host=api_tests.HOST, rotate=False)
+        self.assertEqual(space_settings.invite(args, ctx), 0)
+        _, on_disk = self.settled(box, landed, out)
+        (link,) = [line for line in out if line.startswith("setup invite: ")]
+        invite = link.rsplit("#", 1)[1]
+        self.assertEqual(on_disk.get(provision.INVITE_VAR), provision.invite_hash(invite), out)
 
 
 class RegionMergeTests(SynchronousTestCase):

@@ -77,14 +77,12 @@ def has_invite(env_path: str) -> bool:
 
 
 def set_env_value(path: str, name: str, value: str) -> None:
-    """Set ``name`` in the env file at ``path`` (lchat.envfile.assign), every other line kept."""
+    """Set ``name`` in the env file at ``path`` (lchat.envfile.edit: every other line kept, its
+    owner too), or write a new one holding it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        envfile.edit(path, {name: value})
     except FileNotFoundError:
-        lines = []
-    envfile.assign(lines, name, value)
-    envfile.write_lines(path, lines)
+        envfile.write_lines(path, [envfile.env_line(name, value)])
 
 
 # --- the readiness probe ------------------------------------------------------------------------

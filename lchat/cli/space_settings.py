@@ -47,6 +47,8 @@ class Context:
     # The edit of an env file (``lchat env``): envfile.edit; a test's seam wraps it to land a
     # peer's copy between the edit and its generation.
     edit_env: Callable[[str, Mapping[str, str], Iterable[str]], None] = envfile.edit
+    # Minting a setup invite into an env file (``lchat invite``): the same seam for the invite.
+    mint_invite: Callable[[str], str] = provision.mint_invite
     now_ms: Callable[[], int] = lambda: int(time.time() * 1000)  # a new generation's clock
 
 
@@ -216,11 +218,20 @@ def invite(args: argparse.Namespace, ctx: Context) -> int:
             "shown again: --rotate mints a new one (the old one stops working); nothing was "
             "changed"
         )
-    minted = provision.mint_invite(path)
+    # The invite's hash and its generation are one step, as `lchat env`'s edit and its
+    # generation are: an owner's older copy landing between them would put the old hash back.
+    with registry.transaction() as txn:
+        route = instance_row(txn, host, "have a setup invite")
+        minted = ctx.mint_invite(path)
+        bumped = (
+            mesh_cli.bump_change(cfg, txn, route, ctx.say.note, ctx.now_ms())
+            if route.hibernate
+            else None
+        )
     hand_env_files_to_router(cfg, host, ctx.say, quiet=True)
     ctx.say.out(f"setup invite: {provision.invite_url(host, minted)}")
     if route.hibernate:
-        reach = mesh_cli.publish_change(cfg, registry, route, ctx.say.note)
+        reach = None if bumped is None else mesh_cli.fan_out_upsert(cfg, bumped, ctx.say.note)
         if reach is not None:
             ctx.say.out(reach.describe())
         ctx.say.note(
