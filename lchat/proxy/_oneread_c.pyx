@@ -10,8 +10,8 @@ The names they decline are not written here: oneread.py hands them over (``confi
 the header policy's shared sets (lchat.proxy.http). Until then both decline everything.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from libc.string cimport memcmp
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.string cimport memcmp, memcpy
 
 WholeRequest = None  # set by configure (oneread.py's NamedTuple)
 
@@ -133,14 +133,56 @@ cdef inline bint declined(const unsigned char* p, Py_ssize_t n, const Names* nam
     return False
 
 
+cdef inline bint spliced_token(const unsigned char* p, Py_ssize_t v, Py_ssize_t e,
+                               Py_ssize_t* after) noexcept nogil:
+    """p[v:e] starts with keep-alive or upgrade (any case; lchat.proxy.http's
+    RESPONSE_SPLICED_TOKENS): the index after it in ``after``."""
+    if name_starts(p + v, e - v, b"keep-alive", 10):
+        after[0] = v + 10
+        return True
+    if name_starts(p + v, e - v, b"upgrade", 7):
+        after[0] = v + 7
+        return True
+    return False
+
+
+cdef inline bint spliced_connection(const unsigned char* p, Py_ssize_t colon, Py_ssize_t end) noexcept nogil:
+    """The value after ``colon`` up to the CRLF ending at ``end`` is
+    ' *token *(, *token *)*' with each token keep-alive or upgrade (any case)."""
+    cdef Py_ssize_t v = colon + 1
+    cdef Py_ssize_t e = end - 2
+    while v < e and p[v] == 32:
+        v += 1
+    if not spliced_token(p, v, e, &v):
+        return False
+    while True:
+        while v < e and p[v] == 32:
+            v += 1
+        if v == e:
+            return True
+        if p[v] != 44:  # ','
+            return False
+        v += 1
+        while v < e and p[v] == 32:
+            v += 1
+        if not spliced_token(p, v, e, &v):
+            return False
+
+
 def response(bytes data not None):
-    """oneread.response: ``(status, body length)`` or ``None``."""
+    """oneread.response: ``(status, body length, what the client gets)`` or ``None``."""
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
-    cdef Py_ssize_t i, line, colon = 0, nlen, v, d0, d1
+    cdef Py_ssize_t i, line, colon = 0, nlen, v, d0, d1, k, at, total, first
     cdef int status
     cdef long long size = -1
     cdef int found = 0
+    # The lines taken out (RESPONSE_SPLICED), by name: connection, keep-alive, upgrade.
+    cdef Py_ssize_t cut0[3]
+    cdef Py_ssize_t cut1[3]
+    cdef int cuts = 0
+    cdef char* o
+    cut0[0] = cut0[1] = cut0[2] = -1
     if not CONFIGURED or n < 13 or memcmp(p, b"HTTP/1.1 ", 9) != 0:
         return None
     if not (50 <= p[9] <= 53 and 48 <= p[10] <= 57 and 48 <= p[11] <= 57 and p[12] == 32):
@@ -178,13 +220,49 @@ def response(bytes data not None):
             size = 0
             for v in range(d0, d1):
                 size = size * 10 + (p[v] - 48)
+        elif name_is(p + line, nlen, b"connection", 10) and spliced_connection(p, colon, i):
+            if cut0[0] >= 0:
+                return None  # two lines of one name
+            cut0[0], cut1[0] = line, i
+            cuts += 1
+        elif name_is(p + line, nlen, b"keep-alive", 10):
+            if cut0[1] >= 0:
+                return None
+            cut0[1], cut1[1] = line, i
+            cuts += 1
+        elif name_is(p + line, nlen, b"upgrade", 7):
+            if cut0[2] >= 0:
+                return None
+            cut0[2], cut1[2] = line, i
+            cuts += 1
         elif declined(p + line, nlen, &RESPONSE_NAMES):
             return None
     if found != 1 or size < 0:
         return None
     if i + size != n or status == 204 or status == 304:
         return None
-    return status, size
+    if cuts == 0:
+        return status, size, data
+    # The read without the lines taken out, in their order.
+    total = n
+    for k in range(3):
+        if cut0[k] >= 0:
+            total -= cut1[k] - cut0[k]
+    out = PyBytes_FromStringAndSize(NULL, total)
+    o = PyBytes_AS_STRING(out)
+    at = 0
+    while True:
+        first = -1
+        for k in range(3):
+            if cut0[k] >= at and (first < 0 or cut0[k] < cut0[first]):
+                first = k
+        if first < 0:
+            break
+        memcpy(o, p + at, cut0[first] - at)
+        o += cut0[first] - at
+        at = cut1[first]
+    memcpy(o, p + at, n - at)
+    return status, size, out
 
 
 cdef inline bint keep_alive_line(const unsigned char* p, Py_ssize_t colon, Py_ssize_t end) noexcept nogil:
@@ -207,6 +285,7 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
     cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
     cdef Py_ssize_t i, m, t0, t1, head_start, line, colon = 0, nlen
     cdef Py_ssize_t lines = 0, drop0 = -1, drop1 = -1, host0 = -1, host1 = -1
+    cdef Py_ssize_t te0 = -1, te1 = -1, a0, a1, b0, b1
     cdef bytes block, prev_block
     if not CONFIGURED or n > max_bytes:
         return None
@@ -256,6 +335,10 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
             if drop0 >= 0 or not keep_alive_line(p, colon, i):
                 return None
             drop0, drop1 = line, i
+        elif name_is(p + line, nlen, b"te", 2):
+            if te0 >= 0:
+                return None  # two TE lines
+            te0, te1 = line, i
         elif declined(p + line, nlen, &REQUEST_NAMES):
             return None
     if i != n or lines > max_headers or host0 < 0:
@@ -266,8 +349,13 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
         host1 -= 1
     host = data[host0:host1].lower()
     block = data[head_start:]
+    if te0 >= 0 and drop0 < 0:
+        drop0, drop1, te0 = te0, te1, -1
     if drop0 < 0:
         header_lines = data[head_start : n - 2]
-    else:
+    elif te0 < 0:
         header_lines = data[head_start:drop0] + data[drop1 : n - 2]
+    else:  # both lines taken out, in their order
+        a0, a1, b0, b1 = (drop0, drop1, te0, te1) if drop0 < te0 else (te0, te1, drop0, drop1)
+        header_lines = data[head_start:a0] + data[a1:b0] + data[b1 : n - 2]
     return WholeRequest(method, target, host, header_lines, block)

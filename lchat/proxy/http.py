@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable
 from http import HTTPStatus
 
@@ -40,6 +41,37 @@ _GUARDED = INTERNAL | FORWARDING
 REQUEST_SPECIAL = HOP_BY_HOP | FORWARDING | INTERNAL | {b"content-length", b"expect"}
 RESPONSE_SPECIAL = HOP_BY_HOP | INTERNAL | {b"content-length"}
 SPECIAL_PREFIXES = (b"proxy-", b"x-lchat-")
+
+# The hop-by-hop lines servers send on an ordinary answer: nginx's and Node's
+# ``Connection: keep-alive``, Node's ``Keep-Alive: timeout=5``, Apache's ``Upgrade: h2,h2c`` with
+# ``Connection: Upgrade, Keep-Alive``. A response head whose only special lines are these (its
+# Connection naming nothing but RESPONSE_SPLICED_TOKENS) goes to the client as it came with these
+# lines taken out (:func:`without_lines`), not rebuilt: what they say concerns our connection to
+# the space only (keep it open: we do; an upgrade is offered: not taken, as the status is not
+# 101). The general path (UpstreamConnection) and the one-read recognisers both splice this way.
+RESPONSE_SPLICED = frozenset({b"connection", b"keep-alive", b"upgrade"})
+RESPONSE_SPLICED_TOKENS = frozenset({b"keep-alive", b"upgrade"})
+_FIELD_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:")
+
+
+def without_lines(head: bytes, names: frozenset[bytes]) -> bytes | None:
+    """``head`` (a message head as it came: its first line, field lines, the empty line) without
+    the field lines whose lowercased name is in ``names``, every other byte as it came; ``None``
+    when a line is not one field of its own (a folded line, a bare CR or LF, no token before
+    the colon): then which bytes belong to which parsed header is not plain, and the head must
+    be built again from its parsed headers instead."""
+    first, *lines = head[:-4].split(b"\r\n")
+    if b"\n" in first or b"\r" in first:
+        return None
+    kept = [first]
+    for line in lines:
+        name = _FIELD_NAME.match(line)
+        if name is None or b"\n" in line or b"\r" in line:
+            return None
+        if line[: name.end() - 1].lower() not in names:
+            kept.append(line)
+    kept.append(b"\r\n")
+    return b"\r\n".join(kept)
 
 
 def lookalike(name: bytes) -> bool:

@@ -18,7 +18,13 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from lchat.proxy.http import REQUEST_SPECIAL, RESPONSE_SPECIAL, SPECIAL_PREFIXES
+from lchat.proxy.http import (
+    REQUEST_SPECIAL,
+    RESPONSE_SPECIAL,
+    RESPONSE_SPLICED,
+    RESPONSE_SPLICED_TOKENS,
+    SPECIAL_PREFIXES,
+)
 
 # RFC 9110 §5.6.2 token characters: a header name.
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]++"
@@ -64,9 +70,11 @@ _PREFIXES = [re.escape(prefix) for prefix in SPECIAL_PREFIXES]
 _UNDERSCORED = rb"[!#$%&'*+.^`|~0-9a-z-]*_"
 
 # Request header names (lowercased, after a newline) that the general path drops, rewrites, reads
-# for framing, or refuses: declined here. ``Connection: keep-alive`` alone is taken out first
-# (browsers send it on every HTTP/1.1 request; it changes nothing). The pattern starts with a
-# literal newline so that it is tried at line starts only.
+# for framing, or refuses: declined here. ``Connection: keep-alive`` alone and one ``TE`` line are
+# taken out first (browsers send the first on every HTTP/1.1 request, and Firefox ``TE:
+# trailers`` through a proxy; the general path passes neither on, and neither changes anything
+# else it does). The pattern starts with a literal newline so that it is tried at line starts
+# only.
 _REQUEST_DECLINED = re.compile(
     rb"\n(?:"
     + _UNDERSCORED
@@ -75,6 +83,7 @@ _REQUEST_DECLINED = re.compile(
     + b")"
 )
 _KEEP_ALIVE_LINE = re.compile(rb"^connection: *keep-alive *\r\n", re.M | re.I)
+_TE_LINE = re.compile(rb"^te:[ -~]*+\r\n", re.M | re.I)
 
 # A final response with a body length (2xx to 5xx), HTTP/1.1; its head must be the read's start.
 _RESPONSE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9]) [ -~]*+(\r\n(?:" + _LINE + rb")*+)\r\n")
@@ -91,6 +100,18 @@ _RESPONSE_NAMES = re.compile(rb"\n(?:" + _RESPONSE_ALTERNATIVES + b"|" + _UNDERS
 # The same for a head with no underscore anywhere (the usual one), which cannot match the
 # underscored-name branch: without it the scan tries a few literals per line, not a token loop.
 _RESPONSE_NAMES_PLAIN = re.compile(rb"\n(?:" + _RESPONSE_ALTERNATIVES + b")")
+# A line the general path takes out of a head it otherwise forwards as it came (lowered, after a
+# newline; lchat.proxy.http.RESPONSE_SPLICED): Connection naming keep-alive or upgrade only
+# (spaces around the commas, no empty element), Keep-Alive, Upgrade. Its name is its group.
+_SPLICED_TOKEN = rb"(?:" + b"|".join(sorted(RESPONSE_SPLICED_TOKENS)) + rb")"
+_RESPONSE_SPLICED_LINE = re.compile(
+    rb"(?<=\n)(?:(connection): *"
+    + _SPLICED_TOKEN
+    + rb" *(?:, *"
+    + _SPLICED_TOKEN
+    + rb" *)*+|(keep-alive):[ -~]*+|(upgrade):[ -~]*+)\r\n"
+)
+assert {b"connection", b"keep-alive", b"upgrade"} == RESPONSE_SPLICED  # (the pattern's names)
 
 
 class WholeRequest(NamedTuple):
@@ -132,7 +153,7 @@ def request(
     lines = block[:-2]
     lowered = b"\n" + lines.lower()
     if _REQUEST_DECLINED.search(lowered) is not None:
-        lines = _KEEP_ALIVE_LINE.sub(b"", lines, count=1)
+        lines = _TE_LINE.sub(b"", _KEEP_ALIVE_LINE.sub(b"", lines, count=1), count=1)
         lowered = b"\n" + lines.lower()
         if _REQUEST_DECLINED.search(lowered) is not None:
             return None
@@ -144,10 +165,14 @@ def request(
     return WholeRequest(method, target, host, lines, block)
 
 
-def response(data: bytes) -> tuple[int, int] | None:
-    """``(status, body length)`` when ``data`` (the first read of a response to a GET) is a whole
-    final response framed by one ``Content-Length``, whose head can be forwarded byte for byte,
-    with nothing after it; else ``None``: the general path parses it."""
+def response(data: bytes) -> tuple[int, int, bytes] | None:
+    """``(status, body length, what the client gets)`` when ``data`` (the first read of a
+    response to a GET) is a whole final response framed by one ``Content-Length``, with nothing
+    after it, whose head can be forwarded byte for byte but for the hop-by-hop lines servers
+    send on an ordinary answer (lchat.proxy.http.RESPONSE_SPLICED, at most one line of each
+    name): what the client gets is ``data`` itself, or ``data`` with those lines taken out (the
+    general path's splice, lchat.proxy.http.without_lines). Else ``None``: the general path
+    parses it."""
     match = _RESPONSE.match(data)
     if match is None:
         return None
@@ -155,6 +180,24 @@ def response(data: bytes) -> tuple[int, int] | None:
     # Content-Length with digits is one match with its value; anything else we look for is
     # another match, or a match without a value.
     lowered = match.group(2).lower()
+    out = data
+    if b"\nconnection:" in lowered or b"\nkeep-alive:" in lowered or b"\nupgrade:" in lowered:
+        spliced = list(_RESPONSE_SPLICED_LINE.finditer(lowered))
+        if len({line.lastindex for line in spliced}) != len(spliced):
+            return None  # two lines of one name
+        # The lines taken out of both: any Connection, Keep-Alive or Upgrade line left (another
+        # Connection, say ``close``) is declined below with every other special name.
+        head_at = match.start(2)
+        kept, out_parts, at = [], [], 0
+        for line in spliced:
+            start, end = line.span()
+            kept.append(lowered[at:start])
+            out_parts.append(data[head_at + at : head_at + start])
+            at = end
+        kept.append(lowered[at:])
+        out_parts.append(data[head_at + at :])
+        lowered = b"".join(kept)
+        out = data[:head_at] + b"".join(out_parts)
     found = (_RESPONSE_NAMES if b"_" in lowered else _RESPONSE_NAMES_PLAIN).findall(lowered)
     if len(found) != 1 or not found[0]:
         return None
@@ -163,7 +206,7 @@ def response(data: bytes) -> tuple[int, int] | None:
     status = int(match.group(1))
     if match.end() + size != len(data) or status == 204 or status == 304:
         return None
-    return status, size
+    return status, size, out
 
 
 # The same recognisers as byte scanners in C (lchat/proxy/_oneread_c.pyx), when built: the

@@ -270,10 +270,12 @@ class Relay(ClientConnection):
             self._reroute(ex, target, "stopping", "refused it unprocessed (stopping)")
         return True
 
-    def response_whole(self, status: int, data: bytes, length: int) -> bool:
+    def response_whole(self, status: int, length: int, data: bytes) -> bool:
         """The whole response in one read, ``length`` bytes of body after its head, and a head
-        that may go as it came (:func:`oneread.response`): relay it in one write and complete the
-        request, as response_head, response_body and response_complete would, and return True.
+        that may go as it came but for the lines the general path takes out too
+        (:func:`oneread.response`: ``data`` is the read with them taken out): relay it in one
+        write and complete the request, as response_head, response_body and response_complete
+        would, and return True.
         False, having done nothing, when this request needs more than that (its answer closes
         the connection, gets headers added, or may be a mesh peer's refusal): the general way."""
         ex = self._active

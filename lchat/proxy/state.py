@@ -25,6 +25,8 @@ class HotStats:
         "connections",
         "idle_upstream",
         "in_flight",
+        "one_read_as_sent",
+        "one_read_spliced",
         "requests",
         "upgraded",
     )
@@ -37,6 +39,11 @@ class HotStats:
         self.connections = 0
         self.upgraded = 0
         self.idle_upstream = 0  # idle pooled upstream connections
+        # Responses the one-read path relayed (lchat.proxy.oneread.response), their head as it
+        # came or with a server's usual hop-by-hop lines taken out (RESPONSE_SPLICED): the rest
+        # of lchat_http_requests went the general way.
+        self.one_read_as_sent = 0
+        self.one_read_spliced = 0
 
     def count(self, host_class: str, status: int) -> None:
         key = (host_class, status)
@@ -71,6 +78,16 @@ class _Collector(Collector):
         relayed.add_metric(["up"], stats.bytes_up)
         relayed.add_metric(["down"], stats.bytes_down)
         yield relayed
+        one_read = CounterMetricFamily(
+            "lchat_proxy_one_read_responses",
+            "Responses relayed whole in one write by the one-read path, by their head: as it "
+            "came, or spliced (a server's usual hop-by-hop lines taken out); the rest of the "
+            "requests answered went the general way",
+            labels=["head"],
+        )
+        one_read.add_metric(["as_sent"], stats.one_read_as_sent)
+        one_read.add_metric(["spliced"], stats.one_read_spliced)
+        yield one_read
         yield GaugeMetricFamily(
             "lchat_upgraded_connections",
             "Open upgraded (WebSocket) connections",

@@ -8,7 +8,10 @@ completion, a switch to raw bytes after ``101``, or failure; and, at the end of 
 
 A response head that needs no rewriting (no hop-by-hop or internal header, ``Content-Length``
 framing, HTTP/1.1, the whole head in the exchange's first read) is also handed over byte for byte
-(``raw_head``): the handler may forward it as it is instead of building it again.
+(``raw_head``): the handler may forward it as it is instead of building it again. The hop-by-hop
+lines servers send on ordinary answers (``Connection: keep-alive``, ``Keep-Alive``, an offered
+``Upgrade``: lchat.proxy.http.RESPONSE_SPLICED) do not make a head need rewriting: its raw head
+is the one it came as with those lines taken out.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from twisted.python.failure import Failure
 from lchat.backoff import Backoff
 from lchat.proxy import oneread
 from lchat.proxy.bulk import MIN_BULK, BulkReader
-from lchat.proxy.http import RESPONSE_SPECIAL, Header, Valve
+from lchat.proxy.http import (
+    RESPONSE_SPECIAL,
+    RESPONSE_SPLICED,
+    RESPONSE_SPLICED_TOKENS,
+    Header,
+    Valve,
+    connection_tokens,
+    without_lines,
+)
 from lchat.proxy.state import FrontDoorState
 from lchat.router import LocalSocket, RemotePeer
 
@@ -168,8 +179,15 @@ class UpstreamConnection(asyncio.Protocol):
             and self.reusable
         ):
             whole = oneread.response(data)
-            if whole is not None and handler.response_whole(whole[0], data, whole[1]):
-                return  # (the common response: all of it in this read, forwarded as it came)
+            if whole is not None and handler.response_whole(*whole):
+                # (The common response: all of it in this read, forwarded as it came, or with
+                # the hop-by-hop lines a server sends on an ordinary answer taken out.)
+                stats = self.pool.state.stats
+                if whole[2] is data:
+                    stats.one_read_as_sent += 1
+                else:
+                    stats.one_read_spliced += 1
+                return
         handler.begin_batch()
         try:
             if self._spliced:
@@ -291,7 +309,8 @@ class UpstreamConnection(asyncio.Protocol):
             return  # the upgrade exception follows the message end
         length: int | None = None
         chunked = False
-        plain = True  # nothing to drop or rewrite in this head
+        plain = True  # nothing to drop or rewrite in this head, but perhaps lines to take out
+        spliced = False  # lines to take out (RESPONSE_SPLICED: a server's usual hop-by-hop ones)
         for name, value in self._headers:
             lower = name.lower()
             if lower == b"content-length":
@@ -299,6 +318,11 @@ class UpstreamConnection(asyncio.Protocol):
             elif lower == b"transfer-encoding":
                 chunked = value.strip().lower().endswith(b"chunked")
                 plain = False
+            elif lower in RESPONSE_SPLICED and (
+                lower != b"connection"
+                or connection_tokens(((name, value),)) <= RESPONSE_SPLICED_TOKENS
+            ):
+                spliced = True
             elif lower in RESPONSE_SPECIAL or lower.startswith(b"proxy-") or b"_" in lower:
                 plain = False
         no_body = self._method == b"HEAD" or status in (204, 304)
@@ -313,6 +337,8 @@ class UpstreamConnection(asyncio.Protocol):
             end = first.find(b"\r\n\r\n")
             if end >= 0 and first.startswith(b"HTTP/1.1 "):
                 raw = first[: end + 4]
+                if spliced:  # (None when its lines are not one field each: built again)
+                    raw = without_lines(raw, RESPONSE_SPLICED)
         self.handler.response_head(status, self._reason, self._headers, length, chunked, raw)
         if self._method == b"HEAD":
             raise _HeadDone()
