@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ from unittest.mock import patch
 import httptools
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
@@ -33,6 +36,7 @@ from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target, plain
 from tests.proxy_harness import idle_connections
+from tests.test_proxy import Backend, BackendFactory, ProxyTestCase
 
 KNOWN = "chat.example.com"
 SOCKET = "/nonexistent/rig.sock"
@@ -1038,3 +1042,59 @@ class DeclinedNamesTests(SynchronousTestCase):
                 line = name + b": 1\r\n"
                 self.assertIsNotNone(request(WRK[:-2] + line + b"\r\n", 8192, 100), name)
                 self.assertIsNotNone(response(OK.replace(b"\r\n\r\n", b"\r\n" + line + b"\r\n")))
+
+
+# --- over real sockets ---------------------------------------------------------------------------
+
+
+def node_like(conn: Backend) -> None:
+    """A backend answering each request as Node's http does (NODE: Connection: keep-alive and
+    Keep-Alive: timeout=5 in its head), one write per answer."""
+    while b"\r\n\r\n" in conn.buffer:
+        _, _, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
+        conn.buffer = bytearray(rest)
+        conn.transport.write(NODE)
+
+
+class RealProxyTests(ProxyTestCase):
+    """The proxy on a real listener, a real client, a real unix-socket backend sending Node's
+    head: once as shipped, once on the general path only."""
+
+    @inlineCallbacks
+    def exchange(self) -> Any:
+        """Two requests on one kept-alive client connection; what the client and the space got,
+        and the front door's metrics as a Prometheus scrape renders them."""
+        backend = BackendFactory(node_like)
+        self.runs = getattr(self, "runs", 0) + 1  # (each run its own backend socket)
+        path = os.path.join(self.dir, f"run{self.runs}.sock")
+        self.router.targets[KNOWN] = LocalSocket(KNOWN, path)
+        yield self.backend(backend, path)
+        yield self.proxy()
+        client = yield self.connect()
+        client.transport.write(WRK)
+        yield self.until(lambda: client.received.count(b"ok\n") == 1)
+        client.transport.write(FIREFOX)
+        yield self.until(lambda: client.received.count(b"ok\n") == 2)
+        client.transport.loseConnection()
+        yield client.closed
+        registry = CollectorRegistry()
+        registry.register(self.factory.state.collector)
+        scrape = generate_latest(registry).decode()
+        return bytes(client.received), bytes(backend.received), backend.connections, scrape
+
+    @inlineCallbacks
+    def test_a_node_like_head_takes_the_one_read_path(self) -> Any:
+        """The client gets exactly the general path's bytes (the head with Connection and
+        Keep-Alive taken out, every other byte as it came), the space gets the same requests
+        on one pooled connection, and lchat_proxy_one_read_responses counts both answers as
+        spliced (the general path's run: none)."""
+        client, space, connections, scrape = yield self.exchange()
+        expected = NODE.replace(b"Connection: keep-alive\r\nKeep-Alive: timeout=5\r\n", b"")
+        self.assertEqual(client, expected * 2)
+        self.assertEqual(connections, 1)
+        self.assertIn('lchat_proxy_one_read_responses_total{head="spliced"} 2.0', scrape)
+        self.assertIn('lchat_proxy_one_read_responses_total{head="as_sent"} 0.0', scrape)
+        with general_path_only():
+            general = yield self.exchange()
+        self.assertEqual((client, space, connections), general[:3])
+        self.assertIn('lchat_proxy_one_read_responses_total{head="spliced"} 0.0', general[3])
