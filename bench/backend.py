@@ -9,7 +9,8 @@ proxy in front of it. Routes (any Host):
   GET /ws (Upgrade)       WebSocket echo: every data frame comes back with the same opcode
   GET /__bench/stats      {"connections", "requests", "body_bytes"} since start, not counting
                           this request: how often a proxy dialled, how much of a body arrived
-  anything else           200 with a fixed small body (--body-size bytes, default 100)
+  anything else           200 with a fixed small body (--body-size bytes, default 100), its
+                          head minimal or as Node's http sends it (--head node-like)
 
 Keep-alive and pipelining are supported; ``Connection: close`` is honoured.
 
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import email.utils
 import hashlib
 import json
 import os
@@ -37,14 +39,25 @@ MAX_HEAD = 64 * 1024
 STATS = {"connections": 0, "requests": 0, "body_bytes": 0}
 
 
-def small_response(size: int) -> bytes:
+# The small answer's head: ``minimal`` (status, Content-Type, Content-Length), or ``node-like``,
+# the head Node's http sends (captured from Node 20's ``res.writeHead(200, {...}); res.end(...)``:
+# Date, ``Connection: keep-alive`` and ``Keep-Alive: timeout=5`` after the application's
+# headers), whose hop-by-hop lines a proxy must take out. (Its Date is the start's: a proxy does
+# the same work whatever it says.)
+HEADS = ("minimal", "node-like")
+
+
+def small_response(size: int, head_style: str = "minimal") -> bytes:
     body = (b"ok " + b"x" * max(0, size - 4) + b"\n")[: max(size, 1)]
     head = (
         b"HTTP/1.1 200 OK\r\n"
         b"Content-Type: text/plain\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n"
     )
-    return head + body
+    if head_style == "node-like":
+        date = email.utils.formatdate(usegmt=True).encode()
+        head += b"Date: " + date + b"\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n"
+    return head + b"\r\n" + body
 
 
 class Head:
@@ -358,8 +371,8 @@ def encode_frame(first: int, payload: bytes, mask: bytes = b"") -> bytes:
     return head + payload
 
 
-async def serve(path: str, body_size: int) -> None:
-    small = small_response(body_size)
+async def serve(path: str, body_size: int, head_style: str = "minimal") -> None:
+    small = small_response(body_size, head_style)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     loop = asyncio.get_running_loop()
@@ -378,8 +391,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--socket", required=True, help="unix socket path to listen on")
     parser.add_argument("--body-size", type=int, default=100, help="small response body bytes")
+    parser.add_argument(
+        "--head",
+        choices=HEADS,
+        default="minimal",
+        help="the small answer's head: minimal (status, Content-Type, Content-Length) or "
+        "node-like (as Node's http: Date, Connection: keep-alive, Keep-Alive: timeout=5 too)",
+    )
     args = parser.parse_args()
-    asyncio.run(serve(args.socket, args.body_size))
+    asyncio.run(serve(args.socket, args.body_size, args.head))
 
 
 if __name__ == "__main__":
