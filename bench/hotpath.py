@@ -8,6 +8,10 @@ keep-alive``). The anchor, in the same run, is the proxy's general path (the one
 of ``lchat/proxy/oneread.py`` switched off): the ratio is what the short path saves.
 
     .venv/bin/python bench/hotpath.py [--requests 20000] [--rounds 7]
+        [--response all|minimal|nginx|node-like]
+
+The space's answer has a minimal head, or the head nginx or Node's http sends (with
+``Connection: keep-alive``/``Keep-Alive``, which the proxy takes out): each row says which.
 
 Prints the best round of each (the least disturbed by the rest of the machine), in µs of this
 process's CPU time per request (time spent waiting for a core on a busy machine is not in it).
@@ -49,6 +53,21 @@ RESPONSE = (
     b"HTTP/1.1 200 OK\r\nServer: backend\r\nContent-Type: text/plain\r\n"
     b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
 )
+# The space's answer: a minimal head, or the heads nginx and Node's http send (their hop-by-hop
+# lines taken out on the way: tests/test_proxy_oneread.py has the captures these follow).
+RESPONSES = {
+    "minimal": RESPONSE,
+    "nginx": (
+        b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Sat, 05 Dec 2026 15:37:49 GMT\r\n"
+        b"Content-Type: text/plain\r\nContent-Length: %d\r\nConnection: keep-alive\r\n\r\n%s"
+        % (len(BODY), BODY)
+    ),
+    "node-like": (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"Date: Sat, 05 Dec 2026 15:37:50 GMT\r\nConnection: keep-alive\r\n"
+        b"Keep-Alive: timeout=5\r\n\r\n%s" % (len(BODY), BODY)
+    ),
+}
 
 
 class CountingTransport(asyncio.Transport):
@@ -86,7 +105,7 @@ class OneSpace:
         return self.target
 
 
-def per_request(request: bytes, count: int, rounds: int) -> float:
+def per_request(request: bytes, count: int, rounds: int, response: bytes = RESPONSE) -> float:
     """Best round's µs of CPU per request through a fresh proxy and connection."""
     clock = Clock()
     routes = OneSpace()
@@ -101,7 +120,7 @@ def per_request(request: bytes, count: int, rounds: int) -> float:
 
     def one() -> None:
         client.data_received(request)
-        upstream.data_received(RESPONSE)
+        upstream.data_received(response)
 
     for _ in range(2000):
         one()
@@ -120,19 +139,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--response",
+        choices=["all", *RESPONSES],
+        default="all",
+        help="the space's answer's head: minimal, as nginx or as Node's http sends it (all: each)",
+    )
     args = parser.parse_args()
-    print("| request | one-read path µs/req | general path µs/req | ratio |")
-    print("|---|---|---|---|")
+    print("| request | response | one-read path µs/req | general path µs/req | ratio |")
+    print("|---|---|---|---|---|")
     saved = oneread.request, oneread.response
+    heads = list(RESPONSES) if args.response == "all" else [args.response]
     for name, request in REQUESTS.items():
-        short = per_request(request, args.requests, args.rounds)
-        oneread.request = lambda *a, **k: None
-        oneread.response = lambda *a, **k: None
-        try:
-            general = per_request(request, args.requests, args.rounds)
-        finally:
-            oneread.request, oneread.response = saved
-        print(f"| {name} | {short:.2f} | {general:.2f} | {short / general:.2f}x |")
+        for head in heads:
+            response = RESPONSES[head]
+            short = per_request(request, args.requests, args.rounds, response)
+            oneread.request = lambda *a, **k: None
+            oneread.response = lambda *a, **k: None
+            try:
+                general = per_request(request, args.requests, args.rounds, response)
+            finally:
+                oneread.request, oneread.response = saved
+            print(f"| {name} | {head} | {short:.2f} | {general:.2f} | {short / general:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -987,6 +987,36 @@ class CompiledRecognisersTests(SynchronousTestCase):
             self.assertEqual(PATTERNS.response(response), (200, 3, expected))
 
 
+class WithoutLinesTests(SynchronousTestCase):
+    """lchat.proxy.http.without_lines, the general path's splice: the named lines out, every
+    other byte as it came, or None where lines and parsed headers might not pair up."""
+
+    def test_the_named_lines_go(self) -> None:
+        head = NODE_BARE[: NODE_BARE.index(b"\r\n\r\n") + 4]
+        self.assertEqual(
+            http.without_lines(head, http.RESPONSE_SPLICED),
+            head.replace(b"Connection: keep-alive\r\nKeep-Alive: timeout=5\r\n", b""),
+        )
+        self.assertEqual(http.without_lines(head, frozenset()), head)
+        only = b"HTTP/1.1 200 OK\r\nconnection: keep-alive\r\n\r\n"
+        self.assertEqual(
+            http.without_lines(only, http.RESPONSE_SPLICED), b"HTTP/1.1 200 OK\r\n\r\n"
+        )
+
+    def test_lines_that_are_not_one_field_each(self) -> None:
+        for lines in (
+            b"Connection: keep-alive\r\n x-a\r\n",  # folded onto the Connection line
+            b"Connection: keep-alive\nX-A: b\r\n",  # a bare LF
+            b"Connection: keep-alive\rX-A: b\r\n",  # a bare CR
+            b"Connection : keep-alive\r\n",
+            b"X-A\r\n",
+            b": b\r\n",
+        ):
+            with self.subTest(lines=lines):
+                head = b"HTTP/1.1 200 OK\r\n" + lines + b"\r\n"
+                self.assertIsNone(http.without_lines(head, http.RESPONSE_SPLICED))
+
+
 # (The module's Downstream is the one the tests drive: keep the import's purpose explicit.)
 assert downstream.Downstream is Downstream
 

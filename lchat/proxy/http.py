@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterable
 from http import HTTPStatus
 
@@ -51,24 +50,25 @@ SPECIAL_PREFIXES = (b"proxy-", b"x-lchat-")
 # 101). The general path (UpstreamConnection) and the one-read recognisers both splice this way.
 RESPONSE_SPLICED = frozenset({b"connection", b"keep-alive", b"upgrade"})
 RESPONSE_SPLICED_TOKENS = frozenset({b"keep-alive", b"upgrade"})
-_FIELD_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:")
 
 
 def without_lines(head: bytes, names: frozenset[bytes]) -> bytes | None:
     """``head`` (a message head as it came: its first line, field lines, the empty line) without
     the field lines whose lowercased name is in ``names``, every other byte as it came; ``None``
-    when a line is not one field of its own (a folded line, a bare CR or LF, no token before
-    the colon): then which bytes belong to which parsed header is not plain, and the head must
-    be built again from its parsed headers instead."""
-    first, *lines = head[:-4].split(b"\r\n")
-    if b"\n" in first or b"\r" in first:
+    when a line is not one field of its own (a folded line, a bare CR or LF, space around the
+    name): then which bytes belong to which parsed header is not plain, and the head must be
+    built again from its parsed headers instead."""
+    lines = head[:-4]
+    crlf = lines.count(b"\r\n")
+    if lines.count(b"\r") != crlf or lines.count(b"\n") != crlf:
         return None
+    first, *fields = lines.split(b"\r\n")
     kept = [first]
-    for line in lines:
-        name = _FIELD_NAME.match(line)
-        if name is None or b"\n" in line or b"\r" in line:
+    for line in fields:
+        name, colon, _ = line.partition(b":")
+        if not colon or not name or name.strip() != name:
             return None
-        if line[: name.end() - 1].lower() not in names:
+        if name.lower() not in names:
             kept.append(line)
     kept.append(b"\r\n")
     return b"\r\n".join(kept)
