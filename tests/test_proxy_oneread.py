@@ -432,7 +432,9 @@ def run(
     seen["stats"] = stats_delta(before, stats(rig.factory.state))
     if one_read is not None:
         figures = rig.factory.state.stats
-        one_read.update(as_sent=figures.one_read_as_sent, spliced=figures.one_read_spliced)
+        one_read.update(
+            as_sent=figures.one_read - figures.one_read_spliced, spliced=figures.one_read_spliced
+        )
     rig.close()
     return seen
 

@@ -9,8 +9,11 @@ The invariant that makes this safe: **these recognisers accept a strict subset o
 path accepts, and for that subset the proxy does exactly what the general path would**. Anything
 unusual — another method, a body, HTTP/1.0, a tab or a byte over 0x7e anywhere, a header the proxy
 drops or rewrites, two messages in one read, a response not all here — is declined (``None``) and
-goes the general way, which decides (and refuses) as it always did. ``tests/test_proxy_oneread.py``
-holds both paths to that, including on generated inputs.
+goes the general way, which decides (and refuses) as it always did. The one exception to "a
+header the proxy drops" is the lines both paths take out the same way, leaving every other byte
+as it came: a request's ``Connection: keep-alive`` and ``TE``, a response's keep-alive lines
+(lchat.proxy.http.RESPONSE_SPLICED). ``tests/test_proxy_oneread.py`` holds both paths to that,
+including on generated inputs and on heads real servers send.
 """
 
 from __future__ import annotations

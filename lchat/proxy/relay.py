@@ -300,7 +300,9 @@ class Relay(ClientConnection):
         ex.status = status
         ex.response_started = ex.response_complete = True
         ex.bytes_out = length
-        self._stats.bytes_down += length
+        stats = self._stats
+        stats.bytes_down += length
+        stats.one_read += 1
         self.transport.write(data)
         upstream, ex.upstream = ex.upstream, None
         if upstream is not None:

@@ -25,7 +25,7 @@ class HotStats:
         "connections",
         "idle_upstream",
         "in_flight",
-        "one_read_as_sent",
+        "one_read",
         "one_read_spliced",
         "requests",
         "upgraded",
@@ -39,10 +39,10 @@ class HotStats:
         self.connections = 0
         self.upgraded = 0
         self.idle_upstream = 0  # idle pooled upstream connections
-        # Responses the one-read path relayed (lchat.proxy.oneread.response), their head as it
-        # came or with a server's usual hop-by-hop lines taken out (RESPONSE_SPLICED): the rest
-        # of lchat_http_requests went the general way.
-        self.one_read_as_sent = 0
+        # Responses the one-read path relayed (lchat.proxy.oneread.response; the rest of
+        # lchat_http_requests went the general way), and those of them whose head had a
+        # server's usual hop-by-hop lines taken out (RESPONSE_SPLICED).
+        self.one_read = 0
         self.one_read_spliced = 0
 
     def count(self, host_class: str, status: int) -> None:
@@ -85,7 +85,7 @@ class _Collector(Collector):
             "requests answered went the general way",
             labels=["head"],
         )
-        one_read.add_metric(["as_sent"], stats.one_read_as_sent)
+        one_read.add_metric(["as_sent"], stats.one_read - stats.one_read_spliced)
         one_read.add_metric(["spliced"], stats.one_read_spliced)
         yield one_read
         yield GaugeMetricFamily(

@@ -179,15 +179,15 @@ class UpstreamConnection(asyncio.Protocol):
             and self.reusable
         ):
             whole = oneread.response(data)
-            if whole is not None and handler.response_whole(*whole):
-                # (The common response: all of it in this read, forwarded as it came, or with
-                # the hop-by-hop lines a server sends on an ordinary answer taken out.)
-                stats = self.pool.state.stats
-                if whole[2] is data:
-                    stats.one_read_as_sent += 1
-                else:
-                    stats.one_read_spliced += 1
-                return
+            if whole is not None:
+                status, length, out = whole
+                if handler.response_whole(status, length, out):
+                    # (The common response: all of it in this read, forwarded as it came, or
+                    # with the hop-by-hop lines a server sends on an ordinary answer taken out:
+                    # those counted here; the relay counts them all.)
+                    if out is not data:
+                        self.pool.state.stats.one_read_spliced += 1
+                    return
         handler.begin_batch()
         try:
             if self._spliced:
