@@ -590,6 +590,7 @@ def main() -> None:
                 f"### router profile ({behind}, GET /)\n\n"
                 + profile_router(plain["router"], router.pid, "/", HOST, args, script, tmp)
             )
+        one_read_note = one_read_share(tmp / "router-run" / "router.sock")
         procs.check_alive()
 
     placement = (
@@ -616,6 +617,7 @@ def main() -> None:
     )
     if tls_note:
         print(f"- TLS: {tls_note}")
+    print(f"- router's paths: {one_read_note}")
     print()
     print("### Goals (router ÷ nginx, medians of the same run)")
     print()
@@ -623,6 +625,34 @@ def main() -> None:
     print()
     print("\n".join(sections))
     sys.stdout.flush()
+
+
+def one_read_share(admin_socket: Path) -> str:
+    """How many of the router's answers over the whole session (warm-ups, profiling included)
+    its one-read path relayed, spliced or as they came, from its own metrics: which path the
+    figures above measured."""
+    try:
+        status, body = benchlib.admin(admin_socket, "GET", "/metrics", timeout=10)
+    except OSError as e:
+        return f"unknown (the router's metrics: {e})"
+    if status != 200:
+        return f"unknown (the router's metrics: HTTP {status})"
+    answered = 0.0
+    one_read = {"as_sent": 0.0, "spliced": 0.0}
+    for line in body.decode().splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("lchat_http_requests_total{"):
+            answered += float(value)
+        for head in one_read:
+            if name == f'lchat_proxy_one_read_responses_total{{head="{head}"}}':
+                one_read[head] = float(value)
+    fast = one_read["as_sent"] + one_read["spliced"]
+    share = f"{fast / answered:.0%}" if answered else "-"
+    return (
+        f"{fast:.0f} of {answered:.0f} answers ({share}) relayed whole by the one-read path "
+        f"({one_read['spliced']:.0f} of them spliced: hop-by-hop lines taken out), the rest the "
+        "general way (`lchat_proxy_one_read_responses_total`)"
+    )
 
 
 def tls_description(certs: Path, targets: dict[str, Target]) -> str:
