@@ -923,16 +923,16 @@ def mutated_responses(draw: Any) -> bytes:
 _LIMITS = st.sampled_from([(8192, 100), (8192, 2), (48, 100)])
 
 
-def _patterns() -> ModuleType:
-    """lchat.proxy.oneread as loaded where lchat/proxy/_oneread_c is not built: its recognisers
-    are the patterns, the reference the C scanners are held to."""
+def _patterns(compiled: ModuleType | None = None) -> ModuleType:
+    """lchat.proxy.oneread as loaded where lchat/proxy/_oneread_c is not built (or is
+    ``compiled``): its recognisers are the patterns, the reference the C scanners are held to."""
     import lchat.proxy as package
 
     spec = importlib.util.spec_from_file_location("lchat.proxy.oneread", oneread.__file__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     built = package.__dict__.pop("_oneread_c", None)
-    with patch.dict(sys.modules, {"lchat.proxy._oneread_c": None}):  # (its import fails)
+    with patch.dict(sys.modules, {"lchat.proxy._oneread_c": compiled}):  # (None: import fails)
         spec.loader.exec_module(module)
     if built is not None:
         package._oneread_c = built
@@ -1017,6 +1017,23 @@ class WithoutLinesTests(SynchronousTestCase):
             with self.subTest(lines=lines):
                 head = b"HTTP/1.1 200 OK\r\n" + lines + b"\r\n"
                 self.assertIsNone(http.without_lines(head, http.RESPONSE_SPLICED))
+
+
+class StaleBuildTests(SynchronousTestCase):
+    def test_a_build_of_an_older_pyx_is_not_used(self) -> None:
+        """A C module built before ``response`` returned the client's bytes (a checkout updated
+        without a rebuild) would answer in the old form: the patterns serve instead, and the
+        start line says why and what to do."""
+        stale = ModuleType("lchat.proxy._oneread_c")  # (no API: built from the first .pyx)
+        stale.response = lambda data: (200, 3)  # type: ignore[attr-defined]
+        loaded = _patterns(stale)
+        self.assertFalse(loaded.COMPILED)
+        self.assertIn("older version", loaded.implementation())
+        self.assertIn("make install", loaded.implementation())
+        self.assertEqual(loaded.response(NGINX), PATTERNS.response(NGINX))
+        self.assertEqual(len(loaded.response(NGINX)), 3)
+        if oneread.COMPILED:
+            self.assertEqual(oneread.API, oneread._oneread_c.API)
 
 
 # (The module's Downstream is the one the tests drive: keep the import's purpose explicit.)

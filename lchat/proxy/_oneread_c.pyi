@@ -3,6 +3,7 @@ from typing import Any
 
 from lchat.proxy.oneread import WholeRequest as _WholeRequest
 
+API: int
 WholeRequest: Any
 
 def configure(

@@ -13,6 +13,10 @@ the header policy's shared sets (lchat.proxy.http). Until then both decline ever
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.string cimport memcmp, memcpy
 
+# The form of the answers (oneread.API must match: it does not use a build of another form).
+# 2: ``response`` returns (status, body length, the bytes the client gets).
+API = 2
+
 WholeRequest = None  # set by configure (oneread.py's NamedTuple)
 
 cdef enum:
