@@ -263,7 +263,7 @@ class RelocateAcrossRegionsTests(TwoRegionsCase):
 class RelocateFromAnyBoxTests(TwoRegionsCase):
     """``lchat relocate`` run on a box that does not run the space: the box holding its lease
     is asked (POST /api/mesh/hold) to sleep it and hold it asleep, the move goes on, and both
-    holds are lifted. ``ie`` on moto, ``fi`` on SeaweedFS (the subclass swaps them). The
+    holds are lifted. ``ie`` on moto, ``fi`` on SeaweedFS. The
     command runs on the other ``ie`` box, or, without one, on the destination box."""
 
     timeout = 240
@@ -330,7 +330,7 @@ class MissedFanOutTests(TwoRegionsCase):
     before its anti-entropy runs (``LCHAT_MESH_SYNC`` an hour) still places the space in its old
     region, and is its owner there: its wake finds the source bucket's moved marker and answers
     ``503 moved`` (never the old copy), asks the peers for the row at once, and then serves the
-    space from its new region. ``ie`` on moto, ``fi`` on SeaweedFS (the subclass swaps them)."""
+    space from its new region. ``ie`` on moto, ``fi`` on SeaweedFS."""
 
     timeout = 180
 
