@@ -27,6 +27,7 @@ import attrs
 from twisted.trial.unittest import SkipTest, TestCase
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNITS = os.path.join(ROOT, "ops", "systemd")  # the systemd units bootstrap installs
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git",
     ".venv",
@@ -263,3 +264,41 @@ class WheelInstallTests(TestCase):
         with open(log_path) as f:
             log_text = f.read()
         self.assertIn('"version"', answer, f"no answer from the space; router log:\n{log_text}")
+
+    def test_the_wheel_carries_the_bootstrap_units_and_the_example(self) -> None:
+        """A box installed from the wheel can bootstrap (``lchat bootstrap``, test_bootstrap.py):
+        the units and the example env file are in it. (Here rather than there: one wheel build
+        per test process.)"""
+        box = self.box
+        python = box.bin("python")
+        where = subprocess.check_output(
+            [python, "-c", "import lchat.ops as o; print(o.UNITS_DIR); print(o.ENV_EXAMPLE)"],
+            env=_clean_env(),
+            cwd="/",
+            text=True,
+        ).split()
+        units_dir, example = where
+        self.assertTrue(units_dir.startswith(box.venv), units_dir)
+        self.assertFalse(os.path.islink(units_dir))
+        for name in os.listdir(UNITS):
+            with open(os.path.join(UNITS, name)) as f, open(os.path.join(units_dir, name)) as g:
+                self.assertEqual(f.read(), g.read(), name)
+        with open(example) as f, open(os.path.join(ROOT, "etc", "router.env.example")) as g:
+            self.assertEqual(f.read(), g.read())
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root, True)
+        done = subprocess.run(
+            [box.bin("lchat"), "bootstrap", "--root", root, "--user", "root", "--dry-run"],
+            env=_clean_env(),
+            cwd="/",
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn(
+            f"to do    install {root}/etc/systemd/system/lchat-router.service", done.stdout
+        )
+        self.assertIn(
+            f"to do    install {root}/etc/systemd/system/lchat-spaces.target", done.stdout
+        )
