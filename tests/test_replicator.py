@@ -49,12 +49,14 @@ async def snapshot(rep: Replicator) -> None:
 
 PATH = "pre/h.example"
 
-# ~2 s of inserts, updates, deletes and a large blob, each round its own transaction.
+# Twenty rounds of inserts, updates, deletes and a large blob, each round its own transaction, a
+# pause between rounds (argv[2]: PAUSE, or LONG_PAUSE where the writer must outlive a lease).
 WRITER = textwrap.dedent(
     """
     import os, sqlite3, sys, time
     conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=10)
-    truncate = len(sys.argv) > 2
+    pause = float(sys.argv[2])
+    truncate = len(sys.argv) > 3
     for r in range(20):
         conn.execute("BEGIN")
         for i in range(20):
@@ -69,12 +71,16 @@ WRITER = textwrap.dedent(
             conn.execute("PRAGMA busy_timeout = 50")
             print(conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
             conn.execute("PRAGMA busy_timeout = 10000")
-        time.sleep(0.1)
+        time.sleep(pause)
     # A normal close, as a space does at SIGTERM: our read transaction must keep the WAL alive
     # (ReplicaDB never closes a descriptor of the database file before its own close()).
     conn.close()
     """
 )
+# A round a pause (the replicator's interval is 0.05 s): ~1 s of writing, each round its own
+# shipped file or a few together, so files ship while the writer runs, not all at the end.
+PAUSE = 0.05
+LONG_PAUSE = 0.1  # ~2 s of writing: well past a 1 s lease's deadline
 
 
 class Counting:
@@ -131,10 +137,10 @@ class ReplicatorTests(TestCase):
         self.addCleanup(rep.stop)
         return rep
 
-    async def _write(self, *extra: str) -> None:
+    async def _write(self, *extra: str, pause: float = PAUSE) -> None:
         ran = await _thread(
             lambda: subprocess.run(
-                [sys.executable, "-c", WRITER, self.src, *extra],
+                [sys.executable, "-c", WRITER, self.src, str(pause), *extra],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -216,7 +222,7 @@ class ReplicatorTests(TestCase):
         )
         rep = self._replicator(keeper=keeper)
         await rep.start()
-        await self._write()  # ~2 s: well past the deadline
+        await self._write(pause=LONG_PAUSE)  # ~2 s: well past the deadline
         await _sleep(0.2)
         self.assertIsNotNone(rep.lost)
         self.assertTrue(rep.stopped)
@@ -311,7 +317,7 @@ class ReplicatorTests(TestCase):
         )
         rep = self._replicator(keeper=keeper, compaction={1: 0.05}, snapshot_interval=0.2)
         await rep.start()
-        await self._write()  # ~2 s: past the deadline
+        await self._write(pause=LONG_PAUSE)  # ~2 s: past the deadline
         await _sleep(0.3)
         self.assertTrue(rep.stopped)
         writes = [t for n, t in self.store.calls if n in ("put_file", "delete")]
@@ -348,7 +354,10 @@ class MotoTests(TestCase):
         await rep.start()
         ran = await _thread(
             lambda: subprocess.run(
-                [sys.executable, "-c", WRITER, src], capture_output=True, text=True, timeout=30
+                [sys.executable, "-c", WRITER, src, str(PAUSE)],
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
         )
         self.assertEqual(ran.returncode, 0, ran.stderr)
@@ -385,7 +394,10 @@ class MotoTests(TestCase):
         await rep.start()
         ran = await _thread(
             lambda: subprocess.run(
-                [sys.executable, "-c", WRITER, src], capture_output=True, text=True, timeout=30
+                [sys.executable, "-c", WRITER, src, str(PAUSE)],
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
         )
         self.assertEqual(ran.returncode, 0, ran.stderr)
