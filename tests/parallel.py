@@ -3,13 +3,14 @@
 ``make unit`` runs this instead of ``trial -j``: trial's distributed runner does not work with an
 asyncio reactor (a worker's reactor returns from ``run`` before its test finished, and the worker
 dies), and the router runs on one (lchat.uvloop_reactor). Modules are handed out longest first
-(their size is the estimate) to ``-j`` slots as they free up, the few that need more than one
-slot (``SLOTS``) first of all; each gets its own temp directory under one scratch directory in
-``$TMPDIR``. Each module's line says its wall time and the CPU time it and its processes used
-(a router test mostly waits: that is why ``make unit`` runs more modules than there are cores). A passing module's temp directory is removed as soon as
-it ends; a failing module's is kept (its ``test.log`` and whatever its tests left there), and its
-path is printed with the module's whole output at the end; the exit status is 1 if any failed.
-Interrupted (Ctrl-C), it removes the whole scratch directory.
+(their size is the estimate) to ``-j`` slots as they free up, the few load-sensitive ones
+(``AT_MOST``) first of all; each gets its own temp directory under one scratch directory in
+``$TMPDIR``. Each module's line says its wall time and the CPU time it and its processes used (a
+router test mostly waits; a model check such as test_fence_model does not). A passing module's
+temp directory is removed as soon as it ends; a failing module's is kept (its ``test.log`` and
+whatever its tests left there), and its path is printed with the module's whole output at the
+end; the exit status is 1 if any failed. Interrupted (Ctrl-C), it removes the whole scratch
+directory.
 
     python -m tests.parallel [-j N] [module ...]
 """
@@ -32,17 +33,17 @@ HERE = Path(__file__).resolve().parent
 TRIAL = [sys.executable, "-m", "twisted.trial", "--reactor=uvloop"]
 
 
-# Modules that take more than one of the ``-j`` slots: what runs beside them is what they were
-# made reliable under. test_mesh_cuts times real routers' heartbeats and leases against each other
-# (its cuts land within a heartbeat of a deadline): with two more modules' routers competing for
-# two cores it is late where it must not be. They are handed out first, as the run starts.
-SLOTS = {"tests.test_mesh_cuts": 2}
+# Load-sensitive modules: at most this many modules (the module itself included) run while one of
+# these does, whatever ``-j`` says, so what runs beside it stays what it was made reliable under
+# (``make unit``'s -j2). test_mesh_cuts times real routers' heartbeats and leases against each
+# other (its cuts land within a heartbeat of a deadline). They are handed out first.
+AT_MOST = {"tests.test_mesh_cuts": 2}
 
 
 def modules() -> list[str]:
     files = sorted(HERE.glob("test_*.py"), key=lambda p: p.stat().st_size, reverse=True)
     names = [f"tests.{p.stem}" for p in files]
-    return [n for n in names if n in SLOTS] + [n for n in names if n not in SLOTS]
+    return [n for n in names if n in AT_MOST] + [n for n in names if n not in AT_MOST]
 
 
 def main() -> int:
@@ -66,7 +67,8 @@ def main() -> int:
                 while True:
                     if not queue:
                         return
-                    need = min(SLOTS.get(queue[0], 1), jobs)
+                    # (It takes the slots of the modules that may not run beside it.)
+                    need = max(1, jobs - AT_MOST.get(queue[0], jobs) + 1)
                     if free[0] >= need:
                         break
                     lock.wait()
