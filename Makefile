@@ -73,8 +73,11 @@ tools:
 	  fi; \
 	fi
 
+# Three modules at a time on two cores: a router test mostly waits (the suite's CPU time is about
+# half the sum of its modules' wall times; tests.parallel prints both), and a load-sensitive
+# module keeps at most one beside it (tests.parallel's AT_MOST).
 unit: $(STAMP) tools
-	$(BIN)/python -m tests.parallel -j2
+	$(BIN)/python -m tests.parallel -j3
 
 test: lint typecheck unit
 

@@ -35,7 +35,7 @@ TRIAL = [sys.executable, "-m", "twisted.trial", "--reactor=uvloop"]
 
 # Load-sensitive modules: at most this many modules (the module itself included) run while one of
 # these does, whatever ``-j`` says, so what runs beside it stays what it was made reliable under
-# (``make unit``'s -j2). test_mesh_cuts times real routers' heartbeats and leases against each
+# (one module, as when ``make unit`` ran -j2). test_mesh_cuts times real routers' heartbeats and leases against each
 # other (its cuts land within a heartbeat of a deadline). They are handed out first.
 AT_MOST = {"tests.test_mesh_cuts": 2}
 
