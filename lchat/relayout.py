@@ -49,7 +49,7 @@ from prometheus_client import Counter
 from twisted.logger import Logger
 
 from lchat import hosts, isolation
-from lchat.hibernation.localdb import MARKER_SUFFIX, moved_aside
+from lchat.hibernation.localdb import LEASE_SUFFIX, MARKER_SUFFIX, moved_aside
 from lchat.registry import Registry, RegistryError, Route
 
 _log = Logger(namespace="lchat.relayout")
@@ -65,7 +65,7 @@ Action = Literal["enable", "move", "row", "note", "refuse", "nothing"]
 # Beside a database, the files that belong to its space, moved with it ("" is the database itself,
 # moved last). The marker is the router's record (left with its owner); the rest are the space's.
 _SIDECAR_STATE = "-bot.json"  # lchat.space.sidecar: a bot sidecar's schedule, beside its database
-_WITH_DB = ("-journal", "-shm", "-wal", MARKER_SUFFIX, _SIDECAR_STATE)
+_WITH_DB = ("-journal", "-shm", "-wal", MARKER_SUFFIX, LEASE_SUFFIX, _SIDECAR_STATE)
 _WITH_COPY = ("-shm", "-wal", MARKER_SUFFIX)  # a moved-aside copy's (localdb.move_aside)
 _PROBE_TIMEOUT = 1.0  # seconds: a socket whose space runs answers a connect at once
 
@@ -228,7 +228,7 @@ def _host_steps(
                 host=host,
             )
         ]
-    pairs = [(flat_db + s, new_db + s, s != MARKER_SUFFIX) for s in _WITH_DB]
+    pairs = [(flat_db + s, new_db + s, s not in (MARKER_SUFFIX, LEASE_SUFFIX)) for s in _WITH_DB]
     for copy in moved_aside(flat_db):
         tail = os.path.basename(copy.path)[len(name + ".db") :]
         pairs += [(copy.path + s, new_db + tail + s, s != MARKER_SUFFIX) for s in _WITH_COPY]

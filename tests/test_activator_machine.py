@@ -18,6 +18,7 @@ process (tests/test_activator.py covers it end to end).
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import sqlite3
@@ -35,10 +36,10 @@ from lchat import config, hosts, lease
 from lchat.buckets import RegionBuckets
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
-from lchat.hibernation.localdb import MARKER_SUFFIX
+from lchat.hibernation.localdb import LEASE_SUFFIX, MARKER_SUFFIX, Restorer
 from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.space import Budgets, WakeFailed
-from lchat.lease import LeaseRecord
+from lchat.lease import HeldLease, LeaseRecord
 from lchat.objstore.file import FileStore
 from lchat.registry import Registry, Route
 from lchat.replica.restore import SNAPSHOT_LEVEL, replica_files, restore
@@ -967,6 +968,63 @@ class DatabaseStepTests(_Machine):
         target = self.target(self.activator.route(route))  # no wait on the clock
         assert isinstance(target, LocalSocket), target
         self.assertEqual(self.lock_owner("crash.example"), self.cfg.box_id)
+
+    def test_our_own_lease_taken_back_trusts_only_the_copy_of_that_holding(self) -> None:
+        """A mesh box's own lease, taken back (``own``), vouches for its unmarked local copy only
+        when that copy was the space's copy under the holding taken back (``<db>-lease.json``).
+        The fence model's case: an isolated box's copy of an old tenure; another box held the
+        space and shipped writes; this box's late lock PUT (its wake had given up) named it
+        again; the next wake took back "its own" lease and served the old copy, losing the
+        writes that had shipped. Now the bucket decides, and the old copy is moved aside."""
+        host = "gap.example"
+        self.add_space(host)
+        self.awake(host).write("ours")
+        self.successResultOf(self.activator.sleep(host, "admin"))
+        db = self.db(host)
+        old = os.path.join(self.dir, "old-tenure")
+        os.makedirs(old)
+        for suffix in ("", "-wal", LEASE_SUFFIX):
+            if os.path.exists(db + suffix):
+                shutil.copy2(db + suffix, os.path.join(old, "copy" + suffix))
+        self.awake(host).write("theirs")  # (a later tenure: its writes shipped)
+        self.successResultOf(self.activator.sleep(host, "admin"))
+        for suffix in ("", "-wal", MARKER_SUFFIX, LEASE_SUFFIX):
+            if os.path.exists(db + suffix):
+                os.unlink(db + suffix)
+        for suffix in ("", "-wal", LEASE_SUFFIX):
+            if os.path.exists(os.path.join(old, "copy" + suffix)):
+                shutil.copy2(os.path.join(old, "copy" + suffix), db + suffix)
+        restorer = Restorer(self.raw, inline, self.cfg.box_id, True, self.data, self.clock)
+
+        def taken_back(generation: int) -> HeldLease:
+            return HeldLease(
+                key=f"{host}/lock.json",
+                host=host,
+                owner=self.cfg.box_id,
+                generation=generation,
+                ttl=TTL,
+                lease_id="again",
+                etag="e",
+                acquired_at=datetime.datetime.now(datetime.UTC),
+                bucket_time=datetime.datetime.now(datetime.UTC),
+                written_at=0.0,
+                took_over_from=self.cfg.box_id,
+                took_over_because="own",
+            )
+
+        self.successResultOf(
+            Deferred.fromCoroutine(restorer.prepare(host, db, host, taken_back(40)))
+        )
+        self.assertEqual(messages(db), ["ours", "theirs"])  # the bucket's, not the old copy
+        # The copy now is that of generation 40: taken back from it, it is trusted as is.
+        conn = sqlite3.connect(db)
+        conn.execute("INSERT INTO messages (body) VALUES ('not shipped yet')")
+        conn.commit()
+        conn.close()
+        self.successResultOf(
+            Deferred.fromCoroutine(restorer.prepare(host, db, host, taken_back(41)))
+        )
+        self.assertEqual(messages(db), ["ours", "theirs", "not shipped yet"])
 
 
 class HomeBucketTests(_Machine):

@@ -513,6 +513,9 @@ class Box:
         # marker; None: no marker, a copy that may hold writes the bucket lacks).
         self.disk: tuple[str, ...] | None = None
         self.marker: int | None = None
+        # The lease generation the copy on disk was last the space's copy under (localdb's
+        # <db>-lease.json; None: none).
+        self.lease_gen: int | None = None
         # lchat.hibernation.recovery: the copy may hold writes the bucket lacks (present, not
         # running, no marker), until a wake here ships it or its lease is found elsewhere.
         self.dirty = False
@@ -1404,11 +1407,18 @@ class Sim:
         exactly the bucket's newest state (a clean sleep: resumed); else it is moved aside and
         the bucket's copy restored. Returns the txid the local copy is exactly (or None)."""
         box = proc.box
-        reclaimed = tenure.lease.took_over_from == box.owner
+        generation = tenure.lease.generation
+        # Our own holding taken back vouches for the copy only if it is the holding the copy was
+        # last the space's copy under (a wake that gave up before this step left an older one).
+        reclaimed = tenure.lease.took_over_from == box.owner and box.lease_gen in (
+            None,
+            generation - 1,
+        )
         files = replica_files(listing)
         newest = max((f.max_txid for f in files), default=0)
         if box.disk is not None and box.marker is None and (reclaimed or newest == 0):
             tenure.local = box.disk
+            box.lease_gen = generation
             if reclaimed and box.disk:
                 self.saw("wake from this box's own copy (newer than the bucket)")
             self.log(f"{tenure.name}: uses this box's copy ({_state(box.disk)})")
@@ -1416,11 +1426,13 @@ class Sim:
         if box.disk is not None and box.marker is not None and box.marker == newest:
             tenure.local = box.disk
             box.marker = None  # (replication starts: it moves on past the marker)
+            box.lease_gen = generation
             return newest
         if box.disk is not None:
             self.log(f"{tenure.name}: moves this box's copy aside ({_state(box.disk)})")
         restored = self.restore(listing, tenure)
         box.disk, box.marker = tenure.local, None
+        box.lease_gen = generation
         box.dirty = False
         return restored
 
@@ -1526,6 +1538,7 @@ class Sim:
                 box.disk, box.marker = tenure.local, tenure.rep.txid  # the clean-sleep marker
             elif tenure.lost is not None and lifecycle.taken(tenure.lost):
                 box.disk, box.marker = None, None  # moved aside: the bucket is the truth
+                box.lease_gen = None
             elif tenure.replicating or tenure.commits:
                 # Lost to a lapse, or the flush failed: kept, unmarked (newer than the bucket).
                 box.disk, box.marker = tenure.local, None

@@ -22,7 +22,7 @@ from lchat.handover import HandoverError
 from lchat.handover.freshness import Freshness, foreign_bucket, read_freshness
 from lchat.handover.router import Router, Say, absent, json_body
 from lchat.handover.seams import Bucket, Clock, Peers, Units
-from lchat.hibernation.localdb import MARKER_SUFFIX
+from lchat.hibernation.localdb import LEASE_SUFFIX, MARKER_SUFFIX
 from lchat.objstore import ObjectStoreError
 from lchat.registry import Registry, Route
 from lchat.systemd_units import UnitError
@@ -69,8 +69,9 @@ def forget_clean_sleep(db: str) -> None:
     """Remove the activator's clean-sleep marker: it vouches that the local database is exactly
     the bucket's newest state (the activator then resumes the replica without a snapshot), which
     stops being true as soon as anything else writes the database."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(db + MARKER_SUFFIX)
+    for record in (MARKER_SUFFIX, LEASE_SUFFIX):  # (the lease record: no lease writes it now)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(db + record)
 
 
 def health_check(

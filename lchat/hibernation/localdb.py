@@ -6,6 +6,11 @@ Files, for a database ``<db>`` (``<data>/<host>.db``):
 - ``<db>-lchat.json``, the *marker*: the txid of the bucket's replica the local database is exactly
   (written at a clean sleep), valid only while the database and its WAL are untouched (their
   inode, size and mtime are recorded with it);
+- ``<db>-lease.json``, the *lease record*: the lease generation under which the local database
+  last became the space's copy (written by each wake once its database step is done). A lease
+  taken back from this box's own earlier holding vouches for the local copy only when that holding
+  is the one the record names: a holding whose wake never got that far (its lock PUT landed after
+  the wake gave up) left the copy of an older tenure, which another box's writes may have passed;
 - ``<db>.stale-<stamp>`` and ``<db>.lease-lost-<stamp>`` (with their ``-wal``, ``-shm``): copies
   moved aside, each dated by a record in the marker's format (``<copy>-lchat.json``) when the txid
   it holds at least is known.
@@ -40,6 +45,7 @@ from lchat.threads import RunInThread
 _log = Logger(namespace="lchat.activator")
 
 MARKER_SUFFIX = "-lchat.json"  # <db>-lchat.json: the txid a cleanly slept local DB matches
+LEASE_SUFFIX = "-lease.json"  # <db>-lease.json: the lease generation it was last the copy under
 _ASIDE_NAME = re.compile(r"\.(?:stale|lease-lost)-\d{8}T\d{6}")
 _ASIDE_AT_END = re.compile(_ASIDE_NAME.pattern + r"\Z")
 
@@ -48,6 +54,9 @@ _ASIDE_AT_END = re.compile(_ASIDE_NAME.pattern + r"\Z")
 class LocalState:
     present: bool
     marker_txid: int | None  # None: no marker, or the files changed since it was written
+    # The lease generation the copy was last the space's copy under (None: no record, as a copy
+    # from before the record existed, or one moved back: of unknown lineage).
+    lease_generation: int | None = None
 
 
 @frozen
@@ -130,7 +139,25 @@ def local_state(db: str) -> LocalState:
                 marker = value
         except (OSError, ValueError, AttributeError):
             marker = None
-    return LocalState(present, marker)
+    return LocalState(present, marker, read_lease_generation(db) if present else None)
+
+
+def read_lease_generation(db: str) -> int | None:
+    """The generation ``<db>-lease.json`` records (None: none, or unreadable)."""
+    try:
+        with open(db + LEASE_SUFFIX, "rb") as f:
+            value = json.load(f).get("generation")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def write_lease_generation(db: str, generation: int) -> None:
+    """Record that the local database is now the space's copy under lease ``generation``
+    (fsynced: a record lost to a crash would vouch for nothing, but one that named an older
+    generation than the copy's would make the next own reclaim restore from the bucket, moving
+    the copy aside: safe, and only a download)."""
+    write_atomic(db + LEASE_SUFFIX, json.dumps({"generation": generation}).encode(), 0o600)
 
 
 def write_marker(db: str, txid: int, now: float) -> None:
@@ -160,6 +187,7 @@ def move_aside(db: str, why: str, now: float, txid: int | None = None) -> str | 
     for suffix in ("", "-wal", "-shm", MARKER_SUFFIX):
         if os.path.exists(db + suffix):
             os.replace(db + suffix, target + suffix)
+    unlink_quietly(db + LEASE_SUFFIX)  # (it vouched for the copy now aside: for nothing now)
     if txid is not None:
         write_marker(target, txid, now)
     return target
@@ -198,6 +226,7 @@ def move_back(aside: str, db: str) -> None:
             os.replace(aside + suffix, db + suffix)
     unlink_quietly(aside + MARKER_SUFFIX)
     unlink_quietly(db + MARKER_SUFFIX)
+    unlink_quietly(db + LEASE_SUFFIX)
 
 
 # -- the wake's database step ----------------------------------------------------------------------
@@ -215,10 +244,39 @@ class Restorer:
     _clock: IReactorTime  # wall time: the stamps of moved-aside copies
 
     async def prepare(self, host: str, db: str, replica: str, lease: HeldLease | None) -> DBPlan:
-        """Restore ``db`` from the replica at ``replica`` unless a local copy must be used.
-        Raises :class:`WakeFailed` (``bucket``, ``restore`` or ``diverged``)."""
+        """Restore ``db`` from the replica at ``replica`` unless a local copy must be used, then
+        record the lease generation it is the copy under (``<db>-lease.json``). Raises
+        :class:`WakeFailed` (``bucket``, ``restore`` or ``diverged``)."""
+        plan = await self._prepare(host, db, replica, lease)
+        if lease is not None:
+            generation = lease.generation
+            try:
+                await self._run(lambda: write_lease_generation(db, generation))
+            except OSError as e:
+                raise WakeFailed(host, "restore", f"cannot record the lease generation: {e}") from e
+        return plan
+
+    async def _prepare(self, host: str, db: str, replica: str, lease: HeldLease | None) -> DBPlan:
         local = await self._run(lambda: local_state(db))
-        reclaimed = lease is not None and lease.took_over_from == self._box_id
+        # A lease taken back from this box's own holding vouches for the local copy only when
+        # that holding is the one the copy was last the space's copy under: a holding whose wake
+        # gave up before its database step (the lock PUT landed late) left an older tenure's
+        # copy, which another box's writes may have passed (the fence model found it: a restore
+        # that lost shipped writes). No record: a copy from before records (trusted, as then).
+        reclaimed = (
+            lease is not None
+            and lease.took_over_from == self._box_id
+            and local.lease_generation in (None, lease.generation - 1)
+        )
+        if lease is not None and lease.took_over_from == self._box_id and not reclaimed:
+            _log.warn(
+                "activator: {host}: the lease taken back was this box's (generation {taken}), "
+                "but the local copy was last the space's copy under generation {mine}: another "
+                "box may have written since, so the bucket decides",
+                host=host,
+                taken=lease.generation - 1,
+                mine=local.lease_generation,
+            )
         if local.present and local.marker_txid is None and (not self._mesh or reclaimed):
             # Not cleanly slept here (a crash, or created before hibernation): it is the newest
             # copy — on one box nobody else can have written since, and in a mesh the lease we
