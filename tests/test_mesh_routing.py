@@ -546,10 +546,12 @@ class ForwardingTests(_Base):
 
     def test_a_forward_for_a_space_a_peer_in_reach_holds_is_refused_not_woken(self) -> None:
         """A 3-box pair cut: A cannot reach the holder B, so A's reroute forwards to C; C hears
-        B, whose beats say the space is awake there. A wake on C would only meet B's lease, and
-        C's own clients' requests for the space would join it meanwhile (a 503 through C, which
-        the cut does not concern): C answers the forward 503 ``lease_held`` at once. A holder
-        that stopped answering C too (dead) is not that: the wake goes on and judges it."""
+        B, whose beats say the space is awake there, and its lease names B. A wake on C would
+        only meet that lease, and C's own clients' requests for the space would join it
+        meanwhile (a 503 through C, which the cut does not concern): C answers the forward 503
+        ``lease_held`` at once. A lease released since (a drain's hand-over, which B's beats may
+        say only a heartbeat later), or a holder that stopped answering C too (dead), is not
+        that: the wake goes on."""
         host = host_owned_by(SELF, SELF, B)
         answering = {B}
 
@@ -561,6 +563,7 @@ class ForwardingTests(_Base):
                 return url in answering
 
         mesh = self.mesh(Told(Peer(SELF), Peer(B)))
+        key = self.hold_lease(host, B)
         marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
         before = forwards("forwarded_held_elsewhere")
         got = self.routed(mesh, host, forwarded=marker)
@@ -568,9 +571,17 @@ class ForwardingTests(_Base):
         self.assertEqual((got.status, got.label), (503, "lease_held"))
         self.assertEqual(self.served, [])
         self.assertEqual(forwards("forwarded_held_elsewhere"), before + 1)
-        answering.clear()  # B stopped answering: the wake here judges it
+        # Released (B drained it), its beats not yet saying so: served here.
+        self.release_lease(key)
+        self.clock.advance(2.0)  # (the lease read is cached holder_ttl)
         self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
         self.assertEqual(self.served, [host])
+        # Held by B again, but B stopped answering this box's beats: the wake here judges it.
+        self.hold_lease(host, B)
+        self.clock.advance(2.0)  # (the lease read is cached holder_ttl)
+        answering.clear()
+        self.assertIs(self.routed(mesh, host, forwarded=marker), SERVED_HERE)
+        self.assertEqual(self.served, [host, host])
 
 
 class HolderCacheTests(_Base):

@@ -356,35 +356,47 @@ class MeshRouter:
                 if self._foreign(route) and not self._activator.holds(host):
                     failover = Deferred.fromCoroutine(self._failover(route, head, forwarded=True))
                     return failover.addCallback(_refusal_for_peer)
-                if self._held_by_a_peer_in_reach(host):
-                    return _unavailable(host, "lease_held")
-                _forwards.labels("local_forwarded").inc()
-                target = self._here(route, head)
-                if isinstance(target, Deferred):
-                    return target.addCallback(_refusal_for_peer)
-                return _refusal_for_peer(target)
+                told = self._told_by_a_peer_in_reach(host)
+                if told is not None:
+                    return Deferred.fromCoroutine(self._forwarded_unless_held(route, head, told))
+                return self._forwarded_here(route, head)
             _forwards.labels("bad_marker").inc()  # stripped already; routed like any request
         if self._activator.holds(host) and not self._activator.lease_lost(host):
             _forwards.labels("local_running").inc()
             return self._here(route, head)
         return Deferred.fromCoroutine(self._route_remote(route, head))
 
-    def _held_by_a_peer_in_reach(self, host: str) -> bool:
-        """A request forwarded here for ``host``, which a peer's beats say is awake on it, a peer
-        that answered this box's last beat: the sender could not reach that peer (a cut between
-        the two), but a wake here would only meet its lease — and every request of this box's
-        own clients for ``host`` would join that doomed wake meanwhile, instead of going to the
-        holder (fc: a 3-box pair cut, a client of the third box refused). Answered 503 at once.
-        A holder that stopped answering (dead, or cut from here too) is not this case: the wake
-        goes on and judges it."""
+    def _forwarded_here(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
+        _forwards.labels("local_forwarded").inc()
+        target = self._here(route, head)
+        if isinstance(target, Deferred):
+            return target.addCallback(_refusal_for_peer)
+        return _refusal_for_peer(target)
+
+    def _told_by_a_peer_in_reach(self, host: str) -> str | None:
+        """The peer whose beats say ``host`` is awake on it, when that peer answered this box's
+        last beat (and this box does not run ``host``): a request forwarded here for it may be
+        one its sender could not deliver to that peer (a cut between the two)."""
         told = self._membership.holding(host)
         if told is None or told == self._self_url or self._activator.holds(host):
-            return False
+            return None
         since = self._mono() - self._mesh.dead_after
-        if not self._membership.answered_since(told, since):
-            return False
-        _forwards.labels("forwarded_held_elsewhere").inc()
-        return True
+        return told if self._membership.answered_since(told, since) else None
+
+    async def _forwarded_unless_held(self, route: Route, head: RequestHead, told: str) -> Target:
+        """A request forwarded here for a space that ``told``, a peer in this box's reach, says
+        it holds: when its lease still names ``told`` (one GET, shared and cached), a wake here
+        would only meet that lease — and this box's own clients' requests for the space would
+        join that doomed wake meanwhile instead of going to the holder (test_mesh_cuts, a 3-box
+        pair cut: a refusal through the uncut box). Answered 503 at once; the sender's client
+        retries. A lease released or taken since (a drain's hand-over: its beats may say so
+        only a heartbeat later) is served here as any forwarded request."""
+        host = route.host
+        if await self._holder(host) == told:
+            _forwards.labels("forwarded_held_elsewhere").inc()
+            return _unavailable(host, "lease_held")
+        here = self._forwarded_here(route, head)
+        return await here if isinstance(here, Deferred) else here
 
     def _here(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
         """Served on this box: the activator's, which wakes the space or answers 503."""
