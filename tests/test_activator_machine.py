@@ -36,7 +36,12 @@ from lchat import config, hosts, lease
 from lchat.buckets import RegionBuckets
 from lchat.hibernation.activator import Activator
 from lchat.hibernation.lifecycle import Lifecycle
-from lchat.hibernation.localdb import LEASE_SUFFIX, MARKER_SUFFIX, Restorer
+from lchat.hibernation.localdb import (
+    LEASE_SUFFIX,
+    MARKER_SUFFIX,
+    Restorer,
+    write_lease_generation,
+)
 from lchat.hibernation.sidecars import Sidecars
 from lchat.hibernation.space import Budgets, WakeFailed
 from lchat.lease import HeldLease, LeaseRecord
@@ -979,8 +984,9 @@ class DatabaseStepTests(_Machine):
         host = "gap.example"
         self.add_space(host)
         self.awake(host).write("ours")
-        self.successResultOf(self.activator.sleep(host, "admin"))
         db = self.db(host)
+        self.assertTrue(os.path.exists(db + LEASE_SUFFIX))  # each wake records its generation
+        self.successResultOf(self.activator.sleep(host, "admin"))
         old = os.path.join(self.dir, "old-tenure")
         os.makedirs(old)
         for suffix in ("", "-wal", LEASE_SUFFIX):
@@ -1016,6 +1022,7 @@ class DatabaseStepTests(_Machine):
             Deferred.fromCoroutine(restorer.prepare(host, db, host, taken_back(40)))
         )
         self.assertEqual(messages(db), ["ours", "theirs"])  # the bucket's, not the old copy
+        write_lease_generation(db, 40)  # (the wake records it once its space is ready)
         # The copy now is that of generation 40: taken back from it, it is trusted as is.
         conn = sqlite3.connect(db)
         conn.execute("INSERT INTO messages (body) VALUES ('not shipped yet')")

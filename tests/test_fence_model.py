@@ -514,7 +514,9 @@ class Box:
         self.disk: tuple[str, ...] | None = None
         self.marker: int | None = None
         # The lease generation the copy on disk was last the space's copy under (localdb's
-        # <db>-lease.json; None: none).
+        # <db>-lease.json; None: none). Recorded here at the database step; the real wake writes
+        # it once the space is ready, later still (a wake dying in between then leaves the
+        # older record: the next own reclaim restores from the bucket, the safe side).
         self.lease_gen: int | None = None
         # lchat.hibernation.recovery: the copy may hold writes the bucket lacks (present, not
         # running, no marker), until a wake here ships it or its lease is found elsewhere.

@@ -405,6 +405,7 @@ class Lifecycle:
             _log.error("activator: {host} did not become ready: {error}", host=host, error=e)
             raise WakeFailed(host, "not_ready", f"{host} did not start: {e}") from e
         timings["ready"] = clock() - t
+        await self._record_lease(space, lease)
 
         if plan.resume is None:
             # A new database (the space created it) or one of unknown lineage: snapshot.
@@ -412,6 +413,25 @@ class Lifecycle:
             await self._start_replication(space, plan)
             timings["replicate"] = clock() - t
         return timings
+
+    async def _record_lease(self, space: Space, lease: HeldLease) -> None:
+        """The local database is the space's copy under ``lease`` now (``<db>-lease.json``:
+        what a later own reclaim trusts it by, lchat.hibernation.localdb). A record that cannot
+        be written leaves the older one: that reclaim would then restore from the bucket and
+        move this copy aside (kept), so it is said loudly."""
+        generation = lease.generation
+        try:
+            await self.run_in_thread(lambda: localdb.write_lease_generation(space.db, generation))
+        except OSError as e:
+            _log.error(
+                "activator: {host}: cannot record lease generation {generation} beside {db} "
+                "({error}): if this box restarts with writes not yet shipped, its next wake "
+                "restores from the bucket and moves them aside",
+                host=space.host,
+                generation=generation,
+                db=space.db,
+                error=e,
+            )
 
     async def _acquire(self, host: str, bucket: WakeBucket) -> HeldLease:
         assert self.cfg.hibernate is not None

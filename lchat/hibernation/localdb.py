@@ -153,10 +153,9 @@ def read_lease_generation(db: str) -> int | None:
 
 
 def write_lease_generation(db: str, generation: int) -> None:
-    """Record that the local database is now the space's copy under lease ``generation``
-    (fsynced: a record lost to a crash would vouch for nothing, but one that named an older
-    generation than the copy's would make the next own reclaim restore from the bucket, moving
-    the copy aside: safe, and only a download)."""
+    """Record that the local database is now the space's copy under lease ``generation`` (the
+    wake writes it once the space is ready: its database step done, before any request of this
+    tenure is let through; on an isolating box the space's directory exists only by then)."""
     write_atomic(db + LEASE_SUFFIX, json.dumps({"generation": generation}).encode(), 0o600)
 
 
@@ -244,19 +243,9 @@ class Restorer:
     _clock: IReactorTime  # wall time: the stamps of moved-aside copies
 
     async def prepare(self, host: str, db: str, replica: str, lease: HeldLease | None) -> DBPlan:
-        """Restore ``db`` from the replica at ``replica`` unless a local copy must be used, then
-        record the lease generation it is the copy under (``<db>-lease.json``). Raises
-        :class:`WakeFailed` (``bucket``, ``restore`` or ``diverged``)."""
-        plan = await self._prepare(host, db, replica, lease)
-        if lease is not None:
-            generation = lease.generation
-            try:
-                await self._run(lambda: write_lease_generation(db, generation))
-            except OSError as e:
-                raise WakeFailed(host, "restore", f"cannot record the lease generation: {e}") from e
-        return plan
-
-    async def _prepare(self, host: str, db: str, replica: str, lease: HeldLease | None) -> DBPlan:
+        """Restore ``db`` from the replica at ``replica`` unless a local copy must be used.
+        Raises :class:`WakeFailed` (``bucket``, ``restore`` or ``diverged``). (The wake records
+        the lease generation, :func:`write_lease_generation`, once its space is ready.)"""
         local = await self._run(lambda: local_state(db))
         # A lease taken back from this box's own holding vouches for the local copy only when
         # that holding is the one the copy was last the space's copy under: a holding whose wake
