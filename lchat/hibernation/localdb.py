@@ -7,7 +7,7 @@ Files, for a database ``<db>`` (``<data>/<host>.db``):
   (written at a clean sleep), valid only while the database and its WAL are untouched (their
   inode, size and mtime are recorded with it);
 - ``<db>-lease.json``, the *lease record*: the lease generation under which the local database
-  last became the space's copy (written by each wake once its database step is done). A lease
+  last became the space's copy (written by each wake once its space is ready). A lease
   taken back from this box's own earlier holding vouches for the local copy only when that holding
   is the one the record names: a holding whose wake never got that far (its lock PUT landed after
   the wake gave up) left the copy of an older tenure, which another box's writes may have passed;
