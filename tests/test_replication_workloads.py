@@ -619,10 +619,17 @@ class LeaseTests(TestCase):
                 writer.wait()
 
         self.addCleanup(reap)
-        await _sleep(0.7)
         if how == "takeover":
-            # Someone else takes the lock over (a direct write, not through the proxy).
+            # Once it streams (two LTX PUTs: a fixed 0.7 s was too short for a writer process
+            # started on a loaded machine, fc34), someone else takes the lock over (a direct
+            # write, not through the proxy).
+            for _ in range(200):
+                if sum(1 for m, p, _t in proxy.requests if m == "PUT" and p.endswith(".ltx")) >= 2:
+                    break
+                await _sleep(0.05)
             await direct.put(key, b'{"owner": "box-b"}')
+        else:
+            await _sleep(0.7)
         for _ in range(100):
             if lost_at:
                 break
