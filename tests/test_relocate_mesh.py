@@ -467,15 +467,27 @@ class RegionFailoverTests(_FailoverCase):
         listed = yield Deferred.fromCoroutine(fi_store.list(f"prod/{HOST}/"))
         self.assertEqual([i.key for i in listed], [])
 
-        # The ie box is back: it forwards to the fi box while the space is awake there...
+        # The ie box is back: it forwards to the fi box while the space is awake there (once
+        # its beats reach fi: until then its requests get a fast 503 holder_unreachable, which a
+        # client retries; fc36 asked at once)...
         yield self.start(ie)
         yield self.wait_for(lambda: test_mesh._members(ie) == 2, timeout=10)
+        yield self.wait_for(
+            lambda: request(ie, HOST, "/api/rooms/r/messages?limit=1000", ca=self.ca)[0] == 200,
+            timeout=10,
+        )
         got = yield deferToThread(self.messages, ie)
         self.assertEqual(got, ["before", "during"])
         self.assertFalse(ie.awake(HOST))
         # ...and the space goes home at its next sleep (the lease released in ie's bucket).
         slept = yield deferToThread(_admin, fi, f"/sleep?host={HOST}")
         self.assertEqual(slept[0], 200, slept)
+        # (Until fi's next beat says it no longer holds it, ie forwards to fi, which answers a
+        # fast 503 region_down: a client retries.)
+        yield self.wait_for(
+            lambda: request(ie, HOST, "/api/rooms/r/messages?limit=1000", ca=self.ca)[0] == 200,
+            timeout=10,
+        )
         got = yield deferToThread(self.messages, ie)
         self.assertEqual(got, ["before", "during"])
         self.assertTrue(ie.awake(HOST), self.logs(ie, fi))
