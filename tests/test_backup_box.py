@@ -284,7 +284,8 @@ class _BoxHarness(TestCase):
         while True:
             try:
                 value = await deferToThread(what)
-            except (OSError, AssertionError, http.client.HTTPException, ValueError):
+            except (OSError, AssertionError, http.client.HTTPException, ValueError, KeyError):
+                # KeyError: a status read before the router's first scan lists the database.
                 value = None
             if value:
                 return value
