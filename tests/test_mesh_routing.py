@@ -981,6 +981,20 @@ class RegionFailoverTests(_Base):
         self.clock.advance(2.0)
         self.assertIs(self.routed(mesh, host, home_region="fi"), SERVED_HERE)
 
+    def test_stats_are_asked_of_the_holder_the_home_buckets_lease_names(self) -> None:
+        """``answering_box`` for a space homed in fi reads fi's bucket, not this box's, whose
+        lease (of the copy before the space moved) names a box that no longer holds it."""
+        view = RegionView(Peer(SELF, "ie"), Peer(B, "ie"), Peer(C, "ie"))
+        view.empty["fi"] = EPOCH - 86400.0
+        mesh = self.failover_mesh(view)
+        host = f"h.{DOMAIN}"
+        self.hold_lease(host, placement.normalise_member_url(C))  # this bucket's stale lease
+        self.fi_lease(host, B)  # B failed it over: it answers
+        d = Deferred.fromCoroutine(mesh.answering_box(hibernating(host, "fi")))
+        self.assertEqual(self.successResultOf(d), placement.normalise_member_url(B))
+        self.assertEqual(self.opened, ["region fi"])
+        self.assertEqual(self.served, [])
+
     def test_a_home_lease_held_by_a_live_box_is_forwarded_there(self) -> None:
         view = RegionView(Peer(SELF, "ie"), Peer(B, "ie"))
         view.empty["fi"] = EPOCH - 86400.0

@@ -193,10 +193,17 @@ class MeshRouter:
         the live box holding it awake (a peer's word, else its lease), else the owner by the
         hash; :attr:`self_url` when that is this box. Never forwards and never wakes anything;
         at most one GET of ``lock.json`` (the cache :meth:`route` shares). A lease naming a box
-        that is not live names nobody to ask (its spaces fail over to the owner)."""
+        that is not live names nobody to ask (its spaces fail over to the owner). A space homed
+        in a region with a bucket of its own is asked of that bucket's lease: this box's bucket
+        holds at most a lease of the copy it had before it moved."""
         host = route.host
         told = self._membership.holding(host)
-        holder = told if told is not None else await self._holder(host)
+        if told is not None:
+            holder: str | None = told
+        elif self._foreign(route) and self._regions is not None:
+            holder = (await self._home_holder(route))[1]
+        else:
+            holder = await self._holder(host)
         if holder is not None and (
             holder == self._self_url
             or holder in {placement.normalise_member_url(m.url) for m in self._live()}
