@@ -22,9 +22,10 @@ Invariants:
 
 - A summed counter (and a histogram's or summary's counts and sums) never goes down across a
   worker's restart: each slot keeps the last value seen of every such sample of its current run,
-  and a run that ends (:meth:`MergedMetrics.ended`, or a new ``process_start_time_seconds``, or a
-  counter seen lower than before: a restart nobody reported) moves those values into the slot's
-  carried base. The box's value is control's + Σ over slots (carried + last seen).
+  and a run that ends (:meth:`MergedMetrics.ended`, or a new ``process_start_time_seconds``: a
+  restart nobody reported) moves those values into the slot's carried base. An answer of the
+  same run with a counter lower than already seen is an older scrape overtaken by a newer one,
+  and is ignored (without the process figures, a counter going down is taken as a restart). The box's value is control's + Σ over slots (carried + last seen).
 - A worker whose last scrape failed (``update(slot, None)``: it did not answer in time) still
   contributes its last-seen counters (no dip, no false reset) but none of its gauges and none of
   its per-worker series (stale figures of a process that may be gone would mislead).
@@ -37,11 +38,11 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
 
 from attrs import define, field
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 # Families summed over the processes: the data plane's, which every worker serves a share of.
 SUMMED_PREFIXES = ("lchat_http_", "lchat_proxy_", "lchat_upstream_")
@@ -78,12 +79,6 @@ class MetricsTextError(ValueError):
     and counts as not having answered this round."""
 
 
-class Registry(Protocol):
-    """What is merged into: a ``prometheus_client`` registry, or any collector."""
-
-    def collect(self) -> Iterable[Metric]: ...
-
-
 @define
 class _Family:
     type: str
@@ -113,12 +108,12 @@ def per_worker(family: str) -> bool:
     return family.startswith(PER_WORKER_PREFIXES)
 
 
-class MergedMetrics:
+class MergedMetrics(Collector):
     """A Prometheus collector (``generate_latest(merged)``) for the whole box: ``own_registry``
-    (control's registry) with its workers' figures merged in by the rules above. Not registered
-    in ``own_registry`` itself (it would collect itself)."""
+    (control's registry, or any collector) with its workers' figures merged in by the rules
+    above. Not registered in ``own_registry`` itself (it would collect itself)."""
 
-    def __init__(self, own_registry: Registry) -> None:
+    def __init__(self, own_registry: Collector) -> None:
         self._own = own_registry
         self._slots: dict[int, _Slot] = {}
 
@@ -145,9 +140,12 @@ class MergedMetrics:
         started = _start_time(families)
         if started is not None and started in state.ended_runs:
             return
-        if (
-            started is not None and state.started is not None and started != state.started
-        ) or _went_down(state.last, families):
+        if started is not None and started == state.started:
+            if _went_down(state.last, families):
+                return  # an older answer of this run, overtaken by a newer one (two scrapes)
+        elif state.started is not None or _went_down(state.last, families):
+            # A new run nobody reported: its start time changed, or (a platform without the
+            # process figures) a counter went down.
             self._carry(state)
         state.last = families
         state.started = started

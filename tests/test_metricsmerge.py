@@ -38,12 +38,13 @@ class _Process:
 class Process:
     """One process's registry: what a worker's ``GET /metrics`` renders, or control's own."""
 
-    def __init__(self, start: float = 1000.0, cpu: float = 1.5) -> None:
+    def __init__(self, start: float | None = 1000.0, cpu: float = 1.5) -> None:
         self.registry = CollectorRegistry()
         self.front = FrontDoorState()
         self.registry.register(self.front.collector)
-        self.process = _Process(start, cpu)
-        self.registry.register(self.process)
+        self.process = _Process(start or 0.0, cpu)
+        if start is not None:  # None: a platform without the process figures
+            self.registry.register(self.process)
         self.failures = Counter(
             "lchat_tls_handshake_failures_total",
             "TLS handshakes that did not complete",
@@ -201,6 +202,18 @@ class SumTests(SynchronousTestCase):
         self.assertEqual(value(got, "lchat_proxy_reroutes_total", why="refused"), 2)
         self.assertEqual(got["lchat_proxy_reroutes"].type, "counter")
 
+    def test_a_worker_family_of_another_type_than_controls_is_left_out(self) -> None:
+        # A worker of another build that made a counter a gauge: control's family stands alone
+        # rather than being emitted twice or mixed.
+        text = b"# TYPE lchat_http_requests gauge\nlchat_http_requests 99\n"
+        self.control.requests("instance", 200, 1)
+        self.merged.update(1, text)
+        got = scrape(self.merged)
+        self.assertEqual(got["lchat_http_requests"].type, "counter")
+        self.assertEqual(
+            value(got, "lchat_http_requests_total", host_class="instance", code="200"), 1
+        )
+
     def test_unreadable_text_is_refused_and_keeps_the_earlier_figures(self) -> None:
         self.w1.requests("instance", 200, 3)
         self.merged.update(1, self.w1.text())
@@ -261,14 +274,28 @@ class RestartTests(SynchronousTestCase):
         self.merged.update(1, new.text())
         self.assertEqual(self.served(), 22)
 
-    def test_an_unreported_restart_is_seen_by_a_counter_going_down(self) -> None:
-        old = Process(start=1000.0)
+    def test_without_start_times_a_counter_going_down_is_a_restart(self) -> None:
+        old = Process(start=None)
         old.requests("instance", 200, 10)
         self.merged.update(1, old.text())
-        new = Process(start=1000.0)  # same start time (a platform without the process figures)
+        new = Process(start=None)
         new.requests("instance", 200, 4)
         self.merged.update(1, new.text())
         self.assertEqual(self.served(), 14)
+
+    def test_an_overtaken_answer_of_the_same_run_is_ignored(self) -> None:
+        w = Process(start=1000.0)
+        w.requests("instance", 200, 10)
+        older = w.text()
+        w.requests("instance", 200, 5)
+        w.front.stats.connections = 2
+        self.merged.update(1, w.text())
+        self.merged.update(1, older)  # two scrapes at once: the first asked answered last
+        self.assertEqual(self.served(), 15)
+        self.assertEqual(value(scrape(self.merged), "lchat_http_connections"), 2)
+        w.requests("instance", 200, 1)
+        self.merged.update(1, w.text())
+        self.assertEqual(self.served(), 16)
 
     def test_a_worker_missing_from_a_scrape_keeps_its_counters_and_drops_its_gauges(self) -> None:
         w1, w2 = Process(start=1000.0), Process(start=1001.0)
