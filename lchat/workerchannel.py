@@ -80,6 +80,8 @@ _cert_wanted = Counter(
     "flight, not asked, not held)",
     ["answer"],
 )
+for _answer_kind in ("coming", "declined", "failed", "busy"):
+    _cert_wanted.labels(_answer_kind)  # present at 0, so a rate() sees the first one
 
 
 class ChannelError(Exception):
