@@ -851,6 +851,31 @@ class AnsweringBoxTests(_Base):
         self.assertEqual(self.disk.calls, reads)
 
 
+class NotHoldingTests(_Base):
+    """A peer that refused a forward because it does not hold the space (``not_holding``: a
+    failed-over space it slept, its region back) is not taken for its holder again while its
+    beats catch up: the request is routed as if nobody held it."""
+
+    def test_rerouted_to_the_owner_despite_the_stale_word(self) -> None:
+        host = host_owned_by(SELF, SELF, B, C)
+
+        class Told(View):
+            def holding(self, asked: str) -> str | None:
+                return placement.normalise_member_url(C) if asked == host else None
+
+        mesh = self.mesh(Told(Peer(SELF), Peer(B), Peer(C)))
+        first = self.assertForwardedTo(self.routed(mesh, host), C, host)  # its stale word
+        counted = forwards("peer_not_holding")
+        self.assertIs(self.successResultOf(self.reroute(mesh, first, "not_holding")), SERVED_HERE)
+        self.assertEqual(self.served, [host])
+        self.assertEqual(forwards("peer_not_holding"), counted + 1)
+        # C stays in placement (it answers): only its word about this host is set aside, and
+        # only until its beats have said otherwise (two heartbeats).
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.clock.advance(2 * HEARTBEAT)
+        self.assertForwardedTo(self.routed(mesh, host), C, host)
+
+
 class RegionView(View):
     """A view that also says since when each region has had no live member (the membership's
     ``region_empty_since``, on the router's clock here): ``empty[region]``."""
@@ -1003,6 +1028,26 @@ class RegionFailoverTests(_Base):
         self.fi_lease(host, B)  # B failed it over first (it owned it by a view of its own)
         self.assertForwardedTo(self.routed(mesh, host, home_region="fi"), B, host)
         self.assertEqual(self.served, [])
+
+    def test_a_request_forwarded_here_once_its_region_is_back_is_refused_for_the_sender(
+        self,
+    ) -> None:
+        """This ie box served a fi space while fi was empty and has slept it since; fi's box is
+        back and still forwards here on this box's earlier word: refused unprocessed, marked so
+        that the sender routes again (never a 503 for as long as the word is stale)."""
+        view = RegionView(Peer(SELF, "ie"), Peer(B, "fi"))
+        mesh = self.failover_mesh(view)
+        host = f"h.{DOMAIN}"
+        counted = forwards("not_holding")
+        marker = forward.marker(TOKEN, host, self.clock.seconds, BOUND)
+        got = self.routed(mesh, host, forwarded=marker, home_region="fi")
+        assert isinstance(got, LocalResponse), got
+        self.assertEqual((got.status, got.label, got.refusal), (503, "not_holding", "not_holding"))
+        self.assertIn((REFUSED, b"not_holding"), got.headers)
+        self.assertEqual(forwards("not_holding"), counted + 1)
+        self.assertEqual((self.served, self.fi_disk.calls), ([], 0))
+        # A client's own request (no marker) for it: fi has a live box, forwarded there.
+        self.assertForwardedTo(self.routed(mesh, host, home_region="fi"), B, host)
 
     def test_a_request_forwarded_here_fails_over_only_after_the_grace(self) -> None:
         view = RegionView(Peer(SELF, "ie"), Peer(B, "ie"))

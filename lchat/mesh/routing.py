@@ -134,6 +134,9 @@ class MeshRouter:
         # Peers left out because their port refused a forward (not silent): stopping or dead,
         # so a wake here meets their lease (released, or judged) rather than a 503 (_cut_off).
         self._refused: set[str] = set()
+        # host -> (the peer that refused a forward of it unprocessed because it does not hold
+        # it, ignored as its holder until): its beats or its lease said so a moment before.
+        self._not_holding: dict[str, tuple[str, float]] = {}
         self._reading: dict[str, Deferred[str | None]] = {}  # host -> the GET of its lease
         # LCHAT_REGION_BUCKETS: regions whose replicas live in a bucket other than ours. A space
         # homed in one of them is never woken here (our bucket's copy of it is stale or absent).
@@ -277,6 +280,8 @@ class MeshRouter:
         there, one hop only)."""
         empty_for = self._failover_due(route)
         if empty_for is None:
+            if forwarded and any(m.region == route.home_region for m in self._live()):
+                return self._not_holding_here(route)
             return self._region_down(route)
         host = route.host
         answered, holder = await self._home_holder(route)
@@ -308,6 +313,18 @@ class MeshRouter:
             )
         here = self._here(route, head)
         return await here if isinstance(here, Deferred) else here
+
+    def _not_holding_here(self, route: Route) -> Target:
+        """A request forwarded here for a space homed in a region with a box live again, which
+        this box does not hold: its sender went by a word (our beats, or a lease) from before
+        this box slept the space it had failed over. Refused unprocessed, marked
+        ``X-Lchat-Refused: not_holding`` (:func:`_refusal_for_peer`), so that the sender routes
+        it again without taking this box for its holder (:meth:`reroute`): home, where it wakes
+        with every write — rather than a 503 for as long as the sender's word is stale."""
+        _forwards.labels("not_holding").inc()
+        refused = _unavailable(route.host, "not_holding")
+        assert isinstance(refused, LocalResponse)
+        return attrs.evolve(refused, refusal="not_holding")
 
     async def _home_holder(self, route: Route) -> tuple[bool, str | None]:
         """(did ``route``'s home bucket answer, the member its lease names): one GET of
@@ -476,6 +493,16 @@ class MeshRouter:
             return _unavailable(host, "elsewhere_unreachable")
         member = peer.member
         now = self._clock()
+        if why == "not_holding":
+            # It answers, and it said it does not hold the space (_not_holding_here): whatever
+            # its last beat or the lease said. Not left out of placement, only not the holder,
+            # until its next beats have told everyone.
+            _forwards.labels("peer_not_holding").inc()
+            if len(self._not_holding) > 100_000:
+                self._not_holding.clear()
+            self._not_holding[host] = (member, now + 2 * self._mesh.heartbeat)
+            self._holders.pop(host, None)
+            return Deferred.fromCoroutine(self._route_remote(route, head))
         if why == "stopping":
             # It refused the request unprocessed because it is draining: its leases are
             # released within moments, worth waiting for (_released).
@@ -498,6 +525,12 @@ class MeshRouter:
         told = self._membership.holding(host)
         # A peer said it has the space awake (its beats: no bucket read), else the lease says.
         holder = told if told is not None else await self._holder(host)
+        said = self._not_holding.get(host)
+        if said is not None:
+            if said[1] <= self._clock():
+                del self._not_holding[host]
+            elif holder == said[0]:
+                holder = None  # it said otherwise a moment ago (reroute, "not_holding")
         if holder is not None and holder in self._draining_peers():
             holder = await self._released(host, holder)
         live = {placement.normalise_member_url(m.url) for m in self._live()}
