@@ -1052,3 +1052,77 @@ class Backup(Base):
             with self.assertRaises(ConfigError, msg=str(env)) as e:
                 self.load(env)
             self.assertIn(variable, str(e.exception))
+
+
+class Workers(Base):
+    """LCHAT_WORKERS: how many data-plane processes a box runs (1: one process, as before)."""
+
+    def test_auto_is_one_per_core_this_process_may_use(self) -> None:
+        cores = len(os.sched_getaffinity(0))
+        self.assertEqual(self.load().workers, min(cores, 64))
+        self.assertEqual(self.load({"LCHAT_WORKERS": "auto"}).workers, min(cores, 64))
+        self.assertEqual(self.load({"LCHAT_WORKERS": " AUTO "}).workers, min(cores, 64))
+
+    def test_auto_is_capped(self) -> None:
+        from lchat.config.box import MAX_AUTO_WORKERS, _workers
+
+        self.assertEqual(MAX_AUTO_WORKERS, 64)
+        self.assertEqual(_workers("auto", cores=200), 64)
+        self.assertEqual(_workers("auto", cores=3), 3)
+        self.assertEqual(_workers("auto", cores=0), 1)  # never none at all
+
+    def test_a_number(self) -> None:
+        for text, n in (("1", 1), ("2", 2), ("4", 4), ("256", 256), ("07", 7)):
+            self.assertEqual(self.load({"LCHAT_WORKERS": text}).workers, n, text)
+        self.assertEqual(self.load(flags={"LCHAT_WORKERS": "3"}).workers, 3)
+
+    def test_refused_naming_the_variable(self) -> None:
+        for value in ("0", "-1", "x", "1000", "257", "1.5", "", "2 workers", "\x00"):
+            message = self.refuses("LCHAT_WORKERS", {"LCHAT_WORKERS": value})
+            self.assertIn("auto", message)
+
+    def test_a_config_built_by_hand_is_one_process(self) -> None:
+        field = next(f for f in BoxConfig.__attrs_attrs__ if f.name == "workers")
+        self.assertEqual(field.default, 1)
+
+    def test_not_an_unknown_variable(self) -> None:
+        self.assertEqual(self.load({"LCHAT_WORKERS": "2"}).warnings, ())
+
+
+class Settings(Base):
+    """BoxConfig.settings: every LCHAT_* value as merged, what a worker process is handed."""
+
+    def test_merged_with_precedence_and_flags(self) -> None:
+        env_file = self.write_env(
+            "LCHAT_DATA_DIR=/from-file\nLCHAT_RUN_DIR=/run-file\nAWS_REGION=eu-west-1\n", "s.env"
+        )
+        cfg = self.load(
+            {"LCHAT_DATA_DIR": "/from-environ", "LCHAT_UNITS": "builtin", "HOME": "/root"},
+            flags={"LCHAT_UNITS": "systemd", "LCHAT_HTTPS_ADDR": None, "LCHAT_WORKERS": "2"},
+            env_file=env_file,
+        )
+        self.assertEqual(
+            dict(cfg.settings),
+            {
+                "LCHAT_DATA_DIR": "/from-environ",
+                "LCHAT_RUN_DIR": "/run-file",
+                "LCHAT_UNITS": "systemd",
+                "LCHAT_WORKERS": "2",
+            },
+        )
+
+    def test_loading_the_settings_again_gives_the_same_config(self) -> None:
+        """What a worker does with them: load them with no env file of its own."""
+        env_file = self.write_env("LCHAT_HTTP_ADDR=:8080\nLCHAT_MAX_BODY=1MiB\n", "w.env")
+        cfg = self.load({"LCHAT_WORKERS": "3", **MESH_OK}, env_file=env_file)
+        again = config.load(env_file=os.devnull, environ=cfg.settings, systemd_present=False)
+        self.assertEqual(again.settings, cfg.settings)
+        self.assertEqual((again.workers, again.http_addr), (3, "tcp:8080"))
+        self.assertEqual(again.proxy, cfg.proxy)
+        self.assertEqual(again.mesh, cfg.mesh)
+
+    def test_never_in_a_repr(self) -> None:
+        cfg = self.load({**MESH_OK})
+        self.assertEqual(cfg.settings["LCHAT_MESH_TOKEN"], MESH_OK["LCHAT_MESH_TOKEN"])
+        self.assertNotIn(MESH_OK["LCHAT_MESH_TOKEN"], repr(cfg))
+        self.assertNotIn("settings", repr(cfg))

@@ -161,6 +161,16 @@ class BoxConfig:
     # The environment the box's tools and bucket openers read: the env file's values, then the
     # process environment (load's ``environ``, as it was at load) winning. Merged once, here.
     env: Mapping[str, str] = field(factory=dict, repr=False)
+    # LCHAT_WORKERS: 1 = one process serves everything (as before workers existed); N >= 2 = a
+    # control process plus N data-plane worker processes sharing the public ports with
+    # SO_REUSEPORT (docs/performance.md, "Many cores"). The default here is 1 so that a
+    # BoxConfig built by hand is today's single process; load() resolves `auto`.
+    workers: int = 1
+    # Every LCHAT_* setting as load() merged it (env file < process environment < flags), flags
+    # included: what the control process hands its workers in their environment, so that a
+    # worker runs on exactly the control process's settings (an edit to router.env while the
+    # box runs never reaches a restarted worker half-way). Holds secrets: never in a repr.
+    settings: Mapping[str, str] = field(factory=dict, repr=False)
 
     @property
     def aws_env(self) -> dict[str, str]:
@@ -266,7 +276,11 @@ DEFAULTS: dict[str, str] = {
     "LCHAT_MAX_BODY": "100MiB",
     "LCHAT_TLS_FIRST_CONTACT_WAIT": "10s",
     "LCHAT_ACCESS_LOG": "off",
+    "LCHAT_WORKERS": "auto",  # data-plane processes; auto: one per core this process may use
 }
+
+MAX_AUTO_WORKERS = 64  # `auto` on a bigger box: each worker holds its own tables and memory
+MAX_WORKERS = 256
 
 
 # Names that belong to a space's own environment or to tools beside us; never warned about.
@@ -387,6 +401,8 @@ def load(
         cloud_region=cloud_region,
         id_ledger=id_ledger,
         region_buckets=region_buckets,
+        workers=_workers(get("LCHAT_WORKERS")),
+        settings=dict(merged),
     )
     if (
         cfg.mesh is not None
@@ -454,6 +470,21 @@ def _units(text: str, systemd_present: bool | None) -> Units:
     if systemd_present is None:
         systemd_present = os.path.isdir("/run/systemd/system") and bool(shutil.which("systemctl"))
     return "systemd" if systemd_present else "builtin"
+
+
+def _workers(text: str, cores: int | None = None) -> int:
+    """LCHAT_WORKERS: ``auto`` (the cores this process may run on, at most
+    :data:`MAX_AUTO_WORKERS`) or a whole number from 1 to :data:`MAX_WORKERS`."""
+    if text.lower() == "auto":
+        if cores is None:
+            cores = len(os.sched_getaffinity(0))
+        return max(1, min(cores, MAX_AUTO_WORKERS))
+    if not re.fullmatch(r"[0-9]{1,4}", text) or not 1 <= int(text) <= MAX_WORKERS:
+        raise ConfigError(
+            f"LCHAT_WORKERS={text!r} must be `auto` (one per core) or a whole number from 1 "
+            f"(one process, no workers) to {MAX_WORKERS}"
+        )
+    return int(text)
 
 
 def _uid_range(text: str) -> tuple[int, int]:
