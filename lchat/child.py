@@ -57,14 +57,37 @@ def _as_argv(argv: Iterable[str]) -> tuple[str, ...]:
     return tuple(argv)
 
 
+def _as_fds(fds: Mapping[int, int]) -> Mapping[int, int]:
+    return dict(fds)
+
+
+def _extra_fds(_: object, __: object, fds: Mapping[int, int]) -> None:
+    for child_fd, our_fd in fds.items():
+        if child_fd < 3 or our_fd < 0:
+            # 0-2 are the child's stdin/stdout/stderr, which spawn() sets up itself.
+            raise ValueError(
+                f"extra fd {child_fd}: {our_fd} must map a child fd >= 3 to one of ours"
+            )
+
+
 @frozen
 class ChildSpec:
-    name: str  # the host; used in logs and metrics
+    """What to run. Invariant: equal specs run the same process (the supervisor replaces a run
+    whose spec changed), so everything a run depends on is in here."""
+
+    name: str  # the host (a worker: its slot number); used in logs and metrics
     argv: tuple[str, ...] = field(converter=_as_argv)
     env: Mapping[str, str] = field(repr=False)  # the complete environment; holds secrets
     cwd: str | None = None
     ready_socket: str | None = None  # ready once GET /api/version answers 200 here
     user: SpaceUser | None = None  # run as this user (lchat.isolation); None: as the router
+    # Extra descriptors the child inherits: its fd number -> ours (a worker's listening sockets).
+    # Ours stay open in this process: the child gets its own copy.
+    fds: Mapping[int, int] = field(factory=dict, converter=_as_fds, validator=_extra_fds)
+    # The child's stdout and stderr are ours (the journal, once) instead of pipes we log line by
+    # line: for a child that logs through its own observer. No stderr tail in its ExitInfo then.
+    inherit_output: bool = False
+    noun: str = "space"  # what the child is, in log lines and errors: "space a.example.com"
 
 
 @frozen
@@ -277,7 +300,8 @@ class RunningChild(ProcessProtocol):
     def _kill(self) -> None:
         self._kill_call = None
         log.warn(
-            "space {host} did not stop after SIGTERM; sending SIGKILL",
+            "{noun} {host} did not stop after SIGTERM; sending SIGKILL",
+            noun=self.spec.noun,
             host=self.spec.name,
             pid=self.pid,
         )
@@ -296,7 +320,11 @@ class RunningChild(ProcessProtocol):
             pass
         except OSError as e:
             log.warn(
-                "space {host}: signal {sig} failed: {err}", host=self.spec.name, sig=name, err=e
+                "{noun} {host}: signal {sig} failed: {err}",
+                noun=self.spec.noun,
+                host=self.spec.name,
+                sig=name,
+                err=e,
             )
 
     def _killpg(self, signum: int) -> None:
@@ -306,7 +334,12 @@ class RunningChild(ProcessProtocol):
         except ProcessLookupError:
             pass
         except OSError as e:
-            log.warn("space {host}: killpg failed: {err}", host=self.spec.name, err=e)
+            log.warn(
+                "{noun} {host}: killpg failed: {err}",
+                noun=self.spec.noun,
+                host=self.spec.name,
+                err=e,
+            )
 
     # -- process events --------------------------------------------------------------------------
 
@@ -379,19 +412,19 @@ def _setsid() -> str | None:
 
 def _resolve(spec: ChildSpec) -> str:
     if not spec.argv:
-        raise SpawnError(spec.name, f"space {spec.name}: empty command line")
+        raise SpawnError(spec.name, f"{spec.noun} {spec.name}: empty command line")
     exe = spec.argv[0]
     if os.sep not in exe:
         # Look it up on the child's PATH ourselves: posix_spawnp would search ours.
         found = shutil.which(exe, path=spec.env.get("PATH", os.defpath))
         if found is None:
-            raise SpawnError(spec.name, f"space binary {exe} not found on PATH")
+            raise SpawnError(spec.name, f"{spec.noun} binary {exe} not found on PATH")
         return os.path.abspath(found)
     path = exe if os.path.isabs(exe) or spec.cwd is None else os.path.join(spec.cwd, exe)
     if not os.path.exists(path):
-        raise SpawnError(spec.name, f"space binary {path} not found")
+        raise SpawnError(spec.name, f"{spec.noun} binary {path} not found")
     if os.path.isdir(path) or not os.access(path, os.X_OK):
-        raise SpawnError(spec.name, f"space binary {path} is not executable")
+        raise SpawnError(spec.name, f"{spec.noun} binary {path} is not executable")
     return os.path.abspath(path)
 
 
@@ -404,17 +437,21 @@ def spawn(reactor: IReactorTime, spec: ChildSpec, *, new_session: bool = True) -
     """
     exe = _resolve(spec)
     if spec.cwd is not None and not os.path.isdir(spec.cwd):
-        raise SpawnError(spec.name, f"space {spec.name}: working directory {spec.cwd} not found")
+        raise SpawnError(
+            spec.name, f"{spec.noun} {spec.name}: working directory {spec.cwd} not found"
+        )
     setsid = _setsid() if new_session else None
     argv = [exe, *spec.argv[1:]]
     if spec.user is not None:
         try:
             argv = argv_as(spec.user, argv)
         except IsolationError as e:
-            raise SpawnError(spec.name, f"space {spec.name}: {e}") from e
+            raise SpawnError(spec.name, f"{spec.noun} {spec.name}: {e}") from e
     if setsid is not None:
         argv = [setsid, *argv]
     child = RunningChild(reactor, spec, own_group=setsid is not None)
+    # stdin a pipe we close at once; stdout/stderr pipes we log, or ours; then the extra fds.
+    out: dict[int, int | str] = {1: 1, 2: 2} if spec.inherit_output else {1: "r", 2: "r"}
     try:
         transport = IReactorProcess(reactor).spawnProcess(
             child,
@@ -422,10 +459,10 @@ def spawn(reactor: IReactorTime, spec: ChildSpec, *, new_session: bool = True) -
             argv,
             env=dict(spec.env),
             path=spec.cwd,
-            childFDs={0: "w", 1: "r", 2: "r"},
+            childFDs={0: "w", **out, **spec.fds},
         )
     except OSError as e:
-        raise SpawnError(spec.name, f"space {spec.name}: cannot spawn {exe}: {e}") from e
+        raise SpawnError(spec.name, f"{spec.noun} {spec.name}: cannot spawn {exe}: {e}") from e
     child._transport = transport
     child.pid = transport.pid
     if child.exit_info is None:

@@ -61,7 +61,14 @@ class _Entry:
 
 
 class Supervisor(service.Service):
-    """Keeps the wanted children running; reports ``on_state(name, state, detail)``."""
+    """Keeps the wanted children running; reports ``on_state(name, state, detail)``.
+
+    ``noun`` names the children in the log ("space a.example.com", "worker 2"); ``restarts``
+    (one label: the child's name) and ``children`` (label ``state``) are the metrics this
+    supervisor reports to, so that two kinds of children keep separate figures. The defaults are
+    the spaces'. Invariant: ``children`` holds this supervisor's counts only if it is the only
+    supervisor reporting to it.
+    """
 
     def __init__(
         self,
@@ -75,8 +82,14 @@ class Supervisor(service.Service):
         fail_after: int = 3,
         *,
         new_session: bool = True,
+        noun: str = "space",
+        restarts: Counter = RESTARTS,
+        children: Gauge = CHILDREN,
     ) -> None:
         self._reactor = reactor
+        self._noun = noun
+        self._restarts = restarts
+        self._children = children
         self._on_state = on_state
         # Restarts wait min_restart_delay, doubling to max_restart_delay; back to the minimum
         # once a run has stayed up for healthy_after (or its spec changed).
@@ -196,11 +209,11 @@ class Supervisor(service.Service):
             self._run_failed(name, entry, str(e), immediate=True)
             return
         except Exception as e:  # a broken spec must never escape into the reactor
-            log.failure("space {host}: spawn crashed", Failure(), host=name)
+            log.failure("{noun} {host}: spawn crashed", Failure(), noun=self._noun, host=name)
             self._run_failed(name, entry, f"cannot spawn: {e}", immediate=True)
             return
         entry.child = child
-        log.info("space {host} started pid {pid}", host=name, pid=child.pid)
+        log.info("{noun} {host} started pid {pid}", noun=self._noun, host=name, pid=child.pid)
         if entry.state != "failed":  # a failed child stays failed until it is ready again
             self._set_state(name, entry, "starting", f"pid {child.pid}")
         args = (name, entry, child)
@@ -228,7 +241,12 @@ class Supervisor(service.Service):
         if entry.child is not child or failure.check(ChildExited, defer.CancelledError):
             return  # an exit is handled by _child_ended, with the exit status
         entry.not_ready = failure.getErrorMessage()
-        log.warn("space {host}: {detail}; stopping it", host=name, detail=entry.not_ready)
+        log.warn(
+            "{noun} {host}: {detail}; stopping it",
+            noun=self._noun,
+            host=name,
+            detail=entry.not_ready,
+        )
         child.terminate(self.kill_timeout)
 
     def _healthy(self, entry: _Entry) -> None:
@@ -280,19 +298,25 @@ class Supervisor(service.Service):
         was_failed = entry.state == "failed"
         if state == "failed":
             if not was_failed or entry.detail != detail:
-                log.error("space {host} failed: {detail}", host=name, detail=detail)
-            log.debug("space {host}: retrying in {delay}s", host=name, delay=delay)
+                log.error(
+                    "{noun} {host} failed: {detail}", noun=self._noun, host=name, detail=detail
+                )
+            log.debug(
+                "{noun} {host}: retrying in {delay}s", noun=self._noun, host=name, delay=delay
+            )
         elif was_failed:
             state = "failed"  # stays failed until it is ready again
             log.debug(
-                "space {host}: still failing ({detail}); retrying in {delay}s",
+                "{noun} {host}: still failing ({detail}); retrying in {delay}s",
+                noun=self._noun,
                 host=name,
                 detail=detail,
                 delay=delay,
             )
         else:
             log.warn(
-                "space {host} exited unexpectedly ({why}) — restarting in {delay}s",
+                "{noun} {host} exited unexpectedly ({why}) — restarting in {delay}s",
+                noun=self._noun,
                 host=name,
                 why=detail,
                 delay=delay,
@@ -307,7 +331,7 @@ class Supervisor(service.Service):
         if self._entries.get(name) is not entry or not self.running or entry.child is not None:
             return
         entry.restarts += 1
-        RESTARTS.labels(host=name).inc()
+        self._restarts.labels(name).inc()
         self._start(name)
 
     def _drop(self, name: str) -> None:
@@ -337,9 +361,14 @@ class Supervisor(service.Service):
             return
         entry.state, entry.detail, entry.since = state, detail, self._reactor.seconds()
         if state == "ready":
-            log.info("space {host} ready", host=name, pid=entry.child and entry.child.pid)
+            log.info(
+                "{noun} {host} ready",
+                noun=self._noun,
+                host=name,
+                pid=entry.child and entry.child.pid,
+            )
         elif state == "stopped":
-            log.info("space {host} stopped", host=name, detail=detail)
+            log.info("{noun} {host} stopped", noun=self._noun, host=name, detail=detail)
         self._update_gauge()
         self._notices.append((name, state, detail))
 
@@ -359,7 +388,7 @@ class Supervisor(service.Service):
         for e in self._entries.values():
             counts[e.state] += 1
         for state, n in counts.items():
-            CHILDREN.labels(state=state).set(n)
+            self._children.labels(state=state).set(n)
 
     def _safely(self, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a reactor-driven callback: nothing a child does may raise into the reactor,

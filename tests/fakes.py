@@ -12,7 +12,10 @@ child process and the HTTP questions put to it are replaced, each keeping the re
   grace). Like a space, it creates its SQLite database in WAL mode at ``LCHAT_DB`` and keeps a
   connection open while it runs, so that real replication has something to ship;
 - :class:`FakeContract` is a ``Lifecycle(contract=...)``: ``next_due`` answers what the test set;
-- :class:`RecordingStore` wraps a real store and writes each call into the :class:`Journal`.
+- :class:`RecordingStore` wraps a real store and writes each call into the :class:`Journal`;
+- :class:`FakeReactor` is a ``MemoryReactorClock`` that also spawns processes: each
+  ``spawnProcess`` makes a :class:`FakeProcess` (the test ends it with ``exit``) and records its
+  arguments, ``childFDs`` included; for :mod:`lchat.supervise` and :mod:`lchat.workerpool`.
 
 The :class:`Journal` is one ordered list of what happened, with the fake clock's time, so a test
 can assert the order of steps across all of them.
@@ -27,8 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
+from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from lchat.child import ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError
 
@@ -265,3 +272,65 @@ class FakeContract:
         if host in self.broken:
             raise ValueError("GET /api/next-due answered 500")
         return self.due.get(host, 0)
+
+
+# --- processes on a fake reactor ---------------------------------------------------------------
+
+
+class FakeProcess:
+    """Enough of IProcessTransport for the supervisor."""
+
+    def __init__(self, reactor, proto, executable, args, env, path, pid, child_fds=None):
+        self.reactor, self.proto = reactor, proto
+        self.executable, self.args, self.env, self.path = executable, args, env, path
+        self.child_fds: dict[int, int | str] | None = child_fds
+        self.pid: int | None = pid
+        self.signals: list[str] = []
+        self.stdin_closed = False
+
+    def signalProcess(self, sig):
+        if self.pid is None:
+            raise ProcessExitedAlready()
+        self.signals.append(sig)
+
+    def closeStdin(self):
+        self.stdin_closed = True
+
+    def loseConnection(self):
+        pass
+
+    def exit(self, code: int | None = 0, sig: int | None = None, stderr: bytes = b""):
+        if stderr:
+            self.proto.errReceived(stderr)
+        if code == 0 and sig is None:
+            f = Failure(ProcessDone(0))
+        else:
+            f = Failure(ProcessTerminated(exitCode=code, signal=sig))
+        self.pid = None
+        self.proto.processExited(f)
+        self.proto.processEnded(f)
+
+
+@implementer(IReactorProcess)
+class FakeReactor(MemoryReactorClock):
+    def __init__(self):
+        super().__init__()
+        self.processes: list[FakeProcess] = []
+        self._pid = 40000
+
+    def spawnProcess(
+        self, proto, executable, args, env=None, path=None, uid=None, gid=None, usePTY=False,
+        childFDs=None,
+    ):  # fmt: skip
+        self._pid += 1
+        p = FakeProcess(self, proto, executable, args, env, path, self._pid, childFDs)
+        proto.makeConnection(p)
+        self.processes.append(p)
+        return p
+
+    def answer_probe(self, status: int = 200) -> None:
+        """Complete the newest pending unix connection with an HTTP answer."""
+        _path, factory, *_ = self.unixClients[-1]
+        proto = factory.buildProtocol(None)
+        proto.makeConnection(StringTransport())
+        proto.dataReceived(b"HTTP/1.1 %d X\r\nContent-Length: 2\r\n\r\n{}" % status)

@@ -6,89 +6,31 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
 from typing import Any
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Counter, Gauge
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
-from twisted.internet.interfaces import IReactorProcess
 from twisted.internet.task import deferLater
-from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import globalLogPublisher
-from twisted.python.failure import Failure
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial import unittest
-from zope.interface import implementer
 
 from lchat.child import MAX_LINE, ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError, spawn
 from lchat.reactors import installed
-from lchat.supervise import Supervisor
+from lchat.supervise import STATES, Supervisor
+
+# FakeReactor lives in tests/fakes.py (tests/test_workerpool.py spawns on it too); re-exported
+# for the modules that import it from here.
+from tests.fakes import FakeReactor as FakeReactor
 
 reactor = installed()
 PY = sys.executable
 
 
-# --- fakes --------------------------------------------------------------------------------------
-
-
-class FakeProcess:
-    """Enough of IProcessTransport for the supervisor."""
-
-    def __init__(self, reactor, proto, executable, args, env, path, pid):
-        self.reactor, self.proto = reactor, proto
-        self.executable, self.args, self.env, self.path = executable, args, env, path
-        self.pid: int | None = pid
-        self.signals: list[str] = []
-        self.stdin_closed = False
-
-    def signalProcess(self, sig):
-        if self.pid is None:
-            raise ProcessExitedAlready()
-        self.signals.append(sig)
-
-    def closeStdin(self):
-        self.stdin_closed = True
-
-    def loseConnection(self):
-        pass
-
-    def exit(self, code: int | None = 0, sig: int | None = None, stderr: bytes = b""):
-        if stderr:
-            self.proto.errReceived(stderr)
-        if code == 0 and sig is None:
-            f = Failure(ProcessDone(0))
-        else:
-            f = Failure(ProcessTerminated(exitCode=code, signal=sig))
-        self.pid = None
-        self.proto.processExited(f)
-        self.proto.processEnded(f)
-
-
-@implementer(IReactorProcess)
-class FakeReactor(MemoryReactorClock):
-    def __init__(self):
-        super().__init__()
-        self.processes: list[FakeProcess] = []
-        self._pid = 40000
-
-    def spawnProcess(
-        self, proto, executable, args, env=None, path=None, uid=None, gid=None, usePTY=False,
-        childFDs=None,
-    ):  # fmt: skip
-        self._pid += 1
-        p = FakeProcess(self, proto, executable, args, env, path, self._pid)
-        proto.makeConnection(p)
-        self.processes.append(p)
-        return p
-
-    def answer_probe(self, status: int = 200) -> None:
-        """Complete the newest pending unix connection with an HTTP answer."""
-        _path, factory, *_ = self.unixClients[-1]
-        proto = factory.buildProtocol(None)
-        proto.makeConnection(StringTransport())
-        proto.dataReceived(b"HTTP/1.1 %d X\r\nContent-Length: 2\r\n\r\n{}" % status)
+# --- fakes ---------------------------------------------------------------------------------------
 
 
 class States:
@@ -444,6 +386,70 @@ class FakeTimeTests(unittest.TestCase):
         self.r.advance(1)
         self.assertEqual(metric("lchat_space_restarts_total", host="m.example.com"), before + 1)
 
+    def test_default_child_fds_are_todays(self):
+        spawn(self.r, spec("a"), new_session=False)
+        self.assertEqual(self.r.processes[0].child_fds, {0: "w", 1: "r", 2: "r"})
+
+    def test_extra_fds_and_inherited_output_reach_spawn(self):
+        s = self.sup()
+        s.want({"2": spec("2", fds={3: 17, 4: 18}, inherit_output=True, noun="worker")})
+        s.startService()
+        p = self.r.processes[0]
+        self.assertEqual(p.child_fds, {0: "w", 1: 1, 2: 2, 3: 17, 4: 18})
+        self.assertTrue(p.stdin_closed)
+        spawn(self.r, spec("b", fds={5: 9}), new_session=False)
+        self.assertEqual(self.r.processes[1].child_fds, {0: "w", 1: "r", 2: "r", 5: 9})
+
+    def test_extra_fds_never_replace_the_standard_three(self):
+        for fds in ({0: 5}, {2: 5}, {3: -1}):
+            with self.assertRaises(ValueError, msg=repr(fds)):
+                spec("a", fds=fds)
+        self.assertEqual(spec("a", fds={3: 5}), spec("a", fds={3: 5}))
+        self.assertNotEqual(spec("a", fds={3: 5}), spec("a", fds={3: 6}))  # a new run
+
+    def test_noun_and_metrics_of_another_kind_of_child(self):
+        """A worker supervisor logs "worker 2 …" and counts into its own metrics, leaving the
+        spaces' figures alone."""
+        restarts = Counter("test_sv_worker_restarts", "t", ["slot"], registry=None)
+        children = Gauge("test_sv_workers", "t", ["state"], registry=None)
+        events: list[dict] = []
+        observer: Any = events.append
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        spaces = {st: metric("lchat_space_children", state=st) for st in STATES}
+        before = metric("lchat_space_restarts_total", host="2")
+        s = self.sup(noun="worker", restarts=restarts, children=children, min_restart_delay=1)
+        s.want({"2": spec("2", noun="worker")})
+        s.startService()
+        self.assertEqual(children.labels(state="ready")._value.get(), 1)
+        self.r.processes[-1].exit(None, sig=signal.SIGKILL)
+        self.assertEqual(children.labels(state="backoff")._value.get(), 1)
+        self.assertEqual(children.labels(state="ready")._value.get(), 0)
+        self.r.advance(1)
+        self.assertEqual(restarts.labels("2")._value.get(), 1)
+        self.assertEqual(metric("lchat_space_restarts_total", host="2"), before)
+        self.assertEqual({st: metric("lchat_space_children", state=st) for st in STATES}, spaces)
+        texts = [formatEvent(e) for e in events if e.get("log_namespace") == "lchat.supervise"]
+        self.assertIn("worker 2 exited unexpectedly (killed by SIGKILL) — restarting in 1s", texts)
+        self.assertIn("worker 2 started pid 40002", texts)
+        self.assertFalse([t for t in texts if "space" in t], texts)
+
+    def test_spawn_errors_name_the_noun(self):
+        with self.assertRaises(SpawnError) as e:
+            spawn(self.r, spec("3", "/nonexistent/python", noun="worker"), new_session=False)
+        self.assertEqual(str(e.exception), "worker binary /nonexistent/python not found")
+
+    def test_sigkill_log_names_the_noun(self):
+        events: list[dict] = []
+        observer: Any = events.append
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        child = spawn(self.r, spec("2", noun="worker"), new_session=False)
+        child.terminate(timeout=1)
+        self.r.advance(1)
+        texts = [formatEvent(e) for e in events if e.get("log_namespace") == "lchat.supervise"]
+        self.assertEqual(texts, ["worker 2 did not stop after SIGTERM; sending SIGKILL"])
+
     def test_output_lines_logged_with_host(self):
         events: list[dict] = []
         observer: Any = events.append
@@ -660,3 +666,23 @@ class RealProcessTests(unittest.TestCase):
         info = await child.ended
         self.assertEqual(info, ExitInfo(code=0, signal=None, stderr_tail=("bye",)))
         self.assertEqual(info.describe(), "exited with code 0")
+
+    async def test_extra_fds_and_inherited_output(self):
+        """A worker's listening sockets arrive at the fd numbers its spec names; with
+        inherit_output its stdout and stderr are ours (the journal), not pipes."""
+        ours, theirs = socket.socketpair()
+        self.addCleanup(ours.close)
+        self.addCleanup(theirs.close)
+        code = (
+            "import os; out = os.readlink('/proc/self/fd/1') + ' ' + os.readlink('/proc/self/fd/2');"
+            "os.write(3, out.encode()); os.close(3)"
+        )
+        child = spawn(
+            reactor,
+            ChildSpec("1", (PY, "-c", code), {}, fds={3: theirs.fileno()}, inherit_output=True),
+        )
+        info = await child.ended
+        self.assertEqual(info, ExitInfo(code=0, signal=None))
+        theirs.close()  # our copy stays open until we close it: the child had its own
+        got = ours.recv(4096).decode()
+        self.assertEqual(got, f"{os.readlink('/proc/self/fd/1')} {os.readlink('/proc/self/fd/2')}")
