@@ -68,6 +68,10 @@ class Supervisor(service.Service):
     supervisor reports to, so that two kinds of children keep separate figures. The defaults are
     the spaces'. Invariant: ``children`` holds this supervisor's counts only if it is the only
     supervisor reporting to it.
+
+    ``on_exit(name, info)`` is told of the end of every run, wanted or not, ready or not, before
+    the supervisor decides what follows (a run that never reached a new state, e.g. one more
+    failed start, is reported too). It may read the supervisor, not change it.
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class Supervisor(service.Service):
         noun: str = "space",
         restarts: Counter = RESTARTS,
         children: Gauge = CHILDREN,
+        on_exit: Callable[[str, ExitInfo], None] | None = None,
     ) -> None:
         self._reactor = reactor
+        self._on_exit = on_exit
         self._noun = noun
         self._restarts = restarts
         self._children = children
@@ -257,6 +263,11 @@ class Supervisor(service.Service):
         if entry.child is not child:
             return
         entry.child = None
+        if self._on_exit is not None:
+            try:
+                self._on_exit(name, info)
+            except Exception:
+                log.failure("on_exit callback failed for {host}", host=name)
         self._cancel(entry)  # (its healthy call: no restart is due while a run lives)
         if self._entries.get(name) is not entry:
             return
@@ -302,12 +313,12 @@ class Supervisor(service.Service):
                     "{noun} {host} failed: {detail}", noun=self._noun, host=name, detail=detail
                 )
             log.debug(
-                "{noun} {host}: retrying in {delay}s", noun=self._noun, host=name, delay=delay
+                "{noun} {host}: retrying in {delay:g}s", noun=self._noun, host=name, delay=delay
             )
         elif was_failed:
             state = "failed"  # stays failed until it is ready again
             log.debug(
-                "{noun} {host}: still failing ({detail}); retrying in {delay}s",
+                "{noun} {host}: still failing ({detail}); retrying in {delay:g}s",
                 noun=self._noun,
                 host=name,
                 detail=detail,
@@ -315,7 +326,7 @@ class Supervisor(service.Service):
             )
         else:
             log.warn(
-                "{noun} {host} exited unexpectedly ({why}) — restarting in {delay}s",
+                "{noun} {host} exited unexpectedly ({why}) — restarting in {delay:g}s",
                 noun=self._noun,
                 host=name,
                 why=detail,
