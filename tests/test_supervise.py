@@ -434,6 +434,24 @@ class FakeTimeTests(unittest.TestCase):
         self.assertIn("worker 2 started pid 40002", texts)
         self.assertFalse([t for t in texts if "space" in t], texts)
 
+    def test_on_exit_hears_every_run_end(self):
+        """Ready or not, wanted or not: each run's end is reported once, before what follows."""
+        exits: list[tuple[str, int | None, int]] = []
+        s = self.sup(
+            on_exit=lambda name, info: exits.append((name, info.code, len(self.r.processes))),
+            fail_after=1,
+        )
+        s.want({"a": spec("a"), "b": spec("b", ready_socket=self.sock)})
+        s.startService()
+        self.r.processes[0].exit(1)  # ready, crashed
+        self.r.processes[1].exit(2)  # never ready: failed
+        self.r.advance(2)
+        self.r.processes[3].exit(2)  # failed again: no new state, still reported
+        s.want({"a": spec("a")})
+        self.r.processes[2].exit(0)  # a's second run ends
+        self.assertEqual([(n, c) for n, c, _ in exits], [("a", 1), ("b", 2), ("b", 2), ("a", 0)])
+        self.assertEqual(exits[0][2], 2)  # reported before the restart was spawned
+
     def test_spawn_errors_name_the_noun(self):
         with self.assertRaises(SpawnError) as e:
             spawn(self.r, spec("3", "/nonexistent/python", noun="worker"), new_session=False)

@@ -5,9 +5,12 @@ procmon tests). Readiness probes are the real ``lchat.unixhttp`` client, answere
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -15,13 +18,18 @@ from typing import Any
 from attrs import define
 from prometheus_client import REGISTRY
 from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
 from twisted.internet.testing import StringTransport
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial import unittest
 
+from lchat import unixhttp
 from lchat.child import ChildSpec
+from lchat.reactors import installed
 from lchat.workerpool import WorkerPool
 from tests.fakes import FakeProcess, FakeReactor
+
+reactor = installed()
 
 
 @define
@@ -621,3 +629,131 @@ class Stop(Base):
             p.exit(0)
         self.successResultOf(d)
         self.assertEqual([t for t in self.logged() if "did not answer" in t], [])
+
+
+# --- real processes -------------------------------------------------------------------------------
+
+WORKER = r"""
+import http.server, json, os, socketserver, sys
+
+slot = sys.argv[1]
+with open(os.environ["SOCK"] + ".fd3", "w") as f:  # the listening socket handed to this slot
+    f.write(str(os.fstat(3).st_ino))
+
+
+class H(http.server.BaseHTTPRequestHandler):
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/api/version":
+            self.answer({"version": "test", "slot": int(slot), "pid": os.getpid()})
+        else:
+            self.answer({"slot": int(slot), "routes_fingerprint": [1],
+                         "connections": 0, "accepted": 0, "in_flight": 0})
+
+    def do_POST(self):
+        self.answer({"fingerprint": [1], "routes": 0})
+
+    def address_string(self):
+        return "unix"
+
+    def log_message(self, *a):
+        pass
+
+
+sock = os.environ["SOCK"]
+if os.path.exists(sock):
+    os.unlink(sock)
+socketserver.UnixStreamServer(sock, H).serve_forever()
+"""
+
+
+def unix_ask(reactor: Any, sock: str, method: str, path: str, timeout: float, /):
+    """The channel's contract over the real unix-socket HTTP client (lchat.unixhttp)."""
+
+    async def call() -> tuple[int, Any]:
+        resp = await unixhttp.request(reactor, sock, method, path, timeout=timeout)
+        try:
+            return resp.status, json.loads(resp.body)
+        except ValueError:
+            return resp.status, resp.body
+
+    return Deferred.fromCoroutine(call())
+
+
+class RealWorkers(unittest.TestCase):
+    """Two real worker processes: their inherited sockets, a hung one replaced, a clean stop."""
+
+    timeout = 30
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="wpr", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        script = os.path.join(self.dir, "worker.py")
+        with open(script, "w") as f:
+            f.write(WORKER)
+        self.listeners = [socket.socket() for _ in range(2)]
+        for s in self.listeners:
+            self.addCleanup(s.close)
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        self.specs = [
+            ChildSpec(
+                name=f"w{k}",
+                argv=(sys.executable, script, str(k)),
+                env={"SOCK": os.path.join(self.dir, f"worker-{k}.sock")},
+                ready_socket=os.path.join(self.dir, f"worker-{k}.sock"),
+                fds={3: self.listeners[k - 1].fileno()},
+                inherit_output=True,
+            )
+            for k in (1, 2)
+        ]
+
+    async def until(self, pool: WorkerPool, check: Callable[[dict[str, Any]], bool]) -> None:
+        for _ in range(200):
+            if check(pool.status()):
+                return
+            await deferLater(reactor, 0.05)
+        self.fail(f"never: {pool.status()}")
+
+    async def test_hung_worker_replaced_and_stop(self) -> None:
+        kills = metric("lchat_worker_kills_total", why="hung")
+        pool = WorkerPool(
+            reactor,
+            self.specs,
+            unix_ask,
+            routes_fingerprint=lambda: (1,),
+            min_restart_delay=0.1,
+            watch_every=0.3,
+            watch_timeout=0.3,
+            kill_timeout=2,
+        )
+        pool.startService()
+        self.addCleanup(lambda: pool.running and pool.stopService())
+        await self.until(
+            pool, lambda s: s["serving"] == 2 and all(e["routes_current"] for e in s["list"])
+        )
+        for spec, listener in zip(self.specs, self.listeners, strict=True):
+            with open(f"{spec.ready_socket}.fd3") as f:  # noqa: ASYNC230 (a test's small file)
+                self.assertEqual(int(f.read()), os.fstat(listener.fileno()).st_ino)
+        self.assertEqual(await pool.reload_all("test"), {"current": 2, "of": 2, "behind": []})
+        hung = pool.status()["list"][1]["pid"]
+        os.kill(hung, signal.SIGSTOP)
+        await self.until(
+            pool,
+            lambda s: s["list"][1]["pid"] not in (None, hung) and s["list"][1]["state"] == "ready",
+        )
+        self.assertEqual(metric("lchat_worker_kills_total", why="hung"), kills + 1)
+        self.assertEqual(pool.status()["list"][1]["restarts"], 1)
+        pids = [e["pid"] for e in pool.status()["list"]]
+        await pool.stopService()
+        self.assertEqual([e["state"] for e in pool.status()["list"]], ["stopped", "stopped"])
+        for pid in pids:
+            with self.assertRaises(ProcessLookupError):
+                os.kill(pid, 0)
