@@ -12,7 +12,8 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from lchat.admin import AdminAPI, _Json
 from lchat.supervise import Supervisor
-from tests.test_supervise import FakeReactor, States, spec
+from tests.fakes import FakeReactor
+from tests.test_supervise import States, spec
 
 
 class RestartTests(unittest.TestCase):

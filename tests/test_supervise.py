@@ -21,10 +21,7 @@ from twisted.trial import unittest
 from lchat.child import MAX_LINE, ChildExited, ChildSpec, ExitInfo, ReadyTimeout, SpawnError, spawn
 from lchat.reactors import installed
 from lchat.supervise import STATES, Supervisor
-
-# FakeReactor lives in tests/fakes.py (tests/test_workerpool.py spawns on it too); re-exported
-# for the modules that import it from here.
-from tests.fakes import FakeReactor as FakeReactor
+from tests.fakes import FakeReactor
 
 reactor = installed()
 PY = sys.executable
