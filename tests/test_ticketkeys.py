@@ -1,0 +1,245 @@
+"""lchat/ticketkeys.py against the running Python and OpenSSL.
+
+:func:`ticketkeys.install` writes through a private CPython layout (the ``SSL_CTX *`` after the
+``_ssl._SSLContext`` object header) with ``SSL_CTX_ctrl``. These tests exist to fail loudly when a
+Python or OpenSSL release moves it: the key is read back, and the property the workers need (a
+TLS 1.3 ticket from one process's listener resumes on another's, across the SNI switch to a
+certificate context) is checked over in-memory handshakes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import ssl
+import stat
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from twisted.internet import task
+from twisted.trial.unittest import SynchronousTestCase
+
+from lchat import certfiles, ticketkeys
+from lchat.ticketkeys import KEY_BYTES, RotatingKeyFile, TicketKeyError
+from tests.test_tls import TestCA, captured_logs, sample
+
+NAME = "tickets.lchat.test"
+
+
+def read_back(ctx: ssl.SSLContext) -> bytes:
+    """The ticket key OpenSSL holds for ``ctx`` (SSL_CTRL_GET_TLSEXT_TICKET_KEYS)."""
+    lib = ticketkeys._libssl()
+    pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    out = ctypes.create_string_buffer(KEY_BYTES)
+    assert lib.ctrl(pointer, ticketkeys._SSL_CTRL_GET_TLSEXT_TICKET_KEYS, KEY_BYTES, out) == 1
+    return out.raw
+
+
+class Listener:
+    """What the certificate store builds: a certificate-less dispatch context whose SNI callback
+    switches each connection to the certificate's own context."""
+
+    def __init__(self, ca: TestCA) -> None:
+        key, cert = ca.issue(NAME)
+        self.certificate = certfiles.server_context()
+        fd = os.memfd_create("ticketkeys-test")
+        try:
+            pem = key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ) + cert.public_bytes(serialization.Encoding.PEM)
+            os.write(fd, pem)
+            self.certificate.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        self.dispatch = certfiles.server_context()
+        self.switched = 0
+        self.dispatch.sni_callback = self._switch
+
+    def _switch(self, connection: Any, server_name: str | None, context: Any) -> None:
+        self.switched += 1
+        connection.context = self.certificate
+
+
+def connect(
+    listener: Listener, client: ssl.SSLContext, session: ssl.SSLSession | None
+) -> ssl.SSLObject:
+    """One TLS 1.3 connection in memory; returns the client's end once it has read the server's
+    first bytes (and with them the session tickets sent after the handshake)."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    end = client.wrap_bio(c_in, c_out, server_hostname=NAME, session=session)
+    peer = listener.dispatch.wrap_bio(s_in, s_out, server_side=True)
+    done = [False, False]
+    for _ in range(10):
+        for i, (side, outgoing, other) in enumerate(((end, c_out, s_in), (peer, s_out, c_in))):
+            if not done[i]:
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    side.do_handshake()
+                    done[i] = True
+            other.write(outgoing.read())
+        if all(done):
+            break
+    assert all(done), "the in-memory handshake did not finish"
+    peer.write(b"hello")
+    c_in.write(s_out.read())
+    assert end.read(5) == b"hello"
+    assert end.version() == "TLSv1.3", end.version()
+    return end
+
+
+class InstallTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.ca = TestCA()
+        self.client = ssl.create_default_context(cadata=self.ca.pem.decode("ascii"))
+
+    def session_from(self, listener: Listener) -> ssl.SSLSession:
+        end = connect(listener, self.client, None)
+        self.assertFalse(end.session_reused)
+        session = end.session
+        assert session is not None
+        self.assertTrue(session.has_ticket, "no TLS 1.3 ticket reached the client")
+        return session
+
+    def test_install_then_read_back(self) -> None:
+        ctx = certfiles.server_context()
+        own = read_back(ctx)  # OpenSSL's random key, made with the context
+        key = ticketkeys.new_key()
+        self.assertEqual(len(key), KEY_BYTES)
+        self.assertNotEqual(own, key)
+        ticketkeys.install(ctx, key)
+        self.assertEqual(read_back(ctx), key)
+        other = ticketkeys.new_key()
+        ticketkeys.install(ctx, other)  # a rotation replaces it
+        self.assertEqual(read_back(ctx), other)
+
+    def test_same_key_resumes_across_listeners_and_the_sni_switch(self) -> None:
+        a, b, c = Listener(self.ca), Listener(self.ca), Listener(self.ca)
+        # Without a shared key, another listener's ticket does not resume (OpenSSL's own keys):
+        # what the shared key is for.
+        self.assertFalse(connect(b, self.client, self.session_from(a)).session_reused)
+        key = ticketkeys.new_key()
+        ticketkeys.install(a.dispatch, key)
+        ticketkeys.install(b.dispatch, key)
+        ticketkeys.install(c.dispatch, ticketkeys.new_key())
+        session = self.session_from(a)
+        resumed = connect(b, self.client, session)
+        self.assertTrue(resumed.session_reused, "a ticket from A did not resume on B")
+        self.assertEqual(b.switched, 2)  # the SNI callback switched both of B's connections
+        self.assertFalse(connect(c, self.client, session).session_reused)  # another key
+
+    def test_a_python_whose_layout_is_unknown_is_refused_before_any_call(self) -> None:
+        def never() -> Any:
+            raise AssertionError("libssl was reached on a refused Python")
+
+        self.patch(ticketkeys, "_libssl", never)
+        self.patch(ticketkeys, "PYTHON", (3, 14))
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.install(certfiles.server_context(), ticketkeys.new_key())
+        self.assertIn(
+            "Python 3.14 is not one whose ssl context layout lchat knows", str(e.exception)
+        )
+
+    def test_a_pointer_that_is_not_the_contexts_is_refused_before_writing(self) -> None:
+        real = ticketkeys._libssl()
+        calls: list[int] = []
+
+        class Lying:
+            def get_options(self, pointer: int) -> int:
+                return int(real.get_options(pointer)) ^ 1
+
+            def ctrl(self, *args: Any) -> int:
+                calls.append(args[1])
+                return 1
+
+        self.patch(ticketkeys, "_libssl", Lying)
+        ctx = certfiles.server_context()
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.install(ctx, ticketkeys.new_key())
+        self.assertIn("layout is not the one lchat knows", str(e.exception))
+        self.assertEqual(calls, [])
+
+    def test_a_key_of_the_wrong_length_is_refused(self) -> None:
+        for key in (b"", b"x" * 48, b"x" * 81):
+            with self.assertRaises(TicketKeyError):
+                ticketkeys.install(certfiles.server_context(), key)
+
+
+class FileTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.path = os.path.join(self.dir, "tls-ticket.key")
+        self.logs = captured_logs(self)
+
+    def test_written_0600_atomically_and_read_back(self) -> None:
+        first, second = ticketkeys.new_key(), ticketkeys.new_key()
+        ticketkeys.write(self.path, first)
+        before = os.stat(self.path)
+        self.assertEqual(stat.S_IMODE(before.st_mode), 0o600)
+        self.assertEqual(ticketkeys.read(self.path), first)
+        ticketkeys.write(self.path, second)
+        after = os.stat(self.path)
+        # A new file renamed over the old one: a reader holds the old key or the new one whole.
+        self.assertNotEqual(before.st_ino, after.st_ino)
+        self.assertEqual(stat.S_IMODE(after.st_mode), 0o600)
+        self.assertEqual(ticketkeys.read(self.path), second)
+        self.assertEqual(os.listdir(self.dir), ["tls-ticket.key"])  # no temp file left
+
+    def test_bad_files_are_refused_naming_the_path(self) -> None:
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.read(self.path)
+        self.assertIn(f"cannot read {self.path}", str(e.exception))
+        with open(self.path, "wb") as f:
+            f.write(b"short")
+        os.chmod(self.path, 0o600)
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.read(self.path)
+        self.assertIn("holds 5 bytes", str(e.exception))
+        ticketkeys.write(self.path, ticketkeys.new_key())
+        os.chmod(self.path, 0o644)
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.read(self.path)
+        self.assertIn("readable by other users (mode 0644", str(e.exception))
+
+    def test_rotation_on_the_clock(self) -> None:
+        clock = task.Clock()
+        rotated: list[bytes] = []
+        writer = RotatingKeyFile(
+            clock, self.path, lambda: rotated.append(ticketkeys.read(self.path)), interval=3600
+        )
+        ok = sample("lchat_tls_ticket_key_writes_total", outcome="ok")
+        writer.startService()
+        self.addCleanup(writer.stopService)
+        first = ticketkeys.read(self.path)
+        self.assertEqual(rotated, [])  # the first write tells nobody
+        clock.advance(3599)
+        self.assertEqual(ticketkeys.read(self.path), first)
+        clock.advance(1)
+        self.assertEqual(len(rotated), 1)
+        self.assertNotEqual(rotated[0], first)
+        self.assertEqual(ticketkeys.read(self.path), rotated[0])
+        self.assertEqual(sample("lchat_tls_ticket_key_writes_total", outcome="ok"), ok + 2)
+        self.assertEqual(sample("lchat_tls_ticket_key_written_timestamp_seconds"), 3600)
+        # A failed write keeps the key in place, tells nobody, and is tried again next time.
+        self.patch(ticketkeys.files, "write_atomic", _refuse)
+        clock.advance(3600)
+        self.assertEqual(len(rotated), 1)
+        self.assertEqual(ticketkeys.read(self.path), rotated[0])
+        self.assertEqual(
+            len([e for e in self.logs if "cannot write the session ticket key" in e]), 1
+        )
+        self.patch(ticketkeys.files, "write_atomic", _real_write_atomic)
+        clock.advance(3600)
+        self.assertEqual(len(rotated), 2)
+        writer.stopService()
+        clock.advance(3600 * 5)
+        self.assertEqual(len(rotated), 2)
+
+
+_real_write_atomic = ticketkeys.files.write_atomic
+
+
+def _refuse(*args: Any, **kw: Any) -> None:
+    raise PermissionError(13, "Permission denied")
