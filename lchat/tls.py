@@ -16,6 +16,13 @@ On-demand issuance: when the ACME issuer listens on the store's :class:`Certific
 known host without a certificate is *held* (:meth:`CertStore.holds_for`): the front door waits
 (:meth:`CertStore.wait_for`) until a rescan brings its certificate, so its first visitor gets a
 valid one rather than the default.
+
+Session tickets: with ``ticket_key_file`` (a box's worker processes), the dispatch context
+encrypts and decrypts TLS session tickets with the key in that file (:mod:`lchat.ticketkeys`), so
+a client resumes on whichever worker its reconnect reaches. The file is re-read by the scan when
+it changes (its writer rotates it) and installed on the reactor thread. A key that cannot be read
+or installed costs full handshakes only: it is logged, never fatal. Without the file (one
+process), OpenSSL's own per-context key is used, as it always was.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from lchat import hosts
+from lchat import hosts, ticketkeys
 from lchat.certfiles import (
     KINDS,
     Fingerprint,
@@ -79,6 +86,48 @@ EXPIRY_BUCKETS: tuple[tuple[str, float], ...] = (
 )
 for _bucket, _ in EXPIRY_BUCKETS:
     _expiring.labels(_bucket)
+_ticket_key_shared = Gauge(
+    "lchat_tls_ticket_key_shared",
+    "1 while the listener's session tickets use the shared key file (LCHAT_WORKERS >= 2), else 0",
+)
+_ticket_key_installs = Counter(
+    "lchat_tls_ticket_key_installs_total",
+    "Session-ticket keys read from the shared key file and installed, by outcome",
+    ["outcome"],
+)
+for _outcome in ("ok", "failed"):
+    _ticket_key_installs.labels(_outcome)
+
+
+@frozen
+class _KeyRead:
+    """The ticket key file as a scan found it (in the scan's thread)."""
+
+    fingerprint: Fingerprint | None  # None: no such file
+    key: bytes | None  # None: see ``error``
+    error: str = ""
+
+
+_UNREAD: Fingerprint = (-1, -1, -1, -1, -1)  # no scan has looked at the key file yet
+
+
+def _read_key(path: str, previous: Fingerprint | None) -> _KeyRead | None:
+    """The key in ``path`` if the file changed since ``previous`` (else None). Blocking."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if previous is None:
+            return None
+        return _KeyRead(None, None, f"{path} does not exist")
+    except OSError as e:
+        return _KeyRead(None, None, f"cannot read {path}: {e.strerror or e}")
+    fingerprint = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+    if fingerprint == previous:
+        return None
+    try:
+        return _KeyRead(fingerprint, ticketkeys.read(path))
+    except ticketkeys.TicketKeyError as e:
+        return _KeyRead(fingerprint, None, str(e))
 
 
 @frozen
@@ -149,6 +198,7 @@ class CertStore(Service):
         run_in_thread: RunInThread,
         interval: float = DEFAULT_SCAN_INTERVAL,
         wanted: CertificateWanted | None = None,
+        ticket_key_file: str | None = None,
     ) -> None:
         self._reactor = reactor
         self.directory = os.path.abspath(directory)
@@ -178,6 +228,13 @@ class CertStore(Service):
         self._ssl_dispatch = server_context()
         self._ssl_dispatch.sni_callback = self._ssl_server_name
         self._ssl_dispatch.sslobject_class = NotedSSLObject
+        # Session tickets (the module docstring): the file, what the last scan saw of it, and
+        # whether a key from it is installed on the dispatch context.
+        self.ticket_key_file = ticket_key_file
+        self._key_fingerprint: Fingerprint | None = _UNREAD
+        self._key_installed = False
+        self._key_logged = ""
+        self._listeners: list[Callable[[], object]] = []
 
     # -- what the listener uses
 
@@ -278,6 +335,22 @@ class CertStore(Service):
             if not waiters:
                 del self._waiters[host]
 
+    def give_up(self, host: str) -> None:
+        """Whoever obtains certificates will not get one for ``host`` (normalised) now: its
+        :meth:`wait_for` waiters fire False at once, as after a timeout, so held handshakes are
+        served without it (a worker hears this from the control process, where the issuer
+        runs)."""
+        waiters = self._waiters.pop(host, None)
+        if waiters:
+            fire(waiters, False)
+
+    def subscribe(self, listener: Callable[[], object]) -> None:
+        """Call ``listener()`` after every rebuild that changed what is served (a certificate
+        loaded, replaced, removed or expired), once the new set is in place and the waiters it
+        serves have fired; never after a scan that changed nothing. A listener must not raise
+        (it is logged if it does) and must not block."""
+        self._listeners.append(listener)
+
     def _release_waiters(self) -> None:
         ready = [host for host in self._waiters if self._certificate_for(host) is not None]
         for host in ready:
@@ -299,7 +372,10 @@ class CertStore(Service):
 
     def load_initial(self) -> None:
         """Scan synchronously, for use while building the service, before the reactor runs (so the
-        listener never answers a handshake before the certificates are in). Blocking."""
+        listener never answers a handshake before the certificates are in, nor before the
+        ticket key is). Blocking."""
+        if self.ticket_key_file is not None:
+            self._install_key(_read_key(self.ticket_key_file, self._key_fingerprint))
         self._apply(scan(self.directory, {}, self._clock()))
 
     def rescan(self) -> Deferred[None]:
@@ -314,8 +390,14 @@ class CertStore(Service):
     def _start(self, waiters: list[Deferred[None]]) -> None:
         previous = {f: s.fingerprint for f, s in self._files.items()}
         now = self._clock()
-        d: Deferred[Scan] = self._run_in_thread(lambda: scan(self.directory, previous, now))
-        done: Deferred[None] = d.addCallback(self._apply)
+        key_file, key_seen = self.ticket_key_file, self._key_fingerprint
+        d: Deferred[tuple[_KeyRead | None, Scan]] = self._run_in_thread(
+            lambda: (
+                _read_key(key_file, key_seen) if key_file is not None else None,
+                scan(self.directory, previous, now),
+            )
+        )
+        done: Deferred[None] = d.addCallback(self._apply_both)
         done.addErrback(lambda f: _log.failure("tls: certificate scan failed", f))
         self._running = done
 
@@ -327,6 +409,47 @@ class CertStore(Service):
             fire(waiters, None)
 
         done.addBoth(finished)
+
+    def _apply_both(self, results: tuple[_KeyRead | None, Scan]) -> None:
+        key, certificates = results
+        self._install_key(key)  # first: the handshakes a rebuild releases resume across workers
+        self._apply(certificates)
+
+    def _install_key(self, read: _KeyRead | None) -> None:
+        """On the reactor thread, between handshakes: the dispatch context is never changed
+        while OpenSSL is inside one of its callbacks."""
+        if read is None:
+            return
+        self._key_fingerprint = read.fingerprint
+        why = read.error
+        if read.key is not None:
+            try:
+                ticketkeys.install(self._ssl_dispatch, read.key)
+            except ticketkeys.TicketKeyError as e:
+                why = str(e)
+            else:
+                _ticket_key_installs.labels("ok").inc()
+                _ticket_key_shared.set(1)
+                if not self._key_installed or self._key_logged:
+                    _log.info(
+                        "tls: session tickets are shared across workers (key {path})",
+                        path=self.ticket_key_file,
+                    )
+                self._key_installed = True
+                self._key_logged = ""
+                return
+        _ticket_key_installs.labels("failed").inc()
+        if why != self._key_logged:
+            self._key_logged = why
+            if self._key_installed:
+                _log.warn("tls: keeping the session ticket key installed before: {why}", why=why)
+            else:
+                _ticket_key_shared.set(0)
+                _log.warn(
+                    "tls: session tickets are not shared across workers: {why} (a reconnect "
+                    "through another worker makes a full handshake)",
+                    why=why,
+                )
 
     def _apply(self, result: Scan) -> None:
         if result.error:
@@ -445,7 +568,12 @@ class CertStore(Service):
             _expiry.labels(label).set(loaded.not_after)
         self._published = set(serving)
         _refused.set(sum(1 for s in self._files.values() if s.refusal))
-        self._release_waiters()  # last: what they run sees this scan whole
+        self._release_waiters()  # what they run sees this scan whole
+        for listener in list(self._listeners):  # last: they may push this set elsewhere
+            try:
+                listener()
+            except Exception:
+                _log.failure("tls: a certificate-change listener failed")
 
     # -- handshake failures
 

@@ -9,8 +9,6 @@ certificate context) is checked over in-memory handshakes.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import ssl
 import stat
@@ -22,18 +20,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from lchat import certfiles, ticketkeys
 from lchat.ticketkeys import KEY_BYTES, RotatingKeyFile, TicketKeyError
-from tests.test_tls import TestCA, captured_logs, sample
+from tests.test_tls import TestCA, captured_logs, memory_connect, read_ticket_key, sample
 
 NAME = "tickets.lchat.test"
-
-
-def read_back(ctx: ssl.SSLContext) -> bytes:
-    """The ticket key OpenSSL holds for ``ctx`` (SSL_CTRL_GET_TLSEXT_TICKET_KEYS)."""
-    lib = ticketkeys._libssl()
-    pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
-    out = ctypes.create_string_buffer(KEY_BYTES)
-    assert lib.ctrl(pointer, ticketkeys._SSL_CTRL_GET_TLSEXT_TICKET_KEYS, KEY_BYTES, out) == 1
-    return out.raw
 
 
 class Listener:
@@ -63,71 +52,49 @@ class Listener:
         connection.context = self.certificate
 
 
-def connect(
-    listener: Listener, client: ssl.SSLContext, session: ssl.SSLSession | None
-) -> ssl.SSLObject:
-    """One TLS 1.3 connection in memory; returns the client's end once it has read the server's
-    first bytes (and with them the session tickets sent after the handshake)."""
-    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
-    end = client.wrap_bio(c_in, c_out, server_hostname=NAME, session=session)
-    peer = listener.dispatch.wrap_bio(s_in, s_out, server_side=True)
-    done = [False, False]
-    for _ in range(10):
-        for i, (side, outgoing, other) in enumerate(((end, c_out, s_in), (peer, s_out, c_in))):
-            if not done[i]:
-                with contextlib.suppress(ssl.SSLWantReadError):
-                    side.do_handshake()
-                    done[i] = True
-            other.write(outgoing.read())
-        if all(done):
-            break
-    assert all(done), "the in-memory handshake did not finish"
-    peer.write(b"hello")
-    c_in.write(s_out.read())
-    assert end.read(5) == b"hello"
-    assert end.version() == "TLSv1.3", end.version()
-    return end
-
-
 class InstallTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.ca = TestCA()
         self.client = ssl.create_default_context(cadata=self.ca.pem.decode("ascii"))
 
     def session_from(self, listener: Listener) -> ssl.SSLSession:
-        end = connect(listener, self.client, None)
+        end = memory_connect(listener.dispatch, self.client, NAME, None)
         self.assertFalse(end.session_reused)
         session = end.session
         assert session is not None
         self.assertTrue(session.has_ticket, "no TLS 1.3 ticket reached the client")
         return session
 
-    def test_install_then_read_back(self) -> None:
+    def test_install_then_read_ticket_key(self) -> None:
         ctx = certfiles.server_context()
-        own = read_back(ctx)  # OpenSSL's random key, made with the context
+        own = read_ticket_key(ctx)  # OpenSSL's random key, made with the context
         key = ticketkeys.new_key()
         self.assertEqual(len(key), KEY_BYTES)
         self.assertNotEqual(own, key)
         ticketkeys.install(ctx, key)
-        self.assertEqual(read_back(ctx), key)
+        self.assertEqual(read_ticket_key(ctx), key)
         other = ticketkeys.new_key()
         ticketkeys.install(ctx, other)  # a rotation replaces it
-        self.assertEqual(read_back(ctx), other)
+        self.assertEqual(read_ticket_key(ctx), other)
 
     def test_same_key_resumes_across_listeners_and_the_sni_switch(self) -> None:
         a, b, c = Listener(self.ca), Listener(self.ca), Listener(self.ca)
         # Without a shared key, another listener's ticket does not resume (OpenSSL's own keys):
         # what the shared key is for.
-        self.assertFalse(connect(b, self.client, self.session_from(a)).session_reused)
+        self.assertFalse(
+            memory_connect(b.dispatch, self.client, NAME, self.session_from(a)).session_reused
+        )
         key = ticketkeys.new_key()
         ticketkeys.install(a.dispatch, key)
         ticketkeys.install(b.dispatch, key)
         ticketkeys.install(c.dispatch, ticketkeys.new_key())
         session = self.session_from(a)
-        resumed = connect(b, self.client, session)
+        resumed = memory_connect(b.dispatch, self.client, NAME, session)
         self.assertTrue(resumed.session_reused, "a ticket from A did not resume on B")
         self.assertEqual(b.switched, 2)  # the SNI callback switched both of B's connections
-        self.assertFalse(connect(c, self.client, session).session_reused)  # another key
+        self.assertFalse(
+            memory_connect(c.dispatch, self.client, NAME, session).session_reused
+        )  # another key
 
     def test_a_python_whose_layout_is_unknown_is_refused_before_any_call(self) -> None:
         def never() -> Any:
@@ -173,7 +140,7 @@ class FileTests(SynchronousTestCase):
         self.path = os.path.join(self.dir, "tls-ticket.key")
         self.logs = captured_logs(self)
 
-    def test_written_0600_atomically_and_read_back(self) -> None:
+    def test_written_0600_atomically_and_read_ticket_key(self) -> None:
         first, second = ticketkeys.new_key(), ticketkeys.new_key()
         ticketkeys.write(self.path, first)
         before = os.stat(self.path)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import _ssl  # the ENCODING_DER constant of its Certificate objects (public from 3.13)
 import contextlib
+import ctypes
 import datetime
 import io
 import os
 import socket
 import ssl
 import stat
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,7 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from lchat import certfiles, hosts, tls
+from lchat import certfiles, hosts, ticketkeys, tls
 from lchat.cli.main import main
 from lchat.reactors import installed
 from lchat.threads import thread_runner
@@ -852,6 +854,230 @@ def memory_handshake(server: ssl.SSLContext, name: str, ca: bytes) -> list[x509.
     # Public as SSLObject.get_unverified_chain from Python 3.13; the same method underneath.
     chain = client._sslobj.get_unverified_chain()  # type: ignore[attr-defined]
     return [x509.load_der_x509_certificate(c.public_bytes(_ssl.ENCODING_DER)) for c in chain]
+
+
+def memory_connect(
+    dispatch: ssl.SSLContext, client: ssl.SSLContext, name: str, session: ssl.SSLSession | None
+) -> ssl.SSLObject:
+    """One TLS 1.3 connection in memory to a listener's ``dispatch`` context, offering
+    ``session``; returns the client's end once it has read the server's first bytes (and with
+    them the session tickets sent after the handshake)."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    end = client.wrap_bio(c_in, c_out, server_hostname=name, session=session)
+    peer = dispatch.wrap_bio(s_in, s_out, server_side=True)
+    done = [False, False]
+    for _ in range(10):
+        for i, (side, outgoing, other) in enumerate(((end, c_out, s_in), (peer, s_out, c_in))):
+            if not done[i]:
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    side.do_handshake()
+                    done[i] = True
+            other.write(outgoing.read())
+        if all(done):
+            break
+    assert all(done), "the in-memory handshake did not finish"
+    peer.write(b"hello")
+    c_in.write(s_out.read())
+    assert end.read(5) == b"hello"
+    assert end.version() == "TLSv1.3", end.version()
+    return end
+
+
+class TicketKeyTests(SynchronousTestCase):
+    """``ticket_key_file``: the shared session-ticket key, read by the scan in its thread and
+    installed on the reactor thread; a bad key is logged once and never fatal. Without it the
+    store keeps OpenSSL's own key."""
+
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.ca = TestCA()
+        self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.key_file = os.path.join(self.mktemp() + "-run", "tls-ticket.key")
+        os.makedirs(os.path.dirname(self.key_file))
+        self.logs = captured_logs(self)
+        self.client = ssl.create_default_context(cadata=self.ca.pem.decode("ascii"))
+        self.threads: list[str] = []
+
+    def in_a_thread(self, f: Callable[[], Any]) -> Deferred[Any]:
+        """A real thread, joined: the store's callbacks then run on this (the reactor's) one."""
+        out: list[Any] = []
+        worker = threading.Thread(target=lambda: out.append(f()), name="scan")
+        worker.start()
+        worker.join()
+        return defer.succeed(out[0])
+
+    def store(self, **kw: Any) -> tls.CertStore:
+        store = tls.CertStore(
+            task.Clock(), self.dir, lambda h: True, run_in_thread=self.in_a_thread, **kw
+        )
+        store.load_initial()
+        return store
+
+    def resumes(self, a: tls.CertStore, b: tls.CertStore) -> bool:
+        """A session from ``a``'s listener, offered to ``b``'s: resumed?"""
+        first = memory_connect(a.server_ssl_context, self.client, "a.example.com", None)
+        session = first.session
+        assert session is not None and session.has_ticket
+        again = memory_connect(b.server_ssl_context, self.client, "a.example.com", session)
+        return again.session_reused
+
+    def test_without_a_key_file_each_store_keeps_its_own_key(self) -> None:
+        a, b = self.store(), self.store()
+        self.assertTrue(self.resumes(a, a))
+        self.assertFalse(self.resumes(a, b))
+
+    def test_stores_sharing_the_key_file_resume_each_others_sessions(self) -> None:
+        ticketkeys.write(self.key_file, ticketkeys.new_key())
+        a = self.store(ticket_key_file=self.key_file)
+        b = self.store(ticket_key_file=self.key_file)
+        self.assertTrue(self.resumes(a, b))
+        self.assertTrue(self.resumes(b, a))
+        self.assertEqual(sample("lchat_tls_ticket_key_shared"), 1)
+        self.assertIn(
+            f"tls: session tickets are shared across workers (key {self.key_file})", self.logs
+        )
+        # A rotation reaches a store at its next rescan; until then the two keys differ.
+        ticketkeys.write(self.key_file, ticketkeys.new_key())
+        self.successResultOf(a.rescan())
+        self.assertFalse(self.resumes(a, b))
+        self.successResultOf(b.rescan())
+        self.assertTrue(self.resumes(a, b))
+
+    def test_a_changed_key_is_read_in_the_scan_thread_and_installed_on_the_reactor(self) -> None:
+        seen: list[tuple[str, str]] = []
+        real_read, real_install = ticketkeys.read, ticketkeys.install
+
+        def read(path: str) -> bytes:
+            seen.append(("read", threading.current_thread().name))
+            return real_read(path)
+
+        def install(ctx: ssl.SSLContext, key: bytes) -> None:
+            seen.append(("install", threading.current_thread().name))
+            real_install(ctx, key)
+
+        self.patch(ticketkeys, "read", read)
+        self.patch(ticketkeys, "install", install)
+        ticketkeys.write(self.key_file, ticketkeys.new_key())
+        store = self.store(ticket_key_file=self.key_file)
+        main = threading.current_thread().name
+        self.assertEqual(seen, [("read", main), ("install", main)])  # load_initial: blocking
+        seen.clear()
+        self.successResultOf(store.rescan())
+        self.assertEqual(seen, [])  # unchanged: not read again
+        key = ticketkeys.new_key()
+        ticketkeys.write(self.key_file, key)
+        self.successResultOf(store.rescan())
+        self.assertEqual(seen, [("read", "scan"), ("install", main)])
+        self.assertEqual(read_ticket_key(store.server_ssl_context), key)
+
+    def test_a_bad_key_file_is_logged_once_and_never_fatal(self) -> None:
+        failed = sample("lchat_tls_ticket_key_installs_total", outcome="failed")
+        store = self.store(ticket_key_file=self.key_file)  # no file yet
+        ticketkeys.write(self.key_file, ticketkeys.new_key())
+        os.chmod(self.key_file, 0o644)
+        for _ in range(3):
+            self.successResultOf(store.rescan())
+        self.assertEqual(list(store.certificates()), ["a.example.com"])  # served all along
+        warnings = [e for e in self.logs if "not shared across workers" in e]
+        self.assertEqual(
+            warnings,
+            [
+                f"tls: session tickets are not shared across workers: {self.key_file} does not "
+                "exist (a reconnect through another worker makes a full handshake)",
+                f"tls: session tickets are not shared across workers: {self.key_file} is "
+                "readable by other users (mode 0644; want 0600) (a reconnect through another "
+                "worker makes a full handshake)",
+            ],
+        )
+        self.assertEqual(sample("lchat_tls_ticket_key_shared"), 0)
+        self.assertEqual(
+            sample("lchat_tls_ticket_key_installs_total", outcome="failed"), failed + 2
+        )
+        os.chmod(self.key_file, 0o600)
+        self.successResultOf(store.rescan())
+        self.assertEqual(sample("lchat_tls_ticket_key_shared"), 1)
+        installed = read_ticket_key(store.server_ssl_context)
+        # Once a key is in, a later failure keeps it (tickets still resume) and says so.
+        self.patch(ticketkeys, "PYTHON", (3, 99))
+        ticketkeys.write(self.key_file, ticketkeys.new_key())
+        self.successResultOf(store.rescan())
+        self.assertEqual(read_ticket_key(store.server_ssl_context), installed)
+        self.assertEqual(sample("lchat_tls_ticket_key_shared"), 1)
+        self.assertTrue(
+            any(
+                "keeping the session ticket key installed before: Python 3.99" in e
+                for e in self.logs
+            )
+        )
+
+
+def read_ticket_key(ctx: ssl.SSLContext) -> bytes:
+    """The ticket key OpenSSL holds for ``ctx`` (SSL_CTRL_GET_TLSEXT_TICKET_KEYS)."""
+    lib = ticketkeys._libssl()
+    pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    out = ctypes.create_string_buffer(ticketkeys.KEY_BYTES)
+    assert (
+        lib.ctrl(pointer, ticketkeys._SSL_CTRL_GET_TLSEXT_TICKET_KEYS, ticketkeys.KEY_BYTES, out)
+        == 1
+    )
+    return out.raw
+
+
+class ListenerAndGiveUpTests(SynchronousTestCase):
+    """What the control process and a worker's link ask of a store: ``subscribe`` (told after a
+    rebuild that changed what is served) and ``give_up`` (the issuer declined a held host)."""
+
+    def setUp(self) -> None:
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.ca = TestCA()
+        self.clock = task.Clock()
+        self.clock.advance(NOW.timestamp())
+        self.logs = captured_logs(self)
+        self.store = tls.CertStore(self.clock, self.dir, lambda h: True, run_in_thread=synchronous)
+
+    def test_listeners_are_told_once_per_rebuild_that_changed_something(self) -> None:
+        told: list[list[str]] = []
+        self.store.subscribe(lambda: 1 / 0)  # a broken listener is logged; the others still run
+        self.store.subscribe(lambda: told.append(sorted(self.store.certificates())))
+        self.store.load_initial()
+        self.assertEqual(told, [[]])  # the first scan builds the (empty) set
+        self.successResultOf(self.store.rescan())
+        self.assertEqual(told, [[]])
+        self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.successResultOf(self.store.rescan())
+        self.successResultOf(self.store.rescan())
+        self.assertEqual(told, [[], ["a.example.com"]])
+        os.remove(certfiles.cert_path(self.dir, "a.example.com"))
+        self.successResultOf(self.store.rescan())
+        self.assertEqual(told, [[], ["a.example.com"], []])
+        self.assertEqual(
+            len([e for e in self.logs if "a certificate-change listener failed" in e]), 3
+        )
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 3)
+
+    def test_listeners_run_after_the_waiters_the_rebuild_serves(self) -> None:
+        order: list[str] = []
+        self.store.load_initial()
+        self.store.subscribe(lambda: order.append("listener"))
+        self.store.wait_for("a.example.com", 10).addCallback(lambda _: order.append("waiter"))
+        self.ca.write(certfiles.cert_path(self.dir, "a.example.com"), "a.example.com")
+        self.successResultOf(self.store.rescan())
+        self.assertEqual(order, ["waiter", "listener"])
+
+    def test_give_up_fires_that_hosts_waiters_false_at_once(self) -> None:
+        self.store.load_initial()
+        waits = [self.store.wait_for("new.example.com", 10) for _ in range(2)]
+        other = self.store.wait_for("other.example.com", 10)
+        self.store.give_up("new.example.com")
+        for d in waits:
+            self.assertIs(self.successResultOf(d), False)
+        self.assertNoResult(other)
+        self.store.give_up("nobody.example.com")  # nothing waits: nothing happens
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)  # only the other's timeout
+        self.clock.advance(10)
+        self.assertIs(self.successResultOf(other), False)
 
 
 # --- lchat dev-cert -------------------------------------------------------------------------------

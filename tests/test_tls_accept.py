@@ -179,7 +179,9 @@ class FirstContactTests(AcceptorHarness):
             wanted=self.wanted,
         )
         self.store.load_initial()
-        self.holds = {o: sample("lchat_tls_holds_total", outcome=o) for o in ("issued", "timeout")}
+        self.holds = {
+            o: sample("lchat_tls_holds_total", outcome=o) for o in ("issued", "timeout", "declined")
+        }
 
     def issue_after(self, delay: float, *hosts: str) -> None:
         """Connect an issuer that, asked for one of ``hosts``, writes its certificate ``delay``
@@ -304,6 +306,37 @@ class FirstContactTests(AcceptorHarness):
         self.assertLess(took, 10.0)
         self.assertEqual(self.asked[:1], [NEW])
         self.assertFalse([e for e in self.logs if "holding" in e])
+
+    @inlineCallbacks
+    def test_a_hold_the_issuer_gives_up_on_is_released_at_once(self) -> Any:
+        """A worker's issuer link says "maybe" first (the hold starts), then the control
+        process's issuer declines: ``give_up`` releases the hold long before it would end."""
+
+        def maybe(host: str) -> None:
+            if not self.asked:  # (the SNI callback cues it again as the default is chosen)
+                reactor.callLater(0.2, self.store.give_up, host)
+            self.asked.append(host)
+
+        self.wanted.connect(maybe)
+        port = yield self.serve(self.store, hold=30.0)
+        took, got = yield self.timed(handshake, port, NEW)
+        self.assertEqual(got.serial, self.serial["default"])
+        self.assertLess(took, 10.0)  # held, it would take 30 s
+        self.assertEqual(self.holds_ended("declined"), 1)
+        self.assertEqual(self.holds_ended("timeout"), 0)
+        self.assertTrue(
+            any(
+                f"tls: the issuer will not obtain a certificate for {NEW} now: serving the "
+                "default certificate" in e
+                for e in self.logs
+            ),
+            self.logs,
+        )
+        # Not held again for a while, as after a timeout.
+        took, got = yield self.timed(handshake, port, NEW)
+        self.assertLess(took, 10.0)
+        self.assertEqual(self.holds_ended("declined"), 1)
+        self.assertEqual(sum("tls: holding the first handshake" in e for e in self.logs), 1)
 
     @inlineCallbacks
     def test_held_connections_are_bounded(self) -> Any:

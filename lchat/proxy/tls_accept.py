@@ -62,10 +62,10 @@ _held = Gauge(
 _holds = Counter(
     "lchat_tls_holds_total",
     "TLS handshakes held for an on-demand certificate, by how the hold ended (issued: the "
-    "certificate came; timeout: served without it)",
+    "certificate came; timeout: served without it; declined: the issuer gave up early)",
     ["outcome"],
 )
-for _outcome in ("issued", "timeout"):
+for _outcome in ("issued", "timeout", "declined"):
     _holds.labels(_outcome)
 _silent = Counter(
     "lchat_tls_silent_connections_total",
@@ -377,23 +377,28 @@ class TLSAcceptor:
         _held.dec(count)
         if self._held < self.max_held:
             self._full_logged = False
-        _holds.labels("issued" if issued else "timeout").inc(count)
+        waited = self._clock.seconds() - hold.started
+        # Not issued before the hold's end: the issuer gave up on it (CertStore.give_up).
+        declined = not issued and waited < self.hold
+        _holds.labels("issued" if issued else "declined" if declined else "timeout").inc(count)
         if issued:
             _log.info(
                 "tls: certificate for {host} arrived after {seconds:.1f}s; completing {count} "
                 "held handshake(s)",
                 host=hold.host,
-                seconds=self._clock.seconds() - hold.started,
+                seconds=waited,
                 count=count,
             )
         else:
             self._remember_gave_up(hold.host)
             _log.warn(
-                "tls: no certificate for {host} within {hold}s: serving {what} to its {count} "
-                "held handshake(s), and holding none for {retry}s (see the acme log lines for "
-                "why its issuance is slow or failing)",
-                host=hold.host,
-                hold=self.hold,
+                "tls: {why}: serving {what} to its {count} held handshake(s), and holding none "
+                "for {retry}s (see the acme log lines for why its issuance is slow or failing)",
+                why=(
+                    f"the issuer will not obtain a certificate for {hold.host} now"
+                    if declined
+                    else f"no certificate for {hold.host} within {self.hold}s"
+                ),
                 what=(
                     "the default certificate"
                     if self._store.has_default
