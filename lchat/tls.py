@@ -58,6 +58,8 @@ from lchat.routesource import RouteSource
 from lchat.threads import RunInThread
 
 DEFAULT_SCAN_INTERVAL = 10.0
+SNI_NAMES_CACHED = 4096  # SNI names whose normalised host is remembered (then forgotten at once)
+NUM_TICKETS = 1  # TLS 1.3 session tickets sent after a full handshake (OpenSSL's default: 2)
 
 _log = Logger(namespace="lchat.tls")
 
@@ -228,6 +230,13 @@ class CertStore(Service):
         self._ssl_dispatch = server_context()
         self._ssl_dispatch.sni_callback = self._ssl_server_name
         self._ssl_dispatch.sslobject_class = NotedSSLObject
+        # One ticket is what a client resumes with (a browser keeps one per origin); each more
+        # costs the server an encryption and a record in every full handshake.
+        self._ssl_dispatch.num_tickets = NUM_TICKETS
+        # SNI name as the stdlib hands it -> its normalised host (None: none possible). Pure, so
+        # never stale: what the host is served is decided afresh per handshake. Normalising
+        # (IDNA, the IP-literal check) was the SNI callback's main cost.
+        self._sni_hosts: dict[str, str | None] = {}
         # Session tickets (the module docstring): the file, what the last scan saw of it, and
         # whether a key from it is installed on the dispatch context.
         self.ticket_key_file = ticket_key_file
@@ -250,7 +259,9 @@ class CertStore(Service):
         """The most specific certificate for an SNI name (the raw bytes, None for no SNI): host
         (if registered), wildcard, default; None when nothing matches (the handshake then fails).
         Cues the issuer, as a handshake does, for a known host that has no certificate."""
-        host = sni_host(server_name)
+        return self._select_host(sni_host(server_name))
+
+    def _select_host(self, host: str | None) -> Loaded | None:
         if host is not None:
             loaded = self._certificate_for(host)
             if loaded is not None:
@@ -281,9 +292,17 @@ class CertStore(Service):
         # The stdlib's SNI callback (on the event loop, inside the handshake): a few dict lookups.
         # It must not raise (OpenSSL would abort the handshake with an internal_error alert).
         try:
-            # The stdlib hands the name over as the A-label decoded as latin-1: undo that.
-            name = server_name.encode("latin-1") if server_name is not None else None
-            loaded = self.select(name)
+            host = None
+            if server_name is not None:
+                cached = self._sni_hosts
+                host = cached.get(server_name, _UNSEEN)
+                if host is _UNSEEN:
+                    # The stdlib hands the name over as the A-label decoded as latin-1: undo that.
+                    host = sni_host(server_name.encode("latin-1"))
+                    if len(cached) >= SNI_NAMES_CACHED:
+                        cached.clear()  # names from scanners: bounded, and rebuilt cheaply
+                    cached[server_name] = host
+            loaded = self._select_host(host)
             notes = handshake_notes.get()
             if notes is not None:
                 notes.server_name = server_name or ""
@@ -608,6 +627,9 @@ class CertStore(Service):
 
     def _poll(self) -> Deferred[None]:
         return succeed(None) if self._running is not None else self.rescan()
+
+
+_UNSEEN = "\0"  # not a host name: the cache's "not looked up yet"
 
 
 def sni_host(server_name: bytes | None) -> str | None:

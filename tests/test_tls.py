@@ -698,6 +698,45 @@ class StoreTests(SynchronousTestCase):
         self.assertIsNone(lookup(None))
 
 
+class SNICallbackTests(SynchronousTestCase):
+    """The SNI callback on real (in-memory) handshakes: each name is normalised once, and what a
+    host is served still follows the registry from one handshake to the next."""
+
+    def test_names_normalised_once_and_the_registry_still_decides(self) -> None:
+        directory = os.path.abspath(self.mktemp())
+        os.makedirs(directory)
+        ca = TestCA()
+        ca.write(certfiles.cert_path(directory, "a.example.com"), "a.example.com")
+        ca.write(certfiles.wildcard_cert_path(directory, "example.com"), "*.example.com")
+        known = {"a.example.com"}
+        store = tls.CertStore(task.Clock(), directory, known.__contains__, run_in_thread=inline)
+        store.load_initial()
+        normalised: list[str] = []
+        real = hosts.normalise
+
+        def counting(name: str) -> str:
+            normalised.append(name)
+            return real(name)
+
+        self.patch(hosts, "normalise", counting)
+        client = ssl.create_default_context(cadata=ca.pem.decode("ascii"))
+
+        def served(name: str) -> list[str]:
+            end = memory_connect(store.server_ssl_context, client, name, None)
+            cert = end.getpeercert()
+            assert cert is not None
+            names: Any = cert["subjectAltName"]
+            return [v for k, v in names if k == "DNS"]
+
+        for _ in range(3):
+            self.assertEqual(served("a.example.com"), ["a.example.com"])
+        self.assertEqual(normalised, ["a.example.com"])
+        known.clear()  # its row is gone: no rebuild, yet the next handshake gets the wildcard
+        self.assertEqual(served("a.example.com"), ["*.example.com"])
+        self.assertEqual(normalised, ["a.example.com"])
+        self.assertEqual(store.server_ssl_context.num_tickets, tls.NUM_TICKETS)
+
+
 class OnDemandStoreTests(SynchronousTestCase):
     """What the front door asks the store while it holds a first handshake: is this host worth
     holding (:meth:`CertStore.holds_for`), cue the issuer (:meth:`CertStore.want`), tell me when
