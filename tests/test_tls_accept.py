@@ -126,21 +126,46 @@ class AcceptorPeekingSNITests(AcceptorSNITests):
         wanted.connect(lambda host: False)
         return super().make_store(wanted=wanted, **kw)
 
+    def count_peeks(self) -> tuple[list[str | None], list[object]]:
+        """(the names read from ClientHellos, the connections watched for the rest of one)."""
+        names: list[str | None] = []
+        watched: list[object] = []
+        peeked, start = TLSAcceptor._peeked, tls_accept._Peek.start
+
+        def reading(acceptor: TLSAcceptor, conn: Any, peer: str, name: str | None) -> None:
+            names.append(name)
+            peeked(acceptor, conn, peer, name)
+
+        def watching(peek: tls_accept._Peek) -> None:
+            watched.append(peek)
+            start(peek)
+
+        self.patch(TLSAcceptor, "_peeked", reading)
+        self.patch(tls_accept._Peek, "start", watching)
+        return names, watched
+
     @inlineCallbacks
     def test_every_connection_is_peeked(self) -> Any:
         store = self.make_store()
         port = yield self.serve(store)
-        peeks: list[object] = []
-        real = tls_accept._Peek.start
-
-        def counting(peek: tls_accept._Peek) -> None:
-            peeks.append(peek)
-            real(peek)
-
-        self.patch(tls_accept._Peek, "start", counting)
+        names, _ = self.count_peeks()
         got = yield threads.deferToThread(handshake, port, "a.example.com")
         self.assertEqual(got.serial, self.serial["a"])
-        self.assertEqual(len(peeks), 1)
+        self.assertEqual(names, ["a.example.com"])
+
+    @inlineCallbacks
+    def test_a_client_hello_queued_at_accept_is_read_without_watching(self) -> Any:
+        store = self.make_store()
+        port = yield self.serve(store)
+        self.acceptor._stop_listening()  # connections queue in the kernel, ClientHello and all
+        names, watched = self.count_peeks()
+        got = threads.deferToThread(handshake, port, "a.example.com")
+        yield task.deferLater(reactor, 0.3, lambda: None)
+        self.acceptor.start()
+        got = yield got
+        self.assertEqual(got.serial, self.serial["a"])
+        self.assertEqual(names, ["a.example.com"])
+        self.assertEqual(watched, [])
 
 
 # --- first contact --------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ callback switches each one to its host's, its wildcard's or the default context.
 
 **First contact.** While something obtains certificates on demand (the ACME issuer listens on the
 store's cue), each connection's ClientHello is first *peeked* (``recv(MSG_PEEK)``: the bytes stay
-queued in the kernel for OpenSSL) to read its SNI name. A host eligible for on-demand issuance
+queued in the kernel for OpenSSL) to read its SNI name: at once when it is accepted (it usually
+is queued by then), else as its bytes arrive. A host eligible for on-demand issuance
 (known, no certificate of its own nor a wildcard: :meth:`CertStore.holds_for`) is held: the
 issuer is cued and the handshake waits, up to ``hold`` seconds, for the rescan that brings the
 certificate (:meth:`CertStore.wait_for`). A new space's first visitor so gets a valid certificate
@@ -306,6 +307,24 @@ class TLSAcceptor:
             # Nothing is ever held: no need to know the name before TLS does.
             self._hand_over(conn, peer, HandshakeNotes())
             return
+        # A client sends its ClientHello as soon as it is connected, so it is usually queued by
+        # the time the connection is accepted: one peek now spares watching the socket (a
+        # reader, a timer) for most connections. The rest go to _Peek.
+        try:
+            n = conn.recv_into(self._buffer, PEEK_CAP, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            n = -1
+        except OSError:
+            conn.close()  # reset before a byte: not a failed handshake (as in _Peek)
+            return
+        if n == 0:
+            conn.close()  # closed without a byte: a TCP probe
+            return
+        if n > 0:
+            result = client_hello_server_name(bytes(memoryview(self._buffer)[:n]))
+            if not isinstance(result, Incomplete):
+                self._peeked(conn, peer, result)
+                return
         peek = _Peek(self, conn, peer)
         self._peeks.add(peek)
         try:
