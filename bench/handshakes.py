@@ -40,7 +40,6 @@ import socket
 import ssl
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,14 +169,7 @@ def start_router(
     procs: benchlib.Processes, tmp: Path, backend: Path, workers: int, rev: str | None
 ) -> Proxy:
     tls_port = benchlib.free_port()
-    kw: dict[str, Any] = {}
-    if workers != 1:
-        if "workers" not in inspect.signature(benchlib.start_router).parameters:
-            sys.exit(
-                "bench/handshakes.py: --workers above 1 needs bench/benchlib.start_router(workers=) "
-                "and the router's LCHAT_WORKERS (issue 33 item 2), not in this tree yet"
-            )
-        kw["workers"] = workers
+    kw: dict[str, Any] = {"workers": workers} if workers != 1 else {}
     port, proc = benchlib.start_router(
         procs, tmp, {HOST: backend}, rev=rev, https_port=tls_port, **kw
     )
@@ -366,6 +358,54 @@ def profile(router: Proxy, args: argparse.Namespace, script: Path, tmp: Path) ->
     return f"py-spy, {total} samples, own time:\n\n" + benchlib.table(["share", "frame"], rows)
 
 
+def perf_by_library(
+    proxies: tuple[Proxy, ...], args: argparse.Namespace, script: Path, tmp: Path
+) -> str:
+    """``perf record`` of each proxy's processes under the full variant: the CPU per handshake
+    spent in each library (libcrypto is the handshake's cryptography; the rest is the
+    connection's plumbing), side by side."""
+    rate = 999  # samples per second of CPU
+    per_conn: dict[str, dict[str, float]] = {}
+    for proxy in proxies:
+        data = tmp / f"{proxy.name}.perf"
+        pids = ",".join(str(p) for p in proxy.pids())
+        rec = subprocess.Popen(
+            ["perf", "record", "-F", str(rate), "-p", pids, "-o", str(data)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.3)
+        result = run_wrk(
+            f"https://{HOST}:{proxy.tls_port}/", args.duration, args.connections, script
+        )
+        rec.send_signal(2)
+        rec.wait(timeout=60)
+        report = subprocess.run(
+            ["perf", "report", "-i", str(data), "--sort", "dso", "-n", "--stdio"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        libs: dict[str, float] = {}
+        for line in report.splitlines():
+            fields = line.split()
+            if len(fields) == 3 and fields[0].endswith("%") and fields[1].isdigit():
+                libs[fields[2]] = int(fields[1]) / rate / max(1.0, result["connections"]) * 1e6
+        per_conn[proxy.name] = libs
+    names = sorted(
+        {lib for libs in per_conn.values() for lib in libs},
+        key=lambda lib: -max(libs.get(lib, 0.0) for libs in per_conn.values()),
+    )
+    rows = [
+        [f"`{lib}`", *(f"{per_conn[p.name].get(lib, 0.0):.0f}" for p in proxies)]
+        for lib in names
+        if max(per_conn[p.name].get(lib, 0.0) for p in proxies) >= 1
+    ]
+    rows.append(["total", *(f"{sum(per_conn[p.name].values()):.0f}" for p in proxies)])
+    return "perf, µs CPU per full handshake by library:\n\n" + benchlib.table(
+        ["library", *(p.name for p in proxies)], rows
+    )
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -394,6 +434,11 @@ def main() -> None:
     )
     parser.add_argument("--py-spy", help="the py-spy binary")
     parser.add_argument("--profile-out", help="write py-spy's raw stacks here")
+    parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="perf record both proxies under the full variant: µs CPU per handshake by library",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -402,6 +447,13 @@ def main() -> None:
         parser.error(f"--variants: {', '.join(sorted(unknown)) or '(none)'}; use {VARIANTS}")
     if args.workers < 1:
         parser.error("--workers: at least 1")
+    if args.workers != 1 and "workers" not in inspect.signature(benchlib.start_router).parameters:
+        parser.error(
+            "--workers above 1 needs bench/benchlib.start_router(workers=) and the router's "
+            "LCHAT_WORKERS (issue 33 item 2), not in this tree yet"
+        )
+    if args.perf and benchlib.which("perf") is None:
+        parser.error("--perf: perf is not installed (apt-get install linux-perf)")
     benchlib.ensure_tools(["nginx", "wrk"])
     benchlib.raise_nofile()
     info = benchlib.machine()
@@ -425,6 +477,8 @@ def main() -> None:
                         measure(proxy, variant, args, script, cafile)
                     )
         spy = profile(router, args, script, tmp) if args.profile else ""
+        if args.perf:
+            spy += "\n\n" + perf_by_library((nginx, router), args, script, tmp)
     load1 = os.getloadavg()
     print(report(runs, variants, args, info, groups, load0, load1, spy))
 
