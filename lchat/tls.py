@@ -59,7 +59,6 @@ from lchat.threads import RunInThread
 
 DEFAULT_SCAN_INTERVAL = 10.0
 SNI_NAMES_CACHED = 4096  # SNI names whose normalised host is remembered (then forgotten at once)
-NUM_TICKETS = 1  # TLS 1.3 session tickets sent after a full handshake (OpenSSL's default: 2)
 
 _log = Logger(namespace="lchat.tls")
 
@@ -230,9 +229,6 @@ class CertStore(Service):
         self._ssl_dispatch = server_context()
         self._ssl_dispatch.sni_callback = self._ssl_server_name
         self._ssl_dispatch.sslobject_class = NotedSSLObject
-        # One ticket is what a client resumes with (a browser keeps one per origin); each more
-        # costs the server an encryption and a record in every full handshake.
-        self._ssl_dispatch.num_tickets = NUM_TICKETS
         # SNI name as the stdlib hands it -> its normalised host (None: none possible). Pure, so
         # never stale: what the host is served is decided afresh per handshake. Normalising
         # (IDNA, the IP-literal check) was the SNI callback's main cost.
