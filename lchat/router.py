@@ -51,15 +51,20 @@ class InFlight(Protocol):
 
 @frozen
 class LocalSocket:
-    """Proxy to this space's or service's unix socket."""
+    """Proxy to this space's or service's unix socket; or, ``kind="hop"``, to the control
+    process's hop socket (a worker process handing over a request only control can serve: a
+    hibernating host's, a mesh forward; lchat.controlhop)."""
 
     host: str
     path: str
-    kind: Literal["instance", "service"] = "instance"
+    kind: Literal["instance", "service", "hop"] = "instance"
     # Added to the response head (e.g. X-Lchat-Wake on a request that waited for a wake).
     response_headers: tuple[Header, ...] = ()
     # Told when a request to it starts and ends (the activator's awake space), or None.
     inflight: InFlight | None = field(default=None, eq=False, repr=False)
+    # Added to the request head, after the forwarding headers (a hop's X-Lchat-Sidecar and
+    # X-Lchat-Mesh-Forwarded: what control reads to route the request as this process would).
+    add_headers: tuple[Header, ...] = ()
 
 
 @frozen

@@ -34,11 +34,12 @@ from lchat.proxy.exchange import (
     Exchange,
     Reject,
     StopReading,
+    hop_origin,
     plain_upstream_head,
     validate,
 )
 from lchat.proxy.http import LAST_CHUNK, Valve, chunk
-from lchat.proxy.relay import Relay
+from lchat.proxy.relay import HOP_SLACK, Relay
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool
 from lchat.router import LocalSocket, RequestHead, Routes
@@ -63,7 +64,17 @@ class Downstream(Relay):
         self.transport = transport
         # The high-water mark, set explicitly: uvloop's TLS transport defaults to 512 KiB.
         transport.set_write_buffer_limits(high=HIGH_WATER)
-        self._stats.connections += 1
+        stats = self._stats
+        stats.connections += 1
+        stats.accepted += 1
+        if self.proxy.secure:
+            # uvloop makes the protocol once the handshake is done: was it a resumed session?
+            ssl_object = transport.get_extra_info("ssl_object")
+            if ssl_object is not None:
+                if ssl_object.session_reused:
+                    stats.tls_resumed += 1
+                else:
+                    stats.tls_full += 1
         self.proxy.add_connection(self)
         self.valve = Valve(transport)
         self._parser = httptools.HttpRequestParser(self)
@@ -296,7 +307,11 @@ class Downstream(Relay):
                         whole.method, whole.target, whole.lines, self._client_bytes, proxy.scheme
                     )
                 upstream_transport.write(request)
-                self._deadline = now + self.cfg.upstream_timeout
+                self._deadline = now + (
+                    self.cfg.upstream_timeout
+                    if target.kind != "hop"
+                    else self.cfg.upstream_timeout + HOP_SLACK  # (Relay._upstream_timeout)
+                )
                 self._timer_action = Downstream._upstream_timed_out
                 if self.valve is not None and self.valve.reasons:
                     self.valve.open("routing")
@@ -355,6 +370,9 @@ class Downstream(Relay):
         ex.head = validate(
             ex, self.proxy.parse_host, self._client, self.proxy.secure, self.cfg.max_body
         )
+        if self.proxy.trusted_hop:
+            # The control process's hop socket: the request's client is the worker's.
+            ex.head, ex.origin = hop_origin(ex, ex.head)
         if ex.chunked or (ex.length or 0) > 0:
             self._arm_body_timer()
         if self._active is None and not self._waiting and not self._output_paused:
@@ -425,12 +443,26 @@ class Downstream(Relay):
             raise StopReading()
 
 
+class HopDownstream(Downstream):
+    """A connection to the control process's hop socket (``ProxyFactory(trusted_hop=True)``):
+    every request is read the general way, which takes its client from the worker's forwarding
+    headers (exchange.hop_origin). The one-read path would serve it as this socket's peer's, and
+    never could anyway: a worker's request always carries X-Forwarded-For, which the recognisers
+    decline (lchat.proxy.http.REQUEST_SPECIAL)."""
+
+    def _serve_whole(self, data: bytes) -> bool:
+        return False
+
+
 class ProxyFactory:
     """Builds a :class:`Downstream` per client connection (it is the protocol factory handed to
     the loop: ``loop.create_server(factory, ...)``); holds what they share.
 
     ``reactor`` is the clock (``seconds``, ``callLater``): the asyncio reactor whose loop runs
-    the connections, or a fake clock in tests of the timing logic."""
+    the connections, or a fake clock in tests of the timing logic. ``trusted_hop``: the control
+    process's hop socket, where only its worker processes connect (lchat.controlhop) and each
+    request's client and scheme are the ones its X-Forwarded-For (last element) and
+    X-Forwarded-Proto name; a request without them is refused (400)."""
 
     def __init__(
         self,
@@ -440,8 +472,10 @@ class ProxyFactory:
         pool: UpstreamPool | None = None,
         secure: bool = False,
         state: FrontDoorState | None = None,
+        trusted_hop: bool = False,
     ) -> None:
         self.reactor = reactor
+        self.trusted_hop = trusted_hop
         # What every connection shares (lchat.proxy.state): the pool's, unless given.
         self.state = state or (pool.state if pool is not None else FrontDoorState())
         self.router = router
@@ -509,6 +543,8 @@ class ProxyFactory:
         return host
 
     def buildProtocol(self, addr: Any) -> Downstream:
+        if self.trusted_hop:
+            return HopDownstream(self)
         return Downstream(self)
 
     def __call__(self) -> Downstream:

@@ -92,6 +92,10 @@ class Exchange:
     # A draining peer that refused the request before its body was all here: sent elsewhere
     # once it is (on_message_complete).
     refused_by: RemotePeer | None = None
+    # Who sent the request and how, when not this connection's peer and scheme: on the control
+    # process's hop socket, the worker's client as the worker forwarded it (hop_origin); None
+    # (the class default: nothing per request) on every other connection.
+    origin: tuple[bytes, bytes] | None = None
 
     def __init__(self, started: float, method: bytes = b"") -> None:
         self.started = started
@@ -232,6 +236,32 @@ def validate(
     )
 
 
+def hop_origin(ex: Exchange, head: RequestHead) -> tuple[RequestHead, tuple[bytes, bytes]]:
+    """On the control process's hop socket, where only a worker process connects: the request
+    as the worker's client sent it. The last X-Forwarded-For element is the worker's client (the
+    worker appended it, :func:`upstream_head`) and X-Forwarded-Proto its scheme; the element is
+    taken out of ``ex.forwarded_for``, so that :func:`upstream_head`, given the returned origin,
+    writes the very bytes the worker would have written to a space. Returns ``head`` with that
+    client and ``secure``, and the origin ``(client, scheme)``. A head without them did not come
+    from a worker: :class:`Reject` (400)."""
+    if not ex.forwarded_for:
+        raise Reject(400, "a hop request without X-Forwarded-For")
+    last = ex.forwarded_for[-1]
+    prior, comma, client = last.rpartition(b", ")
+    if comma:
+        ex.forwarded_for[-1] = prior  # (what the worker's client sent itself, joined)
+    else:
+        ex.forwarded_for.pop()
+    scheme = b""
+    for name, value in ex.headers:
+        if len(name) == 17 and name.lower() == b"x-forwarded-proto":
+            scheme = value
+    if not client or scheme not in (b"http", b"https"):
+        raise Reject(400, "a hop request without its client or X-Forwarded-Proto")
+    origin = (client, scheme)
+    return head._replace(client=client.decode("latin-1"), secure=scheme == b"https"), origin
+
+
 def plain_upstream_head(
     method: bytes, target: bytes, lines: bytes, client: bytes, scheme: bytes
 ) -> bytes:
@@ -256,13 +286,14 @@ def upstream_head(ex: Exchange, client: bytes, scheme: bytes) -> bytes:
         and not ex.chunked
         and not ex.upgrade
         and type(ex.target) is LocalSocket
+        and not ex.target.add_headers
     ):
         # The common head: no body, no client-sent X-Forwarded-For, to this box's space.
         return plain_upstream_head(ex.method, ex.head.target, ex.upstream_lines, client, scheme)
     prior = ex.forwarded_for
     forwarded_for = b", ".join([*prior, client]) if prior else client
     headers: list[Header] = [(b"X-Forwarded-For", forwarded_for), (b"X-Forwarded-Proto", scheme)]
-    if isinstance(ex.target, RemotePeer):
+    if isinstance(ex.target, LocalSocket | RemotePeer):
         headers.extend(ex.target.add_headers)
     if ex.chunked:
         headers.append((b"Transfer-Encoding", b"chunked"))
@@ -285,11 +316,14 @@ def client_head(
     headers: list[Header],
     length: int | None,
     extra: tuple[Header, ...],
+    keep: frozenset[bytes] = _NO_TOKENS,
 ) -> bytes:
     """The final response head written to the client for ``ex``: the space's end-to-end headers
-    without internal ones, ``extra`` added, framed for the client's version (setting
-    ``response_chunked``, and ``close_after`` when the close is what delimits the body)."""
-    out = end_to_end(headers, drop=INTERNAL)
+    without internal ones (but those in ``keep``: a hop target's ``X-Lchat-Refused``, which only
+    the control process's own answer can carry), ``extra`` added, framed for the client's
+    version (setting ``response_chunked``, and ``close_after`` when the close is what delimits
+    the body)."""
+    out = end_to_end(headers, drop=INTERNAL - keep if keep else INTERNAL)
     out.extend(extra)
     no_body = ex.method == b"HEAD" or status in (204, 304)
     if length is not None:

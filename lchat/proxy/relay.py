@@ -38,6 +38,18 @@ from lchat.router import LocalResponse, LocalSocket, RemotePeer, Target, plain
 
 _log = Logger(namespace="lchat.proxy")
 
+# How much longer than upstream_timeout a worker process waits for the control process's answer
+# through the hop (lchat.controlhop): control may first hold the request while the space wakes, up
+# to the activator's queue budget (lchat.hibernation.space.Budgets.queue, 30 s; the layers keep the
+# front door from importing it: tests/test_proxy_hop.py holds the two equal), and then its own
+# upstream_timeout runs. Without it a long poll that waited for a wake would be cut by the worker
+# first, and its client would get the worker's 504 for a request control is still serving.
+HOP_SLACK = 30.0
+# The internal header a hop target's answer keeps (client_head): control's drain refusal, for the
+# mesh peer that forwarded the request through this worker.
+_KEEP_REFUSED = frozenset({REFUSED})
+_KEEP_NONE: frozenset[bytes] = frozenset()
+
 _reroutes = Counter(
     "lchat_proxy_reroutes_total",
     "Requests routed again without a mesh peer that could not take them, by why",
@@ -152,7 +164,11 @@ class Relay(ClientConnection):
         assert ex.head is not None and ex.target is not None and self.valve is not None
         ex.upstream = upstream
         upstream.begin(self, ex.method)
-        upstream.write(upstream_head(ex, self._client_bytes, self.proxy.scheme))
+        origin = ex.origin
+        if origin is None:
+            upstream.write(upstream_head(ex, self._client_bytes, self.proxy.scheme))
+        else:  # (on the control process's hop socket: the worker's client)
+            upstream.write(upstream_head(ex, *origin))
         if ex.body:
             for piece in ex.body:
                 upstream.write(chunk(piece) if ex.chunked else piece)
@@ -166,7 +182,12 @@ class Relay(ClientConnection):
                 upstream.write(LAST_CHUNK)
             upstream.request_sent = True
             if not ex.response_started:
-                self._deadline = self.proxy.reactor.seconds() + self.cfg.upstream_timeout
+                # (_upstream_timeout, inline: this is every small request's path)
+                timeout = self.cfg.upstream_timeout
+                target = ex.target
+                if type(target) is LocalSocket and target.kind == "hop":
+                    timeout += HOP_SLACK
+                self._deadline = self.proxy.reactor.seconds() + timeout
                 self._timer_action = Relay._upstream_timed_out
         elif not ex.upgrade:
             # The client's body now flows straight through; a full upstream pauses the client.
@@ -183,7 +204,16 @@ class Relay(ClientConnection):
         """The whole request is upstream: now the space has ``upstream_timeout`` to answer."""
         upstream.request_sent = not ex.upgrade
         if not ex.response_started:
-            self._arm(self.cfg.upstream_timeout, Relay._upstream_timed_out)
+            self._arm(self._upstream_timeout(ex), Relay._upstream_timed_out)
+
+    def _upstream_timeout(self, ex: Exchange) -> float:
+        """How long ``ex``'s target has to answer once the whole request is upstream: the
+        control process through the hop gets HOP_SLACK more (it may hold the request for a
+        wake first)."""
+        target = ex.target
+        if type(target) is LocalSocket and target.kind == "hop":
+            return self.cfg.upstream_timeout + HOP_SLACK
+        return self.cfg.upstream_timeout
 
     def _upgrade_ready(self, ex: Exchange) -> None:
         """The upgrade request's head is parsed; the bytes after it wait for the 101."""
@@ -228,7 +258,12 @@ class Relay(ClientConnection):
             # Nothing in it to drop or rewrite (UpstreamConnection checked): as it came.
             self._send(raw_head)
         else:
-            self._send(client_head(ex, status, reason, headers, length, extra))
+            # Control's answer through the hop keeps its drain refusal: the client may be the
+            # mesh peer that forwarded the request (only control's own answer can carry it:
+            # every space's and peer's answer has it dropped there).
+            hop = isinstance(target, LocalSocket) and target.kind == "hop"
+            keep = _KEEP_REFUSED if hop else _KEEP_NONE
+            self._send(client_head(ex, status, reason, headers, length, extra, keep))
         if self._output_paused:
             self._pause_upstream(ex)  # the client has not read what came before yet
 
@@ -613,7 +648,7 @@ class Relay(ClientConnection):
         if self.cfg.access_log and ex.head is not None:
             _log.info(
                 'access {client} {host} "{method} {target} HTTP/{version}" {status} {bytes} {ms}ms',
-                client=self._client,
+                client=ex.head.client,  # (through the hop: the worker's client, hop_origin)
                 host=ex.head.host,
                 method=ex.method.decode("latin-1"),
                 target=ex.head.target.decode("latin-1")[:512],

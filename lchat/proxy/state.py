@@ -7,6 +7,7 @@ pool: lchat/tap.py gives it to each (a factory or pool made without one has its 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -20,6 +21,7 @@ class HotStats:
     the rest of a small request's path (docs/performance.md)."""
 
     __slots__ = (
+        "accepted",
         "bytes_down",
         "bytes_up",
         "connections",
@@ -28,6 +30,8 @@ class HotStats:
         "one_read",
         "one_read_spliced",
         "requests",
+        "tls_full",
+        "tls_resumed",
         "upgraded",
     )
 
@@ -37,6 +41,10 @@ class HotStats:
         self.bytes_up = 0
         self.bytes_down = 0
         self.connections = 0
+        self.accepted = 0  # client connections ever made (connections: those open now)
+        # TLS client connections by their handshake: a resumed session (a ticket) or a full one.
+        self.tls_resumed = 0
+        self.tls_full = 0
         self.upgraded = 0
         self.idle_upstream = 0  # idle pooled upstream connections
         # Responses the one-read path relayed (lchat.proxy.oneread.response; the rest of
@@ -50,9 +58,13 @@ class HotStats:
         self.requests[key] = self.requests.get(key, 0) + 1
 
 
+Report = Literal["all", "requests"]
+
+
 class _Collector(Collector):
-    def __init__(self, stats: HotStats) -> None:
+    def __init__(self, stats: HotStats, report: Report = "all") -> None:
         self._stats = stats
+        self._report = report
 
     def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
         # Undescribed: the registry does not check its names against others'. One router runs
@@ -69,6 +81,8 @@ class _Collector(Collector):
         for (host_class, status), count in sorted(stats.requests.items()):
             requests.add_metric([host_class, str(status)], count)
         yield requests
+        if self._report == "requests":
+            return
         yield GaugeMetricFamily(
             "lchat_http_in_flight", "Requests being served right now", value=stats.in_flight
         )
@@ -96,6 +110,19 @@ class _Collector(Collector):
         yield GaugeMetricFamily(
             "lchat_http_connections", "Open client connections", value=stats.connections
         )
+        yield CounterMetricFamily(
+            "lchat_connections_accepted",
+            "Client connections accepted (lchat_http_connections: those open now)",
+            value=stats.accepted,
+        )
+        handshakes = CounterMetricFamily(
+            "lchat_tls_handshakes",
+            "TLS client connections served, by their handshake: a resumed session or a full one",
+            labels=["resumed"],
+        )
+        handshakes.add_metric(["yes"], stats.tls_resumed)
+        handshakes.add_metric(["no"], stats.tls_full)
+        yield handshakes
         yield GaugeMetricFamily(
             "lchat_upstream_idle_connections",
             "Idle pooled upstream connections",
@@ -106,11 +133,16 @@ class _Collector(Collector):
 class FrontDoorState:
     """The front door's shared figures (``stats``, which ``collector`` reports to a Prometheus
     registry: the router's front door registers it while it runs, lchat.shutdown.FrontDoor) and
-    read buffers (``buffers``, lchat.proxy.bulk)."""
+    read buffers (``buffers``, lchat.proxy.bulk).
+
+    ``report="requests"``: the collector reports ``lchat_http_requests`` only. The control
+    process's hop door (lchat.controlhop) counts the requests its workers hand it there with
+    their true labels (instance, peer, wake_...); every other figure of the box is the workers'
+    own (a connection, a byte relayed, a handshake is counted once, where the client is)."""
 
     __slots__ = ("buffers", "collector", "stats")
 
-    def __init__(self) -> None:
+    def __init__(self, report: Report = "all") -> None:
         self.stats = HotStats()
         self.buffers = Buffers()
-        self.collector: Collector = _Collector(self.stats)
+        self.collector: Collector = _Collector(self.stats, report)
