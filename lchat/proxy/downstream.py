@@ -39,7 +39,7 @@ from lchat.proxy.exchange import (
     validate,
 )
 from lchat.proxy.http import LAST_CHUNK, Valve, chunk
-from lchat.proxy.relay import HOP_SLACK, Relay
+from lchat.proxy.relay import Relay
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool
 from lchat.router import LocalSocket, RequestHead, Routes
@@ -307,11 +307,7 @@ class Downstream(Relay):
                         whole.method, whole.target, whole.lines, self._client_bytes, proxy.scheme
                     )
                 upstream_transport.write(request)
-                self._deadline = now + (
-                    self.cfg.upstream_timeout
-                    if target.kind != "hop"
-                    else self.cfg.upstream_timeout + HOP_SLACK  # (Relay._upstream_timeout)
-                )
+                self._deadline = now + self.cfg.upstream_timeout
                 self._timer_action = Downstream._upstream_timed_out
                 if self.valve is not None and self.valve.reasons:
                     self.valve.open("routing")

@@ -96,6 +96,8 @@ class Exchange:
     # process's hop socket, the worker's client as the worker forwarded it (hop_origin); None
     # (the class default: nothing per request) on every other connection.
     origin: tuple[bytes, bytes] | None = None
+    # Its upstream deadline was extended once already (a hop target's: lchat.proxy.relay.HOP_SLACK).
+    hop_waited = False
 
     def __init__(self, started: float, method: bytes = b"") -> None:
         self.started = started

@@ -182,12 +182,7 @@ class Relay(ClientConnection):
                 upstream.write(LAST_CHUNK)
             upstream.request_sent = True
             if not ex.response_started:
-                # (_upstream_timeout, inline: this is every small request's path)
-                timeout = self.cfg.upstream_timeout
-                target = ex.target
-                if type(target) is LocalSocket and target.kind == "hop":
-                    timeout += HOP_SLACK
-                self._deadline = self.proxy.reactor.seconds() + timeout
+                self._deadline = self.proxy.reactor.seconds() + self.cfg.upstream_timeout
                 self._timer_action = Relay._upstream_timed_out
         elif not ex.upgrade:
             # The client's body now flows straight through; a full upstream pauses the client.
@@ -204,16 +199,7 @@ class Relay(ClientConnection):
         """The whole request is upstream: now the space has ``upstream_timeout`` to answer."""
         upstream.request_sent = not ex.upgrade
         if not ex.response_started:
-            self._arm(self._upstream_timeout(ex), Relay._upstream_timed_out)
-
-    def _upstream_timeout(self, ex: Exchange) -> float:
-        """How long ``ex``'s target has to answer once the whole request is upstream: the
-        control process through the hop gets HOP_SLACK more (it may hold the request for a
-        wake first)."""
-        target = ex.target
-        if type(target) is LocalSocket and target.kind == "hop":
-            return self.cfg.upstream_timeout + HOP_SLACK
-        return self.cfg.upstream_timeout
+            self._arm(self.cfg.upstream_timeout, Relay._upstream_timed_out)
 
     def _upgrade_ready(self, ex: Exchange) -> None:
         """The upgrade request's head is parsed; the bytes after it wait for the 101."""
@@ -661,6 +647,13 @@ class Relay(ClientConnection):
     def _upstream_timed_out(self) -> None:
         ex = self._active
         if ex is None or ex.response_started:
+            return
+        target = ex.target
+        if type(target) is LocalSocket and target.kind == "hop" and not ex.hop_waited:
+            # The control process through the hop: it gets HOP_SLACK more, once (here rather
+            # than in the deadline every request arms: nothing on the path of those answered).
+            ex.hop_waited = True
+            self._arm(HOP_SLACK, Relay._upstream_timed_out)
             return
         _log.warn(
             "upstream for {host} did not answer in time", host=ex.head.host if ex.head else "?"
