@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 from unittest.mock import patch
 
 import httptools
@@ -458,6 +458,19 @@ class HopOnlyTests(HopTestCase):
         self.assertNotIn(b"x-lchat-refused", received.lower())
 
     @inlineCallbacks
+    def test_a_worker_whose_control_is_gone_says_so(self):
+        """The hop socket refusing (control restarting or gone): a 502 naming the router, not
+        the space, and a log line naming the hop socket."""
+        hop = os.path.join(self.dir, "gone.sock")
+        worker = ProxyFactory(reactor, worker_router(hop), ProxyConfig(dial_retry=0.05))
+        port = yield self.serve(worker)
+        with capture_logs() as logged:
+            received = yield self.exchange(port.getHost().port, [GET])
+        self.assertTrue(received.startswith(b"HTTP/1.1 502 "), received)
+        self.assertIn(b"the router is not answering", received)
+        self.assertTrue(any(hop in line and "hop socket" in line for line in logged), logged)
+
+    @inlineCallbacks
     def test_tls_handshakes_are_counted_full_or_resumed(self):
         """A TLS client's second connection with its saved session is counted resumed; every
         connection is counted accepted."""
@@ -535,6 +548,25 @@ class HopDeadlineTests(SynchronousTestCase):
                     rig.clock.advance(1)
                     self.assertTrue(rig.client_transport.data().startswith(b"HTTP/1.1 504 "))
                     rig.close()
+
+
+@contextmanager
+def capture_logs() -> Iterator[list[str]]:
+    """The text of every event logged meanwhile."""
+    from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+
+    lines: list[str] = []
+
+    def record(event: dict[str, Any]) -> None:
+        lines.append(formatEvent(event))
+
+    observer = cast(ILogObserver, record)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        yield lines
+    finally:
+        globalLogPublisher.removeObserver(observer)
 
 
 @contextmanager

@@ -247,7 +247,9 @@ def hop_origin(ex: Exchange, head: RequestHead) -> tuple[RequestHead, tuple[byte
     client and ``secure``, and the origin ``(client, scheme)``. A head without them did not come
     from a worker: :class:`Reject` (400)."""
     if not ex.forwarded_for:
-        raise Reject(400, "a hop request without X-Forwarded-For")
+        raise Reject(
+            400, "a hop request without X-Forwarded-For (only a worker process may connect)"
+        )
     last = ex.forwarded_for[-1]
     prior, comma, client = last.rpartition(b", ")
     if comma:
@@ -259,7 +261,11 @@ def hop_origin(ex: Exchange, head: RequestHead) -> tuple[RequestHead, tuple[byte
         if len(name) == 17 and name.lower() == b"x-forwarded-proto":
             scheme = value
     if not client or scheme not in (b"http", b"https"):
-        raise Reject(400, "a hop request without its client or X-Forwarded-Proto")
+        raise Reject(
+            400,
+            "a hop request without its client or X-Forwarded-Proto (only a worker process may "
+            "connect)",
+        )
     origin = (client, scheme)
     return head._replace(client=client.decode("latin-1"), secure=scheme == b"https"), origin
 

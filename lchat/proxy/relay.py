@@ -123,6 +123,20 @@ class Relay(ClientConnection):
                 ex, target, "refused" if refused else "unreachable", f"unreachable ({why})"
             )
             return
+        if isinstance(target, LocalSocket) and target.kind == "hop":
+            # A worker process whose control process does not answer (restarting, or gone: the
+            # worker exits with it): nothing a space did.
+            _log.warn(
+                "the control process's hop socket {path} unreachable for {host}: {why}",
+                path=target.path,
+                host=target.host,
+                why=why,
+            )
+            self._answer_locally(
+                ex,
+                plain(502, "502 Bad Gateway: the router is not answering", label="unreachable"),
+            )
+            return
         _log.warn(
             "upstream for {host} unreachable: {why}", host=ex.head.host if ex.head else "?", why=why
         )
@@ -489,7 +503,13 @@ class Relay(ClientConnection):
                 ex.rewind()
                 self._reroute(ex, target, "closed", "closed before responding")
                 return
-            to = "a peer" if isinstance(target, RemotePeer) else "its space"
+            to = (
+                "a peer"
+                if isinstance(target, RemotePeer)
+                else "the control process"
+                if isinstance(target, LocalSocket) and target.kind == "hop"
+                else "its space"
+            )
             conn = "reused" if upstream is not None and upstream.reused else "new"
             _log.warn(
                 "upstream for {host} failed: {why} ({method} to {to} on a {conn} connection"
