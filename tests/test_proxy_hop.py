@@ -41,6 +41,7 @@ from lchat.controlhop import HopActivator, HopMesh
 from lchat.hibernation.space import Budgets
 from lchat.proxy import oneread
 from lchat.proxy.downstream import HopDownstream, ProxyFactory
+from lchat.proxy.exchange import plain_upstream_head
 from lchat.proxy.http import REFUSED
 from lchat.proxy.relay import HOP_SLACK
 from lchat.proxy.state import FrontDoorState
@@ -49,7 +50,7 @@ from lchat.registry import Route
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Router, Target, plain
 from lchat.threads import thread_runner
 from tests.proxy_harness import listen
-from tests.test_proxy_oneread import Rig
+from tests.test_proxy_oneread import PATTERNS, Rig
 from tests.test_router import table_of
 from tests.test_tls import TestCA
 
@@ -518,6 +519,30 @@ class HopOnlyTests(HopTestCase):
         self.assertIn('lchat_tls_handshakes_total{resumed="yes"} 1.0', text)
         self.assertIn('lchat_tls_handshakes_total{resumed="no"} 1.0', text)
         self.assertIn("lchat_connections_accepted_total 2.0", text)
+
+
+class ControlsOneReadPathTests(SynchronousTestCase):
+    def test_the_recognisers_decline_every_head_a_worker_writes(self):
+        """The hop door's guarantee, pinned where the one-read recognisers are defined (item 1
+        edits them): a worker's request always carries X-Forwarded-For and X-Forwarded-Proto,
+        and both recognisers, the C scanner and the patterns, decline a request with either (it
+        would be served as the hop socket's peer's: lchat.proxy.http.REQUEST_SPECIAL)."""
+        lines = b"Host: sleepy.example.com\r\nAccept: */*\r\n"
+        heads = [
+            plain_upstream_head(b"GET", b"/", lines, b"192.0.2.7", b"https"),
+            plain_upstream_head(b"HEAD", b"/x?y", lines, b"::1", b"http"),
+            plain_upstream_head(b"GET", b"/", b"Host: a.test\r\n", b"unix", b"http"),
+            b"GET / HTTP/1.1\r\nHost: a.test\r\nX-Forwarded-For: 1.2.3.4, 10.0.0.1\r\n"
+            b"X-Forwarded-Proto: http\r\nX-Lchat-Sidecar: 1\r\n\r\n",
+        ]
+        for recognise in (oneread.request, PATTERNS.request):
+            for head in heads:
+                self.assertIsNone(recognise(head, 65536, 100, None), head)
+                without = head.replace(b"X-Forwarded-For", b"X-Other-For").replace(
+                    b"X-Forwarded-Proto", b"X-Other-Proto"
+                )
+                if b"X-Lchat" not in head:  # (not vacuous: the same head without them passes)
+                    self.assertIsNotNone(recognise(without, 65536, 100, None), without)
 
 
 class HopDeadlineTests(SynchronousTestCase):
