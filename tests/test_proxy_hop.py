@@ -237,6 +237,10 @@ CASES: dict[str, list[bytes]] = {
         b"POST /api/send HTTP/1.1\r\nHost: sleepy.example.com\r\nContent-Type: text/plain\r\n"
         b"Content-Length: 11\r\n\r\nhello world"
     ],
+    "expect 100-continue": [
+        b"PUT /api/file HTTP/1.1\r\nHost: sleepy.example.com\r\nExpect: 100-continue\r\n"
+        b"Content-Length: 4\r\n\r\nfile"
+    ],
     "chunked body": [
         b"POST /api/send HTTP/1.1\r\nHost: sleepy.example.com\r\nTransfer-Encoding: chunked\r\n"
         b"X-Forwarded-For: 203.0.113.9\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
