@@ -210,7 +210,8 @@ class Relay(ClientConnection):
             self.valve.open("routing")
 
     def _request_sent(self, ex: Exchange, upstream: UpstreamConnection) -> None:
-        """The whole request is upstream: now the space has ``upstream_timeout`` to answer."""
+        """The whole request is upstream: now the space has ``upstream_timeout`` to answer (the
+        control process through the hop, HOP_SLACK more: _upstream_timed_out)."""
         upstream.request_sent = not ex.upgrade
         if not ex.response_started:
             self._arm(self.cfg.upstream_timeout, Relay._upstream_timed_out)
