@@ -522,7 +522,7 @@ class HopOnlyTests(HopTestCase):
         text = generate_latest(registry).decode()
         self.assertIn('lchat_tls_handshakes_total{resumed="yes"} 1.0', text)
         self.assertIn('lchat_tls_handshakes_total{resumed="no"} 1.0', text)
-        self.assertIn("lchat_connections_accepted_total 2.0", text)
+        self.assertIn("lchat_http_connections_accepted_total 2.0", text)
 
 
 class ControlsOneReadPathTests(SynchronousTestCase):
@@ -627,7 +627,7 @@ class FrontDoorFiguresTests(SynchronousTestCase):
                 "lchat_proxy_one_read_responses_total",
                 "lchat_upgraded_connections",
                 "lchat_http_connections",
-                "lchat_connections_accepted_total",
+                "lchat_http_connections_accepted_total",
                 "lchat_tls_handshakes_total",
                 "lchat_upstream_idle_connections",
             },

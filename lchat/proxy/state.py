@@ -111,7 +111,7 @@ class _Collector(Collector):
             "lchat_http_connections", "Open client connections", value=stats.connections
         )
         yield CounterMetricFamily(
-            "lchat_connections_accepted",
+            "lchat_http_connections_accepted",
             "Client connections accepted (lchat_http_connections: those open now)",
             value=stats.accepted,
         )
