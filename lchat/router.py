@@ -83,7 +83,8 @@ class RemotePeer:
     # The mesh box it forwards to (its normalised URL), or "" for an upstream outside the mesh.
     # A mesh forward the peer could not take, nothing of it acted on, is routed again once
     # (Routes.reroute), told why: "unreachable" or "refused" (the dial failed), "closed" (a safe
-    # request closed unanswered) or "stopping" (refused unprocessed: the peer is draining).
+    # request closed unanswered), "stopping" (refused unprocessed: the peer is draining) or
+    # "not_holding" (refused unprocessed: the peer does not hold the space its word said it held).
     member: str = ""
 
 
@@ -91,9 +92,10 @@ class RemotePeer:
 class LocalResponse:
     """Answer here, without any upstream. ``label`` names the outcome in metrics.
 
-    ``refusal`` is set (to ``"stopping"``) only on an answer made *instead of* processing the
-    request because this box is stopping: nothing of it was acted on and another box may serve it
-    (lchat.mesh.routing tells the peer that forwarded it, and only that peer)."""
+    ``refusal`` is set only on an answer made *instead of* processing the request: to
+    ``"stopping"`` because this box is stopping, to ``"not_holding"`` because a forward reached it
+    for a space it does not hold (lchat.mesh.routing). Nothing of it was acted on and another box
+    may serve it (lchat.mesh.routing tells the peer that forwarded it, and only that peer)."""
 
     status: int
     body: bytes

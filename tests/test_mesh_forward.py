@@ -255,16 +255,17 @@ class _RefusesAtHead(Protocol):
             self.peer.heads += 1
             self.transport.write(
                 b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\n"
-                b"X-Lchat-Refused: stopping\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                % (len(STOPPING), STOPPING)
+                b"X-Lchat-Refused: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (self.peer.why, len(STOPPING), STOPPING)
             )
             self.transport.loseConnection()
             self.seen = b""
 
 
 class _DrainingPeer(Factory):
-    def __init__(self) -> None:
+    def __init__(self, why: bytes = b"stopping") -> None:
         self.heads = 0
+        self.why = why
 
     def buildProtocol(self, addr: object) -> _RefusesAtHead:
         return _RefusesAtHead(self)
@@ -444,6 +445,28 @@ class DrainRerouteTests(TestCase):
         self.assertNotIn(REFUSED, headers)
 
     @inlineCallbacks
+    def test_a_post_a_peer_not_holding_the_space_refused_is_routed_again_told_so(self):
+        """A failover box that slept the space since the sender's word said it held it
+        (lchat.mesh.routing, ``not_holding``): routed again, the mesh told why."""
+        refuser = _Answer(503, ((b"retry-after", b"5"), (REFUSED, b"not_holding")), STOPPING)
+        home = _Answer(201)
+        router = _ToPeers(self._site(refuser), self._site(home))
+        body = b'{"body": "hi"}'
+        code, headers, data = yield self._post(self._proxy(router), body)
+        self.assertEqual((code, data, router.whys), (201, body, ["not_holding"]))
+        self.assertEqual(home.requests, [(b"POST", body)])
+        self.assertNotIn(REFUSED, headers)
+
+    @inlineCallbacks
+    def test_a_marker_of_no_known_refusal_is_relayed_as_a_503(self):
+        odd = _Answer(503, ((b"retry-after", b"5"), (REFUSED, b"bored")), STOPPING)
+        other = _Answer(201)
+        router = _ToPeers(self._site(odd), self._site(other))
+        code, headers, data = yield self._post(self._proxy(router), b'{"body": "hi"}')
+        self.assertEqual((code, data, router.whys, other.requests), (503, STOPPING, [], []))
+        self.assertNotIn(REFUSED, headers)
+
+    @inlineCallbacks
     def test_a_spaces_own_503_reaches_the_client_unchanged(self):
         owner = _Answer(503, ((b"retry-after", b"7"),), b"the space is busy\n")
         survivor = _Answer(201)
@@ -470,7 +493,15 @@ class DrainRerouteTests(TestCase):
     def test_a_refusal_that_overtakes_the_body_waits_for_the_body(self):
         """The owner refuses at the head, before the client has sent the body (Python's
         http.client sends them apart): the request goes elsewhere once the body is all in."""
-        peer = _DrainingPeer()
+        yield self._refused_before_the_body(b"stopping")
+
+    @inlineCallbacks
+    def test_a_not_holding_refusal_that_overtakes_the_body_is_told_so_after_it(self):
+        yield self._refused_before_the_body(b"not_holding")
+
+    @inlineCallbacks
+    def _refused_before_the_body(self, why: bytes) -> Any:
+        peer = _DrainingPeer(why)
         survivor = _Answer(201)
         router = _ToPeers(self._listen(peer), self._site(survivor))
         port = self._proxy(router)
@@ -500,7 +531,7 @@ class DrainRerouteTests(TestCase):
         self.assertEqual(whys_before_body, [])
         self.assertEqual((code, data), (201, body))
         self.assertEqual(survivor.requests, [(b"POST", body)])
-        self.assertEqual(router.whys, ["stopping"])
+        self.assertEqual(router.whys, [why.decode()])
 
     @inlineCallbacks
     def test_a_body_over_the_replay_limit_gets_the_503(self):

@@ -39,7 +39,7 @@ from lchat.proxy.exchange import (
     validate,
 )
 from lchat.proxy.http import LAST_CHUNK, Valve, chunk
-from lchat.proxy.relay import Relay
+from lchat.proxy.relay import REFUSALS, Relay
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool
 from lchat.router import LocalSocket, RequestHead, Routes
@@ -428,8 +428,9 @@ class Downstream(Relay):
             self.valve.open(Valve.PEER_FULL)  # the space's side being full no longer matters
             self._request_sent(ex, ex.upstream)
         elif ex.refused_by is not None and ex is self._active:
-            # A draining peer refused it before its body was all here: now it is.
-            self._reroute(ex, ex.refused_by, "stopping", "refused it unprocessed (stopping)")
+            # A peer refused it before its body was all here: now it is.
+            why = ex.refused_why
+            self._reroute(ex, ex.refused_by, why, f"refused it unprocessed ({REFUSALS[why]})")
         if ex is self._active and ex.response_complete:
             self._finish(ex)
         elif self._active is None and not self._waiting and not self._closed:

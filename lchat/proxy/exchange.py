@@ -89,9 +89,10 @@ class Exchange:
     # be sent again (REPLAY_LIMIT); None once it outgrew the limit, or the response started.
     replay: list[bytes] | None
     replay_size = 0
-    # A draining peer that refused the request before its body was all here: sent elsewhere
-    # once it is (on_message_complete).
+    # A peer that refused the request unprocessed (draining, or not holding the space) before
+    # its body was all here: sent elsewhere once it is (on_message_complete), told why.
     refused_by: RemotePeer | None = None
+    refused_why = "stopping"
     # Who sent the request and how, when not this connection's peer and scheme: on the control
     # process's hop socket, the worker's client as the worker forwarded it (hop_origin); None
     # (the class default: nothing per request) on every other connection.

@@ -45,6 +45,9 @@ _log = Logger(namespace="lchat.proxy")
 # upstream_timeout runs. Without it a long poll that waited for a wake would be cut by the worker
 # first, and its client would get the worker's 504 for a request control is still serving.
 HOP_SLACK = 30.0
+# The refusals a mesh peer marks X-Lchat-Refused (lchat.mesh.routing): the request was not
+# processed there, so it is routed again without that peer (the mesh's reroute, told which).
+REFUSALS = {"stopping": "stopping", "not_holding": "it does not hold the space"}
 # The internal header a hop target's answer keeps (client_head): control's drain refusal, for the
 # mesh peer that forwarded the request through this worker.
 _KEEP_REFUSED = frozenset({REFUSED})
@@ -150,7 +153,7 @@ class Relay(ClientConnection):
         assert ex.head is not None and target.member
         _reroutes.labels(why).inc()
         # A drain's refusals are expected (a few per peer connection): not a warning.
-        emit = _log.info if why == "stopping" else _log.warn
+        emit = _log.info if why in REFUSALS else _log.warn
         emit(
             "peer {peer} {why} for {host}: routing without it",
             peer=f"{target.address}:{target.port}",
@@ -269,16 +272,19 @@ class Relay(ClientConnection):
             self._pause_upstream(ex)  # the client has not read what came before yet
 
     def _refused_unprocessed(self, ex: Exchange, headers: list[Header]) -> bool:
-        """A mesh peer's 503 marked ``X-Lchat-Refused: stopping``: it refused the request without
-        processing it because it is draining (only a peer router's own answer can carry the
-        marker: lchat.mesh.routing; every space's response has it dropped). Send the request
+        """A mesh peer's 503 marked ``X-Lchat-Refused``: it refused the request without
+        processing it because it is draining (``stopping``) or does not hold the space its word
+        said it held (``not_holding``: lchat.mesh.routing, a failed-over space slept) — only a
+        peer router's own answer can carry the marker; every space's response has it dropped.
+        Send the request
         elsewhere, once, if all of it is at hand (or, refused before the client finished
         sending it, will be: then once it is), and return True. Otherwise the 503 is relayed
         like any other (its marker dropped with every internal header)."""
         target = ex.target
         if not isinstance(target, RemotePeer) or not target.member or ex.rerouted:
             return False
-        if not any(n.lower() == REFUSED and v.strip() == b"stopping" for n, v in headers):
+        why = next((v.strip().decode("latin-1") for n, v in headers if n.lower() == REFUSED), "")
+        if why not in REFUSALS:
             return False  # a 503 of the space itself: the client's to see
         coming = (
             not ex.body_complete
@@ -288,8 +294,9 @@ class Relay(ClientConnection):
         )
         if not ex.at_hand() and not coming:
             _log.info(
-                "peer {peer} refused {host} unprocessed (stopping), but the request's body is "
+                "peer {peer} refused {host} unprocessed ({why}), but the request's body is "
                 "not kept (over {limit} bytes, or chunked and still arriving): relaying its 503",
+                why=REFUSALS[why],
                 peer=f"{target.address}:{target.port}",
                 host=target.host,
                 limit=REPLAY_LIMIT,
@@ -302,8 +309,9 @@ class Relay(ClientConnection):
         ex.rewind()  # what went upstream is back in ex.body; the rest is buffered behind it
         if coming:
             ex.refused_by = target  # on_message_complete sends it on (the body timer runs)
+            ex.refused_why = why
         else:
-            self._reroute(ex, target, "stopping", "refused it unprocessed (stopping)")
+            self._reroute(ex, target, why, f"refused it unprocessed ({REFUSALS[why]})")
         return True
 
     def response_whole(self, status: int, length: int, data: bytes) -> bool:
