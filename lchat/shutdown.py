@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from twisted.application.service import MultiService, Service
@@ -26,18 +26,19 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat import objstore
-from lchat.backup.service import Backup
-from lchat.buckets import RegionBuckets
 from lchat.deferutil import settled
-from lchat.hibernation.activator import Activator
-from lchat.hibernation.sweeper import Sweeper
-from lchat.mesh.due import DuePush
-from lchat.mesh.membership import Membership
-from lchat.mesh.routing import MeshRouter
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.upstream import UpstreamPool
-from lchat.routesource import RouteSource
+
+if TYPE_CHECKING:  # (types only: a worker process (lchat.worker_tap) imports no control plane)
+    from lchat.backup.service import Backup
+    from lchat.buckets import RegionBuckets
+    from lchat.hibernation.activator import Activator
+    from lchat.hibernation.sweeper import Sweeper
+    from lchat.mesh.due import DuePush
+    from lchat.mesh.membership import Membership
+    from lchat.mesh.routing import MeshRouter
 
 _log = Logger(namespace="lchat.tap")
 
@@ -311,11 +312,13 @@ class FrontDoor(MultiService):
 
 
 class SignalReload(Service):
-    """SIGHUP re-reads the registry (the operator's `systemctl reload`)."""
+    """SIGHUP re-reads the registry (the operator's `systemctl reload`): ``reload(reason)`` is
+    called on the reactor (``RouteSource.reload``; with workers, the reload that also reaches
+    every worker: lchat.workers). A failure is the callable's to log."""
 
-    def __init__(self, reactor: IReactorFromThreads, routes: RouteSource) -> None:
+    def __init__(self, reactor: IReactorFromThreads, reload: Callable[[str], object]) -> None:
         self._reactor = reactor
-        self._routes = routes
+        self._reload = reload
         self._previous: Any = None
 
     def startService(self) -> None:
@@ -323,7 +326,7 @@ class SignalReload(Service):
 
         def handler(signum: int, frame: object) -> None:
             # Signal handlers interrupt arbitrary code; hand the work to the reactor loop.
-            self._reactor.callFromThread(self._routes.reload, "SIGHUP")
+            self._reactor.callFromThread(self._reload, "SIGHUP")
 
         self._previous = signal.signal(signal.SIGHUP, handler)
 

@@ -152,7 +152,7 @@ def build_service(
     )
     top = MultiService()
     routes.setServiceParent(top)
-    SignalReload(reactor, routes).setServiceParent(top)
+    SignalReload(reactor, routes.reload).setServiceParent(top)
     claims = Claims()  # hosts the activator runs: builtin units leave them alone
     # The spaces the router runs and their backup, stopped in that order (top's children stop
     # all at once): the backup's last sync sees the spaces' last writes.
@@ -484,7 +484,42 @@ def _front_door(
 ) -> None:
     """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
     mesh's route-replication API addressed to this box's own name (with ``spaces``, the fleet
-    view: ``GET /api/mesh/spaces``)."""
+    view: ``GET /api/mesh/spaces``). One process (LCHAT_WORKERS=1) serves all of it; with
+    workers, the control process builds :func:`_router` and :func:`_redirect_listener` only
+    (lchat.workers)."""
+    router = _router(
+        top,
+        reactor,
+        cfg,
+        routes,
+        hibernation,
+        certs,
+        run,
+        routes.reload,
+        spaces=spaces,
+        stats=stats,
+        probe=probe,
+    )
+    _public_listeners(top, reactor, cfg, router, pool, certs)
+
+
+def _router(
+    top: MultiService,
+    reactor: Reactor,
+    cfg: BoxConfig,
+    routes: RouteSource,
+    hibernation: HibernationService | None,
+    certs: Certificates,
+    run: RunInThread,
+    reload: Callable[[str], object],
+    spaces: Callable[[], Callable[[], dict[str, Any]]] | None = None,
+    stats: SpaceStats | None = None,
+    probe: Readiness | None = None,
+) -> Router:
+    """The router with every control-plane seam filled: the activator, the mesh, and the mesh
+    API's socket (``<run>/mesh.sock``, served here; with its settings sync). ``reload``: what a
+    mesh API write calls before it answers (``routes.reload``; with workers, the reload that
+    waits for them too)."""
     mesh_api: tuple[str, str] | None = None
     if cfg.mesh is not None:
         # Reached through the proxy by requests addressed to this box's own LCHAT_MESH_SELF
@@ -495,7 +530,7 @@ def _front_door(
         site = mesh_site(
             routes.registry,
             cfg,
-            routes.reload,
+            reload,
             run_in_thread=run,
             spaces=spaces,
             beats=membership.receive_beat if membership is not None else None,
@@ -515,7 +550,7 @@ def _front_door(
             # A wake that finds its space relocated since this box's row asks the peers at once.
             hibernation.activator.moved.on_moved = sync.repair
         mesh_api = (cfg.mesh.self_host, mesh_socket)
-    router = Router(
+    return Router(
         routes,
         cfg.fallback_url,
         activator=hibernation.activator if hibernation is not None else None,
@@ -523,6 +558,18 @@ def _front_door(
         mesh_api=mesh_api,
         acme_challenge=certs.challenge_socket,
     )
+
+
+def _public_listeners(
+    top: MultiService,
+    reactor: Reactor,
+    cfg: BoxConfig,
+    router: Router,
+    pool: UpstreamPool,
+    certs: Certificates,
+) -> FrontDoor:
+    """The public listeners of a single-process box: HTTPS, and plain HTTP (proxying, or the
+    redirect site), in their front door."""
     factories: list[ProxyFactory] = []
     door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace, metrics=REGISTRY)
     loop = uvloop_reactor.loop_of(reactor)
@@ -539,19 +586,30 @@ def _front_door(
             handshake_timeout=cfg.proxy.header_timeout,
         ).setServiceParent(door)
     if cfg.http_addr is not None:
-        if cfg.https_addr is not None and cfg.http_redirect:
-            port = _public_port(cfg.https_addr)
-            responder = certs.responder
-            redirect = RedirectToHTTPS(
-                https_port=None if port == 443 else port,
-                acme_challenge=responder.resource() if responder is not None else None,
-            )
-            listen(top, serverFromString(reactor, cfg.http_addr), QuietSite(redirect))
-        else:
+        if not _redirect_listener(top, reactor, cfg, certs):
             proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, state=pool.state)
             factories.append(proxy)
             FrontListener(loop, cfg.http_addr, proxy).setServiceParent(door)
     door.setServiceParent(top)
+    return door
+
+
+def _redirect_listener(
+    top: MultiService, reactor: Reactor, cfg: BoxConfig, certs: Certificates
+) -> bool:
+    """With HTTPS on and LCHAT_HTTP_REDIRECT, plain HTTP is a Twisted site redirecting to HTTPS
+    (and answering ACME HTTP-01 challenges), listening in ``top``: True. Otherwise nothing is
+    built (plain HTTP, if on, proxies): False."""
+    if cfg.http_addr is None or cfg.https_addr is None or not cfg.http_redirect:
+        return False
+    port = _public_port(cfg.https_addr)
+    responder = certs.responder
+    redirect = RedirectToHTTPS(
+        https_port=None if port == 443 else port,
+        acme_challenge=responder.resource() if responder is not None else None,
+    )
+    listen(top, serverFromString(reactor, cfg.http_addr), QuietSite(redirect))
+    return True
 
 
 def _admin(

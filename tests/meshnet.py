@@ -480,6 +480,7 @@ class NsBox(Box):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
         env.update(self.environ)
         env["PYTHONPATH"] = ROOT
+        env.setdefault("LCHAT_WORKERS", "1")  # one process a box (the default: one a core)
         self.starts += 1
         with open(os.path.join(self.dir, "router.log"), "ab") as log:
             log.write(f"===== meshnet: start #{self.starts} of {self.name} =====\n".encode())

@@ -12,13 +12,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def spawn_router(
-    env_file: str, log_path: str, argv_prefix: Sequence[str] = ()
+    env_file: str, log_path: str, argv_prefix: Sequence[str] = (), workers: int = 1
 ) -> subprocess.Popen[bytes]:
     """Start ``twistd --nodaemon lchat --env-file ENV_FILE`` with its output appended to
     ``log_path``. Only the env file configures it: the test's own ``LCHAT_*`` are not passed on.
-    ``argv_prefix``: a command that execs the router in place (``setpriv ... --``: another user)."""
+    ``argv_prefix``: a command that execs the router in place (``setpriv ... --``: another user).
+    ``workers``: LCHAT_WORKERS, in its environment (over the env file's): one process unless a
+    test asks for worker processes (the default ``auto`` would run one a core)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LCHAT_")}
     env["PYTHONPATH"] = ROOT
+    env["LCHAT_WORKERS"] = str(workers)
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         return subprocess.Popen(
             [

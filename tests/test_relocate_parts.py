@@ -707,6 +707,7 @@ class MeshBucketRouterTests(TestCase):
             LCHAT_RUN_DIR=self.dir,
             LCHAT_HTTP_ADDR="tcp:0:interface=127.0.0.1",
             LCHAT_HTTPS_ADDR="off",
+            LCHAT_WORKERS="1",  # (one process: the default would start one a core)
             LCHAT_HIBERNATE_BUCKET=f"file:{self.bucket}",
             LCHAT_MESH_SELF="http://127.0.0.1:1",
             LCHAT_MESH_DOMAINS="example.com",

@@ -354,7 +354,8 @@ class TwistdTests(TestCase):
             capture_output=True,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+            # (one process: the default LCHAT_WORKERS=auto would start one a core)
+            env={**os.environ, "PYTHONPATH": ROOT, "LCHAT_WORKERS": "1", **(env or {})},
             timeout=60,
         )
 

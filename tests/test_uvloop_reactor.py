@@ -89,6 +89,7 @@ class TwistdTests(TestCase):
         argv, data = self.twistd()
         proc = subprocess.Popen(
             argv,
+            env={**os.environ, "LCHAT_WORKERS": "1"},  # (one process; auto: one a core)
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

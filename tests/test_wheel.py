@@ -216,6 +216,7 @@ class WheelInstallTests(TestCase):
                         "LCHAT_HTTPS_ADDR=off",
                         "LCHAT_ACME_DIRECTORY=off",
                         "LCHAT_UNITS=builtin",
+                        "LCHAT_WORKERS=1",  # (one process: the default starts one a core)
                         f"LCHAT_SPACE_COMMAND={self.bin('lchat')} space",
                         "",
                     ]

@@ -233,7 +233,11 @@ def _address(sock: socket.socket) -> IPv4Address | IPv6Address | UNIXAddress:
 
 class FrontListener(Service):
     """A :class:`FrontPort` as a service: bound at privileged start (a failure fails the boot),
-    serving at start, drained (queued connections accepted) and closed at stop."""
+    serving at start, drained (queued connections accepted) and closed at stop.
+
+    ``sock``: an already bound and listening socket to serve instead of binding ``address`` (a
+    worker process's slot socket, inherited from the control process: lchat.worker_tap);
+    ``address`` then only names it in logs. The listener owns it: it is closed at stop."""
 
     def __init__(
         self,
@@ -243,9 +247,11 @@ class FrontListener(Service):
         store: tls.CertStore | None = None,
         *,
         reuse_port: bool = False,
+        sock: socket.socket | None = None,
         **timeouts: float,  # FrontPort's first_contact_wait and handshake_timeout
     ) -> None:
         self._loop = loop
+        self._sock = sock
         self.address = address
         self.factory = factory
         self._store = store
@@ -268,7 +274,11 @@ class FrontListener(Service):
     def _bind(self) -> None:
         if self.port is not None:
             return
-        sock = bind(self.address, reuse_port=self._reuse_port)
+        sock, self._sock = self._sock, None
+        if sock is None:
+            sock = bind(self.address, reuse_port=self._reuse_port)
+        else:
+            sock.setblocking(False)
         self.port = FrontPort(self._loop, sock, self.factory, self._store, **self._timeouts)
 
     def stopService(self) -> Deferred[None] | None:
