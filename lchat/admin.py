@@ -1,7 +1,8 @@
 """The local admin API on ``<run>/router.sock`` (mode 0600): how the CLI talks to the running router.
 
-``GET /status`` (JSON), ``POST /reload`` (re-read the registry now, answer when done), ``GET /metrics``
-(Prometheus text format), ``POST /restart?host=H`` (run an always-on space anew: ``lchat deploy``). Only root or the router's own user can open the socket; there is no other
+``GET /status`` (JSON), ``POST /reload`` (re-read the registry now, answer when done: with worker
+processes, once every worker has its table too, and the answer says how many do), ``GET /metrics``
+(Prometheus text format: with worker processes, the box's, merged from every worker's), ``POST /restart?host=H`` (run an always-on space anew: ``lchat deploy``). Only root or the router's own user can open the socket; there is no other
 authentication, so nothing here may ever be exposed on TCP.
 """
 
@@ -29,6 +30,10 @@ from lchat.supervise import ChildStatus
 from lchat.webutil import QuietSite, answerable
 
 ChildrenStatus = Callable[[], Mapping[str, ChildStatus]]  # builtin units' supervisor.status
+# POST /reload: re-read the registry (the reason given) -> the answer's JSON body
+Reload = Callable[[str], Deferred[dict[str, Any]]]
+# GET /metrics: the Prometheus text (now, or once the worker processes' were gathered)
+Metrics = Callable[[], "Deferred[bytes] | bytes"]
 # host (normalised) -> (HTTP status, JSON body), never waking the space (docs/hibernation.md)
 StatsProvider = Callable[[str], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
 
@@ -82,13 +87,12 @@ class _Json(Resource):
             return _json(request, 200, self._admin.status())
         if path == b"/reload" and request.method == b"POST":
             still = answerable(request)
-            d = self._admin.routes.reload("admin API")
-            d.addCallback(lambda table: _finish(request, still, 200, {"routes": len(table)}))
+            d = self._admin.reload("admin API")
+            d.addCallback(lambda body: _finish(request, still, 200, body))
             d.addErrback(lambda f: _finish(request, still, 500, {"error": f.getErrorMessage()}))
             return NOT_DONE_YET
         if path == b"/metrics" and request.method in (b"GET", b"HEAD"):
-            request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
-            return generate_latest()
+            return _render_metrics(self._admin.metrics, request)
         if path in (b"/wake", b"/sleep") and request.method == b"POST":
             return _wake_or_sleep(self._admin, request, path.decode()[1:])
         if path == b"/release" and request.method == b"POST":
@@ -124,8 +128,14 @@ class AdminAPI:
         stats: StatsProvider | None = None,  # GET /stats/<host> (lchat.spacestats.SpaceStats)
         restart: Callable[[str], Deferred[int | None]] | None = None,  # builtin units' restart
         probe: StatsProvider | None = None,  # POST /probe?host= (lchat.readiness.Readiness)
+        reload: Reload | None = None,  # POST /reload (default: routes.reload, {"routes": n})
+        metrics: Metrics = generate_latest,  # GET /metrics (with workers: the merged scrape)
+        workers: Callable[[], dict[str, Any]] | None = None,  # status()["workers"], with workers
     ) -> None:
         self.routes = routes
+        self.reload = reload or self._reload_routes
+        self.metrics = metrics
+        self._workers = workers
         self._units = units
         self._children = children or (lambda: {})
         self.activator = activator
@@ -141,6 +151,10 @@ class AdminAPI:
 
     def site(self) -> Site:
         return QuietSite(_Json(self))
+
+    def _reload_routes(self, reason: str) -> Deferred[dict[str, Any]]:
+        """One process's reload: its own table, and how many routes it holds."""
+        return self.routes.reload(reason).addCallback(lambda table: {"routes": len(table)})
 
     def status(self) -> dict[str, Any]:
         table: RouteTable = self.routes.table
@@ -185,6 +199,8 @@ class AdminAPI:
             **({"acme": self._acme()} if self._acme is not None else {}),
             **({"backup": self._backup()} if self._backup is not None else {}),
             **({"capacity": self._capacity_now(table)} if self._capacity is not None else {}),
+            # (LCHAT_WORKERS >= 2: the worker processes, from the pool's last watchdog round)
+            **({"workers": self._workers()} if self._workers is not None else {}),
         }
 
     def _capacity_now(self, table: RouteTable) -> dict[str, Any]:
@@ -212,17 +228,46 @@ class AdminAPI:
 class _Metrics(Resource):
     isLeaf = True
 
-    def render_GET(self, request: Request) -> bytes:
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def render_GET(self, request: Request) -> bytes | int:
         if request.path != b"/metrics":
             request.setResponseCode(404)
             return b"not found\n"
-        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
-        return generate_latest()
+        return _render_metrics(self._metrics, request)
 
 
-def metrics_site() -> Site:
-    """``GET /metrics`` alone, for LCHAT_METRICS_ADDR: safe to expose to a scraper on TCP."""
-    return QuietSite(_Metrics())
+def metrics_site(metrics: Metrics = generate_latest) -> Site:
+    """``GET /metrics`` alone, for LCHAT_METRICS_ADDR: safe to expose to a scraper on TCP.
+    ``metrics``: the text to serve (with worker processes, the box's merged scrape)."""
+    return QuietSite(_Metrics(metrics))
+
+
+def _render_metrics(metrics: Metrics, request: Request) -> bytes | int:
+    """The Prometheus text ``metrics`` gives, at once or when its Deferred fires (a failure is a
+    500 naming it: a scraper records the gap rather than a partial box)."""
+    request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
+    text = metrics()
+    if isinstance(text, bytes):
+        return text
+    still = answerable(request)
+
+    def done(body: bytes) -> None:
+        if still():
+            request.write(body)
+            request.finish()
+
+    def failed(f: Any) -> None:
+        if still():
+            request.setResponseCode(500)
+            request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+            request.write(f"metrics failed: {f.getErrorMessage()}\n".encode())
+            request.finish()
+
+    text.addCallbacks(done, failed)
+    return NOT_DONE_YET
 
 
 def _hibernating_host(admin: AdminAPI, request: Request) -> tuple[str, Any] | bytes:

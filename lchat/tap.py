@@ -9,8 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import REGISTRY
+from attrs import define
+from prometheus_client import REGISTRY, generate_latest
 from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorCore, IReactorTime
 from twisted.logger import Logger
@@ -139,7 +141,59 @@ def build_service(
     The one clock is ``reactor`` (``seconds()``, unix time); the one thread runner is the
     reactor's pool (:func:`lchat.threads.thread_runner`); leases, whose deadlines must not jump
     with the wall clock, are kept on ``time.monotonic``. ``any_reactor``: the installed one (or a
-    test's), checked here to be whole (:func:`lchat.reactors.whole`)."""
+    test's), checked here to be whole (:func:`lchat.reactors.whole`).
+
+    This is the whole box in one process (LCHAT_WORKERS=1); lchat.workers builds the control
+    process of a box with worker processes from the same parts (:func:`control_plane`)."""
+    box = control_plane(cfg, any_reactor, poll_interval)
+    _front_door(
+        box.top,
+        box.reactor,
+        cfg,
+        box.routes,
+        box.pool,
+        box.hibernation,
+        box.certs,
+        box.run,
+        spaces=box.fleet,
+        stats=box.stats,
+        probe=box.probe,
+    )
+    _admin(box.top, box.reactor, cfg, box)
+    log_start(cfg, box)
+    return box.top
+
+
+@define
+class ControlPlane:
+    """What :func:`control_plane` built, for the builder that adds the data plane to it."""
+
+    top: MultiService
+    reactor: Reactor
+    routes: RouteSource
+    run: RunInThread
+    units: BuiltinUnits | None
+    backup: BackupService | None
+    pool: UpstreamPool
+    hibernation: HibernationService | None
+    certs: Certificates
+    fleet: Callable[[], Callable[[], dict[str, Any]]] | None
+    stats: SpaceStats
+    probe: Readiness | None
+
+
+def control_plane(
+    cfg: BoxConfig,
+    any_reactor: IReactorCore,
+    poll_interval: float = 2.0,
+    *,
+    reload: Callable[[str], object] | None = None,
+    state: FrontDoorState | None = None,
+) -> ControlPlane:
+    """The box less its front door and admin API: the registry and its route table, SIGHUP's
+    reload (``reload``; default the table's own), the spaces and their backup, the upstream pool
+    (its figures in ``state``; default a fresh one, the front door's), hibernation and the mesh,
+    the certificates, and the views the front door and admin API serve."""
     reactor = whole(any_reactor)
     _prepare_box(cfg)
     aws = boot_credentials(cfg)
@@ -152,7 +206,7 @@ def build_service(
     )
     top = MultiService()
     routes.setServiceParent(top)
-    SignalReload(reactor, routes.reload).setServiceParent(top)
+    SignalReload(reactor, reload or routes.reload).setServiceParent(top)
     claims = Claims()  # hosts the activator runs: builtin units leave them alone
     # The spaces the router runs and their backup, stopped in that order (top's children stop
     # all at once): the backup's last sync sees the spaces' last writes.
@@ -171,7 +225,8 @@ def build_service(
         dial_retry=cfg.proxy.dial_retry,
         tls_context=client_tls_context(cfg.mesh.ca_file) if cfg.mesh is not None else None,
         loop=uvloop_reactor.loop_of(reactor),
-        state=FrontDoorState(),  # the front door's figures and buffers, one per process
+        # the front door's figures and buffers, one per process
+        state=state if state is not None else FrontDoorState(),
     )
     hibernation = None
     if cfg.hibernate is not None:
@@ -187,29 +242,30 @@ def build_service(
         )
         hibernation.setServiceParent(top)
     certs = certificates(top, reactor, cfg, routes, hibernation, run, aws)
-    fleet = _fleet_view(reactor, cfg, routes, hibernation, units, backup)
-    stats = _space_stats(reactor, cfg, routes, hibernation)
-    probe = _readiness(reactor, cfg, routes, hibernation)
-    _front_door(
-        top,
-        reactor,
-        cfg,
-        routes,
-        pool,
-        hibernation,
-        certs,
-        run,
-        spaces=fleet,
-        stats=stats,
-        probe=probe,
+    return ControlPlane(
+        top=top,
+        reactor=reactor,
+        routes=routes,
+        run=run,
+        units=units,
+        backup=backup,
+        pool=pool,
+        hibernation=hibernation,
+        certs=certs,
+        fleet=_fleet_view(reactor, cfg, routes, hibernation, units, backup),
+        stats=_space_stats(reactor, cfg, routes, hibernation),
+        probe=_readiness(reactor, cfg, routes, hibernation),
     )
-    _admin(top, reactor, cfg, routes, units, hibernation, certs, backup, stats, probe)
+
+
+def log_start(cfg: BoxConfig, box: ControlPlane) -> None:
+    """The start line, and the capacity limits."""
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
         "https={https}, http={http}, admin={admin}, one-read recognisers {oneread}",
         oneread=oneread.implementation(),
         version=lchat.__version__,
-        routes=len(routes.table),
+        routes=len(box.routes.table),
         registry=cfg.registry,
         units=cfg.units,
         https=cfg.https_addr or "off",
@@ -217,8 +273,7 @@ def build_service(
         + (" (redirect)" if cfg.https_addr and cfg.http_addr and cfg.http_redirect else ""),
         admin=cfg.admin_socket,
     )
-    _log_capacity(cfg, routes.table, hibernation is not None)
-    return top
+    _log_capacity(cfg, box.routes.table, box.hibernation is not None)
 
 
 def _log_capacity(cfg: BoxConfig, table: RouteTable, hibernation: bool) -> None:
@@ -252,10 +307,15 @@ def _log_capacity(cfg: BoxConfig, table: RouteTable, hibernation: bool) -> None:
         )
 
 
-def listening_ports(service: IService) -> list[IListeningPort | FrontPort]:
-    """Every port the service tree listens on now (tests and diagnostics)."""
+def listening_ports(service: IService) -> list[IListeningPort | FrontPort | Any]:
+    """Every port the service tree listens on now (tests and diagnostics). A service with a
+    ``listening_ports()`` of its own answers for itself (lchat.workers.SlotSockets: the public
+    ports a control process holds for its workers, one per address)."""
     if isinstance(service, Listener | FrontListener):
         return [service.port] if service.port is not None else []
+    own = getattr(service, "listening_ports", None)
+    if callable(own):
+        return list(own())
     if isinstance(service, MultiService):
         return [port for child in service for port in listening_ports(child)]
     return []
@@ -616,15 +676,17 @@ def _admin(
     top: MultiService,
     reactor: Reactor,
     cfg: BoxConfig,
-    routes: RouteSource,
-    units: BuiltinUnits | None,
-    hibernation: HibernationService | None,
-    certs: Certificates,
-    backup: BackupService | None,
-    stats: SpaceStats,
-    probe: Readiness | None,
+    box: ControlPlane,
+    *,
+    reload: Callable[[str], Deferred[dict[str, Any]]] | None = None,
+    metrics: Callable[[], Deferred[bytes] | bytes] = generate_latest,
+    workers: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
-    """The local admin API (router.sock) and the Prometheus endpoint."""
+    """The local admin API (router.sock) and the Prometheus endpoint. With worker processes:
+    ``reload`` (POST /reload: theirs too), ``metrics`` (the box's merged scrape) and ``workers``
+    (their status in GET /status)."""
+    routes, units, hibernation, certs = box.routes, box.units, box.hibernation, box.certs
+    backup, stats, probe = box.backup, box.stats, box.probe
     clear_stale_socket(cfg.admin_socket)
     membership = hibernation.membership if hibernation is not None else None
     admin = AdminAPI(
@@ -648,10 +710,13 @@ def _admin(
         stats=stats.answer,
         probe=probe.answer if probe is not None else None,
         restart=units.supervisor.restart if units is not None else None,  # lchat deploy
+        reload=reload,
+        metrics=metrics,
+        workers=workers,
     )
     listen(top, UNIXServerEndpoint(reactor, cfg.admin_socket, mode=0o600), admin.site())
     if cfg.metrics_addr is not None:
-        listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site())
+        listen(top, serverFromString(reactor, cfg.metrics_addr), metrics_site(metrics))
 
 
 def _space_stats(

@@ -66,7 +66,42 @@ def show(
     if any(canary for _, canary in builds.values()):
         note("VERSION*: a canary (lchat deploy --canary); `lchat deploy <v> --all` clears it")
     note(_capacity_summary(cfg, routes, status))
+    workers = _workers_summary(status)
+    if workers is not None:
+        note(workers)
     return 0
+
+
+def _workers_summary(status: dict[str, Any] | None) -> str | None:
+    """``workers: 2 of 2 serving (LCHAT_WORKERS=2), on the current routes and certificates``, or
+    what is wrong: ``workers: 1 of 2 serving (LCHAT_WORKERS=2) — worker 2 backoff (killed by
+    SIGKILL; 3 restarts); worker 1 behind on routes``. None when the router runs one process
+    (its status has no ``workers``) or cannot be asked."""
+    workers = status.get("workers") if status else None
+    if not isinstance(workers, dict):
+        return None
+    wanted, serving = workers.get("wanted"), workers.get("serving")
+    line = f"workers: {serving} of {wanted} serving (LCHAT_WORKERS={wanted})"
+    problems = []
+    for worker in workers.get("list") or []:
+        if not isinstance(worker, dict):
+            continue
+        slot, state = worker.get("slot"), worker.get("state")
+        if state != "ready":
+            why = [str(worker["last_error"])] if worker.get("last_error") else []
+            if worker.get("restarts"):
+                restarts = worker["restarts"]
+                why.append(f"{restarts} restart{'' if restarts == 1 else 's'}")
+            problems.append(f"worker {slot} {state}" + (f" ({'; '.join(why)})" if why else ""))
+            continue
+        behind = [
+            what for what in ("routes", "certificates") if worker.get(f"{what}_current") is False
+        ]
+        if behind:
+            problems.append(f"worker {slot} behind on {' and '.join(behind)}")
+    if problems:
+        return f"{line} \N{EM DASH} {'; '.join(problems)}"
+    return f"{line}, on the current routes and certificates"
 
 
 def _capacity_summary(cfg: BoxConfig, routes: list[Route], status: dict[str, Any] | None) -> str:

@@ -136,7 +136,7 @@ class FrontPort:
         self._sock = sock
         self.factory = factory
         self.secure = store is not None
-        self._host = _address(sock)
+        self._host = sock_address(sock)
         self._server: asyncio.AbstractServer | None = None
         self._backlog_sock: socket.socket | None = None  # plain: a dup to drain the queue at stop
         self._tls: TLSAcceptor | None = None
@@ -222,7 +222,7 @@ class FrontPort:
             task.add_done_callback(self._handing_over.discard)
 
 
-def _address(sock: socket.socket) -> IPv4Address | IPv6Address | UNIXAddress:
+def sock_address(sock: socket.socket) -> IPv4Address | IPv6Address | UNIXAddress:
     name = sock.getsockname()
     if sock.family == socket.AF_INET:
         return IPv4Address("TCP", name[0], name[1])
