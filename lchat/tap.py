@@ -125,7 +125,11 @@ def makeService(options: Options) -> IService:
     except ConfigError as e:
         raise SystemExit(f"lchat: configuration error: {e}") from None
     try:
-        return build_service(cfg, installed())
+        if cfg.workers == 1:
+            return build_service(cfg, installed())  # one process: the whole box
+        from lchat.workers import build_control  # (which imports this module)
+
+        return build_control(cfg, installed())
     except (RegistryError, AlreadyRunning, ConfigError, OSError) as e:
         raise SystemExit(f"lchat: cannot start: {e}") from None
 
@@ -159,7 +163,7 @@ def build_service(
         stats=box.stats,
         probe=box.probe,
     )
-    _admin(box.top, box.reactor, cfg, box)
+    admin_api(box.top, box.reactor, cfg, box)
     log_start(cfg, box)
     return box.top
 
@@ -545,9 +549,9 @@ def _front_door(
     """The router and its listeners: HTTPS, plain HTTP (redirecting, or proxying), and the
     mesh's route-replication API addressed to this box's own name (with ``spaces``, the fleet
     view: ``GET /api/mesh/spaces``). One process (LCHAT_WORKERS=1) serves all of it; with
-    workers, the control process builds :func:`_router` and :func:`_redirect_listener` only
+    workers, the control process builds :func:`control_router` and :func:`redirect_listener` only
     (lchat.workers)."""
-    router = _router(
+    router = control_router(
         top,
         reactor,
         cfg,
@@ -563,7 +567,7 @@ def _front_door(
     _public_listeners(top, reactor, cfg, router, pool, certs)
 
 
-def _router(
+def control_router(
     top: MultiService,
     reactor: Reactor,
     cfg: BoxConfig,
@@ -646,7 +650,7 @@ def _public_listeners(
             handshake_timeout=cfg.proxy.header_timeout,
         ).setServiceParent(door)
     if cfg.http_addr is not None:
-        if not _redirect_listener(top, reactor, cfg, certs):
+        if not redirect_listener(top, reactor, cfg, certs):
             proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, state=pool.state)
             factories.append(proxy)
             FrontListener(loop, cfg.http_addr, proxy).setServiceParent(door)
@@ -654,7 +658,7 @@ def _public_listeners(
     return door
 
 
-def _redirect_listener(
+def redirect_listener(
     top: MultiService, reactor: Reactor, cfg: BoxConfig, certs: Certificates
 ) -> bool:
     """With HTTPS on and LCHAT_HTTP_REDIRECT, plain HTTP is a Twisted site redirecting to HTTPS
@@ -672,7 +676,7 @@ def _redirect_listener(
     return True
 
 
-def _admin(
+def admin_api(
     top: MultiService,
     reactor: Reactor,
     cfg: BoxConfig,

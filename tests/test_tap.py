@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import Any
 
+from twisted.application.service import MultiService
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.task import deferLater
@@ -27,9 +28,14 @@ from twisted.web.http_headers import Headers
 from lchat import config, unixhttp
 from lchat.admin import AlreadyRunning
 from lchat.config import BoxConfig
+from lchat.listener import Listener
+from lchat.proxy.serve import FrontListener
+from lchat.redirect import RedirectToHTTPS
 from lchat.registry import Registry, Route
 from lchat.routesource import RouteSource
 from lchat.tap import build_service, listening_ports
+from lchat.workerpool import WorkerPool
+from lchat.workers import SlotSockets, build_control, worker_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = f"env PYTHONPATH={ROOT} {sys.executable} -m lchat.space"
@@ -51,8 +57,8 @@ def sleep(seconds: float) -> Deferred[None]:
     return deferLater(reactor, seconds, lambda: None)
 
 
-class RouterTests(TestCase):
-    """One router per test, started as twistd would, on the real reactor."""
+class _Box(TestCase):
+    """A data and a run directory, and the router's settings on them."""
 
     def setUp(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
@@ -75,6 +81,10 @@ class RouterTests(TestCase):
         flags.update(extra)
         environ = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", "")}
         return config.load(env_file=self.env, environ=environ, flags=flags)
+
+
+class RouterTests(_Box):
+    """One router per test, started as twistd would, on the real reactor."""
 
     def add_space(self, host: str, token: str = "t" * 32) -> Route:
         registry = Registry(self.config().registry, clock=time.time)
@@ -341,6 +351,82 @@ class RouterTests(TestCase):
         service = build_service(self.config(), reactor)
         service.startService()
         return service.stopService()
+
+
+def _walk(service: Any) -> list[Any]:
+    """``service`` and every service under it."""
+    found = [service]
+    if isinstance(service, MultiService):
+        for child in service:
+            found.extend(_walk(child))
+    return found
+
+
+class WorkersTreeTests(_Box):
+    """LCHAT_WORKERS: 1 builds today's single process; 2 a control process (built, not started:
+    no worker process is spawned)."""
+
+    def test_one_worker_is_the_single_process(self) -> None:
+        cfg = self.config(LCHAT_WORKERS="1", LCHAT_HTTP_REDIRECT="off")
+        self.assertEqual(cfg.workers, 1)
+        tree = _walk(build_service(cfg, reactor))
+        listeners = [s for s in tree if isinstance(s, FrontListener)]
+        self.assertEqual([(s.address, s._reuse_port) for s in listeners], [(cfg.http_addr, False)])
+        self.assertFalse(any(isinstance(s, WorkerPool | SlotSockets) for s in tree))
+        self.assertFalse(os.path.exists(os.path.join(self.rundir, "workers")))
+
+    def test_two_workers_build_a_control_process(self) -> None:
+        cfg = self.config(LCHAT_WORKERS="2")
+        tree = _walk(build_control(cfg, reactor))
+        slots = next(s for s in tree if isinstance(s, SlotSockets))
+        self.addCleanup(slots.close)
+        # No public listener of its own: the one FrontListener is the hop door.
+        listeners = [s for s in tree if isinstance(s, FrontListener)]
+        hop = os.path.join(self.rundir, "workers", "hop.sock")
+        self.assertEqual([s.address for s in listeners], [f"unix:{hop}"])
+        self.assertTrue(listeners[0].factory.trusted_hop)
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(hop)).st_mode), 0o700)
+        # Two slots, each an SO_REUSEPORT socket on the one port :0 resolved to.
+        socks = slots.sockets()["http"]
+        self.assertEqual(len(socks), 2)
+        ports = {s.getsockname()[1] for s in socks}
+        self.assertEqual(len(ports), 1)
+        self.assertNotIn(0, ports)
+        for sock in socks:
+            self.assertEqual(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT), 1)
+        [port] = [p.getHost().port for p in slots.listening_ports()]
+        self.assertEqual({port}, ports)
+        # The pool's two workers: slot k's socket as its descriptor 4, its channel socket.
+        pool = next(s for s in tree if isinstance(s, WorkerPool))
+        self.assertEqual(pool.status()["wanted"], 2)
+        specs = [worker_spec(cfg, k, slots.fds(k)) for k in (1, 2)]
+        for k, spec in enumerate(specs, 1):
+            self.assertEqual(spec.argv[-5:], ("lchat-worker", "--slot", str(k), "--fds", "http=4"))
+            self.assertEqual(dict(spec.fds), {4: socks[k - 1].fileno()})
+            self.assertEqual(
+                spec.ready_socket, os.path.join(self.rundir, "workers", f"worker-{k}.sock")
+            )
+            self.assertEqual(spec.env["LCHAT_WORKERS"], "2")  # the control's own settings
+            self.assertEqual(spec.env["LCHAT_HTTP_ADDR"], cfg.settings["LCHAT_HTTP_ADDR"])
+            self.assertTrue(spec.inherit_output)
+
+    def test_with_https_control_keeps_only_the_redirect_site(self) -> None:
+        cfg = self.config(
+            LCHAT_WORKERS="3",
+            LCHAT_HTTPS_ADDR="tcp:0:interface=127.0.0.1",
+            LCHAT_ACME_DIRECTORY="off",
+        )
+        tree = _walk(build_control(cfg, reactor))
+        slots = next(s for s in tree if isinstance(s, SlotSockets))
+        self.addCleanup(slots.close)
+        # Plain HTTP redirects: the control process's own Twisted site; HTTPS is the workers'.
+        self.assertEqual(list(slots.sockets()), ["https"])
+        self.assertEqual(len(slots.sockets()["https"]), 3)
+        self.assertEqual([p.secure for p in slots.listening_ports()], [True])
+        sites = [s.factory for s in tree if isinstance(s, Listener)]
+        redirects = [f for f in sites if isinstance(getattr(f, "resource", None), RedirectToHTTPS)]
+        self.assertEqual(len(redirects), 1)
+        self.assertEqual(worker_spec(cfg, 2, slots.fds(2)).argv[-1], "https=3")
 
 
 class TwistdTests(TestCase):

@@ -133,20 +133,28 @@ class WheelInstallTests(TestCase):
         )
 
     def assert_knows_lchat(self, as_user: int | None = None) -> None:
-        """Both plugins: the router (``twistd lchat``) and home (``twistd lchat-home``)."""
+        """Every plugin: the router (``twistd lchat``), its data-plane worker (``twistd
+        lchat-worker``, which the router starts with LCHAT_WORKERS >= 2) and home (``twistd
+        lchat-home``)."""
         listing = self.twistd("--help", as_user=as_user)
         self.assertEqual(listing.returncode, 0, listing.stderr)
         commands = listing.stdout.split("Commands:")[-1]
         self.assertIn("lchat ", commands)
         self.assertIn("lchat-home ", commands)
+        self.assertIn("lchat-worker ", commands)
         for plugin in ("lchat", "lchat-home"):
             usage = self.twistd(plugin, "--help", as_user=as_user)
             self.assertEqual(usage.returncode, 0, usage.stderr)
             self.assertIn("--env-file", usage.stdout)
+        usage = self.twistd("lchat-worker", "--help", as_user=as_user)
+        self.assertEqual(usage.returncode, 0, usage.stderr)
+        self.assertIn("--slot", usage.stdout)
+        self.assertIn("--fds", usage.stdout)
 
     def test_the_wheel_carries_the_plugin(self) -> None:
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "lchat_plugin.py")))
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "lchat_home_plugin.py")))
+        self.assertTrue(os.path.isfile(os.path.join(self.plugins, "lchat_worker_plugin.py")))
         # Twisted's own package is untouched: the plugin directory stays Twisted's.
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "__init__.py")))
 
