@@ -294,10 +294,10 @@ class WorkerPool(service.Service):
         key): every ready worker rescans (no wait)."""
         self._broadcast("certificates")
 
-    def scrape(self) -> Deferred[dict[int, str]]:
+    def scrape(self) -> Deferred[dict[int, str | None]]:
         """Every ready worker's ``GET /metrics`` text, asked at once (``scrape_timeout`` each);
-        a worker that does not answer is left out and counted in
-        ``lchat_worker_scrape_failures_total``."""
+        a worker that does not answer is ``None`` (its gauges go stale, not its counters) and
+        counted in ``lchat_worker_scrape_failures_total``."""
         slots = self._ready()
 
         def one(slot: _Slot) -> Deferred[tuple[int, str | None]]:
@@ -321,7 +321,7 @@ class WorkerPool(service.Service):
             )
 
         d = defer.gatherResults([one(slot) for slot in slots])
-        return d.addCallback(lambda got: {n: text for n, text in got if text is not None})
+        return d.addCallback(dict)
 
     # -- supervision -----------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from lchat.admin import clear_stale_socket
 from lchat.child import ChildSpec
 from lchat.config import BoxConfig
 from lchat.listener import listen
-from lchat.metricsmerge import MergedMetrics
+from lchat.metricsmerge import MergedMetrics, MetricsTextError
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, bind, parse_address, sock_address
 from lchat.proxy.state import FrontDoorState
@@ -325,11 +325,15 @@ class _BoxReload:
 
 async def _scrape(pool: WorkerPool, merged: MergedMetrics) -> bytes:
     """The box's metrics: every ready worker's ``/metrics`` (asked at once, each within the
-    pool's scrape timeout; one that does not answer is left out of this round, its counters
-    carried), merged into control's own registry."""
+    pool's scrape timeout; one that does not answer, or answers with something that is not
+    Prometheus text, is left out of this round: its gauges go, its counters are carried),
+    merged into control's own registry."""
     texts = await pool.scrape()
     for slot, text in sorted(texts.items()):
-        merged.update(slot, text)
+        try:
+            merged.update(slot, text)
+        except MetricsTextError as e:
+            _log.warn("{why}", why=str(e))
     return generate_latest(merged)
 
 

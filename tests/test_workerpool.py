@@ -590,7 +590,7 @@ class Scrape(Base):
             if c.sock == self.sock(1):
                 c.d.callback((200, b"lchat_x 1\n"))
         self.advance(1)
-        self.assertEqual(self.successResultOf(d), {1: "lchat_x 1\n"})
+        self.assertEqual(self.successResultOf(d), {1: "lchat_x 1\n", 2: None})
         self.assertEqual(metric("lchat_worker_scrape_failures_total"), failures + 1)
 
 

@@ -118,6 +118,38 @@ class AdminWithWorkersTests(TestCase):
         self.assertNotIn("workers", AdminAPI(reactor, self.routes, "builtin").status())
 
 
+class _Scraped:
+    """A pool whose scrape answers ``texts`` (slot -> text, or None: did not answer)."""
+
+    def __init__(self, texts: dict[int, str | None]) -> None:
+        self.texts = texts
+
+    def scrape(self) -> Deferred[dict[int, str | None]]:
+        return succeed(dict(self.texts))
+
+
+class BoxScrapeTests(TestCase):
+    async def test_garbage_from_a_worker_leaves_it_out_and_keeps_its_counters(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from lchat.metricsmerge import MergedMetrics
+        from lchat.workers import _scrape
+
+        merged = MergedMetrics(CollectorRegistry())
+        good = "# TYPE lchat_http_requests_total counter\nlchat_http_requests_total 3\n"
+        gauge = "# TYPE lchat_http_connections gauge\nlchat_http_connections 2\n"
+        pool: Any = _Scraped({1: good + gauge, 2: good})
+        text = (await _scrape(pool, merged)).decode()
+        self.assertIn("lchat_http_requests_total 6.0", text)
+        self.assertIn("lchat_http_connections 2.0", text)
+        # Worker 1 answers garbage, worker 2 does not answer: the scrape still succeeds; their
+        # counters stay (not double counted), worker 1's gauge goes.
+        pool.texts = {1: "not {prometheus", 2: None}
+        text = (await _scrape(pool, merged)).decode()
+        self.assertIn("lchat_http_requests_total 6.0", text)
+        self.assertNotIn("lchat_http_connections 2.0", text)
+
+
 class WorkersLineTests(TestCase):
     """``lchat instances``' stderr line about the workers."""
 
