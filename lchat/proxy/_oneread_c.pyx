@@ -290,7 +290,8 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
     cdef Py_ssize_t i, m, t0, t1, head_start, line, colon = 0, nlen
     cdef Py_ssize_t lines = 0, drop0 = -1, drop1 = -1, host0 = -1, host1 = -1
     cdef Py_ssize_t te0 = -1, te1 = -1, a0, a1, b0, b1
-    cdef bytes block, prev_block
+    cdef bytes block, prev_block, prev_target
+    cdef tuple prev
     if not CONFIGURED or n > max_bytes:
         return None
     if n >= 4 and memcmp(p, b"GET ", 4) == 0:
@@ -310,15 +311,22 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
         return None
     head_start = i + 11
     method = b"GET" if m == 3 else b"HEAD"
-    target = data[t0:t1]
-    if previous is not None:
-        prev_block = previous.block
+    if isinstance(previous, tuple) and len(<tuple>previous) == 5:
+        # (A WholeRequest is a tuple: its fields by index, without an attribute lookup each.)
+        prev = <tuple>previous
+        prev_block = <bytes>prev[4]
         if n - head_start == PyBytes_GET_SIZE(prev_block) and memcmp(
             p + head_start, PyBytes_AS_STRING(prev_block), n - head_start
         ) == 0:
-            if method == previous.method and target == previous.target:
-                return previous
-            return WholeRequest(method, target, previous.host, previous.lines, prev_block)
+            prev_target = <bytes>prev[1]
+            if (
+                prev[0] == method
+                and PyBytes_GET_SIZE(prev_target) == t1 - t0
+                and memcmp(p + t0, PyBytes_AS_STRING(prev_target), t1 - t0) == 0
+            ):
+                return previous  # (the same request again: nothing made, nothing copied)
+            return WholeRequest(method, data[t0:t1], prev[2], prev[3], prev_block)
+    target = data[t0:t1]
     i = head_start
     while True:
         if i + 1 < n and p[i] == 13 and p[i + 1] == 10:

@@ -65,9 +65,45 @@ class _HeadDone(Exception):
 class UpstreamConnection(asyncio.Protocol):
     """One connection to a space or peer; see the module docstring."""
 
+    # Slots: every read of a response touches a dozen of these (a slot is read faster than an
+    # instance dict's entry), and a misspelt attribute is an error, not a new field.
+    __slots__ = (
+        "_body_left",
+        "_bulk",
+        "_close_delimited",
+        "_complete",
+        "_final",
+        "_first_read",
+        "_got_bytes",
+        "_headers",
+        "_in_head",
+        "_method",
+        "_parser",
+        "_past_parser",
+        "_reason",
+        "_spliced",
+        "_stats",
+        "_status",
+        "backpressure",
+        "bulk_written",
+        "connected",
+        "handler",
+        "idle_since",
+        "key",
+        "pool",
+        "request_sent",
+        "reusable",
+        "reused",
+        "transport",
+        "unreachable",
+        "valve",
+        "write_paused",
+    )
+
     def __init__(self, pool: UpstreamPool, key: Key) -> None:
         self.pool = pool
         self.key = key
+        self._stats = pool.state.stats
         self.transport: asyncio.Transport | None = None
         self.handler: Relay | None = None
         self.valve: Valve | None = None
@@ -186,7 +222,7 @@ class UpstreamConnection(asyncio.Protocol):
                     # with the hop-by-hop lines a server sends on an ordinary answer taken out:
                     # those counted here; the relay counts them all.)
                     if out is not data:
-                        self.pool.state.stats.one_read_spliced += 1
+                        self._stats.one_read_spliced += 1
                     return
         handler.begin_batch()
         try:
