@@ -68,6 +68,47 @@ class ClientConnection(asyncio.Protocol):
     response) goes out in one write: between ``begin_batch`` and ``flush`` writes are gathered.
     """
 
+    # Slots: a small request reads and sets a few dozen of these (a slot is faster than an
+    # instance dict's entry: with this many fields the dict is not even the compact shared
+    # kind), and a misspelt attribute is an error, not a new field. Subclasses add none.
+    __slots__ = (
+        "_active",
+        "_batch",
+        "_body_deadline",
+        "_body_left",
+        "_buffers",
+        "_bulk",
+        "_client",
+        "_client_bytes",
+        "_closed",
+        "_completed",
+        "_deadline",
+        "_last_head",
+        "_last_request",
+        "_last_whole",
+        "_linger_until",
+        "_lost",
+        "_output_paused",
+        "_parser",
+        "_parsing",
+        "_progress",
+        "_send_buffered",
+        "_send_moved_at",
+        "_served",
+        "_serving_queue",
+        "_spliced",
+        "_stats",
+        "_timer_action",
+        "_tunnel_moved",
+        "_unreported",
+        "_waiting",
+        "bulk_written",
+        "cfg",
+        "proxy",
+        "transport",
+        "valve",
+    )
+
     def __init__(self, factory: ProxyFactory) -> None:
         self.proxy = factory
         self.cfg = factory.cfg

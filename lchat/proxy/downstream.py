@@ -56,6 +56,8 @@ class Downstream(Relay):
     """A client connection read with httptools (and :mod:`oneread`'s recogniser for a whole
     request in one read): its protocol, on the reactor's uvloop loop."""
 
+    __slots__ = ()  # (ClientConnection has them all)
+
     # -- connection ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

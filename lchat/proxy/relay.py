@@ -64,6 +64,8 @@ _reroutes = Counter(
 class Relay(ClientConnection):
     """A client connection that serves its requests, one at a time (see the module docstring)."""
 
+    __slots__ = ()  # (ClientConnection has them all)
+
     # -- serving -------------------------------------------------------------------------------
 
     def _serve(self, ex: Exchange) -> None:
