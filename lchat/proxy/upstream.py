@@ -154,7 +154,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._method = method
         if self._parser is None:  # (one per connection: a kept-alive one parses response after
             self._parser = httptools.HttpResponseParser(self)  # response; a HEAD ends reuse)
-        self._headers = []
+        # (_headers: each head's are collected from on_message_begin on; nothing reads them before)
         self._final = self._complete = self._close_delimited = self._got_bytes = False
         self.request_sent = False
         self._body_left = 0
@@ -512,8 +512,8 @@ class UpstreamPool:
         self._idle_timeout = idle_timeout
         self._connect_timeout = connect_timeout
         self._tls_context = tls_context
+        # The idle connections by key (their number is the front door's idle_upstream figure).
         self._idle: dict[Key, list[UpstreamConnection]] = {}
-        self._idle_count = 0
         self._connections: set[UpstreamConnection] = set()
         # Idle connections are expired by one sweep, not a timer each (it is on every request's
         # path); it runs only while something is idle.
@@ -532,7 +532,6 @@ class UpstreamPool:
         idle = self._idle.get(target.path if type(target) is LocalSocket else target_key(target))
         while idle:
             conn = idle.pop()
-            self._idle_count -= 1
             self._stats.idle_upstream -= 1
             if conn.connected and conn.reusable:
                 conn.reused += 1
@@ -554,7 +553,6 @@ class UpstreamPool:
         if conn.valve is not None and conn.valve.reasons:
             conn.valve.open_all()  # an idle pooled connection must read (to see it close)
         idle.append(conn)
-        self._idle_count += 1
         self._stats.idle_upstream += 1
         conn.idle_since = self._reactor.seconds()
         if self._sweep is None:
@@ -567,7 +565,7 @@ class UpstreamPool:
         for idle in self._idle.values():
             for conn in [c for c in idle if c.idle_since <= cutoff]:
                 conn.close()
-        if self._idle_count <= 0 and self._sweep is not None:
+        if self._sweep is not None and not any(self._idle.values()):
             if self._sweep.running:
                 self._sweep.stop()
             self._sweep = None
@@ -577,7 +575,6 @@ class UpstreamPool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
-            self._idle_count -= 1
             self._stats.idle_upstream -= 1
 
     def drop_idle(self, socket_path: str) -> int:
@@ -585,7 +582,6 @@ class UpstreamPool:
         connection would only make its drain wait). Returns how many were closed."""
         idle = self._idle.pop(socket_path, [])
         for conn in idle:
-            self._idle_count -= 1
             self._stats.idle_upstream -= 1
             conn.close()
         return len(idle)
