@@ -278,7 +278,7 @@ class Downstream(Relay):
             self._last_head = head
         # (else the same request as the last one served here: its head, an immutable value, again)
         now = proxy.reactor.seconds()
-        ex = Exchange(now, whole.method)
+        ex = Exchange(now, whole.method, False)  # (not parsed: no containers for the parser)
         ex.upstream_lines = whole.lines
         ex.body_complete = True
         ex.head = head

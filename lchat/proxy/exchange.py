@@ -10,6 +10,7 @@ fields of the exchange they read (its framing, what goes upstream, how the respo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from attrs import frozen
 
@@ -56,10 +57,17 @@ class Exchange:
 
     A plain class: one is made per request, and with the immutable defaults on the class only the
     mutable fields are set per instance (a third of what an attrs ``__init__`` of all 30 costs).
+    A request recognised whole in one read (lchat.proxy.oneread, ``parsed=False``) gets none of
+    the parser's containers: it has no url pieces, headers or X-Forwarded-For to collect, and no
+    body; its ``body`` and ``replay`` are the class's empty tuples, which nothing appends to
+    (a body is only ever appended to by the parser's callbacks; ``rewind`` makes a new list).
     """
 
-    url: bytearray
-    headers: list[Header]
+    # (The class's url, headers, body, forwarded_for and replay are the one-read request's:
+    # empty, immutable, shared; typed as the parser's containers they stand in for, and an
+    # append to one would fail loudly, never leak into another request.)
+    url: bytearray = cast(bytearray, b"")
+    headers: list[Header] = cast("list[Header]", ())
     header_bytes = 0
     version = "1.1"
     head: RequestHead | None = None
@@ -69,12 +77,12 @@ class Exchange:
     body_size = 0  # request body bytes received so far
     chunked = False
     upgrade = False
-    body: list[bytes]  # buffered until the upstream is ready
+    body: list[bytes] = cast("list[bytes]", ())  # buffered until the upstream is ready
     body_complete = False
     streaming = False  # body goes straight upstream
     upgrade_tail = b""  # bytes after an upgrade request's head
     upstream_lines = b""  # the client's headers that go upstream, as "name: value" lines
-    forwarded_for: list[bytes]  # the client's own X-Forwarded-For values
+    forwarded_for: list[bytes] = cast("list[bytes]", ())  # the client's own X-Forwarded-For
     upstream: UpstreamConnection | None = None
     response_started = False
     response_chunked = False
@@ -87,7 +95,7 @@ class Exchange:
     rerouted = False  # sent elsewhere once already (a mesh peer failed it)
     # The body already written upstream, kept until the response starts so that the request can
     # be sent again (REPLAY_LIMIT); None once it outgrew the limit, or the response started.
-    replay: list[bytes] | None
+    replay: list[bytes] | None = cast("list[bytes]", ())
     replay_size = 0
     # A peer that refused the request unprocessed (draining, or not holding the space) before
     # its body was all here: sent elsewhere once it is (on_message_complete), told why.
@@ -100,14 +108,15 @@ class Exchange:
     # Its upstream deadline was extended once already (a hop target's: lchat.proxy.relay.HOP_SLACK).
     hop_waited = False
 
-    def __init__(self, started: float, method: bytes = b"") -> None:
+    def __init__(self, started: float, method: bytes = b"", parsed: bool = True) -> None:
         self.started = started
         self.method = method
-        self.url = bytearray()
-        self.headers = []
-        self.body = []
-        self.forwarded_for = []
-        self.replay = []
+        if parsed:  # (the parser fills these in)
+            self.url = bytearray()
+            self.headers = []
+            self.body = []
+            self.forwarded_for = []
+            self.replay = []
 
     def sent(self, data: bytes) -> None:
         """``data`` of the body went upstream: keep it while the request may be sent again."""
@@ -128,7 +137,7 @@ class Exchange:
         """Put what went upstream back in front of ``body``, to be sent again from its first
         byte (only while it is kept; what is still to arrive is buffered behind it)."""
         assert self.replay is not None
-        self.body[:0] = self.replay
+        self.body = [*self.replay, *self.body]  # (a new list: a one-read request's are shared)
         self.replay, self.replay_size = [], 0
         self.streaming = False
 
