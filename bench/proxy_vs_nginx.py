@@ -19,8 +19,16 @@ on the same unix socket, so that drift of the machine hits both alike. Variants:
 Prints every round, the medians, and per variant µs CPU/req, req/s, p50 and p99 of both with the
 ratios router/nginx (of the medians, and round by round) and whether each goal is met.
 
+``--workers N`` runs both proxies with N processes (nginx ``worker_processes N``, the router
+``LCHAT_WORKERS=N``; default 1, the figures' history). ``--workers-compare`` also runs everything
+with one each first, in the same invocation, and prints issue 33's many-core ratios: the router ÷
+nginx req/s ratio with N no worse than with 1, the router's CPU per request with N within ±5 % of
+its CPU per request with 1, and how the router's connections spread over its workers (its admin
+``/status``, when it lists them).
+
     .venv/bin/python bench/proxy_vs_nginx.py [--rounds 3] [--duration 10] [--connections 50]
         [--tls] [--space] [--no-plain] [--backend minimal|node-like|nginx]
+        [--workers N] [--workers-compare]
 
 Everything is on 127.0.0.1 and unix sockets in a temp dir; every process started is stopped at the
 end. nginx and wrk are installed with apt-get if missing (Debian).
@@ -36,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import benchlib
 from benchlib import HOST, log
@@ -222,10 +231,11 @@ def compare(
     backend: Backend,
     args: argparse.Namespace,
     script: Path,
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], dict[str, dict[str, float]]]:
     """Warm up, then alternate nginx and router for ``args.rounds`` rounds.
 
-    Returns the variant's markdown section and one verdict line per goal of ``GOALS[variant]``.
+    Returns the variant's markdown section, one verdict line per goal of ``GOALS[variant]``, and
+    the medians of each proxy (``{"nginx": {figure: value}, "router": ...}``).
     """
     log(f"{label}: warm-up {args.warmup}s each")
     for name, target in targets.items():
@@ -293,7 +303,7 @@ def compare(
         ),
         "",
     ]
-    return "\n".join(text), verdicts
+    return "\n".join(text), verdicts, medians
 
 
 VARIANT_NAMES = {
@@ -481,117 +491,49 @@ def main() -> None:
         "http sends: Connection: keep-alive, Keep-Alive: timeout=5) or nginx (an nginx "
         "`return 200`: Server, Date, Connection: keep-alive)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes of each proxy: nginx worker_processes N, the router LCHAT_WORKERS=N "
+        "(default 1, comparable with the figures' history)",
+    )
+    parser.add_argument(
+        "--workers-compare",
+        action="store_true",
+        help="also run everything with 1 process each first, in the same invocation, and print "
+        "issue 33's many-core ratios (req/s ratio with N >= with 1, the router's CPU/request "
+        "within ±5%%, connections spread across the router's workers)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs)")
     args = parser.parse_args()
     if args.no_plain and not (args.tls or args.space):
         parser.error("--no-plain leaves nothing to measure without --tls or --space")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if args.workers_compare and args.workers < 2:
+        parser.error("--workers-compare compares --workers N (N >= 2) with 1: give --workers")
     args.wrk_cpus = PIN_REST if args.pin else None
-    proxy_cpus = PIN_PROXY if args.pin else None
-    rest_cpus = PIN_REST if args.pin else None
 
     benchlib.ensure_tools(["nginx", "wrk"])
     benchlib.raise_nofile()
     info = benchlib.machine()
     info["router"] = benchlib.router_label(args.router_rev)
-    sections, verdicts = [], []
-    tls_note = ""
-    with benchlib.workspace(args.keep) as (tmp, procs):
+    counts = [1, args.workers] if args.workers_compare else [args.workers]
+    sessions: list[Session] = []
+    with benchlib.workspace(args.keep) as (tmp, _procs):
         script = tmp / "summary.lua"
         script.write_text(WRK_LUA)
-        if args.backend == "nginx":
-            socket, backend_nginx = benchlib.start_nginx_backend(procs, tmp, rest_cpus)
-            backends = {HOST: socket}
-            fast = Backend(benchlib.proxy_pids(backend_nginx), None)  # (it counts no dials)
-        else:
-            head = "node-like" if args.backend == "node-like" else "minimal"
-            backends = {HOST: benchlib.start_backend(procs, tmp, rest_cpus, head=head)}
-            fast = Backend([procs.started[-1][1].pid], backends[HOST])
-        behind = BACKENDS[args.backend]
-        if args.space:
-            backends["space.localhost"] = benchlib.start_space(procs, tmp, rest_cpus)
-            space = Backend([procs.started[-1][1].pid], None)
-        certs: Path | None = None  # with --tls: the certificates both proxies serve
-        tls_ports: tuple[int, int] | None = None  # with --tls: (nginx's, the router's)
-        if args.tls:
-            certs = benchlib.dev_certificates(tmp, list(backends), args.router_rev)
-            tls_ports = (benchlib.free_port(), benchlib.free_port())
-        nginx_port, nginx = benchlib.start_nginx(
-            procs,
-            tmp,
-            backends,
-            proxy_cpus,
-            keepalive=args.nginx_keepalive,
-            tls=(tls_ports[0], certs) if tls_ports is not None and certs is not None else None,
-        )
-        router_port, router = benchlib.start_router(
-            procs,
-            tmp,
-            backends,
-            proxy_cpus,
-            args.router_rev,
-            https_port=tls_ports[1] if tls_ports is not None else None,
-        )
-        info["reactor"] = benchlib.router_reactor(procs, "router", router.pid)
-        nginx_pids, router_pids = benchlib.proxy_pids(nginx), benchlib.proxy_pids(router)
-        plain = {
-            "nginx": Target(nginx_port, nginx_pids),
-            "router": Target(router_port, router_pids),
-        }
-        log(f"nginx on :{nginx_port}, router on :{router_port} (pid {router.pid}), temp {tmp}")
-
-        def variant(
-            name: str,
-            label: str,
-            path: str,
-            host: str,
-            targets: dict[str, Target],
-            backend: Backend,
-        ) -> None:
-            section, lines = compare(name, label, path, host, targets, backend, args, script)
-            sections.append(section)
-            verdicts.extend(lines)
-
-        if not args.no_plain:
-            variant(
-                "plain",
-                f"plain HTTP, {behind}, GET / ({args.connections} connections)",
-                "/",
-                HOST,
-                plain,
-                fast,
-            )
-        if tls_ports is not None and certs is not None:
-            secure = {
-                "nginx": Target(tls_ports[0], nginx_pids, tls=True),
-                "router": Target(tls_ports[1], router_pids, tls=True),
-            }
-            tls_note = tls_description(certs, secure)
-            log(f"TLS: nginx on :{tls_ports[0]}, router on :{tls_ports[1]}; {tls_note}")
-            variant(
-                "tls",
-                f"TLS on kept-alive connections, {behind}, GET / ({args.connections} connections)",
-                "/",
-                HOST,
-                secure,
-                fast,
-            )
-        if args.space:
-            variant(
-                "space",
-                f"reference space, GET /api/version ({args.connections} connections)",
-                "/api/version",
-                "space.localhost",
-                plain,
-                space,
-            )
-        if args.profile:
-            log("profiling the router with py-spy")
-            sections.append(
-                f"### router profile ({behind}, GET /)\n\n"
-                + profile_router(plain["router"], router.pid, "/", HOST, args, script, tmp)
-            )
-        one_read_note = one_read_share(tmp / "router-run" / "router.sock")
-        procs.check_alive()
+        for workers in counts:
+            # Each count in its own directory with its own processes, stopped before the next.
+            where = tmp / f"workers-{workers}" if len(counts) > 1 else tmp
+            where.mkdir(exist_ok=True)
+            procs = benchlib.Processes(where)
+            try:
+                sessions.append(run_session(args, where, procs, workers, script, info))
+            finally:
+                procs.close()
 
     placement = (
         f"taskset: proxy on CPU {PIN_PROXY}; wrk and backend on CPU {PIN_REST}"
@@ -606,25 +548,238 @@ def main() -> None:
         f"- load: `wrk -t1 -c{args.connections} -d{args.duration:g}s`, {args.rounds} rounds "
         f"alternating, {args.warmup:g}s warm-up each; {placement}"
     )
+    workers_text = " and ".join(str(n) for n in counts)
     print(
-        f"- nginx: 1 worker, `keepalive {args.nginx_keepalive}` upstream connections; "
-        "upstream dials = connections the backend accepted during the run; other CPU = "
+        f"- processes: {workers_text} each (nginx `worker_processes`, the router "
+        f"`LCHAT_WORKERS`); nginx: `keepalive {args.nginx_keepalive}` upstream connections per "
+        "worker; upstream dials = connections the backend accepted during the run; other CPU = "
         "CPU used by processes outside the benchmark during the run (should be ~0%)"
     )
     print(
         "- µs CPU/req = CPU time of the proxy's processes during the run (nginx: master and "
-        "worker; the router's process) ÷ requests completed: the primary figure"
+        "workers; the router's process and its workers) ÷ requests completed: the primary figure"
     )
+    tls_note = next((x.tls_note for x in sessions if x.tls_note), "")
     if tls_note:
         print(f"- TLS: {tls_note}")
-    print(f"- router's paths: {one_read_note}")
+    for x in sessions:
+        which = f" ({x.workers} each)" if len(counts) > 1 else ""
+        print(f"- router's paths{which}: {x.one_read_note}")
     print()
-    print("### Goals (router ÷ nginx, medians of the same run)")
-    print()
-    print("\n".join(verdicts))
-    print()
-    print("\n".join(sections))
+    if len(sessions) > 1:
+        print(f"### Many cores ({args.workers} processes each ÷ 1 each, the same invocation)")
+        print()
+        print("\n".join(workers_verdicts(sessions[0], sessions[-1])))
+        print()
+    for x in sessions:
+        title = "### Goals (router ÷ nginx, medians of the same run)"
+        if len(counts) > 1:
+            title += f", {x.workers} process{'es' if x.workers > 1 else ''} each"
+        print(title)
+        print()
+        print("\n".join(x.verdicts))
+        print()
+    for x in sessions:
+        if len(counts) > 1:
+            print(f"## {x.workers} process{'es' if x.workers > 1 else ''} each")
+            print()
+        print("\n".join(x.sections))
     sys.stdout.flush()
+
+
+@dataclass
+class Session:
+    """One start of both proxies (``workers`` processes each) and every variant measured."""
+
+    workers: int
+    sections: list[str]
+    verdicts: list[str]
+    medians: dict[str, dict[str, dict[str, float]]]  # variant -> proxy -> figure -> median
+    one_read_note: str
+    tls_note: str
+    spread: list[dict[str, Any]]  # the router's workers as its /status lists them at the end
+
+
+def run_session(
+    args: argparse.Namespace,
+    tmp: Path,
+    procs: benchlib.Processes,
+    workers: int,
+    script: Path,
+    info: dict[str, str],
+) -> Session:
+    """Start the backend and both proxies with ``workers`` processes each, measure every
+    variant asked for, and stop nothing (the caller closes ``procs``)."""
+    proxy_cpus = PIN_PROXY if args.pin else None
+    rest_cpus = PIN_REST if args.pin else None
+    session = Session(workers, [], [], {}, "", "", [])
+    if args.backend == "nginx":
+        socket, backend_nginx = benchlib.start_nginx_backend(procs, tmp, rest_cpus)
+        backends = {HOST: socket}
+        fast = Backend(benchlib.proxy_pids(backend_nginx), None)  # (it counts no dials)
+    else:
+        head = "node-like" if args.backend == "node-like" else "minimal"
+        backends = {HOST: benchlib.start_backend(procs, tmp, rest_cpus, head=head)}
+        fast = Backend([procs.started[-1][1].pid], backends[HOST])
+    behind = BACKENDS[args.backend]
+    if args.space:
+        backends["space.localhost"] = benchlib.start_space(procs, tmp, rest_cpus)
+        space = Backend([procs.started[-1][1].pid], None)
+    certs: Path | None = None  # with --tls: the certificates both proxies serve
+    tls_ports: tuple[int, int] | None = None  # with --tls: (nginx's, the router's)
+    if args.tls:
+        certs = benchlib.dev_certificates(tmp, list(backends), args.router_rev)
+        tls_ports = (benchlib.free_port(), benchlib.free_port())
+    nginx_port, nginx = benchlib.start_nginx(
+        procs,
+        tmp,
+        backends,
+        proxy_cpus,
+        keepalive=args.nginx_keepalive,
+        tls=(tls_ports[0], certs) if tls_ports is not None and certs is not None else None,
+        workers=workers,
+    )
+    router_port, router = benchlib.start_router(
+        procs,
+        tmp,
+        backends,
+        proxy_cpus,
+        args.router_rev,
+        https_port=tls_ports[1] if tls_ports is not None else None,
+        workers=workers,
+    )
+    info["reactor"] = benchlib.router_reactor(procs, "router", router.pid)
+    nginx_pids, router_pids = benchlib.proxy_pids(nginx), benchlib.proxy_pids(router)
+    plain = {
+        "nginx": Target(nginx_port, nginx_pids),
+        "router": Target(router_port, router_pids),
+    }
+    log(
+        f"{workers} process{'es' if workers > 1 else ''} each: nginx on :{nginx_port}, router on "
+        f":{router_port} (pid {router.pid}), temp {tmp}"
+    )
+
+    def variant(
+        name: str,
+        label: str,
+        path: str,
+        host: str,
+        targets: dict[str, Target],
+        backend: Backend,
+    ) -> None:
+        section, lines, medians = compare(name, label, path, host, targets, backend, args, script)
+        session.sections.append(section)
+        session.verdicts.extend(lines)
+        session.medians[name] = medians
+
+    if not args.no_plain:
+        variant(
+            "plain",
+            f"plain HTTP, {behind}, GET / ({args.connections} connections)",
+            "/",
+            HOST,
+            plain,
+            fast,
+        )
+    if tls_ports is not None and certs is not None:
+        secure = {
+            "nginx": Target(tls_ports[0], nginx_pids, tls=True),
+            "router": Target(tls_ports[1], router_pids, tls=True),
+        }
+        session.tls_note = tls_description(certs, secure)
+        log(f"TLS: nginx on :{tls_ports[0]}, router on :{tls_ports[1]}; {session.tls_note}")
+        variant(
+            "tls",
+            f"TLS on kept-alive connections, {behind}, GET / ({args.connections} connections)",
+            "/",
+            HOST,
+            secure,
+            fast,
+        )
+    if args.space:
+        variant(
+            "space",
+            f"reference space, GET /api/version ({args.connections} connections)",
+            "/api/version",
+            "space.localhost",
+            plain,
+            space,
+        )
+    if args.profile:
+        log("profiling the router with py-spy")
+        session.sections.append(
+            f"### router profile ({behind}, GET /)\n\n"
+            + profile_router(plain["router"], router.pid, "/", HOST, args, script, tmp)
+        )
+    admin_sock = tmp / "router-run" / "router.sock"
+    session.one_read_note = one_read_share(admin_sock)
+    session.spread = benchlib.router_workers(admin_sock)
+    procs.check_alive()
+    return session
+
+
+WORKERS_CPU_TOLERANCE = 0.05  # the router's CPU/request with N processes within ±5 % of with 1
+WORKERS_SPREAD = 0.20  # each worker's share of the connections within ±20 % of an even share
+
+
+def workers_verdicts(one: Session, many: Session) -> list[str]:
+    """Issue 33's many-core lines, per variant measured: the router ÷ nginx req/s ratio with N
+    processes each no worse than with 1 each; the router's CPU per request with N within ±5 %
+    of with 1; and how its connections spread over its workers."""
+    lines = []
+    for variant, name in VARIANT_NAMES.items():
+        if variant not in one.medians or variant not in many.medians:
+            continue
+        a, b = one.medians[variant], many.medians[variant]
+        rps_1 = a["router"]["rps"] / a["nginx"]["rps"] if a["nginx"]["rps"] else float("nan")
+        rps_n = b["router"]["rps"] / b["nginx"]["rps"] if b["nginx"]["rps"] else float("nan")
+        state = "**met**" if rps_n >= rps_1 else "**NOT met**"
+        lines.append(
+            f"- {name}: req/s router/nginx **{rps_n:.2f}x** with {many.workers} each, "
+            f"{rps_1:.2f}x with 1 each (goal: no worse): {state}"
+        )
+        cpu_1, cpu_n = a["router"]["us_per_req"], b["router"]["us_per_req"]
+        change = cpu_n / cpu_1 - 1 if cpu_1 else float("nan")
+        state = "**met**" if abs(change) <= WORKERS_CPU_TOLERANCE else "**NOT met**"
+        lines.append(
+            f"- {name}: the router's µs CPU/req {cpu_n:.1f} with {many.workers} workers, "
+            f"{cpu_1:.1f} with 1 (**{change:+.1%}**; goal within "
+            f"±{WORKERS_CPU_TOLERANCE:.0%}): {state}; nginx's {b['nginx']['us_per_req']:.1f} "
+            f"and {a['nginx']['us_per_req']:.1f}"
+        )
+    lines.append(spread_line(many))
+    return lines
+
+
+def spread_line(session: Session) -> str:
+    """The router's connections by worker over the whole session (its ``/status``), and whether
+    each worker's share is within ±20 % of an even one. With wrk's 50 kept-alive connections per
+    run the kernel's hash has few connections to spread: reported, to be judged on a run with
+    many connections."""
+    listed = session.spread
+    if not listed:
+        return (
+            f"- connections across workers: not listed (the router's `/status` has no "
+            f"`workers`: it runs as one process, LCHAT_WORKERS={session.workers} not in effect)"
+        )
+    counts = []
+    for worker in listed:
+        value = worker.get("accepted", worker.get("connections"))
+        counts.append(int(value) if isinstance(value, int | float) else 0)
+    total = sum(counts)
+    if not total:
+        return f"- connections across workers: {len(listed)} workers, none counted any"
+    even = total / len(counts)
+    worst = max(abs(c / even - 1) for c in counts)
+    shares = ", ".join(
+        f"worker {w.get('slot', k)}: {c} ({c / total:.0%})"
+        for k, (w, c) in enumerate(zip(listed, counts, strict=True))
+    )
+    state = "within" if worst <= WORKERS_SPREAD else "**outside**"
+    return (
+        f"- connections across workers (accepted over the session): {shares}; the farthest "
+        f"from an even share by {worst:.0%}, {state} ±{WORKERS_SPREAD:.0%}"
+    )
 
 
 def one_read_share(admin_socket: Path) -> str:
