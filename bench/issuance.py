@@ -279,6 +279,8 @@ class Router:
             f"LCHAT_RUN_DIR={self.run}",
             f"LCHAT_HTTPS_ADDR=tcp:{self.https_port}:interface={address}",
             "LCHAT_UNITS=builtin",
+            # One process, as the figures' history (the default is one per core).
+            "LCHAT_WORKERS=1",
             *(f"{k}={v}" for k, v in settings.items()),
             "",
         ]

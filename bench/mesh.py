@@ -393,6 +393,8 @@ class Box:
             "LCHAT_HTTP_ADDR": "off",
             "LCHAT_HTTPS_ADDR": f"{self.address}:{port}",
             "LCHAT_UNITS": "builtin",
+            # One process per box, as the figures' history (the default is one per core).
+            "LCHAT_WORKERS": "1",
             "LCHAT_MESH_SELF": self.url,
             **settings,
         }

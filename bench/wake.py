@@ -307,6 +307,9 @@ class Router:
             f"LCHAT_HTTP_ADDR=127.0.0.1:{self.port}",
             "LCHAT_HTTPS_ADDR=off",
             "LCHAT_UNITS=builtin",
+            # One process, as every figure in docs/performance.md was measured (the default
+            # is one per core): a wake's cost, not the workers' hop to the control process.
+            "LCHAT_WORKERS=1",
             f"LCHAT_SPACE_COMMAND={sys.executable} -m lchat.space",
             *(f"{k}={v}" for k, v in bucket.items()),
             "",
