@@ -403,11 +403,38 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertGreaterEqual(int(limits[3]), 4096, limits)
         # Step 1 wrote Twisted's plugin cache: the sandboxed router need not (and cannot).
         self.assertNotIn("Unable to write to plugin cache", self.box.journal("lchat-router"))
+        self.assert_workers_in_the_router_unit()
         self.certificate(ALWAYS_ON)
         answer = self.assert_200(ALWAYS_ON)
         # The box's default build (step 4's deploy --all) is what the space runs.
         self.assertEqual(json.loads(str(answer["body"]))["build"], RELEASE)
         _State.readme_done = True
+
+    def worker_pids(self) -> list[str]:
+        """The pids of the box's ``twistd lchat-worker`` processes."""
+        # (The pattern's brackets keep this shell, whose own command line holds it, out.)
+        line = (
+            "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null"
+            " | grep -q -e ' lchat-worker --slo[t] ' && basename $p; done; true"
+        )
+        return self.box.run(line).stdout.split()
+
+    def assert_workers_in_the_router_unit(self) -> None:
+        """LCHAT_WORKERS is left at ``auto``: one data-plane worker per core the box may use
+        (a box of one core runs the single process), all serving, each in the router's cgroup
+        (systemd's stop reaches them)."""
+        cores = int(self.box.run(["nproc"]).stdout)
+        if cores < 2:
+            return
+        self.box.wait_for(
+            f"{cores} workers serving",
+            f"lchat instances 2>&1 >/dev/null | grep -F 'workers: {cores} of {cores} serving'",
+        )
+        pids = self.worker_pids()
+        self.assertEqual(len(pids), cores, pids)
+        for pid in pids:
+            cgroup = self.box.run(["cat", f"/proc/{pid}/cgroup"]).stdout
+            self.assertIn("/lchat-router.service", cgroup)
 
     # --- 2: a hibernating space: add, wake, idle sleep --------------------------------------
     def test_02_hibernating_space_wakes_and_sleeps(self) -> None:
@@ -474,6 +501,7 @@ class SystemdBoxTests(SynchronousTestCase):
         self.assertIn("activator: draining 2 spaces", log, log[-4000:])
         for host in (SLEEPY, NAP):
             self.assertIn(f"activator: {host} asleep (shutdown)", log, log[-4000:])
+        self.assertEqual(self.worker_pids(), [])  # (the workers stopped with the router)
         # An always-on space is its own unit: the router's stop leaves it running.
         self.assertEqual(self.active(f"lchat@{ALWAYS_ON}"), "active")
         self.box.run(["systemctl", "start", "lchat-router"])
