@@ -324,7 +324,8 @@ def measure(
 
 
 def profile(router: Proxy, args: argparse.Namespace, script: Path, tmp: Path) -> str:
-    """py-spy (``--native``) on the router while wrk runs the full variant: its top frames."""
+    """py-spy (``--native``) on the router while wrk runs the full variant (or, with
+    ``--profile-variant plain``, new plain HTTP connections): its top frames."""
     py_spy = args.py_spy or benchlib.which("py-spy") or str(benchlib.BIN / "py-spy")
     if not Path(py_spy).exists():
         return "(--profile: py-spy not found; `pip install py-spy`, or --py-spy PATH)\n"
@@ -336,7 +337,11 @@ def profile(router: Proxy, args: argparse.Namespace, script: Path, tmp: Path) ->
     argv.append("--native" if args.native else "--nonblocking")
     spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
-    run_wrk(f"https://{HOST}:{router.tls_port}/", seconds, args.connections, script)
+    if args.profile_variant == "plain":
+        url = f"http://127.0.0.1:{router.port}/"
+    else:
+        url = f"https://{HOST}:{router.tls_port}/"
+    run_wrk(url, seconds, args.connections, script)
     _, err = spy.communicate(timeout=120)
     if not raw.exists():
         return f"(py-spy failed: {err.strip()[-500:]})\n"
@@ -429,6 +434,12 @@ def main() -> None:
     )
     parser.add_argument("--router-rev", help="measure this commit of the router (git archive)")
     parser.add_argument("--profile", action="store_true", help="py-spy the router (full variant)")
+    parser.add_argument(
+        "--profile-variant",
+        choices=("full", "plain"),
+        default="full",
+        help="what wrk runs while --profile samples (default full)",
+    )
     parser.add_argument(
         "--no-native", dest="native", action="store_false", help="py-spy without --native"
     )
