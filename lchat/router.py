@@ -200,7 +200,8 @@ class Hibernation(Protocol):
     ) -> Target | Deferred[Target]: ...
 
 
-# Methods that change nothing (RFC 9110 9.2.1): every other one may be a write.
+# Methods that change nothing (RFC 9110 9.2.1): every other one may be a write. The one list:
+# the activator's write gate and the proxy's resend of a forwarded request elsewhere both read it.
 SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 
 

@@ -497,6 +497,39 @@ class SameAsGeneralPathTests(SynchronousTestCase):
                 self.assertNotIn(b"te", names)
                 self.assertIn(b"cookie", names)
 
+    def test_a_request_that_closes_takes_the_one_read_path(self) -> None:
+        """``Connection: close`` (health checks, API tools, wrk's new-connection runs): the
+        request and its answer take the one-read path; the space gets what it gets from a
+        kept-alive request, the client the answer as it came with ``Connection: close`` added
+        last, then the close; its pooled connection to the space stays pooled. The same bytes
+        as the general path's, whose head is now the space's as it came too (it was built
+        again), and nothing read after it."""
+        for closing in (
+            with_lines(WRK, b"Connection: close"),
+            with_lines(WRK, b"connection:  Close "),
+            with_lines(
+                BROWSERS["firefox"].replace(b"Connection: keep-alive\r\n", b""),
+                b"Connection: close",
+            ),
+        ):
+            for answer, expected in [(OK, OK), *real_heads().values()]:
+                with self.subTest(request=closing, answer=answer):
+                    reads = [(closing, answer)]
+                    with counted() as counts:
+                        seen = run(reads, general=False)
+                    self.assertEqual(counts, {"request": 1, "response": 1})
+                    self.assertEqual(seen, run(reads, general=True))
+                    head, body = expected.split(b"\r\n\r\n", 1)
+                    self.assertEqual(seen["client"], head + b"\r\nConnection: close\r\n\r\n" + body)
+                    self.assertTrue(seen["client closing"])
+                    self.assertEqual(seen["upstreams pooled"], [True])
+                    [[(_, _, _, headers)]] = seen["upstream"]
+                    self.assertNotIn(b"connection", [name for name, _ in headers])
+        # A request after the closing one, in a later read, is not served.
+        seen = self.assertSame([(with_lines(WRK, b"Connection: close"), OK), (WRK, OK)])
+        self.assertEqual(seen["served"], 1)
+        self.assertEqual(len(seen["targets routed"]), 1)
+
     def test_what_the_space_receives(self) -> None:
         """Forwarding headers added, Connection: keep-alive taken out, the rest as it came."""
         seen = self.assertSame([(BROWSER, OK)])
@@ -541,8 +574,10 @@ class SameAsGeneralPathTests(SynchronousTestCase):
             WRK.replace(b"GET / ", b"GET http://chat.example.com/ "),
             WRK.replace(b"\r\n\r\n", b"\r\nContent-Length: 0\r\n\r\n"),
             WRK.replace(b"\r\n\r\n", b"\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
-            WRK.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"),
             WRK.replace(b"\r\n\r\n", b"\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n"),
+            with_lines(WRK, b"Connection: close, keep-alive"),
+            with_lines(WRK, b"Connection: keep-alive", b"Connection: close"),
+            with_lines(WRK, b"Connection: closed"),
             WRK.replace(b"\r\n\r\n", b"\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n"),
             WRK.replace(b"\r\n\r\n", b"\r\nX-Lchat-Sidecar: 1\r\n\r\n"),
             WRK.replace(b"\r\n\r\n", b"\r\nX_Lchat_Sidecar: 1\r\n\r\n"),

@@ -15,7 +15,8 @@ from libc.string cimport memcmp, memcpy
 
 # The form of the answers (oneread.API must match: it does not use a build of another form).
 # 2: ``response`` returns (status, body length, the bytes the client gets).
-API = 2
+# 3: ``request`` takes ``Connection: close`` too (WholeRequest's sixth field, ``close``).
+API = 3
 
 WholeRequest = None  # set by configure (oneread.py's NamedTuple)
 
@@ -269,18 +270,25 @@ def response(bytes data not None):
     return status, size, out
 
 
-cdef inline bint keep_alive_line(const unsigned char* p, Py_ssize_t colon, Py_ssize_t end) noexcept nogil:
-    """The value after ``colon`` up to the CRLF ending at ``end`` is ' *keep-alive *' (any case)."""
+cdef inline int connection_line(const unsigned char* p, Py_ssize_t colon, Py_ssize_t end) noexcept nogil:
+    """The value after ``colon`` up to the CRLF ending at ``end``: 1 if it is ' *keep-alive *',
+    2 if ' *close *' (any case), else 0."""
     cdef Py_ssize_t v = colon + 1
     cdef Py_ssize_t e = end - 2
+    cdef int which
     while v < e and p[v] == 32:
         v += 1
-    if e - v < 10 or not name_starts(p + v, e - v, b"keep-alive", 10):
-        return False
-    v += 10
+    if e - v >= 10 and name_starts(p + v, e - v, b"keep-alive", 10):
+        which = 1
+        v += 10
+    elif e - v >= 5 and name_starts(p + v, e - v, b"close", 5):
+        which = 2
+        v += 5
+    else:
+        return 0
     while v < e and p[v] == 32:
         v += 1
-    return v == e
+    return which if v == e else 0
 
 
 def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, previous=None):
@@ -290,6 +298,8 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
     cdef Py_ssize_t i, m, t0, t1, head_start, line, colon = 0, nlen
     cdef Py_ssize_t lines = 0, drop0 = -1, drop1 = -1, host0 = -1, host1 = -1
     cdef Py_ssize_t te0 = -1, te1 = -1, a0, a1, b0, b1
+    cdef int connection
+    cdef bint close = False
     cdef bytes block, prev_block, prev_target
     cdef tuple prev
     if not CONFIGURED or n > max_bytes:
@@ -311,7 +321,7 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
         return None
     head_start = i + 11
     method = b"GET" if m == 3 else b"HEAD"
-    if isinstance(previous, tuple) and len(<tuple>previous) == 5:
+    if isinstance(previous, tuple) and len(<tuple>previous) == 6:
         # (A WholeRequest is a tuple: its fields by index, without an attribute lookup each.)
         prev = <tuple>previous
         prev_block = <bytes>prev[4]
@@ -325,7 +335,7 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
                 and memcmp(p + t0, PyBytes_AS_STRING(prev_target), t1 - t0) == 0
             ):
                 return previous  # (the same request again: nothing made, nothing copied)
-            return WholeRequest(method, data[t0:t1], prev[2], prev[3], prev_block)
+            return WholeRequest(method, data[t0:t1], prev[2], prev[3], prev_block, prev[5])
     target = data[t0:t1]
     i = head_start
     while True:
@@ -344,8 +354,12 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
             host0 = colon + 1
             host1 = i - 2
         elif name_is(p + line, nlen, b"connection", 10):
-            if drop0 >= 0 or not keep_alive_line(p, colon, i):
+            if drop0 >= 0:
                 return None
+            connection = connection_line(p, colon, i)
+            if connection == 0:
+                return None
+            close = connection == 2
             drop0, drop1 = line, i
         elif name_is(p + line, nlen, b"te", 2):
             if te0 >= 0:
@@ -370,4 +384,4 @@ def request(bytes data not None, Py_ssize_t max_bytes, Py_ssize_t max_headers, p
     else:  # both lines taken out, in their order
         a0, a1, b0, b1 = (drop0, drop1, te0, te1) if drop0 < te0 else (te0, te1, drop0, drop1)
         header_lines = data[head_start:a0] + data[a1:b0] + data[b1 : n - 2]
-    return WholeRequest(method, target, host, header_lines, block)
+    return WholeRequest(method, target, host, header_lines, block, close)

@@ -282,6 +282,11 @@ class Downstream(Relay):
         ex.upstream_lines = whole.lines
         ex.body_complete = True
         ex.head = head
+        if whole.close:
+            # Connection: close: nothing more is read, and the answer closes the connection
+            # (as the parser's StopReading does on the general path).
+            ex.keep_alive = False
+            self._parser = None
         self._completed = ex
         self._unreported = 0
         self._deadline = self._timer_action = None  # (_disarm, inline)

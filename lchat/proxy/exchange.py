@@ -27,7 +27,6 @@ from lchat.proxy.http import (
 from lchat.proxy.upstream import UpstreamConnection
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target
 
-SAFE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # RFC 9110 §9.2.1: no side effects
 # Request headers never passed on as they came (we frame each hop and set these ourselves).
 _NOT_PASSED = HOP_BY_HOP | {b"content-length"}
 _NO_TOKENS: frozenset[bytes] = frozenset()

@@ -11,7 +11,8 @@ unusual — another method, a body, HTTP/1.0, a tab or a byte over 0x7e anywhere
 drops or rewrites, two messages in one read, a response not all here — is declined (``None``) and
 goes the general way, which decides (and refuses) as it always did. The one exception to "a
 header the proxy drops" is the lines both paths take out the same way, leaving every other byte
-as it came: a request's ``Connection: keep-alive`` and ``TE``, a response's keep-alive lines
+as it came: a request's ``Connection: keep-alive`` or ``Connection: close`` (then the
+connection closes after the answer, which says so) and ``TE``, a response's keep-alive lines
 (lchat.proxy.http.RESPONSE_SPLICED). ``tests/test_proxy_oneread.py`` holds both paths to that,
 including on generated inputs and on heads real servers send.
 """
@@ -73,10 +74,11 @@ _PREFIXES = [re.escape(prefix) for prefix in SPECIAL_PREFIXES]
 _UNDERSCORED = rb"[!#$%&'*+.^`|~0-9a-z-]*_"
 
 # Request header names (lowercased, after a newline) that the general path drops, rewrites, reads
-# for framing, or refuses: declined here. ``Connection: keep-alive`` alone and one ``TE`` line are
-# taken out first (browsers send the first on every HTTP/1.1 request, and Firefox ``TE:
-# trailers`` through a proxy; the general path passes neither on, and neither changes anything
-# else it does). The pattern starts with a literal newline so that it is tried at line starts
+# for framing, or refuses: declined here. One ``Connection`` line naming ``keep-alive`` or
+# ``close`` alone, and one ``TE`` line, are taken out first (browsers send the first on every
+# HTTP/1.1 request, clients that close after one answer (health checks, API tools, wrk's
+# new-connection runs) the second, and Firefox ``TE: trailers`` through a proxy; the general path
+# passes none on, and none changes anything else it does but for the close). The pattern starts with a literal newline so that it is tried at line starts
 # only.
 _REQUEST_DECLINED = re.compile(
     rb"\n(?:"
@@ -85,7 +87,7 @@ _REQUEST_DECLINED = re.compile(
     + _alternation([re.escape(name) + b":" for name in REQUEST_DECLINED] + _PREFIXES)
     + b")"
 )
-_KEEP_ALIVE_LINE = re.compile(rb"^connection: *keep-alive *\r\n", re.M | re.I)
+_CONNECTION_LINE = re.compile(rb"^connection: *(keep-alive|close) *\r\n", re.M | re.I)
 _TE_LINE = re.compile(rb"^te:[ -~]*+\r\n", re.M | re.I)
 
 # A final response with a body length (2xx to 5xx), HTTP/1.1; its head must be the read's start.
@@ -125,6 +127,7 @@ class WholeRequest(NamedTuple):
     host: bytes  # the one Host header's value, lowercased, without surrounding spaces
     lines: bytes  # the header lines that go upstream as they came, each ending in CRLF
     block: bytes  # the header lines as they came, and the empty line: what a next one compares
+    close: bool  # the client said ``Connection: close``: its connection closes after the answer
 
 
 def request(
@@ -149,14 +152,21 @@ def request(
     ):
         if method == previous.method and target == previous.target:
             return previous  # (the same request again: nothing new to make)
-        return WholeRequest(method, target, previous.host, previous.lines, previous.block)
+        return WholeRequest(
+            method, target, previous.host, previous.lines, previous.block, previous.close
+        )
     block = data[request_line.end() :]
     if _HEADERS.fullmatch(block) is None or block.count(b"\n") - 1 > max_headers:
         return None
     lines = block[:-2]
     lowered = b"\n" + lines.lower()
+    close = False
     if _REQUEST_DECLINED.search(lowered) is not None:
-        lines = _TE_LINE.sub(b"", _KEEP_ALIVE_LINE.sub(b"", lines, count=1), count=1)
+        connection = _CONNECTION_LINE.search(lines)
+        if connection is not None:
+            close = connection.group(1).lower() == b"close"
+            lines = lines[: connection.start()] + lines[connection.end() :]
+        lines = _TE_LINE.sub(b"", lines, count=1)
         lowered = b"\n" + lines.lower()
         if _REQUEST_DECLINED.search(lowered) is not None:
             return None
@@ -165,7 +175,7 @@ def request(
     if at < 0 or lowered.find(b"\nhost:", at + 6) >= 0:
         return None
     host = lowered[at + 6 : lowered.index(b"\r", at)].strip(b" ")
-    return WholeRequest(method, target, host, lines, block)
+    return WholeRequest(method, target, host, lines, block, close)
 
 
 def response(data: bytes) -> tuple[int, int, bytes] | None:
@@ -216,9 +226,9 @@ def response(data: bytes) -> tuple[int, int, bytes] | None:
 # functions above stay the reference (tests/test_proxy_oneread.py holds the two to each other).
 COMPILED = False  # whether request/response are the C scanners (the router logs it at start)
 # What the C module must say it implements (its API): 2 since ``response`` returns the bytes the
-# client gets. A module built from an older .pyx (a checkout updated without a rebuild: `make
+# client gets, 3 since a request's ``Connection: close`` is taken (WholeRequest.close). A module built from an older .pyx (a checkout updated without a rebuild: `make
 # install` rebuilds it) would answer in the old form: it is not used, and the start line says so.
-API = 2
+API = 3
 STALE = False  # the C module is there but built from another version of the .pyx
 try:
     from lchat.proxy import _oneread_c

@@ -15,7 +15,6 @@ from twisted.python.failure import Failure
 from lchat.proxy.client import ClientConnection
 from lchat.proxy.exchange import (
     REPLAY_LIMIT,
-    SAFE_METHODS,
     Exchange,
     client_head,
     closes_after,
@@ -34,7 +33,10 @@ from lchat.proxy.http import (
     status_line,
 )
 from lchat.proxy.upstream import PEER_UNREACHABLE, DialFailed, UpstreamConnection
-from lchat.router import LocalResponse, LocalSocket, RemotePeer, Target, plain
+from lchat.router import SAFE_METHODS, LocalResponse, LocalSocket, RemotePeer, Target, plain
+
+# The line a head gains when its answer ends the connection (with the head's empty line after it).
+CLOSE_LINE = b"Connection: close\r\n\r\n"
 
 _log = Logger(namespace="lchat.proxy")
 
@@ -260,9 +262,10 @@ class Relay(ClientConnection):
         ex.close_after = closes_after(ex, self.proxy.draining)
         target = ex.target
         extra = target.response_headers if isinstance(target, LocalSocket) else ()
-        if raw_head is not None and not ex.close_after and ex.version == "1.1" and not extra:
-            # Nothing in it to drop or rewrite (UpstreamConnection checked): as it came.
-            self._send(raw_head)
+        if raw_head is not None and ex.version == "1.1" and not extra:
+            # Nothing in it to drop or rewrite (UpstreamConnection checked): as it came, with
+            # Connection: close added last when this answer ends the connection.
+            self._send(raw_head[:-2] + CLOSE_LINE if ex.close_after else raw_head)
         else:
             # Control's answer through the hop keeps its drain refusal: the client may be the
             # mesh peer that forwarded the request (only control's own answer can carry it:
@@ -321,16 +324,17 @@ class Relay(ClientConnection):
         that may go as it came but for the lines the general path takes out too
         (:func:`oneread.response`: ``data`` is the read with them taken out): relay it in one
         write and complete the request, as response_head, response_body and response_complete
-        would, and return True.
+        would, and return True; when the client said ``Connection: close``, with that line added
+        last to the head (as response_head adds it) and the connection closed after it.
         False, having done nothing, when this request needs more than that (its answer closes
-        the connection, gets headers added, or may be a mesh peer's refusal): the general way."""
+        the connection for another reason, gets headers added, or may be a mesh peer's
+        refusal): the general way."""
         ex = self._active
         if (
             ex is None
             or self.transport is None
             or not ex.body_complete
             or ex.close_after
-            or not ex.keep_alive
             or ex.upgrade
             or ex.version != "1.1"
             or self.proxy.draining
@@ -349,12 +353,18 @@ class Relay(ClientConnection):
         stats = self._stats
         stats.bytes_down += length
         stats.one_read += 1
-        self.transport.write(data)
+        if ex.keep_alive:
+            self.transport.write(data)
+        else:
+            end = len(data) - length - 2  # (the head's empty line)
+            self.transport.write(data[:end] + CLOSE_LINE + data[end + 2 :])
+            ex.close_after = True  # (_finish closes)
         upstream, ex.upstream = ex.upstream, None
         if upstream is not None:
             self.proxy.pool.release(upstream)
         if (
-            type(target) is LocalSocket
+            ex.keep_alive
+            and type(target) is LocalSocket
             and not ex.observed
             and not self._waiting
             and self._parsing is None
