@@ -49,6 +49,9 @@ DEFAULT_INTERVAL = 12 * 3600.0
 # Modules/_ssl.c of each; re-check the layout before adding one).
 SUPPORTED_PYTHONS = frozenset({(3, 11), (3, 12), (3, 13)})
 PYTHON = sys.version_info[:2]  # a module name, so a test can pretend to be another Python
+_SSL_CTRL_SET_SESS_CACHE_MODE = 44
+_SSL_CTRL_GET_SESS_CACHE_MODE = 45
+_SSL_SESS_CACHE_OFF = 0
 _SSL_CTRL_GET_TLSEXT_TICKET_KEYS = 58
 _SSL_CTRL_SET_TLSEXT_TICKET_KEYS = 59
 
@@ -152,17 +155,7 @@ def install(ctx: ssl.SSLContext, key: bytes) -> None:
     if not isinstance(ctx, ssl.SSLContext):
         raise TicketKeyError(f"not an ssl.SSLContext: {type(ctx).__name__}")
     lib = _libssl()
-    pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
-    if not pointer:
-        raise TicketKeyError("the ssl context holds no SSL_CTX where lchat expects it")
-    # A pointer that is not this context's SSL_CTX would report other options (the stdlib sets
-    # several by default, and ctx.options reads them from its own SSL_CTX).
-    reported = lib.get_options(pointer)
-    if reported != int(ctx.options):
-        raise TicketKeyError(
-            f"the ssl context layout is not the one lchat knows (OpenSSL reports options "
-            f"{reported:#x} where the context says {int(ctx.options):#x})"
-        )
+    pointer = _ssl_ctx(ctx)
     given = ctypes.create_string_buffer(key, KEY_BYTES)
     if lib.ctrl(pointer, _SSL_CTRL_SET_TLSEXT_TICKET_KEYS, KEY_BYTES, given) != 1:
         raise TicketKeyError("OpenSSL refused the ticket key (SSL_CTRL_SET_TLSEXT_TICKET_KEYS)")
@@ -170,6 +163,39 @@ def install(ctx: ssl.SSLContext, key: bytes) -> None:
     got = lib.ctrl(pointer, _SSL_CTRL_GET_TLSEXT_TICKET_KEYS, KEY_BYTES, back)
     if got != 1 or back.raw != key:
         raise TicketKeyError("the ticket key OpenSSL reads back is not the one installed")
+
+
+def no_session_cache(ctx: ssl.SSLContext) -> None:
+    """Turn off OpenSSL's server-side session cache on ``ctx`` (nginx's ``ssl_session_cache
+    off``). TLS 1.3 resumes with stateless tickets, which need no cache: by default OpenSSL
+    still stores every full handshake's session in the context's table (a lock and an
+    allocation per connection, and a scan of the table every 255). Raises
+    :class:`TicketKeyError` where :func:`install` would, changing nothing."""
+    if PYTHON not in SUPPORTED_PYTHONS:
+        raise TicketKeyError(f"Python {PYTHON[0]}.{PYTHON[1]}: ssl context layout unknown")
+    if not isinstance(ctx, ssl.SSLContext):
+        raise TicketKeyError(f"not an ssl.SSLContext: {type(ctx).__name__}")
+    lib = _libssl()
+    pointer = _ssl_ctx(ctx)
+    lib.ctrl(pointer, _SSL_CTRL_SET_SESS_CACHE_MODE, _SSL_SESS_CACHE_OFF, None)
+    if lib.ctrl(pointer, _SSL_CTRL_GET_SESS_CACHE_MODE, 0, None) != _SSL_SESS_CACHE_OFF:
+        raise TicketKeyError("OpenSSL kept its session cache on (SSL_CTRL_SET_SESS_CACHE_MODE)")
+
+
+def _ssl_ctx(ctx: ssl.SSLContext) -> int:
+    """``ctx``'s ``SSL_CTX *``, checked: a pointer that is not this context's SSL_CTX would
+    report other options (the stdlib sets several by default, and ctx.options reads them from
+    its own SSL_CTX)."""
+    pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not pointer:
+        raise TicketKeyError("the ssl context holds no SSL_CTX where lchat expects it")
+    reported = _libssl().get_options(pointer)
+    if reported != int(ctx.options):
+        raise TicketKeyError(
+            f"the ssl context layout is not the one lchat knows (OpenSSL reports options "
+            f"{reported:#x} where the context says {int(ctx.options):#x})"
+        )
+    return pointer
 
 
 def _check_length(key: bytes) -> None:

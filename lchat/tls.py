@@ -229,6 +229,12 @@ class CertStore(Service):
         self._ssl_dispatch = server_context()
         self._ssl_dispatch.sni_callback = self._ssl_server_name
         self._ssl_dispatch.sslobject_class = NotedSSLObject
+        try:
+            # TLS 1.3 resumes from stateless tickets: OpenSSL's server-side cache of every
+            # full handshake's session is a cost per connection that buys nothing here.
+            ticketkeys.no_session_cache(self._ssl_dispatch)
+        except ticketkeys.TicketKeyError as e:
+            _log.info("tls: OpenSSL's session cache stays on ({why})", why=str(e))
         # SNI name as the stdlib hands it -> its normalised host (None: none possible). Pure, so
         # never stale: what the host is served is decided afresh per handshake. Normalising
         # (IDNA, the IP-literal check) was the SNI callback's main cost.

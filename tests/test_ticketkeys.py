@@ -96,6 +96,23 @@ class InstallTests(SynchronousTestCase):
             memory_connect(c.dispatch, self.client, NAME, session).session_reused
         )  # another key
 
+    def test_without_the_session_cache_tickets_still_resume(self) -> None:
+        """nginx's ``ssl_session_cache off``: OpenSSL stores no session per full handshake, and
+        a TLS 1.3 ticket resumes as before (it carries the session itself), on the same
+        listener and, with a shared key, on another."""
+        a, b = Listener(self.ca), Listener(self.ca)
+        for listener in (a, b):
+            pointer = ticketkeys._ssl_ctx(listener.dispatch)
+            self.assertEqual(ticketkeys._libssl().ctrl(pointer, 45, 0, None), 2)  # SERVER
+            ticketkeys.no_session_cache(listener.dispatch)
+            self.assertEqual(ticketkeys._libssl().ctrl(pointer, 45, 0, None), 0)  # OFF
+        key = ticketkeys.new_key()
+        ticketkeys.install(a.dispatch, key)
+        ticketkeys.install(b.dispatch, key)
+        session = self.session_from(a)
+        self.assertTrue(memory_connect(a.dispatch, self.client, NAME, session).session_reused)
+        self.assertTrue(memory_connect(b.dispatch, self.client, NAME, session).session_reused)
+
     def test_a_python_whose_layout_is_unknown_is_refused_before_any_call(self) -> None:
         def never() -> Any:
             raise AssertionError("libssl was reached on a refused Python")
