@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import define
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import generate_latest
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import UNIXServerEndpoint, serverFromString
@@ -47,7 +47,6 @@ from lchat.mesh.sync import SettingsSync
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials
 from lchat.objstore.where import Where
 from lchat.proxy import oneread
-from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
@@ -72,6 +71,7 @@ from lchat.threads import RunInThread, thread_runner
 from lchat.units import BuiltinUnits, Claims
 from lchat.unixhttp import request as unix_request
 from lchat.webutil import QuietSite
+from lchat.worker_tap import front_door
 
 _log = Logger(namespace="lchat.tap")
 
@@ -634,26 +634,16 @@ def _public_listeners(
 ) -> FrontDoor:
     """The public listeners of a single-process box: HTTPS, and plain HTTP (proxying, or the
     redirect site), in their front door."""
-    factories: list[ProxyFactory] = []
-    door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace, metrics=REGISTRY)
-    loop = uvloop_reactor.loop_of(reactor)
-    if cfg.https_addr is not None:
-        assert certs.store is not None
-        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True, state=pool.state)
-        factories.append(secure)
-        FrontListener(
-            loop,
-            cfg.https_addr,
-            secure,
-            certs.store,
-            first_contact_wait=cfg.proxy.first_contact_wait,
-            handshake_timeout=cfg.proxy.header_timeout,
-        ).setServiceParent(door)
-    if cfg.http_addr is not None:
-        if not redirect_listener(top, reactor, cfg, certs):
-            proxy = ProxyFactory(reactor, router, cfg.proxy, pool=pool, state=pool.state)
-            factories.append(proxy)
-            FrontListener(loop, cfg.http_addr, proxy).setServiceParent(door)
+    redirects = redirect_listener(top, reactor, cfg, certs)
+    door = front_door(
+        reactor,
+        cfg,
+        router,
+        pool,
+        certs.store,
+        https=cfg.https_addr is not None,
+        http=cfg.http_addr is not None and not redirects,
+    )
     door.setServiceParent(top)
     return door
 

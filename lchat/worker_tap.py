@@ -222,27 +222,9 @@ def build_worker(
         state=FrontDoorState(),
     )
     router = worker_router(cfg, routes)
-    factories: list[ProxyFactory] = []
-    door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace, metrics=REGISTRY)
-    loop = uvloop_reactor.loop_of(reactor)
-    if "https" in socks:
-        assert cfg.https_addr is not None and store is not None
-        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True, state=pool.state)
-        factories.append(secure)
-        FrontListener(
-            loop,
-            cfg.https_addr,
-            secure,
-            store,
-            sock=socks["https"],
-            first_contact_wait=cfg.proxy.first_contact_wait,
-            handshake_timeout=cfg.proxy.header_timeout,
-        ).setServiceParent(door)
-    if "http" in socks:
-        assert cfg.http_addr is not None
-        plain = ProxyFactory(reactor, router, cfg.proxy, pool=pool, state=pool.state)
-        factories.append(plain)
-        FrontListener(loop, cfg.http_addr, plain, sock=socks["http"]).setServiceParent(door)
+    door = front_door(
+        reactor, cfg, router, pool, store, https="https" in socks, http="http" in socks, socks=socks
+    )
     door.setServiceParent(top)
 
     def reloaded(table: RouteTable) -> Mapping[str, Any]:
@@ -287,6 +269,46 @@ def build_worker(
         socks=", ".join(f"{name} fd {s.fileno()}" for name, s in socks.items()) or "nothing",
     )
     return top
+
+
+def front_door(
+    reactor: Reactor,
+    cfg: BoxConfig,
+    router: Router,
+    pool: UpstreamPool,
+    store: tls.CertStore | None,
+    *,
+    https: bool,
+    http: bool,
+    socks: Mapping[str, socket.socket] | None = None,
+) -> FrontDoor:
+    """The proxy's public listeners in their front door (not yet in a tree): HTTPS when
+    ``https`` (with ``store``), plain HTTP proxying when ``http``; each on its inherited socket
+    in ``socks`` (a worker's slot: ``https``, ``http``) when given, else bound on cfg's address
+    (the single process)."""
+    socks = socks or {}
+    factories: list[ProxyFactory] = []
+    door = FrontDoor(reactor, pool, factories, cfg.proxy.drain_grace, metrics=REGISTRY)
+    loop = uvloop_reactor.loop_of(reactor)
+    if https:
+        assert cfg.https_addr is not None and store is not None
+        secure = ProxyFactory(reactor, router, cfg.proxy, pool=pool, secure=True, state=pool.state)
+        factories.append(secure)
+        FrontListener(
+            loop,
+            cfg.https_addr,
+            secure,
+            store,
+            sock=socks.get("https"),
+            first_contact_wait=cfg.proxy.first_contact_wait,
+            handshake_timeout=cfg.proxy.header_timeout,
+        ).setServiceParent(door)
+    if http:
+        assert cfg.http_addr is not None
+        plain = ProxyFactory(reactor, router, cfg.proxy, pool=pool, state=pool.state)
+        factories.append(plain)
+        FrontListener(loop, cfg.http_addr, plain, sock=socks.get("http")).setServiceParent(door)
+    return door
 
 
 def worker_router(cfg: BoxConfig, routes: RouteSource) -> Router:
