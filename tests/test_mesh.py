@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet import reactor
@@ -331,14 +332,17 @@ class MeshTestCase(TestCase):
         yield self.wait_for(lambda: all(_members(b) >= len(boxes) for b in boxes), timeout=20)
 
     @inlineCallbacks
-    def wait_for(self, predicate: Any, timeout: float = 30.0) -> Any:
+    def wait_for(self, predicate: Any, timeout: float = 30.0, logs: Sequence[Box] = ()) -> Any:
+        """``predicate()`` (in a thread) until it is true, for at most ``timeout`` seconds; a
+        failure shows the tail of each of ``logs``' router logs."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             result = yield deferToThread(predicate)
             if result:
                 return result
             yield sleep(0.1)
-        self.fail(f"timed out waiting for {predicate}")
+        tails = "".join(f"\n--- {box.dir}\n{box.log()[-6000:]}" for box in logs)
+        self.fail(f"timed out waiting for {predicate}{tails}")
 
     def req(self, box: Box, host: str, *args: Any, **kw: Any) -> Deferred[Any]:
         kw["ca"] = self.ca

@@ -192,7 +192,9 @@ class SettingsTests(SettingsCase):
         # (A sweep a second, then a push: well under a second on a quiet machine; the bound is
         # for a loaded one, where a router can lag its sweep by seconds.)
         yield self.wait_for(
-            lambda: "LCHAT_BUILD=edited-by-hand" in _env(b) and _converged(a, b), timeout=20
+            lambda: "LCHAT_BUILD=edited-by-hand" in _env(b) and _converged(a, b),
+            timeout=20,
+            logs=(a, b),
         )
         with open(hosts.bot_env_path(b.data, HOST)) as f:
             self.assertEqual(f.read().split(), ["LCHAT_BOT_TOKEN=" + "b" * 32])
