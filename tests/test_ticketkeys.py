@@ -125,6 +125,19 @@ class InstallTests(SynchronousTestCase):
             "Python 3.14 is not one whose ssl context layout lchat knows", str(e.exception)
         )
 
+    def test_no_session_cache_refuses_what_it_cannot_reach_before_any_call(self) -> None:
+        def never() -> Any:
+            raise AssertionError("libssl was reached")
+
+        self.patch(ticketkeys, "_libssl", never)
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.no_session_cache(object())  # type: ignore[arg-type]
+        self.assertIn("not an ssl.SSLContext: object", str(e.exception))
+        self.patch(ticketkeys, "PYTHON", (3, 14))
+        with self.assertRaises(TicketKeyError) as e:
+            ticketkeys.no_session_cache(certfiles.server_context())
+        self.assertIn("Python 3.14", str(e.exception))
+
     def test_a_pointer_that_is_not_the_contexts_is_refused_before_writing(self) -> None:
         real = ticketkeys._libssl()
         calls: list[int] = []

@@ -338,6 +338,25 @@ class FrontDoorCases(_Case):
         got = yield self.hello(port, "a.example.com")  # the others are unaffected
         self.assertEqual(got.serial, self.serial["a"])
 
+    def test_the_dispatch_context_keeps_no_session_cache(self) -> None:
+        """OpenSSL's server-side session cache is off on the listener's context (TLS 1.3
+        resumes from tickets); where lchat cannot reach it, a line says so and TLS still
+        serves."""
+        store = self.make_store()
+        pointer = ticketkeys._ssl_ctx(store.server_ssl_context)
+        self.assertEqual(ticketkeys._libssl().ctrl(pointer, 45, 0, None), 0)  # OFF
+
+        def refused(ctx: Any) -> None:
+            raise ticketkeys.TicketKeyError("layout unknown here")
+
+        self.patch(ticketkeys, "no_session_cache", refused)
+        other = self.make_store()
+        self.assertIsNotNone(other.server_ssl_context)
+        self.assertTrue(
+            any("session cache stays on (layout unknown here)" in line for line in self.logs),
+            self.logs,
+        )
+
     @inlineCallbacks
     def test_alpn_is_http11_on_the_per_name_context(self) -> Any:
         port = yield self.serve(self.make_store())
