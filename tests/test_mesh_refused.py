@@ -14,11 +14,13 @@ import shutil
 import socket
 import tempfile
 
+from twisted.internet.defer import Deferred
 from twisted.trial.unittest import TestCase
 
 from lchat.mesh.client import PeerBeats
+from lchat.mesh.heartbeat import Heartbeat
 from lchat.mesh.membership import Membership
-from lchat.mesh.witness import PeerCallError
+from lchat.mesh.witness import BeatReply, PeerCallError
 from lchat.objstore.file import FileStore
 from lchat.reactors import installed
 from lchat.router import LocalResponse
@@ -146,6 +148,70 @@ class BeatRefusedTests(TestCase):
         membership.witnesses.peers[PEER].heard = membership._monotonic() + 1.0
         self.assertFalse(await membership.probe(PEER))
         self.assertEqual(channel.calls, 3)
+
+
+class HeldChannel:
+    """A peer channel whose calls wait until the test answers or fails each one."""
+
+    def __init__(self) -> None:
+        self.calls: list[Deferred[bytes]] = []
+
+    async def call(self, url: str, body: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
+        d: Deferred[bytes] = Deferred()
+        self.calls.append(d)
+        return await d
+
+
+class StaleBeatTests(TestCase):
+    """A beat sent during a cut that gives up after a later beat was answered says nothing of
+    the peer now. Counted, it marked a peer that answered out of reach and aborted a POST on its
+    way to it into a 502 just after the link healed (tests.test_mesh_cuts, isolate-box0, CI)."""
+
+    def membership(self) -> tuple[Membership, HeldChannel, list[str]]:
+        root = tempfile.mkdtemp(prefix="ms", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        box = Box(root, "box-1")
+        os.makedirs(os.path.join(root, "bucket"))
+        store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
+        cfg = box.cfg()
+        assert cfg.mesh is not None and cfg.hibernate is not None
+        channel = HeldChannel()
+        membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=channel)
+        aborted: list[str] = []
+        membership.on_unreachable(aborted.append)
+        return membership, channel, aborted
+
+    def test_an_old_beats_silence_after_a_newer_answer_counts_for_nothing(self) -> None:
+        membership, channel, aborted = self.membership()
+        peer = membership.witnesses.peer(PEER)
+        old = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
+        new = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
+        self.assertEqual(len(channel.calls), 2)
+        channel.calls[1].callback(reply_of(PEER))  # the link healed: the newer beat is answered
+        self.assertEqual(self.successResultOf(new), (True, None))
+        channel.calls[0].errback(PeerCallError(PEER, "no answer within 1s"))  # the older gives up
+        self.assertEqual(self.successResultOf(old), (False, None))
+        self.assertEqual(aborted, [])
+        self.assertFalse(membership.peer_unreachable(PEER))
+        self.assertEqual(peer.failed, 0)
+
+    def test_a_newer_beats_silence_still_counts(self) -> None:
+        membership, channel, aborted = self.membership()
+        peer = membership.witnesses.peer(PEER)
+        old = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
+        new = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
+        channel.calls[0].callback(reply_of(PEER))
+        self.assertEqual(self.successResultOf(old), (True, None))
+        channel.calls[1].errback(PeerCallError(PEER, "no answer within 1s"))
+        self.assertEqual(self.successResultOf(new), (False, None))
+        self.assertEqual(aborted, [PEER])
+        self.assertTrue(membership.peer_unreachable(PEER))
+
+
+def reply_of(url: str) -> bytes:
+    return BeatReply(
+        heartbeat=Heartbeat(url, "", "0.1.0", 1.0, epoch="e", process="p"), seq=1
+    ).to_json()
 
 
 class PeerBeatsRefusedTests(TestCase):

@@ -52,6 +52,7 @@ FAST_WANTED = 2.0
 _PEER_BEATS = Counter(
     "lchat_mesh_peer_beats_total",
     "Beats this box sent its peers, by outcome: ok (answered), failed (no usable answer), "
+    "stale (no usable answer, but a later beat was answered: not counted), "
     "relayed (answered, and the peer wrote this box's heartbeat into the bucket for it)",
     ["outcome"],
 )
@@ -335,9 +336,11 @@ class PeerBeating:
             status = getattr(e, "status", None)
             refused = bool(getattr(e, "refused", False))
             was = peer.failed
-            self.witnesses.not_answered(
-                peer, self._monotonic(), legacy=status == 404, refused=refused
-            )
+            if not self.witnesses.not_answered(
+                peer, message.seq, self._monotonic(), legacy=status == 404, refused=refused
+            ):
+                _PEER_BEATS.labels("stale").inc()
+                return False, status
             _PEER_BEATS.labels("failed").inc()
             # Silent: what waits on it would wait for TCP, so its connections are aborted.
             # Refused: a draining router closes its port and still answers the requests it has

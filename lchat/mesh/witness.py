@@ -337,13 +337,20 @@ class Witnesses:
         peer.refused = False
 
     def not_answered(
-        self, peer: Peer, now: float, legacy: bool = False, refused: bool = False
-    ) -> None:
+        self, peer: Peer, seq: int, now: float, legacy: bool = False, refused: bool = False
+    ) -> bool:
+        """Our message numbered ``seq`` got no usable answer. Returns whether that counts: not
+        when a later message of ours was answered meanwhile (a beat sent during a cut that times
+        out after the link healed says nothing of the peer now; counted, it would mark a peer
+        that answers out of reach and abort the requests on their way to it)."""
+        if seq < peer.accepted_seq:
+            return False
         peer.failed += 1
         peer.failed_at = now
         peer.refused = refused
         if legacy:
             peer.legacy = True
+        return True
 
     # -- the holder's side ---------------------------------------------------------------------
 
