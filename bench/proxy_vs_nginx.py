@@ -303,6 +303,14 @@ def compare(
         ),
         "",
     ]
+    if "floor" in medians:
+        f = medians["floor"]
+        text += [
+            f"The floor (bench/floor_relay.py: uvloop copying bytes, no HTTP work) in this run: "
+            f"{f['us_per_req']:.1f} µs CPU/req, {f['us_per_req'] / n['us_per_req']:.2f}x nginx's; "
+            f"the router's work above it: {r['us_per_req'] - f['us_per_req']:.1f} µs/req.",
+            "",
+        ]
     return "\n".join(text), verdicts, medians
 
 
@@ -506,6 +514,12 @@ def main() -> None:
         "issue 33's many-core ratios (req/s ratio with N >= with 1, the router's CPU/request "
         "within ±5%%, connections spread across the router's workers)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run bench/floor_relay.py (a uvloop relay with no HTTP work at all) in the "
+        "plain variant: what uvloop and the kernel cost without the router's own work",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs)")
     args = parser.parse_args()
     if args.no_plain and not (args.tls or args.space):
@@ -654,6 +668,8 @@ def run_session(
         "nginx": Target(nginx_port, nginx_pids),
         "router": Target(router_port, router_pids),
     }
+    if args.floor:
+        plain["floor"] = start_floor(procs, backends[HOST], proxy_cpus)
     log(
         f"{workers} process{'es' if workers > 1 else ''} each: nginx on :{nginx_port}, router on "
         f":{router_port} (pid {router.pid}), temp {tmp}"
@@ -716,6 +732,21 @@ def run_session(
     session.spread = benchlib.router_workers(admin_sock)
     procs.check_alive()
     return session
+
+
+def start_floor(procs: benchlib.Processes, upstream: Path, cpus: str | None) -> Target:
+    """bench/floor_relay.py in front of the backend's unix socket (``--floor``)."""
+    port = benchlib.free_port()
+    relay = procs.start(
+        "floor",
+        [sys.executable, str(benchlib.BENCH / "floor_relay.py"), "--port", str(port),
+         "--upstream", str(upstream)],
+        cpus=cpus,
+    )  # fmt: skip
+    benchlib.wait_until(
+        lambda: benchlib.http_status(port) is not None, 20, "the floor relay", procs
+    )
+    return Target(port, [relay.pid])
 
 
 WORKERS_CPU_TOLERANCE = 0.05  # the router's CPU/request with N processes within ±5 % of with 1
