@@ -158,7 +158,7 @@ def build_control(
             reactor, key_file, pool.certificates_changed, interval=TICKET_KEY_ROTATION
         ).setServiceParent(workers)
         certs.store.subscribe(pool.certificates_changed)
-    routes.subscribe(lambda old, new: pool.table_changed())
+    routes.subscribe(lambda old, new: reload.table_changed())
     pool.setServiceParent(workers)
     slots.setServiceParent(workers)  # (last added: closed first at stop)
     tap.admin_api(
@@ -305,6 +305,15 @@ class _BoxReload:
     def __init__(self) -> None:
         self.routes: RouteSource | None = None
         self.pool: WorkerPool | None = None
+        self._reloading = 0  # box reloads re-reading control's table right now
+
+    def table_changed(self) -> None:
+        """Control's route table swapped: every ready worker reloads (no wait), unless a box
+        reload is re-reading it: that one asks every worker next and waits for the acks, so a
+        worker gets one ``/reload`` per reload, not two. (A swap by the registry poll during it
+        is covered by the same ask: each worker re-reads the registry then.)"""
+        if self._reloading == 0 and self.pool is not None:
+            self.pool.table_changed()
 
     def table(self, reason: str) -> Deferred[RouteTable]:
         return Deferred.fromCoroutine(self._reload(reason)).addCallback(lambda both: both[0])
@@ -318,7 +327,11 @@ class _BoxReload:
 
     async def _reload(self, reason: str) -> tuple[RouteTable, dict[str, Any]]:
         assert self.routes is not None and self.pool is not None
-        table = await self.routes.reload(reason)
+        self._reloading += 1
+        try:
+            table = await self.routes.reload(reason)
+        finally:
+            self._reloading -= 1
         acks = await self.pool.reload_all(reason)
         return table, acks
 

@@ -150,6 +150,64 @@ class BoxScrapeTests(TestCase):
         self.assertNotIn("lchat_http_connections 2.0", text)
 
 
+class _SwappingRoutes:
+    """A route source whose reload swaps the table (its subscribers told) before it answers."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[object, object], object]] = []
+        self.table: list[str] = []
+
+    def subscribe(self, listener: Callable[[object, object], object]) -> None:
+        self.listeners.append(listener)
+
+    def swap(self) -> None:
+        old, self.table = self.table, [*self.table, "h"]
+        for listener in self.listeners:
+            listener(old, self.table)
+
+    def reload(self, reason: str) -> Deferred[list[str]]:
+        self.swap()
+        return succeed(self.table)
+
+
+class _CountingPool:
+    def __init__(self) -> None:
+        self.pushes = 0
+        self.asked: list[str] = []
+
+    def table_changed(self) -> None:
+        self.pushes += 1
+
+    def reload_all(self, reason: str) -> Deferred[dict[str, Any]]:
+        self.asked.append(reason)
+        return succeed({"current": 2, "of": 2, "behind": []})
+
+
+class BoxReloadTests(TestCase):
+    """A reload of the box asks each worker once (its acks waited for); a table swapped by
+    anything else is pushed (it sent each worker two ``/reload``s: the swap's push, then the
+    ask)."""
+
+    def reload(self) -> tuple[Any, _SwappingRoutes, _CountingPool]:
+        from lchat.workers import _BoxReload
+
+        box, routes, pool = _BoxReload(), _SwappingRoutes(), _CountingPool()
+        box.routes, box.pool = routes, pool  # type: ignore[assignment]
+        routes.subscribe(lambda old, new: box.table_changed())
+        return box, routes, pool
+
+    def test_a_box_reload_asks_each_worker_once(self) -> None:
+        box, _, pool = self.reload()
+        answer = self.successResultOf(box.answer("SIGHUP"))
+        self.assertEqual(answer["workers"], {"current": 2, "of": 2, "behind": []})
+        self.assertEqual((pool.pushes, pool.asked), (0, ["SIGHUP"]))
+
+    def test_a_swap_outside_a_reload_is_pushed(self) -> None:
+        _, routes, pool = self.reload()
+        routes.swap()  # (the registry poll found a change)
+        self.assertEqual((pool.pushes, pool.asked), (1, []))
+
+
 class WorkersLineTests(TestCase):
     """``lchat instances``' stderr line about the workers."""
 
