@@ -66,6 +66,15 @@ def _converged(a: Box, b: Box, host: str = HOST) -> bool:
     )
 
 
+def _settled(a: Box, b: Box, host: str = HOST) -> bool:
+    """Both boxes' first sweeps are done and they agree on ``host``'s settings hash. Each box
+    adds the space on its own, so until then a sync round may still take the owner's copy,
+    rewriting this box's env files (a hand edit made meanwhile is lost, as an edit crossing a
+    peer's newer settings is: seen as a stall of the hand-edit test, 1 run in ~8 under load)."""
+    mine, theirs = _row(a, host), _row(b, host)
+    return mine.settings_hash != "" and mine.settings_hash == theirs.settings_hash
+
+
 def _env(box: Box, host: str = HOST) -> str:
     try:
         with open(hosts.env_path(box.data, host)) as f:
@@ -162,7 +171,7 @@ class SettingsTests(SettingsCase):
         anti-entropy within the sync interval, with no ``mesh-seed``. A hand edit of box0's
         ``<host>.env`` then reaches box1 by box0's sweep."""
         a, b = yield self.two()
-        yield self.wait_for(lambda: _row(a).settings_hash != "", timeout=5)  # the first sweep
+        yield self.wait_for(lambda: _settled(a, b), timeout=5)  # the first sweeps, agreed
         yield deferToThread(b.stop)
         ran = yield deferToThread(_lchat, "replication", HOST, "daily", "--env-file", a.env_file)
         self.assertEqual(ran.returncode, 0, ran.stdout + ran.stderr)
@@ -184,7 +193,7 @@ class SettingsTests(SettingsCase):
         staged there by hand reach box1 by box0's sweep; box0 drained, a request through box1
         wakes the space there, and it answers with the edited build."""
         a, b = yield self.two()
-        yield self.wait_for(lambda: _row(a).settings_hash != "", timeout=5)  # the first sweep
+        yield self.wait_for(lambda: _settled(a, b), timeout=5)  # the first sweeps, agreed
         with open(hosts.env_path(a.data, HOST), "a") as f:
             f.write("LCHAT_BUILD=edited-by-hand\n")
         fd = os.open(hosts.bot_env_path(a.data, HOST), os.O_WRONLY | os.O_CREAT, 0o600)
@@ -304,7 +313,7 @@ class RegionGenerationTests(SettingsCase):
         ``fi`` (the region's own generation is newer); box1, started, takes ``fi`` from box0's
         digest. Both end with ``fi`` and the edit, at one generation and hash."""
         a, b = yield self.two()
-        yield self.wait_for(lambda: _row(a).settings_hash != "", timeout=5)  # the first sweep
+        yield self.wait_for(lambda: _settled(a, b), timeout=5)  # the first sweeps, agreed
         yield deferToThread(b.stop)
         moved = a.registry().update(HOST, home_region="fi")  # as relocate's flip writes it
         self.assertGreater(moved.region_gen, 0)
