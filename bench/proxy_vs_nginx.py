@@ -303,6 +303,13 @@ def compare(
         ),
         "",
     ]
+    if "compiled" in medians:
+        c = medians["compiled"]
+        text += [
+            f"The compiled-exchange prototype (bench/exchange_cdef.pyx) in this run: "
+            f"{c['us_per_req']:.1f} µs CPU/req, {c['us_per_req'] / n['us_per_req']:.2f}x nginx's.",
+            "",
+        ]
     if "floor" in medians:
         f = medians["floor"]
         text += [
@@ -520,6 +527,12 @@ def main() -> None:
         help="also run bench/floor_relay.py (a uvloop relay with no HTTP work at all) in the "
         "plain variant: what uvloop and the kernel cost without the router's own work",
     )
+    parser.add_argument(
+        "--prototype",
+        action="store_true",
+        help="also run bench/exchange_cdef.pyx (the one-read exchange as Cython cdef "
+        "classes: a prototype, needs `pip install cython`) in the plain variant",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs)")
     args = parser.parse_args()
     if args.no_plain and not (args.tls or args.space):
@@ -670,6 +683,8 @@ def run_session(
     }
     if args.floor:
         plain["floor"] = start_floor(procs, backends[HOST], proxy_cpus)
+    if args.prototype:
+        plain["compiled"] = start_floor(procs, backends[HOST], proxy_cpus, "compiled_exchange.py")
     log(
         f"{workers} process{'es' if workers > 1 else ''} each: nginx on :{nginx_port}, router on "
         f":{router_port} (pid {router.pid}), temp {tmp}"
@@ -734,18 +749,20 @@ def run_session(
     return session
 
 
-def start_floor(procs: benchlib.Processes, upstream: Path, cpus: str | None) -> Target:
-    """bench/floor_relay.py in front of the backend's unix socket (``--floor``)."""
+def start_floor(
+    procs: benchlib.Processes, upstream: Path, cpus: str | None, script: str = "floor_relay.py"
+) -> Target:
+    """bench/floor_relay.py (``--floor``), or the compiled-exchange prototype (``--prototype``),
+    in front of the backend's unix socket."""
     port = benchlib.free_port()
     relay = procs.start(
-        "floor",
-        [sys.executable, str(benchlib.BENCH / "floor_relay.py"), "--port", str(port),
+        script.removesuffix(".py"),
+        [sys.executable, str(benchlib.BENCH / script), "--port", str(port),
          "--upstream", str(upstream)],
         cpus=cpus,
     )  # fmt: skip
-    benchlib.wait_until(
-        lambda: benchlib.http_status(port) is not None, 20, "the floor relay", procs
-    )
+    # (The prototype's first start compiles it: up to a minute.)
+    benchlib.wait_until(lambda: benchlib.http_status(port) is not None, 90, script, procs)
     return Target(port, [relay.pid])
 
 
