@@ -20,7 +20,7 @@ from twisted.trial.unittest import TestCase
 from lchat.mesh.client import PeerBeats
 from lchat.mesh.heartbeat import Heartbeat
 from lchat.mesh.membership import Membership
-from lchat.mesh.witness import BeatReply, PeerCallError
+from lchat.mesh.witness import BeatReply, PeerCallError, PeerChannel
 from lchat.objstore.file import FileStore
 from lchat.reactors import installed
 from lchat.router import LocalResponse
@@ -82,6 +82,22 @@ class RefusedHolderTests(_Base):
         self.assertEqual(self.served, [host, host])
 
 
+def membership_with(test: TestCase, channel: PeerChannel) -> tuple[Membership, list[str]]:
+    """A box's membership (a file bucket in a temp dir) whose beats go through ``channel``,
+    and the peers its unreachable hook was told of."""
+    root = tempfile.mkdtemp(prefix="mr", dir="/tmp")
+    test.addCleanup(shutil.rmtree, root, True)
+    box = Box(root, "box-1")
+    os.makedirs(os.path.join(root, "bucket"))
+    store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
+    cfg = box.cfg()
+    assert cfg.mesh is not None and cfg.hibernate is not None
+    membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=channel)
+    aborted: list[str] = []
+    membership.on_unreachable(aborted.append)
+    return membership, aborted
+
+
 class RefusingChannel:
     """A peer channel (lchat.mesh.witness.PeerChannel) whose every beat fails as ``error``."""
 
@@ -100,20 +116,8 @@ class BeatRefusedTests(TestCase):
     (tests.test_drain saw a drain's in-flight POSTs aborted into 502s)."""
 
     def membership(self, error: PeerCallError) -> tuple[Membership, list[str]]:
-        root = tempfile.mkdtemp(prefix="mr", dir="/tmp")
-        self.addCleanup(shutil.rmtree, root, True)
-        box = Box(root, "box-1")
-        os.makedirs(os.path.join(root, "bucket"))
-        store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
-        cfg = box.cfg()
-        assert cfg.mesh is not None and cfg.hibernate is not None
-        membership = Membership(
-            reactor, store, cfg.hibernate, cfg.mesh, peers=RefusingChannel(error)
-        )
-        aborted: list[str] = []
-        membership.on_unreachable(aborted.append)
-        self.channel = membership._peers
-        return membership, aborted
+        self.channel = RefusingChannel(error)
+        return membership_with(self, self.channel)
 
     async def beat_once(self, membership: Membership, url: str) -> None:
         peer = membership.witnesses.peer(url)
@@ -168,17 +172,8 @@ class StaleBeatTests(TestCase):
     way to it into a 502 just after the link healed (tests.test_mesh_cuts, isolate-box0, CI)."""
 
     def membership(self) -> tuple[Membership, HeldChannel, list[str]]:
-        root = tempfile.mkdtemp(prefix="ms", dir="/tmp")
-        self.addCleanup(shutil.rmtree, root, True)
-        box = Box(root, "box-1")
-        os.makedirs(os.path.join(root, "bucket"))
-        store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
-        cfg = box.cfg()
-        assert cfg.mesh is not None and cfg.hibernate is not None
         channel = HeldChannel()
-        membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=channel)
-        aborted: list[str] = []
-        membership.on_unreachable(aborted.append)
+        membership, aborted = membership_with(self, channel)
         return membership, channel, aborted
 
     def test_an_old_beats_silence_after_a_newer_answer_counts_for_nothing(self) -> None:
