@@ -9,10 +9,7 @@ into 503s (tests.test_drain saw three)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import tempfile
 
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import TestCase
@@ -20,12 +17,10 @@ from twisted.trial.unittest import TestCase
 from lchat.mesh.client import PeerBeats
 from lchat.mesh.heartbeat import Heartbeat
 from lchat.mesh.membership import Membership
-from lchat.mesh.witness import BeatReply, PeerCallError, PeerChannel
-from lchat.objstore.file import FileStore
+from lchat.mesh.witness import BeatReply, PeerCallError
 from lchat.reactors import installed
 from lchat.router import LocalResponse
-from lchat.threads import thread_runner
-from tests.test_mesh_api import TOKEN, Box
+from tests.test_mesh_api import TOKEN
 from tests.test_mesh_routing import (
     SELF,
     SERVED_HERE,
@@ -35,6 +30,7 @@ from tests.test_mesh_routing import (
     _Base,
     host_owned_by,
 )
+from tests.test_witness import HeldChannel, membership_with
 
 reactor = installed()
 
@@ -80,22 +76,6 @@ class RefusedHolderTests(_Base):
         self.assertIs(rerouted, SERVED_HERE)
         self.assertIs(later, SERVED_HERE)  # left out meanwhile, not tried again
         self.assertEqual(self.served, [host, host])
-
-
-def membership_with(test: TestCase, channel: PeerChannel) -> tuple[Membership, list[str]]:
-    """A box's membership (a file bucket in a temp dir) whose beats go through ``channel``,
-    and the peers its unreachable hook was told of."""
-    root = tempfile.mkdtemp(prefix="mr", dir="/tmp")
-    test.addCleanup(shutil.rmtree, root, True)
-    box = Box(root, "box-1")
-    os.makedirs(os.path.join(root, "bucket"))
-    store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
-    cfg = box.cfg()
-    assert cfg.mesh is not None and cfg.hibernate is not None
-    membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=channel)
-    aborted: list[str] = []
-    membership.on_unreachable(aborted.append)
-    return membership, aborted
 
 
 class RefusingChannel:
@@ -154,18 +134,6 @@ class BeatRefusedTests(TestCase):
         self.assertEqual(channel.calls, 3)
 
 
-class HeldChannel:
-    """A peer channel whose calls wait until the test answers or fails each one."""
-
-    def __init__(self) -> None:
-        self.calls: list[Deferred[bytes]] = []
-
-    async def call(self, url: str, body: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
-        d: Deferred[bytes] = Deferred()
-        self.calls.append(d)
-        return await d
-
-
 class StaleBeatTests(TestCase):
     """A beat sent during a cut that gives up after a later beat was answered says nothing of
     the peer now. Counted, it marked a peer that answered out of reach and aborted a POST on its
@@ -182,9 +150,11 @@ class StaleBeatTests(TestCase):
         old = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
         new = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
         self.assertEqual(len(channel.calls), 2)
-        channel.calls[1].callback(reply_of(PEER))  # the link healed: the newer beat is answered
+        channel.calls[1][1].callback(reply_of(PEER))  # the link healed: the newer beat is answered
         self.assertEqual(self.successResultOf(new), (True, None))
-        channel.calls[0].errback(PeerCallError(PEER, "no answer within 1s"))  # the older gives up
+        channel.calls[0][1].errback(
+            PeerCallError(PEER, "no answer within 1s")
+        )  # the older gives up
         self.assertEqual(self.successResultOf(old), (False, None))
         self.assertEqual(aborted, [])
         self.assertFalse(membership.peer_unreachable(PEER))
@@ -195,9 +165,9 @@ class StaleBeatTests(TestCase):
         peer = membership.witnesses.peer(PEER)
         old = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
         new = Deferred.fromCoroutine(membership._send(peer, membership._message(), 1.0))
-        channel.calls[0].callback(reply_of(PEER))
+        channel.calls[0][1].callback(reply_of(PEER))
         self.assertEqual(self.successResultOf(old), (True, None))
-        channel.calls[1].errback(PeerCallError(PEER, "no answer within 1s"))
+        channel.calls[1][1].errback(PeerCallError(PEER, "no answer within 1s"))
         self.assertEqual(self.successResultOf(new), (False, None))
         self.assertEqual(aborted, [PEER])
         self.assertTrue(membership.peer_unreachable(PEER))

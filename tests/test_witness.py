@@ -29,6 +29,7 @@ from lchat.mesh.witness import (
     BeatReply,
     MessageError,
     PeerCallError,
+    PeerChannel,
     Witnesses,
     normal_holds,
 )
@@ -350,6 +351,22 @@ class HeldChannel:
         return await answer
 
 
+def membership_with(test: TestCase, channel: PeerChannel) -> tuple[Membership, list[str]]:
+    """A box's membership (a file bucket in a temp dir) whose beats go through ``channel``,
+    and the peers its unreachable hook was told of."""
+    root = tempfile.mkdtemp(prefix="wm", dir="/tmp")
+    test.addCleanup(shutil.rmtree, root, True)
+    box = Box(root, "box-1")
+    os.makedirs(os.path.join(root, "bucket"))
+    store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
+    cfg = box.cfg()
+    assert cfg.mesh is not None and cfg.hibernate is not None
+    membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=channel)
+    aborted: list[str] = []
+    membership.on_unreachable(aborted.append)
+    return membership, aborted
+
+
 class FastWitnessTests(TestCase):
     """A write to a space whose backlog is older than its class promises waits for every peer to
     know of the backlog (lchat.hibernation.outage.WITNESS_WAIT). A regular beat saying "no
@@ -357,15 +374,8 @@ class FastWitnessTests(TestCase):
     the peer know (fc28: a write refused at +0.7 s with bucket and peer both up)."""
 
     def setUp(self) -> None:
-        root = tempfile.mkdtemp(prefix="wf", dir="/tmp")
-        self.addCleanup(shutil.rmtree, root, True)
-        box = Box(root, "box-1")
-        os.makedirs(os.path.join(root, "bucket"))
-        store = FileStore(reactor, os.path.join(root, "bucket"), thread_runner(reactor))
-        cfg = box.cfg()
-        assert cfg.mesh is not None and cfg.hibernate is not None
         self.channel = HeldChannel()
-        self.membership = Membership(reactor, store, cfg.hibernate, cfg.mesh, peers=self.channel)
+        self.membership, _ = membership_with(self, self.channel)
         self.backlog = False
         self.membership.report(lambda: self.backlog, tuple)
         self.peer = self.membership.witnesses.peer(B)
