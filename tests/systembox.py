@@ -484,16 +484,29 @@ class Box:
     def now(self) -> str:
         return self.run(["date", "+%F %T"]).stdout.strip()
 
-    def wait_for(self, what: str, probe: str, timeout: float = 30, interval: float = 0.5) -> str:
-        """Run the shell line `probe` until it succeeds; its output, or a BoxError naming `what`."""
+    def wait_for(
+        self,
+        what: str,
+        probe: str,
+        timeout: float = 30,
+        interval: float = 0.5,
+        explain: str | None = None,
+    ) -> str:
+        """Run the shell line `probe` until it succeeds; its output, or a BoxError naming `what`
+        (with the output of the shell line `explain`, when given: the journal that says why)."""
         deadline = time.monotonic() + timeout
         while True:
             done = self.run(probe, check=False, timeout=max(1, deadline - time.monotonic()))
             if done.returncode == 0:
                 return done.stdout
             if time.monotonic() > deadline:
+                why = ""
+                if explain is not None:
+                    told = self.run(explain, check=False, timeout=30)
+                    why = f"\n--- {explain}\n{told.stdout}{told.stderr}"
                 raise BoxError(
                     f"{what}: not after {timeout:.0f} s ({probe!r}: {done.stdout}{done.stderr})"
+                    + why
                 )
             time.sleep(interval)
 
