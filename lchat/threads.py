@@ -7,12 +7,14 @@ the reactor's thread pool, and tests pass one that runs at once, on a fake clock
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
+from twisted.python.threadpool import ThreadPool
 
 RunInThread = Callable[..., Deferred[Any]]  # (f, *args) -> Deferred of f(*args)
 
@@ -24,3 +26,17 @@ def thread_runner(reactor: IReactorThreads) -> RunInThread:
         return deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
 
     return run
+
+
+class DaemonThreadPool(ThreadPool):
+    """A pool of a component's own whose threads never hold the process up at exit.
+
+    Twisted's pool threads are not daemons: a pool its owner never stopped (a stop that waited
+    on a store that stopped answering, a test's cleanup that found it "already stopping") keeps
+    the interpreter in its exit's join forever, a process that logged its last line and never
+    ends (seen: a replica's pool after its lease was lost, a test module that hung at exit). The
+    work these pools run is SQLite's and the filesystem's, safe to cut off at any instant like a
+    crash; a stopped pool ends its threads as before."""
+
+    def threadFactory(self, *args: Any, **kwargs: Any) -> threading.Thread:  # type: ignore[override]
+        return threading.Thread(*args, daemon=True, **kwargs)

@@ -70,7 +70,7 @@ from lchat.replica.restore import (
     restores_to,
 )
 from lchat.replica.wal import WALPosition, WALReset, WALRewritten
-from lchat.threads import RunInThread
+from lchat.threads import DaemonThreadPool, RunInThread
 
 _log = Logger()
 
@@ -158,7 +158,7 @@ class Replicator:
         if run_in_thread is None:
             # One thread: ReplicaDB takes one call at a time, and a slow disk here must not
             # starve the reactor's shared pool.
-            self._pool = ThreadPool(minthreads=0, maxthreads=1, name=f"replica {self.path}")
+            self._pool = DaemonThreadPool(minthreads=0, maxthreads=1, name=f"replica {self.path}")
             pool, back = self._pool, IReactorFromThreads(reactor)
             run_in_thread = lambda f, *a: deferToThreadPool(back, pool, f, *a)  # noqa: E731
         self._run = run_in_thread
