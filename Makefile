@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-box lint typecheck unit install tools clean
 
-$(STAMP): setup.cfg pyproject.toml setup.py lchat/proxy/_oneread_c.pyx
+$(STAMP): setup.cfg pyproject.toml setup.py lchat/proxy/_oneread_c.pyx lchat/proxy/hot.py lchat/proxy/hot.pxd
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

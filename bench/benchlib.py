@@ -746,9 +746,12 @@ def router_reactor(procs: Processes, name: str, pid: int) -> str:
     uvloop = "uvloop" in maps
     # The one-read recognisers: the C scanners when built (lchat/proxy/_oneread_c), else patterns.
     compiled = "_oneread_c" in maps
+    # The hot path: lchat/proxy/hot compiled (its extension module mapped), else its Python.
+    hot = "/hot.cpython" in maps
     return (
         f"{reactor}, uvloop {'loaded' if uvloop else 'NOT loaded'} in the router's process, "
-        f"one-read recognisers {'compiled' if compiled else 'patterns (NOT compiled)'}"
+        f"one-read recognisers {'compiled' if compiled else 'patterns (NOT compiled)'}, "
+        f"hot path {'compiled' if hot else 'Python (NOT compiled)'}"
     )
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from twisted.internet.task import Clock
 
 from lchat.config import ProxyConfig
-from lchat.proxy import oneread
+from lchat.proxy import HOT, oneread
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RequestHead, Target
@@ -146,6 +146,7 @@ def main() -> None:
         help="the space's answer's head: minimal, as nginx or as Node's http sends it (all: each)",
     )
     args = parser.parse_args()
+    print(f"hot path: {HOT}\n")
     print("| request | response | one-read path µs/req | general path µs/req | ratio |")
     print("|---|---|---|---|---|")
     saved = oneread.request, oneread.response

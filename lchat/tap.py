@@ -46,7 +46,7 @@ from lchat.mesh.routing import MeshRouter
 from lchat.mesh.sync import SettingsSync
 from lchat.objstore.aws import NoCredentials, ResolvedCredentials
 from lchat.objstore.where import Where
-from lchat.proxy import oneread
+from lchat.proxy import HOT, oneread
 from lchat.proxy.serve import FrontListener, FrontPort
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool, client_tls_context
@@ -266,8 +266,10 @@ def log_start(cfg: BoxConfig, box: ControlPlane) -> None:
     """The start line, and the capacity limits."""
     _log.info(
         "lchat {version} starting: {routes} routes from {registry}, units={units}, "
-        "https={https}, http={http}, admin={admin}, one-read recognisers {oneread}",
+        "https={https}, http={http}, admin={admin}, one-read recognisers {oneread}, "
+        "hot path {hot}",
         oneread=oneread.implementation(),
+        hot=HOT,
         version=lchat.__version__,
         routes=len(box.routes.table),
         registry=cfg.registry,

@@ -28,7 +28,7 @@ from twisted.web.server import Site
 from lchat.config import ProxyConfig
 from lchat.mesh import forward
 from lchat.proxy.downstream import ProxyFactory
-from lchat.proxy.exchange import REPLAY_LIMIT
+from lchat.proxy.hot import REPLAY_LIMIT
 from lchat.proxy.http import REFUSED, Header
 from lchat.router import LocalResponse, LocalSocket, RemotePeer, RequestHead, Target
 from tests.proxy_harness import listen_now

@@ -53,7 +53,7 @@ from lchat.config import ProxyConfig
 from lchat.proxy import bulk, downstream, upstream
 from lchat.proxy.bulk import MIN_BULK, READ_SIZE, Buffers, BulkReader
 from lchat.proxy.downstream import Downstream, ProxyFactory
-from lchat.proxy.exchange import REPLAY_LIMIT
+from lchat.proxy.hot import REPLAY_LIMIT
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamConnection, UpstreamPool, target_key
 from lchat.router import LocalSocket, RemotePeer, RequestHead, Target

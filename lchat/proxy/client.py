@@ -19,7 +19,7 @@ from twisted.logger import Logger
 
 from lchat.proxy import oneread
 from lchat.proxy.bulk import BulkReader
-from lchat.proxy.exchange import Exchange
+from lchat.proxy.hot import ClientCore, Exchange
 from lchat.proxy.http import Valve, simple_response
 from lchat.router import RequestHead
 
@@ -55,7 +55,7 @@ _tunnel_idle_closes = Counter(
 )
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(ClientCore, asyncio.Protocol):
     """One client connection (an asyncio Protocol on the reactor's uvloop loop).
 
     Its transport pauses it (``pause_writing``) when more than the high-water mark (64 KiB) is
@@ -68,46 +68,7 @@ class ClientConnection(asyncio.Protocol):
     response) goes out in one write: between ``begin_batch`` and ``flush`` writes are gathered.
     """
 
-    # Slots: a small request reads and sets a few dozen of these (a slot is faster than an
-    # instance dict's entry: with this many fields the dict is not even the compact shared
-    # kind), and a misspelt attribute is an error, not a new field. Subclasses add none.
-    __slots__ = (
-        "_active",
-        "_batch",
-        "_body_deadline",
-        "_body_left",
-        "_buffers",
-        "_bulk",
-        "_client",
-        "_client_bytes",
-        "_closed",
-        "_completed",
-        "_deadline",
-        "_last_head",
-        "_last_request",
-        "_last_whole",
-        "_linger_until",
-        "_lost",
-        "_output_paused",
-        "_parser",
-        "_parsing",
-        "_progress",
-        "_send_buffered",
-        "_send_moved_at",
-        "_served",
-        "_serving_queue",
-        "_spliced",
-        "_stats",
-        "_timer_action",
-        "_tunnel_moved",
-        "_unreported",
-        "_waiting",
-        "bulk_written",
-        "cfg",
-        "proxy",
-        "transport",
-        "valve",
-    )
+    __slots__ = ()  # (ClientCore has them all: lchat.proxy.hot)
 
     def __init__(self, factory: ProxyFactory) -> None:
         self.proxy = factory
@@ -147,6 +108,17 @@ class ClientConnection(asyncio.Protocol):
         self.bulk_written = 0  # bytes written to the client from our buffers (lchat.proxy.bulk)
         self._stats = factory.state.stats
         self._buffers = factory.state.buffers
+        cfg = self.cfg
+        self._pool = factory.pool
+        self._route = factory.router.route
+        self._seconds = factory.reactor.seconds
+        self._keepalive_timeout = cfg.keepalive_timeout
+        self._upstream_timeout = cfg.upstream_timeout
+        self._max_header_bytes = cfg.max_header_bytes
+        self._max_headers = cfg.max_headers
+        self._access_log = cfg.access_log
+        self._upstream_action = type(self)._upstream_timed_out
+        self._idle_action = type(self)._idle_timed_out
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -163,28 +135,6 @@ class ClientConnection(asyncio.Protocol):
         return False  # (closing already; True would be a warning under TLS)
 
     # -- writing to the client -----------------------------------------------------------------
-
-    def _send(self, data: bytes) -> None:
-        """Write ``data`` to the client, or gather it while an upstream read is being relayed."""
-        batch = self._batch
-        if batch is not None:
-            batch.append(data)
-        elif self.transport is not None:
-            self.transport.write(data)
-
-    def begin_batch(self) -> None:
-        """An upstream read starts: gather what it makes for the client (UpstreamConnection)."""
-        if self._batch is None and not self._lost:
-            self._batch = []
-
-    def flush(self) -> None:
-        """The upstream read is relayed: write what it made in one go."""
-        self._write_batch()
-
-    def _write_batch(self) -> None:
-        batch, self._batch = self._batch, None
-        if batch and self.transport is not None:
-            self.transport.write(batch[0] if len(batch) == 1 else b"".join(batch))
 
     def _abort(self) -> None:
         """Drop the connection at once, unsent output and all."""
@@ -340,6 +290,10 @@ class ClientConnection(asyncio.Protocol):
 
     def _idle_timed_out(self) -> None:
         self._closing()
+
+    def _upstream_timed_out(self) -> None:
+        """The space did not answer within upstream_timeout (the subclass's: Relay)."""
+        raise NotImplementedError
 
     # -- the client's output: backpressure and the send timeout --------------------------------
 

@@ -31,18 +31,18 @@ from lchat.proxy import oneread
 from lchat.proxy.bulk import MIN_BULK, BulkReader
 from lchat.proxy.client import HIGH_WATER
 from lchat.proxy.exchange import (
-    Exchange,
     Reject,
     StopReading,
     hop_origin,
     plain_upstream_head,
     validate,
 )
+from lchat.proxy.hot import Exchange
 from lchat.proxy.http import LAST_CHUNK, Valve, chunk
 from lchat.proxy.relay import REFUSALS, Relay
 from lchat.proxy.state import FrontDoorState
 from lchat.proxy.upstream import UpstreamPool
-from lchat.router import LocalSocket, RequestHead, Routes
+from lchat.router import RequestHead, Routes
 
 _log = Logger(namespace="lchat.proxy")
 
@@ -109,7 +109,8 @@ class Downstream(Relay):
         self._active = None
         self._waiting.clear()
 
-    def data_received(self, data: bytes) -> None:
+    def _received(self, data: bytes) -> None:
+        """A read the one-read path (ClientCore.data_received) did not serve."""
         if self._closed:
             return
         if self._spliced:
@@ -124,15 +125,6 @@ class Downstream(Relay):
         if self._body_left:
             self._body_read(data)
             return
-        if (
-            self._parsing is None
-            and self._active is None
-            and not self._waiting
-            and not self._output_paused
-            and data.endswith(b"\r\n\r\n")
-            and self._serve_whole(data)
-        ):
-            return  # (the common request: a head without a body, all in this read)
         self._progress = False
         try:
             self._parser.feed_data(data)
@@ -256,71 +248,27 @@ class Downstream(Relay):
             self.transport.set_protocol(self)
         self.data_received(bytes(view[:nbytes]))
 
-    def _serve_whole(self, data: bytes) -> bool:
-        """Serve ``data`` if it is one whole request without a body (:mod:`oneread`), as the
-        parser's callbacks would have, and return True; else False, having done nothing."""
-        cfg = self.cfg
-        whole = oneread.request(data, cfg.max_header_bytes, cfg.max_headers, self._last_whole)
-        if whole is None:
-            return False
+    def _whole_head(self, whole: oneread.WholeRequest) -> RequestHead | None:
+        """A new request recognised whole (ClientCore._serve_whole): remembered as the last one,
+        with its head, or None when its Host is malformed (the general path refuses it)."""
         proxy = self.proxy
-        head = self._last_head
-        if whole is not self._last_whole or head is None:
-            self._last_whole = whole
-            self._last_head = self._last_request = None
-            host = proxy.host_names.get(whole.host)
-            if host is None:
-                try:
-                    host = proxy.parse_host(whole.host)
-                except Reject:
-                    return False  # the general path refuses it, as it would any malformed Host
-            head = RequestHead(whole.method, whole.target, host, self._client, proxy.secure)
-            self._last_head = head
-        # (else the same request as the last one served here: its head, an immutable value, again)
-        now = proxy.reactor.seconds()
-        ex = Exchange(now, whole.method, False)  # (not parsed: no containers for the parser)
-        ex.upstream_lines = whole.lines
-        ex.body_complete = True
-        ex.head = head
-        if whole.close:
-            # Connection: close: nothing more is read, and the answer closes the connection
-            # (as the parser's StopReading does on the general path).
-            ex.keep_alive = False
-            self._parser = None
-        self._completed = ex
-        self._unreported = 0
-        self._deadline = self._timer_action = None  # (_disarm, inline)
-        # _serve, _routed and _connected, inline for a space on this box with a pooled
-        # connection to it (the common case; anything else continues the general way).
-        self._active = ex
-        self._stats.in_flight += 1
-        try:
-            target = proxy.router.route(head)
-        except Exception:
-            self._route_failed(Failure(), ex)
-            return True
-        if type(target) is LocalSocket and target.inflight is None:
-            upstream = proxy.pool.take_idle(target)
-            if upstream is not None:
-                ex.target = target
-                ex.upstream = upstream
-                upstream.begin(self, whole.method)
-                upstream.request_sent = True
-                upstream_transport = upstream.transport
-                assert upstream_transport is not None
-                request = self._last_request
-                if request is None:
-                    request = self._last_request = plain_upstream_head(
-                        whole.method, whole.target, whole.lines, self._client_bytes, proxy.scheme
-                    )
-                upstream_transport.write(request)
-                self._deadline = now + self.cfg.upstream_timeout
-                self._timer_action = Downstream._upstream_timed_out
-                if self.valve is not None and self.valve.reasons:
-                    self.valve.open("routing")
-                return True
-        self._dispatch(target, ex)
-        return True
+        self._last_whole = whole
+        self._last_head = self._last_request = None
+        host = proxy.host_names.get(whole.host)
+        if host is None:
+            try:
+                host = proxy.parse_host(whole.host)
+            except Reject:
+                return None
+        head = self._last_head = RequestHead(
+            whole.method, whole.target, host, self._client, proxy.secure
+        )
+        return head
+
+    def _upstream_request(self, whole: oneread.WholeRequest) -> bytes:
+        return plain_upstream_head(
+            whole.method, whole.target, whole.lines, self._client_bytes, self.proxy.scheme
+        )
 
     def _bound_unreported(self, size: int) -> None:
         """httptools reports a header (or trailer) line only once it ends, holding the partial line
@@ -453,6 +401,8 @@ class HopDownstream(Downstream):
     headers (exchange.hop_origin). The one-read path would serve it as this socket's peer's, and
     never could anyway: a worker's request always carries X-Forwarded-For, which the recognisers
     decline (lchat.proxy.http.REQUEST_SPECIAL)."""
+
+    __slots__ = ()
 
     def _serve_whole(self, data: bytes) -> bool:
         return False

@@ -10,10 +10,10 @@ fields of the exchange they read (its framing, what goes upstream, how the respo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 from attrs import frozen
 
+from lchat.proxy.hot import Exchange
 from lchat.proxy.http import (
     FORWARDING,
     HOP_BY_HOP,
@@ -24,17 +24,11 @@ from lchat.proxy.http import (
     head_bytes,
     status_line,
 )
-from lchat.proxy.upstream import UpstreamConnection
-from lchat.router import LocalSocket, RemotePeer, RequestHead, Target
+from lchat.router import LocalSocket, RemotePeer, RequestHead
 
 # Request headers never passed on as they came (we frame each hop and set these ourselves).
 _NOT_PASSED = HOP_BY_HOP | {b"content-length"}
 _NO_TOKENS: frozenset[bytes] = frozenset()
-# The most request body kept after it went upstream (until the response starts), so that a request
-# an upstream never processed can be sent again from its first byte: one a mesh peer refused
-# because it is stopping, or one a kept-alive connection closed unanswered. Bigger bodies are
-# never sent twice (the peer's 503, or a 502, is the answer then).
-REPLAY_LIMIT = 64 * 1024
 
 
 @frozen
@@ -49,96 +43,6 @@ class StopReading(Exception):
     """Raised from a parser callback when nothing more on this connection may be parsed: after a
     request that closes it (RFC 9112 §9.6; llhttp would fail on what follows, turning the answer into
     a 400), or when we are already closing."""
-
-
-class Exchange:
-    """One request and its response.
-
-    A plain class: one is made per request, and with the immutable defaults on the class only the
-    mutable fields are set per instance (a third of what an attrs ``__init__`` of all 30 costs).
-    A request recognised whole in one read (lchat.proxy.oneread, ``parsed=False``) gets none of
-    the parser's containers: it has no url pieces, headers or X-Forwarded-For to collect, and no
-    body; its ``body`` and ``replay`` are the class's empty tuples, which nothing appends to
-    (a body is only ever appended to by the parser's callbacks; ``rewind`` makes a new list).
-    """
-
-    # (The class's url, headers, body, forwarded_for and replay are the one-read request's:
-    # empty, immutable, shared; typed as the parser's containers they stand in for, and an
-    # append to one would fail loudly, never leak into another request.)
-    url: bytearray = cast(bytearray, b"")
-    headers: list[Header] = cast("list[Header]", ())
-    header_bytes = 0
-    version = "1.1"
-    head: RequestHead | None = None
-    target: Target | None = None
-    keep_alive = True  # what the client asked for
-    length: int | None = None
-    body_size = 0  # request body bytes received so far
-    chunked = False
-    upgrade = False
-    body: list[bytes] = cast("list[bytes]", ())  # buffered until the upstream is ready
-    body_complete = False
-    streaming = False  # body goes straight upstream
-    upgrade_tail = b""  # bytes after an upgrade request's head
-    upstream_lines = b""  # the client's headers that go upstream, as "name: value" lines
-    forwarded_for: list[bytes] = cast("list[bytes]", ())  # the client's own X-Forwarded-For
-    upstream: UpstreamConnection | None = None
-    response_started = False
-    response_chunked = False
-    response_complete = False
-    close_after = False
-    status = 0
-    bytes_out = 0
-    observed = False
-    retried = False
-    rerouted = False  # sent elsewhere once already (a mesh peer failed it)
-    # The body already written upstream, kept until the response starts so that the request can
-    # be sent again (REPLAY_LIMIT); None once it outgrew the limit, or the response started.
-    replay: list[bytes] | None = cast("list[bytes]", ())
-    replay_size = 0
-    # A peer that refused the request unprocessed (draining, or not holding the space) before
-    # its body was all here: sent elsewhere once it is (on_message_complete), told why.
-    refused_by: RemotePeer | None = None
-    refused_why = "stopping"
-    # Who sent the request and how, when not this connection's peer and scheme: on the control
-    # process's hop socket, the worker's client as the worker forwarded it (hop_origin); None
-    # (the class default: nothing per request) on every other connection.
-    origin: tuple[bytes, bytes] | None = None
-    # Its upstream deadline was extended once already (a hop target's: lchat.proxy.relay.HOP_SLACK).
-    hop_waited = False
-
-    def __init__(self, started: float, method: bytes = b"", parsed: bool = True) -> None:
-        self.started = started
-        self.method = method
-        if parsed:  # (the parser fills these in)
-            self.url = bytearray()
-            self.headers = []
-            self.body = []
-            self.forwarded_for = []
-            self.replay = []
-
-    def sent(self, data: bytes) -> None:
-        """``data`` of the body went upstream: keep it while the request may be sent again."""
-        if self.replay is None:
-            return
-        self.replay_size += len(data)
-        if self.replay_size > REPLAY_LIMIT:
-            self.replay = None
-        else:
-            self.replay.append(data)
-
-    def at_hand(self) -> bool:
-        """The whole request can be sent again from its first byte: all of its body arrived,
-        and what already went upstream was kept."""
-        return self.body_complete and self.replay is not None
-
-    def rewind(self) -> None:
-        """Put what went upstream back in front of ``body``, to be sent again from its first
-        byte (only while it is kept; what is still to arrive is buffered behind it)."""
-        assert self.replay is not None
-        self.body = [*self.replay, *self.body]  # (a new list: a one-read request's are shared)
-        self.replay, self.replay_size = [], 0
-        self.streaming = False
 
 
 def body_done(ex: Exchange) -> bool:

@@ -13,13 +13,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.proxy.client import ClientConnection
-from lchat.proxy.exchange import (
-    REPLAY_LIMIT,
-    Exchange,
-    client_head,
-    closes_after,
-    upstream_head,
-)
+from lchat.proxy.exchange import client_head, closes_after, upstream_head
+from lchat.proxy.hot import CLOSE_LINE, REPLAY_LIMIT, Exchange
 from lchat.proxy.http import (
     INTERNAL,
     LAST_CHUNK,
@@ -34,9 +29,6 @@ from lchat.proxy.http import (
 )
 from lchat.proxy.upstream import PEER_UNREACHABLE, DialFailed, UpstreamConnection
 from lchat.router import SAFE_METHODS, LocalResponse, LocalSocket, RemotePeer, Target, plain
-
-# The line a head gains when its answer ends the connection (with the head's empty line after it).
-CLOSE_LINE = b"Connection: close\r\n\r\n"
 
 _log = Logger(namespace="lchat.proxy")
 
@@ -317,72 +309,6 @@ class Relay(ClientConnection):
             ex.refused_why = why
         else:
             self._reroute(ex, target, why, f"refused it unprocessed ({REFUSALS[why]})")
-        return True
-
-    def response_whole(self, status: int, length: int, data: bytes) -> bool:
-        """The whole response in one read, ``length`` bytes of body after its head, and a head
-        that may go as it came but for the lines the general path takes out too
-        (:func:`oneread.response`: ``data`` is the read with them taken out): relay it in one
-        write and complete the request, as response_head, response_body and response_complete
-        would, and return True; when the client said ``Connection: close``, with that line added
-        last to the head (as response_head adds it) and the connection closed after it.
-        False, having done nothing, when this request needs more than that (its answer closes
-        the connection for another reason, gets headers added, or may be a mesh peer's
-        refusal): the general way."""
-        ex = self._active
-        if (
-            ex is None
-            or self.transport is None
-            or not ex.body_complete
-            or ex.close_after
-            or ex.upgrade
-            or ex.version != "1.1"
-            or self.proxy.draining
-        ):
-            return False
-        target = ex.target
-        if type(target) is LocalSocket:
-            if target.response_headers:
-                return False
-        elif status == 503:
-            return False  # perhaps a draining peer's refusal (_refused_unprocessed)
-        ex.replay = None
-        ex.status = status
-        ex.response_started = ex.response_complete = True
-        ex.bytes_out = length
-        stats = self._stats
-        stats.bytes_down += length
-        stats.one_read += 1
-        if ex.keep_alive:
-            self.transport.write(data)
-        else:
-            end = len(data) - length - 2  # (the head's empty line)
-            self.transport.write(data[:end] + CLOSE_LINE + data[end + 2 :])
-            ex.close_after = True  # (_finish closes)
-        upstream, ex.upstream = ex.upstream, None
-        if upstream is not None:
-            self.proxy.pool.release(upstream)
-        if (
-            ex.keep_alive
-            and type(target) is LocalSocket
-            and not ex.observed
-            and not self._waiting
-            and self._parsing is None
-            and not self._closed
-            and not self.cfg.access_log
-            and self.valve is not None
-            and not self.valve.reasons
-        ):
-            # _finish, inline for the common case: nothing pipelined, nothing to tell.
-            self._active = None
-            self._served += 1
-            self._stats.in_flight -= 1
-            key = (target.kind, status)
-            self._stats.requests[key] = self._stats.requests.get(key, 0) + 1
-            self._deadline = self.proxy.reactor.seconds() + self.cfg.keepalive_timeout
-            self._timer_action = Relay._idle_timed_out
-        else:
-            self._finish(ex)
         return True
 
     def response_body(self, data: bytes) -> None:

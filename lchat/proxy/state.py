@@ -13,50 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lchat.proxy.bulk import Buffers
-
-
-class HotStats:
-    """The figures every request changes, kept as plain numbers and read at scrape time: a
-    Prometheus counter takes a lock per change, a few of which per request would cost more than
-    the rest of a small request's path (docs/performance.md)."""
-
-    __slots__ = (
-        "accepted",
-        "bytes_down",
-        "bytes_up",
-        "connections",
-        "idle_upstream",
-        "in_flight",
-        "one_read",
-        "one_read_spliced",
-        "requests",
-        "tls_full",
-        "tls_resumed",
-        "upgraded",
-    )
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = {}
-        self.in_flight = 0
-        self.bytes_up = 0
-        self.bytes_down = 0
-        self.connections = 0
-        self.accepted = 0  # client connections ever made (connections: those open now)
-        # TLS client connections by their handshake: a resumed session (a ticket) or a full one.
-        self.tls_resumed = 0
-        self.tls_full = 0
-        self.upgraded = 0
-        self.idle_upstream = 0  # idle pooled upstream connections
-        # Responses the one-read path relayed (lchat.proxy.oneread.response; the rest of
-        # lchat_http_requests went the general way), and those of them whose head had a
-        # server's usual hop-by-hop lines taken out (RESPONSE_SPLICED).
-        self.one_read = 0
-        self.one_read_spliced = 0
-
-    def count(self, host_class: str, status: int) -> None:
-        key = (host_class, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-
+from lchat.proxy.hot import HotStats
 
 Report = Literal["all", "requests"]
 

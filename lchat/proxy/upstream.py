@@ -30,8 +30,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from lchat.backoff import Backoff
-from lchat.proxy import oneread
 from lchat.proxy.bulk import MIN_BULK, BulkReader
+from lchat.proxy.hot import PoolCore, UpstreamCore
 from lchat.proxy.http import (
     RESPONSE_SPECIAL,
     RESPONSE_SPLICED,
@@ -62,43 +62,10 @@ class _HeadDone(Exception):
     """Stops the parser after a HEAD response's head: its Content-Length promises no body."""
 
 
-class UpstreamConnection(asyncio.Protocol):
+class UpstreamConnection(UpstreamCore, asyncio.Protocol):
     """One connection to a space or peer; see the module docstring."""
 
-    # Slots: every read of a response touches a dozen of these (a slot is read faster than an
-    # instance dict's entry), and a misspelt attribute is an error, not a new field.
-    __slots__ = (
-        "_body_left",
-        "_bulk",
-        "_close_delimited",
-        "_complete",
-        "_final",
-        "_first_read",
-        "_got_bytes",
-        "_headers",
-        "_in_head",
-        "_method",
-        "_parser",
-        "_past_parser",
-        "_reason",
-        "_spliced",
-        "_stats",
-        "_status",
-        "backpressure",
-        "bulk_written",
-        "connected",
-        "handler",
-        "idle_since",
-        "key",
-        "pool",
-        "request_sent",
-        "reusable",
-        "reused",
-        "transport",
-        "unreachable",
-        "valve",
-        "write_paused",
-    )
+    __slots__ = ()  # (UpstreamCore has them all: lchat.proxy.hot)
 
     def __init__(self, pool: UpstreamPool, key: Key) -> None:
         self.pool = pool
@@ -148,18 +115,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.connected = True
         self.valve = Valve(transport)
 
-    def begin(self, handler: Relay, method: bytes) -> None:
-        """Start an exchange: the caller writes the request next."""
-        self.handler = handler
-        self._method = method
-        if self._parser is None:  # (one per connection: a kept-alive one parses response after
-            self._parser = httptools.HttpResponseParser(self)  # response; a HEAD ends reuse)
-        # (_headers: each head's are collected from on_message_begin on; nothing reads them before)
-        self._final = self._complete = self._close_delimited = self._got_bytes = False
-        self.request_sent = False
-        self._body_left = 0
-        self._past_parser = False
-
     def splice(self) -> None:
         """After 101: everything from now on is raw bytes for the handler."""
         self._spliced = True
@@ -196,7 +151,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- bytes from upstream --------------------------------------------------------------------
 
-    def data_received(self, data: bytes) -> None:
+    def _received(self, data: bytes) -> None:
+        """A read the one-read path (UpstreamCore.data_received) did not relay."""
         handler = self.handler
         if handler is None:
             # Bytes while idle in the pool, or after we gave up: the stream is out of step.
@@ -207,23 +163,6 @@ class UpstreamConnection(asyncio.Protocol):
         if self._past_parser:
             self._body_read(data)
             return
-        if (
-            not self._got_bytes
-            and not self._spliced
-            and self._method != b"HEAD"
-            and self.request_sent
-            and self.reusable
-        ):
-            whole = oneread.response(data)
-            if whole is not None:
-                status, length, out = whole
-                if handler.response_whole(status, length, out):
-                    # (The common response: all of it in this read, forwarded as it came, or
-                    # with the hop-by-hop lines a server sends on an ordinary answer taken out:
-                    # those counted here; the relay counts them all.)
-                    if out is not data:
-                        self._stats.one_read_spliced += 1
-                    return
         handler.begin_batch()
         try:
             if self._spliced:
@@ -484,7 +423,7 @@ def client_tls_context(ca_file: str | None = None) -> ssl.SSLContext:
     return context
 
 
-class UpstreamPool:
+class UpstreamPool(PoolCore):
     """Keep-alive connections per upstream, and dialing with the dial-retry window.
 
     ``reactor`` is the clock (``seconds``, ``callLater``) and must be the asyncio reactor whose
@@ -504,6 +443,7 @@ class UpstreamPool:
         state: FrontDoorState | None = None,
     ) -> None:
         self._reactor = reactor
+        self._seconds = reactor.seconds
         self.state = state if state is not None else FrontDoorState()
         self._stats = self.state.stats
         self._loop = loop
@@ -512,12 +452,9 @@ class UpstreamPool:
         self._idle_timeout = idle_timeout
         self._connect_timeout = connect_timeout
         self._tls_context = tls_context
-        # The idle connections by key (their number is the front door's idle_upstream figure).
-        self._idle: dict[Key, list[UpstreamConnection]] = {}
+        self._idle = {}  # (PoolCore's)
         self._connections: set[UpstreamConnection] = set()
-        # Idle connections are expired by one sweep, not a timer each (it is on every request's
-        # path); it runs only while something is idle.
-        self._sweep: LoopingCall | None = None
+        self._sweep = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -527,38 +464,13 @@ class UpstreamPool:
 
     # -- public ---------------------------------------------------------------------------------
 
-    def take_idle(self, target: LocalSocket | RemotePeer) -> UpstreamConnection | None:
-        # (target_key, inline: every request's path)
-        idle = self._idle.get(target.path if type(target) is LocalSocket else target_key(target))
-        while idle:
-            conn = idle.pop()
-            self._stats.idle_upstream -= 1
-            if conn.connected and conn.reusable:
-                conn.reused += 1
-                return conn
-        return None
+    def _key_of(self, target: LocalSocket | RemotePeer) -> Key:
+        return target_key(target)
 
-    def release(self, conn: UpstreamConnection) -> None:
-        """Hand back a connection whose exchange completed cleanly."""
-        conn.handler = None
-        conn.backpressure = None
-        if not conn.connected:
-            return
-        idle = self._idle.get(conn.key)
-        if idle is None:
-            idle = self._idle[conn.key] = []
-        if not conn.reusable or len(idle) >= self._max_idle:
-            conn.close()
-            return
-        if conn.valve is not None and conn.valve.reasons:
-            conn.valve.open_all()  # an idle pooled connection must read (to see it close)
-        idle.append(conn)
-        self._stats.idle_upstream += 1
-        conn.idle_since = self._reactor.seconds()
-        if self._sweep is None:
-            self._sweep = LoopingCall(self._expire)
-            self._sweep.clock = self._reactor
-            self._sweep.start(max(self._idle_timeout / 4, 0.05), now=False)
+    def _start_sweep(self) -> None:
+        self._sweep = LoopingCall(self._expire)
+        self._sweep.clock = self._reactor
+        self._sweep.start(max(self._idle_timeout / 4, 0.05), now=False)
 
     def _expire(self) -> None:
         cutoff = self._reactor.seconds() - self._idle_timeout
