@@ -57,8 +57,8 @@ class BuildTests(SynchronousTestCase):
     def test_subclasses_add_no_field(self) -> None:
         """Every field lives in the core (compiled: a struct member); a subclass's own slot
         would be a second, slower kind of field the one-read path cannot see."""
-        from lchat.proxy.downstream import Downstream, HopDownstream
         from lchat.proxy.client import ClientConnection
+        from lchat.proxy.downstream import Downstream, HopDownstream
         from lchat.proxy.relay import Relay
 
         for cls in (ClientConnection, Relay, Downstream, HopDownstream, UpstreamConnection):

@@ -37,8 +37,10 @@ _NOT_SOURCE = shutil.ignore_patterns(
     "*.egg-info",
     "_trial_temp*",
     "__pycache__",
-    "*.so",  # an in-place build of lchat/proxy/_oneread_c: the wheel compiles its own
+    "*.so",  # in-place builds of lchat/proxy/_oneread_c and hot: the wheel compiles its own
     "_oneread_c.c",
+    "hot.c",
+    "_hot_digest.py",
     ".mypy_cache",
     ".ruff_cache",
     ".hypothesis",
@@ -159,16 +161,26 @@ class WheelInstallTests(TestCase):
         self.assertTrue(os.path.isfile(os.path.join(self.plugins, "__init__.py")))
 
     def test_the_wheel_carries_the_compiled_recognisers(self) -> None:
-        """The build compiled lchat/proxy/_oneread_c.pyx into the wheel (the one-read path's C
-        scanners, docs/performance.md): the router runs them, not the patterns' fallback."""
+        """The build compiled lchat/proxy/_oneread_c.pyx (the one-read path's C scanners) and
+        lchat/proxy/hot.py (its hot path) into the wheel (docs/performance.md): the router runs
+        them, not the Python fallbacks; and what it checks the hot build against is there."""
         done = subprocess.run(
-            [self.bin("python"), "-c", "from lchat.proxy import oneread; print(oneread.COMPILED)"],
+            [
+                self.bin("python"),
+                "-c",
+                "from lchat.proxy import HOT, hot, oneread;"
+                " print(oneread.COMPILED, hot.COMPILED, HOT)",
+            ],
             env=_clean_env(),
             capture_output=True,
             text=True,
             cwd="/",
         )
-        self.assertEqual((done.returncode, done.stdout.strip()), (0, "True"), done.stderr)
+        self.assertEqual(
+            (done.returncode, done.stdout.strip()),
+            (0, "True True compiled (lchat/proxy/hot)"),
+            done.stderr,
+        )
 
     def test_twistd_knows_lchat_from_a_neutral_directory(self) -> None:
         self.assert_knows_lchat()
