@@ -5,12 +5,20 @@ connection does with them: recognised whole in one read, written to a pooled con
 whole response relayed in one write (:mod:`lchat.proxy.oneread` recognises both).
 
 One source, two builds. Compiled with Cython in pure-Python mode (``hot.pxd`` declares the classes
-as ``cdef class``es with typed fields; setup.py builds it like the recognisers), the fields are C
-struct members and the one-read path reads them without a dictionary or a descriptor: that is
-what brings the router's own work per request near the floor (docs/performance.md, "Issue 33").
-Without a compiler (or with ``LCHAT_PURE_PYTHON=1`` at run time) this same file runs as Python
-with ``__slots__``: the same behaviour, slower. ``lchat/proxy/__init__.py`` picks: a compiled
-module built from another version of this file is never used (its digest does not match).
+as ``cdef class``es and types the one-read path's locals; setup.py builds it like the
+recognisers), the fields are C struct members: the one-read path reads them without a dictionary
+or a descriptor, and calls the pool and the other connection as C functions. That is what brings
+the router's own work per request near the floor (docs/performance.md, "Issue 33: the one-read
+path compiled"). To the Python subclasses the same fields are slots (member descriptors:
+:func:`_expose_slots`). Without a compiler (or with ``LCHAT_PURE_PYTHON=1`` at run time) this
+same file runs as Python with ``__slots__``: the same behaviour, slower. ``lchat/proxy/__init__.py``
+picks: a compiled module built from another version of this file is never used (its digest does
+not match).
+
+Every field is an object in both builds (no C ints or flags): what Python code may store in a
+slot, it may store here. Where the compiled code needs a field's type (an :class:`Exchange`, the
+pool, the figures), it reads it into a typed local, which checks it: a wrong type is a TypeError,
+never a misread struct.
 
 Everything else a connection does (parsing with httptools, routing that waits, dialing, bodies,
 upgrades, refusals, timeouts) is the Python subclasses': :class:`~lchat.proxy.downstream.Downstream`
