@@ -32,7 +32,8 @@ class DaemonThreadPool(ThreadPool):
     """A pool of a component's own whose threads never hold the process up at exit.
 
     Twisted's pool threads are not daemons: a pool its owner never stopped (a stop that waited
-    on a store that stopped answering, a test's cleanup that found it "already stopping") keeps
+    on a store that stopped answering; before Replicator.stop joined a stop under way, a test's
+    cleanup that found it "already stopping") keeps
     the interpreter in its exit's join forever, a process that logged its last line and never
     ends (seen: a replica's pool after its lease was lost, a test module that hung at exit). The
     work these pools run is SQLite's and the filesystem's, safe to cut off at any instant like a

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import attrs
-from twisted.internet.task import deferLater
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 
 from lchat import lease
@@ -435,7 +435,6 @@ class StreamTimingTests(TestCase):
     """When the ``stream`` class syncs, driven by a fake clock (the disk and the store are real)."""
 
     def setUp(self) -> None:
-        from twisted.internet.task import Clock
 
         self.dir = tempfile.mkdtemp(prefix="lchat-repl-")
         self.addCleanup(shutil.rmtree, self.dir, True)
@@ -528,3 +527,49 @@ class ScratchDirTests(TestCase):
         self.assertEqual(
             sorted(os.listdir(root)), sorted(os.path.basename(p) for p in (live, other, mine))
         )
+
+
+class StopTests(TestCase):
+    """``stop`` is one piece of work, however many call it: a second call waits for the first."""
+
+    def test_a_second_stop_waits_for_the_first(self) -> None:
+        from twisted.internet.defer import Deferred
+
+        root = tempfile.mkdtemp(prefix="lchat-repl-")
+        self.addCleanup(shutil.rmtree, root, True)
+        src = os.path.join(root, "src.db")
+        conn = sqlite3.connect(src, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT)")
+        conn.close()
+        os.makedirs(os.path.join(root, "bucket"))
+        clock = Clock()
+        held: list[tuple[Any, Deferred[Any]]] = []
+        hold = False
+
+        def run(f: Any, *args: Any) -> Deferred[Any]:
+            # Inline, until the test holds what runs "in a thread" (the database's close).
+            if not hold:
+                return _inline(f, *args)
+            d: Deferred[Any] = Deferred()
+            held.append((lambda: f(*args), d))
+            return d
+
+        store = FileStore(clock, os.path.join(root, "bucket"), run_in_thread=_inline)
+        rep = Replicator(clock, store, src, PATH, interval=1.0, run_in_thread=run)
+        self.successResultOf(Deferred.fromCoroutine(rep.start()))
+        hold = True
+        first = Deferred.fromCoroutine(rep.stop())
+        second = Deferred.fromCoroutine(rep.stop())
+        self.assertTrue(rep.stopped)
+        self.assertEqual(len(held), 1)  # the close, in its thread: once, for both
+        self.assertNoResult(first)
+        self.assertNoResult(second)  # (it returned at once: its caller went on with it open)
+        work, d = held.pop(0)
+        d.callback(work())
+        while held:  # (the scratch directory's removal, after the close)
+            work, d = held.pop(0)
+            d.callback(work())
+        self.assertIsNone(self.successResultOf(first))
+        self.assertIsNone(self.successResultOf(second))
+        self.assertIsNone(self.successResultOf(Deferred.fromCoroutine(rep.stop())))

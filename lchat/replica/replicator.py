@@ -56,6 +56,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from lchat.deferutil import observe
 from lchat.lease import LeaseKeeper, LeaseLost, LeaseSuspended
 from lchat.objstore import ObjectInfo, ObjectStore, ObjectStoreError
 from lchat.replica import compact as _compact
@@ -180,7 +181,7 @@ class Replicator:
         # A write (upload or delete) was sent: one whose answer was an error or never came may
         # still land, at any time (docs/lease.md, "Late writes").
         self.wrote = False
-        self._closed = False  # stop() ran
+        self._stopping: Deferred[None] | None = None  # stop()'s work, which every caller awaits
         self.lost: str | None = None  # why the lease was lost, if it was
         self.snapshots = 0
         self.checkpoints = 0
@@ -294,10 +295,16 @@ class Replicator:
         self._schedule()
 
     async def stop(self) -> None:
-        """Stop syncing and close the database; nothing is written after this returns."""
-        if self._closed:
-            return
-        self._closed = self.stopped = True
+        """Stop syncing and close the database; nothing is written after this returns, for
+        every caller: a second call while the first is under way waits for it (a cleanup that
+        finds the replicator stopping itself, after a lost lease, must not go on while its
+        database is still open)."""
+        if self._stopping is None:
+            self._stopping = Deferred.fromCoroutine(self._stop())
+        await observe(self._stopping)
+
+    async def _stop(self) -> None:
+        self.stopped = True
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
