@@ -888,6 +888,58 @@ def _get(box: Any, host: str = api_tests.HOST) -> Route:
     return row
 
 
+class HandEditOverwrittenTests(SynchronousTestCase):
+    """An env file edited by hand and not yet noticed by the sync, which a peer's newer settings
+    replace: the edit is lost (the owner's and the newest settings' word last, by design), and
+    the operator is told so (a warning naming the host, a counter), never silently."""
+
+    def _push(self, sender: Any, to: Any) -> Any:
+        cfg = to.cfg()
+        store = RouteStore(to.registry, cfg.mesh, to.data, to.run, cfg.space_command)
+        env = client.read_route_env(sender.data, api_tests.HOST)
+        return store.upsert(parse_payload(client.route_payload(_get(sender), env)))
+
+    def test_a_hand_edit_a_newer_copy_replaces_is_told(self) -> None:
+        from twisted.logger import globalLogPublisher
+
+        root = tempfile.mkdtemp(prefix="mhand", dir="/tmp")
+        self.addCleanup(shutil.rmtree, root, True)
+        host = api_tests.HOST
+        changed, edited = boxes = [api_tests.Box(root, name) for name in ("box-1", "box-2")]
+        for box in boxes:
+            settings.bump(box.registry, box.data, "http://x", box.add(host), 1_000)
+        said: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "lchat.mesh.api":
+                said.append(str(event.get("log_format", "")).format(**event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        lost = _sample("lchat_mesh_local_edits_overwritten_total")
+        # A newer copy over env files as versioned: nothing to tell.
+        with open(changed.env_path(host), "a") as f:
+            f.write("LCHAT_BUILD=first\n")
+        settings.bump(changed.registry, changed.data, "http://x", _get(changed), 2_000)
+        self.assertEqual(self._push(changed, edited)[1]["result"], "updated")
+        self.assertEqual(_sample("lchat_mesh_local_edits_overwritten_total"), lost)
+        self.assertFalse([line for line in said if "replaced the edit" in line])
+        # box-2 is edited by hand (not versioned yet) as box-1's newer change arrives.
+        with open(edited.env_path(host), "a") as f:
+            f.write("LCHAT_BUILD=by-hand\n")
+        with open(changed.env_path(host), "a") as f:
+            f.write("LCHAT_BUILD=second\n")
+        settings.bump(changed.registry, changed.data, "http://x", _get(changed), 3_000)
+        self.assertEqual(self._push(changed, edited)[1]["result"], "updated")
+        self.assertEqual(config.read_env_file(edited.env_path(host))["LCHAT_BUILD"], "second")
+        self.assertEqual(_sample("lchat_mesh_local_edits_overwritten_total"), lost + 1)
+        warned = [line for line in said if "replaced the edit" in line]
+        self.assertEqual(len(warned), 1, said)
+        self.assertIn(host, warned[0])
+        self.assertIn("gen 3000", warned[0])
+        self.assertIn("lchat env", warned[0])
+
+
 class RegistryGenerationTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.root = tempfile.mkdtemp(prefix="mgen", dir="/tmp")

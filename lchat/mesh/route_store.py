@@ -44,6 +44,12 @@ _region_merges = Counter(
     ["result"],
 )
 
+_edits_overwritten = Counter(
+    "lchat_mesh_local_edits_overwritten_total",
+    "Env files edited on this box by hand and not yet versioned (the sync notices an edit every"
+    " LCHAT_MESH_SYNC) that a peer's newer settings replaced",
+)
+
 Result = tuple[int, dict[str, Any], str]  # status, JSON body, the outcome counted
 
 
@@ -91,6 +97,19 @@ class RouteStore:
             next_due=payload.next_due or 0,
             lives_at=payload.lives_at,
         )
+
+    def _edited_here(self, route: Route) -> bool:
+        """``route``'s env files on disk differ from the settings its hash versions: an edit by
+        hand the sync has not noticed yet (False for a row without a hash, from before
+        generations; True for a file that cannot be read)."""
+        if not route.settings_hash:
+            return False
+        try:
+            env = read_route_env(self._data_dir, route.host)
+            bot_env = read_bot_env(self._data_dir, route.host)
+        except ConfigError:
+            return True
+        return settings.route_hash(route, env, bot_env) != route.settings_hash
 
     def upsert(self, payload: RoutePayload, from_owner: bool = False) -> Result:
         """Only over no row or a replicated one (a space this box runs itself is never
@@ -140,6 +159,7 @@ class RouteStore:
         # older copy's generation). Env files written are put back when the transaction does not
         # commit (a refusal, a failed write, or the commit itself).
         written: list[tuple[str, bytes | None]] = []  # (path, its bytes before): to put back
+        edited = False  # the env files held an edit not yet versioned, which this copy replaces
         try:
             with self.lock, self._registry.transaction() as txn:
                 existing = txn.get(host)
@@ -159,6 +179,7 @@ class RouteStore:
                 else:
                     env_file = hosts.env_path(self._data_dir, host)
                     bot_file = hosts.bot_env_path(self._data_dir, host)
+                    edited = existing is not None and self._edited_here(existing)
                     written = [(env_file, _read_private(env_file))]
                     written.append((bot_file, _read_private(bot_file)))
                     envfile.write_env(env_file, payload.env)
@@ -183,6 +204,16 @@ class RouteStore:
             _put_back_all(written)
             raise
         result = "created" if created else "updated"
+        if edited:
+            _edits_overwritten.inc()
+            _log.warn(
+                "mesh: route {host}: its env file was edited on this box (not yet noticed by the "
+                "settings sync, so never versioned or pushed) and a peer's newer settings (gen "
+                "{gen}) replaced the edit; make it again with `lchat env` (docs/mesh.md, "
+                "Anti-entropy)",
+                host=host,
+                gen=payload.gen or "none",
+            )
         if payload.lives_at:
             _log.info(
                 "mesh: route {host} {result} by a peer: it lives at {lives_at} (always-on there); "
