@@ -18,7 +18,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from attrs import evolve
 from prometheus_client import REGISTRY
@@ -900,7 +900,7 @@ class HandEditOverwrittenTests(SynchronousTestCase):
         return store.upsert(parse_payload(client.route_payload(_get(sender), env)))
 
     def test_a_hand_edit_a_newer_copy_replaces_is_told(self) -> None:
-        from twisted.logger import globalLogPublisher
+        from twisted.logger import ILogObserver, globalLogPublisher
 
         root = tempfile.mkdtemp(prefix="mhand", dir="/tmp")
         self.addCleanup(shutil.rmtree, root, True)
@@ -914,8 +914,9 @@ class HandEditOverwrittenTests(SynchronousTestCase):
             if event.get("log_namespace") == "lchat.mesh.api":
                 said.append(str(event.get("log_format", "")).format(**event))
 
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        observer = cast(ILogObserver, observe)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         lost = _sample("lchat_mesh_local_edits_overwritten_total")
         # A newer copy over env files as versioned: nothing to tell.
         with open(changed.env_path(host), "a") as f:
