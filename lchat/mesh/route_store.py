@@ -350,6 +350,9 @@ class RouteStore:
             if deleted is None:
                 return 200, {"host": host, "deleted": False}, "absent"
             # The replicated files only: the member data (<host>.db, -wal, -shm) is never touched.
+            # After the row's commit, on purpose: a crash between the two leaves an env file no
+            # row names (rewritten by the next copy of the host, harmless meanwhile), where the
+            # other order could leave a row whose space would start without its env file.
             for path in (
                 hosts.env_path(self._data_dir, host),
                 hosts.bot_env_path(self._data_dir, host),
