@@ -220,7 +220,8 @@ class Spawner:
     """``Lifecycle(spawner=...)``: makes a :class:`FakeChild` per spawn and remembers it.
 
     ``ready``: new children answer at once (else the test calls ``become_ready``);
-    ``stop_delay``: given to each new child; ``refuse``: raise :class:`SpawnError` with it."""
+    ``stop_delay``: given to each new child; ``refuse``: raise :class:`SpawnError` with it;
+    ``fail_with``: raise that (a wake's own failure, say)."""
 
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
@@ -228,12 +229,15 @@ class Spawner:
         self.ready = True
         self.stop_delay: float | None = 0.0
         self.refuse: str | None = None
+        self.fail_with: Exception | None = None
         self._pids = itertools.count(40_000)
 
     def __call__(self, reactor: IReactorTime, spec: ChildSpec) -> FakeChild:
         self.journal.add("spawn", spec.name)
         if self.refuse is not None:
             raise SpawnError(spec.name, self.refuse)
+        if self.fail_with is not None:
+            raise self.fail_with
         child = FakeChild(reactor, spec, next(self._pids), self.journal, ready=self.ready)
         child.stop_delay = self.stop_delay
         self.children.append(child)

@@ -35,6 +35,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from lchat import config, hosts, lease
 from lchat.buckets import RegionBuckets
 from lchat.hibernation.activator import Activator
+from lchat.hibernation.floor import BEHIND_RECHECK, BEHIND_RETRY
 from lchat.hibernation.lifecycle import Lifecycle
 from lchat.hibernation.localdb import (
     LEASE_SUFFIX,
@@ -482,6 +483,29 @@ class BackoffTests(_Machine):
         self.assertGreater(self.store.count(), asked)  # the bucket is asked again
         self.run_until(d)
         self.refused(d, "lease_held")
+
+    def test_a_build_missing_here_is_answered_from_memory_briefly_not_backed_off(self) -> None:
+        """A wake refused because this box lacks the build the space last ran (build_behind) is
+        not the space failing: its refusal is answered again from memory for BEHIND_RECHECK
+        (no bucket read per request), saying why, and never grows into the wake backoff, so
+        the first wake after the operator installs the build runs."""
+        route = self.add_space("behind.example")
+        self.spawner.fail_with = WakeFailed(
+            "behind.example", "build_behind", "behind.example ran 1.4, not installed", BEHIND_RETRY
+        )
+        for _ in range(3):  # (three failed wakes would back off 1 + 2 + 4 s)
+            first = self.wake_failure(self.activator.wake(route, "request"))
+            self.assertEqual((first.reason, first.retry_after), ("build_behind", BEHIND_RETRY))
+            spawned = self.journal.events().count("spawn")
+            for _ in range(int(BEHIND_RECHECK)):  # (whole seconds: exact on the clock)
+                again = self.wake_failure(self.activator.wake(route, "request"))
+                self.assertEqual((again.reason, again.retry_after), ("build_behind", BEHIND_RETRY))
+                answer = self.refused(self.activator.route(route), "build_behind")
+                self.assertIn(b"until it is updated", answer.body)
+                self.assertEqual(self.journal.events().count("spawn"), spawned)
+                self.advance(1.0)
+        self.spawner.fail_with = None  # the operator fetched the build
+        self.awake("behind.example")
 
 
 # -- sleeping ----------------------------------------------------------------------------------------

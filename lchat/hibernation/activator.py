@@ -37,6 +37,7 @@ from lchat.backoff import Backoff
 from lchat.child import RunningChild
 from lchat.deferutil import fire, relay, settled
 from lchat.hibernation.capacity import Capacity, Holds, Memory
+from lchat.hibernation.floor import BEHIND_RECHECK
 from lchat.hibernation.lifecycle import LEASE_CONFLICTS, Lifecycle
 from lchat.hibernation.moved import MovedCheck
 from lchat.hibernation.outage import OutageWrites, WriteWitness, stale
@@ -68,6 +69,9 @@ _awake = Gauge(
 # not cost a lease write, a LIST and an upload on every request.
 WAKE_BACKOFF = Backoff(1.0, 60.0)
 LEASE_HELD_CACHE = 0.25  # seconds a "held elsewhere" answer is reused without asking the bucket
+# Refusals answered again from memory for a moment instead of the wake backoff (they are not the
+# space's failure), and how long: a lease held elsewhere, a build missing on this box.
+REMEMBERED = {"lease_held": LEASE_HELD_CACHE, "build_behind": BEHIND_RECHECK}
 BUCKET_RETRY = 5.0  # a wake refused because the bucket is out of reach: Retry-After
 
 
@@ -118,8 +122,10 @@ class Activator(Service):
         self._claims = claims  # the hosts this activator runs: builtin units leave them alone
         self._spaces: dict[str, Space] = {}
         self._failures: dict[str, tuple[int, float]] = {}  # host -> (failed wakes, retry at)
-        # host -> (answer from memory until, Retry-After, why): a lease seen held elsewhere
-        self._held: dict[str, tuple[float, float, str]] = {}
+        # host -> (answer from memory until, reason, Retry-After, why): a refusal that is not the
+        # space's failure, answered again from memory a moment (REMEMBERED): its lease seen held
+        # elsewhere, or its build missing here
+        self._held: dict[str, tuple[float, str, float, str]] = {}
         self._holds = Holds(reactor)  # the operator's (lchat relocate)
         self._capacity = Capacity(
             reactor,
@@ -338,12 +344,14 @@ class Activator(Service):
                 )
             )
         if space is None and host in self._held:
-            # Held elsewhere a moment ago: answer from that, not with another PUT and GET of the
-            # lock (a busy space on a dead box would otherwise cost two requests per request).
-            until, retry_after, why = self._held[host]
+            # Held elsewhere (or its build missing here) a moment ago: answer from that, not
+            # with another PUT and GET of the lock or read of the build record (a busy space
+            # on a dead box would otherwise cost two requests per request).
+            until, refusal, retry_after, why = self._held[host]
             if now < until:
-                LEASE_CONFLICTS.inc()
-                return fail(WakeFailed(host, "lease_held", why, retry_after))
+                if refusal == "lease_held":
+                    LEASE_CONFLICTS.inc()
+                return fail(WakeFailed(host, refusal, why, retry_after))
             del self._held[host]
         victim = None
         short = self._capacity.short() if space is None else None
@@ -433,13 +441,15 @@ class Activator(Service):
         reason = why.reason
         _wakes.labels(space.reason, reason).inc()
         now = self._reactor.seconds()
-        if reason == "lease_held":
+        remembered = REMEMBERED.get(reason)
+        if remembered is not None:
             if len(self._held) > 10_000:
                 self._held.clear()
-            until = now + min(why.retry_after, LEASE_HELD_CACHE)
-            self._held[host] = (until, why.retry_after, why.message)
-        delay = 0.0
-        if reason not in ("lease_held", "cancelled", "capacity"):  # capacity: not the space's fault
+            until = now + min(why.retry_after, remembered)
+            self._held[host] = (until, reason, why.retry_after, why.message)
+        delay = min(why.retry_after, remembered) if remembered is not None else 0.0
+        # (Not the space's fault: capacity, a lease held elsewhere, a build missing here.)
+        if reason not in ("cancelled", "capacity", *REMEMBERED):
             count = self._failures.get(host, (0, 0.0))[0] + 1
             delay = WAKE_BACKOFF.delay(count)
             self._failures[host] = (count, now + delay)

@@ -46,6 +46,10 @@ from lchat.threads import RunInThread
 _log = Logger(namespace="lchat.activator")
 
 BEHIND_RETRY = 30.0  # Retry-After of a build_behind refusal: an operator has to install a build
+# How long a build_behind refusal is answered from memory before a wake looks again (the
+# activator's; not its growing wake backoff: the space is not failing, this box is behind, and
+# once the build is installed the next wake within this long takes it).
+BEHIND_RECHECK = 5.0
 WRITES = Counter(
     "lchat_build_floor_writes_total",
     "Build records written in the bucket (first: a space's first, raised: a newer build, "
