@@ -114,10 +114,10 @@ class Exchange:
 
     A request recognised whole in one read (lchat.proxy.oneread, ``parsed=False``) gets none of
     the parser's containers: it has no url pieces, headers or X-Forwarded-For to collect, and no
-    body; its ``url``, ``headers``, ``body``, ``forwarded_for`` and ``replay`` are shared empty
-    immutable values, which nothing appends to (a body is only ever appended to by the parser's
-    callbacks; ``rewind`` makes a new list): an append would fail loudly, never leak into another
-    request. (Typed as the parser's containers they stand in for.)
+    body; its ``url`` (``b""``), ``headers``, ``body``, ``forwarded_for`` and ``replay`` are
+    shared empty immutable values, which nothing appends to (a body is only ever appended to by
+    the parser's callbacks; ``rewind`` makes a new list): an append would fail loudly, never leak
+    into another request. (Typed as the parser's containers they stand in for.)
     """
 
     __slots__ = (
@@ -206,7 +206,7 @@ class Exchange:
             self.forwarded_for: list[bytes] = []  # the client's own X-Forwarded-For
             self.replay = []
         else:
-            self.url = _EMPTY  # type: ignore[assignment]
+            self.url = b""  # type: ignore[assignment]
             self.headers = _EMPTY  # type: ignore[assignment]
             self.body = _EMPTY  # type: ignore[assignment]
             self.forwarded_for = _EMPTY  # type: ignore[assignment]
