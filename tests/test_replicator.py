@@ -334,6 +334,18 @@ class ReplicatorTests(TestCase):
         self.assertEqual(rfc3339_nano(t.replace(microsecond=0)), "2026-01-02T03:04:05Z")
 
 
+def _new_source(test: TestCase) -> tuple[str, str]:
+    """A temporary directory (removed after ``test``) and in it ``src.db``: WAL, one table t."""
+    d = tempfile.mkdtemp(prefix="lchat-repl-")
+    test.addCleanup(shutil.rmtree, d, True)
+    src = os.path.join(d, "src.db")
+    conn = sqlite3.connect(src, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
+    conn.close()
+    return d, src
+
+
 class MotoTests(TestCase):
     timeout = 90
 
@@ -342,13 +354,7 @@ class MotoTests(TestCase):
         bucket = await server.new_bucket()
         store = s3servers.store_for(server, bucket)
         self.addCleanup(store.close)
-        d = tempfile.mkdtemp(prefix="lchat-repl-")
-        self.addCleanup(shutil.rmtree, d, True)
-        src = os.path.join(d, "src.db")
-        conn = sqlite3.connect(src, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
-        conn.close()
+        d, src = _new_source(self)
         rep = Replicator(reactor, store, src, PATH, interval=0.1)
         self.addCleanup(rep.stop)
         await rep.start()
@@ -374,13 +380,7 @@ class MotoTests(TestCase):
         bucket = await server.new_bucket()
         store = Counting(s3servers.store_for(server, bucket))
         self.addCleanup(store._store.close)
-        d = tempfile.mkdtemp(prefix="lchat-repl-")
-        self.addCleanup(shutil.rmtree, d, True)
-        src = os.path.join(d, "src.db")
-        conn = sqlite3.connect(src, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB)")
-        conn.close()
+        d, src = _new_source(self)
         rep = Replicator(
             reactor,
             store,
@@ -535,13 +535,7 @@ class StopTests(TestCase):
     def test_a_second_stop_waits_for_the_first(self) -> None:
         from twisted.internet.defer import Deferred
 
-        root = tempfile.mkdtemp(prefix="lchat-repl-")
-        self.addCleanup(shutil.rmtree, root, True)
-        src = os.path.join(root, "src.db")
-        conn = sqlite3.connect(src, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT)")
-        conn.close()
+        root, src = _new_source(self)
         os.makedirs(os.path.join(root, "bucket"))
         clock = Clock()
         held: list[tuple[Any, Deferred[Any]]] = []
