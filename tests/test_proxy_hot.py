@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -95,6 +96,25 @@ class BuildTests(SynchronousTestCase):
                 with (tmp / name).open("a") as f:
                     f.write("\n# changed\n")
                 self.assertNotEqual(hot_digest(tmp), before)
+
+    def test_a_compiled_module_that_does_not_load_is_the_python_build(self) -> None:
+        """(Built for another Python, or any failure at its import): the router still starts,
+        on the Python build, and its start line says why."""
+        saved = sys.modules["lchat.proxy.hot"]
+        self.addCleanup(sys.modules.__setitem__, "lchat.proxy.hot", saved)
+
+        def broken(name: str) -> ModuleType:
+            raise ImportError(f"{name}: undefined symbol: _PyFoo")
+
+        said = lchat.proxy._choose_hot(import_compiled=broken)
+        if not hot.COMPILED:
+            return  # (nothing compiled is chosen in this run: nothing to fail)
+        self.assertIn("did not load", said)
+        self.assertIn("undefined symbol", said)
+        loaded = sys.modules["lchat.proxy.hot"]
+        self.assertIsNot(loaded, saved)
+        self.assertFalse(loaded.COMPILED)
+        self.assertTrue(str(loaded.__file__).endswith("hot.py"))
 
     def test_the_module_loaded_is_the_one_chosen(self) -> None:
         self.assertEqual(hot.COMPILED, lchat.proxy.HOT.startswith("compiled"))

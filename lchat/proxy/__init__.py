@@ -13,7 +13,9 @@ import hashlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 _HERE = Path(__file__).parent
 
@@ -43,8 +45,12 @@ def hot_choice(built: bool, pure: bool, built_from: str, source: str) -> tuple[b
     return True, "compiled (lchat/proxy/hot)"
 
 
-def _choose_hot() -> str:
-    """Load lchat.proxy.hot (see the module docstring) and say which it is."""
+def _choose_hot(
+    import_compiled: Callable[[str], ModuleType] = importlib.import_module,
+) -> str:
+    """Load lchat.proxy.hot (see the module docstring) and say which it is. A compiled module
+    that fails to load (built for another Python, say) is a warning in the start line and the
+    Python build, never a router that cannot start."""
     name = __name__ + ".hot"
     spec = importlib.util.find_spec(name)
     built = spec is not None and spec.origin is not None and not spec.origin.endswith(".py")
@@ -55,7 +61,17 @@ def _choose_hot() -> str:
     compiled, said = hot_choice(
         built, bool(os.environ.get("LCHAT_PURE_PYTHON")), built_from, hot_digest() if built else ""
     )
-    if built and not compiled:
+    if compiled:
+        try:
+            import_compiled(name)
+            return said
+        except Exception as e:
+            sys.modules.pop(name, None)
+            said = (
+                f"Python (the compiled lchat/proxy/hot did not load: {e}; rebuild it with "
+                "`make install` or `pip install .`; ~1 µs more CPU per request)"
+            )
+    if built:
         source = importlib.util.spec_from_file_location(name, _HERE / "hot.py")
         assert source is not None and source.loader is not None
         module = importlib.util.module_from_spec(source)
