@@ -433,8 +433,9 @@ class Activator(Service):
         return self._spaces.get(space.host) is space and space.state == "awake"
 
     def _wake_failed(self, space: Space, outcome: Failure) -> Failure:
-        """Name a failed wake, remember its backoff (or the held lease), log it; returns the
-        failure its waiters get (always a :class:`WakeFailed`)."""
+        """Name a failed wake, remember its backoff (or, for a refusal that is not the space's
+        failure, the refusal itself: REMEMBERED), log it; returns the failure its waiters get
+        (always a :class:`WakeFailed`)."""
         host = space.host
         why = WakeFailed.of(host, outcome, self.budgets.wake)
         outcome = outcome if why is outcome.value else Failure(why)
