@@ -105,6 +105,9 @@ class View:
     def bucket_reachable(self) -> bool:
         return True
 
+    def lapsed(self) -> bool:  # this box is alive (a lapsed one: IsolatedTests)
+        return False
+
     def read(self, *members: Peer, draining: tuple[str, ...] = ()) -> None:
         """``draining``: peers whose heartbeat said "draining" at this read."""
         self.leaving = frozenset(draining)
@@ -874,6 +877,88 @@ class NotHoldingTests(_Base):
         self.assertIs(self.routed(mesh, host), SERVED_HERE)
         self.clock.advance(2 * HEARTBEAT)
         self.assertForwardedTo(self.routed(mesh, host), C, host)
+
+
+class IsolatedTests(_Base):
+    """A box past its liveness deadline (cut off from its bucket and its peers: ``lapsed``)
+    answers every request at once: its own spaces from their read-only copies (the activator),
+    a space a peer in its reach holds by a forward there, anything else a 503 — never after a
+    lease read (which would hang on the bucket it cannot reach) or a dial to a silent peer
+    (tests.test_mesh_cuts, d: refusals that took 1.5-3.6 s, the lease read's timeout and a
+    dial's)."""
+
+    def isolated_mesh(self, holder: str, answering: set[str]) -> tuple[MeshRouter, str]:
+        """A lapsed box SELF of {SELF, B}, B holding a space B owns by its last beats (said
+        within dead_after: Membership.holding) and by its lease; ``answering``: the peers whose
+        beats are answered (the rest went unanswered: out of reach)."""
+        host = host_owned_by(B, SELF, B)
+        self.hold_lease(host, holder)
+
+        class Lapsed(View):
+            def lapsed(self) -> bool:
+                return True
+
+            def holding(self, asked: str) -> str | None:
+                return holder if asked == host else None
+
+            def peer_unreachable(self, url: str) -> bool:
+                return url not in answering
+
+            def answered_since(self, url: str, since: float) -> bool:
+                return url in answering
+
+        return self.mesh(Lapsed(Peer(SELF), Peer(B))), host
+
+    def test_a_space_held_by_a_peer_out_of_reach_gets_a_503_at_once(self) -> None:
+        mesh, host = self.isolated_mesh(B, answering=set())
+        reads, counted = self.disk.calls, forwards("isolated")
+        got = self.routed(mesh, host)
+        assert isinstance(got, LocalResponse)
+        self.assertEqual((got.status, got.label), (503, "isolated"))
+        self.assertIn((b"retry-after", str(routing.RETRY_AFTER_SECONDS).encode()), got.headers)
+        self.assertEqual(self.disk.calls, reads)  # no lease read
+        self.assertEqual(self.clock.getDelayedCalls(), [])  # nothing waited for
+        self.assertEqual(self.served, [])  # no wake here either
+        self.assertEqual(forwards("isolated"), counted + 1)
+
+    def test_a_silent_peer_is_out_of_reach_however_long_it_has_been_silent(self) -> None:
+        """An alive box takes a peer silent for dead_after, its heartbeat not fresh, for dead
+        (the wake judges it); a lapsed box can wake nothing, so it refuses instead of dialing."""
+        mesh, host = self.isolated_mesh(B, answering=set())
+        self.clock.advance(DEAD_AFTER * 3)  # (View.silent_for: never heard; nothing fresh)
+        got = self.routed(mesh, host)
+        assert isinstance(got, LocalResponse)
+        self.assertEqual((got.status, got.label), (503, "isolated"))
+
+    def test_a_space_held_by_a_peer_in_reach_is_forwarded_there(self) -> None:
+        """Both boxes cut off from the bucket, not from each other: the holder's read-only copy
+        answers as this box's would."""
+        mesh, host = self.isolated_mesh(B, answering={B})
+        reads = self.disk.calls
+        self.assertForwardedTo(self.routed(mesh, host), B, host)
+        self.assertEqual(self.disk.calls, reads)
+
+    def test_a_space_held_here_is_answered_by_its_read_only_copy(self) -> None:
+        """Fenced, its lease counted lost: the activator answers (reads from the copy, writes
+        refused), without a lease read first."""
+        mesh, host = self.isolated_mesh(SELF, answering=set())
+        self.running.hosts.add(host)
+        self.running.lost.add(host)
+        reads, counted = self.disk.calls, forwards("local_isolated")
+        self.assertIs(self.routed(mesh, host), SERVED_HERE)
+        self.assertEqual((self.served, self.disk.calls), ([host], reads))
+        self.assertEqual(forwards("local_isolated"), counted + 1)
+
+    def test_a_failed_forward_is_refused_at_once(self) -> None:
+        """A forward to the holder dialed just before the lapse fails: routed again, at once."""
+        answering = {B}
+        mesh, host = self.isolated_mesh(B, answering=answering)
+        target = self.assertForwardedTo(self.routed(mesh, host), B, host)
+        answering.clear()  # (its beats go unanswered from now on)
+        got = self.successResultOf(self.reroute(mesh, target, "unreachable"))
+        assert isinstance(got, LocalResponse)
+        self.assertEqual((got.status, got.label), (503, "isolated"))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
 
 
 class RegionView(View):

@@ -388,7 +388,39 @@ class MeshRouter:
         if self._activator.holds(host) and not self._activator.lease_lost(host):
             _forwards.labels("local_running").inc()
             return self._here(route, head)
+        return self._route_elsewhere(route, head)
+
+    def _route_elsewhere(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
+        """A request this box's running space does not answer: by the peers' word and the lease
+        (:meth:`_route_remote`), or at once while this box is not alive (:meth:`_route_isolated`)."""
+        if self._membership.lapsed():
+            return self._route_isolated(route, head)
         return Deferred.fromCoroutine(self._route_remote(route, head))
+
+    def _route_isolated(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
+        """A request while this box is past its liveness deadline (cut off from its bucket and
+        its peers: Membership.lapsed): answered now, never after a lease read that would hang or
+        a dial to a peer that does not answer beats (tests.test_mesh_cuts, d: 503s slower than a
+        second while isolated). A space this box holds answers from its read-only copy (the
+        activator: reads served, writes refused); one a peer in reach holds (both cut off from
+        the bucket, not from each other) is forwarded to it, whose copy answers as ours would;
+        anything else gets a 503 with Retry-After at once (a wake here is refused anyway)."""
+        host = route.host
+        if self._activator.holds(host):
+            # (The activator answers at once for a box that is not alive: never a wake.)
+            _forwards.labels("local_isolated").inc()
+            return self._here(route, head)
+        holder = self._membership.holding(host) or self._holders.get(host, (0.0, None))[1]
+        if (
+            holder is not None
+            and holder != self._self_url
+            and holder in {placement.normalise_member_url(m.url) for m in self._live()}
+            and not self._cut_off(holder, judged_here=False)
+        ):
+            _forwards.labels("to_holder").inc()
+            return self._to(holder, route, head)
+        _forwards.labels("isolated").inc()
+        return _unavailable(host, "isolated")
 
     def _forwarded_here(self, route: Route, head: RequestHead) -> Target | Deferred[Target]:
         _forwards.labels("local_forwarded").inc()
@@ -502,7 +534,7 @@ class MeshRouter:
                 self._not_holding.clear()
             self._not_holding[host] = (member, now + 2 * self._mesh.heartbeat)
             self._holders.pop(host, None)
-            return Deferred.fromCoroutine(self._route_remote(route, head))
+            return self._route_elsewhere(route, head)
         if why == "stopping":
             # It refused the request unprocessed because it is draining: its leases are
             # released within moments, worth waiting for (_released).
@@ -518,7 +550,7 @@ class MeshRouter:
             self._refused.discard(member)
         self._unreachable[member] = (now + self._mesh.dead_after, self._mono())
         self._holders.pop(host, None)
-        return Deferred.fromCoroutine(self._route_remote(route, head))
+        return self._route_elsewhere(route, head)
 
     async def _route_remote(self, route: Route, head: RequestHead) -> Target:
         host = route.host
@@ -565,13 +597,14 @@ class MeshRouter:
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, head)
 
-    def _cut_off(self, peer: str) -> bool:
+    def _cut_off(self, peer: str, judged_here: bool = True) -> bool:
         """Is ``peer`` alive — its heartbeat fresh in the bucket, or heard lately — but out of
         this box's reach now? (Neither fresh nor heard for ``dead_after``, it may be dead: a wake
-        then judges it, and takes its lease over if it is.)"""
+        then judges it, and takes its lease over if it is. ``judged_here`` False: no wake here
+        can judge it — this box is not alive — so a silent peer is out of reach, whatever it is.)"""
         membership = self._membership
         silent = membership.silent_for(peer) >= self._mesh.dead_after
-        if silent and not membership.fresh_in_bucket(peer):
+        if judged_here and silent and not membership.fresh_in_bucket(peer):
             return False
         self._live()  # (forgets the marks of peers that answer again)
         unreachable = peer in self._unreachable and peer not in self._refused
