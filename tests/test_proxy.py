@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from prometheus_client import REGISTRY
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.endpoints import (
     TCP4ClientEndpoint,
@@ -872,6 +874,136 @@ class TLSTunnelCloseTests(TunnelCloseTests):
     is registered on the transport, so the proxy must unregister before closing."""
 
     secure = True
+
+
+def tls_exchange(ca_pem: str, port: int, request: bytes) -> tuple[bytes, str, ssl.SSLSocket]:
+    """A blocking TLS client (run it in a thread): send ``request``, read until the server's
+    close: (what was read, how it ended, the socket — still open, its own close_notify not sent:
+    the caller closes it). "close_notify": the server closed cleanly; anything else names the
+    error (a close without close_notify, a reset)."""
+    context = ssl.create_default_context(cadata=ca_pem)
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock = context.wrap_socket(raw, server_hostname=HOST, suppress_ragged_eofs=False)
+    sock.sendall(request)
+    received = bytearray()
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return bytes(received), "close_notify", sock
+            received += chunk
+    except OSError as e:  # ssl.SSLEOFError: closed without close_notify; a reset
+        return bytes(received), type(e).__name__, sock
+
+
+def closed_at_once() -> float:
+    return REGISTRY.get_sample_value("lchat_tls_closed_at_once_total") or 0.0
+
+
+class TLSCloseTests(ProxyTestCase):
+    """A TLS client that said it closes (``Connection: close``, or HTTP/1.0) gets its answer and
+    our close_notify, and the connection is closed at once, as nginx closes it: the router does
+    not wait for the client's close_notify (ClientConnection._close_tls_now). A close the router
+    decides on while the client may still be sending (its pipelining limit) is the graceful one,
+    which reads on: closing with unread bytes would reset the connection."""
+
+    secure = True
+    BIG = 200 * 1024  # an answer beyond CLOSE_NOW_LIMIT: written first, the close_notify after
+
+    def respond(self, conn: Backend) -> None:
+        while b"\r\n\r\n" in conn.buffer:
+            head, _, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                return
+            conn.buffer = bytearray(rest[length:])
+            body = b"b" * self.BIG if head.startswith(b"GET /big") else b"hello"
+            conn.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+
+    @inlineCallbacks
+    def serve(self, **cfg: Any) -> Any:
+        yield self.backend(BackendFactory(self.respond))
+        yield self.proxy(**cfg)
+        # A request kept alive first: its space connection is pooled, so that the next request
+        # takes the one-read path (recognised whole, answered whole: lchat.proxy.hot).
+        client = yield self.connect()
+        client.transport.write(b"GET /warm HTTP/1.1\r\nHost: %s\r\n\r\n" % HOST.encode())
+        yield self.until(lambda: len(self.responses(client.received)) == 1)
+        client.transport.loseConnection()
+        yield self.until(lambda: len(self.factory.connections) == 0)
+
+    @inlineCallbacks
+    def exchange(self, request: bytes) -> Any:
+        got, ended, sock = yield deferToThread(
+            tls_exchange, self.ca.pem.decode(), self.port, request
+        )
+        self.addCleanup(sock.close)
+        return got, ended
+
+    @inlineCallbacks
+    def assertClosedAtOnce(self, request: bytes, body: bytes = b"hello") -> Any:
+        before = closed_at_once()
+        got, ended = yield self.exchange(request)
+        ((status, headers, answer),) = self.responses(got)
+        self.assertEqual((status, headers.get("connection"), answer), (200, "close", body))
+        self.assertEqual(ended, "close_notify")
+        # The client has neither answered our close_notify nor closed: the router is done
+        # with the connection all the same (it used to wait for the client's close_notify).
+        yield self.until(lambda: not self.factory.connections, timeout=2.0)
+        self.assertEqual(closed_at_once(), before + 1)
+
+    @inlineCallbacks
+    def test_a_request_answered_whole(self):
+        yield self.serve()
+        request = b"GET /x HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % HOST.encode()
+        one_read = self.factory.state.stats.one_read
+        yield self.assertClosedAtOnce(request)
+        self.assertEqual(self.factory.state.stats.one_read, one_read + 1)  # (the path taken)
+
+    @inlineCallbacks
+    def test_a_request_with_a_body(self):
+        yield self.serve()
+        request = (
+            b"POST /x HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n"
+            b"Content-Length: 5\r\n\r\nabcde" % HOST.encode()
+        )
+        yield self.assertClosedAtOnce(request)
+
+    @inlineCallbacks
+    def test_an_http10_request(self):
+        yield self.serve()
+        yield self.assertClosedAtOnce(b"GET /x HTTP/1.0\r\nHost: %s\r\n\r\n" % HOST.encode())
+
+    @inlineCallbacks
+    def test_a_big_answer_arrives_whole_then_the_close_notify(self):
+        yield self.serve()
+        request = b"GET /big HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % HOST.encode()
+        got, ended = yield self.exchange(request)
+        ((status, _, answer),) = self.responses(got)
+        self.assertEqual((status, len(answer), ended), (200, self.BIG, "close_notify"))
+
+    @inlineCallbacks
+    def test_a_close_the_router_decides_on_reads_on(self):
+        """Past its pipelining limit the router answers the last request it takes with
+        ``Connection: close``; the client's further requests are unread: the close waits for
+        the client's close_notify (reading and dropping), so no reset destroys the answers."""
+        yield self.serve(max_pipelined=2)
+        before = closed_at_once()
+        requests = b"".join(
+            b"GET /p%d HTTP/1.1\r\nHost: %s\r\n\r\n" % (i, HOST.encode()) for i in range(5)
+        )
+        got, ended = yield self.exchange(requests)
+        answers = self.responses(got)  # (the one served, and the two it queued)
+        self.assertEqual([a[0] for a in answers], [200, 200, 200])
+        self.assertEqual(answers[-1][1].get("connection"), "close")
+        self.assertEqual(ended, "close_notify")
+        self.assertEqual(closed_at_once(), before)
 
 
 class StalledUploadCloseTests(ProxyTestCase):

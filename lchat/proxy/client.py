@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,10 @@ LINGER = 2.0
 # Unsent output on a client connection beyond which nothing more is made for it (pause_writing);
 # it resumes at a quarter of it (asyncio's default low-water mark).
 HIGH_WATER = 64 * 1024
+# A final answer written with our close_notify in one TCP write at most this long (beyond, it
+# goes first and the close_notify after: _close_tls_now); far below uvloop's SSL high-water mark
+# (512 KiB), so that writing it never pauses us.
+CLOSE_NOW_LIMIT = 64 * 1024
 
 _rejected = Counter("lchat_http_rejected_total", "Requests refused before routing", ["reason"])
 _output_paused = Gauge(
@@ -48,6 +53,11 @@ _output_pauses = Counter(
 _send_timeouts = Counter(
     "lchat_http_send_timeouts_total",
     "Client connections aborted because their unsent output did not move for LCHAT_SEND_TIMEOUT",
+)
+_tls_closed_now = Counter(
+    "lchat_tls_closed_at_once_total",
+    "TLS client connections closed as soon as the last answer and our close_notify were written,"
+    " without waiting for the client's close_notify (the client said it closes)",
 )
 _tunnel_idle_closes = Counter(
     "lchat_http_tunnel_idle_closes_total",
@@ -74,6 +84,9 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         self.proxy = factory
         self.cfg = factory.cfg
         self.transport: asyncio.Transport | None = None
+        # Under TLS, the TCP transport below uvloop's SSL one (TLSAcceptor sets it): a close
+        # the client asked for closes it once our close_notify is with it (_closing, quick).
+        self.raw_transport: asyncio.Transport | None = None
         self.valve: Valve | None = None
         self._batch: list[bytes] | None = None  # writes gathered during an upstream read
         self._tunnel_moved = 0.0  # an upgraded tunnel's last byte, either way
@@ -142,6 +155,52 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def _close_tls_now(self, last: bytes = b"") -> bool:
+        """Under TLS (a connection :class:`~lchat.proxy.tls_accept.TLSAcceptor` set up, which
+        gave us its TCP transport): write ``last`` (a final answer) and our close_notify after
+        it, in one TCP write, and close the TCP connection once that is out — as nginx does
+        (``SSL_shutdown`` once, not waiting for the client's). uvloop's own close of the SSL
+        transport would read on until the client's close_notify came: a timer, three exceptions,
+        a write and a read more per connection, ~10 % of a new TLS connection's CPU
+        (docs/performance.md, "The TLS close").
+
+        Only for a client that said it closes (it sends nothing more: RFC 9112 §9.6, so nothing
+        unread can turn the close into a reset), and only when nothing waits in either
+        transport (then the SSL transport's own close flushes it first). True once done, or
+        done already; False, having done nothing, otherwise."""
+        raw = self.raw_transport
+        transport = self.transport
+        if raw is None or transport is None:
+            return False
+        if raw.is_closing():
+            return True
+        if (
+            transport.get_write_buffer_size()
+            or raw.get_write_buffer_size()
+            or len(last) > CLOSE_NOW_LIMIT
+        ):
+            return False
+        ssl_object = transport.get_extra_info("ssl_object")
+        protocol = raw.get_protocol()
+        # Paused as its TCP transport pauses it over its high-water mark (the TCP buffer is
+        # empty: it is not paused now), the SSL layer keeps the records it makes until
+        # resume_writing, which writes them at once.
+        protocol.pause_writing()
+        try:
+            if last:
+                transport.write(last)
+            try:
+                ssl_object.unwrap()  # our close_notify, after the answer
+            except ssl.SSLWantReadError:
+                pass  # (the client's is not waited for)
+            except ssl.SSLError as e:
+                _log.debug("tls: close_notify to {client} not sent: {e}", client=self._client, e=e)
+        finally:
+            protocol.resume_writing()
+        raw.close()
+        _tls_closed_now.inc()
+        return True
+
     def upstream_full(self, full: bool) -> None:
         """The space's side of the current request has too much unsent (its body, or tunnel
         bytes): stop reading the client until it drained (UpstreamConnection.pause_writing)."""
@@ -152,7 +211,7 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         else:
             self.valve.open(Valve.PEER_FULL)
 
-    def _closing(self, linger: bool = False) -> None:
+    def _closing(self, linger: bool = False, quick: bool = False) -> None:
         """Close once the unsent output is out (what a batch gathered goes first). The transport
         stops reading (TLS still reads the client's answer to its close, inside the transport).
         The sweep aborts a close that does not finish (output that does not move, or a TLS peer
@@ -161,7 +220,10 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         ``linger`` (after a refusal, when the client may still be sending): only our sending
         side closes, and what the client still sends is read and dropped for up to
         :data:`LINGER` seconds. Closing with unread bytes would reset the connection, and a
-        reset can destroy our answer before the client read it (nginx: lingering_close)."""
+        reset can destroy our answer before the client read it (nginx: lingering_close).
+
+        ``quick`` (the client's request said it closes, and all of it was read): under TLS the
+        close does not wait for the client's close_notify (:meth:`_close_tls_now`)."""
         assert self.transport is not None
         first = not self._closed
         self._closed = True
@@ -173,7 +235,11 @@ class ClientConnection(ClientCore, asyncio.Protocol):
             if self.valve is not None:
                 self.valve.open_all()
         else:
-            self.transport.close()
+            raw = self.raw_transport
+            if raw is not None and raw.is_closing():
+                pass  # closed at once already (_close_tls_now), or lost
+            elif not (quick and self._close_tls_now()):
+                self.transport.close()
         if first and not self._output_paused:
             self._watch_send()  # (a paused client's clock is already running)
 

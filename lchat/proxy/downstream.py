@@ -318,6 +318,7 @@ class Downstream(Relay):
         ex.method = self._parser.get_method()
         ex.version = self._parser.get_http_version()
         ex.keep_alive = bool(self._parser.should_keep_alive())
+        ex.client_closes = not ex.keep_alive
         ex.head = validate(
             ex, self.proxy.parse_host, self._client, self.proxy.secure, self.cfg.max_body
         )

@@ -50,7 +50,8 @@ cdef class HotStats:
 
 
 cdef class Exchange:
-    cdef public object body, body_complete, body_size, bytes_out, chunked, close_after
+    cdef public object body, body_complete, body_size, bytes_out, chunked, client_closes
+    cdef public object close_after
     cdef public object forwarded_for, head, header_bytes, headers, hop_waited, keep_alive
     cdef public object length, method, observed, origin, refused_by, refused_why, replay
     cdef public object replay_size, rerouted, response_chunked, response_complete
@@ -66,7 +67,7 @@ cdef class ClientCore:
     cdef public object _pool, _progress, _route, _seconds, _send_buffered, _send_moved_at
     cdef public object _served, _serving_queue, _spliced, _stats, _timer_action, _tunnel_moved
     cdef public object _unreported, _upstream_action, _upstream_timeout, _waiting, bulk_written
-    cdef public object cfg, proxy, transport, valve
+    cdef public object cfg, proxy, raw_transport, transport, valve
 
     cpdef data_received(self, data)
     @cython.locals(ex=Exchange, upstream=UpstreamCore, stats=HotStats, pool=PoolCore)

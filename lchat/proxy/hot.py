@@ -126,6 +126,7 @@ class Exchange:
         "body_size",
         "bytes_out",
         "chunked",
+        "client_closes",
         "close_after",
         "forwarded_for",
         "head",
@@ -164,7 +165,11 @@ class Exchange:
         self.version = "1.1"
         self.head: RequestHead | None = None
         self.target: Target | None = None
-        self.keep_alive = True  # what the client asked for
+        self.keep_alive = True  # what the client asked for, or what we allow (pipelining)
+        # The client's own request said it closes (Connection: close, or HTTP/1.0 without
+        # keep-alive): after the answer it sends nothing more (RFC 9112 §9.6), so the close
+        # need not wait for it (ClientConnection._closing, ``quick``).
+        self.client_closes = False
         self.header_bytes = 0
         self.length: int | None = None
         self.body_size = 0  # request body bytes received so far
@@ -284,6 +289,7 @@ class ClientCore:
         "bulk_written",
         "cfg",
         "proxy",
+        "raw_transport",
         "transport",
         "valve",
     )
@@ -295,6 +301,7 @@ class ClientCore:
     cfg: ProxyConfig
     _batch: list[bytes] | None
     _tunnel_moved: float
+    raw_transport: Any
     _parser: Any
     _parsing: Exchange | None
     _active: Exchange | None
@@ -381,6 +388,7 @@ class ClientCore:
             # Connection: close: nothing more is read, and the answer closes the connection
             # (as the parser's StopReading does on the general path).
             ex.keep_alive = False
+            ex.client_closes = True
             self._parser = None
         self._completed = ex
         self._unreported = 0
@@ -434,6 +442,10 @@ class ClientCore:
         raise NotImplementedError
 
     def _finish(self, ex: Exchange) -> None:
+        raise NotImplementedError
+
+    def _close_tls_now(self, last: bytes = b"") -> bool:
+        """Write ``last`` and close at once, under TLS (the subclass's)."""
         raise NotImplementedError
 
     # -- writing to the client -----------------------------------------------------------------
@@ -502,7 +514,12 @@ class ClientCore:
             self.transport.write(data)
         else:
             end = len(data) - length - 2  # (the head's empty line)
-            self.transport.write(data[:end] + CLOSE_LINE + data[end + 2 :])
+            answer = data[:end] + CLOSE_LINE + data[end + 2 :]
+            # (Under TLS, with our close_notify in the same write, and closed at once.)
+            if not (ex.client_closes and self.raw_transport is not None) or not (
+                self._close_tls_now(answer)
+            ):
+                self.transport.write(answer)
             ex.close_after = True  # (_finish closes)
         upstream = ex.upstream
         ex.upstream = None

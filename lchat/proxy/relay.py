@@ -515,7 +515,7 @@ class Relay(ClientConnection):
             self._observe(ex, started=False)
         assert self.transport is not None and self.valve is not None
         if ex.close_after:
-            self._closing()
+            self._closing(quick=ex.client_closes and ex.body_complete)
             return
         valve = self.valve
         if not self._waiting and not self._closed:

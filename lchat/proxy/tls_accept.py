@@ -38,6 +38,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import uvloop
 from attrs import define, field, frozen
 from prometheus_client import Counter, Gauge
 from twisted.internet.defer import CancelledError, Deferred
@@ -47,6 +48,12 @@ from twisted.python.failure import Failure
 
 from lchat import tls
 from lchat.proxy.handshakes import HandshakeNotes, classify_ssl_failure, handshake_notes
+
+_SSLProtocol: Any
+try:  # uvloop's SSL protocol, which connect_accepted_socket(ssl=) puts over a TCP transport
+    from uvloop.loop import SSLProtocol as _SSLProtocol  # type: ignore[attr-defined,no-redef]
+except ImportError:  # (a uvloop that moved it: the plain call, and TLS closes that wait)
+    _SSLProtocol = None
 
 ACCEPT_BATCH = 64  # connections accepted per wake-up (then the loop serves others)
 ACCEPT_PAUSE = 1.0  # seconds without accepting after running out of file descriptors
@@ -459,13 +466,33 @@ class TLSAcceptor:
 
     async def _handshake(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
         handshake_notes.set(notes)  # (seen in a copy of this task's context: HandshakeNotes)
+        raw: Any = None  # (uvloop's TCPTransport)
         try:
-            await self._loop.connect_accepted_socket(
-                self._factory,
-                conn,
-                ssl=self._store.server_ssl_context,
+            if _SSLProtocol is None or not isinstance(self._loop, uvloop.Loop):
+                await self._loop.connect_accepted_socket(
+                    self._factory,
+                    conn,
+                    ssl=self._store.server_ssl_context,
+                    ssl_handshake_timeout=self.handshake_timeout,
+                )
+                return
+            # What connect_accepted_socket(ssl=) does, by hand, to keep the TCP transport below
+            # the SSL one: the protocol may close it itself (ClientConnection.raw_transport).
+            app = self._factory()
+            done = self._loop.create_future()
+            protocol = _SSLProtocol(
+                self._loop,
+                app,
+                self._store.server_ssl_context,
+                done,
+                server_side=True,
+                server_hostname=None,
                 ssl_handshake_timeout=self.handshake_timeout,
             )
+            raw, _ = await self._loop.connect_accepted_socket(lambda: protocol, conn)
+            if hasattr(app, "raw_transport"):
+                app.raw_transport = raw
+            await done  # the handshake (a failure closes the connection: uvloop's _fatal_error)
         except OSError as e:  # ssl.SSLError included
             conn.close()  # a no-op once uvloop has taken it (it detaches the socket object)
             if notes.received:
@@ -473,7 +500,13 @@ class TLSAcceptor:
                 self._store.handshake_failed(kind, notes.server_name, peer, detail)
         except Exception:
             conn.close()
+            if raw is not None:
+                raw.abort()
             _log.failure("tls: serving a connection from {peer} failed", peer=peer)
+        except BaseException:  # cancelled (the acceptor closes): as uvloop's own would
+            if raw is not None:
+                raw.abort()
+            raise
 
 
 @define(eq=False)
