@@ -52,7 +52,7 @@ from twisted.web.server import Site
 from twisted.web.websocket import WebSocketResource, WebSocketTransport
 from zope.interface import implementer
 
-from lchat import certfiles, tls
+from lchat import certfiles, tls, uvloop_reactor
 from lchat.config import ProxyConfig
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.upstream import client_tls_context
@@ -979,6 +979,41 @@ class TLSCloseTests(ProxyTestCase):
     def test_an_http10_request(self):
         yield self.serve()
         yield self.assertClosedAtOnce(b"GET /x HTTP/1.0\r\nHost: %s\r\n\r\n" % HOST.encode())
+
+    @inlineCallbacks
+    def test_clients_that_answer_the_close_at_once_leave_nothing_behind(self):
+        """As wrk and browsers do: the client's close_notify (and its FIN) arrive as the router
+        closes, or just after. Whichever comes first, nothing fails in the loop, and every
+        connection is gone."""
+        yield self.serve()
+        loop = uvloop_reactor.loop_of(reactor)
+        errors: list[dict[str, Any]] = []
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _loop, context: errors.append(context))
+        self.addCleanup(loop.set_exception_handler, previous)
+        before = closed_at_once()
+        request = b"GET /x HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % HOST.encode()
+        pem, port = self.ca.pem.decode(), self.port
+
+        def twenty() -> list[tuple[bytes, str]]:
+            results = []
+            for _ in range(20):
+                got, ended, sock = tls_exchange(pem, port, request)
+                try:
+                    sock.unwrap()  # our close_notify, at once
+                except OSError:
+                    pass  # (the router may have closed already: a reset)
+                sock.close()
+                results.append((got, ended))
+            return results
+
+        results = yield deferToThread(twenty)
+        for got, ended in results:
+            self.assertEqual([r[0] for r in self.responses(got)], [200])
+            self.assertEqual(ended, "close_notify")
+        yield self.until(lambda: not self.factory.connections)
+        self.assertEqual(errors, [])
+        self.assertEqual(closed_at_once(), before + 20)
 
     @inlineCallbacks
     def test_a_big_answer_arrives_whole_then_the_close_notify(self):

@@ -181,11 +181,17 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         ):
             return False
         ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None:
+            return False
         protocol = raw.get_protocol()
-        # Paused as its TCP transport pauses it over its high-water mark (the TCP buffer is
-        # empty: it is not paused now), the SSL layer keeps the records it makes until
-        # resume_writing, which writes them at once.
-        protocol.pause_writing()
+        # Paused as its TCP transport pauses it over its high-water mark, the SSL layer keeps
+        # the records it makes until resume_writing, which writes them at once. (With the TCP
+        # buffer empty it is not paused now; were it, uvloop asserts, and the ordinary close
+        # waits for the output.)
+        try:
+            protocol.pause_writing()
+        except AssertionError:
+            return False
         try:
             if last:
                 transport.write(last)
