@@ -629,6 +629,7 @@ class FrontDoorFiguresTests(SynchronousTestCase):
                 "lchat_http_connections",
                 "lchat_http_connections_accepted_total",
                 "lchat_tls_handshakes_total",
+                "lchat_tls_closed_at_once_total",
                 "lchat_upstream_idle_connections",
             },
         )

@@ -54,11 +54,6 @@ _send_timeouts = Counter(
     "lchat_http_send_timeouts_total",
     "Client connections aborted because their unsent output did not move for LCHAT_SEND_TIMEOUT",
 )
-_tls_closed_now = Counter(
-    "lchat_tls_closed_at_once_total",
-    "TLS client connections closed as soon as the last answer and our close_notify were written,"
-    " without waiting for the client's close_notify (the client said it closes)",
-)
 _tunnel_idle_closes = Counter(
     "lchat_http_tunnel_idle_closes_total",
     "Upgraded tunnels closed after LCHAT_TUNNEL_IDLE_TIMEOUT without a byte either way",
@@ -204,7 +199,7 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         finally:
             protocol.resume_writing()
         raw.close()
-        _tls_closed_now.inc()
+        self._stats.tls_closed_at_once += 1
         return True
 
     def upstream_full(self, full: bool) -> None:

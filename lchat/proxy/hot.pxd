@@ -46,7 +46,8 @@ cdef extern from *:
 
 cdef class HotStats:
     cdef public object accepted, bytes_down, bytes_up, connections, idle_upstream, in_flight
-    cdef public object one_read, one_read_spliced, requests, tls_full, tls_resumed, upgraded
+    cdef public object one_read, one_read_spliced, requests, tls_closed_at_once, tls_full
+    cdef public object tls_resumed, upgraded
 
 
 cdef class Exchange:

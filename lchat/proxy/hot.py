@@ -81,6 +81,7 @@ class HotStats:
         "one_read",
         "one_read_spliced",
         "requests",
+        "tls_closed_at_once",
         "tls_full",
         "tls_resumed",
         "upgraded",
@@ -96,6 +97,9 @@ class HotStats:
         # TLS client connections by their handshake: a resumed session (a ticket) or a full one.
         self.tls_resumed = 0
         self.tls_full = 0
+        # TLS client connections closed once the last answer and our close_notify were written,
+        # not waiting for the client's (ClientConnection._close_tls_now).
+        self.tls_closed_at_once = 0
         self.upgraded = 0
         self.idle_upstream = 0  # idle pooled upstream connections
         # Responses the one-read path relayed (lchat.proxy.oneread.response; the rest of

@@ -80,6 +80,12 @@ class _Collector(Collector):
         handshakes.add_metric(["yes"], stats.tls_resumed)
         handshakes.add_metric(["no"], stats.tls_full)
         yield handshakes
+        yield CounterMetricFamily(
+            "lchat_tls_closed_at_once",
+            "TLS client connections closed once the last answer and our close_notify were "
+            "written, without waiting for the client's close_notify (the client said it closes)",
+            value=stats.tls_closed_at_once,
+        )
         yield GaugeMetricFamily(
             "lchat_upstream_idle_connections",
             "Idle pooled upstream connections",
