@@ -190,6 +190,23 @@ def fixed_response(body: bytes = b"hello") -> Any:
     return respond
 
 
+def take_request(conn: Backend) -> tuple[bytes, bytes] | None:
+    """The next whole request (its head, its ``Content-Length`` body) off ``conn``'s buffer, or
+    None while it is not all there."""
+    head, sep, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    if len(rest) < length:
+        return None
+    conn.buffer = bytearray(rest[length:])
+    return head, rest[:length]
+
+
 class Echo(Resource):
     """twisted.web backend: reports the request it saw."""
 
@@ -907,16 +924,8 @@ class TLSCloseTests(ProxyTestCase):
     BIG = 200 * 1024  # an answer beyond CLOSE_NOW_LIMIT: written first, the close_notify after
 
     def respond(self, conn: Backend) -> None:
-        while b"\r\n\r\n" in conn.buffer:
-            head, _, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            if len(rest) < length:
-                return
-            conn.buffer = bytearray(rest[length:])
+        while (request := take_request(conn)) is not None:
+            head, _ = request
             body = b"b" * self.BIG if head.startswith(b"GET /big") else b"hello"
             conn.transport.write(
                 b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)

@@ -11,7 +11,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 
-from tests.test_proxy import HOST, BackendFactory, ProxyTestCase, sleep
+from tests.test_proxy import HOST, BackendFactory, ProxyTestCase, sleep, take_request
 
 PATTERN = random.Random(55).randbytes(1_000_003)  # a prime length: no read lines up with it
 TOTAL = 24 * 1024 * 1024 + 12345
@@ -158,20 +158,10 @@ class BulkTLSTests(BulkTests):
 
 def echo_bodies(conn: Any) -> None:
     """Answer each ``Content-Length`` request with its own body; the backend parses as it goes."""
-    while True:
-        head, sep, rest = bytes(conn.buffer).partition(b"\r\n\r\n")
-        if not sep:
-            return
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if len(rest) < length:
-            return
-        conn.buffer = bytearray(rest[length:])
-        conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % length)
-        conn.transport.write(rest[:length])
+    while (request := take_request(conn)) is not None:
+        _, body = request
+        conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        conn.transport.write(body)
 
 
 class BulkBoundaryTests(ProxyTestCase):
