@@ -45,7 +45,7 @@ from twisted.internet.ssl import (
 )
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger, globalLogPublisher
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
@@ -54,6 +54,7 @@ from zope.interface import implementer
 
 from lchat import certfiles, tls, uvloop_reactor
 from lchat.config import ProxyConfig
+from lchat.proxy import tls_accept
 from lchat.proxy.downstream import ProxyFactory
 from lchat.proxy.upstream import client_tls_context
 from lchat.reactors import installed
@@ -1025,6 +1026,34 @@ class TLSCloseTests(ProxyTestCase):
         yield self.until(lambda: not self.factory.connections)
         self.assertEqual(errors, [])
         self.assertEqual(self.closed_at_once(), before + 20)
+
+    @inlineCallbacks
+    def test_a_uvloop_whose_ssl_protocol_cannot_be_made_here_serves_as_before(self):
+        """Should a uvloop's SSLProtocol take other arguments, TLS is handed to uvloop whole, as
+        before this close existed: every connection served, the warning said once."""
+
+        def other_arguments(*args: Any, **kw: Any) -> Any:
+            raise TypeError("__init__() got an unexpected keyword argument 'server_side'")
+
+        self.patch(tls_accept, "_SSLProtocol", other_arguments)
+        said: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if "cannot be made here" in event.get("log_format", ""):
+                said.append(str(event["e"]))
+
+        observer = cast(ILogObserver, observe)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        yield self.serve()
+        before = self.closed_at_once()
+        request = b"GET /x HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % HOST.encode()
+        for _ in range(2):
+            got, ended = yield self.exchange(request)
+            self.assertEqual([r[0] for r in self.responses(got)], [200])
+            self.assertEqual(ended, "close_notify")
+        self.assertEqual(self.closed_at_once(), before)
+        self.assertEqual(len(said), 1, said)
 
     @inlineCallbacks
     def test_a_big_answer_arrives_whole_then_the_close_notify(self):

@@ -239,6 +239,8 @@ class TLSAcceptor:
         self._gave_up: dict[str, float] = {}  # host -> when its last hold timed out
         self._handshakes: set[asyncio.Task[None]] = set()
         self._buffer = bytearray(PEEK_CAP)  # peeks land here (one loop, one peek at a time)
+        # uvloop's SSLProtocol made here over a plain connection (_tls_protocol), or not.
+        self._by_hand = _SSLProtocol is not None and isinstance(loop, uvloop.Loop)
 
     # -- the listening socket
 
@@ -464,22 +466,17 @@ class TLSAcceptor:
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
-    async def _handshake(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
-        handshake_notes.set(notes)  # (seen in a copy of this task's context: HandshakeNotes)
-        raw: Any = None  # (uvloop's TCPTransport)
+    def _tls_protocol(self) -> tuple[Any, Any, asyncio.Future[None]] | None:
+        """(the application's protocol, uvloop's SSLProtocol over it, the handshake's future):
+        what ``connect_accepted_socket(ssl=)`` makes inside, made here so that the TCP transport
+        under it is ours to keep (ClientConnection.raw_transport: the TLS close at once). None
+        when this loop or uvloop cannot (then uvloop is handed the connection whole, and closes
+        it as it does: reading on until the client's close_notify)."""
+        if not self._by_hand:
+            return None
+        app = self._factory()
+        done = self._loop.create_future()
         try:
-            if _SSLProtocol is None or not isinstance(self._loop, uvloop.Loop):
-                await self._loop.connect_accepted_socket(
-                    self._factory,
-                    conn,
-                    ssl=self._store.server_ssl_context,
-                    ssl_handshake_timeout=self.handshake_timeout,
-                )
-                return
-            # What connect_accepted_socket(ssl=) does, by hand, to keep the TCP transport below
-            # the SSL one: the protocol may close it itself (ClientConnection.raw_transport).
-            app = self._factory()
-            done = self._loop.create_future()
             protocol = _SSLProtocol(
                 self._loop,
                 app,
@@ -489,6 +486,32 @@ class TLSAcceptor:
                 server_hostname=None,
                 ssl_handshake_timeout=self.handshake_timeout,
             )
+        except TypeError as e:  # a uvloop whose SSLProtocol takes other arguments
+            self._by_hand = False
+            _log.warn(
+                "tls: uvloop {version}'s SSLProtocol cannot be made here ({e}): TLS connections "
+                "are handed to uvloop whole from now on, and wait for the client's close_notify "
+                "when they close",
+                version=uvloop.__version__,
+                e=e,
+            )
+            return None
+        return app, protocol, done
+
+    async def _handshake(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
+        handshake_notes.set(notes)  # (seen in a copy of this task's context: HandshakeNotes)
+        raw: Any = None  # (uvloop's TCPTransport)
+        try:
+            made = self._tls_protocol()
+            if made is None:
+                await self._loop.connect_accepted_socket(
+                    self._factory,
+                    conn,
+                    ssl=self._store.server_ssl_context,
+                    ssl_handshake_timeout=self.handshake_timeout,
+                )
+                return
+            app, protocol, done = made
             raw, _ = await self._loop.connect_accepted_socket(lambda: protocol, conn)
             if hasattr(app, "raw_transport"):
                 app.raw_transport = raw
