@@ -887,12 +887,14 @@ class IsolatedTests(_Base):
     (tests.test_mesh_cuts, d: refusals that took 1.5-3.6 s, the lease read's timeout and a
     dial's)."""
 
-    def isolated_mesh(self, holder: str, answering: set[str]) -> tuple[MeshRouter, str]:
-        """A lapsed box SELF of {SELF, B}, B holding a space B owns by its last beats (said
-        within dead_after: Membership.holding) and by its lease; ``answering``: the peers whose
-        beats are answered (the rest went unanswered: out of reach)."""
+    def isolated_mesh(
+        self, holder: str, answering: set[str], refused: bool = False
+    ) -> tuple[MeshRouter, str]:
+        """A lapsed box SELF of {SELF, B}, ``holder`` holding a space B owns by the last beats
+        (said within dead_after: Membership.holding; no lease is read); ``answering``: the peers whose
+        beats are answered (the rest went unanswered: out of reach, or, ``refused``, their port
+        refused them: not counted as out of reach by the witness)."""
         host = host_owned_by(B, SELF, B)
-        self.hold_lease(host, holder)
 
         class Lapsed(View):
             def lapsed(self) -> bool:
@@ -902,7 +904,7 @@ class IsolatedTests(_Base):
                 return holder if asked == host else None
 
             def peer_unreachable(self, url: str) -> bool:
-                return url not in answering
+                return url not in answering and not refused
 
             def answered_since(self, url: str, since: float) -> bool:
                 return url in answering
@@ -910,25 +912,18 @@ class IsolatedTests(_Base):
         return self.mesh(Lapsed(Peer(SELF), Peer(B))), host
 
     def test_a_space_held_by_a_peer_out_of_reach_gets_a_503_at_once(self) -> None:
-        mesh, host = self.isolated_mesh(B, answering=set())
-        reads, counted = self.disk.calls, forwards("isolated")
-        got = self.routed(mesh, host)
-        assert isinstance(got, LocalResponse)
-        self.assertEqual((got.status, got.label), (503, "isolated"))
-        self.assertIn((b"retry-after", str(routing.RETRY_AFTER_SECONDS).encode()), got.headers)
-        self.assertEqual(self.disk.calls, reads)  # no lease read
-        self.assertEqual(self.clock.getDelayedCalls(), [])  # nothing waited for
-        self.assertEqual(self.served, [])  # no wake here either
-        self.assertEqual(forwards("isolated"), counted + 1)
-
-    def test_a_silent_peer_is_out_of_reach_however_long_it_has_been_silent(self) -> None:
-        """An alive box takes a peer silent for dead_after, its heartbeat not fresh, for dead
-        (the wake judges it); a lapsed box can wake nothing, so it refuses instead of dialing."""
-        mesh, host = self.isolated_mesh(B, answering=set())
-        self.clock.advance(DEAD_AFTER * 3)  # (View.silent_for: never heard; nothing fresh)
-        got = self.routed(mesh, host)
-        assert isinstance(got, LocalResponse)
-        self.assertEqual((got.status, got.label), (503, "isolated"))
+        for refused in (False, True):  # (its beats unanswered, or its port refused them)
+            mesh, host = self.isolated_mesh(B, answering=set(), refused=refused)
+            reads, counted = self.disk.calls, forwards("isolated")
+            got = self.routed(mesh, host)
+            assert isinstance(got, LocalResponse)
+            self.assertEqual((got.status, got.label), (503, "isolated"))
+            retry = (b"retry-after", str(routing.RETRY_AFTER_SECONDS).encode())
+            self.assertIn(retry, got.headers)
+            self.assertEqual(self.disk.calls, reads)  # no lease read
+            self.assertEqual(self.clock.getDelayedCalls(), [])  # nothing waited for
+            self.assertEqual(self.served, [])  # no wake here either
+            self.assertEqual(forwards("isolated"), counted + 1)
 
     def test_a_space_held_by_a_peer_in_reach_is_forwarded_there(self) -> None:
         """Both boxes cut off from the bucket, not from each other: the holder's read-only copy
@@ -948,6 +943,22 @@ class IsolatedTests(_Base):
         self.assertIs(self.routed(mesh, host), SERVED_HERE)
         self.assertEqual((self.served, self.disk.calls), ([host], reads))
         self.assertEqual(forwards("local_isolated"), counted + 1)
+
+    def test_a_peer_in_reach_that_took_our_space_over_gets_its_requests(self) -> None:
+        """Our copy stands read-only (its lease counted lost), and B, in reach, says it holds
+        the space now: B's copy is the newer one."""
+        mesh, host = self.isolated_mesh(B, answering={B})
+        self.running.hosts.add(host)
+        self.running.lost.add(host)
+        self.assertForwardedTo(self.routed(mesh, host), B, host)
+        self.assertEqual(self.served, [])
+
+    def test_a_peer_that_said_it_does_not_hold_the_space_is_not_asked_again(self) -> None:
+        mesh, host = self.isolated_mesh(B, answering={B})
+        target = self.assertForwardedTo(self.routed(mesh, host), B, host)
+        got = self.successResultOf(self.reroute(mesh, target, "not_holding"))
+        assert isinstance(got, LocalResponse)
+        self.assertEqual((got.status, got.label), (503, "isolated"))
 
     def test_a_failed_forward_is_refused_at_once(self) -> None:
         """A forward to the holder dialed just before the lapse fails: routed again, at once."""

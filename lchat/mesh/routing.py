@@ -401,24 +401,28 @@ class MeshRouter:
         """A request while this box is past its liveness deadline (cut off from its bucket and
         its peers: Membership.lapsed): answered now, never after a lease read that would hang or
         a dial to a peer that does not answer beats (tests.test_mesh_cuts, d: 503s slower than a
-        second while isolated). A space this box holds answers from its read-only copy (the
-        activator: reads served, writes refused); one a peer in reach holds (both cut off from
-        the bucket, not from each other) is forwarded to it, whose copy answers as ours would;
-        anything else gets a 503 with Retry-After at once (a wake here is refused anyway)."""
+        second while isolated). A space a peer in reach holds (its beats say so, and it answered
+        ours lately: both cut off from the bucket, not from each other) is forwarded to it; one
+        this box holds is the activator's (a read-only copy: reads served, writes refused; one
+        standing down: 503); anything else gets a 503 with Retry-After at once (no wake here)."""
         host = route.host
+        holder = self._membership.holding(host) or self._holders.get(host, (0.0, None))[1]
+        said = self._not_holding.get(host)
+        if said is not None and said[1] > self._clock() and holder == said[0]:
+            holder = None  # it said otherwise a moment ago (reroute, "not_holding")
+        if (
+            holder is not None
+            and holder != self._self_url
+            and holder not in self._draining_peers()  # (it would refuse: stopping)
+            and holder in {placement.normalise_member_url(m.url) for m in self._live()}
+            and self._membership.answered_since(holder, self._mono() - self._mesh.dead_after)
+        ):
+            _forwards.labels("to_holder").inc()
+            return self._to(holder, route, head)
         if self._activator.holds(host):
             # (The activator answers at once for a box that is not alive: never a wake.)
             _forwards.labels("local_isolated").inc()
             return self._here(route, head)
-        holder = self._membership.holding(host) or self._holders.get(host, (0.0, None))[1]
-        if (
-            holder is not None
-            and holder != self._self_url
-            and holder in {placement.normalise_member_url(m.url) for m in self._live()}
-            and not self._cut_off(holder, judged_here=False)
-        ):
-            _forwards.labels("to_holder").inc()
-            return self._to(holder, route, head)
         _forwards.labels("isolated").inc()
         return _unavailable(host, "isolated")
 
@@ -597,14 +601,13 @@ class MeshRouter:
         _forwards.labels("to_owner").inc()
         return self._to(owner, route, head)
 
-    def _cut_off(self, peer: str, judged_here: bool = True) -> bool:
+    def _cut_off(self, peer: str) -> bool:
         """Is ``peer`` alive — its heartbeat fresh in the bucket, or heard lately — but out of
         this box's reach now? (Neither fresh nor heard for ``dead_after``, it may be dead: a wake
-        then judges it, and takes its lease over if it is. ``judged_here`` False: no wake here
-        can judge it — this box is not alive — so a silent peer is out of reach, whatever it is.)"""
+        then judges it, and takes its lease over if it is.)"""
         membership = self._membership
         silent = membership.silent_for(peer) >= self._mesh.dead_after
-        if judged_here and silent and not membership.fresh_in_bucket(peer):
+        if silent and not membership.fresh_in_bucket(peer):
             return False
         self._live()  # (forgets the marks of peers that answer again)
         unreachable = peer in self._unreachable and peer not in self._refused

@@ -36,9 +36,9 @@ LINGER = 2.0
 # it resumes at a quarter of it (asyncio's default low-water mark).
 HIGH_WATER = 64 * 1024
 # A final answer written with our close_notify in one TCP write at most this long (beyond, it
-# goes first and the close_notify after: _close_tls_now); far below uvloop's SSL high-water mark
-# (512 KiB), so that writing it never pauses us.
-CLOSE_NOW_LIMIT = 64 * 1024
+# goes first and the close_notify after: _close_tls_now): with its records' overhead, well below
+# HIGH_WATER, so that writing it while the SSL layer holds its output never pauses us.
+CLOSE_NOW_LIMIT = 32 * 1024
 
 _rejected = Counter("lchat_http_rejected_total", "Requests refused before routing", ["reason"])
 _output_paused = Gauge(
@@ -405,6 +405,8 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         client that stopped reading would otherwise hold it, its space connection and the
         buffered bytes forever (nginx: send_timeout)."""
         buffered = self.transport.get_write_buffer_size() if self.transport is not None else None
+        if buffered is not None and self.raw_transport is not None:
+            buffered += self.raw_transport.get_write_buffer_size()  # (under TLS, after it)
         moved = _delivered(self.transport)
         if moved is None:
             moved = buffered  # not TCP: the unsent output itself must change

@@ -501,6 +501,7 @@ class TLSAcceptor:
     async def _handshake(self, conn: socket.socket, peer: str, notes: HandshakeNotes) -> None:
         handshake_notes.set(notes)  # (seen in a copy of this task's context: HandshakeNotes)
         raw: Any = None  # (uvloop's TCPTransport)
+        done: asyncio.Future[None] | None = None
         try:
             made = self._tls_protocol()
             if made is None:
@@ -526,9 +527,9 @@ class TLSAcceptor:
             if raw is not None:
                 raw.abort()
             _log.failure("tls: serving a connection from {peer} failed", peer=peer)
-        except BaseException:  # cancelled (the acceptor closes): as uvloop's own would
-            if raw is not None:
-                raw.abort()
+        except BaseException:  # cancelled (the loop shutting down)
+            if raw is not None and done is not None and not done.done():
+                raw.abort()  # (a handshake under way; once done, the connection is the app's)
             raise
 
 
