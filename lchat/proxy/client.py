@@ -155,9 +155,9 @@ class ClientConnection(ClientCore, asyncio.Protocol):
         gave us its TCP transport): write ``last`` (a final answer) and our close_notify after
         it, in one TCP write, and close the TCP connection once that is out — as nginx does
         (``SSL_shutdown`` once, not waiting for the client's). uvloop's own close of the SSL
-        transport would read on until the client's close_notify came: a timer, three exceptions,
-        a write and a read more per connection, ~10 % of a new TLS connection's CPU
-        (docs/performance.md, "The TLS close").
+        transport would read on until the client's close_notify came: a timer, read-and-discard
+        exceptions, a write and a read more per connection, a few % of a new TLS connection's
+        CPU (docs/performance.md, "Issue 33: the TLS close").
 
         Only for a client that said it closes (it sends nothing more: RFC 9112 §9.6, so nothing
         unread can turn the close into a reset), and only when nothing waits in either
